@@ -1,0 +1,41 @@
+"""``accelrun config show``: the resolved recipe, and where each value came from."""
+
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from accelrun.cli.common import config_argument, load, out, overrides_argument
+
+
+@click.group("config")
+def command() -> None:
+    """Inspect resolved recipes."""
+
+
+@command.command("show")
+@config_argument
+@overrides_argument
+@click.option("--explain", is_flag=True, help="Show each value's source: file:line, override or default.")
+def show(config: str, overrides: tuple[str, ...], explain: bool) -> None:
+    """Print the fully resolved recipe as YAML (extends merged, overrides applied, defaults filled).
+
+    \b
+    Examples:
+      accelrun config show configs/llama.yaml
+      accelrun config show configs/llama.yaml train.steps=10 --explain
+      accelrun config show parallel/fsdp --explain
+    """
+    resolved = load(config, overrides)
+    if not explain:
+        out.print(f"# config hash {resolved.hash}", markup=False)
+        out.print(resolved.to_yaml(), markup=False, end="")
+        return
+    table = Table(title=f"{resolved.config.name}  (config hash {resolved.hash})", title_justify="left")
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    table.add_column("source", style="dim")
+    for key, value, source in resolved.explain():
+        style = "cyan" if source.kind == "override" else None
+        table.add_row(key, repr(value), str(source), style=style)
+    out.print(table)

@@ -1,0 +1,40 @@
+"""``accelrun data prepare``: tokenize text once into a memory-mappable token file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+from accelrun.cli.common import err, out
+
+
+@click.group("data")
+def command() -> None:
+    """Prepare training data."""
+
+
+@command.command("prepare")
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Token file to write.")
+@click.option("--max-bytes", type=int, default=None, help="Read at most this many bytes of text.")
+def prepare(inputs: tuple[str, ...], output: Path, max_bytes: int | None) -> None:
+    """Tokenize text files or globs (byte-level) into one token file for `data.source: tokens`.
+
+    \b
+    Examples:
+      accelrun data prepare 'corpus/**/*.txt' -o data/corpus.bin
+      accelrun train configs/llama.yaml data.source=tokens 'data.paths=[data/corpus.bin]'
+    """
+    from accelrun.data import prepare_tokens
+
+    with Progress(*Progress.get_default_columns()[:1], BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task("tokenizing", total=None)
+
+        def on_progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        info = prepare_tokens(list(inputs), str(output), max_bytes=max_bytes, progress=on_progress)
+    out.print(f"wrote {output}: {info}")

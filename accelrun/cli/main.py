@@ -1,0 +1,65 @@
+"""The ``accelrun`` command: a click group, one file per subcommand, user errors → exit code 2."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from accelrun import __version__
+from accelrun.cli.common import EXIT_DIVERGED, EXIT_USER_ERROR, print_user_error, user_error_types
+
+
+class AccelrunGroup(click.Group):
+    """Turns errors a user can fix into one message and exit code 2; ``--debug`` shows the traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except Exception as e:
+            debug = (ctx.obj or {}).get("debug") or os.environ.get("ACCELRUN_DEBUG") == "1"
+            if debug:
+                raise
+            if isinstance(e, user_error_types()):
+                print_user_error(e)
+                ctx.exit(EXIT_USER_ERROR)
+            if type(e).__name__ == "TrainingDiverged":
+                print_user_error(e)
+                ctx.exit(EXIT_DIVERGED)
+            raise
+
+
+@click.group(cls=AccelrunGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="accelrun")
+@click.option("--debug", is_flag=True, help="Show full tracebacks for errors (also ACCELRUN_DEBUG=1).")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """accelrun: declarative training acceleration for PyTorch.
+
+    \b
+    Examples:
+      accelrun train configs/llama.yaml
+      accelrun train configs/llama.yaml train.steps=50 train.precision=bf16-mixed
+      accelrun validate configs/llama.yaml parallel.tp=2
+      accelrun config show configs/llama.yaml --explain
+      accelrun recipes list
+    """
+    ctx.ensure_object(dict)["debug"] = debug
+
+
+def _register() -> None:
+    from accelrun.cli import config_cmd, data_cmd, recipes_cmd, train_cmd, validate_cmd
+
+    for module in (train_cmd, validate_cmd, config_cmd, recipes_cmd, data_cmd):
+        cli.add_command(module.command)
+
+
+_register()
+
+
+def main() -> None:
+    cli(prog_name="accelrun")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""``accelrun recipes list | show | cp``: the recipes on the search path."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from accelrun.cli.common import out
+from accelrun.config import ConfigError, list_recipes, search_path
+from accelrun.config.search import RECIPE_PATH_ENV, find_recipe
+
+
+@click.group("recipes")
+def command() -> None:
+    """List, show and copy recipes.
+
+    Search path, first match wins: ./recipes, then $ACCELRUN_RECIPE_PATH (os.pathsep-separated),
+    then the recipes shipped with accelrun.
+    """
+
+
+@command.command("list")
+@click.option("--all", "show_all", is_flag=True, help="Also list recipes shadowed by an earlier directory.")
+def list_cmd(show_all: bool) -> None:
+    """List recipe names with their one-line summaries.
+
+    \b
+    Examples:
+      accelrun recipes list
+      ACCELRUN_RECIPE_PATH=~/team-recipes accelrun recipes list --all
+    """
+    dirs = search_path()
+    table = Table(show_edge=False, box=None, pad_edge=False)
+    table.add_column("name", style="bold cyan", no_wrap=True)
+    table.add_column("summary")
+    table.add_column("file", style="dim", overflow="fold")
+    for e in list_recipes(dirs):
+        if e.shadowed_by is not None and not show_all:
+            continue
+        summary = e.summary + (f" [yellow](shadowed by {e.shadowed_by})[/]" if e.shadowed_by else "")
+        table.add_row(e.name, summary, str(e.path))
+    out.print(table)
+    out.print(f"\nsearch path ({RECIPE_PATH_ENV} adds directories): " + ", ".join(str(d) for d in dirs), style="dim")
+
+
+@command.command("show")
+@click.argument("name")
+def show(name: str) -> None:
+    """Print a recipe file as written (use `accelrun config show NAME` for the resolved values).
+
+    \b
+    Example:
+      accelrun recipes show model/llama3-8b
+    """
+    path = find_recipe(name, search_path())
+    out.print(f"# {path}", style="dim", markup=False)
+    out.print(path.read_text(encoding="utf-8"), markup=False, end="")
+
+
+@command.command("cp")
+@click.argument("name")
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Overwrite DEST if it exists.")
+def cp(name: str, dest: Path, force: bool) -> None:
+    """Copy a recipe to DEST (a file, or a directory to copy into) to edit it.
+
+    \b
+    Examples:
+      accelrun recipes cp model/debug recipes/model/my-model.yaml
+      accelrun recipes cp parallel/fsdp ./my-recipes/
+    """
+    src = find_recipe(name, search_path())
+    target = dest / src.name if dest.is_dir() or str(dest).endswith("/") else dest
+    if target.exists() and not force:
+        raise ConfigError(f"{target} exists; pass --force to overwrite it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, target)
+    out.print(f"copied {src} -> {target}")

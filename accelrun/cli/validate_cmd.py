@@ -1,0 +1,45 @@
+"""``accelrun validate``: compose and check a recipe without training."""
+
+from __future__ import annotations
+
+import click
+
+from accelrun.cli.common import config_argument, load, out, overrides_argument
+
+
+@click.command("validate")
+@config_argument
+@overrides_argument
+def command(config: str, overrides: tuple[str, ...]) -> None:
+    """Check a recipe: YAML syntax, unknown keys, types, ranges and consistency.
+
+    Exits 0 and prints a one-screen summary when valid; exits 2 with every problem
+    (file:line, key, what was expected) when not.
+
+    \b
+    Examples:
+      accelrun validate configs/llama.yaml
+      accelrun validate configs/llama.yaml parallel.nproc_per_node=4 parallel.tp=2
+    """
+    resolved = load(config, overrides)
+    c = resolved.config
+    deg = c.parallel.degrees()
+    out.print(f"[green]valid[/]: {c.name}  (config hash {resolved.hash})")
+    out.print(f"  files: {', '.join(str(f) for f in resolved.files)}")
+    if resolved.overrides:
+        out.print(f"  overrides: {' '.join(resolved.overrides)}")
+    model = c.model.custom or (
+        f"llama dim={c.model.dim} layers={c.model.n_layers} heads={c.model.n_heads}/{c.model.kv_heads} "
+        f"ffn={c.model.ffn_dim} vocab={c.model.vocab_size}"
+    )
+    out.print(f"  model: {model}")
+    out.print(
+        f"  batch: global {c.train.global_batch} = micro {c.train.micro_batch} × accumulation "
+        f"{c.grad_accum} × data-parallel {c.parallel.dp}; seq_len {c.train.seq_len}; "
+        f"{c.train.steps} steps; {c.train.precision}"
+    )
+    out.print(
+        f"  parallel: world {c.parallel.world_size} = "
+        + " × ".join(f"{k} {v}" for k, v in deg.items())
+        + f"; compile: {c.compile.backend}"
+    )

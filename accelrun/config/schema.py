@@ -1,0 +1,176 @@
+"""The recipe schema: one pydantic model per section, every one with ``extra="forbid"``.
+
+Field-level checks (types, ranges) live on the fields; checks that involve several fields live
+in ``validate_consistency`` so that each error can name every key it involves.
+Nothing here imports torch: the schema is read by ``accelrun validate`` and by planners that
+must stay light.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+# A parallel degree: a positive integer, or -1 meaning "whatever the world size leaves".
+Degree = Annotated[int, Field(ge=-1)]
+
+
+class ModelConfig(Section):
+    """A Llama-family decoder, or a user's own model by import path."""
+
+    arch: Literal["llama"] = "llama"
+    dim: PositiveInt = 256
+    n_layers: PositiveInt = 4
+    n_heads: PositiveInt = 8
+    n_kv_heads: PositiveInt | None = Field(None, description="None = n_heads (no grouping)")
+    ffn_dim: PositiveInt = 768
+    vocab_size: PositiveInt = 512
+    norm_eps: Annotated[float, Field(gt=0)] = 1e-5
+    rope_theta: Annotated[float, Field(gt=0)] = 10000.0
+    max_seq_len: PositiveInt = 2048
+    tie_embeddings: bool = False
+    init_std: Annotated[float, Field(gt=0)] = 0.02
+    custom: str | None = Field(
+        None, description='"package.module:factory" building an nn.Module; replaces the llama model'
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for `custom`")
+
+    @field_validator("custom")
+    @classmethod
+    def _custom_is_import_path(cls, v: str | None) -> str | None:
+        if v is not None and (v.count(":") != 1 or not all(v.split(":"))):
+            raise ValueError(f'expected "package.module:factory", got {v!r}')
+        return v
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+
+class DataConfig(Section):
+    source: Literal["builtin", "synthetic", "text", "tokens"] = "builtin"
+    # builtin: a corpus every machine has without downloading (the Python standard library's source).
+    builtin: Literal["python-stdlib"] = "python-stdlib"
+    paths: list[str] = Field(default_factory=list, description="files or globs for text / tokens")
+    tokenizer: Literal["byte"] = "byte"
+    max_bytes: PositiveInt | None = Field(64 * 2**20, description="cap on text read (builtin/text)")
+    shuffle: bool = True
+    seed: int | None = Field(None, description="None = train.seed")
+    num_workers: NonNegativeInt = 0
+
+
+class OptimizerConfig(Section):
+    name: Literal["adamw"] = "adamw"
+    lr: Annotated[float, Field(gt=0)] = 1e-3
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
+    eps: Annotated[float, Field(gt=0)] = 1e-8
+    weight_decay: Annotated[float, Field(ge=0)] = 0.1
+    # auto: fused where the device supports it, else foreach.
+    impl: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+
+
+class LRScheduleConfig(Section):
+    name: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_steps: NonNegativeInt = 0
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+
+
+class ActivationCheckpointConfig(Section):
+    mode: Literal["none", "full", "every_n"] = "none"
+    every_n: PositiveInt = 2
+
+
+class TrainConfig(Section):
+    steps: PositiveInt = 300
+    global_batch: PositiveInt = 16
+    micro_batch: PositiveInt = 16
+    grad_accum: PositiveInt | None = Field(None, description="None = global_batch / (micro_batch × dp)")
+    seq_len: PositiveInt = 256
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig)
+    grad_clip: Annotated[float, Field(ge=0)] | None = 1.0
+    seed: int = 0
+    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    activation_checkpoint: ActivationCheckpointConfig = Field(default_factory=ActivationCheckpointConfig)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: PositiveInt | None = Field(None, description="CPU threads for torch; None = torch's default")
+
+
+class ParallelConfig(Section):
+    nnodes: PositiveInt = 1
+    nproc_per_node: PositiveInt = 1
+    dp_replicate: Degree = 1
+    dp_shard: Degree = -1
+    tp: Degree = 1
+    pp: Degree = 1
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    microbatches: PositiveInt | None = Field(None, description="pipeline micro-batches; None = pp")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def degrees(self) -> dict[str, int]:
+        """The four degrees with a -1 replaced by what the world size leaves (validated first)."""
+        named = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        known = 1
+        for v in named.values():
+            if v != -1:
+                known *= v
+        return {k: (self.world_size // known if v == -1 else v) for k, v in named.items()}
+
+    @property
+    def dp(self) -> int:
+        d = self.degrees()
+        return d["dp_replicate"] * d["dp_shard"]
+
+
+class CompileConfig(Section):
+    backend: Literal["eager", "inductor"] = "eager"
+    # block: compile each transformer block (one graph reused for identical blocks); model: the whole model.
+    scope: Literal["block", "model"] = "block"
+    fullgraph: bool = False
+
+
+class CheckpointConfig(Section):
+    enabled: bool = True
+    every: PositiveInt = 100
+    keep: PositiveInt = 2
+    # auto: continue from the newest complete checkpoint of an earlier run with the same name.
+    resume: str = Field("auto", description='"auto", "none", or a path to a checkpoint folder')
+    save_final: bool = True
+
+
+class ReportConfig(Section):
+    runs_dir: str = "runs"
+    log_every: PositiveInt = 10
+    warmup_steps: NonNegativeInt = Field(3, description="steps left out of steady-state figures")
+    peak_tflops: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="declared per-device peak (TFLOP/s) for MFU; None = measured or known table"
+    )
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"
+
+
+class RunConfig(Section):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")] = "run"
+    description: str = ""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    report: ReportConfig = Field(default_factory=ReportConfig)
+
+    @property
+    def grad_accum(self) -> int:
+        t = self.train
+        return t.grad_accum or t.global_batch // (t.micro_batch * self.parallel.dp)

@@ -1,0 +1,94 @@
+"""Where recipes are found: the project's recipes/, then $ACCELRUN_RECIPE_PATH, then the shipped ones.
+
+A recipe name is a path under a search directory without its suffix: ``parallel/fsdp`` is
+``<dir>/parallel/fsdp.yaml``. The first directory that has it wins, so a team can shadow a
+shipped recipe by putting its own under the same name earlier in the path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from accelrun.config.errors import ConfigError, nearest
+
+RECIPE_PATH_ENV = "ACCELRUN_RECIPE_PATH"
+SUFFIXES = (".yaml", ".yml")
+# Shipped with the package (a link to the repository's recipes/ in a source checkout).
+SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def search_path(cwd: Path | None = None) -> list[Path]:
+    """The directories searched for recipe names, in priority order, without duplicates."""
+    cwd = Path.cwd() if cwd is None else cwd
+    dirs = [cwd / "recipes"]
+    dirs += [Path(p).expanduser() for p in os.environ.get(RECIPE_PATH_ENV, "").split(os.pathsep) if p]
+    dirs.append(SHIPPED_RECIPES)
+    seen: set[Path] = set()
+    unique = []
+    for d in dirs:
+        key = d.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(d)
+    return unique
+
+
+def looks_like_path(ref: str) -> bool:
+    return ref.endswith(SUFFIXES) or ref.startswith(("./", "../", "/", "~"))
+
+
+@dataclass(frozen=True)
+class RecipeEntry:
+    name: str
+    path: Path
+    summary: str  # the first comment line of the file
+    shadowed_by: Path | None = None
+
+
+def find_recipe(name: str, dirs: list[Path]) -> Path:
+    """The file for recipe ``name``; an error that lists what was searched when there is none."""
+    for d in dirs:
+        for suffix in SUFFIXES:
+            candidate = d / f"{name}{suffix}"
+            if candidate.is_file():
+                return candidate
+    known = [e.name for e in list_recipes(dirs)]
+    hint = nearest(name, known)
+    searched = ", ".join(str(d) for d in dirs)
+    msg = f"recipe '{name}' not found (searched: {searched})"
+    if hint:
+        msg += f"; did you mean '{hint}'?"
+    raise ConfigError(msg)
+
+
+def list_recipes(dirs: list[Path]) -> list[RecipeEntry]:
+    """Every recipe on the search path, sorted by name; a name found twice is marked shadowed."""
+    first: dict[str, RecipeEntry] = {}
+    shadowed: list[RecipeEntry] = []
+    for d in dirs:
+        if not d.is_dir():
+            continue
+        for path in sorted(p for p in d.rglob("*") if p.suffix in SUFFIXES and p.is_file()):
+            name = path.relative_to(d).with_suffix("").as_posix()
+            entry = RecipeEntry(name, path, _summary(path))
+            if name in first:
+                shadowed.append(RecipeEntry(name, path, entry.summary, shadowed_by=first[name].path))
+            else:
+                first[name] = entry
+    return sorted(list(first.values()) + shadowed, key=lambda e: (e.name, e.shadowed_by is not None))
+
+
+def _summary(path: Path) -> str:
+    try:
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line.startswith("#"):
+                    return line.lstrip("# ").strip()
+                if line:
+                    return ""
+    except OSError:
+        pass
+    return ""

@@ -1,0 +1,188 @@
+"""Turn a composed mapping into a ``RunConfig``, or into messages that point at file and line.
+
+Two stages: pydantic checks each value on its own (types, ranges, unknown keys); then
+``consistency_problems`` checks values against each other (dim divisible by heads, batch
+divisible by micro-batch × data-parallel degree, ...). Every message names the keys involved
+and where each was set.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from accelrun.config.compose import DEFAULT, Source
+from accelrun.config.errors import ConfigError, nearest
+from accelrun.config.schema import RunConfig
+from accelrun.config.yaml_lines import KeyPath
+
+# Token ids the built-in tokenizers use (accelrun.data.tokenizer is the source of truth;
+# a test keeps the two in step so that `validate` needs no torch import).
+TOKENIZER_VOCAB = {"byte": 258}
+PARALLEL_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+
+
+def validate(data: dict[str, Any], sources: dict[KeyPath, Source]) -> RunConfig:
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError([_describe(err, data, sources) for err in e.errors()]) from None
+    problems = consistency_problems(cfg, sources)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def dotted(path: KeyPath) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def source_of(path: KeyPath, sources: dict[KeyPath, Source], *, exact: bool = True) -> Source:
+    """Who set ``path`` (the schema default if nobody did).
+
+    With ``exact=False``, a path nobody set reports its nearest ancestor that was set: that is
+    where an error about a key missing from a mapping should point.
+    """
+    if path in sources or exact:
+        return sources.get(path, DEFAULT)
+    for i in range(len(path) - 1, 0, -1):
+        if path[:i] in sources:
+            return sources[path[:i]]
+    return DEFAULT
+
+
+def _describe(err: dict, data: dict, sources: dict[KeyPath, Source]) -> str:
+    path = _data_path(err["loc"], data)
+    where = source_of(path, sources, exact=False)
+    prefix = "" if where.kind == "default" else f"{where}: "
+    key = dotted(path)
+    if err["type"] == "extra_forbidden":
+        valid = _fields_at(path[:-1])
+        hint = nearest(str(path[-1]), valid)
+        msg = f"{prefix}unknown key '{key}'"
+        if hint:
+            msg += f"; did you mean '{dotted(path[:-1] + (hint,))}'?"
+        section = dotted(path[:-1]) or "the top level"
+        return msg + f" (valid keys in {section}: {', '.join(valid)})"
+    got = err.get("input")
+    msg = f"{prefix}{key}: {_lower_first(err['msg'])}"
+    if err["type"] == "literal_error" and isinstance(got, str):
+        choices = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
+        hint = nearest(got, choices)
+        if hint:
+            msg += f"; did you mean '{hint}'?"
+    if err["type"] != "missing" and not isinstance(got, dict):
+        msg += f" (got {got!r})"
+    return msg
+
+
+def _data_path(loc: tuple, data: Any) -> KeyPath:
+    """Pydantic locations may carry union-member tags; keep the part that names real keys."""
+    path: list = []
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list | tuple) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            if isinstance(node, dict) and isinstance(part, str) and not path_is_tag(part):
+                path.append(part)  # a missing or unknown key still names itself
+            break
+        path.append(part)
+    return tuple(path)
+
+
+def path_is_tag(part: str) -> bool:
+    # pydantic names union members like "constrained-int" or "function-after[...]"
+    return "-" in part or "[" in part
+
+
+def _fields_at(path: KeyPath) -> list[str]:
+    model: type[BaseModel] = RunConfig
+    for part in path:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _lower_first(s: str) -> str:
+    return s[:1].lower() + s[1:]
+
+
+def consistency_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]:
+    """Checks across fields; each message names every key involved and where it was set."""
+
+    def v(path: str) -> str:
+        parts = tuple(path.split("."))
+        value: Any = cfg
+        for p in parts:
+            value = getattr(value, p)
+        return f"{path} = {value} ({source_of(parts, sources)})"
+
+    out: list[str] = []
+    m, t, par = cfg.model, cfg.train, cfg.parallel
+    if m.custom is None:
+        if m.dim % m.n_heads:
+            out.append(f"{v('model.dim')} is not divisible by {v('model.n_heads')}")
+        elif (m.dim // m.n_heads) % 2:
+            out.append(f"head dimension model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")
+        if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
+            out.append(f"{v('model.n_heads')} is not divisible by {v('model.n_kv_heads')}")
+        if t.seq_len > m.max_seq_len:
+            out.append(f"{v('train.seq_len')} exceeds {v('model.max_seq_len')}")
+        need = TOKENIZER_VOCAB[cfg.data.tokenizer]
+        if cfg.data.source in ("builtin", "text") and m.vocab_size < need:
+            out.append(
+                f"{v('model.vocab_size')} is smaller than the {cfg.data.tokenizer} tokenizer's {need} ids "
+                f"(data.tokenizer = {cfg.data.tokenizer})"
+            )
+    out += _parallel_problems(cfg, v)
+    if not out:  # batch arithmetic needs valid degrees
+        dp = par.dp
+        if t.global_batch % (t.micro_batch * dp):
+            out.append(
+                f"{v('train.global_batch')} is not divisible by {v('train.micro_batch')} × data-parallel degree {dp}"
+            )
+        elif t.grad_accum is not None and t.grad_accum * t.micro_batch * dp != t.global_batch:
+            out.append(
+                f"{v('train.grad_accum')} × {v('train.micro_batch')} × data-parallel degree {dp} "
+                f"!= {v('train.global_batch')}"
+            )
+        if par.degrees()["pp"] > 1:
+            mb = par.microbatches or par.degrees()["pp"]
+            if t.micro_batch % mb:
+                out.append(f"{v('train.micro_batch')} is not divisible by pipeline micro-batches {mb}")
+    return out
+
+
+def _parallel_problems(cfg: RunConfig, v) -> list[str]:
+    par, m = cfg.parallel, cfg.model
+    inferred = [d for d in PARALLEL_DEGREES if getattr(par, d) == -1]
+    if 0 in [getattr(par, d) for d in PARALLEL_DEGREES]:
+        return [f"parallel degrees must be positive or -1 (infer): {', '.join(v('parallel.' + d) for d in PARALLEL_DEGREES)}"]
+    if len(inferred) > 1:
+        return [f"at most one parallel degree may be -1 (infer), found {len(inferred)}: {', '.join(inferred)}"]
+    known = 1
+    for d in PARALLEL_DEGREES:
+        known *= max(getattr(par, d), 1)
+    world = par.world_size
+    listing = " × ".join(v("parallel." + d) for d in PARALLEL_DEGREES)
+    if (inferred and world % known) or (not inferred and known != world):
+        return [
+            f"parallel degrees {listing} do not multiply to the world size "
+            f"parallel.nnodes × parallel.nproc_per_node = {world}"
+        ]
+    out: list[str] = []
+    deg = par.degrees()
+    if m.custom is None:
+        if m.n_heads % deg["tp"] or m.kv_heads % deg["tp"]:
+            out.append(f"{v('model.n_heads')} and kv heads {m.kv_heads} must both be divisible by tensor-parallel degree {deg['tp']}")
+        if m.n_layers < deg["pp"]:
+            out.append(f"{v('model.n_layers')} is fewer than pipeline stages {deg['pp']}")
+    return out

@@ -1,0 +1,31 @@
+"""Activation checkpointing of transformer blocks: recompute a block's activations in backward.
+
+The block's forward is wrapped in place, so parameter names (and checkpoints) stay the same
+whatever the policy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from accelrun.config.schema import ActivationCheckpointConfig
+
+
+def apply_activation_checkpointing(blocks: nn.ModuleList, cfg: ActivationCheckpointConfig) -> int:
+    """Wrap the blocks the policy selects; returns how many were wrapped."""
+    if cfg.mode == "none":
+        return 0
+    wrapped = 0
+    for i, block in enumerate(blocks):
+        if cfg.mode == "full" or i % cfg.every_n == 0:
+            block.forward = functools.partial(_checkpointed, block.forward)
+            wrapped += 1
+    return wrapped
+
+
+def _checkpointed(forward, *args, **kwargs):
+    # Non-reentrant checkpointing composes with torch.compile, autocast and FSDP2.
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)

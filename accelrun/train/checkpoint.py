@@ -1,0 +1,127 @@
+"""Checkpoints that a kill can never corrupt, written with torch.distributed.checkpoint (DCP).
+
+Layout, under ``<run dir>/checkpoints/``::
+
+    step-000100/           complete: DCP shards + train_state.json + COMPLETE
+    .tmp-step-000200-ab12/ being written (or left by a kill): never trusted, removed on start
+
+A checkpoint is written into a temporary folder, and only when every file is on disk is the
+``COMPLETE`` marker written and the folder renamed (an atomic rename on one filesystem).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+COMPLETE = "COMPLETE"
+TRAIN_STATE = "train_state.json"
+PREFIX = "step-"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    config_hash: str
+    created: float
+
+    @property
+    def run_dir(self) -> Path:
+        return self.path.parent.parent
+
+
+def save_checkpoint(
+    ckpt_dir: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Write step ``step`` atomically, then delete all but the newest ``keep`` complete ones."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    final = ckpt_dir / f"{PREFIX}{step:06d}"
+    tmp = ckpt_dir / f".tmp-{final.name}-{secrets.token_hex(2)}"
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    _write_synced(tmp / TRAIN_STATE, json.dumps({"step": step, **train_state}, indent=1))
+    _write_synced(tmp / COMPLETE, "")
+    if final.exists():  # a re-save of the same step (resume then immediate save): replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(ckpt_dir)
+    for old in complete_checkpoints(ckpt_dir)[:-keep]:
+        shutil.rmtree(old.path, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load model and optimizer state in place; returns the saved train state (step, data, ...)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return json.loads((path / TRAIN_STATE).read_text())
+
+
+def complete_checkpoints(ckpt_dir: Path) -> list[CheckpointInfo]:
+    """Complete checkpoints in ``ckpt_dir``, oldest step first."""
+    if not ckpt_dir.is_dir():
+        return []
+    out = []
+    for p in ckpt_dir.glob(f"{PREFIX}*"):
+        info = read_info(p)
+        if info is not None:
+            out.append(info)
+    return sorted(out, key=lambda i: i.step)
+
+
+def read_info(path: Path) -> CheckpointInfo | None:
+    """The checkpoint at ``path`` if it is complete, else None."""
+    marker, state = path / COMPLETE, path / TRAIN_STATE
+    if not (marker.is_file() and state.is_file()):
+        return None
+    try:
+        saved = json.loads(state.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return CheckpointInfo(path, int(saved["step"]), saved.get("config_hash", ""), marker.stat().st_mtime)
+
+
+def remove_partial(ckpt_dir: Path) -> list[Path]:
+    """Delete folders a killed save left behind; returns them."""
+    left = sorted(ckpt_dir.glob(".tmp-*")) if ckpt_dir.is_dir() else []
+    for p in left:
+        shutil.rmtree(p, ignore_errors=True)
+    return left
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,146 @@
+"""The training loop: data → forward/backward (accumulated) → clip → optimizer → LR → metrics → checkpoint.
+
+Everything the loop needs is built beforehand (``accelrun.train.setup``); the loop only steps,
+measures and saves. Each optimizer step is timed in parts (data, forward, backward, optimizer)
+so the report can say where the time goes.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from accelrun.report.memory import peak_memory_bytes
+from accelrun.report.metrics import MetricsWriter, StepMetrics
+from accelrun.train.checkpoint import save_checkpoint
+from accelrun.train.precision import autocast
+from accelrun.train.progress import TrainProgress
+from accelrun.train.setup import TrainSetup
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm stopped being finite; nothing was saved after the last good step."""
+
+    def __init__(self, step: int, what: str, value: float, last_checkpoint: Path | None):
+        self.step, self.last_checkpoint = step, last_checkpoint
+        kept = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved yet"
+        super().__init__(
+            f"{what} became {value} at step {step}; training stopped and nothing was saved after it; {kept}. "
+            "Lower train.optimizer.lr, raise train.lr_schedule.warmup_steps or set train.grad_clip."
+        )
+
+
+@dataclass
+class LoopOutcome:
+    status: str  # finished | preempted | stopped
+    last_step: int
+    checkpoints: list[Path] = field(default_factory=list)
+    checkpoint_time_s: float = 0.0
+
+
+class _PreemptionFlag:
+    """SIGTERM (what schedulers send before they kill) asks the loop to save and leave after this step."""
+
+    def __init__(self) -> None:
+        self.raised = False
+        self._old = None
+
+    def __enter__(self) -> _PreemptionFlag:
+        try:
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: leave signals alone
+            self._old = None
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.raised = True
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+def run_loop(
+    s: TrainSetup,
+    metrics: MetricsWriter,
+    progress: TrainProgress,
+    *,
+    stop_after_step: int | None = None,
+    on_step: Callable[[dict], None] | None = None,
+) -> LoopOutcome:
+    """Train from ``s.start_step`` to ``train.steps``. ``stop_after_step`` simulates a preemption (tests)."""
+    cfg, dev = s.config, s.device
+    total = cfg.train.steps
+    outcome = LoopOutcome("finished", s.start_step)
+    last_ckpt: Path | None = s.resumed_from
+    params = [p for p in s.model.parameters() if p.requires_grad]
+    clip = cfg.train.grad_clip if cfg.train.grad_clip else math.inf
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    s.model.train()
+    with _PreemptionFlag() as preempt:
+        for step in range(s.start_step + 1, total + 1):
+            lr = s.optimizer.param_groups[0]["lr"]
+            t_step = time.perf_counter()
+            data_s = fwd_s = bwd_s = 0.0
+            loss_sum = torch.zeros((), device=dev)
+            for _ in range(s.grad_accum):
+                t0 = time.perf_counter()
+                inputs_BT, targets_BT = next(s.data)
+                inputs_BT, targets_BT = inputs_BT.to(dev, non_blocking=True), targets_BT.to(dev, non_blocking=True)
+                sync()
+                t1 = time.perf_counter()
+                with autocast(cfg.train.precision, dev):
+                    logits_BTV = s.model(inputs_BT)
+                loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten()) / s.grad_accum
+                sync()
+                t2 = time.perf_counter()
+                loss.backward()
+                sync()
+                t3 = time.perf_counter()
+                loss_sum += loss.detach()
+                data_s, fwd_s, bwd_s = data_s + t1 - t0, fwd_s + t2 - t1, bwd_s + t3 - t2
+            t4 = time.perf_counter()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+            loss_value = float(loss_sum)
+            for what, value in (("the loss", loss_value), ("the gradient norm", grad_norm)):
+                if not math.isfinite(value):
+                    raise TrainingDiverged(step, what, value, last_ckpt)
+            s.optimizer.step()
+            s.scheduler.step()
+            s.optimizer.zero_grad(set_to_none=True)
+            sync()
+            t_end = time.perf_counter()
+            record = StepMetrics(
+                step=step, loss=loss_value, lr=lr, grad_norm=grad_norm, step_time_s=t_end - t_step,
+                data_time_s=data_s, tokens=s.tokens_per_step, mem_peak_bytes=peak_memory_bytes(dev),
+                compile=step == s.start_step + 1 and s.compiles,
+            ).to_dict(flops_per_token=s.flops_per_token, peak_tflops=s.peak.tflops)
+            record.update(forward_s=fwd_s, backward_s=bwd_s, optimizer_s=t_end - t4)
+            metrics.write(record)
+            if on_step is not None:
+                on_step(record)
+            progress.update(step, loss_value, record["tokens_per_s"] or 0.0)
+            outcome.last_step = step
+
+            stopping = preempt.raised or step == stop_after_step
+            due = cfg.checkpoint.enabled and (
+                step % cfg.checkpoint.every == 0 or (step == total and cfg.checkpoint.save_final) or preempt.raised
+            )
+            if due:
+                t_ck = time.perf_counter()
+                last_ckpt = save_checkpoint(
+                    s.checkpoint_dir, step, s.model, s.optimizer, s.train_state(), cfg.checkpoint.keep
+                )
+                outcome.checkpoints.append(last_ckpt)
+                outcome.checkpoint_time_s += time.perf_counter() - t_ck
+            if stopping:
+                outcome.status = "preempted" if preempt.raised else "stopped"
+                break
+    return outcome

@@ -1,0 +1,51 @@
+"""AdamW with decoupled weight decay on matrices only, and the learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from accelrun.config.schema import LRScheduleConfig, OptimizerConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+    # Norm gains and biases (1-D) are not decayed: shrinking them toward 0 only hurts.
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **_impl_flags(cfg.impl, device)
+    )
+
+
+def _impl_flags(impl: str, device: torch.device) -> dict[str, bool]:
+    if impl == "auto":
+        # The fused kernel exists for CUDA and (since torch 2.4) for CPU; foreach is the safe default.
+        impl = "fused" if device.type in ("cuda", "cpu") else "foreach"
+    return {"fused": impl == "fused", "foreach": impl == "foreach"} if impl != "for_loop" else {"foreach": False}
+
+
+def lr_factor(step: int, cfg: LRScheduleConfig, total_steps: int) -> float:
+    """Multiplier of the peak learning rate before optimizer step ``step`` (0-based)."""
+    warmup = cfg.warmup_steps
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if cfg.name == "constant":
+        return 1.0
+    decay_steps = max(total_steps - warmup, 1)
+    progress = min(max(step - warmup, 0) / decay_steps, 1.0)
+    floor = cfg.min_lr_ratio
+    if cfg.name == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))

@@ -1,0 +1,17 @@
+"""Mixed precision: bf16 autocast around forward, fp32 master weights and optimizer state."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    if precision == "bf16-mixed":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision == "bf16-mixed" else torch.float32

@@ -1,0 +1,64 @@
+"""Live progress of a training run: a rich bar on a terminal, plain lines in logs and CI."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class TrainProgress:
+    """Shows step, loss, tokens/s and ETA. ``mode``: auto | bar | lines | none."""
+
+    def __init__(self, total: int, start: int, mode: str, every: int, console: Console | None = None):
+        self.console = console or Console(stderr=True)
+        if mode == "auto":
+            mode = "bar" if self.console.is_terminal and sys.stderr.isatty() else "lines"
+        self.mode, self.total, self.every, self.start = mode, total, every, start
+        self._t0 = time.perf_counter()
+        self._bar: Progress | None = None
+        if mode == "bar":
+            self._bar = Progress(
+                TextColumn("[bold]step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("loss [cyan]{task.fields[loss]}"),
+                TextColumn("{task.fields[tps]} tok/s"),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=total, completed=start, loss="-", tps="-")
+
+    def update(self, step: int, loss: float, tokens_per_s: float, note: str = "") -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
+        elif self.mode == "lines" and (step % self.every == 0 or step == self.total or step == self.start + 1):
+            done = step - self.start
+            elapsed = time.perf_counter() - self._t0
+            eta = elapsed / done * (self.total - step) if done else float("nan")
+            self.console.print(
+                f"step {step:>6}/{self.total}  loss {loss:8.4f}  {tokens_per_s:>10,.0f} tok/s  "
+                f"eta {_fmt_seconds(eta)}{'  ' + note if note else ''}",
+                highlight=False,
+            )
+
+    def log(self, message: str) -> None:
+        if self.mode != "none":
+            self.console.print(message, highlight=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _fmt_seconds(s: float) -> str:
+    if s != s:  # NaN
+        return "--:--"
+    m, sec = divmod(int(round(s)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m:02d}:{sec:02d}"

@@ -1,0 +1,184 @@
+"""One training run end to end: run directory, setup, loop, report.
+
+The run directory is written as the run goes: ``config.yaml``, ``command.txt`` and ``env.json``
+before the first step, ``metrics.jsonl`` line by line, ``report.json`` and ``report.md`` at the
+end (also when the loss diverges, so a stopped run still says what happened).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from accelrun.config import ResolvedConfig
+from accelrun.report.env import collect_env
+from accelrun.report.files import write_json, write_text_atomic
+from accelrun.report.markdown import write_report_md
+from accelrun.report.metrics import MetricsWriter, read_metrics
+from accelrun.report.rundir import create_run_dir
+from accelrun.report.summary import summarize
+from accelrun.train.loop import LoopOutcome, TrainingDiverged, run_loop
+from accelrun.train.progress import TrainProgress
+from accelrun.train.setup import TrainSetup, build_setup
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    status: str  # finished | preempted | stopped | diverged | nothing-to-do
+    report: dict | None
+
+
+def train(
+    resolved: ResolvedConfig,
+    *,
+    command: str = "",
+    console: Console | None = None,
+    stop_after_step: int | None = None,
+) -> TrainResult:
+    """Train ``resolved`` in this process and write its run directory.
+
+    >>> from accelrun.config import load_config               # doctest: +SKIP
+    >>> train(load_config("configs/llama.yaml", ["train.steps=20"])).report["final_loss"]  # doctest: +SKIP
+    """
+    cfg = resolved.config
+    console = console or Console(stderr=True)
+    run_dir = create_run_dir(cfg.report.runs_dir, cfg.name)
+    write_text_atomic(resolved.to_yaml(), run_dir / "config.yaml")
+    write_text_atomic(_provenance_text(resolved), run_dir / "config.sources.txt")
+    write_text_atomic((command or "(called from Python)") + "\n", run_dir / "command.txt")
+    env = collect_env()
+    write_json(env, run_dir / "env.json")
+    console.print(f"[bold]accelrun[/] run [cyan]{run_dir}[/]  config {resolved.hash}", highlight=False)
+
+    t_setup = time.perf_counter()
+    s = build_setup(resolved, run_dir)
+    setup_s = time.perf_counter() - t_setup
+    _announce(console, s, setup_s)
+    if s.start_step >= cfg.train.steps:
+        console.print(
+            f"nothing to train: the checkpoint is at step {s.start_step} and train.steps = {cfg.train.steps}"
+        )
+        return TrainResult(run_dir, "nothing-to-do", None)
+
+    progress = TrainProgress(
+        cfg.train.steps, s.start_step, cfg.report.progress, cfg.report.log_every, console
+    )
+    status = "finished"
+    error: TrainingDiverged | None = None
+    try:
+        with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
+            outcome: LoopOutcome = run_loop(s, metrics, progress, stop_after_step=stop_after_step)
+        status = outcome.status
+    except TrainingDiverged as e:
+        status, error = "diverged", e
+    finally:
+        progress.close()
+
+    if status in ("preempted", "stopped"):
+        # No report.json: `checkpoint.resume: auto` treats this run as one to continue.
+        console.print(f"{status} after step {outcome.last_step}; checkpoint {outcome.checkpoints[-1:] or 'none'}")
+        return TrainResult(run_dir, status, None)
+
+    report = _write_report(resolved, s, run_dir, env, status, setup_s, error)
+    if error is not None:
+        raise error
+    _print_summary(console, report, run_dir)
+    return TrainResult(run_dir, status, report)
+
+
+def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str, setup_s: float, error) -> dict:
+    cfg = resolved.config
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    compile_time = _compile_time(metrics) if s.compiles else None
+    report = summarize(
+        metrics, warmup_steps=cfg.report.warmup_steps, peak=s.peak, flops_per_token=s.flops_per_token,
+        compile_time_s=compile_time, tokens_per_step=s.tokens_per_step,
+    )
+    if s.compiles:
+        report["notes"].append(
+            "compile time = first step's time minus the steady median step time (Dynamo and the "
+            "backend compile lazily inside the first step)"
+        )
+    report.update(
+        status=status,
+        error=str(error) if error else None,
+        name=cfg.name,
+        config_hash=resolved.hash,
+        training_hash=resolved.training_hash,
+        resumed_from=str(s.resumed_from) if s.resumed_from else None,
+        setup_time_s=setup_s,
+        model=s.model_info,
+        device=str(s.device),
+        compiled=s.compiled,
+        data=getattr(s.data, "fingerprint", None),
+        step_breakdown_s=_breakdown(metrics, cfg.report.warmup_steps),
+    )
+    summary = {
+        "name": cfg.name,
+        "config_hash": resolved.hash,
+        "status": status,
+        "model params": s.model_info.get("params"),
+        "precision": cfg.train.precision,
+        "compile": s.compiled,
+        "device": str(s.device),
+        "global batch × seq_len": f"{cfg.train.global_batch} × {cfg.train.seq_len}",
+        "resumed from": report["resumed_from"],
+    }
+    write_report_md(report, summary, run_dir / "report.md", env=env)
+    write_json(report, run_dir / "report.json")  # last: its presence marks the run as ended
+    return report
+
+
+def _compile_time(metrics: list[dict]) -> float | None:
+    first = [m for m in metrics if m.get("compile")]
+    rest = [m["step_time_s"] for m in metrics if not m.get("compile")]
+    if not first or not rest:
+        return None
+    return max(first[0]["step_time_s"] - statistics.median(rest), 0.0)
+
+
+def _breakdown(metrics: list[dict], warmup: int) -> dict[str, float] | None:
+    """Median seconds per part of a steady step: data, forward, backward, optimizer."""
+    steady = [m for m in metrics[warmup:] if not m.get("compile")]
+    if not steady:
+        return None
+    parts = {"data": "data_time_s", "forward": "forward_s", "backward": "backward_s", "optimizer": "optimizer_s"}
+    return {name: statistics.median(m.get(key) or 0.0 for m in steady) for name, key in parts.items()}
+
+
+def _provenance_text(resolved: ResolvedConfig) -> str:
+    rows = resolved.explain()
+    width = max(len(k) for k, _, _ in rows)
+    return "".join(f"{k:<{width}}  {v!r:<24}  {src}\n" for k, v, src in rows)
+
+
+def _announce(console: Console, s: TrainSetup, setup_s: float) -> None:
+    params = s.model_info.get("params")
+    console.print(
+        f"model {params / 1e6:.2f} M params on {s.device}; compile: {s.compiled}; "
+        f"{s.tokens_per_step:,} tokens/step; setup {setup_s:.1f}s",
+        highlight=False,
+    )
+    peak = f"{s.peak.tflops:.3f} TFLOP/s ({s.peak.source})" if s.peak.tflops else f"unknown ({s.peak.detail})"
+    console.print(f"MFU peak: {peak}", highlight=False)
+    if s.resumed_from:
+        console.print(f"resuming from {s.resumed_from} at step {s.start_step}", highlight=False)
+    elif s.config.checkpoint.resume != "none":
+        console.print(f"starting fresh: {s.resume_reason}", highlight=False)
+
+
+def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
+    st = r["step_time_s"]["median"]
+    mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") is not None else "n/a"
+    tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "n/a"
+    console.print(
+        f"[bold green]done[/]: loss {r['first_loss']:.3f} → {r['final_loss']:.3f}; "
+        f"{tps} tok/s; step {st * 1e3 if st else float('nan'):.0f} ms (median); MFU {mfu}; "
+        f"report {run_dir / 'report.md'}",
+        highlight=False,
+    )

@@ -1,0 +1,127 @@
+"""Build everything one training process needs, from a resolved recipe: device, model, data,
+optimizer, schedule, compile and checkpointing policy, the MFU peak, and the resume point."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from accelrun.config import ResolvedConfig, RunConfig
+from accelrun.data import build_data
+from accelrun.models import build_model, model_flops_per_token, model_summary, transformer_blocks
+from accelrun.report.peak import Peak, resolve_peak
+from accelrun.train.activation_checkpoint import apply_activation_checkpointing
+from accelrun.train.checkpoint import load_checkpoint, remove_partial
+from accelrun.train.compile_model import compile_model
+from accelrun.train.optim import build_optimizer, build_scheduler
+from accelrun.train.resume import ResumeDecision, decide_resume
+
+
+@dataclass
+class TrainSetup:
+    config: RunConfig
+    config_hash: str
+    device: torch.device
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    data: Any  # accelrun.data iterator: next() -> (inputs_BT, targets_BT), state_dict()
+    grad_accum: int
+    tokens_per_step: int
+    flops_per_token: float | None
+    peak: Peak
+    compiles: bool
+    compiled: str
+    checkpoint_dir: Path
+    start_step: int
+    resumed_from: Path | None
+    resume_reason: str
+    model_info: dict[str, Any]
+
+    def train_state(self) -> dict[str, Any]:
+        """What a checkpoint needs besides tensors; JSON-able."""
+        return {
+            "config_hash": self.config_hash,
+            "data": self.data.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device = cuda, but no CUDA device is available (use auto or cpu)")
+    return torch.device(requested)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_setup(resolved: ResolvedConfig, run_dir: Path) -> TrainSetup:
+    cfg = resolved.config
+    t = cfg.train
+    if t.threads is not None:
+        torch.set_num_threads(t.threads)
+    device = pick_device(t.device)
+    seed_everything(t.seed)
+
+    model = build_model(cfg.model, device, seed=t.seed)
+    info = model_summary(cfg.model, model, seq_len=t.seq_len)
+    blocks = transformer_blocks(model)
+    if blocks is not None:
+        apply_activation_checkpointing(blocks, t.activation_checkpoint)
+    elif t.activation_checkpoint.mode != "none":
+        raise RuntimeError(
+            "train.activation_checkpoint needs a model with a `layers` ModuleList of blocks; "
+            f"{type(model).__name__} has none"
+        )
+    compiled = compile_model(model, blocks, cfg.compile)
+
+    optimizer = build_optimizer(model, t.optimizer, device)
+    scheduler = build_scheduler(optimizer, t.lr_schedule, t.steps)
+    grad_accum = cfg.grad_accum
+    data = build_data(
+        cfg.data, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
+        vocab_size=cfg.model.vocab_size, dp_rank=0, dp_size=1,
+    )
+
+    checkpoint_dir = run_dir / "checkpoints"
+    decision: ResumeDecision = decide_resume(
+        cfg.checkpoint.resume, run_dir.parent, run_dir, resolved.training_hash
+    )
+    start_step, resumed_from = 0, None
+    if decision.checkpoint is not None:
+        remove_partial(decision.checkpoint.path.parent)
+        saved = load_checkpoint(decision.checkpoint.path, model, optimizer)
+        scheduler.load_state_dict(saved["scheduler"])
+        data.load_state_dict(saved["data"])
+        start_step, resumed_from = int(saved["step"]), decision.checkpoint.path
+
+    return TrainSetup(
+        config=cfg,
+        config_hash=resolved.training_hash,
+        device=device,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data=data,
+        grad_accum=grad_accum,
+        tokens_per_step=t.micro_batch * grad_accum * t.seq_len,  # this device's share
+        flops_per_token=model_flops_per_token(cfg.model, t.seq_len, model),
+        peak=resolve_peak(device, t.precision, cfg.report.peak_tflops),
+        compiles=cfg.compile.backend != "eager",
+        compiled=compiled,
+        checkpoint_dir=checkpoint_dir,
+        start_step=start_step,
+        resumed_from=resumed_from,
+        resume_reason=decision.reason,
+        model_info=info,
+    )

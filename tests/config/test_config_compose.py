@@ -1,0 +1,123 @@
+"""Composition: extends order, deep merge, overrides, removal, provenance, hashes, search path."""
+
+from __future__ import annotations
+
+import pytest
+
+from accelrun.config import ConfigError, load_config
+from accelrun.config.search import list_recipes
+
+
+def test_extends_merge_in_order_then_file_then_overrides(write, tmp_path):
+    recipes = tmp_path / "recipes"
+    write("recipes/a.yaml", """
+        train:
+          steps: 10
+          seed: 1
+        """)
+    write("recipes/sub/b.yaml", """
+        train:
+          steps: 20
+          micro_batch: 4
+          global_batch: 4
+        """)
+    cfg = write("run.yaml", """
+        extends: [a, sub/b]
+        name: mine
+        train:
+          seed: 7
+        """)
+    rc = load_config(cfg, ["train.steps=30"], search_dirs=[recipes])
+    t = rc.config.train
+    assert (t.steps, t.seed, t.micro_batch) == (30, 7, 4)
+    assert str(rc.sources[("train", "seed")]) == f"{cfg.resolve()}:4"
+    assert str(rc.sources[("train", "micro_batch")]) == f"{(recipes / 'sub/b.yaml').resolve()}:3"
+    assert str(rc.sources[("train", "steps")]) == "override 'train.steps=30'"
+    assert rc.files == [(recipes / "a.yaml").resolve(), (recipes / "sub/b.yaml").resolve(), cfg.resolve()]
+
+
+def test_relative_path_extends_and_single_string(write, tmp_path):
+    write("base/common.yaml", "train: {steps: 5}\n")
+    cfg = write("x/run.yaml", "extends: ../base/common.yaml\n")
+    assert load_config(cfg, search_dirs=[]).config.train.steps == 5
+
+
+def test_lists_replace_and_mappings_merge(write, tmp_path):
+    write("recipes/a.yaml", "train: {optimizer: {lr: 0.5, betas: [0.1, 0.2]}}\n")
+    cfg = write("run.yaml", "extends: [a]\ntrain: {optimizer: {betas: [0.3, 0.4]}}\n")
+    opt = load_config(cfg, search_dirs=[tmp_path / "recipes"]).config.train.optimizer
+    assert opt.lr == 0.5 and opt.betas == (0.3, 0.4)
+
+
+def test_override_values_are_yaml_and_can_remove_and_index(write, tmp_path):
+    cfg = write("run.yaml", "train: {steps: 5, grad_clip: 0.5, optimizer: {betas: [0.9, 0.99]}}\n")
+    rc = load_config(cfg, ["train.precision=bf16-mixed", "~train.grad_clip", "train.optimizer.betas.1=0.9",
+                           "train.optimizer={lr: 0.25}"], search_dirs=[])
+    t = rc.config.train
+    assert t.precision == "bf16-mixed"
+    assert t.grad_clip == 1.0  # removed: back to the schema default
+    assert str(rc.sources.get(("train", "grad_clip"), "default")) == "default"
+    assert t.optimizer.betas == (0.9, 0.9) and t.optimizer.lr == 0.25
+
+
+def test_explain_lists_every_leaf_with_its_source(write):
+    cfg = write("run.yaml", "name: x\ntrain:\n  steps: 3\n")
+    rows = {k: str(s) for k, _, s in load_config(cfg, ["train.seed=4"], search_dirs=[]).explain()}
+    assert rows["train.steps"].endswith("run.yaml:3")
+    assert rows["train.seed"] == "override 'train.seed=4'"
+    assert rows["model.dim"] == "default"
+
+
+def test_hash_depends_on_values_not_on_how_they_were_written(write, tmp_path):
+    a = write("a.yaml", "train: {steps: 5}\n")
+    b = write("b.yaml", "# a comment\ntrain:\n  steps: 5\n")
+    c = write("c.yaml", "train: {steps: 6}\n")
+    ha, hb, hc = (load_config(p, search_dirs=[]).hash for p in (a, b, c))
+    assert ha == hb != hc
+    assert load_config(a, ["train.steps=6"], search_dirs=[]).hash == hc
+    # Where results go does not change the training hash.
+    rc = load_config(a, ["report.log_every=1", "checkpoint.every=7"], search_dirs=[])
+    assert rc.training_hash == load_config(a, search_dirs=[]).training_hash and rc.hash != ha
+
+
+def test_cycle_is_an_error_showing_the_chain(write, tmp_path):
+    write("recipes/a.yaml", "extends: [b]\n")
+    write("recipes/b.yaml", "extends: [a]\n")
+    cfg = write("run.yaml", "extends: [a]\n")
+    with pytest.raises(ConfigError, match=r"extends cycle: .*a\.yaml -> .*b\.yaml -> .*a\.yaml"):
+        load_config(cfg, search_dirs=[tmp_path / "recipes"])
+
+
+def test_missing_recipe_lists_search_path_and_nearest(write, tmp_path):
+    write("recipes/parallel/fsdp.yaml", "parallel: {dp_shard: -1}\n")
+    cfg = write("run.yaml", "extends: [parallel/fsdq]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg, search_dirs=[tmp_path / "recipes", tmp_path / "other"])
+    msg = str(e.value)
+    assert "run.yaml:1" in msg and "'parallel/fsdq' not found" in msg
+    assert str(tmp_path / "recipes") in msg and str(tmp_path / "other") in msg
+    assert "did you mean 'parallel/fsdp'" in msg
+
+
+def test_search_path_order_env_and_shadowing(write, tmp_path, monkeypatch):
+    write("proj/recipes/model/x.yaml", "# project x\nmodel: {dim: 64}\n")
+    write("team/model/x.yaml", "# team x\nmodel: {dim: 128}\n")
+    write("team/model/y.yaml", "# team y\nmodel: {dim: 32}\n")
+    monkeypatch.chdir(tmp_path / "proj")
+    monkeypatch.setenv("ACCELRUN_RECIPE_PATH", str(tmp_path / "team"))
+    cfg = write("proj/run.yaml", "extends: [model/x]\n")
+    assert load_config(cfg).config.model.dim == 64
+    cfg = write("proj/run2.yaml", "extends: [model/y]\n")
+    assert load_config(cfg).config.model.dim == 32
+    from accelrun.config import search_path
+
+    entries = [e for e in list_recipes(search_path()) if e.name == "model/x"]
+    assert [e.summary for e in entries] == ["project x", "team x"] and entries[1].shadowed_by is not None
+    # Shipped recipes come last on the path and are found too.
+    assert any(e.name == "model/llama3-8b" for e in list_recipes(search_path()))
+
+
+def test_config_argument_may_be_a_recipe_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc = load_config("model/llama3-8b")
+    assert rc.config.model.dim == 4096

@@ -1,0 +1,99 @@
+"""Every class of user error gives one clear message naming file, line and key."""
+
+from __future__ import annotations
+
+import pytest
+
+from accelrun.config import ConfigError, load_config
+from accelrun.config.validate import TOKENIZER_VOCAB
+
+
+def error_of(path, overrides=()) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(path, list(overrides), search_dirs=[])
+    return str(e.value)
+
+
+def test_yaml_syntax_error_has_file_line_column(write):
+    p = write("bad.yaml", "train:\n  steps: [1, 2\n")
+    msg = error_of(p)
+    assert msg.startswith(f"{p}:3:1: YAML syntax error")
+
+
+def test_unknown_top_level_key_suggests_nearest(write):
+    p = write("bad.yaml", "name: x\ntrian:\n  steps: 3\n")
+    msg = error_of(p)
+    assert f"{p.resolve()}:2: unknown key 'trian'; did you mean 'train'?" in msg
+
+
+def test_unknown_nested_key_suggests_nearest(write):
+    p = write("bad.yaml", "train:\n  optimizer:\n    lrr: 0.1\n")
+    assert f"{p.resolve()}:3: unknown key 'train.optimizer.lrr'; did you mean 'train.optimizer.lr'?" in error_of(p)
+
+
+def test_duplicate_key_is_an_error(write):
+    p = write("bad.yaml", "train:\n  steps: 1\n  steps: 2\n")
+    assert "duplicate key 'train.steps' (first set on line 2)" in error_of(p)
+
+
+@pytest.mark.parametrize(
+    "text, line, expect",
+    [
+        ("train:\n  steps: -5\n", 2, "train.steps: input should be greater than 0 (got -5)"),
+        ("train:\n  steps: many\n", 2, "train.steps: input should be a valid integer"),
+        ("train:\n  precision: bf16\n", 2, "did you mean 'bf16-mixed'?"),
+        ("train:\n  optimizer:\n    betas: [0.9, 1.5]\n", 3, "train.optimizer.betas.1: input should be less than 1"),
+        ("model:\n  custom: not-an-import-path\n", 2, 'expected "package.module:factory"'),
+    ],
+)
+def test_wrong_type_or_range_points_at_the_line(write, text, line, expect):
+    p = write("bad.yaml", text)
+    msg = error_of(p)
+    assert msg.startswith(f"{p.resolve()}:{line}: ") and expect in msg
+
+
+@pytest.mark.parametrize(
+    "overrides, expect",
+    [
+        (["model.dim=250"], "model.dim = 250 (override 'model.dim=250') is not divisible by model.n_heads = 8"),
+        (["model.n_kv_heads=3"], "model.n_heads = 8 (default) is not divisible by model.n_kv_heads = 3"),
+        (["train.micro_batch=5"], "train.global_batch = 16 (default) is not divisible by train.micro_batch = 5"),
+        (["train.grad_accum=3"], "train.grad_accum = 3 (override 'train.grad_accum=3') × train.micro_batch"),
+        (["train.seq_len=4096"], "train.seq_len = 4096 (override 'train.seq_len=4096') exceeds model.max_seq_len"),
+        (["model.vocab_size=200"], "smaller than the byte tokenizer's 258 ids"),
+        (["parallel.tp=2"], "do not multiply to the world size parallel.nnodes × parallel.nproc_per_node = 1"),
+        (["parallel.nproc_per_node=4", "parallel.tp=-1"], "at most one parallel degree may be -1"),
+        (["parallel.nproc_per_node=3", "parallel.tp=3", "parallel.dp_shard=1"], "must both be divisible by tensor-parallel degree 3"),
+        (["parallel.nproc_per_node=8", "parallel.pp=8", "parallel.dp_shard=1"], "fewer than pipeline stages 8"),
+    ],
+)
+def test_inconsistent_values_name_every_key(write, overrides, expect):
+    p = write("ok.yaml", "name: x\n")
+    assert expect in error_of(p, overrides)
+
+
+def test_batch_must_divide_by_data_parallel_degree(write):
+    p = write("ok.yaml", "name: x\n")
+    msg = error_of(p, ["parallel.nproc_per_node=2", "train.global_batch=16", "train.micro_batch=16"])
+    assert "× data-parallel degree 2" in msg
+
+
+def test_several_problems_are_reported_together(write):
+    p = write("bad.yaml", "train:\n  steps: 0\n  seed: x\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, search_dirs=[])
+    assert len(e.value.messages) == 2
+
+
+def test_bad_overrides(write):
+    p = write("ok.yaml", "name: x\n")
+    assert "expected key.path=value or ~key.path" in error_of(p, ["steps"])
+    assert "nothing to remove at 'train.nope'" in error_of(p, ["~train.nope"])
+    assert "override 'trian.steps=3': unknown key 'trian'; did you mean 'train'?" in error_of(p, ["trian.steps=3"])
+    assert "not a dotted key path" in error_of(p, ["train..steps=3"])
+
+
+def test_tokenizer_vocab_matches_the_data_package():
+    from accelrun.data.tokenizer import ByteTokenizer
+
+    assert TOKENIZER_VOCAB["byte"] == ByteTokenizer().vocab_size
