@@ -64,7 +64,6 @@ class DataConfig(Section):
     max_bytes: PositiveInt | None = Field(64 * 2**20, description="cap on text read (builtin/text)")
     shuffle: bool = True
     seed: int | None = Field(None, description="None = train.seed")
-    num_workers: NonNegativeInt = 0
 
 
 class OptimizerConfig(Section):

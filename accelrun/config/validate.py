@@ -142,6 +142,10 @@ def consistency_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list
                 f"{v('model.vocab_size')} is smaller than the {cfg.data.tokenizer} tokenizer's {need} ids "
                 f"(data.tokenizer = {cfg.data.tokenizer})"
             )
+    if cfg.data.paths and cfg.data.source in ("builtin", "synthetic"):
+        out.append(f"data.paths is set but {v('data.source')} reads no files (use text or tokens)")
+    elif not cfg.data.paths and cfg.data.source in ("text", "tokens"):
+        out.append(f"{v('data.source')} needs data.paths: files or globs to read")
     out += _parallel_problems(cfg, v)
     if not out:  # batch arithmetic needs valid degrees
         dp = par.dp

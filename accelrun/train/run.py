@@ -122,7 +122,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         "name": cfg.name,
         "config_hash": resolved.hash,
         "status": status,
-        "model params": s.model_info.get("params"),
+        "model params": s.model_info["params_total"],
         "precision": cfg.train.precision,
         "compile": s.compiled,
         "device": str(s.device),
@@ -158,7 +158,7 @@ def _provenance_text(resolved: ResolvedConfig) -> str:
 
 
 def _announce(console: Console, s: TrainSetup, setup_s: float) -> None:
-    params = s.model_info.get("params")
+    params = s.model_info["params_total"]
     console.print(
         f"model {params / 1e6:.2f} M params on {s.device}; compile: {s.compiled}; "
         f"{s.tokens_per_step:,} tokens/step; setup {setup_s:.1f}s",

@@ -1,0 +1,41 @@
+"""Data: byte-level tokenizer, token sources, packing into windows, per-rank sharding, resumable state.
+
+Flow: ``build_data(cfg.data, ...)`` → ``load_stream`` picks a source (builtin / text / tokens /
+synthetic) → a ``TokenStream`` (1-D token ids + a fingerprint) → ``TokenBatchIterator`` cuts it
+into ``seq_len + 1`` windows, shuffles them per epoch, gives each rank its share, and yields
+``Batch(inputs, targets)``.
+"""
+
+from accelrun.data.build import build_data, load_stream
+from accelrun.data.builtin import load_builtin, stdlib_files
+from accelrun.data.errors import DataError
+from accelrun.data.loader import Batch, TokenBatchIterator
+from accelrun.data.stream import TensorStream, TokenStream
+from accelrun.data.synthetic import SyntheticStream, synthetic_length
+from accelrun.data.text import expand_paths, load_text, read_documents
+from accelrun.data.tokenizer import ByteTokenizer, get_tokenizer
+from accelrun.data.tokfile import TokenFileHeader, load_tokens, open_tokens, prepare_tokens, read_header
+
+__all__ = [
+    "Batch",
+    "ByteTokenizer",
+    "DataError",
+    "SyntheticStream",
+    "TensorStream",
+    "TokenBatchIterator",
+    "TokenFileHeader",
+    "TokenStream",
+    "build_data",
+    "expand_paths",
+    "get_tokenizer",
+    "load_builtin",
+    "load_stream",
+    "load_text",
+    "load_tokens",
+    "open_tokens",
+    "prepare_tokens",
+    "read_documents",
+    "read_header",
+    "stdlib_files",
+    "synthetic_length",
+]

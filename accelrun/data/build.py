@@ -1,0 +1,77 @@
+"""From a recipe's ``data`` section to a rank's batch iterator."""
+
+from __future__ import annotations
+
+from accelrun.config.schema import DataConfig
+from accelrun.data.builtin import load_builtin
+from accelrun.data.errors import DataError
+from accelrun.data.loader import TokenBatchIterator
+from accelrun.data.stream import TokenStream
+from accelrun.data.synthetic import SyntheticStream, synthetic_length
+from accelrun.data.text import load_text
+from accelrun.data.tokenizer import get_tokenizer
+from accelrun.data.tokfile import load_tokens
+
+
+def _check_vocab(data_vocab: int, model_vocab: int, what: str) -> None:
+    if data_vocab > model_vocab:
+        raise DataError(
+            f"model.vocab_size is {model_vocab}, but {what} has ids up to {data_vocab - 1} "
+            f"(vocab {data_vocab}): set model.vocab_size to at least {data_vocab}"
+        )
+
+
+def load_stream(cfg: DataConfig, *, vocab_size: int, seed: int, min_tokens: int | None = None) -> TokenStream:
+    """The token stream ``cfg`` describes. ``vocab_size`` is the model's; ``min_tokens`` sizes the
+    synthetic stream (other sources have the length their data has)."""
+    if cfg.source == "synthetic":
+        return SyntheticStream(vocab_size=vocab_size, length=synthetic_length(min_tokens), seed=seed)
+    if cfg.source == "tokens":
+        stream = load_tokens(cfg.paths)
+        _check_vocab(
+            stream.vocab_size,
+            vocab_size,
+            f"the token files in data.paths ({stream.fingerprint['tokenizer']})",
+        )
+        return stream
+    tokenizer = get_tokenizer(cfg.tokenizer)
+    # Checked before reading anything: the tokenizer's vocabulary is known up front.
+    _check_vocab(tokenizer.vocab_size, vocab_size, f"data.tokenizer {cfg.tokenizer!r}")
+    if cfg.source == "builtin":
+        return load_builtin(cfg.builtin, max_bytes=cfg.max_bytes)
+    if cfg.source == "text":
+        return load_text(cfg.paths, max_bytes=cfg.max_bytes)
+    raise DataError(f"data.source: unknown source {cfg.source!r}")
+
+
+def build_data(
+    data_cfg: DataConfig,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    seed: int,
+    vocab_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    min_tokens: int | None = None,
+) -> TokenBatchIterator:
+    """The batch iterator of one data-parallel rank.
+
+    ``seed`` is ``train.seed``; ``data.seed`` overrides it when set. ``min_tokens`` is how many
+    tokens the run will read (only the synthetic source uses it). There are no loader workers:
+    a batch is a few slices of an in-memory or memory-mapped stream, cheaper than a worker hand-off.
+
+    >>> it = build_data(cfg.data, seq_len=256, micro_batch=8, seed=0, vocab_size=512)  # doctest: +SKIP
+    >>> inputs_BT, targets_BT = next(it)
+    """
+    seed = data_cfg.seed if data_cfg.seed is not None else seed
+    stream = load_stream(data_cfg, vocab_size=vocab_size, seed=seed, min_tokens=min_tokens)
+    return TokenBatchIterator(
+        stream,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        seed=seed,
+        shuffle=data_cfg.shuffle,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+    )

@@ -1,0 +1,152 @@
+"""``report.md``: the run's headline figures, loss curve, configuration and machine, readable as text."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from accelrun.report.files import write_text_atomic
+
+SPARK_LEVELS = "▁▂▃▄▅▆▇█"
+
+
+def write_report_md(report: dict, config_summary: dict, path: str | Path, *, env: dict | None = None) -> None:
+    """Write a markdown report for a :func:`~accelrun.report.summary.summarize` result.
+
+    ``config_summary`` gives the title (``name``) and ``config_hash``; its other scalar keys
+    (model size, precision, compile backend, ...) are listed as the run's configuration. ``env`` is a
+    :func:`~accelrun.report.env.collect_env` result (default: ``report["env"]`` when present).
+    """
+    write_text_atomic(render_report_md(report, config_summary, env=env), path)
+
+
+def render_report_md(report: dict, config_summary: dict, *, env: dict | None = None) -> str:
+    env = env if env is not None else report.get("env")
+    name = config_summary.get("name", "run")
+    lines = [f"# accelrun report: {name}", ""]
+    lines += [f"config hash `{config_summary.get('config_hash', 'unknown')}` · "
+              f"{report.get('steps', 0)} steps", ""]
+    lines += _headline(report) + [""]
+    lines += _loss_section(report) + [""]
+    extra = {k: v for k, v in config_summary.items()
+             if k not in ("name", "config_hash") and (v is None or isinstance(v, (str, int, float, bool)))}
+    if extra:
+        lines += ["## Configuration", "", "| key | value |", "| --- | --- |"]
+        lines += [f"| {_cell(k)} | {_cell(v)} |" for k, v in extra.items()] + [""]
+    if env:
+        lines += _env_section(env) + [""]
+    notes = report.get("notes") or []
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def _headline(r: dict) -> list[str]:
+    st = r.get("step_time_s") or {}
+    peak = r.get("peak") or {}
+    if r.get("mfu") is not None:
+        mfu = f"{_pct(r['mfu'])} of {_num(peak.get('tflops'))} TFLOP/s ({peak.get('source')})"
+    else:
+        mfu = f"n/a (peak: {peak.get('source', 'unknown')})"
+    step = (f"{_secs(st.get('median'))} (p10 {_secs(st.get('p10'))}, p90 {_secs(st.get('p90'))}; "
+            f"{r.get('steady_steps', 0)} steady steps)")
+    rows = [
+        ("tokens/s per device", _int(r.get("tokens_per_s"))),
+        ("MFU", mfu),
+        ("achieved TFLOP/s", _num(r.get("tflops"))),
+        ("step time median", step),
+        ("peak memory", _bytes(r.get("mem_peak_bytes"))),
+        ("compile time (apart)", _secs(r.get("compile_time_s"))),
+        ("warm-up time", f"{_secs(r.get('warmup_time_s'))} (first {r.get('warmup_steps', 0)} steps"
+                         f" + {r.get('excluded_compile_steps', 0)} compile steps)"),
+        ("data loading share", _pct(r.get("data_share"))),
+        ("total step time", _secs(r.get("total_time_s"))),
+    ]
+    return ["| figure | value |", "| --- | --- |"] + [f"| {k} | {_cell(v)} |" for k, v in rows]
+
+
+def _loss_section(r: dict) -> list[str]:
+    lines = ["## Loss", ""]
+    if r.get("first_loss") is None:
+        return lines + ["no loss recorded"]
+    lines.append(f"first → final: {_num(r['first_loss'])} → {_num(r.get('final_loss'))} "
+                 f"(mean of the last {r.get('final_loss_window')}: {_num(r.get('final_loss_mean'))})")
+    curve = r.get("loss_curve") or []
+    if curve:
+        lines += ["", f"`{sparkline([p['loss'] for p in curve])}`", "", "| step | loss |", "| ---: | ---: |"]
+        lines += [f"| {p['step']} | {_num(p['loss'])} |" for p in curve]
+    return lines
+
+
+def _env_section(env: dict) -> list[str]:
+    v, cpu, cuda, git = (env.get(k) or {} for k in ("versions", "cpu", "cuda", "git"))
+    lines = ["## Environment", ""]
+    lines.append(f"- CPU: {cpu.get('model', '?')}, {cpu.get('logical_cores', '?')} logical cores, "
+                 f"torch threads {cpu.get('torch_threads', '?')} (inter-op {cpu.get('torch_interop_threads', '?')})")
+    if cuda.get("available"):
+        lines.append(f"- GPU: {', '.join(cuda.get('devices') or [])} (CUDA {cuda.get('cuda_version')}, "
+                     f"cuDNN {cuda.get('cudnn_version')})")
+    else:
+        lines.append("- GPU: none")
+    lines.append(f"- torch {v.get('torch', '?')}, Python {v.get('python', '?')}, "
+                 f"triton {v.get('triton') or 'not installed'}, accelrun {v.get('accelrun', '?')}")
+    host = env.get("hostname")
+    commit = git.get("commit")
+    lines.append(f"- host {host or '?'}, {env.get('platform', '?')}, git "
+                 f"{(commit[:12] + (' (dirty)' if git.get('dirty') else '')) if commit else 'n/a'}")
+    return lines
+
+
+def sparkline(values: list[float]) -> str:
+    """One character per value, ▁ (lowest) to █ (highest); × marks a non-finite value."""
+    finite = [x for x in values if math.isfinite(x)]
+    if not finite:
+        return "×" * len(values)
+    lo, hi = min(finite), max(finite)
+    top = len(SPARK_LEVELS) - 1
+    out = []
+    for x in values:
+        if not math.isfinite(x):
+            out.append("×")
+        else:
+            out.append(SPARK_LEVELS[round((x - lo) / (hi - lo) * top) if hi > lo else 0])
+    return "".join(out)
+
+
+def _cell(v: object) -> str:
+    return "n/a" if v is None else str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:.4g}"
+
+
+def _int(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:,.0f}"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f} %"
+
+
+def _secs(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _bytes(x: int | None) -> str:
+    if x is None:
+        return "n/a"
+    if x < 1024:
+        return f"{x} B"
+    value, unit = x / 1024, "KiB"
+    for bigger in ("MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.2f} {unit}"

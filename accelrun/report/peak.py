@@ -1,0 +1,228 @@
+"""The per-device peak FLOP/s that MFU divides by: declared, looked up, measured, or plainly unknown.
+
+Never guessed silently. Every :class:`Peak` says where its number came from, and when there is no
+number it says why and how to give one (``report.peak_tflops`` in the recipe).
+
+Example::
+
+    peak = resolve_peak(torch.device("cpu"), "fp32", declared_tflops=None)
+    print(peak.tflops, peak.source)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from accelrun.report.files import write_json
+from accelrun.report.gpu_table import find_gpu_entry, why_not_listed
+
+if TYPE_CHECKING:
+    import torch
+
+PRECISIONS = ("fp32", "bf16-mixed")
+NO_PROBE_ENV = "ACCELRUN_NO_PEAK_PROBE"
+CACHE_DIR_ENV = "ACCELRUN_CACHE_DIR"
+HOW_TO_DECLARE = "declare the per-device peak in the recipe as report.peak_tflops (TFLOP/s)"
+
+# The CPU probe: square matmuls of PROBE_SIZE (halved while one takes too long), timed in repeats of
+# about PROBE_REPEAT_S, the best repeat kept, the whole probe held under about PROBE_BUDGET_S.
+PROBE_SIZE = 1024
+PROBE_MIN_SIZE = 128
+PROBE_REPEATS = 5
+PROBE_REPEAT_S = 0.2
+PROBE_BUDGET_S = 2.0
+PROBE_CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A per-device peak rate. ``tflops`` is None when unknown; ``detail`` then says what to do."""
+
+    tflops: float | None
+    source: str
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        return {"tflops": self.tflops, "source": self.source, "detail": self.detail}
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+
+
+def lookup_gpu_peak(name: str, precision: str) -> Peak:
+    """The datasheet peak of a GPU named as ``torch.cuda.get_device_name`` names it.
+
+    Pure: reads only the built-in table. fp32 uses the non-tensor-core FP32 figure (no TF32);
+    bf16-mixed uses the dense BF16 tensor-core figure. An unlisted name, or a listed GPU without a
+    figure for this precision, gives ``Peak(None, "unknown", <why, and how to declare one>)``.
+
+    >>> lookup_gpu_peak("NVIDIA A100-SXM4-80GB", "bf16-mixed").tflops
+    312.0
+    """
+    _check_precision(precision)
+    entry = find_gpu_entry(name)
+    if entry is None:
+        return Peak(None, "unknown", f"{why_not_listed(name)}; MFU is left out: {HOW_TO_DECLARE}")
+    source = f"table: {entry.entry} ({entry.datasheet})"
+    if precision == "bf16-mixed":
+        if entry.bf16_tflops is None:
+            return Peak(None, "unknown",
+                        f"{entry.entry} has no bf16 tensor cores and its datasheet gives no bf16 peak; "
+                        f"MFU is left out: {HOW_TO_DECLARE}")
+        return Peak(entry.bf16_tflops, source, "dense BF16 tensor-core peak (no sparsity)")
+    return Peak(entry.fp32_tflops, source,
+                "FP32 non-tensor-core peak: fp32 matmuls run without TF32 at torch's default precision")
+
+
+def resolve_peak(
+    device: torch.device,
+    precision: str,
+    declared_tflops: float | None,
+    cache_dir: Path | None = None,
+) -> Peak:
+    """The peak TFLOP/s of one ``device`` running at ``precision`` ("fp32" or "bf16-mixed").
+
+    In order: (a) the recipe's declared ``report.peak_tflops``; (b) a CUDA/ROCm GPU found in the
+    built-in datasheet table (:func:`lookup_gpu_peak`); (c) on a CPU, a measured ``torch.mm`` probe
+    in the run's dtype with the current ``torch.get_num_threads()`` (call this after the run has set
+    its thread count), cached per machine in ``cache_dir`` (default ``$ACCELRUN_CACHE_DIR`` or
+    ``~/.cache/accelrun``); (d) anything else: ``tflops=None`` with the reason.
+
+    On a CPU the probe gives the best *achievable* matmul rate, not a datasheet peak, so CPU MFU reads
+    as "fraction of the best achievable matmul rate", and is higher than a datasheet-based MFU would be.
+    ``ACCELRUN_NO_PEAK_PROBE=1`` skips the probe (and its cache): the peak is then unknown.
+    """
+    import torch
+
+    _check_precision(precision)
+    device = torch.device(device)
+    if declared_tflops is not None:
+        if declared_tflops <= 0:
+            raise ValueError(f"report.peak_tflops must be positive, got {declared_tflops}")
+        return Peak(float(declared_tflops), "declared (report.peak_tflops)",
+                    f"declared in the recipe for {precision} on {device.type}")
+    if device.type == "cuda":
+        peak = lookup_gpu_peak(torch.cuda.get_device_name(device), precision)
+        if (peak.tflops is not None and precision == "fp32"
+                and torch.get_float32_matmul_precision() != "highest"):
+            peak = Peak(peak.tflops, peak.source,
+                        peak.detail + "; but float32 matmul precision is "
+                        f"{torch.get_float32_matmul_precision()!r} (TF32 may be on), so this peak "
+                        f"understates the device: {HOW_TO_DECLARE}")
+        return peak
+    if device.type == "cpu":
+        if os.environ.get(NO_PROBE_ENV, "") not in ("", "0"):
+            return Peak(None, "unknown",
+                        f"the CPU matmul probe is off ({NO_PROBE_ENV}=1); MFU is left out: {HOW_TO_DECLARE}")
+        return measure_cpu_peak(precision, cache_dir=cache_dir)
+    return Peak(None, "unknown",
+                f"no datasheet table or probe for device type {device.type!r}; MFU is left out: "
+                f"{HOW_TO_DECLARE}")
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "accelrun"
+
+
+def cpu_model_name() -> str:
+    """The CPU's "model name" from /proc/cpuinfo, else ``platform.processor()``, else "unknown CPU"."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return " ".join(value.split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _probe_dtype(precision: str) -> torch.dtype:
+    import torch
+
+    return torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+
+
+def measure_cpu_peak(precision: str, cache_dir: Path | None = None) -> Peak:
+    """Measured (or cached) best ``torch.mm`` rate on this CPU; see :func:`resolve_peak`."""
+    import torch
+
+    dtype = _probe_dtype(precision)
+    dtype_name = str(dtype).removeprefix("torch.")
+    cpu, threads = cpu_model_name(), torch.get_num_threads()
+    key = {"cpu": cpu, "threads": threads, "dtype": dtype_name, "torch": torch.__version__,
+           "version": PROBE_CACHE_VERSION}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = (cache_dir if cache_dir is not None else default_cache_dir()) / "peak" / f"cpu-{digest}.json"
+
+    cached = _read_cache(path, key)
+    if cached is not None:
+        result, how = cached, f"read from the cache, measured {cached['measured_at']}"
+    else:
+        result = _probe(dtype)
+        result["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        how = f"measured now in {result['probe_s']:.2f} s"
+        try:
+            write_json({"key": key, **result}, path)
+        except OSError as e:  # a read-only home must not stop a run; the figure is still good
+            how += f" (not cached: {e})"
+    n = result["size"]
+    source = (f"measured: torch.mm {dtype_name} {n}x{n} probe on {cpu}, {threads} threads "
+              f"(cached {path})")
+    detail = (f"{how}; best of {result['repeats']} repeats. An achievable matmul rate, not a datasheet "
+              "peak: CPU MFU is the fraction of the best achievable matmul rate")
+    return Peak(result["tflops"], source, detail)
+
+
+def _read_cache(path: Path, key: dict) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    ok = (isinstance(data, dict) and data.get("key") == key
+          and isinstance(data.get("tflops"), (int, float)) and data["tflops"] > 0
+          and isinstance(data.get("size"), int) and "measured_at" in data and "repeats" in data)
+    return data if ok else None
+
+
+def _probe(dtype: torch.dtype) -> dict:
+    """Best-of-repeats ``torch.mm`` TFLOP/s on square matrices, within about PROBE_BUDGET_S."""
+    import torch
+
+    start = time.perf_counter()
+    n = PROBE_SIZE
+    while True:
+        a = torch.randn(n, n).to(dtype)
+        b = torch.randn(n, n).to(dtype)
+        for _ in range(2):  # warm-up: first calls pay for allocation and kernel selection
+            torch.mm(a, b)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        one = time.perf_counter() - t0
+        # Keep several repeats inside the budget: shrink while one matmul is too slow for that.
+        if one * PROBE_REPEATS <= PROBE_BUDGET_S / 2 or n <= PROBE_MIN_SIZE:
+            break
+        n //= 2
+    per_repeat = max(1, round(PROBE_REPEAT_S / max(one, 1e-9)))
+    best, repeats = 0.0, 0
+    while repeats < PROBE_REPEATS:
+        if repeats >= 1 and time.perf_counter() - start + per_repeat * one > PROBE_BUDGET_S:
+            break
+        t0 = time.perf_counter()
+        for _ in range(per_repeat):
+            torch.mm(a, b)
+        elapsed = time.perf_counter() - t0
+        best = max(best, 2.0 * n**3 * per_repeat / elapsed / 1e12)
+        repeats += 1
+    return {"tflops": best, "size": n, "repeats": repeats, "matmuls_per_repeat": per_repeat,
+            "probe_s": round(time.perf_counter() - start, 3)}

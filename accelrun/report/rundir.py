@@ -1,0 +1,53 @@
+"""Run directories: ``<runs_dir>/<name>/<UTC YYYYmmdd-HHMMSS>-<6 hex>/``, created once, never reused.
+
+Example::
+
+    run_dir = create_run_dir("runs", "llama-debug")   # runs/llama-debug/20250101-120000-3fa9c1
+    newest = list_runs("runs", "llama-debug")[0]
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from pathlib import Path
+
+RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # the schema's RunConfig.name pattern
+MAX_ATTEMPTS = 100
+
+
+def create_run_dir(runs_dir: str | Path, name: str) -> Path:
+    """Make and return a new, empty run directory for run ``name`` under ``runs_dir``.
+
+    The leaf is created with ``exist_ok=False``: two processes can never share a directory; on a
+    collision (same second, same random id) a new id is drawn.
+    """
+    if not NAME.fullmatch(name):
+        raise ValueError(f"run name must match {NAME.pattern} (no path separators), got {name!r}")
+    parent = Path(runs_dir) / name
+    parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(MAX_ATTEMPTS):
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        path = parent / f"{stamp}-{secrets.token_hex(3)}"
+        try:
+            path.mkdir(exist_ok=False)
+        except FileExistsError:
+            continue
+        return path
+    raise RuntimeError(f"could not create a new run directory under {parent} in {MAX_ATTEMPTS} attempts")
+
+
+def list_runs(runs_dir: str | Path, name: str | None = None) -> list[Path]:
+    """Run directories under ``runs_dir`` (of run ``name``, or of every name), newest first.
+
+    Ordered by the timestamp in the directory name, then, within one second, by modification time.
+    """
+    root = Path(runs_dir)
+    if not root.is_dir():
+        return []
+    parents = [root / name] if name is not None else [p for p in root.iterdir() if p.is_dir()]
+    runs = [run for parent in parents if parent.is_dir()
+            for run in parent.iterdir() if run.is_dir() and RUN_ID.match(run.name)]
+    return sorted(runs, key=lambda p: (p.name[:15], p.stat().st_mtime_ns), reverse=True)

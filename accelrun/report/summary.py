@@ -1,0 +1,143 @@
+"""From per-step metrics to ``report.json``: steady-state figures, with warm-up and compile kept apart.
+
+Steady state means every step after the first ``warmup_steps`` steps of this run that did not include
+compilation. Figures that need steady steps are null when there are none, and a line in ``notes``
+says why; nothing here raises on a short or odd run.
+
+Example::
+
+    report = summarize(read_metrics(run_dir / "metrics.jsonl"), warmup_steps=3, peak=peak,
+                       flops_per_token=6 * n_params, compile_time_s=12.5, tokens_per_step=4096)
+    write_json(report, run_dir / "report.json")
+    write_report_md(report, {"name": cfg.name, "config_hash": h}, run_dir / "report.md", env=env)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from accelrun.report.files import write_json
+from accelrun.report.markdown import write_report_md
+from accelrun.report.peak import Peak
+
+__all__ = ["summarize", "write_json", "write_report_md", "percentile"]
+
+# Fewer steady steps than this still gives figures, with a note that they are noisy.
+MIN_STEADY_STEPS = 5
+# final_loss_mean averages this many last steps (or all of them in a shorter run).
+FINAL_LOSS_WINDOW = 10
+# Points kept in the report's loss curve.
+LOSS_CURVE_POINTS = 16
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0–100) of already sorted values, linearly interpolated."""
+    if not sorted_values:
+        raise ValueError("percentile of no values")
+    pos = (len(sorted_values) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(
+    metrics: list[dict],
+    *,
+    warmup_steps: int,
+    peak: Peak,
+    flops_per_token: float | None,
+    compile_time_s: float | None,
+    tokens_per_step: int,
+) -> dict:
+    """The content of ``report.json`` for one device's ``metrics`` (``metrics.jsonl`` lines, in order).
+
+    Throughput is per device: ``tokens_per_step`` over the steady median step time. TFLOP/s is
+    ``flops_per_token`` times that; MFU divides it by ``peak.tflops``. ``compile_time_s`` is reported
+    apart: it is already inside the step times of the steps flagged ``compile``.
+    """
+    notes: list[str] = []
+    n = len(metrics)
+    warm = metrics[:warmup_steps]
+    after = metrics[warmup_steps:]
+    steady = [m for m in after if not m.get("compile")]
+    excluded_compile = len(after) - len(steady)
+    excluded = warm + [m for m in after if m.get("compile")]
+
+    times = sorted(float(m["step_time_s"]) for m in steady)
+    median = statistics.median(times) if times else None
+    if n == 0:
+        notes.append("no steps were recorded: every figure is null")
+    elif not steady:
+        notes.append(
+            f"no steady-state steps: {n} steps, of which the first {min(warmup_steps, n)} are warm-up "
+            f"and {excluded_compile} more included compilation; step-time figures are null "
+            "(run more steps or lower report.warmup_steps)"
+        )
+    elif len(steady) < MIN_STEADY_STEPS:
+        notes.append(f"only {len(steady)} steady-state steps: step-time figures are noisy")
+    if excluded_compile:
+        notes.append(f"{excluded_compile} step(s) after warm-up included compilation (recompiles?) "
+                     "and were left out of steady-state figures")
+
+    tokens_per_s = tokens_per_step / median if median else None
+    tflops = (flops_per_token * tokens_per_s / 1e12
+              if flops_per_token is not None and tokens_per_s is not None else None)
+    mfu = tflops / peak.tflops if tflops is not None and peak.tflops else None
+    if flops_per_token is None:
+        notes.append("no FLOP count per token for this model: TFLOP/s and MFU are null")
+    if peak.tflops is None:
+        notes.append(f"peak unknown, MFU is null: {peak.detail}")
+    elif peak.source.startswith("measured"):
+        notes.append("MFU on a CPU is the fraction of the best achievable torch.mm rate measured on "
+                     "this machine, not of a datasheet peak")
+
+    steady_step_s = sum(float(m["step_time_s"]) for m in steady)
+    steady_data_s = sum(float(m.get("data_time_s") or 0.0) for m in steady)
+    mem = [m["mem_peak_bytes"] for m in metrics if m.get("mem_peak_bytes") is not None]
+    losses = [float(m["loss"]) for m in metrics if m.get("loss") is not None]
+    window = losses[-FINAL_LOSS_WINDOW:]
+
+    return {
+        "steps": n,
+        "first_step": metrics[0]["step"] if n else None,
+        "last_step": metrics[-1]["step"] if n else None,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "final_loss_mean": sum(window) / len(window) if window else None,
+        "final_loss_window": len(window),
+        "warmup_steps": warmup_steps,
+        "steady_steps": len(steady),
+        "excluded_compile_steps": excluded_compile,
+        "step_time_s": {
+            "median": median,
+            "p10": percentile(times, 10) if times else None,
+            "p90": percentile(times, 90) if times else None,
+            "mean": steady_step_s / len(steady) if steady else None,
+        },
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": flops_per_token,
+        "tflops": tflops,
+        "mfu": mfu,
+        "peak": peak.to_dict(),
+        "mem_peak_bytes": max(mem) if mem else None,
+        "compile_time_s": compile_time_s,
+        "warmup_time_s": sum(float(m["step_time_s"]) for m in excluded),
+        "data_share": steady_data_s / steady_step_s if steady_step_s > 0 else None,
+        # The training loop's wall time: compile time is inside the steps that compiled.
+        "total_time_s": sum(float(m["step_time_s"]) for m in metrics),
+        "loss_curve": _sample_loss_curve(metrics, LOSS_CURVE_POINTS),
+        "notes": notes,
+    }
+
+
+def _sample_loss_curve(metrics: list[dict], points: int) -> list[dict]:
+    """Up to ``points`` (step, loss) pairs spread evenly over the run, first and last included."""
+    rows = [m for m in metrics if m.get("loss") is not None]
+    if len(rows) <= points:
+        picked = rows
+    else:
+        idx = sorted({round(i * (len(rows) - 1) / (points - 1)) for i in range(points)})
+        picked = [rows[i] for i in idx]
+    return [{"step": m["step"], "loss": float(m["loss"])} for m in picked]

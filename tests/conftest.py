@@ -1,0 +1,35 @@
+"""Shared fixtures: a tiny, fast version of the default recipe, and an isolated runs directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "configs" / "llama.yaml"
+
+# The default recipe, shrunk so that a step takes a few milliseconds on a CPU.
+TINY = [
+    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+    "model.vocab_size=320", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=4",
+    "train.lr_schedule.warmup_steps=2", "train.optimizer.lr=0.01", "data.max_bytes=400000",
+    "report.warmup_steps=1", "report.progress=none",
+]
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test reads or writes the user's cache; the peak probe is skipped unless a test asks."""
+    monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ACCELRUN_NO_PEAK_PROBE", "1")
+
+
+@pytest.fixture
+def tiny(tmp_path: Path):
+    """tiny(steps, *more_overrides) -> the override list for a tiny run writing under tmp_path/runs."""
+
+    def _tiny(steps: int, *more: str) -> list[str]:
+        return [*TINY, f"train.steps={steps}", f"report.runs_dir={tmp_path / 'runs'}", *more]
+
+    return _tiny

@@ -1,0 +1,67 @@
+import json
+
+from accelrun.report.markdown import sparkline
+from accelrun.report.peak import Peak
+from accelrun.report.summary import summarize, write_json, write_report_md
+
+ENV = {
+    "versions": {"python": "3.11.7", "torch": "2.13.0", "triton": None, "accelrun": "0.1.0"},
+    "platform": "Linux", "hostname": "box",
+    "cpu": {"model": "Test CPU 9000", "logical_cores": 8, "torch_threads": 4, "torch_interop_threads": 4},
+    "cuda": {"available": False, "device_count": 0, "devices": []},
+    "git": {"commit": "0123456789abcdef", "dirty": True},
+}
+
+
+def _report():
+    metrics = [{"step": i, "loss": 5.0 - 0.01 * i, "step_time_s": 0.25 if i > 1 else 3.0,
+                "data_time_s": 0.025, "mem_peak_bytes": 3 * 2**30, "compile": i == 1}
+               for i in range(1, 51)]
+    peak = Peak(0.5, "measured: torch.mm float32 1024x1024 probe on Test CPU | x", "achievable")
+    return summarize(metrics, warmup_steps=3, peak=peak, flops_per_token=1e8, compile_time_s=2.5,
+                     tokens_per_step=4096)
+
+
+def test_markdown_has_headline_figures(tmp_path):
+    report = _report()
+    path = tmp_path / "report.md"
+    write_report_md(report, {"name": "llama-tiny", "config_hash": "c0ffee12", "precision": "fp32"}, path,
+                    env=ENV)
+    md = path.read_text()
+    assert md.startswith("# accelrun report: llama-tiny")
+    assert "`c0ffee12`" in md
+    assert "16,384" in md                        # tokens/s = 4096 / 0.25
+    assert "327.7 %" in md                       # MFU = 1e8 * 16384 / 1e12 / 0.5
+    assert "probe on Test CPU \\| x" in md       # peak source, pipe escaped inside the table
+    assert "250.0 ms" in md                      # median step time
+    assert "3.00 GiB" in md
+    assert "2.50 s" in md                        # compile time
+    assert "10.0 %" in md                        # data share
+    assert "4.99 → 4.5" in md                   # first → final loss
+    assert "| precision | fp32 |" in md
+    assert "Test CPU 9000, 8 logical cores, torch threads 4" in md
+    assert "0123456789ab (dirty)" in md
+    assert "## Notes" in md and "achievable torch.mm rate" in md
+    assert any(ch in md for ch in "▁█")
+
+
+def test_markdown_handles_empty_report(tmp_path):
+    report = summarize([], warmup_steps=3, peak=Peak(None, "unknown", "why"), flops_per_token=None,
+                       compile_time_s=None, tokens_per_step=1)
+    write_report_md(report, {"name": "x"}, tmp_path / "r.md")
+    md = (tmp_path / "r.md").read_text()
+    assert "n/a" in md and "no loss recorded" in md
+
+
+def test_sparkline():
+    assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
+    assert sparkline([1.0, 1.0]) == "▁▁"
+    assert sparkline([1.0, float("nan"), 2.0]) == "▁×█"
+
+
+def test_write_json_is_atomic_and_readable(tmp_path):
+    path = tmp_path / "sub" / "report.json"
+    write_json({"a": 1}, path)
+    write_json({"a": 2}, path)
+    assert json.loads(path.read_text()) == {"a": 2}
+    assert [p.name for p in path.parent.iterdir()] == ["report.json"]

@@ -1,0 +1,155 @@
+import json
+
+import pytest
+import torch
+
+from accelrun.report import peak as peak_mod
+from accelrun.report.gpu_table import GPU_PEAKS
+from accelrun.report.peak import Peak, lookup_gpu_peak, resolve_peak
+
+# Names as torch.cuda.get_device_name reports them, one or more per table entry.
+KNOWN_NAMES = {
+    "NVIDIA H100 80GB HBM3": ("NVIDIA H100 SXM5", 989.5, 67.0),
+    "NVIDIA H100 PCIe": ("NVIDIA H100 PCIe", 756.5, 51.0),
+    "NVIDIA H100 NVL": ("NVIDIA H100 NVL", 835.5, 60.0),
+    "NVIDIA H200": ("NVIDIA H200 SXM", 989.5, 67.0),
+    "NVIDIA H200 NVL": ("NVIDIA H200 NVL", 835.5, 60.0),
+    "NVIDIA A100-SXM4-40GB": ("NVIDIA A100 40GB", 312.0, 19.5),
+    "NVIDIA A100-PCIE-40GB": ("NVIDIA A100 40GB", 312.0, 19.5),
+    "NVIDIA A100-SXM4-80GB": ("NVIDIA A100 80GB", 312.0, 19.5),
+    "NVIDIA A100 80GB PCIe": ("NVIDIA A100 80GB", 312.0, 19.5),
+    "NVIDIA L4": ("NVIDIA L4", 121.0, 30.3),
+    "NVIDIA L40S": ("NVIDIA L40S", 362.05, 91.6),
+    "NVIDIA A10": ("NVIDIA A10", 125.0, 31.2),
+    "Tesla V100-SXM2-16GB": ("NVIDIA V100 SXM2", None, 15.7),
+    "Tesla V100-PCIE-32GB": ("NVIDIA V100 PCIe", None, 14.0),
+    "Tesla V100S-PCIE-32GB": ("NVIDIA V100S PCIe", None, 16.4),
+    "NVIDIA GeForce RTX 4090": ("NVIDIA GeForce RTX 4090", 165.2, 82.6),
+    "AMD Instinct MI300X": ("AMD Instinct MI300X", 1307.4, 163.4),
+}
+
+
+@pytest.fixture
+def fast_probe(monkeypatch):
+    monkeypatch.delenv("ACCELRUN_NO_PEAK_PROBE", raising=False)
+    monkeypatch.setattr(peak_mod, "PROBE_SIZE", 64)
+    monkeypatch.setattr(peak_mod, "PROBE_REPEATS", 3)
+    monkeypatch.setattr(peak_mod, "PROBE_REPEAT_S", 0.005)
+
+
+def _no_probe(*args, **kwargs):
+    raise AssertionError("the probe must not run")
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_NAMES))
+def test_lookup_known_gpu(name):
+    entry, bf16, fp32 = KNOWN_NAMES[name]
+    got = lookup_gpu_peak(name, "fp32")
+    assert got.tflops == fp32
+    assert got.source.startswith(f"table: {entry} (")
+    assert any(w in got.source for w in ("datasheet", "data sheet", "whitepaper"))
+    assert "non-tensor-core" in got.detail
+    got = lookup_gpu_peak(name, "bf16-mixed")
+    assert got.tflops == bf16
+    if bf16 is None:
+        assert got.source == "unknown" and "report.peak_tflops" in got.detail
+
+
+def test_every_table_entry_is_exercised():
+    assert {e.entry for e in GPU_PEAKS} == {v[0] for v in KNOWN_NAMES.values()}
+    for e in GPU_PEAKS:
+        assert e.datasheet
+        assert e.bf16_tflops is None or e.bf16_tflops > e.fp32_tflops > 0
+
+
+@pytest.mark.parametrize("name", [
+    "NVIDIA A10G",  # no NVIDIA datasheet: deliberately not listed
+    "NVIDIA A100-SXM4-40GB MIG 1g.5gb",  # a slice of a known GPU
+    "NVIDIA GH200 480GB",  # must not match H200
+    "NVIDIA L40",  # must not match L40S or L4
+    "NVIDIA GeForce RTX 4090 D",
+    "Some Future GPU",
+])
+def test_lookup_unknown_gpu_gives_none_with_reason(name):
+    got = lookup_gpu_peak(name, "bf16-mixed")
+    assert got.tflops is None
+    assert got.source == "unknown"
+    assert "report.peak_tflops" in got.detail
+    assert name.split()[1] in got.detail or "A10G" in got.detail
+
+
+def test_lookup_rejects_unknown_precision():
+    with pytest.raises(ValueError, match="precision"):
+        lookup_gpu_peak("NVIDIA L4", "fp16")
+
+
+def test_declared_wins(monkeypatch):
+    monkeypatch.setattr(peak_mod, "_probe", _no_probe)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
+    for device in ("cpu", "cuda"):
+        got = resolve_peak(torch.device(device), "bf16-mixed", declared_tflops=123.0)
+        assert got == Peak(123.0, "declared (report.peak_tflops)", got.detail)
+
+
+def test_resolve_cuda_from_table_and_unknown(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")
+    got = resolve_peak(torch.device("cuda", 0), "bf16-mixed", None)
+    assert got.tflops == 312.0 and got.source == "table: NVIDIA A100 80GB (NVIDIA A100 Tensor Core GPU datasheet)"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Mystery Accelerator 9000")
+    got = resolve_peak(torch.device("cuda", 0), "fp32", None)
+    assert got.tflops is None and got.source == "unknown"
+    assert "Mystery Accelerator 9000" in got.detail and "report.peak_tflops" in got.detail
+
+
+def test_resolve_cuda_fp32_warns_when_tf32_is_on(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA L4")
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    got = resolve_peak(torch.device("cuda"), "fp32", None)
+    assert got.tflops == 30.3 and "TF32" in got.detail
+
+
+def test_other_device_types_are_unknown():
+    got = resolve_peak(torch.device("meta"), "fp32", None)
+    assert got.tflops is None and "report.peak_tflops" in got.detail
+
+
+def test_no_probe_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("ACCELRUN_NO_PEAK_PROBE", "1")
+    monkeypatch.setattr(peak_mod, "_probe", _no_probe)
+    got = resolve_peak(torch.device("cpu"), "fp32", None, cache_dir=tmp_path)
+    assert got.tflops is None and "ACCELRUN_NO_PEAK_PROBE" in got.detail
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp32", "float32"), ("bf16-mixed", "bfloat16")])
+def test_cpu_probe_measures_then_reads_cache(fast_probe, monkeypatch, tmp_path, precision, dtype):
+    first = resolve_peak(torch.device("cpu"), precision, None, cache_dir=tmp_path)
+    assert first.tflops is not None and first.tflops > 0
+    assert first.source.startswith(f"measured: torch.mm {dtype} 64x64 probe on ")
+    assert f"{torch.get_num_threads()} threads" in first.source
+    assert "measured now" in first.detail and "not a datasheet peak" in first.detail
+    files = list((tmp_path / "peak").glob("*.json"))
+    assert len(files) == 1 and str(files[0]) in first.source
+    assert json.loads(files[0].read_text())["key"]["dtype"] == dtype
+
+    monkeypatch.setattr(peak_mod, "_probe", _no_probe)
+    second = resolve_peak(torch.device("cpu"), precision, None, cache_dir=tmp_path)
+    assert second.tflops == first.tflops and second.source == first.source
+    assert "read from the cache" in second.detail
+
+
+def test_cpu_probe_cache_is_per_dtype_and_survives_corruption(fast_probe, tmp_path):
+    a = resolve_peak(torch.device("cpu"), "fp32", None, cache_dir=tmp_path)
+    resolve_peak(torch.device("cpu"), "bf16-mixed", None, cache_dir=tmp_path)
+    assert len(list((tmp_path / "peak").glob("*.json"))) == 2
+    path = a.source.rsplit("(cached ", 1)[1].rstrip(")")
+    with open(path, "w") as f:
+        f.write("{not json")
+    again = resolve_peak(torch.device("cpu"), "fp32", None, cache_dir=tmp_path)
+    assert again.tflops > 0 and "measured now" in again.detail
+
+
+def test_cache_dir_defaults_to_env(fast_probe, monkeypatch, tmp_path):
+    monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path / "c"))
+    got = resolve_peak(torch.device("cpu"), "fp32", None)
+    assert str(tmp_path / "c" / "peak") in got.source
