@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import click
-from rich.table import Table
 
 from accelrun.cli.common import config_argument, load, out, overrides_argument
+from accelrun.config.resolve import explain_text
 
 
 @click.group("config")
@@ -31,11 +31,5 @@ def show(config: str, overrides: tuple[str, ...], explain: bool) -> None:
         out.print(f"# config hash {resolved.hash}", markup=False)
         out.print(resolved.to_yaml(), markup=False, end="")
         return
-    table = Table(title=f"{resolved.config.name}  (config hash {resolved.hash})", title_justify="left")
-    table.add_column("key", style="bold")
-    table.add_column("value")
-    table.add_column("source", style="dim")
-    for key, value, source in resolved.explain():
-        style = "cyan" if source.kind == "override" else None
-        table.add_row(key, repr(value), str(source), style=style)
-    out.print(table)
+    out.print(f"# {resolved.config.name}  (config hash {resolved.hash})", markup=False)
+    out.print(explain_text(resolved), markup=False, end="")

@@ -28,13 +28,22 @@ class Source:
 
     def __str__(self) -> str:
         if self.kind == "file":
-            return f"{self.file}:{self.line}"
+            return f"{_display_path(self.file)}:{self.line}"
         if self.kind == "override":
             return f"override '{self.text}'"
         return "default"
 
 
 DEFAULT = Source("default")
+
+
+def _display_path(path: str | None) -> str:
+    """Paths under the working directory are shown relative to it, like a compiler's diagnostics."""
+    try:
+        rel = Path(path).relative_to(Path.cwd())
+    except (TypeError, ValueError):
+        return str(path)
+    return str(rel)
 
 
 @dataclass

@@ -63,6 +63,14 @@ class ResolvedConfig:
         return rows
 
 
+def explain_text(resolved: ResolvedConfig) -> str:
+    """The provenance table as aligned plain text: key, value, source; one line per value."""
+    rows = [(k, repr(v), str(src)) for k, v, src in resolved.explain()]
+    wk = max(len(r[0]) for r in rows)
+    wv = min(max(len(r[1]) for r in rows), 40)
+    return "".join(f"{k:<{wk}}  {v:<{wv}}  {src}\n" for k, v, src in rows)
+
+
 def resolve_config_path(ref: str | Path, dirs: list[Path]) -> Path:
     """A config argument is a file path, or a recipe name on the search path."""
     path = Path(ref).expanduser()

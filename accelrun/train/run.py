@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.console import Console
 
 from accelrun.config import ResolvedConfig
+from accelrun.config.resolve import explain_text
 from accelrun.report.env import collect_env
 from accelrun.report.files import write_json, write_text_atomic
 from accelrun.report.markdown import write_report_md
@@ -49,7 +50,7 @@ def train(
     console = console or Console(stderr=True)
     run_dir = create_run_dir(cfg.report.runs_dir, cfg.name)
     write_text_atomic(resolved.to_yaml(), run_dir / "config.yaml")
-    write_text_atomic(_provenance_text(resolved), run_dir / "config.sources.txt")
+    write_text_atomic(explain_text(resolved), run_dir / "config.sources.txt")
     write_text_atomic((command or "(called from Python)") + "\n", run_dir / "command.txt")
     env = collect_env()
     write_json(env, run_dir / "env.json")
@@ -149,12 +150,6 @@ def _breakdown(metrics: list[dict], warmup: int) -> dict[str, float] | None:
         return None
     parts = {"data": "data_time_s", "forward": "forward_s", "backward": "backward_s", "optimizer": "optimizer_s"}
     return {name: statistics.median(m.get(key) or 0.0 for m in steady) for name, key in parts.items()}
-
-
-def _provenance_text(resolved: ResolvedConfig) -> str:
-    rows = resolved.explain()
-    width = max(len(k) for k, _, _ in rows)
-    return "".join(f"{k:<{width}}  {v!r:<24}  {src}\n" for k, v, src in rows)
 
 
 def _announce(console: Console, s: TrainSetup, setup_s: float) -> None:

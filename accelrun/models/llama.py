@@ -1,0 +1,262 @@
+"""A Llama-family decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+The model is written to be built on the meta device and materialised later::
+
+    with torch.device("meta"):
+        model = Llama(args)
+    model.to_empty(device="cuda")
+    model.init_weights(seed=0)
+
+Nothing here knows about parallelism or compilation. The training loop may replace
+``model.layers[i]`` with a wrapped block (activation checkpointing, per-block ``torch.compile``);
+the model only ever reaches its blocks through ``self.layers`` at call time, and initialisation
+finds blocks by walking ``self.modules()``, which sees through such wrappers.
+
+Shape legend for suffixes and comments:
+    B batch, T sequence position, D model dim, H query heads, G key/value heads,
+    E head dim (D / H), R rotary pairs (E / 2), F feed-forward hidden dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """Shape and initialisation of a Llama model (the model section of a recipe, minus ``custom``)."""
+
+    arch: str = "llama"
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None = n_heads (no grouping)
+    ffn_dim: int = 768
+    vocab_size: int = 512
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        # Errors name the recipe key so a user can find it (the schema checks each field alone;
+        # these involve several).
+        if self.arch != "llama":
+            raise ValueError(f"model.arch: expected 'llama', got {self.arch!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+        if self.head_dim % 2:
+            raise ValueError(
+                f"model.dim / model.n_heads = {self.head_dim} must be even (rotary embeddings rotate pairs)"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.kv_heads})"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> LlamaArgs:
+        """From a ``ModelConfig`` (or anything with the same attribute names); ignores custom/kwargs."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the activation dtype: the mean of squares loses too much in bf16.
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None):
+    """cos and sin of the rotation angle for each position and rotary pair: two (T, R) fp32 tensors."""
+    inv_freq_R = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )
+    pos_T = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angle_TR = torch.outer(pos_T, inv_freq_R)
+    return angle_TR.cos(), angle_TR.sin()
+
+
+def apply_rope(x_BTHE: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) by the position's angle (Meta's reference layout)."""
+    x_BTHR2 = x_BTHE.float().unflatten(-1, (-1, 2))
+    x0, x1 = x_BTHR2.unbind(-1)  # each (B, T, H, R)
+    cos_T1R, sin_T1R = cos_TR[:, None, :].float(), sin_TR[:, None, :].float()
+    out_BTHR2 = torch.stack((x0 * cos_T1R - x1 * sin_T1R, x0 * sin_T1R + x1 * cos_T1R), dim=-1)
+    return out_BTHR2.flatten(-2).type_as(x_BTHE)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        # Head counts are inferred (-1) from the projections' widths, so a layer whose projections hold
+        # a slice of the heads (tensor parallelism) runs unchanged.
+        q_BTHE = apply_rope(self.wq(x_BTD).view(B, T, -1, self.head_dim), cos_TR, sin_TR)
+        k_BTGE = apply_rope(self.wk(x_BTD).view(B, T, -1, self.head_dim), cos_TR, sin_TR)
+        v_BTGE = self.wv(x_BTD).view(B, T, -1, self.head_dim)
+
+        q_BHTE, k_BGTE, v_BGTE = (t.transpose(1, 2) for t in (q_BTHE, k_BTGE, v_BTGE))
+        # Expand key/value heads explicitly rather than passing enable_gqa=True: with enable_gqa, fp32
+        # inputs on CUDA fall back to the unfused math kernel, while an expanded plain SDPA call gets a
+        # fused kernel on every backend and dtype (and is the form graph passes pattern-match).
+        group = q_BHTE.shape[1] // k_BGTE.shape[1]
+        if group > 1:
+            k_BGTE = k_BGTE.repeat_interleave(group, dim=1)  # (B, H, T, E)
+            v_BGTE = v_BGTE.repeat_interleave(group, dim=1)
+        o_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BGTE, v_BGTE, is_causal=True)
+        return self.wo(o_BHTE.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_BTD)) * self.w3(x_BTD))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def init_weights(self, std: float, residual_std: float, generator: torch.Generator | None = None) -> None:
+        for linear in (self.attention.wq, self.attention.wk, self.attention.wv,
+                       self.feed_forward.w1, self.feed_forward.w3):  # fmt: skip
+            nn.init.normal_(linear.weight, 0.0, std, generator=generator)
+        # Projections that write into the residual stream are scaled down so the stream's variance
+        # does not grow with depth (GPT-2's 1/sqrt(2 * n_layers)).
+        for linear in (self.attention.wo, self.feed_forward.w2):
+            nn.init.normal_(linear.weight, 0.0, residual_std, generator=generator)
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+
+    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TR, sin_TR)
+        return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
+
+
+class Llama(nn.Module):
+    """Token ids (B, T) → logits (B, T, V), causal.
+
+    A pipeline stage may set ``tok_embeddings``, ``norm`` or ``output`` to None; the forward then
+    takes or returns hidden states (B, T, D) at that end instead.
+    """
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+        # Derived from args, not learned: kept out of the state dict, recomputed by init_buffers()
+        # after to_empty() (which leaves buffers uninitialised).
+        cos_TR, sin_TR = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos_TR, persistent=False)
+        self.register_buffer("rope_sin", sin_TR, persistent=False)
+
+    def tie_weights(self) -> None:
+        """Make the output layer share the embedding's weight (when ``tie_embeddings``)."""
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse=True):
+        # to_empty() (and any conversion off the meta device) gives each module a fresh Parameter,
+        # which would silently untie the output layer from the embedding; tie them again.
+        super()._apply(fn, recurse)
+        self.tie_weights()
+        return self
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute the rotary tables (on ``device``, default: where the embeddings live)."""
+        if device is None:
+            device = self.rope_cos.device
+        a = self.args
+        self.rope_cos, self.rope_sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=device)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter and buffer in place (after ``to_empty``).
+
+        Weights ~ normal(0, init_std); residual projections (wo, w2) and the untied output layer use
+        init_std / sqrt(2 * n_layers); RMSNorm weights are 1. ``seed`` makes the result independent of
+        the global RNG (a generator on the parameters' device); None draws from the global RNG, which is
+        what sharded (DTensor) parameters need.
+        """
+        self.init_buffers()
+        a = self.args
+        residual_std = a.init_std / math.sqrt(2 * a.n_layers)
+        device = self.rope_cos.device
+        generator = None
+        if seed is not None and device.type != "meta":
+            generator = torch.Generator(device=device).manual_seed(seed)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, 0.0, a.init_std, generator=generator)
+        # Walk modules rather than self.layers so blocks wrapped by the training loop are still found;
+        # modules() yields in registration order, so the draw order (and the result) is deterministic.
+        for module in self.modules():
+            if isinstance(module, TransformerBlock):
+                module.init_weights(a.init_std, residual_std, generator)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not a.tie_embeddings:
+            nn.init.normal_(self.output.weight, 0.0, residual_std, generator=generator)
+
+    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        T = tokens_BT.shape[1]
+        if T > self.args.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len ({self.args.max_seq_len})")
+        h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
+        cos_TR, sin_TR = self.rope_cos[:T], self.rope_sin[:T]
+        for layer in self.layers:
+            h_BTD = layer(h_BTD, cos_TR, sin_TR)
+        if self.norm is not None:
+            h_BTD = self.norm(h_BTD)
+        if self.output is None:
+            return h_BTD
+        # Logits in fp32 whatever the compute dtype: the loss's log-softmax needs the range.
+        return self.output(h_BTD).float()

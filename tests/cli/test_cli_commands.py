@@ -1,0 +1,112 @@
+"""The CLI as a user drives it: exit codes, messages, and what each command prints or writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from accelrun import __version__
+from accelrun.cli.main import cli
+from tests.conftest import DEFAULT_CONFIG
+
+COMMANDS = [["train"], ["validate"], ["config", "show"], ["recipes", "list"], ["recipes", "show"],
+            ["recipes", "cp"], ["data", "prepare"]]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_version():
+    r = invoke("--version")
+    assert r.exit_code == 0 and __version__ in r.output
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=" ".join)
+def test_every_command_has_help_with_examples(cmd):
+    r = invoke(*cmd, "--help")
+    assert r.exit_code == 0 and "Example" in r.output
+
+
+def test_validate_ok_prints_summary():
+    r = invoke("validate", DEFAULT_CONFIG)
+    assert r.exit_code == 0, r.output
+    assert "valid" in r.output and "config hash" in r.output and "data-parallel 1" in r.output
+
+
+def test_validate_typo_exits_2_with_location_and_suggestion(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"extends: {DEFAULT_CONFIG}\ntrain:\n  stesp: 5\n")
+    r = invoke("validate", bad)
+    assert r.exit_code == 2
+    assert f"{bad}:3: unknown key 'train.stesp'; did you mean 'train.steps'?" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_yaml_syntax_error_exits_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {steps: 3\n")
+    r = invoke("validate", bad)
+    assert r.exit_code == 2 and "YAML syntax error" in r.output and f"{bad}:2:1" in r.output
+
+
+def test_missing_config_file_exits_2(tmp_path):
+    r = invoke("train", tmp_path / "nope.yaml")
+    assert r.exit_code == 2 and "config file not found" in r.output
+
+
+def test_debug_flag_shows_the_traceback(tmp_path):
+    r = invoke("--debug", "validate", DEFAULT_CONFIG, "trian.steps=1")
+    assert r.exit_code != 0 and type(r.exception).__name__ == "ConfigError"
+
+
+def test_config_show_resolved_yaml_and_explain():
+    r = invoke("config", "show", DEFAULT_CONFIG, "train.steps=7")
+    assert r.exit_code == 0
+    doc = yaml.safe_load(r.output)
+    assert doc["train"]["steps"] == 7 and doc["model"]["dim"] > 0
+    r = invoke("config", "show", DEFAULT_CONFIG, "train.steps=7", "--explain")
+    assert r.exit_code == 0
+    assert "override 'train.steps=7'" in r.output and "recipes/model/debug.yaml" in r.output
+
+
+def test_recipes_list_show_cp(tmp_path):
+    r = invoke("recipes", "list")
+    assert r.exit_code == 0 and "model/llama3-8b" in r.output and "parallel/fsdp" in r.output
+    r = invoke("recipes", "show", "model/llama3-8b")
+    assert r.exit_code == 0 and "dim: 4096" in r.output
+    r = invoke("recipes", "cp", "model/debug", tmp_path)
+    assert r.exit_code == 0 and (tmp_path / "debug.yaml").is_file()
+    r = invoke("recipes", "cp", "model/debug", tmp_path)
+    assert r.exit_code == 2 and "--force" in r.output
+    r = invoke("recipes", "show", "model/llama3-8", )
+    assert r.exit_code == 2 and "did you mean" in r.output
+
+
+def test_train_tiny_run_and_multiprocess_refusal(tiny, tmp_path):
+    r = invoke("train", DEFAULT_CONFIG, *tiny(3, "checkpoint.enabled=false"))
+    assert r.exit_code == 0, r.output
+    (run_dir,) = list((tmp_path / "runs" / "llama-debug").iterdir())
+    assert json.loads((run_dir / "report.json").read_text())["steps"] == 3
+    assert (run_dir / "command.txt").read_text().startswith("accelrun")
+    r = invoke("train", DEFAULT_CONFIG, "parallel.nproc_per_node=2")
+    assert r.exit_code == 2 and "parallel.nproc_per_node" in r.output
+
+
+def test_data_prepare_then_train_on_tokens(tiny, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"doc{i}.txt").write_text(f"document {i} " * 2000)
+    out = tmp_path / "tokens.bin"
+    r = invoke("data", "prepare", str(corpus / "*.txt"), "-o", out)
+    assert r.exit_code == 0, r.output
+    assert out.is_file()
+    r = invoke("train", DEFAULT_CONFIG, *tiny(2, "checkpoint.enabled=false", "data.source=tokens",
+                                              f"data.paths=[{out}]"))
+    assert r.exit_code == 0, r.output
+    r = invoke("train", DEFAULT_CONFIG, *tiny(2, "data.source=text", f"data.paths=[{tmp_path}/none*.txt]"))
+    assert r.exit_code == 2 and "none*.txt" in r.output

@@ -1,0 +1,186 @@
+"""build_model for the built-in Llama and for a user's model named by import path."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import uuid
+
+import pytest
+import torch
+from torch import nn
+
+from accelrun.config.schema import ModelConfig
+from accelrun.models import (
+    Llama,
+    LlamaArgs,
+    ModelBuildError,
+    build_model,
+    flops_per_token,
+    model_flops_per_token,
+    model_summary,
+    param_count,
+    transformer_blocks,
+)
+
+SMALL = {
+    "dim": 32,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "ffn_dim": 64,
+    "vocab_size": 64,
+    "max_seq_len": 64,
+}
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """Write a module into a folder on sys.path; returns a function (source) -> module name."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def write(source: str) -> str:
+        name = f"accelrun_user_model_{uuid.uuid4().hex[:8]}"
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        monkeypatch.delitem(sys.modules, name, raising=False)  # undo the import at teardown
+        return name
+
+    return write
+
+
+FACTORIES = """
+    import torch
+    from torch import nn
+
+    class Tiny(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+        def flops_per_token(self, seq_len):
+            return 6 * sum(p.numel() for p in self.parameters())
+
+    def factory(width=8):
+        return Tiny(width)
+
+    def plain(width=8):
+        return nn.Linear(width, width)
+
+    def not_a_module():
+        return {"not": "a module"}
+
+    NOT_CALLABLE = 3
+
+    class Namespace:
+        @staticmethod
+        def create(width=4):
+            return nn.Linear(width, width)
+"""
+
+
+def test_llama_on_meta_and_on_cpu():
+    cfg = ModelConfig(**SMALL)
+    on_meta = build_model(cfg)
+    assert isinstance(on_meta, Llama) and all(p.is_meta for p in on_meta.parameters())
+
+    a, b = build_model(cfg, "cpu", seed=5), build_model(cfg, torch.device("cpu"), seed=5)
+    assert all(p.device.type == "cpu" for p in a.parameters())
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    assert a(torch.randint(0, 64, (2, 8))).shape == (2, 8, 64)
+
+
+def test_transformer_blocks_are_the_models_layers():
+    model = build_model(ModelConfig(**SMALL))
+    assert transformer_blocks(model) is model.layers
+    assert transformer_blocks(nn.Linear(2, 2)) is None
+
+
+def test_llama_flops_and_summary():
+    cfg = ModelConfig(**SMALL)
+    args = LlamaArgs.from_config(cfg)
+    assert model_flops_per_token(cfg, 32) == flops_per_token(args, 32)
+    summary = model_summary(cfg, build_model(cfg), seq_len=32)
+    assert summary == {
+        "arch": "llama",
+        "custom": None,
+        "params_total": param_count(args),
+        "params_non_embedding": param_count(args, embeddings=False),
+        "flops_per_token": flops_per_token(args, 32),
+    }
+    assert model_summary(cfg, build_model(cfg))["flops_per_token"] is None
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_custom_factory_is_called_with_kwargs_under_the_device(user_module, device):
+    name = user_module(FACTORIES)
+    cfg = ModelConfig(custom=f"{name}:factory", kwargs={"width": 6})
+    model = build_model(cfg, device)
+    assert type(model).__name__ == "Tiny"
+    assert model.layers[0].weight.shape == (6, 6)
+    assert all(p.device.type == device for p in model.parameters())
+    assert transformer_blocks(model) is model.layers
+
+
+def test_custom_nested_attribute(user_module):
+    name = user_module(FACTORIES)
+    model = build_model(ModelConfig(custom=f"{name}:Namespace.create"), "cpu")
+    assert isinstance(model, nn.Linear) and model.weight.shape == (4, 4)
+
+
+def test_custom_flops_and_summary(user_module):
+    name = user_module(FACTORIES)
+    cfg = ModelConfig(custom=f"{name}:factory", kwargs={"width": 4})
+    model = build_model(cfg, "cpu")
+    assert model_flops_per_token(cfg, 16) is None  # no model given: cannot know
+    assert model_flops_per_token(cfg, 16, model) == 6 * 40.0
+    summary = model_summary(cfg, model, seq_len=16)
+    assert summary["arch"] == "custom" and summary["custom"] == cfg.custom
+    assert summary["params_total"] == 40 and summary["params_non_embedding"] is None
+    assert summary["flops_per_token"] == 240.0
+
+    plain_cfg = ModelConfig(custom=f"{name}:plain")
+    assert model_flops_per_token(plain_cfg, 16, build_model(plain_cfg, "cpu")) is None
+
+
+@pytest.mark.parametrize(
+    "attr, kwargs, message",
+    [
+        ("missing", {}, "has no attribute 'missing'"),
+        ("Namespace.missing", {}, "has no attribute 'Namespace.missing'"),
+        ("NOT_CALLABLE", {}, "'NOT_CALLABLE' is a int, not a callable"),
+        ("not_a_module", {}, "returned a dict, not a torch.nn.Module"),
+        ("factory", {"depth": 3}, r"model.kwargs = \{'depth': 3\} failed: TypeError: .*depth"),
+    ],
+)
+def test_custom_errors_name_the_key_and_the_problem(user_module, attr, kwargs, message):
+    name = user_module(FACTORIES)
+    with pytest.raises(ModelBuildError, match=message) as info:
+        build_model(ModelConfig(custom=f"{name}:{attr}", kwargs=kwargs), "cpu")
+    assert str(info.value).startswith(f"model.custom = '{name}:{attr}': ")
+    assert isinstance(info.value, ValueError)
+
+
+def test_custom_missing_module():
+    with pytest.raises(ModelBuildError, match="no module named 'accelrun_no_such_pkg'") as info:
+        build_model(ModelConfig(custom="accelrun_no_such_pkg.models:factory"))
+    assert "model.custom = 'accelrun_no_such_pkg.models:factory'" in str(info.value)
+
+
+def test_custom_module_whose_own_import_fails(user_module):
+    name = user_module("import accelrun_missing_dependency_xyz\n")
+    with pytest.raises(
+        ModelBuildError, match=f"importing '{name}' failed: .*accelrun_missing_dependency_xyz"
+    ):
+        build_model(ModelConfig(custom=f"{name}:factory"))
+
+
+def test_custom_module_that_raises_on_import(user_module):
+    name = user_module("raise RuntimeError('broken on purpose')\n")
+    with pytest.raises(ModelBuildError, match=f"importing '{name}' failed: RuntimeError: broken on purpose"):
+        build_model(ModelConfig(custom=f"{name}:factory"))
