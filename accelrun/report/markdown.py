@@ -27,6 +27,7 @@ def render_report_md(report: dict, config_summary: dict, *, env: dict | None = N
     lines += [f"config hash `{config_summary.get('config_hash', 'unknown')}` · "
               f"{report.get('steps', 0)} steps", ""]
     lines += _headline(report) + [""]
+    lines += _breakdown_section(report)
     lines += _loss_section(report) + [""]
     extra = {k: v for k, v in config_summary.items()
              if k not in ("name", "config_hash") and (v is None or isinstance(v, (str, int, float, bool)))}
@@ -63,6 +64,17 @@ def _headline(r: dict) -> list[str]:
         ("total step time", _secs(r.get("total_time_s"))),
     ]
     return ["| figure | value |", "| --- | --- |"] + [f"| {k} | {_cell(v)} |" for k, v in rows]
+
+
+def _breakdown_section(r: dict) -> list[str]:
+    """Median seconds per part of a steady step, when the loop measured them."""
+    parts = r.get("step_breakdown_s")
+    if not parts:
+        return []
+    total = sum(parts.values()) or 1.0
+    lines = ["## Step time breakdown (steady-state medians)", "", "| part | time | share |", "| --- | ---: | ---: |"]
+    lines += [f"| {name} | {_secs(t)} | {_pct(t / total)} |" for name, t in parts.items()]
+    return lines + [""]
 
 
 def _loss_section(r: dict) -> list[str]:

@@ -48,9 +48,10 @@ class Peak:
     tflops: float | None
     source: str
     detail: str = ""
+    cache_file: str | None = None  # where a measured peak is cached (None: not measured)
 
     def to_dict(self) -> dict:
-        return {"tflops": self.tflops, "source": self.source, "detail": self.detail}
+        return {"tflops": self.tflops, "source": self.source, "detail": self.detail, "cache_file": self.cache_file}
 
 
 def _check_precision(precision: str) -> None:
@@ -181,7 +182,7 @@ def measure_cpu_peak(precision: str, cache_dir: Path | None = None) -> Peak:
               f"(cached {path})")
     detail = (f"{how}; best of {result['repeats']} repeats. An achievable matmul rate, not a datasheet "
               "peak: CPU MFU is the fraction of the best achievable matmul rate")
-    return Peak(result["tflops"], source, detail)
+    return Peak(result["tflops"], source, detail, cache_file=str(path))
 
 
 def _read_cache(path: Path, key: dict) -> dict | None:

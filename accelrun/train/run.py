@@ -105,6 +105,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
             "compile time = first step's time minus the steady median step time (Dynamo and the "
             "backend compile lazily inside the first step)"
         )
+    _distrust_low_probe(report, s)
     report.update(
         status=status,
         error=str(error) if error else None,
@@ -133,6 +134,18 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
     write_report_md(report, summary, run_dir / "report.md", env=env)
     write_json(report, run_dir / "report.json")  # last: its presence marks the run as ended
     return report
+
+
+def _distrust_low_probe(report: dict, s: TrainSetup) -> None:
+    """A measured CPU peak below what training achieved was taken while the CPU was busy elsewhere:
+    say so, and drop the cached figure so the next run measures again."""
+    if report.get("mfu") is None or report["mfu"] <= 1.0 or not s.peak.cache_file:
+        return
+    Path(s.peak.cache_file).unlink(missing_ok=True)
+    report["notes"].append(
+        f"MFU above 100%: the cached CPU peak ({s.peak.tflops:.4g} TFLOP/s) was measured while the "
+        "machine was busy; it has been deleted and the next run measures it again"
+    )
 
 
 def _compile_time(metrics: list[dict]) -> float | None:

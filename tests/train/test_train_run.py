@@ -164,3 +164,23 @@ def test_threads_setting_is_applied(tiny):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_probe_below_achieved_rate_is_flagged_and_forgotten(tiny, tmp_path, monkeypatch):
+    import accelrun.train.setup as setup
+    from accelrun.report.peak import Peak
+
+    cache = tmp_path / "peak.json"
+    cache.write_text("{}")
+    monkeypatch.setattr(setup, "resolve_peak", lambda *a, **k: Peak(1e-9, "measured: fake", "", str(cache)))
+    report = run(tiny(3, "checkpoint.enabled=false")).report
+    assert report["mfu"] > 1 and not cache.exists()
+    assert any("MFU above 100%" in n for n in report["notes"])
+
+
+def test_inductor_backend_matches_eager(tiny):
+    # Inductor compiles each transformer block once (the first step: ~30-45 s on a 2-core CPU).
+    eager = run(tiny(3, "name=eager", "checkpoint.enabled=false"))
+    compiled = run(tiny(3, "name=inductor", "checkpoint.enabled=false", "compile.backend=inductor"))
+    assert losses(compiled.run_dir) == pytest.approx(losses(eager.run_dir), rel=1e-5)
+    assert compiled.report["compile_time_s"] is not None and compiled.report["compiled"].startswith("2 transformer")
