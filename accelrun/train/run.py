@@ -175,7 +175,7 @@ def _announce(console: Console, s: TrainSetup, setup_s: float) -> None:
     peak = f"{s.peak.tflops:.3f} TFLOP/s ({s.peak.source})" if s.peak.tflops else f"unknown ({s.peak.detail})"
     console.print(f"MFU peak: {peak}", highlight=False)
     if s.resumed_from:
-        console.print(f"resuming from {s.resumed_from} at step {s.start_step}", highlight=False)
+        console.print(f"resuming from {s.resumed_from} at step {s.start_step} ({s.resume_reason})", highlight=False)
     elif s.config.checkpoint.resume != "none":
         console.print(f"starting fresh: {s.resume_reason}", highlight=False)
 

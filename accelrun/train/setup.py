@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
-from accelrun.config import ResolvedConfig, RunConfig
+from accelrun.config import ConfigError, ResolvedConfig, RunConfig
 from accelrun.data import build_data
 from accelrun.models import build_model, model_flops_per_token, model_summary, transformer_blocks
 from accelrun.report.peak import Peak, resolve_peak
@@ -65,6 +66,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _first_line(e: BaseException) -> str:
+    # DCP wraps each rank's error; show the first underlying one.
+    failures = getattr(e, "failures", None)
+    if failures:
+        e = getattr(next(iter(failures.values())), "exc", e)
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def build_setup(resolved: ResolvedConfig, run_dir: Path) -> TrainSetup:
     cfg = resolved.config
     t = cfg.train
@@ -97,13 +106,24 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path) -> TrainSetup:
     decision: ResumeDecision = decide_resume(
         cfg.checkpoint.resume, run_dir.parent, run_dir, resolved.training_hash
     )
-    start_step, resumed_from = 0, None
+    start_step, resumed_from, reason = 0, None, decision.reason
     if decision.checkpoint is not None:
-        remove_partial(decision.checkpoint.path.parent)
-        saved = load_checkpoint(decision.checkpoint.path, model, optimizer)
+        ckpt = decision.checkpoint
+        remove_partial(ckpt.path.parent)
+        try:
+            saved = load_checkpoint(ckpt.path, model, optimizer)
+        except (CheckpointException, RuntimeError, KeyError, ValueError) as e:
+            raise ConfigError(
+                f"checkpoint.resume: {ckpt.path} does not fit this recipe's model or optimizer "
+                f"(written with training hash {ckpt.config_hash}, this run's is {resolved.training_hash}): "
+                f"{_first_line(e)}"
+            ) from None
         scheduler.load_state_dict(saved["scheduler"])
         data.load_state_dict(saved["data"])
-        start_step, resumed_from = int(saved["step"]), decision.checkpoint.path
+        start_step, resumed_from = int(saved["step"]), ckpt.path
+        if ckpt.config_hash != resolved.training_hash:
+            reason += (f"; note: written with training hash {ckpt.config_hash}, this run's is "
+                       f"{resolved.training_hash}, so the losses will not match a continuous run")
 
     return TrainSetup(
         config=cfg,
@@ -122,6 +142,6 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path) -> TrainSetup:
         checkpoint_dir=checkpoint_dir,
         start_step=start_step,
         resumed_from=resumed_from,
-        resume_reason=decision.reason,
+        resume_reason=reason,
         model_info=info,
     )

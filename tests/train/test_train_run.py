@@ -184,3 +184,11 @@ def test_inductor_backend_matches_eager(tiny):
     compiled = run(tiny(3, "name=inductor", "checkpoint.enabled=false", "compile.backend=inductor"))
     assert losses(compiled.run_dir) == pytest.approx(losses(eager.run_dir), rel=1e-5)
     assert compiled.report["compile_time_s"] is not None and compiled.report["compiled"].startswith("2 transformer")
+
+
+def test_resuming_a_checkpoint_of_another_model_is_a_clear_error(tiny):
+    from accelrun.config import ConfigError
+
+    first = run(tiny(2, "name=small", "checkpoint.every=2"))
+    with pytest.raises(ConfigError, match="does not fit this recipe's model"):
+        run(tiny(4, "name=big", "model.dim=128", f"checkpoint.resume={first.run_dir}"))
