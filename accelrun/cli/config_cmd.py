@@ -10,7 +10,13 @@ from accelrun.config.resolve import explain_text
 
 @click.group("config")
 def command() -> None:
-    """Inspect resolved recipes."""
+    """Inspect resolved recipes.
+
+    \b
+    Examples:
+      accelrun config show configs/llama.yaml
+      accelrun config show configs/llama.yaml train.steps=10 --explain
+    """
 
 
 @command.command("show")

@@ -12,7 +12,12 @@ from accelrun.cli.common import err, out
 
 @click.group("data")
 def command() -> None:
-    """Prepare training data."""
+    """Prepare training data.
+
+    \b
+    Example:
+      accelrun data prepare 'corpus/**/*.txt' -o data/corpus.tok
+    """
 
 
 @command.command("prepare")
@@ -24,8 +29,8 @@ def prepare(inputs: tuple[str, ...], output: Path, max_bytes: int | None) -> Non
 
     \b
     Examples:
-      accelrun data prepare 'corpus/**/*.txt' -o data/corpus.bin
-      accelrun train configs/llama.yaml data.source=tokens 'data.paths=[data/corpus.bin]'
+      accelrun data prepare 'corpus/**/*.txt' -o data/corpus.tok
+      accelrun train configs/llama.yaml data.source=tokens 'data.paths=[data/corpus.tok]'
     """
     from accelrun.data import prepare_tokens
 

@@ -7,11 +7,13 @@ import os
 import click
 
 from accelrun import __version__
-from accelrun.cli.common import EXIT_DIVERGED, EXIT_USER_ERROR, print_user_error, user_error_types
+from accelrun.cli.common import print_user_error
+from accelrun.errors import UserError
 
 
 class AccelrunGroup(click.Group):
-    """Turns errors a user can fix into one message and exit code 2; ``--debug`` shows the traceback."""
+    """Turns errors a user can fix into one message and their exit code (2; 3 for a diverged run);
+    ``--debug`` shows the traceback."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -20,12 +22,9 @@ class AccelrunGroup(click.Group):
             debug = (ctx.obj or {}).get("debug") or os.environ.get("ACCELRUN_DEBUG") == "1"
             if debug:
                 raise
-            if isinstance(e, user_error_types()):
+            if isinstance(e, UserError):
                 print_user_error(e)
-                ctx.exit(EXIT_USER_ERROR)
-            if type(e).__name__ == "TrainingDiverged":
-                print_user_error(e)
-                ctx.exit(EXIT_DIVERGED)
+                ctx.exit(e.exit_code)
             raise
 
 

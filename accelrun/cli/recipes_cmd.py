@@ -19,6 +19,12 @@ def command() -> None:
 
     Search path, first match wins: ./recipes, then $ACCELRUN_RECIPE_PATH (os.pathsep-separated),
     then the recipes shipped with accelrun.
+
+    \b
+    Examples:
+      accelrun recipes list
+      accelrun recipes show parallel/fsdp
+      accelrun recipes cp model/debug recipes/model/mine.yaml
     """
 
 

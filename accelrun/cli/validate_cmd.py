@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+from rich.markup import escape
 
 from accelrun.cli.common import config_argument, load, out, overrides_argument
 
@@ -25,14 +26,14 @@ def command(config: str, overrides: tuple[str, ...]) -> None:
     c = resolved.config
     deg = c.parallel.degrees()
     out.print(f"[green]valid[/]: {c.name}  (config hash {resolved.hash})")
-    out.print(f"  files: {', '.join(str(f) for f in resolved.files)}")
+    out.print(f"  files: {', '.join(str(f) for f in resolved.files)}", markup=False)
     if resolved.overrides:
-        out.print(f"  overrides: {' '.join(resolved.overrides)}")
+        out.print(f"  overrides: {escape(' '.join(resolved.overrides))}")
     model = c.model.custom or (
         f"llama dim={c.model.dim} layers={c.model.n_layers} heads={c.model.n_heads}/{c.model.kv_heads} "
         f"ffn={c.model.ffn_dim} vocab={c.model.vocab_size}"
     )
-    out.print(f"  model: {model}")
+    out.print(f"  model: {model}", markup=False)
     out.print(
         f"  batch: global {c.train.global_batch} = micro {c.train.micro_batch} × accumulation "
         f"{c.grad_accum} × data-parallel {c.parallel.dp}; seq_len {c.train.seq_len}; "

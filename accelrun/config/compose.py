@@ -14,7 +14,7 @@ import yaml
 
 from accelrun.config.errors import ConfigError
 from accelrun.config.search import find_recipe, looks_like_path
-from accelrun.config.yaml_lines import KeyPath, load_yaml_file
+from accelrun.config.yaml_lines import KeyPath, dotted, load_yaml_file
 
 
 @dataclass(frozen=True)
@@ -117,18 +117,9 @@ def merge_into(dst: Composed, data: dict, sources: dict[KeyPath, Source], prefix
 
 
 def apply_override(dst: Composed, text: str) -> None:
-    """Apply ``key.path=value`` (value parsed as YAML) or ``~key.path`` (remove the key)."""
-    src = Source("override", text=text)
+    """Apply ``key.path=value`` (value parsed as YAML) or ``~key.path`` (remove the key or list item)."""
     if text.startswith("~"):
-        path = _parse_key_path(text[1:], text)
-        try:
-            parent = _walk(dst.data, path[:-1], text)
-        except ConfigError:
-            parent = None
-        if not isinstance(parent, dict) or path[-1] not in parent:
-            raise ConfigError(f"override '{text}': nothing to remove at '{text[1:]}'")
-        del parent[path[-1]]
-        _forget_below(dst.sources, path)
+        _remove(dst, _parse_key_path(text[1:], text), text)
         return
     key, sep, raw = text.partition("=")
     if not sep:
@@ -138,27 +129,60 @@ def apply_override(dst: Composed, text: str) -> None:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override '{text}': value is not valid YAML: {getattr(e, 'problem', e)}") from None
-    if any(isinstance(p, int) for p in path):
-        _set_in_list(dst, path, value, src, text)
+    src = Source("override", text=text)
+    value_sources = {path + p: src for p in _all_paths(value)}
+    if any(isinstance(p, int) for p in path):  # into a list: the containers on the way must exist
+        parent, last = _container(dst.data, path, text)
+        parent[last] = value
+        _forget_below(dst.sources, path)
+        dst.sources.update({path: src, **value_sources})
         return
     nested: Any = value
     for part in reversed(path):
         nested = {part: nested}
-    leaf_sources = {path[: i + 1]: src for i in range(len(path))}
-    if isinstance(value, dict | list):
-        leaf_sources.update({path + p: src for p in _all_paths(value)})
-    # Overrides replace a mapping only when the value is one: `train.optimizer={lr: 1}` merges.
-    merge_into(dst, nested, leaf_sources)
+    # A mapping value merges into the mapping already there (`train.optimizer={lr: 1}` keeps the
+    # other optimizer keys); any other value replaces what was there.
+    merge_into(dst, nested, {**{path[: i + 1]: src for i in range(len(path))}, **value_sources})
 
 
-def _set_in_list(dst: Composed, path: KeyPath, value: Any, src: Source, text: str) -> None:
-    parent = _walk(dst.data, path[:-1], text)
+def _remove(dst: Composed, path: KeyPath, text: str) -> None:
+    try:
+        parent, last = _container(dst.data, path, text)
+    except ConfigError:
+        parent, last = None, None
+    if isinstance(parent, dict) and last in parent:
+        del parent[last]
+        _forget_below(dst.sources, path)
+    elif isinstance(parent, list):
+        del parent[last]
+        _forget_below(dst.sources, path)
+        _renumber_after(dst.sources, path)
+    else:
+        raise ConfigError(f"override '{text}': nothing to remove at '{text[1:]}'")
+
+
+def _container(data: Any, path: KeyPath, text: str) -> tuple[dict | list, str | int]:
+    """The mapping or list that holds ``path``'s last part, and that part (a valid list index)."""
+    parent = _walk(data, path[:-1], text)
     last = path[-1]
-    if isinstance(parent, list) and not (isinstance(last, int) and last < len(parent)):
-        raise ConfigError(f"override '{text}': index {last} is outside the list (length {len(parent)})")
-    parent[last] = value
-    _forget_below(dst.sources, path)
-    dst.sources[path] = src
+    if isinstance(parent, list):
+        if not (isinstance(last, int) and last < len(parent)):
+            raise ConfigError(f"override '{text}': {last} is not an index of '{dotted(path[:-1])}' "
+                              f"(a list of {len(parent)})")
+    elif not isinstance(parent, dict):
+        raise ConfigError(f"override '{text}': '{dotted(path[:-1])}' is {parent!r}, not a list or mapping")
+    return parent, last
+
+
+def _renumber_after(sources: dict[KeyPath, Source], removed: KeyPath) -> None:
+    """After deleting list item ``removed``, the items behind it move up by one: so do their sources."""
+    base, index = removed[:-1], removed[-1]
+    moved = {}
+    for p in [p for p in sources if p[: len(base)] == base and len(p) > len(base)]:
+        i = p[len(base)]
+        if isinstance(i, int) and i > index:
+            moved[base + (i - 1,) + p[len(base) + 1 :]] = sources.pop(p)
+    sources.update(moved)
 
 
 def _parse_key_path(key: str, text: str) -> KeyPath:
@@ -174,7 +198,7 @@ def _walk(data: Any, path: KeyPath, text: str) -> Any:
         elif isinstance(data, list) and isinstance(part, int) and part < len(data):
             data = data[part]
         else:
-            raise ConfigError(f"override '{text}': no key '{part}' on the way to '{'.'.join(map(str, path))}'")
+            raise ConfigError(f"override '{text}': no key '{part}' on the way to '{dotted(path)}'")
     return data
 
 

@@ -1,17 +1,15 @@
-"""Errors a user can cause with a recipe: one clear message each, exit code 2 at the CLI."""
+"""Recipe errors, and the "did you mean" used in their messages."""
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
 
+from accelrun.errors import UserError
 
-class ConfigError(Exception):
-    """A recipe problem the user can fix. ``messages`` holds one line per problem found."""
 
-    def __init__(self, messages: str | list[str]):
-        self.messages = [messages] if isinstance(messages, str) else list(messages)
-        super().__init__("\n".join(self.messages))
+class ConfigError(UserError):
+    """A recipe problem the user can fix: file:line, key, what was expected."""
 
 
 def nearest(word: str, candidates: Iterable[str]) -> str | None:

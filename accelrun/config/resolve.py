@@ -15,8 +15,8 @@ from accelrun.config.compose import Composed, Source, apply_override, compose_fi
 from accelrun.config.errors import ConfigError
 from accelrun.config.schema import RunConfig
 from accelrun.config.search import find_recipe, looks_like_path, search_path
-from accelrun.config.validate import dotted, source_of, validate
-from accelrun.config.yaml_lines import KeyPath
+from accelrun.config.validate import config_warnings, source_of, validate
+from accelrun.config.yaml_lines import KeyPath, dotted
 
 
 @dataclass
@@ -25,6 +25,7 @@ class ResolvedConfig:
     sources: dict[KeyPath, Source]
     files: list[Path]
     overrides: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # values with no effect, and the like
 
     def to_dict(self) -> dict[str, Any]:
         return self.config.model_dump(mode="json")
@@ -95,4 +96,5 @@ def load_config(
     for text in overrides:
         apply_override(composed, text)
     cfg = validate(composed.data, composed.sources)
-    return ResolvedConfig(cfg, composed.sources, composed.files, list(overrides))
+    warnings = config_warnings(cfg, composed.sources)
+    return ResolvedConfig(cfg, composed.sources, composed.files, list(overrides), warnings)

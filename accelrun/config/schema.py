@@ -17,6 +17,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # a directory name: no separators, no leading dot
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 # A parallel degree: a positive integer, or -1 meaning "whatever the world size leaves".
@@ -95,7 +96,7 @@ class TrainConfig(Section):
     seq_len: PositiveInt = 256
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig)
-    grad_clip: Annotated[float, Field(ge=0)] | None = 1.0
+    grad_clip: Annotated[float, Field(ge=0)] | None = Field(1.0, description="max grad norm; null or 0 = no clipping")
     seed: int = 0
     precision: Literal["fp32", "bf16-mixed"] = "fp32"
     activation_checkpoint: ActivationCheckpointConfig = Field(default_factory=ActivationCheckpointConfig)
@@ -140,7 +141,7 @@ class CompileConfig(Section):
 
 
 class CheckpointConfig(Section):
-    enabled: bool = True
+    enabled: bool = Field(True, description="write checkpoints (resume reads them either way)")
     every: PositiveInt = 100
     keep: PositiveInt = 2
     # auto: continue from the newest complete checkpoint of an earlier run with the same name.
@@ -150,7 +151,7 @@ class CheckpointConfig(Section):
 
 class ReportConfig(Section):
     runs_dir: str = "runs"
-    log_every: PositiveInt = 10
+    log_every: PositiveInt = Field(10, description="steps between progress lines (the bar redraws every step)")
     warmup_steps: NonNegativeInt = Field(3, description="steps left out of steady-state figures")
     peak_tflops: Annotated[float, Field(gt=0)] | None = Field(
         None, description="declared per-device peak (TFLOP/s) for MFU; None = measured or known table"
@@ -159,7 +160,7 @@ class ReportConfig(Section):
 
 
 class RunConfig(Section):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")] = "run"
+    name: Annotated[str, Field(pattern=RUN_NAME_PATTERN)] = "run"
     description: str = ""
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from accelrun.config.compose import DEFAULT, Source
 from accelrun.config.errors import ConfigError, nearest
 from accelrun.config.schema import RunConfig
-from accelrun.config.yaml_lines import KeyPath
+from accelrun.config.yaml_lines import KeyPath, dotted
 
 # Token ids the built-in tokenizers use (accelrun.data.tokenizer is the source of truth;
 # a test keeps the two in step so that `validate` needs no torch import).
@@ -33,10 +33,6 @@ def validate(data: dict[str, Any], sources: dict[KeyPath, Source]) -> RunConfig:
     if problems:
         raise ConfigError(problems)
     return cfg
-
-
-def dotted(path: KeyPath) -> str:
-    return ".".join(str(p) for p in path)
 
 
 def source_of(path: KeyPath, sources: dict[KeyPath, Source], *, exact: bool = True) -> Source:
@@ -68,6 +64,9 @@ def _describe(err: dict, data: dict, sources: dict[KeyPath, Source]) -> str:
         return msg + f" (valid keys in {section}: {', '.join(valid)})"
     got = err.get("input")
     msg = f"{prefix}{key}: {_lower_first(err['msg'])}"
+    beyond = err["loc"][len(path):]
+    if err["type"] == "missing" and beyond and isinstance(beyond[0], int):
+        return f"{prefix}{key}: item {beyond[0]} is missing (got {got!r} with fewer items)"
     if err["type"] == "literal_error" and isinstance(got, str):
         choices = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
         hint = nearest(got, choices)
@@ -88,16 +87,13 @@ def _data_path(loc: tuple, data: Any) -> KeyPath:
         elif isinstance(node, list | tuple) and isinstance(part, int) and part < len(node):
             node = node[part]
         else:
-            if isinstance(node, dict) and isinstance(part, str) and not path_is_tag(part):
-                path.append(part)  # a missing or unknown key still names itself
+            # In a mapping a missing or unknown key still names itself; below a leaf value the rest
+            # are pydantic's names for union members ("constrained-float"), not keys.
+            if isinstance(node, dict) and isinstance(part, str):
+                path.append(part)
             break
         path.append(part)
     return tuple(path)
-
-
-def path_is_tag(part: str) -> bool:
-    # pydantic names union members like "constrained-int" or "function-after[...]"
-    return "-" in part or "[" in part
 
 
 def _fields_at(path: KeyPath) -> list[str]:
@@ -127,6 +123,8 @@ def consistency_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list
 
     out: list[str] = []
     m, t, par = cfg.model, cfg.train, cfg.parallel
+    if m.custom is None and m.kwargs:
+        out.append(f"model.kwargs ({source_of(('model', 'kwargs'), sources)}) is only used with model.custom")
     if m.custom is None:
         if m.dim % m.n_heads:
             out.append(f"{v('model.dim')} is not divisible by {v('model.n_heads')}")
@@ -189,4 +187,45 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
             out.append(f"{v('model.n_heads')} and kv heads {m.kv_heads} must both be divisible by tensor-parallel degree {deg['tp']}")
         if m.n_layers < deg["pp"]:
             out.append(f"{v('model.n_layers')} is fewer than pipeline stages {deg['pp']}")
+    return out
+
+
+LLAMA_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "norm_eps",
+                    "rope_theta", "max_seq_len", "tie_embeddings", "init_std")
+# Keys that only some data sources read.
+DATA_KEYS_USED_BY = {
+    "builtin": ("builtin", "tokenizer", "max_bytes"),
+    "text": ("tokenizer", "max_bytes"),
+    "tokens": (),
+    "synthetic": (),
+}
+
+
+def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]:
+    """Values the user set that will have no effect, and settings that are legal but probably wrong.
+
+    Only keys someone set (in a file or an override) are reported, never schema defaults.
+    """
+
+    def set_by_user(*path: str) -> Source | None:
+        src = sources.get(tuple(path))
+        return src if src is not None and src.kind != "default" else None
+
+    out: list[str] = []
+    if cfg.model.custom is not None:
+        ignored = [k for k in LLAMA_SHAPE_KEYS if set_by_user("model", k)]
+        if ignored:
+            out.append(f"model.custom is set, so the Llama shape keys are not used: model.{', model.'.join(ignored)}")
+    for key in ("builtin", "tokenizer", "max_bytes"):
+        if key not in DATA_KEYS_USED_BY[cfg.data.source] and (src := set_by_user("data", key)):
+            out.append(f"data.{key} ({src}) has no effect with data.source = {cfg.data.source}")
+    if cfg.compile.backend == "eager":
+        for key in ("scope", "fullgraph"):
+            if src := set_by_user("compile", key):
+                out.append(f"compile.{key} ({src}) has no effect with compile.backend = eager")
+    if cfg.train.lr_schedule.warmup_steps > cfg.train.steps:
+        out.append(
+            f"train.lr_schedule.warmup_steps = {cfg.train.lr_schedule.warmup_steps} exceeds train.steps = "
+            f"{cfg.train.steps}: the learning rate never reaches train.optimizer.lr"
+        )
     return out

@@ -35,7 +35,12 @@ def load_yaml_with_lines(text: str, origin: str) -> Located:
     lines: dict[KeyPath, int] = {}
     if node is None:
         return Located({}, lines)
-    return Located(_construct(node, (), lines, origin, loader), lines)
+    try:
+        return Located(_construct(node, (), lines, origin, loader), lines)
+    except (yaml.constructor.ConstructorError, ValueError, TypeError) as e:  # e.g. `!!int abc`
+        mark = getattr(e, "problem_mark", None)
+        where = f"{origin}:{mark.line + 1}:{mark.column + 1}" if mark else origin
+        raise ConfigError(f"{where}: YAML value error: {getattr(e, 'problem', None) or e}") from None
 
 
 def load_yaml_file(path: Path) -> Located:
@@ -43,6 +48,8 @@ def load_yaml_file(path: Path) -> Located:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}): is this a YAML file?") from None
     return load_yaml_with_lines(text, str(path))
 
 
@@ -57,7 +64,7 @@ def _construct(node: yaml.Node, path: KeyPath, lines: dict, origin: str, loader:
                 raise ConfigError(f"{origin}:{line}: keys must be strings, got {key!r}")
             if key in out:
                 first = lines[path + (key,)]
-                raise ConfigError(f"{origin}:{line}: duplicate key '{_dotted(path + (key,))}' (first set on line {first})")
+                raise ConfigError(f"{origin}:{line}: duplicate key '{dotted(path + (key,))}' (first set on line {first})")
             lines[path + (key,)] = line
             out[key] = _construct(value_node, path + (key,), lines, origin, loader)
         return out
@@ -70,5 +77,6 @@ def _construct(node: yaml.Node, path: KeyPath, lines: dict, origin: str, loader:
     return loader.construct_object(node, deep=True)
 
 
-def _dotted(path: KeyPath) -> str:
+def dotted(path: KeyPath) -> str:
+    """("train", "optimizer", "lr") -> "train.optimizer.lr"."""
     return ".".join(str(p) for p in path)

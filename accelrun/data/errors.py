@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from accelrun.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """Bad or missing data, or a data state that does not match the data it is applied to.
 
     Messages name the recipe key involved (``data.paths``, ``model.vocab_size``) and the values

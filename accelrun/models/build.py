@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from accelrun.errors import UserError
+
 from .flops import flops_per_token, param_count
 from .llama import Llama, LlamaArgs
 
@@ -20,7 +22,7 @@ if TYPE_CHECKING:  # the schema imports pydantic; keep it out of `import accelru
     from accelrun.config.schema import ModelConfig
 
 
-class ModelBuildError(ValueError):
+class ModelBuildError(UserError, ValueError):
     """A model the recipe names cannot be built; the message names the recipe key at fault."""
 
 

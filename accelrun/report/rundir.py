@@ -8,13 +8,18 @@ Example::
 
 from __future__ import annotations
 
+import fcntl
 import re
 import secrets
 import time
 from pathlib import Path
+from typing import IO
+
+from accelrun.config.schema import RUN_NAME_PATTERN
 
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # the schema's RunConfig.name pattern
+NAME = re.compile(RUN_NAME_PATTERN)
+LOCK_FILE = ".lock"
 MAX_ATTEMPTS = 100
 
 
@@ -51,3 +56,23 @@ def list_runs(runs_dir: str | Path, name: str | None = None) -> list[Path]:
     runs = [run for parent in parents if parent.is_dir()
             for run in parent.iterdir() if run.is_dir() and RUN_ID.match(run.name)]
     return sorted(runs, key=lambda p: (p.name[:15], p.stat().st_mtime_ns), reverse=True)
+
+
+def hold_run_lock(run_dir: Path) -> IO:
+    """Mark ``run_dir`` as running for as long as the returned file stays open (an flock, so a
+    killed process releases it with no clean-up)."""
+    f = open(run_dir / LOCK_FILE, "a")  # closed by the caller when the run ends
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return f
+
+
+def is_running(run_dir: Path) -> bool:
+    """Whether a live process holds ``run_dir``'s lock."""
+    try:
+        with open(run_dir / LOCK_FILE, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False

@@ -8,8 +8,7 @@ Example::
 
     report = summarize(read_metrics(run_dir / "metrics.jsonl"), warmup_steps=3, peak=peak,
                        flops_per_token=6 * n_params, compile_time_s=12.5, tokens_per_step=4096)
-    write_json(report, run_dir / "report.json")
-    write_report_md(report, {"name": cfg.name, "config_hash": h}, run_dir / "report.md", env=env)
+    write_json(report, run_dir / "report.json")          # accelrun.report.files
 """
 
 from __future__ import annotations
@@ -17,11 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from accelrun.report.files import write_json
-from accelrun.report.markdown import write_report_md
 from accelrun.report.peak import Peak
-
-__all__ = ["summarize", "write_json", "write_report_md", "percentile"]
 
 # Fewer steady steps than this still gives figures, with a note that they are noisy.
 MIN_STEADY_STEPS = 5
@@ -141,3 +136,28 @@ def _sample_loss_curve(metrics: list[dict], points: int) -> list[dict]:
         idx = sorted({round(i * (len(rows) - 1) / (points - 1)) for i in range(points)})
         picked = [rows[i] for i in idx]
     return [{"step": m["step"], "loss": float(m["loss"])} for m in picked]
+
+
+def compile_time_s(metrics: list[dict]) -> float | None:
+    """The first compiling step's time minus the median of the steps that did not compile.
+
+    Dynamo and its backend compile lazily inside the first step, so this is the best estimate
+    available without instrumenting the compiler.
+    """
+    compiling = [m for m in metrics if m.get("compile")]
+    rest = [float(m["step_time_s"]) for m in metrics if not m.get("compile")]
+    if not compiling or not rest:
+        return None
+    return max(float(compiling[0]["step_time_s"]) - statistics.median(rest), 0.0)
+
+
+# Parts of a step the training loop times, and their metrics.jsonl keys.
+STEP_PARTS = {"data": "data_time_s", "forward": "forward_s", "backward": "backward_s", "optimizer": "optimizer_s"}
+
+
+def step_breakdown(metrics: list[dict], warmup_steps: int) -> dict[str, float] | None:
+    """Median seconds per part of a steady step (warm-up and compiling steps left out)."""
+    steady = [m for m in metrics[warmup_steps:] if not m.get("compile")]
+    if not steady:
+        return None
+    return {part: statistics.median(float(m.get(key) or 0.0) for m in steady) for part, key in STEP_PARTS.items()}

@@ -3,7 +3,8 @@
 Layout, under ``<run dir>/checkpoints/``::
 
     step-000100/           complete: DCP shards + train_state.json + COMPLETE
-    .tmp-step-000200-ab12/ being written (or left by a kill): never trusted, removed on start
+    .tmp-step-000200-ab12/ being written (or left by a kill): never trusted; removed when the run
+                           it belongs to is resumed
 
 A checkpoint is written into a temporary folder, and only when every file is on disk is the
 ``COMPLETE`` marker written and the folder renamed (an atomic rename on one filesystem).
@@ -34,7 +35,7 @@ PREFIX = "step-"
 class CheckpointInfo:
     path: Path
     step: int
-    config_hash: str
+    training_hash: str
     created: float
 
     @property
@@ -60,9 +61,13 @@ def save_checkpoint(
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     _write_synced(tmp / TRAIN_STATE, json.dumps({"step": step, **train_state}, indent=1))
     _write_synced(tmp / COMPLETE, "")
-    if final.exists():  # a re-save of the same step (resume then immediate save): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    if final.exists():  # a re-save of the same step: move the old one aside first, never lose both
+        old = ckpt_dir / f".tmp-old-{final.name}-{secrets.token_hex(2)}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
     _fsync_dir(ckpt_dir)
     for old in complete_checkpoints(ckpt_dir)[:-keep]:
         shutil.rmtree(old.path, ignore_errors=True)
@@ -101,7 +106,7 @@ def read_info(path: Path) -> CheckpointInfo | None:
         saved = json.loads(state.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    return CheckpointInfo(path, int(saved["step"]), saved.get("config_hash", ""), marker.stat().st_mtime)
+    return CheckpointInfo(path, int(saved["step"]), saved.get("training_hash", ""), marker.stat().st_mtime)
 
 
 def remove_partial(ckpt_dir: Path) -> list[Path]:

@@ -10,31 +10,19 @@ from __future__ import annotations
 import math
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from accelrun.errors import TrainingDiverged
 from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, StepMetrics
 from accelrun.train.checkpoint import save_checkpoint
 from accelrun.train.precision import autocast
 from accelrun.train.progress import TrainProgress
 from accelrun.train.setup import TrainSetup
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or gradient norm stopped being finite; nothing was saved after the last good step."""
-
-    def __init__(self, step: int, what: str, value: float, last_checkpoint: Path | None):
-        self.step, self.last_checkpoint = step, last_checkpoint
-        kept = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved yet"
-        super().__init__(
-            f"{what} became {value} at step {step}; training stopped and nothing was saved after it; {kept}. "
-            "Lower train.optimizer.lr, raise train.lr_schedule.warmup_steps or set train.grad_clip."
-        )
 
 
 @dataclass
@@ -73,7 +61,6 @@ def run_loop(
     progress: TrainProgress,
     *,
     stop_after_step: int | None = None,
-    on_step: Callable[[dict], None] | None = None,
 ) -> LoopOutcome:
     """Train from ``s.start_step`` to ``train.steps``. ``stop_after_step`` simulates a preemption (tests)."""
     cfg, dev = s.config, s.device
@@ -81,7 +68,7 @@ def run_loop(
     outcome = LoopOutcome("finished", s.start_step)
     last_ckpt: Path | None = s.resumed_from
     params = [p for p in s.model.parameters() if p.requires_grad]
-    clip = cfg.train.grad_clip if cfg.train.grad_clip else math.inf
+    clip = cfg.train.grad_clip if cfg.train.grad_clip else math.inf  # None or 0: measure, do not clip
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     s.model.train()
     with _PreemptionFlag() as preempt:
@@ -124,8 +111,6 @@ def run_loop(
             ).to_dict(flops_per_token=s.flops_per_token, peak_tflops=s.peak.tflops)
             record.update(forward_s=fwd_s, backward_s=bwd_s, optimizer_s=t_end - t4)
             metrics.write(record)
-            if on_step is not None:
-                on_step(record)
             progress.update(step, loss_value, record["tokens_per_s"] or 0.0)
             outcome.last_step = step
 
@@ -140,7 +125,7 @@ def run_loop(
                 )
                 outcome.checkpoints.append(last_ckpt)
                 outcome.checkpoint_time_s += time.perf_counter() - t_ck
-            if stopping:
+            if stopping and step < total:  # a signal during the last step changes nothing
                 outcome.status = "preempted" if preempt.raised else "stopped"
                 break
     return outcome

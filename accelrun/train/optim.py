@@ -25,7 +25,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
 
 def _impl_flags(impl: str, device: torch.device) -> dict[str, bool]:
     if impl == "auto":
-        # The fused kernel exists for CUDA and (since torch 2.4) for CPU; foreach is the safe default.
+        # The fused kernel exists for CUDA and (since torch 2.4) for CPU; other devices get foreach.
         impl = "fused" if device.type in ("cuda", "cpu") else "foreach"
     return {"fused": impl == "fused", "foreach": impl == "foreach"} if impl != "for_loop" else {"foreach": False}
 
@@ -37,7 +37,8 @@ def lr_factor(step: int, cfg: LRScheduleConfig, total_steps: int) -> float:
         return (step + 1) / warmup
     if cfg.name == "constant":
         return 1.0
-    decay_steps = max(total_steps - warmup, 1)
+    # The last step (total_steps - 1) runs at exactly the floor.
+    decay_steps = max(total_steps - warmup - 1, 1)
     progress = min(max(step - warmup, 0) / decay_steps, 1.0)
     floor = cfg.min_lr_ratio
     if cfg.name == "linear":

@@ -11,7 +11,3 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     if precision == "bf16-mixed":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    return torch.bfloat16 if precision == "bf16-mixed" else torch.float32

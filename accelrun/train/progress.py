@@ -10,7 +10,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 
 class TrainProgress:
-    """Shows step, loss, tokens/s and ETA. ``mode``: auto | bar | lines | none."""
+    """Shows step, loss, tokens/s and ETA. ``mode``: auto | bar | lines | none.
+
+    The bar redraws every step; ``lines`` prints every ``every`` steps (``report.log_every``).
+    """
 
     def __init__(self, total: int, start: int, mode: str, every: int, console: Console | None = None):
         self.console = console or Console(stderr=True)
@@ -34,7 +37,7 @@ class TrainProgress:
             self._bar.start()
             self._task = self._bar.add_task("train", total=total, completed=start, loss="-", tps="-")
 
-    def update(self, step: int, loss: float, tokens_per_s: float, note: str = "") -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
         elif self.mode == "lines" and (step % self.every == 0 or step == self.total or step == self.start + 1):
@@ -43,13 +46,9 @@ class TrainProgress:
             eta = elapsed / done * (self.total - step) if done else float("nan")
             self.console.print(
                 f"step {step:>6}/{self.total}  loss {loss:8.4f}  {tokens_per_s:>10,.0f} tok/s  "
-                f"eta {_fmt_seconds(eta)}{'  ' + note if note else ''}",
+                f"eta {_fmt_seconds(eta)}",
                 highlight=False,
             )
-
-    def log(self, message: str) -> None:
-        if self.mode != "none":
-            self.console.print(message, highlight=False)
 
     def close(self) -> None:
         if self._bar is not None:

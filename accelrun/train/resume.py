@@ -1,8 +1,9 @@
 """Which checkpoint ``checkpoint.resume`` means: ``none``, a path, or ``auto``.
 
-``auto`` continues an interrupted run: among earlier runs of the same name, it takes the newest
-complete checkpoint written with the same config (hash, ignoring ``checkpoint.resume``). If that
-checkpoint's run had finished, there is nothing to continue and training starts fresh.
+``auto`` continues an interrupted run: among earlier runs of the same name that are not running
+now, it takes the newest complete checkpoint written with the same training hash (the config
+without its ``checkpoint``, ``report`` and ``description`` parts). If that checkpoint's run had
+finished, there is nothing to continue and training starts fresh.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accelrun.config.errors import ConfigError
+from accelrun.report.rundir import is_running, list_runs
 from accelrun.train.checkpoint import CheckpointInfo, complete_checkpoints, read_info
 
 FINISHED_MARKER = "report.json"  # written when a run ends (finished or stopped on a bad loss)
@@ -22,35 +24,32 @@ class ResumeDecision:
     reason: str
 
 
-def decide_resume(resume: str, runs_root: Path, current_run: Path, config_hash: str) -> ResumeDecision:
+def decide_resume(resume: str, runs_root: Path, current_run: Path, training_hash: str) -> ResumeDecision:
     if resume == "none":
         return ResumeDecision(None, "checkpoint.resume = none")
     if resume != "auto":
-        path = Path(resume).expanduser()
-        info = read_info(path)
-        if info is None:
-            latest = complete_checkpoints(path / "checkpoints") or complete_checkpoints(path)
-            if not latest:
-                raise ConfigError(
-                    f"checkpoint.resume = {resume}: not a complete checkpoint, nor a run or checkpoints "
-                    "folder holding one (a complete checkpoint has a COMPLETE file)"
-                )
-            info = latest[-1]
-        return ResumeDecision(info, f"checkpoint.resume = {resume}")
-    candidates = [
-        info
-        for run in sorted(runs_root.glob("*/")) if run.resolve() != current_run.resolve()
-        for info in complete_checkpoints(run / "checkpoints")
-    ]
-    if not candidates:
-        return ResumeDecision(None, f"no earlier checkpoint under {runs_root}")
-    newest = max(candidates, key=lambda i: (i.created, i.step))
+        return ResumeDecision(_explicit(resume), f"checkpoint.resume = {resume}")
+    runs = [r for r in list_runs(runs_root.parent, runs_root.name) if r != current_run and not is_running(r)]
+    matching = [info for run in runs for info in complete_checkpoints(run / "checkpoints")
+                if info.training_hash == training_hash]
+    if not matching:
+        return ResumeDecision(None, f"no checkpoint with this training hash ({training_hash}) under {runs_root}")
+    newest = max(matching, key=lambda i: (i.created, i.step))
     if (newest.run_dir / FINISHED_MARKER).exists():
-        return ResumeDecision(None, f"the newest checkpoint's run finished ({newest.run_dir}); starting fresh")
-    if newest.config_hash != config_hash:
-        return ResumeDecision(
-            None,
-            f"the newest checkpoint {newest.path} was written with config {newest.config_hash}, "
-            f"this run's is {config_hash}; starting fresh (name it in checkpoint.resume to load it anyway)",
-        )
+        return ResumeDecision(None, f"the newest matching checkpoint's run finished ({newest.run_dir})")
     return ResumeDecision(newest, f"continuing the interrupted run {newest.run_dir.name}")
+
+
+def _explicit(resume: str) -> CheckpointInfo:
+    """A checkpoint folder, or the newest complete checkpoint of a run or checkpoints folder."""
+    path = Path(resume).expanduser()
+    info = read_info(path)
+    if info is not None:
+        return info
+    latest = complete_checkpoints(path / "checkpoints") or complete_checkpoints(path)
+    if not latest:
+        raise ConfigError(
+            f"checkpoint.resume = {resume}: not a complete checkpoint, nor a run or checkpoints "
+            "folder holding one (a complete checkpoint has a COMPLETE file)"
+        )
+    return latest[-1]

@@ -2,27 +2,31 @@
 
 The run directory is written as the run goes: ``config.yaml``, ``command.txt`` and ``env.json``
 before the first step, ``metrics.jsonl`` line by line, ``report.json`` and ``report.md`` at the
-end (also when the loss diverges, so a stopped run still says what happened).
+end (also when the loss diverges, so a stopped run still says what happened). While the run is
+alive it holds the directory's lock, so ``checkpoint.resume: auto`` never takes over a live run.
 """
 
 from __future__ import annotations
 
-import statistics
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from rich.console import Console
+from rich.markup import escape
 
 from accelrun.config import ResolvedConfig
 from accelrun.config.resolve import explain_text
+from accelrun.errors import TrainingDiverged, UserError
 from accelrun.report.env import collect_env
 from accelrun.report.files import write_json, write_text_atomic
 from accelrun.report.markdown import write_report_md
 from accelrun.report.metrics import MetricsWriter, read_metrics
-from accelrun.report.rundir import create_run_dir
-from accelrun.report.summary import summarize
-from accelrun.train.loop import LoopOutcome, TrainingDiverged, run_loop
+from accelrun.report.rundir import create_run_dir, hold_run_lock
+from accelrun.report.summary import compile_time_s, step_breakdown, summarize
+from accelrun.train.loop import LoopOutcome, run_loop
 from accelrun.train.progress import TrainProgress
 from accelrun.train.setup import TrainSetup, build_setup
 
@@ -48,28 +52,37 @@ def train(
     """
     cfg = resolved.config
     console = console or Console(stderr=True)
+    if cfg.train.threads is not None:
+        torch.set_num_threads(cfg.train.threads)  # before env.json records it and the peak probe runs
     run_dir = create_run_dir(cfg.report.runs_dir, cfg.name)
-    write_text_atomic(resolved.to_yaml(), run_dir / "config.yaml")
-    write_text_atomic(explain_text(resolved), run_dir / "config.sources.txt")
-    write_text_atomic((command or "(called from Python)") + "\n", run_dir / "command.txt")
-    env = collect_env()
-    write_json(env, run_dir / "env.json")
-    console.print(f"[bold]accelrun[/] run [cyan]{run_dir}[/]  config {resolved.hash}", highlight=False)
+    with hold_run_lock(run_dir):
+        write_text_atomic(resolved.to_yaml(), run_dir / "config.yaml")
+        write_text_atomic(explain_text(resolved), run_dir / "config.sources.txt")
+        write_text_atomic((command or "(called from Python)") + "\n", run_dir / "command.txt")
+        env = collect_env()
+        write_json(env, run_dir / "env.json")
+        console.print(f"[bold]accelrun[/] run [cyan]{escape(str(run_dir))}[/]  config {resolved.hash}")
 
-    t_setup = time.perf_counter()
-    s = build_setup(resolved, run_dir)
-    setup_s = time.perf_counter() - t_setup
-    _announce(console, s, setup_s)
-    if s.start_step >= cfg.train.steps:
-        console.print(
-            f"nothing to train: the checkpoint is at step {s.start_step} and train.steps = {cfg.train.steps}"
-        )
-        return TrainResult(run_dir, "nothing-to-do", None)
+        t_setup = time.perf_counter()
+        try:
+            s = build_setup(resolved, run_dir)
+        except UserError:
+            shutil.rmtree(run_dir)  # nothing ran: leave no directory that looks like an interrupted run
+            raise
+        setup_s = time.perf_counter() - t_setup
+        _announce(console, s, setup_s)
+        if s.start_step >= cfg.train.steps:
+            console.print(f"nothing to train: {s.resumed_from} is at step {s.start_step} and train.steps = "
+                          f"{cfg.train.steps}; raise train.steps to go on", markup=False)
+            shutil.rmtree(run_dir)
+            return TrainResult(run_dir, "nothing-to-do", None)
+        return _train_and_report(resolved, s, run_dir, env, setup_s, console, stop_after_step)
 
-    progress = TrainProgress(
-        cfg.train.steps, s.start_step, cfg.report.progress, cfg.report.log_every, console
-    )
-    status = "finished"
+
+def _train_and_report(resolved, s: TrainSetup, run_dir: Path, env: dict, setup_s: float, console: Console,
+                      stop_after_step: int | None) -> TrainResult:
+    cfg = resolved.config
+    progress = TrainProgress(cfg.train.steps, s.start_step, cfg.report.progress, cfg.report.log_every, console)
     error: TrainingDiverged | None = None
     try:
         with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
@@ -82,7 +95,8 @@ def train(
 
     if status in ("preempted", "stopped"):
         # No report.json: `checkpoint.resume: auto` treats this run as one to continue.
-        console.print(f"{status} after step {outcome.last_step}; checkpoint {outcome.checkpoints[-1:] or 'none'}")
+        last = outcome.checkpoints[-1] if outcome.checkpoints else "none"
+        console.print(f"{status} after step {outcome.last_step}; last checkpoint: {last}", markup=False)
         return TrainResult(run_dir, status, None)
 
     report = _write_report(resolved, s, run_dir, env, status, setup_s, error)
@@ -95,16 +109,13 @@ def train(
 def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str, setup_s: float, error) -> dict:
     cfg = resolved.config
     metrics = read_metrics(run_dir / "metrics.jsonl")
-    compile_time = _compile_time(metrics) if s.compiles else None
     report = summarize(
         metrics, warmup_steps=cfg.report.warmup_steps, peak=s.peak, flops_per_token=s.flops_per_token,
-        compile_time_s=compile_time, tokens_per_step=s.tokens_per_step,
+        compile_time_s=compile_time_s(metrics) if s.compiles else None, tokens_per_step=s.tokens_per_step,
     )
     if s.compiles:
-        report["notes"].append(
-            "compile time = first step's time minus the steady median step time (Dynamo and the "
-            "backend compile lazily inside the first step)"
-        )
+        report["notes"].append("compile time = the first step's time minus the median of the others "
+                               "(Dynamo and its backend compile lazily inside the first step)")
     _distrust_low_probe(report, s)
     report.update(
         status=status,
@@ -118,7 +129,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         device=str(s.device),
         compiled=s.compiled,
         data=getattr(s.data, "fingerprint", None),
-        step_breakdown_s=_breakdown(metrics, cfg.report.warmup_steps),
+        step_breakdown_s=step_breakdown(metrics, cfg.report.warmup_steps),
     )
     summary = {
         "name": cfg.name,
@@ -148,45 +159,29 @@ def _distrust_low_probe(report: dict, s: TrainSetup) -> None:
     )
 
 
-def _compile_time(metrics: list[dict]) -> float | None:
-    first = [m for m in metrics if m.get("compile")]
-    rest = [m["step_time_s"] for m in metrics if not m.get("compile")]
-    if not first or not rest:
-        return None
-    return max(first[0]["step_time_s"] - statistics.median(rest), 0.0)
-
-
-def _breakdown(metrics: list[dict], warmup: int) -> dict[str, float] | None:
-    """Median seconds per part of a steady step: data, forward, backward, optimizer."""
-    steady = [m for m in metrics[warmup:] if not m.get("compile")]
-    if not steady:
-        return None
-    parts = {"data": "data_time_s", "forward": "forward_s", "backward": "backward_s", "optimizer": "optimizer_s"}
-    return {name: statistics.median(m.get(key) or 0.0 for m in steady) for name, key in parts.items()}
-
-
 def _announce(console: Console, s: TrainSetup, setup_s: float) -> None:
     params = s.model_info["params_total"]
-    console.print(
+    lines = [
         f"model {params / 1e6:.2f} M params on {s.device}; compile: {s.compiled}; "
         f"{s.tokens_per_step:,} tokens/step; setup {setup_s:.1f}s",
-        highlight=False,
-    )
-    peak = f"{s.peak.tflops:.3f} TFLOP/s ({s.peak.source})" if s.peak.tflops else f"unknown ({s.peak.detail})"
-    console.print(f"MFU peak: {peak}", highlight=False)
+        "MFU peak: " + (f"{s.peak.tflops:.3f} TFLOP/s ({s.peak.source})" if s.peak.tflops
+                        else f"unknown ({s.peak.detail})"),
+    ]
     if s.resumed_from:
-        console.print(f"resuming from {s.resumed_from} at step {s.start_step} ({s.resume_reason})", highlight=False)
+        lines.append(f"resuming from {s.resumed_from} at step {s.start_step} ({s.resume_reason})")
     elif s.config.checkpoint.resume != "none":
-        console.print(f"starting fresh: {s.resume_reason}", highlight=False)
+        lines.append(f"starting fresh: {s.resume_reason}")
+    for line in lines:
+        console.print(line, markup=False, highlight=False)
 
 
 def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
     st = r["step_time_s"]["median"]
     mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") is not None else "n/a"
     tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "n/a"
+    step = f"{st * 1e3:.0f} ms" if st else "n/a"
     console.print(
-        f"[bold green]done[/]: loss {r['first_loss']:.3f} → {r['final_loss']:.3f}; "
-        f"{tps} tok/s; step {st * 1e3 if st else float('nan'):.0f} ms (median); MFU {mfu}; "
-        f"report {run_dir / 'report.md'}",
+        f"[bold green]done[/]: loss {r['first_loss']:.3f} → {r['final_loss']:.3f}; {tps} tok/s; "
+        f"step {step} (median); MFU {mfu}; report {escape(str(run_dir / 'report.md'))}",
         highlight=False,
     )

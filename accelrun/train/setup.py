@@ -26,7 +26,7 @@ from accelrun.train.resume import ResumeDecision, decide_resume
 @dataclass
 class TrainSetup:
     config: RunConfig
-    config_hash: str
+    training_hash: str
     device: torch.device
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -47,7 +47,7 @@ class TrainSetup:
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint needs besides tensors; JSON-able."""
         return {
-            "config_hash": self.config_hash,
+            "training_hash": self.training_hash,
             "data": self.data.state_dict(),
             "scheduler": self.scheduler.state_dict(),
         }
@@ -57,7 +57,7 @@ def pick_device(requested: str) -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device = cuda, but no CUDA device is available (use auto or cpu)")
+        raise ConfigError("train.device = cuda, but no CUDA device is available here (use auto or cpu)")
     return torch.device(requested)
 
 
@@ -77,8 +77,6 @@ def _first_line(e: BaseException) -> str:
 def build_setup(resolved: ResolvedConfig, run_dir: Path) -> TrainSetup:
     cfg = resolved.config
     t = cfg.train
-    if t.threads is not None:
-        torch.set_num_threads(t.threads)
     device = pick_device(t.device)
     seed_everything(t.seed)
 
@@ -88,7 +86,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path) -> TrainSetup:
     if blocks is not None:
         apply_activation_checkpointing(blocks, t.activation_checkpoint)
     elif t.activation_checkpoint.mode != "none":
-        raise RuntimeError(
+        raise ConfigError(
             "train.activation_checkpoint needs a model with a `layers` ModuleList of blocks; "
             f"{type(model).__name__} has none"
         )
@@ -115,19 +113,19 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path) -> TrainSetup:
         except (CheckpointException, RuntimeError, KeyError, ValueError) as e:
             raise ConfigError(
                 f"checkpoint.resume: {ckpt.path} does not fit this recipe's model or optimizer "
-                f"(written with training hash {ckpt.config_hash}, this run's is {resolved.training_hash}): "
+                f"(written with training hash {ckpt.training_hash}, this run's is {resolved.training_hash}): "
                 f"{_first_line(e)}"
             ) from None
         scheduler.load_state_dict(saved["scheduler"])
         data.load_state_dict(saved["data"])
         start_step, resumed_from = int(saved["step"]), ckpt.path
-        if ckpt.config_hash != resolved.training_hash:
-            reason += (f"; note: written with training hash {ckpt.config_hash}, this run's is "
+        if ckpt.training_hash != resolved.training_hash:
+            reason += (f"; note: written with training hash {ckpt.training_hash}, this run's is "
                        f"{resolved.training_hash}, so the losses will not match a continuous run")
 
     return TrainSetup(
         config=cfg,
-        config_hash=resolved.training_hash,
+        training_hash=resolved.training_hash,
         device=device,
         model=model,
         optimizer=optimizer,

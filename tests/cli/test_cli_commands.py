@@ -12,8 +12,8 @@ from accelrun import __version__
 from accelrun.cli.main import cli
 from tests.conftest import DEFAULT_CONFIG
 
-COMMANDS = [["train"], ["validate"], ["config", "show"], ["recipes", "list"], ["recipes", "show"],
-            ["recipes", "cp"], ["data", "prepare"]]
+COMMANDS = [[], ["train"], ["validate"], ["config"], ["config", "show"], ["recipes"], ["recipes", "list"],
+            ["recipes", "show"], ["recipes", "cp"], ["data"], ["data", "prepare"]]
 
 
 def invoke(*args: str):
@@ -25,7 +25,7 @@ def test_version():
     assert r.exit_code == 0 and __version__ in r.output
 
 
-@pytest.mark.parametrize("cmd", COMMANDS, ids=" ".join)
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: " ".join(c) or "accelrun")
 def test_every_command_has_help_with_examples(cmd):
     r = invoke(*cmd, "--help")
     assert r.exit_code == 0 and "Example" in r.output
@@ -66,7 +66,7 @@ def test_debug_flag_shows_the_traceback(tmp_path):
 def test_config_show_resolved_yaml_and_explain():
     r = invoke("config", "show", DEFAULT_CONFIG, "train.steps=7")
     assert r.exit_code == 0
-    doc = yaml.safe_load(r.output)
+    doc = yaml.safe_load(r.stdout)  # warnings go to stderr
     assert doc["train"]["steps"] == 7 and doc["model"]["dim"] > 0
     r = invoke("config", "show", DEFAULT_CONFIG, "train.steps=7", "--explain")
     assert r.exit_code == 0
@@ -110,3 +110,35 @@ def test_data_prepare_then_train_on_tokens(tiny, tmp_path):
     assert r.exit_code == 0, r.output
     r = invoke("train", DEFAULT_CONFIG, *tiny(2, "data.source=text", f"data.paths=[{tmp_path}/none*.txt]"))
     assert r.exit_code == 2 and "none*.txt" in r.output
+
+
+@pytest.mark.parametrize("override", ["trian=[/x]", "trian.x=[abc]"])
+def test_user_text_is_not_read_as_markup(override):
+    r = invoke("validate", DEFAULT_CONFIG, override)
+    assert r.exit_code == 2 and f"override '{override}'" in r.output
+
+
+@pytest.mark.parametrize(
+    "text, expect",
+    [
+        ("train:\n  steps: !!int abc\n", "YAML value error"),
+        (b"train:\n  steps: \xff\xfe\n", "not UTF-8"),
+    ],
+)
+def test_bad_yaml_values_exit_2(tmp_path, text, expect):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(text if isinstance(text, bytes) else text.encode())
+    r = invoke("validate", bad)
+    assert r.exit_code == 2 and expect in r.output
+
+
+def test_values_with_no_effect_are_warned_about():
+    r = invoke("validate", DEFAULT_CONFIG, "compile.scope=model")
+    assert r.exit_code == 0
+    assert "warning: compile.scope (override 'compile.scope=model') has no effect" in r.stderr
+
+
+def test_setup_error_leaves_no_run_directory(tiny, tmp_path):
+    r = invoke("train", DEFAULT_CONFIG, *tiny(2, "data.source=text", f"data.paths=[{tmp_path}/none*.txt]"))
+    assert r.exit_code == 2
+    assert not list((tmp_path / "runs").glob("*/*"))

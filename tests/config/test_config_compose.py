@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from accelrun.config import ConfigError, load_config
@@ -121,3 +123,25 @@ def test_config_argument_may_be_a_recipe_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc = load_config("model/llama3-8b")
     assert rc.config.model.dim == 4096
+
+
+def test_list_items_can_be_set_and_removed_with_sources_following(write):
+    cfg = write("run.yaml", "data:\n  source: text\n  paths:\n    - a.txt\n    - b.txt\n    - c.txt\n")
+    rc = load_config(cfg, ["~data.paths.0", "data.paths.1=z.txt"], search_dirs=[])
+    assert rc.config.data.paths == ["b.txt", "z.txt"]
+    assert str(rc.sources[("data", "paths", 0)]).endswith("run.yaml:5")  # b.txt moved up, keeps its line
+    assert str(rc.sources[("data", "paths", 1)]) == "override 'data.paths.1=z.txt'"
+
+
+@pytest.mark.parametrize(
+    "override, expect",
+    [
+        ("train.steps.0=5", "'train.steps' is 3, not a list or mapping"),
+        ("data.paths.5=x", "5 is not an index of 'data.paths' (a list of 1)"),
+        ("~data.paths.3", "nothing to remove at 'data.paths.3'"),
+    ],
+)
+def test_bad_list_overrides(write, override, expect):
+    cfg = write("run.yaml", "train: {steps: 3}\ndata: {source: text, paths: [a.txt]}\n")
+    with pytest.raises(ConfigError, match=re.escape(expect)):
+        load_config(cfg, [override], search_dirs=[])

@@ -1,8 +1,9 @@
 import json
 
-from accelrun.report.markdown import sparkline
+from accelrun.report.files import write_json
+from accelrun.report.markdown import sparkline, write_report_md
 from accelrun.report.peak import Peak
-from accelrun.report.summary import summarize, write_json, write_report_md
+from accelrun.report.summary import summarize
 
 ENV = {
     "versions": {"python": "3.11.7", "torch": "2.13.0", "triton": None, "accelrun": "0.1.0"},

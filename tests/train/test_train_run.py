@@ -192,3 +192,32 @@ def test_resuming_a_checkpoint_of_another_model_is_a_clear_error(tiny):
     first = run(tiny(2, "name=small", "checkpoint.every=2"))
     with pytest.raises(ConfigError, match="does not fit this recipe's model"):
         run(tiny(4, "name=big", "model.dim=128", f"checkpoint.resume={first.run_dir}"))
+
+
+def test_auto_resume_finds_the_matching_run_behind_a_newer_other_one(tiny):
+    cut = run(tiny(8, "checkpoint.every=4", "name=m"), stop_after_step=5)
+    run(tiny(8, "checkpoint.every=4", "name=m", "train.seed=3"), stop_after_step=5)  # newer, other config
+    resumed = run(tiny(8, "checkpoint.every=4", "name=m"))
+    assert resumed.report["resumed_from"] == str(cut.run_dir / "checkpoints" / "step-000004")
+
+
+def test_auto_resume_never_takes_over_a_live_run(tiny, monkeypatch):
+    import accelrun.train.resume as resume
+
+    run(tiny(8, "checkpoint.every=4", "name=live"), stop_after_step=5)
+    monkeypatch.setattr(resume, "is_running", lambda run_dir: True)
+    assert run(tiny(8, "checkpoint.every=4", "name=live")).report["resumed_from"] is None
+
+
+def test_a_stop_on_the_last_step_is_a_finished_run(tiny):
+    result = run(tiny(3, "checkpoint.every=10"), stop_after_step=3)
+    assert result.status == "finished" and (result.run_dir / "report.json").exists()
+
+
+def test_env_records_the_thread_count_the_run_used(tiny):
+    before = torch.get_num_threads()
+    try:
+        d = run(tiny(1, "checkpoint.enabled=false", "train.threads=1")).run_dir
+        assert json.loads((d / "env.json").read_text())["cpu"]["torch_threads"] == 1
+    finally:
+        torch.set_num_threads(before)
