@@ -89,7 +89,7 @@ def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList | None:
-    """The model's repeated blocks, for the training loop to wrap in place (``blocks[i] = wrap(...)``).
+    """The model's repeated blocks, for the training loop to wrap (checkpointing, per-block compile).
 
     ``model.layers`` when it is an ``nn.ModuleList`` (the built-in Llama, and any user model that
     follows the same convention); None when the model has no such list.

@@ -7,10 +7,10 @@ The model is written to be built on the meta device and materialised later::
     model.to_empty(device="cuda")
     model.init_weights(seed=0)
 
-Nothing here knows about parallelism or compilation. The training loop may replace
-``model.layers[i]`` with a wrapped block (activation checkpointing, per-block ``torch.compile``);
-the model only ever reaches its blocks through ``self.layers`` at call time, and initialisation
-finds blocks by walking ``self.modules()``, which sees through such wrappers.
+Nothing here knows about parallelism or compilation. The training loop wraps blocks in place
+(activation checkpointing patches a block's ``forward``; ``Module.compile`` compiles it), and
+may later replace ``model.layers[i]`` with a wrapper; the model only reaches its blocks through
+``self.layers`` at call time, and initialisation finds blocks by walking ``self.modules()``.
 
 Shape legend for suffixes and comments:
     B batch, T sequence position, D model dim, H query heads, G key/value heads,

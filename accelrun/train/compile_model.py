@@ -17,4 +17,6 @@ def compile_model(model: nn.Module, blocks: nn.ModuleList | None, cfg: CompileCo
             block.compile(backend=cfg.backend, fullgraph=cfg.fullgraph)
         return f"{len(blocks)} transformer blocks with {cfg.backend}"
     model.compile(backend=cfg.backend, fullgraph=cfg.fullgraph)
+    if cfg.scope == "block":
+        return f"the whole model with {cfg.backend} (compile.scope = block, but it has no `layers` block list)"
     return f"the whole model with {cfg.backend}"
