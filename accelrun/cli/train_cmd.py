@@ -1,4 +1,4 @@
-"""``accelrun train``: validate a recipe, train, write the run directory and report."""
+"""``accelrun train``: validate a recipe, train (one process, or one per device), write the report."""
 
 from __future__ import annotations
 
@@ -8,38 +8,50 @@ import sys
 import click
 
 from accelrun.cli.common import config_argument, err, load, overrides_argument
-from accelrun.config import ConfigError
 
 
 @click.command("train")
 @config_argument
 @overrides_argument
-def command(config: str, overrides: tuple[str, ...]) -> None:
+@click.option("--nnodes", type=int, default=None, help="Nodes in the job (sets parallel.nnodes).")
+@click.option("--node-rank", type=int, default=None, help="This node's rank (default: assigned at rendezvous).")
+@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="c10d rendezvous endpoint (several nodes).")
+@click.option("--rdzv-id", default=None, help="Job id shared by all nodes of one job.")
+@click.option("--max-restarts", type=int, default=0, show_default=True,
+              help="Restarts of the whole group after a rank fails; it resumes from the newest checkpoint.")
+@click.option("--local-addr", default=None, help="This node's address, when the host name resolves elsewhere.")
+def command(config: str, overrides: tuple[str, ...], nnodes: int | None, node_rank: int | None,
+            rdzv_endpoint: str | None, rdzv_id: str | None, max_restarts: int, local_addr: str | None) -> None:
     """Train the model a recipe describes and write a run directory with its report.
 
     CONFIG is a YAML file or a recipe name on the search path. Any number of KEY=VALUE
-    overrides follow (values are YAML); ~KEY removes a key.
+    overrides follow (values are YAML); ~KEY removes a key. When the recipe asks for more than one
+    process (parallel.nproc_per_node × parallel.nnodes), accelrun starts them through torchrun's
+    elastic agent: gloo on CPUs, NCCL on GPUs.
 
     \b
     Examples:
       accelrun train configs/llama.yaml
       accelrun train configs/llama.yaml train.steps=50 report.log_every=5
       accelrun train configs/llama.yaml train.precision=bf16-mixed compile.backend=inductor
+      accelrun train configs/llama.yaml parallel.nproc_per_node=2 parallel.dp_shard=2   # FSDP, 2 ranks
+      accelrun train configs/llama.yaml parallel.nproc_per_node=2 parallel.dp_shard=1 parallel.tp=2
       accelrun train configs/llama.yaml checkpoint.resume=none      # never resume
 
     Runs go to runs/<name>/<UTC time>-<id>/ (report.runs_dir). With checkpoint.resume=auto an
     interrupted run of the same recipe continues from its newest complete checkpoint.
     """
-    resolved = load(config, overrides)
-    world = resolved.config.parallel.world_size
-    if world > 1:
-        raise ConfigError(
-            f"parallel.nnodes × parallel.nproc_per_node = {world}: launching several processes is not "
-            "built yet in this version; set parallel.nproc_per_node=1 (recipe parallel/single) to train here"
-        )
+    from accelrun.dist.launch import LaunchOptions
     from accelrun.train.run import train  # torch is imported only now
 
+    if nnodes is not None:
+        overrides = (*overrides, f"parallel.nnodes={nnodes}")
+    resolved = load(config, overrides)
+    launch = LaunchOptions(node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                           max_restarts=max_restarts, local_addr=local_addr)
     command_line = shlex.join(["accelrun", *sys.argv[1:]]) if sys.argv else ""
-    result = train(resolved, command=command_line, console=err)
+    result = train(resolved, command=command_line, console=err, launch=launch)
     if result.status == "preempted":
         sys.exit(143)  # 128 + SIGTERM: the scheduler's convention for "terminated, may requeue"
+    if result.status == "failed":
+        sys.exit(1)

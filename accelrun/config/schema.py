@@ -113,6 +113,8 @@ class ParallelConfig(Section):
     pp: Degree = 1
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     microbatches: PositiveInt | None = Field(None, description="pipeline micro-batches; None = pp")
+    reshard_after_forward: bool = Field(True, description="FSDP: free gathered block parameters after forward")
+    timeout_s: PositiveInt = Field(600, description="a collective that waits longer fails, naming itself")
 
     @property
     def world_size(self) -> int:

@@ -26,6 +26,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from accelrun.dist.context import ParallelContext
+
 COMPLETE = "COMPLETE"
 TRAIN_STATE = "train_state.json"
 PREFIX = "step-"
@@ -50,28 +52,44 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     train_state: dict[str, Any],
     keep: int,
+    ctx: ParallelContext | None = None,
 ) -> Path:
-    """Write step ``step`` atomically, then delete all but the newest ``keep`` complete ones."""
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    """Write step ``step`` atomically, then delete all but the newest ``keep`` complete ones.
+
+    Collective in a multi-process job: every rank writes its shards into the same temporary
+    folder; rank 0 alone marks it complete, renames and prunes, and the others wait for that.
+    """
+    main = ctx is None or ctx.is_main
     final = ckpt_dir / f"{PREFIX}{step:06d}"
-    tmp = ckpt_dir / f".tmp-{final.name}-{secrets.token_hex(2)}"
+    tmp = ckpt_dir / f".tmp-{final.name}"  # the same name on every rank
+    if main:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+    _barrier(ctx)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    _write_synced(tmp / TRAIN_STATE, json.dumps({"step": step, **train_state}, indent=1))
-    _write_synced(tmp / COMPLETE, "")
-    if final.exists():  # a re-save of the same step: move the old one aside first, never lose both
-        old = ckpt_dir / f".tmp-old-{final.name}-{secrets.token_hex(2)}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(ckpt_dir)
-    for old in complete_checkpoints(ckpt_dir)[:-keep]:
-        shutil.rmtree(old.path, ignore_errors=True)
+    if main:
+        _write_synced(tmp / TRAIN_STATE, json.dumps({"step": step, **train_state}, indent=1))
+        _write_synced(tmp / COMPLETE, "")
+        if final.exists():  # a re-save of the same step: move the old one aside first, never lose both
+            old = ckpt_dir / f".tmp-old-{final.name}-{secrets.token_hex(2)}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(ckpt_dir)
+        for old_ckpt in complete_checkpoints(ckpt_dir)[:-keep]:
+            shutil.rmtree(old_ckpt.path, ignore_errors=True)
+    _barrier(ctx)
     return final
+
+
+def _barrier(ctx: ParallelContext | None) -> None:
+    if ctx is not None:
+        ctx.barrier()
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from accelrun.errors import TrainingDiverged
 from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, StepMetrics
 from accelrun.train.checkpoint import save_checkpoint
+from accelrun.train.grad_clip import clip_grad_norm
 from accelrun.train.precision import autocast
 from accelrun.train.progress import TrainProgress
 from accelrun.train.setup import TrainSetup
@@ -57,8 +58,8 @@ class _PreemptionFlag:
 
 def run_loop(
     s: TrainSetup,
-    metrics: MetricsWriter,
-    progress: TrainProgress,
+    metrics: MetricsWriter | None,
+    progress: TrainProgress | None,
     *,
     stop_after_step: int | None = None,
 ) -> LoopOutcome:
@@ -94,8 +95,8 @@ def run_loop(
                 loss_sum += loss.detach()
                 data_s, fwd_s, bwd_s = data_s + t1 - t0, fwd_s + t2 - t1, bwd_s + t3 - t2
             t4 = time.perf_counter()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-            loss_value = float(loss_sum)
+            grad_norm = clip_grad_norm(params, clip)
+            loss_value = float(s.ctx.mean_over_dp(loss_sum))
             for what, value in (("the loss", loss_value), ("the gradient norm", grad_norm)):
                 if not math.isfinite(value):
                     raise TrainingDiverged(step, what, value, last_ckpt)
@@ -110,22 +111,25 @@ def run_loop(
                 compile=step == s.start_step + 1 and s.compiles,
             ).to_dict(flops_per_token=s.flops_per_token, peak_tflops=s.peak.tflops)
             record.update(forward_s=fwd_s, backward_s=bwd_s, optimizer_s=t_end - t4)
-            metrics.write(record)
-            progress.update(step, loss_value, record["tokens_per_s"] or 0.0)
+            if metrics is not None:  # rank 0 only
+                metrics.write(record)
+                progress.update(step, loss_value, record["tokens_per_s"] or 0.0)
             outcome.last_step = step
 
-            stopping = preempt.raised or step == stop_after_step
+            # Ranks may see the signal at different steps; they must stop at the same one.
+            preempted = s.ctx.any(preempt.raised)
+            stopping = preempted or step == stop_after_step
             due = cfg.checkpoint.enabled and (
-                step % cfg.checkpoint.every == 0 or (step == total and cfg.checkpoint.save_final) or preempt.raised
+                step % cfg.checkpoint.every == 0 or (step == total and cfg.checkpoint.save_final) or preempted
             )
             if due:
                 t_ck = time.perf_counter()
                 last_ckpt = save_checkpoint(
-                    s.checkpoint_dir, step, s.model, s.optimizer, s.train_state(), cfg.checkpoint.keep
+                    s.checkpoint_dir, step, s.model, s.optimizer, s.train_state(), cfg.checkpoint.keep, s.ctx
                 )
                 outcome.checkpoints.append(last_ckpt)
                 outcome.checkpoint_time_s += time.perf_counter() - t_ck
             if stopping and step < total:  # a signal during the last step changes nothing
-                outcome.status = "preempted" if preempt.raised else "stopped"
+                outcome.status = "preempted" if preempted else "stopped"
                 break
     return outcome

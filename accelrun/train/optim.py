@@ -10,7 +10,9 @@ from torch import nn
 from accelrun.config.schema import LRScheduleConfig, OptimizerConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimizerConfig, device: torch.device, *, sharded: bool = False
+) -> torch.optim.Optimizer:
     # Norm gains and biases (1-D) are not decayed: shrinking them toward 0 only hurts.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
@@ -19,14 +21,16 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **_impl_flags(cfg.impl, device)
+        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **_impl_flags(cfg.impl, device, sharded)
     )
 
 
-def _impl_flags(impl: str, device: torch.device) -> dict[str, bool]:
+def _impl_flags(impl: str, device: torch.device, sharded: bool) -> dict[str, bool]:
     if impl == "auto":
-        # The fused kernel exists for CUDA and (since torch 2.4) for CPU; other devices get foreach.
-        impl = "fused" if device.type in ("cuda", "cpu") else "foreach"
+        # The fused kernel exists for CUDA and (since torch 2.4) for CPU; sharded (DTensor) parameters
+        # on a CPU take foreach, which supports them everywhere.
+        fused_ok = device.type == "cuda" or (device.type == "cpu" and not sharded)
+        impl = "fused" if fused_ok else "foreach"
     return {"fused": impl == "fused", "foreach": impl == "foreach"} if impl != "for_loop" else {"foreach": False}
 
 

@@ -3,11 +3,15 @@
 The run directory is written as the run goes: ``config.yaml``, ``command.txt`` and ``env.json``
 before the first step, ``metrics.jsonl`` line by line, ``report.json`` and ``report.md`` at the
 end (also when the loss diverges, so a stopped run still says what happened). While the run is
-alive it holds the directory's lock, so ``checkpoint.resume: auto`` never takes over a live run.
+alive its launcher holds the directory's lock, so ``checkpoint.resume: auto`` never takes over a
+live run. A multi-process job starts its ranks through torchrun's elastic agent; every rank runs
+``run_in_dir`` and rank 0 alone writes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -19,10 +23,14 @@ from rich.markup import escape
 
 from accelrun.config import ResolvedConfig
 from accelrun.config.resolve import explain_text
+from accelrun.dist.context import ParallelContext
+from accelrun.dist.launch import LaunchOptions, launch_job
+from accelrun.dist.mesh import check_supported
 from accelrun.errors import TrainingDiverged, UserError
 from accelrun.report.env import collect_env
 from accelrun.report.files import write_json, write_text_atomic
 from accelrun.report.markdown import write_report_md
+from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, read_metrics
 from accelrun.report.rundir import create_run_dir, hold_run_lock
 from accelrun.report.summary import compile_time_s, step_breakdown, summarize
@@ -34,8 +42,16 @@ from accelrun.train.setup import TrainSetup, build_setup
 @dataclass
 class TrainResult:
     run_dir: Path
-    status: str  # finished | preempted | stopped | diverged | nothing-to-do
+    status: str  # finished | preempted | stopped | diverged | nothing-to-do | failed
     report: dict | None
+
+
+class JobFailed(UserError):
+    """The ranks stopped on a user error or a diverged loss and printed it; keep their exit code."""
+
+    def __init__(self, code: int):
+        super().__init__([])
+        self.exit_code = code
 
 
 def train(
@@ -44,14 +60,18 @@ def train(
     command: str = "",
     console: Console | None = None,
     stop_after_step: int | None = None,
+    launch: LaunchOptions | None = None,
 ) -> TrainResult:
-    """Train ``resolved`` in this process and write its run directory.
+    """Train ``resolved`` and write its run directory: in this process, or, when the recipe asks
+    for several, through torchrun's elastic agent (one process per device; this one waits).
 
     >>> from accelrun.config import load_config               # doctest: +SKIP
     >>> train(load_config("configs/llama.yaml", ["train.steps=20"])).report["final_loss"]  # doctest: +SKIP
     """
     cfg = resolved.config
     console = console or Console(stderr=True)
+    if cfg.parallel.world_size > 1:
+        check_supported(cfg)
     if cfg.train.threads is not None:
         torch.set_num_threads(cfg.train.threads)  # before env.json records it and the peak probe runs
     run_dir = create_run_dir(cfg.report.runs_dir, cfg.name)
@@ -59,54 +79,100 @@ def train(
         write_text_atomic(resolved.to_yaml(), run_dir / "config.yaml")
         write_text_atomic(explain_text(resolved), run_dir / "config.sources.txt")
         write_text_atomic((command or "(called from Python)") + "\n", run_dir / "command.txt")
-        env = collect_env()
-        write_json(env, run_dir / "env.json")
+        write_json(collect_env(), run_dir / "env.json")
         console.print(f"[bold]accelrun[/] run [cyan]{escape(str(run_dir))}[/]  config {resolved.hash}")
+        if cfg.parallel.world_size == 1:
+            return run_in_dir(resolved, run_dir, None, console, stop_after_step=stop_after_step)
+        console.print(f"launching {cfg.parallel.nproc_per_node} process(es) per node on {cfg.parallel.nnodes} "
+                      "node(s) through torchrun's elastic agent", markup=False)
+        code = launch_job(run_dir, cfg.parallel, launch or LaunchOptions())
+    return _launched_result(run_dir, code, console)
 
-        t_setup = time.perf_counter()
-        try:
-            s = build_setup(resolved, run_dir)
-        except UserError:
-            shutil.rmtree(run_dir)  # nothing ran: leave no directory that looks like an interrupted run
-            raise
-        setup_s = time.perf_counter() - t_setup
+
+def _launched_result(run_dir: Path, code: int, console: Console) -> TrainResult:
+    report_path = run_dir / "report.json"
+    if code == 0 and report_path.exists():
+        report = json.loads(report_path.read_text())
+        _print_summary(console, report, run_dir)
+        return TrainResult(run_dir, report["status"], report)
+    if code in (2, 3):  # the ranks printed the error; the CLI exits with the same code
+        raise JobFailed(code)
+    return TrainResult(run_dir, "preempted" if code == 0 else "failed", None)
+
+
+def run_in_dir(
+    resolved: ResolvedConfig,
+    run_dir: Path,
+    ctx: ParallelContext | None,
+    console: Console | None,
+    *,
+    stop_after_step: int | None = None,
+) -> TrainResult:
+    """Set up, train and report in ``run_dir``. In a job every rank calls this; only rank 0 writes
+    (``console`` is None on the others)."""
+    cfg = resolved.config
+    main = ctx is None or ctx.is_main
+    t_setup = time.perf_counter()
+    try:
+        s = build_setup(resolved, run_dir, ctx)
+    except UserError:
+        if main:
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: no directory that looks interrupted
+        raise
+    setup_s = time.perf_counter() - t_setup
+    if console is not None:
         _announce(console, s, setup_s)
-        if s.start_step >= cfg.train.steps:
+    if s.start_step >= cfg.train.steps:
+        if console is not None:
             console.print(f"nothing to train: {s.resumed_from} is at step {s.start_step} and train.steps = "
                           f"{cfg.train.steps}; raise train.steps to go on", markup=False)
-            shutil.rmtree(run_dir)
-            return TrainResult(run_dir, "nothing-to-do", None)
-        return _train_and_report(resolved, s, run_dir, env, setup_s, console, stop_after_step)
+        if main:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        return TrainResult(run_dir, "nothing-to-do", None)
 
-
-def _train_and_report(resolved, s: TrainSetup, run_dir: Path, env: dict, setup_s: float, console: Console,
-                      stop_after_step: int | None) -> TrainResult:
-    cfg = resolved.config
-    progress = TrainProgress(cfg.train.steps, s.start_step, cfg.report.progress, cfg.report.log_every, console)
+    progress = (TrainProgress(cfg.train.steps, s.start_step, cfg.report.progress, cfg.report.log_every, console)
+                if console is not None else None)
     error: TrainingDiverged | None = None
     try:
-        with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
+        with MetricsWriter(run_dir / "metrics.jsonl") if main else contextlib.nullcontext() as metrics:
             outcome: LoopOutcome = run_loop(s, metrics, progress, stop_after_step=stop_after_step)
         status = outcome.status
     except TrainingDiverged as e:
         status, error = "diverged", e
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()
 
     if status in ("preempted", "stopped"):
         # No report.json: `checkpoint.resume: auto` treats this run as one to continue.
-        last = outcome.checkpoints[-1] if outcome.checkpoints else "none"
-        console.print(f"{status} after step {outcome.last_step}; last checkpoint: {last}", markup=False)
+        if console is not None:
+            last = outcome.checkpoints[-1] if outcome.checkpoints else "none"
+            console.print(f"{status} after step {outcome.last_step}; last checkpoint: {last}", markup=False)
         return TrainResult(run_dir, status, None)
 
-    report = _write_report(resolved, s, run_dir, env, status, setup_s, error)
+    mem_per_rank = _gather_peak_memory(s)
+    report = None
+    if main:
+        env = json.loads((run_dir / "env.json").read_text())
+        report = _write_report(resolved, s, run_dir, env, status, setup_s, error, mem_per_rank)
     if error is not None:
         raise error
-    _print_summary(console, report, run_dir)
+    if console is not None and ctx is None:
+        _print_summary(console, report, run_dir)
     return TrainResult(run_dir, status, report)
 
 
-def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str, setup_s: float, error) -> dict:
+def _gather_peak_memory(s: TrainSetup) -> list[int | None]:
+    mine = peak_memory_bytes(s.device)
+    if not s.ctx.distributed:
+        return [mine]
+    everyone: list = [None] * s.ctx.world_size
+    torch.distributed.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str, setup_s: float, error,
+                  mem_per_rank: list[int | None]) -> dict:
     cfg = resolved.config
     metrics = read_metrics(run_dir / "metrics.jsonl")
     report = summarize(
@@ -130,6 +196,10 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         compiled=s.compiled,
         data=getattr(s.data, "fingerprint", None),
         step_breakdown_s=step_breakdown(metrics, cfg.report.warmup_steps),
+        world_size=s.ctx.world_size,
+        parallel=cfg.parallel.degrees(),
+        tokens_per_s_job=report["tokens_per_s"] * s.ctx.world_size if report.get("tokens_per_s") else None,
+        mem_peak_bytes_per_rank=mem_per_rank,
     )
     summary = {
         "name": cfg.name,
@@ -139,6 +209,8 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         "precision": cfg.train.precision,
         "compile": s.compiled,
         "device": str(s.device),
+        "processes": s.ctx.world_size,
+        "parallel degrees": " × ".join(f"{k} {v}" for k, v in cfg.parallel.degrees().items()),
         "global batch × seq_len": f"{cfg.train.global_batch} × {cfg.train.seq_len}",
         "resumed from": report["resumed_from"],
     }

@@ -14,6 +14,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from accelrun.config import ConfigError, ResolvedConfig, RunConfig
 from accelrun.data import build_data
+from accelrun.dist.context import ParallelContext
+from accelrun.dist.fsdp import apply_fsdp
+from accelrun.dist.tp import apply_tp
 from accelrun.models import build_model, model_flops_per_token, model_summary, transformer_blocks
 from accelrun.report.peak import Peak, resolve_peak
 from accelrun.train.activation_checkpoint import apply_activation_checkpointing
@@ -28,6 +31,7 @@ class TrainSetup:
     config: RunConfig
     training_hash: str
     device: torch.device
+    ctx: ParallelContext
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -74,15 +78,21 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def build_setup(resolved: ResolvedConfig, run_dir: Path) -> TrainSetup:
+def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | None = None) -> TrainSetup:
+    """Everything one process needs. ``ctx`` is this rank's place in a multi-process job (None: alone)."""
     cfg = resolved.config
     t = cfg.train
-    device = pick_device(t.device)
+    ctx = ctx or ParallelContext.single(pick_device(t.device))
+    device = ctx.device
     seed_everything(t.seed)
 
+    # Every rank builds the full model from the same seed, then keeps its shard: the sharded job
+    # starts from exactly the weights a single process would.
     model = build_model(cfg.model, device, seed=t.seed)
     info = model_summary(cfg.model, model, seq_len=t.seq_len)
     blocks = transformer_blocks(model)
+    if ctx.mesh is not None and ctx.tp_size > 1:
+        apply_tp(model, ctx.mesh["tp"])
     if blocks is not None:
         apply_activation_checkpointing(blocks, t.activation_checkpoint)
     elif t.activation_checkpoint.mode != "none":
@@ -91,23 +101,27 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path) -> TrainSetup:
             f"{type(model).__name__} has none"
         )
     compiled = compile_model(model, blocks, cfg.compile)
+    if ctx.mesh is not None and ctx.dp_size > 1:
+        apply_fsdp(model, blocks, ctx.mesh, t.precision, cfg.parallel.reshard_after_forward)
 
-    optimizer = build_optimizer(model, t.optimizer, device)
+    optimizer = build_optimizer(model, t.optimizer, device, sharded=ctx.distributed)
     scheduler = build_scheduler(optimizer, t.lr_schedule, t.steps)
-    grad_accum = cfg.grad_accum
     data = build_data(
         cfg.data, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
-        vocab_size=cfg.model.vocab_size, dp_rank=0, dp_size=1,
+        vocab_size=cfg.model.vocab_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
     )
 
     checkpoint_dir = run_dir / "checkpoints"
-    decision: ResumeDecision = decide_resume(
-        cfg.checkpoint.resume, run_dir.parent, run_dir, resolved.training_hash
+    # One rank decides (it reads the file system), every rank follows: they must load the same one.
+    decision: ResumeDecision = ctx.broadcast_object(
+        decide_resume(cfg.checkpoint.resume, run_dir.parent, run_dir, resolved.training_hash)
+        if ctx.is_main else None
     )
     start_step, resumed_from, reason = 0, None, decision.reason
     if decision.checkpoint is not None:
         ckpt = decision.checkpoint
-        remove_partial(ckpt.path.parent)
+        if ctx.is_main:
+            remove_partial(ckpt.path.parent)
         try:
             saved = load_checkpoint(ckpt.path, model, optimizer)
         except (CheckpointException, RuntimeError, KeyError, ValueError) as e:
@@ -127,12 +141,14 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path) -> TrainSetup:
         config=cfg,
         training_hash=resolved.training_hash,
         device=device,
+        ctx=ctx,
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
         data=data,
-        grad_accum=grad_accum,
-        tokens_per_step=t.micro_batch * grad_accum * t.seq_len,  # this device's share
+        grad_accum=cfg.grad_accum,
+        # This device's share of the step's tokens (TP ranks share theirs): global / world size.
+        tokens_per_step=t.global_batch * t.seq_len // ctx.world_size,
         flops_per_token=model_flops_per_token(cfg.model, t.seq_len, model),
         peak=resolve_peak(device, t.precision, cfg.report.peak_tflops),
         compiles=cfg.compile.backend != "eager",

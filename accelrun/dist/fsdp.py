@@ -1,0 +1,23 @@
+"""FSDP2 (``fully_shard``): each transformer block and the root sharded over the data-parallel
+mesh; HSDP (replicate × shard) when dp_replicate > 1; bf16 parameters with fp32 gradient
+reduction under ``bf16-mixed``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(
+    model: nn.Module, blocks: nn.ModuleList | None, mesh: DeviceMesh, precision: str, reshard_after_forward: bool
+) -> None:
+    rep, shard = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if rep > 1 else mesh["dp_shard"]
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if precision == "bf16-mixed" else MixedPrecisionPolicy())
+    for block in blocks or []:
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # The root is not resharded after forward: backward needs it at once.
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)

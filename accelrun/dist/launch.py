@@ -1,0 +1,63 @@
+"""Start the ranks of a job through torchrun's elastic agent, called as a library.
+
+The agent (``torch.distributed.launcher.elastic_launch``) does rendezvous (c10d), starts one
+process per device running ``accelrun.dist.worker``, watches them, and restarts the group up to
+``max_restarts`` times when one fails. One node without an endpoint is "standalone": a local
+rendezvous on a free port, as ``torchrun --standalone`` does.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from accelrun.config.schema import ParallelConfig
+
+WORKER_MODULE = "accelrun.dist.worker"
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    max_restarts: int = 0
+    local_addr: str | None = None
+
+
+def launch_config(par: ParallelConfig, opts: LaunchOptions) -> LaunchConfig:
+    standalone = par.nnodes == 1 and opts.rdzv_endpoint is None
+    rdzv_configs: dict = {"timeout": 900}
+    if opts.node_rank is not None:
+        rdzv_configs["rank"] = opts.node_rank
+    return LaunchConfig(
+        min_nodes=par.nnodes,
+        max_nodes=par.nnodes,
+        nproc_per_node=par.nproc_per_node,
+        run_id=opts.rdzv_id or str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0" if standalone else (opts.rdzv_endpoint or ""),
+        rdzv_configs=rdzv_configs,
+        max_restarts=opts.max_restarts,
+        monitor_interval=0.2,
+        local_addr=opts.local_addr,
+    )
+
+
+def worker_argv(run_dir: Path) -> list[str]:
+    return ["-m", WORKER_MODULE, str(run_dir)]
+
+
+def launch_job(run_dir: Path, par: ParallelConfig, opts: LaunchOptions) -> int:
+    """Run the job to the end; returns 0, or the first failed rank's exit code (2: a user error)."""
+    try:
+        elastic_launch(launch_config(par, opts), sys.executable)(*worker_argv(run_dir))
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        return next((c for c in codes if c in (2, 3)), codes[0] if codes else 1)
+    return 0

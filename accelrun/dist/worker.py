@@ -1,0 +1,64 @@
+"""One rank of a multi-process job: ``python -m accelrun.dist.worker RUN_DIR``.
+
+Started by the elastic agent (``accelrun.dist.launch``), which sets RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT. The launcher has already written ``RUN_DIR/config.yaml``
+(the resolved recipe); every rank reads it, joins the process group, builds its part of the
+mesh and trains.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from accelrun.config import load_config
+from accelrun.dist.context import ParallelContext, env_rank
+from accelrun.dist.mesh import build_mesh, dp_coordinates
+from accelrun.errors import UserError
+
+
+def init_rank(resolved) -> ParallelContext:
+    cfg = resolved.config
+    rank, world, local_rank = env_rank()
+    use_cuda = torch.cuda.is_available() and cfg.train.device in ("auto", "cuda")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if cfg.train.threads is None and not use_cuda:
+        # Ranks on one node share its cores: without this, each would start one thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.parallel.nproc_per_node))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    mesh = build_mesh(cfg.parallel, device.type, world)
+    dp_rank, dp_size = dp_coordinates(mesh)
+    return ParallelContext(rank, world, local_rank, device, mesh, dp_rank, dp_size, mesh["tp"].size())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from accelrun.train.run import run_in_dir
+
+    run_dir = Path((argv or sys.argv[1:])[0])
+    console = Console(stderr=True, highlight=False)
+    rank = env_rank()[0]
+    try:
+        resolved = load_config(run_dir / "config.yaml", search_dirs=[])
+        ctx = init_rank(resolved)
+        run_in_dir(resolved, run_dir, ctx, console if rank == 0 else None)
+    except UserError as e:
+        if rank == 0:
+            for m in e.messages:
+                console.print(f"[bold red]error:[/] {m}", markup=False)
+        return e.exit_code
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Gradient-norm clipping that works whatever mix of plain and sharded (DTensor) parameters a
+parallel layout leaves: tensor parallelism shards matrices but not norm gains, and FSDP × TP puts
+them on different meshes, which torch's ``clip_grad_norm_`` cannot stack together."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Scale gradients so their global L2 norm is at most ``max_norm`` (inf: only measure); returns
+    the norm before scaling, the same on every rank."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    # Group by placement so each group's norms can be computed in one foreach call.
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+    squares = []
+    for group in groups.values():
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(group, 2.0)), 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # sums the shards' partial squares across the mesh
+        squares.append(norm.float() ** 2)
+    total = float(torch.stack(squares).sum().sqrt())
+    if math.isfinite(total) and total > max_norm:
+        scale = max_norm / (total + 1e-6)
+        for group in groups.values():
+            torch._foreach_mul_(group, scale)
+    return total
