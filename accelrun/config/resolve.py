@@ -18,6 +18,9 @@ from accelrun.config.search import find_recipe, looks_like_path, search_path
 from accelrun.config.validate import config_warnings, source_of, validate
 from accelrun.config.yaml_lines import KeyPath, dotted
 
+# Sections that say where results go or what a planner assumes, not what is trained.
+NOT_TRAINING = ("checkpoint", "report", "description", "cluster")
+
 
 @dataclass
 class ResolvedConfig:
@@ -45,7 +48,7 @@ class ResolvedConfig:
 
         Checkpoints carry it, so ``checkpoint.resume: auto`` only continues a run with the same one.
         """
-        values = {k: v for k, v in self.to_dict().items() if k not in ("checkpoint", "report", "description")}
+        values = {k: v for k, v in self.to_dict().items() if k not in NOT_TRAINING}
         canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:12]
 

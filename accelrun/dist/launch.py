@@ -35,6 +35,10 @@ def launch_config(par: ParallelConfig, opts: LaunchOptions) -> LaunchConfig:
     rdzv_configs: dict = {"timeout": 900}
     if opts.node_rank is not None:
         rdzv_configs["rank"] = opts.node_rank
+        # Node 0 hosts the c10d store at the endpoint. Said outright rather than inferred from host
+        # names, which several nodes (containers, network namespaces) may share.
+        if not standalone:
+            rdzv_configs["is_host"] = opts.node_rank == 0
     return LaunchConfig(
         min_nodes=par.nnodes,
         max_nodes=par.nnodes,

@@ -33,10 +33,25 @@ def init_rank(resolved) -> ParallelContext:
     if cfg.train.threads is None and not use_cuda:
         # Ranks on one node share its cores: without this, each would start one thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.parallel.nproc_per_node))
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    dist.init_process_group("nccl" if use_cuda else "gloo", store=_store(rank, world, restarts, timeout),
+                            rank=rank, world_size=world, timeout=timeout)
     mesh = build_mesh(cfg.parallel, device.type, world)
     dp_rank, dp_size = dp_coordinates(mesh)
-    return ParallelContext(rank, world, local_rank, device, mesh, dp_rank, dp_size, mesh["tp"].size())
+    return ParallelContext(rank, world, local_rank, device, mesh, dp_rank, dp_size, mesh["tp"].size(), restarts)
+
+
+def _store(rank: int, world: int, restarts: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store, with keys private to this restart of the group.
+
+    After the agent restarts the group, the store still holds the previous group's keys (among
+    them each rank's gloo address); a new rank that read those would connect to a dead peer.
+    """
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_hosts_it, timeout=timeout)
+    return dist.PrefixStore(f"accelrun/restart{restarts}", store)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from typing import IO
 
 from accelrun.config.schema import RUN_NAME_PATTERN
 
-RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{6}$")
+RUN_ID = re.compile(r"^(\d{8}-\d{6}-[0-9a-f]{6}|job-.+)$")
 NAME = re.compile(RUN_NAME_PATTERN)
 LOCK_FILE = ".lock"
 MAX_ATTEMPTS = 100
@@ -58,21 +58,31 @@ def list_runs(runs_dir: str | Path, name: str | None = None) -> list[Path]:
     return sorted(runs, key=lambda p: (p.name[:15], p.stat().st_mtime_ns), reverse=True)
 
 
-def hold_run_lock(run_dir: Path) -> IO:
+def hold_run_lock(run_dir: Path, node: int = 0) -> IO:
     """Mark ``run_dir`` as running for as long as the returned file stays open (an flock, so a
-    killed process releases it with no clean-up)."""
-    f = open(run_dir / LOCK_FILE, "a")  # closed by the caller when the run ends
+    killed process releases it with no clean-up). Each node of a job holds its own."""
+    f = open(run_dir / f"{LOCK_FILE}{node if node else ''}", "a")  # closed by the caller when the run ends
     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return f
 
 
 def is_running(run_dir: Path) -> bool:
-    """Whether a live process holds ``run_dir``'s lock."""
-    try:
-        with open(run_dir / LOCK_FILE, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
+    """Whether a live process holds one of ``run_dir``'s locks."""
+    for lock in run_dir.glob(f"{LOCK_FILE}*"):
+        try:
+            with open(lock, "a") as f:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            continue
     return False
+
+
+def job_run_dir(runs_dir: str | Path, name: str, job_id: str) -> Path:
+    """The run directory every node of a multi-node job shares: named by the job (rendezvous) id."""
+    if not NAME.fullmatch(job_id):
+        raise ValueError(f"job id must match {NAME.pattern}, got {job_id!r}")
+    path = Path(runs_dir) / name / f"job-{job_id}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -2,8 +2,8 @@
 
 ``auto`` continues an interrupted run: among earlier runs of the same name that are not running
 now, it takes the newest complete checkpoint written with the same training hash (the config
-without its ``checkpoint``, ``report`` and ``description`` parts). If that checkpoint's run had
-finished, there is nothing to continue and training starts fresh.
+less what does not change training, ``accelrun.config.resolve.NOT_TRAINING``). If that
+checkpoint's run had finished, there is nothing to continue and training starts fresh.
 """
 
 from __future__ import annotations

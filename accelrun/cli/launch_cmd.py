@@ -1,0 +1,39 @@
+"""``accelrun launch``: what each node of a job would run (``--dry-run``), or run this node's part."""
+
+from __future__ import annotations
+
+import shlex
+
+import click
+
+from accelrun.cli.common import config_argument, load, out, overrides_argument
+
+
+@click.command("launch")
+@config_argument
+@overrides_argument
+@click.option("--dry-run", is_flag=True, help="Print each node's command instead of running.")
+@click.option("--rdzv-endpoint", default="NODE0_HOST:29500", show_default=True, metavar="HOST:PORT")
+@click.option("--rdzv-id", default="JOB_ID", show_default=True)
+def command(config: str, overrides: tuple[str, ...], dry_run: bool, rdzv_endpoint: str, rdzv_id: str) -> None:
+    """Show the exact command every node of the recipe's job runs.
+
+    \b
+    Examples:
+      accelrun launch configs/llama.yaml parallel.nnodes=2 parallel.nproc_per_node=8 --dry-run
+      accelrun launch configs/llama.yaml parallel.nnodes=2 --rdzv-endpoint 10.0.0.1:29500 --dry-run
+
+    Without --dry-run, run `accelrun train` with the same arguments on every node.
+    """
+    from accelrun.dist.slurm import node_commands
+
+    resolved = load(config, overrides)
+    par = resolved.config.parallel
+    cmds = node_commands(config, list(overrides), par.nnodes, rdzv_endpoint, rdzv_id)
+    if not dry_run:
+        raise click.UsageError("accelrun launch runs nothing without --dry-run; use accelrun train on each node")
+    out.print(f"# {par.nnodes} node(s) × {par.nproc_per_node} process(es) = world {par.world_size}; "
+              f"degrees {par.degrees()}", markup=False)
+    for i, cmd in enumerate(cmds):
+        out.print(f"# node {i}", markup=False)
+        out.print(shlex.join(cmd), markup=False)

@@ -1,0 +1,69 @@
+"""SLURM: read a job's allocation from its environment, and write an sbatch script for a recipe.
+
+Under ``srun`` every node runs ``accelrun train`` once; the node list, the node's index and the
+job id give the rendezvous (the first node hosts it), so the same command line works on any
+number of nodes.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping
+
+from accelrun.dist.launch import LaunchOptions
+
+RDZV_PORT = 29500
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[003-005,009],cpu01`` -> ``gpu003``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot read SLURM node list {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def launch_from_slurm(env: Mapping[str, str]) -> tuple[int, LaunchOptions] | None:
+    """(nodes, launch options) of the SLURM job this process runs in, or None outside one."""
+    if "SLURM_JOB_ID" not in env or "SLURM_NNODES" not in env or "SLURM_JOB_NODELIST" not in env:
+        return None
+    nodes = int(env["SLURM_NNODES"])
+    return nodes, LaunchOptions(
+        node_rank=int(env.get("SLURM_NODEID", 0)),
+        rdzv_endpoint=f"{first_host(env['SLURM_JOB_NODELIST'])}:{RDZV_PORT}",
+        rdzv_id=f"slurm{env['SLURM_JOB_ID']}",
+    )
+
+
+def node_commands(config: str, overrides: list[str], nnodes: int, endpoint: str, job_id: str) -> list[list[str]]:
+    """The exact `accelrun train` command each node runs."""
+    base = ["accelrun", "train", config, *overrides]
+    if nnodes == 1:
+        return [base]
+    return [[*base, "--nnodes", str(nnodes), "--node-rank", str(i), "--rdzv-endpoint", endpoint,
+             "--rdzv-id", job_id] for i in range(nnodes)]
+
+
+def sbatch_script(config: str, overrides: list[str], *, name: str, nnodes: int, nproc_per_node: int,
+                  gpus: bool, partition: str | None, time_limit: str | None, account: str | None) -> str:
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nnodes}",
+             "#SBATCH --ntasks-per-node=1  # one accelrun per node; it starts one process per device"]
+    if gpus:
+        lines.append(f"#SBATCH --gpus-per-node={nproc_per_node}")
+    for flag, value in (("partition", partition), ("time", time_limit), ("account", account)):
+        if value:
+            lines.append(f"#SBATCH --{flag}={value}")
+    lines += [
+        "#SBATCH --output=%x-%j.out",
+        "set -euo pipefail",
+        "# accelrun reads the allocation (SLURM_NNODES, SLURM_NODEID, SLURM_JOB_NODELIST, SLURM_JOB_ID):",
+        f"# the first node hosts the c10d rendezvous on port {RDZV_PORT}.",
+        "srun " + shlex.join(["accelrun", "train", config, *overrides]),
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""Launch plumbing that needs no processes: SLURM environment, dry-run commands, sbatch, rendezvous."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from accelrun.cli.main import cli
+from accelrun.config import load_config
+from accelrun.dist.launch import LaunchOptions, launch_config
+from accelrun.dist.slurm import first_host, launch_from_slurm
+from tests.conftest import DEFAULT_CONFIG
+
+
+@pytest.mark.parametrize("nodelist, host", [
+    ("gpu[003-005,009],cpu01", "gpu003"), ("node7", "node7"), ("a-1,a-2", "a-1"), ("x[10,12]", "x10"),
+])
+def test_first_host_of_a_slurm_node_list(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_launch_options_from_slurm_environment():
+    env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[010-013]"}
+    nodes, opts = launch_from_slurm(env)
+    assert nodes == 4 and opts.node_rank == 2
+    assert opts.rdzv_endpoint == "gpu010:29500" and opts.rdzv_id == "slurm4242"
+    assert launch_from_slurm({}) is None
+
+
+def test_rendezvous_config_standalone_and_multi_node():
+    par = load_config(DEFAULT_CONFIG, ["parallel.nproc_per_node=2", "train.micro_batch=8"]).config.parallel
+    cfg = launch_config(par, LaunchOptions())
+    assert cfg.rdzv_backend == "c10d" and cfg.rdzv_endpoint == "localhost:0" and cfg.nproc_per_node == 2
+    par = load_config(DEFAULT_CONFIG, ["parallel.nnodes=2", "parallel.nproc_per_node=1",
+                                       "train.micro_batch=8"]).config.parallel
+    host = launch_config(par, LaunchOptions(node_rank=0, rdzv_endpoint="10.0.0.1:29500", rdzv_id="j"))
+    other = launch_config(par, LaunchOptions(node_rank=1, rdzv_endpoint="10.0.0.1:29500", rdzv_id="j"))
+    assert (host.min_nodes, host.max_nodes) == (2, 2) and host.rdzv_endpoint == "10.0.0.1:29500"
+    assert host.rdzv_configs["is_host"] is True and other.rdzv_configs["is_host"] is False
+
+
+def test_dry_run_prints_each_node_command():
+    r = CliRunner().invoke(cli, ["launch", str(DEFAULT_CONFIG), "parallel.nnodes=2", "parallel.nproc_per_node=2",
+                                 "train.micro_batch=4", "--dry-run", "--rdzv-endpoint", "h0:29500"])
+    assert r.exit_code == 0, r.output
+    assert "--node-rank 0" in r.stdout and "--node-rank 1" in r.stdout and "h0:29500" in r.stdout
+
+
+def test_sbatch_script(tmp_path):
+    out = tmp_path / "job.sbatch"
+    r = CliRunner().invoke(cli, ["slurm", str(DEFAULT_CONFIG), "parallel.nnodes=2", "parallel.nproc_per_node=8",
+                                 "train.micro_batch=1", "--partition", "gpu", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    text = out.read_text()
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=8" in text and "#SBATCH --partition=gpu" in text
+    assert "srun accelrun train" in text and "parallel.nnodes=2" in text
+
+
+def test_several_nodes_need_a_job_id(tiny):
+    r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG), *tiny(1), "parallel.nproc_per_node=1",
+                                 "train.micro_batch=2", "--nnodes", "2"])
+    assert r.exit_code == 2 and "--rdzv-id" in r.output

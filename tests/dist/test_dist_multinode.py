@@ -1,0 +1,49 @@
+"""A real 2-node job: two network namespaces (own addresses, a veth between them), each running
+`accelrun train` for its node, meeting through c10d rendezvous on the first one's address."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from accelrun.config import load_config
+from accelrun.report.metrics import read_metrics
+from accelrun.train.run import train
+from tests.conftest import DEFAULT_CONFIG, REPO, TINY
+from tests.dist import netns
+
+WHY_NOT = netns.available()
+STEPS = 4
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespaces: {WHY_NOT}")
+def test_two_nodes_through_c10d_rendezvous_match_one_process(tmp_path):
+    runs = tmp_path / "runs"
+    common = [*TINY, f"train.steps={STEPS}", f"report.runs_dir={runs}", "checkpoint.every=2"]
+    ref = train(load_config(DEFAULT_CONFIG, [*common, "name=one"]), command="test")
+
+    job = [*common, "name=two-nodes", "parallel.nproc_per_node=1", "parallel.dp_shard=2", "train.micro_batch=2"]
+    with netns.two_hosts() as hosts:
+        host_addr = hosts[0][2]
+        procs = []
+        for node_rank, (ns, iface, addr) in enumerate(hosts):
+            env = {**os.environ, "ACCELRUN_NO_PEAK_PROBE": "1", "GLOO_SOCKET_IFNAME": iface}
+            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "accelrun.cli.main", "train",
+                   str(DEFAULT_CONFIG), *job, "--nnodes", "2", "--node-rank", str(node_rank),
+                   "--rdzv-endpoint", f"{host_addr}:29477", "--rdzv-id", "nsjob", "--local-addr", addr]
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+
+    job_dir = runs / "two-nodes" / "job-nsjob"
+    report = json.loads((job_dir / "report.json").read_text())
+    assert report["world_size"] == 2
+    got = [m["loss"] for m in read_metrics(job_dir / "metrics.jsonl")]
+    want = [m["loss"] for m in read_metrics(ref.run_dir / "metrics.jsonl")]
+    assert got == pytest.approx(want, rel=1e-5)
