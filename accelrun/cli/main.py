@@ -42,14 +42,30 @@ def cli(ctx: click.Context, debug: bool) -> None:
       accelrun validate configs/llama.yaml parallel.tp=2
       accelrun config show configs/llama.yaml --explain
       accelrun recipes list
+      accelrun ab configs/llama.yaml --a compile.backend=eager --b compile.backend=inductor
+      accelrun compare RUN_A RUN_B
+      accelrun runs list
     """
     ctx.ensure_object(dict)["debug"] = debug
 
 
 def _register() -> None:
-    from accelrun.cli import config_cmd, data_cmd, recipes_cmd, train_cmd, validate_cmd
+    from accelrun.cli import (
+        ab_cmd,
+        compare_cmd,
+        config_cmd,
+        data_cmd,
+        launch_cmd,
+        plan_cmd,
+        recipes_cmd,
+        runs_cmd,
+        slurm_cmd,
+        train_cmd,
+        validate_cmd,
+    )
 
-    for module in (train_cmd, validate_cmd, config_cmd, recipes_cmd, data_cmd):
+    for module in (train_cmd, validate_cmd, config_cmd, recipes_cmd, data_cmd, compare_cmd, ab_cmd, runs_cmd,
+                   plan_cmd, launch_cmd, slurm_cmd):
         cli.add_command(module.command)
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
+from dataclasses import replace
 
 import click
 
@@ -27,7 +29,8 @@ def command(config: str, overrides: tuple[str, ...], nnodes: int | None, node_ra
     CONFIG is a YAML file or a recipe name on the search path. Any number of KEY=VALUE
     overrides follow (values are YAML); ~KEY removes a key. When the recipe asks for more than one
     process (parallel.nproc_per_node × parallel.nnodes), accelrun starts them through torchrun's
-    elastic agent: gloo on CPUs, NCCL on GPUs.
+    elastic agent: gloo on CPUs, NCCL on GPUs. Under SLURM (srun), the node count, this node's
+    rank and the rendezvous come from the allocation.
 
     \b
     Examples:
@@ -42,13 +45,18 @@ def command(config: str, overrides: tuple[str, ...], nnodes: int | None, node_ra
     interrupted run of the same recipe continues from its newest complete checkpoint.
     """
     from accelrun.dist.launch import LaunchOptions
+    from accelrun.dist.slurm import launch_from_slurm
     from accelrun.train.run import train  # torch is imported only now
 
+    launch = LaunchOptions(node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                           max_restarts=max_restarts, local_addr=local_addr)
+    slurm = launch_from_slurm(os.environ) if nnodes is None and rdzv_endpoint is None else None
+    if slurm is not None:  # inside a SLURM job: its allocation says where this node stands
+        nnodes, found = slurm
+        launch = replace(found, max_restarts=max_restarts, local_addr=local_addr)
     if nnodes is not None:
         overrides = (*overrides, f"parallel.nnodes={nnodes}")
     resolved = load(config, overrides)
-    launch = LaunchOptions(node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
-                           max_restarts=max_restarts, local_addr=local_addr)
     command_line = shlex.join(["accelrun", *sys.argv[1:]]) if sys.argv else ""
     result = train(resolved, command=command_line, console=err, launch=launch)
     if result.status == "preempted":

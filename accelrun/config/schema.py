@@ -159,6 +159,69 @@ class ReportConfig(Section):
         None, description="declared per-device peak (TFLOP/s) for MFU; None = measured or known table"
     )
     progress: Literal["auto", "bar", "lines", "none"] = "auto"
+    profile_steps: tuple[PositiveInt, PositiveInt] | None = Field(
+        None, description="[first, last] steps (inclusive) to record a torch profiler trace of, into profile/"
+    )
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _profile_range_is_ordered(cls, v: tuple[int, int] | None) -> tuple[int, int] | None:
+        if v is not None and v[0] > v[1]:
+            raise ValueError("expected [first, last] with first <= last")
+        return v
+
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+
+
+class LinkConfig(Section):
+    """One class of link between devices: within a node, or between nodes."""
+
+    bandwidth_gbs: PositiveFloat | None = Field(
+        None, description="GB/s per device in each direction, as a ring collective's bus bandwidth sees it"
+    )
+    latency_us: NonNegativeFloat = Field(5.0, description="per message hop, microseconds")
+    measured: bool = Field(False, description="bandwidth is an achieved bus bandwidth (calibration), not a line rate")
+
+
+class CalibrationConfig(Section):
+    """Rates measured on a real machine by `accelrun plan --calibrate`; they replace datasheet figures."""
+
+    measured_at: str | None = None
+    host: str | None = None
+    torch: str | None = None
+    threads_per_device: PositiveInt | None = None
+    # precision → {matrix width: achieved TFLOP/s}, from (rows × width) @ (width × width) products.
+    matmul_tflops: dict[Literal["fp32", "bf16"], dict[PositiveInt, PositiveFloat]] = Field(default_factory=dict)
+    # precision → {sequence length: achieved TFLOP/s} of causal attention (forward + backward, FLOPs
+    # it executes).
+    attention_tflops: dict[Literal["fp32", "bf16"], dict[PositiveInt, PositiveFloat]] = Field(default_factory=dict)
+    memory_bandwidth_gbs: PositiveFloat | None = Field(None, description="streaming elementwise kernels")
+    runtime_gib: NonNegativeFloat | None = Field(None, description="a process's memory before it trains")
+
+
+class ClusterConfig(Section):
+    """The machines a recipe is planned for (`accelrun plan`); training does not read it."""
+
+    device: str | None = Field(
+        None, description="accelerator kind (`accelrun plan --devices`), cpu or custom; None = no cluster"
+    )
+    devices_per_node: PositiveInt = 1
+    nodes: PositiveInt = 1
+    memory_gib: PositiveFloat | None = Field(None, description="per device; None = the accelerator table's")
+    memory_bandwidth_gbs: PositiveFloat | None = Field(None, description="per device; None = the table's")
+    bf16_tflops: PositiveFloat | None = Field(None, description="dense per-device peak; None = the table's")
+    fp32_tflops: PositiveFloat | None = Field(None, description="dense per-device peak; None = the table's")
+    reserved_gib: NonNegativeFloat | None = Field(
+        None, description="per-device memory tensors cannot use (runtime, communicators); None = per kind"
+    )
+    intra_node: LinkConfig = Field(default_factory=LinkConfig)
+    inter_node: LinkConfig = Field(default_factory=LinkConfig)
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    sources: dict[str, str] = Field(
+        default_factory=dict, description="figure → where it comes from, or that it is an assumption"
+    )
 
 
 class RunConfig(Section):
@@ -171,6 +234,7 @@ class RunConfig(Section):
     compile: CompileConfig = Field(default_factory=CompileConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @property
     def grad_accum(self) -> int:

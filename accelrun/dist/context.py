@@ -23,6 +23,7 @@ class ParallelContext:
     dp_rank: int = 0
     dp_size: int = 1
     tp_size: int = 1
+    pp_size: int = 1
     restart_count: int = 0  # how often the elastic agent has restarted this group
 
     @classmethod

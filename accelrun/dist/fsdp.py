@@ -11,7 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 def apply_fsdp(
-    model: nn.Module, blocks: nn.ModuleList | None, mesh: DeviceMesh, precision: str, reshard_after_forward: bool
+    model: nn.Module, blocks, mesh: DeviceMesh, precision: str, reshard_after_forward: bool
 ) -> None:
     rep, shard = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
     dp_mesh = mesh["dp_replicate", "dp_shard"] if rep > 1 else mesh["dp_shard"]

@@ -1,7 +1,7 @@
-"""The named device mesh: ("dp_replicate", "dp_shard", "tp"), sizes from the recipe.
+"""The named device mesh: ("pp", "dp_replicate", "dp_shard", "tp"), sizes from the recipe.
 
 Dimension order puts tensor parallelism innermost, so its ranks are neighbours (one node, the
-fastest links), and data parallelism outermost.
+fastest links), and pipeline stages outermost (they exchange the least).
 """
 
 from __future__ import annotations
@@ -12,16 +12,23 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from accelrun.config.errors import ConfigError
 from accelrun.config.schema import ParallelConfig, RunConfig
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def check_supported(cfg: RunConfig) -> None:
     """What this version cannot run yet, said before any process starts."""
-    deg = cfg.parallel.degrees()
-    if deg["pp"] != 1:
-        raise ConfigError(
-            f"parallel.pp = {deg['pp']}: pipeline parallelism is not built yet in this version; use pp: 1"
-        )
+    from accelrun.dist.pipeline import STAGES_PER_RANK
+
+    par = cfg.parallel
+    deg = par.degrees()
+    if deg["pp"] > 1:
+        if cfg.model.custom is not None or cfg.model.tie_embeddings:
+            raise ConfigError(f"parallel.pp = {deg['pp']} needs the built-in Llama with untied embeddings "
+                              "(model.custom unset, model.tie_embeddings false)")
+        stages = deg["pp"] * STAGES_PER_RANK[par.pp_schedule]
+        if cfg.model.n_layers < stages:
+            raise ConfigError(f"parallel.pp_schedule = {par.pp_schedule} with parallel.pp = {deg['pp']} makes "
+                              f"{stages} stages, more than model.n_layers = {cfg.model.n_layers}")
     if deg["tp"] > 1 and cfg.model.custom is not None:
         raise ConfigError(f"parallel.tp = {deg['tp']} needs the built-in Llama; model.custom is set")
     if deg["tp"] > 1 and cfg.model.tie_embeddings:

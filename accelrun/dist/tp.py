@@ -28,9 +28,10 @@ BLOCK_PLAN = {
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     # The recipe was checked before launch (accelrun.dist.mesh.check_supported): a built-in,
     # untied Llama.
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    })
-    for block in model.layers:
+    ends = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate())}
+    # A pipeline stage may lack either end.
+    parallelize_module(model, tp_mesh, {k: v for k, v in ends.items() if getattr(model, k) is not None})
+    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for block in blocks:
         parallelize_module(block, tp_mesh, BLOCK_PLAN)

@@ -39,7 +39,8 @@ def init_rank(resolved) -> ParallelContext:
                             rank=rank, world_size=world, timeout=timeout)
     mesh = build_mesh(cfg.parallel, device.type, world)
     dp_rank, dp_size = dp_coordinates(mesh)
-    return ParallelContext(rank, world, local_rank, device, mesh, dp_rank, dp_size, mesh["tp"].size(), restarts)
+    return ParallelContext(rank, world, local_rank, device, mesh, dp_rank, dp_size, tp_size=mesh["tp"].size(),
+                           pp_size=mesh["pp"].size(), restart_count=restarts)
 
 
 def _store(rank: int, world: int, restarts: int, timeout: timedelta) -> dist.Store:

@@ -88,14 +88,16 @@ def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn
     return model
 
 
-def transformer_blocks(model: nn.Module) -> nn.ModuleList | None:
+def transformer_blocks(model: nn.Module) -> list[nn.Module] | None:
     """The model's repeated blocks, for the training loop to wrap (checkpointing, per-block compile).
 
     ``model.layers`` when it is an ``nn.ModuleList`` (the built-in Llama, and any user model that
-    follows the same convention); None when the model has no such list.
+    follows the same convention) or, for a pipeline stage, an ``nn.ModuleDict``; None otherwise.
     """
     layers = getattr(model, "layers", None)
-    return layers if isinstance(layers, nn.ModuleList) else None
+    if isinstance(layers, nn.ModuleDict):
+        return list(layers.values())
+    return list(layers) if isinstance(layers, nn.ModuleList) else None
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, model: nn.Module | None = None) -> float | None:

@@ -252,7 +252,10 @@ class Llama(nn.Module):
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len ({self.args.max_seq_len})")
         h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
         cos_TR, sin_TR = self.rope_cos[:T], self.rope_sin[:T]
-        for layer in self.layers:
+        # A pipeline stage keeps its slice of the blocks in a ModuleDict keyed by layer index, so its
+        # parameter names match the whole model's.
+        blocks = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
+        for layer in blocks:
             h_BTD = layer(h_BTD, cos_TR, sin_TR)
         if self.norm is not None:
             h_BTD = self.norm(h_BTD)

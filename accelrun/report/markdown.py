@@ -6,6 +6,11 @@ import math
 from pathlib import Path
 
 from accelrun.report.files import write_text_atomic
+from accelrun.report.fmt import integer as _int
+from accelrun.report.fmt import nbytes as _bytes
+from accelrun.report.fmt import num as _num
+from accelrun.report.fmt import pct as _pct
+from accelrun.report.fmt import secs as _secs
 
 SPARK_LEVELS = "▁▂▃▄▅▆▇█"
 
@@ -43,6 +48,11 @@ def render_report_md(report: dict, config_summary: dict, *, env: dict | None = N
 
 
 def _headline(r: dict) -> list[str]:
+    return ["| figure | value |", "| --- | --- |"] + [f"| {k} | {_cell(v)} |" for k, v in headline_rows(r)]
+
+
+def headline_rows(r: dict) -> list[tuple[str, str]]:
+    """(figure, value) pairs a report leads with: throughput, MFU, step time, memory, compile, warm-up."""
     st = r.get("step_time_s") or {}
     peak = r.get("peak") or {}
     if r.get("mfu") is not None:
@@ -63,7 +73,7 @@ def _headline(r: dict) -> list[str]:
         ("data loading share", _pct(r.get("data_share"))),
         ("total step time", _secs(r.get("total_time_s"))),
     ]
-    return ["| figure | value |", "| --- | --- |"] + [f"| {k} | {_cell(v)} |" for k, v in rows]
+    return rows
 
 
 def _breakdown_section(r: dict) -> list[str]:
@@ -127,38 +137,3 @@ def sparkline(values: list[float]) -> str:
 
 def _cell(v: object) -> str:
     return "n/a" if v is None else str(v).replace("|", "\\|").replace("\n", " ")
-
-
-def _num(x: float | None) -> str:
-    if x is None:
-        return "n/a"
-    if not math.isfinite(x):
-        return str(x)
-    return f"{x:.4g}"
-
-
-def _int(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:,.0f}"
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f} %"
-
-
-def _secs(x: float | None) -> str:
-    if x is None:
-        return "n/a"
-    return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s"
-
-
-def _bytes(x: int | None) -> str:
-    if x is None:
-        return "n/a"
-    if x < 1024:
-        return f"{x} B"
-    value, unit = x / 1024, "KiB"
-    for bigger in ("MiB", "GiB", "TiB"):
-        if value < 1024:
-            break
-        value, unit = value / 1024, bigger
-    return f"{value:.2f} {unit}"

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -106,3 +107,15 @@ def read_metrics(path: str | Path) -> list[dict]:
                 break
             raise ValueError(f"{path}:{i + 1}: not a JSON line: {line[:80]!r}") from None
     return records
+
+
+def forget_steps_after(path: str | Path, step: int) -> None:
+    """Drop the lines of steps after ``step`` (a run that continues from a checkpoint at ``step``
+    redoes them), atomically."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)

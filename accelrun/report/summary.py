@@ -1,8 +1,8 @@
 """From per-step metrics to ``report.json``: steady-state figures, with warm-up and compile kept apart.
 
 Steady state means every step after the first ``warmup_steps`` steps of this run that did not include
-compilation. Figures that need steady steps are null when there are none, and a line in ``notes``
-says why; nothing here raises on a short or odd run.
+compilation and was not profiled (``report.profile_steps``). Figures that need steady steps are null
+when there are none, and a line in ``notes`` says why; nothing here raises on a short or odd run.
 
 Example::
 
@@ -55,8 +55,9 @@ def summarize(
     n = len(metrics)
     warm = metrics[:warmup_steps]
     after = metrics[warmup_steps:]
-    steady = [m for m in after if not m.get("compile")]
-    excluded_compile = len(after) - len(steady)
+    steady = [m for m in after if is_steady(m)]
+    excluded_compile = sum(1 for m in after if m.get("compile"))
+    excluded_profiled = sum(1 for m in after if m.get("profiled") and not m.get("compile"))
     excluded = warm + [m for m in after if m.get("compile")]
 
     times = sorted(float(m["step_time_s"]) for m in steady)
@@ -66,11 +67,15 @@ def summarize(
     elif not steady:
         notes.append(
             f"no steady-state steps: {n} steps, of which the first {min(warmup_steps, n)} are warm-up "
-            f"and {excluded_compile} more included compilation; step-time figures are null "
+            f"and {excluded_compile} more included compilation ({excluded_profiled} were profiled); "
+            "step-time figures are null "
             "(run more steps or lower report.warmup_steps)"
         )
     elif len(steady) < MIN_STEADY_STEPS:
         notes.append(f"only {len(steady)} steady-state steps: step-time figures are noisy")
+    if excluded_profiled:
+        notes.append(f"{excluded_profiled} profiled step(s) (report.profile_steps) were left out of "
+                     "steady-state figures: the profiler slows them; their trace is in profile/")
     if excluded_compile:
         notes.append(f"{excluded_compile} step(s) after warm-up included compilation (recompiles?) "
                      "and were left out of steady-state figures")
@@ -104,6 +109,7 @@ def summarize(
         "warmup_steps": warmup_steps,
         "steady_steps": len(steady),
         "excluded_compile_steps": excluded_compile,
+        "excluded_profiled_steps": excluded_profiled,
         "step_time_s": {
             "median": median,
             "p10": percentile(times, 10) if times else None,
@@ -125,6 +131,11 @@ def summarize(
         "loss_curve": _sample_loss_curve(metrics, LOSS_CURVE_POINTS),
         "notes": notes,
     }
+
+
+def is_steady(m: dict) -> bool:
+    """A step after warm-up counts as steady unless it compiled or ran under the profiler."""
+    return not m.get("compile") and not m.get("profiled")
 
 
 def _sample_loss_curve(metrics: list[dict], points: int) -> list[dict]:
@@ -157,7 +168,7 @@ STEP_PARTS = {"data": "data_time_s", "forward": "forward_s", "backward": "backwa
 
 def step_breakdown(metrics: list[dict], warmup_steps: int) -> dict[str, float] | None:
     """Median seconds per part of a steady step (warm-up and compiling steps left out)."""
-    steady = [m for m in metrics[warmup_steps:] if not m.get("compile")]
+    steady = [m for m in metrics[warmup_steps:] if is_steady(m)]
     if not steady:
         return None
     return {part: statistics.median(float(m.get(key) or 0.0) for m in steady) for part, key in STEP_PARTS.items()}

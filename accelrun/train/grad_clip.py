@@ -12,12 +12,11 @@ from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, stage_group=None) -> float:
     """Scale gradients so their global L2 norm is at most ``max_norm`` (inf: only measure); returns
-    the norm before scaling, the same on every rank."""
+    the norm before scaling, the same on every rank. ``stage_group``: the pipeline group, whose
+    ranks hold different parameters (their squared norms add up)."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
     # Group by placement so each group's norms can be computed in one foreach call.
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
@@ -28,7 +27,10 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # sums the shards' partial squares across the mesh
         squares.append(norm.float() ** 2)
-    total = float(torch.stack(squares).sum().sqrt())
+    square = torch.stack(squares).sum() if squares else torch.zeros(())
+    if stage_group is not None:
+        torch.distributed.all_reduce(square, group=stage_group)
+    total = float(square.sqrt())
     if math.isfinite(total) and total > max_norm:
         scale = max_norm / (total + 1e-6)
         for group in groups.values():

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from accelrun.errors import TrainingDiverged
 from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, StepMetrics
+from accelrun.report.profiler import profile_steps
 from accelrun.train.checkpoint import save_checkpoint
 from accelrun.train.grad_clip import clip_grad_norm
 from accelrun.train.precision import autocast
@@ -68,11 +69,16 @@ def run_loop(
     total = cfg.train.steps
     outcome = LoopOutcome("finished", s.start_step)
     last_ckpt: Path | None = s.resumed_from
-    params = [p for p in s.model.parameters() if p.requires_grad]
+    parts = s.pipeline.modules if s.pipeline is not None else [s.model]
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]
     clip = cfg.train.grad_clip if cfg.train.grad_clip else math.inf  # None or 0: measure, do not clip
+    stage_group = s.pipeline.group if s.pipeline is not None else None
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    s.model.train()
-    with _PreemptionFlag() as preempt:
+    for part in parts:
+        part.train()
+    run_dir = s.checkpoint_dir.parent
+    with (_PreemptionFlag() as preempt,
+          profile_steps(cfg.report.profile_steps, run_dir, s.start_step, s.ctx.rank) as prof):
         for step in range(s.start_step + 1, total + 1):
             lr = s.optimizer.param_groups[0]["lr"]
             t_step = time.perf_counter()
@@ -84,18 +90,25 @@ def run_loop(
                 inputs_BT, targets_BT = inputs_BT.to(dev, non_blocking=True), targets_BT.to(dev, non_blocking=True)
                 sync()
                 t1 = time.perf_counter()
-                with autocast(cfg.train.precision, dev):
-                    logits_BTV = s.model(inputs_BT)
-                loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten()) / s.grad_accum
-                sync()
-                t2 = time.perf_counter()
-                loss.backward()
-                sync()
-                t3 = time.perf_counter()
+                if s.pipeline is not None:
+                    # The schedule interleaves micro-batches' forwards and backwards: timed as one.
+                    with autocast(cfg.train.precision, dev):
+                        loss = s.pipeline.step(inputs_BT, targets_BT)
+                    sync()
+                    t2 = t3 = time.perf_counter()
+                else:
+                    with autocast(cfg.train.precision, dev):
+                        logits_BTV = s.model(inputs_BT)
+                    loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten()) / s.grad_accum
+                    sync()
+                    t2 = time.perf_counter()
+                    loss.backward()
+                    sync()
+                    t3 = time.perf_counter()
                 loss_sum += loss.detach()
                 data_s, fwd_s, bwd_s = data_s + t1 - t0, fwd_s + t2 - t1, bwd_s + t3 - t2
             t4 = time.perf_counter()
-            grad_norm = clip_grad_norm(params, clip)
+            grad_norm = clip_grad_norm(params, clip, stage_group)
             loss_value = float(s.ctx.mean_over_dp(loss_sum))
             for what, value in (("the loss", loss_value), ("the gradient norm", grad_norm)):
                 if not math.isfinite(value):
@@ -111,6 +124,7 @@ def run_loop(
                 compile=step == s.start_step + 1 and s.compiles,
             ).to_dict(flops_per_token=s.flops_per_token, peak_tflops=s.peak.tflops)
             record.update(forward_s=fwd_s, backward_s=bwd_s, optimizer_s=t_end - t4)
+            prof.step(step, record)  # report.profile_steps: starts/stops the trace, marks profiled steps
             if metrics is not None:  # rank 0 only
                 metrics.write(record)
                 progress.update(step, loss_value, record["tokens_per_s"] or 0.0)

@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from accelrun.config import ResolvedConfig
+from accelrun.config import ConfigError, ResolvedConfig
 from accelrun.config.resolve import explain_text
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.launch import LaunchOptions, launch_job
@@ -29,10 +29,11 @@ from accelrun.dist.mesh import check_supported
 from accelrun.errors import TrainingDiverged, UserError
 from accelrun.report.env import collect_env
 from accelrun.report.files import write_json, write_text_atomic
+from accelrun.report.html import write_report_html
 from accelrun.report.markdown import write_report_md
 from accelrun.report.memory import peak_memory_bytes
-from accelrun.report.metrics import MetricsWriter, read_metrics
-from accelrun.report.rundir import create_run_dir, hold_run_lock
+from accelrun.report.metrics import MetricsWriter, forget_steps_after, read_metrics
+from accelrun.report.rundir import create_run_dir, hold_run_lock, job_run_dir
 from accelrun.report.summary import compile_time_s, step_breakdown, summarize
 from accelrun.train.loop import LoopOutcome, run_loop
 from accelrun.train.progress import TrainProgress
@@ -74,8 +75,9 @@ def train(
         check_supported(cfg)
     if cfg.train.threads is not None:
         torch.set_num_threads(cfg.train.threads)  # before env.json records it and the peak probe runs
-    run_dir = create_run_dir(cfg.report.runs_dir, cfg.name)
-    with hold_run_lock(run_dir):
+    launch = launch or LaunchOptions()
+    run_dir, node = _run_dir_for(cfg, launch)
+    with hold_run_lock(run_dir, node):
         write_text_atomic(resolved.to_yaml(), run_dir / "config.yaml")
         write_text_atomic(explain_text(resolved), run_dir / "config.sources.txt")
         write_text_atomic((command or "(called from Python)") + "\n", run_dir / "command.txt")
@@ -85,8 +87,23 @@ def train(
             return run_in_dir(resolved, run_dir, None, console, stop_after_step=stop_after_step)
         console.print(f"launching {cfg.parallel.nproc_per_node} process(es) per node on {cfg.parallel.nnodes} "
                       "node(s) through torchrun's elastic agent", markup=False)
-        code = launch_job(run_dir, cfg.parallel, launch or LaunchOptions())
+        code = launch_job(run_dir, cfg.parallel, launch)
     return _launched_result(run_dir, code, console)
+
+
+def _run_dir_for(cfg, launch: LaunchOptions) -> tuple[Path, int]:
+    """A new run directory; for a job on several nodes, the one directory all of them share."""
+    if cfg.parallel.nnodes == 1:
+        return create_run_dir(cfg.report.runs_dir, cfg.name), 0
+    if not launch.rdzv_id or launch.node_rank is None or not launch.rdzv_endpoint:
+        raise ConfigError(
+            f"parallel.nnodes = {cfg.parallel.nnodes}: give every node the same --rdzv-id and "
+            "--rdzv-endpoint HOST:PORT, and its own --node-rank"
+        )
+    try:
+        return job_run_dir(cfg.report.runs_dir, cfg.name, launch.rdzv_id), launch.node_rank
+    except ValueError as e:
+        raise ConfigError(f"--rdzv-id: {e}") from None
 
 
 def _launched_result(run_dir: Path, code: int, console: Console) -> TrainResult:
@@ -116,7 +133,7 @@ def run_in_dir(
     try:
         s = build_setup(resolved, run_dir, ctx)
     except UserError:
-        if main:
+        if main and not (run_dir / "metrics.jsonl").exists():
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: no directory that looks interrupted
         raise
     setup_s = time.perf_counter() - t_setup
@@ -130,6 +147,8 @@ def run_in_dir(
             shutil.rmtree(run_dir, ignore_errors=True)
         return TrainResult(run_dir, "nothing-to-do", None)
 
+    if main and s.resumed_from is not None and s.resumed_from.parent.parent == run_dir:
+        forget_steps_after(run_dir / "metrics.jsonl", s.start_step)  # they are about to be redone
     progress = (TrainProgress(cfg.train.steps, s.start_step, cfg.report.progress, cfg.report.log_every, console)
                 if console is not None else None)
     error: TrainingDiverged | None = None
@@ -215,6 +234,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         "resumed from": report["resumed_from"],
     }
     write_report_md(report, summary, run_dir / "report.md", env=env)
+    write_report_html(report, summary, run_dir, env=env)
     write_json(report, run_dir / "report.json")  # last: its presence marks the run as ended
     return report
 

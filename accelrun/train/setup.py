@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -16,11 +17,12 @@ from accelrun.config import ConfigError, ResolvedConfig, RunConfig
 from accelrun.data import build_data
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.fsdp import apply_fsdp
+from accelrun.dist.pipeline import Pipeline, union_of
 from accelrun.dist.tp import apply_tp
 from accelrun.models import build_model, model_flops_per_token, model_summary, transformer_blocks
 from accelrun.report.peak import Peak, resolve_peak
 from accelrun.train.activation_checkpoint import apply_activation_checkpointing
-from accelrun.train.checkpoint import load_checkpoint, remove_partial
+from accelrun.train.checkpoint import complete_checkpoints, load_checkpoint, remove_partial
 from accelrun.train.compile_model import compile_model
 from accelrun.train.optim import build_optimizer, build_scheduler
 from accelrun.train.resume import ResumeDecision, decide_resume
@@ -32,7 +34,8 @@ class TrainSetup:
     training_hash: str
     device: torch.device
     ctx: ParallelContext
-    model: nn.Module
+    model: nn.Module  # under pipeline parallelism: the union of this rank's stages
+    pipeline: Pipeline | None
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     data: Any  # accelrun.data iterator: next() -> (inputs_BT, targets_BT), state_dict()
@@ -70,6 +73,42 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _parallelize(part: nn.Module, cfg: RunConfig, ctx: ParallelContext) -> str:
+    """TP, activation checkpointing, compile, then FSDP (the order each needs), on one model or stage."""
+    t = cfg.train
+    blocks = transformer_blocks(part)
+    if ctx.mesh is not None and ctx.tp_size > 1:
+        apply_tp(part, ctx.mesh["tp"])
+    if blocks is not None:
+        apply_activation_checkpointing(blocks, t.activation_checkpoint)
+    elif t.activation_checkpoint.mode != "none":
+        raise ConfigError(
+            "train.activation_checkpoint needs a model with a `layers` ModuleList of blocks; "
+            f"{type(part).__name__} has none"
+        )
+    compiled = compile_model(part, blocks, cfg.compile)
+    if ctx.mesh is not None and ctx.dp_size > 1:
+        apply_fsdp(part, blocks, ctx.mesh, t.precision, cfg.parallel.reshard_after_forward)
+    return compiled
+
+
+def _pipeline_loss(grad_accum: int):
+    def loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        # Per micro-batch mean; the schedule averages micro-batches (scale_grads), accumulation sums.
+        return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten()) / grad_accum
+
+    return loss
+
+
+def _decide(resume: str, run_dir: Path, training_hash: str, restart_count: int) -> ResumeDecision:
+    if restart_count > 0:
+        # The elastic agent restarted the group after a failure: continue this run's own work.
+        own = complete_checkpoints(run_dir / "checkpoints")
+        if own:
+            return ResumeDecision(own[-1], f"restart {restart_count} of the group after a failure")
+    return decide_resume(resume, run_dir.parent, run_dir, training_hash)
+
+
 def _first_line(e: BaseException) -> str:
     # DCP wraps each rank's error; show the first underlying one.
     failures = getattr(e, "failures", None)
@@ -90,20 +129,19 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     # starts from exactly the weights a single process would.
     model = build_model(cfg.model, device, seed=t.seed)
     info = model_summary(cfg.model, model, seq_len=t.seq_len)
-    blocks = transformer_blocks(model)
-    if ctx.mesh is not None and ctx.tp_size > 1:
-        apply_tp(model, ctx.mesh["tp"])
-    if blocks is not None:
-        apply_activation_checkpointing(blocks, t.activation_checkpoint)
-    elif t.activation_checkpoint.mode != "none":
-        raise ConfigError(
-            "train.activation_checkpoint needs a model with a `layers` ModuleList of blocks; "
-            f"{type(model).__name__} has none"
-        )
-    compiled = compile_model(model, blocks, cfg.compile)
-    if ctx.mesh is not None and ctx.dp_size > 1:
-        apply_fsdp(model, blocks, ctx.mesh, t.precision, cfg.parallel.reshard_after_forward)
+    pipeline = None
+    parts = [model]
+    if ctx.mesh is not None and ctx.pp_size > 1:
+        pipeline = Pipeline(model, ctx.mesh, cfg.parallel.pp_schedule, cfg.parallel.microbatches or ctx.pp_size,
+                            _pipeline_loss(cfg.grad_accum), device)
+        parts = pipeline.modules
+    for part in parts:
+        compiled = _parallelize(part, cfg, ctx)
+    if pipeline is not None:
+        pipeline.build_schedule()
 
+    if pipeline is not None:
+        model = union_of(parts)  # this rank's stages under the whole model's parameter names
     optimizer = build_optimizer(model, t.optimizer, device, sharded=ctx.distributed)
     scheduler = build_scheduler(optimizer, t.lr_schedule, t.steps)
     data = build_data(
@@ -114,8 +152,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     checkpoint_dir = run_dir / "checkpoints"
     # One rank decides (it reads the file system), every rank follows: they must load the same one.
     decision: ResumeDecision = ctx.broadcast_object(
-        decide_resume(cfg.checkpoint.resume, run_dir.parent, run_dir, resolved.training_hash)
-        if ctx.is_main else None
+        _decide(cfg.checkpoint.resume, run_dir, resolved.training_hash, ctx.restart_count) if ctx.is_main else None
     )
     start_step, resumed_from, reason = 0, None, decision.reason
     if decision.checkpoint is not None:
@@ -143,6 +180,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         device=device,
         ctx=ctx,
         model=model,
+        pipeline=pipeline,
         optimizer=optimizer,
         scheduler=scheduler,
         data=data,

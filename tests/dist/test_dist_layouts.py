@@ -53,7 +53,11 @@ LAYOUTS = {
     "tp2": ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.tp=2"],
     "hsdp2x1": ["parallel.nproc_per_node=2", "parallel.dp_replicate=2", "parallel.dp_shard=1", "train.micro_batch=2"],
     "fsdp2_tp2": ["parallel.nproc_per_node=4", "parallel.dp_shard=2", "parallel.tp=2", "train.micro_batch=2"],
+    "pp2_gpipe": ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=gpipe"],
+    "pp2_1f1b": ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=1f1b"],
+    "pp2_fsdp2": ["parallel.nproc_per_node=4", "parallel.dp_shard=2", "parallel.pp=2", "train.micro_batch=2"],
 }
+WORLD = {"fsdp2_tp2": 4, "pp2_fsdp2": 4}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -64,7 +68,7 @@ def test_layout_matches_one_process(layout, single, tiny, tmp_path):
     got = losses(d)
     assert got == pytest.approx(single, rel=LOSS_RTOL), (got, single)
     report = json.loads((d / "report.json").read_text())
-    world = 4 if layout == "fsdp2_tp2" else 2
+    world = WORLD.get(layout, 2)
     assert report["world_size"] == world and len(report["mem_peak_bytes_per_rank"]) == world
     assert report["tokens_per_s_job"] == pytest.approx(report["tokens_per_s"] * world)
 
@@ -87,8 +91,9 @@ def test_checkpoint_of_two_ranks_resumes_in_one_and_back(single, tiny, tmp_path)
 
 
 def test_unsupported_layout_fails_before_launch(tiny):
-    r = accelrun_train(*tiny(2), "parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.pp=2")
-    assert r.returncode == 2 and "pipeline parallelism is not built yet" in r.stderr
+    r = accelrun_train(*tiny(2), "parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.pp=2",
+                       "parallel.pp_schedule=interleaved_1f1b")
+    assert r.returncode == 2 and "makes 4 stages, more than model.n_layers = 2" in r.stderr
     assert "launching" not in r.stderr
 
 

@@ -97,7 +97,11 @@ def test_llama_on_meta_and_on_cpu():
 
 def test_transformer_blocks_are_the_models_layers():
     model = build_model(ModelConfig(**SMALL))
-    assert transformer_blocks(model) is model.layers
+    blocks = transformer_blocks(model)
+    assert len(blocks) == len(model.layers) and all(a is b for a, b in zip(blocks, model.layers, strict=True))
+    # A pipeline stage holds its blocks in a ModuleDict keyed by layer index.
+    model.layers = nn.ModuleDict({"3": model.layers[0]})
+    assert transformer_blocks(model) == [model.layers["3"]]
     assert transformer_blocks(nn.Linear(2, 2)) is None
 
 
@@ -124,7 +128,7 @@ def test_custom_factory_is_called_with_kwargs_under_the_device(user_module, devi
     assert type(model).__name__ == "Tiny"
     assert model.layers[0].weight.shape == (6, 6)
     assert all(p.device.type == device for p in model.parameters())
-    assert transformer_blocks(model) is model.layers
+    assert transformer_blocks(model) == list(model.layers)
 
 
 def test_custom_nested_attribute(user_module):

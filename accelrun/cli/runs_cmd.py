@@ -1,0 +1,70 @@
+"""``accelrun runs list``: past runs with their key figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.markup import escape
+from rich.table import Table
+
+from accelrun.cli.common import out
+from accelrun.cli.compare_cmd import print_wide
+from accelrun.report import fmt
+from accelrun.report.runs_index import list_run_rows
+
+STATUS_STYLE = {"finished": "green", "running": "cyan", "interrupted": "yellow", "diverged": "red"}
+
+
+@click.group("runs")
+def command() -> None:
+    """Look at past runs.
+
+    \b
+    Examples:
+      accelrun runs list
+      accelrun runs list --name llama-debug --limit 5
+      accelrun runs list /shared/team-runs --json
+    """
+
+
+@command.command("list")
+@click.argument("runs_dir", required=False, default="runs", type=click.Path(path_type=Path))
+@click.option("--name", default=None, help="Only runs of this recipe name (the `name:` key).")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Newest N runs.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines instead of a table.")
+def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> None:
+    """List runs under RUNS_DIR (default: ./runs, the default report.runs_dir), newest first.
+
+    Each row: status (finished, running, interrupted, diverged), steps, final loss, steady median
+    step time, tokens/s, MFU, peak memory, compile backend, precision and config hash. A run that
+    has no report.json and no live process is "interrupted": `checkpoint.resume: auto` continues it.
+
+    \b
+    Examples:
+      accelrun runs list
+      accelrun runs list runs --name llama-debug --limit 5
+      accelrun runs list --json | jq -r 'select(.status == "finished") | .path'
+    """
+    rows = list_run_rows(runs_dir, name, limit)
+    if as_json:
+        for r in rows:
+            out.print(json.dumps(r.to_dict()), markup=False, highlight=False, soft_wrap=True)
+        return
+    if not rows:
+        out.print(f"no runs under {escape(str(runs_dir))}" + (f" named {escape(name)}" if name else ""))
+        return
+    t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+    for col, justify in (("run", "left"), ("started (UTC)", "left"), ("status", "left"), ("steps", "right"),
+                         ("final loss", "right"), ("step (median)", "right"), ("tokens/s", "right"),
+                         ("MFU", "right"), ("peak mem", "right"), ("compile", "left"), ("precision", "left"),
+                         ("config", "left")):
+        t.add_column(col, justify=justify, no_wrap=col == "run")
+    for r in rows:
+        style = STATUS_STYLE.get(r.status, "")
+        t.add_row(escape(r.run), r.started, f"[{style}]{escape(r.status)}[/]" if style else escape(r.status),
+                  str(r.steps), fmt.num(r.final_loss), fmt.secs(r.step_time_s), fmt.integer(r.tokens_per_s),
+                  fmt.pct(r.mfu), fmt.nbytes(r.mem_peak_bytes), escape(r.compile), escape(r.precision),
+                  escape(r.config_hash or "n/a"))
+    print_wide(t)

@@ -1,0 +1,106 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: the Llama cut into stages by
+layers, a schedule from the recipe, micro-batches from ``parallel.microbatches``.
+
+Stages keep the whole model's parameter names (their blocks sit in a ModuleDict keyed by layer
+index), so a pipelined run's checkpoints load into any other layout and back.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+# Schedules that run several ("virtual") stages per rank, looped: rank r holds r, r + pp, ...
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
+
+
+def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous, balanced layer slices; the first stages take the remainder (the last stage also
+    runs the output projection)."""
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def stage_module(model: nn.Module, stage: int, n_stages: int, layers: range) -> nn.Module:
+    """A copy of ``model`` with only what stage ``stage`` runs."""
+    part = copy.deepcopy(model)
+    part.layers = nn.ModuleDict({str(i): part.layers[i] for i in layers})
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != n_stages - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+class Pipeline:
+    """This rank's stages and the schedule that drives them; ``step`` runs one batch through."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, schedule: str, microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device):
+        pp_mesh = mesh["pp"]
+        self.group = pp_mesh.get_group()
+        pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
+        n_stages = pp_size * STAGES_PER_RANK[schedule]
+        ranges = layer_ranges(model.args.n_layers, n_stages)
+        self.stage_ids = list(range(pp_rank, n_stages, pp_size))
+        self.modules = [stage_module(model, s, n_stages, ranges[s]) for s in self.stage_ids]
+        self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
+        self.n_stages, self.schedule_name, self.microbatches = n_stages, schedule, microbatches
+        self._loss_fn, self._device = loss_fn, device
+        self.schedule = None  # built after the modules are sharded (FSDP, TP): stages capture them
+
+    def build_schedule(self) -> None:
+        stages = [PipelineStage(m, s, self.n_stages, self._device, group=self.group)
+                  for m, s in zip(self.modules, self.stage_ids, strict=True)]
+        cls = SCHEDULES[self.schedule_name]
+        arg = stages if STAGES_PER_RANK[self.schedule_name] > 1 else stages[0]
+        self.schedule = cls(arg, n_microbatches=self.microbatches, loss_fn=self._loss_fn)
+
+    def step(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one batch; returns the batch's mean loss on every pp rank."""
+        losses: list[torch.Tensor] = []
+        args = (inputs_BT,) if self.has_first else ()
+        kwargs = {"target": targets_BT, "losses": losses} if self.has_last else {}
+        self.schedule.step(*args, **kwargs)
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self._device)
+        dist.all_reduce(loss, group=self.group)  # only the last stage's rank holds it
+        return loss
+
+    def blocks(self) -> list[nn.Module]:
+        return [b for m in self.modules for b in m.layers.values()]
+
+
+def union_of(parts: list[nn.Module]) -> nn.Module:
+    """One module holding every parameter of this rank's stages under the whole model's names
+    (``layers.<i>``, and the ends where this rank has them): what checkpoints and the optimizer see."""
+    union = nn.Module()
+    union.layers = nn.ModuleDict({k: v for part in parts for k, v in part.layers.items()})
+    for end in ("tok_embeddings", "norm", "output"):
+        held = [getattr(p, end) for p in parts if getattr(p, end) is not None]
+        if held:
+            setattr(union, end, held[0])
+    return union

@@ -1,0 +1,98 @@
+"""Bytes that autograd keeps for backward, per token, for accelrun's Llama block and head.
+
+Counted, not guessed: the eager figures are what ``torch.autograd.graph.saved_tensors_hooks`` sees
+when ``accelrun.models.llama`` runs one block (distinct storages that grow with the number of
+tokens); ``tests/plan/test_plan_activations.py`` counts them again on the real model and must
+agree exactly. The compiled figures were counted the same way through ``torch.compile`` (inductor,
+torch 2.13): its partitioner keeps fewer tensors and recomputes cheap pointwise ones.
+
+Shapes: D model dim, F feed-forward dim, H query heads (attention's log-sum-exp, one fp32 per
+head). Under tensor parallelism (accelrun's Megatron plan, no sequence parallelism) the norms and
+the inputs of column-parallel matmuls are replicated on every rank; attention and feed-forward
+internals are split ``tp`` ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from accelrun.plan.workload import Shape, Workload
+
+
+@dataclass(frozen=True)
+class PerToken:
+    """Bytes per token of one block: ``replicated`` (every TP rank) and ``sharded`` (split by tp)."""
+
+    replicated: float
+    sharded: float
+
+    def local(self, tp: int) -> float:
+        return self.replicated + self.sharded / tp
+
+
+# mode → (replicated: (cD, const), sharded: (cD, cF, cH)); bytes per token per block, nothing
+# checkpointed. Replicated: two RMSNorms (fp32 input copy, rsqrt, normalised output) and the inputs
+# of the column-parallel matmuls; sharded: q, k, v (keys/values already repeated to all heads),
+# attention output, log-sum-exp, and the SwiGLU tensors.
+EAGER_SAVED = {
+    "fp32": ((24, 8), (16, 16, 4)),
+    "autocast": ((26, 8), (8, 8, 4)),  # autocast casts the norm output once per consuming matmul
+    "bf16-params": ((16, 8), (8, 8, 4)),
+}
+COMPILED_SAVED = {
+    "fp32": ((16, 8), (16, 12, 4)),
+    "autocast": ((10, 8), (8, 6, 4)),
+    "bf16-params": ((8, 8), (8, 6, 4)),
+}
+
+
+def block_saved(shape: Shape, mode: str, compiled: bool) -> PerToken:
+    """Saved bytes per token of one block with no checkpointing."""
+    (rd, rc), (sd, sf, sh) = (COMPILED_SAVED if compiled else EAGER_SAVED)[mode]
+    return PerToken(rd * shape.dim + rc, sd * shape.dim + sf * shape.ffn_dim + sh * shape.n_heads)
+
+
+def checkpoint_input(w: Workload) -> PerToken:
+    """A checkpointed block keeps only its input: the residual stream (replicated under TP)."""
+    return PerToken(w.stream_bytes * w.shape.dim, 0.0)
+
+
+def selective_saved(w: Workload) -> PerToken:
+    """torchtitan's per-op policy on accelrun's block: the block input, the outputs of the 1st, 3rd,
+    5th and 7th matmul (wq, wv, w1, w2), and attention's output and log-sum-exp."""
+    s, sh = w.compute_bytes, w.shape
+    kept = [g for i, g in enumerate(sh.block_gemms()) if i % 2 == 0]
+    rep = w.stream_bytes * sh.dim
+    shard = 0.0
+    for g in kept:
+        if g.split == "col":
+            shard += s * g.out_dim
+        else:  # a row-parallel output is a full-width partial sum on every rank
+            rep += s * g.out_dim
+    shard += s * sh.dim + 4 * sh.n_heads
+    return PerToken(rep, shard)
+
+
+def layer_saved(w: Workload, checkpointed: bool) -> PerToken:
+    """What one block keeps between its forward and its backward."""
+    if not checkpointed:
+        return block_saved(w.shape, w.mode, w.compiled)
+    if w.ac_mode == "selective":
+        return selective_saved(w)
+    return checkpoint_input(w)
+
+
+def loss_bytes_per_logit(w: Workload) -> float:
+    """Peak bytes per logit while the loss's backward runs.
+
+    Autograd keeps the log-softmax output (4); the loss's backward writes a dense gradient (4) and
+    log-softmax's backward its input gradient (4). Without pipelining, accelrun's training loop also
+    keeps the fp32 logits (``logits_BTV``) alive through backward (4 more, ``logits_held_by_loop``);
+    a pipeline schedule computes the loss inside itself and holds nothing else. Under bf16 the
+    model's bf16 logits are a temporary, gone by then.
+    """
+    return 12.0 + (4.0 if logits_held_by_loop(w) else 0.0)
+
+
+def logits_held_by_loop(w: Workload) -> bool:
+    return w.layout.pp == 1

@@ -1,0 +1,154 @@
+"""Peak memory of one device for one training step, as a list of named terms.
+
+Static terms live all step: fp32 master weights, fp32 gradients and AdamW's two fp32 moments
+(16 bytes per parameter), sharded over ``dp_shard`` by FSDP (replicated over ``dp_replicate``);
+FSDP's gathered bf16 copies (the root module, embeddings and output, stays gathered all step; blocks
+are gathered two at a time, the one running and the one prefetched, or all of them when
+``parallel.reshard_after_forward`` is false); without FSDP, autocast's bf16 copies of the weights,
+which autograd keeps for backward.
+
+Dynamic terms: the activations every block keeps for backward (``accelrun.plan.activations``)
+times the micro-batches a pipeline stage holds, plus the larger of two moments in backward:
+
+- the loss's backward: logits and their gradients (``loss_bytes_per_logit``), and the output
+  layer's gathered gradient under FSDP;
+- the first block's backward: its recomputed activations when checkpointed, a working set of
+  activation gradients as large as the block's activations, FSDP's unsharded gradient buffers,
+  and the fp32 logits accelrun's loop still holds (without pipelining).
+
+The allocator's reserve (``ALLOCATOR_OVERHEAD``) comes on top of the live tensors; the runtime
+(``cluster.reserved_gib``: CUDA context and communicators, or a CPU process's baseline) on top of that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from accelrun.plan import efficiency as eff
+from accelrun.plan.activations import block_saved, layer_saved, logits_held_by_loop, loss_bytes_per_logit
+from accelrun.plan.cluster import Cluster
+from accelrun.plan.pipeline import in_flight
+from accelrun.plan.workload import Workload
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: float
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    terms: list[Term]  # live tensors at the peak, then the allocator's reserve, then the runtime
+    stage: str  # which pipeline stage peaks: "only", "first" or "last"
+    phase: str  # when: "loss backward" or "first block backward"
+    allocator_peak: float  # bytes: live tensors + allocator reserve (what torch's reserved peak reports)
+    total: float  # bytes per device: allocator peak + runtime
+    capacity: float  # bytes per device
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    @property
+    def largest(self) -> Term:
+        return max(self.terms, key=lambda t: t.bytes)
+
+
+@dataclass(frozen=True)
+class StageParams:
+    layers: int
+    block: float  # parameters of one block on one TP rank
+    root: float  # embedding / output / final norm held by this stage, per TP rank
+    output: float  # of which the output layer's
+
+    @property
+    def local(self) -> float:
+        return self.layers * self.block + self.root
+
+
+def stage_params(w: Workload, stage: str) -> StageParams:
+    sh, tp = w.shape, w.layout.tp
+    block = sum(g.in_dim * g.out_dim for g in sh.block_gemms()) / tp + 2 * sh.dim
+    first, last = stage in ("only", "first"), stage in ("only", "last")
+    output = sh.output_params / tp if last else 0.0
+    root = (sh.embedding_params / tp if first else 0.0) + output + (sh.dim if last else 0.0)
+    if last and sh.tie_embeddings and not first:  # a last stage of a tied model needs its own copy
+        output = root = sh.embedding_params / tp + sh.dim
+    return StageParams(w.layers_per_stage, block, root, output)
+
+
+def stages(w: Workload) -> list[str]:
+    return ["only"] if w.layout.pp == 1 else ["first", "last"]
+
+
+def estimate_memory(w: Workload, cluster: Cluster) -> MemoryEstimate:
+    """The busiest stage's peak (the larger total when pipelining)."""
+    return max((_stage_memory(w, cluster, s) for s in stages(w)), key=lambda m: m.total)
+
+
+def _stage_memory(w: Workload, cluster: Cluster, stage: str) -> MemoryEstimate:
+    lay, sh, tp = w.layout, w.shape, w.layout.tp
+    p = stage_params(w, stage)
+    shard = lay.dp_shard if lay.fsdp else 1
+    terms: list[Term] = []
+    sharding = f"1/{shard} of {p.local / 1e9:.3g} B per TP rank" if shard > 1 else f"{p.local / 1e9:.3g} B"
+    terms.append(Term("parameters (fp32)", 4 * p.local / shard, sharding))
+    terms.append(Term("gradients (fp32)", 4 * p.local / shard, sharding))
+    terms.append(Term("optimizer state (AdamW m, v)", 8 * p.local / shard, sharding))
+    param_bytes = w.compute_bytes if w.mode == "bf16-params" else 4
+    if lay.fsdp:
+        gathered_blocks = p.layers if not lay.reshard_after_forward else min(2, p.layers)
+        terms.append(Term(
+            "gathered parameters (FSDP)", param_bytes * (p.root + gathered_blocks * p.block),
+            f"root (embeddings, output) + {gathered_blocks} block(s), {param_bytes} bytes each",
+        ))
+    elif w.mode == "autocast":
+        terms.append(Term("autocast weight copies (bf16)", 2 * p.local, "kept by autograd for backward"))
+
+    tokens = w.chunk_tokens
+    n_ck = w.checkpointed_layers()
+    per_chunk = tokens * ((p.layers - n_ck) * layer_saved(w, False).local(tp) + n_ck * layer_saved(w, True).local(tp))
+    if stage in ("only", "last"):  # final norm (fp32 input and output) and the output layer's input
+        per_chunk += tokens * (8 + w.compute_bytes) * sh.dim
+    held = in_flight(lay.pp_schedule, lay.pp, lay.pp_microbatches) if stage in ("only", "first") else (
+        float(lay.pp_microbatches) if lay.pp_schedule == "gpipe" else 1.0)
+    policy = {"none": "nothing checkpointed", "full": "every block checkpointed",
+              "every_n": f"{n_ck} of {p.layers} blocks checkpointed",
+              "selective": "selective (per-op) checkpointing"}[w.ac_mode]
+    terms.append(Term("activations", per_chunk * held,
+                      f"{p.layers} blocks, {policy}, {tokens:,} tokens" + (f" × {held:g} in flight" if held != 1 else "")))
+
+    block_full = tokens * block_saved(sh, w.mode, w.compiled).local(tp)
+    layer_phase: list[Term] = []
+    if n_ck:
+        layer_phase.append(Term("recomputed block", block_full, "one checkpointed block's activations, rebuilt"))
+    layer_phase.append(Term("backward working set", block_full, "activation gradients of one block"))
+    if lay.fsdp:
+        layer_phase.append(Term("gradient buffers (FSDP)", (param_bytes + 4) * p.block + param_bytes * p.output,
+                                "one block's unsharded gradients and their fp32 copy for reduce-scatter, "
+                                "the output layer's gradient"))
+    has_loss = stage in ("only", "last")
+    logits = tokens * sh.vocab_size
+    if has_loss and logits_held_by_loop(w):
+        layer_phase.append(Term("logits (fp32, held by the loop)", 4 * logits, f"{logits:,} logits"))
+    loss_phase: list[Term] = []
+    if has_loss:
+        loss_phase.append(Term("loss: logits and gradients", loss_bytes_per_logit(w) * logits,
+                               f"{loss_bytes_per_logit(w):g} bytes × {logits:,} logits"))
+        if lay.fsdp:
+            loss_phase.append(Term("gradient buffers (FSDP)", param_bytes * p.output, "the output layer's gradient"))
+    phase_name, phase_terms = max((("loss backward", loss_phase), ("first block backward", layer_phase)),
+                                  key=lambda x: sum(t.bytes for t in x[1]))
+    terms += phase_terms
+
+    live = sum(t.bytes for t in terms)
+    reserve = live * eff.ALLOCATOR_OVERHEAD
+    terms.append(Term("allocator reserve", reserve, f"ALLOCATOR_OVERHEAD {eff.ALLOCATOR_OVERHEAD:g} of live tensors"))
+    runtime = cluster.reserved_gib * GIB
+    terms.append(Term("runtime (not tensors)", runtime, "cluster.reserved_gib"))
+    return MemoryEstimate(terms, stage, phase_name, live + reserve, live + reserve + runtime,
+                          cluster.memory_gib * GIB)

@@ -1,0 +1,47 @@
+"""Pipeline schedules: the idle time (bubble) and the micro-batches a stage holds at once.
+
+With ``p`` pipeline ranks and ``m`` micro-batches per flush (accelrun flushes the pipeline once per
+accumulation step), a rank is busy for ``m`` units of one micro-batch's forward+backward and idle
+for the bubble. ``v`` is the number of stages a rank runs (``accelrun.dist.pipeline.STAGES_PER_RANK``:
+2 for the interleaved schedules, which loop the model over the ranks twice):
+
+| schedule          | v | bubble (units)   | micro-batches the first rank holds at its peak |
+| ----------------- | - | ---------------- | ---------------------------------------------- |
+| gpipe             | 1 | p - 1            | m (every forward runs before any backward)     |
+| 1f1b              | 1 | p - 1            | min(p, m)                                      |
+| interleaved_1f1b  | 2 | (p - 1) / v      | min(p, m) · (1 + (p - 1) / (p · v))            |
+| zero_bubble       | 2 | (p - 1) / (3v)   | as interleaved_1f1b                            |
+
+The interleaved figures are Megatron-LM's (Narayanan et al., 2021). Zero-bubble schedules split
+backward into input and weight gradients and fill the bubble with the latter; ZB-H1 cuts 1F1B's
+bubble to about a third at 1F1B's memory (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): the
+planner applies that third to the interleaved schedule torch runs (``ScheduleInterleavedZeroBubble``).
+"""
+
+from __future__ import annotations
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
+
+
+def bubble_units(schedule: str, p: int) -> float:
+    """Idle time of a rank per pipeline flush, in units of one micro-batch's forward+backward."""
+    if p <= 1:
+        return 0.0
+    v = STAGES_PER_RANK[schedule]
+    if schedule == "zero_bubble":
+        return (p - 1) / (3 * v)
+    return (p - 1) / v
+
+
+def in_flight(schedule: str, p: int, m: int) -> float:
+    """Micro-batches whose activations the first (most loaded) rank holds at its peak."""
+    if p <= 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    held = float(min(p, m))
+    v = STAGES_PER_RANK[schedule]
+    if v > 1:
+        held *= 1 + (p - 1) / (p * v)
+    return held

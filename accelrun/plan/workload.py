@@ -1,0 +1,235 @@
+"""What one training step asks of each device: the model's shape, the layout, the batch, the options.
+
+Torch-free on purpose (``accelrun plan`` must run where torch is not installed), so the Llama
+shape arithmetic is restated here; ``tests/plan/test_plan_workload.py`` keeps it equal to
+``accelrun.models.flops`` for every shipped model recipe.
+
+Precision modes, as accelrun trains them (``accelrun/train``, ``accelrun/dist/fsdp.py``):
+
+- ``fp32``: everything in fp32.
+- ``autocast``: bf16-mixed without FSDP: fp32 weights, ``torch.autocast`` casts each matmul's operands
+  to bf16; the residual stream stays fp32.
+- ``bf16-params``: bf16-mixed with FSDP (any data parallelism): FSDP2 gathers bf16 copies of the
+  weights (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); the residual stream is bf16.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from accelrun.config.schema import RunConfig
+from accelrun.errors import UserError
+
+AC_MODES = ("none", "full", "every_n", "selective")  # selective: planner-only, see PlanOptions
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One weight matrix used once per token: ``in_dim → out_dim``; ``split`` is its TP sharding."""
+
+    name: str
+    in_dim: int
+    out_dim: int
+    split: str  # "col" (out_dim sharded), "row" (in_dim sharded)
+
+    def local(self, tp: int) -> tuple[int, int]:
+        return (self.in_dim, self.out_dim // tp) if self.split == "col" else (self.in_dim // tp, self.out_dim)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama's shape (the recipe's ``model`` section without initialisation details)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    tie_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def gqa(self) -> bool:
+        return self.kv_heads < self.n_heads
+
+    def block_gemms(self) -> tuple[Gemm, ...]:
+        d, q, kv, f = self.dim, self.n_heads * self.head_dim, self.kv_dim, self.ffn_dim
+        # Forward order; selective checkpointing counts these (torchtitan's "every second mm").
+        return (Gemm("wq", d, q, "col"), Gemm("wk", d, kv, "col"), Gemm("wv", d, kv, "col"),
+                Gemm("wo", q, d, "row"), Gemm("w1", d, f, "col"), Gemm("w3", d, f, "col"),
+                Gemm("w2", f, d, "row"))
+
+    def output_gemm(self) -> Gemm:
+        return Gemm("output", self.dim, self.vocab_size, "col")
+
+    @property
+    def block_params(self) -> int:
+        return sum(g.in_dim * g.out_dim for g in self.block_gemms()) + 2 * self.dim  # + two norm gains
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    @property
+    def output_params(self) -> int:
+        return 0 if self.tie_embeddings else self.vocab_size * self.dim
+
+    def param_count(self, embeddings: bool = True) -> int:
+        """Distinct parameters (as ``accelrun.models.flops.param_count``)."""
+        n = self.n_layers * self.block_params + self.dim  # + final norm
+        if embeddings:
+            n += self.embedding_params + self.output_params
+        return n
+
+    def model_flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token by the MFU convention (``accelrun.models.flops.flops_per_token``)."""
+        matmul_weights = self.param_count(embeddings=False) + self.vocab_size * self.dim
+        attention = 4 * self.n_layers * seq_len * self.dim
+        return 3.0 * (2 * matmul_weights + attention)
+
+
+@dataclass(frozen=True)
+class Layout:
+    nnodes: int
+    nproc_per_node: int
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp_schedule: str
+    pp_microbatches: int
+    reshard_after_forward: bool
+
+    @property
+    def world(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> bool:
+        # accelrun applies FSDP2 whenever there is data parallelism (HSDP when dp_replicate > 1).
+        return self.dp > 1
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: Shape
+    layout: Layout
+    seq_len: int
+    micro_batch: int  # per data-parallel rank, per accumulation step
+    grad_accum: int
+    global_batch: int
+    precision: str  # fp32 | bf16-mixed
+    ac_mode: str  # none | full | every_n | selective
+    every_n: int
+    compiled: bool
+    optimizer_impl: str  # fused | foreach | for_loop
+    on_cpu: bool
+
+    @property
+    def mode(self) -> str:
+        """Numerics mode (module docstring): fp32, autocast or bf16-params."""
+        if self.precision == "fp32":
+            return "fp32"
+        return "bf16-params" if self.layout.fsdp else "autocast"
+
+    @property
+    def compute_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def stream_bytes(self) -> int:
+        """Bytes per element of the residual stream between blocks."""
+        return 2 if self.mode == "bf16-params" else 4
+
+    @property
+    def chunk_batch(self) -> int:
+        """Sequences in one pipeline micro-batch (the whole micro-batch without pipelining)."""
+        return self.micro_batch // self.layout.pp_microbatches if self.layout.pp > 1 else self.micro_batch
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.chunk_batch * self.seq_len
+
+    @property
+    def chunks_per_step(self) -> int:
+        """Forward+backward passes of one stage per optimizer step."""
+        return self.grad_accum * (self.layout.pp_microbatches if self.layout.pp > 1 else 1)
+
+    @property
+    def tokens_per_device_step(self) -> int:
+        """Tokens one data-parallel rank contributes per optimizer step."""
+        return self.micro_batch * self.grad_accum * self.seq_len
+
+    @property
+    def layers_per_stage(self) -> int:
+        return math.ceil(self.shape.n_layers / self.layout.pp)
+
+    def checkpointed_layers(self) -> int:
+        """Layers of the busiest stage whose activations are recomputed (selective counts as all)."""
+        n = self.layers_per_stage
+        if self.ac_mode in ("full", "selective"):
+            return n
+        if self.ac_mode == "every_n":
+            return math.ceil(n / self.every_n)  # blocks i with i % every_n == 0
+        return 0
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What the planner assumes beyond the recipe.
+
+    ``activation_checkpoint``: model a checkpointing policy the recipe cannot select yet.
+    ``selective`` is torchtitan's per-op policy (keep the outputs of every second matmul and of
+    attention, recompute the rest); accelrun's training does not implement it, so it exists only
+    here, for what-if questions and for comparing with torchtitan's published runs.
+    """
+
+    activation_checkpoint: str | None = None
+
+
+def workload_from_config(cfg: RunConfig, options: PlanOptions | None = None) -> Workload:
+    """The step a validated recipe describes. Raises ``UserError`` for what cannot be planned."""
+    options = options or PlanOptions()
+    m, t, par = cfg.model, cfg.train, cfg.parallel
+    if m.custom is not None:
+        raise UserError(
+            f"model.custom = {m.custom!r}: accelrun plan models the built-in Llama family only "
+            "(it needs the model's shape to count memory, FLOPs and traffic)"
+        )
+    deg = par.degrees()
+    pp = deg["pp"]
+    layout = Layout(
+        nnodes=par.nnodes, nproc_per_node=par.nproc_per_node, pp=pp, dp_replicate=deg["dp_replicate"],
+        dp_shard=deg["dp_shard"], tp=deg["tp"], pp_schedule=par.pp_schedule,
+        pp_microbatches=(par.microbatches or pp), reshard_after_forward=par.reshard_after_forward,
+    )
+    ac = options.activation_checkpoint or t.activation_checkpoint.mode
+    if ac not in AC_MODES:
+        raise UserError(f"activation checkpointing {ac!r}: expected one of {', '.join(AC_MODES)}")
+    shape = Shape(m.dim, m.n_layers, m.n_heads, m.kv_heads, m.ffn_dim, m.vocab_size, m.tie_embeddings)
+    on_cpu = cfg.cluster.device == "cpu"
+    impl = t.optimizer.impl
+    if impl == "auto":  # as accelrun.train.optim: fused, except sharded parameters on a CPU
+        impl = "foreach" if (on_cpu and layout.world > 1) else "fused"
+    return Workload(
+        shape=shape, layout=layout, seq_len=t.seq_len, micro_batch=t.micro_batch, grad_accum=cfg.grad_accum,
+        global_batch=t.global_batch, precision=t.precision, ac_mode=ac, every_n=t.activation_checkpoint.every_n,
+        compiled=cfg.compile.backend != "eager", optimizer_impl=impl, on_cpu=on_cpu,
+    )
+
+
+def with_layout(w: Workload, **changes) -> Workload:
+    return replace(w, layout=replace(w.layout, **changes))

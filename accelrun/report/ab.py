@@ -1,0 +1,254 @@
+"""``accelrun ab``: run settings as fresh processes, interleaved, and say which is faster and by how much.
+
+Each variant (A, B, ...) is the recipe plus its own ``key=value`` overrides. Every repeat of every
+variant is a new ``python -m accelrun.cli.main train`` process, so no variant inherits another's warm
+caches, allocator state or compiled graphs, and they run interleaved (A B A B ...) so that a machine
+that slows down over time (heat, a neighbour) slows every variant alike. Speed comes from steady steps
+only (after ``report.warmup_steps``, not compiling, not profiled), as the ratio of median step times
+with a bootstrap interval over repeats and steps (:mod:`accelrun.report.stats`).
+
+The ``ab`` directory holds ``runs/`` (the variants' run directories), ``logs/`` (each process's
+output), ``ab.json``, ``ab.md`` and ``ab.html``, and ``command.txt``.
+
+Exit codes (``accelrun ab``): 0 done and the losses agree; 4 done but the losses disagree;
+5 a variant's process failed; 2 a user error (bad recipe or override, found before anything runs).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from accelrun.config import ResolvedConfig, load_config
+from accelrun.errors import UserError
+from accelrun.report.compare import Comparison, Group, GroupFigures, compare_groups
+from accelrun.report.machine_load import OtherCpuMeter
+from accelrun.report.rundata import load_run
+from accelrun.report.rundir import list_runs
+from accelrun.report.stats import repeats_to_resolve
+
+EXIT_LOSSES_DISAGREE = 4
+# Other processes using more than this share of the machine's CPU during a run earn a warning.
+BUSY_WARNING = 0.10
+LOG_TAIL_LINES = 15
+
+
+class VariantFailed(UserError):
+    """A variant's training process exited with an error; its log is kept."""
+
+    exit_code = 5
+
+
+@dataclass
+class Variant:
+    label: str
+    overrides: list[str]
+
+
+@dataclass
+class AbPlan:
+    config: str
+    variants: list[Variant]
+    out_dir: Path
+    common: list[str] = field(default_factory=list)  # overrides every variant gets
+    repeats: int = 3
+    steps: int | None = None
+    warmup_steps: int | None = None
+
+    def forced(self) -> list[str]:
+        """Overrides ab imposes last: fresh, checkpoint-free runs in the ab directory, progress as lines."""
+        forced = [f"report.runs_dir={self.out_dir / 'runs'}", "checkpoint.enabled=false", "checkpoint.resume=none",
+                  "report.progress=lines"]
+        if self.steps is not None:
+            forced.insert(0, f"train.steps={self.steps}")
+        if self.warmup_steps is not None:
+            forced.append(f"report.warmup_steps={self.warmup_steps}")
+        return forced
+
+    def overrides(self, v: Variant) -> list[str]:
+        return [*self.common, *v.overrides, *self.forced()]
+
+    def command(self, v: Variant) -> list[str]:
+        return [sys.executable, "-m", "accelrun.cli.main", "train", self.config, *self.overrides(v)]
+
+    def schedule(self) -> list[tuple[int, Variant]]:
+        """(repeat, variant) in the order they run: A B A B ..., one round per repeat."""
+        return [(r, v) for r in range(1, self.repeats + 1) for v in self.variants]
+
+
+def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
+    """Load and validate every variant before anything runs (a typo costs no training)."""
+    resolved = [load_config(plan.config, plan.overrides(v)) for v in plan.variants]
+    first_with: dict[str, str] = {}
+    for v, r in zip(plan.variants, resolved, strict=True):
+        if r.hash in first_with:
+            raise UserError(f"variant {v.label} resolves to the same config as {first_with[r.hash]} ({r.hash}): "
+                            "give it an override that changes something")
+        first_with[r.hash] = v.label
+    if len({r.config.train.steps for r in resolved}) > 1:
+        raise UserError("the variants train different numbers of steps; give --steps to run them alike")
+    return resolved
+
+
+@dataclass
+class RunEvent:
+    """Progress for the caller to show: a run starting, a line of its output, a run done."""
+
+    kind: str  # start | line | done
+    index: int  # 1-based position in the schedule
+    total: int
+    repeat: int
+    variant: str
+    elapsed_s: float  # since ab started
+    text: str = ""  # start: the command's arguments; line: the output line; done: the run directory
+    other_cpu: float | None = None  # done: share of the CPU other processes used during the run
+
+
+def _new_run_dir(runs_root: Path, before: set[Path]) -> Path | None:
+    after = set(list_runs(runs_root))
+    new = sorted(after - before, key=lambda p: p.name)
+    return new[-1] if new else None
+
+
+def run_one(plan: AbPlan, v: Variant, repeat: int, index: int, total: int, t0: float,
+            on_event: Callable[[RunEvent], None]) -> tuple[Path, float | None]:
+    """Run one variant once as a fresh process; return its run directory and the share of the CPU
+    that other processes used meanwhile."""
+    runs_root = plan.out_dir / "runs"
+    before = set(list_runs(runs_root))
+    log_path = plan.out_dir / "logs" / f"{index:02d}-{v.label}-{repeat}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = plan.command(v)
+    on_event(RunEvent("start", index, total, repeat, v.label, time.perf_counter() - t0, shlex.join(cmd[4:])))
+    tail: list[str] = []
+    meter = OtherCpuMeter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            tail = (tail + [line.rstrip()])[-LOG_TAIL_LINES:]
+            if line.startswith("step "):
+                on_event(RunEvent("line", index, total, repeat, v.label, time.perf_counter() - t0, line.rstrip()))
+        code = proc.wait()
+    others = meter.share()
+    run_dir = _new_run_dir(runs_root, before)
+    if code != 0 or run_dir is None or not (run_dir / "report.json").exists():
+        raise VariantFailed([f"variant {v.label}, repeat {repeat}: `accelrun train` exited with code {code}; "
+                             f"its output is in {log_path}; the last lines:", *tail])
+    on_event(RunEvent("done", index, total, repeat, v.label, time.perf_counter() - t0, str(run_dir), others))
+    return run_dir, others
+
+
+@dataclass
+class AbResult:
+    plan: AbPlan
+    comparison: Comparison
+    verdicts: list[str]
+    wall_s: float
+    other_cpu: dict[str, list[float | None]] = field(default_factory=dict)  # per variant, per repeat
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.comparison.losses_agree else EXIT_LOSSES_DISAGREE
+
+
+def run_ab(plan: AbPlan, on_event: Callable[[RunEvent], None] = lambda e: None, *, seed: int = 0,
+           loss_rtol: float | None = None) -> AbResult:
+    """Run the plan's schedule and compare the variants (see the module docstring)."""
+    resolve_variants(plan)
+    plan.out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    done: dict[str, list[Path]] = {v.label: [] for v in plan.variants}
+    others: dict[str, list[float | None]] = {v.label: [] for v in plan.variants}
+    schedule = plan.schedule()
+    for i, (repeat, v) in enumerate(schedule, start=1):
+        run_dir, busy = run_one(plan, v, repeat, i, len(schedule), t0, on_event)
+        done[v.label].append(run_dir)
+        others[v.label].append(busy)
+    return summarize_ab(plan, done, seed=seed, loss_rtol=loss_rtol, wall_s=time.perf_counter() - t0,
+                        other_cpu=others)
+
+
+def summarize_ab(plan: AbPlan, run_dirs: dict[str, list[Path]], *, seed: int = 0, loss_rtol: float | None = None,
+                 wall_s: float = 0.0, other_cpu: dict[str, list[float | None]] | None = None) -> AbResult:
+    """Compare finished runs (``{variant label: run directories}``) and write the verdicts."""
+    groups = []
+    for v in plan.variants:
+        runs = [load_run(d, label=f"{v.label}{k}") for k, d in enumerate(run_dirs[v.label], start=1)]
+        groups.append(Group(v.label, runs, v.overrides))
+    c = compare_groups(groups, rtol=loss_rtol, seed=seed, paired=True)  # A_r, B_r, ... ran in round r
+    base = c.rows[0]
+    verdicts = [verdict_line(row, base, plan.repeats, multi=len(c.rows) > 2) for row in c.rows[1:]]
+    if base.parity is not None and not base.parity.agrees:  # A's own repeats disagree: nondeterminism
+        verdicts.append(f"{base.label}'s repeats disagree with each other: "
+                        + base.parity.describe(f"{base.label}'s first run", f"a repeat of {base.label}"))
+    other_cpu = other_cpu or {}
+    busy = {f"{label}{k}": share for label, shares in other_cpu.items()
+            for k, share in enumerate(shares, start=1) if share is not None}
+    if busy and max(busy.values()) > BUSY_WARNING:
+        c.warnings.insert(0, "other processes used up to " + _pct(max(busy.values())) + " of the CPU during the "
+                          "runs (" + ", ".join(f"{k} {_pct(v)}" for k, v in busy.items()) + "): they competed "
+                          "with the variants, so the speed figures are less reliable; run ab on a quiet machine")
+    return AbResult(plan, c, verdicts, wall_s, other_cpu)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%" if x < 0.1 else f"{100 * x:.0f}%"
+
+
+def verdict_line(row: GroupFigures, base: GroupFigures, repeats: int, *, multi: bool = False) -> str:
+    """``B is 1.23× faster than A (95% CI 1.19–1.27); losses agree``, or no significant difference and
+    how many more repeats would resolve one; the losses part says whether they agree."""
+    ci = row.speedup
+    prefix = f"{row.label} vs {base.label}: " if multi else ""
+    if ci is None:
+        speed = f"{prefix}too few steady steps to compare speed (run more --steps)"
+    elif ci.significant:
+        faster = ci.ratio >= 1
+        shown = ci if faster else ci.inverted()
+        digits = 2 if shown.high - shown.low >= 0.02 else 3
+        speed = (f"{row.label} is {shown.ratio:.{digits}f}× {'faster' if faster else 'slower'} than {base.label} "
+                 f"({100 * ci.confidence:.0f}% CI {shown.low:.{digits}f}–{shown.high:.{digits}f})")
+    else:
+        hint = repeats_to_resolve(ci, repeats)
+        speed = f"{prefix}no significant difference; {hint.more_repeats} more repeats would resolve {_pct(hint.resolvable)}"
+    if row.parity is None or row.parity.agrees:
+        losses = "losses agree"
+    else:
+        cause = f"; {row.parity_cause}" if row.parity_cause else ""
+        losses = f"losses disagree: {row.parity.describe(base.label, row.label)}{cause}"
+    return f"{speed}; {losses}"
+
+
+def write_ab_reports(result: AbResult, command: str = "") -> list[Path]:
+    """``ab.json``, ``ab.md`` and ``ab.html`` in the plan's directory (and ``command.txt``)."""
+    from accelrun.report.compare_render import render_comparison_html, render_comparison_md
+    from accelrun.report.files import write_json, write_text_atomic
+
+    plan, c = result.plan, result.comparison
+    title = "accelrun ab: " + " vs ".join(v.label for v in plan.variants)
+    steps = plan.steps if plan.steps is not None else "the recipe's"
+    intro = [f"{v.label}: {plan.config} " + " ".join(plan.common + v.overrides) for v in plan.variants]
+    intro.append(f"{plan.repeats} repeat(s) × {steps} steps per variant, each a fresh process, interleaved "
+                 f"({' '.join(v.label for v in plan.variants)} …); wall time {result.wall_s:.0f} s")
+    out = plan.out_dir
+    write_text_atomic(render_comparison_md(c, title=title, verdict=result.verdicts, intro=intro), out / "ab.md")
+    write_text_atomic(render_comparison_html(c, title=title, verdict=result.verdicts, intro=intro,
+                                             bad=result.exit_code != 0), out / "ab.html")
+    write_json({"verdicts": result.verdicts, "exit_code": result.exit_code, "config": plan.config,
+                "common_overrides": plan.common, "variants": {v.label: v.overrides for v in plan.variants},
+                "repeats": plan.repeats, "steps": plan.steps, "wall_s": result.wall_s,
+                "other_cpu_share": result.other_cpu, **c.to_dict()},
+               out / "ab.json")
+    if command:
+        write_text_atomic(command + "\n", out / "command.txt")
+    return [out / "ab.md", out / "ab.html", out / "ab.json"]

@@ -1,0 +1,270 @@
+"""Put runs side by side: speed with confidence intervals, loss parity, config and machine differences.
+
+A *group* is one setting: a single run for ``accelrun compare``, the repeats of one variant for
+``accelrun ab``. Every group is measured against the first. Speed is the ratio of median steady
+step times (warm-up, compile and profiled steps left out) with a seeded bootstrap interval
+(:mod:`accelrun.report.stats`); parity compares each run's loss curve with the first run's
+(:mod:`accelrun.report.parity`).
+
+Example::
+
+    c = compare_groups([Group("A", [load_run(a)]), Group("B", [load_run(b)])])
+    c.rows[1].speedup.ratio, c.rows[1].parity.agrees, [d.key for d in c.diff], c.warnings
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from accelrun.report.parity import LossParity, default_rtol, loss_parity
+from accelrun.report.rundata import RunRecord
+from accelrun.report.stats import RESAMPLES, RatioCI, bootstrap_ratio_of_medians, median
+from accelrun.report.summary import compile_time_s
+
+# Sections of the config that decide the numbers trained, minus keys that only change where or how fast.
+NUMERIC_PREFIXES = ("model.", "data.", "train.")
+NOT_NUMERIC = ("train.threads", "train.device")
+# The source shown for a key a run's config does not have (a run from an older accelrun).
+ABSENT = "(absent)"
+# Repeats of one setting whose median step times differ by more than this earn a warning.
+SPREAD_WARNING = 0.10
+# Fewer steady steps than this on either side: no interval.
+MIN_STEADY_FOR_CI = 2
+
+
+@dataclass
+class Group:
+    label: str
+    runs: list[RunRecord]
+    overrides: list[str] = field(default_factory=list)  # what sets this group apart (ab variants)
+
+
+@dataclass
+class GroupFigures:
+    label: str
+    runs: int
+    status: str
+    steady_steps: int
+    median_step_s: float | None
+    tokens_per_s: float | None
+    mfu: float | None
+    mem_peak_bytes: int | None
+    compile_time_s: float | None
+    final_loss: float | None
+    # Throughput against the first group: its median step time over this one's, times the ratio of
+    # tokens per step when they differ (> 1: faster).
+    speedup: RatioCI | None = None
+    parity: LossParity | None = None  # this group's runs against the first group's first run
+    parity_cause: str = ""  # config keys that change the numbers, when the losses part
+    run_spread: float | None = None  # (max / min − 1) of the runs' median step times (repeats only)
+    round_ratios: list[float | None] | None = None  # paired runs: the first group's median / this one's, per round
+    overrides: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("speedup", "parity")}
+        d["speedup"] = self.speedup.to_dict() if self.speedup else None
+        d["parity"] = self.parity.to_dict() if self.parity else None
+        return d
+
+
+@dataclass
+class DiffRow:
+    key: str
+    values: list[Any]  # one per group (its first run), in order; None where the run lacks the key
+    sources: list[str]
+
+
+@dataclass
+class Comparison:
+    groups: list[Group]
+    rows: list[GroupFigures]
+    diff: list[DiffRow]
+    warnings: list[str]
+    notes: list[str]
+    rtol: float
+
+    @property
+    def losses_agree(self) -> bool:
+        return all(r.parity is None or r.parity.agrees for r in self.rows)
+
+    @property
+    def labels(self) -> list[str]:
+        return [g.label for g in self.groups]
+
+    def to_dict(self) -> dict:
+        return {
+            "groups": [{"label": g.label, "overrides": g.overrides, "runs": [str(r.path) for r in g.runs]}
+                       for g in self.groups],
+            "rows": [r.to_dict() for r in self.rows],
+            "config_diff": [d.__dict__ for d in self.diff],
+            "warnings": self.warnings, "notes": self.notes, "loss_rtol": self.rtol,
+            "losses_agree": self.losses_agree,
+        }
+
+
+def compare_groups(groups: list[Group], *, rtol: float | None = None, seed: int = 0,
+                   resamples: int = RESAMPLES, paired: bool = False) -> Comparison:
+    """Measure every group against the first; see the module docstring. ``paired``: run i of every
+    group ran in the same round (``ab``), so rounds are resampled together and per-round ratios shown."""
+    if len(groups) < 2 or any(not g.runs for g in groups):
+        raise ValueError("compare needs at least two groups, each with a run")
+    runs = [r for g in groups for r in g.runs]
+    precisions = [str(r.config_flat.get("train.precision", "fp32")) for r in runs]
+    rtol = default_rtol(precisions) if rtol is None else rtol
+    diff = config_diff([g.runs[0] for g in groups])  # repeats of one variant share their config
+    notes: list[str] = []
+    rows = [_figures(g) for g in groups]
+    base = groups[0]
+    base_times = [r.steady_step_times() for r in base.runs]
+    reference = base.runs[0]
+    for gi, (g, row) in enumerate(zip(groups, rows, strict=True)):
+        times = [r.steady_step_times() for r in g.runs]
+        if g is not base:
+            row.speedup = _speedup(base_times, times, seed, resamples, notes, g.label, base.label,
+                                   paired and len(times) == len(base_times))
+            if paired and len(times) == len(base_times):
+                row.round_ratios = [median(b) / median(t) if b and t else None
+                                    for b, t in zip(base_times, times, strict=True)]
+            tokens, base_tokens = g.runs[0].tokens_per_step, reference.tokens_per_step
+            if row.speedup is not None and tokens and base_tokens and tokens != base_tokens:
+                row.speedup = row.speedup.scaled(tokens / base_tokens)  # throughput, not steps per second
+        parities = [loss_parity(reference.losses(), r.losses(), rtol=rtol) for r in g.runs if r is not reference]
+        if parities:
+            # The first disagreement, else the closest call.
+            row.parity = next((p for p in parities if not p.agrees), None) or max(
+                parities, key=lambda p: p.max_rel_diff or 0.0)
+            if not row.parity.agrees:
+                row.parity_cause = _numeric_cause(diff, [0, gi])
+    _tokens_note(groups, notes)
+    warnings, env_notes = environment_differences(runs)
+    for row in rows:
+        if row.run_spread is not None and row.run_spread > SPREAD_WARNING:
+            tail = ("rounds are compared pair by pair, so only the part that changed the ratio widens the "
+                    "interval" if paired else "the interval widens to match")
+            warnings.append(f"the repeats of {row.label} differ by up to {100 * row.run_spread:.0f}% in median step "
+                            f"time: the machine's speed changed between runs (busy? throttled?); {tail}")
+    return Comparison(groups, rows, diff, warnings, notes + env_notes, rtol)
+
+
+def _figures(g: Group) -> GroupFigures:
+    times = [t for r in g.runs for t in r.steady_step_times()]
+    med = median(times) if times else None
+    tokens = g.runs[0].tokens_per_step
+    mfus = [r.figure("mfu") for r in g.runs if r.figure("mfu") is not None]
+    mems = [m for r in g.runs for m in [_mem(r)] if m is not None]
+    compiles = [c for r in g.runs for c in [_compile_time(r)] if c is not None]
+    run_medians = [median(t) for r in g.runs if (t := r.steady_step_times())]
+    spread = max(run_medians) / min(run_medians) - 1 if len(run_medians) > 1 else None
+    statuses = sorted({r.status for r in g.runs})
+    return GroupFigures(
+        label=g.label, runs=len(g.runs), status="/".join(statuses), steady_steps=len(times),
+        median_step_s=med, tokens_per_s=tokens / med if med and tokens else None,
+        mfu=statistics.median(mfus) if mfus else None, mem_peak_bytes=max(mems) if mems else None,
+        compile_time_s=statistics.median(compiles) if compiles else None,
+        final_loss=g.runs[0].losses()[max(g.runs[0].losses())] if g.runs[0].losses() else None,
+        run_spread=spread, overrides=list(g.overrides),
+    )
+
+
+def _mem(r: RunRecord) -> int | None:
+    if r.figure("mem_peak_bytes") is not None:
+        return int(r.figure("mem_peak_bytes"))
+    mem = [m["mem_peak_bytes"] for m in r.metrics if m.get("mem_peak_bytes") is not None]
+    return max(mem) if mem else None
+
+
+def _compile_time(r: RunRecord) -> float | None:
+    if r.report is not None:
+        return r.report.get("compile_time_s")
+    return compile_time_s(r.metrics)
+
+
+def _speedup(base: list[list[float]], other: list[list[float]], seed: int, resamples: int, notes: list[str],
+             label: str, base_label: str, paired: bool) -> RatioCI | None:
+    too_few = [lab for lab, t in ((base_label, base), (label, other)) if sum(map(len, t)) < MIN_STEADY_FOR_CI]
+    if too_few:
+        notes.append(f"{' and '.join(too_few)}: fewer than {MIN_STEADY_FOR_CI} steady steps, so no speed "
+                     "interval (run more steps or lower report.warmup_steps)")
+        return None
+    if any(not t for t in base + other):  # a run without steady steps cannot be paired or resampled
+        paired = False
+    return bootstrap_ratio_of_medians(base, other, seed=seed, resamples=resamples, paired=paired)
+
+
+def _tokens_note(groups: list[Group], notes: list[str]) -> None:
+    tokens = {g.label: g.runs[0].tokens_per_step for g in groups}
+    if len(set(tokens.values())) > 1:
+        notes.append("tokens per step differ (" + ", ".join(f"{k}: {v}" for k, v in tokens.items()) +
+                     "): speed ratios compare tokens/s, not steps/s")
+
+
+def config_diff(runs: list[RunRecord]) -> list[DiffRow]:
+    """Every config key whose value is not the same in all runs, with each run's source for it."""
+    keys: list[str] = []
+    for r in runs:
+        keys += [k for k in r.config_flat if k not in keys]
+    rows = []
+    for k in keys:
+        values = [r.config_flat.get(k) for r in runs]
+        if any(v != values[0] for v in values[1:]):
+            rows.append(DiffRow(k, values, [r.sources.get(k, "?") if k in r.config_flat else ABSENT
+                                            for r in runs]))
+    return rows
+
+
+def _numeric_cause(diff: list[DiffRow], indices: list[int]) -> str:
+    """The config keys that change the numbers and differ between the groups at ``indices``."""
+    keys = [d.key for d in diff if d.key.startswith(NUMERIC_PREFIXES) and d.key not in NOT_NUMERIC
+            and len({repr(d.values[i]) for i in indices}) > 1]
+    if not keys:
+        return ""
+    return "expected: " + ", ".join(keys[:4]) + (" and more" if len(keys) > 4 else "") + (
+        " differs" if len(keys) == 1 else " differ")
+
+
+# (what, path in env.json, severity): a warning makes a speed comparison suspect; a note is context.
+ENV_CHECKS = (
+    ("CPU", ("cpu", "model"), "warning"),
+    ("GPU", ("cuda", "devices"), "warning"),
+    ("torch", ("versions", "torch"), "warning"),
+    ("Python", ("versions", "python"), "warning"),
+    ("triton", ("versions", "triton"), "warning"),
+    ("accelrun", ("versions", "accelrun"), "warning"),
+    ("torch threads", ("cpu", "torch_threads"), "warning"),
+    ("host", ("hostname",), "note"),
+    ("git commit", ("git", "commit"), "note"),
+)
+
+
+def _get(tree: dict, path: tuple[str, ...]) -> Any:
+    for k in path:
+        tree = tree.get(k) if isinstance(tree, dict) else None
+    return tree
+
+
+def environment_differences(runs: list[RunRecord]) -> tuple[list[str], list[str]]:
+    """(warnings, notes): differences in machine, software or data that make a comparison not like
+    for like (warnings), and differences worth knowing that do not (notes)."""
+    warnings: list[str] = []
+    notes: list[str] = []
+    labels = [r.label for r in runs]
+    for what, path, severity in ENV_CHECKS:
+        values = [_get(r.env, path) for r in runs]
+        if all(v is None for v in values) or len({repr(v) for v in values}) == 1:
+            continue
+        shown = "; ".join(f"{lab}: {v if v not in (None, []) else 'none'}"
+                          for lab, v in zip(labels, values, strict=True))
+        if severity == "warning":
+            warnings.append(f"different {what}: {shown} — speed figures are not like for like")
+        else:
+            notes.append(f"different {what}: {shown}")
+    data = [r.figure("data") for r in runs]
+    if len({d for d in data if d is not None}) > 1:
+        warnings.append("different data (fingerprints " + ", ".join(str(d) for d in data) +
+                        "): the losses are not expected to agree")
+    devices = [r.figure("device") for r in runs]
+    if len({d for d in devices if d is not None}) > 1:
+        warnings.append("different devices: " + ", ".join(str(d) for d in devices))
+    return warnings, notes

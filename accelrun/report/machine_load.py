@@ -1,0 +1,55 @@
+"""How much of the machine's CPU *other* processes used while a child process ran (Linux).
+
+A speed comparison on a machine that something else is also using measures the neighbour as much as
+the settings. ``/proc/stat`` gives the CPU time every process used; ours and the child's (with its
+own children) come from ``getrusage``; the difference is everyone else's.
+
+Example::
+
+    meter = OtherCpuMeter()
+    subprocess.run(cmd)              # the child must have been waited for
+    meter.share()                    # 0.42: others used 42% of all cores' time meanwhile
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+
+def _busy_cpu_s() -> float | None:
+    """Seconds of CPU time all processes used since boot (user, nice, system, irq, softirq, steal)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    v = [int(x) for x in fields[1:9]]
+    busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7]  # not idle (3) or iowait (4)
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """This process's CPU time plus that of its children that have been waited for."""
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+class OtherCpuMeter:
+    """Started at construction; :meth:`share` after the child has exited and been waited for."""
+
+    def __init__(self) -> None:
+        self._busy0, self._own0, self._t0 = _busy_cpu_s(), _own_cpu_s(), time.perf_counter()
+
+    def share(self) -> float | None:
+        """Fraction (0–1) of all cores' time that other processes used; None where not measurable."""
+        busy = _busy_cpu_s()
+        wall = time.perf_counter() - self._t0
+        cores = os.cpu_count() or 1
+        if busy is None or self._busy0 is None or wall <= 0:
+            return None
+        others = (busy - self._busy0) - (_own_cpu_s() - self._own0)
+        return min(max(others / (wall * cores), 0.0), 1.0)

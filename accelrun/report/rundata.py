@@ -1,0 +1,165 @@
+"""A finished (or interrupted) run directory read back: config, provenance, machine, metrics, report.
+
+``compare``, ``ab`` and ``runs list`` read runs through :func:`load_run`; nothing here imports torch.
+
+Example::
+
+    run = load_run("runs/llama-debug/20261122-131155-f27524")
+    run.label, run.status, run.steady_step_times()[:3], run.config_flat["train.seed"]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from accelrun.errors import UserError
+from accelrun.report.metrics import read_metrics
+from accelrun.report.rundir import RUN_ID, is_running, list_runs
+from accelrun.report.summary import is_steady
+
+
+class RunNotFound(UserError):
+    """A path given as a run is not a run directory (or a folder holding some)."""
+
+
+@dataclass
+class RunRecord:
+    path: Path
+    config: dict[str, Any]
+    sources: dict[str, str]  # dotted key -> where its value came from (config.sources.txt)
+    env: dict[str, Any]
+    metrics: list[dict]
+    report: dict[str, Any] | None  # None while running or after an interruption
+    running: bool = False
+    label: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            self.label = f"{self.name}/{self.path.name}"
+
+    @property
+    def name(self) -> str:
+        return str(self.config.get("name") or self.path.parent.name)
+
+    @property
+    def status(self) -> str:
+        """finished | diverged | running | interrupted (no report.json and no live process)."""
+        if self.report is not None:
+            return str(self.report.get("status") or "finished")
+        return "running" if self.running else "interrupted"
+
+    @property
+    def warmup_steps(self) -> int:
+        if self.report is not None and self.report.get("warmup_steps") is not None:
+            return int(self.report["warmup_steps"])
+        return int((self.config.get("report") or {}).get("warmup_steps", 0))
+
+    @cached_property
+    def config_flat(self) -> dict[str, Any]:
+        """The resolved config as ``{"train.steps": 300, ...}`` (lists are values, not sections)."""
+        return flatten(self.config)
+
+    def steady_step_times(self) -> list[float]:
+        """Step times of the steady steps: after warm-up, not compiling, not profiled."""
+        return [float(m["step_time_s"]) for m in self.metrics[self.warmup_steps:]
+                if is_steady(m) and m.get("step_time_s")]
+
+    def losses(self) -> dict[int, float]:
+        return {int(m["step"]): float(m["loss"]) for m in self.metrics if m.get("loss") is not None}
+
+    @property
+    def tokens_per_step(self) -> int | None:
+        if self.report and self.report.get("tokens_per_step"):
+            return int(self.report["tokens_per_step"])
+        return int(self.metrics[0]["tokens"]) if self.metrics and self.metrics[0].get("tokens") else None
+
+    def figure(self, key: str) -> Any:
+        return (self.report or {}).get(key)
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts to dotted keys; an empty dict is a value of its own."""
+    if isinstance(tree, dict) and tree:
+        flat: dict[str, Any] = {}
+        for k, v in tree.items():
+            flat.update(flatten(v, f"{prefix}{k}."))
+        return flat
+    return {prefix[:-1]: tree} if prefix else {}
+
+
+def parse_sources(text: str, values: dict[str, Any]) -> dict[str, str]:
+    """``config.sources.txt`` (``key  value  source``, aligned) to ``{key: source}``.
+
+    The value column is ``repr`` of the value, padded; knowing the value from ``config.yaml``
+    finds where it ends even when it holds double spaces. A line that does not parse keeps its
+    last column.
+    """
+    sources: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        key, _, rest = line.partition(" ")
+        rest = rest.lstrip()
+        shown = repr(values[key]) if key in values else None
+        if shown is not None and rest.startswith(shown):
+            sources[key] = rest[len(shown):].strip()
+        else:
+            sources[key] = re.split(r"\s{2,}", rest.strip())[-1]
+    return sources
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise RunNotFound(f"{path}: not valid JSON ({e})") from None
+
+
+def resolve_run_path(ref: str | Path) -> Path:
+    """A run directory, or a folder of runs (``runs/<name>`` or ``runs``): then its newest run."""
+    path = Path(ref).expanduser()
+    if not path.exists():
+        raise RunNotFound(f"run directory not found: {ref}")
+    if (path / "metrics.jsonl").is_file() or (path / "config.yaml").is_file():
+        return path
+    if path.is_dir():
+        newest = (list_runs(path.parent, path.name) if any(RUN_ID.match(p.name) for p in path.iterdir())
+                  else list_runs(path))
+        for run in newest:
+            if (run / "metrics.jsonl").is_file():
+                return run
+    raise RunNotFound(f"{ref} is not a run directory (no metrics.jsonl or config.yaml) and holds no runs")
+
+
+def load_run(ref: str | Path, label: str = "") -> RunRecord:
+    """Read a run directory (or the newest run in a folder of runs; see :func:`resolve_run_path`)."""
+    path = resolve_run_path(ref)
+    config_file = path / "config.yaml"
+    try:
+        config = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise RunNotFound(f"{path}: no config.yaml; is this an accelrun run directory?") from None
+    except yaml.YAMLError as e:
+        raise RunNotFound(f"{config_file}: not valid YAML ({e})") from None
+    flat = flatten(config)
+    try:
+        sources = parse_sources((path / "config.sources.txt").read_text(encoding="utf-8"), flat)
+    except FileNotFoundError:
+        sources = {}
+    metrics_file = path / "metrics.jsonl"
+    try:
+        metrics = read_metrics(metrics_file) if metrics_file.exists() else []
+    except ValueError as e:
+        raise RunNotFound(str(e)) from None
+    return RunRecord(path=path, config=config, sources=sources, env=_read_json(path / "env.json") or {},
+                     metrics=metrics, report=_read_json(path / "report.json"),
+                     running=is_running(path), label=label)

@@ -1,0 +1,63 @@
+"""``accelrun ab`` end to end: real training processes, eager against inductor, on the tiny recipe.
+
+Inductor compiles each transformer block in the first step of every B process (a few seconds with a
+warm cache, ~30-45 s cold on a 2-core CPU), so this is kept to 2 repeats × 4 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from click.testing import CliRunner
+
+from accelrun.cli.main import cli
+from accelrun.report.rundata import load_run
+from tests.conftest import DEFAULT_CONFIG, TINY
+
+VERDICT = re.compile(r"^(B is \d+\.\d+× (faster|slower) than A \(95% CI \d+\.\d+–\d+\.\d+\)|no significant "
+                     r"difference; \d+ more repeats would resolve [\d.]+%); losses agree$", re.M)
+
+
+def test_ab_eager_vs_inductor_end_to_end(tmp_path):
+    out = tmp_path / "ab"
+    r = CliRunner().invoke(cli, ["ab", str(DEFAULT_CONFIG), *TINY, "report.log_every=2",
+                                 "--a", "compile.backend=eager", "--b", "compile.backend=inductor",
+                                 "--repeats", "2", "--steps", "4", "--warmup-steps", "0", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert VERDICT.search(r.stdout), r.stdout
+    # Progress: which variant and repeat, their step lines, elapsed time.
+    for needle in ("[1/4] variant A repeat 1/2", "[4/4] variant B repeat 2/2", "B2 │ step", "elapsed"):
+        assert needle in r.stderr, needle
+
+    doc = json.loads((out / "ab.json").read_text())
+    assert doc["exit_code"] == 0 and doc["losses_agree"] and doc["repeats"] == 2
+    a_dirs, b_dirs = (g["runs"] for g in doc["groups"])
+    # Fresh processes, interleaved A B A B: run directories are named by start time.
+    assert sorted([*a_dirs, *b_dirs], key=lambda p: p.rsplit("/", 1)[1]) == [a_dirs[0], b_dirs[0], a_dirs[1], b_dirs[1]]
+    assert len(list((out / "logs").glob("*.log"))) == 4
+    for path in b_dirs:
+        run = load_run(path)
+        assert run.config_flat["compile.backend"] == "inductor" and run.config_flat["train.steps"] == 4
+        assert run.config_flat["checkpoint.enabled"] is False and not (run.path / "checkpoints").exists()
+        assert run.metrics[0]["compile"] and len(run.steady_step_times()) == 3  # the compile step is left out
+    assert all(len(load_run(p).steady_step_times()) == 4 for p in a_dirs)  # --warmup-steps 0: all steady
+    rows = {row["label"]: row for row in doc["rows"]}
+    assert rows["B"]["compile_time_s"] > 0 and rows["A"]["compile_time_s"] is None
+    assert rows["B"]["parity"]["status"] in ("identical", "agree")
+    assert rows["B"]["speedup"]["runs"] == [2, 2]
+    md = (out / "ab.md").read_text()
+    assert doc["verdicts"][0] in md and "compile.backend" in md
+    assert "<svg" in (out / "ab.html").read_text()
+
+
+def test_ab_a_failing_variant_exits_5_and_keeps_its_log(tmp_path):
+    out = tmp_path / "ab"
+    r = CliRunner().invoke(cli, ["ab", str(DEFAULT_CONFIG), *TINY, "--a", "data.source=text",
+                                 f"data.paths=[{tmp_path}/missing*.txt]", "--b", "data.source=builtin",
+                                 "--repeats", "1", "--steps", "2", "--out", str(out)])
+    assert r.exit_code == 5, r.output
+    assert "variant A, repeat 1: `accelrun train` exited with code 2" in r.output
+    assert "missing*.txt" in r.output  # the child's own message, from the tail of its log
+    (log,) = (out / "logs").glob("*.log")
+    assert "missing*.txt" in log.read_text()

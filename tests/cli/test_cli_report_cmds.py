@@ -1,0 +1,158 @@
+"""``accelrun compare``, ``accelrun runs list`` and ``accelrun ab``'s arguments, verdicts and exit codes,
+through click's CliRunner on short real runs (the end-to-end ``ab`` is in test_cli_ab_e2e.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from accelrun.cli import ab_cmd
+from accelrun.cli.main import cli
+from accelrun.report.ab import AbPlan, Variant, summarize_ab
+from tests.conftest import DEFAULT_CONFIG, TINY
+from tests.report.report_run_helpers import train_tiny
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli-report") / "runs"
+    base = train_tiny(root, 6)
+    twin = train_tiny(root, 6)
+    seed1 = train_tiny(root, 6, "train.seed=1", "name=seeded")
+    return {"root": root, "base": base, "twin": twin, "seed1": seed1}
+
+
+@pytest.mark.parametrize("cmd", [["compare"], ["ab"], ["runs"], ["runs", "list"]], ids=" ".join)
+def test_help_has_examples(cmd):
+    r = invoke(*cmd, "--help")
+    assert r.exit_code == 0 and "Example" in r.output
+
+
+def test_compare_two_runs_prints_table_parity_and_writes_reports(runs, tmp_path):
+    out = tmp_path / "cmp"
+    r = invoke("compare", runs["base"], runs["twin"], "--out", out)
+    assert r.exit_code == 0, r.output
+    assert "step time (median)" in r.stdout and "baseline" in r.stdout and "×" in r.stdout
+    assert "identical over 6 steps" in r.stdout
+    assert "config differences: none" in r.stdout
+    for name in ("compare.md", "compare.html", "compare.json"):
+        assert (out / name).is_file(), name
+    page = (out / "compare.html").read_text()
+    assert "<svg" in page and "<script" not in page
+    assert json.loads((out / "compare.json").read_text())["losses_agree"] is True
+
+
+def test_compare_a_changed_seed_shows_where_losses_part_and_the_key(runs):
+    r = invoke("compare", runs["base"], runs["seed1"], "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["losses_agree"] is False
+    parity = doc["rows"][1]["parity"]
+    assert parity["status"] == "differ" and parity["first_step"] <= 2
+    keys = {d["key"]: d for d in doc["config_diff"]}
+    assert keys["train.seed"]["values"] == [0, 1] and keys["train.seed"]["sources"][1] == "override 'train.seed=1'"
+    r = invoke("compare", runs["base"], runs["seed1"])
+    assert re.search(r"seeded: seeded parts from llama-debug at step \d", r.stdout)
+    assert "expected: train.seed differs" in r.stdout
+
+
+def test_compare_user_errors_exit_2(runs, tmp_path):
+    r = invoke("compare", runs["base"], tmp_path / "nope")
+    assert r.exit_code == 2 and "run directory not found" in r.output and "Traceback" not in r.output
+    r = invoke("compare", runs["base"])
+    assert r.exit_code == 2 and "at least two runs" in r.output
+
+
+def test_runs_list(runs, tmp_path):
+    r = invoke("runs", "list", runs["root"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.count("finished") == 3 and "llama-debug/" in r.stdout and "seeded/" in r.stdout
+    lines = invoke("runs", "list", runs["root"], "--name", "seeded", "--json").stdout.strip().splitlines()
+    (row,) = [json.loads(line) for line in lines]
+    assert row["status"] == "finished" and row["steps"] == 6 and row["compile"] == "eager"
+    assert row["step_time_s"] > 0 and row["config_hash"]
+    interrupted = tmp_path / "runs" / "llama-debug" / runs["twin"].name
+    shutil.copytree(runs["twin"], interrupted)
+    (interrupted / "report.json").unlink()
+    r = invoke("runs", "list", tmp_path / "runs")
+    assert "interrupted" in r.stdout
+    r = invoke("runs", "list", tmp_path / "none")
+    assert r.exit_code == 0 and "no runs under" in r.stdout
+
+
+def _fake_ab(monkeypatch, run_dirs):
+    """Replace the process-running part of `ab` with finished runs; record the plan it was given."""
+    seen = {}
+
+    def fake(plan, on_event, *, seed=0, loss_rtol=None):
+        seen["plan"] = plan
+        return summarize_ab(plan, run_dirs, seed=seed, loss_rtol=loss_rtol)
+
+    monkeypatch.setattr(ab_cmd, "run_ab", fake)
+    return seen
+
+
+def test_ab_variant_options_take_every_override_up_to_the_next_option(runs, tmp_path, monkeypatch):
+    seen = _fake_ab(monkeypatch, {"A": [runs["base"]], "B": [runs["twin"]]})
+    r = invoke("ab", DEFAULT_CONFIG, "train.seq_len=32", "--a", "compile.backend=eager", "--b",
+               "compile.backend=inductor", "train.threads=1", "--repeats", "1", "--steps", "6",
+               "--out", tmp_path / "ab")
+    assert r.exit_code == 0, r.output
+    plan: AbPlan = seen["plan"]
+    assert [v.overrides for v in plan.variants] == [["compile.backend=eager"],
+                                                    ["compile.backend=inductor", "train.threads=1"]]
+    assert plan.common == ["train.seq_len=32"] and plan.repeats == 1 and plan.steps == 6
+    cmd = plan.command(plan.variants[1])
+    assert cmd[1:4] == ["-m", "accelrun.cli.main", "train"]
+    for forced in ("train.steps=6", "checkpoint.enabled=false", "checkpoint.resume=none", "report.progress=lines",
+                   f"report.runs_dir={tmp_path / 'ab' / 'runs'}"):
+        assert forced in cmd
+    assert cmd.index("train.threads=1") < cmd.index("checkpoint.enabled=false")  # ab's own overrides win
+    assert re.search(r"^(B is [\d.]+× (faster|slower) than A \(95% CI [\d.]+–[\d.]+\)|no significant "
+                     r"difference; \d+ more repeats would resolve [\d.]+%); losses agree$", r.stdout, re.M), r.stdout
+    for name in ("ab.md", "ab.html", "ab.json", "command.txt"):
+        assert (tmp_path / "ab" / name).is_file(), name
+
+
+def test_ab_exits_4_when_losses_disagree(runs, tmp_path, monkeypatch):
+    _fake_ab(monkeypatch, {"A": [runs["base"], runs["twin"]], "B": [runs["seed1"], runs["seed1"]]})
+    r = invoke("ab", DEFAULT_CONFIG, "--b", "train.seed=1", "--repeats", "2", "--out", tmp_path / "ab")
+    assert r.exit_code == 4, r.output
+    assert re.search(r"; losses disagree: B parts from A at step \d .*expected: train.seed differs", r.stdout)
+    doc = json.loads((tmp_path / "ab" / "ab.json").read_text())
+    assert doc["exit_code"] == 4 and doc["losses_agree"] is False
+    assert 'class="verdict bad"' in (tmp_path / "ab" / "ab.html").read_text()
+
+
+def test_ab_user_errors_exit_2_before_anything_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(ab_cmd, "run_ab", lambda *a, **k: pytest.fail("must not run"))
+    r = invoke("ab", DEFAULT_CONFIG, f"report.runs_dir={tmp_path}", "--b", "trian.steps=3")
+    assert r.exit_code == 2 and "did you mean 'train'" in r.output
+    r = invoke("ab", DEFAULT_CONFIG, "--b")
+    assert r.exit_code == 2 and "requires an argument" in r.output
+
+
+def test_ab_variants_that_resolve_alike_are_an_error(tmp_path):
+    from accelrun.errors import UserError
+    from accelrun.report.ab import resolve_variants
+
+    plan = AbPlan(str(DEFAULT_CONFIG), [Variant("A", []), Variant("B", ["compile.backend=eager"])], tmp_path,
+                  common=list(TINY))
+    with pytest.raises(UserError, match="B resolves to the same config as A"):
+        resolve_variants(plan)
+
+
+def test_ab_warns_when_other_processes_compete_for_the_cpu(runs, tmp_path):
+    plan = AbPlan(str(DEFAULT_CONFIG), [Variant("A", []), Variant("B", ["train.threads=1"])], tmp_path, repeats=1)
+    quiet = summarize_ab(plan, {"A": [runs["base"]], "B": [runs["twin"]]}, other_cpu={"A": [0.02], "B": [0.01]})
+    assert not any("other processes" in w for w in quiet.comparison.warnings)
+    busy = summarize_ab(plan, {"A": [runs["base"]], "B": [runs["twin"]]}, other_cpu={"A": [0.5], "B": [None]})
+    assert busy.comparison.warnings[0].startswith("other processes used up to 50% of the CPU during the runs (A1 50%)")

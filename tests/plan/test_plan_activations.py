@@ -1,0 +1,57 @@
+"""The planner's activation and traffic tables equal what accelrun's Llama really saves and moves."""
+
+from __future__ import annotations
+
+import pytest
+
+from accelrun.plan.activations import block_saved, selective_saved
+from accelrun.plan.traffic import block_traffic, head_traffic
+from accelrun.plan.workload import Layout, Shape, Workload
+from tests.plan.plan_counting import B, T, count_block, count_head
+
+MODES = ("fp32", "autocast", "bf16-params")
+# dim, heads, kv heads, ffn: grouped-query and plain attention, head dims 16 and 32.
+SHAPES = ((64, 4, 2, 160), (128, 4, 4, 256), (128, 8, 2, 96))
+
+
+def workload(shape: Shape, mode: str, ac: str = "none") -> Workload:
+    # bf16-params is what FSDP gives: any data parallelism under bf16-mixed.
+    layout = Layout(1, 2 if mode == "bf16-params" else 1, 1, 1, 2 if mode == "bf16-params" else 1, 1, "1f1b", 1, True)
+    return Workload(shape=shape, layout=layout, seq_len=T, micro_batch=B, grad_accum=1, global_batch=B,
+                    precision="fp32" if mode == "fp32" else "bf16-mixed", ac_mode=ac, every_n=2, compiled=False,
+                    optimizer_impl="fused", on_cpu=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dims", SHAPES, ids=lambda d: "x".join(map(str, d)))
+def test_block_tables_match_the_model(dims, mode):
+    dim, heads, kv, ffn = dims
+    shape = Shape(dim, 1, heads, kv, ffn, 64, False)
+    counted = count_block(dim, heads, kv, ffn, mode)
+    w = workload(shape, mode)
+    assert block_saved(shape, w.mode, compiled=False).local(1) == counted["saved"]
+    traffic = block_traffic(w)
+    assert traffic.forward == counted["forward"]
+    assert traffic.backward == counted["backward"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_head_table_matches_the_model(mode):
+    shape = Shape(64, 1, 4, 4, 64, 320, False)
+    assert head_traffic(workload(shape, mode)) == count_head(64, 320, mode)
+
+
+def test_tensor_parallel_splits_attention_and_feed_forward_only():
+    shape = Shape(128, 1, 8, 2, 384, 64, False)
+    saved = block_saved(shape, "fp32", False)
+    # Replicated: two norms (fp32 input, rsqrt, output) and the inputs of column-parallel matmuls;
+    # split: q, k, v, attention output, log-sum-exp and the four SwiGLU tensors.
+    assert saved.local(4) == (24 * 128 + 8) + (16 * 128 + 16 * 384 + 4 * 8) / 4
+
+
+def test_selective_keeps_input_and_every_second_matmul_and_attention():
+    shape = Shape(128, 1, 8, 2, 384, 64, False)
+    w = workload(shape, "bf16-params", "selective")
+    s = selective_saved(w)
+    # input (bf16 stream), wq, wv, w1, w2 outputs, attention output, log-sum-exp (fp32 per head)
+    assert s.local(1) == 2 * 128 + 2 * (128 + 32 + 384 + 128) + 2 * 128 + 4 * 8

@@ -1,0 +1,126 @@
+"""Memory accounting for each sharding and checkpointing choice, against values worked out by hand.
+
+The model: dim 64, 4 layers, 4 heads (2 for keys/values), SwiGLU 128, vocabulary 320; 32 tokens a
+sequence. Per token and block the model saves (tests/plan/test_plan_activations.py counts these):
+fp32 40·D + 16·F + 4·H + 8 bytes; bf16 under FSDP 24·D + 8·F + 4·H + 8.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from accelrun.plan import efficiency as eff
+from accelrun.plan import load_plan_config, predict
+from accelrun.plan.memory import GIB
+from tests.conftest import DEFAULT_CONFIG
+
+D, L, H, KV, F, V, SEQ = 64, 4, 4, 2, 128, 320, 32
+E = D // H
+BLOCK = D * D + 2 * D * KV * E + D * D + 3 * D * F + 2 * D  # wq, wk+wv, wo, SwiGLU, two norm gains
+EMB = OUT = V * D
+P = L * BLOCK + D + EMB + OUT
+SAVED_FP32 = 40 * D + 16 * F + 4 * H + 8
+SAVED_BF16_FSDP = 24 * D + 8 * F + 4 * H + 8
+MODEL = [f"model.dim={D}", f"model.n_layers={L}", f"model.n_heads={H}", f"model.n_kv_heads={KV}",
+         f"model.ffn_dim={F}", f"model.vocab_size={V}", f"train.seq_len={SEQ}"]
+
+
+def plan(cluster_file, *overrides: str):
+    loaded = load_plan_config(DEFAULT_CONFIG, [*MODEL, *overrides], cluster=str(cluster_file))
+    return predict(loaded.resolved.config)
+
+
+def terms(p) -> dict[str, float]:
+    return {t.name: t.bytes for t in p.memory.terms}
+
+
+def check_total(p, live: float) -> None:
+    assert p.memory.allocator_peak == pytest.approx(live * (1 + eff.ALLOCATOR_OVERHEAD))
+    assert p.memory.total == pytest.approx(live * (1 + eff.ALLOCATOR_OVERHEAD) + 0.5 * GIB)
+
+
+def test_single_device_fp32_nothing_checkpointed(cluster_file):
+    p = plan(cluster_file, "train.micro_batch=4", "train.global_batch=8")
+    t, tokens = terms(p), 4 * SEQ
+    assert t["parameters (fp32)"] == t["gradients (fp32)"] == 4 * P
+    assert t["optimizer state (AdamW m, v)"] == 8 * P
+    activations = tokens * (L * SAVED_FP32 + 12 * D)  # + final norm (fp32 in, out) and output input
+    assert t["activations"] == activations
+    # Peak in the first block's backward: its activation gradients and the fp32 logits the loop holds
+    # (4·128·320 + 592,896 bytes beat the loss's 16 bytes per logit).
+    assert p.memory.phase == "first block backward"
+    assert t["backward working set"] == tokens * SAVED_FP32
+    assert t["logits (fp32, held by the loop)"] == 4 * tokens * V
+    check_total(p, 16 * P + activations + tokens * SAVED_FP32 + 4 * tokens * V)
+
+
+def test_fsdp_bf16_full_checkpointing(cluster_file):
+    p = plan(cluster_file, "parallel.nproc_per_node=4", "parallel.dp_shard=4", "train.precision=bf16-mixed",
+             "train.micro_batch=4", "train.global_batch=16", "train.activation_checkpoint.mode=full")
+    t, tokens = terms(p), 4 * SEQ
+    assert t["parameters (fp32)"] == 4 * P / 4 and t["optimizer state (AdamW m, v)"] == 8 * P / 4
+    root = EMB + OUT + D
+    assert t["gathered parameters (FSDP)"] == 2 * (root + 2 * BLOCK)  # root all step, two blocks at a time
+    activations = tokens * (L * 2 * D + (8 + 2) * D)  # each block keeps its bf16 input
+    assert t["activations"] == activations
+    assert t["recomputed block"] == tokens * SAVED_BF16_FSDP
+    grad_buffers = (2 + 4) * BLOCK + 2 * OUT  # one block's bf16 gradients and fp32 copy; output's gradient
+    assert t["gradient buffers (FSDP)"] == grad_buffers
+    layer_phase = 2 * tokens * SAVED_BF16_FSDP + grad_buffers + 4 * tokens * V
+    check_total(p, 16 * P / 4 + 2 * (root + 2 * BLOCK) + activations + layer_phase)
+
+
+def test_reshard_after_forward_false_keeps_every_block_gathered(cluster_file):
+    p = plan(cluster_file, "parallel.nproc_per_node=4", "parallel.dp_shard=4", "train.precision=bf16-mixed",
+             "train.micro_batch=4", "train.global_batch=16", "parallel.reshard_after_forward=false")
+    assert terms(p)["gathered parameters (FSDP)"] == 2 * (EMB + OUT + D + L * BLOCK)
+
+
+def test_hsdp_shards_over_dp_shard_only(cluster_file):
+    p = plan(cluster_file, "parallel.nproc_per_node=4", "parallel.dp_replicate=2", "parallel.dp_shard=2",
+             "train.micro_batch=4", "train.global_batch=16")
+    assert terms(p)["optimizer state (AdamW m, v)"] == 8 * P / 2
+
+
+def test_every_second_block_checkpointed(cluster_file):
+    p = plan(cluster_file, "train.micro_batch=4", "train.global_batch=8",
+             "train.activation_checkpoint.mode=every_n", "train.activation_checkpoint.every_n=2")
+    tokens = 4 * SEQ
+    assert terms(p)["activations"] == tokens * (2 * SAVED_FP32 + 2 * 4 * D + 12 * D)  # blocks 0, 2 checkpointed
+
+
+def test_autocast_keeps_bf16_weight_copies(cluster_file):
+    p = plan(cluster_file, "train.micro_batch=4", "train.global_batch=8", "train.precision=bf16-mixed")
+    assert terms(p)["autocast weight copies (bf16)"] == 2 * P
+
+
+def test_tensor_parallel_splits_weights_and_inner_activations(cluster_file):
+    p = plan(cluster_file, "parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.tp=2",
+             "train.micro_batch=4", "train.global_batch=8")
+    t, tokens = terms(p), 4 * SEQ
+    local = L * ((BLOCK - 2 * D) / 2 + 2 * D) + (EMB + OUT) / 2 + D
+    assert t["parameters (fp32)"] == pytest.approx(4 * local)
+    per_block = (24 * D + 8) + (16 * D + 16 * F + 4 * H) / 2
+    assert t["activations"] == pytest.approx(tokens * (L * per_block + 12 * D))
+
+
+def test_pipeline_first_stage_holds_micro_batches_in_flight(cluster_file):
+    p = plan(cluster_file, "parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.pp=2",
+             "parallel.microbatches=2", "train.micro_batch=4", "train.global_batch=8")
+    chunk = 2 * SEQ  # a micro-batch of 4 split into 2 pipeline micro-batches
+    first_live = 16 * (2 * BLOCK + EMB) + 2 * chunk * 2 * SAVED_FP32 + chunk * SAVED_FP32
+    # The schedule computes the loss itself: no logits held by the loop, 12 bytes per logit in its backward.
+    last_live = (16 * (2 * BLOCK + OUT + D) + chunk * (2 * SAVED_FP32 + 12 * D)
+                 + max(chunk * SAVED_FP32, 12 * chunk * V))
+    assert p.memory.stage == ("first" if first_live > last_live else "last")
+    check_total(p, max(first_live, last_live))
+    if p.memory.stage == "first":
+        assert terms(p)["activations"] == 2 * chunk * 2 * SAVED_FP32  # 1F1B: 2 micro-batches, 2 blocks
+
+
+def test_verdict_names_the_largest_term(cluster_file):
+    p = plan(cluster_file, "model.dim=4096", "model.n_layers=32", "model.n_heads=32", "model.n_kv_heads=8",
+             "model.ffn_dim=14336", "train.micro_batch=4", "train.global_batch=8")
+    assert not p.fits
+    assert p.verdict.startswith("does not fit: needs ")
+    assert "device has 16.0 GiB; largest term: optimizer state (AdamW m, v)" in p.verdict

@@ -1,0 +1,78 @@
+"""The ab verdict line, its schedule and forced overrides, and the busy-machine meter (no processes run)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from accelrun.report import machine_load
+from accelrun.report.ab import AbPlan, Variant, verdict_line
+from accelrun.report.compare import GroupFigures
+from accelrun.report.parity import LossParity
+from accelrun.report.stats import RatioCI
+
+
+def row(label, ci=None, parity=None, cause=""):
+    return GroupFigures(label=label, runs=3, status="finished", steady_steps=75, median_step_s=0.1,
+                        tokens_per_s=1000.0, mfu=None, mem_peak_bytes=None, compile_time_s=None, final_loss=2.0,
+                        speedup=ci, parity=parity, parity_cause=cause)
+
+
+def ci(ratio, low, high):
+    return RatioCI(ratio, low, high, 0.95, 2000, (3, 3))
+
+
+AGREE = LossParity("agree", 30, 1e-3, 1e-5)
+A = row("A")
+
+
+def test_faster_slower_and_no_difference_verdicts():
+    assert (verdict_line(row("B", ci(1.234, 1.19, 1.27), AGREE), A, 3)
+            == "B is 1.23× faster than A (95% CI 1.19–1.27); losses agree")
+    # Slower: the ratio and the interval are turned around so the number reads as "times slower".
+    assert (verdict_line(row("B", ci(0.8, 0.75, 0.85), AGREE), A, 3)
+            == "B is 1.25× slower than A (95% CI 1.18–1.33); losses agree")
+    # A narrow interval gets a third digit rather than "1.00–1.01".
+    assert verdict_line(row("B", ci(1.004, 1.001, 1.007), AGREE), A, 3).startswith(
+        "B is 1.004× faster than A (95% CI 1.001–1.007)")
+    line = verdict_line(row("B", ci(1.01, 0.95, 1.07), AGREE), A, 3)
+    assert re.fullmatch(r"no significant difference; \d+ more repeats would resolve [\d.]+%; losses agree", line)
+    assert verdict_line(row("C", ci(1.01, 0.95, 1.07), AGREE), A, 3, multi=True).startswith("C vs A: no significant")
+    assert "too few steady steps" in verdict_line(row("B", None, AGREE), A, 3)
+
+
+def test_disagreeing_losses_name_the_step_and_the_cause():
+    differ = LossParity("differ", 30, 1e-3, 0.03, 2, (5.6118, 5.4386))
+    line = verdict_line(row("B", ci(1.0, 0.9, 1.1), differ, "expected: train.seed differs"), A, 3)
+    assert line.endswith("; losses disagree: B parts from A at step 2 (5.6118 vs 5.4386); "
+                         "expected: train.seed differs")
+
+
+def test_schedule_interleaves_and_forced_overrides_come_last(tmp_path):
+    plan = AbPlan("cfg.yaml", [Variant("A", []), Variant("B", ["x=1"]), Variant("C", ["y=2"])], tmp_path,
+                  common=["z=3"], repeats=2, steps=7, warmup_steps=2)
+    assert [f"{v.label}{r}" for r, v in plan.schedule()] == ["A1", "B1", "C1", "A2", "B2", "C2"]
+    ov = plan.overrides(plan.variants[1])
+    assert ov[:2] == ["z=3", "x=1"]
+    assert ov[2:] == ["train.steps=7", f"report.runs_dir={tmp_path / 'runs'}", "checkpoint.enabled=false",
+                      "checkpoint.resume=none", "report.progress=lines", "report.warmup_steps=2"]
+
+
+def test_other_cpu_meter_subtracts_our_own_cpu_time(monkeypatch):
+    busy, own, clock = iter([10.0, 14.0]), iter([1.0, 2.0]), iter([100.0, 102.0])
+    monkeypatch.setattr(machine_load, "_busy_cpu_s", lambda: next(busy))
+    monkeypatch.setattr(machine_load, "_own_cpu_s", lambda: next(own))
+    monkeypatch.setattr(machine_load.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(machine_load.os, "cpu_count", lambda: 2)
+    meter = machine_load.OtherCpuMeter()
+    # 4 s of CPU used in 2 s on 2 cores; 1 s of it was ours: others used 3 of 4 core-seconds.
+    assert meter.share() == 0.75
+
+
+def test_other_cpu_meter_on_this_machine():
+    meter = machine_load.OtherCpuMeter()
+    sum(i * i for i in range(200_000))
+    share = meter.share()
+    assert share is None or 0.0 <= share <= 1.0
+    if Path("/proc/stat").exists():
+        assert share is not None
