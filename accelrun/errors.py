@@ -29,3 +29,18 @@ class TrainingDiverged(UserError):
             f"{what} became {value} at step {step}; training stopped and nothing was saved after it; {kept}. "
             "Lower train.optimizer.lr, raise train.lr_schedule.warmup_steps or set train.grad_clip."
         )
+
+
+class CollectiveTimeout(UserError):
+    """A collective waited longer than ``parallel.timeout_s``: some rank is gone, stuck or far behind."""
+
+    exit_code = 1
+    every_rank = True  # the rank that waited is the one that knows: each prints its own
+
+    def __init__(self, rank: int, step: int, phase: str, timeout_s: int, cause: BaseException):
+        detail = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
+        super().__init__(
+            f"rank {rank}: a collective in {phase} at step {step} waited more than parallel.timeout_s = "
+            f"{timeout_s} s for the other ranks and gave up ({detail}). Another rank is dead, stuck or much "
+            "slower; its own log says which."
+        )

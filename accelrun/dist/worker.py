@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from rich.markup import escape
 
 from accelrun.config import load_config
 from accelrun.dist.context import ParallelContext, env_rank
@@ -66,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx = init_rank(resolved)
         run_in_dir(resolved, run_dir, ctx, console if rank == 0 else None)
     except UserError as e:
-        if rank == 0:
+        if rank == 0 or getattr(e, "every_rank", False):
             for m in e.messages:
-                console.print(f"[bold red]error:[/] {m}", markup=False)
+                console.print("[bold red]error:[/] " + escape(m))
         return e.exit_code
     finally:
         if dist.is_initialized():

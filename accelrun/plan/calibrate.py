@@ -7,7 +7,8 @@ Probes (each the median of a few timed repeats):
 - causal attention at several sequence lengths, forward and backward through
   ``F.scaled_dot_product_attention`` (its efficiency grows with the sequence), counted in the
   FLOPs it executes (the planner's convention: half the scores, backward 2.5× forward);
-- memory bandwidth of an elementwise op that allocates its output, as eager ops do;
+- memory bandwidth of an elementwise op that reads tensors no longer in cache and allocates its
+  output, as a training step's eager ops do;
 - the resident memory of a process that has imported torch and accelrun's training stack (what a
   CPU training process carries before it holds any tensor; the data set it reads is not included);
 - gloo all-reduce and all-gather between local processes on 127.0.0.1: bus bandwidth and latency.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import importlib
 import json
 import os
 import socket
@@ -51,17 +53,23 @@ class ProbeSizes:
     attention_seq: tuple[int, ...] = (128, 256, 512, 1024)
     attention_tokens: int = 2048
     attention_heads: tuple[int, int] = (4, 64)
-    memory_elements: int = 2**21
+    # Elementwise probe: tensors of memory_elements, cycled through a pool of memory_pool_bytes in all
+    # (larger than a last-level cache), so each op reads cold data as a training step's ops do.
+    memory_elements: int = 2**20
+    memory_pool_bytes: int = 128 * 2**20
     collective_bytes: int = 16 * 2**20
     small_bytes: int = 4096
     repeat_s: float = 0.04
     repeats: int = 5
+    # Imported before the resident memory is read: what a training process holds before any tensor.
+    runtime_imports: tuple[str, ...] = ("accelrun.train.run",)
 
     @classmethod
     def quick(cls) -> ProbeSizes:
         return cls(widths=(32, 64), rows=256, precisions=("fp32",), attention_seq=(32, 64),
                    attention_tokens=128, attention_heads=(2, 16),
-                   memory_elements=2**16, collective_bytes=2**16, small_bytes=256, repeat_s=0.01, repeats=2)
+                   memory_elements=2**16, memory_pool_bytes=2**20, collective_bytes=2**16, small_bytes=256, repeat_s=0.01, repeats=2,
+                   runtime_imports=())
 
 
 @dataclass
@@ -88,7 +96,7 @@ def calibrate(devices_per_node: int = 1, sizes: ProbeSizes | None = None) -> dic
     # spawn, where there is no fork server, imports torch in each worker.
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", *sizes.runtime_imports, __name__])
     else:
         ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -236,9 +244,8 @@ def _worker(rank: int, world: int, devices: int, port: int, sizes: ProbeSizes, q
                 "GPU probes are not built yet). Describe the GPUs instead: a cluster file naming a kind from "
                 "`accelrun plan --devices` (see recipes/cluster/h100-8x.yaml)")})
             return
-        # What a training process holds before any tensor: torch and accelrun's training stack.
-        import accelrun.train.run  # noqa: F401
-
+        for module in sizes.runtime_imports:  # what a training process holds before any tensor
+            importlib.import_module(module)
         runtime = _rss_gib()
         computes = rank < devices
         threads = torch.get_num_threads() if devices == 1 else max(1, (os.cpu_count() or 1) // devices)
@@ -308,9 +315,15 @@ def _attention_rate(torch, dtype, t: int, sizes: ProbeSizes) -> float:
 
 
 def _memory_rate(torch, sizes: ProbeSizes) -> float:
-    a, b = torch.randn(sizes.memory_elements), torch.randn(sizes.memory_elements)
-    moved = 3.0 * 4 * sizes.memory_elements  # read two, write one
-    return _typical_rate(lambda: torch.mul(a, b), moved, sizes) / 1e9
+    n = sizes.memory_elements
+    pool = [torch.randn(n) for _ in range(max(2, sizes.memory_pool_bytes // (4 * n)))]
+    turn = [0]
+
+    def op() -> None:  # the next two tensors of the pool, into a fresh output, as eager ops allocate
+        i = turn[0] = (turn[0] + 2) % len(pool)
+        torch.mul(pool[i], pool[i - 1])
+
+    return _typical_rate(op, 3.0 * 4 * n, sizes) / 1e9  # read two, write one
 
 
 def _collective_rates(torch, dist, world: int, sizes: ProbeSizes) -> tuple[float, float, float]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from accelrun.errors import TrainingDiverged
+from accelrun.errors import CollectiveTimeout, TrainingDiverged
 from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, StepMetrics
 from accelrun.report.profiler import profile_steps
@@ -77,73 +77,84 @@ def run_loop(
     for part in parts:
         part.train()
     run_dir = s.checkpoint_dir.parent
-    with (_PreemptionFlag() as preempt,
-          profile_steps(cfg.report.profile_steps, run_dir, s.start_step, s.ctx.rank) as prof):
-        for step in range(s.start_step + 1, total + 1):
-            lr = s.optimizer.param_groups[0]["lr"]
-            t_step = time.perf_counter()
-            data_s = fwd_s = bwd_s = 0.0
-            loss_sum = torch.zeros((), device=dev)
-            for _ in range(s.grad_accum):
-                t0 = time.perf_counter()
-                inputs_BT, targets_BT = next(s.data)
-                inputs_BT, targets_BT = inputs_BT.to(dev, non_blocking=True), targets_BT.to(dev, non_blocking=True)
+    where = {"step": s.start_step, "phase": "starting"}  # for a collective that times out
+    try:
+        with (_PreemptionFlag() as preempt,
+              profile_steps(cfg.report.profile_steps, run_dir, s.start_step, s.ctx.rank) as prof):
+            for step in range(s.start_step + 1, total + 1):
+                lr = s.optimizer.param_groups[0]["lr"]
+                t_step = time.perf_counter()
+                where.update(step=step, phase="forward and backward")
+                data_s = fwd_s = bwd_s = 0.0
+                loss_sum = torch.zeros((), device=dev)
+                for _ in range(s.grad_accum):
+                    t0 = time.perf_counter()
+                    inputs_BT, targets_BT = next(s.data)
+                    inputs_BT, targets_BT = inputs_BT.to(dev, non_blocking=True), targets_BT.to(dev, non_blocking=True)
+                    sync()
+                    t1 = time.perf_counter()
+                    if s.pipeline is not None:
+                        # The schedule interleaves micro-batches' forwards and backwards: timed as one.
+                        with autocast(cfg.train.precision, dev):
+                            loss = s.pipeline.step(inputs_BT, targets_BT)
+                        sync()
+                        t2 = t3 = time.perf_counter()
+                    else:
+                        with autocast(cfg.train.precision, dev):
+                            logits_BTV = s.model(inputs_BT)
+                        loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten()) / s.grad_accum
+                        sync()
+                        t2 = time.perf_counter()
+                        loss.backward()
+                        sync()
+                        t3 = time.perf_counter()
+                    loss_sum += loss.detach()
+                    data_s, fwd_s, bwd_s = data_s + t1 - t0, fwd_s + t2 - t1, bwd_s + t3 - t2
+                t4 = time.perf_counter()
+                where["phase"] = "the gradient norm"
+                grad_norm = clip_grad_norm(params, clip, stage_group)
+                where["phase"] = "averaging the loss"
+                loss_value = float(s.ctx.mean_over_dp(loss_sum))
+                for what, value in (("the loss", loss_value), ("the gradient norm", grad_norm)):
+                    if not math.isfinite(value):
+                        raise TrainingDiverged(step, what, value, last_ckpt)
+                where["phase"] = "the optimizer step"
+                s.optimizer.step()
+                s.scheduler.step()
+                s.optimizer.zero_grad(set_to_none=True)
                 sync()
-                t1 = time.perf_counter()
-                if s.pipeline is not None:
-                    # The schedule interleaves micro-batches' forwards and backwards: timed as one.
-                    with autocast(cfg.train.precision, dev):
-                        loss = s.pipeline.step(inputs_BT, targets_BT)
-                    sync()
-                    t2 = t3 = time.perf_counter()
-                else:
-                    with autocast(cfg.train.precision, dev):
-                        logits_BTV = s.model(inputs_BT)
-                    loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten()) / s.grad_accum
-                    sync()
-                    t2 = time.perf_counter()
-                    loss.backward()
-                    sync()
-                    t3 = time.perf_counter()
-                loss_sum += loss.detach()
-                data_s, fwd_s, bwd_s = data_s + t1 - t0, fwd_s + t2 - t1, bwd_s + t3 - t2
-            t4 = time.perf_counter()
-            grad_norm = clip_grad_norm(params, clip, stage_group)
-            loss_value = float(s.ctx.mean_over_dp(loss_sum))
-            for what, value in (("the loss", loss_value), ("the gradient norm", grad_norm)):
-                if not math.isfinite(value):
-                    raise TrainingDiverged(step, what, value, last_ckpt)
-            s.optimizer.step()
-            s.scheduler.step()
-            s.optimizer.zero_grad(set_to_none=True)
-            sync()
-            t_end = time.perf_counter()
-            record = StepMetrics(
-                step=step, loss=loss_value, lr=lr, grad_norm=grad_norm, step_time_s=t_end - t_step,
-                data_time_s=data_s, tokens=s.tokens_per_step, mem_peak_bytes=peak_memory_bytes(dev),
-                compile=step == s.start_step + 1 and s.compiles,
-            ).to_dict(flops_per_token=s.flops_per_token, peak_tflops=s.peak.tflops)
-            record.update(forward_s=fwd_s, backward_s=bwd_s, optimizer_s=t_end - t4)
-            prof.step(step, record)  # report.profile_steps: starts/stops the trace, marks profiled steps
-            if metrics is not None:  # rank 0 only
-                metrics.write(record)
-                progress.update(step, loss_value, record["tokens_per_s"] or 0.0)
-            outcome.last_step = step
+                t_end = time.perf_counter()
+                record = StepMetrics(
+                    step=step, loss=loss_value, lr=lr, grad_norm=grad_norm, step_time_s=t_end - t_step,
+                    data_time_s=data_s, tokens=s.tokens_per_step, mem_peak_bytes=peak_memory_bytes(dev),
+                    compile=step == s.start_step + 1 and s.compiles,
+                ).to_dict(flops_per_token=s.flops_per_token, peak_tflops=s.peak.tflops)
+                record.update(forward_s=fwd_s, backward_s=bwd_s, optimizer_s=t_end - t4)
+                prof.step(step, record)  # report.profile_steps: starts/stops the trace, marks profiled steps
+                if metrics is not None:  # rank 0 only
+                    metrics.write(record)
+                    progress.update(step, loss_value, record["tokens_per_s"] or 0.0)
+                outcome.last_step = step
 
-            # Ranks may see the signal at different steps; they must stop at the same one.
-            preempted = s.ctx.any(preempt.raised)
-            stopping = preempted or step == stop_after_step
-            due = cfg.checkpoint.enabled and (
-                step % cfg.checkpoint.every == 0 or (step == total and cfg.checkpoint.save_final) or preempted
-            )
-            if due:
-                t_ck = time.perf_counter()
-                last_ckpt = save_checkpoint(
-                    s.checkpoint_dir, step, s.model, s.optimizer, s.train_state(), cfg.checkpoint.keep, s.ctx
+                # Ranks may see the signal at different steps; they must stop at the same one.
+                preempted = s.ctx.any(preempt.raised)
+                stopping = preempted or step == stop_after_step
+                due = cfg.checkpoint.enabled and (
+                    step % cfg.checkpoint.every == 0 or (step == total and cfg.checkpoint.save_final) or preempted
                 )
-                outcome.checkpoints.append(last_ckpt)
-                outcome.checkpoint_time_s += time.perf_counter() - t_ck
-            if stopping and step < total:  # a signal during the last step changes nothing
-                outcome.status = "preempted" if preempted else "stopped"
-                break
+                if due:
+                    where["phase"] = "saving a checkpoint"
+                    t_ck = time.perf_counter()
+                    last_ckpt = save_checkpoint(
+                        s.checkpoint_dir, step, s.model, s.optimizer, s.train_state(), cfg.checkpoint.keep, s.ctx
+                    )
+                    outcome.checkpoints.append(last_ckpt)
+                    outcome.checkpoint_time_s += time.perf_counter() - t_ck
+                if stopping and step < total:  # a signal during the last step changes nothing
+                    outcome.status = "preempted" if preempted else "stopped"
+                    break
+    except RuntimeError as e:
+        if s.ctx.distributed and "timed out" in str(e).lower():
+            raise CollectiveTimeout(s.ctx.rank, where["step"], where["phase"], cfg.parallel.timeout_s, e) from None
+        raise
     return outcome

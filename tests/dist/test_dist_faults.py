@@ -55,3 +55,27 @@ def test_killed_rank_restarts_the_group_which_resumes_and_matches(tmp_path):
     got, want = read_metrics(metrics), read_metrics(ref_dir / "metrics.jsonl")
     assert [m["step"] for m in got] == list(range(1, STEPS + 1))  # redone steps are not counted twice
     assert [m["loss"] for m in got] == [m["loss"] for m in want]
+
+
+def test_a_stuck_rank_makes_the_others_time_out_naming_rank_and_phase(tmp_path):
+    runs = tmp_path / "runs"
+    job = start(runs, "stuck", "train.steps=100000", "parallel.timeout_s=5", "checkpoint.every=100000")
+    deadline = time.time() + 120
+    while time.time() < deadline and job.poll() is None:
+        found = list((runs / "stuck").glob("*/metrics.jsonl"))
+        if found and len(read_metrics(found[0])) >= 2:
+            break
+        time.sleep(0.05)
+    workers = children(job.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGSTOP)  # rank 1 stops answering, as a hung process would
+    try:
+        out, _ = job.communicate(timeout=120)
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert job.returncode != 0
+    assert "rank 0: a collective in" in out and "parallel.timeout_s = 5 s" in out, out[-3000:]
