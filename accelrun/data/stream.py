@@ -12,6 +12,7 @@ refuses to load onto a stream with a different hash.
 from __future__ import annotations
 
 import bisect
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,17 +25,17 @@ def short_hash(h: Any) -> str:
     return h.hexdigest()[:16]
 
 
-class TokenStream:
+class TokenStream(ABC):
     """Interface: ``len(stream)`` tokens; ``read(start, stop)`` returns them as a 1-D int64 tensor."""
 
     fingerprint: dict[str, Any]
     vocab_size: int  # every id in the stream is < vocab_size
 
-    def __len__(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def __len__(self) -> int: ...
 
-    def read(self, start: int, stop: int) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def read(self, start: int, stop: int) -> torch.Tensor: ...
 
 
 class TensorStream(TokenStream):
