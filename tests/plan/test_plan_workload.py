@@ -13,9 +13,9 @@ from accelrun.models.flops import flops_per_token, param_count
 from accelrun.models.llama import LlamaArgs
 from accelrun.plan import PlanOptions
 from accelrun.plan import efficiency as eff
-from accelrun.plan.calibrate import ATTENTION_BACKWARD_RATIO
 from accelrun.plan.comm import MESH_ORDER
 from accelrun.plan.pipeline import STAGES_PER_RANK
+from accelrun.plan.probes import ATTENTION_BACKWARD_RATIO
 from accelrun.plan.workload import Shape, workload_from_config
 from tests.conftest import DEFAULT_CONFIG, REPO
 
@@ -45,7 +45,7 @@ def test_layout_conventions_match_accelrun_dist():
 
 
 def test_planning_imports_no_torch():
-    code = ("import sys, accelrun.plan, accelrun.plan.calibrate, accelrun.cli.plan_cmd; "
+    code = ("import sys, accelrun.plan, accelrun.plan.calibrate, accelrun.plan.probes, accelrun.cli.plan_cmd; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
