@@ -1,0 +1,54 @@
+"""The executor interface: who runs each fusion region.
+
+Executors are asked in the recipe's priority order (``compile.executors``). Each either *claims* a
+region (returns None from ``decline_reason``) and then compiles it into a callable, or declines with a
+reason that ``accelrun compile explain`` shows. ``aten`` never declines: it runs the region's ops one by
+one, as eager PyTorch would, so every graph always has an executor.
+
+Code generators (``cpp``, ``triton``) plug in here: subclass ``Executor``, register it, and the
+lowering offers them every region.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+from accelrun.compile.regions import Region
+
+# A compiled region: takes the region's inputs (tensors, in placeholder order), returns its outputs as
+# a tuple in the order of the region's output node.
+RegionFn = Callable[..., tuple[torch.Tensor, ...]]
+
+
+class Executor(ABC):
+    name: ClassVar[str]
+
+    def unavailable_reason(self) -> str | None:
+        """Why this executor cannot run at all on this machine (no compiler, no GPU), or None."""
+        return None
+
+    @abstractmethod
+    def decline_reason(self, region: Region) -> str | None:
+        """None to claim the region; otherwise one short reason ("op aten.mm is not pointwise")."""
+
+    @abstractmethod
+    def compile(self, region: Region, cache_dir: str | None) -> RegionFn:
+        """Compile a claimed region. May raise; the lowering then records the error as a decline."""
+
+
+_EXECUTORS: dict[str, type[Executor]] = {}
+
+
+def register_executor(cls: type[Executor]) -> type[Executor]:
+    _EXECUTORS[cls.name] = cls
+    return cls
+
+
+def registered_executors() -> dict[str, type[Executor]]:
+    import accelrun.compile.executors  # noqa: F401  (registers the built-ins)
+
+    return dict(_EXECUTORS)
