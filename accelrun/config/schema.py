@@ -136,10 +136,36 @@ class ParallelConfig(Section):
 
 
 class CompileConfig(Section):
-    backend: Literal["eager", "inductor"] = "eager"
-    # block: compile each transformer block (one graph reused for identical blocks); model: the whole model.
-    scope: Literal["block", "model"] = "block"
+    backend: Literal["eager", "inductor", "accelrun"] = "eager"
+    # block: compile each transformer block (one graph reused for identical blocks); model: the whole
+    # model and its loss as one graph; loss: the blocks as with block, plus the output head and the
+    # loss as a graph of their own (where accelrun fuses linear + cross-entropy).
+    scope: Literal["block", "model", "loss"] = "block"
     fullgraph: bool = False
+    # The settings below are read by the accelrun backend only.
+    passes: str | list[str | dict[str, Any]] = Field(
+        "default", description="a preset (none, default, max) or an ordered list of passes, each a name or "
+        "{name: options}; `accelrun compile passes` lists them"
+    )
+    executors: list[str] = Field(
+        ["inductor", "aten"], description="who runs fusion regions, in priority order (aten always can)"
+    )
+    cache_dir: str | None = Field(
+        None, description="compiled artifacts; None = $ACCELRUN_CACHE_DIR/compile or ~/.cache/accelrun/compile"
+    )
+    debug_numerics: bool = Field(
+        False, description="run each pass's graph before and after on the same inputs; name the first that diverges"
+    )
+    dump: bool = Field(False, description="write every pass's graphs and the generated code to <run>/compile/")
+
+    @field_validator("executors")
+    @classmethod
+    def _executors_named_once(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("list at least one executor (aten runs anything)")
+        if len(set(v)) != len(v):
+            raise ValueError(f"an executor is listed twice: {v}")
+        return v
 
 
 class CheckpointConfig(Section):

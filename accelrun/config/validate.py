@@ -145,6 +145,7 @@ def consistency_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list
     elif not cfg.data.paths and cfg.data.source in ("text", "tokens"):
         out.append(f"{v('data.source')} needs data.paths: files or globs to read")
     out += _parallel_problems(cfg, v)
+    out += _compile_problems(cfg, sources)
     if not out:  # batch arithmetic needs valid degrees
         dp = par.dp
         if t.global_batch % (t.micro_batch * dp):
@@ -190,6 +191,33 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
     return out
 
 
+def _compile_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]:
+    """Pass and executor names exist and pass options fit (only checked for the accelrun backend)."""
+    c = cfg.compile
+    if c.backend != "accelrun":
+        return []
+    # The registries live with the compiler; importing them here (lazily) keeps one list of names.
+    from accelrun.compile.executors.base import registered_executors
+    from accelrun.compile.passes.base import PassConfigError, resolve_passes
+
+    out: list[str] = []
+    try:
+        resolve_passes(c.passes)
+    except PassConfigError as e:
+        path = ("compile", "passes") if e.index is None or isinstance(c.passes, str) else ("compile", "passes", e.index)
+        out.append(f"{'.'.join(map(str, path))} ({source_of(path, sources, exact=False)}): {e}")
+    known = registered_executors()
+    for i, name in enumerate(c.executors):
+        if name not in known:
+            close = nearest(name, list(known))
+            hint = f" (did you mean {close!r}?)" if close else ""
+            out.append(
+                f"compile.executors.{i} ({source_of(('compile', 'executors', i), sources, exact=False)}): "
+                f"unknown executor {name!r}{hint}; executors: {', '.join(known)}"
+            )
+    return out
+
+
 LLAMA_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "norm_eps",
                     "rope_theta", "max_seq_len", "tie_embeddings", "init_std")
 # Keys that only some data sources read.
@@ -220,9 +248,13 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
         if key not in DATA_KEYS_USED_BY[cfg.data.source] and (src := set_by_user("data", key)):
             out.append(f"data.{key} ({src}) has no effect with data.source = {cfg.data.source}")
     if cfg.compile.backend == "eager":
-        for key in ("scope", "fullgraph"):
+        for key in ("scope", "fullgraph", "passes", "executors", "cache_dir", "debug_numerics", "dump"):
             if src := set_by_user("compile", key):
                 out.append(f"compile.{key} ({src}) has no effect with compile.backend = eager")
+    elif cfg.compile.backend == "inductor":
+        for key in ("passes", "executors", "cache_dir", "debug_numerics", "dump"):
+            if src := set_by_user("compile", key):
+                out.append(f"compile.{key} ({src}) is read by the accelrun backend only, not by inductor")
     if cfg.train.lr_schedule.warmup_steps > cfg.train.steps:
         out.append(
             f"train.lr_schedule.warmup_steps = {cfg.train.lr_schedule.warmup_steps} exceeds train.steps = "

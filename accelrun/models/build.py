@@ -134,3 +134,22 @@ def model_summary(cfg: ModelConfig, model: nn.Module, seq_len: int | None = None
         "params_non_embedding": non_embedding,
         "flops_per_token": None if seq_len is None else model_flops_per_token(cfg, seq_len, model),
     }
+
+
+def training_loss_fn(model: nn.Module):
+    """``(inputs, targets) -> mean cross-entropy``: the model's own loss head when its forward takes
+    targets (the built-in Llama: the head then compiles with ``compile.scope: loss`` or ``model``),
+    otherwise cross-entropy over the logits it returns."""
+    import inspect
+
+    import torch.nn.functional as F
+
+    params = inspect.signature(model.forward).parameters
+    if "targets_BT" in params:
+        return lambda inputs_BT, targets_BT: model(inputs_BT, targets_BT)
+
+    def loss(inputs_BT, targets_BT):
+        logits_BTV = model(inputs_BT)
+        return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
+
+    return loss

@@ -246,7 +246,8 @@ class Llama(nn.Module):
         if self.output is not None and not a.tie_embeddings:
             nn.init.normal_(self.output.weight, 0.0, residual_std, generator=generator)
 
-    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) in fp32; or, given targets, the mean cross-entropy loss (a scalar)."""
         T = tokens_BT.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len ({self.args.max_seq_len})")
@@ -257,9 +258,22 @@ class Llama(nn.Module):
         blocks = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
         for layer in blocks:
             h_BTD = layer(h_BTD, cos_TR, sin_TR)
+        if targets_BT is not None and self.output is not None:
+            return self.head_loss(h_BTD, targets_BT)
         if self.norm is not None:
             h_BTD = self.norm(h_BTD)
         if self.output is None:
             return h_BTD
         # Logits in fp32 whatever the compute dtype: the loss's log-softmax needs the range.
         return self.output(h_BTD).float()
+
+    def head_loss(self, h_BTD: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        """Final norm, output projection and mean cross-entropy over all positions.
+
+        A method of its own so that ``compile.scope: loss`` can compile it as one graph (where the
+        projection and the loss fuse and the full logits tensor need not exist).
+        """
+        if self.norm is not None:
+            h_BTD = self.norm(h_BTD)
+        logits_BTV = self.output(h_BTD).float()
+        return F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())

@@ -33,6 +33,7 @@ def render_report_md(report: dict, config_summary: dict, *, env: dict | None = N
               f"{report.get('steps', 0)} steps", ""]
     lines += _headline(report) + [""]
     lines += _breakdown_section(report)
+    lines += _compiler_section(report.get("compiler"))
     lines += _loss_section(report) + [""]
     extra = {k: v for k, v in config_summary.items()
              if k not in ("name", "config_hash") and (v is None or isinstance(v, (str, int, float, bool)))}
@@ -45,6 +46,31 @@ def render_report_md(report: dict, config_summary: dict, *, env: dict | None = N
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)
+
+
+def _compiler_section(c: dict | None) -> list[str]:
+    if not c:
+        return []
+    out = ["## Compiler", "", "| figure | value |", "| --- | --- |"]
+    if "dynamo_graphs" in c:
+        out.append(f"| graphs compiled | {c['dynamo_graphs']} |")
+    out.append(f"| graph breaks | {c.get('graph_breaks', 0)} |")
+    for stage, secs in (c.get("stage_seconds") or {}).items():
+        out.append(f"| {_cell(stage)} | {secs:.2f} s |")
+    if "cache" in c:
+        out.append(f"| cache hits / misses | {c['cache']['hits']} / {c['cache']['misses']} |")
+    if c.get("passes_fired"):
+        fired = ", ".join(f"{k} ({v})" for k, v in c["passes_fired"].items())
+        out.append(f"| passes that changed a graph (graphs) | {_cell(fired)} |")
+    if c.get("regions_per_executor"):
+        per = ", ".join(f"{k} {v}" for k, v in c["regions_per_executor"].items())
+        out.append(f"| fusion regions by executor | {_cell(per)} |")
+    if "ops_left_to_aten" in c:
+        out.append(f"| ops outside regions (ATen calls) | {c['ops_left_to_aten']} |")
+    out.append("")
+    for reason, n in (c.get("graph_break_reasons") or {}).items():
+        out.append(f"- graph break ×{n}: {_cell(reason)}")
+    return out + [""] if c.get("graph_break_reasons") else out
 
 
 def _headline(r: dict) -> list[str]:

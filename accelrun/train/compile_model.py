@@ -1,22 +1,54 @@
-"""Apply the recipe's compile settings to a model (torch.compile with the chosen backend)."""
+"""Apply the recipe's compile settings to a model: torch.compile with Inductor or accelrun's backend."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 
 from accelrun.config.schema import CompileConfig
 
 
-def compile_model(model: nn.Module, blocks: nn.ModuleList | None, cfg: CompileConfig) -> str:
-    """Compile in place (``Module.compile`` keeps parameter names); returns what was compiled."""
+@dataclass
+class Compiled:
+    description: str  # what was compiled, for the run's log and report
+    record: object | None = None  # accelrun's CompileRecord (None for eager and inductor)
+    backend: object | None = None
+
+
+def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: CompileConfig,
+                  dump_dir: Path | None = None) -> Compiled:  # fmt: skip
+    """Compile in place (``Module.compile`` keeps parameter names)."""
     if cfg.backend == "eager":
-        return "nothing (eager)"
-    if cfg.scope == "block" and blocks is not None:
+        return Compiled("nothing (eager)")
+    backend: object = cfg.backend
+    record = None
+    if cfg.backend == "accelrun":
+        from accelrun.compile.backend import AccelrunBackend
+        from accelrun.compile.options import CompileOptions
+
+        backend = AccelrunBackend(CompileOptions.from_config(cfg, dump_dir=dump_dir if cfg.dump else None))
+        record = backend.record
+    name = cfg.backend
+    if cfg.scope in ("block", "loss") and blocks is not None:
         # Identical blocks share one compiled graph: Dynamo's cache is keyed by code, not instance.
         for block in blocks:
-            block.compile(backend=cfg.backend, fullgraph=cfg.fullgraph)
-        return f"{len(blocks)} transformer blocks with {cfg.backend}"
-    model.compile(backend=cfg.backend, fullgraph=cfg.fullgraph)
-    if cfg.scope == "block":
-        return f"the whole model with {cfg.backend} (compile.scope = block, but it has no `layers` block list)"
-    return f"the whole model with {cfg.backend}"
+            block.compile(backend=backend, fullgraph=cfg.fullgraph)
+        what = f"{len(blocks)} transformer blocks with {name}"
+        if cfg.scope == "loss":
+            head = getattr(model, "head_loss", None)
+            if head is None or getattr(model, "output", None) is None:
+                what += " (compile.scope = loss, but this model or stage computes no loss head)"
+            else:
+                import torch
+
+                # An instance attribute shadows the method, so forward() calls the compiled head.
+                model.head_loss = torch.compile(head, backend=backend, fullgraph=cfg.fullgraph)
+                what += " + the output head and loss as one graph"
+        return Compiled(what, record, backend)
+    model.compile(backend=backend, fullgraph=cfg.fullgraph)
+    if cfg.scope != "model":
+        return Compiled(f"the whole model with {name} (compile.scope = {cfg.scope}, but it has no `layers` "
+                        "block list)", record, backend)  # fmt: skip
+    return Compiled(f"the whole model and its loss with {name}", record, backend)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from accelrun.errors import CollectiveTimeout, TrainingDiverged
 from accelrun.report.memory import peak_memory_bytes
@@ -101,8 +100,7 @@ def run_loop(
                         t2 = t3 = time.perf_counter()
                     else:
                         with autocast(cfg.train.precision, dev):
-                            logits_BTV = s.model(inputs_BT)
-                        loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten()) / s.grad_accum
+                            loss = s.loss_fn(inputs_BT, targets_BT) / s.grad_accum
                         sync()
                         t2 = time.perf_counter()
                         loss.backward()

@@ -190,6 +190,18 @@ def _gather_peak_memory(s: TrainSetup) -> list[int | None]:
     return everyone
 
 
+def _compiler_summary(s: TrainSetup) -> dict | None:
+    """accelrun's compile section (stages, cache, passes, regions), or graph breaks for Inductor."""
+    if s.compile_record is not None:
+        return s.compile_record.summary()
+    if not s.compiles:
+        return None
+    from torch._dynamo.utils import counters
+
+    breaks = dict(counters["graph_break"])
+    return {"graph_breaks": sum(breaks.values()), "graph_break_reasons": breaks}
+
+
 def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str, setup_s: float, error,
                   mem_per_rank: list[int | None]) -> dict:
     cfg = resolved.config
@@ -219,6 +231,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         parallel=cfg.parallel.degrees(),
         tokens_per_s_job=report["tokens_per_s"] * s.ctx.world_size if report.get("tokens_per_s") else None,
         mem_peak_bytes_per_rank=mem_per_rank,
+        compiler=_compiler_summary(s),
     )
     summary = {
         "name": cfg.name,

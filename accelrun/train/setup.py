@@ -4,6 +4,7 @@ optimizer, schedule, compile and checkpointing policy, the MFU peak, and the res
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,11 @@ from accelrun.dist.fsdp import apply_fsdp
 from accelrun.dist.pipeline import Pipeline, union_of
 from accelrun.dist.tp import apply_tp
 from accelrun.models import build_model, model_flops_per_token, model_summary, transformer_blocks
+from accelrun.models.build import training_loss_fn
 from accelrun.report.peak import Peak, resolve_peak
 from accelrun.train.activation_checkpoint import apply_activation_checkpointing
 from accelrun.train.checkpoint import complete_checkpoints, load_checkpoint, remove_partial
-from accelrun.train.compile_model import compile_model
+from accelrun.train.compile_model import Compiled, compile_model
 from accelrun.train.optim import build_optimizer, build_scheduler
 from accelrun.train.resume import ResumeDecision, decide_resume
 
@@ -45,6 +47,8 @@ class TrainSetup:
     peak: Peak
     compiles: bool
     compiled: str
+    compile_record: Any  # accelrun's CompileRecord, or None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs, targets) -> mean loss
     checkpoint_dir: Path
     start_step: int
     resumed_from: Path | None
@@ -73,7 +77,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _parallelize(part: nn.Module, cfg: RunConfig, ctx: ParallelContext) -> str:
+def _parallelize(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir: Path) -> Compiled:
     """TP, activation checkpointing, compile, then FSDP (the order each needs), on one model or stage."""
     t = cfg.train
     blocks = transformer_blocks(part)
@@ -86,7 +90,7 @@ def _parallelize(part: nn.Module, cfg: RunConfig, ctx: ParallelContext) -> str:
             "train.activation_checkpoint needs a model with a `layers` ModuleList of blocks; "
             f"{type(part).__name__} has none"
         )
-    compiled = compile_model(part, blocks, cfg.compile)
+    compiled = compile_model(part, blocks, cfg.compile, dump_dir)
     if ctx.mesh is not None and ctx.dp_size > 1:
         apply_fsdp(part, blocks, ctx.mesh, t.precision, cfg.parallel.reshard_after_forward)
     return compiled
@@ -136,7 +140,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
                             _pipeline_loss(cfg.grad_accum), device)
         parts = pipeline.modules
     for part in parts:
-        compiled = _parallelize(part, cfg, ctx)
+        compiled = _parallelize(part, cfg, ctx, run_dir / "compile")
     if pipeline is not None:
         pipeline.build_schedule()
 
@@ -190,7 +194,9 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         flops_per_token=model_flops_per_token(cfg.model, t.seq_len, model),
         peak=resolve_peak(device, t.precision, cfg.report.peak_tflops),
         compiles=cfg.compile.backend != "eager",
-        compiled=compiled,
+        compiled=compiled.description,
+        compile_record=compiled.record,
+        loss_fn=training_loss_fn(model),
         checkpoint_dir=checkpoint_dir,
         start_step=start_step,
         resumed_from=resumed_from,

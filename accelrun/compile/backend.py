@@ -1,0 +1,175 @@
+"""The torch.compile backend: Dynamo graph → pre-grad passes → AOTAutograd (core ATen decompositions,
+accelrun's partitioner) → post-grad passes on the forward and backward graphs → fusion regions lowered
+to executors.
+
+    backend = AccelrunBackend(CompileOptions())
+    block.compile(backend=backend)
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+from torch import fx
+from torch._dynamo.utils import counters
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._functorch.partitioners import default_partition
+
+from accelrun.compile.dump import Dumper
+from accelrun.compile.lower import lower_regions, make_executors
+from accelrun.compile.numerics import check_pass
+from accelrun.compile.options import CompileOptions
+from accelrun.compile.passes.base import ConfiguredPass, PassContext, lint, passes_for_stage
+from accelrun.compile.record import CompileRecord, GraphRecord, PassRecord
+from accelrun.compile.regions import REGION_KEY
+
+
+def decompositions() -> dict:
+    """Core ATen decompositions, except attention: a fused attention kernel is worth more than its parts."""
+    from torch._decomp import core_aten_decompositions
+
+    return {op: fn for op, fn in core_aten_decompositions().items() if "attention" not in op.name()}
+
+
+def count_ops(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
+
+
+def collectives_in(gm: fx.GraphModule) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and "_c10d_functional" in str(n.target):
+            name = str(n.target).split(".")[-2] if "." in str(n.target) else str(n.target)
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
+class AccelrunBackend:
+    """A torch.compile backend. One instance per compiled model; ``record`` accumulates what it did."""
+
+    def __init__(self, options: CompileOptions | None = None, record: CompileRecord | None = None) -> None:
+        self.options = options or CompileOptions()
+        self.record = record or CompileRecord()
+        self.dump = Dumper(self.options.dump_dir)
+        self.executors = make_executors(self.options.executors)
+        self._graph_breaks_at_start = dict(counters["graph_break"])
+        self._inside = 0.0  # seconds spent in our own hooks during the current AOTAutograd call
+
+    # -- entry point -------------------------------------------------------------------------------
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
+        name = f"g{self.record.dynamo_graphs}"
+        self.record.dynamo_graphs += 1
+        t0 = time.perf_counter()
+        gm = self._run_passes("pre_grad", gm, f"{name}.pre_grad", "pre_grad", list(example_inputs))
+        t1 = time.perf_counter()
+        self.record.stage_seconds["pre_grad passes"] += t1 - t0
+        self._inside = 0.0
+        compiled = aot_module_simplified(
+            gm, example_inputs,
+            fw_compiler=partial(self._compile_graph, name, "forward"),
+            bw_compiler=partial(self._compile_graph, name, "backward"),
+            inference_compiler=partial(self._compile_graph, name, "inference"),
+            partition_fn=partial(self._partition, name),
+            decompositions=decompositions(),
+        )  # fmt: skip
+        self.record.stage_seconds["aot trace"] += time.perf_counter() - t1 - self._inside
+        self.collect_graph_breaks()
+        return compiled
+
+    def collect_graph_breaks(self) -> dict[str, int]:
+        """Graph breaks Dynamo counted since this backend was made, by reason (never hidden)."""
+        now = counters["graph_break"]
+        self.record.graph_breaks = {
+            reason: n - self._graph_breaks_at_start.get(reason, 0)
+            for reason, n in now.items() if n > self._graph_breaks_at_start.get(reason, 0)
+        }  # fmt: skip
+        return self.record.graph_breaks
+
+    # -- stages ------------------------------------------------------------------------------------
+    @contextmanager
+    def _timed(self, stage: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            self.record.stage_seconds[stage] += dt
+            self._inside += dt
+
+    def _partition(self, name: str, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        with self._timed("partition"):
+            self.dump.graph(f"{name}.joint", "joint", joint)
+            fw, bw = default_partition(joint, joint_inputs, **kwargs)
+            for p in passes_for_stage(self.options.passes, "partition"):
+                t0 = time.perf_counter()
+                before = count_ops(fw) + count_ops(bw)
+                result = p.spec.fn((fw, bw), p.options, PassContext("joint"))
+                if result.graph is not None:
+                    fw, bw = result.graph
+                lint(fw), lint(bw)
+                self._note_pass(f"{name}.joint", "partition", p, before, count_ops(fw) + count_ops(bw), result,
+                                time.perf_counter() - t0)  # fmt: skip
+                self.dump.graph(f"{name}.forward", f"partition_{p.name}", fw)
+                self.dump.graph(f"{name}.backward", f"partition_{p.name}", bw)
+            return fw, bw
+
+    def _compile_graph(self, name: str, kind: str, gm: fx.GraphModule, example_inputs: list[Any]):
+        graph_name = f"{name}.{kind}"
+        with self._timed("post_grad passes"):
+            gm = self._run_passes("post_grad", gm, graph_name, kind, list(example_inputs))
+        with self._timed("lowering"):
+            lowered, regions = lower_regions(gm, graph_name, kind, self.executors, self.record,
+                                             str(self.options.cache_dir))  # fmt: skip
+            for region in regions:
+                if "source" in region.facts:
+                    ext = region.facts.get("source_ext", "txt")
+                    self.dump.source(graph_name, f"region{region.id}_{region.facts['executor']}.{ext}",
+                                     region.facts["source"])  # fmt: skip
+            if lowered is not gm:
+                self.dump.graph(graph_name, "lowered", lowered)
+        self.record.graphs.append(GraphRecord(
+            name=graph_name, ops=count_ops(gm), collectives=collectives_in(gm),
+            left_to_aten=sum(1 for n in gm.graph.nodes if n.op == "call_function" and REGION_KEY not in n.meta),
+        ))  # fmt: skip
+        return make_boxed_func(lowered.forward)
+
+    def _run_passes(self, stage: str, gm: fx.GraphModule, graph_name: str, kind: str,
+                    example_inputs: list[Any]) -> fx.GraphModule:  # fmt: skip
+        self.dump.graph(graph_name, "input", gm)
+        for p in passes_for_stage(self.options.passes, stage):  # type: ignore[arg-type]
+            before_copy = copy.deepcopy(gm) if self.options.debug_numerics else None
+            t0 = time.perf_counter()
+            before = count_ops(gm)
+            result = p.spec.fn(gm, p.options, PassContext(kind, example_inputs))  # type: ignore[arg-type]
+            if result.graph is not None:
+                gm = result.graph
+            gm.recompile()
+            try:
+                lint(gm)
+            except Exception as e:
+                raise RuntimeError(f"pass {p.name!r} left a malformed graph in {graph_name}: {e}") from e
+            self._note_pass(graph_name, stage, p, before, count_ops(gm), result, time.perf_counter() - t0)
+            if before_copy is not None:
+                check_pass(p.name, before_copy, gm, example_inputs)
+            if result.changed:
+                self.dump.graph(graph_name, p.name, gm)
+        return gm
+
+    def _note_pass(self, graph: str, stage: str, p: ConfiguredPass, before: int, after: int, result: Any,
+                   seconds: float) -> None:  # fmt: skip
+        counts = dict(result.counts)
+        if result.changed:
+            counts.setdefault("changed", 1)
+        self.record.passes.append(PassRecord(
+            graph=graph, stage=stage, name=p.name, ops_before=before, ops_after=after,
+            summary=result.summary, counts=counts, seconds=round(seconds, 4),
+        ))  # fmt: skip
+
+
+def accelrun_backend(options: CompileOptions | None = None) -> AccelrunBackend:
+    return AccelrunBackend(options)
+

@@ -1,0 +1,76 @@
+"""Debug mode: run a graph before and after a pass on the same inputs and compare the outputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+
+class PassNumericsError(RuntimeError):
+    """A pass changed what a graph computes (beyond the stated tolerance)."""
+
+
+# fp32 near 1e-5 relative; lower-precision dtypes near 1e-2 (the project's stated tolerances).
+TOLERANCES = {torch.float64: (1e-7, 1e-9), torch.float32: (1e-5, 1e-6)}
+LOW_PRECISION = (1e-2, 1e-2)
+
+
+def sample_inputs(example_inputs: list[Any], seed: int = 0) -> list[Any]:
+    """Real tensors shaped like ``example_inputs`` (which may be fake): floats random, integers 0."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for x in example_inputs:
+        if not isinstance(x, torch.Tensor):
+            out.append(x)
+            continue
+        shape, stride = tuple(int(s) for s in x.shape), tuple(int(s) for s in x.stride())
+        base = torch.empty_strided(shape, stride, dtype=x.dtype, device="cpu")
+        if x.dtype.is_floating_point:
+            # Fill the whole underlying storage so strided views see initialised memory.
+            flat = base.as_strided((base.untyped_storage().nbytes() // base.element_size(),), (1,))
+            flat.copy_(torch.randn(flat.shape, generator=gen).to(x.dtype))
+        else:
+            base.zero_()  # integer inputs are usually indices: 0 is valid for any of them
+        out.append(base.to(x.device) if x.device.type != "meta" else base)
+    return out
+
+
+def compare_outputs(before: Any, after: Any) -> str | None:
+    """None if equal within tolerance, else what differs."""
+    flat_b, flat_a = _flatten(before), _flatten(after)
+    if len(flat_b) != len(flat_a):
+        return f"{len(flat_b)} outputs before, {len(flat_a)} after"
+    for i, (b, a) in enumerate(zip(flat_b, flat_a, strict=True)):
+        if not isinstance(b, torch.Tensor) or not isinstance(a, torch.Tensor):
+            if b != a and not (b is None or a is None):
+                return f"output {i}: {b!r} before, {a!r} after"
+            continue
+        if b.shape != a.shape or b.dtype != a.dtype:
+            return f"output {i}: {tuple(b.shape)} {b.dtype} before, {tuple(a.shape)} {a.dtype} after"
+        if not b.dtype.is_floating_point:
+            if not torch.equal(b, a):
+                return f"output {i}: integer values differ"
+            continue
+        rtol, atol = TOLERANCES.get(b.dtype, LOW_PRECISION)
+        if not torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol, equal_nan=True):
+            err = (a.float() - b.float()).abs().max().item()
+            return f"output {i}: max abs difference {err:.3g} exceeds rtol {rtol:g} / atol {atol:g}"
+    return None
+
+
+def _flatten(x: Any) -> list[Any]:
+    if isinstance(x, list | tuple):
+        return [y for item in x for y in _flatten(item)]
+    return [x]
+
+
+def check_pass(name: str, before: fx.GraphModule, after: fx.GraphModule, example_inputs: list[Any]) -> None:
+    inputs = sample_inputs(example_inputs)
+    with torch.no_grad():
+        expected = before(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+        got = after(*inputs)
+    problem = compare_outputs(expected, got)
+    if problem:
+        raise PassNumericsError(f"pass {name!r} changed the graph's results: {problem}")

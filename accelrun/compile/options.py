@@ -1,0 +1,40 @@
+"""The compiler's settings, resolved from a recipe's ``compile`` section (or built directly)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from accelrun.compile.passes.base import ConfiguredPass, resolve_passes
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("ACCELRUN_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "accelrun") / "compile"
+
+
+@dataclass
+class CompileOptions:
+    passes: list[ConfiguredPass] = field(default_factory=lambda: resolve_passes("default"))
+    executors: list[str] = field(default_factory=lambda: ["inductor", "aten"])
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    debug_numerics: bool = False
+    dump_dir: Path | None = None  # write every pass's graphs here (explain always sets it)
+
+    @classmethod
+    def from_config(cls, cfg: Any, dump_dir: Path | None = None) -> CompileOptions:
+        """From a ``CompileConfig`` (the recipe's compile section)."""
+        return cls(
+            passes=resolve_passes(cfg.passes),
+            executors=list(cfg.executors),
+            cache_dir=Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir(),
+            debug_numerics=cfg.debug_numerics,
+            dump_dir=dump_dir,
+        )
+
+    def fingerprint(self) -> str:
+        """What about the options changes compiled output (for cache keys)."""
+        passes = ";".join(f"{p.name}{p.options.model_dump_json()}" for p in self.passes)
+        return f"passes={passes}|executors={','.join(self.executors)}"

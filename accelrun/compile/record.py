@@ -1,0 +1,78 @@
+"""What the compiler did, for `accelrun compile explain` and the run report's compile section."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class PassRecord:
+    graph: str  # "g0.forward"
+    stage: str
+    name: str
+    ops_before: int
+    ops_after: int
+    summary: str
+    counts: dict[str, int]
+    seconds: float
+
+
+@dataclass
+class RegionRecord:
+    graph: str
+    region: int
+    ops: list[str]
+    executor: str
+    declined: dict[str, str]  # executor → why it did not take the region
+    compile_s: float
+    cache_hit: bool | None = None
+
+
+@dataclass
+class GraphRecord:
+    name: str  # "g0.forward"
+    ops: int  # call_function nodes after the passes
+    collectives: dict[str, int]  # functional collectives seen, by op
+    left_to_aten: int  # ops outside any region (matmuls, attention, views, ...)
+
+
+@dataclass
+class CompileRecord:
+    passes: list[PassRecord] = field(default_factory=list)
+    regions: list[RegionRecord] = field(default_factory=list)
+    graphs: list[GraphRecord] = field(default_factory=list)
+    stage_seconds: Counter = field(default_factory=Counter)
+    graph_breaks: dict[str, int] = field(default_factory=dict)
+    cache_hits: int = 0
+    cache_misses: int = 0
+    dynamo_graphs: int = 0  # graphs Dynamo handed the backend (one per distinct block code, loss head, ...)
+
+    def regions_per_executor(self) -> dict[str, int]:
+        return dict(Counter(r.executor for r in self.regions))
+
+    def passes_fired(self) -> dict[str, int]:
+        """Pass name → number of graphs it changed."""
+        return dict(Counter(p.name for p in self.passes if p.ops_before != p.ops_after or p.counts.get("changed")))
+
+    def summary(self) -> dict[str, Any]:
+        """The report's compile section (JSON-ready)."""
+        return {
+            "dynamo_graphs": self.dynamo_graphs,
+            "graph_breaks": sum(self.graph_breaks.values()),
+            "graph_break_reasons": self.graph_breaks,
+            "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
+            "cache": {"hits": self.cache_hits, "misses": self.cache_misses},
+            "passes_fired": self.passes_fired(),
+            "regions_per_executor": self.regions_per_executor(),
+            "ops_left_to_aten": sum(g.left_to_aten for g in self.graphs),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "summary": self.summary(),
+            "passes": [asdict(p) for p in self.passes],
+            "regions": [asdict(r) for r in self.regions],
+            "graphs": [asdict(g) for g in self.graphs],
+        }
