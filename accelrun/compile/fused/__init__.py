@@ -1,0 +1,14 @@
+"""Fused ops that the pattern-fusion passes put into pre-grad graphs.
+
+Each is a plain function (so a dumped graph names it: ``accelrun.compile.fused.rmsnorm.rms_norm``) that
+calls a ``torch.autograd.Function``: the forward is written with torch ops and the backward by hand,
+cheaper than autograd's (it saves less, or recomputes instead of saving). AOTAutograd traces both into
+ATen ops, so later passes and the executors see ordinary graphs. Each module is one op.
+"""
+
+from accelrun.compile.fused.linear_cross_entropy import linear_cross_entropy
+from accelrun.compile.fused.rmsnorm import rms_norm
+from accelrun.compile.fused.rope import rope
+from accelrun.compile.fused.swiglu import swiglu
+
+__all__ = ["linear_cross_entropy", "rms_norm", "rope", "swiglu"]

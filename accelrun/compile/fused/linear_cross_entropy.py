@@ -1,0 +1,99 @@
+"""The output projection and the cross-entropy loss, in chunks of rows: the (N, V) logits never exist.
+
+Unfused, the logits (N, V) are materialised, upcast to fp32 and saved by log-softmax for the backward:
+with V = 128k and N = 8k that is 4 GiB in fp32. Here the forward walks ``chunk_rows`` rows at a time;
+for each chunk it computes the logits, the loss terms, and at once the chunk's gradients (softmax minus
+one-hot, through the projection), then drops the logits. The gradients with respect to h, the weight
+and the bias are what the backward needs: it only scales them by the incoming gradient (a scalar, since
+the reduction is mean or sum). So the FLOPs are those of the unfused forward and backward, and the peak
+extra memory is one chunk's logits plus the gradients (the size of h and of the weight).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _chunk_grads(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, valid: torch.Tensor):
+    """d(sum of the chunk's losses)/d logits: softmax(z) - onehot(target), zero on ignored rows."""
+    grad = torch.exp(z - lse[:, None])
+    grad = grad.scatter_add(1, target[:, None], -torch.ones_like(grad[:, :1]))
+    return grad * valid[:, None]
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, bias, target, ignore_index: int, reduction: str, chunk_rows: int, upcast: bool):
+        h_ND = h.reshape(-1, h.shape[-1])
+        target_N = target.reshape(-1)
+        need_grads = any(ctx.needs_input_grad[:3])
+        total = h_ND.new_zeros((), dtype=torch.float32)
+        grad_h_chunks = []
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_bias = None
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = torch.zeros_like(bias, dtype=torch.float32)
+        out_dtype = torch.float32
+        for h_c, t_c in zip(h_ND.split(chunk_rows), target_N.split(chunk_rows), strict=True):
+            logits = F.linear(h_c, weight, bias)  # (rows, V), the only chunk-sized tensors live at once
+            if not upcast:
+                out_dtype = logits.dtype
+            z = logits.float()
+            lse = torch.logsumexp(z, dim=-1)
+            valid = t_c != ignore_index
+            safe_t = torch.where(valid, t_c, torch.zeros_like(t_c))
+            picked = z.gather(1, safe_t[:, None]).squeeze(1)
+            total = total + torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
+            if need_grads:
+                grad_z = _chunk_grads(z, lse, safe_t, valid).to(logits.dtype)
+                if ctx.needs_input_grad[0]:
+                    grad_h_chunks.append(grad_z @ weight)
+                if grad_weight is not None:
+                    grad_weight = grad_weight + (grad_z.t() @ h_c).float()
+                if grad_bias is not None:
+                    grad_bias = grad_bias + grad_z.float().sum(0)
+        count = (target_N != ignore_index).sum().to(torch.float32)
+        # Mean divides by the rows that count (ignore_index excluded), as F.cross_entropy does.
+        scale = 1.0 / count if reduction == "mean" else torch.ones_like(count)
+        grad_h = torch.cat(grad_h_chunks).reshape(h.shape) if grad_h_chunks else None
+        ctx.save_for_backward(grad_h, grad_weight, grad_bias, scale)
+        ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return (total * scale).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_weight, grad_bias, scale = ctx.saved_tensors
+        factor = grad_loss.float() * scale
+        h_dtype, w_dtype, b_dtype = ctx.dtypes
+        out = [None] * 8
+        if grad_h is not None:
+            out[0] = (grad_h * factor).to(h_dtype)
+        if grad_weight is not None:
+            out[1] = (grad_weight * factor).to(w_dtype)
+        if grad_bias is not None:
+            out[2] = (grad_bias * factor).to(b_dtype)
+        return tuple(out)
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    chunk_rows: int = 1024,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(h, weight, bias).flatten(0, -2)[.float()], target.flatten())`` in chunks.
+
+    ``h``: (..., D), ``weight``: (V, D), ``target``: class indices with h's leading shape (any layout
+    that flattens to N = h.numel() / D). ``upcast``: the loss is computed on fp32 logits and returned in
+    fp32 (llama.py's ``.float()``); otherwise the loss has the logits' dtype (the arithmetic is fp32).
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if chunk_rows < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_rows must be positive, got {chunk_rows}")
+    return _LinearCrossEntropy.apply(h, weight, bias, target, ignore_index, reduction, chunk_rows, upcast)
