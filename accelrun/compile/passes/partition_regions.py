@@ -1,0 +1,269 @@
+"""Group pointwise ops, reductions and the views between them into fusion regions.
+
+Each member gets ``node.meta[REGION_KEY] = region id``; ``extract.extract_regions`` cuts them out.
+Policy (what may share a region) is ``_member_shape`` and ``_compatible``; mechanism (grow regions
+without making a cycle) is ``_Partitioner``.
+
+The rules:
+
+- Members are pure ``call_function`` nodes of kind pointwise, reduction or view
+  (``op_kinds.node_kind``) whose ``meta["val"]`` is one strided tensor. Placeholders, get_attr,
+  the output and kind "other" (matmuls, attention, random ops, collectives) never join.
+- Growth: nodes are visited in graph order; a node joins the region of each of its producers, in
+  argument order, when the merge is legal; otherwise it starts its own.
+- No cycles: merging A and B is refused if a path leads from one to the other through anything
+  outside both. Regions are contracted as they grow, so the check walks the graph of regions: a path
+  may enter a region at one node and leave it at another. Hence the graph whose vertices are the
+  regions and the unmarked nodes stays acyclic, and each region can run as one call.
+- One iteration space per region. A region holds at most one kind of reduction: all its reductions
+  read tensors of the same shape and fold the same axes. Every member's numel (a pointwise output;
+  a view's input and output) is then the reductions' input numel ("full") or their output numel
+  ("reduced"). A region without reductions has a single numel. So a region is one elementwise loop,
+  or one loop over rows doing prologue, reductions and epilogue (softmax, RMSNorm and its backward).
+- Views stay only where they connect members: a view whose input comes from outside, or whose users
+  are all outside, is left out (an ATen view there is free; the region reads or writes the base).
+- Size: at most ``max_nodes`` nodes; a region with fewer than ``min_ops`` compute ops (pointwise or
+  reduction) is left unmarked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pydantic import Field
+from torch import fx
+
+from accelrun.compile.op_kinds import node_kind
+from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.dce import op_is_pure
+from accelrun.compile.regions import REGION_KEY
+
+# Key in ctx.notes: the next free region id, so forward and backward regions get distinct ids.
+NEXT_REGION_ID = "next_region_id"
+
+
+class PartitionRegionsOptions(PassOptions):
+    max_nodes: int = Field(64, ge=1, description="most nodes (views included) in one region")
+    min_ops: int = Field(2, ge=1, description="regions with fewer pointwise/reduction ops stay unmarked")
+
+
+@dataclass(frozen=True)
+class _Reduction:
+    """What every reduction of a region shares: the shape it reads and the axes it folds."""
+
+    in_shape: tuple[Any, ...]
+    dims: tuple[int, ...]
+    full: Any  # numel read
+    reduced: Any  # numel written
+
+
+@dataclass(eq=False)  # identity: groups are keys and are compared with `is`
+class _Group:
+    nodes: list[fx.Node]
+    numels: set[Any]
+    reduction: _Reduction | None
+    device: torch.device
+    removed: bool = False  # merged into another group
+
+
+def _size(x: Any) -> Any:
+    # Sizes are ints for static shapes; a symbolic size is compared by its expression.
+    return x if isinstance(x, int) else str(x)
+
+
+def _numel(val: torch.Tensor) -> Any:
+    sizes = [_size(s) for s in val.shape]
+    return math.prod(sizes) if all(isinstance(s, int) for s in sizes) else str(val.numel())
+
+
+def _tensor_val(node: Any) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if isinstance(val, torch.Tensor) and val.layout == torch.strided:
+        return val
+    return None
+
+
+def _reduced_dims(node: fx.Node, ndim: int) -> tuple[int, ...] | None:
+    """The axes a reduction folds, from its schema's ``dim`` argument; None if it cannot be read."""
+    target = node.target
+    names = [a.name for a in target._schema.arguments]
+    if "dim" not in names:
+        return tuple(range(ndim))  # e.g. sum.default: everything
+    i = names.index("dim")
+    dim = node.args[i] if i < len(node.args) else node.kwargs.get("dim")
+    if dim is None or dim == []:
+        return tuple(range(ndim))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    if not all(isinstance(d, int) for d in dims):
+        return None
+    if ndim == 0:
+        return ()
+    return tuple(sorted({d % ndim for d in dims}))
+
+
+def _member_shape(node: fx.Node) -> tuple[set[Any], _Reduction | None] | None:
+    """(numels the node touches, its reduction) if it may join a region, else None."""
+    kind = node_kind(node)
+    if kind == "other" or not op_is_pure(node.target):
+        return None
+    out = _tensor_val(node)
+    if out is None:
+        return None
+    if kind == "pointwise":
+        return {_numel(out)}, None
+    src = _tensor_val(node.args[0]) if node.args else None
+    if src is None:
+        return None
+    if kind == "view":
+        return {_numel(src), _numel(out)}, None
+    dims = _reduced_dims(node, src.dim())
+    if dims is None:
+        return None
+    red = _Reduction(tuple(_size(s) for s in src.shape), dims, _numel(src), _numel(out))
+    return {red.full, red.reduced}, red
+
+
+def _compatible(a: _Group, b: _Group) -> bool:
+    if a.device != b.device:
+        return False
+    if a.reduction is not None and b.reduction is not None:
+        return a.reduction == b.reduction
+    red = a.reduction or b.reduction
+    if red is None:
+        return len(a.numels) == 1 and a.numels == b.numels
+    other = b if a.reduction is not None else a
+    return other.numels <= {red.full, red.reduced}
+
+
+class _Partitioner:
+    def __init__(self, graph: fx.Graph, max_nodes: int) -> None:
+        self.graph = graph
+        self.max_nodes = max_nodes
+        self.index = {n: i for i, n in enumerate(graph.nodes)}
+        self.group_of: dict[fx.Node, _Group] = {}
+        self.groups: list[_Group] = []
+
+    def grow(self) -> None:
+        for node in self.graph.nodes:
+            shape = _member_shape(node)
+            if shape is None:
+                continue
+            group = self._new_group(node, *shape)
+            producers = list(dict.fromkeys(self.group_of[p] for p in node.all_input_nodes if p in self.group_of))
+            for producer in producers:
+                if producer is not group and self._can_merge(producer, group, self.index[node]):
+                    group = self._merge(producer, group)
+
+    def _new_group(self, node: fx.Node, numels: set[Any], reduction: _Reduction | None) -> _Group:
+        group = _Group([node], numels, reduction, _tensor_val(node).device)
+        self.group_of[node] = group
+        self.groups.append(group)
+        return group
+
+    def _can_merge(self, a: _Group, b: _Group, horizon: int) -> bool:
+        if len(a.nodes) + len(b.nodes) > self.max_nodes or not _compatible(a, b):
+            return False
+        return not self._path_outside(a, b, horizon) and not self._path_outside(b, a, horizon)
+
+    def _path_outside(self, src: _Group, dst: _Group, horizon: int) -> bool:
+        """Is there a path src -> ... -> dst through at least one node outside both?
+
+        Walks regions as wholes (entering a region at one node lets the path leave from any of its
+        nodes). Nodes after ``horizon`` (the node being placed) are skipped: they belong to no
+        region yet, and edges only lead forward from them, so they cannot lead back into dst.
+        """
+        seen: set[fx.Node] = set()
+        seen_groups = {src}
+        queue: deque[fx.Node] = deque()
+
+        def visit(users: Iterable[fx.Node]) -> None:
+            for user in users:
+                if user not in seen and self.index[user] <= horizon:
+                    seen.add(user)
+                    queue.append(user)
+
+        # Edges straight from src into dst are what a merge is for; only detours count.
+        visit(u for n in src.nodes for u in n.users if self.group_of.get(u) not in (src, dst))
+        while queue:
+            node = queue.popleft()
+            group = self.group_of.get(node)
+            if group is dst:
+                return True
+            if group is None:
+                visit(node.users)
+            elif group not in seen_groups:
+                seen_groups.add(group)
+                visit(u for n in group.nodes for u in n.users)
+        return False
+
+    def _merge(self, a: _Group, b: _Group) -> _Group:
+        a.nodes.extend(b.nodes)
+        a.numels |= b.numels
+        a.reduction = a.reduction or b.reduction
+        for n in b.nodes:
+            self.group_of[n] = a
+        b.removed = True
+        return a
+
+    def drop_boundary_views(self) -> None:
+        """Leave out views that do not sit between two members (repeat: leaving one out may expose
+        another). Taking such a view out cannot create a cycle: it has no producer or no user left
+        inside, so no path can leave the region through it and come back."""
+        changed = True
+        while changed:
+            changed = False
+            for group in self.live_groups():
+                for v in list(group.nodes):
+                    if node_kind(v) != "view":
+                        continue
+                    inside_input = self.group_of.get(v.args[0]) is group
+                    inside_user = any(self.group_of.get(u) is group for u in v.users)
+                    if not (inside_input and inside_user):
+                        group.nodes.remove(v)
+                        del self.group_of[v]
+                        changed = True
+
+    def live_groups(self) -> list[_Group]:
+        return [g for g in self.groups if not g.removed and g.nodes]
+
+
+def compute_ops(nodes: list[fx.Node]) -> int:
+    return sum(1 for n in nodes if node_kind(n) in ("pointwise", "reduction"))
+
+
+def partition(graph: fx.Graph, max_nodes: int = 64, min_ops: int = 2, first_id: int = 0) -> dict[int, list[fx.Node]]:
+    """Mark regions on ``graph``'s nodes; returns region id -> nodes in graph order."""
+    for node in graph.nodes:
+        node.meta.pop(REGION_KEY, None)
+    parts = _Partitioner(graph, max_nodes)
+    parts.grow()
+    parts.drop_boundary_views()
+    kept = [g for g in parts.live_groups() if compute_ops(g.nodes) >= min_ops]
+    kept.sort(key=lambda g: min(parts.index[n] for n in g.nodes))  # ids in graph order
+    regions: dict[int, list[fx.Node]] = {}
+    for rid, group in enumerate(kept, start=first_id):
+        nodes = sorted(group.nodes, key=parts.index.__getitem__)
+        for n in nodes:
+            n.meta[REGION_KEY] = rid
+        regions[rid] = nodes
+    return regions
+
+
+@register_pass("partition_regions", "post_grad", PartitionRegionsOptions)
+def partition_regions(gm: fx.GraphModule, options: PartitionRegionsOptions, ctx: PassContext) -> PassResult:
+    """Group pointwise/reduction chains (and the views between them) into fusion regions."""
+    first_id = int(ctx.notes.get(NEXT_REGION_ID, 0))
+    regions = partition(gm.graph, options.max_nodes, options.min_ops, first_id)
+    ctx.notes[NEXT_REGION_ID] = first_id + len(regions)
+    ops = sum(compute_ops(nodes) for nodes in regions.values())
+    counts = {
+        "regions": len(regions), "ops": ops,
+        "nodes": sum(len(nodes) for nodes in regions.values()),
+        "largest": max((len(nodes) for nodes in regions.values()), default=0),
+    }  # fmt: skip
+    return PassResult(changed=bool(regions), summary=f"formed {len(regions)} regions over {ops} ops", counts=counts)
