@@ -43,6 +43,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
       accelrun config show configs/llama.yaml --explain
       accelrun recipes list
       accelrun ab configs/llama.yaml --a compile.backend=eager --b compile.backend=inductor
+      accelrun compile explain configs/llama.yaml compile.backend=accelrun
       accelrun compare RUN_A RUN_B
       accelrun runs list
     """
@@ -53,6 +54,7 @@ def _register() -> None:
     from accelrun.cli import (
         ab_cmd,
         compare_cmd,
+        compile_cmd,
         config_cmd,
         data_cmd,
         launch_cmd,
@@ -65,7 +67,7 @@ def _register() -> None:
     )
 
     for module in (train_cmd, validate_cmd, config_cmd, recipes_cmd, data_cmd, compare_cmd, ab_cmd, runs_cmd,
-                   plan_cmd, launch_cmd, slurm_cmd):
+                   plan_cmd, launch_cmd, slurm_cmd, compile_cmd):
         cli.add_command(module.command)
 
 

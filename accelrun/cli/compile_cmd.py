@@ -1,0 +1,136 @@
+"""``accelrun compile explain | passes | executors``: accelrun's graph compiler, inspected."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.markup import escape
+from rich.table import Table
+
+from accelrun.cli.common import config_argument, err, load, out, overrides_argument
+
+
+@click.group("compile")
+def command() -> None:
+    """Inspect accelrun's graph compiler: what its passes do to a recipe's training step.
+
+    \b
+    Examples:
+      accelrun compile explain configs/llama.yaml compile.backend=accelrun
+      accelrun compile explain configs/llama.yaml compile.passes=max compile.scope=loss
+      accelrun compile passes
+      accelrun compile executors
+    """
+
+
+@command.command("explain")
+@config_argument
+@overrides_argument
+@click.option("--steps", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Steps run after the compiling one, to time the compiled step.")  # fmt: skip
+def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
+    """Compile one training step and show what every pass did.
+
+    Prints, per graph and pass, the ops before and after and what changed (patterns matched, regions
+    formed, collectives seen); which executor took each fusion region and why the others declined;
+    compile time per stage; graph breaks. Writes every graph before and after every pass as readable
+    Python, the generated kernels and record.json to the run directory's compile/ folder.
+
+    Runs on one process: a recipe's parallel layout is not applied.
+
+    \b
+    Examples:
+      accelrun compile explain configs/llama.yaml compile.backend=accelrun
+      accelrun compile explain configs/llama.yaml 'compile.passes=[dce, cse, partition_regions]'
+      accelrun compile explain configs/llama.yaml 'compile.executors=[cpp, aten]' train.precision=bf16-mixed
+    """
+    from accelrun.compile import explain as ex
+    from accelrun.report.rundir import create_run_dir
+    from accelrun.train.explain_step import explain_step
+
+    resolved = load(config, overrides)
+    cfg = resolved.config
+    if cfg.compile.backend != "accelrun":
+        err.print(f"note: compile.backend is {cfg.compile.backend}; explaining with accelrun's backend")
+    if cfg.parallel.world_size > 1:
+        err.print("note: the parallel layout is not applied: this compiles one process's step")
+    run_dir = create_run_dir(cfg.report.runs_dir, f"{cfg.name}-explain")
+    err.print(f"compiling one training step of {escape(cfg.name)} (run dir {run_dir}) ...")
+    result = explain_step(resolved, run_dir, steady_steps=steps)
+    record = result.record
+
+    out.print(f"[bold]compiled:[/] {escape(result.compiled)}; {record.dynamo_graphs} Dynamo graph(s), "
+              f"{sum(record.graph_breaks.values())} graph break(s)")  # fmt: skip
+    for reason, n in record.graph_breaks.items():
+        out.print(f"  graph break ×{n}: {escape(reason)}")
+    table = Table("graph", "pass", "ops", "what changed", "time", title="passes", title_justify="left")
+    for row in ex.pass_rows(record):
+        table.add_row(*map(escape, row))
+    out.print(table)
+    if record.regions:
+        table = Table("graph", "executor", "regions", "compile", title="fusion regions by executor",
+                      title_justify="left")  # fmt: skip
+        for row in ex.executor_rows(record):
+            table.add_row(*row)
+        out.print(table)
+        declines = ex.decline_reasons(record)
+        if declines:
+            table = Table("executor", "declined because", "regions", title="why executors declined",
+                          title_justify="left")  # fmt: skip
+            for who, why, n in declines:
+                table.add_row(who, escape(why), str(n))
+            out.print(table)
+    collectives = {g.name: g.collectives for g in record.graphs if g.collectives}
+    if collectives:
+        out.print("collectives seen: " + "; ".join(f"{g}: {c}" for g, c in collectives.items()))
+    table = Table("stage", "seconds", title="compile time", title_justify="left")
+    for stage, secs in record.stage_seconds.items():
+        table.add_row(stage, f"{secs:.2f}")
+    rest = result.first_step_s - result.steady_step_s - sum(record.stage_seconds.values())
+    table.add_row("Dynamo capture and the rest (first step − above − a compiled step)", f"{max(rest, 0):.2f}")
+    table.add_row("first step (capture + compile + run)", f"{result.first_step_s:.2f}")
+    table.add_row("compiled step (median)", f"{result.steady_step_s:.3f}")
+    out.print(table)
+    out.print(f"cache: {record.cache_hits} hit(s), {record.cache_misses} miss(es); loss {result.loss:.4f}")
+    (result.dump_dir).mkdir(parents=True, exist_ok=True)
+    (result.dump_dir / "record.json").write_text(json.dumps(record.to_json(), indent=1))
+    out.print(f"graphs before/after every pass, kernels and record.json: {result.dump_dir}/")
+
+
+@command.command("passes")
+def passes_cmd() -> None:
+    """List the compiler's passes: stage, options and the presets that include each.
+
+    \b
+    Examples:
+      accelrun compile passes
+    """
+    from accelrun.compile.passes.base import PRESETS, registered_passes
+
+    table = Table("pass", "stage", "options (default)", "in presets", "what it does")
+    for name, spec in sorted(registered_passes().items(), key=lambda kv: kv[1].stage):
+        opts = ", ".join(f"{k}={f.default!r}" for k, f in spec.options.model_fields.items()) or "-"
+        presets = ", ".join(p for p, names in PRESETS.items() if name in names) or "-"
+        table.add_row(name, spec.stage, escape(opts), presets, escape(spec.doc))
+    out.print(table)
+    out.print("Use a preset (compile.passes=default|none|max) or a list: "
+              "'compile.passes=[dce, cse, {remat: {budget_mb: 64}}]'")  # fmt: skip
+
+
+@command.command("executors")
+def executors_cmd() -> None:
+    """List the executors and whether each can run on this machine.
+
+    \b
+    Examples:
+      accelrun compile executors
+    """
+    from accelrun.compile.executors.base import registered_executors
+
+    table = Table("executor", "available here", "what it does")
+    for name, cls in registered_executors().items():
+        why = cls().unavailable_reason()
+        doc = (cls.__doc__ or (__import__(cls.__module__, fromlist=["_"]).__doc__ or "")).strip().splitlines()[0]
+        table.add_row(name, "yes" if why is None else f"no: {escape(why)}", escape(doc))
+    out.print(table)

@@ -1,0 +1,68 @@
+"""Compile one training step of a recipe with accelrun's compiler and time it: `accelrun compile explain`.
+
+One process, the recipe's model, data, precision, activation checkpointing and compile scope; a
+parallel layout is not applied (the graphs are one device's, as with ``parallel.*`` degrees of 1).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from accelrun.config import ResolvedConfig
+from accelrun.data import build_data
+from accelrun.models import build_model, transformer_blocks
+from accelrun.models.build import training_loss_fn
+from accelrun.train.activation_checkpoint import apply_activation_checkpointing
+from accelrun.train.compile_model import compile_model
+from accelrun.train.optim import build_optimizer
+from accelrun.train.precision import autocast
+from accelrun.train.setup import pick_device, seed_everything
+
+
+@dataclass
+class ExplainedStep:
+    record: object  # CompileRecord
+    compiled: str  # what was compiled
+    first_step_s: float  # includes capture and compilation
+    steady_step_s: float  # median of the next few steps
+    loss: float
+    dump_dir: Path
+
+
+def explain_step(resolved: ResolvedConfig, run_dir: Path, steady_steps: int = 3) -> ExplainedStep:
+    cfg = resolved.config
+    t = cfg.train
+    compile_cfg = cfg.compile.model_copy(update={"backend": "accelrun", "dump": True})
+    device = pick_device(t.device)
+    seed_everything(t.seed)
+    model = build_model(cfg.model, device, seed=t.seed)
+    blocks = transformer_blocks(model)
+    if blocks is not None:
+        apply_activation_checkpointing(blocks, t.activation_checkpoint)
+    dump_dir = run_dir / "compile"
+    compiled = compile_model(model, blocks, compile_cfg, dump_dir)
+    optimizer = build_optimizer(model, t.optimizer, device, sharded=False)
+    data = build_data(cfg.data, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
+                      vocab_size=cfg.model.vocab_size)  # fmt: skip
+    loss_fn = training_loss_fn(model)
+
+    def step() -> tuple[float, float]:
+        inputs_BT, targets_BT = (x.to(device) for x in next(data))
+        t0 = time.perf_counter()
+        with autocast(t.precision, device):
+            loss = loss_fn(inputs_BT, targets_BT)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, float(loss.detach())
+
+    first_s, loss = step()
+    steady = sorted(step()[0] for _ in range(steady_steps))
+    compiled.backend.collect_graph_breaks()
+    return ExplainedStep(compiled.record, compiled.description, first_s, steady[len(steady) // 2], loss, dump_dir)
