@@ -1,0 +1,277 @@
+"""C++/OpenMP for a ``LoopProgram``: one function per kernel, one entry point that runs them in order.
+
+Rows are split across threads (``#pragma omp parallel for``) when a kernel has enough work to pay
+for waking them; the loop over a row is ``#pragma omp simd`` so g++ vectorizes it, reductions
+included (the pragma allows reassociating a sum). exp is a branch-free polynomial (``acc_exp``) so
+that loops calling it still vectorize; bf16 is widened and rounded with bit shifts.
+
+    source = cpp_source(program)
+    fn = CppRegion(program, load_library(build_library(source, cache_dir)))
+    outputs = fn(*inputs)
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from accelrun.compile.codegen.emitter import Emitter
+from accelrun.compile.codegen.index_print import print_index
+from accelrun.compile.codegen.loop_ir import Block, Buffer, Kernel, LoopProgram, Stmt, Unsupported
+
+ENTRY = "accelrun_region"
+PARALLEL_MIN_ELEMENTS = 1 << 15  # below this, starting threads costs more than it saves
+CHUNK = 4096  # long rows of a pointwise kernel are split into chunks so every thread gets work
+
+CTYPE = {"f32": "float", "i64": "int64_t", "i32": "int32_t", "bool": "bool"}
+STORAGE = {"f32": "float", "bf16": "uint16_t", "i64": "int64_t", "i32": "int32_t", "i16": "int16_t",
+           "i8": "int8_t", "u8": "uint8_t", "bool": "bool"}
+
+OPS = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+    "maximum": "(({0} != {0} || {0} > {1}) ? {0} : {1})", "minimum": "(({0} != {0} || {0} < {1}) ? {0} : {1})",
+    "pow": "std::pow({0}, {1})",
+    "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})",
+    "gt": "({0} > {1})", "ge": "({0} >= {1})", "and": "({0} && {1})", "or": "({0} || {1})", "not": "(!{0})",
+    "neg": "(-{0})", "abs": "std::abs({0})", "exp": "acc_exp({0})", "log": "std::log({0})",
+    "log1p": "std::log1p({0})", "expm1": "std::expm1({0})", "tanh": "std::tanh({0})",
+    "sigmoid": "(1.0f / (1.0f + acc_exp(-{0})))", "rsqrt": "(1.0f / std::sqrt({0}))", "sqrt": "std::sqrt({0})",
+    "erf": "std::erf({0})", "reciprocal": "(1.0f / {0})", "sin": "std::sin({0})", "cos": "std::cos({0})",
+    "floor": "std::floor({0})", "ceil": "std::ceil({0})", "trunc": "std::trunc({0})",
+    "sign": "(({0} > 0) - ({0} < 0))", "round_bf16": "bf16_round({0})",
+    "where": "({0} ? {1} : {2})",
+}  # fmt: skip
+
+REDUCE_INIT = {("sum", "f32"): "0.0f", ("max", "f32"): "-INFINITY", ("min", "f32"): "INFINITY",
+               ("sum", "i64"): "0", ("max", "i64"): "INT64_MIN", ("min", "i64"): "INT64_MAX",
+               ("sum", "i32"): "0", ("max", "i32"): "INT32_MIN", ("min", "i32"): "INT32_MAX"}
+REDUCE_UPDATE = {"sum": "{acc} += {v};", "max": "{acc} = std::max({acc}, {v});",
+                 "min": "{acc} = std::min({acc}, {v});"}
+OMP_REDUCE = {"sum": "+", "max": "max", "min": "min"}
+
+PRELUDE = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <omp.h>
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+    return static_cast<uint16_t>(f != f ? 0x7fc0u : rounded);
+}
+static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+// exp(x) = 2^n * exp(g), |g| <= ln2/2: a degree-6 polynomial (Cephes' coefficients, ~1 ulp), no
+// branches, so loops calling it vectorize.
+static inline float acc_exp(float x) {
+    const float xc = std::min(std::max(x, -87.33654f), 88.72283f);
+    const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+    float g = xc - n * 0.693359375f;
+    g = g - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * g + 1.3981999507e-3f;
+    p = p * g + 8.3334519073e-3f;
+    p = p * g + 4.1665795894e-2f;
+    p = p * g + 1.6666665459e-1f;
+    p = p * g + 5.0000001201e-1f;
+    p = p * g * g + g + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    const float y = p * scale;
+    return x != x ? x : (x < -87.33654f ? 0.0f : (x > 88.72283f ? INFINITY : y));
+}
+"""
+
+
+def cpp_source(program: LoopProgram) -> str:
+    for buf in program.buffers:
+        if buf.storage == "f16":
+            raise Unsupported("float16 tensors (the cpp generator handles fp32 and bf16)")
+    e = Emitter()
+    e.lines(PRELUDE)
+    slots = {b.name: n for n, b in enumerate(program.buffers)}
+    for kernel in program.kernels:
+        e.line()
+        _KernelWriter(e, kernel, program.buffers, slots).write()
+    e.line()
+    with e.block(f'extern "C" void {ENTRY}(void** bufs, int nthreads) {{', "}"):
+        for kernel in program.kernels:
+            e.line(f"{kernel.name}(bufs, nthreads);")
+    return e.source()
+
+
+def _literal(value: Any, ctype: str) -> str:
+    if ctype == "bool":
+        return "true" if value else "false"
+    if ctype != "f32":
+        return f"INT64_C({int(value)})" if ctype == "i64" else str(int(value))
+    if value != value:
+        return "NAN"
+    if value in (float("inf"), float("-inf")):
+        return "INFINITY" if value > 0 else "-INFINITY"
+    return f"{float(value)!r}f"
+
+
+class _KernelWriter:
+    def __init__(self, e: Emitter, kernel: Kernel, buffers: list[Buffer], slots: dict[str, int]) -> None:
+        self.e, self.k, self.slots = e, kernel, slots
+        self.buffers = {b.name: b for b in buffers}
+
+    def write(self) -> None:
+        e, k = self.e, self.k
+        with e.block(f"static void {k.name}(void** bufs, int nthreads) {{", "}"):
+            for name in sorted(self._used_buffers(), key=self.slots.__getitem__):
+                buf = self.buffers[name]
+                const = "const " if buf.role == "input" else ""
+                e.line(f"{const}{STORAGE[buf.storage]}* __restrict__ {name} = "
+                       f"static_cast<{const}{STORAGE[buf.storage]}*>(bufs[{self.slots[name]}]);")
+            e.line(f"const int64_t R = {k.rows}, N = {k.cols};")
+            e.line(f"const int nt = R * N >= {PARALLEL_MIN_ELEMENTS} ? nthreads : 1;")
+            if k.kind == "cols":
+                self._write_cols()
+            elif not k.has_reductions and k.cols > CHUNK:
+                self._write_chunked()
+            else:
+                self._write_rows()
+
+    def _used_buffers(self) -> set[str]:
+        used = set()
+        for b in self.k.blocks:
+            used |= {s.args[0] for s in b.stmts if s.op == "load"} | {s.buffer for s in b.stores}
+        return used
+
+    # -- kernel shapes ----------------------------------------------------------------------------
+    def _write_rows(self) -> None:
+        e = self.e
+        e.line("#pragma omp parallel for num_threads(nt) schedule(static)")
+        with e.block("for (int64_t r = 0; r < R; ++r) {", "}"):
+            for block in self.k.blocks:
+                self._block(block, "0", "N")
+
+    def _write_chunked(self) -> None:
+        e = self.e
+        chunks = -(-self.k.cols // CHUNK)
+        e.line("#pragma omp parallel for num_threads(nt) schedule(static)")
+        with e.block(f"for (int64_t t = 0; t < R * {chunks}; ++t) {{", "}"):
+            e.line(f"const int64_t r = t / {chunks};")
+            e.line(f"const int64_t c0 = (t % {chunks}) * {CHUNK};")
+            e.line(f"const int64_t c1 = std::min<int64_t>(c0 + {CHUNK}, N);")
+            for block in self.k.blocks:
+                self._block(block, "c0", "c1")
+
+    def _write_cols(self) -> None:
+        """Per-thread partial accumulators, combined in thread order so results are reproducible."""
+        e, (loop, *post) = self.e, self.k.blocks
+        for red in loop.reductions:
+            e.line(f"std::vector<{CTYPE[red.ctype]}> {red.name}_part(static_cast<size_t>(nt) * N, "
+                   f"{REDUCE_INIT[red.op, red.ctype]});")
+        e.line("#pragma omp parallel num_threads(nt)")
+        with e.block("{", "}"):
+            e.line("const int64_t tid = omp_get_thread_num();")
+            for red in loop.reductions:
+                e.line(f"{CTYPE[red.ctype]}* __restrict__ {red.name}_mine = {red.name}_part.data() + tid * N;")
+            e.line("#pragma omp for schedule(static)")
+            with e.block("for (int64_t r = 0; r < R; ++r) {", "}"):
+                e.line("#pragma omp simd")
+                with e.block("for (int64_t c = 0; c < N; ++c) {", "}"):
+                    self._stmts(loop.stmts)
+                    for red in loop.reductions:
+                        e.line(REDUCE_UPDATE[red.op].format(acc=f"{red.name}_mine[c]", v=red.value))
+        with e.block("for (int64_t c = 0; c < N; ++c) {", "}"):
+            for red in loop.reductions:
+                e.line(f"{CTYPE[red.ctype]} {red.name} = {red.name}_part[c];")
+                e.line("for (int64_t t = 1; t < nt; ++t) "
+                       + REDUCE_UPDATE[red.op].format(acc=red.name, v=f"{red.name}_part[t * N + c]"))
+            for block in post:
+                self._stmts(block.stmts)
+                self._stores(block)
+
+    def _block(self, block: Block, lo: str, hi: str) -> None:
+        e = self.e
+        if block.level == "outer":
+            self._stmts(block.stmts)
+            self._stores(block)
+            return
+        for red in block.reductions:
+            e.line(f"{CTYPE[red.ctype]} {red.name} = {REDUCE_INIT[red.op, red.ctype]};")
+        clauses = "".join(f" reduction({OMP_REDUCE[r.op]}:{r.name})" for r in block.reductions)
+        e.line(f"#pragma omp simd{clauses}")
+        with e.block(f"for (int64_t c = {lo}; c < {hi}; ++c) {{", "}"):
+            self._stmts(block.stmts)
+            for red in block.reductions:
+                e.line(REDUCE_UPDATE[red.op].format(acc=red.name, v=red.value))
+            self._stores(block)
+
+    # -- statements -------------------------------------------------------------------------------
+    def _stmts(self, stmts: list[Stmt]) -> None:
+        for s in stmts:
+            self.e.line(f"const {CTYPE[s.ctype]} {s.name} = {self._expr(s)};")
+
+    def _expr(self, s: Stmt) -> str:
+        if s.op == "load":
+            buf = self.buffers[s.args[0]]
+            ref = f"{buf.name}[{print_index(s.args[1], 'cpp')}]"
+            return f"bf16_to_f32({ref})" if buf.storage == "bf16" else ref
+        if s.op == "const":
+            return _literal(s.args[0], s.ctype)
+        if s.op == "index":
+            return print_index(s.args[0], "cpp")
+        if s.op == "cast":
+            return f"static_cast<{CTYPE[s.ctype]}>({s.args[0]})"
+        if s.op not in OPS:
+            raise Unsupported(f"op {s.op} has no C++ form")
+        return OPS[s.op].format(*s.args)
+
+    def _stores(self, block: Block) -> None:
+        for st in block.stores:
+            buf = self.buffers[st.buffer]
+            value = f"f32_to_bf16({st.value})" if buf.storage == "bf16" else \
+                f"static_cast<{STORAGE[buf.storage]}>({st.value})"
+            self.e.line(f"{buf.name}[{print_index(st.index, 'cpp')}] = {value};")
+
+
+class CppRegion:
+    """The compiled region: allocates outputs, passes data pointers, returns the outputs."""
+
+    def __init__(self, program: LoopProgram, lib: ctypes.CDLL) -> None:
+        self.program = program
+        self.fn = getattr(lib, ENTRY)
+        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        self.fn.restype = None
+        self.inputs = program.of_role("input")
+        self.outputs = program.of_role("output")
+        self.temps = program.of_role("temp")
+        self._ptrs = ctypes.c_void_p * len(program.buffers)
+
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if len(args) != len(self.inputs):
+            raise TypeError(f"compiled region takes {len(self.inputs)} inputs, got {len(args)}")
+        ins = [_conform(t, b) for t, b in zip(args, self.inputs, strict=True)]
+        outs = [torch.empty(b.shape, dtype=b.dtype) for b in self.outputs]
+        temps = [torch.empty(b.shape, dtype=b.dtype) for b in self.temps]
+        ptrs = self._ptrs(*[t.data_ptr() for t in (*ins, *outs, *temps)])
+        self.fn(ptrs, torch.get_num_threads())
+        return tuple(outs)
+
+
+def _conform(t: torch.Tensor, buf: Buffer) -> torch.Tensor:
+    """The tensor laid out as the kernel was specialised for (a copy only if it is not already)."""
+    if t.device.type != "cpu" or t.dtype != buf.dtype or tuple(t.shape) != buf.shape:
+        raise ValueError(f"input {buf.name}: expected a cpu {buf.dtype} {list(buf.shape)} tensor, "
+                         f"got {t.device.type} {t.dtype} {list(t.shape)}")
+    if all(s == bs or n == 1 for s, bs, n in zip(t.stride(), buf.stride, buf.shape, strict=True)):
+        return t
+    return torch.empty_strided(buf.shape, buf.stride, dtype=buf.dtype).copy_(t)

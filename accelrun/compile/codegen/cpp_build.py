@@ -1,0 +1,91 @@
+"""Compiling generated C++ into a shared library once, and finding it again in the on-disk cache.
+
+The cache key is a sha256 of exactly what changes the binary: the source, the compiler's version
+line, the flags, and the CPU's feature flags (``-march=native`` makes code for this CPU only).
+Writes go to a temporary file renamed into place (``os.replace`` is atomic), so processes sharing a
+cache directory never load a half-written library. ``compiler_invocations()`` counts g++ runs in this
+process, so a test can check that a warm cache builds nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
+_invocations = 0
+_loaded: dict[str, ctypes.CDLL] = {}
+
+
+def compiler_invocations() -> int:
+    return _invocations
+
+
+def find_compiler() -> str | None:
+    """``$ACCELRUN_CXX`` if set (an empty value means none), else ``g++`` on the PATH."""
+    if "ACCELRUN_CXX" in os.environ:
+        return shutil.which(os.environ["ACCELRUN_CXX"]) if os.environ["ACCELRUN_CXX"] else None
+    return shutil.which("g++")
+
+
+@functools.lru_cache(maxsize=8)
+def compiler_version(cxx: str) -> str:
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()[0] if out.stdout else cxx
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_signature() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    wanted = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("ACCELRUN_CACHE_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "accelrun"
+    return base / "compile" / "cpp"
+
+
+def build_library(source: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of the shared library built from ``source``, compiling only on a cache miss."""
+    global _invocations
+    cxx = find_compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler: g++ is not on the PATH (or ACCELRUN_CXX names none)")
+    key_text = "\n".join([source, compiler_version(cxx), " ".join(FLAGS), cpu_signature()])
+    key = hashlib.sha256(key_text.encode()).hexdigest()
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / f"{key}.so"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
+        src = Path(tmp) / f"{key}.cpp"
+        src.write_text(source)
+        built = Path(tmp) / f"{key}.so"
+        _invocations += 1
+        proc = subprocess.run([cxx, *FLAGS, str(src), "-o", str(built)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"g++ failed on generated code:\n{proc.stderr[-4000:]}")
+        os.replace(src, directory / f"{key}.cpp")  # kept for reading; harmless if another process won
+        os.replace(built, target)
+    return target
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    key = str(path)
+    if key not in _loaded:
+        _loaded[key] = ctypes.CDLL(key)
+    return _loaded[key]

@@ -1,0 +1,550 @@
+"""Loop-level IR of a fusion region: kernels, each a loop over rows with straight-line code per row.
+
+A region becomes a ``LoopProgram``: buffers (inputs, outputs, temporaries) and kernels run in order.
+Every kernel iterates a 2-d domain, ``rows x cols`` (each side a tuple of tensor axes, flattened to
+the loop variables ``r`` and ``c``), and is one of
+
+- ``rows``: for each row, a sequence of blocks: ``outer`` blocks (code that depends on the row only)
+  alternate with ``inner`` blocks (a loop over ``c``). An inner block may fold values into per-row
+  reductions, which later blocks read as scalars. Reductions that do not depend on each other share
+  one inner loop (one pass over the row); softmax needs two (max, then the sum of exponentials).
+  Region outputs of the full domain are stored by a last inner block (the epilogue).
+- ``cols``: reductions over the leading axes, keeping the trailing ones (the weight gradient of a
+  norm): one inner block over all ``(r, c)`` accumulating per column, then an ``outer`` block per
+  column that finishes and stores.
+
+Statements are SSA (``Stmt``): a name, an op from ``values.OPS`` (plus ``load``, ``const``,
+``index``, ``cast``), operand names, and a compute type (``f32``, ``i64``, ``i32``, ``bool``). Index
+expressions are sympy over ``r`` and ``c``. C++ and Triton print the same program with their own
+tables (``codegen/cpp.py``, ``codegen/triton.py``).
+
+    program = lower_region(region)   # raises Unsupported("op aten.mm is not pointwise …")
+    print(program.describe())
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+
+from accelrun.compile.codegen.values import (
+    Const,
+    GraphValues,
+    Index,
+    Input,
+    Op,
+    Reduce,
+    Select,
+    Unsupported,
+    Value,
+    View,
+    broadcast_index,
+    compute_type,
+    ravel,
+    unravel,
+)
+
+__all__ = ["Unsupported", "LoopProgram", "Kernel", "Block", "Stmt", "Store", "Reduction", "Buffer",
+           "lower_region", "lower_graph", "R", "C"]
+
+# The two loop variables every kernel is written in.
+R = sympy.Symbol("r", integer=True, nonnegative=True)
+C = sympy.Symbol("c", integer=True, nonnegative=True)
+
+_STORAGE = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.int64: "i64",
+            torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "bool"}
+
+
+@dataclass
+class Buffer:
+    name: str  # in0, out0, tmp0
+    role: str  # input | output | temp
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def storage(self) -> str:
+        return _STORAGE[self.dtype]
+
+
+@dataclass
+class Stmt:
+    name: str
+    op: str  # load | const | index | cast | an op of values.OPS
+    args: tuple[Any, ...]  # operand names; (buffer, index) for load; (value,) for const; (expr,) for index
+    ctype: str
+
+
+@dataclass
+class Store:
+    buffer: str
+    index: sympy.Expr
+    value: str
+
+
+@dataclass
+class Reduction:
+    name: str  # the accumulator; after its block it holds the result
+    op: str  # sum | max | min
+    value: str
+    ctype: str
+
+
+@dataclass
+class Block:
+    level: str  # outer | inner
+    stmts: list[Stmt] = field(default_factory=list)
+    reductions: list[Reduction] = field(default_factory=list)
+    stores: list[Store] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.stmts or self.reductions or self.stores)
+
+
+@dataclass
+class Kernel:
+    name: str
+    kind: str  # rows | cols
+    row_shape: tuple[int, ...]
+    col_shape: tuple[int, ...]
+    blocks: list[Block] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.row_shape)
+
+    @property
+    def cols(self) -> int:
+        return math.prod(self.col_shape)
+
+    @property
+    def has_reductions(self) -> bool:
+        return any(b.reductions for b in self.blocks)
+
+
+@dataclass
+class LoopProgram:
+    buffers: list[Buffer]
+    kernels: list[Kernel]
+
+    def of_role(self, role: str) -> list[Buffer]:
+        return [b for b in self.buffers if b.role == role]
+
+    def describe(self) -> str:
+        lines = [f"buffer {b.name}: {b.role} {b.storage}{list(b.shape)} stride {list(b.stride)}"
+                 for b in self.buffers]
+        for k in self.kernels:
+            lines.append(f"kernel {k.name} ({k.kind}): rows {list(k.row_shape)} x cols {list(k.col_shape)}")
+            for b in k.blocks:
+                pad = "    " if b.level == "inner" else "  "
+                lines.append(f"{pad[:-2]}{'for c:' if b.level == 'inner' else 'per row:'}")
+                lines += [f"{pad}{s.name}: {s.ctype} = {s.op}{s.args}" for s in b.stmts]
+                lines += [f"{pad}{x.name} {x.op}= {x.value}" for x in b.reductions]
+                lines += [f"{pad}{s.buffer}[{s.index}] = {s.value}" for s in b.stores]
+        return "\n".join(lines)
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out, step = [], 1
+    for s in reversed(shape):
+        out.append(step)
+        step *= max(s, 1)
+    return tuple(reversed(out))
+
+
+def lower_region(region: Any) -> LoopProgram:
+    """The loop program of a ``Region`` (raises ``Unsupported`` with a short reason)."""
+    return lower_graph(region.gm, region.input_meta, region.output_meta)
+
+
+def lower_graph(gm: torch.fx.GraphModule, input_meta: Sequence[Any], output_meta: Sequence[Any]) -> LoopProgram:
+    values = GraphValues(gm, input_meta)
+    for out, meta in zip(values.outputs, output_meta, strict=False):
+        if isinstance(meta, torch.Tensor) and (tuple(meta.shape) != out.shape or meta.dtype != out.dtype):
+            raise Unsupported(f"output meta {tuple(meta.shape)} {meta.dtype} disagrees with the graph")
+    return _Scheduler(values).program()
+
+
+# -- scheduling: which kernel computes each reduction and each output ------------------------------
+@dataclass
+class _Plan:
+    kind: str
+    row_shape: tuple[int, ...]
+    col_shape: tuple[int, ...]
+    reductions: list[Reduce] = field(default_factory=list)
+    full_outputs: list[int] = field(default_factory=list)  # outputs over rows x cols, stored per element
+    row_outputs: list[int] = field(default_factory=list)  # outputs per row (shape of the row domain)
+
+
+def _reductions_under(v: Value, seen: set[int], out: list[Reduce], stop_at_reduce: bool) -> None:
+    if id(v) in seen:
+        return
+    seen.add(id(v))
+    if isinstance(v, Reduce):
+        out.append(v)
+        if stop_at_reduce:
+            return
+        _reductions_under(v.src, seen, out, stop_at_reduce)
+    elif isinstance(v, Op):
+        for a in v.args:
+            _reductions_under(a, seen, out, stop_at_reduce)
+    elif isinstance(v, View):
+        _reductions_under(v.src, seen, out, stop_at_reduce)
+    elif isinstance(v, Select):
+        for p in v.parts:
+            _reductions_under(p, seen, out, stop_at_reduce)
+
+
+def _domain_of(red: Reduce) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    shape, dims, n = red.src.shape, red.dims, len(red.src.shape)
+    k = n - len(dims)
+    if dims == tuple(range(k, n)):
+        return "rows", shape[:k], shape[k:]
+    if dims == tuple(range(len(dims))):
+        return "cols", shape[: len(dims)], shape[len(dims):]
+    raise Unsupported(f"reduction over axes {list(dims)} of a {list(shape)} tensor (only leading or trailing)")
+
+
+class _Scheduler:
+    def __init__(self, values: GraphValues) -> None:
+        self.values = values
+        reds: list[Reduce] = []
+        seen: set[int] = set()
+        for out in values.outputs:
+            _reductions_under(out, seen, reds, stop_at_reduce=False)
+        self.deps = {id(r): self._direct_deps(r) for r in reds}
+        self.plans: list[_Plan] = []
+        self.home: dict[int, _Plan] = {}
+        depth: dict[int, int] = {}
+        for red in _topo(reds, self.deps):
+            kind, rows, cols = _domain_of(red)
+            plan_key_depth = 0
+            if kind == "cols":  # a column reduction reading another one of the same domain runs after it
+                same = [depth[d] for d in self.deps[id(red)] if self._key(self.home[d]) == (kind, rows, cols)]
+                plan_key_depth = 1 + max(same, default=0)
+            depth[id(red)] = plan_key_depth
+            plan = self._plan(kind, rows, cols, plan_key_depth)
+            plan.reductions.append(red)
+            self.home[id(red)] = plan
+        self.depth = depth
+        self._assign_outputs()
+
+    def _direct_deps(self, red: Reduce) -> set[int]:
+        found: list[Reduce] = []
+        _reductions_under(red.src, set(), found, stop_at_reduce=True)
+        return {id(r) for r in found}
+
+    @staticmethod
+    def _key(plan: _Plan) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        return plan.kind, plan.row_shape, plan.col_shape
+
+    def _plan(self, kind: str, rows: tuple[int, ...], cols: tuple[int, ...], depth: int = 0) -> _Plan:
+        for plan in self.plans:
+            if self._key(plan) == (kind, rows, cols) and (kind == "rows" or self.depth_of(plan) == depth):
+                return plan
+        plan = _Plan(kind, rows, cols)
+        self.plans.append(plan)
+        return plan
+
+    def depth_of(self, plan: _Plan) -> int:
+        return self.depth.get(id(plan.reductions[0]), 0) if plan.reductions else 0
+
+    def _assign_outputs(self) -> None:
+        for j, out in enumerate(self.values.outputs):
+            if isinstance(out, Reduce):
+                continue  # stored where it is computed
+            rows_plans = [p for p in self.plans if p.kind == "rows"]
+            full = next((p for p in rows_plans if out.shape == p.row_shape + p.col_shape), None)
+            if full is not None:
+                full.full_outputs.append(j)
+                continue
+            row = next((p for p in rows_plans if _is_row_shape(out.shape, p)), None)
+            if row is not None:
+                row.row_outputs.append(j)
+                continue
+            rows, cols = (out.shape[:-1], out.shape[-1:]) if out.shape else ((), ())
+            self._plan("rows", rows, cols).full_outputs.append(j)
+
+    def program(self) -> LoopProgram:
+        values = self.values
+        buffers = [Buffer(f"in{i.position}", "input", i.shape, i.stride, i.dtype) for i in values.inputs]
+        out_buffer: dict[int, str] = {}
+        for j, out in enumerate(values.outputs):
+            buffers.append(Buffer(f"out{j}", "output", out.shape, contiguous_strides(out.shape), out.dtype))
+            if isinstance(out, Reduce):
+                out_buffer.setdefault(id(out), f"out{j}")
+        materialize: set[int] = set()
+        for _ in range(8):  # grow the set of reductions read outside their kernel to a fixed point
+            temps: dict[int, Buffer] = {}
+            for red_id in sorted(materialize, key=self._red_order):
+                if red_id not in out_buffer:
+                    red = self._red(red_id)
+                    temps[red_id] = Buffer(f"tmp{len(temps)}", "temp", red.shape, contiguous_strides(red.shape),
+                                           torch.float32 if red.ctype == "f32" else torch.int64)
+            red_buffers = {**{k: b.name for k, b in temps.items()}, **out_buffer}
+            kernels, needs = [], []
+            for n, plan in enumerate(self.plans):
+                kb = _KernelBuilder(self, plan, f"kernel{n}", red_buffers, materialize)
+                kernels.append(kb.build())
+                needs.append(kb.foreign_reads)
+            wanted = set().union(*needs) if needs else set()
+            if wanted <= materialize:
+                break
+            materialize |= wanted
+        else:
+            raise Unsupported("reductions read across kernels did not settle")
+        order = self._kernel_order(needs)
+        return LoopProgram(buffers + list(temps.values()), [kernels[i] for i in order])
+
+    def _red(self, red_id: int) -> Reduce:
+        for plan in self.plans:
+            for red in plan.reductions:
+                if id(red) == red_id:
+                    return red
+        raise KeyError(red_id)
+
+    def _red_order(self, red_id: int) -> int:
+        flat = [id(r) for p in self.plans for r in p.reductions]
+        return flat.index(red_id)
+
+    def _kernel_order(self, needs: list[set[int]]) -> list[int]:
+        index = {id(p): n for n, p in enumerate(self.plans)}
+        after = [{index[id(self.home[r])] for r in need} for need in needs]
+        order: list[int] = []
+        while len(order) < len(self.plans):
+            ready = [n for n in range(len(self.plans)) if n not in order and after[n] <= set(order)]
+            if not ready:
+                raise Unsupported("kernels of the region depend on each other in a cycle")
+            order.append(ready[0])
+        return order
+
+
+def _is_row_shape(shape: tuple[int, ...], plan: _Plan) -> bool:
+    return shape == plan.row_shape or shape == plan.row_shape + (1,) * len(plan.col_shape)
+
+
+def _topo(reds: list[Reduce], deps: dict[int, set[int]]) -> list[Reduce]:
+    by_id = {id(r): r for r in reds}
+    done: list[Reduce] = []
+    placed: set[int] = set()
+
+    def visit(r: Reduce) -> None:
+        if id(r) in placed:
+            return
+        placed.add(id(r))
+        for d in sorted(deps[id(r)], key=lambda x: reds.index(by_id[x])):
+            visit(by_id[d])
+        done.append(r)
+
+    for r in reds:
+        visit(r)
+    return done
+
+
+# -- building one kernel ---------------------------------------------------------------------------
+class _KernelBuilder:
+    def __init__(self, sched: _Scheduler, plan: _Plan, name: str, red_buffers: dict[int, str],
+                 materialize: set[int]) -> None:
+        self.sched, self.plan, self.red_buffers, self.materialize = sched, plan, red_buffers, materialize
+        self.kernel = Kernel(name, plan.kind, plan.row_shape, plan.col_shape)
+        self.row_idx = unravel(R, plan.row_shape)
+        self.col_idx = unravel(C, plan.col_shape)
+        self.foreign_reads: set[int] = set()
+        self.ctypes: dict[str, str] = {}
+        self.inner_names: set[str] = set()
+        self.memo: dict[tuple[int, Index], str] = {}
+        self.cse: dict[tuple[Any, ...], str] = {}
+        self.local: dict[int, str] = {}  # reduction → name of its finished per-row (per-column) value
+        self.outer = self._open("outer")
+        self.inner: Block | None = None
+        self.counter = 0
+
+    def _open(self, level: str) -> Block:
+        block = Block(level)
+        self.kernel.blocks.append(block)
+        return block
+
+    # -- the blocks -------------------------------------------------------------------------------
+    def build(self) -> Kernel:
+        plan, outs = self.plan, self.sched.values.outputs
+        full_idx = self.row_idx + self.col_idx
+        if plan.kind == "cols":
+            self._reduction_pass(plan.reductions, full_idx)
+        else:
+            stage: dict[int, int] = {}
+            for red in plan.reductions:  # already in dependency order
+                local = [stage[d] for d in self.sched.deps[id(red)] if d in stage]
+                stage[id(red)] = 1 + max(local, default=0)
+            for s in sorted(set(stage.values())):
+                self._reduction_pass([r for r in plan.reductions if stage[id(r)] == s], full_idx)
+        if plan.full_outputs:
+            self.inner = self._open("inner")
+            for j in plan.full_outputs:
+                self._store(f"out{j}", outs[j].shape, full_idx, self.value(outs[j], full_idx))
+            self._close_inner()
+        for j in plan.row_outputs:
+            idx = self.row_idx + (sympy.Integer(0),) * (len(outs[j].shape) - len(self.row_idx))
+            self._store(f"out{j}", outs[j].shape, idx, self.value(outs[j], idx))
+        self.kernel.blocks = [b for b in self.kernel.blocks if not b.empty()]
+        return self.kernel
+
+    def _reduction_pass(self, reds: list[Reduce], full_idx: Index) -> None:
+        self.inner = self._open("inner")
+        accs = []
+        for red in reds:
+            value = self._as(self.value(red.src, full_idx), red.ctype)
+            acc = self._fresh("acc")
+            self.ctypes[acc] = red.ctype
+            self.inner.reductions.append(Reduction(acc, red.op, value, red.ctype))
+            accs.append(acc)
+        self._close_inner()
+        for red, acc in zip(reds, accs, strict=True):
+            result = acc
+            if red.scale is not None:
+                result = self._emit("mul", (acc, self._const(red.scale, "f32")), red.ctype)
+            self.local[id(red)] = result
+            buf = self.red_buffers.get(id(red))
+            if buf is not None and (id(red) in self.materialize or buf.startswith("out")):
+                idx = self._home_index(red)
+                self._store(buf, red.shape, idx, result)
+
+    def _home_index(self, red: Reduce) -> Index:
+        """The output index of ``red`` that the current row (rows) or column (cols) computes."""
+        kept = iter(self.row_idx if self.plan.kind == "rows" else self.col_idx)
+        if not red.keepdim:
+            return tuple(kept)
+        return tuple(sympy.Integer(0) if d in red.dims else next(kept) for d in range(len(red.src.shape)))
+
+    def _close_inner(self) -> None:
+        for key in [k for k, v in self.memo.items() if v in self.inner_names]:
+            del self.memo[key]
+        for key in [k for k, v in self.cse.items() if v in self.inner_names]:
+            del self.cse[key]
+        self.inner = None
+        self.outer = self._open("outer")
+
+    def _store(self, buffer: str, shape: tuple[int, ...], idx: Index, value: str) -> None:
+        target = self.inner if self.inner is not None else self.outer
+        target.stores.append(Store(buffer, sympy.expand(ravel(idx, shape)), value))
+
+    # -- statements -------------------------------------------------------------------------------
+    def _fresh(self, prefix: str = "t") -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def _emit(self, op: str, args: tuple[Any, ...], ctype: str, depends_on_c: bool = False) -> str:
+        key = (op, args, ctype)
+        if key in self.cse:
+            return self.cse[key]
+        inner = depends_on_c or any(isinstance(a, str) and a in self.inner_names for a in args)
+        if self.plan.kind == "cols" and self.inner is not None:
+            inner = True  # the column pass recomputes everything per (r, c)
+        name = self._fresh()
+        if inner:
+            if self.inner is None:
+                raise Unsupported("a per-element value is needed outside the element loop")
+            self.inner.stmts.append(Stmt(name, op, args, ctype))
+            self.inner_names.add(name)
+        else:
+            self.outer.stmts.append(Stmt(name, op, args, ctype))
+        self.ctypes[name] = ctype
+        self.cse[key] = name
+        return name
+
+    def _const(self, value: Any, ctype: str) -> str:
+        if ctype == "f32":
+            value = float(value)
+        elif ctype == "bool":
+            value = bool(value)
+        else:
+            value = int(value)
+        return self._emit("const", (value,), ctype)
+
+    def _as(self, name: str, ctype: str) -> str:
+        return name if self.ctypes[name] == ctype else self._emit("cast", (name,), ctype)
+
+    def value(self, v: Value, idx: Index) -> str:
+        key = (id(v), idx)
+        if key not in self.memo:
+            self.memo[key] = self._value(v, idx)
+        return self.memo[key]
+
+    def _value(self, v: Value, idx: Index) -> str:
+        if isinstance(v, Input):
+            offset = sympy.expand(sum((i * s for i, s in zip(idx, v.stride, strict=True)), sympy.Integer(0)))
+            return self._emit("load", (f"in{v.position}", offset), v.ctype, depends_on_c=_uses(offset, C))
+        if isinstance(v, Const):
+            return self._const(v.value, v.ctype)
+        if isinstance(v, View):
+            return self.value(v.src, v.index_map(idx))
+        if isinstance(v, Op):
+            return self._op(v, idx)
+        if isinstance(v, Select):
+            return self._select(v, idx)
+        if isinstance(v, Reduce):
+            return self._reduce_read(v, idx)
+        raise Unsupported(f"value {type(v).__name__}")
+
+    def _op(self, v: Op, idx: Index) -> str:
+        names = [self.value(a, broadcast_index(idx, v.shape, a.shape)) for a in v.args]
+        out_type = compute_type(v.dtype)
+        if v.op == "cast":
+            return self._emit("cast", (names[0],), out_type) if self.ctypes[names[0]] != out_type else names[0]
+        if v.op == "where":
+            names = [self._as(names[0], "bool")] + [self._as(n, v.operand_type) for n in names[1:]]
+        elif v.op in ("round_bf16", "round_f16"):
+            names = [self._as(names[0], "f32")]
+            out_type = "f32"
+        else:
+            names = [self._as(n, v.operand_type) for n in names]
+        result_type = "bool" if v.op in _BOOL_RESULT else v.operand_type
+        name = self._emit(v.op, tuple(names), result_type)
+        return self._as(name, out_type)
+
+    def _select(self, v: Select, idx: Index) -> str:
+        pos = idx[v.dim]
+        result = None
+        for n in reversed(range(len(v.parts))):
+            part, lo, hi = v.parts[n], v.offsets[n], v.offsets[n + 1]
+            size = hi - lo
+            # Clamped, so that the branch not taken still reads inside its tensor.
+            local = sympy.Integer(0) if size == 1 else sympy.Max(0, sympy.Min(pos - lo, size - 1))
+            part_idx = idx[: v.dim] + (local,) + idx[v.dim + 1:]
+            value = self._as(self.value(part, part_idx), compute_type(v.dtype))
+            if result is None:
+                result = value
+                continue
+            at = self._emit("index", (pos,), "i64", depends_on_c=_uses(pos, C))
+            cond = self._emit("lt", (at, self._const(hi, "i64")), "bool")
+            result = self._emit("where", (cond, value, result), compute_type(v.dtype))
+        assert result is not None
+        return result
+
+    def _reduce_read(self, red: Reduce, idx: Index) -> str:
+        home = self.sched.home[id(red)]
+        own_idx = self.row_idx if self.plan.kind == "rows" else self.col_idx
+        if home is self.plan and id(red) in self.local and red.kept_index(idx) == own_idx:
+            return self.local[id(red)]
+        if home is self.plan and id(red) not in self.local:
+            raise Unsupported("a reduction is read inside its own pass")
+        self.foreign_reads.add(id(red))
+        buf = self.red_buffers.get(id(red))
+        if buf is None:  # materialised in the next round of scheduling
+            return self._const(0, red.ctype)
+        offset = sympy.expand(ravel(idx, red.shape))
+        return self._emit("load", (buf, offset), red.ctype, depends_on_c=_uses(offset, C))
+
+
+_BOOL_RESULT = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not"})
+
+
+def _uses(expr: Any, sym: sympy.Symbol) -> bool:
+    if isinstance(expr, tuple):
+        return any(_uses(e, sym) for e in expr)
+    return sym in getattr(expr, "free_symbols", ())

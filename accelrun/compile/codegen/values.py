@@ -1,0 +1,600 @@
+"""A region's ATen graph as a DAG of index-addressable values (the front half of the loop IR).
+
+Every value answers "what is element ``idx`` of you?" in terms of other values, so broadcasting and
+view ops become index arithmetic and nothing between inputs, reductions and outputs is materialised.
+Reductions stay explicit (``Reduce``): the scheduler in ``loop_ir`` decides where each is computed.
+
+Index expressions are sympy integer expressions over the loop variables of the kernel that asks.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+from torch.utils._sympy.functions import FloorDiv
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+Index = tuple[sympy.Expr, ...]
+
+
+class Unsupported(Exception):
+    """A region the code generators cannot express; the message is a short reason for humans."""
+
+
+# Compute types: every float is computed in fp32 (bf16 is widened on load, rounded on store).
+_COMPUTE = {
+    torch.float32: "f32", torch.bfloat16: "f32", torch.float16: "f32",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i32", torch.int8: "i32", torch.uint8: "i32",
+    torch.bool: "bool",
+}  # fmt: skip
+
+
+def compute_type(dtype: torch.dtype) -> str:
+    if dtype not in _COMPUTE:
+        raise Unsupported(f"dtype {str(dtype).replace('torch.', '')} is not supported")
+    return _COMPUTE[dtype]
+
+
+class Value:
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # what eager PyTorch would produce
+
+    @property
+    def ctype(self) -> str:
+        return compute_type(self.dtype)
+
+
+@dataclass(eq=False)
+class Input(Value):
+    position: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(eq=False)
+class Const(Value):
+    value: float | int | bool
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(eq=False)
+class Op(Value):
+    """A pointwise op of the IR vocabulary (see ``OPS``) over broadcast operands."""
+
+    op: str
+    args: tuple[Value, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    operand_type: str  # compute type the operands are cast to before the op
+
+
+@dataclass(eq=False)
+class View(Value):
+    """Element ``idx`` of this value is element ``index_map(idx)`` of ``src``."""
+
+    src: Value
+    index_map: Callable[[Index], Index]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(eq=False)
+class Select(Value):
+    """``cat`` along ``dim``: part i covers [offsets[i], offsets[i+1]) of that axis."""
+
+    parts: tuple[Value, ...]
+    dim: int
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(eq=False)
+class Reduce(Value):
+    op: str  # sum | max | min
+    src: Value
+    dims: tuple[int, ...]  # sorted axes of src that are folded
+    keepdim: bool
+    scale: float | None  # mean = sum * (1 / count)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def kept_index(self, idx: Index) -> Index:
+        """The output index restricted to the axes that survive the reduction."""
+        if self.keepdim:
+            return tuple(i for d, i in enumerate(idx) if d not in self.dims)
+        return tuple(idx)
+
+
+# IR pointwise vocabulary: name → arity. Code generators give each an expression template.
+OPS: dict[str, int] = {
+    "add": 2, "sub": 2, "mul": 2, "div": 2, "maximum": 2, "minimum": 2, "pow": 2,
+    "eq": 2, "ne": 2, "lt": 2, "le": 2, "gt": 2, "ge": 2, "and": 2, "or": 2,
+    "neg": 1, "abs": 1, "exp": 1, "log": 1, "log1p": 1, "expm1": 1, "tanh": 1, "sigmoid": 1, "rsqrt": 1,
+    "sqrt": 1, "erf": 1, "reciprocal": 1, "sin": 1, "cos": 1, "not": 1, "floor": 1, "ceil": 1,
+    "trunc": 1, "sign": 1, "round_bf16": 1, "round_f16": 1,
+    "where": 3,
+}  # fmt: skip
+_COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
+
+
+def broadcast_index(idx: Index, out_shape: Sequence[int], in_shape: Sequence[int]) -> Index:
+    """Index into an operand of shape ``in_shape`` broadcast to ``out_shape`` (numpy rules)."""
+    lead = len(out_shape) - len(in_shape)
+    return tuple(
+        sympy.Integer(0) if size == 1 and out_shape[lead + d] != 1 else idx[lead + d]
+        for d, size in enumerate(in_shape)
+    )
+
+
+def unravel(flat: sympy.Expr, shape: Sequence[int]) -> Index:
+    """Row-major index of ``flat`` in ``shape``; the leading non-trivial axis needs no modulo."""
+    first = next((d for d, s in enumerate(shape) if s != 1), len(shape))
+    out: list[sympy.Expr] = []
+    step = 1
+    for d in reversed(range(len(shape))):
+        if shape[d] == 1:
+            out.append(sympy.Integer(0))
+            continue
+        q = FloorDiv(flat, step) if step != 1 else flat
+        out.append(q if d == first else sympy.Mod(q, shape[d]))
+        step *= shape[d]
+    return tuple(reversed(out))
+
+
+def ravel(idx: Index, shape: Sequence[int]) -> sympy.Expr:
+    flat, step = sympy.Integer(0), 1
+    for d in reversed(range(len(shape))):
+        flat += idx[d] * step
+        step *= shape[d]
+    return flat
+
+
+def reshape_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> Callable[[Index], Index]:
+    """Index map of a view from ``in_shape`` to ``out_shape``, done group by group.
+
+    Non-trivial axes are grouped where running products agree, so a split or a merge costs a division
+    only inside its own group and untouched axes map one to one.
+    """
+    zeros = tuple(sympy.Integer(0) for _ in in_shape)
+    if math.prod(in_shape) == 0:
+        return lambda idx: zeros
+    ins = [d for d, s in enumerate(in_shape) if s != 1]
+    outs = [d for d, s in enumerate(out_shape) if s != 1]
+    groups: list[tuple[list[int], list[int]]] = []
+    i = o = 0
+    while i < len(ins) and o < len(outs):
+        gi, go = [ins[i]], [outs[o]]
+        pi, po = in_shape[ins[i]], out_shape[outs[o]]
+        i, o = i + 1, o + 1
+        while pi != po:
+            if pi < po:
+                gi.append(ins[i])
+                pi, i = pi * in_shape[ins[i]], i + 1
+            else:
+                go.append(outs[o])
+                po, o = po * out_shape[outs[o]], o + 1
+        groups.append((gi, go))
+
+    def index_map(idx: Index) -> Index:
+        res = list(zeros)
+        for gi, go in groups:
+            flat = ravel(tuple(idx[d] for d in go), [out_shape[d] for d in go])
+            for d, e in zip(gi, unravel(flat, [in_shape[d] for d in gi]), strict=True):
+                res[d] = e
+        return tuple(res)
+
+    return index_map
+
+
+def _shape(node: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in node.meta["val"].shape)
+
+
+def _dtype(node: Any) -> torch.dtype:
+    return node.meta["val"].dtype
+
+
+def _norm_dims(dims: Any, ndim: int) -> tuple[int, ...]:
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return tuple(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    return tuple(sorted({d % max(ndim, 1) for d in dims}))
+
+
+def _reduced_shape(shape: tuple[int, ...], dims: tuple[int, ...], keepdim: bool) -> tuple[int, ...]:
+    return tuple(1 if d in dims else s for d, s in enumerate(shape) if keepdim or d not in dims)
+
+
+def op_label(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target.overloadpacket.__name__}"
+    return getattr(target, "__name__", str(target))
+
+
+class GraphValues:
+    """Translates a region's FX graph into ``Value`` objects (raises ``Unsupported``)."""
+
+    def __init__(self, gm: fx.GraphModule, input_meta: Sequence[Any]) -> None:
+        self.env: dict[fx.Node, Value] = {}
+        self.inputs: list[Input] = []
+        self.outputs: list[Value] = []
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for pos, node in enumerate(placeholders):
+            meta = input_meta[pos] if pos < len(input_meta) else node.meta["val"]
+            if not isinstance(meta, torch.Tensor):
+                raise Unsupported(f"input {node.name} is not a tensor")
+            compute_type(meta.dtype)
+            inp = Input(pos, tuple(int(s) for s in meta.shape), tuple(int(s) for s in meta.stride()), meta.dtype)
+            self.inputs.append(inp)
+            self.env[node] = inp
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                self.env[node] = self._lower(node)
+            elif node.op == "output":
+                outs = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
+                for out in outs:
+                    if not isinstance(out, fx.Node):
+                        raise Unsupported("an output is not a tensor")
+                    self.outputs.append(self.env[out])
+            elif node.op != "placeholder":
+                raise Unsupported(f"node kind {node.op} in a region")
+
+    # -- operands -------------------------------------------------------------------------------
+    def _v(self, a: Any, like: torch.dtype = torch.float32) -> Value:
+        if isinstance(a, fx.Node):
+            return self.env[a]
+        if isinstance(a, bool):
+            return Const(a, (), torch.bool)
+        if isinstance(a, int):
+            return Const(a, (), torch.int64)
+        if isinstance(a, float):
+            return Const(a, (), torch.float32)
+        raise Unsupported(f"operand {a!r} is not a tensor or a number")
+
+    def _op(self, node: fx.Node, op: str, args: Sequence[Any], dtype: torch.dtype | None = None) -> Op:
+        vals = tuple(a if isinstance(a, Value) else self._v(a) for a in args)
+        out_dtype = dtype or _dtype(node)
+        if op in _COMPARISONS:
+            operand = _promote(vals)
+        elif op in ("and", "or", "not"):
+            operand = "bool"
+        elif op == "where":
+            operand = compute_type(out_dtype)
+        else:
+            operand = compute_type(out_dtype)
+        return Op(op, vals, _shape(node), out_dtype, operand)
+
+    def _op_on(self, shape: tuple[int, ...], dtype: torch.dtype, op: str, *args: Value) -> Op:
+        operand = _promote(args) if op in _COMPARISONS else compute_type(dtype)
+        return Op(op, tuple(args), shape, dtype, operand)
+
+    # -- one node -------------------------------------------------------------------------------
+    def _lower(self, node: fx.Node) -> Value:
+        t = node.target
+        if t is operator.getitem:
+            raise Unsupported("multi-output op (getitem) in a region")
+        rule = _RULES.get(t)
+        if rule is None:
+            raise Unsupported(f"op {op_label(t)} is not pointwise, a view or a supported reduction")
+        return rule(self, node, list(node.args), dict(node.kwargs))
+
+
+def _promote(vals: Sequence[Value]) -> str:
+    types = {v.ctype for v in vals}
+    for t in ("f32", "i64", "i32", "bool"):
+        if t in types:
+            return t
+    return "f32"
+
+
+Rule = Callable[[GraphValues, fx.Node, list, dict], Value]
+_RULES: dict[Any, Rule] = {}
+
+
+def _rule(*targets: Any) -> Callable[[Rule], Rule]:
+    def deco(fn: Rule) -> Rule:
+        for target in targets:
+            _RULES[target] = fn
+        return fn
+
+    return deco
+
+
+def _simple(op: str, *targets: Any) -> None:
+    def rule(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+        return g._op(node, op, args[: OPS[op]])
+
+    for target in targets:
+        _RULES[target] = rule
+
+
+for _name in ("neg", "abs", "exp", "log", "log1p", "expm1", "tanh", "sigmoid", "rsqrt", "sqrt", "erf",
+              "reciprocal", "sin", "cos", "floor", "ceil", "trunc", "sign"):
+    _simple(_name, getattr(aten, _name).default)
+for _name, _packet in (("eq", "eq"), ("ne", "ne"), ("lt", "lt"), ("le", "le"), ("gt", "gt"), ("ge", "ge")):
+    _simple(_name, getattr(aten, _packet).Tensor, getattr(aten, _packet).Scalar)
+_simple("mul", aten.mul.Tensor, aten.mul.Scalar)
+_simple("maximum", aten.maximum.default)
+_simple("minimum", aten.minimum.default)
+_simple("not", aten.logical_not.default, aten.bitwise_not.default)
+_simple("and", aten.logical_and.default, aten.bitwise_and.Tensor)
+_simple("or", aten.logical_or.default, aten.bitwise_or.Tensor)
+_simple("where", aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
+_simple("pow", aten.pow.Tensor_Tensor, aten.pow.Scalar)
+
+
+@_rule(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar)
+def _add_sub(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    op = "add" if node.target in (aten.add.Tensor, aten.add.Scalar) else "sub"
+    other = g._v(args[1])
+    alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+    if alpha != 1:
+        other = g._op_on(other.shape, node.meta["val"].dtype, "mul", other, g._v(alpha))
+    return g._op(node, op, [args[0], other])
+
+
+@_rule(aten.rsub.Scalar, aten.rsub.Tensor)
+def _rsub(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    x = g._v(args[0])
+    alpha = kwargs.get("alpha", 1)
+    if alpha != 1:
+        x = g._op_on(x.shape, _dtype(node), "mul", x, g._v(alpha))
+    return g._op(node, "sub", [args[1], x])
+
+
+@_rule(aten.div.Tensor, aten.div.Scalar)
+def _div(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    if kwargs.get("rounding_mode") is not None:
+        raise Unsupported("div with a rounding mode")
+    return g._op(node, "div", args[:2])
+
+
+@_rule(aten.pow.Tensor_Scalar)
+def _pow_scalar(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    x, e = g._v(args[0]), args[1]
+    shape, dtype = _shape(node), _dtype(node)
+    if e == 1:
+        return _cast_to(g, x, shape, dtype)
+    if e == 2:
+        return g._op(node, "mul", [x, x])
+    if e == 3:
+        return g._op(node, "mul", [g._op(node, "mul", [x, x]), x])
+    if e == 0.5:
+        return g._op(node, "sqrt", [x])
+    if e == -0.5:
+        return g._op(node, "rsqrt", [x])
+    if e == -1:
+        return g._op(node, "reciprocal", [x])
+    return g._op(node, "pow", [x, e])
+
+
+@_rule(aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.relu.default)
+def _clamp(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    t = node.target
+    lo = hi = None
+    if t is aten.clamp.default:
+        lo = args[1] if len(args) > 1 else kwargs.get("min")
+        hi = args[2] if len(args) > 2 else kwargs.get("max")
+    elif t is aten.clamp_min.default:
+        lo = args[1]
+    elif t is aten.clamp_max.default:
+        hi = args[1]
+    else:
+        lo = 0
+    x = g._v(args[0])
+    if lo is not None:
+        x = g._op(node, "maximum", [x, lo])
+    if hi is not None:
+        x = g._op(node, "minimum", [x, hi])
+    return x
+
+
+@_rule(aten.silu.default)
+def _silu(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    x = g._v(args[0])
+    return g._op(node, "mul", [x, g._op(node, "sigmoid", [x])])
+
+
+@_rule(aten.gelu.default)
+def _gelu(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    x = g._v(args[0])
+    approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+    if approximate == "tanh":
+        # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        x3 = g._op(node, "mul", [g._op(node, "mul", [x, x]), x])
+        inner = g._op(node, "mul", [g._op(node, "add", [x, g._op(node, "mul", [x3, 0.044715])]),
+                                    math.sqrt(2 / math.pi)])
+        return g._op(node, "mul", [g._op(node, "mul", [x, 0.5]), g._op(node, "add", [g._op(node, "tanh", [inner]), 1.0])])
+    cdf = g._op(node, "add", [g._op(node, "erf", [g._op(node, "mul", [x, 1 / math.sqrt(2)])]), 1.0])
+    return g._op(node, "mul", [g._op(node, "mul", [x, 0.5]), cdf])
+
+
+@_rule(aten.lerp.Scalar, aten.lerp.Tensor)
+def _lerp(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    a, b, w = args[0], args[1], args[2]
+    return g._op(node, "add", [a, g._op(node, "mul", [w, g._op(node, "sub", [b, a])])])
+
+
+@_rule(aten.addcmul.default, aten.addcdiv.default)
+def _addc(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    x, t1, t2 = args[:3]
+    value = kwargs.get("value", args[3] if len(args) > 3 else 1)
+    op = "mul" if node.target is aten.addcmul.default else "div"
+    term = g._op(node, op, [t1, t2])
+    if value != 1:
+        term = g._op(node, "mul", [term, value])
+    return g._op(node, "add", [x, term])
+
+
+def _cast_to(g: GraphValues, x: Value, shape: tuple[int, ...], dtype: torch.dtype) -> Value:
+    out: Value = Op("cast", (x,), shape, dtype, x.ctype) if compute_type(dtype) != x.ctype else x
+    # Eager rounds at an explicit cast to a narrow float; keep that rounding so results match.
+    if dtype in (torch.bfloat16, torch.float16) and x.dtype != dtype:
+        out = Op("round_bf16" if dtype == torch.bfloat16 else "round_f16", (out,), shape, dtype, "f32")
+    elif out is x:
+        out = View(x, lambda idx: idx, shape, dtype)
+    return out
+
+
+@_rule(prims.convert_element_type.default, aten._to_copy.default)
+def _convert(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    if kwargs.get("device") is not None and torch.device(kwargs["device"]) != node.meta["val"].device:
+        raise Unsupported("a copy across devices")
+    return _cast_to(g, g._v(args[0]), _shape(node), _dtype(node))
+
+
+@_rule(aten.clone.default, aten.alias.default, aten.lift_fresh_copy.default)
+def _identity(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    return g._v(args[0])
+
+
+@_rule(aten.scalar_tensor.default, aten.full.default, aten.full_like.default, aten.zeros_like.default,
+       aten.ones_like.default)
+def _const(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    t = node.target
+    if t in (aten.zeros_like.default, aten.ones_like.default):
+        value = 0 if t is aten.zeros_like.default else 1
+    else:
+        value = args[0] if t is aten.scalar_tensor.default else args[1]
+    dtype = _dtype(node)
+    value = float(value) if dtype.is_floating_point else (bool(value) if dtype == torch.bool else int(value))
+    return Const(value, _shape(node), dtype)
+
+
+# -- views ----------------------------------------------------------------------------------------
+def _view(g: GraphValues, node: fx.Node, src: Any, index_map: Callable[[Index], Index]) -> Value:
+    return View(g._v(src), index_map, _shape(node), _dtype(node))
+
+
+@_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _reshape(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    in_shape = _shape(args[0])
+    return _view(g, node, args[0], reshape_map(in_shape, _shape(node)))
+
+
+@_rule(aten.expand.default)
+def _expand(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    in_shape, out_shape = _shape(args[0]), _shape(node)
+    return _view(g, node, args[0], lambda idx: broadcast_index(idx, out_shape, in_shape))
+
+
+@_rule(aten.permute.default, aten.t.default, aten.transpose.int)
+def _permute(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    ndim = len(_shape(args[0]))
+    if node.target is aten.permute.default:
+        perm = [d % ndim for d in args[1]]
+    else:
+        perm = list(range(ndim))
+        a, b = (0, 1) if node.target is aten.t.default or ndim < 2 else (args[1] % ndim, args[2] % ndim)
+        if ndim >= 2:
+            perm[a], perm[b] = perm[b], perm[a]
+
+    def index_map(idx: Index) -> Index:
+        res: list[sympy.Expr] = [sympy.Integer(0)] * ndim
+        for out_d, in_d in enumerate(perm):
+            res[in_d] = idx[out_d]
+        return tuple(res)
+
+    return _view(g, node, args[0], index_map)
+
+
+@_rule(aten.unsqueeze.default)
+def _unsqueeze(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    d = args[1] % len(_shape(node))
+    return _view(g, node, args[0], lambda idx: idx[:d] + idx[d + 1:])
+
+
+@_rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _squeeze(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    in_shape = _shape(args[0])
+    if node.target is aten.squeeze.default:
+        dims = {d for d, s in enumerate(in_shape) if s == 1}
+    else:
+        raw = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
+        dims = {d % max(len(in_shape), 1) for d in raw if in_shape and in_shape[d % len(in_shape)] == 1}
+
+    def index_map(idx: Index) -> Index:
+        it = iter(idx)
+        return tuple(sympy.Integer(0) if d in dims else next(it) for d in range(len(in_shape)))
+
+    return _view(g, node, args[0], index_map)
+
+
+@_rule(aten.slice.Tensor)
+def _slice(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    in_shape = _shape(args[0])
+    dim = (args[1] if len(args) > 1 else 0) % len(in_shape)
+    start = args[2] if len(args) > 2 and args[2] is not None else 0
+    step = args[4] if len(args) > 4 else 1
+    start = max(0, start + in_shape[dim] if start < 0 else min(start, in_shape[dim]))
+    return _view(g, node, args[0], lambda idx: idx[:dim] + (start + idx[dim] * step,) + idx[dim + 1:])
+
+
+@_rule(aten.select.int)
+def _select(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    in_shape = _shape(args[0])
+    dim = args[1] % len(in_shape)
+    i = args[2] % in_shape[dim]
+    return _view(g, node, args[0], lambda idx: idx[:dim] + (sympy.Integer(i),) + idx[dim:])
+
+
+@_rule(aten.cat.default)
+def _cat(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    shape = _shape(node)
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % len(shape)
+    parts = [p for p in args[0] if _shape(p)[dim] > 0 or len(_shape(p)) == len(shape)]
+    offsets = [0]
+    for p in parts:
+        offsets.append(offsets[-1] + _shape(p)[dim])
+    return Select(tuple(g._v(p) for p in parts), dim, tuple(offsets), shape, _dtype(node))
+
+
+# -- reductions -----------------------------------------------------------------------------------
+def _make_reduce(op: str, src: Value, dims: tuple[int, ...], keepdim: bool, dtype: torch.dtype,
+                 mean: bool = False) -> Reduce:
+    count = math.prod(src.shape[d] for d in dims) if dims else 1
+    shape = _reduced_shape(src.shape, dims, keepdim)
+    return Reduce(op, src, dims, keepdim, 1.0 / count if mean and count else None, shape, dtype)
+
+
+@_rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
+       aten.amin.default, aten.max.default, aten.min.default)
+def _reduction(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    t = node.target
+    src = g._v(args[0])
+    op = {aten.amax.default: "max", aten.max.default: "max", aten.amin.default: "min",
+          aten.min.default: "min"}.get(t, "sum")
+    has_dims = t in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default)
+    dims = _norm_dims(args[1] if has_dims and len(args) > 1 else kwargs.get("dim"), len(src.shape))
+    keepdim = bool(args[2] if has_dims and len(args) > 2 else kwargs.get("keepdim", False))
+    red = _make_reduce(op, src, dims, keepdim, _dtype(node), mean=t in (aten.mean.dim, aten.mean.default))
+    if red.shape != _shape(node):
+        raise Unsupported(f"reduction result shape {red.shape} differs from the graph's {_shape(node)}")
+    return red
+
+
+@_rule(aten._softmax.default, aten._log_softmax.default)
+def _softmax(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    x = g._v(args[0])
+    shape, dtype = x.shape, _dtype(node)
+    dims = _norm_dims(args[1], len(shape))
+    row_max = _make_reduce("max", x, dims, True, torch.float32)
+    shifted = g._op_on(shape, torch.float32, "sub", x, row_max)
+    e = g._op_on(shape, torch.float32, "exp", shifted)
+    total = _make_reduce("sum", e, dims, True, torch.float32)
+    if node.target is aten._softmax.default:
+        return g._op_on(shape, dtype, "div", e, total)
+    return g._op_on(shape, dtype, "sub", shifted, g._op_on(total.shape, torch.float32, "log", total))
