@@ -500,3 +500,33 @@ def rewrite_all(
         gm.graph.lint()
         gm.recompile()
     return count
+
+
+def replace_with_call(
+    gm: fx.GraphModule, match: Match, target: Callable, args: tuple, kwargs: dict | None = None
+) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` at the anchor, give it the anchor's users, delete the match."""
+    with gm.graph.inserting_before(match.anchor):
+        new = gm.graph.call_function(target, tuple(args), kwargs or {})
+    replace_match(gm, match, new)
+    return new
+
+
+def is_dim(value: Any, ndim: int | None, want: int) -> bool:
+    """``value`` (an int, or a one-element list) names dimension ``want`` (negative: from the end)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            return False
+        value = value[0]
+    if not isinstance(value, int) or isinstance(value, bool):
+        return False
+    if value == want:
+        return True
+    if ndim is None:
+        return False
+    return value % ndim == want % ndim if -ndim <= value < ndim else False
+
+
+def float32_cast(x: Any) -> OneOf:
+    """``x.float()`` or ``x.to(torch.float32)``."""
+    return OneOf(Op("float", x), Op("to", x, dtype=Lit(torch.float32)))

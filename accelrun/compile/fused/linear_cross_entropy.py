@@ -28,18 +28,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h_ND = h.reshape(-1, h.shape[-1])
         target_N = target.reshape(-1)
         need_grads = any(ctx.needs_input_grad[:3])
-        total = h_ND.new_zeros((), dtype=torch.float32)
+        # Loss arithmetic and gradient sums in fp32 at least (fp64 stays fp64, for gradcheck).
+        acc = torch.promote_types(torch.promote_types(h.dtype, weight.dtype), torch.float32)
+        total = h_ND.new_zeros((), dtype=acc)
         grad_h_chunks = []
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_weight = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
         grad_bias = None
         if bias is not None and ctx.needs_input_grad[2]:
-            grad_bias = torch.zeros_like(bias, dtype=torch.float32)
+            grad_bias = torch.zeros_like(bias, dtype=acc)
         out_dtype = torch.float32
         for h_c, t_c in zip(h_ND.split(chunk_rows), target_N.split(chunk_rows), strict=True):
             logits = F.linear(h_c, weight, bias)  # (rows, V), the only chunk-sized tensors live at once
             if not upcast:
                 out_dtype = logits.dtype
-            z = logits.float()
+            z = logits.to(acc)
             lse = torch.logsumexp(z, dim=-1)
             valid = t_c != ignore_index
             safe_t = torch.where(valid, t_c, torch.zeros_like(t_c))
@@ -50,10 +52,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if ctx.needs_input_grad[0]:
                     grad_h_chunks.append(grad_z @ weight)
                 if grad_weight is not None:
-                    grad_weight = grad_weight + (grad_z.t() @ h_c).float()
+                    grad_weight = grad_weight + (grad_z.t() @ h_c).to(acc)
                 if grad_bias is not None:
-                    grad_bias = grad_bias + grad_z.float().sum(0)
-        count = (target_N != ignore_index).sum().to(torch.float32)
+                    grad_bias = grad_bias + grad_z.to(acc).sum(0)
+        count = (target_N != ignore_index).sum().to(acc)
         # Mean divides by the rows that count (ignore_index excluded), as F.cross_entropy does.
         scale = 1.0 / count if reduction == "mean" else torch.ones_like(count)
         grad_h = torch.cat(grad_h_chunks).reshape(h.shape) if grad_h_chunks else None
@@ -64,7 +66,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_weight, grad_bias, scale = ctx.saved_tensors
-        factor = grad_loss.float() * scale
+        factor = grad_loss.to(scale.dtype) * scale
         h_dtype, w_dtype, b_dtype = ctx.dtypes
         out = [None] * 8
         if grad_h is not None:

@@ -1,0 +1,165 @@
+"""fuse_attention: attention written out by hand -> ``F.scaled_dot_product_attention``.
+
+Matches ``softmax(q @ k^T * scale [masked], dim=-1) @ v``: k^T as ``k.transpose(-2, -1)`` or ``k.mT``;
+the scale as ``* s``, ``/ d`` or on q (``(q * s) @ k^T``), or none; the mask as
+``masked_fill(mask, -inf)``, ``where(keep, scores, -inf)`` or ``+ additive_mask``; an fp32 upcast
+before the softmax and a cast back after it; dropout with p=0. A mask that is a constant of the graph
+(built from shapes, e.g. ``torch.triu(torch.ones(T, T), 1)``) is evaluated at compile time and becomes
+``is_causal=True`` when it is the causal mask; any other mask is passed as ``attn_mask``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.pattern import (
+    Match,
+    Maybe,
+    Num,
+    OneOf,
+    Op,
+    Tensor,
+    Var,
+    example_value,
+    float32_cast,
+    is_dim,
+    iter_matches,
+    replace_with_call,
+    rewrite_all,
+    static_shape,
+)
+
+
+class FuseAttentionOptions(PassOptions):
+    # Evaluate constant masks at compile time to recognise the causal one (then no mask tensor is kept).
+    detect_causal: bool = True
+
+
+_Q, _K, _V = Tensor("q"), Tensor("k"), Tensor("v")
+_K_T = OneOf(Op("transpose", _K, Var("t_dim0"), Var("t_dim1")), Op("attr.mT", _K))
+_QK = OneOf(Op("matmul", _Q, _K_T), Op("matmul", Op("mul", _Q, Num("scale")), _K_T))
+_SCALED = OneOf(Op("mul", _QK, Num("scale")), Op("div", _QK, Num("divisor")), _QK)
+_MASKED = OneOf(
+    Op("masked_fill", _SCALED, Tensor("drop_mask"), Num("fill")),
+    Op("where", Tensor("keep_mask"), _SCALED, Num("fill")),
+    Op("add", _SCALED, Tensor("add_mask")),
+    _SCALED,
+)
+_PROBS = Op("softmax", OneOf(float32_cast(_MASKED), _MASKED), Var("softmax_dim"), dtype=Var("softmax_dtype"))
+_CAST_BACK = OneOf(Op("type_as", _PROBS, Tensor("cast_like")), Op("to", _PROBS, Var("cast_dtype")), _PROBS)
+PATTERN = Op("matmul", Maybe("dropout", _CAST_BACK, p=Num("dropout_p"), training=Var("training")), _V)
+
+
+def _acceptable(m: Match) -> bool:
+    q, k, v = (example_value(m[n]) for n in ("q", "k", "v"))
+    out = example_value(m.anchor)
+    if q is None or k is None or v is None or out is None:
+        return False
+    ndim = len(q.shape)
+    if ndim < 3 or len(k.shape) != ndim or len(v.shape) != ndim or not q.dtype.is_floating_point:
+        return False
+    if not (q.dtype == k.dtype == v.dtype == out.dtype):
+        return False  # SDPA returns q's dtype; the written-out version must agree
+    if "t_dim0" in m.bindings:
+        d0, d1 = m["t_dim0"], m["t_dim1"]
+        swaps_last_two = (is_dim(d0, ndim, -1) and is_dim(d1, ndim, -2)) or (
+            is_dim(d0, ndim, -2) and is_dim(d1, ndim, -1)
+        )
+        if not swaps_last_two:
+            return False
+    if not is_dim(m["softmax_dim"], ndim, -1):
+        return False
+    if m.get("dropout_p", 0.0) != 0.0:
+        return False
+    if "fill" in m.bindings and not (m["fill"] == -math.inf or m["fill"] <= torch.finfo(q.dtype).min):
+        return False
+    for name, ok_dtypes in (("drop_mask", (torch.bool,)), ("keep_mask", (torch.bool,)), ("add_mask", (q.dtype,))):
+        if name in m.bindings:
+            mask = example_value(m[name])
+            if mask is None or mask.dtype not in ok_dtypes:
+                return False
+    return True
+
+
+def _scale(m: Match) -> float:
+    if "scale" in m.bindings:
+        return float(m["scale"])
+    if "divisor" in m.bindings:
+        return 1.0 / float(m["divisor"])
+    return 1.0
+
+
+def constant_value(node: fx.Node, budget: int = 32) -> torch.Tensor | None:
+    """Evaluate ``node`` if it depends on no graph input (a mask built from shapes); else None."""
+    if budget <= 0 or node.op not in ("call_function", "call_method"):
+        return None
+    values = {}
+    for inp in node.all_input_nodes:
+        value = constant_value(inp, budget - 1)
+        if value is None:
+            return None
+        values[inp] = value
+    args = fx.node.map_arg(node.args, values.__getitem__)
+    kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
+    try:
+        with torch.no_grad():
+            if node.op == "call_method":
+                result = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                result = node.target(*args, **kwargs)
+    except Exception:
+        return None
+    if isinstance(result, torch.Tensor) and result.numel() > 1 << 24:
+        return None
+    return result
+
+
+def _is_causal(m: Match, mask_name: str) -> bool:
+    q_shape, k_shape = static_shape(m["q"]), static_shape(m["k"])
+    if q_shape is None or k_shape is None:
+        return False
+    value = constant_value(m[mask_name])
+    if not isinstance(value, torch.Tensor):
+        return False
+    keep = torch.ones(q_shape[-2], k_shape[-2], dtype=torch.bool).tril()  # SDPA's is_causal: top-left
+    try:
+        value = value.cpu().broadcast_to(q_shape[:-2] + keep.shape)
+    except RuntimeError:
+        return False
+    if mask_name == "drop_mask":
+        return bool((value == ~keep).all())
+    if mask_name == "keep_mask":
+        return bool((value == keep).all())
+    return bool(((value == 0) == keep).all() and (value[..., ~keep] == -math.inf).all())
+
+
+def _rewrite(gm: fx.GraphModule, anchor: fx.Node, options: FuseAttentionOptions) -> fx.Node | None:
+    for m in iter_matches(PATTERN, anchor):
+        if not _acceptable(m):
+            continue
+        mask_name = next((n for n in ("drop_mask", "keep_mask", "add_mask") if n in m.bindings), None)
+        attn_mask, is_causal = None, False
+        if mask_name is not None:
+            if options.detect_causal and _is_causal(m, mask_name):
+                is_causal = True
+            elif mask_name == "drop_mask":  # SDPA's boolean mask says which positions take part
+                with gm.graph.inserting_before(anchor):
+                    attn_mask = gm.graph.call_function(torch.logical_not, (m["drop_mask"],))
+                    attn_mask.meta["example_value"] = example_value(m["drop_mask"])
+            else:
+                attn_mask = m[mask_name]
+        kwargs = {"attn_mask": attn_mask, "dropout_p": 0.0, "is_causal": is_causal, "scale": _scale(m)}
+        return replace_with_call(gm, m, F.scaled_dot_product_attention, (m["q"], m["k"], m["v"]), kwargs)
+    return None
+
+
+@register_pass("fuse_attention", "pre_grad", FuseAttentionOptions)
+def fuse_attention(gm: fx.GraphModule, options: FuseAttentionOptions, ctx: PassContext) -> PassResult:
+    """Replace softmax(q k^T * scale + mask) v written out in torch ops with scaled_dot_product_attention."""
+    n = rewrite_all(gm, {"matmul"}, lambda g, node: _rewrite(g, node, options))
+    return PassResult(changed=n > 0, summary=f"matched {n} attention", counts={"matched": n})
