@@ -1,0 +1,284 @@
+"""Rematerialisation: the backward recomputes cheap activations instead of reading them from memory.
+
+Runs at the partition stage on the ``(forward, backward)`` pair that
+``torch._functorch.partitioners.default_partition`` produced. Its conventions (torch 2.13):
+
+- forward outputs = the function's real outputs, then the saved values: tensors (those saved without
+  a version-counter check last), opaque objects, then SymInts;
+- backward placeholders = the saved SymInts, then the saved tensors (same order as in the forward's
+  outputs), then ``tangents_*`` (and RNG seeds / backward state); each saved placeholder has the
+  name of the forward node it receives.
+
+The number of real outputs is ``ctx.notes["num_fwd_outputs"]`` when the caller knows it; otherwise it
+is inferred from the backward's non-tangent placeholders and checked against the names.
+
+Cost model: an activation costs ``numel * element size`` of its ``meta["val"]``; primal inputs are
+free (the caller holds them anyway). A saved tensor can be dropped when it is the end of a chain of
+cheap ops (``recompute`` kinds, pure, at most ``max_chain`` nodes) whose inputs are saved values or
+primals; dropping it never increases saved bytes. Greedy: while saved bytes exceed the budget, drop
+the candidate that frees the most bytes per recomputed compute op (earliest first on ties). With no
+budget, every candidate is dropped. The backward then recomputes each dropped value's chain just
+before its first use; the forward stops returning it (and loses nodes nothing else needed).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torch import fx
+
+from accelrun.compile.op_kinds import node_kind
+from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.dce import eliminate_dead_code, op_is_pure
+
+RECOMPUTED_KEY = "accelrun_recomputed"  # meta on backward nodes copied from the forward
+_MiB = 2**20
+
+
+class RematOptions(PassOptions):
+    budget_mb: float | None = Field(
+        None, ge=0, description="saved-activation budget in MiB; None: recompute every cheap candidate"
+    )
+    recompute: list[Literal["pointwise", "view", "reduction"]] = Field(
+        default_factory=lambda: ["pointwise", "view"], description="op kinds cheap enough to recompute"
+    )
+    max_chain: int = Field(16, ge=1, description="most nodes recomputed for one saved value")
+
+
+class LayoutError(ValueError):
+    """The pair does not follow the partitioner's conventions this pass relies on."""
+
+
+@dataclass
+class SavedLayout:
+    num_real: int  # forward outputs that are the function's own outputs
+    saved: list[fx.Node]  # forward nodes saved for the backward, in forward-output order
+    bw_saved: list[fx.Node]  # backward placeholders receiving them (SymInts first)
+    bw_rest: list[fx.Node]  # the other backward placeholders (tangents, seeds, state)
+
+
+def _is_sym(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _is_saved_placeholder(node: fx.Node) -> bool:
+    name = str(node.target)
+    if "tangents" in name or "bwd_seed" in name or "bwd_base_offset" in name:
+        return False
+    return type(node.meta.get("val")).__name__ != "BackwardState"
+
+
+def _bw_order(saved: list[fx.Node]) -> list[fx.Node]:
+    return [s for s in saved if _is_sym(s)] + [s for s in saved if not _is_sym(s)]
+
+
+def saved_layout(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int | None = None) -> SavedLayout:
+    outs = list(fw.graph.output_node().args[0])
+    placeholders = list(bw.graph.find_nodes(op="placeholder"))
+    bw_saved = [p for p in placeholders if _is_saved_placeholder(p)]
+    num_real = len(outs) - len(bw_saved) if num_fwd_outputs is None else num_fwd_outputs
+    saved = outs[num_real:]
+    if num_real < 0 or len(saved) != len(bw_saved) or not all(isinstance(s, fx.Node) for s in saved):
+        raise LayoutError(f"{len(outs)} forward outputs cannot end with {len(bw_saved)} saved values")
+    if [s.name for s in _bw_order(saved)] != [p.name for p in bw_saved]:
+        raise LayoutError("the backward's saved placeholders do not match the forward's saved outputs")
+    return SavedLayout(num_real, saved, bw_saved, [p for p in placeholders if not _is_saved_placeholder(p)])
+
+
+def tensor_bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    try:
+        return int(val.numel()) * val.element_size()
+    except (TypeError, RuntimeError):  # a symbolic size: unknown, counted as free
+        return 0
+
+
+def _saved_bytes(saved: list[fx.Node]) -> int:
+    return sum(tensor_bytes(s) for s in dict.fromkeys(saved) if s.op != "placeholder")
+
+
+class _Planner:
+    def __init__(self, kinds: set[str], max_chain: int) -> None:
+        self.kinds = kinds
+        self.max_chain = max_chain
+
+    def cheap(self, node: fx.Node) -> bool:
+        return (node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor)
+                and op_is_pure(node.target) and node_kind(node) in self.kinds)  # fmt: skip
+
+    def chain(self, value: fx.Node, available: set[fx.Node]) -> list[fx.Node] | None:
+        """Forward nodes to recompute ``value`` from ``available`` values and primals, or None."""
+        chain: list[fx.Node] = []
+        seen: set[fx.Node] = set()
+        stack = [value]
+        while stack:
+            node = stack.pop()
+            if node in seen or (node is not value and node in available) or node.op == "placeholder":
+                continue
+            seen.add(node)
+            if not self.cheap(node) or len(chain) >= self.max_chain:
+                return None
+            chain.append(node)
+            stack.extend(node.all_input_nodes)
+        return chain
+
+    def plan(self, saved: list[fx.Node], budget: int | None) -> list[fx.Node]:
+        """Saved tensors to drop, in the order the greedy picked them."""
+        kept = list(dict.fromkeys(saved))
+        dropped: list[fx.Node] = []
+        while budget is None or _saved_bytes(kept) > budget:
+            best, best_score = None, 0.0
+            available = set(kept)
+            for value in kept:
+                gain = tensor_bytes(value) if value.op != "placeholder" else 0
+                chain = self.chain(value, available) if gain else None
+                if chain is None:
+                    continue
+                score = gain / max(1, sum(node_kind(n) != "view" for n in chain))
+                if score > best_score:
+                    best, best_score = value, score
+            if best is None:
+                break
+            kept.remove(best)
+            dropped.append(best)
+        return dropped
+
+
+def rematerialize(fw: fx.GraphModule, bw: fx.GraphModule, budget_bytes: int | None,
+                  kinds: set[str], max_chain: int = 16, num_fwd_outputs: int | None = None,
+                  ) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, int]]:  # fmt: skip
+    """The new (forward, backward) pair and its counts; ``fw`` and ``bw`` are left unchanged."""
+    layout = saved_layout(fw, bw, num_fwd_outputs)
+    dropped = set(_Planner(kinds, max_chain).plan(layout.saved, budget_bytes))
+    kept = [s for s in layout.saved if s not in dropped]
+    needed_primals = _primals_needed(fw, dropped, set(kept))
+    # New saved primals go with the version-checked tensors (before no-vc-check tensors and non-tensors).
+    at = next((i for i, s in enumerate(kept) if not isinstance(s.meta.get("val"), torch.Tensor)
+               or s.meta.get("saved_tensor_with_no_vc_check")), len(kept))  # fmt: skip
+    new_saved = kept[:at] + needed_primals + kept[at:]
+
+    new_fw = _rebuild_forward(fw, layout, new_saved)
+    new_bw, recomputed = _rebuild_backward(bw, layout, new_saved, dropped)
+    counts = {
+        "saved_bytes_before": _saved_bytes(layout.saved), "saved_bytes_after": _saved_bytes(new_saved),
+        "recomputed_nodes": recomputed, "dropped_saved": len(dropped), "saved_primals_added": len(needed_primals),
+    }  # fmt: skip
+    return new_fw, new_bw, counts
+
+
+def _primals_needed(fw: fx.GraphModule, dropped: set[fx.Node], kept: set[fx.Node]) -> list[fx.Node]:
+    """Primal inputs the recomputed chains read that the forward does not already save."""
+    needed: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
+    stack = list(dropped)
+    while stack:
+        node = stack.pop()
+        if node in seen or node in kept:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            needed.add(node)
+        else:
+            stack.extend(node.all_input_nodes)
+    return [p for p in fw.graph.find_nodes(op="placeholder") if p in needed]
+
+
+def _rebuild_forward(fw: fx.GraphModule, layout: SavedLayout, new_saved: list[fx.Node]) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    outs, old_output = graph.graph_copy(fw.graph, env, return_output_node=True)
+    real = list(outs)[: layout.num_real]
+    output = graph.output(tuple(real + [env[s] for s in new_saved]))
+    output.meta = _output_meta(old_output, layout, new_saved)
+    eliminate_dead_code(graph)  # nodes that only fed dropped saved values
+    return fx.GraphModule(fw, graph)
+
+
+def _output_meta(old_output: fx.Node, layout: SavedLayout, new_saved: list[fx.Node]) -> dict[str, Any]:
+    """AOTAutograd describes each forward output (``desc``); renumber the saved ones."""
+    meta = {k: v for k, v in old_output.meta.items() if k not in ("desc", "output_stack_traces")}
+    old_desc = old_output.meta.get("desc")
+    if isinstance(old_desc, list) and len(old_desc) == len(old_output.args[0]):
+        from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
+
+        by_node = dict(zip(layout.saved, old_desc[layout.num_real :], strict=True))
+        saved_desc = []
+        for i, s in enumerate(new_saved):
+            d = by_node.get(s)
+            saved_desc.append(type(d)(i) if d is not None and hasattr(d, "idx") else SavedForBackwardsAOTOutput(i))
+        meta["desc"] = old_desc[: layout.num_real] + saved_desc
+    return meta
+
+
+def _rebuild_backward(bw: fx.GraphModule, layout: SavedLayout, new_saved: list[fx.Node],
+                      dropped: set[fx.Node]) -> tuple[fx.GraphModule, int]:  # fmt: skip
+    graph = fx.Graph()
+    fenv: dict[fx.Node, fx.Node] = {}  # forward node -> its value in the new backward
+    env: dict[fx.Node, fx.Node] = {}  # old backward node -> new backward node
+    old_ph = {p.name: p for p in layout.bw_saved}
+    for s in _bw_order(new_saved):
+        old = old_ph.get(s.name)
+        ph = graph.placeholder(s.name)
+        ph.meta = copy.copy(old.meta if old is not None else s.meta)
+        fenv[s] = ph
+        if old is not None:
+            env[old] = ph
+    for p in layout.bw_rest:
+        env[p] = graph.placeholder(p.name)
+        env[p].meta = copy.copy(p.meta)
+    dropped_ph = {old_ph[s.name]: s for s in dropped}
+    recomputed = 0
+
+    def materialise(value: fx.Node) -> fx.Node:
+        # Iterative post-order copy of the forward chain that computes `value`.
+        nonlocal recomputed
+        stack = [value]
+        while stack:
+            node = stack[-1]
+            if node in fenv:
+                stack.pop()
+                continue
+            missing = [i for i in node.all_input_nodes if i not in fenv]
+            if missing:
+                stack.extend(missing)
+                continue
+            assert node.op == "call_function", f"remat: {node.name} is not recomputable"
+            fenv[node] = graph.node_copy(node, fenv.__getitem__)
+            fenv[node].meta[RECOMPUTED_KEY] = True
+            recomputed += 1
+            stack.pop()
+        return fenv[value]
+
+    for node in bw.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        for inp in node.all_input_nodes:
+            if inp in dropped_ph and inp not in env:
+                env[inp] = materialise(dropped_ph[inp])
+        env[node] = graph.node_copy(node, env.__getitem__)
+    return fx.GraphModule(bw, graph), recomputed
+
+
+@register_pass("remat", "partition", RematOptions)
+def remat(gm: Any, options: RematOptions, ctx: PassContext) -> PassResult:
+    """Recompute cheap saved activations in the backward while saved bytes exceed a budget."""
+    fw, bw = gm
+    budget = None if options.budget_mb is None else int(options.budget_mb * _MiB)
+    try:
+        new_fw, new_bw, counts = rematerialize(fw, bw, budget, set(options.recompute), options.max_chain,
+                                               ctx.notes.get("num_fwd_outputs"))  # fmt: skip
+    except LayoutError as e:
+        return PassResult(changed=False, summary=f"skipped: {e}")
+    before, after = counts["saved_bytes_before"], counts["saved_bytes_after"]
+    met = budget is None or after <= budget
+    counts["budget_met"] = int(met)
+    summary = (f"saved {before / _MiB:.3f} -> {after / _MiB:.3f} MiB, recomputed {counts['recomputed_nodes']} nodes"
+               + ("" if met else f" (budget {options.budget_mb} MiB not reached)"))  # fmt: skip
+    changed = counts["dropped_saved"] > 0
+    return PassResult(changed=changed, summary=summary, counts=counts, graph=(new_fw, new_bw) if changed else None)
