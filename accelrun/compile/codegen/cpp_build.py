@@ -58,17 +58,24 @@ def default_cache_dir() -> Path:
     return base / "compile" / "cpp"
 
 
-def build_library(source: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Path of the shared library built from ``source``, compiling only on a cache miss."""
-    global _invocations
+def library_path(source: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the library built from ``source`` lives (or will) in the cache."""
     cxx = find_compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler: g++ is not on the PATH (or ACCELRUN_CXX names none)")
     key_text = "\n".join([source, compiler_version(cxx), " ".join(FLAGS), cpu_signature()])
     key = hashlib.sha256(key_text.encode()).hexdigest()
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return directory / f"{key}.so"
+
+
+def build_library(source: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of the shared library built from ``source``, compiling only on a cache miss."""
+    global _invocations
+    target = library_path(source, cache_dir)
+    directory, key, cxx = target.parent, target.stem, find_compiler()
+    assert cxx is not None
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"{key}.so"
     if target.exists():
         return target
     with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:

@@ -548,3 +548,20 @@ def _uses(expr: Any, sym: sympy.Symbol) -> bool:
     if isinstance(expr, tuple):
         return any(_uses(e, sym) for e in expr)
     return sym in getattr(expr, "free_symbols", ())
+
+
+def cached_program(region: Any) -> LoopProgram:
+    """``lower_region`` once per region: the program (or the reason it failed) is kept in its facts,
+    so an executor's ``decline_reason`` and ``compile`` (and a second code generator) share it."""
+    facts = region.facts
+    if "loop_ir_unsupported" in facts:
+        raise Unsupported(facts["loop_ir_unsupported"])
+    if "_loop_program" not in facts:
+        try:
+            program = lower_region(region)
+        except Unsupported as e:
+            facts["loop_ir_unsupported"] = str(e)
+            raise
+        facts["_loop_program"] = program
+        facts["loop_ir"] = program.describe()
+    return facts["_loop_program"]
