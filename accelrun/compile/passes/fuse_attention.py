@@ -42,7 +42,8 @@ class FuseAttentionOptions(PassOptions):
 
 _Q, _K, _V = Tensor("q"), Tensor("k"), Tensor("v")
 _K_T = OneOf(Op("transpose", _K, Var("t_dim0"), Var("t_dim1")), Op("attr.mT", _K))
-_QK = OneOf(Op("matmul", _Q, _K_T), Op("matmul", Op("mul", _Q, Num("scale")), _K_T))
+# Prescaled q first: otherwise q would bind to the (q * s) node and the scale be lost to SDPA.
+_QK = OneOf(Op("matmul", Op("mul", _Q, Num("q_scale")), _K_T), Op("matmul", _Q, _K_T))
 _SCALED = OneOf(Op("mul", _QK, Num("scale")), Op("div", _QK, Num("divisor")), _QK)
 _MASKED = OneOf(
     Op("masked_fill", _SCALED, Tensor("drop_mask"), Num("fill")),
@@ -87,11 +88,12 @@ def _acceptable(m: Match) -> bool:
 
 
 def _scale(m: Match) -> float:
+    scale = float(m.get("q_scale", 1.0))
     if "scale" in m.bindings:
-        return float(m["scale"])
+        scale *= m["scale"]
     if "divisor" in m.bindings:
-        return 1.0 / float(m["divisor"])
-    return 1.0
+        scale /= m["divisor"]
+    return scale
 
 
 def constant_value(node: fx.Node, budget: int = 32) -> torch.Tensor | None:
