@@ -49,10 +49,9 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
     from accelrun.report.rundir import create_run_dir
     from accelrun.train.explain_step import explain_step
 
-    resolved = load(config, overrides)
+    # Explain is about accelrun's compiler whatever backend the recipe trains with.
+    resolved = load(config, (*overrides, "compile.backend=accelrun"))
     cfg = resolved.config
-    if cfg.compile.backend != "accelrun":
-        err.print(f"note: compile.backend is {cfg.compile.backend}; explaining with accelrun's backend")
     if cfg.parallel.world_size > 1:
         err.print("note: the parallel layout is not applied: this compiles one process's step")
     run_dir = create_run_dir(cfg.report.runs_dir, f"{cfg.name}-explain")
@@ -114,8 +113,8 @@ def passes_cmd() -> None:
         presets = ", ".join(p for p, names in PRESETS.items() if name in names) or "-"
         table.add_row(name, spec.stage, escape(opts), presets, escape(spec.doc))
     out.print(table)
-    out.print("Use a preset (compile.passes=default|none|max) or a list: "
-              "'compile.passes=[dce, cse, {remat: {budget_mb: 64}}]'")  # fmt: skip
+    out.print(escape("Use a preset (compile.passes=default|none|max) or a list: "
+                     "'compile.passes=[dce, cse, {remat: {budget_mb: 64}}]'"))
 
 
 @command.command("executors")

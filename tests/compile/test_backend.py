@@ -1,0 +1,146 @@
+"""The accelrun backend end to end: capture, passes, regions, executors, debug numerics, recipes, explain."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from accelrun.cli.main import cli
+from accelrun.compile.backend import AccelrunBackend
+from accelrun.compile.numerics import PassNumericsError
+from accelrun.compile.options import CompileOptions
+from accelrun.compile.passes.base import PassOptions, PassResult, register_pass, resolve_passes
+from accelrun.config import load_config
+from accelrun.models.llama import LlamaArgs, TransformerBlock, rope_tables
+from accelrun.report.metrics import read_metrics
+from accelrun.train.run import train
+from tests.conftest import DEFAULT_CONFIG
+
+ARGS = LlamaArgs(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64)
+T = 16
+
+
+def _blocks_and_reference(n: int = 2):
+    torch.manual_seed(0)
+    blocks = [TransformerBlock(ARGS) for _ in range(n)]
+    return blocks, copy.deepcopy(blocks)
+
+
+def _run(blocks, x, cos, sin):
+    h = x
+    for b in blocks:
+        h = b(h, cos, sin)
+    h.square().mean().backward()
+    return h.detach(), [p.grad for b in blocks for p in b.parameters()], x.grad
+
+
+def _assert_same_step(compiled, reference, rtol=1e-5, atol=1e-6):
+    cos, sin = rope_tables(ARGS.head_dim, T, ARGS.rope_theta)
+    x = torch.randn(2, T, ARGS.dim, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    h, grads, dx = _run(compiled, x, cos, sin)
+    h_ref, grads_ref, dx_ref = _run(reference, x_ref, cos, sin)
+    torch.testing.assert_close(h, h_ref, rtol=rtol, atol=atol)
+    torch.testing.assert_close(dx, dx_ref, rtol=rtol, atol=atol)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("passes", ["none", ["dce", "cse", "partition_regions"], "default", "max"])
+def test_llama_blocks_match_eager_fp32(passes, tmp_path):
+    blocks, reference = _blocks_and_reference()
+    backend = AccelrunBackend(CompileOptions(passes=resolve_passes(passes), executors=["aten"],
+                                             dump_dir=tmp_path / "dump", debug_numerics=True))  # fmt: skip
+    for b in blocks:
+        b.compile(backend=backend)
+    _assert_same_step(blocks, reference)
+    # Both blocks share the graph: one Dynamo graph for two blocks of the same code.
+    assert backend.record.dynamo_graphs == 1
+    assert list((tmp_path / "dump" / "g0.forward").glob("*_input.py"))
+    if passes not in ("none",):
+        assert backend.record.passes, "the passes ran and were recorded"
+
+
+def test_inductor_executor_takes_regions_and_matches_eager(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+    def f(x, w):  # RMSNorm-like: one region with a reduction and its epilogue
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w).sum(-1)
+
+    backend = AccelrunBackend(CompileOptions(passes=resolve_passes(["partition_regions"]),
+                                             executors=["inductor", "aten"]))  # fmt: skip
+    x, w = torch.randn(8, 32, requires_grad=True), torch.randn(32, requires_grad=True)
+    got = torch.compile(f, backend=backend)(x, w)
+    want = f(x, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got.sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    want.sum().backward()
+    torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-5, atol=1e-6)
+    executors = backend.record.regions_per_executor()
+    assert executors.get("inductor", 0) >= 2, executors  # forward and backward regions
+
+
+@register_pass("test_breaks_numerics", "post_grad")
+def _breaks_numerics(gm, options: PassOptions, ctx) -> PassResult:
+    """Turns the first add into a sub: a wrong pass for the debug mode to catch."""
+    for node in gm.graph.nodes:
+        if node.target == torch.ops.aten.add.Tensor:
+            node.target = torch.ops.aten.sub.Tensor
+            return PassResult(True, "broke an add")
+    return PassResult(False)
+
+
+def test_debug_numerics_names_the_pass_that_diverges():
+    blocks, _ = _blocks_and_reference(1)
+    backend = AccelrunBackend(CompileOptions(passes=resolve_passes(["dce", "test_breaks_numerics"]),
+                                             executors=["aten"], debug_numerics=True))  # fmt: skip
+    blocks[0].compile(backend=backend)
+    cos, sin = rope_tables(ARGS.head_dim, T, ARGS.rope_theta)
+    with pytest.raises(Exception, match="test_breaks_numerics") as info:
+        blocks[0](torch.randn(2, T, ARGS.dim, requires_grad=True), cos, sin)
+    assert isinstance(info.value, PassNumericsError) or "PassNumericsError" in str(info.value)
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("compile.passes=[dce, csee]", "did you mean 'cse'"),
+    ("compile.passes=maximum", "unknown pass preset 'maximum'"),
+    ("compile.passes=[{partition_regions: {max_node: 3}}]", "did you mean 'max_nodes'"),
+    ("compile.executors=[cpu, aten]", "unknown executor 'cpu'"),
+])  # fmt: skip
+def test_bad_compile_settings_are_exit_2_with_the_key(override, expected):
+    result = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), "compile.backend=accelrun", override])
+    assert result.exit_code == 2, result.output
+    assert expected in result.output
+    assert "compile." in result.output and "override" in result.output
+
+
+def test_explain_prints_passes_and_writes_graphs(tiny, tmp_path):
+    result = CliRunner().invoke(cli, ["compile", "explain", str(DEFAULT_CONFIG), *tiny(1),
+                                      "compile.passes=[dce, cse, partition_regions]",
+                                      "compile.executors=[aten]", "--steps", "1"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    for expected in ("partition_regions", "formed", "fusion regions by executor", "compile time"):
+        assert expected in result.output
+    (dump,) = (tmp_path / "runs").glob("*/*/compile")
+    record = json.loads((dump / "record.json").read_text())
+    assert record["summary"]["regions_per_executor"]["aten"] > 0
+    assert (dump / "g0.backward" / "00_input.py").exists()
+    assert any(p.name.endswith("partition_regions.py") for p in (dump / "g0.forward").iterdir())
+
+
+def test_training_with_the_accelrun_backend_matches_eager(tiny):
+    eager = train(load_config(DEFAULT_CONFIG, tiny(4)), command="test")
+    compiled = train(load_config(DEFAULT_CONFIG, tiny(4, "compile.backend=accelrun", "compile.scope=loss",
+                                                   "compile.executors=[aten]")), command="test")  # fmt: skip
+    losses = [[m["loss"] for m in read_metrics(r.run_dir / "metrics.jsonl")] for r in (eager, compiled)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    report = json.loads((compiled.run_dir / "report.json").read_text())
+    assert report["compiler"]["dynamo_graphs"] == 2  # one block graph for both blocks + the loss head
+    assert report["compiler"]["graph_breaks"] == 0
