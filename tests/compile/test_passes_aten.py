@@ -277,5 +277,6 @@ def test_passes_leave_the_unmodified_graph_alone_when_nothing_applies():
     before = copy.deepcopy(gm.graph).python_code("self").src
     for name in ("dce", "cse"):
         assert not registered_passes()[name].fn(gm, PassOptions(), PassContext("forward")).changed
-    assert not registered_passes()["partition_regions"].fn(gm, PartitionRegionsOptions(), PassContext("forward")).changed
+    partition_regions = registered_passes()["partition_regions"].fn
+    assert not partition_regions(gm, PartitionRegionsOptions(), PassContext("forward")).changed
     assert gm.graph.python_code("self").src == before
