@@ -96,20 +96,23 @@ static inline float acc_exp(float x) {
 """
 
 
-def cpp_source(program: LoopProgram) -> str:
+def cpp_source(program: LoopProgram, entry: str = ENTRY, prelude: bool = True) -> str:
+    """C++ source defining ``extern "C" void <entry>(void** bufs, int nthreads)``. Sources made
+    with distinct entries and ``prelude=False`` can follow one ``PRELUDE`` in a single library."""
     for buf in program.buffers:
         if buf.storage == "f16":
             raise Unsupported("float16 tensors (the cpp generator handles fp32 and bf16)")
     e = Emitter()
-    e.lines(PRELUDE)
+    if prelude:
+        e.lines(PRELUDE)
     slots = {b.name: n for n, b in enumerate(program.buffers)}
     for kernel in program.kernels:
         e.line()
-        _KernelWriter(e, kernel, program.buffers, slots).write()
+        _KernelWriter(e, kernel, program.buffers, slots, f"{entry}_{kernel.name}").write()
     e.line()
-    with e.block(f'extern "C" void {ENTRY}(void** bufs, int nthreads) {{', "}"):
+    with e.block(f'extern "C" void {entry}(void** bufs, int nthreads) {{', "}"):
         for kernel in program.kernels:
-            e.line(f"{kernel.name}(bufs, nthreads);")
+            e.line(f"{entry}_{kernel.name}(bufs, nthreads);")
     return e.source()
 
 
@@ -126,13 +129,14 @@ def _literal(value: Any, ctype: str) -> str:
 
 
 class _KernelWriter:
-    def __init__(self, e: Emitter, kernel: Kernel, buffers: list[Buffer], slots: dict[str, int]) -> None:
-        self.e, self.k, self.slots = e, kernel, slots
+    def __init__(self, e: Emitter, kernel: Kernel, buffers: list[Buffer], slots: dict[str, int],
+                 fn_name: str) -> None:
+        self.e, self.k, self.slots, self.fn_name = e, kernel, slots, fn_name
         self.buffers = {b.name: b for b in buffers}
 
     def write(self) -> None:
         e, k = self.e, self.k
-        with e.block(f"static void {k.name}(void** bufs, int nthreads) {{", "}"):
+        with e.block(f"static void {self.fn_name}(void** bufs, int nthreads) {{", "}"):
             for name in sorted(self._used_buffers(), key=self.slots.__getitem__):
                 buf = self.buffers[name]
                 const = "const " if buf.role == "input" else ""
@@ -246,9 +250,9 @@ class _KernelWriter:
 class CppRegion:
     """The compiled region: allocates outputs, passes data pointers, returns the outputs."""
 
-    def __init__(self, program: LoopProgram, lib: ctypes.CDLL) -> None:
+    def __init__(self, program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> None:
         self.program = program
-        self.fn = getattr(lib, ENTRY)
+        self.fn = getattr(lib, entry)
         self.fn.argtypes = [ctypes.c_void_p, ctypes.c_int]
         self.fn.restype = None
         self.inputs = program.of_role("input")

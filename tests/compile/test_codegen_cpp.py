@@ -1,0 +1,311 @@
+"""accelrun's C++ code generator against eager PyTorch.
+
+Every case builds an ATen graph (make_fx / AOTAutograd with core ATen decompositions), compiles it
+with the cpp generator and compares with running the same graph eagerly. Tolerances: fp32 rtol 1e-5,
+atol 1e-6 (1e-5 where a reduction sums a row: the order of additions differs); bf16 rtol 1e-2.
+Compiled libraries live in one cache directory for the module, so repeated shapes compile once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch._decomp import core_aten_decompositions
+from torch._functorch.aot_autograd import aot_function, make_boxed_func
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from accelrun.compile.codegen import cpp_build
+from accelrun.compile.codegen.cpp import PRELUDE, CppRegion, cpp_source
+from accelrun.compile.codegen.cpp_build import build_library, load_library
+from accelrun.compile.codegen.loop_ir import Unsupported, cached_program, lower_graph
+from accelrun.compile.executors.cpp import CppExecutor
+from accelrun.compile.extract import extract_regions
+from accelrun.compile.passes.partition_regions import partition
+from accelrun.compile.regions import Region
+
+pytestmark = pytest.mark.skipif(cpp_build.find_compiler() is None, reason="no g++ on this machine")
+SETTINGS = settings(max_examples=3, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("cpp_cache"))
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+def region_of(fn, *args) -> Region:
+    """The whole graph of ``fn`` (traced with fake tensors) as one region."""
+    gm = make_fx(fn, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(*args)
+    ins = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    outs = [n.meta["val"] for n in gm.graph.find_nodes(op="output")[0].args[0]]
+    return Region(0, gm, ins, outs)
+
+
+def llama_regions(fn, *args) -> list[Region]:
+    """Regions the partitioner cuts from the forward and backward graphs of ``fn``."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    compiled = aot_function(fn, fw_compiler=keep, bw_compiler=keep, decompositions=core_aten_decompositions())
+    outs = compiled(*args)
+    outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+    if any(o.requires_grad for o in outs):
+        sum(o.float().sum() for o in outs if o.requires_grad).backward()
+    regions: list[Region] = []
+    for kind, gm in zip(("forward", "backward"), graphs, strict=False):
+        partition(gm.graph, first_id=len(regions))
+        regions += extract_regions(gm, kind)
+    return regions
+
+
+def random_like(meta: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    out = torch.empty_strided(tuple(meta.shape), tuple(meta.stride()), dtype=meta.dtype)
+    if meta.dtype.is_floating_point:
+        out.copy_(torch.randn(tuple(meta.shape), generator=gen))
+    elif meta.dtype == torch.bool:
+        out.copy_(torch.rand(tuple(meta.shape), generator=gen) > 0.5)
+    else:
+        out.copy_(torch.randint(-1, 8, tuple(meta.shape), generator=gen))
+    return out
+
+
+def check(region: Region, cache: str, inputs=None, atol: float = 1e-6, fn=None) -> None:
+    if fn is None:
+        ex = CppExecutor()
+        reason = ex.decline_reason(region)
+        assert reason is None, reason
+        fn = ex.compile(region, cache)
+    if inputs is None:
+        gen = torch.Generator().manual_seed(region.id)
+        inputs = [random_like(m, gen) for m in region.input_meta]
+    expected = region.gm(*inputs)
+    got = fn(*inputs)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        if e.dtype in (torch.bfloat16, torch.float16):
+            torch.testing.assert_close(g, e, rtol=1e-2, atol=1e-2, equal_nan=True)
+        else:
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=atol, equal_nan=True)
+
+
+def check_together(regions: list[Region], cache: str, atol: float = 1e-6) -> None:
+    """Like ``check`` for each region, with all of them built into one library (one g++ run: the
+    generated kernels are the executor's, only their names are prefixed)."""
+    programs = [cached_program(r) for r in regions]
+    source = PRELUDE + "".join(cpp_source(p, f"region{n}", prelude=False) for n, p in enumerate(programs))
+    lib = load_library(build_library(source, cache))
+    for n, (region, program) in enumerate(zip(regions, programs, strict=True)):
+        check(region, cache, atol=atol, fn=CppRegion(program, lib, f"region{n}"))
+
+
+def check_fn(fn, cache: str, *args, atol: float = 1e-6) -> None:
+    check(region_of(fn, *args), cache, list(args), atol=atol)
+
+
+# -- property tests over ops, shapes, strides, dtypes -------------------------------------------------
+shapes = st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple)
+dtypes = st.sampled_from([torch.float32, torch.bfloat16])
+
+
+def layout(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The same values in another layout: transposed storage or a strided slice."""
+    if kind == "transposed" and x.dim() >= 2:
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if kind == "sliced":
+        return torch.cat([x, x], dim=-1)[..., ::2]
+    return x
+
+
+def unary_ops(x):
+    a = x.abs() + 0.5
+    return (x.exp(), a.log(), x.tanh(), x.sigmoid(), a.rsqrt(), torch.erf(x), -x, x.abs(), a.sqrt(),
+            a.pow(2), a.pow(3), a.pow(0.5), a.pow(-1), a.pow(2.5), x.reciprocal(), F.silu(x), F.gelu(x),
+            F.gelu(x, approximate="tanh"), F.relu(x), x.clamp(-0.5, 0.7), x.float() * 2, x.sin(), x.cos(),
+            (x > 0.1).to(x.dtype), torch.log1p(a), torch.expm1(x), torch.sign(x))
+
+
+@SETTINGS
+@given(shape=shapes, dtype=dtypes, kind=st.sampled_from(["contiguous", "transposed", "sliced"]))
+def test_unary_ops(cache, shape, dtype, kind):
+    x = layout(torch.randn(shape).to(dtype), kind)
+    check_fn(unary_ops, cache, x)
+
+
+def binary_ops(x, y):
+    return (x + y, x - y, x * y, x / (y.abs() + 0.5), torch.maximum(x, y), torch.minimum(x, y),
+            torch.where(x > y, x, y * 2), (x == y) | (x < y), x >= 0, x.float() + 1, torch.add(x, y, alpha=3),
+            torch.lerp(x, y, 0.3), torch.addcmul(x, x, y, value=0.5))
+
+
+@st.composite
+def broadcast_pair(draw):
+    shape = draw(shapes)
+    other = tuple(s if draw(st.booleans()) else 1 for s in shape)[draw(st.integers(0, len(shape) - 1)):]
+    return (shape, other) if draw(st.booleans()) else (other, shape)
+
+
+@SETTINGS
+@given(pair=broadcast_pair(), dtype=dtypes)
+def test_binary_ops_broadcast(cache, pair, dtype):
+    x, y = (torch.randn(s).to(dtype) for s in pair)
+    check_fn(binary_ops, cache, x, y)
+
+
+@SETTINGS
+@given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple), dtype=dtypes,
+       keepdim=st.booleans(), leading=st.booleans(), data=st.data())
+def test_reductions(cache, shape, dtype, keepdim, leading, data):
+    k = data.draw(st.integers(1, len(shape)))
+    dims = list(range(k)) if leading else list(range(len(shape) - k, len(shape)))
+
+    def fn(x):
+        x32 = x.float()
+        s = x32.sum(dims, keepdim=True)
+        return (x.sum(dims, keepdim=keepdim), x.amax(dims, keepdim=keepdim), x.amin(dims, keepdim=keepdim),
+                x.mean(dims, keepdim=keepdim), (x32 - s / math.prod(shape[d] for d in dims)).to(x.dtype))
+
+    check_fn(fn, cache, torch.randn(shape).to(dtype), atol=1e-5)
+
+
+def test_views_permute_expand_slice_cat(cache):
+    x, y = torch.randn(4, 6, 8), torch.randn(8, 6)
+
+    def fn(x, y):
+        p = x.permute(2, 0, 1)  # (8, 4, 6)
+        e = y.unsqueeze(1).expand(8, 4, 6)
+        pairs = x.view(4, 6, 4, 2)
+        rot = torch.stack((pairs[..., 0] - pairs[..., 1], pairs[..., 1]), dim=-1).flatten(-2)
+        return p * e, rot, x[:, 1:5, ::2].sum(-1), (p + e).softmax(-1)
+
+    check_fn(fn, cache, x, y, atol=1e-5)
+
+
+def test_int_and_bool_inputs(cache):
+    # arange is not pointwise, so the class ids come in as an input, as they would from outside a region.
+    def fn(ids, logits, target):
+        valid = target != -1
+        count = valid.sum()
+        onehot = (ids == target.unsqueeze(1)).float()
+        return torch.where(valid, target, 0), count, (onehot * logits).sum(-1) / count.float()
+
+    check_fn(fn, cache, torch.arange(10), torch.randn(16, 10), torch.randint(-1, 10, (16,)), atol=1e-5)
+
+
+def test_declines_with_reasons():
+    region = region_of(lambda a, b: (a @ b,), torch.randn(3, 4), torch.randn(4, 5))
+    assert CppExecutor().decline_reason(region) == "op aten.mm is not pointwise, a view or a supported reduction"
+    middle = region_of(lambda x: (x.sum(1),), torch.randn(3, 4, 5))
+    assert "only leading or trailing" in CppExecutor().decline_reason(middle)
+    with pytest.raises(Unsupported, match="float64"):
+        lower_graph(*_traced(lambda x: (x * 2,), torch.randn(3, dtype=torch.float64)))
+
+
+def _traced(fn, *args):
+    r = region_of(fn, *args)
+    return r.gm, r.input_meta, r.output_meta
+
+
+# -- regions cut from Llama's graphs ---------------------------------------------------------------
+def rmsnorm(x, w, eps=1e-5):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
+
+
+def rope(x, cos, sin):
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).type_as(x)
+
+
+def adamw(p, g, m, v, lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, step=3):
+    m2 = m.lerp(g, 1 - b1)
+    v2 = v * b2 + (1 - b2) * g * g
+    update = (m2 / (1 - b1**step)) / ((v2 / (1 - b2**step)).sqrt() + eps)
+    return p * (1 - lr * wd) - lr * update, m2, v2
+
+
+def _llama_cases(dtype):
+    B, T, D, H, V = 2, 8, 32, 2, 48
+    x = torch.randn(B, T, D, dtype=dtype, requires_grad=True)
+    w = torch.randn(D, dtype=dtype, requires_grad=True)
+    angle = torch.rand(T, D // H // 2)
+    return {
+        "rmsnorm": (rmsnorm, x, w),
+        "residual_add_norm": (lambda x, h, w: (x + h, rmsnorm(x + h, w)), x, torch.randn_like(x), w),
+        "softmax": (lambda x: torch.softmax(x.float(), -1), x),
+        "cross_entropy": (lambda lg, t: F.cross_entropy(lg.float(), t), torch.randn(B * T, V, dtype=dtype,
+                          requires_grad=True), torch.randint(0, V, (B * T,))),
+        "swiglu": (lambda a, b: F.silu(a) * b, torch.randn(B, T, 64, dtype=dtype, requires_grad=True),
+                   torch.randn(B, T, 64, dtype=dtype, requires_grad=True)),
+        "rope": (rope, torch.randn(B, T, H, D // H, dtype=dtype, requires_grad=True), angle.cos(), angle.sin()),
+        "adamw": (adamw, torch.randn(D, 16), torch.randn(D, 16), torch.randn(D, 16), torch.rand(D, 16)),
+    }
+
+
+def test_llama_regions_fp32(cache):
+    regions = []
+    for name, (fn, *args) in _llama_cases(torch.float32).items():
+        found = llama_regions(fn, *args)
+        assert found, f"the partitioner found no region in {name}"
+        regions += found
+    check_together(regions, cache, atol=1e-5)
+
+
+def test_llama_regions_bf16(cache):
+    cases = _llama_cases(torch.bfloat16)
+    check_together([r for name in ("rmsnorm", "swiglu", "rope") for r in llama_regions(*cases[name])], cache)
+
+
+def test_source_in_facts_and_cache_hit(cache):
+    region = region_of(lambda x: (x.exp() + 1,), torch.randn(5, 7))
+    CppExecutor().compile(region, cache)
+    assert "acc_exp" in region.facts["source"] and region.facts["source_ext"] == "cpp"
+    again = region_of(lambda x: (x.exp() + 1,), torch.randn(5, 7))
+    before = cpp_build.compiler_invocations()
+    CppExecutor().compile(again, cache)
+    assert cpp_build.compiler_invocations() == before and again.facts["cache_hit"] is True
+
+
+# -- the cache across processes, and a machine without g++ ----------------------------------------
+_CHILD = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from accelrun.compile.codegen import cpp_build
+    lib = cpp_build.load_library(cpp_build.build_library(Path(sys.argv[2]).read_text(), sys.argv[1]))
+    assert hasattr(lib, "accelrun_region")
+    print(cpp_build.compiler_invocations())
+""")
+
+
+def test_second_process_reuses_the_library(tmp_path):
+    """Two fresh processes share a cache directory: the first runs g++, the second only loads."""
+    source = tmp_path / "region.cpp"
+    source.write_text(cpp_source(cached_program(region_of(lambda x: (torch.sigmoid(x) * x,), torch.randn(33, 17)))))
+    cmd = [sys.executable, "-c", _CHILD, str(tmp_path / "shared"), str(source)]
+    runs = [subprocess.run(cmd, capture_output=True, text=True, env={**os.environ}) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert [r.stdout.strip() for r in runs] == ["1", "0"]
+
+
+def test_unavailable_without_compiler(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("ACCELRUN_CXX", raising=False)
+    reason = CppExecutor().unavailable_reason()
+    assert reason is not None and "g++" in reason
+    monkeypatch.setenv("ACCELRUN_CXX", "")
+    assert "g++" in CppExecutor().unavailable_reason()
