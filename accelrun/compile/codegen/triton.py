@@ -41,7 +41,7 @@ OPS = {
     "gt": "({0} > {1})", "ge": "({0} >= {1})", "and": "({0} & {1})", "or": "({0} | {1})", "not": "({0} == 0)",
     "neg": "(-{0})", "abs": "tl.abs({0})", "exp": "tl.exp({0})", "log": "tl.log({0})",
     "log1p": "libdevice.log1p({0})", "expm1": "libdevice.expm1({0})", "tanh": "libdevice.tanh({0})",
-    "sigmoid": "tl.sigmoid({0})", "rsqrt": "tl.rsqrt({0})", "sqrt": "tl.sqrt({0})", "erf": "tl.erf({0})",
+    "sigmoid": "(1.0 / (1.0 + tl.exp(-{0})))", "rsqrt": "tl.rsqrt({0})", "sqrt": "tl.sqrt({0})", "erf": "tl.erf({0})",
     "reciprocal": "(1.0 / {0})", "sin": "tl.sin({0})", "cos": "tl.cos({0})", "floor": "tl.floor({0})",
     "ceil": "tl.ceil({0})", "trunc": "libdevice.trunc({0})",
     "sign": "(({0} > 0).to(tl.int32) - ({0} < 0).to(tl.int32))",
@@ -52,13 +52,32 @@ OPS = {
 IDENTITY = {("sum", "f32"): "0.0", ("max", "f32"): "float('-inf')", ("min", "f32"): "float('inf')",
             ("sum", "i64"): "0", ("max", "i64"): "-(2**63)", ("min", "i64"): "2**63 - 1",
             ("sum", "i32"): "0", ("max", "i32"): "-(2**31)", ("min", "i32"): "2**31 - 1"}
-TL_REDUCE = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}
+# Reductions go through tl.reduce with combine functions of the generated module itself, not tl.sum /
+# tl.max: those are triton.jit functions decorated when triton was imported, which under
+# TRITON_INTERPRET=1 only works if the variable was set before that import.
+TL_REDUCE = {"sum": "tl.reduce({0}, {1}, _acc_add)", "max": "tl.reduce({0}, {1}, _acc_max)",
+             "min": "tl.reduce({0}, {1}, _acc_min)"}
 COMBINE = {"sum": "{a} + {b}", "max": "tl.maximum({a}, {b})", "min": "tl.minimum({a}, {b})"}
 
 HEADER = """\
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+
+@triton.jit
+def _acc_add(a, b):
+    return a + b
+
+
+@triton.jit
+def _acc_max(a, b):
+    return tl.where((a != a) | (a > b), a, b)
+
+
+@triton.jit
+def _acc_min(a, b):
+    return tl.where((a != a) | (a < b), a, b)
 """
 
 
@@ -148,7 +167,7 @@ class _KernelWriter:
                 for red in block.reductions:
                     init = IDENTITY[red.op, red.ctype]
                     full = f"tl.where(mask, {red.value} + zero_inner.to({TL_TYPE[red.ctype]}), {init})"
-                    e.line(f"{red.name} = {TL_REDUCE[red.op]}({full}, axis=1)[:, None]")
+                    e.line(f"{red.name} = {TL_REDUCE[red.op].format(full, 1)}[:, None]")
                 self._stores(block, mask, f"zero_{level}")
 
     def _write_cols(self) -> None:
@@ -170,7 +189,7 @@ class _KernelWriter:
                 value = f"tl.where(mask, {red.value} + zero_inner.to({TL_TYPE[red.ctype]}), {init})"
                 e.line(f"{red.name}_part = " + COMBINE[red.op].format(a=f"{red.name}_part", b=value))
         for red in loop.reductions:
-            e.line(f"{red.name} = {TL_REDUCE[red.op]}({red.name}_part, axis=0)[None, :]")
+            e.line(f"{red.name} = {TL_REDUCE[red.op].format(red.name + '_part', 0)}[None, :]")
         for block in post:
             self._stmts(block.stmts, "cmask", "zero_col")
             self._stores(block, "cmask", "zero_col")

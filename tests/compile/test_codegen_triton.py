@@ -1,0 +1,110 @@
+"""accelrun's Triton code generator against eager PyTorch, run by Triton's interpreter on the CPU.
+
+The interpreter is slow, so these are a few representative regions (row reductions, a column
+reduction, broadcasts and views, bf16), not the property tests of test_codegen_cpp.py. triton reads
+TRITON_INTERPRET when a kernel is decorated, i.e. when the generated module is imported, so setting
+it before ``compile`` is enough. Tolerances: fp32 rtol 1e-5, atol 1e-5 (reductions); bf16 rtol 1e-2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._decomp import core_aten_decompositions
+from torch._functorch.aot_autograd import aot_function, make_boxed_func
+
+from accelrun.compile.executors.triton import TritonExecutor
+from accelrun.compile.extract import extract_regions
+from accelrun.compile.passes.partition_regions import partition
+from accelrun.compile.regions import Region
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+@pytest.fixture
+def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def regions_of(fn, *args) -> list[Region]:
+    """Regions the partitioner cuts from the forward and backward graphs of ``fn``."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    outs = aot_function(fn, fw_compiler=keep, bw_compiler=keep, decompositions=core_aten_decompositions())(*args)
+    outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+    sum(o.float().sum() for o in outs if o.requires_grad).backward()
+    regions: list[Region] = []
+    for kind, gm in zip(("forward", "backward"), graphs, strict=False):
+        partition(gm.graph, first_id=len(regions))
+        regions += extract_regions(gm, kind)
+    return regions
+
+
+def check(region: Region, cache: str) -> None:
+    ex = TritonExecutor()
+    assert ex.unavailable_reason() is None
+    reason = ex.decline_reason(region)
+    assert reason is None, reason
+    fn = ex.compile(region, cache)
+    gen = torch.Generator().manual_seed(region.id)
+    inputs = []
+    for m in region.input_meta:
+        t = torch.empty_strided(tuple(m.shape), tuple(m.stride()), dtype=m.dtype)
+        inputs.append(t.copy_(torch.randn(tuple(m.shape), generator=gen)) if m.dtype.is_floating_point
+                      else t.copy_(torch.randint(0, 4, tuple(m.shape), generator=gen)))
+    for got, want in zip(fn(*inputs), region.gm(*inputs), strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        tol = dict(rtol=1e-2, atol=1e-2) if want.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, equal_nan=True, **tol)
+
+
+def rmsnorm(x, w):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).type_as(x) * w
+
+
+def rope(x, cos, sin):
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).type_as(x)
+
+
+CASES = {
+    # forward: row reduction + epilogue; backward: a row and a column reduction
+    "rmsnorm_fp32": lambda: (rmsnorm, torch.randn(2, 4, 24, requires_grad=True), torch.randn(24, requires_grad=True)),
+    "rmsnorm_bf16": lambda: (rmsnorm, torch.randn(2, 4, 24, dtype=torch.bfloat16, requires_grad=True),
+                             torch.randn(24, dtype=torch.bfloat16, requires_grad=True)),
+    "cross_entropy": lambda: (lambda lg, t: F.cross_entropy(lg, t), torch.randn(6, 40, requires_grad=True),
+                              torch.randint(0, 40, (6,))),
+    "rope_swiglu": lambda: (lambda x, c, s: F.silu(rope(x, c, s)) * x, torch.randn(2, 4, 2, 8, requires_grad=True),
+                            torch.randn(4, 4), torch.randn(4, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_regions_under_the_interpreter(interpret, tmp_path, name):
+    fn, *args = CASES[name]()
+    regions = regions_of(fn, *args)
+    assert regions
+    for region in regions:
+        check(region, str(tmp_path))
+        assert "@triton.jit" in region.facts["source"] and region.facts["source_ext"] == "py"
+
+
+def test_unavailable_without_gpu_or_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present, so triton is available without the interpreter")
+    assert "TRITON_INTERPRET" in TritonExecutor().unavailable_reason()
+
+
+def test_declines_a_row_too_long_for_one_tile():
+    gm_region = regions_of(lambda x: torch.softmax(x, -1) * 2, torch.randn(2, 20000, requires_grad=True))[0]
+    assert "too long" in TritonExecutor().decline_reason(gm_region)
