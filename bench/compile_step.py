@@ -1,0 +1,198 @@
+"""The debug Llama's training step (forward, backward, AdamW) under eager, Inductor and accelrun.
+
+All variants live in one process and their steps are interleaved round-robin, so machine noise hits
+them alike; figures are medians and ratios of medians against eager. Cold compile = the first step
+with empty caches (Dynamo, Inductor's and accelrun's on-disk caches in a fresh temporary folder).
+Warm start and peak memory are measured per variant in a fresh child process that reuses those
+caches: its first step's time is the warm start, its peak RSS growth over the built model the memory.
+
+    python bench/compile_step.py                       # fp32 and bf16-mixed
+    python bench/compile_step.py --precision fp32 --rounds 30 --executors cpp,aten
+    python bench/compile_step.py --variants eager,accelrun --passes max
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from accelrun.config import load_config  # noqa: E402
+from accelrun.data import build_data  # noqa: E402
+from accelrun.models import build_model, transformer_blocks  # noqa: E402
+from accelrun.models.build import training_loss_fn  # noqa: E402
+from accelrun.train.compile_model import compile_model  # noqa: E402
+from accelrun.train.optim import build_optimizer  # noqa: E402
+from accelrun.train.precision import autocast  # noqa: E402
+
+VARIANTS = ("eager", "inductor", "accelrun", "thunder")
+
+
+class Variant:
+    """One model + optimizer + data stream compiled one way."""
+
+    def __init__(self, name: str, args: argparse.Namespace) -> None:
+        overrides = [f"train.precision={args.precision}", f"compile.passes={args.passes}",
+                     f"compile.executors=[{args.executors}]", f"compile.scope={args.scope}"]  # fmt: skip
+        backend = name if name in ("eager", "inductor", "accelrun") else "eager"
+        cfg = load_config(REPO / "configs" / "llama.yaml", [*overrides, f"compile.backend={backend}"]).config
+        self.name, self.cfg, self.device = name, cfg, torch.device("cpu")
+        torch.manual_seed(cfg.train.seed)
+        self.model = build_model(cfg.model, self.device, seed=cfg.train.seed)
+        self.compiled = compile_model(self.model, transformer_blocks(self.model), cfg.compile)
+        self.loss_fn = training_loss_fn(self.model)
+        if name == "thunder":
+            import thunder  # installed by ../shared/peers/install_thunder.sh
+
+            jitted = thunder.jit(self.model)
+            self.loss_fn = lambda x, y: jitted(x, y)
+        self.optimizer = build_optimizer(self.model, cfg.train.optimizer, self.device, sharded=False)
+        t = cfg.train
+        self.data = build_data(cfg.data, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
+                               vocab_size=cfg.model.vocab_size)  # fmt: skip
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def step(self, count_saved: bool = False) -> float:
+        inputs, targets = next(self.data)
+        t0 = time.perf_counter()
+        with autocast(self.cfg.train.precision, self.device), saved_bytes_counter(count_saved) as saved:
+            loss = self.loss_fn(inputs, targets)
+        self.saved_bytes = saved.get("bytes")
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        self.losses.append(float(loss.detach()))
+        return dt
+
+
+@contextmanager
+def saved_bytes_counter(enabled: bool):
+    """Bytes of the distinct tensors autograd keeps for the backward (compiled graphs' saved
+    activations included: AOTAutograd saves them through autograd too). Parameters count once."""
+    result: dict = {}
+    if not enabled:
+        yield result
+        return
+    seen: set[int] = set()
+    total = 0
+
+    def pack(t: torch.Tensor):
+        nonlocal total
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield result
+    result["bytes"] = total
+
+
+def available(name: str) -> str | None:
+    if name == "thunder":
+        try:
+            import thunder  # noqa: F401
+        except ImportError:
+            return "lightning-thunder is not installed (../shared/peers/install_thunder.sh installs it)"
+    return None
+
+
+def child(args: argparse.Namespace) -> None:
+    """Warm start and memory of one variant, in a fresh process."""
+    v = Variant(args.child, args)
+    first = v.step()
+    v.step(count_saved=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"warm_start_s": first, "peak_rss_mib": peak / 1024, "saved_mib": v.saved_bytes / 2**20}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--precision", choices=["fp32", "bf16-mixed", "both"], default="both")
+    p.add_argument("--variants", default="eager,inductor,accelrun,thunder")
+    p.add_argument("--rounds", type=int, default=20, help="interleaved timed steps per variant")
+    p.add_argument("--passes", default="default")
+    p.add_argument("--executors", default="inductor,aten", help="accelrun's executors, in priority order")
+    p.add_argument("--scope", default="loss")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    torch.set_num_threads(torch.get_num_threads())
+    cache = Path(tempfile.mkdtemp(prefix="accelrun-bench-"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
+    os.environ["ACCELRUN_CACHE_DIR"] = str(cache / "accelrun")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; caches under {cache}")
+    precisions = ["fp32", "bf16-mixed"] if args.precision == "both" else [args.precision]
+    for precision in precisions:
+        args.precision = precision
+        run_one(args)
+
+
+def run_one(args: argparse.Namespace) -> None:
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    skipped = {n: why for n in names if (why := available(n))}
+    names = [n for n in names if n not in skipped]
+    variants, cold = [], {}
+    for name in names:
+        torch._dynamo.reset()  # cold: nothing compiled in this process for this variant yet
+        v = Variant(name, args)
+        cold[name] = v.step()
+        variants.append(v)
+    for v in variants:  # one untimed step each after compiling (allocator, caches)
+        v.step()
+    for _ in range(args.rounds):
+        for v in variants:
+            v.times.append(v.step())
+    eager_median = statistics.median(variants[0].times) if names[0] == "eager" else None
+    print(f"\n## {args.precision}: {args.rounds} interleaved steps each (accelrun: passes={args.passes}, "
+          f"executors=[{args.executors}], scope={args.scope})\n")  # fmt: skip
+    print("| variant | median step | vs eager | cold compile (first step) | warm start (new process) | "
+          "saved for backward | peak RSS (new process) | last loss |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for v in variants:
+        med = statistics.median(v.times)
+        ratio = f"{eager_median / med:.2f}×" if eager_median else "-"
+        extra = measure_in_child(v.name, args)
+        nan = float("nan")
+        print(f"| {v.name} | {med * 1000:.0f} ms | {ratio} | {cold[v.name]:.1f} s | "
+              f"{extra.get('warm_start_s', nan):.2f} s | {extra.get('saved_mib', nan):.1f} MiB | "
+              f"{extra.get('peak_rss_mib', nan):.0f} MiB | {v.losses[-1]:.4f} |")  # fmt: skip
+    for n, why in skipped.items():
+        print(f"| {n} | skipped: {why} | | | | | | |")
+    # Same data, same seed: every variant must compute the same losses (the comparison is of speed only).
+    ref = variants[0].losses
+    for v in variants[1:]:
+        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(v.losses, ref, strict=True))
+        print(f"losses {v.name} vs {variants[0].name}: max relative difference {worst:.2e} over {len(ref)} steps")
+
+
+def measure_in_child(name: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--child", name, "--precision", args.precision, "--passes", args.passes,
+           "--executors", args.executors, "--scope", args.scope]  # fmt: skip
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError) as e:
+        print(f"(child for {name} failed: {e})", file=sys.stderr)
+        return {}
+
+
+if __name__ == "__main__":
+    main()
