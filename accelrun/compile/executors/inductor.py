@@ -1,7 +1,8 @@
 """Hand a region to Inductor (``compile_fx_inner``): its own fusion and C++/Triton code generation.
 
-Inductor keeps its own on-disk cache (the FX graph cache), so a region seen before on this machine
-loads without invoking a C++ compiler; ``compile`` reports such hits through ``region.facts``.
+Inductor keeps its own on-disk caches (FX graphs, and generated kernels keyed by their source), so a
+region seen before on this machine loads without invoking a C++ compiler; ``compile`` reports the FX
+graph cache's hits and misses through ``region.facts`` when Inductor uses it for the region.
 """
 
 from __future__ import annotations
@@ -30,10 +31,14 @@ class InductorExecutor(Executor):
         from torch._dynamo.utils import counters
         from torch._inductor.compile_fx import compile_fx_inner
 
-        hits_before = counters["inductor"]["fxgraph_cache_hit"]
+        before = dict(counters["inductor"])
         with torch._guards.tracing(None):  # a fresh context: we may be inside AOTAutograd's
             compiled = compile_fx_inner(region.gm, [materialize(m) for m in region.input_meta])
-        region.facts["cache_hit"] = counters["inductor"]["fxgraph_cache_hit"] > hits_before
+        # Inductor's FX graph cache says hit or miss, or bypasses itself (then: unknown, not counted;
+        # its kernel-level code cache still spares the C++ compiler on a repeat).
+        delta = {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+        if delta["fxgraph_cache_hit"] or delta["fxgraph_cache_miss"]:
+            region.facts["cache_hit"] = delta["fxgraph_cache_hit"] > 0
 
         def run(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return tuple(compiled(list(args)))  # Inductor's calling convention takes a list
