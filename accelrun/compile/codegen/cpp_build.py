@@ -18,7 +18,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
+# -fno-math-errno and -fno-trapping-math let g++ vectorize sqrt and floor (used by acc_exp); nothing
+# here reads errno or floating-point exception flags.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-trapping-math")
 _invocations = 0
 _loaded: dict[str, ctypes.CDLL] = {}
 
