@@ -56,7 +56,9 @@ class Variant:
         self.loss_fn = training_loss_fn(self.model)
         if name == "thunder":
             import thunder  # installed by ../shared/peers/install_thunder.sh
+            import torch.fx._lazy_graph_module as lazy
 
+            lazy._force_skip_lazy_graph_module_flag = True  # thunder needs eager FX code objects
             jitted = thunder.jit(self.model)
             self.loss_fn = lambda x, y: jitted(x, y)
         self.optimizer = build_optimizer(self.model, cfg.train.optimizer, self.device, sharded=False)
