@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 # --- canonical ops -------------------------------------------------------------------------------
 
@@ -391,7 +392,8 @@ def iter_matches(pattern: Pattern, anchor: fx.Node) -> Iterator[Match]:
     """Every way ``pattern`` matches at ``anchor`` whose interior can be cut out of the graph."""
     seen: set[tuple] = set()
     for state in pattern.match(anchor, _State()):
-        key = (state.bindings, state.nodes)
+        # Bindings may hold unhashable literals (a list of dims): key them by identity or repr.
+        key = (tuple((k, id(v) if isinstance(v, fx.Node) else repr(v)) for k, v in state.bindings), state.nodes)
         if key in seen:
             continue
         seen.add(key)
@@ -442,6 +444,28 @@ def example_value(node: Any) -> Any:
         if v is not None and hasattr(v, "shape") and hasattr(v, "dtype"):
             return v
     return None
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """Sizes provably equal, without adding a guard when either is symbolic (dynamic shapes)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return statically_known_true(a == b)
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b, strict=True))
+
+
+def is_scalar(value: Any) -> bool:
+    """A Python number, or a graph value that is one (Dynamo's ``.item()`` of a float attribute when
+    compiling with dynamic=True)."""
+    if _is_number(value):
+        return True
+    if not isinstance(value, fx.Node):
+        return False
+    v = value.meta.get("example_value", value.meta.get("val"))
+    return isinstance(v, (torch.SymFloat, torch.SymInt, float, int)) and not isinstance(v, bool)
 
 
 def static_shape(node: Any) -> tuple[int, ...] | None:

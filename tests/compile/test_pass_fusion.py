@@ -49,13 +49,13 @@ class Fused:
         return next(n for n in self.gm.graph.nodes if n.target is target)
 
 
-def run_both(fn, inputs, passes, aot=False, tol=None):
+def run_both(fn, inputs, passes, aot=False, tol=None, dynamic=False):
     """Run ``fn`` eagerly and compiled with ``passes``; outputs and gradients must agree. -> backend."""
     backend = Fused(passes, aot)
     eager_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
     fused_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
     expected = fn(*eager_in)
-    got = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*fused_in)
+    got = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*fused_in)
     dtype = next(t.dtype for t in inputs if t.is_floating_point())
     tol = tol or TOL[dtype]
     torch.testing.assert_close(got, expected, **tol)
@@ -336,6 +336,17 @@ def test_linear_cross_entropy_only_when_logits_have_no_other_user():
     for fn in (logits_escape, smoothed):
         backend = run_both(fn, [h, w, t], ["fuse_linear_cross_entropy"])
         assert backend.counts == {"fuse_linear_cross_entropy": 0}, fn.__name__
+
+
+def test_dynamic_shapes_symbolic_eps_and_rows():
+    # dynamic=True makes Dynamo pass RMSNorm's eps as a graph value and the row count as a symbol.
+    norm = RMSNorm(8)
+    backend = run_both(lambda x: norm(x), [randn(3, 5, 8)], ["fuse_rmsnorm"], aot=True, dynamic=True)
+    assert backend.counts == {"fuse_rmsnorm": 1}
+    h, w, t = randn(2, 6, 8), randn(10, 8, seed=1), torch.randint(0, 10, (2, 6), generator=torch.Generator())
+    option = [{"fuse_linear_cross_entropy": {"chunk_rows": 5}}]
+    backend = run_both(head_loss, [h, w, t], option, aot=True, dynamic=True)
+    assert backend.node(linear_cross_entropy).args[6] == 5
 
 
 # --- end to end: the Llama block and model+loss through AOTAutograd ------------------------------

@@ -11,6 +11,7 @@ never materialises the (N, V) logits: it works ``chunk_rows`` rows at a time.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from pydantic import PositiveFloat, PositiveInt
@@ -31,6 +32,8 @@ from accelrun.compile.pattern import (
     normalized_args,
     replace_with_call,
     rewrite_all,
+    same_shape,
+    same_size,
 )
 
 
@@ -60,11 +63,11 @@ def _acceptable(m: Match) -> bool:
     logits_in = example_value(normalized_args(m["loss"])["input"])
     if h is None or w is None or target is None or logits_in is None:
         return False
-    if len(w.shape) != 2 or h.shape[-1] != w.shape[1] or not h.dtype.is_floating_point:
+    if len(w.shape) != 2 or not same_size(h.shape[-1], w.shape[1]) or not h.dtype.is_floating_point:
         return False
     vocab = w.shape[0]
     rows = math.prod(h.shape[:-1])
-    if tuple(logits_in.shape) != (rows, vocab) or tuple(target.shape) != (rows,):
+    if not same_shape(logits_in.shape, (rows, vocab)) or not same_shape(target.shape, (rows,)):
         return False  # the chain must only fold leading dims into rows; class-index targets only
     if target.dtype not in (torch.int64, torch.int32):
         return False
@@ -73,7 +76,7 @@ def _acceptable(m: Match) -> bool:
     bias = m.get("bias")
     if bias is not None:
         b = example_value(bias)
-        if not isinstance(bias, fx.Node) or b is None or tuple(b.shape) != (vocab,):
+        if not isinstance(bias, fx.Node) or b is None or not same_shape(b.shape, (vocab,)):
             return False
     for node in m.nodes:  # a cast in the chain may only go up to fp32
         if canonical_op(node) == "to" and normalized_args(node)["dtype"] is not torch.float32:
@@ -81,10 +84,15 @@ def _acceptable(m: Match) -> bool:
     return True
 
 
-def _chunk_rows(options: FuseLinearCrossEntropyOptions, rows: int, vocab: int) -> int:
+def _chunk_rows(options: FuseLinearCrossEntropyOptions, rows: Any, vocab: Any) -> int | None:
     if options.chunk_rows is not None:
-        return min(options.chunk_rows, rows)
-    return max(1, min(rows, int(options.chunk_mb * 2**20) // (vocab * 4)))
+        chunk = options.chunk_rows
+    elif isinstance(vocab, int):
+        chunk = max(1, int(options.chunk_mb * 2**20) // (vocab * 4))
+    else:
+        return None  # a symbolic vocabulary size: no chunk size to derive from chunk_mb
+    # Clamp to the rows there are (a tidier graph), unless their number is symbolic (dynamic shapes).
+    return min(chunk, rows) if isinstance(rows, int) else chunk
 
 
 def _rewrite(gm: fx.GraphModule, anchor: fx.Node, options: FuseLinearCrossEntropyOptions) -> fx.Node | None:
@@ -94,6 +102,8 @@ def _rewrite(gm: fx.GraphModule, anchor: fx.Node, options: FuseLinearCrossEntrop
         upcast = any(canonical_op(n) in ("float", "to") for n in m.nodes)
         rows, vocab = example_value(m["target"]).shape[0], example_value(m["w"]).shape[0]
         chunk_rows = _chunk_rows(options, rows, vocab)
+        if chunk_rows is None:
+            return None
         args = (m["h"], m["w"], m.get("bias"), m["target"], m["ignore_index"], m["reduction"], chunk_rows, upcast)
         return replace_with_call(gm, m, linear_cross_entropy, args)
     return None

@@ -15,7 +15,6 @@ from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, r
 from accelrun.compile.pattern import (
     Lit,
     Match,
-    Num,
     OneOf,
     Op,
     Tensor,
@@ -23,9 +22,11 @@ from accelrun.compile.pattern import (
     example_value,
     float32_cast,
     is_dim,
+    is_scalar,
     iter_matches,
     replace_with_call,
     rewrite_all,
+    same_shape,
 )
 
 
@@ -38,7 +39,7 @@ def _pattern(upcast: bool):
     # x appears up to three times; with `upcast` every use goes through its own (or a shared) cast.
     xc = float32_cast(x) if upcast else x
     square = OneOf(Op("pow", xc, Lit(2)), Op("mul", xc, xc), Op("square", xc))
-    denom = Op("add", Op("mean", square, Var("dim"), keepdim=Lit(True)), Num("eps"))
+    denom = Op("add", Op("mean", square, Var("dim"), keepdim=Lit(True)), Var("eps", is_scalar))
     normed = OneOf(Op("mul", xc, Op("rsqrt", denom)), Op("div", xc, Op("sqrt", denom)))
     cast = OneOf(Op("type_as", normed, x, name="cast"), Op("to", normed, Var("to_dtype"), name="cast"), normed)
     return OneOf(Op("mul", cast, Tensor("weight"), name="scaled"), cast)
@@ -59,7 +60,7 @@ def _acceptable(m: Match) -> bool:
     if "weight" in m.bindings:
         # Only a per-feature weight: anything else multiplied in stays outside the fused op.
         w = example_value(m["weight"])
-        if x is None or w is None or tuple(w.shape) != (x.shape[-1],) or not w.dtype.is_floating_point:
+        if x is None or w is None or not same_shape(w.shape, x.shape[-1:]) or not w.dtype.is_floating_point:
             return False
     return True
 
@@ -69,7 +70,8 @@ def _rewrite(gm: fx.GraphModule, anchor: fx.Node) -> fx.Node | None:
         for m in iter_matches(pattern, anchor):
             if _acceptable(m):
                 cast_back = "cast" in m.bindings
-                args = (m["x"], m.get("weight"), float(m["eps"]), upcast, cast_back)
+                eps = m["eps"] if isinstance(m["eps"], fx.Node) else float(m["eps"])  # a node: symbolic
+                args = (m["x"], m.get("weight"), eps, upcast, cast_back)
                 return replace_with_call(gm, m, rms_norm, args)
     return None
 

@@ -49,7 +49,7 @@ PATTERNS = ((True, _pattern(True)), (False, _pattern(False)))
 
 def _acceptable(m: Match) -> bool:
     x = example_value(m["x"])
-    if x is None or not x.dtype.is_floating_point or x.shape[-1] % 2:
+    if x is None or not x.dtype.is_floating_point or not isinstance(x.shape[-1], int) or x.shape[-1] % 2:
         return False
     ndim = len(x.shape)
     sizes = m["sizes"]
