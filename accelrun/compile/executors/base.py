@@ -26,6 +26,9 @@ RegionFn = Callable[..., tuple[torch.Tensor, ...]]
 
 class Executor(ABC):
     name: ClassVar[str]
+    # True when compile() spends its time outside the GIL (a compiler subprocess) and is safe to call
+    # from several threads: the lowering then compiles this executor's regions concurrently.
+    parallel_compile: ClassVar[bool] = False
 
     def unavailable_reason(self) -> str | None:
         """Why this executor cannot run at all on this machine (no compiler, no GPU), or None."""
