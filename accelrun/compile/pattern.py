@@ -198,7 +198,8 @@ def _same(a: Any, b: Any) -> bool:
 @dataclass(frozen=True)
 class _State:
     bindings: tuple[tuple[str, Any], ...] = ()
-    nodes: frozenset[fx.Node] = frozenset()
+    nodes: frozenset[fx.Node] = frozenset()  # consumed by Op patterns: the interior, anchor included
+    inputs: frozenset[fx.Node] = frozenset()  # bound by Var patterns: values the replacement reads
 
     def get(self, name: str, default: Any = None) -> Any:
         for k, v in self.bindings:
@@ -210,10 +211,15 @@ class _State:
         for k, v in self.bindings:
             if k == name:
                 return self if _same(v, value) else None
-        return _State((*self.bindings, (name, value)), self.nodes)
+        return _State((*self.bindings, (name, value)), self.nodes, self.inputs)
 
     def add_node(self, node: fx.Node) -> _State:
-        return _State(self.bindings, self.nodes | {node})
+        return _State(self.bindings, self.nodes | {node}, self.inputs)
+
+    def add_input(self, value: Any) -> _State:
+        if not isinstance(value, fx.Node):
+            return self
+        return _State(self.bindings, self.nodes, self.inputs | {value})
 
 
 class Pattern:
@@ -240,7 +246,7 @@ class Var(Pattern):
             return
         new = state.bind(self.name, value)
         if new is not None:
-            yield new
+            yield new.add_input(value)
 
 
 def Tensor(name: str) -> Var:  # noqa: N802 (reads as a type in patterns)
@@ -397,7 +403,8 @@ def iter_matches(pattern: Pattern, anchor: fx.Node) -> Iterator[Match]:
         if key in seen:
             continue
         seen.add(key)
-        if anchor in state.nodes and _is_self_contained(anchor, state.nodes):
+        # A value both consumed and read (y * y matched as "normed * weight") cannot be cut out.
+        if anchor in state.nodes and not state.inputs & state.nodes and _is_self_contained(anchor, state.nodes):
             yield Match(anchor, state.nodes, dict(state.bindings))
 
 

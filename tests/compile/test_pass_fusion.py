@@ -171,6 +171,14 @@ def test_rmsnorm_leaves_a_non_feature_weight_outside():
     assert backend.counts == {"fuse_rmsnorm": 1}
     assert backend.node(rms_norm).args[1] is None and operator.mul in backend.targets()
 
+    def squared(x):  # the normalised value is the "weight" too: it cannot be both consumed and read
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return y * y
+
+    backend = run_both(squared, [randn(4, 8)], ["fuse_rmsnorm"])
+    assert backend.counts == {"fuse_rmsnorm": 1}
+    assert backend.node(rms_norm).args[1] is None and operator.mul in backend.targets()
+
 
 # --- SwiGLU, RoPE --------------------------------------------------------------------------------
 
