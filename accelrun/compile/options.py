@@ -18,7 +18,7 @@ def default_cache_dir() -> Path:
 @dataclass
 class CompileOptions:
     passes: list[ConfiguredPass] = field(default_factory=lambda: resolve_passes("default"))
-    executors: list[str] = field(default_factory=lambda: ["inductor", "aten"])
+    executors: list[str] = field(default_factory=lambda: ["cpp", "triton", "aten"])
     cache_dir: Path = field(default_factory=default_cache_dir)
     debug_numerics: bool = False
     dump_dir: Path | None = None  # write every pass's graphs here (explain always sets it)

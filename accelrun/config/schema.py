@@ -148,7 +148,9 @@ class CompileConfig(Section):
         "{name: options}; `accelrun compile passes` lists them"
     )
     executors: list[str] = Field(
-        ["inductor", "aten"], description="who runs fusion regions, in priority order (aten always can)"
+        ["cpp", "triton", "aten"],
+        description="who runs fusion regions, in priority order: cpp takes CPU tensors, triton CUDA ones, "
+        "inductor hands regions to Inductor, aten (the fallback) runs them op by op",
     )
     cache_dir: str | None = Field(
         None, description="compiled artifacts; None = $ACCELRUN_CACHE_DIR/compile or ~/.cache/accelrun/compile"

@@ -16,6 +16,7 @@ from accelrun.compile.regions import Region
 @register_executor
 class CppExecutor(Executor):
     name = "cpp"
+    parallel_compile = True  # g++ runs as a subprocess; regions build concurrently
 
     def unavailable_reason(self) -> str | None:
         if find_compiler() is None:
@@ -23,6 +24,9 @@ class CppExecutor(Executor):
         return None
 
     def decline_reason(self, region: Region) -> str | None:
+        devices = {str(m.device) for m in (*region.input_meta, *region.output_meta) if hasattr(m, "device")}
+        if devices - {"cpu"}:
+            return f"tensors on {', '.join(sorted(devices - {'cpu'}))}: the cpp executor runs CPU tensors"
         try:
             self._source(region)
         except Unsupported as e:

@@ -29,6 +29,10 @@ class TritonExecutor(Executor):
         return None
 
     def decline_reason(self, region: Region) -> str | None:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            devices = {m.device.type for m in (*region.input_meta, *region.output_meta) if hasattr(m, "device")}
+            if devices - {"cuda"}:
+                return f"tensors on {', '.join(sorted(devices - {'cuda'}))}: Triton kernels run on CUDA tensors"
         try:
             self._source(region)
         except Unsupported as e:
