@@ -2,11 +2,5 @@
 
 import importlib
 
-_MODULES = ("aten", "inductor", "cpp", "triton")
-
-for _name in _MODULES:
-    try:
-        importlib.import_module(f"{__name__}.{_name}")
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{_name}":
-            raise
+for _name in ("aten", "inductor", "cpp", "triton"):
+    importlib.import_module(f"{__name__}.{_name}")
