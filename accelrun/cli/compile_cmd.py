@@ -64,6 +64,7 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
     for reason, n in record.graph_breaks.items():
         out.print(f"  graph break ×{n}: {escape(reason)}")
     table = Table("graph", "pass", "ops", "what changed", "time", title="passes", title_justify="left")
+    table.columns[1].no_wrap = table.columns[0].no_wrap = True
     for row in ex.pass_rows(record):
         table.add_row(*map(escape, row))
     out.print(table)
