@@ -13,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 def apply_fsdp(
     model: nn.Module, blocks, mesh: DeviceMesh, precision: str, reshard_after_forward: bool
 ) -> None:
-    rep, shard = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
+    rep = mesh["dp_replicate"].size()
     dp_mesh = mesh["dp_replicate", "dp_shard"] if rep > 1 else mesh["dp_shard"]
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if precision == "bf16-mixed" else MixedPrecisionPolicy())

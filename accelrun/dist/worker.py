@@ -1,7 +1,7 @@
-"""One rank of a multi-process job: ``python -m accelrun.dist.worker RUN_DIR``.
+"""One rank of a multi-process job: ``run_rank(RUN_DIR)``, or ``python -m accelrun.dist.worker RUN_DIR``.
 
-Started by the elastic agent (``accelrun.dist.launch``), which sets RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR and MASTER_PORT. The launcher has already written ``RUN_DIR/config.yaml``
+Started by the elastic agent (``accelrun.dist.launch``: forked, running ``run_rank``), which sets
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. The launcher has already written ``RUN_DIR/config.yaml``
 (the resolved recipe); every rank reads it, joins the process group, builds its part of the
 mesh and trains.
 """
@@ -54,6 +54,13 @@ def _store(rank: int, world: int, restarts: int, timeout: timedelta) -> dist.Sto
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=rank == 0 and not agent_hosts_it, timeout=timeout)
     return dist.PrefixStore(f"accelrun/restart{restarts}", store)
+
+
+def run_rank(run_dir: str) -> None:
+    """The agent's entry point for a rank; exits with the rank's code (2: a user error) unless 0."""
+    code = main([run_dir])
+    if code:
+        sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

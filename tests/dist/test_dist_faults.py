@@ -1,81 +1,89 @@
-"""Faults in a multi-process job: a rank killed mid-run, and the group restarted by the agent."""
+"""Faults in a multi-process job: a rank killed mid-run, and a rank that hangs.
+
+These start ``accelrun train`` as a process of its own: the test signals the agent's workers from
+outside, and the CLI's ``--max-restarts`` is part of what is tested.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
+
+import pytest
 
 from accelrun.report.metrics import read_metrics
-from tests.conftest import DEFAULT_CONFIG, REPO, TINY
+from tests.dist.jobs import (
+    FSDP2,
+    LOSS_RTOL,
+    gone,
+    kill_all,
+    ranks_of,
+    start_cli,
+    stop,
+    tiny_overrides,
+)
 
 STEPS = 20
 
 
-def start(runs: Path, name: str, *extra: str) -> subprocess.Popen:
-    args = [*TINY, f"train.steps={STEPS}", f"report.runs_dir={runs}", f"name={name}", "checkpoint.every=4",
-            "parallel.nproc_per_node=2", "parallel.dp_shard=2", "train.micro_batch=2"]
-    env = {**os.environ, "ACCELRUN_NO_PEAK_PROBE": "1"}
-    return subprocess.Popen([sys.executable, "-m", "accelrun.cli.main", "train", str(DEFAULT_CONFIG), *args, *extra],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def test_killed_rank_restarts_the_group_which_resumes_and_matches(tmp_path):
-    runs = tmp_path / "runs"
-    ref = start(runs, "ref")
-    out, _ = ref.communicate(timeout=300)
-    assert ref.returncode == 0, out[-3000:]
-
-    job = start(runs, "killed", "--max-restarts", "1")
-    deadline = time.time() + 240
-    metrics = None
+def wait_for_steps(job, metrics_glob, runs, n: int, timeout: float):
+    """The metrics file once it has ``n`` lines (None if the job ended or the time ran out first)."""
+    deadline = time.time() + timeout
     while time.time() < deadline and job.poll() is None:
-        found = list((runs / "killed").glob("*/metrics.jsonl"))
-        if found and len(read_metrics(found[0])) >= 8:
-            metrics = found[0]
-            break
-        time.sleep(0.05)
-    assert metrics is not None, "the job did not get going"
-    workers = children(job.pid)
-    assert len(workers) == 2, workers
-    os.kill(workers[1], signal.SIGKILL)
-    out, _ = job.communicate(timeout=300)
-    assert job.returncode == 0, out[-3000:]
-    assert "restart 1 of the group" in out
+        found = list(runs.glob(metrics_glob))
+        if found and len(read_metrics(found[0])) >= n:
+            return found[0]
+        time.sleep(0.02)
+    return None
 
-    (ref_dir,) = list((runs / "ref").iterdir())
-    got, want = read_metrics(metrics), read_metrics(ref_dir / "metrics.jsonl")
-    assert [m["step"] for m in got] == list(range(1, STEPS + 1))  # redone steps are not counted twice
-    assert [m["loss"] for m in got] == [m["loss"] for m in want]
+
+def test_killed_rank_restarts_the_group_which_resumes_and_matches(reference, tmp_path):
+    """One job checks two things: it starts from a one-process checkpoint (1 process -> 2 FSDP
+    ranks), and after a rank is killed the agent restarts the group, which resumes from the job's
+    own newest checkpoint; every step's loss matches the one-process run's."""
+    ref = reference(STEPS)
+    runs = tmp_path / "runs"
+    job = start_cli(*tiny_overrides(runs, STEPS, "name=killed", "checkpoint.every=2",
+                                    f"checkpoint.resume={ref.checkpoint(2)}"), *FSDP2, "--max-restarts", "1")
+    try:
+        # Steps 3, 4, 5 done: the job's own step-4 checkpoint is complete (it is saved before step 5).
+        metrics = wait_for_steps(job, "killed/*/metrics.jsonl", runs, 3, timeout=240)
+        assert metrics is not None, "the job did not get going"
+        workers = ranks_of(job.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        out, _ = job.communicate(timeout=300)
+    finally:
+        stop(job)
+    assert job.returncode == 0, out[-3000:]
+    assert "step-000002 at step 2" in out, out[-3000:]  # the first start resumed the one-process checkpoint
+    assert "restart 1 of the group" in out, out[-3000:]  # the restarted group resumed its own checkpoint
+
+    got = read_metrics(metrics)
+    assert [m["step"] for m in got] == list(range(3, STEPS + 1))  # redone steps are not counted twice
+    assert [m["loss"] for m in got] == pytest.approx(ref.losses[2:], rel=LOSS_RTOL)
 
 
 def test_a_stuck_rank_makes_the_others_time_out_naming_rank_and_phase(tmp_path):
     runs = tmp_path / "runs"
-    job = start(runs, "stuck", "train.steps=100000", "parallel.timeout_s=5", "checkpoint.every=100000")
-    deadline = time.time() + 120
-    while time.time() < deadline and job.poll() is None:
-        found = list((runs / "stuck").glob("*/metrics.jsonl"))
-        if found and len(read_metrics(found[0])) >= 2:
-            break
-        time.sleep(0.05)
-    workers = children(job.pid)
-    assert len(workers) == 2, workers
-    os.kill(workers[1], signal.SIGSTOP)  # rank 1 stops answering, as a hung process would
+    job = start_cli(*tiny_overrides(runs, 100000, "name=stuck", "parallel.timeout_s=5", "checkpoint.every=100000"),
+                    *FSDP2)
+    workers: list[int] = []
     try:
+        assert wait_for_steps(job, "stuck/*/metrics.jsonl", runs, 2, timeout=120) is not None, "no steps"
+        workers = ranks_of(job.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGSTOP)  # rank 1 stops answering, as a hung process would
+        # Rank 0 times out after parallel.timeout_s and exits; the agent would then wait its grace
+        # period (30 s) for the stopped rank to take SIGTERM. Kill it as soon as rank 0 is gone.
+        deadline = time.time() + 60
+        while not gone(workers[0]) and time.time() < deadline:
+            time.sleep(0.05)
+        kill_all(workers[1:])
         out, _ = job.communicate(timeout=120)
     finally:
-        for pid in workers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(workers)
+        stop(job)
     assert job.returncode != 0
     assert "rank 0: a collective in" in out and "parallel.timeout_s = 5 s" in out, out[-3000:]

@@ -10,21 +10,19 @@ import sys
 
 import pytest
 
-from accelrun.config import load_config
 from accelrun.report.metrics import read_metrics
-from accelrun.train.run import train
 from tests.conftest import DEFAULT_CONFIG, REPO, TINY
 from tests.dist import netns
+from tests.dist.jobs import LOSS_RTOL
 
 WHY_NOT = netns.available()
 STEPS = 4
 
 
 @pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespaces: {WHY_NOT}")
-def test_two_nodes_through_c10d_rendezvous_match_one_process(tmp_path):
+def test_two_nodes_through_c10d_rendezvous_match_one_process(reference, tmp_path):
     runs = tmp_path / "runs"
     common = [*TINY, f"train.steps={STEPS}", f"report.runs_dir={runs}", "checkpoint.every=2"]
-    ref = train(load_config(DEFAULT_CONFIG, [*common, "name=one"]), command="test")
 
     job = [*common, "name=two-nodes", "parallel.nproc_per_node=1", "parallel.dp_shard=2", "train.micro_batch=2"]
     with netns.two_hosts() as hosts:
@@ -45,5 +43,4 @@ def test_two_nodes_through_c10d_rendezvous_match_one_process(tmp_path):
     report = json.loads((job_dir / "report.json").read_text())
     assert report["world_size"] == 2
     got = [m["loss"] for m in read_metrics(job_dir / "metrics.jsonl")]
-    want = [m["loss"] for m in read_metrics(ref.run_dir / "metrics.jsonl")]
-    assert got == pytest.approx(want, rel=1e-5)
+    assert got == pytest.approx(reference(STEPS).losses, rel=LOSS_RTOL)
