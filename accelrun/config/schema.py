@@ -114,6 +114,11 @@ class ParallelConfig(Section):
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     microbatches: PositiveInt | None = Field(None, description="pipeline micro-batches; None = pp")
     reshard_after_forward: bool = Field(True, description="FSDP: free gathered block parameters after forward")
+    fsdp_impl: Literal["fsdp2", "compiled"] = Field(
+        "fsdp2", description="fsdp2: FSDP2's hooks gather and reduce outside any graph; compiled: the model is one "
+        "accelrun graph whose all-gathers and reduce-scatters the compiler buckets and schedules (needs "
+        "compile.backend = accelrun)"
+    )
     timeout_s: PositiveInt = Field(600, description="a collective that waits longer fails, naming itself")
 
     @property

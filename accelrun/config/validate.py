@@ -188,6 +188,15 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
             out.append(f"{v('model.n_heads')} and kv heads {m.kv_heads} must both be divisible by tensor-parallel degree {deg['tp']}")
         if m.n_layers < deg["pp"]:
             out.append(f"{v('model.n_layers')} is fewer than pipeline stages {deg['pp']}")
+    if par.fsdp_impl == "compiled":
+        if cfg.compile.backend != "accelrun":
+            out.append(f"{v('parallel.fsdp_impl')} needs compile.backend = accelrun (its all-gathers and "
+                       f"reduce-scatters are nodes of accelrun's graphs), but {v('compile.backend')}")
+        if deg["dp_replicate"] > 1:
+            out.append(f"{v('parallel.fsdp_impl')} shards over parallel.dp_shard only; "
+                       f"{v('parallel.dp_replicate')} needs fsdp_impl = fsdp2")
+        if m.tie_embeddings:
+            out.append(f"{v('parallel.fsdp_impl')} does not support {v('model.tie_embeddings')}")
     return out
 
 

@@ -90,6 +90,10 @@ def _parallelize(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
             "train.activation_checkpoint needs a model with a `layers` ModuleList of blocks; "
             f"{type(part).__name__} has none"
         )
+    if cfg.parallel.fsdp_impl == "compiled" and ctx.mesh is not None and ctx.dp_size > 1:
+        from accelrun.dist.compiled_fsdp import compile_sharded
+
+        return compile_sharded(part, blocks, ctx.mesh, cfg.compile, dump_dir)
     compiled = compile_model(part, blocks, cfg.compile, dump_dir)
     if ctx.mesh is not None and ctx.dp_size > 1:
         apply_fsdp(part, blocks, ctx.mesh, t.precision, cfg.parallel.reshard_after_forward)
