@@ -150,3 +150,32 @@ def test_training_with_the_accelrun_backend_matches_eager(tiny, executors):
     assert compiler["passes_fired"].get("fuse_linear_cross_entropy") == 1
     if "cpp" in executors:
         assert compiler["regions_per_executor"]["cpp"] >= 10, compiler["regions_per_executor"]
+
+
+def test_second_compile_of_the_same_graph_hits_the_cache(tmp_path):
+    records = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        blocks, _ = _blocks_and_reference(1)
+        backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"], cache_dir=tmp_path / "cache"))
+        blocks[0].compile(backend=backend)
+        cos, sin = rope_tables(ARGS.head_dim, T, ARGS.rope_theta)
+        blocks[0](torch.randn(2, T, ARGS.dim, requires_grad=True), cos, sin).sum().backward()
+        records.append(backend.record)
+    cold, warm = records
+    # Cold: every distinct kernel is built once (a region identical to one built before is a hit).
+    assert cold.cache_misses > 0
+    assert warm.cache_misses == 0 and warm.cache_hits == cold.cache_hits + cold.cache_misses
+
+
+def test_graph_breaks_are_counted_with_their_reasons():
+    def f(x):
+        y = x.sin()
+        print("a side effect Dynamo cannot put in a graph")
+        return y.cos()
+
+    backend = AccelrunBackend(CompileOptions(executors=["aten"]))
+    torch.compile(f, backend=backend)(torch.randn(4))
+    breaks = backend.collect_graph_breaks()
+    assert sum(breaks.values()) >= 1 and backend.record.dynamo_graphs == 2
+    assert any("print" in reason.lower() or "builtin" in reason.lower() for reason in breaks), breaks
