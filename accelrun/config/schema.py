@@ -104,6 +104,10 @@ class TrainConfig(Section):
     threads: PositiveInt | None = Field(None, description="CPU threads for torch; None = torch's default")
 
 
+# Pipeline schedules that run several ("virtual") stages per rank: rank r holds r, r + pp, ...
+PP_STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
+
+
 class ParallelConfig(Section):
     nnodes: PositiveInt = 1
     nproc_per_node: PositiveInt = 1
@@ -120,6 +124,31 @@ class ParallelConfig(Section):
         "compile.backend = accelrun)"
     )
     timeout_s: PositiveInt = Field(600, description="a collective that waits longer fails, naming itself")
+    sequence_parallel: bool = Field(
+        False, description="TP: shard the norms and the residual stream along the sequence (needs tp > 1)"
+    )
+    loss_parallel: bool = Field(
+        False, description="TP: cross-entropy on vocabulary-sharded logits, never gathered (needs tp > 1)"
+    )
+    pp_layers: list[list[NonNegativeInt]] | None = Field(
+        None, description="the layers of each pipeline stage, in order, e.g. [[0, 1], [2, 3]]; None = balanced"
+    )
+
+    @field_validator("pp_layers")
+    @classmethod
+    def _pp_layers_cover_each_layer_once_in_order(cls, v: list[list[int]] | None) -> list[list[int]] | None:
+        if v is None:
+            return v
+        if len(v) < 2:
+            raise ValueError(f"expected one list of layers per pipeline stage (at least 2), got {len(v)}")
+        empty = [i for i, stage in enumerate(v) if not stage]
+        if empty:
+            raise ValueError(f"stage {empty[0]} has no layers; every stage needs at least one")
+        flat = [layer for stage in v for layer in stage]
+        if flat != list(range(len(flat))):
+            raise ValueError(f"expected the layers 0..{len(flat) - 1} each once, in order "
+                             "(stages are contiguous slices of the model)")
+        return v
 
     @property
     def world_size(self) -> int:

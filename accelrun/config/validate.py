@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from accelrun.config.compose import DEFAULT, Source
 from accelrun.config.errors import ConfigError, nearest
-from accelrun.config.schema import RunConfig
+from accelrun.config.schema import PP_STAGES_PER_RANK, RunConfig
 from accelrun.config.yaml_lines import KeyPath, dotted
 
 # Token ids the built-in tokenizers use (accelrun.data.tokenizer is the source of truth;
@@ -197,6 +197,20 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
                        f"{v('parallel.dp_replicate')} needs fsdp_impl = fsdp2")
         if m.tie_embeddings:
             out.append(f"{v('parallel.fsdp_impl')} does not support {v('model.tie_embeddings')}")
+    for key in ("sequence_parallel", "loss_parallel"):
+        if getattr(par, key) and deg["tp"] == 1:
+            out.append(f"{v('parallel.' + key)} needs tensor parallelism, but {v('parallel.tp')}")
+    if par.sequence_parallel and deg["tp"] > 1 and cfg.train.seq_len % deg["tp"]:
+        out.append(f"{v('train.seq_len')} is not divisible by tensor-parallel degree {deg['tp']} "
+                   "(parallel.sequence_parallel shards the sequence)")
+    if par.pp_layers is not None:
+        stages = deg["pp"] * PP_STAGES_PER_RANK[par.pp_schedule]
+        layers = sum(len(stage) for stage in par.pp_layers)
+        if len(par.pp_layers) != stages:
+            out.append(f"{v('parallel.pp_layers')} lists {len(par.pp_layers)} stages; {v('parallel.pp')} "
+                       f"with {v('parallel.pp_schedule')} makes {stages}")
+        if m.custom is None and layers != m.n_layers:
+            out.append(f"{v('parallel.pp_layers')} lists {layers} layers, not {v('model.n_layers')}")
     return out
 
 

@@ -33,6 +33,13 @@ def check_supported(cfg: RunConfig) -> None:
         raise ConfigError(f"parallel.tp = {deg['tp']} needs the built-in Llama; model.custom is set")
     if deg["tp"] > 1 and cfg.model.tie_embeddings:
         raise ConfigError(f"parallel.tp = {deg['tp']} with model.tie_embeddings = true is not supported")
+    for key in ("sequence_parallel", "loss_parallel"):
+        # Stages exchange the residual stream and the last one computes the loss on plain tensors.
+        if getattr(par, key) and deg["pp"] > 1:
+            raise ConfigError(f"parallel.{key} = true with parallel.pp = {deg['pp']} is not supported yet")
+    if par.loss_parallel and cfg.compile.backend != "eager" and cfg.compile.scope != "block":
+        raise ConfigError(f"parallel.loss_parallel = true compiles only with compile.scope = block "
+                          f"(compile.scope = {cfg.compile.scope} would compile the sharded loss)")
 
 
 def build_mesh(par: ParallelConfig, device_type: str, world_size: int) -> DeviceMesh:

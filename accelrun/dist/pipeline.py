@@ -1,5 +1,6 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: the Llama cut into stages by
-layers, a schedule from the recipe, micro-batches from ``parallel.microbatches``.
+layers (balanced, or ``parallel.pp_layers``), a schedule from the recipe, micro-batches from
+``parallel.microbatches``.
 
 Stages keep the whole model's parameter names (their blocks sit in a ModuleDict keyed by layer
 index), so a pipelined run's checkpoints load into any other layout and back.
@@ -22,14 +23,15 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
+from accelrun.config.schema import PP_STAGES_PER_RANK
+
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleInterleavedZeroBubble,
 }
-# Schedules that run several ("virtual") stages per rank, looped: rank r holds r, r + pp, ...
-STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
+STAGES_PER_RANK = PP_STAGES_PER_RANK  # several ("virtual") stages per rank, looped: rank r holds r, r + pp, ...
 
 
 def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
@@ -42,6 +44,16 @@ def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
         out.append(range(start, start + size))
         start += size
     return out
+
+
+def stage_layers(n_layers: int, n_stages: int, explicit: list[list[int]] | None = None) -> list[range]:
+    """Each stage's layers: ``explicit`` (``parallel.pp_layers``, validated with the recipe: every
+    layer once, in order, one list per stage) or a balanced split."""
+    if explicit is None:
+        return layer_ranges(n_layers, n_stages)
+    if len(explicit) != n_stages or sum(map(len, explicit)) != n_layers:
+        raise ValueError(f"pp_layers {explicit} does not split {n_layers} layers into {n_stages} stages")
+    return [range(stage[0], stage[-1] + 1) for stage in explicit]
 
 
 def stage_module(model: nn.Module, stage: int, n_stages: int, layers: range) -> nn.Module:
@@ -60,12 +72,14 @@ class Pipeline:
     """This rank's stages and the schedule that drives them; ``step`` runs one batch through."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, schedule: str, microbatches: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device):
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
+                 layers: list[list[int]] | None = None):
         pp_mesh = mesh["pp"]
         self.group = pp_mesh.get_group()
         pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
         n_stages = pp_size * STAGES_PER_RANK[schedule]
-        ranges = layer_ranges(model.args.n_layers, n_stages)
+        ranges = stage_layers(model.args.n_layers, n_stages, layers)
+        self.stage_layers = ranges
         self.stage_ids = list(range(pp_rank, n_stages, pp_size))
         self.modules = [stage_module(model, s, n_stages, ranges[s]) for s in self.stage_ids]
         self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids

@@ -124,8 +124,8 @@ def breakdown_table(report: dict) -> str:
     st = (report.get("step_time_s") or {}).get("median")
     rows.append(("whole step (median)", fmt.secs(st), ""))
     note = paragraph("Medians over steady steps (warm-up, compile and profiled steps left out); the parts' "
-                     "medians need not add up to the step's. Exposed communication is not measured "
-                     "separately in this version: with several processes it is inside backward and optimizer.",
+                     "medians need not add up to the step's. With several processes, communication is inside "
+                     "these parts; the figures above give the time rank 0 spent blocked in it (CPU jobs).",
                      "note")
     return table(["part", "time", "share"], rows, numeric=(1, 2)) + note
 

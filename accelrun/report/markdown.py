@@ -99,6 +99,10 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
         ("data loading share", _pct(r.get("data_share"))),
         ("total step time", _secs(r.get("total_time_s"))),
     ]
+    comm = r.get("comm_time_s")
+    if comm:  # multi-process CPU jobs only (accelrun.dist.comm_timing)
+        rows.insert(4, (comm.get("what", "communication"),
+                        f"{_secs(comm.get('median'))} per step (median; {_pct(comm.get('share'))} of step time)"))
     return rows
 
 

@@ -24,6 +24,16 @@ MIN_STEADY_STEPS = 5
 FINAL_LOSS_WINDOW = 10
 # Points kept in the report's loss curve.
 LOSS_CURVE_POINTS = 16
+# What ``comm_s`` in metrics.jsonl measures (accelrun.dist.comm_timing), as reports label it.
+COMM_LABEL = "communication (blocking, measured on rank 0)"
+COMM_NOTE = (
+    "communication = time rank 0 spent blocked waiting for collectives it or the libraries issued "
+    "(torch.distributed waits and DTensor's functional-collective waits, called from Python: loss and "
+    "gradient-norm reductions, FSDP all-gathers and reduce-scatters, tensor-parallel redistributions, "
+    "pipeline sends and receives), including time waiting for slower ranks; communication overlapped with "
+    "compute, collectives inside compiled graphs and other ranks' waits are not counted. It is inside the "
+    "step-time parts, not one of them"
+)
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -97,6 +107,9 @@ def summarize(
     mem = [m["mem_peak_bytes"] for m in metrics if m.get("mem_peak_bytes") is not None]
     losses = [float(m["loss"]) for m in metrics if m.get("loss") is not None]
     window = losses[-FINAL_LOSS_WINDOW:]
+    comm = comm_summary(steady)
+    if comm is not None:
+        notes.append(COMM_NOTE)
 
     return {
         "steps": n,
@@ -129,7 +142,22 @@ def summarize(
         # The training loop's wall time: compile time is inside the steps that compiled.
         "total_time_s": sum(float(m["step_time_s"]) for m in metrics),
         "loss_curve": _sample_loss_curve(metrics, LOSS_CURVE_POINTS),
+        "comm_time_s": comm,
         "notes": notes,
+    }
+
+
+def comm_summary(steady: list[dict]) -> dict | None:
+    """Per-step communication time over steady steps (``comm_s``, written by CPU ranks of a job):
+    median seconds and the share of the steps' time; None when it was not measured."""
+    rows = [(float(m["comm_s"]), float(m["step_time_s"])) for m in steady if m.get("comm_s") is not None]
+    if not rows:
+        return None
+    total_step = sum(step for _, step in rows)
+    return {
+        "median": statistics.median(comm for comm, _ in rows),
+        "share": sum(comm for comm, _ in rows) / total_step if total_step > 0 else None,
+        "what": COMM_LABEL,
     }
 
 

@@ -83,6 +83,7 @@ def run_loop(
             for step in range(s.start_step + 1, total + 1):
                 lr = s.optimizer.param_groups[0]["lr"]
                 t_step = time.perf_counter()
+                comm_at_start = s.comm_timer.seconds if s.comm_timer is not None else 0.0
                 where.update(step=step, phase="forward and backward")
                 data_s = fwd_s = bwd_s = 0.0
                 loss_sum = torch.zeros((), device=dev)
@@ -99,11 +100,12 @@ def run_loop(
                         sync()
                         t2 = t3 = time.perf_counter()
                     else:
-                        with autocast(cfg.train.precision, dev):
+                        with s.loss_context(), autocast(cfg.train.precision, dev):
                             loss = s.loss_fn(inputs_BT, targets_BT) / s.grad_accum
                         sync()
                         t2 = time.perf_counter()
-                        loss.backward()
+                        with s.loss_context():  # loss parallel: backward through the sharded loss too
+                            loss.backward()
                         sync()
                         t3 = time.perf_counter()
                     loss_sum += loss.detach()
@@ -128,6 +130,8 @@ def run_loop(
                     compile=step == s.start_step + 1 and s.compiles,
                 ).to_dict(flops_per_token=s.flops_per_token, peak_tflops=s.peak.tflops)
                 record.update(forward_s=fwd_s, backward_s=bwd_s, optimizer_s=t_end - t4)
+                if s.comm_timer is not None:  # blocked in collectives during this step (inside the parts above)
+                    record["comm_s"] = s.comm_timer.seconds - comm_at_start
                 prof.step(step, record)  # report.profile_steps: starts/stops the trace, marks profiled steps
                 if metrics is not None:  # rank 0 only
                     metrics.write(record)

@@ -3,6 +3,7 @@ optimizer, schedule, compile and checkpointing policy, the MFU peak, and the res
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,10 +17,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from accelrun.config import ConfigError, ResolvedConfig, RunConfig
 from accelrun.data import build_data
+from accelrun.dist.comm_timing import comm_timer_for
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.fsdp import apply_fsdp
 from accelrun.dist.pipeline import Pipeline, union_of
-from accelrun.dist.tp import apply_tp
+from accelrun.dist.tp import apply_tp, loss_context
 from accelrun.models import build_model, model_flops_per_token, model_summary, transformer_blocks
 from accelrun.models.build import training_loss_fn
 from accelrun.report.peak import Peak, resolve_peak
@@ -54,6 +56,10 @@ class TrainSetup:
     resumed_from: Path | None
     resume_reason: str
     model_info: dict[str, Any]
+    # Seconds this rank has spent blocked in collectives (CPU ranks of a job; accelrun.dist.comm_timing).
+    comm_timer: Any = None
+    # () -> the context the loss's forward and backward run in (parallel.loss_parallel), else a no-op.
+    loss_context: Callable[[], Any] = contextlib.nullcontext
 
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint needs besides tensors; JSON-able."""
@@ -82,7 +88,8 @@ def _parallelize(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
     t = cfg.train
     blocks = transformer_blocks(part)
     if ctx.mesh is not None and ctx.tp_size > 1:
-        apply_tp(part, ctx.mesh["tp"])
+        apply_tp(part, ctx.mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel,
+                 loss_parallel=cfg.parallel.loss_parallel)
     if blocks is not None:
         apply_activation_checkpointing(blocks, t.activation_checkpoint)
     elif t.activation_checkpoint.mode != "none":
@@ -98,6 +105,18 @@ def _parallelize(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
     if ctx.mesh is not None and ctx.dp_size > 1:
         apply_fsdp(part, blocks, ctx.mesh, t.precision, cfg.parallel.reshard_after_forward)
     return compiled
+
+
+def _local_loss(loss_fn):
+    """Under loss parallel the loss is a replicated DTensor; the loop accumulates plain tensors.
+    (``to_local`` keeps the autograd graph: backward still runs through the sharded loss.)"""
+    from torch.distributed.tensor import DTensor
+
+    def loss(inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        value = loss_fn(inputs_BT, targets_BT)
+        return value.to_local() if isinstance(value, DTensor) else value
+
+    return loss
 
 
 def _pipeline_loss(grad_accum: int):
@@ -141,13 +160,14 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     parts = [model]
     if ctx.mesh is not None and ctx.pp_size > 1:
         pipeline = Pipeline(model, ctx.mesh, cfg.parallel.pp_schedule, cfg.parallel.microbatches or ctx.pp_size,
-                            _pipeline_loss(cfg.grad_accum), device)
+                            _pipeline_loss(cfg.grad_accum), device, layers=cfg.parallel.pp_layers)
         parts = pipeline.modules
     for part in parts:
         compiled = _parallelize(part, cfg, ctx, run_dir / "compile")
     if pipeline is not None:
         pipeline.build_schedule()
 
+    vocab_parallel = cfg.parallel.loss_parallel and ctx.tp_size > 1
     if pipeline is not None:
         model = union_of(parts)  # this rank's stages under the whole model's parameter names
     optimizer = build_optimizer(model, t.optimizer, device, sharded=ctx.distributed)
@@ -200,10 +220,12 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         compiles=cfg.compile.backend != "eager",
         compiled=compiled.description,
         compile_record=compiled.record,
-        loss_fn=training_loss_fn(model),
+        loss_fn=_local_loss(training_loss_fn(model)) if vocab_parallel else training_loss_fn(model),
         checkpoint_dir=checkpoint_dir,
         start_step=start_step,
         resumed_from=resumed_from,
         resume_reason=reason,
         model_info=info,
+        comm_timer=comm_timer_for(ctx.world_size, device),
+        loss_context=lambda: loss_context(vocab_parallel),
     )

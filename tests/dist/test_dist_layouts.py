@@ -21,17 +21,22 @@ from tests.dist.jobs import FSDP2, LOSS_RTOL, losses, start_cli, tiny_overrides,
 
 STEPS = 4
 
-# One job per layout family. Pipeline schedules: GPipe alone, 1F1B with FSDP (PP × FSDP).
+# One job per layout family. Tensor parallelism: plain with FSDP (FSDP × TP), alone with sequence
+# parallelism and the vocabulary-parallel loss. Pipeline: GPipe with an explicit (unbalanced) layer
+# list on a 3-layer model, 1F1B with FSDP (PP × FSDP).
+TP2 = ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.tp=2"]
 LAYOUTS = {
     "fsdp2": FSDP2,
-    "tp2": ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.tp=2"],
+    "tp2_sp_lossparallel": [*TP2, "parallel.sequence_parallel=true", "parallel.loss_parallel=true"],
     "hsdp2x1": ["parallel.nproc_per_node=2", "parallel.dp_replicate=2", "parallel.dp_shard=1", "train.micro_batch=2"],
     "fsdp2_tp2": ["parallel.nproc_per_node=4", "parallel.dp_shard=2", "parallel.tp=2", "train.micro_batch=2"],
-    "pp2_gpipe": ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=gpipe"],
+    "pp2_gpipe_layers": ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.pp=2",
+                         "parallel.pp_schedule=gpipe", "model.n_layers=3", "parallel.pp_layers=[[0],[1,2]]"],
     "pp2_1f1b_fsdp2": ["parallel.nproc_per_node=4", "parallel.dp_shard=2", "parallel.pp=2",
                        "parallel.pp_schedule=1f1b", "train.micro_batch=2"],
 }
 WORLD = {"fsdp2_tp2": 4, "pp2_1f1b_fsdp2": 4}
+MODEL = {"pp2_gpipe_layers": ["model.n_layers=3"]}  # the one-process reference trains the same model
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +56,30 @@ def layout_run(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_one_process(layout, layout_run, reference):
     d = layout_run(layout)
-    got, want = losses(d), reference(STEPS).losses
+    got, want = losses(d), reference(STEPS, *MODEL.get(layout, [])).losses
     assert got == pytest.approx(want, rel=LOSS_RTOL), (got, want)
     report = json.loads((d / "report.json").read_text())
     world = WORLD.get(layout, 2)
     assert report["world_size"] == world and len(report["mem_peak_bytes_per_rank"]) == world
     assert all(m > 0 for m in report["mem_peak_bytes_per_rank"])
     assert report["tokens_per_s_job"] == pytest.approx(report["tokens_per_s"] * world)
+    # Time blocked in collectives, every step, on rank 0: every layout communicates in every step.
+    assert all(m["comm_s"] > 0 for m in read_metrics(d / "metrics.jsonl"))
+    comm = report["comm_time_s"]
+    assert comm["what"] == "communication (blocking, measured on rank 0)"
+    assert comm["median"] > 0 and 0 < comm["share"] < 1
+    assert "communication (blocking, measured on rank 0)" in (d / "report.md").read_text()
+
+
+def test_explicit_pipeline_layers_decide_which_rank_holds_which_layer(layout_run):
+    """pp_layers [[0], [1, 2]] puts layer 1 on the second stage (balanced would give [[0, 1], [2]]);
+    the checkpoint says which rank wrote each parameter."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(layout_run("pp2_gpipe_layers") / "checkpoints" / "step-000004").read_metadata()
+    writer = {index.fqn: info.relative_path.split("_")[2] for index, info in meta.storage_data.items()}
+    ranks = {int(writer[fqn]) for fqn in writer if fqn.startswith("model.layers.1.")}
+    assert ranks == {1}, {fqn: w for fqn, w in writer.items() if fqn.startswith("model.layers.")}
 
 
 def test_checkpoint_of_two_ranks_resumes_in_one(layout_run, reference, tmp_path):
@@ -69,6 +91,9 @@ def test_checkpoint_of_two_ranks_resumes_in_one(layout_run, reference, tmp_path)
     assert one.report["first_step"] == 3
     assert [m["step"] for m in read_metrics(one.run_dir / "metrics.jsonl")] == [3, 4]
     assert losses(one.run_dir) == pytest.approx(reference(STEPS).losses[2:], rel=LOSS_RTOL)
+    # One process: nothing to communicate, nothing measured.
+    assert one.report["comm_time_s"] is None
+    assert all("comm_s" not in m for m in read_metrics(one.run_dir / "metrics.jsonl"))
 
 
 def test_unsupported_layout_fails_before_launch(tiny):
