@@ -3,8 +3,12 @@
 Most of a job's time on a small machine is Python and torch starting in every process, not the
 steps. So jobs are started from the test process itself (``train()`` hands them to torchrun's
 elastic agent, exactly as ``accelrun train`` does) instead of through a fresh ``accelrun`` CLI
-process, and the CLI is started as a process only where a test is about the CLI or must signal the
-agent from outside (the fault tests).
+process, and their ranks are then forked from the one fork server this process starts at its first
+launch (accelrun.dist.launch), which imported torch and accelrun once for the whole session. The CLI
+is started as a process only where a test is about the CLI or must signal the agent from outside
+(the fault tests); its ranks come from that process's own fork server. A job started from here
+writes its ranks' output wherever the fork server's stderr went when it started (pytest's capture),
+so tests that read a rank's message use the CLI.
 """
 
 from __future__ import annotations
