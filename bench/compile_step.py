@@ -9,6 +9,7 @@ caches: its first step's time is the warm start, its peak RSS growth over the bu
     python bench/compile_step.py                       # fp32 and bf16-mixed
     python bench/compile_step.py --precision fp32 --rounds 30 --executors cpp,aten
     python bench/compile_step.py --variants eager,accelrun --passes max
+    python bench/compile_step.py --device cuda --executors triton,aten model.dim=1024 model.n_layers=8
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ class Variant:
     """One model + optimizer + data stream compiled one way."""
 
     def __init__(self, name: str, args: argparse.Namespace) -> None:
-        overrides = [f"train.precision={args.precision}", f"compile.passes={args.passes}",
+        overrides = [f"train.precision={args.precision}", f"compile.passes={args.passes}", f"train.device={args.device}",
+                     *args.override,
                      f"compile.executors=[{args.executors}]", f"compile.scope={args.scope}"]  # fmt: skip
         backend = name if name in ("eager", "inductor", "accelrun") else "eager"
         cfg = load_config(REPO / "configs" / "llama.yaml", [*overrides, f"compile.backend={backend}"]).config
-        self.name, self.cfg, self.device = name, cfg, torch.device("cpu")
+        self.name, self.cfg, self.device = name, cfg, torch.device(args.device)
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model, self.device, seed=cfg.train.seed)
         self.compiled = compile_model(self.model, transformer_blocks(self.model), cfg.compile)
@@ -69,7 +71,8 @@ class Variant:
         self.losses: list[float] = []
 
     def step(self, count_saved: bool = False) -> float:
-        inputs, targets = next(self.data)
+        inputs, targets = (t.to(self.device) for t in next(self.data))
+        sync(self.device)
         t0 = time.perf_counter()
         with autocast(self.cfg.train.precision, self.device), saved_bytes_counter(count_saved) as saved:
             loss = self.loss_fn(inputs, targets)
@@ -77,9 +80,15 @@ class Variant:
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        sync(self.device)
         dt = time.perf_counter() - t0
         self.losses.append(float(loss.detach()))
         return dt
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @contextmanager
@@ -120,8 +129,11 @@ def child(args: argparse.Namespace) -> None:
     v = Variant(args.child, args)
     first = v.step()
     v.step(count_saved=True)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"warm_start_s": first, "peak_rss_mib": peak / 1024, "saved_mib": v.saved_bytes / 2**20}))
+    if v.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(v.device) / 2**20  # the device's, not the host's
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"warm_start_s": first, "peak_rss_mib": peak, "saved_mib": v.saved_bytes / 2**20}))
 
 
 def main() -> None:
@@ -130,8 +142,10 @@ def main() -> None:
     p.add_argument("--variants", default="eager,inductor,accelrun,thunder")
     p.add_argument("--rounds", type=int, default=20, help="interleaved timed steps per variant")
     p.add_argument("--passes", default="default")
-    p.add_argument("--executors", default="inductor,aten", help="accelrun's executors, in priority order")
+    p.add_argument("--executors", default="cpp,triton,aten", help="accelrun's executors, in priority order")
     p.add_argument("--scope", default="loss")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (peak memory is then the GPU's max allocated)")
+    p.add_argument("override", nargs="*", help="recipe overrides for every variant (model.dim=1024 ...)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -140,7 +154,8 @@ def main() -> None:
     cache = Path(tempfile.mkdtemp(prefix="accelrun-bench-"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
     os.environ["ACCELRUN_CACHE_DIR"] = str(cache / "accelrun")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; caches under {cache}")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} CPU threads"
+    print(f"torch {torch.__version__}, {where}; caches under {cache}")
     precisions = ["fp32", "bf16-mixed"] if args.precision == "both" else [args.precision]
     for precision in precisions:
         args.precision = precision
@@ -187,7 +202,7 @@ def run_one(args: argparse.Namespace) -> None:
 
 def measure_in_child(name: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", name, "--precision", args.precision, "--passes", args.passes,
-           "--executors", args.executors, "--scope", args.scope]  # fmt: skip
+           "--executors", args.executors, "--scope", args.scope, "--device", args.device, *args.override]  # fmt: skip
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])
