@@ -176,9 +176,18 @@ def compile_sharded(model: nn.Module, blocks: list[nn.Module] | None, mesh: Devi
     """``_parallelize``'s compile + FSDP step for ``parallel.fsdp_impl = compiled``: returns a ``Compiled``."""
     from accelrun.compile.backend import AccelrunBackend
     from accelrun.compile.options import CompileOptions
+    from accelrun.dist.comm_overlap import active_trace, instrument_graph
     from accelrun.train.compile_model import Compiled
 
-    backend = AccelrunBackend(CompileOptions.from_config(cfg, dump_dir=dump_dir if cfg.dump else None))
+    class TracedBackend(AccelrunBackend):
+        # After the passes, before lowering: route collectives through the comm trace (when one runs).
+        def _run_passes(self, stage, gm, graph_name, kind, example_inputs):
+            gm = super()._run_passes(stage, gm, graph_name, kind, example_inputs)
+            if stage == "post_grad" and active_trace() is not None:
+                instrument_graph(gm)
+            return gm
+
+    backend = TracedBackend(CompileOptions.from_config(cfg, dump_dir=dump_dir if cfg.dump else None))
     done = apply_compiled_fsdp(model, blocks, mesh, backend, fullgraph=cfg.fullgraph)
     what = (f"the whole model with accelrun and compiled FSDP ({len(done.units)} units, {done.params} sharded "
             f"parameters gathered in the graph)")

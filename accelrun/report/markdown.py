@@ -103,6 +103,11 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
     if comm:  # multi-process CPU jobs only (accelrun.dist.comm_timing)
         rows.insert(4, (comm.get("what", "communication"),
                         f"{_secs(comm.get('median'))} per step (median; {_pct(comm.get('share'))} of step time)"))
+    ov = r.get("comm_overlap")
+    if ov:  # accelrun.dist.comm_overlap
+        rows.insert(5, ("FSDP communication exposed / in flight",
+                        f"{_secs(ov.get('exposed_s'))} / {_secs(ov.get('busy_s'))} per step (median); "
+                        f"overlap {_pct(ov.get('overlap_fraction'))}"))
     return rows
 
 

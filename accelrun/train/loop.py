@@ -132,6 +132,8 @@ def run_loop(
                 record.update(forward_s=fwd_s, backward_s=bwd_s, optimizer_s=t_end - t4)
                 if s.comm_timer is not None:  # blocked in collectives during this step (inside the parts above)
                     record["comm_s"] = s.comm_timer.seconds - comm_at_start
+                if s.comm_trace is not None:  # FSDP's / compiled graphs' collectives: exposed, busy, overlap
+                    record.update(s.comm_trace.step_metrics())
                 prof.step(step, record)  # report.profile_steps: starts/stops the trace, marks profiled steps
                 if metrics is not None:  # rank 0 only
                     metrics.write(record)

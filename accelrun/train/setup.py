@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from accelrun.config import ConfigError, ResolvedConfig, RunConfig
 from accelrun.data import build_data
+from accelrun.dist.comm_overlap import comm_trace_for
 from accelrun.dist.comm_timing import comm_timer_for
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.fsdp import apply_fsdp
@@ -60,6 +61,8 @@ class TrainSetup:
     comm_timer: Any = None
     # () -> the context the loss's forward and backward run in (parallel.loss_parallel), else a no-op.
     loss_context: Callable[[], Any] = contextlib.nullcontext
+    # Exposed and overlapped communication of FSDP's and compiled graphs' collectives (accelrun.dist.comm_overlap).
+    comm_trace: Any = None
 
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint needs besides tensors; JSON-able."""
@@ -227,5 +230,6 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         resume_reason=reason,
         model_info=info,
         comm_timer=comm_timer_for(ctx.world_size, device),
+        comm_trace=comm_trace_for(ctx.world_size, device),
         loss_context=lambda: loss_context(vocab_parallel),
     )
