@@ -16,9 +16,13 @@ them, issue them early and wait late.
 
 How: the model's ``forward`` becomes an eager wrapper that takes each shard's local tensor
 (``DTensor.to_local``: the gradient flows back as a ``Shard(0)`` DTensor) and calls one compiled
-function. That function runs a *shadow* of the model (a copy on the meta device, its parameters
+function. That function runs a *shadow* of the model (a copy with meta stand-ins for parameters,
 swapped for the local shards by ``torch.func.functional_call``) in which every unit's forward
-gathers its own parameters and runs a meta *template* of the unit on the gathered tensors.
+gathers its own parameters and runs a *template* of the unit on the gathered tensors.
+
+With tensor parallelism the sharding applies to each parameter's TP-local tensor: stored as a DTensor
+over (dp_shard, tp) (FSDP2's placements for FSDP × TP), gathered over dp in the graph and rewrapped
+as the TP DTensor the block's TP plan expects, so DTensor's TP collectives are graph nodes too.
 
 Gradients are averaged over the data-parallel ranks (divided by the dp size before the
 reduce-scatter, as FSDP2 does on gloo), so training matches ``fsdp2`` up to summation order.
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from accelrun.config.errors import ConfigError
 
@@ -82,11 +86,34 @@ class _GatherShard(torch.autograd.Function):
         return shard[: ctx.local_rows], None
 
 
+@dataclass(frozen=True)
+class TPLayout:
+    """A tensor-parallel parameter: the gathered (TP-local) tensor is rewrapped as this DTensor."""
+
+    mesh: DeviceMesh
+    placements: tuple
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
 def _unit_forward(unit: nn.Module, template: nn.Module, names: list[str], specs: dict[str, ShardSpec],
-                  *args, **kwargs):  # fmt: skip
+                  tp: dict[str, TPLayout], *args, **kwargs):  # fmt: skip
     # Inside the compiled function the unit's parameters are the local shards (functional_call).
     full = {n: _GatherShard.apply(unit.get_parameter(n), specs[n]) for n in names}
+    for n, t in tp.items():  # the module's TP plan expects its DTensor parameters
+        full[n] = DTensor.from_local(full[n], t.mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride)
     return torch.func.functional_call(template, full, args, kwargs)
+
+
+def _storage_placements(tp_placements: tuple, tp_size: int) -> tuple:
+    """Placements over (dp_shard, tp) of a parameter sharded by TP, then its TP-local rows over dp."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    (tp_placement,) = tp_placements
+    if isinstance(tp_placement, Shard) and tp_placement.dim == 0:
+        # Rows split by TP first, then each TP block's rows by dp (FSDP2's layout for FSDP × TP).
+        return (_StridedShard(0, split_factor=tp_size), tp_placement)
+    return (Shard(0), tp_placement)
 
 
 @dataclass
@@ -127,33 +154,44 @@ def apply_compiled_fsdp(model: nn.Module, blocks: list[nn.Module] | None, mesh: 
     if len({id(p) for p in model.parameters()}) != len(list(model.named_parameters(remove_duplicate=False))):
         raise ConfigError("parallel.fsdp_impl = compiled does not support shared (tied) parameters; "
                           "set model.tie_embeddings = false")  # fmt: skip
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ConfigError("parallel.fsdp_impl = compiled with parallel.tp > 1 is not supported yet (use fsdp2)")
+    tp_size = mesh["tp"].size()
+    storage_mesh = mesh["dp_shard", "tp"] if tp_size > 1 else dp_mesh
     units = _units(model, blocks)
 
-    # The shadow and the templates: meta copies (structure and forward code, no storage).
-    shadow = copy.deepcopy(model).to("meta")
+    # The shadow and the templates: copies whose parameters are meta stand-ins (structure, forward
+    # code and TP hooks; no storage).
+    shadow = copy.deepcopy(model)
     specs: dict[str, ShardSpec] = {}
     for unit_name, unit in units:
         prefix = f"{unit_name}." if unit_name else ""
         shadow_unit = shadow.get_submodule(unit_name)
         template = copy.deepcopy(shadow_unit)
         names = [n for n, _ in unit.named_parameters()]
-        unit_specs = {}
+        unit_specs, unit_tp = {}, {}
         for n, p in unit.named_parameters():
-            full = p.detach()
+            is_tp = isinstance(p, DTensor)
+            full = p.to_local().detach() if is_tp else p.detach()
             rows = -(-full.shape[0] // dp) if full.ndim else 1
             spec = ShardSpec(tuple(full.shape), rows, dp, group_name)
             local = full[rank * rows: rank * rows + spec.local_rows(rank)].clone()
-            sharded = DTensor.from_local(local, dp_mesh, [Shard(0)], run_check=False, shape=full.shape,
-                                         stride=full.stride())  # fmt: skip
-            owner, leaf = unit.get_submodule(n.rpartition(".")[0]) if "." in n else unit, n.rpartition(".")[2]
-            owner._parameters[leaf] = nn.Parameter(sharded, requires_grad=p.requires_grad)
-            # Meta stand-ins of the shard's shape, so functional_call's swap checks pass.
-            shadow_owner = shadow_unit.get_submodule(n.rpartition(".")[0]) if "." in n else shadow_unit
-            shadow_owner._parameters[leaf] = nn.Parameter(torch.empty_like(local, device="meta"))
+            if is_tp:
+                unit_tp[n] = TPLayout(p.device_mesh, tuple(p.placements), tuple(p.shape), tuple(p.stride()))
+                placements = _storage_placements(tuple(p.placements), tp_size)
+            else:
+                placements = (Shard(0), Replicate()) if tp_size > 1 else (Shard(0),)
+            sharded = DTensor.from_local(local, storage_mesh, placements, run_check=False,
+                                         shape=p.shape, stride=p.stride())  # fmt: skip
+            owner_name, _, leaf = n.rpartition(".")
+            unit.get_submodule(owner_name)._parameters[leaf] = nn.Parameter(sharded, requires_grad=p.requires_grad)
+            # Meta stand-ins: the shard's shape in the shadow, the gathered one in the template.
+            shadow_unit.get_submodule(owner_name)._parameters[leaf] = nn.Parameter(
+                torch.empty_like(local, device="meta"))
+            template.get_submodule(owner_name)._parameters[leaf] = nn.Parameter(torch.empty_like(full, device="meta"))
             unit_specs[n] = specs[prefix + n] = spec
-        shadow_unit.forward = functools.partial(_unit_forward, shadow_unit, template, names, unit_specs)
+        shadow_unit.forward = functools.partial(_unit_forward, shadow_unit, template, names, unit_specs, unit_tp)
+        # The template runs the unit's hooks (TP's input and output layouts); the shadow must not again.
+        for hooks in (shadow_unit._forward_pre_hooks, shadow_unit._forward_hooks):
+            hooks.clear()
 
     original_forward = model.forward
     compiled = torch.compile(functools.partial(_run_shadow, shadow), backend=backend, fullgraph=fullgraph)
