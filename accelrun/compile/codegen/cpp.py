@@ -2,7 +2,8 @@
 
 Rows are split across threads (``#pragma omp parallel for``) when a kernel has enough work to pay
 for waking them; the loop over a row is ``#pragma omp simd`` so g++ vectorizes it, reductions
-included (the pragma allows reassociating a sum). exp is a branch-free polynomial (``acc_exp``) so
+included (the pragma allows reassociating a sum; float max/min go through declared reductions that
+keep a NaN, as eager does). A kernel's row buffers are arrays on the thread's stack, one row long. exp is a branch-free polynomial (``acc_exp``) so
 that loops calling it still vectorize; bf16 is widened and rounded with bit shifts.
 
     source = cpp_source(program)
@@ -32,14 +33,14 @@ STORAGE = {"f32": "float", "bf16": "uint16_t", "i64": "int64_t", "i32": "int32_t
 OPS = {
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
     "maximum": "(({0} != {0} || {0} > {1}) ? {0} : {1})", "minimum": "(({0} != {0} || {0} < {1}) ? {0} : {1})",
-    "pow": "std::pow({0}, {1})",
+    "pow": "__builtin_powf({0}, {1})",
     "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})",
     "gt": "({0} > {1})", "ge": "({0} >= {1})", "and": "({0} && {1})", "or": "({0} || {1})", "not": "(!{0})",
-    "neg": "(-{0})", "abs": "std::abs({0})", "exp": "acc_exp({0})", "log": "std::log({0})",
-    "log1p": "std::log1p({0})", "expm1": "std::expm1({0})", "tanh": "std::tanh({0})",
-    "sigmoid": "(1.0f / (1.0f + acc_exp(-{0})))", "rsqrt": "(1.0f / std::sqrt({0}))", "sqrt": "std::sqrt({0})",
-    "erf": "std::erf({0})", "reciprocal": "(1.0f / {0})", "sin": "std::sin({0})", "cos": "std::cos({0})",
-    "floor": "std::floor({0})", "ceil": "std::ceil({0})", "trunc": "std::trunc({0})",
+    "neg": "(-{0})", "abs": "__builtin_fabsf({0})", "exp": "acc_exp({0})", "log": "__builtin_logf({0})",
+    "log1p": "__builtin_log1pf({0})", "expm1": "__builtin_expm1f({0})", "tanh": "__builtin_tanhf({0})",
+    "sigmoid": "(1.0f / (1.0f + acc_exp(-{0})))", "rsqrt": "(1.0f / __builtin_sqrtf({0}))", "sqrt": "__builtin_sqrtf({0})",
+    "erf": "__builtin_erff({0})", "reciprocal": "(1.0f / {0})", "sin": "__builtin_sinf({0})", "cos": "__builtin_cosf({0})",
+    "floor": "__builtin_floorf({0})", "ceil": "__builtin_ceilf({0})", "trunc": "__builtin_truncf({0})",
     "sign": "(({0} > 0) - ({0} < 0))", "round_bf16": "bf16_round({0})",
     "where": "({0} ? {1} : {2})",
 }  # fmt: skip
@@ -47,37 +48,60 @@ OPS = {
 REDUCE_INIT = {("sum", "f32"): "0.0f", ("max", "f32"): "-INFINITY", ("min", "f32"): "INFINITY",
                ("sum", "i64"): "0", ("max", "i64"): "INT64_MIN", ("min", "i64"): "INT64_MAX",
                ("sum", "i32"): "0", ("max", "i32"): "INT32_MIN", ("min", "i32"): "INT32_MAX"}
-REDUCE_UPDATE = {"sum": "{acc} += {v};", "max": "{acc} = std::max({acc}, {v});",
-                 "min": "{acc} = std::min({acc}, {v});"}
-OMP_REDUCE = {"sum": "+", "max": "max", "min": "min"}
+# Integer ops whose float forms above would round: computed in double (pow) or exactly (abs).
+INT_OPS = {"pow": "__builtin_pow({0}, {1})", "abs": "({0} < 0 ? -{0} : {0})"}
 
+REDUCE_UPDATE = {"sum": "{acc} += {v};", "max": "{acc} = {v} > {acc} ? {v} : {acc};",
+                 "min": "{acc} = {v} < {acc} ? {v} : {acc};"}
+# Floats: a NaN wins, as in eager's amax/amin (std::max and OpenMP's max drop it).
+REDUCE_UPDATE_F32 = {"sum": "{acc} += {v};", "max": "{acc} = ({v} != {v} || {v} > {acc}) ? {v} : {acc};",
+                     "min": "{acc} = ({v} != {v} || {v} < {acc}) ? {v} : {acc};"}
+OMP_REDUCE = {"sum": "+", "max": "max", "min": "min"}
+OMP_REDUCE_F32 = {"sum": "+", "max": "acc_nanmax", "min": "acc_nanmin"}
+
+
+def _update(op: str, ctype: str, acc: str, value: str) -> str:
+    return (REDUCE_UPDATE_F32 if ctype == "f32" else REDUCE_UPDATE)[op].format(acc=acc, v=value)
+
+# Only <stdint.h> and <omp.h>: <cmath>, <algorithm> and <vector> took 0.2-0.3 s of g++ time per
+# library to parse, more than most kernels take to compile. Math goes through GCC's builtins.
 PRELUDE = r"""
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
+#include <stdint.h>
 #include <omp.h>
+
+#ifndef INFINITY
+#define INFINITY __builtin_inff()
+#endif
+#ifndef NAN
+#define NAN __builtin_nanf("")
+#endif
+static inline int64_t acc_min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t acc_max_i64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = static_cast<uint32_t>(v) << 16;
     float f;
-    std::memcpy(&f, &u, 4);
+    __builtin_memcpy(&f, &u, 4);
     return f;
 }
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
-    std::memcpy(&u, &f, 4);
+    __builtin_memcpy(&u, &f, 4);
     uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
     return static_cast<uint16_t>(f != f ? 0x7fc0u : rounded);
 }
 static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+// max/min reductions that keep a NaN (OpenMP's built-in max/min need not); still vectorized.
+#pragma omp declare reduction(acc_nanmax : float : omp_out = (omp_in != omp_in || omp_in > omp_out) ? omp_in : omp_out) initializer(omp_priv = -INFINITY)
+#pragma omp declare reduction(acc_nanmin : float : omp_out = (omp_in != omp_in || omp_in < omp_out) ? omp_in : omp_out) initializer(omp_priv = INFINITY)
+
 // exp(x) = 2^n * exp(g), |g| <= ln2/2: a degree-6 polynomial (Cephes' coefficients, ~1 ulp), no
 // branches, so loops calling it vectorize.
 static inline float acc_exp(float x) {
-    const float xc = std::min(std::max(x, -87.33654f), 88.72283f);
-    const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+    const float lo = x < -87.33654f ? -87.33654f : x;
+    const float xc = 88.72283f < lo ? 88.72283f : lo;
+    const float n = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
     float g = xc - n * 0.693359375f;
     g = g - n * -2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -89,7 +113,7 @@ static inline float acc_exp(float x) {
     p = p * g * g + g + 1.0f;
     const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
     float scale;
-    std::memcpy(&scale, &bits, 4);
+    __builtin_memcpy(&scale, &bits, 4);
     const float y = p * scale;
     return x != x ? x : (x < -87.33654f ? 0.0f : (x > 88.72283f ? INFINITY : y));
 }
@@ -132,21 +156,22 @@ class _KernelWriter:
     def __init__(self, e: Emitter, kernel: Kernel, buffers: list[Buffer], slots: dict[str, int],
                  fn_name: str) -> None:
         self.e, self.k, self.slots, self.fn_name = e, kernel, slots, fn_name
-        self.buffers = {b.name: b for b in buffers}
+        self.buffers = {b.name: b for b in (*buffers, *kernel.row_buffers)}
+        self.rows = {b.name for b in kernel.row_buffers}
 
     def write(self) -> None:
         e, k = self.e, self.k
         with e.block(f"static void {self.fn_name}(void** bufs, int nthreads) {{", "}"):
-            for name in sorted(self._used_buffers(), key=self.slots.__getitem__):
+            for name in sorted(self._used_buffers() - self.rows, key=self.slots.__getitem__):
                 buf = self.buffers[name]
                 const = "const " if buf.role == "input" else ""
                 e.line(f"{const}{STORAGE[buf.storage]}* __restrict__ {name} = "
                        f"static_cast<{const}{STORAGE[buf.storage]}*>(bufs[{self.slots[name]}]);")
-            e.line(f"const int64_t R = {k.rows}, N = {k.cols};")
-            e.line(f"const int nt = R * N >= {PARALLEL_MIN_ELEMENTS} ? nthreads : 1;")
+            e.line(f"const int64_t R = {k.rows}, N = {k.trips};")
+            e.line(f"const int nt = {k.rows * k.cols} >= {PARALLEL_MIN_ELEMENTS} ? nthreads : 1;")
             if k.kind == "cols":
                 self._write_cols()
-            elif not k.has_reductions and k.cols > CHUNK:
+            elif not k.has_reductions and k.trips > CHUNK // k.unroll:
                 self._write_chunked()
             else:
                 self._write_rows()
@@ -162,17 +187,20 @@ class _KernelWriter:
         e = self.e
         e.line("#pragma omp parallel for num_threads(nt) schedule(static)")
         with e.block("for (int64_t r = 0; r < R; ++r) {", "}"):
+            for buf in self.k.row_buffers:
+                e.line(f"alignas(64) {STORAGE[buf.storage]} {buf.name}[{buf.shape[0]}];")
             for block in self.k.blocks:
                 self._block(block, "0", "N")
 
     def _write_chunked(self) -> None:
         e = self.e
-        chunks = -(-self.k.cols // CHUNK)
+        chunk = CHUNK // self.k.unroll
+        chunks = -(-self.k.trips // chunk)
         e.line("#pragma omp parallel for num_threads(nt) schedule(static)")
         with e.block(f"for (int64_t t = 0; t < R * {chunks}; ++t) {{", "}"):
             e.line(f"const int64_t r = t / {chunks};")
-            e.line(f"const int64_t c0 = (t % {chunks}) * {CHUNK};")
-            e.line(f"const int64_t c1 = std::min<int64_t>(c0 + {CHUNK}, N);")
+            e.line(f"const int64_t c0 = (t % {chunks}) * {chunk};")
+            e.line(f"const int64_t c1 = acc_min_i64(c0 + {chunk}, N);")
             for block in self.k.blocks:
                 self._block(block, "c0", "c1")
 
@@ -180,28 +208,30 @@ class _KernelWriter:
         """Per-thread partial accumulators, combined in thread order so results are reproducible."""
         e, (loop, *post) = self.e, self.k.blocks
         for red in loop.reductions:
-            e.line(f"std::vector<{CTYPE[red.ctype]}> {red.name}_part(static_cast<size_t>(nt) * N, "
-                   f"{REDUCE_INIT[red.op, red.ctype]});")
+            e.line(f"{CTYPE[red.ctype]}* {red.name}_part = new {CTYPE[red.ctype]}[nt * N];")
+            e.line(f"for (int64_t i = 0; i < nt * N; ++i) {red.name}_part[i] = {REDUCE_INIT[red.op, red.ctype]};")
         e.line("#pragma omp parallel num_threads(nt)")
         with e.block("{", "}"):
             e.line("const int64_t tid = omp_get_thread_num();")
             for red in loop.reductions:
-                e.line(f"{CTYPE[red.ctype]}* __restrict__ {red.name}_mine = {red.name}_part.data() + tid * N;")
+                e.line(f"{CTYPE[red.ctype]}* __restrict__ {red.name}_mine = {red.name}_part + tid * N;")
             e.line("#pragma omp for schedule(static)")
             with e.block("for (int64_t r = 0; r < R; ++r) {", "}"):
                 e.line("#pragma omp simd")
                 with e.block("for (int64_t c = 0; c < N; ++c) {", "}"):
                     self._stmts(loop.stmts)
                     for red in loop.reductions:
-                        e.line(REDUCE_UPDATE[red.op].format(acc=f"{red.name}_mine[c]", v=red.value))
+                        e.line(_update(red.op, red.ctype, f"{red.name}_mine[c]", red.value))
         with e.block("for (int64_t c = 0; c < N; ++c) {", "}"):
             for red in loop.reductions:
                 e.line(f"{CTYPE[red.ctype]} {red.name} = {red.name}_part[c];")
                 e.line("for (int64_t t = 1; t < nt; ++t) "
-                       + REDUCE_UPDATE[red.op].format(acc=red.name, v=f"{red.name}_part[t * N + c]"))
+                       + _update(red.op, red.ctype, red.name, f"{red.name}_part[t * N + c]"))
             for block in post:
                 self._stmts(block.stmts)
                 self._stores(block)
+        for red in loop.reductions:
+            e.line(f"delete[] {red.name}_part;")
 
     def _block(self, block: Block, lo: str, hi: str) -> None:
         e = self.e
@@ -211,12 +241,13 @@ class _KernelWriter:
             return
         for red in block.reductions:
             e.line(f"{CTYPE[red.ctype]} {red.name} = {REDUCE_INIT[red.op, red.ctype]};")
-        clauses = "".join(f" reduction({OMP_REDUCE[r.op]}:{r.name})" for r in block.reductions)
+        clauses = "".join(f" reduction({(OMP_REDUCE_F32 if r.ctype == 'f32' else OMP_REDUCE)[r.op]}:{r.name})"
+                          for r in block.reductions)
         e.line(f"#pragma omp simd{clauses}")
         with e.block(f"for (int64_t c = {lo}; c < {hi}; ++c) {{", "}"):
             self._stmts(block.stmts)
             for red in block.reductions:
-                e.line(REDUCE_UPDATE[red.op].format(acc=red.name, v=red.value))
+                e.line(_update(red.op, red.ctype, red.name, red.value))
             self._stores(block)
 
     # -- statements -------------------------------------------------------------------------------
@@ -237,13 +268,19 @@ class _KernelWriter:
             return f"static_cast<{CTYPE[s.ctype]}>({s.args[0]})"
         if s.op not in OPS:
             raise Unsupported(f"op {s.op} has no C++ form")
+        if s.ctype != "f32" and s.op in INT_OPS:
+            return INT_OPS[s.op].format(*s.args)
         return OPS[s.op].format(*s.args)
 
     def _stores(self, block: Block) -> None:
         for st in block.stores:
             buf = self.buffers[st.buffer]
-            value = f"f32_to_bf16({st.value})" if buf.storage == "bf16" else \
-                f"static_cast<{STORAGE[buf.storage]}>({st.value})"
+            if buf.role == "row":
+                value = st.value
+            elif buf.storage == "bf16":
+                value = f"f32_to_bf16({st.value})"
+            else:
+                value = f"static_cast<{STORAGE[buf.storage]}>({st.value})"
             self.e.line(f"{buf.name}[{print_index(st.index, 'cpp')}] = {value};")
 
 

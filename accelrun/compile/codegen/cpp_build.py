@@ -19,8 +19,11 @@ import tempfile
 from pathlib import Path
 
 # -fno-math-errno and -fno-trapping-math let g++ vectorize sqrt and floor (used by acc_exp); nothing
-# here reads errno or floating-point exception flags.
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-trapping-math")
+# here reads errno or floating-point exception flags. g++ keeps to 256-bit vectors on AVX-512 CPUs
+# unless told otherwise; 512-bit ones made exp-heavy rows (softmax, cross-entropy) 15-25% faster
+# (no effect on CPUs without AVX-512). -O2 compiled no faster for regions this size and ran slower.
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+         "-fno-math-errno", "-fno-trapping-math")
 _invocations = 0
 _loaded: dict[str, ctypes.CDLL] = {}
 

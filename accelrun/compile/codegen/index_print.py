@@ -7,7 +7,7 @@ from torch.utils._sympy.functions import FloorDiv
 
 # style → (floor division, modulo, min, max)
 _STYLES = {
-    "cpp": ("({0} / {1})", "({0} % {1})", "std::min<int64_t>({0}, {1})", "std::max<int64_t>({0}, {1})"),
+    "cpp": ("({0} / {1})", "({0} % {1})", "acc_min_i64({0}, {1})", "acc_max_i64({0}, {1})"),
     "triton": ("({0} // {1})", "({0} % {1})", "tl.minimum({0}, {1})", "tl.maximum({0}, {1})"),
 }
 

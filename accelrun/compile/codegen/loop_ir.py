@@ -31,6 +31,7 @@ from typing import Any
 
 import sympy
 import torch
+from torch.utils._sympy.functions import FloorDiv
 
 from accelrun.compile.codegen.values import (
     Const,
@@ -114,6 +115,12 @@ class Kernel:
     row_shape: tuple[int, ...]
     col_shape: tuple[int, ...]
     blocks: list[Block] = field(default_factory=list)
+    # Columns per step of the inner loop: with 2, the loop variable ``c`` counts pairs and each inner
+    # block holds both elements' code (interleaved pairs, e.g. RoPE, index without gathers).
+    unroll: int = 1
+    # Per-row scratch (shape ``(cols,)``, role ``row``): a value costly to compute that an earlier
+    # inner block stores at ``c`` and a later one loads instead of recomputing it (softmax's exp).
+    row_buffers: list[Buffer] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
@@ -122,6 +129,11 @@ class Kernel:
     @property
     def cols(self) -> int:
         return math.prod(self.col_shape)
+
+    @property
+    def trips(self) -> int:
+        """Iterations of the inner loop (``cols / unroll``)."""
+        return self.cols // self.unroll
 
     @property
     def has_reductions(self) -> bool:
@@ -140,7 +152,9 @@ class LoopProgram:
         lines = [f"buffer {b.name}: {b.role} {b.storage}{list(b.shape)} stride {list(b.stride)}"
                  for b in self.buffers]
         for k in self.kernels:
-            lines.append(f"kernel {k.name} ({k.kind}): rows {list(k.row_shape)} x cols {list(k.col_shape)}")
+            unroll = f", {k.unroll} columns per step" if k.unroll > 1 else ""
+            lines.append(f"kernel {k.name} ({k.kind}): rows {list(k.row_shape)} x cols {list(k.col_shape)}{unroll}")
+            lines += [f"  scratch {b.name}: {b.storage}[{b.shape[0]}] per row" for b in k.row_buffers]
             for b in k.blocks:
                 pad = "    " if b.level == "inner" else "  "
                 lines.append(f"{pad[:-2]}{'for c:' if b.level == 'inner' else 'per row:'}")
@@ -222,6 +236,7 @@ class _Scheduler:
         self.plans: list[_Plan] = []
         self.home: dict[int, _Plan] = {}
         depth: dict[int, int] = {}
+        self.depth = depth  # read by _plan while it fills
         for red in _topo(reds, self.deps):
             kind, rows, cols = _domain_of(red)
             plan_key_depth = 0
@@ -232,7 +247,6 @@ class _Scheduler:
             plan = self._plan(kind, rows, cols, plan_key_depth)
             plan.reductions.append(red)
             self.home[id(red)] = plan
-        self.depth = depth
         self._assign_outputs()
 
     def _direct_deps(self, red: Reduce) -> set[int]:
@@ -275,9 +289,12 @@ class _Scheduler:
         values = self.values
         buffers = [Buffer(f"in{i.position}", "input", i.shape, i.stride, i.dtype) for i in values.inputs]
         out_buffer: dict[int, str] = {}
+        self.also_stored: dict[int, list[str]] = {}  # a reduction that is several outputs
         for j, out in enumerate(values.outputs):
             buffers.append(Buffer(f"out{j}", "output", out.shape, contiguous_strides(out.shape), out.dtype))
             if isinstance(out, Reduce):
+                if id(out) in out_buffer:
+                    self.also_stored.setdefault(id(out), []).append(f"out{j}")
                 out_buffer.setdefault(id(out), f"out{j}")
         materialize: set[int] = set()
         for _ in range(8):  # grow the set of reductions read outside their kernel to a fixed point
@@ -290,9 +307,9 @@ class _Scheduler:
             red_buffers = {**{k: b.name for k, b in temps.items()}, **out_buffer}
             kernels, needs = [], []
             for n, plan in enumerate(self.plans):
-                kb = _KernelBuilder(self, plan, f"kernel{n}", red_buffers, materialize)
-                kernels.append(kb.build())
-                needs.append(kb.foreign_reads)
+                kernel, foreign = _build_kernel(self, plan, f"kernel{n}", red_buffers, materialize)
+                kernels.append(kernel)
+                needs.append(foreign)
             wanted = set().union(*needs) if needs else set()
             if wanted <= materialize:
                 break
@@ -348,11 +365,50 @@ def _topo(reds: list[Reduce], deps: dict[int, set[int]]) -> list[Reduce]:
 
 
 # -- building one kernel ---------------------------------------------------------------------------
+# Row scratch a kernel may keep (all buffers together), and the least recomputation cost worth it.
+ROW_CACHE_BYTES = 1 << 16
+ROW_CACHE_MIN_COST = 8
+MAX_UNROLL = 4
+# Rough cost of an op relative to an add; what decides whether a value is stored for a later pass.
+_OP_COST = {"exp": 10, "log": 10, "log1p": 12, "expm1": 12, "tanh": 12, "sigmoid": 12, "erf": 12,
+            "pow": 20, "sin": 12, "cos": 12, "div": 4, "sqrt": 4, "rsqrt": 4, "reciprocal": 4}
+
+
+def _build_kernel(sched: _Scheduler, plan: _Plan, name: str, red_buffers: dict[int, str],
+                  materialize: set[int]) -> tuple[Kernel, set[int]]:
+    kb = _KernelBuilder(sched, plan, name, red_buffers, materialize)
+    kernel = kb.build()
+    unroll = _pair_unroll(kernel)
+    if unroll > 1:
+        kb = _KernelBuilder(sched, plan, name, red_buffers, materialize, unroll)
+        kernel = kb.build()
+    return kernel, kb.foreign_reads
+
+
+def _pair_unroll(kernel: Kernel) -> int:
+    """How many columns one step of a pointwise kernel should take: ``m`` when its indices split
+    ``c`` as ``c // m`` and ``c % m`` for a small ``m`` (an interleaved pair's cat/flatten), so that
+    each copy's indices become plain strides and the ``c % m`` selects fold away."""
+    if kernel.kind != "rows" or kernel.has_reductions or len(kernel.blocks) == 0:
+        return 1
+    found = 1
+    for block in kernel.blocks:
+        exprs = [s.args[1] for s in block.stmts if s.op == "load"] + [s.args[0] for s in block.stmts
+                                                                       if s.op == "index"]
+        exprs += [st.index for st in block.stores]
+        for expr in exprs:
+            for atom in sympy.sympify(expr).atoms(FloorDiv, sympy.Mod):
+                m = atom.args[1]
+                if C in atom.args[0].free_symbols and isinstance(m, sympy.Integer) and 1 < int(m) <= MAX_UNROLL:
+                    found = max(found, int(m))
+    return found if kernel.cols % found == 0 else 1
+
+
 class _KernelBuilder:
     def __init__(self, sched: _Scheduler, plan: _Plan, name: str, red_buffers: dict[int, str],
-                 materialize: set[int]) -> None:
+                 materialize: set[int], unroll: int = 1) -> None:
         self.sched, self.plan, self.red_buffers, self.materialize = sched, plan, red_buffers, materialize
-        self.kernel = Kernel(name, plan.kind, plan.row_shape, plan.col_shape)
+        self.kernel = Kernel(name, plan.kind, plan.row_shape, plan.col_shape, unroll=unroll)
         self.row_idx = unravel(R, plan.row_shape)
         self.col_idx = unravel(C, plan.col_shape)
         self.foreign_reads: set[int] = set()
@@ -361,6 +417,10 @@ class _KernelBuilder:
         self.memo: dict[tuple[int, Index], str] = {}
         self.cse: dict[tuple[Any, ...], str] = {}
         self.local: dict[int, str] = {}  # reduction → name of its finished per-row (per-column) value
+        # Values of earlier inner blocks of this row: key of memo → (block, name), for the row cache.
+        self.earlier: dict[tuple[int, Index], tuple[Block, str]] = {}
+        self.cached: dict[tuple[int, Index], str] = {}  # key → the row buffer holding it
+        self.costs: dict[int, int] = {}
         self.outer = self._open("outer")
         self.inner: Block | None = None
         self.counter = 0
@@ -385,8 +445,11 @@ class _KernelBuilder:
                 self._reduction_pass([r for r in plan.reductions if stage[id(r)] == s], full_idx)
         if plan.full_outputs:
             self.inner = self._open("inner")
-            for j in plan.full_outputs:
-                self._store(f"out{j}", outs[j].shape, full_idx, self.value(outs[j], full_idx))
+            u = self.kernel.unroll
+            for k in range(u):
+                idx = full_idx if u == 1 else self.row_idx + unravel(u * C + k, plan.col_shape)
+                for j in plan.full_outputs:
+                    self._store(f"out{j}", outs[j].shape, idx, self.value(outs[j], idx))
             self._close_inner()
         for j in plan.row_outputs:
             idx = self.row_idx + (sympy.Integer(0),) * (len(outs[j].shape) - len(self.row_idx))
@@ -413,6 +476,8 @@ class _KernelBuilder:
             if buf is not None and (id(red) in self.materialize or buf.startswith("out")):
                 idx = self._home_index(red)
                 self._store(buf, red.shape, idx, result)
+                for other in self.sched.also_stored.get(id(red), []):
+                    self._store(other, red.shape, idx, result)
 
     def _home_index(self, red: Reduce) -> Index:
         """The output index of ``red`` that the current row (rows) or column (cols) computes."""
@@ -423,7 +488,7 @@ class _KernelBuilder:
 
     def _close_inner(self) -> None:
         for key in [k for k, v in self.memo.items() if v in self.inner_names]:
-            del self.memo[key]
+            self.earlier[key] = (self.inner, self.memo.pop(key))
         for key in [k for k, v in self.cse.items() if v in self.inner_names]:
             del self.cse[key]
         self.inner = None
@@ -472,8 +537,45 @@ class _KernelBuilder:
     def value(self, v: Value, idx: Index) -> str:
         key = (id(v), idx)
         if key not in self.memo:
-            self.memo[key] = self._value(v, idx)
+            recalled = self._recall(key, v)
+            self.memo[key] = recalled if recalled is not None else self._value(v, idx)
         return self.memo[key]
+
+    def _recall(self, key: tuple[int, Index], v: Value) -> str | None:
+        """Load a value an earlier pass over this row computed, if it is dear enough to keep: the
+        earlier pass stores it into a row buffer (scratch of one row, in L1 for usual rows)."""
+        if key not in self.earlier or self.inner is None or self.plan.kind != "rows" or self.kernel.unroll != 1:
+            return None
+        block, name = self.earlier[key]
+        if key not in self.cached:
+            if self._cost(v) < ROW_CACHE_MIN_COST:
+                return None
+            ctype = self.ctypes[name]
+            itemsize = 1 if ctype == "bool" else (8 if ctype == "i64" else 4)
+            used = sum(b.shape[0] * b.dtype.itemsize for b in self.kernel.row_buffers)
+            if used + itemsize * self.kernel.cols > ROW_CACHE_BYTES:
+                return None
+            dtype = {"f32": torch.float32, "i64": torch.int64, "i32": torch.int32, "bool": torch.bool}[ctype]
+            buf = Buffer(f"row{len(self.kernel.row_buffers)}", "row", (self.kernel.cols,), (1,), dtype)
+            self.kernel.row_buffers.append(buf)
+            block.stores.append(Store(buf.name, C, name))
+            self.cached[key] = buf.name
+        return self._emit("load", (self.cached[key], C), self.ctypes[name], depends_on_c=True)
+
+    def _cost(self, v: Value) -> int:
+        if id(v) not in self.costs:
+            if isinstance(v, Input):
+                cost = 1
+            elif isinstance(v, View):
+                cost = self._cost(v.src)
+            elif isinstance(v, Op):
+                cost = _OP_COST.get(v.op, 1) + sum(self._cost(a) for a in v.args)
+            elif isinstance(v, Select):
+                cost = 2 + sum(self._cost(p) for p in v.parts)
+            else:  # constants, and reductions (a finished scalar, or one load)
+                cost = 0 if isinstance(v, Const) else 1
+            self.costs[id(v)] = cost
+        return self.costs[id(v)]
 
     def _value(self, v: Value, idx: Index) -> str:
         if isinstance(v, Input):
@@ -504,11 +606,20 @@ class _KernelBuilder:
         else:
             names = [self._as(n, v.operand_type) for n in names]
         result_type = "bool" if v.op in _BOOL_RESULT else v.operand_type
-        name = self._emit(v.op, tuple(names), result_type)
+        if (v.op == "div" and result_type == "f32" and self.plan.kind == "rows" and names[0] in self.inner_names
+                and names[1] not in self.inner_names):
+            # A per-row divisor: one division per row, a multiplication per element.
+            name = self._emit("mul", (names[0], self._emit("reciprocal", (names[1],), "f32")), "f32")
+        else:
+            name = self._emit(v.op, tuple(names), result_type)
         return self._as(name, out_type)
 
     def _select(self, v: Select, idx: Index) -> str:
         pos = idx[v.dim]
+        if isinstance(pos, sympy.Integer):  # the part is known (an unrolled copy, a fixed index)
+            n = next(n for n in range(len(v.parts)) if v.offsets[n] <= int(pos) < v.offsets[n + 1])
+            part_idx = idx[: v.dim] + (pos - v.offsets[n],) + idx[v.dim + 1:]
+            return self._as(self.value(v.parts[n], part_idx), compute_type(v.dtype))
         result = None
         for n in reversed(range(len(v.parts))):
             part, lo, hi = v.parts[n], v.offsets[n], v.offsets[n + 1]

@@ -9,6 +9,7 @@ Index expressions are sympy integer expressions over the loop variables of the k
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -229,6 +230,9 @@ class GraphValues:
 
     def __init__(self, gm: fx.GraphModule, input_meta: Sequence[Any]) -> None:
         self.env: dict[fx.Node, Value] = {}
+        self._canon: dict[int, Value] = {}  # id of a value built by a rule → its interned equal
+        self._by_key: dict[tuple[Any, ...], Value] = {}
+        self._alive: list[Value] = []  # keeps ids in _canon from being reused
         self.inputs: list[Input] = []
         self.outputs: list[Value] = []
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -242,7 +246,7 @@ class GraphValues:
             self.env[node] = inp
         for node in gm.graph.nodes:
             if node.op == "call_function":
-                self.env[node] = self._lower(node)
+                self.env[node] = self.intern(self._lower(node))
             elif node.op == "output":
                 outs = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
                 for out in outs:
@@ -251,6 +255,34 @@ class GraphValues:
                     self.outputs.append(self.env[out])
             elif node.op != "placeholder":
                 raise Unsupported(f"node kind {node.op} in a region")
+
+    # -- structural sharing -----------------------------------------------------------------------
+    def intern(self, v: Value) -> Value:
+        """The one value structurally equal to ``v``: equal reductions (softmax and log_softmax of one
+        input both take its row max and sum of exponentials) become one object, so the scheduler
+        computes them once and the kernel builder's memo shares their pointwise inputs."""
+        if id(v) in self._canon:
+            return self._canon[id(v)]
+        self._alive.append(v)
+        out = v
+        if isinstance(v, Op):
+            args = tuple(self.intern(a) for a in v.args)
+            if any(a is not b for a, b in zip(args, v.args, strict=True)):
+                out = dataclasses.replace(v, args=args)
+        elif isinstance(v, (Reduce, View)):
+            src = self.intern(v.src)
+            if src is not v.src:
+                out = dataclasses.replace(v, src=src)
+        elif isinstance(v, Select):
+            parts = tuple(self.intern(p) for p in v.parts)
+            if any(a is not b for a, b in zip(parts, v.parts, strict=True)):
+                out = dataclasses.replace(v, parts=parts)
+        key = _structure(out)
+        if key is not None:
+            out = self._by_key.setdefault(key, out)
+        self._alive.append(out)
+        self._canon[id(v)] = self._canon[id(out)] = out
+        return out
 
     # -- operands -------------------------------------------------------------------------------
     def _v(self, a: Any, like: torch.dtype = torch.float32) -> Value:
@@ -290,6 +322,24 @@ class GraphValues:
         if rule is None:
             raise Unsupported(f"op {op_label(t)} is not pointwise, a view or a supported reduction")
         return rule(self, node, list(node.args), dict(node.kwargs))
+
+
+_PROBE = tuple(sympy.Symbol(f"i{d}", integer=True, nonnegative=True) for d in range(16))
+
+
+def _structure(v: Value) -> tuple[Any, ...] | None:
+    """A hashable description of ``v`` over the identities of its (already interned) operands."""
+    if isinstance(v, Const):
+        return ("const", repr(v.value), v.shape, v.dtype)
+    if isinstance(v, Op):
+        return ("op", v.op, tuple(id(a) for a in v.args), v.shape, v.dtype, v.operand_type)
+    if isinstance(v, Reduce):
+        return ("reduce", v.op, id(v.src), v.dims, v.keepdim, v.scale, v.shape, v.dtype)
+    if isinstance(v, Select):
+        return ("select", tuple(id(p) for p in v.parts), v.dim, v.offsets, v.shape, v.dtype)
+    if isinstance(v, View) and len(v.shape) <= len(_PROBE):
+        return ("view", id(v.src), tuple(v.index_map(_PROBE[: len(v.shape)])), v.shape, v.dtype)
+    return None  # inputs are distinct by position
 
 
 def _promote(vals: Sequence[Value]) -> str:
