@@ -44,6 +44,11 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
       accelrun compile explain configs/llama.yaml compile.backend=accelrun
       accelrun compile explain configs/llama.yaml 'compile.passes=[dce, cse, partition_regions]'
       accelrun compile explain configs/llama.yaml 'compile.executors=[cpp, aten]' train.precision=bf16-mixed
+      accelrun compile explain configs/llama.yaml parallel.fsdp_impl=compiled compile.passes=overlap
+
+    With parallel.fsdp_impl = compiled, the model is sharded over a group of one process, so its graphs
+    hold the all-gathers and reduce-scatters, and the schedule of those collectives is shown as a
+    timeline (compute segments, ▶ issue, ◀ wait) before and after schedule_overlap.
     """
     from accelrun.compile import explain as ex
     from accelrun.report.rundir import create_run_dir
@@ -53,7 +58,8 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
     resolved = load(config, (*overrides, "compile.backend=accelrun"))
     cfg = resolved.config
     if cfg.parallel.world_size > 1:
-        err.print("note: the parallel layout is not applied: this compiles one process's step")
+        err.print("note: the parallel layout is not applied: this compiles one process's step"
+                  + (" (compiled FSDP over a group of one)" if cfg.parallel.fsdp_impl == "compiled" else ""))
     run_dir = create_run_dir(cfg.report.runs_dir, f"{cfg.name}-explain")
     err.print(f"compiling one training step of {escape(cfg.name)} (run dir {run_dir}) ...")
     result = explain_step(resolved, run_dir, steady_steps=steps)
@@ -81,6 +87,10 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
             for who, why, n in declines:
                 table.add_row(who, escape(why), str(n))
             out.print(table)
+    for p in record.passes:  # the collectives' schedule (schedule_overlap), the buckets formed, ...
+        if p.detail:
+            out.print(f"[bold]{escape(p.graph)} · {escape(p.name)}[/]")
+            out.print(escape(p.detail), highlight=False)
     collectives = {g.name: g.collectives for g in record.graphs if g.collectives}
     if collectives:
         out.print("collectives seen: " + "; ".join(f"{g}: {c}" for g, c in collectives.items()))

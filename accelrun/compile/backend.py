@@ -166,7 +166,7 @@ class AccelrunBackend:
             counts.setdefault("changed", 1)
         self.record.passes.append(PassRecord(
             graph=graph, stage=stage, name=p.name, ops_before=before, ops_after=after,
-            summary=result.summary, counts=counts, seconds=round(seconds, 4),
+            summary=result.summary, counts=counts, seconds=round(seconds, 4), detail=result.detail,
         ))  # fmt: skip
 
 

@@ -17,6 +17,7 @@ class PassRecord:
     summary: str
     counts: dict[str, int]
     seconds: float
+    detail: str = ""  # PassResult.detail: several lines, shown by `compile explain`
 
 
 @dataclass

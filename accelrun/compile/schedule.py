@@ -191,3 +191,13 @@ def timeline(gm: fx.GraphModule, max_lines: int = 80) -> str:
         half = max_lines // 2
         lines = [*lines[:half], f"  … {len(lines) - max_lines} lines …", *lines[-half:]]
     return "\n".join(lines)
+
+
+def side_by_side(left_title: str, left: str, right_title: str, right: str) -> str:
+    """Two texts as columns (the schedule before and after a pass)."""
+    a, b = left.splitlines(), right.splitlines()
+    width = max([len(left_title), *map(len, a)]) + 3
+    rows = [f"{left_title:<{width}}{right_title}", f"{'-' * len(left_title):<{width}}{'-' * len(right_title)}"]
+    rows += [f"{x:<{width}}{y}" for x, y in zip(a + [""] * (len(b) - len(a)), b + [""] * (len(a) - len(b)),
+                                                 strict=True)]  # fmt: skip
+    return "\n".join(rows)

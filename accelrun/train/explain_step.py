@@ -1,7 +1,9 @@
 """Compile one training step of a recipe with accelrun's compiler and time it: `accelrun compile explain`.
 
 One process, the recipe's model, data, precision, activation checkpointing and compile scope; a
-parallel layout is not applied (the graphs are one device's, as with ``parallel.*`` degrees of 1).
+parallel layout is not applied (the graphs are one device's, as with ``parallel.*`` degrees of 1),
+except ``parallel.fsdp_impl: compiled``, which is applied over a group of one process so that the
+graphs hold the parameters' all-gathers and the gradients' reduce-scatters the passes schedule.
 """
 
 from __future__ import annotations
@@ -33,6 +35,20 @@ class ExplainedStep:
     dump_dir: Path
 
 
+def _compile_sharded_alone(model, blocks, compile_cfg, dump_dir: Path, device: torch.device):
+    """Compiled FSDP over a one-process gloo group: the collectives are in the graphs (with one rank)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from accelrun.dist.compiled_fsdp import compile_sharded
+    from accelrun.dist.mesh import MESH_DIMS
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh(device.type, (1,) * len(MESH_DIMS), mesh_dim_names=MESH_DIMS)
+    return compile_sharded(model, blocks, mesh, compile_cfg, dump_dir)
+
+
 def explain_step(resolved: ResolvedConfig, run_dir: Path, steady_steps: int = 3) -> ExplainedStep:
     cfg = resolved.config
     t = cfg.train
@@ -44,8 +60,12 @@ def explain_step(resolved: ResolvedConfig, run_dir: Path, steady_steps: int = 3)
     if blocks is not None:
         apply_activation_checkpointing(blocks, t.activation_checkpoint)
     dump_dir = run_dir / "compile"
-    compiled = compile_model(model, blocks, compile_cfg, dump_dir)
-    optimizer = build_optimizer(model, t.optimizer, device, sharded=False)
+    sharded = cfg.parallel.fsdp_impl == "compiled"
+    if sharded:
+        compiled = _compile_sharded_alone(model, blocks, compile_cfg, dump_dir, device)
+    else:
+        compiled = compile_model(model, blocks, compile_cfg, dump_dir)
+    optimizer = build_optimizer(model, t.optimizer, device, sharded=sharded)
     data = build_data(cfg.data, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
                       vocab_size=cfg.model.vocab_size)  # fmt: skip
     loss_fn = training_loss_fn(model)

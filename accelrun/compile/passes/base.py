@@ -52,6 +52,7 @@ class PassResult:
     summary: str = ""  # one line for `compile explain`: "removed 3 nodes", "matched 4 RMSNorm"
     counts: dict[str, int] = field(default_factory=dict)  # machine-readable facts for the report
     graph: Any = None  # a replacement graph module (or (forward, backward) pair at the partition stage)
+    detail: str = ""  # several lines for `compile explain` (e.g. the collectives' schedule before and after)
 
 
 PassFn = Callable[[Any, Any, PassContext], PassResult]

@@ -199,6 +199,8 @@ def bucket_collectives(gm: fx.GraphModule, options: BucketOptions, ctx: PassCont
     before = sum(1 for n in gm.graph.nodes if is_collective(n))
     priority = {n: float(i) for i, n in enumerate(gm.graph.nodes)}
     largest = 0
+    lines = [f"bucket {i}: {len(b)} × {kind(b[0])} ({', '.join(c.args[0].name for c in b)})"
+             for i, b in enumerate(buckets)]  # fmt: skip
     for members in buckets:
         largest = max(largest, sum(held_bytes(c) - nbytes(c.meta.get("val")) for c in members))
         _merge(gm, members, priority)
@@ -207,4 +209,5 @@ def bucket_collectives(gm: fx.GraphModule, options: BucketOptions, ctx: PassCont
     after = sum(1 for n in gm.graph.nodes if is_collective(n))
     merged = sum(len(b) for b in buckets)
     return PassResult(True, f"{merged} collectives → {len(buckets)} buckets ({before} → {after} collectives)",
-                      {"buckets": len(buckets), "merged": merged, "largest_bucket_bytes": largest})
+                      {"buckets": len(buckets), "merged": merged, "largest_bucket_bytes": largest},
+                      detail="\n".join(lines))

@@ -20,7 +20,16 @@ from collections import deque
 from torch import fx
 
 from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
-from accelrun.compile.schedule import held_bytes, inflight_peak, is_collective, is_wait, reorder, spans
+from accelrun.compile.schedule import (
+    held_bytes,
+    inflight_peak,
+    is_collective,
+    is_wait,
+    reorder,
+    side_by_side,
+    spans,
+    timeline,
+)
 
 
 class ScheduleOptions(PassOptions):
@@ -146,6 +155,7 @@ def schedule_overlap(gm: fx.GraphModule, options: ScheduleOptions, ctx: PassCont
     if not any(is_collective(n) for n in gm.graph.nodes):
         return PassResult(False, "no collectives")
     before = spans(gm)
+    before_text = timeline(gm)
     limit = int(options.max_inflight_mb * 2**20)
     order = plan_schedule(gm, limit)
     reorder(gm, order)
@@ -160,4 +170,5 @@ def schedule_overlap(gm: fx.GraphModule, options: ScheduleOptions, ctx: PassCont
         f"peak in flight {inflight_peak(gm) / 2**20:.2f} MiB",
         {"collectives": len(after), "waited_at_once": exposed_after,
          "ops_between_issue_and_wait": sum(s.ops_between for s in after), "inflight_peak_bytes": inflight_peak(gm)},
+        detail=side_by_side("before", before_text, "after", timeline(gm)),
     )  # fmt: skip
