@@ -73,3 +73,14 @@ def test_compiled_checkpoint_resumes_in_one_process(job, reference, tmp_path):
 def test_compiled_matches_fsdp2_step_for_step(job, tmp_path):
     fsdp2 = train_job(tmp_path / "runs", STEPS, "name=fsdp2", *FSDP2, "checkpoint.enabled=false").run_dir
     assert losses(job("compiled_plain")) == pytest.approx(losses(fsdp2), rel=LOSS_RTOL)
+
+
+def test_compiled_fsdp_needs_the_accelrun_backend(tiny):
+    from click.testing import CliRunner
+
+    from accelrun.cli.main import cli
+    from tests.conftest import DEFAULT_CONFIG
+
+    r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), *tiny(2), *FSDP2, "parallel.fsdp_impl=compiled"])
+    assert r.exit_code == 2, r.output
+    assert "parallel.fsdp_impl = compiled" in r.output and "compile.backend = eager" in r.output, r.output
