@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch._decomp import core_aten_decompositions
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
+from accelrun.compile.codegen.loop_ir import Kernel, cached_program
+from accelrun.compile.codegen.triton import cols_split, launches
 from accelrun.compile.executors.triton import TritonExecutor
 from accelrun.compile.extract import extract_regions
 from accelrun.compile.passes.partition_regions import partition
@@ -83,6 +85,14 @@ CASES = {
                              torch.randn(24, dtype=torch.bfloat16, requires_grad=True)),
     "cross_entropy": lambda: (lambda lg, t: F.cross_entropy(lg, t), torch.randn(6, 40, requires_grad=True),
                               torch.randint(0, 40, (6,))),
+    # one max and one sum for both; exp kept from the sum's pass for softmax's epilogue
+    "softmax_log_softmax": lambda: (lambda x: torch.softmax(x, -1) + torch.log_softmax(x, -1),
+                                    torch.randn(5, 24, requires_grad=True)),
+    # column reductions cut into row chunks (two stages: partials, then the final kernel)
+    "rmsnorm_split_cols": lambda: (rmsnorm, torch.randn(4, 32, 72, requires_grad=True),
+                                   torch.randn(72, requires_grad=True)),
+    "amax_split_cols": lambda: (lambda x, b: x.amax(0) * b.sum(0), torch.randn(200, 40, requires_grad=True),
+                                torch.randn(200, 40, requires_grad=True)),
     "rope_swiglu": lambda: (lambda x, c, s: F.silu(rope(x, c, s)) * x, torch.randn(2, 4, 2, 8, requires_grad=True),
                             torch.randn(4, 4), torch.randn(4, 4)),
 }
@@ -105,6 +115,25 @@ def test_unavailable_without_gpu_or_interpreter(monkeypatch):
     assert "TRITON_INTERPRET" in TritonExecutor().unavailable_reason()
 
 
-def test_declines_a_row_too_long_for_one_tile():
+def test_declines_a_row_too_long_for_one_tile(interpret):
     gm_region = regions_of(lambda x: torch.softmax(x, -1) * 2, torch.randn(2, 20000, requires_grad=True))[0]
     assert "too long" in TritonExecutor().decline_reason(gm_region)
+
+
+def test_column_reduction_of_a_norm_weight_gradient_is_split():
+    """(8192, 1024) summed over rows: many programs over row chunks, not one program per column block."""
+    split = cols_split(Kernel("kernel0", "cols", (8, 1024), (1024,)))
+    assert split.col_blocks * split.chunks >= 256
+    assert split.chunks * split.rows_per_chunk >= 8192 > (split.chunks - 1) * split.rows_per_chunk
+    small = cols_split(Kernel("kernel0", "cols", (8,), (24,)))
+    assert small.chunks == 1 and small.rows_per_chunk >= 8
+
+
+def test_compiled_region_launches_a_split_reduction_in_two_kernels(interpret, tmp_path):
+    fn, *args = CASES["rmsnorm_split_cols"]()
+    cols = [r for r in regions_of(fn, *args) if any(k.kind == "cols" for k in cached_program(r).kernels)]
+    assert cols
+    source = TritonExecutor._source(cols[0])
+    names = [ln.kernel for ln in launches(cached_program(cols[0]))]
+    assert len(names) == 2 and names[1] == names[0] + "_final"
+    assert f"def {names[1]}(" in source and "tl.program_id(1) * 64" in source

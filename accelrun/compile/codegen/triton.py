@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,16 @@ import torch
 
 from accelrun.compile.codegen.emitter import Emitter
 from accelrun.compile.codegen.index_print import print_index
-from accelrun.compile.codegen.loop_ir import Block, Buffer, Kernel, LoopProgram, Stmt, Unsupported
+from accelrun.compile.codegen.loop_ir import Block, Buffer, Kernel, LoopProgram, Reduction, Stmt, Unsupported
 
 TILE_ELEMENTS = 4096  # elements a program instance works on, when the shapes allow
 MAX_ROW = 16384  # a row reduced in one tile cannot be longer than this
+MIN_WARPS, MAX_WARPS = 2, 16
+# Column reductions: columns per program, and how many programs to aim for (a few per SM of a large
+# GPU) by cutting the rows into chunks of at least MIN_TILES_PER_CHUNK tiles each.
+COLS_BLOCK_N = 128
+TARGET_PROGRAMS = 512
+MIN_TILES_PER_CHUNK = 2
 
 TL_TYPE = {"f32": "tl.float32", "i64": "tl.int64", "i32": "tl.int32", "bool": "tl.int1"}
 STORAGE = {"f32": "tl.float32", "bf16": "tl.bfloat16", "f16": "tl.float16", "i64": "tl.int64",
@@ -57,7 +64,9 @@ IDENTITY = {("sum", "f32"): "0.0", ("max", "f32"): "float('-inf')", ("min", "f32
 # TRITON_INTERPRET=1 only works if the variable was set before that import.
 TL_REDUCE = {"sum": "tl.reduce({0}, {1}, _acc_add)", "max": "tl.reduce({0}, {1}, _acc_max)",
              "min": "tl.reduce({0}, {1}, _acc_min)"}
-COMBINE = {"sum": "{a} + {b}", "max": "tl.maximum({a}, {b})", "min": "tl.minimum({a}, {b})"}
+COMBINE = {"sum": "{a} + {b}", "max": "_acc_max({a}, {b})", "min": "_acc_min({a}, {b})"}
+CONSTEXPRS = "BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr"
+TORCH_TYPE = {"f32": torch.float32, "i64": torch.int64, "i32": torch.int32}
 
 HEADER = """\
 import triton
@@ -85,14 +94,48 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _warps(tile: int) -> int:
+    """Warps of a program instance: about 16 elements of its tile per thread."""
+    return max(MIN_WARPS, min(MAX_WARPS, tile // 512))
+
+
+@dataclass(frozen=True)
+class ColsSplit:
+    """How a column reduction is cut: ``chunks`` programs per column block each reduce ``rows_per_chunk``
+    rows into a partial row of an fp32 (or integer) scratch buffer; with ``chunks > 1`` a second,
+    small kernel (``<name>_final``) reduces the partials in a fixed order and runs the epilogue."""
+
+    block_r: int
+    block_n: int
+    col_blocks: int
+    chunks: int
+    rows_per_chunk: int
+
+
+def cols_split(kernel: Kernel) -> ColsSplit:
+    block_n = min(_pow2(kernel.trips), COLS_BLOCK_N)
+    block_r = max(1, min(_pow2(kernel.rows), TILE_ELEMENTS // block_n))
+    col_blocks = -(-kernel.trips // block_n)
+    row_tiles = -(-kernel.rows // block_r)
+    wanted = max(1, -(-TARGET_PROGRAMS // col_blocks))
+    per_chunk = max(MIN_TILES_PER_CHUNK, -(-row_tiles // wanted))
+    chunks = -(-row_tiles // per_chunk)
+    if chunks == 1:
+        per_chunk = row_tiles
+    return ColsSplit(block_r, block_n, col_blocks, chunks, per_chunk * block_r)
+
+
 def tiles(kernel: Kernel) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_N) of a kernel: whole rows when it reduces them."""
-    if kernel.kind == "rows" and kernel.has_reductions:
-        if kernel.cols > MAX_ROW:
+    if kernel.kind == "cols":
+        split = cols_split(kernel)
+        return split.block_r, split.block_n
+    if kernel.has_reductions:
+        if kernel.trips > MAX_ROW:
             raise Unsupported(f"a row of {kernel.cols} elements is too long for one Triton tile")
-        block_n = _pow2(kernel.cols)
+        block_n = _pow2(kernel.trips)
     else:
-        block_n = min(_pow2(kernel.cols), 1024)
+        block_n = min(_pow2(kernel.trips), 1024)
     block_r = max(1, min(_pow2(kernel.rows), TILE_ELEMENTS // block_n))
     return block_r, block_n
 
@@ -100,8 +143,72 @@ def tiles(kernel: Kernel) -> tuple[int, int]:
 def grid(kernel: Kernel) -> tuple[int, int]:
     block_r, block_n = tiles(kernel)
     if kernel.kind == "cols":
-        return (-(-kernel.cols // block_n), 1)
-    return (-(-kernel.rows // block_r), -(-kernel.cols // block_n))
+        split = cols_split(kernel)
+        return (split.col_blocks, split.chunks)
+    return (-(-kernel.rows // block_r), -(-kernel.trips // block_n))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of ``launch()``: the kernel's name, grid, buffer arguments and constexprs."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    args: tuple[str, ...]
+    block_r: int
+    block_n: int
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A buffer a region needs only while its kernels run (a split reduction's partials)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def launches(program: LoopProgram) -> list[Launch]:
+    out = []
+    for kernel in program.kernels:
+        block_r, block_n = tiles(kernel)
+        args = tuple(_kernel_buffers(kernel.blocks, program.buffers))
+        if kernel.kind == "cols" and cols_split(kernel).chunks > 1:
+            split = cols_split(kernel)
+            loop, *post = kernel.blocks
+            parts = tuple(_part_name(kernel, red) for red in loop.reductions)
+            loop_args = tuple(_kernel_buffers([loop], program.buffers)) + parts
+            out.append(Launch(kernel_name(kernel), grid(kernel), loop_args, block_r, block_n,
+                              _warps(block_r * block_n)))
+            final_r = max(1, min(_pow2(split.chunks), TILE_ELEMENTS // block_n))
+            out.append(Launch(f"{kernel_name(kernel)}_final", (split.col_blocks,),
+                              parts + tuple(_kernel_buffers(post, program.buffers)), final_r, block_n,
+                              _warps(final_r * block_n)))
+            continue
+        warps = _warps(block_r * block_n)
+        out.append(Launch(kernel_name(kernel), grid(kernel), args, block_r, block_n, warps))
+    return out
+
+
+def scratch_buffers(program: LoopProgram) -> list[Scratch]:
+    out = []
+    for kernel in program.kernels:
+        if kernel.kind == "cols" and cols_split(kernel).chunks > 1:
+            for red in kernel.blocks[0].reductions:
+                out.append(Scratch(_part_name(kernel, red), (cols_split(kernel).chunks, kernel.trips),
+                                   TORCH_TYPE[red.ctype]))
+    return out
+
+
+def _part_name(kernel: Kernel, red: Reduction) -> str:
+    return f"{kernel.name}_{red.name}_part"
+
+
+def kernel_name(kernel: Kernel) -> str:
+    """The ``@triton.jit`` function's name, what profilers show: kind and domain, e.g.
+    ``kernel1_cols_8192x1024`` (the name depends on the program only, so equal regions share a module)."""
+    return f"{kernel.name}_{kernel.kind}_{kernel.rows}x{kernel.cols}"
 
 
 def triton_source(program: LoopProgram) -> str:
@@ -114,14 +221,13 @@ def triton_source(program: LoopProgram) -> str:
         e.line()
         e.line()
         _KernelWriter(e, kernel, program.buffers).write()
-    names = [b.name for b in program.buffers]
+    names = [b.name for b in program.buffers] + [s.name for s in scratch_buffers(program)]
     e.line()
     e.line()
     with e.block(f"def launch({', '.join(names)}):"):
-        for kernel in program.kernels:
-            block_r, block_n = tiles(kernel)
-            args = ", ".join(_kernel_buffers(kernel, program.buffers))
-            e.line(f"{kernel.name}[{grid(kernel)}]({args}, BLOCK_R={block_r}, BLOCK_N={block_n})")
+        for ln in launches(program):
+            e.line(f"{ln.kernel}[{ln.grid}]({', '.join(ln.args)}, BLOCK_R={ln.block_r}, "
+                   f"BLOCK_N={ln.block_n}, num_warps={ln.num_warps})")
         if not program.kernels:
             e.line("pass")
     return e.source()
@@ -134,9 +240,9 @@ def _numel(buf: Buffer) -> int:
     return n
 
 
-def _kernel_buffers(kernel: Kernel, buffers: list[Buffer]) -> list[str]:
+def _kernel_buffers(blocks: list[Block], buffers: list[Buffer]) -> list[str]:
     used = set()
-    for b in kernel.blocks:
+    for b in blocks:
         used |= {s.args[0] for s in b.stmts if s.op == "load"} | {s.buffer for s in b.stores}
     return [b.name for b in buffers if b.name in used]
 
@@ -145,19 +251,23 @@ class _KernelWriter:
     def __init__(self, e: Emitter, kernel: Kernel, buffers: list[Buffer]) -> None:
         self.e, self.k = e, kernel
         self.buffers = {b.name: b for b in buffers}
-        self.args = _kernel_buffers(kernel, buffers)
+        # A row buffer needs no memory here: a kernel with row reductions holds whole rows in its tile,
+        # so the value an earlier block keeps is still a live variable.
+        self.rows = {b.name for b in kernel.row_buffers}
+        self.all_buffers = buffers
 
     def write(self) -> None:
         e, k = self.e, self.k
+        if k.kind == "cols":
+            self._write_cols()
+            return
+        args = _kernel_buffers(k.blocks, self.all_buffers)
         e.line("@triton.jit")
-        with e.block(f"def {k.name}({', '.join(self.args)}, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):"):
-            if k.kind == "cols":
-                self._write_cols()
-                return
+        with e.block(f"def {kernel_name(k)}({', '.join(args)}, {CONSTEXPRS}):"):
             e.line("r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
             e.line("c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
             e.line(f"rmask = r < {k.rows}")
-            e.line(f"mask = rmask & (c < {k.cols})")
+            e.line(f"mask = rmask & (c < {k.trips})")
             e.line("zero_outer = r * 0")
             e.line("zero_inner = r * 0 + c * 0")
             for block in k.blocks:
@@ -171,25 +281,65 @@ class _KernelWriter:
                 self._stores(block, mask, f"zero_{level}")
 
     def _write_cols(self) -> None:
+        """A column reduction: each program takes ``BLOCK_N`` columns and a chunk of the rows, folding
+        ``BLOCK_R x BLOCK_N`` tiles into a tile of accumulators, then reducing that over its rows."""
         e, k = self.e, self.k
+        split = cols_split(k)
         loop, *post = k.blocks
-        e.line("c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
-        e.line(f"cmask = c < {k.cols}")
-        e.line("zero_col = c * 0")
-        for red in loop.reductions:
-            e.line(f"{red.name}_part = tl.full([BLOCK_R, BLOCK_N], {IDENTITY[red.op, red.ctype]}, "
-                   f"{TL_TYPE[red.ctype]})")
-        with e.block(f"for r0 in range(0, {k.rows}, BLOCK_R):"):
-            e.line("r = r0 + tl.arange(0, BLOCK_R)[:, None]")
-            e.line(f"mask = (r < {k.rows}) & cmask")
-            e.line("zero_inner = r * 0 + c * 0")
-            self._stmts(loop.stmts, "mask", "zero_inner")
+        two_stage = split.chunks > 1
+        parts = [_part_name(k, red) for red in loop.reductions]
+        args = _kernel_buffers([loop], self.all_buffers) + parts if two_stage else \
+            _kernel_buffers(k.blocks, self.all_buffers)
+        e.line("@triton.jit")
+        with e.block(f"def {kernel_name(k)}({', '.join(args)}, {CONSTEXPRS}):"):
+            e.line("c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
+            e.line(f"cmask = c < {k.trips}")
+            e.line("zero_col = c * 0")
+            first = f"tl.program_id(1) * {split.rows_per_chunk} + " if two_stage else ""
             for red in loop.reductions:
-                init = IDENTITY[red.op, red.ctype]
-                value = f"tl.where(mask, {red.value} + zero_inner.to({TL_TYPE[red.ctype]}), {init})"
-                e.line(f"{red.name}_part = " + COMBINE[red.op].format(a=f"{red.name}_part", b=value))
-        for red in loop.reductions:
-            e.line(f"{red.name} = {TL_REDUCE[red.op].format(red.name + '_part', 0)}[None, :]")
+                e.line(f"{red.name}_part = tl.full([BLOCK_R, BLOCK_N], {IDENTITY[red.op, red.ctype]}, "
+                       f"{TL_TYPE[red.ctype]})")
+            with e.block(f"for r0 in range(0, {split.rows_per_chunk}, BLOCK_R):"):
+                e.line(f"r = {first}r0 + tl.arange(0, BLOCK_R)[:, None]")
+                e.line(f"mask = (r < {k.rows}) & cmask")
+                e.line("zero_inner = r * 0 + c * 0")
+                self._stmts(loop.stmts, "mask", "zero_inner")
+                for red in loop.reductions:
+                    init = IDENTITY[red.op, red.ctype]
+                    value = f"tl.where(mask, {red.value} + zero_inner.to({TL_TYPE[red.ctype]}), {init})"
+                    e.line(f"{red.name}_part = " + COMBINE[red.op].format(a=f"{red.name}_part", b=value))
+            for red in loop.reductions:
+                e.line(f"{red.name} = {TL_REDUCE[red.op].format(red.name + '_part', 0)}[None, :]")
+            if not two_stage:
+                self._epilogue(post)
+                return
+            for red, part in zip(loop.reductions, parts, strict=True):
+                ptr = f"{part} + tl.program_id(1) * {k.trips} + c + zero_col"
+                e.line(f"tl.store({ptr}, {red.name}, mask=cmask)")
+        e.line()
+        e.line()
+        # The second stage: the partials of every chunk, reduced in chunk order (deterministic).
+        args = parts + _kernel_buffers(post, self.all_buffers)
+        e.line("@triton.jit")
+        with e.block(f"def {kernel_name(k)}_final({', '.join(args)}, {CONSTEXPRS}):"):
+            e.line("c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
+            e.line(f"cmask = c < {k.trips}")
+            e.line("zero_col = c * 0")
+            for red in loop.reductions:
+                e.line(f"{red.name}_part = tl.full([BLOCK_R, BLOCK_N], {IDENTITY[red.op, red.ctype]}, "
+                       f"{TL_TYPE[red.ctype]})")
+            with e.block(f"for p0 in range(0, {split.chunks}, BLOCK_R):"):
+                e.line("p = p0 + tl.arange(0, BLOCK_R)[:, None]")
+                e.line(f"pmask = (p < {split.chunks}) & cmask")
+                for red, part in zip(loop.reductions, parts, strict=True):
+                    init = IDENTITY[red.op, red.ctype]
+                    value = f"tl.load({part} + p * {k.trips} + c, mask=pmask, other={init})"
+                    e.line(f"{red.name}_part = " + COMBINE[red.op].format(a=f"{red.name}_part", b=value))
+            for red in loop.reductions:
+                e.line(f"{red.name} = {TL_REDUCE[red.op].format(red.name + '_part', 0)}[None, :]")
+            self._epilogue(post)
+
+    def _epilogue(self, post: list[Block]) -> None:
         for block in post:
             self._stmts(block.stmts, "cmask", "zero_col")
             self._stores(block, "cmask", "zero_col")
@@ -199,6 +349,8 @@ class _KernelWriter:
             self.e.line(f"{s.name} = {self._expr(s, mask, zero)}")
 
     def _expr(self, s: Stmt, mask: str, zero: str) -> str:
+        if s.op == "load" and s.args[0] in self.rows:
+            return s.args[0]
         if s.op == "load":
             buf = self.buffers[s.args[0]]
             ptr = f"{buf.name} + {print_index(s.args[1], 'triton')} + {zero}"
@@ -216,6 +368,9 @@ class _KernelWriter:
 
     def _stores(self, block: Block, mask: str, zero: str) -> None:
         for st in block.stores:
+            if st.buffer in self.rows:
+                self.e.line(f"{st.buffer} = {st.value}")
+                continue
             buf = self.buffers[st.buffer]
             ptr = f"{buf.name} + {print_index(st.index, 'triton')} + {zero}"
             self.e.line(f"tl.store({ptr}, {st.value}.to({STORAGE[buf.storage]}), mask={mask})")
@@ -239,17 +394,23 @@ def default_cache_dir() -> Path:
     return base / "compile" / "triton"
 
 
-def load_module(source: str, cache_dir: str | os.PathLike | None = None) -> Any:
-    """Import the generated module from ``<cache_dir>/<sha256>.py`` (written atomically)."""
+def module_path(source: str, cache_dir: str | os.PathLike | None = None) -> Path:
     key = hashlib.sha256(source.encode()).hexdigest()
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return directory / f"accelrun_{key[:32]}.py"
+
+
+def load_module(source: str, cache_dir: str | os.PathLike | None = None) -> Any:
+    """Import the generated module from ``<cache_dir>/<sha256>.py`` (written atomically)."""
+    path = module_path(source, cache_dir)
+    key = path.stem.removeprefix("accelrun_")
+    directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"accelrun_{key[:32]}.py"
     if not path.exists():
         tmp = directory / f".{path.name}.{os.getpid()}.tmp"
         tmp.write_text(source)
         os.replace(tmp, path)
-    name = f"accelrun_triton_{key[:32]}"
+    name = f"accelrun_triton_{key}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
@@ -261,23 +422,99 @@ def load_module(source: str, cache_dir: str | os.PathLike | None = None) -> Any:
 
 
 class TritonRegion:
-    """Allocates outputs on the inputs' device and launches the kernels in order."""
+    """Allocates outputs on the inputs' device and launches the kernels in order.
+
+    Everything a call needs that does not depend on the tensors is worked out here, once: the inputs'
+    expected layouts, the outputs' shapes, each launch's grid and argument slots. Temporaries and
+    partial sums live in scratch tensors allocated once per CUDA stream (kernels on one stream run in
+    order, so a call's scratch is free again when the next call's kernels start). On a GPU the first
+    call launches through ``triton.jit`` (compiling, or loading from Triton's cache); later calls go
+    straight to the compiled kernels' launchers, skipping the JIT's argument binding and cache lookup.
+    """
 
     def __init__(self, program: LoopProgram, module: Any) -> None:
         self.launch = module.launch
         self.inputs = program.of_role("input")
         self.outputs = program.of_role("output")
         self.temps = program.of_role("temp")
+        scratch = scratch_buffers(program)
+        self._in_specs = [(tuple(b.shape), tuple(b.stride), b.dtype) for b in self.inputs]
+        self._out_specs = [(tuple(b.shape), b.dtype) for b in self.outputs]
+        self._scratch_specs = [(tuple(b.shape), b.dtype) for b in self.temps]
+        self._scratch_specs += [(s.shape, s.dtype) for s in scratch]
+        slot = {n: i for i, n in enumerate([b.name for b in program.buffers] + [s.name for s in scratch])}
+        self._plan = [(getattr(module, ln.kernel), (*ln.grid, 1, 1)[:3], tuple(slot[a] for a in ln.args),
+                       (ln.block_r, ln.block_n), ln.num_warps) for ln in launches(program)]
+        self._scratch: dict[Any, list[torch.Tensor]] = {}
+        self._compiled: list[tuple[Any, ...]] | None = None
+        # ACCELRUN_TRITON_DIRECT=0 keeps every launch on triton.jit's path (to compare, or to debug).
+        env = os.environ
+        self._direct = env.get("TRITON_INTERPRET") != "1" and env.get("ACCELRUN_TRITON_DIRECT") != "0"
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if len(args) != len(self.inputs):
             raise TypeError(f"compiled region takes {len(self.inputs)} inputs, got {len(args)}")
-        device = args[0].device if args else torch.device("cpu")
-        ins = [_conform(t, b) for t, b in zip(args, self.inputs, strict=True)]
-        outs = [torch.empty(b.shape, dtype=b.dtype, device=device) for b in self.outputs]
-        temps = [torch.empty(b.shape, dtype=b.dtype, device=device) for b in self.temps]
-        self.launch(*ins, *outs, *temps)
+        ins = args
+        for t, (shape, stride, dtype) in zip(args, self._in_specs, strict=True):
+            if t.dtype != dtype or t.shape != shape or t.stride() != stride:
+                ins = tuple(_conform(t, b) for t, b in zip(args, self.inputs, strict=True))
+                break
+        device = args[0].device if args else torch.device("cuda" if self._direct else "cpu")
+        outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._out_specs]
+        if device.type != "cuda":
+            scratch = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._scratch_specs]
+            self.launch(*ins, *outs, *scratch)
+            return tuple(outs)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        scratch = self._scratch.get((index, stream))
+        if scratch is None:
+            scratch = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._scratch_specs]
+            self._scratch[index, stream] = scratch
+        bufs = (*ins, *outs, *scratch)
+        compiled = self._compiled
+        if compiled is not None:
+            # What triton.jit's launch passes, without its argument binding and cache lookup.
+            enter, leave = _launch_hooks()
+            for ck, run, function, metadata, grid_, slots, consts in compiled:
+                kargs = [bufs[i] for i in slots]
+                meta = ck.launch_metadata(grid_, stream, *kargs, *consts) if enter is not None else None
+                g0, g1, g2 = grid_
+                run(g0, g1, g2, stream, function, metadata, meta, enter, leave, *kargs, *consts)
+            return tuple(outs)
+        found = []
+        for kernel, grid_, slots, (block_r, block_n), warps in self._plan:
+            ck = kernel[grid_](*[bufs[i] for i in slots], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
+            found.append(ck)
+        if self._direct and all(hasattr(ck, "packed_metadata") and hasattr(ck, "function") for ck in found):
+            self._compiled = [(ck, ck.run, ck.function, ck.packed_metadata, p[1], p[2], p[3])
+                              for ck, p in zip(found, self._plan, strict=True)]
         return tuple(outs)
+
+
+def _launch_hooks() -> tuple[Any, Any]:
+    """Triton's launch hooks (a profiler's), passed on as triton.jit passes them; (None, None) when no
+    one listens (newer tritons keep an empty ``HookChain`` there: calling it, and building the launch
+    metadata it would receive, costs a few microseconds per launch)."""
+    knobs = _KNOBS[0] if _KNOBS else _load_knobs()
+    if knobs is None:
+        return None, None
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if getattr(enter, "calls", True) or getattr(leave, "calls", True):
+        return enter, leave
+    return None, None
+
+
+_KNOBS: list[Any] = []
+
+
+def _load_knobs() -> Any:
+    try:
+        from triton import knobs
+    except ImportError:  # an older triton, without knobs: no hooks
+        knobs = None
+    _KNOBS.append(knobs)
+    return knobs
 
 
 def _conform(t: torch.Tensor, buf: Buffer) -> torch.Tensor:

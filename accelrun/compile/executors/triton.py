@@ -40,9 +40,12 @@ class TritonExecutor(Executor):
         return None
 
     def compile(self, region: Region, cache_dir: str | None) -> RegionFn:
-        from accelrun.compile.codegen.triton import TritonRegion, load_module
+        from accelrun.compile.codegen.triton import TritonRegion, load_module, module_path
 
         source = self._source(region)
+        # A hit: the module is on disk from an earlier run, and Triton's own cache (TRITON_CACHE_DIR,
+        # ~/.triton/cache by default) holds its kernels' binaries, keyed by the same source.
+        region.facts["cache_hit"] = module_path(source, cache_dir).exists()
         return TritonRegion(cached_program(region), load_module(source, cache_dir))
 
     @staticmethod
