@@ -31,7 +31,7 @@ MAX_ROW = 16384  # a row reduced in one tile cannot be longer than this
 MIN_WARPS, MAX_WARPS = 2, 16
 # Column reductions: columns per program, and how many programs to aim for (a few per SM of a large
 # GPU) by cutting the rows into chunks of at least MIN_TILES_PER_CHUNK tiles each.
-COLS_BLOCK_N = 128
+COLS_BLOCK_N = 256  # H100, 8192x1024 bf16: 47 us at 256 columns, 67 at 128, 930 with one program per block
 TARGET_PROGRAMS = 512
 MIN_TILES_PER_CHUNK = 2
 
