@@ -27,12 +27,13 @@ from tests.dist.jobs import (
 STEPS = 40  # the job must still be running when each fault is injected; steps cost little
 
 
-def wait_for_steps(job, metrics_glob, runs, n: int, timeout: float):
-    """The metrics file once it has ``n`` lines (None if the job ended or the time ran out first)."""
+def wait_for_step(job, metrics_glob, runs, step: int, timeout: float):
+    """The metrics file once it has a line for ``step`` or later (None if the job ended or the time
+    ran out first)."""
     deadline = time.time() + timeout
     while time.time() < deadline and job.poll() is None:
         found = list(runs.glob(metrics_glob))
-        if found and len(read_metrics(found[0])) >= n:
+        if found and (rows := read_metrics(found[0])) and rows[-1]["step"] >= step:
             return found[0]
         time.sleep(0.02)
     return None
@@ -54,7 +55,7 @@ def test_killed_rank_restarts_the_group_which_resumes_and_a_stuck_rank_times_out
     workers: list[int] = []
     try:
         # Steps 3, 4, 5 done: the job's own step-4 checkpoint is complete (it is saved before step 5).
-        metrics = wait_for_steps(job, "faults/*/metrics.jsonl", runs, 3, timeout=240)
+        metrics = wait_for_step(job, "faults/*/metrics.jsonl", runs, 5, timeout=240)
         assert metrics is not None, "the job did not get going"
         workers = ranks_of(job.pid)
         assert len(workers) == 2, workers
@@ -68,8 +69,9 @@ def test_killed_rank_restarts_the_group_which_resumes_and_a_stuck_rank_times_out
             time.sleep(0.02)
         assert len(restarted) == 2 and not set(restarted) & set(workers), (workers, restarted)
         workers = restarted
-        # The restarted group resumed from step 4 or later and trained two more steps.
-        assert wait_for_steps(job, "faults/*/metrics.jsonl", runs, 6, timeout=120) is not None, "no restart"
+        # The restarted group (the old one is gone) trains two steps past the last one the old one did.
+        done_before = read_metrics(metrics)[-1]["step"]
+        assert wait_for_step(job, "faults/*/metrics.jsonl", runs, done_before + 2, timeout=120), "no restart"
         os.kill(workers[1], signal.SIGSTOP)  # rank 1 stops answering, as a hung process would
         # Rank 0 times out after parallel.timeout_s and exits; the agent would then wait its grace
         # period (30 s) for the stopped rank to take SIGTERM. Kill it as soon as rank 0 is gone.
