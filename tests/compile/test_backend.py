@@ -65,6 +65,28 @@ def test_llama_blocks_match_eager_fp32(passes, tmp_path):
         assert backend.record.passes, "the passes ran and were recorded"
 
 
+@pytest.mark.parametrize("name", ["dce", "cse", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "remat",
+                                  "partition_regions"])  # fmt: skip
+def test_each_pass_alone_keeps_a_llama_block_exact(name):
+    """Each pass on its own (the presets test them together), checked against eager and, with
+    debug_numerics, against the graph before it."""
+    blocks, reference = _blocks_and_reference(1)
+    backend = AccelrunBackend(CompileOptions(passes=resolve_passes([name]), executors=["cpp", "aten"],
+                                             debug_numerics=True))  # fmt: skip
+    blocks[0].compile(backend=backend)
+    _assert_same_step(blocks, reference)
+
+
+def test_llama_blocks_bf16_autocast_match_eager_within_bf16_tolerance():
+    blocks, reference = _blocks_and_reference()
+    backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"]))
+    for b in blocks:
+        b.compile(backend=backend)
+    with torch.autocast("cpu", torch.bfloat16):
+        _assert_same_step(blocks, reference, rtol=2e-2, atol=2e-2)
+    assert backend.record.regions_per_executor().get("cpp", 0) > 0
+
+
 def test_inductor_executor_takes_regions_and_matches_eager(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
 
