@@ -228,5 +228,5 @@ def compile_sharded(model: nn.Module, blocks: list[nn.Module] | None, mesh: Devi
     backend = TracedBackend(CompileOptions.from_config(cfg, dump_dir=dump_dir if cfg.dump else None))
     done = apply_compiled_fsdp(model, blocks, mesh, backend, fullgraph=cfg.fullgraph)
     what = (f"the whole model with accelrun and compiled FSDP ({len(done.units)} units, {done.params} sharded "
-            f"parameters gathered in the graph)")
+            f"parameters gathered in the graph and kept for the backward, as with reshard_after_forward: false)")
     return Compiled(what, backend.record, backend)
