@@ -361,3 +361,12 @@ def test_interleaved_pairs_are_unrolled(cache):
     assert program.kernels[0].unroll == 2
     assert not _stmts(program, "index") and not _stmts(program, "where")
     check(region, cache, [x, angle.cos(), angle.sin()])
+
+
+def test_rope_regions_hold_their_cat(cache):
+    """The partitioner lets a cat join its parts' region, so RoPE's halves are never materialised."""
+    x, angle = torch.randn(2, 8, 2, 16, requires_grad=True), torch.rand(8, 8)
+    regions = llama_regions(rope, x, angle.cos(), angle.sin())
+    assert len(regions) == 2 and all("cat" in r.ops for r in regions)
+    assert all(cached_program(r).kernels[0].unroll == 2 for r in regions)
+    check_together(regions, cache)

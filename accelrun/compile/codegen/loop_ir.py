@@ -282,8 +282,10 @@ class _Scheduler:
             if row is not None:
                 row.row_outputs.append(j)
                 continue
-            rows, cols = (out.shape[:-1], out.shape[-1:]) if out.shape else ((), ())
-            self._plan("rows", rows, cols).full_outputs.append(j)
+            split = len(out.shape) - 1 if out.shape else 0
+            while split > 0 and math.prod(out.shape[split:]) < MIN_POINTWISE_COLS:
+                split -= 1  # a short last axis (a cat of pairs: 2) is too short an inner loop
+            self._plan("rows", out.shape[:split], out.shape[split:]).full_outputs.append(j)
 
     def program(self) -> LoopProgram:
         values = self.values
@@ -365,6 +367,7 @@ def _topo(reds: list[Reduce], deps: dict[int, set[int]]) -> list[Reduce]:
 
 
 # -- building one kernel ---------------------------------------------------------------------------
+MIN_POINTWISE_COLS = 16  # a pointwise kernel's inner loop takes trailing axes until this long
 # Row scratch a kernel may keep (all buffers together), and the least recomputation cost worth it.
 ROW_CACHE_BYTES = 1 << 16
 ROW_CACHE_MIN_COST = 8

@@ -69,6 +69,7 @@ class _Group:
     reduction: _Reduction | None
     device: torch.device
     removed: bool = False  # merged into another group
+    gathers: bool = False  # holds a cat: its parts' numels may differ from the output's
 
 
 def _size(x: Any) -> Any:
@@ -109,6 +110,8 @@ def _reduced_dims(node: fx.Node, ndim: int) -> tuple[int, ...] | None:
 def _member_shape(node: fx.Node) -> tuple[set[Any], _Reduction | None] | None:
     """(numels the node touches, its reduction) if it may join a region, else None."""
     kind = node_kind(node)
+    if node.target is torch.ops.aten.cat.default:
+        return _cat_shape(node)
     if kind == "other" or not op_is_pure(node.target):
         return None
     out = _tensor_val(node)
@@ -128,14 +131,29 @@ def _member_shape(node: fx.Node) -> tuple[set[Any], _Reduction | None] | None:
     return {red.full, red.reduced}, red
 
 
+def _cat_shape(node: fx.Node) -> tuple[set[Any], None] | None:
+    """A cat joins regions without reductions: each output element is one element of one part, so
+    the parts' producers (RoPE's rotated halves) are computed where the cat writes."""
+    out = _tensor_val(node)
+    parts = node.args[0] if node.args and isinstance(node.args[0], (list, tuple)) else []
+    vals = [_tensor_val(p) for p in parts]
+    if out is None or not vals or any(v is None or v.dim() != out.dim() for v in vals):
+        return None
+    return {_numel(out), *(_numel(v) for v in vals)}, None
+
+
 def _compatible(a: _Group, b: _Group) -> bool:
     if a.device != b.device:
         return False
     if a.reduction is not None and b.reduction is not None:
         return a.reduction == b.reduction
     red = a.reduction or b.reduction
+    if red is None and (a.gathers or b.gathers):
+        return a.numels <= b.numels or b.numels <= a.numels
     if red is None:
         return len(a.numels) == 1 and a.numels == b.numels
+    if a.gathers or b.gathers:
+        return False
     other = b if a.reduction is not None else a
     return other.numels <= {red.full, red.reduced}
 
@@ -160,7 +178,8 @@ class _Partitioner:
                     group = self._merge(producer, group)
 
     def _new_group(self, node: fx.Node, numels: set[Any], reduction: _Reduction | None) -> _Group:
-        group = _Group([node], numels, reduction, _tensor_val(node).device)
+        group = _Group([node], numels, reduction, _tensor_val(node).device,
+                       gathers=node.target is torch.ops.aten.cat.default)
         self.group_of[node] = group
         self.groups.append(group)
         return group
@@ -205,6 +224,7 @@ class _Partitioner:
         a.nodes.extend(b.nodes)
         a.numels |= b.numels
         a.reduction = a.reduction or b.reduction
+        a.gathers = a.gathers or b.gathers
         for n in b.nodes:
             self.group_of[n] = a
         b.removed = True
