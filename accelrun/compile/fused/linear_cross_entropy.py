@@ -32,10 +32,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(torch.promote_types(h.dtype, weight.dtype), torch.float32)
         total = h_ND.new_zeros((), dtype=acc)
         grad_h_chunks = []
-        grad_weight = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
-        grad_bias = None
-        if bias is not None and ctx.needs_input_grad[2]:
-            grad_bias = torch.zeros_like(bias, dtype=acc)
+        # Gradient sums start from the first chunk's (no zeros + add: one chunk is the common case).
+        grad_weight = grad_bias = None
+        want_weight = ctx.needs_input_grad[1]
+        want_bias = bias is not None and ctx.needs_input_grad[2]
         out_dtype = torch.float32
         for h_c, t_c in zip(h_ND.split(chunk_rows), target_N.split(chunk_rows), strict=True):
             logits = F.linear(h_c, weight, bias)  # (rows, V), the only chunk-sized tensors live at once
@@ -51,14 +51,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_z = _chunk_grads(z, lse, safe_t, valid).to(logits.dtype)
                 if ctx.needs_input_grad[0]:
                     grad_h_chunks.append(grad_z @ weight)
-                if grad_weight is not None:
-                    grad_weight = grad_weight + (grad_z.t() @ h_c).to(acc)
-                if grad_bias is not None:
-                    grad_bias = grad_bias + grad_z.to(acc).sum(0)
+                if want_weight:
+                    part = (grad_z.t() @ h_c).to(acc)
+                    grad_weight = part if grad_weight is None else grad_weight + part
+                if want_bias:
+                    part = grad_z.to(acc).sum(0)
+                    grad_bias = part if grad_bias is None else grad_bias + part
         count = (target_N != ignore_index).sum().to(acc)
         # Mean divides by the rows that count (ignore_index excluded), as F.cross_entropy does.
         scale = 1.0 / count if reduction == "mean" else torch.ones_like(count)
-        grad_h = torch.cat(grad_h_chunks).reshape(h.shape) if grad_h_chunks else None
+        grad_h = None
+        if grad_h_chunks:
+            grad_h = (grad_h_chunks[0] if len(grad_h_chunks) == 1 else torch.cat(grad_h_chunks)).reshape(h.shape)
         ctx.save_for_backward(grad_h, grad_weight, grad_bias, scale)
         ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
         return (total * scale).to(out_dtype)
