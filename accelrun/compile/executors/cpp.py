@@ -8,40 +8,29 @@ from __future__ import annotations
 
 from accelrun.compile.codegen.cpp import CppRegion, cpp_source
 from accelrun.compile.codegen.cpp_build import build_library, find_compiler, library_path, load_library
-from accelrun.compile.codegen.loop_ir import Unsupported, cached_program
-from accelrun.compile.executors.base import Executor, RegionFn, register_executor
+from accelrun.compile.codegen.loop_ir import cached_program
+from accelrun.compile.executors.base import RegionFn, register_executor
+from accelrun.compile.executors.generated import GeneratedCodeExecutor
 from accelrun.compile.regions import Region
 
 
 @register_executor
-class CppExecutor(Executor):
+class CppExecutor(GeneratedCodeExecutor):
     name = "cpp"
     parallel_compile = True  # g++ runs as a subprocess; regions build concurrently
+    device_type = "cpu"
+    source_ext = "cpp"
 
     def unavailable_reason(self) -> str | None:
         if find_compiler() is None:
             return "no C++ compiler: g++ is not on the PATH (set ACCELRUN_CXX to use another)"
         return None
 
-    def decline_reason(self, region: Region) -> str | None:
-        devices = {str(m.device) for m in (*region.input_meta, *region.output_meta) if hasattr(m, "device")}
-        if devices - {"cpu"}:
-            return f"tensors on {', '.join(sorted(devices - {'cpu'}))}: the cpp executor runs CPU tensors"
-        try:
-            self._source(region)
-        except Unsupported as e:
-            return str(e)
-        return None
-
     def compile(self, region: Region, cache_dir: str | None) -> RegionFn:
-        source = self._source(region)
+        source = self.source(region)
         region.facts["cache_hit"] = library_path(source, cache_dir).exists()
         lib = load_library(build_library(source, cache_dir))
         return CppRegion(cached_program(region), lib)
 
-    @staticmethod
-    def _source(region: Region) -> str:
-        if "cpp_source" not in region.facts:
-            region.facts["cpp_source"] = cpp_source(cached_program(region))
-        region.facts["source"], region.facts["source_ext"] = region.facts["cpp_source"], "cpp"
-        return region.facts["cpp_source"]
+    def generate(self, program) -> str:
+        return cpp_source(program)

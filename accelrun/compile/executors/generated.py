@@ -1,0 +1,46 @@
+"""What accelrun's own code generators (``cpp``, ``triton``) share: a region is theirs when its
+tensors live where their kernels run and the loop IR can express it; the generated source is kept in
+``region.facts`` so that declining, compiling and the explain dump all use one copy."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any, ClassVar
+
+from accelrun.compile.codegen.loop_ir import Unsupported, cached_program
+from accelrun.compile.executors.base import Executor
+from accelrun.compile.regions import Region
+
+
+def device_types(region: Region) -> set[str]:
+    return {m.device.type for m in (*region.input_meta, *region.output_meta) if hasattr(m, "device")}
+
+
+class GeneratedCodeExecutor(Executor):
+    device_type: ClassVar[str]  # where the generated kernels run: "cpu" or "cuda"
+    source_ext: ClassVar[str]  # file extension of the source in the explain dump
+
+    @abstractmethod
+    def generate(self, program: Any) -> str:
+        """Source code for a lowered loop program."""
+
+    def runs_anywhere(self) -> bool:
+        """True when the kernels can take tensors on any device (an interpreter)."""
+        return False
+
+    def decline_reason(self, region: Region) -> str | None:
+        foreign = device_types(region) - {self.device_type}
+        if foreign and not self.runs_anywhere():
+            return f"tensors on {', '.join(sorted(foreign))}: {self.name} kernels run on {self.device_type} tensors"
+        try:
+            self.source(region)
+        except Unsupported as e:
+            return str(e)
+        return None
+
+    def source(self, region: Region) -> str:
+        key = f"{self.name}_source"
+        if key not in region.facts:
+            region.facts[key] = self.generate(cached_program(region))
+        region.facts["source"], region.facts["source_ext"] = region.facts[key], self.source_ext
+        return region.facts[key]
