@@ -65,7 +65,8 @@ def command(config: str | None, overrides: tuple[str, ...], cluster: str | None,
         _print_devices()
         return
     if calibrate:
-        written = _calibrate(devices_per_node, output)
+        # with --json and a recipe, stdout holds the plan's JSON alone
+        written = _calibrate(devices_per_node, output, show=not (as_json and config is not None))
         if config is None:
             return
         cluster = cluster or str(written)  # plan on what was just measured
@@ -93,7 +94,7 @@ def command(config: str | None, overrides: tuple[str, ...], cluster: str | None,
         _print_search(result, cl.describe())
 
 
-def _calibrate(devices_per_node: int, output: Path | None) -> Path:
+def _calibrate(devices_per_node: int, output: Path | None, show: bool = True) -> Path:
     from accelrun.plan.calibrate import cache_path, calibrate, to_yaml  # imports torch when it measures
 
     err.print(f"measuring this machine as {devices_per_node} device(s): matmuls, attention, memory, gloo ...")
@@ -106,7 +107,8 @@ def _calibrate(devices_per_node: int, output: Path | None) -> Path:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(text, encoding="utf-8")
         written.insert(0, str(output))
-    out.print(text, markup=False, highlight=False)
+    if show:
+        out.print(text, markup=False, highlight=False)
     err.print(f"written: {escape(', '.join(written))} (cluster/cpu-local reads the cache)")
     return path
 
@@ -174,9 +176,13 @@ def _print_plan(plan: Plan, ac: str | None) -> None:
     for col in ("figure", "value", "source"):
         figs.add_column(col, overflow="fold")
     r = plan.time.rates
-    for name, value, source in [*cl.figures, ("matmul rate", _curve(r.matmul_curve, "by width"), ""),
-                                ("attention rate", _curve(r.attention_curve, "by sequence length"), ""),
-                                ("memory rate", f"{r.memory_gbs:.4g} GB/s", "")]:
+    rows = [*cl.figures, ("matmul rate", _curve(r.matmul_curve, "by width"), ""),
+            ("attention rate", _curve(r.attention_curve, "by sequence length")
+             + (f" at head dim {r.curve_head_dim}" if r.head_dim_curve else ""), "")]
+    if r.head_dim_curve:
+        rows.append(("attention rate by head dim", _curve(r.head_dim_curve, "by head dimension"),
+                     f"scales the curve above to the model's head dim ({plan.workload.shape.head_dim})"))
+    for name, value, source in [*rows, ("memory rate", f"{r.memory_gbs:.4g} GB/s", "")]:
         figs.add_row(escape(name), escape(value), escape(source))
     out.print(figs)
     measured = bool(cl.config.calibration.matmul_tflops)

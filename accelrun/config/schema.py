@@ -237,6 +237,13 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
 
 
+class CollectiveFit(Section):
+    """One collective's cost on a link, ``latency + bytes / bandwidth`` (ring bus bandwidth, per hop)."""
+
+    bandwidth_gbs: PositiveFloat
+    latency_us: NonNegativeFloat
+
+
 class LinkConfig(Section):
     """One class of link between devices: within a node, or between nodes."""
 
@@ -245,6 +252,11 @@ class LinkConfig(Section):
     )
     latency_us: NonNegativeFloat = Field(5.0, description="per message hop, microseconds")
     measured: bool = Field(False, description="bandwidth is an achieved bus bandwidth (calibration), not a line rate")
+    # Measured per collective by `accelrun plan --calibrate` (gloo's reduce-scatter is slower than its
+    # all-gather); a collective named here uses its own figures instead of bandwidth_gbs/latency_us.
+    collectives: dict[Literal["all_gather", "reduce_scatter", "all_reduce"], CollectiveFit] = Field(
+        default_factory=dict
+    )
 
 
 class CalibrationConfig(Section):
@@ -259,6 +271,13 @@ class CalibrationConfig(Section):
     # precision → {sequence length: achieved TFLOP/s} of causal attention (forward + backward, FLOPs
     # it executes).
     attention_tflops: dict[Literal["fp32", "bf16"], dict[PositiveInt, PositiveFloat]] = Field(default_factory=dict)
+    attention_head_dim: PositiveInt = Field(64, description="head dimension of the attention_tflops probes")
+    # precision → {head dimension: achieved TFLOP/s} at sequence length attention_head_dim_seq: scales
+    # the curve above to a model's head dimension (a fused kernel is slower per FLOP on narrow heads).
+    attention_head_dim_tflops: dict[Literal["fp32", "bf16"], dict[PositiveInt, PositiveFloat]] = Field(
+        default_factory=dict
+    )
+    attention_head_dim_seq: PositiveInt | None = None
     memory_bandwidth_gbs: PositiveFloat | None = Field(None, description="streaming elementwise kernels")
     runtime_gib: NonNegativeFloat | None = Field(None, description="a process's memory before it trains")
 

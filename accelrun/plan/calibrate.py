@@ -11,7 +11,10 @@ Probes (each the median of a few timed repeats):
   output, as a training step's eager ops do;
 - the resident memory of a process that has imported torch and accelrun's training stack (what a
   CPU training process carries before it holds any tensor; the data set it reads is not included);
-- gloo all-reduce and all-gather between local processes on 127.0.0.1: bus bandwidth and latency.
+- gloo all-reduce and all-gather between local processes on 127.0.0.1: bus bandwidth and latency
+  between barriers; and all-gather, reduce-scatter and all-reduce each fitted to two message sizes
+  timed right after a burst of compute (as FSDP meets them), which the planner uses for them.
+- attention again at several head dimensions (same total width) to scale the curve to a model's.
 
 ``devices_per_node`` processes each measure compute at the same time with
 ``cores // devices_per_node`` threads (as ``accelrun train`` runs that many ranks); with one
@@ -80,7 +83,7 @@ def calibrate(devices_per_node: int = 1, sizes: ProbeSizes | None = None) -> dic
     measured = _combine([by_rank[i]["measured"] for i in range(devices_per_node)], by_rank[0]["measured"])
     if sizes.runtime_imports:  # after the probes, so as not to disturb them
         measured.runtime_gib = _fresh_process_rss_gib(sizes.runtime_imports)
-    return describe(measured, devices_per_node)
+    return describe(measured, devices_per_node, sizes)
 
 
 def _fresh_process_rss_gib(modules: tuple[str, ...]) -> float:
@@ -121,17 +124,23 @@ def _combine(computing: list[Measured], rank0: Measured) -> Measured:
     """Ranks that computed at once: the slowest one's rates (a step waits for the slowest rank)."""
     out = Measured(threads=computing[0].threads, runtime_gib=max(m.runtime_gib for m in computing),
                    all_reduce_gbs=rank0.all_reduce_gbs, all_gather_gbs=rank0.all_gather_gbs,
-                   latency_us=rank0.latency_us)
+                   latency_us=rank0.latency_us, collectives=rank0.collectives)
+
+    def slowest(field: str, key: str) -> dict[int, float]:
+        first = getattr(computing[0], field)[key]
+        return {x: min(getattr(m, field)[key][x] for m in computing) for x in first}
+
     for key in computing[0].matmul_tflops:
-        out.matmul_tflops[key] = {w: min(m.matmul_tflops[key][w] for m in computing)
-                                  for w in computing[0].matmul_tflops[key]}
-        out.attention_tflops[key] = {t: min(m.attention_tflops[key][t] for m in computing)
-                                     for t in computing[0].attention_tflops[key]}
+        out.matmul_tflops[key] = slowest("matmul_tflops", key)
+        out.attention_tflops[key] = slowest("attention_tflops", key)
+        if key in computing[0].attention_head_dim_tflops:
+            out.attention_head_dim_tflops[key] = slowest("attention_head_dim_tflops", key)
     out.memory_bandwidth_gbs = min(m.memory_bandwidth_gbs for m in computing)
     return out
 
 
-def describe(m: Measured, devices_per_node: int) -> dict[str, Any]:
+def describe(m: Measured, devices_per_node: int, sizes: ProbeSizes | None = None) -> dict[str, Any]:
+    sizes = sizes or ProbeSizes()
     host = f"{cpu_model_name()}, {os.cpu_count()} cores"
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     how = f"measured by `accelrun plan --calibrate` on {host} at {when}"
@@ -141,7 +150,9 @@ def describe(m: Measured, devices_per_node: int) -> dict[str, Any]:
         "nodes": 1,
         "memory_gib": round(_mem_total_gib() / devices_per_node, 2),
         "intra_node": {"bandwidth_gbs": round(min(m.all_reduce_gbs, m.all_gather_gbs), 4),
-                       "latency_us": round(m.latency_us, 1), "measured": True},
+                       "latency_us": round(m.latency_us, 1), "measured": True,
+                       "collectives": {k: {"bandwidth_gbs": round(bw, 4), "latency_us": round(lat, 1)}
+                                       for k, (bw, lat) in m.collectives.items()}},
         "calibration": {
             "measured_at": when,
             "host": host,
@@ -151,13 +162,19 @@ def describe(m: Measured, devices_per_node: int) -> dict[str, Any]:
             "matmul_tflops": {k: {str(w): round(r, 6) for w, r in v.items()} for k, v in m.matmul_tflops.items()},
             "attention_tflops": {k: {str(t): round(r, 6) for t, r in v.items()}
                                  for k, v in m.attention_tflops.items()},
+            "attention_head_dim": sizes.attention_heads[1],
+            "attention_head_dim_tflops": {k: {str(e): round(r, 6) for e, r in v.items()}
+                                          for k, v in m.attention_head_dim_tflops.items()},
+            "attention_head_dim_seq": sizes.attention_head_dim_seq,
             "memory_bandwidth_gbs": round(m.memory_bandwidth_gbs, 3),
             "runtime_gib": round(m.runtime_gib, 3),
         },
         "sources": {
             "memory_gib": "MemTotal in /proc/meminfo, divided among the devices",
-            "intra_node": (f"{how}: gloo bus bandwidth, all-reduce {m.all_reduce_gbs:.3g} GB/s, "
-                           f"all-gather {m.all_gather_gbs:.3g} GB/s (the lower is used)"),
+            "intra_node": (f"{how}: gloo bus bandwidth between barriers, all-reduce {m.all_reduce_gbs:.3g} GB/s, "
+                           f"all-gather {m.all_gather_gbs:.3g} GB/s (the lower is the link's); per collective, "
+                           f"fitted to {sizes.block_bytes / 2**20:g} and {sizes.collective_bytes / 2**20:g} MiB "
+                           "messages timed right after compute"),
             "calibration": how,
         },
     }

@@ -31,6 +31,13 @@ class Link:
     bandwidth_gbs: float  # achieved bus bandwidth per device, one direction
     latency_s: float
     source: str
+    # collective → (bus bandwidth GB/s, per-hop latency s), where measured for that collective
+    collectives: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def cost(self, collective: str) -> tuple[float, float]:
+        """(bytes per second, seconds per hop) of ``collective`` on this link."""
+        bw, lat = self.collectives.get(collective, (self.bandwidth_gbs, self.latency_s))
+        return bw * 1e9, lat
 
 
 @dataclass(frozen=True)
@@ -42,13 +49,20 @@ class DeviceRates:
     memory_gbs: float
     peak_tflops: float | None  # what MFU divides by
     peak_source: str
+    # (head dimension, TFLOP/s) at one sequence length, and the head dimension attention_curve was
+    # measured at: their ratio scales attention_curve to another head dimension. Empty = no scaling.
+    head_dim_curve: tuple[tuple[int, float], ...] = ()
+    curve_head_dim: int = 64
 
     def matmul_tflops(self, width: float) -> float:
         """Rate at ``width`` (geometric mean of a product's two weight dims)."""
         return _interpolate(self.matmul_curve, width)
 
-    def attention_tflops(self, seq_len: int) -> float:
-        return _interpolate(self.attention_curve, seq_len)
+    def attention_tflops(self, seq_len: int, head_dim: int | None = None) -> float:
+        rate = _interpolate(self.attention_curve, seq_len)
+        if self.head_dim_curve and head_dim is not None:
+            rate *= _interpolate(self.head_dim_curve, head_dim) / _interpolate(self.head_dim_curve, self.curve_head_dim)
+        return rate
 
 
 def _interpolate(curve: tuple[tuple[int, float], ...], x: float) -> float:
@@ -113,6 +127,7 @@ class Cluster:
             attention = ((1, peak * eff.ATTENTION_OF_PEAK),)
         else:
             raise PlanError(self._missing(f"cluster.calibration.attention_tflops.{key}", precision))
+        by_head_dim = tuple(sorted(c.calibration.attention_head_dim_tflops.get(key, {}).items()))
         if c.calibration.memory_bandwidth_gbs is not None:
             memory = c.calibration.memory_bandwidth_gbs
         else:
@@ -120,7 +135,7 @@ class Cluster:
             if bw is None:
                 raise PlanError(self._missing("cluster.memory_bandwidth_gbs", precision))
             memory = bw * eff.MEMORY_OF_PEAK
-        return DeviceRates(curve, attention, memory, peak, peak_source)
+        return DeviceRates(curve, attention, memory, peak, peak_source, by_head_dim, c.calibration.attention_head_dim)
 
     def _missing(self, key: str, precision: str) -> str:
         how = HOW_TO_CALIBRATE if self.device == "cpu" else "declare it in the cluster description"
@@ -174,7 +189,10 @@ def resolve_cluster(c: ClusterConfig) -> Cluster:
         raise PlanError(f"cluster.nodes = {c.nodes} needs cluster.inter_node.bandwidth_gbs (per device, GB/s)")
     for name, link in (("intra-node link", intra), ("inter-node link", inter)):
         if link is not None:
-            figures.append((name, f"{link.bandwidth_gbs:g} GB/s, {link.latency_s * 1e6:g} µs", link.source))
+            value = f"{link.bandwidth_gbs:g} GB/s, {link.latency_s * 1e6:g} µs"
+            value += "".join(f"; {k.replace('_', '-')} {bw:.3g} GB/s + {lat * 1e6:.0f} µs per hop"
+                             for k, (bw, lat) in sorted(link.collectives.items()))
+            figures.append((name, value, link.source))
     return Cluster(c.device, c.devices_per_node, c.nodes, float(memory), float(reserved), intra, inter, c, figures)
 
 
@@ -187,6 +205,7 @@ def _link(cfg: LinkConfig, key: str, default_gbs: float | None, default_what: st
     else:
         raw, what = default_gbs, f"accelerator table: {default_what}"
     if cfg.measured:
-        return Link(raw, cfg.latency_us * 1e-6, f"measured bus bandwidth: {what}")
+        fits = {k: (f.bandwidth_gbs, f.latency_us * 1e-6) for k, f in cfg.collectives.items()}
+        return Link(raw, cfg.latency_us * 1e-6, f"measured bus bandwidth: {what}", fits)
     return Link(raw * eff.NETWORK_OF_PEAK, cfg.latency_us * 1e-6,
                 f"{raw:g} GB/s × NETWORK_OF_PEAK {eff.NETWORK_OF_PEAK}: {what}")

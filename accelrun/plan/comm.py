@@ -10,7 +10,8 @@ ranks, ``B`` the achieved bus bandwidth per device, ``a`` the per-hop latency:
 
 Groups follow the mesh order (pp, dp_replicate, dp_shard, tp), tensor parallelism innermost: a
 group whose ranks all sit in one node uses the intra-node link; any group that spans nodes is
-limited by the inter-node link (one NIC per device, rail-optimised).
+limited by the inter-node link (one NIC per device, rail-optimised). A calibrated link may carry
+its own bandwidth and latency per collective (``Link.cost``).
 """
 
 from __future__ import annotations
@@ -23,21 +24,27 @@ from accelrun.plan.workload import Layout
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
 
 
-def all_gather_s(size: float, n: int, link: Link) -> float:
+def _ring_half(collective: str, size: float, n: int, link: Link) -> float:
     if n <= 1 or size <= 0:
         return 0.0
-    return (n - 1) / n * size / (link.bandwidth_gbs * 1e9) + (n - 1) * link.latency_s
+    bw, hop = link.cost(collective)
+    return (n - 1) / n * size / bw + (n - 1) * hop
 
 
-reduce_scatter_s = all_gather_s
+def all_gather_s(size: float, n: int, link: Link) -> float:
+    return _ring_half("all_gather", size, n, link)
+
+
+def reduce_scatter_s(size: float, n: int, link: Link) -> float:
+    return _ring_half("reduce_scatter", size, n, link)
 
 
 def all_reduce_s(size: float, n: int, link: Link) -> float:
     if n <= 1 or size <= 0:
         return 0.0
-    bw = link.bandwidth_gbs * 1e9
-    ring = 2 * (n - 1) / n * size / bw + 2 * (n - 1) * link.latency_s
-    tree = 2 * size / bw + 2 * math.ceil(math.log2(n)) * link.latency_s
+    bw, hop = link.cost("all_reduce")
+    ring = 2 * (n - 1) / n * size / bw + 2 * (n - 1) * hop
+    tree = 2 * size / bw + 2 * math.ceil(math.log2(n)) * hop
     return min(ring, tree)
 
 

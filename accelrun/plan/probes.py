@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ATTENTION_BACKWARD_RATIO = 2.5  # as accelrun.plan.efficiency (kept in step by a test)
@@ -25,13 +26,21 @@ class ProbeSizes:
     attention_seq: tuple[int, ...] = (128, 256, 512, 1024)
     attention_tokens: int = 2048
     attention_heads: tuple[int, int] = (4, 64)
+    # The same at head dimensions of the same total width (heads × head dim), at attention_head_dim_seq.
+    attention_head_dims: tuple[int, ...] = (32, 64, 128)
+    attention_head_dim_seq: int = 256
     # Elementwise probe: tensors of memory_elements, cycled through a pool of memory_pool_bytes in all
     # (larger than a last-level cache), so each op reads cold data as a training step's ops do.
     memory_elements: int = 2**20
     memory_pool_bytes: int = 128 * 2**20
     collective_bytes: int = 16 * 2**20
+    # Collectives are also timed at a block-sized message, each right after burst_s of compute on
+    # every rank, burst_repeats times.
+    block_bytes: int = 2**20
+    burst_s: float = 0.03
+    burst_repeats: int = 10
     small_bytes: int = 4096
-    repeat_s: float = 0.04
+    repeat_s: float = 0.08
     repeats: int = 5
     # Imported before the resident memory is read: what a training process holds before any tensor.
     runtime_imports: tuple[str, ...] = ("accelrun.train.run",)
@@ -39,21 +48,25 @@ class ProbeSizes:
     @classmethod
     def quick(cls) -> ProbeSizes:
         return cls(widths=(32, 64), rows=256, precisions=("fp32",), attention_seq=(32, 64),
-                   attention_tokens=128, attention_heads=(2, 16),
-                   memory_elements=2**16, memory_pool_bytes=2**20, collective_bytes=2**16, small_bytes=256, repeat_s=0.01, repeats=2,
-                   runtime_imports=())
+                   attention_tokens=128, attention_heads=(2, 16), attention_head_dims=(8, 16),
+                   attention_head_dim_seq=32, memory_elements=2**16, memory_pool_bytes=2**20,
+                   collective_bytes=2**16, block_bytes=2**12, burst_s=0.002, burst_repeats=2, small_bytes=256, repeat_s=0.01,
+                   repeats=2, runtime_imports=())
 
 
 @dataclass
 class Measured:
     matmul_tflops: dict[str, dict[int, float]] = field(default_factory=dict)
     attention_tflops: dict[str, dict[int, float]] = field(default_factory=dict)
+    attention_head_dim_tflops: dict[str, dict[int, float]] = field(default_factory=dict)
     memory_bandwidth_gbs: float = 0.0
     runtime_gib: float = 0.0
     threads: int = 1
     all_reduce_gbs: float = 0.0
     all_gather_gbs: float = 0.0
     latency_us: float = 0.0
+    # collective → (bus GB/s, per-hop latency µs) as a training step meets it (``_collective_fits``)
+    collectives: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def measure_worker(rank: int, world: int, devices: int, port: int, sizes: ProbeSizes, queue) -> None:
@@ -75,54 +88,95 @@ def measure_worker(rank: int, world: int, devices: int, port: int, sizes: ProbeS
         m = Measured(threads=threads, runtime_gib=runtime)
         dist.barrier()
         if computes:  # the ranks that are devices measure at the same time
-            for key in sizes.precisions:
-                dtype = torch.float32 if key == "fp32" else torch.bfloat16
-                m.matmul_tflops[key] = {w: _matmul_rate(torch, dtype, sizes.rows, w, sizes) for w in sizes.widths}
-                m.attention_tflops[key] = {t: _attention_rate(torch, dtype, t, sizes) for t in sizes.attention_seq}
-            m.memory_bandwidth_gbs = _memory_rate(torch, sizes)
+            _measure_compute(torch, m, sizes, sync=dist.barrier if devices > 1 else None)
         dist.barrier()
         m.all_reduce_gbs, m.all_gather_gbs, m.latency_us = _collective_rates(torch, dist, world, sizes)
+        m.collectives = _collective_fits(torch, dist, world, sizes)
         dist.destroy_process_group()
         queue.put({"rank": rank, "measured": m})
     except Exception as e:  # reported by the parent, which owns the terminal
         queue.put({"rank": rank, "error": f"rank {rank}: {type(e).__name__}: {e}"})
 
 
-def _typical_rate(fn, work: float, sizes: ProbeSizes) -> float:
-    """Median over ``sizes.repeats`` timings of ``fn`` (each looped for about ``repeat_s``): work/second.
+@dataclass
+class _Probe:
+    """One timed loop: ``fn`` does ``work`` (FLOPs or bytes) per call; rates collects work per second."""
 
-    The median, not the best: the planner predicts a run's median step, which meets the machine as
-    it usually is, not at its best moment.
-    """
-    fn()  # warm-up: allocation, kernel selection
-    rates = []
-    for _ in range(sizes.repeats):
+    fn: Callable[[], object]
+    work: float
+    rates: list[float] = field(default_factory=list)
+
+    def sample(self, seconds: float) -> None:
         n, t0 = 0, time.perf_counter()
         while True:
-            fn()
+            self.fn()
             n += 1
             elapsed = time.perf_counter() - t0
-            if elapsed >= sizes.repeat_s:
+            if elapsed >= seconds:
                 break
-        rates.append(work * n / elapsed)
-    return statistics.median(rates)
+        self.rates.append(self.work * n / elapsed)
+
+    @property
+    def typical(self) -> float:
+        return statistics.median(self.rates)
 
 
-def _matmul_rate(torch, dtype, rows: int, width: int, sizes: ProbeSizes) -> float:
+def _measure_compute(torch, m: Measured, sizes: ProbeSizes, sync: Callable[[], object] | None = None) -> None:
+    """Every compute probe, in ``sizes.repeats`` interleaved rounds, each probe's median rate.
+
+    Rounds, not one probe's repeats back to back: a shared machine has slow spells of seconds, which
+    should cost each probe one sample, not some probes all of theirs. The median, not the best: the
+    planner predicts a run's median step, which meets the machine as it usually is. ``sync`` (a
+    barrier of the computing ranks) starts every sample on all of them at once: ranks that share a
+    machine are slower together than one alone, and they train together.
+    """
+    matmuls: dict[tuple[str, int], list[_Probe]] = {}
+    attention: dict[tuple[str, int, int], _Probe] = {}
+    for key in sizes.precisions:
+        dtype = torch.float32 if key == "fp32" else torch.bfloat16
+        for w in sizes.widths:
+            matmuls[key, w] = _matmul_probes(torch, dtype, sizes.rows, w)
+        heads, head_dim = sizes.attention_heads
+        for t in sizes.attention_seq:
+            attention[key, t, head_dim] = _attention_probe(torch, dtype, t, heads, head_dim, sizes)
+        for e in sizes.attention_head_dims:
+            if (key, sizes.attention_head_dim_seq, e) not in attention:
+                attention[key, sizes.attention_head_dim_seq, e] = _attention_probe(
+                    torch, dtype, sizes.attention_head_dim_seq, max(1, heads * head_dim // e), e, sizes)
+    memory = _memory_probe(torch, sizes)
+    probes = [p for ps in matmuls.values() for p in ps] + list(attention.values()) + [memory]
+    for p in probes:
+        p.fn()  # warm-up: allocation, kernel selection
+    for _ in range(sizes.repeats):
+        for p in probes:
+            if sync is not None:
+                sync()
+            p.sample(sizes.repeat_s)
+
+    heads, head_dim = sizes.attention_heads
+    for key in sizes.precisions:
+        # A step's matmuls run in three layouts: combined as one pass through all three.
+        m.matmul_tflops[key] = {w: len(ps) * ps[0].work / sum(p.work / p.typical for p in ps) / 1e12
+                                for (k, w), ps in matmuls.items() if k == key}
+        m.attention_tflops[key] = {t: attention[key, t, head_dim].typical / 1e12 for t in sizes.attention_seq}
+        m.attention_head_dim_tflops[key] = {
+            e: attention[key, sizes.attention_head_dim_seq, e].typical / 1e12 for e in sizes.attention_head_dims}
+    m.memory_bandwidth_gbs = memory.typical / 1e9
+
+
+def _matmul_probes(torch, dtype, rows: int, width: int) -> list[_Probe]:
+    """Forward ``X·W``, input gradient ``dY·Wᵀ`` and weight gradient ``Xᵀ·dY`` at one width."""
     x = torch.randn(rows, width).to(dtype)
     wt = torch.randn(width, width).to(dtype)
     dy = torch.randn(rows, width).to(dtype)
     flops = 2.0 * rows * width * width
-    # A step's matmuls run in three layouts; time each and combine as one pass through all three.
-    times = [flops / _typical_rate(fn, flops, sizes) for fn in (lambda: x @ wt, lambda: dy @ wt.t(),
-                                                            lambda: x.t() @ dy)]
-    return 3 * flops / sum(times) / 1e12
+    return [_Probe(fn, flops) for fn in (lambda: x @ wt, lambda: dy @ wt.t(), lambda: x.t() @ dy)]
 
 
-def _attention_rate(torch, dtype, t: int, sizes: ProbeSizes) -> float:
+def _attention_probe(torch, dtype, t: int, h: int, e: int, sizes: ProbeSizes) -> _Probe:
     import torch.nn.functional as F
 
-    b, (h, e) = max(1, sizes.attention_tokens // t), sizes.attention_heads
+    b = max(1, sizes.attention_tokens // t)
     q, k, v = (torch.randn(b, h, t, e, dtype=dtype, requires_grad=True) for _ in range(3))
     grad = torch.randn(b, h, t, e, dtype=dtype)
 
@@ -131,11 +185,10 @@ def _attention_rate(torch, dtype, t: int, sizes: ProbeSizes) -> float:
         out.backward(grad)
 
     forward = 2.0 * b * h * t * t * e  # causal: half of Q·Kᵀ and of P·V, 2·t·t·e each
-    work = forward * (1 + ATTENTION_BACKWARD_RATIO)
-    return _typical_rate(step, work, sizes) / 1e12
+    return _Probe(step, forward * (1 + ATTENTION_BACKWARD_RATIO))
 
 
-def _memory_rate(torch, sizes: ProbeSizes) -> float:
+def _memory_probe(torch, sizes: ProbeSizes) -> _Probe:
     n = sizes.memory_elements
     pool = [torch.randn(n) for _ in range(max(2, sizes.memory_pool_bytes // (4 * n)))]
     turn = [0]
@@ -144,7 +197,7 @@ def _memory_rate(torch, sizes: ProbeSizes) -> float:
         i = turn[0] = (turn[0] + 2) % len(pool)
         torch.mul(pool[i], pool[i - 1])
 
-    return _typical_rate(op, 3.0 * 4 * n, sizes) / 1e9  # read two, write one
+    return _Probe(op, 3.0 * 4 * n)  # bytes: read two, write one
 
 
 def _collective_rates(torch, dist, world: int, sizes: ProbeSizes) -> tuple[float, float, float]:
@@ -171,6 +224,67 @@ def _collective_rates(torch, dist, world: int, sizes: ProbeSizes) -> tuple[float
     ar_bus = big.numel() * 4 / ar * 2 * (n - 1) / n / 1e9
     ag_bus = gathered.numel() * 4 / ag * (n - 1) / n / 1e9
     return ar_bus, ag_bus, tiny / (2 * (n - 1)) * 1e6  # a ring all-reduce is 2(n-1) hops
+
+
+RING_HOPS = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}  # × (n - 1): hops, and bytes × (n-1)/n
+
+
+def _collective_fits(torch, dist, world: int, sizes: ProbeSizes) -> dict[str, tuple[float, float]]:
+    """Bus bandwidth (GB/s) and per-hop latency (µs) of each collective, fitted to two message sizes.
+
+    Each is timed right after a burst of matmuls on every rank, as a training step meets it: FSDP's
+    collectives come between blocks of compute, which leave the buffers out of cache and the
+    communication threads asleep; on a quiet barrier they look several times cheaper. The bursts end
+    at the same moment on every rank, so this does not include waiting for a rank that computed
+    slower (a step's does: see the planner's notes). gloo's reduce-scatter is slower than its
+    all-gather, so each is fitted on its own.
+    """
+    n = world
+    a, b = torch.randn(512, 256), torch.randn(256, 256)
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(sizes.burst_repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < sizes.burst_s:
+                a @ b
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fits = {}
+    for name in RING_HOPS:
+        points = []
+        for size in (sizes.block_bytes, sizes.collective_bytes):
+            full = torch.ones(size // 4 // n * n)
+            shard = torch.ones(full.numel() // n)
+            fn = {"all_gather": lambda f=full, s=shard: gather(f, s),
+                  "reduce_scatter": lambda f=full, s=shard: scatter(s, f),
+                  "all_reduce": lambda f=full: dist.all_reduce(f)}[name]
+            points.append((full.numel() * 4, timed(fn)))
+        fits[name] = fit_alpha_beta(points, RING_HOPS[name], n)
+    return fits
+
+
+def fit_alpha_beta(points: list[tuple[float, float]], hops: int, n: int) -> tuple[float, float]:
+    """(bus GB/s, per-hop µs) from two (full message bytes, seconds) points of a ring collective.
+
+    Model: t = hops·(n-1)·latency + hops·(n-1)/n · bytes / bandwidth. Timings too noisy to give a
+    positive slope fall back to no latency and the larger message's rate.
+    """
+    (s1, t1), (s2, t2) = sorted(points)
+    moved = hops * (n - 1) / n
+    if t2 > t1 and s2 > s1:
+        bandwidth = moved * (s2 - s1) / (t2 - t1)
+        latency = max(0.0, t1 - moved * s1 / bandwidth) / (hops * (n - 1))
+    else:
+        bandwidth, latency = moved * s2 / t2, 0.0
+    return bandwidth / 1e9, latency * 1e6
 
 
 def _rss_gib() -> float:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import yaml
 from click.testing import CliRunner
 
 from accelrun.cli.main import cli
 from accelrun.config.schema import ClusterConfig
 from accelrun.plan import calibrate as cal
+from accelrun.plan.probes import fit_alpha_beta
 from tests.conftest import DEFAULT_CONFIG
 
 TINY_RECIPE = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
@@ -27,6 +31,8 @@ def test_calibrate_then_plan_on_this_machine(tmp_path, monkeypatch):
     c = ClusterConfig.model_validate(yaml.safe_load(out.read_text())["cluster"])
     assert c.device == "cpu" and c.intra_node.measured and c.intra_node.bandwidth_gbs > 0
     assert set(c.calibration.matmul_tflops["fp32"]) == {32, 64}
+    assert set(c.calibration.attention_head_dim_tflops["fp32"]) == {8, 16}
+    assert set(c.intra_node.collectives) == {"all_gather", "reduce_scatter", "all_reduce"}
     assert c.calibration.memory_bandwidth_gbs > 0 and c.calibration.runtime_gib > 0
     assert cal.cache_path(1).read_text() == out.read_text()
 
@@ -35,16 +41,41 @@ def test_calibrate_then_plan_on_this_machine(tmp_path, monkeypatch):
         assert r.exit_code == 0, r.output
         assert "tokens/s per device" in r.output and "fits:" in r.output
 
+    # measure and plan in one call: with --json, stdout is the plan alone
+    r = runner.invoke(cli, ["plan", "--calibrate", str(DEFAULT_CONFIG), *TINY_RECIPE, "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["plan"]["step_s"] > 0
+
 
 def test_ranks_that_share_a_machine_report_the_slowest():
     fast = cal.Measured(matmul_tflops={"fp32": {64: 0.2}}, attention_tflops={"fp32": {128: 0.1}},
+                        attention_head_dim_tflops={"fp32": {32: 0.2}},
                         memory_bandwidth_gbs=10, runtime_gib=0.3, threads=1,
-                        all_reduce_gbs=2.0, all_gather_gbs=1.0, latency_us=50)
+                        all_reduce_gbs=2.0, all_gather_gbs=1.0, latency_us=50,
+                        collectives={"reduce_scatter": (0.3, 900.0)})
     slow = cal.Measured(matmul_tflops={"fp32": {64: 0.1}}, attention_tflops={"fp32": {128: 0.05}},
+                        attention_head_dim_tflops={"fp32": {32: 0.1}},
                         memory_bandwidth_gbs=6, runtime_gib=0.25, threads=1)
     m = cal._combine([fast, slow], fast)
     assert m.matmul_tflops == {"fp32": {64: 0.1}} and m.attention_tflops == {"fp32": {128: 0.05}}
     assert m.memory_bandwidth_gbs == 6 and m.runtime_gib == 0.3
+    assert m.attention_head_dim_tflops == {"fp32": {32: 0.1}} and m.collectives == fast.collectives
     c = ClusterConfig.model_validate(cal.describe(m, 2)["cluster"])
     assert c.devices_per_node == 2 and c.intra_node.bandwidth_gbs == 1.0  # the lower bus bandwidth
     assert c.calibration.threads_per_device == 1
+    assert c.intra_node.collectives["reduce_scatter"].latency_us == 900.0
+
+
+@pytest.mark.parametrize("hops", [1, 2])
+def test_collective_fit_recovers_latency_and_bandwidth(hops):
+    n, bandwidth, latency = 4, 2e9, 300e-6  # bytes/s, s per hop
+    moved = hops * (n - 1) / n
+
+    def t(size: float) -> float:
+        return hops * (n - 1) * latency + moved * size / bandwidth
+
+    gbs, us = fit_alpha_beta([(16e6, t(16e6)), (1e6, t(1e6))], hops, n)
+    assert gbs == pytest.approx(2.0) and us == pytest.approx(300.0)
+    # timings too noisy for a positive slope: no latency, the larger message's rate
+    gbs, us = fit_alpha_beta([(1e6, 0.02), (16e6, 0.01)], hops, n)
+    assert us == 0.0 and gbs == pytest.approx(moved * 16e6 / 0.01 / 1e9)

@@ -69,6 +69,28 @@ def test_measured_figures_are_used_as_they_are():
         c.rates("bf16-mixed")
 
 
+def test_calibrated_head_dims_and_collectives_are_used():
+    c = resolve_cluster(ClusterConfig.model_validate({
+        "device": "cpu", "devices_per_node": 2, "memory_gib": 8,
+        "intra_node": {"bandwidth_gbs": 1.0, "latency_us": 10, "measured": True,
+                       "collectives": {"reduce_scatter": {"bandwidth_gbs": 0.5, "latency_us": 1000}}},
+        "calibration": {"measured_at": "now", "matmul_tflops": {"fp32": {64: 0.1}},
+                        "attention_tflops": {"fp32": {128: 0.01, 512: 0.03}}, "attention_head_dim": 64,
+                        "attention_head_dim_tflops": {"fp32": {32: 0.015, 64: 0.02, 128: 0.03}},
+                        "attention_head_dim_seq": 256, "memory_bandwidth_gbs": 6.0},
+    }))
+    r = c.rates("fp32")
+    assert r.attention_tflops(256) == pytest.approx(0.02)  # no head dim: the curve as measured
+    assert r.attention_tflops(256, 64) == pytest.approx(0.02)
+    assert r.attention_tflops(256, 32) == pytest.approx(0.02 * 0.015 / 0.02)
+    assert r.attention_tflops(128, 128) == pytest.approx(0.01 * 0.03 / 0.02)
+    # reduce-scatter has its own fit; all-gather and all-reduce fall back to the link's figures
+    assert reduce_scatter_s(4e6, 2, c.intra) == pytest.approx(0.5 * 4e6 / 0.5e9 + 1e-3)
+    assert all_gather_s(4e6, 2, c.intra) == pytest.approx(0.5 * 4e6 / 1e9 + 1e-5)
+    assert all_reduce_s(4e6, 2, c.intra) == pytest.approx(4e6 / 1e9 + 2e-5)
+    assert any("reduce-scatter 0.5 GB/s + 1000 µs" in value for _, value, _ in c.figures)
+
+
 @pytest.mark.parametrize("cfg, message", [
     ({}, "no cluster to plan for"),
     ({"device": "h100"}, "did you mean 'h100-sxm'"),
