@@ -24,6 +24,12 @@ from accelrun.dist.mesh import build_mesh, dp_coordinates
 from accelrun.errors import UserError
 
 
+def cpu_rank_threads(nproc_per_node: int) -> int:
+    """Threads of each CPU rank: ranks on one node share its cores (left alone, each would start one
+    thread per core)."""
+    return max(1, (os.cpu_count() or 1) // nproc_per_node)
+
+
 def init_rank(resolved) -> ParallelContext:
     cfg = resolved.config
     rank, world, local_rank = env_rank()
@@ -32,8 +38,7 @@ def init_rank(resolved) -> ParallelContext:
     if use_cuda:
         torch.cuda.set_device(device)
     if cfg.train.threads is None and not use_cuda:
-        # Ranks on one node share its cores: without this, each would start one thread per core.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.parallel.nproc_per_node))
+        torch.set_num_threads(cpu_rank_threads(cfg.parallel.nproc_per_node))
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     dist.init_process_group("nccl" if use_cuda else "gloo", store=_store(rank, world, restarts, timeout),

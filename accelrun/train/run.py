@@ -81,7 +81,7 @@ def train(
         write_text_atomic(resolved.to_yaml(), run_dir / "config.yaml")
         write_text_atomic(explain_text(resolved), run_dir / "config.sources.txt")
         write_text_atomic((command or "(called from Python)") + "\n", run_dir / "command.txt")
-        write_json(collect_env(), run_dir / "env.json")
+        write_json(_env_of_ranks(cfg), run_dir / "env.json")
         console.print(f"[bold]accelrun[/] run [cyan]{escape(str(run_dir))}[/]  config {resolved.hash}")
         if cfg.parallel.world_size == 1:
             return run_in_dir(resolved, run_dir, None, console, stop_after_step=stop_after_step)
@@ -290,3 +290,15 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
         f"step {step} (median); MFU {mfu}; report {escape(str(run_dir / 'report.md'))}",
         highlight=False,
     )
+
+
+def _env_of_ranks(cfg) -> dict:
+    """This process's environment, with the thread count CPU ranks will set (this launcher process
+    keeps its own, which the ranks do not use)."""
+    env = collect_env()
+    on_cpu = cfg.train.device == "cpu" or not torch.cuda.is_available()
+    if cfg.parallel.world_size > 1 and cfg.train.threads is None and on_cpu:
+        from accelrun.dist.worker import cpu_rank_threads
+
+        env["cpu"]["torch_threads"] = cpu_rank_threads(cfg.parallel.nproc_per_node)
+    return env

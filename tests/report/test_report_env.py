@@ -33,3 +33,16 @@ def test_collect_env_reads_git_commit(tmp_path):
     assert len(env["git"]["commit"]) >= 40 and env["git"]["dirty"] is False
     (tmp_path / "f").write_text("y")
     assert collect_env(cwd=tmp_path)["git"]["dirty"] is True
+
+
+def test_env_of_a_multi_rank_cpu_job_records_the_ranks_threads():
+    import os
+
+    from accelrun.config import load_config
+    from accelrun.train.run import _env_of_ranks
+    from tests.conftest import DEFAULT_CONFIG
+
+    cfg = load_config(str(DEFAULT_CONFIG), ["parallel.nproc_per_node=2", "train.micro_batch=8", "train.device=cpu"]).config
+    assert _env_of_ranks(cfg)["cpu"]["torch_threads"] == max(1, (os.cpu_count() or 1) // 2)
+    pinned = load_config(str(DEFAULT_CONFIG), ["parallel.nproc_per_node=2", "train.micro_batch=8", "train.threads=1"]).config
+    assert _env_of_ranks(pinned)["cpu"]["torch_threads"] == torch.get_num_threads()  # set by train() itself
