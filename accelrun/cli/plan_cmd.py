@@ -33,10 +33,12 @@ from accelrun.plan.workload import AC_MODES
                    "per-op policy) exists only in the planner: accelrun train cannot run it yet.")
 @click.option("--json", "as_json", is_flag=True, help="Print the prediction as JSON.")
 @click.option("--calibrate", is_flag=True,
-              help="Measure this machine's CPU (matmuls, attention, memory, gloo collectives) and write a cluster "
-                   "description; with CONFIG, then plan on it.")
+              help="Measure this machine (matmuls, attention, memory, collectives: its GPUs with NCCL where it "
+                   "has CUDA GPUs, else its CPU with gloo) and write a cluster description; with CONFIG, then plan "
+                   "on it.")
 @click.option("--devices-per-node", default=1, show_default=True, type=click.IntRange(min=1),
-              help="With --calibrate: processes that will share this machine (each measures with its share of cores).")
+              help="With --calibrate: devices to measure together (GPUs; or processes that share the CPU, each with "
+                   "its share of cores).")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path),
               help="With --calibrate: also write the description here (it is always kept in the cache).")
 @click.option("--devices", "list_devices", is_flag=True, help="List the accelerator kinds a cluster can name.")
@@ -97,9 +99,11 @@ def command(config: str | None, overrides: tuple[str, ...], cluster: str | None,
 def _calibrate(devices_per_node: int, output: Path | None, show: bool = True) -> Path:
     from accelrun.plan.calibrate import cache_path, calibrate, to_yaml  # imports torch when it measures
 
-    err.print(f"measuring this machine as {devices_per_node} device(s): matmuls, attention, memory, gloo ...")
-    text = to_yaml(calibrate(devices_per_node))
-    path = cache_path(devices_per_node)
+    err.print(f"measuring this machine as {devices_per_node} device(s): matmuls, attention, memory, collectives "
+              "(about a minute) ...")
+    description = calibrate(devices_per_node)
+    text = to_yaml(description)
+    path = cache_path(devices_per_node, gpu=description["cluster"]["calibration"]["device_name"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     written = [str(path)]

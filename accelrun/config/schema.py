@@ -264,6 +264,7 @@ class CalibrationConfig(Section):
 
     measured_at: str | None = None
     host: str | None = None
+    device_name: str | None = Field(None, description="the GPU measured, as CUDA names it; None for a CPU")
     torch: str | None = None
     threads_per_device: PositiveInt | None = None
     # precision → {matrix width: achieved TFLOP/s}, from (rows × width) @ (width × width) products.

@@ -13,14 +13,19 @@ Probes (each the median of a few timed repeats):
   CPU training process carries before it holds any tensor; the data set it reads is not included);
 - gloo all-reduce and all-gather between local processes on 127.0.0.1: bus bandwidth and latency
   between barriers; and all-gather, reduce-scatter and all-reduce each fitted to two message sizes
-  timed right after a burst of compute (as FSDP meets them), which the planner uses for them.
+  timed right after a burst of compute (as FSDP meets them), which the planner uses for them;
 - attention again at several head dimensions (same total width) to scale the curve to a model's.
 
 ``devices_per_node`` processes each measure compute at the same time with
 ``cores // devices_per_node`` threads (as ``accelrun train`` runs that many ranks); with one
 device, one process measures with all threads while a second waits, there only for the collectives.
+
+On a machine with CUDA GPUs the same probes run on the GPUs at larger sizes (``ProbeSizes.on_gpu``),
+timed to the end of their kernels, with NCCL for the collectives between them (none for one GPU,
+whose link stays the accelerator table's); the description names the matching accelerator kind, so
+MFU still divides by its datasheet peak.
 The probes themselves are in ``accelrun.plan.probes``; they need torch, nothing else in ``accelrun.plan``
-does (this module imports it only in the processes it starts).
+does (this module imports it to count GPUs and in the processes it starts).
 """
 
 from __future__ import annotations
@@ -50,7 +55,11 @@ def calibrate(devices_per_node: int = 1, sizes: ProbeSizes | None = None) -> dic
     import multiprocessing as mp
 
     sizes = sizes or ProbeSizes()
-    world = max(2, devices_per_node)
+    gpus = _cuda_device_count()
+    if gpus:  # GPUs: NCCL between them, none for a single one
+        sizes, world = sizes.on_gpu(), devices_per_node
+    else:  # CPU: a second process for the gloo collectives even when one device computes
+        world = max(2, devices_per_node)
     port = _free_port()
     # Not fork: a parent that has already run a parallel torch op would hand its children a broken
     # OpenMP pool (they hang). A fork server imports torch once, fresh, and forks the workers from it;
@@ -124,7 +133,8 @@ def _combine(computing: list[Measured], rank0: Measured) -> Measured:
     """Ranks that computed at once: the slowest one's rates (a step waits for the slowest rank)."""
     out = Measured(threads=computing[0].threads, runtime_gib=max(m.runtime_gib for m in computing),
                    all_reduce_gbs=rank0.all_reduce_gbs, all_gather_gbs=rank0.all_gather_gbs,
-                   latency_us=rank0.latency_us, collectives=rank0.collectives)
+                   latency_us=rank0.latency_us, collectives=rank0.collectives, device_name=rank0.device_name,
+                   device_memory_gib=min(m.device_memory_gib for m in computing))
 
     def slowest(field: str, key: str) -> dict[int, float]:
         first = getattr(computing[0], field)[key]
@@ -141,21 +151,31 @@ def _combine(computing: list[Measured], rank0: Measured) -> Measured:
 
 def describe(m: Measured, devices_per_node: int, sizes: ProbeSizes | None = None) -> dict[str, Any]:
     sizes = sizes or ProbeSizes()
+    gpu = m.device_name
     host = f"{cpu_model_name()}, {os.cpu_count()} cores"
+    if gpu:
+        host = f"{devices_per_node} × {gpu} on {host}"
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     how = f"measured by `accelrun plan --calibrate` on {host} at {when}"
-    cluster = {
-        "device": "cpu",
+    kind, kind_note = accelerator_kind(gpu) if gpu else ("cpu", "")
+    cluster: dict[str, Any] = {
+        "device": kind,
         "devices_per_node": devices_per_node,
         "nodes": 1,
-        "memory_gib": round(_mem_total_gib() / devices_per_node, 2),
-        "intra_node": {"bandwidth_gbs": round(min(m.all_reduce_gbs, m.all_gather_gbs), 4),
-                       "latency_us": round(m.latency_us, 1), "measured": True,
-                       "collectives": {k: {"bandwidth_gbs": round(bw, 4), "latency_us": round(lat, 1)}
-                                       for k, (bw, lat) in m.collectives.items()}},
+        "memory_gib": round(m.device_memory_gib if gpu else _mem_total_gib() / devices_per_node, 2),
+    }
+    if m.collectives:  # none for a single GPU: the accelerator table's link stands
+        cluster["intra_node"] = {
+            "bandwidth_gbs": round(min(m.all_reduce_gbs, m.all_gather_gbs), 4),
+            "latency_us": round(m.latency_us, 1), "measured": True,
+            "collectives": {k: {"bandwidth_gbs": round(bw, 4), "latency_us": round(lat, 1)}
+                            for k, (bw, lat) in m.collectives.items()}}
+    library = "NCCL" if gpu else "gloo"
+    cluster.update({
         "calibration": {
             "measured_at": when,
             "host": host,
+            "device_name": gpu,
             "torch": _torch_version(),
             "threads_per_device": m.threads,
             # YAML recipes take string keys only: widths and sequence lengths are written as strings.
@@ -167,18 +187,37 @@ def describe(m: Measured, devices_per_node: int, sizes: ProbeSizes | None = None
                                           for k, v in m.attention_head_dim_tflops.items()},
             "attention_head_dim_seq": sizes.attention_head_dim_seq,
             "memory_bandwidth_gbs": round(m.memory_bandwidth_gbs, 3),
-            "runtime_gib": round(m.runtime_gib, 3),
+            "runtime_gib": None if gpu else round(m.runtime_gib, 3),
         },
         "sources": {
-            "memory_gib": "MemTotal in /proc/meminfo, divided among the devices",
-            "intra_node": (f"{how}: gloo bus bandwidth between barriers, all-reduce {m.all_reduce_gbs:.3g} GB/s, "
-                           f"all-gather {m.all_gather_gbs:.3g} GB/s (the lower is the link's); per collective, "
-                           f"fitted to {sizes.block_bytes / 2**20:g} and {sizes.collective_bytes / 2**20:g} MiB "
-                           "messages timed right after compute"),
-            "calibration": how,
+            "memory_gib": ("CUDA device properties (total memory)" if gpu
+                           else "MemTotal in /proc/meminfo, divided among the devices"),
+            "calibration": how + kind_note,
         },
-    }
+    })
+    if m.collectives:
+        cluster["sources"]["intra_node"] = (
+            f"{how}: {library} bus bandwidth between barriers, all-reduce {m.all_reduce_gbs:.3g} GB/s, "
+            f"all-gather {m.all_gather_gbs:.3g} GB/s (the lower is the link's); per collective, fitted to "
+            f"{sizes.block_bytes / 2**20:g} and {sizes.collective_bytes / 2**20:g} MiB messages timed right after "
+            "compute")
     return {"cluster": cluster}
+
+
+def accelerator_kind(device_name: str) -> tuple[str, str]:
+    """The accelerator kind a GPU's CUDA name matches (its datasheet peak is what MFU divides by),
+    or ``custom``; and a note saying how it was chosen."""
+    from accelrun.plan.accelerators import ACCELERATORS
+    from accelrun.report.gpu_table import find_gpu_entry
+
+    entry = find_gpu_entry(device_name)
+    kinds = [a.kind for a in ACCELERATORS if entry is not None and a.peak_entry == entry.entry]
+    if not kinds:
+        return "custom", f"; {device_name!r} matches no accelerator kind: device custom, MFU against the best rate"
+    note = f"; {device_name!r} taken as {kinds[0]}"
+    if len(kinds) > 1:
+        note += f" (also possible: {', '.join(kinds[1:])}; set cluster.device if it is one of those)"
+    return kinds[0], note
 
 
 def to_yaml(description: dict[str, Any]) -> str:
@@ -188,12 +227,21 @@ def to_yaml(description: dict[str, Any]) -> str:
     return head + yaml.safe_dump(description, sort_keys=False, default_flow_style=None, width=110)
 
 
-def cache_path(devices_per_node: int, cache_dir: Path | None = None) -> Path:
-    """Where this machine's calibration for ``devices_per_node`` is kept (torch-free to compute)."""
+def cache_path(devices_per_node: int, cache_dir: Path | None = None, gpu: str | None = None) -> Path:
+    """Where this machine's calibration for ``devices_per_node`` is kept (torch-free to compute);
+    a GPU calibration apart from the CPU's (``cluster/cpu-local`` reads the CPU's)."""
     key = {"cpu": cpu_model_name(), "cores": os.cpu_count(), "torch": _torch_version(),
            "devices_per_node": devices_per_node}
+    if gpu:
+        key["gpu"] = gpu
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return (cache_dir or default_cache_dir()) / "plan" / f"cpu-{digest}.yaml"
+    return (cache_dir or default_cache_dir()) / "plan" / f"{'gpu' if gpu else 'cpu'}-{digest}.yaml"
+
+
+def _cuda_device_count() -> int:
+    import torch  # the parent only asks; the measuring processes come from a fresh fork server
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _torch_version() -> str:

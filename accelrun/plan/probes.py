@@ -10,7 +10,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 ATTENTION_BACKWARD_RATIO = 2.5  # as accelrun.plan.efficiency (kept in step by a test)
 
@@ -45,6 +45,16 @@ class ProbeSizes:
     # Imported before the resident memory is read: what a training process holds before any tensor.
     runtime_imports: tuple[str, ...] = ("accelrun.train.run",)
 
+    def on_gpu(self) -> ProbeSizes:
+        """Sizes a GPU needs to be measured at its rate rather than its launch latency (unless these
+        are the test sizes, kept as they are)."""
+        if self.rows < 2048:
+            return self
+        return replace(self, widths=(1024, 2048, 4096, 8192), rows=16384, attention_seq=(512, 1024, 2048, 4096, 8192),
+                       attention_tokens=32768, attention_heads=(16, 128), attention_head_dims=(64, 128, 256),
+                       attention_head_dim_seq=2048, memory_elements=2**26, memory_pool_bytes=2**31,
+                       collective_bytes=256 * 2**20, block_bytes=16 * 2**20, small_bytes=4096, runtime_imports=())
+
     @classmethod
     def quick(cls) -> ProbeSizes:
         return cls(widths=(32, 64), rows=256, precisions=("fp32",), attention_seq=(32, 64),
@@ -67,6 +77,13 @@ class Measured:
     latency_us: float = 0.0
     # collective → (bus GB/s, per-hop latency µs) as a training step meets it (``_collective_fits``)
     collectives: dict[str, tuple[float, float]] = field(default_factory=dict)
+    device_name: str | None = None  # a GPU's, as CUDA names it; None on a CPU
+    device_memory_gib: float = 0.0
+
+
+def _gpu_name_and_memory(torch, index: int) -> tuple[str, float]:
+    props = torch.cuda.get_device_properties(index)
+    return props.name, props.total_memory / 2**30
 
 
 def measure_worker(rank: int, world: int, devices: int, port: int, sizes: ProbeSizes, queue) -> None:
@@ -74,24 +91,31 @@ def measure_worker(rank: int, world: int, devices: int, port: int, sizes: ProbeS
         import torch
         import torch.distributed as dist
 
-        if torch.cuda.is_available():
-            queue.put({"rank": rank, "user": True, "error": (
-                "this machine has CUDA GPUs; --calibrate measures CPUs with gloo only in this version (NCCL and "
-                "GPU probes are not built yet). Describe the GPUs instead: a cluster file naming a kind from "
-                "`accelrun plan --devices` (see recipes/cluster/h100-8x.yaml)")})
-            return
-        runtime = _rss_gib()
+        gpu = torch.cuda.is_available()
+        if gpu:
+            if torch.cuda.device_count() < devices:
+                queue.put({"rank": rank, "user": True, "error": (
+                    f"--devices-per-node {devices}, but this machine has {torch.cuda.device_count()} GPU(s)")})
+                return
+            torch.cuda.set_device(rank)
+            torch.set_default_device(f"cuda:{rank}")  # every probe tensor on this rank's GPU
+        runtime = 0.0 if gpu else _rss_gib()
         computes = rank < devices
         threads = torch.get_num_threads() if devices == 1 else max(1, (os.cpu_count() or 1) // devices)
         torch.set_num_threads(threads)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
         m = Measured(threads=threads, runtime_gib=runtime)
+        if gpu:
+            m.device_name, m.device_memory_gib = _gpu_name_and_memory(torch, rank)
         dist.barrier()
+        finish = torch.cuda.synchronize if gpu else None  # GPU work is timed to its end
         if computes:  # the ranks that are devices measure at the same time
-            _measure_compute(torch, m, sizes, sync=dist.barrier if devices > 1 else None)
-        dist.barrier()
-        m.all_reduce_gbs, m.all_gather_gbs, m.latency_us = _collective_rates(torch, dist, world, sizes)
-        m.collectives = _collective_fits(torch, dist, world, sizes)
+            _measure_compute(torch, m, sizes, sync=dist.barrier if devices > 1 else None, finish=finish)
+        if world > 1:  # one GPU alone has no collective to measure
+            dist.barrier()
+            m.all_reduce_gbs, m.all_gather_gbs, m.latency_us = _collective_rates(torch, dist, world, sizes, finish)
+            m.collectives = _collective_fits(torch, dist, world, sizes, finish)
         dist.destroy_process_group()
         queue.put({"rank": rank, "measured": m})
     except Exception as e:  # reported by the parent, which owns the terminal
@@ -106,10 +130,14 @@ class _Probe:
     work: float
     rates: list[float] = field(default_factory=list)
 
-    def sample(self, seconds: float) -> None:
+    def sample(self, seconds: float, finish: Callable[[], object] | None = None) -> None:
+        if finish:
+            finish()
         n, t0 = 0, time.perf_counter()
         while True:
             self.fn()
+            if finish:
+                finish()
             n += 1
             elapsed = time.perf_counter() - t0
             if elapsed >= seconds:
@@ -121,14 +149,16 @@ class _Probe:
         return statistics.median(self.rates)
 
 
-def _measure_compute(torch, m: Measured, sizes: ProbeSizes, sync: Callable[[], object] | None = None) -> None:
+def _measure_compute(torch, m: Measured, sizes: ProbeSizes, sync: Callable[[], object] | None = None,
+                     finish: Callable[[], object] | None = None) -> None:
     """Every compute probe, in ``sizes.repeats`` interleaved rounds, each probe's median rate.
 
     Rounds, not one probe's repeats back to back: a shared machine has slow spells of seconds, which
     should cost each probe one sample, not some probes all of theirs. The median, not the best: the
     planner predicts a run's median step, which meets the machine as it usually is. ``sync`` (a
     barrier of the computing ranks) starts every sample on all of them at once: ranks that share a
-    machine are slower together than one alone, and they train together.
+    machine are slower together than one alone, and they train together. ``finish`` waits for a
+    GPU's queued work, so that a sample times the kernels, not their launches.
     """
     matmuls: dict[tuple[str, int], list[_Probe]] = {}
     attention: dict[tuple[str, int, int], _Probe] = {}
@@ -151,7 +181,7 @@ def _measure_compute(torch, m: Measured, sizes: ProbeSizes, sync: Callable[[], o
         for p in probes:
             if sync is not None:
                 sync()
-            p.sample(sizes.repeat_s)
+            p.sample(sizes.repeat_s, finish)
 
     heads, head_dim = sizes.attention_heads
     for key in sizes.precisions:
@@ -200,7 +230,20 @@ def _memory_probe(torch, sizes: ProbeSizes) -> _Probe:
     return _Probe(op, 3.0 * 4 * n)  # bytes: read two, write one
 
 
-def _collective_rates(torch, dist, world: int, sizes: ProbeSizes) -> tuple[float, float, float]:
+def _finished(fn, finish: Callable[[], object] | None) -> Callable[[], None]:
+    """``fn`` then, on a GPU, a wait for it: NCCL calls return once their kernels are queued."""
+    if finish is None:
+        return fn
+
+    def both() -> None:
+        fn()
+        finish()
+
+    return both
+
+
+def _collective_rates(torch, dist, world: int, sizes: ProbeSizes,
+                      finish: Callable[[], object] | None = None) -> tuple[float, float, float]:
     n = world
     big = torch.ones(sizes.collective_bytes // 4)
     shard = torch.ones(sizes.collective_bytes // 4 // n)
@@ -208,6 +251,7 @@ def _collective_rates(torch, dist, world: int, sizes: ProbeSizes) -> tuple[float
     small = torch.ones(max(1, sizes.small_bytes // 4))
 
     def timed(fn) -> float:
+        fn = _finished(fn, finish)
         fn()  # warm-up: connections, buffers
         times = []
         for _ in range(sizes.repeats):
@@ -229,7 +273,8 @@ def _collective_rates(torch, dist, world: int, sizes: ProbeSizes) -> tuple[float
 RING_HOPS = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}  # × (n - 1): hops, and bytes × (n-1)/n
 
 
-def _collective_fits(torch, dist, world: int, sizes: ProbeSizes) -> dict[str, tuple[float, float]]:
+def _collective_fits(torch, dist, world: int, sizes: ProbeSizes,
+                     finish: Callable[[], object] | None = None) -> dict[str, tuple[float, float]]:
     """Bus bandwidth (GB/s) and per-hop latency (µs) of each collective, fitted to two message sizes.
 
     Each is timed right after a burst of matmuls on every rank, as a training step meets it: FSDP's
@@ -243,6 +288,7 @@ def _collective_fits(torch, dist, world: int, sizes: ProbeSizes) -> dict[str, tu
     a, b = torch.randn(512, 256), torch.randn(256, 256)
 
     def timed(fn) -> float:
+        fn = _finished(fn, finish)
         fn()
         times = []
         for _ in range(sizes.burst_repeats):
@@ -250,6 +296,8 @@ def _collective_fits(torch, dist, world: int, sizes: ProbeSizes) -> dict[str, tu
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < sizes.burst_s:
                 a @ b
+            if finish:
+                finish()
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)

@@ -60,6 +60,8 @@ def test_ranks_that_share_a_machine_report_the_slowest():
     assert m.matmul_tflops == {"fp32": {64: 0.1}} and m.attention_tflops == {"fp32": {128: 0.05}}
     assert m.memory_bandwidth_gbs == 6 and m.runtime_gib == 0.3
     assert m.attention_head_dim_tflops == {"fp32": {32: 0.1}} and m.collectives == fast.collectives
+    gpus = cal._combine([_gpu_measurement("NVIDIA H100 80GB HBM3", True)] * 2, _gpu_measurement("NVIDIA H100 80GB HBM3", True))
+    assert gpus.device_name == "NVIDIA H100 80GB HBM3" and gpus.device_memory_gib == 79.1
     c = ClusterConfig.model_validate(cal.describe(m, 2)["cluster"])
     assert c.devices_per_node == 2 and c.intra_node.bandwidth_gbs == 1.0  # the lower bus bandwidth
     assert c.calibration.threads_per_device == 1
@@ -79,3 +81,45 @@ def test_collective_fit_recovers_latency_and_bandwidth(hops):
     # timings too noisy for a positive slope: no latency, the larger message's rate
     gbs, us = fit_alpha_beta([(1e6, 0.02), (16e6, 0.01)], hops, n)
     assert us == 0.0 and gbs == pytest.approx(moved * 16e6 / 0.01 / 1e9)
+
+
+def _gpu_measurement(name: str, collectives: bool) -> cal.Measured:
+    sizes = cal.ProbeSizes().on_gpu()
+    return cal.Measured(
+        matmul_tflops={"bf16": {1024: 400.0, 8192: 650.0}, "fp32": {1024: 40.0, 8192: 50.0}},
+        attention_tflops={"bf16": {t: 300.0 for t in sizes.attention_seq}, "fp32": {t: 30.0 for t in sizes.attention_seq}},
+        attention_head_dim_tflops={"bf16": {64: 250.0, 128: 300.0, 256: 280.0}},
+        memory_bandwidth_gbs=2800.0, device_name=name, device_memory_gib=79.1,
+        all_reduce_gbs=300.0 if collectives else 0.0, all_gather_gbs=320.0 if collectives else 0.0,
+        latency_us=8.0, collectives={"all_gather": (330.0, 9.0), "reduce_scatter": (300.0, 9.0),
+                                     "all_reduce": (310.0, 9.0)} if collectives else {})
+
+
+def test_a_gpu_calibration_names_its_accelerator_and_plans():
+    """What --calibrate writes on a CUDA machine (the measuring itself needs a GPU: not run here)."""
+    from accelrun.config import load_config
+    from accelrun.plan import predict, resolve_cluster
+
+    one = ClusterConfig.model_validate(cal.describe(_gpu_measurement("NVIDIA H100 80GB HBM3", False), 1,
+                                                   cal.ProbeSizes().on_gpu())["cluster"])
+    assert one.device == "h100-sxm" and one.memory_gib == 79.1 and one.intra_node.bandwidth_gbs is None
+    assert one.calibration.device_name == "NVIDIA H100 80GB HBM3" and one.calibration.runtime_gib is None
+    cluster = resolve_cluster(one)
+    assert cluster.intra is not None and "accelerator table" in cluster.intra.source  # one GPU: the table's link
+    rates = cluster.rates("bf16-mixed")
+    assert rates.matmul_tflops(8192) == 650.0 and rates.peak_source.startswith("table")  # MFU: the datasheet
+    assert rates.attention_tflops(1024, 64) == pytest.approx(300.0 * 250.0 / 300.0)  # curve at head dim 128
+
+    eight = ClusterConfig.model_validate(cal.describe(_gpu_measurement("NVIDIA H100 80GB HBM3", True), 8,
+                                                     cal.ProbeSizes().on_gpu())["cluster"])
+    assert eight.intra_node.measured and "NCCL" in eight.sources["intra_node"]
+    cfg = load_config("model/llama3-8b", ["train.precision=bf16-mixed", "train.seq_len=8192", "train.micro_batch=1",
+                                          "train.global_batch=8", "parallel.nproc_per_node=8"]).config
+    plan = predict(cfg, cluster=resolve_cluster(eight))
+    assert plan.tokens_per_s > 0 and "79.1 GiB" in plan.verdict  # no checkpointing at 8192: over 80 GB
+
+    odd = ClusterConfig.model_validate(cal.describe(_gpu_measurement("NVIDIA GeForce GTX 1080", False), 1)["cluster"])
+    assert odd.device == "custom" and "matches no accelerator kind" in odd.sources["calibration"]
+    assert resolve_cluster(odd).rates("bf16-mixed").peak_tflops == 650.0  # the best measured rate
+    assert cal.cache_path(1, gpu="NVIDIA H100 80GB HBM3").name.startswith("gpu-")
+    assert cal.cache_path(1, gpu="NVIDIA H100 80GB HBM3") != cal.cache_path(1)
