@@ -24,6 +24,10 @@ from accelrun.dist.mesh import build_mesh, dp_coordinates
 from accelrun.errors import UserError
 
 
+def rank_uses_cuda(cfg) -> bool:
+    return torch.cuda.is_available() and cfg.train.device in ("auto", "cuda")
+
+
 def cpu_rank_threads(nproc_per_node: int) -> int:
     """Threads of each CPU rank: ranks on one node share its cores (left alone, each would start one
     thread per core)."""
@@ -33,7 +37,7 @@ def cpu_rank_threads(nproc_per_node: int) -> int:
 def init_rank(resolved) -> ParallelContext:
     cfg = resolved.config
     rank, world, local_rank = env_rank()
-    use_cuda = torch.cuda.is_available() and cfg.train.device in ("auto", "cuda")
+    use_cuda = rank_uses_cuda(cfg)
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)

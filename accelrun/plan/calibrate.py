@@ -20,7 +20,7 @@ Probes (each the median of a few timed repeats):
 ``cores // devices_per_node`` threads (as ``accelrun train`` runs that many ranks); with one
 device, one process measures with all threads while a second waits, there only for the collectives.
 
-On a machine with CUDA GPUs the same probes run on the GPUs at larger sizes (``ProbeSizes.on_gpu``),
+On a machine with CUDA GPUs the same probes run on the GPUs at larger sizes (``ProbeSizes.for_gpu``),
 timed to the end of their kernels, with NCCL for the collectives between them (none for one GPU,
 whose link stays the accelerator table's); the description names the matching accelerator kind, so
 MFU still divides by its datasheet peak.
@@ -54,12 +54,11 @@ def calibrate(devices_per_node: int = 1, sizes: ProbeSizes | None = None) -> dic
     """Measure and return a cluster description (``{"cluster": {...}}``) for this machine."""
     import multiprocessing as mp
 
-    sizes = sizes or ProbeSizes()
     gpus = _cuda_device_count()
-    if gpus:  # GPUs: NCCL between them, none for a single one
-        sizes, world = sizes.on_gpu(), devices_per_node
-    else:  # CPU: a second process for the gloo collectives even when one device computes
-        world = max(2, devices_per_node)
+    sizes = sizes or (ProbeSizes.for_gpu() if gpus else ProbeSizes())
+    # GPUs: NCCL between them, none for a single one. CPU: a second process for the gloo
+    # collectives even when one device computes.
+    world = devices_per_node if gpus else max(2, devices_per_node)
     port = _free_port()
     # Not fork: a parent that has already run a parallel torch op would hand its children a broken
     # OpenMP pool (they hang). A fork server imports torch once, fresh, and forks the workers from it;

@@ -10,7 +10,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 ATTENTION_BACKWARD_RATIO = 2.5  # as accelrun.plan.efficiency (kept in step by a test)
 
@@ -45,15 +45,13 @@ class ProbeSizes:
     # Imported before the resident memory is read: what a training process holds before any tensor.
     runtime_imports: tuple[str, ...] = ("accelrun.train.run",)
 
-    def on_gpu(self) -> ProbeSizes:
-        """Sizes a GPU needs to be measured at its rate rather than its launch latency (unless these
-        are the test sizes, kept as they are)."""
-        if self.rows < 2048:
-            return self
-        return replace(self, widths=(1024, 2048, 4096, 8192), rows=16384, attention_seq=(512, 1024, 2048, 4096, 8192),
-                       attention_tokens=32768, attention_heads=(16, 128), attention_head_dims=(64, 128, 256),
-                       attention_head_dim_seq=2048, memory_elements=2**26, memory_pool_bytes=2**31,
-                       collective_bytes=256 * 2**20, block_bytes=16 * 2**20, small_bytes=4096, runtime_imports=())
+    @classmethod
+    def for_gpu(cls) -> ProbeSizes:
+        """Sizes at which a GPU shows its rate rather than its launch latency."""
+        return cls(widths=(1024, 2048, 4096, 8192), rows=16384, attention_seq=(512, 1024, 2048, 4096, 8192),
+                   attention_tokens=32768, attention_heads=(16, 128), attention_head_dims=(64, 128, 256),
+                   attention_head_dim_seq=2048, memory_elements=2**26, memory_pool_bytes=2**31,
+                   collective_bytes=256 * 2**20, block_bytes=16 * 2**20, runtime_imports=())
 
     @classmethod
     def quick(cls) -> ProbeSizes:
@@ -230,16 +228,33 @@ def _memory_probe(torch, sizes: ProbeSizes) -> _Probe:
     return _Probe(op, 3.0 * 4 * n)  # bytes: read two, write one
 
 
-def _finished(fn, finish: Callable[[], object] | None) -> Callable[[], None]:
-    """``fn`` then, on a GPU, a wait for it: NCCL calls return once their kernels are queued."""
-    if finish is None:
-        return fn
+def _collective_time(dist, fn, repeats: int, finish: Callable[[], object] | None,
+                     before: Callable[[], object] | None = None) -> float:
+    """Median seconds of the collective ``fn`` on this rank, started together behind a barrier
+    (then ``before``, where given); on a GPU timed to its end, as NCCL calls return once queued."""
 
-    def both() -> None:
+    def call() -> None:
         fn()
-        finish()
+        if finish:
+            finish()
 
-    return both
+    call()  # warm-up: connections, buffers
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        if before:
+            before()
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _gather_and_scatter(dist):
+    """all-gather and reduce-scatter into/out of one flat tensor (renamed ``*_single`` in torch 2.13)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return gather, scatter
 
 
 def _collective_rates(torch, dist, world: int, sizes: ProbeSizes,
@@ -249,22 +264,11 @@ def _collective_rates(torch, dist, world: int, sizes: ProbeSizes,
     shard = torch.ones(sizes.collective_bytes // 4 // n)
     gathered = torch.empty(shard.numel() * n)
     small = torch.ones(max(1, sizes.small_bytes // 4))
+    gather, _ = _gather_and_scatter(dist)
 
-    def timed(fn) -> float:
-        fn = _finished(fn, finish)
-        fn()  # warm-up: connections, buffers
-        times = []
-        for _ in range(sizes.repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    ar = timed(lambda: dist.all_reduce(big))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    ag = timed(lambda: gather(gathered, shard))
-    tiny = timed(lambda: dist.all_reduce(small))
+    ar = _collective_time(dist, lambda: dist.all_reduce(big), sizes.repeats, finish)
+    ag = _collective_time(dist, lambda: gather(gathered, shard), sizes.repeats, finish)
+    tiny = _collective_time(dist, lambda: dist.all_reduce(small), sizes.repeats, finish)
     ar_bus = big.numel() * 4 / ar * 2 * (n - 1) / n / 1e9
     ag_bus = gathered.numel() * 4 / ag * (n - 1) / n / 1e9
     return ar_bus, ag_bus, tiny / (2 * (n - 1)) * 1e6  # a ring all-reduce is 2(n-1) hops
@@ -287,24 +291,14 @@ def _collective_fits(torch, dist, world: int, sizes: ProbeSizes,
     n = world
     a, b = torch.randn(512, 256), torch.randn(256, 256)
 
-    def timed(fn) -> float:
-        fn = _finished(fn, finish)
-        fn()
-        times = []
-        for _ in range(sizes.burst_repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < sizes.burst_s:
-                a @ b
-            if finish:
-                finish()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+    def burst() -> None:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < sizes.burst_s:
+            a @ b
+        if finish:
+            finish()
 
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    gather, scatter = _gather_and_scatter(dist)
     fits = {}
     for name in RING_HOPS:
         points = []
@@ -314,7 +308,7 @@ def _collective_fits(torch, dist, world: int, sizes: ProbeSizes,
             fn = {"all_gather": lambda f=full, s=shard: gather(f, s),
                   "reduce_scatter": lambda f=full, s=shard: scatter(s, f),
                   "all_reduce": lambda f=full: dist.all_reduce(f)}[name]
-            points.append((full.numel() * 4, timed(fn)))
+            points.append((full.numel() * 4, _collective_time(dist, fn, sizes.burst_repeats, finish, burst)))
         fits[name] = fit_alpha_beta(points, RING_HOPS[name], n)
     return fits
 

@@ -295,10 +295,9 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
 def _env_of_ranks(cfg) -> dict:
     """This process's environment, with the thread count CPU ranks will set (this launcher process
     keeps its own, which the ranks do not use)."""
-    env = collect_env()
-    on_cpu = cfg.train.device == "cpu" or not torch.cuda.is_available()
-    if cfg.parallel.world_size > 1 and cfg.train.threads is None and on_cpu:
-        from accelrun.dist.worker import cpu_rank_threads
+    from accelrun.dist.worker import cpu_rank_threads, rank_uses_cuda
 
+    env = collect_env()
+    if cfg.parallel.world_size > 1 and cfg.train.threads is None and not rank_uses_cuda(cfg):
         env["cpu"]["torch_threads"] = cpu_rank_threads(cfg.parallel.nproc_per_node)
     return env

@@ -84,7 +84,7 @@ def test_collective_fit_recovers_latency_and_bandwidth(hops):
 
 
 def _gpu_measurement(name: str, collectives: bool) -> cal.Measured:
-    sizes = cal.ProbeSizes().on_gpu()
+    sizes = cal.ProbeSizes.for_gpu()
     return cal.Measured(
         matmul_tflops={"bf16": {1024: 400.0, 8192: 650.0}, "fp32": {1024: 40.0, 8192: 50.0}},
         attention_tflops={"bf16": {t: 300.0 for t in sizes.attention_seq}, "fp32": {t: 30.0 for t in sizes.attention_seq}},
@@ -101,7 +101,7 @@ def test_a_gpu_calibration_names_its_accelerator_and_plans():
     from accelrun.plan import predict, resolve_cluster
 
     one = ClusterConfig.model_validate(cal.describe(_gpu_measurement("NVIDIA H100 80GB HBM3", False), 1,
-                                                   cal.ProbeSizes().on_gpu())["cluster"])
+                                                   cal.ProbeSizes.for_gpu())["cluster"])
     assert one.device == "h100-sxm" and one.memory_gib == 79.1 and one.intra_node.bandwidth_gbs is None
     assert one.calibration.device_name == "NVIDIA H100 80GB HBM3" and one.calibration.runtime_gib is None
     cluster = resolve_cluster(one)
@@ -111,7 +111,7 @@ def test_a_gpu_calibration_names_its_accelerator_and_plans():
     assert rates.attention_tflops(1024, 64) == pytest.approx(300.0 * 250.0 / 300.0)  # curve at head dim 128
 
     eight = ClusterConfig.model_validate(cal.describe(_gpu_measurement("NVIDIA H100 80GB HBM3", True), 8,
-                                                     cal.ProbeSizes().on_gpu())["cluster"])
+                                                     cal.ProbeSizes.for_gpu())["cluster"])
     assert eight.intra_node.measured and "NCCL" in eight.sources["intra_node"]
     cfg = load_config("model/llama3-8b", ["train.precision=bf16-mixed", "train.seq_len=8192", "train.micro_batch=1",
                                           "train.global_batch=8", "parallel.nproc_per_node=8"]).config
