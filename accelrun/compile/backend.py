@@ -58,6 +58,9 @@ class AccelrunBackend:
         self.executors = make_executors(self.options.executors)
         self._graph_breaks_at_start = dict(counters["graph_break"])
         self._inside = 0.0  # seconds spent in our own hooks during the current AOTAutograd call
+        # Set by graph_cache while it precompiles: graphs then come back as AccelrunOutputCode, which
+        # torch's precompile path can save with the Dynamo frame and load in another process.
+        self.serializable = False
 
     # -- entry point -------------------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
@@ -70,9 +73,9 @@ class AccelrunBackend:
         self._inside = 0.0
         compiled = aot_module_simplified(
             gm, example_inputs,
-            fw_compiler=partial(self._compile_graph, name, "forward"),
-            bw_compiler=partial(self._compile_graph, name, "backward"),
-            inference_compiler=partial(self._compile_graph, name, "inference"),
+            fw_compiler=self._graph_compiler(name, "forward"),
+            bw_compiler=self._graph_compiler(name, "backward"),
+            inference_compiler=self._graph_compiler(name, "inference"),
             partition_fn=partial(self._partition, name),
             decompositions=decompositions(),
         )  # fmt: skip
@@ -117,10 +120,21 @@ class AccelrunBackend:
                 self.dump.graph(f"{name}.backward", f"partition_{p.name}", bw)
             return fw, bw
 
+    def _graph_compiler(self, name: str, kind: str):
+        compile_graph = partial(self._compile_graph, name, kind)
+        if not self.serializable:
+            return compile_graph
+        from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+
+        from accelrun.compile.output_code import AccelrunOutputCode
+
+        return SerializableAOTDispatchCompiler(AccelrunOutputCode, compile_graph)
+
     def _compile_graph(self, name: str, kind: str, gm: fx.GraphModule, example_inputs: list[Any]):
         graph_name = f"{name}.{kind}"
         with self._timed("post_grad passes"):
             gm = self._run_passes("post_grad", gm, graph_name, kind, list(example_inputs))
+        first_region = len(self.record.regions)
         with self._timed("lowering"):
             lowered, regions = lower_regions(gm, graph_name, kind, self.executors, self.record,
                                              str(self.options.cache_dir))  # fmt: skip
@@ -135,6 +149,12 @@ class AccelrunBackend:
             name=graph_name, ops=count_ops(gm), collectives=collectives_in(gm),
             left_to_aten=sum(1 for n in gm.graph.nodes if n.op == "call_function" and REGION_KEY not in n.meta),
         ))  # fmt: skip
+        if self.serializable:
+            from accelrun.compile.output_code import AccelrunOutputCode
+
+            notes = (self.record.regions[first_region:], self.record.graphs[-1])
+            return AccelrunOutputCode(gm, lowered, graph_name, kind, [e.name for e in self.executors],
+                                      str(self.options.cache_dir), notes)  # fmt: skip
         return make_boxed_func(lowered.forward)
 
     def _run_passes(self, stage: str, gm: fx.GraphModule, graph_name: str, kind: str,

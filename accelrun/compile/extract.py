@@ -76,7 +76,7 @@ def extract_regions(gm: fx.GraphModule, graph_kind: str = "forward") -> list[Reg
     return out
 
 
-def _named_call(fn: Callable[..., Any], rid: int) -> Callable[..., Any]:
+def named_call(fn: Callable[..., Any], rid: int) -> Callable[..., Any]:
     """A plain function wrapping ``fn`` with a readable name for the generated code."""
 
     def call(*args: Any) -> Any:
@@ -140,7 +140,7 @@ def replace_regions(gm: fx.GraphModule, compiled: dict[int, Callable[..., Any]])
 def _emit_region(graph: fx.Graph, env: dict[fx.Node, fx.Node], rid: int, nodes: list[fx.Node],
                  fn: Callable[..., Any]) -> None:
     inputs, outputs = region_boundary(nodes)
-    call = graph.create_node("call_function", _named_call(fn, rid), tuple(env[i] for i in inputs),
+    call = graph.create_node("call_function", named_call(fn, rid), tuple(env[i] for i in inputs),
                              name=f"region_{rid}")
     call.meta["val"] = tuple(_meta_val(o) for o in outputs)
     call.meta[FUSED_REGION_KEY] = rid

@@ -193,6 +193,10 @@ class CompileConfig(Section):
         False, description="run each pass's graph before and after on the same inputs; name the first that diverges"
     )
     dump: bool = Field(False, description="write every pass's graphs and the generated code to <run>/compile/")
+    graph_cache: bool = Field(
+        True, description="keep compiled graphs (Dynamo + AOTAutograd + passes) on disk: a new process with the "
+        "same model, inputs and options loads them instead of tracing again (accelrun backend)"
+    )
 
     @field_validator("executors")
     @classmethod

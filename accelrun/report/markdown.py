@@ -59,6 +59,11 @@ def _compiler_section(c: dict | None) -> list[str]:
         out.append(f"| {_cell(stage)} | {secs:.2f} s |")
     if "cache" in c:
         out.append(f"| cache hits / misses | {c['cache']['hits']} / {c['cache']['misses']} |")
+    graphs = c.get("graph_cache") or {}
+    if "off" in graphs:
+        out.append(f"| graph cache | off: {_cell(graphs['off'])} |")
+    elif graphs:
+        out.append(f"| graph cache: loaded / compiled and saved | {graphs['loaded']} / {graphs['saved']} |")
     if c.get("passes_fired"):
         fired = ", ".join(f"{k} ({v})" for k, v in c["passes_fired"].items())
         out.append(f"| passes that changed a graph (graphs) | {_cell(fired)} |")
@@ -70,7 +75,9 @@ def _compiler_section(c: dict | None) -> list[str]:
     out.append("")
     for reason, n in (c.get("graph_break_reasons") or {}).items():
         out.append(f"- graph break ×{n}: {_cell(reason)}")
-    return out + [""] if c.get("graph_break_reasons") else out
+    for error in graphs.get("errors", []):
+        out.append(f"- graph cache: {_cell(error)}")
+    return out + [""] if c.get("graph_break_reasons") or graphs.get("errors") else out
 
 
 def _headline(r: dict) -> list[str]:

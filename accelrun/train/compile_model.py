@@ -32,23 +32,51 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         record = backend.record
     name = cfg.backend
     if cfg.scope in ("block", "loss") and blocks is not None:
+        what = f"{len(blocks)} transformer blocks with {name}"
+        head = getattr(model, "head_loss", None) if cfg.scope == "loss" else None
+        if cfg.scope == "loss" and (head is None or getattr(model, "output", None) is None):
+            what += " (compile.scope = loss, but this model or stage computes no loss head)"
+            head = None
+        elif head is not None:
+            what += " + the output head and loss as one graph"
+        targets = [(b, "forward") for b in blocks] + ([(model, "head_loss")] if head is not None else [])
+        cache = _graph_cache(cfg, backend, targets)
+        if cache is not None:
+            from accelrun.compile.graph_cache import install
+
+            install(cache, list(blocks), "forward")
+            if head is not None:
+                install(cache, [model], "head_loss")
+            return Compiled(what, record, backend)
         # Identical blocks share one compiled graph: Dynamo's cache is keyed by code, not instance.
         for block in blocks:
             block.compile(backend=backend, fullgraph=cfg.fullgraph)
-        what = f"{len(blocks)} transformer blocks with {name}"
-        if cfg.scope == "loss":
-            head = getattr(model, "head_loss", None)
-            if head is None or getattr(model, "output", None) is None:
-                what += " (compile.scope = loss, but this model or stage computes no loss head)"
-            else:
-                import torch
+        if head is not None:
+            import torch
 
-                # An instance attribute shadows the method, so forward() calls the compiled head.
-                model.head_loss = torch.compile(head, backend=backend, fullgraph=cfg.fullgraph)
-                what += " + the output head and loss as one graph"
+            # An instance attribute shadows the method, so forward() calls the compiled head.
+            model.head_loss = torch.compile(head, backend=backend, fullgraph=cfg.fullgraph)
         return Compiled(what, record, backend)
+    if cfg.scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:
+        from accelrun.compile.graph_cache import install
+
+        install(cache, [model], "forward")
+        return Compiled(f"the whole model and its loss with {name}", record, backend)
     model.compile(backend=backend, fullgraph=cfg.fullgraph)
     if cfg.scope != "model":
         return Compiled(f"the whole model with {name} (compile.scope = {cfg.scope}, but it has no `layers` "
                         "block list)", record, backend)  # fmt: skip
     return Compiled(f"the whole model and its loss with {name}", record, backend)
+
+
+def _graph_cache(cfg: CompileConfig, backend: object, targets: list[tuple[nn.Module, str]]):
+    """accelrun's cross-process graph cache for these modules, or None (the reason goes in the record)."""
+    if cfg.backend != "accelrun":
+        return None
+    from accelrun.compile.graph_cache import GraphCache, decline_reason
+
+    why = decline_reason(cfg, targets)
+    if why is not None:
+        backend.record.graph_cache = {"off": why}  # type: ignore[attr-defined]
+        return None
+    return GraphCache(backend, backend.options.cache_dir / "graphs")  # type: ignore[attr-defined]

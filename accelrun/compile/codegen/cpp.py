@@ -14,10 +14,12 @@ that loops calling it still vectorize; bf16 is widened and rounded with bit shif
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from accelrun.compile.codegen.cpp_build import load_library
 from accelrun.compile.codegen.emitter import Emitter
 from accelrun.compile.codegen.index_print import print_index
 from accelrun.compile.codegen.loop_ir import Block, Buffer, Kernel, LoopProgram, Stmt, Unsupported
@@ -289,6 +291,7 @@ class CppRegion:
 
     def __init__(self, program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> None:
         self.program = program
+        self.library, self.entry = lib._name, entry
         self.fn = getattr(lib, entry)
         self.fn.argtypes = [ctypes.c_void_p, ctypes.c_int]
         self.fn.restype = None
@@ -306,6 +309,17 @@ class CppRegion:
         ptrs = self._ptrs(*[t.data_ptr() for t in (*ins, *outs, *temps)])
         self.fn(ptrs, torch.get_num_threads())
         return tuple(outs)
+
+    def __reduce__(self) -> tuple:
+        # Saved in the graph cache: the library is found again by its path; running it needs the
+        # buffers' layout only, not the kernels' IR.
+        return (_restore_region, (self.library, self.entry, self.program.buffers))
+
+
+def _restore_region(library: str, entry: str, buffers: list[Buffer]) -> CppRegion:
+    if not Path(library).exists():
+        raise FileNotFoundError(f"compiled region {library} is no longer in the cache")
+    return CppRegion(LoopProgram(buffers, []), load_library(Path(library)), entry)
 
 
 def _conform(t: torch.Tensor, buf: Buffer) -> torch.Tensor:

@@ -1,0 +1,227 @@
+"""Compiled graphs kept across processes, so that a new process skips Dynamo, AOTAutograd and the passes.
+
+The kernel cache alone leaves a new process ~3 s of tracing before its first step. Here the first call
+of a compiled method (a transformer block's ``forward``, the loss head) with a new kind of input is
+captured with torch's precompile path (``torch.compile(...).aot_compile``): Dynamo's frame and guards,
+AOTAutograd's forward and backward with their runtime metadata, and accelrun's graphs after its passes
+(``AccelrunOutputCode``). It is saved under ``<cache>/graphs/<key>.pt``; a later process with the same
+key loads it instead of compiling, checks its guards against the real inputs, and lowers its graphs
+again from the kernel cache.
+
+The key covers what changes the compiled result and what the guards do not check: torch's version,
+accelrun's own source and the model's, the compile options, the method, and the inputs, parameters
+and global state (grad mode, autocast) it was compiled for. Identical blocks share one entry: the guards check tensor
+metadata, not identity.
+
+Anything the precompile path cannot take (a graph break, an unpicklable piece) falls back to an
+ordinary ``torch.compile`` of the method, with the reason kept in the compile record.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import accelrun
+
+MAX_ENTRIES = 8  # input kinds per method before giving up on exact entries (dynamic shapes take over)
+
+
+@functools.cache
+def accelrun_source_digest() -> str:
+    """sha256 over accelrun's Python sources: a code change must not load graphs built by older code."""
+    root = Path(accelrun.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@functools.cache
+def _file_digest(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def model_code_digest(owner: nn.Module, func: Any) -> str:
+    """sha256 over the files that define the compiled method and every module class under ``owner``:
+    models may live outside accelrun (``model.module``), and their code is traced into the graphs."""
+    files = {inspect.getsourcefile(func)} | {inspect.getsourcefile(type(m)) for m in owner.modules()}
+    h = hashlib.sha256()
+    for path in sorted(f for f in files if f):
+        h.update(path.encode() + _file_digest(path).encode())
+    return h.hexdigest()
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return (f"T({tuple(value.shape)},{value.stride()},{value.dtype},{value.device},"
+                f"{value.requires_grad})")  # fmt: skip
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(describe(v) for v in value) + "]"
+    return repr(value)
+
+
+def global_state() -> str:
+    autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
+    return f"grad={torch.is_grad_enabled()} autocast={autocast} default_dtype={torch.get_default_dtype()}"
+
+
+class GraphCache:
+    """One per compiled model: the directory, the key's fixed parts, and what happened (for the record)."""
+
+    def __init__(self, backend: Any, directory: Path) -> None:
+        # Import torch's precompile machinery now, with the model's setup, not inside the first step.
+        import torch._dynamo.aot_compile  # noqa: F401
+        import torch.fx._graph_pickler  # noqa: F401
+
+        import accelrun.compile.output_code  # noqa: F401
+
+        self.backend = backend
+        self.directory = directory
+        self.fixed_key = "|".join([torch.__version__, accelrun_source_digest(), backend.options.fingerprint()])
+        self.stats = backend.record.graph_cache
+        self.stats.update({"loaded": 0, "compiled": 0, "saved": 0, "fallbacks": 0, "load_s": 0.0, "errors": []})
+
+    def key(self, func: Any, owner: nn.Module, args: tuple, kwargs: dict) -> str:
+        params = sorted((n, describe(p)) for n, p in owner.named_parameters())
+        buffers = sorted((n, describe(b)) for n, b in owner.named_buffers())
+        parts = [self.fixed_key, f"{func.__module__}.{func.__qualname__}", model_code_digest(owner, func), describe(args),
+                 describe(sorted(kwargs.items())), repr(params), repr(buffers), global_state()]  # fmt: skip
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+    def error(self, what: str, e: BaseException) -> None:
+        first = str(e).splitlines()[0] if str(e) else ""
+        self.stats["errors"].append(f"{what}: {type(e).__name__}: {first}"[:300])
+
+
+class CachedMethod:
+    """Stands in for ``owner.<method>`` on every owner of one class; holds the compiled entries."""
+
+    def __init__(self, cache: GraphCache, func: Any) -> None:
+        self.cache, self.func = cache, func
+        self.entries: list[Any] = []  # AOTCompiledFunction, tried in order
+        self.fallback: Any = None  # torch.compile of func, once precompiling failed
+
+    def bind(self, owner: nn.Module) -> Any:
+        return functools.partial(self, owner)
+
+    def __call__(self, owner: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.fallback is not None:
+            return self.fallback(owner, *args, **kwargs)
+        for entry in self.entries:
+            if entry.guard_check(owner, *args, **kwargs):
+                return entry.fn(owner, *args, **kwargs)
+        entry = self._entry_for(owner, args, kwargs)
+        if entry is None:
+            return self.fallback(owner, *args, **kwargs)
+        return entry.fn(owner, *args, **kwargs)
+
+    def _entry_for(self, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if len(self.entries) >= MAX_ENTRIES:
+            return self._fall_back(f"more than {MAX_ENTRIES} input kinds", None)
+        path = self.cache.directory / f"{self.cache.key(self.func, owner, args, kwargs)}.pt"
+        entry = self._load(path, owner, args, kwargs) if path.exists() else None
+        if entry is None:
+            try:
+                entry = self._compile(owner, args, kwargs)
+            except Exception as e:  # graph break under fullgraph, an unserializable piece, ...
+                return self._fall_back("precompile failed", e)
+            self._save(entry, path)
+        self.entries.append(entry)
+        return entry
+
+    def _load(self, path: Path, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        from accelrun.compile.output_code import recording_loads_into
+
+        t0 = time.perf_counter()
+        try:
+            with recording_loads_into(self.cache.backend.record):
+                entry = AOTCompiledFunction.deserialize(path.read_bytes(), self.func.__globals__)
+            if not entry.guard_check(owner, *args, **kwargs):
+                raise RuntimeError("its guards reject these inputs")
+        except Exception as e:  # stale or damaged: compile afresh and overwrite it
+            self.cache.error(f"could not load {path.name}", e)
+            return None
+        self.cache.stats["loaded"] += 1
+        self.cache.stats["load_s"] += time.perf_counter() - t0
+        self.cache.backend.record.stage_seconds["graph cache load"] += time.perf_counter() - t0
+        return entry
+
+    def _compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+        backend = self.cache.backend
+        compiled = torch.compile(self.func.__get__(owner), backend=backend, fullgraph=True)
+        # torch's own caches during precompile go to a throwaway folder: their keys do not cover
+        # accelrun's options, so an entry left there by other options must never be found.
+        with (tempfile.TemporaryDirectory(prefix="accelrun-precompile-") as tmp, temporary_cache_dir(tmp),
+              warnings.catch_warnings()):  # fmt: skip
+            # Dynamo reads every tensor's .grad while it writes the guards down; harmless, but it warns.
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+            backend.serializable = True
+            try:
+                entry = compiled.aot_compile((args, kwargs))
+            finally:
+                backend.serializable = False
+        self.cache.stats["compiled"] += 1
+        return entry
+
+    def _save(self, entry: Any, path: Path) -> None:
+        try:
+            data = type(entry).serialize(entry).serialized_data
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
+            self.cache.stats["saved"] += 1
+        except Exception as e:  # kept in memory for this process; the next one compiles again
+            self.cache.error(f"could not save {path.name}", e)
+
+    def _fall_back(self, why: str, e: BaseException | None) -> None:
+        if e is not None:
+            self.cache.error(why, e)
+        self.cache.stats["fallbacks"] += 1
+        self.fallback = torch.compile(self.func, backend=self.cache.backend)
+        return None
+
+
+def decline_reason(cfg: Any, targets: list[tuple[nn.Module, str]]) -> str | None:
+    """Why these (module, method) pairs cannot go through the graph cache, or None."""
+    if not cfg.graph_cache:
+        return "compile.graph_cache = false"
+    if cfg.dump:
+        return "compile.dump writes every pass's graphs, so graphs are compiled afresh"
+    if cfg.debug_numerics:
+        return "compile.debug_numerics reruns every pass, so graphs are compiled afresh"
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return "multi-rank runs compile afresh (sharded parameters and collectives are not cached)"
+    for owner, method in targets:
+        if method in owner.__dict__:
+            return f"{type(owner).__name__}.{method} is wrapped (activation checkpointing?)"
+    return None
+
+
+def install(cache: GraphCache, owners: list[nn.Module], method: str) -> None:
+    """Route ``owner.<method>`` of every owner through one CachedMethod per class."""
+    shared: dict[type, CachedMethod] = {}
+    for owner in owners:
+        cls = type(owner)
+        if cls not in shared:
+            shared[cls] = CachedMethod(cache, getattr(cls, method))
+        # An instance attribute shadows the class's method, so Module.__call__ reaches the cached one.
+        setattr(owner, method, shared[cls].bind(owner))

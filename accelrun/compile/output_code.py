@@ -1,0 +1,158 @@
+"""A compiled forward or backward graph that can be saved with its Dynamo frame and loaded in another
+process (see ``graph_cache.py``).
+
+Two forms are saved. The lowered graph itself, node by node (ATen ops by name, each compiled region
+as its kernel's library path and buffer layout): loading it costs milliseconds. And, for when that
+cannot be used (a region whose executor cannot be pickled, a library gone from the kernel cache), the
+graph after accelrun's passes, before lowering: loading it lowers again, with kernels from the
+executors' caches (rebuilt if they were wiped).
+"""
+
+from __future__ import annotations
+
+import operator
+import pickle
+from collections.abc import Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import fx
+from torch._inductor.output_code import OutputCode
+
+from accelrun.compile.record import CompileRecord, GraphRecord
+
+# Where regions lowered while loading are recorded (the loading backend's record); None: nowhere.
+_loading_record: ContextVar[CompileRecord | None] = ContextVar("accelrun_loading_record", default=None)
+
+
+@contextmanager
+def recording_loads_into(record: CompileRecord):
+    token = _loading_record.set(record)
+    try:
+        yield
+    finally:
+        _loading_record.reset(token)
+
+
+class AccelrunOutputCode(OutputCode):
+    """Called with the graph's inputs as one list (the boxed convention AOTAutograd uses)."""
+
+    def __init__(self, graph: fx.GraphModule, lowered: fx.GraphModule, graph_name: str, kind: str,
+                 executors: list[str], cache_dir: str, notes: tuple[list, GraphRecord]) -> None:  # fmt: skip
+        self._boxed_call = True
+        self.graph_module: fx.GraphModule | None = graph
+        self.lowered: fx.GraphModule | None = lowered
+        self.graph_name, self.kind, self.executors, self.cache_dir = graph_name, kind, executors, cache_dir
+        self.notes = notes  # what compiling it put in the record (its regions, the graph), replayed on load
+        self.saved_graph: bytes | None = None
+        self.saved_lowered: bytes | None = None
+
+    def __call__(self, inputs: Sequence[Any]) -> Any:
+        if self.lowered is None:
+            raise RuntimeError(f"{self.graph_name}: loaded graph was never lowered (post_compile not called)")
+        return self.lowered(*inputs)
+
+    def prepare_for_serialization(self) -> None:
+        try:
+            self.saved_lowered = pack_graph(self.lowered)
+        except (TypeError, pickle.PicklingError, AttributeError):  # a region its executor cannot pickle
+            from torch.fx._graph_pickler import GraphPickler, Options
+
+            # ops_filter=None: accelrun's graphs hold only ATen and functional-collective ops.
+            self.saved_graph = GraphPickler.dumps(self.graph_module, Options(ops_filter=None))
+        self.graph_module = self.lowered = None
+
+    def post_compile(self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any) -> None:
+        if self.lowered is not None:
+            return
+        record = _loading_record.get() or CompileRecord()
+        if self.saved_lowered is not None:
+            # Raises if a kernel library has left the cache: the graph cache then compiles afresh.
+            self.lowered = unpack_graph(self.saved_lowered)
+            regions, graph = self.notes
+            record.regions += [replace(r, compile_s=0.0, cache_hit=True if r.cache_hit is not None else None)
+                               for r in regions]  # fmt: skip
+            record.cache_hits += sum(1 for r in regions if r.cache_hit is not None)
+            record.graphs.append(graph)
+            return
+        from torch._subclasses import FakeTensorMode
+        from torch.fx._graph_pickler import GraphPickler
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        from accelrun.compile.lower import lower_regions, make_executors
+
+        gm = GraphPickler.loads(self.saved_graph, FakeTensorMode(shape_env=ShapeEnv()))
+        gm.recompile()
+        self.lowered, _ = lower_regions(gm, self.graph_name, self.kind, make_executors(self.executors), record,
+                                        self.cache_dir)  # fmt: skip
+        record.graphs.append(self.notes[1])
+        self.graph_module = gm
+
+    def set_triton_bundle(self, triton_bundle: Any) -> None:
+        pass  # accelrun's Triton kernels live in its own cache
+
+
+@dataclass(frozen=True)
+class _NodeRef:
+    name: str
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"op:{target._schema.name.replace('::', '.')}.{target._overloadname}"
+    if target is operator.getitem:
+        return "getitem"
+    raise TypeError(f"cannot save a call of {target!r}")
+
+
+def _resolve_target(name: str) -> Any:
+    if name == "getitem":
+        return operator.getitem
+    if name.startswith("op:"):
+        namespace, op, overload = name[3:].rsplit(".", 2)
+        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+    return name
+
+
+def pack_graph(gm: fx.GraphModule) -> bytes:
+    """The lowered graph as picklable records: (op, name, target, args, kwargs, (region id, callable))."""
+    from accelrun.compile.extract import FUSED_REGION_KEY
+
+    records = []
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "call_function", "output"):
+            raise TypeError(f"cannot save a {node.op} node")
+        args = fx.node.map_arg(node.args, lambda n: _NodeRef(n.name))
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: _NodeRef(n.name))
+        if FUSED_REGION_KEY in node.meta:  # a compiled region: pickled by its executor (CppRegion.__reduce__)
+            region = (node.meta[FUSED_REGION_KEY], node.target.compiled)
+            records.append((node.op, node.name, None, args, kwargs, region))
+        else:
+            records.append((node.op, node.name, _target_name(node.target), args, kwargs, None))
+    return pickle.dumps(records)
+
+
+def unpack_graph(data: bytes) -> fx.GraphModule:
+    from accelrun.compile.extract import named_call
+
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+
+    def ref(a: Any) -> Any:
+        if isinstance(a, _NodeRef):
+            return env[a.name]
+        if isinstance(a, (list, tuple)):
+            return type(a)(ref(x) for x in a)
+        if isinstance(a, dict):
+            return {k: ref(v) for k, v in a.items()}
+        return a
+
+    for op, name, target, args, kwargs, region in pickle.loads(data):
+        fn = named_call(region[1], region[0]) if region is not None else _resolve_target(target)
+        env[name] = graph.create_node(op, fn, ref(args), ref(kwargs), name=name)
+    return fx.GraphModule({}, graph)

@@ -1,0 +1,147 @@
+"""The graph cache (compile/graph_cache.py): a new process loads the compiled graphs instead of tracing.
+
+Every load is checked against eager PyTorch on the same inputs (float32, rel 1e-5) and against the
+process that compiled them (the same kernels on the same inputs: equal to 1e-7)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from accelrun.compile.graph_cache import model_code_digest
+from accelrun.config import load_config
+from accelrun.models import build_model, transformer_blocks
+from accelrun.models.build import training_loss_fn
+from accelrun.train.compile_model import compile_model
+from tests.conftest import DEFAULT_CONFIG, REPO, TINY
+
+COMPILED = ["compile.backend=accelrun", "compile.scope=loss", "compile.executors=[cpp,aten]"]
+
+
+def step(*overrides: str, grad: bool = True):
+    """One forward (+ backward) of the tiny Llama: (loss, grads by name, compile record)."""
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, *overrides]).config
+    model = build_model(cfg.model, torch.device("cpu"), seed=0)
+    compiled = compile_model(model, transformer_blocks(model), cfg.compile)
+    gen = torch.Generator().manual_seed(1)
+    tokens, targets = (torch.randint(0, cfg.model.vocab_size, (4, 32), generator=gen) for _ in range(2))
+    with torch.set_grad_enabled(grad):
+        loss = training_loss_fn(model)(tokens, targets)
+    if grad:
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, compiled.record
+
+
+def assert_close(a, b, rel):
+    (loss_a, grads_a, _), (loss_b, grads_b, _) = a, b
+    torch.testing.assert_close(loss_a, loss_b, rtol=rel, atol=0)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rel, atol=rel * grads_b[name].abs().max())
+
+
+def test_a_second_compile_loads_instead_of_tracing():
+    eager = step()
+    first = step(*COMPILED)
+    torch._dynamo.reset()
+    second = step(*COMPILED)
+    cold, warm = first[2], second[2]
+    assert cold.graph_cache["compiled"] == cold.graph_cache["saved"] == 2  # the block graph, the loss head
+    assert cold.dynamo_graphs == 2
+    assert warm.graph_cache["loaded"] == 2 and warm.graph_cache["compiled"] == 0, warm.graph_cache
+    assert warm.dynamo_graphs == 0 and not warm.stage_seconds.get("aot trace")
+    # The record still says what the graphs hold: their regions and executors, replayed from the entry.
+    assert warm.regions_per_executor() == cold.regions_per_executor()
+    assert warm.cache_hits == sum(1 for r in cold.regions if r.cache_hit is not None)
+    assert_close(second, first, rel=1e-7)
+    assert_close(second, eager, rel=1e-5)
+
+
+def test_grad_mode_and_options_are_part_of_the_key():
+    step(*COMPILED)
+    torch._dynamo.reset()
+    _, _, inference = step(*COMPILED, grad=False)  # no_grad: an inference graph, not the training one
+    assert inference.graph_cache["loaded"] == 0 and inference.graph_cache["compiled"] == 2
+    torch._dynamo.reset()
+    other = step("compile.backend=accelrun", "compile.scope=loss", "compile.executors=[aten]")
+    assert other[2].graph_cache["loaded"] == 0 and other[2].graph_cache["compiled"] == 2
+    assert_close(other, step(), rel=1e-5)
+
+
+def test_a_damaged_entry_is_compiled_afresh(tmp_path):
+    step(*COMPILED)
+    entries = list((tmp_path / "cache" / "compile" / "graphs").glob("*.pt"))
+    assert len(entries) == 2
+    for entry in entries:
+        entry.write_bytes(b"not a pickle")
+    torch._dynamo.reset()
+    again = step(*COMPILED)
+    stats = again[2].graph_cache
+    assert stats["loaded"] == 0 and stats["compiled"] == 2 and len(stats["errors"]) == 2
+    assert all("could not load" in e for e in stats["errors"])
+    assert_close(again, step(), rel=1e-5)
+
+
+def test_a_kernel_gone_from_the_kernel_cache_means_a_fresh_compile(tmp_path):
+    step(*COMPILED)
+    for lib in (tmp_path / "cache" / "compile" / "cpp").glob("*.so"):
+        lib.unlink()
+    torch._dynamo.reset()
+    again = step(*COMPILED)
+    stats = again[2].graph_cache
+    assert stats["loaded"] == 0 and stats["compiled"] == 2
+    assert any("no longer in the cache" in e for e in stats["errors"]), stats["errors"]
+    assert again[2].cache_misses > 0  # g++ rebuilt them
+    assert_close(again, step(), rel=1e-5)
+
+
+@pytest.mark.parametrize(("override", "why"), [
+    ("compile.graph_cache=false", "compile.graph_cache = false"),
+    ("compile.debug_numerics=true", "debug_numerics"),
+    ("train.activation_checkpoint.mode=full", "is wrapped"),
+])  # fmt: skip
+def test_off_with_a_reason(override, why):
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, *COMPILED, override]).config
+    model = build_model(cfg.model, torch.device("cpu"), seed=0)
+    if "activation_checkpoint" in override:
+        from accelrun.train.activation_checkpoint import apply_activation_checkpointing
+
+        apply_activation_checkpointing(transformer_blocks(model), cfg.train.activation_checkpoint)
+    record = compile_model(model, transformer_blocks(model), cfg.compile).record
+    assert why in record.graph_cache["off"]
+
+
+def test_model_code_is_part_of_the_key(tmp_path, monkeypatch):
+    cfg = load_config(DEFAULT_CONFIG, TINY).config
+    model = build_model(cfg.model, torch.device("cpu"), seed=0)
+    block = transformer_blocks(model)[0]
+    before = model_code_digest(block, type(block).forward)
+    import accelrun.compile.graph_cache as graph_cache
+
+    monkeypatch.setattr(graph_cache, "_file_digest", lambda path: "edited" if path.endswith("llama.py") else "same")
+    assert model_code_digest(block, type(block).forward) != before
+
+
+def test_a_new_process_trains_from_the_loaded_graphs(tmp_path):
+    """Two `accelrun train` processes sharing a cache: the second compiles nothing and computes the
+    same losses as the first."""
+    env = {**os.environ, "ACCELRUN_CACHE_DIR": str(tmp_path / "shared")}
+    reports = []
+    for name in ("first", "second"):
+        cmd = [sys.executable, "-m", "accelrun.cli.main", "train", str(DEFAULT_CONFIG), *TINY, *COMPILED,
+               "train.steps=3", f"report.runs_dir={tmp_path / 'runs'}", f"name={name}"]  # fmt: skip
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        (report,) = (tmp_path / "runs" / name).glob("*/report.json")
+        reports.append(json.loads(report.read_text()))
+    first, second = (r["compiler"] for r in reports)
+    assert first["graph_cache"]["saved"] == 2 and first["dynamo_graphs"] == 2
+    assert second["graph_cache"]["loaded"] == 2 and second["dynamo_graphs"] == 0
+    losses = [[p["loss"] for p in r["loss_curve"]] for r in reports]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-7)
