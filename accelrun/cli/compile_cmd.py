@@ -103,6 +103,8 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
     table.add_row("compiled step (median)", f"{result.steady_step_s:.3f}")
     out.print(table)
     out.print(f"cache: {record.cache_hits} hit(s), {record.cache_misses} miss(es); loss {result.loss:.4f}")
+    if "off" in record.graph_cache:
+        out.print(f"graph cache: off ({escape(record.graph_cache['off'])})")
     (result.dump_dir).mkdir(parents=True, exist_ok=True)
     (result.dump_dir / "record.json").write_text(json.dumps(record.to_json(), indent=1))
     out.print(f"graphs before/after every pass, kernels and record.json: {result.dump_dir}/")
