@@ -131,11 +131,15 @@ class CachedMethod:
         if len(self.entries) >= MAX_ENTRIES:
             return self._fall_back(f"more than {MAX_ENTRIES} input kinds", None)
         path = self.cache.directory / f"{self.cache.key(self.func, owner, args, kwargs)}.pt"
+        refused = path.with_suffix(".refused")
+        if refused.exists():  # an earlier process found this method cannot be precompiled: do not retry
+            return self._fall_back(f"precompile failed before: {refused.read_text()}", None)
         entry = self._load(path, owner, args, kwargs) if path.exists() else None
         if entry is None:
             try:
                 entry = self._compile(owner, args, kwargs)
             except Exception as e:  # graph break under fullgraph, an unserializable piece, ...
+                self._write(refused, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300].encode())
                 return self._fall_back("precompile failed", e)
             self._save(entry, path)
         self.entries.append(entry)
@@ -181,19 +185,24 @@ class CachedMethod:
 
     def _save(self, entry: Any, path: Path) -> None:
         try:
-            data = type(entry).serialize(entry).serialized_data
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
+            self._write(path, type(entry).serialize(entry).serialized_data)
             self.cache.stats["saved"] += 1
         except Exception as e:  # kept in memory for this process; the next one compiles again
             self.cache.error(f"could not save {path.name}", e)
 
+    @staticmethod
+    def _write(path: Path, data: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
+
     def _fall_back(self, why: str, e: BaseException | None) -> None:
         if e is not None:
             self.cache.error(why, e)
+        else:
+            self.cache.stats["errors"].append(why[:300])
         self.cache.stats["fallbacks"] += 1
         self.fallback = torch.compile(self.func, backend=self.cache.backend)
         return None

@@ -145,3 +145,51 @@ def test_a_new_process_trains_from_the_loaded_graphs(tmp_path):
     assert second["graph_cache"]["loaded"] == 2 and second["dynamo_graphs"] == 0
     losses = [[p["loss"] for p in r["loss_curve"]] for r in reports]
     assert losses[0] == pytest.approx(losses[1], rel=1e-7)
+
+
+def test_graphs_that_cannot_be_saved_node_by_node_are_lowered_again(monkeypatch):
+    """The slower form (the graph before lowering, for regions whose executor cannot be pickled, as
+    Triton's): loading lowers it again, from the kernel cache."""
+    import accelrun.compile.output_code as output_code
+
+    def refuse(gm):
+        raise TypeError("this executor's regions cannot be pickled")
+
+    monkeypatch.setattr(output_code, "pack_graph", refuse)
+    first = step(*COMPILED)
+    torch._dynamo.reset()
+    second = step(*COMPILED)
+    assert second[2].graph_cache["loaded"] == 2, second[2].graph_cache
+    assert second[2].cache_misses == 0 and second[2].cache_hits > 0  # lowered again: every kernel a hit
+    assert_close(second, first, rel=1e-7)
+
+
+def test_a_method_with_a_graph_break_falls_back_once_and_says_why(tmp_path):
+    """Precompiling needs one whole graph; a break falls back to torch.compile, and the next process
+    goes straight there (the refusal is kept beside the entries)."""
+    from accelrun.compile.backend import AccelrunBackend
+    from accelrun.compile.graph_cache import GraphCache, install
+    from accelrun.compile.options import CompileOptions
+
+    class Breaks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.lin(x).relu()
+            torch._dynamo.graph_break()
+            return y.sum()
+
+    x = torch.randn(4, 8)
+    for attempt in range(2):
+        torch._dynamo.reset()
+        module = Breaks()
+        torch.manual_seed(0)
+        module.lin.reset_parameters()
+        backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"], cache_dir=tmp_path / "c"))
+        install(GraphCache(backend, tmp_path / "c" / "graphs"), [module], "forward")
+        torch.testing.assert_close(module(x), module.lin(x).relu().sum())
+        stats = backend.record.graph_cache
+        assert stats["fallbacks"] == 1 and stats["compiled"] == 0
+        assert ("precompile failed" if attempt == 0 else "precompile failed before") in stats["errors"][0]
