@@ -96,13 +96,17 @@ class GraphCache:
     def key(self, func: Any, owner: nn.Module, args: tuple, kwargs: dict) -> str:
         params = sorted((n, describe(p)) for n, p in owner.named_parameters())
         buffers = sorted((n, describe(b)) for n, b in owner.named_buffers())
-        parts = [self.fixed_key, f"{func.__module__}.{func.__qualname__}", model_code_digest(owner, func), describe(args),
-                 describe(sorted(kwargs.items())), repr(params), repr(buffers), global_state()]  # fmt: skip
+        parts = [self.fixed_key, f"{func.__module__}.{func.__qualname__}", model_code_digest(owner, func),
+                 describe(args), describe(sorted(kwargs.items())), repr(params), repr(buffers), global_state()]  # fmt: skip
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
     def error(self, what: str, e: BaseException) -> None:
-        first = str(e).splitlines()[0] if str(e) else ""
-        self.stats["errors"].append(f"{what}: {type(e).__name__}: {first}"[:300])
+        self.stats["errors"].append(f"{what}: {one_line(e)}")
+
+
+def one_line(e: BaseException) -> str:
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {first}"[:300]
 
 
 class CachedMethod:
@@ -139,7 +143,7 @@ class CachedMethod:
             try:
                 entry = self._compile(owner, args, kwargs)
             except Exception as e:  # graph break under fullgraph, an unserializable piece, ...
-                self._write(refused, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300].encode())
+                self._write(refused, one_line(e).encode())
                 return self._fall_back("precompile failed", e)
             self._save(entry, path)
         self.entries.append(entry)
