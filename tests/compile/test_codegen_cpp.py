@@ -208,10 +208,23 @@ def test_int_and_bool_inputs(cache):
     check_fn(fn, cache, torch.arange(10), torch.randn(16, 10), torch.randint(-1, 10, (16,)), atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_middle_axis_reductions_unrolled(cache, dtype):
+    """GQA's backward: the gradient of repeated key/value heads sums 3 query heads per key head."""
+    def fn(g, x):
+        kv = g.view(2, 2, 3, 16, 8).sum(2)  # (B, G, group, T, E) → (B, G, T, E)
+        return kv, x.amax((1, 2), keepdim=True), x.mean(1) * 2, kv.exp()
+
+    gen = torch.Generator().manual_seed(0)
+    g, x = torch.randn(2, 6, 16, 8, generator=gen).to(dtype), torch.randn(4, 3, 2, 5, generator=gen).to(dtype)
+    assert "kernel" in cached_program(region_of(fn, g, x)).describe()
+    check_fn(fn, cache, g, x, atol=1e-6 if dtype == torch.float32 else 2e-2)
+
+
 def test_declines_with_reasons():
     region = region_of(lambda a, b: (a @ b,), torch.randn(3, 4), torch.randn(4, 5))
     assert CppExecutor().decline_reason(region) == "op aten.mm is not pointwise, a view or a supported reduction"
-    middle = region_of(lambda x: (x.sum(1),), torch.randn(3, 4, 5))
+    middle = region_of(lambda x: (x.sum(1),), torch.randn(3, 40, 5))  # short middle axes are unrolled
     assert "only leading or trailing" in CppExecutor().decline_reason(middle)
     with pytest.raises(Unsupported, match="float64"):
         lower_graph(*_traced(lambda x: (x * 2,), torch.randn(3, dtype=torch.float64)))

@@ -93,6 +93,8 @@ CASES = {
                                    torch.randn(72, requires_grad=True)),
     "amax_split_cols": lambda: (lambda x, b: x.amax(0) * b.sum(0), torch.randn(200, 40, requires_grad=True),
                                 torch.randn(200, 40, requires_grad=True)),
+    # a short middle-axis sum (GQA's key/value gradient), unrolled into adds of slices
+    "gqa_sum": lambda: (lambda g: g.view(2, 2, 3, 16, 8).sum(2).exp(), torch.randn(2, 6, 16, 8, requires_grad=True)),
     "rope_swiglu": lambda: (lambda x, c, s: F.silu(rope(x, c, s)) * x, torch.randn(2, 4, 2, 8, requires_grad=True),
                             torch.randn(4, 4), torch.randn(4, 4)),
 }

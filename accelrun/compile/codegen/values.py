@@ -10,6 +10,7 @@ Index expressions are sympy integer expressions over the loop variables of the k
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -631,9 +632,48 @@ def _reduction(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value
     dims = _norm_dims(args[1] if has_dims and len(args) > 1 else kwargs.get("dim"), len(src.shape))
     keepdim = bool(args[2] if has_dims and len(args) > 2 else kwargs.get("keepdim", False))
     red = _make_reduce(op, src, dims, keepdim, _dtype(node), mean=t in (aten.mean.dim, aten.mean.default))
+    if _is_middle(dims, len(src.shape)) and math.prod(src.shape[d] for d in dims) <= MAX_UNROLLED_REDUCTION:
+        return _unrolled(g, red)
     if red.shape != _shape(node):
         raise Unsupported(f"reduction result shape {red.shape} differs from the graph's {_shape(node)}")
     return red
+
+
+# A reduction over middle axes this short becomes pointwise ops on that many slices (GQA's backward
+# sums 2-8 query heads per key head: a kernel of its own would be a pass over memory for a few adds).
+MAX_UNROLLED_REDUCTION = 8
+_COMBINE = {"sum": "add", "max": "maximum", "min": "minimum"}
+
+
+def _is_middle(dims: tuple[int, ...], ndim: int) -> bool:
+    k = len(dims)
+    return bool(dims) and dims != tuple(range(k)) and dims != tuple(range(ndim - k, ndim))
+
+
+def _unrolled(g: GraphValues, red: Reduce) -> Value:
+    """``red`` as a chain of pointwise ops over the slices of its source, in index order (as ATen
+    accumulates), in fp32 with one rounding at the end (as ATen's reductions do)."""
+    src, dims, ndim = red.src, red.dims, len(red.src.shape)
+    acc_dtype = torch.float32 if red.dtype.is_floating_point else red.dtype
+
+    def slice_at(point: tuple[int, ...]) -> Value:
+        fixed = dict(zip(dims, point, strict=True))
+
+        def index_map(idx: Index) -> Index:
+            outer = [i for d, i in enumerate(idx) if d not in dims] if red.keepdim else list(idx)
+            it = iter(outer)
+            return tuple(sympy.Integer(fixed[d]) if d in fixed else next(it) for d in range(ndim))
+
+        return View(src, index_map, red.shape, src.dtype)
+
+    acc: Value | None = None
+    for point in itertools.product(*(range(src.shape[d]) for d in dims)):
+        part = slice_at(point)
+        acc = part if acc is None else g._op_on(red.shape, acc_dtype, _COMBINE[red.op], acc, part)
+    assert acc is not None  # dims is not empty
+    if red.scale is not None:
+        acc = g._op_on(red.shape, acc_dtype, "mul", acc, Const(red.scale, (), torch.float32))
+    return _cast_to(g, acc, red.shape, red.dtype)
 
 
 @_rule(aten._softmax.default, aten._log_softmax.default)
