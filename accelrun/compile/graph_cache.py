@@ -4,14 +4,14 @@ The kernel cache alone leaves a new process ~3 s of tracing before its first ste
 of a compiled method (a transformer block's ``forward``, the loss head) with a new kind of input is
 captured with torch's precompile path (``torch.compile(...).aot_compile``): Dynamo's frame and guards,
 AOTAutograd's forward and backward with their runtime metadata, and accelrun's graphs after its passes
-(``AccelrunOutputCode``). It is saved under ``<cache>/graphs/<key>.pt``; a later process with the same
-key loads it instead of compiling, checks its guards against the real inputs, and lowers its graphs
-again from the kernel cache.
+(``AccelrunOutputCode``: the lowered graphs, their kernels by library path). It is saved under
+``<cache>/graphs/<key>.pt``; a later process with the same key loads it instead of compiling and
+checks its guards against the real inputs.
 
 The key covers what changes the compiled result and what the guards do not check: torch's version,
 accelrun's own source and the model's, the compile options, the method, and the inputs, parameters
-and global state (grad mode, autocast) it was compiled for. Identical blocks share one entry: the guards check tensor
-metadata, not identity.
+and global state (grad mode, autocast) it was compiled for. Identical blocks share one entry: the
+guards check tensor metadata, not identity.
 
 Anything the precompile path cannot take (a graph break, an unpicklable piece) falls back to an
 ordinary ``torch.compile`` of the method, with the reason kept in the compile record.
@@ -91,7 +91,7 @@ class GraphCache:
         self.directory = directory
         self.fixed_key = "|".join([torch.__version__, accelrun_source_digest(), backend.options.fingerprint()])
         self.stats = backend.record.graph_cache
-        self.stats.update({"loaded": 0, "compiled": 0, "saved": 0, "fallbacks": 0, "load_s": 0.0, "errors": []})
+        self.stats.update({"loaded": 0, "compiled": 0, "saved": 0, "fallbacks": 0, "errors": []})
 
     def key(self, func: Any, owner: nn.Module, args: tuple, kwargs: dict) -> str:
         params = sorted((n, describe(p)) for n, p in owner.named_parameters())
@@ -164,7 +164,6 @@ class CachedMethod:
             self.cache.error(f"could not load {path.name}", e)
             return None
         self.cache.stats["loaded"] += 1
-        self.cache.stats["load_s"] += time.perf_counter() - t0
         self.cache.backend.record.stage_seconds["graph cache load"] += time.perf_counter() - t0
         return entry
 

@@ -49,7 +49,8 @@ class CompileRecord:
     cache_hits: int = 0
     cache_misses: int = 0
     dynamo_graphs: int = 0  # graphs Dynamo handed the backend (one per distinct block code, loss head, ...)
-    # graph_cache.py: loaded / compiled / saved entries, fallbacks, load seconds, errors; or {"off": why}
+    # graph_cache.py: loaded / compiled / saved entries, fallbacks, errors; or {"off": why}
+    # (load time is in stage_seconds["graph cache load"])
     graph_cache: dict[str, Any] = field(default_factory=dict)
 
     def regions_per_executor(self) -> dict[str, int]:
@@ -67,7 +68,7 @@ class CompileRecord:
             "graph_break_reasons": self.graph_breaks,
             "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
             "cache": {"hits": self.cache_hits, "misses": self.cache_misses},
-            "graph_cache": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.graph_cache.items()},
+            "graph_cache": dict(self.graph_cache),
             "passes_fired": self.passes_fired(),
             "regions_per_executor": self.regions_per_executor(),
             "ops_left_to_aten": sum(g.left_to_aten for g in self.graphs),
