@@ -16,6 +16,7 @@ safe for CUDA. Later launches from the same process reuse it, and with it its en
 from __future__ import annotations
 
 import multiprocessing
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from accelrun.config.schema import ParallelConfig
+from accelrun.dist.rank_errors import unprinted_messages
 
 WORKER_MODULE = "accelrun.dist.worker"
 # What the fork server imports once, before it forks ranks.
@@ -63,15 +65,23 @@ def launch_config(par: ParallelConfig, opts: LaunchOptions) -> LaunchConfig:
     )
 
 
-def launch_job(run_dir: Path, par: ParallelConfig, opts: LaunchOptions) -> int:
-    """Run the job to the end; returns 0, or the first failed rank's exit code (2: a user error)."""
+@dataclass(frozen=True)
+class JobOutcome:
+    exit_code: int  # 0, or the first failed rank's (2: a user error, 3: the loss diverged)
+    unprinted: list[str]  # user errors of ranks that no rank printed (see rank_errors)
+
+
+def launch_job(run_dir: Path, par: ParallelConfig, opts: LaunchOptions) -> JobOutcome:
+    """Run the job to the end on this node's ranks."""
     from accelrun.dist.worker import run_rank
 
     # Takes effect when the server starts (the first launch in this process).
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-    try:
-        elastic_launch(launch_config(par, opts), run_rank)(str(run_dir))
-    except ChildFailedError as e:
-        codes = [f.exitcode for f in e.failures.values()]
-        return next((c for c in codes if c in (2, 3)), codes[0] if codes else 1)
-    return 0
+    with tempfile.TemporaryDirectory(prefix="accelrun-rank-errors-") as errors:
+        try:
+            elastic_launch(launch_config(par, opts), run_rank)(str(run_dir), errors)
+        except ChildFailedError as e:
+            codes = [f.exitcode for f in e.failures.values()]
+            code = next((c for c in codes if c in (2, 3)), codes[0] if codes else 1)
+            return JobOutcome(code, unprinted_messages(Path(errors)))
+    return JobOutcome(0, [])

@@ -21,6 +21,7 @@ from rich.markup import escape
 from accelrun.config import load_config
 from accelrun.dist.context import ParallelContext, env_rank
 from accelrun.dist.mesh import build_mesh, dp_coordinates
+from accelrun.dist.rank_errors import leave_record
 from accelrun.errors import UserError
 
 
@@ -65,14 +66,15 @@ def _store(rank: int, world: int, restarts: int, timeout: timedelta) -> dist.Sto
     return dist.PrefixStore(f"accelrun/restart{restarts}", store)
 
 
-def run_rank(run_dir: str) -> None:
-    """The agent's entry point for a rank; exits with the rank's code (2: a user error) unless 0."""
-    code = main([run_dir])
+def run_rank(run_dir: str, errors_dir: str | None = None) -> None:
+    """The agent's entry point for a rank; exits with the rank's code (2: a user error) unless 0.
+    A user error is also recorded in ``errors_dir`` for the launcher (``rank_errors``)."""
+    code = main([run_dir], errors_dir=Path(errors_dir) if errors_dir else None)
     if code:
         sys.exit(code)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, errors_dir: Path | None = None) -> int:
     from accelrun.train.run import run_in_dir
 
     run_dir = Path((argv or sys.argv[1:])[0])
@@ -83,9 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         ctx = init_rank(resolved)
         run_in_dir(resolved, run_dir, ctx, console if rank == 0 else None)
     except UserError as e:
-        if rank == 0 or getattr(e, "every_rank", False):
+        prints = rank == 0 or getattr(e, "every_rank", False)
+        if prints:
             for m in e.messages:
                 console.print("[bold red]error:[/] " + escape(m))
+        if errors_dir is not None:
+            leave_record(errors_dir, rank, e.messages, e.exit_code, printed=prints)
         return e.exit_code
     finally:
         if dist.is_initialized():

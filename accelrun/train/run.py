@@ -24,7 +24,7 @@ from rich.markup import escape
 from accelrun.config import ConfigError, ResolvedConfig
 from accelrun.config.resolve import explain_text
 from accelrun.dist.context import ParallelContext
-from accelrun.dist.launch import LaunchOptions, launch_job
+from accelrun.dist.launch import JobOutcome, LaunchOptions, launch_job
 from accelrun.dist.mesh import check_supported
 from accelrun.errors import TrainingDiverged, UserError
 from accelrun.report.env import collect_env
@@ -48,10 +48,11 @@ class TrainResult:
 
 
 class JobFailed(UserError):
-    """The ranks stopped on a user error or a diverged loss and printed it; keep their exit code."""
+    """The ranks stopped on a user error or a diverged loss; keep their exit code. Its messages are
+    those no rank printed itself (rank 0 stopped by the agent before it could)."""
 
-    def __init__(self, code: int):
-        super().__init__([])
+    def __init__(self, code: int, unprinted: list[str]):
+        super().__init__(unprinted)  # only what no rank printed
         self.exit_code = code
 
 
@@ -87,8 +88,8 @@ def train(
             return run_in_dir(resolved, run_dir, None, console, stop_after_step=stop_after_step)
         console.print(f"launching {cfg.parallel.nproc_per_node} process(es) per node on {cfg.parallel.nnodes} "
                       "node(s) through torchrun's elastic agent", markup=False)
-        code = launch_job(run_dir, cfg.parallel, launch)
-    return _launched_result(run_dir, code, console)
+        outcome = launch_job(run_dir, cfg.parallel, launch)
+    return _launched_result(run_dir, outcome, console)
 
 
 def _run_dir_for(cfg, launch: LaunchOptions) -> tuple[Path, int]:
@@ -106,14 +107,15 @@ def _run_dir_for(cfg, launch: LaunchOptions) -> tuple[Path, int]:
         raise ConfigError(f"--rdzv-id: {e}") from None
 
 
-def _launched_result(run_dir: Path, code: int, console: Console) -> TrainResult:
+def _launched_result(run_dir: Path, outcome: JobOutcome, console: Console) -> TrainResult:
+    code = outcome.exit_code
     report_path = run_dir / "report.json"
     if code == 0 and report_path.exists():
         report = json.loads(report_path.read_text())
         _print_summary(console, report, run_dir)
         return TrainResult(run_dir, report["status"], report)
-    if code in (2, 3):  # the ranks printed the error; the CLI exits with the same code
-        raise JobFailed(code)
+    if code in (2, 3):  # the CLI prints what no rank printed and exits with the same code
+        raise JobFailed(code, outcome.unprinted)
     return TrainResult(run_dir, "preempted" if code == 0 else "failed", None)
 
 

@@ -1,0 +1,38 @@
+"""User errors of ranks, handed back to the process that launched them.
+
+Only rank 0 prints a user error (every rank usually hits the same one). But when another rank hits it
+first and exits, the agent stops rank 0 before it can print, and the user would see only exit code 2.
+So each rank that stops on a user error also leaves a record in a folder the launcher made; after
+the job the launcher prints whatever no rank printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def leave_record(folder: Path, rank: int, messages: list[str], exit_code: int, printed: bool) -> None:
+    """Written after the rank printed (if it prints): a rank stopped in between means a message
+    shown twice, never one lost."""
+    record = {"rank": rank, "exit_code": exit_code, "messages": messages, "printed": printed}
+    tmp = folder / f".rank-{rank}.json.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, folder / f"rank-{rank}.json")  # whole records only: the launcher may read any time
+
+
+def unprinted_messages(folder: Path) -> list[str]:
+    """Messages of the ranks' records that no rank printed, each once, in rank order."""
+    records = []
+    for path in folder.glob("rank-*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    records.sort(key=lambda r: r["rank"])
+    printed = {m for r in records if r["printed"] for m in r["messages"]}
+    out: list[str] = []
+    for r in records:
+        out += [m for m in r["messages"] if m not in printed and m not in out]
+    return out

@@ -1,0 +1,23 @@
+"""What the launcher prints of its ranks' user errors (the race: rank 1 fails first, the agent
+stops rank 0 before it prints)."""
+
+from accelrun.dist.rank_errors import leave_record, unprinted_messages
+
+
+def test_a_message_no_rank_printed_is_handed_back_once(tmp_path):
+    leave_record(tmp_path, 3, ["no file matches none*.txt"], 2, printed=False)
+    leave_record(tmp_path, 1, ["no file matches none*.txt"], 2, printed=False)
+    assert unprinted_messages(tmp_path) == ["no file matches none*.txt"]
+
+
+def test_what_rank_0_printed_is_not_printed_again(tmp_path):
+    leave_record(tmp_path, 0, ["bad path"], 2, printed=True)
+    leave_record(tmp_path, 1, ["bad path", "only rank 1 knows this"], 2, printed=False)
+    assert unprinted_messages(tmp_path) == ["only rank 1 knows this"]
+
+
+def test_no_records_and_torn_files_give_nothing(tmp_path):
+    assert unprinted_messages(tmp_path) == []
+    (tmp_path / "rank-5.json").write_text('{"rank": 5, "mess')  # never written by leave_record
+    assert unprinted_messages(tmp_path) == []
+    assert not list(tmp_path.glob(".rank-*"))
