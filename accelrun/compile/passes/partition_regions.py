@@ -15,11 +15,15 @@ The rules:
   outside both. Regions are contracted as they grow, so the check walks the graph of regions: a path
   may enter a region at one node and leave it at another. Hence the graph whose vertices are the
   regions and the unmarked nodes stays acyclic, and each region can run as one call.
-- One iteration space per region. A region holds at most one kind of reduction: all its reductions
-  read tensors of the same shape and fold the same axes. Every member's numel (a pointwise output;
-  a view's input and output) is then the reductions' input numel ("full") or their output numel
-  ("reduced"). A region without reductions has a single numel. So a region is one elementwise loop,
-  or one loop over rows doing prologue, reductions and epilogue (softmax, RMSNorm and its backward).
+- One iteration space per region. All reductions of a region read tensors of the same shape; each
+  folds its leading axes (a column sum: a norm's weight gradient) or its trailing ones (a row sum),
+  and reductions over different axes may share a region (a norm's backward: the weight gradient and
+  the row sums of the input gradient). Every member's numel (a pointwise output; a view's input and
+  output) is then the reductions' input numel ("full") or one of their output numels ("reduced").
+  A region without reductions has a single numel. So a region is one elementwise loop, or loops
+  over rows doing prologue, reductions and epilogue (softmax, RMSNorm), plus at most one loop
+  accumulating columns; each loop recomputes the pointwise values it needs from the region's
+  inputs rather than reading them from memory another loop wrote.
 - Views stay only where they connect members: a view whose input comes from outside, or whose users
   are all outside, is left out (an ATen view there is free; the region reads or writes the base).
 - Size: at most ``max_nodes`` nodes; a region with fewer than ``min_ops`` compute ops (pointwise or
@@ -54,7 +58,7 @@ class PartitionRegionsOptions(PassOptions):
 
 @dataclass(frozen=True)
 class _Reduction:
-    """What every reduction of a region shares: the shape it reads and the axes it folds."""
+    """One reduction of a region: the shape it reads and the axes it folds."""
 
     in_shape: tuple[Any, ...]
     dims: tuple[int, ...]
@@ -66,7 +70,7 @@ class _Reduction:
 class _Group:
     nodes: list[fx.Node]
     numels: set[Any]
-    reduction: _Reduction | None
+    reductions: frozenset[_Reduction]  # at most one per set of folded axes, all over one input shape
     device: torch.device
     removed: bool = False  # merged into another group
     gathers: bool = False  # holds a cat: its parts' numels may differ from the output's
@@ -142,20 +146,29 @@ def _cat_shape(node: fx.Node) -> tuple[set[Any], None] | None:
     return {_numel(out), *(_numel(v) for v in vals)}, None
 
 
+def _folds_an_end(red: _Reduction) -> bool:
+    """Leading or trailing axes: what the loop IR can reduce (a row sum or a column sum)."""
+    n, k = len(red.in_shape), len(red.dims)
+    return red.dims in (tuple(range(k)), tuple(range(n - k, n)))
+
+
 def _compatible(a: _Group, b: _Group) -> bool:
     if a.device != b.device:
         return False
-    if a.reduction is not None and b.reduction is not None:
-        return a.reduction == b.reduction
-    red = a.reduction or b.reduction
-    if red is None and (a.gathers or b.gathers):
-        return a.numels <= b.numels or b.numels <= a.numels
-    if red is None:
+    reds = a.reductions | b.reductions
+    if not reds:
+        if a.gathers or b.gathers:
+            return a.numels <= b.numels or b.numels <= a.numels
         return len(a.numels) == 1 and a.numels == b.numels
     if a.gathers or b.gathers:
         return False
-    other = b if a.reduction is not None else a
-    return other.numels <= {red.full, red.reduced}
+    if len(reds) > 1:  # mixed: same input shape, each over an end, one per set of axes
+        if len({r.in_shape for r in reds}) > 1 or len({r.dims for r in reds}) < len(reds):
+            return False
+        if not all(_folds_an_end(r) for r in reds):
+            return False
+    allowed = {next(iter(reds)).full} | {r.reduced for r in reds}
+    return (a.numels | b.numels) <= allowed
 
 
 class _Partitioner:
@@ -178,7 +191,8 @@ class _Partitioner:
                     group = self._merge(producer, group)
 
     def _new_group(self, node: fx.Node, numels: set[Any], reduction: _Reduction | None) -> _Group:
-        group = _Group([node], numels, reduction, _tensor_val(node).device,
+        reductions = frozenset([reduction]) if reduction is not None else frozenset()
+        group = _Group([node], numels, reductions, _tensor_val(node).device,
                        gathers=node.target is torch.ops.aten.cat.default)
         self.group_of[node] = group
         self.groups.append(group)
@@ -223,7 +237,7 @@ class _Partitioner:
     def _merge(self, a: _Group, b: _Group) -> _Group:
         a.nodes.extend(b.nodes)
         a.numels |= b.numels
-        a.reduction = a.reduction or b.reduction
+        a.reductions = a.reductions | b.reductions
         a.gathers = a.gathers or b.gathers
         for n in b.nodes:
             self.group_of[n] = a
