@@ -26,7 +26,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from accelrun.compile.codegen import cpp_build
 from accelrun.compile.codegen.cpp import PRELUDE, CppRegion, cpp_source
 from accelrun.compile.codegen.cpp_build import build_library, load_library
-from accelrun.compile.codegen.loop_ir import Unsupported, cached_program, lower_graph
+from accelrun.compile.codegen.loop_ir import Unsupported, cached_program, lower_graph, lower_region
 from accelrun.compile.executors.cpp import CppExecutor
 from accelrun.compile.extract import extract_regions
 from accelrun.compile.passes.partition_regions import partition
@@ -279,6 +279,20 @@ def test_llama_regions_fp32(cache):
         assert found, f"the partitioner found no region in {name}"
         regions += found
     check_together(regions, cache, atol=1e-5)
+    check_together(llama_regions(lambda x, w: rmsnorm(x, w).sin(), *_llama_cases(torch.float32)["rmsnorm"][1:]),
+                   cache, atol=1e-5)  # the backward of one region with a column and a row loop
+
+
+def test_rmsnorm_backward_is_one_region_of_a_column_loop_and_a_row_loop():
+    # The weight gradient (a sum over rows) and the input gradient (row sums) share one region; each
+    # loop recomputes its products from the inputs, so no intermediate goes through memory. The
+    # gradient reaching the norm is computed in the graph (as in a block, where it is the sum of the
+    # projections' input gradients), so both sums have a producer in common.
+    _, *args = _llama_cases(torch.float32)["rmsnorm"]
+    (backward,) = [r for r in llama_regions(lambda x, w: rmsnorm(x, w).sin(), *args) if r.graph_kind == "backward"]
+    program = lower_region(backward)
+    assert sorted(k.kind for k in program.kernels) == ["cols", "rows"], program.describe()
+    assert not program.of_role("temp") and len(program.of_role("output")) == 2, program.describe()
 
 
 def test_llama_regions_bf16(cache):

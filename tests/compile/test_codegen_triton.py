@@ -85,6 +85,9 @@ CASES = {
                              torch.randn(24, dtype=torch.bfloat16, requires_grad=True)),
     "cross_entropy": lambda: (lambda lg, t: F.cross_entropy(lg, t), torch.randn(6, 40, requires_grad=True),
                               torch.randint(0, 40, (6,))),
+    # the backward: one region, a column loop (weight gradient) and a row loop (input gradient)
+    "rmsnorm_sin_one_region": lambda: (lambda x, w: rmsnorm(x, w).sin(), torch.randn(2, 4, 24, requires_grad=True),
+                                       torch.randn(24, requires_grad=True)),
     # one max and one sum for both; exp kept from the sum's pass for softmax's epilogue
     "softmax_log_softmax": lambda: (lambda x: torch.softmax(x, -1) + torch.log_softmax(x, -1),
                                     torch.randn(5, 24, requires_grad=True)),
