@@ -1,7 +1,7 @@
 """The debug Llama's training step (forward, backward, AdamW) under eager, Inductor and accelrun.
 
 All variants live in one process and their steps are interleaved round-robin, so machine noise hits
-them alike; figures are medians and ratios of medians against eager. Cold compile = the first step
+them alike; figures are medians and ratios of medians (against eager and Inductor). Cold compile = the first step
 with empty caches (Dynamo, Inductor's and accelrun's on-disk caches in a fresh temporary folder).
 Warm start and peak memory are measured per variant in a fresh child process that reuses those
 caches: its first step's time is the warm start, its peak RSS growth over the built model the memory.
@@ -9,6 +9,7 @@ caches: its first step's time is the warm start, its peak RSS growth over the bu
     python bench/compile_step.py                       # fp32 and bf16-mixed
     python bench/compile_step.py --precision fp32 --rounds 30 --executors cpp,aten
     python bench/compile_step.py --variants eager,accelrun --passes max
+    python bench/compile_step.py --malloc system           # glibc defaults (faults on every step)
     python bench/compile_step.py --device cuda --executors triton,aten model.dim=1024 model.n_layers=8
 """
 
@@ -36,6 +37,7 @@ from accelrun.data import build_data  # noqa: E402
 from accelrun.models import build_model, transformer_blocks  # noqa: E402
 from accelrun.models.build import training_loss_fn  # noqa: E402
 from accelrun.train.compile_model import compile_model  # noqa: E402
+from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
 from accelrun.train.precision import autocast  # noqa: E402
 
@@ -145,9 +147,13 @@ def main() -> None:
     p.add_argument("--executors", default="cpp,triton,aten", help="accelrun's executors, in priority order")
     p.add_argument("--scope", default="loss")
     p.add_argument("--device", default="cpu", help="cpu or cuda (peak memory is then the GPU's max allocated)")
+    p.add_argument("--malloc", choices=["tuned", "system"], default="tuned",
+                   help="glibc malloc settings of this process, so of every variant alike; tuned is what "
+                        "`accelrun train` sets on a CPU (train.cpu_malloc)")
     p.add_argument("override", nargs="*", help="recipe overrides for every variant (model.dim=1024 ...)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    tune_malloc(args.malloc)
     if args.child:
         return child(args)
     torch.set_num_threads(torch.get_num_threads())
@@ -156,6 +162,7 @@ def main() -> None:
     os.environ["ACCELRUN_CACHE_DIR"] = str(cache / "accelrun")
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} CPU threads"
     print(f"torch {torch.__version__}, {where}; caches under {cache}")
+    print(f"host malloc (every variant): {malloc_record(args.malloc)}")
     precisions = ["fp32", "bf16-mixed"] if args.precision == "both" else [args.precision]
     for precision in precisions:
         args.precision = precision
@@ -178,21 +185,24 @@ def run_one(args: argparse.Namespace) -> None:
         for v in variants:
             v.times.append(v.step())
     eager_median = statistics.median(variants[0].times) if names[0] == "eager" else None
+    inductor = next((v for v in variants if v.name == "inductor"), None)
+    inductor_median = statistics.median(inductor.times) if inductor else None
     print(f"\n## {args.precision}: {args.rounds} interleaved steps each (accelrun: passes={args.passes}, "
           f"executors=[{args.executors}], scope={args.scope})\n")  # fmt: skip
-    print("| variant | median step | vs eager | cold compile (first step) | warm start (new process) | "
+    print("| variant | median step | vs eager | vs inductor | cold compile (first step) | warm start (new process) | "
           "saved for backward | peak RSS (new process) | last loss |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for v in variants:
         med = statistics.median(v.times)
         ratio = f"{eager_median / med:.2f}×" if eager_median else "-"
+        vs_inductor = f"{inductor_median / med:.2f}×" if inductor_median else "-"
         extra = measure_in_child(v.name, args)
         nan = float("nan")
-        print(f"| {v.name} | {med * 1000:.0f} ms | {ratio} | {cold[v.name]:.1f} s | "
+        print(f"| {v.name} | {med * 1000:.0f} ms | {ratio} | {vs_inductor} | {cold[v.name]:.1f} s | "
               f"{extra.get('warm_start_s', nan):.2f} s | {extra.get('saved_mib', nan):.1f} MiB | "
               f"{extra.get('peak_rss_mib', nan):.0f} MiB | {v.losses[-1]:.4f} |")  # fmt: skip
     for n, why in skipped.items():
-        print(f"| {n} | skipped: {why} | | | | | | |")
+        print(f"| {n} | skipped: {why} | | | | | | | |")
     # Same data, same seed: every variant must compute the same losses (the comparison is of speed only).
     ref = variants[0].losses
     for v in variants[1:]:
@@ -202,7 +212,8 @@ def run_one(args: argparse.Namespace) -> None:
 
 def measure_in_child(name: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", name, "--precision", args.precision, "--passes", args.passes,
-           "--executors", args.executors, "--scope", args.scope, "--device", args.device, *args.override]  # fmt: skip
+           "--executors", args.executors, "--scope", args.scope, "--device", args.device, "--malloc", args.malloc,
+           *args.override]  # fmt: skip
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])

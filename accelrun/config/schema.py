@@ -102,6 +102,9 @@ class TrainConfig(Section):
     activation_checkpoint: ActivationCheckpointConfig = Field(default_factory=ActivationCheckpointConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: PositiveInt | None = Field(None, description="CPU threads for torch; None = torch's default")
+    cpu_malloc: Literal["tuned", "system"] = Field(
+        "tuned", description="on a CPU: tuned = glibc keeps freed activations for the next step "
+        "(accelrun.train.host_malloc); system = glibc's defaults")
 
 
 # Pipeline schedules that run several ("virtual") stages per rank: rank r holds r, r + pp, ...

@@ -233,6 +233,7 @@ ENV_CHECKS = (
     ("triton", ("versions", "triton"), "warning"),
     ("accelrun", ("versions", "accelrun"), "warning"),
     ("torch threads", ("cpu", "torch_threads"), "warning"),
+    ("host malloc", ("cpu", "malloc"), "warning"),
     ("host", ("hostname",), "note"),
     ("git commit", ("git", "commit"), "note"),
 )

@@ -147,6 +147,8 @@ def _env_section(env: dict) -> list[str]:
     lines = ["## Environment", ""]
     lines.append(f"- CPU: {cpu.get('model', '?')}, {cpu.get('logical_cores', '?')} logical cores, "
                  f"torch threads {cpu.get('torch_threads', '?')} (inter-op {cpu.get('torch_interop_threads', '?')})")
+    if cpu.get("malloc"):
+        lines.append(f"- host malloc: {cpu['malloc']}")
     if cuda.get("available"):
         lines.append(f"- GPU: {', '.join(cuda.get('devices') or [])} (CUDA {cuda.get('cuda_version')}, "
                      f"cuDNN {cuda.get('cudnn_version')})")

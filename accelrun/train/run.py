@@ -26,6 +26,7 @@ from accelrun.config.resolve import explain_text
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.launch import JobOutcome, LaunchOptions, launch_job
 from accelrun.dist.mesh import check_supported
+from accelrun.dist.worker import cpu_rank_threads, rank_uses_cuda
 from accelrun.errors import TrainingDiverged, UserError
 from accelrun.report.env import collect_env
 from accelrun.report.files import write_json, write_text_atomic
@@ -35,6 +36,7 @@ from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, forget_steps_after, read_metrics
 from accelrun.report.rundir import create_run_dir, hold_run_lock, job_run_dir
 from accelrun.report.summary import compile_time_s, step_breakdown, summarize
+from accelrun.train.host_malloc import malloc_record, tune_malloc
 from accelrun.train.loop import LoopOutcome, run_loop
 from accelrun.train.progress import TrainProgress
 from accelrun.train.setup import TrainSetup, build_setup
@@ -76,6 +78,8 @@ def train(
         check_supported(cfg)
     if cfg.train.threads is not None:
         torch.set_num_threads(cfg.train.threads)  # before env.json records it and the peak probe runs
+    if cfg.parallel.world_size == 1 and not rank_uses_cuda(cfg):
+        tune_malloc(cfg.train.cpu_malloc)  # ranks of a job apply it themselves (dist.worker)
     launch = launch or LaunchOptions()
     run_dir, node = _run_dir_for(cfg, launch)
     with hold_run_lock(run_dir, node):
@@ -295,11 +299,12 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
 
 
 def _env_of_ranks(cfg) -> dict:
-    """This process's environment, with the thread count CPU ranks will set (this launcher process
-    keeps its own, which the ranks do not use)."""
-    from accelrun.dist.worker import cpu_rank_threads, rank_uses_cuda
+    """This process's environment, with the thread count and malloc settings CPU ranks will set
+    (this launcher process keeps its own threads, which the ranks do not use)."""
 
     env = collect_env()
+    if not rank_uses_cuda(cfg):
+        env["cpu"]["malloc"] = malloc_record(cfg.train.cpu_malloc)
     if cfg.parallel.world_size > 1 and cfg.train.threads is None and not rank_uses_cuda(cfg):
         env["cpu"]["torch_threads"] = cpu_rank_threads(cfg.parallel.nproc_per_node)
     return env
