@@ -100,16 +100,16 @@ PRESETS: dict[str, list[str]] = {
     "none": [],
     "default": [
         "fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "dce", "cse", "partition_regions",
+        "merge_parallel_linears", "dce", "cse", "partition_regions",
     ],
     "max": [
         "fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "remat", "dce", "cse", "bucket_collectives", "schedule_overlap", "partition_regions",
+        "merge_parallel_linears", "remat", "dce", "cse", "bucket_collectives", "schedule_overlap", "partition_regions",
     ],
     # default + the communication passes (for compiled FSDP / TP graphs; a no-op without collectives).
     "overlap": [
         "fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "dce", "cse", "bucket_collectives", "schedule_overlap", "partition_regions",
+        "merge_parallel_linears", "dce", "cse", "bucket_collectives", "schedule_overlap", "partition_regions",
     ],
 }  # fmt: skip
 
