@@ -20,6 +20,7 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._functorch.partitioners import default_partition
 
 from accelrun.compile.dump import Dumper
+from accelrun.compile.fast_calls import runnable
 from accelrun.compile.lower import lower_regions, make_executors
 from accelrun.compile.numerics import check_pass
 from accelrun.compile.options import CompileOptions
@@ -155,7 +156,7 @@ class AccelrunBackend:
             notes = (self.record.regions[first_region:], self.record.graphs[-1])
             return AccelrunOutputCode(gm, lowered, graph_name, kind, [e.name for e in self.executors],
                                       str(self.options.cache_dir), notes)  # fmt: skip
-        return make_boxed_func(lowered.forward)
+        return make_boxed_func(runnable(lowered).forward)
 
     def _run_passes(self, stage: str, gm: fx.GraphModule, graph_name: str, kind: str,
                     example_inputs: list[Any]) -> fx.GraphModule:  # fmt: skip

@@ -22,6 +22,7 @@ import torch
 from torch import fx
 from torch._inductor.output_code import OutputCode
 
+from accelrun.compile.fast_calls import runnable
 from accelrun.compile.record import CompileRecord, GraphRecord
 
 # Where regions lowered while loading are recorded (the loading backend's record); None: nowhere.
@@ -49,11 +50,14 @@ class AccelrunOutputCode(OutputCode):
         self.notes = notes  # what compiling it put in the record (its regions, the graph), replayed on load
         self.saved_graph: bytes | None = None
         self.saved_lowered: bytes | None = None
+        self._run: Any = None  # fast_calls.runnable(lowered), made on the first call
 
     def __call__(self, inputs: Sequence[Any]) -> Any:
-        if self.lowered is None:
-            raise RuntimeError(f"{self.graph_name}: loaded graph was never lowered (post_compile not called)")
-        return self.lowered(*inputs)
+        if self._run is None:
+            if self.lowered is None:
+                raise RuntimeError(f"{self.graph_name}: loaded graph was never lowered (post_compile not called)")
+            self._run = runnable(self.lowered)
+        return self._run(*inputs)
 
     def prepare_for_serialization(self) -> None:
         try:
@@ -63,7 +67,7 @@ class AccelrunOutputCode(OutputCode):
 
             # ops_filter=None: accelrun's graphs hold only ATen and functional-collective ops.
             self.saved_graph = GraphPickler.dumps(self.graph_module, Options(ops_filter=None))
-        self.graph_module = self.lowered = None
+        self.graph_module = self.lowered = self._run = None
 
     def post_compile(self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any) -> None:
         if self.lowered is not None:
