@@ -132,14 +132,37 @@ def cpp_source(program: LoopProgram, entry: str = ENTRY, prelude: bool = True) -
     if prelude:
         e.lines(PRELUDE)
     slots = {b.name: n for n, b in enumerate(program.buffers)}
-    for kernel in program.kernels:
+    functions = []
+    kernels = list(program.kernels)
+    while kernels:
+        kernel = kernels.pop(0)
+        writer = _KernelWriter(e, kernel, program.buffers, slots, f"{entry}_{kernel.name}")
         e.line()
-        _KernelWriter(e, kernel, program.buffers, slots, f"{entry}_{kernel.name}").write()
+        if kernels and _one_pass(kernel, kernels[0]):
+            rows = _KernelWriter(e, kernels.pop(0), program.buffers, slots, "")
+            writer.write(rows_too=rows)
+        else:
+            writer.write()
+        functions.append(writer.fn_name)
     e.line()
     with e.block(f'extern "C" void {entry}(void** bufs, int nthreads) {{', "}"):
-        for kernel in program.kernels:
-            e.line(f"{entry}_{kernel.name}(bufs, nthreads);")
+        for fn in functions:
+            e.line(f"{fn}(bufs, nthreads);")
     return e.source()
+
+
+def _one_pass(cols: Kernel, rows: Kernel) -> bool:
+    """Can a column-reduction kernel run inside the row loop of the rows kernel after it? (a norm's
+    backward: its weight gradient and its input gradient read the same rows.) Then each row is read
+    from memory once: the column loop's reads leave it in L1 for the row loop. Needs the same domain,
+    no value passing between the two, and a row loop that is not cut into column chunks."""
+    if cols.kind != "cols" or rows.kind != "rows" or not rows.has_reductions:
+        return False
+    if (cols.row_shape, cols.col_shape, cols.unroll) != (rows.row_shape, rows.col_shape, rows.unroll):
+        return False
+    loads = lambda k: {s.args[0] for b in k.blocks for s in b.stmts if s.op == "load"}  # noqa: E731
+    stores = lambda k: {st.buffer for b in k.blocks for st in b.stores}  # noqa: E731
+    return not (stores(cols) & loads(rows)) and not (stores(rows) & loads(cols)) and not rows.row_buffers
 
 
 def _literal(value: Any, ctype: str) -> str:
@@ -163,10 +186,15 @@ class _KernelWriter:
         self.ctype_of = {s.name: s.ctype for b in kernel.blocks for s in b.stmts}
         self.rows = {b.name for b in kernel.row_buffers}
 
-    def write(self) -> None:
+    def write(self, rows_too: _KernelWriter | None = None) -> None:
+        """The kernel as a function; ``rows_too``: a rows kernel run inside this cols kernel's row loop."""
         e, k = self.e, self.k
+        used = self._used_buffers() - self.rows
+        if rows_too is not None:
+            used |= rows_too._used_buffers() - rows_too.rows
+            self.buffers |= rows_too.buffers
         with e.block(f"static void {self.fn_name}(void** bufs, int nthreads) {{", "}"):
-            for name in sorted(self._used_buffers() - self.rows, key=self.slots.__getitem__):
+            for name in sorted(used, key=self.slots.__getitem__):
                 buf = self.buffers[name]
                 const = "const " if buf.role == "input" else ""
                 e.line(f"{const}{STORAGE[buf.storage]}* __restrict__ {name} = "
@@ -174,7 +202,7 @@ class _KernelWriter:
             e.line(f"const int64_t R = {k.rows}, N = {k.trips};")
             e.line(f"const int nt = {k.rows * k.cols} >= {PARALLEL_MIN_ELEMENTS} ? nthreads : 1;")
             if k.kind == "cols":
-                self._write_cols()
+                self._write_cols(rows_too)
             elif not k.has_reductions and k.trips > CHUNK // k.unroll:
                 self._write_chunked()
             else:
@@ -209,7 +237,7 @@ class _KernelWriter:
             for block in self.k.blocks:
                 self._block(block, "c0", "c1")
 
-    def _write_cols(self) -> None:
+    def _write_cols(self, rows_too: _KernelWriter | None = None) -> None:
         """Per-thread partial accumulators, combined in thread order so results are reproducible."""
         e, (loop, *post) = self.e, self.k.blocks
         for red in loop.reductions:
@@ -227,6 +255,10 @@ class _KernelWriter:
                     self._stmts(loop.stmts)
                     for red in loop.reductions:
                         e.line(_update(red.op, red.ctype, f"{red.name}_mine[c]", red.value))
+                if rows_too is not None:  # the same row again, now in L1: the rows kernel's blocks
+                    with e.block("{", "}"):  # its names in a scope of their own
+                        for block in rows_too.k.blocks:
+                            rows_too._block(block, "0", "N")
         with e.block("for (int64_t c = 0; c < N; ++c) {", "}"):
             for red in loop.reductions:
                 e.line(f"{CTYPE[red.ctype]} {red.name} = {red.name}_part[c];")
