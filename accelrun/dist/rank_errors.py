@@ -13,10 +13,10 @@ import os
 from pathlib import Path
 
 
-def leave_record(folder: Path, rank: int, messages: list[str], exit_code: int, printed: bool) -> None:
+def leave_record(folder: Path, rank: int, messages: list[str], printed: bool) -> None:
     """Written after the rank printed (if it prints): a rank stopped in between means a message
     shown twice, never one lost."""
-    record = {"rank": rank, "exit_code": exit_code, "messages": messages, "printed": printed}
+    record = {"rank": rank, "messages": messages, "printed": printed}
     tmp = folder / f".rank-{rank}.json.tmp"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, folder / f"rank-{rank}.json")  # whole records only: the launcher may read any time

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None, errors_dir: Path | None = None) -> int:
             for m in e.messages:
                 console.print("[bold red]error:[/] " + escape(m))
         if errors_dir is not None:
-            leave_record(errors_dir, rank, e.messages, e.exit_code, printed=prints)
+            leave_record(errors_dir, rank, e.messages, printed=prints)
         return e.exit_code
     finally:
         if dist.is_initialized():

@@ -5,14 +5,14 @@ from accelrun.dist.rank_errors import leave_record, unprinted_messages
 
 
 def test_a_message_no_rank_printed_is_handed_back_once(tmp_path):
-    leave_record(tmp_path, 3, ["no file matches none*.txt"], 2, printed=False)
-    leave_record(tmp_path, 1, ["no file matches none*.txt"], 2, printed=False)
+    leave_record(tmp_path, 3, ["no file matches none*.txt"], printed=False)
+    leave_record(tmp_path, 1, ["no file matches none*.txt"], printed=False)
     assert unprinted_messages(tmp_path) == ["no file matches none*.txt"]
 
 
 def test_what_rank_0_printed_is_not_printed_again(tmp_path):
-    leave_record(tmp_path, 0, ["bad path"], 2, printed=True)
-    leave_record(tmp_path, 1, ["bad path", "only rank 1 knows this"], 2, printed=False)
+    leave_record(tmp_path, 0, ["bad path"], printed=True)
+    leave_record(tmp_path, 1, ["bad path", "only rank 1 knows this"], printed=False)
     assert unprinted_messages(tmp_path) == ["only rank 1 knows this"]
 
 
