@@ -23,7 +23,6 @@ from accelrun.dist.context import ParallelContext, env_rank
 from accelrun.dist.mesh import build_mesh, dp_coordinates
 from accelrun.dist.rank_errors import leave_record
 from accelrun.errors import UserError
-from accelrun.train.host_malloc import tune_malloc
 
 
 def rank_uses_cuda(cfg) -> bool:
@@ -45,8 +44,6 @@ def init_rank(resolved) -> ParallelContext:
         torch.cuda.set_device(device)
     if cfg.train.threads is None and not use_cuda:
         torch.set_num_threads(cpu_rank_threads(cfg.parallel.nproc_per_node))
-    if not use_cuda:
-        tune_malloc(cfg.train.cpu_malloc)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     dist.init_process_group("nccl" if use_cuda else "gloo", store=_store(rank, world, restarts, timeout),

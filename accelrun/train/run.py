@@ -78,8 +78,6 @@ def train(
         check_supported(cfg)
     if cfg.train.threads is not None:
         torch.set_num_threads(cfg.train.threads)  # before env.json records it and the peak probe runs
-    if cfg.parallel.world_size == 1 and not rank_uses_cuda(cfg):
-        tune_malloc(cfg.train.cpu_malloc)  # ranks of a job apply it themselves (dist.worker)
     launch = launch or LaunchOptions()
     run_dir, node = _run_dir_for(cfg, launch)
     with hold_run_lock(run_dir, node):
@@ -135,6 +133,8 @@ def run_in_dir(
     (``console`` is None on the others)."""
     cfg = resolved.config
     main = ctx is None or ctx.is_main
+    if not rank_uses_cuda(cfg):
+        tune_malloc(cfg.train.cpu_malloc)  # before setup allocates anything big
     t_setup = time.perf_counter()
     try:
         s = build_setup(resolved, run_dir, ctx)
@@ -301,10 +301,10 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
 def _env_of_ranks(cfg) -> dict:
     """This process's environment, with the thread count and malloc settings CPU ranks will set
     (this launcher process keeps its own threads, which the ranks do not use)."""
-
     env = collect_env()
-    if not rank_uses_cuda(cfg):
-        env["cpu"]["malloc"] = malloc_record(cfg.train.cpu_malloc)
-    if cfg.parallel.world_size > 1 and cfg.train.threads is None and not rank_uses_cuda(cfg):
+    if rank_uses_cuda(cfg):
+        return env
+    env["cpu"]["malloc"] = malloc_record(cfg.train.cpu_malloc)
+    if cfg.parallel.world_size > 1 and cfg.train.threads is None:
         env["cpu"]["torch_threads"] = cpu_rank_threads(cfg.parallel.nproc_per_node)
     return env

@@ -160,9 +160,15 @@ def _one_pass(cols: Kernel, rows: Kernel) -> bool:
         return False
     if (cols.row_shape, cols.col_shape, cols.unroll) != (rows.row_shape, rows.col_shape, rows.unroll):
         return False
-    loads = lambda k: {s.args[0] for b in k.blocks for s in b.stmts if s.op == "load"}  # noqa: E731
-    stores = lambda k: {st.buffer for b in k.blocks for st in b.stores}  # noqa: E731
-    return not (stores(cols) & loads(rows)) and not (stores(rows) & loads(cols)) and not rows.row_buffers
+    return not (_stored(cols) & _loaded(rows)) and not (_stored(rows) & _loaded(cols)) and not rows.row_buffers
+
+
+def _loaded(k: Kernel) -> set[str]:
+    return {s.args[0] for b in k.blocks for s in b.stmts if s.op == "load"}
+
+
+def _stored(k: Kernel) -> set[str]:
+    return {st.buffer for b in k.blocks for st in b.stores}
 
 
 def _literal(value: Any, ctype: str) -> str:
@@ -209,10 +215,7 @@ class _KernelWriter:
                 self._write_rows()
 
     def _used_buffers(self) -> set[str]:
-        used = set()
-        for b in self.k.blocks:
-            used |= {s.args[0] for s in b.stmts if s.op == "load"} | {s.buffer for s in b.stores}
-        return used
+        return _loaded(self.k) | _stored(self.k)
 
     # -- kernel shapes ----------------------------------------------------------------------------
     def _write_rows(self) -> None:

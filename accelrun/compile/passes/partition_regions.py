@@ -162,10 +162,8 @@ def _compatible(a: _Group, b: _Group) -> bool:
         return len(a.numels) == 1 and a.numels == b.numels
     if a.gathers or b.gathers:
         return False
-    if len(reds) > 1:  # mixed: same input shape, each over an end, one per set of axes
-        if len({r.in_shape for r in reds}) > 1 or len({r.dims for r in reds}) < len(reds):
-            return False
-        if not all(_folds_an_end(r) for r in reds):
+    if len(reds) > 1:  # mixed: one input shape (so one per set of axes), each over an end
+        if len({r.in_shape for r in reds}) > 1 or not all(_folds_an_end(r) for r in reds):
             return False
     allowed = {next(iter(reds)).full} | {r.reduced for r in reds}
     return (a.numels | b.numels) <= allowed
