@@ -24,6 +24,7 @@ from accelrun.compile.executors.cpp import CppExecutor
 from accelrun.compile.regions import Region
 
 B, T, D, FFN, H, E, V = 16, 256, 192, 512, 6, 32, 512
+KV = 2  # key/value heads (grouped-query attention: each serves H // KV query heads)
 EPS = 1e-5
 
 
@@ -49,6 +50,24 @@ def rope(x, cos, sin):
     x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
     c, s = cos[:, None, :], sin[:, None, :]
     return (torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).type_as(x),)
+
+
+def rope_backward(g, cos, sin):
+    """RoPE's backward: the rotation by -angle."""
+    g0, g1 = g.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.stack((g0 * c + g1 * s, g1 * c - g0 * s), dim=-1).flatten(-2)
+
+
+def qkv_grad(gq, gk, gv, cos, sin):
+    """The gradient of the merged q/k/v projection's output from attention's three gradients: the
+    repeated key/value heads summed back, RoPE's backward on q and k, and q | k | v side by side."""
+    def unrepeat(g):
+        return g.unflatten(1, (KV, H // KV)).sum(2).transpose(1, 2)
+
+    gq = rope_backward(gq.transpose(1, 2), cos, sin)
+    gk = rope_backward(unrepeat(gk), cos, sin)
+    return (torch.cat([gq.flatten(2), gk.flatten(2), unrepeat(gv).flatten(2)], -1),)
 
 
 def residual_add_norm(x, h, w):
@@ -91,6 +110,9 @@ def cases() -> dict[str, tuple[Callable, tuple[torch.Tensor, ...]]]:
         "swiglu": (swiglu, (torch.randn(B, T, FFN), torch.randn(B, T, FFN))),
         "rope": (rope, (torch.randn(B, T, H, E), angle.cos(), angle.sin())),
         "residual_add_norm": (residual_add_norm, (x, torch.randn(B, T, D), w)),
+        # attention's gradients as SDPA's backward lays them out: (B, H, T, E) views of (B, T, H, E)
+        "qkv_grad": (qkv_grad, tuple(torch.randn(B, T, H, E).transpose(1, 2) for _ in range(3))
+                     + (angle.cos(), angle.sin())),
         "softmax": (softmax, (torch.randn(B * T, V),)),
         "cross_entropy": (cross_entropy, (torch.randn(B * T, V), torch.randint(0, V, (B * T,)), torch.arange(V))),
         "adamw": (adamw, tuple(torch.randn(n_params) for _ in range(3)) + (torch.rand(n_params),)),

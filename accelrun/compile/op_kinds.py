@@ -22,7 +22,8 @@ prims = torch.ops.prims
 VIEW_OPS = frozenset({
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
     aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-    aten.squeeze.default, aten.t.default, aten.transpose.int, aten.alias.default,
+    aten.squeeze.default, aten.t.default, aten.transpose.int, aten.alias.default, aten.slice.Tensor,
+    aten.select.int,
 })  # fmt: skip
 
 # Pointwise by tag, but not something a fusion region should hold: random numbers (their state

@@ -15,6 +15,7 @@ import sys
 import textwrap
 
 import pytest
+import sympy
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
@@ -22,11 +23,12 @@ from hypothesis import strategies as st
 from torch._decomp import core_aten_decompositions
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._sympy.functions import FloorDiv
 
 from accelrun.compile.codegen import cpp_build
 from accelrun.compile.codegen.cpp import PRELUDE, CppRegion, cpp_source
 from accelrun.compile.codegen.cpp_build import build_library, load_library
-from accelrun.compile.codegen.loop_ir import Unsupported, cached_program, lower_graph, lower_region
+from accelrun.compile.codegen.loop_ir import C, Unsupported, cached_program, lower_graph, lower_region
 from accelrun.compile.executors.cpp import CppExecutor
 from accelrun.compile.extract import extract_regions
 from accelrun.compile.passes.partition_regions import partition
@@ -284,6 +286,68 @@ def test_llama_regions_fp32(cache):
                                      *_llama_cases(torch.float32)["rmsnorm"][1:]), cache, atol=1e-5)
 
 
+def gqa_attention_inputs(qkv, cos, sin, heads=6, kv_heads=2):
+    """A Llama block's attention inputs from one merged q/k/v projection: split, RoPE on q and k,
+    key/value heads repeated for the query heads (grouped-query attention), then attention's
+    matmuls (SDPA itself would be decomposed by the core ATen table here)."""
+    B, T, _ = qkv.shape
+    E = qkv.shape[-1] // (heads + 2 * kv_heads)
+    q, k, v = qkv.split([heads * E, kv_heads * E, kv_heads * E], -1)
+    q, k = rope(q.view(B, T, heads, E), cos, sin), rope(k.view(B, T, kv_heads, E), cos, sin)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, kv_heads, E).transpose(1, 2)
+
+    def repeat(t):
+        return t[:, :, None].expand(B, kv_heads, heads // kv_heads, T, E).reshape(B, heads, T, E)
+
+    return (q @ repeat(k).transpose(-1, -2)) @ repeat(v)  # attention's matmuls, without softmax
+
+
+def _gqa_case(dtype=torch.float32):
+    angle = torch.rand(8, 16)  # heads of 32: long enough for a loop of their own
+    return torch.randn(2, 8, 320, dtype=dtype, requires_grad=True), angle.cos(), angle.sin()
+
+
+def test_gqa_rope_forward_and_backward_regions(cache):
+    """Forward: RoPE of k and the repeated keys in one region (the repeat is an expand that gathers,
+    so the rotated keys are computed where the copy writes; they are never stored unrepeated). Backward: the gradient of the
+    merged projection's output, [q | k | v], from attention's three gradients in one region: the
+    repeat's sum over query heads unrolled, RoPE's backward, and the cat stored part by part (no
+    select between the parts)."""
+    regions = llama_regions(gqa_attention_inputs, *_gqa_case())
+    forward = [r for r in regions if r.graph_kind == "forward"]
+    backward = [r for r in regions if r.graph_kind == "backward"]
+    assert len(backward) == 1, [r.graph_kind for r in regions]
+    forward_outputs = sorted(tuple(m.shape) for r in forward for m in r.output_meta)
+    assert (2, 2, 3, 8, 32) in forward_outputs and (2, 8, 2, 16, 2) not in forward_outputs, forward_outputs
+    (grad,) = backward[0].output_meta
+    assert tuple(grad.shape) == (2, 8, 320)
+    program = lower_region(backward[0])
+    assert not _stmts(program, "where"), program.describe()
+    # Each loop runs inside one head (its last axis split where the loads jump between heads), so
+    # every load is at a plain stride of c: no division or modulo of c per element.
+    for load in _stmts(program, "load"):
+        jumps = [a for a in sympy.sympify(load.args[1]).atoms(FloorDiv, sympy.Mod) if C in a.free_symbols]
+        assert not jumps, (load, program.describe())
+    check_together(regions, cache, atol=1e-5)
+    for region in regions:
+        check(region, cache, atol=1e-5)
+
+
+def test_cat_of_large_parts_is_stored_part_by_part(cache):
+    """Parts at least MIN_SPLIT_PART long along the cat axis: a loop each, offset stores; shorter
+    parts (RoPE's pairs) stay one loop that selects. Mixed dtypes promote as ATen's cat does."""
+    def fn(a, b, c):
+        return torch.cat([a.exp(), b * 2, c.sin()], -1), torch.cat([a[..., :1] + 1, a[..., 1:2] * 3], -1)
+
+    args = (torch.randn(5, 16), torch.randn(5, 8, dtype=torch.bfloat16), torch.randn(5, 24))
+    region = region_of(fn, *args)
+    program = lower_region(region)
+    wide = [k for k in program.kernels if any(st.buffer == "out0" for b in k.blocks for st in b.stores)]
+    assert sorted(k.rows * k.cols for k in wide) == [40, 80, 120], program.describe()  # 5 rows each
+    assert not [s for k in wide for b in k.blocks for s in b.stmts if s.op == "where"]
+    check(region, cache, list(args), atol=1e-5)
+
+
 def test_rmsnorm_backward_is_one_region_of_a_column_loop_and_a_row_loop():
     # The weight gradient (a sum over rows) and the input gradient (row sums) share one region; each
     # loop recomputes its products from the inputs, so no intermediate goes through memory. The
@@ -363,6 +427,22 @@ def test_nan_rows_propagate_like_eager(cache):
                 torch.log_softmax(x, -1), x.max())
 
     check_fn(fn, cache, x, atol=1e-5)
+
+
+def test_exp_special_values_and_range(cache):
+    """exp (and sigmoid, built on it) of infinities, NaN, the underflow edge and a dense sweep match
+    eager in the vector loop and the scalar remainder (67 values: 4 vectors of 16 and 3 over).
+    Results below the smallest normal float (x < -87.34) are 0 where eager gives subnormals, hence the
+    absolute tolerance. Not covered: x in (88.38, 88.72], where acc_exp overflows to inf one binade
+    before eager does."""
+    special = torch.tensor([float("-inf"), float("inf"), float("nan"), -100.0, -87.4, -87.3, -50.0, -1e-3,
+                            0.0, 1e-7, 0.5, 1.0, 10.0, 88.3, 88.8, 200.0])
+    x = torch.cat([special, torch.linspace(-87.0, 88.0, 51)])
+
+    def fn(x):
+        return torch.exp(x), torch.sigmoid(x)
+
+    check_fn(fn, cache, x, atol=torch.finfo(torch.float32).tiny)
 
 
 def test_identical_reductions_are_computed_once(cache):

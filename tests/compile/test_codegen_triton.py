@@ -98,6 +98,12 @@ CASES = {
                                 torch.randn(200, 40, requires_grad=True)),
     # a short middle-axis sum (GQA's key/value gradient), unrolled into adds of slices
     "gqa_sum": lambda: (lambda g: g.view(2, 2, 3, 16, 8).sum(2).exp(), torch.randn(2, 6, 16, 8, requires_grad=True)),
+    # GQA's key gradient summed over its 3 query heads, RoPE, and a cat of parts long enough to be
+    # stored part by part, each loop inside one head of 32 (the last axis split where loads jump)
+    "gqa_rope_cat": lambda: (lambda q, k, c, s: torch.cat([rope(q, c, s).flatten(2),
+                                                           rope(k.unflatten(2, (2, 3)).sum(3), c, s).flatten(2)], -1),
+                             torch.randn(2, 4, 6, 32, requires_grad=True), torch.randn(2, 4, 6, 32, requires_grad=True),
+                             torch.randn(4, 16), torch.randn(4, 16)),
     "rope_swiglu": lambda: (lambda x, c, s: F.silu(rope(x, c, s)) * x, torch.randn(2, 4, 2, 8, requires_grad=True),
                             torch.randn(4, 4), torch.randn(4, 4)),
 }

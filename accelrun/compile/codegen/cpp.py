@@ -99,11 +99,14 @@ static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 #pragma omp declare reduction(acc_nanmin : float : omp_out = (omp_in != omp_in || omp_in < omp_out) ? omp_in : omp_out) initializer(omp_priv = INFINITY)
 
 // exp(x) = 2^n * exp(g), |g| <= ln2/2: a degree-6 polynomial (Cephes' coefficients, ~1 ulp), no
-// branches, so loops calling it vectorize.
+// branches, so loops calling it vectorize. n is rounded by adding 1.5 * 2^23 (its low mantissa bits
+// are then n itself, which become the exponent bits of 2^n): cheaper than floor and a conversion.
+// A NaN needs no test of its own: it passes through the clamps and the polynomial.
 static inline float acc_exp(float x) {
     const float lo = x < -87.33654f ? -87.33654f : x;
     const float xc = 88.72283f < lo ? 88.72283f : lo;
-    const float n = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
+    const float t = xc * 1.44269504088896341f + 12582912.0f;
+    const float n = t - 12582912.0f;
     float g = xc - n * 0.693359375f;
     g = g - n * -2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -113,11 +116,13 @@ static inline float acc_exp(float x) {
     p = p * g + 1.6666665459e-1f;
     p = p * g + 5.0000001201e-1f;
     p = p * g * g + g + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    int32_t t_bits;
+    __builtin_memcpy(&t_bits, &t, 4);
+    const int32_t bits = (t_bits - 0x4B400000 + 127) << 23;
     float scale;
     __builtin_memcpy(&scale, &bits, 4);
     const float y = p * scale;
-    return x != x ? x : (x < -87.33654f ? 0.0f : (x > 88.72283f ? INFINITY : y));
+    return x < -87.33654f ? 0.0f : (x > 88.72283f ? INFINITY : y);
 }
 """
 

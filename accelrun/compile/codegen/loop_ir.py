@@ -25,14 +25,16 @@ tables (``codegen/cpp.py``, ``codegen/triton.py``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv
 
+from accelrun.compile.codegen.index_simplify import simplify_index
 from accelrun.compile.codegen.values import (
     Const,
     GraphValues,
@@ -47,6 +49,7 @@ from accelrun.compile.codegen.values import (
     broadcast_index,
     compute_type,
     ravel,
+    reshape_map,
     unravel,
 )
 
@@ -192,8 +195,18 @@ class _Plan:
     row_shape: tuple[int, ...]
     col_shape: tuple[int, ...]
     reductions: list[Reduce] = field(default_factory=list)
-    full_outputs: list[int] = field(default_factory=list)  # outputs over rows x cols, stored per element
+    full_outputs: list[_Piece] = field(default_factory=list)  # over rows x cols, stored per element
     row_outputs: list[int] = field(default_factory=list)  # outputs per row (shape of the row domain)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """What one element loop stores: ``value`` into output ``j`` (all of it, or one part of a cat),
+    element ``idx`` of the value going to element ``to_out(idx)`` of the output."""
+
+    j: int
+    value: Value
+    to_out: Callable[[Index], Index] | None = None  # None: the same index
 
 
 def _reductions_under(v: Value, seen: set[int], out: list[Reduce], stop_at_reduce: bool) -> None:
@@ -276,16 +289,21 @@ class _Scheduler:
             rows_plans = [p for p in self.plans if p.kind == "rows"]
             full = next((p for p in rows_plans if out.shape == p.row_shape + p.col_shape), None)
             if full is not None:
-                full.full_outputs.append(j)
+                full.full_outputs.append(_Piece(j, out))
                 continue
             row = next((p for p in rows_plans if _is_row_shape(out.shape, p)), None)
             if row is not None:
                 row.row_outputs.append(j)
                 continue
-            split = len(out.shape) - 1 if out.shape else 0
-            while split > 0 and math.prod(out.shape[split:]) < MIN_POINTWISE_COLS:
-                split -= 1  # a short last axis (a cat of pairs: 2) is too short an inner loop
-            self._plan("rows", out.shape[:split], out.shape[split:]).full_outputs.append(j)
+            for piece in _pieces(j, out):
+                piece = _affine_columns(piece)
+                self._pointwise_plan(piece.value.shape).full_outputs.append(piece)
+
+    def _pointwise_plan(self, shape: tuple[int, ...]) -> _Plan:
+        split = len(shape) - 1 if shape else 0
+        while split > 0 and math.prod(shape[split:]) < MIN_POINTWISE_COLS:
+            split -= 1  # a short last axis (a cat of pairs: 2) is too short an inner loop
+        return self._plan("rows", shape[:split], shape[split:])
 
     def program(self) -> LoopProgram:
         values = self.values
@@ -342,6 +360,73 @@ class _Scheduler:
                 raise Unsupported("kernels of the region depend on each other in a cycle")
             order.append(ready[0])
         return order
+
+
+# A cat output whose parts are at least this long along the cat axis is stored part by part, each
+# part by its own loop: one loop over the whole output would compute every part at every element
+# and select (q, k and v gradients written into one buffer for the merged projection's backward).
+MIN_SPLIT_PART = 8
+
+
+def _pieces(j: int, out: Value) -> list[_Piece]:
+    if not isinstance(out, Select) or min(b - a for a, b in pairwise(out.offsets)) < MIN_SPLIT_PART:
+        return [_Piece(j, out)]
+    return [_Piece(j, _cast_like(part, out), _shifted(out.dim, lo)) for part, lo in zip(out.parts, out.offsets,
+                                                                                    strict=False)]
+
+
+def _shifted(dim: int, offset: int) -> Callable[[Index], Index]:
+    return lambda idx: idx[:dim] + (idx[dim] + offset,) + idx[dim + 1:]
+
+
+def _affine_columns(piece: _Piece) -> _Piece:
+    """Split the last axis of a pointwise piece where its loads jump: when an input's offset holds
+    ``s // m`` or ``s % m`` of that axis (a reshape of heads: the k gradient's 2 heads of 32 read
+    from a tensor of 6 heads), the axis becomes (n / m, m), so that the inner loop runs over m
+    elements at a plain stride instead of dividing per element and gathering."""
+    shape = piece.value.shape
+    if not shape:
+        return piece
+    n = shape[-1]
+    probe = tuple(sympy.Symbol(f"s{d}", integer=True, nonnegative=True) for d in range(len(shape)))
+    moduli = set()
+    bounds = dict(zip(probe, shape, strict=True))
+    for offset in _load_offsets(piece.value, probe, bounds):
+        for atom in offset.atoms(FloorDiv, sympy.Mod):
+            m = atom.args[1]
+            if probe[-1] in atom.args[0].free_symbols and isinstance(m, sympy.Integer):
+                moduli.add(int(m))
+    fits = [m for m in moduli if MIN_POINTWISE_COLS <= m < n and n % m == 0]
+    if not fits:
+        return piece
+    m = min(fits)
+    new_shape = shape[:-1] + (n // m, m)
+    back = reshape_map(shape, new_shape)  # index in new_shape -> index in shape
+    value = View(piece.value, back, new_shape, piece.value.dtype)
+    to_out = back if piece.to_out is None else (lambda idx, f=piece.to_out: f(back(idx)))
+    return _Piece(piece.j, value, to_out)
+
+
+def _load_offsets(v: Value, idx: Index, bounds: dict[sympy.Symbol, int]) -> list[sympy.Expr]:
+    """The element offsets a pointwise value reads its inputs at, for element ``idx``."""
+    if isinstance(v, Input):
+        return [simplify_index(sum((i * s for i, s in zip(idx, v.stride, strict=True)), sympy.Integer(0)), bounds)]
+    if isinstance(v, View):
+        return _load_offsets(v.src, v.index_map(idx), bounds)
+    if isinstance(v, Op):
+        return [o for a in v.args for o in _load_offsets(a, broadcast_index(idx, v.shape, a.shape), bounds)]
+    if isinstance(v, Select):
+        pos = idx[v.dim]
+        return [o for part, lo in zip(v.parts, v.offsets, strict=False)
+                for o in _load_offsets(part, idx[: v.dim] + (pos - lo,) + idx[v.dim + 1:], bounds)]
+    return []
+
+
+def _cast_like(part: Value, out: Value) -> Value:
+    """A cat's part in the cat's dtype (ATen's cat promotes its inputs)."""
+    if compute_type(part.dtype) == compute_type(out.dtype):
+        return part  # bf16 and fp32 are both computed in fp32; the store rounds
+    return Op("cast", (part,), part.shape, out.dtype, compute_type(part.dtype))
 
 
 def _is_row_shape(shape: tuple[int, ...], plan: _Plan) -> bool:
@@ -414,6 +499,7 @@ class _KernelBuilder:
         self.kernel = Kernel(name, plan.kind, plan.row_shape, plan.col_shape, unroll=unroll)
         self.row_idx = unravel(R, plan.row_shape)
         self.col_idx = unravel(C, plan.col_shape)
+        self.bounds = {R: max(1, math.prod(plan.row_shape)), C: max(1, math.prod(plan.col_shape) // unroll)}
         self.foreign_reads: set[int] = set()
         self.ctypes: dict[str, str] = {}
         self.inner_names: set[str] = set()
@@ -451,8 +537,9 @@ class _KernelBuilder:
             u = self.kernel.unroll
             for k in range(u):
                 idx = full_idx if u == 1 else self.row_idx + unravel(u * C + k, plan.col_shape)
-                for j in plan.full_outputs:
-                    self._store(f"out{j}", outs[j].shape, idx, self.value(outs[j], idx))
+                for piece in plan.full_outputs:
+                    at = idx if piece.to_out is None else piece.to_out(idx)
+                    self._store(f"out{piece.j}", outs[piece.j].shape, at, self.value(piece.value, idx))
             self._close_inner()
         for j in plan.row_outputs:
             idx = self.row_idx + (sympy.Integer(0),) * (len(outs[j].shape) - len(self.row_idx))
@@ -499,7 +586,7 @@ class _KernelBuilder:
 
     def _store(self, buffer: str, shape: tuple[int, ...], idx: Index, value: str) -> None:
         target = self.inner if self.inner is not None else self.outer
-        target.stores.append(Store(buffer, sympy.expand(ravel(idx, shape)), value))
+        target.stores.append(Store(buffer, simplify_index(ravel(idx, shape), self.bounds), value))
 
     # -- statements -------------------------------------------------------------------------------
     def _fresh(self, prefix: str = "t") -> str:
@@ -582,7 +669,8 @@ class _KernelBuilder:
 
     def _value(self, v: Value, idx: Index) -> str:
         if isinstance(v, Input):
-            offset = sympy.expand(sum((i * s for i, s in zip(idx, v.stride, strict=True)), sympy.Integer(0)))
+            offset = simplify_index(sum((i * s for i, s in zip(idx, v.stride, strict=True)), sympy.Integer(0)),
+                                    self.bounds)
             return self._emit("load", (f"in{v.position}", offset), v.ctype, depends_on_c=_uses(offset, C))
         if isinstance(v, Const):
             return self._const(v.value, v.ctype)
@@ -651,7 +739,7 @@ class _KernelBuilder:
         buf = self.red_buffers.get(id(red))
         if buf is None:  # materialised in the next round of scheduling
             return self._const(0, red.ctype)
-        offset = sympy.expand(ravel(idx, red.shape))
+        offset = simplify_index(ravel(idx, red.shape), self.bounds)
         return self._emit("load", (buf, offset), red.ctype, depends_on_c=_uses(offset, C))
 
 

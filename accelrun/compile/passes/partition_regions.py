@@ -42,6 +42,7 @@ import torch
 from pydantic import Field
 from torch import fx
 
+from accelrun.compile.codegen.values import MAX_UNROLLED_REDUCTION
 from accelrun.compile.op_kinds import node_kind
 from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
 from accelrun.compile.passes.dce import op_is_pure
@@ -111,8 +112,18 @@ def _reduced_dims(node: fx.Node, ndim: int) -> tuple[int, ...] | None:
     return tuple(sorted({d % ndim for d in dims}))
 
 
-def _member_shape(node: fx.Node) -> tuple[set[Any], _Reduction | None] | None:
-    """(numels the node touches, its reduction) if it may join a region, else None."""
+@dataclass(frozen=True)
+class _Member:
+    """How a node may join a region: the numels it touches, its reduction, and whether it gathers
+    (each output element from a few input elements at other indices, so numels may differ)."""
+
+    numels: set[Any]
+    reduction: _Reduction | None = None
+    gathers: bool = False
+
+
+def _member_shape(node: fx.Node) -> _Member | None:
+    """How ``node`` may join a region, or None if it may not."""
     kind = node_kind(node)
     if node.target is torch.ops.aten.cat.default:
         return _cat_shape(node)
@@ -122,20 +133,41 @@ def _member_shape(node: fx.Node) -> tuple[set[Any], _Reduction | None] | None:
     if out is None:
         return None
     if kind == "pointwise":
-        return {_numel(out)}, None
+        return _Member({_numel(out)})
     src = _tensor_val(node.args[0]) if node.args else None
     if src is None:
         return None
     if kind == "view":
-        return {_numel(src), _numel(out)}, None
+        return _Member({_numel(src), _numel(out)}, gathers=_gathers(src, out))
     dims = _reduced_dims(node, src.dim())
     if dims is None:
         return None
     red = _Reduction(tuple(_size(s) for s in src.shape), dims, _numel(src), _numel(out))
-    return {red.full, red.reduced}, red
+    if _unrolled(red):
+        return _Member({red.full, red.reduced}, gathers=True)
+    return _Member({red.full, red.reduced}, red)
 
 
-def _cat_shape(node: fx.Node) -> tuple[set[Any], None] | None:
+def _gathers(src: torch.Tensor, out: torch.Tensor) -> bool:
+    """A view that changes the numel: a slice or select (fewer elements), or an expand that repeats
+    each element at most ``MAX_UNROLLED_REDUCTION`` times (GQA's key/value heads for the query
+    heads), so that what feeds it is recomputed only that often."""
+    n_src, n_out = _numel(src), _numel(out)
+    if not (isinstance(n_src, int) and isinstance(n_out, int)) or n_src == n_out:
+        return False
+    return n_out < n_src or n_out <= n_src * MAX_UNROLLED_REDUCTION
+
+
+def _unrolled(red: _Reduction) -> bool:
+    """A reduction over a few middle axes, which code generators unroll into adds of slices
+    (``values._unrolled``): for regions a gather, not a loop over rows or columns."""
+    n, k = len(red.in_shape), len(red.dims)
+    middle = bool(red.dims) and red.dims not in (tuple(range(k)), tuple(range(n - k, n)))
+    sizes = [red.in_shape[d] for d in red.dims]
+    return middle and all(isinstance(s, int) for s in sizes) and math.prod(sizes) <= MAX_UNROLLED_REDUCTION
+
+
+def _cat_shape(node: fx.Node) -> _Member | None:
     """A cat joins regions without reductions: each output element is one element of one part, so
     the parts' producers (RoPE's rotated halves) are computed where the cat writes."""
     out = _tensor_val(node)
@@ -143,7 +175,7 @@ def _cat_shape(node: fx.Node) -> tuple[set[Any], None] | None:
     vals = [_tensor_val(p) for p in parts]
     if out is None or not vals or any(v is None or v.dim() != out.dim() for v in vals):
         return None
-    return {_numel(out), *(_numel(v) for v in vals)}, None
+    return _Member({_numel(out), *(_numel(v) for v in vals)}, gathers=True)
 
 
 def _folds_an_end(red: _Reduction) -> bool:
@@ -157,9 +189,9 @@ def _compatible(a: _Group, b: _Group) -> bool:
         return False
     reds = a.reductions | b.reductions
     if not reds:
-        if a.gathers or b.gathers:
-            return a.numels <= b.numels or b.numels <= a.numels
-        return len(a.numels) == 1 and a.numels == b.numels
+        # With a gather every member is computed at the indices its users read (a loop per output
+        # shape), so numels may differ; without one, one elementwise loop of one numel.
+        return a.gathers or b.gathers or (len(a.numels) == 1 and a.numels == b.numels)
     if a.gathers or b.gathers:
         return False
     if len(reds) > 1:  # mixed: one input shape (so one per set of axes), each over an end
@@ -179,19 +211,18 @@ class _Partitioner:
 
     def grow(self) -> None:
         for node in self.graph.nodes:
-            shape = _member_shape(node)
-            if shape is None:
+            member = _member_shape(node)
+            if member is None:
                 continue
-            group = self._new_group(node, *shape)
+            group = self._new_group(node, member)
             producers = list(dict.fromkeys(self.group_of[p] for p in node.all_input_nodes if p in self.group_of))
             for producer in producers:
                 if producer is not group and self._can_merge(producer, group, self.index[node]):
                     group = self._merge(producer, group)
 
-    def _new_group(self, node: fx.Node, numels: set[Any], reduction: _Reduction | None) -> _Group:
-        reductions = frozenset([reduction]) if reduction is not None else frozenset()
-        group = _Group([node], numels, reductions, _tensor_val(node).device,
-                       gathers=node.target is torch.ops.aten.cat.default)
+    def _new_group(self, node: fx.Node, member: _Member) -> _Group:
+        reductions = frozenset([member.reduction]) if member.reduction is not None else frozenset()
+        group = _Group([node], set(member.numels), reductions, _tensor_val(node).device, gathers=member.gathers)
         self.group_of[node] = group
         self.groups.append(group)
         return group

@@ -1,0 +1,138 @@
+"""Simplify the index expressions that views compose (nonnegative integer symbols only).
+
+A reshape unravels a flat index into axes and the next view ravels them again, so sympy is left
+with ``32*((2*c + 1)//32) + 2*((Mod(2*c + 1, 32))//2)`` where the loop only needs ``2*c``. In a
+vector loop each ``//`` and ``%`` of the loop variable is a division per element and turns a
+strided load into a gather. Three rules, applied bottom-up until nothing changes:
+
+- ``(a*x + b) // (a*n)  ->  x // n`` and ``(a*x + b) // a  ->  x``            (0 <= b < a)
+- ``Mod(a*x + b, a*n)   ->  a*Mod(x, n) + b``                                  (0 <= b < a)
+- ``k*m*(x // m) + k*Mod(x, m)  ->  k*x``                                      (the two halves of x)
+
+and, with bounds on the symbols, ``x // m -> 0`` and ``Mod(x, m) -> x`` where x < m.
+
+where ``a*x`` is a sum of terms whose integer coefficients are all multiples of ``a``.
+"""
+
+from __future__ import annotations
+
+import sympy
+from torch.utils._sympy.functions import FloorDiv
+
+
+def simplify_index(expr: sympy.Expr, bounds: dict[sympy.Symbol, int] | None = None) -> sympy.Expr:
+    """``expr`` simplified; ``bounds`` gives symbols' exclusive upper bounds (a loop's trip count),
+    which turn ``x // m`` into 0 and ``Mod(x, m)`` into x where x < m."""
+    for _ in range(16):  # each round removes at least one division or modulo; a few suffice
+        new = sympy.expand(_rewrite(expr, bounds or {}))
+        if new == expr:
+            return new
+        expr = new
+    return expr
+
+
+def _rewrite(expr: sympy.Expr, bounds: dict[sympy.Symbol, int]) -> sympy.Expr:
+    if not expr.args:
+        return expr
+    args = [_rewrite(a, bounds) for a in expr.args]
+    if isinstance(expr, (FloorDiv, sympy.Mod)):
+        top = _upper(args[0], bounds)
+        if args[1].is_Integer and top is not None and top < int(args[1]):
+            return sympy.Integer(0) if isinstance(expr, FloorDiv) else args[0]
+        return _floordiv(*args) if isinstance(expr, FloorDiv) else _mod(*args)
+    if isinstance(expr, sympy.Add):
+        return _join_halves(sympy.Add(*args))
+    return expr.func(*args)
+
+
+def _upper(expr: sympy.Expr, bounds: dict[sympy.Symbol, int]) -> int | None:
+    """The largest value ``expr`` can take, or None if unknown (nonnegative terms only)."""
+    if expr.is_Integer:
+        return int(expr)
+    if isinstance(expr, sympy.Symbol):
+        return bounds[expr] - 1 if expr in bounds else None
+    if isinstance(expr, sympy.Mod) and expr.args[1].is_Integer:
+        return int(expr.args[1]) - 1
+    if isinstance(expr, FloorDiv) and expr.args[1].is_Integer:
+        top = _upper(expr.args[0], bounds)
+        return None if top is None else top // int(expr.args[1])
+    if isinstance(expr, sympy.Add):
+        tops = [_upper(a, bounds) for a in expr.args]
+        return None if None in tops else sum(tops)
+    if isinstance(expr, sympy.Mul):
+        coeff, rest = expr.as_coeff_Mul()
+        top = _upper(rest, bounds)
+        return None if top is None or not coeff.is_Integer or coeff < 0 else int(coeff) * top
+    return None
+
+
+def _split(num: sympy.Expr, a: int) -> tuple[sympy.Expr, int] | None:
+    """``num`` as ``a*x + b`` with 0 <= b < a (x = the terms divided by a), or None."""
+    num = sympy.expand(num)
+    const = int(num.as_coeff_Add()[0]) if num.as_coeff_Add()[0].is_Integer else 0
+    rest = num - const
+    terms = sympy.Add.make_args(rest) if rest != 0 else ()
+    if not (0 <= const < a):
+        return None
+    parts = []
+    for t in terms:
+        coeff, factor = t.as_coeff_Mul()
+        if not coeff.is_Integer or int(coeff) % a:
+            return None
+        parts.append(sympy.Integer(int(coeff) // a) * factor)
+    return sympy.Add(*parts), const
+
+
+def _floordiv(num: sympy.Expr, den: sympy.Expr) -> sympy.Expr:
+    if den.is_Integer and int(den) > 1:
+        d = int(den)
+        for a in _common_divisors(num, d):
+            split = _split(num, a)
+            if split is not None:
+                x, _ = split
+                return x if a == d else FloorDiv(x, sympy.Integer(d // a))
+    return FloorDiv(num, den)
+
+
+def _mod(num: sympy.Expr, den: sympy.Expr) -> sympy.Expr:
+    if den.is_Integer and int(den) > 1:
+        d = int(den)
+        for a in _common_divisors(num, d):
+            split = _split(num, a)
+            if split is not None:
+                x, b = split
+                return b if a == d else a * sympy.Mod(x, sympy.Integer(d // a)) + b
+    return sympy.Mod(num, den)
+
+
+def _common_divisors(num: sympy.Expr, d: int) -> list[int]:
+    """Divisors a > 1 of d that divide every variable term's coefficient in num, largest first."""
+    g = 0
+    for t in sympy.Add.make_args(sympy.expand(num)):
+        coeff, factor = t.as_coeff_Mul()
+        if factor != 1:
+            g = sympy.igcd(g, int(coeff)) if coeff.is_Integer else 1
+    g = sympy.igcd(g, d) if g else 0
+    return [a for a in range(g, 1, -1) if g % a == 0 and d % a == 0]
+
+
+def _join_halves(expr: sympy.Expr) -> sympy.Expr:
+    """Replace ``k*m*(x//m) + k*Mod(x, m)`` inside a sum by ``k*x``."""
+    terms = list(sympy.Add.make_args(expr))
+    changed = True
+    while changed:
+        changed = False
+        for i, t in enumerate(terms):
+            kq, q = t.as_coeff_Mul()
+            if not (isinstance(q, FloorDiv) and q.args[1].is_Integer):
+                continue
+            x, m = q.args
+            for j, u in enumerate(terms):
+                kr, r = u.as_coeff_Mul()
+                if i != j and r == sympy.Mod(x, m) and kq == kr * m:
+                    terms = [v for n, v in enumerate(terms) if n not in (i, j)] + [kr * x]
+                    changed = True
+                    break
+            if changed:
+                break
+    return sympy.Add(*terms)

@@ -1,0 +1,42 @@
+"""Index simplification: the rewritten expression equals the original at every point checked."""
+
+from __future__ import annotations
+
+import itertools
+
+import sympy
+from torch.utils._sympy.functions import FloorDiv
+
+from accelrun.compile.codegen.index_simplify import simplify_index
+
+c, r = sympy.symbols("c r", integer=True, nonnegative=True)
+
+CASES = [
+    # a pair-unrolled loop's odd element through a (6, 16, 2) reshape and back: 2*c + 1
+    (32 * FloorDiv(1 + 2 * c, 32) + 2 * FloorDiv(sympy.Mod(1 + 2 * c, 32), 2) + 1, {}, 2 * c + 1),
+    # (16, 256) rows of a (16, 256, 192) tensor: one stride
+    (49152 * FloorDiv(r, 256) + 192 * sympy.Mod(r, 256), {}, 192 * r),
+    (32 * FloorDiv(sympy.Mod(c, 64), 32) + sympy.Mod(c, 32), {}, sympy.Mod(c, 64)),
+    # with c < 16 (the loop's trip count), c // 16 and c % 16 are 0 and c
+    (96 * FloorDiv(c, 16) + 2 * sympy.Mod(c, 16) + 5, {c: 16}, 2 * c + 5),
+    # nothing to do: a real head jump stays
+    (96 * FloorDiv(c, 16) + 2 * sympy.Mod(c, 16), {}, None),
+    (FloorDiv(3 * c + 1, 2), {}, None),  # 3 is no multiple of 2: left alone
+]
+
+
+def test_simplified_indices_agree_with_the_original_everywhere():
+    for expr, bounds, want in CASES:
+        got = simplify_index(expr, bounds)
+        if want is not None:
+            assert sympy.simplify(got - want) == 0, (expr, got)
+        top_c = bounds.get(c, 200)
+        for cv, rv in itertools.product(range(top_c), (0, 1, 255, 256, 1000)):
+            assert got.subs({c: cv, r: rv}) == expr.subs({c: cv, r: rv}), (expr, got, cv, rv)
+
+
+def test_unknown_bounds_keep_the_division():
+    assert simplify_index(FloorDiv(c, 16)) == FloorDiv(c, 16)
+    assert simplify_index(FloorDiv(c, 16), {c: 16}) == 0
+    assert simplify_index(sympy.Mod(c + 3, 16), {c: 13}) == c + 3
+    assert simplify_index(sympy.Mod(c + 3, 16), {c: 14}) != c + 3
