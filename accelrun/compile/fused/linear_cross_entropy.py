@@ -15,11 +15,14 @@ import torch
 import torch.nn.functional as F
 
 
-def _chunk_grads(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, valid: torch.Tensor):
-    """d(sum of the chunk's losses)/d logits: softmax(z) - onehot(target), zero on ignored rows."""
-    grad = torch.exp(z - lse[:, None])
-    grad = grad.scatter_add(1, target[:, None], -torch.ones_like(grad[:, :1]))
-    return grad * valid[:, None]
+def _chunk_grads(z: torch.Tensor, lse: torch.Tensor, onehot: torch.Tensor, target: torch.Tensor, ignore_index: int):
+    """d(sum of the chunk's losses)/d logits: softmax(z) - onehot(target), zero on ignored rows.
+
+    The row mask is computed here from the targets rather than shared with the loss: in a compiled
+    graph a shared mask joins the loss's region, which reads this one's results, and the product
+    with it would then be left outside both (one more pass over the logits)."""
+    keep = (target[:, None] != ignore_index).to(z.dtype)
+    return (torch.exp(z - lse[:, None]) - onehot.to(z.dtype)) * keep
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -37,6 +40,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want_weight = ctx.needs_input_grad[1]
         want_bias = bias is not None and ctx.needs_input_grad[2]
         out_dtype = torch.float32
+        classes = torch.arange(weight.shape[0], device=h.device)
         for h_c, t_c in zip(h_ND.split(chunk_rows), target_N.split(chunk_rows), strict=True):
             logits = F.linear(h_c, weight, bias)  # (rows, V), the only chunk-sized tensors live at once
             if not upcast:
@@ -44,11 +48,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             z = logits.to(acc)
             lse = torch.logsumexp(z, dim=-1)
             valid = t_c != ignore_index
-            safe_t = torch.where(valid, t_c, torch.zeros_like(t_c))
-            picked = z.gather(1, safe_t[:, None]).squeeze(1)
+            # The target's logit and the gradient's -1 through a one-hot comparison rather than
+            # gather and scatter: elementwise, so it fuses with the softmax around it (one pass
+            # over the logits) where a scatter would copy them first.
+            onehot = classes[None, :] == t_c[:, None]
+            picked = torch.where(onehot, z, 0.0).sum(1)
             total = total + torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
             if need_grads:
-                grad_z = _chunk_grads(z, lse, safe_t, valid).to(logits.dtype)
+                grad_z = _chunk_grads(z, lse, onehot, t_c, ignore_index).to(logits.dtype)
                 if ctx.needs_input_grad[0]:
                     grad_h_chunks.append(grad_z @ weight)
                 if want_weight:
