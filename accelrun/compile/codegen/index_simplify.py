@@ -83,26 +83,32 @@ def _split(num: sympy.Expr, a: int) -> tuple[sympy.Expr, int] | None:
     return sympy.Add(*parts), const
 
 
+def _factored(num: sympy.Expr, den: sympy.Expr) -> tuple[sympy.Expr, int, int, int] | None:
+    """``(x, b, a, d)`` with num = a*x + b, 0 <= b < a, a > 1 dividing the divisor d; None if none."""
+    if not (den.is_Integer and int(den) > 1):
+        return None
+    d = int(den)
+    for a in _common_divisors(num, d):
+        split = _split(num, a)
+        if split is not None:
+            return split[0], split[1], a, d
+    return None
+
+
 def _floordiv(num: sympy.Expr, den: sympy.Expr) -> sympy.Expr:
-    if den.is_Integer and int(den) > 1:
-        d = int(den)
-        for a in _common_divisors(num, d):
-            split = _split(num, a)
-            if split is not None:
-                x, _ = split
-                return x if a == d else FloorDiv(x, sympy.Integer(d // a))
-    return FloorDiv(num, den)
+    f = _factored(num, den)
+    if f is None:
+        return FloorDiv(num, den)
+    x, _, a, d = f
+    return x if a == d else FloorDiv(x, sympy.Integer(d // a))
 
 
 def _mod(num: sympy.Expr, den: sympy.Expr) -> sympy.Expr:
-    if den.is_Integer and int(den) > 1:
-        d = int(den)
-        for a in _common_divisors(num, d):
-            split = _split(num, a)
-            if split is not None:
-                x, b = split
-                return b if a == d else a * sympy.Mod(x, sympy.Integer(d // a)) + b
-    return sympy.Mod(num, den)
+    f = _factored(num, den)
+    if f is None:
+        return sympy.Mod(num, den)
+    x, b, a, d = f
+    return sympy.Integer(b) if a == d else a * sympy.Mod(x, sympy.Integer(d // a)) + b
 
 
 def _common_divisors(num: sympy.Expr, d: int) -> list[int]:
