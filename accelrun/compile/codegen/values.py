@@ -632,7 +632,7 @@ def _reduction(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value
     dims = _norm_dims(args[1] if has_dims and len(args) > 1 else kwargs.get("dim"), len(src.shape))
     keepdim = bool(args[2] if has_dims and len(args) > 2 else kwargs.get("keepdim", False))
     red = _make_reduce(op, src, dims, keepdim, _dtype(node), mean=t in (aten.mean.dim, aten.mean.default))
-    if _is_middle(dims, len(src.shape)) and math.prod(src.shape[d] for d in dims) <= MAX_UNROLLED_REDUCTION:
+    if is_short_middle_reduction(src.shape, dims):
         return _unrolled(g, red)
     if red.shape != _shape(node):
         raise Unsupported(f"reduction result shape {red.shape} differs from the graph's {_shape(node)}")
@@ -645,9 +645,13 @@ MAX_UNROLLED_REDUCTION = 8
 _COMBINE = {"sum": "add", "max": "maximum", "min": "minimum"}
 
 
-def _is_middle(dims: tuple[int, ...], ndim: int) -> bool:
-    k = len(dims)
-    return bool(dims) and dims != tuple(range(k)) and dims != tuple(range(ndim - k, ndim))
+def is_short_middle_reduction(shape: Sequence[Any], dims: tuple[int, ...]) -> bool:
+    """Folds middle axes (neither leading nor trailing) of at most ``MAX_UNROLLED_REDUCTION``
+    elements in all: unrolled into pointwise ops, so for the partitioner a gather, not a loop."""
+    k, n = len(dims), len(shape)
+    middle = bool(dims) and dims != tuple(range(k)) and dims != tuple(range(n - k, n))
+    sizes = [shape[d] for d in dims]
+    return middle and all(isinstance(s, int) for s in sizes) and math.prod(sizes) <= MAX_UNROLLED_REDUCTION
 
 
 def _unrolled(g: GraphValues, red: Reduce) -> Value:

@@ -20,7 +20,10 @@ The rules:
   and reductions over different axes may share a region (a norm's backward: the weight gradient and
   the row sums of the input gradient). Every member's numel (a pointwise output; a view's input and
   output) is then the reductions' input numel ("full") or one of their output numels ("reduced").
-  A region without reductions has a single numel. So a region is one elementwise loop, or loops
+  A region without reductions has a single numel, unless it holds a gather (a cat, a slice or
+  select, an expand of at most 8x, a sum over a few middle axes that code generators unroll): then
+  numels may differ, every member being computed at the indices its users read, one loop per
+  output shape (RoPE's halves and their cat; GQA's head sums). So a region is one elementwise loop, or loops
   over rows doing prologue, reductions and epilogue (softmax, RMSNorm), plus at most one loop
   accumulating columns; each loop recomputes the pointwise values it needs from the region's
   inputs rather than reading them from memory another loop wrote.
@@ -42,7 +45,7 @@ import torch
 from pydantic import Field
 from torch import fx
 
-from accelrun.compile.codegen.values import MAX_UNROLLED_REDUCTION
+from accelrun.compile.codegen.values import MAX_UNROLLED_REDUCTION, is_short_middle_reduction
 from accelrun.compile.op_kinds import node_kind
 from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
 from accelrun.compile.passes.dce import op_is_pure
@@ -143,7 +146,7 @@ def _member_shape(node: fx.Node) -> _Member | None:
     if dims is None:
         return None
     red = _Reduction(tuple(_size(s) for s in src.shape), dims, _numel(src), _numel(out))
-    if _unrolled(red):
+    if is_short_middle_reduction(red.in_shape, red.dims):
         return _Member({red.full, red.reduced}, gathers=True)
     return _Member({red.full, red.reduced}, red)
 
@@ -156,15 +159,6 @@ def _gathers(src: torch.Tensor, out: torch.Tensor) -> bool:
     if not (isinstance(n_src, int) and isinstance(n_out, int)) or n_src == n_out:
         return False
     return n_out < n_src or n_out <= n_src * MAX_UNROLLED_REDUCTION
-
-
-def _unrolled(red: _Reduction) -> bool:
-    """A reduction over a few middle axes, which code generators unroll into adds of slices
-    (``values._unrolled``): for regions a gather, not a loop over rows or columns."""
-    n, k = len(red.in_shape), len(red.dims)
-    middle = bool(red.dims) and red.dims not in (tuple(range(k)), tuple(range(n - k, n)))
-    sizes = [red.in_shape[d] for d in red.dims]
-    return middle and all(isinstance(s, int) for s in sizes) and math.prod(sizes) <= MAX_UNROLLED_REDUCTION
 
 
 def _cat_shape(node: fx.Node) -> _Member | None:
