@@ -410,7 +410,7 @@ def _affine_columns(piece: _Piece) -> _Piece:
 def _load_offsets(v: Value, idx: Index, bounds: dict[sympy.Symbol, int]) -> list[sympy.Expr]:
     """The element offsets a pointwise value reads its inputs at, for element ``idx``."""
     if isinstance(v, Input):
-        return [simplify_index(sum((i * s for i, s in zip(idx, v.stride, strict=True)), sympy.Integer(0)), bounds)]
+        return [_input_offset(v, idx, bounds)]
     if isinstance(v, View):
         return _load_offsets(v.src, v.index_map(idx), bounds)
     if isinstance(v, Op):
@@ -420,6 +420,11 @@ def _load_offsets(v: Value, idx: Index, bounds: dict[sympy.Symbol, int]) -> list
         return [o for part, lo in zip(v.parts, v.offsets, strict=False)
                 for o in _load_offsets(part, idx[: v.dim] + (pos - lo,) + idx[v.dim + 1:], bounds)]
     return []
+
+
+def _input_offset(v: Input, idx: Index, bounds: dict[sympy.Symbol, int]) -> sympy.Expr:
+    """Element ``idx`` of an input as an offset into its buffer (its strides), simplified."""
+    return simplify_index(sum((i * s for i, s in zip(idx, v.stride, strict=True)), sympy.Integer(0)), bounds)
 
 
 def _cast_like(part: Value, out: Value) -> Value:
@@ -669,8 +674,7 @@ class _KernelBuilder:
 
     def _value(self, v: Value, idx: Index) -> str:
         if isinstance(v, Input):
-            offset = simplify_index(sum((i * s for i, s in zip(idx, v.stride, strict=True)), sympy.Integer(0)),
-                                    self.bounds)
+            offset = _input_offset(v, idx, self.bounds)
             return self._emit("load", (f"in{v.position}", offset), v.ctype, depends_on_c=_uses(offset, C))
         if isinstance(v, Const):
             return self._const(v.value, v.ctype)
