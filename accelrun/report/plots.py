@@ -22,7 +22,7 @@ from typing import Any
 
 from accelrun.report.stats import median
 
-INSTALL_HINT = "pip install 'accelrun[plots]'  (or: pip install matplotlib)"
+INSTALL_HINT = "pip install matplotlib  (a dependency of accelrun; it is missing from this environment)"
 WIDTH_IN, HEIGHT_IN = 7.2, 2.7
 COLORS = ("#1f6fb4", "#e5731b", "#2a9d4b", "#c23b3b", "#8155ba", "#8c564b", "#d16bb3", "#6b6b6b")
 WARMUP_COLOR, COMPILE_COLOR, PROFILED_COLOR, COLOR_OUT = "#d9d9d9", "#c23b3b", "#e5a11b", "#555555"
