@@ -91,7 +91,9 @@ class ActivationCheckpointConfig(Section):
 class TrainConfig(Section):
     steps: PositiveInt = 300
     global_batch: PositiveInt = 16
-    micro_batch: PositiveInt = 16
+    micro_batch: PositiveInt | None = Field(
+        None, description="sequences per data-parallel rank per forward; None = global_batch / dp (no accumulation)"
+    )
     grad_accum: PositiveInt | None = Field(None, description="None = global_batch / (micro_batch × dp)")
     seq_len: PositiveInt = 256
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)

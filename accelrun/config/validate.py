@@ -32,6 +32,8 @@ def validate(data: dict[str, Any], sources: dict[KeyPath, Source]) -> RunConfig:
     problems = consistency_problems(cfg, sources)
     if problems:
         raise ConfigError(problems)
+    if cfg.train.micro_batch is None:  # checked above: global_batch divides by grad_accum × dp
+        cfg.train.micro_batch = cfg.train.global_batch // ((cfg.train.grad_accum or 1) * cfg.parallel.dp)
     return cfg
 
 
@@ -122,7 +124,7 @@ def consistency_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list
         return f"{path} = {value} ({source_of(parts, sources)})"
 
     out: list[str] = []
-    m, t, par = cfg.model, cfg.train, cfg.parallel
+    m, t = cfg.model, cfg.train
     if m.custom is None and m.kwargs:
         out.append(f"model.kwargs ({source_of(('model', 'kwargs'), sources)}) is only used with model.custom")
     if m.custom is None:
@@ -147,21 +149,45 @@ def consistency_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list
     out += _parallel_problems(cfg, v)
     out += _compile_problems(cfg, sources)
     if not out:  # batch arithmetic needs valid degrees
-        dp = par.dp
-        if t.global_batch % (t.micro_batch * dp):
-            out.append(
-                f"{v('train.global_batch')} is not divisible by {v('train.micro_batch')} × data-parallel degree {dp}"
-            )
-        elif t.grad_accum is not None and t.grad_accum * t.micro_batch * dp != t.global_batch:
-            out.append(
-                f"{v('train.grad_accum')} × {v('train.micro_batch')} × data-parallel degree {dp} "
-                f"!= {v('train.global_batch')}"
-            )
-        if par.degrees()["pp"] > 1:
-            mb = par.microbatches or par.degrees()["pp"]
-            if t.micro_batch % mb:
-                out.append(f"{v('train.micro_batch')} is not divisible by pipeline micro-batches {mb}")
+        out += _batch_problems(cfg, v)
     return out
+
+
+def _batch_problems(cfg: RunConfig, v) -> list[str]:
+    """global_batch = micro_batch × grad_accum × dp, each message with the values that would work."""
+    t, par = cfg.train, cfg.parallel
+    dp = par.dp
+    pp_mb = (par.microbatches or par.degrees()["pp"]) if par.degrees()["pp"] > 1 else 1
+    micro = t.micro_batch
+    if micro is None:  # derived: global_batch / (grad_accum × dp)
+        accum = t.grad_accum or 1
+        if t.global_batch % (accum * dp):
+            what = f"{v('train.grad_accum')} × data-parallel degree {dp}" if t.grad_accum else \
+                f"the data-parallel degree {dp}"
+            return [f"{v('train.global_batch')} is not divisible by {what}; "
+                    f"{_nearest_multiples('train.global_batch', t.global_batch, accum * dp)}"]
+        micro = t.global_batch // (accum * dp)
+    elif t.global_batch % (micro * dp):
+        fits = [m for m in range(1, t.global_batch // dp + 1) if (t.global_batch // dp) % m == 0
+                and m % pp_mb == 0] if t.global_batch % dp == 0 else []
+        hint = (f"train.micro_batch may be one of {', '.join(map(str, fits))} (global {t.global_batch} / dp {dp} "
+                f"= {t.global_batch // dp} per rank), or leave it unset to take {t.global_batch // dp}"
+                if fits else _nearest_multiples("train.global_batch", t.global_batch, micro * dp))
+        return [f"{v('train.global_batch')} is not divisible by {v('train.micro_batch')} × data-parallel "
+                f"degree {dp}; {hint}"]
+    elif t.grad_accum is not None and t.grad_accum * micro * dp != t.global_batch:
+        return [f"{v('train.grad_accum')} × {v('train.micro_batch')} × data-parallel degree {dp} "
+                f"!= {v('train.global_batch')}; leave train.grad_accum unset to take "
+                f"{t.global_batch // (micro * dp)}"]
+    if micro % pp_mb:
+        return [f"train.micro_batch = {micro} ({'global_batch / dp' if t.micro_batch is None else v('train.micro_batch')}) "
+                f"is not divisible by pipeline micro-batches {pp_mb} (parallel.microbatches, default pp)"]
+    return []
+
+
+def _nearest_multiples(key: str, value: int, step: int) -> str:
+    below, above = value // step * step, (value // step + 1) * step
+    return f"nearest {key} that works: " + (f"{below} or {above}" if below else f"{above}")
 
 
 def _parallel_problems(cfg: RunConfig, v) -> list[str]:

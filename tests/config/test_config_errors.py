@@ -58,7 +58,8 @@ def test_wrong_type_or_range_points_at_the_line(write, text, line, expect):
         (["model.dim=250"], "model.dim = 250 (override 'model.dim=250') is not divisible by model.n_heads = 8"),
         (["model.n_kv_heads=3"], "model.n_heads = 8 (default) is not divisible by model.n_kv_heads = 3"),
         (["train.micro_batch=5"], "train.global_batch = 16 (default) is not divisible by train.micro_batch = 5"),
-        (["train.grad_accum=3"], "train.grad_accum = 3 (override 'train.grad_accum=3') × train.micro_batch"),
+        (["train.grad_accum=3"], "not divisible by train.grad_accum = 3 (override 'train.grad_accum=3') × data-parallel"),
+        (["train.micro_batch=4", "train.grad_accum=3"], "train.grad_accum = 3 (override 'train.grad_accum=3') × train.micro_batch"),
         (["train.seq_len=4096"], "train.seq_len = 4096 (override 'train.seq_len=4096') exceeds model.max_seq_len"),
         (["model.vocab_size=200"], "smaller than the byte tokenizer's 258 ids"),
         (["parallel.tp=2"], "do not multiply to the world size parallel.nnodes × parallel.nproc_per_node = 1"),
@@ -76,6 +77,18 @@ def test_batch_must_divide_by_data_parallel_degree(write):
     p = write("ok.yaml", "name: x\n")
     msg = error_of(p, ["parallel.nproc_per_node=2", "train.global_batch=16", "train.micro_batch=16"])
     assert "× data-parallel degree 2" in msg
+    assert "train.micro_batch may be one of 1, 2, 4, 8" in msg and "leave it unset to take 8" in msg
+
+
+def test_unset_micro_batch_is_the_per_rank_share_of_the_global_batch(write):
+    p = write("ok.yaml", "name: x\n")
+    for ranks, micro in ((1, 16), (2, 8), (4, 4)):
+        cfg = load_config(p, [f"parallel.nproc_per_node={ranks}"], search_dirs=[]).config
+        assert (cfg.train.micro_batch, cfg.grad_accum) == (micro, 1)
+    cfg = load_config(p, ["parallel.nproc_per_node=2", "train.grad_accum=2"], search_dirs=[]).config
+    assert (cfg.train.micro_batch, cfg.grad_accum) == (4, 2)
+    msg = error_of(p, ["parallel.nproc_per_node=3"])
+    assert "not divisible by the data-parallel degree 3; nearest train.global_batch that works: 15 or 18" in msg
 
 
 def test_several_problems_are_reported_together(write):
