@@ -214,6 +214,23 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
             out.append(f"{v('model.n_heads')} and kv heads {m.kv_heads} must both be divisible by tensor-parallel degree {deg['tp']}")
         if m.n_layers < deg["pp"]:
             out.append(f"{v('model.n_layers')} is fewer than pipeline stages {deg['pp']}")
+        elif deg["pp"] > 1 and m.n_layers < deg["pp"] * PP_STAGES_PER_RANK[par.pp_schedule]:
+            out.append(f"{v('parallel.pp_schedule')} with {v('parallel.pp')} makes "
+                       f"{deg['pp'] * PP_STAGES_PER_RANK[par.pp_schedule]} stages, more than {v('model.n_layers')}")
+    if deg["pp"] > 1 and (m.custom is not None or m.tie_embeddings):
+        out.append(f"{v('parallel.pp')} needs the built-in Llama with untied embeddings "
+                   f"({v('model.custom')}, {v('model.tie_embeddings')})")
+    if deg["tp"] > 1 and m.custom is not None:
+        out.append(f"{v('parallel.tp')} needs the built-in Llama; {v('model.custom')}")
+    if deg["tp"] > 1 and m.tie_embeddings:
+        out.append(f"{v('parallel.tp')} with {v('model.tie_embeddings')} is not supported")
+    for key in ("sequence_parallel", "loss_parallel"):
+        # Stages exchange the residual stream and the last one computes the loss on plain tensors.
+        if getattr(par, key) and deg["pp"] > 1:
+            out.append(f"{v('parallel.' + key)} with {v('parallel.pp')} is not supported yet")
+    if par.loss_parallel and cfg.compile.backend != "eager" and cfg.compile.scope != "block":
+        out.append(f"{v('parallel.loss_parallel')} compiles only with compile.scope = block "
+                   f"({v('compile.scope')} would compile the sharded loss)")
     if par.fsdp_impl == "compiled":
         if cfg.compile.backend != "accelrun":
             out.append(f"{v('parallel.fsdp_impl')} needs compile.backend = accelrun (its all-gathers and "

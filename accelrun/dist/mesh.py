@@ -10,36 +10,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from accelrun.config.errors import ConfigError
-from accelrun.config.schema import ParallelConfig, RunConfig
+from accelrun.config.schema import ParallelConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-
-
-def check_supported(cfg: RunConfig) -> None:
-    """What this version cannot run yet, said before any process starts."""
-    from accelrun.dist.pipeline import STAGES_PER_RANK
-
-    par = cfg.parallel
-    deg = par.degrees()
-    if deg["pp"] > 1:
-        if cfg.model.custom is not None or cfg.model.tie_embeddings:
-            raise ConfigError(f"parallel.pp = {deg['pp']} needs the built-in Llama with untied embeddings "
-                              "(model.custom unset, model.tie_embeddings false)")
-        stages = deg["pp"] * STAGES_PER_RANK[par.pp_schedule]
-        if cfg.model.n_layers < stages:
-            raise ConfigError(f"parallel.pp_schedule = {par.pp_schedule} with parallel.pp = {deg['pp']} makes "
-                              f"{stages} stages, more than model.n_layers = {cfg.model.n_layers}")
-    if deg["tp"] > 1 and cfg.model.custom is not None:
-        raise ConfigError(f"parallel.tp = {deg['tp']} needs the built-in Llama; model.custom is set")
-    if deg["tp"] > 1 and cfg.model.tie_embeddings:
-        raise ConfigError(f"parallel.tp = {deg['tp']} with model.tie_embeddings = true is not supported")
-    for key in ("sequence_parallel", "loss_parallel"):
-        # Stages exchange the residual stream and the last one computes the loss on plain tensors.
-        if getattr(par, key) and deg["pp"] > 1:
-            raise ConfigError(f"parallel.{key} = true with parallel.pp = {deg['pp']} is not supported yet")
-    if par.loss_parallel and cfg.compile.backend != "eager" and cfg.compile.scope != "block":
-        raise ConfigError(f"parallel.loss_parallel = true compiles only with compile.scope = block "
-                          f"(compile.scope = {cfg.compile.scope} would compile the sharded loss)")
 
 
 def build_mesh(par: ParallelConfig, device_type: str, world_size: int) -> DeviceMesh:

@@ -84,7 +84,7 @@ def end_plan(model: nn.Module, sequence_parallel: bool, vocab_parallel_loss: boo
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
              loss_parallel: bool = False) -> None:
-    # The recipe was checked before launch (accelrun.dist.mesh.check_supported): a built-in,
+    # The recipe was checked before launch (accelrun.config.validate, parallel problems): a built-in,
     # untied Llama; sequence and loss parallelism without pipeline stages.
     parallelize_module(model, tp_mesh, end_plan(model, sequence_parallel, loss_parallel))
     blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers

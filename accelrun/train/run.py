@@ -25,7 +25,6 @@ from accelrun.config import ConfigError, ResolvedConfig
 from accelrun.config.resolve import explain_text
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.launch import JobOutcome, LaunchOptions, launch_job
-from accelrun.dist.mesh import check_supported
 from accelrun.dist.worker import cpu_rank_threads, rank_uses_cuda
 from accelrun.errors import TrainingDiverged, UserError
 from accelrun.report.env import collect_env
@@ -74,8 +73,6 @@ def train(
     """
     cfg = resolved.config
     console = console or Console(stderr=True)
-    if cfg.parallel.world_size > 1:
-        check_supported(cfg)
     if cfg.train.threads is not None:
         torch.set_num_threads(cfg.train.threads)  # before env.json records it and the peak probe runs
     launch = launch or LaunchOptions()
