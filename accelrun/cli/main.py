@@ -39,7 +39,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
     Examples:
       accelrun train configs/llama.yaml
       accelrun train configs/llama.yaml train.steps=50 train.precision=bf16-mixed
-      accelrun validate configs/llama.yaml parallel.tp=2
+      accelrun validate configs/llama.yaml parallel.nproc_per_node=2 parallel.tp=2
       accelrun config show configs/llama.yaml --explain
       accelrun recipes list
       accelrun ab configs/llama.yaml --a compile.backend=eager --b compile.backend=inductor

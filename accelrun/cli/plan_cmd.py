@@ -56,7 +56,7 @@ def command(config: str | None, overrides: tuple[str, ...], cluster: str | None,
     \b
     Examples:
       accelrun plan --calibrate                                  # measure this machine (cached)
-      accelrun plan configs/llama.yaml --cluster cpu-local
+      accelrun plan configs/llama.yaml --cluster cpu-local       # after --calibrate (exit 2 before)
       accelrun plan model/llama3-8b --cluster h100-8x train.seq_len=8192 train.micro_batch=2 \\
           train.global_batch=16 train.precision=bf16-mixed parallel.nproc_per_node=8
       accelrun plan model/llama3-70b --cluster h100-8x cluster.nodes=4 train.precision=bf16-mixed --search

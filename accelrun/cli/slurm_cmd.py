@@ -24,7 +24,7 @@ def command(config: str, overrides: tuple[str, ...], output: Path | None, partit
 
     \b
     Examples:
-      accelrun slurm configs/llama.yaml parallel.nnodes=4 parallel.nproc_per_node=8 -o job.sbatch
+      accelrun slurm configs/llama.yaml parallel.nnodes=4 parallel.nproc_per_node=8 train.global_batch=64 -o job.sbatch
       sbatch job.sbatch
     """
     from accelrun.dist.slurm import sbatch_script

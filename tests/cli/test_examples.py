@@ -1,0 +1,193 @@
+"""Every ``accelrun ...`` example in README.md and in each command's ``--help`` works as written.
+
+An example runs through the real command line (click parsing, recipe loading and validation). Cheap
+commands run whole; for the ones that would train or measure (train, ab, compile explain, compare,
+plan --calibrate), the function that does the work is replaced by one that stops the command once
+it is reached, so everything a user could get wrong before that point is checked. An example meant
+to fail says so (``# exit 2: ...``, or a README transcript whose next line is ``error: ...``) and
+must fail that way.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from accelrun.cli.main import cli
+from tests.conftest import REPO
+
+REDIRECTS = {"|", ">", ">>", "2>", "&&", ";"}
+
+
+@dataclass(frozen=True)
+class Example:
+    where: str  # README.md:LINE or "accelrun CMD --help"
+    text: str
+    comment: str
+    expected_error: str | None = None  # the README's transcript line after a `$ accelrun ...`
+
+    @property
+    def argv(self) -> list[str]:
+        words = shlex.split(self.text)
+        for i, w in enumerate(words):
+            if w in REDIRECTS:
+                words = words[:i]
+                break
+        return words
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = {}
+        for w in self.argv:
+            if w == "accelrun":
+                break
+            key, _, value = w.partition("=")
+            env[key] = value
+        return env
+
+    @property
+    def args(self) -> list[str]:
+        argv = self.argv
+        return argv[argv.index("accelrun") + 1:]
+
+    @property
+    def expected_exit(self) -> int:
+        m = re.search(r"\bexit (\d+)", self.comment)
+        return int(m.group(1)) if m else (2 if self.expected_error else 0)
+
+
+def _split_comment(line: str) -> tuple[str, str]:
+    """The command and its trailing ``# comment`` (a # inside quotes is part of the command)."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip(), line[i + 1:].strip()
+    return line.rstrip(), ""
+
+
+def _examples_in(lines: list[str], where: str, first_line: int = 1) -> list[Example]:
+    found: list[Example] = []
+    i = 0
+    while i < len(lines):
+        raw = lines[i].strip()
+        start = i
+        transcript = raw.startswith("$ ")
+        raw = raw[2:] if transcript else raw
+        words = raw.split()
+        is_example = any(w == "accelrun" for w in words[:1]) or (
+            words and re.fullmatch(r"[A-Z_]+=\S+", words[0]) and "accelrun" in words[1:2])
+        if not is_example:
+            i += 1
+            continue
+        command, comment = _split_comment(raw)
+        while command.endswith("\\") and i + 1 < len(lines):  # continuation lines
+            i += 1
+            more, more_comment = _split_comment(lines[i].strip())
+            command = command[:-1].rstrip() + " " + more
+            comment = comment or more_comment
+        expected = None
+        if transcript and i + 1 < len(lines) and lines[i + 1].strip().startswith("error:"):
+            expected = lines[i + 1].strip()
+        found.append(Example(f"{where}:{first_line + start}", command, comment, expected))
+        i += 1
+    return found
+
+
+def readme_examples() -> list[Example]:
+    lines = (REPO / "README.md").read_text().splitlines()
+    examples, block, start = [], None, 0
+    for n, line in enumerate(lines):
+        if line.startswith("```"):
+            if block is None:
+                block, start = [], n + 2
+            else:
+                examples += _examples_in(block, "README.md", start)
+                block = None
+        elif block is not None:
+            block.append(line)
+    return examples
+
+
+def _commands(group: click.Group, prefix: str):
+    for name, cmd in sorted(group.commands.items()):
+        yield f"{prefix} {name}", cmd
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, f"{prefix} {name}")
+
+
+def help_examples() -> list[Example]:
+    examples = _examples_in((cli.help or "").splitlines(), "accelrun --help")
+    for path, cmd in _commands(cli, "accelrun"):
+        examples += _examples_in((cmd.help or "").splitlines(), f"{path} --help")
+    return examples
+
+
+ALL = readme_examples() + help_examples()
+
+
+class Reached(Exception):
+    """The command got as far as the work itself: everything before it was valid."""
+
+
+def _stop(*args, **kwargs):
+    raise Reached()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A user's project folder: the repo's configs/, a small text corpus, and the heavy work stubbed."""
+    shutil.copytree(REPO / "configs", tmp_path / "configs")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("def f(x):\n    return x + 1\n" * 400)
+    monkeypatch.chdir(tmp_path)
+    import accelrun.cli.ab_cmd as ab_cmd
+    import accelrun.cli.compare_cmd as compare_cmd
+    import accelrun.cli.plan_cmd as plan_cmd
+    import accelrun.train.explain_step as explain_step
+    import accelrun.train.run as train_run
+
+    monkeypatch.setattr(train_run, "train", _stop)
+    monkeypatch.setattr(ab_cmd, "run_ab", _stop)
+    monkeypatch.setattr(explain_step, "explain_step", _stop)
+    monkeypatch.setattr(compare_cmd, "load_run", _stop)
+    monkeypatch.setattr(plan_cmd, "_calibrate", _stop)
+    return tmp_path
+
+
+def test_examples_were_found():
+    """The extraction itself: the README's headline examples and every command's help are seen."""
+    texts = [e.text for e in ALL]
+    assert "accelrun train configs/llama.yaml parallel.nproc_per_node=2" in texts
+    assert any(e.where.startswith("accelrun slurm --help") for e in ALL)
+    assert any("--rdzv-endpoint node0:29500" in t for t in texts)  # a continuation line was joined
+    assert len(ALL) > 60
+
+
+@pytest.mark.parametrize("example", ALL, ids=[f"{e.where}" for e in ALL])
+def test_example_runs_as_written(example: Example, workdir: Path, monkeypatch: pytest.MonkeyPatch):
+    if example.args[:2] == ["train", "configs/llama.yaml"] and "data.source=tokens" in example.args:
+        assert CliRunner().invoke(cli, ["data", "prepare", "corpus/*.txt", "-o", "data/corpus.tok"]).exit_code == 0
+    for key, value in example.env.items():
+        Path(value.replace("~", str(workdir))).expanduser().mkdir(parents=True, exist_ok=True)
+        monkeypatch.setenv(key, value.replace("~", str(workdir)))
+    result = CliRunner().invoke(cli, example.args)
+    reached = isinstance(result.exception, Reached)
+    code = 0 if reached else result.exit_code
+    detail = f"{example.where}: {example.text}\nexit {code}\n{result.output}"
+    if result.exception is not None and not reached and not isinstance(result.exception, SystemExit):
+        raise AssertionError(detail) from result.exception
+    assert code == example.expected_exit, detail
+    if example.expected_error:
+        shown = example.expected_error.split("...")[0]
+        assert shown in " ".join(result.output.split()), detail
