@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch._decomp import core_aten_decompositions
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
-from accelrun.compile.codegen.loop_ir import Kernel, cached_program
+from accelrun.compile.codegen import triton as triton_codegen
+from accelrun.compile.codegen.loop_ir import Block, Kernel, Reduction, cached_program
 from accelrun.compile.codegen.triton import cols_split, launches
 from accelrun.compile.executors.triton import TritonExecutor
 from accelrun.compile.extract import extract_regions
@@ -91,6 +92,10 @@ CASES = {
     # one max and one sum for both; exp kept from the sum's pass for softmax's epilogue
     "softmax_log_softmax": lambda: (lambda x: torch.softmax(x, -1) + torch.log_softmax(x, -1),
                                     torch.randn(5, 24, requires_grad=True)),
+    # exp kept in a row buffer by the sum's pass for the division's (recomputed when rows are looped)
+    "exp_normalised": lambda: (lambda x: (x - x.amax(-1, keepdim=True)).exp().div((x - x.amax(-1, keepdim=True))
+                                                                                 .exp().sum(-1, keepdim=True)),
+                               torch.randn(5, 40, requires_grad=True)),
     # column reductions cut into row chunks (two stages: partials, then the final kernel)
     "rmsnorm_split_cols": lambda: (rmsnorm, torch.randn(4, 32, 72, requires_grad=True),
                                    torch.randn(72, requires_grad=True)),
@@ -126,9 +131,70 @@ def test_unavailable_without_gpu_or_interpreter(monkeypatch):
     assert "TRITON_INTERPRET" in TritonExecutor().unavailable_reason()
 
 
-def test_declines_a_row_too_long_for_one_tile(interpret):
-    gm_region = regions_of(lambda x: torch.softmax(x, -1) * 2, torch.randn(2, 20000, requires_grad=True))[0]
-    assert "too long" in TritonExecutor().decline_reason(gm_region)
+ROW_CASES = ["rmsnorm_fp32", "rmsnorm_bf16", "cross_entropy", "rmsnorm_sin_one_region", "softmax_log_softmax",
+             "exp_normalised"]
+
+
+@pytest.mark.parametrize("name", ROW_CASES)
+def test_row_reductions_in_a_loop_under_the_interpreter(interpret, tmp_path, monkeypatch, name):
+    """Every row reduction walked in chunks of 16 columns (rows of 24 and 40: a partial last chunk),
+    as rows longer than MAX_ROW are; softmax's exp, kept in a row buffer by the loop IR, recomputed."""
+    monkeypatch.setattr(triton_codegen, "MAX_ROW", 16)
+    monkeypatch.setattr(triton_codegen, "LOOP_BLOCK_N", 16)
+    fn, *args = CASES[name]()
+    regions = regions_of(fn, *args)
+    looped = [r for r in regions if any(triton_codegen.looped(k) for k in cached_program(r).kernels)]
+    assert looped, "no region has a row reduction"
+    for region in regions:
+        check(region, str(tmp_path))
+    assert all("for c0 in range(0, " in r.facts["source"] for r in looped)
+    if name == "exp_normalised":  # the row buffer's value is recomputed, not read from a variable
+        assert any(k.row_buffers for r in looped for k in cached_program(r).kernels)
+
+
+VOCAB = 128256  # Llama 3's vocabulary
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocabulary_wide_softmax_and_cross_entropy_in_triton(interpret, tmp_path, dtype):
+    """Rows of a 128K vocabulary are claimed (not declined to ATen) and match eager: softmax's and
+    cross-entropy's regions, forward and backward, 3 rows."""
+    for fn, *args in [(lambda x: torch.softmax(x, -1) * 2, torch.randn(3, VOCAB, dtype=dtype, requires_grad=True)),
+                      (lambda lg, t: F.cross_entropy(lg.float(), t), torch.randn(3, VOCAB, dtype=dtype,
+                                                                                requires_grad=True),
+                       torch.randint(0, VOCAB, (3,)))]:
+        regions = regions_of(fn, *args)
+        wide = [r for r in regions if any(k.cols == VOCAB and triton_codegen.looped(k)
+                                          for k in cached_program(r).kernels)]
+        assert wide
+        for region in regions:
+            check(region, str(tmp_path))
+
+
+def test_grids_stay_within_cuda_limits():
+    """Tiles are numbered along grid axis 0 (limit 2**31 - 1), never 65,535 column blocks on axis 1:
+    a 1-d tensor of 2**27 elements, 2**17 rows of a norm, a column reduction over 2**20 rows."""
+    pointwise = Kernel("kernel0", "rows", (), (2**27,))
+    assert triton_codegen.grid(pointwise) == (2**27 // 1024,)
+    rows = Kernel("kernel0", "rows", (2**17,), (4096,), blocks=[Block("inner", reductions=[Reduction("a", "sum", "x",
+                                                                                                    "f32")])])
+    assert triton_codegen.grid(rows) == (2**17,) and triton_codegen.tiles(rows) == (1, 4096)
+    wide = Kernel("kernel0", "rows", (70000,), (VOCAB,), blocks=rows.blocks)
+    assert triton_codegen.grid(wide) == (70000,) and triton_codegen.tiles(wide) == (1, triton_codegen.LOOP_BLOCK_N)
+    cols = triton_codegen.grid(Kernel("kernel0", "cols", (2**20,), (4096,)))
+    assert all(n <= limit for n, limit in zip(cols, (2**31 - 1, 65535), strict=False))
+    for g in (triton_codegen.grid(pointwise), triton_codegen.grid(rows), triton_codegen.grid(wide), cols):
+        assert len(g) <= 2 and all(n <= 65535 for n in g[1:])
+
+
+def test_pointwise_tiles_on_one_grid_axis_under_the_interpreter(interpret, tmp_path, monkeypatch):
+    """Rows and column blocks numbered together on axis 0: 3 x 5 tiles of a (10, 80) pointwise region."""
+    monkeypatch.setattr(triton_codegen, "TILE_ELEMENTS", 64)
+    (region,) = [r for r in regions_of(lambda x: (x * 2).exp(), torch.randn(10, 80, requires_grad=True))
+                 if r.graph_kind == "forward"]
+    check(region, str(tmp_path))
+    (ln,) = launches(cached_program(region))
+    assert ln.grid == (-(-10 // ln.block_r) * -(-80 // ln.block_n),) and ln.grid[0] > 1
 
 
 def test_column_reduction_of_a_norm_weight_gradient_is_split():

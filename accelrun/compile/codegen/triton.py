@@ -3,7 +3,11 @@
 Each program instance takes a ``BLOCK_R x BLOCK_N`` tile: ``r`` is a column vector of rows, ``c`` a
 row vector of columns, so per-row (``outer``) values are ``[BLOCK_R, 1]`` and per-element (``inner``)
 values ``[BLOCK_R, BLOCK_N]``. A kernel with row reductions holds a whole row in one tile
-(``tl.sum(..., axis=1)``); a column reduction loops over row tiles. Shapes are baked in as literals.
+(``tl.sum(..., axis=1)``) when the row is at most ``MAX_ROW`` long; a longer row (a vocabulary's
+softmax) is walked in ``LOOP_BLOCK_N`` chunks, one loop per inner block, folding each chunk into a
+tile of partial accumulators (a value an earlier pass kept in a row buffer is recomputed instead). A
+column reduction loops over row tiles. Shapes are baked in as literals. Grids are one-dimensional
+where CUDA allows 2**31 - 1 programs (axes 1 and 2 allow 65,535).
 
 The module is written into the cache directory (named by a hash of its text) and imported from
 there, since ``triton.jit`` reads kernel source from files. On a CPU it runs under
@@ -27,7 +31,9 @@ from accelrun.compile.codegen.index_print import print_index
 from accelrun.compile.codegen.loop_ir import Block, Buffer, Kernel, LoopProgram, Reduction, Stmt, Unsupported
 
 TILE_ELEMENTS = 4096  # elements a program instance works on, when the shapes allow
-MAX_ROW = 16384  # a row reduced in one tile cannot be longer than this
+MAX_ROW = 8192  # a row reduced in one tile is at most this long; longer rows are reduced in a loop
+LOOP_BLOCK_N = 2048  # columns per step of a looped row reduction
+MAX_GRID = (2**31 - 1, 65535, 65535)  # CUDA's limits on a launch grid's axes
 MIN_WARPS, MAX_WARPS = 2, 16
 # Column reductions: columns per program, and how many programs to aim for (a few per SM of a large
 # GPU) by cutting the rows into chunks of at least MIN_TILES_PER_CHUNK tiles each.
@@ -125,14 +131,19 @@ def cols_split(kernel: Kernel) -> ColsSplit:
     return ColsSplit(block_r, block_n, col_blocks, chunks, per_chunk * block_r)
 
 
+def looped(kernel: Kernel) -> bool:
+    """True when a kernel's row reductions walk the row in chunks (rows longer than ``MAX_ROW``)."""
+    return kernel.kind == "rows" and kernel.has_reductions and kernel.trips > MAX_ROW
+
+
 def tiles(kernel: Kernel) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_N) of a kernel: whole rows when it reduces them."""
+    """(BLOCK_R, BLOCK_N) of a kernel: whole rows when it reduces them, up to ``MAX_ROW``."""
     if kernel.kind == "cols":
         split = cols_split(kernel)
         return split.block_r, split.block_n
+    if looped(kernel):
+        return 1, LOOP_BLOCK_N
     if kernel.has_reductions:
-        if kernel.trips > MAX_ROW:
-            raise Unsupported(f"a row of {kernel.cols} elements is too long for one Triton tile")
         block_n = _pow2(kernel.trips)
     else:
         block_n = min(_pow2(kernel.trips), 1024)
@@ -140,12 +151,26 @@ def tiles(kernel: Kernel) -> tuple[int, int]:
     return block_r, block_n
 
 
-def grid(kernel: Kernel) -> tuple[int, int]:
+def blocks_per_axis(kernel: Kernel) -> tuple[int, int]:
+    """A rows kernel's tiles: (row blocks, column blocks); a looped kernel has one column block."""
     block_r, block_n = tiles(kernel)
+    return -(-kernel.rows // block_r), 1 if looped(kernel) else -(-kernel.trips // block_n)
+
+
+def grid(kernel: Kernel) -> tuple[int, ...]:
+    """The launch grid. A rows kernel's tiles are numbered along axis 0 (column blocks fastest), so
+    neither many rows nor a long 1-d tensor's column blocks meet axis 1's limit of 65,535."""
     if kernel.kind == "cols":
         split = cols_split(kernel)
-        return (split.col_blocks, split.chunks)
-    return (-(-kernel.rows // block_r), -(-kernel.trips // block_n))
+        return _checked((split.col_blocks, split.chunks))
+    row_blocks, col_blocks = blocks_per_axis(kernel)
+    return _checked((row_blocks * col_blocks,))
+
+
+def _checked(g: tuple[int, ...]) -> tuple[int, ...]:
+    if any(n > limit for n, limit in zip(g, MAX_GRID, strict=False)):
+        raise Unsupported(f"launch grid {list(g)} exceeds CUDA's limits {list(MAX_GRID)}")
+    return g
 
 
 @dataclass(frozen=True)
@@ -261,11 +286,20 @@ class _KernelWriter:
         if k.kind == "cols":
             self._write_cols()
             return
+        if looped(k):
+            self._write_looped()
+            return
         args = _kernel_buffers(k.blocks, self.all_buffers)
+        row_blocks, col_blocks = blocks_per_axis(k)
         e.line("@triton.jit")
         with e.block(f"def {kernel_name(k)}({', '.join(args)}, {CONSTEXPRS}):"):
-            e.line("r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
-            e.line("c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
+            row_block, col_block = "tl.program_id(0)", "tl.program_id(0)"
+            if col_blocks > 1 and row_blocks > 1:
+                row_block, col_block = f"(tl.program_id(0) // {col_blocks})", f"(tl.program_id(0) % {col_blocks})"
+            r0 = f"{row_block} * BLOCK_R + " if row_blocks > 1 else ""
+            c0 = f"{col_block} * BLOCK_N + " if col_blocks > 1 else ""
+            e.line(f"r = {r0}tl.arange(0, BLOCK_R)[:, None]")
+            e.line(f"c = {c0}tl.arange(0, BLOCK_N)[None, :]")
             e.line(f"rmask = r < {k.rows}")
             e.line(f"mask = rmask & (c < {k.trips})")
             e.line("zero_outer = r * 0")
@@ -279,6 +313,62 @@ class _KernelWriter:
                     full = f"tl.where(mask, {red.value} + zero_inner.to({TL_TYPE[red.ctype]}), {init})"
                     e.line(f"{red.name} = {TL_REDUCE[red.op].format(full, 1)}[:, None]")
                 self._stores(block, mask, f"zero_{level}")
+
+    def _write_looped(self) -> None:
+        """Rows longer than one tile: each inner block is a loop over the row, ``BLOCK_N`` columns a
+        step, folding its reductions into ``[BLOCK_R, BLOCK_N]`` partials that are reduced across the
+        tile after the loop. Registers stay bounded by the chunk, whatever the row's length. A value
+        the loop IR keeps in a row buffer for a later pass is recomputed there (the row is not held)."""
+        e, k = self.e, self.k
+        args = _kernel_buffers(k.blocks, self.all_buffers)
+        sources = {st.buffer: (b, st.value) for b in k.blocks for st in b.stores if st.buffer in self.rows}
+        e.line("@triton.jit")
+        with e.block(f"def {kernel_name(k)}({', '.join(args)}, {CONSTEXPRS}):"):
+            e.line("r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
+            e.line(f"rmask = r < {k.rows}")
+            e.line("zero_outer = r * 0")
+            for block in k.blocks:
+                if block.level != "inner":
+                    self._stmts(block.stmts, "rmask", "zero_outer")
+                    self._stores(block, "rmask", "zero_outer")
+                    continue
+                for red in block.reductions:
+                    e.line(f"{red.name}_part = tl.full([BLOCK_R, BLOCK_N], {IDENTITY[red.op, red.ctype]}, "
+                           f"{TL_TYPE[red.ctype]})")
+                with e.block(f"for c0 in range(0, {k.trips}, BLOCK_N):"):
+                    e.line("c = c0 + tl.arange(0, BLOCK_N)[None, :]")
+                    e.line(f"mask = rmask & (c < {k.trips})")
+                    e.line("zero_inner = r * 0 + c * 0")
+                    emitted: set[str] = set()
+                    for st in block.stmts:
+                        self._recompute(st.name, block, sources, emitted)
+                    for red in block.reductions:
+                        init = IDENTITY[red.op, red.ctype]
+                        value = f"tl.where(mask, {red.value} + zero_inner.to({TL_TYPE[red.ctype]}), {init})"
+                        e.line(f"{red.name}_part = " + COMBINE[red.op].format(a=f"{red.name}_part", b=value))
+                    self._stores(block, "mask", "zero_inner", keep_rows=False)
+                for red in block.reductions:
+                    e.line(f"{red.name} = {TL_REDUCE[red.op].format(red.name + '_part', 1)}[:, None]")
+
+    def _recompute(self, name: str, block: Block, sources: dict[str, tuple[Block, str]], emitted: set[str]) -> None:
+        """Emit the statement of ``block`` that defines ``name``, after those it needs; a load from a
+        row buffer becomes the statements of the earlier block that computed the stored value."""
+        if name in emitted:
+            return
+        stmt = next((st for st in block.stmts if st.name == name), None)
+        if stmt is None:
+            return  # a per-row value (or a finished reduction): live in the whole kernel
+        emitted.add(name)
+        if stmt.op == "load" and stmt.args[0] in self.rows:
+            earlier, value = sources[stmt.args[0]]
+            self._recompute(value, earlier, sources, emitted)
+            self.e.line(f"{name} = {value}")
+            return
+        if stmt.op not in ("load", "const", "index"):
+            for arg in stmt.args:
+                if isinstance(arg, str):
+                    self._recompute(arg, block, sources, emitted)
+        self.e.line(f"{name} = {self._expr(stmt, 'mask', 'zero_inner')}")
 
     def _write_cols(self) -> None:
         """A column reduction: each program takes ``BLOCK_N`` columns and a chunk of the rows, folding
@@ -366,10 +456,11 @@ class _KernelWriter:
         expr = OPS[s.op].format(*s.args)
         return f"({expr}).to({TL_TYPE[s.ctype]})" if s.op == "sign" else expr
 
-    def _stores(self, block: Block, mask: str, zero: str) -> None:
+    def _stores(self, block: Block, mask: str, zero: str, keep_rows: bool = True) -> None:
         for st in block.stores:
             if st.buffer in self.rows:
-                self.e.line(f"{st.buffer} = {st.value}")
+                if keep_rows:
+                    self.e.line(f"{st.buffer} = {st.value}")
                 continue
             buf = self.buffers[st.buffer]
             ptr = f"{buf.name} + {print_index(st.index, 'triton')} + {zero}"
