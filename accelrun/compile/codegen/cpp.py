@@ -387,7 +387,8 @@ class CppRegion:
         if len(args) != len(self.inputs):
             raise TypeError(f"compiled region takes {len(self.inputs)} inputs, got {len(args)}")
         ins = [_conform(t, b) for t, b in zip(args, self.inputs, strict=True)]
-        outs = [torch.empty(b.shape, dtype=b.dtype) for b in self.outputs]
+        # Outputs take the strides the kernel writes (those eager gave the node: loop_ir.output_strides).
+        outs = [torch.empty_strided(b.shape, b.stride, dtype=b.dtype) for b in self.outputs]
         temps = [torch.empty(b.shape, dtype=b.dtype) for b in self.temps]
         ptrs = self._ptrs(*[t.data_ptr() for t in (*ins, *outs, *temps)])
         self.fn(ptrs, torch.get_num_threads())

@@ -167,6 +167,17 @@ class LoopProgram:
         return "\n".join(lines)
 
 
+def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Do these strides lay the elements out without gaps or overlaps (a permutation of a contiguous
+    layout)? Axes of size 1 may have any stride."""
+    step = 1
+    for size, st in sorted(((n, st) for n, st in zip(shape, stride, strict=True) if n != 1), key=lambda a: a[1]):
+        if st != step:
+            return False
+        step *= size
+    return True
+
+
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     out, step = [], 1
     for s in reversed(shape):
@@ -182,10 +193,30 @@ def lower_region(region: Any) -> LoopProgram:
 
 def lower_graph(gm: torch.fx.GraphModule, input_meta: Sequence[Any], output_meta: Sequence[Any]) -> LoopProgram:
     values = GraphValues(gm, input_meta)
+    strides = []
     for out, meta in zip(values.outputs, output_meta, strict=False):
         if isinstance(meta, torch.Tensor) and (tuple(meta.shape) != out.shape or meta.dtype != out.dtype):
             raise Unsupported(f"output meta {tuple(meta.shape)} {meta.dtype} disagrees with the graph")
-    return _Scheduler(values).program()
+        strides.append(output_strides(meta, out.shape))
+    return _Scheduler(values, strides).program()
+
+
+def output_strides(meta: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides a region output is written with: those of the node's ``meta["val"]``, i.e. what
+    eager produced. The graph after the region was traced against them: a ``permute`` then ``view``
+    of an output that eager laid out (B, T, H, D) but a kernel wrote contiguous (B, H, T, D) fails,
+    and an ``as_strided`` would read the wrong elements. A dense layout (any permutation of a
+    contiguous one) is written as it is; an output that is not dense (an expand's zero strides, a
+    slice) cannot be written by one kernel, so the region is declined."""
+    if not isinstance(meta, torch.Tensor):
+        return contiguous_strides(shape)
+    stride = tuple(int(s) for s in meta.stride())
+    if meta.numel() <= 1 or stride == contiguous_strides(shape):
+        return contiguous_strides(shape)
+    if not is_dense(shape, stride):
+        raise Unsupported(f"output {list(shape)} with strides {list(stride)} is not dense (a view "
+                          "of a larger tensor, or an expand); kernels write dense outputs")
+    return stride
 
 
 # -- scheduling: which kernel computes each reduction and each output ------------------------------
@@ -239,8 +270,10 @@ def _domain_of(red: Reduce) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
 
 
 class _Scheduler:
-    def __init__(self, values: GraphValues) -> None:
+    def __init__(self, values: GraphValues, out_strides: Sequence[tuple[int, ...]] = ()) -> None:
         self.values = values
+        # Strides of each output buffer (``output_strides``); missing ones are contiguous.
+        self.out_strides = list(out_strides)
         reds: list[Reduce] = []
         seen: set[int] = set()
         for out in values.outputs:
@@ -311,7 +344,8 @@ class _Scheduler:
         out_buffer: dict[int, str] = {}
         self.also_stored: dict[int, list[str]] = {}  # a reduction that is several outputs
         for j, out in enumerate(values.outputs):
-            buffers.append(Buffer(f"out{j}", "output", out.shape, contiguous_strides(out.shape), out.dtype))
+            stride = self.out_strides[j] if j < len(self.out_strides) else contiguous_strides(out.shape)
+            buffers.append(Buffer(f"out{j}", "output", out.shape, stride, out.dtype))
             if isinstance(out, Reduce):
                 if id(out) in out_buffer:
                     self.also_stored.setdefault(id(out), []).append(f"out{j}")
@@ -325,6 +359,7 @@ class _Scheduler:
                     temps[red_id] = Buffer(f"tmp{len(temps)}", "temp", red.shape, contiguous_strides(red.shape),
                                            torch.float32 if red.ctype == "f32" else torch.int64)
             red_buffers = {**{k: b.name for k, b in temps.items()}, **out_buffer}
+            self.buffer_strides = {b.name: b.stride for b in buffers + list(temps.values())}
             kernels, needs = [], []
             for n, plan in enumerate(self.plans):
                 kernel, foreign = _build_kernel(self, plan, f"kernel{n}", red_buffers, materialize)
@@ -591,7 +626,16 @@ class _KernelBuilder:
 
     def _store(self, buffer: str, shape: tuple[int, ...], idx: Index, value: str) -> None:
         target = self.inner if self.inner is not None else self.outer
-        target.stores.append(Store(buffer, simplify_index(ravel(idx, shape), self.bounds), value))
+        target.stores.append(Store(buffer, self._offset(buffer, shape, idx), value))
+
+    def _offset(self, buffer: str, shape: tuple[int, ...], idx: Index) -> sympy.Expr:
+        """Element ``idx`` of a buffer the program writes, at that buffer's strides."""
+        stride = self.sched.buffer_strides.get(buffer)
+        if stride is None or stride == contiguous_strides(shape):
+            flat = ravel(idx, shape)
+        else:
+            flat = sum((i * s for i, s in zip(idx, stride, strict=True)), sympy.Integer(0))
+        return simplify_index(flat, self.bounds)
 
     # -- statements -------------------------------------------------------------------------------
     def _fresh(self, prefix: str = "t") -> str:
@@ -743,7 +787,7 @@ class _KernelBuilder:
         buf = self.red_buffers.get(id(red))
         if buf is None:  # materialised in the next round of scheduling
             return self._const(0, red.ctype)
-        offset = simplify_index(ravel(idx, red.shape), self.bounds)
+        offset = self._offset(buf, red.shape, idx)
         return self._emit("load", (buf, offset), red.ctype, depends_on_c=_uses(offset, C))
 
 

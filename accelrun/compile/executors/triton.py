@@ -41,9 +41,36 @@ class TritonExecutor(GeneratedCodeExecutor):
         # A hit: the module is on disk from an earlier run, and Triton's own cache (TRITON_CACHE_DIR,
         # ~/.triton/cache by default) holds its kernels' binaries, keyed by the same source.
         region.facts["cache_hit"] = module_path(source, cache_dir).exists()
-        return TritonRegion(cached_program(region), load_module(source, cache_dir))
+        program = cached_program(region)
+        return with_output_strides(TritonRegion(program, load_module(source, cache_dir)), program)
 
     def generate(self, program) -> str:
         from accelrun.compile.codegen.triton import triton_source
 
         return triton_source(program)
+
+
+def with_output_strides(fn: RegionFn, program) -> RegionFn:
+    """``fn`` whose outputs carry the strides the kernels wrote them with.
+
+    The loop program stores an output at its buffer's strides (eager's layout of the node: a
+    permuted but dense one, see ``loop_ir.output_strides``). A region call that allocates its outputs
+    contiguous holds exactly those elements in its storage, so viewing that storage with the
+    buffer's strides is the output, at no copy."""
+    from accelrun.compile.codegen.loop_ir import contiguous_strides
+
+    outs = program.of_role("output")
+    restride = [(k, b.shape, b.stride) for k, b in enumerate(outs) if b.stride != contiguous_strides(b.shape)]
+    return _Restrided(fn, restride) if restride else fn
+
+
+class _Restrided:
+    def __init__(self, fn: RegionFn, restride: list) -> None:
+        self.fn, self.restride = fn, restride
+
+    def __call__(self, *args):
+        result = list(self.fn(*args))
+        for k, shape, stride in self.restride:
+            if result[k].stride() != stride:
+                result[k] = result[k].as_strided(shape, stride)
+        return tuple(result)
