@@ -46,6 +46,7 @@ def command(config: str, overrides: tuple[str, ...], nnodes: int | None, node_ra
     """
     from accelrun.dist.launch import LaunchOptions
     from accelrun.dist.slurm import launch_from_slurm
+    from accelrun.dist.stop import exit_code
     from accelrun.train.run import train  # torch is imported only now
 
     launch = LaunchOptions(node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
@@ -59,7 +60,7 @@ def command(config: str, overrides: tuple[str, ...], nnodes: int | None, node_ra
     resolved = load(config, overrides)
     command_line = shlex.join(["accelrun", *sys.argv[1:]]) if sys.argv else ""
     result = train(resolved, command=command_line, console=err, launch=launch)
-    if result.status == "preempted":
-        sys.exit(143)  # 128 + SIGTERM: the scheduler's convention for "terminated, may requeue"
+    if result.stopped is not None:  # 143 (SIGTERM), 130 (SIGINT): "terminated, may requeue"
+        sys.exit(exit_code(result.stopped.signum))
     if result.status == "failed":
         sys.exit(1)

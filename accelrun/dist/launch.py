@@ -25,11 +25,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from accelrun.config.schema import ParallelConfig
+from accelrun.dist import stop
 from accelrun.dist.rank_errors import unprinted_messages
 
 WORKER_MODULE = "accelrun.dist.worker"
 # What the fork server imports once, before it forks ranks.
-FORKSERVER_PRELOAD = [WORKER_MODULE, "accelrun.train.run"]
+FORKSERVER_PRELOAD = ["accelrun.dist.fork_server", WORKER_MODULE, "accelrun.train.run"]
 
 
 @dataclass(frozen=True)
@@ -62,13 +63,17 @@ def launch_config(par: ParallelConfig, opts: LaunchOptions) -> LaunchConfig:
         monitor_interval=0.2,
         local_addr=opts.local_addr,
         start_method="forkserver",
+        # SIGTERM and SIGINT are the launcher's (dist.stop): the ranks finish their step and save.
+        signals_to_handle="SIGHUP,SIGQUIT",
     )
 
 
 @dataclass(frozen=True)
 class JobOutcome:
-    exit_code: int  # 0, or the first failed rank's (2: a user error, 3: the loss diverged)
+    exit_code: int  # 0, the first failed rank's (2: a user error, 3: the loss diverged), 128 + a stop signal
     unprinted: list[str]  # user errors of ranks that no rank printed (see rank_errors)
+    stopped: stop.Stopped | None = None  # rank 0's record when the ranks stopped on a signal
+    ranks: int = 1
 
 
 def launch_job(run_dir: Path, par: ParallelConfig, opts: LaunchOptions) -> JobOutcome:
@@ -77,11 +82,15 @@ def launch_job(run_dir: Path, par: ParallelConfig, opts: LaunchOptions) -> JobOu
 
     # Takes effect when the server starts (the first launch in this process).
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-    with tempfile.TemporaryDirectory(prefix="accelrun-rank-errors-") as errors:
+    with (tempfile.TemporaryDirectory(prefix="accelrun-rank-errors-") as errors,
+          stop.catch_signals(forward_to=Path(errors))):
         try:
             elastic_launch(launch_config(par, opts), run_rank)(str(run_dir), errors)
         except ChildFailedError as e:
             codes = [f.exitcode for f in e.failures.values()]
             code = next((c for c in codes if c in (2, 3)), codes[0] if codes else 1)
             return JobOutcome(code, unprinted_messages(Path(errors)))
+        stopped = stop.read_records(Path(errors))
+    if stopped:  # every rank stopped at the same step; rank 0's record names the checkpoint
+        return JobOutcome(stop.exit_code(stopped[0].signum), [], stopped[0], par.world_size)
     return JobOutcome(0, [])

@@ -9,6 +9,7 @@ mesh and trains.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -19,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from accelrun.config import load_config
+from accelrun.dist import stop
 from accelrun.dist.context import ParallelContext, env_rank
 from accelrun.dist.mesh import build_mesh, dp_coordinates
 from accelrun.dist.rank_errors import leave_record
@@ -69,7 +71,11 @@ def _store(rank: int, world: int, restarts: int, timeout: timedelta) -> dist.Sto
 def run_rank(run_dir: str, errors_dir: str | None = None) -> None:
     """The agent's entry point for a rank; exits with the rank's code (2: a user error) unless 0.
     A user error is also recorded in ``errors_dir`` for the launcher (``rank_errors``)."""
-    code = main([run_dir], errors_dir=Path(errors_dir) if errors_dir else None)
+    folder = Path(errors_dir) if errors_dir else None
+    with stop.catch_signals(watch=folder):  # first: the fork server left SIGTERM ignored (dist.fork_server)
+        code = main([run_dir], errors_dir=folder)
+    # Done: the rank only waits for the agent to collect it. A late Ctrl-C must not turn that into a failure.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if code:
         sys.exit(code)
 
@@ -83,7 +89,9 @@ def main(argv: list[str] | None = None, errors_dir: Path | None = None) -> int:
     try:
         resolved = load_config(run_dir / "config.yaml", search_dirs=[])
         ctx = init_rank(resolved)
-        run_in_dir(resolved, run_dir, ctx, console if rank == 0 else None)
+        result = run_in_dir(resolved, run_dir, ctx, console if rank == 0 else None)
+        if result.stopped is not None and errors_dir is not None:
+            stop.leave_record(errors_dir, result.stopped)
     except UserError as e:
         prints = rank == 0 or getattr(e, "every_rank", False)
         if prints:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from accelrun.dist import stop
 from accelrun.errors import CollectiveTimeout, TrainingDiverged
 from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, StepMetrics
@@ -28,32 +29,11 @@ from accelrun.train.setup import TrainSetup
 
 @dataclass
 class LoopOutcome:
-    status: str  # finished | preempted | stopped
+    status: str  # finished | preempted (SIGTERM) | interrupted (SIGINT) | stopped (stop_after_step)
     last_step: int
     checkpoints: list[Path] = field(default_factory=list)
     checkpoint_time_s: float = 0.0
-
-
-class _PreemptionFlag:
-    """SIGTERM (what schedulers send before they kill) asks the loop to save and leave after this step."""
-
-    def __init__(self) -> None:
-        self.raised = False
-        self._old = None
-
-    def __enter__(self) -> _PreemptionFlag:
-        try:
-            self._old = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: leave signals alone
-            self._old = None
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.raised = True
-
-    def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
+    signum: int = 0  # the signal the ranks stopped on (dist.stop)
 
 
 def run_loop(
@@ -78,7 +58,7 @@ def run_loop(
     run_dir = s.checkpoint_dir.parent
     where = {"step": s.start_step, "phase": "starting"}  # for a collective that times out
     try:
-        with (_PreemptionFlag() as preempt,
+        with (stop.catch_signals(),
               profile_steps(cfg.report.profile_steps, run_dir, s.start_step, s.ctx.rank) as prof):
             for step in range(s.start_step + 1, total + 1):
                 lr = s.optimizer.param_groups[0]["lr"]
@@ -140,8 +120,11 @@ def run_loop(
                     progress.update(step, loss_value, record["tokens_per_s"] or 0.0)
                 outcome.last_step = step
 
-                # Ranks may see the signal at different steps; they must stop at the same one.
-                preempted = s.ctx.any(preempt.raised)
+                # Ranks may see the signal at different steps (or not at all); they stop at the same one.
+                where["phase"] = "agreeing whether to stop"
+                preempted = s.ctx.any(stop.requested() != 0)
+                if preempted:  # which signal: SIGTERM's 143 wins over SIGINT's 130
+                    outcome.signum = signal.SIGTERM if s.ctx.any(stop.requested() == signal.SIGTERM) else signal.SIGINT
                 stopping = preempted or step == stop_after_step
                 due = cfg.checkpoint.enabled and (
                     step % cfg.checkpoint.every == 0 or (step == total and cfg.checkpoint.save_final) or preempted
@@ -155,7 +138,7 @@ def run_loop(
                     outcome.checkpoints.append(last_ckpt)
                     outcome.checkpoint_time_s += time.perf_counter() - t_ck
                 if stopping and step < total:  # a signal during the last step changes nothing
-                    outcome.status = "preempted" if preempted else "stopped"
+                    outcome.status = stop.STATUS[outcome.signum] if preempted else "stopped"
                     break
     except RuntimeError as e:
         if s.ctx.distributed and "timed out" in str(e).lower():

@@ -23,8 +23,10 @@ from rich.markup import escape
 
 from accelrun.config import ConfigError, ResolvedConfig
 from accelrun.config.resolve import explain_text
+from accelrun.dist import stop
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.launch import JobOutcome, LaunchOptions, launch_job
+from accelrun.dist.stop import Stopped
 from accelrun.dist.worker import cpu_rank_threads, rank_uses_cuda
 from accelrun.errors import TrainingDiverged, UserError
 from accelrun.report.env import collect_env
@@ -44,8 +46,9 @@ from accelrun.train.setup import TrainSetup, build_setup
 @dataclass
 class TrainResult:
     run_dir: Path
-    status: str  # finished | preempted | stopped | diverged | nothing-to-do | failed
+    status: str  # finished | preempted | interrupted | stopped | diverged | nothing-to-do | failed
     report: dict | None
+    stopped: Stopped | None = None  # where a signal stopped it (preempted, interrupted)
 
 
 class JobFailed(UserError):
@@ -77,18 +80,26 @@ def train(
         torch.set_num_threads(cfg.train.threads)  # before env.json records it and the peak probe runs
     launch = launch or LaunchOptions()
     run_dir, node = _run_dir_for(cfg, launch)
-    with hold_run_lock(run_dir, node):
+    # Caught from here on: a signal during setup stops the run after its first step, with a checkpoint.
+    with hold_run_lock(run_dir, node), stop.catch_signals():
         write_text_atomic(resolved.to_yaml(), run_dir / "config.yaml")
         write_text_atomic(explain_text(resolved), run_dir / "config.sources.txt")
         write_text_atomic((command or "(called from Python)") + "\n", run_dir / "command.txt")
         write_json(_env_of_ranks(cfg), run_dir / "env.json")
         console.print(f"[bold]accelrun[/] run [cyan]{escape(str(run_dir))}[/]  config {resolved.hash}")
         if cfg.parallel.world_size == 1:
-            return run_in_dir(resolved, run_dir, None, console, stop_after_step=stop_after_step)
+            return _warn_if_late(run_in_dir(resolved, run_dir, None, console, stop_after_step=stop_after_step),
+                                 console)
         console.print(f"launching {cfg.parallel.nproc_per_node} process(es) per node on {cfg.parallel.nnodes} "
                       "node(s) through torchrun's elastic agent", markup=False)
         outcome = launch_job(run_dir, cfg.parallel, launch)
-    return _launched_result(run_dir, outcome, console)
+    return _warn_if_late(_launched_result(run_dir, outcome, console), console)
+
+
+def _warn_if_late(result: TrainResult, console: Console) -> TrainResult:
+    if result.stopped is not None and (late := stop.late_warning()):
+        console.print(late, markup=False, highlight=False)
+    return result
 
 
 def _run_dir_for(cfg, launch: LaunchOptions) -> tuple[Path, int]:
@@ -108,6 +119,9 @@ def _run_dir_for(cfg, launch: LaunchOptions) -> tuple[Path, int]:
 
 def _launched_result(run_dir: Path, outcome: JobOutcome, console: Console) -> TrainResult:
     code = outcome.exit_code
+    if outcome.stopped is not None:
+        console.print(outcome.stopped.line(outcome.ranks), markup=False, highlight=False)
+        return TrainResult(run_dir, outcome.stopped.status, None, outcome.stopped)
     report_path = run_dir / "report.json"
     if code == 0 and report_path.exists():
         report = json.loads(report_path.read_text())
@@ -165,12 +179,17 @@ def run_in_dir(
         if progress is not None:
             progress.close()
 
-    if status in ("preempted", "stopped"):
+    if status in ("preempted", "interrupted", "stopped"):
         # No report.json: `checkpoint.resume: auto` treats this run as one to continue.
-        if console is not None:
-            last = outcome.checkpoints[-1] if outcome.checkpoints else "none"
-            console.print(f"{status} after step {outcome.last_step}; last checkpoint: {last}", markup=False)
-        return TrainResult(run_dir, status, None)
+        saved = outcome.checkpoints[-1] if outcome.checkpoints else None
+        stopped = (Stopped(s.ctx.rank, int(outcome.signum), outcome.last_step, str(saved) if saved else None)
+                   if outcome.signum else None)
+        if console is not None and stopped is not None and ctx is None:
+            console.print(stopped.line(), markup=False, highlight=False)
+        elif console is not None and stopped is None:
+            console.print(f"{status} after step {outcome.last_step}; last checkpoint: {saved or 'none'}",
+                          markup=False)
+        return TrainResult(run_dir, status, None, stopped)
 
     mem_per_rank = _gather_peak_memory(s)
     report = None

@@ -1,0 +1,164 @@
+"""Stopping a run on a signal without losing work: SIGTERM (a scheduler's preemption, ``scancel``,
+SLURM's ``--signal``) and SIGINT (Ctrl-C).
+
+A signal never ends a rank mid-step. Each process records the first one it gets; at the next step
+boundary the ranks agree on it (a collective, ``train.loop``), save one checkpoint together and
+return; the job then exits with 128 + the signal's number (143 for SIGTERM, 130 for SIGINT), which
+tells a scheduler "terminated, may requeue".
+
+Who receives the signal varies, and each case ends the same way:
+
+- the whole process group (SLURM, ``scancel``, Ctrl-C in a terminal): every rank saw it;
+- the launcher alone (``kill PID``): it writes a stop request into the job's folder, which every rank
+  of its node reads at each step boundary (``watch``);
+- some ranks alone: the collective tells the others.
+
+The ranks return normally (exit 0 to the elastic agent, which would otherwise restart the group) and
+leave a record in the job's folder; the launcher turns the records into the exit code and one line.
+The agent is told to leave SIGTERM and SIGINT alone (``dist.launch``); left to itself it would kill
+the ranks after a grace period, or wait for them to exit without ever collecting them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REQUEST_FILE = "stop-request"
+STOP_LEAD_ENV = "ACCELRUN_STOP_LEAD_S"
+STATUS = {signal.SIGTERM: "preempted", signal.SIGINT: "interrupted"}
+
+_received = 0  # the first stop signal this process got (0: none)
+_received_at = 0.0  # when (time.monotonic())
+_depth = 0  # nesting of catch_signals in this process
+_forward_to: Path | None = None  # the launcher's job folder: a signal becomes a stop request there
+_watch: Path | None = None  # a rank's job folder: a stop request there counts as a signal
+
+
+def exit_code(signum: int) -> int:
+    """The shell's code for a process ended by ``signum``: 143 for SIGTERM, 130 for SIGINT."""
+    return 128 + int(signum)
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def _handle(signum: int, frame) -> None:
+    global _received, _received_at
+    if _received:
+        return  # the first signal decides; a second one (the agent's, SLURM's again) changes nothing
+    _received, _received_at = signum, time.monotonic()
+    if _forward_to is not None:
+        _write_request(_forward_to, signum)
+
+
+def _write_request(folder: Path, signum: int) -> None:
+    tmp = folder / f".{REQUEST_FILE}.{os.getpid()}"
+    with contextlib.suppress(OSError):  # the job may be gone already
+        tmp.write_text(str(int(signum)))
+        os.replace(tmp, folder / REQUEST_FILE)
+
+
+@contextlib.contextmanager
+def catch_signals(*, forward_to: Path | None = None, watch: Path | None = None) -> Iterator[None]:
+    """Record SIGTERM and SIGINT instead of dying of them, while inside. ``forward_to``: a job's
+    folder the launcher writes a stop request into; ``watch``: the folder a rank reads one from.
+
+    Nests: the outermost entry forgets an earlier run's signal; inner ones add their folders.
+    Outside the main thread signals cannot be caught, and this does nothing.
+    """
+    global _received, _depth, _forward_to, _watch
+    old_forward, old_watch = _forward_to, _watch
+    old_handlers = {}
+    try:
+        for s in STOP_SIGNALS:
+            old_handlers[s] = signal.signal(s, _handle)
+    except ValueError:  # not the main thread
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+        yield
+        return
+    if _depth == 0:
+        _received = 0
+    _depth += 1
+    _forward_to = forward_to or _forward_to
+    _watch = watch or _watch
+    if _received and forward_to is not None:  # signalled before there was a job to tell
+        _write_request(forward_to, _received)
+    try:
+        yield
+    finally:
+        _depth -= 1
+        _forward_to, _watch = old_forward, old_watch
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+
+
+def late_warning(env: dict[str, str] | None = None) -> str | None:
+    """A warning when stopping took longer than the scheduler's lead (``ACCELRUN_STOP_LEAD_S``, which
+    the sbatch script of ``accelrun slurm`` sets to its ``--signal=TERM@`` seconds)."""
+    lead = (env if env is not None else os.environ).get(STOP_LEAD_ENV)
+    if not _received or not lead:
+        return None
+    took = time.monotonic() - _received_at
+    if took <= float(lead):
+        return None
+    return (f"warning: stopping took {took:.0f} s, more than the {float(lead):g} s the scheduler gives "
+            f"({STOP_LEAD_ENV}, #SBATCH --signal=TERM@...): raise it, or the next stop may lose the step")
+
+
+def requested() -> int:
+    """The stop signal this process got, or the one its launcher asked for (0: none)."""
+    if _received or _watch is None:
+        return _received
+    try:
+        return int((_watch / REQUEST_FILE).read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """Where a rank stopped on a signal."""
+
+    rank: int
+    signum: int
+    step: int
+    checkpoint: str | None  # the checkpoint of ``step`` (None: checkpoints are off)
+
+    @property
+    def status(self) -> str:
+        return STATUS.get(signal.Signals(self.signum), "preempted")
+
+    def line(self, ranks: int = 1) -> str:
+        """What the user reads: what stopped the run, where, and what to do next."""
+        who = f"all {ranks} ranks" if ranks > 1 else "the run"
+        saved = (f"{who} saved {self.checkpoint}; the same command resumes from it"
+                 if self.checkpoint else "no checkpoint saved (checkpoint.enabled = false)")
+        return (f"{self.status} by {signal_name(self.signum)} after step {self.step}: {saved} "
+                f"(exit {exit_code(self.signum)})")
+
+
+def leave_record(folder: Path, stopped: Stopped) -> None:
+    tmp = folder / f".stopped-{stopped.rank}.json.tmp"
+    tmp.write_text(json.dumps(stopped.__dict__))
+    os.replace(tmp, folder / f"stopped-{stopped.rank}.json")
+
+
+def read_records(folder: Path) -> list[Stopped]:
+    """The ranks' stop records, in rank order."""
+    out = []
+    for path in folder.glob("stopped-*.json"):
+        try:
+            out.append(Stopped(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue
+    return sorted(out, key=lambda r: r.rank)

@@ -1,0 +1,111 @@
+"""Stopping a 2-rank job on a signal: SIGTERM to the process group (SLURM, scancel), SIGTERM to the
+launcher alone (``kill PID``), SIGINT to the group (Ctrl-C). Each must end with every rank past the
+same step, one complete checkpoint of that step, exit 143 / 130 and one line; the checkpoint must
+resume into exactly the losses of a run that was never stopped.
+
+The job is ``accelrun train`` in a session of its own, so that "the process group" is the job's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from accelrun.dist import stop
+from accelrun.dist.slurm import sbatch_script
+from accelrun.report.metrics import read_metrics
+from tests.conftest import DEFAULT_CONFIG, REPO
+from tests.dist.jobs import FSDP2, LOSS_RTOL, kill_all, losses, ranks_of, tiny_overrides, train_job
+
+STEPS = 40  # the same recipe as the faults test's reference: one reference run serves both
+
+
+def start_job(runs, name: str) -> subprocess.Popen:
+    env = {**os.environ, "ACCELRUN_NO_PEAK_PROBE": "1"}
+    args = [*tiny_overrides(runs, STEPS, f"name={name}", "checkpoint.every=1000"), *FSDP2]
+    return subprocess.Popen([sys.executable, "-m", "accelrun.cli.main", "train", str(DEFAULT_CONFIG), *args],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def wait_for_step(job, runs, name: str, step: int, timeout: float = 240):
+    deadline = time.time() + timeout
+    while time.time() < deadline and job.poll() is None:
+        found = list(runs.glob(f"{name}/*/metrics.jsonl"))
+        if found and (rows := read_metrics(found[0])) and rows[-1]["step"] >= step:
+            return found[0].parent
+        time.sleep(0.02)
+    return None
+
+
+@pytest.mark.parametrize("target, sig", [("group", signal.SIGTERM), ("launcher", signal.SIGTERM),
+                                         ("group", signal.SIGINT)])
+def test_signal_stops_every_rank_after_one_step_with_one_checkpoint_that_resumes(target, sig, reference, tmp_path):
+    ref = reference(STEPS)
+    runs = tmp_path / "runs"
+    job = start_job(runs, "stopped")
+    workers: list[int] = []
+    try:
+        run_dir = wait_for_step(job, runs, "stopped", 2)
+        assert run_dir is not None, "the job did not get going"
+        workers = ranks_of(job.pid)
+        assert len(workers) == 2, workers
+        if target == "group":
+            os.killpg(job.pid, sig)
+        else:
+            os.kill(job.pid, sig)
+        out, _ = job.communicate(timeout=120)
+    finally:
+        kill_all(workers)
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    code = 128 + sig
+    assert job.returncode == code, out[-3000:]
+    assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
+
+    (ckpt,) = (run_dir / "checkpoints").glob("step-*")  # one: checkpoint.every is far away
+    step = json.loads((ckpt / "train_state.json").read_text())["step"]
+    assert (ckpt / "COMPLETE").is_file() and not list((run_dir / "checkpoints").glob(".tmp-*"))
+    status = "interrupted" if sig == signal.SIGINT else "preempted"
+    line = f"{status} by {sig.name} after step {step}: all 2 ranks saved {ckpt}"
+    assert line in " ".join(out.split()), out[-3000:]
+    assert f"(exit {code})" in out
+    assert 2 <= step < STEPS and not (run_dir / "report.json").exists()
+    # Stopped at the step it saved, and every step before it as the uninterrupted run had it.
+    assert losses(run_dir) == pytest.approx(ref.losses[:step], rel=LOSS_RTOL)
+
+    resumed = train_job(runs, STEPS, "name=resumed", f"checkpoint.resume={ckpt}", *FSDP2)
+    assert resumed.status == "finished"
+    assert resumed.report["resumed_from"] == str(ckpt)
+    assert losses(resumed.run_dir) == pytest.approx(ref.losses[step:], rel=LOSS_RTOL)
+
+
+def test_stop_request_file_is_read_by_ranks_and_a_late_stop_warns(tmp_path):
+    """The launcher-only path without processes: the launcher's signal becomes a request a rank reads."""
+    with stop.catch_signals(forward_to=tmp_path):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled in this thread before kill returns
+        assert stop.requested() == signal.SIGTERM
+        assert stop.late_warning({stop.STOP_LEAD_ENV: "0"}) is not None  # any stop takes longer than 0 s
+        assert stop.late_warning({stop.STOP_LEAD_ENV: "3600"}) is None
+    assert (tmp_path / stop.REQUEST_FILE).read_text() == str(int(signal.SIGTERM))
+    with stop.catch_signals(watch=tmp_path):  # a rank: it got no signal, its launcher did
+        assert stop.requested() == signal.SIGTERM
+    with stop.catch_signals():  # a new run forgets the old signal
+        assert stop.requested() == 0
+
+
+def test_sbatch_script_asks_for_sigterm_before_the_limit_and_requeues():
+    text = sbatch_script("configs/llama.yaml", [], name="x", nnodes=2, nproc_per_node=8, gpus=True,
+                         partition=None, time_limit="04:00:00", account=None, stop_lead_s=300)
+    assert "#SBATCH --signal=TERM@300" in text and "#SBATCH --requeue" in text
+    assert f"export {stop.STOP_LEAD_ENV}=300" in text
+    assert 'if [ "$code" -eq 143 ]; then scontrol requeue "$SLURM_JOB_ID"' in text
+    bash = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+    assert bash.returncode == 0, bash.stderr
