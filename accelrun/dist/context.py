@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from accelrun.dist.collective import collective_device, to_collective_device
+
 
 @dataclass
 class ParallelContext:
@@ -42,15 +44,16 @@ class ParallelContext:
         """Average a scalar over data-parallel ranks (every rank gets it; TP ranks already agree)."""
         if not self.distributed or self.dp_size == 1:
             return value
-        value = value.detach().clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)  # over all ranks: TP replicas count tp times
-        return value / self.world_size
+        # A copy on the group's device (NCCL: this rank's GPU), whatever device the value is on.
+        summed = to_collective_device(value.detach(), None).clone()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)  # over all ranks: TP replicas count tp times
+        return (summed / self.world_size).to(value.device)
 
     def any(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank."""
         if not self.distributed:
             return flag
-        t = torch.tensor([int(flag)])
+        t = torch.tensor([int(flag)], device=collective_device(None))
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 

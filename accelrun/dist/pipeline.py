@@ -24,6 +24,7 @@ from torch.distributed.pipelining import (
 )
 
 from accelrun.config.schema import PP_STAGES_PER_RANK
+from accelrun.dist.collective import to_collective_device
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -101,8 +102,9 @@ class Pipeline:
         kwargs = {"target": targets_BT, "losses": losses} if self.has_last else {}
         self.schedule.step(*args, **kwargs)
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self._device)
+        loss = to_collective_device(loss, self.group)
         dist.all_reduce(loss, group=self.group)  # only the last stage's rank holds it
-        return loss
+        return loss.to(self._device)
 
     def blocks(self) -> list[nn.Module]:
         return [b for m in self.modules for b in m.layers.values()]

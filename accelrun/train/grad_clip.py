@@ -10,6 +10,8 @@ from collections import defaultdict
 import torch
 from torch.distributed.tensor import DTensor
 
+from accelrun.dist.collective import to_collective_device
+
 
 @torch.no_grad()
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, stage_group=None) -> float:
@@ -27,8 +29,10 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, stage_grou
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # sums the shards' partial squares across the mesh
         squares.append(norm.float() ** 2)
+    # A rank may hold no gradient (a pipeline stage without parameters): it adds zero.
     square = torch.stack(squares).sum() if squares else torch.zeros(())
     if stage_group is not None:
+        square = to_collective_device(square, stage_group)
         torch.distributed.all_reduce(square, group=stage_group)
     total = float(square.sqrt())
     if math.isfinite(total) and total > max_norm:
