@@ -12,8 +12,10 @@ import shlex
 from collections.abc import Mapping
 
 from accelrun.dist.launch import LaunchOptions
+from accelrun.dist.stop import STOP_LEAD_ENV
 
 RDZV_PORT = 29500
+STOP_LEAD_S = 120  # SIGTERM this long before the time limit: a step and a checkpoint must fit
 
 
 def first_host(nodelist: str) -> str:
@@ -50,7 +52,11 @@ def node_commands(config: str, overrides: list[str], nnodes: int, endpoint: str,
 
 
 def sbatch_script(config: str, overrides: list[str], *, name: str, nnodes: int, nproc_per_node: int,
-                  gpus: bool, partition: str | None, time_limit: str | None, account: str | None) -> str:
+                  gpus: bool, partition: str | None, time_limit: str | None, account: str | None,
+                  stop_lead_s: int = STOP_LEAD_S) -> str:
+    """The script. Near its time limit (``stop_lead_s`` before) or when preempted, SLURM sends SIGTERM
+    to every process of the step; the ranks finish the step, save a checkpoint and exit 143, and the
+    script puts the job back in the queue, where ``checkpoint.resume: auto`` continues it."""
     lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nnodes}",
              "#SBATCH --ntasks-per-node=1  # one accelrun per node; it starts one process per device"]
     if gpus:
@@ -60,10 +66,19 @@ def sbatch_script(config: str, overrides: list[str], *, name: str, nnodes: int, 
             lines.append(f"#SBATCH --{flag}={value}")
     lines += [
         "#SBATCH --output=%x-%j.out",
+        "#SBATCH --open-mode=append  # a requeued job adds to its log",
+        f"#SBATCH --signal=TERM@{stop_lead_s}  # SIGTERM to every rank {stop_lead_s} s before the time limit: "
+        "they finish the step and save",
+        "#SBATCH --requeue  # a preempted job goes back in the queue",
         "set -euo pipefail",
+        f"export {STOP_LEAD_ENV}={stop_lead_s}  # accelrun warns when a stop took longer than this",
         "# accelrun reads the allocation (SLURM_NNODES, SLURM_NODEID, SLURM_JOB_NODELIST, SLURM_JOB_ID):",
         f"# the first node hosts the c10d rendezvous on port {RDZV_PORT}.",
-        "srun " + shlex.join(["accelrun", "train", config, *overrides]),
+        "code=0",
+        "srun " + shlex.join(["accelrun", "train", config, *overrides]) + " || code=$?",
+        "# 143: stopped by SIGTERM after saving a checkpoint; queued again, the job resumes from it.",
+        'if [ "$code" -eq 143 ]; then scontrol requeue "$SLURM_JOB_ID" || true; fi',
+        'exit "$code"',
         "",
     ]
     return "\n".join(lines)

@@ -29,6 +29,9 @@ def decide_resume(resume: str, runs_root: Path, current_run: Path, training_hash
         return ResumeDecision(None, "checkpoint.resume = none")
     if resume != "auto":
         return ResumeDecision(_explicit(resume), f"checkpoint.resume = {resume}")
+    own = [i for i in complete_checkpoints(current_run / "checkpoints") if i.training_hash == training_hash]
+    if own:  # a multi-node job's folder (named by its job id) entered again: SLURM requeued it
+        return ResumeDecision(own[-1], f"continuing this job's own run {current_run.name} (requeued)")
     runs = [r for r in list_runs(runs_root.parent, runs_root.name) if r != current_run and not is_running(r)]
     matching = [info for run in runs for info in complete_checkpoints(run / "checkpoints")
                 if info.training_hash == training_hash]

@@ -20,6 +20,7 @@ import pytest
 from accelrun.dist import stop
 from accelrun.dist.slurm import sbatch_script
 from accelrun.report.metrics import read_metrics
+from accelrun.train.resume import decide_resume
 from tests.conftest import DEFAULT_CONFIG, REPO
 from tests.dist.jobs import FSDP2, LOSS_RTOL, kill_all, losses, ranks_of, tiny_overrides, train_job
 
@@ -109,3 +110,18 @@ def test_sbatch_script_asks_for_sigterm_before_the_limit_and_requeues():
     assert 'if [ "$code" -eq 143 ]; then scontrol requeue "$SLURM_JOB_ID"' in text
     bash = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
     assert bash.returncode == 0, bash.stderr
+
+
+def test_a_requeued_multi_node_job_resumes_its_own_folder(tmp_path):
+    """A requeued SLURM job keeps its id, so its nodes enter the same job-<id> folder again: its own
+    newest checkpoint (same training hash) is where it goes on, not a fresh start over it."""
+    runs_root = tmp_path / "runs" / "llama-debug"
+    job = runs_root / "job-slurm42"
+    for step, training_hash in ((4, "h"), (6, "h"), (8, "other")):
+        ckpt = job / "checkpoints" / f"step-{step:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "train_state.json").write_text(json.dumps({"step": step, "training_hash": training_hash}))
+        (ckpt / "COMPLETE").write_text("")
+    decision = decide_resume("auto", runs_root, job, "h")
+    assert decision.checkpoint is not None and decision.checkpoint.step == 6, decision
+    assert decide_resume("none", runs_root, job, "h").checkpoint is None
