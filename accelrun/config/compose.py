@@ -10,11 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from accelrun.config.errors import ConfigError
 from accelrun.config.search import find_recipe, looks_like_path
-from accelrun.config.yaml_lines import KeyPath, dotted, load_yaml_file
+from accelrun.config.yaml_lines import KeyPath, dotted, load_yaml_file, load_yaml_with_lines
 
 
 @dataclass(frozen=True)
@@ -125,10 +123,8 @@ def apply_override(dst: Composed, text: str) -> None:
     if not sep:
         raise ConfigError(f"override '{text}': expected key.path=value or ~key.path")
     path = _parse_key_path(key.strip(), text)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override '{text}': value is not valid YAML: {getattr(e, 'problem', e)}") from None
+    # The same bounded loader as recipe files: an override's value is YAML too (aliases included).
+    value = load_yaml_with_lines(raw, f"override '{text}'").data if raw.strip() else ""
     src = Source("override", text=text)
     value_sources = {path + p: src for p in _all_paths(value)}
     if any(isinstance(p, int) for p in path):  # into a list: the containers on the way must exist

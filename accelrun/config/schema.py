@@ -8,13 +8,48 @@ must stay light.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+
+def _boolean_for_a_number(annotation: Any, value: Any) -> bool:
+    """``value`` is (or holds, in a list or tuple) a boolean where ``annotation`` wants int or float."""
+    options: set[Any] = set()
+    items: list[Any] = []
+
+    def walk(t: Any) -> None:
+        origin = get_origin(t)
+        if origin is Annotated:
+            walk(get_args(t)[0])
+        elif origin in (Union, types.UnionType):
+            for a in get_args(t):
+                walk(a)
+        elif origin in (list, tuple):
+            items.extend(a for a in get_args(t) if a is not Ellipsis)
+        else:
+            options.add(t)
+
+    walk(annotation)
+    if isinstance(value, bool):
+        return bool(options & {int, float}) and bool not in options
+    if isinstance(value, list | tuple) and items:
+        return any(_boolean_for_a_number(a, v) for a in items for v in value)
+    return False
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `.inf` or `.nan` for a learning rate or a size validates as nonsense.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads true as 1; in a recipe that is always a mistake (model.dim=true).
+        if info.field_name is not None and _boolean_for_a_number(cls.model_fields[info.field_name].annotation, value):
+            raise ValueError("expected a number, got a boolean (true/false)")
+        return value
 
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # a directory name: no separators, no leading dot

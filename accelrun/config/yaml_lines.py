@@ -12,6 +12,31 @@ from accelrun.config.errors import ConfigError
 
 KeyPath = tuple[str | int, ...]
 
+# Aliases let a few lines of YAML expand to billions of values (the "billion laughs"); a recipe is
+# small, so its expanded size and its alias uses are bounded and an excess is an error, not a hang.
+MAX_NODES = 100_000
+MAX_ALIAS_USES = 1_000
+
+
+class _Budget:
+    def __init__(self, origin: str) -> None:
+        self.origin, self.nodes, self.seen, self.aliases = origin, 0, set(), 0
+        self.open: set[int] = set()  # nodes being expanded: an alias to one of them is a cycle
+
+    def enter(self, node: yaml.Node) -> None:
+        where = f"{self.origin}:{node.start_mark.line + 1}"
+        if id(node) in self.open:
+            raise ConfigError(f"{where}: a YAML alias refers to a value that contains it (a cycle)")
+        self.nodes += 1
+        if id(node) in self.seen:
+            self.aliases += 1
+        self.seen.add(id(node))
+        if self.nodes > MAX_NODES or self.aliases > MAX_ALIAS_USES:
+            raise ConfigError(
+                f"{where}: this YAML expands to more than {MAX_NODES:,} values or uses aliases more than "
+                f"{MAX_ALIAS_USES:,} times (anchors and aliases nested into an exponential expansion?)"
+            )
+
 
 @dataclass(frozen=True)
 class Located:
@@ -36,7 +61,7 @@ def load_yaml_with_lines(text: str, origin: str) -> Located:
     if node is None:
         return Located({}, lines)
     try:
-        return Located(_construct(node, (), lines, origin, loader), lines)
+        return Located(_construct(node, (), lines, origin, loader, _Budget(origin)), lines)
     except (yaml.constructor.ConstructorError, ValueError, TypeError) as e:  # e.g. `!!int abc`
         mark = getattr(e, "problem_mark", None)
         where = f"{origin}:{mark.line + 1}:{mark.column + 1}" if mark else origin
@@ -53,7 +78,20 @@ def load_yaml_file(path: Path) -> Located:
     return load_yaml_with_lines(text, str(path))
 
 
-def _construct(node: yaml.Node, path: KeyPath, lines: dict, origin: str, loader: yaml.SafeLoader) -> Any:
+def _construct(node: yaml.Node, path: KeyPath, lines: dict, origin: str, loader: yaml.SafeLoader,
+               budget: _Budget) -> Any:
+    budget.enter(node)
+    if not isinstance(node, yaml.ScalarNode):
+        budget.open.add(id(node))
+        try:
+            return _construct_collection(node, path, lines, origin, loader, budget)
+        finally:
+            budget.open.discard(id(node))
+    return loader.construct_object(node, deep=True)
+
+
+def _construct_collection(node: yaml.Node, path: KeyPath, lines: dict, origin: str, loader: yaml.SafeLoader,
+                          budget: _Budget) -> Any:
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         loader.flatten_mapping(node)  # resolves YAML merge keys (<<)
@@ -66,15 +104,15 @@ def _construct(node: yaml.Node, path: KeyPath, lines: dict, origin: str, loader:
                 first = lines[path + (key,)]
                 raise ConfigError(f"{origin}:{line}: duplicate key '{dotted(path + (key,))}' (first set on line {first})")
             lines[path + (key,)] = line
-            out[key] = _construct(value_node, path + (key,), lines, origin, loader)
+            out[key] = _construct(value_node, path + (key,), lines, origin, loader, budget)
         return out
     if isinstance(node, yaml.SequenceNode):
         items = []
         for i, item in enumerate(node.value):
             lines[path + (i,)] = item.start_mark.line + 1
-            items.append(_construct(item, path + (i,), lines, origin, loader))
+            items.append(_construct(item, path + (i,), lines, origin, loader, budget))
         return items
-    return loader.construct_object(node, deep=True)
+    return loader.construct_object(node, deep=True)  # a tagged collection (e.g. !!set)
 
 
 def dotted(path: KeyPath) -> str:

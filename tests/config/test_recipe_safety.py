@@ -1,0 +1,72 @@
+"""A shared recipe cannot hang validation or slip nonsense numbers past it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from accelrun.config import ConfigError, load_config
+from tests.conftest import REPO
+
+BOMB = "".join(
+    f"{k}: &{k} [{', '.join([f'*{p}'] * 9) if p else ', '.join(['lol'] * 9)}]\n"
+    for p, k in zip(["", *"abcdefgh"], "abcdefghi", strict=True)
+)  # 9 ** 9 = 387 M strings once expanded
+
+
+def error_of(path, overrides=()) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(path, list(overrides), search_dirs=[])
+    return str(e.value)
+
+
+def test_alias_bomb_is_refused_quickly_and_small(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(BOMB)
+    # In a child with a 1 GiB address-space cap: without the bound it would grow past it (and take minutes).
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30));"
+            "from accelrun.cli.main import main; sys.argv = ['accelrun', 'validate', sys.argv[1]]; main()")
+    r = subprocess.run([sys.executable, "-c", code, str(bomb)], capture_output=True, text=True, timeout=60,
+                       cwd=REPO)
+    assert r.returncode == 2, r.stderr
+    assert f"{bomb}:1: this YAML expands to more than 100,000 values" in r.stderr
+
+
+def test_alias_cycle_and_alias_in_an_override(write):
+    p = write("cycle.yaml", "a: &a\n  b: *a\n")
+    assert "a YAML alias refers to a value that contains it" in error_of(p)
+    ok = write("ok.yaml", "name: x\n")
+    assert "expands to more than" in error_of(ok, ["model.kwargs=" + "{" + BOMB.replace("\n", ", ") + "}"])
+
+
+def test_ordinary_anchors_still_work(write):
+    p = write("anchors.yaml", "name: x\ntrain: &t\n  steps: 7\n  seed: 3\n")
+    assert load_config(p, search_dirs=[]).config.train.steps == 7
+
+
+@pytest.mark.parametrize("override, expect", [
+    ("model.dim=true", "model.dim: value error, expected a number, got a boolean"),
+    ("train.grad_clip=false", "train.grad_clip: value error, expected a number, got a boolean"),
+    ("train.optimizer.betas=[true, 0.9]", "train.optimizer.betas: value error, expected a number, got a boolean"),
+    ("parallel.pp_layers=[[true], [1]]", "parallel.pp_layers: value error, expected a number, got a boolean"),
+    ("train.optimizer.lr=.inf", "train.optimizer.lr: input should be a finite number"),
+    ("train.optimizer.lr=.nan", "train.optimizer.lr: input should be a finite number"),
+    ("model.norm_eps=-.inf", "model.norm_eps: input should be a finite number"),
+])
+def test_booleans_and_non_finite_numbers_are_refused(write, override, expect):
+    p = write("ok.yaml", "name: x\n")
+    msg = error_of(p, [override])
+    assert expect in msg and f"override '{override}'" in msg
+
+
+def test_a_file_value_names_file_and_line(write):
+    p = write("bad.yaml", "name: x\nmodel:\n  dim: yes\n")
+    msg = error_of(p)
+    assert f"{p}:3" in msg and "expected a number, got a boolean" in msg
+
+
+def test_booleans_stay_booleans_where_they_belong(write):
+    p = write("ok.yaml", "name: x\n")
+    assert load_config(p, ["model.tie_embeddings=true"], search_dirs=[]).config.model.tie_embeddings is True
