@@ -192,6 +192,10 @@ def lower_region(region: Any) -> LoopProgram:
 
 
 def lower_graph(gm: torch.fx.GraphModule, input_meta: Sequence[Any], output_meta: Sequence[Any]) -> LoopProgram:
+    for meta in (*input_meta, *output_meta):
+        if isinstance(meta, torch.Tensor) and meta.numel() == 0:
+            # Nothing to compute, and index arithmetic over an axis of size 0 divides by zero.
+            raise Unsupported(f"a zero-size tensor {list(meta.shape)} (left to ATen)")
     values = GraphValues(gm, input_meta)
     strides = []
     for out, meta in zip(values.outputs, output_meta, strict=False):

@@ -211,9 +211,11 @@ def _dtype(node: Any) -> torch.dtype:
 def _norm_dims(dims: Any, ndim: int) -> tuple[int, ...]:
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         return tuple(range(ndim))
+    if ndim == 0:
+        return ()  # ATen lets dim 0 / -1 name a 0-dim tensor's only "axis": nothing is folded
     if isinstance(dims, int):
         dims = [dims]
-    return tuple(sorted({d % max(ndim, 1) for d in dims}))
+    return tuple(sorted({d % ndim for d in dims}))
 
 
 def _reduced_shape(shape: tuple[int, ...], dims: tuple[int, ...], keepdim: bool) -> tuple[int, ...]:
