@@ -22,9 +22,17 @@ from accelrun.dist.slurm import sbatch_script
 from accelrun.report.metrics import read_metrics
 from accelrun.train.resume import decide_resume
 from tests.conftest import DEFAULT_CONFIG, REPO
-from tests.dist.jobs import FSDP2, LOSS_RTOL, kill_all, losses, ranks_of, tiny_overrides, train_job
+from tests.dist.jobs import FSDP2, kill_all, losses, ranks_of, tiny_overrides, train_job
 
-STEPS = 40  # the same recipe as the faults test's reference: one reference run serves both
+STEPS = 40
+EXACT = 1e-6  # the same layout resumed: the same sums in the same order as the run that never stopped
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[float]:
+    """The losses of the same 2-rank job, never stopped."""
+    runs = tmp_path_factory.mktemp("uninterrupted")
+    return losses(train_job(runs, STEPS, "name=whole", "checkpoint.every=1000", *FSDP2).run_dir)
 
 
 def start_job(runs, name: str) -> subprocess.Popen:
@@ -47,8 +55,8 @@ def wait_for_step(job, runs, name: str, step: int, timeout: float = 240):
 
 @pytest.mark.parametrize("target, sig", [("group", signal.SIGTERM), ("launcher", signal.SIGTERM),
                                          ("group", signal.SIGINT)])
-def test_signal_stops_every_rank_after_one_step_with_one_checkpoint_that_resumes(target, sig, reference, tmp_path):
-    ref = reference(STEPS)
+def test_signal_stops_every_rank_after_one_step_with_one_checkpoint_that_resumes(target, sig, uninterrupted,
+                                                                                  tmp_path):
     runs = tmp_path / "runs"
     job = start_job(runs, "stopped")
     workers: list[int] = []
@@ -80,12 +88,12 @@ def test_signal_stops_every_rank_after_one_step_with_one_checkpoint_that_resumes
     assert f"(exit {code})" in out
     assert 2 <= step < STEPS and not (run_dir / "report.json").exists()
     # Stopped at the step it saved, and every step before it as the uninterrupted run had it.
-    assert losses(run_dir) == pytest.approx(ref.losses[:step], rel=LOSS_RTOL)
+    assert losses(run_dir) == pytest.approx(uninterrupted[:step], rel=EXACT)
 
     resumed = train_job(runs, STEPS, "name=resumed", f"checkpoint.resume={ckpt}", *FSDP2)
     assert resumed.status == "finished"
     assert resumed.report["resumed_from"] == str(ckpt)
-    assert losses(resumed.run_dir) == pytest.approx(ref.losses[step:], rel=LOSS_RTOL)
+    assert losses(resumed.run_dir) == pytest.approx(uninterrupted[step:], rel=EXACT)
 
 
 def test_stop_request_file_is_read_by_ranks_and_a_late_stop_warns(tmp_path):
