@@ -1,0 +1,134 @@
+"""Compile a generated Triton module's kernels ahead of their first call.
+
+Two uses:
+
+- ``warm_up``: on the GPU at hand, compile (and load) every launch of a region while the executor
+  compiles it, so that a kernel Triton's real compiler rejects is a fallback with a reason, not an
+  exception at the first training step. ``kernel.warmup`` takes dtypes for the buffers and fills
+  the same cache entry a call with aligned tensors uses, so the first call compiles nothing.
+- ``cross_compile``: for a named GPU (``GPUTarget("cuda", 90, 32)``: H100; 100: B200) on any machine,
+  CPU-only included, and ``ptxas_usage`` to read registers and spills from the PTX with the ptxas that
+  ships in Triton's wheel. What this proves: the real compiler accepts the code and it fits the
+  registers; not numerics (the interpreter checks those) nor speed.
+
+    for k in cross_compile(program, source, 90):
+        print(k.launch.kernel, k.registers, k.spill_bytes)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from accelrun.compile.codegen.loop_ir import LoopProgram
+from accelrun.compile.codegen.triton import Launch, launches, scratch_buffers
+
+# Triton's pointer types for the dtypes a buffer can have.
+POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
+           torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8", torch.bool: "*i1"}
+
+
+def buffer_dtypes(program: LoopProgram) -> dict[str, torch.dtype]:
+    """Every name a launch passes (region buffers and split reductions' partials) → its dtype."""
+    out = {b.name: b.dtype for b in program.buffers}
+    out.update({s.name: s.dtype for s in scratch_buffers(program)})
+    return out
+
+
+def warm_up(program: LoopProgram, module: Any) -> None:
+    """Compile and load every launch of ``module`` for the current CUDA device; raises what Triton
+    raises (a compile error, ``OutOfResources``)."""
+    dtypes = buffer_dtypes(program)
+    for ln in launches(program):
+        kernel = getattr(module, ln.kernel)
+        compiled = kernel.warmup(*[dtypes[a] for a in ln.args], grid=ln.grid, BLOCK_R=ln.block_r,
+                                 BLOCK_N=ln.block_n, num_warps=ln.num_warps)
+        init = getattr(compiled, "_init_handles", None)
+        if init is not None:
+            init()  # loads the binary: where shared memory or register limits are checked
+
+
+@dataclass
+class CrossCompiled:
+    launch: Launch
+    arch: int
+    compiled: Any  # triton's CompiledKernel
+    registers: int | None = None
+    spill_stores: int | None = None  # bytes, as ptxas reports them
+    spill_loads: int | None = None
+
+    @property
+    def spill_bytes(self) -> int:
+        return (self.spill_stores or 0) + (self.spill_loads or 0)
+
+
+def import_compilable(source: str) -> Any:
+    """The generated module imported with ``triton.jit`` compiling (not interpreting), whatever
+    TRITON_INTERPRET says: the interpreter decorates kernels into objects that cannot be compiled.
+    A fresh module each call (not the executor's cached import)."""
+    import triton  # noqa: F401  (imported before the switch, so that its own jit functions are unaffected)
+
+    directory = Path(tempfile.mkdtemp(prefix="accelrun_triton_aot_"))
+    path = directory / "kernels.py"
+    path.write_text(source)
+    name = f"accelrun_triton_aot_{abs(hash(source)):x}_{os.getpid()}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    return module
+
+
+def cross_compile(program: LoopProgram, source: str, arch: int, ptxas: bool = True) -> list[CrossCompiled]:
+    """Every launch of ``program`` compiled by Triton for ``sm_<arch>`` (no GPU needed); with ``ptxas``
+    the registers and spills of each. Raises what Triton raises for code it rejects."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module = import_compilable(source)
+    dtypes = buffer_dtypes(program)
+    out = []
+    for ln in launches(program):
+        fn = getattr(module, ln.kernel)
+        signature = {a: POINTER[dtypes[a]] for a in ln.args} | {"BLOCK_R": "constexpr", "BLOCK_N": "constexpr"}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ln.args))}  # torch's allocations are aligned
+        src = ASTSource(fn=fn, signature=signature, constexprs={"BLOCK_R": ln.block_r, "BLOCK_N": ln.block_n},
+                        attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": ln.num_warps})
+        item = CrossCompiled(ln, arch, compiled)
+        if ptxas:
+            item.registers, item.spill_stores, item.spill_loads = ptxas_usage(compiled.asm["ptx"], arch)
+        out.append(item)
+    return out
+
+
+def ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) of the PTX's kernel, from ``ptxas -v``."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    suffix = "a" if arch >= 90 else ""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        done = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}{suffix}", str(path),
+                               "-o", os.devnull], capture_output=True, text=True, check=True)
+    text = done.stderr + done.stdout
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if regs is None or spills is None:
+        raise RuntimeError(f"ptxas -v printed no register counts:\n{text}")
+    return int(regs.group(1)), int(spills.group(1)), int(spills.group(2))
