@@ -214,3 +214,65 @@ def test_compiled_region_launches_a_split_reduction_in_two_kernels(interpret, tm
     names = [ln.kernel for ln in launches(cached_program(cols[0]))]
     assert len(names) == 2 and names[1] == names[0] + "_final"
     assert f"def {names[1]}(" in source and "tl.program_id(1) * 64" in source
+
+
+def _inputs(region: Region) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(tuple(m.shape), generator=gen, dtype=m.dtype) for m in region.input_meta]
+
+
+def test_a_kernel_the_gpu_cannot_take_goes_to_the_next_executor(monkeypatch, tmp_path):
+    """Off the interpreter, the executor compiles and loads every kernel while the region is lowered
+    (triton_aot.warm_up), so what Triton raises there (here: OutOfResources, as loading a kernel that
+    needs more shared memory than the GPU has raises it) is a fallback with its reason, not step 1's
+    crash. The GPU is stood in for: the executor is told it is available and takes CPU tensors."""
+    from triton.runtime.errors import OutOfResources
+
+    from accelrun.compile.codegen import triton_aot
+    from accelrun.compile.executors.aten import AtenExecutor
+    from accelrun.compile.lower import _Lowering
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(TritonExecutor, "unavailable_reason", lambda self: None)
+    monkeypatch.setattr(TritonExecutor, "runs_anywhere", lambda self: True)
+    warmed = []
+
+    def refuse(program, module):
+        warmed.append(module)
+        raise OutOfResources(264192, 232448, "shared memory")
+
+    monkeypatch.setattr(triton_aot, "warm_up", refuse)
+    fn, *args = CASES["rmsnorm_fp32"]()
+    region = regions_of(fn, *args)[0]
+    compiled = _Lowering([TritonExecutor(), AtenExecutor()], str(tmp_path)).run([region])
+    assert warmed, "the executor compiled the kernels before the first call"
+    assert region.facts["executor"] == "aten" and region.id not in compiled
+    assert "compile failed: OutOfResources" in region.facts["declined"]["triton"]
+
+
+def test_a_first_call_failure_runs_the_region_as_aten_ops(tmp_path):
+    """An error of the first call (a launch Triton refuses) falls back to the region's ATen graph, is
+    recorded in the region's facts with a warning, and later calls do not try the kernels again."""
+    from types import SimpleNamespace
+
+    fn, *args = CASES["rmsnorm_fp32"]()
+    region = regions_of(fn, *args)[0]
+    program = cached_program(region)
+    calls = []
+
+    def refuse(*buffers):
+        calls.append(len(buffers))
+        raise RuntimeError("Triton Error [CUDA]: invalid argument")
+
+    module = SimpleNamespace(launch=refuse, **{ln.kernel: None for ln in launches(program)})
+    run = triton_codegen.TritonRegion(program, module, fallback=region.gm, facts=region.facts)
+    inputs = _inputs(region)
+    with pytest.warns(RuntimeWarning, match="runs as ATen ops"):
+        got = run(*inputs)
+    for g, want in zip(got, region.gm(*inputs), strict=True):
+        torch.testing.assert_close(g, want, rtol=0, atol=0)
+    assert region.facts["runtime_fallback"].startswith("first call failed: RuntimeError: Triton Error")
+    run(*inputs)
+    assert len(calls) == 1
+    with pytest.raises(RuntimeError, match="invalid argument"):  # without a fallback (the tests' runs)
+        triton_codegen.TritonRegion(program, module)(*inputs)

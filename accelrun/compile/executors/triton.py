@@ -42,7 +42,18 @@ class TritonExecutor(GeneratedCodeExecutor):
         # ~/.triton/cache by default) holds its kernels' binaries, keyed by the same source.
         region.facts["cache_hit"] = module_path(source, cache_dir).exists()
         program = cached_program(region)
-        return with_output_strides(TritonRegion(program, load_module(source, cache_dir)), program)
+        module = load_module(source, cache_dir)
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return with_output_strides(TritonRegion(program, module), program)
+        # Triton compiles a kernel at its first call, inside the first training step, where an error
+        # would end the run. Compiled (and loaded) here instead, a kernel the real compiler rejects, or
+        # one needing more registers or shared memory than the device has, raises while the lowering
+        # can still give the region to the next executor. Whatever still fails at the first call runs
+        # the region's ATen ops instead (TritonRegion's fallback), with the reason in its facts.
+        from accelrun.compile.codegen.triton_aot import warm_up
+
+        warm_up(program, module)
+        return with_output_strides(TritonRegion(program, module, fallback=region.gm, facts=region.facts), program)
 
     def generate(self, program) -> str:
         from accelrun.compile.codegen.triton import triton_source
