@@ -57,7 +57,7 @@ def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> Non
         return
     t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
     for col, justify in (("run", "left"), ("started (UTC)", "left"), ("status", "left"), ("steps", "right"),
-                         ("final loss", "right"), ("step (median)", "right"), ("tokens/s", "right"),
+                         ("final loss", "right"), ("step (median)", "right"), ("tokens/s (job)", "right"),
                          ("MFU", "right"), ("peak mem", "right"), ("compile", "left"), ("precision", "left"),
                          ("config", "left")):
         t.add_column(col, justify=justify, no_wrap=col == "run")

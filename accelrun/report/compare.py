@@ -127,7 +127,7 @@ def compare_groups(groups: list[Group], *, rtol: float | None = None, seed: int 
             if paired and len(times) == len(base_times):
                 row.round_ratios = [median(b) / median(t) if b and t else None
                                     for b, t in zip(base_times, times, strict=True)]
-            tokens, base_tokens = g.runs[0].tokens_per_step, reference.tokens_per_step
+            tokens, base_tokens = g.runs[0].job_tokens_per_step, reference.job_tokens_per_step
             if row.speedup is not None and tokens and base_tokens and tokens != base_tokens:
                 row.speedup = row.speedup.scaled(tokens / base_tokens)  # throughput, not steps per second
         parities = [loss_parity(reference.losses(), r.losses(), rtol=rtol) for r in g.runs if r is not reference]
@@ -151,7 +151,7 @@ def compare_groups(groups: list[Group], *, rtol: float | None = None, seed: int 
 def _figures(g: Group) -> GroupFigures:
     times = [t for r in g.runs for t in r.steady_step_times()]
     med = median(times) if times else None
-    tokens = g.runs[0].tokens_per_step
+    tokens = g.runs[0].job_tokens_per_step  # the job's throughput, whatever its rank count
     mfus = [r.figure("mfu") for r in g.runs if r.figure("mfu") is not None]
     mems = [m for r in g.runs for m in [_mem(r)] if m is not None]
     compiles = [c for r in g.runs for c in [_compile_time(r)] if c is not None]
@@ -194,9 +194,9 @@ def _speedup(base: list[list[float]], other: list[list[float]], seed: int, resam
 
 
 def _tokens_note(groups: list[Group], notes: list[str]) -> None:
-    tokens = {g.label: g.runs[0].tokens_per_step for g in groups}
+    tokens = {g.label: g.runs[0].job_tokens_per_step for g in groups}
     if len(set(tokens.values())) > 1:
-        notes.append("tokens per step differ (" + ", ".join(f"{k}: {v}" for k, v in tokens.items()) +
+        notes.append("tokens per step (the job's) differ (" + ", ".join(f"{k}: {v}" for k, v in tokens.items()) +
                      "): speed ratios compare tokens/s, not steps/s")
 
 

@@ -33,7 +33,7 @@ def parity_text(row: GroupFigures, reference: str) -> str:
 def summary_table(c: Comparison) -> tuple[list[str], list[list[str]]]:
     """Headers and rows: one row per group, figures as strings."""
     repeats = any(r.runs > 1 for r in c.rows)
-    headers = ["run", *(["runs"] if repeats else []), "steady steps", "step time (median)", "tokens/s",
+    headers = ["run", *(["runs"] if repeats else []), "steady steps", "step time (median)", "tokens/s (job)",
                "speed vs " + c.rows[0].label + " (95% CI)", "MFU", "peak memory", "compile", "final loss"]
     rows = []
     for i, r in enumerate(c.rows):

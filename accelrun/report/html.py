@@ -18,7 +18,7 @@ from pathlib import Path
 
 from accelrun.report import fmt
 from accelrun.report.files import write_text_atomic
-from accelrun.report.markdown import headline_rows, sparkline
+from accelrun.report.markdown import headline_rows, rank_rows, sparkline
 from accelrun.report.metrics import read_metrics
 from accelrun.report.plots import INSTALL_HINT, PlotsUnavailable, run_plots
 from accelrun.report.profiler import PROFILE_DIR
@@ -150,7 +150,10 @@ def render_report_html(report: dict, config_summary: dict, *, metrics: list[dict
     if sources_text:
         config_parts.append(details("where each value came from (config.sources.txt)", pre(sources_text)))
     body = [head, section("Figures", figures), section("Plots", plots, loss),
-            section("Step time breakdown", breakdown_table(report)), section("Configuration", *config_parts)]
+            section("Step time breakdown", breakdown_table(report))]
+    if ranks := rank_rows(report):
+        body.append(section("Ranks", table(["rank", "peak memory", "step time (median)"], ranks, numeric=(1, 2))))
+    body.append(section("Configuration", *config_parts))
     if env:
         body.append(section("Environment", table(["", "this run"], env_rows(env))))
     if traces:

@@ -33,6 +33,10 @@ def render_report_md(report: dict, config_summary: dict, *, env: dict | None = N
               f"{report.get('steps', 0)} steps", ""]
     lines += _headline(report) + [""]
     lines += _breakdown_section(report)
+    ranks = rank_rows(report)
+    if ranks:
+        lines += ["## Ranks", "", "| rank | peak memory | step time (median) |", "| ---: | ---: | ---: |"]
+        lines += [f"| {' | '.join(row)} |" for row in ranks] + [""]
     lines += _compiler_section(report.get("compiler"))
     lines += _loss_section(report) + [""]
     extra = {k: v for k, v in config_summary.items()
@@ -95,6 +99,7 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
     step = (f"{_secs(st.get('median'))} (p10 {_secs(st.get('p10'))}, p90 {_secs(st.get('p90'))}; "
             f"{r.get('steady_steps', 0)} steady steps)")
     rows = [
+        ("tokens/s (job)", _int(r.get("tokens_per_s_job") or r.get("tokens_per_s"))),
         ("tokens/s per device", _int(r.get("tokens_per_s"))),
         ("MFU", mfu),
         ("achieved TFLOP/s", _num(r.get("tflops"))),
@@ -116,6 +121,16 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
                         f"{_secs(ov.get('exposed_s'))} / {_secs(ov.get('busy_s'))} per step (median); "
                         f"overlap {_pct(ov.get('overlap_fraction'))}"))
     return rows
+
+
+def rank_rows(r: dict) -> list[tuple[str, str, str]]:
+    """(rank, peak memory, median steady step time) of each rank of a multi-process job."""
+    mem = r.get("mem_peak_bytes_per_rank") or []
+    times = r.get("step_time_s_per_rank") or []
+    if max(len(mem), len(times)) < 2:
+        return []
+    mem, times = [*mem, *[None] * (len(times) - len(mem))], [*times, *[None] * (len(mem) - len(times))]
+    return [(str(i), _bytes(m), _secs(t)) for i, (m, t) in enumerate(zip(mem, times, strict=True))]
 
 
 def _breakdown_section(r: dict) -> list[str]:

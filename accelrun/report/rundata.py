@@ -80,6 +80,17 @@ class RunRecord:
             return int(self.report["tokens_per_step"])
         return int(self.metrics[0]["tokens"]) if self.metrics and self.metrics[0].get("tokens") else None
 
+    @property
+    def job_tokens_per_step(self) -> int | None:
+        """Tokens the whole job trains on per step (global batch × sequence length): what runs on
+        different numbers of ranks, or with TP/PP sharing tokens between ranks, are compared by."""
+        flat = self.config_flat
+        batch, seq = flat.get("train.global_batch"), flat.get("train.seq_len")
+        if isinstance(batch, int) and isinstance(seq, int):
+            return batch * seq
+        per_device, world = self.tokens_per_step, (self.report or {}).get("world_size") or 1
+        return per_device * int(world) if per_device else None
+
     def figure(self, key: str) -> Any:
         return (self.report or {}).get(key)
 

@@ -26,7 +26,7 @@ class RunRow:
     steps: int
     final_loss: float | None
     step_time_s: float | None  # steady median
-    tokens_per_s: float | None
+    tokens_per_s: float | None  # the job's: all ranks together
     mfu: float | None
     mem_peak_bytes: int | None
     compile: str
@@ -57,11 +57,11 @@ def list_run_rows(runs_dir: str | Path, name: str | None = None, limit: int | No
         steps = rep.get("steps") if rep else len(r.metrics)
         times = r.steady_step_times()
         median = (rep.get("step_time_s") or {}).get("median") if rep else (steady_median(times) if times else None)
-        tokens = r.tokens_per_step
+        tokens = r.job_tokens_per_step
         rows.append(RunRow(
             run=f"{r.name}/{path.name}", path=str(path), started=_started(path.name), status=r.status,
             steps=int(steps or 0), final_loss=losses[max(losses)] if losses else None, step_time_s=median,
-            tokens_per_s=rep.get("tokens_per_s") if rep else (tokens / median if tokens and median else None),
+            tokens_per_s=rep.get("tokens_per_s_job") or (tokens / median if tokens and median else None),
             mfu=rep.get("mfu"), mem_peak_bytes=rep.get("mem_peak_bytes"),
             compile=str(r.config_flat.get("compile.backend", "?")), precision=str(r.config_flat.get("train.precision", "?")),
             config_hash=rep.get("config_hash"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,11 +192,11 @@ def run_in_dir(
                           markup=False)
         return TrainResult(run_dir, status, None, stopped)
 
-    mem_per_rank = _gather_peak_memory(s)
+    per_rank = _gather_per_rank(s, outcome.step_times if error is None else [], cfg.report.warmup_steps)
     report = None
     if main:
         env = json.loads((run_dir / "env.json").read_text())
-        report = _write_report(resolved, s, run_dir, env, status, setup_s, error, mem_per_rank)
+        report = _write_report(resolved, s, run_dir, env, status, setup_s, error, per_rank)
     if error is not None:
         raise error
     if console is not None and ctx is None:
@@ -203,8 +204,12 @@ def run_in_dir(
     return TrainResult(run_dir, status, report)
 
 
-def _gather_peak_memory(s: TrainSetup) -> list[int | None]:
-    mine = peak_memory_bytes(s.device)
+def _gather_per_rank(s: TrainSetup, step_times: list[tuple[float, bool]], warmup_steps: int) -> list[dict]:
+    """Every rank's peak memory and median steady step time (after warm-up, compiling steps left out):
+    a slow or memory-heavy rank is what a job-wide figure hides."""
+    steady = sorted(t for t, compiled in step_times[warmup_steps:] if not compiled)
+    mine = {"mem_peak_bytes": peak_memory_bytes(s.device),
+            "step_time_s": statistics.median(steady) if steady else None}
     if not s.ctx.distributed:
         return [mine]
     everyone: list = [None] * s.ctx.world_size
@@ -225,7 +230,7 @@ def _compiler_summary(s: TrainSetup) -> dict | None:
 
 
 def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str, setup_s: float, error,
-                  mem_per_rank: list[int | None]) -> dict:
+                  per_rank: list[dict]) -> dict:
     cfg = resolved.config
     metrics = read_metrics(run_dir / "metrics.jsonl")
     report = summarize(
@@ -252,7 +257,8 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         world_size=s.ctx.world_size,
         parallel=cfg.parallel.degrees(),
         tokens_per_s_job=report["tokens_per_s"] * s.ctx.world_size if report.get("tokens_per_s") else None,
-        mem_peak_bytes_per_rank=mem_per_rank,
+        mem_peak_bytes_per_rank=[r["mem_peak_bytes"] for r in per_rank],
+        step_time_s_per_rank=[r["step_time_s"] for r in per_rank],
         compiler=_compiler_summary(s),
     )
     summary = {

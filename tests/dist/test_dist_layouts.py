@@ -63,6 +63,10 @@ def test_layout_matches_one_process(layout, layout_run, reference):
     assert report["world_size"] == world and len(report["mem_peak_bytes_per_rank"]) == world
     assert all(m > 0 for m in report["mem_peak_bytes_per_rank"])
     assert report["tokens_per_s_job"] == pytest.approx(report["tokens_per_s"] * world)
+    # Each rank's own median step time, and a table of ranks in report.md.
+    assert len(report["step_time_s_per_rank"]) == world and all(t > 0 for t in report["step_time_s_per_rank"])
+    md = (d / "report.md").read_text()
+    assert "## Ranks" in md and f"\n| {world - 1} | " in md and "tokens/s (job)" in md
     # Time blocked in collectives, every step, on rank 0: every layout communicates in every step.
     assert all(m["comm_s"] > 0 for m in read_metrics(d / "metrics.jsonl"))
     comm = report["comm_time_s"]

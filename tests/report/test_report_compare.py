@@ -103,3 +103,33 @@ def test_an_interrupted_run_compares_from_its_metrics(runs, tmp_path):
     assert r.status == "interrupted" and len(r.steady_step_times()) == 7
     c = compare_groups(groups(runs["base"], cut), resamples=200)
     assert c.rows[1].parity.status == "identical" and c.rows[1].median_step_s is not None
+
+
+def as_two_ranks(src, dst, slowdown: float):
+    """``src`` rewritten as the same recipe on 2 data-parallel ranks: half the tokens per rank per step,
+    each step ``slowdown`` times as long (what a 2-rank FSDP job of the same global batch records)."""
+    import yaml
+
+    shutil.copytree(src, dst)
+    cfg = yaml.safe_load((dst / "config.yaml").read_text())
+    cfg["parallel"]["nproc_per_node"] = 2
+    (dst / "config.yaml").write_text(yaml.safe_dump(cfg))
+    rows = [json.loads(line) for line in (dst / "metrics.jsonl").read_text().splitlines()]
+    for m in rows:
+        m["tokens"], m["step_time_s"] = m["tokens"] // 2, m["step_time_s"] * slowdown
+    (dst / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows))
+    report = json.loads((dst / "report.json").read_text())
+    report.update(world_size=2, tokens_per_step=report["tokens_per_step"] // 2)
+    (dst / "report.json").write_text(json.dumps(report))
+    return dst
+
+
+def test_runs_on_different_rank_counts_compare_job_throughput(runs, tmp_path):
+    # 1.25x longer steps on 2 ranks for the same global batch: the job is 0.8x as fast, not 0.4x.
+    two = as_two_ranks(runs["twin"], tmp_path / "two", 1.25)
+    assert load_run(two).job_tokens_per_step == load_run(runs["base"]).job_tokens_per_step == 128
+    c = compare_groups(groups(runs["base"], two), resamples=500)
+    a, b = c.rows
+    assert b.speedup.ratio == pytest.approx(a.median_step_s / b.median_step_s, rel=1e-6)
+    assert b.tokens_per_s == pytest.approx(128 / b.median_step_s)
+    assert not any("tokens per step" in n for n in c.notes)
