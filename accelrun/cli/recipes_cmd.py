@@ -41,8 +41,8 @@ def list_cmd(show_all: bool) -> None:
     dirs = search_path()
     table = Table(show_edge=False, box=None, pad_edge=False)
     table.add_column("name", style="bold cyan", no_wrap=True)
-    table.add_column("summary")
-    table.add_column("file", style="dim", overflow="fold")
+    table.add_column("summary", ratio=3)
+    table.add_column("file", style="dim", overflow="fold", ratio=1)
     for e in list_recipes(dirs):
         if e.shadowed_by is not None and not show_all:
             continue

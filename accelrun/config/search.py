@@ -8,6 +8,7 @@ shipped recipe by putting its own under the same name earlier in the path.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def looks_like_path(ref: str) -> bool:
 class RecipeEntry:
     name: str
     path: Path
-    summary: str  # the first comment line of the file
+    summary: str  # the first sentence of the file's leading comment
     shadowed_by: Path | None = None
 
 
@@ -81,14 +82,17 @@ def list_recipes(dirs: list[Path]) -> list[RecipeEntry]:
 
 
 def _summary(path: Path) -> str:
+    """The first sentence of the comment block a recipe starts with (whole, never cut mid-sentence)."""
+    words: list[str] = []
     try:
         with path.open(encoding="utf-8") as f:
             for line in f:
                 line = line.strip()
-                if line.startswith("#"):
-                    return line.lstrip("# ").strip()
-                if line:
-                    return ""
+                if not line.startswith("#"):
+                    break
+                words += line.lstrip("#").split()
     except OSError:
-        pass
-    return ""
+        return ""
+    text = " ".join(words)
+    end = re.search(r"[.!?](\s|$)", text)
+    return text[: end.start() + 1] if end else text

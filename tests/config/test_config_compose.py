@@ -145,3 +145,19 @@ def test_bad_list_overrides(write, override, expect):
     cfg = write("run.yaml", "train: {steps: 3}\ndata: {source: text, paths: [a.txt]}\n")
     with pytest.raises(ConfigError, match=re.escape(expect)):
         load_config(cfg, [override], search_dirs=[])
+
+
+def test_recipe_summary_is_the_first_whole_sentence(write, tmp_path):
+    from accelrun.config.search import _summary
+
+    p = write("r.yaml", "# Eight GPUs per node (see\n# vendor.md). More text\n#  here.\nmodel: {dim: 64}\n")
+    assert _summary(p) == "Eight GPUs per node (see vendor.md)."
+    assert _summary(write("s.yaml", "# no full stop\nmodel: {}\n")) == "no full stop"
+    assert _summary(write("t.yaml", "model: {}\n# later\n")) == ""
+    # Every shipped recipe's summary is a whole sentence.
+    from accelrun.config import search_path
+
+    shipped = list_recipes(search_path())
+    assert len(shipped) > 20
+    for e in shipped:
+        assert e.summary and e.summary[-1] in ".!?", (e.name, e.summary)
