@@ -44,9 +44,8 @@ class VariantCommand(click.Command):
                 rewritten += [current, arg]
             else:
                 rewritten.append(arg)
-        for opt in VARIANT_OPTIONS:  # `--b` with nothing after it: let click report the missing value
-            if opt in args and opt not in rewritten:
-                rewritten.append(opt)
+        # `--a` or `--b` with nothing after it: that variant is the recipe as is (A/A runs measure noise).
+        ctx.meta["variants_given"] = {opt for opt in VARIANT_OPTIONS if opt in args}
         return super().parse_args(ctx, rewritten)
 
 
@@ -104,7 +103,8 @@ def _figures(run_dir: Path) -> str:
 @click.argument("overrides", nargs=-1, metavar="[KEY=VALUE | ~KEY]...")
 @click.option("--a", "a", multiple=True, metavar="KEY=VALUE...", help="Overrides for variant A (the baseline; "
               "may be empty: the recipe as is). Every argument up to the next option belongs to A.")
-@click.option("--b", "b", multiple=True, required=True, metavar="KEY=VALUE...", help="Overrides for variant B.")
+@click.option("--b", "b", multiple=True, metavar="KEY=VALUE...",
+              help="Overrides for variant B (may be empty, or equal A's: an A/A run measures the machine's noise).")
 @click.option("--c", "c", multiple=True, metavar="KEY=VALUE...", help="Overrides for a third variant, C.")
 @click.option("--d", "d", multiple=True, metavar="KEY=VALUE...", help="Overrides for a fourth variant, D.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
@@ -145,9 +145,13 @@ def command(config: str, overrides: tuple[str, ...], a: tuple[str, ...], b: tupl
       accelrun ab configs/llama.yaml train.threads=2 --a train.micro_batch=16 \\
           --b train.micro_batch=8 train.grad_accum=2 --warmup-steps 5
       accelrun ab configs/llama.yaml --a train.precision=fp32 --b train.precision=bf16-mixed --loss-rtol 0.05
+      accelrun ab configs/llama.yaml --a --b --repeats 5      # A/A: the noise of this machine
     """
+    given = click.get_current_context().meta.get("variants_given", set())
+    if "--b" not in given:
+        raise click.UsageError("Missing option '--b': B's overrides (an empty --b runs the recipe as is)")
     variants = [Variant(label, list(ov)) for label, ov in (("A", a), ("B", b), ("C", c), ("D", d))
-                if label in ("A", "B") or ov]
+                if label in ("A", "B") or ov or f"--{label.lower()}" in given]
     base = load(config, (*overrides, *a))  # prints the recipe's warnings once
     plan = AbPlan(config, variants, out_dir or Path("ab"), common=list(overrides), repeats=repeats, steps=steps,
                   warmup_steps=warmup_steps)
@@ -161,6 +165,8 @@ def command(config: str, overrides: tuple[str, ...], a: tuple[str, ...], b: tupl
               f"interleaved; results in [cyan]{escape(str(out_dir))}[/]", highlight=False)
     for v in variants:
         err.print(f"  {v.label}: {escape(' '.join(v.overrides) or '(the recipe as is)')}", highlight=False)
+    for note in plan.notes:
+        err.print(f"[bold]note:[/] {escape(note)}", highlight=False)
     result = run_ab(plan, Progress(plan), seed=seed, loss_rtol=loss_rtol)
     paths = write_ab_reports(result, shlex.join(["accelrun", *sys.argv[1:]]) if sys.argv else "")
     out.print()

@@ -60,6 +60,7 @@ class AbPlan:
     repeats: int = 3
     steps: int | None = None
     warmup_steps: int | None = None
+    notes: list[str] = field(default_factory=list)  # said when the plan is made, kept in the result
 
     def forced(self) -> list[str]:
         """Overrides ab imposes last: fresh, checkpoint-free runs in the ab directory, progress as lines."""
@@ -87,10 +88,12 @@ def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
     resolved = [load_config(plan.config, plan.overrides(v)) for v in plan.variants]
     first_with: dict[str, str] = {}
     for v, r in zip(plan.variants, resolved, strict=True):
-        if r.hash in first_with:
-            raise UserError(f"variant {v.label} resolves to the same config as {first_with[r.hash]} ({r.hash}): "
-                            "give it an override that changes something")
-        first_with[r.hash] = v.label
+        if r.hash in first_with:  # an A/A run: how a user measures this machine's noise
+            note = (f"variant {v.label} resolves to the same config as {first_with[r.hash]} ({r.hash}): an A/A run, "
+                    "whose speed ratio and interval measure this machine's run-to-run noise")
+            if note not in plan.notes:
+                plan.notes.append(note)
+        first_with.setdefault(r.hash, v.label)
     if len({r.config.train.steps for r in resolved}) > 1:
         raise UserError("the variants train different numbers of steps; give --steps to run them alike")
     return resolved
@@ -186,6 +189,7 @@ def summarize_ab(plan: AbPlan, run_dirs: dict[str, list[Path]], *, seed: int = 0
         runs = [load_run(d, label=f"{v.label}{k}") for k, d in enumerate(run_dirs[v.label], start=1)]
         groups.append(Group(v.label, runs, v.overrides))
     c = compare_groups(groups, rtol=loss_rtol, seed=seed, paired=True)  # A_r, B_r, ... ran in round r
+    c.notes[:0] = plan.notes
     base = c.rows[0]
     verdicts = [verdict_line(row, base, plan.repeats, multi=len(c.rows) > 2) for row in c.rows[1:]]
     if base.parity is not None and not base.parity.agrees:  # A's own repeats disagree: nondeterminism

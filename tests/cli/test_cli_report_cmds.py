@@ -136,18 +136,30 @@ def test_ab_user_errors_exit_2_before_anything_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(ab_cmd, "run_ab", lambda *a, **k: pytest.fail("must not run"))
     r = invoke("ab", DEFAULT_CONFIG, f"report.runs_dir={tmp_path}", "--b", "trian.steps=3")
     assert r.exit_code == 2 and "did you mean 'train'" in r.output
-    r = invoke("ab", DEFAULT_CONFIG, "--b")
-    assert r.exit_code == 2 and "requires an argument" in r.output
+    r = invoke("ab", DEFAULT_CONFIG, "--a", "train.steps=3")
+    assert r.exit_code == 2 and "Missing option '--b'" in r.output
 
 
-def test_ab_variants_that_resolve_alike_are_an_error(tmp_path):
-    from accelrun.errors import UserError
+def test_ab_variants_that_resolve_alike_are_an_a_a_run_with_a_note(tmp_path, monkeypatch):
     from accelrun.report.ab import resolve_variants
 
     plan = AbPlan(str(DEFAULT_CONFIG), [Variant("A", []), Variant("B", ["compile.backend=eager"])], tmp_path,
                   common=list(TINY))
-    with pytest.raises(UserError, match="B resolves to the same config as A"):
-        resolve_variants(plan)
+    resolve_variants(plan)
+    assert len(plan.notes) == 1 and "B resolves to the same config as A" in plan.notes[0] and "A/A" in plan.notes[0]
+    seen = []
+
+    class Planned(Exception):
+        pass
+
+    def record(p, *args, **kwargs):
+        seen.append(p)
+        raise Planned
+
+    monkeypatch.setattr(ab_cmd, "run_ab", record)
+    r = invoke("ab", DEFAULT_CONFIG, *TINY, f"report.runs_dir={tmp_path}", "--a", "--b", "--repeats", "1")
+    assert isinstance(r.exception, Planned) and [v.overrides for v in seen[0].variants] == [[], []]
+    assert "an A/A run" in r.output
 
 
 def test_ab_warns_when_other_processes_compete_for_the_cpu(runs, tmp_path):
