@@ -4,11 +4,15 @@ The interpreter is slow, so these are a few representative regions (row reductio
 reduction, broadcasts and views, bf16), not the property tests of test_codegen_cpp.py. triton reads
 TRITON_INTERPRET when a kernel is decorated, i.e. when the generated module is imported, so setting
 it before ``compile`` is enough. Tolerances: fp32 rtol 1e-5, atol 1e-5 (reductions); bf16 rtol 1e-2.
+
+With ACCELRUN_TRITON_TEST_DEVICE=cuda (bench/gpu_smoke.sh) the same regions are traced on CUDA tensors
+and run by Triton's real compiler on the GPU, without the interpreter.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -26,20 +30,29 @@ from accelrun.compile.regions import Region
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
+DEVICE = os.environ.get("ACCELRUN_TRITON_TEST_DEVICE", "cpu")
+if DEVICE != "cpu" and not torch.cuda.is_available():
+    pytestmark = [pytestmark, pytest.mark.skip(reason=f"ACCELRUN_TRITON_TEST_DEVICE={DEVICE} but no CUDA device")]
+
 
 @pytest.fixture
 def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    """Kernels run by the interpreter on the CPU; on the GPU when DEVICE is cuda."""
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-def regions_of(fn, *args) -> list[Region]:
-    """Regions the partitioner cuts from the forward and backward graphs of ``fn``."""
+def regions_of(fn, *args, device: str = DEVICE) -> list[Region]:
+    """Regions the partitioner cuts from the forward and backward graphs of ``fn`` (on ``device``)."""
     graphs = []
 
     def keep(gm, example_inputs):
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
+    args = tuple(a.detach().to(device).requires_grad_(a.requires_grad) for a in args)
     outs = aot_function(fn, fw_compiler=keep, bw_compiler=keep, decompositions=core_aten_decompositions())(*args)
     outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
     sum(o.float().sum() for o in outs if o.requires_grad).backward()
@@ -59,7 +72,7 @@ def check(region: Region, cache: str) -> None:
     gen = torch.Generator().manual_seed(region.id)
     inputs = []
     for m in region.input_meta:
-        t = torch.empty_strided(tuple(m.shape), tuple(m.stride()), dtype=m.dtype)
+        t = torch.empty_strided(tuple(m.shape), tuple(m.stride()), dtype=m.dtype, device=m.device)
         inputs.append(t.copy_(torch.randn(tuple(m.shape), generator=gen)) if m.dtype.is_floating_point
                       else t.copy_(torch.randint(0, 4, tuple(m.shape), generator=gen)))
     for got, want in zip(fn(*inputs), region.gm(*inputs), strict=True):
@@ -218,7 +231,7 @@ def test_compiled_region_launches_a_split_reduction_in_two_kernels(interpret, tm
 
 def _inputs(region: Region) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return [torch.randn(tuple(m.shape), generator=gen, dtype=m.dtype) for m in region.input_meta]
+    return [torch.randn(tuple(m.shape), generator=gen, dtype=m.dtype).to(m.device) for m in region.input_meta]
 
 
 def test_a_kernel_the_gpu_cannot_take_goes_to_the_next_executor(monkeypatch, tmp_path):
@@ -243,7 +256,7 @@ def test_a_kernel_the_gpu_cannot_take_goes_to_the_next_executor(monkeypatch, tmp
 
     monkeypatch.setattr(triton_aot, "warm_up", refuse)
     fn, *args = CASES["rmsnorm_fp32"]()
-    region = regions_of(fn, *args)[0]
+    region = regions_of(fn, *args, device="cpu")[0]
     compiled = _Lowering([TritonExecutor(), AtenExecutor()], str(tmp_path)).run([region])
     assert warmed, "the executor compiled the kernels before the first call"
     assert region.facts["executor"] == "aten" and region.id not in compiled
@@ -256,7 +269,7 @@ def test_a_first_call_failure_runs_the_region_as_aten_ops(tmp_path):
     from types import SimpleNamespace
 
     fn, *args = CASES["rmsnorm_fp32"]()
-    region = regions_of(fn, *args)[0]
+    region = regions_of(fn, *args, device="cpu")[0]
     program = cached_program(region)
     calls = []
 
