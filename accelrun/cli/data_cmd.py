@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+from rich.table import Table
 
 from accelrun.cli.common import err, out
 
@@ -42,4 +43,12 @@ def prepare(inputs: tuple[str, ...], output: Path, max_bytes: int | None) -> Non
             bar.update(task, completed=done, total=total)
 
         info = prepare_tokens(list(inputs), str(output), max_bytes=max_bytes, progress=on_progress)
-    out.print(f"wrote {output}: {info}")
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    labels = {"path": "written", "files": "input files", "bytes": "input bytes", "tokens": "tokens",
+              "token_bytes": "bytes per token", "tokenizer": "tokenizer", "vocab_size": "vocabulary",
+              "sha256": "sha256 of the tokens"}
+    for key, value in info.items():
+        table.add_row(labels.get(key, key), f"{value:,}" if isinstance(value, int) else str(value))
+    out.print(table)

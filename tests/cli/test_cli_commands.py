@@ -103,6 +103,8 @@ def test_data_prepare_then_train_on_tokens(tiny, tmp_path):
     r = invoke("data", "prepare", str(corpus / "*.txt"), "-o", out)
     assert r.exit_code == 0, r.output
     assert out.is_file()
+    rows = {" ".join(line.split()[:-1]): line.split()[-1] for line in r.output.splitlines() if line.strip()}
+    assert rows["input files"] == "3" and rows["tokens"] == f"{3 * len('document 0 ') * 2000 + 3:,}"
     r = invoke("train", DEFAULT_CONFIG, *tiny(2, "checkpoint.enabled=false", "data.source=tokens",
                                               f"data.paths=[{out}]"))
     assert r.exit_code == 0, r.output
