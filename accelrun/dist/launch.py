@@ -15,10 +15,13 @@ safe for CUDA. Later launches from the same process reuse it, and with it its en
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import multiprocessing
 import tempfile
 import uuid
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -27,6 +30,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from accelrun.config.schema import ParallelConfig
 from accelrun.dist import stop
 from accelrun.dist.rank_errors import unprinted_messages
+from accelrun.dist.rank_failures import LOGS, exit_codes_of, explain
 
 WORKER_MODULE = "accelrun.dist.worker"
 # What the fork server imports once, before it forks ranks.
@@ -74,6 +78,36 @@ class JobOutcome:
     unprinted: list[str]  # user errors of ranks that no rank printed (see rank_errors)
     stopped: stop.Stopped | None = None  # rank 0's record when the ranks stopped on a signal
     ranks: int = 1
+    failure: list[str] = field(default_factory=list)  # which rank failed first, how, its last lines
+
+
+# What the agent and torch's process context log: into the run folder, not onto the terminal.
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+
+
+@contextlib.contextmanager
+def _agent_logs_to(path: Path) -> Iterator[None]:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler: logging.Handler = logging.FileHandler(path, delay=True)
+    except OSError:  # a run folder that cannot be written: stay on the terminal
+        yield
+        return
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"))
+    saved = []
+    for name in AGENT_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.propagate, logger.level))
+        logger.addHandler(handler)
+        logger.propagate = False
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for logger, propagate, level in saved:
+            logger.removeHandler(handler)
+            logger.propagate, logger.level = propagate, level
+        handler.close()
 
 
 def launch_job(run_dir: Path, par: ParallelConfig, opts: LaunchOptions) -> JobOutcome:
@@ -82,14 +116,17 @@ def launch_job(run_dir: Path, par: ParallelConfig, opts: LaunchOptions) -> JobOu
 
     # Takes effect when the server starts (the first launch in this process).
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    agent_log = run_dir / LOGS / "agent.log"
     with (tempfile.TemporaryDirectory(prefix="accelrun-rank-errors-") as errors,
-          stop.catch_signals(forward_to=Path(errors))):
+          stop.catch_signals(forward_to=Path(errors)), _agent_logs_to(agent_log)):
         try:
             elastic_launch(launch_config(par, opts), run_rank)(str(run_dir), errors)
         except ChildFailedError as e:
-            codes = [f.exitcode for f in e.failures.values()]
-            code = next((c for c in codes if c in (2, 3)), codes[0] if codes else 1)
-            return JobOutcome(code, unprinted_messages(Path(errors)))
+            exits = exit_codes_of(e)  # every rank's; the error names only the first the agent noticed
+            codes = [c for c in exits.values() if c] or [f.exitcode for f in e.failures.values()]
+            code = next((c for c in codes if c in (2, 3)), 1)
+            return JobOutcome(code, unprinted_messages(Path(errors)),
+                              failure=explain(Path(errors), exits, agent_log if agent_log.exists() else None))
         stopped = stop.read_records(Path(errors))
     if stopped:  # every rank stopped at the same step; rank 0's record names the checkpoint
         return JobOutcome(stop.exit_code(stopped[0].signum), [], stopped[0], par.world_size)

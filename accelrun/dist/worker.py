@@ -8,6 +8,7 @@ mesh and trains.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -24,6 +25,7 @@ from accelrun.dist import stop
 from accelrun.dist.context import ParallelContext, env_rank
 from accelrun.dist.mesh import build_mesh, dp_coordinates
 from accelrun.dist.rank_errors import leave_record
+from accelrun.dist.rank_failures import leave_crash, start_rank_log
 from accelrun.errors import UserError
 
 
@@ -85,7 +87,10 @@ def main(argv: list[str] | None = None, errors_dir: Path | None = None) -> int:
 
     run_dir = Path((argv or sys.argv[1:])[0])
     console = Console(stderr=True, highlight=False)
-    rank = env_rank()[0]
+    rank, _, local_rank = env_rank()
+    log = None
+    with contextlib.suppress(OSError):  # no log (a read-only run folder) is no reason to fail here
+        log = start_rank_log(run_dir, errors_dir, rank, local_rank)
     try:
         resolved = load_config(run_dir / "config.yaml", search_dirs=[])
         ctx = init_rank(resolved)
@@ -100,6 +105,9 @@ def main(argv: list[str] | None = None, errors_dir: Path | None = None) -> int:
         if errors_dir is not None:
             leave_record(errors_dir, rank, e.messages, printed=prints)
         return e.exit_code
+    except Exception as e:  # not the user's: the traceback goes to the rank's log, the launcher explains
+        leave_crash(errors_dir, log, rank, e)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

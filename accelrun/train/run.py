@@ -130,6 +130,10 @@ def _launched_result(run_dir: Path, outcome: JobOutcome, console: Console) -> Tr
         return TrainResult(run_dir, report["status"], report)
     if code in (2, 3):  # the CLI prints what no rank printed and exits with the same code
         raise JobFailed(code, outcome.unprinted)
+    if outcome.failure:
+        console.print("[bold red]error:[/] " + escape(outcome.failure[0]), highlight=False)
+        for line in outcome.failure[1:]:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     return TrainResult(run_dir, "preempted" if code == 0 else "failed", None)
 
 

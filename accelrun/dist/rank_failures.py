@@ -1,0 +1,208 @@
+"""A failed job explained in one screen: which rank failed first, on which node, how (a signal or an
+exit code), its last log lines and where its log is.
+
+The elastic agent reports only the first failure it notices, and after a rank is killed that is
+usually another rank, whose collective lost its peer a moment later. So each rank leaves what it knows
+in the job's folder: who it is when it starts (rank, node, pid, log file), and the error when it
+fails. The launcher adds every rank's exit status, read from the agent after the job, and blames the
+rank that ended without an error of its own (killed by a signal, or crashed in native code) before
+one whose error says a peer was gone.
+
+Each rank's output is also written to ``<run dir>/logs/rank-<r>.log``; the agent's own log goes to
+``<run dir>/logs/agent.log`` instead of the terminal.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+LOGS = "logs"
+TAIL_LINES = 8
+# What a rank's collective says when another rank went away first: the consequence, not the cause.
+PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "timed out",
+             "connection refused", "socket closed", "peer", "waited more than parallel.timeout_s")
+
+
+def log_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / LOGS / f"rank-{rank}.log"
+
+
+class _Tee(io.TextIOBase):
+    """A text stream that writes to the terminal's stream and to a log file."""
+
+    def __init__(self, stream, log) -> None:
+        self._stream, self._log = stream, log
+
+    def write(self, s: str) -> int:
+        self._log.write(s)
+        self._log.flush()
+        return self._stream.write(s)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._stream, "encoding", "utf-8")
+
+
+def start_rank_log(run_dir: Path, folder: Path | None, rank: int, local_rank: int):
+    """Tee this rank's Python output into its log file and record who it is; returns the open log."""
+    path = log_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - open for the rank's life
+    log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank} (local {local_rank}) started on "
+              f"{socket.gethostname()}, pid {os.getpid()}\n")
+    sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+    if folder is not None:
+        _write(folder / f"proc-{rank}.json", {"rank": rank, "local_rank": local_rank, "pid": os.getpid(),
+                                              "host": socket.gethostname(), "log": str(path)})
+    return log
+
+
+def leave_crash(folder: Path | None, log, rank: int, e: BaseException) -> None:
+    """An unexpected error of a rank: its traceback to the rank's log only, one line to the launcher."""
+    text = "".join(traceback.format_exception(e))
+    if log is not None:
+        log.write(text)
+        log.flush()
+    else:
+        sys.__stderr__.write(text)
+    if folder is not None:
+        _write(folder / f"crash-{rank}.json", {"rank": rank, "error": error_line(e)})
+
+
+def error_line(e: BaseException) -> str:
+    """One short line: the type and the message's last line, less a C++ source location in front and
+    the advice after the first sentence (gloo's "[.../pair.cc:537] Read error ...: Connection reset by
+    peer. This is typically caused by ...")."""
+    text = str(e).strip()
+    last = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[-1] if text else "")
+    last = last.split(". ")[0][:200]
+    return f"{type(e).__name__}: {last}" if last else type(e).__name__
+
+
+def _write(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def _read(folder: Path, pattern: str) -> dict[int, dict]:
+    out = {}
+    for p in folder.glob(pattern):
+        try:
+            r = json.loads(p.read_text())
+            out[int(r["rank"])] = r
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
+def exit_codes_of(error: BaseException) -> dict[int, int]:
+    """Each local rank's exit status (negative: killed by that signal), read from the elastic agent
+    that raised ``error`` (the agent keeps its last group's processes; nothing public hands them out).
+    Empty if this version of torch keeps them elsewhere."""
+    tb = error.__traceback__
+    while tb is not None:
+        agent = tb.tb_frame.f_locals.get("agent")
+        procs = getattr(getattr(getattr(agent, "_pcontext", None), "_pc", None), "processes", None)
+        if procs:
+            return {i: p.exitcode for i, p in enumerate(procs) if p.exitcode is not None}
+        tb = tb.tb_next
+    return {}
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    rank: int
+    host: str
+    pid: int | None
+    log: str | None
+    exit_code: int | None  # negative: the signal
+    error: str | None  # its own error line, if it had one
+
+    @property
+    def how(self) -> str:
+        if self.exit_code is not None and self.exit_code < 0:
+            sig = signal.Signals(-self.exit_code).name
+            why = " (kill -9, or the kernel's out-of-memory killer)" if sig == "SIGKILL" else ""
+            return f"was killed by {sig}{why}"
+        code = f"exited with code {self.exit_code}" if self.exit_code is not None else "failed"
+        return f"{code}: {self.error}" if self.error else f"{code} without an error of its own"
+
+    @property
+    def secondary(self) -> bool:
+        """Its error says another rank went away first."""
+        return self.error is not None and any(w in self.error.lower() for w in PEER_GONE)
+
+
+def rank_ends(folder: Path, exit_codes: dict[int, int]) -> list[RankEnd]:
+    procs, crashes = _read(folder, "proc-*.json"), _read(folder, "crash-*.json")
+    users = _read(folder, "rank-*.json")  # rank_errors' records of user errors
+    ends = []
+    for rank, p in sorted(procs.items()):
+        error = crashes.get(rank, {}).get("error") or "; ".join(users.get(rank, {}).get("messages", [])) or None
+        ends.append(RankEnd(rank, p["host"], p["pid"], p["log"], exit_codes.get(p["local_rank"]), error))
+    return ends
+
+
+def culprit(ends: list[RankEnd]) -> RankEnd | None:
+    """The rank that failed first: killed or crashed without a word, else one with an error of its own
+    that is not about a lost peer, else any that failed."""
+    failed = [e for e in ends if e.exit_code not in (0, None) or e.error]
+    for ok in (lambda e: e.error is None and e.exit_code not in (0, None),
+               lambda e: e.error is not None and not e.secondary,
+               lambda e: True):
+        found = [e for e in failed if ok(e)]
+        if found:
+            return found[0]
+    return None
+
+
+def tail(path: str | None, n: int = TAIL_LINES) -> list[str]:
+    if not path:
+        return []
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
+    return [line for line in lines if line.strip()][-n:]
+
+
+def explain(folder: Path, exit_codes: dict[int, int], agent_log: Path | None) -> list[str]:
+    """The lines that tell the user what failed; empty if the ranks left nothing to go on."""
+    ends = rank_ends(folder, exit_codes)
+    first = culprit(ends)
+    if first is None:
+        return []
+    lines = [f"rank {first.rank} on node {first.host} (pid {first.pid}) {first.how}"]
+    last = tail(first.log)
+    lines.append(f"  its last lines ({first.log}):" if last else f"  its log ({first.log}) is empty")
+    lines += [f"  | {line}" for line in last]
+    for e in ends:
+        if e is not first and (e.error or e.exit_code not in (0, None)):
+            then = "then " if e.secondary else ""
+            lines.append(f"  {then}rank {e.rank} on node {e.host} {e.how} ({e.log})")
+    if agent_log is not None:
+        lines.append(f"  torchelastic's log: {agent_log}")
+    return lines

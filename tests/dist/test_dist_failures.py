@@ -1,0 +1,50 @@
+"""A failed 2-rank job explained in one screen: the rank that failed first is blamed (not the one whose
+collective lost it a moment later), with its node, signal, log file and last lines; torchelastic's
+own output goes to the run folder's logs/agent.log instead of the terminal."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from accelrun.dist.rank_failures import RankEnd, culprit, error_line
+from tests.dist.jobs import FSDP2, kill_all, ranks_of, start_cli, stop, tiny_overrides
+from tests.dist.test_dist_stop import wait_for_step
+
+
+def test_kill_9_of_rank_1_blames_rank_1_in_a_few_lines(tmp_path):
+    runs = tmp_path / "runs"
+    job = start_cli(*tiny_overrides(runs, 100000, "name=killed", "checkpoint.every=100000"), *FSDP2)
+    workers: list[int] = []
+    try:
+        run_dir = wait_for_step(job, runs, "killed", 2)
+        assert run_dir is not None, "the job did not get going"
+        workers = ranks_of(job.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        out, _ = job.communicate(timeout=120)
+    finally:
+        kill_all(workers)
+        stop(job)
+    assert job.returncode == 1, out[-3000:]
+    after = out[out.index("launching"):].splitlines()
+    assert len(after) < 25 and "Traceback" not in out, out  # one screen, no torchelastic dump
+    flat = " ".join(out.split())
+    logs = run_dir / "logs"
+    assert f"error: rank 1 on node {os.uname().nodename} (pid {workers[1]}) was killed by SIGKILL" in flat, out
+    assert f"its last lines ({logs / 'rank-1.log'}):" in flat, out
+    assert f"then rank 0 on node {os.uname().nodename} exited with code 1" in flat, out
+    assert f"torchelastic's log: {logs / 'agent.log'}" in flat, out
+    # The agent's account of the failure is in its log; rank 0's traceback is in its own.
+    assert "failed" in (logs / "agent.log").read_text()
+    assert "Traceback" in (logs / "rank-0.log").read_text()
+
+
+def test_culprit_is_the_rank_without_an_error_of_its_own():
+    killed = RankEnd(1, "h", 11, None, -9, None)
+    lost_peer = RankEnd(0, "h", 10, None, 1, error_line(RuntimeError("[x.cc:1] Read error: Connection reset by peer. GLHF")))
+    assert culprit([lost_peer, killed]) is killed
+    own = RankEnd(1, "h", 11, None, 1, "ValueError: bad shard")
+    assert culprit([lost_peer, own]) is own
+    assert culprit([RankEnd(0, "h", 10, None, 0, None)]) is None
+    assert "was killed by SIGKILL (kill -9" in killed.how and lost_peer.secondary and not own.secondary
