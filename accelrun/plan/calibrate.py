@@ -282,7 +282,7 @@ def with_cached_calibration(c):
         raise PlanError(
             f"cluster.device = cpu with cluster.devices_per_node = {c.devices_per_node}: this machine has not "
             f"been measured yet; run `accelrun plan --calibrate --devices-per-node {c.devices_per_node}` "
-            f"(a few seconds; kept in {path})"
+            f"(about a minute; kept in {path})"
         ) from None
     except Exception as e:  # a damaged cache file: say where it is
         raise PlanError(f"cannot read the calibration cache {path}: {e}; run `accelrun plan --calibrate` "

@@ -105,17 +105,17 @@ class Cluster:
         c, key = self.config, PRECISION_KEY[precision]
         acc = find_accelerator(self.device)
         declared = c.bf16_tflops if key == "bf16" else c.fp32_tflops
-        peak, peak_source = declared, "declared (cluster)"
+        peak, peak_source = declared, f"cluster.{key}_tflops, declared in the cluster recipe"
         if peak is None and acc is not None:
             entry = acc.peaks
             peak = entry.bf16_tflops if key == "bf16" else entry.fp32_tflops
-            peak_source = f"table: {entry.entry} ({entry.datasheet})"
+            peak_source = f"dense {key} peak of {entry.entry}, from accelrun's accelerator table ({entry.datasheet})"
         measured_curve = c.calibration.matmul_tflops.get(key)
         if measured_curve:
             curve = tuple(sorted(measured_curve.items()))
             if peak is None:  # a CPU: the best rate measured, as accelrun's MFU probe does
                 peak = max(r for _, r in curve)
-                peak_source = "measured: best matmul rate in the calibration"
+                peak_source = f"measured: the best {key} matmul rate of `accelrun plan --calibrate` on this machine"
         elif peak is not None:
             curve = ((1, peak * eff.MATMUL_OF_PEAK),)
         else:

@@ -95,7 +95,8 @@ def _stage_memory(w: Workload, cluster: Cluster, stage: str) -> MemoryEstimate:
     p = stage_params(w, stage)
     shard = lay.dp_shard if lay.fsdp else 1
     terms: list[Term] = []
-    sharding = f"1/{shard} of {p.local / 1e9:.3g} B per TP rank" if shard > 1 else f"{p.local / 1e9:.3g} B"
+    per_tp = " per TP rank" if tp > 1 else ""
+    sharding = f"1/{shard} of {p.local / 1e9:.3g} B{per_tp}" if shard > 1 else f"{p.local / 1e9:.3g} B{per_tp}"
     terms.append(Term("parameters (fp32)", 4 * p.local / shard, sharding))
     terms.append(Term("gradients (fp32)", 4 * p.local / shard, sharding))
     terms.append(Term("optimizer state (AdamW m, v)", 8 * p.local / shard, sharding))

@@ -107,7 +107,7 @@ def test_a_gpu_calibration_names_its_accelerator_and_plans():
     cluster = resolve_cluster(one)
     assert cluster.intra is not None and "accelerator table" in cluster.intra.source  # one GPU: the table's link
     rates = cluster.rates("bf16-mixed")
-    assert rates.matmul_tflops(8192) == 650.0 and rates.peak_source.startswith("table")  # MFU: the datasheet
+    assert rates.matmul_tflops(8192) == 650.0 and rates.peak_source.startswith("dense bf16 peak of NVIDIA H100 SXM5, from accelrun's accelerator table")  # MFU: the datasheet
     assert rates.attention_tflops(1024, 64) == pytest.approx(300.0 * 250.0 / 300.0)  # curve at head dim 128
 
     eight = ClusterConfig.model_validate(cal.describe(_gpu_measurement("NVIDIA H100 80GB HBM3", True), 8,

@@ -124,3 +124,19 @@ def test_verdict_names_the_largest_term(cluster_file):
     assert not p.fits
     assert p.verdict.startswith("does not fit: needs ")
     assert "device has 16.0 GiB; largest term: optimizer state (AdamW m, v)" in p.verdict
+
+
+def test_per_tp_rank_is_said_only_under_tensor_parallelism_and_the_peak_is_the_precisions(cluster_file):
+    def detail(p):
+        return next(t.detail for t in p.memory.terms if t.name == "parameters (fp32)")
+
+    fsdp = plan(cluster_file, "parallel.nproc_per_node=2", "train.global_batch=8")
+    assert "1/2 of" in detail(fsdp) and "TP" not in detail(fsdp)
+    fsdp_tp = plan(cluster_file, "parallel.nproc_per_node=4", "parallel.tp=2", "train.global_batch=8")
+    assert "1/2 of" in detail(fsdp_tp) and detail(fsdp_tp).endswith("per TP rank")
+    tp = plan(cluster_file, "parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.tp=2",
+              "train.global_batch=8")
+    assert detail(tp).endswith("B per TP rank")
+    for precision, key, peak in (("fp32", "fp32", 20), ("bf16-mixed", "bf16", 200)):
+        rates = plan(cluster_file, f"train.precision={precision}").time.rates
+        assert rates.peak_tflops == peak and rates.peak_source == f"cluster.{key}_tflops, declared in the cluster recipe"
