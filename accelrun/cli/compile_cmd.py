@@ -69,6 +69,10 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
               f"{sum(record.graph_breaks.values())} graph break(s)")  # fmt: skip
     for reason, n in record.graph_breaks.items():
         out.print(f"  graph break ×{n}: {escape(reason)}")
+    from accelrun.compile.coverage import coverage_lines
+
+    for line in coverage_lines(record):  # frames skipped, nothing compiled, fallbacks: never silent
+        out.print(f"[yellow]{escape(line)}[/]" if line.startswith("warning") else escape(line))
     table = Table("graph", "pass", "ops", "what changed", "time", title="passes", title_justify="left")
     table.columns[1].no_wrap = table.columns[0].no_wrap = True
     for row in ex.pass_rows(record):
@@ -87,6 +91,12 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
             for who, why, n in declines:
                 table.add_row(who, escape(why), str(n))
             out.print(table)
+    if record.fallbacks:
+        table = Table("graph", "stage", "what", "why", title="fallbacks (compile.strict makes them errors)",
+                      title_justify="left")  # fmt: skip
+        for f in record.fallbacks:
+            table.add_row(escape(f.graph), f.stage, escape(f.what), escape(f.reason))
+        out.print(table)
     for p in record.passes:  # the collectives' schedule (schedule_overlap), the buckets formed, ...
         if p.detail:
             out.print(f"[bold]{escape(p.graph)} · {escape(p.name)}[/]")

@@ -15,17 +15,17 @@ from functools import partial
 from typing import Any
 
 from torch import fx
-from torch._dynamo.utils import counters
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._functorch.partitioners import default_partition
 
+from accelrun.compile import coverage
 from accelrun.compile.dump import Dumper
 from accelrun.compile.fast_calls import runnable
-from accelrun.compile.lower import lower_regions, make_executors
+from accelrun.compile.lower import CompilerFallbackError, lower_regions, make_executors, one_line
 from accelrun.compile.numerics import check_pass
 from accelrun.compile.options import CompileOptions
 from accelrun.compile.passes.base import ConfiguredPass, PassContext, lint, passes_for_stage
-from accelrun.compile.record import CompileRecord, GraphRecord, PassRecord
+from accelrun.compile.record import CompileRecord, Fallback, GraphRecord, PassRecord
 from accelrun.compile.regions import REGION_KEY
 
 
@@ -34,6 +34,18 @@ def decompositions() -> dict:
     from torch._decomp import core_aten_decompositions
 
     return {op: fn for op, fn in core_aten_decompositions().items() if "attention" not in op.name()}
+
+
+def graph_snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm``'s graph (nodes and their meta dicts copied, values shared) to go back to if a
+    pass that rewrites in place raises half way. Far cheaper than a deepcopy of the fake tensors."""
+    graph = fx.Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    value, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    graph.output(value).meta = copy.copy(old_output.meta)
+    snap = fx.GraphModule(gm, graph)
+    snap.meta = dict(getattr(gm, "meta", {}))
+    return snap
 
 
 def count_ops(gm: fx.GraphModule) -> int:
@@ -57,7 +69,8 @@ class AccelrunBackend:
         self.record = record or CompileRecord()
         self.dump = Dumper(self.options.dump_dir)
         self.executors = make_executors(self.options.executors)
-        self._graph_breaks_at_start = dict(counters["graph_break"])
+        if not self.record.dynamo_start:
+            self.record.dynamo_start = coverage.snapshot()
         self._inside = 0.0  # seconds spent in our own hooks during the current AOTAutograd call
         # Set by graph_cache while it precompiles: graphs then come back as AccelrunOutputCode, which
         # torch's precompile path can save with the Dynamo frame and load in another process.
@@ -85,12 +98,9 @@ class AccelrunBackend:
         return compiled
 
     def collect_graph_breaks(self) -> dict[str, int]:
-        """Graph breaks Dynamo counted since this backend was made, by reason (never hidden)."""
-        now = counters["graph_break"]
-        self.record.graph_breaks = {
-            reason: n - self._graph_breaks_at_start.get(reason, 0)
-            for reason, n in now.items() if n > self._graph_breaks_at_start.get(reason, 0)
-        }  # fmt: skip
+        """Graph breaks Dynamo counted since this backend was made, by reason (never hidden), and the
+        frames it saw, compiled and skipped (``record.dynamo``)."""
+        self.record.refresh_dynamo()
         return self.record.graph_breaks
 
     # -- stages ------------------------------------------------------------------------------------
@@ -111,10 +121,16 @@ class AccelrunBackend:
             for p in passes_for_stage(self.options.passes, "partition"):
                 t0 = time.perf_counter()
                 before = count_ops(fw) + count_ops(bw)
-                result = p.spec.fn((fw, bw), p.options, PassContext("joint"))
-                if result.graph is not None:
-                    fw, bw = result.graph
-                lint(fw), lint(bw)
+                saved = (graph_snapshot(fw), graph_snapshot(bw))
+                try:
+                    result = p.spec.fn((fw, bw), p.options, PassContext("joint"))
+                    if result.graph is not None:
+                        fw, bw = result.graph
+                    lint(fw), lint(bw)
+                except Exception as e:
+                    fw, bw = saved
+                    self._pass_failed(f"{name}.joint", "partition", p, before, e, time.perf_counter() - t0)
+                    continue
                 self._note_pass(f"{name}.joint", "partition", p, before, count_ops(fw) + count_ops(bw), result,
                                 time.perf_counter() - t0)  # fmt: skip
                 self.dump.graph(f"{name}.forward", f"partition_{p.name}", fw)
@@ -138,7 +154,7 @@ class AccelrunBackend:
         first_region = len(self.record.regions)
         with self._timed("lowering"):
             lowered, regions = lower_regions(gm, graph_name, kind, self.executors, self.record,
-                                             str(self.options.cache_dir))  # fmt: skip
+                                             str(self.options.cache_dir), self.options.strict)  # fmt: skip
             for region in regions:
                 if "source" in region.facts:
                     ext = region.facts.get("source_ext", "txt")
@@ -165,20 +181,37 @@ class AccelrunBackend:
             before_copy = copy.deepcopy(gm) if self.options.debug_numerics else None
             t0 = time.perf_counter()
             before = count_ops(gm)
-            result = p.spec.fn(gm, p.options, PassContext(kind, example_inputs))  # type: ignore[arg-type]
-            if result.graph is not None:
-                gm = result.graph
-            gm.recompile()
+            saved = graph_snapshot(gm)
             try:
-                lint(gm)
-            except Exception as e:
-                raise RuntimeError(f"pass {p.name!r} left a malformed graph in {graph_name}: {e}") from e
+                result = p.spec.fn(gm, p.options, PassContext(kind, example_inputs))  # type: ignore[arg-type]
+                if result.graph is not None:
+                    gm = result.graph
+                gm.recompile()
+                try:
+                    lint(gm)
+                except Exception as e:
+                    raise RuntimeError(f"pass {p.name!r} left a malformed graph in {graph_name}: {e}") from e
+            except Exception as e:  # the graph as it was before the pass goes on; the run does not stop
+                gm = saved
+                self._pass_failed(graph_name, stage, p, before, e, time.perf_counter() - t0)
+                continue
             self._note_pass(graph_name, stage, p, before, count_ops(gm), result, time.perf_counter() - t0)
             if before_copy is not None:
                 check_pass(p.name, before_copy, gm, example_inputs)
             if result.changed:
                 self.dump.graph(graph_name, p.name, gm)
         return gm
+
+    def _pass_failed(self, graph: str, stage: str, p: ConfiguredPass, before: int, e: Exception,
+                     seconds: float) -> None:  # fmt: skip
+        reason = one_line(e)
+        if self.options.strict:
+            raise CompilerFallbackError(f"pass {p.name!r} failed on {graph}: {reason} (compile.strict is on)") from e
+        self.record.fallbacks.append(Fallback(graph, "pass", p.name, f"{reason}; skipped for this graph"))
+        self.record.passes.append(PassRecord(
+            graph=graph, stage=stage, name=p.name, ops_before=before, ops_after=before,
+            summary=f"FAILED, skipped for this graph: {reason}", counts={"failed": 1}, seconds=round(seconds, 4),
+        ))  # fmt: skip
 
     def _note_pass(self, graph: str, stage: str, p: ConfiguredPass, before: int, after: int, result: Any,
                    seconds: float) -> None:  # fmt: skip

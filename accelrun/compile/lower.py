@@ -3,7 +3,11 @@
 Claims are decided first, one region at a time (a decline is cheap); then the claimed regions are
 compiled, concurrently for executors whose compiler runs outside Python (``parallel_compile``: the
 C++ executor's g++ processes), one by one for the others. A region whose compile fails goes on down
-the list, so a code-generator bug costs speed, never a run.
+the list, so a code-generator bug costs speed, never a run. So does one whose claim raises, and a
+compiled region that raises at its first call, or returns outputs unlike its nodes' (shape, dtype,
+strides: the graph after it was traced against those): ``FirstCallCheck`` hands it to the next
+executor then, ending at ``aten``. Each such fallback is in ``record.fallbacks`` with its reason;
+with ``compile.strict`` it is an error instead (``CompilerFallbackError``).
 """
 
 from __future__ import annotations
@@ -15,8 +19,17 @@ from concurrent.futures import ThreadPoolExecutor
 from torch import fx
 
 from accelrun.compile.executors.base import Executor, registered_executors
-from accelrun.compile.record import CompileRecord, RegionRecord
+from accelrun.compile.record import CompileRecord, Fallback, RegionRecord
 from accelrun.compile.regions import REGION_KEY, Region
+
+
+class CompilerFallbackError(RuntimeError):
+    """``compile.strict``: the compiler would have fallen back (a pass, a claim, a compile, a first call)."""
+
+
+def one_line(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}"[:240]
 
 
 def make_executors(names: list[str]) -> list[Executor]:
@@ -34,6 +47,7 @@ def lower_regions(
     executors: list[Executor],
     record: CompileRecord,
     cache_dir: str,
+    strict: bool = False,
 ) -> tuple[fx.GraphModule, list[Region]]:
     """Replace each marked region by a call to its compiled form. Regions the ``aten`` executor takes
     stay as they are (their ops already are ATen calls). Returns the new module and the regions."""
@@ -41,13 +55,15 @@ def lower_regions(
         return gm, []
     from accelrun.compile.extract import extract_regions, replace_regions
 
-    lowering = _Lowering(executors, cache_dir)
+    lowering = _Lowering(executors, cache_dir, strict, _Fallbacks(record, graph_name, strict))
     regions = extract_regions(gm, graph_kind)
     for region in regions:
         region.graph_kind = graph_kind
     compiled = lowering.run(regions)
     for region in regions:
         _note(record, graph_name, region)
+    by_id = {r.id: r for r in regions}
+    compiled = {rid: FirstCallCheck(fn, by_id[rid], lowering) for rid, fn in compiled.items()}
     # Unmark the regions left to aten so that only compiled ones are cut out of the graph.
     for node in gm.graph.nodes:
         if node.meta.get(REGION_KEY) is not None and node.meta[REGION_KEY] not in compiled:
@@ -55,11 +71,33 @@ def lower_regions(
     return (replace_regions(gm, compiled) if compiled else gm), regions
 
 
+class _Fallbacks:
+    """Notes a fallback in the record (the region's row too), or raises under ``compile.strict``."""
+
+    def __init__(self, record: CompileRecord | None, graph: str, strict: bool) -> None:
+        self.record, self.graph, self.strict = record, graph, strict
+
+    def __call__(self, stage: str, region: Region, executor: str, reason: str, to: str | None = None) -> None:
+        what = f"region {region.id}: {executor}" + (f" → {to}" if to else "")
+        if self.strict:
+            raise CompilerFallbackError(f"{self.graph} {stage} {what}: {reason} (compile.strict is on)")
+        if self.record is None:
+            return
+        self.record.fallbacks.append(Fallback(self.graph, stage, what, reason))
+        if to is not None:  # decided after the region was noted: its row says who runs it now
+            for row in self.record.regions:
+                if row.graph == self.graph and row.region == region.id:
+                    row.declined[executor] = f"{stage}: {reason}"
+                    row.executor = to
+
+
 class _Lowering:
-    def __init__(self, executors: list[Executor], cache_dir: str) -> None:
+    def __init__(self, executors: list[Executor], cache_dir: str, strict: bool = False,
+                 fallbacks: _Fallbacks | None = None) -> None:  # fmt: skip
         self.executors = executors
         self.cache_dir = cache_dir
         self.unavailable = {e.name: e.unavailable_reason() for e in executors}
+        self.fallbacks = fallbacks or _Fallbacks(None, "?", strict)
 
     def run(self, regions: list[Region]) -> dict[int, object]:
         compiled: dict[int, object] = {}
@@ -82,6 +120,7 @@ class _Lowering:
                         compiled[rid] = fn
                     break
                 region.facts.setdefault("declined", {})[self.executors[index].name] = error
+                self.fallbacks("compile", region, self.executors[index].name, error)
                 index = self._claim(region, index + 1)
             if index is None:
                 # Nobody claimed it (aten was left out of compile.executors): its ops run as ATen calls anyway.
@@ -93,7 +132,11 @@ class _Lowering:
         """Index of the first executor from ``start`` on that claims the region; declines noted."""
         for i in range(start, len(self.executors)):
             ex = self.executors[i]
-            reason = self.unavailable[ex.name] or ex.decline_reason(region)
+            try:
+                reason = self.unavailable[ex.name] or ex.decline_reason(region)
+            except Exception as e:  # a bug in deciding: the next executor is asked
+                reason = f"claim raised {one_line(e)}"
+                self.fallbacks("claim", region, ex.name, reason)
             if reason is None:
                 return i
             region.facts.setdefault("declined", {})[ex.name] = reason
@@ -107,9 +150,79 @@ class _Lowering:
         try:
             fn = ex.compile(region, f"{self.cache_dir}/{ex.name}")
         except Exception as e:  # a compiler bug must not stop training: the next executor takes it
-            first = str(e).splitlines()[0] if str(e) else ""
-            return None, f"compile failed: {type(e).__name__}: {first}"[:240], time.perf_counter() - t0
+            return None, f"compile failed: {one_line(e)}", time.perf_counter() - t0
         return fn, None, time.perf_counter() - t0
+
+    def next_after(self, region: Region, name: str) -> tuple[str, object]:
+        """The next executor after ``name`` that claims and compiles ``region`` (at run time, after a
+        first call failed); ``aten`` (the region's own ATen ops) when none does."""
+        index = next((i for i, e in enumerate(self.executors) if e.name == name), len(self.executors)) + 1
+        while (index := self._claim(region, index)) is not None:
+            fn, error, _ = self._compile(region, index)
+            name = self.executors[index].name
+            if error is None:
+                return name, fn if fn is not None else region.gm
+            self.fallbacks("compile", region, name, error)
+            index += 1
+        return "aten", region.gm
+
+
+class FirstCallCheck:
+    """A compiled region whose first call is checked: it must not raise, and its outputs must have the
+    shapes, dtypes and strides of the region's nodes (``meta["val"]``), which the graph after it was
+    traced against. Otherwise the region goes to the next executor, ending at ``aten``."""
+
+    def __init__(self, fn: object, region: Region, lowering: _Lowering) -> None:
+        self.fn, self.region, self.lowering = fn, region, lowering
+        self.executor = region.facts.get("executor", "?")
+        self.checked = False
+
+    def __call__(self, *args):
+        if self.checked:
+            return self.fn(*args)
+        while True:
+            try:
+                out = self.fn(*args)
+                problem = layout_problem(out, self.region.output_meta)
+            except Exception as e:
+                if self.executor == "aten":
+                    raise  # the region's own ATen ops: an error of the program, not of the compiler
+                out, problem = None, f"first call raised {one_line(e)}"
+            if problem is None or self.executor == "aten":
+                self.checked = True
+                return out
+            name, fn = self.lowering.next_after(self.region, self.executor)
+            self.lowering.fallbacks("first call", self.region, self.executor, problem, to=name)
+            self.executor, self.fn = name, fn
+            if name == "aten":
+                self.fn = _as_tuple(fn)
+
+    def __reduce__(self):
+        # The graph cache saves what runs (a CppRegion pickles as its library's path).
+        return self.fn.__reduce__()
+
+
+def _as_tuple(gm: object):
+    def run(*args):
+        out = gm(*args)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    return run
+
+
+def layout_problem(out: object, metas: list) -> str | None:
+    """Why ``out`` is not what the graph expects from the region, or None."""
+    outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    if len(outs) != len(metas):
+        return f"returned {len(outs)} outputs, the graph expects {len(metas)}"
+    for k, (t, m) in enumerate(zip(outs, metas, strict=True)):
+        if not (hasattr(m, "shape") and hasattr(t, "shape")):
+            continue
+        if tuple(t.shape) != tuple(m.shape) or t.dtype != m.dtype:
+            return f"output {k} is {t.dtype} {list(t.shape)}, the graph expects {m.dtype} {list(m.shape)}"
+        if t.numel() > 1 and any(a != b for a, b, n in zip(t.stride(), m.stride(), m.shape, strict=True) if n > 1):
+            return f"output {k} has strides {list(t.stride())}, the graph expects {list(m.stride())}"
+    return None
 
 
 def _note(record: CompileRecord, graph: str, region: Region) -> None:

@@ -22,6 +22,9 @@ class CompileOptions:
     cache_dir: Path = field(default_factory=default_cache_dir)
     debug_numerics: bool = False
     dump_dir: Path | None = None  # write every pass's graphs here (explain always sets it)
+    # Fallbacks (a pass that raised skipped for its graph, a region sent to the next executor) become
+    # errors: for developers of the compiler, and tests that must see the compiler itself work.
+    strict: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any, dump_dir: Path | None = None) -> CompileOptions:
@@ -32,6 +35,7 @@ class CompileOptions:
             cache_dir=Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir(),
             debug_numerics=cfg.debug_numerics,
             dump_dir=dump_dir,
+            strict=bool(getattr(cfg, "strict", False)),  # compile.strict, where the schema has it
         )
 
     def fingerprint(self) -> str:

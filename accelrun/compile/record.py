@@ -40,6 +40,17 @@ class GraphRecord:
 
 
 @dataclass
+class Fallback:
+    graph: str  # "g0.forward"
+    stage: str  # pass | claim | compile | first call
+    what: str  # the pass's name, or "region 3: cpp → aten"
+    reason: str  # the exception, one line
+
+    def line(self) -> str:
+        return f"{self.graph} {self.stage} {self.what}: {self.reason}"
+
+
+@dataclass
 class CompileRecord:
     passes: list[PassRecord] = field(default_factory=list)
     regions: list[RegionRecord] = field(default_factory=list)
@@ -52,6 +63,21 @@ class CompileRecord:
     # graph_cache.py: loaded / compiled / saved entries, fallbacks, errors; or {"off": why}
     # (load time is in stage_seconds["graph cache load"])
     graph_cache: dict[str, Any] = field(default_factory=dict)
+    # Every time the compiler gave something up instead of stopping the run: a pass skipped for a graph,
+    # a region sent to the next executor because compiling it, claiming it or its first call raised.
+    fallbacks: list[Fallback] = field(default_factory=list)
+    # What Dynamo did not hand us (coverage.py): frames seen and compiled, frames skipped with why.
+    dynamo: dict[str, Any] = field(default_factory=dict)
+    dynamo_start: dict[str, Any] = field(default_factory=dict, repr=False)  # coverage.snapshot() at the start
+
+    def refresh_dynamo(self) -> None:
+        """Graph breaks and frame coverage since ``dynamo_start`` (Dynamo counts them process-wide)."""
+        if not self.dynamo_start:
+            return
+        from accelrun.compile.coverage import dynamo_coverage, since
+
+        self.graph_breaks = since(self.dynamo_start)["graph_break"]
+        self.dynamo = dynamo_coverage(self.dynamo_start)
 
     def regions_per_executor(self) -> dict[str, int]:
         return dict(Counter(r.executor for r in self.regions))
@@ -62,6 +88,7 @@ class CompileRecord:
 
     def summary(self) -> dict[str, Any]:
         """The report's compile section (JSON-ready)."""
+        self.refresh_dynamo()
         return {
             "dynamo_graphs": self.dynamo_graphs,
             "graph_breaks": sum(self.graph_breaks.values()),
@@ -72,7 +99,20 @@ class CompileRecord:
             "passes_fired": self.passes_fired(),
             "regions_per_executor": self.regions_per_executor(),
             "ops_left_to_aten": sum(g.left_to_aten for g in self.graphs),
+            "fallbacks": [f.line() for f in self.fallbacks],
+            "dynamo": dict(self.dynamo),
+            "warnings": self.warnings(),
         }
+
+    def warnings(self) -> list[str]:
+        """What a user must not miss: the model (or part of it) ran uncompiled, or the compiler fell back."""
+        from accelrun.compile.coverage import coverage_warnings
+
+        out = coverage_warnings(self)
+        if self.fallbacks:
+            out.append(f"the compiler fell back {len(self.fallbacks)} time(s) (a pass skipped, a region left to "
+                       f"a later executor): first {self.fallbacks[0].line()}")
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -80,4 +120,5 @@ class CompileRecord:
             "passes": [asdict(p) for p in self.passes],
             "regions": [asdict(r) for r in self.regions],
             "graphs": [asdict(g) for g in self.graphs],
+            "fallbacks": [asdict(f) for f in self.fallbacks],
         }

@@ -1,0 +1,97 @@
+"""How much of a model ran compiled: Dynamo's frames, the frames it skipped and why, graph breaks.
+
+A backend only sees the graphs Dynamo hands it. A frame Dynamo gives up on (a data-dependent branch
+inside a loop over layers: "graph break in loop ... frame skipped") never reaches the backend and
+runs eagerly; its graph break is not even counted under ``counters["graph_break"]``, only under
+``counters["unimplemented"]``. Without this a record said "0 Dynamo graph(s), 0 graph break(s)" for a
+model that ran entirely in eager. Dynamo's counters are process-wide and only grow, so a backend
+snapshots them when it is made and reports the difference.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch._dynamo.utils import counters
+
+_WATCHED = ("frames", "unimplemented", "graph_break")
+_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+_SKIPPED = re.compile(r"frame skipped: (\S+) \((\S+) line (\d+)\)")
+
+
+def snapshot() -> dict[str, dict[str, int]]:
+    """Dynamo's counters now (what a new backend compares against later)."""
+    return {k: dict(counters[k]) for k in _WATCHED}
+
+
+def since(start: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for k in _WATCHED:
+        base = start.get(k, {})
+        out[k] = {reason: n - base.get(reason, 0) for reason, n in counters[k].items() if n > base.get(reason, 0)}
+    return out
+
+
+def _short(reason: str) -> str:
+    """A Dynamo reason's title and where it happened: "Data-dependent branching (model.py:12)"."""
+    first = reason.strip().splitlines()[0] if reason.strip() else "unknown"
+    where = _FILE_LINE.search(reason)
+    return f"{first} ({_tail(where.group(1))}:{where.group(2)})" if where else first
+
+
+def _tail(path: str) -> str:
+    parts = path.replace("\\", "/").split("/")
+    return "/".join(parts[-2:])
+
+
+def dynamo_coverage(start: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """Frames Dynamo saw and compiled since ``start``, the frames it skipped (function, file:line, why)
+    and the graph breaks it could not trace through, each reason with its file:line."""
+    delta = since(start)
+    frames = delta["frames"]
+    skipped: list[str] = []
+    unsupported: dict[str, int] = {}
+    for reason, n in delta["unimplemented"].items():
+        where = _SKIPPED.search(reason)
+        if where:
+            fn, path, line = where.groups()
+            skipped.append(f"{fn} ({_tail(path)}:{line}) ran eagerly: {_short(reason)}")
+        else:
+            unsupported[_short(reason)] = unsupported.get(_short(reason), 0) + n
+    return {
+        "frames_seen": frames.get("total", 0),
+        "frames_compiled": frames.get("ok", 0),
+        "frames_skipped": skipped,
+        "unsupported": unsupported,  # graph breaks by title and file:line (what Dynamo could not trace)
+    }
+
+
+def coverage_warnings(record: Any) -> list[str]:
+    """Warnings for a record: nothing compiled, frames skipped, graph breaks."""
+    d = record.dynamo or {}
+    out = []
+    seen = d.get("frames_seen", 0)
+    if record.dynamo_graphs == 0:
+        why = f" (Dynamo saw {seen} frame(s) and compiled none)" if seen else ""
+        out.append(f"nothing was compiled: the model ran in eager PyTorch{why}")
+    for line in d.get("frames_skipped", []):
+        out.append(f"Dynamo skipped a frame: {line}")
+    breaks = sum(record.graph_breaks.values())
+    if breaks:
+        out.append(f"{breaks} graph break(s): the model runs as several graphs with eager code between them")
+    return out
+
+
+def coverage_lines(record: Any) -> list[str]:
+    """For ``accelrun compile explain``: how much ran compiled, then the warnings."""
+    d = record.dynamo or {}
+    regions = len(record.regions)
+    claimed = sum(1 for r in record.regions if r.executor != "aten")
+    lines = [f"Dynamo frames: {d.get('frames_seen', 0)} seen, {d.get('frames_compiled', 0)} compiled into "
+             f"{record.dynamo_graphs} graph(s); {sum(record.graph_breaks.values())} graph break(s); "
+             f"fusion regions: {claimed} of {regions} compiled, "
+             f"{sum(g.left_to_aten for g in record.graphs)} op(s) outside regions run as ATen calls"]
+    lines += [f"  not traced ×{n}: {why}" for why, n in d.get("unsupported", {}).items()]
+    lines += [f"warning: {w}" for w in record.warnings()]
+    return lines

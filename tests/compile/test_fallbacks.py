@@ -1,0 +1,200 @@
+"""The compiler never takes a run down, and never claims coverage it did not have.
+
+A pass that raises is skipped for that graph; an executor whose claim, compile or first call raises
+(or returns outputs unlike the graph's nodes) hands the region to the next one, ending at aten. Each
+fallback is in the record with its reason, and ``strict`` makes it an error. Frames Dynamo skips are
+reported as such. Numerics against eager: fp32 rtol 1e-5, atol 1e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx
+
+from accelrun.compile.backend import AccelrunBackend
+from accelrun.compile.coverage import coverage_lines
+from accelrun.compile.executors.base import Executor, register_executor
+from accelrun.compile.options import CompileOptions
+from accelrun.compile.passes.base import PassOptions, PassResult, register_pass, resolve_passes
+from accelrun.compile.regions import Region
+
+
+def _model_fn(x, w):
+    h = torch.tanh(x @ w) * 2.0 + 1.0
+    return (h.exp() * h).sum(-1)
+
+
+def _compile_and_check(backend: AccelrunBackend) -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 16), torch.randn(16, 16, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    out = torch.compile(_model_fn, backend=backend)(x, w)
+    out.sum().backward()
+    ref = _model_fn(x, w_ref)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@register_pass("test_breaks_half_way", "post_grad")
+def _breaks_half_way(gm: fx.GraphModule, options: PassOptions, ctx) -> PassResult:
+    """Rewrites the graph in place, then raises: what the backend goes on with must be the graph before."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.tanh.default:
+            node.target = torch.ops.aten.sigmoid.default  # wrong on purpose
+    raise ValueError("a bug in a pass")
+
+
+def _backend(tmp_path, passes=None, executors=("cpp", "aten"), strict=False) -> AccelrunBackend:
+    passes = passes or ["dce", "test_breaks_half_way", "cse", "partition_regions"]
+    return AccelrunBackend(CompileOptions(passes=resolve_passes(passes), executors=list(executors),
+                                          cache_dir=tmp_path / "cache", strict=strict))  # fmt: skip
+
+
+def test_a_pass_that_raises_is_skipped_for_that_graph(tmp_path):
+    backend = _backend(tmp_path)
+    _compile_and_check(backend)  # the half-done rewrite (tanh → sigmoid) would fail this
+    record = backend.record
+    assert {(f.stage, f.what) for f in record.fallbacks} == {("pass", "test_breaks_half_way")}
+    assert all("ValueError: a bug in a pass" in f.reason for f in record.fallbacks)
+    failed = [p for p in record.passes if p.name == "test_breaks_half_way"]
+    assert failed and all(p.summary.startswith("FAILED") for p in failed)
+    assert record.regions_per_executor().get("cpp")  # the passes after it still ran
+    assert any("fell back" in w for w in record.summary()["warnings"])
+
+
+def test_strict_makes_a_failing_pass_an_error(tmp_path):
+    with pytest.raises(Exception, match="compile.strict"):
+        _compile_and_check(_backend(tmp_path, strict=True))
+
+
+class _Broken(Executor):
+    """Claims every region; what breaks is set per subclass."""
+
+    parallel_compile = False
+
+    def decline_reason(self, region: Region) -> str | None:
+        return None
+
+    def compile(self, region: Region, cache_dir: str | None):
+        gm = region.gm
+
+        def run(*args):
+            return tuple(gm(*args))
+
+        return run
+
+
+@register_executor
+class _RaisesAtFirstCall(_Broken):
+    name = "test_raises_at_first_call"
+
+    def compile(self, region, cache_dir):
+        def run(*args):
+            raise RuntimeError("kernel crashed")
+
+        return run
+
+
+@register_executor
+class _WrongStrides(_Broken):
+    name = "test_wrong_strides"
+
+    def compile(self, region, cache_dir):
+        gm = region.gm
+
+        def run(*args):  # right values, transposed layout (what a contiguous-only kernel once did)
+            return tuple(o.t().contiguous().t() if o.dim() == 2 and o.shape[0] > 1 and o.shape[1] > 1 else o
+                         for o in gm(*args))  # fmt: skip
+
+        return run
+
+
+@register_executor
+class _RaisesInCompile(_Broken):
+    name = "test_raises_in_compile"
+
+    def compile(self, region, cache_dir):
+        raise OSError("g++: internal compiler error")
+
+
+@register_executor
+class _RaisesInClaim(_Broken):
+    name = "test_raises_in_claim"
+
+    def decline_reason(self, region):
+        raise KeyError("a bug in deciding")
+
+
+@pytest.mark.parametrize(("broken", "stage", "reason"), [
+    ("test_raises_at_first_call", "first call", "kernel crashed"),
+    ("test_wrong_strides", "first call", "strides"),
+    ("test_raises_in_compile", "compile", "internal compiler error"),
+    ("test_raises_in_claim", "claim", "a bug in deciding"),
+])  # fmt: skip
+def test_a_failing_executor_hands_the_region_on(tmp_path, broken, stage, reason):
+    backend = _backend(tmp_path, passes="default", executors=(broken, "cpp", "aten"))
+    _compile_and_check(backend)
+    record = backend.record
+    assert record.regions, "the case needs fusion regions"
+    mine = [f for f in record.fallbacks if f.what.startswith("region") and broken in f.what]
+    assert mine and all(f.stage == stage and reason in f.reason for f in mine)
+    assert all(r.executor == "cpp" for r in record.regions)  # the next executor took every region
+    assert all(broken in r.declined for r in record.regions)
+
+
+def test_strict_makes_a_failing_kernel_an_error(tmp_path):
+    with pytest.raises(Exception, match="compile.strict"):
+        _compile_and_check(_backend(tmp_path, passes="default", executors=("test_raises_at_first_call", "aten"),
+                                    strict=True))  # fmt: skip
+
+
+def _skipped_everywhere(x):
+    for _ in range(2):
+        if x.sum() > 0:  # a data-dependent branch inside a loop: Dynamo skips the whole frame
+            x = x * 0.5
+        else:
+            x = x + 1.0
+    return x
+
+
+def test_a_frame_dynamo_skips_is_reported_not_counted_as_compiled(tmp_path):
+    backend = _backend(tmp_path, passes="default")
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(torch.compile(_skipped_everywhere, backend=backend)(x), _skipped_everywhere(x))
+    summary = backend.record.summary()
+    assert summary["dynamo_graphs"] == 0
+    assert summary["dynamo"]["frames_skipped"] and "_skipped_everywhere" in summary["dynamo"]["frames_skipped"][0]
+    assert any(w.startswith("nothing was compiled") for w in summary["warnings"])
+    assert any("Dynamo skipped a frame" in line for line in coverage_lines(backend.record))
+
+
+def test_a_routed_layer_loop_reports_the_skipped_frame_and_the_layers_compiled(tmp_path):
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.gate = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return x + torch.tanh(self.lin(x)) * 2.0
+
+    class Routed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(), Layer()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                if layer.gate(x).mean() > 0:  # a routed MoE's data-dependent branch
+                    x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model, backend = Routed(), _backend(tmp_path, passes="default")
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x), rtol=1e-5, atol=1e-6)
+    d = backend.record.summary()["dynamo"]
+    assert d["frames_seen"] > d["frames_compiled"]
+    assert any("forward" in s for s in d["frames_skipped"])
+    assert any("Data-dependent branching" in why and "test_fallbacks.py:" in why for why in d["unsupported"])
