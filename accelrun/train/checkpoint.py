@@ -104,15 +104,46 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def complete_checkpoints(ckpt_dir: Path) -> list[CheckpointInfo]:
-    """Complete checkpoints in ``ckpt_dir``, oldest step first."""
+    """Complete checkpoints in ``ckpt_dir``, oldest step first (damaged ones left out)."""
+    return checkpoints_and_damaged(ckpt_dir)[0]
+
+
+def checkpoints_and_damaged(ckpt_dir: Path) -> tuple[list[CheckpointInfo], list[tuple[CheckpointInfo, str]]]:
+    """Complete checkpoints in ``ckpt_dir``, and those marked complete whose files were damaged since
+    (with why), each oldest step first."""
     if not ckpt_dir.is_dir():
-        return []
-    out = []
+        return [], []
+    good, bad = [], []
     for p in ckpt_dir.glob(f"{PREFIX}*"):
         info = read_info(p)
-        if info is not None:
-            out.append(info)
-    return sorted(out, key=lambda i: i.step)
+        if info is None:
+            continue
+        why = damage(p)
+        if why is None:
+            good.append(info)
+        else:
+            bad.append((info, why))
+    return sorted(good, key=lambda i: i.step), sorted(bad, key=lambda b: b[0].step)
+
+
+def damage(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be loaded whole, or None: unreadable metadata, a shard
+    file missing or shorter than the metadata says (a copy cut short, a full disk, a torn file system)."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any reason the metadata cannot be read is damage
+        return f"its metadata cannot be read ({type(e).__name__})"
+    needed: dict[str, int] = {}
+    for where in metadata.storage_data.values():
+        needed[where.relative_path] = max(needed.get(where.relative_path, 0), where.offset + where.length)
+    for name, size in sorted(needed.items()):
+        try:
+            have = (path / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if have < size:
+            return f"{name} is {have:,} bytes, its metadata needs {size:,} (truncated)"
+    return None
 
 
 def read_info(path: Path) -> CheckpointInfo | None:

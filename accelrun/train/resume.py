@@ -13,7 +13,13 @@ from pathlib import Path
 
 from accelrun.config.errors import ConfigError
 from accelrun.report.rundir import is_running, list_runs
-from accelrun.train.checkpoint import CheckpointInfo, complete_checkpoints, read_info
+from accelrun.train.checkpoint import (
+    CheckpointInfo,
+    checkpoints_and_damaged,
+    complete_checkpoints,
+    damage,
+    read_info,
+)
 
 FINISHED_MARKER = "report.json"  # written when a run ends (finished or stopped on a bad loss)
 
@@ -28,31 +34,50 @@ def decide_resume(resume: str, runs_root: Path, current_run: Path, training_hash
     if resume == "none":
         return ResumeDecision(None, "checkpoint.resume = none")
     if resume != "auto":
-        return ResumeDecision(_explicit(resume), f"checkpoint.resume = {resume}")
+        info, warning = _explicit(resume)
+        return ResumeDecision(info, f"checkpoint.resume = {resume}{warning}")
     own = [i for i in complete_checkpoints(current_run / "checkpoints") if i.training_hash == training_hash]
     if own:  # a multi-node job's folder (named by its job id) entered again: SLURM requeued it
         return ResumeDecision(own[-1], f"continuing this job's own run {current_run.name} (requeued)")
     runs = [r for r in list_runs(runs_root.parent, runs_root.name) if r != current_run and not is_running(r)]
-    matching = [info for run in runs for info in complete_checkpoints(run / "checkpoints")
-                if info.training_hash == training_hash]
+    found = [checkpoints_and_damaged(run / "checkpoints") for run in runs]
+    matching = [info for good, _ in found for info in good if info.training_hash == training_hash]
+    damaged = [(info, why) for _, bad in found for info, why in bad if info.training_hash == training_hash]
     if not matching:
-        return ResumeDecision(None, f"no checkpoint with this training hash ({training_hash}) under {runs_root}")
+        return ResumeDecision(None, f"no checkpoint with this training hash ({training_hash}) under {runs_root}"
+                              + _skipped(damaged, None))
     newest = max(matching, key=lambda i: (i.created, i.step))
     if (newest.run_dir / FINISHED_MARKER).exists():
         return ResumeDecision(None, f"the newest matching checkpoint's run finished ({newest.run_dir})")
-    return ResumeDecision(newest, f"continuing the interrupted run {newest.run_dir.name}")
+    return ResumeDecision(newest, f"continuing the interrupted run {newest.run_dir.name}" + _skipped(damaged, newest))
 
 
-def _explicit(resume: str) -> CheckpointInfo:
-    """A checkpoint folder, or the newest complete checkpoint of a run or checkpoints folder."""
+def _skipped(damaged: list[tuple[CheckpointInfo, str]], chosen: CheckpointInfo | None) -> str:
+    """A warning naming the damaged checkpoints newer than the one chosen (they would have been taken)."""
+    newer = [(i, why) for i, why in damaged if chosen is None or (i.created, i.step) > (chosen.created, chosen.step)]
+    if not newer:
+        return ""
+    names = "; ".join(f"{i.path} is damaged: {why}" for i, why in newer)
+    return f"; warning: {names}" + ("; the previous complete checkpoint is used instead" if chosen else "")
+
+
+def _explicit(resume: str) -> tuple[CheckpointInfo, str]:
+    """A checkpoint folder, or the newest complete checkpoint of a run or checkpoints folder; with a
+    warning when newer ones of that folder are damaged."""
     path = Path(resume).expanduser()
     info = read_info(path)
     if info is not None:
-        return info
-    latest = complete_checkpoints(path / "checkpoints") or complete_checkpoints(path)
-    if not latest:
-        raise ConfigError(
-            f"checkpoint.resume = {resume}: not a complete checkpoint, nor a run or checkpoints "
-            "folder holding one (a complete checkpoint has a COMPLETE file)"
-        )
-    return latest[-1]
+        why = damage(path)
+        if why is not None:
+            older = [i for i in complete_checkpoints(path.parent) if i.step < info.step]
+            hint = f"; the newest complete one before it is {older[-1].path}" if older else ""
+            raise ConfigError(f"checkpoint.resume = {resume}: the checkpoint is damaged: {why}{hint}")
+        return info, ""
+    for folder in (path / "checkpoints", path):
+        latest, damaged = checkpoints_and_damaged(folder)
+        if latest:
+            return latest[-1], _skipped(damaged, latest[-1])
+    raise ConfigError(
+        f"checkpoint.resume = {resume}: not a complete checkpoint, nor a run or checkpoints "
+        "folder holding one (a complete checkpoint has a COMPLETE file)"
+    )
