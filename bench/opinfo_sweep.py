@@ -2,7 +2,8 @@
 the dtype on the CPU, its first sample, forward and first-order gradients against eager.
 
 Prints ``ok N / tried M`` per backend and dtype, then each failure: ``crash`` (the compiler raised:
-a bug, whatever the op) or ``mismatch`` (ran, numbers outside the stated tolerance, see
+a bug, whatever the op), ``fallback`` (right numbers, but a pass or an executor gave up: the record's
+reason is printed) or ``mismatch`` (ran, numbers outside the stated tolerance, see
 ``tests/compile/opinfo_check.TOLERANCES``). The target: no op where accelrun crashes and Inductor
 does not.
 
@@ -52,8 +53,10 @@ def main() -> None:
             tried = [o for o in outcomes if o.status != "skip"]
             ok = sum(o.status == "ok" for o in tried)
             crashes = sum(o.status == "crash" for o in tried)
+            fell = sum(o.status == "fallback" for o in tried)
             line = (f"{backend} {dname}: ok {ok} / tried {len(tried)} ({crashes} crash, "
-                    f"{len(tried) - ok - crashes} mismatch, {len(outcomes) - len(tried)} skipped) "
+                    f"{len(tried) - ok - crashes - fell} mismatch, {fell} right but with a compiler fallback, "
+                    f"{len(outcomes) - len(tried)} skipped) "
                     f"in {time.perf_counter() - t0:.0f} s")  # fmt: skip
             print(line, flush=True)
             for o in tried:

@@ -4,7 +4,7 @@ sweep (``bench/opinfo_sweep.py``).
 
     ops = differentiable_ops(torch.float32)
     outcome = check_op(ops[0], torch.float32, lambda: AccelrunBackend(CompileOptions()))
-    outcome.status  # "ok" | "crash" | "mismatch" | "skip"
+    outcome.status  # "ok" | "fallback" | "crash" | "mismatch" | "skip"
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rt
 @dataclass
 class Outcome:
     name: str  # the OpInfo's name and variant: "linalg.svd", "nn.functional.conv2d"
-    status: str  # ok | crash (the compiler raised) | mismatch (ran, numbers differ) | skip (no case)
+    # ok | fallback (right numbers, but the compiler fell back somewhere: see record.fallbacks) |
+    # crash (the compiler raised) | mismatch (ran, numbers differ) | skip (no case)
+    status: str
     detail: str = ""
 
 
@@ -102,7 +104,8 @@ def check_op(op: Any, dtype: torch.dtype, backend: Callable[[], Any]) -> Outcome
         expected = _run(op.op, _fresh(sample))
     except Exception as e:  # eager itself refuses this sample (a sample meant for another device)
         return Outcome(name, "skip", f"eager raised {type(e).__name__}")
-    compiled = torch.compile(op.op, backend=backend(), dynamic=False)
+    made = backend()
+    compiled = torch.compile(op.op, backend=made, dynamic=False)
     try:
         got = _run(compiled, _fresh(sample))
     except Exception as e:
@@ -118,11 +121,14 @@ def check_op(op: Any, dtype: torch.dtype, backend: Callable[[], Any]) -> Outcome
             torch.testing.assert_close(a, b, equal_nan=True, **TOLERANCES.get(dtype, {}))
     except (AssertionError, ValueError) as e:
         return Outcome(name, "mismatch", str(e).strip().splitlines()[0][:300])
+    fallbacks = getattr(getattr(made, "record", None), "fallbacks", None)
+    if fallbacks:  # right numbers, but part of the compiler gave up (a pass skipped, a kernel replaced)
+        return Outcome(name, "fallback", fallbacks[0].line()[:300])
     return Outcome(name, "ok")
 
 
 def accelrun(executors: list[str] | None = None, passes: str = "default",
-             cache_dir: str | None = None) -> Callable[[], Any]:  # fmt: skip
+             cache_dir: str | None = None, strict: bool = False) -> Callable[[], Any]:  # fmt: skip
     """A factory of accelrun backends; kernels cached in ``cache_dir``, else ACCELRUN_CACHE_DIR, else a
     throwaway folder."""
     from pathlib import Path
@@ -136,6 +142,6 @@ def accelrun(executors: list[str] | None = None, passes: str = "default",
 
     def make() -> Any:
         return AccelrunBackend(CompileOptions(passes=resolve_passes(passes), executors=executors or ["cpp", "aten"],
-                                              cache_dir=cache))  # fmt: skip
+                                              cache_dir=cache, strict=strict))  # fmt: skip
 
     return make

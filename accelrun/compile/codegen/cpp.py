@@ -408,6 +408,10 @@ def _restore_region(library: str, entry: str, buffers: list[Buffer]) -> CppRegio
 
 def _conform(t: torch.Tensor, buf: Buffer) -> torch.Tensor:
     """The tensor laid out as the kernel was specialised for (a copy only if it is not already)."""
+    if t.dtype != buf.dtype and buf.dtype == torch.float32 and t.dtype in (torch.bfloat16, torch.float16):
+        # The graph's fake tensor said fp32 where the CPU kernel made bf16 (PyTorch's meta function for
+        # batch norm's running statistics does so): widening is exact, so the kernel still applies.
+        t = t.float()
     if t.device.type != "cpu" or t.dtype != buf.dtype or tuple(t.shape) != buf.shape:
         raise ValueError(f"input {buf.name}: expected a cpu {buf.dtype} {list(buf.shape)} tensor, "
                          f"got {t.device.type} {t.dtype} {list(t.shape)}")
