@@ -58,14 +58,22 @@ def stage_layers(n_layers: int, n_stages: int, explicit: list[list[int]] | None 
 
 
 def stage_module(model: nn.Module, stage: int, n_stages: int, layers: range) -> nn.Module:
-    """A copy of ``model`` with only what stage ``stage`` runs."""
-    part = copy.deepcopy(model)
-    part.layers = nn.ModuleDict({str(i): part.layers[i] for i in layers})
-    if stage != 0:
-        part.tok_embeddings = None
-    if stage != n_stages - 1:
-        part.norm = None
-        part.output = None
+    """A module of ``model``'s class holding only what stage ``stage`` runs: ``model``'s own submodules
+    (not copies: the model is built on the meta device and each stage is materialised after its
+    layout is applied, so nothing of the whole model is ever allocated or copied)."""
+    part = copy.copy(model)  # the class and plain attributes (args); then a module state of its own
+    nn.Module.__init__(part)
+    part.train(model.training)
+    for name, child in model.named_children():
+        if name == "layers":
+            child = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+        elif (name == "tok_embeddings" and stage != 0) or (name in ("norm", "output") and stage != n_stages - 1):
+            child = None
+        part.add_module(name, child)
+    for name, p in model.named_parameters(recurse=False):
+        part.register_parameter(name, p)
+    for name, b in model.named_buffers(recurse=False):
+        part.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
     return part
 
 

@@ -51,6 +51,17 @@ def build_model(
     return model
 
 
+def materialize_local(model: nn.Module, device: torch.device | str, *, seed: int) -> None:
+    """Allocate what this process holds of a model built on meta (after its parallel layout is
+    applied: the local shards of sharded parameters, this rank's pipeline stage) and initialise it.
+
+    Every element gets the value a one-process ``build_model(cfg, device, seed=seed)`` gives it,
+    however the model is cut (``Llama.init_weights``, ``accelrun.models.shard_init``).
+    """
+    model.to_empty(device=torch.device(device))
+    model.init_weights(seed=seed)
+
+
 def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn.Module:
     where = f"model.custom = {path!r}"
     module_name, _, attr = path.partition(":")

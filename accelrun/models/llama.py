@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from accelrun.models import shard_init
+
 
 @dataclass(frozen=True)
 class LlamaArgs:
@@ -82,7 +84,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        shard_init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 whatever the activation dtype: the mean of squares loses too much in bf16.
@@ -162,14 +164,19 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def init_weights(self, std: float, residual_std: float, generator: torch.Generator | None = None) -> None:
+    @torch.no_grad()
+    def init_weights(self, std: float, residual_std: float, seed: int | None = None) -> None:
+        """Initialise this block's parameters (plain or sharded: each rank fills its shard).
+        ``seed`` None draws one from the global RNG."""
+        seed = _seed_or_draw(seed)
+        names = {id(m): n for n, m in self.named_modules()}  # for a block built alone
         for linear in (self.attention.wq, self.attention.wk, self.attention.wv,
                        self.feed_forward.w1, self.feed_forward.w3):  # fmt: skip
-            nn.init.normal_(linear.weight, 0.0, std, generator=generator)
+            shard_init.normal_(linear.weight, std, _param_key(seed, linear, "weight", names))
         # Projections that write into the residual stream are scaled down so the stream's variance
         # does not grow with depth (GPT-2's 1/sqrt(2 * n_layers)).
         for linear in (self.attention.wo, self.feed_forward.w2):
-            nn.init.normal_(linear.weight, 0.0, residual_std, generator=generator)
+            shard_init.normal_(linear.weight, residual_std, _param_key(seed, linear, "weight", names))
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
 
@@ -198,6 +205,10 @@ class Llama(nn.Module):
         cos_TR, sin_TR = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos_TR, persistent=False)
         self.register_buffer("rope_sin", sin_TR, persistent=False)
+        # Each module keeps its name in the whole model: initial values are keyed by parameter name
+        # (shard_init), and stages, shards and wrappers (checkpointing, compile) must not change them.
+        for name, module in self.named_modules():
+            module._init_name = name
 
     def tie_weights(self) -> None:
         """Make the output layer share the embedding's weight (when ``tie_embeddings``)."""
@@ -223,28 +234,28 @@ class Llama(nn.Module):
         """Initialise every parameter and buffer in place (after ``to_empty``).
 
         Weights ~ normal(0, init_std); residual projections (wo, w2) and the untied output layer use
-        init_std / sqrt(2 * n_layers); RMSNorm weights are 1. ``seed`` makes the result independent of
-        the global RNG (a generator on the parameters' device); None draws from the global RNG, which is
-        what sharded (DTensor) parameters need.
+        init_std / sqrt(2 * n_layers); RMSNorm weights are 1. Parameters may be sharded (DTensors):
+        each process fills its own shard, and every element gets the value one process would give it
+        (``accelrun.models.shard_init``: values keyed by ``seed``, the parameter's name in the whole
+        model and the element's position; the same on every device). ``seed`` None draws one from
+        the global RNG.
         """
         self.init_buffers()
+        if self.rope_cos.is_meta:
+            return  # nothing allocated yet (to_empty first)
         a = self.args
         residual_std = a.init_std / math.sqrt(2 * a.n_layers)
-        device = self.rope_cos.device
-        generator = None
-        if seed is not None and device.type != "meta":
-            generator = torch.Generator(device=device).manual_seed(seed)
+        seed = _seed_or_draw(seed)
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, 0.0, a.init_std, generator=generator)
-        # Walk modules rather than self.layers so blocks wrapped by the training loop are still found;
-        # modules() yields in registration order, so the draw order (and the result) is deterministic.
+            shard_init.normal_(self.tok_embeddings.weight, a.init_std, _param_key(seed, self.tok_embeddings, "weight"))
+        # Walk modules rather than self.layers so blocks wrapped by the training loop are still found.
         for module in self.modules():
             if isinstance(module, TransformerBlock):
-                module.init_weights(a.init_std, residual_std, generator)
+                module.init_weights(a.init_std, residual_std, seed)
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None and not a.tie_embeddings:
-            nn.init.normal_(self.output.weight, 0.0, residual_std, generator=generator)
+            shard_init.normal_(self.output.weight, residual_std, _param_key(seed, self.output, "weight"))
 
     def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) in fp32; or, given targets, the mean cross-entropy loss (a scalar)."""
@@ -277,3 +288,16 @@ class Llama(nn.Module):
             h_BTD = self.norm(h_BTD)
         logits_BTV = self.output(h_BTD).float()
         return F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
+
+
+def _seed_or_draw(seed: int | None) -> int:
+    return int(torch.randint(0, 2**62, ())) if seed is None else seed
+
+
+def _param_key(seed: int, module: nn.Module, leaf: str, names: dict[int, str] | None = None) -> str:
+    """What a parameter's initial values are drawn from: the run's seed and the parameter's name in
+    the whole model (recorded when the model was built; in a block built alone, its name there)."""
+    name = getattr(module, "_init_name", None)
+    if name is None:
+        name = "block." + (names or {}).get(id(module), type(module).__name__)
+    return f"{seed}/{name}.{leaf}"

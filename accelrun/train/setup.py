@@ -24,7 +24,7 @@ from accelrun.dist.fsdp import apply_fsdp
 from accelrun.dist.pipeline import Pipeline, union_of
 from accelrun.dist.tp import apply_tp, loss_context
 from accelrun.models import build_model, model_flops_per_token, model_summary, transformer_blocks
-from accelrun.models.build import training_loss_fn
+from accelrun.models.build import materialize_local, training_loss_fn
 from accelrun.report.peak import Peak, resolve_peak
 from accelrun.train.activation_checkpoint import apply_activation_checkpointing
 from accelrun.train.checkpoint import complete_checkpoints, load_checkpoint, remove_partial
@@ -155,9 +155,12 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     device = ctx.device
     seed_everything(t.seed)
 
-    # Every rank builds the full model from the same seed, then keeps its shard: the sharded job
-    # starts from exactly the weights a single process would.
-    model = build_model(cfg.model, device, seed=t.seed)
+    # The built-in Llama is built on the meta device; each rank applies its layout (stages, TP, FSDP)
+    # and then allocates and initialises only what it holds (materialize_local). Values are keyed by
+    # parameter name and position (models.shard_init), so the sharded job starts from exactly the
+    # weights a single process would. A user's model is built whole on the device, as its factory does.
+    on_meta = cfg.model.custom is None
+    model = build_model(cfg.model, "meta" if on_meta else device, seed=t.seed)
     info = model_summary(cfg.model, model, seq_len=t.seq_len)
     pipeline = None
     parts = [model]
@@ -167,6 +170,9 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         parts = pipeline.modules
     for part in parts:
         compiled = _parallelize(part, cfg, ctx, run_dir / "compile")
+    if on_meta:
+        for part in parts:
+            materialize_local(part, device, seed=t.seed)
     if pipeline is not None:
         pipeline.build_schedule()
 

@@ -17,7 +17,7 @@ Probes:
   goes on and every site is found in one run. Collectives that torch issues itself (FSDP's, DTensor's,
   the pipeline's sends) are on the training device, which is right, and pass unchecked.
 - ``allocations``: during ``build_setup``, the largest floating-point tensor that any op creates off
-  the meta device, and the bytes of the parameters the rank holds at the end of it.
+  the meta device, the bytes of all the new ones, and the parameters the rank holds at the end.
 """
 
 from __future__ import annotations
@@ -149,17 +149,32 @@ def _watch_allocations(seen: dict) -> None:
 
     import accelrun.train.run as run
 
-    seen.update(largest_alloc_numel=0, largest_alloc_op="")
+    seen.update(largest_alloc_numel=0, largest_alloc_op="", new_float_bytes=0)
+
+    def local(t):
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    def storage(t) -> int | None:
+        t = local(t)
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            return t.untyped_storage().data_ptr()
+        return None
 
     class Allocations(TorchDispatchMode):
+        """Floating-point tensors created off the meta device: the largest, and the bytes of every
+        output whose storage is none of its inputs' (views and in-place ops create none)."""
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            inputs = {storage(t) for t in tree_leaves((args, kwargs))}
             for t in tree_leaves(out):
-                if isinstance(t, DTensor):
-                    t = t._local_tensor
+                t = local(t)
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type != "meta":
                     if t.numel() > seen["largest_alloc_numel"]:
                         seen.update(largest_alloc_numel=t.numel(), largest_alloc_op=str(func))
+                    if storage(t) not in inputs:
+                        seen["new_float_bytes"] += t.untyped_storage().nbytes()
             return out
 
     build_setup = run.build_setup
