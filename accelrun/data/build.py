@@ -27,7 +27,7 @@ def load_stream(cfg: DataConfig, *, vocab_size: int, seed: int, min_tokens: int 
     if cfg.source == "synthetic":
         return SyntheticStream(vocab_size=vocab_size, length=synthetic_length(min_tokens), seed=seed)
     if cfg.source == "tokens":
-        stream = load_tokens(cfg.paths)
+        stream = load_tokens(cfg.paths, verify=True)  # a changed file or a stray id: exit 2, not a crash
         _check_vocab(
             stream.vocab_size,
             vocab_size,

@@ -21,6 +21,7 @@ under the real name.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -111,7 +112,8 @@ def read_header(path: str | os.PathLike, data: bytes | mmap.mmap | None = None) 
 def open_tokens(path: str | os.PathLike, *, verify: bool = False) -> tuple[TokenFileHeader, torch.Tensor]:
     """The header and a zero-copy tensor view of the tokens of one file (read-only memory map).
 
-    ``verify`` re-hashes the payload and compares it with the header (reads the whole file)."""
+    ``verify`` re-hashes the payload, compares it with the header and checks that every id is below
+    the header's vocabulary (reads the whole file; remembered per file version in the cache folder)."""
     _check_little_endian()
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
@@ -119,10 +121,13 @@ def open_tokens(path: str | os.PathLike, *, verify: bool = False) -> tuple[Token
             raise DataError(f"{path}: empty file, not an accelrun token file")
         mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
     header = read_header(path, mm)
-    if verify:
+    marker = _verified_marker(path, header) if verify else None
+    if marker is not None and not marker.exists():
         digest = hashlib.sha256(memoryview(mm)[HEADER_SIZE:]).hexdigest()
         if digest != header.sha256:
-            raise DataError(f"{path}: the tokens do not match the header's sha256 (file corrupted?)")
+            raise DataError(f"{path}: the tokens' sha256 is {digest[:12]}…, the header records "
+                            f"{header.sha256[:12]}…: the file was changed or damaged after it was written; "
+                            "prepare it again (accelrun data prepare)")
     if header.n_tokens == 0:
         return header, torch.empty(0, dtype=header.dtype)
     with warnings.catch_warnings():
@@ -130,7 +135,32 @@ def open_tokens(path: str | os.PathLike, *, verify: bool = False) -> tuple[Token
         # nothing here writes to it. The tensor keeps the map alive.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         tokens = torch.frombuffer(mm, dtype=header.dtype, count=header.n_tokens, offset=HEADER_SIZE)
+    if marker is not None and not marker.exists():
+        _check_ids(path, header, tokens)
+        with contextlib.suppress(OSError):  # only a cache: unwritable costs the next run a re-check
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
     return header, tokens
+
+
+def _check_ids(path, header: TokenFileHeader, tokens: torch.Tensor, chunk: int = 1 << 24) -> None:
+    """Every id below the header's vocabulary: an id past it would index past the embedding table."""
+    for start in range(0, tokens.numel(), chunk):
+        part = tokens[start:start + chunk].to(torch.int64)
+        top = int(part.max())
+        if top >= header.vocab_size:
+            at = start + int((part >= header.vocab_size).nonzero()[0])
+            raise DataError(f"{path}: token {at:,} has id {top}, not below the vocab_size {header.vocab_size} "
+                            "its header declares: the file was written with another tokenizer or a wrong header")
+
+
+def _verified_marker(path, header: TokenFileHeader) -> Path:
+    """A file whose existence says this version of the token file (path, size, mtime, hash) was verified."""
+    st = os.stat(path)
+    key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{header.sha256}"
+    cache = os.environ.get("ACCELRUN_CACHE_DIR")
+    root = Path(cache) if cache else Path.home() / ".cache" / "accelrun"
+    return root / "verified-tokens" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def load_tokens(patterns: Sequence[str], *, key: str = "data.paths", verify: bool = False) -> TensorStream:
