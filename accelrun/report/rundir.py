@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import re
 import secrets
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import IO
 
 from accelrun.config.schema import RUN_NAME_PATTERN
+from accelrun.errors import UserError
 
 RUN_ID = re.compile(r"^(\d{8}-\d{6}-[0-9a-f]{6}|job-.+)$")
 NAME = re.compile(RUN_NAME_PATTERN)
@@ -32,12 +34,11 @@ def create_run_dir(runs_dir: str | Path, name: str) -> Path:
     if not NAME.fullmatch(name):
         raise ValueError(f"run name must match {NAME.pattern} (no path separators), got {name!r}")
     parent = Path(runs_dir) / name
-    parent.mkdir(parents=True, exist_ok=True)
     for _ in range(MAX_ATTEMPTS):
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         path = parent / f"{stamp}-{secrets.token_hex(3)}"
         try:
-            path.mkdir(exist_ok=False)
+            _mkdir(path, runs_dir, parents=True, exist_ok=False)
         except FileExistsError:
             continue
         return path
@@ -84,5 +85,37 @@ def job_run_dir(runs_dir: str | Path, name: str, job_id: str) -> Path:
     if not NAME.fullmatch(job_id):
         raise ValueError(f"job id must match {NAME.pattern}, got {job_id!r}")
     path = Path(runs_dir) / name / f"job-{job_id}"
-    path.mkdir(parents=True, exist_ok=True)
+    _mkdir(path, runs_dir, parents=True, exist_ok=True)
     return path
+
+
+class RunFolderError(UserError):
+    """The run folder cannot be made or written: a message that says why, exit 2."""
+
+
+_WHY = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied", errno.ENOSPC: "no space left on the device",
+        errno.EDQUOT: "the disk quota is used up", errno.ENAMETOOLONG: "the path is too long"}
+
+
+def unwritable(e: OSError, runs_dir: str | Path) -> RunFolderError:
+    """The user's view of an OS error under ``runs_dir``: which path, why, which key to change."""
+    where = Path(e.filename) if e.filename else Path(runs_dir)
+    if e.errno in (errno.ENOTDIR, errno.EEXIST):
+        blocker = next((p for p in [where, *where.parents] if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker else "a file stands in the path"
+    else:
+        why = _WHY.get(e.errno or 0, e.strerror or type(e).__name__)
+    return RunFolderError(f"report.runs_dir = {runs_dir}: cannot write the run folder {where}: {why}; "
+                          "set report.runs_dir to a folder you can write")
+
+
+def _mkdir(path: Path, runs_dir: str | Path, **kw) -> None:
+    try:
+        path.mkdir(**kw)
+    except FileExistsError:
+        if kw.get("exist_ok") is False and path.is_dir():
+            raise  # taken by another run: the caller draws another name
+        raise unwritable(FileExistsError(errno.EEXIST, "File exists", str(path)), runs_dir) from None
+    except OSError as e:
+        raise unwritable(e, runs_dir) from None
