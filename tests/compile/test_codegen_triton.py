@@ -72,9 +72,11 @@ def check(region: Region, cache: str) -> None:
     gen = torch.Generator().manual_seed(region.id)
     inputs = []
     for m in region.input_meta:
-        t = torch.empty_strided(tuple(m.shape), tuple(m.stride()), dtype=m.dtype, device=m.device)
-        inputs.append(t.copy_(torch.randn(tuple(m.shape), generator=gen)) if m.dtype.is_floating_point
-                      else t.copy_(torch.randint(0, 4, tuple(m.shape), generator=gen)))
+        # The input's storage filled, then viewed at its strides (an expanded input's are 0).
+        size = 1 + sum((n - 1) * st for n, st in zip(m.shape, m.stride(), strict=True)) if m.numel() else 0
+        base = (torch.randn(size, generator=gen) if m.dtype.is_floating_point
+                else torch.randint(0, 4, (size,), generator=gen)).to(dtype=m.dtype, device=m.device)
+        inputs.append(base.as_strided(tuple(m.shape), tuple(m.stride())))
     for got, want in zip(fn(*inputs), region.gm(*inputs), strict=True):
         assert got.shape == want.shape and got.dtype == want.dtype
         tol = dict(rtol=1e-2, atol=1e-2) if want.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
@@ -109,6 +111,8 @@ CASES = {
     "exp_normalised": lambda: (lambda x: (x - x.amax(-1, keepdim=True)).exp().div((x - x.amax(-1, keepdim=True))
                                                                                  .exp().sum(-1, keepdim=True)),
                                torch.randn(5, 40, requires_grad=True)),
+    # logsumexp (decomposed: max, infinities replaced by 0, sum of exp, log, add), and a max beside it
+    "logsumexp": lambda: (lambda x: torch.logsumexp(x, -1) + x.amax(-1) * x.sum(-1), torch.randn(6, 40, requires_grad=True)),
     # column reductions cut into row chunks (two stages: partials, then the final kernel)
     "rmsnorm_split_cols": lambda: (rmsnorm, torch.randn(4, 32, 72, requires_grad=True),
                                    torch.randn(72, requires_grad=True)),
@@ -145,7 +149,7 @@ def test_unavailable_without_gpu_or_interpreter(monkeypatch):
 
 
 ROW_CASES = ["rmsnorm_fp32", "rmsnorm_bf16", "cross_entropy", "rmsnorm_sin_one_region", "softmax_log_softmax",
-             "exp_normalised"]
+             "exp_normalised", "logsumexp"]
 
 
 @pytest.mark.parametrize("name", ROW_CASES)
@@ -163,6 +167,36 @@ def test_row_reductions_in_a_loop_under_the_interpreter(interpret, tmp_path, mon
     assert all("for c0 in range(0, " in r.facts["source"] for r in looped)
     if name == "exp_normalised":  # the row buffer's value is recomputed, not read from a variable
         assert any(k.row_buffers for r in looped for k in cached_program(r).kernels)
+    if name in ("exp_normalised", "logsumexp"):  # max and sum of exp in one loop (online)
+        assert any(triton_codegen.online_pairs(k) for r in looped for k in cached_program(r).kernels)
+        assert any("_shift = " in r.facts["source"] for r in looped)
+
+
+@pytest.mark.parametrize("fn", [torch.logsumexp, lambda x, d: torch.exp(x - x.amax(d, keepdim=True)).sum(d),
+                                lambda x, d: CASES["exp_normalised"]()[0](x)],
+                         ids=["logsumexp", "sum_exp", "softmax"])  # fmt: skip
+def test_online_sum_of_exponentials_with_infinities(interpret, tmp_path, monkeypatch, fn):
+    """The running max starts at -inf in every lane, meets -inf entries (masked logits), whole rows
+    of -inf, +inf and NaN: the rescaled sum gives eager's results there too (NaN where eager's is)."""
+    monkeypatch.setattr(triton_codegen, "MAX_ROW", 16)
+    monkeypatch.setattr(triton_codegen, "LOOP_BLOCK_N", 16)
+    x = torch.randn(6, 40) * 30
+    x[0, 5:] = float("-inf")  # later lanes meet only -inf
+    x[1, :30] = float("-inf")  # lanes start at -inf, then a finite max
+    x[2] = float("-inf")
+    x[3, 7] = float("inf")
+    x[4, 33] = float("nan")
+    x[5, ::3] = -1000.0  # a lane's first max far below the row's
+    (region,) = [r for r in regions_of(lambda a: fn(a, -1), x.requires_grad_()) if r.graph_kind == "forward"]
+    assert any(triton_codegen.online_pairs(k) for k in cached_program(region).kernels)
+    ex = TritonExecutor()
+    run = ex.compile(region, str(tmp_path))
+    # The forward's inputs: x, and logsumexp's 0 (what replaces an infinite max), a lifted constant.
+    inputs = [x.detach() if tuple(m.shape) == tuple(x.shape) else torch.zeros((), dtype=m.dtype)
+              for m in region.input_meta]  # fmt: skip
+    got, want = run(*inputs), region.gm(*inputs)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 VOCAB = 128256  # Llama 3's vocabulary

@@ -29,6 +29,7 @@ import torch
 from accelrun.compile.codegen.emitter import Emitter
 from accelrun.compile.codegen.index_print import print_index
 from accelrun.compile.codegen.loop_ir import Block, Buffer, Kernel, LoopProgram, Reduction, Stmt, Unsupported
+from accelrun.compile.codegen.triton_online import OnlinePair, online_pairs
 
 TILE_ELEMENTS = 4096  # elements a program instance works on, when the shapes allow
 MAX_ROW = 8192  # a row reduced in one tile is at most this long; longer rows are reduced in a loop
@@ -327,28 +328,73 @@ class _KernelWriter:
             e.line("r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
             e.line(f"rmask = r < {k.rows}")
             e.line("zero_outer = r * 0")
-            for block in k.blocks:
+            pairs = online_pairs(k)
+            done: set[int] = set()
+            for i, block in enumerate(k.blocks):
+                if i in done:
+                    continue
                 if block.level != "inner":
                     self._stmts(block.stmts, "rmask", "zero_outer")
                     self._stores(block, "rmask", "zero_outer")
                     continue
-                for red in block.reductions:
-                    e.line(f"{red.name}_part = tl.full([BLOCK_R, BLOCK_N], {IDENTITY[red.op, red.ctype]}, "
-                           f"{TL_TYPE[red.ctype]})")
-                with e.block(f"for c0 in range(0, {k.trips}, BLOCK_N):"):
-                    e.line("c = c0 + tl.arange(0, BLOCK_N)[None, :]")
-                    e.line(f"mask = rmask & (c < {k.trips})")
-                    e.line("zero_inner = r * 0 + c * 0")
-                    emitted: set[str] = set()
-                    for st in block.stmts:
-                        self._recompute(st.name, block, sources, emitted)
-                    for red in block.reductions:
-                        init = IDENTITY[red.op, red.ctype]
-                        value = f"tl.where(mask, {red.value} + zero_inner.to({TL_TYPE[red.ctype]}), {init})"
-                        e.line(f"{red.name}_part = " + COMBINE[red.op].format(a=f"{red.name}_part", b=value))
-                    self._stores(block, "mask", "zero_inner", keep_rows=False)
+                pair = pairs.get(i)
+                second = [k.blocks[pair.second]] if pair is not None else []
+                self._row_loop([block, *second], sources, pair)
                 for red in block.reductions:
                     e.line(f"{red.name} = {TL_REDUCE[red.op].format(red.name + '_part', 1)}[:, None]")
+                if pair is None:
+                    continue
+                # The blocks between (per-row values from the max: the shift k), then the sum, rescaled.
+                for between in k.blocks[i + 1 : pair.second]:
+                    self._stmts(between.stmts, "rmask", "zero_outer")
+                    self._stores(between, "rmask", "zero_outer")
+                m, total = pair.max_red.name, pair.sum_red.name
+                lanes = f"tl.where({m}_part == float('-inf'), 0.0, {total}_part * tl.exp({_finite(m + '_part')} - {pair.shift}))"
+                e.line(f"{total} = {TL_REDUCE['sum'].format(lanes, 1)}[:, None]")
+                # k = -inf: the row's max is -inf, every element too, and eager's exp(-inf - -inf) is NaN.
+                e.line(f"{total} = tl.where({pair.shift} == float('-inf'), float('nan'), {total})")
+                for red in second[0].reductions:
+                    if red is not pair.sum_red:
+                        e.line(f"{red.name} = {TL_REDUCE[red.op].format(red.name + '_part', 1)}[:, None]")
+                done |= set(range(i + 1, pair.second + 1))
+
+    def _row_loop(self, blocks: list[Block], sources: dict[str, tuple[Block, str]], pair: OnlinePair | None) -> None:
+        """One loop over the row for ``blocks`` (one inner block, or an online pair): their statements,
+        their reductions folded into partial tiles, their stores."""
+        e, k = self.e, self.k
+        for red in (red for b in blocks for red in b.reductions):
+            e.line(f"{red.name}_part = tl.full([BLOCK_R, BLOCK_N], {IDENTITY[red.op, red.ctype]}, {TL_TYPE[red.ctype]})")
+        with e.block(f"for c0 in range(0, {k.trips}, BLOCK_N):"):
+            e.line("c = c0 + tl.arange(0, BLOCK_N)[None, :]")
+            e.line(f"mask = rmask & (c < {k.trips})")
+            e.line("zero_inner = r * 0 + c * 0")
+            emitted: set[str] = set()
+            for st in blocks[0].stmts:
+                self._recompute(st.name, blocks[0], sources, emitted)
+            if pair is not None:
+                # The second block's copy of the max's value is that value; its x - k and exp(x - k)
+                # wait for k, after the loop.
+                e.line(f"{pair.same} = {pair.max_red.value}")
+                emitted |= {pair.same, *pair.skipped}
+                for st in blocks[1].stmts:
+                    self._recompute(st.name, blocks[1], sources, emitted)
+            for red in (red for b in blocks for red in b.reductions):
+                init = IDENTITY[red.op, red.ctype]
+                value = f"tl.where(mask, {red.value} + zero_inner.to({TL_TYPE[red.ctype]}), {init})"
+                if pair is not None and red is pair.sum_red:
+                    continue
+                if pair is not None and red is pair.max_red:
+                    m, total = red.name, pair.sum_red.name
+                    e.line(f"{m}_new = " + COMBINE["max"].format(a=f"{m}_part", b=value))
+                    e.line(f"{m}_shift = {_finite(m + '_new')}")
+                    e.line(f"{total}_part = tl.where({m}_part == float('-inf'), 0.0, {total}_part * "
+                           f"tl.exp({_finite(m + '_part')} - {m}_shift)) + "
+                           f"tl.where(mask, tl.exp({red.value} - {m}_shift), 0.0)")
+                    e.line(f"{m}_part = {m}_new")
+                    continue
+                e.line(f"{red.name}_part = " + COMBINE[red.op].format(a=f"{red.name}_part", b=value))
+            for b in blocks:
+                self._stores(b, "mask", "zero_inner", keep_rows=False)
 
     def _recompute(self, name: str, block: Block, sources: dict[str, tuple[Block, str]], emitted: set[str]) -> None:
         """Emit the statement of ``block`` that defines ``name``, after those it needs; a load from a
@@ -465,6 +511,11 @@ class _KernelWriter:
             buf = self.buffers[st.buffer]
             ptr = f"{buf.name} + {print_index(st.index, 'triton')} + {zero}"
             self.e.line(f"tl.store({ptr}, {st.value}.to({STORAGE[buf.storage]}), mask={mask})")
+
+
+def _finite(m: str) -> str:
+    """A running max as the shift of an online sum: 0 where it is infinite (no inf - inf)."""
+    return f"tl.where(tl.abs({m}) == float('inf'), 0.0, {m})"
 
 
 def _literal(value: Any, ctype: str) -> str:
