@@ -20,7 +20,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.markup import escape
 
-from accelrun.config import load_config
+from accelrun.config import ConfigError, load_config
 from accelrun.dist import stop
 from accelrun.dist.context import ParallelContext, env_rank
 from accelrun.dist.mesh import build_mesh, dp_coordinates
@@ -39,14 +39,52 @@ def cpu_rank_threads(nproc_per_node: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc_per_node)
 
 
-def init_rank(resolved) -> ParallelContext:
+def check_devices(cfg) -> None:
+    """A job of CUDA ranks needs one GPU per process on every node: say so before anything starts."""
+    if not rank_uses_cuda(cfg):
+        return
+    have = torch.cuda.device_count()
+    if cfg.parallel.nproc_per_node > have:
+        raise ConfigError(
+            f"parallel.nproc_per_node = {cfg.parallel.nproc_per_node}, but this node has {have} CUDA device(s) "
+            f"(one process per GPU; set parallel.nproc_per_node <= {have}, or train.device = cpu)"
+        )
+
+
+# NCCL settings a CUDA rank starts with unless the environment sets them: the flight recorder (the last
+# collectives of every rank) on, dumped into the run directory when the watchdog sees a timeout, so a
+# hung job leaves what each rank was waiting for. The watchdog's handling stays torch's default
+# (tear the process down: a rank stuck in a collective cannot be trusted to go on); the agent's failure
+# summary then shows the watchdog's message. TORCH_NCCL_BLOCKING_WAIT=1, set by the user, makes the
+# timeout an exception in the training thread instead (the loop reports step and phase), at the cost
+# of a host-blocking wait on every collective.
+NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+def nccl_environment(run_dir: Path | None) -> dict[str, str]:
+    """The NCCL variables a CUDA rank sets for itself (those the environment does not set already)."""
+    env = dict(NCCL_FLIGHT_RECORDER)
+    if run_dir is not None:  # torch appends the rank to this prefix
+        env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(run_dir / "nccl_flight_recorder" / "rank_")
+    return {k: v for k, v in env.items() if k not in os.environ}
+
+
+def init_rank(resolved, run_dir: Path | None = None) -> ParallelContext:
     cfg = resolved.config
     rank, world, local_rank = env_rank()
     use_cuda = rank_uses_cuda(cfg)
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()} "
+                              f"CUDA device(s) and parallel.nproc_per_node = {cfg.parallel.nproc_per_node}")
         torch.cuda.set_device(device)
-    if cfg.train.threads is None and not use_cuda:
+        nccl = nccl_environment(run_dir)
+        if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" in nccl:
+            Path(nccl["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
+        os.environ.update(nccl)  # read when the NCCL process group is created, below
+    if cfg.train.threads is None:
+        # GPU ranks too: their host threads (data, the optimizer's CPU work, Python) share the node's cores.
         torch.set_num_threads(cpu_rank_threads(cfg.parallel.nproc_per_node))
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
@@ -93,7 +131,7 @@ def main(argv: list[str] | None = None, errors_dir: Path | None = None) -> int:
         log = start_rank_log(run_dir, errors_dir, rank, local_rank)
     try:
         resolved = load_config(run_dir / "config.yaml", search_dirs=[])
-        ctx = init_rank(resolved)
+        ctx = init_rank(resolved, run_dir)
         result = run_in_dir(resolved, run_dir, ctx, console if rank == 0 else None)
         if result.stopped is not None and errors_dir is not None:
             stop.leave_record(errors_dir, result.stopped)

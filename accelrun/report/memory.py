@@ -29,6 +29,17 @@ def peak_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
+def peak_reserved_bytes(device: torch.device) -> int | None:
+    """Peak bytes the CUDA caching allocator held (tensors, its cache and fragmentation) since the
+    last reset; None elsewhere. What an out-of-memory error compares with the device's memory."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    return None
+
+
 def current_memory_bytes(device: torch.device) -> int | None:
     """Bytes held now: allocated tensors (CUDA) or the process's resident set size (CPU)."""
     import torch
@@ -56,7 +67,8 @@ def describe_memory(device: torch.device) -> str:
 
     device = torch.device(device)
     if device.type == "cuda":
-        return "CUDA max_memory_allocated (tensors only, not the allocator's reserve)"
+        return ("CUDA max_memory_allocated per step (reset as each step starts; tensors only, the allocator's "
+                "reserve is mem_reserved_bytes)")
     if device.type == "cpu":
         return "process peak RSS (ru_maxrss: the whole process since it started)"
     return f"not measured on {device.type}"

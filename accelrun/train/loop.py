@@ -17,7 +17,7 @@ import torch
 
 from accelrun.dist import stop
 from accelrun.errors import CollectiveTimeout, TrainingDiverged
-from accelrun.report.memory import peak_memory_bytes
+from accelrun.report.memory import peak_memory_bytes, peak_reserved_bytes, reset_peak_memory
 from accelrun.report.metrics import MetricsWriter, StepMetrics
 from accelrun.report.profiler import profile_steps
 from accelrun.train.checkpoint import save_checkpoint
@@ -65,6 +65,7 @@ def run_loop(
             for step in range(s.start_step + 1, total + 1):
                 lr = s.optimizer.param_groups[0]["lr"]
                 t_step = time.perf_counter()
+                reset_peak_memory(dev)  # CUDA: this step's peak, not setup's or an earlier step's
                 comm_at_start = s.comm_timer.seconds if s.comm_timer is not None else 0.0
                 where.update(step=step, phase="forward and backward")
                 data_s = fwd_s = bwd_s = 0.0
@@ -112,6 +113,8 @@ def run_loop(
                     compile=step == s.start_step + 1 and s.compiles,
                 ).to_dict(flops_per_token=s.flops_per_token, peak_tflops=s.peak.tflops)
                 record.update(forward_s=fwd_s, backward_s=bwd_s, optimizer_s=t_end - t4)
+                if (reserved := peak_reserved_bytes(dev)) is not None:  # what the allocator held (CUDA)
+                    record["mem_reserved_bytes"] = reserved
                 if s.comm_timer is not None:  # blocked in collectives during this step (inside the parts above)
                     record["comm_s"] = s.comm_timer.seconds - comm_at_start
                 if s.comm_trace is not None:  # FSDP's / compiled graphs' collectives: exposed, busy, overlap
@@ -144,7 +147,8 @@ def run_loop(
                     outcome.status = stop.STATUS[outcome.signum] if preempted else "stopped"
                     break
     except RuntimeError as e:
-        if s.ctx.distributed and "timed out" in str(e).lower():
+        # gloo says "timed out"; NCCL's watchdog (under TORCH_NCCL_BLOCKING_WAIT) "... before timing out".
+        if s.ctx.distributed and any(w in str(e).lower() for w in ("timed out", "timing out")):
             raise CollectiveTimeout(s.ctx.rank, where["step"], where["phase"], cfg.parallel.timeout_s, e) from None
         raise
     return outcome

@@ -28,7 +28,7 @@ from accelrun.dist import stop
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.launch import JobOutcome, LaunchOptions, launch_job
 from accelrun.dist.stop import Stopped
-from accelrun.dist.worker import cpu_rank_threads, rank_uses_cuda
+from accelrun.dist.worker import check_devices, cpu_rank_threads, rank_uses_cuda
 from accelrun.errors import TrainingDiverged, UserError
 from accelrun.report.env import collect_env
 from accelrun.report.files import write_json, write_text_atomic
@@ -79,6 +79,7 @@ def train(
     console = console or Console(stderr=True)
     if cfg.train.threads is not None:
         torch.set_num_threads(cfg.train.threads)  # before env.json records it and the peak probe runs
+    check_devices(cfg)  # one GPU per process, before a run directory or a rank exists
     launch = launch or LaunchOptions()
     run_dir, node = _run_dir_for(cfg, launch)
     # Caught from here on: a signal during setup stops the run after its first step, with a checkpoint.
@@ -328,9 +329,9 @@ def _env_of_ranks(cfg) -> dict:
     """This process's environment, with the thread count and malloc settings CPU ranks will set
     (this launcher process keeps its own threads, which the ranks do not use)."""
     env = collect_env()
+    if cfg.parallel.world_size > 1 and cfg.train.threads is None:  # GPU ranks set it too (dist.worker)
+        env["cpu"]["torch_threads"] = cpu_rank_threads(cfg.parallel.nproc_per_node)
     if rank_uses_cuda(cfg):
         return env
     env["cpu"]["malloc"] = malloc_record(cfg.train.cpu_malloc)
-    if cfg.parallel.world_size > 1 and cfg.train.threads is None:
-        env["cpu"]["torch_threads"] = cpu_rank_threads(cfg.parallel.nproc_per_node)
     return env
