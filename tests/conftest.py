@@ -9,8 +9,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "llama.yaml"
 
-# The default recipe, shrunk so that a step takes a few milliseconds on a CPU.
+# The default recipe, shrunk so that a step takes a few milliseconds on a CPU. On the CPU (gloo for
+# several ranks) even on a host with GPUs: the numbers compared with one process, the thread and
+# memory checks and the rank counts (2 and 4 ranks on one GPU would be refused) all mean a CPU.
 TINY = [
+    "train.device=cpu",
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
     "model.vocab_size=320", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=4",
     "train.lr_schedule.warmup_steps=2", "train.optimizer.lr=0.01", "data.max_bytes=400000",

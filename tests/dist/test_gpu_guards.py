@@ -23,14 +23,15 @@ def _gpus(monkeypatch, n: int) -> None:
 def test_more_processes_than_gpus_is_a_user_error_before_launch(tiny, monkeypatch, tmp_path):
     _gpus(monkeypatch, 1)
     r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG), *tiny(2), "parallel.nproc_per_node=2",
-                                 "parallel.dp_shard=2", "train.micro_batch=2"])
+                                 "parallel.dp_shard=2", "train.micro_batch=2", "train.device=cuda"])
     assert r.exit_code == 2, r.output
     assert "parallel.nproc_per_node = 2, but this node has 1 CUDA device(s)" in r.output, r.output
     assert "launching" not in r.output and not (tmp_path / "runs").exists()
 
 
 def test_enough_gpus_or_cpu_ranks_pass_the_check(tiny, monkeypatch):
-    cfg = load_config(DEFAULT_CONFIG, [*tiny(2), "parallel.nproc_per_node=2", "parallel.dp_shard=2", "train.micro_batch=2"]).config
+    cfg = load_config(DEFAULT_CONFIG, [*tiny(2), "parallel.nproc_per_node=2", "parallel.dp_shard=2",
+                                       "train.micro_batch=2", "train.device=auto"]).config
     _gpus(monkeypatch, 2)
     worker.check_devices(cfg)
     _gpus(monkeypatch, 1)
