@@ -44,10 +44,14 @@ def command(config: str, overrides: tuple[str, ...], nnodes: int | None, node_ra
     Runs go to runs/<name>/<UTC time>-<id>/ (report.runs_dir). With checkpoint.resume=auto an
     interrupted run of the same recipe continues from its newest complete checkpoint.
     """
+    import torch  # imported only now
+
     from accelrun.dist.launch import LaunchOptions
     from accelrun.dist.slurm import launch_from_slurm
     from accelrun.dist.stop import exit_code
-    from accelrun.train.run import train  # torch is imported only now
+    from accelrun.dist.worker import rank_uses_cuda
+    from accelrun.train.oom import oom_is_the_recipes
+    from accelrun.train.run import train
 
     launch = LaunchOptions(node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                            max_restarts=max_restarts, local_addr=local_addr)
@@ -59,7 +63,9 @@ def command(config: str, overrides: tuple[str, ...], nnodes: int | None, node_ra
         overrides = (*overrides, f"parallel.nnodes={nnodes}")
     resolved = load(config, overrides)
     command_line = shlex.join(["accelrun", *sys.argv[1:]]) if sys.argv else ""
-    result = train(resolved, command=command_line, console=err, launch=launch)
+    device = torch.device("cuda" if rank_uses_cuda(resolved.config) else "cpu")
+    with oom_is_the_recipes(resolved.config, device, "in training"):  # ranks of a job convert their own
+        result = train(resolved, command=command_line, console=err, launch=launch)
     if result.stopped is not None:  # 143 (SIGTERM), 130 (SIGINT): "terminated, may requeue"
         sys.exit(exit_code(result.stopped.signum))
     if result.status == "failed":

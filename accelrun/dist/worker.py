@@ -27,6 +27,7 @@ from accelrun.dist.mesh import build_mesh, dp_coordinates
 from accelrun.dist.rank_errors import leave_record
 from accelrun.dist.rank_failures import leave_crash, start_rank_log
 from accelrun.errors import UserError
+from accelrun.train.oom import oom_is_the_recipes
 
 
 def rank_uses_cuda(cfg) -> bool:
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None, errors_dir: Path | None = None) -> int:
     try:
         resolved = load_config(run_dir / "config.yaml", search_dirs=[])
         ctx = init_rank(resolved, run_dir)
-        result = run_in_dir(resolved, run_dir, ctx, console if rank == 0 else None)
+        with oom_is_the_recipes(resolved.config, ctx.device, f"in rank {rank}"):
+            result = run_in_dir(resolved, run_dir, ctx, console if rank == 0 else None)
         if result.stopped is not None and errors_dir is not None:
             stop.leave_record(errors_dir, result.stopped)
     except UserError as e:
