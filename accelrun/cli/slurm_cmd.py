@@ -8,6 +8,8 @@ import click
 
 from accelrun.cli.common import config_argument, load, out, overrides_argument
 
+STOP_LEAD_S = 120  # accelrun.dist.slurm.STOP_LEAD_S, without importing torch for --help
+
 
 @click.command("slurm")
 @config_argument
@@ -17,8 +19,11 @@ from accelrun.cli.common import config_argument, load, out, overrides_argument
 @click.option("--time", "time_limit", default=None, help="Wall-clock limit, e.g. 04:00:00.")
 @click.option("--account", default=None)
 @click.option("--gpus/--no-gpus", default=True, show_default=True, help="Ask for parallel.nproc_per_node GPUs per node.")
+@click.option("--stop-lead", type=click.IntRange(min=1), default=STOP_LEAD_S, show_default=True, metavar="SECONDS",
+              help="SIGTERM this long before the time limit (#SBATCH --signal=TERM@SECONDS): the ranks finish "
+                   "their step, save a checkpoint and exit 143, and the job requeues itself.")
 def command(config: str, overrides: tuple[str, ...], output: Path | None, partition: str | None,
-            time_limit: str | None, account: str | None, gpus: bool) -> None:
+            time_limit: str | None, account: str | None, gpus: bool, stop_lead: int) -> None:
     """Write an sbatch script for the recipe: one `accelrun train` per node under srun, which reads
     the allocation from SLURM's environment.
 
@@ -33,7 +38,7 @@ def command(config: str, overrides: tuple[str, ...], output: Path | None, partit
     c = resolved.config
     script = sbatch_script(config, list(overrides), name=c.name, nnodes=c.parallel.nnodes,
                            nproc_per_node=c.parallel.nproc_per_node, gpus=gpus, partition=partition,
-                           time_limit=time_limit, account=account)
+                           time_limit=time_limit, account=account, stop_lead_s=stop_lead)
     if output is None:
         out.print(script, markup=False, end="")
     else:

@@ -16,7 +16,9 @@ import sys
 import time
 
 import pytest
+from click.testing import CliRunner
 
+from accelrun.cli.main import cli
 from accelrun.dist import stop
 from accelrun.dist.slurm import sbatch_script
 from accelrun.report.metrics import read_metrics
@@ -118,6 +120,9 @@ def test_sbatch_script_asks_for_sigterm_before_the_limit_and_requeues():
     assert 'if [ "$code" -eq 143 ]; then scontrol requeue "$SLURM_JOB_ID"' in text
     bash = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
     assert bash.returncode == 0, bash.stderr
+    r = CliRunner().invoke(cli, ["slurm", str(DEFAULT_CONFIG), "parallel.nproc_per_node=2", "train.micro_batch=8",
+                                 "--stop-lead", "90"])
+    assert r.exit_code == 0 and "#SBATCH --signal=TERM@90 " in r.output, r.output
 
 
 def test_a_requeued_multi_node_job_resumes_its_own_folder(tmp_path):
