@@ -237,6 +237,10 @@ class CompileConfig(Section):
         True, description="keep compiled graphs (Dynamo + AOTAutograd + passes) on disk: a new process with the "
         "same model, inputs and options loads them instead of tracing again (accelrun backend)"
     )
+    strict: bool = Field(
+        False, description="make the compiler's fallbacks errors (a pass that raised, skipped for its graph; a "
+        "region whose kernel failed to build or at its first call, given to the next executor): for compiler work"
+    )
 
     @field_validator("executors")
     @classmethod
