@@ -59,6 +59,12 @@ def _compiler_section(c: dict | None) -> list[str]:
     if "dynamo_graphs" in c:
         out.append(f"| graphs compiled | {c['dynamo_graphs']} |")
     out.append(f"| graph breaks | {c.get('graph_breaks', 0)} |")
+    dyn = c.get("dynamo") or {}
+    if dyn:
+        out.append(f"| Dynamo frames seen / compiled / skipped | {dyn.get('frames_seen', 0)} / "
+                   f"{dyn.get('frames_compiled', 0)} / {len(dyn.get('frames_skipped', []))} |")
+    if "fallbacks" in c:
+        out.append(f"| compiler fallbacks | {len(c['fallbacks'])} |")
     for stage, secs in (c.get("stage_seconds") or {}).items():
         out.append(f"| {_cell(stage)} | {secs:.2f} s |")
     if "cache" in c:
@@ -77,11 +83,17 @@ def _compiler_section(c: dict | None) -> list[str]:
     if "ops_left_to_aten" in c:
         out.append(f"| ops outside regions (ATen calls) | {c['ops_left_to_aten']} |")
     out.append("")
+    # Never silent: nothing compiled, frames Dynamo skipped, fallbacks (compile/coverage.py, record.py).
+    for warning in c.get("warnings") or []:
+        out.append(f"- **warning**: {_cell(warning)}")
+    for fallback in c.get("fallbacks") or []:
+        out.append(f"- fallback: {_cell(fallback)}")
     for reason, n in (c.get("graph_break_reasons") or {}).items():
         out.append(f"- graph break ×{n}: {_cell(reason)}")
     for error in graphs.get("errors", []):
         out.append(f"- graph cache: {_cell(error)}")
-    return out + [""] if c.get("graph_break_reasons") or graphs.get("errors") else out
+    listed = c.get("graph_break_reasons") or graphs.get("errors") or c.get("warnings") or c.get("fallbacks")
+    return out + [""] if listed else out
 
 
 def _headline(r: dict) -> list[str]:

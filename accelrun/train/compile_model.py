@@ -57,6 +57,15 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
             # An instance attribute shadows the method, so forward() calls the compiled head.
             model.head_loss = torch.compile(head, backend=backend, fullgraph=cfg.fullgraph)
         return Compiled(what, record, backend)
+    if blocks is None and cfg.scope in ("block", "loss") and (found := repeated_blocks(model)) is not None:
+        # A user's model without a `layers` list: compiling its forward whole would let one
+        # data-dependent branch (a router) make Dynamo skip the frame, and nothing would be compiled.
+        # Its repeated blocks compile on their own; the code between them runs eagerly.
+        path, found_blocks = found
+        for block in found_blocks:
+            block.compile(backend=backend, fullgraph=cfg.fullgraph)
+        return Compiled(f"{len(found_blocks)} repeated {type(found_blocks[0]).__name__} blocks ({path}) with {name} "
+                        f"(no `layers` list: compile.scope = {cfg.scope} found them)", record, backend)  # fmt: skip
     if cfg.scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:
         from accelrun.compile.graph_cache import install
 
@@ -67,6 +76,18 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         return Compiled(f"the whole model with {name} (compile.scope = {cfg.scope}, but it has no `layers` "
                         "block list)", record, backend)  # fmt: skip
     return Compiled(f"the whole model and its loss with {name}", record, backend)
+
+
+def repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
+    """(path, blocks): the outermost ``ModuleList`` of at least two modules all of one class (a custom
+    model's layers under another name; the experts inside a layer are deeper, so not taken), or None."""
+    best: tuple[int, str, list[nn.Module]] | None = None
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(m) for m in module}) == 1:
+            depth = path.count(".")
+            if best is None or depth < best[0]:
+                best = (depth, path, list(module))
+    return (best[1], best[2]) if best is not None else None
 
 
 def _graph_cache(cfg: CompileConfig, backend: object, targets: list[tuple[nn.Module, str]]):

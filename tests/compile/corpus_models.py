@@ -122,9 +122,9 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, Any]]] = {
     "mistral": _hf("MistralConfig", "MistralForCausalLM", **_LLAMA_LIKE),
     "qwen2": _hf("Qwen2Config", "Qwen2ForCausalLM", **_LLAMA_LIKE),
     "gemma": _hf("GemmaConfig", "GemmaForCausalLM", head_dim=8, **_LLAMA_LIKE),
-    "phi3": _hf("Phi3Config", "Phi3ForCausalLM", pad_token_id=0, **_LLAMA_LIKE),
+    "phi3": _hf("Phi3Config", "Phi3ForCausalLM", pad_token_id=0, bos_token_id=1, eos_token_id=2, **_LLAMA_LIKE),
     "gpt2": _hf("GPT2Config", "GPT2LMHeadModel", n_embd=32, n_layer=1, n_head=4, n_positions=32,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),  # fmt: skip
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2),  # fmt: skip
     "mixtral": _hf("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2,
                    **_LLAMA_LIKE),  # fmt: skip
     "fused_qkv_llama": _plain(FusedQKVLlama, lambda: {"input_ids": _ids(), "labels": _ids()}),

@@ -198,3 +198,62 @@ def test_a_routed_layer_loop_reports_the_skipped_frame_and_the_layers_compiled(t
     assert d["frames_seen"] > d["frames_compiled"]
     assert any("forward" in s for s in d["frames_skipped"])
     assert any("Data-dependent branching" in why and "test_fallbacks.py:" in why for why in d["unsupported"])
+
+
+class _Expert(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * 2.0 + 1.0
+
+
+class _RoutedBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList([_Expert(), _Expert()])  # deeper: not what scope=block takes
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x, expert: int):
+        return x + self.experts[expert](self.norm(x))
+
+
+class _RoutedModel(torch.nn.Module):
+    """A user's model with its blocks under another name than `layers` and a data-dependent router."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_RoutedBlock(), _RoutedBlock()])
+        self.router = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x, 0 if self.router(x).mean() > 0 else 1)
+        return x
+
+
+def test_scope_block_compiles_a_custom_models_repeated_blocks_not_its_router(tmp_path):
+    from accelrun.config.schema import CompileConfig
+    from accelrun.train.compile_model import compile_model, repeated_blocks
+
+    torch.manual_seed(0)
+    model = _RoutedModel()
+    reference = __import__("copy").deepcopy(model)
+    assert repeated_blocks(model) == ("blocks", list(model.blocks))
+    cfg = CompileConfig(backend="accelrun", scope="block", executors=["cpp", "aten"], graph_cache=False,
+                        cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    compiled = compile_model(model, None, cfg)
+    assert "2 repeated _RoutedBlock blocks (blocks)" in compiled.description
+    x = torch.randn(4, 8)
+    out, ref = model(x), reference(x)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    summary = compiled.record.summary()
+    assert summary["dynamo_graphs"] >= 1 and not summary["dynamo"]["frames_skipped"]
+    assert not any(w.startswith("nothing was compiled") for w in summary["warnings"])
+    assert compiled.record.regions_per_executor().get("cpp", 0) > 0
