@@ -175,9 +175,12 @@ def width_regions(width: int, dtype: torch.dtype) -> dict[str, list[Region]]:
     }  # fmt: skip
 
 
-def llama_regions(args, tokens: torch.Tensor, model_device: str, autocast: bool = False) -> list[Region]:
+def llama_regions(args, tokens: torch.Tensor, model_device: str, autocast: bool = False,
+                  dtype: torch.dtype | None = None) -> list[Region]:  # fmt: skip
     """The fusion regions accelrun's backend cuts from a Llama's forward and backward graphs (the
-    default passes; executors off, so that every region is offered here instead)."""
+    default passes; executors off, so that every region is offered here instead). ``autocast``: bf16
+    autocast on the CPU; ``dtype``: the parameters in that dtype (what bf16 means on meta tensors,
+    which autocast leaves alone)."""
     from accelrun.compile import backend as backend_module
     from accelrun.compile.backend import AccelrunBackend
     from accelrun.compile.options import CompileOptions
@@ -195,6 +198,8 @@ def llama_regions(args, tokens: torch.Tensor, model_device: str, autocast: bool 
         model = Llama(args)
     if model_device != "meta":
         model.init_weights(0)
+    if dtype is not None:
+        model.to(dtype)
     backend = AccelrunBackend(CompileOptions(executors=["aten"]))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(backend_module, "lower_regions", keep)
