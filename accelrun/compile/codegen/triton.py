@@ -5,13 +5,16 @@ row vector of columns, so per-row (``outer``) values are ``[BLOCK_R, 1]`` and pe
 values ``[BLOCK_R, BLOCK_N]``. A kernel with row reductions holds a whole row in one tile
 (``tl.sum(..., axis=1)``) when the row is at most ``MAX_ROW`` long; a longer row (a vocabulary's
 softmax) is walked in ``LOOP_BLOCK_N`` chunks, one loop per inner block, folding each chunk into a
-tile of partial accumulators (a value an earlier pass kept in a row buffer is recomputed instead). A
+tile of partial accumulators (a value an earlier pass kept in a row buffer is recomputed instead; a
+max and the sum of exponentials after it share one loop, see ``triton_online.py``). A
 column reduction loops over row tiles. Shapes are baked in as literals. Grids are one-dimensional
 where CUDA allows 2**31 - 1 programs (axes 1 and 2 allow 65,535).
 
 The module is written into the cache directory (named by a hash of its text) and imported from
 there, since ``triton.jit`` reads kernel source from files. On a CPU it runs under
-``TRITON_INTERPRET=1``, which triton reads when the module is imported (decorated).
+``TRITON_INTERPRET=1``, which triton reads when the module is imported (decorated). On a GPU the
+executor compiles every kernel before the first call (``triton_aot.warm_up``); ``triton_aot`` also
+cross-compiles them for sm_90 / sm_100 on any machine (registers, spills).
 """
 
 from __future__ import annotations

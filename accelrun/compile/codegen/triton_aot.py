@@ -43,10 +43,12 @@ def buffer_dtypes(program: LoopProgram) -> dict[str, torch.dtype]:
     return out
 
 
-def warm_up(program: LoopProgram, module: Any) -> None:
+def warm_up(program: LoopProgram, module: Any) -> list[str]:
     """Compile and load every launch of ``module`` for the current CUDA device; raises what Triton
-    raises (a compile error, ``OutOfResources``)."""
+    raises (a compile error, ``OutOfResources``). Returns a line per kernel: its registers and spills
+    as the driver loaded it."""
     dtypes = buffer_dtypes(program)
+    out = []
     for ln in launches(program):
         kernel = getattr(module, ln.kernel)
         compiled = kernel.warmup(*[dtypes[a] for a in ln.args], grid=ln.grid, BLOCK_R=ln.block_r,
@@ -54,6 +56,9 @@ def warm_up(program: LoopProgram, module: Any) -> None:
         init = getattr(compiled, "_init_handles", None)
         if init is not None:
             init()  # loads the binary: where shared memory or register limits are checked
+        regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
+        out.append(f"{ln.kernel}: {regs} registers, {spills} spills, {ln.num_warps} warps")
+    return out
 
 
 @dataclass

@@ -52,7 +52,7 @@ class TritonExecutor(GeneratedCodeExecutor):
         # the region's ATen ops instead (TritonRegion's fallback), with the reason in its facts.
         from accelrun.compile.codegen.triton_aot import warm_up
 
-        warm_up(program, module)
+        region.facts["triton_kernels"] = warm_up(program, module)
         return with_output_strides(TritonRegion(program, module, fallback=region.gm, facts=region.facts), program)
 
     def generate(self, program) -> str:
