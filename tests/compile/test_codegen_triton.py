@@ -263,21 +263,33 @@ def test_compiled_region_launches_a_split_reduction_in_two_kernels(interpret, tm
     assert f"def {names[1]}(" in source and "tl.program_id(1) * 64" in source
 
 
-def _inputs(region: Region) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randn(tuple(m.shape), generator=gen, dtype=m.dtype).to(m.device) for m in region.input_meta]
+def _lowered(fn, *args, executors, tmp_path):
+    """The forward graph of ``fn`` partitioned and lowered as the backend does, and its record."""
+    from accelrun.compile.lower import lower_regions
+    from accelrun.compile.record import CompileRecord
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    aot_function(fn, fw_compiler=keep, bw_compiler=keep, decompositions=core_aten_decompositions())(*args)
+    partition(graphs[0].graph, first_id=0)
+    record = CompileRecord()
+    lowered, regions = lower_regions(graphs[0], "g0.forward", "forward", executors, record, str(tmp_path))
+    return lowered, regions, record
 
 
 def test_a_kernel_the_gpu_cannot_take_goes_to_the_next_executor(monkeypatch, tmp_path):
     """Off the interpreter, the executor compiles and loads every kernel while the region is lowered
     (triton_aot.warm_up), so what Triton raises there (here: OutOfResources, as loading a kernel that
-    needs more shared memory than the GPU has raises it) is a fallback with its reason, not step 1's
-    crash. The GPU is stood in for: the executor is told it is available and takes CPU tensors."""
+    needs more shared memory than the GPU has raises it) is a recorded fallback, not step 1's crash.
+    The GPU is stood in for: the executor is told it is available and takes CPU tensors."""
     from triton.runtime.errors import OutOfResources
 
     from accelrun.compile.codegen import triton_aot
     from accelrun.compile.executors.aten import AtenExecutor
-    from accelrun.compile.lower import _Lowering
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(TritonExecutor, "unavailable_reason", lambda self: None)
@@ -289,37 +301,27 @@ def test_a_kernel_the_gpu_cannot_take_goes_to_the_next_executor(monkeypatch, tmp
         raise OutOfResources(264192, 232448, "shared memory")
 
     monkeypatch.setattr(triton_aot, "warm_up", refuse)
-    fn, *args = CASES["rmsnorm_fp32"]()
-    region = regions_of(fn, *args, device="cpu")[0]
-    compiled = _Lowering([TritonExecutor(), AtenExecutor()], str(tmp_path)).run([region])
+    x, w = torch.randn(2, 4, 24), torch.randn(24)
+    lowered, regions, record = _lowered(rmsnorm, x, w, executors=[TritonExecutor(), AtenExecutor()],
+                                        tmp_path=tmp_path)  # fmt: skip
     assert warmed, "the executor compiled the kernels before the first call"
-    assert region.facts["executor"] == "aten" and region.id not in compiled
-    assert "compile failed: OutOfResources" in region.facts["declined"]["triton"]
+    assert regions and all(r.facts["executor"] == "aten" for r in regions)
+    assert any(f.stage == "compile" and "OutOfResources" in f.reason for f in record.fallbacks)
+    torch.testing.assert_close(lowered(x, w)[0], rmsnorm(x, w))
 
 
-def test_a_first_call_failure_runs_the_region_as_aten_ops(tmp_path):
-    """An error of the first call (a launch Triton refuses) falls back to the region's ATen graph, is
-    recorded in the region's facts with a warning, and later calls do not try the kernels again."""
-    from types import SimpleNamespace
+def test_a_first_call_failure_of_a_triton_region_goes_to_the_next_executor(interpret, monkeypatch, tmp_path):
+    """A launch that raises at the first call (a stand-in for a launch the driver refuses) is caught by
+    the lowering's first-call check: the region runs as ATen ops, and the record says why."""
+    from accelrun.compile.executors.aten import AtenExecutor
 
-    fn, *args = CASES["rmsnorm_fp32"]()
-    region = regions_of(fn, *args, device="cpu")[0]
-    program = cached_program(region)
-    calls = []
-
-    def refuse(*buffers):
-        calls.append(len(buffers))
+    def refuse(self, *args):
         raise RuntimeError("Triton Error [CUDA]: invalid argument")
 
-    module = SimpleNamespace(launch=refuse, **{ln.kernel: None for ln in launches(program)})
-    run = triton_codegen.TritonRegion(program, module, fallback=region.gm, facts=region.facts)
-    inputs = _inputs(region)
-    with pytest.warns(RuntimeWarning, match="runs as ATen ops"):
-        got = run(*inputs)
-    for g, want in zip(got, region.gm(*inputs), strict=True):
-        torch.testing.assert_close(g, want, rtol=0, atol=0)
-    assert region.facts["runtime_fallback"].startswith("first call failed: RuntimeError: Triton Error")
-    run(*inputs)
-    assert len(calls) == 1
-    with pytest.raises(RuntimeError, match="invalid argument"):  # without a fallback (the tests' runs)
-        triton_codegen.TritonRegion(program, module)(*inputs)
+    monkeypatch.setattr(triton_codegen.TritonRegion, "__call__", refuse)
+    x, w = torch.randn(2, 4, 24, device=DEVICE), torch.randn(24, device=DEVICE)
+    lowered, regions, record = _lowered(rmsnorm, x, w, executors=[TritonExecutor(), AtenExecutor()],
+                                        tmp_path=tmp_path)  # fmt: skip
+    assert regions and regions[0].facts["executor"] == "triton"
+    torch.testing.assert_close(lowered(x, w)[0], rmsnorm(x, w))
+    assert any(f.stage == "first call" and "invalid argument" in f.reason for f in record.fallbacks)

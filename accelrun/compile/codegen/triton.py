@@ -575,17 +575,9 @@ class TritonRegion:
     order, so a call's scratch is free again when the next call's kernels start). On a GPU the first
     call launches through ``triton.jit`` (compiling, or loading from Triton's cache); later calls go
     straight to the compiled kernels' launchers, skipping the JIT's argument binding and cache lookup.
-
-    With a ``fallback`` (the region's ATen graph), an exception of the first call (a kernel Triton
-    cannot compile or load, a launch it refuses) does not end the step: the reason goes into ``facts``
-    (``runtime_fallback``), a warning says so once, and this call and every later one run the fallback.
-    Without one (the interpreter's tests), the exception propagates.
     """
 
-    def __init__(self, program: LoopProgram, module: Any, fallback: Any = None,
-                 facts: dict[str, Any] | None = None) -> None:  # fmt: skip
-        self.fallback, self.facts = fallback, facts if facts is not None else {}
-        self._failed = False
+    def __init__(self, program: LoopProgram, module: Any) -> None:
         self.launch = module.launch
         self.inputs = program.of_role("input")
         self.outputs = program.of_role("output")
@@ -605,8 +597,6 @@ class TritonRegion:
         self._direct = env.get("TRITON_INTERPRET") != "1" and env.get("ACCELRUN_TRITON_DIRECT") != "0"
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self._failed:
-            return tuple(self.fallback(*args))
         if len(args) != len(self.inputs):
             raise TypeError(f"compiled region takes {len(self.inputs)} inputs, got {len(args)}")
         ins = args
@@ -618,12 +608,7 @@ class TritonRegion:
         outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._out_specs]
         if device.type != "cuda":
             scratch = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._scratch_specs]
-            try:
-                self.launch(*ins, *outs, *scratch)
-            except Exception as e:
-                if self.fallback is None:
-                    raise
-                return self._fall_back(e, args)
+            self.launch(*ins, *outs, *scratch)
             return tuple(outs)
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = torch._C._cuda_getCurrentRawStream(index)
@@ -643,32 +628,13 @@ class TritonRegion:
                 run(g0, g1, g2, stream, function, metadata, meta, enter, leave, *kargs, *consts)
             return tuple(outs)
         found = []
-        try:
-            for kernel, grid_, slots, (block_r, block_n), warps in self._plan:
-                ck = kernel[grid_](*[bufs[i] for i in slots], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
-                found.append(ck)
-        except Exception as e:
-            if self.fallback is None:
-                raise
-            return self._fall_back(e, args)
+        for kernel, grid_, slots, (block_r, block_n), warps in self._plan:
+            ck = kernel[grid_](*[bufs[i] for i in slots], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
+            found.append(ck)
         if self._direct and all(hasattr(ck, "packed_metadata") and hasattr(ck, "function") for ck in found):
             self._compiled = [(ck, ck.run, ck.function, ck.packed_metadata, p[1], p[2], p[3])
                               for ck, p in zip(found, self._plan, strict=True)]
         return tuple(outs)
-
-
-    def _fall_back(self, error: Exception, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        import warnings
-
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        reason = f"first call failed: {type(error).__name__}: {first}"[:240]
-        self.facts["runtime_fallback"] = reason
-        self.facts["executor"] = "aten"
-        self.facts.setdefault("declined", {})["triton"] = reason
-        warnings.warn(f"accelrun: a Triton region runs as ATen ops from now on ({reason})", RuntimeWarning,
-                      stacklevel=2)  # fmt: skip
-        self._failed = True
-        return tuple(self.fallback(*args))
 
 
 def _launch_hooks() -> tuple[Any, Any]:

@@ -45,15 +45,15 @@ class TritonExecutor(GeneratedCodeExecutor):
         module = load_module(source, cache_dir)
         if os.environ.get("TRITON_INTERPRET") == "1":
             return with_output_strides(TritonRegion(program, module), program)
-        # Triton compiles a kernel at its first call, inside the first training step, where an error
-        # would end the run. Compiled (and loaded) here instead, a kernel the real compiler rejects, or
-        # one needing more registers or shared memory than the device has, raises while the lowering
-        # can still give the region to the next executor. Whatever still fails at the first call runs
-        # the region's ATen ops instead (TritonRegion's fallback), with the reason in its facts.
+        # Triton compiles a kernel at its first call, inside the first training step. Compiled (and
+        # loaded) here instead, a kernel the real compiler rejects, or one needing more registers or
+        # shared memory than the device has, is a compile failure the lowering records and hands to the
+        # next executor, and the first step's time holds no Triton compiles. (What still fails at the
+        # first call, the lowering's FirstCallCheck catches.)
         from accelrun.compile.codegen.triton_aot import warm_up
 
         region.facts["triton_kernels"] = warm_up(program, module)
-        return with_output_strides(TritonRegion(program, module, fallback=region.gm, facts=region.facts), program)
+        return with_output_strides(TritonRegion(program, module), program)
 
     def generate(self, program) -> str:
         from accelrun.compile.codegen.triton import triton_source
