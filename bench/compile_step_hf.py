@@ -1,0 +1,121 @@
+"""transformers' own LlamaForCausalLM (random weights from a local config, nothing downloaded): one
+training step (forward, backward, AdamW) under eager, Inductor and accelrun, fp32 and bf16.
+
+The sibling of ``compile_step.py`` (the project's Llama) for model code nobody here wrote. Variants
+live in one process, their steps interleaved round-robin so machine noise hits them alike; figures
+are medians and ratios of medians (> 1: faster than the one compared with). bf16 = the model's
+weights and activations in bf16 (AdamW on bf16 parameters), which is how such models are usually
+fine-tuned on a CPU.
+
+    python bench/compile_step_hf.py
+    python bench/compile_step_hf.py --dtypes fp32 --rounds 20 --hidden 512 --layers 4 --seq 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from accelrun.compile.backend import AccelrunBackend  # noqa: E402
+from accelrun.compile.options import CompileOptions  # noqa: E402
+from accelrun.compile.passes.base import resolve_passes  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def build(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
+                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                      num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=args.seq,
+                      bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+class Variant:
+    def __init__(self, name: str, model: torch.nn.Module, args: argparse.Namespace, cache: Path) -> None:
+        self.name, self.model = name, copy.deepcopy(model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.record = None
+        if name == "inductor":
+            self.fn = torch.compile(self.model)
+        elif name == "accelrun":
+            backend = AccelrunBackend(CompileOptions(passes=resolve_passes(args.passes),
+                                                     executors=args.executors.split(","), cache_dir=cache))  # fmt: skip
+            self.record = backend.record
+            self.fn = torch.compile(self.model, backend=backend)
+        else:
+            self.fn = self.model
+        self.times: list[float] = []
+        self.first = 0.0
+
+    def step(self, ids: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        loss = self.fn(input_ids=ids, labels=ids).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace, dname: str) -> None:
+    dtype = DTYPES[dname]
+    model = build(args, dtype)
+    cache = Path(tempfile.mkdtemp(prefix="accelrun-bench-hf-"))
+    variants = [Variant(n, model, args, cache) for n in args.variants.split(",")]
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(4)]
+    for v in variants:  # first step: capture + compile + run
+        v.first = v.step(batches[0])
+    for _ in range(args.warmup):
+        for v in variants:
+            v.step(batches[1])
+    for r in range(args.rounds):
+        for v in variants:
+            v.times.append(v.step(batches[r % len(batches)]))
+    med = {v.name: statistics.median(v.times) for v in variants}
+    print(f"\ntransformers LlamaForCausalLM {dname}: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
+          f"seq {args.seq}, {args.rounds} interleaved rounds, {torch.get_num_threads()} threads")  # fmt: skip
+    print(f"{'variant':10s} {'first step':>11s} {'median step':>12s} {'vs eager':>9s} {'vs inductor':>12s}")
+    for v in variants:
+        vs_ind = f"{med['inductor'] / med[v.name]:.2f}x" if "inductor" in med else "-"
+        print(f"{v.name:10s} {v.first:10.2f}s {med[v.name] * 1000:10.1f}ms "
+              f"{med.get('eager', med[v.name]) / med[v.name]:8.2f}x {vs_ind:>12s}")  # fmt: skip
+    for v in variants:
+        if v.record is not None:
+            s = v.record.summary()
+            print(f"accelrun: {s['dynamo_graphs']} graph(s), regions {s['regions_per_executor']}, "
+                  f"{len(s['fallbacks'])} fallback(s), warnings {s['warnings']}")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--variants", default="eager,inductor,accelrun")
+    ap.add_argument("--executors", default="cpp,aten")
+    ap.add_argument("--passes", default="default")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=10)
+    args = ap.parse_args()
+    for dname in args.dtypes.split(","):
+        run(args, dname)
+
+
+if __name__ == "__main__":
+    main()
