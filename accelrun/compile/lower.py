@@ -218,6 +218,8 @@ def layout_problem(out: object, metas: list) -> str | None:
     for k, (t, m) in enumerate(zip(outs, metas, strict=True)):
         if not (hasattr(m, "shape") and hasattr(t, "shape")):
             continue
+        if not all(isinstance(n, int) for n in (*m.shape, *m.stride())):
+            continue  # symbolic sizes: comparing them here would guard on a finished trace
         if tuple(t.shape) != tuple(m.shape) or t.dtype != m.dtype:
             return f"output {k} is {t.dtype} {list(t.shape)}, the graph expects {m.dtype} {list(m.shape)}"
         if t.numel() > 1 and any(a != b for a, b, n in zip(t.stride(), m.stride(), m.shape, strict=True) if n > 1):
