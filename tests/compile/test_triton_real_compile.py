@@ -14,7 +14,8 @@ registers a thread or fewer, which ptxas enforces). Kernels:
 - an 8B-shaped Llama block and loss head (dim 4096, GQA 32/8, ffn 14336, vocab 128256, 2048 tokens),
   traced on the meta device, for sm_90 and sm_100.
 
-Run with ``-s`` to see the table. Compiles go through Triton's cache (~/.triton/cache), so a second run
+And one that must spill (a 32768-wide row held whole, as before rows were looped), so that the
+spill check is known to see spills. Run with ``-s`` to see the table. Compiles go through Triton's cache (~/.triton/cache), so a second run
 is faster than the first.
 """
 
@@ -250,3 +251,15 @@ def test_8b_shaped_block_compiles_for_sm90_and_sm100_without_spills():
     assert_compiled_without_spills(rows)
     assert any(r.looped and "x128256" in r.kernel for r in rows), "the loss head's rows are looped"
     assert {r.arch for r in rows} == {90, 100}
+
+
+def test_a_32k_row_held_whole_in_registers_spills(monkeypatch):
+    """What the looped reduction avoids, and proof that the spill check sees spills: with rows held
+    whole in one tile at any width (MAX_ROW lifted), a 32768-wide softmax spills on sm_90."""
+    monkeypatch.setattr(triton_codegen, "MAX_ROW", 1 << 20)
+    rows, declined = compile_regions("whole_row_32768", regions_of(exp_normalised, torch.randn(4, 32768,
+                                                                                               requires_grad=True)),
+                                     (90,))  # fmt: skip
+    report(rows, declined)
+    assert rows and not any(r.looped for r in rows)
+    assert all(r.error is None for r in rows) and any(r.spill_bytes for r in rows)
