@@ -14,7 +14,8 @@ from accelrun.cli.compare_cmd import print_wide
 from accelrun.report import fmt
 from accelrun.report.runs_index import list_run_rows
 
-STATUS_STYLE = {"finished": "green", "running": "cyan", "interrupted": "yellow", "diverged": "red"}
+STATUS_STYLE = {"finished": "green", "running": "cyan", "interrupted": "yellow", "diverged": "red", "crashed": "red",
+                "continued": "dim"}
 
 
 @click.group("runs")
@@ -37,7 +38,8 @@ def command() -> None:
 def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> None:
     """List runs under RUNS_DIR (default: ./runs, the default report.runs_dir), newest first.
 
-    Each row: status (finished, running, interrupted, diverged), steps, final loss, steady median
+    Each row: status (finished, running, interrupted (killed or stopped), crashed, continued (a later run
+    took over its checkpoint), diverged; "segment k" for the k-th run of one history), steps, final loss, steady median
     step time, tokens/s, MFU, peak memory, compile backend, precision and config hash. A run that
     has no report.json and no live process is "interrupted": `checkpoint.resume: auto` continues it.
 
@@ -63,7 +65,8 @@ def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> Non
         t.add_column(col, justify=justify, no_wrap=col == "run")
     for r in rows:
         style = STATUS_STYLE.get(r.status, "")
-        t.add_row(escape(r.run), r.started, f"[{style}]{escape(r.status)}[/]" if style else escape(r.status),
+        status = escape(r.status) + (f" (segment {r.segment})" if r.segment > 1 else "")
+        t.add_row(escape(r.run), r.started, f"[{style}]{status}[/]" if style else status,
                   str(r.steps), fmt.num(r.final_loss), fmt.secs(r.step_time_s), fmt.integer(r.tokens_per_s),
                   fmt.pct(r.mfu), fmt.nbytes(r.mem_peak_bytes), escape(r.compile), escape(r.precision),
                   escape(r.config_hash or "n/a"))

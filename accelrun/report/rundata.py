@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from accelrun.errors import UserError
+from accelrun.report.lineage import continued_by, crash_error
 from accelrun.report.metrics import read_metrics
 from accelrun.report.rundir import RUN_ID, is_running, list_runs
 from accelrun.report.summary import is_steady
@@ -50,10 +51,15 @@ class RunRecord:
 
     @property
     def status(self) -> str:
-        """finished | diverged | running | interrupted (no report.json and no live process)."""
+        """finished | diverged | running | continued (a later run took over its checkpoint) | crashed (its
+        process raised) | interrupted (killed or stopped: no report.json, no live process, no crash)."""
         if self.report is not None:
             return str(self.report.get("status") or "finished")
-        return "running" if self.running else "interrupted"
+        if self.running:
+            return "running"
+        if continued_by(self.path) is not None:
+            return "continued"
+        return "crashed" if crash_error(self.path) is not None else "interrupted"
 
     @property
     def warmup_steps(self) -> int:

@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from accelrun.report.lineage import history
 from accelrun.report.rundata import RunNotFound, load_run
 from accelrun.report.rundir import list_runs
 from accelrun.report.stats import median as steady_median
@@ -32,6 +33,7 @@ class RunRow:
     compile: str
     precision: str
     config_hash: str | None
+    segment: int = 1  # this run folder's place in its history (1: it continues no other run)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,6 +66,6 @@ def list_run_rows(runs_dir: str | Path, name: str | None = None, limit: int | No
             tokens_per_s=rep.get("tokens_per_s_job") or (tokens / median if tokens and median else None),
             mfu=rep.get("mfu"), mem_peak_bytes=rep.get("mem_peak_bytes"),
             compile=str(r.config_flat.get("compile.backend", "?")), precision=str(r.config_flat.get("train.precision", "?")),
-            config_hash=rep.get("config_hash"),
+            config_hash=rep.get("config_hash"), segment=len(history(path)),
         ))
     return rows

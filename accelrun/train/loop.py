@@ -22,6 +22,7 @@ from accelrun.report.metrics import MetricsWriter, StepMetrics
 from accelrun.report.profiler import profile_steps
 from accelrun.train.checkpoint import save_checkpoint
 from accelrun.train.grad_clip import clip_grad_norm
+from accelrun.train.lineage import prune_history_checkpoints
 from accelrun.train.precision import autocast
 from accelrun.train.progress import TrainProgress
 from accelrun.train.setup import TrainSetup
@@ -142,6 +143,8 @@ def run_loop(
                         s.checkpoint_dir, step, s.model, s.optimizer, s.train_state(), cfg.checkpoint.keep, s.ctx
                     )
                     outcome.checkpoints.append(last_ckpt)
+                    if s.ctx.is_main and s.resumed_from is not None:  # checkpoint.keep counts the whole history
+                        prune_history_checkpoints(s.checkpoint_dir.parent, cfg.checkpoint.keep)
                     outcome.checkpoint_time_s += time.perf_counter() - t_ck
                 if stopping and step < total:  # a signal during the last step changes nothing
                     outcome.status = stop.STATUS[outcome.signum] if preempted else "stopped"

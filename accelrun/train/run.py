@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import statistics
 import time
@@ -33,12 +34,14 @@ from accelrun.errors import TrainingDiverged, UserError
 from accelrun.report.env import collect_env
 from accelrun.report.files import write_json, write_text_atomic
 from accelrun.report.html import write_report_html
+from accelrun.report.lineage import history
 from accelrun.report.markdown import write_report_md
 from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, forget_steps_after, read_metrics
 from accelrun.report.rundir import create_run_dir, hold_run_lock, job_run_dir
 from accelrun.report.summary import compile_time_s, step_breakdown, summarize
 from accelrun.train.host_malloc import malloc_record, tune_malloc
+from accelrun.train.lineage import mark_crashed
 from accelrun.train.loop import LoopOutcome, run_loop
 from accelrun.train.progress import TrainProgress
 from accelrun.train.setup import TrainSetup, build_setup
@@ -79,6 +82,8 @@ def train(
     console = console or Console(stderr=True)
     if cfg.train.threads is not None:
         torch.set_num_threads(cfg.train.threads)  # before env.json records it and the peak probe runs
+    if (late := _oversubscribed(cfg)) is not None:
+        console.print(f"[bold yellow]warning:[/] {escape(late)}", highlight=False)
     check_devices(cfg)  # one GPU per process, before a run directory or a rank exists
     launch = launch or LaunchOptions()
     run_dir, node = _run_dir_for(cfg, launch)
@@ -90,12 +95,32 @@ def train(
         write_json(_env_of_ranks(cfg), run_dir / "env.json")
         console.print(f"[bold]accelrun[/] run [cyan]{escape(str(run_dir))}[/]  config {resolved.hash}")
         if cfg.parallel.world_size == 1:
-            return _warn_if_late(run_in_dir(resolved, run_dir, None, console, stop_after_step=stop_after_step),
-                                 console)
+            try:
+                result = run_in_dir(resolved, run_dir, None, console, stop_after_step=stop_after_step)
+            except Exception as e:  # a crash, told apart from a kill (no marker) in `runs list` and resume
+                if run_dir.is_dir() and not (run_dir / "report.json").exists():
+                    mark_crashed(run_dir, e)
+                raise
+            return _warn_if_late(result, console)
         console.print(f"launching {cfg.parallel.nproc_per_node} process(es) per node on {cfg.parallel.nnodes} "
                       "node(s) through torchrun's elastic agent", markup=False)
         outcome = launch_job(run_dir, cfg.parallel, launch)
     return _warn_if_late(_launched_result(run_dir, outcome, console), console)
+
+
+def _oversubscribed(cfg) -> str | None:
+    """More compute threads than this node has cores (CPU ranks): they would time-slice, and every
+    step time (and so tokens/s and MFU) would measure the contention, not the recipe."""
+    if rank_uses_cuda(cfg) or cfg.train.threads is None and cfg.parallel.nproc_per_node == 1:
+        return None
+    cores = os.cpu_count() or 1
+    ranks = cfg.parallel.nproc_per_node
+    per_rank = cfg.train.threads or cpu_rank_threads(ranks)
+    if ranks * per_rank <= cores:
+        return None
+    return (f"{ranks} process(es) × {per_rank} thread(s) (train.threads = {cfg.train.threads}) on {cores} cores: "
+            "they will share cores, so step times measure the contention; lower train.threads or "
+            "parallel.nproc_per_node")
 
 
 def _warn_if_late(result: TrainResult, console: Console) -> TrainResult:
@@ -130,11 +155,15 @@ def _launched_result(run_dir: Path, outcome: JobOutcome, console: Console) -> Tr
         _print_summary(console, report, run_dir)
         return TrainResult(run_dir, report["status"], report)
     if code in (2, 3):  # the CLI prints what no rank printed and exits with the same code
+        if (run_dir / "metrics.jsonl").exists() and not report_path.exists():
+            mark_crashed(run_dir, "; ".join(outcome.unprinted) or f"a rank stopped on a user error (exit {code})")
         raise JobFailed(code, outcome.unprinted)
     if outcome.failure:
         console.print("[bold red]error:[/] " + escape(outcome.failure[0]), highlight=False)
         for line in outcome.failure[1:]:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if code != 0 and not report_path.exists():
+        mark_crashed(run_dir, outcome.failure[0] if outcome.failure else f"the job exited with code {code}")
     return TrainResult(run_dir, "preempted" if code == 0 else "failed", None)
 
 
@@ -265,6 +294,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         mem_peak_bytes_per_rank=[r["mem_peak_bytes"] for r in per_rank],
         step_time_s_per_rank=[r["step_time_s"] for r in per_rank],
         compiler=_compiler_summary(s),
+        history=[str(p) for p in history(run_dir)],  # the run folders of this run, restarts included
     )
     summary = {
         "name": cfg.name,
@@ -278,6 +308,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         "parallel degrees": " × ".join(f"{k} {v}" for k, v in cfg.parallel.degrees().items()),
         "global batch × seq_len": f"{cfg.train.global_batch} × {cfg.train.seq_len}",
         "resumed from": report["resumed_from"],
+        "history": " → ".join(Path(p).name for p in report["history"]) if len(report["history"]) > 1 else None,
     }
     write_report_md(report, summary, run_dir / "report.md", env=env)
     write_report_html(report, summary, run_dir, env=env)

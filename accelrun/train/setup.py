@@ -29,6 +29,7 @@ from accelrun.report.peak import Peak, resolve_peak
 from accelrun.train.activation_checkpoint import apply_activation_checkpointing
 from accelrun.train.checkpoint import complete_checkpoints, load_checkpoint, remove_partial
 from accelrun.train.compile_model import Compiled, compile_model
+from accelrun.train.lineage import RunAlreadyContinued, claim_continuation
 from accelrun.train.optim import build_optimizer, build_scheduler
 from accelrun.train.resume import ResumeDecision, decide_resume
 
@@ -139,6 +140,20 @@ def _decide(resume: str, run_dir: Path, training_hash: str, restart_count: int) 
     return decide_resume(resume, run_dir.parent, run_dir, training_hash)
 
 
+def _decide_and_claim(resume: str, run_dir: Path, training_hash: str,
+                      restart_count: int) -> ResumeDecision | RunAlreadyContinued:
+    """The checkpoint to resume from; continuing another run folder's claims it (lineage.py), so two
+    identical commands started together cannot both continue it."""
+    decision = _decide(resume, run_dir, training_hash, restart_count)
+    ckpt = decision.checkpoint
+    if ckpt is not None and resume == "auto" and ckpt.run_dir != run_dir:
+        try:
+            claim_continuation(ckpt.run_dir, run_dir, ckpt.step)
+        except RunAlreadyContinued as e:
+            return e
+    return decision
+
+
 def _first_line(e: BaseException) -> str:
     # DCP wraps each rank's error; show the first underlying one.
     failures = getattr(e, "failures", None)
@@ -188,9 +203,12 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
 
     checkpoint_dir = run_dir / "checkpoints"
     # One rank decides (it reads the file system), every rank follows: they must load the same one.
-    decision: ResumeDecision = ctx.broadcast_object(
-        _decide(cfg.checkpoint.resume, run_dir, resolved.training_hash, ctx.restart_count) if ctx.is_main else None
+    decision: ResumeDecision | RunAlreadyContinued = ctx.broadcast_object(
+        _decide_and_claim(cfg.checkpoint.resume, run_dir, resolved.training_hash, ctx.restart_count)
+        if ctx.is_main else None
     )
+    if isinstance(decision, RunAlreadyContinued):  # every rank stops with the same message
+        raise decision
     start_step, resumed_from, reason = 0, None, decision.reason
     if decision.checkpoint is not None:
         ckpt = decision.checkpoint

@@ -1,0 +1,82 @@
+"""One run's identity across restarts.
+
+Every start makes a new run folder; a start that continues an earlier run's checkpoint
+(``checkpoint.resume: auto``) links the two, so that a run interrupted twice is one history of three
+segments, not three runs:
+
+    runs/<name>/<id-1>/continued-by.json   who continued this folder: run folder, PID, host, step
+    runs/<name>/<id-2>/lineage.json        {"continues": <id-1 folder>, "from_step", "root", "segment"}
+
+``continued-by.json`` is created exclusively: of two identical commands started together, one
+continues the run and the other is refused with the first one's PID (exit 2), instead of both
+training from the same checkpoint. Checkpoint retention (``checkpoint.keep``) counts the whole
+history, and the reports and ``runs list`` show it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from accelrun.errors import UserError
+from accelrun.report.files import write_text_atomic
+from accelrun.report.lineage import CLAIM, CRASHED, LINEAGE, history, read_json
+from accelrun.report.rundir import is_running
+
+
+class RunAlreadyContinued(UserError):
+    pass
+
+
+def claim_continuation(previous: Path, run_dir: Path, step: int) -> None:
+    """Record that ``run_dir`` continues ``previous`` from ``step``; refuse if a live run already does."""
+    record = {"run": str(run_dir), "pid": os.getpid(), "host": socket.gethostname(), "from_step": step}
+    claim = previous / CLAIM
+    try:
+        fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        other = read_json(claim)
+        other_run = Path(other.get("run", ""))
+        if other_run != run_dir and other_run.is_dir() and is_running(other_run):
+            raise RunAlreadyContinued(
+                f"{previous} is already being continued by PID {other.get('pid')} on {other.get('host')} "
+                f"(run {other_run}); wait for it to end, or start fresh with checkpoint.resume=none"
+            ) from None
+        # That continuation ended without a checkpoint of its own (auto-resume would have taken it): take over.
+        write_text_atomic(json.dumps(record, indent=1), claim)
+    else:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+    before = read_json(previous / LINEAGE)
+    write_text_atomic(json.dumps({
+        "continues": str(previous), "from_step": step,
+        "root": before.get("root", str(previous)), "segment": int(before.get("segment", 1)) + 1,
+    }, indent=1), run_dir / LINEAGE)
+
+
+def mark_crashed(run_dir: Path, error: BaseException | str) -> None:
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    try:
+        write_text_atomic(json.dumps({"error": str(text).strip()[:2000]}, indent=1), run_dir / CRASHED)
+    except OSError:
+        pass  # the folder itself may be what failed; the error is reported to the user regardless
+
+
+def prune_history_checkpoints(run_dir: Path, keep: int) -> list[Path]:
+    """Delete the history's complete checkpoints in earlier segments beyond the newest ``keep`` of the
+    whole history (the current folder prunes its own as it saves). Returns what was deleted."""
+    from accelrun.train.checkpoint import complete_checkpoints  # torch: only when a run saves
+
+    earlier = history(run_dir)[:-1]
+    if not earlier:
+        return []
+    everything = [c for d in history(run_dir) for c in complete_checkpoints(d / "checkpoints")]
+    newest = sorted(everything, key=lambda c: (c.step, c.created))[-keep:]
+    keep_paths = {c.path for c in newest}
+    gone = [c.path for d in earlier for c in complete_checkpoints(d / "checkpoints") if c.path not in keep_paths]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone

@@ -1,0 +1,83 @@
+"""One run identity across restarts: lineage, a second process refused, retention over the history,
+crash versus kill in `runs list`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from accelrun.config import load_config
+from accelrun.report.lineage import history
+from accelrun.report.rundata import load_run
+from accelrun.report.rundir import create_run_dir, hold_run_lock
+from accelrun.report.runs_index import list_run_rows
+from accelrun.train.checkpoint import complete_checkpoints
+from accelrun.train.lineage import RunAlreadyContinued, claim_continuation
+from accelrun.train.run import train
+from tests.conftest import DEFAULT_CONFIG
+
+
+def run(overrides, **kw):
+    return train(load_config(DEFAULT_CONFIG, overrides), command="test", **kw)
+
+
+def test_a_run_stopped_twice_is_one_history_of_three_segments(tiny, tmp_path):
+    recipe = tiny(12, "checkpoint.every=2", "checkpoint.keep=2", "name=hist")
+    first = run(recipe, stop_after_step=5).run_dir
+    second = run(recipe, stop_after_step=9).run_dir
+    third = run(recipe)
+    assert third.status == "finished"
+    assert history(third.run_dir) == [first, second, third.run_dir]
+    lineage = json.loads((third.run_dir / "lineage.json").read_text())
+    assert lineage["segment"] == 3 and lineage["root"] == str(first) and lineage["from_step"] == 8
+    claim = json.loads((first / "continued-by.json").read_text())
+    assert claim["run"] == str(second) and claim["pid"] == os.getpid() and claim["from_step"] == 4
+    assert third.report["history"] == [str(first), str(second), str(third.run_dir)]
+    assert "hist" in (third.run_dir / "report.md").read_text() and " → " in (third.run_dir / "report.md").read_text()
+    # checkpoint.keep = 2 counts the whole history: only the two newest remain, in the last folder.
+    kept = [c.step for d in (first, second, third.run_dir) for c in complete_checkpoints(d / "checkpoints")]
+    assert kept == [10, 12]
+    rows = {r.path: r for r in list_run_rows(tmp_path / "runs", "hist")}
+    assert [rows[str(d)].status for d in (first, second, third.run_dir)] == ["continued", "continued", "finished"]
+    assert rows[str(third.run_dir)].segment == 3
+
+
+def test_a_second_process_cannot_continue_a_run_a_live_one_continues(tiny, tmp_path):
+    recipe = tiny(8, "checkpoint.every=2", "name=twice")
+    cut = run(recipe, stop_after_step=3).run_dir
+    # Another process (here: a lock held by this one) has claimed the run and is training.
+    other = create_run_dir(tmp_path / "runs", "twice")
+    with hold_run_lock(other):
+        claim_continuation(cut, other, 2)
+        with pytest.raises(RunAlreadyContinued) as e:
+            run(recipe)
+        assert e.value.exit_code == 2 and f"PID {os.getpid()}" in str(e.value) and str(other) in str(e.value)
+    # Once that process is gone without a checkpoint of its own, the run can be continued again.
+    resumed = run(recipe)
+    assert resumed.report["resumed_from"].endswith("step-000002")
+    assert json.loads((cut / "continued-by.json").read_text())["run"] == str(resumed.run_dir)
+
+
+def test_a_crash_is_told_apart_from_a_kill(tiny, tmp_path, monkeypatch):
+    import accelrun.train.loop as loop
+
+    killed = run(tiny(6, "checkpoint.every=2", "name=killed"), stop_after_step=3).run_dir
+
+    class Boom(RuntimeError):
+        pass
+
+    real = loop.save_checkpoint
+
+    def save_then_fail(*args, **kwargs):
+        real(*args, **kwargs)
+        raise Boom("disk on fire")
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_then_fail)
+    with pytest.raises(Boom):
+        run(tiny(6, "checkpoint.every=2", "name=crashed"))
+    monkeypatch.undo()
+    crashed = load_run(next((tmp_path / "runs" / "crashed").iterdir()))
+    assert crashed.status == "crashed" and load_run(killed).status == "interrupted"
+    assert "disk on fire" in json.loads((crashed.path / "crashed.json").read_text())["error"]
