@@ -168,6 +168,10 @@ def test_a_frame_dynamo_skips_is_reported_not_counted_as_compiled(tmp_path):
     assert summary["dynamo"]["frames_skipped"] and "_skipped_everywhere" in summary["dynamo"]["frames_skipped"][0]
     assert any(w.startswith("nothing was compiled") for w in summary["warnings"])
     assert any("Dynamo skipped a frame" in line for line in coverage_lines(backend.record))
+    from accelrun.report.markdown import _compiler_section
+
+    report = "\n".join(_compiler_section(summary))
+    assert "**warning**: nothing was compiled" in report and "| 1 / 0 / 1 |" in report
 
 
 def test_a_routed_layer_loop_reports_the_skipped_frame_and_the_layers_compiled(tmp_path):
