@@ -194,6 +194,7 @@ def test_online_sum_of_exponentials_with_infinities(interpret, tmp_path, monkeyp
     # The forward's inputs: x, and logsumexp's 0 (what replaces an infinite max), a lifted constant.
     inputs = [x.detach() if tuple(m.shape) == tuple(x.shape) else torch.zeros((), dtype=m.dtype)
               for m in region.input_meta]  # fmt: skip
+    inputs = [t.to(DEVICE) for t in inputs]
     got, want = run(*inputs), region.gm(*inputs)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
