@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from accelrun.config.compile_names import BUILTIN_EXECUTORS, PassConfigError, parse_passes
 from accelrun.config.compose import DEFAULT, Source
 from accelrun.config.errors import ConfigError, nearest
 from accelrun.config.schema import PP_STAGES_PER_RANK, RunConfig
@@ -262,17 +263,14 @@ def _compile_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[st
     c = cfg.compile
     if c.backend != "accelrun":
         return []
-    # The registries live with the compiler; importing them here (lazily) keeps one list of names.
-    from accelrun.compile.executors.base import registered_executors
-    from accelrun.compile.passes.base import PassConfigError, resolve_passes
-
+    # The names and option schemas are config's (compile_names, torch-free); the compiler reads them.
     out: list[str] = []
     try:
-        resolve_passes(c.passes)
+        parse_passes(c.passes)
     except PassConfigError as e:
         path = ("compile", "passes") if e.index is None or isinstance(c.passes, str) else ("compile", "passes", e.index)
         out.append(f"{'.'.join(map(str, path))} ({source_of(path, sources, exact=False)}): {e}")
-    known = registered_executors()
+    known = BUILTIN_EXECUTORS
     for i, name in enumerate(c.executors):
         if name not in known:
             close = nearest(name, list(known))

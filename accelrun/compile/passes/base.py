@@ -17,22 +17,22 @@ Recipes name passes (``compile.passes``) by their registered name; a preset name
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
 
-Stage = Literal["pre_grad", "partition", "post_grad"]
-STAGES: tuple[Stage, ...] = ("pre_grad", "partition", "post_grad")
-
-
-class PassOptions(BaseModel):
-    """Base of every pass's options: unknown keys are errors, like everywhere in a recipe."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+# Names, stages, option schemas and presets live in config (torch-free, read by `accelrun validate`).
+from accelrun.config.compile_names import (  # noqa: F401  (re-exported)
+    BUILTIN_PASSES,
+    PRESETS,
+    STAGES,
+    PassConfigError,
+    PassOptions,
+    Stage,
+    parse_passes,
+)
 
 
 @dataclass
@@ -74,6 +74,10 @@ def register_pass(name: str, stage: Stage, options: type[PassOptions] = PassOpti
     """Decorator: ``@register_pass("dce", "post_grad")`` on a pass function."""
     if stage not in STAGES:
         raise ValueError(f"pass {name!r}: stage must be one of {STAGES}, got {stage!r}")
+    if name in BUILTIN_PASSES and BUILTIN_PASSES[name] != (stage, options):
+        declared = BUILTIN_PASSES[name]
+        raise ValueError(f"pass {name!r} is declared in accelrun.config.compile_names as {declared[0]} with "
+                         f"{declared[1].__name__}; registered as {stage} with {options.__name__}")
 
     def wrap(fn: PassFn) -> PassFn:
         if name in _REGISTRY and _REGISTRY[name].fn is not fn:
@@ -95,25 +99,6 @@ def registered_passes() -> dict[str, PassSpec]:
     return dict(_REGISTRY)
 
 
-# Presets name ordered lists. Order matters within a stage only; stages always run in STAGES order.
-PRESETS: dict[str, list[str]] = {
-    "none": [],
-    "default": [
-        "fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "merge_parallel_linears", "dce", "cse", "partition_regions",
-    ],
-    "max": [
-        "fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "merge_parallel_linears", "remat", "dce", "cse", "bucket_collectives", "schedule_overlap", "partition_regions",
-    ],
-    # default + the communication passes (for compiled FSDP / TP graphs; a no-op without collectives).
-    "overlap": [
-        "fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "merge_parallel_linears", "dce", "cse", "bucket_collectives", "schedule_overlap", "partition_regions",
-    ],
-}  # fmt: skip
-
-
 @dataclass(frozen=True)
 class ConfiguredPass:
     spec: PassSpec
@@ -124,80 +109,11 @@ class ConfiguredPass:
         return self.spec.name
 
 
-class PassConfigError(ValueError):
-    """A recipe's ``compile.passes`` names an unknown pass or gives it bad options.
-
-    ``index`` is the list position (None for a preset name) so the caller can point at the line.
-    """
-
-    def __init__(self, message: str, index: int | None = None, key: str | None = None) -> None:
-        super().__init__(message)
-        self.index = index
-        self.key = key
-
-
-def _nearest(name: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(name, choices, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def resolve_passes(spec: str | list[Any]) -> list[ConfiguredPass]:
     """A preset name, or a list of names / ``{name: options}`` / ``{name: ..., opt: ...}`` items."""
     registry = registered_passes()
-    if isinstance(spec, str):
-        if spec not in PRESETS:
-            raise PassConfigError(
-                f"unknown pass preset {spec!r}{_nearest(spec, list(PRESETS))}; presets: {', '.join(PRESETS)}"
-            )
-        items: list[Any] = list(PRESETS[spec])
-    else:
-        items = list(spec)
-    out: list[ConfiguredPass] = []
-    seen: set[str] = set()
-    for i, item in enumerate(items):
-        name, raw = _split_item(item, i)
-        if name in PRESETS and name not in registry:
-            raise PassConfigError(f"preset {name!r} cannot appear inside a list of passes", i)
-        if name not in registry:
-            raise PassConfigError(
-                f"unknown pass {name!r}{_nearest(name, sorted(registry))}; passes: {', '.join(sorted(registry))}",
-                i,
-            )
-        if name in seen:
-            raise PassConfigError(f"pass {name!r} is listed twice", i)
-        seen.add(name)
-        pspec = registry[name]
-        try:
-            options = pspec.options(**raw)
-        except ValidationError as e:
-            err = e.errors()[0]
-            key = ".".join(str(p) for p in err["loc"])
-            fields = sorted(pspec.options.model_fields)
-            hint = _nearest(key, fields) if err["type"] == "extra_forbidden" else ""
-            allowed = f"; options of {name}: {', '.join(fields) or '(none)'}"
-            raise PassConfigError(f"pass {name!r}, option {key!r}: {err['msg']}{hint}{allowed}", i, key) from None
-        out.append(ConfiguredPass(pspec, options))
-    return out
-
-
-def _split_item(item: Any, index: int) -> tuple[str, dict[str, Any]]:
-    if isinstance(item, str):
-        return item, {}
-    if isinstance(item, dict):
-        if "name" in item:
-            rest = {k: v for k, v in item.items() if k != "name"}
-            return str(item["name"]), rest
-        if len(item) == 1:
-            (name, opts), = item.items()
-            if opts is None:
-                return str(name), {}
-            if isinstance(opts, dict):
-                return str(name), dict(opts)
-    raise PassConfigError(
-        "each pass is a name (`- dce`), `{name: remat, budget_mb: 64}`, or `{remat: {budget_mb: 64}}`; "
-        f"got {item!r}",
-        index,
-    )
+    parsed = parse_passes(spec, {name: pspec.options for name, pspec in registry.items()})
+    return [ConfiguredPass(registry[name], options) for name, options in parsed]
 
 
 def passes_for_stage(passes: list[ConfiguredPass], stage: Stage) -> list[ConfiguredPass]:

@@ -25,16 +25,13 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
-from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.schedule import WAIT, held_bytes, is_collective, kind, nbytes, stable_toposort, wait_of
+from accelrun.config.compile_names import BucketOptions
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 BUCKETABLE = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
-
-
-class BucketOptions(PassOptions):
-    bucket_mb: float = 25.0  # bytes of inputs per bucket, at most (a larger collective stays alone)
 
 
 def _key(c: fx.Node) -> tuple | None:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.pattern import (
     Match,
     Maybe,
@@ -33,12 +33,7 @@ from accelrun.compile.pattern import (
     rewrite_all,
     static_shape,
 )
-
-
-class FuseAttentionOptions(PassOptions):
-    # Evaluate constant masks at compile time to recognise the causal one (then no mask tensor is kept).
-    detect_causal: bool = True
-
+from accelrun.config.compile_names import FuseAttentionOptions
 
 _Q, _K, _V = Tensor("q"), Tensor("k"), Tensor("v")
 _K_T = OneOf(Op("transpose", _K, Var("t_dim0"), Var("t_dim1")), Op("attr.mT", _K))

@@ -14,11 +14,10 @@ import math
 from typing import Any
 
 import torch
-from pydantic import PositiveFloat, PositiveInt
 from torch import fx
 
 from accelrun.compile.fused.linear_cross_entropy import linear_cross_entropy
-from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.pattern import (
     Chain,
     Match,
@@ -35,13 +34,7 @@ from accelrun.compile.pattern import (
     same_shape,
     same_size,
 )
-
-
-class FuseLinearCrossEntropyOptions(PassOptions):
-    # Rows per chunk; when unset, as many rows as keep one chunk's fp32 logits under chunk_mb.
-    chunk_rows: PositiveInt | None = None
-    chunk_mb: PositiveFloat = 256.0
-
+from accelrun.config.compile_names import FuseLinearCrossEntropyOptions
 
 _H, _W = Tensor("h"), Tensor("w")
 _W_T = OneOf(Op("t", _W), Op("attr.T", _W), Op("transpose", _W, Var("t_dim0"), Var("t_dim1")))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import fx
 
 from accelrun.compile.fused.rmsnorm import rms_norm
-from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.pattern import (
     Lit,
     Match,
@@ -28,10 +28,7 @@ from accelrun.compile.pattern import (
     rewrite_all,
     same_shape,
 )
-
-
-class FuseRMSNormOptions(PassOptions):
-    pass
+from accelrun.config.compile_names import FuseRMSNormOptions
 
 
 def _pattern(upcast: bool):

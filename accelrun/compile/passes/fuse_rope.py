@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import fx
 
 from accelrun.compile.fused.rope import rope
-from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.pattern import (
     Lit,
     Match,
@@ -26,10 +26,7 @@ from accelrun.compile.pattern import (
     replace_with_call,
     rewrite_all,
 )
-
-
-class FuseRopeOptions(PassOptions):
-    pass
+from accelrun.config.compile_names import FuseRopeOptions
 
 
 def _pattern(upcast: bool):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import fx
 
 from accelrun.compile.fused.swiglu import swiglu
-from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.pattern import (
     Match,
     OneOf,
@@ -20,11 +20,7 @@ from accelrun.compile.pattern import (
     replace_with_call,
     rewrite_all,
 )
-
-
-class FuseSwiGLUOptions(PassOptions):
-    pass
-
+from accelrun.config.compile_names import FuseSwiGLUOptions
 
 _A = Tensor("a")
 PATTERN = Op("mul", OneOf(Op("silu", _A), Op("mul", _A, Op("sigmoid", _A))), Tensor("b"))

@@ -25,14 +25,11 @@ import torch.nn.functional as F
 from torch import fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.pattern import example_value
+from accelrun.config.compile_names import MergeParallelLinearsOptions
 
 LINEARS = (torch._C._nn.linear, F.linear)
-
-
-class MergeParallelLinearsOptions(PassOptions):
-    pass
 
 
 def _weight(node: fx.Node, index: dict[fx.Node, int]) -> torch.Tensor | None:

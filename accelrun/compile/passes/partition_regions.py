@@ -42,22 +42,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pydantic import Field
 from torch import fx
 
 from accelrun.compile.codegen.values import MAX_UNROLLED_REDUCTION, is_short_middle_reduction
 from accelrun.compile.op_kinds import node_kind
-from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.passes.dce import op_is_pure
 from accelrun.compile.regions import REGION_KEY
+from accelrun.config.compile_names import PartitionRegionsOptions
 
 # Key in ctx.notes: the next free region id, so forward and backward regions get distinct ids.
 NEXT_REGION_ID = "next_region_id"
-
-
-class PartitionRegionsOptions(PassOptions):
-    max_nodes: int = Field(64, ge=1, description="most nodes (views included) in one region")
-    min_ops: int = Field(2, ge=1, description="regions with fewer pointwise/reduction ops stay unmarked")
 
 
 @dataclass(frozen=True)

@@ -25,28 +25,18 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field
 from torch import fx
 
 from accelrun.compile.op_kinds import node_kind
-from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.passes.dce import eliminate_dead_code, op_is_pure
+from accelrun.config.compile_names import RematOptions
 
 RECOMPUTED_KEY = "accelrun_recomputed"  # meta on backward nodes copied from the forward
 _MiB = 2**20
-
-
-class RematOptions(PassOptions):
-    budget_mb: float | None = Field(
-        None, ge=0, description="saved-activation budget in MiB; None: recompute every cheap candidate"
-    )
-    recompute: list[Literal["pointwise", "view", "reduction"]] = Field(
-        default_factory=lambda: ["pointwise", "view"], description="op kinds cheap enough to recompute"
-    )
-    max_chain: int = Field(16, ge=1, description="most nodes recomputed for one saved value")
 
 
 class LayoutError(ValueError):

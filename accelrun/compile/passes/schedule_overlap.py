@@ -19,7 +19,7 @@ from collections import deque
 
 from torch import fx
 
-from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.schedule import (
     held_bytes,
     inflight_peak,
@@ -30,10 +30,7 @@ from accelrun.compile.schedule import (
     spans,
     timeline,
 )
-
-
-class ScheduleOptions(PassOptions):
-    max_inflight_mb: float = 256.0  # input + output bytes of collectives issued and not yet waited
+from accelrun.config.compile_names import ScheduleOptions
 
 
 def _prep_nodes(gm: fx.GraphModule, colls: set[fx.Node]) -> set[fx.Node]:
