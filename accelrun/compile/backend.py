@@ -227,3 +227,31 @@ class AccelrunBackend:
 def accelrun_backend(options: CompileOptions | None = None) -> AccelrunBackend:
     return AccelrunBackend(options)
 
+
+
+def dynamo_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Any:
+    """The backend by name, for any script: ``torch.compile(model, backend="accelrun")``, found through
+    the ``torch_dynamo_backends`` entry point. ``options`` (torch.compile's) may set ``passes`` (a
+    preset or a list), ``executors``, ``strict``, ``cache_dir``, ``dump_dir``::
+
+        torch.compile(model, backend="accelrun", options={"passes": "max", "executors": ["cpp", "aten"]})
+    """
+    from pathlib import Path
+
+    from accelrun.compile.passes.base import resolve_passes
+
+    opts = dict(options or {})
+    known = {"passes", "executors", "strict", "cache_dir", "dump_dir", "debug_numerics"}
+    unknown = sorted(set(opts) - known)
+    if unknown:
+        raise ValueError(f"accelrun backend: unknown option(s) {unknown}; known: {', '.join(sorted(known))}")
+    kwargs: dict[str, Any] = {}
+    if "passes" in opts:
+        kwargs["passes"] = resolve_passes(opts["passes"])
+    for key in ("executors", "strict", "debug_numerics"):
+        if key in opts:
+            kwargs[key] = list(opts[key]) if key == "executors" else bool(opts[key])
+    for key in ("cache_dir", "dump_dir"):
+        if opts.get(key) is not None:
+            kwargs[key] = Path(opts[key])
+    return AccelrunBackend(CompileOptions(**kwargs))(gm, example_inputs)

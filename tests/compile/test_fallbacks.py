@@ -261,3 +261,19 @@ def test_scope_block_compiles_a_custom_models_repeated_blocks_not_its_router(tmp
     assert summary["dynamo_graphs"] >= 1 and not summary["dynamo"]["frames_skipped"]
     assert not any(w.startswith("nothing was compiled") for w in summary["warnings"])
     assert compiled.record.regions_per_executor().get("cpp", 0) > 0
+
+
+def test_the_backend_by_name_with_torch_compile_options(tmp_path):
+    """What the ``torch_dynamo_backends`` entry point ("accelrun") registers; here under a test name."""
+    from accelrun.compile.backend import dynamo_backend
+
+    name = "accelrun_by_name_test"
+    if name not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(compiler_fn=dynamo_backend, name=name)
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    opts = {"passes": "default", "executors": ["cpp", "aten"], "strict": True, "cache_dir": str(tmp_path)}
+    torch.testing.assert_close(torch.compile(_model_fn, backend=name, options=opts)(x, w), _model_fn(x, w),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown option"):
+        torch.compile(_model_fn, backend=name, options={"pases": "max"})(x, w)
