@@ -6,7 +6,8 @@ rank's whole setup, no floating-point tensor larger than the largest parameter s
 is ever created (the old way allocated the whole model on every rank, then cut it), and the bytes of
 all tensors created stay within a small multiple of the rank's own parameter bytes (the shards, plus
 the draws they are initialised from, one band of rows at a time; the old pipeline setup also copied
-the whole model per stage). That the values are those of one process is what the layout tests
+the whole model per stage). The dry run (``accelrun.dist.dry_run``) must count what these ranks held. That the values are those
+of one process is what the layout tests
 (test_dist_layouts, test_compiled_fsdp) check: their losses equal the one-process run's.
 
 The model's vocabulary is wide enough that its embedding shard is much larger than one draw
@@ -20,8 +21,11 @@ import math
 import pytest
 import torch
 
+from accelrun.config import load_config
+from accelrun.dist.dry_run import dry_run
 from accelrun.models.shard_init import TILE_ELEMENTS
-from tests.dist.jobs import FSDP2
+from tests.conftest import DEFAULT_CONFIG
+from tests.dist.jobs import FSDP2, tiny_overrides
 from tests.dist.rank_harness import run_ranks
 
 MODEL = ["model.vocab_size=4096", "model.max_seq_len=32", "checkpoint.enabled=false"]
@@ -51,12 +55,16 @@ def test_a_rank_materialises_only_its_shard(layout, tmp_path):
         if layout != "pp2":  # a sharded layout holds about half the model
             whole = sum(math.prod(s) for s in _whole_model_shapes())
             assert sum(n for n, _, _ in local.values()) < 0.6 * whole, (rank, local)
+    # The dry run (a fake process group in this process) counts what these ranks held.
+    resolved = load_config(DEFAULT_CONFIG, tiny_overrides(tmp_path, 1, "parallel.nproc_per_node=2", *MODEL,
+                                                          *LAYOUTS[layout]))
+    dry = dry_run(resolved)
+    assert [d.params for d in dry] == [sum(n for n, _, _ in r["local_params"].values()) for r in ranks]
 
 
 def _whole_model_shapes() -> list[tuple[int, ...]]:
-    from accelrun.config import load_config
     from accelrun.models import build_model
-    from tests.conftest import DEFAULT_CONFIG, TINY
+    from tests.conftest import TINY
 
     cfg = load_config(DEFAULT_CONFIG, [*TINY, *MODEL]).config
     return [tuple(p.shape) for p in build_model(cfg.model, "meta").parameters()]

@@ -1,0 +1,176 @@
+"""A job's layout built for its ranks here, without their devices: what each rank would hold.
+
+For each rank, one after the other in this process: a fake process group of the job's world size
+(torch's ``fake`` backend: collectives return at once, no peers), the job's device mesh, the model built
+on the meta device, and the layout the trainer applies (``accelrun.train.setup``: pipeline stages,
+tensor and sequence parallelism, activation checkpointing, compile wrappers, FSDP/HSDP or compiled
+FSDP). Nothing is materialised: each rank's parameter shards are meta tensors whose shapes give its
+bytes. Parameters are fp32 (the trainer's master weights), as are their gradients and AdamW's two
+moments.
+
+Ranks that differ only in their data-parallel coordinates hold shards of the same sizes except where
+a parameter's rows do not divide evenly, which shows in the first and the last data-parallel rank: by
+default those are built for every (pipeline, tensor-parallel) coordinate, and ``ranks=`` asks for
+others (or all).
+
+>>> from accelrun.config import load_config                          # doctest: +SKIP
+>>> dry_run(load_config("configs/llama.yaml", ["parallel.nproc_per_node=2", "parallel.dp_shard=2"]))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from accelrun.config import ResolvedConfig
+from accelrun.dist.context import ParallelContext
+from accelrun.dist.mesh import MESH_DIMS, build_mesh, dp_coordinates
+
+FP32 = 4
+ADAMW_STATES = 2  # exp_avg, exp_avg_sq, fp32 like the parameter
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    rank: int
+    coords: dict[str, int]  # this rank's place on each mesh dimension
+    params: int  # parameter elements this rank holds (its shards, its stages)
+    stages: list[int] = field(default_factory=list)  # pipeline stages (empty without pipelining)
+
+    @property
+    def param_bytes(self) -> int:
+        return FP32 * self.params
+
+    @property
+    def grad_bytes(self) -> int:
+        return FP32 * self.params
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return ADAMW_STATES * FP32 * self.params
+
+
+def representative_ranks(degrees: dict[str, int]) -> list[int]:
+    """The first and last data-parallel rank of every (pipeline, tensor-parallel) coordinate."""
+    shape = [degrees[d] for d in MESH_DIMS]
+    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    ranks = set()
+    for pp in range(shape[0]):
+        for tp in range(shape[3]):
+            for d in {0, dp - 1}:
+                rep, shard = divmod(d, degrees["dp_shard"])
+                ranks.add(((pp * shape[1] + rep) * shape[2] + shard) * shape[3] + tp)
+    return sorted(ranks)
+
+
+def dry_run(resolved: ResolvedConfig, ranks: Iterable[int] | None = None) -> list[RankBytes]:
+    """Build the recipe's layout for ``ranks`` (default: ``representative_ranks``) and count what each holds.
+
+    Only the built-in Llama (a user's model is built whole by its factory, on a device)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    cfg = resolved.config
+    if cfg.model.custom is not None:
+        raise ValueError("a dry run builds the built-in Llama only (model.custom is set)")
+    if dist.is_initialized():
+        raise RuntimeError("a dry run needs this process without a process group of its own")
+    world = cfg.parallel.world_size
+    out = []
+    for rank in ranks if ranks is not None else representative_ranks(cfg.parallel.degrees()):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            out.append(_one_rank(resolved, rank, world))
+        finally:
+            dist.destroy_process_group()
+    return out
+
+
+def _one_rank(resolved: ResolvedConfig, rank: int, world: int) -> RankBytes:
+    import tempfile
+    from pathlib import Path
+
+    from accelrun.dist.pipeline import Pipeline
+    from accelrun.models import build_model
+    from accelrun.train.setup import _parallelize, _pipeline_loss
+
+    cfg = resolved.config
+    mesh = build_mesh(cfg.parallel, "cpu", world)
+    dp_rank, dp_size = dp_coordinates(mesh)
+    meta = torch.device("meta")
+    ctx = ParallelContext(rank, world, rank % cfg.parallel.nproc_per_node, meta, mesh, dp_rank, dp_size,
+                          tp_size=mesh["tp"].size(), pp_size=mesh["pp"].size())
+    model = build_model(cfg.model, meta)
+    parts, stages = [model], []
+    if ctx.pp_size > 1:
+        pipeline = Pipeline(model, mesh, cfg.parallel.pp_schedule, cfg.parallel.microbatches or ctx.pp_size,
+                            _pipeline_loss(cfg.grad_accum), meta, layers=cfg.parallel.pp_layers)
+        parts, stages = pipeline.modules, pipeline.stage_ids
+    with tempfile.TemporaryDirectory() as dump:  # compile dumps, if the recipe asks: none is compiled here
+        for part in parts:
+            _parallelize(part, cfg, ctx, Path(dump))
+    held = {}
+    for part in parts:
+        for p in part.parameters():
+            held[id(p)] = (p._local_tensor if isinstance(p, DTensor) else p).numel()
+    coords = {d: mesh[d].get_local_rank() for d in MESH_DIMS}
+    return RankBytes(rank, coords, sum(held.values()), list(stages))
+
+
+def planned_params(resolved: ResolvedConfig, row: RankBytes) -> float:
+    """Parameter elements ``accelrun plan`` counts for this rank (its ``parameters (fp32)`` term / 4):
+    its pipeline stage's share, divided by FSDP's shard degree."""
+    from accelrun.plan.memory import stage_params
+    from accelrun.plan.workload import workload_from_config
+
+    w = workload_from_config(resolved.config)
+    if w.layout.pp == 1:
+        stage = "only"
+    else:
+        last = w.layout.pp * max(1, len(row.stages)) - 1
+        stage = "first" if 0 in row.stages else "last" if last in row.stages else "middle"
+    shard = w.layout.dp_shard if w.layout.fsdp else 1
+    return stage_params(w, stage).local / shard
+
+
+def format_dry_run(resolved: ResolvedConfig, rows: list[RankBytes]) -> list[str]:
+    """One line per rank built: where it sits, what it holds, and the plan's parameter bytes."""
+    from accelrun.report.fmt import nbytes
+
+    lines = [f"{'rank':>5} {'pp':>3} {'rep':>3} {'shard':>5} {'tp':>3}  {'params':>10} {'grads':>10} "
+             f"{'AdamW m,v':>10}  {'plan params':>11} {'ratio':>6}"]
+    for r in rows:
+        c = r.coords
+        plan = FP32 * planned_params(resolved, r)
+        lines.append(f"{r.rank:>5} {c['pp']:>3} {c['dp_replicate']:>3} {c['dp_shard']:>5} {c['tp']:>3}  "
+                     f"{nbytes(r.param_bytes):>10} {nbytes(r.grad_bytes):>10} {nbytes(r.optimizer_bytes):>10}  "
+                     f"{nbytes(int(plan)):>11} {r.param_bytes / plan if plan else float('nan'):>6.3f}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m accelrun.dist.dry_run CONFIG [key=value ...] [--all-ranks]``: print each rank's bytes."""
+    import sys
+    import time
+
+    from accelrun.config import load_config
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    every = "--all-ranks" in args
+    args = [a for a in args if a != "--all-ranks"]
+    resolved = load_config(args[0], args[1:])
+    t0 = time.perf_counter()
+    ranks = range(resolved.config.parallel.world_size) if every else None
+    rows = dry_run(resolved, ranks)
+    for line in format_dry_run(resolved, rows):
+        print(line)
+    print(f"dry run: {len(rows)} of {resolved.config.parallel.world_size} ranks built in "
+          f"{time.perf_counter() - t0:.0f} s (fp32 parameters, gradients and AdamW moments)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""The dry run builds a job's real layout for its ranks in this process (a fake process group, meta
+tensors) and counts what each rank holds; checked here against the model's own parameter count and the
+planner's terms, and in test_meta_init against what the ranks of real jobs hold."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch.distributed as dist
+
+from accelrun.config import load_config
+from accelrun.dist.dry_run import dry_run, format_dry_run, planned_params, representative_ranks
+from accelrun.models import build_model
+from tests.conftest import DEFAULT_CONFIG, TINY
+
+
+def _resolved(*overrides: str):
+    return load_config(DEFAULT_CONFIG, [*TINY, *overrides])
+
+
+def _whole(resolved) -> int:
+    return sum(p.numel() for p in build_model(resolved.config.model, "meta").parameters())
+
+
+def test_fsdp_ranks_split_the_model_and_match_the_plan():
+    r = _resolved("parallel.nproc_per_node=2", "parallel.dp_shard=2", "train.micro_batch=2")
+    rows = dry_run(r)
+    assert [x.rank for x in rows] == [0, 1] and not dist.is_initialized()
+    assert sum(x.params for x in rows) == _whole(r)
+    assert [x.coords["dp_shard"] for x in rows] == [0, 1]
+    for x in rows:
+        assert x.grad_bytes == x.param_bytes and x.optimizer_bytes == 2 * x.param_bytes
+        assert x.params == pytest.approx(planned_params(r, x), rel=0.01)
+    assert len(format_dry_run(r, rows)) == 3
+
+
+def test_tensor_parallel_ranks_replicate_only_the_norms():
+    r = _resolved("parallel.nproc_per_node=4", "parallel.dp_shard=2", "parallel.tp=2", "train.micro_batch=2")
+    rows = dry_run(r, range(4))
+    m = r.config.model
+    norms = (2 * m.n_layers + 1) * m.dim  # replicated over TP, sharded by FSDP
+    assert sum(x.params for x in rows) == _whole(r) + norms  # the second TP rank's copy
+    assert {tuple(x.coords.values()) for x in rows} == {(0, 0, d, t) for d in (0, 1) for t in (0, 1)}
+
+
+def test_pipeline_ranks_hold_their_stages():
+    r = _resolved("parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=gpipe",
+                  "model.n_layers=3", "parallel.pp_layers=[[0],[1,2]]")
+    first, last = dry_run(r)
+    assert first.stages == [0] and last.stages == [1]
+    assert first.params + last.params == _whole(r)
+    m = r.config.model
+    block = (_whole(r) - 2 * m.vocab_size * m.dim - m.dim) // 3
+    assert first.params == m.vocab_size * m.dim + block
+
+
+def test_representative_ranks_are_the_ends_of_each_data_parallel_group():
+    deg = {"pp": 2, "dp_replicate": 1, "dp_shard": 4, "tp": 2}
+    ranks = representative_ranks(deg)
+    # Mesh order (pp, dp_replicate, dp_shard, tp): rank = ((pp * 1 + rep) * 4 + shard) * 2 + tp.
+    assert ranks == [0, 1, 6, 7, 8, 9, 14, 15]
+    assert math.prod(deg.values()) == 16
