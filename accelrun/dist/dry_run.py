@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from accelrun.config import ResolvedConfig
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.mesh import MESH_DIMS, build_mesh, dp_coordinates
+from accelrun.errors import UserError
 
 FP32 = 4
 ADAMW_STATES = 2  # exp_avg, exp_avg_sq, fp32 like the parameter
@@ -161,10 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     every = "--all-ranks" in args
     args = [a for a in args if a != "--all-ranks"]
-    resolved = load_config(args[0], args[1:])
     t0 = time.perf_counter()
-    ranks = range(resolved.config.parallel.world_size) if every else None
-    rows = dry_run(resolved, ranks)
+    try:  # a recipe the trainer would refuse: its message and exit code 2, as `accelrun train` gives
+        resolved = load_config(args[0], args[1:])
+        rows = dry_run(resolved, range(resolved.config.parallel.world_size) if every else None)
+    except UserError as e:
+        for m in e.messages:
+            print(f"error: {m}", file=sys.stderr)
+        return 2
     for line in format_dry_run(resolved, rows):
         print(line)
     print(f"dry run: {len(rows)} of {resolved.config.parallel.world_size} ranks built in "

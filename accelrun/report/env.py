@@ -22,6 +22,8 @@ RECORDED_ENV_VARS = (
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
     "TORCH_COMPILE_DEBUG", "TRITON_INTERPRET", "ACCELRUN_CACHE_DIR", "ACCELRUN_NO_PEAK_PROBE",
 )
+# And every variable of NCCL and of torch's NCCL process group (timeouts, flight recorder, transports).
+RECORDED_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 GIT_TIMEOUT_S = 5.0
 
 
@@ -51,7 +53,8 @@ def collect_env(cwd: str | Path | None = None) -> dict:
         },
         "cuda": _cuda_info(),
         "git": _git_info(Path(cwd) if cwd is not None else Path.cwd()),
-        "env_vars": {k: os.environ[k] for k in RECORDED_ENV_VARS if k in os.environ},
+        "env_vars": {k: v for k, v in sorted(os.environ.items())
+                     if k in RECORDED_ENV_VARS or k.startswith(RECORDED_ENV_PREFIXES)},
     }
 
 
@@ -88,7 +91,42 @@ def _cuda_info() -> dict:
             info["cudnn_version"] = torch.backends.cudnn.version()
         except Exception:  # cuDNN missing or failing to load: record it as unknown
             info["cudnn_version"] = None
+        info["device_details"] = [_cuda_device(i) for i in range(info["device_count"])]
+        info["nccl_version"] = _nccl_version()
+        info["driver_version"] = _nvidia_driver_version()
     return info
+
+
+def _cuda_device(index: int) -> dict:
+    import torch
+
+    try:
+        props = torch.cuda.get_device_properties(index)
+        major, minor = torch.cuda.get_device_capability(index)
+    except Exception:  # a device that cannot be queried is recorded as unknown
+        return {"name": None, "compute_capability": None, "memory_gib": None}
+    return {"name": props.name, "compute_capability": f"{major}.{minor}",
+            "memory_gib": round(props.total_memory / 2**30, 2)}
+
+
+def _nccl_version() -> str | None:
+    import torch
+
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # torch built without NCCL
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def _nvidia_driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=GIT_TIMEOUT_S, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.stdout.strip().splitlines()
+    return lines[0].strip() if lines else None
 
 
 def _git(cwd: Path, *args: str) -> str | None:

@@ -61,3 +61,11 @@ def test_representative_ranks_are_the_ends_of_each_data_parallel_group():
     # Mesh order (pp, dp_replicate, dp_shard, tp): rank = ((pp * 1 + rep) * 4 + shard) * 2 + tp.
     assert ranks == [0, 1, 6, 7, 8, 9, 14, 15]
     assert math.prod(deg.values()) == 16
+
+
+def test_a_layout_the_trainer_refuses_exits_2(capsys):
+    from accelrun.dist.dry_run import main
+
+    code = main([str(DEFAULT_CONFIG), *TINY, "parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.pp=2",
+                 "parallel.pp_schedule=interleaved_1f1b"])
+    assert code == 2 and "more than model.n_layers" in capsys.readouterr().err
