@@ -202,6 +202,9 @@ def llama_regions(args, tokens: torch.Tensor, model_device: str, autocast: bool 
     if dtype is not None:
         model.to(dtype)
     backend = AccelrunBackend(CompileOptions(executors=["aten"]))
+    # A fresh Dynamo: after another Llama's shapes, it would recompile with symbolic sizes, whose
+    # regions the generator declines ("input primals_1 is not a tensor").
+    torch._dynamo.reset()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(backend_module, "lower_regions", keep)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
