@@ -7,9 +7,13 @@ agree exactly. The compiled figures were counted the same way through ``torch.co
 torch 2.13): its partitioner keeps fewer tensors and recomputes cheap pointwise ones.
 
 Shapes: D model dim, F feed-forward dim, H query heads (attention's log-sum-exp, one fp32 per
-head). Under tensor parallelism (accelrun's Megatron plan, no sequence parallelism) the norms and
-the inputs of column-parallel matmuls are replicated on every rank; attention and feed-forward
-internals are split ``tp`` ways.
+head). Under tensor parallelism (accelrun's Megatron plan) the norms and the inputs of
+column-parallel matmuls are replicated on every rank; attention and feed-forward internals are split
+``tp`` ways. With ``parallel.sequence_parallel`` (``accelrun.dist.tp``'s SequenceParallel norms) the
+norms' tensors and the residual stream are split ``tp`` ways along the sequence too; what stays whole
+is what the column-parallel projections save: their input, all-gathered to the full sequence by
+DTensor before the matmul (torch keeps that gathered tensor for the weight gradient; Megatron-LM
+instead re-gathers it in backward, which accelrun does not). Those inputs are ``SP_GATHERED``.
 """
 
 from __future__ import annotations
@@ -46,14 +50,29 @@ COMPILED_SAVED = {
 }
 
 
-def block_saved(shape: Shape, mode: str, compiled: bool) -> PerToken:
+# mode → bytes per D (per token, per block) of the replicated part above that are the inputs of the
+# column-parallel projections (attention's q/k/v, the feed-forward's w1/w3): the two normalised
+# inputs in the compute dtype (fp32: 2 × 4; bf16 under FSDP: 2 × 2), or under eager autocast one bf16
+# cast per consuming matmul (5 × 2). Under sequence parallelism these stay whole; the rest is split.
+SP_GATHERED = {"fp32": 8, "autocast": 10, "bf16-params": 4}
+SP_GATHERED_COMPILED = {"fp32": 8, "autocast": 4, "bf16-params": 4}
+
+
+def block_saved(shape: Shape, mode: str, compiled: bool, sequence_parallel: bool = False) -> PerToken:
     """Saved bytes per token of one block with no checkpointing."""
     (rd, rc), (sd, sf, sh) = (COMPILED_SAVED if compiled else EAGER_SAVED)[mode]
-    return PerToken(rd * shape.dim + rc, sd * shape.dim + sf * shape.ffn_dim + sh * shape.n_heads)
+    sharded = sd * shape.dim + sf * shape.ffn_dim + sh * shape.n_heads
+    if sequence_parallel:
+        whole = (SP_GATHERED_COMPILED if compiled else SP_GATHERED)[mode]
+        return PerToken(whole * shape.dim, sharded + (rd - whole) * shape.dim + rc)
+    return PerToken(rd * shape.dim + rc, sharded)
 
 
 def checkpoint_input(w: Workload) -> PerToken:
-    """A checkpointed block keeps only its input: the residual stream (replicated under TP)."""
+    """A checkpointed block keeps only its input: the residual stream (replicated under TP, split along
+    the sequence under sequence parallelism)."""
+    if w.layout.sequence_parallel:
+        return PerToken(0.0, w.stream_bytes * w.shape.dim)
     return PerToken(w.stream_bytes * w.shape.dim, 0.0)
 
 
@@ -70,13 +89,15 @@ def selective_saved(w: Workload) -> PerToken:
         else:  # a row-parallel output is a full-width partial sum on every rank
             rep += s * g.out_dim
     shard += s * sh.dim + 4 * sh.n_heads
+    if w.layout.sequence_parallel:  # the block input and the reduce-scattered row-parallel outputs
+        return PerToken(0.0, rep + shard)
     return PerToken(rep, shard)
 
 
 def layer_saved(w: Workload, checkpointed: bool) -> PerToken:
     """What one block keeps between its forward and its backward."""
     if not checkpointed:
-        return block_saved(w.shape, w.mode, w.compiled)
+        return block_saved(w.shape, w.mode, w.compiled, w.layout.sequence_parallel)
     if w.ac_mode == "selective":
         return selective_saved(w)
     return checkpoint_input(w)
@@ -96,3 +117,16 @@ def loss_bytes_per_logit(w: Workload) -> float:
 
 def logits_held_by_loop(w: Workload) -> bool:
     return w.layout.pp == 1
+
+
+def local_logits(w: Workload, tokens: int) -> float:
+    """Logits one rank holds: the whole vocabulary on every TP rank (the output layer's logits are
+    gathered), or a ``1/tp`` slice under ``parallel.loss_parallel``."""
+    return tokens * w.shape.vocab_size / (w.layout.tp if w.layout.loss_parallel else 1)
+
+
+def head_input_bytes(w: Workload) -> float:
+    """Per token, what the last stage's head keeps: the final norm's fp32 input and output (split along
+    the sequence under sequence parallelism) and the output layer's input (whole)."""
+    norm = 8 * w.shape.dim / (w.layout.tp if w.layout.sequence_parallel else 1)
+    return norm + w.compute_bytes * w.shape.dim

@@ -16,6 +16,14 @@ times the micro-batches a pipeline stage holds, plus the larger of two moments i
   activation gradients as large as the block's activations, FSDP's unsharded gradient buffers,
   and the fp32 logits accelrun's loop still holds (without pipelining).
 
+Under pipelining with FSDP, torch's ``PipelineStage`` runs every micro-batch's backward but the last
+with gradient sync off and without resharding after backward: a block's parameters stay gathered
+once its backward has run, and its unsharded gradients accumulate (in fp32, FSDP's reduce dtype)
+until the step's last micro-batch reduce-scatters them. Both are charged for the whole stage.
+
+Sequence parallelism splits the norms' tensors and the residual stream along the sequence
+(``accelrun.plan.activations``); loss parallelism keeps a ``1/tp`` slice of the logits.
+
 The allocator's reserve (``ALLOCATOR_OVERHEAD``) comes on top of the live tensors; the runtime
 (``cluster.reserved_gib``: CUDA context and communicators, or a CPU process's baseline) on top of that.
 """
@@ -25,9 +33,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from accelrun.plan import efficiency as eff
-from accelrun.plan.activations import block_saved, layer_saved, logits_held_by_loop, loss_bytes_per_logit
+from accelrun.plan.activations import (
+    block_saved,
+    head_input_bytes,
+    layer_saved,
+    local_logits,
+    logits_held_by_loop,
+    loss_bytes_per_logit,
+)
 from accelrun.plan.cluster import Cluster
-from accelrun.plan.pipeline import in_flight
+from accelrun.plan.pipeline import held_by_rank
 from accelrun.plan.workload import Workload
 
 GIB = 2**30
@@ -78,11 +93,24 @@ def stage_params(w: Workload, stage: str) -> StageParams:
     root = (sh.embedding_params / tp if first else 0.0) + output + (sh.dim if last else 0.0)
     if last and sh.tie_embeddings and not first:  # a last stage of a tied model needs its own copy
         output = root = sh.embedding_params / tp + sh.dim
-    return StageParams(w.layers_per_stage, block, root, output)
+    return StageParams(w.layers_on(stage), block, root, output)
 
 
 def stages(w: Workload) -> list[str]:
-    return ["only"] if w.layout.pp == 1 else ["first", "last"]
+    """The ranks worth planning: the first (most micro-batches in flight, the embedding), the last (the
+    output layer and the loss), and with more than two ranks the busiest one in between."""
+    if w.layout.pp == 1:
+        return ["only"]
+    return ["first", "middle", "last"] if w.layout.pp > 2 else ["first", "last"]
+
+
+def pipeline_rank(w: Workload, stage: str) -> int:
+    lay = w.layout
+    if stage in ("only", "first"):
+        return 0
+    if stage == "last":
+        return lay.pp - 1
+    return max(range(1, lay.pp - 1), key=lambda r: (lay.rank_layers(r), -r))
 
 
 def estimate_memory(w: Workload, cluster: Cluster) -> MemoryEstimate:
@@ -101,7 +129,16 @@ def _stage_memory(w: Workload, cluster: Cluster, stage: str) -> MemoryEstimate:
     terms.append(Term("gradients (fp32)", 4 * p.local / shard, sharding))
     terms.append(Term("optimizer state (AdamW m, v)", 8 * p.local / shard, sharding))
     param_bytes = w.compute_bytes if w.mode == "bf16-params" else 4
-    if lay.fsdp:
+    pp_fsdp = lay.fsdp and lay.pp > 1
+    if pp_fsdp:
+        terms.append(Term(
+            "gathered parameters (FSDP)", param_bytes * p.local,
+            f"the stage's {p.layers} block(s) and root, {param_bytes} bytes each: PipelineStage does not "
+            "reshard after backward until the step's last micro-batch"))
+        terms.append(Term(
+            "accumulated gradients (FSDP, unsharded)", 4 * p.local,
+            "fp32, summed over the step's micro-batches; reduce-scattered after the last"))
+    elif lay.fsdp:
         gathered_blocks = p.layers if not lay.reshard_after_forward else min(2, p.layers)
         terms.append(Term(
             "gathered parameters (FSDP)", param_bytes * (p.root + gathered_blocks * p.block),
@@ -111,35 +148,38 @@ def _stage_memory(w: Workload, cluster: Cluster, stage: str) -> MemoryEstimate:
         terms.append(Term("autocast weight copies (bf16)", 2 * p.local, "kept by autograd for backward"))
 
     tokens = w.chunk_tokens
-    n_ck = w.checkpointed_layers()
+    n_ck = w.checkpointed_layers(p.layers)
     per_chunk = tokens * ((p.layers - n_ck) * layer_saved(w, False).local(tp) + n_ck * layer_saved(w, True).local(tp))
     if stage in ("only", "last"):  # final norm (fp32 input and output) and the output layer's input
-        per_chunk += tokens * (8 + w.compute_bytes) * sh.dim
-    held = in_flight(lay.pp_schedule, lay.pp, lay.pp_microbatches) if stage in ("only", "first") else (
-        float(lay.pp_microbatches) if lay.pp_schedule == "gpipe" else 1.0)
+        per_chunk += tokens * head_input_bytes(w)
+    held = held_by_rank(lay.pp_schedule, lay.pp, lay.pp_microbatches, pipeline_rank(w, stage))
     policy = {"none": "nothing checkpointed", "full": "every block checkpointed",
               "every_n": f"{n_ck} of {p.layers} blocks checkpointed",
               "selective": "selective (per-op) checkpointing"}[w.ac_mode]
     terms.append(Term("activations", per_chunk * held,
                       f"{p.layers} blocks, {policy}, {tokens:,} tokens" + (f" × {held:g} in flight" if held != 1 else "")))
 
-    block_full = tokens * block_saved(sh, w.mode, w.compiled).local(tp)
+    block_full = tokens * block_saved(sh, w.mode, w.compiled, lay.sequence_parallel).local(tp)
     layer_phase: list[Term] = []
     if n_ck:
         layer_phase.append(Term("recomputed block", block_full, "one checkpointed block's activations, rebuilt"))
     layer_phase.append(Term("backward working set", block_full, "activation gradients of one block"))
-    if lay.fsdp:
+    if pp_fsdp:
+        layer_phase.append(Term("gradient buffers (FSDP)", param_bytes * p.block,
+                                "one block's new gradient before it is added to the accumulated ones"))
+    elif lay.fsdp:
         layer_phase.append(Term("gradient buffers (FSDP)", (param_bytes + 4) * p.block + param_bytes * p.output,
                                 "one block's unsharded gradients and their fp32 copy for reduce-scatter, "
                                 "the output layer's gradient"))
     has_loss = stage in ("only", "last")
-    logits = tokens * sh.vocab_size
+    logits = local_logits(w, tokens)
+    per_rank = f" (1/{tp} of the vocabulary: loss parallel)" if lay.loss_parallel else ""
     if has_loss and logits_held_by_loop(w):
-        layer_phase.append(Term("logits (fp32, held by the loop)", 4 * logits, f"{logits:,} logits"))
+        layer_phase.append(Term("logits (fp32, held by the loop)", 4 * logits, f"{logits:,.0f} logits{per_rank}"))
     loss_phase: list[Term] = []
     if has_loss:
         loss_phase.append(Term("loss: logits and gradients", loss_bytes_per_logit(w) * logits,
-                               f"{loss_bytes_per_logit(w):g} bytes × {logits:,} logits"))
+                               f"{loss_bytes_per_logit(w):g} bytes × {logits:,.0f} logits{per_rank}"))
         if lay.fsdp:
             loss_phase.append(Term("gradient buffers (FSDP)", param_bytes * p.output, "the output layer's gradient"))
     phase_name, phase_terms = max((("loss backward", loss_phase), ("first block backward", layer_phase)),

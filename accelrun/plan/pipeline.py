@@ -45,3 +45,16 @@ def in_flight(schedule: str, p: int, m: int) -> float:
     if v > 1:
         held *= 1 + (p - 1) / (p * v)
     return held
+
+
+def held_by_rank(schedule: str, p: int, m: int, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak: the first rank's
+    ``in_flight``, the last rank's one (every micro-batch under gpipe), and in between one fewer per
+    rank after the first (1F1B warms up ``p - rank`` forwards before its first backward)."""
+    if p <= 1 or rank == 0:
+        return in_flight(schedule, p, m)
+    if schedule == "gpipe":
+        return float(m)
+    if rank == p - 1:
+        return 1.0
+    return max(1.0, in_flight(schedule, p, m) * (p - rank) / p)

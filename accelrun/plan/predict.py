@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from accelrun.config.schema import RunConfig
 from accelrun.plan.cluster import Cluster, PlanError, resolve_cluster
+from accelrun.plan.coverage import unmodelled
 from accelrun.plan.memory import GIB, MemoryEstimate, estimate_memory
 from accelrun.plan.timing import StepTime, estimate_time
 from accelrun.plan.workload import PlanOptions, Workload, workload_from_config
@@ -25,6 +26,7 @@ class Plan:
     memory: MemoryEstimate
     time: StepTime
     notes: tuple[str, ...] = ()  # what the user should know about the prediction's assumptions
+    unmodelled: tuple[str, ...] = ()  # keys of this recipe that change memory or time in ways not modelled
 
     @property
     def step_s(self) -> float:
@@ -47,11 +49,34 @@ class Plan:
         return self.workload.shape.model_flops_per_token(self.workload.seq_len)
 
     @property
+    def achieved_tflops_per_device(self) -> float:
+        """Model FLOPs (the MFU convention: no recomputation) per second per device, in TFLOP/s."""
+        return self.model_flops_per_token * self.tokens_per_s_per_device / 1e12
+
+    @property
     def mfu(self) -> float | None:
         peak = self.time.rates.peak_tflops
         if not peak:
             return None
-        return self.model_flops_per_token * self.tokens_per_s_per_device / (peak * 1e12)
+        return self.achieved_tflops_per_device / peak
+
+    def layout_summary(self) -> dict:
+        """The layout planned, as a saved plan needs it to be audited."""
+        w, lay = self.workload, self.workload.layout
+        out = {
+            "world": lay.world, "nnodes": lay.nnodes, "nproc_per_node": lay.nproc_per_node,
+            "pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp,
+            "sequence_parallel": lay.sequence_parallel, "loss_parallel": lay.loss_parallel,
+            "fsdp": lay.fsdp, "reshard_after_forward": lay.reshard_after_forward,
+            "global_batch": w.global_batch, "micro_batch": w.micro_batch, "grad_accum": w.grad_accum,
+            "seq_len": w.seq_len, "precision": w.precision, "mode": w.mode, "activation_checkpoint": w.ac_mode,
+            "compiled": w.compiled,
+        }
+        if lay.pp > 1:
+            out.update(pp_schedule=lay.pp_schedule, pp_microbatches=lay.pp_microbatches,
+                       pp_micro_batch_sequences=w.chunk_batch, pp_stage_layers=list(lay.stage_layers),
+                       pp_rank_layers=[lay.rank_layers(r) for r in range(lay.pp)])
+        return out
 
     @property
     def fits(self) -> bool:
@@ -72,7 +97,8 @@ def predict(cfg: RunConfig, options: PlanOptions | None = None, cluster: Cluster
     cluster = cluster or resolve_cluster(cfg.cluster)
     w = workload_from_config(cfg, options)
     check_fits_cluster(w, cluster)
-    return Plan(w, cluster, estimate_memory(w, cluster), estimate_time(w, cluster), _notes(cfg, w, cluster))
+    return Plan(w, cluster, estimate_memory(w, cluster), estimate_time(w, cluster), _notes(cfg, w, cluster),
+                tuple(unmodelled(cfg)))
 
 
 def _notes(cfg: RunConfig, w: Workload, cluster: Cluster) -> tuple[str, ...]:
@@ -83,12 +109,22 @@ def _notes(cfg: RunConfig, w: Workload, cluster: Cluster) -> tuple[str, ...]:
                      "device: the predicted rates are for the latter")
     if w.ac_mode == "selective":
         notes.append("selective checkpointing is modelled by the planner only; accelrun train cannot run it yet")
+    if cfg.parallel.fsdp_impl == "compiled" and w.layout.fsdp:
+        notes.append("parallel.fsdp_impl = compiled: planned with reshard_after_forward false's memory and "
+                     "gathers (the graph keeps gathered parameters for backward), overlapped as FSDP2's prefetch")
     return tuple(notes)
 
 
 def check_fits_cluster(w: Workload, cluster: Cluster) -> None:
     lay = w.layout
-    if lay.nproc_per_node > cluster.devices_per_node or lay.nnodes > cluster.nodes:
+    if lay.nproc_per_node <= cluster.devices_per_node and lay.nnodes > cluster.nodes:
+        # The cluster's size is the description's to say; a recipe for more nodes is not wrong.
+        raise PlanError(
+            f"the recipe runs on parallel.nnodes = {lay.nnodes} nodes, but the cluster description has "
+            f"cluster.nodes = {cluster.nodes}; give the cluster's node count (e.g. cluster.nodes={lay.nnodes} "
+            "on the command line)"
+        )
+    if lay.nproc_per_node > cluster.devices_per_node:
         raise PlanError(
             f"the recipe runs parallel.nnodes × parallel.nproc_per_node = {lay.nnodes} × {lay.nproc_per_node} "
             f"processes, the cluster has cluster.nodes × cluster.devices_per_node = {cluster.nodes} × "

@@ -16,11 +16,23 @@ all-reduces the shards across replicas. FSDP prefetches one block ahead, so a bl
 behind the neighbouring block's compute: what is exposed is the root's and first block's gather, the
 last reduce-scatters, and any block whose collectives outlast that compute; FSDP's copies into and
 out of its communication buffers count as elementwise work. On a CPU, gloo moves
-the bytes with the same cores that compute, so nothing is hidden. Tensor parallelism (Megatron,
-no sequence parallelism) all-reduces activations twice per block in forward and twice in
-backward, all-reduces the embedding's output and gathers full logits; pipeline stages send
-activations forward and gradients back; eager PyTorch overlaps none of these. The pipeline bubble is
-in ``accelrun.plan.pipeline``.
+the bytes with the same cores that compute, so nothing is hidden. Under pipelining, torch's
+``PipelineStage`` turns gradient sync off for every micro-batch's backward but the last and does not
+reshard after backward: a block's gradients are reduce-scattered once per pipeline flush (one per
+accumulation step), its unsharded gradients are added up in fp32 meanwhile (elementwise work), and
+a block left gathered by a backward is not gathered again by the next forward (with
+``reshard_after_forward`` a backward still re-gathers; the first rank's ``min(pp, m)`` forwards
+before its steady state gather too). Without pipelining accelrun's loop keeps FSDP2's defaults and
+reduce-scatters after every micro-batch.
+
+Tensor parallelism (Megatron) all-reduces activations twice per block in forward and twice in
+backward, all-reduces the embedding's output and gathers full logits. With sequence parallelism
+each all-reduce becomes an all-gather before the column-parallel projections and a reduce-scatter
+after the row-parallel ones (the same bytes on a ring), the embedding's output is reduce-scattered,
+and norms and residual adds work on a ``1/tp`` slice of the sequence. With loss parallelism the
+logits are never gathered: the loss all-reduces three fp32 numbers per token (max, sum of
+exponentials, the target's logit). Pipeline stages send activations forward and gradients back;
+eager PyTorch overlaps none of these. The pipeline bubble is in ``accelrun.plan.pipeline``.
 """
 
 from __future__ import annotations
@@ -88,7 +100,7 @@ def estimate_time(w: Workload, cluster: Cluster) -> StepTime:
         "pipeline bubble": w.grad_accum * bubble_units(lay.pp_schedule, lay.pp) * slowest.total,
     }
     p = max(stage_params(w, s).local for s in stages(w)) / (lay.dp_shard if lay.fsdp else 1)
-    opt_bytes = (OPTIMIZER_BYTES_PER_PARAM[w.optimizer_impl] + CLIP_BYTES_PER_PARAM) * p
+    opt_bytes = (OPTIMIZER_BYTES_PER_PARAM[w.optimizer_impl] + (CLIP_BYTES_PER_PARAM if w.grad_clip else 0)) * p
     parts["optimizer"] = opt_bytes / (rates.memory_gbs * 1e9)
     comm = {"FSDP": n * slowest.fsdp_total, "tensor parallel": n * slowest.tp, "pipeline": n * slowest.pp}
     return StepTime({k: v for k, v in parts.items() if v > 0 or k == "matmuls"}, comm, rates)
@@ -98,7 +110,7 @@ def _chunk_time(w: Workload, cluster: Cluster, rates: DeviceRates, stage: str) -
     sh, lay, tp = w.shape, w.layout, w.layout.tp
     tokens = w.chunk_tokens
     p = stage_params(w, stage)
-    n_ck = w.checkpointed_layers()
+    n_ck = w.checkpointed_layers(p.layers)
     full_recompute = w.ac_mode in ("full", "every_n")
     mem_rate = rates.memory_gbs * 1e9
     c = _Chunk()
@@ -133,12 +145,20 @@ def _chunk_time(w: Workload, cluster: Cluster, rates: DeviceRates, stage: str) -
     if tp > 1:
         link = group_link(lay, cluster, "tp")
         act = tokens * sh.dim * w.compute_bytes
-        per_block = (2 + 2 + (2 if full_recompute else 0)) * all_reduce_s(act, tp, link)
+        if lay.sequence_parallel:  # all-reduce → reduce-scatter + all-gather
+            one = all_gather_s(act, tp, link) + reduce_scatter_s(act, tp, link)
+            embedding = reduce_scatter_s(tokens * sh.dim * w.stream_bytes, tp, link)
+        else:
+            one = all_reduce_s(act, tp, link)
+            embedding = all_reduce_s(tokens * sh.dim * w.stream_bytes, tp, link)
+        per_block = (2 + 2 + (2 if full_recompute else 0)) * one
         c.tp = p.layers * per_block
         if stage in ("only", "first"):
-            c.tp += all_reduce_s(tokens * sh.dim * w.stream_bytes, tp, link)
+            c.tp += embedding
         if stage in ("only", "last"):
-            c.tp += all_gather_s(tokens * sh.vocab_size * w.compute_bytes, tp, link) + all_reduce_s(act, tp, link)
+            logits = (3 * all_reduce_s(4 * tokens, tp, link) if lay.loss_parallel
+                      else all_gather_s(tokens * sh.vocab_size * w.compute_bytes, tp, link))
+            c.tp += logits + one
     if lay.pp > 1:
         link = group_link(lay, cluster, "pp")
         c.pp = 2 * send_s(tokens * sh.dim * w.stream_bytes, link)
@@ -161,16 +181,27 @@ def _fsdp(c: _Chunk, w: Workload, cluster: Cluster, mem_rate: float, p: StagePar
             t += all_reduce_s(4 * n_params / lay.dp_shard, lay.dp_replicate, rep_link)
         return t
 
+    # Collectives per chunk (module docstring): gathers before forward (fwd) and backward (bwd) of a
+    # block, reduce-scatters (rs); the root is gathered once and never resharded in between.
+    if lay.pp > 1:
+        m = lay.pp_microbatches
+        fwd, bwd = (min(lay.pp, m) / m, 1.0) if lay.reshard_after_forward else (1 / m, 0.0)
+        rs = root_ag = 1 / m
+    else:
+        fwd, bwd, rs, root_ag = 1.0, (1.0 if lay.reshard_after_forward else 0.0), 1.0, 1.0
     # FSDP2 copies on the device too: each gather's output is split into the parameters (read and
-    # write the gathered bytes), each reduce-scatter's input is the gradients cast to fp32.
-    gathers = 2 if lay.reshard_after_forward else 1
-    copied = (gathers * 2 * param_bytes + param_bytes + 4) * p.layers * p.block
-    copied += (2 * param_bytes + param_bytes + 4) * p.root
+    # write the gathered bytes), each reduce-scatter's input is the gradients cast to fp32; under
+    # pipelining each micro-batch's gradients are added into the fp32 accumulated ones.
+    copied = ((fwd + bwd) * 2 * param_bytes + rs * (param_bytes + 4)) * p.layers * p.block
+    copied += (root_ag * 2 * param_bytes + rs * (param_bytes + 4)) * p.root
+    if lay.pp > 1:
+        copied += (1 - rs) * (param_bytes + 8) * p.local
     c.elementwise += copied / mem_rate
 
-    ag_block, rs_block = gather(p.block), reduce(p.block)
-    ag_root, rs_root = gather(p.root), reduce(p.root)
-    regather = ag_block if lay.reshard_after_forward else 0.0
+    ag_block, rs_block = gather(p.block), rs * reduce(p.block)
+    ag_root, rs_root = root_ag * gather(p.root), rs * reduce(p.root)
+    regather = bwd * ag_block
+    ag_block *= fwd
     total = ag_root + rs_root + p.layers * (ag_block + regather + rs_block)
     c.fsdp_total = total
     if cluster.is_cpu:  # gloo uses the cores that compute: nothing hides

@@ -96,8 +96,10 @@ class BlockTraffic:
 
 
 def block_traffic(w: Workload) -> BlockTraffic:
-    """Per-token bytes on one TP rank of one block (norms and residual adds are replicated)."""
+    """Per-token bytes on one TP rank of one block (norms and residual adds are replicated, or split
+    along the sequence under sequence parallelism)."""
     sh, tp = w.shape, w.layout.tp
+    split = ("attention", "ffn", "norm", "rest") if w.layout.sequence_parallel else ("attention", "ffn")
     parts = _fused(w.compute_bytes, w.stream_bytes) if w.compiled else EAGER[w.mode]
     out = []
     for phase in (0, 1):
@@ -106,13 +108,16 @@ def block_traffic(w: Workload) -> BlockTraffic:
             b = pair[phase].bytes(sh.dim, sh.kv_dim, sh.ffn_dim, sh.gqa)
             if name == "norm":
                 b *= 2
-            total += b / tp if name in ("attention", "ffn") else b
+            total += b / tp if name in split else b
         out.append(total)
     return BlockTraffic(out[0], out[1])
 
 
 def head_traffic(w: Workload) -> float:
-    """Per-token bytes of the head, forward + backward (accelrun's TP keeps full logits per rank)."""
-    sh = w.shape
+    """Per-token bytes of the head, forward + backward. Plain TP keeps full logits on every rank; loss
+    parallelism a ``1/tp`` slice; sequence parallelism splits the embedding's output and the final norm."""
+    sh, lay = w.shape, w.layout
     (fd, fv, fc), (bd, bv, bc) = EAGER_HEAD[w.mode]
-    return (fd + bd) * sh.dim + (fv + bv) * sh.vocab_size + fc + bc
+    d_split = lay.tp if lay.sequence_parallel else 1
+    v_split = lay.tp if lay.loss_parallel else 1
+    return ((fd + bd) * sh.dim + fc + bc) / d_split + (fv + bv) * sh.vocab_size / v_split

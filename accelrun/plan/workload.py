@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from accelrun.config.schema import RunConfig
+from accelrun.config.schema import PP_STAGES_PER_RANK, RunConfig
 from accelrun.errors import UserError
 
 AC_MODES = ("none", "full", "every_n", "selective")  # selective: planner-only, see PlanOptions
@@ -108,6 +108,9 @@ class Layout:
     pp_schedule: str
     pp_microbatches: int
     reshard_after_forward: bool
+    sequence_parallel: bool = False  # TP: norms and the residual stream sharded along the sequence
+    loss_parallel: bool = False  # TP: logits stay sharded over the vocabulary through the loss
+    stage_layers: tuple[int, ...] = ()  # layers of each pipeline stage (pp × stages per rank); () = no pipeline
 
     @property
     def world(self) -> int:
@@ -121,6 +124,16 @@ class Layout:
     def fsdp(self) -> bool:
         # accelrun applies FSDP2 whenever there is data parallelism (HSDP when dp_replicate > 1).
         return self.dp > 1
+
+    def rank_layers(self, rank: int) -> int:
+        """Blocks pipeline rank ``rank`` runs: its stages are ``rank``, ``rank + pp``, ... (looped schedules)."""
+        return sum(self.stage_layers[rank::self.pp]) if self.stage_layers else 0
+
+
+def balanced_stage_layers(n_layers: int, n_stages: int) -> tuple[int, ...]:
+    """As ``accelrun.dist.pipeline.layer_ranges``: contiguous slices, the first stages take the remainder."""
+    base, extra = divmod(n_layers, n_stages)
+    return tuple(base + (1 if s < extra else 0) for s in range(n_stages))
 
 
 @dataclass(frozen=True)
@@ -137,6 +150,7 @@ class Workload:
     compiled: bool
     optimizer_impl: str  # fused | foreach | for_loop
     on_cpu: bool
+    grad_clip: bool = True  # train.grad_clip set (clipping reads and scales every gradient)
 
     @property
     def mode(self) -> str:
@@ -175,11 +189,28 @@ class Workload:
 
     @property
     def layers_per_stage(self) -> int:
-        return math.ceil(self.shape.n_layers / self.layout.pp)
+        """Blocks of the busiest pipeline rank (all of them without pipelining)."""
+        lay = self.layout
+        if lay.pp <= 1:
+            return self.shape.n_layers
+        return max(lay.rank_layers(r) for r in range(lay.pp))
 
-    def checkpointed_layers(self) -> int:
-        """Layers of the busiest stage whose activations are recomputed (selective counts as all)."""
-        n = self.layers_per_stage
+    def layers_on(self, stage: str) -> int:
+        """Blocks a rank runs: ``only`` (no pipeline), ``first``, ``last``, or ``middle`` (the busiest of the
+        ranks in between)."""
+        lay = self.layout
+        if stage == "only":
+            return self.shape.n_layers
+        if stage == "first":
+            return lay.rank_layers(0)
+        if stage == "last":
+            return lay.rank_layers(lay.pp - 1)
+        return max(lay.rank_layers(r) for r in range(1, lay.pp - 1))
+
+    def checkpointed_layers(self, n: int | None = None) -> int:
+        """Of ``n`` blocks (default: the busiest rank's), those whose activations are recomputed
+        (selective counts as all)."""
+        n = self.layers_per_stage if n is None else n
         if self.ac_mode in ("full", "selective"):
             return n
         if self.ac_mode == "every_n":
@@ -211,10 +242,20 @@ def workload_from_config(cfg: RunConfig, options: PlanOptions | None = None) -> 
         )
     deg = par.degrees()
     pp = deg["pp"]
+    stage_layers: tuple[int, ...] = ()
+    if pp > 1:
+        stage_layers = (tuple(len(stage) for stage in par.pp_layers) if par.pp_layers is not None else
+                        balanced_stage_layers(m.n_layers, pp * PP_STAGES_PER_RANK[par.pp_schedule]))
+    tp_on = deg["tp"] > 1
     layout = Layout(
         nnodes=par.nnodes, nproc_per_node=par.nproc_per_node, pp=pp, dp_replicate=deg["dp_replicate"],
         dp_shard=deg["dp_shard"], tp=deg["tp"], pp_schedule=par.pp_schedule,
-        pp_microbatches=(par.microbatches or pp), reshard_after_forward=par.reshard_after_forward,
+        pp_microbatches=(par.microbatches or pp),
+        # Compiled FSDP saves the gathered parameters for backward: reshard_after_forward false's memory
+        # and gathers (accelrun.dist.compiled_fsdp).
+        reshard_after_forward=par.reshard_after_forward and par.fsdp_impl != "compiled",
+        sequence_parallel=par.sequence_parallel and tp_on, loss_parallel=par.loss_parallel and tp_on,
+        stage_layers=stage_layers,
     )
     ac = options.activation_checkpoint or t.activation_checkpoint.mode
     if ac not in AC_MODES:
@@ -227,7 +268,7 @@ def workload_from_config(cfg: RunConfig, options: PlanOptions | None = None) -> 
     return Workload(
         shape=shape, layout=layout, seq_len=t.seq_len, micro_batch=t.micro_batch, grad_accum=cfg.grad_accum,
         global_batch=t.global_batch, precision=t.precision, ac_mode=ac, every_n=t.activation_checkpoint.every_n,
-        compiled=cfg.compile.backend != "eager", optimizer_impl=impl, on_cpu=on_cpu,
+        compiled=cfg.compile.backend != "eager", optimizer_impl=impl, on_cpu=on_cpu, grad_clip=bool(t.grad_clip),
     )
 
 

@@ -1,0 +1,99 @@
+"""Which recipe keys the planner models, which cannot change a step's memory or time, and which it
+cannot model (named in every plan they apply to, never silently ignored).
+
+Every leaf key of the schema is in exactly one of the three tables; ``tests/plan/test_plan_keys.py``
+fails when a key is added to the schema without being classified here.
+"""
+
+from __future__ import annotations
+
+from accelrun.config.schema import RunConfig
+
+# Read by accelrun.plan (workload, memory, timing, cluster).
+MODELLED = frozenset({
+    "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim", "model.vocab_size",
+    "model.tie_embeddings", "model.custom",  # custom: refused with a message (no shape to count)
+    "train.global_batch", "train.micro_batch", "train.grad_accum", "train.seq_len", "train.optimizer.impl",
+    "train.grad_clip", "train.precision", "train.activation_checkpoint.mode", "train.activation_checkpoint.every_n",
+    "train.threads",  # compared with the calibration's threads (a note when they differ)
+    "parallel.nnodes", "parallel.nproc_per_node", "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp",
+    "parallel.pp", "parallel.pp_schedule", "parallel.microbatches", "parallel.reshard_after_forward",
+    "parallel.fsdp_impl", "parallel.sequence_parallel", "parallel.loss_parallel", "parallel.pp_layers",
+    "compile.backend",
+    "cluster.device", "cluster.devices_per_node", "cluster.nodes", "cluster.memory_gib",
+    "cluster.memory_bandwidth_gbs", "cluster.bf16_tflops", "cluster.fp32_tflops", "cluster.reserved_gib",
+    "cluster.intra_node.bandwidth_gbs", "cluster.intra_node.latency_us", "cluster.intra_node.measured",
+    "cluster.intra_node.collectives", "cluster.inter_node.bandwidth_gbs", "cluster.inter_node.latency_us",
+    "cluster.inter_node.measured", "cluster.inter_node.collectives", "cluster.calibration.threads_per_device",
+    "cluster.calibration.matmul_tflops", "cluster.calibration.attention_tflops",
+    "cluster.calibration.attention_head_dim", "cluster.calibration.attention_head_dim_tflops",
+    "cluster.calibration.attention_head_dim_seq", "cluster.calibration.memory_bandwidth_gbs",
+    "cluster.calibration.runtime_gib",
+})
+
+# Cannot change one training step's memory or time on the device.
+NO_EFFECT = frozenset({
+    "name", "description", "model.arch", "model.norm_eps", "model.rope_theta", "model.init_std", "model.kwargs",
+    "model.max_seq_len",  # the rotary table: max_seq_len × head_dim / 2 numbers, negligible
+    "data.source", "data.builtin", "data.paths", "data.tokenizer", "data.max_bytes", "data.shuffle", "data.seed",
+    "train.steps", "train.seed", "train.optimizer.name", "train.optimizer.lr", "train.optimizer.betas",
+    "train.optimizer.eps", "train.optimizer.weight_decay", "train.lr_schedule.name",
+    "train.lr_schedule.warmup_steps", "train.lr_schedule.min_lr_ratio",
+    "parallel.timeout_s", "compile.cache_dir", "compile.dump", "compile.graph_cache", "compile.fullgraph",
+    "compile.strict", "checkpoint.keep", "checkpoint.resume", "report.runs_dir", "report.log_every",
+    "report.warmup_steps", "report.progress",
+    "report.peak_tflops",  # the trainer's MFU denominator; the plan's MFU uses the cluster's peak
+    "cluster.calibration.measured_at", "cluster.calibration.host", "cluster.calibration.device_name",
+    "cluster.calibration.torch", "cluster.sources",
+})
+
+# Change memory or time in ways the planner does not model; ``unmodelled`` says when they apply.
+UNMODELLED = frozenset({
+    "compile.passes", "compile.executors", "compile.scope", "compile.debug_numerics",
+    "checkpoint.enabled", "checkpoint.every", "checkpoint.save_final", "report.profile_steps",
+    "train.device", "train.cpu_malloc",
+})
+
+
+def unmodelled(cfg: RunConfig) -> list[str]:
+    """One line per key of ``UNMODELLED`` that matters for this recipe: the key, its value, what is missed."""
+    out: list[str] = []
+    c, t = cfg.compile, cfg.train
+    if c.backend == "accelrun":
+        out.append(f"compile.passes = {c.passes!r}, compile.executors = {c.executors}: accelrun's compiler is "
+                   "planned as fused elementwise kernels (as inductor); what its passes do beyond that "
+                   "(remat's budget, fuse_linear_cross_entropy's chunked loss, collective scheduling) and "
+                   "its executors' speed are not modelled")
+        if c.debug_numerics:
+            out.append("compile.debug_numerics = true: every pass's graphs run twice; not in the step time")
+    if c.backend != "eager" and c.scope != "block":
+        out.append(f"compile.scope = {c.scope}: planned as per-block compilation")
+    if cfg.checkpoint.enabled:
+        out.append(f"checkpoint.every = {cfg.checkpoint.every}: writing a checkpoint is not in the step time"
+                   + (" (nor checkpoint.save_final's)" if cfg.checkpoint.save_final else ""))
+    if cfg.report.profile_steps is not None:
+        out.append(f"report.profile_steps = {list(cfg.report.profile_steps)}: the profiler's overhead on those "
+                   "steps is not modelled")
+    device = cfg.cluster.device
+    if t.device != "auto" and device is not None and (t.device == "cpu") != (device == "cpu"):
+        out.append(f"train.device = {t.device} on a {device} cluster: planned on the cluster's devices")
+    if device == "cpu" and t.cpu_malloc != "tuned":
+        out.append(f"train.cpu_malloc = {t.cpu_malloc}: the calibration's allocator behaviour is assumed")
+    return out
+
+
+def schema_leaves() -> list[str]:
+    """Every leaf key of the recipe schema, dotted."""
+    from pydantic import BaseModel
+
+    def walk(model: type[BaseModel], prefix: str) -> list[str]:
+        out = []
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                out += walk(ann, f"{prefix}{name}.")
+            else:
+                out.append(prefix + name)
+        return out
+
+    return walk(RunConfig, "")
