@@ -144,6 +144,17 @@ def _print_plan(plan: Plan, ac: str | None) -> None:
               f"{w.micro_batch} × accumulation {w.grad_accum} × dp {lay.dp}; {w.precision} ({w.mode}); "
               f"checkpointing {w.ac_mode}{' (planner-only)' if ac == 'selective' else ''}; "
               f"{'compiled' if w.compiled else 'eager'}", markup=False)
+    extras = []
+    if lay.tp > 1:
+        extras.append(f"sequence parallel {'on' if lay.sequence_parallel else 'off'}, "
+                      f"loss parallel {'on' if lay.loss_parallel else 'off'}")
+    if lay.pp > 1:
+        extras.append(f"pipeline {lay.pp_schedule}, {lay.pp_microbatches} micro-batches of {w.chunk_batch} "
+                      f"sequence(s) per flush, layers per rank {[lay.rank_layers(r) for r in range(lay.pp)]}")
+    if lay.fsdp:
+        extras.append(f"FSDP reshard_after_forward {'on' if lay.reshard_after_forward else 'off'}")
+    if extras:
+        out.print("          " + "; ".join(extras), markup=False)
 
     mem = Table(title=f"memory per device (peak: {plan.memory.phase}, stage {plan.memory.stage})")
     mem.add_column("term")
@@ -169,12 +180,15 @@ def _print_plan(plan: Plan, ac: str | None) -> None:
 
     mfu = f"{plan.mfu:.1%}" if plan.mfu is not None else "unknown (no peak)"
     out.print(f"[bold]throughput[/]: {plan.tokens_per_s_per_device:,.0f} tokens/s per device, "
-              f"{plan.tokens_per_s:,.0f} in total; MFU {mfu} of {escape(str(plan.time.rates.peak_tflops))} TFLOP/s "
+              f"{plan.tokens_per_s:,.0f} in total; {plan.achieved_tflops_per_device:,.1f} TFLOP/s per device "
+              f"(model FLOPs); MFU {mfu} of {escape(str(plan.time.rates.peak_tflops))} TFLOP/s "
               f"({escape(plan.time.rates.peak_source)})")
     style = "green" if plan.fits else "bold red"
     out.print(f"[{style}]{escape(plan.verdict)}[/]")
     for note in plan.notes:
         out.print(f"  note: {note}", markup=False)
+    for line in plan.unmodelled:
+        out.print(f"  not modelled: {line}", markup=False)
 
     figs = Table(title="cluster figures")
     for col in ("figure", "value", "source"):
@@ -223,11 +237,15 @@ def _to_json(plan: Plan | None, result: SearchResult | None) -> dict:
         return {
             "fits": p.fits, "verdict": p.verdict, "step_s": p.step_s,
             "tokens_per_s": p.tokens_per_s, "tokens_per_s_per_device": p.tokens_per_s_per_device,
-            "mfu": p.mfu, "peak_tflops": p.time.rates.peak_tflops,
+            "achieved_tflops_per_device": p.achieved_tflops_per_device,
+            "mfu": p.mfu, "peak_tflops": p.time.rates.peak_tflops, "peak_source": p.time.rates.peak_source,
+            "layout": p.layout_summary(),
             "memory": {"total_gib": p.memory.total / GIB, "allocator_peak_gib": p.memory.allocator_peak / GIB,
                        "capacity_gib": p.memory.capacity / GIB, "phase": p.memory.phase, "stage": p.memory.stage,
-                       "terms": {t.name: t.bytes / GIB for t in p.memory.terms}},
-            "time_s": dict(p.time.parts), "notes": list(p.notes),
+                       "terms": {t.name: t.bytes / GIB for t in p.memory.terms},
+                       "term_details": {t.name: t.detail for t in p.memory.terms}},
+            "time_s": dict(p.time.parts), "communication_before_overlap_s": dict(p.time.comm_time),
+            "notes": list(p.notes), "unmodelled": list(p.unmodelled),
         }
 
     data: dict = {"plan": one(plan) if plan is not None else None}
