@@ -24,9 +24,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from accelrun.dist.context import ParallelContext
+from accelrun.report.rundir import unwritable
 
 COMPLETE = "COMPLETE"
 TRAIN_STATE = "train_state.json"
@@ -58,7 +60,22 @@ def save_checkpoint(
 
     Collective in a multi-process job: every rank writes its shards into the same temporary
     folder; rank 0 alone marks it complete, renames and prunes, and the others wait for that.
+    A folder that cannot be written (read-only, full, a file in the way) is a ``RunFolderError``.
     """
+    try:
+        return _save(ckpt_dir, step, model, optimizer, train_state, keep, ctx)
+    except OSError as e:
+        raise unwritable(e, ckpt_dir.parent.parent.parent) from None
+    except CheckpointException as e:  # DCP wraps each rank's error
+        causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]  # (exception, trace)
+        cause = next((c for c in causes if isinstance(c, OSError)), None)
+        if cause is None:
+            raise
+        raise unwritable(cause, ckpt_dir.parent.parent.parent) from None
+
+
+def _save(ckpt_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+          train_state: dict[str, Any], keep: int, ctx: ParallelContext | None) -> Path:
     main = ctx is None or ctx.is_main
     final = ckpt_dir / f"{PREFIX}{step:06d}"
     tmp = ckpt_dir / f".tmp-{final.name}"  # the same name on every rank

@@ -3,14 +3,18 @@ the previous complete checkpoint with a warning, instead of failing as if the re
 
 from __future__ import annotations
 
+import errno
 import io
+import re
 
 import pytest
+import torch
 from rich.console import Console
 
 from accelrun.config import ConfigError, load_config
 from accelrun.report.metrics import read_metrics
-from accelrun.train.checkpoint import damage
+from accelrun.report.rundir import RunFolderError
+from accelrun.train.checkpoint import damage, save_checkpoint
 from accelrun.train.run import train
 from tests.conftest import DEFAULT_CONFIG
 
@@ -45,3 +49,25 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_complete_one(tin
     # Asked for by path, the damaged checkpoint is an error that names the one before it.
     with pytest.raises(ConfigError, match=r"damaged: .* \(truncated\); the newest complete one before it is .*step-000004"):
         run(tiny(8, *every, "name=other", f"checkpoint.resume={newest}"))
+
+
+@pytest.mark.parametrize("blocked", ["checkpoints folder is a file", "shard write refused"])
+def test_a_checkpoint_that_cannot_be_written_is_one_message(blocked, tmp_path, monkeypatch):
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    run_dir = tmp_path / "runs" / "x" / "20250101-000000-abcdef"
+    run_dir.mkdir(parents=True)
+    ckpt_dir = run_dir / "checkpoints"
+    if blocked == "checkpoints folder is a file":
+        ckpt_dir.write_text("")
+        why = f"{ckpt_dir} is a file, not a folder"
+    else:
+        import torch.distributed.checkpoint.filesystem as fs
+
+        def refuse(*a, **kw):
+            raise OSError(errno.EROFS, "Read-only file system", str(ckpt_dir))
+
+        monkeypatch.setattr(fs, "_write_item", refuse)
+        why = "the file system is read-only"
+    with pytest.raises(RunFolderError, match=re.escape(why)):
+        save_checkpoint(ckpt_dir, 1, model, opt, {}, keep=1)
