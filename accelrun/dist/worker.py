@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.markup import escape
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from accelrun.config import ConfigError, load_config
 from accelrun.dist import stop
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None, errors_dir: Path | None = None) -> int:
         if errors_dir is not None:
             leave_record(errors_dir, rank, e.messages, printed=prints)
         return e.exit_code
-    except Exception as e:  # not the user's: the traceback goes to the rank's log, the launcher explains
+    except (Exception, CheckpointException) as e:  # not the user's: traceback to the rank's log; the launcher explains
         leave_crash(errors_dir, log, rank, e)
         return 1
     finally:
