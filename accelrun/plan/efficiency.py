@@ -3,7 +3,8 @@
 They turn a datasheet figure into the rate a training step achieves. They were set from what the
 kernels are known to reach and were not changed after comparing with published training runs: they
 are not fitted, per case or overall. ``tests/plan/test_plan_published.py`` checks predictions made
-with them against torchtitan's published Llama 3.1 8B runs. Figures a cluster description marks as
+with them against torchtitan's published Llama 3.1 runs: 8B with FSDP, 70B with FSDP × TP and 405B
+with FSDP × TP × PP (1F1B and interleaved). Figures a cluster description marks as
 measured (``accelrun plan --calibrate``) are already achieved rates and are used as they are.
 """
 

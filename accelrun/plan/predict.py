@@ -109,6 +109,9 @@ def _notes(cfg: RunConfig, w: Workload, cluster: Cluster) -> tuple[str, ...]:
                      "device: the predicted rates are for the latter")
     if w.ac_mode == "selective":
         notes.append("selective checkpointing is modelled by the planner only; accelrun train cannot run it yet")
+    if w.layout.sequence_parallel and not cfg.parallel.sequence_parallel:
+        notes.append("sequence parallelism is modelled by the planner only here; accelrun train cannot run it "
+                     "with pipelining yet")
     if cfg.parallel.fsdp_impl == "compiled" and w.layout.fsdp:
         notes.append("parallel.fsdp_impl = compiled: planned with reshard_after_forward false's memory and "
                      "gathers (the graph keeps gathered parameters for backward), overlapped as FSDP2's prefetch")
