@@ -117,7 +117,7 @@ def search_layouts(base: Composed, cluster: Cluster, options: PlanOptions | None
     recipe = base_cfg.model_dump()
     if options and options.activation_checkpoint:
         # The search varies checkpointing itself; a what-if policy would override every candidate's.
-        options = PlanOptions()
+        options = PlanOptions(sequence_parallel=options.sequence_parallel)
     considered = valid = 0
     fitting: list[Candidate] = []
     for values in candidate_overrides(base_cfg, cluster):

@@ -54,3 +54,15 @@ def test_missing_cluster_nodes_points_at_the_cluster_not_the_layout():
                "parallel.nproc_per_node=8", "--cluster", "h100-8x")
     assert r.exit_code == 2, r.output
     assert "cluster.nodes=2" in r.output and "parallel keys" not in r.output
+
+
+def test_sequence_parallel_what_if_with_pipelining_is_named():
+    base = [*LLAMA_8B_PP, "--json"]
+    plain = json.loads(invoke(*base).output)["plan"]
+    r = invoke(*base, "--sequence-parallel")
+    assert r.exit_code == 0, r.output
+    sp = json.loads(r.output)["plan"]
+    assert (plain["layout"]["sequence_parallel"], sp["layout"]["sequence_parallel"]) == (False, True)
+    assert sp["memory"]["terms"]["activations"] < plain["memory"]["terms"]["activations"]
+    assert any("modelled by the planner only" in n for n in sp["notes"])
+    assert not any("modelled by the planner only" in n for n in plain["notes"])
