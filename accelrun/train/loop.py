@@ -26,6 +26,7 @@ from accelrun.train.lineage import prune_history_checkpoints
 from accelrun.train.precision import autocast
 from accelrun.train.progress import TrainProgress
 from accelrun.train.setup import TrainSetup
+from accelrun.train.step_clock import StepClock
 
 
 @dataclass
@@ -55,7 +56,6 @@ def run_loop(
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
     clip = cfg.train.grad_clip if cfg.train.grad_clip else math.inf  # None or 0: measure, do not clip
     stage_group = s.pipeline.group if s.pipeline is not None else None
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for part in parts:
         part.train()
     run_dir = s.checkpoint_dir.parent
@@ -69,32 +69,29 @@ def run_loop(
                 reset_peak_memory(dev)  # CUDA: this step's peak, not setup's or an earlier step's
                 comm_at_start = s.comm_timer.seconds if s.comm_timer is not None else 0.0
                 where.update(step=step, phase="forward and backward")
-                data_s = fwd_s = bwd_s = 0.0
+                clock = StepClock(dev)  # CUDA: events at the phase boundaries, one synchronisation per step
+                spans = []  # per micro-batch: its (start, data loaded, forward done, backward done) marks
                 loss_sum = torch.zeros((), device=dev)
                 for _ in range(s.grad_accum):
-                    t0 = time.perf_counter()
+                    m0 = clock.mark()
                     inputs_BT, targets_BT = next(s.data)
                     inputs_BT, targets_BT = inputs_BT.to(dev, non_blocking=True), targets_BT.to(dev, non_blocking=True)
-                    sync()
-                    t1 = time.perf_counter()
+                    m1 = clock.mark()
                     if s.pipeline is not None:
                         # The schedule interleaves micro-batches' forwards and backwards: timed as one.
                         with autocast(cfg.train.precision, dev):
                             loss = s.pipeline.step(inputs_BT, targets_BT)
-                        sync()
-                        t2 = t3 = time.perf_counter()
+                        m2 = m3 = clock.mark()
                     else:
                         with s.loss_context(), autocast(cfg.train.precision, dev):
                             loss = s.loss_fn(inputs_BT, targets_BT) / s.grad_accum
-                        sync()
-                        t2 = time.perf_counter()
+                        m2 = clock.mark()
                         with s.loss_context():  # loss parallel: backward through the sharded loss too
                             loss.backward()
-                        sync()
-                        t3 = time.perf_counter()
+                        m3 = clock.mark()
                     loss_sum += loss.detach()
-                    data_s, fwd_s, bwd_s = data_s + t1 - t0, fwd_s + t2 - t1, bwd_s + t3 - t2
-                t4 = time.perf_counter()
+                    spans.append((m0, m1, m2, m3))
+                m4 = clock.mark()
                 where["phase"] = "the gradient norm"
                 grad_norm = clip_grad_norm(params, clip, stage_group)
                 where["phase"] = "averaging the loss"
@@ -106,14 +103,18 @@ def run_loop(
                 s.optimizer.step()
                 s.scheduler.step()
                 s.optimizer.zero_grad(set_to_none=True)
-                sync()
+                m5 = clock.mark()
+                clock.finish()
                 t_end = time.perf_counter()
+                data_s = sum(clock.seconds(a, b) for a, b, _, _ in spans)
+                fwd_s = sum(clock.seconds(b, c) for _, b, c, _ in spans)
+                bwd_s = sum(clock.seconds(c, d) for _, _, c, d in spans)
                 record = StepMetrics(
                     step=step, loss=loss_value, lr=lr, grad_norm=grad_norm, step_time_s=t_end - t_step,
                     data_time_s=data_s, tokens=s.tokens_per_step, mem_peak_bytes=peak_memory_bytes(dev),
                     compile=step == s.start_step + 1 and s.compiles,
                 ).to_dict(flops_per_token=s.flops_per_token, peak_tflops=s.peak.tflops)
-                record.update(forward_s=fwd_s, backward_s=bwd_s, optimizer_s=t_end - t4)
+                record.update(forward_s=fwd_s, backward_s=bwd_s, optimizer_s=clock.seconds(m4, m5))
                 if (reserved := peak_reserved_bytes(dev)) is not None:  # what the allocator held (CUDA)
                     record["mem_reserved_bytes"] = reserved
                 if s.comm_timer is not None:  # blocked in collectives during this step (inside the parts above)
