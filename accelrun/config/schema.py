@@ -146,6 +146,9 @@ class TrainConfig(Section):
 
 # Pipeline schedules that run several ("virtual") stages per rank: rank r holds r, r + pp, ...
 PP_STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
+# The device mesh's dimensions, outermost first: tensor parallelism innermost (neighbouring ranks, one
+# node's links), pipeline stages outermost. accelrun.dist.mesh builds it; accelrun.plan.comm reads it.
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 class ParallelConfig(Section):

@@ -10,9 +10,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from accelrun.config.errors import ConfigError
-from accelrun.config.schema import ParallelConfig
+from accelrun.config.schema import MESH_ORDER, ParallelConfig
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = MESH_ORDER
 
 
 def build_mesh(par: ParallelConfig, device_type: str, world_size: int) -> DeviceMesh:

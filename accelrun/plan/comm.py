@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import math
 
+from accelrun.config.schema import MESH_ORDER  # outermost first; defined once, with the schema
 from accelrun.plan.cluster import Cluster, Link, PlanError
 from accelrun.plan.workload import Layout
-
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
 
 
 def _ring_half(collective: str, size: float, n: int, link: Link) -> float:

@@ -20,8 +20,10 @@ planner applies that third to the interleaved schedule torch runs (``ScheduleInt
 
 from __future__ import annotations
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
+from accelrun.config.schema import PP_STAGES_PER_RANK  # defined once, with the schema
+
+SCHEDULES = tuple(PP_STAGES_PER_RANK)
+STAGES_PER_RANK = PP_STAGES_PER_RANK
 
 
 def bubble_units(schedule: str, p: int) -> float:
