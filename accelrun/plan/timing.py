@@ -20,9 +20,10 @@ the bytes with the same cores that compute, so nothing is hidden. Under pipelini
 ``PipelineStage`` turns gradient sync off for every micro-batch's backward but the last and does not
 reshard after backward: a block's gradients are reduce-scattered once per pipeline flush (one per
 accumulation step), its unsharded gradients are added up in fp32 meanwhile (elementwise work), and
-a block left gathered by a backward is not gathered again by the next forward (with
-``reshard_after_forward`` a backward still re-gathers; the first rank's ``min(pp, m)`` forwards
-before its steady state gather too). Without pipelining accelrun's loop keeps FSDP2's defaults and
+a block left gathered by a backward is not gathered again by the next forward. With
+``reshard_after_forward``, under 1F1B-like schedules every backward re-gathers (a forward came
+between) and so do the first rank's ``min(pp, m)`` forwards before its steady state; under GPipe
+every forward gathers and only the first backward does. Without pipelining accelrun's loop keeps FSDP2's defaults and
 reduce-scatters after every micro-batch.
 
 Tensor parallelism (Megatron) all-reduces activations twice per block in forward and twice in
@@ -185,7 +186,12 @@ def _fsdp(c: _Chunk, w: Workload, cluster: Cluster, mem_rate: float, p: StagePar
     # block, reduce-scatters (rs); the root is gathered once and never resharded in between.
     if lay.pp > 1:
         m = lay.pp_microbatches
-        fwd, bwd = (min(lay.pp, m) / m, 1.0) if lay.reshard_after_forward else (1 / m, 0.0)
+        if not lay.reshard_after_forward:  # gathered by the first forward, kept until the flush ends
+            fwd, bwd = 1 / m, 0.0
+        elif lay.pp_schedule == "gpipe":  # every forward, then the first backward (the rest find it kept)
+            fwd, bwd = 1.0, 1 / m
+        else:  # 1F1B-like: the forwards before the first backward, then every backward (after a forward)
+            fwd, bwd = min(lay.pp, m) / m, 1.0
         rs = root_ag = 1 / m
     else:
         fwd, bwd, rs, root_ag = 1.0, (1.0 if lay.reshard_after_forward else 0.0), 1.0, 1.0

@@ -187,3 +187,18 @@ def test_keys_not_modelled_are_named(cluster_file):
 
 def test_h_is_the_test_model_s_heads():
     assert H == 4  # the SAVED_FP32 figures above assume it
+
+
+def test_gpipe_gathers_for_every_forward_and_the_first_backward(cluster_file):
+    p = plan(cluster_file, *PP_FSDP, "parallel.microbatches=4", "parallel.pp_schedule=gpipe")
+    first = stage_params(p.workload, "first")
+    link, m = p.cluster.intra, 4
+    ag = all_gather_s(2 * first.block, 2, link)
+    rs = reduce_scatter_s(4 * first.block, 2, link)
+    expected = (all_gather_s(2 * first.root, 2, link) + reduce_scatter_s(4 * first.root, 2, link)) / m \
+        + first.layers * ((m + 1) / m * ag + rs / m)
+    assert _chunk_time(p.workload, p.cluster, p.time.rates, "first").fsdp_total == pytest.approx(expected)
+    kept = plan(cluster_file, *PP_FSDP, "parallel.microbatches=4", "parallel.reshard_after_forward=false")
+    expected_kept = (all_gather_s(2 * first.root, 2, link) + reduce_scatter_s(4 * first.root, 2, link)) / m \
+        + first.layers * (ag + rs) / m  # one gather and one reduce-scatter per flush
+    assert _chunk_time(kept.workload, kept.cluster, kept.time.rates, "first").fsdp_total == pytest.approx(expected_kept)
