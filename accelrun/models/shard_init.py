@@ -7,12 +7,11 @@ how it is cut: element ``[i, j]`` of ``layers.3.attention.wq.weight`` must be th
 whichever rank holds it.
 
 So draws are made per *tile*: a fixed band of rows of the whole (global) parameter, each tile from
-its own CPU generator seeded by (run seed, the parameter's name in the whole model, the tile's
-index). A rank draws only the tiles that overlap its shard (all of a tile's columns, so a
+its own generator (on the shard's device) seeded by (run seed, the parameter's name in the whole
+model, the tile's index). A rank draws only the tiles that overlap its shard (all of a tile's columns, so a
 column shard of tensor parallelism draws ``tp`` times its share; at most two partial tiles per
-shard otherwise) and copies its part of each into the local tensor, on whatever device that is.
-Peak extra memory: one tile. The values do not depend on the device either: a GPU run starts from the
-CPU run's weights.
+shard otherwise) and copies its part of each into the local tensor. Peak extra memory: one tile.
+The values depend on the device type (CPU and CUDA generators differ), not on the layout.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ def normal_(param: torch.Tensor, std: float, key: str) -> None:
     if local.numel() == 0:
         return
     if not shape:  # a scalar: one tile of one value
-        local.copy_(_draw(key, 0, 1, (), std).reshape(()))
+        local.copy_(_draw(key, 0, 1, (), std, local.device).reshape(()))
         return
     rows, rest = shape[0], shape[1:]
     width = math.prod(rest)
@@ -62,14 +61,18 @@ def normal_(param: torch.Tensor, std: float, key: str) -> None:
     cols = tuple(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:], strict=True))
     for tile in range(first // per_tile, -(-stop // per_tile)):
         t0 = tile * per_tile
-        values = _draw(key, tile, min(per_tile, rows - t0), rest, std)
+        values = _draw(key, tile, min(per_tile, rows - t0), rest, std, local.device)
         a, b = max(first, t0), min(stop, t0 + values.shape[0])
         local[a - first: b - first].copy_(values[(slice(a - t0, b - t0), *cols)])
 
 
-def _draw(key: str, tile: int, rows: int, rest: tuple[int, ...], std: float) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(tile_seed(key, tile))
-    return torch.empty((rows, *rest)).normal_(0.0, std, generator=generator)
+def _draw(key: str, tile: int, rows: int, rest: tuple[int, ...], std: float, device: torch.device
+          ) -> torch.Tensor:
+    # A generator of the shard's own device: an 8B model drawn on one CPU core would take most of a
+    # minute, on a GPU well under a second. (So CPU and CUDA runs start from different draws; ranks of
+    # one device type agree with one process of that type.)
+    generator = torch.Generator(device=device).manual_seed(tile_seed(key, tile))
+    return torch.empty((rows, *rest), device=device).normal_(0.0, std, generator=generator)
 
 
 @torch.no_grad()
