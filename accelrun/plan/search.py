@@ -1,4 +1,5 @@
-"""Search the layouts of a recipe on its cluster: degrees, micro-batch, checkpointing, resharding.
+"""Search the layouts of a recipe on its cluster: degrees, micro-batch, checkpointing, resharding,
+sequence and loss parallelism.
 
 Every candidate is a set of ``key=value`` overrides applied to the recipe and validated by
 ``accelrun.config.validate`` exactly as ``accelrun train`` would validate it, so a layout that breaks
@@ -44,6 +45,7 @@ class Candidate:
         parts = [f"pp {lay.pp}" if lay.pp > 1 else "", f"dp {lay.dp_replicate}×{lay.dp_shard}", f"tp {lay.tp}",
                  f"micro {w.micro_batch}", f"ckpt {w.ac_mode}",
                  f"{lay.pp_microbatches} pipeline chunks" if lay.pp > 1 else "",
+                 "sequence + loss parallel" if lay.sequence_parallel and lay.loss_parallel else "",
                  "" if lay.reshard_after_forward or not lay.fsdp else "no reshard"]
         return ", ".join(p for p in parts if p)
 
@@ -79,14 +81,17 @@ def candidate_overrides(base_cfg, cluster: Cluster) -> list[dict[str, object]]:
                     for ac in SEARCH_AC_MODES:
                         for reshard in ((True, False) if dp_shard > 1 else (par.reshard_after_forward,)):
                             for chunks in ((pp, 2 * pp, 4 * pp) if pp > 1 else (None,)):
-                                o = {**head, "parallel.pp": pp, "parallel.dp_replicate": dp_replicate,
-                                     "parallel.dp_shard": dp_shard, "parallel.tp": tp, "train.micro_batch": micro,
-                                     "train.activation_checkpoint.mode": ac}
-                                if chunks is not None:
-                                    o["parallel.microbatches"] = chunks
-                                if reshard != par.reshard_after_forward:
-                                    o["parallel.reshard_after_forward"] = reshard
-                                out.append(o)
+                                # Sequence and loss parallelism need tp > 1 (and, in accelrun train, no pp).
+                                for sharded in ((False, True) if tp > 1 and pp == 1 else (False,)):
+                                    o = {**head, "parallel.pp": pp, "parallel.dp_replicate": dp_replicate,
+                                         "parallel.dp_shard": dp_shard, "parallel.tp": tp, "train.micro_batch": micro,
+                                         "train.activation_checkpoint.mode": ac,
+                                         "parallel.sequence_parallel": sharded, "parallel.loss_parallel": sharded}
+                                    if chunks is not None:
+                                        o["parallel.microbatches"] = chunks
+                                    if reshard != par.reshard_after_forward:
+                                        o["parallel.reshard_after_forward"] = reshard
+                                    out.append(o)
     return out
 
 

@@ -52,3 +52,15 @@ def test_nothing_fits_gives_an_empty_result(cluster_file):
     _, _, result = search(cluster_file, "model.dim=8192", "model.n_heads=64", "model.n_kv_heads=8",
                           "model.n_layers=80", "model.ffn_dim=28672", "train.seq_len=2048", "model.vocab_size=128256")
     assert result.best == [] and result.valid > 0
+
+
+def test_sequence_and_loss_parallelism_are_searched_and_a_recipe_with_them_still_finds_tp_1(cluster_file):
+    loaded, cluster, result = search(cluster_file, top=10_000)
+    sharded = [c for c in result.best if c.plan.workload.layout.sequence_parallel]
+    assert sharded and all(c.plan.workload.layout.tp > 1 and c.plan.workload.layout.pp == 1 for c in sharded)
+    assert all("parallel.sequence_parallel=true" in c.line and "parallel.loss_parallel=true" in c.line
+               for c in sharded)
+    # A recipe that asks for sequence parallelism is not limited to tp > 1 layouts (tp=1 turns it off).
+    _, _, with_sp = search(cluster_file, "parallel.nproc_per_node=2", "parallel.tp=2", "parallel.dp_shard=1",
+                           "parallel.sequence_parallel=true", top=10_000)
+    assert any(c.plan.workload.layout.tp == 1 for c in with_sp.best)
