@@ -18,12 +18,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -81,6 +83,12 @@ class JobOutcome:
     failure: list[str] = field(default_factory=list)  # which rank failed first, how, its last lines
 
 
+def _kill_ranks() -> None:
+    """A second Ctrl-C: what the agent does on a signal it handles, with SIGKILL (a rank stuck in a
+    collective would not take SIGTERM)."""
+    raise SignalException("a second Ctrl-C", sigval=signal.SIGKILL)
+
+
 # What the agent and torch's process context log: into the run folder, not onto the terminal.
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 
@@ -120,7 +128,11 @@ def launch_job(run_dir: Path, par: ParallelConfig, opts: LaunchOptions) -> JobOu
     with (tempfile.TemporaryDirectory(prefix="accelrun-rank-errors-") as errors,
           stop.catch_signals(forward_to=Path(errors)), _agent_logs_to(agent_log)):
         try:
-            elastic_launch(launch_config(par, opts), run_rank)(str(run_dir), errors)
+            with stop.abort_on_second_interrupt(_kill_ranks):
+                elastic_launch(launch_config(par, opts), run_rank)(str(run_dir), errors)
+        except SignalException:  # _kill_ranks: the agent killed the ranks and stopped
+            return JobOutcome(stop.exit_code(signal.SIGINT), [], stop.Stopped(0, signal.SIGINT, -1, None),
+                              par.world_size)
         except ChildFailedError as e:
             exits = exit_codes_of(e)  # every rank's; the error names only the first the agent noticed
             codes = [c for c in exits.values() if c] or [f.exitcode for f in e.failures.values()]

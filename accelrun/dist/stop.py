@@ -26,7 +26,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +40,7 @@ _received_at = 0.0  # when (time.monotonic())
 _depth = 0  # nesting of catch_signals in this process
 _forward_to: Path | None = None  # the launcher's job folder: a signal becomes a stop request there
 _watch: Path | None = None  # a rank's job folder: a stop request there counts as a signal
+_abort: Callable[[], None] | None = None  # the launcher's way out on a second Ctrl-C, while the agent runs
 
 
 def exit_code(signum: int) -> int:
@@ -54,7 +55,11 @@ def signal_name(signum: int) -> str:
 def _handle(signum: int, frame) -> None:
     global _received, _received_at
     if _received:
-        return  # the first signal decides; a second one (the agent's, SLURM's again) changes nothing
+        # The first signal decides; a second one (SLURM's again) changes nothing, except a second
+        # Ctrl-C at the launcher: the user does not want to wait (a rank may be stuck), so it aborts.
+        if signum == signal.SIGINT and _abort is not None:
+            _abort()
+        return
     _received, _received_at = signum, time.monotonic()
     if _forward_to is not None:
         _write_request(_forward_to, signum)
@@ -115,6 +120,17 @@ def late_warning(env: dict[str, str] | None = None) -> str | None:
             f"({STOP_LEAD_ENV}, #SBATCH --signal=TERM@...): raise it, or the next stop may lose the step")
 
 
+@contextlib.contextmanager
+def abort_on_second_interrupt(abort: Callable[[], None]) -> Iterator[None]:
+    """While inside, a second SIGINT calls ``abort`` (in the main thread, from the signal handler)."""
+    global _abort
+    old, _abort = _abort, abort
+    try:
+        yield
+    finally:
+        _abort = old
+
+
 def requested() -> int:
     """The stop signal this process got, or the one its launcher asked for (0: none)."""
     if _received or _watch is None:
@@ -131,15 +147,22 @@ class Stopped:
 
     rank: int
     signum: int
-    step: int
-    checkpoint: str | None  # the checkpoint of ``step`` (None: checkpoints are off)
+    step: int  # -1: aborted (a second Ctrl-C) before the ranks agreed on a step
+    checkpoint: str | None  # the checkpoint of ``step`` (None: checkpoints are off, or aborted)
 
     @property
     def status(self) -> str:
         return STATUS.get(signal.Signals(self.signum), "preempted")
 
+    @property
+    def aborted(self) -> bool:
+        return self.step < 0
+
     def line(self, ranks: int = 1) -> str:
         """What the user reads: what stopped the run, where, and what to do next."""
+        if self.aborted:
+            return (f"aborted by a second {signal_name(self.signum)}: the ranks were killed without saving; "
+                    f"the same command resumes from the newest complete checkpoint (exit {exit_code(self.signum)})")
         who = f"all {ranks} ranks" if ranks > 1 else "the run"
         saved = (f"{who} saved {self.checkpoint}; the same command resumes from it"
                  if self.checkpoint else "no checkpoint saved (checkpoint.enabled = false)")

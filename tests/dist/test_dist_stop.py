@@ -8,13 +8,16 @@ The job is ``accelrun train`` in a session of its own, so that "the process grou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +30,7 @@ from accelrun.dist.slurm import sbatch_script
 from accelrun.report.metrics import read_metrics
 from accelrun.train.resume import decide_resume
 from tests.conftest import DEFAULT_CONFIG, REPO
-from tests.dist.jobs import FSDP2, kill_all, losses, ranks_of, tiny_overrides, train_job
+from tests.dist.jobs import FSDP2, gone, kill_all, losses, ranks_of, tiny_overrides, train_job
 
 STEPS = 40
 EXACT = 1e-6  # the same layout resumed: the same sums in the same order as the run that never stopped
@@ -143,3 +146,37 @@ def test_a_requeued_multi_node_job_resumes_its_own_folder(tmp_path):
     decision = decide_resume("auto", runs_root, job, "h")
     assert decision.checkpoint is not None and decision.checkpoint.step == 6, decision
     assert decide_resume("none", runs_root, job, "h").checkpoint is None
+
+
+def test_a_second_ctrl_c_kills_a_job_whose_rank_is_stuck(tmp_path):
+    """The first Ctrl-C asks for a checkpoint, but a stuck rank never reaches the step boundary; the
+    second kills the ranks (SIGKILL, which a stuck rank cannot ignore) and exits 130 with one line."""
+    runs = tmp_path / "runs"
+    job = start_job(runs, "stuck")
+    workers: list[int] = []
+    try:
+        assert wait_for_step(job, runs, "stuck", 1) is not None, "the job did not get going"
+        workers = ranks_of(job.pid)
+        os.kill(workers[1], signal.SIGSTOP)
+        os.killpg(job.pid, signal.SIGINT)
+        # The launcher has taken the first one when its stop request is in the job's folder (the one
+        # rank 0 recorded itself in): only then is the next SIGINT a second one.
+        folder = None
+        deadline = time.time() + 60
+        while folder is None and time.time() < deadline:
+            for proc in Path(tempfile.gettempdir()).glob("accelrun-rank-errors-*/proc-0.json"):
+                with contextlib.suppress(OSError, ValueError):
+                    if json.loads(proc.read_text())["pid"] == workers[0] and (proc.parent / stop.REQUEST_FILE).exists():
+                        folder = proc.parent
+            time.sleep(0.02)
+        assert folder is not None, "the launcher never took the first Ctrl-C"
+        os.killpg(job.pid, signal.SIGINT)
+        out, _ = job.communicate(timeout=120)
+    finally:
+        kill_all(workers)
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 130, out[-3000:]
+    assert "aborted by a second SIGINT: the ranks were killed without saving" in " ".join(out.split()), out[-3000:]
+    assert "Traceback" not in out and all(gone(pid) for pid in workers)
