@@ -56,7 +56,8 @@ def main() -> None:
             fell = sum(o.status == "fallback" for o in tried)
             line = (f"{backend} {dname}: ok {ok} / tried {len(tried)} ({crashes} crash, "
                     f"{len(tried) - ok - crashes - fell} mismatch, {fell} right but with a compiler fallback, "
-                    f"{len(outcomes) - len(tried)} skipped) "
+                    f"{len(outcomes) - len(tried)} skipped; "
+                    f"{sum(o.regions > 0 for o in tried)} with a region compiled by a code generator) "
                     f"in {time.perf_counter() - t0:.0f} s")  # fmt: skip
             print(line, flush=True)
             for o in tried:

@@ -30,6 +30,7 @@ class Outcome:
     # crash (the compiler raised) | mismatch (ran, numbers differ) | skip (no case)
     status: str
     detail: str = ""
+    regions: int = 0  # fusion regions a code generator (not aten) compiled for the op's graphs
 
 
 def differentiable_ops(dtype: torch.dtype) -> list[Any]:
@@ -121,10 +122,11 @@ def check_op(op: Any, dtype: torch.dtype, backend: Callable[[], Any]) -> Outcome
             torch.testing.assert_close(a, b, equal_nan=True, **TOLERANCES.get(dtype, {}))
     except (AssertionError, ValueError) as e:
         return Outcome(name, "mismatch", str(e).strip().splitlines()[0][:300])
-    fallbacks = getattr(getattr(made, "record", None), "fallbacks", None)
-    if fallbacks:  # right numbers, but part of the compiler gave up (a pass skipped, a kernel replaced)
-        return Outcome(name, "fallback", fallbacks[0].line()[:300])
-    return Outcome(name, "ok")
+    record = getattr(made, "record", None)
+    regions = sum(1 for r in record.regions if r.executor != "aten") if record is not None else 0
+    if record is not None and record.fallbacks:  # right numbers, but part of the compiler gave up
+        return Outcome(name, "fallback", record.fallbacks[0].line()[:300], regions)
+    return Outcome(name, "ok", regions=regions)
 
 
 def accelrun(executors: list[str] | None = None, passes: str = "default",
