@@ -14,10 +14,14 @@ from accelrun.dist.collective import to_collective_device
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, stage_group=None) -> float:
+def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, stage_group=None) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most ``max_norm`` (inf: only measure); returns
-    the norm before scaling, the same on every rank. ``stage_group``: the pipeline group, whose
-    ranks hold different parameters (their squared norms add up)."""
+    the norm before scaling as a 0-dim tensor, the same on every rank. ``stage_group``: the pipeline
+    group, whose ranks hold different parameters (their squared norms add up).
+
+    Nothing is read on the host: the decision to scale is a tensor too, so on a GPU the step goes on
+    to the optimizer without waiting for the norm. A non-finite norm scales nothing (the loop stops
+    the run when it reads it)."""
     grads = [p.grad for p in params if p.grad is not None]
     # Group by placement so each group's norms can be computed in one foreach call.
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
@@ -32,11 +36,19 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, stage_grou
     # A rank may hold no gradient (a pipeline stage without parameters): it adds zero.
     square = torch.stack(squares).sum() if squares else torch.zeros(())
     if stage_group is not None:
+        home = square.device
         square = to_collective_device(square, stage_group)
         torch.distributed.all_reduce(square, group=stage_group)
-    total = float(square.sqrt())
-    if math.isfinite(total) and total > max_norm:
-        scale = max_norm / (total + 1e-6)
+        square = square.to(home)
+    total = square.sqrt()
+    if math.isfinite(max_norm) and groups:
+        clip = torch.isfinite(total) & (total > max_norm)
+        scale = torch.where(clip, max_norm / (total + 1e-6), torch.ones_like(total))
         for group in groups.values():
             torch._foreach_mul_(group, scale)
     return total
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, stage_group=None) -> float:
+    """:func:`clip_grad_norm_`, with the norm read on the host."""
+    return float(clip_grad_norm_(params, max_norm, stage_group))

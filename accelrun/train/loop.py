@@ -21,7 +21,7 @@ from accelrun.report.memory import peak_memory_bytes, peak_reserved_bytes, reset
 from accelrun.report.metrics import MetricsWriter, StepMetrics
 from accelrun.report.profiler import profile_steps
 from accelrun.train.checkpoint import save_checkpoint
-from accelrun.train.grad_clip import clip_grad_norm
+from accelrun.train.grad_clip import clip_grad_norm_
 from accelrun.train.lineage import prune_history_checkpoints
 from accelrun.train.precision import autocast
 from accelrun.train.progress import TrainProgress
@@ -92,13 +92,11 @@ def run_loop(
                     loss_sum += loss.detach()
                     spans.append((m0, m1, m2, m3))
                 m4 = clock.mark()
+                # The norm and the loss stay on the device until the step's one synchronisation.
                 where["phase"] = "the gradient norm"
-                grad_norm = clip_grad_norm(params, clip, stage_group)
+                grad_norm_t = clip_grad_norm_(params, clip, stage_group)
                 where["phase"] = "averaging the loss"
-                loss_value = float(s.ctx.mean_over_dp(loss_sum))
-                for what, value in (("the loss", loss_value), ("the gradient norm", grad_norm)):
-                    if not math.isfinite(value):
-                        raise TrainingDiverged(step, what, value, last_ckpt)
+                loss_t = s.ctx.mean_over_dp(loss_sum)
                 where["phase"] = "the optimizer step"
                 s.optimizer.step()
                 s.scheduler.step()
@@ -106,6 +104,12 @@ def run_loop(
                 m5 = clock.mark()
                 clock.finish()
                 t_end = time.perf_counter()
+                loss_value, grad_norm = float(loss_t), float(grad_norm_t)
+                # Read after the optimizer step: no checkpoint follows a diverged step, so the last one
+                # saved is still the last good one.
+                for what, value in (("the loss", loss_value), ("the gradient norm", grad_norm)):
+                    if not math.isfinite(value):
+                        raise TrainingDiverged(step, what, value, last_ckpt)
                 data_s = sum(clock.seconds(a, b) for a, b, _, _ in spans)
                 fwd_s = sum(clock.seconds(b, c) for _, b, c, _ in spans)
                 bwd_s = sum(clock.seconds(c, d) for _, _, c, d in spans)
