@@ -18,7 +18,7 @@ pytest.importorskip("expecttest", reason="torch.testing._internal (the OpInfo da
 from tests.compile.opinfo_check import accelrun, check_op, differentiable_ops, op_name  # noqa: E402
 
 SEED = 16
-SAMPLED = {torch.float32: 6, torch.bfloat16: 3}
+SAMPLED = {torch.float32: 12, torch.bfloat16: 6}
 # Crashed the compiler once: a zero-size matrix (index arithmetic divided by an axis of 0) and a
 # reduction over dim 0 of a 0-dim tensor.
 REGRESSIONS = ["svd", "linalg.svd", "logdet", "linalg.slogdet", "logsumexp"]
