@@ -25,71 +25,31 @@ import contextlib
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
 
-BLOCK_PLAN = {
-    "attention.wq": ColwiseParallel(),
-    "attention.wk": ColwiseParallel(),
-    "attention.wv": ColwiseParallel(),
-    "attention.wo": RowwiseParallel(),
-    "feed_forward.w1": ColwiseParallel(),
-    "feed_forward.w3": ColwiseParallel(),
-    "feed_forward.w2": RowwiseParallel(),
-}
+# The plans are the model family's data (accelrun.models.families.<family>.tp_plan); re-exported here
+# for the callers that name them.
+from accelrun.models.families.llama.tp_plan import BLOCK_PLAN, SP_BLOCK_PLAN, end_plan
 
-# Sequence parallel: norms on sequence shards; attention and feed-forward take the gathered
-# sequence (as plain tensors: the model code sees ordinary (B, T, D) inputs) and hand back sequence
-# shards. The attention's other inputs (the rotary tables) are left alone.
-SP_BLOCK_PLAN = {
-    "attention_norm": SequenceParallel(),
-    "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                    desired_input_layouts=(Replicate(), None, None), use_local_output=True),
-    "attention.wq": ColwiseParallel(),
-    "attention.wk": ColwiseParallel(),
-    "attention.wv": ColwiseParallel(),
-    "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-    "ffn_norm": SequenceParallel(),
-    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                       use_local_output=True),
-    "feed_forward.w1": ColwiseParallel(),
-    "feed_forward.w3": ColwiseParallel(),
-    "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-}
-
-
-def end_plan(model: nn.Module, sequence_parallel: bool, vocab_parallel_loss: bool) -> dict:
-    """The plan for the model's ends (embedding, final norm, output layer) that this stage has."""
-    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
-    plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-        "output": ColwiseParallel(
-            input_layouts=stream,
-            # Loss parallel keeps the logits a vocabulary-sharded DTensor for loss_parallel().
-            output_layouts=Shard(-1) if vocab_parallel_loss else Replicate(),
-            use_local_output=not vocab_parallel_loss,
-        ),
-    }
-    if sequence_parallel:
-        plan["norm"] = SequenceParallel()
-    return {k: v for k, v in plan.items() if getattr(model, k, None) is not None}  # a stage may lack an end
+__all__ = ["BLOCK_PLAN", "SP_BLOCK_PLAN", "apply_tp", "end_plan", "loss_context"]
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
-             loss_parallel: bool = False) -> None:
+             loss_parallel: bool = False, plan=None) -> None:
+    """Apply ``plan`` (a family's ``TPPlan``; default: the Llama family's) to the model's ends and blocks."""
     # The recipe was checked before launch (accelrun.config.validate, parallel problems): a built-in,
-    # untied Llama; sequence and loss parallelism without pipeline stages.
-    parallelize_module(model, tp_mesh, end_plan(model, sequence_parallel, loss_parallel))
+    # untied model; sequence and loss parallelism without pipeline stages.
+    if plan is None:
+        from accelrun.models.families import get_family
+
+        plan = get_family("llama").tp_plan
+    parallelize_module(model, tp_mesh, plan.ends(model, sequence_parallel, loss_parallel))
     blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for block in blocks:
-        parallelize_module(block, tp_mesh, SP_BLOCK_PLAN if sequence_parallel else BLOCK_PLAN)
+        parallelize_module(block, tp_mesh, plan.sequence_parallel_block if sequence_parallel else plan.block)
 
 
 def loss_context(enabled: bool):

@@ -15,9 +15,6 @@ from torch import nn
 
 from accelrun.errors import UserError
 
-from .flops import flops_per_token, param_count
-from .llama import Llama, LlamaArgs
-
 if TYPE_CHECKING:  # the schema imports pydantic; keep it out of `import accelrun.models`
     from accelrun.config.schema import ModelConfig
 
@@ -42,9 +39,10 @@ def build_model(
     device = torch.device(device)
     if cfg.custom is not None:
         return _build_custom(cfg.custom, cfg.kwargs, device)
-    args = LlamaArgs.from_config(cfg)
+    spec = family_spec(cfg)
+    args = spec.args_from_config(cfg)
     with torch.device("meta"):
-        model = Llama(args)
+        model = spec.build(args)
     if device.type != "meta":
         model.to_empty(device=device)
         model.init_weights(seed=seed)
@@ -60,6 +58,13 @@ def materialize_local(model: nn.Module, device: torch.device | str, *, seed: int
     """
     model.to_empty(device=torch.device(device))
     model.init_weights(seed=seed)
+
+
+def family_spec(cfg: ModelConfig):
+    """The ``ModelSpec`` of the recipe's family (``model.arch``; see ``accelrun.models.families``)."""
+    from accelrun.models.families import get_family
+
+    return get_family(cfg.arch)
 
 
 def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn.Module:
@@ -117,7 +122,8 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, model: nn.Module | Non
     A user's model is unknown unless ``model`` is given and has a ``flops_per_token(seq_len)`` method.
     """
     if cfg.custom is None:
-        return flops_per_token(LlamaArgs.from_config(cfg), seq_len)
+        spec = family_spec(cfg)
+        return spec.flops_per_token(spec.args_from_config(cfg), seq_len)
     method = getattr(model, "flops_per_token", None)
     return float(method(seq_len)) if callable(method) else None
 
@@ -132,9 +138,10 @@ def model_summary(cfg: ModelConfig, model: nn.Module, seq_len: int | None = None
     or a pipeline stage; a user's model is counted from its (distinct) parameters.
     """
     if cfg.custom is None:
-        args = LlamaArgs.from_config(cfg)
-        total: int = param_count(args)
-        non_embedding: int | None = param_count(args, embeddings=False)
+        spec = family_spec(cfg)
+        args = spec.args_from_config(cfg)
+        total: int = spec.param_count(args)
+        non_embedding: int | None = spec.param_count(args, embeddings=False)
     else:
         total = sum(p.numel() for p in model.parameters())
         non_embedding = None

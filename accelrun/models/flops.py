@@ -26,7 +26,8 @@ def _block_params(args: LlamaArgs) -> int:
     attention = d * args.n_heads * e + 2 * d * args.kv_heads * e + args.n_heads * e * d
     feed_forward = 3 * d * args.ffn_dim
     norms = 2 * d
-    return attention + feed_forward + norms
+    biases = (args.n_heads + 2 * args.kv_heads) * e if getattr(args, "qkv_bias", False) else 0
+    return attention + feed_forward + norms + biases
 
 
 def param_count(args: LlamaArgs, *, embeddings: bool = True) -> int:
