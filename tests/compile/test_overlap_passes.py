@@ -34,9 +34,12 @@ LAYERS, DIM = 6, 32
 
 @pytest.fixture(scope="module")
 def group_name():
-    if not dist.is_initialized():
+    ours = not dist.is_initialized()
+    if ours:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return dist.group.WORLD.group_name
+    yield dist.group.WORLD.group_name
+    if ours and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _forward(group: str):

@@ -15,6 +15,14 @@ from accelrun.models import build_model
 from tests.conftest import DEFAULT_CONFIG, TINY
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left_by_earlier_tests():
+    """A dry run refuses to replace a process group; in-process tests before this module (the overlap
+    passes' gloo group, compile explain's) may have left theirs behind, so it is closed here."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _resolved(*overrides: str):
     return load_config(DEFAULT_CONFIG, [*TINY, *overrides])
 
