@@ -11,7 +11,7 @@ from __future__ import annotations
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 def _boolean_for_a_number(annotation: Any, value: Any) -> bool:
@@ -59,6 +59,16 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 Degree = Annotated[int, Field(ge=-1)]
 
 
+class RopeScalingConfig(Section):
+    """Llama 3.1's rotary frequency scaling (``rope_type: llama3`` in a Hugging Face config)."""
+
+    type: Literal["llama3"] = "llama3"
+    factor: Annotated[float, Field(gt=0)] = 8.0
+    low_freq_factor: Annotated[float, Field(gt=0)] = 1.0
+    high_freq_factor: Annotated[float, Field(gt=0)] = 4.0
+    original_max_seq_len: PositiveInt = 8192
+
+
 class ModelConfig(Section):
     """A Llama-family decoder, or a user's own model by import path."""
 
@@ -74,10 +84,27 @@ class ModelConfig(Section):
     max_seq_len: PositiveInt = 2048
     tie_embeddings: bool = False
     init_std: Annotated[float, Field(gt=0)] = 0.02
+    qkv_bias: bool = Field(False, description="biases on the q, k, v projections (Qwen2)")
+    rope_scaling: RopeScalingConfig | None = Field(None, description="Llama 3.1's long-context scaling; None = none")
+    hf: str | None = Field(
+        None, description="a local Hugging Face model folder (config.json + *.safetensors): its config sets the "
+        "model's shape keys and its weights replace the initial ones"
+    )
     custom: str | None = Field(
         None, description='"package.module:factory" building an nn.Module; replaces the llama model'
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for `custom`")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shape_from_hf_folder(cls, data: Any) -> Any:
+        # The folder's config.json is the model: its shape replaces the recipe's (a base recipe's dim
+        # must not silently win over the checkpoint's).
+        if isinstance(data, dict) and data.get("hf") is not None:
+            from accelrun.config.hf_model import model_keys_from_hf_folder
+
+            return {**data, **model_keys_from_hf_folder(str(data["hf"]))}
+        return data
 
     @field_validator("custom")
     @classmethod
@@ -262,6 +289,16 @@ class CheckpointConfig(Section):
     # auto: continue from the newest complete checkpoint of an earlier run with the same name.
     resume: str = Field("auto", description='"auto", "none", or a path to a checkpoint folder')
     save_final: bool = True
+    hf_on_finish: bool = Field(
+        False, description="after training, export the final checkpoint to <run>/hf/ in Hugging Face format "
+        "(needs enabled and save_final)"
+    )
+
+    @model_validator(mode="after")
+    def _hf_export_needs_a_final_checkpoint(self) -> CheckpointConfig:
+        if self.hf_on_finish and not (self.enabled and self.save_final):
+            raise ValueError("hf_on_finish exports the final checkpoint: it needs enabled and save_final true")
+        return self
 
 
 class ReportConfig(Section):

@@ -46,6 +46,10 @@ class LlamaArgs:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
+    qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
+    # Llama 3.1's long-context frequency scaling: anything with factor, low_freq_factor,
+    # high_freq_factor and original_max_seq_len attributes (config.schema.RopeScalingConfig); None = none.
+    rope_scaling: Any = None
 
     def __post_init__(self) -> None:
         # Errors name the recipe key so a user can find it (the schema checks each field alone;
@@ -93,14 +97,29 @@ class RMSNorm(nn.Module):
         return y.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None):
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None,
+                scaling: Any = None):
     """cos and sin of the rotation angle for each position and rotary pair: two (T, R) fp32 tensors."""
     inv_freq_R = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     )
+    if scaling is not None:
+        inv_freq_R = llama3_scaled_frequencies(inv_freq_R, scaling)
     pos_T = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angle_TR = torch.outer(pos_T, inv_freq_R)
     return angle_TR.cos(), angle_TR.sin()
+
+
+def llama3_scaled_frequencies(inv_freq_R: torch.Tensor, scaling: Any) -> torch.Tensor:
+    """Llama 3.1's frequency scaling: wavelengths longer than the original context / low_freq_factor
+    are stretched by ``factor``, shorter than original / high_freq_factor kept, and the band between
+    interpolated linearly in (original context / wavelength)."""
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    original = scaling.original_max_seq_len
+    wavelen_R = 2 * math.pi / inv_freq_R
+    ratio_R = original / wavelen_R  # how many wavelengths fit in the original context
+    blend_R = ((ratio_R - low) / (high - low)).clamp(0.0, 1.0)  # 0: stretch fully, 1: keep
+    return inv_freq_R / factor * (1 - blend_R) + inv_freq_R * blend_R
 
 
 def apply_rope(x_BTHE: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
@@ -116,9 +135,9 @@ class Attention(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
@@ -173,6 +192,8 @@ class TransformerBlock(nn.Module):
         for linear in (self.attention.wq, self.attention.wk, self.attention.wv,
                        self.feed_forward.w1, self.feed_forward.w3):  # fmt: skip
             shard_init.normal_(linear.weight, std, _param_key(seed, linear, "weight", names))
+            if linear.bias is not None:
+                linear.bias.zero_()  # a DTensor zeroes its local shard
         # Projections that write into the residual stream are scaled down so the stream's variance
         # does not grow with depth (GPT-2's 1/sqrt(2 * n_layers)).
         for linear in (self.attention.wo, self.feed_forward.w2):
@@ -202,7 +223,7 @@ class Llama(nn.Module):
         self.tie_weights()
         # Derived from args, not learned: kept out of the state dict, recomputed by init_buffers()
         # after to_empty() (which leaves buffers uninitialised).
-        cos_TR, sin_TR = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos_TR, sin_TR = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, scaling=args.rope_scaling)
         self.register_buffer("rope_cos", cos_TR, persistent=False)
         self.register_buffer("rope_sin", sin_TR, persistent=False)
         # Each module keeps its name in the whole model: initial values are keyed by parameter name
@@ -227,7 +248,8 @@ class Llama(nn.Module):
         if device is None:
             device = self.rope_cos.device
         a = self.args
-        self.rope_cos, self.rope_sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=device)
+        self.rope_cos, self.rope_sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=device,
+                                                   scaling=a.rope_scaling)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

@@ -24,7 +24,8 @@ from accelrun.dist.fsdp import apply_fsdp
 from accelrun.dist.pipeline import Pipeline, union_of
 from accelrun.dist.tp import apply_tp, loss_context
 from accelrun.models import build_model, model_flops_per_token, model_summary, transformer_blocks
-from accelrun.models.build import materialize_local, training_loss_fn
+from accelrun.models.build import family_spec, materialize_local, training_loss_fn
+from accelrun.models.hf_io import load_hf_for_config
 from accelrun.report.peak import Peak, resolve_peak
 from accelrun.train.activation_checkpoint import apply_activation_checkpointing
 from accelrun.train.checkpoint import complete_checkpoints, load_checkpoint, remove_partial
@@ -93,7 +94,7 @@ def _parallelize(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
     blocks = transformer_blocks(part)
     if ctx.mesh is not None and ctx.tp_size > 1:
         apply_tp(part, ctx.mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel,
-                 loss_parallel=cfg.parallel.loss_parallel)
+                 loss_parallel=cfg.parallel.loss_parallel, plan=family_spec(cfg.model).tp_plan)
     if blocks is not None:
         apply_activation_checkpointing(blocks, t.activation_checkpoint)
     elif t.activation_checkpoint.mode != "none":
@@ -188,6 +189,8 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     if on_meta:
         for part in parts:
             materialize_local(part, device, seed=t.seed)
+        if cfg.model.hf is not None:  # a Hugging Face checkpoint's weights replace the initial ones
+            load_hf_for_config(parts, cfg.model)
     if pipeline is not None:
         pipeline.build_schedule()
 

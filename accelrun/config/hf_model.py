@@ -1,0 +1,120 @@
+"""Read a Hugging Face model folder's ``config.json`` into the recipe's ``model`` keys (no torch).
+
+Each supported ``model_type`` maps onto a family accelrun builds; the weights are read later, by the
+family (``accelrun.models.families``), once the model exists. This lives in the config layer because
+the shape decides everything downstream that must stay torch-free (validation, the planner, FLOPs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from accelrun.config.errors import ConfigError
+
+# model_type → (family, its CausalLM class name). One line per supported Hugging Face architecture.
+HF_MODEL_TYPES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("llama", "MistralForCausalLM"),
+    "qwen2": ("llama", "Qwen2ForCausalLM"),
+}
+
+
+class HFModelError(ConfigError):
+    """A Hugging Face model folder accelrun cannot use; the message names the file and key."""
+
+
+def supported() -> str:
+    return ", ".join(f"{t} ({cls})" for t, (_, cls) in HF_MODEL_TYPES.items())
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder).expanduser() / "config.json"
+    if not Path(folder).expanduser().is_dir():
+        raise HFModelError(f"model.hf = {str(folder)!r}: no such folder")
+    if not path.is_file():
+        raise HFModelError(f"model.hf: {path} not found (a Hugging Face model folder has a config.json)")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise HFModelError(f"model.hf: {path} is not readable JSON: {e}") from None
+
+
+def hf_model_type(config: dict[str, Any], path: str) -> str:
+    model_type = config.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        by_class = {cls: t for t, (_, cls) in HF_MODEL_TYPES.items()}
+        model_type = next((by_class[a] for a in config.get("architectures") or [] if a in by_class), None)
+    if model_type is None:
+        raise HFModelError(
+            f"model.hf: {path}: model_type {config.get('model_type')!r} (architectures "
+            f"{config.get('architectures')}) is not supported; supported: {supported()}"
+        )
+    return model_type
+
+
+def _rope(config: dict[str, Any], path: str) -> tuple[float, dict[str, Any] | None]:
+    """(theta, rope scaling keys or None): transformers 4 writes rope_theta + rope_scaling, 5 writes
+    rope_parameters (with rope_theta inside)."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or params
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise HFModelError(f"model.hf: {path}: rope scaling type {kind!r} is not supported (default, llama3)")
+    return float(theta), {
+        "type": "llama3",
+        "factor": scaling["factor"],
+        "low_freq_factor": scaling["low_freq_factor"],
+        "high_freq_factor": scaling["high_freq_factor"],
+        "original_max_seq_len": scaling["original_max_position_embeddings"],
+    }
+
+
+def model_keys_from_hf_folder(folder: str) -> dict[str, Any]:
+    """The ``model`` keys (dim, n_layers, ...) that ``folder``'s config.json describes."""
+    config = read_hf_config(folder)
+    path = str(Path(folder).expanduser() / "config.json")
+    model_type = hf_model_type(config, path)
+    family = HF_MODEL_TYPES[model_type][0]
+    try:
+        dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        keys: dict[str, Any] = {
+            "arch": family,
+            "dim": dim,
+            "n_layers": int(config["num_hidden_layers"]),
+            "n_heads": heads,
+            "n_kv_heads": int(config.get("num_key_value_heads") or heads),
+            "ffn_dim": int(config["intermediate_size"]),
+            "vocab_size": int(config["vocab_size"]),
+            "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+            "max_seq_len": int(config.get("max_position_embeddings", 2048)),
+            "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+            "init_std": float(config.get("initializer_range", 0.02)),
+            "qkv_bias": model_type == "qwen2",
+        }
+    except KeyError as e:
+        raise HFModelError(f"model.hf: {path} has no {e.args[0]!r} key") from None
+    keys["rope_theta"], keys["rope_scaling"] = _rope(config, path)
+
+    unsupported = {  # a key whose value accelrun's family cannot express: refuse rather than differ
+        "hidden_act": (config.get("hidden_act", "silu") not in ("silu", "swish"), "only silu"),
+        "attention_bias": (model_type != "qwen2" and bool(config.get("attention_bias")), "only false"),
+        "mlp_bias": (bool(config.get("mlp_bias")), "only false"),
+        "head_dim": (config.get("head_dim") not in (None, dim // heads), f"only hidden_size / heads = {dim // heads}"),
+        "use_sliding_window": (model_type == "qwen2" and bool(config.get("use_sliding_window")), "only false"),
+    }
+    for key, (bad, allowed) in unsupported.items():
+        if bad:
+            raise HFModelError(f"model.hf: {path}: {key} = {config.get(key)!r} is not supported ({allowed})")
+    window = config.get("sliding_window") if model_type == "mistral" else None
+    if window:
+        # Attention over at most `window` positions is full causal attention: exact up to there.
+        keys["max_seq_len"] = min(keys["max_seq_len"], int(window))
+    if not math.isfinite(keys["rope_theta"]):
+        raise HFModelError(f"model.hf: {path}: rope_theta is not a finite number")
+    return keys

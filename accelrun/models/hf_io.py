@@ -1,0 +1,150 @@
+"""Hugging Face checkpoints in and out: safetensors weights into a built model, and a model's state
+dict out as ``config.json`` + sharded ``*.safetensors`` (+ ``model.safetensors.index.json``).
+
+Loading works on a whole model, a pipeline stage, or a sharded one (DTensor parameters under FSDP or
+TP): each parameter is read from its file in the checkpoint's dtype, put in accelrun's layout, and
+converted once into the parameter's dtype; a sharded parameter keeps only this rank's slice
+(``distribute_tensor`` with ``src_data_rank=None``: no communication). Each rank still reads the whole
+tensor of every parameter it holds a part of, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from accelrun.errors import UserError
+
+INDEX = "model.safetensors.index.json"
+
+
+class HFCheckpointError(UserError, ValueError):
+    """A Hugging Face folder whose weights do not fit the model; names the file and tensor."""
+
+
+def weight_files(folder: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it (from the index, else every file's header)."""
+    from safetensors import safe_open
+
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise HFCheckpointError(f"{index}: not a safetensors index ({e})") from None
+        missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+        if missing:
+            raise HFCheckpointError(f"{index} names {missing[0]}, which is not in {folder} (a missing shard)")
+        return {name: folder / f for name, f in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise HFCheckpointError(f"model.hf: {folder} holds no *.safetensors files")
+    out = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                out.update(dict.fromkeys(handle.keys(), f))
+        except Exception as e:  # safetensors raises its own error types for damaged headers
+            raise HFCheckpointError(f"{f}: cannot read its safetensors header ({e})") from None
+    return out
+
+
+@torch.no_grad()
+def load_hf_weights(modules: list[nn.Module], folder: str | Path, spec: Any, args: Any) -> int:
+    """Copy ``folder``'s weights into the parameters ``modules`` hold (whole models, stages or shards,
+    already materialised); returns how many tensors were read."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    folder = Path(folder).expanduser()
+    files = weight_files(folder)
+    handles: dict[Path, Any] = {}
+    read = 0
+    try:
+        for module in modules:
+            for name, param in module.named_parameters():
+                hf = spec.hf_name(name, args)
+                if hf not in files:
+                    if name == "output.weight" and args.tie_embeddings:
+                        continue
+                    raise HFCheckpointError(f"model.hf: {folder}: no tensor {hf!r} (for {name}) in the weight files")
+                path = files[hf]
+                if path not in handles:
+                    try:
+                        handles[path] = safe_open(str(path), framework="pt").__enter__()
+                    except Exception as e:
+                        raise HFCheckpointError(f"{path}: cannot read its safetensors header ({e})") from None
+                try:
+                    t = handles[path].get_tensor(hf)
+                except Exception as e:  # a truncated file fails here
+                    raise HFCheckpointError(f"{path}: cannot read tensor {hf!r} ({e}); is the file truncated?") from None
+                shape = tuple(param.shape)
+                if tuple(t.shape) != shape:
+                    raise HFCheckpointError(
+                        f"{path}: tensor {hf!r} has shape {tuple(t.shape)}, the model built from config.json "
+                        f"needs {shape} (for {name})"
+                    )
+                t = spec.state_dict_from_hf({hf: t}, args)[name]
+                if isinstance(param, DTensor):
+                    t = distribute_tensor(t.to(param.device, param.dtype), param.device_mesh, param.placements,
+                                          src_data_rank=None)
+                    param.to_local().copy_(t.to_local())
+                else:
+                    param.copy_(t)  # the one dtype conversion
+                read += 1
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    return read
+
+
+def export_hf(state_dict: dict[str, torch.Tensor], spec: Any, args: Any, out: str | Path,
+              max_shard_bytes: int = 2 * 2**30) -> list[Path]:
+    """Write ``state_dict`` (a whole model's, plain tensors, accelrun names) as a transformers folder:
+    config.json and safetensors shards of at most ``max_shard_bytes`` each (one tensor may exceed
+    it), with an index when there is more than one. Returns the files written."""
+    from safetensors.torch import save_file
+
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    hf_sd = spec.state_dict_to_hf({k: v.detach().cpu() for k, v in state_dict.items()}, args)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in hf_sd.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    written = []
+    config = spec.hf_config(args)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    written.append(out / "config.json")
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(names, shards, strict=True):
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        written.append(out / fname)
+        weight_map.update(dict.fromkeys(shard, fname))
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in hf_sd.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        written.append(out / INDEX)
+    return written
+
+
+def load_hf_for_config(modules: list[nn.Module], cfg: Any) -> int:
+    """Read ``cfg.hf``'s weights (a recipe's ``model`` section) into ``modules``, by its family's names."""
+    from accelrun.models.families import get_family
+
+    spec = get_family(cfg.arch)
+    return load_hf_weights(modules, cfg.hf, spec, spec.args_from_config(cfg))

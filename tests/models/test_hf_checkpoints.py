@@ -1,0 +1,102 @@
+"""model.hf: a transformers folder read into accelrun's Llama family gives transformers' logits; bad
+folders are one clear error each."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from accelrun.config.errors import ConfigError
+from accelrun.config.schema import ModelConfig
+from accelrun.models import build_model
+from accelrun.models.hf_io import HFCheckpointError, load_hf_for_config
+from tests.models.hf_helpers import save_tiny_hf
+
+TOL = 1e-5  # fp32, same weights, different kernels and op order
+
+
+def _accelrun(folder, **overrides):
+    cfg = ModelConfig(hf=str(folder), **overrides)
+    model = build_model(cfg, "cpu", seed=0)
+    load_hf_for_config([model], cfg)
+    return model.eval(), cfg
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "mistral", "tied"])
+def test_logits_equal_transformers(tmp_path, kind):
+    hf = save_tiny_hf(tmp_path, kind)
+    ours, cfg = _accelrun(tmp_path)
+    assert cfg.tie_embeddings == (kind == "tied") and cfg.qkv_bias == (kind == "qwen2")
+    assert (cfg.rope_scaling is not None) == (kind == "llama3")
+    tokens = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
+    assert diff < TOL, f"{kind}: max |logit difference| {diff:.2e}"
+
+
+def test_rope_scaling_changes_the_logits(tmp_path):
+    # The llama3 case above proves something only if the scaling matters at these shapes.
+    hf = save_tiny_hf(tmp_path, "llama3")
+    ours, _ = _accelrun(tmp_path)
+    unscaled, _ = _accelrun(tmp_path)
+    unscaled.args = type(unscaled.args)(**{**unscaled.args.__dict__, "rope_scaling": None})
+    unscaled.init_buffers()
+    tokens = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (unscaled(tokens) - hf(tokens).logits).abs().max() > 1e-3
+        assert (ours(tokens) - hf(tokens).logits).abs().max() < TOL
+
+
+def test_sharded_folder_with_index_and_bf16_weights(tmp_path):
+    hf = save_tiny_hf(tmp_path, "llama", max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    ours, _ = _accelrun(tmp_path)
+    tokens = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (ours(tokens) - hf(tokens).logits).abs().max() < TOL
+    # bf16 files are read in their dtype and converted once into the fp32 parameters.
+    bf16 = tmp_path / "bf16"
+    hf.to(torch.bfloat16).save_pretrained(bf16)
+    ours16, _ = _accelrun(bf16)
+    assert torch.equal(ours16.tok_embeddings.weight, hf.model.embed_tokens.weight.float())
+
+
+def test_shape_keys_come_from_config_json(tmp_path):
+    save_tiny_hf(tmp_path, "llama")
+    cfg = ModelConfig(hf=str(tmp_path), dim=999, n_layers=7)  # a base recipe's shape does not win
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size) == (64, 2, 4, 2, 112, 320)
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match=r"'gpt2'.*supported: llama \(LlamaForCausalLM\), mistral.*qwen2"):
+        ModelConfig(hf=str(tmp_path))
+
+
+def test_folder_without_config_json(tmp_path):
+    with pytest.raises(ConfigError, match=r"config.json not found"):
+        ModelConfig(hf=str(tmp_path))
+
+
+def test_shape_mismatch_names_file_and_tensor(tmp_path):
+    save_tiny_hf(tmp_path, "llama")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    with pytest.raises(HFCheckpointError, match=r"model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' "
+                                                r"has shape \(112, 64\).*needs \(96, 64\)"):
+        _accelrun(tmp_path)
+
+
+def test_missing_shard_and_truncated_file(tmp_path):
+    save_tiny_hf(tmp_path / "a", "llama", max_shard_size="40KB")
+    victim = sorted((tmp_path / "a").glob("*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(HFCheckpointError, match=rf"names {victim.name}.*missing shard"):
+        _accelrun(tmp_path / "a")
+    save_tiny_hf(tmp_path / "b", "llama")
+    f = tmp_path / "b" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(HFCheckpointError, match=r"model.safetensors"):
+        _accelrun(tmp_path / "b")
