@@ -57,6 +57,7 @@ def _register() -> None:
         compile_cmd,
         config_cmd,
         data_cmd,
+        export_cmd,
         launch_cmd,
         plan_cmd,
         recipes_cmd,
@@ -67,7 +68,7 @@ def _register() -> None:
     )
 
     for module in (train_cmd, validate_cmd, config_cmd, recipes_cmd, data_cmd, compare_cmd, ab_cmd, runs_cmd,
-                   plan_cmd, launch_cmd, slurm_cmd, compile_cmd):
+                   plan_cmd, launch_cmd, slurm_cmd, compile_cmd, export_cmd):
         cli.add_command(module.command)
 
 

@@ -233,6 +233,14 @@ def run_in_dir(
         report = _write_report(resolved, s, run_dir, env, status, setup_s, error, per_rank)
     if error is not None:
         raise error
+    if main and cfg.checkpoint.hf_on_finish and outcome.checkpoints:
+        # From the final checkpoint (DCP reshards whatever the layout was): one process writes.
+        from accelrun.train.export import export_checkpoint
+
+        export_checkpoint(outcome.checkpoints[-1], run_dir / "hf")
+        if console is not None:
+            console.print(f"exported {outcome.checkpoints[-1].name} to {run_dir / 'hf'} (Hugging Face format)",
+                          markup=False, highlight=False)
     if console is not None and ctx is None:
         _print_summary(console, report, run_dir)
     return TrainResult(run_dir, status, report)

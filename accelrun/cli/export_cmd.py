@@ -1,0 +1,31 @@
+"""``accelrun export``: a run's (or checkpoint's) model as a Hugging Face folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from accelrun.cli.common import out
+
+
+@click.command("export")
+@click.argument("ref", type=click.Path(path_type=Path))
+@click.option("--hf", "hf_out", required=True, type=click.Path(path_type=Path),
+              help="Folder to write config.json and *.safetensors (+ index) into.")
+@click.option("--max-shard-gb", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+              help="Largest safetensors file (a single tensor may exceed it).")
+def command(ref: Path, hf_out: Path, max_shard_gb: float) -> None:
+    """Write the model of REF (a checkpoint folder, a run folder: its newest complete checkpoint, or a
+    folder of runs: its newest run) in Hugging Face format, for transformers' from_pretrained.
+
+    \b
+    Examples:
+      accelrun export runs/hf-llama --hf exported/
+      accelrun export runs/hf-llama/20260101-120000-ab12/checkpoints/step-000010 --hf exported/
+    """
+    from accelrun.train.export import export_checkpoint
+
+    written = export_checkpoint(ref, hf_out, max_shard_bytes=int(max_shard_gb * 2**30))
+    out.print(f"wrote {len(written)} files to {hf_out}: " + ", ".join(p.name for p in written),
+              markup=False, highlight=False)

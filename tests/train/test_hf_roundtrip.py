@@ -1,0 +1,70 @@
+"""Hugging Face round trip: a transformers checkpoint → accelrun trains it → export → transformers loads
+it with accelrun's logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
+
+from accelrun.cli.main import cli
+from accelrun.config.schema import ModelConfig
+from accelrun.models import build_model
+from tests.conftest import DEFAULT_CONFIG
+from tests.models.hf_helpers import save_tiny_hf
+
+TOL = 1e-5
+
+
+def _accelrun_logits(run_dir, tokens):
+    """accelrun's own model from the run's final checkpoint (independent of the export code)."""
+    import yaml
+
+    model_keys = yaml.safe_load((run_dir / "config.yaml").read_text())["model"]
+    cfg = ModelConfig.model_validate({**model_keys, "hf": None})
+    model = build_model(cfg, "cpu", seed=123)
+    (ckpt,) = sorted((run_dir / "checkpoints").glob("step-*"))
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt)
+    model.load_state_dict(state["model"])
+    with torch.no_grad():
+        return model.eval()(tokens)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_hf_train_export_transformers_loads(tiny, tmp_path, kind):
+    import transformers
+
+    src = tmp_path / "src"
+    original = save_tiny_hf(src, kind)
+    r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG),
+                                 *tiny(2, f"model.hf={src}", "checkpoint.hf_on_finish=true")])
+    assert r.exit_code == 0, r.output
+    (run_dir,) = list((tmp_path / "runs" / "llama-debug").iterdir())
+    assert json.loads((run_dir / "report.json").read_text())["steps"] == 2
+
+    out = tmp_path / "exported"
+    r = CliRunner().invoke(cli, ["export", str(run_dir), "--hf", str(out), "--max-shard-gb", "0.0001"])
+    assert r.exit_code == 0, r.output
+    assert (out / "model.safetensors.index.json").is_file()  # ~100 KiB shards: several files
+
+    tokens = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0))
+    ours = _accelrun_logits(run_dir, tokens)
+    with torch.no_grad():
+        before = original(tokens).logits
+        for folder in (out, run_dir / "hf"):  # the command's export and hf_on_finish's
+            back = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+            assert type(back).__name__ == type(original).__name__
+            diff = (back(tokens).logits - ours).abs().max().item()
+            assert diff < TOL, f"{folder}: max |logit difference| {diff:.2e}"
+    # Two steps of training moved the weights: the round trip carried the trained ones, not the originals.
+    assert (ours - before).abs().max() > 1e-3
+
+
+def test_export_of_a_folder_without_checkpoints_exits_2(tmp_path):
+    r = CliRunner().invoke(cli, ["export", str(tmp_path), "--hf", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "not a run directory" in r.output
+    assert not (tmp_path / "out").exists()
