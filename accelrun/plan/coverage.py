@@ -35,6 +35,10 @@ MODELLED = frozenset({
 NO_EFFECT = frozenset({
     "name", "description", "model.arch", "model.norm_eps", "model.rope_theta", "model.init_std", "model.kwargs",
     "model.max_seq_len",  # the rotary table: max_seq_len × head_dim / 2 numbers, negligible
+    "model.rope_scaling",  # changes the rotary table's values, not its size
+    "model.qkv_bias",  # (n_heads + 2 kv_heads) × head_dim numbers per layer, negligible
+    "model.hf",  # the folder's shape is in the other model keys; reading it happens before the first step
+    "checkpoint.hf_on_finish",  # after the last step
     "data.source", "data.builtin", "data.paths", "data.tokenizer", "data.max_bytes", "data.shuffle", "data.seed",
     "train.steps", "train.seed", "train.optimizer.name", "train.optimizer.lr", "train.optimizer.betas",
     "train.optimizer.eps", "train.optimizer.weight_decay", "train.lr_schedule.name",
