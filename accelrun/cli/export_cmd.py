@@ -21,8 +21,8 @@ def command(ref: Path, hf_out: Path, max_shard_gb: float) -> None:
 
     \b
     Examples:
-      accelrun export runs/hf-llama --hf exported/
-      accelrun export runs/hf-llama/20260101-120000-ab12/checkpoints/step-000010 --hf exported/
+      accelrun export runs/hf-llama --hf exported/   # after a run of configs/hf-llama.yaml; before one: exit 2
+      accelrun export runs/hf-llama/20260101-120000-ab12/checkpoints/step-000010 --hf out/  # exit 2 if absent
     """
     from accelrun.train.export import export_checkpoint
 
