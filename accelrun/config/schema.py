@@ -312,6 +312,11 @@ class ReportConfig(Section):
     profile_steps: tuple[PositiveInt, PositiveInt] | None = Field(
         None, description="[first, last] steps (inclusive) to record a torch profiler trace of, into profile/"
     )
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description="experiment trackers fed from rank 0 (files inside the run folder; W&B offline)",
+    )
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI; None = a file store in <run>/mlflow")
 
     @field_validator("profile_steps")
     @classmethod
@@ -323,6 +328,16 @@ class ReportConfig(Section):
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
+
+
+class EvalConfig(Section):
+    """Validation loss on a held-out tail of the data that training never reads."""
+
+    every: NonNegativeInt = Field(0, description="steps between evaluations (and after the last step); 0 = off")
+    steps: PositiveInt = Field(4, description="micro-batches per rank in one evaluation (at most the held-out ones)")
+    split: Annotated[float, Field(gt=0, lt=1)] = Field(
+        0.05, description="fraction of the data's windows held out (the last ones) when eval.every > 0"
+    )
 
 
 class CollectiveFit(Section):
@@ -404,6 +419,7 @@ class RunConfig(Section):
     compile: CompileConfig = Field(default_factory=CompileConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @property

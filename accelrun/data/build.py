@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from accelrun.config.schema import DataConfig
+from accelrun.config.schema import DataConfig, EvalConfig
 from accelrun.data.builtin import load_builtin
 from accelrun.data.errors import DataError
+from accelrun.data.heldout import HeldOutBatches
 from accelrun.data.loader import TokenBatchIterator
 from accelrun.data.stream import TokenStream
 from accelrun.data.synthetic import SyntheticStream, synthetic_length
@@ -54,6 +55,7 @@ def build_data(
     dp_rank: int = 0,
     dp_size: int = 1,
     min_tokens: int | None = None,
+    eval_cfg: EvalConfig | None = None,
 ) -> TokenBatchIterator:
     """The batch iterator of one data-parallel rank.
 
@@ -66,6 +68,10 @@ def build_data(
     """
     seed = data_cfg.seed if data_cfg.seed is not None else seed
     stream = load_stream(data_cfg, vocab_size=vocab_size, seed=seed, min_tokens=min_tokens)
+    if eval_cfg is not None and eval_cfg.every > 0:  # training reads only what precedes the held-out tail
+        heldout = HeldOutBatches(stream, seq_len=seq_len, micro_batch=micro_batch, split=eval_cfg.split,
+                                 max_batches=eval_cfg.steps, dp_rank=dp_rank, dp_size=dp_size)
+        stream = heldout.train_stream()
     return TokenBatchIterator(
         stream,
         seq_len=seq_len,
@@ -75,3 +81,14 @@ def build_data(
         dp_rank=dp_rank,
         dp_size=dp_size,
     )
+
+
+def build_eval_data(
+    data_cfg: DataConfig, eval_cfg: EvalConfig, *, seq_len: int, micro_batch: int, seed: int, vocab_size: int,
+    dp_rank: int = 0, dp_size: int = 1, min_tokens: int | None = None,
+) -> HeldOutBatches:
+    """This rank's evaluation batches: the held-out tail that ``build_data(..., eval_cfg=...)`` leaves out."""
+    seed = data_cfg.seed if data_cfg.seed is not None else seed
+    stream = load_stream(data_cfg, vocab_size=vocab_size, seed=seed, min_tokens=min_tokens)
+    return HeldOutBatches(stream, seq_len=seq_len, micro_batch=micro_batch, split=eval_cfg.split,
+                          max_batches=eval_cfg.steps, dp_rank=dp_rank, dp_size=dp_size)

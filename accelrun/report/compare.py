@@ -61,6 +61,7 @@ class GroupFigures:
     run_spread: float | None = None  # (max / min − 1) of the runs' median step times (repeats only)
     round_ratios: list[float | None] | None = None  # paired runs: the first group's median / this one's, per round
     overrides: list[str] = field(default_factory=list)
+    final_val_loss: float | None = None  # eval.every: the first run's last validation loss
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k not in ("speedup", "parity")}
@@ -165,6 +166,8 @@ def _figures(g: Group) -> GroupFigures:
         compile_time_s=statistics.median(compiles) if compiles else None,
         final_loss=g.runs[0].losses()[max(g.runs[0].losses())] if g.runs[0].losses() else None,
         run_spread=spread, overrides=list(g.overrides),
+        final_val_loss=next((float(m["val_loss"]) for m in reversed(g.runs[0].metrics)
+                             if m.get("val_loss") is not None), None),
     )
 
 

@@ -40,6 +40,10 @@ def summary_table(c: Comparison) -> tuple[list[str], list[list[str]]]:
         rows.append([r.label, *([str(r.runs)] if repeats else []), str(r.steady_steps), fmt.secs(r.median_step_s),
                      fmt.integer(r.tokens_per_s), ratio_text(r.speedup, baseline=i == 0), fmt.pct(r.mfu),
                      fmt.nbytes(r.mem_peak_bytes), fmt.secs(r.compile_time_s), fmt.num(r.final_loss)])
+    if any(r.final_val_loss is not None for r in c.rows):  # eval.every in any of them
+        headers.append("final val loss")
+        for row, r in zip(rows, c.rows, strict=True):
+            row.append(fmt.num(r.final_val_loss))
     return headers, rows
 
 

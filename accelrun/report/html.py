@@ -171,7 +171,9 @@ def _loss_fallback(report: dict) -> str:
     curve = report.get("loss_curve") or []
     if not curve:
         return ""
-    line = paragraph(f"loss {fmt.num(report.get('first_loss'))} → {fmt.num(report.get('final_loss'))}  "
+    val = (f"; validation loss {fmt.num(report['final_val_loss'])}"
+           if report.get("final_val_loss") is not None else "")
+    line = paragraph(f"loss {fmt.num(report.get('first_loss'))} → {fmt.num(report.get('final_loss'))}{val}  "
                      f"{sparkline([p['loss'] for p in curve])}", "note")
     return line + details("loss at sampled steps", table(["step", "loss"], [(p["step"], fmt.num(p["loss"]))
                                                                             for p in curve], numeric=(0, 1)))

@@ -162,6 +162,8 @@ def _loss_section(r: dict) -> list[str]:
         return lines + ["no loss recorded"]
     lines.append(f"first → final: {_num(r['first_loss'])} → {_num(r.get('final_loss'))} "
                  f"(mean of the last {r.get('final_loss_window')}: {_num(r.get('final_loss_mean'))})")
+    if r.get("final_val_loss") is not None:
+        lines.append(f"\nvalidation loss (held-out data, eval.every) at the end: {_num(r['final_val_loss'])}")
     curve = r.get("loss_curve") or []
     if curve:
         lines += ["", f"`{sparkline([p['loss'] for p in curve])}`", "", "| step | loss |", "| ---: | ---: |"]

@@ -109,7 +109,10 @@ def loss_plot(metrics: list[dict], warmup_steps: int = 0) -> str:
     fig, ax = _figure("Loss", "loss")
     _shade_warmup(ax, metrics, warmup_steps)
     steps, loss = _steps(metrics, "loss")
-    ax.plot(steps, loss, color=COLORS[0], linewidth=1.2)
+    ax.plot(steps, loss, color=COLORS[0], linewidth=1.2, label="train")
+    val_steps, val_loss = _steps(metrics, "val_loss")
+    if val_steps:  # eval.every: held-out loss at the steps it ran
+        ax.plot(val_steps, val_loss, color=COLORS[1], linewidth=1.2, marker="o", markersize=3, label="validation")
     ax.legend(fontsize=7, frameon=False, loc="upper right")
     return to_svg(fig)
 

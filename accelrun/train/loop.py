@@ -21,6 +21,7 @@ from accelrun.report.memory import peak_memory_bytes, peak_reserved_bytes, reset
 from accelrun.report.metrics import MetricsWriter, StepMetrics
 from accelrun.report.profiler import profile_steps
 from accelrun.train.checkpoint import save_checkpoint
+from accelrun.train.evaluate import evaluate
 from accelrun.train.grad_clip import clip_grad_norm_
 from accelrun.train.lineage import prune_history_checkpoints
 from accelrun.train.precision import autocast
@@ -46,6 +47,7 @@ def run_loop(
     progress: TrainProgress | None,
     *,
     stop_after_step: int | None = None,
+    trackers=None,
 ) -> LoopOutcome:
     """Train from ``s.start_step`` to ``train.steps``. ``stop_after_step`` simulates a preemption (tests)."""
     cfg, dev = s.config, s.device
@@ -125,9 +127,14 @@ def run_loop(
                     record["comm_s"] = s.comm_timer.seconds - comm_at_start
                 if s.comm_trace is not None:  # FSDP's / compiled graphs' collectives: exposed, busy, overlap
                     record.update(s.comm_trace.step_metrics())
+                if s.eval_data is not None and (step % cfg.eval.every == 0 or step == total):
+                    where["phase"] = "evaluating"
+                    record["val_loss"] = evaluate(s)  # every rank: its shard, averaged over data parallel
                 prof.step(step, record)  # report.profile_steps: starts/stops the trace, marks profiled steps
                 if metrics is not None:  # rank 0 only
                     metrics.write(record)
+                    if trackers is not None:
+                        trackers.log_step(record)
                     progress.update(step, loss_value, record["tokens_per_s"] or 0.0)
                 outcome.last_step = step
                 outcome.step_times.append((record["step_time_s"], bool(record.get("compile"))))

@@ -40,6 +40,7 @@ from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, forget_steps_after, read_metrics
 from accelrun.report.rundir import create_run_dir, hold_run_lock, job_run_dir
 from accelrun.report.summary import compile_time_s, step_breakdown, summarize
+from accelrun.report.trackers import check_trackers, open_trackers
 from accelrun.train.host_malloc import malloc_record, tune_malloc
 from accelrun.train.lineage import mark_crashed
 from accelrun.train.loop import LoopOutcome, run_loop
@@ -85,6 +86,7 @@ def train(
     if (late := _oversubscribed(cfg)) is not None:
         console.print(f"[bold yellow]warning:[/] {escape(late)}", highlight=False)
     check_devices(cfg)  # one GPU per process, before a run directory or a rank exists
+    check_trackers(cfg.report.trackers)  # a missing tracker package: exit 2 before any work
     launch = launch or LaunchOptions()
     run_dir, node = _run_dir_for(cfg, launch)
     # Caught from here on: a signal during setup stops the run after its first step, with a checkpoint.
@@ -204,15 +206,24 @@ def run_in_dir(
     progress = (TrainProgress(cfg.train.steps, s.start_step, cfg.report.progress, cfg.report.log_every, console)
                 if console is not None else None)
     error: TrainingDiverged | None = None
+    trackers = (open_trackers(cfg.report.trackers, run_dir, cfg.model_dump(mode="json"), name=run_dir.name,
+                              mlflow_uri=cfg.report.mlflow_uri) if main and cfg.report.trackers else None)
     try:
         with MetricsWriter(run_dir / "metrics.jsonl") if main else contextlib.nullcontext() as metrics:
-            outcome: LoopOutcome = run_loop(s, metrics, progress, stop_after_step=stop_after_step)
+            outcome: LoopOutcome = run_loop(s, metrics, progress, stop_after_step=stop_after_step,
+                                            trackers=trackers)
         status = outcome.status
     except TrainingDiverged as e:
         status, error = "diverged", e
+    except BaseException:
+        if trackers is not None:
+            trackers.close()
+        raise
     finally:
         if progress is not None:
             progress.close()
+    if trackers is not None and status in ("preempted", "interrupted", "stopped"):
+        trackers.close()
 
     if status in ("preempted", "interrupted", "stopped"):
         # No report.json: `checkpoint.resume: auto` treats this run as one to continue.
@@ -231,6 +242,9 @@ def run_in_dir(
     if main:
         env = json.loads((run_dir / "env.json").read_text())
         report = _write_report(resolved, s, run_dir, env, status, setup_s, error, per_rank)
+        if trackers is not None:
+            trackers.log_summary(report)
+            trackers.close()
     if error is not None:
         raise error
     if main and cfg.checkpoint.hf_on_finish and outcome.checkpoints:
@@ -303,6 +317,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         step_time_s_per_rank=[r["step_time_s"] for r in per_rank],
         compiler=_compiler_summary(s),
         history=[str(p) for p in history(run_dir)],  # the run folders of this run, restarts included
+        final_val_loss=next((m["val_loss"] for m in reversed(metrics) if m.get("val_loss") is not None), None),
     )
     summary = {
         "name": cfg.name,

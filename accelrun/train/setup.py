@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from accelrun.config import ConfigError, ResolvedConfig, RunConfig
 from accelrun.data import build_data
+from accelrun.data.build import build_eval_data
 from accelrun.dist.comm_overlap import comm_trace_for
 from accelrun.dist.comm_timing import comm_timer_for
 from accelrun.dist.context import ParallelContext
@@ -65,6 +66,8 @@ class TrainSetup:
     loss_context: Callable[[], Any] = contextlib.nullcontext
     # Exposed and overlapped communication of FSDP's and compiled graphs' collectives (accelrun.dist.comm_overlap).
     comm_trace: Any = None
+    # eval.every > 0: this rank's held-out batches (accelrun.data.heldout), else None.
+    eval_data: Any = None
 
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint needs besides tensors; JSON-able."""
@@ -201,8 +204,17 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     scheduler = build_scheduler(optimizer, t.lr_schedule, t.steps)
     data = build_data(
         cfg.data, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
-        vocab_size=cfg.model.vocab_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
+        vocab_size=cfg.model.vocab_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, eval_cfg=cfg.eval,
     )
+    eval_data = None
+    if cfg.eval.every > 0:
+        if pipeline is not None:
+            raise ConfigError("eval.every: evaluation under pipeline parallelism (parallel.pp > 1) is not "
+                              "supported yet; set eval.every = 0 or parallel.pp = 1")
+        eval_data = build_eval_data(
+            cfg.data, cfg.eval, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
+            vocab_size=cfg.model.vocab_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
+        )
 
     checkpoint_dir = run_dir / "checkpoints"
     # One rank decides (it reads the file system), every rank follows: they must load the same one.
@@ -259,4 +271,5 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         comm_timer=comm_timer_for(ctx.world_size, device),
         comm_trace=comm_trace_for(ctx.world_size, device),
         loss_context=lambda: loss_context(vocab_parallel),
+        eval_data=eval_data,
     )
