@@ -66,7 +66,8 @@ def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int 
     try:
         with warnings.catch_warnings():  # one process reading a DCP checkpoint is the intent here
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, checkpoint_id=ckpt)
+            # no_dist: under hf_on_finish this runs on the main rank of a job whose other ranks are done.
+            dcp.load(state, checkpoint_id=ckpt, no_dist=True)
     except Exception as e:
         raise ExportError(f"{ckpt}: cannot read the model's weights ({str(e).strip().splitlines()[0]})") from None
     model.load_state_dict(state["model"])
