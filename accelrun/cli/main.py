@@ -58,6 +58,7 @@ def _register() -> None:
         config_cmd,
         data_cmd,
         export_cmd,
+        generate_cmd,
         launch_cmd,
         plan_cmd,
         recipes_cmd,
@@ -68,7 +69,7 @@ def _register() -> None:
     )
 
     for module in (train_cmd, validate_cmd, config_cmd, recipes_cmd, data_cmd, compare_cmd, ab_cmd, runs_cmd,
-                   plan_cmd, launch_cmd, slurm_cmd, compile_cmd, export_cmd):
+                   plan_cmd, launch_cmd, slurm_cmd, compile_cmd, export_cmd, generate_cmd):
         cli.add_command(module.command)
 
 

@@ -43,7 +43,7 @@ def load_run_model(ref: str | Path) -> torch.nn.Module:
     try:
         with warnings.catch_warnings():  # one process reading a DCP checkpoint is the intent here
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, checkpoint_id=ckpt)
+            dcp.load(state, checkpoint_id=ckpt, no_dist=True)  # this process alone, group or not
     except Exception as e:
         raise GenerateError(f"{ckpt}: cannot read the model's weights ({str(e).strip().splitlines()[0]})") from None
     model.load_state_dict(state["model"])

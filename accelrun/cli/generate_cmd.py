@@ -1,0 +1,32 @@
+"""``accelrun generate``: text sampled from a run's newest complete checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from accelrun.cli.common import out
+
+
+@click.command("generate")
+@click.argument("run", type=click.Path(path_type=Path))
+@click.option("--prompt", required=True, help="Text to continue (byte tokenizer).")
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=200, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True,
+              help="0 = greedy.")
+@click.option("--top-k", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same text.")
+def command(run: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> None:
+    """Load RUN's newest complete checkpoint (a run folder, a folder of runs: its newest run, or a
+    checkpoint folder) into this process and print PROMPT followed by sampled text.
+
+    \b
+    Examples:
+      accelrun generate runs/llama-debug --prompt "The " --max-new-tokens 100 --seed 1
+    """
+    from accelrun.train.generate import generate_text
+
+    text = generate_text(run, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                         seed=seed)
+    out.print(text, markup=False, highlight=False, soft_wrap=True)
