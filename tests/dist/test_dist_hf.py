@@ -1,0 +1,42 @@
+"""A transformers checkpoint trained on 2 FSDP and 2 TP ranks: every rank loads its part of the HF weights
+(the losses equal one process's), and the export transformers reads back gives accelrun's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist.jobs import FSDP2, LOSS_RTOL, losses, train_job
+from tests.models.hf_helpers import save_tiny_hf
+from tests.train.test_hf_roundtrip import TOL, _accelrun_logits
+
+STEPS = 2
+LAYOUTS = {"one": [], "fsdp2": FSDP2, "tp2": ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.tp=2"]}
+
+
+@pytest.fixture(scope="module")
+def hf_src(tmp_path_factory):
+    src = tmp_path_factory.mktemp("hf") / "llama"
+    save_tiny_hf(src, "llama")
+    return src
+
+
+@pytest.fixture(scope="module")
+def one_process(hf_src, tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    return train_job(runs, STEPS, f"model.hf={hf_src}", "name=one").run_dir
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+def test_hf_checkpoint_on_two_ranks(layout, hf_src, one_process, tmp_path):
+    import transformers
+
+    run_dir = train_job(tmp_path, STEPS, f"model.hf={hf_src}", f"name={layout}", "checkpoint.hf_on_finish=true",
+                        *LAYOUTS[layout]).run_dir
+    got, want = losses(run_dir), losses(one_process)
+    assert got == pytest.approx(want, rel=LOSS_RTOL), (got, want)
+    tokens = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0))
+    back = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf").eval()
+    with torch.no_grad():
+        diff = (back(tokens).logits - _accelrun_logits(run_dir, tokens)).abs().max().item()
+    assert diff < TOL, f"{layout}: max |logit difference| {diff:.2e}"
