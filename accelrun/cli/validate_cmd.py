@@ -24,6 +24,9 @@ def command(config: str, overrides: tuple[str, ...]) -> None:
     """
     resolved = load(config, overrides)
     c = resolved.config
+    from accelrun.report.trackers import check_trackers
+
+    check_trackers(c.report.trackers)  # a named tracker's package missing: exit 2 naming the pip command
     deg = c.parallel.degrees()
     out.print(f"[green]valid[/]: {c.name}  (config hash {resolved.hash})")
     out.print(f"  files: {', '.join(str(f) for f in resolved.files)}", markup=False)
