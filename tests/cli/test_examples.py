@@ -155,6 +155,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     import accelrun.cli.compare_cmd as compare_cmd
     import accelrun.cli.plan_cmd as plan_cmd
     import accelrun.train.explain_step as explain_step
+    import accelrun.train.generate as generate
     import accelrun.train.run as train_run
 
     monkeypatch.setattr(train_run, "train", _stop)
@@ -162,6 +163,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(explain_step, "explain_step", _stop)
     monkeypatch.setattr(compare_cmd, "load_run", _stop)
     monkeypatch.setattr(plan_cmd, "_calibrate", _stop)
+    monkeypatch.setattr(generate, "generate_text", _stop)  # needs a trained run's checkpoint
     return tmp_path
 
 
