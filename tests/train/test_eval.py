@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from click.testing import CliRunner
 
+from accelrun.cli.main import cli
 from accelrun.config import load_config
 from accelrun.data.build import load_stream
 from accelrun.report.metrics import read_metrics
@@ -32,6 +34,15 @@ def test_val_loss_matches_eager_on_heldout_windows(tiny):
     assert "validation loss" in html
     if "<svg" in html:  # matplotlib installed: the loss plot has the validation series
         assert ">validation<" in html
+
+    # compare: a column for it (n/a for a run without evaluation).
+    other = train(load_config(DEFAULT_CONFIG, tiny(2, "name=noeval", "checkpoint.enabled=false")), command="test")
+    r = CliRunner().invoke(cli, ["compare", str(result.run_dir), str(other.run_dir), "--json"])
+    assert r.exit_code == 0, r.output
+    got = [row["final_val_loss"] for row in json.loads(r.output)["rows"]]
+    assert got == [report["final_val_loss"], None]
+    r = CliRunner().invoke(cli, ["compare", str(result.run_dir), str(other.run_dir)])
+    assert r.exit_code == 0 and "final val loss" in r.output and val_text in r.output, r.output
 
     # Independently: the stream's last round(n * 0.1) windows, the first 3 micro-batches of them, in
     # fp32 eager with the weights of the step-6 checkpoint (saved after the same optimizer step).
