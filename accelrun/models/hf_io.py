@@ -3,9 +3,10 @@ dict out as ``config.json`` + sharded ``*.safetensors`` (+ ``model.safetensors.i
 
 Loading works on a whole model, a pipeline stage, or a sharded one (DTensor parameters under FSDP or
 TP): each parameter is read from its file in the checkpoint's dtype, put in accelrun's layout, and
-converted once into the parameter's dtype; a sharded parameter keeps only this rank's slice
-(``distribute_tensor`` with ``src_data_rank=None``: no communication). Each rank still reads the whole
-tensor of every parameter it holds a part of, one tensor at a time.
+converted once into the parameter's dtype. A sharded parameter (plain Shard / Replicate placements:
+FSDP, TP, each alone) reads only this rank's rows and columns (safetensors' ``get_slice``; q/k rows
+widened to whole heads for the rotary permutation); FSDP x TP's strided shards read the whole tensor
+and keep their slice (``distribute_tensor`` with ``src_data_rank=None``: no communication).
 """
 
 from __future__ import annotations
@@ -79,17 +80,28 @@ def load_hf_weights(modules: list[nn.Module], folder: str | Path, spec: Any, arg
                     except Exception as e:
                         raise HFCheckpointError(f"{path}: cannot read its safetensors header ({e})") from None
                 try:
-                    t = handles[path].get_tensor(hf)
-                except Exception as e:  # a truncated file fails here
+                    tensor_slice = handles[path].get_slice(hf)
+                    file_shape = tuple(tensor_slice.get_shape())
+                except Exception as e:
                     raise HFCheckpointError(f"{path}: cannot read tensor {hf!r} ({e}); is the file truncated?") from None
                 shape = tuple(param.shape)
-                if tuple(t.shape) != shape:
+                if file_shape != shape:
                     raise HFCheckpointError(
-                        f"{path}: tensor {hf!r} has shape {tuple(t.shape)}, the model built from config.json "
+                        f"{path}: tensor {hf!r} has shape {file_shape}, the model built from config.json "
                         f"needs {shape} (for {name})"
                     )
-                t = spec.state_dict_from_hf({hf: t}, args)[name]
-                if isinstance(param, DTensor):
+                region = _local_region(param) if isinstance(param, DTensor) else None
+                try:
+                    if region is None:
+                        t = spec.hf_from_tensor(name, tensor_slice[:], args)
+                    else:
+                        t = _read_region(tensor_slice, region, spec.hf_row_block(name, args),
+                                         lambda block, name=name: spec.hf_from_tensor(name, block, args))
+                except Exception as e:  # a truncated file fails here
+                    raise HFCheckpointError(f"{path}: cannot read tensor {hf!r} ({e}); is the file truncated?") from None
+                if region is not None:
+                    param.to_local().copy_(t)  # the one dtype conversion, of this rank's part only
+                elif isinstance(param, DTensor):  # a placement _local_region does not handle: slice locally
                     t = distribute_tensor(t.to(param.device, param.dtype), param.device_mesh, param.placements,
                                           src_data_rank=None)
                     param.to_local().copy_(t.to_local())
@@ -100,6 +112,28 @@ def load_hf_weights(modules: list[nn.Module], folder: str | Path, spec: Any, arg
         for h in handles.values():
             h.__exit__(None, None, None)
     return read
+
+
+def _local_region(param: Any) -> tuple[slice, ...] | None:
+    """The slice of the whole tensor this rank's shard of DTensor ``param`` holds; None for placements
+    other than plain Shard / Replicate (FSDP x TP's strided shards), which are read whole."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not all(type(p) in (Shard, Replicate) for p in param.placements):
+        return None
+    local, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))
+
+
+def _read_region(tensor_slice: Any, region: tuple[slice, ...], row_block: int, convert) -> torch.Tensor:
+    """Read only ``region`` of a safetensors tensor (rows widened to whole blocks of ``row_block`` rows,
+    converted by ``convert``, then cut back)."""
+    rows = region[0]
+    start = rows.start - rows.start % row_block
+    stop = -(-rows.stop // row_block) * row_block
+    block = tensor_slice[(slice(start, stop), *region[1:])]
+    return convert(block)[rows.start - start: rows.stop - start]
 
 
 def export_hf(state_dict: dict[str, torch.Tensor], spec: Any, args: Any, out: str | Path,

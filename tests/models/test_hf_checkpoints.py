@@ -100,3 +100,26 @@ def test_missing_shard_and_truncated_file(tmp_path):
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(HFCheckpointError, match=r"model.safetensors"):
         _accelrun(tmp_path / "b")
+
+
+def test_reading_a_region_equals_slicing_the_whole_tensor(tmp_path):
+    # What an FSDP / TP rank reads: its rows (q/k widened to whole heads for the rotary permutation,
+    # then cut back) or columns, never the whole tensor.
+    from safetensors import safe_open
+
+    from accelrun.models.families import get_family
+    from accelrun.models.hf_io import _read_region
+
+    save_tiny_hf(tmp_path, "llama")
+    spec = get_family("llama")
+    cfg = ModelConfig(hf=str(tmp_path))
+    args = spec.args_from_config(cfg)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        for name, region in [("layers.0.attention.wq.weight", (slice(5, 37), slice(0, 64))),  # not head-aligned
+                             ("layers.1.attention.wk.weight", (slice(16, 32), slice(0, 64))),
+                             ("layers.0.attention.wo.weight", (slice(0, 64), slice(21, 43)))]:
+            hf = spec.hf_name(name, args)
+            whole = spec.hf_from_tensor(name, f.get_tensor(hf), args)
+            part = _read_region(f.get_slice(hf), region, spec.hf_row_block(name, args),
+                                lambda block, name=name: spec.hf_from_tensor(name, block, args))
+            assert torch.equal(part, whole[region]), name

@@ -47,6 +47,9 @@ class ModelSpec:
     state_dict_to_hf: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
     hf_name: Callable[[str, Any], str] | None = None  # accelrun name -> HF name
     hf_config: Callable[[Any], dict[str, Any]] | None = None  # args -> config.json contents
+    # (accelrun name, HF tensor or a block of its rows, args) -> accelrun's layout; rows read together.
+    hf_from_tensor: Callable[[str, Any, Any], Any] | None = None
+    hf_row_block: Callable[[str, Any], int] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
 

@@ -30,4 +30,6 @@ SPEC = ModelSpec(
     state_dict_to_hf=hf.state_dict_to_hf,
     hf_name=hf.hf_name,
     hf_config=hf.hf_config,
+    hf_from_tensor=hf.from_hf_tensor,
+    hf_row_block=hf.row_block,
 )

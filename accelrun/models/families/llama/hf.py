@@ -38,13 +38,17 @@ def hf_name(name: str, args: Any = None) -> str:
     return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
 
 
-def _heads(name: str, args: Any) -> int | None:
-    """The head count whose rows a q/k tensor holds (they need the rotary permutation), else None."""
-    if ".attention.wq." in name:
-        return args.n_heads
-    if ".attention.wk." in name:
-        return args.kv_heads
+def _heads(name: str, args: Any, rows: int) -> int | None:
+    """How many whole heads ``rows`` rows of a q/k tensor hold (they need the rotary permutation),
+    else None."""
+    if ".attention.wq." in name or ".attention.wk." in name:
+        return rows // args.head_dim
     return None
+
+
+def row_block(name: str, args: Any) -> int:
+    """Rows that must be read together (one head's for q/k: the permutation stays inside a head)."""
+    return args.head_dim if _heads(name, args, args.head_dim) else 1
 
 
 def to_pairs(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -60,13 +64,13 @@ def to_halves(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def from_hf_tensor(name: str, t: torch.Tensor, args: Any) -> torch.Tensor:
-    """The HF tensor for accelrun parameter ``name``, in accelrun's layout."""
-    heads = _heads(name, args)
+    """The HF tensor (or a block of whole heads of it) for accelrun parameter ``name``, in accelrun's layout."""
+    heads = _heads(name, args, t.shape[0])
     return t if heads is None else to_pairs(t, heads)
 
 
 def to_hf_tensor(name: str, t: torch.Tensor, args: Any) -> torch.Tensor:
-    heads = _heads(name, args)
+    heads = _heads(name, args, t.shape[0])
     return t if heads is None else to_halves(t, heads)
 
 
