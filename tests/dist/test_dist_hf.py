@@ -1,4 +1,4 @@
-"""A transformers checkpoint trained on 2 FSDP and 2 TP ranks: every rank loads its part of the HF weights
+"""A transformers checkpoint trained on 2 FSDP, 2 TP and 2 pipeline ranks: every rank loads its part of the HF weights
 (the losses equal one process's), and the export transformers reads back gives accelrun's logits."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from tests.models.hf_helpers import save_tiny_hf
 from tests.train.test_hf_roundtrip import TOL, _accelrun_logits
 
 STEPS = 2
-LAYOUTS = {"one": [], "fsdp2": FSDP2, "tp2": ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.tp=2"]}
+LAYOUTS = {"one": [], "fsdp2": FSDP2, "tp2": ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.tp=2"],
+           "pp2": ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=gpipe"]}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def one_process(hf_src, tmp_path_factory):
     return train_job(runs, STEPS, f"model.hf={hf_src}", "name=one").run_dir
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "pp2"])
 def test_hf_checkpoint_on_two_ranks(layout, hf_src, one_process, tmp_path):
     import transformers
 
