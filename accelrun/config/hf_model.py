@@ -117,4 +117,6 @@ def model_keys_from_hf_folder(folder: str) -> dict[str, Any]:
         keys["max_seq_len"] = min(keys["max_seq_len"], int(window))
     if not math.isfinite(keys["rope_theta"]):
         raise HFModelError(f"model.hf: {path}: rope_theta is not a finite number")
+    # Absolute, so the ranks (and a later resume from another directory) find the same folder.
+    keys["hf"] = str(Path(folder).expanduser().resolve())
     return keys

@@ -123,3 +123,13 @@ def test_reading_a_region_equals_slicing_the_whole_tensor(tmp_path):
             part = _read_region(f.get_slice(hf), region, spec.hf_row_block(name, args),
                                 lambda block, name=name: spec.hf_from_tensor(name, block, args))
             assert torch.equal(part, whole[region]), name
+
+
+def test_hf_path_made_absolute_and_hf_on_finish_needs_a_final_checkpoint(tmp_path, monkeypatch):
+    from accelrun.config.schema import CheckpointConfig
+
+    save_tiny_hf(tmp_path / "m", "llama")
+    monkeypatch.chdir(tmp_path)
+    assert ModelConfig(hf="m").hf == str((tmp_path / "m").resolve())
+    with pytest.raises(ValueError, match="hf_on_finish exports the final checkpoint"):
+        CheckpointConfig(hf_on_finish=True, save_final=False)
