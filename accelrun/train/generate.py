@@ -2,52 +2,19 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 
-from accelrun.errors import UserError
-
-
-class GenerateError(UserError):
-    pass
+from accelrun.train.checkpoint_model import CheckpointModelError, load_checkpoint_model
 
 
 def load_run_model(ref: str | Path) -> torch.nn.Module:
     """The model of run (or checkpoint) ``ref``'s newest complete checkpoint, in this one process (CPU,
-    fp32), whatever parallel layout wrote it (torch.distributed.checkpoint reshards on load)."""
-    import torch.distributed.checkpoint as dcp
-
-    from accelrun.models import build_model
-    from accelrun.report.rundata import RunNotFound, resolve_run_path
-    from accelrun.train.checkpoint import TRAIN_STATE, complete_checkpoints
-    from accelrun.train.export import _model_config
-
-    path = Path(ref).expanduser()
-    if (path / TRAIN_STATE).is_file():
-        ckpt, run = path, path.parent.parent
-    else:
-        try:
-            run = resolve_run_path(path)
-        except RunNotFound as e:
-            raise GenerateError(str(e)) from None
-        done = complete_checkpoints(run / "checkpoints")
-        if not done:
-            raise GenerateError(f"{run}: no complete checkpoint under {run / 'checkpoints'} to sample from "
-                                "(train with checkpoint.enabled = true; checkpoint.save_final saves the last step)")
-        ckpt = done[-1].path
-    cfg = _model_config(run)
-    model = build_model(cfg, "cpu", seed=0)
-    state = {"model": model.state_dict()}
-    try:
-        with warnings.catch_warnings():  # one process reading a DCP checkpoint is the intent here
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, checkpoint_id=ckpt, no_dist=True)  # this process alone, group or not
-    except Exception as e:
-        raise GenerateError(f"{ckpt}: cannot read the model's weights ({str(e).strip().splitlines()[0]})") from None
-    model.load_state_dict(state["model"])
-    return model.float().eval()
+    fp32), whatever parallel layout wrote it."""
+    model, _, _ = load_checkpoint_model(
+        ref, "to sample from (train with checkpoint.enabled = true; checkpoint.save_final saves the last step)")
+    return model.eval()
 
 
 @torch.no_grad()
@@ -81,8 +48,8 @@ def generate_text(ref: str | Path, prompt: str, *, max_new_tokens: int = 200, te
     model = load_run_model(ref)
     vocab = model.args.vocab_size if hasattr(model, "args") else None
     if vocab is not None and vocab < tok.vocab_size:
-        raise GenerateError(f"{ref}: the model's vocabulary ({vocab}) is smaller than the byte tokenizer's "
-                            f"({tok.vocab_size}); it was not trained on byte-level text")
+        raise CheckpointModelError(f"{ref}: the model's vocabulary ({vocab}) is smaller than the byte tokenizer's "
+                                   f"({tok.vocab_size}); it was not trained on byte-level text")
     ids = tok.encode(prompt, bos=True)
     out = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
                    max_seq_len=getattr(getattr(model, "args", None), "max_seq_len", None))

@@ -1,0 +1,75 @@
+"""A run's model read back from one of its checkpoints into this one process (CPU, fp32), whatever
+parallel layout wrote it (torch.distributed.checkpoint reshards on load): what ``accelrun export`` and
+``accelrun generate`` start from."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from accelrun.errors import UserError
+
+
+class CheckpointModelError(UserError, ValueError):
+    pass
+
+
+def find_checkpoint(ref: str | Path, purpose: str) -> tuple[Path, Path]:
+    """(checkpoint folder, run folder) for a checkpoint folder, a run folder (its newest complete
+    checkpoint) or a folder of runs (its newest run). ``purpose`` ends the error for a run without one."""
+    from accelrun.report.rundata import RunNotFound, resolve_run_path
+    from accelrun.train.checkpoint import TRAIN_STATE, complete_checkpoints
+
+    path = Path(ref).expanduser()
+    if (path / TRAIN_STATE).is_file():
+        return path, path.parent.parent
+    try:
+        run = resolve_run_path(path)
+    except RunNotFound as e:
+        raise CheckpointModelError(str(e)) from None
+    done = complete_checkpoints(run / "checkpoints")
+    if not done:
+        raise CheckpointModelError(f"{run}: no complete checkpoint under {run / 'checkpoints'} {purpose}")
+    return done[-1].path, run
+
+
+def model_config_of(run: Path) -> Any:
+    """The run's resolved ``model`` section (the shape an HF folder gave it is already in it)."""
+    from accelrun.config.schema import ModelConfig
+
+    try:
+        data = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise CheckpointModelError(f"{run}: no config.yaml; is this an accelrun run directory?") from None
+    model = dict(data.get("model") or {})
+    model["hf"] = None  # the folder it was loaded from need not exist any more
+    cfg = ModelConfig.model_validate(model)
+    if cfg.custom is not None:
+        raise CheckpointModelError(f"{run}: model.custom = {cfg.custom!r}; only built-in model families "
+                                   "can be read back from a checkpoint")
+    return cfg
+
+
+def load_checkpoint_model(ref: str | Path, purpose: str) -> tuple[Any, Any, Path]:
+    """(model in fp32 on the CPU, its ModelConfig, the checkpoint folder) for ``ref``."""
+    import torch.distributed.checkpoint as dcp
+
+    from accelrun.models import build_model
+
+    ckpt, run = find_checkpoint(ref, purpose)
+    cfg = model_config_of(run)
+    model = build_model(cfg, "cpu", seed=0)
+    state = {"model": model.state_dict()}
+    try:
+        with warnings.catch_warnings():  # one process reading a DCP checkpoint is the intent here
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            # no_dist: under hf_on_finish this runs on the main rank of a job whose other ranks are done.
+            dcp.load(state, checkpoint_id=ckpt, no_dist=True)
+    except Exception as e:
+        raise CheckpointModelError(
+            f"{ckpt}: cannot read the model's weights ({str(e).strip().splitlines()[0]})") from None
+    model.load_state_dict(state["model"])
+    return model.float(), cfg, ckpt
