@@ -22,8 +22,13 @@ from accelrun.cli.common import config_argument, err, load, overrides_argument
 @click.option("--max-restarts", type=int, default=0, show_default=True,
               help="Restarts of the whole group after a rank fails; it resumes from the newest checkpoint.")
 @click.option("--local-addr", default=None, help="This node's address, when the host name resolves elsewhere.")
+@click.option("--dry-run", is_flag=True, help="Build the job's real layout for its ranks here (meta tensors, a fake "
+              "process group; no devices, no training) and print each rank's parameter, gradient and optimizer "
+              "bytes beside the planner's; exit 2 for a layout the trainer would refuse.")
+@click.option("--all-ranks", is_flag=True, help="With --dry-run: every rank, not one per distinct shard shape.")
 def command(config: str, overrides: tuple[str, ...], nnodes: int | None, node_rank: int | None,
-            rdzv_endpoint: str | None, rdzv_id: str | None, max_restarts: int, local_addr: str | None) -> None:
+            rdzv_endpoint: str | None, rdzv_id: str | None, max_restarts: int, local_addr: str | None,
+            dry_run: bool, all_ranks: bool) -> None:
     """Train the model a recipe describes and write a run directory with its report.
 
     CONFIG is a YAML file or a recipe name on the search path. Any number of KEY=VALUE
@@ -40,12 +45,16 @@ def command(config: str, overrides: tuple[str, ...], nnodes: int | None, node_ra
       accelrun train configs/llama.yaml parallel.nproc_per_node=2 parallel.dp_shard=2   # FSDP, 2 ranks
       accelrun train configs/llama.yaml parallel.nproc_per_node=2 parallel.dp_shard=1 parallel.tp=2
       accelrun train configs/llama.yaml checkpoint.resume=none      # never resume
+      accelrun train configs/llama.yaml parallel.nproc_per_node=4 parallel.tp=2 --dry-run   # what each rank holds
 
     Runs go to runs/<name>/<UTC time>-<id>/ (report.runs_dir). With checkpoint.resume=auto an
     interrupted run of the same recipe continues from its newest complete checkpoint.
     """
     import torch  # imported only now
 
+    if dry_run:
+        _dry_run(config, (*overrides, *((f"parallel.nnodes={nnodes}",) if nnodes is not None else ())), all_ranks)
+        return
     from accelrun.dist.launch import LaunchOptions
     from accelrun.dist.slurm import launch_from_slurm
     from accelrun.dist.stop import exit_code
@@ -70,3 +79,22 @@ def command(config: str, overrides: tuple[str, ...], nnodes: int | None, node_ra
         sys.exit(exit_code(result.stopped.signum))
     if result.status == "failed":
         sys.exit(1)
+
+
+def _dry_run(config: str, overrides: tuple[str, ...], all_ranks: bool) -> None:
+    import time
+
+    from accelrun.cli.common import out
+    from accelrun.dist.dry_run import dry_run, format_dry_run, representative_ranks
+
+    resolved = load(config, overrides)
+    par = resolved.config.parallel
+    ranks = list(range(par.world_size)) if all_ranks else representative_ranks(par.degrees())
+    err.print(f"dry run: building the layout of {len(ranks)} of {par.world_size} ranks on meta tensors "
+              "(a fake process group; nothing is allocated) ...", highlight=False)
+    t0 = time.perf_counter()
+    rows = dry_run(resolved, ranks)
+    for line in format_dry_run(resolved, rows):
+        out.print(line, markup=False, highlight=False)
+    err.print(f"dry run: {len(rows)} of {par.world_size} ranks built in {time.perf_counter() - t0:.0f} s "
+              "(fp32 parameters, gradients and AdamW moments)", highlight=False)

@@ -1,0 +1,32 @@
+"""The GPU recipes a user starts from validate, plan as fitting with a plausible MFU on the cluster
+they name, and dry-run (their real layout built on meta tensors) to the bytes the planner expects."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from accelrun.cli.main import cli
+from accelrun.plan import load_plan_config, predict
+from tests.conftest import REPO
+
+RECIPES = {  # recipe -> its cluster overrides and the MFU range an H100 FSDP/TP job of this kind reaches
+    "llama3-8b-h100.yaml": ([], (0.30, 0.60)),
+    "llama3-70b-h100.yaml": (["cluster.nodes=4"], (0.25, 0.55)),
+}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_gpu_recipe_validates_and_fits(recipe):
+    overrides, (low, high) = RECIPES[recipe]
+    plan = predict(load_plan_config(REPO / "configs" / recipe, overrides, cluster="h100-8x").resolved.config)
+    assert plan.fits, plan.verdict
+    assert low < plan.mfu < high, plan.mfu
+    assert plan.memory.total < 0.8 * plan.memory.capacity  # room for the allocator's fragmentation
+
+
+def test_the_8b_recipe_dry_runs_to_the_planned_bytes():
+    r = CliRunner().invoke(cli, ["train", str(REPO / "configs" / "llama3-8b-h100.yaml"), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    rows = [line.split() for line in r.output.splitlines() if line.split()[:1] in (["0"], ["7"])]
+    assert len(rows) == 2 and all(row[-1] == "1.000" and row[5:7] == ["3.74", "GiB"] for row in rows), r.output
