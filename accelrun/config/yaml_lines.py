@@ -48,7 +48,11 @@ class Located:
 
 def load_yaml_with_lines(text: str, origin: str) -> Located:
     """Parse ``text`` (named ``origin`` in errors). Duplicate keys are errors, not silent overwrites."""
-    loader = yaml.SafeLoader(text)
+    try:  # the reader checks the characters as the loader is made
+        loader = yaml.SafeLoader(text)
+    except yaml.reader.ReaderError as e:  # control characters: a binary file that happens to be UTF-8
+        raise ConfigError(f"{origin}: not YAML text (character {e.character:#x} at offset {e.position}): "
+                          "is this a recipe file?") from None
     try:
         node = loader.get_single_node()
     except yaml.MarkedYAMLError as e:
@@ -75,7 +79,11 @@ def load_yaml_file(path: Path) -> Located:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}): is this a YAML file?") from None
-    return load_yaml_with_lines(text, str(path))
+    located = load_yaml_with_lines(text, str(path))
+    if located.data == {} and not located.lines:  # nothing but blanks and comments: almost always a mistake
+        raise ConfigError(f"{path}: the recipe is empty (no keys); a recipe names at least one setting "
+                          "or extends another")
+    return located
 
 
 def _construct(node: yaml.Node, path: KeyPath, lines: dict, origin: str, loader: yaml.SafeLoader,

@@ -70,3 +70,22 @@ def test_a_file_value_names_file_and_line(write):
 def test_booleans_stay_booleans_where_they_belong(write):
     p = write("ok.yaml", "name: x\n")
     assert load_config(p, ["model.tie_embeddings=true"], search_dirs=[]).config.model.tie_embeddings is True
+
+
+@pytest.mark.parametrize("content, expect", [
+    (b"", "the recipe is empty"),
+    (b"# a comment only\n\n", "the recipe is empty"),
+    (b"{}\n", "the recipe is empty"),
+    (b"a\x00b: 1\n", "not YAML text (character 0x0 at offset 1)"),
+    (bytes(range(256)), "not UTF-8 text"),
+])
+def test_empty_and_binary_recipe_files_exit_2_naming_the_file(tmp_path, content, expect):
+    from click.testing import CliRunner
+
+    from accelrun.cli.main import cli
+
+    p = tmp_path / "r.yaml"
+    p.write_bytes(content)
+    r = CliRunner().invoke(cli, ["validate", str(p)])
+    assert r.exit_code == 2 and r.output.startswith(f"error: {p}") and expect in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
