@@ -37,8 +37,9 @@ class LoopOutcome:
     checkpoints: list[Path] = field(default_factory=list)
     checkpoint_time_s: float = 0.0
     signum: int = 0  # the signal the ranks stopped on (dist.stop)
-    # This rank's (step time, compiled in it?) per step: rank 0's report shows every rank's median.
-    step_times: list[tuple[float, bool]] = field(default_factory=list)
+    # This rank's steps as summary.is_steady reads them (time, compiled, profiled): rank 0's report
+    # shows every rank's median steady step time.
+    step_times: list[dict] = field(default_factory=list)
 
 
 def run_loop(
@@ -137,7 +138,7 @@ def run_loop(
                         trackers.log_step(record)
                     progress.update(step, loss_value, record["tokens_per_s"] or 0.0)
                 outcome.last_step = step
-                outcome.step_times.append((record["step_time_s"], bool(record.get("compile"))))
+                outcome.step_times.append({k: record.get(k) for k in ("step_time_s", "compile", "profiled")})
 
                 # Ranks may see the signal at different steps (or not at all); they stop at the same one.
                 where["phase"] = "agreeing whether to stop"

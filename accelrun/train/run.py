@@ -39,7 +39,7 @@ from accelrun.report.markdown import write_report_md
 from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, forget_steps_after, read_metrics
 from accelrun.report.rundir import create_run_dir, hold_run_lock, job_run_dir
-from accelrun.report.summary import compile_time_s, step_breakdown, summarize
+from accelrun.report.summary import compile_time_s, is_steady, step_breakdown, summarize
 from accelrun.report.trackers import check_trackers, open_trackers
 from accelrun.train.host_malloc import malloc_record, tune_malloc
 from accelrun.train.lineage import mark_crashed
@@ -260,10 +260,10 @@ def run_in_dir(
     return TrainResult(run_dir, status, report)
 
 
-def _gather_per_rank(s: TrainSetup, step_times: list[tuple[float, bool]], warmup_steps: int) -> list[dict]:
-    """Every rank's peak memory and median steady step time (after warm-up, compiling steps left out):
+def _gather_per_rank(s: TrainSetup, step_times: list[dict], warmup_steps: int) -> list[dict]:
+    """Every rank's peak memory and median steady step time (the report's own definition of steady):
     a slow or memory-heavy rank is what a job-wide figure hides."""
-    steady = sorted(t for t, compiled in step_times[warmup_steps:] if not compiled)
+    steady = [m["step_time_s"] for m in step_times[warmup_steps:] if is_steady(m)]
     mine = {"mem_peak_bytes": peak_memory_bytes(s.device),
             "step_time_s": statistics.median(steady) if steady else None}
     if not s.ctx.distributed:
