@@ -100,3 +100,10 @@ def stop(job: subprocess.Popen) -> None:
     if job.poll() is None:
         job.kill()
         job.wait()
+
+
+def stop_group(job: subprocess.Popen) -> None:
+    """SIGKILL a job started in its own session (launcher, agent and ranks), if it is still running."""
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()

@@ -30,7 +30,7 @@ from accelrun.dist.slurm import sbatch_script
 from accelrun.report.metrics import read_metrics
 from accelrun.train.resume import decide_resume
 from tests.conftest import DEFAULT_CONFIG, REPO
-from tests.dist.jobs import FSDP2, gone, kill_all, losses, ranks_of, tiny_overrides, train_job
+from tests.dist.jobs import FSDP2, gone, kill_all, losses, ranks_of, stop_group, tiny_overrides, train_job
 
 STEPS = 40
 EXACT = 1e-6  # the same layout resumed: the same sums in the same order as the run that never stopped
@@ -80,9 +80,7 @@ def test_signal_stops_every_rank_after_one_step_with_one_checkpoint_that_resumes
         out, _ = job.communicate(timeout=120)
     finally:
         kill_all(workers)
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+        stop_group(job)
     code = 128 + sig
     assert job.returncode == code, out[-3000:]
     assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
@@ -174,9 +172,7 @@ def test_a_second_ctrl_c_kills_a_job_whose_rank_is_stuck(tmp_path):
         out, _ = job.communicate(timeout=120)
     finally:
         kill_all(workers)
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+        stop_group(job)
     assert job.returncode == 130, out[-3000:]
     assert "aborted by a second SIGINT: the ranks were killed without saving" in " ".join(out.split()), out[-3000:]
     assert "Traceback" not in out and all(gone(pid) for pid in workers)
