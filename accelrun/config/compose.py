@@ -22,11 +22,12 @@ class Source:
     kind: str  # "file" | "override" | "default"
     file: str | None = None
     line: int | None = None
-    text: str | None = None  # the override as typed
+    text: str | None = None  # the override as typed; for a file not in recipe syntax, the key read
 
     def __str__(self) -> str:
         if self.kind == "file":
-            return f"{_display_path(self.file)}:{self.line}"
+            where = f"{_display_path(self.file)}:{self.line}" if self.line else _display_path(self.file)
+            return f"{where} ({self.text})" if self.text else where  # text: the key read there, if not ours
         if self.kind == "override":
             return f"override '{self.text}'"
         return "default"

@@ -13,6 +13,8 @@ import yaml
 
 from accelrun.config.compose import Composed, Source, apply_override, compose_file
 from accelrun.config.errors import ConfigError
+from accelrun.config.hf_model import model_keys_from_hf_folder
+from accelrun.config.hf_sources import hf_key_sources
 from accelrun.config.schema import RunConfig
 from accelrun.config.search import find_recipe, looks_like_path, search_path
 from accelrun.config.validate import config_warnings, source_of, validate
@@ -98,6 +100,20 @@ def load_config(
     composed: Composed = compose_file(resolve_config_path(ref, dirs), dirs)
     for text in overrides:
         apply_override(composed, text)
-    cfg = validate(composed.data, composed.sources)
-    warnings = config_warnings(cfg, composed.sources)
-    return ResolvedConfig(cfg, composed.sources, composed.files, list(overrides), warnings)
+    sources = {**composed.sources, **_hf_folder_sources(composed.data)}
+    cfg = validate(composed.data, sources)
+    warnings = config_warnings(cfg, sources)
+    return ResolvedConfig(cfg, sources, composed.files, list(overrides), warnings)
+
+
+def _hf_folder_sources(data: dict[str, Any]) -> dict[KeyPath, Source]:
+    """The lines of ``model.hf``'s config.json that set the model's shape keys, whatever the recipe
+    said (a folder that cannot be read is left to validation, which names where ``model.hf`` was set)."""
+    model = data.get("model")
+    folder = model.get("hf") if isinstance(model, dict) else None
+    if not isinstance(folder, str):
+        return {}
+    try:
+        return hf_key_sources(folder, model_keys_from_hf_folder(folder))
+    except (ConfigError, OSError, ValueError):
+        return {}

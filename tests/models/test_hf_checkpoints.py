@@ -133,3 +133,24 @@ def test_hf_path_made_absolute_and_hf_on_finish_needs_a_final_checkpoint(tmp_pat
     assert ModelConfig(hf="m").hf == str((tmp_path / "m").resolve())
     with pytest.raises(ValueError, match="hf_on_finish exports the final checkpoint"):
         CheckpointConfig(hf_on_finish=True, save_final=False)
+
+
+def test_provenance_of_shape_keys_is_the_config_json_line(tmp_path):
+    from accelrun.config import load_config
+    from accelrun.config.resolve import explain_text
+
+    save_tiny_hf(tmp_path, "llama3")
+    lines = (tmp_path / "config.json").read_text().splitlines()
+    with pytest.raises(ConfigError) as err:  # the recipe's seq_len is longer than the checkpoint's positions
+        load_config("configs/llama.yaml", [f"model.hf={tmp_path}", "train.seq_len=128"])
+    max_pos = next(i for i, line in enumerate(lines, 1) if '"max_position_embeddings"' in line)
+    assert f"config.json:{max_pos} (max_position_embeddings)" in str(err.value)
+
+    resolved = load_config("configs/llama.yaml", [f"model.hf={tmp_path}", "train.seq_len=32"])
+    rows = {key: str(src) for key, _, src in resolved.explain()}
+    hidden = next(i for i, line in enumerate(lines, 1) if '"hidden_size"' in line)
+    assert rows["model.dim"].endswith(f"config.json:{hidden} (hidden_size)")
+    assert rows["model.rope_scaling.factor"].endswith("(rope_parameters)")
+    assert rows["model.hf"].startswith("override")
+    assert "recipes/model/debug.yaml" not in "".join(v for k, v in rows.items() if k.startswith("model."))
+    assert "(hidden_size)" in explain_text(resolved)
