@@ -3,10 +3,10 @@ dict out as ``config.json`` + sharded ``*.safetensors`` (+ ``model.safetensors.i
 
 Loading works on a whole model, a pipeline stage, or a sharded one (DTensor parameters under FSDP or
 TP): each parameter is read from its file in the checkpoint's dtype, put in accelrun's layout, and
-converted once into the parameter's dtype. A sharded parameter (plain Shard / Replicate placements:
-FSDP, TP, each alone) reads only this rank's rows and columns (safetensors' ``get_slice``; q/k rows
-widened to whole heads for the rotary permutation); FSDP x TP's strided shards read the whole tensor
-and keep their slice (``distribute_tensor`` with ``src_data_rank=None``: no communication).
+converted once into the parameter's dtype. A sharded parameter (FSDP, TP, FSDP x TP) reads only this
+rank's rows and columns (safetensors' ``get_slice``; q/k rows widened to whole heads for the rotary
+permutation); a shard that is not one block of the tensor would read the whole tensor and keep its
+slice (``distribute_tensor`` with ``src_data_rank=None``: no communication).
 """
 
 from __future__ import annotations
@@ -115,15 +115,32 @@ def load_hf_weights(modules: list[nn.Module], folder: str | Path, spec: Any, arg
 
 
 def _local_region(param: Any) -> tuple[slice, ...] | None:
-    """The slice of the whole tensor this rank's shard of DTensor ``param`` holds; None for placements
-    other than plain Shard / Replicate (FSDP x TP's strided shards), which are read whole."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    """The slice of the whole tensor this rank's shard of DTensor ``param`` holds, or None where the shard
+    is not one block of it (the caller then reads the whole tensor and keeps its part).
 
-    if not all(type(p) in (Shard, Replicate) for p in param.placements):
-        return None
-    local, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))
+    Each sharded dimension's global indices come from DTensor itself: an index vector along that
+    dimension, laid out with the parameter's placements (no communication). That covers FSDP x TP's
+    strided shards too, which are one block of rows whenever both split the same dimension evenly.
+    """
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    region = []
+    for dim, size in enumerate(param.shape):
+        if not any(getattr(p, "dim", None) == dim for p in param.placements):
+            region.append(slice(0, size))
+            continue
+        shape = [1] * param.ndim
+        shape[dim] = size
+        placements = [p if getattr(p, "dim", None) == dim else Replicate() for p in param.placements]
+        index = torch.arange(size).view(shape)
+        local = distribute_tensor(index, param.device_mesh, placements, src_data_rank=None).to_local().flatten()
+        if local.numel() == 0:
+            region.append(slice(0, 0))
+        elif torch.equal(local, torch.arange(int(local[0]), int(local[0]) + local.numel())):
+            region.append(slice(int(local[0]), int(local[0]) + local.numel()))
+        else:
+            return None
+    return tuple(region)
 
 
 def _read_region(tensor_slice: Any, region: tuple[slice, ...], row_block: int, convert) -> torch.Tensor:

@@ -154,3 +154,54 @@ def test_provenance_of_shape_keys_is_the_config_json_line(tmp_path):
     assert rows["model.hf"].startswith("override")
     assert "recipes/model/debug.yaml" not in "".join(v for k, v in rows.items() if k.startswith("model."))
     assert "(hidden_size)" in explain_text(resolved)
+
+
+def test_fsdp_x_tp_ranks_read_only_their_rows_of_each_tensor(tmp_path, monkeypatch):
+    # Every rank of a fake 2 x 2 (dp_shard x tp) mesh builds the real layout, loads the folder, and holds
+    # exactly its slice of transformers' weights; no rank reads a whole sharded tensor (FSDP x TP's
+    # strided row shards included).
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from accelrun.config import load_config
+    from accelrun.dist.context import ParallelContext
+    from accelrun.dist.mesh import build_mesh, dp_coordinates
+    from accelrun.models import build_model, hf_io
+    from accelrun.models.families import get_family
+    from accelrun.train.setup import _parallelize
+
+    hf = save_tiny_hf(tmp_path / "m", "llama")
+    cfg = load_config("configs/llama.yaml", [f"model.hf={tmp_path / 'm'}", "train.seq_len=32",
+                                             "parallel.nproc_per_node=4", "parallel.dp_shard=2", "parallel.tp=2"]).config
+    spec = get_family("llama")
+    args = spec.args_from_config(cfg.model)
+    whole = spec.state_dict_from_hf(hf.state_dict(), args)  # accelrun's names and layout
+    local_region, whole_reads = hf_io._local_region, []
+
+    def spy(p):
+        region = local_region(p)
+        if region is None:
+            whole_reads.append(p)
+        return region
+
+    monkeypatch.setattr(hf_io, "_local_region", spy)
+    strided = 0
+    for rank in range(4):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+        try:
+            mesh = build_mesh(cfg.parallel, "cpu", 4)
+            dp_rank, dp_size = dp_coordinates(mesh)
+            ctx = ParallelContext(rank=rank, world_size=4, local_rank=rank, device=torch.device("cpu"), mesh=mesh,
+                                  dp_rank=dp_rank, dp_size=dp_size, tp_size=2)
+            model = build_model(cfg.model, torch.device("meta"))
+            _parallelize(model, cfg, ctx, tmp_path / "dump")
+            model.to_empty(device="cpu")
+            hf_io.load_hf_for_config([model], cfg.model)
+            for name, p in model.named_parameters():
+                assert isinstance(p, DTensor), name
+                strided += any("Strided" in type(pl).__name__ for pl in p.placements)
+                assert torch.equal(p.to_local(), whole[name][local_region(p)]), (rank, name)
+        finally:
+            dist.destroy_process_group()
+    assert strided > 0 and not whole_reads
