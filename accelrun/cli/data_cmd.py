@@ -25,8 +25,12 @@ def command() -> None:
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Token file to write.")
 @click.option("--max-bytes", type=int, default=None, help="Read at most this many bytes of text.")
-def prepare(inputs: tuple[str, ...], output: Path, max_bytes: int | None) -> None:
-    """Tokenize text files or globs (byte-level) into one token file for `data.source: tokens`.
+@click.option("--tokenizer", default="byte", show_default=True,
+              help="byte, or a tokenizer.json / a Hugging Face folder holding one (needs accelrun[hf]).")
+def prepare(inputs: tuple[str, ...], output: Path, max_bytes: int | None, tokenizer: str) -> None:
+    """Tokenize text files or globs into one token file for `data.source: tokens`.
+
+    The file records its tokenizer; a run reading it needs the same data.tokenizer.
 
     \b
     Examples:
@@ -42,13 +46,15 @@ def prepare(inputs: tuple[str, ...], output: Path, max_bytes: int | None) -> Non
         def on_progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        info = prepare_tokens(list(inputs), str(output), max_bytes=max_bytes, progress=on_progress)
+        info = prepare_tokens(list(inputs), str(output), tokenizer=tokenizer, max_bytes=max_bytes,
+                              progress=on_progress)
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     labels = {"path": "written", "files": "input files", "bytes": "input bytes", "tokens": "tokens",
               "token_bytes": "bytes per token", "tokenizer": "tokenizer", "vocab_size": "vocabulary",
-              "sha256": "sha256 of the tokens"}
+              "sha256": "sha256 of the tokens", "tokenizer_file": "tokenizer file",
+              "between_documents": "between documents"}
     for key, value in info.items():
         table.add_row(labels.get(key, key), f"{value:,}" if isinstance(value, int) else str(value))
     out.print(table)

@@ -123,7 +123,8 @@ class DataConfig(Section):
     # builtin: a corpus every machine has without downloading (the Python standard library's source).
     builtin: Literal["python-stdlib"] = "python-stdlib"
     paths: list[str] = Field(default_factory=list, description="files or globs for text / tokens")
-    tokenizer: Literal["byte"] = "byte"
+    tokenizer: str = Field("byte", min_length=1, description="byte (built in); a tokenizer.json or a folder "
+                           "holding one (the tokenizers library); hf = model.hf's folder")
     max_bytes: PositiveInt | None = Field(64 * 2**20, description="cap on text read (builtin/text)")
     shuffle: bool = True
     seed: int | None = Field(None, description="None = train.seed")

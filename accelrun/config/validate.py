@@ -17,11 +17,12 @@ from accelrun.config.compile_names import BUILTIN_EXECUTORS, PassConfigError, pa
 from accelrun.config.compose import DEFAULT, Source
 from accelrun.config.errors import ConfigError, nearest
 from accelrun.config.schema import PP_STAGES_PER_RANK, RunConfig
+from accelrun.config.tokenizer_file import BYTE_VOCAB, MODEL_HF, tokenizer_problems, tokenizer_warnings
 from accelrun.config.yaml_lines import KeyPath, dotted
 
 # Token ids the built-in tokenizers use (accelrun.data.tokenizer is the source of truth;
 # a test keeps the two in step so that `validate` needs no torch import).
-TOKENIZER_VOCAB = {"byte": 258}
+TOKENIZER_VOCAB = {"byte": BYTE_VOCAB}
 PARALLEL_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 
 
@@ -35,6 +36,8 @@ def validate(data: dict[str, Any], sources: dict[KeyPath, Source]) -> RunConfig:
         raise ConfigError(problems)
     if cfg.train.micro_batch is None:  # checked above: global_batch divides by grad_accum × dp
         cfg.train.micro_batch = cfg.train.global_batch // ((cfg.train.grad_accum or 1) * cfg.parallel.dp)
+    if cfg.data.tokenizer == MODEL_HF and cfg.model.hf is not None:
+        cfg.data.tokenizer = cfg.model.hf  # the folder itself, so the data layer needs no model keys
     return cfg
 
 
@@ -137,12 +140,7 @@ def consistency_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list
             out.append(f"{v('model.n_heads')} is not divisible by {v('model.n_kv_heads')}")
         if t.seq_len > m.max_seq_len:
             out.append(f"{v('train.seq_len')} exceeds {v('model.max_seq_len')}")
-        need = TOKENIZER_VOCAB[cfg.data.tokenizer]
-        if cfg.data.source in ("builtin", "text") and m.vocab_size < need:
-            out.append(
-                f"{v('model.vocab_size')} is smaller than the {cfg.data.tokenizer} tokenizer's {need} ids "
-                f"(data.tokenizer = {cfg.data.tokenizer})"
-            )
+    out += tokenizer_problems(cfg, v)
     if cfg.data.paths and cfg.data.source in ("builtin", "synthetic"):
         out.append(f"data.paths is set but {v('data.source')} reads no files (use text or tokens)")
     elif not cfg.data.paths and cfg.data.source in ("text", "tokens"):
@@ -288,7 +286,7 @@ LLAMA_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "voca
 DATA_KEYS_USED_BY = {
     "builtin": ("builtin", "tokenizer", "max_bytes"),
     "text": ("tokenizer", "max_bytes"),
-    "tokens": (),
+    "tokens": ("tokenizer",),  # checked against the tokenizer each token file records
     "synthetic": (),
 }
 
@@ -311,6 +309,7 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
     for key in ("builtin", "tokenizer", "max_bytes"):
         if key not in DATA_KEYS_USED_BY[cfg.data.source] and (src := set_by_user("data", key)):
             out.append(f"data.{key} ({src}) has no effect with data.source = {cfg.data.source}")
+    out += tokenizer_warnings(cfg)
     if cfg.compile.backend == "eager":
         for key in ("scope", "fullgraph", "passes", "executors", "cache_dir", "debug_numerics", "dump"):
             if src := set_by_user("compile", key):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from accelrun.config.schema import DataConfig, EvalConfig
+from accelrun.config.tokenizer_file import TokenizerFileError, read_tokenizer_info
 from accelrun.data.builtin import load_builtin
 from accelrun.data.errors import DataError
 from accelrun.data.heldout import HeldOutBatches
@@ -22,6 +23,24 @@ def _check_vocab(data_vocab: int, model_vocab: int, what: str) -> None:
         )
 
 
+def _check_token_files_tokenizer(recorded: str, configured: str) -> None:
+    """Token files record the tokenizer that made them (``byte``, or ``hf-`` + a hash of the
+    tokenizer.json); the recipe's data.tokenizer must be that one, so what the run records is true."""
+    if configured == "byte":
+        expected = "byte"
+    else:
+        try:
+            expected = read_tokenizer_info(configured).name
+        except TokenizerFileError as e:
+            raise DataError(str(e)) from None
+    if recorded != expected:
+        raise DataError(
+            f"data.paths: the token files were made by tokenizer {recorded!r}, but data.tokenizer = {configured!r} "
+            f"is {expected!r}: set data.tokenizer to the tokenizer they were prepared with "
+            "(accelrun data prepare --tokenizer), or prepare them again"
+        )
+
+
 def load_stream(cfg: DataConfig, *, vocab_size: int, seed: int, min_tokens: int | None = None) -> TokenStream:
     """The token stream ``cfg`` describes. ``vocab_size`` is the model's; ``min_tokens`` sizes the
     synthetic stream (other sources have the length their data has)."""
@@ -29,6 +48,7 @@ def load_stream(cfg: DataConfig, *, vocab_size: int, seed: int, min_tokens: int 
         return SyntheticStream(vocab_size=vocab_size, length=synthetic_length(min_tokens), seed=seed)
     if cfg.source == "tokens":
         stream = load_tokens(cfg.paths, verify=True)  # a changed file or a stray id: exit 2, not a crash
+        _check_token_files_tokenizer(stream.fingerprint["tokenizer"], cfg.tokenizer)
         _check_vocab(
             stream.vocab_size,
             vocab_size,
@@ -39,9 +59,9 @@ def load_stream(cfg: DataConfig, *, vocab_size: int, seed: int, min_tokens: int 
     # Checked before reading anything: the tokenizer's vocabulary is known up front.
     _check_vocab(tokenizer.vocab_size, vocab_size, f"data.tokenizer {cfg.tokenizer!r}")
     if cfg.source == "builtin":
-        return load_builtin(cfg.builtin, max_bytes=cfg.max_bytes)
+        return load_builtin(cfg.builtin, max_bytes=cfg.max_bytes, tokenizer=tokenizer)
     if cfg.source == "text":
-        return load_text(cfg.paths, max_bytes=cfg.max_bytes)
+        return load_text(cfg.paths, max_bytes=cfg.max_bytes, tokenizer=tokenizer)
     raise DataError(f"data.source: unknown source {cfg.source!r}")
 
 

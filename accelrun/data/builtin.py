@@ -13,8 +13,10 @@ import sysconfig
 from pathlib import Path
 
 from accelrun.data.errors import DataError
+from accelrun.data.hf_tokenizer import HFTokenizer
 from accelrun.data.stream import TensorStream
-from accelrun.data.text import read_documents
+from accelrun.data.text import read_documents_with
+from accelrun.data.tokenizer import ByteTokenizer
 
 # Directories left out: installed packages are not the standard library, and test suites hold
 # deliberately odd files (bad encodings, broken syntax) that are poor training text.
@@ -32,8 +34,10 @@ def stdlib_files(root: str | os.PathLike | None = None) -> list[Path]:
     return files
 
 
-def load_builtin(name: str, *, max_bytes: int | None) -> TensorStream:
-    """The corpus ``data.builtin`` names, read up to ``max_bytes`` of text."""
+def load_builtin(name: str, *, max_bytes: int | None, tokenizer: ByteTokenizer | HFTokenizer | None = None,
+                 ) -> TensorStream:
+    """The corpus ``data.builtin`` names, read up to ``max_bytes`` of text, one document a file, in
+    ``tokenizer``'s tokens (None: the byte tokenizer)."""
     if name != "python-stdlib":
         raise DataError(f"data.builtin: unknown corpus {name!r} (built in: 'python-stdlib')")
     files = stdlib_files()
@@ -43,5 +47,5 @@ def load_builtin(name: str, *, max_bytes: int | None) -> TensorStream:
             "installed without its library source (use data.source=text or synthetic)"
         )
     python = ".".join(map(str, sys.version_info[:3]))
-    fingerprint = {"source": "builtin", "name": name, "python": python, "tokenizer": "byte"}
-    return read_documents(files, max_bytes=max_bytes, fingerprint=fingerprint)
+    fingerprint = {"source": "builtin", "name": name, "python": python}
+    return read_documents_with(tokenizer, files, max_bytes=max_bytes, fingerprint=fingerprint)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from accelrun.data.errors import DataError
+from accelrun.data.hf_tokenizer import HFTokenizer
 from accelrun.data.stream import TensorStream, short_hash
 from accelrun.data.tokenizer import ByteTokenizer
 
@@ -106,7 +107,19 @@ def read_documents(
     return TensorStream([tokens], vocab_size=vocab_size, fingerprint=fingerprint)
 
 
-def load_text(paths: Sequence[str], *, max_bytes: int | None) -> TensorStream:
-    """The ``text`` source: files or globs from ``data.paths``, read as bytes."""
+def load_text(paths: Sequence[str], *, max_bytes: int | None, tokenizer: ByteTokenizer | HFTokenizer | None = None,
+              ) -> TensorStream:
+    """The ``text`` source: files or globs from ``data.paths``, one document each, read as bytes (the
+    default) or encoded with a tokenizer.json ``tokenizer``."""
     files = expand_paths(paths)
-    return read_documents(files, max_bytes=max_bytes, fingerprint={"source": "text", "tokenizer": "byte"})
+    return read_documents_with(tokenizer, files, max_bytes=max_bytes, fingerprint={"source": "text"})
+
+
+def read_documents_with(tokenizer: ByteTokenizer | HFTokenizer | None, files: Sequence[Path], *,
+                        max_bytes: int | None, fingerprint: dict) -> TensorStream:
+    """``files`` as one stream of ``tokenizer``'s tokens (None: the byte tokenizer)."""
+    if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
+        return read_documents(files, max_bytes=max_bytes, fingerprint={**fingerprint, "tokenizer": "byte"})
+    from accelrun.data.hf_documents import encode_documents_stream  # it reads files with plan_reads above
+
+    return encode_documents_stream(files, tokenizer, max_bytes=max_bytes, fingerprint=fingerprint)

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import torch
 
 from accelrun.data.errors import DataError
+from accelrun.data.hf_tokenizer import HFTokenizer
 
 BytesLike = str | bytes | bytearray | memoryview
 
@@ -73,8 +74,11 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
 
-def get_tokenizer(name: str) -> ByteTokenizer:
-    """The tokenizer a recipe's ``data.tokenizer`` names (only ``byte`` is built in)."""
-    if name != "byte":
-        raise DataError(f"data.tokenizer: unknown tokenizer {name!r} (built in: 'byte')")
-    return ByteTokenizer()
+def get_tokenizer(name: str) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer a recipe's ``data.tokenizer`` names: ``byte`` (built in), or a tokenizer.json file
+    or a folder holding one (``hf`` is replaced by the model.hf folder when the recipe is validated)."""
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "hf":
+        raise DataError("data.tokenizer = 'hf' means the model.hf folder's tokenizer; here give the folder itself")
+    return HFTokenizer.load(name)

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from accelrun.data.errors import DataError
+from accelrun.data.hf_tokenizer import HFTokenizer
 from accelrun.data.stream import TensorStream, short_hash
 from accelrun.data.text import expand_paths, plan_reads
 from accelrun.data.tokenizer import get_tokenizer
@@ -247,9 +248,12 @@ def prepare_tokens(
 ) -> dict:
     """Tokenize text files (paths or globs) into one token file at ``output``.
 
-    Each input file is a document followed by EOS; reading stops after ``max_bytes`` of text.
+    ``tokenizer`` is ``byte`` or a tokenizer.json (or a folder holding one); the header records its
+    name (``byte``, or ``hf-`` + a hash of the file). Each input file is a document followed by the
+    tokenizer's end-of-text token; reading stops after ``max_bytes`` of text.
     ``progress(done_bytes, total_bytes)`` is called as text is read. Returns a summary:
-    ``path, files, bytes, tokens, token_bytes, tokenizer, vocab_size, sha256``.
+    ``path, files, bytes, tokens, token_bytes, tokenizer, vocab_size, sha256`` (``tokenizer_file``
+    for a tokenizer.json) and ``between_documents``.
 
     >>> prepare_tokens(["corpus/**/*.txt"], "data/corpus.tok")  # doctest: +SKIP
     {'path': 'data/corpus.tok', 'files': 12, 'bytes': 1048576, 'tokens': 1048588, ...}
@@ -266,27 +270,21 @@ def prepare_tokens(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     hasher = hashlib.sha256()
-    done = 0
+    done = [0]
+
+    def on_bytes(n: int) -> None:
+        done[0] = n
+        if progress is not None:
+            progress(n, total)
+
     try:
         with open(tmp, "wb") as fh:
             fh.write(b"\0" * HEADER_SIZE)  # placeholder until the count and hash are known
-            writer = _ChunkWriter(fh, hasher, tok.EOS)
-            for path, n in plan:
-                with open(path, "rb") as src:
-                    left = n
-                    while left:
-                        if writer.space() == 0:
-                            writer.flush()
-                        got = writer.read_from(src, min(left, writer.space()))
-                        if got == 0:  # the file shrank since it was listed
-                            break
-                        left -= got
-                        done += got
-                        if progress is not None:
-                            progress(done, total)
-                writer.end_document()
-            writer.flush()
-            header = TokenFileHeader(2, tok.vocab_size, writer.n_tokens, tok.name, hasher.hexdigest())
+            if isinstance(tok, HFTokenizer):
+                n_tokens, token_bytes = _write_encoded(fh, hasher, plan, tok, on_bytes)
+            else:
+                n_tokens, token_bytes = _write_bytes(fh, hasher, plan, tok.EOS, on_bytes)
+            header = TokenFileHeader(token_bytes, tok.vocab_size, n_tokens, tok.name, hasher.hexdigest())
             fh.seek(0)
             fh.write(header.pack())
             fh.flush()
@@ -295,15 +293,60 @@ def prepare_tokens(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    if progress is not None and done != total:
-        progress(done, done)
+    if progress is not None and done[0] != total:
+        progress(done[0], done[0])
     return {
         "path": str(out),
         "files": len(plan),
-        "bytes": done,
+        "bytes": done[0],
         "tokens": header.n_tokens,
         "token_bytes": header.token_bytes,
         "tokenizer": header.tokenizer,
         "vocab_size": header.vocab_size,
         "sha256": header.sha256[:16],
+        **({"tokenizer_file": str(tok.info.path)} if isinstance(tok, HFTokenizer) else {}),
+        "between_documents": _separator(tok),
     }
+
+
+def _separator(tok) -> str:
+    if isinstance(tok, HFTokenizer):
+        if tok.EOS is None:
+            return "nothing (no eos_token in a tokenizer_config.json beside the tokenizer)"
+        return f"{tok.info.eos_token} (id {tok.EOS})"
+    return f"EOS (id {tok.EOS})"
+
+
+def _write_bytes(fh, hasher, plan, eos: int, on_bytes: Callable[[int], None]) -> tuple[int, int]:
+    """The byte tokenizer: token id == byte value, read straight into the output buffer."""
+    writer = _ChunkWriter(fh, hasher, eos)
+    done = 0
+    for path, n in plan:
+        with open(path, "rb") as src:
+            left = n
+            while left:
+                if writer.space() == 0:
+                    writer.flush()
+                got = writer.read_from(src, min(left, writer.space()))
+                if got == 0:  # the file shrank since it was listed
+                    break
+                left -= got
+                done += got
+                on_bytes(done)
+        writer.end_document()
+    writer.flush()
+    return writer.n_tokens, 2
+
+
+def _write_encoded(fh, hasher, plan, tok: HFTokenizer, on_bytes: Callable[[int], None]) -> tuple[int, int]:
+    """A tokenizer.json tokenizer: documents encoded a batch at a time (``hf_documents.encode_files``)."""
+    from accelrun.data.hf_documents import encode_files
+
+    token_bytes = 2 if tok.token_dtype == torch.uint16 else 4  # int32 ids < 2**31 have uint32's bits
+    n_tokens = 0
+    for tokens, _ in encode_files(plan, tok, on_bytes=on_bytes):
+        payload = tokens.numpy().tobytes()
+        fh.write(payload)
+        hasher.update(payload)
+        n_tokens += tokens.numel()
+    return n_tokens, token_bytes

@@ -1,0 +1,203 @@
+"""What a recipe's ``data.tokenizer`` names, read without torch or the ``tokenizers`` library.
+
+``data.tokenizer`` is ``byte`` (the built-in byte-level tokenizer), ``hf`` (the tokenizer in the
+``model.hf`` folder), a ``tokenizer.json`` file, or a folder holding one. Validation needs only the
+vocabulary size (the largest id + 1, which the model's embedding table must cover) and the end-of-text
+token that separates documents, so the JSON is read here directly; the data layer encodes with the
+``tokenizers`` library (``accelrun.data.hf_tokenizer``).
+
+The end-of-text token comes from ``tokenizer_config.json`` beside ``tokenizer.json`` (its
+``eos_token``, as transformers writes it). A bare ``tokenizer.json`` names none: documents are then
+joined without a separator, and ``validate`` says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from accelrun.config.errors import ConfigError, nearest
+
+BYTE = "byte"
+MODEL_HF = "hf"  # the model.hf folder's own tokenizer
+BYTE_VOCAB = 258  # accelrun.data.tokenizer.ByteTokenizer().vocab_size (a test keeps them in step)
+INSTALL_HINT = "pip install 'accelrun[hf]'"
+
+
+class TokenizerFileError(ConfigError):
+    """A ``data.tokenizer`` that is not a readable tokenizer; the message names the file."""
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """A tokenizer.json file as validation sees it."""
+
+    path: Path  # the tokenizer.json file
+    vocab_size: int  # largest id + 1 (added tokens included)
+    eos_token: str | None  # tokenizer_config.json's eos_token, if there is one
+    eos_id: int | None
+    sha256: str  # of the file's bytes and the end-of-text id: what decides the tokens
+
+    @property
+    def name(self) -> str:
+        """16 ASCII characters naming this tokenizer in a token file's header (``hf-`` + hash)."""
+        return "hf-" + self.sha256[:13]
+
+
+def tokenizer_json_path(value: str, *, key: str = "data.tokenizer") -> Path:
+    """The tokenizer.json that ``value`` (a file, or a folder holding one) names."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        inside = path / "tokenizer.json"
+        if not inside.is_file():
+            raise TokenizerFileError(
+                f"{key}: {path} has no tokenizer.json (accelrun reads the tokenizers library's format; "
+                "a folder with only a sentencepiece tokenizer.model or vocab.json/merges.txt needs converting)"
+            )
+        return inside
+    if not path.exists():
+        hint = nearest(value, [BYTE, MODEL_HF])
+        also = f"; did you mean '{hint}'?" if hint else ""
+        raise TokenizerFileError(
+            f"{key} = {value!r}: no such file or folder (expected 'byte', 'hf', a tokenizer.json or a folder "
+            f"holding one){also}"
+        )
+    return path
+
+
+def read_tokenizer_info(value: str, *, key: str = "data.tokenizer") -> TokenizerInfo:
+    """Vocabulary size and end-of-text token of the tokenizer ``value`` names (cached per file version)."""
+    path = tokenizer_json_path(value, key=key)
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise TokenizerFileError(f"{key}: cannot read {path}: {e.strerror}") from None
+    return _read_info(str(path.resolve()), st.st_mtime_ns, st.st_size, key)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_info(path_str: str, _mtime_ns: int, _size: int, key: str) -> TokenizerInfo:
+    path = Path(path_str)
+    try:
+        raw = path.read_bytes()
+        spec = json.loads(raw)
+    except OSError as e:
+        raise TokenizerFileError(f"{key}: cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise TokenizerFileError(f"{key}: {path} is not readable JSON: {e}") from None
+    model = spec.get("model") if isinstance(spec, dict) else None
+    if not isinstance(model, dict) or not isinstance(model.get("vocab"), dict | list):
+        raise TokenizerFileError(
+            f"{key}: {path} is not a tokenizer.json (no model.vocab; the tokenizers library writes one "
+            "with Tokenizer.save, transformers with save_pretrained)"
+        )
+    ids = _token_ids(spec)
+    if not ids:
+        raise TokenizerFileError(f"{key}: {path} has an empty vocabulary")
+    eos_token = _eos_token(path.parent / "tokenizer_config.json", key)
+    eos_id = None
+    if eos_token is not None:
+        eos_id = ids.get(eos_token)
+        if eos_id is None:
+            raise TokenizerFileError(
+                f"{key}: {path.parent / 'tokenizer_config.json'} names eos_token {eos_token!r}, "
+                f"which is not in {path.name}'s vocabulary"
+            )
+    digest = hashlib.sha256(raw)
+    digest.update(f"|eos={eos_id}".encode())
+    return TokenizerInfo(path, max(ids.values()) + 1, eos_token, eos_id, digest.hexdigest())
+
+
+def _token_ids(spec: dict[str, Any]) -> dict[str, int]:
+    """Every token's id: the model's vocabulary (a mapping for BPE / WordPiece / WordLevel, a list of
+    [piece, score] for Unigram) and the added tokens."""
+    vocab = spec["model"]["vocab"]
+    if isinstance(vocab, dict):
+        ids = {str(t): int(i) for t, i in vocab.items()}
+    else:
+        ids = {str(entry[0]): i for i, entry in enumerate(vocab)}
+    for added in spec.get("added_tokens") or []:
+        ids[str(added["content"])] = int(added["id"])
+    return ids
+
+
+def _eos_token(config_path: Path, key: str) -> str | None:
+    if not config_path.is_file():
+        return None
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        raise TokenizerFileError(f"{key}: {config_path} is not readable JSON: {e}") from None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(eos, dict):  # older transformers wrote an AddedToken as a mapping
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
+
+
+def tokenizers_installed() -> bool:
+    return importlib.util.find_spec("tokenizers") is not None
+
+
+def resolve_model_hf(value: str, model_hf: str | None, where: str) -> str:
+    """``hf`` -> the model.hf folder (absolute, as model.hf is stored); other values unchanged."""
+    if value != MODEL_HF:
+        return value
+    if model_hf is None:
+        raise TokenizerFileError(
+            f"{where}: data.tokenizer = hf means the model.hf folder's tokenizer, but model.hf is not set "
+            "(give a tokenizer.json or a folder holding one instead)"
+        )
+    return os.fspath(model_hf)
+
+
+def tokenizer_problems(cfg: Any, v: Any) -> list[str]:
+    """Validation of ``data.tokenizer`` against the recipe (``cfg`` a RunConfig; ``v("a.b")`` renders a
+    key as ``a.b = value (where it was set)``): a readable tokenizer, its package, and a vocabulary the
+    model's embedding table covers."""
+    data, model = cfg.data, cfg.model
+    if data.source == "synthetic" or model.custom is not None:
+        return []
+    if data.tokenizer == BYTE:
+        if data.source in ("builtin", "text") and model.vocab_size < BYTE_VOCAB:
+            return [f"{v('model.vocab_size')} is smaller than the byte tokenizer's {BYTE_VOCAB} ids "
+                    f"(data.tokenizer = byte)"]
+        return []
+    try:
+        info = read_tokenizer_info(resolve_model_hf(data.tokenizer, model.hf, v("data.tokenizer")))
+    except TokenizerFileError as e:
+        return [str(e)]
+    out = []
+    if data.source != "tokens" and not tokenizers_installed():
+        out.append(f"{v('data.tokenizer')} needs the tokenizers package: {INSTALL_HINT}")
+    if info.vocab_size > model.vocab_size:
+        if model.hf is None:
+            fix = f"set model.vocab_size to at least {info.vocab_size}"
+        elif data.tokenizer == MODEL_HF:
+            fix = "the model.hf folder's tokenizer.json and config.json disagree"
+        else:
+            fix = "use the checkpoint's own tokenizer (data.tokenizer = hf)"
+        out.append(f"data.tokenizer: {info.path} has {info.vocab_size} token ids (0..{info.vocab_size - 1}), but "
+                   f"{v('model.vocab_size')}: the model has no embedding row for ids {model.vocab_size} and up; "
+                   f"{fix}")
+    return out
+
+
+def tokenizer_warnings(cfg: Any) -> list[str]:
+    """A tokenizer that names no end-of-text token: documents run into each other."""
+    data = cfg.data
+    if data.tokenizer in (BYTE, MODEL_HF) or data.source == "synthetic":
+        return []
+    try:
+        info = read_tokenizer_info(data.tokenizer)
+    except TokenizerFileError:
+        return []  # reported by validation
+    if info.eos_id is not None:
+        return []
+    return [f"data.tokenizer: {info.path} names no end-of-text token (no eos_token in a tokenizer_config.json "
+            "beside it): documents are joined without a separator"]
