@@ -57,8 +57,8 @@ def tokenizer_json_path(value: str, *, key: str = "data.tokenizer") -> Path:
         inside = path / "tokenizer.json"
         if not inside.is_file():
             raise TokenizerFileError(
-                f"{key}: {path} has no tokenizer.json (accelrun reads the tokenizers library's format; "
-                "a folder with only a sentencepiece tokenizer.model or vocab.json/merges.txt needs converting)"
+                f"{key}: {path} has no tokenizer.json (the tokenizers library's format; a sentencepiece "
+                "tokenizer.model or vocab.json + merges.txt alone is not read)"
             )
         return inside
     if not path.exists():
@@ -171,6 +171,9 @@ def tokenizer_problems(cfg: Any, v: Any) -> list[str]:
     try:
         info = read_tokenizer_info(resolve_model_hf(data.tokenizer, model.hf, v("data.tokenizer")))
     except TokenizerFileError as e:
+        if data.tokenizer == MODEL_HF and model.hf is not None:  # the checkpoint came without a tokenizer
+            return [f"{e} ({v('data.tokenizer')}: the model.hf folder's own tokenizer; data.tokenizer=byte "
+                    "trains on byte-level tokens instead)"]
         return [str(e)]
     out = []
     if data.source != "tokens" and not tokenizers_installed():

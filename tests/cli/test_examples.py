@@ -176,10 +176,27 @@ def test_examples_were_found():
     assert len(ALL) > 60
 
 
+def _save_example_tokenizer(folder: Path) -> None:
+    """The README's models/my-tokenizer: a byte-level BPE trained on the example corpus, saved as
+    transformers saves one (tokenizer.json + tokenizer_config.json naming its EOS)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([Path("corpus/a.txt").read_text()], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(folder)
+
+
 @pytest.mark.parametrize("example", ALL, ids=[f"{e.where}" for e in ALL])
 def test_example_runs_as_written(example: Example, workdir: Path, monkeypatch: pytest.MonkeyPatch):
+    tokenizer = [a.partition("=")[2] or a for a in example.args if "models/my-tokenizer" in a]
+    if tokenizer:
+        _save_example_tokenizer(Path(tokenizer[0]))
     if example.args[:2] == ["train", "configs/llama.yaml"] and "data.source=tokens" in example.args:
-        assert CliRunner().invoke(cli, ["data", "prepare", "corpus/*.txt", "-o", "data/corpus.tok"]).exit_code == 0
+        prepare = ["data", "prepare", "corpus/*.txt", "-o", "data/corpus.tok"]
+        assert CliRunner().invoke(cli, prepare + [f"--tokenizer={t}" for t in tokenizer]).exit_code == 0
     for key, value in example.env.items():
         Path(value.replace("~", str(workdir))).expanduser().mkdir(parents=True, exist_ok=True)
         monkeypatch.setenv(key, value.replace("~", str(workdir)))

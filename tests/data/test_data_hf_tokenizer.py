@@ -163,6 +163,8 @@ def test_model_hf_folder_tokenizer_too_large_names_config_json(tmp_path):
     from tests.models.hf_helpers import save_tiny_hf
 
     save_tiny_hf(tmp_path / "model")  # vocab_size 320
+    with pytest.raises(ConfigError, match="has no tokenizer.json .*data.tokenizer=byte trains on byte-level"):
+        load_config(DEFAULT_CONFIG, [f"model.hf={tmp_path / 'model'}", "data.tokenizer=hf", "train.seq_len=32"])
     tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(400)}, unk_token="t0"))
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1").save_pretrained(tmp_path / "model")
     with pytest.raises(ConfigError) as e:
