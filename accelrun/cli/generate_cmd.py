@@ -11,7 +11,7 @@ from accelrun.cli.common import out
 
 @click.command("generate")
 @click.argument("run", type=click.Path(path_type=Path))
-@click.option("--prompt", required=True, help="Text to continue (byte tokenizer).")
+@click.option("--prompt", required=True, help="Text to continue (in the run's data.tokenizer).")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=200, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True,
               help="0 = greedy.")

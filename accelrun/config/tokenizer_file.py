@@ -204,3 +204,13 @@ def tokenizer_warnings(cfg: Any) -> list[str]:
         return []
     return [f"data.tokenizer: {info.path} names no end-of-text token (no eos_token in a tokenizer_config.json "
             "beside it): documents are joined without a separator"]
+
+
+def stored_tokenizer(value: str, model_hf: str | None) -> str:
+    """The value a validated recipe keeps: ``byte``, or the tokenizer's absolute path (``hf``: the
+    model.hf folder), so that ranks, a later ``generate`` and ``export`` find the same file."""
+    if value == BYTE:
+        return value
+    if value == MODEL_HF:
+        return os.fspath(model_hf) if model_hf is not None else value
+    return str(Path(value).expanduser().resolve())

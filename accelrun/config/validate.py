@@ -17,7 +17,12 @@ from accelrun.config.compile_names import BUILTIN_EXECUTORS, PassConfigError, pa
 from accelrun.config.compose import DEFAULT, Source
 from accelrun.config.errors import ConfigError, nearest
 from accelrun.config.schema import PP_STAGES_PER_RANK, RunConfig
-from accelrun.config.tokenizer_file import BYTE_VOCAB, MODEL_HF, tokenizer_problems, tokenizer_warnings
+from accelrun.config.tokenizer_file import (
+    BYTE_VOCAB,
+    stored_tokenizer,
+    tokenizer_problems,
+    tokenizer_warnings,
+)
 from accelrun.config.yaml_lines import KeyPath, dotted
 
 # Token ids the built-in tokenizers use (accelrun.data.tokenizer is the source of truth;
@@ -36,8 +41,8 @@ def validate(data: dict[str, Any], sources: dict[KeyPath, Source]) -> RunConfig:
         raise ConfigError(problems)
     if cfg.train.micro_batch is None:  # checked above: global_batch divides by grad_accum × dp
         cfg.train.micro_batch = cfg.train.global_batch // ((cfg.train.grad_accum or 1) * cfg.parallel.dp)
-    if cfg.data.tokenizer == MODEL_HF and cfg.model.hf is not None:
-        cfg.data.tokenizer = cfg.model.hf  # the folder itself, so the data layer needs no model keys
+    # Stored as an absolute path (hf: the model.hf folder): ranks, generate and export find the same file.
+    cfg.data.tokenizer = stored_tokenizer(cfg.data.tokenizer, cfg.model.hf)
     return cfg
 
 

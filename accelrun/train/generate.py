@@ -1,12 +1,14 @@
-"""``accelrun generate``: sample text from a run's newest complete checkpoint with the byte tokenizer."""
+"""``accelrun generate``: sample text from a run's newest complete checkpoint with the tokenizer it
+trained with (its ``data.tokenizer``: byte-level, or a tokenizer.json)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+import yaml
 
-from accelrun.train.checkpoint_model import CheckpointModelError, load_checkpoint_model
+from accelrun.train.checkpoint_model import CheckpointModelError, find_checkpoint, load_checkpoint_model
 
 
 def load_run_model(ref: str | Path) -> torch.nn.Module:
@@ -39,18 +41,30 @@ def generate(model: torch.nn.Module, prompt_ids: list[int], *, max_new_tokens: i
     return ids
 
 
+def run_tokenizer_name(run: Path) -> str:
+    """The ``data.tokenizer`` a run trained with (``byte`` for runs that predate the key)."""
+    try:
+        data = (yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {}).get("data") or {}
+    except FileNotFoundError:
+        raise CheckpointModelError(f"{run}: no config.yaml; is this an accelrun run directory?") from None
+    return str(data.get("tokenizer") or "byte")
+
+
 def generate_text(ref: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
                   top_k: int | None = 50, seed: int = 0) -> str:
-    """The prompt followed by the sampled continuation, decoded with the byte tokenizer."""
-    from accelrun.data.tokenizer import get_tokenizer
+    """The prompt followed by the sampled continuation, in the run's own tokens: byte-level with a BOS
+    first, or a tokenizer.json's own encoding of the prompt (its special tokens included)."""
+    from accelrun.data.tokenizer import ByteTokenizer, get_tokenizer
 
-    tok = get_tokenizer("byte")
+    _, run = find_checkpoint(ref, "to sample from")
+    name = run_tokenizer_name(run)
+    tok = get_tokenizer(name)  # a tokenizer file that is gone: exit 2 naming it
     model = load_run_model(ref)
     vocab = model.args.vocab_size if hasattr(model, "args") else None
     if vocab is not None and vocab < tok.vocab_size:
-        raise CheckpointModelError(f"{ref}: the model's vocabulary ({vocab}) is smaller than the byte tokenizer's "
-                                   f"({tok.vocab_size}); it was not trained on byte-level text")
-    ids = tok.encode(prompt, bos=True)
+        raise CheckpointModelError(f"{ref}: the model's vocabulary ({vocab}) is smaller than the tokenizer "
+                                   f"{name!r}'s ({tok.vocab_size}); it was not trained on its tokens")
+    ids = tok.encode(prompt, bos=True) if isinstance(tok, ByteTokenizer) else tok.encode(prompt)
     out = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
                    max_seq_len=getattr(getattr(model, "args", None), "max_seq_len", None))
     return tok.decode(out)

@@ -225,7 +225,7 @@ def test_train_on_text_with_the_model_hf_folders_tokenizer(files, tmp_path):
     resolved = load_config(DEFAULT_CONFIG, [*TINY, "train.steps=2", f"report.runs_dir={tmp_path / 'runs'}",
                                             f"model.hf={model}", "data.tokenizer=hf", "data.source=text",
                                             f"data.paths=[{files['corpus']}/**/*.txt]", "train.seq_len=16",
-                                            "checkpoint.enabled=false", "eval.every=0"])
+                                            "eval.every=0"])
     assert resolved.config.data.tokenizer == str(model.resolve())  # hf: the folder, stored absolute
     result = train(resolved, command="test")
     report = json.loads((result.run_dir / "report.json").read_text())
@@ -239,3 +239,13 @@ def test_train_on_text_with_the_model_hf_folders_tokenizer(files, tmp_path):
     assert stream.fingerprint["tokens"] == sum(len(lib.encode(t).ids) + 1 for t in texts)
     losses = [m["loss"] for m in read_metrics(result.run_dir / "metrics.jsonl")]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+    # generate samples in the run's own tokens: the prompt round-trips through the folder's tokenizer ...
+    runner = CliRunner()
+    args = ["generate", str(result.run_dir), "--prompt", "def add(", "--max-new-tokens", "5", "--seed", "1"]
+    sample = runner.invoke(cli, args)
+    assert sample.exit_code == 0 and sample.output.startswith("def add("), sample.output
+    # ... and without that tokenizer it stops, naming the file, rather than falling back to bytes.
+    (model / "tokenizer.json").rename(model / "moved.json")
+    gone = runner.invoke(cli, args)
+    assert gone.exit_code == 2 and f"{model.resolve()} has no tokenizer.json" in gone.output
