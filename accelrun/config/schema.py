@@ -72,7 +72,7 @@ class RopeScalingConfig(Section):
 class ModelConfig(Section):
     """A Llama-family decoder, or a user's own model by import path."""
 
-    arch: Literal["llama"] = "llama"
+    arch: Literal["llama", "moe"] = "llama"
     dim: PositiveInt = 256
     n_layers: PositiveInt = 4
     n_heads: PositiveInt = 8
@@ -86,6 +86,15 @@ class ModelConfig(Section):
     init_std: Annotated[float, Field(gt=0)] = 0.02
     qkv_bias: bool = Field(False, description="biases on the q, k, v projections (Qwen2)")
     rope_scaling: RopeScalingConfig | None = Field(None, description="Llama 3.1's long-context scaling; None = none")
+    # arch = moe (accelrun.models.moe): each block's feed-forward is a top-k router over experts.
+    n_experts: PositiveInt = Field(8, description="moe: routed experts per block")
+    experts_per_token: PositiveInt = Field(2, description="moe: experts each token is routed to (top-k)")
+    moe_ffn_dim: PositiveInt = Field(256, description="moe: hidden width of each routed expert")
+    shared_expert_ffn_dim: NonNegativeInt = Field(0, description="moe: hidden width of the shared expert; 0 = none")
+    aux_loss_coef: Annotated[float, Field(ge=0)] = Field(0.01, description="moe: weight of the load-balancing loss")
+    capacity_factor: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="moe: an expert takes at most capacity_factor × T × k / n_experts assignments per "
+        "sequence, the rest are dropped; None = no dropping")
     hf: str | None = Field(
         None, description="a local Hugging Face model folder (config.json + *.safetensors): its config sets the "
         "model's shape keys and its weights replace the initial ones"
@@ -188,6 +197,9 @@ class ParallelConfig(Section):
     pp: Degree = 1
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     microbatches: PositiveInt | None = Field(None, description="pipeline micro-batches; None = pp")
+    ep: PositiveInt = Field(
+        1, description="expert parallelism (model.arch = moe): experts spread over this many of the data-parallel "
+        "ranks (dp_shard, × cp), tokens sent to them by all-to-all; not a mesh dimension of its own")
     reshard_after_forward: bool = Field(True, description="FSDP: free gathered block parameters after forward")
     fsdp_impl: Literal["fsdp2", "compiled"] = Field(
         "fsdp2", description="fsdp2: FSDP2's hooks gather and reduce outside any graph; compiled: the model is one "

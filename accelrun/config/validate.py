@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from accelrun.config.compile_names import BUILTIN_EXECUTORS, PassConfigError, parse_passes
 from accelrun.config.compose import DEFAULT, Source
 from accelrun.config.errors import ConfigError, nearest
+from accelrun.config.moe_checks import moe_problems
 from accelrun.config.schema import PP_STAGES_PER_RANK, RunConfig
 from accelrun.config.tokenizer_file import (
     BYTE_VOCAB,
@@ -250,6 +251,7 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
     if par.sequence_parallel and deg["tp"] > 1 and cfg.train.seq_len % deg["tp"]:
         out.append(f"{v('train.seq_len')} is not divisible by tensor-parallel degree {deg['tp']} "
                    "(parallel.sequence_parallel shards the sequence)")
+    out += moe_problems(cfg, deg, v)
     if par.pp_layers is not None:
         stages = deg["pp"] * PP_STAGES_PER_RANK[par.pp_schedule]
         layers = sum(len(stage) for stage in par.pp_layers)

@@ -58,9 +58,9 @@ class UnknownFamily(UserError, ValueError):
 
 
 def _families() -> dict[str, ModelSpec]:
-    from accelrun.models.families import llama
+    from accelrun.models.families import llama, moe
 
-    return {"llama": llama.SPEC}  # one line per family
+    return {"llama": llama.SPEC, "moe": moe.SPEC}  # one line per family
 
 
 def get_family(name: str) -> ModelSpec:

@@ -1,0 +1,37 @@
+"""The MoE family's spec (imports torch; ``families.moe`` hands it out on first use)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from accelrun.models.families import ModelSpec, TPPlan
+from accelrun.models.families.llama.tp_plan import end_plan
+from accelrun.models.moe import MoE, MoEArgs
+from accelrun.models.moe_flops import flops_per_token, param_count
+
+
+def _build(args: MoEArgs) -> nn.Module:
+    return MoE(args)
+
+
+_ATTENTION_ONLY = {"attention.wq", "attention.wk", "attention.wv", "attention.wo"}
+
+
+def _attention_plan() -> dict:
+    from accelrun.models.families.llama.tp_plan import BLOCK_PLAN
+
+    return {k: v for k, v in BLOCK_PLAN.items() if k in _ATTENTION_ONLY}
+
+
+SPEC = ModelSpec(
+    name="moe",
+    args_from_config=MoEArgs.from_config,
+    build=_build,
+    flops_per_token=flops_per_token,
+    param_count=param_count,
+    tp_plan=TPPlan(block=_attention_plan(), sequence_parallel_block={}, ends=end_plan),
+    blocks_attr="layers",
+    first_stage_ends=("tok_embeddings",),
+    last_stage_ends=("norm", "output"),
+    extras={"mfu_basis": "active parameters (top-k routed experts + shared expert + attention + router)"},
+)
