@@ -9,6 +9,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from accelrun.dist.expert_parallel import expert_parallel_params
+
 
 def apply_fsdp(
     model: nn.Module, blocks, mesh: DeviceMesh, precision: str, reshard_after_forward: bool
@@ -17,7 +19,9 @@ def apply_fsdp(
     dp_mesh = mesh["dp_replicate", "dp_shard"] if rep > 1 else mesh["dp_shard"]
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if precision == "bf16-mixed" else MixedPrecisionPolicy())
-    for block in blocks or []:
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for block in blocks or []:  # experts placed by expert parallelism are the ep group's, not FSDP's
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                    ignored_params=expert_parallel_params(block) or None)
     # The root is not resharded after forward: backward needs it at once.
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False,
+                ignored_params=expert_parallel_params(model) or None)

@@ -11,6 +11,7 @@ from accelrun.report.fmt import nbytes as _bytes
 from accelrun.report.fmt import num as _num
 from accelrun.report.fmt import pct as _pct
 from accelrun.report.fmt import secs as _secs
+from accelrun.report.router import router_section
 
 SPARK_LEVELS = "▁▂▃▄▅▆▇█"
 
@@ -39,6 +40,7 @@ def render_report_md(report: dict, config_summary: dict, *, env: dict | None = N
         lines += [f"| {' | '.join(row)} |" for row in ranks] + [""]
     lines += _compiler_section(report.get("compiler"))
     lines += _loss_section(report) + [""]
+    lines += router_section(report)
     extra = {k: v for k, v in config_summary.items()
              if k not in ("name", "config_hash") and (v is None or isinstance(v, (str, int, float, bool)))}
     if extra:

@@ -17,6 +17,7 @@ import math
 import statistics
 
 from accelrun.report.peak import Peak
+from accelrun.report.router import MOE_MFU_NOTE, router_summary
 
 # Fewer steady steps than this still gives figures, with a note that they are noisy.
 MIN_STEADY_STEPS = 5
@@ -108,6 +109,8 @@ def summarize(
     losses = [float(m["loss"]) for m in metrics if m.get("loss") is not None]
     window = losses[-FINAL_LOSS_WINDOW:]
     comm = comm_summary(steady)
+    if router_summary(metrics) is not None:
+        notes.append(MOE_MFU_NOTE)
     if comm is not None:
         notes.append(COMM_NOTE)
 
@@ -144,6 +147,7 @@ def summarize(
         "loss_curve": _sample_loss_curve(metrics, LOSS_CURVE_POINTS),
         "comm_time_s": comm,
         "comm_overlap": overlap_summary(steady),
+        "router": router_summary(metrics),  # mixture of experts only (accelrun.report.router)
         "notes": notes,
     }
 

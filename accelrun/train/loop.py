@@ -26,6 +26,7 @@ from accelrun.train.grad_clip import clip_grad_norm_
 from accelrun.train.lineage import prune_history_checkpoints
 from accelrun.train.precision import autocast
 from accelrun.train.progress import TrainProgress
+from accelrun.train.router_metrics import router_step_metrics
 from accelrun.train.setup import TrainSetup
 from accelrun.train.step_clock import StepClock
 
@@ -94,6 +95,8 @@ def run_loop(
                         m3 = clock.mark()
                     loss_sum += loss.detach()
                     spans.append((m0, m1, m2, m3))
+                if s.expert_parallel is not None:  # experts' gradients: summed over their holders, averaged
+                    s.expert_parallel.reduce_gradients()
                 m4 = clock.mark()
                 # The norm and the loss stay on the device until the step's one synchronisation.
                 where["phase"] = "the gradient norm"
@@ -124,6 +127,9 @@ def run_loop(
                 record.update(forward_s=fwd_s, backward_s=bwd_s, optimizer_s=clock.seconds(m4, m5))
                 if (reserved := peak_reserved_bytes(dev)) is not None:  # what the allocator held (CUDA)
                     record["mem_reserved_bytes"] = reserved
+                record.update(router_step_metrics(s.model, s.ctx.distributed))  # MoE: load, drops, aux loss
+                if s.expert_parallel is not None:
+                    record.update(s.expert_parallel.step_metrics())
                 if s.comm_timer is not None:  # blocked in collectives during this step (inside the parts above)
                     record["comm_s"] = s.comm_timer.seconds - comm_at_start
                 if s.comm_trace is not None:  # FSDP's / compiled graphs' collectives: exposed, busy, overlap

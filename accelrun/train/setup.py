@@ -21,6 +21,7 @@ from accelrun.data.build import build_eval_data
 from accelrun.dist.comm_overlap import comm_trace_for
 from accelrun.dist.comm_timing import comm_timer_for
 from accelrun.dist.context import ParallelContext
+from accelrun.dist.expert_parallel import apply_expert_parallel
 from accelrun.dist.fsdp import apply_fsdp
 from accelrun.dist.pipeline import Pipeline, union_of
 from accelrun.dist.tp import apply_tp, loss_context
@@ -68,6 +69,8 @@ class TrainSetup:
     comm_trace: Any = None
     # eval.every > 0: this rank's held-out batches (accelrun.data.heldout), else None.
     eval_data: Any = None
+    # parallel.ep > 1: the experts' placement; its reduce_gradients() runs after each step's backward.
+    expert_parallel: Any = None
 
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint needs besides tensors; JSON-able."""
@@ -187,6 +190,9 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         pipeline = Pipeline(model, ctx.mesh, cfg.parallel.pp_schedule, cfg.parallel.microbatches or ctx.pp_size,
                             _pipeline_loss(cfg.grad_accum), device, layers=cfg.parallel.pp_layers)
         parts = pipeline.modules
+    # Before compile and FSDP: each rank keeps its experts, which FSDP then leaves alone.
+    expert_parallel = (apply_expert_parallel(model, ctx.mesh, cfg.parallel.ep, ctx.dp_size)
+                       if ctx.mesh is not None and cfg.parallel.ep > 1 else None)
     for part in parts:
         compiled = _parallelize(part, cfg, ctx, run_dir / "compile")
     if on_meta:
@@ -272,4 +278,5 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         comm_trace=comm_trace_for(ctx.world_size, device),
         loss_context=lambda: loss_context(vocab_parallel),
         eval_data=eval_data,
+        expert_parallel=expert_parallel,
     )

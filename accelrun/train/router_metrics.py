@@ -1,0 +1,47 @@
+"""Per-step router figures of a mixture-of-experts model, for metrics.jsonl and the report.
+
+Summed over the step's micro-batches and layers on each rank (``MoE.pop_router_stats``) and then
+over the job's ranks (one small all-reduce, which every rank joins), so they describe the whole
+step's tokens whatever the layout:
+
+- ``moe_aux_loss``: the load-balancing loss, mean over layers and micro-batches (1.0 = balanced);
+- ``moe_tokens_per_expert``: (token, choice) assignments each expert was chosen for, before dropping;
+- ``moe_imbalance``: max / mean of those (1.0 = balanced; n_experts / k when all go to k experts);
+- ``moe_dropped_tokens`` and ``moe_dropped_frac``: assignments over capacity (model.capacity_factor).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from accelrun.dist.collective import to_collective_device
+
+
+def router_step_metrics(model: nn.Module, distributed: bool) -> dict[str, Any]:
+    """This step's router figures ({} for a model without a router). Call on every rank."""
+    pop = getattr(model, "pop_router_stats", None)
+    totals = pop() if callable(pop) else None
+    if totals is None:
+        return {}
+    packed = torch.cat([totals["aux_sum"].reshape(1), totals["forwards"].reshape(1),
+                        totals["dropped"].reshape(1), totals["tokens_per_expert"]]).double()
+    if distributed:
+        home = packed.device
+        packed = to_collective_device(packed, None).clone()
+        dist.all_reduce(packed)
+        packed = packed.to(home)
+    aux_sum, forwards, dropped = packed[:3].tolist()
+    per_expert = [round(v) for v in packed[3:].tolist()]
+    assigned = sum(per_expert)
+    mean = assigned / len(per_expert)
+    return {
+        "moe_aux_loss": aux_sum / forwards,
+        "moe_tokens_per_expert": per_expert,
+        "moe_imbalance": max(per_expert) / mean if mean else None,
+        "moe_dropped_tokens": round(dropped),
+        "moe_dropped_frac": dropped / assigned if assigned else 0.0,
+    }
