@@ -140,7 +140,7 @@ def _gib(b: float) -> str:
 def _print_plan(plan: Plan, ac: str | None) -> None:
     w, cl, lay = plan.workload, plan.cluster, plan.workload.layout
     sh = w.shape
-    out.print(f"[bold]plan[/]: Llama {sh.param_count() / 1e9:.3g} B params ({sh.n_layers} layers, dim {sh.dim}) "
+    out.print(f"[bold]plan[/]: {sh.family.capitalize()} {sh.param_count() / 1e9:.3g} B params ({sh.n_layers} layers, dim {sh.dim}) "
               f"on {escape(cl.describe())}")
     out.print(f"  layout: world {lay.world} = pp {lay.pp} × dp_replicate {lay.dp_replicate} × dp_shard "
               f"{lay.dp_shard} × tp {lay.tp}; batch: global {w.global_batch} × seq {w.seq_len} = micro "

@@ -19,7 +19,11 @@ HF_MODEL_TYPES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "mistral": ("llama", "MistralForCausalLM"),
     "qwen2": ("llama", "Qwen2ForCausalLM"),
+    "gemma": ("gemma", "GemmaForCausalLM"),
 }
+# Gemma's activation: transformers reads hidden_activation (4.x) or hidden_act, and maps the legacy
+# "gelu" of the published configs to the tanh approximation, which is what the family computes.
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 
 
 class HFModelError(ConfigError):
@@ -100,6 +104,10 @@ def model_keys_from_hf_folder(folder: str) -> dict[str, Any]:
     except KeyError as e:
         raise HFModelError(f"model.hf: {path} has no {e.args[0]!r} key") from None
     keys["rope_theta"], keys["rope_scaling"] = _rope(config, path)
+    if family == "gemma":
+        _gemma_keys(config, path, keys)
+        keys["hf"] = str(Path(folder).expanduser().resolve())
+        return keys
 
     unsupported = {  # a key whose value accelrun's family cannot express: refuse rather than differ
         "hidden_act": (config.get("hidden_act", "silu") not in ("silu", "swish"), "only silu"),
@@ -120,3 +128,21 @@ def model_keys_from_hf_folder(folder: str) -> dict[str, Any]:
     # Absolute, so the ranks (and a later resume from another directory) find the same folder.
     keys["hf"] = str(Path(folder).expanduser().resolve())
     return keys
+
+
+def _gemma_keys(config: dict[str, Any], path: str, keys: dict[str, Any]) -> None:
+    """Gemma's own keys and defaults (transformers' GemmaConfig), and what the family cannot express."""
+    keys["head_dim"] = int(config.get("head_dim") or keys["dim"] // keys["n_heads"])
+    keys["tie_embeddings"] = bool(config.get("tie_word_embeddings", True))
+    act_key = "hidden_activation" if config.get("hidden_activation") is not None else "hidden_act"
+    act = config.get(act_key, "gelu_pytorch_tanh")
+    allowed = GEMMA_ACTIVATIONS if act_key == "hidden_act" else GEMMA_ACTIVATIONS[:1]
+    unsupported = {
+        act_key: (act not in allowed, f"only {' or '.join(allowed)}"),
+        "attention_bias": (bool(config.get("attention_bias")), "only false"),
+        "use_bidirectional_attention": (bool(config.get("use_bidirectional_attention")), "only false"),
+        "rope_scaling": (keys["rope_scaling"] is not None, "only the default rotary embedding"),
+    }
+    for key, (bad, allowed_text) in unsupported.items():
+        if bad:
+            raise HFModelError(f"model.hf: {path}: {key} = {config.get(key)!r} is not supported ({allowed_text})")

@@ -70,13 +70,14 @@ class RopeScalingConfig(Section):
 
 
 class ModelConfig(Section):
-    """A Llama-family decoder, or a user's own model by import path."""
+    """A decoder of one of accelrun's model families (``arch``), or a user's own model by import path."""
 
-    arch: Literal["llama", "moe"] = "llama"
+    arch: Literal["llama", "moe", "gemma"] = "llama"
     dim: PositiveInt = 256
     n_layers: PositiveInt = 4
     n_heads: PositiveInt = 8
     n_kv_heads: PositiveInt | None = Field(None, description="None = n_heads (no grouping)")
+    head_dim: PositiveInt | None = Field(None, description="gemma: width of each attention head; None = dim / n_heads")
     ffn_dim: PositiveInt = 768
     vocab_size: PositiveInt = 512
     norm_eps: Annotated[float, Field(gt=0)] = 1e-5

@@ -32,6 +32,10 @@ TOKENIZER_VOCAB = {"byte": BYTE_VOCAB}
 PARALLEL_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 
 
+# Families whose head dimension is a key of its own (model.head_dim); the others' is dim / n_heads.
+HEAD_DIM_FAMILIES = ("gemma",)
+
+
 def validate(data: dict[str, Any], sources: dict[KeyPath, Source]) -> RunConfig:
     try:
         cfg = RunConfig.model_validate(data)
@@ -138,7 +142,13 @@ def consistency_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list
     if m.custom is None and m.kwargs:
         out.append(f"model.kwargs ({source_of(('model', 'kwargs'), sources)}) is only used with model.custom")
     if m.custom is None:
-        if m.dim % m.n_heads:
+        if m.head_dim is not None and m.arch not in HEAD_DIM_FAMILIES:
+            out.append(f"{v('model.head_dim')} is only read by model.arch {' / '.join(HEAD_DIM_FAMILIES)}; "
+                       f"{v('model.arch')} uses model.dim / model.n_heads")
+        elif m.head_dim is not None:
+            if m.head_dim % 2:
+                out.append(f"{v('model.head_dim')} must be even for RoPE")
+        elif m.dim % m.n_heads:
             out.append(f"{v('model.dim')} is not divisible by {v('model.n_heads')}")
         elif (m.dim // m.n_heads) % 2:
             out.append(f"head dimension model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")

@@ -1,6 +1,8 @@
-"""Pipeline parallelism with ``torch.distributed.pipelining``: the Llama cut into stages by
+"""Pipeline parallelism with ``torch.distributed.pipelining``: a built-in model cut into stages by
 layers (balanced, or ``parallel.pp_layers``), a schedule from the recipe, micro-batches from
-``parallel.microbatches``.
+``parallel.microbatches``. What is cut is the family's to say (``ModelSpec``): the blocks
+(``blocks_attr``) and the ends only the first and last stages keep (``first_stage_ends``,
+``last_stage_ends``).
 
 Stages keep the whole model's parameter names (their blocks sit in a ModuleDict keyed by layer
 index), so a pipelined run's checkpoints load into any other layout and back.
@@ -25,6 +27,7 @@ from torch.distributed.pipelining import (
 
 from accelrun.config.schema import PP_STAGES_PER_RANK
 from accelrun.dist.collective import to_collective_device
+from accelrun.models.families import ModelSpec, get_family
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -57,17 +60,27 @@ def stage_layers(n_layers: int, n_stages: int, explicit: list[list[int]] | None 
     return [range(stage[0], stage[-1] + 1) for stage in explicit]
 
 
-def stage_module(model: nn.Module, stage: int, n_stages: int, layers: range) -> nn.Module:
+def family_of(model: nn.Module) -> ModelSpec:
+    """The spec of a built-in model (its ``args.arch`` names the family)."""
+    return get_family(model.args.arch)
+
+
+def stage_module(model: nn.Module, stage: int, n_stages: int, layers: range,
+                 spec: ModelSpec | None = None) -> nn.Module:
     """A module of ``model``'s class holding only what stage ``stage`` runs: ``model``'s own submodules
     (not copies: the model is built on the meta device and each stage is materialised after its
-    layout is applied, so nothing of the whole model is ever allocated or copied)."""
+    layout is applied, so nothing of the whole model is ever allocated or copied). ``spec``: the
+    model's family (default: from ``model.args.arch``)."""
+    spec = spec or family_of(model)
+    blocks = getattr(model, spec.blocks_attr)
     part = copy.copy(model)  # the class and plain attributes (args); then a module state of its own
     nn.Module.__init__(part)
     part.train(model.training)
     for name, child in model.named_children():
-        if name == "layers":
-            child = nn.ModuleDict({str(i): model.layers[i] for i in layers})
-        elif (name == "tok_embeddings" and stage != 0) or (name in ("norm", "output") and stage != n_stages - 1):
+        if name == spec.blocks_attr:
+            child = nn.ModuleDict({str(i): blocks[i] for i in layers})
+        elif (name in spec.first_stage_ends and stage != 0) or (name in spec.last_stage_ends
+                                                                and stage != n_stages - 1):
             child = None
         part.add_module(name, child)
     for name, p in model.named_parameters(recurse=False):
@@ -82,15 +95,16 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, schedule: str, microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
-                 layers: list[list[int]] | None = None):
+                 layers: list[list[int]] | None = None, spec: ModelSpec | None = None):
+        self.spec = spec = spec or family_of(model)
         pp_mesh = mesh["pp"]
         self.group = pp_mesh.get_group()
         pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
         n_stages = pp_size * STAGES_PER_RANK[schedule]
-        ranges = stage_layers(model.args.n_layers, n_stages, layers)
+        ranges = stage_layers(len(getattr(model, spec.blocks_attr)), n_stages, layers)
         self.stage_layers = ranges
         self.stage_ids = list(range(pp_rank, n_stages, pp_size))
-        self.modules = [stage_module(model, s, n_stages, ranges[s]) for s in self.stage_ids]
+        self.modules = [stage_module(model, s, n_stages, ranges[s], spec) for s in self.stage_ids]
         self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         self.n_stages, self.schedule_name, self.microbatches = n_stages, schedule, microbatches
         self._loss_fn, self._device = loss_fn, device
@@ -115,15 +129,17 @@ class Pipeline:
         return loss.to(self._device)
 
     def blocks(self) -> list[nn.Module]:
-        return [b for m in self.modules for b in m.layers.values()]
+        return [b for m in self.modules for b in getattr(m, self.spec.blocks_attr).values()]
 
 
-def union_of(parts: list[nn.Module]) -> nn.Module:
+def union_of(parts: list[nn.Module], spec: ModelSpec | None = None) -> nn.Module:
     """One module holding every parameter of this rank's stages under the whole model's names
     (``layers.<i>``, and the ends where this rank has them): what checkpoints and the optimizer see."""
+    spec = spec or family_of(parts[0])
     union = nn.Module()
-    union.layers = nn.ModuleDict({k: v for part in parts for k, v in part.layers.items()})
-    for end in ("tok_embeddings", "norm", "output"):
+    blocks = {k: v for part in parts for k, v in getattr(part, spec.blocks_attr).items()}
+    union.add_module(spec.blocks_attr, nn.ModuleDict(blocks))
+    for end in spec.ends:
         held = [getattr(p, end) for p in parts if getattr(p, end) is not None]
         if held:
             setattr(union, end, held[0])

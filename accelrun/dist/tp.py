@@ -47,8 +47,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
 
         plan = get_family("llama").tp_plan
     parallelize_module(model, tp_mesh, plan.ends(model, sequence_parallel, loss_parallel))
-    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    for block in blocks:
+    from accelrun.models.build import transformer_blocks  # where the family keeps its blocks
+
+    for block in transformer_blocks(model):
         parallelize_module(block, tp_mesh, plan.sequence_parallel_block if sequence_parallel else plan.block)
 
 

@@ -1,24 +1,27 @@
-"""Model definitions: the built-in Llama family, FLOP counts, and user models by import path.
+"""Model definitions: the model families (``accelrun.models.families``), FLOP counts, and user models
+by import path.
 
-Named sizes are recipe files (``recipes/model/*.yaml``), not code. Importing this package pulls in
-torch only (not the config schema).
+Named sizes are recipe files (``recipes/model/*.yaml``), not code. ``import accelrun.models`` imports
+nothing heavy: the names below load (with torch) on first use, so that torch-free code (the planner
+asking a family's ``shape`` module) can import from this package.
 """
 
-from .build import ModelBuildError, build_model, model_flops_per_token, model_summary, transformer_blocks
-from .flops import flops_per_token, forward_flops_per_token, param_count
-from .llama import Llama, LlamaArgs, RMSNorm, TransformerBlock
+from __future__ import annotations
 
-__all__ = [
-    "Llama",
-    "LlamaArgs",
-    "ModelBuildError",
-    "RMSNorm",
-    "TransformerBlock",
-    "build_model",
-    "flops_per_token",
-    "forward_flops_per_token",
-    "model_flops_per_token",
-    "model_summary",
-    "param_count",
-    "transformer_blocks",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ModelBuildError": "build", "build_model": "build", "model_flops_per_token": "build",
+    "model_summary": "build", "transformer_blocks": "build",
+    "flops_per_token": "flops", "forward_flops_per_token": "flops", "param_count": "flops",
+    "Llama": "llama", "LlamaArgs": "llama", "RMSNorm": "llama", "TransformerBlock": "llama",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -1,4 +1,5 @@
-"""Turn a recipe's ``model:`` section into an ``nn.Module``: the built-in Llama, or a user's model.
+"""Turn a recipe's ``model:`` section into an ``nn.Module``: a model family's (``model.arch``), or a
+user's model.
 
 A user's model is named by import path, ``model.custom: "package.module:factory"``; the factory is
 called with ``model.kwargs`` under ``torch.device(device)``, so tensors it creates without an explicit
@@ -28,7 +29,7 @@ def build_model(
 ) -> nn.Module:
     """Build the model a recipe describes.
 
-    Llama is always built on the meta device first; for any other ``device`` it is then materialised
+    A family's model is always built on the meta device first; for any other ``device`` it is then materialised
     there (``to_empty``) and initialised (``init_weights(seed)``). A training loop that parallelises
     the model should build on meta, apply its wrappers, and then materialise and initialise itself.
 
@@ -107,13 +108,21 @@ def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn
 def transformer_blocks(model: nn.Module) -> list[nn.Module] | None:
     """The model's repeated blocks, for the training loop to wrap (checkpointing, per-block compile).
 
-    ``model.layers`` when it is an ``nn.ModuleList`` (the built-in Llama, and any user model that
-    follows the same convention) or, for a pipeline stage, an ``nn.ModuleDict``; None otherwise.
+    A built-in model's are where its family's spec says (``blocks_attr``); a user's model's are
+    ``model.layers`` by convention. That attribute is an ``nn.ModuleList`` or, for a pipeline stage, an
+    ``nn.ModuleDict``; None otherwise.
     """
-    layers = getattr(model, "layers", None)
+    layers = getattr(model, _blocks_attr(model), None)
     if isinstance(layers, nn.ModuleDict):
         return list(layers.values())
     return list(layers) if isinstance(layers, nn.ModuleList) else None
+
+
+def _blocks_attr(model: nn.Module) -> str:
+    from accelrun.models.families import FAMILIES, get_family
+
+    arch = getattr(getattr(model, "args", None), "arch", None)
+    return get_family(arch).blocks_attr if arch in FAMILIES else "layers"
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, model: nn.Module | None = None) -> float | None:
@@ -131,10 +140,10 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, model: nn.Module | Non
 def model_summary(cfg: ModelConfig, model: nn.Module, seq_len: int | None = None) -> dict[str, Any]:
     """Facts about the model for logs and reports.
 
-    Keys: ``arch`` ("llama" or "custom"), ``custom`` (the import path or None), ``params_total``,
+    Keys: ``arch`` (the family, or "custom"), ``custom`` (the import path or None), ``params_total``,
     ``params_non_embedding`` (None for a user's model), ``flops_per_token`` (training FLOPs per token
     at ``seq_len``; None when ``seq_len`` is not given or the model cannot say).
-    Llama's counts come from its shape, so they are the whole model's even when ``model`` is a shard
+    A family's counts come from its shape, so they are the whole model's even when ``model`` is a shard
     or a pipeline stage; a user's model is counted from its (distinct) parameters.
     """
     if cfg.custom is None:
@@ -156,7 +165,7 @@ def model_summary(cfg: ModelConfig, model: nn.Module, seq_len: int | None = None
 
 def training_loss_fn(model: nn.Module):
     """``(inputs, targets) -> mean cross-entropy``: the model's own loss head when its forward takes
-    targets (the built-in Llama: the head then compiles with ``compile.scope: loss`` or ``model``),
+    targets (the built-in families: the head then compiles with ``compile.scope: loss`` or ``model``),
     otherwise cross-entropy over the logits it returns."""
     import inspect
 

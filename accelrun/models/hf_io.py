@@ -70,7 +70,7 @@ def load_hf_weights(modules: list[nn.Module], folder: str | Path, spec: Any, arg
             for name, param in module.named_parameters():
                 hf = spec.hf_name(name, args)
                 if hf not in files:
-                    if name == "output.weight" and args.tie_embeddings:
+                    if name == spec.tied_output_name and args.tie_embeddings:
                         continue
                     raise HFCheckpointError(f"model.hf: {folder}: no tensor {hf!r} (for {name}) in the weight files")
                 path = files[hf]

@@ -13,6 +13,7 @@ from accelrun.config.schema import RunConfig
 MODELLED = frozenset({
     "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim", "model.vocab_size",
     "model.tie_embeddings", "model.custom",  # custom: refused with a message (no shape to count)
+    "model.arch", "model.head_dim",  # the family's shape module (accelrun.models.families.<arch>.shape)
     "train.global_batch", "train.micro_batch", "train.grad_accum", "train.seq_len", "train.optimizer.impl",
     "train.grad_clip", "train.precision", "train.activation_checkpoint.mode", "train.activation_checkpoint.every_n",
     "train.threads",  # compared with the calibration's threads (a note when they differ)
@@ -33,7 +34,7 @@ MODELLED = frozenset({
 
 # Cannot change one training step's memory or time on the device.
 NO_EFFECT = frozenset({
-    "name", "description", "model.arch", "model.norm_eps", "model.rope_theta", "model.init_std", "model.kwargs",
+    "name", "description", "model.norm_eps", "model.rope_theta", "model.init_std", "model.kwargs",
     "model.max_seq_len",  # the rotary table: max_seq_len × head_dim / 2 numbers, negligible
     "model.rope_scaling",  # changes the rotary table's values, not its size
     "model.qkv_bias",  # (n_heads + 2 kv_heads) × head_dim numbers per layer, negligible

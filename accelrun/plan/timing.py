@@ -124,7 +124,7 @@ def _chunk_time(w: Workload, cluster: Cluster, rates: DeviceRates, stage: str) -
         fwd_mm += t
         if full_recompute or (w.ac_mode == "selective" and i % 2 == 1):
             recompute_mm += t
-    attn_fwd = 2.0 * tokens * w.seq_len * sh.dim / tp / (rates.attention_tflops(w.seq_len, sh.head_dim) * 1e12)
+    attn_fwd = 2.0 * tokens * w.seq_len * sh.q_dim / tp / (rates.attention_tflops(w.seq_len, sh.head_dim) * 1e12)
     traffic = block_traffic(w)
     ew_fwd, ew_bwd = tokens * traffic.forward / mem_rate, tokens * traffic.backward / mem_rate
     block_fwd = fwd_mm + attn_fwd + ew_fwd

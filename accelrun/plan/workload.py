@@ -1,8 +1,10 @@
 """What one training step asks of each device: the model's shape, the layout, the batch, the options.
 
-Torch-free on purpose (``accelrun plan`` must run where torch is not installed), so the Llama
-shape arithmetic is restated here; ``tests/plan/test_plan_workload.py`` keeps it equal to
-``accelrun.models.flops`` for every shipped model recipe.
+Torch-free on purpose (``accelrun plan`` must run where torch is not installed), so the shape
+arithmetic is restated here; each model family's torch-free ``shape`` module
+(``accelrun.models.families.<name>.shape``) turns a recipe's ``model`` section into a :class:`Shape`,
+and ``tests/plan/test_plan_workload.py`` keeps its counts equal to the family's for every shipped
+model recipe.
 
 Precision modes, as accelrun trains them (``accelrun/train``, ``accelrun/dist/fsdp.py``):
 
@@ -39,7 +41,10 @@ class Gemm:
 
 @dataclass(frozen=True)
 class Shape:
-    """A Llama's shape (the recipe's ``model`` section without initialisation details)."""
+    """A decoder's shape as the planner counts it: pre-norm blocks of grouped-query attention and a
+    gated feed-forward (three matrices), two norms each; embedding, final norm, output layer. The
+    memory and traffic coefficients (``activations``, ``traffic``) were counted on Llama's block;
+    ``family`` says whose shape this is."""
 
     dim: int
     n_layers: int
@@ -48,10 +53,17 @@ class Shape:
     ffn_dim: int
     vocab_size: int
     tie_embeddings: bool
+    explicit_head_dim: int | None = None  # None = dim / n_heads (Gemma sets its own)
+    family: str = "llama"
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the attention's queries (and of its output before the output projection)."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -62,7 +74,7 @@ class Shape:
         return self.kv_heads < self.n_heads
 
     def block_gemms(self) -> tuple[Gemm, ...]:
-        d, q, kv, f = self.dim, self.n_heads * self.head_dim, self.kv_dim, self.ffn_dim
+        d, q, kv, f = self.dim, self.q_dim, self.kv_dim, self.ffn_dim
         # Forward order; selective checkpointing counts these (torchtitan's "every second mm").
         return (Gemm("wq", d, q, "col"), Gemm("wk", d, kv, "col"), Gemm("wv", d, kv, "col"),
                 Gemm("wo", q, d, "row"), Gemm("w1", d, f, "col"), Gemm("w3", d, f, "col"),
@@ -93,7 +105,7 @@ class Shape:
     def model_flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token by the MFU convention (``accelrun.models.flops.flops_per_token``)."""
         matmul_weights = self.param_count(embeddings=False) + self.vocab_size * self.dim
-        attention = 4 * self.n_layers * seq_len * self.dim
+        attention = 4 * self.n_layers * seq_len * self.q_dim
         return 3.0 * (2 * matmul_weights + attention)
 
 
@@ -242,7 +254,7 @@ def workload_from_config(cfg: RunConfig, options: PlanOptions | None = None) -> 
     m, t, par = cfg.model, cfg.train, cfg.parallel
     if m.custom is not None:
         raise UserError(
-            f"model.custom = {m.custom!r}: accelrun plan models the built-in Llama family only "
+            f"model.custom = {m.custom!r}: accelrun plan models the built-in model families only "
             "(it needs the model's shape to count memory, FLOPs and traffic)"
         )
     deg = par.degrees()
@@ -265,7 +277,9 @@ def workload_from_config(cfg: RunConfig, options: PlanOptions | None = None) -> 
     ac = options.activation_checkpoint or t.activation_checkpoint.mode
     if ac not in AC_MODES:
         raise UserError(f"activation checkpointing {ac!r}: expected one of {', '.join(AC_MODES)}")
-    shape = Shape(m.dim, m.n_layers, m.n_heads, m.kv_heads, m.ffn_dim, m.vocab_size, m.tie_embeddings)
+    from accelrun.models.families import plan_shape  # torch-free: the family's shape module
+
+    shape = plan_shape(m)
     on_cpu = cfg.cluster.device == "cpu"
     impl = t.optimizer.impl
     if impl == "auto":  # as accelrun.train.optim: fused, except sharded parameters on a CPU

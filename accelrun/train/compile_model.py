@@ -34,7 +34,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
     if cfg.scope in ("block", "loss") and blocks is not None:
         what = f"{len(blocks)} transformer blocks with {name}"
         head = getattr(model, "head_loss", None) if cfg.scope == "loss" else None
-        if cfg.scope == "loss" and (head is None or getattr(model, "output", None) is None):
+        if cfg.scope == "loss" and (head is None or not _has_head(model)):
             what += " (compile.scope = loss, but this model or stage computes no loss head)"
             head = None
         elif head is not None:
@@ -101,3 +101,10 @@ def _graph_cache(cfg: CompileConfig, backend: object, targets: list[tuple[nn.Mod
         backend.record.graph_cache = {"off": why}  # type: ignore[attr-defined]
         return None
     return GraphCache(backend, backend.options.cache_dir / "graphs")  # type: ignore[attr-defined]
+
+
+def _has_head(model) -> bool:
+    """Whether this model or pipeline stage ends in its output layer (a family's model says so with
+    ``has_head``; otherwise an ``output`` layer that a stage without the head sets to None)."""
+    has = getattr(model, "has_head", None)
+    return bool(has) if has is not None else getattr(model, "output", None) is not None

@@ -11,8 +11,9 @@ SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_l
 
 
 def save_tiny_hf(folder: Path, kind: str = "llama", seed: int = 0, **save_kwargs) -> torch.nn.Module:
-    """A transformers CausalLM of family ``kind`` (llama, llama3, qwen2, mistral, tied) with random
-    weights (norms too, so a swapped norm shows), saved into ``folder``; returns the model."""
+    """A transformers CausalLM of family ``kind`` (llama, llama3, qwen2, mistral, tied; gemma, with a head
+    dimension of its own, and gemma-untied) with random weights (norms too, so a swapped norm shows),
+    saved into ``folder``; returns the model."""
     import transformers
 
     torch.manual_seed(seed)
@@ -24,6 +25,9 @@ def save_tiny_hf(folder: Path, kind: str = "llama", seed: int = 0, **save_kwargs
         kw["tie_word_embeddings"] = True
     if kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
+    elif kind.startswith("gemma"):  # 4 heads of 24 in a 64-wide model: the attention is 96 wide
+        config = transformers.GemmaConfig(**kw, head_dim=24, tie_word_embeddings=kind == "gemma")
+        model = transformers.GemmaForCausalLM(config)
     elif kind == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**kw, sliding_window=48))
     else:

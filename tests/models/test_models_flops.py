@@ -40,8 +40,10 @@ def built_numel(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
 
 
-def test_every_recipe_is_covered():
-    names = {p.stem for p in RECIPES.glob("*.yaml")}
+def test_every_llama_recipe_is_covered():
+    # Other families' recipes are checked by their own tests (tests/models/test_gemma.py, ...).
+    names = {p.stem for p in RECIPES.glob("*.yaml")
+             if yaml.safe_load(p.read_text())["model"].get("arch", "llama") == "llama"}
     assert names == set(PUBLISHED) | {"debug"}
 
 

@@ -34,7 +34,7 @@ def _accelrun_logits(run_dir, tokens):
         return model.eval()(tokens)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma"])
 def test_hf_train_export_transformers_loads(tiny, tmp_path, kind):
     import transformers
 

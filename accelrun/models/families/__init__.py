@@ -3,8 +3,16 @@
 A spec is what the rest of accelrun asks instead of assuming Llama: how to build the model on the
 meta device, its FLOPs per token and parameter count, its tensor-parallel plan (data; ``dist.tp``
 applies it), how it splits into pipeline stages, and how Hugging Face config keys and weight names
-map onto it. Adding a family: a folder ``families/<name>/`` whose ``__init__`` defines ``SPEC``, and
-one line in :data:`FAMILIES` below (plus its ``model_type`` lines in ``config/hf_model.py``).
+map onto it. The planner (torch-free) asks the family's ``shape`` module for the step's shape.
+
+Adding a family: a folder ``families/<name>/`` with
+
+- ``spec.py`` defining ``SPEC`` (its ``__init__`` hands it out lazily, so that the folder can be
+  imported without torch),
+- ``shape.py`` defining ``plan_shape(model_config) -> accelrun.plan.workload.Shape`` (torch-free),
+
+and one line in :data:`FAMILIES` below (plus its ``model_type`` line in ``config/hf_model.py`` to load
+Hugging Face folders, and its name in ``ModelConfig.arch``).
 
 >>> get_family("llama").name
 'llama'
@@ -12,13 +20,22 @@ one line in :data:`FAMILIES` below (plus its ``model_type`` lines in ``config/hf
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from accelrun.errors import UserError
+
+if TYPE_CHECKING:  # torch stays out of `import accelrun.models.families` (the planner imports it)
+    from torch import nn
+
+# name -> the family's package. One line per family.
+FAMILIES = {
+    "llama": "accelrun.models.families.llama",
+    "gemma": "accelrun.models.families.gemma",
+    "moe": "accelrun.models.families.moe",
+}
 
 
 @dataclass(frozen=True)
@@ -50,25 +67,48 @@ class ModelSpec:
     # (accelrun name, HF tensor or a block of its rows, args) -> accelrun's layout; rows read together.
     hf_from_tensor: Callable[[str, Any, Any], Any] | None = None
     hf_row_block: Callable[[str, Any], int] | None = None
+    # Context parallelism: (model, make_attention, cp_rank, cp_size) -> None makes the model run on this
+    # rank's sequence chunks (accelrun.models.sequence_chunks): rotary positions from the chunks' global
+    # ones, each attention layer's core replaced by make_attention() (accelrun.dist.context_parallel).
+    # None: the family's attention cannot be sharded along the sequence (parallel.cp > 1 is refused).
+    shard_sequence: Callable[[nn.Module, Callable[[], nn.Module], int, int], None] | None = None
+    # The output layer's parameter name, which a tied checkpoint leaves out of its files.
+    tied_output_name: str = "output.weight"
     extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ends(self) -> tuple[str, ...]:
+        """Every module outside the repeated blocks, first stage's then last stage's."""
+        return self.first_stage_ends + self.last_stage_ends
 
 
 class UnknownFamily(UserError, ValueError):
     pass
 
 
-def _families() -> dict[str, ModelSpec]:
-    from accelrun.models.families import llama, moe
-
-    return {"llama": llama.SPEC, "moe": moe.SPEC}  # one line per family
+def _package(name: str) -> str:
+    if name not in FAMILIES:
+        raise UnknownFamily(f"model.arch = {name!r}: no such model family; known: {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[name]
 
 
 def get_family(name: str) -> ModelSpec:
-    families = _families()
-    if name not in families:
-        raise UnknownFamily(f"model.arch = {name!r}: no such model family; known: {', '.join(sorted(families))}")
-    return families[name]
+    return importlib.import_module(_package(name)).SPEC
+
+
+def plan_shape(model_config: Any) -> Any:
+    """The planner's ``Shape`` of a recipe's ``model`` section, from its family's ``shape`` module
+    (torch-free)."""
+    package = _package(model_config.arch)
+    try:
+        module = importlib.import_module(package + ".shape")
+    except ModuleNotFoundError as e:
+        if e.name != package + ".shape":
+            raise
+        raise UserError(f"model.arch = {model_config.arch!r}: accelrun plan cannot model this family yet "
+                        f"(it has no {package}.shape module)") from None
+    return module.plan_shape(model_config)
 
 
 def family_names() -> list[str]:
-    return sorted(_families())
+    return sorted(FAMILIES)

@@ -1,0 +1,35 @@
+"""The Llama family's spec (imports torch; ``families.llama`` hands it out on first use)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from accelrun.models.families import ModelSpec, TPPlan
+from accelrun.models.families.llama import hf
+from accelrun.models.families.llama.tp_plan import BLOCK_PLAN, SP_BLOCK_PLAN, end_plan
+from accelrun.models.flops import flops_per_token, param_count
+from accelrun.models.llama import Llama, LlamaArgs
+
+
+def _build(args: LlamaArgs) -> nn.Module:
+    return Llama(args)
+
+
+SPEC = ModelSpec(
+    name="llama",
+    args_from_config=LlamaArgs.from_config,
+    build=_build,
+    flops_per_token=flops_per_token,
+    param_count=param_count,
+    tp_plan=TPPlan(block=BLOCK_PLAN, sequence_parallel_block=SP_BLOCK_PLAN, ends=end_plan),
+    blocks_attr="layers",
+    first_stage_ends=("tok_embeddings",),
+    last_stage_ends=("norm", "output"),
+    tied_output_name="output.weight",
+    state_dict_from_hf=hf.state_dict_from_hf,
+    state_dict_to_hf=hf.state_dict_to_hf,
+    hf_name=hf.hf_name,
+    hf_config=hf.hf_config,
+    hf_from_tensor=hf.from_hf_tensor,
+    hf_row_block=hf.row_block,
+)
