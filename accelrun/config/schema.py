@@ -185,8 +185,9 @@ class TrainConfig(Section):
 # Pipeline schedules that run several ("virtual") stages per rank: rank r holds r, r + pp, ...
 PP_STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
 # The device mesh's dimensions, outermost first: tensor parallelism innermost (neighbouring ranks, one
-# node's links), pipeline stages outermost. accelrun.dist.mesh builds it; accelrun.plan.comm reads it.
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+# node's links), then context parallelism (its K/V all-gathers every layer want fast links too),
+# pipeline stages outermost. accelrun.dist.mesh builds it; accelrun.plan.comm reads it.
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 class ParallelConfig(Section):
@@ -196,6 +197,8 @@ class ParallelConfig(Section):
     dp_shard: Degree = -1
     tp: Degree = 1
     pp: Degree = 1
+    cp: Degree = Field(1, description="context parallelism: each sequence split over this many ranks "
+                       "(each holds a head and a tail chunk; keys and values all-gathered per layer)")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     microbatches: PositiveInt | None = Field(None, description="pipeline micro-batches; None = pp")
     ep: PositiveInt = Field(
@@ -239,8 +242,9 @@ class ParallelConfig(Section):
         return self.nnodes * self.nproc_per_node
 
     def degrees(self) -> dict[str, int]:
-        """The four degrees with a -1 replaced by what the world size leaves (validated first)."""
-        named = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        """The mesh degrees (MESH_ORDER) with a -1 replaced by what the world size leaves (validated first)."""
+        named = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                 "tp": self.tp}
         known = 1
         for v in named.values():
             if v != -1:

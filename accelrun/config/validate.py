@@ -29,7 +29,7 @@ from accelrun.config.yaml_lines import KeyPath, dotted
 # Token ids the built-in tokenizers use (accelrun.data.tokenizer is the source of truth;
 # a test keeps the two in step so that `validate` needs no torch import).
 TOKENIZER_VOCAB = {"byte": BYTE_VOCAB}
-PARALLEL_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+PARALLEL_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 
 
 # Families whose head dimension is a key of its own (model.head_dim); the others' is dim / n_heads.
@@ -261,6 +261,7 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
     if par.sequence_parallel and deg["tp"] > 1 and cfg.train.seq_len % deg["tp"]:
         out.append(f"{v('train.seq_len')} is not divisible by tensor-parallel degree {deg['tp']} "
                    "(parallel.sequence_parallel shards the sequence)")
+    out += _context_parallel_problems(cfg, deg, v)
     out += moe_problems(cfg, deg, v)
     if par.pp_layers is not None:
         stages = deg["pp"] * PP_STAGES_PER_RANK[par.pp_schedule]
@@ -270,6 +271,39 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
                        f"with {v('parallel.pp_schedule')} makes {stages}")
         if m.custom is None and layers != m.n_layers:
             out.append(f"{v('parallel.pp_layers')} lists {layers} layers, not {v('model.n_layers')}")
+    return out
+
+
+# Model families whose attention can run on sequence shards (their ModelSpec has a context_parallel
+# hook, accelrun.models.families; a test keeps the two in step so that `validate` needs no torch).
+CP_FAMILIES = ("llama",)
+
+
+def _context_parallel_problems(cfg: RunConfig, deg: dict[str, int], v) -> list[str]:
+    """parallel.cp > 1: the sequence splits into 2 × cp chunks (a head and a tail per rank), and only
+    what accelrun.dist.context_parallel supports."""
+    par, m, cp = cfg.parallel, cfg.model, deg["cp"]
+    if cp == 1:
+        return []
+    out: list[str] = []
+    if cfg.train.seq_len % (2 * cp):
+        out.append(f"{v('train.seq_len')} is not divisible by 2 × {v('parallel.cp')} (each context-parallel "
+                   f"rank holds two chunks of seq_len / (2 × cp) tokens)")
+    if m.custom is not None:
+        out.append(f"{v('parallel.cp')} needs a model family whose attention can be sharded along the "
+                   f"sequence ({', '.join(CP_FAMILIES)}); {v('model.custom')}")
+    elif m.arch not in CP_FAMILIES:
+        out.append(f"{v('parallel.cp')}: the attention of {v('model.arch')} cannot be sharded along the "
+                   f"sequence (context parallelism supports {', '.join(CP_FAMILIES)})")
+    if deg["pp"] > 1:
+        out.append(f"{v('parallel.cp')} with {v('parallel.pp')} is not supported yet")
+    if par.loss_parallel:
+        out.append(f"{v('parallel.cp')} with {v('parallel.loss_parallel')} is not supported yet")
+    if par.fsdp_impl == "compiled":
+        out.append(f"{v('parallel.cp')} needs parallel.fsdp_impl = fsdp2 (FSDP over dp_shard × cp), "
+                   f"but {v('parallel.fsdp_impl')}")
+    if cfg.eval.every > 0:
+        out.append(f"{v('parallel.cp')} with {v('eval.every')} is not supported yet (set eval.every = 0)")
     return out
 
 

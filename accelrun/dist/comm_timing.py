@@ -61,6 +61,8 @@ def install_comm_timer() -> CommTimer:
             timer.add(time.perf_counter() - t0)
 
     def timed_wait_tensor(tensor):
+        if torch.compiler.is_compiling():  # traced into a graph (functional collectives): no host wait to time,
+            return wait_tensor(tensor)  # and time.perf_counter would break the graph
         t0 = time.perf_counter()
         try:
             return wait_tensor(tensor)

@@ -27,6 +27,7 @@ class ParallelContext:
     tp_size: int = 1
     pp_size: int = 1
     restart_count: int = 0  # how often the elastic agent has restarted this group
+    cp_size: int = 1  # context parallelism: ranks that share each sequence (mesh["cp"])
 
     @classmethod
     def single(cls, device: torch.device) -> ParallelContext:
@@ -42,7 +43,8 @@ class ParallelContext:
 
     def mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         """Average a scalar over data-parallel ranks (every rank gets it; TP ranks already agree)."""
-        if not self.distributed or self.dp_size == 1:
+        # Context-parallel ranks hold different parts of the loss: they are averaged like dp ranks.
+        if not self.distributed or self.dp_size * self.cp_size == 1:
             return value
         # A copy on the group's device (NCCL: this rank's GPU), whatever device the value is on.
         summed = to_collective_device(value.detach(), None).clone()

@@ -56,15 +56,21 @@ class RankBytes:
 
 
 def representative_ranks(degrees: dict[str, int]) -> list[int]:
-    """The first and last data-parallel rank of every (pipeline, tensor-parallel) coordinate."""
-    shape = [degrees[d] for d in MESH_DIMS]
+    """The first and last data-parallel rank of every (pipeline, tensor-parallel) coordinate (context
+    parallel rank 0: cp ranks hold FSDP shards like dp_shard's, the last one with the last dp rank)."""
+    degrees = {"cp": 1, **degrees}  # a layout without context parallelism may leave it out
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     ranks = set()
-    for pp in range(shape[0]):
-        for tp in range(shape[3]):
+    for pp in range(degrees["pp"]):
+        for tp in range(degrees["tp"]):
             for d in {0, dp - 1}:
                 rep, shard = divmod(d, degrees["dp_shard"])
-                ranks.add(((pp * shape[1] + rep) * shape[2] + shard) * shape[3] + tp)
+                cp = 0 if d == 0 else degrees["cp"] - 1
+                coords = {"pp": pp, "dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp}
+                rank = 0
+                for dim in MESH_DIMS:  # row-major over the mesh, outermost first
+                    rank = rank * degrees[dim] + coords[dim]
+                ranks.add(rank)
     return sorted(ranks)
 
 
@@ -103,7 +109,7 @@ def _one_rank(resolved: ResolvedConfig, rank: int, world: int) -> RankBytes:
     dp_rank, dp_size = dp_coordinates(mesh)
     meta = torch.device("meta")
     ctx = ParallelContext(rank, world, rank % cfg.parallel.nproc_per_node, meta, mesh, dp_rank, dp_size,
-                          tp_size=mesh["tp"].size(), pp_size=mesh["pp"].size())
+                          tp_size=mesh["tp"].size(), pp_size=mesh["pp"].size(), cp_size=mesh["cp"].size())
     model = build_model(cfg.model, meta)
     parts, stages = [model], []
     if ctx.pp_size > 1:
@@ -133,7 +139,7 @@ def planned_params(resolved: ResolvedConfig, row: RankBytes) -> float:
     else:
         last = w.layout.pp * max(1, len(row.stages)) - 1
         stage = "first" if 0 in row.stages else "last" if last in row.stages else "middle"
-    shard = w.layout.dp_shard if w.layout.fsdp else 1
+    shard = w.layout.dp_shard * w.layout.cp if w.layout.fsdp else 1  # FSDP shards over dp_shard × cp
     return stage_params(w, stage).local / shard
 
 
@@ -141,12 +147,12 @@ def format_dry_run(resolved: ResolvedConfig, rows: list[RankBytes]) -> list[str]
     """One line per rank built: where it sits, what it holds, and the plan's parameter bytes."""
     from accelrun.report.fmt import nbytes
 
-    lines = [f"{'rank':>5} {'pp':>3} {'rep':>3} {'shard':>5} {'tp':>3}  {'params':>10} {'grads':>10} "
+    lines = [f"{'rank':>5} {'pp':>3} {'rep':>3} {'shard':>5} {'cp':>3} {'tp':>3}  {'params':>10} {'grads':>10} "
              f"{'AdamW m,v':>10}  {'plan params':>11} {'ratio':>6}"]
     for r in rows:
         c = r.coords
         plan = FP32 * planned_params(resolved, r)
-        lines.append(f"{r.rank:>5} {c['pp']:>3} {c['dp_replicate']:>3} {c['dp_shard']:>5} {c['tp']:>3}  "
+        lines.append(f"{r.rank:>5} {c['pp']:>3} {c['dp_replicate']:>3} {c['dp_shard']:>5} {c['cp']:>3} {c['tp']:>3}  "
                      f"{nbytes(r.param_bytes):>10} {nbytes(r.grad_bytes):>10} {nbytes(r.optimizer_bytes):>10}  "
                      f"{nbytes(int(plan)):>11} {r.param_bytes / plan if plan else float('nan'):>6.3f}")
     return lines

@@ -1,5 +1,5 @@
 """FSDP2 (``fully_shard``): each transformer block and the root sharded over the data-parallel
-mesh; HSDP (replicate × shard) when dp_replicate > 1; bf16 parameters with fp32 gradient
+mesh (dp_shard × cp under context parallelism: cp ranks' gradients are summed like data parallel ones); HSDP (replicate × shard) when dp_replicate > 1; bf16 parameters with fp32 gradient
 reduction under ``bf16-mixed``."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from accelrun.dist.expert_parallel import expert_parallel_params
+from accelrun.dist.mesh import fsdp_mesh
 
 
 def apply_fsdp(
     model: nn.Module, blocks, mesh: DeviceMesh, precision: str, reshard_after_forward: bool
 ) -> None:
-    rep = mesh["dp_replicate"].size()
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if rep > 1 else mesh["dp_shard"]
+    dp_mesh = fsdp_mesh(mesh)  # dp_shard (× cp), HSDP with dp_replicate
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if precision == "bf16-mixed" else MixedPrecisionPolicy())
     for block in blocks or []:  # experts placed by expert parallelism are the ep group's, not FSDP's

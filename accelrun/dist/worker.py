@@ -95,7 +95,7 @@ def init_rank(resolved, run_dir: Path | None = None) -> ParallelContext:
     mesh = build_mesh(cfg.parallel, device.type, world)
     dp_rank, dp_size = dp_coordinates(mesh)
     return ParallelContext(rank, world, local_rank, device, mesh, dp_rank, dp_size, tp_size=mesh["tp"].size(),
-                           pp_size=mesh["pp"].size(), restart_count=restarts)
+                           pp_size=mesh["pp"].size(), restart_count=restarts, cp_size=mesh["cp"].size())
 
 
 def _store(rank: int, world: int, restarts: int, timeout: timedelta) -> dist.Store:

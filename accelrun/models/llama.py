@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accelrun.models import shard_init
+from accelrun.models.sequence_chunks import chunk_positions
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # Context parallelism (the family's ``shard_sequence``) sets a module that computes causal
+        # attention of this rank's sequence chunks against the whole sequence: (q, k, v) -> o.
+        self.context_parallel: nn.Module | None = None
 
     def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -149,15 +153,21 @@ class Attention(nn.Module):
         v_BTGE = self.wv(x_BTD).view(B, T, -1, self.head_dim)
 
         q_BHTE, k_BGTE, v_BGTE = (t.transpose(1, 2) for t in (q_BTHE, k_BTGE, v_BTGE))
-        # Expand key/value heads explicitly rather than passing enable_gqa=True: with enable_gqa, fp32
-        # inputs on CUDA fall back to the unfused math kernel, while an expanded plain SDPA call gets a
-        # fused kernel on every backend and dtype (and is the form graph passes pattern-match).
-        group = q_BHTE.shape[1] // k_BGTE.shape[1]
-        if group > 1:
-            k_BGTE = k_BGTE.repeat_interleave(group, dim=1)  # (B, H, T, E)
-            v_BGTE = v_BGTE.repeat_interleave(group, dim=1)
-        o_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BGTE, v_BGTE, is_causal=True)
+        if self.context_parallel is not None:  # T is this rank's chunks; it brings the other ranks' keys
+            o_BHTE = self.context_parallel(q_BHTE, k_BGTE, v_BGTE)
+        else:
+            k_BHTE, v_BHTE = repeat_kv(k_BGTE, q_BHTE.shape[1]), repeat_kv(v_BGTE, q_BHTE.shape[1])
+            o_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTE, is_causal=True)
         return self.wo(o_BHTE.transpose(1, 2).reshape(B, T, -1))
+
+
+def repeat_kv(x_BGTE: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Key/value heads repeated to the query heads' count (grouped-query attention)."""
+    # Expanded explicitly rather than passing enable_gqa=True: with enable_gqa, fp32 inputs on CUDA fall
+    # back to the unfused math kernel, while an expanded plain SDPA call gets a fused kernel on every
+    # backend and dtype (and is the form graph passes pattern-match).
+    group = n_heads // x_BGTE.shape[1]
+    return x_BGTE.repeat_interleave(group, dim=1) if group > 1 else x_BGTE  # (B, H, T, E)
 
 
 class FeedForward(nn.Module):
@@ -226,6 +236,9 @@ class Llama(nn.Module):
         cos_TR, sin_TR = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta, scaling=args.rope_scaling)
         self.register_buffer("rope_cos", cos_TR, persistent=False)
         self.register_buffer("rope_sin", sin_TR, persistent=False)
+        # Context parallelism: (rank, size) when this model sees chunks of each sequence (the family's
+        # ``shard_sequence``): rotary positions are then the chunks' global ones. None: the whole sequence.
+        self.context_shard: tuple[int, int] | None = None
         # Each module keeps its name in the whole model: initial values are keyed by parameter name
         # (shard_init), and stages, shards and wrappers (checkpointing, compile) must not change them.
         for name, module in self.named_modules():
@@ -282,10 +295,15 @@ class Llama(nn.Module):
     def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) in fp32; or, given targets, the mean cross-entropy loss (a scalar)."""
         T = tokens_BT.shape[1]
-        if T > self.args.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.max_seq_len ({self.args.max_seq_len})")
+        whole = T if self.context_shard is None else T * self.context_shard[1]
+        if whole > self.args.max_seq_len:
+            raise ValueError(f"sequence length {whole} exceeds model.max_seq_len ({self.args.max_seq_len})")
         h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
-        cos_TR, sin_TR = self.rope_cos[:T], self.rope_sin[:T]
+        if self.context_shard is None:
+            cos_TR, sin_TR = self.rope_cos[:T], self.rope_sin[:T]
+        else:  # this rank's chunks: each token rotated by its position in the whole sequence
+            pos_T = chunk_positions(T, *self.context_shard, device=self.rope_cos.device)
+            cos_TR, sin_TR = self.rope_cos[pos_T], self.rope_sin[pos_T]
         # A pipeline stage keeps its slice of the blocks in a ModuleDict keyed by layer index, so its
         # parameter names match the whole model's.
         blocks = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers

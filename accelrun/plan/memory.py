@@ -42,6 +42,7 @@ from accelrun.plan.activations import (
     loss_bytes_per_logit,
 )
 from accelrun.plan.cluster import Cluster
+from accelrun.plan.context_parallel import gathered_kv_bytes
 from accelrun.plan.pipeline import held_by_rank
 from accelrun.plan.workload import Workload
 
@@ -121,7 +122,7 @@ def estimate_memory(w: Workload, cluster: Cluster) -> MemoryEstimate:
 def _stage_memory(w: Workload, cluster: Cluster, stage: str) -> MemoryEstimate:
     lay, sh, tp = w.layout, w.shape, w.layout.tp
     p = stage_params(w, stage)
-    shard = lay.dp_shard if lay.fsdp else 1
+    shard = lay.fsdp_shard if lay.fsdp else 1
     terms: list[Term] = []
     per_tp = " per TP rank" if tp > 1 else ""
     sharding = f"1/{shard} of {p.local / 1e9:.3g} B{per_tp}" if shard > 1 else f"{p.local / 1e9:.3g} B{per_tp}"
@@ -158,6 +159,10 @@ def _stage_memory(w: Workload, cluster: Cluster, stage: str) -> MemoryEstimate:
               "selective": "selective (per-op) checkpointing"}[w.ac_mode]
     terms.append(Term("activations", per_chunk * held,
                       f"{p.layers} blocks, {policy}, {tokens:,} tokens" + (f" × {held:g} in flight" if held != 1 else "")))
+    if lay.cp > 1:  # the other ranks' keys and values, gathered for attention and kept for its backward
+        kv = gathered_kv_bytes(w) * (p.layers - n_ck)
+        terms.append(Term("gathered keys/values (context parallel)", kv * held,
+                          f"{p.layers - n_ck} blocks × the other {lay.cp - 1} rank(s)' K/V"))
 
     block_full = tokens * block_saved(sh, w.mode, w.compiled, lay.sequence_parallel).local(tp)
     layer_phase: list[Term] = []

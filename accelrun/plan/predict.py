@@ -65,7 +65,7 @@ class Plan:
         w, lay = self.workload, self.workload.layout
         out = {
             "world": lay.world, "nnodes": lay.nnodes, "nproc_per_node": lay.nproc_per_node,
-            "pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp,
+            "pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "cp": lay.cp, "tp": lay.tp,
             "sequence_parallel": lay.sequence_parallel, "loss_parallel": lay.loss_parallel,
             "fsdp": lay.fsdp, "reshard_after_forward": lay.reshard_after_forward,
             "global_batch": w.global_batch, "micro_batch": w.micro_batch, "grad_accum": w.grad_accum,
@@ -115,6 +115,13 @@ def _notes(cfg: RunConfig, w: Workload, cluster: Cluster) -> tuple[str, ...]:
     if w.layout.sequence_parallel and not cfg.parallel.sequence_parallel:
         notes.append("sequence parallelism is modelled by the planner only here; accelrun train cannot run it "
                      "with pipelining yet")
+    if w.layout.cp > 1:
+        from accelrun.plan.context_parallel import cp_gather_s, gathered_kv_bytes
+
+        notes.append(f"context parallel {w.layout.cp}: each rank receives {gathered_kv_bytes(w) / 2**20:.3g} MiB of "
+                     f"keys/values per layer and micro-batch ({cp_gather_s(w, cluster) * 1e3:.3g} ms all-gather, the "
+                     "same back as a reduce-scatter in backward), not overlapped: attention waits for it; the rest "
+                     f"of the activations is 1/{w.layout.cp} of one rank's")
     if cfg.parallel.fsdp_impl == "compiled" and w.layout.fsdp:
         notes.append("parallel.fsdp_impl = compiled: planned with reshard_after_forward false's memory and "
                      "gathers (the graph keeps gathered parameters for backward), overlapped as FSDP2's prefetch")

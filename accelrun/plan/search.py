@@ -1,5 +1,5 @@
-"""Search the layouts of a recipe on its cluster: degrees, micro-batch, checkpointing, resharding,
-sequence and loss parallelism.
+"""Search the layouts of a recipe on its cluster: degrees (context parallelism's included),
+micro-batch, checkpointing, resharding, sequence and loss parallelism.
 
 Every candidate is a set of ``key=value`` overrides applied to the recipe and validated by
 ``accelrun.config.validate`` exactly as ``accelrun train`` would validate it, so a layout that breaks
@@ -42,7 +42,8 @@ class Candidate:
     @property
     def summary(self) -> str:
         lay, w = self.plan.workload.layout, self.plan.workload
-        parts = [f"pp {lay.pp}" if lay.pp > 1 else "", f"dp {lay.dp_replicate}×{lay.dp_shard}", f"tp {lay.tp}",
+        parts = [f"pp {lay.pp}" if lay.pp > 1 else "", f"dp {lay.dp_replicate}×{lay.dp_shard}",
+                 f"cp {lay.cp}" if lay.cp > 1 else "", f"tp {lay.tp}",
                  f"micro {w.micro_batch}", f"ckpt {w.ac_mode}",
                  f"{lay.pp_microbatches} pipeline chunks" if lay.pp > 1 else "",
                  "sequence + loss parallel" if lay.sequence_parallel and lay.loss_parallel else "",
@@ -72,8 +73,8 @@ def candidate_overrides(base_cfg, cluster: Cluster) -> list[dict[str, object]]:
         head["train.grad_accum"] = None  # derived from the new layout
     for pp in divisors(world):
         for tp in divisors(world // pp):
-            for dp_replicate in divisors(world // (pp * tp)):
-                dp_shard = world // (pp * tp * dp_replicate)
+            for dp_replicate, cp in _replicate_and_cp(world // (pp * tp), t.seq_len):
+                dp_shard = world // (pp * tp * dp_replicate * cp)
                 dp = dp_replicate * dp_shard
                 if t.global_batch % dp:
                     continue
@@ -84,7 +85,8 @@ def candidate_overrides(base_cfg, cluster: Cluster) -> list[dict[str, object]]:
                                 # Sequence and loss parallelism need tp > 1 (and, in accelrun train, no pp).
                                 for sharded in ((False, True) if tp > 1 and pp == 1 else (False,)):
                                     o = {**head, "parallel.pp": pp, "parallel.dp_replicate": dp_replicate,
-                                         "parallel.dp_shard": dp_shard, "parallel.tp": tp, "train.micro_batch": micro,
+                                         "parallel.dp_shard": dp_shard, "parallel.cp": cp, "parallel.tp": tp,
+                                         "train.micro_batch": micro,
                                          "train.activation_checkpoint.mode": ac,
                                          "parallel.sequence_parallel": sharded, "parallel.loss_parallel": sharded}
                                     if chunks is not None:
@@ -93,6 +95,13 @@ def candidate_overrides(base_cfg, cluster: Cluster) -> list[dict[str, object]]:
                                         o["parallel.reshard_after_forward"] = reshard
                                     out.append(o)
     return out
+
+
+def _replicate_and_cp(ranks: int, seq_len: int) -> list[tuple[int, int]]:
+    """(dp_replicate, cp) pairs whose product divides ``ranks`` (dp_shard takes the rest). Context
+    parallel degrees that cannot split the sequence into 2 × cp chunks are left out here rather than
+    multiplied through the other keys only to be refused."""
+    return [(rep, cp) for rep in divisors(ranks) for cp in divisors(ranks // rep) if seq_len % (2 * cp) == 0]
 
 
 def override_text(key: str, value: object) -> str:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from accelrun.plan import efficiency as eff
 from accelrun.plan.cluster import Cluster, DeviceRates
 from accelrun.plan.comm import all_gather_s, all_reduce_s, group_link, reduce_scatter_s, send_s
+from accelrun.plan.context_parallel import cp_gather_s, cp_reduce_s
 from accelrun.plan.memory import StageParams, stage_params, stages
 from accelrun.plan.pipeline import bubble_units
 from accelrun.plan.traffic import (
@@ -78,10 +79,11 @@ class _Chunk:
     fsdp_total: float = 0.0
     tp: float = 0.0
     pp: float = 0.0
+    cp: float = 0.0  # context parallelism's K/V all-gathers and their gradients' reduce-scatters (exposed)
 
     @property
     def total(self) -> float:
-        return self.matmul + self.attention + self.elementwise + self.fsdp_exposed + self.tp + self.pp
+        return self.matmul + self.attention + self.elementwise + self.fsdp_exposed + self.tp + self.pp + self.cp
 
 
 def estimate_time(w: Workload, cluster: Cluster) -> StepTime:
@@ -97,13 +99,15 @@ def estimate_time(w: Workload, cluster: Cluster) -> StepTime:
         "elementwise": n * slowest.elementwise,
         "FSDP (exposed)": n * slowest.fsdp_exposed,
         "tensor parallel": n * slowest.tp,
+        "context parallel": n * slowest.cp,
         "pipeline send/recv": n * slowest.pp,
         "pipeline bubble": w.grad_accum * bubble_units(lay.pp_schedule, lay.pp) * slowest.total,
     }
-    p = max(stage_params(w, s).local for s in stages(w)) / (lay.dp_shard if lay.fsdp else 1)
+    p = max(stage_params(w, s).local for s in stages(w)) / (lay.fsdp_shard if lay.fsdp else 1)
     opt_bytes = (OPTIMIZER_BYTES_PER_PARAM[w.optimizer_impl] + (CLIP_BYTES_PER_PARAM if w.grad_clip else 0)) * p
     parts["optimizer"] = opt_bytes / (rates.memory_gbs * 1e9)
-    comm = {"FSDP": n * slowest.fsdp_total, "tensor parallel": n * slowest.tp, "pipeline": n * slowest.pp}
+    comm = {"FSDP": n * slowest.fsdp_total, "tensor parallel": n * slowest.tp, "pipeline": n * slowest.pp,
+            "context parallel": n * slowest.cp}
     return StepTime({k: v for k, v in parts.items() if v > 0 or k == "matmuls"}, comm, rates)
 
 
@@ -163,6 +167,8 @@ def _chunk_time(w: Workload, cluster: Cluster, rates: DeviceRates, stage: str) -
     if lay.pp > 1:
         link = group_link(lay, cluster, "pp")
         c.pp = 2 * send_s(tokens * sh.dim * w.stream_bytes, link)
+    if lay.cp > 1:  # all-gathered before each attention, so nothing hides it (accelrun.plan.context_parallel)
+        c.cp = (p.layers + (n_ck if full_recompute else 0)) * cp_gather_s(w, cluster) + p.layers * cp_reduce_s(w, cluster)
     return c
 
 
@@ -170,16 +176,18 @@ def _fsdp(c: _Chunk, w: Workload, cluster: Cluster, mem_rate: float, p: StagePar
           block_fwd: float, block_bwd: float, block_recompute: float) -> None:
     lay = w.layout
     param_bytes = w.compute_bytes if w.mode == "bf16-params" else 4
-    shard_link = group_link(lay, cluster, "dp_shard")
+    # FSDP shards over dp_shard × cp: the outer of the two sets the link.
+    shard_link = group_link(lay, cluster, "dp_shard" if lay.dp_shard > 1 else "cp")
     rep_link = group_link(lay, cluster, "dp_replicate")
+    n_shard = lay.fsdp_shard
 
     def gather(n_params: float) -> float:
-        return all_gather_s(param_bytes * n_params, lay.dp_shard, shard_link) if shard_link else 0.0
+        return all_gather_s(param_bytes * n_params, n_shard, shard_link) if shard_link else 0.0
 
     def reduce(n_params: float) -> float:
-        t = reduce_scatter_s(4 * n_params, lay.dp_shard, shard_link) if shard_link else 0.0
+        t = reduce_scatter_s(4 * n_params, n_shard, shard_link) if shard_link else 0.0
         if rep_link:
-            t += all_reduce_s(4 * n_params / lay.dp_shard, lay.dp_replicate, rep_link)
+            t += all_reduce_s(4 * n_params / n_shard, lay.dp_replicate, rep_link)
         return t
 
     # Collectives per chunk (module docstring): gathers before forward (fwd) and backward (bwd) of a

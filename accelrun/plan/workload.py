@@ -123,6 +123,7 @@ class Layout:
     sequence_parallel: bool = False  # TP: norms and the residual stream sharded along the sequence
     loss_parallel: bool = False  # TP: logits stay sharded over the vocabulary through the loss
     stage_layers: tuple[int, ...] = ()  # layers of each pipeline stage (pp × stages per rank); () = no pipeline
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (accelrun.plan.context_parallel)
 
     @property
     def world(self) -> int:
@@ -134,8 +135,13 @@ class Layout:
 
     @property
     def fsdp(self) -> bool:
-        # accelrun applies FSDP2 whenever there is data parallelism (HSDP when dp_replicate > 1).
-        return self.dp > 1
+        # accelrun applies FSDP2 whenever there is data (or context) parallelism (HSDP when dp_replicate > 1).
+        return self.dp * self.cp > 1
+
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks FSDP shards parameters over: dp_shard × cp (context-parallel ranks reduce gradients too)."""
+        return self.dp_shard * self.cp
 
     def rank_layers(self, rank: int) -> int:
         """Blocks pipeline rank ``rank`` runs: its stages are ``rank``, ``rank + pp``, ... (looped schedules)."""
@@ -187,7 +193,8 @@ class Workload:
 
     @property
     def chunk_tokens(self) -> int:
-        return self.chunk_batch * self.seq_len
+        """Tokens one rank runs per forward: its chunks' share of the sequences under context parallelism."""
+        return self.chunk_batch * self.seq_len // self.layout.cp
 
     @property
     def chunks_per_step(self) -> int:
@@ -266,7 +273,7 @@ def workload_from_config(cfg: RunConfig, options: PlanOptions | None = None) -> 
     tp_on = deg["tp"] > 1
     layout = Layout(
         nnodes=par.nnodes, nproc_per_node=par.nproc_per_node, pp=pp, dp_replicate=deg["dp_replicate"],
-        dp_shard=deg["dp_shard"], tp=deg["tp"], pp_schedule=par.pp_schedule,
+        dp_shard=deg["dp_shard"], tp=deg["tp"], cp=deg["cp"], pp_schedule=par.pp_schedule,
         pp_microbatches=(par.microbatches or pp),
         # Compiled FSDP saves the gathered parameters for backward: reshard_after_forward false's memory
         # and gathers (accelrun.dist.compiled_fsdp).

@@ -147,6 +147,7 @@ def summarize(
         "loss_curve": _sample_loss_curve(metrics, LOSS_CURVE_POINTS),
         "comm_time_s": comm,
         "comm_overlap": overlap_summary(steady),
+        "cp_comm": cp_comm_summary(steady),
         "router": router_summary(metrics),  # mixture of experts only (accelrun.report.router)
         "notes": notes,
     }
@@ -164,6 +165,17 @@ def comm_summary(steady: list[dict]) -> dict | None:
         "share": sum(comm for comm, _ in rows) / total_step if total_step > 0 else None,
         "what": COMM_LABEL,
     }
+
+
+def cp_comm_summary(steady: list[dict]) -> dict | None:
+    """Context parallelism's key/value all-gathers over steady steps (accelrun.dist.context_parallel):
+    median calls, bytes received and seconds blocked per step (eager forward passes; a compiled block's
+    gathers are graph nodes, in ``comm_overlap``); None without context parallelism."""
+    rows = [m for m in steady if m.get("cp_gathers") is not None]
+    if not rows:
+        return None
+    return {k: statistics.median(float(m[key]) for m in rows)
+            for k, key in (("gathers", "cp_gathers"), ("bytes", "cp_bytes"), ("seconds", "cp_comm_s"))}
 
 
 def overlap_summary(steady: list[dict]) -> dict | None:

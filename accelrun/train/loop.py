@@ -132,6 +132,8 @@ def run_loop(
                     record.update(s.expert_parallel.step_metrics())
                 if s.comm_timer is not None:  # blocked in collectives during this step (inside the parts above)
                     record["comm_s"] = s.comm_timer.seconds - comm_at_start
+                if s.cp_stats is not None:  # context parallelism's key/value all-gathers (eager forward)
+                    record.update(s.cp_stats.step_metrics())
                 if s.comm_trace is not None:  # FSDP's / compiled graphs' collectives: exposed, busy, overlap
                     record.update(s.comm_trace.step_metrics())
                 if s.eval_data is not None and (step % cfg.eval.every == 0 or step == total):

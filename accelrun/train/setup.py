@@ -21,6 +21,12 @@ from accelrun.data.build import build_eval_data
 from accelrun.dist.comm_overlap import comm_trace_for
 from accelrun.dist.comm_timing import comm_timer_for
 from accelrun.dist.context import ParallelContext
+from accelrun.dist.context_parallel import (
+    ContextParallelStats,
+    ContextShardedBatches,
+    apply_context_parallel,
+    context_parallel_loss,
+)
 from accelrun.dist.expert_parallel import apply_expert_parallel
 from accelrun.dist.fsdp import apply_fsdp
 from accelrun.dist.pipeline import Pipeline, union_of
@@ -71,6 +77,8 @@ class TrainSetup:
     eval_data: Any = None
     # parallel.ep > 1: the experts' placement; its reduce_gradients() runs after each step's backward.
     expert_parallel: Any = None
+    # parallel.cp > 1: what this rank's context-parallel attention exchanged (accelrun.dist.context_parallel).
+    cp_stats: Any = None
 
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint needs besides tensors; JSON-able."""
@@ -94,13 +102,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _parallelize(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir: Path) -> Compiled:
-    """TP, activation checkpointing, compile, then FSDP (the order each needs), on one model or stage."""
+def _parallelize(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir: Path,
+                 cp_stats: ContextParallelStats | None = None) -> Compiled:
+    """TP, context parallelism, activation checkpointing, compile, then FSDP (the order each needs),
+    on one model or stage."""
     t = cfg.train
     blocks = transformer_blocks(part)
     if ctx.mesh is not None and ctx.tp_size > 1:
         apply_tp(part, ctx.mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel,
                  loss_parallel=cfg.parallel.loss_parallel, plan=family_spec(cfg.model).tp_plan)
+    if ctx.mesh is not None and ctx.cp_size > 1:  # before compile: the blocks compile with its collectives
+        apply_context_parallel(part, cfg.model, ctx.mesh, cp_stats)
     if blocks is not None:
         apply_activation_checkpointing(blocks, t.activation_checkpoint)
     elif t.activation_checkpoint.mode != "none":
@@ -113,7 +125,7 @@ def _parallelize(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
 
         return compile_sharded(part, blocks, ctx.mesh, cfg.compile, dump_dir)
     compiled = compile_model(part, blocks, cfg.compile, dump_dir)
-    if ctx.mesh is not None and ctx.dp_size > 1:
+    if ctx.mesh is not None and ctx.dp_size * ctx.cp_size > 1:  # cp ranks' gradients are reduced as dp's
         apply_fsdp(part, blocks, ctx.mesh, t.precision, cfg.parallel.reshard_after_forward)
     return compiled
 
@@ -193,8 +205,9 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     # Before compile and FSDP: each rank keeps its experts, which FSDP then leaves alone.
     expert_parallel = (apply_expert_parallel(model, ctx.mesh, cfg.parallel.ep, ctx.dp_size)
                        if ctx.mesh is not None and cfg.parallel.ep > 1 else None)
+    cp_stats = ContextParallelStats() if ctx.cp_size > 1 else None
     for part in parts:
-        compiled = _parallelize(part, cfg, ctx, run_dir / "compile")
+        compiled = _parallelize(part, cfg, ctx, run_dir / "compile", cp_stats)
     if on_meta:
         for part in parts:
             materialize_local(part, device, seed=t.seed)
@@ -212,6 +225,11 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         cfg.data, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
         vocab_size=cfg.model.vocab_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, eval_cfg=cfg.eval,
     )
+    loss_fn = _local_loss(training_loss_fn(model)) if vocab_parallel else training_loss_fn(model)
+    if cp_stats is not None:  # this rank's chunks of the dp rank's sequences; the loss over the whole of them
+        cp_mesh = ctx.mesh["cp"]
+        data = ContextShardedBatches(data, cp_mesh.get_local_rank(), ctx.cp_size)
+        loss_fn = context_parallel_loss(loss_fn, cp_mesh.get_group(), ctx.cp_size)
     eval_data = None
     if cfg.eval.every > 0:
         if pipeline is not None:
@@ -268,7 +286,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         compiles=cfg.compile.backend != "eager",
         compiled=compiled.description,
         compile_record=compiled.record,
-        loss_fn=_local_loss(training_loss_fn(model)) if vocab_parallel else training_loss_fn(model),
+        loss_fn=loss_fn,
         checkpoint_dir=checkpoint_dir,
         start_step=start_step,
         resumed_from=resumed_from,
@@ -279,4 +297,5 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         loss_context=lambda: loss_context(vocab_parallel),
         eval_data=eval_data,
         expert_parallel=expert_parallel,
+        cp_stats=cp_stats,
     )

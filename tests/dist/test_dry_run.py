@@ -49,7 +49,7 @@ def test_tensor_parallel_ranks_replicate_only_the_norms():
     m = r.config.model
     norms = (2 * m.n_layers + 1) * m.dim  # replicated over TP, sharded by FSDP
     assert sum(x.params for x in rows) == _whole(r) + norms  # the second TP rank's copy
-    assert {tuple(x.coords.values()) for x in rows} == {(0, 0, d, t) for d in (0, 1) for t in (0, 1)}
+    assert {tuple(x.coords.values()) for x in rows} == {(0, 0, d, 0, t) for d in (0, 1) for t in (0, 1)}
 
 
 def test_pipeline_ranks_hold_their_stages():

@@ -1,6 +1,6 @@
 """validate, plan --search and train accept exactly the same layouts.
 
-Every layout of 8 ranks (each ordered split of 8 into pp × dp_replicate × dp_shard × tp, each pipeline
+Every layout of 8 ranks (each ordered split of 8 into pp × dp_replicate × dp_shard × cp × tp, each pipeline
 schedule kind, with and without sequence + loss parallelism) is put to the three:
 - ``accelrun validate``: ``load_config``;
 - ``accelrun plan --search``: the search's own candidate path (``_candidate`` + ``validate``);
@@ -32,14 +32,15 @@ MODEL = ["model.dim=64", "model.n_layers=8", "model.n_heads=8", "model.n_kv_head
 
 
 def layouts():
-    for pp, rep, shard in itertools.product((1, 2, 4, 8), repeat=3):
-        if WORLD % (pp * rep * shard):
+    for pp, rep, shard, cp in itertools.product((1, 2, 4, 8), repeat=4):
+        if WORLD % (pp * rep * shard * cp):
             continue
-        tp = WORLD // (pp * rep * shard)
-        for schedule in (("1f1b", "interleaved_1f1b") if pp > 1 else ("1f1b",)):
+        tp = WORLD // (pp * rep * shard * cp)
+        # Context parallelism: one schedule kind (pipelining with cp is refused whatever the schedule).
+        for schedule in (("1f1b", "interleaved_1f1b") if pp > 1 and cp == 1 else ("1f1b",)):
             for sharded in (False, True):
                 yield {"parallel.pp": pp, "parallel.dp_replicate": rep, "parallel.dp_shard": shard,
-                       "parallel.tp": tp, "parallel.pp_schedule": schedule,
+                       "parallel.cp": cp, "parallel.tp": tp, "parallel.pp_schedule": schedule,
                        "parallel.sequence_parallel": sharded, "parallel.loss_parallel": sharded}
 
 
@@ -51,7 +52,8 @@ def _text(values: dict) -> list[str]:
 
 
 def test_every_split_of_eight_ranks_is_enumerated():
-    assert len(LAYOUTS) == 60  # 10 splits without pp × 2, and 16 with pp > 1 × 2 schedules × 2
+    # Without cp: 10 splits without pp × 2, and 16 with pp > 1 × 2 schedules × 2; with cp > 1: 15 splits × 2.
+    assert len(LAYOUTS) == 60 + 30
 
 
 @pytest.mark.parametrize("values", LAYOUTS, ids=[" ".join(_text(v)).replace("parallel.", "") for v in LAYOUTS])

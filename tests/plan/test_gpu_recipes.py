@@ -29,4 +29,4 @@ def test_the_8b_recipe_dry_runs_to_the_planned_bytes():
     r = CliRunner().invoke(cli, ["train", str(REPO / "configs" / "llama3-8b-h100.yaml"), "--dry-run"])
     assert r.exit_code == 0, r.output
     rows = [line.split() for line in r.output.splitlines() if line.split()[:1] in (["0"], ["7"])]
-    assert len(rows) == 2 and all(row[-1] == "1.000" and row[5:7] == ["3.74", "GiB"] for row in rows), r.output
+    assert len(rows) == 2 and all(row[-1] == "1.000" and row[6:8] == ["3.74", "GiB"] for row in rows), r.output  # rank pp rep shard cp tp

@@ -6,6 +6,7 @@ from torch import nn
 
 from accelrun.models.families import ModelSpec, TPPlan
 from accelrun.models.families.llama import hf
+from accelrun.models.families.llama.context_parallel import shard_sequence
 from accelrun.models.families.llama.tp_plan import BLOCK_PLAN, SP_BLOCK_PLAN, end_plan
 from accelrun.models.flops import flops_per_token, param_count
 from accelrun.models.llama import Llama, LlamaArgs
@@ -32,4 +33,5 @@ SPEC = ModelSpec(
     hf_config=hf.hf_config,
     hf_from_tensor=hf.from_hf_tensor,
     hf_row_block=hf.row_block,
+    shard_sequence=shard_sequence,
 )
