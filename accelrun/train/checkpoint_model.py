@@ -53,6 +53,16 @@ def model_config_of(run: Path) -> Any:
     return cfg
 
 
+def run_tokenizer(run: Path) -> str:
+    """The ``data.tokenizer`` run ``run`` trained with: ``byte`` (also for runs that predate the key), or
+    the absolute path of its tokenizer.json or folder."""
+    try:
+        data = (yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {}).get("data") or {}
+    except FileNotFoundError:
+        raise CheckpointModelError(f"{run}: no config.yaml; is this an accelrun run directory?") from None
+    return str(data.get("tokenizer") or "byte")
+
+
 def load_checkpoint_model(ref: str | Path, purpose: str) -> tuple[Any, Any, Path]:
     """(model in fp32 on the CPU, its ModelConfig, the checkpoint folder) for ``ref``."""
     import torch.distributed.checkpoint as dcp

@@ -1,18 +1,51 @@
 """Export a run's weights as a Hugging Face folder (``accelrun export RUN --hf OUT``, and
-``checkpoint.hf_on_finish``): config.json + sharded safetensors that transformers loads."""
+``checkpoint.hf_on_finish``): config.json + sharded safetensors that transformers loads, and the
+run's tokenizer files when it trained with a tokenizer.json."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from accelrun.models.hf_io import export_hf
-from accelrun.train.checkpoint_model import load_checkpoint_model
+from accelrun.train.checkpoint_model import (
+    CheckpointModelError,
+    find_checkpoint,
+    load_checkpoint_model,
+    run_tokenizer,
+)
+
+# The files transformers reads a tokenizer from; tokenizer.json is the one a run names, the others
+# (when they sit beside it) carry its special tokens.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int = 2 * 2**30) -> list[Path]:
-    """Write the model of checkpoint (or run) ``ref`` to ``out`` as a Hugging Face folder."""
+    """Write the model of checkpoint (or run) ``ref`` to ``out`` as a Hugging Face folder, with the
+    tokenizer files of a run that trained with a tokenizer.json (a byte-level run has none to give)."""
     from accelrun.models.families import get_family
 
+    tokenizer_files = _run_tokenizer_files(ref)  # before anything is written: a missing file is exit 2
     model, cfg, _ = load_checkpoint_model(ref, "to export")
     spec = get_family(cfg.arch)
-    return export_hf(model.state_dict(), spec, spec.args_from_config(cfg), out, max_shard_bytes)
+    written = export_hf(model.state_dict(), spec, spec.args_from_config(cfg), out, max_shard_bytes)
+    out = Path(out).expanduser()
+    for f in tokenizer_files:
+        if not (out / f.name).exists() or not (out / f.name).samefile(f):
+            shutil.copyfile(f, out / f.name)
+        written.append(out / f.name)
+    return written
+
+
+def _run_tokenizer_files(ref: str | Path) -> list[Path]:
+    from accelrun.config.tokenizer_file import BYTE, TokenizerFileError, tokenizer_json_path
+
+    _, run = find_checkpoint(ref, "to export")
+    name = run_tokenizer(run)
+    if name == BYTE:
+        return []
+    try:
+        path = tokenizer_json_path(name, key=f"{run}: data.tokenizer")
+    except TokenizerFileError as e:
+        raise CheckpointModelError(f"{e} (the run trained with it; the export would have no tokenizer)") from None
+    return [path] + [path.parent / f for f in TOKENIZER_FILES[1:] if (path.parent / f).is_file()]

@@ -6,9 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import yaml
 
-from accelrun.train.checkpoint_model import CheckpointModelError, find_checkpoint, load_checkpoint_model
+from accelrun.train.checkpoint_model import (
+    CheckpointModelError,
+    find_checkpoint,
+    load_checkpoint_model,
+    run_tokenizer,
+)
 
 
 def load_run_model(ref: str | Path) -> torch.nn.Module:
@@ -41,15 +45,6 @@ def generate(model: torch.nn.Module, prompt_ids: list[int], *, max_new_tokens: i
     return ids
 
 
-def run_tokenizer_name(run: Path) -> str:
-    """The ``data.tokenizer`` a run trained with (``byte`` for runs that predate the key)."""
-    try:
-        data = (yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {}).get("data") or {}
-    except FileNotFoundError:
-        raise CheckpointModelError(f"{run}: no config.yaml; is this an accelrun run directory?") from None
-    return str(data.get("tokenizer") or "byte")
-
-
 def generate_text(ref: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
                   top_k: int | None = 50, seed: int = 0) -> str:
     """The prompt followed by the sampled continuation, in the run's own tokens: byte-level with a BOS
@@ -57,7 +52,7 @@ def generate_text(ref: str | Path, prompt: str, *, max_new_tokens: int = 200, te
     from accelrun.data.tokenizer import ByteTokenizer, get_tokenizer
 
     _, run = find_checkpoint(ref, "to sample from")
-    name = run_tokenizer_name(run)
+    name = run_tokenizer(run)
     tok = get_tokenizer(name)  # a tokenizer file that is gone: exit 2 naming it
     model = load_run_model(ref)
     vocab = model.args.vocab_size if hasattr(model, "args") else None

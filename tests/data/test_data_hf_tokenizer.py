@@ -225,7 +225,7 @@ def test_train_on_text_with_the_model_hf_folders_tokenizer(files, tmp_path):
     resolved = load_config(DEFAULT_CONFIG, [*TINY, "train.steps=2", f"report.runs_dir={tmp_path / 'runs'}",
                                             f"model.hf={model}", "data.tokenizer=hf", "data.source=text",
                                             f"data.paths=[{files['corpus']}/**/*.txt]", "train.seq_len=16",
-                                            "eval.every=0"])
+                                            "eval.every=0", "checkpoint.hf_on_finish=true"])
     assert resolved.config.data.tokenizer == str(model.resolve())  # hf: the folder, stored absolute
     result = train(resolved, command="test")
     report = json.loads((result.run_dir / "report.json").read_text())
@@ -240,6 +240,12 @@ def test_train_on_text_with_the_model_hf_folders_tokenizer(files, tmp_path):
     losses = [m["loss"] for m in read_metrics(result.run_dir / "metrics.jsonl")]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
 
+    # The export at the end is a whole transformers folder: the weights and the tokenizer they were trained with.
+    from transformers import AutoTokenizer
+
+    exported = AutoTokenizer.from_pretrained(result.run_dir / "hf")
+    assert exported("def add(").input_ids == lib.encode("def add(").ids and exported.eos_token == "</s>"
+
     # generate samples in the run's own tokens: the prompt round-trips through the folder's tokenizer ...
     runner = CliRunner()
     args = ["generate", str(result.run_dir), "--prompt", "def add(", "--max-new-tokens", "5", "--seed", "1"]
@@ -249,3 +255,5 @@ def test_train_on_text_with_the_model_hf_folders_tokenizer(files, tmp_path):
     (model / "tokenizer.json").rename(model / "moved.json")
     gone = runner.invoke(cli, args)
     assert gone.exit_code == 2 and f"{model.resolve()} has no tokenizer.json" in gone.output
+    export = runner.invoke(cli, ["export", str(result.run_dir), "--hf", str(tmp_path / "out")])
+    assert export.exit_code == 2 and "has no tokenizer.json" in export.output and not (tmp_path / "out").exists()
