@@ -7,6 +7,12 @@ converted once into the parameter's dtype. A sharded parameter (FSDP, TP, FSDP x
 rank's rows and columns (safetensors' ``get_slice``; q/k rows widened to whole heads for the rotary
 permutation); a shard that is not one block of the tensor would read the whole tensor and keep its
 slice (``distribute_tensor`` with ``src_data_rank=None``: no communication).
+
+Why not ``torch.distributed.checkpoint.HuggingFaceStorageReader``: it loads these folders (tried: a
+whole model's tensors come back equal), but into destinations in the file's own names and layout. A
+family whose layout differs (Llama's q/k rows are pair-interleaved here, half-split in HF files) would
+need a staging copy in HF's layout per parameter, and an FSDP shard that splits a head cannot be
+permuted on its own; reading whole-head row blocks ourselves needs neither.
 """
 
 from __future__ import annotations
