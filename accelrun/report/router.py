@@ -49,7 +49,8 @@ def router_section(r: dict) -> list[str]:
              f"| dropped (over capacity) | {s['dropped_tokens']:,} assignments ({100 * s['dropped_frac']:.2f}%) |"]
     if s.get("ep_local_experts") is not None:
         lines.append(f"| expert parallel | {s['ep_local_experts']} experts per layer on each rank; "
-                     f"{s['ep_all_to_all_per_step']} all-to-alls per step on rank 0 |")
+                     f"{s['ep_all_to_all_per_step']} all-to-alls per step on rank 0; the dispatch (all-to-alls "
+                     "and the local experts) runs eagerly under compile: its splits are read on the host |")
     lines += ["", "tokens per expert (assignments over the run, all layers and ranks): "
               + ", ".join(f"{i}: {100 * n / total:.1f}%" for i, n in enumerate(share)), "", MOE_MFU_NOTE + ".", ""]
     return lines

@@ -41,3 +41,14 @@ def test_expert_parallel_equals_one_process(tmp_path, reference):
     (w1,) = [k for k in meta if k.endswith("layers.0.feed_forward.experts.w1")]
     assert tuple(meta[w1].size) == (4, 64, 48)  # all four experts, from two ranks' halves
     assert "## Experts (router)" in (job.run_dir / "report.md").read_text()
+
+
+def test_moe_compiles_with_accelrun_in_one_graph_per_block(tmp_path, reference):
+    """compile.backend = accelrun on the MoE, one process: routing, the grouped experts and the
+    load-balancing loss trace without a graph break (the padded batch's sizes become unbacked
+    symbols), and the losses are eager's (fp32, 1e-5)."""
+    job = train_job(tmp_path, STEPS, "name=moe-compiled", "compile.backend=accelrun", "checkpoint.enabled=false",
+                    *MOE)
+    assert losses(job.run_dir) == pytest.approx(reference(STEPS, *MOE).losses, rel=LOSS_RTOL)
+    compiler = job.report["compiler"]
+    assert compiler["dynamo_graphs"] >= 1 and compiler["graph_breaks"] == 0, compiler

@@ -129,7 +129,8 @@ def test_training_loss_adds_the_aux_loss_and_records_router_figures():
     loss = model(tokens, tokens)
     aux = torch.stack([m.stats["aux"] for m in model.moe_layers()]).mean()
     model.eval()
-    ce = model(tokens, tokens)
+    with torch.no_grad():
+        ce = model(tokens, tokens)
     assert float(loss.detach()) == pytest.approx(float(ce + 0.1 * aux.detach()), rel=1e-6)
     stats = model.pop_router_stats()
     assert stats["tokens_per_expert"].sum() == 2 * 16 * 2 * args.n_layers  # B·T·k per layer
