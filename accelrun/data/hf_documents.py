@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from accelrun.data.encoded_cache import cache_key, cached_stream
 from accelrun.data.errors import DataError
 from accelrun.data.hf_tokenizer import HFTokenizer
 from accelrun.data.stream import TensorStream, short_hash
@@ -62,21 +63,28 @@ def encode_files(
 
 
 def encode_documents_stream(
-    files: Sequence[Path], tokenizer: HFTokenizer, *, max_bytes: int | None, fingerprint: dict
+    files: Sequence[Path], tokenizer: HFTokenizer, *, max_bytes: int | None, fingerprint: dict, cache: bool = True,
 ) -> TensorStream:
-    """The files as one token stream (what ``text.read_documents`` does for the byte tokenizer).
+    """The files as one token stream (what ``text.read_documents`` does for the byte tokenizer), from the
+    cache of encoded text when this text was encoded before (``accelrun.data.encoded_cache``).
 
     ``fingerprint`` is completed with the tokenizer's name, ``files``, ``bytes``, ``tokens`` and a
     ``sha256`` of the tokens and the document lengths."""
     plan = plan_reads(files, max_bytes)
-    hasher = hashlib.sha256(tokenizer.name.encode())
-    segments: list[torch.Tensor] = []
-    read = [0]
-    for tokens, lengths in encode_files(plan, tokenizer, on_bytes=lambda n: read.__setitem__(0, n)):
-        hasher.update(torch.tensor(lengths, dtype=torch.int64).numpy().tobytes())
-        hasher.update(tokens.view(torch.uint8).numpy().tobytes() if tokens.numel() else b"")
-        segments.append(tokens)
-    n_tokens = sum(s.numel() for s in segments)
-    fingerprint = dict(fingerprint, tokenizer=tokenizer.name, files=len(plan), bytes=read[0], tokens=n_tokens,
-                       sha256=short_hash(hasher))
-    return TensorStream(segments, vocab_size=tokenizer.vocab_size, fingerprint=fingerprint)
+
+    def encode() -> TensorStream:
+        hasher = hashlib.sha256(tokenizer.name.encode())
+        segments: list[torch.Tensor] = []
+        read = [0]
+        for tokens, lengths in encode_files(plan, tokenizer, on_bytes=lambda n: read.__setitem__(0, n)):
+            hasher.update(torch.tensor(lengths, dtype=torch.int64).numpy().tobytes())
+            hasher.update(tokens.view(torch.uint8).numpy().tobytes() if tokens.numel() else b"")
+            segments.append(tokens)
+        n_tokens = sum(s.numel() for s in segments)
+        done = dict(fingerprint, tokenizer=tokenizer.name, files=len(plan), bytes=read[0], tokens=n_tokens,
+                    sha256=short_hash(hasher))
+        return TensorStream(segments, vocab_size=tokenizer.vocab_size, fingerprint=done)
+
+    if not cache:
+        return encode()
+    return cached_stream(cache_key(tokenizer.name, plan, max_bytes, fingerprint), encode)

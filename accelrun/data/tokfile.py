@@ -193,6 +193,27 @@ def load_tokens(patterns: Sequence[str], *, key: str = "data.paths", verify: boo
     return TensorStream(segments, vocab_size=headers[0].vocab_size, fingerprint=fingerprint)
 
 
+def write_token_file(path: str | os.PathLike, tokens: torch.Tensor, *, vocab_size: int, tokenizer: str,
+                     ) -> TokenFileHeader:
+    """Write a 1-D uint16 or int32 tensor of ids as a token file, atomically (a temporary file, then
+    ``os.replace``). int32 ids are stored as 4-byte tokens (the same bits as uint32 below 2**31)."""
+    _check_little_endian()
+    token_bytes = {torch.uint16: 2, torch.int32: 4}[tokens.dtype]
+    payload = tokens.contiguous().view(torch.uint8).numpy().tobytes() if tokens.numel() else b""
+    header = TokenFileHeader(token_bytes, vocab_size, tokens.numel(), tokenizer, hashlib.sha256(payload).hexdigest())
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(header.pack())
+            fh.write(payload)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return header
+
+
 class _ChunkWriter:
     """Collects documents as bytes with a one-byte gap after each, and turns a full buffer into
     tokens with one tensor copy (per-document copies are far slower; see ``text.read_documents``)."""

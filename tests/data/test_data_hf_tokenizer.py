@@ -257,3 +257,48 @@ def test_train_on_text_with_the_model_hf_folders_tokenizer(files, tmp_path):
     assert gone.exit_code == 2 and f"{model.resolve()} has no tokenizer.json" in gone.output
     export = runner.invoke(cli, ["export", str(result.run_dir), "--hf", str(tmp_path / "out")])
     assert export.exit_code == 2 and "has no tokenizer.json" in export.output and not (tmp_path / "out").exists()
+
+
+def test_encoded_text_is_cached_once_per_tokenizer_and_file_version(files, tmp_path, monkeypatch):
+    """Ranks starting together encode once (the others wait on the lock and map the file); an edited
+    file is encoded again."""
+    import threading
+
+    from accelrun.data.encoded_cache import cache_root
+    from accelrun.data.hf_tokenizer import HFTokenizer
+
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    for name in ("a.txt", "c.txt"):
+        (corpus / name).write_text(DOCS[name if name == "a.txt" else "sub/c.txt"])
+    tok = get_tokenizer(str(files["folder"]))
+    calls = []
+    real = HFTokenizer.encode_documents
+
+    def counted(self, texts):
+        calls.append(len(texts))
+        return real(self, texts)
+
+    monkeypatch.setattr(HFTokenizer, "encode_documents", counted)
+    streams = [None, None]
+
+    def rank(i: int) -> None:
+        streams[i] = load_text([str(corpus / "*.txt")], max_bytes=None, tokenizer=tok)
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == [2]  # one encoding of the two files, whichever thread got the lock first
+    a, b = streams
+    assert a.tokens.tolist() == b.tokens.tolist() and a.fingerprint == b.fingerprint
+    assert len(list(cache_root().glob("*.tok"))) == 1
+
+    (corpus / "c.txt").write_text(DOCS["sub/c.txt"] + "y = 2\n")
+    edited = load_text([str(corpus / "*.txt")], max_bytes=None, tokenizer=tok)
+    assert calls == [2, 2] and edited.fingerprint["sha256"] != a.fingerprint["sha256"]
+    lib = tokenizers.Tokenizer.from_file(str(files["folder"] / "tokenizer.json"))
+    eos = lib.token_to_id("</s>")
+    texts = [(corpus / n).read_text() for n in ("a.txt", "c.txt")]
+    assert edited.tokens.tolist() == [i for t in texts for i in lib.encode(t).ids + [eos]]

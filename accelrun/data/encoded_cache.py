@@ -1,0 +1,78 @@
+"""Text encoded with a tokenizer.json, kept in the cache folder as a token file.
+
+The byte tokenizer reads text at memory speed, but a BPE encodes a few MiB a second per core, and every
+rank of a job encodes the same corpus. So the first process to need an encoding writes it under
+``$ACCELRUN_CACHE_DIR/encoded-text/`` (default ``~/.cache/accelrun``) while holding a lock; the other
+ranks wait for it and memory-map the file, and later runs start at once. The key covers the tokenizer
+(its name hashes tokenizer.json and its EOS), ``max_bytes`` and each file's path, size and mtime, so
+an edited file or another tokenizer is encoded afresh. A cache folder that cannot be written costs only
+the time: the text is then encoded in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from accelrun.data.stream import TensorStream
+
+
+def cache_root() -> Path:
+    cache = os.environ.get("ACCELRUN_CACHE_DIR")
+    return (Path(cache) if cache else Path.home() / ".cache" / "accelrun") / "encoded-text"
+
+
+def cache_key(tokenizer_name: str, plan: Sequence[tuple[Path, int]], max_bytes: int | None, fingerprint: dict,
+              ) -> str:
+    """What decides the tokens: the tokenizer, each file read (path, bytes read, size, mtime), the cap,
+    and the source's own fingerprint fields (builtin and text over the same files stay apart)."""
+    h = hashlib.sha256(f"{tokenizer_name}|{max_bytes}|{json.dumps(fingerprint, sort_keys=True)}".encode())
+    for path, n in plan:
+        st = os.stat(path)
+        h.update(f"|{os.path.abspath(path)}|{n}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:32]
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[bool]:
+    """An exclusive lock on ``path`` (True), or False where the cache folder cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(path, "a")
+    except OSError:
+        yield False
+        return
+    with fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes
+        yield True
+
+
+def cached_stream(key: str, encode: Callable[[], TensorStream]) -> TensorStream:
+    """The stream cached under ``key``, or ``encode()``'s, which is then cached."""
+    from accelrun.data.tokfile import open_tokens, write_token_file
+
+    root = cache_root()
+    tok_path, meta_path = root / f"{key}.tok", root / f"{key}.json"
+    with _locked(root / f"{key}.lock") as writable:
+        if writable and meta_path.is_file() and tok_path.is_file():
+            try:
+                meta = json.loads(meta_path.read_text())
+                header, tokens = open_tokens(tok_path)
+                if header.sha256 == meta["sha256"]:
+                    return TensorStream([tokens], vocab_size=header.vocab_size, fingerprint=meta["fingerprint"])
+            except (OSError, ValueError, KeyError):
+                pass  # damaged: encode again below
+        stream = encode()
+        if writable:
+            with contextlib.suppress(OSError):
+                header = write_token_file(tok_path, stream.tokens, vocab_size=stream.vocab_size,
+                                          tokenizer=stream.fingerprint["tokenizer"])
+                tmp = meta_path.with_name(f".{meta_path.name}.tmp-{os.getpid()}")
+                tmp.write_text(json.dumps({"sha256": header.sha256, "fingerprint": stream.fingerprint}))
+                os.replace(tmp, meta_path)
+        return stream
