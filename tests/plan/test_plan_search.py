@@ -28,7 +28,8 @@ def test_every_proposal_validates_as_a_recipe_and_fits(cluster_file, tmp_path):
         # The line as a user would paste it, through the same loader `accelrun train` uses.
         cfg = load_config(cluster_recipe, [*BASE, *c.overrides]).config
         deg = cfg.parallel.degrees()
-        assert deg["pp"] * deg["dp_replicate"] * deg["dp_shard"] * deg["tp"] == cluster.size
+        assert deg["pp"] * deg["dp_replicate"] * deg["dp_shard"] * deg["cp"] * deg["tp"] == cluster.size
+        assert cfg.train.seq_len % (2 * deg["cp"]) == 0
         assert cfg.model.n_heads % deg["tp"] == 0 and cfg.model.kv_heads % deg["tp"] == 0
         assert cfg.train.global_batch % (cfg.train.micro_batch * cfg.parallel.dp) == 0
         assert c.plan.fits and c.plan.memory.total <= c.plan.memory.capacity
