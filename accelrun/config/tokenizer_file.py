@@ -161,10 +161,10 @@ def tokenizer_problems(cfg: Any, v: Any) -> list[str]:
     key as ``a.b = value (where it was set)``): a readable tokenizer, its package, and a vocabulary the
     model's embedding table covers."""
     data, model = cfg.data, cfg.model
-    if data.source == "synthetic" or model.custom is not None:
+    if data.source == "synthetic":
         return []
     if data.tokenizer == BYTE:
-        if data.source in ("builtin", "text") and model.vocab_size < BYTE_VOCAB:
+        if data.source in ("builtin", "text") and model.custom is None and model.vocab_size < BYTE_VOCAB:
             return [f"{v('model.vocab_size')} is smaller than the byte tokenizer's {BYTE_VOCAB} ids "
                     f"(data.tokenizer = byte)"]
         return []
@@ -178,7 +178,7 @@ def tokenizer_problems(cfg: Any, v: Any) -> list[str]:
     out = []
     if data.source != "tokens" and not tokenizers_installed():
         out.append(f"{v('data.tokenizer')} needs the tokenizers package: {INSTALL_HINT}")
-    if info.vocab_size > model.vocab_size:
+    if model.custom is None and info.vocab_size > model.vocab_size:  # a custom model's vocabulary is its own
         if model.hf is None:
             fix = f"set model.vocab_size to at least {info.vocab_size}"
         elif data.tokenizer == MODEL_HF:
