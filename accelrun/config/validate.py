@@ -233,10 +233,10 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
             out.append(f"{v('parallel.pp_schedule')} with {v('parallel.pp')} makes "
                        f"{deg['pp'] * PP_STAGES_PER_RANK[par.pp_schedule]} stages, more than {v('model.n_layers')}")
     if deg["pp"] > 1 and (m.custom is not None or m.tie_embeddings):
-        out.append(f"{v('parallel.pp')} needs the built-in Llama with untied embeddings "
+        out.append(f"{v('parallel.pp')} needs a built-in model family with untied embeddings "
                    f"({v('model.custom')}, {v('model.tie_embeddings')})")
     if deg["tp"] > 1 and m.custom is not None:
-        out.append(f"{v('parallel.tp')} needs the built-in Llama; {v('model.custom')}")
+        out.append(f"{v('parallel.tp')} needs a built-in model family; {v('model.custom')}")
     if deg["tp"] > 1 and m.tie_embeddings:
         out.append(f"{v('parallel.tp')} with {v('model.tie_embeddings')} is not supported")
     for key in ("sequence_parallel", "loss_parallel"):
@@ -331,8 +331,8 @@ def _compile_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[st
     return out
 
 
-LLAMA_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "norm_eps",
-                    "rope_theta", "max_seq_len", "tie_embeddings", "init_std")
+FAMILY_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "norm_eps",
+                     "rope_theta", "max_seq_len", "tie_embeddings", "init_std")
 # Keys that only some data sources read.
 DATA_KEYS_USED_BY = {
     "builtin": ("builtin", "tokenizer", "max_bytes"),
@@ -354,9 +354,10 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
 
     out: list[str] = []
     if cfg.model.custom is not None:
-        ignored = [k for k in LLAMA_SHAPE_KEYS if set_by_user("model", k)]
+        ignored = [k for k in FAMILY_SHAPE_KEYS if set_by_user("model", k)]
         if ignored:
-            out.append(f"model.custom is set, so the Llama shape keys are not used: model.{', model.'.join(ignored)}")
+            out.append(f"model.custom is set, so the model families' shape keys are not used: "
+                       f"model.{', model.'.join(ignored)}")
     for key in ("builtin", "tokenizer", "max_bytes"):
         if key not in DATA_KEYS_USED_BY[cfg.data.source] and (src := set_by_user("data", key)):
             out.append(f"data.{key} ({src}) has no effect with data.source = {cfg.data.source}")

@@ -77,12 +77,12 @@ def representative_ranks(degrees: dict[str, int]) -> list[int]:
 def dry_run(resolved: ResolvedConfig, ranks: Iterable[int] | None = None) -> list[RankBytes]:
     """Build the recipe's layout for ``ranks`` (default: ``representative_ranks``) and count what each holds.
 
-    Only the built-in Llama (a user's model is built whole by its factory, on a device)."""
+    Only the built-in model families (a user's model is built whole by its factory, on a device)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     cfg = resolved.config
     if cfg.model.custom is not None:
-        raise ValueError("a dry run builds the built-in Llama only (model.custom is set)")
+        raise ValueError("a dry run builds the built-in model families only (model.custom is set)")
     if dist.is_initialized():
         raise RuntimeError("a dry run needs this process without a process group of its own")
     world = cfg.parallel.world_size

@@ -189,7 +189,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     device = ctx.device
     seed_everything(t.seed)
 
-    # The built-in Llama is built on the meta device; each rank applies its layout (stages, TP, FSDP)
+    # A model family's model is built on the meta device; each rank applies its layout (stages, TP, FSDP)
     # and then allocates and initialises only what it holds (materialize_local). Values are keyed by
     # parameter name and position (models.shard_init), so the sharded job starts from exactly the
     # weights a single process would. A user's model is built whole on the device, as its factory does.
