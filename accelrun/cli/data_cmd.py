@@ -47,7 +47,7 @@ def prepare(inputs: tuple[str, ...], output: Path, max_bytes: int | None, tokeni
             bar.update(task, completed=done, total=total)
 
         info = prepare_tokens(list(inputs), str(output), tokenizer=tokenizer, max_bytes=max_bytes,
-                              progress=on_progress)
+                              progress=on_progress, tokenizer_key="--tokenizer")
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column(justify="right")

@@ -36,20 +36,20 @@ class HFTokenizer:
         self.EOS = info.eos_id  # None: documents are joined without a separator
 
     @classmethod
-    def load(cls, value: str) -> HFTokenizer:
-        """The tokenizer ``value`` (a tokenizer.json or a folder holding one) names."""
+    def load(cls, value: str, *, key: str = "data.tokenizer") -> HFTokenizer:
+        """The tokenizer ``value`` (a tokenizer.json or a folder holding one) names; errors call it ``key``."""
         try:
-            info = read_tokenizer_info(value)
+            info = read_tokenizer_info(value, key=key)
         except TokenizerFileError as e:
             raise DataError(str(e)) from None
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise DataError(f"data.tokenizer = {value!r} needs the tokenizers package: {INSTALL_HINT}") from None
+            raise DataError(f"{key} = {value!r} needs the tokenizers package: {INSTALL_HINT}") from None
         try:
             tokenizer = Tokenizer.from_file(str(info.path))
         except Exception as e:  # the library raises a bare Exception for a file it cannot parse
-            raise DataError(f"data.tokenizer: {info.path} is not a tokenizer the tokenizers library reads: "
+            raise DataError(f"{key}: {info.path} is not a tokenizer the tokenizers library reads: "
                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         return cls(info, tokenizer)
 

@@ -74,11 +74,12 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
 
-def get_tokenizer(name: str) -> ByteTokenizer | HFTokenizer:
+def get_tokenizer(name: str, *, key: str = "data.tokenizer") -> ByteTokenizer | HFTokenizer:
     """The tokenizer a recipe's ``data.tokenizer`` names: ``byte`` (built in), or a tokenizer.json file
-    or a folder holding one (``hf`` is replaced by the model.hf folder when the recipe is validated)."""
+    or a folder holding one (``hf`` is replaced by the model.hf folder when the recipe is validated).
+    ``key`` is what errors call the setting (``--tokenizer`` for ``accelrun data prepare``)."""
     if name == "byte":
         return ByteTokenizer()
     if name == "hf":
-        raise DataError("data.tokenizer = 'hf' means the model.hf folder's tokenizer; here give the folder itself")
-    return HFTokenizer.load(name)
+        raise DataError(f"{key} = 'hf' means the model.hf folder's tokenizer; here give the folder itself")
+    return HFTokenizer.load(name, key=key)

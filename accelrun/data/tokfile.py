@@ -266,11 +266,12 @@ def prepare_tokens(
     tokenizer: str = "byte",
     max_bytes: int | None = None,
     progress: ProgressFn | None = None,
+    tokenizer_key: str = "data.tokenizer",
 ) -> dict:
     """Tokenize text files (paths or globs) into one token file at ``output``.
 
-    ``tokenizer`` is ``byte`` or a tokenizer.json (or a folder holding one); the header records its
-    name (``byte``, or ``hf-`` + a hash of the file). Each input file is a document followed by the
+    ``tokenizer`` is ``byte`` or a tokenizer.json (or a folder holding one; errors call it
+    ``tokenizer_key``); the header records its name (``byte``, or ``hf-`` + a hash of the file). Each input file is a document followed by the
     tokenizer's end-of-text token; reading stops after ``max_bytes`` of text.
     ``progress(done_bytes, total_bytes)`` is called as text is read. Returns a summary:
     ``path, files, bytes, tokens, token_bytes, tokenizer, vocab_size, sha256`` (``tokenizer_file``
@@ -280,7 +281,7 @@ def prepare_tokens(
     {'path': 'data/corpus.tok', 'files': 12, 'bytes': 1048576, 'tokens': 1048588, ...}
     """
     _check_little_endian()
-    tok = get_tokenizer(tokenizer)
+    tok = get_tokenizer(tokenizer, key=tokenizer_key)
     out = Path(output)
     # An output inside an input glob (``data/*`` -> ``data/x.tok``) must not be read as text.
     files = [f for f in expand_paths(inputs, key="inputs") if os.path.abspath(f) != os.path.abspath(out)]

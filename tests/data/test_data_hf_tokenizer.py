@@ -196,6 +196,7 @@ def test_bad_tokenizer_paths_are_one_line_exit_2(tmp_path):
         result = runner.invoke(cli, ["data", "prepare", str(tmp_path / "doc.txt"), "-o", str(out),
                                      "--tokenizer", str(path)])
         assert result.exit_code == 2 and says in result.output and str(path) in result.output, (what, result.output)
+        assert result.output.strip().startswith("error: --tokenizer"), result.output  # the option typed
         assert len(result.output.strip().splitlines()) == 1 and not out.exists(), what
         with pytest.raises(ConfigError, match=says):
             load_config(DEFAULT_CONFIG, [f"data.tokenizer={path}"])
