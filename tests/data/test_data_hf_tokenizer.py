@@ -206,7 +206,33 @@ def test_bad_tokenizer_paths_are_one_line_exit_2(tmp_path):
         load_config(DEFAULT_CONFIG, ["data.tokenizer=bytes"])
 
 
-def test_missing_tokenizers_package_says_what_to_install(files, monkeypatch):
+def test_vocabulary_size_read_from_json_equals_the_librarys_for_each_model_kind(tmp_path):
+    """Validation reads tokenizer.json without the library: its size (largest id + 1, added tokens
+    included) must be the library's own for every model kind (Unigram's vocabulary is a list)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+
+    kinds = {
+        "bpe": (models.BPE(unk_token="[UNK]"), trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]"])),
+        "wordpiece": (models.WordPiece(unk_token="[UNK]"),
+                      trainers.WordPieceTrainer(vocab_size=120, special_tokens=["[UNK]"])),
+        "wordlevel": (models.WordLevel(unk_token="[UNK]"), trainers.WordLevelTrainer(special_tokens=["[UNK]"])),
+        "unigram": (models.Unigram(), trainers.UnigramTrainer(vocab_size=60, special_tokens=["[UNK]"],
+                                                               unk_token="[UNK]")),
+    }
+    for kind, (model, trainer) in kinds.items():
+        tok = Tokenizer(model)
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.train_from_iterator(list(DOCS.values()) * 3, trainer)
+        tok.add_special_tokens([AddedToken("<|extra|>", special=True)])  # an added id past the model's
+        path = tmp_path / f"{kind}.json"
+        tok.save(str(path))
+        assert read_tokenizer_info(str(path)).vocab_size == tok.get_vocab_size(with_added_tokens=True), kind
+        assert tok.token_to_id("<|extra|>") == tok.get_vocab_size(with_added_tokens=True) - 1, kind
+
+
+def test_no_eos_warns_and_a_missing_tokenizers_package_says_what_to_install(files, monkeypatch):
+    warnings = load_config(DEFAULT_CONFIG, [f"data.tokenizer={files['bare']}"]).warnings
+    assert any("names no end-of-text token" in w and str(files["bare"]) in w for w in warnings)
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import fails, find_spec finds nothing
     with pytest.raises(ConfigError, match=r"pip install 'accelrun\[hf\]'"):
         load_config(DEFAULT_CONFIG, [f"data.tokenizer={files['folder']}", "model.vocab_size=320"])
