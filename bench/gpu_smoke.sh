@@ -1,76 +1,201 @@
 #!/usr/bin/env bash
-# The first thing to run on a machine with an NVIDIA GPU (one is enough):
-#   1. accelrun's Triton code generator on the real device: its tests without the interpreter
-#      (every region run by Triton's real compiler and checked against eager), and the
-#      cross-compile check (registers and spills for sm_90 / sm_100);
-#   2. a short 1-GPU training run of configs/llama.yaml, eager and then compile.backend=accelrun
-#      (fp32 and bf16-mixed), with each run's figures and the compiler's regions and fallbacks.
+# The first thing to run on a machine with an NVIDIA GPU (one is enough; two or more add a section):
+#   1. accelrun's Triton code generator on the real device: its tests without the interpreter (every
+#      region run by Triton's real compiler and checked against eager) and the cross-compile check
+#      (registers and spills for sm_90 / sm_100);
+#   2. 1-GPU training of configs/llama.yaml: eager, Inductor and accelrun (Triton) in fp32 and bf16-mixed;
+#      resume from a checkpoint (losses after it equal the uninterrupted run's); a profiled run (trace
+#      written); an 8B-shaped 2-layer model (dim 4096, GQA 32/8, ffn 14336, vocab 128256, bf16) through
+#      the Triton executor; `accelrun plan --calibrate` and the plan of the eager run beside its measure;
+#   3. with 2+ GPUs: FSDP, HSDP (or plain replication on 2), TP + SP, each pipeline schedule, compiled
+#      FSDP with the overlap passes, and a rank killed mid-run that the elastic agent restarts; every
+#      layout's losses beside one GPU's.
 #
-#   bash bench/gpu_smoke.sh [STEPS]      # STEPS per run, default 60; a few minutes on one H100
+#   bash bench/gpu_smoke.sh [STEPS]        # STEPS per run, default 40; about 10 minutes on one H100
+#   SMOKE_DEVICE=cpu SMOKE_RANKS=2 bash bench/gpu_smoke.sh 4   # the same commands on this CPU (a check
+#                                          # of the script itself: gloo ranks, no Triton, no GPU parts)
 #
-# Written on a CPU-only machine, where it could not be run: the first run on a GPU is its test.
 # It stops at nothing: every part runs, and the exit code is 1 if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STEPS="${1:-60}"
+STEPS="${1:-40}"
+DEVICE="${SMOKE_DEVICE:-cuda}"
+runs=$(mktemp -d)
 failed=()
 section() { printf '\n== %s\n' "$*"; }
+# train NAME [KEY=VALUE ...]: configs/llama.yaml on $DEVICE, quiet, its log and run under $runs/NAME.
+train() {
+    local name="$1"; shift
+    if accelrun train configs/llama.yaml train.device="$DEVICE" train.steps="$STEPS" checkpoint.resume=none \
+            report.progress=none report.runs_dir="$runs/$name" "$@" >"$runs/$name.log" 2>&1; then
+        echo "ok      $name"
+    else
+        echo "FAILED  $name (exit $?); the log's end:"
+        tail -n 15 "$runs/$name.log" | sed 's/^/    /'
+        failed+=("$name")
+    fi
+}
+run_dir() { dirname "$(ls "$runs/$1"/*/*/report.json 2>/dev/null | head -n 1)"; }
 
 section "device"
-if ! nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; then
-    echo "no NVIDIA GPU here: nothing to smoke-test"
-    exit 1
-fi
-python -c "
+if [ "$DEVICE" = cuda ]; then
+    if ! nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; then
+        echo "no NVIDIA GPU here: nothing to smoke-test (SMOKE_DEVICE=cpu checks the script on a CPU)"
+        exit 1
+    fi
+    GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+    python -c "
 import torch, triton
 cap = ''.join(map(str, torch.cuda.get_device_capability()))
-print(f'torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, '
+print(f'torch {torch.__version__} (CUDA {torch.version.cuda}, NCCL {torch.cuda.nccl.version()}), triton {triton.__version__}, '
       f'{torch.cuda.get_device_name()} sm_{cap}')
 " || failed+=("device")
+else
+    GPUS="${SMOKE_RANKS:-1}"
+    echo "SMOKE_DEVICE=$DEVICE: the GPU-only parts are left out; $GPUS rank(s) for the multi-rank section"
+fi
 
-section "Triton code generator on the GPU (no interpreter)"
-env -u TRITON_INTERPRET ACCELRUN_TRITON_TEST_DEVICE=cuda \
-    python -m pytest tests/compile/test_codegen_triton.py tests/compile/test_triton_real_compile.py \
-    -q -p no:cacheprovider -rs || failed+=("triton tests")
+if [ "$DEVICE" = cuda ]; then
+    section "Triton code generator on the GPU (no interpreter)"
+    env -u TRITON_INTERPRET ACCELRUN_TRITON_TEST_DEVICE=cuda \
+        python -m pytest tests/compile/test_codegen_triton.py tests/compile/test_triton_real_compile.py \
+        -q -p no:cacheprovider -rs || failed+=("triton tests")
+    section "Triton cross-compile for sm_90 and sm_100 (registers, spills)"
+    python bench/triton_cross_compile.py | tail -n 5 || failed+=("triton cross-compile")
+fi
 
-section "1-GPU training: configs/llama.yaml, $STEPS steps"
-runs=$(mktemp -d)
-for variant in "eager fp32" "accelrun fp32" "eager bf16-mixed" "accelrun bf16-mixed"; do
-    set -- $variant
-    echo "-- compile.backend=$1 train.precision=$2"
-    if ! accelrun train configs/llama.yaml compile.backend="$1" train.precision="$2" train.device=cuda \
-            train.steps="$STEPS" checkpoint.resume=none report.runs_dir="$runs/$1-$2" >"$runs/$1-$2.log" 2>&1; then
-        tail -n 20 "$runs/$1-$2.log"
-        failed+=("train $1 $2")
-    fi
+section "1 device: configs/llama.yaml, $STEPS steps per run"
+TRITON=()
+[ "$DEVICE" = cuda ] && TRITON=("compile.executors=[triton,aten]")
+for precision in fp32 bf16-mixed; do
+    train "eager-$precision" train.precision="$precision"
+    train "inductor-$precision" train.precision="$precision" compile.backend=inductor
+    train "accelrun-$precision" train.precision="$precision" compile.backend=accelrun "${TRITON[@]}"
 done
+
+section "resume: a run restarted from its middle checkpoint continues with the same losses"
+half=$((STEPS / 2))
+train resume-whole checkpoint.every="$half"
+whole=$(run_dir resume-whole)
+if [ -n "$whole" ]; then
+    train resume-second-half checkpoint.resume="$whole/checkpoints/step-$(printf '%06d' "$half")"
+    python - "$whole" "$(run_dir resume-second-half)" "$half" <<'EOF' || failed+=("resume losses")
+import json, sys
+from pathlib import Path
+def losses(d):
+    return {m["step"]: m["loss"] for m in map(json.loads, (Path(d) / "metrics.jsonl").read_text().splitlines()) if "loss" in m}
+a, b, half = losses(sys.argv[1]), losses(sys.argv[2]), int(sys.argv[3])
+after = sorted(s for s in b if s > half)
+worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in after) if after else float("nan")
+print(f"resumed at step {half}: steps {after[0] if after else '-'}..{after[-1] if after else '-'}, "
+      f"largest relative loss difference from the uninterrupted run {worst:.2e}")
+sys.exit(0 if after and min(after) == half + 1 and worst < 1e-4 else 1)
+EOF
+fi
+
+section "profile: a torch profiler trace of steps 3-4"
+train profiled report.profile_steps=[3,4]
+if [ -n "$(run_dir profiled)" ] && ls "$(run_dir profiled)"/profile/* >/dev/null 2>&1; then
+    ls -la "$(run_dir profiled)"/profile | tail -n +2 | head -n 4
+else
+    echo "no trace under profile/"; failed+=("profile trace")
+fi
+
+if [ "$DEVICE" = cuda ]; then
+    section "an 8B-shaped 2-layer model through the Triton executor (bf16-mixed)"
+    train llama8b-shape-2layers model.dim=4096 model.n_layers=2 model.n_heads=32 model.n_kv_heads=8 \
+        model.ffn_dim=14336 model.vocab_size=128256 train.seq_len=2048 train.micro_batch=1 train.global_batch=2 \
+        train.precision=bf16-mixed compile.backend=accelrun "compile.executors=[triton,aten]" train.steps=10 \
+        report.warmup_steps=3
+
+    section "accelrun plan --calibrate, then the plan of the eager fp32 run beside what it measured"
+    if accelrun plan --calibrate --output "$runs/cluster.yaml" >"$runs/calibrate.log" 2>&1; then
+        tail -n 8 "$runs/calibrate.log"
+        accelrun plan configs/llama.yaml --cluster "$runs/cluster.yaml" train.precision=fp32 | tail -n 12 \
+            || failed+=("plan")
+    else
+        tail -n 15 "$runs/calibrate.log"; failed+=("plan --calibrate")
+    fi
+fi
+
+if [ "$GPUS" -ge 2 ]; then
+    section "2 ranks: each layout of configs/llama.yaml, fp32 (losses beside one device's)"
+    two=(parallel.nproc_per_node=2)
+    train fsdp2 "${two[@]}"
+    if [ "$GPUS" -ge 4 ]; then
+        train hsdp2x2 parallel.nproc_per_node=4 parallel.dp_replicate=2 parallel.dp_shard=2
+    else
+        train replicate2 "${two[@]}" parallel.dp_replicate=2 parallel.dp_shard=1
+    fi
+    train tp2-sp "${two[@]}" parallel.dp_shard=1 parallel.tp=2 parallel.sequence_parallel=true
+    for schedule in gpipe 1f1b interleaved_1f1b zero_bubble; do
+        train "pp2-$schedule" "${two[@]}" parallel.dp_shard=1 parallel.pp=2 parallel.pp_schedule="$schedule"
+    done
+    train compiled-fsdp2-overlap "${two[@]}" parallel.fsdp_impl=compiled compile.backend=accelrun \
+        compile.passes=overlap "${TRITON[@]}"
+
+    echo "-- kill-and-restart: one rank killed mid-run, the agent restarts the group from the last checkpoint"
+    long=$((STEPS * 5))
+    accelrun train configs/llama.yaml train.device="$DEVICE" train.steps="$long" checkpoint.every=5 \
+        checkpoint.resume=none report.progress=none report.runs_dir="$runs/restart" "${two[@]}" --max-restarts 1 \
+        >"$runs/restart.log" 2>&1 &
+    job=$!
+    for _ in $(seq 600); do  # up to 5 minutes for step 10
+        metrics=$(ls "$runs"/restart/*/*/metrics.jsonl 2>/dev/null | head -n 1)
+        [ -n "$metrics" ] && [ "$(wc -l <"$metrics")" -ge 10 ] && break
+        kill -0 "$job" 2>/dev/null || break
+        sleep 0.5
+    done
+    # The ranks are children of the launcher's fork server, itself a child of the job's process.
+    server=$(pgrep -P "$job" -f forkserver | head -n 1)
+    victim=$([ -n "$server" ] && pgrep -P "$server" | tail -n 1)
+    if [ -n "$victim" ]; then
+        kill -9 "$victim"; echo "killed rank process $victim"
+    else
+        echo "no rank process found to kill"
+    fi
+    # (the console wraps long lines: joined before the search)
+    if wait "$job" && tr '\n' ' ' <"$runs/restart.log" | grep -q "restart 1 of the group"; then
+        echo "ok      restart: the job finished after the agent restarted the group once"
+    else
+        echo "FAILED  restart; the log's end:"; tail -n 15 "$runs/restart.log" | sed 's/^/    /'
+        failed+=("kill-and-restart")
+    fi
+fi
+
+section "figures"
 python - "$runs" <<'EOF'
 import json
 import sys
 from pathlib import Path
 
-rows = []
-for report in sorted(Path(sys.argv[1]).glob("*/*/*/report.json")):
-    r = json.loads(report.read_text())
-    variant = report.parts[-4]
-    c = r.get("compiler") or {}
-    rows.append((variant, r))
+runs = Path(sys.argv[1])
+reports = {p.relative_to(runs).parts[0]: p for p in sorted(runs.glob("*/*/*/report.json"))}
+def final_loss(d):
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    return next((m["loss"] for m in reversed(rows) if "loss" in m), None)
+# Every layout trains the same batches from the same weights: its final loss beside one device's eager run.
+base = {p: final_loss(reports[f"eager-{p}"].parent) for p in ("fp32", "bf16-mixed") if f"eager-{p}" in reports}
+print(f"{'run':<28} {'status':<8} {'tok/s':>10} {'step ms':>8} {'MFU %':>6} {'alloc GiB':>9} {'resv GiB':>8} "
+      f"{'compile s':>9} {'final loss':>11} {'vs 1-dev':>9}")
+for name, path in reports.items():
+    r = json.loads(path.read_text())
+    loss = final_loss(path.parent)
+    ref = base.get("bf16-mixed" if "bf16" in name else "fp32")
+    same_run = not name.startswith(("llama8b", "restart"))  # another model / another number of steps
+    rel = f"{abs(loss - ref) / abs(ref):.1e}" if loss is not None and ref and same_run else "-"
     t = r.get("step_time_s") or {}
-    print(f"{variant:<22} {r.get('status')}: {r.get('tokens_per_s') or 0:>10.0f} tok/s, step {t.get('median', 0) * 1e3:7.2f} ms "
-          f"(median), MFU {100 * (r.get('mfu') or 0):5.1f}%, peak {(r.get('mem_peak_bytes') or 0) / 2**30:5.2f} GiB, "
-          f"compile {r.get('compile_time_s') or 0:5.1f} s, final loss {r.get('final_loss')}")
-    if c:
-        print(f"{'':<22} regions by executor {c.get('regions_per_executor')}; fallbacks: {len(c.get('fallbacks', []))}")
-        for line in c.get("fallbacks", [])[:5]:
-            print(f"{'':<22}   {line}")
-by = dict(rows)
-for precision in ("fp32", "bf16-mixed"):
-    e, a = by.get(f"eager-{precision}"), by.get(f"accelrun-{precision}")
-    if e and a and e.get("tokens_per_s") and a.get("tokens_per_s"):
-        print(f"accelrun / eager, {precision}: {a['tokens_per_s'] / e['tokens_per_s']:.3f}x tokens/s, "
-              f"final loss {a.get('final_loss')} vs {e.get('final_loss')}")
+    print(f"{name:<28} {str(r.get('status')):<8} {r.get('tokens_per_s') or 0:>10.0f} {(t.get('median') or 0) * 1e3:>8.2f} "
+          f"{100 * (r.get('mfu') or 0):>6.1f} {(r.get('mem_peak_bytes') or 0) / 2**30:>9.2f} "
+          f"{(r.get('mem_reserved_bytes') or 0) / 2**30:>8.2f} {r.get('compile_time_s') or 0:>9.1f} "
+          f"{loss if loss is not None else float('nan'):>11.5f} {rel:>9}")
+    c = r.get("compiler") or {}
+    if c.get("regions_per_executor") or c.get("fallbacks"):
+        print(f"{'':<28} regions by executor {c.get('regions_per_executor')}; fallbacks {len(c.get('fallbacks', []))}")
+        for line in c.get("fallbacks", [])[:3]:
+            print(f"{'':<28}   {line}")
 EOF
-echo "runs kept in $runs"
+echo "runs and logs kept in $runs"
 
 section "result"
 if [ ${#failed[@]} -eq 0 ]; then
