@@ -60,11 +60,12 @@ class ContextParallelStats:
     _at_step: tuple[int, int, float] = (0, 0, 0.0)
 
     def step_metrics(self) -> dict[str, float]:
-        """This step's figures (since the last call), for metrics.jsonl."""
+        """This step's figures (since the last call), for metrics.jsonl; none when every gather ran
+        inside compiled graphs (zeros would read as "no communication")."""
         c0, b0, s0 = self._at_step
         out = {"cp_gathers": self.calls - c0, "cp_bytes": self.bytes - b0, "cp_comm_s": self.seconds - s0}
         self._at_step = (self.calls, self.bytes, self.seconds)
-        return out
+        return out if out["cp_gathers"] else {}
 
 
 class LoadBalancedCausalAttention(nn.Module):

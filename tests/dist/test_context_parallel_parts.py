@@ -58,7 +58,7 @@ def test_sharded_attention_equals_causal_attention(cp, monkeypatch):
         torch.testing.assert_close(got, local(want, r), rtol=1e-5, atol=1e-6)
     assert len(gathers) == cp and stats.calls == cp
     assert stats.step_metrics()["cp_bytes"] == cp * sent[0].numel() * 4 * (cp - 1)
-    assert stats.step_metrics() == {"cp_gathers": 0, "cp_bytes": 0, "cp_comm_s": 0.0}  # per step
+    assert stats.step_metrics() == {}  # per step: nothing since (all in compiled graphs, or none)
 
 
 def test_loss_is_rescaled_to_the_whole_sequences_mean(monkeypatch):

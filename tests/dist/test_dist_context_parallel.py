@@ -69,3 +69,6 @@ def test_compiled_attention_collectives_are_graph_nodes(job):
     graphs = list((d / "compile").rglob("*.py"))
     text = "\n".join(p.read_text() for p in graphs)
     assert "all_gather_into_tensor" in text and "reduce_scatter_tensor" in text
+    # No eager gathers to count: the report shows no zero "context parallel" row.
+    assert all("cp_gathers" not in m for m in read_metrics(d / "metrics.jsonl"))
+    assert "context parallel K/V" not in (d / "report.md").read_text()
