@@ -233,3 +233,47 @@ def test_the_compiler_trains_gemma_as_eager_does(tmp_path):
     assert compiler["dynamo_graphs"] >= 1 and compiler["graph_breaks"] == 0, compiler
     assert compiler["passes_fired"] and compiler["regions_per_executor"].get("cpp", 0) > 0, compiler
     assert losses["accelrun"] == pytest.approx(losses["eager"], rel=1e-5), losses
+
+
+@pytest.mark.parametrize("layout", ["tp", "fsdp"])
+def test_each_rank_initialises_its_shard_as_one_process_would(layout):
+    # Built on meta, laid out (TP by the family's plan, or FSDP2), then only the local shards
+    # allocated and initialised: each equals its slice of a one-process model. Both ranks run here,
+    # one after the other, on a fake process group (initialisation needs no communication).
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from accelrun.dist.tp import apply_tp
+    from accelrun.models.build import materialize_local, transformer_blocks
+
+    cfg = load_config("configs/gemma.yaml", ["model.n_layers=2", "model.tie_embeddings=false",
+                                             "model.vocab_size=4096"]).config.model  # several draws wide
+    whole = build_model(cfg, "cpu", seed=7).state_dict()
+    for rank in (0, 1):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+        try:
+            mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(layout,))
+            model = build_model(cfg, "meta")
+            if layout == "tp":
+                apply_tp(model, mesh, plan=get_family("gemma").tp_plan)
+            else:
+                for block in transformer_blocks(model):
+                    fully_shard(block, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            materialize_local(model, "cpu", seed=7)
+            sharded = 0
+            for name, p in model.state_dict().items():
+                want = whole[name]
+                if isinstance(p, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                    want = want[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+                    p, sharded = p.to_local(), sharded + 1
+                    assert p.numel() < whole[name].numel() or whole[name].ndim == 1, name  # a real shard
+                assert torch.equal(p, want), (layout, rank, name)
+            assert sharded >= 7 * cfg.n_layers  # every block matrix at least
+        finally:
+            dist.destroy_process_group()
