@@ -14,6 +14,7 @@ joined without a separator, and ``validate`` says so.
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import importlib.util
 import json
@@ -167,7 +168,7 @@ def tokenizer_problems(cfg: Any, v: Any) -> list[str]:
         if data.source in ("builtin", "text") and model.custom is None and model.vocab_size < BYTE_VOCAB:
             return [f"{v('model.vocab_size')} is smaller than the byte tokenizer's {BYTE_VOCAB} ids "
                     f"(data.tokenizer = byte)"]
-        return []
+        return _token_file_problems(cfg, v, BYTE) if data.source == "tokens" else []
     try:
         info = read_tokenizer_info(resolve_model_hf(data.tokenizer, model.hf, v("data.tokenizer")))
     except TokenizerFileError as e:
@@ -178,6 +179,8 @@ def tokenizer_problems(cfg: Any, v: Any) -> list[str]:
     out = []
     if data.source != "tokens" and not tokenizers_installed():
         out.append(f"{v('data.tokenizer')} needs the tokenizers package: {INSTALL_HINT}")
+    if data.source == "tokens" and (mismatch := _token_file_problems(cfg, v, info.name)):
+        return out + mismatch
     if model.custom is None and info.vocab_size > model.vocab_size:  # a custom model's vocabulary is its own
         if model.hf is None:
             fix = f"set model.vocab_size to at least {info.vocab_size}"
@@ -214,3 +217,44 @@ def stored_tokenizer(value: str, model_hf: str | None) -> str:
     if value == MODEL_HF:
         return os.fspath(model_hf) if model_hf is not None else value
     return str(Path(value).expanduser().resolve())
+
+
+# Where a token file's header keeps what validation compares (accelrun.data.tokfile owns the layout; a
+# test keeps the two in step so that validation reads headers without torch).
+TOKEN_FILE_MAGIC = b"ACCTOK01"
+_VOCAB_AT, _NAME_AT = slice(12, 16), slice(24, 40)
+
+
+def token_file_tokenizer(path: Path) -> tuple[str, int] | None:
+    """(tokenizer name, vocab_size) from a token file's header; None for a file that is not one (the
+    data layer reports it with the details)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(40)
+    except OSError:
+        return None
+    if len(head) < 40 or head[:8] != TOKEN_FILE_MAGIC:
+        return None
+    name = head[_NAME_AT].rstrip(b"\0").decode("ascii", errors="replace")
+    return name, int.from_bytes(head[_VOCAB_AT], "little")
+
+
+def _token_file_problems(cfg: Any, v: Any, expected: str) -> list[str]:
+    """data.source = tokens: each file was prepared with data.tokenizer, and its ids fit the model."""
+    files: list[str] = []
+    for pattern in cfg.data.paths:
+        files += sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
+    for f in files:
+        found = token_file_tokenizer(Path(f))
+        if found is None:
+            continue
+        name, vocab = found
+        if name != expected:
+            return [f"data.paths: {f} was prepared with tokenizer {name!r}, but {v('data.tokenizer')} is "
+                    f"{expected!r}: set data.tokenizer to the one given to `accelrun data prepare --tokenizer`, "
+                    "or prepare the file again"]
+        if cfg.model.custom is None and vocab > cfg.model.vocab_size:
+            return [f"data.paths: {f} holds ids up to {vocab - 1} (tokenizer {name!r}, vocab {vocab}), but "
+                    f"{v('model.vocab_size')}: the model has no embedding row for ids {cfg.model.vocab_size} "
+                    "and up"]
+    return []

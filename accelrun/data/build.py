@@ -34,10 +34,11 @@ def _check_token_files_tokenizer(recorded: str, configured: str) -> None:
         except TokenizerFileError as e:
             raise DataError(str(e)) from None
     if recorded != expected:
+        named = repr(configured) if configured == expected else f"{configured!r} ({expected!r})"
         raise DataError(
-            f"data.paths: the token files were made by tokenizer {recorded!r}, but data.tokenizer = {configured!r} "
-            f"is {expected!r}: set data.tokenizer to the tokenizer they were prepared with "
-            "(accelrun data prepare --tokenizer), or prepare them again"
+            f"data.paths: the token files were made by tokenizer {recorded!r}, but data.tokenizer = {named}: "
+            "set data.tokenizer to the tokenizer they were prepared with (accelrun data prepare --tokenizer), "
+            "or prepare them again"
         )
 
 

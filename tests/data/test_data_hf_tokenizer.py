@@ -114,6 +114,19 @@ def test_prepare_records_the_tokenizer_and_runs_need_the_same_one(files, tmp_pat
                      tokenizer=get_tokenizer(str(files["folder"])))
     assert tokens.tolist() == text.tokens.tolist()
 
+    # validate reads the headers (without torch): the same tokenizer, and ids the model's embedding covers
+    from accelrun.config.tokenizer_file import TOKEN_FILE_MAGIC, token_file_tokenizer
+    from accelrun.data import tokfile
+
+    assert token_file_tokenizer(out) == (header.tokenizer, header.vocab_size) and TOKEN_FILE_MAGIC == tokfile.MAGIC
+    tokens_source = ["data.source=tokens", f"data.paths=[{out}]"]
+    load_config(DEFAULT_CONFIG, [*tokens_source, f"data.tokenizer={files['folder']}"])
+    with pytest.raises(ConfigError, match=rf"{out} was prepared with tokenizer '{info.name}', but "
+                                          r"data.tokenizer = byte \(.*stdlib.yaml:\d+\) is 'byte'"):
+        load_config(DEFAULT_CONFIG, tokens_source)
+    with pytest.raises(ConfigError, match=rf"{out} holds ids up to 299 .* but model.vocab_size = 200 \(override"):
+        load_config(DEFAULT_CONFIG, [*tokens_source, f"data.tokenizer={files['folder']}", "model.vocab_size=200"])
+
     cfg = DataConfig(source="tokens", paths=[str(out)], tokenizer=str(files["folder"] / "tokenizer.json"))
     assert load_stream(cfg, vocab_size=320, seed=0).fingerprint["tokenizer"] == info.name
     for other in ("byte", str(files["bare"])):
