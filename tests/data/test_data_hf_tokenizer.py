@@ -146,6 +146,21 @@ def test_prepare_writes_4_byte_tokens_for_a_vocabulary_past_65536(tmp_path):
     header, tokens = open_tokens(tmp_path / "big.tok", verify=True)
     assert summary["token_bytes"] == header.token_bytes == 4 and header.vocab_size == 70_000
     assert tokens.tolist() == [1, 65535, 65536, 69999, 0]
+    # The text source holds them as int32, and its cached copy (4-byte tokens, memory-mapped) reads the same.
+    fresh, cached = (load_text([str(tmp_path / "doc.txt")], max_bytes=None, tokenizer=get_tokenizer(str(tmp_path)))
+                     for _ in range(2))
+    assert fresh.tokens.dtype == torch.int32 and cached.tokens.dtype == torch.uint32
+    assert fresh.read(0, 5).tolist() == cached.read(0, 5).tolist() == [1, 65535, 65536, 69999, 0]
+
+
+def test_a_tokenizer_that_ends_with_its_eos_gets_no_second_one(tmp_path):
+    from tokenizers import processors
+
+    tok = _train_bpe()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    _save_folder(tok, tmp_path)
+    docs = get_tokenizer(str(tmp_path)).encode_documents(["x = 1", ""])
+    assert docs == [tok.encode("x = 1").ids, [1]] and docs[0][-1] == 1 and docs[0].count(1) == 1
 
 
 def _recipe(tmp_path: Path, body: str) -> Path:
