@@ -48,7 +48,11 @@ def _locked(path: Path) -> Iterator[bool]:
         yield False
         return
     with fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes
+        except OSError:  # a file system without locks: each process encodes for itself
+            yield False
+            return
         yield True
 
 
