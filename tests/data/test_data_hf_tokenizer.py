@@ -357,3 +357,8 @@ def test_encoded_text_is_cached_once_per_tokenizer_and_file_version(files, tmp_p
     eos = lib.token_to_id("</s>")
     texts = [(corpus / n).read_text() for n in ("a.txt", "c.txt")]
     assert edited.tokens.tolist() == [i for t in texts for i in lib.encode(t).ids + [eos]]
+
+    (tmp_path / "not-a-folder").write_text("")  # a cache that cannot be written costs only the time
+    monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path / "not-a-folder"))
+    uncached = load_text([str(corpus / "*.txt")], max_bytes=None, tokenizer=tok)
+    assert calls == [2, 2, 2] and uncached.fingerprint == edited.fingerprint
