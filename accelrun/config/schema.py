@@ -210,7 +210,13 @@ class ParallelConfig(Section):
         "accelrun graph whose all-gathers and reduce-scatters the compiler buckets and schedules (needs "
         "compile.backend = accelrun)"
     )
-    timeout_s: PositiveInt = Field(600, description="a collective that waits longer fails, naming itself")
+    timeout_s: PositiveInt = Field(
+        600, description="a training step's collective that waits longer fails, naming its step and phase"
+    )
+    init_timeout_s: PositiveInt = Field(
+        1800, description="joining the job and setting up (rendezvous, process groups, building and loading the "
+        "model, resuming) may take this long before a rank gives up waiting for the others"
+    )
     sequence_parallel: bool = Field(
         False, description="TP: shard the norms and the residual stream along the sequence (needs tp > 1)"
     )

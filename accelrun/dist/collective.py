@@ -15,6 +15,8 @@ gradient norm are computed there), so moving them costs nothing.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -45,3 +47,21 @@ def to_collective_device(t: torch.Tensor, group: dist.ProcessGroup | None = None
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def set_group_timeouts(timeout: timedelta) -> int:
+    """Give every process group this rank is in (the world's, and each DeviceMesh dimension's and any
+    flattened dimension's) ``timeout``; returns how many.
+
+    Why: a DeviceMesh creates its groups with the backend's default timeout (NCCL 10 min, gloo 30),
+    not the world group's; FSDP's and TP's collectives run on those groups, so without this
+    ``parallel.timeout_s`` would bound only the collectives on the world group. Called once the
+    groups exist with ``parallel.init_timeout_s`` (setup: building, loading, resuming), and again
+    with ``parallel.timeout_s`` before the first step.
+    """
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+
+    groups = list(_world.pg_map)
+    for group in groups:
+        _set_pg_timeout(timeout, group)
+    return len(groups)

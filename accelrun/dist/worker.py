@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from accelrun.config import ConfigError, load_config
 from accelrun.dist import stop
+from accelrun.dist.collective import set_group_timeouts
 from accelrun.dist.context import ParallelContext, env_rank
 from accelrun.dist.mesh import build_mesh, dp_coordinates
 from accelrun.dist.rank_errors import leave_record
@@ -89,10 +90,13 @@ def init_rank(resolved, run_dir: Path | None = None) -> ParallelContext:
         # GPU ranks too: their host threads (data, the optimizer's CPU work, Python) share the node's cores.
         torch.set_num_threads(cpu_rank_threads(cfg.parallel.nproc_per_node))
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    # Joining and setting up (rendezvous, building, loading, resuming) may take long on a big job; the
+    # training steps' collectives get parallel.timeout_s once setup is done (train.run).
+    timeout = timedelta(seconds=cfg.parallel.init_timeout_s)
     dist.init_process_group("nccl" if use_cuda else "gloo", store=_store(rank, world, restarts, timeout),
                             rank=rank, world_size=world, timeout=timeout)
     mesh = build_mesh(cfg.parallel, device.type, world)
+    set_group_timeouts(timeout)  # the mesh's own groups start with the backend's default
     dp_rank, dp_size = dp_coordinates(mesh)
     return ParallelContext(rank, world, local_rank, device, mesh, dp_rank, dp_size, tp_size=mesh["tp"].size(),
                            pp_size=mesh["pp"].size(), restart_count=restarts, cp_size=mesh["cp"].size())

@@ -17,6 +17,7 @@ import shutil
 import statistics
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from rich.markup import escape
 from accelrun.config import ConfigError, ResolvedConfig
 from accelrun.config.resolve import explain_text
 from accelrun.dist import stop
+from accelrun.dist.collective import set_group_timeouts
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.launch import JobOutcome, LaunchOptions, launch_job
 from accelrun.dist.stop import Stopped
@@ -191,6 +193,8 @@ def run_in_dir(
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: no directory that looks interrupted
         raise
     setup_s = time.perf_counter() - t_setup
+    if ctx is not None and ctx.distributed:  # setup ran under parallel.init_timeout_s; the steps get theirs
+        set_group_timeouts(timedelta(seconds=cfg.parallel.timeout_s))
     if console is not None:
         _announce(console, s, setup_s)
     if s.start_step >= cfg.train.steps:

@@ -16,6 +16,8 @@ Probes:
   recorded with its call site. Lazy tensors are then carried over gloo through CPU copies, so the run
   goes on and every site is found in one run. Collectives that torch issues itself (FSDP's, DTensor's,
   the pipeline's sends) are on the training device, which is right, and pass unchecked.
+- ``group_timeouts``: the timeout of every process group the rank is in (the world's and the mesh's),
+  as setup starts and as the first step starts.
 - ``allocations``: during ``build_setup``, the largest floating-point tensor that any op creates off
   the meta device, the bytes of all the new ones, and the parameters the rank holds at the end.
 """
@@ -77,7 +79,8 @@ def _rank(run_dir: str, rank: int, world: int, port: int, probe: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     seen: dict = {}
-    {"collective_device": _watch_collectives, "allocations": _watch_allocations}[probe](seen)
+    {"collective_device": _watch_collectives, "allocations": _watch_allocations,
+     "group_timeouts": _watch_group_timeouts}[probe](seen)
     from accelrun.dist.worker import main
 
     code = main([run_dir])
@@ -192,3 +195,25 @@ def _watch_allocations(seen: dict) -> None:
         return s
 
     run.build_setup = watched
+
+
+def _watch_group_timeouts(seen: dict) -> None:
+    import torch
+    from torch.distributed.distributed_c10d import _world
+
+    import accelrun.train.run as run
+
+    def timeouts() -> list[float]:
+        return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in list(_world.pg_map)]
+
+    build_setup, run_loop = run.build_setup, run.run_loop
+
+    def setup(*args, **kwargs):
+        seen["setup"] = timeouts()
+        return build_setup(*args, **kwargs)
+
+    def loop(*args, **kwargs):
+        seen["steps"] = timeouts()
+        return run_loop(*args, **kwargs)
+
+    run.build_setup, run.run_loop = setup, loop
