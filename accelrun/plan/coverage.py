@@ -14,6 +14,9 @@ MODELLED = frozenset({
     "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim", "model.vocab_size",
     "model.tie_embeddings", "model.custom",  # custom: refused with a message (no shape to count)
     "model.arch", "model.head_dim",  # the family's shape module (accelrun.models.families.<arch>.shape)
+    # moe (accelrun.plan.moe): active width for time and FLOPs, every expert for memory
+    "model.n_experts", "model.experts_per_token", "model.moe_ffn_dim", "model.shared_expert_ffn_dim",
+    "parallel.ep",  # all-to-all per MoE layer, whole experts per rank, an assumed imbalance
     "train.global_batch", "train.micro_batch", "train.grad_accum", "train.seq_len", "train.optimizer.impl",
     "train.grad_clip", "train.precision", "train.activation_checkpoint.mode", "train.activation_checkpoint.every_n",
     "train.threads",  # compared with the calibration's threads (a note when they differ)
@@ -40,6 +43,7 @@ NO_EFFECT = frozenset({
     "model.rope_scaling",  # changes the rotary table's values, not its size
     "model.qkv_bias",  # (n_heads + 2 kv_heads) × head_dim numbers per layer, negligible
     "model.hf",  # the folder's shape is in the other model keys; reading it happens before the first step
+    "model.aux_loss_coef",  # one scalar multiply of the load-balancing loss
     "checkpoint.hf_on_finish",  # after the last step
     "data.source", "data.builtin", "data.paths", "data.tokenizer", "data.max_bytes", "data.shuffle", "data.seed",
     "train.steps", "train.seed", "train.optimizer.name", "train.optimizer.lr", "train.optimizer.betas",
@@ -60,6 +64,7 @@ UNMODELLED = frozenset({
     "compile.passes", "compile.executors", "compile.scope", "compile.debug_numerics",
     "checkpoint.enabled", "checkpoint.every", "checkpoint.save_final", "report.profile_steps",
     "train.device", "train.cpu_malloc",
+    "model.capacity_factor",  # dropped assignments skip their expert: planned as none dropped
 })
 
 
@@ -82,6 +87,9 @@ def unmodelled(cfg: RunConfig) -> list[str]:
     if cfg.report.profile_steps is not None:
         out.append(f"report.profile_steps = {list(cfg.report.profile_steps)}: the profiler's overhead on those "
                    "steps is not modelled")
+    if cfg.model.arch == "moe" and cfg.model.capacity_factor is not None:
+        out.append(f"model.capacity_factor = {cfg.model.capacity_factor}: planned as if no token were dropped "
+                   "(dropped assignments skip their expert's matmuls and all-to-alls)")
     device = cfg.cluster.device
     if t.device != "auto" and device is not None and (t.device == "cpu") != (device == "cpu"):
         out.append(f"train.device = {t.device} on a {device} cluster: planned on the cluster's devices")

@@ -43,6 +43,7 @@ from accelrun.plan.activations import (
 )
 from accelrun.plan.cluster import Cluster
 from accelrun.plan.context_parallel import gathered_kv_bytes
+from accelrun.plan.moe import ep_of, local_expert_params
 from accelrun.plan.pipeline import held_by_rank
 from accelrun.plan.workload import Workload
 
@@ -88,7 +89,7 @@ class StageParams:
 
 def stage_params(w: Workload, stage: str) -> StageParams:
     sh, tp = w.shape, w.layout.tp
-    block = sum(g.in_dim * g.out_dim for g in sh.block_gemms()) / tp + 2 * sh.dim
+    block = sum(g.in_dim * g.out_dim for g in sh.weight_gemms()) / tp + 2 * sh.dim
     first, last = stage in ("only", "first"), stage in ("only", "last")
     output = sh.output_params / tp if last else 0.0
     root = (sh.embedding_params / tp if first else 0.0) + output + (sh.dim if last else 0.0)
@@ -126,9 +127,14 @@ def _stage_memory(w: Workload, cluster: Cluster, stage: str) -> MemoryEstimate:
     terms: list[Term] = []
     per_tp = " per TP rank" if tp > 1 else ""
     sharding = f"1/{shard} of {p.local / 1e9:.3g} B{per_tp}" if shard > 1 else f"{p.local / 1e9:.3g} B{per_tp}"
-    terms.append(Term("parameters (fp32)", 4 * p.local / shard, sharding))
-    terms.append(Term("gradients (fp32)", 4 * p.local / shard, sharding))
-    terms.append(Term("optimizer state (AdamW m, v)", 8 * p.local / shard, sharding))
+    held = p.local / shard
+    if ep_of(w) > 1:  # whole experts, n_experts / ep of them, instead of an FSDP shard of all
+        experts = w.layers_per_stage * sh.expert_params
+        held += local_expert_params(w) - experts / shard
+        sharding += f"; experts: 1/{ep_of(w)} (expert parallel)"
+    terms.append(Term("parameters (fp32)", 4 * held, sharding))
+    terms.append(Term("gradients (fp32)", 4 * held, sharding))
+    terms.append(Term("optimizer state (AdamW m, v)", 8 * held, sharding))
     param_bytes = w.compute_bytes if w.mode == "bf16-params" else 4
     pp_fsdp = lay.fsdp and lay.pp > 1
     if pp_fsdp:

@@ -43,7 +43,7 @@ class Candidate:
     def summary(self) -> str:
         lay, w = self.plan.workload.layout, self.plan.workload
         parts = [f"pp {lay.pp}" if lay.pp > 1 else "", f"dp {lay.dp_replicate}×{lay.dp_shard}",
-                 f"cp {lay.cp}" if lay.cp > 1 else "", f"tp {lay.tp}",
+                 f"cp {lay.cp}" if lay.cp > 1 else "", f"tp {lay.tp}", f"ep {lay.ep}" if lay.ep > 1 else "",
                  f"micro {w.micro_batch}", f"ckpt {w.ac_mode}",
                  f"{lay.pp_microbatches} pipeline chunks" if lay.pp > 1 else "",
                  "sequence + loss parallel" if lay.sequence_parallel and lay.loss_parallel else "",
@@ -93,8 +93,17 @@ def candidate_overrides(base_cfg, cluster: Cluster) -> list[dict[str, object]]:
                                         o["parallel.microbatches"] = chunks
                                     if reshard != par.reshard_after_forward:
                                         o["parallel.reshard_after_forward"] = reshard
-                                    out.append(o)
+                                    out += _with_expert_parallel(o, base_cfg, dp_shard * cp)
     return out
+
+
+def _with_expert_parallel(o: dict[str, object], base_cfg, shard_ranks: int) -> list[dict[str, object]]:
+    """``o`` once per expert-parallel degree worth trying for a mixture of experts (those dividing both
+    its expert count and the data-parallel shard ranks); other families: ``o`` as is."""
+    m = base_cfg.model
+    if m.custom is not None or m.arch != "moe":
+        return [o]
+    return [{**o, "parallel.ep": ep} for ep in divisors(shard_ranks) if m.n_experts % ep == 0]
 
 
 def _replicate_and_cp(ranks: int, seq_len: int) -> list[tuple[int, int]]:

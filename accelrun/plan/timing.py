@@ -46,6 +46,7 @@ from accelrun.plan.cluster import Cluster, DeviceRates
 from accelrun.plan.comm import all_gather_s, all_reduce_s, group_link, reduce_scatter_s, send_s
 from accelrun.plan.context_parallel import cp_gather_s, cp_reduce_s
 from accelrun.plan.memory import StageParams, stage_params, stages
+from accelrun.plan.moe import ep_of, expert_parallel_s, routed_share
 from accelrun.plan.pipeline import bubble_units
 from accelrun.plan.traffic import (
     AUTOCAST_CAST_BYTES_PER_PARAM,
@@ -80,10 +81,12 @@ class _Chunk:
     tp: float = 0.0
     pp: float = 0.0
     cp: float = 0.0  # context parallelism's K/V all-gathers and their gradients' reduce-scatters (exposed)
+    ep: float = 0.0  # expert parallelism's all-to-alls and its busiest rank's extra expert work (accelrun.plan.moe)
 
     @property
     def total(self) -> float:
-        return self.matmul + self.attention + self.elementwise + self.fsdp_exposed + self.tp + self.pp + self.cp
+        return (self.matmul + self.attention + self.elementwise + self.fsdp_exposed + self.tp + self.pp + self.cp
+                + self.ep)
 
 
 def estimate_time(w: Workload, cluster: Cluster) -> StepTime:
@@ -100,6 +103,7 @@ def estimate_time(w: Workload, cluster: Cluster) -> StepTime:
         "FSDP (exposed)": n * slowest.fsdp_exposed,
         "tensor parallel": n * slowest.tp,
         "context parallel": n * slowest.cp,
+        "expert parallel (all-to-all, imbalance)": n * slowest.ep,
         "pipeline send/recv": n * slowest.pp,
         "pipeline bubble": w.grad_accum * bubble_units(lay.pp_schedule, lay.pp) * slowest.total,
     }
@@ -107,7 +111,7 @@ def estimate_time(w: Workload, cluster: Cluster) -> StepTime:
     opt_bytes = (OPTIMIZER_BYTES_PER_PARAM[w.optimizer_impl] + (CLIP_BYTES_PER_PARAM if w.grad_clip else 0)) * p
     parts["optimizer"] = opt_bytes / (rates.memory_gbs * 1e9)
     comm = {"FSDP": n * slowest.fsdp_total, "tensor parallel": n * slowest.tp, "pipeline": n * slowest.pp,
-            "context parallel": n * slowest.cp}
+            "context parallel": n * slowest.cp, "expert parallel": n * slowest.ep}
     return StepTime({k: v for k, v in parts.items() if v > 0 or k == "matmuls"}, comm, rates)
 
 
@@ -121,11 +125,12 @@ def _chunk_time(w: Workload, cluster: Cluster, rates: DeviceRates, stage: str) -
     c = _Chunk()
 
     # Matmuls of one block: forward, backward (2x), recompute.
-    fwd_mm = recompute_mm = 0.0
+    fwd_mm = recompute_mm = ffn_mm = 0.0
     for i, g in enumerate(sh.block_gemms()):
         k, o = g.local(tp)
         t = 2.0 * tokens * k * o / (rates.matmul_tflops(math.sqrt(k * o)) * 1e12)
         fwd_mm += t
+        ffn_mm += t if g.name in ("w1", "w3", "w2") else 0.0
         if full_recompute or (w.ac_mode == "selective" and i % 2 == 1):
             recompute_mm += t
     attn_fwd = 2.0 * tokens * w.seq_len * sh.q_dim / tp / (rates.attention_tflops(w.seq_len, sh.head_dim) * 1e12)
@@ -169,6 +174,8 @@ def _chunk_time(w: Workload, cluster: Cluster, rates: DeviceRates, stage: str) -
         c.pp = 2 * send_s(tokens * sh.dim * w.stream_bytes, link)
     if lay.cp > 1:  # all-gathered before each attention, so nothing hides it (accelrun.plan.context_parallel)
         c.cp = (p.layers + (n_ck if full_recompute else 0)) * cp_gather_s(w, cluster) + p.layers * cp_reduce_s(w, cluster)
+    if ep_of(w) > 1:
+        c.ep = expert_parallel_s(w, cluster, 3 * ffn_mm * routed_share(sh), p.layers, n_ck if full_recompute else 0)
     return c
 
 

@@ -85,7 +85,13 @@ class Shape:
 
     @property
     def block_params(self) -> int:
-        return sum(g.in_dim * g.out_dim for g in self.block_gemms()) + 2 * self.dim  # + two norm gains
+        return sum(g.in_dim * g.out_dim for g in self.weight_gemms()) + 2 * self.dim  # + two norm gains
+
+    def weight_gemms(self) -> tuple[Gemm, ...]:
+        """The block's weight matrices as stored (memory); ``block_gemms`` are those one token
+        multiplies (time). The same for a dense block; a mixture of experts stores every expert
+        (``accelrun.plan.moe``)."""
+        return self.block_gemms()
 
     @property
     def embedding_params(self) -> int:
@@ -124,6 +130,7 @@ class Layout:
     loss_parallel: bool = False  # TP: logits stay sharded over the vocabulary through the loss
     stage_layers: tuple[int, ...] = ()  # layers of each pipeline stage (pp × stages per rank); () = no pipeline
     cp: int = 1  # context parallelism: each sequence split over cp ranks (accelrun.plan.context_parallel)
+    ep: int = 1  # expert parallelism: experts spread over ep of the dp_shard ranks (accelrun.plan.moe)
 
     @property
     def world(self) -> int:
@@ -279,7 +286,7 @@ def workload_from_config(cfg: RunConfig, options: PlanOptions | None = None) -> 
         # and gathers (accelrun.dist.compiled_fsdp).
         reshard_after_forward=par.reshard_after_forward and par.fsdp_impl != "compiled",
         sequence_parallel=(par.sequence_parallel or options.sequence_parallel) and tp_on, loss_parallel=par.loss_parallel and tp_on,
-        stage_layers=stage_layers,
+        stage_layers=stage_layers, ep=par.ep,
     )
     ac = options.activation_checkpoint or t.activation_checkpoint.mode
     if ac not in AC_MODES:
