@@ -36,6 +36,7 @@ def prepare(inputs: tuple[str, ...], output: Path, max_bytes: int | None, tokeni
     Examples:
       accelrun data prepare 'corpus/**/*.txt' -o data/corpus.tok
       accelrun train configs/llama.yaml data.source=tokens 'data.paths=[data/corpus.tok]'
+      accelrun data prepare 'corpus/**/*.txt' -o data/corpus-bpe.tok --tokenizer models/my-tokenizer
     """
     from accelrun.data import prepare_tokens
 
