@@ -1,4 +1,5 @@
-"""Data: byte-level tokenizer, token sources, packing into windows, per-rank sharding, resumable state.
+"""Data: tokenizers (byte-level built in, or a tokenizer.json), token sources, packing into windows,
+per-rank sharding, resumable state.
 
 Flow: ``build_data(cfg.data, ...)`` → ``load_stream`` picks a source (builtin / text / tokens /
 synthetic) → a ``TokenStream`` (1-D token ids + a fingerprint) → ``TokenBatchIterator`` cuts it
@@ -9,6 +10,7 @@ into ``seq_len + 1`` windows, shuffles them per epoch, gives each rank its share
 from accelrun.data.build import build_data, load_stream
 from accelrun.data.builtin import load_builtin, stdlib_files
 from accelrun.data.errors import DataError
+from accelrun.data.hf_tokenizer import HFTokenizer
 from accelrun.data.loader import Batch, TokenBatchIterator
 from accelrun.data.stream import TensorStream, TokenStream
 from accelrun.data.synthetic import SyntheticStream, synthetic_length
@@ -20,6 +22,7 @@ __all__ = [
     "Batch",
     "ByteTokenizer",
     "DataError",
+    "HFTokenizer",
     "SyntheticStream",
     "TensorStream",
     "TokenBatchIterator",
