@@ -100,6 +100,7 @@ def _one_rank(resolved: ResolvedConfig, rank: int, world: int) -> RankBytes:
     import tempfile
     from pathlib import Path
 
+    from accelrun.dist.expert_parallel import apply_expert_parallel
     from accelrun.dist.pipeline import Pipeline
     from accelrun.models import build_model
     from accelrun.train.setup import _parallelize, _pipeline_loss
@@ -116,6 +117,8 @@ def _one_rank(resolved: ResolvedConfig, rank: int, world: int) -> RankBytes:
         pipeline = Pipeline(model, mesh, cfg.parallel.pp_schedule, cfg.parallel.microbatches or ctx.pp_size,
                             _pipeline_loss(cfg.grad_accum), meta, layers=cfg.parallel.pp_layers)
         parts, stages = pipeline.modules, pipeline.stage_ids
+    if cfg.parallel.ep > 1:  # as train's setup: experts placed before FSDP, which then leaves them alone
+        apply_expert_parallel(model, mesh, cfg.parallel.ep, dp_size)
     with tempfile.TemporaryDirectory() as dump:  # compile dumps, if the recipe asks: none is compiled here
         for part in parts:
             _parallelize(part, cfg, ctx, Path(dump))
@@ -131,6 +134,7 @@ def planned_params(resolved: ResolvedConfig, row: RankBytes) -> float:
     """Parameter elements ``accelrun plan`` counts for this rank (its ``parameters (fp32)`` term / 4):
     its pipeline stage's share, divided by FSDP's shard degree."""
     from accelrun.plan.memory import stage_params
+    from accelrun.plan.moe import held_params
     from accelrun.plan.workload import workload_from_config
 
     w = workload_from_config(resolved.config)
@@ -140,7 +144,7 @@ def planned_params(resolved: ResolvedConfig, row: RankBytes) -> float:
         last = w.layout.pp * max(1, len(row.stages)) - 1
         stage = "first" if 0 in row.stages else "last" if last in row.stages else "middle"
     shard = w.layout.dp_shard * w.layout.cp if w.layout.fsdp else 1  # FSDP shards over dp_shard × cp
-    return stage_params(w, stage).local / shard
+    return held_params(w, stage_params(w, stage).local, shard)  # parallel.ep: whole experts per rank
 
 
 def format_dry_run(resolved: ResolvedConfig, rows: list[RankBytes]) -> list[str]:

@@ -43,7 +43,7 @@ from accelrun.plan.activations import (
 )
 from accelrun.plan.cluster import Cluster
 from accelrun.plan.context_parallel import gathered_kv_bytes
-from accelrun.plan.moe import ep_of, local_expert_params
+from accelrun.plan.moe import ep_of, held_params
 from accelrun.plan.pipeline import held_by_rank
 from accelrun.plan.workload import Workload
 
@@ -127,10 +127,8 @@ def _stage_memory(w: Workload, cluster: Cluster, stage: str) -> MemoryEstimate:
     terms: list[Term] = []
     per_tp = " per TP rank" if tp > 1 else ""
     sharding = f"1/{shard} of {p.local / 1e9:.3g} B{per_tp}" if shard > 1 else f"{p.local / 1e9:.3g} B{per_tp}"
-    held = p.local / shard
-    if ep_of(w) > 1:  # whole experts, n_experts / ep of them, instead of an FSDP shard of all
-        experts = w.layers_per_stage * sh.expert_params
-        held += local_expert_params(w) - experts / shard
+    held = held_params(w, p.local, shard)  # expert parallelism: whole experts, n_experts / ep of them
+    if ep_of(w) > 1:
         sharding += f"; experts: 1/{ep_of(w)} (expert parallel)"
     terms.append(Term("parameters (fp32)", 4 * held, sharding))
     terms.append(Term("gradients (fp32)", 4 * held, sharding))

@@ -97,10 +97,14 @@ def expert_parallel_s(w: Workload, cluster: Cluster, expert_matmul_s: float, lay
     return exchanges * all_to_all_s(w, cluster) + (EP_IMBALANCE - 1) * expert_matmul_s * layers
 
 
-def local_expert_params(w: Workload) -> float:
-    """Routed-expert parameters per rank under expert parallelism (whole experts, not FSDP-sharded)."""
-    sh = w.shape
-    return w.layers_per_stage * sh.expert_params / ep_of(w)
+def held_params(w: Workload, stage_params: float, shard: int) -> float:
+    """Parameters one rank holds of a stage's ``stage_params``: an FSDP shard (1/``shard``) of them,
+    except that under expert parallelism the routed experts are ``n_experts / ep`` whole ones."""
+    held = stage_params / shard
+    if ep_of(w) > 1:
+        experts = w.layers_per_stage * w.shape.expert_params
+        held += experts / ep_of(w) - experts / shard
+    return held
 
 
 def routed_share(sh: Shape) -> float:

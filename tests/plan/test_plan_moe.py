@@ -58,3 +58,20 @@ def test_search_tries_expert_parallel_degrees_for_moe_only():
     assert eps == {1, 2, 4, 8}
     dense = load_plan_config(DEFAULT_CONFIG, EIGHT, cluster="h100-8x").resolved.config
     assert all("parallel.ep" not in o for o in candidate_overrides(dense, cluster))
+
+
+def test_dry_run_places_whole_experts_as_the_plan_counts():
+    """``train --dry-run``'s ranks (meta tensors, a fake process group) apply expert parallelism as
+    train does: with ep = 2 of dp_shard = 4 each rank holds 4 of 8 experts whole, more than FSDP's
+    quarter of all 8, and exactly the plan's figure."""
+    from accelrun.dist.dry_run import dry_run, planned_params
+
+    four = ["parallel.nproc_per_node=4", "train.global_batch=16"]
+    bytes_held = {}
+    for ep in (1, 2):
+        resolved = load_config(MOE, [*four, f"parallel.ep={ep}"])
+        (row,) = dry_run(resolved, [0])
+        assert row.param_bytes == pytest.approx(4 * planned_params(resolved, row), rel=1e-3)
+        bytes_held[ep] = row.param_bytes
+    experts = 4 * 8 * 3 * 192 * 256  # layers × experts × three 192 × 256 matrices
+    assert bytes_held[2] - bytes_held[1] == pytest.approx(4 * experts * (1 / 2 - 1 / 4), rel=1e-3)
