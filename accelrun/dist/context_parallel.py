@@ -7,8 +7,10 @@ rank's own ``2·T/cp`` tokens unchanged; rotary embeddings use the tokens' globa
 model's ``context_shard``); only attention needs the other ranks' tokens.
 
 Attention: an all-gather of keys and values along ``cp`` (one collective per layer, keys and values
-stacked), then two causal SDPA calls, one per local chunk, each over the keys up to its own end with
-a lower-right-aligned causal mask. Chosen over a ring exchange because it is one collective whose
+stacked), then attention for each of the two local chunks over the keys up to its own end: on a CPU
+two fused flash-attention calls (the prefix unmasked, the diagonal block causal) merged by their
+log-sum-exps (``accelrun.dist.blockwise_attention``: no mask tensor), elsewhere SDPA with a
+lower-right-aligned causal mask (whose float copy, ``c × (j+1)·c`` per chunk, SDPA keeps for backward). Chosen over a ring exchange because it is one collective whose
 backward (a reduce-scatter of the key/value gradients) autograd derives by itself, which the
 compiler traces as functional collectives, and which needs no online-softmax merge of partial
 results. Its cost: during each layer's attention a rank holds the whole sequence's keys and values,
@@ -39,6 +41,7 @@ from torch import nn
 
 from accelrun.config.errors import ConfigError
 from accelrun.data.loader import Batch
+from accelrun.dist.blockwise_attention import prefix_causal_attention
 from accelrun.dist.collective import to_collective_device
 from accelrun.models.llama import repeat_kv
 from accelrun.models.sequence_chunks import chunk_ids, sequence_from_rank_chunks, take_local_chunks
@@ -84,11 +87,15 @@ class LoadBalancedCausalAttention(nn.Module):
         k_BHTE, v_BHTE = repeat_kv(k_BGTE, H), repeat_kv(v_BGTE, H)
         outs = []
         for i, chunk in enumerate(chunk_ids(self.rank, self.size)):
+            q_BHcE = q_BHLE[:, :, i * c:(i + 1) * c]
+            if q_BHLE.device.type == "cpu":  # two flash calls merged by log-sum-exp: no mask to keep
+                outs.append(prefix_causal_attention(q_BHcE, k_BHTE, v_BHTE, chunk))
+                continue
             end = (chunk + 1) * c  # this chunk attends to keys 0 .. end-1
             # Query i of the chunk is token chunk·c + i: key s is visible when s <= chunk·c + i.
             mask_cS = torch.ones(c, end, dtype=torch.bool, device=q_BHLE.device).tril(chunk * c)
-            outs.append(F.scaled_dot_product_attention(q_BHLE[:, :, i * c:(i + 1) * c], k_BHTE[:, :, :end],
-                                                       v_BHTE[:, :, :end], attn_mask=mask_cS))
+            outs.append(F.scaled_dot_product_attention(q_BHcE, k_BHTE[:, :, :end], v_BHTE[:, :, :end],
+                                                       attn_mask=mask_cS))
         return torch.cat(outs, dim=2)
 
     def gather_kv(self, k_BGLE: torch.Tensor, v_BGLE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
