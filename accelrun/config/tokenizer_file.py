@@ -151,7 +151,7 @@ def resolve_model_hf(value: str, model_hf: str | None, where: str) -> str:
         return value
     if model_hf is None:
         raise TokenizerFileError(
-            f"{where}: data.tokenizer = hf means the model.hf folder's tokenizer, but model.hf is not set "
+            f"{where}: hf means the model.hf folder's tokenizer, but model.hf is not set "
             "(give a tokenizer.json or a folder holding one instead)"
         )
     return os.fspath(model_hf)
@@ -197,7 +197,7 @@ def tokenizer_problems(cfg: Any, v: Any) -> list[str]:
 def tokenizer_warnings(cfg: Any) -> list[str]:
     """A tokenizer that names no end-of-text token: documents run into each other."""
     data = cfg.data
-    if data.tokenizer in (BYTE, MODEL_HF) or data.source == "synthetic":
+    if data.tokenizer in (BYTE, MODEL_HF) or data.source in ("synthetic", "tokens"):  # tokens: already joined
         return []
     try:
         info = read_tokenizer_info(data.tokenizer)

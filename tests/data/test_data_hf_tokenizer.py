@@ -228,7 +228,8 @@ def test_bad_tokenizer_paths_are_one_line_exit_2(tmp_path):
         assert len(result.output.strip().splitlines()) == 1 and not out.exists(), what
         with pytest.raises(ConfigError, match=says):
             load_config(DEFAULT_CONFIG, [f"data.tokenizer={path}"])
-    with pytest.raises(ConfigError, match="data.tokenizer = hf means the model.hf folder's tokenizer"):
+    with pytest.raises(ConfigError, match=r"data.tokenizer = hf \(override 'data.tokenizer=hf'\): hf means the "
+                                          "model.hf folder's tokenizer, but model.hf is not set"):
         load_config(DEFAULT_CONFIG, ["data.tokenizer=hf"])
     with pytest.raises(ConfigError, match="did you mean 'byte'"):
         load_config(DEFAULT_CONFIG, ["data.tokenizer=bytes"])
