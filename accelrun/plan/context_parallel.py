@@ -8,9 +8,9 @@ bytes: a rank sends its ``S/cp`` and receives the other ``(cp−1)/cp·S``.
 
 Overlap: none. The gather is issued when the layer's keys exist and attention needs its result at
 once, so the whole exchange is on the critical path (a ring exchange would overlap all but its first
-step with attention on the chunks already held). Memory: the gathered
-keys and values of every layer stay alive for its backward, ``(cp−1)/cp·S`` per layer beyond what
-the rank's own tokens save; everything else a rank saves is ``1/cp`` of one-rank training
+step with attention on the chunks already held). Memory: the gathered keys and values of every
+layer, repeated to the query heads, stay alive for its backward (:func:`held_kv_bytes`) beyond what
+the rank's own tokens save; everything else a rank saves is ``1/cp`` of one rank's training
 (``Workload.chunk_tokens``).
 """
 
@@ -30,6 +30,16 @@ def gathered_kv_bytes(w: Workload) -> float:
     """Per layer: the other ranks' keys and values a rank receives and keeps for backward."""
     cp = w.layout.cp
     return sequence_kv_bytes(w) * (cp - 1) / cp if cp > 1 else 0.0
+
+
+def held_kv_bytes(w: Workload) -> float:
+    """Per layer: what the other ranks' keys and values add to the activations kept for backward. The
+    attention repeats key/value heads to the query heads before it runs (as the saved-activation
+    coefficients assume for a rank's own tokens), so these are ``q_dim`` wide, not ``kv_dim``."""
+    cp = w.layout.cp
+    if cp <= 1:
+        return 0.0
+    return 2.0 * w.chunk_batch * w.seq_len * w.shape.q_dim / w.layout.tp * w.compute_bytes * (cp - 1) / cp
 
 
 def cp_gather_s(w: Workload, cluster: Cluster) -> float:

@@ -42,7 +42,7 @@ from accelrun.plan.activations import (
     loss_bytes_per_logit,
 )
 from accelrun.plan.cluster import Cluster
-from accelrun.plan.context_parallel import gathered_kv_bytes
+from accelrun.plan.context_parallel import held_kv_bytes
 from accelrun.plan.moe import ep_of, held_params
 from accelrun.plan.pipeline import held_by_rank
 from accelrun.plan.workload import Workload
@@ -164,7 +164,7 @@ def _stage_memory(w: Workload, cluster: Cluster, stage: str) -> MemoryEstimate:
     terms.append(Term("activations", per_chunk * held,
                       f"{p.layers} blocks, {policy}, {tokens:,} tokens" + (f" × {held:g} in flight" if held != 1 else "")))
     if lay.cp > 1:  # the other ranks' keys and values, gathered for attention and kept for its backward
-        kv = gathered_kv_bytes(w) * (p.layers - n_ck)
+        kv = held_kv_bytes(w) * (p.layers - n_ck)
         terms.append(Term("gathered keys/values (context parallel)", kv * held,
                           f"{p.layers - n_ck} blocks × the other {lay.cp - 1} rank(s)' K/V"))
 
