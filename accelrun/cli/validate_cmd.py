@@ -37,6 +37,7 @@ def command(config: str, overrides: tuple[str, ...]) -> None:
         f"ffn={c.model.ffn_dim} vocab={c.model.vocab_size}"
     )
     out.print(f"  model: {model}", markup=False)
+    out.print(f"  data: {_data_summary(c.data)}", markup=False)
     out.print(
         f"  batch: global {c.train.global_batch} = micro {c.train.micro_batch} × accumulation "
         f"{c.grad_accum} × data-parallel {c.parallel.dp}; seq_len {c.train.seq_len}; "
@@ -47,3 +48,19 @@ def command(config: str, overrides: tuple[str, ...]) -> None:
         + " × ".join(f"{k} {v}" for k, v in deg.items())
         + f"; compile: {c.compile.backend}"
     )
+
+
+def _data_summary(data) -> str:
+    """``text (2 globs); tokenizer /m/tokenizer.json: 32,000 ids, '</s>' (id 2) after each document``."""
+    from accelrun.config.tokenizer_file import BYTE, BYTE_VOCAB, read_tokenizer_info
+
+    where = data.builtin if data.source == "builtin" else f"{len(data.paths)} path(s)"
+    head = data.source if data.source == "synthetic" else f"{data.source} ({where})"
+    if data.source == "synthetic":
+        return head
+    if data.tokenizer == BYTE:
+        return f"{head}; tokenizer byte: {BYTE_VOCAB} ids, EOS (id 257) after each document"
+    info = read_tokenizer_info(data.tokenizer)  # validation has read it already
+    sep = f"{info.eos_token!r} (id {info.eos_id}) after each document" if info.eos_id is not None else \
+        "no separator between documents"
+    return f"{head}; tokenizer {info.path}: {info.vocab_size:,} ids, {sep}"
