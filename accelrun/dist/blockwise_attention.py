@@ -22,14 +22,30 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def _repeat_heads(x_BGTE: torch.Tensor, n_heads: int) -> torch.Tensor:
+    group = n_heads // x_BGTE.shape[1]
+    return x_BGTE.repeat_interleave(group, dim=1) if group > 1 else x_BGTE
+
+
+def _sum_heads(dx_BHTE: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of ``_repeat_heads``: each key/value head's copies summed."""
+    B, H, T, E = dx_BHTE.shape
+    return dx_BHTE.view(B, kv_heads, H // kv_heads, T, E).sum(2) if H > kv_heads else dx_BHTE
+
+
 class PrefixCausalAttention(torch.autograd.Function):
-    """``(q (B,H,c,E), k_prefix, v_prefix (B,H,P,E), k_diag, v_diag (B,H,c,E)) -> o (B,H,c,E)``."""
+    """``(q (B,H,c,E), k_prefix, v_prefix (B,G,P,E), k_diag, v_diag (B,G,c,E)) -> o (B,H,c,E)``.
+
+    Keys and values come with their own G heads and are repeated to the H query heads inside, in the
+    forward and again in the backward: what is kept for backward is the G-head tensors (the whole
+    sequence's, under context parallelism), not H / G times as much."""
 
     @staticmethod
     def forward(ctx, q, k_prefix, v_prefix, k_diag, v_diag):
-        o, lse = _flash(q, k_diag, v_diag, 0.0, True)
+        H = q.shape[1]
+        o, lse = _flash(q, _repeat_heads(k_diag, H), _repeat_heads(v_diag, H), 0.0, True)
         if k_prefix.shape[2] > 0:
-            o_pre, lse_pre = _flash(q, k_prefix, v_prefix, 0.0, False)
+            o_pre, lse_pre = _flash(q, _repeat_heads(k_prefix, H), _repeat_heads(v_prefix, H), 0.0, False)
             merged = torch.logaddexp(lse_pre, lse)  # (B, H, c), fp32
             o = (o_pre.float() * (lse_pre - merged).exp().unsqueeze(-1)
                  + o.float() * (lse - merged).exp().unsqueeze(-1)).to(q.dtype)
@@ -40,20 +56,25 @@ class PrefixCausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k_prefix, v_prefix, k_diag, v_diag, o, lse = ctx.saved_tensors
+        H, G = q.shape[1], k_diag.shape[1]
         do = do.contiguous()
-        dq, dk_diag, dv_diag = _flash_backward(do, q, k_diag, v_diag, o, lse, 0.0, True)
+        dq, dk, dv = _flash_backward(do, q, _repeat_heads(k_diag, H), _repeat_heads(v_diag, H), o, lse, 0.0, True)
+        dk_diag, dv_diag = _sum_heads(dk, G), _sum_heads(dv, G)
         if k_prefix.shape[2] > 0:
-            dq_pre, dk_prefix, dv_prefix = _flash_backward(do, q, k_prefix, v_prefix, o, lse, 0.0, False)
+            dq_pre, dk, dv = _flash_backward(do, q, _repeat_heads(k_prefix, H), _repeat_heads(v_prefix, H), o, lse,
+                                             0.0, False)
             dq = dq + dq_pre
+            dk_prefix, dv_prefix = _sum_heads(dk, G), _sum_heads(dv, G)
         else:
             dk_prefix, dv_prefix = torch.zeros_like(k_prefix), torch.zeros_like(v_prefix)
         return dq, dk_prefix, dv_prefix, dk_diag, dv_diag
 
 
-def prefix_causal_attention(q_BHcE: torch.Tensor, k_BHTE: torch.Tensor, v_BHTE: torch.Tensor,
+def prefix_causal_attention(q_BHcE: torch.Tensor, k_BGTE: torch.Tensor, v_BGTE: torch.Tensor,
                             chunk: int) -> torch.Tensor:
-    """Queries of chunk ``chunk`` (size ``c``) against keys ``[0, (chunk+1)·c)`` of the whole sequence."""
+    """Queries of chunk ``chunk`` (size ``c``) against keys ``[0, (chunk+1)·c)`` of the whole sequence
+    (G key/value heads, G dividing the H query heads)."""
     c = q_BHcE.shape[2]
     start = chunk * c
-    return PrefixCausalAttention.apply(q_BHcE, k_BHTE[:, :, :start], v_BHTE[:, :, :start],
-                                       k_BHTE[:, :, start:start + c], v_BHTE[:, :, start:start + c])
+    return PrefixCausalAttention.apply(q_BHcE, k_BGTE[:, :, :start], v_BGTE[:, :, :start],
+                                       k_BGTE[:, :, start:start + c], v_BGTE[:, :, start:start + c])

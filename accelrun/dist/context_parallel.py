@@ -84,13 +84,14 @@ class LoadBalancedCausalAttention(nn.Module):
     def forward(self, q_BHLE: torch.Tensor, k_BGLE: torch.Tensor, v_BGLE: torch.Tensor) -> torch.Tensor:
         k_BGTE, v_BGTE = self.gather_kv(k_BGLE, v_BGLE)
         H, c = q_BHLE.shape[1], q_BHLE.shape[2] // 2
+        if q_BHLE.device.type == "cpu":  # per chunk two flash calls merged by log-sum-exp: no mask to keep,
+            # and the whole sequence's keys kept with their own G heads, not repeated to H
+            return torch.cat([prefix_causal_attention(q_BHLE[:, :, i * c:(i + 1) * c], k_BGTE, v_BGTE, chunk)
+                              for i, chunk in enumerate(chunk_ids(self.rank, self.size))], dim=2)
         k_BHTE, v_BHTE = repeat_kv(k_BGTE, H), repeat_kv(v_BGTE, H)
         outs = []
         for i, chunk in enumerate(chunk_ids(self.rank, self.size)):
             q_BHcE = q_BHLE[:, :, i * c:(i + 1) * c]
-            if q_BHLE.device.type == "cpu":  # two flash calls merged by log-sum-exp: no mask to keep
-                outs.append(prefix_causal_attention(q_BHcE, k_BHTE, v_BHTE, chunk))
-                continue
             end = (chunk + 1) * c  # this chunk attends to keys 0 .. end-1
             # Query i of the chunk is token chunk·c + i: key s is visible when s <= chunk·c + i.
             mask_cS = torch.ones(c, end, dtype=torch.bool, device=q_BHLE.device).tril(chunk * c)

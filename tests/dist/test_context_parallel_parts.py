@@ -102,13 +102,13 @@ def test_prefix_causal_attention_matches_masked_sdpa_forward_and_backward(chunk)
     from accelrun.dist.blockwise_attention import prefix_causal_attention
 
     torch.manual_seed(1)
-    B, H, c, E = 2, 3, 8, 16
+    B, H, G, c, E = 2, 4, 2, 8, 16  # grouped: 2 key/value heads, repeated inside
     T = 4 * c
     q = torch.randn(B, H, c, E, requires_grad=True)
-    k, v = torch.randn(B, H, T, E, requires_grad=True), torch.randn(B, H, T, E, requires_grad=True)
+    k, v = torch.randn(B, G, T, E, requires_grad=True), torch.randn(B, G, T, E, requires_grad=True)
     end = (chunk + 1) * c
     mask = torch.ones(c, end, dtype=torch.bool).tril(chunk * c)
-    want = F.scaled_dot_product_attention(q, k[:, :, :end], v[:, :, :end], attn_mask=mask)
+    want = F.scaled_dot_product_attention(q, repeat_kv(k, H)[:, :, :end], repeat_kv(v, H)[:, :, :end], attn_mask=mask)
     grad_out = torch.randn_like(want)
     want_grads = torch.autograd.grad(want, (q, k, v), grad_out)
     got = prefix_causal_attention(q, k, v, chunk)
