@@ -76,7 +76,7 @@ def _rank(rank: int, world: int, port: int, folder: str, out: str) -> None:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     cfg = load_config("configs/hf-llama.yaml", [f"model.hf={folder}", f"parallel.nproc_per_node={world}",
-                                                "train.seq_len=128"]).config
+                                                "train.seq_len=128", "data.tokenizer=byte"]).config  # no tokenizer here
     ctx = ParallelContext.single(torch.device("cpu"))
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

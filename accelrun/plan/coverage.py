@@ -49,7 +49,7 @@ NO_EFFECT = frozenset({
     "train.steps", "train.seed", "train.optimizer.name", "train.optimizer.lr", "train.optimizer.betas",
     "train.optimizer.eps", "train.optimizer.weight_decay", "train.lr_schedule.name",
     "train.lr_schedule.warmup_steps", "train.lr_schedule.min_lr_ratio",
-    "parallel.timeout_s", "compile.cache_dir", "compile.dump", "compile.graph_cache", "compile.fullgraph",
+    "parallel.timeout_s", "parallel.init_timeout_s", "compile.cache_dir", "compile.dump", "compile.graph_cache", "compile.fullgraph",
     "compile.strict", "checkpoint.keep", "checkpoint.resume", "report.runs_dir", "report.log_every",
     "report.warmup_steps", "report.progress",
     "report.peak_tflops",  # the trainer's MFU denominator; the plan's MFU uses the cluster's peak
