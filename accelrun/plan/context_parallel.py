@@ -9,8 +9,8 @@ bytes: a rank sends its ``S/cp`` and receives the other ``(cp−1)/cp·S``.
 Overlap: none. The gather is issued when the layer's keys exist and attention needs its result at
 once, so the whole exchange is on the critical path (a ring exchange would overlap all but its first
 step with attention on the chunks already held). Memory: the gathered keys and values of every
-layer, repeated to the query heads, stay alive for its backward (:func:`held_kv_bytes`) beyond what
-the rank's own tokens save; everything else a rank saves is ``1/cp`` of one rank's training
+layer (and, off CPUs, SDPA's float copies of the causal masks) stay alive for its backward
+(:func:`held_kv_bytes`) beyond what the rank's own tokens save; everything else a rank saves is ``1/cp`` of one rank's training
 (``Workload.chunk_tokens``).
 """
 
@@ -32,14 +32,22 @@ def gathered_kv_bytes(w: Workload) -> float:
     return sequence_kv_bytes(w) * (cp - 1) / cp if cp > 1 else 0.0
 
 
-def held_kv_bytes(w: Workload) -> float:
-    """Per layer: what the other ranks' keys and values add to the activations kept for backward. The
-    attention repeats key/value heads to the query heads before it runs (as the saved-activation
-    coefficients assume for a rank's own tokens), so these are ``q_dim`` wide, not ``kv_dim``."""
+def held_kv_bytes(w: Workload, on_cpu: bool) -> float:
+    """Per layer: what context parallelism adds to the activations kept for backward.
+
+    CPU ranks (``accelrun.dist.blockwise_attention``) keep the other ranks' keys and values with their
+    own ``kv_dim`` width. Elsewhere attention is SDPA with a mask: the keys and values repeated to the
+    query heads (``q_dim`` wide) and the float copy SDPA makes of each chunk's boolean mask,
+    ``c × (j+1)·c`` for chunk j, ``c²·(2·cp+1)`` for a rank's two chunks (4 bytes each)."""
     cp = w.layout.cp
     if cp <= 1:
         return 0.0
-    return 2.0 * w.chunk_batch * w.seq_len * w.shape.q_dim / w.layout.tp * w.compute_bytes * (cp - 1) / cp
+    width = w.shape.kv_dim if on_cpu else w.shape.q_dim
+    kv = 2.0 * w.chunk_batch * w.seq_len * width / w.layout.tp * w.compute_bytes * (cp - 1) / cp
+    if on_cpu:
+        return kv
+    c = w.seq_len // (2 * cp)
+    return kv + 4.0 * c * c * (2 * cp + 1)
 
 
 def cp_gather_s(w: Workload, cluster: Cluster) -> float:

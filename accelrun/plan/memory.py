@@ -164,9 +164,10 @@ def _stage_memory(w: Workload, cluster: Cluster, stage: str) -> MemoryEstimate:
     terms.append(Term("activations", per_chunk * held,
                       f"{p.layers} blocks, {policy}, {tokens:,} tokens" + (f" × {held:g} in flight" if held != 1 else "")))
     if lay.cp > 1:  # the other ranks' keys and values, gathered for attention and kept for its backward
-        kv = held_kv_bytes(w) * (p.layers - n_ck)
+        kv = held_kv_bytes(w, cluster.is_cpu) * (p.layers - n_ck)
         terms.append(Term("gathered keys/values (context parallel)", kv * held,
-                          f"{p.layers - n_ck} blocks × the other {lay.cp - 1} rank(s)' K/V"))
+                          f"{p.layers - n_ck} blocks × the other {lay.cp - 1} rank(s)' K/V"
+                          + ("" if cluster.is_cpu else " (repeated to the query heads) and the float causal masks")))
 
     block_full = tokens * block_saved(sh, w.mode, w.compiled, lay.sequence_parallel).local(tp)
     layer_phase: list[Term] = []

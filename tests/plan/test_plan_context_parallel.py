@@ -27,9 +27,11 @@ def test_cp2_divides_tokens_and_keeps_the_other_halfs_keys_and_values():
     w = cp2.workload
     assert w.chunk_tokens == 8192 // 2 and one.workload.chunk_tokens == 8192
     assert term(cp2, "activations") == pytest.approx(term(one, "activations") / 2)
-    # Per layer: the other rank's 4096 tokens × (k, v) × 8 heads × 32 × fp32, for all 4 layers.
-    assert held_kv_bytes(w) == 4096 * 2 * 8 * 32 * 4
-    assert term(cp2, "gathered keys/values (context parallel)") == pytest.approx(4 * held_kv_bytes(w))
+    # Per layer, on a GPU: the other rank's 4096 tokens × (k, v) × 8 heads (repeated) × 32 × fp32, and the
+    # float masks of the rank's two chunks of c = 2048 (c² · (2·cp + 1) numbers); on a CPU 2 kv heads, no mask.
+    assert held_kv_bytes(w, on_cpu=False) == 4096 * 2 * 8 * 32 * 4 + 4 * 2048**2 * 5
+    assert held_kv_bytes(w, on_cpu=True) == 4096 * 2 * 2 * 32 * 4
+    assert term(cp2, "gathered keys/values (context parallel)") == pytest.approx(4 * held_kv_bytes(w, False))
     assert sequence_kv_bytes(w) == 8192 * 2 * 2 * 32 * 4  # what the all-gather carries: 2 kv heads
     # FSDP shards over dp_shard × cp: the same parameter bytes per rank as dp_shard = 2.
     assert term(cp2, "parameters (fp32)") == pytest.approx(term(one, "parameters (fp32)"))
