@@ -61,7 +61,9 @@ SP_GATHERED_COMPILED = {"fp32": 8, "autocast": 4, "bf16-params": 4}
 def block_saved(shape: Shape, mode: str, compiled: bool, sequence_parallel: bool = False) -> PerToken:
     """Saved bytes per token of one block with no checkpointing."""
     (rd, rc), (sd, sf, sh) = (COMPILED_SAVED if compiled else EAGER_SAVED)[mode]
-    sharded = sd * shape.dim + sf * shape.ffn_dim + sh * shape.n_heads
+    # The sharded D-wide tensors are attention's (q, keys and values repeated to all heads, its output):
+    # n_heads x head_dim wide, which is D for Llama and not for every family (Gemma 7B: 4096 in 3072).
+    sharded = sd * shape.q_dim + sf * shape.ffn_dim + sh * shape.n_heads
     if sequence_parallel:
         whole = (SP_GATHERED_COMPILED if compiled else SP_GATHERED)[mode]
         return PerToken(whole * shape.dim, sharded + (rd - whole) * shape.dim + rc)
@@ -88,7 +90,7 @@ def selective_saved(w: Workload) -> PerToken:
             shard += s * g.out_dim
         else:  # a row-parallel output is a full-width partial sum on every rank
             rep += s * g.out_dim
-    shard += s * sh.dim + 4 * sh.n_heads
+    shard += s * sh.q_dim + 4 * sh.n_heads  # attention's output is n_heads x head_dim wide
     if w.layout.sequence_parallel:  # the block input and the reduce-scattered row-parallel outputs
         return PerToken(0.0, rep + shard)
     return PerToken(rep, shard)

@@ -108,8 +108,9 @@ def _notes(cfg: RunConfig, w: Workload, cluster: Cluster) -> tuple[str, ...]:
         notes.append(f"train.threads = {cfg.train.threads}, but the calibration measured {measured} thread(s) per "
                      "device: the predicted rates are for the latter")
     if w.shape.family != "llama":
-        notes.append(f"model.arch = {w.shape.family}: FLOPs, parameters and matmuls are its own; saved "
-                     "activations and non-matmul traffic per token use the coefficients counted on Llama's block")
+        notes.append(f"model.arch = {w.shape.family}: FLOPs, parameters, matmuls and attention's width are its "
+                     "own; the other saved activations and non-matmul traffic per token use the coefficients "
+                     "counted on Llama's block")
     if w.ac_mode == "selective":
         notes.append("selective checkpointing is modelled by the planner only; accelrun train cannot run it yet")
     if w.layout.sequence_parallel and not cfg.parallel.sequence_parallel:

@@ -1,4 +1,4 @@
-"""Count, on accelrun's real Llama, what the planner's tables claim: saved bytes and memory traffic.
+"""Count, on accelrun's real Llama (and Gemma's block), what the planner's tables claim: saved bytes and memory traffic.
 
 Batch 3 × sequence 67 tokens: a tensor whose size is a multiple of 201 grows with the tokens; weights
 (multiples of 16 in every dimension) and the rotary tables (67 × head_dim/2, head_dim/2 not a multiple
@@ -52,12 +52,22 @@ def _mode(mode: str):
     return dtype, torch.autocast("cpu", dtype=torch.bfloat16)  # accelrun's loop autocasts under bf16-mixed
 
 
-def count_block(dim: int, heads: int, kv_heads: int, ffn: int, mode: str) -> dict[str, float]:
-    """Per token of one block: bytes autograd saves, and traffic in forward and in backward."""
+def count_block(dim: int, heads: int, kv_heads: int, ffn: int, mode: str, gemma_head_dim: int | None = None
+                ) -> dict[str, float]:
+    """Per token of one block (Llama's, or Gemma's with that head dimension): bytes autograd saves, and
+    traffic in forward and in backward."""
     torch.manual_seed(0)
-    args = LlamaArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn, vocab_size=64)
+    if gemma_head_dim is None:
+        args = LlamaArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn, vocab_size=64)
+        block = TransformerBlock(args)
+    else:
+        from accelrun.models.gemma import GemmaArgs, GemmaBlock
+
+        args = GemmaArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, head_dim=gemma_head_dim,
+                         ffn_dim=ffn, vocab_size=64)
+        block = GemmaBlock(args)
     dtype, autocast = _mode(mode)
-    block = TransformerBlock(args).to(dtype)
+    block = block.to(dtype)
     cos, sin = rope_tables(args.head_dim, T, 1e4)
     x = torch.randn(B, T, dim, dtype=dtype, requires_grad=True)
     skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}

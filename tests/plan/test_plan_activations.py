@@ -35,6 +35,17 @@ def test_block_tables_match_the_model(dims, mode):
     assert traffic.backward == counted["backward"]
 
 
+@pytest.mark.parametrize("mode", ["fp32", "autocast"])
+def test_saved_bytes_follow_the_attention_width(mode):
+    # A Gemma block whose attention is twice the model's width (4 heads of 32 in 64): the saved bytes
+    # equal the count on the real block. (Under bf16-params Gemma's norms, computed in fp32 and cast at
+    # the end, keep 4 bytes per D more than Llama's, which the table does not know.)
+    shape = Shape(64, 1, 4, 2, 160, 64, False, explicit_head_dim=32, family="gemma")
+    counted = count_block(64, 4, 2, 160, mode, gemma_head_dim=32)
+    assert shape.q_dim == 2 * shape.dim
+    assert block_saved(shape, workload(shape, mode).mode, compiled=False).local(1) == counted["saved"]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_head_table_matches_the_model(mode):
     shape = Shape(64, 1, 4, 4, 64, 320, False)
