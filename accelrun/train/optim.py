@@ -14,15 +14,28 @@ def build_optimizer(
     model: nn.Module, cfg: OptimizerConfig, device: torch.device, *, sharded: bool = False
 ) -> torch.optim.Optimizer:
     # Norm gains and biases (1-D) are not decayed: shrinking them toward 0 only hurts.
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    groups = [{"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
+              for decay, params in _groups(model.parameters())]
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **_impl_flags(cfg.impl, device, sharded)
     )
+
+
+def _groups(params) -> list[tuple[bool, list[nn.Parameter]]]:
+    """(decayed?, parameters) per group: matrices apart from norm gains and biases, and within each,
+    plain tensors apart from DTensors of each device mesh. The foreach and fused kernels take one list
+    of tensors per call and refuse plain tensors mixed with DTensors (TP alone: Qwen2's q/k/v biases are
+    sharded, the norms are not) or DTensors of different meshes (experts on their own)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:
+        if p.requires_grad:
+            mesh = p.device_mesh if isinstance(p, DTensor) else None
+            groups.setdefault((p.ndim >= 2, mesh), []).append(p)
+    # Decayed first, plain first: the single-process order (and param_groups) of before.
+    order = sorted(groups, key=lambda k: (not k[0], k[1] is not None))
+    return [(decay, groups[(decay, mesh)]) for decay, mesh in order]
 
 
 def _impl_flags(impl: str, device: torch.device, sharded: bool) -> dict[str, bool]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from accelrun.config.schema import LRScheduleConfig
 from accelrun.report.rundir import create_run_dir, hold_run_lock, is_running
@@ -29,3 +30,32 @@ def test_run_lock_marks_a_live_run(tmp_path):
     with hold_run_lock(run):
         assert is_running(run)
     assert not is_running(run)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "auto"])
+def test_optimizer_steps_with_plain_and_sharded_parameters_side_by_side(impl):
+    # TP alone shards Qwen2's q/k/v biases (DTensors) but not the norms (plain): both are 1-D, not decayed;
+    # one foreach call over both refuses them (it did, at the first step of a 2-rank TP run).
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from accelrun.config.schema import OptimizerConfig
+    from accelrun.train.optim import build_optimizer
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        model = torch.nn.Module()
+        model.norm = torch.nn.Parameter(torch.ones(8))
+        model.bias = torch.nn.Parameter(distribute_tensor(torch.zeros(8), mesh, [Shard(0)], src_data_rank=None))
+        model.weight = torch.nn.Parameter(distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)], src_data_rank=None))
+        opt = build_optimizer(model, OptimizerConfig(impl=impl, weight_decay=0.1), torch.device("cpu"), sharded=True)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0, 0.0]
+        assert model.norm.detach().lt(1).all() and model.bias.to_local().lt(0).all()
+    finally:
+        dist.destroy_process_group()
