@@ -9,16 +9,21 @@ model's ``context_shard``); only attention needs the other ranks' tokens.
 Attention: an all-gather of keys and values along ``cp`` (one collective per layer, keys and values
 stacked), then attention for each of the two local chunks over the keys up to its own end: on a CPU
 two fused flash-attention calls (the prefix unmasked, the diagonal block causal) merged by their
-log-sum-exps (``accelrun.dist.blockwise_attention``: no mask tensor), elsewhere SDPA with a
-lower-right-aligned causal mask (whose float copy, ``c × (j+1)·c`` per chunk, SDPA keeps for backward). Chosen over a ring exchange because it is one collective whose
-backward (a reduce-scatter of the key/value gradients) autograd derives by itself, which the
-compiler traces as functional collectives, and which needs no online-softmax merge of partial
-results. Its cost: during each layer's attention a rank holds the whole sequence's keys and values,
-``2 · B · G · T · E`` elements (G key/value heads) instead of ``1/cp`` of them, and autograd keeps
-them for the backward; everything else a layer saves (queries, outputs, the feed-forward's
-activations, the logits) is divided by ``cp``. With grouped-query attention (G < H) that is a small
-share. A ring would hold two chunks of keys and values at a time, at the price of ``cp − 1``
-steps of point-to-point exchange and a log-sum-exp merge per layer (docs/layout.md).
+log-sum-exps (``accelrun.dist.blockwise_attention``: no mask tensor); elsewhere SDPA with a
+lower-right-aligned causal mask (whose float copy, ``c × (j+1)·c`` for chunk j, SDPA keeps for
+backward; not yet run on a GPU).
+
+Why an all-gather rather than a ring exchange: one collective whose backward (a reduce-scatter of
+the key/value gradients) autograd derives by itself, which the compiler traces as a functional
+collective, with no online-softmax merge across ranks. Its memory cost: a rank holds the whole
+sequence's keys and values of every layer, ``2·B·G·T·E`` elements (G key/value heads; H with the
+masked path) instead of ``1/cp`` of them, and autograd keeps them for backward; everything else a
+layer saves (queries, outputs, the feed-forward's activations, the logits) is divided by ``cp``.
+With grouped-query attention that is a small share (debug Llama, seq_len 8192, cp 2: a rank saves
+0.51 of one process's bytes). A ring would hold two chunks of keys and values at a time and overlap
+its ``cp − 1`` point-to-point steps with attention, at the price of a log-sum-exp merge per step
+and a hand-written backward (docs/layout.md). The exchange is not overlapped with compute here
+(``accelrun.plan.context_parallel``).
 
 Gradients: each rank's loss covers its own tokens, so parameters' gradients are summed over ``cp``
 like data parallel ones: FSDP shards and reduces over ``dp_shard × cp`` (``accelrun.dist.mesh``).
