@@ -108,6 +108,7 @@ def model_keys_from_hf_folder(folder: str) -> dict[str, Any]:
         _gemma_keys(config, path, keys)
         keys["hf"] = str(Path(folder).expanduser().resolve())
         return keys
+    keys["head_dim"] = None  # a Llama's is hidden_size / heads (checked below); no base recipe's may stay
 
     unsupported = {  # a key whose value accelrun's family cannot express: refuse rather than differ
         "hidden_act": (config.get("hidden_act", "silu") not in ("silu", "swish"), "only silu"),

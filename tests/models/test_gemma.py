@@ -211,6 +211,11 @@ def test_bad_gemma_inputs_name_the_key(tmp_path):
         load_config("configs/llama.yaml", ["model.head_dim=48"])
     with pytest.raises(ConfigError, match=r"model.head_dim = 15 .* must be even"):
         load_config("configs/gemma.yaml", ["model.head_dim=15"])
+    # A folder's config.json is the whole shape: a Llama folder under a Gemma recipe is a Llama, with
+    # the recipe's head_dim gone (not an error about a key the folder never set).
+    save_tiny_hf(tmp_path / "llama", "llama")
+    cfg = load_config("configs/gemma.yaml", [f"model.hf={tmp_path / 'llama'}", "train.seq_len=64"]).config.model
+    assert (cfg.arch, cfg.head_dim, cfg.tie_embeddings) == ("llama", None, False)
 
 
 def test_the_compiler_trains_gemma_as_eager_does(tmp_path):
