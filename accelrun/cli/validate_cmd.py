@@ -32,9 +32,12 @@ def command(config: str, overrides: tuple[str, ...]) -> None:
     out.print(f"  files: {', '.join(str(f) for f in resolved.files)}", markup=False)
     if resolved.overrides:
         out.print(f"  overrides: {escape(' '.join(resolved.overrides))}")
-    model = c.model.custom or (
-        f"llama dim={c.model.dim} layers={c.model.n_layers} heads={c.model.n_heads}/{c.model.kv_heads} "
-        f"ffn={c.model.ffn_dim} vocab={c.model.vocab_size}"
+    m = c.model
+    ffn = (f"experts={m.n_experts} top-{m.experts_per_token} expert_ffn={m.moe_ffn_dim}"
+           + (f" shared_ffn={m.shared_expert_ffn_dim}" if m.shared_expert_ffn_dim else "")
+           if m.arch == "moe" else f"ffn={m.ffn_dim}")
+    model = m.custom or (
+        f"{m.arch} dim={m.dim} layers={m.n_layers} heads={m.n_heads}/{m.kv_heads} {ffn} vocab={m.vocab_size}"
     )
     out.print(f"  model: {model}", markup=False)
     out.print(f"  data: {_data_summary(c.data)}", markup=False)

@@ -44,3 +44,23 @@ def _unsupported_layouts(deg: dict[str, int], v: Callable[[str], str]) -> list[s
         out.append(f"model.arch = moe with {v('parallel.pp')} is not supported yet (the load-balancing loss "
                    "is added outside the pipeline's loss)")
     return out
+
+
+MOE_KEYS = ("n_experts", "experts_per_token", "moe_ffn_dim", "shared_expert_ffn_dim", "aux_loss_coef",
+            "capacity_factor")
+
+
+def moe_warnings(cfg: RunConfig, set_by_user: Callable[..., object]) -> list[str]:
+    """Keys the user set that the model will not read: the MoE keys on another family, ffn_dim on MoE."""
+    m = cfg.model
+    if m.custom is not None:
+        return []  # the custom-model warning names every shape key already
+    if m.arch != "moe":
+        ignored = [f"model.{k}" for k in MOE_KEYS if set_by_user("model", k)]
+        one = len(ignored) == 1
+        return [f"{', '.join(ignored)} {'is' if one else 'are'} read only by model.arch = moe; model.arch = "
+                f"{m.arch} ignores {'it' if one else 'them'}"] if ignored else []
+    if set_by_user("model", "ffn_dim"):
+        return ["model.ffn_dim has no effect with model.arch = moe (routed experts are model.moe_ffn_dim wide, "
+                "the shared expert model.shared_expert_ffn_dim)"]
+    return []

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from accelrun.config.compile_names import BUILTIN_EXECUTORS, PassConfigError, parse_passes
 from accelrun.config.compose import DEFAULT, Source
 from accelrun.config.errors import ConfigError, nearest
-from accelrun.config.moe_checks import moe_problems
+from accelrun.config.moe_checks import moe_problems, moe_warnings
 from accelrun.config.schema import PP_STAGES_PER_RANK, RunConfig
 from accelrun.config.tokenizer_file import (
     BYTE_VOCAB,
@@ -362,6 +362,7 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
         if key not in DATA_KEYS_USED_BY[cfg.data.source] and (src := set_by_user("data", key)):
             out.append(f"data.{key} ({src}) has no effect with data.source = {cfg.data.source}")
     out += tokenizer_warnings(cfg)
+    out += moe_warnings(cfg, set_by_user)
     if cfg.compile.backend == "eager":
         for key in ("scope", "fullgraph", "passes", "executors", "cache_dir", "debug_numerics", "dump"):
             if src := set_by_user("compile", key):

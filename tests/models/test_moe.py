@@ -176,3 +176,12 @@ def test_bad_input_names_the_keys(case):
 def test_cli_exits_2_when_ep_does_not_divide_the_experts(tmp_path: Path):
     r = CliRunner().invoke(cli, ["validate", str(MOE_CONFIG), "parallel.nproc_per_node=2", "parallel.ep=3"])
     assert r.exit_code == 2 and "parallel.ep = 3" in r.output, r.output
+
+
+def test_validate_warns_about_keys_the_family_does_not_read():
+    runner = CliRunner()
+    r = runner.invoke(cli, ["validate", str(REPO / "configs" / "llama.yaml"), "model.n_experts=4"])
+    assert r.exit_code == 0 and "model.n_experts is read only by model.arch = moe" in r.output, r.output
+    r = runner.invoke(cli, ["validate", str(MOE_CONFIG), "model.ffn_dim=100"])
+    assert r.exit_code == 0 and "model.ffn_dim has no effect with model.arch = moe" in r.output, r.output
+    assert "model: moe dim=192 layers=4 heads=6/2 experts=8 top-2 expert_ffn=256" in r.output, r.output
