@@ -109,7 +109,7 @@ def _notes(cfg: RunConfig, w: Workload, cluster: Cluster) -> tuple[str, ...]:
                      "device: the predicted rates are for the latter")
     if w.shape.family != "llama":
         notes.append(f"model.arch = {w.shape.family}: FLOPs, parameters, matmuls and attention's width are its "
-                     "own; the other saved activations and non-matmul traffic per token use the coefficients "
+                     "own; its norms' and feed-forward's saved bytes and traffic per token use the coefficients "
                      "counted on Llama's block")
     if w.ac_mode == "selective":
         notes.append("selective checkpointing is modelled by the planner only; accelrun train cannot run it yet")

@@ -12,8 +12,10 @@ write the normalised input of the matmuls), rotary embeddings of q and k, key/va
 grouped-query attention, SwiGLU (read gate and up, write their product), two residual adds; backward:
 the same regions with gradients (norm backward reads the sum of its consumers' input gradients).
 
-Coefficients multiply D (model dim), Dkv (key/value width), F (feed-forward dim); ``gqa`` terms apply
-when there are fewer key/value heads than query heads (accelrun repeats keys and values to all heads).
+Coefficients multiply D (model dim), Q (the attention's width, n_heads x head_dim: D for Llama, not
+for every family), Dkv (key/value width), F (feed-forward dim); ``gqa`` terms apply when there are fewer
+key/value heads than query heads (accelrun repeats keys and values to all heads, Q wide). Which of the
+attention's bytes are Q wide was counted on a Gemma block whose attention is twice its model's width.
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ class Part:
     dkv: float = 0.0
     f: float = 0.0
     const: float = 0.0
-    gqa_d: float = 0.0  # extra per D when keys/values are repeated
+    gqa_q: float = 0.0  # extra per Q when keys/values are repeated (to all heads: Q wide)
+    q: float = 0.0
 
-    def bytes(self, d: int, dkv: int, f: int, gqa: bool) -> float:
-        return self.d * d + self.dkv * dkv + self.f * f + self.const + (self.gqa_d * d if gqa else 0.0)
+    def bytes(self, d: int, dkv: int, f: int, gqa: bool, q: int | None = None) -> float:
+        q = d if q is None else q
+        return (self.d * d + self.q * q + self.dkv * dkv + self.f * f + self.const
+                + (self.gqa_q * q if gqa else 0.0))
 
 
 # mode → part → (forward, backward). "norm" is one RMSNorm (a block has two); "rest" is the residual
@@ -40,19 +45,19 @@ class Part:
 EAGER = {
     "fp32": {
         "norm": (Part(d=28, const=24), Part(d=96, const=36)),
-        "attention": (Part(d=36, dkv=36, gqa_d=16), Part(d=48, dkv=56, gqa_d=24)),
+        "attention": (Part(q=36, dkv=36, gqa_q=16), Part(d=24, q=24, dkv=56, gqa_q=24)),
         "ffn": (Part(f=20), Part(d=12, f=36)),
         "rest": (Part(d=24), Part(d=24)),
     },
     "autocast": {
         "norm": (Part(d=28, const=24), Part(d=96, const=36)),
-        "attention": (Part(d=54, dkv=48, gqa_d=8), Part(d=62, dkv=60, gqa_d=12)),
+        "attention": (Part(d=6, q=48, dkv=48, gqa_q=8), Part(d=18, q=44, dkv=60, gqa_q=12)),
         "ffn": (Part(d=6, f=10), Part(d=12, f=18)),
         "rest": (Part(d=38), Part(d=72)),
     },
     "bf16-params": {
         "norm": (Part(d=36, const=24), Part(d=96, const=36)),
-        "attention": (Part(d=48, dkv=48, gqa_d=8), Part(d=56, dkv=60, gqa_d=12)),
+        "attention": (Part(q=48, dkv=48, gqa_q=8), Part(d=12, q=44, dkv=60, gqa_q=12)),
         "ffn": (Part(f=10), Part(d=6, f=18)),
         "rest": (Part(d=12), Part(d=12)),
     },
@@ -78,7 +83,7 @@ def _fused(s: int, st: int) -> dict[str, tuple[Part, Part]]:
     """The fusion model (module docstring) for compute-dtype bytes ``s`` and stream bytes ``st``."""
     return {
         "norm": (Part(d=st + s, const=4), Part(d=s + 2 * st + 1.5 * s)),
-        "attention": (Part(d=2 * s, dkv=2 * s, gqa_d=2 * s), Part(d=2 * s, dkv=2 * s, gqa_d=4 * s)),
+        "attention": (Part(q=2 * s, dkv=2 * s, gqa_q=2 * s), Part(q=2 * s, dkv=2 * s, gqa_q=4 * s)),
         "ffn": (Part(f=3 * s), Part(f=5 * s)),
         "rest": (Part(d=2 * (2 * st + s)), Part(d=6 * st)),
     }
@@ -105,7 +110,7 @@ def block_traffic(w: Workload) -> BlockTraffic:
     for phase in (0, 1):
         total = 0.0
         for name, pair in parts.items():
-            b = pair[phase].bytes(sh.dim, sh.kv_dim, sh.ffn_dim, sh.gqa)
+            b = pair[phase].bytes(sh.dim, sh.kv_dim, sh.ffn_dim, sh.gqa, sh.q_dim)
             if name == "norm":
                 b *= 2
             total += b / tp if name in split else b
