@@ -43,6 +43,16 @@ def test_expert_parallel_equals_one_process(tmp_path, reference):
     assert "## Experts (router)" in (job.run_dir / "report.md").read_text()
 
 
+def test_expert_parallel_with_replicated_experts_equals_one_process(tmp_path, reference):
+    """4 ranks, HSDP 2 × 2 with ep = 2: ranks {0, 1} and {2, 3} each spread the experts, so every expert
+    has two holders whose gradients are summed (ExpertParallel.reduce_gradients' replica path)."""
+    job = train_job(tmp_path, STEPS, "checkpoint.enabled=false", "name=ep2x2", *MOE, "parallel.nproc_per_node=4",
+                    "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2", "train.micro_batch=1")
+    assert losses(job.run_dir) == pytest.approx(reference(STEPS, *MOE).losses, rel=LOSS_RTOL)
+    got = read_metrics(job.run_dir / "metrics.jsonl")
+    assert all(m["ep_local_experts"] == 2 and m["ep_all_to_all"] == 10 for m in got)
+
+
 def test_moe_compiles_with_accelrun_in_one_graph_per_block(tmp_path, reference):
     """compile.backend = accelrun on the MoE, one process: routing, the grouped experts and the
     load-balancing loss trace without a graph break (the padded batch's sizes become unbacked
