@@ -58,22 +58,39 @@ _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_
 
 @dataclass
 class ContextParallelStats:
-    """What this rank's context-parallel attention exchanged (eager forward passes; the backward
-    sends the same bytes back as a reduce-scatter). Compiled blocks are not counted: their
-    collectives are graph nodes, measured with the graph's others (``accelrun.dist.comm_overlap``)."""
+    """What this rank's context-parallel attention exchanged per step (forward all-gathers; the
+    backward sends the same bytes back as reduce-scatters).
 
-    calls: int = 0  # all-gathers of keys and values
-    bytes: int = 0  # gathered bytes received (the other ranks' share)
+    Eager gathers count themselves: calls, bytes received and seconds blocked. Gathers inside compiled
+    blocks are graph nodes that cannot: for a step in which no eager gather ran, calls and bytes are
+    counted from the model's forwards instead (each attention layer receives
+    ``received_bytes_per_token`` per local token), and their time is not measured."""
+
+    calls: int = 0  # eager all-gathers of keys and values
+    bytes: int = 0  # bytes they received (the other ranks' share)
     seconds: float = 0.0  # blocked waiting for them
-    _at_step: tuple[int, int, float] = (0, 0, 0.0)
+    layers: int = 0  # attention layers that gather, per forward
+    received_bytes_per_token: float = 0.0  # per layer: (k, v) × kv width per TP rank × element bytes × (cp − 1)
+    forwards: int = 0  # the model's forward passes (a pre-hook outside any graph)
+    forward_tokens: int = 0  # and the local tokens they ran
+    _at_step: tuple[int, int, float, int, int] = (0, 0, 0.0, 0, 0)
+
+    def count_forward(self, module: nn.Module, args: tuple) -> None:
+        if not torch.compiler.is_compiling():  # a whole-model graph: not counted
+            self.forwards += 1
+            self.forward_tokens += args[0].numel()
 
     def step_metrics(self) -> dict[str, float]:
-        """This step's figures (since the last call), for metrics.jsonl; none when every gather ran
-        inside compiled graphs (zeros would read as "no communication")."""
-        c0, b0, s0 = self._at_step
-        out = {"cp_gathers": self.calls - c0, "cp_bytes": self.bytes - b0, "cp_comm_s": self.seconds - s0}
-        self._at_step = (self.calls, self.bytes, self.seconds)
-        return out if out["cp_gathers"] else {}
+        """This step's figures (since the last call), for metrics.jsonl; none when nothing was counted
+        (zeros would read as "no communication")."""
+        c0, b0, s0, f0, t0 = self._at_step
+        self._at_step = (self.calls, self.bytes, self.seconds, self.forwards, self.forward_tokens)
+        if self.calls > c0:
+            return {"cp_gathers": self.calls - c0, "cp_bytes": self.bytes - b0, "cp_comm_s": self.seconds - s0}
+        if self.forwards > f0 and self.layers:  # compiled blocks: counted from the forwards, not timed
+            return {"cp_gathers": (self.forwards - f0) * self.layers,
+                    "cp_bytes": int((self.forward_tokens - t0) * self.layers * self.received_bytes_per_token)}
+        return {}
 
 
 class LoadBalancedCausalAttention(nn.Module):
@@ -123,8 +140,10 @@ class LoadBalancedCausalAttention(nn.Module):
         return kv_SBGTE[0], kv_SBGTE[1]
 
 
-def apply_context_parallel(model: nn.Module, model_cfg: Any, mesh, stats: ContextParallelStats | None) -> None:
-    """Give the model's attention this rank's sequence chunks, through its family's ``shard_sequence``."""
+def apply_context_parallel(model: nn.Module, model_cfg: Any, mesh, stats: ContextParallelStats | None,
+                           element_bytes: int = 4) -> None:
+    """Give the model's attention this rank's sequence chunks, through its family's ``shard_sequence``.
+    ``element_bytes``: of the keys and values exchanged (the compute dtype's), for ``stats``."""
     from accelrun.models.build import family_spec
 
     spec = family_spec(model_cfg) if model_cfg.custom is None else None
@@ -134,7 +153,19 @@ def apply_context_parallel(model: nn.Module, model_cfg: Any, mesh, stats: Contex
                           "along the sequence (its model family has no shard_sequence)")
     cp = mesh["cp"]
     rank, size, group = cp.get_local_rank(), cp.size(), cp.get_group()
-    spec.shard_sequence(model, lambda: LoadBalancedCausalAttention(group, rank, size, stats), rank, size)
+    made = []
+
+    def attention() -> LoadBalancedCausalAttention:
+        made.append(LoadBalancedCausalAttention(group, rank, size, stats))
+        return made[-1]
+
+    spec.shard_sequence(model, attention, rank, size)
+    if stats is not None:
+        head_dim = getattr(model_cfg, "head_dim", None) or model_cfg.dim // model_cfg.n_heads
+        kv_width = model_cfg.kv_heads * head_dim / mesh["tp"].size()
+        stats.layers += len(made)
+        stats.received_bytes_per_token = 2 * kv_width * element_bytes * (size - 1)
+        model.register_forward_pre_hook(stats.count_forward)
 
 
 def context_parallel_loss(loss_fn: Callable, group: dist.ProcessGroup, size: int) -> Callable:

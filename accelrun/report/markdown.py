@@ -131,7 +131,8 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
                         f"{_secs(comm.get('median'))} per step (median; {_pct(comm.get('share'))} of step time)"))
     cp = r.get("cp_comm")
     if cp:  # parallel.cp > 1: its share of the communication row (or a row of its own where none is timed)
-        text = (f"context parallel K/V all-gathers {_secs(cp.get('seconds'))} ({int(cp.get('gathers') or 0)} "
+        took = _secs(cp["seconds"]) if cp.get("seconds") is not None else "untimed (in compiled blocks)"
+        text = (f"context parallel K/V all-gathers {took} ({int(cp.get('gathers') or 0)} "
                 f"calls, {_bytes(int(cp.get('bytes') or 0))} received) per step")
         if comm:
             rows[4] = (rows[4][0], f"{rows[4][1]}; of which {text}")

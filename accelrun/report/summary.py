@@ -169,13 +169,15 @@ def comm_summary(steady: list[dict]) -> dict | None:
 
 def cp_comm_summary(steady: list[dict]) -> dict | None:
     """Context parallelism's key/value all-gathers over steady steps (accelrun.dist.context_parallel):
-    median calls, bytes received and seconds blocked per step (eager forward passes; a compiled block's
-    gathers are graph nodes, in ``comm_overlap``); None without context parallelism."""
+    median calls, bytes received and seconds blocked per step (seconds None where the gathers ran inside
+    compiled blocks); None without context parallelism."""
     rows = [m for m in steady if m.get("cp_gathers") is not None]
     if not rows:
         return None
-    return {k: statistics.median(float(m[key]) for m in rows)
-            for k, key in (("gathers", "cp_gathers"), ("bytes", "cp_bytes"), ("seconds", "cp_comm_s"))}
+    timed = [float(m["cp_comm_s"]) for m in rows if m.get("cp_comm_s") is not None]
+    return {"gathers": statistics.median(float(m["cp_gathers"]) for m in rows),
+            "bytes": statistics.median(float(m["cp_bytes"]) for m in rows),
+            "seconds": statistics.median(timed) if timed else None}  # None: compiled blocks, not timed
 
 
 def overlap_summary(steady: list[dict]) -> dict | None:

@@ -112,7 +112,7 @@ def _parallelize(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
         apply_tp(part, ctx.mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel,
                  loss_parallel=cfg.parallel.loss_parallel, plan=family_spec(cfg.model).tp_plan)
     if ctx.mesh is not None and ctx.cp_size > 1:  # before compile: the blocks compile with its collectives
-        apply_context_parallel(part, cfg.model, ctx.mesh, cp_stats)
+        apply_context_parallel(part, cfg.model, ctx.mesh, cp_stats, 2 if t.precision == "bf16-mixed" else 4)
     if blocks is not None:
         apply_activation_checkpointing(blocks, t.activation_checkpoint)
     elif t.activation_checkpoint.mode != "none":
