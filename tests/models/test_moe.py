@@ -185,3 +185,24 @@ def test_validate_warns_about_keys_the_family_does_not_read():
     r = runner.invoke(cli, ["validate", str(MOE_CONFIG), "model.ffn_dim=100"])
     assert r.exit_code == 0 and "model.ffn_dim has no effect with model.arch = moe" in r.output, r.output
     assert "model: moe dim=192 layers=4 heads=6/2 experts=8 top-2 expert_ffn=256" in r.output, r.output
+
+
+def test_export_is_read_by_transformers_mixtral_with_the_same_logits(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
+    from accelrun.models.families import get_family
+    from accelrun.models.families.moe.hf import MixtralExportError
+    from accelrun.models.hf_io import export_hf
+
+    args = _tiny_args(shared_expert_ffn_dim=0)
+    model = MoE(args)
+    model.init_buffers()
+    model.init_weights(seed=1)
+    model.eval()
+    export_hf(model.state_dict(), get_family("moe"), args, tmp_path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == "MixtralForCausalLM"
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
+    with torch.no_grad():
+        assert _close(theirs(tokens).logits, model(tokens), rel=1e-5)
+    with pytest.raises(MixtralExportError, match="model.shared_expert_ffn_dim = 16"):
+        export_hf(model.state_dict(), get_family("moe"), _tiny_args(), tmp_path / "shared")

@@ -6,6 +6,7 @@ from torch import nn
 
 from accelrun.models.families import ModelSpec, TPPlan
 from accelrun.models.families.llama.tp_plan import end_plan
+from accelrun.models.families.moe import hf
 from accelrun.models.moe import MoE, MoEArgs
 from accelrun.models.moe_flops import flops_per_token, param_count
 
@@ -33,5 +34,7 @@ SPEC = ModelSpec(
     blocks_attr="layers",
     first_stage_ends=("tok_embeddings",),
     last_stage_ends=("norm", "output"),
+    state_dict_to_hf=hf.state_dict_to_hf,  # export to Mixtral; reading Mixtral folders is not supported
+    hf_config=hf.hf_config,
     extras={"mfu_basis": "active parameters (top-k routed experts + shared expert + attention + router)"},
 )
