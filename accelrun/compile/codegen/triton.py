@@ -81,7 +81,10 @@ TORCH_TYPE = {"f32": torch.float32, "i64": torch.int64, "i32": torch.int32}
 HEADER = """\
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+from accelrun.compile.codegen.triton_libdevice import libdevice_for_this_process
+
+libdevice = libdevice_for_this_process()  # Triton's; a numpy stand-in under its interpreter
 
 
 @triton.jit
