@@ -225,6 +225,8 @@ def decline_reason(cfg: Any, targets: list[tuple[nn.Module, str]]) -> str | None
     for owner, method in targets:
         if method in owner.__dict__:
             return f"{type(owner).__name__}.{method} is wrapped (activation checkpointing?)"
+        if (why := getattr(owner, "graph_cache_decline", None)) is not None:  # the model says why
+            return why
     return None
 
 

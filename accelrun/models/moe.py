@@ -149,6 +149,13 @@ class MoE(Llama):
     """Token ids (B, T) → logits; given targets, cross-entropy + aux_loss_coef · load-balancing loss
     (training mode; in eval mode the cross-entropy alone)."""
 
+    # compile.scope = model: the whole forward through accelrun's cross-process graph cache (torch's
+    # precompile path) returned the cross-entropy without the aux term here, while an ordinary
+    # torch.compile of the same forward is right; so that path is declined for this model (blocks,
+    # under compile.scope = block, still use it and match eager).
+    graph_cache_decline = ("MoE.forward adds the router figures its blocks record on themselves; the precompile "
+                           "path lost that term, so the model compiles afresh")
+
     def __init__(self, args: MoEArgs) -> None:
         super().__init__(args)
         self.layers = nn.ModuleList(MoEBlock(args) for _ in range(args.n_layers))

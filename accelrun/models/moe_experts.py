@@ -114,8 +114,11 @@ def grouped_swiglu(x_MD: torch.Tensor, counts_G: torch.Tensor, w1_GDC: torch.Ten
 
     ``impl``: "grouped_mm" (``torch._grouped_mm``: no padding, no host synchronisation; the CUDA
     default) or "padded_bmm" (rows scattered into a zero-padded (G, max count, D) batch, three
-    ``bmm``; the CPU default, where torch's grouped kernel measured several times slower than bmm,
-    ``bench/moe_experts.py``). Neither loops over experts in Python.
+    ``bmm``; the CPU default, where torch's grouped kernel measured slower than bmm,
+    ``bench/moe_experts.py``, and where Dynamo cannot trace it: its fake kernel takes bf16 only). The
+    padded batch's size is read on the host: Dynamo traces that as unbacked sizes on the precompile
+    path (accelrun's graph cache, compile.scope = block: no graph break) and breaks the graph there
+    otherwise. Neither loops over experts in Python.
     """
     impl = impl or ("grouped_mm" if x_MD.device.type == "cuda" else "padded_bmm")
     dtype = x_MD.dtype
