@@ -237,8 +237,6 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
                    f"({v('model.custom')}, {v('model.tie_embeddings')})")
     if deg["tp"] > 1 and m.custom is not None:
         out.append(f"{v('parallel.tp')} needs a built-in model family; {v('model.custom')}")
-    if deg["tp"] > 1 and m.tie_embeddings:
-        out.append(f"{v('parallel.tp')} with {v('model.tie_embeddings')} is not supported")
     for key in ("sequence_parallel", "loss_parallel"):
         # Stages exchange the residual stream and the last one computes the loss on plain tensors.
         if getattr(par, key) and deg["pp"] > 1:

@@ -40,13 +40,17 @@ __all__ = ["BLOCK_PLAN", "SP_BLOCK_PLAN", "apply_tp", "end_plan", "loss_context"
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
              loss_parallel: bool = False, plan=None) -> None:
     """Apply ``plan`` (a family's ``TPPlan``; default: the Llama family's) to the model's ends and blocks."""
-    # The recipe was checked before launch (accelrun.config.validate, parallel problems): a built-in,
-    # untied model; sequence and loss parallelism without pipeline stages.
+    # The recipe was checked before launch (accelrun.config.validate, parallel problems): a built-in
+    # model; sequence and loss parallelism without pipeline stages.
     if plan is None:
         from accelrun.models.families import get_family
 
         plan = get_family("llama").tp_plan
     parallelize_module(model, tp_mesh, plan.ends(model, sequence_parallel, loss_parallel))
+    # A tied output layer: the embedding and the output layer were each given a sharded copy of the
+    # one weight, both split over the vocabulary (rows): share the embedding's again.
+    if callable(tie := getattr(model, "tie_weights", None)):
+        tie()
     from accelrun.models.build import transformer_blocks  # where the family keeps its blocks
 
     for block in transformer_blocks(model):

@@ -151,6 +151,6 @@ def test_train_dry_run_builds_every_rank_and_refuses_what_train_would(tmp_path, 
     rows = [line.split() for line in r.output.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"], ["3"])]
     assert len(rows) == 4 and all(row[-1] == "1.000" for row in rows), r.output
     assert not (tmp_path / "runs").exists()  # nothing trained, no run folder
-    r = invoke("train", DEFAULT_CONFIG, "parallel.nproc_per_node=2", "parallel.tp=2", "parallel.dp_shard=1",
+    r = invoke("train", DEFAULT_CONFIG, "parallel.nproc_per_node=2", "parallel.pp=2", "parallel.dp_shard=1",
                "model.tie_embeddings=true", "--dry-run")
     assert r.exit_code == 2 and "model.tie_embeddings" in r.output

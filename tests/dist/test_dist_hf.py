@@ -1,7 +1,7 @@
 """A transformers checkpoint trained on 2 FSDP, 2 TP and 2 pipeline ranks: every rank loads its part of the HF weights
 (the losses equal one process's), and the export transformers reads back gives accelrun's logits. Llama on every
-layout; Gemma tied (as published) on FSDP, and untied (pipeline stages and TP cannot share a tied embedding yet) on
-TP and pipeline, whose cuts its family spec names (embed_tokens / norm / lm_head, not Llama's tok_embeddings / norm /
+layout; Gemma tied (as published) on FSDP and TP (the vocabulary-sharded embedding is the output layer's weight),
+and untied on pipeline stages (which cannot share a tied embedding yet), whose cuts its family spec names (embed_tokens / norm / lm_head, not Llama's tok_embeddings / norm /
 output)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from tests.train.test_hf_roundtrip import TOL, _accelrun_logits
 STEPS = 2
 LAYOUTS = {"one": [], "fsdp2": FSDP2, "tp2": ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.tp=2"],
            "pp2": ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=gpipe"]}
-# Gemma as published (tied) under FSDP: the embedding and the output layer are one sharded parameter.
-CASES = [("llama", "fsdp2"), ("llama", "tp2"), ("llama", "pp2"), ("gemma", "fsdp2"), ("gemma-untied", "tp2"),
+# Gemma as published (tied) under FSDP and TP: the embedding and the output layer are one sharded parameter.
+CASES = [("llama", "fsdp2"), ("llama", "tp2"), ("llama", "pp2"), ("gemma", "fsdp2"), ("gemma", "tp2"),
          ("gemma-untied", "pp2")]
 
 
