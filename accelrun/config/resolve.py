@@ -13,7 +13,7 @@ import yaml
 
 from accelrun.config.compose import Composed, Source, apply_override, compose_file
 from accelrun.config.errors import ConfigError
-from accelrun.config.hf_model import model_keys_from_hf_folder
+from accelrun.config.hf_model import HFModelError, model_keys_from_hf_folder
 from accelrun.config.hf_sources import hf_key_sources
 from accelrun.config.schema import RunConfig
 from accelrun.config.search import find_recipe, looks_like_path, search_path
@@ -100,10 +100,30 @@ def load_config(
     composed: Composed = compose_file(resolve_config_path(ref, dirs), dirs)
     for text in overrides:
         apply_override(composed, text)
-    sources = {**composed.sources, **_hf_folder_sources(composed.data)}
-    cfg = validate(composed.data, sources)
-    warnings = config_warnings(cfg, sources)
+    hf_sources = _hf_folder_sources(composed.data)
+    sources = {**composed.sources, **hf_sources}
+    try:
+        cfg = validate(composed.data, sources)
+    except HFModelError as e:  # a missing folder: say where model.hf was set (other errors name its file)
+        if not str(e).startswith("model.hf = "):
+            raise
+        raise HFModelError(f"{e} (model.hf: {source_of(('model', 'hf'), sources)})") from None
+    warnings = _overrides_replaced_by_hf(composed, hf_sources, cfg) + config_warnings(cfg, sources)
     return ResolvedConfig(cfg, sources, composed.files, list(overrides), warnings)
+
+
+def _overrides_replaced_by_hf(composed: Composed, hf_sources: dict[KeyPath, Source], cfg: RunConfig) -> list[str]:
+    """A command-line override of a shape key the model.hf folder sets has no effect: say so."""
+    out = []
+    for path, src in hf_sources.items():
+        given = composed.sources.get(path)
+        if given is None or given.kind != "override" or len(path) != 2:
+            continue
+        value = composed.data.get(path[0], {}).get(path[1])
+        if value != getattr(cfg.model, path[1], value):
+            out.append(f"{dotted(path)} = {value!r} ({given}) has no effect: model.hf's {src} sets "
+                       f"{getattr(cfg.model, path[1])!r}")
+    return out
 
 
 def _hf_folder_sources(data: dict[str, Any]) -> dict[KeyPath, Source]:

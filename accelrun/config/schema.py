@@ -110,7 +110,8 @@ class ModelConfig(Section):
     def _shape_from_hf_folder(cls, data: Any) -> Any:
         # The folder's config.json is the model: its shape replaces the recipe's (a base recipe's dim
         # must not silently win over the checkpoint's).
-        if isinstance(data, dict) and data.get("hf") is not None:
+        # A misspelt key is reported first (an unreadable folder would hide the typo behind it).
+        if isinstance(data, dict) and data.get("hf") is not None and set(data) <= set(cls.model_fields):
             from accelrun.config.hf_model import model_keys_from_hf_folder
 
             return {**data, **model_keys_from_hf_folder(str(data["hf"]))}

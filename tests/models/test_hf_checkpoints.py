@@ -156,6 +156,30 @@ def test_provenance_of_shape_keys_is_the_config_json_line(tmp_path):
     assert "(hidden_size)" in explain_text(resolved)
 
 
+def test_model_hf_typos_missing_folders_and_replaced_overrides(tmp_path):
+    from accelrun.config import load_config
+
+    save_tiny_hf(tmp_path, "llama")
+    # A misspelt model key is the error, not the recipe's model.hf folder that does not exist here.
+    with pytest.raises(ConfigError, match=r"unknown key 'model\.hff'; did you mean 'model\.hf'"):
+        load_config("configs/hf-llama.yaml", [f"model.hff={tmp_path}"])
+    # A missing folder names where model.hf was set.
+    with pytest.raises(ConfigError, match=r"no such folder \(model\.hf: configs/hf-llama\.yaml:\d+\)"):
+        load_config("configs/hf-llama.yaml", ["data.tokenizer=byte"])
+    # A command-line shape key the folder replaces is a warning naming the config.json line.
+    resolved = load_config("configs/llama.yaml", [f"model.hf={tmp_path}", "train.seq_len=32", "model.dim=32",
+                                                  f"model.n_layers={ModelConfig(hf=str(tmp_path)).n_layers}"])
+    dim = ModelConfig(hf=str(tmp_path)).dim
+    assert [w for w in resolved.warnings if "model.hf" in w] == [
+        f"model.dim = 32 (override 'model.dim=32') has no effect: model.hf's "
+        f"{tmp_path / 'config.json'}:{_line_of(tmp_path, 'hidden_size')} (hidden_size) sets {dim}"]
+
+
+def _line_of(folder, key):
+    lines = (folder / "config.json").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if f'"{key}"' in line)
+
+
 def test_fsdp_x_tp_ranks_read_only_their_rows_of_each_tensor(tmp_path, monkeypatch):
     # Every rank of a fake 2 x 2 (dp_shard x tp) mesh builds the real layout, loads the folder, and holds
     # exactly its slice of transformers' weights; no rank reads a whole sharded tensor (FSDP x TP's
