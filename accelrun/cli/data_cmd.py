@@ -41,7 +41,7 @@ def prepare(inputs: tuple[str, ...], output: Path, max_bytes: int | None, tokeni
     from accelrun.data import prepare_tokens
 
     with Progress(*Progress.get_default_columns()[:1], BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                  console=err, transient=True) as bar:
+                  console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("tokenizing", total=None)
 
         def on_progress(done: int, total: int) -> None:

@@ -112,6 +112,13 @@ def test_data_prepare_then_train_on_tokens(tiny, tmp_path):
     assert r.exit_code == 2 and "none*.txt" in r.output
 
 
+def test_data_prepare_error_is_one_line(tmp_path):
+    # No progress bar off a terminal: its closing newline came before the error.
+    r = invoke("data", "prepare", str(tmp_path / "none*.txt"), "-o", tmp_path / "t.tok")
+    assert r.exit_code == 2 and r.output.splitlines() == [f"error: inputs: '{tmp_path}/none*.txt' matched no files"]
+    assert not (tmp_path / "t.tok").exists()
+
+
 @pytest.mark.parametrize("override", ["trian=[/x]", "trian.x=[abc]"])
 def test_user_text_is_not_read_as_markup(override):
     r = invoke("validate", DEFAULT_CONFIG, override)
