@@ -222,7 +222,7 @@ def stored_tokenizer(value: str, model_hf: str | None) -> str:
 # Where a token file's header keeps what validation compares (accelrun.data.tokfile owns the layout; a
 # test keeps the two in step so that validation reads headers without torch).
 TOKEN_FILE_MAGIC = b"ACCTOK01"
-_VOCAB_AT, _NAME_AT = slice(12, 16), slice(24, 40)
+_VOCAB_AT, _COUNT_AT, _NAME_AT = slice(12, 16), slice(16, 24), slice(24, 40)
 
 
 def token_file_tokenizer(path: Path) -> tuple[str, int] | None:
@@ -239,8 +239,21 @@ def token_file_tokenizer(path: Path) -> tuple[str, int] | None:
     return name, int.from_bytes(head[_VOCAB_AT], "little")
 
 
+def token_file_count(path: Path) -> int | None:
+    """How many tokens a token file's header says it holds; None for a file that is not one."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(40)
+    except OSError:
+        return None
+    if len(head) < 40 or head[:8] != TOKEN_FILE_MAGIC:
+        return None
+    return int.from_bytes(head[_COUNT_AT], "little")
+
+
 def _token_file_problems(cfg: Any, v: Any, expected: str) -> list[str]:
-    """data.source = tokens: each file was prepared with data.tokenizer, and its ids fit the model."""
+    """data.source = tokens: each file was prepared with data.tokenizer, its ids fit the model, and
+    together they hold one step's windows (else the loader's error came after the run folder was made)."""
     files: list[str] = []
     for pattern in cfg.data.paths:
         files += sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
@@ -257,4 +270,12 @@ def _token_file_problems(cfg: Any, v: Any, expected: str) -> list[str]:
             return [f"data.paths: {f} holds ids up to {vocab - 1} (tokenizer {name!r}, vocab {vocab}), but "
                     f"{v('model.vocab_size')}: the model has no embedding row for ids {cfg.model.vocab_size} "
                     "and up"]
+    counts = [token_file_count(Path(f)) for f in files]
+    t = cfg.train
+    windows = t.micro_batch * cfg.parallel.dp if t.micro_batch else t.global_batch // (t.grad_accum or 1)
+    needed = windows * t.seq_len + 1
+    if files and None not in counts and sum(counts) < needed:
+        held = f"{files[0]} holds" if len(files) == 1 else f"its {len(files)} token files hold"
+        return [f"data.paths: {held} {sum(counts):,} tokens, but one step needs {needed:,} ({windows} sequences "
+                f"of train.seq_len {t.seq_len}, + 1): add data, or lower train.global_batch or train.seq_len"]
     return []

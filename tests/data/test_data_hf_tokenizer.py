@@ -119,7 +119,7 @@ def test_prepare_records_the_tokenizer_and_runs_need_the_same_one(files, tmp_pat
     from accelrun.data import tokfile
 
     assert token_file_tokenizer(out) == (header.tokenizer, header.vocab_size) and TOKEN_FILE_MAGIC == tokfile.MAGIC
-    tokens_source = ["data.source=tokens", f"data.paths=[{out}]"]
+    tokens_source = ["data.source=tokens", f"data.paths=[{out}]", "train.seq_len=8", "train.global_batch=4"]
     shown = runner.invoke(cli, ["validate", str(DEFAULT_CONFIG), *tokens_source, f"data.tokenizer={files['folder']}"])
     assert shown.exit_code == 0 and (f"data: tokens (1 path(s)); tokenizer {files['folder'] / 'tokenizer.json'}: "
                                      "300 ids, '</s>' (id 1) after each document") in shown.output, shown.output
@@ -128,6 +128,12 @@ def test_prepare_records_the_tokenizer_and_runs_need_the_same_one(files, tmp_pat
         load_config(DEFAULT_CONFIG, tokens_source)
     with pytest.raises(ConfigError, match=rf"{out} holds ids up to 299 .* but model.vocab_size = 200 \(override"):
         load_config(DEFAULT_CONFIG, [*tokens_source, f"data.tokenizer={files['folder']}", "model.vocab_size=200"])
+    # fewer tokens than one step reads: exit 2 at validation, before a run folder exists
+    n = header.n_tokens
+    with pytest.raises(ConfigError, match=rf"{out} holds {n:,} tokens, but one step needs {4 * n + 1:,} "
+                                          rf"\(4 sequences of train.seq_len {n}, \+ 1\)"):
+        load_config(DEFAULT_CONFIG, [*tokens_source, f"data.tokenizer={files['folder']}", f"train.seq_len={n}",
+                                     "train.global_batch=4", "model.max_seq_len=100000"])
 
     cfg = DataConfig(source="tokens", paths=[str(out)], tokenizer=str(files["folder"] / "tokenizer.json"))
     assert load_stream(cfg, vocab_size=320, seed=0).fingerprint["tokenizer"] == info.name
