@@ -37,7 +37,10 @@ def supported() -> str:
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
     path = Path(folder).expanduser() / "config.json"
     if not Path(folder).expanduser().is_dir():
-        raise HFModelError(f"model.hf = {str(folder)!r}: no such folder")
+        what = "no such folder"
+        if path.parent.is_file():
+            what = "a file, not a folder (give the folder holding config.json)"
+        raise HFModelError(f"model.hf = {str(folder)!r}: {what}")
     if not path.is_file():
         raise HFModelError(f"model.hf: {path} not found (a Hugging Face model folder has a config.json)")
     try:

@@ -166,6 +166,8 @@ def test_model_hf_typos_missing_folders_and_replaced_overrides(tmp_path):
     # A missing folder names where model.hf was set.
     with pytest.raises(ConfigError, match=r"no such folder \(model\.hf: configs/hf-llama\.yaml:\d+\)"):
         load_config("configs/hf-llama.yaml", ["data.tokenizer=byte"])
+    with pytest.raises(ConfigError, match=r"config\.json': a file, not a folder \(give the folder holding"):
+        load_config("configs/hf-llama.yaml", [f"model.hf={tmp_path / 'config.json'}", "data.tokenizer=byte"])
     # A command-line shape key the folder replaces is a warning naming the config.json line.
     resolved = load_config("configs/llama.yaml", [f"model.hf={tmp_path}", "train.seq_len=32", "model.dim=32",
                                                   f"model.n_layers={ModelConfig(hf=str(tmp_path)).n_layers}"])

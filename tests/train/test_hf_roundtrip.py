@@ -68,3 +68,7 @@ def test_export_of_a_folder_without_checkpoints_exits_2(tmp_path):
     r = CliRunner().invoke(cli, ["export", str(tmp_path), "--hf", str(tmp_path / "out")])
     assert r.exit_code == 2 and "not a run directory" in r.output
     assert not (tmp_path / "out").exists()
+    (tmp_path / "file").write_text("x")
+    r = CliRunner().invoke(cli, ["export", str(tmp_path), "--hf", str(tmp_path / "file")])
+    assert r.exit_code == 2 and r.output.splitlines() == [f"error: --hf: {tmp_path / 'file'} is a file; give a "
+                                                          "folder (created if missing)"]
