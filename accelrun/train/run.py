@@ -89,6 +89,10 @@ def train(
         console.print(f"[bold yellow]warning:[/] {escape(late)}", highlight=False)
     check_devices(cfg)  # one GPU per process, before a run directory or a rank exists
     check_trackers(cfg.report.trackers)  # a missing tracker package: exit 2 before any work
+    if cfg.model.hf is not None:  # no weights or a damaged header: exit 2 before a run directory exists
+        from accelrun.models.hf_io import weight_files
+
+        weight_files(Path(cfg.model.hf))
     launch = launch or LaunchOptions()
     run_dir, node = _run_dir_for(cfg, launch)
     # Caught from here on: a signal during setup stops the run after its first step, with a checkpoint.

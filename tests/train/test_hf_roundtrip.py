@@ -64,6 +64,16 @@ def test_hf_train_export_transformers_loads(tiny, tmp_path, kind):
     assert (ours - before).abs().max() > 1e-3
 
 
+def test_hf_folder_without_weights_exits_2_before_a_run_directory(tiny, tmp_path):
+    src = tmp_path / "src"
+    save_tiny_hf(src, "llama")
+    (src / "model.safetensors").unlink()
+    r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG), *tiny(2, f"model.hf={src}")])
+    errors = [line for line in r.output.splitlines() if not line.startswith("warning:")]  # tiny's shape keys
+    assert r.exit_code == 2 and errors == [f"error: model.hf: {src} holds no *.safetensors files"]
+    assert not (tmp_path / "runs").exists()
+
+
 def test_export_of_a_folder_without_checkpoints_exits_2(tmp_path):
     r = CliRunner().invoke(cli, ["export", str(tmp_path), "--hf", str(tmp_path / "out")])
     assert r.exit_code == 2 and "not a run directory" in r.output
