@@ -23,8 +23,9 @@ def command() -> None:
 
 @command.command("prepare")
 @click.argument("inputs", nargs=-1, required=True)
-@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Token file to write.")
-@click.option("--max-bytes", type=int, default=None, help="Read at most this many bytes of text.")
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path, dir_okay=False),
+              help="Token file to write.")
+@click.option("--max-bytes", type=click.IntRange(min=1), default=None, help="Read at most this many bytes of text.")
 @click.option("--tokenizer", default="byte", show_default=True,
               help="byte, or a tokenizer.json / a Hugging Face folder holding one (needs accelrun[hf]).")
 def prepare(inputs: tuple[str, ...], output: Path, max_bytes: int | None, tokenizer: str) -> None:

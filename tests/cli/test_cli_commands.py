@@ -117,6 +117,11 @@ def test_data_prepare_error_is_one_line(tmp_path):
     r = invoke("data", "prepare", str(tmp_path / "none*.txt"), "-o", tmp_path / "t.tok")
     assert r.exit_code == 2 and r.output.splitlines() == [f"error: inputs: '{tmp_path}/none*.txt' matched no files"]
     assert not (tmp_path / "t.tok").exists()
+    (tmp_path / "a.txt").write_text("text")
+    for bad, says in [(["-o", tmp_path], "is a directory"), (["-o", tmp_path / "t.tok", "--max-bytes", "0"], "0")]:
+        r = invoke("data", "prepare", str(tmp_path / "a.txt"), *bad)  # before any text is encoded
+        assert r.exit_code == 2 and says in r.output.splitlines()[-1], r.output
+    assert not (tmp_path / "t.tok").exists()
 
 
 @pytest.mark.parametrize("override", ["trian=[/x]", "trian.x=[abc]"])
