@@ -141,11 +141,12 @@ def _gemma_keys(config: dict[str, Any], path: str, keys: dict[str, Any]) -> None
     act_key = "hidden_activation" if config.get("hidden_activation") is not None else "hidden_act"
     act = config.get(act_key, "gelu_pytorch_tanh")
     allowed = GEMMA_ACTIVATIONS if act_key == "hidden_act" else GEMMA_ACTIVATIONS[:1]
+    rope_key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"  # transformers 4 / 5
     unsupported = {
         act_key: (act not in allowed, f"only {' or '.join(allowed)}"),
         "attention_bias": (bool(config.get("attention_bias")), "only false"),
         "use_bidirectional_attention": (bool(config.get("use_bidirectional_attention")), "only false"),
-        "rope_scaling": (keys["rope_scaling"] is not None, "only the default rotary embedding"),
+        rope_key: (keys["rope_scaling"] is not None, "only the default rotary embedding"),
     }
     for key, (bad, allowed_text) in unsupported.items():
         if bad:

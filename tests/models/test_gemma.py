@@ -207,6 +207,13 @@ def test_bad_gemma_inputs_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"config.json: hidden_act = 'silu' is not supported "
                                           r"\(only gelu_pytorch_tanh or gelu\)"):
         ModelConfig(hf=str(tmp_path))
+    # transformers 5 writes rope_parameters (no rope_scaling): the error names the key the file has
+    llama3 = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": llama3}))
+    with pytest.raises(ConfigError, match=r"config.json: rope_parameters = \{'rope_type': 'llama3'.* is not supported "
+                                          r"\(only the default rotary embedding\)"):
+        ModelConfig(hf=str(tmp_path))
     with pytest.raises(ConfigError, match=r"model.head_dim = 48 .* is only read by model.arch gemma"):
         load_config("configs/llama.yaml", ["model.head_dim=48"])
     with pytest.raises(ConfigError, match=r"model.head_dim = 15 .* must be even"):
