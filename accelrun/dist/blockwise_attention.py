@@ -34,47 +34,50 @@ def _sum_heads(dx_BHTE: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 class PrefixCausalAttention(torch.autograd.Function):
-    """``(q (B,H,c,E), k_prefix, v_prefix (B,G,P,E), k_diag, v_diag (B,G,c,E)) -> o (B,H,c,E)``.
+    """``(q (B,H,c,E), k, v (B,G,T,E), start) -> o (B,H,c,E)``: the queries against keys
+    ``[0, start)`` (no mask) and ``[start, start + c)`` (causal).
 
     Keys and values come with their own G heads and are repeated to the H query heads inside, in the
     forward and again in the backward: what is kept for backward is the G-head tensors (the whole
-    sequence's, under context parallelism), not H / G times as much."""
+    sequence's, under context parallelism), not H / G times as much. They come whole, not sliced, so
+    that the backward writes their gradients into one ``(B,G,T,E)`` tensor each: autograd's backward
+    of a slice would allocate (and zero) a whole-sequence gradient per slice."""
 
     @staticmethod
-    def forward(ctx, q, k_prefix, v_prefix, k_diag, v_diag):
-        H = q.shape[1]
-        o, lse = _flash(q, _repeat_heads(k_diag, H), _repeat_heads(v_diag, H), 0.0, True)
-        if k_prefix.shape[2] > 0:
-            o_pre, lse_pre = _flash(q, _repeat_heads(k_prefix, H), _repeat_heads(v_prefix, H), 0.0, False)
+    def forward(ctx, q, k, v, start):
+        H, c = q.shape[1], q.shape[2]
+        o, lse = _flash(q, _repeat_heads(k[:, :, start:start + c], H), _repeat_heads(v[:, :, start:start + c], H),
+                        0.0, True)
+        if start > 0:
+            o_pre, lse_pre = _flash(q, _repeat_heads(k[:, :, :start], H), _repeat_heads(v[:, :, :start], H), 0.0, False)
             merged = torch.logaddexp(lse_pre, lse)  # (B, H, c), fp32
             o = (o_pre.float() * (lse_pre - merged).exp().unsqueeze(-1)
                  + o.float() * (lse - merged).exp().unsqueeze(-1)).to(q.dtype)
             lse = merged
-        ctx.save_for_backward(q, k_prefix, v_prefix, k_diag, v_diag, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.start = start
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k_prefix, v_prefix, k_diag, v_diag, o, lse = ctx.saved_tensors
-        H, G = q.shape[1], k_diag.shape[1]
+        q, k, v, o, lse = ctx.saved_tensors
+        start, (H, c), G = ctx.start, q.shape[1:3], k.shape[1]
         do = do.contiguous()
-        dq, dk, dv = _flash_backward(do, q, _repeat_heads(k_diag, H), _repeat_heads(v_diag, H), o, lse, 0.0, True)
-        dk_diag, dv_diag = _sum_heads(dk, G), _sum_heads(dv, G)
-        if k_prefix.shape[2] > 0:
-            dq_pre, dk, dv = _flash_backward(do, q, _repeat_heads(k_prefix, H), _repeat_heads(v_prefix, H), o, lse,
-                                             0.0, False)
+        dk_BGTE, dv_BGTE = torch.zeros_like(k), torch.zeros_like(v)
+        diag = slice(start, start + c)
+        dq, dk, dv = _flash_backward(do, q, _repeat_heads(k[:, :, diag], H), _repeat_heads(v[:, :, diag], H), o, lse,
+                                     0.0, True)
+        dk_BGTE[:, :, diag], dv_BGTE[:, :, diag] = _sum_heads(dk, G), _sum_heads(dv, G)
+        if start > 0:
+            dq_pre, dk, dv = _flash_backward(do, q, _repeat_heads(k[:, :, :start], H),
+                                             _repeat_heads(v[:, :, :start], H), o, lse, 0.0, False)
             dq = dq + dq_pre
-            dk_prefix, dv_prefix = _sum_heads(dk, G), _sum_heads(dv, G)
-        else:
-            dk_prefix, dv_prefix = torch.zeros_like(k_prefix), torch.zeros_like(v_prefix)
-        return dq, dk_prefix, dv_prefix, dk_diag, dv_diag
+            dk_BGTE[:, :, :start], dv_BGTE[:, :, :start] = _sum_heads(dk, G), _sum_heads(dv, G)
+        return dq, dk_BGTE, dv_BGTE, None
 
 
 def prefix_causal_attention(q_BHcE: torch.Tensor, k_BGTE: torch.Tensor, v_BGTE: torch.Tensor,
                             chunk: int) -> torch.Tensor:
     """Queries of chunk ``chunk`` (size ``c``) against keys ``[0, (chunk+1)·c)`` of the whole sequence
     (G key/value heads, G dividing the H query heads)."""
-    c = q_BHcE.shape[2]
-    start = chunk * c
-    return PrefixCausalAttention.apply(q_BHcE, k_BGTE[:, :, :start], v_BGTE[:, :, :start],
-                                       k_BGTE[:, :, start:start + c], v_BGTE[:, :, start:start + c])
+    return PrefixCausalAttention.apply(q_BHcE, k_BGTE, v_BGTE, chunk * q_BHcE.shape[2])

@@ -137,7 +137,8 @@ class LoadBalancedCausalAttention(nn.Module):
             self.stats.seconds += time.perf_counter() - t0
         kv_RSBG2cE = gathered.unflatten(0, (self.size, 2))
         kv_SBGTE = sequence_from_rank_chunks(kv_RSBG2cE, seq_dim=4)
-        return kv_SBGTE[0], kv_SBGTE[1]
+        k_BGTE, v_BGTE = kv_SBGTE.unbind(0)  # (select's backward would zero a whole-size gradient each)
+        return k_BGTE, v_BGTE
 
 
 def apply_context_parallel(model: nn.Module, model_cfg: Any, mesh, stats: ContextParallelStats | None,

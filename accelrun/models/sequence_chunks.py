@@ -44,9 +44,9 @@ def sequence_from_rank_chunks(x_R2: torch.Tensor, seq_dim: int) -> torch.Tensor:
     (head, tail) before the chunk's own positions at ``seq_dim + 1``: shape ``(cp, ..., 2, c, ...)``.
     Returns ``(..., 2·cp·c, ...)``: heads of ranks 0..cp−1, then tails of ranks cp−1..0 (chunks 0..2·cp−1).
     """
-    heads = x_R2.select(seq_dim, 0)  # (cp, ..., c, ...): chunks 0..cp-1
-    tails = x_R2.select(seq_dim, 1).flip(0)  # chunks cp..2cp-1
-    both = torch.cat([heads, tails], dim=0)  # (2cp, ..., c, ...)
-    # Move the chunk axis next to the positions within a chunk, then merge the two.
-    both = both.movedim(0, seq_dim - 1)
-    return both.flatten(seq_dim - 1, seq_dim)
+    # unbind and one stack: a single copy, and backward views of the gradient (select's backward
+    # would allocate a zeroed whole-size gradient per selection).
+    d = seq_dim - 1  # the (head, tail) axis once the ranks' axis is unbound
+    per_rank = [x.unbind(d) for x in x_R2.unbind(0)]
+    chunks = [head for head, _ in per_rank] + [tail for _, tail in reversed(per_rank)]  # chunks 0..2cp-1
+    return torch.stack(chunks, dim=d).flatten(d, d + 1)
