@@ -14,12 +14,19 @@ Measured on this project's 2-core CPU machine (other jobs running beside it), se
 Llama of dim 256, 4 layers, 8 heads over 2 key/value heads, one thread per rank:
 
     layout             peak RSS      added  added ×      step  step ×
-    one process          1622 MiB   1114 MiB     1.00   14342 ms    1.00
-    cp=2 (2 ranks)       1113 MiB    693 MiB     0.62    9307 ms    0.65
+    one process          1658 MiB   1149 MiB     1.00   10079 ms    1.00
+    cp=2 (2 ranks)       1073 MiB    654 MiB     0.57    9910 ms    0.98
 
-(0.60 and 0.63 in two other runs, 0.63 with train.cpu_malloc=system; what autograd saves per rank
-is 0.51 of one process's, and one process running a cp rank's share with the all-gather faked
-adds 0.55 of the memory: the rest is the job's own.)
+(0.56 and 0.61 in two other runs. Step times are blurred by a test suite running beside them: cp=2's
+steps took 9.1-10.3 s in the three runs, one process's 10.1-25.4 s (14.3 s, × 0.65, in a quieter one
+earlier). Added memory 0.60-0.63 before the K/V gather's whole-sequence temporaries were cut. Where
+a rank's peak goes, from glibc's mallinfo2 at the step's phases: the bytes live at the step's peak
+are 0.51 of one process's, 384 vs 752 MiB above what both hold between steps. The rest is heap
+fragmentation: under train.cpu_malloc=tuned every block of a step comes from glibc's main heap,
+which ends 300-400 MiB larger than the most ever live at once, about as much in either layout, so it
+weighs more in the cp rank's smaller figure and varies by some tens of MiB between ranks and runs.
+Not gloo's buffers: the other threads' arenas hold about 30 MiB at either length;
+train.cpu_malloc=system fragments the same.)
 """
 
 from __future__ import annotations
