@@ -8,6 +8,7 @@ weights and activations in bf16 (AdamW on bf16 parameters), which is how such mo
 fine-tuned on a CPU.
 
     python bench/compile_step_hf.py
+    python bench/compile_step_hf.py --malloc system          # glibc's defaults instead of accelrun train's
     python bench/compile_step_hf.py --dtypes fp32 --rounds 20 --hidden 512 --layers 4 --seq 512
 """
 
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accelrun.compile.backend import AccelrunBackend  # noqa: E402
 from accelrun.compile.options import CompileOptions  # noqa: E402
 from accelrun.compile.passes.base import resolve_passes  # noqa: E402
+from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -112,7 +114,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--malloc", choices=["tuned", "system"], default="tuned",
+                    help="glibc malloc settings of this process, so of every variant alike; tuned is what "
+                         "`accelrun train` sets on a CPU (train.cpu_malloc), as bench/compile_step.py does")
     args = ap.parse_args()
+    tune_malloc(args.malloc)
+    print(f"host malloc (every variant): {malloc_record(args.malloc)}")
     for dname in args.dtypes.split(","):
         run(args, dname)
 
