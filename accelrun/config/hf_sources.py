@@ -7,13 +7,11 @@ the file a user has to look at.
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 from typing import Any
 
 from accelrun.config.compose import Source
-from accelrun.config.yaml_lines import KeyPath
+from accelrun.config.yaml_lines import KeyPath, load_yaml_with_lines
 
 # accelrun model key -> the config.json key it is read from (several keys are read from the first
 # one present). A key not listed is derived from model_type (arch, qkv_bias).
@@ -39,9 +37,9 @@ def hf_key_sources(folder: str, keys: dict[str, Any]) -> dict[KeyPath, Source]:
     (what ``model_keys_from_hf_folder`` returned). A key the file leaves out (a transformers default)
     points at the ``model_type`` line, the line that chose the defaults."""
     path = Path(folder).expanduser() / "config.json"
-    text = path.read_text()
-    config = json.loads(text)
-    lines = _top_level_key_lines(text)
+    located = load_yaml_with_lines(path.read_text(), str(path))  # JSON is YAML: the recipes' own line finder
+    config = located.data
+    lines = {key[0]: line for key, line in located.lines.items() if len(key) == 1}
     fallback = lines.get("model_type") or lines.get("architectures")
     out: dict[KeyPath, Source] = {}
     for key in keys:
@@ -54,36 +52,3 @@ def hf_key_sources(folder: str, keys: dict[str, Any]) -> dict[KeyPath, Source]:
         for sub in keys[key] if isinstance(keys[key], dict) else ():  # rope_scaling's own keys
             out[("model", key, sub)] = out[("model", key)]
     return out
-
-
-def _top_level_key_lines(text: str) -> dict[str, int]:
-    """Line numbers of the keys of a JSON object's first level (transformers writes one key per line;
-    a nested object's keys are skipped by tracking brace depth)."""
-    out: dict[str, int] = {}
-    depth = 0
-    for number, line in enumerate(text.splitlines(), start=1):
-        if depth == 1:
-            m = re.match(r'\s*"((?:[^"\\]|\\.)*)"\s*:', line)
-            if m and m.group(1) not in out:
-                out[m.group(1)] = number
-        depth += _depth_change(line)
-    return out
-
-
-def _depth_change(line: str) -> int:
-    change, in_string, escaped = 0, False, False
-    for ch in line:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            change += 1
-        elif ch in "}]":
-            change -= 1
-    return change

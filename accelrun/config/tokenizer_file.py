@@ -225,15 +225,20 @@ TOKEN_FILE_MAGIC = b"ACCTOK01"
 _VOCAB_AT, _COUNT_AT, _NAME_AT = slice(12, 16), slice(16, 24), slice(24, 40)
 
 
-def token_file_tokenizer(path: Path) -> tuple[str, int] | None:
-    """(tokenizer name, vocab_size) from a token file's header; None for a file that is not one (the
-    data layer reports it with the details)."""
+def _token_file_header(path: Path) -> bytes | None:
+    """The first 40 bytes of a token file; None for a file that is not one."""
     try:
         with open(path, "rb") as fh:
             head = fh.read(40)
     except OSError:
         return None
-    if len(head) < 40 or head[:8] != TOKEN_FILE_MAGIC:
+    return head if len(head) == 40 and head[:8] == TOKEN_FILE_MAGIC else None
+
+
+def token_file_tokenizer(path: Path) -> tuple[str, int] | None:
+    """(tokenizer name, vocab_size) from a token file's header; None for a file that is not one (the
+    data layer reports it with the details)."""
+    if (head := _token_file_header(path)) is None:
         return None
     name = head[_NAME_AT].rstrip(b"\0").decode("ascii", errors="replace")
     return name, int.from_bytes(head[_VOCAB_AT], "little")
@@ -241,12 +246,7 @@ def token_file_tokenizer(path: Path) -> tuple[str, int] | None:
 
 def token_file_count(path: Path) -> int | None:
     """How many tokens a token file's header says it holds; None for a file that is not one."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(40)
-    except OSError:
-        return None
-    if len(head) < 40 or head[:8] != TOKEN_FILE_MAGIC:
+    if (head := _token_file_header(path)) is None:
         return None
     return int.from_bytes(head[_COUNT_AT], "little")
 
