@@ -329,6 +329,14 @@ class CheckpointConfig(Section):
 class ReportConfig(Section):
     runs_dir: str = "runs"
     log_every: PositiveInt = Field(10, description="steps between progress lines (the bar redraws every step)")
+    read_every: PositiveInt | None = Field(
+        None,
+        description="steps between host reads of the loss, gradient norm and step timings (one device "
+        "synchronisation each); None: every step on a CPU (its work is done when a call returns, so reading "
+        "costs nothing), report.log_every on an accelerator. Metrics lines, divergence checks and the "
+        "agreement to stop on a signal happen at these reads (and before checkpoints, evaluations and the "
+        "last step), so a preemption's grace period must cover read_every steps",
+    )
     warmup_steps: NonNegativeInt = Field(3, description="steps left out of steady-state figures")
     peak_tflops: Annotated[float, Field(gt=0)] | None = Field(
         None, description="declared per-device peak (TFLOP/s) for MFU; None = measured or known table"

@@ -2,7 +2,10 @@
 
 Everything the loop needs is built beforehand (``accelrun.train.setup``); the loop only steps,
 measures and saves. Each optimizer step is timed in parts (data, forward, backward, optimizer)
-so the report can say where the time goes.
+so the report can say where the time goes. Its results stay on the device until the host reads them
+(``report.read_every``, ``step_reads``): metrics lines, the divergence check and the agreement to stop
+on a signal happen at those reads; a step that evaluates, saves a checkpoint or ends the run is read
+before the checkpoint is saved.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from pathlib import Path
 import torch
 
 from accelrun.dist import stop
-from accelrun.errors import CollectiveTimeout, TrainingDiverged
+from accelrun.errors import CollectiveTimeout, TrainingDiverged  # noqa: F401 (tests import it from here)
 from accelrun.report.memory import peak_memory_bytes, peak_reserved_bytes, reset_peak_memory
-from accelrun.report.metrics import MetricsWriter, StepMetrics
+from accelrun.report.metrics import MetricsWriter
 from accelrun.report.profiler import profile_steps
 from accelrun.train.checkpoint import save_checkpoint
 from accelrun.train.evaluate import evaluate
@@ -26,9 +29,10 @@ from accelrun.train.grad_clip import clip_grad_norm_
 from accelrun.train.lineage import prune_history_checkpoints
 from accelrun.train.precision import autocast
 from accelrun.train.progress import TrainProgress
-from accelrun.train.router_metrics import router_step_metrics
+from accelrun.train.router_metrics import router_step_totals
 from accelrun.train.setup import TrainSetup
 from accelrun.train.step_clock import StepClock
+from accelrun.train.step_reads import PendingStep, PendingSteps, StepMarks, raise_if_diverged, read_interval
 
 
 @dataclass
@@ -64,16 +68,18 @@ def run_loop(
         part.train()
     run_dir = s.checkpoint_dir.parent
     where = {"step": s.start_step, "phase": "starting"}  # for a collective that times out
+    read_every = read_interval(cfg, dev)  # report.read_every: CPU every step, GPU every log_every steps
+    pending = PendingSteps(s.flops_per_token, s.peak.tflops)
     try:
         with (stop.catch_signals(),
               profile_steps(cfg.report.profile_steps, run_dir, s.start_step, s.ctx.rank) as prof):
             for step in range(s.start_step + 1, total + 1):
                 lr = s.optimizer.param_groups[0]["lr"]
-                t_step = time.perf_counter()
+                clock = StepClock(dev)  # CUDA: events at the phase boundaries, read at the next host read
+                m_start = clock.mark()
                 reset_peak_memory(dev)  # CUDA: this step's peak, not setup's or an earlier step's
                 comm_at_start = s.comm_timer.seconds if s.comm_timer is not None else 0.0
                 where.update(step=step, phase="forward and backward")
-                clock = StepClock(dev)  # CUDA: events at the phase boundaries, one synchronisation per step
                 spans = []  # per micro-batch: its (start, data loaded, forward done, backward done) marks
                 loss_sum = torch.zeros((), device=dev)
                 for _ in range(s.grad_accum):
@@ -98,7 +104,7 @@ def run_loop(
                 if s.expert_parallel is not None:  # experts' gradients: summed over their holders, averaged
                     s.expert_parallel.reduce_gradients()
                 m4 = clock.mark()
-                # The norm and the loss stay on the device until the step's one synchronisation.
+                # The norm and the loss stay on the device until the next read (step_reads).
                 where["phase"] = "the gradient norm"
                 grad_norm_t = clip_grad_norm_(params, clip, stage_group)
                 where["phase"] = "averaging the loss"
@@ -108,56 +114,48 @@ def run_loop(
                 s.scheduler.step()
                 s.optimizer.zero_grad(set_to_none=True)
                 m5 = clock.mark()
-                clock.finish()
-                t_end = time.perf_counter()
-                loss_value, grad_norm = float(loss_t), float(grad_norm_t)
-                # Read after the optimizer step: no checkpoint follows a diverged step, so the last one
-                # saved is still the last good one.
-                for what, value in (("the loss", loss_value), ("the gradient norm", grad_norm)):
-                    if not math.isfinite(value):
-                        raise TrainingDiverged(step, what, value, last_ckpt)
-                data_s = sum(clock.seconds(a, b) for a, b, _, _ in spans)
-                fwd_s = sum(clock.seconds(b, c) for _, b, c, _ in spans)
-                bwd_s = sum(clock.seconds(c, d) for _, _, c, d in spans)
-                record = StepMetrics(
-                    step=step, loss=loss_value, lr=lr, grad_norm=grad_norm, step_time_s=t_end - t_step,
-                    data_time_s=data_s, tokens=s.tokens_per_step, mem_peak_bytes=peak_memory_bytes(dev),
-                    compile=step == s.start_step + 1 and s.compiles,
-                ).to_dict(flops_per_token=s.flops_per_token, peak_tflops=s.peak.tflops)
-                record.update(forward_s=fwd_s, backward_s=bwd_s, optimizer_s=clock.seconds(m4, m5))
-                if (reserved := peak_reserved_bytes(dev)) is not None:  # what the allocator held (CUDA)
-                    record["mem_reserved_bytes"] = reserved
-                record.update(router_step_metrics(s.model, s.ctx.distributed))  # MoE: load, drops, aux loss
+                done = PendingStep(step, clock, StepMarks(m_start, spans, m4, m5), loss_t, grad_norm_t, None, lr=lr,
+                                   tokens=s.tokens_per_step, compile=step == s.start_step + 1 and s.compiles,
+                                   mem_peak_bytes=peak_memory_bytes(dev), mem_reserved_bytes=peak_reserved_bytes(dev))
+                where["phase"] = "summing the router's figures"
+                done.router = router_step_totals(s.model, s.ctx.distributed)  # MoE: every rank, every step
                 if s.expert_parallel is not None:
-                    record.update(s.expert_parallel.step_metrics())
+                    done.extras.update(s.expert_parallel.step_metrics())
                 if s.comm_timer is not None:  # blocked in collectives during this step (inside the parts above)
-                    record["comm_s"] = s.comm_timer.seconds - comm_at_start
+                    done.extras["comm_s"] = s.comm_timer.seconds - comm_at_start
                 if s.cp_stats is not None:  # context parallelism's key/value all-gathers (eager forward)
-                    record.update(s.cp_stats.step_metrics())
+                    done.extras.update(s.cp_stats.step_metrics())
                 if s.comm_trace is not None:  # FSDP's / compiled graphs' collectives: exposed, busy, overlap
-                    record.update(s.comm_trace.step_metrics())
-                if s.eval_data is not None and (step % cfg.eval.every == 0 or step == total):
+                    done.extras.update(s.comm_trace.step_metrics())
+                evaluating = s.eval_data is not None and (step % cfg.eval.every == 0 or step == total)
+                if evaluating:
                     where["phase"] = "evaluating"
-                    record["val_loss"] = evaluate(s)  # every rank: its shard, averaged over data parallel
-                prof.step(step, record)  # report.profile_steps: starts/stops the trace, marks profiled steps
-                if metrics is not None:  # rank 0 only
-                    metrics.write(record)
-                    if trackers is not None:
-                        trackers.log_step(record)
-                    progress.update(step, loss_value, record["tokens_per_s"] or 0.0)
-                outcome.last_step = step
-                outcome.step_times.append({k: record.get(k) for k in ("step_time_s", "compile", "profiled")})
+                    done.extras["val_loss"] = evaluate(s)  # every rank: its shard, averaged over data parallel
+                prof.step(step, done.extras)  # report.profile_steps: starts/stops the trace, marks profiled steps
+                pending.add(done)
+                scheduled_save = cfg.checkpoint.enabled and (
+                    step % cfg.checkpoint.every == 0 or (step == total and cfg.checkpoint.save_final))
+                # Read before a checkpoint too: a diverged step is found before one is saved after it.
+                if not (step % read_every == 0 or step in (total, stop_after_step) or scheduled_save or evaluating):
+                    continue
+                where["phase"] = "reading the steps' results"
+                for record in pending.read():
+                    raise_if_diverged(record, last_ckpt)  # the steps before it are written, none after
+                    if metrics is not None:  # rank 0 only
+                        metrics.write(record)
+                        if trackers is not None:
+                            trackers.log_step(record)
+                        progress.update(record["step"], record["loss"], record["tokens_per_s"] or 0.0)
+                    outcome.last_step = record["step"]
+                    outcome.step_times.append({k: record.get(k) for k in ("step_time_s", "compile", "profiled")})
 
-                # Ranks may see the signal at different steps (or not at all); they stop at the same one.
+                # Ranks may see the signal at different steps (or not at all); they stop at the same read.
                 where["phase"] = "agreeing whether to stop"
                 preempted = s.ctx.any(stop.requested() != 0)
                 if preempted:  # which signal: SIGTERM's 143 wins over SIGINT's 130
                     outcome.signum = signal.SIGTERM if s.ctx.any(stop.requested() == signal.SIGTERM) else signal.SIGINT
                 stopping = preempted or step == stop_after_step
-                due = cfg.checkpoint.enabled and (
-                    step % cfg.checkpoint.every == 0 or (step == total and cfg.checkpoint.save_final) or preempted
-                )
-                if due:
+                if scheduled_save or (cfg.checkpoint.enabled and preempted):
                     where["phase"] = "saving a checkpoint"
                     t_ck = time.perf_counter()
                     last_ckpt = save_checkpoint(

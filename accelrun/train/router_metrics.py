@@ -21,12 +21,15 @@ from torch import nn
 from accelrun.dist.collective import to_collective_device
 
 
-def router_step_metrics(model: nn.Module, distributed: bool) -> dict[str, Any]:
-    """This step's router figures ({} for a model without a router). Call on every rank."""
+def router_step_totals(model: nn.Module, distributed: bool) -> torch.Tensor | None:
+    """This step's router totals summed over the job's ranks, packed in one float64 tensor on the
+    model's device (None for a model without a router). Call on every rank after each step: it pops
+    the step's figures and runs the all-reduce, but reads nothing on the host, so a GPU step goes on
+    without waiting; :func:`router_metrics_from_totals` turns it into figures when the loop reads."""
     pop = getattr(model, "pop_router_stats", None)
     totals = pop() if callable(pop) else None
     if totals is None:
-        return {}
+        return None
     packed = torch.cat([totals["aux_sum"].reshape(1), totals["forwards"].reshape(1),
                         totals["dropped"].reshape(1), totals["tokens_per_expert"]]).double()
     if distributed:
@@ -34,8 +37,13 @@ def router_step_metrics(model: nn.Module, distributed: bool) -> dict[str, Any]:
         packed = to_collective_device(packed, None).clone()
         dist.all_reduce(packed)
         packed = packed.to(home)
-    aux_sum, forwards, dropped = packed[:3].tolist()
-    per_expert = [round(v) for v in packed[3:].tolist()]
+    return packed
+
+
+def router_metrics_from_totals(packed: list[float]) -> dict[str, Any]:
+    """The figures for metrics.jsonl from :func:`router_step_totals`' values, read on the host."""
+    aux_sum, forwards, dropped = packed[:3]
+    per_expert = [round(v) for v in packed[3:]]
     assigned = sum(per_expert)
     mean = assigned / len(per_expert)
     return {

@@ -4,7 +4,8 @@ On a CPU the work of a phase is done when its call returns, so host time at each
 phase's time. On CUDA a call returns as soon as its kernels are queued; synchronising at every phase
 boundary to read the host clock would keep the host from queueing the next phase while the GPU runs
 this one. So on CUDA each boundary records an event on the current stream, and the events are read
-after the one synchronisation at the end of the step (``finish``).
+after the one synchronisation at the end of the step (``finish``), or at the end of a later step
+whose synchronisation covers this one's events too (``finish(synchronize=False)``).
 
     clock = StepClock(device)
     a = clock.mark(); forward(); b = clock.mark()
@@ -35,9 +36,13 @@ class StepClock:
             self._marks.append(time.perf_counter())
         return len(self._marks) - 1
 
-    def finish(self) -> None:
-        """The step's one synchronisation (CUDA): every mark can be read after it."""
-        if self.cuda:
+    def finish(self, synchronize: bool = True) -> None:
+        """The step's one synchronisation (CUDA): every mark can be read after it.
+
+        ``synchronize=False``: the device was already synchronised after this clock's last mark (by
+        the finish of a later step's clock, when the loop reads several steps at once), so the marks
+        can be read without waiting again."""
+        if self.cuda and synchronize:
             torch.cuda.synchronize()
         self._done = True
 
