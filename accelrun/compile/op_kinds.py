@@ -5,6 +5,8 @@
 - reduction: folds one or more axes (``torch.Tag.reduction``: sum, amax, mean, …).
 - view: reinterprets the layout without computing (view, expand, permute, unsqueeze, …); inside a
   region a code generator turns it into index arithmetic.
+- constant: a tensor filled with one number (``full``, ``zeros_like``, ``scalar_tensor``): inside a
+  region it is that number, never written to memory (a gradient's zeros, a mask's fill value).
 - other: everything else (matmuls, attention, random numbers, collectives): never inside a region.
 """
 
@@ -14,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-OpKind = Literal["pointwise", "reduction", "view", "other"]
+OpKind = Literal["pointwise", "reduction", "view", "constant", "other"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -36,12 +38,29 @@ NOT_FUSIBLE = frozenset({
 # ATen tags _to_copy as neither; a dtype-only _to_copy is a cast, which is pointwise.
 _CASTS = frozenset({aten._to_copy.default, prims.convert_element_type.default})
 
+# Softmax and log-softmax are row reductions followed by a pointwise epilogue, with an output as large
+# as their input; ATen tags them as neither.
+ROW_SOFTMAX = frozenset({aten._softmax.default, aten._log_softmax.default})
+
+CONSTANTS = frozenset({
+    aten.full.default, aten.full_like.default, aten.zeros_like.default, aten.ones_like.default,
+    aten.scalar_tensor.default,
+})  # fmt: skip
+
 
 def op_kind(target: Any, kwargs: dict[str, Any] | None = None) -> OpKind:
     if not isinstance(target, torch._ops.OpOverload) or target in NOT_FUSIBLE:
         return "other"
     if target in VIEW_OPS:
         return "view"
+    if target in ROW_SOFTMAX:
+        return "reduction"
+    if target in CONSTANTS:
+        kw = kwargs or {}
+        # A fill with a symbolic value, or a non-strided or pinned tensor, is left to ATen.
+        fill = kw.get("fill_value", 0)
+        plain = kw.get("layout") in (None, torch.strided) and not kw.get("pin_memory")
+        return "constant" if plain and isinstance(fill, (int, float, bool)) else "other"
     if target in _CASTS:
         # A cast that also moves devices or changes layout is not pointwise.
         kw = kwargs or {}
@@ -59,4 +78,25 @@ def op_kind(target: Any, kwargs: dict[str, Any] | None = None) -> OpKind:
 def node_kind(node: torch.fx.Node) -> OpKind:
     if node.op != "call_function":
         return "other"
-    return op_kind(node.target, dict(node.kwargs))
+    kwargs = dict(node.kwargs)
+    if node.target in _CASTS and "device" in kwargs and _same_device_as_input(node, kwargs["device"]):
+        kwargs.pop("device")  # AOTAutograd spells `x.float()` with the device it already has
+    if node.target in CONSTANTS:
+        fill = _fill_value(node)
+        if fill is not None:
+            kwargs["fill_value"] = fill
+    return op_kind(node.target, kwargs)
+
+
+def _same_device_as_input(node: torch.fx.Node, device: Any) -> bool:
+    src = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    return isinstance(src, torch.Tensor) and device is not None and torch.device(device) == src.device
+
+
+def _fill_value(node: torch.fx.Node) -> Any:
+    """The number a constant op fills with (positional or keyword), or None for zeros_like/ones_like."""
+    t = node.target
+    if t in (aten.zeros_like.default, aten.ones_like.default):
+        return None
+    i = 0 if t is aten.scalar_tensor.default else 1
+    return node.args[i] if len(node.args) > i else node.kwargs.get("fill_value", node.kwargs.get("s"))

@@ -79,6 +79,7 @@ class ScheduleOptions(PassOptions):
 BUILTIN_PASSES: dict[str, tuple[Stage, type[PassOptions]]] = {
     "dce": ("post_grad", PassOptions),
     "cse": ("post_grad", PassOptions),
+    "simplify": ("post_grad", PassOptions),
     "fuse_attention": ("pre_grad", FuseAttentionOptions),
     "fuse_rmsnorm": ("pre_grad", FuseRMSNormOptions),
     "fuse_swiglu": ("pre_grad", FuseSwiGLUOptions),
@@ -99,16 +100,18 @@ PRESETS: dict[str, list[str]] = {
     "none": [],
     "default": [
         "fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "merge_parallel_linears", "dce", "cse", "partition_regions",
+        "merge_parallel_linears", "dce", "cse", "simplify", "partition_regions",
     ],
     "max": [
         "fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "merge_parallel_linears", "remat", "dce", "cse", "bucket_collectives", "schedule_overlap", "partition_regions",
+        "merge_parallel_linears", "remat", "dce", "cse", "simplify", "bucket_collectives", "schedule_overlap",
+        "partition_regions",
     ],
     # default + the communication passes (for compiled FSDP / TP graphs; a no-op without collectives).
     "overlap": [
         "fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "merge_parallel_linears", "dce", "cse", "bucket_collectives", "schedule_overlap", "partition_regions",
+        "merge_parallel_linears", "dce", "cse", "simplify", "bucket_collectives", "schedule_overlap",
+        "partition_regions",
     ],
 }  # fmt: skip
 

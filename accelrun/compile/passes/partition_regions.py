@@ -6,9 +6,11 @@ without making a cycle) is ``_Partitioner``.
 
 The rules:
 
-- Members are pure ``call_function`` nodes of kind pointwise, reduction or view
+- Members are pure ``call_function`` nodes of kind pointwise, reduction, view or constant
   (``op_kinds.node_kind``) whose ``meta["val"]`` is one strided tensor. Placeholders, get_attr,
-  the output and kind "other" (matmuls, attention, random ops, collectives) never join.
+  the output and kind "other" (matmuls, attention, random ops, collectives) never join. A
+  softmax is a reduction over its rows whose output is as large as its input; a constant read by
+  several users is copied for each first, so each region holds it as a number.
 - Growth: nodes are visited in graph order; a node joins the region of each of its producers, in
   argument order, when the merge is legal; otherwise it starts its own.
 - No cycles: merging A and B is refused if a path leads from one to the other through anything
@@ -45,7 +47,7 @@ import torch
 from torch import fx
 
 from accelrun.compile.codegen.values import MAX_UNROLLED_REDUCTION, is_short_middle_reduction
-from accelrun.compile.op_kinds import node_kind
+from accelrun.compile.op_kinds import ROW_SOFTMAX, node_kind
 from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.passes.dce import op_is_pure
 from accelrun.compile.regions import REGION_KEY
@@ -130,7 +132,7 @@ def _member_shape(node: fx.Node) -> _Member | None:
     out = _tensor_val(node)
     if out is None:
         return None
-    if kind == "pointwise":
+    if kind in ("pointwise", "constant"):
         return _Member({_numel(out)})
     src = _tensor_val(node.args[0]) if node.args else None
     if src is None:
@@ -140,7 +142,13 @@ def _member_shape(node: fx.Node) -> _Member | None:
     dims = _reduced_dims(node, src.dim())
     if dims is None:
         return None
-    red = _Reduction(tuple(_size(s) for s in src.shape), dims, _numel(src), _numel(out))
+    reduced = _numel(out)
+    if node.target in ROW_SOFTMAX:  # reduces its rows, then writes a whole-size output
+        row = _size(src.shape[dims[0]]) if len(dims) == 1 else None
+        if not isinstance(row, int) or not isinstance(reduced, int):
+            return None
+        reduced //= row
+    red = _Reduction(tuple(_size(s) for s in src.shape), dims, _numel(src), reduced)
     if is_short_middle_reduction(red.in_shape, red.dims):
         return _Member({red.full, red.reduced}, gathers=True)
     return _Member({red.full, red.reduced}, red)
@@ -288,10 +296,27 @@ def compute_ops(nodes: list[fx.Node]) -> int:
     return sum(1 for n in nodes if node_kind(n) in ("pointwise", "reduction"))
 
 
+def split_shared_constants(graph: fx.Graph) -> int:
+    """Give each user of a constant (``full``, ``scalar_tensor``, ...) a copy of its own, so every
+    region that reads it holds it as a number instead of one region writing it out for the others.
+    Returns how many copies were made."""
+    made = 0
+    for node in list(graph.nodes):
+        if node_kind(node) != "constant" or len(node.users) < 2:
+            continue
+        for user in list(node.users)[1:]:
+            with graph.inserting_after(node):
+                copy = graph.node_copy(node)
+            user.replace_input_with(node, copy)
+            made += 1
+    return made
+
+
 def partition(graph: fx.Graph, max_nodes: int = 64, min_ops: int = 2, first_id: int = 0) -> dict[int, list[fx.Node]]:
     """Mark regions on ``graph``'s nodes; returns region id -> nodes in graph order."""
     for node in graph.nodes:
         node.meta.pop(REGION_KEY, None)
+    split_shared_constants(graph)
     parts = _Partitioner(graph, max_nodes)
     parts.grow()
     parts.drop_boundary_views()

@@ -1,0 +1,145 @@
+"""Rewrite writes into a constant tensor as pointwise ops, which a fusion region can hold.
+
+Autograd's formulas often build a gradient by scattering into zeros: cross-entropy's backward
+scatters -1 at each row's target into a zero tensor of the logits' size, a slice's backward
+(``rotate_half`` in Hugging Face's RoPE, a ``split``) writes the slice's gradient into zeros of the
+input's size. Left as ATen ops, each fills a whole tensor and copies it before the fused region
+that reads it; written as below, the region computes every element where it needs it:
+
+- ``scatter(full(c), dim, index, v)`` with one index per row along ``dim`` (its other sizes equal
+  the base's) becomes ``where(arange(n) == index, v, c)``: the arange (``n`` integers) stays an
+  ATen input, the comparison and the select join the region.
+- ``slice_scatter(full(c), src, dim, start, end)`` (step 1) becomes ``cat([full(c), src, full(c)],
+  dim)``: a region computes each element of a cat from the part it falls in, constants as numbers.
+
+Only a base that is a constant (``op_kinds``: ``full``, ``zeros_like``, …) is rewritten; the
+result has the same values, dtype and shape. A base left without users is removed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+
+from accelrun.compile.op_kinds import node_kind
+from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+
+aten = torch.ops.aten
+
+
+def _val(node: object) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _fill_value(node: fx.Node) -> float | int | bool:
+    t = node.target
+    if t is aten.zeros_like.default:
+        return 0
+    if t is aten.ones_like.default:
+        return 1
+    i = 0 if t is aten.scalar_tensor.default else 1
+    return node.args[i] if len(node.args) > i else node.kwargs.get("fill_value", node.kwargs.get("s"))
+
+
+class _Builder:
+    """Inserts ATen calls before a node, each with its fake value (later passes read ``meta['val']``)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.graph = gm.graph
+        try:
+            self.fake_mode = detect_fake_mode([v for n in gm.graph.nodes if (v := _val(n)) is not None])
+        except AssertionError:  # values from several fake modes (a hand-traced graph): rewrite nothing
+            self.fake_mode = None
+
+    def __call__(self, before: fx.Node, target, *args, **kwargs) -> fx.Node:
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(target, args, kwargs)
+        vals = [_val(a) if isinstance(a, fx.Node) else a for a in args]
+        vals = [[_val(x) if isinstance(x, fx.Node) else x for x in a] if isinstance(a, list) else a for a in vals]
+        with self.fake_mode:
+            node.meta["val"] = target(*vals, **kwargs)
+        return node
+
+
+def _constant(build: _Builder, before: fx.Node, like: torch.Tensor, shape: list[int], value) -> fx.Node:
+    return build(before, aten.full.default, shape, value, dtype=like.dtype, layout=torch.strided,
+                 device=like.device, pin_memory=False)  # fmt: skip
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _scatter_to_where(build: _Builder, node: fx.Node) -> fx.Node | None:
+    base, dim, index, value = (_arg(node, i, name) for i, name in enumerate(("self", "dim", "index", "value")))
+    out, idx = _val(node), _val(index)
+    if out is None or idx is None or not isinstance(value, (int, float, bool)) or build.fake_mode is None:
+        return None
+    dim %= out.dim()
+    other_dims_match = all(idx.shape[d] == out.shape[d] for d in range(out.dim()) if d != dim)
+    if idx.dim() != out.dim() or idx.shape[dim] != 1 or not other_dims_match:
+        return None
+    positions = build(node, aten.arange.default, out.shape[dim], dtype=idx.dtype, layout=torch.strided,
+                      device=out.device, pin_memory=False)  # fmt: skip
+    along = [1] * out.dim()
+    along[dim] = out.shape[dim]
+    hit = build(node, aten.eq.Tensor, build(node, aten.view.default, positions, along), index)
+    scattered = build(node, aten.scalar_tensor.default, value, dtype=out.dtype, layout=torch.strided,
+                      device=out.device, pin_memory=False)  # fmt: skip
+    return build(node, aten.where.self, hit, scattered, base)
+
+
+def _slice_scatter_to_cat(build: _Builder, node: fx.Node) -> fx.Node | None:
+    base, src = node.args[:2]
+    dim, start, end, step = (_arg(node, i, name, d) for i, name, d in
+                             ((2, "dim", 0), (3, "start", None), (4, "end", None), (5, "step", 1)))
+    out = _val(node)
+    bounds_known = all(isinstance(b, int) for b in (start or 0, end or 0, step))
+    if out is None or build.fake_mode is None or not bounds_known or step != 1:
+        return None
+    if not all(isinstance(s, int) for s in out.shape):
+        return None
+    dim %= out.dim()
+    n = out.shape[dim]
+    start = 0 if start is None else min(max(start + n if start < 0 else start, 0), n)
+    end = n if end is None else min(max(end + n if end < 0 else end, start), n)
+    value = _fill_value(base)
+    parts = []
+    for lo, hi in ((0, start), (end, n)):
+        if hi > lo:
+            shape = list(out.shape)
+            shape[dim] = hi - lo
+            parts.append((lo, _constant(build, node, out, shape, value)))
+    parts.append((start, src))
+    return build(node, aten.cat.default, [p for _, p in sorted(parts, key=lambda p: p[0])], dim)
+
+
+_REWRITES = {aten.scatter.value: _scatter_to_where, aten.slice_scatter.default: _slice_scatter_to_cat}
+
+
+@register_pass("simplify", "post_grad", PassOptions)
+def simplify(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> PassResult:
+    """Scatters into constant tensors become pointwise selects and cats (see the module's docstring)."""
+    build = _Builder(gm)
+    counts: dict[str, int] = {}
+    for node in list(gm.graph.nodes):
+        rewrite = _REWRITES.get(node.target) if node.op == "call_function" else None
+        if rewrite is None or not node.args or node_kind(node.args[0]) != "constant":
+            continue
+        base = node.args[0]
+        new = rewrite(build, node)
+        if new is None:
+            continue
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        if not base.users:
+            gm.graph.erase_node(base)
+        op = node.target.__name__.split(".")[0]  # scatter, slice_scatter
+        counts[op] = counts.get(op, 0) + 1
+    if counts:
+        gm.graph.lint()
+        gm.recompile()
+    summary = ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "nothing to rewrite"
+    return PassResult(changed=bool(counts), summary=f"rewrote {summary}", counts=counts)

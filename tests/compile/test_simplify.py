@@ -1,0 +1,114 @@
+"""The ``simplify`` pass and the region kinds it feeds: a loss head's and a sliced tensor's gradients
+(scatters into zeros in autograd's formulas) and a log-softmax of upcast logits end up inside fused
+regions, with the same values as eager."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from accelrun.compile.backend import AccelrunBackend
+from accelrun.compile.op_kinds import node_kind
+from accelrun.compile.options import CompileOptions
+from accelrun.compile.passes.base import PassContext, PassOptions
+from accelrun.compile.passes.simplify import simplify
+
+aten = torch.ops.aten
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2}}
+
+
+def _compile_and_compare(fn, inputs, tmp_path, dtype):
+    """fn compiled with the default passes and the cpp executor (strict: no silent fallback) against
+    eager: outputs and gradients. Returns the backend and the lowered backward graph's source."""
+    backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"], cache_dir=tmp_path / "cache",
+                                             dump_dir=tmp_path / "dump", strict=True))  # fmt: skip
+    eager_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    comp_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    expected, got = fn(*eager_in), torch.compile(fn, backend=backend, fullgraph=True)(*comp_in)
+    torch.testing.assert_close(got, expected, **TOL[dtype])
+    expected.sum().backward()
+    got.sum().backward()
+    for a, b in zip(eager_in, comp_in, strict=True):
+        if a.requires_grad:
+            torch.testing.assert_close(b.grad, a.grad, **TOL[dtype])
+    lowered = (tmp_path / "dump" / "g0.backward").glob("*_lowered.py")
+    return backend, next(lowered).read_text()
+
+
+def _fired(backend: AccelrunBackend, name: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for p in backend.record.passes:
+        if p.name == name:
+            for k, v in p.counts.items():
+                counts[k] = counts.get(k, 0) + v
+    return counts
+
+
+def test_a_causal_lm_loss_head_fuses_its_softmax_and_its_one_hot_gradient(tmp_path):
+    # As transformers writes it: the logits upcast, labels shifted with -100 padding, a summed loss.
+    def loss_head(h, w, labels):
+        logits = (h @ w).float()
+        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100,
+                               reduction="sum") / 7  # fmt: skip
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        h, w = torch.randn(2, 16, 8, generator=g).to(dtype), torch.randn(8, 40, generator=g).to(dtype)
+        labels = torch.randint(0, 40, (2, 16), generator=g)
+        backend, backward = _compile_and_compare(loss_head, [h, w, labels], tmp_path / str(dtype), dtype)
+        assert _fired(backend, "simplify")["scatter"] == 1
+        assert "aten.scatter" not in backward and "full_like" not in backward  # the one-hot is in a region
+        region_ops = [op for r in backend.record.regions for op in r.ops]
+        assert "eq.Tensor" in region_ops and "exp" in region_ops
+        if dtype == torch.bfloat16:  # the upcast and the log-softmax: one region, no fp32 copy of the logits
+            assert any({"_to_copy", "_log_softmax"} <= set(r.ops) for r in backend.record.regions)
+
+
+def test_a_sliced_tensor_s_gradient_is_computed_in_the_region_not_scattered_into_zeros(tmp_path):
+    def rotate_half(x, cos, sin):  # transformers' RoPE
+        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+        return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).square()
+
+    g = torch.Generator().manual_seed(1)
+    x, cos, sin = (torch.randn(2, 3, 8, 16, generator=g) for _ in range(3))
+    backend, backward = _compile_and_compare(rotate_half, [x, cos, sin], tmp_path, torch.float32)
+    assert _fired(backend, "simplify").get("slice_scatter", 0) >= 2
+    assert "slice_scatter" not in backward and "aten.full" not in backward
+
+
+def _graph_of(fn, *inputs):
+    return make_fx(fn, tracing_mode="fake")(*inputs)
+
+
+def test_only_scatters_into_constants_with_one_index_per_row_are_rewritten():
+    x, idx1, idx2 = torch.randn(4, 6), torch.tensor([[1], [0], [5], [2]]), torch.tensor([[1, 2]] * 4)
+
+    def scatters(x, idx1, idx2):
+        one = torch.zeros_like(x).scatter(1, idx1, -1.0)  # rewritten
+        two = torch.zeros_like(x).scatter(1, idx2, 2.0)  # two indices per row: left
+        into_x = x.scatter(1, idx1, 3.0)  # not a constant base: left
+        every_other = torch.zeros(4, 6).slice_scatter(x[:, :3], 1, 0, 6, 2)  # step 2: left
+        return one, two, into_x, every_other
+
+    gm = _graph_of(scatters, x, idx1, idx2)
+    expected = scatters(x, idx1, idx2)
+    result = simplify(gm, PassOptions(), PassContext("forward"))
+    assert result.counts == {"scatter": 1}
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(aten.scatter.value) == 2 and aten.where.self in targets
+    for got, want in zip(gm(x, idx1, idx2), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_constants_and_same_device_casts_are_region_members():
+    gm = _graph_of(lambda x: x.to(torch.float32) * torch.full_like(x, 2.0, dtype=torch.float32),
+                   torch.randn(3, dtype=torch.bfloat16))  # fmt: skip
+    kinds = {n.target: node_kind(n) for n in gm.graph.nodes if n.op == "call_function"}
+    assert kinds[aten.full_like.default] == "constant" and kinds[aten._to_copy.default] == "pointwise"
+    cast = next(n for n in gm.graph.nodes if n.target is aten._to_copy.default)
+    cast.kwargs = {**cast.kwargs, "device": torch.device("cpu")}  # AOTAutograd spells it so
+    assert node_kind(cast) == "pointwise"
+    cast.kwargs = {**cast.kwargs, "device": torch.device("meta")}  # a real move is not a cast
+    assert node_kind(cast) == "other"
