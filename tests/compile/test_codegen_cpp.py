@@ -524,3 +524,20 @@ def test_softmax_keeps_its_exponentials_in_the_output_row():
     source = cpp_source(cached_program(region_of(lambda x: (torch.softmax(x, -1),), torch.randn(64, 512))))
     assert "row0[" not in source  # no stack scratch: pass 2 writes exp into out0, pass 3 scales in place
     assert source.count("out0[(c + (512 * r))] =") == 2
+
+
+def test_a_dear_output_broadcast_into_another_is_loaded_not_recomputed(cache):
+    """transformers' RoPE computes cos/sin of the angles and returns them: the kernel applying them to
+    every batch and head loads what the first kernel stored instead of one cos and sin per element."""
+    def fn(angle, q):
+        cos, sin = angle.cos().to(q.dtype), angle.sin().to(q.dtype)
+        return cos, sin, q * cos + torch.cat((-q[..., 16:], q[..., :16]), -1) * sin
+
+    for dtype in (torch.float32, torch.bfloat16):
+        angle, q = torch.randn(16, 32), torch.randn(2, 3, 16, 32).to(dtype)
+        program = cached_program(region_of(fn, angle, q))
+        assert len(_stmts(program, "cos")) == 1 and len(_stmts(program, "sin")) == 1
+        stored_first = [k for k in program.kernels if any(st.buffer == "out0" for b in k.blocks for st in b.stores)]
+        assert program.kernels.index(stored_first[0]) == 0  # the kernel storing cos runs before its reader
+        assert any(s.op == "load" and s.args[0] in ("out0", "out1") for s in _stmts(program))
+        check_fn(fn, cache, angle, q, atol=1e-5)

@@ -320,6 +320,8 @@ class _Scheduler:
         return self.depth.get(id(plan.reductions[0]), 0) if plan.reductions else 0
 
     def _assign_outputs(self) -> None:
+        # Outputs computed from the region's inputs alone, by a pointwise plan: value id → (plan, j).
+        self.stored_by: dict[int, tuple[_Plan, int]] = {}
         for j, out in enumerate(self.values.outputs):
             if isinstance(out, Reduce):
                 continue  # stored where it is computed
@@ -327,6 +329,8 @@ class _Scheduler:
             full = next((p for p in rows_plans if out.shape == p.row_shape + p.col_shape), None)
             if full is not None:
                 full.full_outputs.append(_Piece(j, out))
+                if not _reductions_in(out):
+                    self.stored_by[id(out)] = (full, j)
                 continue
             row = next((p for p in rows_plans if _is_row_shape(out.shape, p)), None)
             if row is not None:
@@ -334,7 +338,11 @@ class _Scheduler:
                 continue
             for piece in _pieces(j, out):
                 piece = _affine_columns(piece)
-                self._pointwise_plan(piece.value.shape).full_outputs.append(piece)
+                plan = self._pointwise_plan(piece.value.shape)
+                plan.full_outputs.append(piece)
+                if piece.value is out and piece.to_out is None and not _reductions_in(out):
+                    # A kernel that needs this value may load it once this plan's kernel stored it.
+                    self.stored_by[id(out)] = (plan, j)
 
     def _pointwise_plan(self, shape: tuple[int, ...]) -> _Plan:
         split = len(shape) - 1 if shape else 0
@@ -364,18 +372,25 @@ class _Scheduler:
                                            torch.float32 if red.ctype == "f32" else torch.int64)
             red_buffers = {**{k: b.name for k, b in temps.items()}, **out_buffer}
             self.buffer_strides = {b.name: b.stride for b in buffers + list(temps.values())}
-            kernels, needs = [], []
+            kernels, needs, loads_from = [], [], []
             for n, plan in enumerate(self.plans):
-                kernel, foreign = _build_kernel(self, plan, f"kernel{n}", red_buffers, materialize)
+                kernel, foreign, stored = _build_kernel(self, plan, f"kernel{n}", red_buffers, materialize)
                 kernels.append(kernel)
                 needs.append(foreign)
+                loads_from.append(stored)
             wanted = set().union(*needs) if needs else set()
             if wanted <= materialize:
                 break
             materialize |= wanted
         else:
             raise Unsupported("reductions read across kernels did not settle")
-        order = self._kernel_order(needs)
+        try:
+            order = self._kernel_order(needs, loads_from)
+        except Unsupported:
+            if not self.stored_by:
+                raise
+            self.stored_by = {}  # loading stored outputs closed a cycle: compute them again instead
+            return self.program()
         return LoopProgram(buffers + list(temps.values()), [kernels[i] for i in order])
 
     def _red(self, red_id: int) -> Reduce:
@@ -389,9 +404,12 @@ class _Scheduler:
         flat = [id(r) for p in self.plans for r in p.reductions]
         return flat.index(red_id)
 
-    def _kernel_order(self, needs: list[set[int]]) -> list[int]:
+    def _kernel_order(self, needs: list[set[int]], loads_from: list[set[int]]) -> list[int]:
+        """Kernels in an order where each runs after those whose reductions (``needs``) or stored
+        outputs (``loads_from``, plan ids) it reads."""
         index = {id(p): n for n, p in enumerate(self.plans)}
-        after = [{index[id(self.home[r])] for r in need} for need in needs]
+        after = [{index[id(self.home[r])] for r in need} | {index[p] for p in plans}
+                 for need, plans in zip(needs, loads_from, strict=True)]
         order: list[int] = []
         while len(order) < len(self.plans):
             ready = [n for n in range(len(self.plans)) if n not in order and after[n] <= set(order)]
@@ -506,15 +524,23 @@ _OP_COST = {"exp": 10, "log": 10, "log1p": 12, "expm1": 12, "tanh": 12, "sigmoid
             "pow": 20, "sin": 12, "cos": 12, "div": 4, "sqrt": 4, "rsqrt": 4, "reciprocal": 4}
 
 
+def _reductions_in(v: Value) -> bool:
+    found: list[Reduce] = []
+    _reductions_under(v, set(), found, stop_at_reduce=True)
+    return bool(found)
+
+
 def _build_kernel(sched: _Scheduler, plan: _Plan, name: str, red_buffers: dict[int, str],
-                  materialize: set[int]) -> tuple[Kernel, set[int]]:
+                  materialize: set[int]) -> tuple[Kernel, set[int], set[int]]:
+    """The kernel of ``plan``, the reductions it reads from other kernels, and the plans whose stored
+    outputs it loads."""
     kb = _KernelBuilder(sched, plan, name, red_buffers, materialize)
     kernel = kb.build()
     unroll = _pair_unroll(kernel)
     if unroll > 1:
         kb = _KernelBuilder(sched, plan, name, red_buffers, materialize, unroll)
         kernel = kb.build()
-    return kernel, kb.foreign_reads
+    return kernel, kb.foreign_reads, kb.loads_from
 
 
 def _pair_unroll(kernel: Kernel) -> int:
@@ -545,6 +571,7 @@ class _KernelBuilder:
         self.col_idx = unravel(C, plan.col_shape)
         self.bounds = {R: max(1, math.prod(plan.row_shape)), C: max(1, math.prod(plan.col_shape) // unroll)}
         self.foreign_reads: set[int] = set()
+        self.loads_from: set[int] = set()  # ids of plans whose stored outputs this kernel loads
         self.ctypes: dict[str, str] = {}
         self.inner_names: set[str] = set()
         self.memo: dict[tuple[int, Index], str] = {}
@@ -681,8 +708,22 @@ class _KernelBuilder:
         key = (id(v), idx)
         if key not in self.memo:
             recalled = self._recall(key, v)
+            if recalled is None:
+                recalled = self._load_stored(v, idx)
             self.memo[key] = recalled if recalled is not None else self._value(v, idx)
         return self.memo[key]
+
+    def _load_stored(self, v: Value, idx: Index) -> str | None:
+        """Load a dear value that another kernel of the region stores as an output (RoPE's cos and
+        sin, broadcast over batch and heads) rather than compute it again at every element."""
+        stored = self.sched.stored_by.get(id(v))
+        if stored is None or stored[0] is self.plan or self._cost(v) < ROW_CACHE_MIN_COST:
+            return None
+        plan, j = stored
+        buf = f"out{j}"
+        self.loads_from.add(id(plan))
+        offset = self._offset(buf, v.shape, idx)
+        return self._emit("load", (buf, offset), v.ctype, depends_on_c=_uses(offset, C))
 
     def _recall(self, key: tuple[int, Index], v: Value) -> str | None:
         """Load a value an earlier pass over this row computed, if it is dear enough to keep: the
