@@ -5,11 +5,14 @@ next read, before any checkpoint; one synchronisation per read on CUDA (pretende
 from __future__ import annotations
 
 import signal
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import accelrun.train.run as train_run
 from accelrun.config import load_config
 from accelrun.dist import stop
 from accelrun.report.metrics import read_metrics
@@ -100,6 +103,65 @@ def test_a_stop_request_between_reads_stops_at_the_next_read_with_a_checkpoint(t
     assert reads == [4, 4]
     assert [c.step for c in complete_checkpoints(result.run_dir / "checkpoints")] == [8]
     assert [r["step"] for r in read_metrics(result.run_dir / "metrics.jsonl")] == list(range(1, 9))
+
+
+class HostReads(TorchDispatchMode):
+    """Notes every read of a tensor's value on the host that would wait for a GPU: item, float, int,
+    bool (aten's _local_scalar_dense) and tolist, each as its caller's module, and whether it came
+    from inside the loop's reads (``PendingSteps.read``)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.reading = 0
+        self.seen: list[tuple[bool, str]] = []
+        real_read, real_tolist = PendingSteps.read, torch.Tensor.tolist
+        reads = self
+
+        def read(pending):
+            reads.reading += 1
+            try:
+                return real_read(pending)
+            finally:
+                reads.reading -= 1
+
+        def tolist(t):
+            reads.note()
+            return real_tolist(t)
+
+        monkeypatch.setattr(PendingSteps, "read", read)
+        monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+
+    def note(self) -> None:
+        frame = sys._getframe(2)
+        while frame.f_globals["__name__"].startswith("torch"):  # the caller: the first frame outside torch
+            frame = frame.f_back
+        self.seen.append((self.reading > 0, frame.f_globals["__name__"]))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.note()
+        return func(*args, **(kwargs or {}))
+
+
+def test_between_reads_the_loop_reads_no_tensor_on_the_host(tiny, monkeypatch):
+    # A dense model (the CPU MoE's padded batch reads its size on the host; CUDA's grouped_mm does not).
+    spy = HostReads(monkeypatch)
+    with spy:
+        float(torch.ones(()))  # the spy sees what it must see
+    assert spy.seen == [(False, __name__)]
+    spy.seen.clear()
+    real_loop = train_run.run_loop
+
+    def spied_loop(*args, **kwargs):
+        with spy:
+            return real_loop(*args, **kwargs)
+
+    monkeypatch.setattr(train_run, "run_loop", spied_loop)
+    result = run(tiny(8, "name=reads", "checkpoint.enabled=false", "report.read_every=4"))
+    assert result.status == "finished" and result.report["steps"] == 8
+    # The batches' window indices are made on the host (accelrun.data), never on a device.
+    seen = [s for s in spy.seen if not s[1].startswith("accelrun.data")]
+    assert seen == [(True, "accelrun.train.step_reads")] * 2  # one copy per read (steps 4 and 8), nothing else
 
 
 class FakeEvent:
