@@ -328,7 +328,7 @@ class CheckpointConfig(Section):
 
 class ReportConfig(Section):
     runs_dir: str = "runs"
-    log_every: PositiveInt = Field(10, description="steps between progress lines (the bar redraws every step)")
+    log_every: PositiveInt = Field(10, description="steps between progress lines (the bar redraws at every host read, report.read_every)")
     read_every: PositiveInt | None = Field(
         None,
         description="steps between host reads of the loss, gradient norm and step timings (one device "

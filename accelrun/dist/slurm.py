@@ -15,7 +15,7 @@ from accelrun.dist.launch import LaunchOptions
 from accelrun.dist.stop import STOP_LEAD_ENV
 
 RDZV_PORT = 29500
-STOP_LEAD_S = 120  # SIGTERM this long before the time limit: a step and a checkpoint must fit
+STOP_LEAD_S = 120  # SIGTERM this long before the time limit: report.read_every steps and a checkpoint must fit
 
 
 def first_host(nodelist: str) -> str:
@@ -55,7 +55,8 @@ def sbatch_script(config: str, overrides: list[str], *, name: str, nnodes: int, 
                   gpus: bool, partition: str | None, time_limit: str | None, account: str | None,
                   stop_lead_s: int = STOP_LEAD_S) -> str:
     """The script. Near its time limit (``stop_lead_s`` before) or when preempted, SLURM sends SIGTERM
-    to every process of the step; the ranks finish the step, save a checkpoint and exit 143, and the
+    to every process of the step; the ranks go on to the loop's next host read (every step on a CPU,
+    ``report.read_every`` steps on a GPU), save a checkpoint and exit 143, and the
     script puts the job back in the queue, where ``checkpoint.resume: auto`` continues it."""
     lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nnodes}",
              "#SBATCH --ntasks-per-node=1  # one accelrun per node; it starts one process per device"]
@@ -68,7 +69,7 @@ def sbatch_script(config: str, overrides: list[str], *, name: str, nnodes: int, 
         "#SBATCH --output=%x-%j.out",
         "#SBATCH --open-mode=append  # a requeued job adds to its log",
         f"#SBATCH --signal=TERM@{stop_lead_s}  # SIGTERM to every rank {stop_lead_s} s before the time limit: "
-        "they finish the step and save",
+        "they go on to the next host read (report.read_every steps on a GPU) and save",
         "#SBATCH --requeue  # a preempted job goes back in the queue",
         "set -euo pipefail",
         f"export {STOP_LEAD_ENV}={stop_lead_s}  # accelrun warns when a stop took longer than this",

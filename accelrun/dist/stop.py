@@ -1,8 +1,9 @@
 """Stopping a run on a signal without losing work: SIGTERM (a scheduler's preemption, ``scancel``,
 SLURM's ``--signal``) and SIGINT (Ctrl-C).
 
-A signal never ends a rank mid-step. Each process records the first one it gets; at the next step
-boundary the ranks agree on it (a collective, ``train.loop``), save one checkpoint together and
+A signal never ends a rank mid-step. Each process records the first one it gets; at the loop's next
+host read (after every step on a CPU, every ``report.read_every`` steps on a GPU: ``train.step_reads``)
+the ranks agree on it (a collective, ``train.loop``), save one checkpoint together and
 return; the job then exits with 128 + the signal's number (143 for SIGTERM, 130 for SIGINT), which
 tells a scheduler "terminated, may requeue".
 
@@ -10,7 +11,7 @@ Who receives the signal varies, and each case ends the same way:
 
 - the whole process group (SLURM, ``scancel``, Ctrl-C in a terminal): every rank saw it;
 - the launcher alone (``kill PID``): it writes a stop request into the job's folder, which every rank
-  of its node reads at each step boundary (``watch``);
+  of its node reads at each host read (``watch``);
 - some ranks alone: the collective tells the others.
 
 The ranks return normally (exit 0 to the elastic agent, which would otherwise restart the group) and

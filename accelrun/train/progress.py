@@ -12,7 +12,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 class TrainProgress:
     """Shows step, loss, tokens/s and ETA. ``mode``: auto | bar | lines | none.
 
-    The bar redraws every step; ``lines`` prints every ``every`` steps (``report.log_every``).
+    The bar redraws whenever the loop reads steps on the host (every step on a CPU, every
+    ``report.read_every`` steps on a GPU); ``lines`` prints every ``every`` steps (``report.log_every``).
     """
 
     def __init__(self, total: int, start: int, mode: str, every: int, console: Console | None = None):
