@@ -541,3 +541,19 @@ def test_a_dear_output_broadcast_into_another_is_loaded_not_recomputed(cache):
         assert program.kernels.index(stored_first[0]) == 0  # the kernel storing cos runs before its reader
         assert any(s.op == "load" and s.args[0] in ("out0", "out1") for s in _stmts(program))
         check_fn(fn, cache, angle, q, atol=1e-5)
+
+
+def test_rotate_half_is_cut_into_halves_that_load_at_plain_strides(cache):
+    """transformers' rotate_half (and its backward, a slice's gradient) reads one half of the head
+    or the other: each half gets its own column range, with no per-element select or clamped index."""
+    def fn(q, cos, sin):
+        rotated = torch.cat((-q[..., 16:], q[..., :16]), -1)
+        return (q * cos + rotated * sin,)
+
+    q, cos, sin = torch.randn(2, 3, 8, 32), torch.randn(8, 32), torch.randn(8, 32)
+    program = cached_program(region_of(fn, q, cos, sin))
+    assert not _stmts(program, "where") and not _stmts(program, "lt")
+    loads = [s.args[1] for s in _stmts(program, "load")]
+    assert loads and not any(e.atoms(sympy.Min, sympy.Max) for e in map(sympy.sympify, loads))
+    assert {k.cols for k in program.kernels} == {16}
+    check_fn(fn, cache, q, cos, sin, atol=1e-5)

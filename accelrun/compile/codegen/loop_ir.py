@@ -320,8 +320,8 @@ class _Scheduler:
         return self.depth.get(id(plan.reductions[0]), 0) if plan.reductions else 0
 
     def _assign_outputs(self) -> None:
-        # Outputs computed from the region's inputs alone, by a pointwise plan: value id → (plan, j).
-        self.stored_by: dict[int, tuple[_Plan, int]] = {}
+        # Outputs computed without reductions: value id → (the plans whose kernels store it, j).
+        self.stored_by: dict[int, tuple[list[_Plan], int]] = {}
         for j, out in enumerate(self.values.outputs):
             if isinstance(out, Reduce):
                 continue  # stored where it is computed
@@ -330,19 +330,20 @@ class _Scheduler:
             if full is not None:
                 full.full_outputs.append(_Piece(j, out))
                 if not _reductions_in(out):
-                    self.stored_by[id(out)] = (full, j)
+                    self.stored_by[id(out)] = ([full], j)
                 continue
             row = next((p for p in rows_plans if _is_row_shape(out.shape, p)), None)
             if row is not None:
                 row.row_outputs.append(j)
                 continue
-            for piece in _pieces(j, out):
-                piece = _affine_columns(piece)
-                plan = self._pointwise_plan(piece.value.shape)
-                plan.full_outputs.append(piece)
-                if piece.value is out and piece.to_out is None and not _reductions_in(out):
-                    # A kernel that needs this value may load it once this plan's kernel stored it.
-                    self.stored_by[id(out)] = (plan, j)
+            plans = []
+            for whole in _pieces(j, out):
+                for piece in _split_at_cats(_affine_columns(whole)):
+                    plans.append(self._pointwise_plan(piece.value.shape))
+                    plans[-1].full_outputs.append(piece)
+            if not _reductions_in(out):
+                # A kernel that needs this value may load it once the kernels storing it have run.
+                self.stored_by[id(out)] = (plans, j)
 
     def _pointwise_plan(self, shape: tuple[int, ...]) -> _Plan:
         split = len(shape) - 1 if shape else 0
@@ -462,6 +463,67 @@ def _affine_columns(piece: _Piece) -> _Piece:
     value = View(piece.value, back, new_shape, piece.value.dtype)
     to_out = back if piece.to_out is None else (lambda idx, f=piece.to_out: f(back(idx)))
     return _Piece(piece.j, value, to_out)
+
+
+# At most this many column ranges per piece when it is cut where a cat it reads changes parts.
+MAX_CAT_SEGMENTS = 4
+
+
+def _split_at_cats(piece: _Piece) -> list[_Piece]:
+    """Cut the last axis of a pointwise piece where a cat it reads (at a plain shift of that axis)
+    changes parts: RoPE's ``rotate_half`` and its backward read one half or the other. Over each
+    range the part is known, so the inner loop loads at a plain stride instead of computing both
+    halves at every element, clamping their indices and selecting."""
+    shape = piece.value.shape
+    if not shape:
+        return [piece]
+    n = shape[-1]
+    probe = tuple(sympy.Symbol(f"s{d}", integer=True, nonnegative=True) for d in range(len(shape)))
+    breaks = _cat_breaks(piece.value, probe, probe[-1], dict(zip(probe, shape, strict=True)), {})
+    if not breaks:
+        return [piece]
+    points = [0, *sorted(b for b in breaks if 0 < b < n), n]
+    if len(points) - 1 > MAX_CAT_SEGMENTS or min(b - a for a, b in pairwise(points)) < MIN_SPLIT_PART:
+        return [piece]
+    pieces = []
+    for a, b in pairwise(points):
+        shift = _shifted(len(shape) - 1, a)
+        value = View(piece.value, shift, shape[:-1] + (b - a,), piece.value.dtype)
+        to_out = shift if piece.to_out is None else (lambda idx, f=piece.to_out, g=shift: f(g(idx)))
+        pieces.append(_Piece(piece.j, value, to_out))
+    return pieces
+
+
+def _cat_breaks(v: Value, idx: Index, axis: sympy.Symbol, bounds: dict[sympy.Symbol, int],
+                memo: dict) -> set[int] | None:
+    """Positions along ``axis`` where a cat that ``v`` reads at element ``idx`` changes parts; None
+    when a cat's position depends on ``axis`` other than as ``axis + k`` (no cut helps then)."""
+    key = (id(v), idx)
+    if key in memo:
+        return memo[key]
+    found: set[int] | None = set()
+    children: list[tuple[Value, Index]] = []
+    if isinstance(v, View):
+        children = [(v.src, v.index_map(idx))]
+    elif isinstance(v, Op):
+        children = [(a, broadcast_index(idx, v.shape, a.shape)) for a in v.args]
+    elif isinstance(v, Select):
+        pos = sympy.expand(simplify_index(idx[v.dim], bounds))
+        k = pos - axis
+        if axis in pos.free_symbols:
+            if k.free_symbols or not isinstance(k, sympy.Integer):
+                found = None
+            else:
+                found = {off - int(k) for off in v.offsets[1:-1]}
+        children = [(part, idx[: v.dim] + (sympy.Max(0, sympy.Min(pos - lo, hi - lo - 1)),) + idx[v.dim + 1:])
+                    for part, lo, hi in zip(v.parts, v.offsets, v.offsets[1:], strict=False)]
+    for child, child_idx in children:
+        if found is None:
+            break
+        more = _cat_breaks(child, child_idx, axis, bounds, memo)
+        found = None if more is None else found | more
+    memo[key] = found
+    return found
 
 
 def _load_offsets(v: Value, idx: Index, bounds: dict[sympy.Symbol, int]) -> list[sympy.Expr]:
@@ -717,11 +779,11 @@ class _KernelBuilder:
         """Load a dear value that another kernel of the region stores as an output (RoPE's cos and
         sin, broadcast over batch and heads) rather than compute it again at every element."""
         stored = self.sched.stored_by.get(id(v))
-        if stored is None or stored[0] is self.plan or self._cost(v) < ROW_CACHE_MIN_COST:
+        if stored is None or any(p is self.plan for p in stored[0]) or self._cost(v) < ROW_CACHE_MIN_COST:
             return None
-        plan, j = stored
+        plans, j = stored
         buf = f"out{j}"
-        self.loads_from.add(id(plan))
+        self.loads_from |= {id(p) for p in plans}
         offset = self._offset(buf, v.shape, idx)
         return self._emit("load", (buf, offset), v.ctype, depends_on_c=_uses(offset, C))
 
@@ -800,8 +862,8 @@ class _KernelBuilder:
 
     def _select(self, v: Select, idx: Index) -> str:
         pos = idx[v.dim]
-        if isinstance(pos, sympy.Integer):  # the part is known (an unrolled copy, a fixed index)
-            n = next(n for n in range(len(v.parts)) if v.offsets[n] <= int(pos) < v.offsets[n + 1])
+        n = self._known_part(v, pos)
+        if n is not None:  # the part is known (an unrolled copy, a fixed index, a range of columns)
             part_idx = idx[: v.dim] + (pos - v.offsets[n],) + idx[v.dim + 1:]
             return self._as(self.value(v.parts[n], part_idx), compute_type(v.dtype))
         result = None
@@ -820,6 +882,24 @@ class _KernelBuilder:
             result = self._emit("where", (cond, value, result), compute_type(v.dtype))
         assert result is not None
         return result
+
+    def _known_part(self, v: Select, pos: sympy.Expr) -> int | None:
+        """The part of ``v`` holding position ``pos`` for every (r, c) of this kernel, if one does:
+        ``pos`` a constant, or growing with r and c (non-negative linear coefficients) so that its
+        range is its values at the loop's first and last iteration."""
+        pos = simplify_index(pos, self.bounds)
+        if pos.free_symbols - {R, C}:
+            return None
+        if not isinstance(pos, sympy.Integer):
+            poly = sympy.Poly(pos, R, C) if pos.is_polynomial(R, C) else None
+            if poly is None or poly.total_degree() > 1 or any(c < 0 for c in poly.coeffs()):
+                return None
+        first = int(pos.subs({R: 0, C: 0}))
+        last = int(pos.subs({R: self.bounds[R] - 1, C: self.bounds[C] - 1}))
+        for n in range(len(v.parts)):
+            if v.offsets[n] <= first and last < v.offsets[n + 1]:
+                return n
+        return None
 
     def _reduce_read(self, red: Reduce, idx: Index) -> str:
         home = self.sched.home[id(red)]
