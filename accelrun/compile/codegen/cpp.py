@@ -22,7 +22,16 @@ import torch
 from accelrun.compile.codegen.cpp_build import load_library
 from accelrun.compile.codegen.emitter import Emitter
 from accelrun.compile.codegen.index_print import print_index
-from accelrun.compile.codegen.loop_ir import Block, Buffer, C, Kernel, LoopProgram, Stmt, Unsupported
+from accelrun.compile.codegen.loop_ir import (
+    Block,
+    Buffer,
+    C,
+    Kernel,
+    LoopProgram,
+    Stmt,
+    Unsupported,
+    contiguous_strides,
+)
 
 ENTRY = "accelrun_region"
 PARALLEL_MIN_ELEMENTS = 1 << 15  # below this, starting threads costs more than it saves
@@ -382,17 +391,22 @@ class CppRegion:
         self.outputs = program.of_role("output")
         self.temps = program.of_role("temp")
         self._ptrs = ctypes.c_void_p * len(program.buffers)
+        # What an input must be for the kernel to read it as is (the usual case, checked per call
+        # without building anything): its device, dtype, sizes and the strides of axes longer than 1.
+        self._expected = [(b.dtype, torch.Size(b.shape), _long_axes(b)) for b in self.inputs]
+        self._allocs = [(b.shape, b.stride, b.dtype) for b in self.outputs] + [
+            (b.shape, contiguous_strides(b.shape), b.dtype) for b in self.temps]
+        self._n_out = len(self.outputs)
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if len(args) != len(self.inputs):
             raise TypeError(f"compiled region takes {len(self.inputs)} inputs, got {len(args)}")
-        ins = [_conform(t, b) for t, b in zip(args, self.inputs, strict=True)]
+        ins = [t if _as_expected(t, e) else _conform(t, b)
+               for t, e, b in zip(args, self._expected, self.inputs, strict=True)]  # fmt: skip
         # Outputs take the strides the kernel writes (those eager gave the node: loop_ir.output_strides).
-        outs = [torch.empty_strided(b.shape, b.stride, dtype=b.dtype) for b in self.outputs]
-        temps = [torch.empty(b.shape, dtype=b.dtype) for b in self.temps]
-        ptrs = self._ptrs(*[t.data_ptr() for t in (*ins, *outs, *temps)])
-        self.fn(ptrs, torch.get_num_threads())
-        return tuple(outs)
+        made = [torch.empty_strided(shape, stride, dtype=dtype) for shape, stride, dtype in self._allocs]
+        self.fn(self._ptrs(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in made]), torch.get_num_threads())
+        return tuple(made[: self._n_out])
 
     def __reduce__(self) -> tuple:
         # Saved in the graph cache: the library is found again by its path; running it needs the
@@ -404,6 +418,19 @@ def _restore_region(library: str, entry: str, buffers: list[Buffer]) -> CppRegio
     if not Path(library).exists():
         raise FileNotFoundError(f"compiled region {library} is no longer in the cache")
     return CppRegion(LoopProgram(buffers, []), load_library(Path(library)), entry)
+
+
+def _long_axes(buf: Buffer) -> list[tuple[int, int]]:
+    """(axis, stride) of the axes longer than 1: a size-1 axis's stride is never used."""
+    return [(d, st) for d, (n, st) in enumerate(zip(buf.shape, buf.stride, strict=True)) if n != 1]
+
+
+def _as_expected(t: torch.Tensor, expected: tuple) -> bool:
+    dtype, shape, strides = expected
+    if t.dtype != dtype or t.shape != shape or t.device.type != "cpu":
+        return False
+    stride = t.stride()
+    return all(stride[d] == st for d, st in strides)
 
 
 def _conform(t: torch.Tensor, buf: Buffer) -> torch.Tensor:

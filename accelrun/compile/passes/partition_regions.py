@@ -293,7 +293,8 @@ class _Partitioner:
 
 
 def compute_ops(nodes: list[fx.Node]) -> int:
-    return sum(1 for n in nodes if node_kind(n) in ("pointwise", "reduction"))
+    # A softmax is several ops (a max, a sum, exp and the epilogue): alone it is worth a region.
+    return sum(3 if n.target in ROW_SOFTMAX else 1 for n in nodes if node_kind(n) in ("pointwise", "reduction"))
 
 
 def split_shared_constants(graph: fx.Graph) -> int:
