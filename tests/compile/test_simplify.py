@@ -112,3 +112,22 @@ def test_constants_and_same_device_casts_are_region_members():
     assert node_kind(cast) == "pointwise"
     cast.kwargs = {**cast.kwargs, "device": torch.device("meta")}  # a real move is not a cast
     assert node_kind(cast) == "other"
+
+
+def test_a_cat_drops_empty_parts_and_one_part_left_is_a_contiguous_copy():
+    # transformers' DynamicCache concatenates each step's keys onto an empty tensor.
+    def cached(k, v):
+        empty = k.new_zeros(2, 3, 0, 4)
+        return torch.cat([empty, k.transpose(1, 2)], -2), torch.cat([v, empty, v], -2)
+
+    k, v = torch.randn(2, 5, 3, 4), torch.randn(2, 3, 5, 4)
+    gm = _graph_of(cached, k, v)
+    expected = cached(k, v)
+    result = simplify(gm, PassOptions(), PassContext("forward"))
+    assert result.counts == {"empty_cat_parts": 2}
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(aten.cat.default) == 1 and aten.clone.default in targets
+    got = gm(k, v)
+    assert got[0].is_contiguous()
+    for g, want in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, want, rtol=0, atol=0)

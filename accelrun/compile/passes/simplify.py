@@ -14,6 +14,10 @@ that reads it; written as below, the region computes every element where it need
 
 Only a base that is a constant (``op_kinds``: ``full``, ``zeros_like``, …) is rewritten; the
 result has the same values, dtype and shape. A base left without users is removed.
+
+Also: a ``cat`` drops its empty parts (transformers' key/value cache starts as an empty tensor that
+each forward concatenates onto), and a cat left with one part becomes a ``clone`` of it, which a
+region computes where the part is computed instead of copying it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch._guards import detect_fake_mode
 
 from accelrun.compile.op_kinds import node_kind
 from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.dce import op_is_pure
 
 aten = torch.ops.aten
 
@@ -116,15 +121,43 @@ def _slice_scatter_to_cat(build: _Builder, node: fx.Node) -> fx.Node | None:
     return build(node, aten.cat.default, [p for _, p in sorted(parts, key=lambda p: p[0])], dim)
 
 
+def _cat_without_empty_parts(build: _Builder, node: fx.Node) -> fx.Node | None:
+    parts, dim = node.args[0], _arg(node, 1, "dim", 0)
+    out = _val(node)
+    vals = [_val(p) for p in parts]
+    if out is None or build.fake_mode is None or any(v is None for v in vals):
+        return None
+    kept = [p for p, v in zip(parts, vals, strict=True) if v.numel() != 0 or v.dim() == out.dim() and out.numel() == 0]
+    if len(kept) == len(parts) or not kept or any(_val(p).dtype != out.dtype for p in kept):
+        return None
+    if len(kept) == 1:  # a copy in the layout the cat gave (contiguous), or none of this
+        if not out.is_contiguous():
+            return None
+        return build(node, aten.clone.default, kept[0], memory_format=torch.contiguous_format)
+    return build(node, aten.cat.default, kept, dim)
+
+
 _REWRITES = {aten.scatter.value: _scatter_to_where, aten.slice_scatter.default: _slice_scatter_to_cat}
 
 
 @register_pass("simplify", "post_grad", PassOptions)
 def simplify(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> PassResult:
-    """Scatters into constant tensors become pointwise selects and cats (see the module's docstring)."""
+    """Scatters into constant tensors become pointwise selects and cats, cats drop empty parts (see
+    the module's docstring)."""
     build = _Builder(gm)
     counts: dict[str, int] = {}
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.cat.default and node.args:
+            new = _cat_without_empty_parts(build, node)
+            if new is not None:
+                empties = [p for p in node.args[0] if isinstance(p, fx.Node)]
+                node.replace_all_uses_with(new)
+                gm.graph.erase_node(node)
+                for part in empties:  # the empty tensors nobody else reads
+                    if not part.users and part.op == "call_function" and op_is_pure(part.target):
+                        gm.graph.erase_node(part)
+                counts["empty_cat_parts"] = counts.get("empty_cat_parts", 0) + 1
+            continue
         rewrite = _REWRITES.get(node.target) if node.op == "call_function" else None
         if rewrite is None or not node.args or node_kind(node.args[0]) != "constant":
             continue
