@@ -63,6 +63,7 @@ NO_EFFECT = frozenset({
 UNMODELLED = frozenset({
     "compile.passes", "compile.executors", "compile.scope", "compile.debug_numerics",
     "checkpoint.enabled", "checkpoint.every", "checkpoint.save_final", "report.profile_steps",
+    "report.read_every",  # how often the host waits for the device: planned as never
     "train.device", "train.cpu_malloc",
     "model.capacity_factor",  # dropped assignments skip their expert: planned as none dropped
 })
@@ -87,6 +88,10 @@ def unmodelled(cfg: RunConfig) -> list[str]:
     if cfg.report.profile_steps is not None:
         out.append(f"report.profile_steps = {list(cfg.report.profile_steps)}: the profiler's overhead on those "
                    "steps is not modelled")
+    on_accelerator = t.device == "cuda" or (t.device == "auto" and cfg.cluster.device not in (None, "cpu"))
+    if cfg.report.read_every is not None and on_accelerator:
+        out.append(f"report.read_every = {cfg.report.read_every}: the host waits for the device once every "
+                   f"{cfg.report.read_every} step(s); planned as a host that never waits")
     if cfg.model.arch == "moe" and cfg.model.capacity_factor is not None:
         out.append(f"model.capacity_factor = {cfg.model.capacity_factor}: planned as if no token were dropped "
                    "(dropped assignments skip their expert's matmuls and all-to-alls)")
