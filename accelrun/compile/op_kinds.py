@@ -82,7 +82,7 @@ def node_kind(node: torch.fx.Node) -> OpKind:
     if node.target in _CASTS and "device" in kwargs and _same_device_as_input(node, kwargs["device"]):
         kwargs.pop("device")  # AOTAutograd spells `x.float()` with the device it already has
     if node.target in CONSTANTS:
-        fill = _fill_value(node)
+        fill = fill_value(node)
         if fill is not None:
             kwargs["fill_value"] = fill
     return op_kind(node.target, kwargs)
@@ -93,7 +93,7 @@ def _same_device_as_input(node: torch.fx.Node, device: Any) -> bool:
     return isinstance(src, torch.Tensor) and device is not None and torch.device(device) == src.device
 
 
-def _fill_value(node: torch.fx.Node) -> Any:
+def fill_value(node: torch.fx.Node) -> Any:
     """The number a constant op fills with (positional or keyword), or None for zeros_like/ones_like."""
     t = node.target
     if t in (aten.zeros_like.default, aten.ones_like.default):

@@ -26,7 +26,7 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 
-from accelrun.compile.op_kinds import node_kind
+from accelrun.compile.op_kinds import fill_value, node_kind
 from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
 from accelrun.compile.passes.dce import op_is_pure
 
@@ -36,16 +36,6 @@ aten = torch.ops.aten
 def _val(node: object) -> torch.Tensor | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None
-
-
-def _fill_value(node: fx.Node) -> float | int | bool:
-    t = node.target
-    if t is aten.zeros_like.default:
-        return 0
-    if t is aten.ones_like.default:
-        return 1
-    i = 0 if t is aten.scalar_tensor.default else 1
-    return node.args[i] if len(node.args) > i else node.kwargs.get("fill_value", node.kwargs.get("s"))
 
 
 class _Builder:
@@ -110,7 +100,9 @@ def _slice_scatter_to_cat(build: _Builder, node: fx.Node) -> fx.Node | None:
     n = out.shape[dim]
     start = 0 if start is None else min(max(start + n if start < 0 else start, 0), n)
     end = n if end is None else min(max(end + n if end < 0 else end, start), n)
-    value = _fill_value(base)
+    value = fill_value(base)
+    if value is None:  # zeros_like / ones_like
+        value = 1 if base.target is aten.ones_like.default else 0
     parts = []
     for lo, hi in ((0, start), (end, n)):
         if hi > lo:
