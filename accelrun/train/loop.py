@@ -135,8 +135,12 @@ def run_loop(
                 pending.add(done)
                 scheduled_save = cfg.checkpoint.enabled and (
                     step % cfg.checkpoint.every == 0 or (step == total and cfg.checkpoint.save_final))
-                # Read before a checkpoint too: a diverged step is found before one is saved after it.
-                if not (step % read_every == 0 or step in (total, stop_after_step) or scheduled_save or evaluating):
+                # Read before a checkpoint too: a diverged step is found before one is saved after it. The
+                # first step (the compiling one) is read at once: its loss and the first progress line
+                # come right after it rather than read_every steps later.
+                first = step == s.start_step + 1
+                if not (step % read_every == 0 or step in (total, stop_after_step) or scheduled_save or evaluating
+                        or first):
                     continue
                 where["phase"] = "reading the steps' results"
                 for record in pending.read():

@@ -53,7 +53,7 @@ def test_reading_every_4_steps_writes_what_reading_every_step_writes(tiny, reads
     assert reads == [1] * 9
     reads.clear()
     deferred = run(tiny(9, "name=r4", "checkpoint.enabled=false", "report.log_every=1", "report.read_every=4", *MOE))
-    assert reads == [4, 4, 1]  # steps 4 and 8, then the last step: three synchronisations instead of nine
+    assert reads == [1, 3, 4, 1]  # the first step, steps 4 and 8, the last: four synchronisations, not nine
     assert deferred.status == "finished" and deferred.report["steps"] == 9
 
     want, got = (read_metrics(r.run_dir / "metrics.jsonl") for r in (every, deferred))
@@ -74,9 +74,9 @@ def test_a_step_that_diverges_between_reads_is_named_and_no_checkpoint_follows_i
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(loop.TrainingDiverged) as e:
         run(tiny(12, "checkpoint.every=3", "report.read_every=4", "model.custom=nan_at_5:build", "name=nan"))
-    # Reads at step 3 (before its checkpoint), 4, then 6: step 6's checkpoint is due, so its read comes
-    # first and finds step 5; nothing is saved after it.
-    assert reads == [3, 1, 2]
+    # Reads at step 1 (the first), 3 (before its checkpoint), 4, then 6: step 6's checkpoint is due, so
+    # its read comes first and finds step 5; nothing is saved after it.
+    assert reads == [1, 2, 1, 2]
     assert "the loss became nan at step 5" in str(e.value) and "step-000003" in str(e.value)
     (d,) = list((tmp_path / "runs" / "nan").iterdir())
     assert [c.step for c in complete_checkpoints(d / "checkpoints")] == [3]
@@ -99,8 +99,8 @@ def test_a_stop_request_between_reads_stops_at_the_next_read_with_a_checkpoint(t
     monkeypatch.setattr(stop, "requested", requested)
     result = run(tiny(12, "checkpoint.every=100", "report.read_every=4", "name=stop"))
     assert result.status == "preempted"
-    assert asked_at == [4, 8, 8]  # only at reads: step 4, then step 8 (whether, then which signal)
-    assert reads == [4, 4]
+    assert asked_at == [1, 4, 8, 8]  # only at reads: steps 1 and 4, then step 8 (whether, then which signal)
+    assert reads == [1, 3, 4]
     assert [c.step for c in complete_checkpoints(result.run_dir / "checkpoints")] == [8]
     assert [r["step"] for r in read_metrics(result.run_dir / "metrics.jsonl")] == list(range(1, 9))
 
@@ -161,7 +161,7 @@ def test_between_reads_the_loop_reads_no_tensor_on_the_host(tiny, monkeypatch):
     assert result.status == "finished" and result.report["steps"] == 8
     # The batches' window indices are made on the host (accelrun.data), never on a device.
     seen = [s for s in spy.seen if not s[1].startswith("accelrun.data")]
-    assert seen == [(True, "accelrun.train.step_reads")] * 2  # one copy per read (steps 4 and 8), nothing else
+    assert seen == [(True, "accelrun.train.step_reads")] * 3  # one copy per read (steps 1, 4, 8), nothing else
 
 
 class FakeEvent:
