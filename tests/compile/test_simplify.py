@@ -132,21 +132,3 @@ def test_a_cat_drops_empty_parts_and_one_part_left_is_a_contiguous_copy():
     for g, want in zip(got, expected, strict=True):
         torch.testing.assert_close(g, want, rtol=0, atol=0)
 
-
-def test_an_accumulating_index_put_into_zeros_is_an_index_add():
-    # An embedding's backward: rows of values summed into the rows their (possibly repeated or
-    # negative, i.e. counted from the end) indices name.
-    idx, vals = torch.tensor([[0, -1], [2, 0]]), torch.randn(2, 2, 3)
-
-    def put(idx, vals):
-        summed = torch.full((6, 3), 0.0).index_put((idx,), vals, accumulate=True)
-        replaced = torch.full((6, 3), 0.0).index_put((idx,), vals)  # not accumulating: left
-        return summed, replaced
-
-    gm = _graph_of(put, idx, vals)
-    expected = put(idx, vals)
-    assert simplify(gm, PassOptions(), PassContext("backward")).counts == {"index_put": 1}
-    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert aten.index_add.default in targets and targets.count(aten.index_put.default) == 1
-    for got, want in zip(gm(idx, vals), expected, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

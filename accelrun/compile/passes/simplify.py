@@ -15,11 +15,6 @@ that reads it; written as below, the region computes every element where it need
 Only a base that is a constant (``op_kinds``: ``full``, ``zeros_like``, …) is rewritten; the
 result has the same values, dtype and shape. A base left without users is removed.
 
-- ``index_put(full(0), [index], values, accumulate=True)`` with one integer index over the first
-  axis (an embedding's backward) becomes ``index_add(full(0), 0, index, values)`` on the flattened
-  index, negative indices wrapped first as ``index_put`` does: ATen's CPU ``index_add`` sums rows
-  several times faster than an accumulating ``index_put``.
-
 Also: a ``cat`` drops its empty parts (transformers' key/value cache starts as an empty tensor that
 each forward concatenates onto), and a cat left with one part becomes a ``clone`` of it, which a
 region computes where the part is computed instead of copying it.
@@ -68,6 +63,12 @@ def _constant(build: _Builder, before: fx.Node, like: torch.Tensor, shape: list[
                  device=like.device, pin_memory=False)  # fmt: skip
 
 
+def _static(*vals: torch.Tensor | None) -> bool:
+    """Every size known as an int: comparing a data-dependent (unbacked) size would make Dynamo guard
+    on it, which it cannot do (an MoE's tokens per expert)."""
+    return all(v is not None and all(isinstance(s, int) for s in v.shape) for v in vals)
+
+
 def _arg(node: fx.Node, i: int, name: str, default=None):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
@@ -75,7 +76,7 @@ def _arg(node: fx.Node, i: int, name: str, default=None):
 def _scatter_to_where(build: _Builder, node: fx.Node) -> fx.Node | None:
     base, dim, index, value = (_arg(node, i, name) for i, name in enumerate(("self", "dim", "index", "value")))
     out, idx = _val(node), _val(index)
-    if out is None or idx is None or not isinstance(value, (int, float, bool)) or build.fake_mode is None:
+    if not _static(out, idx) or not isinstance(value, (int, float, bool)) or build.fake_mode is None:
         return None
     dim %= out.dim()
     other_dims_match = all(idx.shape[d] == out.shape[d] for d in range(out.dim()) if d != dim)
@@ -97,9 +98,7 @@ def _slice_scatter_to_cat(build: _Builder, node: fx.Node) -> fx.Node | None:
                              ((2, "dim", 0), (3, "start", None), (4, "end", None), (5, "step", 1)))
     out = _val(node)
     bounds_known = all(isinstance(b, int) for b in (start or 0, end or 0, step))
-    if out is None or build.fake_mode is None or not bounds_known or step != 1:
-        return None
-    if not all(isinstance(s, int) for s in out.shape):
+    if not _static(out) or build.fake_mode is None or not bounds_known or step != 1:
         return None
     dim %= out.dim()
     n = out.shape[dim]
@@ -122,7 +121,7 @@ def _cat_without_empty_parts(build: _Builder, node: fx.Node) -> fx.Node | None:
     parts, dim = node.args[0], _arg(node, 1, "dim", 0)
     out = _val(node)
     vals = [_val(p) for p in parts]
-    if out is None or build.fake_mode is None or any(v is None for v in vals):
+    if not _static(out, *vals) or build.fake_mode is None:
         return None
     kept = [p for p, v in zip(parts, vals, strict=True) if v.numel() != 0 or v.dim() == out.dim() and out.numel() == 0]
     if len(kept) == len(parts) or not kept or any(_val(p).dtype != out.dtype for p in kept):
@@ -134,33 +133,7 @@ def _cat_without_empty_parts(build: _Builder, node: fx.Node) -> fx.Node | None:
     return build(node, aten.cat.default, kept, dim)
 
 
-def _accumulate_as_index_add(build: _Builder, node: fx.Node) -> fx.Node | None:
-    base, indices, values = node.args[:3]
-    accumulate = _arg(node, 3, "accumulate", False)
-    out, vals = _val(node), _val(values)
-    if not accumulate or fill_value(base) not in (0, None) or base.target is aten.ones_like.default:
-        return None
-    if build.fake_mode is None or out is None or vals is None or not isinstance(indices, (list, tuple)):
-        return None
-    if len(indices) != 1 or _val(indices[0]) is None:
-        return None
-    index = indices[0]
-    idx = _val(index)
-    rows = out.shape[0]
-    if idx.dtype not in (torch.int64, torch.int32) or tuple(vals.shape) != tuple(idx.shape) + tuple(out.shape[1:]):
-        return None
-    if vals.dtype != out.dtype or not all(isinstance(s, int) for s in (*out.shape, *idx.shape)):
-        return None
-    flat = build(node, aten.view.default, index, [idx.numel()]) if idx.is_contiguous() else \
-        build(node, aten.reshape.default, index, [idx.numel()])
-    negative = build(node, aten.lt.Scalar, flat, 0)
-    wrapped = build(node, aten.where.self, negative, build(node, aten.add.Tensor, flat, rows), flat)
-    rows_of_values = build(node, aten.reshape.default, values, [idx.numel(), *out.shape[1:]])
-    return build(node, aten.index_add.default, base, 0, wrapped, rows_of_values)
-
-
-_REWRITES = {aten.scatter.value: _scatter_to_where, aten.slice_scatter.default: _slice_scatter_to_cat,
-             aten.index_put.default: _accumulate_as_index_add}
+_REWRITES = {aten.scatter.value: _scatter_to_where, aten.slice_scatter.default: _slice_scatter_to_cat}
 
 
 @register_pass("simplify", "post_grad", PassOptions)
