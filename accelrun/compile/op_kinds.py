@@ -82,9 +82,7 @@ def node_kind(node: torch.fx.Node) -> OpKind:
     if node.target in _CASTS and "device" in kwargs and _same_device_as_input(node, kwargs["device"]):
         kwargs.pop("device")  # AOTAutograd spells `x.float()` with the device it already has
     if node.target in CONSTANTS:
-        fill = fill_value(node)
-        if fill is not None:
-            kwargs["fill_value"] = fill
+        kwargs["fill_value"] = fill_value(node)
     return op_kind(node.target, kwargs)
 
 
@@ -94,9 +92,9 @@ def _same_device_as_input(node: torch.fx.Node, device: Any) -> bool:
 
 
 def fill_value(node: torch.fx.Node) -> Any:
-    """The number a constant op fills with (positional or keyword), or None for zeros_like/ones_like."""
+    """The number a constant op fills with (positional or keyword)."""
     t = node.target
     if t in (aten.zeros_like.default, aten.ones_like.default):
-        return None
+        return 0 if t is aten.zeros_like.default else 1
     i = 0 if t is aten.scalar_tensor.default else 1
     return node.args[i] if len(node.args) > i else node.kwargs.get("fill_value", node.kwargs.get("s"))

@@ -76,7 +76,7 @@ def _arg(node: fx.Node, i: int, name: str, default=None):
 def _scatter_to_where(build: _Builder, node: fx.Node) -> fx.Node | None:
     base, dim, index, value = (_arg(node, i, name) for i, name in enumerate(("self", "dim", "index", "value")))
     out, idx = _val(node), _val(index)
-    if not _static(out, idx) or not isinstance(value, (int, float, bool)) or build.fake_mode is None:
+    if node_kind(base) != "constant" or not _static(out, idx) or not isinstance(value, (int, float, bool)):
         return None
     dim %= out.dim()
     other_dims_match = all(idx.shape[d] == out.shape[d] for d in range(out.dim()) if d != dim)
@@ -98,15 +98,13 @@ def _slice_scatter_to_cat(build: _Builder, node: fx.Node) -> fx.Node | None:
                              ((2, "dim", 0), (3, "start", None), (4, "end", None), (5, "step", 1)))
     out = _val(node)
     bounds_known = all(isinstance(b, int) for b in (start or 0, end or 0, step))
-    if not _static(out) or build.fake_mode is None or not bounds_known or step != 1:
+    if node_kind(base) != "constant" or not _static(out) or not bounds_known or step != 1:
         return None
     dim %= out.dim()
     n = out.shape[dim]
     start = 0 if start is None else min(max(start + n if start < 0 else start, 0), n)
     end = n if end is None else min(max(end + n if end < 0 else end, start), n)
     value = fill_value(base)
-    if value is None:  # zeros_like / ones_like
-        value = 1 if base.target is aten.ones_like.default else 0
     parts = []
     for lo, hi in ((0, start), (end, n)):
         if hi > lo:
@@ -121,7 +119,7 @@ def _cat_without_empty_parts(build: _Builder, node: fx.Node) -> fx.Node | None:
     parts, dim = node.args[0], _arg(node, 1, "dim", 0)
     out = _val(node)
     vals = [_val(p) for p in parts]
-    if not _static(out, *vals) or build.fake_mode is None:
+    if not _static(out, *vals):
         return None
     kept = [p for p, v in zip(parts, vals, strict=True) if v.numel() != 0 or v.dim() == out.dim() and out.numel() == 0]
     if len(kept) == len(parts) or not kept or any(_val(p).dtype != out.dtype for p in kept):
@@ -133,7 +131,12 @@ def _cat_without_empty_parts(build: _Builder, node: fx.Node) -> fx.Node | None:
     return build(node, aten.cat.default, kept, dim)
 
 
-_REWRITES = {aten.scatter.value: _scatter_to_where, aten.slice_scatter.default: _slice_scatter_to_cat}
+# ATen op → (the name its rewrites are counted under, the rewrite); a rewrite returns None to decline.
+_REWRITES = {
+    aten.scatter.value: ("scatter", _scatter_to_where),
+    aten.slice_scatter.default: ("slice_scatter", _slice_scatter_to_cat),
+    aten.cat.default: ("empty_cat_parts", _cat_without_empty_parts),
+}
 
 
 @register_pass("simplify", "post_grad", PassOptions)
@@ -143,30 +146,19 @@ def simplify(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> Pass
     build = _Builder(gm)
     counts: dict[str, int] = {}
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is aten.cat.default and node.args:
-            new = _cat_without_empty_parts(build, node)
-            if new is not None:
-                empties = [p for p in node.args[0] if isinstance(p, fx.Node)]
-                node.replace_all_uses_with(new)
-                gm.graph.erase_node(node)
-                for part in empties:  # the empty tensors nobody else reads
-                    if not part.users and part.op == "call_function" and op_is_pure(part.target):
-                        gm.graph.erase_node(part)
-                counts["empty_cat_parts"] = counts.get("empty_cat_parts", 0) + 1
+        name, rewrite = _REWRITES.get(node.target, (None, None)) if node.op == "call_function" else (None, None)
+        if rewrite is None or build.fake_mode is None or not node.args:
             continue
-        rewrite = _REWRITES.get(node.target) if node.op == "call_function" else None
-        if rewrite is None or not node.args or node_kind(node.args[0]) != "constant":
-            continue
-        base = node.args[0]
         new = rewrite(build, node)
         if new is None:
             continue
+        inputs = node.all_input_nodes
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        if not base.users:
-            gm.graph.erase_node(base)
-        op = node.target.__name__.split(".")[0]  # scatter, slice_scatter
-        counts[op] = counts.get(op, 0) + 1
+        for old in inputs:  # a constant base or an empty part nothing reads any more
+            if not old.users and old.op == "call_function" and op_is_pure(old.target):
+                gm.graph.erase_node(old)
+        counts[name] = counts.get(name, 0) + 1
     if counts:
         gm.graph.lint()
         gm.recompile()
