@@ -125,6 +125,9 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
         ("data loading share", _pct(r.get("data_share"))),
         ("total step time", _secs(r.get("total_time_s"))),
     ]
+    if r.get("mem_reserved_bytes") is not None:  # CUDA: what the caching allocator held, its cache included
+        rows.insert(rows.index(("peak memory", _bytes(r.get("mem_peak_bytes")))) + 1,
+                    ("peak reserved (CUDA allocator)", _bytes(r.get("mem_reserved_bytes"))))
     comm = r.get("comm_time_s")
     if comm:  # multi-process CPU jobs only (accelrun.dist.comm_timing)
         rows.insert(4, (comm.get("what", "communication"),

@@ -106,6 +106,7 @@ def summarize(
     steady_step_s = sum(float(m["step_time_s"]) for m in steady)
     steady_data_s = sum(float(m.get("data_time_s") or 0.0) for m in steady)
     mem = [m["mem_peak_bytes"] for m in metrics if m.get("mem_peak_bytes") is not None]
+    reserved = [m["mem_reserved_bytes"] for m in metrics if m.get("mem_reserved_bytes") is not None]  # CUDA only
     losses = [float(m["loss"]) for m in metrics if m.get("loss") is not None]
     window = losses[-FINAL_LOSS_WINDOW:]
     comm = comm_summary(steady)
@@ -139,6 +140,7 @@ def summarize(
         "mfu": mfu,
         "peak": peak.to_dict(),
         "mem_peak_bytes": max(mem) if mem else None,
+        "mem_reserved_bytes": max(reserved) if reserved else None,
         "compile_time_s": compile_time_s,
         "warmup_time_s": sum(float(m["step_time_s"]) for m in excluded),
         "data_share": steady_data_s / steady_step_s if steady_step_s > 0 else None,

@@ -66,3 +66,12 @@ def test_write_json_is_atomic_and_readable(tmp_path):
     write_json({"a": 2}, path)
     assert json.loads(path.read_text()) == {"a": 2}
     assert [p.name for p in path.parent.iterdir()] == ["report.json"]
+
+
+def test_markdown_shows_the_reserved_peak_only_where_measured(tmp_path):
+    report = _report()
+    write_report_md(report, {"name": "x"}, tmp_path / "cpu.md")
+    assert "peak reserved" not in (tmp_path / "cpu.md").read_text()
+    report["mem_reserved_bytes"] = 5 * 2**30
+    write_report_md(report, {"name": "x"}, tmp_path / "gpu.md")
+    assert "| peak reserved (CUDA allocator) | 5.00 GiB |" in (tmp_path / "gpu.md").read_text()

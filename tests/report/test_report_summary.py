@@ -89,3 +89,12 @@ def test_loss_curve_is_sampled_with_ends():
     assert 10 <= len(curve) <= 20
     assert curve[0]["step"] == 1 and curve[-1]["step"] == 300
     assert [p["step"] for p in curve] == sorted(p["step"] for p in curve)
+
+
+def test_summarize_keeps_the_cuda_allocators_reserved_peak():
+    metrics = [{**_step(i + 1, 0.1), "mem_reserved_bytes": 500 + i} for i in range(5)]
+    r = summarize(metrics, warmup_steps=1, peak=PEAK, flops_per_token=None, compile_time_s=None, tokens_per_step=1000)
+    assert r["mem_reserved_bytes"] == 504 and r["mem_peak_bytes"] == 105
+    cpu = summarize([_step(i + 1, 0.1) for i in range(5)], warmup_steps=1, peak=PEAK, flops_per_token=None,
+                    compile_time_s=None, tokens_per_step=1000)
+    assert cpu["mem_reserved_bytes"] is None  # a CPU has no allocator reserve: not reported as 0
