@@ -14,12 +14,16 @@
 #   bash bench/gpu_smoke.sh [STEPS]        # STEPS per run, default 40; about 10 minutes on one H100
 #   SMOKE_DEVICE=cpu SMOKE_RANKS=2 bash bench/gpu_smoke.sh 4   # the same commands on this CPU (a check
 #                                          # of the script itself: gloo ranks, no Triton, no GPU parts)
+#   SMOKE_PARTS=train,8b bash bench/gpu_smoke.sh   # only some parts (of triton, train, resume, profile,
+#                                          # 8b, plan, multi), e.g. to fit a command-time limit
 #
 # It stops at nothing: every part runs, and the exit code is 1 if any part failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STEPS="${1:-40}"
 DEVICE="${SMOKE_DEVICE:-cuda}"
+PARTS="${SMOKE_PARTS:-triton,train,resume,profile,8b,plan,multi}"
+want() { [[ ",$PARTS," == *",$1,"* ]]; }
 runs=$(mktemp -d)
 failed=()
 section() { printf '\n== %s\n' "$*"; }
@@ -55,7 +59,7 @@ else
     echo "SMOKE_DEVICE=$DEVICE: the GPU-only parts are left out; $GPUS rank(s) for the multi-rank section"
 fi
 
-if [ "$DEVICE" = cuda ]; then
+if [ "$DEVICE" = cuda ] && want triton; then
     section "Triton code generator on the GPU (no interpreter)"
     env -u TRITON_INTERPRET ACCELRUN_TRITON_TEST_DEVICE=cuda \
         python -m pytest tests/compile/test_codegen_triton.py tests/compile/test_triton_real_compile.py \
@@ -64,15 +68,16 @@ if [ "$DEVICE" = cuda ]; then
     python bench/triton_cross_compile.py | tail -n 5 || failed+=("triton cross-compile")
 fi
 
-section "1 device: configs/llama.yaml, $STEPS steps per run"
 TRITON=()
 [ "$DEVICE" = cuda ] && TRITON=("compile.executors=[triton,aten]")
-for precision in fp32 bf16-mixed; do
+want train && section "1 device: configs/llama.yaml, $STEPS steps per run"
+want train && for precision in fp32 bf16-mixed; do
     train "eager-$precision" train.precision="$precision"
     train "inductor-$precision" train.precision="$precision" compile.backend=inductor
     train "accelrun-$precision" train.precision="$precision" compile.backend=accelrun "${TRITON[@]}"
 done
 
+if want resume; then
 section "resume: a run restarted from its middle checkpoint continues with the same losses"
 half=$((STEPS / 2))
 train resume-whole checkpoint.every="$half"
@@ -92,7 +97,9 @@ print(f"resumed at step {half}: steps {after[0] if after else '-'}..{after[-1] i
 sys.exit(0 if after and min(after) == half + 1 and worst < 1e-4 else 1)
 EOF
 fi
+fi
 
+if want profile; then
 section "profile: a torch profiler trace of steps 3-4"
 train profiled report.profile_steps=[3,4]
 if [ -n "$(run_dir profiled)" ] && ls "$(run_dir profiled)"/profile/* >/dev/null 2>&1; then
@@ -100,14 +107,17 @@ if [ -n "$(run_dir profiled)" ] && ls "$(run_dir profiled)"/profile/* >/dev/null
 else
     echo "no trace under profile/"; failed+=("profile trace")
 fi
+fi
 
-if [ "$DEVICE" = cuda ]; then
+if [ "$DEVICE" = cuda ] && want 8b; then
     section "an 8B-shaped 2-layer model through the Triton executor (bf16-mixed)"
     train llama8b-shape-2layers model.dim=4096 model.n_layers=2 model.n_heads=32 model.n_kv_heads=8 \
         model.ffn_dim=14336 model.vocab_size=128256 train.seq_len=2048 train.micro_batch=1 train.global_batch=2 \
         train.precision=bf16-mixed compile.backend=accelrun "compile.executors=[triton,aten]" train.steps=10 \
         report.warmup_steps=3
+fi
 
+if [ "$DEVICE" = cuda ] && want plan; then
     section "accelrun plan --calibrate, then the plan of the eager fp32 run beside what it measured"
     if accelrun plan --calibrate --output "$runs/cluster.yaml" >"$runs/calibrate.log" 2>&1; then
         tail -n 8 "$runs/calibrate.log"
@@ -118,7 +128,7 @@ if [ "$DEVICE" = cuda ]; then
     fi
 fi
 
-if [ "$GPUS" -ge 2 ]; then
+if [ "$GPUS" -ge 2 ] && want multi; then
     section "2 ranks: each layout of configs/llama.yaml, fp32 (losses beside one device's)"
     two=(parallel.nproc_per_node=2)
     train fsdp2 "${two[@]}"
