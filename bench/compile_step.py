@@ -18,6 +18,7 @@ be reset, the process's whole peak, marked "(whole process)").
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -209,26 +210,34 @@ def run_one(args: argparse.Namespace) -> None:
     inductor_median = statistics.median(inductor.times) if inductor else None
     print(f"\n## {args.precision}: {args.rounds} interleaved steps each (accelrun: passes={args.passes}, "
           f"executors=[{args.executors}], scope={args.scope})\n")  # fmt: skip
-    print("| variant | median step | vs eager | vs inductor | cold compile (first step) | warm start (new process) | "
-          "saved for backward | peak RSS of the steps (new process) | last loss |")
+    on_gpu = args.device.startswith("cuda")
+    memory = "peak GPU memory of the steps (new process)" if on_gpu else "peak RSS of the steps (new process)"
+    print(f"| variant | median step | vs eager | vs inductor | cold compile (first step) | warm start (new process) | "
+          f"saved for backward | {memory} | last loss |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for v in variants:
-        med = statistics.median(v.times)
+    rows = [(v.name, statistics.median(v.times), v.losses) for v in variants]
+    if on_gpu:  # the children below need the GPU's memory: this process's models and optimizers let go first
+        variants.clear()
+        inductor = v = None  # noqa: F841 (the last references)
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+    for name, med, losses in rows:
         ratio = f"{eager_median / med:.2f}×" if eager_median else "-"
         vs_inductor = f"{inductor_median / med:.2f}×" if inductor_median else "-"
-        extra = measure_in_child(v.name, args)
+        extra = measure_in_child(name, args)
         nan = float("nan")
-        print(f"| {v.name} | {med * 1000:.0f} ms | {ratio} | {vs_inductor} | {cold[v.name]:.1f} s | "
+        print(f"| {name} | {med * 1000:.0f} ms | {ratio} | {vs_inductor} | {cold[name]:.1f} s | "
               f"{extra.get('warm_start_s', nan):.2f} s | {extra.get('saved_mib', nan):.1f} MiB | "
               f"{extra.get('peak_rss_mib', nan):.0f} MiB{' (whole process)' if extra.get('whole_process') else ''} | "
-              f"{v.losses[-1]:.4f} |")  # fmt: skip
+              f"{losses[-1]:.4f} |")  # fmt: skip
     for n, why in skipped.items():
         print(f"| {n} | skipped: {why} | | | | | | | |")
     # Same data, same seed: every variant must compute the same losses (the comparison is of speed only).
-    ref = variants[0].losses
-    for v in variants[1:]:
-        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(v.losses, ref, strict=True))
-        print(f"losses {v.name} vs {variants[0].name}: max relative difference {worst:.2e} over {len(ref)} steps")
+    ref_name, _, ref = rows[0]
+    for name, _, losses in rows[1:]:
+        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref, strict=True))
+        print(f"losses {name} vs {ref_name}: max relative difference {worst:.2e} over {len(ref)} steps")
 
 
 def measure_in_child(name: str, args: argparse.Namespace) -> dict:
@@ -238,9 +247,12 @@ def measure_in_child(name: str, args: argparse.Namespace) -> dict:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])
+    except subprocess.CalledProcessError as e:  # its own error's last lines, not just the command line
+        tail = "\n    ".join((e.stderr or "").strip().splitlines()[-5:])
+        print(f"(the new process for {name} failed with exit code {e.returncode}:\n    {tail})", file=sys.stderr)
     except (subprocess.SubprocessError, ValueError, IndexError) as e:
-        print(f"(child for {name} failed: {e})", file=sys.stderr)
-        return {}
+        print(f"(the new process for {name} failed: {e})", file=sys.stderr)
+    return {}
 
 
 if __name__ == "__main__":
