@@ -111,12 +111,24 @@ def _target_name(target: Any) -> str:
         return f"op:{target._schema.name.replace('::', '.')}.{target._overloadname}"
     if target is operator.getitem:
         return "getitem"
+    # Size arithmetic and the runtime assertions on data-dependent sizes (``u0 >= 0``) that AOTAutograd
+    # leaves in a graph with unbacked symbols (an MoE's tokens per expert): operator's functions and
+    # torch.sym_* by name.
+    name = getattr(target, "__name__", None)
+    if name and getattr(operator, name, None) is target:
+        return f"operator:{name}"
+    if name and name.startswith("sym_") and getattr(torch, name, None) is target:
+        return f"torch:{name}"
     raise TypeError(f"cannot save a call of {target!r}")
 
 
 def _resolve_target(name: str) -> Any:
     if name == "getitem":
         return operator.getitem
+    if name.startswith("operator:"):
+        return getattr(operator, name.split(":", 1)[1])
+    if name.startswith("torch:"):
+        return getattr(torch, name.split(":", 1)[1])
     if name.startswith("op:"):
         namespace, op, overload = name[3:].rsplit(".", 2)
         return getattr(getattr(getattr(torch.ops, namespace), op), overload)

@@ -193,3 +193,29 @@ def test_a_method_with_a_graph_break_falls_back_once_and_says_why(tmp_path):
         stats = backend.record.graph_cache
         assert stats["fallbacks"] == 1 and stats["compiled"] == 0
         assert ("precompile failed" if attempt == 0 else "precompile failed before") in stats["errors"][0]
+
+
+def test_a_lowered_graph_with_runtime_assertions_on_unbacked_sizes_packs_and_unpacks():
+    """AOTAutograd leaves ``_assert_scalar(ge(u0, 0))`` in a graph whose sizes depend on data (an
+    MoE's tokens per expert): operator's comparisons and torch.sym_* are saved by name, so the graph
+    cache keeps such a graph instead of refusing the whole method (which then broke the graph)."""
+    import operator
+
+    from torch import fx
+
+    from accelrun.compile.output_code import pack_graph, unpack_graph
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    n = g.call_function(torch.ops.aten._local_scalar_dense.default, (g.call_function(torch.ops.aten.sum.default, (x,)),))
+    g.call_function(torch.ops.aten._assert_scalar.default, (g.call_function(operator.ge, (n, 0)), "n >= 0"))
+    bigger = g.call_function(torch.sym_max, (n, 1))
+    g.output(g.call_function(torch.ops.aten.mul.Tensor, (x, bigger)))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    back = unpack_graph(pack_graph(gm))
+    assert [nd.target for nd in back.graph.nodes if nd.op == "call_function"] == \
+        [nd.target for nd in gm.graph.nodes if nd.op == "call_function"]
+    x = torch.tensor([1.0, 2.0])
+    torch.testing.assert_close(back(x), gm(x))
+    with pytest.raises(RuntimeError, match="n >= 0"):
+        back(torch.tensor([-3.0, 1.0]))

@@ -132,3 +132,23 @@ def test_a_cat_drops_empty_parts_and_one_part_left_is_a_contiguous_copy():
     for g, want in zip(got, expected, strict=True):
         torch.testing.assert_close(g, want, rtol=0, atol=0)
 
+
+
+def test_an_accumulating_index_put_is_an_index_add():
+    # An embedding's backward: rows of values summed into the rows their (possibly repeated or
+    # negative, i.e. counted from the end) indices name; into zeros and into a tensor of values.
+    idx, vals, start = torch.tensor([[0, -1], [2, 0]]), torch.randn(2, 2, 3), torch.randn(6, 3)
+
+    def put(idx, vals, start):
+        summed = torch.full((6, 3), 0.0).index_put((idx,), vals, accumulate=True)
+        onto = start.index_put((idx,), vals, accumulate=True)
+        replaced = torch.full((6, 3), 0.0).index_put((idx,), vals)  # not accumulating: left
+        return summed, onto, replaced
+
+    gm = _graph_of(put, idx, vals, start)
+    expected = put(idx, vals, start)
+    assert simplify(gm, PassOptions(), PassContext("backward")).counts == {"index_put": 2}
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(aten.index_add.default) == 2 and targets.count(aten.index_put.default) == 1
+    for got, want in zip(gm(idx, vals, start), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
