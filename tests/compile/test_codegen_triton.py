@@ -349,3 +349,27 @@ def test_interleaved_pairs_load_and_store_contiguously(interpret, tmp_path, head
     if head_dim == 4096:
         assert any(blocks[1] > 1 for r in regions for k in cached_program(r).kernels
                    if (blocks := triton_codegen.blocks_per_axis(k)))
+
+
+def test_a_compiled_triton_region_pickles_by_its_module_file(interpret, tmp_path):
+    """The graph cache saves lowered graphs with their regions pickled: a Triton region comes back from
+    its generated module's file and its program (not lowered again in the next process), and a file
+    gone from the cache is an error the graph cache answers by compiling afresh."""
+    import pickle
+
+    from accelrun.compile.codegen.triton import TritonRegion
+
+    fn, *args = CASES["rmsnorm_fp32"]()
+    region = regions_of(fn, *args)[0]
+    compiled = TritonExecutor().compile(region, str(tmp_path))
+    inner = getattr(compiled, "fn", compiled)
+    assert isinstance(inner, TritonRegion)
+    back = pickle.loads(pickle.dumps(compiled))
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(tuple(m.shape), generator=gen).to(m.dtype).to(DEVICE) for m in region.input_meta]
+    for got, want in zip(back(*inputs), compiled(*inputs), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    data = pickle.dumps(compiled)
+    os.remove(inner.module_file)
+    with pytest.raises(FileNotFoundError, match="no longer in the cache"):
+        pickle.loads(data)
