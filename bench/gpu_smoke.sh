@@ -16,6 +16,9 @@
 #                                          # of the script itself: gloo ranks, no Triton, no GPU parts)
 #   SMOKE_PARTS=train,8b bash bench/gpu_smoke.sh   # only some parts (of triton, train, resume, profile,
 #                                          # 8b, plan, multi), e.g. to fit a command-time limit
+#   SMOKE_PARTS=bench bash bench/gpu_smoke.sh   # not in the default list (about 6 minutes on an H100):
+#                                          # bench/compile_step.py on an 8-layer dim-2048 Llama, eager vs
+#                                          # Inductor vs accelrun's Triton, fp32 and bf16-mixed
 #
 # It stops at nothing: every part runs, and the exit code is 1 if any part failed.
 set -uo pipefail
@@ -126,6 +129,13 @@ if [ "$DEVICE" = cuda ] && want plan; then
     else
         tail -n 15 "$runs/calibrate.log"; failed+=("plan --calibrate")
     fi
+fi
+
+if [ "$DEVICE" = cuda ] && want bench; then
+    section "eager, Inductor and accelrun's Triton on an 8-layer dim-2048 Llama (bench/compile_step.py)"
+    python bench/compile_step.py --device cuda --executors triton,aten --precision both --rounds 12 \
+        model.dim=2048 model.n_layers=8 model.n_heads=16 model.n_kv_heads=8 model.ffn_dim=5632 \
+        model.vocab_size=32000 train.seq_len=2048 train.micro_batch=4 train.global_batch=4 || failed+=("bench")
 fi
 
 if [ "$GPUS" -ge 2 ] && want multi; then
