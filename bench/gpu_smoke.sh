@@ -205,9 +205,10 @@ for name, path in reports.items():
     same_run = not name.startswith(("llama8b", "restart"))  # another model / another number of steps
     rel = f"{abs(loss - ref) / abs(ref):.1e}" if loss is not None and ref and same_run else "-"
     t = r.get("step_time_s") or {}
+    resv = "-" if r.get("mem_reserved_bytes") is None else f"{r['mem_reserved_bytes'] / 2**30:.2f}"  # CUDA only
     print(f"{name:<28} {str(r.get('status')):<8} {r.get('tokens_per_s') or 0:>10.0f} {(t.get('median') or 0) * 1e3:>8.2f} "
           f"{100 * (r.get('mfu') or 0):>6.1f} {(r.get('mem_peak_bytes') or 0) / 2**30:>9.2f} "
-          f"{(r.get('mem_reserved_bytes') or 0) / 2**30:>8.2f} {r.get('compile_time_s') or 0:>9.1f} "
+          f"{resv:>8} {r.get('compile_time_s') or 0:>9.1f} "
           f"{loss if loss is not None else float('nan'):>11.5f} {rel:>9}")
     c = r.get("compiler") or {}
     if c.get("regions_per_executor") or c.get("fallbacks"):
