@@ -3,7 +3,8 @@ training step (forward, backward, AdamW) under eager, Inductor and accelrun, fp3
 
 The sibling of ``compile_step.py`` (the project's Llama) for model code nobody here wrote. Variants
 live in one process, their steps interleaved round-robin so machine noise hits them alike; figures
-are medians and ratios of medians (> 1: faster than the one compared with). bf16 = the model's
+are medians and ratios of medians (> 1: faster than the one compared with), with a 95% bootstrap
+interval of the ratio to Inductor's (rounds resampled in pairs). bf16 = the model's
 weights and activations in bf16 (AdamW on bf16 parameters), which is how such models are usually
 fine-tuned on a CPU.
 
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accelrun.compile.backend import AccelrunBackend  # noqa: E402
 from accelrun.compile.options import CompileOptions  # noqa: E402
 from accelrun.compile.passes.base import resolve_passes  # noqa: E402
+from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -89,11 +91,19 @@ def run(args: argparse.Namespace, dname: str) -> None:
     med = {v.name: statistics.median(v.times) for v in variants}
     print(f"\ntransformers LlamaForCausalLM {dname}: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
           f"seq {args.seq}, {args.rounds} interleaved rounds, {torch.get_num_threads()} threads")  # fmt: skip
-    print(f"{'variant':10s} {'first step':>11s} {'median step':>12s} {'vs eager':>9s} {'vs inductor':>12s}")
+    print(f"{'variant':10s} {'first step':>11s} {'median step':>12s} {'vs eager':>9s} {'vs inductor':>12s} "
+          f"{'95% interval':>14s}")
+    inductor = next((v for v in variants if v.name == "inductor"), None)
     for v in variants:
-        vs_ind = f"{med['inductor'] / med[v.name]:.2f}x" if "inductor" in med else "-"
+        vs_ind = f"{med['inductor'] / med[v.name]:.3f}x" if inductor else "-"
+        interval = "-"
+        if inductor is not None and v is not inductor:
+            # Paired by round (the variants ran side by side in each): a slow spell of the machine
+            # slows both sides of the ratio instead of widening its interval, as in `accelrun ab`.
+            ci = bootstrap_ratio_of_medians([[t] for t in inductor.times], [[t] for t in v.times], paired=True)
+            interval = f"{ci.low:.3f}-{ci.high:.3f}"
         print(f"{v.name:10s} {v.first:10.2f}s {med[v.name] * 1000:10.1f}ms "
-              f"{med.get('eager', med[v.name]) / med[v.name]:8.2f}x {vs_ind:>12s}")  # fmt: skip
+              f"{med.get('eager', med[v.name]) / med[v.name]:8.2f}x {vs_ind:>12s} {interval:>14s}")  # fmt: skip
     for v in variants:
         if v.record is not None:
             s = v.record.summary()
