@@ -117,6 +117,7 @@ class AccelrunBackend:
     def _partition(self, name: str, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         with self._timed("partition"):
             self.dump.graph(f"{name}.joint", "joint", joint)
+            joint = self._joint_passes(name, joint, kwargs.get("num_fwd_outputs"))
             fw, bw = default_partition(joint, joint_inputs, **kwargs)
             for p in passes_for_stage(self.options.passes, "partition"):
                 t0 = time.perf_counter()
@@ -136,6 +137,26 @@ class AccelrunBackend:
                 self.dump.graph(f"{name}.forward", f"partition_{p.name}", fw)
                 self.dump.graph(f"{name}.backward", f"partition_{p.name}", bw)
             return fw, bw
+
+    def _joint_passes(self, name: str, joint: fx.GraphModule, num_fwd_outputs: int | None) -> fx.GraphModule:
+        """The joint stage: passes on the forward and backward in one graph, before the cut decides
+        what the forward saves. A pass that raises is skipped, its graph restored."""
+        for p in passes_for_stage(self.options.passes, "joint"):
+            t0 = time.perf_counter()
+            before = count_ops(joint)
+            saved = graph_snapshot(joint)
+            try:
+                result = p.spec.fn(joint, p.options, PassContext("joint", notes={"num_fwd_outputs": num_fwd_outputs}))
+                if result.graph is not None:
+                    joint = result.graph
+                lint(joint)
+            except Exception as e:
+                joint = saved
+                self._pass_failed(f"{name}.joint", "joint", p, before, e, time.perf_counter() - t0)
+                continue
+            self._note_pass(f"{name}.joint", "joint", p, before, count_ops(joint), result, time.perf_counter() - t0)
+            self.dump.graph(f"{name}.joint", f"joint_{p.name}", joint)
+        return joint
 
     def _graph_compiler(self, name: str, kind: str):
         compile_graph = partial(self._compile_graph, name, kind)

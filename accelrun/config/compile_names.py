@@ -15,8 +15,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError
 
-Stage = Literal["pre_grad", "partition", "post_grad"]
-STAGES: tuple[Stage, ...] = ("pre_grad", "partition", "post_grad")
+# joint: the forward and backward in one graph, before they are cut apart (what is saved is decided
+# there); partition: the (forward, backward) pair after the cut.
+Stage = Literal["pre_grad", "joint", "partition", "post_grad"]
+STAGES: tuple[Stage, ...] = ("pre_grad", "joint", "partition", "post_grad")
 
 
 class PassOptions(BaseModel):
@@ -86,6 +88,7 @@ BUILTIN_PASSES: dict[str, tuple[Stage, type[PassOptions]]] = {
     "fuse_rope": ("pre_grad", FuseRopeOptions),
     "fuse_linear_cross_entropy": ("pre_grad", FuseLinearCrossEntropyOptions),
     "merge_parallel_linears": ("pre_grad", MergeParallelLinearsOptions),
+    "loss_row_stats": ("joint", PassOptions),
     "remat": ("partition", RematOptions),
     "partition_regions": ("post_grad", PartitionRegionsOptions),
     "bucket_collectives": ("post_grad", BucketOptions),
@@ -100,18 +103,18 @@ PRESETS: dict[str, list[str]] = {
     "none": [],
     "default": [
         "fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "merge_parallel_linears", "dce", "cse", "simplify", "partition_regions",
+        "merge_parallel_linears", "loss_row_stats", "dce", "cse", "simplify", "partition_regions",
     ],
     "max": [
         "fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "merge_parallel_linears", "remat", "dce", "cse", "simplify", "bucket_collectives", "schedule_overlap",
-        "partition_regions",
+        "merge_parallel_linears", "loss_row_stats", "remat", "dce", "cse", "simplify", "bucket_collectives",
+        "schedule_overlap", "partition_regions",
     ],
     # default + the communication passes (for compiled FSDP / TP graphs; a no-op without collectives).
     "overlap": [
         "fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "merge_parallel_linears", "dce", "cse", "simplify", "bucket_collectives", "schedule_overlap",
-        "partition_regions",
+        "merge_parallel_linears", "loss_row_stats", "dce", "cse", "simplify", "bucket_collectives",
+        "schedule_overlap", "partition_regions",
     ],
 }  # fmt: skip
 
