@@ -676,7 +676,7 @@ class TritonRegion:
     """
 
     def __init__(self, program: LoopProgram, module: Any) -> None:
-        self.program, self.module_file = program, module.__file__
+        self.program, self.module_file = program, str(Path(module.__file__).resolve())
         self.launch = module.launch
         self.inputs = program.of_role("input")
         self.outputs = program.of_role("output")
@@ -748,7 +748,16 @@ def _restore_triton_region(module_file: str, program: LoopProgram) -> TritonRegi
     path = Path(module_file)
     if not path.exists():
         raise FileNotFoundError(f"generated Triton module {path} is no longer in the cache")
-    return TritonRegion(program, load_module(path.read_text(), path.parent))
+    module = load_module(path.read_text(), path.parent)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        # As the executor does after compiling: every kernel built and loaded for this device now.
+        # What fails (another GPU's registers or shared memory) raises here, while the graph cache
+        # loads, and it compiles the graph afresh, with the executors' fallbacks, instead of failing
+        # inside a training step.
+        from accelrun.compile.codegen.triton_aot import warm_up
+
+        warm_up(program, module)
+    return TritonRegion(program, module)
 
 
 def _launch_hooks() -> tuple[Any, Any]:

@@ -12,13 +12,14 @@ that reads it; written as below, the region computes every element where it need
 - ``slice_scatter(full(c), src, dim, start, end)`` (step 1) becomes ``cat([full(c), src, full(c)],
   dim)``: a region computes each element of a cat from the part it falls in, constants as numbers.
 
-Only a base that is a constant (``op_kinds``: ``full``, ``zeros_like``, …) is rewritten; the
-result has the same values, dtype and shape. A base left without users is removed.
+For these two, only a base that is a constant (``op_kinds``: ``full``, ``zeros_like``, …) is
+rewritten; the result has the same values, dtype and shape. A base left without users is removed.
 
-- ``index_put(base, [index], values, accumulate=True)`` with one integer index over the first axis
-  (an embedding's backward, into zeros) becomes ``index_add(base, 0, index, values)`` on the
-  flattened index, negative indices wrapped first as ``index_put`` does: the same sums, and ATen's
-  CPU ``index_add`` adds rows several times faster than an accumulating ``index_put``.
+- On a CPU, ``index_put(base, [index], values, accumulate=True)`` with one integer index over the
+  first axis (an embedding's backward, into zeros; any base) becomes ``index_add(base, 0, index,
+  values)`` on the flattened index, negative indices wrapped first as ``index_put`` does: the same
+  sums, and ATen's CPU ``index_add`` adds rows several times faster. Not on CUDA, where
+  ``index_add`` adds with atomics and the sums would change from run to run.
 
 Also: a ``cat`` drops its empty parts (transformers' key/value cache starts as an empty tensor that
 each forward concatenates onto), and a cat left with one part becomes a ``clone`` of it, which a
@@ -143,6 +144,10 @@ def _accumulate_as_index_add(build: _Builder, node: fx.Node) -> fx.Node | None:
     index = indices[0]
     out, vals, idx = _val(node), _val(values), _val(index)
     if not _static(out, vals, idx):  # first: the comparisons below must not meet an unbacked size
+        return None
+    # CPU only: there ATen's index_add is the faster sum; on CUDA it adds with atomics, so repeated
+    # indices would sum in a different order from run to run where index_put's order is fixed.
+    if out.device.type != "cpu" or idx.device != out.device:
         return None
     if idx.dtype not in (torch.int64, torch.int32) or vals.dtype != out.dtype:
         return None
