@@ -116,8 +116,9 @@ class AccelrunBackend:
 
     def _partition(self, name: str, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         with self._timed("partition"):
-            self.dump.graph(f"{name}.joint", "joint", joint)
-            joint = self._joint_passes(name, joint, kwargs.get("num_fwd_outputs"))
+            # The joint stage: before the cut decides what the forward saves for the backward.
+            joint = self._run_passes("joint", joint, f"{name}.joint", "joint", None,
+                                     notes={"num_fwd_outputs": kwargs.get("num_fwd_outputs")})  # fmt: skip
             fw, bw = default_partition(joint, joint_inputs, **kwargs)
             for p in passes_for_stage(self.options.passes, "partition"):
                 t0 = time.perf_counter()
@@ -137,26 +138,6 @@ class AccelrunBackend:
                 self.dump.graph(f"{name}.forward", f"partition_{p.name}", fw)
                 self.dump.graph(f"{name}.backward", f"partition_{p.name}", bw)
             return fw, bw
-
-    def _joint_passes(self, name: str, joint: fx.GraphModule, num_fwd_outputs: int | None) -> fx.GraphModule:
-        """The joint stage: passes on the forward and backward in one graph, before the cut decides
-        what the forward saves. A pass that raises is skipped, its graph restored."""
-        for p in passes_for_stage(self.options.passes, "joint"):
-            t0 = time.perf_counter()
-            before = count_ops(joint)
-            saved = graph_snapshot(joint)
-            try:
-                result = p.spec.fn(joint, p.options, PassContext("joint", notes={"num_fwd_outputs": num_fwd_outputs}))
-                if result.graph is not None:
-                    joint = result.graph
-                lint(joint)
-            except Exception as e:
-                joint = saved
-                self._pass_failed(f"{name}.joint", "joint", p, before, e, time.perf_counter() - t0)
-                continue
-            self._note_pass(f"{name}.joint", "joint", p, before, count_ops(joint), result, time.perf_counter() - t0)
-            self.dump.graph(f"{name}.joint", f"joint_{p.name}", joint)
-        return joint
 
     def _graph_compiler(self, name: str, kind: str):
         compile_graph = partial(self._compile_graph, name, kind)
@@ -196,15 +177,17 @@ class AccelrunBackend:
         return make_boxed_func(runnable(lowered).forward)
 
     def _run_passes(self, stage: str, gm: fx.GraphModule, graph_name: str, kind: str,
-                    example_inputs: list[Any]) -> fx.GraphModule:  # fmt: skip
+                    example_inputs: list[Any] | None, notes: dict[str, Any] | None = None) -> fx.GraphModule:  # fmt: skip
         self.dump.graph(graph_name, "input", gm)
         for p in passes_for_stage(self.options.passes, stage):  # type: ignore[arg-type]
-            before_copy = copy.deepcopy(gm) if self.options.debug_numerics else None
+            # (a joint graph has no example inputs to check a pass's numerics with)
+            before_copy = copy.deepcopy(gm) if self.options.debug_numerics and example_inputs is not None else None
             t0 = time.perf_counter()
             before = count_ops(gm)
             saved = graph_snapshot(gm)
             try:
-                result = p.spec.fn(gm, p.options, PassContext(kind, example_inputs))  # type: ignore[arg-type]
+                ctx = PassContext(kind, example_inputs, dict(notes or {}))  # type: ignore[arg-type]
+                result = p.spec.fn(gm, p.options, ctx)
                 if result.graph is not None:
                     gm = result.graph
                 gm.recompile()

@@ -505,7 +505,7 @@ class _KernelWriter:
 
     def _stmts(self, stmts: list[Stmt], mask: str, zero: str) -> None:
         for s in stmts:
-            pair = self.pairs.load_pair(s)
+            pair = self.pairs.of(s)
             if pair is None:
                 self.e.line(f"{s.name} = {self._expr(s, mask, zero)}")
             elif pair:  # the first of the two: one contiguous load, split into even and odd elements
@@ -542,11 +542,11 @@ class _KernelWriter:
                     self.e.line(f"{st.buffer} = {st.value}")
                 continue
             buf = self.buffers[st.buffer]
-            pair = self.pairs.store_pair(st)
+            pair = self.pairs.of(st)
             if pair is False:
                 continue  # stored with its partner
             if pair is not None:  # even and odd elements interleaved, one contiguous store
-                even, odd, base = pair
+                even, odd, _, base = pair
                 t = STORAGE[buf.storage]
                 both = (f"tl.join(tl.broadcast_to({even.value}, [BLOCK_R, BLOCK_N]).to({t}), "
                         f"tl.broadcast_to({odd.value}, [BLOCK_R, BLOCK_N]).to({t}))")
@@ -565,42 +565,38 @@ class _PairedAccess:
     split into even and odd halves in registers (and the mirror for stores: join, then one store)."""
 
     def __init__(self, kernel: Kernel | None) -> None:
-        self.loads: dict[str, tuple[Stmt, Stmt, str, Any] | bool] = {}
-        self.stores: dict[int, tuple[Store, Store, Any] | bool] = {}
+        # id(access) → (even, odd, buffer, base) for the first of a pair in program order, False for
+        # the second (emitted with the first).
+        self.pairs: dict[int, tuple[Any, Any, str, Any] | bool] = {}
         if kernel is None or kernel.kind != "rows" or looped(kernel):
             return
         for block in kernel.blocks:
-            if block.level != "inner":
+            if block.level == "inner":
+                self._pair([(s.args[0], s.args[1], s) for s in block.stmts if s.op == "load"])
+                self._pair([(st.buffer, st.index, st) for st in block.stores])
+
+    def _pair(self, accesses: list[tuple[str, Any, Any]]) -> None:
+        """Pairs among ``(buffer, index, access)`` in program order (loads of one dtype; stores)."""
+        by_element = {}
+        for buf, index, access in accesses:
+            if (base := _pair_base(index)) is not None:
+                by_element[buf, base] = access
+        order = {id(access): i for i, (_, _, access) in enumerate(accesses)}
+        for (buf, base), even in by_element.items():
+            odd = by_element.get((buf, base + 1))
+            # (buf, base - 1) taken: base is an odd element of the pair before it
+            if odd is None or (buf, base - 1) in by_element or getattr(even, "ctype", None) != getattr(odd, "ctype", None):
                 continue
-            loads = {}
-            for s in block.stmts:
-                if s.op == "load" and (base := _pair_base(s.args[1])) is not None:
-                    loads[(s.args[0], base)] = s
-            for (buf, base), even in loads.items():
-                odd = loads.get((buf, base + 1))
-                if odd is not None and even.ctype == odd.ctype and (buf, base - 1) not in loads:
-                    first, second = sorted((even, odd), key=block.stmts.index)
-                    self.loads[first.name] = (even, odd, buf, base)
-                    self.loads[second.name] = False
-            stores, order = {}, {id(st): i for i, st in enumerate(block.stores)}
-            for st in block.stores:
-                if (base := _pair_base(st.index)) is not None:
-                    stores[(st.buffer, base)] = st
-            for (buf, base), even in stores.items():
-                odd = stores.get((buf, base + 1))
-                if odd is not None and (buf, base - 1) not in stores:
-                    first, second = sorted((even, odd), key=lambda st: order[id(st)])
-                    self.stores[id(first)] = (even, odd, base)
-                    self.stores[id(second)] = False
+            first, second = sorted((even, odd), key=lambda a: order[id(a)])
+            self.pairs[id(first)] = (even, odd, buf, base)
+            self.pairs[id(second)] = False
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.stores)
+        return bool(self.pairs)
 
-    def load_pair(self, s: Stmt) -> tuple[Stmt, Stmt, str, Any] | bool | None:
-        return self.loads.get(s.name)
-
-    def store_pair(self, st: Store) -> tuple[Store, Store, Any] | bool | None:
-        return self.stores.get(id(st))
+    def of(self, access: Stmt | Store) -> tuple[Any, Any, str, Any] | bool | None:
+        """The pair ``access`` begins, False if it ends one, None if it is not paired."""
+        return self.pairs.get(id(access))
 
 
 def _pair_base(index: Any) -> Any:
@@ -734,7 +730,6 @@ class TritonRegion:
             self._compiled = [(ck, ck.run, ck.function, ck.packed_metadata, p[1], p[2], p[3])
                               for ck, p in zip(found, self._plan, strict=True)]
         return tuple(outs)
-
 
     def __reduce__(self) -> tuple:
         # Saved in the graph cache, as a CppRegion is: the generated module is imported again from its

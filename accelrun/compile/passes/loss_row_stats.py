@@ -23,13 +23,9 @@ from torch import fx
 
 from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
 from accelrun.compile.passes.dce import eliminate_dead_code
+from accelrun.compile.passes.graph_build import NodeBuilder, tensor_val
 
 aten = torch.ops.aten
-
-
-def _val(node: object) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _forward_nodes(graph: fx.Graph, num_fwd_outputs: int) -> set[fx.Node]:
@@ -65,7 +61,7 @@ def _row_gather(user: fx.Node, read: fx.Node, dim: int, x: torch.Tensor) -> bool
         return False
     if user.kwargs.get("sparse_grad") or (len(user.args) > 3 and user.args[3]):
         return False
-    index = _val(user.args[2])
+    index = tensor_val(user.args[2])
     along = user.args[1] % x.dim()
     return (index is not None and along == dim and index.dim() == x.dim()
             and all(index.shape[d] == x.shape[d] for d in range(x.dim()) if d != dim))  # fmt: skip
@@ -84,7 +80,7 @@ def _upcast_source(node: fx.Node) -> fx.Node | None:
     dtype on the same device, nothing else changed), or None."""
     if node.op != "call_function" or node.target is not aten._to_copy.default or set(node.kwargs) - {"dtype"}:
         return None
-    src, out = _val(node.args[0]), _val(node)
+    src, out = tensor_val(node.args[0]), tensor_val(node)
     if src is None or out is None or src.device != out.device:
         return None
     if not (src.dtype.is_floating_point and out.dtype.is_floating_point) or src.dtype.itemsize >= out.dtype.itemsize:
@@ -92,51 +88,38 @@ def _upcast_source(node: fx.Node) -> fx.Node | None:
     return node.args[0]
 
 
-class _Builder:
-    def __init__(self, graph: fx.Graph, fake_mode) -> None:
-        self.graph, self.fake_mode = graph, fake_mode
-
-    def __call__(self, target, *args, **kwargs) -> fx.Node:
-        node = self.graph.call_function(target, args, kwargs)
-        vals = [_val(a) if isinstance(a, fx.Node) else a for a in args]
-        with self.fake_mode:
-            node.meta["val"] = target(*vals, **kwargs)
-        return node
-
-
-def _rewrite(graph: fx.Graph, ls: fx.Node, dim: int, uses: list[tuple[fx.Node, fx.Node]],
+def _rewrite(build: NodeBuilder, ls: fx.Node, dim: int, uses: list[tuple[fx.Node, fx.Node]],
              in_forward: set[fx.Node]) -> None:
-    from torch._guards import detect_fake_mode
-
     x_node = ls.args[0]
-    x, out = _val(x_node), _val(ls)
-    build = _Builder(graph, detect_fake_mode([x]))
+    x, out = tensor_val(x_node), tensor_val(ls)
     # x read again, in the backward and by the gathers, from what it was cast from when it is an
     # upcast (bf16 logits made fp32): half the bytes saved, and the forward's fp32 copy stays inside
     # the statistics' region.
     src = _upcast_source(x_node)
-    with graph.inserting_before(ls):  # in creation order, all before the output's first use
-        m = build(aten.amax.default, x_node, [dim], True)
-        s = build(aten.sum.dim_IntList, build(aten.exp.default, build(aten.sub.Tensor, x_node, m)), [dim], True)
-        log_s = build(aten.log.default, s)
+    m = build(ls, aten.amax.default, x_node, [dim], True)
+    s = build(ls, aten.sum.dim_IntList, build(ls, aten.exp.default, build(ls, aten.sub.Tensor, x_node, m)), [dim], True)
+    log_s = build(ls, aten.log.default, s)
+
+    def normalised(before: fx.Node, t: fx.Node) -> fx.Node:  # (t - m) - log(s), as ATen's decomposition
+        return build(before, aten.sub.Tensor, build(before, aten.sub.Tensor, t, m), log_s)
+
     for user, read in uses:
-        with graph.inserting_before(user):
-            if user in in_forward:  # the loss's entries, read from x
-                if src is None:
-                    picked = build(aten.gather.default, x_node, dim, user.args[2])
-                else:
-                    picked = build(aten._to_copy.default, build(aten.gather.default, src, dim, user.args[2]),
-                                   dtype=x.dtype)  # fmt: skip
-                user.replace_all_uses_with(build(aten.sub.Tensor, build(aten.sub.Tensor, picked, m), log_s))
-                graph.erase_node(user)
-            elif user.target in _FILLED_LIKE:  # full_like(output, 0): only its shape and dtype are read
-                filled = build(aten.full.default, list(out.shape), _FILLED_LIKE[user.target](user), dtype=out.dtype,
-                               layout=torch.strided, device=out.device, pin_memory=False)  # fmt: skip
-                user.replace_all_uses_with(filled)
-                graph.erase_node(user)
-            else:  # the backward's: the output recomputed next to its use
-                again = x_node if src is None else build(aten._to_copy.default, src, dtype=x.dtype)
-                user.replace_input_with(read, build(aten.sub.Tensor, build(aten.sub.Tensor, again, m), log_s))
+        if user in in_forward:  # the loss's entries, read from x
+            if src is None:
+                picked = build(user, aten.gather.default, x_node, dim, user.args[2])
+            else:
+                picked = build(user, aten._to_copy.default, build(user, aten.gather.default, src, dim, user.args[2]),
+                               dtype=x.dtype)  # fmt: skip
+            user.replace_all_uses_with(normalised(user, picked))
+            build.graph.erase_node(user)
+        elif user.target in _FILLED_LIKE:  # full_like(output, 0): only its shape and dtype are read
+            filled = build(user, aten.full.default, list(out.shape), _FILLED_LIKE[user.target](user), dtype=out.dtype,
+                           layout=torch.strided, device=out.device, pin_memory=False)  # fmt: skip
+            user.replace_all_uses_with(filled)
+            build.graph.erase_node(user)
+        else:  # the backward's: the output recomputed next to its use
+            again = x_node if src is None else build(user, aten._to_copy.default, src, dtype=x.dtype)
+            user.replace_input_with(read, normalised(user, again))
 
 
 @register_pass("loss_row_stats", "joint", PassOptions)
@@ -146,13 +129,14 @@ def loss_row_stats(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -
     num_fwd_outputs = ctx.notes.get("num_fwd_outputs")
     if num_fwd_outputs is None:
         return PassResult(changed=False, summary="the number of forward outputs is unknown: nothing rewritten")
-    graph = gm.graph
-    candidates = list(graph.find_nodes(op="call_function", target=aten._log_softmax.default))
+    graph, build = gm.graph, NodeBuilder(gm)
+    found = graph.find_nodes(op="call_function", target=aten._log_softmax.default)
+    candidates = list(found) if build.fake_mode is not None else []  # no fake values: nothing can be built
     forward = _forward_nodes(graph, num_fwd_outputs) if candidates else set()
     rewritten = 0
     for ls in candidates:
         x_node, dim, half_to_float = ls.args
-        x, out = _val(x_node), _val(ls)
+        x, out = tensor_val(x_node), tensor_val(ls)
         if half_to_float or x is None or out is None or out.dtype != x.dtype or ls not in forward:
             continue
         if not all(isinstance(s, int) for s in x.shape):  # comparing an unbacked size would guard on it
@@ -165,7 +149,7 @@ def loss_row_stats(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -
             continue  # nothing of it reaches the backward: nothing saved to spare
         if not all(user not in in_forward or _row_gather(user, read, dim, x) for user, read in uses):
             continue
-        _rewrite(graph, ls, dim, uses, in_forward)
+        _rewrite(build, ls, dim, uses, in_forward)
         rewritten += 1
     if not rewritten:
         return PassResult(changed=False, summary="no log-softmax saved for a backward")

@@ -30,41 +30,16 @@ from __future__ import annotations
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
 
 from accelrun.compile.op_kinds import fill_value, node_kind
 from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
 from accelrun.compile.passes.dce import op_is_pure
+from accelrun.compile.passes.graph_build import NodeBuilder, tensor_val
 
 aten = torch.ops.aten
 
 
-def _val(node: object) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-class _Builder:
-    """Inserts ATen calls before a node, each with its fake value (later passes read ``meta['val']``)."""
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        self.graph = gm.graph
-        try:
-            self.fake_mode = detect_fake_mode([v for n in gm.graph.nodes if (v := _val(n)) is not None])
-        except AssertionError:  # values from several fake modes (a hand-traced graph): rewrite nothing
-            self.fake_mode = None
-
-    def __call__(self, before: fx.Node, target, *args, **kwargs) -> fx.Node:
-        with self.graph.inserting_before(before):
-            node = self.graph.call_function(target, args, kwargs)
-        vals = [_val(a) if isinstance(a, fx.Node) else a for a in args]
-        vals = [[_val(x) if isinstance(x, fx.Node) else x for x in a] if isinstance(a, list) else a for a in vals]
-        with self.fake_mode:
-            node.meta["val"] = target(*vals, **kwargs)
-        return node
-
-
-def _constant(build: _Builder, before: fx.Node, like: torch.Tensor, shape: list[int], value) -> fx.Node:
+def _constant(build: NodeBuilder, before: fx.Node, like: torch.Tensor, shape: list[int], value) -> fx.Node:
     return build(before, aten.full.default, shape, value, dtype=like.dtype, layout=torch.strided,
                  device=like.device, pin_memory=False)  # fmt: skip
 
@@ -79,9 +54,9 @@ def _arg(node: fx.Node, i: int, name: str, default=None):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
-def _scatter_to_where(build: _Builder, node: fx.Node) -> fx.Node | None:
+def _scatter_to_where(build: NodeBuilder, node: fx.Node) -> fx.Node | None:
     base, dim, index, value = (_arg(node, i, name) for i, name in enumerate(("self", "dim", "index", "value")))
-    out, idx = _val(node), _val(index)
+    out, idx = tensor_val(node), tensor_val(index)
     if node_kind(base) != "constant" or not _static(out, idx) or not isinstance(value, (int, float, bool)):
         return None
     dim %= out.dim()
@@ -98,11 +73,11 @@ def _scatter_to_where(build: _Builder, node: fx.Node) -> fx.Node | None:
     return build(node, aten.where.self, hit, scattered, base)
 
 
-def _slice_scatter_to_cat(build: _Builder, node: fx.Node) -> fx.Node | None:
+def _slice_scatter_to_cat(build: NodeBuilder, node: fx.Node) -> fx.Node | None:
     base, src = node.args[:2]
     dim, start, end, step = (_arg(node, i, name, d) for i, name, d in
                              ((2, "dim", 0), (3, "start", None), (4, "end", None), (5, "step", 1)))
-    out = _val(node)
+    out = tensor_val(node)
     bounds_known = all(isinstance(b, int) for b in (start or 0, end or 0, step))
     if node_kind(base) != "constant" or not _static(out) or not bounds_known or step != 1:
         return None
@@ -121,14 +96,14 @@ def _slice_scatter_to_cat(build: _Builder, node: fx.Node) -> fx.Node | None:
     return build(node, aten.cat.default, [p for _, p in sorted(parts, key=lambda p: p[0])], dim)
 
 
-def _cat_without_empty_parts(build: _Builder, node: fx.Node) -> fx.Node | None:
+def _cat_without_empty_parts(build: NodeBuilder, node: fx.Node) -> fx.Node | None:
     parts, dim = node.args[0], _arg(node, 1, "dim", 0)
-    out = _val(node)
-    vals = [_val(p) for p in parts]
+    out = tensor_val(node)
+    vals = [tensor_val(p) for p in parts]
     if not _static(out, *vals):
         return None
     kept = [p for p, v in zip(parts, vals, strict=True) if v.numel() != 0 or v.dim() == out.dim() and out.numel() == 0]
-    if len(kept) == len(parts) or not kept or any(_val(p).dtype != out.dtype for p in kept):
+    if len(kept) == len(parts) or not kept or any(tensor_val(p).dtype != out.dtype for p in kept):
         return None
     if len(kept) == 1:  # a copy in the layout the cat gave (contiguous), or none of this
         if not out.is_contiguous():
@@ -137,12 +112,12 @@ def _cat_without_empty_parts(build: _Builder, node: fx.Node) -> fx.Node | None:
     return build(node, aten.cat.default, kept, dim)
 
 
-def _accumulate_as_index_add(build: _Builder, node: fx.Node) -> fx.Node | None:
+def _accumulate_as_index_add(build: NodeBuilder, node: fx.Node) -> fx.Node | None:
     base, indices, values = node.args[:3]
     if not _arg(node, 3, "accumulate", False) or not isinstance(indices, (list, tuple)) or len(indices) != 1:
         return None
     index = indices[0]
-    out, vals, idx = _val(node), _val(values), _val(index)
+    out, vals, idx = tensor_val(node), tensor_val(values), tensor_val(index)
     if not _static(out, vals, idx):  # first: the comparisons below must not meet an unbacked size
         return None
     # CPU only: there ATen's index_add is the faster sum; on CUDA it adds with atomics, so repeated
@@ -173,7 +148,7 @@ _REWRITES = {
 def simplify(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> PassResult:
     """Scatters into constant tensors become pointwise selects and cats, cats drop empty parts (see
     the module's docstring)."""
-    build = _Builder(gm)
+    build = NodeBuilder(gm)
     counts: dict[str, int] = {}
     for node in list(gm.graph.nodes):
         name, rewrite = _REWRITES.get(node.target, (None, None)) if node.op == "call_function" else (None, None)
