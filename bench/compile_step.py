@@ -190,10 +190,10 @@ def main() -> None:
         run_one(args)
 
 
-def run_one(args: argparse.Namespace) -> None:
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    skipped = {n: why for n in names if (why := available(n))}
-    names = [n for n in names if n not in skipped]
+def time_variants(names: list[str], args: argparse.Namespace) -> tuple[list[tuple[str, float, list[float]]], dict]:
+    """(name, median step, losses) per variant, and each one's cold first step. The variants (models,
+    optimizers, compiled graphs) are gone when this returns, so the new processes that measure warm
+    start and memory have the device to themselves."""
     variants, cold = [], {}
     for name in names:
         torch._dynamo.reset()  # cold: nothing compiled in this process for this variant yet
@@ -205,23 +205,27 @@ def run_one(args: argparse.Namespace) -> None:
     for _ in range(args.rounds):
         for v in variants:
             v.times.append(v.step())
-    eager_median = statistics.median(variants[0].times) if names[0] == "eager" else None
-    inductor = next((v for v in variants if v.name == "inductor"), None)
-    inductor_median = statistics.median(inductor.times) if inductor else None
-    print(f"\n## {args.precision}: {args.rounds} interleaved steps each (accelrun: passes={args.passes}, "
-          f"executors=[{args.executors}], scope={args.scope})\n")  # fmt: skip
-    on_gpu = args.device.startswith("cuda")
-    memory = "peak GPU memory of the steps (new process)" if on_gpu else "peak RSS of the steps (new process)"
-    print(f"| variant | median step | vs eager | vs inductor | cold compile (first step) | warm start (new process) | "
-          f"saved for backward | {memory} | last loss |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    rows = [(v.name, statistics.median(v.times), v.losses) for v in variants]
-    if on_gpu:  # the children below need the GPU's memory: this process's models and optimizers let go first
-        variants.clear()
-        inductor = v = None  # noqa: F841 (the last references)
+    return [(v.name, statistics.median(v.times), v.losses) for v in variants], cold
+
+
+def run_one(args: argparse.Namespace) -> None:
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    skipped = {n: why for n in names if (why := available(n))}
+    names = [n for n in names if n not in skipped]
+    rows, cold = time_variants(names, args)
+    if args.device.startswith("cuda"):  # what the variants held, back to the device for the new processes
         torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()
+    medians = {name: med for name, med, _ in rows}
+    eager_median, inductor_median = medians.get("eager"), medians.get("inductor")
+    print(f"\n## {args.precision}: {args.rounds} interleaved steps each (accelrun: passes={args.passes}, "
+          f"executors=[{args.executors}], scope={args.scope})\n")  # fmt: skip
+    memory = "peak GPU memory of the steps (new process)" if args.device.startswith("cuda") else \
+        "peak RSS of the steps (new process)"
+    print(f"| variant | median step | vs eager | vs inductor | cold compile (first step) | warm start (new process) | "
+          f"saved for backward | {memory} | last loss |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, med, losses in rows:
         ratio = f"{eager_median / med:.2f}×" if eager_median else "-"
         vs_inductor = f"{inductor_median / med:.2f}×" if inductor_median else "-"
