@@ -219,8 +219,8 @@ def compile_sharded(model: nn.Module, blocks: list[nn.Module] | None, mesh: Devi
 
     class TracedBackend(AccelrunBackend):
         # After the passes, before lowering: route collectives through the comm trace (when one runs).
-        def _run_passes(self, stage, gm, graph_name, kind, example_inputs):
-            gm = super()._run_passes(stage, gm, graph_name, kind, example_inputs)
+        def _run_passes(self, stage, gm, graph_name, kind, example_inputs, notes=None):
+            gm = super()._run_passes(stage, gm, graph_name, kind, example_inputs, notes)
             if stage == "post_grad" and active_trace() is not None:
                 instrument_graph(gm)
             return gm
