@@ -2,13 +2,30 @@
 
 A lowered graph calls ops as ``torch.ops.aten.view.default(x, ...)``: readable in dumps and
 picklable by name for the graph cache, but each call passes through ``OpOverload.__call__``, a
-Python frame in front of the C++ binding. The debug Llama's step makes about 1,500 such calls,
-most of them views around the matmuls, and on this CPU a view costs 9 µs through the OpOverload
-and 3 µs as the Tensor method. So the graph that runs is a copy with the views (and ``mm``) called
-as Tensor methods; the graph kept for dumps and the cache is unchanged.
+Python frame in front of the C++ binding. A step of a small Llama makes a few hundred such calls,
+most of them views around the matmuls and the compiled regions. So the graph that runs is a copy:
+
+1. Views and ``mm`` are called as Tensor methods (a view costs 9 µs through the OpOverload and 3 µs
+   as the method on this CPU).
+2. Once the graph has run twice with the same layouts, each chain of views between two computing
+   ops (``view`` → ``permute`` → ``slice``, a ``split``'s pieces) becomes one call of Dynamo's
+   ``_reinterpret_tensor`` on the chain's base with the sizes, strides and storage offset those runs
+   produced. In a step, a view right after a matmul or a region costs 10-30 µs (the matmul has pushed
+   the interpreter out of the caches) and a chain pays that for every link; Inductor's generated code
+   makes the same C++ call for its views.
+
+Step 2 holds only where layouts are fixed by the graph: every tensor's sizes and strides are
+integers (no symbolic or data-dependent sizes; ``layouts_are_static``) and Dynamo's guards pin the
+inputs' layouts, so the same ops make the same views on every call. A view keeps its op where the
+two recorded calls saw it differently, where it does not share its base's storage, where an op
+mutates it, and where the graph returns it as a view of one of its inputs (AOTAutograd tracks
+those). The graph kept for dumps and the graph cache is unchanged.
 """
 
 from __future__ import annotations
+
+import operator
+from typing import Any
 
 import torch
 from torch import fx
@@ -28,12 +45,163 @@ AS_METHODS = {
     aten.mm.default: torch.Tensor.mm,
 }
 
+# Ops whose output always shares its input's storage (``reshape`` may copy, so it is not here).
+VIEWS = frozenset({
+    aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.t.default, aten.transpose.int,
+    aten.unsqueeze.default, aten.squeeze.dims, aten.squeeze.dim, aten.squeeze.default, aten.expand.default,
+    aten.select.int, aten.slice.Tensor, aten.alias.default, aten.narrow.default, aten.diagonal.default,
+    aten.as_strided.default, aten.unfold.default,
+    *[m for op, m in AS_METHODS.items() if op is not aten.mm.default],
+})  # fmt: skip
+# Ops returning a list of views of their input, read with getitem.
+SPLITS = frozenset({aten.split_with_sizes.default, aten.split.Tensor, aten.unbind.int, aten.chunk.default})
 
-def runnable(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` whose views and matmuls skip ``OpOverload.__call__`` (same ops, same arguments)."""
+STATIC_LAYOUTS = "static_layouts"  # gm.meta key: saved with a cached graph, whose nodes keep no meta
+RECORDED_CALLS = 2  # calls whose views must agree before chains are collapsed
+
+_reinterpret = getattr(getattr(torch._C._dynamo, "guards", None), "_reinterpret_tensor", None)
+
+
+def layouts_are_static(gm: fx.GraphModule) -> bool:
+    """True when every value of ``gm`` has integer sizes and strides (no symbolic or data-dependent
+    ones), so the layouts of its views are the same on every call. Unknown (no ``meta["val"]``): False."""
+    if STATIC_LAYOUTS in gm.meta:
+        return bool(gm.meta[STATIC_LAYOUTS])
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        if "val" not in node.meta:
+            return False
+        vals = node.meta["val"] if isinstance(node.meta["val"], (list, tuple)) else [node.meta["val"]]
+        for v in vals:
+            if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                return False
+            if isinstance(v, torch.Tensor) and not all(
+                    isinstance(s, int) for s in (*v.shape, *v.stride(), v.storage_offset())):
+                return False
+    return True
+
+
+def _with_methods(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     for node in graph.nodes:
         if node.op == "call_function" and node.target in AS_METHODS and not node.kwargs:
             node.target = AS_METHODS[node.target]
     return fx.GraphModule(gm, graph)
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        src = node.args[0]
+        return isinstance(src, fx.Node) and src.op == "call_function" and src.target in SPLITS
+    return node.target in VIEWS
+
+
+def _view_source(node: fx.Node) -> fx.Node:
+    """The tensor a view node views: the input of the op (of the split, for a getitem)."""
+    src = node.args[0]
+    return src.args[0] if node.target is operator.getitem else src  # type: ignore[union-attr,return-value]
+
+
+def _collapsible(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """View node -> the base its chain starts from (the first producer that is not a view), for the
+    views that may become one reinterpretation of that base."""
+    out: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if not _is_view(node) or not isinstance(_view_source(node), fx.Node):
+            continue
+        users = list(node.users)
+        if any(u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
+               for u in users):
+            continue  # a mutation through a view keeps the view an op
+        base = _view_source(node)
+        while _is_view(base) and isinstance(_view_source(base), fx.Node):
+            base = _view_source(base)
+        if base.op == "placeholder" and any(u.op == "output" for u in users):
+            continue  # a returned view of an input: AOTAutograd's view tracking of inputs reads it
+        out[node] = base
+    return out
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph and notes what each collapsible view was: (sizes, strides, offset from its base),
+    or None where it did not share its base's storage."""
+
+    def __init__(self, gm: fx.GraphModule, views: dict[fx.Node, fx.Node]) -> None:
+        super().__init__(gm)
+        self.views, self.bases = views, set(views.values())
+        self.storage: dict[fx.Node, tuple[int, int, torch.device]] = {}  # base -> (storage, offset, device)
+        self.seen: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if n in self.bases and isinstance(out, torch.Tensor):
+            # Kept as numbers: the interpreter frees the base's value after its last reader.
+            self.storage[n] = (out.untyped_storage().data_ptr(), out.storage_offset(), out.device)
+        base = self.views.get(n)
+        if base is not None:
+            ptr, offset, device = self.storage.get(base, (None, 0, None))
+            ok = (type(out) is torch.Tensor and out.device == device
+                  and out.untyped_storage().data_ptr() == ptr)  # fmt: skip
+            self.seen[n.name] = (tuple(out.shape), out.stride(), out.storage_offset() - offset) if ok else None
+        return out
+
+
+class RunnableGraph:
+    """Calls the lowered graph with its inputs as arguments; see the module's docstring."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.module = _with_methods(gm)
+        self._views = _collapsible(self.module) if _reinterpret is not None and layouts_are_static(gm) else {}
+        self._records: list[dict[str, Any]] = []
+        self.collapsed = 0  # reinterpretations that replaced view chains
+        self._run = self._record if self._views else self.module.forward
+
+    @property
+    def code(self) -> str:
+        return self.module.code
+
+    def __call__(self, *args: Any) -> Any:
+        return self._run(*args)
+
+    def _record(self, *args: Any) -> Any:
+        if not all(isinstance(a, torch.Tensor) and type(a) in (torch.Tensor, torch.nn.Parameter) for a in args):
+            self._run = self.module.forward  # a size or a tensor subclass among the inputs: leave views as ops
+            return self._run(*args)
+        rec = _Recorder(self.module, self._views)
+        out = rec.run(*args)
+        self._records.append(rec.seen)
+        if len(self._records) == RECORDED_CALLS:
+            self._collapse()
+            self._run = self.module.forward
+        return out
+
+    def _collapse(self) -> None:
+        first, *rest = self._records
+        graph = self.module.graph
+        for node, base in self._views.items():
+            layout = first.get(node.name)
+            if layout is None or any(r.get(node.name) != layout for r in rest):
+                continue
+            size, stride, offset = layout
+            with graph.inserting_before(node):
+                new = graph.call_function(_reinterpret, (base, list(size), list(stride), offset))
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+        # The links of collapsed chains (and splits whose pieces all were) are no longer read.
+        for node in reversed(list(graph.nodes)):
+            if not node.users and (_is_view(node) or node.target is _reinterpret
+                                   or (node.op == "call_function" and node.target in SPLITS)):  # fmt: skip
+                graph.erase_node(node)
+        self.collapsed = len(graph.find_nodes(op="call_function", target=_reinterpret))
+        self.module.recompile()
+        self._records.clear()
+
+
+def runnable(gm: fx.GraphModule) -> RunnableGraph:
+    """What runs ``gm``: its views and matmuls skip ``OpOverload.__call__``, and after two calls its view
+    chains are single reinterpretations (same ops, same results)."""
+    return RunnableGraph(gm)

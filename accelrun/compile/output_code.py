@@ -22,7 +22,7 @@ import torch
 from torch import fx
 from torch._inductor.output_code import OutputCode
 
-from accelrun.compile.fast_calls import runnable
+from accelrun.compile.fast_calls import STATIC_LAYOUTS, layouts_are_static, runnable
 from accelrun.compile.record import CompileRecord, GraphRecord
 
 # Where regions lowered while loading are recorded (the loading backend's record); None: nowhere.
@@ -150,7 +150,8 @@ def pack_graph(gm: fx.GraphModule) -> bytes:
             records.append((node.op, node.name, None, args, kwargs, region))
         else:
             records.append((node.op, node.name, _target_name(node.target), args, kwargs, None))
-    return pickle.dumps(records)
+    # Nodes are saved without their fake tensors; whether the layouts were fixed goes with them.
+    return pickle.dumps({"nodes": records, STATIC_LAYOUTS: layouts_are_static(gm)})
 
 
 def unpack_graph(data: bytes) -> fx.GraphModule:
@@ -168,7 +169,10 @@ def unpack_graph(data: bytes) -> fx.GraphModule:
             return {k: ref(v) for k, v in a.items()}
         return a
 
-    for op, name, target, args, kwargs, region in pickle.loads(data):
+    saved = pickle.loads(data)
+    for op, name, target, args, kwargs, region in saved["nodes"]:
         fn = named_call(region[1], region[0]) if region is not None else _resolve_target(target)
         env[name] = graph.create_node(op, fn, ref(args), ref(kwargs), name=name)
-    return fx.GraphModule({}, graph)
+    gm = fx.GraphModule({}, graph)
+    gm.meta[STATIC_LAYOUTS] = saved[STATIC_LAYOUTS]
+    return gm

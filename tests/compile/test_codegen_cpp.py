@@ -557,3 +557,22 @@ def test_rotate_half_is_cut_into_halves_that_load_at_plain_strides(cache):
     assert loads and not any(e.atoms(sympy.Min, sympy.Max) for e in map(sympy.sympify, loads))
     assert {k.cols for k in program.kernels} == {16}
     check_fn(fn, cache, q, cos, sin, atol=1e-5)
+
+
+def test_inputs_in_another_layout_after_the_guard_is_made_are_conformed(cache):
+    """The first conforming call arms a C++ guard on the inputs' layout; an input laid out otherwise
+    later fails it and takes the per-input path (copied to the kernel's layout), never misread."""
+    def fn(x, y):
+        return ((x * 2 + y).relu(),)
+
+    x, y = torch.randn(6, 5), torch.randn(6, 5)
+    region = region_of(fn, x, y)
+    run = CppExecutor().compile(region, cache)
+    torch.testing.assert_close(run(x, y)[0], fn(x, y)[0])
+    assert run._guard is not None and run._guard.check(x, y)
+    xt = x.t().contiguous().t()  # same values, column-major
+    assert not run._guard.check(xt, y)
+    torch.testing.assert_close(run(xt, y)[0], fn(x, y)[0])
+    wide = torch.randn(6, 10)[:, ::2]  # every other column: strides (10, 2)
+    torch.testing.assert_close(run(wide, y)[0], fn(wide, y)[0])
+    torch.testing.assert_close(run(x, y)[0], fn(x, y)[0])

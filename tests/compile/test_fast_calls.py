@@ -2,8 +2,9 @@
 
 import torch
 from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
-from accelrun.compile.fast_calls import AS_METHODS, runnable
+from accelrun.compile.fast_calls import AS_METHODS, STATIC_LAYOUTS, _reinterpret, layouts_are_static, runnable
 
 aten = torch.ops.aten
 
@@ -34,3 +35,62 @@ def test_every_retargeted_op_gives_the_same_tensor_and_views_stay_views():
             want.untyped_storage().data_ptr() == x_in.untyped_storage().data_ptr())
     assert "torch.ops.aten.view" not in fast.code and "torch.ops.aten.sum" in fast.code
     assert "torch.ops.aten.view" in gm.code  # the kept graph (dumps, graph cache) is unchanged
+
+
+def _traced(fn, *args):
+    """``fn`` as an ATen graph whose nodes carry fake tensors (as a lowered graph's do)."""
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def _qkv_attention_like(x, w, k_cache):
+    qkv = torch.mm(x.view(-1, 8), w.t()).view(2, 3, 12)
+    q, k, v = qkv.split([4, 4, 4], dim=-1)
+    q = q.view(2, 3, 2, 2).permute(0, 2, 1, 3)
+    k = k.view(2, 3, 2, 2).permute(0, 2, 1, 3)[..., :1]
+    out = (q[..., :1] * k + v.view(2, 3, 2, 2).permute(0, 2, 1, 3)[..., 1:]).sum(-1)
+    k_cache.copy_(k.reshape(k_cache.shape))  # a mutation: its source view stays an op
+    return out, x.view(6, 8), v  # a returned view of an input stays an op; one of an intermediate need not
+
+
+def test_view_chains_become_one_reinterpretation_after_two_agreeing_calls():
+    x, w, cache = torch.randn(2, 3, 8), torch.randn(12, 8), torch.zeros(2, 2, 3, 1)
+    gm = _traced(_qkv_attention_like, x, w, cache)
+    assert layouts_are_static(gm)
+    run = runnable(gm)
+    for call in range(4):
+        c1, c2 = cache.clone(), cache.clone()
+        want, got = gm(x, w, c1), run(x, w, c2)
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a, b) and a.stride() == b.stride()
+        assert torch.equal(c1, c2)
+        assert (run.collapsed > 0) == (call >= 1)  # collapsed once the second call agreed with the first
+    assert "_reinterpret_tensor" in run.code and "split" not in run.code
+    assert run.module.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
+    out_node = run.module.graph.find_nodes(op="output")[0]
+    returned_x_view = out_node.args[0][1]
+    assert returned_x_view.target is not _reinterpret  # x.view(6, 8) is returned: still a view op
+    assert returned_x_view.args[0].op == "placeholder"
+
+
+def test_no_collapse_without_fixed_layouts():
+    gm = _traced(lambda x: x.view(-1).mul(2).view(2, 3).t().contiguous(), torch.randn(3, 2))
+    gm.graph.find_nodes(op="placeholder")[0].meta.pop("val")  # as a graph whose sizes are unknown
+    gm.meta.pop(STATIC_LAYOUTS, None)
+    assert not layouts_are_static(gm)
+    run = runnable(gm)
+    for _ in range(3):
+        assert torch.equal(run(torch.ones(3, 2)), gm(torch.ones(3, 2)))
+    assert run.collapsed == 0 and "_reinterpret_tensor" not in run.code
+
+
+def test_a_view_that_changes_between_calls_stays_an_op():
+    """Layouts are recorded on two calls; a view the two calls saw differently is not collapsed."""
+    gm = _traced(lambda x: x.view(6).mul(2).view(2, 3).t().mul(1), torch.randn(3, 2))
+    run = runnable(gm)
+    run(torch.randn(3, 2))
+    first = dict(run._records[0])
+    run._records[0] = {k: (v[0], v[1], v[2] + 1) for k, v in first.items()}  # as if the offsets moved
+    run(torch.randn(3, 2))
+    assert run.collapsed == 0
+    x = torch.randn(3, 2)
+    assert torch.equal(run(x), gm(x))

@@ -213,9 +213,26 @@ def test_a_lowered_graph_with_runtime_assertions_on_unbacked_sizes_packs_and_unp
     g.output(g.call_function(torch.ops.aten.mul.Tensor, (x, bigger)))
     gm = fx.GraphModule(torch.nn.Module(), g)
     back = unpack_graph(pack_graph(gm))
+    assert back.meta["static_layouts"] is False  # data-dependent sizes: its views are never collapsed
     assert [nd.target for nd in back.graph.nodes if nd.op == "call_function"] == \
         [nd.target for nd in gm.graph.nodes if nd.op == "call_function"]
     x = torch.tensor([1.0, 2.0])
     torch.testing.assert_close(back(x), gm(x))
     with pytest.raises(RuntimeError, match="n >= 0"):
         back(torch.tensor([-3.0, 1.0]))
+
+
+def test_a_saved_graph_keeps_whether_its_layouts_are_fixed():
+    """A loaded graph's nodes have no fake tensors; the flag saved with it lets its views be collapsed."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from accelrun.compile.fast_calls import runnable
+    from accelrun.compile.output_code import pack_graph, unpack_graph
+
+    gm = make_fx(lambda x: x.view(6).mul(2).view(2, 3).t().mul(1), tracing_mode="fake")(torch.randn(3, 2))
+    back = unpack_graph(pack_graph(gm))
+    assert back.meta["static_layouts"] is True
+    run, x = runnable(back), torch.randn(3, 2)
+    for _ in range(3):
+        assert torch.equal(run(x), gm(x))
+    assert run.collapsed == 2

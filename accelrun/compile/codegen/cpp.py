@@ -379,7 +379,13 @@ def rows_kept_in_outputs(kernel: Kernel, buffers: dict[str, Buffer]) -> dict[str
 
 
 class CppRegion:
-    """The compiled region: allocates outputs, passes data pointers, returns the outputs."""
+    """The compiled region: allocates outputs, passes data pointers, returns the outputs.
+
+    A region runs dozens of times a step, often right after a matmul has pushed the interpreter's
+    state out of the caches, so its Python around the kernel is kept short: once a call's inputs
+    were all laid out as the kernel expects, later calls check them with one C++ guard (dtype,
+    device, sizes, strides, as Dynamo checks a frame's tensors) and only a call the guard rejects
+    takes the per-input path that copies what does not conform."""
 
     def __init__(self, program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> None:
         self.program = program
@@ -397,14 +403,24 @@ class CppRegion:
         self._allocs = [(b.shape, b.stride, b.dtype) for b in self.outputs] + [
             (b.shape, contiguous_strides(b.shape), b.dtype) for b in self.temps]
         self._n_out = len(self.outputs)
+        self._guard: Any = None  # made from the first call whose inputs all conform
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._guard is None or not self._guard.check(*args):
+            return self._checked_call(args)
+        made = [_empty_strided(shape, stride, dtype) for shape, stride, dtype in self._allocs]
+        self.fn(self._ptrs(*[t.data_ptr() for t in args], *[t.data_ptr() for t in made]), torch.get_num_threads())
+        return tuple(made[: self._n_out])
+
+    def _checked_call(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         if len(args) != len(self.inputs):
             raise TypeError(f"compiled region takes {len(self.inputs)} inputs, got {len(args)}")
-        ins = [t if _as_expected(t, e) else _conform(t, b)
-               for t, e, b in zip(args, self._expected, self.inputs, strict=True)]  # fmt: skip
+        conform = [_as_expected(t, e) for t, e in zip(args, self._expected, strict=True)]
+        ins = [t if ok else _conform(t, b) for t, ok, b in zip(args, conform, self.inputs, strict=True)]
+        if all(conform) and self._guard is None:
+            self._guard = _input_guard(args)
         # Outputs take the strides the kernel writes (those eager gave the node: loop_ir.output_strides).
-        made = [torch.empty_strided(shape, stride, dtype=dtype) for shape, stride, dtype in self._allocs]
+        made = [_empty_strided(shape, stride, dtype) for shape, stride, dtype in self._allocs]
         self.fn(self._ptrs(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in made]), torch.get_num_threads())
         return tuple(made[: self._n_out])
 
@@ -412,6 +428,30 @@ class CppRegion:
         # Saved in the graph cache: the library is found again by its path; running it needs the
         # buffers' layout only, not the kernels' IR.
         return (_restore_region, (self.library, self.entry, self.program.buffers))
+
+
+def _input_guard(args: tuple[torch.Tensor, ...]) -> Any:
+    """A C++ check that tensors match ``args`` in dtype, device, sizes, strides (and autograd and
+    dispatch state), or None where this PyTorch has none or the arguments are not plain tensors."""
+    guards = getattr(torch._C._dynamo, "guards", None)
+    if guards is None or not hasattr(guards, "TensorGuards"):
+        return None
+    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in args):
+        return None  # a tensor subclass: its layout is its own business, keep the per-input path
+    try:
+        return guards.TensorGuards(*args, dynamic_dims_sizes=[list(t.shape) for t in args],
+                                   dynamic_dims_strides=[list(t.stride()) for t in args])  # fmt: skip
+    except Exception:  # a private API: without it every call takes the per-input path
+        return None
+
+
+def _empty_strided_py(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_strided(shape, stride, dtype=dtype)
+
+
+# Dynamo's CPU allocator (what Inductor's generated code calls) skips the Python argument parser:
+# half the cost of torch.empty_strided, which a region pays for each output.
+_empty_strided = getattr(getattr(torch._C._dynamo, "guards", None), "_empty_strided_cpu", None) or _empty_strided_py
 
 
 def _restore_region(library: str, entry: str, buffers: list[Buffer]) -> CppRegion:
