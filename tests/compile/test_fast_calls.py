@@ -94,3 +94,25 @@ def test_a_view_that_changes_between_calls_stays_an_op():
     assert run.collapsed == 0
     x = torch.randn(3, 2)
     assert torch.equal(run(x), gm(x))
+
+
+def test_constants_read_only_by_non_aliasing_ops_are_made_once():
+    def fn(x):
+        zero = torch.ops.aten.scalar_tensor.default(0.0)  # read by where: made once
+        pos = torch.arange(4, dtype=torch.float32)  # returned: made on every call
+        grid = torch.full((2, 4), 3.0)  # viewed: made on every call
+        return torch.where(x > 0, x, zero) + pos, pos, grid.t()
+
+    gm = _traced(fn, torch.randn(2, 4))
+    run = runnable(gm)
+    outs = []
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        want, got = gm(x), run(x)
+        outs.append(got)
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a, b)
+    assert run.hoisted == 1 and "scalar_tensor" not in run.code
+    assert "arange" in run.code and "full" in run.code
+    outs[1][1].add_(1)  # a caller changing a returned tensor changes no later call
+    assert torch.equal(run(torch.ones(2, 4))[1], torch.arange(4.0))

@@ -59,6 +59,9 @@ def test_a_causal_lm_loss_head_fuses_its_softmax_and_its_one_hot_gradient(tmp_pa
         labels = torch.randint(0, 40, (2, 16), generator=g)
         backend, backward = _compile_and_compare(loss_head, [h, w, labels], tmp_path / str(dtype), dtype)
         assert _fired(backend, "simplify")["scatter"] == 1
+        assert _fired(backend, "simplify")["constant_pad_nd"] == 1  # the shifted labels: a cat in a region
+        forward = next((tmp_path / str(dtype) / "dump" / "g0.forward").glob("*_lowered.py")).read_text()
+        assert "constant_pad_nd" not in forward and "aten.cat" not in forward
         assert "aten.scatter" not in backward and "full_like" not in backward  # the one-hot is in a region
         region_ops = [op for r in backend.record.regions for op in r.ops]
         assert "eq.Tensor" in region_ops and "exp" in region_ops
@@ -138,6 +141,23 @@ def test_a_cat_drops_empty_parts_and_one_part_left_is_a_contiguous_copy():
     for g, want in zip(got, expected, strict=True):
         torch.testing.assert_close(g, want, rtol=0, atol=0)
 
+
+
+def test_a_constant_pad_is_a_cat_with_constant_parts_and_a_crop_is_left_alone():
+    cases = [
+        (lambda x: F.pad(x, (0, 1), value=-100), torch.randint(0, 9, (4, 6)), 1),  # shifted labels
+        (lambda x: F.pad(x, (2, 1, 0, 3), value=1.5), torch.randn(3, 4, 5), 1),  # two dims, both sides
+        (lambda x: F.pad(x, (1, 0)), torch.randn(2, 3, dtype=torch.bfloat16), 1),
+        (lambda x: F.pad(x, (1, -1)), torch.randn(2, 3), 0),  # a negative pad crops
+    ]
+    for fn, x, rewritten in cases:
+        gm = _graph_of(fn, x)
+        result = simplify(gm, PassOptions(), PassContext("forward"))
+        assert result.counts.get("constant_pad_nd", 0) == rewritten
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert (aten.constant_pad_nd.default in targets) == (not rewritten)
+        got, want = gm(x), fn(x)
+        assert got.dtype == want.dtype and got.stride() == want.stride() and torch.equal(got, want)
 
 
 def test_an_accumulating_index_put_is_an_index_add():

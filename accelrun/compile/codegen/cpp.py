@@ -387,6 +387,8 @@ class CppRegion:
     device, sizes, strides, as Dynamo checks a frame's tensors) and only a call the guard rejects
     takes the per-input path that copies what does not conform."""
 
+    executor = "cpp"  # what wrote it (read by fast_calls: its outputs are always fresh tensors)
+
     def __init__(self, program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> None:
         self.program = program
         self.library, self.entry = lib._name, entry

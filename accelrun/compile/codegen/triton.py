@@ -671,6 +671,8 @@ class TritonRegion:
     straight to the compiled kernels' launchers, skipping the JIT's argument binding and cache lookup.
     """
 
+    executor = "triton"  # what wrote it (read by fast_calls: its outputs are always fresh tensors)
+
     def __init__(self, program: LoopProgram, module: Any) -> None:
         self.program, self.module_file = program, str(Path(module.__file__).resolve())
         self.launch = module.launch

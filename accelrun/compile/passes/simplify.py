@@ -21,6 +21,9 @@ rewritten; the result has the same values, dtype and shape. A base left without 
   sums, and ATen's CPU ``index_add`` adds rows several times faster. Not on CUDA, where
   ``index_add`` adds with atomics and the sums would change from run to run.
 
+- ``constant_pad_nd(x, pad, c)`` with pads of zero or more becomes ``cat([full(c), x, full(c)])``
+  along each padded dim (the shifted labels of a causal-LM loss: ``pad(labels, (0, 1), -100)``).
+
 Also: a ``cat`` drops its empty parts (transformers' key/value cache starts as an empty tensor that
 each forward concatenates onto), and a cat left with one part becomes a ``clone`` of it, which a
 region computes where the part is computed instead of copying it.
@@ -112,6 +115,32 @@ def _cat_without_empty_parts(build: NodeBuilder, node: fx.Node) -> fx.Node | Non
     return build(node, aten.cat.default, kept, dim)
 
 
+def _pad_to_cat(build: NodeBuilder, node: fx.Node) -> fx.Node | None:
+    x, pad = node.args[0], node.args[1]
+    value = _arg(node, 2, "value", 0)
+    out, val = tensor_val(node), tensor_val(x)
+    if not _static(out, val) or not isinstance(value, (int, float, bool)) or val.numel() == 0:
+        return None
+    if not all(isinstance(p, int) and p >= 0 for p in pad) or len(pad) > 2 * val.dim():
+        return None  # a negative pad crops: left to ATen
+    if not val.dtype.is_floating_point and value != int(value):
+        return None
+    value = value if val.dtype.is_floating_point else int(value)
+    padded, shape = x, list(val.shape)
+    for k in range(len(pad) // 2):  # pad lists (before, after) pairs from the last dim backwards
+        dim, before, after = val.dim() - 1 - k, pad[2 * k], pad[2 * k + 1]
+        if before == after == 0:
+            continue
+        sides = []
+        for n in (before, after):
+            sizes = list(shape)
+            sizes[dim] = n
+            sides.append([_constant(build, node, val, sizes, value)] if n else [])
+        padded = build(node, aten.cat.default, [*sides[0], padded, *sides[1]], dim)
+        shape[dim] += before + after
+    return padded if padded is not x else None
+
+
 def _accumulate_as_index_add(build: NodeBuilder, node: fx.Node) -> fx.Node | None:
     base, indices, values = node.args[:3]
     if not _arg(node, 3, "accumulate", False) or not isinstance(indices, (list, tuple)) or len(indices) != 1:
@@ -141,6 +170,7 @@ _REWRITES = {
     aten.slice_scatter.default: ("slice_scatter", _slice_scatter_to_cat),
     aten.cat.default: ("empty_cat_parts", _cat_without_empty_parts),
     aten.index_put.default: ("index_put", _accumulate_as_index_add),
+    aten.constant_pad_nd.default: ("constant_pad_nd", _pad_to_cat),
 }
 
 
