@@ -19,7 +19,8 @@ integers (no symbolic or data-dependent sizes; ``layouts_are_static``) and Dynam
 inputs' layouts, so the same ops make the same views on every call. A view keeps its op where the
 two recorded calls saw it differently, where it does not share its base's storage, where an op
 mutates it, and where the graph returns it as a view of one of its inputs (AOTAutograd tracks
-those). The graph kept for dumps and the graph cache is unchanged.
+those, and autograd checks the version of a saved view of a parameter: a reinterpretation has its
+own version counter). The graph kept for dumps and the graph cache is unchanged.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ AS_METHODS = {
     aten.mm.default: torch.Tensor.mm,
 }
 
-# Ops whose output always shares its input's storage (``reshape`` may copy, so it is not here).
+# Ops whose output shares its input's storage: always, or (``reshape``) when the layouts allow it,
+# which the recorded calls check (a view is collapsed only if it shared its base's storage).
 VIEWS = frozenset({
-    aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.t.default, aten.transpose.int,
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default, aten.t.default, aten.transpose.int,
     aten.unsqueeze.default, aten.squeeze.dims, aten.squeeze.dim, aten.squeeze.default, aten.expand.default,
     aten.select.int, aten.slice.Tensor, aten.alias.default, aten.narrow.default, aten.diagonal.default,
     aten.as_strided.default, aten.unfold.default,
@@ -127,7 +129,7 @@ def _collapsible(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
         while _is_view(base) and isinstance(_view_source(base), fx.Node):
             base = _view_source(base)
         if base.op == "placeholder" and any(u.op == "output" for u in users):
-            continue  # a returned view of an input: AOTAutograd's view tracking of inputs reads it
+            continue  # a returned view of an input: AOTAutograd's view tracking and autograd's version checks
         out[node] = base
     return out
 

@@ -116,3 +116,21 @@ def test_constants_read_only_by_non_aliasing_ops_are_made_once():
     assert "arange" in run.code and "full" in run.code
     outs[1][1].add_(1)  # a caller changing a returned tensor changes no later call
     assert torch.equal(run(torch.ones(2, 4))[1], torch.arange(4.0))
+
+
+def test_a_reshape_is_collapsed_only_where_it_did_not_copy():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    flat = g.call_function(aten.reshape.default, (g.call_function(aten.mul.Tensor, (x, 2)), [-1]))  # a view
+    copied = g.call_function(aten.reshape.default, (g.call_function(aten.t.default, (x,)), [-1]))  # a copy
+    g.output((g.call_function(aten.add.Tensor, (flat, 1)), g.call_function(aten.add.Tensor, (copied, 1))))
+    gm = fx.GraphModule({}, g)
+    gm.meta[STATIC_LAYOUTS] = True  # as the lowering finds for a graph of fixed sizes
+    run = runnable(gm)
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        for a, b in zip(gm(x), run(x), strict=True):
+            assert torch.equal(a, b)
+    reshapes = run.module.graph.find_nodes(op="call_function", target=aten.reshape.default)
+    assert len(reshapes) == 1 and reshapes[0].args[0].args[0].op == "placeholder"  # the copying one, of x.t()
+    assert run.collapsed == 2  # the other reshape, and the t()
