@@ -12,10 +12,10 @@ from accelrun.compile.options import CompileOptions
 from accelrun.compile.passes.base import resolve_passes
 
 
-def _compiled(fn, tmp_path, passes="default"):
+def _compiled(fn, tmp_path, passes="default", dump_dir=None):
     torch._dynamo.reset()
     backend = AccelrunBackend(CompileOptions(passes=resolve_passes(passes), executors=["cpp", "aten"],
-                                             cache_dir=tmp_path))  # fmt: skip
+                                             cache_dir=tmp_path, dump_dir=dump_dir))  # fmt: skip
     return torch.compile(fn, backend=backend), backend.record
 
 
@@ -48,6 +48,21 @@ def test_cross_entropy_saves_row_statistics_and_matches_eager(tmp_path, dtype):
     (fired,) = _fired(record)
     assert fired.counts.get("log_softmax") == 1, fired.summary
     assert not record.fallbacks
+
+
+def test_bf16_logits_flattened_after_their_upcast_are_saved_as_they_are(tmp_path):
+    """transformers writes ``logits.float().view(-1, vocab)``: the backward recomputes the upcast from
+    the bf16 logits (saved anyway: the model returns them) instead of keeping an fp32 copy of them."""
+    x = torch.randn(2, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(40, 16, dtype=torch.bfloat16, requires_grad=True)
+    fn, record = _compiled(_head, tmp_path, dump_dir=tmp_path / "dump")
+    loss, logits = fn(x, w, torch.randint(0, 40, (2, 8)))
+    loss.backward()
+    text = (tmp_path / "dump" / "g0.backward" / "00_input.py").read_text()
+    saved = text[text.index("def forward(") :].split(":\n", 1)[0]  # the backward's inputs
+    assert "bf16[16, 40]" in saved and "f32[16, 40]" not in saved, saved
+    (fired,) = _fired(record)
+    assert fired.counts.get("log_softmax") == 1 and not record.fallbacks
 
 
 def test_a_log_softmax_the_forward_returns_is_left_alone(tmp_path):

@@ -75,9 +75,18 @@ _FILLED_LIKE = {
 }
 
 
-def _upcast_source(node: fx.Node) -> fx.Node | None:
+# Views that take the same arguments on a tensor of another dtype (transformers flattens the upcast
+# logits to rows before the loss: ``logits.float().view(-1, vocab)``).
+_LAYOUT_VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
+
+
+def _upcast_source(build: NodeBuilder, node: fx.Node, before: fx.Node) -> fx.Node | None:
     """The lower-precision tensor ``node`` is a plain float upcast of (``_to_copy`` to another float
-    dtype on the same device, nothing else changed), or None."""
+    dtype on the same device, nothing else changed), viewed as ``node`` views the upcast; or None."""
+    views = []
+    while node.op == "call_function" and node.target in _LAYOUT_VIEWS and isinstance(node.args[0], fx.Node):
+        views.append(node)
+        node = node.args[0]
     if node.op != "call_function" or node.target is not aten._to_copy.default or set(node.kwargs) - {"dtype"}:
         return None
     src, out = tensor_val(node.args[0]), tensor_val(node)
@@ -85,7 +94,12 @@ def _upcast_source(node: fx.Node) -> fx.Node | None:
         return None
     if not (src.dtype.is_floating_point and out.dtype.is_floating_point) or src.dtype.itemsize >= out.dtype.itemsize:
         return None
-    return node.args[0]
+    if views and src.stride() != out.stride():
+        return None  # the views are taken again on the source: it must be laid out as its upcast
+    viewed = node.args[0]
+    for view in reversed(views):
+        viewed = build(before, view.target, viewed, *view.args[1:], **view.kwargs)
+    return viewed
 
 
 def _rewrite(build: NodeBuilder, ls: fx.Node, dim: int, uses: list[tuple[fx.Node, fx.Node]],
@@ -95,7 +109,7 @@ def _rewrite(build: NodeBuilder, ls: fx.Node, dim: int, uses: list[tuple[fx.Node
     # x read again, in the backward and by the gathers, from what it was cast from when it is an
     # upcast (bf16 logits made fp32): half the bytes saved, and the forward's fp32 copy stays inside
     # the statistics' region.
-    src = _upcast_source(x_node)
+    src = _upcast_source(build, x_node, ls)
     m = build(ls, aten.amax.default, x_node, [dim], True)
     s = build(ls, aten.sum.dim_IntList, build(ls, aten.exp.default, build(ls, aten.sub.Tensor, x_node, m)), [dim], True)
     log_s = build(ls, aten.log.default, s)
