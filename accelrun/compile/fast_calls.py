@@ -18,9 +18,9 @@ Step 2 holds only where layouts are fixed by the graph: every tensor's sizes and
 integers (no symbolic or data-dependent sizes; ``layouts_are_static``) and Dynamo's guards pin the
 inputs' layouts, so the same ops make the same views on every call. A view keeps its op where the
 two recorded calls saw it differently, where it does not share its base's storage, where an op
-mutates it, and where the graph returns it as a view of one of its inputs (AOTAutograd tracks
-those, and autograd checks the version of a saved view of a parameter: a reinterpretation has its
-own version counter). The graph kept for dumps and the graph cache is unchanged.
+mutates it, and where the graph returns it or a view of it (a tensor saved for the backward is
+returned too): autograd ties a view's version counter and ``_base`` to what it views, and a
+reinterpretation has neither. The graph kept for dumps and the graph cache is unchanged.
 """
 
 from __future__ import annotations
@@ -47,12 +47,14 @@ AS_METHODS = {
 }
 
 # Ops whose output shares its input's storage: always, or (``reshape``) when the layouts allow it,
-# which the recorded calls check (a view is collapsed only if it shared its base's storage).
+# which the recorded calls check (a view is collapsed only if it shared its base's storage). Not
+# ``as_strided``: its storage offset counts from the storage's start, not from its input's offset,
+# which Dynamo does not guard, so it is a base here.
 VIEWS = frozenset({
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default, aten.t.default, aten.transpose.int,
     aten.unsqueeze.default, aten.squeeze.dims, aten.squeeze.dim, aten.squeeze.default, aten.expand.default,
     aten.select.int, aten.slice.Tensor, aten.alias.default, aten.narrow.default, aten.diagonal.default,
-    aten.as_strided.default, aten.unfold.default,
+    aten.unfold.default,
     *[m for op, m in AS_METHODS.items() if op is not aten.mm.default],
 })  # fmt: skip
 # Ops returning a list of views of their input, read with getitem.
@@ -117,19 +119,24 @@ def _view_source(node: fx.Node) -> fx.Node:
 def _collapsible(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     """View node -> the base its chain starts from (the first producer that is not a view), for the
     views that may become one reinterpretation of that base."""
+    # A view the graph returns, directly or through further views, stays a view: autograd ties a
+    # view's version counter and ``_base`` to what it views (a saved view of a parameter must notice
+    # the optimizer changing it; a returned view of another output must share its versions), and a
+    # reinterpretation has neither.
+    returned: set[fx.Node] = set()
+    for node in reversed(gm.graph.nodes):
+        if _is_view(node) and any(u.op == "output" or u in returned for u in node.users):
+            returned.add(node)
     out: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
-        if not _is_view(node) or not isinstance(_view_source(node), fx.Node):
+        if not _is_view(node) or node in returned or not isinstance(_view_source(node), fx.Node):
             continue
-        users = list(node.users)
         if any(u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
-               for u in users):
+               for u in node.users):
             continue  # a mutation through a view keeps the view an op
         base = _view_source(node)
         while _is_view(base) and isinstance(_view_source(base), fx.Node):
             base = _view_source(base)
-        if base.op == "placeholder" and any(u.op == "output" for u in users):
-            continue  # a returned view of an input: AOTAutograd's view tracking and autograd's version checks
         out[node] = base
     return out
 
@@ -167,7 +174,9 @@ class RunnableGraph:
         self._records: list[dict[str, Any]] = []
         self.collapsed = 0  # reinterpretations that replaced view chains
         self.hoisted = 0  # constant tensors made once instead of on every call
-        self._run = self._record if self._views else self.module.forward
+        # Constants are hoisted after the recorded calls too: by then a region's executor is settled.
+        has_constants = any(n.op == "call_function" and n.target in CONSTANTS for n in self.module.graph.nodes)
+        self._run = self._record if self._views or has_constants else self.module.forward
 
     @property
     def code(self) -> str:

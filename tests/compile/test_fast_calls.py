@@ -1,5 +1,8 @@
 """fast_calls.runnable: the lowered graph as it runs computes exactly what the kept graph does."""
 
+import operator
+
+import pytest
 import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -49,7 +52,7 @@ def _qkv_attention_like(x, w, k_cache):
     k = k.view(2, 3, 2, 2).permute(0, 2, 1, 3)[..., :1]
     out = (q[..., :1] * k + v.view(2, 3, 2, 2).permute(0, 2, 1, 3)[..., 1:]).sum(-1)
     k_cache.copy_(k.reshape(k_cache.shape))  # a mutation: its source view stays an op
-    return out, x.view(6, 8), v  # a returned view of an input stays an op; one of an intermediate need not
+    return out, x.view(6, 8), v  # returned views stay views (of an input, and of an intermediate)
 
 
 def test_view_chains_become_one_reinterpretation_after_two_agreeing_calls():
@@ -64,7 +67,9 @@ def test_view_chains_become_one_reinterpretation_after_two_agreeing_calls():
             assert torch.equal(a, b) and a.stride() == b.stride()
         assert torch.equal(c1, c2)
         assert (run.collapsed > 0) == (call >= 1)  # collapsed once the second call agreed with the first
-    assert "_reinterpret_tensor" in run.code and "split" not in run.code
+    assert "_reinterpret_tensor" in run.code
+    returned_v = run.module.graph.find_nodes(op="output")[0].args[0][2]
+    assert returned_v.target is operator.getitem and returned_v.args[0].target is torch.ops.aten.split_with_sizes.default
     assert run.module.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
     out_node = run.module.graph.find_nodes(op="output")[0]
     returned_x_view = out_node.args[0][1]
@@ -134,3 +139,49 @@ def test_a_reshape_is_collapsed_only_where_it_did_not_copy():
     reshapes = run.module.graph.find_nodes(op="call_function", target=aten.reshape.default)
     assert len(reshapes) == 1 and reshapes[0].args[0].args[0].op == "placeholder"  # the copying one, of x.t()
     assert run.collapsed == 2  # the other reshape, and the t()
+
+
+def _aten_backend(tmp_path, passes="none"):
+    from accelrun.compile.backend import AccelrunBackend
+    from accelrun.compile.options import CompileOptions
+    from accelrun.compile.passes.base import resolve_passes
+
+    torch._dynamo.reset()
+    return AccelrunBackend(CompileOptions(passes=resolve_passes(passes), executors=["aten"], cache_dir=tmp_path))
+
+
+def test_as_strided_counts_its_offset_from_the_storage_so_it_is_never_collapsed(tmp_path):
+    fn = lambda x: x.as_strided((2, 3), (3, 1), 2) * 10  # noqa: E731
+    compiled, big = torch.compile(fn, backend=_aten_backend(tmp_path)), torch.arange(20.0)
+    for _ in range(3):
+        compiled(big[:12])
+    x = big[4:16]  # same sizes and strides, another storage offset: Dynamo does not recompile
+    assert torch.equal(compiled(x), fn(x))
+
+
+def test_a_saved_view_chain_of_a_parameter_keeps_autograd_s_version_check(tmp_path):
+    """The forward saves permute(view(w)): the whole chain stays views of w, so changing w in place
+    before the backward raises as in eager (a reinterpretation would not notice)."""
+    w = torch.randn(2, 4, 4, requires_grad=True)
+    compiled = torch.compile(lambda x, w: x @ w.view(8, 4).t(), backend=_aten_backend(tmp_path))
+    for _ in range(3):
+        compiled(torch.randn(3, 4, requires_grad=True), w).sum().backward()
+    y = compiled(torch.randn(3, 4, requires_grad=True), w)
+    with torch.no_grad():
+        w.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_a_returned_view_of_a_returned_tensor_stays_its_view(tmp_path):
+    def fn(y):
+        c = y * 3
+        return c, c.view(-1)[2:]
+
+    compiled = torch.compile(fn, backend=_aten_backend(tmp_path))
+    for _ in range(4):
+        c, d = compiled(torch.ones(2, 3))
+        assert d._base is c
+        before = c._version
+        d.add_(1)
+        assert c._version > before and c.view(-1)[2:].eq(4).all()

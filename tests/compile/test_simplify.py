@@ -149,6 +149,8 @@ def test_a_constant_pad_is_a_cat_with_constant_parts_and_a_crop_is_left_alone():
         (lambda x: F.pad(x, (2, 1, 0, 3), value=1.5), torch.randn(3, 4, 5), 1),  # two dims, both sides
         (lambda x: F.pad(x, (1, 0)), torch.randn(2, 3, dtype=torch.bfloat16), 1),
         (lambda x: F.pad(x, (1, -1)), torch.randn(2, 3), 0),  # a negative pad crops
+        # a channels-last input keeps its layout through the pad; a cat would not
+        (lambda x: F.pad(x, (1, 1, 1, 1)), torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), 0),
     ]
     for fn, x, rewritten in cases:
         gm = _graph_of(fn, x)

@@ -21,8 +21,8 @@ rewritten; the result has the same values, dtype and shape. A base left without 
   sums, and ATen's CPU ``index_add`` adds rows several times faster. Not on CUDA, where
   ``index_add`` adds with atomics and the sums would change from run to run.
 
-- ``constant_pad_nd(x, pad, c)`` with pads of zero or more becomes ``cat([full(c), x, full(c)])``
-  along each padded dim (the shifted labels of a causal-LM loss: ``pad(labels, (0, 1), -100)``).
+- ``constant_pad_nd(x, pad, c)`` of a contiguous ``x`` with pads of zero or more becomes
+  ``cat([full(c), x, full(c)])`` along each padded dim (the shifted labels of a causal-LM loss: ``pad(labels, (0, 1), -100)``).
 
 Also: a ``cat`` drops its empty parts (transformers' key/value cache starts as an empty tensor that
 each forward concatenates onto), and a cat left with one part becomes a ``clone`` of it, which a
@@ -121,6 +121,8 @@ def _pad_to_cat(build: NodeBuilder, node: fx.Node) -> fx.Node | None:
     out, val = tensor_val(node), tensor_val(x)
     if not _static(out, val) or not isinstance(value, (int, float, bool)) or val.numel() == 0:
         return None
+    if not (val.is_contiguous() and out.is_contiguous()):
+        return None  # the pad keeps a channels-last input's layout; a cat would make it contiguous
     if not all(isinstance(p, int) and p >= 0 for p in pad) or len(pad) > 2 * val.dim():
         return None  # a negative pad crops: left to ATen
     if not val.dtype.is_floating_point and value != int(value):
