@@ -576,3 +576,10 @@ def test_inputs_in_another_layout_after_the_guard_is_made_are_conformed(cache):
     wide = torch.randn(6, 10)[:, ::2]  # every other column: strides (10, 2)
     torch.testing.assert_close(run(wide, y)[0], fn(wide, y)[0])
     torch.testing.assert_close(run(x, y)[0], fn(x, y)[0])
+
+
+def test_a_permuted_input_flattened_after_a_copy_reads_the_right_elements(cache):
+    """x.permute(1, 0, 2).reshape(6, 8): the pair-unrolled loop's indices go through nested moduli,
+    which sympy's own Mod once rewrote wrongly (the third of every four elements read 4 too far)."""
+    x = torch.randn(2, 6, 4)
+    check_fn(lambda x: ((x.permute(1, 0, 2).reshape(6, 8).tanh() * 2),), cache, x)

@@ -6,6 +6,7 @@ import itertools
 
 import sympy
 from torch.utils._sympy.functions import FloorDiv
+from torch.utils._sympy.functions import Mod as IndexMod
 
 from accelrun.compile.codegen.index_simplify import simplify_index
 
@@ -16,7 +17,11 @@ CASES = [
     (32 * FloorDiv(1 + 2 * c, 32) + 2 * FloorDiv(sympy.Mod(1 + 2 * c, 32), 2) + 1, {}, 2 * c + 1),
     # (16, 256) rows of a (16, 256, 192) tensor: one stride
     (49152 * FloorDiv(r, 256) + 192 * sympy.Mod(r, 256), {}, 192 * r),
-    (32 * FloorDiv(sympy.Mod(c, 64), 32) + sympy.Mod(c, 32), {}, sympy.Mod(c, 64)),
+    (32 * FloorDiv(sympy.Mod(c, 64), 32) + sympy.Mod(c, 32), {}, IndexMod(c, 64)),
+    # (6, 2, 4) -> (6, 8) of a (1, 0, 2) permute, 4-unrolled, third element: sympy's own Mod would
+    # rewrite Mod(2*Mod(2*c + 1, 4), 4) as 2*Mod(2*c + 1, 4) on the way (28 instead of 24 per c % 2)
+    (24 * FloorDiv(IndexMod(4 * c + 2, 8), 4) + 4 * FloorDiv(4 * c + 2, 8) + IndexMod(IndexMod(4 * c + 2, 8), 4),
+     {c: 12}, 4 * FloorDiv(c, 2) + 24 * IndexMod(c, 2) + 2),
     # with c < 16 (the loop's trip count), c // 16 and c % 16 are 0 and c
     (96 * FloorDiv(c, 16) + 2 * sympy.Mod(c, 16) + 5, {c: 16}, 2 * c + 5),
     # nothing to do: a real head jump stays

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sympy
 from torch.utils._sympy.functions import FloorDiv
 
+from accelrun.compile.codegen.index_simplify import MODS
+
 # style → (floor division, modulo, min, max)
 _STYLES = {
     "cpp": ("({0} / {1})", "({0} % {1})", "acc_min_i64({0}, {1})", "acc_max_i64({0}, {1})"),
@@ -22,7 +24,7 @@ def print_index(expr: sympy.Expr, style: str) -> str:
             return e.name
         if isinstance(e, FloorDiv):
             return div.format(p(e.args[0]), p(e.args[1]))
-        if isinstance(e, sympy.Mod):
+        if isinstance(e, MODS):
             return mod.format(p(e.args[0]), p(e.args[1]))
         if isinstance(e, sympy.Min):
             return _fold(lo, [p(a) for a in e.args])

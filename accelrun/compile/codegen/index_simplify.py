@@ -18,6 +18,12 @@ from __future__ import annotations
 
 import sympy
 from torch.utils._sympy.functions import FloorDiv
+from torch.utils._sympy.functions import Mod as IndexMod
+
+# sympy's own Mod rewrites itself on construction, and not always correctly for nested moduli:
+# Mod(2*Mod(2*c + 1, 4), 4) evaluates to 2*Mod(2*c + 1, 4) (6 where 2 is right). Indices are built
+# with PyTorch's Mod for nonnegative integers, which evaluates only what it can prove; both are read.
+MODS = (sympy.Mod, IndexMod)
 
 
 def simplify_index(expr: sympy.Expr, bounds: dict[sympy.Symbol, int] | None = None) -> sympy.Expr:
@@ -35,7 +41,7 @@ def _rewrite(expr: sympy.Expr, bounds: dict[sympy.Symbol, int]) -> sympy.Expr:
     if not expr.args:
         return expr
     args = [_rewrite(a, bounds) for a in expr.args]
-    if isinstance(expr, (FloorDiv, sympy.Mod)):
+    if isinstance(expr, (FloorDiv, *MODS)):
         top = _upper(args[0], bounds)
         if args[1].is_Integer and top is not None and top < int(args[1]):
             return sympy.Integer(0) if isinstance(expr, FloorDiv) else args[0]
@@ -51,7 +57,7 @@ def _upper(expr: sympy.Expr, bounds: dict[sympy.Symbol, int]) -> int | None:
         return int(expr)
     if isinstance(expr, sympy.Symbol):
         return bounds[expr] - 1 if expr in bounds else None
-    if isinstance(expr, sympy.Mod) and expr.args[1].is_Integer:
+    if isinstance(expr, MODS) and expr.args[1].is_Integer:
         return int(expr.args[1]) - 1
     if isinstance(expr, FloorDiv) and expr.args[1].is_Integer:
         top = _upper(expr.args[0], bounds)
@@ -106,9 +112,9 @@ def _floordiv(num: sympy.Expr, den: sympy.Expr) -> sympy.Expr:
 def _mod(num: sympy.Expr, den: sympy.Expr) -> sympy.Expr:
     f = _factored(num, den)
     if f is None:
-        return sympy.Mod(num, den)
+        return IndexMod(num, den)
     x, b, a, d = f
-    return sympy.Integer(b) if a == d else a * sympy.Mod(x, sympy.Integer(d // a)) + b
+    return sympy.Integer(b) if a == d else a * IndexMod(x, sympy.Integer(d // a)) + b
 
 
 def _common_divisors(num: sympy.Expr, d: int) -> list[int]:
@@ -135,10 +141,20 @@ def _join_halves(expr: sympy.Expr) -> sympy.Expr:
             x, m = q.args
             for j, u in enumerate(terms):
                 kr, r = u.as_coeff_Mul()
-                if i != j and r == sympy.Mod(x, m) and kq == kr * m:
+                if i != j and _is_mod_of(r, x, m) and kq == kr * m:
                     terms = [v for n, v in enumerate(terms) if n not in (i, j)] + [kr * x]
                     changed = True
                     break
             if changed:
                 break
     return sympy.Add(*terms)
+
+
+def _is_mod_of(r: sympy.Expr, x: sympy.Expr, m: sympy.Expr) -> bool:
+    """``r`` is ``Mod(x, m)``, also written ``Mod(y, m)`` when ``x`` is ``Mod(y, n)`` and m divides n."""
+    if not isinstance(r, MODS) or r.args[1] != m:
+        return False
+    if r.args[0] == x:
+        return True
+    return (isinstance(x, MODS) and x.args[0] == r.args[0] and x.args[1].is_Integer and m.is_Integer
+            and int(x.args[1]) % int(m) == 0)  # fmt: skip

@@ -34,7 +34,7 @@ import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv
 
-from accelrun.compile.codegen.index_simplify import simplify_index
+from accelrun.compile.codegen.index_simplify import MODS, simplify_index
 from accelrun.compile.codegen.values import (
     Const,
     GraphValues,
@@ -450,7 +450,7 @@ def _affine_columns(piece: _Piece) -> _Piece:
     moduli = set()
     bounds = dict(zip(probe, shape, strict=True))
     for offset in _load_offsets(piece.value, probe, bounds):
-        for atom in offset.atoms(FloorDiv, sympy.Mod):
+        for atom in offset.atoms(FloorDiv, *MODS):
             m = atom.args[1]
             if probe[-1] in atom.args[0].free_symbols and isinstance(m, sympy.Integer):
                 moduli.add(int(m))
@@ -617,7 +617,7 @@ def _pair_unroll(kernel: Kernel) -> int:
                                                                        if s.op == "index"]
         exprs += [st.index for st in block.stores]
         for expr in exprs:
-            for atom in sympy.sympify(expr).atoms(FloorDiv, sympy.Mod):
+            for atom in sympy.sympify(expr).atoms(FloorDiv, *MODS):
                 m = atom.args[1]
                 if C in atom.args[0].free_symbols and isinstance(m, sympy.Integer) and 1 < int(m) <= MAX_UNROLL:
                     found = max(found, int(m))

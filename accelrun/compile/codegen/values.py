@@ -21,6 +21,7 @@ import sympy
 import torch
 from torch import fx
 from torch.utils._sympy.functions import FloorDiv
+from torch.utils._sympy.functions import Mod as IndexMod
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -150,7 +151,7 @@ def unravel(flat: sympy.Expr, shape: Sequence[int]) -> Index:
             out.append(sympy.Integer(0))
             continue
         q = FloorDiv(flat, step) if step != 1 else flat
-        out.append(q if d == first else sympy.Mod(q, shape[d]))
+        out.append(q if d == first else IndexMod(q, shape[d]))
         step *= shape[d]
     return tuple(reversed(out))
 
