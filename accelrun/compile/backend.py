@@ -174,7 +174,7 @@ class AccelrunBackend:
             notes = (self.record.regions[first_region:], self.record.graphs[-1])
             return AccelrunOutputCode(gm, lowered, graph_name, kind, [e.name for e in self.executors],
                                       str(self.options.cache_dir), notes)  # fmt: skip
-        return make_boxed_func(runnable(lowered))
+        return make_boxed_func(runnable(lowered, returns_gradients=kind == "backward"))
 
     def _run_passes(self, stage: str, gm: fx.GraphModule, graph_name: str, kind: str,
                     example_inputs: list[Any] | None, notes: dict[str, Any] | None = None) -> fx.GraphModule:  # fmt: skip

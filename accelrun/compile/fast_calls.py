@@ -18,9 +18,9 @@ Step 2 holds only where layouts are fixed by the graph: every tensor's sizes and
 integers (no symbolic or data-dependent sizes; ``layouts_are_static``) and Dynamo's guards pin the
 inputs' layouts, so the same ops make the same views on every call. A view keeps its op where the
 two recorded calls saw it differently, where it does not share its base's storage, where an op
-mutates it, and where the graph returns it or a view of it (a tensor saved for the backward is
-returned too): autograd ties a view's version counter and ``_base`` to what it views, and a
-reinterpretation has neither. The graph kept for dumps and the graph cache is unchanged.
+mutates it, and where a forward or inference graph returns it (or a view of it) as a view of an
+input or of another returned tensor: autograd ties a view's version counter and ``_base`` to what
+it views, and a reinterpretation has neither (``_collapsible`` says which returned views are safe). The graph kept for dumps and the graph cache is unchanged.
 """
 
 from __future__ import annotations
@@ -116,27 +116,34 @@ def _view_source(node: fx.Node) -> fx.Node:
     return src.args[0] if node.target is operator.getitem else src  # type: ignore[union-attr,return-value]
 
 
-def _collapsible(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+def _collapsible(gm: fx.GraphModule, returns_gradients: bool = False) -> dict[fx.Node, fx.Node]:
     """View node -> the base its chain starts from (the first producer that is not a view), for the
     views that may become one reinterpretation of that base."""
-    # A view the graph returns, directly or through further views, stays a view: autograd ties a
-    # view's version counter and ``_base`` to what it views (a saved view of a parameter must notice
-    # the optimizer changing it; a returned view of another output must share its versions), and a
-    # reinterpretation has neither.
+    bases: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if _is_view(node) and isinstance(_view_source(node), fx.Node):
+            src = _view_source(node)
+            bases[node] = bases.get(src, src)
+    # A view the graph returns, directly or through further views, of an input or of a tensor the
+    # graph also returns stays a view: autograd ties a view's version counter and ``_base`` to what
+    # it views (a saved view of a parameter must notice the optimizer changing it; a returned view of
+    # another output must share its versions), and a reinterpretation has neither. A view of an
+    # intermediate that is not returned can only be a tensor saved for the backward (AOTAutograd
+    # returns the base of any output that aliases an intermediate), which no one else can change.
+    # A backward graph returns gradients, which autograd only adds up.
+    (output,) = gm.graph.find_nodes(op="output")
+    returned_values = set(output.all_input_nodes)
     returned: set[fx.Node] = set()
     for node in reversed(gm.graph.nodes):
-        if _is_view(node) and any(u.op == "output" or u in returned for u in node.users):
+        if node in bases and any(u.op == "output" or u in returned for u in node.users):
             returned.add(node)
     out: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        if not _is_view(node) or node in returned or not isinstance(_view_source(node), fx.Node):
+    for node, base in bases.items():
+        if node in returned and not returns_gradients and (base.op == "placeholder" or base in returned_values):
             continue
         if any(u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
                for u in node.users):
             continue  # a mutation through a view keeps the view an op
-        base = _view_source(node)
-        while _is_view(base) and isinstance(_view_source(base), fx.Node):
-            base = _view_source(base)
         out[node] = base
     return out
 
@@ -168,9 +175,10 @@ class _Recorder(fx.Interpreter):
 class RunnableGraph:
     """Calls the lowered graph with its inputs as arguments; see the module's docstring."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, returns_gradients: bool = False) -> None:
         self.module = _with_methods(gm)
-        self._views = _collapsible(self.module) if _reinterpret is not None and layouts_are_static(gm) else {}
+        static = _reinterpret is not None and layouts_are_static(gm)
+        self._views = _collapsible(self.module, returns_gradients) if static else {}
         self._records: list[dict[str, Any]] = []
         self.collapsed = 0  # reinterpretations that replaced view chains
         self.hoisted = 0  # constant tensors made once instead of on every call
@@ -260,7 +268,8 @@ def _only_reads(user: fx.Node) -> bool:
     return compiled is not None and getattr(compiled, "executor", None) in ("cpp", "triton")
 
 
-def runnable(gm: fx.GraphModule) -> RunnableGraph:
+def runnable(gm: fx.GraphModule, returns_gradients: bool = False) -> RunnableGraph:
     """What runs ``gm``: its views and matmuls skip ``OpOverload.__call__``, and after two calls its view
-    chains are single reinterpretations (same ops, same results)."""
-    return RunnableGraph(gm)
+    chains are single reinterpretations (same ops, same results). ``returns_gradients``: ``gm`` is an
+    AOTAutograd backward, whose returned views may be collapsed too."""
+    return RunnableGraph(gm, returns_gradients)

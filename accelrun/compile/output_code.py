@@ -56,7 +56,7 @@ class AccelrunOutputCode(OutputCode):
         if self._run is None:
             if self.lowered is None:
                 raise RuntimeError(f"{self.graph_name}: loaded graph was never lowered (post_compile not called)")
-            self._run = runnable(self.lowered)
+            self._run = runnable(self.lowered, returns_gradients=self.kind == "backward")
         return self._run(*inputs)
 
     def prepare_for_serialization(self) -> None:

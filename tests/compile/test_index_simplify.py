@@ -24,6 +24,9 @@ CASES = [
      {c: 12}, 4 * FloorDiv(c, 2) + 24 * IndexMod(c, 2) + 2),
     # with c < 16 (the loop's trip count), c // 16 and c % 16 are 0 and c
     (96 * FloorDiv(c, 16) + 2 * sympy.Mod(c, 16) + 5, {c: 16}, 2 * c + 5),
+    # whole multiples of the divisor leave a modulo and come out of a division
+    (IndexMod(c + 64 * IndexMod(r, 4), 64), {c: 64}, c),
+    (FloorDiv(c + 64 * r + 128, 64), {}, r + 2 + FloorDiv(c, 64)),
     # nothing to do: a real head jump stays
     (96 * FloorDiv(c, 16) + 2 * sympy.Mod(c, 16), {}, None),
     (FloorDiv(3 * c + 1, 2), {}, None),  # 3 is no multiple of 2: left alone

@@ -3,11 +3,12 @@
 A reshape unravels a flat index into axes and the next view ravels them again, so sympy is left
 with ``32*((2*c + 1)//32) + 2*((Mod(2*c + 1, 32))//2)`` where the loop only needs ``2*c``. In a
 vector loop each ``//`` and ``%`` of the loop variable is a division per element and turns a
-strided load into a gather. Three rules, applied bottom-up until nothing changes:
+strided load into a gather. Four rules, applied bottom-up until nothing changes:
 
 - ``(a*x + b) // (a*n)  ->  x // n`` and ``(a*x + b) // a  ->  x``            (0 <= b < a)
 - ``Mod(a*x + b, a*n)   ->  a*Mod(x, n) + b``                                  (0 <= b < a)
 - ``k*m*(x // m) + k*Mod(x, m)  ->  k*x``                                      (the two halves of x)
+- ``(x + d*y) // d  ->  x // d + y`` and ``Mod(x + d*y, d)  ->  Mod(x, d)``     (whole multiples of d)
 
 and, with bounds on the symbols, ``x // m -> 0`` and ``Mod(x, m) -> x`` where x < m.
 
@@ -101,7 +102,24 @@ def _factored(num: sympy.Expr, den: sympy.Expr) -> tuple[sympy.Expr, int, int, i
     return None
 
 
+def _whole_multiples(num: sympy.Expr, den: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
+    """``num`` as ``rest + den*q``, q collecting the terms whose coefficient ``den`` divides."""
+    if not (den.is_Integer and int(den) > 1):
+        return num, sympy.Integer(0)
+    d, rest, q = int(den), [], []
+    for t in sympy.Add.make_args(sympy.expand(num)):
+        coeff, factor = t.as_coeff_Mul()
+        if coeff.is_Integer and int(coeff) % d == 0 and int(coeff) != 0:
+            q.append(sympy.Integer(int(coeff) // d) * factor)
+        else:
+            rest.append(t)
+    return sympy.Add(*rest), sympy.Add(*q)
+
+
 def _floordiv(num: sympy.Expr, den: sympy.Expr) -> sympy.Expr:
+    rest, q = _whole_multiples(num, den)
+    if q != 0:  # (x + d*y) // d == x // d + y
+        return q + (_floordiv(rest, den) if rest != 0 else 0)
     f = _factored(num, den)
     if f is None:
         return FloorDiv(num, den)
@@ -110,6 +128,9 @@ def _floordiv(num: sympy.Expr, den: sympy.Expr) -> sympy.Expr:
 
 
 def _mod(num: sympy.Expr, den: sympy.Expr) -> sympy.Expr:
+    rest, q = _whole_multiples(num, den)
+    if q != 0:  # (x + d*y) % d == x % d
+        return _mod(rest, den) if rest != 0 else sympy.Integer(0)
     f = _factored(num, den)
     if f is None:
         return IndexMod(num, den)
