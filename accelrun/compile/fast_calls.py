@@ -20,7 +20,8 @@ inputs' layouts, so the same ops make the same views on every call. A view keeps
 two recorded calls saw it differently, where it does not share its base's storage, where an op
 mutates it, and where a forward or inference graph returns it (or a view of it) as a view of an
 input or of another returned tensor: autograd ties a view's version counter and ``_base`` to what
-it views, and a reinterpretation has neither (``_collapsible`` says which returned views are safe). The graph kept for dumps and the graph cache is unchanged.
+it views, and a reinterpretation has neither (``_collapsible`` says which returned views are
+safe). The graph kept for dumps and the graph cache is unchanged.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import Any
 
 import torch
 from torch import fx
+
+from accelrun.compile.op_kinds import VIEW_OPS
 
 aten = torch.ops.aten
 
@@ -47,16 +50,12 @@ AS_METHODS = {
 }
 
 # Ops whose output shares its input's storage: always, or (``reshape``) when the layouts allow it,
-# which the recorded calls check (a view is collapsed only if it shared its base's storage). Not
+# which the recorded calls check (a view is collapsed only if it shared its base's storage). The
+# region partitioner's views plus a few it never meets, and the Tensor methods they run as. Not
 # ``as_strided``: its storage offset counts from the storage's start, not from its input's offset,
 # which Dynamo does not guard, so it is a base here.
-VIEWS = frozenset({
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default, aten.t.default, aten.transpose.int,
-    aten.unsqueeze.default, aten.squeeze.dims, aten.squeeze.dim, aten.squeeze.default, aten.expand.default,
-    aten.select.int, aten.slice.Tensor, aten.alias.default, aten.narrow.default, aten.diagonal.default,
-    aten.unfold.default,
-    *[m for op, m in AS_METHODS.items() if op is not aten.mm.default],
-})  # fmt: skip
+VIEWS = VIEW_OPS | {aten.narrow.default, aten.diagonal.default, aten.unfold.default} | {
+    m for op, m in AS_METHODS.items() if op is not aten.mm.default}
 # Ops returning a list of views of their input, read with getitem.
 SPLITS = frozenset({aten.split_with_sizes.default, aten.split.Tensor, aten.unbind.int, aten.chunk.default})
 
@@ -226,7 +225,6 @@ class RunnableGraph:
         self.collapsed = len(graph.find_nodes(op="call_function", target=_reinterpret))
         self.module.recompile()
         self._records.clear()
-
 
     def _hoist_constants(self) -> None:
         """Tensors made from numbers alone, read only by ops that neither alias nor mutate them, are

@@ -22,7 +22,8 @@ rewritten; the result has the same values, dtype and shape. A base left without 
   ``index_add`` adds with atomics and the sums would change from run to run.
 
 - ``constant_pad_nd(x, pad, c)`` of a contiguous ``x`` with pads of zero or more becomes
-  ``cat([full(c), x, full(c)])`` along each padded dim (the shifted labels of a causal-LM loss: ``pad(labels, (0, 1), -100)``).
+  ``cat([full(c), x, full(c)])`` along each padded dim (the shifted labels of a causal-LM loss:
+  ``pad(labels, (0, 1), -100)``).
 
 Also: a ``cat`` drops its empty parts (transformers' key/value cache starts as an empty tensor that
 each forward concatenates onto), and a cat left with one part becomes a ``clone`` of it, which a
@@ -88,15 +89,21 @@ def _slice_scatter_to_cat(build: NodeBuilder, node: fx.Node) -> fx.Node | None:
     n = out.shape[dim]
     start = 0 if start is None else min(max(start + n if start < 0 else start, 0), n)
     end = n if end is None else min(max(end + n if end < 0 else end, start), n)
-    value = fill_value(base)
-    parts = []
-    for lo, hi in ((0, start), (end, n)):
-        if hi > lo:
-            shape = list(out.shape)
-            shape[dim] = hi - lo
-            parts.append((lo, _constant(build, node, out, shape, value)))
-    parts.append((start, src))
-    return build(node, aten.cat.default, [p for _, p in sorted(parts, key=lambda p: p[0])], dim)
+    return _between_constants(build, node, src, list(out.shape), dim, start, n - end, fill_value(base))
+
+
+def _between_constants(build: NodeBuilder, before: fx.Node, middle: fx.Node, shape: list[int], dim: int,
+                       lead: int, trail: int, value) -> fx.Node:  # fmt: skip
+    """``cat([full(value), middle, full(value)], dim)`` with ``lead`` and ``trail`` entries of ``value``
+    along ``dim`` (a side of none is left out); ``shape`` gives the constants' other sizes."""
+    like = tensor_val(before)
+
+    def side(n: int) -> list[fx.Node]:
+        sizes = list(shape)
+        sizes[dim] = n
+        return [_constant(build, before, like, sizes, value)] if n else []
+
+    return build(before, aten.cat.default, [*side(lead), middle, *side(trail)], dim)
 
 
 def _cat_without_empty_parts(build: NodeBuilder, node: fx.Node) -> fx.Node | None:
@@ -133,12 +140,7 @@ def _pad_to_cat(build: NodeBuilder, node: fx.Node) -> fx.Node | None:
         dim, before, after = val.dim() - 1 - k, pad[2 * k], pad[2 * k + 1]
         if before == after == 0:
             continue
-        sides = []
-        for n in (before, after):
-            sizes = list(shape)
-            sizes[dim] = n
-            sides.append([_constant(build, node, val, sizes, value)] if n else [])
-        padded = build(node, aten.cat.default, [*sides[0], padded, *sides[1]], dim)
+        padded = _between_constants(build, node, padded, shape, dim, before, after, value)
         shape[dim] += before + after
     return padded if padded is not x else None
 
