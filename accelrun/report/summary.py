@@ -63,6 +63,7 @@ def summarize(
     apart: it is already inside the step times of the steps flagged ``compile``.
     """
     notes: list[str] = []
+    no_steady: str | None = None  # why the step-time figures are null: the terminal's summary says it too
     n = len(metrics)
     warm = metrics[:warmup_steps]
     after = metrics[warmup_steps:]
@@ -76,12 +77,13 @@ def summarize(
     if n == 0:
         notes.append("no steps were recorded: every figure is null")
     elif not steady:
-        notes.append(
+        no_steady = (
             f"no steady-state steps: {n} steps, of which the first {min(warmup_steps, n)} are warm-up "
             f"and {excluded_compile} more included compilation ({excluded_profiled} were profiled); "
             "step-time figures are null "
             "(run more steps or lower report.warmup_steps)"
         )
+        notes.append(no_steady)
     elif len(steady) < MIN_STEADY_STEPS:
         notes.append(f"only {len(steady)} steady-state steps: step-time figures are noisy")
     if excluded_profiled:
@@ -127,6 +129,7 @@ def summarize(
         "steady_steps": len(steady),
         "excluded_compile_steps": excluded_compile,
         "excluded_profiled_steps": excluded_profiled,
+        "no_steady_reason": no_steady,
         "step_time_s": {
             "median": median,
             "p10": percentile(times, 10) if times else None,

@@ -16,8 +16,13 @@ class TrainProgress:
     ``report.read_every`` steps on a GPU); ``lines`` prints every ``every`` steps (``report.log_every``).
     """
 
-    def __init__(self, total: int, start: int, mode: str, every: int, console: Console | None = None):
+    def __init__(self, total: int, start: int, mode: str, every: int, console: Console | None = None,
+                 ranks: int = 1):
         self.console = console or Console(stderr=True)
+        # update() gets rank 0's tokens/s; every rank trains on as many tokens (global batch / ranks),
+        # so the job's figure, which leads as in the report, is that times the ranks.
+        self.ranks = ranks
+        self._unit = "tok/s" if ranks == 1 else f"tok/s (job, {ranks} ranks)"
         if mode == "auto":
             mode = "bar" if self.console.is_terminal and sys.stderr.isatty() else "lines"
         self.mode, self.total, self.every, self.start = mode, total, every, start
@@ -28,7 +33,7 @@ class TrainProgress:
                 TextColumn("[bold]step {task.completed}/{task.total}"),
                 BarColumn(),
                 TextColumn("loss [cyan]{task.fields[loss]}"),
-                TextColumn("{task.fields[tps]} tok/s"),
+                TextColumn("{task.fields[tps]} " + self._unit),
                 TextColumn("eta"),
                 TimeRemainingColumn(),
                 TimeElapsedColumn(),
@@ -39,6 +44,8 @@ class TrainProgress:
             self._task = self._bar.add_task("train", total=total, completed=start, loss="-", tps="-")
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        """``tokens_per_s``: this rank's (rank 0's) figure; the job's is shown."""
+        tokens_per_s *= self.ranks
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
         elif self.mode == "lines" and (step % self.every == 0 or step == self.total or step == self.start + 1):
@@ -46,7 +53,7 @@ class TrainProgress:
             elapsed = time.perf_counter() - self._t0
             eta = elapsed / done * (self.total - step) if done else float("nan")
             self.console.print(
-                f"step {step:>6}/{self.total}  loss {loss:8.4f}  {tokens_per_s:>10,.0f} tok/s  "
+                f"step {step:>6}/{self.total}  loss {loss:8.4f}  {tokens_per_s:>10,.0f} {self._unit}  "
                 f"eta {_fmt_seconds(eta)}",
                 highlight=False,
             )

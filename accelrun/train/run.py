@@ -211,7 +211,8 @@ def run_in_dir(
 
     if main and s.resumed_from is not None and s.resumed_from.parent.parent == run_dir:
         forget_steps_after(run_dir / "metrics.jsonl", s.start_step)  # they are about to be redone
-    progress = (TrainProgress(cfg.train.steps, s.start_step, cfg.report.progress, cfg.report.log_every, console)
+    progress = (TrainProgress(cfg.train.steps, s.start_step, cfg.report.progress, cfg.report.log_every, console,
+                              ranks=s.ctx.world_size)
                 if console is not None else None)
     error: TrainingDiverged | None = None
     trackers = (open_trackers(cfg.report.trackers, run_dir, cfg.model_dump(mode="json"), name=run_dir.name,
@@ -361,9 +362,12 @@ def _distrust_low_probe(report: dict, s: TrainSetup) -> None:
 
 def _announce(console: Console, s: TrainSetup, setup_s: float) -> None:
     params = s.model_info["params_total"]
+    world = s.ctx.world_size
+    # The job's tokens lead (what the report and `runs list` show); a rank's share only beside them.
+    tokens = f"{s.tokens_per_step * world:,} tokens/step" + (
+        f" (job; {s.tokens_per_step:,} per rank × {world} ranks)" if world > 1 else "")
     lines = [
-        f"model {params / 1e6:.2f} M params on {s.device}; compile: {s.compiled}; "
-        f"{s.tokens_per_step:,} tokens/step; setup {setup_s:.1f}s",
+        f"model {params / 1e6:.2f} M params on {s.device}; compile: {s.compiled}; {tokens}; setup {setup_s:.1f}s",
         "MFU peak: " + (f"{s.peak.tflops:.3f} TFLOP/s ({s.peak.source})" if s.peak.tflops
                         else f"unknown ({s.peak.detail})"),
     ]
@@ -378,13 +382,20 @@ def _announce(console: Console, s: TrainSetup, setup_s: float) -> None:
 def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
     st = r["step_time_s"]["median"]
     mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") is not None else "n/a"
-    tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "n/a"
+    # The job's throughput, as report.md and `runs list` show it: a rank's alone made a 2-rank FSDP
+    # run look slower than one process when it was faster.
+    tps = f"{r['tokens_per_s_job']:,.0f} tok/s" if r.get("tokens_per_s_job") else "n/a tok/s"
+    ranks = r.get("world_size") or 1
+    if ranks > 1 and r.get("tokens_per_s"):
+        tps += f" (job; {r['tokens_per_s']:,.0f} per rank × {ranks})"
     step = f"{st * 1e3:.0f} ms" if st else "n/a"
     console.print(
-        f"[bold green]done[/]: loss {r['first_loss']:.3f} → {r['final_loss']:.3f}; {tps} tok/s; "
+        f"[bold green]done[/]: loss {r['first_loss']:.3f} → {r['final_loss']:.3f}; {tps}; "
         f"step {step} (median); MFU {mfu}; report {escape(str(run_dir / 'report.md'))}",
         highlight=False,
     )
+    if r.get("no_steady_reason"):  # a short run: say why the figures are n/a, as report.md does
+        console.print(f"  n/a: {r['no_steady_reason']}", markup=False, highlight=False)
 
 
 def _env_of_ranks(cfg) -> dict:

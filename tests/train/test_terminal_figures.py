@@ -1,0 +1,55 @@
+"""What the terminal says about throughput: the job's figures lead (as in report.md and `runs list`), and
+a run too short for steady-state figures says why they are n/a (issue 30, items 1 and 6)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from click.testing import CliRunner
+from rich.console import Console
+
+from accelrun.cli.main import cli
+from accelrun.train.progress import TrainProgress
+from accelrun.train.run import _print_summary
+from tests.conftest import DEFAULT_CONFIG
+
+
+def _console() -> tuple[Console, io.StringIO]:
+    buf = io.StringIO()
+    return Console(file=buf, width=300, highlight=False, soft_wrap=True), buf
+
+
+def _report(**figures) -> dict:
+    return {"first_loss": 5.0, "final_loss": 4.0, "step_time_s": {"median": 0.5}, "mfu": 0.1,
+            "tokens_per_s": 2187.0, "tokens_per_s_job": 4374.0, "world_size": 2, **figures}
+
+
+def test_summary_leads_with_the_jobs_tokens_per_second():
+    console, buf = _console()
+    _print_summary(console, _report(), Path("runs/x"))
+    line = buf.getvalue()
+    assert "4,374 tok/s (job; 2,187 per rank × 2)" in line, line
+    assert line.index("4,374") < line.index("2,187")
+
+
+def test_summary_of_one_process_shows_one_figure():
+    console, buf = _console()
+    _print_summary(console, _report(tokens_per_s=2739.0, tokens_per_s_job=2739.0, world_size=1), Path("runs/x"))
+    assert "2,739 tok/s;" in buf.getvalue() and "per rank" not in buf.getvalue()
+
+
+def test_progress_lines_show_the_jobs_tokens_per_second():
+    console, buf = _console()
+    progress = TrainProgress(10, 0, "lines", 1, console, ranks=2)
+    progress.update(1, 5.0, 2187.0)  # rank 0's figure, as the loop passes it
+    assert "4,374 tok/s (job, 2 ranks)" in buf.getvalue(), buf.getvalue()
+
+
+def test_a_run_of_only_warmup_steps_says_why_its_figures_are_na(tiny):
+    r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG),
+                                 *tiny(2, "checkpoint.enabled=false", "report.warmup_steps=5")])
+    assert r.exit_code == 0, r.output
+    done = r.stderr[r.stderr.index("done"):]
+    assert "n/a tok/s" in done
+    assert "no steady-state steps: 2 steps, of which the first 2 are warm-up" in done, done
