@@ -11,7 +11,25 @@ from __future__ import annotations
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+
+def _one_as_list(v: Any) -> Any:
+    """A lone string where a list of them is meant (``data.paths=/x/corpus.txt`` on the command line,
+    ``trackers: wandb`` in a file) is that one-item list: there is nothing else it could mean."""
+    return [v] if isinstance(v, str) else v
+
+
+# A list of strings that also takes one string for a one-item list.
+StrList = Annotated[list[str], BeforeValidator(_one_as_list)]
 
 
 def _boolean_for_a_number(annotation: Any, value: Any) -> bool:
@@ -133,7 +151,7 @@ class DataConfig(Section):
     source: Literal["builtin", "synthetic", "text", "tokens"] = "builtin"
     # builtin: a corpus every machine has without downloading (the Python standard library's source).
     builtin: Literal["python-stdlib"] = "python-stdlib"
-    paths: list[str] = Field(default_factory=list, description="files or globs for text / tokens")
+    paths: StrList = Field(default_factory=list, description="files or globs for text / tokens")
     tokenizer: str = Field("byte", min_length=1, description="byte (built in); a tokenizer.json or a folder "
                            "holding one (the tokenizers library); hf = model.hf's folder")
     max_bytes: PositiveInt | None = Field(64 * 2**20, description="cap on text read (builtin/text)")
@@ -345,7 +363,7 @@ class ReportConfig(Section):
     profile_steps: tuple[PositiveInt, PositiveInt] | None = Field(
         None, description="[first, last] steps (inclusive) to record a torch profiler trace of, into profile/"
     )
-    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+    trackers: Annotated[list[Literal["tensorboard", "wandb", "mlflow"]], BeforeValidator(_one_as_list)] = Field(
         default_factory=list,
         description="experiment trackers fed from rank 0 (files inside the run folder; W&B offline)",
     )

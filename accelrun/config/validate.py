@@ -9,9 +9,10 @@ and where each was set.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from accelrun.config.compile_names import BUILTIN_EXECUTORS, PassConfigError, parse_passes
 from accelrun.config.compose import DEFAULT, Source
@@ -90,7 +91,47 @@ def _describe(err: dict, data: dict, sources: dict[KeyPath, Source]) -> str:
             msg += f"; did you mean '{hint}'?"
     if err["type"] != "missing" and not isinstance(got, dict):
         msg += f" (got {got!r})"
+    if err["type"] in SEQUENCE_ERRORS and not beyond[1:]:
+        msg += f"; {_sequence_spelling(path, got, where)}"
     return msg
+
+
+# Pydantic's error types for a value that is not a list or tuple at all (not an item's error).
+SEQUENCE_ERRORS = ("list_type", "tuple_type")
+
+
+def _sequence_spelling(path: KeyPath, got: Any, where: Source) -> str:
+    """The spelling that works for a list or tuple, in the form the user wrote it (an override on the
+    command line, or a line in a file): ``0.9,0.95`` is one string to YAML, ``[0.9, 0.95]`` a list."""
+    items = [p.strip() for p in got.split(",")] if isinstance(got, str) else [str(got)]
+    field = _field_at(path)
+    default = None if field is None else field.get_default(call_default_factory=True)
+    arity = _tuple_arity(field.annotation) if field is not None else 0
+    if len(items) < arity:  # one value for a pair: show the whole shape (the defaults, or the value again)
+        items = [str(x) for x in default] if isinstance(default, tuple) and len(default) == arity else \
+            items + [items[-1]] * (arity - len(items))
+    flow = f"[{', '.join(items)}]"
+    if where.kind == "override":  # quoted: the space after the comma would split the shell word
+        return f"write it in brackets, quoted for the shell: '{dotted(path)}={flow}'"
+    return f"write it in brackets: {path[-1]}: {flow}"
+
+
+def _tuple_arity(annotation: Any) -> int:
+    """Items of a fixed-length tuple annotation (``tuple[int, int] | None``: 2); 0 for anything else."""
+    if get_origin(annotation) is tuple:
+        args = get_args(annotation)
+        return 0 if Ellipsis in args else len(args)
+    return max((_tuple_arity(a) for a in get_args(annotation)), default=0)  # a union: its tuple member
+
+
+def _field_at(path: KeyPath) -> FieldInfo | None:
+    model: type[BaseModel] = RunConfig
+    for part in path[:-1]:
+        ann = getattr(model.model_fields.get(str(part)), "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model.model_fields.get(str(path[-1]))
 
 
 def _data_path(loc: tuple, data: Any) -> KeyPath:
