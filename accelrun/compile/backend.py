@@ -24,7 +24,7 @@ from accelrun.compile.fast_calls import runnable
 from accelrun.compile.lower import CompilerFallbackError, lower_regions, make_executors, one_line
 from accelrun.compile.numerics import check_pass
 from accelrun.compile.options import CompileOptions
-from accelrun.compile.passes.base import ConfiguredPass, PassContext, lint, passes_for_stage
+from accelrun.compile.passes.base import ConfiguredPass, GraphNotes, PassContext, lint, passes_for_stage
 from accelrun.compile.record import CompileRecord, Fallback, GraphRecord, PassRecord
 from accelrun.compile.regions import REGION_KEY
 
@@ -80,17 +80,20 @@ class AccelrunBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
         name = f"g{self.record.dynamo_graphs}"
         self.record.dynamo_graphs += 1
+        # One for this Dynamo graph, kept by every stage's closures below: AOTAutograd compiles the
+        # backward lazily, long after this call returns, and it must see what the forward's passes noted.
+        notes = GraphNotes()
         t0 = time.perf_counter()
-        gm = self._run_passes("pre_grad", gm, f"{name}.pre_grad", "pre_grad", list(example_inputs))
+        gm = self._run_passes("pre_grad", gm, f"{name}.pre_grad", "pre_grad", list(example_inputs), notes)
         t1 = time.perf_counter()
         self.record.stage_seconds["pre_grad passes"] += t1 - t0
         self._inside = 0.0
         compiled = aot_module_simplified(
             gm, example_inputs,
-            fw_compiler=self._graph_compiler(name, "forward"),
-            bw_compiler=self._graph_compiler(name, "backward"),
-            inference_compiler=self._graph_compiler(name, "inference"),
-            partition_fn=partial(self._partition, name),
+            fw_compiler=self._graph_compiler(name, "forward", notes),
+            bw_compiler=self._graph_compiler(name, "backward", notes),
+            inference_compiler=self._graph_compiler(name, "inference", notes),
+            partition_fn=partial(self._partition, name, notes),
             decompositions=decompositions(),
         )  # fmt: skip
         self.record.stage_seconds["aot trace"] += time.perf_counter() - t1 - self._inside
@@ -114,18 +117,19 @@ class AccelrunBackend:
             self.record.stage_seconds[stage] += dt
             self._inside += dt
 
-    def _partition(self, name: str, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+    def _partition(self, name: str, notes: GraphNotes, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         with self._timed("partition"):
+            # AOTAutograd's own count: the joint and partition passes must not guess it from names.
+            notes.num_fwd_outputs = kwargs.get("num_fwd_outputs")
             # The joint stage: before the cut decides what the forward saves for the backward.
-            joint = self._run_passes("joint", joint, f"{name}.joint", "joint", None,
-                                     notes={"num_fwd_outputs": kwargs.get("num_fwd_outputs")})  # fmt: skip
+            joint = self._run_passes("joint", joint, f"{name}.joint", "joint", None, notes)
             fw, bw = default_partition(joint, joint_inputs, **kwargs)
             for p in passes_for_stage(self.options.passes, "partition"):
                 t0 = time.perf_counter()
                 before = count_ops(fw) + count_ops(bw)
                 saved = (graph_snapshot(fw), graph_snapshot(bw))
                 try:
-                    result = p.spec.fn((fw, bw), p.options, PassContext("joint"))
+                    result = p.spec.fn((fw, bw), p.options, PassContext("joint", notes=notes))
                     if result.graph is not None:
                         fw, bw = result.graph
                     lint(fw), lint(bw)
@@ -139,8 +143,8 @@ class AccelrunBackend:
                 self.dump.graph(f"{name}.backward", f"partition_{p.name}", bw)
             return fw, bw
 
-    def _graph_compiler(self, name: str, kind: str):
-        compile_graph = partial(self._compile_graph, name, kind)
+    def _graph_compiler(self, name: str, kind: str, notes: GraphNotes):
+        compile_graph = partial(self._compile_graph, name, kind, notes)
         if not self.serializable:
             return compile_graph
         from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
@@ -149,10 +153,10 @@ class AccelrunBackend:
 
         return SerializableAOTDispatchCompiler(AccelrunOutputCode, compile_graph)
 
-    def _compile_graph(self, name: str, kind: str, gm: fx.GraphModule, example_inputs: list[Any]):
+    def _compile_graph(self, name: str, kind: str, notes: GraphNotes, gm: fx.GraphModule, example_inputs: list[Any]):
         graph_name = f"{name}.{kind}"
         with self._timed("post_grad passes"):
-            gm = self._run_passes("post_grad", gm, graph_name, kind, list(example_inputs))
+            gm = self._run_passes("post_grad", gm, graph_name, kind, list(example_inputs), notes)
         first_region = len(self.record.regions)
         with self._timed("lowering"):
             lowered, regions = lower_regions(gm, graph_name, kind, self.executors, self.record,
@@ -177,8 +181,9 @@ class AccelrunBackend:
         return make_boxed_func(runnable(lowered, returns_gradients=kind == "backward"))
 
     def _run_passes(self, stage: str, gm: fx.GraphModule, graph_name: str, kind: str,
-                    example_inputs: list[Any] | None, notes: dict[str, Any] | None = None) -> fx.GraphModule:  # fmt: skip
+                    example_inputs: list[Any] | None, notes: GraphNotes | None = None) -> fx.GraphModule:  # fmt: skip
         self.dump.graph(graph_name, "input", gm)
+        notes = notes if notes is not None else GraphNotes()
         for p in passes_for_stage(self.options.passes, stage):  # type: ignore[arg-type]
             # (a joint graph has no example inputs to check a pass's numerics with)
             before_copy = copy.deepcopy(gm) if self.options.debug_numerics and example_inputs is not None else None
@@ -186,7 +191,8 @@ class AccelrunBackend:
             before = count_ops(gm)
             saved = graph_snapshot(gm)
             try:
-                ctx = PassContext(kind, example_inputs, dict(notes or {}))  # type: ignore[arg-type]
+                # The same notes for every pass: what one pass leaves (the next region id) the next reads.
+                ctx = PassContext(kind, example_inputs, notes)  # type: ignore[arg-type]
                 result = p.spec.fn(gm, p.options, ctx)
                 if result.graph is not None:
                     gm = result.graph

@@ -14,7 +14,7 @@ from torch._functorch.partitioners import default_partition
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from accelrun.compile.extract import extract_regions, replace_regions
-from accelrun.compile.passes.base import PassContext, PassOptions, lint, registered_passes
+from accelrun.compile.passes.base import GraphNotes, PassContext, PassOptions, lint, registered_passes
 from accelrun.compile.passes.cse import eliminate_common_subexpressions
 from accelrun.compile.passes.dce import eliminate_dead_code, op_is_pure
 from accelrun.compile.passes.partition_regions import PartitionRegionsOptions
@@ -193,13 +193,13 @@ def test_remat_pass_through_the_registry_and_a_bad_layout_is_skipped(mlp_pair):
     fw, bw, n = mlp_pair
     spec = registered_passes()["remat"]
     assert spec.stage == "partition"
-    result = spec.fn((fw, bw), RematOptions(budget_mb=0), PassContext("joint", notes={"num_fwd_outputs": n}))
+    result = spec.fn((fw, bw), RematOptions(budget_mb=0), PassContext("joint", notes=GraphNotes(num_fwd_outputs=n)))
     assert result.changed and "MiB" in result.summary and "not reached" in result.summary
     new_fw, new_bw = result.graph
     assert len(new_fw.graph.output_node().args[0]) - n == len(
         [p for p in new_bw.graph.find_nodes(op="placeholder") if "tangents" not in p.name]
     )
-    skipped = spec.fn((fw, bw), RematOptions(), PassContext("joint", notes={"num_fwd_outputs": n + 1}))
+    skipped = spec.fn((fw, bw), RematOptions(), PassContext("joint", notes=GraphNotes(num_fwd_outputs=n + 1)))
     assert not skipped.changed and skipped.summary.startswith("skipped")
 
 

@@ -36,14 +36,29 @@ from accelrun.config.compile_names import (  # noqa: F401  (re-exported)
 
 
 @dataclass
+class GraphNotes:
+    """Facts about one Dynamo graph that outlive a pass. The backend makes one per Dynamo graph and
+    hands the same object to every pass of every stage (pre-grad, joint, partition, forward, backward),
+    so what one pass or stage learns reaches the later ones."""
+
+    # How many of the forward graph's outputs are the function's own (AOTAutograd's count, given to its
+    # partitioner); the rest are saved for the backward. None until the partition stage, or when a
+    # pass runs outside the backend.
+    num_fwd_outputs: int | None = None
+    # The next free fusion region id: partition_regions numbers its regions from here and advances it,
+    # so the forward's and the backward's regions never share an id.
+    next_region_id: int = 0
+
+
+@dataclass
 class PassContext:
     """What a pass may want to know besides the graph."""
 
     graph_kind: Literal["pre_grad", "forward", "backward", "joint"]
     # Tensors (real or fake) with the shapes of the graph's placeholders, in order; None if unknown.
     example_inputs: list[Any] | None = None
-    # Free-form facts a pass leaves for later passes (e.g. which nodes form a region).
-    notes: dict[str, Any] = field(default_factory=dict)
+    # Shared by every pass run on the same Dynamo graph (see GraphNotes); a fresh one outside the backend.
+    notes: GraphNotes = field(default_factory=GraphNotes)
 
 
 @dataclass

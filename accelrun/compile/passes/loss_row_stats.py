@@ -140,7 +140,7 @@ def _rewrite(build: NodeBuilder, ls: fx.Node, dim: int, uses: list[tuple[fx.Node
 def loss_row_stats(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> PassResult:
     """Save a log-softmax's row max and log-sum-exp instead of its output (cross-entropy's); the
     backward recomputes the output from its input."""
-    num_fwd_outputs = ctx.notes.get("num_fwd_outputs")
+    num_fwd_outputs = ctx.notes.num_fwd_outputs
     if num_fwd_outputs is None:
         return PassResult(changed=False, summary="the number of forward outputs is unknown: nothing rewritten")
     graph, build = gm.graph, NodeBuilder(gm)

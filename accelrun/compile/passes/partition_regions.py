@@ -55,9 +55,6 @@ from accelrun.compile.passes.dce import op_is_pure
 from accelrun.compile.regions import REGION_KEY
 from accelrun.config.compile_names import PartitionRegionsOptions
 
-# Key in ctx.notes: the next free region id, so forward and backward regions get distinct ids.
-NEXT_REGION_ID = "next_region_id"
-
 
 @dataclass(frozen=True)
 class _Reduction:
@@ -339,9 +336,9 @@ def partition(graph: fx.Graph, max_nodes: int = 64, min_ops: int = 2, first_id: 
 @register_pass("partition_regions", "post_grad", PartitionRegionsOptions)
 def partition_regions(gm: fx.GraphModule, options: PartitionRegionsOptions, ctx: PassContext) -> PassResult:
     """Group pointwise/reduction chains (and the views between them) into fusion regions."""
-    first_id = int(ctx.notes.get(NEXT_REGION_ID, 0))
+    first_id = ctx.notes.next_region_id
     regions = partition(gm.graph, options.max_nodes, options.min_ops, first_id)
-    ctx.notes[NEXT_REGION_ID] = first_id + len(regions)
+    ctx.notes.next_region_id = first_id + len(regions)
     ops = sum(compute_ops(nodes) for nodes in regions.values())
     counts = {
         "regions": len(regions), "ops": ops,

@@ -9,7 +9,7 @@ Runs at the partition stage on the ``(forward, backward)`` pair that
   outputs), then ``tangents_*`` (and RNG seeds / backward state); each saved placeholder has the
   name of the forward node it receives.
 
-The number of real outputs is ``ctx.notes["num_fwd_outputs"]`` when the caller knows it; otherwise it
+The number of real outputs is ``ctx.notes.num_fwd_outputs`` when the caller knows it; otherwise it
 is inferred from the backward's non-tangent placeholders and checked against the names.
 
 Cost model: an activation costs ``numel * element size`` of its ``meta["val"]``; primal inputs are
@@ -262,7 +262,7 @@ def remat(gm: Any, options: RematOptions, ctx: PassContext) -> PassResult:
     budget = None if options.budget_mb is None else int(options.budget_mb * _MiB)
     try:
         new_fw, new_bw, counts = rematerialize(fw, bw, budget, set(options.recompute), options.max_chain,
-                                               ctx.notes.get("num_fwd_outputs"))  # fmt: skip
+                                               ctx.notes.num_fwd_outputs)  # fmt: skip
     except LayoutError as e:
         return PassResult(changed=False, summary=f"skipped: {e}")
     before, after = counts["saved_bytes_before"], counts["saved_bytes_after"]
