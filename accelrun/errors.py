@@ -17,6 +17,14 @@ class UserError(Exception):
         super().__init__("\n".join(self.messages))
 
 
+class DataError(UserError, ValueError):
+    """Bad or missing data, or a data state that does not match the data it is applied to.
+
+    Messages name the recipe key involved (``data.paths``, ``model.vocab_size``) and the values
+    found, so the CLI can print them as they are (exit code 2, no traceback).
+    """
+
+
 class TrainingDiverged(UserError):
     """The loss or gradient norm stopped being finite; nothing was saved after the last good step."""
 

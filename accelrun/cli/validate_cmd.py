@@ -5,14 +5,16 @@ from __future__ import annotations
 import click
 from rich.markup import escape
 
-from accelrun.cli.common import config_argument, load, out, overrides_argument
+from accelrun.cli.common import config_argument, load, out, overrides_argument, print_warnings
 
 
 @click.command("validate")
 @config_argument
 @overrides_argument
 def command(config: str, overrides: tuple[str, ...]) -> None:
-    """Check a recipe: YAML syntax, unknown keys, types, ranges and consistency.
+    """Check a recipe: YAML syntax, unknown keys, types, ranges and consistency, and what training
+    checks before it starts: data.paths match files, model.hf holds readable weights, the processes
+    fit this node's GPUs (an error) or cores (a warning).
 
     Exits 0 and prints a one-screen summary when valid; exits 2 with every problem
     (file:line, key, what was expected) when not.
@@ -24,8 +26,12 @@ def command(config: str, overrides: tuple[str, ...]) -> None:
     """
     resolved = load(config, overrides)
     c = resolved.config
+    from accelrun.config.preflight import Machine, preflight
     from accelrun.report.trackers import check_trackers
 
+    # What `train` checks before the first tensor (data files, model.hf's weights, processes for the
+    # node), with this node counted without torch: exit 2 where train would.
+    print_warnings(preflight(c, resolved.sources, Machine.here()))
     check_trackers(c.report.trackers)  # a named tracker's package missing: exit 2 naming the pip command
     deg = c.parallel.degrees()
     out.print(f"[green]valid[/]: {c.name}  (config hash {resolved.hash})")

@@ -42,11 +42,29 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
             what = "a file, not a folder (give the folder holding config.json)"
         raise HFModelError(f"model.hf = {str(folder)!r}: {what}")
     if not path.is_file():
-        raise HFModelError(f"model.hf: {path} not found (a Hugging Face model folder has a config.json)")
+        raise HFModelError(f"model.hf: {path} not found (a Hugging Face model folder has a config.json)"
+                           + _run_folder_hint(Path(folder).expanduser()))
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise HFModelError(f"model.hf: {path} is not readable JSON: {e}") from None
+
+
+# What marks an accelrun run folder (report.rundir), and the folder its exported model goes to
+# (checkpoint.hf_on_finish, accelrun.train.run).
+RUN_FOLDER_FILES = ("config.yaml", "command.txt")
+RUN_EXPORT_FOLDER = "hf"
+
+
+def _run_folder_hint(folder: Path) -> str:
+    """model.hf given an accelrun run folder: the exported model is in its hf/, or not exported yet."""
+    if not all((folder / f).is_file() for f in RUN_FOLDER_FILES):
+        return ""
+    export = folder / RUN_EXPORT_FOLDER
+    if (export / "config.json").is_file():
+        return f"; {folder} is an accelrun run folder: its exported model is in {export}/ (model.hf={export})"
+    return (f"; {folder} is an accelrun run folder with no exported model in {export}/: write one with "
+            f"`accelrun export {folder} --hf {export}` (or train with checkpoint.hf_on_finish = true)")
 
 
 def hf_model_type(config: dict[str, Any], path: str) -> str:

@@ -8,42 +8,17 @@ into one buffer: no per-byte Python work and no intermediate lists.
 
 from __future__ import annotations
 
-import glob
 import hashlib
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from accelrun.config.data_paths import expand_paths
 from accelrun.data.errors import DataError
 from accelrun.data.hf_tokenizer import HFTokenizer
 from accelrun.data.stream import TensorStream, short_hash
 from accelrun.data.tokenizer import ByteTokenizer
-
-
-def expand_paths(patterns: Sequence[str], *, key: str = "data.paths") -> list[Path]:
-    """Files matched by ``patterns`` (plain paths or globs, ``**`` recursive), sorted per pattern,
-    in pattern order, without duplicates. A pattern that matches no file is an error naming it."""
-    if not patterns:
-        raise DataError(f"{key} is empty: give at least one file or glob")
-    seen: set[str] = set()
-    files: list[Path] = []
-    for pattern in patterns:
-        expanded = os.path.expanduser(pattern)
-        matches = sorted(glob.glob(expanded, recursive=True))
-        found = [m for m in matches if os.path.isfile(m)]
-        if not found:
-            hint = " (it matches only directories; try 'DIR/**/*.txt')" if matches else ""
-            raise DataError(f"{key}: {pattern!r} matched no files{hint}")
-        for m in found:
-            # abspath, not realpath: overlapping globs are the duplicates that matter, and resolving
-            # symlinks costs a syscall per path component (seconds for 50k files).
-            a = os.path.abspath(m)
-            if a not in seen:
-                seen.add(a)
-                files.append(Path(m))
-    return files
 
 
 def plan_reads(files: Sequence[Path], max_bytes: int | None) -> list[tuple[Path, int]]:

@@ -22,6 +22,7 @@ from rich.markup import escape
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from accelrun.config import ConfigError, load_config
+from accelrun.config.preflight import Machine, processes_fit, rank_threads
 from accelrun.dist import stop
 from accelrun.dist.collective import set_group_timeouts
 from accelrun.dist.context import ParallelContext, env_rank
@@ -32,26 +33,24 @@ from accelrun.errors import UserError
 from accelrun.train.oom import oom_is_the_recipes
 
 
+def machine_as_torch_sees_it() -> Machine:
+    """This node's cores and the CUDA devices torch can use: the facts the preflight checks read."""
+    return Machine(cores=os.cpu_count() or 1, cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
 def rank_uses_cuda(cfg) -> bool:
     return torch.cuda.is_available() and cfg.train.device in ("auto", "cuda")
 
 
 def cpu_rank_threads(nproc_per_node: int) -> int:
-    """Threads of each CPU rank: ranks on one node share its cores (left alone, each would start one
-    thread per core)."""
-    return max(1, (os.cpu_count() or 1) // nproc_per_node)
+    return rank_threads(os.cpu_count() or 1, nproc_per_node)
 
 
 def check_devices(cfg) -> None:
     """A job of CUDA ranks needs one GPU per process on every node: say so before anything starts."""
-    if not rank_uses_cuda(cfg):
-        return
-    have = torch.cuda.device_count()
-    if cfg.parallel.nproc_per_node > have:
-        raise ConfigError(
-            f"parallel.nproc_per_node = {cfg.parallel.nproc_per_node}, but this node has {have} CUDA device(s) "
-            f"(one process per GPU; set parallel.nproc_per_node <= {have}, or train.device = cpu)"
-        )
+    fatal = [f.message for f in processes_fit(cfg, {}, machine_as_torch_sees_it()) if f.fatal]
+    if fatal:
+        raise ConfigError(fatal)
 
 
 # NCCL settings a CUDA rank starts with unless the environment sets them: the flight recorder (the last

@@ -24,40 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accelrun.errors import UserError
-
-INDEX = "model.safetensors.index.json"
-
-
-class HFCheckpointError(UserError, ValueError):
-    """A Hugging Face folder whose weights do not fit the model; names the file and tensor."""
-
-
-def weight_files(folder: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file holding it (from the index, else every file's header)."""
-    from safetensors import safe_open
-
-    index = folder / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise HFCheckpointError(f"{index}: not a safetensors index ({e})") from None
-        missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
-        if missing:
-            raise HFCheckpointError(f"{index} names {missing[0]}, which is not in {folder} (a missing shard)")
-        return {name: folder / f for name, f in weight_map.items()}
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise HFCheckpointError(f"model.hf: {folder} holds no *.safetensors files")
-    out = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                out.update(dict.fromkeys(handle.keys(), f))
-        except Exception as e:  # safetensors raises its own error types for damaged headers
-            raise HFCheckpointError(f"{f}: cannot read its safetensors header ({e})") from None
-    return out
+from accelrun.config.hf_weights import INDEX, HFCheckpointError, weight_files
 
 
 @torch.no_grad()

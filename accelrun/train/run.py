@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import statistics
 import time
@@ -25,13 +24,15 @@ from rich.console import Console
 from rich.markup import escape
 
 from accelrun.config import ConfigError, ResolvedConfig
+from accelrun.config.hf_model import RUN_EXPORT_FOLDER
+from accelrun.config.preflight import preflight
 from accelrun.config.resolve import explain_text
 from accelrun.dist import stop
 from accelrun.dist.collective import set_group_timeouts
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.launch import JobOutcome, LaunchOptions, launch_job
 from accelrun.dist.stop import Stopped
-from accelrun.dist.worker import check_devices, cpu_rank_threads, rank_uses_cuda
+from accelrun.dist.worker import cpu_rank_threads, machine_as_torch_sees_it, rank_uses_cuda
 from accelrun.errors import TrainingDiverged, UserError
 from accelrun.report.env import collect_env
 from accelrun.report.files import write_json, write_text_atomic
@@ -85,14 +86,11 @@ def train(
     console = console or Console(stderr=True)
     if cfg.train.threads is not None:
         torch.set_num_threads(cfg.train.threads)  # before env.json records it and the peak probe runs
-    if (late := _oversubscribed(cfg)) is not None:
-        console.print(f"[bold yellow]warning:[/] {escape(late)}", highlight=False)
-    check_devices(cfg)  # one GPU per process, before a run directory or a rank exists
+    # Files the recipe names, one GPU per process, cores for the ranks: exit 2 (or warn) before a run
+    # directory or a rank exists; `accelrun validate` runs the same checks.
+    for warning in preflight(cfg, resolved.sources, machine_as_torch_sees_it()):
+        console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
     check_trackers(cfg.report.trackers)  # a missing tracker package: exit 2 before any work
-    if cfg.model.hf is not None:  # no weights or a damaged header: exit 2 before a run directory exists
-        from accelrun.models.hf_io import weight_files
-
-        weight_files(Path(cfg.model.hf))
     launch = launch or LaunchOptions()
     run_dir, node = _run_dir_for(cfg, launch)
     # Caught from here on: a signal during setup stops the run after its first step, with a checkpoint.
@@ -114,21 +112,6 @@ def train(
                       "node(s) through torchrun's elastic agent", markup=False)
         outcome = launch_job(run_dir, cfg.parallel, launch)
     return _warn_if_late(_launched_result(run_dir, outcome, console), console)
-
-
-def _oversubscribed(cfg) -> str | None:
-    """More compute threads than this node has cores (CPU ranks): they would time-slice, and every
-    step time (and so tokens/s and MFU) would measure the contention, not the recipe."""
-    if rank_uses_cuda(cfg) or cfg.train.threads is None and cfg.parallel.nproc_per_node == 1:
-        return None
-    cores = os.cpu_count() or 1
-    ranks = cfg.parallel.nproc_per_node
-    per_rank = cfg.train.threads or cpu_rank_threads(ranks)
-    if ranks * per_rank <= cores:
-        return None
-    return (f"{ranks} process(es) × {per_rank} thread(s) (train.threads = {cfg.train.threads}) on {cores} cores: "
-            "they will share cores, so step times measure the contention; lower train.threads or "
-            "parallel.nproc_per_node")
 
 
 def _warn_if_late(result: TrainResult, console: Console) -> TrainResult:
@@ -260,9 +243,9 @@ def run_in_dir(
         # From the final checkpoint (DCP reshards whatever the layout was): one process writes.
         from accelrun.train.export import export_checkpoint
 
-        export_checkpoint(outcome.checkpoints[-1], run_dir / "hf")
+        export_checkpoint(outcome.checkpoints[-1], run_dir / RUN_EXPORT_FOLDER)
         if console is not None:
-            console.print(f"exported {outcome.checkpoints[-1].name} to {run_dir / 'hf'} (Hugging Face format)",
+            console.print(f"exported {outcome.checkpoints[-1].name} to {run_dir / RUN_EXPORT_FOLDER} (Hugging Face format)",
                           markup=False, highlight=False)
     if console is not None and ctx is None:
         _print_summary(console, report, run_dir)

@@ -1,0 +1,126 @@
+"""What ``train`` checks before the first tensor exists, as one table that ``validate`` runs too.
+
+Each check reads the resolved recipe and the machine's facts (no torch): files named by the recipe
+exist and can be read, and the processes fit the node. ``train`` passes the machine as torch sees it;
+``validate`` counts it without importing torch. A finding is fatal (exit 2, before a run directory
+exists) or a warning (the run would go on, but measure something else).
+
+Example::
+
+    for warning in preflight(resolved.config, resolved.sources, Machine.here()):
+        print("warning:", warning)          # fatal findings raise ConfigError (exit 2)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from accelrun.config.compose import Source
+from accelrun.config.errors import ConfigError
+from accelrun.config.schema import RunConfig
+from accelrun.config.validate import source_of
+from accelrun.config.yaml_lines import KeyPath
+from accelrun.errors import UserError
+
+# Where a Linux NVIDIA driver lists its GPUs, one folder each (read without importing torch).
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """This node as the checks need it."""
+
+    cores: int
+    cuda_devices: int  # visible to this process
+
+    @classmethod
+    def here(cls) -> Machine:
+        """Counted without torch: the driver's GPU folders, narrowed by CUDA_VISIBLE_DEVICES."""
+        gpus = len(list(NVIDIA_GPUS.iterdir())) if NVIDIA_GPUS.is_dir() else 0
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            gpus = min(gpus, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
+        return cls(cores=os.cpu_count() or 1, cuda_devices=gpus)
+
+
+@dataclass(frozen=True)
+class Finding:
+    message: str
+    fatal: bool  # exit 2 before anything runs; else a warning
+
+
+Check = Callable[[RunConfig, dict[KeyPath, Source], Machine], list[Finding]]
+
+
+def uses_cuda(cfg: RunConfig, machine: Machine) -> bool:
+    """Ranks train on GPUs when there are any and train.device allows them (dist.worker.rank_uses_cuda)."""
+    return machine.cuda_devices > 0 and cfg.train.device in ("auto", "cuda")
+
+
+def rank_threads(cores: int, nproc_per_node: int) -> int:
+    """Threads of each CPU rank: ranks on one node share its cores (left alone, each would start one
+    thread per core)."""
+    return max(1, cores // nproc_per_node)
+
+
+def data_files(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
+    """Every data.paths pattern of a text or tokens source matches a file."""
+    if cfg.data.source not in ("text", "tokens") or not cfg.data.paths:
+        return []
+    from accelrun.config.data_paths import expand_paths
+
+    try:
+        expand_paths(cfg.data.paths)
+    except UserError as e:
+        return [Finding(f"{m} ({source_of(('data', 'paths'), sources, exact=False)})", True) for m in e.messages]
+    return []
+
+
+def hf_weights(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
+    """model.hf has weights whose headers read (config.json was read by validation already)."""
+    if cfg.model.hf is None:
+        return []
+    from accelrun.config.hf_weights import weight_files
+
+    try:
+        weight_files(Path(cfg.model.hf))
+    except UserError as e:
+        return [Finding(f"{m} (model.hf: {source_of(('model', 'hf'), sources)})", True) for m in e.messages]
+    return []
+
+
+def processes_fit(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
+    """One GPU per CUDA process (fatal); CPU ranks × threads within the cores (a warning: they would
+    time-slice, and every step time, so tokens/s and MFU, would measure the contention)."""
+    par, threads = cfg.parallel, cfg.train.threads
+    if uses_cuda(cfg, machine):
+        if par.nproc_per_node <= machine.cuda_devices:
+            return []
+        where = source_of(("parallel", "nproc_per_node"), sources)
+        return [Finding(f"parallel.nproc_per_node = {par.nproc_per_node}, but this node has {machine.cuda_devices} "
+                        f"CUDA device(s) (one process per GPU; set parallel.nproc_per_node <= "
+                        f"{machine.cuda_devices}, or train.device = cpu); parallel.nproc_per_node: {where}", True)]
+    if threads is None and par.nproc_per_node == 1:
+        return []  # one process with torch's own thread count
+    per_rank = threads or rank_threads(machine.cores, par.nproc_per_node)
+    if par.nproc_per_node * per_rank <= machine.cores:
+        return []
+    return [Finding(f"{par.nproc_per_node} process(es) × {per_rank} thread(s) (train.threads = {threads}) on "
+                    f"{machine.cores} cores: they will share cores, so step times measure the contention; "
+                    "lower train.threads or parallel.nproc_per_node", False)]
+
+
+# The checks `train` makes before a run directory or a tensor exists, in order; `validate` runs them all.
+PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, hf_weights, processes_fit)
+
+
+def preflight(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[str]:
+    """Run every check: raise ConfigError with all fatal findings, else return the warnings."""
+    findings = [f for check in PREFLIGHT_CHECKS for f in check(cfg, sources, machine)]
+    fatal = [f.message for f in findings if f.fatal]
+    if fatal:
+        raise ConfigError(fatal)
+    return [f.message for f in findings if not f.fatal]

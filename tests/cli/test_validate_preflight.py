@@ -1,0 +1,96 @@
+"""`accelrun validate` catches what `train` catches before the first tensor (issue 30, item 3): data.paths
+that match no files, a model.hf folder without weights, more processes than the node has GPUs (exit 2)
+or cores (the same warning as train's); and model.hf given a run folder points at its hf/ (item 5)."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from accelrun.cli.main import cli
+from accelrun.config import preflight
+from tests.conftest import DEFAULT_CONFIG
+
+HF_CONFIG = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+             "intermediate_size": 128, "vocab_size": 512}
+
+
+def validate(*overrides: str):
+    return CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), *overrides])
+
+
+def test_data_paths_that_match_no_files_exit_2(tmp_path):
+    r = validate("data.source=text", f"data.paths=[{tmp_path}/none*.txt]")
+    assert r.exit_code == 2, r.output
+    assert f"error: data.paths: '{tmp_path}/none*.txt' matched no files (override 'data.paths=" in r.stderr
+
+
+def test_several_paths_in_one_string_get_the_list_spelling(tmp_path):
+    r = validate("data.source=text", f"data.paths={tmp_path}/a.txt,{tmp_path}/b.txt")
+    assert r.exit_code == 2
+    assert f"several paths are a list: 'data.paths=[{tmp_path}/a.txt, {tmp_path}/b.txt]'" in r.stderr, r.stderr
+
+
+def test_an_hf_folder_without_weights_exits_2(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    r = validate(f"model.hf={tmp_path}")
+    assert r.exit_code == 2, r.output
+    assert f"model.hf: {tmp_path} holds no *.safetensors files" in r.stderr
+
+
+def test_a_truncated_weight_file_exits_2(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
+    r = validate(f"model.hf={tmp_path}")
+    assert r.exit_code == 2 and "model.safetensors: cannot read its safetensors header" in r.stderr, r.output
+
+
+def test_more_processes_than_cores_warn_as_train_does(monkeypatch):
+    monkeypatch.setattr(preflight.os, "cpu_count", lambda: 2)
+    r = validate("parallel.nproc_per_node=4", "parallel.dp_shard=4", "train.device=cpu")
+    assert r.exit_code == 0, r.output
+    assert "warning: 4 process(es) × 1 thread(s) (train.threads = None) on 2 cores" in r.stderr
+
+
+def test_more_processes_than_gpus_exit_2(monkeypatch):
+    monkeypatch.setattr(preflight.Machine, "here", classmethod(lambda cls: cls(cores=16, cuda_devices=1)))
+    r = validate("parallel.nproc_per_node=2", "parallel.dp_shard=2")
+    assert r.exit_code == 2, r.output
+    assert "parallel.nproc_per_node = 2, but this node has 1 CUDA device(s)" in r.stderr
+    assert "override 'parallel.nproc_per_node=2'" in r.stderr
+    assert validate("parallel.nproc_per_node=2", "parallel.dp_shard=2", "train.device=cpu").exit_code == 0
+
+
+def test_gpus_are_counted_without_torch(monkeypatch, tmp_path):
+    for i in range(4):
+        (tmp_path / f"0000:0{i}:00.0").mkdir()
+    monkeypatch.setattr(preflight, "NVIDIA_GPUS", tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    assert preflight.Machine.here().cuda_devices == 2
+    monkeypatch.setattr(preflight, "NVIDIA_GPUS", tmp_path / "absent")
+    assert preflight.Machine.here().cuda_devices == 0
+
+
+def _run_folder(path, exported: bool):
+    path.mkdir()
+    (path / "config.yaml").write_text("name: x\n")
+    (path / "command.txt").write_text("accelrun train configs/llama.yaml\n")
+    if exported:
+        (path / "hf").mkdir()
+        (path / "hf" / "config.json").write_text(json.dumps(HF_CONFIG))
+    return path
+
+
+def test_model_hf_given_a_run_folder_points_at_its_export(tmp_path):
+    run = _run_folder(tmp_path / "run", exported=True)
+    r = validate(f"model.hf={run}")
+    assert r.exit_code == 2
+    assert f"{run} is an accelrun run folder: its exported model is in {run}/hf/ (model.hf={run}/hf)" in r.stderr
+
+
+def test_model_hf_given_an_unexported_run_folder_says_how_to_export(tmp_path):
+    run = _run_folder(tmp_path / "run", exported=False)
+    r = validate(f"model.hf={run}")
+    assert r.exit_code == 2 and f"`accelrun export {run} --hf {run}/hf`" in r.stderr, r.stderr
