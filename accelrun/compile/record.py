@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 
@@ -122,3 +122,41 @@ class CompileRecord:
             "graphs": [asdict(g) for g in self.graphs],
             "fallbacks": [asdict(f) for f in self.fallbacks],
         }
+
+
+def merge_records(parts: list[tuple[str, CompileRecord]]) -> CompileRecord:
+    """One record for the parts of a model that separate backends compiled in one process (a rank's
+    pipeline stages): each graph named after its part (``"stage2.g0.forward"``), counts and seconds
+    summed. Call it when reading: the parts compile lazily, inside the first step."""
+    if len(parts) == 1:
+        return parts[0][1]
+    out = CompileRecord()
+    # Dynamo's counters are process-wide: read once, since the first part's backend was made (the
+    # earliest snapshot), not per part, which would count every graph break once for each part.
+    out.dynamo_start = parts[0][1].dynamo_start if parts else {}
+    for label, rec in parts:
+        out.passes += [replace(p, graph=f"{label}.{p.graph}") for p in rec.passes]
+        out.regions += [replace(r, graph=f"{label}.{r.graph}") for r in rec.regions]
+        out.graphs += [replace(g, name=f"{label}.{g.name}") for g in rec.graphs]
+        out.fallbacks += [replace(f, graph=f"{label}.{f.graph}") for f in rec.fallbacks]
+        out.stage_seconds.update(rec.stage_seconds)
+        out.cache_hits += rec.cache_hits
+        out.cache_misses += rec.cache_misses
+        out.dynamo_graphs += rec.dynamo_graphs
+        out.graph_cache = _merge_stats(out.graph_cache, rec.graph_cache)
+    return out
+
+
+def _merge_stats(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """graph_cache's stats of two parts: counts summed, error lists joined, an "off" reason kept once."""
+    out = dict(a)
+    for key, value in b.items():
+        if key not in out:
+            out[key] = list(value) if isinstance(value, list) else value
+        elif isinstance(value, int) and isinstance(out[key], int):
+            out[key] += value
+        elif isinstance(value, list):
+            out[key] = [*out[key], *value]
+        elif value != out[key]:
+            out[key] = f"{out[key]}; {value}"
+    return out

@@ -60,7 +60,9 @@ class TrainSetup:
     peak: Peak
     compiles: bool
     compiled: str
-    compile_record: Any  # accelrun's CompileRecord, or None
+    # (label, accelrun's CompileRecord) of each part compiled on this rank: one under pipeline parallelism
+    # per stage ("stage0", "stage2": interleaved schedules give a rank several); empty without accelrun.
+    compile_parts: list[tuple[str, Any]]
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs, targets) -> mean loss
     checkpoint_dir: Path
     start_step: int
@@ -79,6 +81,16 @@ class TrainSetup:
     expert_parallel: Any = None
     # parallel.cp > 1: what this rank's context-parallel attention exchanged (accelrun.dist.context_parallel).
     cp_stats: Any = None
+
+    @property
+    def compile_record(self) -> Any:
+        """accelrun's CompileRecord of everything this rank compiled (every stage), or None. Merged when
+        read: the stages compile lazily, in the first step."""
+        if not self.compile_parts:
+            return None
+        from accelrun.compile.record import merge_records
+
+        return merge_records(self.compile_parts)
 
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint needs besides tensors; JSON-able."""
@@ -128,6 +140,14 @@ def _parallelize(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
     if ctx.mesh is not None and ctx.dp_size * ctx.cp_size > 1:  # cp ranks' gradients are reduced as dp's
         apply_fsdp(part, blocks, ctx.mesh, t.precision, cfg.parallel.reshard_after_forward)
     return compiled
+
+
+def _describe(compiled: list[Compiled], labels: list[str]) -> str:
+    """What was compiled, for the log and the report: once if every part says the same, else per part."""
+    descriptions = [c.description for c in compiled]
+    if len(set(descriptions)) == 1:
+        return descriptions[0] + (f" (in each of {len(compiled)} stages)" if len(compiled) > 1 else "")
+    return "; ".join(f"{label}: {d}" for label, d in zip(labels, descriptions, strict=True))
 
 
 def _local_loss(loss_fn):
@@ -197,17 +217,17 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     model = build_model(cfg.model, "meta" if on_meta else device, seed=t.seed)
     info = model_summary(cfg.model, model, seq_len=t.seq_len)
     pipeline = None
-    parts = [model]
+    parts, labels = [model], ["model"]
     if ctx.mesh is not None and ctx.pp_size > 1:
         pipeline = Pipeline(model, ctx.mesh, cfg.parallel.pp_schedule, cfg.parallel.microbatches or ctx.pp_size,
                             _pipeline_loss(cfg.grad_accum), device, layers=cfg.parallel.pp_layers)
-        parts = pipeline.modules
+        parts, labels = pipeline.modules, [f"stage{s}" for s in pipeline.stage_ids]
     # Before compile and FSDP: each rank keeps its experts, which FSDP then leaves alone.
     expert_parallel = (apply_expert_parallel(model, ctx.mesh, cfg.parallel.ep, ctx.dp_size)
                        if ctx.mesh is not None and cfg.parallel.ep > 1 else None)
     cp_stats = ContextParallelStats() if ctx.cp_size > 1 else None
-    for part in parts:
-        compiled = _parallelize(part, cfg, ctx, run_dir / "compile", cp_stats)
+    # Every part's: an interleaved schedule gives a rank several stages, each compiled by its own backend.
+    compiled = [_parallelize(part, cfg, ctx, run_dir / "compile", cp_stats) for part in parts]
     if on_meta:
         for part in parts:
             materialize_local(part, device, seed=t.seed)
@@ -284,8 +304,8 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         flops_per_token=model_flops_per_token(cfg.model, t.seq_len, model),
         peak=resolve_peak(device, t.precision, cfg.report.peak_tflops),
         compiles=cfg.compile.backend != "eager",
-        compiled=compiled.description,
-        compile_record=compiled.record,
+        compiled=_describe(compiled, labels),
+        compile_parts=[(label, c.record) for label, c in zip(labels, compiled, strict=True) if c.record is not None],
         loss_fn=loss_fn,
         checkpoint_dir=checkpoint_dir,
         start_step=start_step,
