@@ -15,8 +15,6 @@ from functools import partial
 from typing import Any
 
 from torch import fx
-from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
-from torch._functorch.partitioners import default_partition
 
 from accelrun.compile import coverage
 from accelrun.compile.dump import Dumper
@@ -27,11 +25,12 @@ from accelrun.compile.options import CompileOptions
 from accelrun.compile.passes.base import ConfiguredPass, GraphNotes, PassContext, lint, passes_for_stage
 from accelrun.compile.record import CompileRecord, Fallback, GraphRecord, PassRecord
 from accelrun.compile.regions import REGION_KEY
+from accelrun.torch_private import aot_module_simplified, default_partition, make_boxed_func
 
 
 def decompositions() -> dict:
     """Core ATen decompositions, except attention: a fused attention kernel is worth more than its parts."""
-    from torch._decomp import core_aten_decompositions
+    from accelrun.torch_private import core_aten_decompositions
 
     return {op: fn for op, fn in core_aten_decompositions().items() if "attention" not in op.name()}
 
@@ -40,7 +39,11 @@ def graph_snapshot(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm``'s graph (nodes and their meta dicts copied, values shared) to go back to if a
     pass that rewrites in place raises half way. Far cheaper than a deepcopy of the fake tensors."""
     graph = fx.Graph()
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    # Not a deepcopy: that rebuilds the pytree specs' LeafSpecs, which torch deprecates with a FutureWarning
+    # printed on every compiled run. The specs are frozen, so sharing them is safe; only the list is copied.
+    graph._codegen = copy.copy(gm.graph._codegen)
+    if (info := getattr(graph._codegen, "pytree_info", None)) is not None:
+        graph._codegen.pytree_info = info._replace(orig_args=list(info.orig_args))
     value, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)
     graph.output(value).meta = copy.copy(old_output.meta)
     snap = fx.GraphModule(gm, graph)
@@ -147,9 +150,8 @@ class AccelrunBackend:
         compile_graph = partial(self._compile_graph, name, kind, notes)
         if not self.serializable:
             return compile_graph
-        from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
-
         from accelrun.compile.output_code import AccelrunOutputCode
+        from accelrun.torch_private import SerializableAOTDispatchCompiler
 
         return SerializableAOTDispatchCompiler(AccelrunOutputCode, compile_graph)
 
