@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from torch._dynamo.utils import counters
+from accelrun.torch_private import dynamo_counters as counters
 
 _WATCHED = ("frames", "unimplemented", "graph_break")
 _FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')

@@ -33,6 +33,7 @@ import torch
 from torch import fx
 
 from accelrun.compile.op_kinds import VIEW_OPS
+from accelrun.torch_private import reinterpret_tensor as _reinterpret
 
 aten = torch.ops.aten
 
@@ -67,8 +68,6 @@ CONSTANTS = frozenset({
 
 STATIC_LAYOUTS = "static_layouts"  # gm.meta key: saved with a cached graph, whose nodes keep no meta
 RECORDED_CALLS = 2  # calls whose views must agree before chains are collapsed
-
-_reinterpret = getattr(getattr(torch._C._dynamo, "guards", None), "_reinterpret_tensor", None)
 
 
 def layouts_are_static(gm: fx.GraphModule) -> bool:

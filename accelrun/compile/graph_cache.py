@@ -82,10 +82,8 @@ class GraphCache:
 
     def __init__(self, backend: Any, directory: Path) -> None:
         # Import torch's precompile machinery now, with the model's setup, not inside the first step.
-        import torch._dynamo.aot_compile  # noqa: F401
-        import torch.fx._graph_pickler  # noqa: F401
-
         import accelrun.compile.output_code  # noqa: F401
+        from accelrun.torch_private import AOTCompiledFunction, GraphPickler  # noqa: F401
 
         self.backend = backend
         self.directory = directory
@@ -150,9 +148,8 @@ class CachedMethod:
         return entry
 
     def _load(self, path: Path, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
-        from torch._dynamo.aot_compile import AOTCompiledFunction
-
         from accelrun.compile.output_code import recording_loads_into
+        from accelrun.torch_private import AOTCompiledFunction
 
         t0 = time.perf_counter()
         try:
@@ -168,7 +165,7 @@ class CachedMethod:
         return entry
 
     def _compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
-        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+        from accelrun.torch_private import temporary_cache_dir
 
         backend = self.cache.backend
         compiled = torch.compile(self.func.__get__(owner), backend=backend, fullgraph=True)

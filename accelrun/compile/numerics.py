@@ -67,7 +67,7 @@ def _flatten(x: Any) -> list[Any]:
 
 
 def check_pass(name: str, before: fx.GraphModule, after: fx.GraphModule, example_inputs: list[Any]) -> None:
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from accelrun.torch_private import unset_fake_temporarily
 
     # The backend runs inside AOTAutograd's fake-tensor mode; this check needs real values.
     with unset_fake_temporarily(), torch.no_grad():

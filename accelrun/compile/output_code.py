@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._inductor.output_code import OutputCode
 
 from accelrun.compile.fast_calls import STATIC_LAYOUTS, layouts_are_static, runnable
 from accelrun.compile.record import CompileRecord, GraphRecord
+from accelrun.torch_private import OutputCode
 
 # Where regions lowered while loading are recorded (the loading backend's record); None: nowhere.
 _loading_record: ContextVar[CompileRecord | None] = ContextVar("accelrun_loading_record", default=None)
@@ -63,7 +63,8 @@ class AccelrunOutputCode(OutputCode):
         try:
             self.saved_lowered = pack_graph(self.lowered)
         except (TypeError, pickle.PicklingError, AttributeError):  # a region its executor cannot pickle
-            from torch.fx._graph_pickler import GraphPickler, Options
+            from accelrun.torch_private import GraphPickler
+            from accelrun.torch_private import GraphPicklerOptions as Options
 
             # ops_filter=None: accelrun's graphs hold only ATen and functional-collective ops.
             self.saved_graph = GraphPickler.dumps(self.graph_module, Options(ops_filter=None))
@@ -82,11 +83,10 @@ class AccelrunOutputCode(OutputCode):
             record.cache_hits += sum(1 for r in regions if r.cache_hit is not None)
             record.graphs.append(graph)
             return
-        from torch._subclasses import FakeTensorMode
-        from torch.fx._graph_pickler import GraphPickler
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         from accelrun.compile.lower import lower_regions, make_executors
+        from accelrun.torch_private import FakeTensorMode, GraphPickler
 
         gm = GraphPickler.loads(self.saved_graph, FakeTensorMode(shape_env=ShapeEnv()))
         gm.recompile()

@@ -24,7 +24,8 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+
+from accelrun.torch_private import functional_collectives as funcol
 
 LABEL = "communication (blocking, measured on rank 0)"
 

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -50,6 +49,7 @@ from accelrun.dist.blockwise_attention import prefix_causal_attention
 from accelrun.dist.collective import to_collective_device
 from accelrun.models.llama import repeat_kv
 from accelrun.models.sequence_chunks import chunk_ids, sequence_from_rank_chunks, take_local_chunks
+from accelrun.torch_private import functional_collectives as funcol
 
 IGNORE_INDEX = -100  # cross-entropy's default: targets that carry no loss
 # The functional all-gather with a backward (a reduce-scatter); named differently across torch versions.

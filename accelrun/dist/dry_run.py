@@ -78,7 +78,7 @@ def dry_run(resolved: ResolvedConfig, ranks: Iterable[int] | None = None) -> lis
     """Build the recipe's layout for ``ranks`` (default: ``representative_ranks``) and count what each holds.
 
     Only the built-in model families (a user's model is built whole by its factory, on a device)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    from accelrun.torch_private import FakeStore  # registers the "fake" backend
 
     cfg = resolved.config
     if cfg.model.custom is not None:

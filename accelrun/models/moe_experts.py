@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from accelrun.torch_private import grouped_mm
+
 
 @dataclass
 class Routing:
@@ -87,7 +89,7 @@ class GroupedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MI: torch.Tensor, w_GIO: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x_MI, w_GIO, offsets_G)
-        return _rows_in_groups(torch._grouped_mm(x_MI, w_GIO, offs=offsets_G), offsets_G)
+        return _rows_in_groups(grouped_mm(x_MI, w_GIO, offs=offsets_G), offsets_G)
 
     @staticmethod
     def backward(ctx, dy_MO: torch.Tensor):
@@ -95,9 +97,9 @@ class GroupedMatmul(torch.autograd.Function):
         dy_MO = _rows_in_groups(dy_MO.contiguous(), offsets_G)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _rows_in_groups(torch._grouped_mm(dy_MO, w_GIO.transpose(-2, -1), offs=offsets_G), offsets_G)
+            dx = _rows_in_groups(grouped_mm(dy_MO, w_GIO.transpose(-2, -1), offs=offsets_G), offsets_G)
         if ctx.needs_input_grad[1]:
-            dw = torch._grouped_mm(x_MI.t(), dy_MO, offs=offsets_G)
+            dw = grouped_mm(x_MI.t(), dy_MO, offs=offsets_G)
         return dx, dw, None
 
 

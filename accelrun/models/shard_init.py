@@ -28,7 +28,7 @@ TILE_ELEMENTS = 1 << 16  # values per draw: small next to any shard worth shardi
 def local_region(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(the local tensor, its offset in the global tensor per dim, the global shape)."""
     if isinstance(param, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from accelrun.torch_private import compute_local_shape_and_global_offset
 
         local = param._local_tensor
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)

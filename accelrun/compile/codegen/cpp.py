@@ -32,6 +32,7 @@ from accelrun.compile.codegen.loop_ir import (
     Unsupported,
     contiguous_strides,
 )
+from accelrun.torch_private import TensorGuards, empty_strided_cpu
 
 ENTRY = "accelrun_region"
 PARALLEL_MIN_ELEMENTS = 1 << 15  # below this, starting threads costs more than it saves
@@ -435,14 +436,13 @@ class CppRegion:
 def _input_guard(args: tuple[torch.Tensor, ...]) -> Any:
     """A C++ check that tensors match ``args`` in dtype, device, sizes, strides (and autograd and
     dispatch state), or None where this PyTorch has none or the arguments are not plain tensors."""
-    guards = getattr(torch._C._dynamo, "guards", None)
-    if guards is None or not hasattr(guards, "TensorGuards"):
+    if TensorGuards is None:
         return None
     if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in args):
         return None  # a tensor subclass: its layout is its own business, keep the per-input path
     try:
-        return guards.TensorGuards(*args, dynamic_dims_sizes=[list(t.shape) for t in args],
-                                   dynamic_dims_strides=[list(t.stride()) for t in args])  # fmt: skip
+        return TensorGuards(*args, dynamic_dims_sizes=[list(t.shape) for t in args],
+                            dynamic_dims_strides=[list(t.stride()) for t in args])  # fmt: skip
     except Exception:  # a private API: without it every call takes the per-input path
         return None
 
@@ -453,7 +453,7 @@ def _empty_strided_py(shape: tuple[int, ...], stride: tuple[int, ...], dtype: to
 
 # Dynamo's CPU allocator (what Inductor's generated code calls) skips the Python argument parser:
 # half the cost of torch.empty_strided, which a region pays for each output.
-_empty_strided = getattr(getattr(torch._C._dynamo, "guards", None), "_empty_strided_cpu", None) or _empty_strided_py
+_empty_strided = empty_strided_cpu or _empty_strided_py
 
 
 def _restore_region(library: str, entry: str, buffers: list[Buffer]) -> CppRegion:

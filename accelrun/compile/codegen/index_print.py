@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import sympy
-from torch.utils._sympy.functions import FloorDiv
 
 from accelrun.compile.codegen.index_simplify import MODS
+from accelrun.torch_private import FloorDiv
 
 # style → (floor division, modulo, min, max)
 _STYLES = {

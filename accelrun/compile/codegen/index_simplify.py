@@ -18,8 +18,8 @@ where ``a*x`` is a sum of terms whose integer coefficients are all multiples of 
 from __future__ import annotations
 
 import sympy
-from torch.utils._sympy.functions import FloorDiv
-from torch.utils._sympy.functions import Mod as IndexMod
+
+from accelrun.torch_private import FloorDiv, IndexMod
 
 # sympy's own Mod rewrites itself on construction, and not always correctly for nested moduli:
 # Mod(2*Mod(2*c + 1, 4), 4) evaluates to 2*Mod(2*c + 1, 4) (6 where 2 is right). Indices are built

@@ -32,7 +32,6 @@ from typing import Any
 
 import sympy
 import torch
-from torch.utils._sympy.functions import FloorDiv
 
 from accelrun.compile.codegen.index_simplify import MODS, simplify_index
 from accelrun.compile.codegen.values import (
@@ -52,6 +51,7 @@ from accelrun.compile.codegen.values import (
     reshape_map,
     unravel,
 )
+from accelrun.torch_private import FloorDiv
 
 __all__ = ["Unsupported", "LoopProgram", "Kernel", "Block", "Stmt", "Store", "Reduction", "Buffer",
            "lower_region", "lower_graph", "R", "C"]

@@ -44,6 +44,7 @@ from accelrun.compile.codegen.loop_ir import (
     Unsupported,
 )
 from accelrun.compile.codegen.triton_online import OnlinePair, online_pairs
+from accelrun.torch_private import cuda_current_raw_stream, triton_direct_launch
 
 TILE_ELEMENTS = 4096  # elements a program instance works on, when the shapes allow
 MAX_ROW = 8192  # a row reduced in one tile is at most this long; longer rows are reduced in a loop
@@ -708,7 +709,7 @@ class TritonRegion:
             self.launch(*ins, *outs, *scratch)
             return tuple(outs)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = torch._C._cuda_getCurrentRawStream(index)
+        stream = cuda_current_raw_stream(index)
         scratch = self._scratch.get((index, stream))
         if scratch is None:
             scratch = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._scratch_specs]
@@ -728,9 +729,9 @@ class TritonRegion:
         for kernel, grid_, slots, (block_r, block_n), warps in self._plan:
             ck = kernel[grid_](*[bufs[i] for i in slots], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
             found.append(ck)
-        if self._direct and all(hasattr(ck, "packed_metadata") and hasattr(ck, "function") for ck in found):
-            self._compiled = [(ck, ck.run, ck.function, ck.packed_metadata, p[1], p[2], p[3])
-                              for ck, p in zip(found, self._plan, strict=True)]
+        direct = [triton_direct_launch(ck) for ck in found]
+        if self._direct and all(d is not None for d in direct):
+            self._compiled = [(ck, *d, p[1], p[2], p[3]) for ck, d, p in zip(found, direct, self._plan, strict=True)]
         return tuple(outs)
 
     def __reduce__(self) -> tuple:
@@ -775,7 +776,7 @@ _KNOBS: list[Any] = []
 
 def _load_knobs() -> Any:
     try:
-        from triton import knobs
+        from accelrun.torch_private import triton_knobs as knobs
     except ImportError:  # an older triton, without knobs: no hooks
         knobs = None
     _KNOBS.append(knobs)

@@ -101,8 +101,8 @@ def cross_compile(program: LoopProgram, source: str, arch: int, ptxas: bool = Tr
     """Every launch of ``program`` compiled by Triton for ``sm_<arch>`` (no GPU needed); with ``ptxas``
     the registers and spills of each. Raises what Triton raises for code it rejects."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+
+    from accelrun.torch_private import ASTSource, GPUTarget
 
     module = import_compilable(source)
     dtypes = buffer_dtypes(program)
@@ -123,7 +123,7 @@ def cross_compile(program: LoopProgram, source: str, arch: int, ptxas: bool = Tr
 
 def ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
     """(registers, spill store bytes, spill load bytes) of the PTX's kernel, from ``ptxas -v``."""
-    from triton.backends.nvidia.compiler import get_ptxas
+    from accelrun.torch_private import get_ptxas
 
     suffix = "a" if arch >= 90 else ""
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,7 +18,8 @@ from typing import Any
 def _interpreted() -> Any:
     import numpy as np
     import triton.language as tl
-    from triton.runtime.interpreter import TensorHandle
+
+    from accelrun.torch_private import TensorHandle
 
     def elementwise(np_fn):
         def call(*args: Any, **_: Any) -> Any:

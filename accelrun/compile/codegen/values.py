@@ -20,8 +20,8 @@ from typing import Any
 import sympy
 import torch
 from torch import fx
-from torch.utils._sympy.functions import FloorDiv
-from torch.utils._sympy.functions import Mod as IndexMod
+
+from accelrun.torch_private import FloorDiv, IndexMod
 
 aten = torch.ops.aten
 prims = torch.ops.prims

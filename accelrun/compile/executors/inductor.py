@@ -28,11 +28,11 @@ class InductorExecutor(Executor):
         return None
 
     def compile(self, region: Region, cache_dir: str | None) -> RegionFn:
-        from torch._dynamo.utils import counters
-        from torch._inductor.compile_fx import compile_fx_inner
+        from accelrun.torch_private import compile_fx_inner, tracing
+        from accelrun.torch_private import dynamo_counters as counters
 
         before = dict(counters["inductor"])
-        with torch._guards.tracing(None):  # a fresh context: we may be inside AOTAutograd's
+        with tracing(None):  # a fresh context: we may be inside AOTAutograd's
             compiled = compile_fx_inner(region.gm, [materialize(m) for m in region.input_meta])
         # Inductor's FX graph cache says hit or miss, or bypasses itself (then: unknown, not counted;
         # its kernel-level code cache still spares the C++ compiler on a repeat).

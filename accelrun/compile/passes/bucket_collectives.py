@@ -23,11 +23,11 @@ from collections import defaultdict
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
 
 from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.schedule import WAIT, held_bytes, is_collective, kind, nbytes, stable_toposort, wait_of
 from accelrun.config.compile_names import BucketOptions
+from accelrun.torch_private import detect_fake_mode
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

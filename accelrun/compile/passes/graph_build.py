@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
+
+from accelrun.torch_private import detect_fake_mode
 
 
 def tensor_val(node: object) -> torch.Tensor | None:

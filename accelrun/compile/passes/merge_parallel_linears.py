@@ -23,11 +23,11 @@ import operator
 import torch
 import torch.nn.functional as F
 from torch import fx
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.pattern import example_value
 from accelrun.config.compile_names import MergeParallelLinearsOptions
+from accelrun.torch_private import is_traceable_wrapper_subclass
 
 LINEARS = (torch._C._nn.linear, F.linear)
 

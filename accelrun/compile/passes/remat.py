@@ -195,7 +195,7 @@ def _output_meta(old_output: fx.Node, layout: SavedLayout, new_saved: list[fx.No
     meta = {k: v for k, v in old_output.meta.items() if k not in ("desc", "output_stack_traces")}
     old_desc = old_output.meta.get("desc")
     if isinstance(old_desc, list) and len(old_desc) == len(old_output.args[0]):
-        from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
+        from accelrun.torch_private import SavedForBackwardsAOTOutput
 
         by_node = dict(zip(layout.saved, old_desc[layout.num_real :], strict=True))
         saved_desc = []

@@ -1,0 +1,117 @@
+"""Every private torch and Triton symbol accelrun uses, imported here and nowhere else.
+
+accelrun's compiler works below torch.compile's public surface: AOTAutograd's entry point and
+partitioner, Inductor's output-code protocol, Dynamo's C++ guards and allocator, fx's graph pickler,
+Triton's cross-compiler and launcher. None of them is a stable API: any torch or Triton release may
+move, rename or reshape one. Keeping them here means a new release fails one named test
+(``tests/test_torch_private.py``: one test per symbol, on the shape accelrun relies on) instead of a
+user's run; ``pyproject.toml`` pins the torch range those tests passed on.
+
+Two kinds:
+
+- ``torch._C`` members that load with torch itself: plain attributes, None where this build has none
+  (their users keep a slower public path then).
+- Everything else: imported on first use through ``PRIVATE`` (Inductor, the precompile machinery and
+  Triton take seconds to import, and most runs never touch them)::
+
+      from accelrun.torch_private import default_partition
+
+Left out on purpose, as torch's de facto public surface: ``torch._ops.OpOverload`` (the type of every
+``torch.ops.aten.*`` overload, checked with isinstance), ``torch._foreach_*`` (the multi-tensor ops
+torch.optim and clip_grad_norm_ run on), ``torch._C._nn.linear`` / ``silu`` (what Dynamo records for
+F.linear / F.silu, matched by the pattern tables), operators under ``torch.ops``, and
+``torch._dynamo.reset`` / ``torch.compile``'s own entry points.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+_GUARDS = getattr(torch._C._dynamo, "guards", None)
+
+# (base, sizes, strides, storage_offset) -> a view of base: as_strided without the argument parser,
+# used as a graph node target for collapsed view chains (fast_calls).
+reinterpret_tensor = getattr(_GUARDS, "_reinterpret_tensor", None)
+# (sizes, strides, dtype) -> an uninitialised CPU tensor: Dynamo's allocator, what Inductor's
+# generated code calls; half the cost of torch.empty_strided (a C++ region's outputs).
+empty_strided_cpu = getattr(_GUARDS, "_empty_strided_cpu", None)
+# TensorGuards(*tensors, dynamic_dims_sizes=, dynamic_dims_strides=).check(*tensors) -> bool: one C++
+# call that checks dtype, device, sizes and strides of all of a region's inputs.
+TensorGuards = getattr(_GUARDS, "TensorGuards", None)
+
+
+# name -> (module, attribute; None: the module itself). Read by __getattr__ on first use.
+PRIVATE: dict[str, tuple[str, str | None]] = {
+    # AOTAutograd: the joint graph, its cut into forward and backward, and their calling convention.
+    "aot_module_simplified": ("torch._functorch.aot_autograd", "aot_module_simplified"),
+    "make_boxed_func": ("torch._functorch.aot_autograd", "make_boxed_func"),
+    "default_partition": ("torch._functorch.partitioners", "default_partition"),
+    "SavedForBackwardsAOTOutput": ("torch._functorch._aot_autograd.descriptors", "SavedForBackwardsAOTOutput"),
+    "SerializableAOTDispatchCompiler": ("torch._functorch._aot_autograd.schemas", "SerializableAOTDispatchCompiler"),
+    "core_aten_decompositions": ("torch._decomp", "core_aten_decompositions"),
+    # Inductor: the output-code protocol precompile saves, the region executor, its cache folder.
+    "OutputCode": ("torch._inductor.output_code", "OutputCode"),
+    "compile_fx_inner": ("torch._inductor.compile_fx", "compile_fx_inner"),
+    "temporary_cache_dir": ("torch._inductor.runtime.cache_dir_utils", "temporary_cache_dir"),
+    # Dynamo: precompiled frames (the graph cache) and its process-wide counters (coverage).
+    "AOTCompiledFunction": ("torch._dynamo.aot_compile", "AOTCompiledFunction"),
+    "dynamo_counters": ("torch._dynamo.utils", "counters"),
+    # Fake tensors and tracing contexts.
+    "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    "unset_fake_temporarily": ("torch._subclasses.fake_tensor", "unset_fake_temporarily"),
+    "detect_fake_mode": ("torch._guards", "detect_fake_mode"),
+    "tracing": ("torch._guards", "tracing"),
+    "is_traceable_wrapper_subclass": ("torch.utils._python_dispatch", "is_traceable_wrapper_subclass"),
+    # fx graphs saved with the graph cache.
+    "GraphPickler": ("torch.fx._graph_pickler", "GraphPickler"),
+    "GraphPicklerOptions": ("torch.fx._graph_pickler", "Options"),
+    # Index arithmetic of the loop IR: torch's integer floor division and modulus for sympy.
+    "FloorDiv": ("torch.utils._sympy.functions", "FloorDiv"),
+    "IndexMod": ("torch.utils._sympy.functions", "Mod"),
+    # Triton: cross-compiling for a GPU that is not here, and the interpreter's values.
+    "GPUTarget": ("triton.backends.compiler", "GPUTarget"),
+    "ASTSource": ("triton.compiler", "ASTSource"),
+    "get_ptxas": ("triton.backends.nvidia.compiler", "get_ptxas"),
+    "TensorHandle": ("triton.runtime.interpreter", "TensorHandle"),
+    "triton_knobs": ("triton.knobs", None),
+    # Distributed: functional collectives (what compiled graphs hold), a DTensor shard's place in the
+    # global tensor (shard-exact initialisation), the fake process group (the dry run).
+    "functional_collectives": ("torch.distributed._functional_collectives", None),
+    "compute_local_shape_and_global_offset": ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
+    "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
+    # Models: one matmul per expert group without padding (the MoE's grouped_mm implementation).
+    "grouped_mm": ("torch", "_grouped_mm"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = PRIVATE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module_name, attr = where
+    module = importlib.import_module(module_name)  # ImportError (Triton absent, say) goes to the caller
+    try:
+        value = module if attr is None else getattr(module, attr)
+    except AttributeError:
+        raise ImportError(f"accelrun needs {module_name}.{attr}, which torch {torch.__version__} does not have "
+                          "(the torch range accelrun is tested on is in its pyproject.toml)") from None
+    globals()[name] = value  # looked up once
+    return value
+
+
+def cuda_current_raw_stream(device_index: int) -> int:
+    """The current CUDA stream of a device as an integer handle, what Triton's launcher takes (the public
+    ``torch.cuda.current_stream().cuda_stream`` builds a Stream object on every call)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def triton_direct_launch(kernel: Any) -> tuple[Any, Any, Any] | None:
+    """``(run, function, packed_metadata)`` of a Triton kernel that ``triton.jit`` has launched once (its
+    ``CompiledKernel``), or None where this Triton's kernels lack them. Later launches call
+    ``run(grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata, enter_hook,
+    exit_hook, *args)``, as ``JITFunction.run`` does, without its argument binding and cache lookup."""
+    parts = tuple(getattr(kernel, name, None) for name in ("run", "function", "packed_metadata"))
+    return None if any(p is None for p in parts) else parts  # type: ignore[return-value]
