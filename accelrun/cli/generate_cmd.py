@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from accelrun.cli.common import out
+from accelrun.cli.common import err, out
 
 
 @click.command("generate")
@@ -19,14 +19,22 @@ from accelrun.cli.common import out
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same text.")
 def command(run: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> None:
     """Load RUN's newest complete checkpoint (a run folder, a folder of runs: its newest run, or a
-    checkpoint folder) into this process and print PROMPT followed by sampled text.
+    checkpoint folder) into this process and print PROMPT followed by sampled text (on stderr first:
+    the run, step and checkpoint used). Built-in model families decode with a KV cache.
 
     \b
     Examples:
       accelrun generate runs/llama-debug --prompt "The " --max-new-tokens 100 --seed 1
     """
+    import time
+
     from accelrun.train.generate import generate_text
 
-    text = generate_text(run, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                         seed=seed)
-    out.print(text, markup=False, highlight=False, soft_wrap=True)
+    t0 = time.perf_counter()
+    g = generate_text(run, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    # Which run and checkpoint spoke, on stderr: stdout stays the text alone (pipeable).
+    err.print(f"run {g.run}; step {g.step if g.step is not None else '?'}; checkpoint {g.checkpoint}; "
+              f"{max_new_tokens} tokens in {time.perf_counter() - t0:.1f} s (checkpoint load included; "
+              + ("KV cache)" if g.kv_cache is None else f"no KV cache: {g.kv_cache})"),
+              markup=False, highlight=False)
+    out.print(g.text, markup=False, highlight=False, soft_wrap=True)

@@ -19,10 +19,14 @@ def test_generate_is_deterministic_for_a_seed_and_refuses_a_run_without_checkpoi
     b = runner.invoke(cli, [*args, "--seed", "3"])
     c = runner.invoke(cli, [*args, "--seed", "4"])
     assert a.exit_code == 0, a.output
-    assert a.output == b.output and a.output.startswith("The ")
-    assert c.exit_code == 0 and c.output != a.output  # the seed is what fixes the text
+    assert a.stdout == b.stdout and a.stdout.startswith("The ")
+    assert c.exit_code == 0 and c.stdout != a.stdout  # the seed is what fixes the text
     greedy = runner.invoke(cli, [*args[:-4], "--temperature", "0"])
-    assert greedy.exit_code == 0 and greedy.output.startswith("The ")
+    assert greedy.exit_code == 0 and greedy.stdout.startswith("The ")
+    # Which run and checkpoint it sampled from, on stderr (stdout is the text alone).
+    newest = done / "checkpoints" / "step-000004"
+    assert a.stderr.startswith(f"run {done}; step 4; checkpoint {newest}; 24 tokens in "), a.stderr
+    assert "KV cache)" in a.stderr
 
     bare = train(load_config(DEFAULT_CONFIG, tiny(2, "checkpoint.enabled=false", "name=bare")),
                  command="test").run_dir

@@ -1,0 +1,65 @@
+"""accelrun generate decodes through a KV cache (issue 30, item 7): each new token is one position's work,
+and the tokens are those a whole-context recompute gives (Llama with grouped-query attention, Gemma, and
+a context that slides past model.max_seq_len)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from accelrun.config.schema import ModelConfig
+from accelrun.models import build_model
+from accelrun.train.generate import generate
+
+SHAPE = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128, "vocab_size": 300}
+
+
+def _model(arch: str = "llama", **more) -> torch.nn.Module:
+    cfg = ModelConfig.model_validate({"arch": arch, **SHAPE, **more})
+    return build_model(cfg, "cpu", seed=0).float().eval()
+
+
+@torch.no_grad()
+def _recomputed(model, ids: list[int], n: int, max_seq_len: int) -> list[int]:
+    """Greedy tokens with the whole (cut) context run for every token: what generate did before."""
+    ids = list(ids)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids[-max_seq_len:]]))[0, -1].argmax()))
+    return ids
+
+
+def _embedded_lengths(model) -> list[int]:
+    seen: list[int] = []
+    embed = model.tok_embeddings if hasattr(model, "tok_embeddings") else model.embed_tokens
+    embed.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[1]))
+    return seen
+
+
+def test_each_new_token_is_one_position():
+    model = _model()
+    seen = _embedded_lengths(model)
+    generate(model, [1, 2, 3, 4, 5], max_new_tokens=20, temperature=0.0, max_seq_len=2048)
+    assert seen == [5] + [1] * 19  # the prompt once, then one position a token
+
+
+@pytest.mark.parametrize("arch, more", [("llama", {}), ("gemma", {"head_dim": 32})])
+def test_cached_tokens_are_the_recomputed_ones(arch, more):
+    model = _model(arch, **more)
+    prompt = [7, 3, 250, 9]
+    assert generate(model, prompt, max_new_tokens=24, temperature=0.0, max_seq_len=2048) == \
+        _recomputed(model, prompt, 24, 2048)
+    # The model is itself again after: its own attention forwards and whole rotary tables.
+    assert model(torch.tensor([prompt])).shape == (1, 4, 300)
+
+
+def test_a_context_that_slides_past_max_seq_len_matches_the_recompute():
+    model = _model(max_seq_len=16)
+    prompt = [5, 6, 7]
+    assert generate(model, prompt, max_new_tokens=30, temperature=0.0, max_seq_len=16) == \
+        _recomputed(model, prompt, 30, 16)
+
+
+def test_sampling_is_deterministic_for_a_seed():
+    model = _model()
+    a = generate(model, [1, 2], max_new_tokens=16, temperature=1.0, top_k=20, seed=3, max_seq_len=2048)
+    assert a == generate(model, [1, 2], max_new_tokens=16, temperature=1.0, top_k=20, seed=3, max_seq_len=2048)
