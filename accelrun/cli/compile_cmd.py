@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 
 import click
 from rich.markup import escape
@@ -34,7 +36,9 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
 
     Prints, per graph and pass, the ops before and after and what changed (patterns matched, regions
     formed, collectives seen); which executor took each fusion region and why the others declined;
-    compile time per stage; graph breaks. Writes every graph before and after every pass as readable
+    compile time per stage; graph breaks. Each fusion region is listed with the executor that took it
+    and, for each executor before it in compile.executors, why it declined. Writes every graph before
+    and after every pass as readable
     Python, the generated kernels and record.json to the run directory's compile/ folder.
 
     Runs on one process: a recipe's parallel layout is not applied.
@@ -61,6 +65,9 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
         err.print("note: the parallel layout is not applied: this compiles one process's step"
                   + (" (compiled FSDP over a group of one)" if cfg.parallel.fsdp_impl == "compiled" else ""))
     run_dir = create_run_dir(cfg.report.runs_dir, f"{cfg.name}-explain")
+    # A run folder like train's (the resolved recipe, the command), so `runs list` shows it.
+    (run_dir / "config.yaml").write_text(resolved.to_yaml())
+    (run_dir / "command.txt").write_text(shlex.join(["accelrun", *sys.argv[1:]]) + "\n")
     err.print(f"compiling one training step of {escape(cfg.name)} (run dir {run_dir}) ...")
     result = explain_step(resolved, run_dir, steady_steps=steps)
     record = result.record
@@ -91,6 +98,14 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
             for who, why, n in declines:
                 table.add_row(who, escape(why), str(n))
             out.print(table)
+        table = Table("graph", "region", "ops", "taken by", "declined by (why)", title="each region: who took it, "
+                      "who declined and why", title_justify="left")  # fmt: skip
+        shown = region_rows(record.regions, REGIONS_SHOWN)
+        for row in shown:
+            table.add_row(*map(escape, row))
+        out.print(table)
+        if len(record.regions) > len(shown):
+            out.print(f"… and {len(record.regions) - len(shown)} more regions in {result.dump_dir}/record.json")
     if record.fallbacks:
         table = Table("graph", "stage", "what", "why", title="fallbacks (compile.strict makes them errors)",
                       title_justify="left")  # fmt: skip
@@ -118,6 +133,22 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
     (result.dump_dir).mkdir(parents=True, exist_ok=True)
     (result.dump_dir / "record.json").write_text(json.dumps(record.to_json(), indent=1))
     out.print(f"graphs before/after every pass, kernels and record.json: {result.dump_dir}/")
+
+
+# Regions listed one per line by `compile explain` (a model's regions repeat per block; record.json has all).
+REGIONS_SHOWN = 40
+REGION_OPS_SHOWN = 4
+
+
+def region_rows(regions: list, limit: int) -> list[tuple[str, str, str, str, str]]:
+    """(graph, region, ops, executor that took it, each executor that declined it with why) for the first
+    ``limit`` regions (``RegionRecord``s), in the order the partitioner formed them."""
+    rows = []
+    for r in regions[:limit]:
+        ops = ", ".join(r.ops[:REGION_OPS_SHOWN]) + (", …" if len(r.ops) > REGION_OPS_SHOWN else "")
+        declined = "; ".join(f"{who}: {why}" for who, why in r.declined.items()) or "-"
+        rows.append((r.graph, str(r.region), f"{len(r.ops)} ({ops})", r.executor, declined))
+    return rows
 
 
 @command.command("passes")

@@ -15,7 +15,7 @@ from accelrun.report import fmt
 from accelrun.report.runs_index import list_run_rows
 
 STATUS_STYLE = {"finished": "green", "running": "cyan", "interrupted": "yellow", "diverged": "red", "crashed": "red",
-                "continued": "dim"}
+                "continued": "dim", "failed": "red"}
 
 
 @click.group("runs")
@@ -38,7 +38,8 @@ def command() -> None:
 def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> None:
     """List runs under RUNS_DIR (default: ./runs, the default report.runs_dir), newest first.
 
-    Each row: status (finished, running, interrupted (killed or stopped), crashed, continued (a later run
+    Each row: kind (train; explain: a `compile explain` run; ab: an `accelrun ab` comparison, whose variants'
+    runs `accelrun runs list <its folder>/runs` lists), the job's processes, status (finished, running, interrupted (killed or stopped), crashed, continued (a later run
     took over its checkpoint), diverged; "segment k" for the k-th run of one history), steps, final loss, steady median
     step time, tokens/s, MFU, peak memory, compile backend, precision and config hash. A run that
     has no report.json and no live process is "interrupted": `checkpoint.resume: auto` continues it.
@@ -58,7 +59,8 @@ def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> Non
         out.print(f"no runs under {escape(str(runs_dir))}" + (f" named {escape(name)}" if name else ""))
         return
     t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
-    for col, justify in (("run", "left"), ("started (UTC)", "left"), ("status", "left"), ("steps", "right"),
+    for col, justify in (("run", "left"), ("kind", "left"), ("started (UTC)", "left"), ("status", "left"),
+                         ("procs", "right"), ("steps", "right"),
                          ("final loss", "right"), ("step (median)", "right"), ("tokens/s (job)", "right"),
                          ("MFU", "right"), ("peak mem", "right"), ("compile", "left"), ("precision", "left"),
                          ("config", "left")):
@@ -66,8 +68,8 @@ def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> Non
     for r in rows:
         style = STATUS_STYLE.get(r.status, "")
         status = escape(r.status) + (f" (segment {r.segment})" if r.segment > 1 else "")
-        t.add_row(escape(r.run), r.started, f"[{style}]{status}[/]" if style else status,
-                  str(r.steps), fmt.num(r.final_loss), fmt.secs(r.step_time_s), fmt.integer(r.tokens_per_s),
+        t.add_row(escape(r.run), r.kind, r.started, f"[{style}]{status}[/]" if style else status,
+                  str(r.processes) if r.processes is not None else "-", str(r.steps), fmt.num(r.final_loss), fmt.secs(r.step_time_s), fmt.integer(r.tokens_per_s),
                   fmt.pct(r.mfu), fmt.nbytes(r.mem_peak_bytes), escape(r.compile), escape(r.precision),
                   escape(r.config_hash or "n/a"))
     print_wide(t)

@@ -8,13 +8,14 @@ Example::
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from accelrun.report.lineage import history
 from accelrun.report.rundata import RunNotFound, load_run
-from accelrun.report.rundir import list_runs
+from accelrun.report.rundir import is_running, list_runs
 from accelrun.report.stats import median as steady_median
 
 
@@ -34,6 +35,8 @@ class RunRow:
     precision: str
     config_hash: str | None
     segment: int = 1  # this run folder's place in its history (1: it continues no other run)
+    kind: str = "train"  # train | explain (`compile explain`) | ab (`accelrun ab`: its variants' runs inside)
+    processes: int | None = None  # the job's: ranks on every node together
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -46,26 +49,68 @@ def _started(run_id: str) -> str:
         return "?"
 
 
+# What `compile explain` leaves in its run folder when it is done (it trains no run: one compiled step).
+EXPLAIN_RECORD = Path("compile") / "record.json"
+# Where `accelrun ab` puts its comparisons under a runs folder (ab/<name>/<id>/), and the file that marks
+# one as finished (accelrun.report.ab.write_ab_reports).
+AB_FOLDER, AB_RESULT = "ab", "ab.json"
+
+
 def list_run_rows(runs_dir: str | Path, name: str | None = None, limit: int | None = None) -> list[RunRow]:
-    """Rows for the runs under ``runs_dir`` (of run ``name``), newest first, at most ``limit``."""
-    rows = []
-    for path in list_runs(runs_dir, name)[:limit]:
-        try:
-            r = load_run(path)
-        except RunNotFound:  # a directory being created, or not one of ours: skip it
-            continue
-        rep = r.report or {}
-        losses = r.losses()
-        steps = rep.get("steps") if rep else len(r.metrics)
-        times = r.steady_step_times()
-        median = (rep.get("step_time_s") or {}).get("median") if rep else (steady_median(times) if times else None)
-        tokens = r.job_tokens_per_step
-        rows.append(RunRow(
-            run=f"{r.name}/{path.name}", path=str(path), started=_started(path.name), status=r.status,
-            steps=int(steps or 0), final_loss=losses[max(losses)] if losses else None, step_time_s=median,
-            tokens_per_s=rep.get("tokens_per_s_job") or (tokens / median if tokens and median else None),
-            mfu=rep.get("mfu"), mem_peak_bytes=rep.get("mem_peak_bytes"),
-            compile=str(r.config_flat.get("compile.backend", "?")), precision=str(r.config_flat.get("train.precision", "?")),
-            config_hash=rep.get("config_hash"), segment=len(history(path)),
-        ))
-    return rows
+    """Rows for the runs under ``runs_dir`` (of run ``name``), newest first, at most ``limit``: training
+    runs, `compile explain` runs and `accelrun ab` comparisons."""
+    rows = [row for path in list_runs(runs_dir, name) if (row := _run_row(path)) is not None]
+    rows += [row for path in list_runs(Path(runs_dir) / AB_FOLDER, name) if (row := _ab_row(path)) is not None]
+    rows.sort(key=lambda r: Path(r.path).name[:15], reverse=True)  # the UTC time each folder is named by
+    return rows[:limit]
+
+
+def _processes(config_flat: dict, report: dict) -> int | None:
+    world = report.get("world_size")
+    if world is None:
+        nodes, per_node = config_flat.get("parallel.nnodes", 1), config_flat.get("parallel.nproc_per_node")
+        world = nodes * per_node if isinstance(nodes, int) and isinstance(per_node, int) else None
+    return int(world) if world is not None else None
+
+
+def _ab_row(path: Path) -> RunRow | None:
+    """One row per comparison: its verdict lives in ab.md; its variants' runs are listed with
+    `accelrun runs list <ab folder>/runs`."""
+    try:
+        result = json.loads((path / AB_RESULT).read_text())
+    except FileNotFoundError:
+        result = None  # running, or stopped before its reports
+    except ValueError:
+        return None
+    status = "running" if result is None and is_running(path) else \
+        "interrupted" if result is None else "finished" if result.get("exit_code") == 0 else "failed"
+    return RunRow(run=f"{path.parent.name}/{path.name}", path=str(path), started=_started(path.name), status=status,
+                  steps=int((result or {}).get("steps") or 0), final_loss=None, step_time_s=None, tokens_per_s=None,
+                  mfu=None, mem_peak_bytes=None, compile="-", precision="-", config_hash=None, kind="ab")
+
+
+def _run_row(path: Path) -> RunRow | None:
+    try:
+        r = load_run(path)
+    except RunNotFound:  # a directory being created, or not one of ours: skip it
+        return None
+    if not r.metrics and r.report is None and (path / EXPLAIN_RECORD).is_file():
+        return RunRow(run=f"{r.name}/{path.name}", path=str(path), started=_started(path.name), status="finished",
+                      steps=0, final_loss=None, step_time_s=None, tokens_per_s=None, mfu=None, mem_peak_bytes=None,
+                      compile=str(r.config_flat.get("compile.backend", "?")),
+                      precision=str(r.config_flat.get("train.precision", "?")), config_hash=None, kind="explain",
+                      processes=1)  # explain compiles one process's step whatever the layout
+    rep = r.report or {}
+    losses = r.losses()
+    steps = rep.get("steps") if rep else len(r.metrics)
+    times = r.steady_step_times()
+    median = (rep.get("step_time_s") or {}).get("median") if rep else (steady_median(times) if times else None)
+    tokens = r.job_tokens_per_step
+    return RunRow(
+        run=f"{r.name}/{path.name}", path=str(path), started=_started(path.name), status=r.status,
+        steps=int(steps or 0), final_loss=losses[max(losses)] if losses else None, step_time_s=median,
+        tokens_per_s=rep.get("tokens_per_s_job") or (tokens / median if tokens and median else None),
+        mfu=rep.get("mfu"), mem_peak_bytes=rep.get("mem_peak_bytes"),
+        compile=str(r.config_flat.get("compile.backend", "?")), precision=str(r.config_flat.get("train.precision", "?")),
+        config_hash=rep.get("config_hash"), segment=len(history(path)), processes=_processes(r.config_flat, rep),
+    )

@@ -1,0 +1,57 @@
+"""`runs list` shows every kind of run folder (train, `compile explain`, `accelrun ab`) with the job's
+processes, and `compile explain` shows, per region, which executors declined it and why (issue 30, item 8)."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from accelrun.cli.compile_cmd import region_rows
+from accelrun.cli.main import cli
+from accelrun.compile.record import RegionRecord
+from accelrun.report.runs_index import list_run_rows
+from tests.conftest import DEFAULT_CONFIG
+
+
+def _folder(path, **files):
+    path.mkdir(parents=True)
+    for name, text in files.items():
+        (path / name.replace("__", "/")).parent.mkdir(parents=True, exist_ok=True)
+        (path / name.replace("__", "/")).write_text(text)
+    return path
+
+
+def test_runs_list_has_train_explain_and_ab_rows_with_processes(tmp_path):
+    runs = tmp_path / "runs"
+    config = "name: llama-debug\nparallel:\n  nnodes: 1\n  nproc_per_node: 2\ncompile:\n  backend: eager\n"
+    _folder(runs / "llama-debug" / "20260101-120000-aaaaaa", **{"config.yaml": config, "report.json": json.dumps(
+        {"status": "finished", "steps": 5, "world_size": 2, "step_time_s": {"median": 0.1}})})
+    _folder(runs / "llama-debug-explain" / "20260101-120100-bbbbbb",
+            **{"config.yaml": config, "compile__record.json": "{}"})
+    _folder(runs / "ab" / "llama-debug" / "20260101-120200-cccccc",
+            **{"ab.json": json.dumps({"exit_code": 0, "steps": 20, "verdicts": []})})
+    rows = list_run_rows(runs)
+    assert [(r.kind, r.status, r.processes) for r in rows] == [
+        ("ab", "finished", None), ("explain", "finished", 1), ("train", "finished", 2)]
+    table = CliRunner().invoke(cli, ["runs", "list", str(runs)])
+    assert table.exit_code == 0 and "procs" in table.stdout and "explain" in table.stdout, table.output
+    assert len(list_run_rows(runs, limit=2)) == 2
+
+
+def test_explain_lists_each_region_with_who_declined_it(tiny, tmp_path):
+    r = CliRunner().invoke(cli, ["compile", "explain", str(DEFAULT_CONFIG), *tiny(1),
+                                 "compile.passes=[dce, partition_regions]", "compile.executors=[triton, aten]",
+                                 "--steps", "1"])
+    assert r.exit_code == 0, r.output
+    assert "each region: who took it, who declined and why" in r.stdout
+    assert "triton: no CUDA" in " ".join(r.stdout.split()), r.stdout
+    (row,) = [row for row in list_run_rows(tmp_path / "runs") if row.kind == "explain"]  # and it is listed
+    assert row.status == "finished"
+
+
+def test_region_rows_name_every_decline():
+    regions = [RegionRecord("g0.forward", 3, ["add", "mul", "exp", "sum", "div"], "aten",
+                            {"triton": "no CUDA device", "cpp": "compiler failed"}, 0.1)]
+    assert region_rows(regions, 40) == [("g0.forward", "3", "5 (add, mul, exp, sum, …)", "aten",
+                                         "triton: no CUDA device; cpp: compiler failed")]
