@@ -18,6 +18,9 @@ TINY = [
     "model.vocab_size=320", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=4",
     "train.lr_schedule.warmup_steps=2", "train.optimizer.lr=0.01", "data.max_bytes=400000",
     "report.warmup_steps=1", "report.progress=none",
+    # The default recipe compiles with accelrun; tests of the loop, layouts and reports run eager (a
+    # compile per test would cost seconds each). Tests of the compiled default override this back.
+    "compile.backend=eager",
 ]
 
 

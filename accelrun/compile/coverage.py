@@ -72,9 +72,9 @@ def coverage_warnings(record: Any) -> list[str]:
     d = record.dynamo or {}
     out = []
     seen = d.get("frames_seen", 0)
-    if record.dynamo_graphs == 0:
-        why = f" (Dynamo saw {seen} frame(s) and compiled none)" if seen else ""
-        out.append(f"nothing was compiled: the model ran in eager PyTorch{why}")
+    if record.graphs_in_use() == 0:  # graphs loaded from the graph cache ran compiled too
+        why = f" (Dynamo saw {seen} frame(s) and compiled none)" if seen else " (Dynamo saw no frame of it)"
+        out.append(f"nothing was compiled: the model ran in eager PyTorch{why}; {_what_to_change(d)}")
     for line in d.get("frames_skipped", []):
         out.append(f"Dynamo skipped a frame: {line}")
     breaks = sum(record.graph_breaks.values())
@@ -83,13 +83,23 @@ def coverage_warnings(record: Any) -> list[str]:
     return out
 
 
+def _what_to_change(dynamo: dict[str, Any]) -> str:
+    if dynamo.get("frames_skipped") or dynamo.get("unsupported"):
+        return ("the reasons are below; move the data-dependent code (a branch on a tensor's value, a "
+                "boolean mask) out of the compiled forward, or into a module of its own")
+    return ("compile.scope = model compiles the whole forward; a module whose code is torch.nn's own "
+            "compiles only when called from the model's forward")
+
+
 def coverage_lines(record: Any) -> list[str]:
     """For ``accelrun compile explain``: how much ran compiled, then the warnings."""
     d = record.dynamo or {}
     regions = len(record.regions)
     claimed = sum(1 for r in record.regions if r.executor != "aten")
     lines = [f"Dynamo frames: {d.get('frames_seen', 0)} seen, {d.get('frames_compiled', 0)} compiled into "
-             f"{record.dynamo_graphs} graph(s); {sum(record.graph_breaks.values())} graph break(s); "
+             f"{record.dynamo_graphs} graph(s)"
+             + (f" (+ {record.graphs_loaded()} loaded from the graph cache)" if record.graphs_loaded() else "")
+             + f"; {sum(record.graph_breaks.values())} graph break(s); "
              f"fusion regions: {claimed} of {regions} compiled, "
              f"{sum(g.left_to_aten for g in record.graphs)} op(s) outside regions run as ATen calls"]
     lines += [f"  not traced ×{n}: {why}" for why, n in d.get("unsupported", {}).items()]

@@ -69,6 +69,8 @@ class CompileRecord:
     # What Dynamo did not hand us (coverage.py): frames seen and compiled, frames skipped with why.
     dynamo: dict[str, Any] = field(default_factory=dict)
     dynamo_start: dict[str, Any] = field(default_factory=dict, repr=False)  # coverage.snapshot() at the start
+    # compile_model's first-call fallback: the whole forward was skipped, so smaller modules compiled
+    fallback_scope: str = ""
 
     def refresh_dynamo(self) -> None:
         """Graph breaks and frame coverage since ``dynamo_start`` (Dynamo counts them process-wide)."""
@@ -78,6 +80,34 @@ class CompileRecord:
 
         self.graph_breaks = since(self.dynamo_start)["graph_break"]
         self.dynamo = dynamo_coverage(self.dynamo_start)
+
+    def graphs_loaded(self) -> int:
+        """Graphs this process took from the cross-process graph cache (compiled by an earlier one)."""
+        return int(self.graph_cache.get("loaded", 0) or 0)
+
+    def graphs_in_use(self) -> int:
+        """Compiled graphs this process runs: traced here, or loaded from the graph cache (a loaded
+        graph never reaches the backend, so ``dynamo_graphs`` does not count it)."""
+        return self.dynamo_graphs + self.graphs_loaded()
+
+    def compiled_line(self) -> str:
+        """What ran compiled, in one line for the terminal: graphs, regions by executor, fallbacks."""
+        loaded = self.graphs_loaded()
+        n = self.graphs_in_use()
+        graphs = f"{n} graph{'s' if n != 1 else ''}"
+        if loaded:
+            graphs += f" ({loaded} loaded from cache)" if loaded < n else " (loaded from cache)"
+        per = self.regions_per_executor()
+        regions = (f"{sum(per.values())} fusion regions ({', '.join(f'{k} {v}' for k, v in sorted(per.items()))})"
+                   if per else "no fusion regions")  # fmt: skip
+        parts = [graphs, regions]
+        if self.fallbacks:
+            parts.append(f"{len(self.fallbacks)} fallback(s)")
+        if self.graph_breaks:
+            parts.append(f"{sum(self.graph_breaks.values())} graph break(s)")
+        if self.fallback_scope:
+            parts.append(self.fallback_scope)
+        return ", ".join(parts)
 
     def regions_per_executor(self) -> dict[str, int]:
         return dict(Counter(r.executor for r in self.regions))
@@ -91,6 +121,9 @@ class CompileRecord:
         self.refresh_dynamo()
         return {
             "dynamo_graphs": self.dynamo_graphs,
+            "graphs_loaded": self.graphs_loaded(),
+            "graphs_in_use": self.graphs_in_use(),
+            "compiled": self.compiled_line(),
             "graph_breaks": sum(self.graph_breaks.values()),
             "graph_break_reasons": self.graph_breaks,
             "stage_seconds": {k: round(v, 3) for k, v in self.stage_seconds.items()},
@@ -144,6 +177,8 @@ def merge_records(parts: list[tuple[str, CompileRecord]]) -> CompileRecord:
         out.cache_misses += rec.cache_misses
         out.dynamo_graphs += rec.dynamo_graphs
         out.graph_cache = _merge_stats(out.graph_cache, rec.graph_cache)
+        if rec.fallback_scope:
+            out.fallback_scope = "; ".join(filter(None, [out.fallback_scope, f"{label}: {rec.fallback_scope}"]))
     return out
 
 

@@ -282,7 +282,7 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
         # Stages exchange the residual stream and the last one computes the loss on plain tensors.
         if getattr(par, key) and deg["pp"] > 1:
             out.append(f"{v('parallel.' + key)} with {v('parallel.pp')} is not supported yet")
-    if par.loss_parallel and cfg.compile.backend != "eager" and cfg.compile.scope != "block":
+    if par.loss_parallel and cfg.compile.backend != "eager" and cfg.compile.scope not in ("block", "auto"):
         out.append(f"{v('parallel.loss_parallel')} compiles only with compile.scope = block "
                    f"({v('compile.scope')} would compile the sharded loss)")
     if par.fsdp_impl == "compiled":

@@ -80,8 +80,11 @@ def unmodelled(cfg: RunConfig) -> list[str]:
                    "its executors' speed are not modelled")
         if c.debug_numerics:
             out.append("compile.debug_numerics = true: every pass's graphs run twice; not in the step time")
-    if c.backend != "eager" and c.scope != "block":
+    if c.backend != "eager" and c.scope not in ("block", "auto"):
         out.append(f"compile.scope = {c.scope}: planned as per-block compilation")
+    elif c.backend == "accelrun" and c.scope == "auto":  # resolve_scope: a family's head compiles too
+        out.append("compile.scope = auto (loss: the blocks and the loss head under accelrun): planned as "
+                   "per-block compilation")
     if cfg.checkpoint.enabled:
         out.append(f"checkpoint.every = {cfg.checkpoint.every}: writing a checkpoint is not in the step time"
                    + (" (nor checkpoint.save_final's)" if cfg.checkpoint.save_final else ""))

@@ -58,8 +58,12 @@ def _compiler_section(c: dict | None) -> list[str]:
     if not c:
         return []
     out = ["## Compiler", "", "| figure | value |", "| --- | --- |"]
+    if c.get("compiled"):
+        out.append(f"| compiled | {_cell(c['compiled'])} |")
     if "dynamo_graphs" in c:
-        out.append(f"| graphs compiled | {c['dynamo_graphs']} |")
+        loaded = c.get("graphs_loaded") or 0
+        out.append(f"| graphs compiled | {c['dynamo_graphs'] + loaded}"
+                   + (f" ({loaded} loaded from cache)" if loaded else "") + " |")
     out.append(f"| graph breaks | {c.get('graph_breaks', 0)} |")
     dyn = c.get("dynamo") or {}
     if dyn:

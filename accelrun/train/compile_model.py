@@ -1,10 +1,27 @@
-"""Apply the recipe's compile settings to a model: torch.compile with Inductor or accelrun's backend."""
+"""Apply the recipe's compile settings to a model: torch.compile with Inductor or accelrun's backend.
+
+What gets compiled (``compile.scope``; ``auto`` picks per model, see ``resolve_scope``):
+
+- ``block``: each repeated block (a family's layers, a user model's ``layers`` list, or the outermost
+  list of two or more blocks of one user-defined class); identical blocks share one graph.
+- ``loss``: the blocks as with ``block``, plus the output head and the loss as one graph of their own
+  (where accelrun fuses linear + cross-entropy): the fastest for a family with a loss head.
+- ``model``: the whole forward (and the loss, where the model computes it).
+
+A user's model whose lists hold torch.nn's own modules (``nn.MultiheadAttention``, ``nn.Sequential``)
+compiles its whole forward instead: Dynamo never traces a frame of torch.nn's own code on its own, so
+compiling those modules one by one would compile nothing. If the whole forward cannot be traced either
+(a data-dependent branch in a loop makes Dynamo skip the frame), the first call finds out and the
+repeated modules inside it are compiled one by one (``_FirstCallFallback``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import torch
 from torch import nn
 
 from accelrun.config.schema import CompileConfig
@@ -15,10 +32,32 @@ class Compiled:
     description: str  # what was compiled, for the run's log and report
     record: object | None = None  # accelrun's CompileRecord (None for eager and inductor)
     backend: object | None = None
+    scope: str | None = None  # the scope compiled (auto resolved), None for eager
+
+
+def resolve_scope(cfg: CompileConfig, model: nn.Module, blocks: list[nn.Module] | None,
+                  loss_parallel: bool = False) -> tuple[str, str]:  # fmt: skip
+    """(scope, why): ``compile.scope`` as given, or what ``auto`` picks for this model and backend.
+
+    auto: a model with repeated blocks and a loss head of its own compiles them with ``loss`` under
+    accelrun (the head's linear + cross-entropy fuse; with loss parallelism the head's logits are
+    sharded, so ``block``); Inductor, or a model without a loss head, gets ``block``; a user's model
+    without repeated blocks of its own classes gets ``model``.
+    """
+    if cfg.scope != "auto":
+        return cfg.scope, ""
+    has_blocks = blocks is not None or repeated_blocks(model) is not None
+    if not has_blocks:
+        return "model", "no repeated blocks of the model's own classes"
+    if cfg.backend == "accelrun" and _has_head(model) and getattr(model, "head_loss", None) is not None:
+        if loss_parallel:
+            return "block", "the loss head's logits are sharded (parallel.loss_parallel)"
+        return "loss", "repeated blocks and a loss head"
+    return "block", "repeated blocks" + ("" if cfg.backend == "accelrun" else f" ({cfg.backend})")
 
 
 def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: CompileConfig,
-                  dump_dir: Path | None = None) -> Compiled:  # fmt: skip
+                  dump_dir: Path | None = None, loss_parallel: bool = False) -> Compiled:  # fmt: skip
     """Compile in place (``Module.compile`` keeps parameter names)."""
     if cfg.backend == "eager":
         return Compiled("nothing (eager)")
@@ -30,11 +69,17 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
 
         backend = AccelrunBackend(CompileOptions.from_config(cfg, dump_dir=dump_dir if cfg.dump else None))
         record = backend.record
+    scope, why = resolve_scope(cfg, model, blocks, loss_parallel)
+    chosen = f" (compile.scope = auto: {scope}, {why})" if why else ""
+
+    def done(what: str) -> Compiled:
+        return Compiled(what + chosen, record, backend, scope)
+
     name = cfg.backend
-    if cfg.scope in ("block", "loss") and blocks is not None:
+    if scope in ("block", "loss") and blocks is not None:
         what = f"{len(blocks)} transformer blocks with {name}"
-        head = getattr(model, "head_loss", None) if cfg.scope == "loss" else None
-        if cfg.scope == "loss" and (head is None or not _has_head(model)):
+        head = getattr(model, "head_loss", None) if scope == "loss" else None
+        if scope == "loss" and (head is None or not _has_head(model)):
             what += " (compile.scope = loss, but this model or stage computes no loss head)"
             head = None
         elif head is not None:
@@ -47,47 +92,105 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
             install(cache, list(blocks), "forward")
             if head is not None:
                 install(cache, [model], "head_loss")
-            return Compiled(what, record, backend)
+            return done(what)
         # Identical blocks share one compiled graph: Dynamo's cache is keyed by code, not instance.
         for block in blocks:
             block.compile(backend=backend, fullgraph=cfg.fullgraph)
         if head is not None:
-            import torch
-
             # An instance attribute shadows the method, so forward() calls the compiled head.
             model.head_loss = torch.compile(head, backend=backend, fullgraph=cfg.fullgraph)
-        return Compiled(what, record, backend)
-    if blocks is None and cfg.scope in ("block", "loss") and (found := repeated_blocks(model)) is not None:
+        return done(what)
+    if blocks is None and scope in ("block", "loss") and (found := repeated_blocks(model)) is not None:
         # A user's model without a `layers` list: compiling its forward whole would let one
         # data-dependent branch (a router) make Dynamo skip the frame, and nothing would be compiled.
         # Its repeated blocks compile on their own; the code between them runs eagerly.
         path, found_blocks = found
         for block in found_blocks:
             block.compile(backend=backend, fullgraph=cfg.fullgraph)
-        return Compiled(f"{len(found_blocks)} repeated {type(found_blocks[0]).__name__} blocks ({path}) with {name} "
-                        f"(no `layers` list: compile.scope = {cfg.scope} found them)", record, backend)  # fmt: skip
-    if cfg.scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:
+        return done(f"{len(found_blocks)} repeated {type(found_blocks[0]).__name__} blocks ({path}) with {name} "
+                    f"(no `layers` list: compile.scope = {scope} found them)")  # fmt: skip
+    if scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:
         from accelrun.compile.graph_cache import install
 
         install(cache, [model], "forward")
-        return Compiled(f"the whole model and its loss with {name}", record, backend)
+        _FirstCallFallback(model, backend, record).install()  # a graph break: precompiling is refused
+        return done(f"the whole model with {name}")
     model.compile(backend=backend, fullgraph=cfg.fullgraph)
-    if cfg.scope != "model":
-        return Compiled(f"the whole model with {name} (compile.scope = {cfg.scope}, but it has no `layers` "
-                        "block list)", record, backend)  # fmt: skip
-    return Compiled(f"the whole model and its loss with {name}", record, backend)
+    if not cfg.fullgraph:
+        _FirstCallFallback(model, backend, record).install()
+    if scope != "model":
+        return done(f"the whole model with {name} (compile.scope = {scope}, but it has no repeated blocks of "
+                    "its own classes)")  # fmt: skip
+    return done(f"the whole model with {name}")
 
 
-def repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
+def is_torch_builtin(cls: type) -> bool:
+    """A class of torch's own (``nn.Linear``, ``nn.Sequential``, ...): Dynamo traces its code only when
+    it is called from a frame it already traces."""
+    return cls.__module__ == "torch" or cls.__module__.startswith("torch.")
+
+
+def repeated_blocks(model: nn.Module, builtins: bool = False) -> tuple[str, list[nn.Module]] | None:
     """(path, blocks): the outermost ``ModuleList`` of at least two modules all of one class (a custom
-    model's layers under another name; the experts inside a layer are deeper, so not taken), or None."""
+    model's layers under another name; the experts inside a layer are deeper, so not taken), or None.
+    Lists of torch.nn's own modules count only with ``builtins`` (see the module's docstring)."""
     best: tuple[int, str, list[nn.Module]] | None = None
     for path, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(m) for m in module}) == 1:
-            depth = path.count(".")
-            if best is None or depth < best[0]:
-                best = (depth, path, list(module))
+        if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1:
+            continue
+        if is_torch_builtin(type(module[0])) and not builtins:
+            continue
+        depth = path.count(".")
+        if best is None or depth < best[0]:
+            best = (depth, path, list(module))
     return (best[1], best[2]) if best is not None else None
+
+
+def compile_module(module: nn.Module, backend: object, fullgraph: bool = False) -> None:
+    """``module.compile`` that also works for torch.nn's own modules: their forward is called from a
+    frame of this file, which Dynamo traces, and inlined from there."""
+    if not is_torch_builtin(type(module)):
+        module.compile(backend=backend, fullgraph=fullgraph)
+        return
+    forward = module.forward
+
+    def traced_forward(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    module.forward = torch.compile(traced_forward, backend=backend, fullgraph=fullgraph)
+
+
+class _FirstCallFallback:
+    """After the whole model's first forward: if Dynamo compiled nothing (it skipped the frame: a
+    data-dependent branch in a loop), compile the repeated modules inside it one by one (a mixture's
+    experts), so the run is not eager from start to end. The first step itself ran eagerly."""
+
+    def __init__(self, model: nn.Module, backend: object, record: Any) -> None:
+        from accelrun.compile.coverage import snapshot
+
+        self.model, self.backend, self.record = model, backend, record
+        self.start = snapshot()
+        self.handle: Any = None
+
+    def install(self) -> None:
+        self.handle = self.model.register_forward_hook(self._after_first_forward)
+
+    def _after_first_forward(self, *_: Any) -> None:
+        from accelrun.compile.coverage import since
+
+        self.handle.remove()
+        if since(self.start)["frames"].get("ok", 0) > 0 or (self.record is not None and self.record.graphs_in_use()):
+            return  # the forward compiled (whole, in pieces between graph breaks, or from the graph cache)
+        found = repeated_blocks(self.model, builtins=True)
+        if found is None:
+            return  # nothing smaller to try: the record's warning says nothing was compiled, and why
+        path, blocks = found
+        for block in blocks:
+            compile_module(block, self.backend)
+        if self.record is not None:
+            self.record.fallback_scope = (f"Dynamo skipped the whole forward, so after the first step the "
+                                          f"{len(blocks)} {type(blocks[0]).__name__} modules of `{path}` "
+                                          "compile one by one")  # fmt: skip
 
 
 def _graph_cache(cfg: CompileConfig, backend: object, targets: list[tuple[nn.Module, str]]):

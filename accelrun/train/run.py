@@ -379,6 +379,12 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
     )
     if r.get("no_steady_reason"):  # a short run: say why the figures are n/a, as report.md does
         console.print(f"  n/a: {r['no_steady_reason']}", markup=False, highlight=False)
+    compiler = r.get("compiler") or {}
+    if compiler.get("compiled"):  # accelrun's backend: what ran compiled, in one line
+        took = f"; compile {r['compile_time_s']:.1f} s" if r.get("compile_time_s") else ""
+        console.print(f"  compiled: {compiler['compiled']}{took}", markup=False, highlight=False)
+    for warning in compiler.get("warnings") or []:  # never silent: nothing compiled, skipped frames
+        console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
 
 
 def _env_of_ranks(cfg) -> dict:

@@ -136,7 +136,7 @@ def _parallelize(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
         from accelrun.dist.compiled_fsdp import compile_sharded
 
         return compile_sharded(part, blocks, ctx.mesh, cfg.compile, dump_dir)
-    compiled = compile_model(part, blocks, cfg.compile, dump_dir)
+    compiled = compile_model(part, blocks, cfg.compile, dump_dir, loss_parallel=cfg.parallel.loss_parallel)
     if ctx.mesh is not None and ctx.dp_size * ctx.cp_size > 1:  # cp ranks' gradients are reduced as dp's
         apply_fsdp(part, blocks, ctx.mesh, t.precision, cfg.parallel.reshard_after_forward)
     return compiled

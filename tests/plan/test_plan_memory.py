@@ -22,7 +22,8 @@ P = L * BLOCK + D + EMB + OUT
 SAVED_FP32 = 40 * D + 16 * F + 4 * H + 8
 SAVED_BF16_FSDP = 24 * D + 8 * F + 4 * H + 8
 MODEL = [f"model.dim={D}", f"model.n_layers={L}", f"model.n_heads={H}", f"model.n_kv_heads={KV}",
-         f"model.ffn_dim={F}", f"model.vocab_size={V}", f"train.seq_len={SEQ}"]
+         f"model.ffn_dim={F}", f"model.vocab_size={V}", f"train.seq_len={SEQ}",
+         "compile.backend=eager"]  # the formulas below are eager's (the default recipe compiles)
 
 
 def plan(cluster_file, *overrides: str):

@@ -1,0 +1,123 @@
+"""Models written the way users write them, not the way accelrun's families are: torch.nn's own modules
+in the repeated lists, data-dependent routing, convolutions, no ``ModuleList`` at all. Each maps token ids
+``(B, T)`` to logits ``(B, T, vocab)``, so ``model.custom`` can train it as it is.
+
+    model.custom: "tests.compile.user_models:mha_model"
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM = 64, 32
+
+
+class MHAModel(nn.Module):
+    """Attention through ``nn.MultiheadAttention``; its lists hold torch.nn's own modules only."""
+
+    def __init__(self, n_layers: int = 2, vocab: int = VOCAB, dim: int = DIM) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.attns = nn.ModuleList([nn.MultiheadAttention(dim, 4, batch_first=True) for _ in range(n_layers)])
+        self.norms = nn.ModuleList([nn.LayerNorm(dim) for _ in range(n_layers)])
+        self.mlps = nn.ModuleList([nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+                                   for _ in range(n_layers)])  # fmt: skip
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        T = tokens.shape[1]
+        causal = torch.triu(torch.full((T, T), float("-inf"), device=tokens.device), diagonal=1)
+        for attn, norm, mlp in zip(self.attns, self.norms, self.mlps, strict=True):
+            h = norm(x)
+            x = x + attn(h, h, h, attn_mask=causal, need_weights=False)[0]
+            x = x + mlp(norm(x))
+        return self.head(x)
+
+
+class RoutedMoE(nn.Module):
+    """A top-1 mixture of experts routed by data-dependent indexing (``x[mask]``), experts as
+    ``nn.Sequential``."""
+
+    def __init__(self, n_experts: int = 4, vocab: int = VOCAB, dim: int = DIM) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.router = nn.Linear(dim, n_experts)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(dim, 2 * dim), nn.SiLU(), nn.Linear(2 * dim, dim))
+                                      for _ in range(n_experts)])  # fmt: skip
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens).flatten(0, 1)
+        gate = F.softmax(self.router(x), dim=-1)
+        weight, choice = gate.max(dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = choice == e
+            if mask.any():
+                out[mask] = weight[mask, None] * expert(x[mask])
+        x = self.norm(x + out)
+        return self.head(x).view(*tokens.shape, -1)
+
+
+class ConvMixer(nn.Module):
+    """Depthwise and pointwise 1-d convolutions with GroupNorm, in ``nn.Sequential`` blocks."""
+
+    def __init__(self, depth: int = 2, vocab: int = VOCAB, dim: int = DIM, kernel: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([
+            nn.Sequential(nn.Conv1d(dim, dim, kernel, padding=kernel - 1, groups=dim), nn.GELU(), nn.GroupNorm(4, dim),
+                          nn.Conv1d(dim, dim, 1), nn.GELU(), nn.GroupNorm(4, dim))
+            for _ in range(depth)
+        ])  # fmt: skip
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens).transpose(1, 2)  # (B, C, T)
+        T = tokens.shape[1]
+        for block in self.blocks:
+            x = x + block(x)[..., :T]  # causal: the left-padded convolution's first T outputs
+        return self.head(x.transpose(1, 2))
+
+
+class PlainMLP(nn.Module):
+    """No list at all: every layer an attribute of its own."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.up1 = nn.Linear(dim, 2 * dim)
+        self.down1 = nn.Linear(2 * dim, dim)
+        self.up2 = nn.Linear(dim, 2 * dim)
+        self.down2 = nn.Linear(2 * dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        x = x + self.down1(F.relu(self.up1(x)))
+        x = x + self.down2(torch.tanh(self.up2(x)))
+        return self.head(self.norm(x))
+
+
+def mha_model(**kwargs) -> nn.Module:
+    return MHAModel(**kwargs)
+
+
+def routed_moe(**kwargs) -> nn.Module:
+    return RoutedMoE(**kwargs)
+
+
+def conv_mixer(**kwargs) -> nn.Module:
+    return ConvMixer(**kwargs)
+
+
+def plain_mlp(**kwargs) -> nn.Module:
+    return PlainMLP(**kwargs)
+
+
+USER_MODELS = {"mha": MHAModel, "routed_moe": RoutedMoE, "conv_mixer": ConvMixer, "plain_mlp": PlainMLP}
