@@ -725,10 +725,13 @@ class TritonRegion:
                 g0, g1, g2 = grid_
                 run(g0, g1, g2, stream, function, metadata, meta, enter, leave, *kargs, *consts)
             return tuple(outs)
+        from accelrun.compile.codegen.triton_aot import kernel_binaries_beside
+
         found = []
-        for kernel, grid_, slots, (block_r, block_n), warps in self._plan:
-            ck = kernel[grid_](*[bufs[i] for i in slots], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
-            found.append(ck)
+        with kernel_binaries_beside(self.module_file):  # a call the warm-up did not foresee compiles here
+            for kernel, grid_, slots, (block_r, block_n), warps in self._plan:
+                ck = kernel[grid_](*[bufs[i] for i in slots], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
+                found.append(ck)
         direct = [triton_direct_launch(ck) for ck in found]
         if self._direct and all(d is not None for d in direct):
             self._compiled = [(ck, *d, p[1], p[2], p[3]) for ck, d, p in zip(found, direct, self._plan, strict=True)]

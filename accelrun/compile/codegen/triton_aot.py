@@ -22,6 +22,8 @@ import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,16 +51,40 @@ def warm_up(program: LoopProgram, module: Any) -> list[str]:
     as the driver loaded it."""
     dtypes = buffer_dtypes(program)
     out = []
-    for ln in launches(program):
-        kernel = getattr(module, ln.kernel)
-        compiled = kernel.warmup(*[dtypes[a] for a in ln.args], grid=ln.grid, BLOCK_R=ln.block_r,
-                                 BLOCK_N=ln.block_n, num_warps=ln.num_warps)
-        init = getattr(compiled, "_init_handles", None)
-        if init is not None:
-            init()  # loads the binary: where shared memory or register limits are checked
-        regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
-        out.append(f"{ln.kernel}: {regs} registers, {spills} spills, {ln.num_warps} warps")
+    with kernel_binaries_beside(module.__file__):
+        for ln in launches(program):
+            kernel = getattr(module, ln.kernel)
+            compiled = kernel.warmup(*[dtypes[a] for a in ln.args], grid=ln.grid, BLOCK_R=ln.block_r,
+                                     BLOCK_N=ln.block_n, num_warps=ln.num_warps)
+            init = getattr(compiled, "_init_handles", None)
+            if init is not None:
+                init()  # loads the binary: where shared memory or register limits are checked
+            regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
+            out.append(f"{ln.kernel}: {regs} registers, {spills} spills, {ln.num_warps} warps")
     return out
+
+
+def binaries_dir(module_file: str | os.PathLike) -> Path:
+    """Where Triton keeps the compiled binaries of accelrun's kernels: beside their generated modules."""
+    return Path(module_file).resolve().parent / "bin"
+
+
+@contextmanager
+def kernel_binaries_beside(module_file: str | os.PathLike) -> Iterator[None]:
+    """Triton's on-disk cache (``TRITON_CACHE_DIR``) pointed at ``binaries_dir`` while accelrun's kernels
+    compile, whatever the process had: Inductor sets that variable to a folder of its own cache the first
+    time it compiles a kernel, so in a process that ran Inductor first (bench/compile_step.py does)
+    accelrun's binaries were filed there, a new process looked in Triton's default folder, found none
+    and compiled every kernel again (an H100's warm start 7.7 s, as slow as compiling cold)."""
+    old = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = str(binaries_dir(module_file))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = old
 
 
 @dataclass
