@@ -39,11 +39,11 @@ def cli(ctx: click.Context, debug: bool) -> None:
     Examples:
       accelrun train configs/llama.yaml
       accelrun train configs/llama.yaml train.steps=50 train.precision=bf16-mixed
-      accelrun validate configs/llama.yaml parallel.nproc_per_node=2 parallel.tp=2
+      accelrun validate configs/llama.yaml parallel.nproc_per_node=4 parallel.tp=2
       accelrun config show configs/llama.yaml --explain
       accelrun recipes list
-      accelrun ab configs/llama.yaml --a compile.backend=eager --b compile.backend=inductor
-      accelrun compile explain configs/llama.yaml compile.backend=accelrun
+      accelrun ab configs/llama.yaml --a compile.backend=eager --b compile.backend=accelrun
+      accelrun compile explain configs/llama.yaml
       accelrun compare RUN_A RUN_B
       accelrun runs list
     """

@@ -282,6 +282,14 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
         # Stages exchange the residual stream and the last one computes the loss on plain tensors.
         if getattr(par, key) and deg["pp"] > 1:
             out.append(f"{v('parallel.' + key)} with {v('parallel.pp')} is not supported yet")
+    if (deg["tp"] > 1 and deg["dp_replicate"] * deg["dp_shard"] == 1 and cfg.compile.backend != "eager"
+            and par.fsdp_impl == "fsdp2"):
+        # Seen with torch 2.13 under Inductor, aot_eager and accelrun alike: a gradient reaches DTensor's
+        # Redistribute.backward as a plain tensor (AttributeError: '_local_tensor'). With FSDP over the
+        # same blocks (FSDP x TP) the step runs, so only tensor parallelism alone is refused.
+        out.append(f"{v('parallel.tp')} without data parallelism does not train compiled with this torch "
+                   f"(a gradient reaches DTensor's redistribute as a plain tensor), and {v('compile.backend')}; "
+                   "add compile.backend=eager, or data parallelism (parallel.dp_shard=2 with twice the processes)")
     if par.loss_parallel and cfg.compile.backend != "eager" and cfg.compile.scope not in ("block", "auto"):
         out.append(f"{v('parallel.loss_parallel')} compiles only with compile.scope = block "
                    f"({v('compile.scope')} would compile the sharded loss)")
