@@ -40,3 +40,20 @@ def test_non_finite_losses():
 def test_tolerance_follows_precision():
     assert default_rtol(["fp32", "fp32"]) == 1e-3
     assert default_rtol(["fp32", "bf16-mixed"]) == 2e-2
+
+
+def test_curves_that_agree_to_rounding_and_part_late_drift():
+    """The default recipe, eager vs accelrun (2026-11-27): ~1e-7 until step 25, then the end of the
+    warm-up's loss spike grows it to 1.1e-3 by step 35. That is drift (agrees), not a difference."""
+    ref = curve([6.0 - 0.1 * i for i in range(40)])
+    late = {s: v * (1 + (2e-7 if s < 30 else 1.5e-3)) for s, v in ref.items()}
+    p = loss_parity(ref, late, rtol=1e-3)
+    assert p.status == "drift" and p.agrees and p.first_step == 30 and p.early_max < 1e-6
+    assert "drift apart as training amplifies rounding" in p.describe("A", "B")
+    # Parting as late, but with first steps off by more than rounding (another seed, a wrong gradient):
+    # a difference.
+    off_early = {s: v * (1 + (5e-5 if s < 30 else 1.5e-3)) for s, v in ref.items()}
+    assert loss_parity(ref, off_early, rtol=1e-3).status == "differ"
+    # Agreeing to rounding at first but parting within DRIFT_MIN_STEPS: a difference.
+    soon = {s: v * (1 + (2e-7 if s < 12 else 1.5e-3)) for s, v in ref.items()}
+    assert loss_parity(ref, soon, rtol=1e-3).status == "differ"
