@@ -26,6 +26,7 @@ import os
 import tempfile
 import time
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +169,12 @@ class CachedMethod:
         from accelrun.torch_private import temporary_cache_dir
 
         backend = self.cache.backend
-        compiled = torch.compile(self.func.__get__(owner), backend=backend, fullgraph=True)
+        # torch 2.11 leaves ``aot_compile`` off by default (2.13 has it on): without it every graph was
+        # refused ("'function' object has no attribute 'aot_compile'"), and an H200's new process compiled
+        # everything again (warm start 6.7 s against Inductor's 1.4 s, 2026-11-27).
+        config = torch._dynamo.config
+        with config.patch(enable_aot_compile=True) if hasattr(config, "enable_aot_compile") else nullcontext():
+            compiled = torch.compile(self.func.__get__(owner), backend=backend, fullgraph=True)
         # torch's own caches during precompile go to a throwaway folder: their keys do not cover
         # accelrun's options, so an entry left there by other options must never be found.
         with (tempfile.TemporaryDirectory(prefix="accelrun-precompile-") as tmp, temporary_cache_dir(tmp),

@@ -236,3 +236,13 @@ def test_a_saved_graph_keeps_whether_its_layouts_are_fixed():
     for _ in range(3):
         assert torch.equal(run(x), gm(x))
     assert run.collapsed == 2
+
+
+def test_precompiles_where_torch_leaves_aot_compile_off():
+    """torch 2.11 (the H200's, 2026-11-27) leaves ``torch.compile(...).aot_compile`` off by default:
+    every graph was refused and a new process compiled everything again. The cache turns it on itself."""
+    with torch._dynamo.config.patch(enable_aot_compile=False):
+        assert not hasattr(torch.compile(lambda x: x), "aot_compile")  # what such a torch gives
+        cold = step(*COMPILED)[2]
+    assert cold.graph_cache["compiled"] == cold.graph_cache["saved"] == 2, cold.graph_cache
+    assert not cold.graph_cache["errors"]
