@@ -28,14 +28,12 @@ from pathlib import Path
 from accelrun.config import ResolvedConfig, load_config
 from accelrun.errors import UserError
 from accelrun.report.compare import Comparison, Group, GroupFigures, compare_groups
-from accelrun.report.machine_load import OtherCpuMeter
+from accelrun.report.machine_load import BUSY_WARNING, OtherCpuMeter
 from accelrun.report.rundata import load_run
 from accelrun.report.rundir import list_runs
 from accelrun.report.stats import repeats_to_resolve
 
 EXIT_LOSSES_DISAGREE = 4
-# Other processes using more than this share of the machine's CPU during a run earn a warning.
-BUSY_WARNING = 0.10
 LOG_TAIL_LINES = 15
 
 

@@ -53,3 +53,49 @@ class OtherCpuMeter:
             return None
         others = (busy - self._busy0) - (_own_cpu_s() - self._own0)
         return min(max(others / (wall * cores), 0.0), 1.0)
+
+
+# Other processes using more than this share of the machine's CPU while a run or comparison was timed
+# earn a warning (ab's runs, and every training run's own loop).
+BUSY_WARNING = 0.10
+
+
+class CpuWindow:
+    """The machine's busy CPU time and this process's own, from construction on. In a job every rank on
+    a node opens one; the node's other processes used ``busy_s() - sum(each rank's own_s())``: the
+    ranks' CPU time is the job's, not a neighbour's."""
+
+    def __init__(self) -> None:
+        self._busy0 = _busy_cpu_s()
+        self._own0 = _self_cpu_s()
+        self._t0 = time.perf_counter()
+
+    def busy_s(self) -> float | None:
+        busy = _busy_cpu_s()
+        return None if busy is None or self._busy0 is None else busy - self._busy0
+
+    def own_s(self) -> float:
+        return _self_cpu_s() - self._own0
+
+    def wall_s(self) -> float:
+        return time.perf_counter() - self._t0
+
+
+def _self_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def others_share(busy_s: float | None, job_cpu_s: float, wall_s: float, cores: int) -> float | None:
+    """Fraction (0-1) of the node's cores that processes outside the job used over ``wall_s``."""
+    if busy_s is None or wall_s <= 0 or cores <= 0:
+        return None
+    return min(max((busy_s - job_cpu_s) / (wall_s * cores), 0.0), 1.0)
+
+
+def busy_note(share: float | None, where: str) -> str | None:
+    """The warning a report and the terminal give when others used a noticeable share, else None."""
+    if share is None or share <= BUSY_WARNING:
+        return None
+    return (f"other processes used {share:.0%} of this machine's CPU during {where}: the step times and "
+            "tokens/s are slower than on a quiet machine")

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
+import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ from accelrun.report.env import collect_env
 from accelrun.report.files import write_json, write_text_atomic
 from accelrun.report.html import write_report_html
 from accelrun.report.lineage import history
+from accelrun.report.machine_load import CpuWindow, busy_note, others_share
 from accelrun.report.markdown import write_report_md
 from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, forget_steps_after, read_metrics
@@ -200,6 +203,7 @@ def run_in_dir(
     error: TrainingDiverged | None = None
     trackers = (open_trackers(cfg.report.trackers, run_dir, cfg.model_dump(mode="json"), name=run_dir.name,
                               mlflow_uri=cfg.report.mlflow_uri) if main and cfg.report.trackers else None)
+    cpu = CpuWindow()  # what the node's other processes took while this loop ran (report's "machine load")
     try:
         with MetricsWriter(run_dir / "metrics.jsonl") if main else contextlib.nullcontext() as metrics:
             outcome: LoopOutcome = run_loop(s, metrics, progress, stop_after_step=stop_after_step,
@@ -229,11 +233,11 @@ def run_in_dir(
                           markup=False)
         return TrainResult(run_dir, status, None, stopped)
 
-    per_rank = _gather_per_rank(s, outcome.step_times if error is None else [], cfg.report.warmup_steps)
+    per_rank = _gather_per_rank(s, outcome.step_times if error is None else [], cfg.report.warmup_steps, cpu)
     report = None
     if main:
         env = json.loads((run_dir / "env.json").read_text())
-        report = _write_report(resolved, s, run_dir, env, status, setup_s, error, per_rank)
+        report = _write_report(resolved, s, run_dir, env, status, setup_s, error, per_rank, cpu)
         if trackers is not None:
             trackers.log_summary(report)
             trackers.close()
@@ -252,12 +256,14 @@ def run_in_dir(
     return TrainResult(run_dir, status, report)
 
 
-def _gather_per_rank(s: TrainSetup, step_times: list[dict], warmup_steps: int) -> list[dict]:
+def _gather_per_rank(s: TrainSetup, step_times: list[dict], warmup_steps: int, cpu: CpuWindow) -> list[dict]:
     """Every rank's peak memory and median steady step time (the report's own definition of steady):
-    a slow or memory-heavy rank is what a job-wide figure hides."""
+    a slow or memory-heavy rank is what a job-wide figure hides. And its CPU time and node, so that
+    rank 0 can tell the job's CPU from its neighbours'."""
     steady = [m["step_time_s"] for m in step_times[warmup_steps:] if is_steady(m)]
     mine = {"mem_peak_bytes": peak_memory_bytes(s.device),
-            "step_time_s": statistics.median(steady) if steady else None}
+            "step_time_s": statistics.median(steady) if steady else None,
+            "cpu_s": cpu.own_s(), "host": socket.gethostname()}
     if not s.ctx.distributed:
         return [mine]
     everyone: list = [None] * s.ctx.world_size
@@ -277,8 +283,18 @@ def _compiler_summary(s: TrainSetup) -> dict | None:
     return {"graph_breaks": sum(breaks.values()), "graph_break_reasons": breaks}
 
 
+def _machine_load(per_rank: list[dict], cpu: CpuWindow) -> dict:
+    """The share of rank 0's node that processes outside the job used while the loop ran."""
+    host = per_rank[0]["host"]
+    job_cpu = sum(r["cpu_s"] for r in per_rank if r["host"] == host)
+    wall = cpu.wall_s()
+    share = others_share(cpu.busy_s(), job_cpu, wall, os.cpu_count() or 1)
+    return {"others_cpu_share": share, "seconds": round(wall, 2), "cores": os.cpu_count(),
+            "job_processes_on_node": sum(1 for r in per_rank if r["host"] == host)}
+
+
 def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str, setup_s: float, error,
-                  per_rank: list[dict]) -> dict:
+                  per_rank: list[dict], cpu: CpuWindow) -> dict:
     cfg = resolved.config
     metrics = read_metrics(run_dir / "metrics.jsonl")
     report = summarize(
@@ -289,7 +305,11 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         report["notes"].append("compile time = the first step's time minus the median of the others "
                                "(Dynamo and its backend compile lazily inside the first step)")
     _distrust_low_probe(report, s)
+    load = _machine_load(per_rank, cpu)
+    if (busy := busy_note(load["others_cpu_share"], "the training loop")) is not None:
+        report["notes"].append(busy)
     report.update(
+        machine_load=load,
         status=status,
         error=str(error) if error else None,
         name=cfg.name,
@@ -379,6 +399,9 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
     )
     if r.get("no_steady_reason"):  # a short run: say why the figures are n/a, as report.md does
         console.print(f"  n/a: {r['no_steady_reason']}", markup=False, highlight=False)
+    share = (r.get("machine_load") or {}).get("others_cpu_share")
+    if (busy := busy_note(share, "the training loop")) is not None:
+        console.print(f"[bold yellow]warning:[/] {escape(busy)}", highlight=False)
     compiler = r.get("compiler") or {}
     if compiler.get("compiled"):  # accelrun's backend: what ran compiled, in one line
         took = f"; compile {r['compile_time_s']:.1f} s" if r.get("compile_time_s") else ""
