@@ -35,11 +35,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from accelrun.compile.compile_model import compile_model  # noqa: E402
 from accelrun.config import load_config  # noqa: E402
 from accelrun.data import build_data  # noqa: E402
 from accelrun.models import build_model, transformer_blocks  # noqa: E402
 from accelrun.models.build import training_loss_fn  # noqa: E402
-from accelrun.train.compile_model import compile_model  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
 from accelrun.train.precision import autocast  # noqa: E402

@@ -68,11 +68,11 @@ def _rank(rank: int, world: int, port: int, folder: str, out: str) -> None:
 
     from accelrun.config import load_config
     from accelrun.dist.context import ParallelContext
+    from accelrun.dist.layout import apply_layout
     from accelrun.dist.mesh import build_mesh, dp_coordinates
     from accelrun.models import build_model
     from accelrun.models.build import materialize_local
     from accelrun.models.hf_io import load_hf_for_config
-    from accelrun.train.setup import _parallelize
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     cfg = load_config("configs/hf-llama.yaml", [f"model.hf={folder}", f"parallel.nproc_per_node={world}",
@@ -87,7 +87,7 @@ def _rank(rank: int, world: int, port: int, folder: str, out: str) -> None:
                               dp_rank=dp_rank, dp_size=dp_size)
     model = build_model(cfg.model, torch.device("meta"))
     with tempfile.TemporaryDirectory() as dump:
-        _parallelize(model, cfg, ctx, Path(dump))
+        apply_layout(model, cfg, ctx, Path(dump))
     materialize_local(model, torch.device("cpu"), seed=0)
     held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in model.parameters())
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -287,7 +287,7 @@ class CompileConfig(Section):
     # block: compile each transformer block (one graph reused for identical blocks); model: the whole
     # model and its loss as one graph; loss: the blocks as with block, plus the output head and the
     # loss as a graph of their own (where accelrun fuses linear + cross-entropy); auto: what suits the
-    # model and backend (accelrun.train.compile_model.resolve_scope: loss for a family under accelrun).
+    # model and backend (accelrun.compile.compile_model.resolve_scope: loss for a family under accelrun).
     scope: Literal["auto", "block", "model", "loss"] = "auto"
     fullgraph: bool = False
     # The settings below are read by the accelrun backend only.

@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from accelrun.compile.compile_model import Compiled
 from accelrun.config.errors import ConfigError
 
 c10d_ops = torch.ops._c10d_functional
@@ -211,11 +212,10 @@ def _run_shadow(shadow: nn.Module, tensors: dict[str, torch.Tensor], *args, **kw
 
 
 def compile_sharded(model: nn.Module, blocks: list[nn.Module] | None, mesh: DeviceMesh, cfg, dump_dir=None):
-    """``_parallelize``'s compile + FSDP step for ``parallel.fsdp_impl = compiled``: returns a ``Compiled``."""
+    """``apply_layout``'s compile + FSDP step for ``parallel.fsdp_impl = compiled``: returns a ``Compiled``."""
     from accelrun.compile.backend import AccelrunBackend
     from accelrun.compile.options import CompileOptions
     from accelrun.dist.comm_overlap import active_trace, instrument_graph
-    from accelrun.train.compile_model import Compiled
 
     class TracedBackend(AccelrunBackend):
         # After the passes, before lowering: route collectives through the comm trace (when one runs).

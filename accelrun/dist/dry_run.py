@@ -2,8 +2,8 @@
 
 For each rank, one after the other in this process: a fake process group of the job's world size
 (torch's ``fake`` backend: collectives return at once, no peers), the job's device mesh, the model built
-on the meta device, and the layout the trainer applies (``accelrun.train.setup``: pipeline stages,
-tensor and sequence parallelism, activation checkpointing, compile wrappers, FSDP/HSDP or compiled
+on the meta device, and the layout the trainer applies: its pipeline stages, then ``apply_layout``
+(tensor and sequence parallelism, activation checkpointing, compile wrappers, FSDP/HSDP or compiled
 FSDP). Nothing is materialised: each rank's parameter shards are meta tensors whose shapes give its
 bytes. Parameters are fp32 (the trainer's master weights), as are their gradients and AdamW's two
 moments.
@@ -101,9 +101,9 @@ def _one_rank(resolved: ResolvedConfig, rank: int, world: int) -> RankBytes:
     from pathlib import Path
 
     from accelrun.dist.expert_parallel import apply_expert_parallel
-    from accelrun.dist.pipeline import Pipeline
+    from accelrun.dist.layout import apply_layout
+    from accelrun.dist.pipeline import Pipeline, microbatch_loss
     from accelrun.models import build_model
-    from accelrun.train.setup import _parallelize, _pipeline_loss
 
     cfg = resolved.config
     mesh = build_mesh(cfg.parallel, "cpu", world)
@@ -115,13 +115,13 @@ def _one_rank(resolved: ResolvedConfig, rank: int, world: int) -> RankBytes:
     parts, stages = [model], []
     if ctx.pp_size > 1:
         pipeline = Pipeline(model, mesh, cfg.parallel.pp_schedule, cfg.parallel.microbatches or ctx.pp_size,
-                            _pipeline_loss(cfg.grad_accum), meta, layers=cfg.parallel.pp_layers)
+                            microbatch_loss(cfg.grad_accum), meta, layers=cfg.parallel.pp_layers)
         parts, stages = pipeline.modules, pipeline.stage_ids
     if cfg.parallel.ep > 1:  # as train's setup: experts placed before FSDP, which then leaves them alone
         apply_expert_parallel(model, mesh, cfg.parallel.ep, dp_size)
     with tempfile.TemporaryDirectory() as dump:  # compile dumps, if the recipe asks: none is compiled here
         for part in parts:
-            _parallelize(part, cfg, ctx, Path(dump))
+            apply_layout(part, cfg, ctx, Path(dump))
     held = {}
     for part in parts:
         for p in part.parameters():

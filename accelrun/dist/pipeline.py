@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
@@ -36,6 +37,16 @@ SCHEDULES = {
     "zero_bubble": ScheduleInterleavedZeroBubble,
 }
 STAGES_PER_RANK = PP_STAGES_PER_RANK  # several ("virtual") stages per rank, looped: rank r holds r, r + pp, ...
+
+
+def microbatch_loss(grad_accum: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The last stage's loss of one micro-batch: its mean, over the accumulation steps (the schedule
+    averages micro-batches with ``scale_grads``; gradient accumulation sums)."""
+
+    def loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten()) / grad_accum
+
+    return loss
 
 
 def layer_ranges(n_layers: int, n_stages: int) -> list[range]:

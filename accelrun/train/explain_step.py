@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
+from accelrun.compile.compile_model import compile_model
 from accelrun.config import ResolvedConfig
 from accelrun.data import build_data
+from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
 from accelrun.models import build_model, transformer_blocks
 from accelrun.models.build import training_loss_fn
-from accelrun.train.activation_checkpoint import apply_activation_checkpointing
-from accelrun.train.compile_model import compile_model
 from accelrun.train.optim import build_optimizer
 from accelrun.train.precision import autocast
 from accelrun.train.setup import pick_device, seed_everything

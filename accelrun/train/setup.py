@@ -11,33 +11,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from accelrun.compile.compile_model import Compiled
 from accelrun.config import ConfigError, ResolvedConfig, RunConfig
 from accelrun.data import build_data
 from accelrun.data.build import build_eval_data
 from accelrun.dist.comm_overlap import comm_trace_for
 from accelrun.dist.comm_timing import comm_timer_for
 from accelrun.dist.context import ParallelContext
-from accelrun.dist.context_parallel import (
-    ContextParallelStats,
-    ContextShardedBatches,
-    apply_context_parallel,
-    context_parallel_loss,
-)
+from accelrun.dist.context_parallel import ContextParallelStats, ContextShardedBatches, context_parallel_loss
 from accelrun.dist.expert_parallel import apply_expert_parallel
-from accelrun.dist.fsdp import apply_fsdp
-from accelrun.dist.pipeline import Pipeline, union_of
-from accelrun.dist.tp import apply_tp, loss_context
-from accelrun.models import build_model, model_flops_per_token, model_summary, transformer_blocks
-from accelrun.models.build import family_spec, materialize_local, training_loss_fn
+from accelrun.dist.layout import apply_layout
+from accelrun.dist.pipeline import Pipeline, microbatch_loss, union_of
+from accelrun.dist.tp import loss_context
+from accelrun.models import build_model, model_flops_per_token, model_summary
+from accelrun.models.build import materialize_local, training_loss_fn
 from accelrun.models.hf_io import load_hf_for_config
 from accelrun.report.peak import Peak, resolve_peak
-from accelrun.train.activation_checkpoint import apply_activation_checkpointing
 from accelrun.train.checkpoint import complete_checkpoints, load_checkpoint, remove_partial
-from accelrun.train.compile_model import Compiled, compile_model
 from accelrun.train.lineage import RunAlreadyContinued, claim_continuation
 from accelrun.train.optim import build_optimizer, build_scheduler
 from accelrun.train.resume import ResumeDecision, decide_resume
@@ -114,34 +107,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _parallelize(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir: Path,
-                 cp_stats: ContextParallelStats | None = None) -> Compiled:
-    """TP, context parallelism, activation checkpointing, compile, then FSDP (the order each needs),
-    on one model or stage."""
-    t = cfg.train
-    blocks = transformer_blocks(part)
-    if ctx.mesh is not None and ctx.tp_size > 1:
-        apply_tp(part, ctx.mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel,
-                 loss_parallel=cfg.parallel.loss_parallel, plan=family_spec(cfg.model).tp_plan)
-    if ctx.mesh is not None and ctx.cp_size > 1:  # before compile: the blocks compile with its collectives
-        apply_context_parallel(part, cfg.model, ctx.mesh, cp_stats, 2 if t.precision == "bf16-mixed" else 4)
-    if blocks is not None:
-        apply_activation_checkpointing(blocks, t.activation_checkpoint)
-    elif t.activation_checkpoint.mode != "none":
-        raise ConfigError(
-            "train.activation_checkpoint needs a model with a `layers` ModuleList of blocks; "
-            f"{type(part).__name__} has none"
-        )
-    if cfg.parallel.fsdp_impl == "compiled" and ctx.mesh is not None and ctx.dp_size > 1:
-        from accelrun.dist.compiled_fsdp import compile_sharded
-
-        return compile_sharded(part, blocks, ctx.mesh, cfg.compile, dump_dir)
-    compiled = compile_model(part, blocks, cfg.compile, dump_dir, loss_parallel=cfg.parallel.loss_parallel)
-    if ctx.mesh is not None and ctx.dp_size * ctx.cp_size > 1:  # cp ranks' gradients are reduced as dp's
-        apply_fsdp(part, blocks, ctx.mesh, t.precision, cfg.parallel.reshard_after_forward)
-    return compiled
-
-
 def _describe(compiled: list[Compiled], labels: list[str]) -> str:
     """What was compiled, for the log and the report: once if every part says the same, else per part."""
     descriptions = [c.description for c in compiled]
@@ -158,14 +123,6 @@ def _local_loss(loss_fn):
     def loss(inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         value = loss_fn(inputs_BT, targets_BT)
         return value.to_local() if isinstance(value, DTensor) else value
-
-    return loss
-
-
-def _pipeline_loss(grad_accum: int):
-    def loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-        # Per micro-batch mean; the schedule averages micro-batches (scale_grads), accumulation sums.
-        return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten()) / grad_accum
 
     return loss
 
@@ -220,14 +177,14 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     parts, labels = [model], ["model"]
     if ctx.mesh is not None and ctx.pp_size > 1:
         pipeline = Pipeline(model, ctx.mesh, cfg.parallel.pp_schedule, cfg.parallel.microbatches or ctx.pp_size,
-                            _pipeline_loss(cfg.grad_accum), device, layers=cfg.parallel.pp_layers)
+                            microbatch_loss(cfg.grad_accum), device, layers=cfg.parallel.pp_layers)
         parts, labels = pipeline.modules, [f"stage{s}" for s in pipeline.stage_ids]
     # Before compile and FSDP: each rank keeps its experts, which FSDP then leaves alone.
     expert_parallel = (apply_expert_parallel(model, ctx.mesh, cfg.parallel.ep, ctx.dp_size)
                        if ctx.mesh is not None and cfg.parallel.ep > 1 else None)
     cp_stats = ContextParallelStats() if ctx.cp_size > 1 else None
     # Every part's: an interleaved schedule gives a rank several stages, each compiled by its own backend.
-    compiled = [_parallelize(part, cfg, ctx, run_dir / "compile", cp_stats) for part in parts]
+    compiled = [apply_layout(part, cfg, ctx, run_dir / "compile", cp_stats) for part in parts]
     if on_meta:
         for part in parts:
             materialize_local(part, device, seed=t.seed)

@@ -238,8 +238,8 @@ class _RoutedModel(torch.nn.Module):
 
 
 def test_scope_block_compiles_a_custom_models_repeated_blocks_not_its_router(tmp_path):
+    from accelrun.compile.compile_model import compile_model, repeated_blocks
     from accelrun.config.schema import CompileConfig
-    from accelrun.train.compile_model import compile_model, repeated_blocks
 
     torch.manual_seed(0)
     model = _RoutedModel()

@@ -13,11 +13,11 @@ import sys
 import pytest
 import torch
 
+from accelrun.compile.compile_model import compile_model
 from accelrun.compile.graph_cache import model_code_digest
 from accelrun.config import load_config
 from accelrun.models import build_model, transformer_blocks
 from accelrun.models.build import training_loss_fn
-from accelrun.train.compile_model import compile_model
 from tests.conftest import DEFAULT_CONFIG, REPO, TINY
 
 COMPILED = ["compile.backend=accelrun", "compile.scope=loss", "compile.executors=[cpp,aten]"]
@@ -110,7 +110,7 @@ def test_off_with_a_reason(override, why):
     cfg = load_config(DEFAULT_CONFIG, [*TINY, *COMPILED, override]).config
     model = build_model(cfg.model, torch.device("cpu"), seed=0)
     if "activation_checkpoint" in override:
-        from accelrun.train.activation_checkpoint import apply_activation_checkpointing
+        from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
 
         apply_activation_checkpointing(transformer_blocks(model), cfg.train.activation_checkpoint)
     record = compile_model(model, transformer_blocks(model), cfg.compile).record

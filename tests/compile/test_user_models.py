@@ -10,9 +10,9 @@ import copy
 import pytest
 import torch
 
+from accelrun.compile.compile_model import compile_model, repeated_blocks, resolve_scope
 from accelrun.config.schema import CompileConfig
 from accelrun.models.build import training_loss_fn, transformer_blocks
-from accelrun.train.compile_model import compile_model, repeated_blocks, resolve_scope
 from tests.compile.user_models import USER_MODELS, VOCAB
 
 

@@ -192,10 +192,10 @@ def test_fsdp_x_tp_ranks_read_only_their_rows_of_each_tensor(tmp_path, monkeypat
 
     from accelrun.config import load_config
     from accelrun.dist.context import ParallelContext
+    from accelrun.dist.layout import apply_layout
     from accelrun.dist.mesh import build_mesh, dp_coordinates
     from accelrun.models import build_model, hf_io
     from accelrun.models.families import get_family
-    from accelrun.train.setup import _parallelize
 
     hf = save_tiny_hf(tmp_path / "m", "llama")
     cfg = load_config("configs/llama.yaml", [f"model.hf={tmp_path / 'm'}", "train.seq_len=32",
@@ -221,7 +221,7 @@ def test_fsdp_x_tp_ranks_read_only_their_rows_of_each_tensor(tmp_path, monkeypat
             ctx = ParallelContext(rank=rank, world_size=4, local_rank=rank, device=torch.device("cpu"), mesh=mesh,
                                   dp_rank=dp_rank, dp_size=dp_size, tp_size=2)
             model = build_model(cfg.model, torch.device("meta"))
-            _parallelize(model, cfg, ctx, tmp_path / "dump")
+            apply_layout(model, cfg, ctx, tmp_path / "dump")
             model.to_empty(device="cpu")
             hf_io.load_hf_for_config([model], cfg.model)
             for name, p in model.named_parameters():

@@ -1,0 +1,54 @@
+"""Apply a recipe's parallel layout to one model or pipeline stage: the one place that knows the order.
+
+Training (``accelrun.train.setup``) and the dry run (``accelrun.dist.dry_run``) both call
+``apply_layout``, so the layout a dry run counts is the one a job trains with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from accelrun.compile.compile_model import Compiled, compile_model
+from accelrun.config import ConfigError, RunConfig
+from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
+from accelrun.dist.context import ParallelContext
+from accelrun.dist.context_parallel import ContextParallelStats, apply_context_parallel
+from accelrun.dist.fsdp import apply_fsdp
+from accelrun.dist.tp import apply_tp
+from accelrun.models import transformer_blocks
+from accelrun.models.build import family_spec
+
+
+def apply_layout(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir: Path,
+                 cp_stats: ContextParallelStats | None = None) -> Compiled:
+    """TP, context parallelism, activation checkpointing, compile, then FSDP/HSDP (or compiled FSDP,
+    which compiles and shards in one step), in place on ``part``; returns what was compiled.
+
+    The order is what each step needs: TP and context parallelism rewrite the blocks the compiler then
+    traces (with their collectives); checkpointing wraps a block's forward before it is compiled; FSDP
+    shards the parameters of the compiled modules last.
+    """
+    t = cfg.train
+    blocks = transformer_blocks(part)
+    if ctx.mesh is not None and ctx.tp_size > 1:
+        apply_tp(part, ctx.mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel,
+                 loss_parallel=cfg.parallel.loss_parallel, plan=family_spec(cfg.model).tp_plan)
+    if ctx.mesh is not None and ctx.cp_size > 1:  # before compile: the blocks compile with its collectives
+        apply_context_parallel(part, cfg.model, ctx.mesh, cp_stats, 2 if t.precision == "bf16-mixed" else 4)
+    if blocks is not None:
+        apply_activation_checkpointing(blocks, t.activation_checkpoint)
+    elif t.activation_checkpoint.mode != "none":
+        raise ConfigError(
+            "train.activation_checkpoint needs a model with a `layers` ModuleList of blocks; "
+            f"{type(part).__name__} has none"
+        )
+    if cfg.parallel.fsdp_impl == "compiled" and ctx.mesh is not None and ctx.dp_size > 1:
+        from accelrun.dist.compiled_fsdp import compile_sharded
+
+        return compile_sharded(part, blocks, ctx.mesh, cfg.compile, dump_dir)
+    compiled = compile_model(part, blocks, cfg.compile, dump_dir, loss_parallel=cfg.parallel.loss_parallel)
+    if ctx.mesh is not None and ctx.dp_size * ctx.cp_size > 1:  # cp ranks' gradients are reduced as dp's
+        apply_fsdp(part, blocks, ctx.mesh, t.precision, cfg.parallel.reshard_after_forward)
+    return compiled
