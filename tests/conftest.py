@@ -29,6 +29,9 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No test reads or writes the user's cache; the peak probe is skipped unless a test asks."""
     monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("ACCELRUN_NO_PEAK_PROBE", "1")
+    # torch's default threads, not what a look at the machine's load picks (train/threads.py): tests
+    # compare runs bit for bit, and a busy CI machine must not change their thread counts.
+    monkeypatch.setenv("ACCELRUN_FIXED_THREADS", "1")
 
 
 @pytest.fixture

@@ -52,6 +52,7 @@ from accelrun.train.lineage import mark_crashed
 from accelrun.train.loop import LoopOutcome, run_loop
 from accelrun.train.progress import TrainProgress
 from accelrun.train.setup import TrainSetup, build_setup
+from accelrun.train.threads import choose_threads
 
 
 @dataclass
@@ -89,6 +90,11 @@ def train(
     console = console or Console(stderr=True)
     if cfg.train.threads is not None:
         torch.set_num_threads(cfg.train.threads)  # before env.json records it and the peak probe runs
+    elif _adapts_threads(cfg):
+        choice = choose_threads()  # the cores nobody else is using now (train/threads.py says why)
+        torch.set_num_threads(choice.threads)
+        if choice.threads != choice.usable_cores:
+            console.print(choice.describe(), markup=False, highlight=False)
     # Files the recipe names, one GPU per process, cores for the ranks: exit 2 (or warn) before a run
     # directory or a rank exists; `accelrun validate` runs the same checks.
     for warning in preflight(cfg, resolved.sources, machine_as_torch_sees_it()):
@@ -408,6 +414,13 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
         console.print(f"  compiled: {compiler['compiled']}{took}", markup=False, highlight=False)
     for warning in compiler.get("warnings") or []:  # never silent: nothing compiled, skipped frames
         console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
+
+
+def _adapts_threads(cfg) -> bool:
+    """A single process on the CPU with train.threads unset (ranks divide the node's cores instead;
+    ACCELRUN_FIXED_THREADS=1 keeps torch's default, for tests that compare runs bit for bit)."""
+    return (cfg.parallel.world_size == 1 and not rank_uses_cuda(cfg)
+            and os.environ.get("ACCELRUN_FIXED_THREADS") != "1")
 
 
 def _env_of_ranks(cfg) -> dict:

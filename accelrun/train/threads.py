@@ -1,0 +1,72 @@
+"""How many threads a CPU run takes: the cores it may use that nobody else is using now.
+
+torch starts one thread per core. Beside a busy process that is one thread too many: OpenMP's threads
+wait for each other at every parallel region, and the one sharing its core with the neighbour holds
+all of them back (this project's 2-core machine, the default recipe beside one busy 1-thread process:
+2 threads 1,348 ms a step, 1 thread 765 ms; 438 ms quiet). So a single CPU process without
+``train.threads`` counts the cores it may use (its CPU affinity, the cgroup's quota) and what other
+processes used of them over a short look before training, and takes the cores left, at least one.
+
+    choice = choose_threads()
+    torch.set_num_threads(choice.threads); print(choice.describe())
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from accelrun.report.machine_load import CpuWindow
+
+LOOK_S = 0.3  # how long to watch the machine before choosing
+# A neighbour has to hold most of a core to take it away from us: a core 40% used still runs our
+# thread most of the time.
+BUSY_CORE_FRACTION = 0.6
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    threads: int
+    usable_cores: int
+    others_cores: float | None  # cores' worth of CPU other processes used while we looked
+
+    def describe(self) -> str:
+        if self.threads == self.usable_cores:
+            return f"threads: {self.threads} (the cores this process may use)"
+        return (f"threads: {self.threads} of {self.usable_cores} cores: other processes are using "
+                f"{self.others_cores:.1f} core(s) (train.threads sets it)")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_quota_cores()
+    return max(1, min(cores, math.floor(quota)) if quota else cores)
+
+
+def _cgroup_quota_cores(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> float | None:
+    try:
+        quota, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def threads_for(usable: int, others_cores: float | None) -> int:
+    """The cores left once each core a neighbour mostly holds is taken away; at least one."""
+    if others_cores is None:
+        return usable
+    taken = math.floor(others_cores + (1 - BUSY_CORE_FRACTION))
+    return max(1, usable - taken)
+
+
+def choose_threads(look_s: float = LOOK_S) -> ThreadChoice:
+    usable = usable_cores()
+    window = CpuWindow()
+    time.sleep(look_s)
+    busy = window.busy_s()
+    others = None if busy is None else max(busy - window.own_s(), 0.0) / window.wall_s()
+    return ThreadChoice(threads_for(usable, others), usable, others)
