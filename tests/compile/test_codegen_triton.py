@@ -23,6 +23,7 @@ from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from accelrun.compile.codegen import triton as triton_codegen
 from accelrun.compile.codegen.loop_ir import Block, Kernel, Reduction, cached_program
 from accelrun.compile.codegen.triton import cols_split, launches
+from accelrun.compile.codegen.triton_region import TritonRegion
 from accelrun.compile.executors.triton import TritonExecutor
 from accelrun.compile.extract import extract_regions
 from accelrun.compile.passes.partition_regions import partition
@@ -319,7 +320,7 @@ def test_a_first_call_failure_of_a_triton_region_goes_to_the_next_executor(inter
     def refuse(self, *args):
         raise RuntimeError("Triton Error [CUDA]: invalid argument")
 
-    monkeypatch.setattr(triton_codegen.TritonRegion, "__call__", refuse)
+    monkeypatch.setattr(TritonRegion, "__call__", refuse)
     x, w = torch.randn(2, 4, 24, device=DEVICE), torch.randn(24, device=DEVICE)
     lowered, regions, record = _lowered(rmsnorm, x, w, executors=[TritonExecutor(), AtenExecutor()],
                                         tmp_path=tmp_path)  # fmt: skip
@@ -357,7 +358,6 @@ def test_a_compiled_triton_region_pickles_by_its_module_file(interpret, tmp_path
     gone from the cache is an error the graph cache answers by compiling afresh."""
     import pickle
 
-    from accelrun.compile.codegen.triton import TritonRegion
 
     fn, *args = CASES["rmsnorm_fp32"]()
     region = regions_of(fn, *args)[0]

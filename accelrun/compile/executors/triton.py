@@ -35,7 +35,8 @@ class TritonExecutor(GeneratedCodeExecutor):
         return os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs kernels on CPU tensors
 
     def compile(self, region: Region, cache_dir: str | None) -> RegionFn:
-        from accelrun.compile.codegen.triton import TritonRegion, load_module, module_path
+        from accelrun.compile.codegen.triton import load_module, module_path
+        from accelrun.compile.codegen.triton_region import TritonRegion
 
         source = self.source(region)
         # A hit: the module is on disk from an earlier run, and Triton's own cache (TRITON_CACHE_DIR,
