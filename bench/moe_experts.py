@@ -3,7 +3,7 @@ training step with expert parallelism (ep = 2) against experts replicated (ep = 
 
 1. Experts alone, one process: forward + backward of one MoE layer's experts on routed tokens.
    Variants: ``loop`` (a Python loop over experts, each gathering its tokens by a boolean mask: the
-   naive way), ``padded_bmm`` and ``grouped_mm`` (accelrun.models.moe_experts.grouped_swiglu, no
+   naive way), ``padded_bmm`` and ``grouped_mm`` (accelrun.models.families.moe.experts.grouped_swiglu, no
    loop). Interleaved round-robin; medians and ratios of medians against the loop.
 2. Training steps, 2 ranks on this machine (gloo): ``accelrun train configs/moe.yaml`` with
    ep = 2 and with ep = 1, alternated; median steady step time from each run's report.json.
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from accelrun.models.moe_experts import grouped_swiglu, route  # noqa: E402
+from accelrun.models.families.moe.experts import grouped_swiglu, route  # noqa: E402
 
 
 def loop_over_experts(x_ND, top_x_NK, gates_NK, w1, w3, w2):

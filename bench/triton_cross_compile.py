@@ -40,7 +40,7 @@ def main() -> int:
     archs = tuple(int(a) for a in parser.parse_args().arch.split(","))
     warnings.filterwarnings("ignore")
     cases = load_cases()
-    from accelrun.models.llama import LlamaArgs
+    from accelrun.models.families.llama.model import LlamaArgs
 
     rows, declined = [], []
 

@@ -105,7 +105,7 @@ class ModelConfig(Section):
     init_std: Annotated[float, Field(gt=0)] = 0.02
     qkv_bias: bool = Field(False, description="biases on the q, k, v projections (Qwen2)")
     rope_scaling: RopeScalingConfig | None = Field(None, description="Llama 3.1's long-context scaling; None = none")
-    # arch = moe (accelrun.models.moe): each block's feed-forward is a top-k router over experts.
+    # arch = moe (accelrun.models.families.moe): each block's feed-forward is a top-k router over experts.
     n_experts: PositiveInt = Field(8, description="moe: routed experts per block")
     experts_per_token: PositiveInt = Field(2, description="moe: experts each token is routed to (top-k)")
     moe_ffn_dim: PositiveInt = Field(256, description="moe: hidden width of each routed expert")

@@ -47,7 +47,7 @@ from accelrun.config.errors import ConfigError
 from accelrun.data.loader import Batch
 from accelrun.dist.blockwise_attention import prefix_causal_attention
 from accelrun.dist.collective import to_collective_device
-from accelrun.models.llama import repeat_kv
+from accelrun.models.families.llama.model import repeat_kv
 from accelrun.models.sequence_chunks import chunk_ids, sequence_from_rank_chunks, take_local_chunks
 from accelrun.torch_private import functional_collectives as funcol
 

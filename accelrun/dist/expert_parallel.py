@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from accelrun.models.moe_experts import grouped_swiglu
+from accelrun.models.families.moe.experts import grouped_swiglu
 
 # How many all-to-alls each kind of exchange has run in this process (tests assert the path ran).
 EXCHANGES: Counter[str] = Counter()
@@ -140,7 +140,7 @@ class ExpertParallel:
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, ep: int, dp_size: int) -> ExpertParallel:
     """Give each ep rank its ``n_experts / ep`` experts of every MoE layer (on the meta device, before
     FSDP and materialisation) and route the layers' tokens through the all-to-all dispatcher."""
-    from accelrun.models.moe import Experts
+    from accelrun.models.families.moe.model import Experts
 
     ep_mesh = build_ep_mesh(mesh, ep)
     ep_sub = ep_mesh["ep"]

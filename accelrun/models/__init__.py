@@ -15,7 +15,8 @@ _EXPORTS = {
     "ModelBuildError": "build", "build_model": "build", "model_flops_per_token": "build",
     "model_summary": "build", "transformer_blocks": "build",
     "flops_per_token": "flops", "forward_flops_per_token": "flops", "param_count": "flops",
-    "Llama": "llama", "LlamaArgs": "llama", "RMSNorm": "llama", "TransformerBlock": "llama",
+    "Llama": "families.llama.model", "LlamaArgs": "families.llama.model", "RMSNorm": "families.llama.model",
+    "TransformerBlock": "families.llama.model",
 }
 
 __all__ = sorted(_EXPORTS)

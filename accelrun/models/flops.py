@@ -18,7 +18,7 @@ So, per token:  forward = 2·(N_non_embedding + V·D) + 4·L·T·D,  training = 
 
 from __future__ import annotations
 
-from .llama import LlamaArgs
+from accelrun.models.families.llama.model import LlamaArgs
 
 
 def _block_params(args: LlamaArgs) -> int:

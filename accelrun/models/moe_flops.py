@@ -13,7 +13,7 @@ capacity (counted as if kept: the model's nominal compute).
 
 from __future__ import annotations
 
-from accelrun.models.moe import MoEArgs
+from accelrun.models.families.moe.model import MoEArgs
 
 
 def _attention_params(args: MoEArgs) -> int:

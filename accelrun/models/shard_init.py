@@ -20,6 +20,7 @@ import hashlib
 import math
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 TILE_ELEMENTS = 1 << 16  # values per draw: small next to any shard worth sharding, large enough to be cheap
@@ -37,6 +38,22 @@ def local_region(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tu
                              f"give {tuple(shape)}")
         return local, tuple(offset), tuple(param.shape)
     return param, (0,) * param.ndim, tuple(param.shape)
+
+
+def seed_or_draw(seed: int | None) -> int:
+    """``seed``, or (None) one drawn from the global RNG."""
+    return int(torch.randint(0, 2**62, ())) if seed is None else seed
+
+
+def param_key(seed: int, module: nn.Module, leaf: str, names: dict[int, str] | None = None) -> str:
+    """What a parameter's initial values are drawn from: the run's seed and the parameter's name in
+    the whole model (a family's model records each module's as ``_init_name`` when it is built; in a
+    block built alone, its name there from ``names``). Every family keys its draws this way, so a
+    parameter's values do not depend on how the model is cut."""
+    name = getattr(module, "_init_name", None)
+    if name is None:
+        name = "block." + (names or {}).get(id(module), type(module).__name__)
+    return f"{seed}/{name}.{leaf}"
 
 
 def tile_seed(key: str, tile: int) -> int:

@@ -1,7 +1,7 @@
 """Bytes that autograd keeps for backward, per token, for accelrun's Llama block and head.
 
 Counted, not guessed: the eager figures are what ``torch.autograd.graph.saved_tensors_hooks`` sees
-when ``accelrun.models.llama`` runs one block (distinct storages that grow with the number of
+when ``accelrun.models.families.llama.model`` runs one block (distinct storages that grow with the number of
 tokens); ``tests/plan/test_plan_activations.py`` counts them again on the real model and must
 agree exactly. The compiled figures were counted the same way through ``torch.compile`` (inductor,
 torch 2.13): its partitioner keeps fewer tensors and recomputes cheap pointwise ones.

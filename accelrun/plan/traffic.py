@@ -1,6 +1,6 @@
 """Memory traffic of everything that is not a matmul or attention, per token: bytes read + written.
 
-Eager figures are counted, not guessed: every aten op that ``accelrun.models.llama`` dispatches
+Eager figures are counted, not guessed: every aten op that ``accelrun.models.families.llama.model`` dispatches
 outside matmuls and attention (norms, rotary embeddings, key/value repetition, SwiGLU's pointwise
 ops, residual adds, casts, the loss), summing the sizes of the tensors it reads and writes that grow
 with the number of tokens. ``tests/plan/test_plan_traffic.py`` counts them again on the real model

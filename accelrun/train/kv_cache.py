@@ -2,7 +2,7 @@
 values of the tokens before (a KV cache), so a new token costs one position's work, not the whole context's.
 
 The model's own forward runs unchanged (embeddings, norms, feed-forward, MoE routing, the output layer);
-only each ``accelrun.models.llama.Attention`` (which every built-in family uses) is given a forward that
+only each ``accelrun.models.families.llama.model.Attention`` (which every built-in family uses) is given a forward that
 appends to its cache, and the rotary tables are shifted to start at the cache's length, so the model's
 ``rope_cos[:T]`` are the new tokens' positions.
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accelrun.models.llama import Attention, apply_rope, repeat_kv
+from accelrun.models.families.llama.model import Attention, apply_rope, repeat_kv
 
 
 def kv_cache_unsupported(model: nn.Module) -> str | None:

@@ -15,7 +15,7 @@ from accelrun.compile.numerics import PassNumericsError
 from accelrun.compile.options import CompileOptions
 from accelrun.compile.passes.base import PassOptions, PassResult, register_pass, resolve_passes
 from accelrun.config import load_config
-from accelrun.models.llama import LlamaArgs, TransformerBlock, rope_tables
+from accelrun.models.families.llama.model import LlamaArgs, TransformerBlock, rope_tables
 from accelrun.report.metrics import read_metrics
 from accelrun.train.run import train
 from tests.conftest import DEFAULT_CONFIG

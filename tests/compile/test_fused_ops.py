@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from accelrun.compile.fused import linear_cross_entropy, rms_norm, rope, swiglu
-from accelrun.models.llama import apply_rope, rope_tables
+from accelrun.models.families.llama.model import apply_rope, rope_tables
 
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2}}
 

@@ -16,7 +16,14 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from accelrun.compile.fused import linear_cross_entropy, rms_norm, rope, swiglu
 from accelrun.compile.passes.base import PassContext, registered_passes, resolve_passes
 from accelrun.compile.pattern import Op, Tensor, canonical_op, iter_matches, normalized_args
-from accelrun.models.llama import Llama, LlamaArgs, RMSNorm, TransformerBlock, apply_rope, rope_tables
+from accelrun.models.families.llama.model import (
+    Llama,
+    LlamaArgs,
+    RMSNorm,
+    TransformerBlock,
+    apply_rope,
+    rope_tables,
+)
 
 FUSION_PASSES = ["fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "merge_parallel_linears",
                  "fuse_linear_cross_entropy"]

@@ -20,7 +20,7 @@ from accelrun.compile.passes.dce import eliminate_dead_code, op_is_pure
 from accelrun.compile.passes.partition_regions import PartitionRegionsOptions
 from accelrun.compile.passes.remat import RematOptions, rematerialize
 from accelrun.compile.regions import regions_of
-from accelrun.models.llama import LlamaArgs, TransformerBlock, rope_tables
+from accelrun.models.families.llama.model import LlamaArgs, TransformerBlock, rope_tables
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional

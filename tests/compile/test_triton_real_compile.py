@@ -185,7 +185,7 @@ def llama_regions(args, tokens: torch.Tensor, model_device: str, autocast: bool 
     from accelrun.compile import backend as backend_module
     from accelrun.compile.backend import AccelrunBackend
     from accelrun.compile.options import CompileOptions
-    from accelrun.models.llama import Llama
+    from accelrun.models.families.llama.model import Llama
 
     found: list[Region] = []
     lower = backend_module.lower_regions
@@ -231,7 +231,7 @@ def test_row_reductions_compile_for_sm90_without_spills(width):
 
 
 def test_debug_llama_regions_compile_for_sm90_without_spills():
-    from accelrun.models.llama import LlamaArgs
+    from accelrun.models.families.llama.model import LlamaArgs
 
     args = LlamaArgs(dim=192, n_layers=1, n_heads=6, n_kv_heads=2, ffn_dim=512, vocab_size=512, max_seq_len=256)
     tokens = torch.randint(0, 512, (16, 256), generator=torch.Generator().manual_seed(0))
@@ -244,7 +244,7 @@ def test_debug_llama_regions_compile_for_sm90_without_spills():
 
 def test_8b_shaped_block_compiles_for_sm90_and_sm100_without_spills():
     """One block and the loss head at Llama 3 8B's shapes, traced with meta tensors (no memory)."""
-    from accelrun.models.llama import LlamaArgs
+    from accelrun.models.families.llama.model import LlamaArgs
 
     args = LlamaArgs(dim=4096, n_layers=1, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
                      max_seq_len=2048)  # fmt: skip

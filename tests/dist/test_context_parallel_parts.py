@@ -12,7 +12,7 @@ from accelrun.config import ConfigError, load_config
 from accelrun.config.validate import CP_FAMILIES
 from accelrun.dist import context_parallel as cpmod
 from accelrun.models.families import family_names, get_family
-from accelrun.models.llama import repeat_kv
+from accelrun.models.families.llama.model import repeat_kv
 from accelrun.models.sequence_chunks import chunk_positions, sequence_from_rank_chunks, take_local_chunks
 from tests.conftest import DEFAULT_CONFIG, TINY
 

@@ -16,7 +16,7 @@ from accelrun.config.schema import ModelConfig
 from accelrun.dist.pipeline import stage_module, union_of
 from accelrun.models import build_model
 from accelrun.models.families import get_family
-from accelrun.models.gemma import Gemma
+from accelrun.models.families.gemma.model import Gemma
 from accelrun.models.hf_io import export_hf, load_hf_for_config
 from tests.models.hf_helpers import SHAPE, save_tiny_hf
 

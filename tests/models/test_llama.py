@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accelrun.models import Llama, LlamaArgs, TransformerBlock
-from accelrun.models.llama import Attention, apply_rope, rope_tables
+from accelrun.models.families.llama.model import Attention, apply_rope, rope_tables
 
 TINY = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=32)
 

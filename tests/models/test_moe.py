@@ -17,8 +17,8 @@ from accelrun.cli.main import cli
 from accelrun.config import ConfigError, load_config
 from accelrun.config.schema import ModelConfig
 from accelrun.models import build_model
-from accelrun.models.moe import MoE, MoEArgs
-from accelrun.models.moe_experts import expert_forward, grouped_swiglu, reference_moe, route
+from accelrun.models.families.moe.experts import expert_forward, grouped_swiglu, reference_moe, route
+from accelrun.models.families.moe.model import MoE, MoEArgs
 from accelrun.models.moe_flops import active_param_count, flops_per_token, param_count
 from tests.conftest import REPO, TINY
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from accelrun.models.llama import Llama, LlamaArgs, TransformerBlock, rope_tables
+from accelrun.models.families.llama.model import Llama, LlamaArgs, TransformerBlock, rope_tables
 
 B, T = 3, 67
 TOKENS = B * T
@@ -61,7 +61,7 @@ def count_block(dim: int, heads: int, kv_heads: int, ffn: int, mode: str, gemma_
         args = LlamaArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn, vocab_size=64)
         block = TransformerBlock(args)
     else:
-        from accelrun.models.gemma import GemmaArgs, GemmaBlock
+        from accelrun.models.families.gemma.model import GemmaArgs, GemmaBlock
 
         args = GemmaArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, head_dim=gemma_head_dim,
                          ffn_dim=ffn, vocab_size=64)

@@ -10,8 +10,8 @@ import pytest
 from accelrun.config import load_config
 from accelrun.errors import UserError
 from accelrun.models.families import get_family, plan_shape
+from accelrun.models.families.llama.model import LlamaArgs
 from accelrun.models.flops import flops_per_token, param_count
-from accelrun.models.llama import LlamaArgs
 from accelrun.plan import PlanOptions
 from accelrun.plan import efficiency as eff
 from accelrun.plan.comm import MESH_ORDER

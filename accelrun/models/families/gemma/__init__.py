@@ -1,5 +1,5 @@
 """The Gemma family (Gemma 1: 2B, 7B): (1 + weight) RMSNorm, embeddings scaled by sqrt(dim), GeGLU,
-its own head dimension, tied embeddings. The module itself is ``accelrun.models.gemma``."""
+its own head dimension, tied embeddings. The module itself is ``accelrun.models.families.gemma.model``."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ from torch import nn
 
 from accelrun.models.families import ModelSpec, TPPlan
 from accelrun.models.families.gemma import hf, shape
+from accelrun.models.families.gemma.model import Gemma, GemmaArgs
 from accelrun.models.families.gemma.tp_plan import BLOCK_PLAN, SP_BLOCK_PLAN, end_plan
-from accelrun.models.gemma import Gemma, GemmaArgs
 
 
 def _build(args: GemmaArgs) -> nn.Module:

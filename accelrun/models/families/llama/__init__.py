@@ -1,5 +1,5 @@
 """The Llama family: Llama 2/3/3.1 (rope scaling), Mistral (within its sliding window), Qwen2 (q/k/v
-biases), tied or untied embeddings. The module itself is ``accelrun.models.llama``."""
+biases), tied or untied embeddings. The module itself is ``accelrun.models.families.llama.model``."""
 
 from __future__ import annotations
 

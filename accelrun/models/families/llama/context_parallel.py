@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from accelrun.models.llama import Attention
+from accelrun.models.families.llama.model import Attention
 
 
 def shard_sequence(model: nn.Module, make_attention: Callable[[], nn.Module], rank: int, size: int) -> None:

@@ -7,9 +7,9 @@ from torch import nn
 from accelrun.models.families import ModelSpec, TPPlan
 from accelrun.models.families.llama import hf
 from accelrun.models.families.llama.context_parallel import shard_sequence
+from accelrun.models.families.llama.model import Llama, LlamaArgs
 from accelrun.models.families.llama.tp_plan import BLOCK_PLAN, SP_BLOCK_PLAN, end_plan
 from accelrun.models.flops import flops_per_token, param_count
-from accelrun.models.llama import Llama, LlamaArgs
 
 
 def _build(args: LlamaArgs) -> nn.Module:

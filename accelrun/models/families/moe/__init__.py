@@ -1,6 +1,6 @@
 """The MoE family: Mixtral / Qwen-MoE / DeepSeek-style routed experts (token-choice top-k, optional
 shared expert, load-balancing loss) on Llama's attention. The module itself is
-``accelrun.models.moe``; expert parallelism is ``accelrun.dist.expert_parallel``.
+``accelrun.models.families.moe.model``; expert parallelism is ``accelrun.dist.expert_parallel``.
 
 Tensor, pipeline and context parallelism are not supported for this family yet (validation refuses
 them: ``accelrun.config.moe_checks``).

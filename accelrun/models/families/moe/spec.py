@@ -7,7 +7,7 @@ from torch import nn
 from accelrun.models.families import ModelSpec, TPPlan
 from accelrun.models.families.llama.tp_plan import end_plan
 from accelrun.models.families.moe import hf
-from accelrun.models.moe import MoE, MoEArgs
+from accelrun.models.families.moe.model import MoE, MoEArgs
 from accelrun.models.moe_flops import flops_per_token, param_count
 
 

@@ -18,11 +18,11 @@ of e over the sequence's tokens; 1 when perfectly balanced. Computed per sequenc
 the same reason as capacity), then averaged over layers; the model's training loss is
 ``cross-entropy + aux_loss_coef · aux``.
 
-Experts are computed as grouped matmuls (``accelrun.models.moe_experts``): tokens sorted by expert,
+Experts are computed as grouped matmuls (``accelrun.models.families.moe.experts``): tokens sorted by expert,
 experts' weights stacked as (E, D, F) tensors. Under expert parallelism (``accelrun.dist.expert_parallel``)
 each rank holds E / ep of them and tokens travel by all-to-all.
 
-Shape legend as in ``accelrun.models.llama``, plus: N tokens (B·T), X experts (E is the head dim
+Shape legend as in ``accelrun.models.families.llama.model``, plus: N tokens (B·T), X experts (E is the head dim
 there), K experts per token, A assignments (N·K), C expert hidden dim (``moe_ffn_dim``).
 """
 
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from accelrun.models import shard_init
-from accelrun.models.llama import FeedForward, Llama, LlamaArgs, TransformerBlock, _param_key, _seed_or_draw
-from accelrun.models.moe_experts import Routing, expert_forward, route
+from accelrun.models.families.llama.model import FeedForward, Llama, LlamaArgs, TransformerBlock
+from accelrun.models.families.moe.experts import Routing, expert_forward, route
 
 
 @dataclass(frozen=True)
@@ -125,22 +125,22 @@ class MoEBlock(TransformerBlock):
 
     @torch.no_grad()
     def init_weights(self, std: float, residual_std: float, seed: int | None = None) -> None:
-        seed = _seed_or_draw(seed)
+        seed = shard_init.seed_or_draw(seed)
         names = {id(m): n for n, m in self.named_modules()}
         attn = self.attention
         for linear in (attn.wq, attn.wk, attn.wv):
-            shard_init.normal_(linear.weight, std, _param_key(seed, linear, "weight", names))
+            shard_init.normal_(linear.weight, std, shard_init.param_key(seed, linear, "weight", names))
             if linear.bias is not None:
                 linear.bias.zero_()
-        shard_init.normal_(attn.wo.weight, residual_std, _param_key(seed, attn.wo, "weight", names))
+        shard_init.normal_(attn.wo.weight, residual_std, shard_init.param_key(seed, attn.wo, "weight", names))
         moe = self.feed_forward
-        shard_init.normal_(moe.router.weight, std, _param_key(seed, moe.router, "weight", names))
+        shard_init.normal_(moe.router.weight, std, shard_init.param_key(seed, moe.router, "weight", names))
         for leaf, scale in (("w1", std), ("w3", std), ("w2", residual_std)):
-            shard_init.normal_(getattr(moe.experts, leaf), scale, _param_key(seed, moe.experts, leaf, names))
+            shard_init.normal_(getattr(moe.experts, leaf), scale, shard_init.param_key(seed, moe.experts, leaf, names))
         if moe.shared_expert is not None:
             s = moe.shared_expert
             for linear, scale in ((s.w1, std), (s.w3, std), (s.w2, residual_std)):
-                shard_init.normal_(linear.weight, scale, _param_key(seed, linear, "weight", names))
+                shard_init.normal_(linear.weight, scale, shard_init.param_key(seed, linear, "weight", names))
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
 

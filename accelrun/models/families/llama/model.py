@@ -197,17 +197,17 @@ class TransformerBlock(nn.Module):
     def init_weights(self, std: float, residual_std: float, seed: int | None = None) -> None:
         """Initialise this block's parameters (plain or sharded: each rank fills its shard).
         ``seed`` None draws one from the global RNG."""
-        seed = _seed_or_draw(seed)
+        seed = shard_init.seed_or_draw(seed)
         names = {id(m): n for n, m in self.named_modules()}  # for a block built alone
         for linear in (self.attention.wq, self.attention.wk, self.attention.wv,
                        self.feed_forward.w1, self.feed_forward.w3):  # fmt: skip
-            shard_init.normal_(linear.weight, std, _param_key(seed, linear, "weight", names))
+            shard_init.normal_(linear.weight, std, shard_init.param_key(seed, linear, "weight", names))
             if linear.bias is not None:
                 linear.bias.zero_()  # a DTensor zeroes its local shard
         # Projections that write into the residual stream are scaled down so the stream's variance
         # does not grow with depth (GPT-2's 1/sqrt(2 * n_layers)).
         for linear in (self.attention.wo, self.feed_forward.w2):
-            shard_init.normal_(linear.weight, residual_std, _param_key(seed, linear, "weight", names))
+            shard_init.normal_(linear.weight, residual_std, shard_init.param_key(seed, linear, "weight", names))
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
 
@@ -280,9 +280,9 @@ class Llama(nn.Module):
             return  # nothing allocated yet (to_empty first)
         a = self.args
         residual_std = a.init_std / math.sqrt(2 * a.n_layers)
-        seed = _seed_or_draw(seed)
+        seed = shard_init.seed_or_draw(seed)
         if self.tok_embeddings is not None:
-            shard_init.normal_(self.tok_embeddings.weight, a.init_std, _param_key(seed, self.tok_embeddings, "weight"))
+            shard_init.normal_(self.tok_embeddings.weight, a.init_std, shard_init.param_key(seed, self.tok_embeddings, "weight"))
         # Walk modules rather than self.layers so blocks wrapped by the training loop are still found.
         for module in self.modules():
             if isinstance(module, TransformerBlock):
@@ -290,7 +290,7 @@ class Llama(nn.Module):
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None and not a.tie_embeddings:
-            shard_init.normal_(self.output.weight, residual_std, _param_key(seed, self.output, "weight"))
+            shard_init.normal_(self.output.weight, residual_std, shard_init.param_key(seed, self.output, "weight"))
 
     def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) in fp32; or, given targets, the mean cross-entropy loss (a scalar)."""
@@ -329,15 +329,3 @@ class Llama(nn.Module):
         logits_BTV = self.output(h_BTD).float()
         return F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
 
-
-def _seed_or_draw(seed: int | None) -> int:
-    return int(torch.randint(0, 2**62, ())) if seed is None else seed
-
-
-def _param_key(seed: int, module: nn.Module, leaf: str, names: dict[int, str] | None = None) -> str:
-    """What a parameter's initial values are drawn from: the run's seed and the parameter's name in
-    the whole model (recorded when the model was built; in a block built alone, its name there)."""
-    name = getattr(module, "_init_name", None)
-    if name is None:
-        name = "block." + (names or {}).get(id(module), type(module).__name__)
-    return f"{seed}/{name}.{leaf}"

@@ -40,7 +40,7 @@ class Routing:
 
 
 def route(logits_NX: torch.Tensor, B: int, T: int, k: int, capacity: int | None) -> Routing:
-    """Top-k token-choice routing with per-sequence capacity (see ``accelrun.models.moe``)."""
+    """Top-k token-choice routing with per-sequence capacity (see ``accelrun.models.families.moe.model``)."""
     N, X = logits_NX.shape
     probs_NX = logits_NX.float().softmax(-1)
     top_p_NK, top_x_NK = probs_NX.topk(k, dim=-1)

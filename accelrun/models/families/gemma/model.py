@@ -1,6 +1,6 @@
 """A Gemma (1) decoder: what transformers' ``GemmaForCausalLM`` computes, in accelrun's conventions.
 
-Where it differs from ``accelrun.models.llama`` (and why it is a family of its own):
+Where it differs from ``accelrun.models.families.llama.model`` (and why it is a family of its own):
 
 - RMSNorm scales by ``1 + weight`` (weights start at 0), computed in fp32 and cast back at the end;
 - the token embeddings are multiplied by sqrt(dim), in the activation dtype (as transformers does:
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accelrun.models import shard_init
-from accelrun.models.llama import Attention, _param_key, _seed_or_draw, rope_tables
+from accelrun.models.families.llama.model import Attention, rope_tables
 
 
 @dataclass(frozen=True)
@@ -124,11 +124,11 @@ class GemmaBlock(nn.Module):
     def init_weights(self, std: float, seed: int | None = None) -> None:
         """Every projection ~ N(0, std) (transformers' Gemma initialisation), norms 0 (a scale of 1).
         Plain or sharded parameters: each rank fills its shard (``shard_init``)."""
-        seed = _seed_or_draw(seed)
+        seed = shard_init.seed_or_draw(seed)
         names = {id(m): n for n, m in self.named_modules()}
         a, f = self.attention, self.feed_forward
         for linear in (a.wq, a.wk, a.wv, a.wo, f.w1, f.w3, f.w2):
-            shard_init.normal_(linear.weight, std, _param_key(seed, linear, "weight", names))
+            shard_init.normal_(linear.weight, std, shard_init.param_key(seed, linear, "weight", names))
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
 
@@ -189,16 +189,16 @@ class Gemma(nn.Module):
         if self.rope_cos.is_meta:
             return
         a = self.args
-        seed = _seed_or_draw(seed)
+        seed = shard_init.seed_or_draw(seed)
         if self.embed_tokens is not None:
-            shard_init.normal_(self.embed_tokens.weight, a.init_std, _param_key(seed, self.embed_tokens, "weight"))
+            shard_init.normal_(self.embed_tokens.weight, a.init_std, shard_init.param_key(seed, self.embed_tokens, "weight"))
         for module in self.modules():
             if isinstance(module, GemmaBlock):
                 module.init_weights(a.init_std, seed)
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.lm_head is not None and not a.tie_embeddings:
-            shard_init.normal_(self.lm_head.weight, a.init_std, _param_key(seed, self.lm_head, "weight"))
+            shard_init.normal_(self.lm_head.weight, a.init_std, shard_init.param_key(seed, self.lm_head, "weight"))
 
     def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) in fp32; or, given targets, the mean cross-entropy loss."""
