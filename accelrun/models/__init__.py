@@ -1,5 +1,5 @@
-"""Model definitions: the model families (``accelrun.models.families``), FLOP counts, and user models
-by import path.
+"""Model definitions: the model families (``accelrun.models.families``, each with its FLOP and
+parameter counts), and user models by import path.
 
 Named sizes are recipe files (``recipes/model/*.yaml``), not code. ``import accelrun.models`` imports
 nothing heavy: the names below load (with torch) on first use, so that torch-free code (the planner
@@ -14,7 +14,6 @@ from typing import Any
 _EXPORTS = {
     "ModelBuildError": "build", "build_model": "build", "model_flops_per_token": "build",
     "model_summary": "build", "transformer_blocks": "build",
-    "flops_per_token": "flops", "forward_flops_per_token": "flops", "param_count": "flops",
     "Llama": "families.llama.model", "LlamaArgs": "families.llama.model", "RMSNorm": "families.llama.model",
     "TransformerBlock": "families.llama.model",
 }

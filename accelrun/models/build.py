@@ -126,7 +126,7 @@ def _blocks_attr(model: nn.Module) -> str:
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, model: nn.Module | None = None) -> float | None:
-    """Training FLOPs per token (see ``accelrun.models.flops``), or None when unknown.
+    """Training FLOPs per token (the family's, ``accelrun.plan.workload.Shape.model_flops_per_token``), or None when unknown.
 
     A user's model is unknown unless ``model`` is given and has a ``flops_per_token(seq_len)`` method.
     """

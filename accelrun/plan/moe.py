@@ -4,8 +4,8 @@ all-to-all time and imbalance.
 Shape (:class:`MoEShape`): a token multiplies attention, the router and its ``k`` routed experts
 (plus the shared one), so the matmuls the timing model runs (``block_gemms``) are Llama's with a
 feed-forward ``k·moe_ffn_dim + shared`` wide, plus the router; the parameters memory holds
-(``weight_gemms``) are every expert's. FLOPs per token count active parameters (as
-``accelrun.models.moe_flops``), so the plan's MFU is on active parameters too.
+(``weight_gemms``) are every expert's. FLOPs per token count active parameters (``Shape.model_flops_per_token`` on
+``active_param_count``), so the plan's MFU is on active parameters too.
 
 Expert parallelism (``parallel.ep``, ranks carved out of dp_shard: consecutive ranks, so the
 dp_shard link): each MoE layer's forward sends every routed (token, choice) row to the rank holding
@@ -62,12 +62,14 @@ class MoEShape(Shape):
             Gemm("shared.w2", self.shared_ffn_dim, self.dim, "row")]
         return (*dense, *experts, *shared)
 
-    def model_flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token on active parameters (``accelrun.models.moe_flops``)."""
-        active_block = sum(g.in_dim * g.out_dim for g in self.block_gemms()) + 2 * self.dim
-        matmul_weights = self.n_layers * active_block + self.dim + self.vocab_size * self.dim
-        attention = 4 * self.n_layers * seq_len * self.q_dim
-        return 3.0 * (2 * matmul_weights + attention)
+    def active_param_count(self, embeddings: bool = True) -> int:
+        """Parameters one token uses: its top-k experts (and the shared one and the router), not all of
+        them; FLOPs per token count these (``Shape.model_flops_per_token``), so MFU is on active parameters."""
+        active_block = sum(g.in_dim * g.out_dim for g in self.block_gemms()) + self.block_vectors
+        n = self.n_layers * active_block + self.dim  # + final norm
+        if embeddings:
+            n += self.embedding_params + self.output_params
+        return n
 
 
 def ep_of(w: Workload) -> int:

@@ -55,6 +55,9 @@ class Shape:
     tie_embeddings: bool
     explicit_head_dim: int | None = None  # None = dim / n_heads (Gemma sets its own)
     family: str = "llama"
+    # Qwen2's q, k, v biases. The planner leaves them out (negligible: plan/coverage.py); a family's
+    # own counts (its ``shape`` module's ``param_count`` and ``flops_per_token``) set it.
+    qkv_bias: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -85,7 +88,13 @@ class Shape:
 
     @property
     def block_params(self) -> int:
-        return sum(g.in_dim * g.out_dim for g in self.weight_gemms()) + 2 * self.dim  # + two norm gains
+        return sum(g.in_dim * g.out_dim for g in self.weight_gemms()) + self.block_vectors
+
+    @property
+    def block_vectors(self) -> int:
+        """A block's parameters outside its matrices: two norm gains, and the q, k, v biases if any."""
+        biases = (self.n_heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        return 2 * self.dim + biases
 
     def weight_gemms(self) -> tuple[Gemm, ...]:
         """The block's weight matrices as stored (memory); ``block_gemms`` are those one token
@@ -102,15 +111,29 @@ class Shape:
         return 0 if self.tie_embeddings else self.vocab_size * self.dim
 
     def param_count(self, embeddings: bool = True) -> int:
-        """Distinct parameters (as ``accelrun.models.flops.param_count``)."""
+        """Distinct parameters (``embeddings=False``: without the vocabulary-sized matrices)."""
         n = self.n_layers * self.block_params + self.dim  # + final norm
         if embeddings:
             n += self.embedding_params + self.output_params
         return n
 
+    def active_param_count(self, embeddings: bool = True) -> int:
+        """Parameters one token multiplies: all of them in a dense model (``MoEShape``: its top-k experts)."""
+        return self.param_count(embeddings)
+
     def model_flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token by the MFU convention (``accelrun.models.flops.flops_per_token``)."""
-        matmul_weights = self.param_count(embeddings=False) + self.vocab_size * self.dim
+        """Training FLOPs per token by the MFU convention: the one formula every family's FLOPs use.
+
+        The PaLM / Chinchilla convention, which most tools use for MFU, so figures compare: a matmul of
+        (m, k) by (k, n) costs 2·m·k·n; backward costs twice the forward. Every weight a token
+        multiplies counts 2 FLOPs forward (the embedding is a lookup, not counted; the output
+        projection is, even when tied); attention scores and values cost 2·T·(n_heads·head_dim) each
+        per token and layer, the causal half **not** subtracted. Norms, activations, softmax, rotary
+        embeddings and routing are not counted. So, per token:
+
+            training = 3 · (2·(N_active_non_embedding + V·D) + 4·L·T·(n_heads·head_dim))
+        """
+        matmul_weights = self.active_param_count(embeddings=False) + self.vocab_size * self.dim
         attention = 4 * self.n_layers * seq_len * self.q_dim
         return 3.0 * (2 * matmul_weights + attention)
 

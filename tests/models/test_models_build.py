@@ -16,12 +16,11 @@ from accelrun.models import (
     LlamaArgs,
     ModelBuildError,
     build_model,
-    flops_per_token,
     model_flops_per_token,
     model_summary,
-    param_count,
     transformer_blocks,
 )
+from accelrun.models.families.llama.shape import flops_per_token, param_count
 
 SMALL = {
     "dim": 32,

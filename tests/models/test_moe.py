@@ -19,7 +19,7 @@ from accelrun.config.schema import ModelConfig
 from accelrun.models import build_model
 from accelrun.models.families.moe.experts import expert_forward, grouped_swiglu, reference_moe, route
 from accelrun.models.families.moe.model import MoE, MoEArgs
-from accelrun.models.moe_flops import active_param_count, flops_per_token, param_count
+from accelrun.models.families.moe.shape import active_param_count, flops_per_token, param_count
 from tests.conftest import REPO, TINY
 
 RECIPES = REPO / "recipes" / "model"

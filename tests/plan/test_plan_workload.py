@@ -11,7 +11,7 @@ from accelrun.config import load_config
 from accelrun.errors import UserError
 from accelrun.models.families import get_family, plan_shape
 from accelrun.models.families.llama.model import LlamaArgs
-from accelrun.models.flops import flops_per_token, param_count
+from accelrun.models.families.llama.shape import flops_per_token, param_count
 from accelrun.plan import PlanOptions
 from accelrun.plan import efficiency as eff
 from accelrun.plan.comm import MESH_ORDER
@@ -36,11 +36,14 @@ def test_shape_counts_match_the_family(name):
         assert shape.model_flops_per_token(seq) == spec.flops_per_token(args, seq)
 
 
-def test_llama_shape_counts_match_accelrun_models_flops():
-    # Llama's spec counts with accelrun.models.flops (its own code, not the planner's shape).
+def test_llama_counts_are_the_planners_shape_plus_the_qkv_biases_it_leaves_out():
     m = load_config("model/llama3-8b").config.model
     shape, args = plan_shape(m), LlamaArgs.from_config(m)
     assert (shape.param_count(), shape.model_flops_per_token(8192)) == (param_count(args), flops_per_token(args, 8192))
+    qwen = LlamaArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64, qkv_bias=True)
+    biases = 3 * (4 + 2 * 2) * 16  # layers × (query + key + value heads) × head_dim
+    assert param_count(qwen) == plan_shape(qwen).param_count() + biases
+    assert flops_per_token(qwen, 32) == plan_shape(qwen).model_flops_per_token(32) + 6 * biases
 
 
 def test_gemma_attention_width_is_heads_times_head_dim():

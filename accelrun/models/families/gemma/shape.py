@@ -3,8 +3,8 @@
 Gemma's matmuls are Llama's seven per block (q, k, v, o; gate, up, down), but the attention is
 ``n_heads * head_dim`` wide, which need not be ``dim`` (Gemma 7B: 16 × 256 = 4096 in a 3072-wide
 model); its norms hold as many weights as Llama's. So the planner's ``Shape`` with an explicit head
-dimension counts it exactly, and the family's FLOPs and parameter counts are that shape's (the
-convention of ``accelrun.models.flops``: the attention term is 4·L·T·(n_heads·head_dim) per token).
+dimension counts it exactly, and the family's FLOPs and parameter counts are that shape's (``Shape.model_flops_per_token``, the one formula: the attention term is 4·L·T·(n_heads·head_dim)
+per token). Gemma has no q, k, v biases.
 """
 
 from __future__ import annotations

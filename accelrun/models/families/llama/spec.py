@@ -5,11 +5,10 @@ from __future__ import annotations
 from torch import nn
 
 from accelrun.models.families import ModelSpec, TPPlan
-from accelrun.models.families.llama import hf
+from accelrun.models.families.llama import hf, shape
 from accelrun.models.families.llama.context_parallel import shard_sequence
 from accelrun.models.families.llama.model import Llama, LlamaArgs
 from accelrun.models.families.llama.tp_plan import BLOCK_PLAN, SP_BLOCK_PLAN, end_plan
-from accelrun.models.flops import flops_per_token, param_count
 
 
 def _build(args: LlamaArgs) -> nn.Module:
@@ -20,8 +19,8 @@ SPEC = ModelSpec(
     name="llama",
     args_from_config=LlamaArgs.from_config,
     build=_build,
-    flops_per_token=flops_per_token,
-    param_count=param_count,
+    flops_per_token=shape.flops_per_token,
+    param_count=shape.param_count,
     tp_plan=TPPlan(block=BLOCK_PLAN, sequence_parallel_block=SP_BLOCK_PLAN, ends=end_plan),
     blocks_attr="layers",
     first_stage_ends=("tok_embeddings",),

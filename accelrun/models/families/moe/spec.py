@@ -6,9 +6,8 @@ from torch import nn
 
 from accelrun.models.families import ModelSpec, TPPlan
 from accelrun.models.families.llama.tp_plan import end_plan
-from accelrun.models.families.moe import hf
+from accelrun.models.families.moe import hf, shape
 from accelrun.models.families.moe.model import MoE, MoEArgs
-from accelrun.models.moe_flops import flops_per_token, param_count
 
 
 def _build(args: MoEArgs) -> nn.Module:
@@ -28,8 +27,8 @@ SPEC = ModelSpec(
     name="moe",
     args_from_config=MoEArgs.from_config,
     build=_build,
-    flops_per_token=flops_per_token,
-    param_count=param_count,
+    flops_per_token=shape.flops_per_token,
+    param_count=shape.param_count,
     tp_plan=TPPlan(block=_attention_plan(), sequence_parallel_block={}, ends=end_plan),
     blocks_attr="layers",
     first_stage_ends=("tok_embeddings",),
