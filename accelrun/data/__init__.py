@@ -12,11 +12,12 @@ from accelrun.data.builtin import load_builtin, stdlib_files
 from accelrun.data.errors import DataError
 from accelrun.data.hf_tokenizer import HFTokenizer
 from accelrun.data.loader import Batch, TokenBatchIterator
+from accelrun.data.prepare import prepare_tokens
 from accelrun.data.stream import TensorStream, TokenStream
 from accelrun.data.synthetic import SyntheticStream, synthetic_length
 from accelrun.data.text import expand_paths, load_text, read_documents
 from accelrun.data.tokenizer import ByteTokenizer, get_tokenizer
-from accelrun.data.tokfile import TokenFileHeader, load_tokens, open_tokens, prepare_tokens, read_header
+from accelrun.data.tokfile import TokenFileHeader, load_tokens, open_tokens, read_header
 
 __all__ = [
     "Batch",

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from accelrun.data.stream import TensorStream
+from accelrun.data.tokfile import open_tokens, write_token_file
 
 
 def cache_root() -> Path:
@@ -58,8 +59,6 @@ def _locked(path: Path) -> Iterator[bool]:
 
 def cached_stream(key: str, encode: Callable[[], TensorStream]) -> TensorStream:
     """The stream cached under ``key``, or ``encode()``'s, which is then cached."""
-    from accelrun.data.tokfile import open_tokens, write_token_file
-
     root = cache_root()
     tok_path, meta_path = root / f"{key}.tok", root / f"{key}.json"
     with _locked(root / f"{key}.lock") as writable:

@@ -18,8 +18,8 @@ import torch
 from accelrun.data.encoded_cache import cache_key, cached_stream
 from accelrun.data.errors import DataError
 from accelrun.data.hf_tokenizer import HFTokenizer
+from accelrun.data.read_plan import plan_reads
 from accelrun.data.stream import TensorStream, short_hash
-from accelrun.data.text import plan_reads
 
 BATCH_BYTES = 4 << 20
 

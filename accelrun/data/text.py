@@ -16,29 +16,11 @@ import torch
 
 from accelrun.config.data_paths import expand_paths
 from accelrun.data.errors import DataError
+from accelrun.data.hf_documents import encode_documents_stream
 from accelrun.data.hf_tokenizer import HFTokenizer
+from accelrun.data.read_plan import plan_reads
 from accelrun.data.stream import TensorStream, short_hash
 from accelrun.data.tokenizer import ByteTokenizer
-
-
-def plan_reads(files: Sequence[Path], max_bytes: int | None) -> list[tuple[Path, int]]:
-    """(file, bytes to read) for each file read, stopping once ``max_bytes`` is reached. Empty files
-    are left out: they would only add a lone EOS."""
-    plan: list[tuple[Path, int]] = []
-    total = 0
-    for f in files:
-        if max_bytes is not None and total >= max_bytes:
-            break
-        try:
-            size = f.stat().st_size
-        except OSError as e:
-            raise DataError(f"cannot read {str(f)!r}: {e.strerror}") from None
-        if max_bytes is not None:
-            size = min(size, max_bytes - total)
-        if size > 0:
-            plan.append((f, size))
-            total += size
-    return plan
 
 
 def read_documents(
@@ -95,6 +77,4 @@ def read_documents_with(tokenizer: ByteTokenizer | HFTokenizer | None, files: Se
     """``files`` as one stream of ``tokenizer``'s tokens (None: the byte tokenizer)."""
     if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
         return read_documents(files, max_bytes=max_bytes, fingerprint={**fingerprint, "tokenizer": "byte"})
-    from accelrun.data.hf_documents import encode_documents_stream  # it reads files with plan_reads above
-
     return encode_documents_stream(files, tokenizer, max_bytes=max_bytes, fingerprint=fingerprint)

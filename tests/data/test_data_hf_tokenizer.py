@@ -93,7 +93,8 @@ def test_text_source_ids_are_the_tokenizers_library_own(files):
 
     # Batches of documents give the same tokens as one batch.
     from accelrun.data.hf_documents import encode_files
-    from accelrun.data.text import expand_paths, plan_reads
+    from accelrun.data.read_plan import plan_reads
+    from accelrun.data.text import expand_paths
 
     plan = plan_reads(expand_paths(patterns), None)
     parts = list(encode_files(plan, folder_tok, batch_bytes=1))

@@ -52,7 +52,7 @@ def test_prepare_and_memmap_round_trip(corpus, tmp_path):
 
 
 def test_prepare_in_small_chunks_matches(corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr("accelrun.data.tokfile._WRITE_CHUNK", 100)  # files split across chunks
+    monkeypatch.setattr("accelrun.data.prepare._WRITE_CHUNK", 100)  # files split across chunks
     out = tmp_path / "small.tok"
     prepare_tokens([str(corpus / "**" / "*.txt")], out, max_bytes=1000)
     text = load_text([str(corpus / "**" / "*.txt")], max_bytes=1000)
