@@ -12,7 +12,8 @@ Torch-free (``accelrun.plan.calibrate`` imports torch when it measures). The flo
     search_layouts     every valid layout on the cluster, best first         (search.py)
 """
 
-from accelrun.plan.cluster import Cluster, PlanError, resolve_cluster
+from accelrun.plan.cluster import Cluster, resolve_cluster
+from accelrun.plan.errors import PlanError
 from accelrun.plan.loading import PlanInput, load_plan_config
 from accelrun.plan.predict import Plan, predict
 from accelrun.plan.search import SearchResult, search_layouts

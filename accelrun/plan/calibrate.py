@@ -44,6 +44,7 @@ from typing import Any
 
 import yaml
 
+from accelrun.plan.errors import PlanError
 from accelrun.plan.probes import Measured, ProbeSizes, measure_worker
 from accelrun.report.peak import cpu_model_name, default_cache_dir
 
@@ -83,8 +84,6 @@ def calibrate(devices_per_node: int = 1, sizes: ProbeSizes | None = None) -> dic
     errors = [r for r in results if "error" in r]
     if errors:
         if errors[0].get("user"):
-            from accelrun.plan.cluster import PlanError
-
             raise PlanError(errors[0]["error"])
         raise RuntimeError(f"calibration failed: {errors[0]['error']}")
     by_rank = {r["rank"]: r for r in results}
@@ -273,8 +272,6 @@ def with_cached_calibration(c):
     ``accelrun plan --calibrate`` fills the cache; ``cluster/cpu-local`` relies on it. Torch-free.
     """
     from accelrun.config.schema import ClusterConfig
-    from accelrun.plan.cluster import PlanError
-
     path = cache_path(c.devices_per_node)
     try:
         cached = ClusterConfig.model_validate(yaml.safe_load(path.read_text(encoding="utf-8"))["cluster"])

@@ -13,17 +13,13 @@ from dataclasses import dataclass, field
 
 from accelrun.config.errors import nearest
 from accelrun.config.schema import ClusterConfig, LinkConfig
-from accelrun.errors import UserError
 from accelrun.plan import efficiency as eff
 from accelrun.plan.accelerators import DECLARED_KINDS, find_accelerator, known_kinds
+from accelrun.plan.errors import PlanError
 
 PRECISION_KEY = {"fp32": "fp32", "bf16-mixed": "bf16"}
 HOW_TO_CALIBRATE = ("measure this machine with `accelrun plan --calibrate --output cluster.yaml` and pass "
                     "--cluster cluster.yaml")
-
-
-class PlanError(UserError):
-    """A recipe or cluster description the planner cannot plan; the message names the key."""
 
 
 @dataclass(frozen=True)

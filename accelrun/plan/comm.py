@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 
 from accelrun.config.schema import MESH_ORDER  # outermost first; defined once, with the schema
-from accelrun.plan.cluster import Cluster, Link, PlanError
+from accelrun.plan.cluster import Cluster, Link
+from accelrun.plan.errors import PlanError
 from accelrun.plan.workload import Layout
 
 

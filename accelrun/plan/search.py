@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from accelrun.config import ConfigError
 from accelrun.config.compose import Composed, Source
 from accelrun.config.validate import validate
-from accelrun.plan.cluster import Cluster, PlanError
+from accelrun.plan.cluster import Cluster
+from accelrun.plan.errors import PlanError
 from accelrun.plan.predict import Plan, predict
 from accelrun.plan.workload import PlanOptions
 
