@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from accelrun.config.schema import RunConfig
-from accelrun.plan.cluster import Cluster, PlanError, resolve_cluster
+from accelrun.plan.cluster import Cluster, resolve_cluster
 from accelrun.plan.coverage import unmodelled
+from accelrun.plan.errors import PlanError
 from accelrun.plan.memory import GIB, MemoryEstimate, estimate_memory
 from accelrun.plan.timing import StepTime, estimate_time
 from accelrun.plan.workload import PlanOptions, Workload, workload_from_config
