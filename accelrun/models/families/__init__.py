@@ -5,14 +5,17 @@ meta device, its FLOPs per token and parameter count, its tensor-parallel plan (
 applies it), how it splits into pipeline stages, and how Hugging Face config keys and weight names
 map onto it. The planner (torch-free) asks the family's ``shape`` module for the step's shape.
 
-Adding a family: a folder ``families/<name>/`` with
+Adding a family: a folder ``families/<name>/`` holding everything of the family, with
 
+- ``model.py``: the module (built on meta; ``init_weights(seed)`` keyed by ``shard_init.param_key``),
 - ``spec.py`` defining ``SPEC`` (its ``__init__`` hands it out lazily, so that the folder can be
   imported without torch),
-- ``shape.py`` defining ``plan_shape(model_config) -> accelrun.plan.workload.Shape`` (torch-free),
+- ``shape.py`` defining ``plan_shape(model_config) -> accelrun.plan.workload.Shape`` and the family's
+  ``param_count`` and ``flops_per_token`` from that shape (torch-free),
 
 and one line in :data:`FAMILIES` below (plus its ``model_type`` line in ``config/hf_model.py`` to load
-Hugging Face folders, and its name in ``ModelConfig.arch``).
+Hugging Face folders, and its name in ``ModelConfig.arch``). ``tests/models/test_add_a_family.py``
+does this with a toy family.
 
 >>> get_family("llama").name
 'llama'
