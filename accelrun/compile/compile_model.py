@@ -113,11 +113,11 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         from accelrun.compile.graph_cache import install
 
         install(cache, [model], "forward")
-        _FirstCallFallback(model, backend, record).install()  # a graph break: precompiling is refused
+        _FirstCallFallback(model, backend, record).install("forward")  # a graph break: precompile refused
         return done(f"the whole model with {name}")
     model.compile(backend=backend, fullgraph=cfg.fullgraph)
     if not cfg.fullgraph:
-        _FirstCallFallback(model, backend, record).install()
+        _FirstCallFallback(model, backend, record).install("_compiled_call_impl")
     if scope != "model":
         return done(f"the whole model with {name} (compile.scope = {scope}, but it has no repeated blocks of "
                     "its own classes)")  # fmt: skip
@@ -163,22 +163,36 @@ def compile_module(module: nn.Module, backend: object, fullgraph: bool = False) 
 class _FirstCallFallback:
     """After the whole model's first forward: if Dynamo compiled nothing (it skipped the frame: a
     data-dependent branch in a loop), compile the repeated modules inside it one by one (a mixture's
-    experts), so the run is not eager from start to end. The first step itself ran eagerly."""
+    experts), so the run is not eager from start to end. The first step itself ran eagerly.
+
+    It wraps the callable that Module.__call__ reaches (``Module.compile``'s compiled call, or the graph
+    cache's ``forward``) for one call, rather than adding a forward hook: hooks run inside the compiled
+    call, and Dynamo breaks the graph at one that removes itself."""
 
     def __init__(self, model: nn.Module, backend: object, record: Any) -> None:
         from accelrun.compile.coverage import snapshot
 
         self.model, self.backend, self.record = model, backend, record
         self.start = snapshot()
-        self.handle: Any = None
 
-    def install(self) -> None:
-        self.handle = self.model.register_forward_hook(self._after_first_forward)
+    def install(self, attr: str) -> None:
+        # ``_compiled_call_impl``: where Module.compile keeps the compiled call (torch 2.11-2.13); a torch
+        # without it gets no fallback rather than a failed run.
+        inner = getattr(self.model, attr, None)
+        if inner is None:
+            return
 
-    def _after_first_forward(self, *_: Any) -> None:
+        def first_call(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            setattr(self.model, attr, inner)  # every later call goes straight to the compiled one
+            self._after_first_forward()
+            return out
+
+        setattr(self.model, attr, first_call)
+
+    def _after_first_forward(self) -> None:
         from accelrun.compile.coverage import since
 
-        self.handle.remove()
         if since(self.start)["frames"].get("ok", 0) > 0 or (self.record is not None and self.record.graphs_in_use()):
             return  # the forward compiled (whole, in pieces between graph breaks, or from the graph cache)
         found = repeated_blocks(self.model, builtins=True)
