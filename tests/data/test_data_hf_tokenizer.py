@@ -315,7 +315,7 @@ def test_train_on_text_with_the_model_hf_folders_tokenizer(files, tmp_path):
     runner = CliRunner()
     args = ["generate", str(result.run_dir), "--prompt", "def add(", "--max-new-tokens", "5", "--seed", "1"]
     sample = runner.invoke(cli, args)
-    assert sample.exit_code == 0 and sample.output.startswith("def add("), sample.output
+    assert sample.exit_code == 0 and sample.stdout.startswith("def add("), sample.output  # stderr: run, step
     # ... and without that tokenizer it stops, naming the file, rather than falling back to bytes.
     (model / "tokenizer.json").rename(model / "moved.json")
     gone = runner.invoke(cli, args)

@@ -62,6 +62,6 @@ def test_sequence_and_loss_parallelism_are_searched_and_a_recipe_with_them_still
     assert all("parallel.sequence_parallel=true" in c.line and "parallel.loss_parallel=true" in c.line
                for c in sharded)
     # A recipe that asks for sequence parallelism is not limited to tp > 1 layouts (tp=1 turns it off).
-    _, _, with_sp = search(cluster_file, "parallel.nproc_per_node=2", "parallel.tp=2", "parallel.dp_shard=1",
+    _, _, with_sp = search(cluster_file, "parallel.nproc_per_node=2", "parallel.tp=2", "parallel.dp_shard=1", "compile.backend=eager",
                            "parallel.sequence_parallel=true", top=10_000)
     assert any(c.plan.workload.layout.tp == 1 for c in with_sp.best)
