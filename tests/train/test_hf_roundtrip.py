@@ -70,7 +70,8 @@ def test_hf_folder_without_weights_exits_2_before_a_run_directory(tiny, tmp_path
     (src / "model.safetensors").unlink()
     r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG), *tiny(2, f"model.hf={src}")])
     errors = [line for line in r.output.splitlines() if not line.startswith("warning:")]  # tiny's shape keys
-    assert r.exit_code == 2 and errors == [f"error: model.hf: {src} holds no *.safetensors files"]
+    assert r.exit_code == 2 and errors == [f"error: model.hf: {src} holds no *.safetensors files "
+                                           f"(model.hf: override 'model.hf={src}')"]
     assert not (tmp_path / "runs").exists()
 
 
