@@ -132,7 +132,9 @@ def run_one(plan: AbPlan, v: Variant, repeat: int, index: int, total: int, t0: f
     with open(log_path, "w", encoding="utf-8") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                # Every variant on torch's default threads: a thread count picked per run from
+                                # the machine's load (train/threads.py) would make the runs unlike for like.
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "ACCELRUN_FIXED_THREADS": "1"})
         assert proc.stdout is not None
         for line in proc.stdout:
             log.write(line)
