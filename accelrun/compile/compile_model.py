@@ -32,7 +32,6 @@ class Compiled:
     description: str  # what was compiled, for the run's log and report
     record: object | None = None  # accelrun's CompileRecord (None for eager and inductor)
     backend: object | None = None
-    scope: str | None = None  # the scope compiled (auto resolved), None for eager
 
 
 def resolve_scope(cfg: CompileConfig, model: nn.Module, blocks: list[nn.Module] | None,
@@ -73,7 +72,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
     chosen = f" (compile.scope = auto: {scope}, {why})" if why else ""
 
     def done(what: str) -> Compiled:
-        return Compiled(what + chosen, record, backend, scope)
+        return Compiled(what + chosen, record, backend)
 
     name = cfg.backend
     if scope in ("block", "loss") and blocks is not None:

@@ -38,23 +38,6 @@ def _own_cpu_s() -> float:
                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
-class OtherCpuMeter:
-    """Started at construction; :meth:`share` after the child has exited and been waited for."""
-
-    def __init__(self) -> None:
-        self._busy0, self._own0, self._t0 = _busy_cpu_s(), _own_cpu_s(), time.perf_counter()
-
-    def share(self) -> float | None:
-        """Fraction (0–1) of all cores' time that other processes used; None where not measurable."""
-        busy = _busy_cpu_s()
-        wall = time.perf_counter() - self._t0
-        cores = os.cpu_count() or 1
-        if busy is None or self._busy0 is None or wall <= 0:
-            return None
-        others = (busy - self._busy0) - (_own_cpu_s() - self._own0)
-        return min(max(others / (wall * cores), 0.0), 1.0)
-
-
 # Other processes using more than this share of the machine's CPU while a run or comparison was timed
 # earn a warning (ab's runs, and every training run's own loop).
 BUSY_WARNING = 0.10
@@ -67,18 +50,36 @@ class CpuWindow:
 
     def __init__(self) -> None:
         self._busy0 = _busy_cpu_s()
-        self._own0 = _self_cpu_s()
+        self._own0 = self._own_now()
         self._t0 = time.perf_counter()
+
+    def _own_now(self) -> float:
+        return _self_cpu_s()
 
     def busy_s(self) -> float | None:
         busy = _busy_cpu_s()
         return None if busy is None or self._busy0 is None else busy - self._busy0
 
     def own_s(self) -> float:
-        return _self_cpu_s() - self._own0
+        return self._own_now() - self._own0
 
     def wall_s(self) -> float:
         return time.perf_counter() - self._t0
+
+    def others_share(self) -> float | None:
+        """Fraction (0-1) of all cores' time that processes other than this one used so far."""
+        return others_share(self.busy_s(), self.own_s(), self.wall_s(), os.cpu_count() or 1)
+
+
+class OtherCpuMeter(CpuWindow):
+    """A window that counts this process's waited-for children as its own: :meth:`share` after the
+    child has exited and been waited for."""
+
+    def _own_now(self) -> float:
+        return _own_cpu_s()
+
+    def share(self) -> float | None:
+        return self.others_share()
 
 
 def _self_cpu_s() -> float:

@@ -67,6 +67,6 @@ def choose_threads(look_s: float = LOOK_S) -> ThreadChoice:
     usable = usable_cores()
     window = CpuWindow()
     time.sleep(look_s)
-    busy = window.busy_s()
-    others = None if busy is None else max(busy - window.own_s(), 0.0) / window.wall_s()
+    share = window.others_share()  # of all the machine's cores: back to cores' worth
+    others = None if share is None else share * (os.cpu_count() or 1)
     return ThreadChoice(threads_for(usable, others), usable, others)
