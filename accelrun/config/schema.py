@@ -148,10 +148,21 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    source: Literal["builtin", "synthetic", "text", "tokens"] = "builtin"
+    source: Literal["builtin", "synthetic", "text", "tokens", "documents"] = "builtin"
     # builtin: a corpus every machine has without downloading (the Python standard library's source).
     builtin: Literal["python-stdlib"] = "python-stdlib"
-    paths: StrList = Field(default_factory=list, description="files or globs for text / tokens")
+    paths: StrList = Field(default_factory=list, description="files, folders or globs for text / tokens / "
+                           "documents (documents: .jsonl .json .parquet .csv .arrow and save_to_disk folders)")
+    text_field: str = Field("text", min_length=1, description="documents: the column holding each document's text")
+    format: Literal["text", "chat"] = Field(
+        "text", description="documents: text = one document per record; chat = a list of {role, content} "
+        "messages per record, rendered with the tokenizer's chat template")
+    messages_field: str = Field("messages", min_length=1, description="format = chat: the column holding the messages")
+    loss_on: Literal["assistant", "all"] = Field(
+        "assistant", description="format = chat: assistant = only the assistant's tokens are in the loss")
+    packing: Literal["concat", "document"] = Field(
+        "concat", description="concat: documents run together in each window (pretraining); document: no "
+        "token attends across a document boundary and positions restart at each document (fine-tuning)")
     tokenizer: str = Field("byte", min_length=1, description="byte (built in); a tokenizer.json or a folder "
                            "holding one (the tokenizers library); hf = model.hf's folder")
     max_bytes: PositiveInt | None = Field(64 * 2**20, description="cap on text read (builtin/text)")

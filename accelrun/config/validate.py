@@ -386,7 +386,10 @@ DATA_KEYS_USED_BY = {
     "text": ("tokenizer", "max_bytes"),
     "tokens": ("tokenizer",),  # checked against the tokenizer each token file records
     "synthetic": (),
+    "documents": ("tokenizer", "max_bytes", "text_field", "format", "messages_field", "loss_on"),
 }
+# Keys read by one source only; the others warn when a user sets them (packing applies to every source).
+SOURCE_SPECIFIC_DATA_KEYS = ("builtin", "tokenizer", "max_bytes", "text_field", "format", "messages_field", "loss_on")
 
 
 def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]:
@@ -405,7 +408,7 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
         if ignored:
             out.append(f"model.custom is set, so the model families' shape keys are not used: "
                        f"model.{', model.'.join(ignored)}")
-    for key in ("builtin", "tokenizer", "max_bytes"):
+    for key in SOURCE_SPECIFIC_DATA_KEYS:
         if key not in DATA_KEYS_USED_BY[cfg.data.source] and (src := set_by_user("data", key)):
             out.append(f"data.{key} ({src}) has no effect with data.source = {cfg.data.source}")
     out += tokenizer_warnings(cfg)

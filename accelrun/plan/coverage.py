@@ -46,6 +46,8 @@ NO_EFFECT = frozenset({
     "model.aux_loss_coef",  # one scalar multiply of the load-balancing loss
     "checkpoint.hf_on_finish",  # after the last step
     "data.source", "data.builtin", "data.paths", "data.tokenizer", "data.max_bytes", "data.shuffle", "data.seed",
+    "data.text_field", "data.format", "data.messages_field",
+    "data.loss_on",  # which targets count in the loss; every token is still computed
     "train.steps", "train.seed", "train.optimizer.name", "train.optimizer.lr", "train.optimizer.betas",
     "train.optimizer.eps", "train.optimizer.weight_decay", "train.lr_schedule.name",
     "train.lr_schedule.warmup_steps", "train.lr_schedule.min_lr_ratio",
@@ -66,6 +68,7 @@ UNMODELLED = frozenset({
     "report.read_every",  # how often the host waits for the device: planned as never
     "train.device", "train.cpu_malloc",
     "model.capacity_factor",  # dropped assignments skip their expert: planned as none dropped
+    "data.packing",  # document: block-causal attention skips cross-document blocks; planned as causal
 })
 
 
@@ -98,6 +101,9 @@ def unmodelled(cfg: RunConfig) -> list[str]:
     if cfg.model.arch == "moe" and cfg.model.capacity_factor is not None:
         out.append(f"model.capacity_factor = {cfg.model.capacity_factor}: planned as if no token were dropped "
                    "(dropped assignments skip their expert's matmuls and all-to-alls)")
+    if cfg.data.packing == "document":
+        out.append("data.packing = document: attention is planned as causal over the whole window; attention "
+                   "restricted to each document costs less, by how much depends on the documents' lengths")
     device = cfg.cluster.device
     if t.device != "auto" and device is not None and (t.device == "cpu") != (device == "cpu"):
         out.append(f"train.device = {t.device} on a {device} cluster: planned on the cluster's devices")
