@@ -28,6 +28,8 @@ class PrefixStream(TokenStream):
         self.inner, self.length = stream, length
         self.vocab_size = stream.vocab_size
         self.fingerprint: dict[str, Any] = {**stream.fingerprint, "held_out_windows": held_out_windows}
+        inner = stream.document_starts  # the documents that begin inside the prefix
+        self.document_starts = None if inner is None else inner[: int(torch.searchsorted(inner, length))]
 
     def __len__(self) -> int:
         return self.length
