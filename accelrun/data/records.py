@@ -1,0 +1,363 @@
+"""Records from the files teams keep corpora in: ``.jsonl``, ``.json``, ``.csv``, ``.parquet``, ``.arrow``
+and ``datasets`` ``save_to_disk`` folders, the format from the extension.
+
+Public entry point (the ``documents`` source, chat data and ``accelrun data prepare`` read through it)::
+
+    iter_records(paths, columns, *, key="data.paths") -> Iterator[Record]
+    record[column] -> the value;  record.where -> "corpus/a.jsonl:17" / "corpus/b.parquet row 1203"
+
+    for record in iter_records(["corpus/*.jsonl"], ["text"]):
+        text = record.text("text", key="data.text_field")   # a str, or one DataError line naming record.where
+
+``iter_record_batches`` gives the same records a batch at a time (columns as lists), for encoders
+that work on batches. Everything is streamed: jsonl, json lines and csv a line at a time with the
+standard library (no extra needed), parquet a row group's batch at a time and Arrow files through a
+memory map (pyarrow, ``pip install 'accelrun[data]'``), so memory stays bounded on a corpus larger
+than RAM. A ``.json`` file holding one JSON array is the exception: it is parsed whole.
+
+Errors are ``DataError``s of one line that name the file and line (or row): a malformed jsonl line, a
+missing column (with the columns that exist), an empty corpus.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from accelrun.errors import DataError
+
+ROWS_PER_BATCH = 1024
+PYARROW_HINT = "pip install 'accelrun[data]' (pyarrow)"
+
+
+class RecordFormat(Enum):
+    JSONL = "jsonl"
+    JSON = "json"
+    CSV = "csv"
+    PARQUET = "parquet"
+    ARROW = "arrow"
+
+    @property
+    def needs_pyarrow(self) -> bool:
+        return self in (RecordFormat.PARQUET, RecordFormat.ARROW)
+
+
+EXTENSIONS = {".jsonl": RecordFormat.JSONL, ".ndjson": RecordFormat.JSONL, ".json": RecordFormat.JSON,
+              ".csv": RecordFormat.CSV, ".parquet": RecordFormat.PARQUET, ".arrow": RecordFormat.ARROW}
+
+
+@dataclass(frozen=True)
+class RecordFile:
+    path: Path
+    format: RecordFormat
+
+
+@dataclass(frozen=True)
+class RecordBatch:
+    """Consecutive records of one file: ``columns[name][i]`` is record ``i``'s value."""
+
+    file: RecordFile
+    columns: dict[str, list[Any]]
+    lines: list[int] | None  # jsonl / csv: each record's line (1-based); None: columnar, rows count
+    first_row: int  # the row number (0-based) of record 0 within its file
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values()))) if self.columns else 0
+
+    def where(self, i: int) -> str:
+        if self.lines is not None:
+            return f"{self.file.path}:{self.lines[i]}"
+        return f"{self.file.path} row {self.first_row + i}"
+
+    def text(self, column: str, i: int, *, key: str) -> str:
+        """Record ``i``'s ``column`` if it is a string; else one line naming where and what it is."""
+        value = self.columns[column][i]
+        if isinstance(value, str):
+            return value
+        raise _not_text(self.where(i), key, column, value)
+
+    def record(self, i: int) -> Record:
+        return Record({c: v[i] for c, v in self.columns.items()}, self.where(i))
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record's requested columns and where it came from."""
+
+    values: dict[str, Any]
+    where: str
+
+    def __getitem__(self, column: str) -> Any:
+        return self.values[column]
+
+    def text(self, column: str, *, key: str) -> str:
+        value = self.values[column]
+        if isinstance(value, str):
+            return value
+        raise _not_text(self.where, key, column, value)
+
+
+def _not_text(where: str, key: str, column: str, value: Any) -> DataError:
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    what = "null" if value is None else f"{type(value).__name__} {shown}"
+    return DataError(f"{where}: {key} {column!r} is {what}, not text")
+
+
+def iter_records(paths: Sequence[str], columns: Sequence[str], *, key: str = "data.paths",
+                 column_key: str | None = None) -> Iterator[Record]:
+    """Every record of the files ``paths`` names (files, folders, globs), in order, with ``columns``.
+
+    A record without one of ``columns`` is a ``DataError`` naming the columns it has (``column_key``,
+    e.g. ``data.text_field``, is the setting the message tells the user to change)."""
+    for batch in iter_record_batches(paths, columns, key=key, column_key=column_key):
+        for i in range(len(batch)):
+            yield batch.record(i)
+
+
+def iter_record_batches(paths: Sequence[str], columns: Sequence[str], *, key: str = "data.paths",
+                        column_key: str | None = None, rows: int = ROWS_PER_BATCH) -> Iterator[RecordBatch]:
+    """``iter_records``, a batch of up to ``rows`` records of one file at a time. An empty corpus
+    (no record in any file) is a ``DataError`` once everything was read."""
+    files = record_files(paths, key=key)
+    seen = 0
+    for f in files:
+        for batch in read_file(f, columns, column_key=column_key, rows=rows):
+            seen += len(batch)
+            yield batch
+    if seen == 0:
+        names = ", ".join(str(f.path) for f in files[:3]) + (", ..." if len(files) > 3 else "")
+        raise DataError(f"{key}: the corpus is empty: no records in {names}")
+
+
+def record_files(paths: Sequence[str], *, key: str = "data.paths") -> list[RecordFile]:
+    """The record files ``paths`` names, in order: a file by its extension, a ``save_to_disk`` folder as
+    its Arrow files, any other folder as the record files under it (sorted), a glob as its matches."""
+    if not paths:
+        raise DataError(f"{key} is empty: give at least one file, folder or glob")
+    out: list[RecordFile] = []
+    seen: set[str] = set()
+    for pattern in paths:
+        expanded = os.path.expanduser(pattern)
+        matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else (
+            [expanded] if os.path.exists(expanded) else [])
+        if not matches:
+            raise DataError(f"{key}: {pattern!r} matches no file or folder")
+        found: list[RecordFile] = []
+        for m in matches:
+            found += _folder_files(Path(m), key) if os.path.isdir(m) else _one_file(Path(m), key, strict=m == expanded)
+        if not found:
+            raise DataError(f"{key}: {pattern!r} holds no record files ({', '.join(EXTENSIONS)})")
+        for f in found:
+            if (a := os.path.abspath(f.path)) not in seen:
+                seen.add(a)
+                out.append(f)
+    return out
+
+
+def _one_file(path: Path, key: str, *, strict: bool) -> list[RecordFile]:
+    fmt = EXTENSIONS.get(path.suffix.lower())
+    if fmt is None:
+        if strict:  # named on its own: say what is read; a glob's other matches are skipped quietly
+            raise DataError(f"{key}: {str(path)!r} is not a record file: expected one of {', '.join(EXTENSIONS)} "
+                            "or a save_to_disk folder (plain text files: data.source = text)")
+        return []
+    return [RecordFile(path, fmt)]
+
+
+def _folder_files(folder: Path, key: str) -> list[RecordFile]:
+    if (folder / "dataset_dict.json").is_file():
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        first = splits[0] if splits else "train"
+        raise DataError(f"{key}: {str(folder)!r} is a DatasetDict with splits {', '.join(splits)}: name one "
+                        f"split's folder, e.g. {str(folder / first)!r}")
+    if (folder / "state.json").is_file():  # datasets' save_to_disk: its Arrow files, in their order
+        try:
+            state = json.loads((folder / "state.json").read_text())
+            names = [d["filename"] for d in state["_data_files"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{key}: {folder / 'state.json'} is not a save_to_disk state file ({e})") from None
+        return [RecordFile(folder / n, RecordFormat.ARROW) for n in names]
+    out: list[RecordFile] = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames.sort()
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        here = Path(dirpath)
+        if here != folder and (here / "state.json").is_file():  # a save_to_disk folder inside
+            out += _folder_files(here, key)
+            dirnames[:] = []
+            continue
+        out += [RecordFile(here / n, EXTENSIONS[Path(n).suffix.lower()]) for n in sorted(filenames)
+                if Path(n).suffix.lower() in EXTENSIONS and not n.startswith(".")]
+    return out
+
+
+def read_file(f: RecordFile, columns: Sequence[str], *, column_key: str | None = None,
+              rows: int = ROWS_PER_BATCH) -> Iterator[RecordBatch]:
+    """The records of one file, ``rows`` at a time."""
+    readers = {RecordFormat.JSONL: _read_json_lines, RecordFormat.JSON: _read_json, RecordFormat.CSV: _read_csv,
+               RecordFormat.PARQUET: _read_parquet, RecordFormat.ARROW: _read_arrow}
+    try:
+        yield from readers[f.format](f, list(columns), column_key, rows)
+    except OSError as e:
+        raise DataError(f"cannot read {str(f.path)!r}: {e.strerror or e}") from None
+
+
+def _missing(where: str, column: str, have: Sequence[str], column_key: str | None) -> DataError:
+    fix = f"; set {column_key} to one of them" if column_key and have else ""
+    fields = ", ".join(repr(h) for h in have) if have else "none"
+    return DataError(f"{where}: no field {column!r} (fields: {fields}){fix}")
+
+
+class _Rows:
+    """Collects dict records of a line-oriented file into batches, checking each has the columns."""
+
+    def __init__(self, f: RecordFile, columns: list[str], column_key: str | None):
+        self.f, self.columns, self.column_key = f, columns, column_key
+        self.values: dict[str, list[Any]] = {c: [] for c in columns}
+        self.lines: list[int] = []
+        self.first_row = self.n = 0
+
+    def add(self, obj: Any, line: int) -> None:
+        if not isinstance(obj, dict):
+            raise DataError(f"{self.f.path}:{line}: expected a JSON object per record, got {type(obj).__name__}")
+        for c in self.columns:
+            if c not in obj:
+                raise _missing(f"{self.f.path}:{line}", c, list(obj), self.column_key)
+            self.values[c].append(obj[c])
+        self.lines.append(line)
+        self.n += 1
+
+    def take(self) -> RecordBatch:
+        batch = RecordBatch(self.f, self.values, self.lines, self.first_row)
+        self.first_row = self.n
+        self.values, self.lines = {c: [] for c in self.columns}, []
+        return batch
+
+
+def _read_json_lines(f: RecordFile, columns, column_key, rows, *, first_line: str | None = None):
+    rec = _Rows(f, columns, column_key)
+    with open(f.path, encoding="utf-8", errors="replace") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{f.path}:{number}: malformed JSON line ({e.msg} at column {e.colno})") from None
+            rec.add(obj, number)
+            if len(rec.lines) >= rows:
+                yield rec.take()
+    if rec.lines:
+        yield rec.take()
+
+
+def _read_json(f: RecordFile, columns, column_key, rows):
+    """A ``.json`` file: one JSON array of objects (parsed whole), or JSON lines as datasets writes them."""
+    with open(f.path, encoding="utf-8", errors="replace") as fh:
+        head = fh.read(4096).lstrip()
+    if not head.startswith("["):
+        yield from _read_json_lines(f, columns, column_key, rows)
+        return
+    try:
+        items = json.loads(Path(f.path).read_text(encoding="utf-8", errors="replace"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{f.path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+    rec = _Rows(f, columns, column_key)
+    for i, obj in enumerate(items):
+        if not isinstance(obj, dict):
+            raise DataError(f"{f.path} item {i}: expected a JSON object per record, got {type(obj).__name__}")
+        for c in columns:
+            if c not in obj:
+                raise _missing(f"{f.path} item {i}", c, list(obj), column_key)
+        rec.add(obj, i)
+        if len(rec.lines) >= rows:
+            yield _as_rows(rec.take())
+    if rec.lines:
+        yield _as_rows(rec.take())
+
+
+def _as_rows(batch: RecordBatch) -> RecordBatch:
+    """A JSON array's records are counted as items, not lines."""
+    return RecordBatch(batch.file, batch.columns, None, batch.first_row)
+
+
+def _read_csv(f: RecordFile, columns, column_key, rows):
+    csv.field_size_limit(2**31 - 1)  # a document is one cell: the default 128 KiB cap is too small
+    rec = _Rows(f, columns, column_key)
+    with open(f.path, encoding="utf-8", errors="replace", newline="") as fh:
+        reader = csv.DictReader(fh)
+        header = reader.fieldnames or []
+        for c in columns:
+            if c not in header:
+                raise _missing(f"{f.path}:1", c, header, column_key)
+        line = reader.line_num + 1
+        for row in reader:
+            rec.add(row, line)
+            line = reader.line_num + 1  # a quoted cell may span several lines
+            if len(rec.lines) >= rows:
+                yield rec.take()
+    if rec.lines:
+        yield rec.take()
+
+
+def _pyarrow(f: RecordFile):
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise DataError(f"{f.path}: reading .{f.format.value} files needs pyarrow: {PYARROW_HINT}") from None
+    return pyarrow
+
+
+def _check_schema(f: RecordFile, names: Sequence[str], columns, column_key) -> None:
+    for c in columns:
+        if c not in names:
+            raise _missing(str(f.path), c, list(names), column_key)
+
+
+def _columnar(f: RecordFile, batches, columns, first_row: int = 0):
+    for b in batches:
+        if b.num_rows:
+            yield RecordBatch(f, {c: b.column(c).to_pylist() for c in columns}, None, first_row)
+            first_row += b.num_rows
+
+
+def _read_parquet(f: RecordFile, columns, column_key, rows):
+    pa = _pyarrow(f)
+    try:
+        pf = pa.parquet.ParquetFile(f.path)
+    except pa.ArrowInvalid as e:
+        raise DataError(f"{f.path}: not a parquet file ({e})") from None
+    _check_schema(f, pf.schema_arrow.names, columns, column_key)
+    yield from _columnar(f, pf.iter_batches(batch_size=rows, columns=columns), columns)
+
+
+def _read_arrow(f: RecordFile, columns, column_key, rows):
+    """An Arrow IPC stream (what ``save_to_disk`` writes) or IPC file, memory-mapped: batches are read
+    in place, so only the columns asked for are touched."""
+    pa = _pyarrow(f)
+    with pa.memory_map(str(f.path)) as source:
+        try:
+            reader = pa.ipc.open_stream(source)
+            batches = iter(reader)
+            schema = reader.schema
+        except pa.ArrowInvalid:
+            source.seek(0)
+            try:
+                file_reader = pa.ipc.open_file(source)
+            except pa.ArrowInvalid as e:
+                raise DataError(f"{f.path}: not an Arrow IPC stream or file ({e})") from None
+            schema = file_reader.schema
+            batches = (file_reader.get_batch(i) for i in range(file_reader.num_record_batches))
+        _check_schema(f, schema.names, columns, column_key)
+        selected = (b.select(columns) for b in batches)
+        sliced = (b.slice(s, rows) for b in selected for s in range(0, b.num_rows, rows))
+        yield from _columnar(f, sliced, columns)
