@@ -309,6 +309,7 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
         out.append(f"{v('train.seq_len')} is not divisible by tensor-parallel degree {deg['tp']} "
                    "(parallel.sequence_parallel shards the sequence)")
     out += _context_parallel_problems(cfg, deg, v)
+    out += _document_packing_problems(cfg, deg, v)
     out += moe_problems(cfg, deg, v)
     if par.pp_layers is not None:
         stages = deg["pp"] * PP_STAGES_PER_RANK[par.pp_schedule]
@@ -324,6 +325,24 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
 # Model families whose attention can run on sequence shards (their ModelSpec has a context_parallel
 # hook, accelrun.models.families; a test keeps the two in step so that `validate` needs no torch).
 CP_FAMILIES = ("llama",)
+
+
+def _document_packing_problems(cfg: RunConfig, deg: dict[str, int], v) -> list[str]:
+    """data.packing = document: each batch carries the tokens' positions in their documents, which the
+    training step hands to the model with the tokens. Layouts that move the batch some other way do not
+    carry them yet."""
+    if cfg.data.packing != "document":
+        return []
+    out: list[str] = []
+    if cfg.data.source == "synthetic":
+        out.append(f"{v('data.packing')} needs documents, and {v('data.source')} has none (use concat)")
+    if deg["pp"] > 1:  # the schedule feeds tokens to the first stage only; every stage needs the positions
+        out.append(f"{v('data.packing')} with {v('parallel.pp')} is not supported yet (use concat, or parallel.pp = 1)")
+    if deg["cp"] > 1:  # ring attention over sequence chunks has no document mask
+        out.append(f"{v('data.packing')} with {v('parallel.cp')} is not supported yet (use concat, or parallel.cp = 1)")
+    if cfg.eval.every > 0:  # held-out batches are evaluated as concat windows
+        out.append(f"{v('data.packing')} with {v('eval.every')} is not supported yet (set eval.every = 0)")
+    return out
 
 
 def _context_parallel_problems(cfg: RunConfig, deg: dict[str, int], v) -> list[str]:

@@ -101,6 +101,7 @@ def build_data(
         shuffle=data_cfg.shuffle,
         dp_rank=dp_rank,
         dp_size=dp_size,
+        packing=data_cfg.packing,
     )
 
 

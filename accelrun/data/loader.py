@@ -4,7 +4,9 @@ Packing: the stream is cut into ``n_windows = (len(stream) - 1) // seq_len`` win
 ``seq_len + 1`` tokens, window ``i`` starting at ``i * seq_len``. Consecutive windows share one
 boundary token (the last target of window ``i`` is the first input of window ``i + 1``), so every
 token is trained on as a target exactly once per epoch. Document boundaries are not respected:
-EOS tokens inside a window separate documents.
+EOS tokens inside a window separate documents. With ``packing="document"`` the windows are the same,
+and each batch is a ``DocumentBatch`` that also carries each token's position in its document and
+masks the targets that cross a boundary (``accelrun.data.document_packing``).
 
 Order: each epoch reads the windows in a permutation drawn from a generator seeded by
 ``(seed, epoch)`` (identity when shuffling is off). Every rank computes the same permutation.
@@ -29,7 +31,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from accelrun.data.document_packing import DocumentBatch, document_window_batch, require_document_index
 from accelrun.data.errors import DataError
+from accelrun.data.loss_mask import mask_targets
 from accelrun.data.seeding import generator
 from accelrun.data.stream import TokenStream
 
@@ -38,7 +42,7 @@ STATE_VERSION = 1
 
 class Batch(NamedTuple):
     inputs: torch.Tensor  # (B, T) int64
-    targets: torch.Tensor  # (B, T) int64: inputs shifted left by one token
+    targets: torch.Tensor  # (B, T) int64: inputs shifted left by one token; IGNORE_INDEX where out of the loss
 
 
 class TokenBatchIterator:
@@ -59,6 +63,7 @@ class TokenBatchIterator:
         shuffle: bool = True,
         dp_rank: int = 0,
         dp_size: int = 1,
+        packing: str = "concat",
     ):
         if seq_len < 1 or micro_batch < 1 or dp_size < 1:
             raise ValueError(
@@ -73,6 +78,9 @@ class TokenBatchIterator:
         self.shuffle = shuffle
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.packing = packing  # data.packing: concat | document
+        if packing == "document":
+            require_document_index(stream)
         self.n_windows = max(len(stream) - 1, 0) // seq_len
         if self.n_windows < self.step_windows:
             needed = self.step_windows * seq_len + 1
@@ -115,7 +123,7 @@ class TokenBatchIterator:
     def __iter__(self) -> TokenBatchIterator:
         return self
 
-    def __next__(self) -> Batch:
+    def __next__(self) -> Batch | DocumentBatch:
         # Every rank applies this rule to the same (position, step_windows, n_windows), so all ranks
         # start a new epoch at the same step.
         if self.position + self.step_windows > self.n_windows:
@@ -124,10 +132,15 @@ class TokenBatchIterator:
         first = self.position + self.dp_rank * self.micro_batch
         windows = self.epoch_order(self.epoch)[first : first + self.micro_batch].tolist()
         T = self.seq_len
+        if self.packing == "document":
+            self.position += self.step_windows
+            return document_window_batch(self.stream, [i * T for i in windows], T)
         rows = [self.stream.read(i * T, i * T + T + 1) for i in windows]
         w_BT1 = torch.stack(rows)  # (B, T+1)
         self.position += self.step_windows
-        return Batch(w_BT1[:, :-1].contiguous(), w_BT1[:, 1:].contiguous())
+        targets_BT = w_BT1[:, 1:].contiguous()
+        mask_targets(self.stream, [i * T for i in windows], T, targets_BT)  # chat: only what counts
+        return Batch(w_BT1[:, :-1].contiguous(), targets_BT)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the iterator is. Plain ints and strings; identical on every rank but ``dp_rank``."""

@@ -163,17 +163,30 @@ def model_summary(cfg: ModelConfig, model: nn.Module, seq_len: int | None = None
     }
 
 
+def takes_document_positions(model: nn.Module) -> bool:
+    """Whether the model's forward takes ``positions_BT`` (document packing): the built-in families do."""
+    import inspect
+
+    return "positions_BT" in inspect.signature(model.forward).parameters
+
+
 def training_loss_fn(model: nn.Module):
-    """``(inputs, targets) -> mean cross-entropy``: the model's own loss head when its forward takes
-    targets (the built-in families: the head then compiles with ``compile.scope: loss`` or ``model``),
-    otherwise cross-entropy over the logits it returns."""
+    """``(inputs, targets[, positions]) -> mean cross-entropy``: the model's own loss head when its forward
+    takes targets (the built-in families: the head then compiles with ``compile.scope: loss`` or ``model``),
+    otherwise cross-entropy over the logits it returns. ``positions`` (document packing) is passed on as
+    ``positions_BT`` only when given, so concat packing calls the model exactly as before."""
     import inspect
 
     import torch.nn.functional as F
 
     params = inspect.signature(model.forward).parameters
     if "targets_BT" in params:
-        return lambda inputs_BT, targets_BT: model(inputs_BT, targets_BT)
+        def own_loss(inputs_BT, targets_BT, positions_BT=None):
+            if positions_BT is None:
+                return model(inputs_BT, targets_BT)
+            return model(inputs_BT, targets_BT, positions_BT=positions_BT)
+
+        return own_loss
 
     def loss(inputs_BT, targets_BT):
         logits_BTV = model(inputs_BT)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from accelrun.data.document_packing import DocumentBatch
+from accelrun.data.loss_mask import count_loss_targets
 from accelrun.dist import stop
 from accelrun.errors import CollectiveTimeout, TrainingDiverged  # noqa: F401 (tests import it from here)
 from accelrun.report.memory import peak_memory_bytes, peak_reserved_bytes, reset_peak_memory
@@ -82,11 +84,17 @@ def run_loop(
                 where.update(step=step, phase="forward and backward")
                 spans = []  # per micro-batch: its (start, data loaded, forward done, backward done) marks
                 loss_sum = torch.zeros((), device=dev)
+                loss_targets = torch.zeros((), dtype=torch.int64, device=dev)  # targets in the loss (chat masks some)
                 for _ in range(s.grad_accum):
                     m0 = clock.mark()
-                    inputs_BT, targets_BT = next(s.data)
-                    inputs_BT, targets_BT = inputs_BT.to(dev, non_blocking=True), targets_BT.to(dev, non_blocking=True)
+                    batch = next(s.data)
+                    inputs_BT, targets_BT = batch[0].to(dev, non_blocking=True), batch[1].to(dev, non_blocking=True)
+                    # data.packing = document: each token's position in its document goes to the model too.
+                    positions = ((batch.positions.to(dev, non_blocking=True),) if isinstance(batch, DocumentBatch)
+                                 else ())
                     m1 = clock.mark()
+                    counted = count_loss_targets(targets_BT)
+                    loss_targets += counted
                     if s.pipeline is not None:
                         # The schedule interleaves micro-batches' forwards and backwards: timed as one.
                         with autocast(cfg.train.precision, dev):
@@ -94,7 +102,10 @@ def run_loop(
                         m2 = m3 = clock.mark()
                     else:
                         with s.loss_context(), autocast(cfg.train.precision, dev):
-                            loss = s.loss_fn(inputs_BT, targets_BT) / s.grad_accum
+                            loss = s.loss_fn(inputs_BT, targets_BT, *positions) / s.grad_accum
+                        # A micro-batch with every target masked (a window of a long user turn) is a mean over
+                        # nothing, NaN: cross-entropy gives it zero gradients, and it adds 0 to the step's loss.
+                        loss = torch.where(counted > 0, loss, torch.zeros_like(loss))
                         m2 = clock.mark()
                         with s.loss_context():  # loss parallel: backward through the sharded loss too
                             loss.backward()
@@ -115,7 +126,7 @@ def run_loop(
                 s.optimizer.zero_grad(set_to_none=True)
                 m5 = clock.mark()
                 done = PendingStep(step, clock, StepMarks(m_start, spans, m4, m5), loss_t, grad_norm_t, None, lr=lr,
-                                   tokens=s.tokens_per_step, compile=step == s.start_step + 1 and s.compiles,
+                                   tokens=s.tokens_per_step, loss_tokens=loss_targets, compile=step == s.start_step + 1 and s.compiles,
                                    mem_peak_bytes=peak_memory_bytes(dev), mem_reserved_bytes=peak_reserved_bytes(dev))
                 where["phase"] = "summing the router's figures"
                 done.router = router_step_totals(s.model, s.ctx.distributed)  # MoE: every rank, every step

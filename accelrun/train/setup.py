@@ -27,7 +27,7 @@ from accelrun.dist.layout import apply_layout
 from accelrun.dist.pipeline import Pipeline, microbatch_loss, union_of
 from accelrun.dist.tp import loss_context
 from accelrun.models import build_model, model_flops_per_token, model_summary
-from accelrun.models.build import materialize_local, training_loss_fn
+from accelrun.models.build import materialize_local, takes_document_positions, training_loss_fn
 from accelrun.models.hf_io import load_hf_for_config
 from accelrun.report.peak import Peak, resolve_peak
 from accelrun.train.checkpoint import complete_checkpoints, load_checkpoint, remove_partial
@@ -56,7 +56,8 @@ class TrainSetup:
     # (label, accelrun's CompileRecord) of each part compiled on this rank: one under pipeline parallelism
     # per stage ("stage0", "stage2": interleaved schedules give a rank several); empty without accelrun.
     compile_parts: list[tuple[str, Any]]
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs, targets) -> mean loss
+    # (inputs, targets[, positions]) -> mean loss; positions under data.packing = document
+    loss_fn: Callable[..., torch.Tensor]
     checkpoint_dir: Path
     start_step: int
     resumed_from: Path | None
@@ -120,8 +121,8 @@ def _local_loss(loss_fn):
     (``to_local`` keeps the autograd graph: backward still runs through the sharded loss.)"""
     from torch.distributed.tensor import DTensor
 
-    def loss(inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-        value = loss_fn(inputs_BT, targets_BT)
+    def loss(inputs_BT: torch.Tensor, targets_BT: torch.Tensor, *positions: torch.Tensor) -> torch.Tensor:
+        value = loss_fn(inputs_BT, targets_BT, *positions)
         return value.to_local() if isinstance(value, DTensor) else value
 
     return loss
@@ -173,6 +174,10 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     on_meta = cfg.model.custom is None
     model = build_model(cfg.model, "meta" if on_meta else device, seed=t.seed)
     info = model_summary(cfg.model, model, seq_len=t.seq_len)
+    if cfg.data.packing == "document" and not takes_document_positions(model):
+        raise ConfigError(f"data.packing = document: model.custom's forward ({type(model).__name__}) takes no "
+                          "positions_BT (each token's position in its document), so it cannot keep attention "
+                          "inside documents; use data.packing: concat, or add the argument")
     pipeline = None
     parts, labels = [model], ["model"]
     if ctx.mesh is not None and ctx.pp_size > 1:

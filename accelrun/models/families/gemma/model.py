@@ -132,8 +132,9 @@ class GemmaBlock(nn.Module):
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
 
-    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TR, sin_TR)
+    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor,
+                positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TR, sin_TR, positions_BT)
         return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
 
 
@@ -200,8 +201,10 @@ class Gemma(nn.Module):
         if self.lm_head is not None and not a.tie_embeddings:
             shard_init.normal_(self.lm_head.weight, a.init_std, shard_init.param_key(seed, self.lm_head, "weight"))
 
-    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, V) in fp32; or, given targets, the mean cross-entropy loss."""
+    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
+                positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) in fp32; or, given targets, the mean cross-entropy loss. ``positions_BT``:
+        document packing, as Llama's."""
         T = tokens_BT.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len ({self.args.max_seq_len})")
@@ -210,10 +213,13 @@ class Gemma(nn.Module):
             h_BTD = h_BTD * self.embed_scale.to(h_BTD.dtype)  # the factor rounded to the activation dtype
         else:
             h_BTD = tokens_BT
-        cos_TR, sin_TR = self.rope_cos[:T], self.rope_sin[:T]
+        if positions_BT is None:
+            cos_TR, sin_TR = self.rope_cos[:T], self.rope_sin[:T]
+        else:  # (B, T, R): positions restart at each document
+            cos_TR, sin_TR = self.rope_cos[positions_BT], self.rope_sin[positions_BT]
         blocks = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
         for layer in blocks:
-            h_BTD = layer(h_BTD, cos_TR, sin_TR)
+            h_BTD = layer(h_BTD, cos_TR, sin_TR) if positions_BT is None else layer(h_BTD, cos_TR, sin_TR, positions_BT)
         if targets_BT is not None and self.lm_head is not None:
             return self.head_loss(h_BTD, targets_BT)
         if self.norm is not None:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accelrun.models import shard_init
+from accelrun.models.document_attention import document_attention
 from accelrun.models.sequence_chunks import chunk_positions
 
 
@@ -124,10 +125,15 @@ def llama3_scaled_frequencies(inv_freq_R: torch.Tensor, scaling: Any) -> torch.T
 
 
 def apply_rope(x_BTHE: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (x[2i], x[2i+1]) by the position's angle (Meta's reference layout)."""
+    """Rotate adjacent pairs (x[2i], x[2i+1]) by the position's angle (Meta's reference layout).
+    The tables are (T, R), one position per column, or (B, T, R) under document packing, where
+    positions restart at each document."""
     x_BTHR2 = x_BTHE.float().unflatten(-1, (-1, 2))
     x0, x1 = x_BTHR2.unbind(-1)  # each (B, T, H, R)
-    cos_T1R, sin_T1R = cos_TR[:, None, :].float(), sin_TR[:, None, :].float()
+    if cos_TR.dim() == 2:
+        cos_T1R, sin_T1R = cos_TR[:, None, :].float(), sin_TR[:, None, :].float()
+    else:  # (B, T, R) -> (B, T, 1, R)
+        cos_T1R, sin_T1R = cos_TR[:, :, None, :].float(), sin_TR[:, :, None, :].float()
     out_BTHR2 = torch.stack((x0 * cos_T1R - x1 * sin_T1R, x0 * sin_T1R + x1 * cos_T1R), dim=-1)
     return out_BTHR2.flatten(-2).type_as(x_BTHE)
 
@@ -144,7 +150,10 @@ class Attention(nn.Module):
         # attention of this rank's sequence chunks against the whole sequence: (q, k, v) -> o.
         self.context_parallel: nn.Module | None = None
 
-    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor,
+                positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions_BT`` (document packing): each token's position in its document; attention then
+        stays inside each document (block-causal) and ``cos_TR``/``sin_TR`` are (B, T, R)."""
         B, T, _ = x_BTD.shape
         # Head counts are inferred (-1) from the projections' widths, so a layer whose projections hold
         # a slice of the heads (tensor parallelism) runs unchanged.
@@ -155,6 +164,9 @@ class Attention(nn.Module):
         q_BHTE, k_BGTE, v_BGTE = (t.transpose(1, 2) for t in (q_BTHE, k_BTGE, v_BTGE))
         if self.context_parallel is not None:  # T is this rank's chunks; it brings the other ranks' keys
             o_BHTE = self.context_parallel(q_BHTE, k_BGTE, v_BGTE)
+        elif positions_BT is not None:
+            k_BHTE, v_BHTE = repeat_kv(k_BGTE, q_BHTE.shape[1]), repeat_kv(v_BGTE, q_BHTE.shape[1])
+            o_BHTE = document_attention(q_BHTE, k_BHTE, v_BHTE, positions_BT)
         else:
             k_BHTE, v_BHTE = repeat_kv(k_BGTE, q_BHTE.shape[1]), repeat_kv(v_BGTE, q_BHTE.shape[1])
             o_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTE, is_causal=True)
@@ -211,8 +223,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
 
-    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TR, sin_TR)
+    def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor,
+                positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TR, sin_TR, positions_BT)
         return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
 
 
@@ -292,14 +305,22 @@ class Llama(nn.Module):
         if self.output is not None and not a.tie_embeddings:
             shard_init.normal_(self.output.weight, residual_std, shard_init.param_key(seed, self.output, "weight"))
 
-    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, V) in fp32; or, given targets, the mean cross-entropy loss (a scalar)."""
+    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
+                positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) in fp32; or, given targets, the mean cross-entropy loss over the targets that
+        are not -100 (a scalar). ``positions_BT`` (document packing, ``data.packing: document``): each
+        token's position in its document; rotary positions restart and attention stays inside each
+        document."""
         T = tokens_BT.shape[1]
         whole = T if self.context_shard is None else T * self.context_shard[1]
         if whole > self.args.max_seq_len:
             raise ValueError(f"sequence length {whole} exceeds model.max_seq_len ({self.args.max_seq_len})")
         h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
-        if self.context_shard is None:
+        if positions_BT is not None:
+            if self.context_shard is not None:
+                raise ValueError("document packing (positions_BT) does not combine with context parallelism")
+            cos_TR, sin_TR = self.rope_cos[positions_BT], self.rope_sin[positions_BT]  # (B, T, R)
+        elif self.context_shard is None:
             cos_TR, sin_TR = self.rope_cos[:T], self.rope_sin[:T]
         else:  # this rank's chunks: each token rotated by its position in the whole sequence
             pos_T = chunk_positions(T, *self.context_shard, device=self.rope_cos.device)
@@ -308,7 +329,8 @@ class Llama(nn.Module):
         # parameter names match the whole model's.
         blocks = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
         for layer in blocks:
-            h_BTD = layer(h_BTD, cos_TR, sin_TR)
+            # Concat packing calls the blocks exactly as before (no extra input in their graphs).
+            h_BTD = layer(h_BTD, cos_TR, sin_TR) if positions_BT is None else layer(h_BTD, cos_TR, sin_TR, positions_BT)
         if targets_BT is not None and self.output is not None:
             return self.head_loss(h_BTD, targets_BT)
         if self.norm is not None:

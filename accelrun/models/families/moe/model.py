@@ -166,8 +166,9 @@ class MoE(Llama):
     def moe_layers(self) -> list[MoEFeedForward]:
         return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
 
-    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
-        out = super().forward(tokens_BT, targets_BT)
+    def forward(self, tokens_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
+                positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        out = super().forward(tokens_BT, targets_BT, positions_BT)
         if not self.training:
             return out
         layers = self.moe_layers()
