@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from accelrun.data.errors import DataError
+from accelrun.data.loss_mask import mask_targets
 from accelrun.data.stream import TokenStream, document_spans
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: such a target is in no loss
@@ -70,4 +71,5 @@ def document_window_batch(stream: TokenStream, window_starts: list[int], seq_len
     w_BT1 = torch.stack(rows)  # (B, T+1)
     targets_BT = w_BT1[:, 1:].clone()
     targets_BT[torch.stack(crossings)] = IGNORE_INDEX
+    mask_targets(stream, window_starts, seq_len, targets_BT)  # chat data: only the tokens its loss_on counts
     return DocumentBatch(w_BT1[:, :-1].contiguous(), targets_BT, torch.stack(positions))

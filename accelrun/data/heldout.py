@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from accelrun.data.errors import DataError
+from accelrun.data.loss_mask import mask_targets
 from accelrun.data.stream import TokenStream
 
 
@@ -38,6 +39,9 @@ class PrefixStream(TokenStream):
         if stop > self.length:
             raise IndexError(f"read past the training part ({stop} > {self.length})")
         return self.inner.read(start, stop)
+
+    def read_loss_mask(self, start: int, stop: int) -> torch.Tensor | None:
+        return self.inner.read_loss_mask(start, stop)
 
 
 class HeldOutBatches:
@@ -65,7 +69,8 @@ class HeldOutBatches:
     def __iter__(self):
         T, B = self.seq_len, self.micro_batch
         for b in self.batches:
-            rows = [self.stream.read(i * T, i * T + T + 1)
-                    for i in range(self.first + b * B, self.first + b * B + B)]
-            w_BT1 = torch.stack(rows)
-            yield w_BT1[:, :-1].contiguous(), w_BT1[:, 1:].contiguous()
+            windows = range(self.first + b * B, self.first + b * B + B)
+            w_BT1 = torch.stack([self.stream.read(i * T, i * T + T + 1) for i in windows])
+            targets_BT = w_BT1[:, 1:].contiguous()
+            mask_targets(self.stream, [i * T for i in windows], T, targets_BT)
+            yield w_BT1[:, :-1].contiguous(), targets_BT

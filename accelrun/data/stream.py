@@ -14,6 +14,11 @@ document belongs to it, so document ``i`` spans ``[starts[i], starts[i + 1])`` a
 to the end of the stream). ``None`` means the boundaries are unknown (synthetic data, token files
 prepared before the index existed). ``data.packing: document`` reads it; ``document_spans`` cuts it
 to one window.
+
+A stream may also carry a loss mask: ``read_loss_mask(start, stop)``, one bool per token, True where
+the token is in the loss as a target (chat data with ``data.loss_on: assistant``: what the assistant
+said). ``None`` means every token is. The loader applies it to a window's targets in one place
+(``accelrun.data.loss_mask``).
 """
 
 from __future__ import annotations
@@ -46,13 +51,17 @@ class TokenStream(ABC):
     @abstractmethod
     def read(self, start: int, stop: int) -> torch.Tensor: ...
 
+    def read_loss_mask(self, start: int, stop: int) -> torch.Tensor | None:
+        """Tokens ``[start, stop)``'s loss mask (bool; True = in the loss), or None: all of them are."""
+        return None
+
 
 class TensorStream(TokenStream):
     """Tokens held in one or more 1-D tensors (any integer dtype, e.g. uint16 or a memory map),
     read as if they were concatenated. Nothing is copied until ``read``."""
 
     def __init__(self, segments: Sequence[torch.Tensor], *, vocab_size: int, fingerprint: dict[str, Any],
-                 document_starts: torch.Tensor | None = None):
+                 document_starts: torch.Tensor | None = None, loss_mask: Sequence[torch.Tensor] | None = None):
         self.segments = [s for s in segments if s.numel() > 0]
         for s in self.segments:
             if s.dim() != 1:
@@ -64,6 +73,11 @@ class TensorStream(TokenStream):
         self.vocab_size = vocab_size
         self.fingerprint = fingerprint
         self.document_starts = check_document_starts(document_starts, self.starts[-1])
+        # One bool per token, in segments of its own (a mask need not be cut where the tokens are).
+        self.loss_mask = None if loss_mask is None else TensorStream(
+            loss_mask, vocab_size=2, fingerprint={"loss_mask_of": fingerprint.get("sha256")})
+        if self.loss_mask is not None and len(self.loss_mask) != self.starts[-1]:
+            raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for {self.starts[-1]} tokens")
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -76,6 +90,11 @@ class TensorStream(TokenStream):
 
     def __len__(self) -> int:
         return self.starts[-1]
+
+    def read_loss_mask(self, start: int, stop: int) -> torch.Tensor | None:
+        if self.loss_mask is None:
+            return None
+        return self.loss_mask.read(start, stop).bool()
 
     def read(self, start: int, stop: int) -> torch.Tensor:
         if not 0 <= start <= stop <= len(self):

@@ -60,6 +60,8 @@ class PendingStep:
     compile: bool
     mem_peak_bytes: int | None  # read at the step's end: the allocator's counters are host-side
     mem_reserved_bytes: int | None
+    # 0-dim int: this rank's targets in the loss (tokens less the masked ones); None: every token
+    loss_tokens: torch.Tensor | None = None
     # Host-known figures written after the router's, in this order: expert-parallel exchanges,
     # communication, context parallelism, the comm trace, val_loss, the profiler's flag.
     extras: dict[str, Any] = field(default_factory=dict)
@@ -98,27 +100,31 @@ class PendingSteps:
         record.update(forward_s=sum(clock.seconds(b, c) for _, b, c, _ in m.spans),
                       backward_s=sum(clock.seconds(c, d) for _, _, c, d in m.spans),
                       optimizer_s=clock.seconds(m.grads_done, m.end))
+        # tokens (and tokens_per_s) count what was computed; loss_tokens what the loss counted (chat data
+        # with data.loss_on: assistant leaves the rest out).
+        record["loss_tokens"] = int(values[2])
         if p.mem_reserved_bytes is not None:  # what the allocator held (CUDA)
             record["mem_reserved_bytes"] = p.mem_reserved_bytes
         if p.router is not None:  # MoE: load, drops, aux loss
-            record.update(router_metrics_from_totals(values[2:]))
+            record.update(router_metrics_from_totals(values[3:]))
         record.update(p.extras)
         return record
 
 
 def _host_values(steps: list[PendingStep]) -> list[list[float]]:
-    """Each step's [loss, grad norm, *router totals] as Python floats, in one device-to-host copy."""
+    """Each step's [loss, grad norm, loss tokens, *router totals] as Python floats, in one device-to-host copy."""
     home = steps[-1].loss.device
     parts = []
     for p in steps:
-        parts += [p.loss.detach().reshape(1), p.grad_norm.detach().reshape(1)]
+        loss_tokens = p.loss_tokens if p.loss_tokens is not None else torch.tensor(p.tokens)
+        parts += [p.loss.detach().reshape(1), p.grad_norm.detach().reshape(1), loss_tokens.reshape(1)]
         if p.router is not None:
             parts.append(p.router.reshape(-1))
     # float64 holds every float32/bf16 value exactly: the figures equal float(tensor) of each.
     flat = torch.cat([t.to(home, torch.float64) for t in parts]).tolist()
     out, at = [], 0
     for p in steps:
-        n = 2 + (p.router.numel() if p.router is not None else 0)
+        n = 3 + (p.router.numel() if p.router is not None else 0)
         out.append(flat[at:at + n])
         at += n
     return out
