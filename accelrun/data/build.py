@@ -5,6 +5,7 @@ from __future__ import annotations
 from accelrun.config.schema import DataConfig, EvalConfig
 from accelrun.config.tokenizer_file import TokenizerFileError, read_tokenizer_info
 from accelrun.data.builtin import load_builtin
+from accelrun.data.chat import ChatEncoder, LossOn, load_chat
 from accelrun.data.errors import DataError
 from accelrun.data.heldout import HeldOutBatches
 from accelrun.data.loader import TokenBatchIterator
@@ -56,6 +57,10 @@ def load_stream(cfg: DataConfig, *, vocab_size: int, seed: int, min_tokens: int 
             f"the token files in data.paths ({stream.fingerprint['tokenizer']})",
         )
         return stream
+    if cfg.source == "documents" and cfg.format == "chat":  # rendered with the tokenizer folder's chat template
+        encoder = ChatEncoder.for_tokenizer(cfg.tokenizer, LossOn(cfg.loss_on))
+        _check_vocab(encoder.tokenizer.vocab_size, vocab_size, f"data.tokenizer {cfg.tokenizer!r}")
+        return load_chat(cfg.paths, encoder, messages_field=cfg.messages_field)
     tokenizer = get_tokenizer(cfg.tokenizer)
     # Checked before reading anything: the tokenizer's vocabulary is known up front.
     _check_vocab(tokenizer.vocab_size, vocab_size, f"data.tokenizer {cfg.tokenizer!r}")

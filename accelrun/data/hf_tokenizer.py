@@ -67,6 +67,12 @@ class HFTokenizer:
         """The tokenizer's own ids for ``text`` (its special tokens included), no end-of-text."""
         return self._tok.encode(text).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of ``text`` without the tokenizer's own special tokens (as ``apply_chat_template`` encodes a
+        rendered chat: the template writes them), and each token's ``[start, end)`` character offsets."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
     def encode_documents(self, texts: Sequence[str]) -> list[list[int]]:
         """Each text's ids, end-of-text appended; the library encodes a batch on all its threads
         (``encode_batch_fast``, where there is one, skips the character offsets nobody here reads)."""

@@ -67,10 +67,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         count = (target_N != ignore_index).sum().to(acc)
         # Mean divides by the rows that count (ignore_index excluded), as F.cross_entropy does.
         scale = 1.0 / count if reduction == "mean" else torch.ones_like(count)
+        # Every target ignored: the mean is NaN, as F.cross_entropy's, but the gradients are zeros, as
+        # its are (0 * inf would make them NaN): chat data can mask a whole micro-batch.
+        grad_scale = 1.0 / count.clamp(min=1) if reduction == "mean" else scale
         grad_h = None
         if grad_h_chunks:
             grad_h = (grad_h_chunks[0] if len(grad_h_chunks) == 1 else torch.cat(grad_h_chunks)).reshape(h.shape)
-        ctx.save_for_backward(grad_h, grad_weight, grad_bias, scale)
+        ctx.save_for_backward(grad_h, grad_weight, grad_bias, grad_scale)
         ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
         return (total * scale).to(out_dtype)
 
