@@ -4,6 +4,7 @@ them before anything is built."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,7 +14,8 @@ from accelrun.errors import DataError
 
 def expand_paths(patterns: Sequence[str], *, key: str = "data.paths") -> list[Path]:
     """Files matched by ``patterns`` (plain paths or globs, ``**`` recursive), sorted per pattern,
-    in pattern order, without duplicates. A pattern that matches no file is an error naming it."""
+    in pattern order, without duplicates. A pattern that matches no file is an error naming it.
+    A folder written by ``accelrun data prepare`` (it holds ``prepared.json``) stands for its shards."""
     if not patterns:
         raise DataError(f"{key} is empty: give at least one file or glob")
     seen: set[str] = set()
@@ -21,7 +23,7 @@ def expand_paths(patterns: Sequence[str], *, key: str = "data.paths") -> list[Pa
     for pattern in patterns:
         expanded = os.path.expanduser(pattern)
         matches = sorted(glob.glob(expanded, recursive=True))
-        found = [m for m in matches if os.path.isfile(m)]
+        found = [f for m in matches for f in (_prepared_shards(m, key) if os.path.isdir(m) else [m])]
         if not found:
             raise DataError(f"{key}: {pattern!r} matched no files{_no_match_hint(pattern, matches, key)}")
         for m in found:
@@ -32,6 +34,19 @@ def expand_paths(patterns: Sequence[str], *, key: str = "data.paths") -> list[Pa
                 seen.add(a)
                 files.append(Path(m))
     return files
+
+
+def _prepared_shards(folder: str, key: str) -> list[str]:
+    """The token shards of a prepared folder, in corpus order; nothing for any other folder."""
+    manifest = os.path.join(folder, "prepared.json")
+    if not os.path.isfile(manifest):
+        return []
+    try:
+        with open(manifest) as fh:
+            shards = json.load(fh)["shards"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{key}: {manifest} is not a prepared folder's manifest ({e})") from None
+    return [os.path.join(folder, s) for s in shards]
 
 
 def _no_match_hint(pattern: str, matches: list[str], key: str) -> str:

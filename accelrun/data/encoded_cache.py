@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from accelrun.data.doc_index import read_doc_index, write_doc_index
 from accelrun.data.stream import TensorStream
 from accelrun.data.tokfile import open_tokens, write_token_file
 
@@ -66,15 +67,20 @@ def cached_stream(key: str, encode: Callable[[], TensorStream]) -> TensorStream:
             try:
                 meta = json.loads(meta_path.read_text())
                 header, tokens = open_tokens(tok_path)
-                if header.sha256 == meta["sha256"]:
-                    return TensorStream([tokens], vocab_size=header.vocab_size, fingerprint=meta["fingerprint"])
-            except (OSError, ValueError, KeyError):
+                starts = read_doc_index(tok_path, header.sha256, header.n_tokens)
+                # An entry cached before document indexes existed is encoded again, to gain one.
+                if header.sha256 == meta["sha256"] and (starts is not None or header.n_tokens == 0):
+                    return TensorStream([tokens], vocab_size=header.vocab_size, fingerprint=meta["fingerprint"],
+                                        document_starts=starts)
+            except (OSError, ValueError, KeyError):  # DataError is a ValueError
                 pass  # damaged: encode again below
         stream = encode()
         if writable:
             with contextlib.suppress(OSError):
                 header = write_token_file(tok_path, stream.tokens, vocab_size=stream.vocab_size,
                                           tokenizer=stream.fingerprint["tokenizer"])
+                if stream.document_starts is not None:
+                    write_doc_index(tok_path, stream.document_starts, header.sha256)
                 tmp = meta_path.with_name(f".{meta_path.name}.tmp-{os.getpid()}")
                 tmp.write_text(json.dumps({"sha256": header.sha256, "fingerprint": stream.fingerprint}))
                 os.replace(tmp, meta_path)

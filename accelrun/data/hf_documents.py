@@ -75,15 +75,19 @@ def encode_documents_stream(
     def encode() -> TensorStream:
         hasher = hashlib.sha256(tokenizer.name.encode())
         segments: list[torch.Tensor] = []
+        doc_lengths: list[int] = []
         read = [0]
         for tokens, lengths in encode_files(plan, tokenizer, on_bytes=lambda n: read.__setitem__(0, n)):
+            doc_lengths.extend(n for n in lengths if n > 0)
             hasher.update(torch.tensor(lengths, dtype=torch.int64).numpy().tobytes())
             hasher.update(tokens.view(torch.uint8).numpy().tobytes() if tokens.numel() else b"")
             segments.append(tokens)
         n_tokens = sum(s.numel() for s in segments)
         done = dict(fingerprint, tokenizer=tokenizer.name, files=len(plan), bytes=read[0], tokens=n_tokens,
                     sha256=short_hash(hasher))
-        return TensorStream(segments, vocab_size=tokenizer.vocab_size, fingerprint=done)
+        lengths = torch.tensor(doc_lengths, dtype=torch.int64)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]]) if doc_lengths else None
+        return TensorStream(segments, vocab_size=tokenizer.vocab_size, fingerprint=done, document_starts=starts)
 
     if not cache:
         return encode()

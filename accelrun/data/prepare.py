@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from accelrun.config.data_paths import expand_paths
+from accelrun.data.doc_index import index_path, write_doc_index
 from accelrun.data.errors import DataError
 from accelrun.data.hf_documents import encode_files
 from accelrun.data.hf_tokenizer import HFTokenizer
@@ -95,8 +96,9 @@ def prepare_tokens(
     check_little_endian()
     tok = get_tokenizer(tokenizer, key=tokenizer_key)
     out = Path(output)
-    # An output inside an input glob (``data/*`` -> ``data/x.tok``) must not be read as text.
-    files = [f for f in expand_paths(inputs, key="inputs") if os.path.abspath(f) != os.path.abspath(out)]
+    # An output (or its index) inside an input glob (``data/*`` -> ``data/x.tok``) must not be read as text.
+    own = {os.path.abspath(out), os.path.abspath(index_path(out))}
+    files = [f for f in expand_paths(inputs, key="inputs") if os.path.abspath(f) not in own]
     if not files:
         raise DataError(f"inputs: no text files besides the output {str(out)!r}")
     plan = plan_reads(files, max_bytes)
@@ -114,15 +116,19 @@ def prepare_tokens(
     try:
         with open(tmp, "wb") as fh:
             fh.write(b"\0" * HEADER_SIZE)  # placeholder until the count and hash are known
+            doc_lengths: list[int] = []
             if isinstance(tok, HFTokenizer):
-                n_tokens, token_bytes = _write_encoded(fh, hasher, plan, tok, on_bytes)
+                n_tokens, token_bytes = _write_encoded(fh, hasher, plan, tok, on_bytes, doc_lengths)
             else:
-                n_tokens, token_bytes = _write_bytes(fh, hasher, plan, tok.EOS, on_bytes)
+                n_tokens, token_bytes = _write_bytes(fh, hasher, plan, tok.EOS, on_bytes, doc_lengths)
             header = TokenFileHeader(token_bytes, tok.vocab_size, n_tokens, tok.name, hasher.hexdigest())
             fh.seek(0)
             fh.write(header.pack())
             fh.flush()
             os.fsync(fh.fileno())
+        # The index first: a stop between the two leaves an index that names other tokens, which is
+        # refused when read, never a new token file paired with a stale index.
+        write_doc_index(out, _starts(doc_lengths), header.sha256)
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -143,6 +149,11 @@ def prepare_tokens(
     }
 
 
+def _starts(doc_lengths: list[int]) -> torch.Tensor:
+    lengths = torch.tensor([n for n in doc_lengths if n > 0], dtype=torch.int64)
+    return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]]) if lengths.numel() else lengths
+
+
 def _separator(tok) -> str:
     if isinstance(tok, HFTokenizer):
         if tok.EOS is None:
@@ -151,13 +162,15 @@ def _separator(tok) -> str:
     return f"EOS (id {tok.EOS})"
 
 
-def _write_bytes(fh, hasher, plan, eos: int, on_bytes: Callable[[int], None]) -> tuple[int, int]:
+def _write_bytes(fh, hasher, plan, eos: int, on_bytes: Callable[[int], None], doc_lengths: list[int],
+                 ) -> tuple[int, int]:
     """The byte tokenizer: token id == byte value, read straight into the output buffer."""
     writer = _ChunkWriter(fh, hasher, eos)
     done = 0
     for path, n in plan:
         with open(path, "rb") as src:
             left = n
+            doc_start = done
             while left:
                 if writer.space() == 0:
                     writer.flush()
@@ -168,15 +181,18 @@ def _write_bytes(fh, hasher, plan, eos: int, on_bytes: Callable[[int], None]) ->
                 done += got
                 on_bytes(done)
         writer.end_document()
+        doc_lengths.append(done - doc_start + 1)  # its text and the EOS after it
     writer.flush()
     return writer.n_tokens, 2
 
 
-def _write_encoded(fh, hasher, plan, tok: HFTokenizer, on_bytes: Callable[[int], None]) -> tuple[int, int]:
+def _write_encoded(fh, hasher, plan, tok: HFTokenizer, on_bytes: Callable[[int], None], doc_lengths: list[int],
+                   ) -> tuple[int, int]:
     """A tokenizer.json tokenizer: documents encoded a batch at a time (``hf_documents.encode_files``)."""
     token_bytes = 2 if tok.token_dtype == torch.uint16 else 4  # int32 ids < 2**31 have uint32's bits
     n_tokens = 0
-    for tokens, _ in encode_files(plan, tok, on_bytes=on_bytes):
+    for tokens, lengths in encode_files(plan, tok, on_bytes=on_bytes):
+        doc_lengths.extend(lengths)
         payload = tokens.numpy().tobytes()
         fh.write(payload)
         hasher.update(payload)

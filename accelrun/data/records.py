@@ -59,6 +59,31 @@ class RecordFile:
     format: RecordFormat
 
 
+class LinesBefore:
+    """How many lines precede byte ``offset`` of ``path``: counted only when a message needs a line
+    number, so a worker reading a byte range of a large jsonl file never reads what precedes it."""
+
+    def __init__(self, path: Path | None = None, offset: int = 0):
+        self.path, self.offset = path, offset
+        self._count: int | None = 0 if offset == 0 else None
+
+    @property
+    def count(self) -> int:
+        if self._count is None:
+            n, left = 0, self.offset
+            with open(self.path, "rb") as fh:
+                while left:
+                    chunk = fh.read(min(left, 16 << 20))
+                    if not chunk:
+                        break
+                    n, left = n + chunk.count(b"\n"), left - len(chunk)
+            self._count = n
+        return self._count
+
+
+NO_LINES_BEFORE = LinesBefore()
+
+
 @dataclass(frozen=True)
 class RecordBatch:
     """Consecutive records of one file: ``columns[name][i]`` is record ``i``'s value."""
@@ -67,13 +92,14 @@ class RecordBatch:
     columns: dict[str, list[Any]]
     lines: list[int] | None  # jsonl / csv: each record's line (1-based); None: columnar, rows count
     first_row: int  # the row number (0-based) of record 0 within its file
+    lines_before: LinesBefore = NO_LINES_BEFORE  # lines are counted from a byte offset of the file
 
     def __len__(self) -> int:
         return len(next(iter(self.columns.values()))) if self.columns else 0
 
     def where(self, i: int) -> str:
         if self.lines is not None:
-            return f"{self.file.path}:{self.lines[i]}"
+            return f"{self.file.path}:{self.lines_before.count + self.lines[i]}"
         return f"{self.file.path} row {self.first_row + i}"
 
     def text(self, column: str, i: int, *, key: str) -> str:
@@ -218,39 +244,56 @@ def _missing(where: str, column: str, have: Sequence[str], column_key: str | Non
 class _Rows:
     """Collects dict records of a line-oriented file into batches, checking each has the columns."""
 
-    def __init__(self, f: RecordFile, columns: list[str], column_key: str | None):
-        self.f, self.columns, self.column_key = f, columns, column_key
+    def __init__(self, f: RecordFile, columns: list[str], column_key: str | None,
+                 lines_before: LinesBefore = NO_LINES_BEFORE):
+        self.f, self.columns, self.column_key, self.lines_before = f, columns, column_key, lines_before
         self.values: dict[str, list[Any]] = {c: [] for c in columns}
         self.lines: list[int] = []
         self.first_row = self.n = 0
 
+    def where(self, line: int) -> str:
+        return f"{self.f.path}:{self.lines_before.count + line}"
+
     def add(self, obj: Any, line: int) -> None:
         if not isinstance(obj, dict):
-            raise DataError(f"{self.f.path}:{line}: expected a JSON object per record, got {type(obj).__name__}")
+            raise DataError(f"{self.where(line)}: expected a JSON object per record, got {type(obj).__name__}")
         for c in self.columns:
             if c not in obj:
-                raise _missing(f"{self.f.path}:{line}", c, list(obj), self.column_key)
+                raise _missing(self.where(line), c, list(obj), self.column_key)
             self.values[c].append(obj[c])
         self.lines.append(line)
         self.n += 1
 
     def take(self) -> RecordBatch:
-        batch = RecordBatch(self.f, self.values, self.lines, self.first_row)
+        batch = RecordBatch(self.f, self.values, self.lines, self.first_row, self.lines_before)
         self.first_row = self.n
         self.values, self.lines = {c: [] for c in self.columns}, []
         return batch
 
 
-def _read_json_lines(f: RecordFile, columns, column_key, rows, *, first_line: str | None = None):
-    rec = _Rows(f, columns, column_key)
-    with open(f.path, encoding="utf-8", errors="replace") as fh:
-        for number, line in enumerate(fh, 1):
+def _read_json_lines(f: RecordFile, columns, column_key, rows, byte_range: tuple[int, int] | None = None):
+    """JSON lines; with ``byte_range = (start, stop)``, only the lines that begin in it (a line that
+    straddles ``start`` belongs to the range before), so ranges split a file without overlap."""
+    start, stop = byte_range if byte_range is not None else (0, None)
+    rec = _Rows(f, columns, column_key, LinesBefore(f.path, start))
+    with open(f.path, "rb") as fh:
+        number = 0  # lines read since ``start``: the partial line skipped below counts
+        if start > 0:
+            fh.seek(start - 1)
+            if fh.read(1) != b"\n":
+                fh.readline()  # the rest of a line that began before the range
+                number = 1
+        while stop is None or fh.tell() < stop:
+            line = fh.readline()
+            if not line:
+                break
+            number += 1
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line.decode("utf-8", errors="replace"))
             except json.JSONDecodeError as e:
-                raise DataError(f"{f.path}:{number}: malformed JSON line ({e.msg} at column {e.colno})") from None
+                raise DataError(f"{rec.where(number)}: malformed JSON line ({e.msg} at column {e.colno})") from None
             rec.add(obj, number)
             if len(rec.lines) >= rows:
                 yield rec.take()

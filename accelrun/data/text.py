@@ -61,7 +61,9 @@ def read_documents(
     fingerprint = dict(
         fingerprint, files=len(plan), bytes=pos - len(plan), tokens=pos, sha256=short_hash(hasher)
     )
-    return TensorStream([tokens], vocab_size=vocab_size, fingerprint=fingerprint)
+    # Each document starts after the previous one's EOS.
+    starts = torch.tensor([0] + [e + 1 for e in eos_at[:-1]], dtype=torch.int64) if eos_at else None
+    return TensorStream([tokens], vocab_size=vocab_size, fingerprint=fingerprint, document_starts=starts)
 
 
 def load_text(paths: Sequence[str], *, max_bytes: int | None, tokenizer: ByteTokenizer | HFTokenizer | None = None,

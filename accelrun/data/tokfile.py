@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from accelrun.config.data_paths import expand_paths
+from accelrun.data.doc_index import read_doc_index
 from accelrun.data.errors import DataError
 from accelrun.data.stream import TensorStream, short_hash
 
@@ -162,7 +163,7 @@ def _verified_marker(path, header: TokenFileHeader) -> Path:
 def load_tokens(patterns: Sequence[str], *, key: str = "data.paths", verify: bool = False) -> TensorStream:
     """The ``tokens`` source: token files from files or globs, read as one stream in order."""
     files = expand_paths(patterns, key=key)
-    headers, segments = [], []
+    headers, segments, doc_starts = [], [], []
     for f in files:
         header, tokens = open_tokens(f, verify=verify)
         first = headers[0] if headers else header
@@ -173,6 +174,7 @@ def load_tokens(patterns: Sequence[str], *, key: str = "data.paths", verify: boo
             )
         headers.append(header)
         segments.append(tokens)
+        doc_starts.append(read_doc_index(f, header.sha256, header.n_tokens))
     hasher = hashlib.sha256()
     for h in headers:
         hasher.update(bytes.fromhex(h.sha256))
@@ -185,7 +187,20 @@ def load_tokens(patterns: Sequence[str], *, key: str = "data.paths", verify: boo
         "tokens": sum(h.n_tokens for h in headers),
         "sha256": short_hash(hasher),
     }
-    return TensorStream(segments, vocab_size=headers[0].vocab_size, fingerprint=fingerprint)
+    return TensorStream(segments, vocab_size=headers[0].vocab_size, fingerprint=fingerprint,
+                        document_starts=_joined_starts(doc_starts, [h.n_tokens for h in headers]))
+
+
+def _joined_starts(per_file: list[torch.Tensor | None], lengths: list[int]) -> torch.Tensor | None:
+    """The files' document indexes as one, offset by where each file begins; None unless every file
+    has one (an empty file adds no document)."""
+    if any(s is None for s in per_file):
+        return None
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    parts = [s + off for s, off, n in zip(per_file, offsets, lengths, strict=False) if n > 0]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
 def write_token_file(path: str | os.PathLike, tokens: torch.Tensor, *, vocab_size: int, tokenizer: str,

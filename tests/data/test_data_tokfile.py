@@ -40,7 +40,8 @@ def test_prepare_and_memmap_round_trip(corpus, tmp_path):
     assert summary["tokenizer"] == "byte" and summary["vocab_size"] == 258 and summary["token_bytes"] == 2
     assert calls and calls[-1] == (summary["bytes"], summary["bytes"])
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
-    assert os.listdir(out.parent) == ["corpus.tok"]  # no temporary file left behind
+    # no temporary file left behind; the document index sits beside the tokens
+    assert sorted(os.listdir(out.parent)) == ["corpus.docs", "corpus.tok"]
 
     header, tokens = open_tokens(out, verify=True)
     assert header.n_tokens == len(text) and tokens.dtype == torch.uint16
@@ -48,6 +49,7 @@ def test_prepare_and_memmap_round_trip(corpus, tmp_path):
     assert os.path.getsize(out) == HEADER_SIZE + 2 * len(text)
     stream = load_tokens([str(out)])
     assert stream.fingerprint["tokens"] == len(text) and stream.fingerprint["sha256"]
+    assert stream.document_starts.tolist() == text.document_starts.tolist() == [0, len("first document ✓\n".encode()) * 50 + 1]
     assert ByteTokenizer().decode(stream.read(0, 18)) == "first document ✓"  # ✓ is 3 bytes
 
 
