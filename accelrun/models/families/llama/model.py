@@ -225,7 +225,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor,
                 positions_BT: torch.Tensor | None = None) -> torch.Tensor:
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TR, sin_TR, positions_BT)
+        # positions_BT by keyword: sequence parallelism's plan lays out the attention's positional inputs
+        # (x, cos, sin) and passes keywords through
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TR, sin_TR, positions_BT=positions_BT)
         return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
 
 
