@@ -72,4 +72,6 @@ def _data_summary(data) -> str:
     info = read_tokenizer_info(data.tokenizer)  # validation has read it already
     sep = f"{info.eos_token!r} (id {info.eos_id}) after each document" if info.eos_id is not None else \
         "no separator between documents"
+    if data.source == "documents" and data.format == "chat":  # the template writes the turns' own tokens
+        sep = f"chats rendered with its chat template, the loss on {data.loss_on} tokens"
     return f"{head}; tokenizer {info.path}: {info.vocab_size:,} ids, {sep}"

@@ -106,6 +106,15 @@ def _headline(r: dict) -> list[str]:
     return ["| figure | value |", "| --- | --- |"] + [f"| {k} | {_cell(v)} |" for k, v in headline_rows(r)]
 
 
+def _loss_tokens(r: dict) -> str:
+    """Targets in the loss per step against the tokens computed (which tokens/s counts)."""
+    counted, computed = r.get("loss_tokens_per_step"), r.get("tokens_per_step")
+    if counted is None or not computed:
+        return "n/a"
+    return (f"{counted:,.0f} per step per device, {counted / computed:.0%} of the {computed:,} computed "
+            "(tokens/s counts computed tokens)")
+
+
 def headline_rows(r: dict) -> list[tuple[str, str]]:
     """(figure, value) pairs a report leads with: throughput, MFU, step time, memory, compile, warm-up."""
     st = r.get("step_time_s") or {}
@@ -150,6 +159,8 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
         rows.insert(5, ("FSDP communication exposed / in flight",
                         f"{_secs(ov.get('exposed_s'))} / {_secs(ov.get('busy_s'))} per step (median); "
                         f"overlap {_pct(ov.get('overlap_fraction'))}"))
+    if r.get("loss_tokens_per_step") is not None:  # after the rows placed by index above, right after tokens/s
+        rows.insert(2, ("tokens in the loss", _loss_tokens(r)))
     return rows
 
 

@@ -94,6 +94,11 @@ def summarize(
                      "and were left out of steady-state figures")
 
     tokens_per_s = tokens_per_step / median if median else None
+    counted = [int(m["loss_tokens"]) for m in metrics if m.get("loss_tokens") is not None]
+    loss_tokens = sum(counted) / len(counted) if counted else None
+    if loss_tokens is not None and loss_tokens < tokens_per_step:  # chat data with data.loss_on: assistant
+        notes.append(f"tokens/s counts every token computed ({tokens_per_step:,} per step per device); "
+                     f"{loss_tokens:,.0f} of them per step ({loss_tokens / tokens_per_step:.0%}) were in the loss")
     tflops = (flops_per_token * tokens_per_s / 1e12
               if flops_per_token is not None and tokens_per_s is not None else None)
     mfu = tflops / peak.tflops if tflops is not None and peak.tflops else None
@@ -138,6 +143,9 @@ def summarize(
         },
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_s,
+        # Targets the loss counted, per step on this device (mean over the steps): data.loss_on: assistant
+        # leaves the user's and system's tokens out, which tokens_per_step and tokens_per_s still count.
+        "loss_tokens_per_step": loss_tokens,
         "flops_per_token": flops_per_token,
         "tflops": tflops,
         "mfu": mfu,

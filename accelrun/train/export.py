@@ -16,8 +16,9 @@ from accelrun.train.checkpoint_model import (
 )
 
 # The files transformers reads a tokenizer from; tokenizer.json is the one a run names, the others
-# (when they sit beside it) carry its special tokens.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# (when they sit beside it) carry its special tokens and its chat template (a chat fine-tune's export
+# renders chats as it trained on them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int = 2 * 2**30) -> list[Path]:
