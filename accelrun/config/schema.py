@@ -212,10 +212,12 @@ class TrainConfig(Section):
         "(accelrun.train.host_malloc); system = glibc's defaults")
 
 
-# Pipeline schedules that run several ("virtual") stages per rank: rank r holds r, r + pp, ...
+# Stages per pipeline rank each schedule runs unless parallel.pp_stages_per_rank says otherwise: the
+# interleaved ones loop several ("virtual") stages over the ranks, rank r holding r, r + pp, ...
 PP_STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
 # The device mesh's dimensions, outermost first: tensor parallelism innermost (neighbouring ranks, one
 # node's links), then context parallelism (its K/V all-gathers every layer want fast links too),
+INTERLEAVED_SCHEDULES = tuple(k for k, v in PP_STAGES_PER_RANK.items() if v > 1)
 # pipeline stages outermost. accelrun.dist.mesh builds it; accelrun.plan.comm reads it.
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -233,6 +235,10 @@ class ParallelConfig(Section):
     microbatches: PositiveInt | None = Field(None, description="pipeline micro-batches; None = pp")
     ep: PositiveInt = Field(
         1, description="expert parallelism (model.arch = moe): experts spread over this many of the data-parallel "
+    pp_stages_per_rank: PositiveInt | None = Field(
+        None, description="interleaved schedules: stages each pipeline rank runs (pp × this many in all; "
+        "Meta's Llama 3 405B looped 126 layers over 16 ranks this way); None = 2, or 1 for gpipe and 1f1b"
+    )
         "ranks (dp_shard, × cp), tokens sent to them by all-to-all; not a mesh dimension of its own")
     reshard_after_forward: bool = Field(True, description="FSDP: free gathered block parameters after forward")
     fsdp_impl: Literal["fsdp2", "compiled"] = Field(
@@ -289,6 +295,14 @@ class ParallelConfig(Section):
 
     @property
     def dp(self) -> int:
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each pipeline rank runs: the schedule's default, or ``pp_stages_per_rank`` for the
+        interleaved schedules (validate refuses it with the others)."""
+        if self.pp_schedule not in INTERLEAVED_SCHEDULES:
+            return 1
+        return self.pp_stages_per_rank or PP_STAGES_PER_RANK[self.pp_schedule]
+
         d = self.degrees()
         return d["dp_replicate"] * d["dp_shard"]
 

@@ -18,7 +18,7 @@ from accelrun.config.compile_names import BUILTIN_EXECUTORS, PassConfigError, pa
 from accelrun.config.compose import DEFAULT, Source
 from accelrun.config.errors import ConfigError, nearest
 from accelrun.config.moe_checks import moe_problems, moe_warnings
-from accelrun.config.schema import PP_STAGES_PER_RANK, RunConfig
+from accelrun.config.schema import INTERLEAVED_SCHEDULES, RunConfig
 from accelrun.config.tokenizer_file import (
     BYTE_VOCAB,
     stored_tokenizer,
@@ -270,18 +270,14 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
             out.append(f"{v('model.n_heads')} and kv heads {m.kv_heads} must both be divisible by tensor-parallel degree {deg['tp']}")
         if m.n_layers < deg["pp"]:
             out.append(f"{v('model.n_layers')} is fewer than pipeline stages {deg['pp']}")
-        elif deg["pp"] > 1 and m.n_layers < deg["pp"] * PP_STAGES_PER_RANK[par.pp_schedule]:
-            out.append(f"{v('parallel.pp_schedule')} with {v('parallel.pp')} makes "
-                       f"{deg['pp'] * PP_STAGES_PER_RANK[par.pp_schedule]} stages, more than {v('model.n_layers')}")
+        elif deg["pp"] > 1 and m.n_layers < deg["pp"] * par.stages_per_rank:
+            out.append(f"{_stages_named(par, v)} with {v('parallel.pp')} makes "
+                       f"{deg['pp'] * par.stages_per_rank} stages, more than {v('model.n_layers')}")
     if deg["pp"] > 1 and (m.custom is not None or m.tie_embeddings):
         out.append(f"{v('parallel.pp')} needs a built-in model family with untied embeddings "
                    f"({v('model.custom')}, {v('model.tie_embeddings')})")
     if deg["tp"] > 1 and m.custom is not None:
         out.append(f"{v('parallel.tp')} needs a built-in model family; {v('model.custom')}")
-    for key in ("sequence_parallel", "loss_parallel"):
-        # Stages exchange the residual stream and the last one computes the loss on plain tensors.
-        if getattr(par, key) and deg["pp"] > 1:
-            out.append(f"{v('parallel.' + key)} with {v('parallel.pp')} is not supported yet")
     if (deg["tp"] > 1 and deg["dp_replicate"] * deg["dp_shard"] == 1 and cfg.compile.backend != "eager"
             and par.fsdp_impl == "fsdp2"):
         # Seen with torch 2.13 under Inductor, aot_eager and accelrun alike: a gradient reaches DTensor's
@@ -311,15 +307,40 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
     out += _context_parallel_problems(cfg, deg, v)
     out += _document_packing_problems(cfg, deg, v)
     out += moe_problems(cfg, deg, v)
+    out += _stages_per_rank_problems(par, deg, v)
     if par.pp_layers is not None:
-        stages = deg["pp"] * PP_STAGES_PER_RANK[par.pp_schedule]
+        stages = deg["pp"] * par.stages_per_rank
         layers = sum(len(stage) for stage in par.pp_layers)
         if len(par.pp_layers) != stages:
             out.append(f"{v('parallel.pp_layers')} lists {len(par.pp_layers)} stages; {v('parallel.pp')} "
-                       f"with {v('parallel.pp_schedule')} makes {stages}")
+                       f"with {_stages_named(par, v)} makes {stages}")
         if m.custom is None and layers != m.n_layers:
             out.append(f"{v('parallel.pp_layers')} lists {layers} layers, not {v('model.n_layers')}")
     return out
+
+
+def _stages_named(par, v) -> str:
+    """The keys that decide how many stages a pipeline rank runs, as set."""
+    if par.pp_stages_per_rank is None:
+        return v("parallel.pp_schedule")
+    return f"{v('parallel.pp_schedule')}, {v('parallel.pp_stages_per_rank')}"
+
+
+def _stages_per_rank_problems(par, deg: dict[str, int], v) -> list[str]:
+    """parallel.pp_stages_per_rank: several stages per rank only where a schedule loops them (the
+    interleaved ones), and at least the two that make a loop."""
+    n = par.pp_stages_per_rank
+    if n is None:
+        return []
+    if deg["pp"] == 1:
+        return [f"{v('parallel.pp_stages_per_rank')} needs pipeline parallelism, but {v('parallel.pp')}"]
+    if par.pp_schedule not in INTERLEAVED_SCHEDULES and n != 1:
+        return [f"{v('parallel.pp_stages_per_rank')} needs an interleaved schedule "
+                f"({' or '.join(INTERLEAVED_SCHEDULES)}); {v('parallel.pp_schedule')} runs 1 stage per rank"]
+    if par.pp_schedule in INTERLEAVED_SCHEDULES and n < 2:
+        return [f"{v('parallel.pp_stages_per_rank')}: {v('parallel.pp_schedule')} loops at least 2 stages "
+                "over each rank; nearest valid value: 2"]
+    return []
 
 
 # Model families whose attention can run on sequence shards (their ModelSpec has a context_parallel

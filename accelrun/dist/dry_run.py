@@ -115,7 +115,8 @@ def _one_rank(resolved: ResolvedConfig, rank: int, world: int) -> RankBytes:
     parts, stages = [model], []
     if ctx.pp_size > 1:
         pipeline = Pipeline(model, mesh, cfg.parallel.pp_schedule, cfg.parallel.microbatches or ctx.pp_size,
-                            microbatch_loss(cfg.grad_accum), meta, layers=cfg.parallel.pp_layers)
+                            microbatch_loss(cfg.grad_accum), meta, layers=cfg.parallel.pp_layers,
+                            stages_per_rank=cfg.parallel.stages_per_rank)
         parts, stages = pipeline.modules, pipeline.stage_ids
     if cfg.parallel.ep > 1:  # as train's setup: experts placed before FSDP, which then leaves them alone
         apply_expert_parallel(model, mesh, cfg.parallel.ep, dp_size)

@@ -16,6 +16,7 @@ from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.context_parallel import ContextParallelStats, apply_context_parallel
 from accelrun.dist.fsdp import apply_fsdp
+from accelrun.dist.pipeline import receive_sequence_shards
 from accelrun.dist.tp import apply_tp
 from accelrun.models import transformer_blocks
 from accelrun.models.build import family_spec
@@ -33,8 +34,11 @@ def apply_layout(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
     t = cfg.train
     blocks = transformer_blocks(part)
     if ctx.mesh is not None and ctx.tp_size > 1:
+        spec = family_spec(cfg.model)
         apply_tp(part, ctx.mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel,
-                 loss_parallel=cfg.parallel.loss_parallel, plan=family_spec(cfg.model).tp_plan)
+                 loss_parallel=cfg.parallel.loss_parallel, plan=spec.tp_plan)
+        if cfg.parallel.sequence_parallel and ctx.pp_size > 1:  # stages pass on sequence shards
+            receive_sequence_shards(part, spec, ctx.tp_size)
     if ctx.mesh is not None and ctx.cp_size > 1:  # before compile: the blocks compile with its collectives
         apply_context_parallel(part, cfg.model, ctx.mesh, cp_stats, 2 if t.precision == "bf16-mixed" else 4)
     if blocks is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,9 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from accelrun.config.schema import PP_STAGES_PER_RANK
+from accelrun.config.schema import INTERLEAVED_SCHEDULES
 from accelrun.dist.collective import to_collective_device
+from accelrun.dist.tp import loss_context
 from accelrun.models.families import ModelSpec, get_family
 
 SCHEDULES = {
@@ -36,7 +38,6 @@ SCHEDULES = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleInterleavedZeroBubble,
 }
-STAGES_PER_RANK = PP_STAGES_PER_RANK  # several ("virtual") stages per rank, looped: rank r holds r, r + pp, ...
 
 
 def microbatch_loss(grad_accum: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -101,39 +102,90 @@ def stage_module(model: nn.Module, stage: int, n_stages: int, layers: range,
     return part
 
 
+def receive_sequence_shards(part: nn.Module, spec: ModelSpec, tp: int) -> None:
+    """Sequence parallelism leaves the residual stream split along the sequence, (B, T / tp, D) per TP
+    rank, and that is what one stage sends the next: a stage without the first stage's ends (it starts
+    from hidden states, not tokens) is told so, since its blocks gather the whole sequence and its
+    rotary tables must cover all of it."""
+    if any(getattr(part, end, None) is None for end in spec.first_stage_ends):
+        part.stream_shards = tp
+
+
+@dataclass
+class PipelineTrace:
+    """What this rank's stages did in their first step, for the report (and tests): the shape of the
+    hidden states each stage sent on, and how the last stage's logits reached the loss."""
+
+    sent: dict[int, list[int]] = field(default_factory=dict)  # stage -> the (micro-batch, tokens, dim) it sent
+    logits: str | None = None  # "vocabulary-sharded over N ranks" or "whole"
+
+    def as_dict(self, stages: list[int]) -> dict:
+        return {"stages": stages, "sent": {str(k): v for k, v in sorted(self.sent.items())}, "logits": self.logits}
+
+
+def _layout_of(logits: torch.Tensor) -> str:
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(logits, DTensor) and any(isinstance(p, Shard) for p in logits.placements):
+        return f"vocabulary-sharded over {logits.device_mesh.size()} ranks"
+    return "whole"
+
+
 class Pipeline:
-    """This rank's stages and the schedule that drives them; ``step`` runs one batch through."""
+    """This rank's stages and the schedule that drives them; ``step`` runs one batch through.
+
+    ``vocab_parallel``: the last stage's logits are vocabulary-sharded DTensors (``parallel.loss_parallel``);
+    the schedule's forward and backward then run in ``loss_parallel()``, which the sharded loss needs."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, schedule: str, microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
-                 layers: list[list[int]] | None = None, spec: ModelSpec | None = None):
+                 layers: list[list[int]] | None = None, spec: ModelSpec | None = None,
+                 vocab_parallel: bool = False, stages_per_rank: int = 1):
         self.spec = spec = spec or family_of(model)
         pp_mesh = mesh["pp"]
         self.group = pp_mesh.get_group()
         pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
-        n_stages = pp_size * STAGES_PER_RANK[schedule]
+        # Several ("virtual") stages per rank for the interleaved schedules, looped: rank r holds r, r + pp, ...
+        n_stages = pp_size * stages_per_rank
         ranges = stage_layers(len(getattr(model, spec.blocks_attr)), n_stages, layers)
         self.stage_layers = ranges
         self.stage_ids = list(range(pp_rank, n_stages, pp_size))
         self.modules = [stage_module(model, s, n_stages, ranges[s], spec) for s in self.stage_ids]
         self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         self.n_stages, self.schedule_name, self.microbatches = n_stages, schedule, microbatches
-        self._loss_fn, self._device = loss_fn, device
+        self._loss_fn, self._device, self.vocab_parallel = loss_fn, device, vocab_parallel
+        self.trace = PipelineTrace()
+        for s, m in zip(self.stage_ids, self.modules, strict=True):
+            if s != n_stages - 1:
+                m.register_forward_hook(self._record_sent(s))
         self.schedule = None  # built after the modules are sharded (FSDP, TP): stages capture them
+
+    def _record_sent(self, stage: int):
+        def hook(module, args, out):
+            self.trace.sent.setdefault(stage, list(out.shape))
+
+        return hook
+
+    def _loss(self, logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        if self.trace.logits is None:
+            self.trace.logits = _layout_of(logits_BTV)
+        return self._loss_fn(logits_BTV, targets_BT)
 
     def build_schedule(self) -> None:
         stages = [PipelineStage(m, s, self.n_stages, self._device, group=self.group)
                   for m, s in zip(self.modules, self.stage_ids, strict=True)]
         cls = SCHEDULES[self.schedule_name]
-        arg = stages if STAGES_PER_RANK[self.schedule_name] > 1 else stages[0]
-        self.schedule = cls(arg, n_microbatches=self.microbatches, loss_fn=self._loss_fn)
+        arg = stages if self.schedule_name in INTERLEAVED_SCHEDULES else stages[0]
+        self.schedule = cls(arg, n_microbatches=self.microbatches, loss_fn=self._loss)
 
     def step(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one batch; returns the batch's mean loss on every pp rank."""
         losses: list[torch.Tensor] = []
         args = (inputs_BT,) if self.has_first else ()
         kwargs = {"target": targets_BT, "losses": losses} if self.has_last else {}
-        self.schedule.step(*args, **kwargs)
+        with loss_context(self.vocab_parallel):  # the sharded loss's backward runs inside step() too
+            self.schedule.step(*args, **kwargs)
+        losses = [_local(x) for x in losses]  # a vocabulary-parallel loss is a replicated DTensor
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self._device)
         loss = to_collective_device(loss, self.group)
         dist.all_reduce(loss, group=self.group)  # only the last stage's rank holds it
@@ -141,6 +193,12 @@ class Pipeline:
 
     def blocks(self) -> list[nn.Module]:
         return [b for m in self.modules for b in getattr(m, self.spec.blocks_attr).values()]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def union_of(parts: list[nn.Module], spec: ModelSpec | None = None) -> nn.Module:

@@ -23,6 +23,7 @@ MODELLED = frozenset({
     "parallel.nnodes", "parallel.nproc_per_node", "parallel.dp_replicate", "parallel.dp_shard", "parallel.tp",
     "parallel.pp", "parallel.pp_schedule", "parallel.microbatches", "parallel.reshard_after_forward",
     "parallel.fsdp_impl", "parallel.sequence_parallel", "parallel.loss_parallel", "parallel.pp_layers",
+    "parallel.pp_stages_per_rank",  # the interleaved schedules' bubble and in-flight micro-batches
     "parallel.cp",  # tokens per rank, gathered keys/values (accelrun.plan.context_parallel)
     "compile.backend",
     "cluster.device", "cluster.devices_per_node", "cluster.nodes", "cluster.memory_gib",

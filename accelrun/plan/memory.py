@@ -157,7 +157,8 @@ def _stage_memory(w: Workload, cluster: Cluster, stage: str) -> MemoryEstimate:
     per_chunk = tokens * ((p.layers - n_ck) * layer_saved(w, False).local(tp) + n_ck * layer_saved(w, True).local(tp))
     if stage in ("only", "last"):  # final norm (fp32 input and output) and the output layer's input
         per_chunk += tokens * head_input_bytes(w)
-    held = held_by_rank(lay.pp_schedule, lay.pp, lay.pp_microbatches, pipeline_rank(w, stage))
+    held = held_by_rank(lay.pp_schedule, lay.pp, lay.pp_microbatches, pipeline_rank(w, stage),
+                        lay.stages_per_rank)
     policy = {"none": "nothing checkpointed", "full": "every block checkpointed",
               "every_n": f"{n_ck} of {p.layers} blocks checkpointed",
               "selective": "selective (per-op) checkpointing"}[w.ac_mode]

@@ -105,7 +105,7 @@ def estimate_time(w: Workload, cluster: Cluster) -> StepTime:
         "context parallel": n * slowest.cp,
         "expert parallel (all-to-all, imbalance)": n * slowest.ep,
         "pipeline send/recv": n * slowest.pp,
-        "pipeline bubble": w.grad_accum * bubble_units(lay.pp_schedule, lay.pp) * slowest.total,
+        "pipeline bubble": w.grad_accum * bubble_units(lay.pp_schedule, lay.pp, lay.stages_per_rank) * slowest.total,
     }
     p = max(stage_params(w, s).local for s in stages(w)) / (lay.fsdp_shard if lay.fsdp else 1)
     opt_bytes = (OPTIMIZER_BYTES_PER_PARAM[w.optimizer_impl] + (CLIP_BYTES_PER_PARAM if w.grad_clip else 0)) * p

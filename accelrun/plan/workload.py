@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from accelrun.config.schema import PP_STAGES_PER_RANK, RunConfig
+from accelrun.config.schema import RunConfig
 from accelrun.errors import UserError
 
 AC_MODES = ("none", "full", "every_n", "selective")  # selective: planner-only, see PlanOptions
@@ -173,6 +173,11 @@ class Layout:
         """Ranks FSDP shards parameters over: dp_shard × cp (context-parallel ranks reduce gradients too)."""
         return self.dp_shard * self.cp
 
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each rank runs (``parallel.pp_stages_per_rank`` or the schedule's default)."""
+        return len(self.stage_layers) // self.pp if self.stage_layers else 1
+
     def rank_layers(self, rank: int) -> int:
         """Blocks pipeline rank ``rank`` runs: its stages are ``rank``, ``rank + pp``, ... (looped schedules)."""
         return sum(self.stage_layers[rank::self.pp]) if self.stage_layers else 0
@@ -299,7 +304,7 @@ def workload_from_config(cfg: RunConfig, options: PlanOptions | None = None) -> 
     stage_layers: tuple[int, ...] = ()
     if pp > 1:
         stage_layers = (tuple(len(stage) for stage in par.pp_layers) if par.pp_layers is not None else
-                        balanced_stage_layers(m.n_layers, pp * PP_STAGES_PER_RANK[par.pp_schedule]))
+                        balanced_stage_layers(m.n_layers, pp * par.stages_per_rank))
     tp_on = deg["tp"] > 1
     layout = Layout(
         nnodes=par.nnodes, nproc_per_node=par.nproc_per_node, pp=pp, dp_replicate=deg["dp_replicate"],

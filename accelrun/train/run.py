@@ -270,6 +270,8 @@ def _gather_per_rank(s: TrainSetup, step_times: list[dict], warmup_steps: int, c
     mine = {"mem_peak_bytes": peak_memory_bytes(s.device),
             "step_time_s": statistics.median(steady) if steady else None,
             "cpu_s": cpu.own_s(), "host": socket.gethostname()}
+    if s.pipeline is not None:  # its stages, what they sent on, how the loss saw the logits
+        mine["pipeline"] = s.pipeline.trace.as_dict(s.pipeline.stage_ids)
     if not s.ctx.distributed:
         return [mine]
     everyone: list = [None] * s.ctx.world_size
@@ -333,6 +335,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         tokens_per_s_job=report["tokens_per_s"] * s.ctx.world_size if report.get("tokens_per_s") else None,
         mem_peak_bytes_per_rank=[r["mem_peak_bytes"] for r in per_rank],
         step_time_s_per_rank=[r["step_time_s"] for r in per_rank],
+        pipeline_per_rank=[r["pipeline"] for r in per_rank] if s.pipeline is not None else None,
         compiler=_compiler_summary(s),
         history=[str(p) for p in history(run_dir)],  # the run folders of this run, restarts included
         final_val_loss=next((m["val_loss"] for m in reversed(metrics) if m.get("val_loss") is not None), None),

@@ -180,9 +180,12 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
                           "inside documents; use data.packing: concat, or add the argument")
     pipeline = None
     parts, labels = [model], ["model"]
+    vocab_parallel = cfg.parallel.loss_parallel and ctx.tp_size > 1
     if ctx.mesh is not None and ctx.pp_size > 1:
         pipeline = Pipeline(model, ctx.mesh, cfg.parallel.pp_schedule, cfg.parallel.microbatches or ctx.pp_size,
-                            microbatch_loss(cfg.grad_accum), device, layers=cfg.parallel.pp_layers)
+                            microbatch_loss(cfg.grad_accum), device, layers=cfg.parallel.pp_layers,
+                            stages_per_rank=cfg.parallel.stages_per_rank,
+                            vocab_parallel=vocab_parallel)
         parts, labels = pipeline.modules, [f"stage{s}" for s in pipeline.stage_ids]
     # Before compile and FSDP: each rank keeps its experts, which FSDP then leaves alone.
     expert_parallel = (apply_expert_parallel(model, ctx.mesh, cfg.parallel.ep, ctx.dp_size)
@@ -198,7 +201,6 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     if pipeline is not None:
         pipeline.build_schedule()
 
-    vocab_parallel = cfg.parallel.loss_parallel and ctx.tp_size > 1
     if pipeline is not None:
         model = union_of(parts)  # this rank's stages under the whole model's parameter names
     optimizer = build_optimizer(model, t.optimizer, device, sharded=ctx.distributed)

@@ -160,6 +160,7 @@ class Gemma(nn.Module):
         self.register_buffer("rope_cos", cos_TR, persistent=False)
         self.register_buffer("rope_sin", sin_TR, persistent=False)
         self.register_buffer("embed_scale", torch.tensor(math.sqrt(args.dim)), persistent=False)
+        self.stream_shards = 1  # as Llama's: a stage's input split along the sequence (sequence parallelism)
         for name, module in self.named_modules():  # initial values are keyed by these names (shard_init)
             module._init_name = name
 
@@ -207,7 +208,7 @@ class Gemma(nn.Module):
                 positions_BT: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) in fp32; or, given targets, the mean cross-entropy loss. ``positions_BT``:
         document packing, as Llama's."""
-        T = tokens_BT.shape[1]
+        T = tokens_BT.shape[1] * (self.stream_shards if self.embed_tokens is None else 1)
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len ({self.args.max_seq_len})")
         if self.embed_tokens is not None:

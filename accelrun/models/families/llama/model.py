@@ -254,6 +254,10 @@ class Llama(nn.Module):
         # Context parallelism: (rank, size) when this model sees chunks of each sequence (the family's
         # ``shard_sequence``): rotary positions are then the chunks' global ones. None: the whole sequence.
         self.context_shard: tuple[int, int] | None = None
+        # A pipeline stage without the embedding under sequence parallelism receives the residual stream
+        # split along the sequence over this many TP ranks (accelrun.dist.pipeline.receive_sequence_shards):
+        # its blocks gather the whole sequence, so the rotary tables must cover it.
+        self.stream_shards = 1
         # Each module keeps its name in the whole model: initial values are keyed by parameter name
         # (shard_init), and stages, shards and wrappers (checkpointing, compile) must not change them.
         for name, module in self.named_modules():
@@ -313,7 +317,7 @@ class Llama(nn.Module):
         are not -100 (a scalar). ``positions_BT`` (document packing, ``data.packing: document``): each
         token's position in its document; rotary positions restart and attention stays inside each
         document."""
-        T = tokens_BT.shape[1]
+        T = tokens_BT.shape[1] * (self.stream_shards if self.tok_embeddings is None else 1)
         whole = T if self.context_shard is None else T * self.context_shard[1]
         if whole > self.args.max_seq_len:
             raise ValueError(f"sequence length {whole} exceeds model.max_seq_len ({self.args.max_seq_len})")
