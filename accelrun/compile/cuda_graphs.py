@@ -1,0 +1,194 @@
+"""Replaying a compiled graph as a CUDA graph (the policy is ``cuda_graph_policy.py``).
+
+``CudaGraphRunner`` wraps what runs one compiled forward or backward. For each kind of call (the
+inputs' sizes, strides and dtypes, and the addresses of the parameters it reads) it runs the graph
+eagerly ``warmup_calls`` times (cuBLAS and Triton load their kernels and workspaces outside any
+capture), then captures it once into the runner's private memory pool, with the call's inputs copied
+into static buffers that belong to the capture. From then on a call copies its inputs into those
+buffers, replays, and reads the outputs out (copies), as torch.cuda.graphs documents:
+
+- parameters are used in place, not copied (they do not move between steps); a parameter that moved
+  (a new address) is a new kind of call, so the blocks of a model (one graph, a parameter set each)
+  get one capture each;
+- outputs are copied out because the next replay writes the same memory; a forward's saved
+  activations are among them. The price: one extra copy of each graph's inputs and outputs a step;
+- anything that fails while capturing (an op that synchronises with the host) sends the graph back to
+  eager for the rest of the run, with the reason.
+
+The CUDA calls are behind ``GraphCapture`` so that the CPU tests can give a fake one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import fx, nn
+
+from accelrun.compile.cuda_graph_policy import (
+    CudaGraphDecision,
+    CudaGraphsReport,
+    GraphFacts,
+    decide_for_graph,
+)
+
+WARMUP_CALLS = 1  # eager calls per kind of call before it is captured
+MAX_CAPTURES = 256  # kinds of call per graph (a model's blocks: one each) before giving up on it
+
+# Ops whose output's size or value the host reads: a capture would freeze the value it saw.
+DATA_DEPENDENT_OPS = ("nonzero", "_local_scalar_dense", "masked_select", "unique", "item", "bincount")
+
+
+class GraphCapture(Protocol):
+    """What the runner needs of CUDA: capture a call into a graph (in one memory pool), replay it."""
+
+    def capture(self, fn: Callable[..., Any], inputs: list[Any]) -> tuple[Any, Any]: ...  # (graph, outputs)
+    def replay(self, graph: Any) -> None: ...
+
+
+class TorchCudaGraphs:
+    """``torch.cuda.CUDAGraph`` captures sharing one private pool: replays run in the order the graphs
+    were captured, on one stream, and every output is copied out before the next replay, so a later
+    capture may reuse an earlier one's temporaries (not its outputs: the runner keeps those)."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: Callable[..., Any], inputs: list[Any]) -> tuple[Any, Any]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = fn(*inputs)
+        return graph, outputs
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+
+@dataclass
+class _Capture:
+    graph: Any
+    buffers: list[torch.Tensor | None]  # a static buffer per copied input; None: used in place
+    outputs: Any
+
+
+def _is_static(value: Any) -> bool:
+    """Used in place rather than copied: a parameter (or a tensor that views one)."""
+    return isinstance(value, nn.Parameter) or (isinstance(value, torch.Tensor) and isinstance(value._base, nn.Parameter))
+
+
+def _kind(args: Sequence[Any]) -> tuple:
+    key: list[Any] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.data_ptr() if _is_static(a) else None))
+        else:
+            key.append(("value", a))
+    return tuple(key)
+
+
+class CudaGraphRunner:
+    """``fn(*args) -> outputs`` (a tuple or list of tensors, None or numbers), replayed from CUDA graphs
+    once warm. ``report`` counts captures and replays and keeps why a graph went back to eager."""
+
+    def __init__(self, fn: Callable[..., Any], name: str, capture: GraphCapture, report: CudaGraphsReport,
+                 warmup_calls: int = WARMUP_CALLS, max_captures: int = MAX_CAPTURES) -> None:  # fmt: skip
+        self.fn, self.name, self.capturer, self.report = fn, name, capture, report
+        self.warmup_calls, self.max_captures = warmup_calls, max_captures
+        self.captures: dict[tuple, _Capture] = {}
+        self.warm: dict[tuple, int] = {}
+        self.eager_reason: str | None = None  # set once: the graph runs eagerly from then on
+
+    def __call__(self, *args: Any) -> Any:
+        if self.eager_reason is not None:
+            return self.fn(*args)
+        kind = _kind(args)
+        cap = self.captures.get(kind)
+        if cap is None:
+            if self.warm.get(kind, 0) < self.warmup_calls:
+                self.warm[kind] = self.warm.get(kind, 0) + 1
+                return self.fn(*args)
+            if len(self.captures) >= self.max_captures:
+                return self._give_up(f"more than {self.max_captures} kinds of call (sizes, parameter sets)", args)
+            try:
+                cap = self._capture(args)
+            except Exception as e:  # noqa: BLE001  (the run goes on eagerly; the reason is reported)
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                return self._give_up(f"capture failed: {type(e).__name__}: {first}"[:200], args)
+            self.captures[kind] = cap
+            self.report.captured[self.name] = self.report.captured.get(self.name, 0) + 1
+        for buf, a in zip(cap.buffers, args, strict=True):
+            if buf is not None:
+                buf.copy_(a)
+        self.capturer.replay(cap.graph)
+        self.report.replays += 1
+        return _read_out(cap.outputs)
+
+    def _capture(self, args: Sequence[Any]) -> _Capture:
+        buffers = [a.clone() if isinstance(a, torch.Tensor) and not _is_static(a) else None for a in args]
+        inputs = [b if b is not None else a for b, a in zip(buffers, args, strict=True)]
+        graph, outputs = self.capturer.capture(self.fn, inputs)
+        held = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        if any(isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in held for o in _flat(outputs)):
+            raise ValueError("an output is a view of an input (its copy would not alias it)")
+        return _Capture(graph, buffers, outputs)
+
+    def _give_up(self, reason: str, args: Sequence[Any]) -> Any:
+        self.eager_reason = reason
+        self.report.declined[self.name] = reason
+        self.captures.clear()  # their pool memory goes back with them
+        return self.fn(*args)
+
+
+def _flat(outputs: Any) -> list[Any]:
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+
+
+def _read_out(outputs: Any) -> Any:
+    copied = [o.clone() if isinstance(o, torch.Tensor) else o for o in _flat(outputs)]
+    if isinstance(outputs, (list, tuple)):
+        return type(outputs)(copied) if isinstance(outputs, list) else tuple(copied)
+    return copied[0]
+
+
+def graph_facts(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> GraphFacts:
+    """What ``decide_for_graph`` reads, from a graph and its (fake) example inputs."""
+    devices, symbolic = set(), False
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor):
+            devices.add(t.device.type)
+            symbolic |= any(not isinstance(s, int) for s in (*t.shape, *t.stride()))
+        elif isinstance(t, torch.SymInt):
+            symbolic = True
+    collectives, data_dependent = 0, []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        target = str(n.target)
+        if "_c10d_functional" in target:
+            collectives += 1
+        name = getattr(n.target, "__name__", target).split(".")[0]
+        if name in DATA_DEPENDENT_OPS:
+            data_dependent.append(name)
+    return GraphFacts(frozenset(devices), symbolic, collectives, tuple(data_dependent))
+
+
+def with_cuda_graphs(fn: Callable[..., Any], name: str, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                     report: CudaGraphsReport, capture: GraphCapture | None = None) -> Callable[..., Any]:  # fmt: skip
+    """``fn`` replayed from CUDA graphs where the run and this graph allow it; else ``fn`` itself, the
+    reason kept in ``report.declined`` (where the run asked for them)."""
+    if not report.run.use:
+        return fn
+    decision: CudaGraphDecision = decide_for_graph(report.run, graph_facts(gm, example_inputs))
+    if not decision.use:
+        report.declined[name] = decision.reason
+        return fn
+    return CudaGraphRunner(fn, name, capture or shared_capture(report), report)
+
+
+def shared_capture(report: CudaGraphsReport) -> GraphCapture:
+    """One pool for every graph of one compile record (one model): see ``TorchCudaGraphs``."""
+    if report.capture is None:
+        report.capture = TorchCudaGraphs()
+    return report.capture

@@ -1,0 +1,194 @@
+"""compile.cuda_graphs on the CPU: when CUDA graphs apply (and each reason they do not), and the
+capture/replay wrapper driven by a fake CUDA graph that, like a real one, replays the captured
+kernels into the captured (static) memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+from accelrun.compile.cuda_graph_policy import (
+    CudaGraphDecision,
+    CudaGraphMode,
+    CudaGraphsReport,
+    GraphFacts,
+    decide_for_graph,
+    decide_for_run,
+)
+from accelrun.compile.cuda_graphs import CudaGraphRunner, graph_facts, with_cuda_graphs
+
+ON = CudaGraphDecision(True, "CUDA, one rank")
+
+
+class FakeGraphs:
+    """A CUDA graph stand-in: capture runs ``fn`` once on the static inputs (as the capture's warm pass
+    would allocate its outputs); replay runs it again on the same inputs and writes the results into
+    the captured outputs' memory, which is what a replay does."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.captures, self.replays, self.fail = 0, 0, fail
+
+    def capture(self, fn, inputs):
+        if self.fail:
+            raise RuntimeError(self.fail)
+        self.captures += 1
+        outputs = fn(*inputs)
+        return (fn, inputs, outputs), outputs
+
+    def replay(self, graph):
+        fn, inputs, outputs = graph
+        self.replays += 1
+        for static, fresh in zip(outputs, fn(*inputs), strict=True):
+            static.copy_(fresh)
+
+
+def counted(fn):
+    calls = []
+
+    def run(*args):
+        calls.append(args)
+        return fn(*args)
+
+    return run, calls
+
+
+def runner(fn, graphs=None, **kw):
+    report = CudaGraphsReport(CudaGraphMode.AUTO, ON)
+    graphs = graphs or FakeGraphs()
+    return CudaGraphRunner(fn, "g0.forward", graphs, report, **kw), graphs, report
+
+
+# -- the decision -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, use, words", [
+    (dict(mode="auto", device_type="cuda"), True, "CUDA, one rank"),
+    (dict(mode="on", device_type="cuda"), True, "CUDA, one rank"),
+    (dict(mode="off", device_type="cuda"), False, "compile.cuda_graphs = off"),
+    (dict(mode="auto", device_type="cpu"), False, "the run is on cpu"),
+    (dict(mode="auto", device_type="cuda", ranks=2), False, "2 ranks"),
+    (dict(mode="auto", device_type="cuda", document_packing=True), False, "data.packing = document"),
+    (dict(mode="auto", device_type="cuda", backend="inductor"), False, "compile.backend = inductor"),
+])  # fmt: skip
+def test_the_run_decides_with_one_reason(kwargs, use, words):
+    d = decide_for_run(**kwargs)
+    assert d.use is use and words in d.reason and "\n" not in d.reason
+
+
+@pytest.mark.parametrize("facts, words", [
+    (GraphFacts(frozenset({"cpu"}), False, 0), "CPU tensors"),
+    (GraphFacts(frozenset({"cuda"}), True, 0), "dynamic shapes"),
+    (GraphFacts(frozenset({"cuda"}), False, 2), "2 collective(s)"),
+    (GraphFacts(frozenset({"cuda"}), False, 0, ("nonzero",)), "data-dependent ops (nonzero)"),
+])  # fmt: skip
+def test_a_graph_declines_with_its_reason(facts, words):
+    d = decide_for_graph(ON, facts)
+    assert not d.use and words in d.reason
+    assert decide_for_graph(ON, GraphFacts(frozenset({"cuda"}), False, 0)).use
+    off = CudaGraphDecision.no("the run is on cpu")
+    assert decide_for_graph(off, GraphFacts(frozenset({"cuda"}), False, 0)) is off
+
+
+def test_graph_facts_reads_devices_collectives_and_host_reads():
+    def f(x):
+        return torch.nonzero(x) + 1
+
+    gm = fx.symbolic_trace(f)
+    facts = graph_facts(gm, [torch.ones(3)])
+    assert facts.devices == {"cpu"} and facts.data_dependent == ("nonzero",) and not facts.symbolic_shapes
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 2)
+    fake = FakeTensorMode(shape_env=ShapeEnv()).from_tensor(torch.ones(4, 3), symbolic_context=dynamic)
+    assert graph_facts(fx.symbolic_trace(lambda x: x + 1), [fake]).symbolic_shapes
+
+
+def test_with_cuda_graphs_keeps_the_graph_eager_and_says_why():
+    report = CudaGraphsReport(CudaGraphMode.AUTO, ON)
+    gm = fx.symbolic_trace(lambda x: x * 2)
+    fn = lambda x: (x * 2,)  # noqa: E731
+    assert with_cuda_graphs(fn, "g0.forward", gm, [torch.ones(2)], report) is fn
+    assert report.declined == {"g0.forward": "the graph takes CPU tensors"}
+    assert "1 without (g0.forward: the graph takes CPU tensors)" in report.line()
+    off = CudaGraphsReport(CudaGraphMode.AUTO, CudaGraphDecision.no("the run is on cpu"))
+    assert with_cuda_graphs(fn, "g0.forward", gm, [torch.ones(2)], off) is fn and not off.declined
+    assert off.line() == "CUDA graphs off (the run is on cpu)"
+    assert CudaGraphsReport().line() == ""  # off and not asked for: nothing to say
+
+
+# -- capture and replay -----------------------------------------------------------------------------
+
+def test_warm_up_then_capture_then_replays_copy_inputs_in_and_outputs_out():
+    fn, calls = counted(lambda x, y: (x * y + 1, x.sum(0)))
+    run, graphs, report = runner(fn)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    first = run(x, y)  # the warm-up: eager, on the caller's tensors
+    assert calls[0][0] is x and graphs.captures == 0
+    x2, y2 = torch.randn(3, 4), torch.randn(3, 4)
+    second = run(x2, y2)  # captured on static copies, then replayed
+    assert graphs.captures == 1 and graphs.replays == 1
+    static = run.captures[next(iter(run.captures))]
+    assert all(b is not None for b in static.buffers) and static.buffers[0].data_ptr() != x2.data_ptr()
+    torch.testing.assert_close(first, (x * y + 1, x.sum(0)), rtol=0, atol=0)
+    torch.testing.assert_close(second, (x2 * y2 + 1, x2.sum(0)), rtol=0, atol=0)
+    x3, y3 = torch.randn(3, 4), torch.randn(3, 4)
+    third = run(x3, y3)  # no new capture: the new values reach the graph through the static buffers
+    assert graphs.captures == 1 and graphs.replays == 2
+    torch.testing.assert_close(third, (x3 * y3 + 1, x3.sum(0)), rtol=0, atol=0)
+    # Read out: the next replay overwrites the static outputs, not what the caller holds.
+    assert third[0].data_ptr() != static.outputs[0].data_ptr()
+    run(torch.zeros(3, 4), torch.zeros(3, 4))
+    torch.testing.assert_close(third[0], x3 * y3 + 1, rtol=0, atol=0)
+    assert report.captured == {"g0.forward": 1} and report.replays == 3
+
+
+def test_parameters_are_used_in_place_and_a_moved_parameter_is_captured_again():
+    w1, w2 = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+    run, graphs, report = runner(lambda w, x: (x @ w,), warmup_calls=0)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(run(w1, x)[0], x @ w1, rtol=0, atol=0)
+    cap = next(iter(run.captures.values()))
+    assert cap.buffers[0] is None and cap.buffers[1] is not None  # the parameter is not copied
+    with torch.no_grad():
+        w1.mul_(2)  # an optimizer step: in place, same address, no new capture
+    torch.testing.assert_close(run(w1, x)[0], x @ w1, rtol=0, atol=0)
+    assert graphs.captures == 1
+    torch.testing.assert_close(run(w2, x)[0], x @ w2, rtol=0, atol=0)  # the next block's parameters
+    assert graphs.captures == 2 and report.captured == {"g0.forward": 2}
+
+
+def test_a_new_shape_is_captured_again():
+    run, graphs, _ = runner(lambda x: (x * 3,), warmup_calls=0)
+    run(torch.ones(2))
+    out = run(torch.ones(5))
+    assert graphs.captures == 2 and out[0].shape == (5,)
+    run(torch.ones(2))
+    assert graphs.captures == 2  # the first capture is still there
+
+
+def test_a_failed_capture_runs_eagerly_from_then_on_with_the_reason():
+    fn, calls = counted(lambda x: (x + 1,))
+    run, graphs, report = runner(fn, FakeGraphs(fail="operation not permitted when stream is capturing"),
+                                 warmup_calls=0)
+    out = run(torch.ones(2))
+    torch.testing.assert_close(out[0], torch.full((2,), 2.0))
+    assert report.declined["g0.forward"].startswith("capture failed: RuntimeError: operation not permitted")
+    run(torch.ones(2))
+    assert len(calls) == 2 and graphs.replays == 0
+
+
+def test_too_many_kinds_of_call_give_up_with_the_reason():
+    run, graphs, report = runner(lambda x: (x + 1,), warmup_calls=0, max_captures=2)
+    for n in (1, 2, 3):
+        torch.testing.assert_close(run(torch.ones(n))[0], torch.full((n,), 2.0))
+    assert graphs.captures == 2 and "more than 2 kinds of call" in report.declined["g0.forward"]
+    assert not run.captures
+
+
+def test_an_output_that_views_an_input_is_not_captured():
+    run, graphs, report = runner(lambda x: (x.view(-1),), warmup_calls=0)
+    x = torch.ones(2, 2)
+    assert run(x)[0].shape == (4,)
+    assert "view of an input" in report.declined["g0.forward"]
