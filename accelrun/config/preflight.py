@@ -67,13 +67,37 @@ def rank_threads(cores: int, nproc_per_node: int) -> int:
 
 
 def data_files(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
-    """Every data.paths pattern of a text or tokens source matches a file."""
+    """Every data.paths pattern of a text or tokens source matches a file; a documents source's name
+    record files whose records have the field the recipe reads."""
+    if cfg.data.source == "documents" and cfg.data.paths:
+        return record_findings(cfg, sources)
     if cfg.data.source not in ("text", "tokens") or not cfg.data.paths:
         return []
     from accelrun.config.data_paths import expand_paths
 
     try:
         expand_paths(cfg.data.paths)
+    except UserError as e:
+        return [Finding(f"{m} ({source_of(('data', 'paths'), sources, exact=False)})", True) for m in e.messages]
+    return []
+
+
+def record_findings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[Finding]:
+    """data.paths names record files, and the first record (header, schema) of each has the field
+    data.format reads: caught here, before a model is built, rather than minutes into a run."""
+    from accelrun.config.record_paths import record_fields, record_files
+
+    data = cfg.data
+    field_key, field = ("data.text_field", data.text_field) if data.format == "text" else \
+        ("data.messages_field", data.messages_field)
+    try:
+        for f in record_files(data.paths):
+            fields = record_fields(f)
+            if fields and field not in fields:
+                where = source_of(tuple(field_key.split(".")), sources)
+                shown = ", ".join(repr(x) for x in fields)
+                return [Finding(f"{f.path}: no field {field!r} (fields: {shown}); set {field_key} ({where}) to "
+                                "one of them", True)]
     except UserError as e:
         return [Finding(f"{m} ({source_of(('data', 'paths'), sources, exact=False)})", True) for m in e.messages]
     return []

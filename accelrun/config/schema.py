@@ -147,6 +147,17 @@ class ModelConfig(Section):
         return self.n_kv_heads or self.n_heads
 
 
+class MixSource(Section):
+    """One source of ``data.mix``: what it reads and its share of the training tokens. Every source is
+    read with ``data.tokenizer``; its windows are cut as a lone source's would be."""
+
+    source: Literal["builtin", "text", "tokens", "documents"] = "documents"
+    paths: StrList = Field(default_factory=list, description="files, folders or globs, as data.paths")
+    text_field: str = Field("text", min_length=1, description="documents: the column holding each document's text")
+    weight: float = Field(description="its share of the training tokens, relative to the other sources' (> 0); "
+                          "0.7 and 0.3 read 70% and 30% of the windows")
+
+
 class DataConfig(Section):
     source: Literal["builtin", "synthetic", "text", "tokens", "documents"] = "builtin"
     # builtin: a corpus every machine has without downloading (the Python standard library's source).
@@ -163,6 +174,9 @@ class DataConfig(Section):
     packing: Literal["concat", "document"] = Field(
         "concat", description="concat: documents run together in each window (pretraining); document: no "
         "token attends across a document boundary and positions restart at each document (fine-tuning)")
+    mix: list[MixSource] = Field(
+        default_factory=list, description="several sources, each with a weight (its share of the training "
+        "tokens); replaces data.source and data.paths when set")
     tokenizer: str = Field("byte", min_length=1, description="byte (built in); a tokenizer.json or a folder "
                            "holding one (the tokenizers library); hf = model.hf's folder")
     max_bytes: PositiveInt | None = Field(64 * 2**20, description="cap on text read (builtin/text)")
@@ -215,9 +229,9 @@ class TrainConfig(Section):
 # Stages per pipeline rank each schedule runs unless parallel.pp_stages_per_rank says otherwise: the
 # interleaved ones loop several ("virtual") stages over the ranks, rank r holding r, r + pp, ...
 PP_STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
+INTERLEAVED_SCHEDULES = tuple(k for k, v in PP_STAGES_PER_RANK.items() if v > 1)
 # The device mesh's dimensions, outermost first: tensor parallelism innermost (neighbouring ranks, one
 # node's links), then context parallelism (its K/V all-gathers every layer want fast links too),
-INTERLEAVED_SCHEDULES = tuple(k for k, v in PP_STAGES_PER_RANK.items() if v > 1)
 # pipeline stages outermost. accelrun.dist.mesh builds it; accelrun.plan.comm reads it.
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -233,12 +247,12 @@ class ParallelConfig(Section):
                        "(each holds a head and a tail chunk; keys and values all-gathered per layer)")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     microbatches: PositiveInt | None = Field(None, description="pipeline micro-batches; None = pp")
-    ep: PositiveInt = Field(
-        1, description="expert parallelism (model.arch = moe): experts spread over this many of the data-parallel "
     pp_stages_per_rank: PositiveInt | None = Field(
         None, description="interleaved schedules: stages each pipeline rank runs (pp × this many in all; "
         "Meta's Llama 3 405B looped 126 layers over 16 ranks this way); None = 2, or 1 for gpipe and 1f1b"
     )
+    ep: PositiveInt = Field(
+        1, description="expert parallelism (model.arch = moe): experts spread over this many of the data-parallel "
         "ranks (dp_shard, × cp), tokens sent to them by all-to-all; not a mesh dimension of its own")
     reshard_after_forward: bool = Field(True, description="FSDP: free gathered block parameters after forward")
     fsdp_impl: Literal["fsdp2", "compiled"] = Field(
@@ -294,8 +308,6 @@ class ParallelConfig(Section):
         return {k: (self.world_size // known if v == -1 else v) for k, v in named.items()}
 
     @property
-    def dp(self) -> int:
-    @property
     def stages_per_rank(self) -> int:
         """Pipeline stages each pipeline rank runs: the schedule's default, or ``pp_stages_per_rank`` for the
         interleaved schedules (validate refuses it with the others)."""
@@ -303,6 +315,8 @@ class ParallelConfig(Section):
             return 1
         return self.pp_stages_per_rank or PP_STAGES_PER_RANK[self.pp_schedule]
 
+    @property
+    def dp(self) -> int:
         d = self.degrees()
         return d["dp_replicate"] * d["dp_shard"]
 

@@ -16,6 +16,7 @@ from pydantic.fields import FieldInfo
 
 from accelrun.config.compile_names import BUILTIN_EXECUTORS, PassConfigError, parse_passes
 from accelrun.config.compose import DEFAULT, Source
+from accelrun.config.data_checks import data_problems
 from accelrun.config.errors import ConfigError, nearest
 from accelrun.config.moe_checks import moe_problems, moe_warnings
 from accelrun.config.schema import INTERLEAVED_SCHEDULES, RunConfig
@@ -200,8 +201,9 @@ def consistency_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list
     out += tokenizer_problems(cfg, v)
     if cfg.data.paths and cfg.data.source in ("builtin", "synthetic"):
         out.append(f"data.paths is set but {v('data.source')} reads no files (use text or tokens)")
-    elif not cfg.data.paths and cfg.data.source in ("text", "tokens"):
+    elif not cfg.data.paths and cfg.data.source in ("text", "tokens") and not cfg.data.mix:
         out.append(f"{v('data.source')} needs data.paths: files or globs to read")
+    out += data_problems(cfg, lambda path: source_of(path, sources, exact=False), v)
     out += _parallel_problems(cfg, v)
     out += _compile_problems(cfg, sources)
     if not out:  # batch arithmetic needs valid degrees
@@ -426,7 +428,7 @@ DATA_KEYS_USED_BY = {
     "text": ("tokenizer", "max_bytes"),
     "tokens": ("tokenizer",),  # checked against the tokenizer each token file records
     "synthetic": (),
-    "documents": ("tokenizer", "max_bytes", "text_field", "format", "messages_field", "loss_on"),
+    "documents": ("tokenizer", "text_field", "format", "messages_field", "loss_on"),  # read whole, streamed
 }
 # Keys read by one source only; the others warn when a user sets them (packing applies to every source).
 SOURCE_SPECIFIC_DATA_KEYS = ("builtin", "tokenizer", "max_bytes", "text_field", "format", "messages_field", "loss_on")

@@ -6,6 +6,7 @@ from accelrun.config.schema import DataConfig, EvalConfig
 from accelrun.config.tokenizer_file import TokenizerFileError, read_tokenizer_info
 from accelrun.data.builtin import load_builtin
 from accelrun.data.chat import ChatEncoder, LossOn, load_chat
+from accelrun.data.documents import load_documents
 from accelrun.data.errors import DataError
 from accelrun.data.heldout import HeldOutBatches
 from accelrun.data.loader import TokenBatchIterator
@@ -68,6 +69,8 @@ def load_stream(cfg: DataConfig, *, vocab_size: int, seed: int, min_tokens: int 
         return load_builtin(cfg.builtin, max_bytes=cfg.max_bytes, tokenizer=tokenizer)
     if cfg.source == "text":
         return load_text(cfg.paths, max_bytes=cfg.max_bytes, tokenizer=tokenizer)
+    if cfg.source == "documents" and cfg.format == "text":
+        return load_documents(cfg.paths, tokenizer=tokenizer, tokenizer_spec=cfg.tokenizer, text_field=cfg.text_field)
     raise DataError(f"data.source: unknown source {cfg.source!r}")
 
 

@@ -134,10 +134,11 @@ def _run(pieces: list[Piece], spec: ShardSpec, workers: int, total: int,
             results.append(write_shard(p, spec, on_batch=on_batch))
             report(p.size - counted[0], 0)
         return results
-    # forkserver: workers start from a clean process (no copy of this one's threads or tokenizer state);
-    # the preload imports accelrun once there, not once per worker.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["accelrun.data.record_shards"])
+    # fork where there is one: a worker starts in milliseconds with accelrun already imported (spawn and
+    # forkserver import torch again, seconds on a busy machine). This process has encoded nothing yet,
+    # so no tokenizer thread pool is copied half-way through its work.
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     results: list[ShardResult] = []
     with ProcessPoolExecutor(max_workers=min(workers, len(pieces)), mp_context=context) as pool:
         futures = [pool.submit(write_shard, p, spec) for p in pieces]

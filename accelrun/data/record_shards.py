@@ -25,8 +25,8 @@ from accelrun.data.records import (
     RecordBatch,
     RecordFile,
     RecordFormat,
-    _pyarrow,
     _read_json_lines,
+    pyarrow_module,
     read_file,
 )
 from accelrun.data.tokenizer import ByteTokenizer, get_tokenizer
@@ -80,7 +80,7 @@ def plan_pieces(files: Sequence[RecordFile], piece_bytes: int = PIECE_BYTES) -> 
                 stop = min(start + piece_bytes, size)
                 pieces.append(Piece(len(pieces), f, stop - start, byte_range=(start, stop)))
         elif f.format is RecordFormat.PARQUET:
-            meta = _pyarrow(f).parquet.ParquetFile(f.path).metadata
+            meta = pyarrow_module(f).parquet.ParquetFile(f.path).metadata
             rows = 0
             for g in range(meta.num_row_groups):
                 group = meta.row_group(g)
@@ -101,7 +101,7 @@ def read_piece(piece: Piece, columns: Sequence[str], column_key: str | None) -> 
     if piece.byte_range is not None:
         yield from _read_json_lines(f, list(columns), column_key, 1024, piece.byte_range)
     elif piece.row_group is not None:
-        pf = _pyarrow(f).parquet.ParquetFile(f.path)
+        pf = pyarrow_module(f).parquet.ParquetFile(f.path)
         first = piece.first_row
         for b in pf.iter_batches(batch_size=1024, row_groups=[piece.row_group], columns=list(columns)):
             yield RecordBatch(f, {c: b.column(c).to_pylist() for c in columns}, None, first)

@@ -22,41 +22,23 @@ missing column (with the columns that exist), an empty corpus.
 from __future__ import annotations
 
 import csv
-import glob
 import json
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from accelrun.config.record_paths import (  # noqa: F401 (part of this module's interface)
+    EXTENSIONS,
+    PYARROW_HINT,
+    RecordFile,
+    RecordFormat,
+    pyarrow_module,
+    record_files,
+)
 from accelrun.errors import DataError
 
 ROWS_PER_BATCH = 1024
-PYARROW_HINT = "pip install 'accelrun[data]' (pyarrow)"
-
-
-class RecordFormat(Enum):
-    JSONL = "jsonl"
-    JSON = "json"
-    CSV = "csv"
-    PARQUET = "parquet"
-    ARROW = "arrow"
-
-    @property
-    def needs_pyarrow(self) -> bool:
-        return self in (RecordFormat.PARQUET, RecordFormat.ARROW)
-
-
-EXTENSIONS = {".jsonl": RecordFormat.JSONL, ".ndjson": RecordFormat.JSONL, ".json": RecordFormat.JSON,
-              ".csv": RecordFormat.CSV, ".parquet": RecordFormat.PARQUET, ".arrow": RecordFormat.ARROW}
-
-
-@dataclass(frozen=True)
-class RecordFile:
-    path: Path
-    format: RecordFormat
 
 
 class LinesBefore:
@@ -160,68 +142,6 @@ def iter_record_batches(paths: Sequence[str], columns: Sequence[str], *, key: st
     if seen == 0:
         names = ", ".join(str(f.path) for f in files[:3]) + (", ..." if len(files) > 3 else "")
         raise DataError(f"{key}: the corpus is empty: no records in {names}")
-
-
-def record_files(paths: Sequence[str], *, key: str = "data.paths") -> list[RecordFile]:
-    """The record files ``paths`` names, in order: a file by its extension, a ``save_to_disk`` folder as
-    its Arrow files, any other folder as the record files under it (sorted), a glob as its matches."""
-    if not paths:
-        raise DataError(f"{key} is empty: give at least one file, folder or glob")
-    out: list[RecordFile] = []
-    seen: set[str] = set()
-    for pattern in paths:
-        expanded = os.path.expanduser(pattern)
-        matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else (
-            [expanded] if os.path.exists(expanded) else [])
-        if not matches:
-            raise DataError(f"{key}: {pattern!r} matches no file or folder")
-        found: list[RecordFile] = []
-        for m in matches:
-            found += _folder_files(Path(m), key) if os.path.isdir(m) else _one_file(Path(m), key, strict=m == expanded)
-        if not found:
-            raise DataError(f"{key}: {pattern!r} holds no record files ({', '.join(EXTENSIONS)})")
-        for f in found:
-            if (a := os.path.abspath(f.path)) not in seen:
-                seen.add(a)
-                out.append(f)
-    return out
-
-
-def _one_file(path: Path, key: str, *, strict: bool) -> list[RecordFile]:
-    fmt = EXTENSIONS.get(path.suffix.lower())
-    if fmt is None:
-        if strict:  # named on its own: say what is read; a glob's other matches are skipped quietly
-            raise DataError(f"{key}: {str(path)!r} is not a record file: expected one of {', '.join(EXTENSIONS)} "
-                            "or a save_to_disk folder (plain text files: data.source = text)")
-        return []
-    return [RecordFile(path, fmt)]
-
-
-def _folder_files(folder: Path, key: str) -> list[RecordFile]:
-    if (folder / "dataset_dict.json").is_file():
-        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
-        first = splits[0] if splits else "train"
-        raise DataError(f"{key}: {str(folder)!r} is a DatasetDict with splits {', '.join(splits)}: name one "
-                        f"split's folder, e.g. {str(folder / first)!r}")
-    if (folder / "state.json").is_file():  # datasets' save_to_disk: its Arrow files, in their order
-        try:
-            state = json.loads((folder / "state.json").read_text())
-            names = [d["filename"] for d in state["_data_files"]]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{key}: {folder / 'state.json'} is not a save_to_disk state file ({e})") from None
-        return [RecordFile(folder / n, RecordFormat.ARROW) for n in names]
-    out: list[RecordFile] = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames.sort()
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        here = Path(dirpath)
-        if here != folder and (here / "state.json").is_file():  # a save_to_disk folder inside
-            out += _folder_files(here, key)
-            dirnames[:] = []
-            continue
-        out += [RecordFile(here / n, EXTENSIONS[Path(n).suffix.lower()]) for n in sorted(filenames)
-                if Path(n).suffix.lower() in EXTENSIONS and not n.startswith(".")]
-    return out
 
 
 def read_file(f: RecordFile, columns: Sequence[str], *, column_key: str | None = None,
@@ -350,16 +270,6 @@ def _read_csv(f: RecordFile, columns, column_key, rows):
         yield rec.take()
 
 
-def _pyarrow(f: RecordFile):
-    try:
-        import pyarrow
-        import pyarrow.ipc
-        import pyarrow.parquet
-    except ImportError:
-        raise DataError(f"{f.path}: reading .{f.format.value} files needs pyarrow: {PYARROW_HINT}") from None
-    return pyarrow
-
-
 def _check_schema(f: RecordFile, names: Sequence[str], columns, column_key) -> None:
     for c in columns:
         if c not in names:
@@ -374,7 +284,7 @@ def _columnar(f: RecordFile, batches, columns, first_row: int = 0):
 
 
 def _read_parquet(f: RecordFile, columns, column_key, rows):
-    pa = _pyarrow(f)
+    pa = pyarrow_module(f)
     try:
         pf = pa.parquet.ParquetFile(f.path)
     except pa.ArrowInvalid as e:
@@ -386,7 +296,7 @@ def _read_parquet(f: RecordFile, columns, column_key, rows):
 def _read_arrow(f: RecordFile, columns, column_key, rows):
     """An Arrow IPC stream (what ``save_to_disk`` writes) or IPC file, memory-mapped: batches are read
     in place, so only the columns asked for are touched."""
-    pa = _pyarrow(f)
+    pa = pyarrow_module(f)
     with pa.memory_map(str(f.path)) as source:
         try:
             reader = pa.ipc.open_stream(source)

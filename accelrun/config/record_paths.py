@@ -1,0 +1,147 @@
+"""Which record files ``data.paths`` names for the ``documents`` source, and the fields their records
+have (no torch): ``accelrun validate`` checks them before anything is built, and
+``accelrun.data.records`` reads them.
+
+Formats come from the extension: ``.jsonl`` / ``.ndjson``, ``.json``, ``.csv``, ``.parquet``, ``.arrow``;
+a folder written by ``datasets``' ``save_to_disk`` (it holds ``state.json``) stands for its Arrow files.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from accelrun.errors import DataError
+
+PYARROW_HINT = "pip install 'accelrun[data]' (pyarrow)"
+
+
+class RecordFormat(Enum):
+    JSONL = "jsonl"
+    JSON = "json"
+    CSV = "csv"
+    PARQUET = "parquet"
+    ARROW = "arrow"
+
+    @property
+    def needs_pyarrow(self) -> bool:
+        return self in (RecordFormat.PARQUET, RecordFormat.ARROW)
+
+
+EXTENSIONS = {".jsonl": RecordFormat.JSONL, ".ndjson": RecordFormat.JSONL, ".json": RecordFormat.JSON,
+              ".csv": RecordFormat.CSV, ".parquet": RecordFormat.PARQUET, ".arrow": RecordFormat.ARROW}
+
+
+@dataclass(frozen=True)
+class RecordFile:
+    path: Path
+    format: RecordFormat
+
+
+def record_files(paths: Sequence[str], *, key: str = "data.paths") -> list[RecordFile]:
+    """The record files ``paths`` names, in order: a file by its extension, a ``save_to_disk`` folder as
+    its Arrow files, any other folder as the record files under it (sorted), a glob as its matches."""
+    if not paths:
+        raise DataError(f"{key} is empty: give at least one file, folder or glob")
+    out: list[RecordFile] = []
+    seen: set[str] = set()
+    for pattern in paths:
+        expanded = os.path.expanduser(pattern)
+        matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else (
+            [expanded] if os.path.exists(expanded) else [])
+        if not matches:
+            raise DataError(f"{key}: {pattern!r} matches no file or folder")
+        found: list[RecordFile] = []
+        for m in matches:
+            found += _folder_files(Path(m), key) if os.path.isdir(m) else _one_file(Path(m), key, strict=m == expanded)
+        if not found:
+            raise DataError(f"{key}: {pattern!r} holds no record files ({', '.join(EXTENSIONS)})")
+        for f in found:
+            if (a := os.path.abspath(f.path)) not in seen:
+                seen.add(a)
+                out.append(f)
+    return out
+
+
+def _one_file(path: Path, key: str, *, strict: bool) -> list[RecordFile]:
+    fmt = EXTENSIONS.get(path.suffix.lower())
+    if fmt is None:
+        if strict:  # named on its own: say what is read; a glob's other matches are skipped quietly
+            raise DataError(f"{key}: {str(path)!r} is not a record file: expected one of {', '.join(EXTENSIONS)} "
+                            "or a save_to_disk folder (plain text files: data.source = text)")
+        return []
+    return [RecordFile(path, fmt)]
+
+
+def _folder_files(folder: Path, key: str) -> list[RecordFile]:
+    if (folder / "dataset_dict.json").is_file():
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        first = splits[0] if splits else "train"
+        raise DataError(f"{key}: {str(folder)!r} is a DatasetDict with splits {', '.join(splits)}: name one "
+                        f"split's folder, e.g. {str(folder / first)!r}")
+    if (folder / "state.json").is_file():  # datasets' save_to_disk: its Arrow files, in their order
+        try:
+            state = json.loads((folder / "state.json").read_text())
+            names = [d["filename"] for d in state["_data_files"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{key}: {folder / 'state.json'} is not a save_to_disk state file ({e})") from None
+        return [RecordFile(folder / n, RecordFormat.ARROW) for n in names]
+    out: list[RecordFile] = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames.sort()
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        here = Path(dirpath)
+        if here != folder and (here / "state.json").is_file():  # a save_to_disk folder inside
+            out += _folder_files(here, key)
+            dirnames[:] = []
+            continue
+        out += [RecordFile(here / n, EXTENSIONS[Path(n).suffix.lower()]) for n in sorted(filenames)
+                if Path(n).suffix.lower() in EXTENSIONS and not n.startswith(".")]
+    return out
+
+
+def pyarrow_module(f: RecordFile):
+    """pyarrow (with its ipc and parquet modules), or one line naming the extra that installs it."""
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise DataError(f"{f.path}: reading .{f.format.value} files needs pyarrow: {PYARROW_HINT}") from None
+    return pyarrow
+
+
+
+def record_fields(f: RecordFile) -> list[str]:
+    """The fields of ``f``'s first record (jsonl, json lines), its header (csv) or its schema (parquet,
+    Arrow): enough to check a field name before training. Empty for a file with no record."""
+    if f.format.needs_pyarrow:
+        pa = pyarrow_module(f)
+        try:
+            if f.format is RecordFormat.PARQUET:
+                return list(pa.parquet.read_schema(f.path).names)
+            with pa.memory_map(str(f.path)) as source:
+                try:
+                    return list(pa.ipc.open_stream(source).schema.names)
+                except pa.ArrowInvalid:
+                    source.seek(0)
+                    return list(pa.ipc.open_file(source).schema.names)
+        except pa.ArrowInvalid as e:
+            raise DataError(f"{f.path}: not a .{f.format.value} file pyarrow reads ({e})") from None
+    with open(f.path, encoding="utf-8", errors="replace", newline="") as fh:
+        if f.format is RecordFormat.CSV:
+            return next(csv.reader(fh), [])
+        head = fh.read(1 << 16).lstrip()
+    if not head or head.startswith("["):  # empty, or a JSON array (the reader parses it whole)
+        return []
+    try:
+        obj = json.loads(head.splitlines()[0])
+    except json.JSONDecodeError:
+        return []  # the reader names the line (it may also be longer than what was read here)
+    return list(obj) if isinstance(obj, dict) else []
