@@ -4,26 +4,31 @@ from __future__ import annotations
 
 import torch
 
+from accelrun.data.loss_mask import count_loss_targets
 from accelrun.train.precision import autocast
 
 
 @torch.no_grad()
 def evaluate(s) -> float:
-    """The mean loss over this rank's held-out micro-batches, then the mean over data-parallel ranks
-    (every rank evaluates the same number of batches, so the mean of means is the mean)."""
+    """The mean loss over the held-out targets of every data-parallel rank (each rank's micro-batch means
+    weighted by the targets they count: with unmasked data, the mean of the batches' means)."""
     cfg, dev = s.config, s.device
     parts = [s.model]
     for part in parts:
         part.eval()
-    total = torch.zeros((), device=dev)
-    n = 0
+    total = torch.zeros((), device=dev)  # sum over batches of (mean loss × targets in the loss)
+    counted = torch.zeros((), device=dev)
     try:
         for inputs_BT, targets_BT in s.eval_data:
             inputs_BT, targets_BT = inputs_BT.to(dev), targets_BT.to(dev)
+            n_targets = count_loss_targets(targets_BT)
             with s.loss_context(), autocast(cfg.train.precision, dev):
-                total += s.loss_fn(inputs_BT, targets_BT).detach().float()
-            n += 1
+                loss = s.loss_fn(inputs_BT, targets_BT).detach().float()
+            # Weighted by the targets each batch counts (all of them but chat data's masked ones), so a
+            # held-out batch of user text only (a NaN mean over nothing) adds nothing.
+            total += torch.where(n_targets > 0, loss * n_targets, 0.0)
+            counted += n_targets
     finally:
         for part in parts:
             part.train()
-    return float(s.ctx.mean_over_dp(total / max(n, 1)))
+    return float(s.ctx.mean_over_dp(total) / s.ctx.mean_over_dp(counted).clamp(min=1))

@@ -8,6 +8,7 @@ the user's targets ignored; metrics.jsonl's loss_tokens are the targets the load
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -42,9 +43,14 @@ def _overrides(tmp_path: Path, folder: Path, chats: Path, *more: str) -> list[st
     return [f"model.hf={folder}", f"data.paths=[{chats}]", f"report.runs_dir={tmp_path / 'runs'}", *SMALL, *more]
 
 
+def _batches(cfg):
+    """The run's batches, as its loader gives them (the held-out tail left out when it evaluates)."""
+    return build_data(cfg.data, seq_len=cfg.train.seq_len, micro_batch=cfg.train.global_batch, seed=cfg.train.seed,
+                      vocab_size=cfg.model.vocab_size, eval_cfg=cfg.eval)
+
+
 def _loss_tokens_per_step(cfg) -> list[int]:
-    data = build_data(cfg.data, seq_len=cfg.train.seq_len, micro_batch=cfg.train.global_batch, seed=cfg.train.seed,
-                      vocab_size=cfg.model.vocab_size)
+    data = _batches(cfg)
     return [int(count_loss_targets(next(data).targets)) for _ in range(STEPS)]
 
 
@@ -52,15 +58,15 @@ def test_first_step_loss_is_transformers_masked_loss(chat_model, tmp_path):
     folder, chats = chat_model
     resolved = load_config(REPO / "configs" / "hf-chat.yaml",
                            _overrides(tmp_path, folder, chats, "data.packing=concat", "compile.backend=eager",
-                                      "checkpoint.hf_on_finish=false"))
+                                      "checkpoint.hf_on_finish=false", f"eval.every={STEPS}", "eval.split=0.2"))
     cfg = resolved.config
     result = train(resolved, command="test")
     metrics = read_metrics(result.run_dir / "metrics.jsonl")
+    assert math.isfinite(metrics[-1]["val_loss"])  # held-out chats: the mean over their assistant targets
     assert [m["loss_tokens"] for m in metrics] == _loss_tokens_per_step(cfg)
     assert all(0 < m["loss_tokens"] < m["tokens"] for m in metrics)
 
-    first = build_data(cfg.data, seq_len=32, micro_batch=4, seed=cfg.train.seed, vocab_size=cfg.model.vocab_size)
-    inputs_BT, targets_BT = next(first)
+    inputs_BT, targets_BT = next(_batches(cfg))
     assert (targets_BT == -100).any()
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
