@@ -45,6 +45,19 @@ class Batch(NamedTuple):
     targets: torch.Tensor  # (B, T) int64: inputs shifted left by one token; IGNORE_INDEX where out of the loss
 
 
+def window_batch(stream: TokenStream, window_starts: list[int], seq_len: int, packing: str) -> Batch | DocumentBatch:
+    """The batch of ``stream``'s windows of ``seq_len + 1`` tokens at ``window_starts`` (token offsets):
+    what a window becomes under ``packing``. Which windows are read is the iterators' business."""
+    T = seq_len
+    if packing == "document":
+        return document_window_batch(stream, window_starts, T)
+    rows = [stream.read(s, s + T + 1) for s in window_starts]
+    w_BT1 = torch.stack(rows)  # (B, T+1)
+    targets_BT = w_BT1[:, 1:].contiguous()
+    mask_targets(stream, window_starts, T, targets_BT)  # chat: only what counts
+    return Batch(w_BT1[:, :-1].contiguous(), targets_BT)
+
+
 class TokenBatchIterator:
     """An endless iterator of ``Batch(inputs, targets)`` for one data-parallel rank.
 
@@ -131,16 +144,8 @@ class TokenBatchIterator:
             self.position = 0
         first = self.position + self.dp_rank * self.micro_batch
         windows = self.epoch_order(self.epoch)[first : first + self.micro_batch].tolist()
-        T = self.seq_len
-        if self.packing == "document":
-            self.position += self.step_windows
-            return document_window_batch(self.stream, [i * T for i in windows], T)
-        rows = [self.stream.read(i * T, i * T + T + 1) for i in windows]
-        w_BT1 = torch.stack(rows)  # (B, T+1)
         self.position += self.step_windows
-        targets_BT = w_BT1[:, 1:].contiguous()
-        mask_targets(self.stream, [i * T for i in windows], T, targets_BT)  # chat: only what counts
-        return Batch(w_BT1[:, :-1].contiguous(), targets_BT)
+        return window_batch(self.stream, [i * self.seq_len for i in windows], self.seq_len, self.packing)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the iterator is. Plain ints and strings; identical on every rank but ``dp_rank``."""
