@@ -10,6 +10,7 @@ from accelrun.data.documents import load_documents
 from accelrun.data.errors import DataError
 from accelrun.data.heldout import HeldOutBatches
 from accelrun.data.loader import TokenBatchIterator
+from accelrun.data.mix import MixedBatchIterator
 from accelrun.data.stream import TokenStream
 from accelrun.data.synthetic import SyntheticStream, synthetic_length
 from accelrun.data.text import load_text
@@ -74,6 +75,13 @@ def load_stream(cfg: DataConfig, *, vocab_size: int, seed: int, min_tokens: int 
     raise DataError(f"data.source: unknown source {cfg.source!r}")
 
 
+def mix_source_config(data_cfg: DataConfig, i: int) -> DataConfig:
+    """The ``data`` section that reads ``data.mix[i]`` alone (the tokenizer and the rest shared)."""
+    entry = data_cfg.mix[i]
+    return data_cfg.model_copy(update={"source": entry.source, "paths": list(entry.paths),
+                                       "text_field": entry.text_field, "mix": []})
+
+
 def build_data(
     data_cfg: DataConfig,
     *,
@@ -85,8 +93,8 @@ def build_data(
     dp_size: int = 1,
     min_tokens: int | None = None,
     eval_cfg: EvalConfig | None = None,
-) -> TokenBatchIterator:
-    """The batch iterator of one data-parallel rank.
+) -> TokenBatchIterator | MixedBatchIterator:
+    """The batch iterator of one data-parallel rank (of a ``data.mix``'s sources when it has any).
 
     ``seed`` is ``train.seed``; ``data.seed`` overrides it when set. ``min_tokens`` is how many
     tokens the run will read (only the synthetic source uses it). There are no loader workers:
@@ -96,6 +104,14 @@ def build_data(
     >>> inputs_BT, targets_BT = next(it)
     """
     seed = data_cfg.seed if data_cfg.seed is not None else seed
+    if data_cfg.mix:
+        if eval_cfg is not None and eval_cfg.every > 0:
+            raise DataError("data.mix with eval.every is not supported yet: set eval.every = 0")
+        streams = [load_stream(mix_source_config(data_cfg, i), vocab_size=vocab_size, seed=seed, min_tokens=min_tokens)
+                   for i in range(len(data_cfg.mix))]
+        return MixedBatchIterator(streams, [e.weight for e in data_cfg.mix], seq_len=seq_len, micro_batch=micro_batch,
+                                  seed=seed, shuffle=data_cfg.shuffle, dp_rank=dp_rank, dp_size=dp_size,
+                                  packing=data_cfg.packing)
     stream = load_stream(data_cfg, vocab_size=vocab_size, seed=seed, min_tokens=min_tokens)
     if eval_cfg is not None and eval_cfg.every > 0:  # training reads only what precedes the held-out tail
         heldout = HeldOutBatches(stream, seq_len=seq_len, micro_batch=micro_batch, split=eval_cfg.split,
