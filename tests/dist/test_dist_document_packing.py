@@ -1,0 +1,33 @@
+"""data.packing = document on 2 ranks (gloo): under FSDP (compiled by accelrun's backend: the blocks' graph and
+the loss head's, no graph break) and under TP, every token's loss equals transformers' ``LlamaForCausalLM`` on
+its document alone (fp32, 1e-5), and the training loss is their mean. TP without data parallelism runs eager:
+validate refuses to compile that layout with this torch, whatever the packing."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.document_ranks import run_ranks
+from tests.models.hf_helpers import save_tiny_hf
+from tests.train.test_document_packing import LENGTHS, RTOL
+
+LAYOUTS = {
+    "fsdp2": ["parallel.dp_shard=2", "train.micro_batch=2", "train.global_batch=4"],
+    "tp2": ["parallel.dp_shard=1", "parallel.tp=2", "train.micro_batch=2", "train.global_batch=2",
+            "compile.backend=eager"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_packed_losses_equal_transformers_per_document_on_two_ranks(layout, tmp_path):
+    hf_dir = tmp_path / "hf"
+    save_tiny_hf(hf_dir, "llama")
+    records = run_ranks(tmp_path, hf_dir, LAYOUTS[layout], LENGTHS)
+    for rank, r in enumerate(records):
+        assert r["exitcode"] == 0, (rank, r)
+        assert (r["dp_size"], r["tp_size"]) == ((2, 1) if layout == "fsdp2" else (1, 2))
+        assert r["worst_rel"] <= RTOL, (rank, r["worst_rel"])
+        for got, want in r["losses"]:
+            assert got == pytest.approx(want, rel=RTOL)
+        if layout == "fsdp2":
+            assert r["dynamo_graphs"] == 2 and not r["graph_breaks"] and not r["fallbacks"], r

@@ -1,0 +1,92 @@
+"""data.packing = document: each document's per-token losses, computed packed by accelrun (compiled by its
+backend, the default recipe's compile settings), equal transformers' ``LlamaForCausalLM`` run on that document
+alone with the same weights (fp32, 1e-5), and the kernel behind it keeps attention inside each document."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from accelrun.config import load_config
+from accelrun.data.document_packing import IGNORE_INDEX, DocumentBatch
+from accelrun.data.loader import TokenBatchIterator
+from accelrun.models.document_attention import document_attention
+from accelrun.train.setup import build_setup
+from tests.conftest import DEFAULT_CONFIG
+from tests.models.hf_helpers import save_tiny_hf
+from tests.train.document_parity import EOS, document_pieces, document_stream, transformers_losses
+
+RTOL = 1e-5
+# Varied lengths: several documents per window, some windows cut a document, one longer than a window.
+LENGTHS = [5, 17, 3, 40, 9, 1, 22, 12, 31, 7, 2, 19, 70, 11, 6, 25, 14, 8, 33, 4]
+
+
+def test_document_attention_equals_masked_attention_forward_and_backward():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7],
+                              [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 1, 0, 1, 2]])
+    doc = (positions == 0).cumsum(1)
+    # The dense block-causal mask exists only here, as the reference.
+    mask = (doc[:, :, None] == doc[:, None, :]) & torch.ones(16, 16, dtype=torch.bool).tril()
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+    got = document_attention(q, k, v, positions)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # Plain causal attention over the row differs: the documents really were kept apart.
+    assert (F.scaled_dot_product_attention(q, k, v, is_causal=True) - got).abs().max() > 1e-2
+
+
+def test_windows_carry_positions_and_mask_the_target_that_crosses_a_boundary():
+    stream = document_stream([3, 4, 6])  # documents [0, 3), [3, 7), [7, 13)
+    it = TokenBatchIterator(stream, seq_len=6, micro_batch=2, seed=0, shuffle=False, packing="document")
+    batch = next(it)
+    assert isinstance(batch, DocumentBatch)
+    assert batch.positions.tolist() == [[0, 1, 2, 0, 1, 2], [0, 0, 1, 2, 3, 4]]  # window 2 starts mid-document
+    tokens = stream.tokens.long()
+    assert batch.targets[0].tolist() == [*tokens[1:3].tolist(), IGNORE_INDEX, *tokens[4:7].tolist()]
+    assert batch.targets[1].tolist() == [IGNORE_INDEX, *tokens[8:13].tolist()]
+    assert (batch.inputs[batch.targets == IGNORE_INDEX] == EOS).all()  # each document's EOS predicts nothing
+
+
+def _packed_setup(tmp_path, hf_dir, *overrides):
+    """The default recipe's compile settings on the tiny HF folder, one process, fp32."""
+    resolved = load_config(DEFAULT_CONFIG, [
+        "train.device=cpu", f"model.hf={hf_dir}", "train.seq_len=48", "train.micro_batch=2", "train.global_batch=2",
+        "train.precision=fp32", "report.progress=none", f"report.runs_dir={tmp_path / 'runs'}", *overrides])
+    assert resolved.config.compile.backend == "accelrun"  # the default recipe's compiler
+    return build_setup(resolved, tmp_path / "run")
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf") / "llama"
+    return folder, save_tiny_hf(folder, "llama")
+
+
+def test_packed_losses_equal_transformers_per_document_compiled(tmp_path, hf_llama):
+    hf_dir, hf_model = hf_llama
+    s = _packed_setup(tmp_path, hf_dir)
+    data = TokenBatchIterator(document_stream(LENGTHS), seq_len=48, micro_batch=2, seed=0, packing="document")
+    for _ in range(2):
+        inputs_BT, targets_BT, positions_BT = next(data)
+        assert max(len(document_pieces(row)) for row in positions_BT) > 2
+        # Per-token: the compiled blocks (the training graph: grad enabled) and the output layer, against every
+        # document alone in HF.
+        logits_BTV = s.model(inputs_BT, positions_BT=positions_BT).detach()
+        got_BT = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten(), reduction="none").view_as(inputs_BT)
+        want_BT = transformers_losses(hf_model, inputs_BT, targets_BT, positions_BT)
+        torch.testing.assert_close(got_BT, want_BT, rtol=RTOL, atol=1e-6)
+        # The training loss (the compiled loss head): the mean over the targets in the loss.
+        kept = targets_BT != IGNORE_INDEX
+        loss = s.loss_fn(inputs_BT, targets_BT, positions_BT)
+        torch.testing.assert_close(loss.detach(), want_BT[kept].mean(), rtol=RTOL, atol=0)
+        loss.backward()  # the backward op runs too (the joint graph holds it)
+    record = s.compile_record
+    record.refresh_dynamo()
+    assert record.dynamo_graphs == 2, record.dynamo_graphs  # the blocks' graph and the loss head's
+    assert not record.graph_breaks, record.graph_breaks
+    assert not record.fallbacks, record.fallbacks
