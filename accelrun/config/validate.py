@@ -14,6 +14,7 @@ from typing import Any, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
+from accelrun.config.chat_template_file import chat_problems
 from accelrun.config.compile_names import BUILTIN_EXECUTORS, PassConfigError, parse_passes
 from accelrun.config.compose import DEFAULT, Source
 from accelrun.config.data_checks import data_problems
@@ -199,6 +200,7 @@ def consistency_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list
         if t.seq_len > m.max_seq_len:
             out.append(f"{v('train.seq_len')} exceeds {v('model.max_seq_len')}")
     out += tokenizer_problems(cfg, v)
+    out += chat_problems(cfg, v)
     if cfg.data.paths and cfg.data.source in ("builtin", "synthetic"):
         out.append(f"data.paths is set but {v('data.source')} reads no files (use text or tokens)")
     elif not cfg.data.paths and cfg.data.source in ("text", "tokens") and not cfg.data.mix:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from accelrun.config.chat_template_file import no_generation_blocks
 from accelrun.data.chat_template import CharSpan, ChatTemplate
 from accelrun.data.errors import DataError
 from accelrun.data.hf_tokenizer import HFTokenizer
@@ -63,11 +64,7 @@ class ChatEncoder:
 
     def __init__(self, tokenizer: HFTokenizer, template: ChatTemplate, loss_on: LossOn):
         if loss_on is LossOn.ASSISTANT and not template.marks_generation:
-            raise DataError(
-                f"data.loss_on: assistant needs to know which tokens the assistant wrote, but the chat template in "
-                f"{template.source} has no {{% generation %}} ... {{% endgeneration %}} block around the assistant's "
-                "turns; add one (as transformers' return_assistant_tokens_mask needs) or set data.loss_on: all"
-            )
+            raise DataError(no_generation_blocks(template))
         self.tokenizer, self.template, self.loss_on = tokenizer, template, loss_on
 
     @classmethod

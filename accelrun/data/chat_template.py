@@ -1,7 +1,8 @@
 """A Hugging Face tokenizer folder's chat template, rendered as transformers renders it.
 
 The template is the folder's ``chat_template.jinja`` or, failing that, the ``chat_template`` of its
-``tokenizer_config.json`` (transformers reads them in that order). It runs in jinja2's immutable
+``tokenizer_config.json`` (transformers reads them in that order; ``accelrun.config.chat_template_file``
+finds it, so validation can too). It runs in jinja2's immutable
 sandbox (chat templates come from model hubs: untrusted code) with the settings, filters and globals
 transformers gives it, so the text is the text ``apply_chat_template`` makes:
 ``trim_blocks`` / ``lstrip_blocks``, the ``loopcontrols`` extension, ``raise_exception``, a ``tojson``
@@ -27,15 +28,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from accelrun.config.chat_template_file import GENERATION_TAG, ChatTemplateError, read_chat_template
 from accelrun.data.errors import DataError
 
-TEMPLATE_FILE = "chat_template.jinja"
-CONFIG_FILE = "tokenizer_config.json"
-# The special tokens transformers passes to every template as variables (PreTrainedTokenizerBase's
-# SPECIAL_TOKENS_ATTRIBUTES).
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 MIN_JINJA = (3, 1, 6)  # older releases have known sandbox escapes (transformers refuses them too)
-GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 # Where rendering records the assistant's spans: set only while ChatTemplate.render runs, so one
 # compiled template serves any number of renders.
@@ -66,19 +62,11 @@ class ChatTemplate:
     @classmethod
     def load(cls, folder: Path, *, key: str = "data.tokenizer") -> ChatTemplate:
         """The chat template of the tokenizer folder ``folder``; DataError naming it when there is none."""
-        config = _read_config(folder / CONFIG_FILE, key)
-        special = {name: tok for name in SPECIAL_TOKEN_NAMES if (tok := _token_text(config.get(name)))}
-        jinja_file = folder / TEMPLATE_FILE
-        if jinja_file.is_file():
-            return cls(jinja_file, _read_text(jinja_file, key), special)
-        text = _default_template(config.get("chat_template"), folder / CONFIG_FILE, key)
-        if text is None:
-            raise DataError(
-                f"{key}: the tokenizer in {folder} has no chat template (no {TEMPLATE_FILE} and no chat_template in "
-                f"{CONFIG_FILE}); data.format: chat renders messages with it: use the tokenizer of a chat model, "
-                f"add a {TEMPLATE_FILE} to {folder}, or set data.format: text"
-            )
-        return cls(folder / CONFIG_FILE, text, special)
+        try:
+            found = read_chat_template(folder, key=key)
+        except ChatTemplateError as e:
+            raise DataError(str(e)) from None
+        return cls(found.source, found.text, found.special_tokens)
 
     @cached_property
     def _compiled(self):
@@ -104,43 +92,6 @@ class ChatTemplate:
         finally:
             _TRACKING.reset(token)
         return "".join(blocks), [CharSpan(a, b) for a, b in spans]
-
-
-def _read_text(path: Path, key: str) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{key}: cannot read {path}: {e}") from None
-
-
-def _read_config(path: Path, key: str) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(_read_text(path, key))
-    except ValueError as e:
-        raise DataError(f"{key}: {path} is not readable JSON: {e}") from None
-    return config if isinstance(config, dict) else {}
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):  # older transformers wrote an AddedToken as a mapping
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
-
-
-def _default_template(value: Any, path: Path, key: str) -> str | None:
-    """tokenizer_config.json's chat_template: a string, or (as some models ship) a list of
-    ``{name, template}`` of which transformers uses ``default``."""
-    if value is None or isinstance(value, str):
-        return value or None
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        if isinstance(named.get("default"), str):
-            return named["default"]
-        raise DataError(f"{key}: {path} has several chat templates ({', '.join(map(str, named))}) and none named "
-                        "'default'; accelrun renders the default one")
-    raise DataError(f"{key}: {path}: chat_template should be a string, got {type(value).__name__}")
 
 
 def _compile(text: str, where: str):

@@ -181,3 +181,51 @@ def test_the_byte_tokenizer_has_no_chat_template(tmp_path):
     path = write_chats(tmp_path / "c.jsonl", CHATS)
     with pytest.raises(DataError, match="data.tokenizer = byte: data.format: chat renders messages"):
         load_stream(DataConfig(source="documents", format="chat", paths=[str(path)]), vocab_size=512, seed=0)
+
+
+# --- through the command line: validation before any process starts, and the record's line at run time ----
+
+
+@pytest.fixture(scope="module")
+def hf_model(folders) -> Path:
+    from tests.models.hf_helpers import save_tiny_hf
+
+    folder = folders["root"] / "model"
+    save_tiny_hf(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / f).write_text((folders["jinja"] / f).read_text())
+    return folder
+
+
+def _cli(*args: str):
+    from click.testing import CliRunner
+
+    from accelrun.cli.main import cli
+
+    return CliRunner().invoke(cli, list(args))
+
+
+def _recipe(model: Path, chats: Path, *more: str) -> list[str]:
+    return [str(Path(__file__).parents[2] / "configs" / "hf-chat.yaml"), f"model.hf={model}",
+            f"data.paths=[{chats}]", "train.seq_len=32", "train.global_batch=4", "train.device=cpu", *more]
+
+
+def test_validate_refuses_a_chat_recipe_the_tokenizer_cannot_render(folders, hf_model, tmp_path):
+    chats = write_chats(tmp_path / "chats.jsonl", CHATS)
+    ok = _cli("validate", *_recipe(hf_model, chats))
+    assert ok.exit_code == 0 and "chats rendered with its chat template, the loss on assistant tokens" in ok.output
+    for more, says in [
+        ([f"data.tokenizer={folders['none']}"], f"the tokenizer in {folders['none']} has no chat template"),
+        (["data.tokenizer=byte"], "data.tokenizer = byte (override 'data.tokenizer=byte'): data.format: chat renders"),
+    ]:
+        r = _cli("validate", *_recipe(hf_model, chats, *more))
+        assert r.exit_code == 2 and says in " ".join(r.output.split()), r.output
+
+
+def test_train_names_the_line_of_a_chat_without_an_assistant(hf_model, tmp_path):
+    chats = write_chats(tmp_path / "chats.jsonl", [*CHATS, [{"role": "system", "content": "be brief"}]])
+    r = _cli("train", *_recipe(hf_model, chats, f"report.runs_dir={tmp_path / 'runs'}", "compile.backend=eager"))
+    assert r.exit_code == 2, r.output
+    line = next(x for x in r.output.splitlines() if x.startswith("error:"))
+    assert line == (f"error: {chats}:4: a chat with no assistant turn (roles: system); data.loss_on: assistant "
+                    "trains only on what the assistant says: drop the record, or set data.loss_on: all")
