@@ -69,6 +69,9 @@ def prepare(inputs: tuple[str, ...], output: Path, max_bytes: int | None, tokeni
     if workers > 1 or text_field != "text":
         raise UserError("--workers and --text-field are for record files (.jsonl .json .csv .parquet .arrow, "
                         "save_to_disk folders); text files are prepared by one process")
+    if output.is_dir():
+        raise UserError(f"-o: {str(output)!r} is a directory: text files prepare into one token file, e.g. "
+                        f"{str(output / 'corpus.tok')!r}")
     from accelrun.data import prepare_tokens
 
     with Progress(*Progress.get_default_columns()[:1], BarColumn(), DownloadColumn(), TimeRemainingColumn(),
