@@ -77,7 +77,10 @@ def _chat_config(folder: Path, paths: list[str], **kw) -> DataConfig:
     return DataConfig(source="documents", format="chat", paths=paths, tokenizer=str(folder), shuffle=False, **kw)
 
 
-def test_loader_targets_are_masked_exactly_where_the_assistant_did_not_speak(folders, tmp_path):
+@pytest.mark.parametrize("packing", ["concat", "document"])
+def test_loader_targets_are_masked_exactly_where_the_assistant_did_not_speak(folders, tmp_path, packing):
+    """Every target the loader leaves in the loss is a token transformers marks as the assistant's, and
+    every marked token is one (document packing also masks each chat's first token: never the assistant's)."""
     chats = write_chats(tmp_path / "chats.jsonl", CHATS * 3)
     stream = load_stream(_chat_config(folders["jinja"], [str(chats)]), vocab_size=512, seed=0)
     ids, marks = [], []
@@ -88,10 +91,10 @@ def test_loader_targets_are_masked_exactly_where_the_assistant_did_not_speak(fol
     assert stream.read(0, len(stream)).tolist() == ids
     assert stream.document_starts[1] == len(_reference(folders["jinja"], CHATS[0])[0])
     T = 16
-    it = TokenBatchIterator(stream, seq_len=T, micro_batch=2, seed=0, shuffle=False)
+    it = TokenBatchIterator(stream, seq_len=T, micro_batch=2, seed=0, shuffle=False, packing=packing)
     seen = 0
     for _ in range(it.batches_per_epoch):
-        inputs_BT, targets_BT = next(it)
+        inputs_BT, targets_BT = next(it)[:2]
         for row in range(2):
             start = (seen + row) * T
             want = [t if marks[start + 1 + j] else IGNORE_INDEX for j, t in enumerate(ids[start + 1:start + T + 1])]
