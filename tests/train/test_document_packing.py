@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from accelrun.config import load_config
 from accelrun.data.document_packing import IGNORE_INDEX, DocumentBatch
 from accelrun.data.loader import TokenBatchIterator
-from accelrun.models.document_attention import document_attention
+from accelrun.models.document_attention import document_attention, flex_document_attention
 from accelrun.train.setup import build_setup
 from tests.conftest import DEFAULT_CONFIG
 from tests.models.hf_helpers import save_tiny_hf
@@ -38,6 +38,19 @@ def test_document_attention_equals_masked_attention_forward_and_backward():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # Plain causal attention over the row differs: the documents really were kept apart.
     assert (F.scaled_dot_product_attention(q, k, v, is_causal=True) - got).abs().max() > 1e-2
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch: flex_attention called without torch.compile
+def test_flex_attention_kernel_keeps_documents_apart():
+    # CUDA's kernel; torch's uncompiled reference runs it here (FlexAttention has no CPU backward).
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 40, 8) for _ in range(3))
+    positions = torch.cat([torch.arange(13), torch.arange(20), torch.arange(7)]).repeat(2, 1)
+    positions[1, 5:] = torch.arange(35)
+    want = torch.cat([document_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], positions[b : b + 1])
+                      for b in range(2)])
+    got = flex_document_attention(q, k, v, positions, 8**-0.5, compiled=False)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_windows_carry_positions_and_mask_the_target_that_crosses_a_boundary():
