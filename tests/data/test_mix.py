@@ -1,0 +1,126 @@
+"""data.mix: each source's share of the tokens within 1% of its weight over 1,000 windows, the same
+batches for the same seed, and a resumed iterator (any dp_size) reads what an uninterrupted one reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from accelrun.config import load_config
+from accelrun.config.schema import DataConfig, MixSource
+from accelrun.data.build import build_data
+from accelrun.data.mix import MixedBatchIterator
+from accelrun.data.stream import TensorStream
+from accelrun.report.metrics import read_metrics
+from accelrun.train.run import train
+from tests.conftest import DEFAULT_CONFIG
+
+T = 16
+
+
+def source(token: int, n_tokens: int) -> TensorStream:
+    """A stream whose every token is ``token`` except a running counter in the odd positions, so a batch
+    says which source and which window each row came from."""
+    tokens = torch.full((n_tokens,), token, dtype=torch.int64)
+    tokens[1::2] = torch.arange(n_tokens // 2) % 97 + 10
+    return TensorStream([tokens], vocab_size=128, fingerprint={"source": "test", "sha256": f"s{token}"})
+
+
+def sources() -> list[TensorStream]:
+    # Different lengths: the small one runs out and starts a new pass many times.
+    return [source(1, 40_000), source(2, 9_000), source(3, 700)]
+
+
+def share_of_tokens(batches) -> torch.Tensor:
+    counts = torch.zeros(4)
+    for b in batches:
+        counts += torch.bincount(b.inputs[:, 0], minlength=4)[:4].float() * T  # each row is one source's window
+    return counts[1:] / counts.sum()
+
+
+@pytest.mark.parametrize("weights", [[0.5, 0.3, 0.2], [0.9, 0.07, 0.03], [1.0, 1.0, 1.0]])
+@pytest.mark.parametrize("seed", [0, 7])
+def test_each_share_within_one_percent_over_1000_windows(weights, seed):
+    it = MixedBatchIterator(sources(), weights, seq_len=T, micro_batch=8, seed=seed)
+    batches = [next(it) for _ in range(125)]  # 1,000 windows
+    expected = torch.tensor(weights) / sum(weights)
+    assert (share_of_tokens(batches) - expected).abs().max() < 0.01
+    # and at every step on the way, not only at the end
+    assert (share_of_tokens(batches[:13]) - expected).abs().max() < 0.03
+
+
+def test_same_seed_same_batches_other_seed_other_order():
+    def run(seed):
+        it = MixedBatchIterator(sources(), [0.5, 0.3, 0.2], seq_len=T, micro_batch=4, seed=seed)
+        return torch.cat([next(it).inputs for _ in range(30)])
+
+    assert torch.equal(run(3), run(3))
+    assert not torch.equal(run(3), run(4))
+
+
+@pytest.mark.parametrize("resume_dp_size", [1, 2])
+def test_resume_mid_pass_reads_what_an_uninterrupted_run_reads(resume_dp_size):
+    weights = [0.5, 0.3, 0.2]
+    whole = MixedBatchIterator(sources(), weights, seq_len=T, micro_batch=4, seed=1)
+    seen = [next(whole) for _ in range(40)]  # past the small source's end (43 windows), mid-pass elsewhere
+
+    first = MixedBatchIterator(sources(), weights, seq_len=T, micro_batch=4, seed=1)
+    for _ in range(17):
+        next(first)
+    state = json.loads(json.dumps(first.state_dict()))  # plain values: survives a checkpoint as is
+    # Resumed on resume_dp_size ranks of micro_batch 4 // resume_dp_size: the ranks' rows, in rank
+    # order, are the rows one rank of micro_batch 4 read.
+    ranks = []
+    for r in range(resume_dp_size):
+        it = MixedBatchIterator(sources(), weights, seq_len=T, micro_batch=4 // resume_dp_size, seed=99,
+                                dp_rank=r, dp_size=resume_dp_size)
+        it.load_state_dict(state)  # the saved seed wins: the order belongs to the run being resumed
+        ranks.append(it)
+    for step in range(17, 40):
+        rows = torch.cat([next(it).inputs for it in ranks])
+        assert torch.equal(rows, seen[step].inputs), step
+
+
+def test_state_from_other_sources_or_weights_is_refused():
+    it = MixedBatchIterator(sources(), [0.5, 0.5, 0.0001], seq_len=T, micro_batch=2, seed=0)
+    state = it.state_dict()
+    other = MixedBatchIterator(sources()[:2] + [source(4, 700)], [0.5, 0.5, 0.0001], seq_len=T, micro_batch=2, seed=0)
+    with pytest.raises(ValueError, match="other data.mix sources"):
+        other.load_state_dict(state)
+    reweighted = MixedBatchIterator(sources(), [0.6, 0.4, 0.0001], seq_len=T, micro_batch=2, seed=0)
+    with pytest.raises(ValueError, match="weights"):
+        reweighted.load_state_dict(state)
+
+
+def test_build_data_reads_each_entry_with_the_shared_tokenizer(tmp_path):
+    (tmp_path / "a.txt").write_text("a" * 5000)
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"body": "b" * 90}) + "\n" for _ in range(60)))
+    cfg = DataConfig(mix=[MixSource(source="text", paths=[str(tmp_path / "a.txt")], weight=3),
+                          MixSource(paths=[str(tmp_path / "b.jsonl")], text_field="body", weight=1)])
+    it = build_data(cfg, seq_len=T, micro_batch=8, seed=0, vocab_size=320)
+    rows = torch.cat([next(it).inputs for _ in range(50)])
+    first_byte = rows[:, 0]
+    from_a = ((first_byte == ord("a")) | ((rows == ord("a")).sum(1) > T // 2)).float().mean()
+    assert abs(float(from_a) - 0.75) < 0.01
+
+
+def test_train_on_a_mix_resumes_with_identical_losses(tmp_path, tiny):
+    (tmp_path / "web.jsonl").write_text("".join(json.dumps({"text": f"web page {i} " * 20}) + "\n" for i in range(40)))
+    (tmp_path / "code.txt").write_text("def f(x):\n    return x * 2\n" * 300)
+    mix = (f"data.mix=[{{paths: [{tmp_path / 'web.jsonl'}], weight: 0.7}}, "
+           f"{{source: text, paths: [{tmp_path / 'code.txt'}], weight: 0.3}}]")
+
+    def run(name: str, **kw):
+        return train(load_config(DEFAULT_CONFIG, tiny(6, mix, "checkpoint.every=3", f"name={name}")), command="test", **kw)
+
+    def losses(result) -> list[float]:
+        return [m["loss"] for m in read_metrics(result.run_dir / "metrics.jsonl")]
+
+    full = run("ref")
+    cut = run("cut", stop_after_step=4)  # "killed" after step 4; the last checkpoint is step 3's
+    resumed = run("cut")
+    assert resumed.report["first_step"] == 4
+    assert losses(resumed) == losses(full)[3:]  # fp32 on the CPU: bit-identical
+    assert losses(cut) == losses(full)[:4]
