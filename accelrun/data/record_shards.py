@@ -71,7 +71,8 @@ class ShardResult:
     bytes: int
 
 
-def plan_pieces(files: Sequence[RecordFile], piece_bytes: int = PIECE_BYTES) -> list[Piece]:
+def plan_pieces(files: Sequence[RecordFile], piece_bytes: int | None = None) -> list[Piece]:
+    piece_bytes = piece_bytes or PIECE_BYTES
     pieces: list[Piece] = []
     for f in files:
         size = os.path.getsize(f.path)

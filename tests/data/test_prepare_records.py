@@ -1,0 +1,123 @@
+"""accelrun data prepare on record files: shards + document indexes that --workers 2 writes byte for
+byte as 1 does, the tokens a Hugging Face tokenizer gives the same texts, nothing a run would read left
+by an interrupted prepare, and a prepared folder that trains as data.source = tokens."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from accelrun.cli.main import cli
+from accelrun.config.schema import DataConfig
+from accelrun.data import DataError, load_stream
+from accelrun.data.doc_index import index_path
+from accelrun.data.prepare_records import prepare_records
+from accelrun.data.tokfile import load_tokens, write_token_file
+from tests.data.test_documents import DOCS, write_corpus
+
+pytest.importorskip("pyarrow", reason="the data extra (pyarrow) is not installed")
+
+
+@pytest.fixture()
+def small_pieces(monkeypatch):
+    """Pieces of 2 KiB: a small jsonl file becomes several shards, as a large one does at 64 MiB."""
+    monkeypatch.setattr("accelrun.data.record_shards.PIECE_BYTES", 2048)
+
+
+def test_two_workers_write_the_shards_one_writes(tmp_path, small_pieces):
+    inputs = [str(write_corpus(tmp_path / "j", "jsonl")), str(write_corpus(tmp_path / "p", "parquet"))]
+    one = prepare_records(inputs, tmp_path / "one", workers=1)
+    two = prepare_records(inputs, tmp_path / "two", workers=2)
+    assert one.shards == two.shards > 4 and one.documents == 2 * len(DOCS)
+    names = sorted(os.listdir(tmp_path / "one"))
+    assert names == sorted(os.listdir(tmp_path / "two"))
+    assert sum(n.endswith(".docs") for n in names) == one.shards
+    for name in names:
+        if name != "prepared.json":
+            assert filecmp.cmp(tmp_path / "one" / name, tmp_path / "two" / name, shallow=False), name
+    manifests = [json.loads((tmp_path / d / "prepared.json").read_text()) for d in ("one", "two")]
+    assert [{k: v for k, v in m.items() if k != "path"} for m in manifests][0] == \
+        {k: v for k, v in manifests[1].items() if k != "path"}
+
+
+def test_prepared_folder_trains_as_tokens_with_the_documents_sources_stream(tmp_path, small_pieces):
+    corpus = write_corpus(tmp_path / "c", "jsonl")
+    prepare_records([str(corpus)], tmp_path / "prepared", workers=2)
+    prepared = load_stream(DataConfig(source="tokens", paths=[str(tmp_path / "prepared")]), vocab_size=320, seed=0)
+    direct = load_stream(DataConfig(source="documents", paths=[str(corpus)]), vocab_size=320, seed=0)
+    assert torch.equal(prepared.read(0, len(prepared)), direct.read(0, len(direct)))
+    assert torch.equal(prepared.document_starts, direct.document_starts)
+    assert prepared.document_starts.numel() == len(DOCS)
+
+
+def test_shards_hold_what_transformers_encodes(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from tests.data.test_data_hf_tokenizer import _save_folder, _train_bpe
+
+    folder = _save_folder(_train_bpe(), tmp_path / "tok")
+    corpus = write_corpus(tmp_path / "c", "parquet")
+    prepare_records([str(corpus)], tmp_path / "bpe", tokenizer=str(folder), workers=2)
+    stream = load_tokens([str(tmp_path / "bpe")])
+    hf = AutoTokenizer.from_pretrained(folder)
+    encoded = hf([d["text"] for d in DOCS])["input_ids"]  # the batch encoding datasets.map would call
+    expected = [i for ids in encoded for i in ids + [hf.eos_token_id]]
+    assert stream.read(0, len(stream)).tolist() == expected
+    lengths = torch.tensor([len(ids) + 1 for ids in encoded])
+    assert stream.document_starts.tolist() == [0, *lengths.cumsum(0)[:-1].tolist()]
+
+
+def test_an_interrupted_prepare_leaves_nothing_a_run_would_read(tmp_path, monkeypatch, small_pieces):
+    corpus = write_corpus(tmp_path / "c", "jsonl")
+    out = tmp_path / "data" / "corpus"
+    before = prepare_records([str(corpus)], out)
+    import accelrun.data.prepare_records as module
+
+    real, calls = module.write_shard, []
+
+    def dies_on_the_third_piece(piece, spec, on_batch=None):
+        calls.append(piece.index)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        return real(piece, spec, on_batch)
+
+    monkeypatch.setattr(module, "write_shard", dies_on_the_third_piece)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_records([str(corpus)], out)
+    assert calls == [0, 1, 2]
+    assert os.listdir(tmp_path / "data") == ["corpus"]  # no temporary folder left beside it
+    again = load_tokens([str(out)])  # the earlier prepare, whole
+    assert again.fingerprint["tokens"] == before.tokens and again.document_starts.numel() == len(DOCS)
+
+
+def test_a_document_index_of_other_tokens_is_refused(tmp_path):
+    tok = tmp_path / "a.tok"
+    header = write_token_file(tok, torch.arange(10, dtype=torch.int32), vocab_size=320, tokenizer="byte")
+    from accelrun.data.doc_index import write_doc_index
+
+    write_doc_index(tok, torch.tensor([0, 4]), header.sha256)
+    assert load_tokens([str(tok)]).document_starts.tolist() == [0, 4]
+    write_token_file(tok, torch.arange(12, dtype=torch.int32), vocab_size=320, tokenizer="byte")  # tokens rewritten
+    with pytest.raises(DataError, match=f"{index_path(tok)}: this document index belongs to other tokens"):
+        load_tokens([str(tok)])
+
+
+def test_cli_prepare_with_workers_reports_throughput(tmp_path, small_pieces):
+    corpus = write_corpus(tmp_path / "c", "save_to_disk")
+    r = CliRunner().invoke(cli, ["data", "prepare", str(corpus), "-o", str(tmp_path / "out"), "--workers", "2"])
+    assert r.exit_code == 0, r.output
+    assert "documents" in r.output and f"{len(DOCS):,}" in r.output and "tokens/s (2 workers)" in r.output
+    manifest = json.loads((tmp_path / "out" / "prepared.json").read_text())
+    assert manifest["documents"] == len(DOCS) and len(manifest["shards"]) == 2  # one per Arrow file
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"text": 1}\n')
+    r = CliRunner().invoke(cli, ["data", "prepare", str(bad), "-o", str(tmp_path / "bad")])
+    assert r.exit_code == 2 and r.output.splitlines() == [f"error: {bad}:2: --text-field 'text' is int 1, not text"]
+    assert not (tmp_path / "bad").exists() and not any(p.name.startswith(".bad") for p in Path(tmp_path).iterdir())
