@@ -189,11 +189,28 @@ def _save_example_tokenizer(folder: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(folder)
 
 
+def _save_example_chat_model(folder: Path, chats: Path) -> None:
+    """The README's models/my-chat-model (a tiny transformers Llama with a chat tokenizer whose template
+    marks the assistant's turns) and chats.jsonl, as tests/data/test_chat_finetune.py trains them."""
+    import json
+
+    from tests.data.chat_helpers import CHATS, save_chat_tokenizer, write_chats
+    from tests.models.hf_helpers import save_tiny_hf
+
+    save_tiny_hf(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))  # the recipe's 128
+    save_chat_tokenizer(folder)
+    write_chats(chats, CHATS * 8)
+
+
 @pytest.mark.parametrize("example", ALL, ids=[f"{e.where}" for e in ALL])
 def test_example_runs_as_written(example: Example, workdir: Path, monkeypatch: pytest.MonkeyPatch):
     tokenizer = [a.partition("=")[2] or a for a in example.args if "models/my-tokenizer" in a]
     if tokenizer:
         _save_example_tokenizer(Path(tokenizer[0]))
+    if any("models/my-chat-model" in a for a in example.args):
+        _save_example_chat_model(Path("models/my-chat-model"), Path("chats.jsonl"))
     if example.args[:2] == ["train", "configs/llama.yaml"] and "data.source=tokens" in example.args:
         prepare = ["data", "prepare", "corpus/*.txt", "-o", "data/corpus.tok"]
         assert CliRunner().invoke(cli, prepare + [f"--tokenizer={t}" for t in tokenizer]).exit_code == 0
