@@ -31,9 +31,6 @@ from accelrun.plan.workload import AC_MODES
 @click.option("--ac", "ac", type=click.Choice(AC_MODES),
               help="Model this activation checkpointing instead of the recipe's; 'selective' (torchtitan's "
                    "per-op policy) exists only in the planner: accelrun train cannot run it yet.")
-@click.option("--sequence-parallel", "sequence_parallel", is_flag=True,
-              help="Model sequence parallelism (with tp > 1) even where the recipe cannot select it: with "
-                   "pipelining, which accelrun train cannot run yet (planner-only, named in the plan's notes).")
 @click.option("--json", "as_json", is_flag=True, help="Print the prediction as JSON.")
 @click.option("--calibrate", is_flag=True,
               help="Measure this machine (matmuls, attention, memory, collectives: its GPUs with NCCL where it "
@@ -46,7 +43,7 @@ from accelrun.plan.workload import AC_MODES
               help="With --calibrate: also write the description here (it is always kept in the cache).")
 @click.option("--devices", "list_devices", is_flag=True, help="List the accelerator kinds a cluster can name.")
 def command(config: str | None, overrides: tuple[str, ...], cluster: str | None, search: bool, top: int,
-            ac: str | None, sequence_parallel: bool, as_json: bool, calibrate: bool, devices_per_node: int, output: Path | None,
+            ac: str | None, as_json: bool, calibrate: bool, devices_per_node: int, output: Path | None,
             list_devices: bool) -> None:
     """Predict a recipe's per-device memory, step time, tokens/s and MFU on a cluster.
 
@@ -80,7 +77,7 @@ def command(config: str | None, overrides: tuple[str, ...], cluster: str | None,
     loaded = load_plan_config(config, overrides, cluster)
     print_warnings(loaded.resolved.warnings)
     cfg = loaded.resolved.config
-    options = PlanOptions(activation_checkpoint=ac, sequence_parallel=sequence_parallel)
+    options = PlanOptions(activation_checkpoint=ac)
     cl = resolve_cluster(cfg.cluster)
     result = search_layouts(loaded.composed, cl, options, top) if search else None
     try:

@@ -114,9 +114,6 @@ def _notes(cfg: RunConfig, w: Workload, cluster: Cluster) -> tuple[str, ...]:
                      "counted on Llama's block")
     if w.ac_mode == "selective":
         notes.append("selective checkpointing is modelled by the planner only; accelrun train cannot run it yet")
-    if w.layout.sequence_parallel and not cfg.parallel.sequence_parallel:
-        notes.append("sequence parallelism is modelled by the planner only here; accelrun train cannot run it "
-                     "with pipelining yet")
     if w.layout.cp > 1:
         from accelrun.plan.context_parallel import cp_gather_s, gathered_kv_bytes
 

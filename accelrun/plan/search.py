@@ -83,8 +83,8 @@ def candidate_overrides(base_cfg, cluster: Cluster) -> list[dict[str, object]]:
                     for ac in SEARCH_AC_MODES:
                         for reshard in ((True, False) if dp_shard > 1 else (par.reshard_after_forward,)):
                             for chunks in ((pp, 2 * pp, 4 * pp) if pp > 1 else (None,)):
-                                # Sequence and loss parallelism need tp > 1 (and, in accelrun train, no pp).
-                                for sharded in ((False, True) if tp > 1 and pp == 1 else (False,)):
+                                # Sequence and loss parallelism need tp > 1 (with or without pipelining).
+                                for sharded in ((False, True) if tp > 1 else (False,)):
                                     o = {**head, "parallel.pp": pp, "parallel.dp_replicate": dp_replicate,
                                          "parallel.dp_shard": dp_shard, "parallel.cp": cp, "parallel.tp": tp,
                                          "train.micro_batch": micro,
@@ -141,7 +141,7 @@ def search_layouts(base: Composed, cluster: Cluster, options: PlanOptions | None
     recipe = base_cfg.model_dump()
     if options and options.activation_checkpoint:
         # The search varies checkpointing itself; a what-if policy would override every candidate's.
-        options = PlanOptions(sequence_parallel=options.sequence_parallel)
+        options = PlanOptions()
     considered = valid = 0
     fitting: list[Candidate] = []
     for values in candidate_overrides(base_cfg, cluster):

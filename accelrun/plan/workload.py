@@ -280,14 +280,9 @@ class PlanOptions:
     ``selective`` is torchtitan's per-op policy (keep the outputs of every second matmul and of
     attention, recompute the rest); accelrun's training does not implement it, so it exists only
     here, for what-if questions and for comparing with torchtitan's published runs.
-
-    ``sequence_parallel``: model sequence parallelism where the recipe cannot select it (with
-    pipelining, which accelrun's training refuses); the plan says so in a note. Published pipelined
-    runs (Llama 3 405B: TP 8 × PP 16) used it.
     """
 
     activation_checkpoint: str | None = None
-    sequence_parallel: bool = False
 
 
 def workload_from_config(cfg: RunConfig, options: PlanOptions | None = None) -> Workload:
@@ -313,7 +308,7 @@ def workload_from_config(cfg: RunConfig, options: PlanOptions | None = None) -> 
         # Compiled FSDP saves the gathered parameters for backward: reshard_after_forward false's memory
         # and gathers (accelrun.dist.compiled_fsdp).
         reshard_after_forward=par.reshard_after_forward and par.fsdp_impl != "compiled",
-        sequence_parallel=(par.sequence_parallel or options.sequence_parallel) and tp_on, loss_parallel=par.loss_parallel and tp_on,
+        sequence_parallel=par.sequence_parallel and tp_on, loss_parallel=par.loss_parallel and tp_on,
         stage_layers=stage_layers, ep=par.ep,
     )
     ac = options.activation_checkpoint or t.activation_checkpoint.mode

@@ -56,13 +56,15 @@ def test_missing_cluster_nodes_points_at_the_cluster_not_the_layout():
     assert "cluster.nodes=2" in r.output and "parallel keys" not in r.output
 
 
-def test_sequence_parallel_what_if_with_pipelining_is_named():
+def test_sequence_and_loss_parallel_with_pipelining_are_recipe_keys_not_what_ifs():
     base = [*LLAMA_8B_PP, "--json"]
     plain = json.loads(invoke(*base).output)["plan"]
-    r = invoke(*base, "--sequence-parallel")
+    r = invoke(*base, "parallel.sequence_parallel=true", "parallel.loss_parallel=true")
     assert r.exit_code == 0, r.output
     sp = json.loads(r.output)["plan"]
     assert (plain["layout"]["sequence_parallel"], sp["layout"]["sequence_parallel"]) == (False, True)
+    assert sp["layout"]["loss_parallel"] is True
     assert sp["memory"]["terms"]["activations"] < plain["memory"]["terms"]["activations"]
-    assert any("modelled by the planner only" in n for n in sp["notes"])
-    assert not any("modelled by the planner only" in n for n in plain["notes"])
+    assert not any("planner only" in n for n in sp["notes"] + plain["notes"])
+    # The what-if flag is gone: train runs the layout the recipe names.
+    assert invoke(*base, "--sequence-parallel").exit_code == 2
