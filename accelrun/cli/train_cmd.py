@@ -85,11 +85,11 @@ def _dry_run(config: str, overrides: tuple[str, ...], all_ranks: bool) -> None:
     import time
 
     from accelrun.cli.common import out
-    from accelrun.dist.dry_run import dry_run, format_dry_run, representative_ranks
+    from accelrun.dist.dry_run import dry_run, dry_run_ranks, format_dry_run
 
     resolved = load(config, overrides)
     par = resolved.config.parallel
-    ranks = list(range(par.world_size)) if all_ranks else representative_ranks(par.degrees())
+    ranks = list(range(par.world_size)) if all_ranks else dry_run_ranks(resolved)
     err.print(f"dry run: building the layout of {len(ranks)} of {par.world_size} ranks on meta tensors "
               "(a fake process group; nothing is allocated) ...", highlight=False)
     t0 = time.perf_counter()

@@ -9,9 +9,11 @@ bytes. Parameters are fp32 (the trainer's master weights), as are their gradient
 moments.
 
 Ranks that differ only in their data-parallel coordinates hold shards of the same sizes except where
-a parameter's rows do not divide evenly, which shows in the first and the last data-parallel rank: by
-default those are built for every (pipeline, tensor-parallel) coordinate, and ``ranks=`` asks for
-others (or all).
+a parameter's rows do not divide evenly, which shows in the first and the last data-parallel rank; the
+same holds for tensor-parallel ranks; and pipeline ranks of one kind (the same layers per stage, neither
+or both ends) hold the same. So by default the first and the last data-parallel rank are built for the
+first and the last tensor-parallel rank of one pipeline rank of each kind (``dry_run_ranks``: 16 of
+Llama 3 405B's 512 ranks on TP 8 × PP 8 × FSDP 8), and ``ranks=`` asks for others (or all).
 
 >>> from accelrun.config import load_config                          # doctest: +SKIP
 >>> dry_run(load_config("configs/llama.yaml", ["parallel.nproc_per_node=2", "parallel.dp_shard=2"]))  # doctest: +SKIP
@@ -55,14 +57,15 @@ class RankBytes:
         return ADAMW_STATES * FP32 * self.params
 
 
-def representative_ranks(degrees: dict[str, int]) -> list[int]:
-    """The first and last data-parallel rank of every (pipeline, tensor-parallel) coordinate (context
-    parallel rank 0: cp ranks hold FSDP shards like dp_shard's, the last one with the last dp rank)."""
+def representative_ranks(degrees: dict[str, int], pp_ranks: Iterable[int] | None = None) -> list[int]:
+    """The first and last data-parallel rank of the first and the last tensor-parallel rank of each
+    pipeline rank (``pp_ranks``: only these), context parallel rank 0: cp ranks hold FSDP shards like
+    dp_shard's, the last one with the last dp rank."""
     degrees = {"cp": 1, **degrees}  # a layout without context parallelism may leave it out
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     ranks = set()
-    for pp in range(degrees["pp"]):
-        for tp in range(degrees["tp"]):
+    for pp in range(degrees["pp"]) if pp_ranks is None else pp_ranks:
+        for tp in sorted({0, degrees["tp"] - 1}):
             for d in {0, dp - 1}:
                 rep, shard = divmod(d, degrees["dp_shard"])
                 cp = 0 if d == 0 else degrees["cp"] - 1
@@ -74,8 +77,32 @@ def representative_ranks(degrees: dict[str, int]) -> list[int]:
     return sorted(ranks)
 
 
+def distinct_pipeline_ranks(resolved: ResolvedConfig) -> list[int]:
+    """The first pipeline rank of each kind: the layers of each stage it runs, and whether it runs the
+    model's first or last stage (the embedding, the output layer). Ranks of one kind hold the same."""
+    from accelrun.dist.pipeline import stage_layers
+
+    par = resolved.config.parallel
+    pp = par.degrees()["pp"]
+    if pp == 1:
+        return [0]
+    n_stages = pp * par.stages_per_rank
+    layers = stage_layers(resolved.config.model.n_layers, n_stages, par.pp_layers)
+    first_of_kind: dict[tuple, int] = {}
+    for rank in range(pp):
+        held = range(rank, n_stages, pp)  # rank r runs stages r, r + pp, ...
+        kind = (tuple(len(layers[s]) for s in held), 0 in held, n_stages - 1 in held)
+        first_of_kind.setdefault(kind, rank)
+    return sorted(first_of_kind.values())
+
+
+def dry_run_ranks(resolved: ResolvedConfig) -> list[int]:
+    """The ranks a dry run builds by default: ``representative_ranks`` of each kind of pipeline rank."""
+    return representative_ranks(resolved.config.parallel.degrees(), distinct_pipeline_ranks(resolved))
+
+
 def dry_run(resolved: ResolvedConfig, ranks: Iterable[int] | None = None) -> list[RankBytes]:
-    """Build the recipe's layout for ``ranks`` (default: ``representative_ranks``) and count what each holds.
+    """Build the recipe's layout for ``ranks`` (default: ``dry_run_ranks``) and count what each holds.
 
     Only the built-in model families (a user's model is built whole by its factory, on a device)."""
     from accelrun.torch_private import FakeStore  # registers the "fake" backend
@@ -87,7 +114,7 @@ def dry_run(resolved: ResolvedConfig, ranks: Iterable[int] | None = None) -> lis
         raise RuntimeError("a dry run needs this process without a process group of its own")
     world = cfg.parallel.world_size
     out = []
-    for rank in ranks if ranks is not None else representative_ranks(cfg.parallel.degrees()):
+    for rank in ranks if ranks is not None else dry_run_ranks(resolved):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
             out.append(_one_rank(resolved, rank, world))
@@ -133,7 +160,10 @@ def _one_rank(resolved: ResolvedConfig, rank: int, world: int) -> RankBytes:
 
 def planned_params(resolved: ResolvedConfig, row: RankBytes) -> float:
     """Parameter elements ``accelrun plan`` counts for this rank (its ``parameters (fp32)`` term / 4):
-    its pipeline stage's share, divided by FSDP's shard degree."""
+    its pipeline stage's share, divided by FSDP's shard degree. A rank between the first and the last
+    counts its own layers (the plan's ``middle`` term is the busiest of them)."""
+    from dataclasses import replace
+
     from accelrun.plan.memory import stage_params
     from accelrun.plan.moe import held_params
     from accelrun.plan.workload import workload_from_config
@@ -145,22 +175,33 @@ def planned_params(resolved: ResolvedConfig, row: RankBytes) -> float:
         last = w.layout.pp * max(1, len(row.stages)) - 1
         stage = "first" if 0 in row.stages else "last" if last in row.stages else "middle"
     shard = w.layout.dp_shard * w.layout.cp if w.layout.fsdp else 1  # FSDP shards over dp_shard × cp
-    return held_params(w, stage_params(w, stage).local, shard)  # parallel.ep: whole experts per rank
+    params = stage_params(w, stage)
+    if stage == "middle":
+        params = replace(params, layers=w.layout.rank_layers(row.coords["pp"]))
+    return held_params(w, params.local, shard)  # parallel.ep: whole experts per rank
 
 
 def format_dry_run(resolved: ResolvedConfig, rows: list[RankBytes]) -> list[str]:
-    """One line per rank built: where it sits, what it holds, and the plan's parameter bytes."""
+    """One line per rank built: where it sits (with pipelining, the stages it runs), what it holds, and the
+    plan's parameter bytes."""
     from accelrun.report.fmt import nbytes
 
-    lines = [f"{'rank':>5} {'pp':>3} {'rep':>3} {'shard':>5} {'cp':>3} {'tp':>3}  {'params':>10} {'grads':>10} "
+    width = max((len(_stages(r)) for r in rows if r.stages), default=0)
+    staged = f" {'stages':>{max(width, 6)}}" if width else ""
+    lines = [f"{'rank':>5} {'pp':>3} {'rep':>3} {'shard':>5} {'cp':>3} {'tp':>3}{staged}  {'params':>10} {'grads':>10} "
              f"{'AdamW m,v':>10}  {'plan params':>11} {'ratio':>6}"]
     for r in rows:
         c = r.coords
         plan = FP32 * planned_params(resolved, r)
-        lines.append(f"{r.rank:>5} {c['pp']:>3} {c['dp_replicate']:>3} {c['dp_shard']:>5} {c['cp']:>3} {c['tp']:>3}  "
+        stages = f" {_stages(r):>{max(width, 6)}}" if width else ""
+        lines.append(f"{r.rank:>5} {c['pp']:>3} {c['dp_replicate']:>3} {c['dp_shard']:>5} {c['cp']:>3} {c['tp']:>3}{stages}  "
                      f"{nbytes(r.param_bytes):>10} {nbytes(r.grad_bytes):>10} {nbytes(r.optimizer_bytes):>10}  "
                      f"{nbytes(int(plan)):>11} {r.param_bytes / plan if plan else float('nan'):>6.3f}")
     return lines
+
+
+def _stages(row: RankBytes) -> str:
+    return ",".join(map(str, row.stages))
 
 
 def main(argv: list[str] | None = None) -> int:
