@@ -1,7 +1,9 @@
 """Activation checkpointing of transformer blocks: recompute a block's activations in backward.
 
 The block's forward is wrapped in place, so parameter names (and checkpoints) stay the same
-whatever the policy.
+whatever the policy. Modes: ``full`` and ``every_n`` keep only a block's input;
+``selective`` (every block) also keeps its matmuls' and attention's outputs
+(``accelrun.dist.selective_checkpoint``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from accelrun.config.schema import ActivationCheckpointConfig
+from accelrun.dist.selective_checkpoint import selective_context_fn
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleList, cfg: ActivationCheckpointConfig) -> int:
@@ -20,12 +23,18 @@ def apply_activation_checkpointing(blocks: nn.ModuleList, cfg: ActivationCheckpo
         return 0
     wrapped = 0
     for i, block in enumerate(blocks):
-        if cfg.mode == "full" or i % cfg.every_n == 0:
+        if cfg.mode == "selective":
+            block.forward = functools.partial(_checkpointed, block.forward, context_fn=selective_context_fn)
+        elif cfg.mode == "full" or i % cfg.every_n == 0:
             block.forward = functools.partial(_checkpointed, block.forward)
-            wrapped += 1
+        else:
+            continue
+        wrapped += 1
     return wrapped
 
 
-def _checkpointed(forward, *args, **kwargs):
+def _checkpointed(forward, *args, context_fn=None, **kwargs):
     # Non-reentrant checkpointing composes with torch.compile, autocast and FSDP2.
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    if context_fn is None:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)

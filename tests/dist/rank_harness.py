@@ -4,7 +4,7 @@ The launcher's ranks come from a fork server started once per session (``tests.d
 cannot reach into them. Here the test writes the run directory as ``accelrun train`` does
 (``config.yaml``, ``env.json``), spawns one process per rank with the variables torchrun's agent
 sets, installs a probe in each (``PROBES``), and runs the rank's real entry point,
-``accelrun.dist.worker.main``: the same setup, loop, collectives and report as a launched job. Each
+``accelrun.train.rank.main``: the same setup, loop, collectives and report as a launched job. Each
 rank leaves what its probe saw in ``probe-<rank>.json``.
 
 Probes:
@@ -18,6 +18,8 @@ Probes:
   the pipeline's sends) are on the training device, which is right, and pass unchecked.
 - ``group_timeouts``: the timeout of every process group the rank is in (the world's and the mesh's),
   as setup starts and as the first step starts.
+- ``selective_policy``: the keep/recompute decisions of selective activation checkpointing's policy
+  (``accelrun.dist.selective_checkpoint``), counted by decision and by pass (forward or backward's rerun).
 - ``allocations``: during ``build_setup``, the largest floating-point tensor that any op creates off
   the meta device, the bytes of all the new ones, and the parameters the rank holds at the end.
 """
@@ -80,8 +82,8 @@ def _rank(run_dir: str, rank: int, world: int, port: int, probe: str) -> None:
                       MASTER_PORT=str(port))
     seen: dict = {}
     {"collective_device": _watch_collectives, "allocations": _watch_allocations,
-     "group_timeouts": _watch_group_timeouts}[probe](seen)
-    from accelrun.dist.worker import main
+     "group_timeouts": _watch_group_timeouts, "selective_policy": _watch_selective_policy}[probe](seen)
+    from accelrun.train.rank import main
 
     code = main([run_dir])
     write_json({"code": code, **seen}, Path(run_dir) / f"probe-{rank}.json")
@@ -217,3 +219,17 @@ def _watch_group_timeouts(seen: dict) -> None:
         return run_loop(*args, **kwargs)
 
     run.build_setup, run.run_loop = setup, loop
+
+
+def _watch_selective_policy(seen: dict) -> None:
+    from accelrun.dist.selective_checkpoint import SelectivePolicy
+
+    decide = SelectivePolicy.__call__
+
+    def counted(self, ctx, func, *args, **kwargs):
+        decision = decide(self, ctx, func, *args, **kwargs)
+        key = f"{'recompute' if ctx.is_recompute else 'forward'} {decision.name} {func.overloadpacket.__name__}"
+        seen[key] = seen.get(key, 0) + 1
+        return decision
+
+    SelectivePolicy.__call__ = counted
