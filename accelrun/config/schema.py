@@ -201,7 +201,9 @@ class LRScheduleConfig(Section):
 
 
 class ActivationCheckpointConfig(Section):
-    mode: Literal["none", "full", "every_n"] = "none"
+    # selective: every block keeps its input, every second matmul's and attention's outputs and
+    # recomputes the rest in backward (accelrun.dist.selective_checkpoint)
+    mode: Literal["none", "full", "every_n", "selective"] = "none"
     every_n: PositiveInt = 2
 
 
@@ -353,6 +355,15 @@ class CompileConfig(Section):
     strict: bool = Field(
         False, description="make the compiler's fallbacks errors (a pass that raised, skipped for its graph; a "
         "region whose kernel failed to build or at its first call, given to the next executor): for compiler work"
+    )
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto", description="replay each compiled forward and backward as a CUDA graph (Inductor's reduce-overhead): "
+        "auto = on for CUDA, one rank, static shapes; on = the same, and a graph that cannot be captured is a "
+        "warning; each graph left out says why (accelrun.compile.cuda_graph_policy)"
+    )
+    tune_launches: bool = Field(
+        True, description="time a few launch configurations (block sizes, warps, stages) of each Triton kernel on "
+        "its first compile and keep the fastest beside the kernel's binary (accelrun.compile.codegen.launch_tuning)"
     )
 
     @field_validator("executors")
