@@ -29,7 +29,7 @@ def command() -> None:
     \b
     Examples:
       accelrun data prepare 'corpus/**/*.txt' -o data/corpus.tok
-      accelrun data prepare 'corpus/*.jsonl' -o data/corpus --workers 4
+      accelrun data prepare 'corpus/*.parquet' -o data/corpus --workers 4
     """
 
 

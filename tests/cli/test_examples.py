@@ -156,9 +156,9 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     import accelrun.cli.plan_cmd as plan_cmd
     import accelrun.train.explain_step as explain_step
     import accelrun.train.generate as generate
-    import accelrun.train.run as train_run
+    import accelrun.train.entry as train_entry
 
-    monkeypatch.setattr(train_run, "train", _stop)
+    monkeypatch.setattr(train_entry, "train", _stop)
     monkeypatch.setattr(ab_cmd, "run_ab", _stop)
     monkeypatch.setattr(explain_step, "explain_step", _stop)
     monkeypatch.setattr(compare_cmd, "load_run", _stop)
@@ -204,6 +204,37 @@ def _save_example_chat_model(folder: Path, chats: Path) -> None:
     write_chats(chats, CHATS * 8)
 
 
+def _write_example_records(corpus: Path) -> None:
+    """The README's corpus/docs.* in every record format (the csv's column is body) and corpus/saved,
+    a save_to_disk folder, written by the libraries that write them in the wild."""
+    import csv
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = [{"id": i, "text": f"document {i}: " + "some words " * (i % 7 + 1)} for i in range(64)]
+    (corpus / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (corpus / "docs.json").write_text(json.dumps(docs))
+    with open(corpus / "docs.csv", "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["id", "body"])
+        writer.writerows([d["id"], d["text"]] for d in docs)
+    table = pa.Table.from_pylist(docs)
+    pq.write_table(table, corpus / "docs.parquet")
+    with pa.ipc.new_file(corpus / "docs.arrow", table.schema) as writer:
+        writer.write_table(table)
+    if not (corpus / "saved").exists():
+        import datasets
+
+        datasets.Dataset.from_list(docs).save_to_disk(str(corpus / "saved"))
+
+
+def _uses_example_records(example: Example) -> bool:
+    return any(name in a for a in example.args for name in ("corpus/docs.", "corpus/saved", "corpus/*.parquet",
+                                                            "data.paths=[data/corpus]"))
+
+
 @pytest.mark.parametrize("example", ALL, ids=[f"{e.where}" for e in ALL])
 def test_example_runs_as_written(example: Example, workdir: Path, monkeypatch: pytest.MonkeyPatch):
     tokenizer = [a.partition("=")[2] or a for a in example.args if "models/my-tokenizer" in a]
@@ -211,6 +242,10 @@ def test_example_runs_as_written(example: Example, workdir: Path, monkeypatch: p
         _save_example_tokenizer(Path(tokenizer[0]))
     if any("models/my-chat-model" in a for a in example.args):
         _save_example_chat_model(Path("models/my-chat-model"), Path("chats.jsonl"))
+    if _uses_example_records(example):
+        _write_example_records(Path("corpus"))
+    if "data.paths=[data/corpus]" in example.args:  # the folder the README's data prepare line writes
+        assert CliRunner().invoke(cli, ["data", "prepare", "corpus/*.parquet", "-o", "data/corpus"]).exit_code == 0
     if example.args[:2] == ["train", "configs/llama.yaml"] and "data.source=tokens" in example.args:
         prepare = ["data", "prepare", "corpus/*.txt", "-o", "data/corpus.tok"]
         assert CliRunner().invoke(cli, prepare + [f"--tokenizer={t}" for t in tokenizer]).exit_code == 0
