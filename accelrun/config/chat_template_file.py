@@ -20,6 +20,7 @@ from accelrun.config.tokenizer_file import BYTE, TokenizerFileError, resolve_mod
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 # The special tokens transformers passes to every template as variables (PreTrainedTokenizerBase's
 # SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -45,7 +46,9 @@ class ChatTemplateFile:
 def read_chat_template(folder: Path, *, key: str = "data.tokenizer") -> ChatTemplateFile:
     """The chat template of the tokenizer folder ``folder``, or ChatTemplateError saying what to do."""
     config = _read_config(folder / CONFIG_FILE, key)
-    special = {name: tok for name in SPECIAL_TOKEN_NAMES if (tok := _token_text(config.get(name)))}
+    legacy = _read_config(folder / SPECIAL_TOKENS_FILE, key)  # older folders name their special tokens there
+    special = {name: tok for name in SPECIAL_TOKEN_NAMES
+               if (tok := _token_text(config.get(name)) or _token_text(legacy.get(name)))}
     jinja_file = folder / TEMPLATE_FILE
     if jinja_file.is_file():
         return ChatTemplateFile(jinja_file, _read_text(jinja_file, key), special)

@@ -61,3 +61,28 @@ def write_chats(path: Path, chats: list, *, field: str = "messages") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({field: c}) + "\n" for c in chats))
     return path
+
+# A second template in another house style (a default system turn, content that may be a list of text
+# blocks, `is string` tests, a tools branch that must stay off, whitespace control, loop.last).
+BLOCKS_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set rest = messages[1:] %}{%- else %}{%- set system = 'You are helpful.' %}{%- set rest = messages %}"
+    "{%- endif %}"
+    "{{- '<|system|>\\n' + system }}{%- if tools is not none %}{{- '\\nTools: ' + tools | tojson }}{%- endif %}"
+    "{{- eos_token + '\\n' }}"
+    "{%- for message in rest %}"
+    "{%- if message['content'] is string %}{%- set text = message['content'] %}"
+    "{%- else %}{%- set text = message['content'] | map(attribute='text') | join(' ') %}{%- endif %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|assistant|>\\n' }}{% generation %}{{- text | trim + eos_token }}{% endgeneration %}"
+    "{%- if not loop.last %}{{- '\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|' + message['role'] + '|>\\n' + text + eos_token + '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+)
+BLOCK_CHATS = [
+    [{"role": "user", "content": [{"type": "text", "text": "Two"}, {"type": "text", "text": "blocks."}]},
+     {"role": "assistant", "content": "Seen both."}],
+    [{"role": "system", "content": "Terse."}, {"role": "user", "content": "x?"},
+     {"role": "assistant", "content": " y "}, {"role": "user", "content": "z?"},
+     {"role": "assistant", "content": [{"type": "text", "text": "w"}]}],
+]

@@ -16,7 +16,14 @@ from accelrun.data import DataError, TokenBatchIterator, load_stream
 from accelrun.data.chat import ChatEncoder, LossOn, assistant_token_mask
 from accelrun.data.chat_template import CharSpan, ChatTemplate
 from accelrun.data.loss_mask import IGNORE_INDEX
-from tests.data.chat_helpers import CHAT_TEMPLATE, CHATS, save_chat_tokenizer, write_chats
+from tests.data.chat_helpers import (
+    BLOCK_CHATS,
+    BLOCKS_TEMPLATE,
+    CHAT_TEMPLATE,
+    CHATS,
+    save_chat_tokenizer,
+    write_chats,
+)
 
 transformers = pytest.importorskip("transformers", reason="the chat tests compare against transformers")
 
@@ -59,6 +66,32 @@ def test_text_ids_and_assistant_mask_equal_transformers(folders, where):
         counted += sum(got.loss_mask)
     assert counted == marked > 0
     assert counted < sum(len(_reference(folder, c)[0]) for c in CHATS)  # the user's tokens are out
+
+
+def test_another_template_style_equals_transformers_too(folders, tmp_path):
+    folder = save_chat_tokenizer(tmp_path / "blocks", template=BLOCKS_TEMPLATE)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    encoder = ChatEncoder.for_tokenizer(str(folder), LossOn.ASSISTANT)
+    for chat in BLOCK_CHATS:
+        assert encoder.template.render(chat)[0] == tok.apply_chat_template(chat, tokenize=False)
+        ids, mask = _reference(folder, chat)
+        got = encoder.encode(chat, where="test")
+        assert (got.ids, [int(b) for b in got.loss_mask]) == (ids, mask) and sum(mask) > 0
+
+
+def test_special_tokens_named_only_in_special_tokens_map_json(folders, tmp_path):
+    """Older folders name bos/eos in special_tokens_map.json; templates see them as transformers shows them."""
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    for f in ("tokenizer.json", "chat_template.jinja"):
+        (legacy / f).write_text((folders["jinja"] / f).read_text())
+    config = json.loads((folders["jinja"] / "tokenizer_config.json").read_text())
+    (legacy / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                              if k not in ("bos_token", "eos_token")}))
+    (legacy / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    tok = transformers.AutoTokenizer.from_pretrained(legacy)
+    text = ChatTemplate.load(legacy).render(CHATS[0])[0]
+    assert text == tok.apply_chat_template(CHATS[0], tokenize=False) and text.startswith("<s>")
 
 
 def test_loss_on_all_keeps_every_token(folders):
