@@ -32,7 +32,12 @@ from accelrun.data.records import (
 from accelrun.data.tokenizer import ByteTokenizer, get_tokenizer
 from accelrun.data.tokfile import write_token_file
 
+# A jsonl file is cut into 16 pieces (for 16 workers' worth of parallelism) of 4 to 64 MiB: the size
+# depends on the file alone, so the shards do not depend on --workers; 64 MiB keeps a 1 TB corpus at
+# 16k memory maps, well inside Linux's default 65,530 per process.
 PIECE_BYTES = 64 << 20
+MIN_PIECE_BYTES = 4 << 20
+PIECES_PER_FILE = 16
 
 
 @dataclass(frozen=True)
@@ -71,14 +76,14 @@ class ShardResult:
     bytes: int
 
 
-def plan_pieces(files: Sequence[RecordFile], piece_bytes: int | None = None) -> list[Piece]:
-    piece_bytes = piece_bytes or PIECE_BYTES
+def plan_pieces(files: Sequence[RecordFile]) -> list[Piece]:
     pieces: list[Piece] = []
     for f in files:
         size = os.path.getsize(f.path)
         if f.format is RecordFormat.JSONL or (f.format is RecordFormat.JSON and not _is_json_array(f.path)):
-            for start in range(0, max(size, 1), piece_bytes):
-                stop = min(start + piece_bytes, size)
+            step = min(PIECE_BYTES, max(MIN_PIECE_BYTES, size // PIECES_PER_FILE))
+            for start in range(0, max(size, 1), step):
+                stop = min(start + step, size)
                 pieces.append(Piece(len(pieces), f, stop - start, byte_range=(start, stop)))
         elif f.format is RecordFormat.PARQUET:
             meta = pyarrow_module(f).parquet.ParquetFile(f.path).metadata
