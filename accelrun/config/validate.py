@@ -354,15 +354,13 @@ CP_FAMILIES = ("llama",)
 
 def _document_packing_problems(cfg: RunConfig, deg: dict[str, int], v) -> list[str]:
     """data.packing = document: each batch carries the tokens' positions in their documents, which the
-    training step hands to the model with the tokens. Layouts that move the batch some other way do not
-    carry them yet."""
+    training step hands to the model (every pipeline stage) with the tokens. Context parallelism's ring
+    attention over sequence chunks has no document mask yet."""
     if cfg.data.packing != "document":
         return []
     out: list[str] = []
     if cfg.data.source == "synthetic":
         out.append(f"{v('data.packing')} needs documents, and {v('data.source')} has none (use concat)")
-    if deg["pp"] > 1:  # the schedule feeds tokens to the first stage only; every stage needs the positions
-        out.append(f"{v('data.packing')} with {v('parallel.pp')} is not supported yet (use concat, or parallel.pp = 1)")
     if deg["cp"] > 1:  # ring attention over sequence chunks has no document mask
         out.append(f"{v('data.packing')} with {v('parallel.cp')} is not supported yet (use concat, or parallel.cp = 1)")
     if cfg.eval.every > 0:  # held-out batches are evaluated as concat windows

@@ -178,11 +178,15 @@ class Pipeline:
         arg = stages if self.schedule_name in INTERLEAVED_SCHEDULES else stages[0]
         self.schedule = cls(arg, n_microbatches=self.microbatches, loss_fn=self._loss)
 
-    def step(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one batch; returns the batch's mean loss on every pp rank."""
+    def step(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor,
+             positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one batch; returns the batch's mean loss on every pp rank.
+        ``positions_BT`` (document packing) goes to every stage: each stage's blocks attend by document."""
         losses: list[torch.Tensor] = []
         args = (inputs_BT,) if self.has_first else ()
-        kwargs = {"target": targets_BT, "losses": losses} if self.has_last else {}
+        kwargs: dict = {"target": targets_BT, "losses": losses} if self.has_last else {}
+        if positions_BT is not None:  # model keyword arguments reach every stage, split like the inputs
+            kwargs["positions_BT"] = positions_BT
         with loss_context(self.vocab_parallel):  # the sharded loss's backward runs inside step() too
             self.schedule.step(*args, **kwargs)
         losses = [_local(x) for x in losses]  # a vocabulary-parallel loss is a replicated DTensor

@@ -98,7 +98,7 @@ def run_loop(
                     if s.pipeline is not None:
                         # The schedule interleaves micro-batches' forwards and backwards: timed as one.
                         with autocast(cfg.train.precision, dev):
-                            loss = s.pipeline.step(inputs_BT, targets_BT)
+                            loss = s.pipeline.step(inputs_BT, targets_BT, *positions)
                         m2 = m3 = clock.mark()
                     else:
                         with s.loss_context(), autocast(cfg.train.precision, dev):

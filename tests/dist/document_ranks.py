@@ -66,6 +66,12 @@ def _rank(rank: int, tmp: str, hf_dir: str, overrides: list[str], lengths: list[
     worst, losses = 0.0, []
     for _ in range(STEPS):
         inputs_BT, targets_BT, positions_BT = next(data)
+        if s.pipeline is not None:  # only the mean loss leaves the schedule: one micro-batch per row
+            want_BT = transformers_losses(hf_model, inputs_BT, targets_BT, positions_BT)
+            kept_BT = targets_BT != IGNORE_INDEX
+            want = torch.stack([row[keep].mean() for row, keep in zip(want_BT, kept_BT, strict=True)]).mean()
+            losses.append((float(s.pipeline.step(inputs_BT, targets_BT, positions_BT)), float(want)))
+            continue
         logits_BTV = s.model(inputs_BT, positions_BT=positions_BT)
         if hasattr(logits_BTV, "full_tensor"):  # a DTensor (TP's output layer)
             logits_BTV = logits_BTV.full_tensor()
@@ -78,7 +84,8 @@ def _rank(rank: int, tmp: str, hf_dir: str, overrides: list[str], lengths: list[
             loss.backward()
         kept = targets_BT != IGNORE_INDEX
         losses.append((float(loss.detach()), float(want_BT[kept].mean())))
-    out = {"worst_rel": worst, "losses": losses, "dp_size": ctx.dp_size, "tp_size": ctx.tp_size}
+    out = {"worst_rel": worst, "losses": losses, "dp_size": ctx.dp_size, "tp_size": ctx.tp_size,
+           "pp_size": ctx.pp_size}
     record = s.compile_record  # None when compile.backend = eager
     if record is not None:
         record.refresh_dynamo()

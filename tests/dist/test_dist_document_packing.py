@@ -1,7 +1,8 @@
 """data.packing = document on 2 ranks (gloo): under FSDP (compiled by accelrun's backend: the blocks' graph and
 the loss head's, no graph break) and under TP, every token's loss equals transformers' ``LlamaForCausalLM`` on
-its document alone (fp32, 1e-5), and the training loss is their mean. TP without data parallelism runs eager:
-validate refuses to compile that layout with this torch, whatever the packing."""
+its document alone (fp32, 1e-5), and the training loss is their mean; under pipeline stages (compiled), the
+schedule's loss is the mean of those rows' means. TP without data parallelism runs eager: validate refuses to
+compile that layout with this torch, whatever the packing."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ LAYOUTS = {
     "fsdp2": ["parallel.dp_shard=2", "train.micro_batch=2", "train.global_batch=4"],
     "tp2": ["parallel.dp_shard=1", "parallel.tp=2", "train.micro_batch=2", "train.global_batch=2",
             "compile.backend=eager"],
+    # One row per micro-batch, so the schedule's mean loss is the mean of the rows' own means.
+    "pp2": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.microbatches=2",
+            "train.micro_batch=2", "train.global_batch=2"],
 }
+DEGREES = {"fsdp2": (2, 1, 1), "tp2": (1, 2, 1), "pp2": (1, 1, 2)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -25,9 +30,10 @@ def test_packed_losses_equal_transformers_per_document_on_two_ranks(layout, tmp_
     records = run_ranks(tmp_path, hf_dir, LAYOUTS[layout], LENGTHS)
     for rank, r in enumerate(records):
         assert r["exitcode"] == 0, (rank, r)
-        assert (r["dp_size"], r["tp_size"]) == ((2, 1) if layout == "fsdp2" else (1, 2))
+        assert (r["dp_size"], r["tp_size"], r["pp_size"]) == DEGREES[layout]
         assert r["worst_rel"] <= RTOL, (rank, r["worst_rel"])
         for got, want in r["losses"]:
             assert got == pytest.approx(want, rel=RTOL)
-        if layout == "fsdp2":
-            assert r["dynamo_graphs"] == 2 and not r["graph_breaks"] and not r["fallbacks"], r
+        if layout != "tp2":  # the blocks' graph, and the loss head's where the rank has it
+            graphs = 1 if layout == "pp2" else 2
+            assert r["dynamo_graphs"] == graphs and not r["graph_breaks"] and not r["fallbacks"], (rank, r)
