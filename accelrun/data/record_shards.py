@@ -10,6 +10,7 @@ A worker needs only the piece and the tokenizer's name, and writes under a tempo
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +31,7 @@ from accelrun.data.records import (
     read_file,
 )
 from accelrun.data.tokenizer import ByteTokenizer, get_tokenizer
-from accelrun.data.tokfile import write_token_file
+from accelrun.data.tokfile import HEADER_SIZE, TokenFileHeader
 
 # A jsonl file is cut into 16 pieces (for 16 workers' worth of parallelism) of 4 to 64 MiB: the size
 # depends on the file alone, so the shards do not depend on --workers; 64 MiB keeps a 1 TB corpus at
@@ -144,25 +145,37 @@ def encode_texts(texts: Sequence[str], tok: ByteTokenizer | HFTokenizer) -> tupl
 
 def write_shard(piece: Piece, spec: ShardSpec, on_batch: Callable[[int, int], None] | None = None) -> ShardResult:
     """Encode ``piece``'s documents (empty texts left out: they would add a lone end-of-text) into
-    ``spec.folder/piece.shard_name`` and its index. ``on_batch(bytes, tokens)`` reports progress in-process."""
+    ``spec.folder/piece.shard_name`` and its index. Tokens go to the file a batch at a time, so memory
+    holds one batch of records whatever the piece's size. ``on_batch(bytes, tokens)`` reports progress."""
     tok = _tokenizer(spec.tokenizer)
-    parts: list[np.ndarray] = []
+    path = Path(spec.folder) / piece.shard_name
+    tmp = path.with_name(f".{path.name}.tmp")
+    hasher = hashlib.sha256()
     lengths: list[np.ndarray] = []
-    for batch in read_piece(piece, [spec.text_field], spec.text_key):
-        texts = [t for i in range(len(batch)) if (t := batch.text(spec.text_field, i, key=spec.text_key))]
-        if not texts:
-            continue
-        tokens, doc_lengths = encode_texts(texts, tok)
-        parts.append(tokens)
-        lengths.append(doc_lengths)
-        if on_batch is not None:
-            on_batch(sum(len(t) for t in texts), tokens.size)
-    if not parts:
+    n_tokens, token_bytes = 0, 2
+    with open(tmp, "wb") as fh:
+        fh.write(b"\0" * HEADER_SIZE)  # placeholder until the count and hash are known
+        for batch in read_piece(piece, [spec.text_field], spec.text_key):
+            texts = [t for i in range(len(batch)) if (t := batch.text(spec.text_field, i, key=spec.text_key))]
+            if not texts:
+                continue
+            tokens, doc_lengths = encode_texts(texts, tok)
+            payload = tokens.tobytes()
+            fh.write(payload)
+            hasher.update(payload)
+            token_bytes = tokens.itemsize
+            n_tokens += tokens.size
+            lengths.append(doc_lengths)
+            if on_batch is not None:
+                on_batch(sum(len(t) for t in texts), tokens.size)
+        header = TokenFileHeader(token_bytes, tok.vocab_size, n_tokens, tok.name, hasher.hexdigest())
+        fh.seek(0)
+        fh.write(header.pack())
+    if not lengths:
+        tmp.unlink()
         return ShardResult(piece.index, None, 0, 0, piece.size)
-    tokens_np = np.concatenate(parts)
+    os.replace(tmp, path)
     doc_lengths = np.concatenate(lengths)
     starts = np.concatenate([[0], np.cumsum(doc_lengths)[:-1]]).astype(np.int64)
-    path = Path(spec.folder) / piece.shard_name
-    header = write_token_file(path, torch.from_numpy(tokens_np), vocab_size=tok.vocab_size, tokenizer=tok.name)
     write_doc_index(path, torch.from_numpy(starts), header.sha256)
-    return ShardResult(piece.index, piece.shard_name, int(doc_lengths.size), int(tokens_np.size), piece.size)
+    return ShardResult(piece.index, piece.shard_name, int(doc_lengths.size), n_tokens, piece.size)
