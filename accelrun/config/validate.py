@@ -363,8 +363,6 @@ def _document_packing_problems(cfg: RunConfig, deg: dict[str, int], v) -> list[s
         out.append(f"{v('data.packing')} needs documents, and {v('data.source')} has none (use concat)")
     if deg["cp"] > 1:  # ring attention over sequence chunks has no document mask
         out.append(f"{v('data.packing')} with {v('parallel.cp')} is not supported yet (use concat, or parallel.cp = 1)")
-    if cfg.eval.every > 0:  # held-out batches are evaluated as concat windows
-        out.append(f"{v('data.packing')} with {v('eval.every')} is not supported yet (set eval.every = 0)")
     return out
 
 

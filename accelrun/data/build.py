@@ -115,7 +115,8 @@ def build_data(
     stream = load_stream(data_cfg, vocab_size=vocab_size, seed=seed, min_tokens=min_tokens)
     if eval_cfg is not None and eval_cfg.every > 0:  # training reads only what precedes the held-out tail
         heldout = HeldOutBatches(stream, seq_len=seq_len, micro_batch=micro_batch, split=eval_cfg.split,
-                                 max_batches=eval_cfg.steps, dp_rank=dp_rank, dp_size=dp_size)
+                                 max_batches=eval_cfg.steps, dp_rank=dp_rank, dp_size=dp_size,
+                                 packing=data_cfg.packing)
         stream = heldout.train_stream()
     return TokenBatchIterator(
         stream,
@@ -137,4 +138,4 @@ def build_eval_data(
     seed = data_cfg.seed if data_cfg.seed is not None else seed
     stream = load_stream(data_cfg, vocab_size=vocab_size, seed=seed, min_tokens=min_tokens)
     return HeldOutBatches(stream, seq_len=seq_len, micro_batch=micro_batch, split=eval_cfg.split,
-                          max_batches=eval_cfg.steps, dp_rank=dp_rank, dp_size=dp_size)
+                          max_batches=eval_cfg.steps, dp_rank=dp_rank, dp_size=dp_size, packing=data_cfg.packing)

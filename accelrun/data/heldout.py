@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from accelrun.data.errors import DataError
-from accelrun.data.loss_mask import mask_targets
+from accelrun.data.loader import window_batch
 from accelrun.data.stream import TokenStream
 
 
@@ -48,7 +48,7 @@ class HeldOutBatches:
     """This rank's evaluation batches over the held-out windows: the same ones at every evaluation."""
 
     def __init__(self, stream: TokenStream, *, seq_len: int, micro_batch: int, split: float, max_batches: int,
-                 dp_rank: int = 0, dp_size: int = 1):
+                 dp_rank: int = 0, dp_size: int = 1, packing: str = "concat"):
         n = max(len(stream) - 1, 0) // seq_len
         k = heldout_windows(n, split)
         if n - k < 1 or k < micro_batch * dp_size:
@@ -58,6 +58,7 @@ class HeldOutBatches:
                 "ranks) held out; raise eval.split, add data, or lower micro_batch"
             )
         self.stream, self.seq_len, self.micro_batch = stream, seq_len, micro_batch
+        self.packing = packing  # data.packing: held-out windows are built as training's are
         self.first = n - k  # the first held-out window
         self.n_heldout = k
         n_batches = min(max_batches, k // (micro_batch * dp_size))  # the same count on every rank
@@ -70,7 +71,4 @@ class HeldOutBatches:
         T, B = self.seq_len, self.micro_batch
         for b in self.batches:
             windows = range(self.first + b * B, self.first + b * B + B)
-            w_BT1 = torch.stack([self.stream.read(i * T, i * T + T + 1) for i in windows])
-            targets_BT = w_BT1[:, 1:].contiguous()
-            mask_targets(self.stream, [i * T for i in windows], T, targets_BT)
-            yield w_BT1[:, :-1].contiguous(), targets_BT
+            yield window_batch(self.stream, [i * T for i in windows], T, self.packing)
