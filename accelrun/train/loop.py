@@ -35,6 +35,7 @@ from accelrun.train.router_metrics import router_step_totals
 from accelrun.train.setup import TrainSetup
 from accelrun.train.step_clock import StepClock
 from accelrun.train.step_reads import PendingStep, PendingSteps, StepMarks, raise_if_diverged, read_interval
+from accelrun.train.token_mean import micro_batch_weights, uses_token_mean
 
 
 @dataclass
@@ -72,6 +73,7 @@ def run_loop(
     where = {"step": s.start_step, "phase": "starting"}  # for a collective that times out
     read_every = read_interval(cfg, dev)  # report.read_every: CPU every step, GPU every log_every steps
     pending = PendingSteps(s.flops_per_token, s.peak.tflops)
+    token_mean = uses_token_mean(cfg, s.pipeline is not None)  # chat: the step's loss is the mean over its targets
     try:
         with (stop.catch_signals(),
               profile_steps(cfg.report.profile_steps, run_dir, s.start_step, s.ctx.rank) as prof):
@@ -85,9 +87,13 @@ def run_loop(
                 spans = []  # per micro-batch: its (start, data loaded, forward done, backward done) marks
                 loss_sum = torch.zeros((), device=dev)
                 loss_targets = torch.zeros((), dtype=torch.int64, device=dev)  # targets in the loss (chat masks some)
-                for _ in range(s.grad_accum):
+                step_batches, weights = None, None
+                for i in range(s.grad_accum):
                     m0 = clock.mark()
-                    batch = next(s.data)
+                    if token_mean and i == 0:  # the step's batches first: each is weighted by its targets
+                        step_batches = [next(s.data) for _ in range(s.grad_accum)]
+                        weights = micro_batch_weights([b[1] for b in step_batches], s.ctx, dev)
+                    batch = step_batches[i] if step_batches is not None else next(s.data)
                     inputs_BT, targets_BT = batch[0].to(dev, non_blocking=True), batch[1].to(dev, non_blocking=True)
                     # data.packing = document: each token's position in its document goes to the model too.
                     positions = ((batch.positions.to(dev, non_blocking=True),) if isinstance(batch, DocumentBatch)
@@ -102,7 +108,8 @@ def run_loop(
                         m2 = m3 = clock.mark()
                     else:
                         with s.loss_context(), autocast(cfg.train.precision, dev):
-                            loss = s.loss_fn(inputs_BT, targets_BT, *positions) / s.grad_accum
+                            loss = s.loss_fn(inputs_BT, targets_BT, *positions)
+                            loss = loss * weights[i] if weights is not None else loss / s.grad_accum
                         # A micro-batch with every target masked (a window of a long user turn) is a mean over
                         # nothing, NaN: cross-entropy gives it zero gradients, and it adds 0 to the step's loss.
                         loss = torch.where(counted > 0, loss, torch.zeros_like(loss))

@@ -103,3 +103,23 @@ def test_the_recipe_compiles_trains_exports_and_transformers_loads_it(chat_model
     trained = model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
     original = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()["model.layers.0.self_attn.q_proj.weight"]
     assert not torch.equal(trained, original)  # the export is the fine-tuned model
+
+
+def _chat_losses(tmp_path: Path, folder: Path, chats: Path, name: str, *more: str) -> list[float]:
+    resolved = load_config(REPO / "configs" / "hf-chat.yaml", [
+        *_overrides(tmp_path / name, folder, chats, "data.packing=concat", "compile.backend=eager",
+                    "checkpoint.hf_on_finish=false"), *more])
+    return [m["loss"] for m in read_metrics(train(resolved, command="test").run_dir / "metrics.jsonl")]
+
+
+def test_gradient_accumulation_keeps_the_mean_over_the_steps_targets(chat_model, tmp_path, monkeypatch):
+    """The same 4 windows a step, as one micro-batch or two: the loss and the update are those of the mean over
+    all the step's assistant targets (two micro-batches keep different numbers of them), so the runs agree."""
+    folder, chats = chat_model
+    whole = _chat_losses(tmp_path, folder, chats, "whole")
+    halves = _chat_losses(tmp_path, folder, chats, "halves", "train.micro_batch=2")
+    assert halves == pytest.approx(whole, rel=1e-5)
+    import accelrun.train.loop as loop  # each half's mean / 2 instead: another loss, after step 1 other weights
+
+    monkeypatch.setattr(loop, "uses_token_mean", lambda cfg, pipelined: False)
+    assert _chat_losses(tmp_path, folder, chats, "per-half", "train.micro_batch=2") != pytest.approx(whole, rel=1e-4)
