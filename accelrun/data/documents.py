@@ -63,6 +63,6 @@ def _stream(folder: Path) -> TensorStream:
     tokens = load_tokens([str(folder)])
     fingerprint = {"source": "documents", "tokenizer": manifest["tokenizer"], "text_field": manifest["text_field"],
                    "files": manifest["files"], "documents": manifest["documents"], "tokens": manifest["tokens"],
-                   "sha256": tokens.fingerprint["sha256"]}
+                   "sha256": manifest["sha256"]}  # of the tokens and boundaries: the same for any format
     return TensorStream(tokens.segments, vocab_size=tokens.vocab_size, fingerprint=fingerprint,
                         document_starts=tokens.document_starts)

@@ -15,6 +15,7 @@ interrupted prepare leaves nothing that a run (or a glob) would read.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -24,11 +25,13 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from accelrun.data.doc_index import read_doc_index
 from accelrun.data.errors import DataError
 from accelrun.data.record_shards import Piece, ShardResult, ShardSpec, plan_pieces, write_shard
 from accelrun.data.records import record_files
+from accelrun.data.stream import short_hash
 from accelrun.data.tokenizer import get_tokenizer
-from accelrun.data.tokfile import check_little_endian
+from accelrun.data.tokfile import HEADER_SIZE, check_little_endian, read_header
 
 MANIFEST = "prepared.json"
 MANIFEST_FORMAT = "accelrun-prepared/1"
@@ -83,13 +86,31 @@ def prepare_records(
         summary = PreparedCorpus(str(out), len(files), len(shards), documents, sum(r.tokens for r in results), total,
                                  tok.name, tok.vocab_size, text_field)
         manifest = {"format": MANIFEST_FORMAT, **asdict(summary), "shards": shards,
-                    "inputs": [str(f.path) for f in files]}
+                    "sha256": content_hash(tmp, shards), "inputs": [str(f.path) for f in files]}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return summary
+
+
+def content_hash(folder: Path, shards: Sequence[str]) -> str:
+    """A hash of the tokens and document boundaries, independent of how they were cut into shards: the
+    same documents as jsonl or parquet (different pieces) get the same one, so runs on them compare."""
+    tokens, boundaries = hashlib.sha256(), hashlib.sha256()  # two streams: a cut must not reorder them
+    offset = 0
+    for name in shards:
+        path = folder / name
+        header = read_header(path)
+        starts = read_doc_index(path, header.sha256, header.n_tokens)
+        boundaries.update((starts + offset).numpy().tobytes())
+        with open(path, "rb") as fh:
+            fh.seek(HEADER_SIZE)
+            while chunk := fh.read(16 << 20):
+                tokens.update(chunk)
+        offset += header.n_tokens
+    return short_hash(hashlib.sha256(tokens.digest() + boundaries.digest()))
 
 
 def _check_output(out: Path) -> None:

@@ -75,11 +75,14 @@ def test_every_format_gives_the_same_stream_and_document_index(corpora):
     expected = torch.cat([tok.encode_tensor(d["text"], eos=True) for d in DOCS])
     lengths = torch.tensor([len(d["text"].encode()) + 1 for d in DOCS])
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+    hashes = set()
     for fmt, path in corpora.items():
         stream = load_stream(documents(path), vocab_size=320, seed=0)
         assert torch.equal(stream.read(0, len(stream)), expected), fmt
         assert torch.equal(stream.document_starts, starts), fmt
         assert stream.fingerprint["source"] == "documents" and stream.fingerprint["documents"] == len(DOCS)
+        hashes.add(stream.fingerprint["sha256"])
+    assert len(hashes) == 1  # cut into different shards (row groups, Arrow files), the same data to a run
 
 
 def test_records_say_where_they_came_from(corpora):
