@@ -42,3 +42,17 @@ def data_problems(cfg: RunConfig, where: Callable[[KeyPath], Source], v: Callabl
         elif entry.source == "builtin" and entry.paths:
             out.append(f"{key}.paths is set but {key}.source = builtin reads no files ({where(('data', 'mix', i))})")
     return out
+
+
+# Keys a mixture's entries decide for themselves (text_field) or that no entry reads. data.source and
+# data.builtin are left out: the recipes a mix extends set them (recipes/data/stdlib.yaml), and a mix
+# replacing them is what data.mix's description says.
+KEYS_A_MIX_REPLACES = ("text_field", "max_bytes", "messages_field", "loss_on")
+
+
+def mix_warnings(cfg: RunConfig, set_by_user: Callable[..., Source | None]) -> list[str]:
+    """``data.mix`` set: the data keys its entries replace, where a user set them."""
+    if not cfg.data.mix:
+        return []
+    return [f"data.{key} ({src}) has no effect with data.mix: each entry names its own source, paths and text_field"
+            for key in KEYS_A_MIX_REPLACES if (src := set_by_user("data", key))]

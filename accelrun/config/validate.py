@@ -17,7 +17,7 @@ from pydantic.fields import FieldInfo
 from accelrun.config.chat_template_file import chat_problems
 from accelrun.config.compile_names import BUILTIN_EXECUTORS, PassConfigError, parse_passes
 from accelrun.config.compose import DEFAULT, Source
-from accelrun.config.data_checks import data_problems
+from accelrun.config.data_checks import data_problems, mix_warnings
 from accelrun.config.errors import ConfigError, nearest
 from accelrun.config.moe_checks import moe_problems, moe_warnings
 from accelrun.config.schema import INTERLEAVED_SCHEDULES, RunConfig
@@ -448,9 +448,10 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
         if ignored:
             out.append(f"model.custom is set, so the model families' shape keys are not used: "
                        f"model.{', model.'.join(ignored)}")
-    for key in SOURCE_SPECIFIC_DATA_KEYS:
+    for key in SOURCE_SPECIFIC_DATA_KEYS if not cfg.data.mix else ():
         if key not in DATA_KEYS_USED_BY[cfg.data.source] and (src := set_by_user("data", key)):
             out.append(f"data.{key} ({src}) has no effect with data.source = {cfg.data.source}")
+    out += mix_warnings(cfg, set_by_user)
     out += tokenizer_warnings(cfg)
     out += moe_warnings(cfg, set_by_user)
     if cfg.compile.backend == "eager":

@@ -14,7 +14,7 @@ from accelrun.data.build import build_data
 from accelrun.data.mix import MixedBatchIterator
 from accelrun.data.stream import TensorStream
 from accelrun.report.metrics import read_metrics
-from accelrun.train.run import train
+from accelrun.train.entry import train
 from tests.conftest import DEFAULT_CONFIG
 
 T = 16
@@ -124,3 +124,17 @@ def test_train_on_a_mix_resumes_with_identical_losses(tmp_path, tiny):
     assert resumed.report["first_step"] == 4
     assert losses(resumed) == losses(full)[3:]  # fp32 on the CPU: bit-identical
     assert losses(cut) == losses(full)[:4]
+
+
+def test_validate_warns_of_data_keys_a_mix_replaces(tmp_path):
+    from click.testing import CliRunner
+
+    from accelrun.cli.main import cli
+
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
+    r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), f"data.mix=[{{paths: [{tmp_path / 'a.jsonl'}], weight: 1}}]",
+                                 "data.text_field=body"])
+    assert r.exit_code == 0, r.output
+    warnings = [line for line in r.output.splitlines() if line.startswith("warning: data.")]
+    assert warnings == ["warning: data.text_field (override 'data.text_field=body') has no effect with data.mix: "
+                        "each entry names its own source, paths and text_field"], r.output
