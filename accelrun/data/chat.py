@@ -36,6 +36,7 @@ from accelrun.data.records import iter_records
 from accelrun.data.stream import TensorStream, short_hash
 
 ASSISTANT = "assistant"
+CHATS_PER_SEGMENT = 4096
 
 
 class LossOn(Enum):
@@ -128,27 +129,44 @@ def assistant_token_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[Cha
 def encode_chat_records(records: Iterable[ChatRecord], encoder: ChatEncoder, *, field: str,
                         fingerprint: dict[str, Any]) -> TensorStream:
     """Every record's chat as one stream: tokens, a document index (one document per chat) and the loss
-    mask. ``fingerprint`` is completed with the tokenizer, counts and a hash of tokens and mask."""
-    tokens: list[int] = []
-    mask: list[bool] = []
-    starts: list[int] = []
+    mask. ``fingerprint`` is completed with the tokenizer, counts and a hash of tokens and mask.
+
+    Chats are gathered into tensors ``CHATS_PER_SEGMENT`` at a time: a token costs its id's bytes and one
+    byte of mask, not a Python int in a list."""
+    token_dtype = encoder.tokenizer.token_dtype
+    hasher = hashlib.sha256(f"{encoder.tokenizer.name}|{encoder.loss_on.value}|{encoder.template.text}".encode())
+    segments: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
+    lengths: list[int] = []
+    ids: list[int] = []
+    keep: list[bool] = []
+
+    def flush() -> None:
+        if ids:
+            segments.append(torch.tensor(ids, dtype=torch.int64).to(token_dtype))
+            masks.append(torch.tensor(keep, dtype=torch.bool))
+            hasher.update(segments[-1].view(torch.uint8).numpy().tobytes())
+            hasher.update(masks[-1].numpy().tobytes())
+            ids.clear()
+            keep.clear()
+
     for record in records:
         chat = encoder.encode(record[field], where=record.where, field=field)
         if not chat.ids:
             continue
-        starts.append(len(tokens))
-        tokens += chat.ids
-        mask += chat.loss_mask
-    tokens_t = torch.tensor(tokens, dtype=torch.int64).to(encoder.tokenizer.token_dtype)
-    mask_t = torch.tensor(mask, dtype=torch.bool)
-    hasher = hashlib.sha256(f"{encoder.tokenizer.name}|{encoder.loss_on.value}|{encoder.template.text}".encode())
-    hasher.update(torch.tensor(starts, dtype=torch.int64).numpy().tobytes())
-    hasher.update(tokens_t.view(torch.uint8).numpy().tobytes() if tokens_t.numel() else b"")
-    hasher.update(mask_t.numpy().tobytes())
-    done = dict(fingerprint, tokenizer=encoder.tokenizer.name, loss_on=encoder.loss_on.value, chats=len(starts),
-                tokens=len(tokens), loss_tokens=int(mask_t.sum()), sha256=short_hash(hasher))
-    return TensorStream([tokens_t], vocab_size=encoder.tokenizer.vocab_size, fingerprint=done,
-                        document_starts=torch.tensor(starts, dtype=torch.int64), loss_mask=[mask_t])
+        lengths.append(len(chat.ids))
+        ids += chat.ids
+        keep += chat.loss_mask
+        if len(lengths) % CHATS_PER_SEGMENT == 0:
+            flush()
+    flush()
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)
+    hasher.update(lengths_t.numpy().tobytes())
+    starts = torch.cumsum(lengths_t, 0) - lengths_t
+    done = dict(fingerprint, tokenizer=encoder.tokenizer.name, loss_on=encoder.loss_on.value, chats=len(lengths),
+                tokens=int(lengths_t.sum()), loss_tokens=sum(int(m.sum()) for m in masks), sha256=short_hash(hasher))
+    return TensorStream(segments, vocab_size=encoder.tokenizer.vocab_size, fingerprint=done, document_starts=starts,
+                        loss_mask=masks)
 
 
 def load_chat(paths: Sequence[str], encoder: ChatEncoder, *, messages_field: str) -> TensorStream:

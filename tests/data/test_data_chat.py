@@ -265,3 +265,20 @@ def test_train_names_the_line_of_a_chat_without_an_assistant(hf_model, tmp_path)
     line = next(x for x in r.output.splitlines() if x.startswith("error:"))
     assert line == (f"error: {chats}:4: a chat with no assistant turn (roles: system); data.loss_on: assistant "
                     "trains only on what the assistant says: drop the record, or set data.loss_on: all")
+
+
+def test_chats_gathered_in_several_segments_read_as_one_stream(folders, tmp_path, monkeypatch):
+    import accelrun.data.chat as chat
+
+    chats = write_chats(tmp_path / "chats.jsonl", CHATS * 3)
+    cfg = _chat_config(folders["jinja"], [str(chats)])
+    whole = load_stream(cfg, vocab_size=512, seed=0)
+    monkeypatch.setattr(chat, "CHATS_PER_SEGMENT", 2)
+    cut = load_stream(cfg, vocab_size=512, seed=0)
+    assert len(cut.segments) == 5 and len(whole.segments) == 1
+    n = len(whole)
+    assert torch.equal(cut.read(0, n), whole.read(0, n))
+    assert torch.equal(cut.read_loss_mask(0, n), whole.read_loss_mask(0, n))
+    assert torch.equal(cut.document_starts, whole.document_starts)
+    assert cut.read_loss_mask(3, n - 2).sum() == whole.fingerprint["loss_tokens"] - whole.read_loss_mask(0, 3).sum() \
+        - whole.read_loss_mask(n - 2, n).sum()
