@@ -2,9 +2,14 @@
 per-rank sharding, resumable state.
 
 Flow: ``build_data(cfg.data, ...)`` → ``load_stream`` picks a source (builtin / text / tokens /
-synthetic) → a ``TokenStream`` (1-D token ids + a fingerprint) → ``TokenBatchIterator`` cuts it
-into ``seq_len + 1`` windows, shuffles them per epoch, gives each rank its share, and yields
-``Batch(inputs, targets)``.
+synthetic / documents) → a ``TokenStream`` (1-D token ids + a fingerprint + where documents start) →
+``TokenBatchIterator`` cuts it into ``seq_len + 1`` windows, shuffles them per epoch, gives each rank
+its share, and yields ``Batch(inputs, targets)``; with ``data.mix``, ``MixedBatchIterator`` draws the
+windows from several streams by weight.
+
+Record files (jsonl, json, csv, parquet, Arrow, save_to_disk folders) are read by ``records``
+(``iter_records``), tokenized into memory-mapped shards by ``prepare_records`` (``accelrun data
+prepare``, and the ``documents`` source's cache).
 """
 
 from accelrun.data.build import build_data, load_stream
@@ -12,7 +17,10 @@ from accelrun.data.builtin import load_builtin, stdlib_files
 from accelrun.data.errors import DataError
 from accelrun.data.hf_tokenizer import HFTokenizer
 from accelrun.data.loader import Batch, TokenBatchIterator
+from accelrun.data.mix import MixedBatchIterator
 from accelrun.data.prepare import prepare_tokens
+from accelrun.data.prepare_records import PreparedCorpus, prepare_records
+from accelrun.data.records import Record, iter_records
 from accelrun.data.stream import TensorStream, TokenStream
 from accelrun.data.synthetic import SyntheticStream, synthetic_length
 from accelrun.data.text import expand_paths, load_text, read_documents
@@ -24,6 +32,9 @@ __all__ = [
     "ByteTokenizer",
     "DataError",
     "HFTokenizer",
+    "MixedBatchIterator",
+    "PreparedCorpus",
+    "Record",
     "SyntheticStream",
     "TensorStream",
     "TokenBatchIterator",
@@ -32,11 +43,13 @@ __all__ = [
     "build_data",
     "expand_paths",
     "get_tokenizer",
+    "iter_records",
     "load_builtin",
     "load_stream",
     "load_text",
     "load_tokens",
     "open_tokens",
+    "prepare_records",
     "prepare_tokens",
     "read_documents",
     "read_header",
