@@ -17,6 +17,7 @@ from typing import Any
 from torch import fx
 
 from accelrun.compile import coverage
+from accelrun.compile.cuda_graphs import with_cuda_graphs
 from accelrun.compile.dump import Dumper
 from accelrun.compile.fast_calls import runnable
 from accelrun.compile.lower import CompilerFallbackError, lower_regions, make_executors, one_line
@@ -178,9 +179,13 @@ class AccelrunBackend:
             from accelrun.compile.output_code import AccelrunOutputCode
 
             notes = (self.record.regions[first_region:], self.record.graphs[-1])
-            return AccelrunOutputCode(gm, lowered, graph_name, kind, [e.name for e in self.executors],
+            code = AccelrunOutputCode(gm, lowered, graph_name, kind, [e.name for e in self.executors],
                                       str(self.options.cache_dir), notes)  # fmt: skip
-        return make_boxed_func(runnable(lowered, returns_gradients=kind == "backward"))
+            code.use_cuda_graphs(self.record, example_inputs)
+            return code
+        run = runnable(lowered, returns_gradients=kind == "backward")
+        # compile.cuda_graphs: replayed as a CUDA graph where the run and this graph allow it.
+        return make_boxed_func(with_cuda_graphs(run, graph_name, gm, example_inputs, self.record.cuda_graphs))
 
     def _run_passes(self, stage: str, gm: fx.GraphModule, graph_name: str, kind: str,
                     example_inputs: list[Any] | None, notes: GraphNotes | None = None) -> fx.GraphModule:  # fmt: skip

@@ -95,8 +95,9 @@ class CudaGraphsReport:
     capture: Any = field(default=None, repr=False, compare=False)  # cuda_graphs' shared pool, made on first use
 
     def line(self) -> str:
-        """For the compiled line: empty when off and not asked for."""
-        if self.mode is CudaGraphMode.OFF:
+        """For the terminal's compiled line: empty when off, or when auto found the run unsuited (a CPU
+        run need not hear about CUDA every time; the report's table says it, see ``row``)."""
+        if self.mode is CudaGraphMode.OFF or (self.mode is CudaGraphMode.AUTO and not self.run.use):
             return ""
         if not self.run.use:
             return f"CUDA graphs off ({self.run.reason})"
@@ -107,6 +108,12 @@ class CudaGraphsReport:
             out += f", {len(self.declined)} without ({first[0]}: {first[1]})"
         return out
 
+    def row(self) -> str:
+        """For the report's table: always says what happened, and why not where they did not apply."""
+        if not self.run.use:
+            return f"off: {self.run.reason}"
+        return self.line() or "on: no graph compiled yet"
+
     def summary(self) -> dict:
         return {"mode": self.mode.value, "run": {"use": self.run.use, "reason": self.run.reason},
-                "captured": dict(self.captured), "replays": self.replays, "declined": dict(self.declined)}
+                "captured": dict(self.captured), "replays": self.replays, "declined": dict(self.declined), "row": self.row()}

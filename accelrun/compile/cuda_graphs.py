@@ -11,7 +11,9 @@ buffers, replays, and reads the outputs out (copies), as torch.cuda.graphs docum
   (a new address) is a new kind of call, so the blocks of a model (one graph, a parameter set each)
   get one capture each;
 - outputs are copied out because the next replay writes the same memory; a forward's saved
-  activations are among them. The price: one extra copy of each graph's inputs and outputs a step;
+  activations are among them. The price: one extra copy of each graph's inputs and outputs a step.
+  An output that views an input (a forward saves its input for the backward) is not copied: it is
+  made again as the same view of the caller's tensor;
 - anything that fails while capturing (an op that synchronises with the host) sends the graph back to
   eager for the rest of the run, with the reason.
 
@@ -71,6 +73,10 @@ class _Capture:
     graph: Any
     buffers: list[torch.Tensor | None]  # a static buffer per copied input; None: used in place
     outputs: Any
+    # Per output: None = copied out; ("static",) = a view of a parameter, returned as it is; (i, size,
+    # stride, offset) = a view of copied input i (a forward saves its input for the backward), made
+    # again on the caller's tensor so that it aliases what it aliased without the capture.
+    aliases: list[tuple | None]
 
 
 def _is_static(value: Any) -> bool:
@@ -123,16 +129,13 @@ class CudaGraphRunner:
                 buf.copy_(a)
         self.capturer.replay(cap.graph)
         self.report.replays += 1
-        return _read_out(cap.outputs)
+        return _read_out(cap, args)
 
     def _capture(self, args: Sequence[Any]) -> _Capture:
-        buffers = [a.clone() if isinstance(a, torch.Tensor) and not _is_static(a) else None for a in args]
+        buffers = [_static_copy(a) if isinstance(a, torch.Tensor) and not _is_static(a) else None for a in args]
         inputs = [b if b is not None else a for b, a in zip(buffers, args, strict=True)]
         graph, outputs = self.capturer.capture(self.fn, inputs)
-        held = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-        if any(isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in held for o in _flat(outputs)):
-            raise ValueError("an output is a view of an input (its copy would not alias it)")
-        return _Capture(graph, buffers, outputs)
+        return _Capture(graph, buffers, outputs, [_alias(o, inputs, buffers) for o in _flat(outputs)])
 
     def _give_up(self, reason: str, args: Sequence[Any]) -> Any:
         self.eager_reason = reason
@@ -145,10 +148,37 @@ def _flat(outputs: Any) -> list[Any]:
     return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
 
 
-def _read_out(outputs: Any) -> Any:
-    copied = [o.clone() if isinstance(o, torch.Tensor) else o for o in _flat(outputs)]
-    if isinstance(outputs, (list, tuple)):
-        return type(outputs)(copied) if isinstance(outputs, list) else tuple(copied)
+def _static_copy(t: torch.Tensor) -> torch.Tensor:
+    """A buffer with ``t``'s strides (so that a view of it maps back onto ``t``), holding its values."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _alias(out: Any, inputs: list[Any], buffers: list[torch.Tensor | None]) -> tuple | None:
+    if not isinstance(out, torch.Tensor):
+        return None
+    storage = out.untyped_storage().data_ptr()
+    for i, (t, buf) in enumerate(zip(inputs, buffers, strict=True)):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == storage:
+            if buf is None:
+                return ("static",)
+            return (i, tuple(out.shape), out.stride(), out.storage_offset() - buf.storage_offset())
+    return None
+
+
+def _read_out(cap: _Capture, args: Sequence[Any]) -> Any:
+    copied = []
+    for o, alias in zip(_flat(cap.outputs), cap.aliases, strict=True):
+        if not isinstance(o, torch.Tensor):
+            copied.append(o)
+        elif alias is None:
+            copied.append(o.clone())
+        elif alias[0] == "static":
+            copied.append(o)
+        else:
+            i, size, stride, offset = alias
+            copied.append(args[i].as_strided(size, stride, args[i].storage_offset() + offset))
+    if isinstance(cap.outputs, (list, tuple)):
+        return copied if isinstance(cap.outputs, list) else tuple(copied)
     return copied[0]
 
 
@@ -174,15 +204,21 @@ def graph_facts(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> GraphFacts
     return GraphFacts(frozenset(devices), symbolic, collectives, tuple(data_dependent))
 
 
-def with_cuda_graphs(fn: Callable[..., Any], name: str, gm: fx.GraphModule, example_inputs: Sequence[Any],
-                     report: CudaGraphsReport, capture: GraphCapture | None = None) -> Callable[..., Any]:  # fmt: skip
-    """``fn`` replayed from CUDA graphs where the run and this graph allow it; else ``fn`` itself, the
-    reason kept in ``report.declined`` (where the run asked for them)."""
+def wants_cuda_graphs(name: str, gm: fx.GraphModule, example_inputs: Sequence[Any], report: CudaGraphsReport) -> bool:
+    """Whether graph ``name`` replays from CUDA graphs (the run and the graph allow it); where the run
+    asked for them and this graph cannot, the reason goes in ``report.declined``."""
     if not report.run.use:
-        return fn
+        return False
     decision: CudaGraphDecision = decide_for_graph(report.run, graph_facts(gm, example_inputs))
     if not decision.use:
         report.declined[name] = decision.reason
+    return decision.use
+
+
+def with_cuda_graphs(fn: Callable[..., Any], name: str, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                     report: CudaGraphsReport, capture: GraphCapture | None = None) -> Callable[..., Any]:  # fmt: skip
+    """``fn`` replayed from CUDA graphs where the run and this graph allow it; else ``fn`` itself."""
+    if not wants_cuda_graphs(name, gm, example_inputs, report):
         return fn
     return CudaGraphRunner(fn, name, capture or shared_capture(report), report)
 

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from accelrun.compile.cuda_graph_policy import CudaGraphsReport
+from accelrun.compile.cuda_graphs import CudaGraphRunner, shared_capture, wants_cuda_graphs
 from accelrun.compile.fast_calls import STATIC_LAYOUTS, layouts_are_static, runnable
 from accelrun.compile.record import CompileRecord, GraphRecord
 from accelrun.torch_private import OutputCode
@@ -51,13 +53,23 @@ class AccelrunOutputCode(OutputCode):
         self.saved_graph: bytes | None = None
         self.saved_lowered: bytes | None = None
         self._run: Any = None  # fast_calls.runnable(lowered), made on the first call
+        self.cuda_graphs: CudaGraphsReport | None = None  # set where this graph replays from CUDA graphs
 
     def __call__(self, inputs: Sequence[Any]) -> Any:
         if self._run is None:
             if self.lowered is None:
                 raise RuntimeError(f"{self.graph_name}: loaded graph was never lowered (post_compile not called)")
             self._run = runnable(self.lowered, returns_gradients=self.kind == "backward")
+            if self.cuda_graphs is not None:
+                self._run = CudaGraphRunner(self._run, self.graph_name, shared_capture(self.cuda_graphs),
+                                            self.cuda_graphs)  # fmt: skip
         return self._run(*inputs)
+
+    def use_cuda_graphs(self, record: CompileRecord, example_inputs: Sequence[Any]) -> None:
+        """Replay from CUDA graphs if the run (``record.cuda_graphs``) and this graph allow it."""
+        graph = self.lowered if self.lowered is not None else self.graph_module
+        if graph is not None and wants_cuda_graphs(self.graph_name, graph, example_inputs, record.cuda_graphs):
+            self.cuda_graphs = record.cuda_graphs
 
     def prepare_for_serialization(self) -> None:
         try:
@@ -68,7 +80,7 @@ class AccelrunOutputCode(OutputCode):
 
             # ops_filter=None: accelrun's graphs hold only ATen and functional-collective ops.
             self.saved_graph = GraphPickler.dumps(self.graph_module, Options(ops_filter=None))
-        self.graph_module = self.lowered = self._run = None
+        self.graph_module = self.lowered = self._run = self.cuda_graphs = None  # this process's, not saved
 
     def post_compile(self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any) -> None:
         if self.lowered is not None:
@@ -82,6 +94,7 @@ class AccelrunOutputCode(OutputCode):
                                for r in regions]  # fmt: skip
             record.cache_hits += sum(1 for r in regions if r.cache_hit is not None)
             record.graphs.append(graph)
+            self.use_cuda_graphs(record, example_inputs)
             return
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -94,6 +107,7 @@ class AccelrunOutputCode(OutputCode):
                                         self.cache_dir)  # fmt: skip
         record.graphs.append(self.notes[1])
         self.graph_module = gm
+        self.use_cuda_graphs(record, example_inputs)
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         pass  # accelrun's Triton kernels live in its own cache

@@ -6,6 +6,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from accelrun.compile.cuda_graph_policy import CudaGraphMode, CudaGraphsReport
+
 
 @dataclass
 class PassRecord:
@@ -71,6 +73,8 @@ class CompileRecord:
     dynamo_start: dict[str, Any] = field(default_factory=dict, repr=False)  # coverage.snapshot() at the start
     # compile_model's first-call fallback: the whole forward was skipped, so smaller modules compiled
     fallback_scope: str = ""
+    # compile.cuda_graphs: the run's decision (set by dist.layout), captures, and graphs left out with why
+    cuda_graphs: CudaGraphsReport = field(default_factory=CudaGraphsReport)
 
     def refresh_dynamo(self) -> None:
         """Graph breaks and frame coverage since ``dynamo_start`` (Dynamo counts them process-wide)."""
@@ -107,6 +111,8 @@ class CompileRecord:
             parts.append(f"{sum(self.graph_breaks.values())} graph break(s)")
         if self.fallback_scope:
             parts.append(self.fallback_scope)
+        if line := self.cuda_graphs.line():
+            parts.append(line)
         return ", ".join(parts)
 
     def regions_per_executor(self) -> dict[str, int]:
@@ -134,6 +140,7 @@ class CompileRecord:
             "ops_left_to_aten": sum(g.left_to_aten for g in self.graphs),
             "fallbacks": [f.line() for f in self.fallbacks],
             "dynamo": dict(self.dynamo),
+            "cuda_graphs": self.cuda_graphs.summary(),
             "warnings": self.warnings(),
         }
 
@@ -145,6 +152,10 @@ class CompileRecord:
         if self.fallbacks:
             out.append(f"the compiler fell back {len(self.fallbacks)} time(s) (a pass skipped, a region left to "
                        f"a later executor): first {self.fallbacks[0].line()}")
+        graphs = self.cuda_graphs
+        if graphs.mode is CudaGraphMode.ON and (not graphs.run.use or graphs.declined):
+            why = graphs.run.reason if not graphs.run.use else "; ".join(f"{k}: {v}" for k, v in graphs.declined.items())
+            out.append(f"compile.cuda_graphs = on, but some graphs run without: {why}")
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -177,6 +188,11 @@ def merge_records(parts: list[tuple[str, CompileRecord]]) -> CompileRecord:
         out.cache_misses += rec.cache_misses
         out.dynamo_graphs += rec.dynamo_graphs
         out.graph_cache = _merge_stats(out.graph_cache, rec.graph_cache)
+        if rec.cuda_graphs.mode is not CudaGraphMode.OFF:  # every part has the run's decision; graphs by part
+            out.cuda_graphs.mode, out.cuda_graphs.run = rec.cuda_graphs.mode, rec.cuda_graphs.run
+            out.cuda_graphs.replays += rec.cuda_graphs.replays
+            out.cuda_graphs.captured |= {f"{label}.{k}": v for k, v in rec.cuda_graphs.captured.items()}
+            out.cuda_graphs.declined |= {f"{label}.{k}": v for k, v in rec.cuda_graphs.declined.items()}
         if rec.fallback_scope:
             out.fallback_scope = "; ".join(filter(None, [out.fallback_scope, f"{label}: {rec.fallback_scope}"]))
     return out

@@ -51,8 +51,22 @@ def apply_layout(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
     if cfg.parallel.fsdp_impl == "compiled" and ctx.mesh is not None and ctx.dp_size > 1:
         from accelrun.dist.compiled_fsdp import compile_sharded
 
-        return compile_sharded(part, blocks, ctx.mesh, cfg.compile, dump_dir)
-    compiled = compile_model(part, blocks, cfg.compile, dump_dir, loss_parallel=cfg.parallel.loss_parallel)
+        return with_cuda_graph_decision(compile_sharded(part, blocks, ctx.mesh, cfg.compile, dump_dir), cfg, ctx)
+    compiled = with_cuda_graph_decision(
+        compile_model(part, blocks, cfg.compile, dump_dir, loss_parallel=cfg.parallel.loss_parallel), cfg, ctx)
     if ctx.mesh is not None and ctx.dp_size * ctx.cp_size > 1:  # cp ranks' gradients are reduced as dp's
         apply_fsdp(part, blocks, ctx.mesh, t.precision, cfg.parallel.reshard_after_forward)
+    return compiled
+
+
+def with_cuda_graph_decision(compiled: Compiled, cfg: RunConfig, ctx: ParallelContext) -> Compiled:
+    """compile.cuda_graphs decided for the run (device, ranks, data) before the first graph compiles
+    (they compile at the first call); each graph then decides for itself (accelrun.compile.cuda_graphs)."""
+    from accelrun.compile.cuda_graph_policy import CudaGraphMode, CudaGraphsReport, decide_for_run
+
+    if compiled.record is not None:
+        mode = CudaGraphMode(cfg.compile.cuda_graphs)
+        compiled.record.cuda_graphs = CudaGraphsReport(mode, decide_for_run(  # type: ignore[attr-defined]
+            mode, device_type=ctx.device.type, ranks=ctx.world_size, document_packing=cfg.data.packing == "document",
+            backend=cfg.compile.backend))
     return compiled

@@ -66,6 +66,7 @@ NO_EFFECT = frozenset({
 # Change memory or time in ways the planner does not model; ``unmodelled`` says when they apply.
 UNMODELLED = frozenset({
     "compile.passes", "compile.executors", "compile.scope", "compile.debug_numerics",
+    "compile.cuda_graphs", "compile.tune_launches",  # fewer launches, faster kernels: on a GPU, not planned
     "checkpoint.enabled", "checkpoint.every", "checkpoint.save_final", "report.profile_steps",
     "report.read_every",  # how often the host waits for the device: planned as never
     "train.device", "train.cpu_malloc",
@@ -85,6 +86,9 @@ def unmodelled(cfg: RunConfig) -> list[str]:
                    "its executors' speed are not modelled")
         if c.debug_numerics:
             out.append("compile.debug_numerics = true: every pass's graphs run twice; not in the step time")
+        if cfg.cluster.device not in (None, "cpu") and (c.cuda_graphs != "off" or c.tune_launches):
+            out.append(f"compile.cuda_graphs = {c.cuda_graphs}, compile.tune_launches = {c.tune_launches}: the "
+                       "launches CUDA graphs save and the tuned kernels' speed are not modelled")
     if c.backend != "eager" and c.scope not in ("block", "auto"):
         out.append(f"compile.scope = {c.scope}: planned as per-block compilation")
     elif c.backend == "accelrun" and c.scope == "auto":  # resolve_scope: a family's head compiles too

@@ -88,6 +88,8 @@ def _compiler_section(c: dict | None) -> list[str]:
         out.append(f"| fusion regions by executor | {_cell(per)} |")
     if "ops_left_to_aten" in c:
         out.append(f"| ops outside regions (ATen calls) | {c['ops_left_to_aten']} |")
+    if (cuda_graphs := c.get("cuda_graphs") or {}).get("row"):  # compile.cuda_graphs, and why not
+        out.append(f"| CUDA graphs | {_cell(cuda_graphs['row'])} |")
     out.append("")
     # Never silent: nothing compiled, frames Dynamo skipped, fallbacks (compile/coverage.py, record.py).
     for warning in c.get("warnings") or []:

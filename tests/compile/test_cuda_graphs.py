@@ -4,6 +4,8 @@ kernels into the captured (static) memory."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import fx, nn
@@ -39,8 +41,12 @@ class FakeGraphs:
     def replay(self, graph):
         fn, inputs, outputs = graph
         self.replays += 1
-        for static, fresh in zip(outputs, fn(*inputs), strict=True):
-            static.copy_(fresh)
+        with torch.no_grad():  # compiled graphs run under no_grad (AOTAutograd's autograd.Function)
+            fresh_outputs = fn(*inputs)
+        for static, fresh in zip(outputs, fresh_outputs, strict=True):
+            if isinstance(static, torch.Tensor):  # a backward returns None for inputs without gradients
+                with torch.no_grad():
+                    static.copy_(fresh)
 
 
 def counted(fn):
@@ -114,7 +120,10 @@ def test_with_cuda_graphs_keeps_the_graph_eager_and_says_why():
     assert "1 without (g0.forward: the graph takes CPU tensors)" in report.line()
     off = CudaGraphsReport(CudaGraphMode.AUTO, CudaGraphDecision.no("the run is on cpu"))
     assert with_cuda_graphs(fn, "g0.forward", gm, [torch.ones(2)], off) is fn and not off.declined
-    assert off.line() == "CUDA graphs off (the run is on cpu)"
+    assert off.line() == ""  # auto on a CPU run: quiet in the terminal, said in the report's table
+    assert off.row() == "off: the run is on cpu"
+    asked = CudaGraphsReport(CudaGraphMode.ON, CudaGraphDecision.no("the run is on cpu"))
+    assert asked.line() == "CUDA graphs off (the run is on cpu)"
     assert CudaGraphsReport().line() == ""  # off and not asked for: nothing to say
 
 
@@ -187,8 +196,65 @@ def test_too_many_kinds_of_call_give_up_with_the_reason():
     assert not run.captures
 
 
-def test_an_output_that_views_an_input_is_not_captured():
-    run, graphs, report = runner(lambda x: (x.view(-1),), warmup_calls=0)
-    x = torch.ones(2, 2)
-    assert run(x)[0].shape == (4,)
-    assert "view of an input" in report.declined["g0.forward"]
+def test_an_output_that_views_an_input_views_the_callers_tensor():
+    w = nn.Parameter(torch.randn(3, 2))
+    run, graphs, report = runner(lambda x, w: (x.view(-1)[1:], w.t(), x * 2), warmup_calls=0)
+    for _ in range(2):
+        x = torch.randn(2, 2)
+        flat, wt, doubled = run(x, w)
+        assert flat.data_ptr() == x.data_ptr() + x.element_size() and flat.shape == (3,)  # x's own memory
+        assert wt.data_ptr() == w.data_ptr() and wt.shape == (2, 3)
+        torch.testing.assert_close(doubled, x * 2, rtol=0, atol=0)
+    assert graphs.captures == 1 and graphs.replays == 2 and not report.declined
+
+
+# -- through the backend ----------------------------------------------------------------------------
+
+def _compile_mlp(record_graphs: CudaGraphsReport):
+    from accelrun.compile.backend import AccelrunBackend
+    from accelrun.compile.options import CompileOptions
+    from accelrun.compile.passes.base import resolve_passes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    backend = AccelrunBackend(CompileOptions(passes=resolve_passes("none"), executors=["aten"]))
+    backend.record.cuda_graphs = record_graphs
+    return model, torch.compile(model, backend=backend), backend.record
+
+
+def test_the_backend_says_why_a_cpu_graph_runs_without():
+    _, compiled, record = _compile_mlp(CudaGraphsReport(CudaGraphMode.ON, ON))
+    compiled(torch.randn(4, 8)).sum().backward()
+    assert record.cuda_graphs.declined == {"g0.forward": "the graph takes CPU tensors",
+                                           "g0.backward": "the graph takes CPU tensors"}
+    assert "CUDA graphs: 0 graph(s), 0 capture(s), 2 without" in record.compiled_line()
+    assert any("compile.cuda_graphs = on, but some graphs run without" in w for w in record.warnings())
+    assert record.summary()["cuda_graphs"]["row"].startswith("CUDA graphs: 0 graph(s)")
+
+
+def test_forward_and_backward_replay_through_the_backend_at_eager_values(monkeypatch):
+    """The backend's forward and backward graphs go through the runner (a fake CUDA graph standing in):
+    the saved activations and the gradients travel through static buffers, and the losses and
+    gradients of four steps equal eager's."""
+    from accelrun.compile import cuda_graphs
+
+    fake = FakeGraphs()
+    monkeypatch.setattr(cuda_graphs, "decide_for_graph", lambda run, facts: ON)  # CPU tensors accepted
+    monkeypatch.setattr(cuda_graphs, "shared_capture", lambda report: fake)
+    model, compiled, record = _compile_mlp(CudaGraphsReport(CudaGraphMode.AUTO, ON))
+    eager = copy.deepcopy(model)
+    for _ in range(4):
+        x = torch.randn(4, 8)
+        got, want = compiled(x).square().mean(), eager(x).square().mean()
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+            with torch.no_grad():  # an SGD step in place: the parameters keep their addresses
+                p -= 0.1 * p.grad
+                q -= 0.1 * q.grad
+            p.grad = q.grad = None
+    assert record.cuda_graphs.captured == {"g0.forward": 1, "g0.backward": 1}, record.cuda_graphs
+    assert fake.captures == 2 and fake.replays == 6  # steps 2-4, forward and backward each
+    assert "CUDA graphs: 2 graph(s), 2 capture(s)" in record.compiled_line()
