@@ -29,8 +29,8 @@ from accelrun.plan.workload import AC_MODES
 @click.option("--search", is_flag=True, help="Search the layouts (degrees, micro-batch, checkpointing) on the cluster.")
 @click.option("--top", default=5, show_default=True, type=click.IntRange(min=1), help="Layouts --search shows.")
 @click.option("--ac", "ac", type=click.Choice(AC_MODES),
-              help="Model this activation checkpointing instead of the recipe's; 'selective' (torchtitan's "
-                   "per-op policy) exists only in the planner: accelrun train cannot run it yet.")
+              help="Model this activation checkpointing instead of the recipe's (train.activation_checkpoint.mode; "
+                   "'selective' is torchtitan's per-op policy).")
 @click.option("--json", "as_json", is_flag=True, help="Print the prediction as JSON.")
 @click.option("--calibrate", is_flag=True,
               help="Measure this machine (matmuls, attention, memory, collectives: its GPUs with NCCL where it "
@@ -142,7 +142,7 @@ def _print_plan(plan: Plan, ac: str | None) -> None:
     out.print(f"  layout: world {lay.world} = pp {lay.pp} × dp_replicate {lay.dp_replicate} × dp_shard "
               f"{lay.dp_shard} × tp {lay.tp}; batch: global {w.global_batch} × seq {w.seq_len} = micro "
               f"{w.micro_batch} × accumulation {w.grad_accum} × dp {lay.dp}; {w.precision} ({w.mode}); "
-              f"checkpointing {w.ac_mode}{' (planner-only)' if ac == 'selective' else ''}; "
+              f"checkpointing {w.ac_mode}{' (--ac)' if ac else ''}; "
               f"{'compiled' if w.compiled else 'eager'}", markup=False)
     extras = []
     if lay.tp > 1:

@@ -96,6 +96,18 @@ def selective_saved(w: Workload) -> PerToken:
     return PerToken(rep, shard)
 
 
+def recomputed(w: Workload) -> PerToken:
+    """What backward rebuilds of one checkpointed block before running its backward: the whole block's
+    activations, less what the selective policy kept (its outputs beyond the block's input are already
+    held, counted in ``layer_saved``)."""
+    full = block_saved(w.shape, w.mode, w.compiled, w.layout.sequence_parallel)
+    if w.ac_mode != "selective":
+        return full
+    kept, inp = selective_saved(w), checkpoint_input(w)
+    return PerToken(max(0.0, full.replicated - (kept.replicated - inp.replicated)),
+                    max(0.0, full.sharded - (kept.sharded - inp.sharded)))
+
+
 def layer_saved(w: Workload, checkpointed: bool) -> PerToken:
     """What one block keeps between its forward and its backward."""
     if not checkpointed:

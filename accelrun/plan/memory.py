@@ -40,6 +40,7 @@ from accelrun.plan.activations import (
     local_logits,
     logits_held_by_loop,
     loss_bytes_per_logit,
+    recomputed,
 )
 from accelrun.plan.cluster import Cluster
 from accelrun.plan.context_parallel import held_kv_bytes
@@ -173,8 +174,12 @@ def _stage_memory(w: Workload, cluster: Cluster, stage: str) -> MemoryEstimate:
     block_full = tokens * block_saved(sh, w.mode, w.compiled, lay.sequence_parallel).local(tp)
     layer_phase: list[Term] = []
     if n_ck:
-        layer_phase.append(Term("recomputed block", block_full, "one checkpointed block's activations, rebuilt"))
-    layer_phase.append(Term("backward working set", block_full, "activation gradients of one block"))
+        layer_phase.append(Term("recomputed block", tokens * recomputed(w).local(tp),
+                                "one checkpointed block's activations, rebuilt" + (
+                                    " (those the selective policy did not keep)" if w.ac_mode == "selective" else "")))
+    layer_phase.append(Term("backward working set", eff.BACKWARD_WORKING_SET_OF_BLOCK * block_full,
+                            f"activation gradients alive at once: {eff.BACKWARD_WORKING_SET_OF_BLOCK:g} of one "
+                            "block's activations"))
     if pp_fsdp:
         layer_phase.append(Term("gradient buffers (FSDP)", param_bytes * p.block,
                                 "one block's new gradient before it is added to the accumulated ones"))

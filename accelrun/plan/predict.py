@@ -112,8 +112,6 @@ def _notes(cfg: RunConfig, w: Workload, cluster: Cluster) -> tuple[str, ...]:
         notes.append(f"model.arch = {w.shape.family}: FLOPs, parameters, matmuls and attention's width are its "
                      "own; its norms' and feed-forward's saved bytes and traffic per token use the coefficients "
                      "counted on Llama's block")
-    if w.ac_mode == "selective":
-        notes.append("selective checkpointing is modelled by the planner only; accelrun train cannot run it yet")
     if w.layout.cp > 1:
         from accelrun.plan.context_parallel import cp_gather_s, gathered_kv_bytes
 

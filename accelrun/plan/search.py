@@ -22,7 +22,7 @@ from accelrun.plan.errors import PlanError
 from accelrun.plan.predict import Plan, predict
 from accelrun.plan.workload import PlanOptions
 
-SEARCH_AC_MODES = ("none", "every_n", "full")  # what a recipe can select (selective is planner-only)
+SEARCH_AC_MODES = ("none", "every_n", "selective", "full")  # what a recipe can select
 
 
 # Keys every proposal states even when the recipe already has that value: the layout in brief.

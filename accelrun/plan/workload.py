@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from accelrun.config.schema import RunConfig
 from accelrun.errors import UserError
 
-AC_MODES = ("none", "full", "every_n", "selective")  # selective: planner-only, see PlanOptions
+AC_MODES = ("none", "full", "every_n", "selective")  # train.activation_checkpoint.mode's values
 
 
 @dataclass(frozen=True)
@@ -276,10 +276,9 @@ class Workload:
 class PlanOptions:
     """What the planner assumes beyond the recipe.
 
-    ``activation_checkpoint``: model a checkpointing policy the recipe cannot select yet.
-    ``selective`` is torchtitan's per-op policy (keep the outputs of every second matmul and of
-    attention, recompute the rest); accelrun's training does not implement it, so it exists only
-    here, for what-if questions and for comparing with torchtitan's published runs.
+    ``activation_checkpoint``: model another checkpointing policy than the recipe's (a what-if;
+    ``selective`` is torchtitan's per-op policy, which ``train.activation_checkpoint.mode`` selects too:
+    keep the outputs of every second matmul and of attention, recompute the rest).
     """
 
     activation_checkpoint: str | None = None

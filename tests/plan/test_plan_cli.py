@@ -26,8 +26,16 @@ def test_plan_prints_breakdowns_and_verdict():
     r = invoke(*LLAMA_8B, "train.micro_batch=1", "train.global_batch=8", "--cluster", "h100-8x", "--ac", "selective")
     assert r.exit_code == 0, r.output
     for text in ("memory per device", "activations", "step time per device", "matmuls", "FSDP (exposed)",
-                 "tokens/s per device", "MFU", "fits:", "cluster figures", "planner-only"):
+                 "tokens/s per device", "MFU", "fits:", "cluster figures", "checkpointing selective (--ac)"):
         assert text in r.output, text
+
+
+def test_the_recipe_selects_selective_checkpointing_without_a_what_if():
+    r = invoke(*LLAMA_8B, "train.micro_batch=1", "train.global_batch=8", "train.activation_checkpoint.mode=selective",
+               "--cluster", "h100-8x")
+    assert r.exit_code == 0, r.output
+    assert "checkpointing selective;" in r.output, r.output
+    assert "planner only" not in r.output and "cannot run" not in r.output
 
 
 def test_does_not_fit_names_the_need_and_the_largest_term():
