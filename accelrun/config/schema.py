@@ -226,6 +226,10 @@ class TrainConfig(Section):
     cpu_malloc: Literal["tuned", "system"] = Field(
         "tuned", description="on a CPU: tuned = glibc keeps freed activations for the next step "
         "(accelrun.train.host_malloc); system = glibc's defaults")
+    float8: bool = Field(
+        False, description="CUDA only (H100 or newer): the blocks' linear layers compute in float8 with dynamic "
+        "scaling (torchao's convert_to_float8_training; pip install 'accelrun[float8]'); the output head and "
+        "layers whose dims are not multiples of 16 stay as they are (accelrun.dist.float8)")
 
 
 # Stages per pipeline rank each schedule runs unless parallel.pp_stages_per_rank says otherwise: the
@@ -274,6 +278,11 @@ class ParallelConfig(Section):
     )
     loss_parallel: bool = Field(
         False, description="TP: cross-entropy on vocabulary-sharded logits, never gathered (needs tp > 1)"
+    )
+    async_tp: bool = Field(
+        False, description="CUDA only: overlap TP's all-gathers and reduce-scatters with the matmuls that use them "
+        "(Inductor's micro-pipeline pass over symmetric memory; needs tp > 1 and compile.backend = inductor; "
+        "accelrun.dist.async_tp)"
     )
     pp_layers: list[list[NonNegativeInt]] | None = Field(
         None, description="the layers of each pipeline stage, in order, e.g. [[0, 1], [2, 3]]; None = balanced"

@@ -8,8 +8,9 @@ its share, and yields ``Batch(inputs, targets)``; with ``data.mix``, ``MixedBatc
 windows from several streams by weight.
 
 Record files (jsonl, json, csv, parquet, Arrow, save_to_disk folders) are read by ``records``
-(``iter_records``), tokenized into memory-mapped shards by ``prepare_records`` (``accelrun data
-prepare``, and the ``documents`` source's cache).
+(``iter_records``), tokenized into memory-mapped shards by ``prepare_records.prepare_records``
+(``accelrun data prepare``, and the ``documents`` source's cache; not re-exported here, where the
+function would hide its module of the same name).
 """
 
 from accelrun.data.build import build_data, load_stream
@@ -19,7 +20,7 @@ from accelrun.data.hf_tokenizer import HFTokenizer
 from accelrun.data.loader import Batch, TokenBatchIterator
 from accelrun.data.mix import MixedBatchIterator
 from accelrun.data.prepare import prepare_tokens
-from accelrun.data.prepare_records import PreparedCorpus, prepare_records
+from accelrun.data.prepare_records import PreparedCorpus
 from accelrun.data.records import Record, iter_records
 from accelrun.data.stream import TensorStream, TokenStream
 from accelrun.data.synthetic import SyntheticStream, synthetic_length
@@ -49,7 +50,6 @@ __all__ = [
     "load_text",
     "load_tokens",
     "open_tokens",
-    "prepare_records",
     "prepare_tokens",
     "read_documents",
     "read_header",
