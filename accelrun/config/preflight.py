@@ -137,8 +137,15 @@ def processes_fit(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machi
                     "lower train.threads or parallel.nproc_per_node", False)]
 
 
+def gpu_only_keys(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
+    """train.float8 and parallel.async_tp on a run without CUDA, or async TP without tp > 1 and Inductor (fatal)."""
+    from accelrun.config.gpu_only import gpu_only_problems
+
+    return [Finding(m, True) for m in gpu_only_problems(cfg, sources, uses_cuda(cfg, machine))]
+
+
 # The checks `train` makes before a run directory or a tensor exists, in order; `validate` runs them all.
-PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, hf_weights, processes_fit)
+PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, hf_weights, processes_fit, gpu_only_keys)
 
 
 def preflight(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[str]:

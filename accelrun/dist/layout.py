@@ -13,8 +13,10 @@ from torch import nn
 from accelrun.compile.compile_model import Compiled, compile_model
 from accelrun.config import ConfigError, RunConfig
 from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
+from accelrun.dist.async_tp import enable_async_tp
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.context_parallel import ContextParallelStats, apply_context_parallel
+from accelrun.dist.float8 import convert_to_float8
 from accelrun.dist.fsdp import apply_fsdp
 from accelrun.dist.pipeline import receive_sequence_shards
 from accelrun.dist.tp import apply_tp
@@ -33,10 +35,14 @@ def apply_layout(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
     """
     t = cfg.train
     blocks = transformer_blocks(part)
+    if t.float8:  # first: TP, compile and FSDP then see the float8 layers, as in torchtitan
+        convert_to_float8(part)
     if ctx.mesh is not None and ctx.tp_size > 1:
         spec = family_spec(cfg.model)
         apply_tp(part, ctx.mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel,
                  loss_parallel=cfg.parallel.loss_parallel, plan=spec.tp_plan)
+        if cfg.parallel.async_tp:  # before compile: Inductor reads the flag as it compiles
+            enable_async_tp(ctx.mesh["tp"])
         if cfg.parallel.sequence_parallel and ctx.pp_size > 1:  # stages pass on sequence shards
             receive_sequence_shards(part, spec, ctx.tp_size)
     if ctx.mesh is not None and ctx.cp_size > 1:  # before compile: the blocks compile with its collectives

@@ -71,10 +71,11 @@ def explain_step(resolved: ResolvedConfig, run_dir: Path, steady_steps: int = 3)
     loss_fn = training_loss_fn(model)
 
     def step() -> tuple[float, float]:
-        inputs_BT, targets_BT = (x.to(device) for x in next(data))
+        # (inputs, targets), and positions under data.packing = document: all go to the model.
+        batch_tensors = [x.to(device) for x in next(data)]
         t0 = time.perf_counter()
         with autocast(t.precision, device):
-            loss = loss_fn(inputs_BT, targets_BT)
+            loss = loss_fn(*batch_tensors)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

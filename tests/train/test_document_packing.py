@@ -179,3 +179,22 @@ def test_moe_packed_logits_equal_each_document_alone():
             for start, stop in document_pieces(positions_BT[b]):
                 alone_1SV = model(tokens_BT[b : b + 1, start:stop])
                 torch.testing.assert_close(packed_BTV[b, start:stop], alone_1SV[0], rtol=1e-5, atol=1e-5)
+
+
+def test_compile_explain_shows_document_attention_in_the_compiled_graphs(tmp_path, tiny):
+    from click.testing import CliRunner
+
+    from accelrun.cli.main import cli
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, n in enumerate(LENGTHS[:8]):
+        (docs / f"{i}.txt").write_text("ab" * n)
+    r = CliRunner().invoke(cli, ["compile", "explain", str(DEFAULT_CONFIG), *tiny(1), "compile.backend=accelrun",
+                                 "train.global_batch=2", "train.micro_batch=2", "data.source=text",
+                                 f"data.paths=[{docs}/*.txt]", "data.packing=document"])
+    assert r.exit_code == 0, r.output
+    assert "2 Dynamo graph(s), 0 graph break(s)" in " ".join(r.output.split())
+    (dump,) = (tmp_path / "runs").glob("*/*/compile")
+    assert "accelrun.document_attention.default" in (dump / "g0.forward" / "00_input.py").read_text()
+    assert "accelrun.document_attention_backward.default" in (dump / "g0.backward" / "00_input.py").read_text()
