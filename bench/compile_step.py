@@ -76,11 +76,11 @@ class Variant:
         self.losses: list[float] = []
 
     def step(self, count_saved: bool = False) -> float:
-        inputs, targets = (t.to(self.device) for t in next(self.data))
+        batch = [t.to(self.device) for t in next(self.data)]  # inputs, targets (+ positions: document packing)
         sync(self.device)
         t0 = time.perf_counter()
         with autocast(self.cfg.train.precision, self.device), saved_bytes_counter(count_saved) as saved:
-            loss = self.loss_fn(inputs, targets)
+            loss = self.loss_fn(*batch)
         self.saved_bytes = saved.get("bytes")
         loss.backward()
         self.optimizer.step()
