@@ -54,11 +54,10 @@ def test_sequence_and_loss_parallel_keys_are_checked():
     assert "parallel.sequence_parallel = True" in config_error("parallel.sequence_parallel=true")
     assert "needs tensor parallelism" in config_error("parallel.loss_parallel=true")
     assert "train.seq_len = 33" in config_error(*TP2, "parallel.sequence_parallel=true", "train.seq_len=33")
-    msg = config_error(*PP2, "parallel.nproc_per_node=4", "parallel.tp=2", "parallel.loss_parallel=true",
-                       "parallel.pp_schedule=gpipe")
-    assert ("parallel.loss_parallel = True (override 'parallel.loss_parallel=true') with parallel.pp = 2 "
-            "(override 'parallel.pp=2') is not supported") in msg
     load_config(DEFAULT_CONFIG, [*TINY, *TP2, "parallel.sequence_parallel=true", "parallel.loss_parallel=true"])
+    # With pipelining too (tests/dist/test_dist_pipeline_tp.py trains it).
+    load_config(DEFAULT_CONFIG, [*TINY, *PP2, "parallel.nproc_per_node=4", "parallel.tp=2", "compile.backend=eager",
+                                 "parallel.sequence_parallel=true", "parallel.loss_parallel=true"])
 
 
 @pytest.mark.parametrize("value, expected", [
