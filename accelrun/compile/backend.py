@@ -8,8 +8,8 @@ to executors.
 
 from __future__ import annotations
 
-import copy
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -20,11 +20,11 @@ from accelrun.compile import coverage
 from accelrun.compile.cuda_graphs import with_cuda_graphs
 from accelrun.compile.dump import Dumper
 from accelrun.compile.fast_calls import runnable
-from accelrun.compile.lower import CompilerFallbackError, lower_regions, make_executors, one_line
-from accelrun.compile.numerics import check_pass
+from accelrun.compile.lower import lower_regions, make_executors
 from accelrun.compile.options import CompileOptions
-from accelrun.compile.passes.base import ConfiguredPass, GraphNotes, PassContext, lint, passes_for_stage
-from accelrun.compile.record import CompileRecord, Fallback, GraphRecord, PassRecord
+from accelrun.compile.passes.base import GraphNotes
+from accelrun.compile.pipeline import PassDriver, count_ops, graph_snapshot  # noqa: F401  (graph_snapshot re-exported)
+from accelrun.compile.record import CompileRecord, GraphRecord
 from accelrun.compile.regions import REGION_KEY
 from accelrun.torch_private import aot_module_simplified, default_partition, make_boxed_func
 
@@ -34,26 +34,6 @@ def decompositions() -> dict:
     from accelrun.torch_private import core_aten_decompositions
 
     return {op: fn for op, fn in core_aten_decompositions().items() if "attention" not in op.name()}
-
-
-def graph_snapshot(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm``'s graph (nodes and their meta dicts copied, values shared) to go back to if a
-    pass that rewrites in place raises half way. Far cheaper than a deepcopy of the fake tensors."""
-    graph = fx.Graph()
-    # Not a deepcopy: that rebuilds the pytree specs' LeafSpecs, which torch deprecates with a FutureWarning
-    # printed on every compiled run. The specs are frozen, so sharing them is safe; only the list is copied.
-    graph._codegen = copy.copy(gm.graph._codegen)
-    if (info := getattr(graph._codegen, "pytree_info", None)) is not None:
-        graph._codegen.pytree_info = info._replace(orig_args=list(info.orig_args))
-    value, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)
-    graph.output(value).meta = copy.copy(old_output.meta)
-    snap = fx.GraphModule(gm, graph)
-    snap.meta = dict(getattr(gm, "meta", {}))
-    return snap
-
-
-def count_ops(gm: fx.GraphModule) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
 
 
 def collectives_in(gm: fx.GraphModule) -> dict[str, int]:
@@ -73,12 +53,17 @@ class AccelrunBackend:
         self.record = record or CompileRecord()
         self.dump = Dumper(self.options.dump_dir)
         self.executors = make_executors(self.options.executors)
+        self.passes = PassDriver(self.options.passes, self.record, self.dump, strict=self.options.strict,
+                                 debug_numerics=self.options.debug_numerics)
         if not self.record.dynamo_start:
             self.record.dynamo_start = coverage.snapshot()
         self._inside = 0.0  # seconds spent in our own hooks during the current AOTAutograd call
         # Set by graph_cache while it precompiles: graphs then come back as AccelrunOutputCode, which
         # torch's precompile path can save with the Dynamo frame and load in another process.
         self.serializable = False
+        # Called on each forward/backward graph after its post-grad passes, before lowering (compiled FSDP
+        # routes collectives through its communication trace here).
+        self.before_lowering: list[Callable[[fx.GraphModule], None]] = []
 
     # -- entry point -------------------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
@@ -88,7 +73,7 @@ class AccelrunBackend:
         # backward lazily, long after this call returns, and it must see what the forward's passes noted.
         notes = GraphNotes()
         t0 = time.perf_counter()
-        gm = self._run_passes("pre_grad", gm, f"{name}.pre_grad", "pre_grad", list(example_inputs), notes)
+        gm = self.passes.run_graph("pre_grad", gm, f"{name}.pre_grad", "pre_grad", list(example_inputs), notes)
         t1 = time.perf_counter()
         self.record.stage_seconds["pre_grad passes"] += t1 - t0
         self._inside = 0.0
@@ -126,25 +111,9 @@ class AccelrunBackend:
             # AOTAutograd's own count: the joint and partition passes must not guess it from names.
             notes.num_fwd_outputs = kwargs.get("num_fwd_outputs")
             # The joint stage: before the cut decides what the forward saves for the backward.
-            joint = self._run_passes("joint", joint, f"{name}.joint", "joint", None, notes)
+            joint = self.passes.run_graph("joint", joint, f"{name}.joint", "joint", None, notes)
             fw, bw = default_partition(joint, joint_inputs, **kwargs)
-            for p in passes_for_stage(self.options.passes, "partition"):
-                t0 = time.perf_counter()
-                before = count_ops(fw) + count_ops(bw)
-                saved = (graph_snapshot(fw), graph_snapshot(bw))
-                try:
-                    result = p.spec.fn((fw, bw), p.options, PassContext("joint", notes=notes))
-                    if result.graph is not None:
-                        fw, bw = result.graph
-                    lint(fw), lint(bw)
-                except Exception as e:
-                    fw, bw = saved
-                    self._pass_failed(f"{name}.joint", "partition", p, before, e, time.perf_counter() - t0)
-                    continue
-                self._note_pass(f"{name}.joint", "partition", p, before, count_ops(fw) + count_ops(bw), result,
-                                time.perf_counter() - t0)  # fmt: skip
-                self.dump.graph(f"{name}.forward", f"partition_{p.name}", fw)
-                self.dump.graph(f"{name}.backward", f"partition_{p.name}", bw)
+            fw, bw = self.passes.run_pair(name, fw, bw, notes)
             return fw, bw
 
     def _graph_compiler(self, name: str, kind: str, notes: GraphNotes):
@@ -159,16 +128,17 @@ class AccelrunBackend:
     def _compile_graph(self, name: str, kind: str, notes: GraphNotes, gm: fx.GraphModule, example_inputs: list[Any]):
         graph_name = f"{name}.{kind}"
         with self._timed("post_grad passes"):
-            gm = self._run_passes("post_grad", gm, graph_name, kind, list(example_inputs), notes)
+            gm = self.passes.run_graph("post_grad", gm, graph_name, kind, list(example_inputs), notes)
+            for hook in self.before_lowering:
+                hook(gm)
         first_region = len(self.record.regions)
         with self._timed("lowering"):
             lowered, regions = lower_regions(gm, graph_name, kind, self.executors, self.record,
                                              str(self.options.cache_dir), self.options.strict)  # fmt: skip
-            for region in regions:
-                if "source" in region.facts:
-                    ext = region.facts.get("source_ext", "txt")
-                    self.dump.source(graph_name, f"region{region.id}_{region.facts['executor']}.{ext}",
-                                     region.facts["source"])  # fmt: skip
+            for region in regions:  # the source of the generator that runs the region
+                if (source := region.lowering.sources.get(region.lowering.executor or "")) is not None:
+                    self.dump.source(graph_name, f"region{region.id}_{region.lowering.executor}.{source.ext}",
+                                     source.text)  # fmt: skip
             if lowered is not gm:
                 self.dump.graph(graph_name, "lowered", lowered)
         self.record.graphs.append(GraphRecord(
@@ -186,60 +156,6 @@ class AccelrunBackend:
         run = runnable(lowered, returns_gradients=kind == "backward")
         # compile.cuda_graphs: replayed as a CUDA graph where the run and this graph allow it.
         return make_boxed_func(with_cuda_graphs(run, graph_name, gm, example_inputs, self.record.cuda_graphs))
-
-    def _run_passes(self, stage: str, gm: fx.GraphModule, graph_name: str, kind: str,
-                    example_inputs: list[Any] | None, notes: GraphNotes | None = None) -> fx.GraphModule:  # fmt: skip
-        self.dump.graph(graph_name, "input", gm)
-        notes = notes if notes is not None else GraphNotes()
-        for p in passes_for_stage(self.options.passes, stage):  # type: ignore[arg-type]
-            # (a joint graph has no example inputs to check a pass's numerics with)
-            before_copy = copy.deepcopy(gm) if self.options.debug_numerics and example_inputs is not None else None
-            t0 = time.perf_counter()
-            before = count_ops(gm)
-            saved = graph_snapshot(gm)
-            try:
-                # The same notes for every pass: what one pass leaves (the next region id) the next reads.
-                ctx = PassContext(kind, example_inputs, notes)  # type: ignore[arg-type]
-                result = p.spec.fn(gm, p.options, ctx)
-                if result.graph is not None:
-                    gm = result.graph
-                gm.recompile()
-                try:
-                    lint(gm)
-                except Exception as e:
-                    raise RuntimeError(f"pass {p.name!r} left a malformed graph in {graph_name}: {e}") from e
-            except Exception as e:  # the graph as it was before the pass goes on; the run does not stop
-                gm = saved
-                self._pass_failed(graph_name, stage, p, before, e, time.perf_counter() - t0)
-                continue
-            self._note_pass(graph_name, stage, p, before, count_ops(gm), result, time.perf_counter() - t0)
-            if before_copy is not None:
-                check_pass(p.name, before_copy, gm, example_inputs)
-            if result.changed:
-                self.dump.graph(graph_name, p.name, gm)
-        return gm
-
-    def _pass_failed(self, graph: str, stage: str, p: ConfiguredPass, before: int, e: Exception,
-                     seconds: float) -> None:  # fmt: skip
-        reason = one_line(e)
-        if self.options.strict:
-            raise CompilerFallbackError(f"pass {p.name!r} failed on {graph}: {reason} (compile.strict is on)") from e
-        self.record.fallbacks.append(Fallback(graph, "pass", p.name, f"{reason}; skipped for this graph"))
-        self.record.passes.append(PassRecord(
-            graph=graph, stage=stage, name=p.name, ops_before=before, ops_after=before,
-            summary=f"FAILED, skipped for this graph: {reason}", counts={"failed": 1}, seconds=round(seconds, 4),
-        ))  # fmt: skip
-
-    def _note_pass(self, graph: str, stage: str, p: ConfiguredPass, before: int, after: int, result: Any,
-                   seconds: float) -> None:  # fmt: skip
-        counts = dict(result.counts)
-        if result.changed:
-            counts.setdefault("changed", 1)
-        self.record.passes.append(PassRecord(
-            graph=graph, stage=stage, name=p.name, ops_before=before, ops_after=after,
-            summary=result.summary, counts=counts, seconds=round(seconds, 4), detail=result.detail,
-        ))  # fmt: skip
-
 
 def accelrun_backend(options: CompileOptions | None = None) -> AccelrunBackend:
     return AccelrunBackend(options)

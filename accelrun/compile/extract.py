@@ -66,13 +66,8 @@ def extract_regions(gm: fx.GraphModule, graph_kind: str = "forward") -> list[Reg
             env[node] = graph.node_copy(node, env.__getitem__)
         graph.output(tuple(env[o] for o in outputs))
         region_gm = fx.GraphModule(torch.nn.Module(), graph, class_name=f"Region{rid}")
-        facts = {
-            "source_nodes": [n.name for n in nodes],
-            "inputs": [n.name for n in inputs],
-            "outputs": [n.name for n in outputs],
-        }
         out.append(Region(rid, region_gm, [_meta_val(n) for n in inputs], [_meta_val(n) for n in outputs],
-                          graph_kind, facts))
+                          graph_kind, tuple(n.name for n in inputs), tuple(n.name for n in outputs)))
     return out
 
 

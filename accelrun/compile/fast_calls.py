@@ -262,7 +262,7 @@ def _only_reads(user: fx.Node) -> bool:
         schema = target._schema
         return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
     compiled = getattr(target, "compiled", None)  # extract.named_call: a region
-    return compiled is not None and getattr(compiled, "executor", None) in ("cpp", "triton")
+    return bool(getattr(compiled, "fresh_outputs", False))
 
 
 def runnable(gm: fx.GraphModule, returns_gradients: bool = False) -> RunnableGraph:

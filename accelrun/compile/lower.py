@@ -18,18 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from torch import fx
 
+from accelrun.compile.executors.aten import AtenExecutor
 from accelrun.compile.executors.base import Executor, registered_executors
+from accelrun.compile.pipeline import CompilerFallbackError, one_line
 from accelrun.compile.record import CompileRecord, Fallback, RegionRecord
 from accelrun.compile.regions import REGION_KEY, Region
-
-
-class CompilerFallbackError(RuntimeError):
-    """``compile.strict``: the compiler would have fallen back (a pass, a claim, a compile, a first call)."""
-
-
-def one_line(e: BaseException) -> str:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {first}"[:240]
 
 
 def make_executors(names: list[str]) -> list[Executor]:
@@ -114,18 +107,18 @@ class _Lowering:
             while index is not None:
                 fn, error, seconds = results.pop(rid, None) or self._compile(region, index)
                 if error is None:
-                    region.facts["executor"] = self.executors[index].name
-                    region.facts["compile_s"] = seconds
+                    region.lowering.executor = self.executors[index].name
+                    region.lowering.compile_s = seconds
                     if fn is not None:
                         compiled[rid] = fn
                     break
-                region.facts.setdefault("declined", {})[self.executors[index].name] = error
+                region.lowering.declined[self.executors[index].name] = error
                 self.fallbacks("compile", region, self.executors[index].name, error)
                 index = self._claim(region, index + 1)
             if index is None:
                 # Nobody claimed it (aten was left out of compile.executors): its ops run as ATen calls anyway.
-                region.facts.setdefault("declined", {})["aten"] = "not in compile.executors (used anyway: the fallback)"
-                region.facts["executor"] = "aten"
+                region.lowering.declined[AtenExecutor.name] = "not in compile.executors (used anyway: the fallback)"
+                region.lowering.executor = AtenExecutor.name
         return compiled
 
     def _claim(self, region: Region, start: int) -> int | None:
@@ -139,12 +132,12 @@ class _Lowering:
                 self.fallbacks("claim", region, ex.name, reason)
             if reason is None:
                 return i
-            region.facts.setdefault("declined", {})[ex.name] = reason
+            region.lowering.declined[ex.name] = reason
         return None
 
     def _compile(self, region: Region, index: int) -> tuple[object | None, str | None, float]:
         ex = self.executors[index]
-        if ex.name == "aten":
+        if ex.keeps_aten_ops:
             return None, None, 0.0  # left in the graph as it is
         t0 = time.perf_counter()
         try:
@@ -153,18 +146,21 @@ class _Lowering:
             return None, f"compile failed: {one_line(e)}", time.perf_counter() - t0
         return fn, None, time.perf_counter() - t0
 
-    def next_after(self, region: Region, name: str) -> tuple[str, object]:
-        """The next executor after ``name`` that claims and compiles ``region`` (at run time, after a
+    def next_after(self, region: Region, current: Executor) -> tuple[Executor, object]:
+        """The next executor after ``current`` that claims and compiles ``region`` (at run time, after a
         first call failed); ``aten`` (the region's own ATen ops) when none does."""
-        index = next((i for i, e in enumerate(self.executors) if e.name == name), len(self.executors)) + 1
+        index = next((i for i, e in enumerate(self.executors) if e is current), len(self.executors)) + 1
         while (index := self._claim(region, index)) is not None:
             fn, error, _ = self._compile(region, index)
-            name = self.executors[index].name
+            ex = self.executors[index]
             if error is None:
-                return name, fn if fn is not None else region.gm
-            self.fallbacks("compile", region, name, error)
+                return ex, fn if fn is not None else region.gm
+            self.fallbacks("compile", region, ex.name, error)
             index += 1
-        return "aten", region.gm
+        return AtenExecutor(), region.gm
+
+    def executor_named(self, name: str | None) -> Executor:
+        return next((e for e in self.executors if e.name == name), AtenExecutor())
 
 
 class FirstCallCheck:
@@ -174,8 +170,17 @@ class FirstCallCheck:
 
     def __init__(self, fn: object, region: Region, lowering: _Lowering) -> None:
         self.fn, self.region, self.lowering = fn, region, lowering
-        self.executor = region.facts.get("executor", "?")
+        self.runner = lowering.executor_named(region.lowering.executor)
         self.checked = False
+
+    @property
+    def executor(self) -> str:
+        return self.runner.name
+
+    @property
+    def fresh_outputs(self) -> bool:
+        """Every output is a new tensor (fast_calls may then collapse views of it)."""
+        return getattr(self.fn, "fresh_outputs", False)
 
     def __call__(self, *args):
         if self.checked:
@@ -185,16 +190,16 @@ class FirstCallCheck:
                 out = self.fn(*args)
                 problem = layout_problem(out, self.region.output_meta)
             except Exception as e:
-                if self.executor == "aten":
+                if self.runner.keeps_aten_ops:
                     raise  # the region's own ATen ops: an error of the program, not of the compiler
                 out, problem = None, f"first call raised {one_line(e)}"
-            if problem is None or self.executor == "aten":
+            if problem is None or self.runner.keeps_aten_ops:
                 self.checked = True
                 return out
-            name, fn = self.lowering.next_after(self.region, self.executor)
-            self.lowering.fallbacks("first call", self.region, self.executor, problem, to=name)
-            self.executor, self.fn = name, fn
-            if name == "aten":
+            runner, fn = self.lowering.next_after(self.region, self.runner)
+            self.lowering.fallbacks("first call", self.region, self.runner.name, problem, to=runner.name)
+            self.runner, self.fn = runner, fn
+            if runner.keeps_aten_ops:
                 self.fn = _as_tuple(fn)
 
     def __reduce__(self):
@@ -228,12 +233,12 @@ def layout_problem(out: object, metas: list) -> str | None:
 
 
 def _note(record: CompileRecord, graph: str, region: Region) -> None:
+    done = region.lowering
     record.regions.append(RegionRecord(
-        graph=graph, region=region.id, ops=region.ops, executor=region.facts.get("executor", "aten"),
-        declined=dict(region.facts.get("declined", {})), compile_s=round(region.facts.get("compile_s", 0.0), 4),
-        cache_hit=region.facts.get("cache_hit"),
+        graph=graph, region=region.id, ops=region.ops, executor=done.executor or AtenExecutor.name,
+        declined=dict(done.declined), compile_s=round(done.compile_s, 4), cache_hit=done.cache_hit,
     ))  # fmt: skip
-    if region.facts.get("cache_hit") is True:
+    if done.cache_hit is True:
         record.cache_hits += 1
-    elif region.facts.get("cache_hit") is False:
+    elif done.cache_hit is False:
         record.cache_misses += 1

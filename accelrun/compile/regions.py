@@ -18,6 +18,27 @@ REGION_KEY = "accelrun_region"
 
 
 @dataclass
+class GeneratedSource:
+    """A code generator's source for a region (kept per generator: the dump shows the one that runs)."""
+
+    text: str
+    ext: str  # the dump's file extension: cpp, py
+
+
+@dataclass
+class RegionLowering:
+    """What the lowering learned about a region: who runs it, who declined and why, what it cost.
+    Written by ``lower.py`` and the executors; read by the record, the explain dump and the tests."""
+
+    executor: str | None = None  # the executor that runs it; None until one claimed and compiled it
+    compile_s: float = 0.0
+    declined: dict[str, str] = field(default_factory=dict)  # executor name → why it did not take the region
+    cache_hit: bool | None = None  # the executor's own cache supplied the compiled code; None: no cache
+    sources: dict[str, GeneratedSource] = field(default_factory=dict)  # executor name → its generated source
+    triton_kernels: list[str] = field(default_factory=list)  # per kernel loaded at warm-up: registers, spills
+
+
+@dataclass
 class Region:
     id: int
     gm: fx.GraphModule  # placeholders = the region's inputs; output = tuple of the values used outside
@@ -25,7 +46,13 @@ class Region:
     input_meta: list[Any]
     output_meta: list[Any]
     graph_kind: str = "forward"  # forward | backward | inference
-    facts: dict[str, Any] = field(default_factory=dict)  # what executors looked at (for explain)
+    input_names: tuple[str, ...] = ()  # the enclosing graph's nodes that feed the region
+    output_names: tuple[str, ...] = ()  # ... and those it computes that are used outside it
+    lowering: RegionLowering = field(default_factory=RegionLowering)
+    # The loop program both code generators read (codegen.loop_ir.cached_program builds it once), or why
+    # the loop IR cannot express the region.
+    program: Any = None
+    program_error: str | None = None
 
     @property
     def ops(self) -> list[str]:

@@ -217,15 +217,13 @@ def compile_sharded(model: nn.Module, blocks: list[nn.Module] | None, mesh: Devi
     from accelrun.compile.options import CompileOptions
     from accelrun.dist.comm_overlap import active_trace, instrument_graph
 
-    class TracedBackend(AccelrunBackend):
+    def traced(gm) -> None:
         # After the passes, before lowering: route collectives through the comm trace (when one runs).
-        def _run_passes(self, stage, gm, graph_name, kind, example_inputs, notes=None):
-            gm = super()._run_passes(stage, gm, graph_name, kind, example_inputs, notes)
-            if stage == "post_grad" and active_trace() is not None:
-                instrument_graph(gm)
-            return gm
+        if active_trace() is not None:
+            instrument_graph(gm)
 
-    backend = TracedBackend(CompileOptions.from_config(cfg, dump_dir=dump_dir if cfg.dump else None))
+    backend = AccelrunBackend(CompileOptions.from_config(cfg, dump_dir=dump_dir if cfg.dump else None))
+    backend.before_lowering.append(traced)
     done = apply_compiled_fsdp(model, blocks, mesh, backend, fullgraph=cfg.fullgraph)
     what = (f"the whole model with accelrun and compiled FSDP ({len(done.units)} units, {done.params} sharded "
             f"parameters gathered in the graph and kept for the backward, as with reshard_after_forward: false)")

@@ -369,14 +369,14 @@ def test_llama_regions_bf16(cache):
     check_together([r for name in ("rmsnorm", "swiglu", "rope") for r in llama_regions(*cases[name])], cache)
 
 
-def test_source_in_facts_and_cache_hit(cache):
+def test_source_kept_and_cache_hit(cache):
     region = region_of(lambda x: (x.exp() + 1,), torch.randn(5, 7))
     CppExecutor().compile(region, cache)
-    assert "acc_exp" in region.facts["source"] and region.facts["source_ext"] == "cpp"
+    assert "acc_exp" in region.lowering.sources["cpp"].text and region.lowering.sources["cpp"].ext == "cpp"
     again = region_of(lambda x: (x.exp() + 1,), torch.randn(5, 7))
     before = cpp_build.compiler_invocations()
     CppExecutor().compile(again, cache)
-    assert cpp_build.compiler_invocations() == before and again.facts["cache_hit"] is True
+    assert cpp_build.compiler_invocations() == before and again.lowering.cache_hit is True
 
 
 # -- the cache across processes, and a machine without g++ ----------------------------------------

@@ -139,7 +139,7 @@ def test_regions_under_the_interpreter(interpret, tmp_path, name):
     assert regions
     for region in regions:
         check(region, str(tmp_path))
-        assert "@triton.jit" in region.facts["source"] and region.facts["source_ext"] == "py"
+        assert "@triton.jit" in region.lowering.sources["triton"].text and region.lowering.sources["triton"].ext == "py"
 
 
 def test_unavailable_without_gpu_or_interpreter(monkeypatch):
@@ -165,12 +165,12 @@ def test_row_reductions_in_a_loop_under_the_interpreter(interpret, tmp_path, mon
     assert looped, "no region has a row reduction"
     for region in regions:
         check(region, str(tmp_path))
-    assert all("for c0 in range(0, " in r.facts["source"] for r in looped)
+    assert all("for c0 in range(0, " in r.lowering.sources["triton"].text for r in looped)
     if name == "exp_normalised":  # the row buffer's value is recomputed, not read from a variable
         assert any(k.row_buffers for r in looped for k in cached_program(r).kernels)
     if name in ("exp_normalised", "logsumexp"):  # max and sum of exp in one loop (online)
         assert any(triton_codegen.online_pairs(k) for r in looped for k in cached_program(r).kernels)
-        assert any("_shift = " in r.facts["source"] for r in looped)
+        assert any("_shift = " in r.lowering.sources["triton"].text for r in looped)
 
 
 @pytest.mark.parametrize("fn", [torch.logsumexp, lambda x, d: torch.exp(x - x.amax(d, keepdim=True)).sum(d),
@@ -307,7 +307,7 @@ def test_a_kernel_the_gpu_cannot_take_goes_to_the_next_executor(monkeypatch, tmp
     lowered, regions, record = _lowered(rmsnorm, x, w, executors=[TritonExecutor(), AtenExecutor()],
                                         tmp_path=tmp_path)  # fmt: skip
     assert warmed, "the executor compiled the kernels before the first call"
-    assert regions and all(r.facts["executor"] == "aten" for r in regions)
+    assert regions and all(r.lowering.executor == "aten" for r in regions)
     assert any(f.stage == "compile" and "OutOfResources" in f.reason for f in record.fallbacks)
     torch.testing.assert_close(lowered(x, w)[0], rmsnorm(x, w))
 
@@ -324,7 +324,7 @@ def test_a_first_call_failure_of_a_triton_region_goes_to_the_next_executor(inter
     x, w = torch.randn(2, 4, 24, device=DEVICE), torch.randn(24, device=DEVICE)
     lowered, regions, record = _lowered(rmsnorm, x, w, executors=[TritonExecutor(), AtenExecutor()],
                                         tmp_path=tmp_path)  # fmt: skip
-    assert regions and regions[0].facts["executor"] == "triton"
+    assert regions and regions[0].lowering.executor == "triton"
     torch.testing.assert_close(lowered(x, w)[0], rmsnorm(x, w))
     assert any(f.stage == "first call" and "invalid argument" in f.reason for f in record.fallbacks)
 
@@ -343,7 +343,7 @@ def test_interleaved_pairs_load_and_store_contiguously(interpret, tmp_path, head
     assert regions
     for region in regions:
         check(region, str(tmp_path))
-        src = region.facts["source"]
+        src = region.lowering.sources["triton"].text
         assert "tl.join(" in src  # the output's pairs: one store
         if region.graph_kind == "forward":  # x * 2's pairs: one load (the backward's gradient comes as two slices)
             assert "tl.split(tl.reshape(" in src and "(2 * c)" not in src

@@ -249,7 +249,7 @@ def test_extract_region_signature_and_metadata():
     partition(gm.graph)
     (region,) = extract_regions(gm, graph_kind="backward")
     assert region.graph_kind == "backward"
-    assert region.facts["inputs"] == ["x_1", "y_1"]
+    assert region.input_names == ("x_1", "y_1")
     assert [tuple(m.shape) for m in region.input_meta] == [(3, 5), (5,)]
     assert [tuple(m.shape) for m in region.output_meta] == [(3, 5), (3,)]
     placeholders = [n for n in region.gm.graph.nodes if n.op == "placeholder"]

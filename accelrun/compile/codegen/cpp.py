@@ -32,6 +32,7 @@ from accelrun.compile.codegen.loop_ir import (
     Unsupported,
     contiguous_strides,
 )
+from accelrun.compile.codegen.ops import INFIX, Renderer
 from accelrun.torch_private import TensorGuards, empty_strided_cpu
 
 ENTRY = "accelrun_region"
@@ -42,38 +43,45 @@ CTYPE = {"f32": "float", "i64": "int64_t", "i32": "int32_t", "bool": "bool"}
 STORAGE = {"f32": "float", "bf16": "uint16_t", "i64": "int64_t", "i32": "int32_t", "i16": "int16_t",
            "i8": "int8_t", "u8": "uint8_t", "bool": "bool"}
 
-OPS = {
-    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
-    "maximum": "(({0} != {0} || {0} > {1}) ? {0} : {1})", "minimum": "(({0} != {0} || {0} < {1}) ? {0} : {1})",
-    "pow": "__builtin_powf({0}, {1})",
-    "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})",
-    "gt": "({0} > {1})", "ge": "({0} >= {1})", "and": "({0} && {1})", "or": "({0} || {1})", "not": "(!{0})",
-    "neg": "(-{0})", "abs": "__builtin_fabsf({0})", "exp": "acc_exp({0})", "log": "__builtin_logf({0})",
-    "log1p": "__builtin_log1pf({0})", "expm1": "__builtin_expm1f({0})", "tanh": "__builtin_tanhf({0})",
-    "sigmoid": "(1.0f / (1.0f + acc_exp(-{0})))", "rsqrt": "(1.0f / __builtin_sqrtf({0}))", "sqrt": "__builtin_sqrtf({0})",
-    "erf": "__builtin_erff({0})", "reciprocal": "(1.0f / {0})", "sin": "__builtin_sinf({0})", "cos": "__builtin_cosf({0})",
-    "floor": "__builtin_floorf({0})", "ceil": "__builtin_ceilf({0})", "trunc": "__builtin_truncf({0})",
-    "sign": "(({0} > 0) - ({0} < 0))", "round_bf16": "bf16_round({0})",
-    "where": "({0} ? {1} : {2})",
-}  # fmt: skip
+class CppOps(Renderer):
+    name = "C++"
+    one = "1.0f"
+    primitives = {
+        **INFIX, "and": "({0} && {1})", "or": "({0} || {1})", "not": "(!{0})", "pow": "__builtin_powf({0}, {1})",
+        "abs": "__builtin_fabsf({0})", "exp": "acc_exp({0})", "log": "__builtin_logf({0})",
+        "log1p": "__builtin_log1pf({0})", "expm1": "__builtin_expm1f({0})", "tanh": "__builtin_tanhf({0})",
+        "sqrt": "__builtin_sqrtf({0})", "erf": "__builtin_erff({0})", "sin": "__builtin_sinf({0})",
+        "cos": "__builtin_cosf({0})", "floor": "__builtin_floorf({0})", "ceil": "__builtin_ceilf({0})",
+        "trunc": "__builtin_truncf({0})", "sign": "(({0} > 0) - ({0} < 0))", "round_bf16": "bf16_round({0})",
+        "where": "({0} ? {1} : {2})",
+    }  # fmt: skip
+    missing = {"round_f16": "float16 tensors have no C++ storage type here; such regions are declined earlier"}
+
+
+CPP = CppOps()
 
 REDUCE_INIT = {("sum", "f32"): "0.0f", ("max", "f32"): "-INFINITY", ("min", "f32"): "INFINITY",
                ("sum", "i64"): "0", ("max", "i64"): "INT64_MIN", ("min", "i64"): "INT64_MAX",
                ("sum", "i32"): "0", ("max", "i32"): "INT32_MIN", ("min", "i32"): "INT32_MAX"}
 # Integer ops whose float forms above would round: computed in double (pow) or exactly (abs).
 INT_OPS = {"pow": "__builtin_pow({0}, {1})", "abs": "({0} < 0 ? -{0} : {0})"}
-
-REDUCE_UPDATE = {"sum": "{acc} += {v};", "max": "{acc} = {v} > {acc} ? {v} : {acc};",
-                 "min": "{acc} = {v} < {acc} ? {v} : {acc};"}
-# Floats: a NaN wins, as in eager's amax/amin (std::max and OpenMP's max drop it).
-REDUCE_UPDATE_F32 = {"sum": "{acc} += {v};", "max": "{acc} = ({v} != {v} || {v} > {acc}) ? {v} : {acc};",
-                     "min": "{acc} = ({v} != {v} || {v} < {acc}) ? {v} : {acc};"}
+# max/min reduce with the table's NaN-propagating maximum/minimum (OpenMP's own max/min need not keep a
+# NaN): acc_nanmax/acc_nanmin are declared in the prelude from the same ops.
+REDUCE_OP = {"max": "maximum", "min": "minimum"}
 OMP_REDUCE = {"sum": "+", "max": "max", "min": "min"}
 OMP_REDUCE_F32 = {"sum": "+", "max": "acc_nanmax", "min": "acc_nanmin"}
 
 
-def _update(op: str, ctype: str, acc: str, value: str) -> str:
-    return (REDUCE_UPDATE_F32 if ctype == "f32" else REDUCE_UPDATE)[op].format(acc=acc, v=value)
+def _update(op: str, acc: str, value: str) -> str:
+    if op == "sum":
+        return f"{acc} += {value};"
+    return f"{acc} = {CPP.op(REDUCE_OP[op], value, acc)};"
+
+
+def _omp_declare(name: str, op: str, identity: str) -> str:
+    return (f"#pragma omp declare reduction({name} : float : omp_out = {CPP.op(op, 'omp_in', 'omp_out')}) "
+            f"initializer(omp_priv = {identity})")
+
 
 # Only <stdint.h> and <omp.h>: <cmath>, <algorithm> and <vector> took 0.2-0.3 s of g++ time per
 # library to parse, more than most kernels take to compile. Math goes through GCC's builtins.
@@ -105,8 +113,7 @@ static inline uint16_t f32_to_bf16(float f) {
 static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 // max/min reductions that keep a NaN (OpenMP's built-in max/min need not); still vectorized.
-#pragma omp declare reduction(acc_nanmax : float : omp_out = (omp_in != omp_in || omp_in > omp_out) ? omp_in : omp_out) initializer(omp_priv = -INFINITY)
-#pragma omp declare reduction(acc_nanmin : float : omp_out = (omp_in != omp_in || omp_in < omp_out) ? omp_in : omp_out) initializer(omp_priv = INFINITY)
+{omp_reductions}
 
 // exp(x) = 2^n * exp(g), |g| <= ln2/2: a degree-6 polynomial (Cephes' coefficients, ~1 ulp), no
 // branches, so loops calling it vectorize. n is rounded by adding 1.5 * 2^23 (its low mantissa bits
@@ -135,6 +142,8 @@ static inline float acc_exp(float x) {
     return x < -87.33654f ? 0.0f : (x > 88.72283f ? INFINITY : y);
 }
 """
+PRELUDE = PRELUDE.replace("{omp_reductions}", _omp_declare("acc_nanmax", "maximum", "-INFINITY") + "\n"
+                          + _omp_declare("acc_nanmin", "minimum", "INFINITY"))
 
 
 def cpp_source(program: LoopProgram, entry: str = ENTRY, prelude: bool = True) -> str:
@@ -272,7 +281,7 @@ class _KernelWriter:
                 with e.block("for (int64_t c = 0; c < N; ++c) {", "}"):
                     self._stmts(loop.stmts)
                     for red in loop.reductions:
-                        e.line(_update(red.op, red.ctype, f"{red.name}_mine[c]", red.value))
+                        e.line(_update(red.op, f"{red.name}_mine[c]", red.value))
                 if rows_too is not None:  # the same row again, now in L1: the rows kernel's blocks
                     with e.block("{", "}"):  # its names in a scope of their own
                         for block in rows_too.k.blocks:
@@ -281,7 +290,7 @@ class _KernelWriter:
             for red in loop.reductions:
                 e.line(f"{CTYPE[red.ctype]} {red.name} = {red.name}_part[c];")
                 e.line("for (int64_t t = 1; t < nt; ++t) "
-                       + _update(red.op, red.ctype, red.name, f"{red.name}_part[t * N + c]"))
+                       + _update(red.op, red.name, f"{red.name}_part[t * N + c]"))
             for block in post:
                 self._stmts(block.stmts)
                 self._stores(block)
@@ -302,7 +311,7 @@ class _KernelWriter:
         with e.block(f"for (int64_t c = {lo}; c < {hi}; ++c) {{", "}"):
             self._stmts(block.stmts)
             for red in block.reductions:
-                e.line(_update(red.op, red.ctype, red.name, red.value))
+                e.line(_update(red.op, red.name, red.value))
             self._stores(block)
 
     # -- statements -------------------------------------------------------------------------------
@@ -325,11 +334,9 @@ class _KernelWriter:
                 # 64-bit compare (a one-hot from class ids) to float, and vectorizes the select.
                 return f"({s.args[0]} ? 1.0f : 0.0f)"
             return f"static_cast<{CTYPE[s.ctype]}>({s.args[0]})"
-        if s.op not in OPS:
-            raise Unsupported(f"op {s.op} has no C++ form")
         if s.ctype != "f32" and s.op in INT_OPS:
             return INT_OPS[s.op].format(*s.args)
-        return OPS[s.op].format(*s.args)
+        return CPP.op(s.op, *s.args)
 
     def _stores(self, block: Block) -> None:
         for st in block.stores:
@@ -388,7 +395,7 @@ class CppRegion:
     device, sizes, strides, as Dynamo checks a frame's tensors) and only a call the guard rejects
     takes the per-input path that copies what does not conform."""
 
-    executor = "cpp"  # what wrote it (read by fast_calls: its outputs are always fresh tensors)
+    fresh_outputs = True  # every output is a new tensor (read by fast_calls)
 
     def __init__(self, program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> None:
         self.program = program

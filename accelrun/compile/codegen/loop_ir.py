@@ -13,7 +13,7 @@ the loop variables ``r`` and ``c``), and is one of
   norm): one inner block over all ``(r, c)`` accumulating per column, then an ``outer`` block per
   column that finishes and stores.
 
-Statements are SSA (``Stmt``): a name, an op from ``values.OPS`` (plus ``load``, ``const``,
+Statements are SSA (``Stmt``): a name, an op of ``codegen.ops.OPS`` (plus ``load``, ``const``,
 ``index``, ``cast``), operand names, and a compute type (``f32``, ``i64``, ``i32``, ``bool``). Index
 expressions are sympy over ``r`` and ``c``. C++ and Triton print the same program with their own
 tables (``codegen/cpp.py``, ``codegen/triton.py``).
@@ -34,6 +34,7 @@ import sympy
 import torch
 
 from accelrun.compile.codegen.index_simplify import MODS, simplify_index
+from accelrun.compile.codegen.ops import OPS
 from accelrun.compile.codegen.values import (
     Const,
     GraphValues,
@@ -80,7 +81,7 @@ class Buffer:
 @dataclass
 class Stmt:
     name: str
-    op: str  # load | const | index | cast | an op of values.OPS
+    op: str  # load | const | index | cast | an op of codegen.ops.OPS
     args: tuple[Any, ...]  # operand names; (buffer, index) for load; (value,) for const; (expr,) for index
     ctype: str
 
@@ -581,9 +582,6 @@ MIN_POINTWISE_COLS = 16  # a pointwise kernel's inner loop takes trailing axes u
 ROW_CACHE_BYTES = 1 << 16
 ROW_CACHE_MIN_COST = 8
 MAX_UNROLL = 4
-# Rough cost of an op relative to an add; what decides whether a value is stored for a later pass.
-_OP_COST = {"exp": 10, "log": 10, "log1p": 12, "expm1": 12, "tanh": 12, "sigmoid": 12, "erf": 12,
-            "pow": 20, "sin": 12, "cos": 12, "div": 4, "sqrt": 4, "rsqrt": 4, "reciprocal": 4}
 
 
 def _reductions_in(v: Value) -> bool:
@@ -815,7 +813,7 @@ class _KernelBuilder:
             elif isinstance(v, View):
                 cost = self._cost(v.src)
             elif isinstance(v, Op):
-                cost = _OP_COST.get(v.op, 1) + sum(self._cost(a) for a in v.args)
+                cost = OPS[v.op].cost + sum(self._cost(a) for a in v.args)
             elif isinstance(v, Select):
                 cost = 2 + sum(self._cost(p) for p in v.parts)
             else:  # constants, and reductions (a finished scalar, or one load)
@@ -926,17 +924,14 @@ def _uses(expr: Any, sym: sympy.Symbol) -> bool:
 
 
 def cached_program(region: Any) -> LoopProgram:
-    """``lower_region`` once per region: the program (or the reason it failed) is kept in its facts,
+    """``lower_region`` once per region: the program (or the reason it failed) is kept on the region,
     so an executor's ``decline_reason`` and ``compile`` (and a second code generator) share it."""
-    facts = region.facts
-    if "loop_ir_unsupported" in facts:
-        raise Unsupported(facts["loop_ir_unsupported"])
-    if "_loop_program" not in facts:
+    if region.program_error is not None:
+        raise Unsupported(region.program_error)
+    if region.program is None:
         try:
-            program = lower_region(region)
+            region.program = lower_region(region)
         except Unsupported as e:
-            facts["loop_ir_unsupported"] = str(e)
+            region.program_error = str(e)
             raise
-        facts["_loop_program"] = program
-        facts["loop_ir"] = program.describe()
-    return facts["_loop_program"]
+    return region.program

@@ -44,6 +44,7 @@ from accelrun.compile.codegen.loop_ir import (
     Store,
     Unsupported,
 )
+from accelrun.compile.codegen.ops import INFIX, Renderer
 from accelrun.compile.codegen.triton_online import OnlinePair, online_pairs
 
 TILE_ELEMENTS = 4096  # elements a program instance works on, when the shapes allow
@@ -61,22 +62,22 @@ TL_TYPE = {"f32": "tl.float32", "i64": "tl.int64", "i32": "tl.int32", "bool": "t
 STORAGE = {"f32": "tl.float32", "bf16": "tl.bfloat16", "f16": "tl.float16", "i64": "tl.int64",
            "i32": "tl.int32", "i16": "tl.int16", "i8": "tl.int8", "u8": "tl.uint8", "bool": "tl.int1"}
 
-OPS = {
-    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
-    "maximum": "tl.where(({0} != {0}) | ({0} > {1}), {0}, {1})",
-    "minimum": "tl.where(({0} != {0}) | ({0} < {1}), {0}, {1})",
-    "pow": "libdevice.pow({0}, {1})",
-    "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})",
-    "gt": "({0} > {1})", "ge": "({0} >= {1})", "and": "({0} & {1})", "or": "({0} | {1})", "not": "({0} == 0)",
-    "neg": "(-{0})", "abs": "tl.abs({0})", "exp": "tl.exp({0})", "log": "tl.log({0})",
-    "log1p": "libdevice.log1p({0})", "expm1": "libdevice.expm1({0})", "tanh": "libdevice.tanh({0})",
-    "sigmoid": "(1.0 / (1.0 + tl.exp(-{0})))", "rsqrt": "tl.rsqrt({0})", "sqrt": "tl.sqrt({0})", "erf": "tl.erf({0})",
-    "reciprocal": "(1.0 / {0})", "sin": "tl.sin({0})", "cos": "tl.cos({0})", "floor": "tl.floor({0})",
-    "ceil": "tl.ceil({0})", "trunc": "libdevice.trunc({0})",
-    "sign": "(({0} > 0).to(tl.int32) - ({0} < 0).to(tl.int32))",
-    "round_bf16": "{0}.to(tl.bfloat16).to(tl.float32)", "round_f16": "{0}.to(tl.float16).to(tl.float32)",
-    "where": "tl.where({0}, {1}, {2})",
-}  # fmt: skip
+class TritonOps(Renderer):
+    name = "Triton"
+    one = "1.0"
+    primitives = {
+        **INFIX, "and": "({0} & {1})", "or": "({0} | {1})", "not": "({0} == 0)", "pow": "libdevice.pow({0}, {1})",
+        "abs": "tl.abs({0})", "exp": "tl.exp({0})", "log": "tl.log({0})", "log1p": "libdevice.log1p({0})",
+        "expm1": "libdevice.expm1({0})", "tanh": "libdevice.tanh({0})", "rsqrt": "tl.rsqrt({0})",
+        "sqrt": "tl.sqrt({0})", "erf": "tl.erf({0})", "sin": "tl.sin({0})", "cos": "tl.cos({0})",
+        "floor": "tl.floor({0})", "ceil": "tl.ceil({0})", "trunc": "libdevice.trunc({0})",
+        "sign": "(({0} > 0).to(tl.int32) - ({0} < 0).to(tl.int32))",
+        "round_bf16": "{0}.to(tl.bfloat16).to(tl.float32)", "round_f16": "{0}.to(tl.float16).to(tl.float32)",
+        "where": "tl.where({0}, {1}, {2})",
+    }  # fmt: skip
+
+
+TRITON = TritonOps()
 
 IDENTITY = {("sum", "f32"): "0.0", ("max", "f32"): "float('-inf')", ("min", "f32"): "float('inf')",
             ("sum", "i64"): "0", ("max", "i64"): "-(2**63)", ("min", "i64"): "2**63 - 1",
@@ -90,7 +91,7 @@ COMBINE = {"sum": "{a} + {b}", "max": "_acc_max({a}, {b})", "min": "_acc_min({a}
 CONSTEXPRS = "BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr"
 TORCH_TYPE = {"f32": torch.float32, "i64": torch.int64, "i32": torch.int32}
 
-HEADER = """\
+HEADER = f"""\
 import triton
 import triton.language as tl
 
@@ -106,12 +107,12 @@ def _acc_add(a, b):
 
 @triton.jit
 def _acc_max(a, b):
-    return tl.where((a != a) | (a > b), a, b)
+    return {TRITON.op("maximum", "a", "b")}
 
 
 @triton.jit
 def _acc_min(a, b):
-    return tl.where((a != a) | (a < b), a, b)
+    return {TRITON.op("minimum", "a", "b")}
 """
 
 
@@ -531,9 +532,7 @@ class _KernelWriter:
             return f"({print_index(s.args[0], 'triton')} + {zero})"
         if s.op == "cast":
             return f"{s.args[0]}.to({TL_TYPE[s.ctype]})"
-        if s.op not in OPS:
-            raise Unsupported(f"op {s.op} has no Triton form")
-        expr = OPS[s.op].format(*s.args)
+        expr = TRITON.op(s.op, *s.args)
         return f"({expr}).to({TL_TYPE[s.ctype]})" if s.op == "sign" else expr
 
     def _stores(self, block: Block, mask: str, zero: str, keep_rows: bool = True) -> None:

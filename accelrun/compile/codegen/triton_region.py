@@ -29,7 +29,7 @@ class TritonRegion:
     straight to the compiled kernels' launchers, skipping the JIT's argument binding and cache lookup.
     """
 
-    executor = "triton"  # what wrote it (read by fast_calls: its outputs are always fresh tensors)
+    fresh_outputs = True  # every output is a new tensor (read by fast_calls)
 
     def __init__(self, program: LoopProgram, module: Any) -> None:
         self.program, self.module_file = program, str(Path(module.__file__).resolve())

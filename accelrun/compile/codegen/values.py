@@ -21,16 +21,13 @@ import sympy
 import torch
 from torch import fx
 
+from accelrun.compile.codegen.ops import COMPARISONS, OPS, Unsupported  # noqa: F401  (Unsupported re-exported)
 from accelrun.torch_private import FloorDiv, IndexMod
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 Index = tuple[sympy.Expr, ...]
-
-
-class Unsupported(Exception):
-    """A region the code generators cannot express; the message is a short reason for humans."""
 
 
 # Compute types: every float is computed in fp32 (bf16 is widened on load, rounded on store).
@@ -73,7 +70,7 @@ class Const(Value):
 
 @dataclass(eq=False)
 class Op(Value):
-    """A pointwise op of the IR vocabulary (see ``OPS``) over broadcast operands."""
+    """A pointwise op of the IR vocabulary (see ``codegen.ops.OPS``) over broadcast operands."""
 
     op: str
     args: tuple[Value, ...]
@@ -120,16 +117,6 @@ class Reduce(Value):
         return tuple(idx)
 
 
-# IR pointwise vocabulary: name → arity. Code generators give each an expression template.
-OPS: dict[str, int] = {
-    "add": 2, "sub": 2, "mul": 2, "div": 2, "maximum": 2, "minimum": 2, "pow": 2,
-    "eq": 2, "ne": 2, "lt": 2, "le": 2, "gt": 2, "ge": 2, "and": 2, "or": 2,
-    "neg": 1, "abs": 1, "exp": 1, "log": 1, "log1p": 1, "expm1": 1, "tanh": 1, "sigmoid": 1, "rsqrt": 1,
-    "sqrt": 1, "erf": 1, "reciprocal": 1, "sin": 1, "cos": 1, "not": 1, "floor": 1, "ceil": 1,
-    "trunc": 1, "sign": 1, "round_bf16": 1, "round_f16": 1,
-    "where": 3,
-}  # fmt: skip
-_COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
 
 
 def broadcast_index(idx: Index, out_shape: Sequence[int], in_shape: Sequence[int]) -> Index:
@@ -303,7 +290,7 @@ class GraphValues:
     def _op(self, node: fx.Node, op: str, args: Sequence[Any], dtype: torch.dtype | None = None) -> Op:
         vals = tuple(a if isinstance(a, Value) else self._v(a) for a in args)
         out_dtype = dtype or _dtype(node)
-        if op in _COMPARISONS:
+        if op in COMPARISONS:
             operand = _promote(vals)
         elif op in ("and", "or", "not"):
             operand = "bool"
@@ -314,7 +301,7 @@ class GraphValues:
         return Op(op, vals, _shape(node), out_dtype, operand)
 
     def _op_on(self, shape: tuple[int, ...], dtype: torch.dtype, op: str, *args: Value) -> Op:
-        operand = _promote(args) if op in _COMPARISONS else compute_type(dtype)
+        operand = _promote(args) if op in COMPARISONS else compute_type(dtype)
         return Op(op, tuple(args), shape, dtype, operand)
 
     # -- one node -------------------------------------------------------------------------------
@@ -326,6 +313,16 @@ class GraphValues:
         if rule is None:
             raise Unsupported(f"op {op_label(t)} is not pointwise, a view or a supported reduction")
         return rule(self, node, list(node.args), dict(node.kwargs))
+
+
+def lowers(node: fx.Node) -> bool:
+    """The loop IR has a rule for ``node``'s op and computes its output's dtype. The partitioner asks,
+    so that a region holds what the code generators can build: one op they cannot lower would send
+    the whole region (up to max_nodes nodes) back to unfused ATen calls."""
+    if node.target not in _RULES:
+        return False
+    val = node.meta.get("val")
+    return not isinstance(val, torch.Tensor) or val.dtype in _COMPUTE
 
 
 _PROBE = tuple(sympy.Symbol(f"i{d}", integer=True, nonnegative=True) for d in range(16))
@@ -369,7 +366,7 @@ def _rule(*targets: Any) -> Callable[[Rule], Rule]:
 
 def _simple(op: str, *targets: Any) -> None:
     def rule(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
-        return g._op(node, op, args[: OPS[op]])
+        return g._op(node, op, args[: OPS[op].arity])
 
     for target in targets:
         _RULES[target] = rule

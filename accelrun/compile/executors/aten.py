@@ -9,6 +9,7 @@ from accelrun.compile.regions import Region
 @register_executor
 class AtenExecutor(Executor):
     name = "aten"
+    keeps_aten_ops = True
 
     def decline_reason(self, region: Region) -> str | None:
         return None  # anything the graph holds is an ATen op, so this always works

@@ -29,6 +29,9 @@ class Executor(ABC):
     # True when compile() spends its time outside the GIL (a compiler subprocess) and is safe to call
     # from several threads: the lowering then compiles this executor's regions concurrently.
     parallel_compile: ClassVar[bool] = False
+    # True for the executor that leaves a region's ATen ops in the graph (``aten``): there is nothing to
+    # compile, and an error at its first call is the program's, not a compiler's.
+    keeps_aten_ops: ClassVar[bool] = False
 
     def unavailable_reason(self) -> str | None:
         """Why this executor cannot run at all on this machine (no compiler, no GPU), or None."""

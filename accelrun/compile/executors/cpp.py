@@ -28,7 +28,7 @@ class CppExecutor(GeneratedCodeExecutor):
 
     def compile(self, region: Region, cache_dir: str | None) -> RegionFn:
         source = self.source(region)
-        region.facts["cache_hit"] = library_path(source, cache_dir).exists()
+        region.lowering.cache_hit = library_path(source, cache_dir).exists()
         lib = load_library(build_library(source, cache_dir))
         return CppRegion(cached_program(region), lib)
 

@@ -1,6 +1,6 @@
 """What accelrun's own code generators (``cpp``, ``triton``) share: a region is theirs when its
 tensors live where their kernels run and the loop IR can express it; the generated source is kept in
-``region.facts`` so that declining, compiling and the explain dump all use one copy."""
+``region.lowering.sources`` so that declining, compiling and the explain dump all use one copy."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from accelrun.compile.codegen.loop_ir import Unsupported, cached_program
 from accelrun.compile.executors.base import Executor
-from accelrun.compile.regions import Region
+from accelrun.compile.regions import GeneratedSource, Region
 
 
 def device_types(region: Region) -> set[str]:
@@ -39,8 +39,7 @@ class GeneratedCodeExecutor(Executor):
         return None
 
     def source(self, region: Region) -> str:
-        key = f"{self.name}_source"
-        if key not in region.facts:
-            region.facts[key] = self.generate(cached_program(region))
-        region.facts["source"], region.facts["source_ext"] = region.facts[key], self.source_ext
-        return region.facts[key]
+        sources = region.lowering.sources
+        if self.name not in sources:
+            sources[self.name] = GeneratedSource(self.generate(cached_program(region)), self.source_ext)
+        return sources[self.name].text

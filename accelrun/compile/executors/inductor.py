@@ -2,7 +2,7 @@
 
 Inductor keeps its own on-disk caches (FX graphs, and generated kernels keyed by their source), so a
 region seen before on this machine loads without invoking a C++ compiler; ``compile`` reports the FX
-graph cache's hits and misses through ``region.facts`` when Inductor uses it for the region.
+graph cache's hits and misses through ``region.lowering`` when Inductor uses it for the region.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class InductorExecutor(Executor):
         # its kernel-level code cache still spares the C++ compiler on a repeat).
         delta = {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
         if delta["fxgraph_cache_hit"] or delta["fxgraph_cache_miss"]:
-            region.facts["cache_hit"] = delta["fxgraph_cache_hit"] > 0
+            region.lowering.cache_hit = delta["fxgraph_cache_hit"] > 0
 
         def run(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return tuple(compiled(list(args)))  # Inductor's calling convention takes a list

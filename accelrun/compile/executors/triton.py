@@ -41,7 +41,7 @@ class TritonExecutor(GeneratedCodeExecutor):
         source = self.source(region)
         # A hit: the module is on disk from an earlier run, and Triton's own cache (TRITON_CACHE_DIR,
         # ~/.triton/cache by default) holds its kernels' binaries, keyed by the same source.
-        region.facts["cache_hit"] = module_path(source, cache_dir).exists()
+        region.lowering.cache_hit = module_path(source, cache_dir).exists()
         program = cached_program(region)
         module = load_module(source, cache_dir)
         if os.environ.get("TRITON_INTERPRET") == "1":
@@ -53,7 +53,7 @@ class TritonExecutor(GeneratedCodeExecutor):
         # first call, the lowering's FirstCallCheck catches.)
         from accelrun.compile.codegen.triton_aot import warm_up
 
-        region.facts["triton_kernels"] = warm_up(program, module)
+        region.lowering.triton_kernels = warm_up(program, module)
         return with_output_strides(TritonRegion(program, module), program)
 
     def generate(self, program) -> str:

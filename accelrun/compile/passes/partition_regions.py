@@ -7,7 +7,8 @@ without making a cycle) is ``_Partitioner``.
 The rules:
 
 - Members are pure ``call_function`` nodes of kind pointwise, reduction, view or constant
-  (``op_kinds.node_kind``) whose ``meta["val"]`` is one strided tensor. Placeholders, get_attr,
+  (``op_kinds.node_kind``) whose ``meta["val"]`` is one strided tensor and that the code generators
+  can lower (``codegen.values.lowers``: the same rule table they build kernels from). Placeholders, get_attr,
   the output and kind "other" (matmuls, attention, random ops, collectives) never join. A
   softmax is a reduction over its rows whose output is as large as its input; a constant read by
   several users is copied for each first, so each region holds it as a number.
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from accelrun.compile.codegen.values import MAX_UNROLLED_REDUCTION, is_short_middle_reduction
+from accelrun.compile.codegen.values import MAX_UNROLLED_REDUCTION, is_short_middle_reduction, lowers
 from accelrun.compile.op_kinds import ROW_SOFTMAX, node_kind
 from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.passes.dce import op_is_pure
@@ -124,6 +125,8 @@ class _Member:
 def _member_shape(node: fx.Node) -> _Member | None:
     """How ``node`` may join a region, or None if it may not."""
     kind = node_kind(node)
+    if not lowers(node):  # the code generators' own rule table: regions are what they can build
+        return None
     if node.target is torch.ops.aten.cat.default:
         return _cat_shape(node)
     if kind == "other" or not op_is_pure(node.target):

@@ -1,0 +1,196 @@
+"""The compiler's stages, in the order a Dynamo graph goes through them, and the one pass driver.
+
+    capture      Dynamo traces the user's code into a torch-level graph    (torch.compile)
+    pre_grad     passes on that graph: pattern fusion into custom ops       (PassDriver)
+    joint        passes on AOTAutograd's joint forward+backward graph       (PassDriver)
+    partition    AOTAutograd's cut into forward and backward, then the
+                 passes that decide what the backward recomputes           (PassDriver, on the pair)
+    post_grad    passes on the forward and the backward graph each; the
+                 last of them forms the fusion regions (partition_regions)  (PassDriver)
+    lowering     each region to the first executor that claims it          (lower.lower_regions)
+    runtime      the lowered graph as straight-line calls after its first
+                 runs (fast_calls.runnable)
+
+``AccelrunBackend`` (backend.py) wires the stages to torch's hooks; every pass of every stage goes
+through ``PassDriver.run``: the graph is snapshotted, the pass runs, the result is linted, recorded
+and dumped, and a pass that raises is skipped for that graph (an error under ``compile.strict``).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import fx
+
+from accelrun.compile.dump import Dumper
+from accelrun.compile.numerics import check_pass
+from accelrun.compile.passes.base import (
+    ConfiguredPass,
+    GraphNotes,
+    PassContext,
+    PassResult,
+    lint,
+    passes_for_stage,
+)
+from accelrun.compile.record import CompileRecord, Fallback, PassRecord
+
+STAGE_ORDER = ("capture", "pre_grad", "joint", "partition", "post_grad", "lowering", "runtime")
+
+
+class CompilerFallbackError(RuntimeError):
+    """``compile.strict``: the compiler would have fallen back (a pass, a claim, a compile, a first call)."""
+
+
+def one_line(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}"[:240]
+
+
+def count_ops(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
+
+
+def graph_snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm``'s graph (nodes and their meta dicts copied, values shared) to go back to if a
+    pass that rewrites in place raises half way. Far cheaper than a deepcopy of the fake tensors."""
+    graph = fx.Graph()
+    # Not a deepcopy: that rebuilds the pytree specs' LeafSpecs, which torch deprecates with a FutureWarning
+    # printed on every compiled run. The specs are frozen, so sharing them is safe; only the list is copied.
+    graph._codegen = copy.copy(gm.graph._codegen)
+    if (info := getattr(graph._codegen, "pytree_info", None)) is not None:
+        graph._codegen.pytree_info = info._replace(orig_args=list(info.orig_args))
+    value, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    graph.output(value).meta = copy.copy(old_output.meta)
+    snap = fx.GraphModule(gm, graph)
+    snap.meta = dict(getattr(gm, "meta", {}))
+    return snap
+
+
+class _Unit(Protocol):
+    """What a stage's passes rewrite: one graph, or the partition stage's (forward, backward) pair."""
+
+    def ops(self) -> int: ...
+    def snapshot(self) -> _Unit: ...
+    def value(self) -> Any: ...  # what the pass function receives
+    def after(self, result: PassResult, pass_name: str) -> _Unit: ...  # the rewritten unit, linted
+    def dump(self, dumper: Dumper, pass_name: str, changed: bool) -> None: ...
+
+
+@dataclass
+class _OneGraph:
+    gm: fx.GraphModule
+    name: str
+
+    def ops(self) -> int:
+        return count_ops(self.gm)
+
+    def snapshot(self) -> _OneGraph:
+        return _OneGraph(graph_snapshot(self.gm), self.name)
+
+    def value(self) -> fx.GraphModule:
+        return self.gm
+
+    def after(self, result: PassResult, pass_name: str) -> _OneGraph:
+        gm = result.graph if result.graph is not None else self.gm
+        gm.recompile()
+        try:
+            lint(gm)
+        except Exception as e:
+            raise RuntimeError(f"pass {pass_name!r} left a malformed graph in {self.name}: {e}") from e
+        return _OneGraph(gm, self.name)
+
+    def dump(self, dumper: Dumper, pass_name: str, changed: bool) -> None:
+        if changed:
+            dumper.graph(self.name, pass_name, self.gm)
+
+
+@dataclass
+class _ForwardBackward:
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    name: str  # the Dynamo graph's name: its graphs dump as <name>.forward and <name>.backward
+
+    def ops(self) -> int:
+        return count_ops(self.fw) + count_ops(self.bw)
+
+    def snapshot(self) -> _ForwardBackward:
+        return _ForwardBackward(graph_snapshot(self.fw), graph_snapshot(self.bw), self.name)
+
+    def value(self) -> tuple[fx.GraphModule, fx.GraphModule]:
+        return self.fw, self.bw
+
+    def after(self, result: PassResult, pass_name: str) -> _ForwardBackward:
+        fw, bw = result.graph if result.graph is not None else (self.fw, self.bw)
+        lint(fw), lint(bw)
+        return _ForwardBackward(fw, bw, self.name)
+
+    def dump(self, dumper: Dumper, pass_name: str, changed: bool) -> None:
+        dumper.graph(f"{self.name}.forward", f"partition_{pass_name}", self.fw)
+        dumper.graph(f"{self.name}.backward", f"partition_{pass_name}", self.bw)
+
+
+class PassDriver:
+    """Runs a stage's configured passes over a graph; the only place a pass is called."""
+
+    def __init__(self, passes: list[ConfiguredPass], record: CompileRecord, dumper: Dumper, *, strict: bool,
+                 debug_numerics: bool) -> None:  # fmt: skip
+        self.passes, self.record, self.dumper = passes, record, dumper
+        self.strict, self.debug_numerics = strict, debug_numerics
+
+    def run_graph(self, stage: str, gm: fx.GraphModule, graph_name: str, kind: str,
+                  example_inputs: list[Any] | None, notes: GraphNotes) -> fx.GraphModule:  # fmt: skip
+        """``stage``'s passes over one graph (pre_grad, joint, post_grad)."""
+        self.dumper.graph(graph_name, "input", gm)
+        unit = self._run(stage, _OneGraph(gm, graph_name), graph_name, PassContext(kind, example_inputs, notes))
+        return unit.gm
+
+    def run_pair(self, name: str, fw: fx.GraphModule, bw: fx.GraphModule,
+                 notes: GraphNotes) -> tuple[fx.GraphModule, fx.GraphModule]:  # fmt: skip
+        """The partition stage's passes over AOTAutograd's (forward, backward) pair of Dynamo graph ``name``."""
+        unit = self._run("partition", _ForwardBackward(fw, bw, name), f"{name}.joint", PassContext("joint", notes=notes))
+        return unit.fw, unit.bw
+
+    def _run(self, stage: str, unit: Any, graph_name: str, ctx: PassContext) -> Any:
+        for p in passes_for_stage(self.passes, stage):  # type: ignore[arg-type]
+            # (a joint graph or a pair has no example inputs to check a pass's numerics with)
+            checked = self.debug_numerics and ctx.example_inputs is not None
+            before_copy = copy.deepcopy(unit.gm) if checked else None
+            t0 = time.perf_counter()
+            before = unit.ops()
+            saved = unit.snapshot()
+            try:
+                # One context for every pass: what one pass notes (the next region id) the next reads.
+                result = p.spec.fn(unit.value(), p.options, ctx)
+                unit = unit.after(result, p.name)
+            except Exception as e:  # the graph as it was before the pass goes on; the run does not stop
+                unit = saved
+                self._failed(graph_name, stage, p, before, e, time.perf_counter() - t0)
+                continue
+            self._noted(graph_name, stage, p, before, unit.ops(), result, time.perf_counter() - t0)
+            if before_copy is not None:
+                check_pass(p.name, before_copy, unit.gm, ctx.example_inputs)
+            unit.dump(self.dumper, p.name, result.changed)
+        return unit
+
+    def _failed(self, graph: str, stage: str, p: ConfiguredPass, before: int, e: Exception, seconds: float) -> None:
+        reason = one_line(e)
+        if self.strict:
+            raise CompilerFallbackError(f"pass {p.name!r} failed on {graph}: {reason} (compile.strict is on)") from e
+        self.record.fallbacks.append(Fallback(graph, "pass", p.name, f"{reason}; skipped for this graph"))
+        self.record.passes.append(PassRecord(
+            graph=graph, stage=stage, name=p.name, ops_before=before, ops_after=before,
+            summary=f"FAILED, skipped for this graph: {reason}", counts={"failed": 1}, seconds=round(seconds, 4),
+        ))  # fmt: skip
+
+    def _noted(self, graph: str, stage: str, p: ConfiguredPass, before: int, after: int, result: PassResult,
+               seconds: float) -> None:  # fmt: skip
+        counts = dict(result.counts)
+        if result.changed:
+            counts.setdefault("changed", 1)
+        self.record.passes.append(PassRecord(
+            graph=graph, stage=stage, name=p.name, ops_before=before, ops_after=after,
+            summary=result.summary, counts=counts, seconds=round(seconds, 4), detail=result.detail,
+        ))  # fmt: skip
