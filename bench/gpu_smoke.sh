@@ -7,6 +7,7 @@
 #      resume from a checkpoint (losses after it equal the uninterrupted run's); a profiled run (trace
 #      written); an 8B-shaped 2-layer model (dim 4096, GQA 32/8, ffn 14336, vocab 128256, bf16) through
 #      the Triton executor; `accelrun plan --calibrate` and the plan of the eager run beside its measure;
+#      float8 linear layers (train.float8, torchao) against bf16 under Inductor: step time and loss;
 #   3. with 2+ GPUs: FSDP, HSDP (or plain replication on 2), TP + SP, each pipeline schedule, compiled
 #      FSDP with the overlap passes, and a rank killed mid-run that the elastic agent restarts; every
 #      layout's losses beside one GPU's.
@@ -15,7 +16,7 @@
 #   SMOKE_DEVICE=cpu SMOKE_RANKS=2 bash bench/gpu_smoke.sh 4   # the same commands on this CPU (a check
 #                                          # of the script itself: gloo ranks, no Triton, no GPU parts)
 #   SMOKE_PARTS=train,8b bash bench/gpu_smoke.sh   # only some parts (of triton, train, resume, profile,
-#                                          # 8b, plan, multi), e.g. to fit a command-time limit
+#                                          # 8b, plan, float8, multi), e.g. to fit a command-time limit
 #   SMOKE_PARTS=bench bash bench/gpu_smoke.sh   # not in the default list (about 6 minutes on an H100):
 #                                          # bench/compile_step.py on an 8-layer dim-2048 Llama, eager vs
 #                                          # Inductor vs accelrun's Triton, fp32 and bf16-mixed
@@ -25,7 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 STEPS="${1:-40}"
 DEVICE="${SMOKE_DEVICE:-cuda}"
-PARTS="${SMOKE_PARTS:-triton,train,resume,profile,8b,plan,multi}"
+PARTS="${SMOKE_PARTS:-triton,train,resume,profile,8b,plan,float8,multi}"
 want() { [[ ",$PARTS," == *",$1,"* ]]; }
 runs=$(mktemp -d)
 failed=()
@@ -129,6 +130,26 @@ if [ "$DEVICE" = cuda ] && want plan; then
     else
         tail -n 15 "$runs/calibrate.log"; failed+=("plan --calibrate")
     fi
+fi
+
+if [ "$DEVICE" = cuda ] && want float8; then
+    section "float8 linear layers (train.float8, torchao) against bf16, Inductor, one GPU"
+    train float8-off-bf16 train.precision=bf16-mixed compile.backend=inductor
+    train float8-on-bf16 train.precision=bf16-mixed compile.backend=inductor train.float8=true
+    python - "$(run_dir float8-off-bf16)" "$(run_dir float8-on-bf16)" <<'EOF' || failed+=("float8 vs bf16")
+import json, sys
+from pathlib import Path
+def run(d):
+    rows = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines()]
+    report = json.loads((Path(d) / "report.json").read_text())
+    return report["step_time_s"]["median"], next(m["loss"] for m in reversed(rows) if "loss" in m)
+(bf16_s, bf16_loss), (f8_s, f8_loss) = run(sys.argv[1]), run(sys.argv[2])
+rel = abs(f8_loss - bf16_loss) / abs(bf16_loss)
+print(f"step: bf16 {bf16_s * 1e3:.2f} ms, float8 {f8_s * 1e3:.2f} ms (x {f8_s / bf16_s:.2f}); final loss: bf16 "
+      f"{bf16_loss:.4f}, float8 {f8_loss:.4f} (relative difference {rel:.1e}; the debug model's layers are small, "
+      "so the casts can cost more than float8's matmuls save)")
+sys.exit(0 if rel < 0.05 else 1)  # float8 trains: its loss stays within 5% of bf16's after the same steps
+EOF
 fi
 
 if [ "$DEVICE" = cuda ] && want bench; then
