@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from accelrun.config import load_config  # noqa: E402
-from accelrun.train.run import train  # noqa: E402
+from accelrun.train.entry import train  # noqa: E402
 
 CONFIG = REPO / "configs" / "llama.yaml"
 BASE = ["parallel.nproc_per_node=2", "parallel.dp_shard=2", "train.micro_batch=8", "train.threads=1",

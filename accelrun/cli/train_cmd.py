@@ -59,8 +59,8 @@ def command(config: str, overrides: tuple[str, ...], nnodes: int | None, node_ra
     from accelrun.dist.slurm import launch_from_slurm
     from accelrun.dist.stop import exit_code
     from accelrun.dist.worker import rank_uses_cuda
+    from accelrun.train.entry import train
     from accelrun.train.oom import oom_is_the_recipes
-    from accelrun.train.run import train
 
     launch = LaunchOptions(node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                            max_restarts=max_restarts, local_addr=local_addr)

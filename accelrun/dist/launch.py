@@ -1,7 +1,7 @@
 """Start the ranks of a job through torchrun's elastic agent, called as a library.
 
 The agent (``torch.distributed.launcher.elastic_launch``) does rendezvous (c10d), starts one
-process per device running ``accelrun.dist.worker.run_rank``, watches them, and restarts the group
+process per device running the entry point it is given (``accelrun.train.rank.run_rank``), watches them, and restarts the group
 up to ``max_restarts`` times when one fails. One node without an endpoint is "standalone": a local
 rendezvous on a free port, as ``torchrun --standalone`` does.
 
@@ -21,7 +21,7 @@ import multiprocessing
 import signal
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +34,8 @@ from accelrun.dist import stop
 from accelrun.dist.rank_errors import unprinted_messages
 from accelrun.dist.rank_failures import LOGS, exit_codes_of, explain
 
-WORKER_MODULE = "accelrun.dist.worker"
-# What the fork server imports once, before it forks ranks.
-FORKSERVER_PRELOAD = ["accelrun.dist.fork_server", WORKER_MODULE, "accelrun.train.run"]
+# What the fork server imports once, before it forks ranks (with the entry point's own module).
+FORKSERVER_PRELOAD = ["accelrun.dist.fork_server", "accelrun.dist.worker"]
 
 
 @dataclass(frozen=True)
@@ -118,18 +117,18 @@ def _agent_logs_to(path: Path) -> Iterator[None]:
         handler.close()
 
 
-def launch_job(run_dir: Path, par: ParallelConfig, opts: LaunchOptions) -> JobOutcome:
-    """Run the job to the end on this node's ranks."""
-    from accelrun.dist.worker import run_rank
-
+def launch_job(run_dir: Path, par: ParallelConfig, opts: LaunchOptions,
+               entry: Callable[[str, str], None]) -> JobOutcome:
+    """Run the job to the end on this node's ranks, each calling ``entry(run_dir, errors_dir)`` (a module-level
+    function: the fork server imports its module; ``train.rank.run_rank`` for training)."""
     # Takes effect when the server starts (the first launch in this process).
-    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, entry.__module__])
     agent_log = run_dir / LOGS / "agent.log"
     with (tempfile.TemporaryDirectory(prefix="accelrun-rank-errors-") as errors,
           stop.catch_signals(forward_to=Path(errors)), _agent_logs_to(agent_log)):
         try:
             with stop.abort_on_second_interrupt(_kill_ranks):
-                elastic_launch(launch_config(par, opts), run_rank)(str(run_dir), errors)
+                elastic_launch(launch_config(par, opts), entry)(str(run_dir), errors)
         except SignalException:  # _kill_ranks: the agent killed the ranks and stopped
             return JobOutcome(stop.exit_code(signal.SIGINT), [], stop.Stopped(0, signal.SIGINT, -1, None),
                               par.world_size)

@@ -1,11 +1,9 @@
-"""One training run end to end: run directory, setup, loop, report.
+"""One process's part of a training run in its run directory: setup, loop, report (``run_in_dir``).
 
-The run directory is written as the run goes: ``config.yaml``, ``command.txt`` and ``env.json``
-before the first step, ``metrics.jsonl`` line by line, ``report.json`` and ``report.md`` at the
-end (also when the loss diverges, so a stopped run still says what happened). While the run is
-alive its launcher holds the directory's lock, so ``checkpoint.resume: auto`` never takes over a
-live run. A multi-process job starts its ranks through torchrun's elastic agent; every rank runs
-``run_in_dir`` and rank 0 alone writes.
+``metrics.jsonl`` is written line by line, ``report.json`` and ``report.md`` at the end (also when the
+loss diverges, so a stopped run still says what happened). ``train.entry.train`` makes the directory and
+calls ``run_in_dir`` in this process, or launches ranks that each call it (``train.rank``); rank 0 alone
+writes.
 """
 
 from __future__ import annotations
@@ -25,34 +23,26 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from accelrun.config import ConfigError, ResolvedConfig
+from accelrun.config import ResolvedConfig
 from accelrun.config.hf_model import RUN_EXPORT_FOLDER
-from accelrun.config.preflight import preflight
-from accelrun.config.resolve import explain_text
-from accelrun.dist import stop
 from accelrun.dist.collective import set_group_timeouts
 from accelrun.dist.context import ParallelContext
-from accelrun.dist.launch import JobOutcome, LaunchOptions, launch_job
 from accelrun.dist.stop import Stopped
-from accelrun.dist.worker import cpu_rank_threads, machine_as_torch_sees_it, rank_uses_cuda
+from accelrun.dist.worker import rank_uses_cuda
 from accelrun.errors import TrainingDiverged, UserError
-from accelrun.report.env import collect_env
-from accelrun.report.files import write_json, write_text_atomic
+from accelrun.report.files import write_json
 from accelrun.report.html import write_report_html
 from accelrun.report.lineage import history
 from accelrun.report.machine_load import CpuWindow, busy_note, others_share
 from accelrun.report.markdown import write_report_md
 from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, forget_steps_after, read_metrics
-from accelrun.report.rundir import create_run_dir, hold_run_lock, job_run_dir
 from accelrun.report.summary import compile_time_s, is_steady, step_breakdown, summarize
-from accelrun.report.trackers import check_trackers, open_trackers
-from accelrun.train.host_malloc import malloc_record, tune_malloc
-from accelrun.train.lineage import mark_crashed
+from accelrun.report.trackers import open_trackers
+from accelrun.train.host_malloc import tune_malloc
 from accelrun.train.loop import LoopOutcome, run_loop
 from accelrun.train.progress import TrainProgress
 from accelrun.train.setup import TrainSetup, build_setup
-from accelrun.train.threads import choose_threads
 
 
 @dataclass
@@ -61,110 +51,6 @@ class TrainResult:
     status: str  # finished | preempted | interrupted | stopped | diverged | nothing-to-do | failed
     report: dict | None
     stopped: Stopped | None = None  # where a signal stopped it (preempted, interrupted)
-
-
-class JobFailed(UserError):
-    """The ranks stopped on a user error or a diverged loss; keep their exit code. Its messages are
-    those no rank printed itself (rank 0 stopped by the agent before it could)."""
-
-    def __init__(self, code: int, unprinted: list[str]):
-        super().__init__(unprinted)  # only what no rank printed
-        self.exit_code = code
-
-
-def train(
-    resolved: ResolvedConfig,
-    *,
-    command: str = "",
-    console: Console | None = None,
-    stop_after_step: int | None = None,
-    launch: LaunchOptions | None = None,
-) -> TrainResult:
-    """Train ``resolved`` and write its run directory: in this process, or, when the recipe asks
-    for several, through torchrun's elastic agent (one process per device; this one waits).
-
-    >>> from accelrun.config import load_config               # doctest: +SKIP
-    >>> train(load_config("configs/llama.yaml", ["train.steps=20"])).report["final_loss"]  # doctest: +SKIP
-    """
-    cfg = resolved.config
-    console = console or Console(stderr=True)
-    if cfg.train.threads is not None:
-        torch.set_num_threads(cfg.train.threads)  # before env.json records it and the peak probe runs
-    elif _adapts_threads(cfg):
-        choice = choose_threads()  # the cores nobody else is using now (train/threads.py says why)
-        torch.set_num_threads(choice.threads)
-        if choice.threads != choice.usable_cores:
-            console.print(choice.describe(), markup=False, highlight=False)
-    # Files the recipe names, one GPU per process, cores for the ranks: exit 2 (or warn) before a run
-    # directory or a rank exists; `accelrun validate` runs the same checks.
-    for warning in preflight(cfg, resolved.sources, machine_as_torch_sees_it()):
-        console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
-    check_trackers(cfg.report.trackers)  # a missing tracker package: exit 2 before any work
-    launch = launch or LaunchOptions()
-    run_dir, node = _run_dir_for(cfg, launch)
-    # Caught from here on: a signal during setup stops the run after its first step, with a checkpoint.
-    with hold_run_lock(run_dir, node), stop.catch_signals():
-        write_text_atomic(resolved.to_yaml(), run_dir / "config.yaml")
-        write_text_atomic(explain_text(resolved), run_dir / "config.sources.txt")
-        write_text_atomic((command or "(called from Python)") + "\n", run_dir / "command.txt")
-        write_json(_env_of_ranks(cfg), run_dir / "env.json")
-        console.print(f"[bold]accelrun[/] run [cyan]{escape(str(run_dir))}[/]  config {resolved.hash}")
-        if cfg.parallel.world_size == 1:
-            try:
-                result = run_in_dir(resolved, run_dir, None, console, stop_after_step=stop_after_step)
-            except Exception as e:  # a crash, told apart from a kill (no marker) in `runs list` and resume
-                if run_dir.is_dir() and not (run_dir / "report.json").exists():
-                    mark_crashed(run_dir, e)
-                raise
-            return _warn_if_late(result, console)
-        console.print(f"launching {cfg.parallel.nproc_per_node} process(es) per node on {cfg.parallel.nnodes} "
-                      "node(s) through torchrun's elastic agent", markup=False)
-        outcome = launch_job(run_dir, cfg.parallel, launch)
-    return _warn_if_late(_launched_result(run_dir, outcome, console), console)
-
-
-def _warn_if_late(result: TrainResult, console: Console) -> TrainResult:
-    if result.stopped is not None and (late := stop.late_warning()):
-        console.print(late, markup=False, highlight=False)
-    return result
-
-
-def _run_dir_for(cfg, launch: LaunchOptions) -> tuple[Path, int]:
-    """A new run directory; for a job on several nodes, the one directory all of them share."""
-    if cfg.parallel.nnodes == 1:
-        return create_run_dir(cfg.report.runs_dir, cfg.name), 0
-    if not launch.rdzv_id or launch.node_rank is None or not launch.rdzv_endpoint:
-        raise ConfigError(
-            f"parallel.nnodes = {cfg.parallel.nnodes}: give every node the same --rdzv-id and "
-            "--rdzv-endpoint HOST:PORT, and its own --node-rank"
-        )
-    try:
-        return job_run_dir(cfg.report.runs_dir, cfg.name, launch.rdzv_id), launch.node_rank
-    except ValueError as e:
-        raise ConfigError(f"--rdzv-id: {e}") from None
-
-
-def _launched_result(run_dir: Path, outcome: JobOutcome, console: Console) -> TrainResult:
-    code = outcome.exit_code
-    if outcome.stopped is not None:
-        console.print(outcome.stopped.line(outcome.ranks), markup=False, highlight=False)
-        return TrainResult(run_dir, outcome.stopped.status, None, outcome.stopped)
-    report_path = run_dir / "report.json"
-    if code == 0 and report_path.exists():
-        report = json.loads(report_path.read_text())
-        _print_summary(console, report, run_dir)
-        return TrainResult(run_dir, report["status"], report)
-    if code in (2, 3):  # the CLI prints what no rank printed and exits with the same code
-        if (run_dir / "metrics.jsonl").exists() and not report_path.exists():
-            mark_crashed(run_dir, "; ".join(outcome.unprinted) or f"a rank stopped on a user error (exit {code})")
-        raise JobFailed(code, outcome.unprinted)
-    if outcome.failure:
-        console.print("[bold red]error:[/] " + escape(outcome.failure[0]), highlight=False)
-        for line in outcome.failure[1:]:
-            console.print(line, markup=False, highlight=False, soft_wrap=True)
-    if code != 0 and not report_path.exists():
-        mark_crashed(run_dir, outcome.failure[0] if outcome.failure else f"the job exited with code {code}")
-    return TrainResult(run_dir, "preempted" if code == 0 else "failed", None)
 
 
 def run_in_dir(
@@ -417,22 +303,3 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
         console.print(f"  compiled: {compiler['compiled']}{took}", markup=False, highlight=False)
     for warning in compiler.get("warnings") or []:  # never silent: nothing compiled, skipped frames
         console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
-
-
-def _adapts_threads(cfg) -> bool:
-    """A single process on the CPU with train.threads unset (ranks divide the node's cores instead;
-    ACCELRUN_FIXED_THREADS=1 keeps torch's default, for tests that compare runs bit for bit)."""
-    return (cfg.parallel.world_size == 1 and not rank_uses_cuda(cfg)
-            and os.environ.get("ACCELRUN_FIXED_THREADS") != "1")
-
-
-def _env_of_ranks(cfg) -> dict:
-    """This process's environment, with the thread count and malloc settings CPU ranks will set
-    (this launcher process keeps its own threads, which the ranks do not use)."""
-    env = collect_env()
-    if cfg.parallel.world_size > 1 and cfg.train.threads is None:  # GPU ranks set it too (dist.worker)
-        env["cpu"]["torch_threads"] = cpu_rank_threads(cfg.parallel.nproc_per_node)
-    if rank_uses_cuda(cfg):
-        return env
-    env["cpu"]["malloc"] = malloc_record(cfg.train.cpu_malloc)
-    return env

@@ -154,9 +154,9 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     import accelrun.cli.ab_cmd as ab_cmd
     import accelrun.cli.compare_cmd as compare_cmd
     import accelrun.cli.plan_cmd as plan_cmd
+    import accelrun.train.entry as train_entry
     import accelrun.train.explain_step as explain_step
     import accelrun.train.generate as generate
-    import accelrun.train.entry as train_entry
 
     monkeypatch.setattr(train_entry, "train", _stop)
     monkeypatch.setattr(ab_cmd, "run_ab", _stop)

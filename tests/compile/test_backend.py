@@ -17,7 +17,7 @@ from accelrun.compile.passes.base import PassOptions, PassResult, register_pass,
 from accelrun.config import load_config
 from accelrun.models.families.llama.model import LlamaArgs, TransformerBlock, rope_tables
 from accelrun.report.metrics import read_metrics
-from accelrun.train.run import train
+from accelrun.train.entry import train
 from tests.conftest import DEFAULT_CONFIG
 
 ARGS = LlamaArgs(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64)

@@ -19,7 +19,7 @@ from accelrun.config import load_config
 from accelrun.data import build_data
 from accelrun.data.loss_mask import count_loss_targets
 from accelrun.report.metrics import read_metrics
-from accelrun.train.run import train
+from accelrun.train.entry import train
 from tests.conftest import REPO
 from tests.data.chat_helpers import CHATS, save_chat_tokenizer, write_chats
 from tests.models.hf_helpers import save_tiny_hf

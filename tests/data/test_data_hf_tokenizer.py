@@ -281,7 +281,7 @@ def test_no_eos_warns_and_a_missing_tokenizers_package_says_what_to_install(file
 def test_train_on_text_with_the_model_hf_folders_tokenizer(files, tmp_path):
     """A transformers checkpoint and its tokenizer in one folder (data.tokenizer = hf), 2 steps on text."""
     from accelrun.report.metrics import read_metrics
-    from accelrun.train.run import train
+    from accelrun.train.entry import train
     from tests.models.hf_helpers import save_tiny_hf
 
     model = tmp_path / "model"

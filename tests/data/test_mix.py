@@ -14,7 +14,7 @@ from accelrun.data.build import build_data
 from accelrun.data.mix import MixedBatchIterator
 from accelrun.data.stream import TensorStream
 from accelrun.report.metrics import read_metrics
-from accelrun.train.run import train
+from accelrun.train.entry import train
 from tests.conftest import DEFAULT_CONFIG
 
 T = 16

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from accelrun.config import load_config
 from accelrun.report.metrics import read_metrics
-from accelrun.train.run import TrainResult, train
+from accelrun.train.entry import train
+from accelrun.train.run import TrainResult
 from tests.conftest import DEFAULT_CONFIG, REPO, TINY
 
 LOSS_RTOL = 1e-5  # fp32: sharded reductions sum in a different order than one process does

@@ -11,7 +11,7 @@ from accelrun.cli.main import cli
 from accelrun.config import ConfigError, load_config
 from accelrun.dist import worker
 from accelrun.report import memory
-from accelrun.train.run import train
+from accelrun.train.entry import train
 from tests.conftest import DEFAULT_CONFIG
 
 

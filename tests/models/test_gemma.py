@@ -230,7 +230,7 @@ def test_the_compiler_trains_gemma_as_eager_does(tmp_path):
     # (no breaks), its fusion passes fire and the C++ executor claims regions, and the losses of a few
     # steps equal eager's (fp32).
     from accelrun.report.metrics import read_metrics
-    from accelrun.train.run import train
+    from accelrun.train.entry import train
     from tests.conftest import TINY
 
     losses, reports = {}, {}

@@ -11,7 +11,7 @@ from tests.conftest import DEFAULT_CONFIG, TINY
 
 def train_tiny(runs_dir: Path, steps: int, *more: str) -> Path:
     from accelrun.config import load_config
-    from accelrun.train.run import train
+    from accelrun.train.entry import train
 
     overrides = [*TINY, f"train.steps={steps}", f"report.runs_dir={runs_dir}", "checkpoint.enabled=false",
                  "checkpoint.resume=none", *more]

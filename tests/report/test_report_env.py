@@ -39,7 +39,7 @@ def test_env_of_a_multi_rank_cpu_job_records_the_ranks_threads():
     import os
 
     from accelrun.config import load_config
-    from accelrun.train.run import _env_of_ranks
+    from accelrun.train.entry import _env_of_ranks
     from tests.conftest import DEFAULT_CONFIG
 
     cfg = load_config(str(DEFAULT_CONFIG), ["parallel.nproc_per_node=2", "train.micro_batch=8", "train.device=cpu"]).config

@@ -11,7 +11,7 @@ from accelrun.cli.main import cli
 from accelrun.config import load_config
 from accelrun.report.metrics import read_metrics
 from accelrun.report.trackers import TrackerMissing, check_trackers
-from accelrun.train.run import train
+from accelrun.train.entry import train
 from tests.conftest import DEFAULT_CONFIG, TINY
 
 

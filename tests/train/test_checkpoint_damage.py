@@ -15,7 +15,7 @@ from accelrun.config import ConfigError, load_config
 from accelrun.report.metrics import read_metrics
 from accelrun.report.rundir import RunFolderError
 from accelrun.train.checkpoint import damage, save_checkpoint
-from accelrun.train.run import train
+from accelrun.train.entry import train
 from tests.conftest import DEFAULT_CONFIG
 
 

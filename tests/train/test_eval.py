@@ -13,8 +13,8 @@ from accelrun.cli.main import cli
 from accelrun.config import load_config
 from accelrun.data.build import load_stream
 from accelrun.report.metrics import read_metrics
+from accelrun.train.entry import train
 from accelrun.train.generate import load_run_model
-from accelrun.train.run import train
 from tests.conftest import DEFAULT_CONFIG
 
 

@@ -6,7 +6,7 @@ from click.testing import CliRunner
 
 from accelrun.cli.main import cli
 from accelrun.config import load_config
-from accelrun.train.run import train
+from accelrun.train.entry import train
 from tests.conftest import DEFAULT_CONFIG
 
 

@@ -14,8 +14,8 @@ from accelrun.report.rundata import load_run
 from accelrun.report.rundir import create_run_dir, hold_run_lock
 from accelrun.report.runs_index import list_run_rows
 from accelrun.train.checkpoint import complete_checkpoints
+from accelrun.train.entry import train
 from accelrun.train.lineage import RunAlreadyContinued, claim_continuation
-from accelrun.train.run import train
 from tests.conftest import DEFAULT_CONFIG
 
 

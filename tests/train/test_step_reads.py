@@ -18,7 +18,7 @@ from accelrun.dist import stop
 from accelrun.report.metrics import read_metrics
 from accelrun.train import loop
 from accelrun.train.checkpoint import complete_checkpoints
-from accelrun.train.run import train
+from accelrun.train.entry import train
 from accelrun.train.step_clock import StepClock
 from accelrun.train.step_reads import PendingStep, PendingSteps, StepMarks, read_interval
 from tests.conftest import DEFAULT_CONFIG

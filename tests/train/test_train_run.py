@@ -11,8 +11,8 @@ import torch
 from accelrun.config import load_config
 from accelrun.report.metrics import read_metrics
 from accelrun.train.checkpoint import complete_checkpoints
+from accelrun.train.entry import train
 from accelrun.train.loop import TrainingDiverged
-from accelrun.train.run import train
 from tests.conftest import DEFAULT_CONFIG
 
 
