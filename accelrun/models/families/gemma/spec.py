@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from accelrun.models.families import ModelSpec, TPPlan
 from accelrun.models.families.gemma import hf, shape
 from accelrun.models.families.gemma.model import Gemma, GemmaArgs
 from accelrun.models.families.gemma.tp_plan import BLOCK_PLAN, SP_BLOCK_PLAN, end_plan
 
-
-def _build(args: GemmaArgs) -> nn.Module:
-    return Gemma(args)
-
-
 SPEC = ModelSpec(
     name="gemma",
     args_from_config=GemmaArgs.from_config,
-    build=_build,
+    build=Gemma,
     flops_per_token=shape.flops_per_token,
     param_count=shape.param_count,
     tp_plan=TPPlan(block=BLOCK_PLAN, sequence_parallel_block=SP_BLOCK_PLAN, ends=end_plan),

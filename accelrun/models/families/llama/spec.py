@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from accelrun.models.families import ModelSpec, TPPlan
 from accelrun.models.families.llama import hf, shape
 from accelrun.models.families.llama.context_parallel import shard_sequence
 from accelrun.models.families.llama.model import Llama, LlamaArgs
 from accelrun.models.families.llama.tp_plan import BLOCK_PLAN, SP_BLOCK_PLAN, end_plan
 
-
-def _build(args: LlamaArgs) -> nn.Module:
-    return Llama(args)
-
-
 SPEC = ModelSpec(
     name="llama",
     args_from_config=LlamaArgs.from_config,
-    build=_build,
+    build=Llama,
     flops_per_token=shape.flops_per_token,
     param_count=shape.param_count,
     tp_plan=TPPlan(block=BLOCK_PLAN, sequence_parallel_block=SP_BLOCK_PLAN, ends=end_plan),

@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from accelrun.models.families import ModelSpec, TPPlan
 from accelrun.models.families.llama.tp_plan import end_plan
 from accelrun.models.families.moe import hf, shape
 from accelrun.models.families.moe.model import MoE, MoEArgs
-
-
-def _build(args: MoEArgs) -> nn.Module:
-    return MoE(args)
-
 
 _ATTENTION_ONLY = {"attention.wq", "attention.wk", "attention.wv", "attention.wo"}
 
@@ -26,7 +19,7 @@ def _attention_plan() -> dict:
 SPEC = ModelSpec(
     name="moe",
     args_from_config=MoEArgs.from_config,
-    build=_build,
+    build=MoE,
     flops_per_token=shape.flops_per_token,
     param_count=shape.param_count,
     tp_plan=TPPlan(block=_attention_plan(), sequence_parallel_block={}, ends=end_plan),
