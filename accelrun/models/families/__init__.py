@@ -79,10 +79,27 @@ class ModelSpec:
     tied_output_name: str = "output.weight"
     extras: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, name: str, module: Callable[[Any], nn.Module], args: Any, shape: Any, hf: Any = None,
+           **fields: Any) -> ModelSpec:
+        """The spec of a family folder's pieces: ``module(args)`` builds it, ``args.from_config`` reads the
+        recipe, ``shape`` gives FLOPs and parameters, and ``hf`` (its ``hf.py``, if it has one) whichever
+        of the Hugging Face conversions it defines; ``fields`` are the rest of the spec."""
+        conversions = {field_name: getattr(hf, attr) for field_name, attr in _HF_FUNCTIONS.items()
+                       if hf is not None and hasattr(hf, attr)}
+        return cls(name=name, args_from_config=args.from_config, build=module, flops_per_token=shape.flops_per_token,
+                   param_count=shape.param_count, **conversions, **fields)
+
     @property
     def ends(self) -> tuple[str, ...]:
         """Every module outside the repeated blocks, first stage's then last stage's."""
         return self.first_stage_ends + self.last_stage_ends
+
+
+# ModelSpec field -> the function of that name a family's hf.py defines.
+_HF_FUNCTIONS = {"state_dict_from_hf": "state_dict_from_hf", "state_dict_to_hf": "state_dict_to_hf",
+                 "hf_name": "hf_name", "hf_config": "hf_config", "hf_from_tensor": "from_hf_tensor",
+                 "hf_row_block": "row_block"}
 
 
 class UnknownFamily(UserError, ValueError):

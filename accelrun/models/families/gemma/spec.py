@@ -7,21 +7,10 @@ from accelrun.models.families.gemma import hf, shape
 from accelrun.models.families.gemma.model import Gemma, GemmaArgs
 from accelrun.models.families.gemma.tp_plan import BLOCK_PLAN, SP_BLOCK_PLAN, end_plan
 
-SPEC = ModelSpec(
-    name="gemma",
-    args_from_config=GemmaArgs.from_config,
-    build=Gemma,
-    flops_per_token=shape.flops_per_token,
-    param_count=shape.param_count,
+SPEC = ModelSpec.of(
+    "gemma", Gemma, GemmaArgs, shape, hf,
     tp_plan=TPPlan(block=BLOCK_PLAN, sequence_parallel_block=SP_BLOCK_PLAN, ends=end_plan),
-    blocks_attr="layers",
     first_stage_ends=("embed_tokens",),
     last_stage_ends=("norm", "lm_head"),
     tied_output_name="lm_head.weight",
-    state_dict_from_hf=hf.state_dict_from_hf,
-    state_dict_to_hf=hf.state_dict_to_hf,
-    hf_name=hf.hf_name,
-    hf_config=hf.hf_config,
-    hf_from_tensor=hf.from_hf_tensor,
-    hf_row_block=hf.row_block,
 )

@@ -16,17 +16,10 @@ def _attention_plan() -> dict:
     return {k: v for k, v in BLOCK_PLAN.items() if k in _ATTENTION_ONLY}
 
 
-SPEC = ModelSpec(
-    name="moe",
-    args_from_config=MoEArgs.from_config,
-    build=MoE,
-    flops_per_token=shape.flops_per_token,
-    param_count=shape.param_count,
+SPEC = ModelSpec.of(
+    "moe", MoE, MoEArgs, shape, hf,  # hf: export to Mixtral; reading Mixtral folders is not supported
     tp_plan=TPPlan(block=_attention_plan(), sequence_parallel_block={}, ends=end_plan),
-    blocks_attr="layers",
     first_stage_ends=("tok_embeddings",),
     last_stage_ends=("norm", "output"),
-    state_dict_to_hf=hf.state_dict_to_hf,  # export to Mixtral; reading Mixtral folders is not supported
-    hf_config=hf.hf_config,
     extras={"mfu_basis": "active parameters (top-k routed experts + shared expert + attention + router)"},
 )
