@@ -76,9 +76,17 @@ def data_files(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine)
     from accelrun.config.data_paths import expand_paths
 
     try:
-        expand_paths(cfg.data.paths)
+        files = expand_paths(cfg.data.paths)
     except UserError as e:
         return [Finding(f"{m} ({source_of(('data', 'paths'), sources, exact=False)})", True) for m in e.messages]
+    if cfg.data.source == "tokens" and cfg.data.packing == "document":
+        # Document packing reads each token file's document index (data/doc_index.py: NAME.docs beside NAME.tok).
+        unindexed = [f for f in files if Path(f).suffix == ".tok" and not Path(f).with_suffix(".docs").is_file()]
+        if unindexed:
+            where = source_of(("data", "packing"), sources)
+            return [Finding(f"{unindexed[0]}: no document index ({Path(unindexed[0]).with_suffix('.docs').name}) "
+                            f"beside it, and data.packing = document ({where}) reads one; prepare it again with "
+                            "accelrun data prepare, or use data.packing: concat", True)]
     return []
 
 

@@ -198,3 +198,25 @@ def test_compile_explain_shows_document_attention_in_the_compiled_graphs(tmp_pat
     (dump,) = (tmp_path / "runs").glob("*/*/compile")
     assert "accelrun.document_attention.default" in (dump / "g0.forward" / "00_input.py").read_text()
     assert "accelrun.document_attention_backward.default" in (dump / "g0.backward" / "00_input.py").read_text()
+
+
+def test_token_files_without_a_document_index_exit_2_before_a_run_directory(tmp_path):
+    from click.testing import CliRunner
+
+    from accelrun.cli.main import cli
+
+    (tmp_path / "a.txt").write_text("one document\n" * 50)
+    tok = tmp_path / "a.tok"
+    assert CliRunner().invoke(cli, ["data", "prepare", str(tmp_path / "a.txt"), "-o", str(tok)]).exit_code == 0
+    recipe = [str(DEFAULT_CONFIG), "train.device=cpu", "data.source=tokens", f"data.paths=[{tok}]",
+              "data.packing=document", "train.seq_len=16", "train.micro_batch=1", "train.global_batch=1",
+              f"report.runs_dir={tmp_path / 'runs'}"]
+    assert CliRunner().invoke(cli, ["validate", *recipe]).exit_code == 0  # prepared with its index
+    tok.with_suffix(".docs").unlink()
+    want = (f"error: {tok}: no document index (a.docs) beside it, and data.packing = document (override "
+            "'data.packing=document') reads one; prepare it again with accelrun data prepare, or use data.packing: concat")
+    for command in ("validate", "train"):
+        r = CliRunner().invoke(cli, [command, *recipe])
+        errors = [line for line in r.output.splitlines() if line.startswith("error")]
+        assert r.exit_code == 2 and errors == [want], r.output
+    assert not (tmp_path / "runs").exists()
