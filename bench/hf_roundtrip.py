@@ -64,20 +64,11 @@ def train(src: Path, runs: Path, name: str, layout: list[str]) -> Path | str:
 
 
 def accelrun_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    import torch.distributed.checkpoint as dcp
-    import yaml
+    """accelrun's own model from the run's final checkpoint (independent of the export code)."""
+    from accelrun.train.generate import load_run_model
 
-    from accelrun.config.schema import ModelConfig
-    from accelrun.models import build_model
-
-    keys = yaml.safe_load((run_dir / "config.yaml").read_text())["model"]
-    model = build_model(ModelConfig.model_validate({**keys, "hf": None}), "cpu", seed=1)
-    (ckpt,) = sorted((run_dir / "checkpoints").glob("step-*"))
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=ckpt)
-    model.load_state_dict(state["model"])
     with torch.no_grad():
-        return model.eval()(tokens)
+        return load_run_model(run_dir)(tokens)
 
 
 def losses(run_dir: Path) -> list[float]:

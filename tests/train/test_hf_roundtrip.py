@@ -7,12 +7,10 @@ import json
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 
 from accelrun.cli.main import cli
-from accelrun.config.schema import ModelConfig
-from accelrun.models import build_model
+from accelrun.train.generate import load_run_model
 from tests.conftest import DEFAULT_CONFIG
 from tests.models.hf_helpers import save_tiny_hf
 
@@ -21,17 +19,8 @@ TOL = 1e-5
 
 def _accelrun_logits(run_dir, tokens):
     """accelrun's own model from the run's final checkpoint (independent of the export code)."""
-    import yaml
-
-    model_keys = yaml.safe_load((run_dir / "config.yaml").read_text())["model"]
-    cfg = ModelConfig.model_validate({**model_keys, "hf": None})
-    model = build_model(cfg, "cpu", seed=123)
-    (ckpt,) = sorted((run_dir / "checkpoints").glob("step-*"))
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=ckpt)
-    model.load_state_dict(state["model"])
     with torch.no_grad():
-        return model.eval()(tokens)
+        return load_run_model(run_dir)(tokens)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma"])

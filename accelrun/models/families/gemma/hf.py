@@ -53,23 +53,7 @@ def state_dict_from_hf(sd: dict[str, torch.Tensor], args: Any) -> dict[str, torc
 
 def hf_config(args: Any) -> dict[str, Any]:
     """config.json for a Gemma of shape ``args`` (transformers' ``GemmaConfig`` keys)."""
-    return {
-        "architectures": ["GemmaForCausalLM"],
-        "model_type": "gemma",
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "intermediate_size": args.ffn_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "initializer_range": args.init_std,
-        "hidden_act": "gelu_pytorch_tanh",
-        "attention_bias": False,
-        "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "torch_dtype": "float32",
-    }
+    config = llama_hf.decoder_config(args, architecture="GemmaForCausalLM", model_type="gemma",
+                                     hidden_act="gelu_pytorch_tanh")
+    config.update(attention_bias=False, rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta})
+    return config

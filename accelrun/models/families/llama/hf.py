@@ -102,12 +102,11 @@ def expected_names(args: Any) -> list[str]:
     return names
 
 
-def hf_config(args: Any) -> dict[str, Any]:
-    """config.json for a model of shape ``args``: qwen2 when it has q/k/v biases, else llama."""
-    qwen = bool(args.qkv_bias)
-    config: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
+def decoder_config(args: Any, *, architecture: str, model_type: str, hidden_act: str) -> dict[str, Any]:
+    """The config.json keys a decoder of shape ``args`` has in every family here (transformers' names)."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": args.dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
@@ -119,10 +118,17 @@ def hf_config(args: Any) -> dict[str, Any]:
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings,
         "initializer_range": args.init_std,
-        "hidden_act": "silu",
+        "hidden_act": hidden_act,
         "rope_theta": args.rope_theta,
         "torch_dtype": "float32",
     }
+
+
+def hf_config(args: Any) -> dict[str, Any]:
+    """config.json for a model of shape ``args``: qwen2 when it has q/k/v biases, else llama."""
+    qwen = bool(args.qkv_bias)
+    config = decoder_config(args, architecture="Qwen2ForCausalLM" if qwen else "LlamaForCausalLM",
+                            model_type="qwen2" if qwen else "llama", hidden_act="silu")
     if not qwen:
         config.update(attention_bias=False, mlp_bias=False)
     else:
