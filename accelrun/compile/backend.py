@@ -53,6 +53,9 @@ class AccelrunBackend:
         self.record = record or CompileRecord()
         self.dump = Dumper(self.options.dump_dir)
         self.executors = make_executors(self.options.executors)
+        for executor in self.executors:  # compile.tune_launches, read by the Triton executor
+            if hasattr(executor, "tune_launches"):
+                executor.tune_launches = self.options.tune_launches
         self.passes = PassDriver(self.options.passes, self.record, self.dump, strict=self.options.strict,
                                  debug_numerics=self.options.debug_numerics)
         if not self.record.dynamo_start:

@@ -25,6 +25,8 @@ class CompileOptions:
     # Fallbacks (a pass that raised skipped for its graph, a region sent to the next executor) become
     # errors: for developers of the compiler, and tests that must see the compiler itself work.
     strict: bool = False
+    # Triton kernels' launch configurations timed on the GPU at their first call and cached beside them.
+    tune_launches: bool = True
 
     @classmethod
     def from_config(cls, cfg: Any, dump_dir: Path | None = None) -> CompileOptions:
@@ -36,6 +38,7 @@ class CompileOptions:
             debug_numerics=cfg.debug_numerics,
             dump_dir=dump_dir,
             strict=bool(getattr(cfg, "strict", False)),  # compile.strict, where the schema has it
+            tune_launches=bool(getattr(cfg, "tune_launches", True)),
         )
 
     def fingerprint(self) -> str:

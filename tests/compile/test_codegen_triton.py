@@ -298,7 +298,7 @@ def test_a_kernel_the_gpu_cannot_take_goes_to_the_next_executor(monkeypatch, tmp
     monkeypatch.setattr(TritonExecutor, "runs_anywhere", lambda self: True)
     warmed = []
 
-    def refuse(program, module):
+    def refuse(program, module, plan=None):
         warmed.append(module)
         raise OutOfResources(264192, 232448, "shared memory")
 

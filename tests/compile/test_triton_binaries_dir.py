@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from accelrun.compile.codegen import triton_aot
+from accelrun.compile.codegen.triton import Launch
 
 
 def test_warm_up_compiles_into_the_modules_bin_folder_and_restores_the_variable(tmp_path, monkeypatch):
@@ -25,7 +26,7 @@ def test_warm_up_compiles_into_the_modules_bin_folder_and_restores_the_variable(
             return SimpleNamespace(n_regs=32, n_spills=0)
 
     module = SimpleNamespace(__file__=str(tmp_path / "accelrun_abc.py"), k0=FakeKernel())
-    launch = SimpleNamespace(kernel="k0", args=[], grid=(1,), block_r=1, block_n=16, num_warps=4)
+    launch = Launch("k0", (1,), (), block_r=1, block_n=16, num_warps=4)
     monkeypatch.setattr(triton_aot, "launches", lambda program: [launch])
     monkeypatch.setattr(triton_aot, "buffer_dtypes", lambda program: {})
     assert triton_aot.warm_up(program=None, module=module) == ["k0: 32 registers, 0 spills, 4 warps"]

@@ -203,6 +203,12 @@ class Launch:
     block_r: int
     block_n: int
     num_warps: int
+    num_stages: int | None = None  # software pipelining of loops; None: Triton's default (launch_tuning sets it)
+
+    def options(self) -> dict[str, int]:
+        """The launch's keyword arguments besides the buffers (constexprs, warps, stages)."""
+        out = {"BLOCK_R": self.block_r, "BLOCK_N": self.block_n, "num_warps": self.num_warps}
+        return out if self.num_stages is None else {**out, "num_stages": self.num_stages}
 
 
 @dataclass(frozen=True)

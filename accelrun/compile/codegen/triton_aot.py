@@ -45,17 +45,16 @@ def buffer_dtypes(program: LoopProgram) -> dict[str, torch.dtype]:
     return out
 
 
-def warm_up(program: LoopProgram, module: Any) -> list[str]:
-    """Compile and load every launch of ``module`` for the current CUDA device; raises what Triton
-    raises (a compile error, ``OutOfResources``). Returns a line per kernel: its registers and spills
-    as the driver loaded it."""
+def warm_up(program: LoopProgram, module: Any, plan: list[Launch] | None = None) -> list[str]:
+    """Compile and load every launch of ``module`` (as ``plan`` configures them: tuned, or by default
+    the generator's) for the current CUDA device; raises what Triton raises (a compile error,
+    ``OutOfResources``). Returns a line per kernel: its registers and spills as the driver loaded it."""
     dtypes = buffer_dtypes(program)
     out = []
     with kernel_binaries_beside(module.__file__):
-        for ln in launches(program):
+        for ln in plan if plan is not None else launches(program):
             kernel = getattr(module, ln.kernel)
-            compiled = kernel.warmup(*[dtypes[a] for a in ln.args], grid=ln.grid, BLOCK_R=ln.block_r,
-                                     BLOCK_N=ln.block_n, num_warps=ln.num_warps)
+            compiled = kernel.warmup(*[dtypes[a] for a in ln.args], grid=ln.grid, **ln.options())
             init = getattr(compiled, "_init_handles", None)
             if init is not None:
                 init()  # loads the binary: where shared memory or register limits are checked
@@ -123,9 +122,11 @@ def import_compilable(source: str) -> Any:
     return module
 
 
-def cross_compile(program: LoopProgram, source: str, arch: int, ptxas: bool = True) -> list[CrossCompiled]:
-    """Every launch of ``program`` compiled by Triton for ``sm_<arch>`` (no GPU needed); with ``ptxas``
-    the registers and spills of each. Raises what Triton raises for code it rejects."""
+def cross_compile(program: LoopProgram, source: str, arch: int, ptxas: bool = True,
+                  plan: list[Launch] | None = None) -> list[CrossCompiled]:  # fmt: skip
+    """Every launch of ``program`` (or of ``plan``: launch_tuning's candidates) compiled by Triton for
+    ``sm_<arch>`` (no GPU needed); with ``ptxas`` the registers and spills of each. Raises what Triton
+    raises for code it rejects."""
     import triton
 
     from accelrun.torch_private import ASTSource, GPUTarget
@@ -133,13 +134,14 @@ def cross_compile(program: LoopProgram, source: str, arch: int, ptxas: bool = Tr
     module = import_compilable(source)
     dtypes = buffer_dtypes(program)
     out = []
-    for ln in launches(program):
+    for ln in plan if plan is not None else launches(program):
         fn = getattr(module, ln.kernel)
         signature = {a: POINTER[dtypes[a]] for a in ln.args} | {"BLOCK_R": "constexpr", "BLOCK_N": "constexpr"}
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ln.args))}  # torch's allocations are aligned
         src = ASTSource(fn=fn, signature=signature, constexprs={"BLOCK_R": ln.block_r, "BLOCK_N": ln.block_n},
                         attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": ln.num_warps})
+        options = {k: v for k, v in ln.options().items() if k.startswith("num_")}  # warps, and stages where set
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         item = CrossCompiled(ln, arch, compiled)
         if ptxas:
             item.registers, item.spill_stores, item.spill_loads = ptxas_usage(compiled.asm["ptx"], arch)

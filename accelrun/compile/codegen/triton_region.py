@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from accelrun.compile.codegen.loop_ir import Buffer, LoopProgram
-from accelrun.compile.codegen.triton import launches, load_module, scratch_buffers
+from accelrun.compile.codegen.triton import Launch, launches, load_module, scratch_buffers
 from accelrun.compile.codegen.triton_aot import kernel_binaries_beside, warm_up
 from accelrun.torch_private import cuda_current_raw_stream, triton_direct_launch
 
@@ -31,9 +31,13 @@ class TritonRegion:
 
     fresh_outputs = True  # every output is a new tensor (read by fast_calls)
 
-    def __init__(self, program: LoopProgram, module: Any) -> None:
+    def __init__(self, program: LoopProgram, module: Any, tune: bool = False) -> None:
         self.program, self.module_file = program, str(Path(module.__file__).resolve())
-        self.launch = module.launch
+        self.module, self.launch = module, module.launch
+        # compile.tune_launches: at the first call on a GPU, launch configurations from the tuning cache
+        # beside the binaries, or timed there and then (launch_tuning); "cache" / "tuned" once done.
+        self.tune = tune
+        self.tuning: str | None = None
         self.inputs = program.of_role("input")
         self.outputs = program.of_role("output")
         self.temps = program.of_role("temp")
@@ -43,8 +47,8 @@ class TritonRegion:
         self._scratch_specs = [(tuple(b.shape), b.dtype) for b in self.temps]
         self._scratch_specs += [(s.shape, s.dtype) for s in scratch]
         slot = {n: i for i, n in enumerate([b.name for b in program.buffers] + [s.name for s in scratch])}
-        self._plan = [(getattr(module, ln.kernel), (*ln.grid, 1, 1)[:3], tuple(slot[a] for a in ln.args),
-                       (ln.block_r, ln.block_n), ln.num_warps) for ln in launches(program)]
+        self._slot = slot
+        self._plan = self._plan_of(launches(program))
         self._scratch: dict[Any, list[torch.Tensor]] = {}
         self._compiled: list[tuple[Any, ...]] | None = None
         # ACCELRUN_TRITON_DIRECT=0 keeps every launch on triton.jit's path (to compare, or to debug).
@@ -61,9 +65,13 @@ class TritonRegion:
                 break
         device = args[0].device if args else torch.device("cuda" if self._direct else "cpu")
         outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._out_specs]
-        if device.type != "cuda":
+        if device.type != "cuda":  # Triton's interpreter; the launches as planned (tuned, in tests)
             scratch = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._scratch_specs]
-            self.launch(*ins, *outs, *scratch)
+            bufs = (*ins, *outs, *scratch)
+            if self.tune and self.tuning is None:
+                self._tune(bufs)
+            for kernel, grid_, slots, _, options in self._plan:
+                kernel[grid_](*[bufs[i] for i in slots], **options)
             return tuple(outs)
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = cuda_current_raw_stream(index)
@@ -84,23 +92,42 @@ class TritonRegion:
             return tuple(outs)
         found = []
         with kernel_binaries_beside(self.module_file):  # a call the warm-up did not foresee compiles here
-            for kernel, grid_, slots, (block_r, block_n), warps in self._plan:
-                ck = kernel[grid_](*[bufs[i] for i in slots], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
+            if self.tune and self.tuning is None:
+                self._tune(bufs)
+            for kernel, grid_, slots, _, options in self._plan:
+                ck = kernel[grid_](*[bufs[i] for i in slots], **options)
                 found.append(ck)
         direct = [triton_direct_launch(ck) for ck in found]
         if self._direct and all(d is not None for d in direct):
             self._compiled = [(ck, *d, p[1], p[2], p[3]) for ck, d, p in zip(found, direct, self._plan, strict=True)]
         return tuple(outs)
 
+    def _plan_of(self, plan: list[Launch]) -> list[tuple[Any, ...]]:
+        """Per launch: (kernel, 3-d grid, buffer slots, constexprs, launch keywords)."""
+        return [(getattr(self.module, ln.kernel), (*ln.grid, 1, 1)[:3], tuple(self._slot[a] for a in ln.args),
+                 (ln.block_r, ln.block_n), ln.options()) for ln in plan]  # fmt: skip
+
+    def _tune(self, bufs: tuple[torch.Tensor, ...]) -> None:
+        from accelrun.compile.codegen.launch_tuning import (
+            cuda_event_timer,
+            current_device_key,
+            tuned_launches,
+        )
+
+        slots = [p[2] for p in self._plan]
+        chosen = tuned_launches(self.program, self.module_file, current_device_key(),
+                                lambda: cuda_event_timer(self.module, list(bufs), slots, self.program))  # fmt: skip
+        self._plan, self.tuning = self._plan_of(chosen.launches), chosen.source
+
     def __reduce__(self) -> tuple:
         # Saved in the graph cache, as a CppRegion is: the generated module is imported again from its
         # file (Triton's own cache holds its kernels' binaries), the launches planned from the program.
         # Without this a graph of Triton regions could only be saved unlowered, and a new process
         # lowered every region again (a 12 s first step on an H100 against Inductor's 3 s).
-        return (_restore_triton_region, (self.module_file, self.program))
+        return (_restore_triton_region, (self.module_file, self.program, self.tune))
 
 
-def _restore_triton_region(module_file: str, program: LoopProgram) -> TritonRegion:
+def _restore_triton_region(module_file: str, program: LoopProgram, tune: bool = False) -> TritonRegion:
     path = Path(module_file)
     if not path.exists():
         raise FileNotFoundError(f"generated Triton module {path} is no longer in the cache")
@@ -110,8 +137,11 @@ def _restore_triton_region(module_file: str, program: LoopProgram) -> TritonRegi
         # What fails (another GPU's registers or shared memory) raises here, while the graph cache
         # loads, and it compiles the graph afresh, with the executors' fallbacks, instead of failing
         # inside a training step.
-        warm_up(program, module)
-    return TritonRegion(program, module)
+        # Tuned launches, if any, from the file beside the binaries: nothing is timed again here.
+        from accelrun.compile.codegen.launch_tuning import cached_launches
+
+        warm_up(program, module, cached_launches(program, module_file) if tune else None)
+    return TritonRegion(program, module, tune)
 
 
 def _launch_hooks() -> tuple[Any, Any]:

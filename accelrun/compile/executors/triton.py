@@ -19,6 +19,7 @@ class TritonExecutor(GeneratedCodeExecutor):
     name = "triton"
     device_type = "cuda"
     source_ext = "py"
+    tune_launches = True  # compile.tune_launches (the backend sets it from its options)
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("triton") is None:
@@ -44,8 +45,9 @@ class TritonExecutor(GeneratedCodeExecutor):
         region.lowering.cache_hit = module_path(source, cache_dir).exists()
         program = cached_program(region)
         module = load_module(source, cache_dir)
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            return with_output_strides(TritonRegion(program, module), program)
+        if os.environ.get("TRITON_INTERPRET") == "1":  # nothing to time here (launch_tuning.can_time: False)
+            tune = self.tune_launches and _can_time()
+            return with_output_strides(TritonRegion(program, module, tune=tune), program)
         # Triton compiles a kernel at its first call, inside the first training step. Compiled (and
         # loaded) here instead, a kernel the real compiler rejects, or one needing more registers or
         # shared memory than the device has, is a compile failure the lowering records and hands to the
@@ -53,13 +55,27 @@ class TritonExecutor(GeneratedCodeExecutor):
         # first call, the lowering's FirstCallCheck catches.)
         from accelrun.compile.codegen.triton_aot import warm_up
 
-        region.lowering.triton_kernels = warm_up(program, module)
-        return with_output_strides(TritonRegion(program, module), program)
+        # Tuned before (this process or another, for this device): the tuned launches are the ones built.
+        tuned = _cached_launches(program, module.__file__) if self.tune_launches and _can_time() else None
+        region.lowering.triton_kernels = warm_up(program, module, tuned)
+        return with_output_strides(TritonRegion(program, module, tune=self.tune_launches), program)
 
     def generate(self, program) -> str:
         from accelrun.compile.codegen.triton import triton_source
 
         return triton_source(program)
+
+
+def _can_time() -> bool:
+    from accelrun.compile.codegen.launch_tuning import can_time
+
+    return can_time()
+
+
+def _cached_launches(program, module_file: str):
+    from accelrun.compile.codegen.launch_tuning import cached_launches
+
+    return cached_launches(program, module_file)
 
 
 def with_output_strides(fn: RegionFn, program) -> RegionFn:
