@@ -17,9 +17,10 @@
 #                                          # of the script itself: gloo ranks, no Triton, no GPU parts)
 #   SMOKE_PARTS=train,8b bash bench/gpu_smoke.sh   # only some parts (of triton, train, resume, profile,
 #                                          # 8b, plan, float8, multi), e.g. to fit a command-time limit
-#   SMOKE_PARTS=bench bash bench/gpu_smoke.sh   # not in the default list (about 6 minutes on an H100):
-#                                          # bench/compile_step.py on an 8-layer dim-2048 Llama, eager vs
-#                                          # Inductor vs accelrun's Triton, fp32 and bf16-mixed
+#   SMOKE_PARTS=bench bash bench/gpu_smoke.sh   # not in the default list (about 8 minutes on an H100):
+#                                          # the debug model with CUDA graphs on / off and tuned / untuned
+#                                          # launches, and bench/compile_step.py on an 8-layer dim-2048
+#                                          # Llama, eager vs Inductor vs accelrun's Triton, fp32 and bf16
 #
 # It stops at nothing: every part runs, and the exit code is 1 if any part failed.
 set -uo pipefail
@@ -153,6 +154,51 @@ EOF
 fi
 
 if [ "$DEVICE" = cuda ] && want bench; then
+    # compile.cuda_graphs and compile.tune_launches (issue 31, item 5) on the debug model, in a cache of
+    # their own so that the first runs are cold: untuned launches without CUDA graphs, then tuned (the
+    # tuning is in that run's compile time), then tuned with CUDA graphs (a new process: graphs, kernels
+    # and tuned launches from the caches, so its compile time is accelrun's warm start), beside Inductor
+    # cold and warm.
+    section "CUDA graphs and tuned launch configurations on configs/llama.yaml (accelrun's Triton)"
+    export ACCELRUN_CACHE_DIR="$runs/bench-cache"
+    for p in fp32 bf16-mixed; do
+        accel=(train.precision="$p" compile.backend=accelrun "compile.executors=[triton,aten]")
+        train "bench-untuned-nocg-$p" "${accel[@]}" compile.tune_launches=false compile.cuda_graphs=off
+        train "bench-tuned-nocg-$p" "${accel[@]}" compile.tune_launches=true compile.cuda_graphs=off
+        train "bench-tuned-cg-$p" "${accel[@]}" compile.tune_launches=true compile.cuda_graphs=on
+        train "bench-inductor-$p" train.precision="$p" compile.backend=inductor
+        train "bench-inductor-warm-$p" train.precision="$p" compile.backend=inductor
+    done
+    unset ACCELRUN_CACHE_DIR
+    python - "$runs" <<'EOF' || failed+=("bench: CUDA graphs and tuning")
+import json
+import sys
+from pathlib import Path
+
+runs = Path(sys.argv[1])
+def report(name):
+    found = sorted((runs / name).glob("*/*/report.json"))
+    return json.loads(found[0].read_text()) if found else None
+def ms(r):
+    return (r.get("step_time_s") or {}).get("median") * 1e3 if r and r.get("step_time_s") else float("nan")
+ok = True
+for p in ("fp32", "bf16-mixed"):
+    r = {k: report(f"bench-{k}-{p}") for k in ("untuned-nocg", "tuned-nocg", "tuned-cg", "inductor", "inductor-warm")}
+    if any(v is None for v in r.values()):
+        print(f"{p}: a run is missing"); ok = False; continue
+    ind = ms(r["inductor-warm"])
+    print(f"{p}: step ms untuned {ms(r['untuned-nocg']):.2f}, tuned {ms(r['tuned-nocg']):.2f} "
+          f"({ms(r['untuned-nocg']) / ms(r['tuned-nocg']):.3f}x), tuned + CUDA graphs {ms(r['tuned-cg']):.2f} "
+          f"({ms(r['tuned-nocg']) / ms(r['tuned-cg']):.3f}x); Inductor {ind:.2f}: accelrun "
+          f"{ind / ms(r['tuned-cg']):.3f}x Inductor")
+    print(f"{p}: first step (compile) s: accelrun cold {r['tuned-nocg'].get('compile_time_s')}, warm "
+          f"{r['tuned-cg'].get('compile_time_s')}; Inductor cold {r['inductor'].get('compile_time_s')}, warm "
+          f"{r['inductor-warm'].get('compile_time_s')}")
+    c = r["tuned-cg"].get("compiler") or {}
+    print(f"{p}: compiled: {c.get('compiled')}; CUDA graphs: {(c.get('cuda_graphs') or {}).get('row')}")
+    ok &= bool((c.get("cuda_graphs") or {}).get("captured"))  # something was captured
+sys.exit(0 if ok else 1)
+EOF
     section "eager, Inductor and accelrun's Triton on an 8-layer dim-2048 Llama (bench/compile_step.py)"
     python bench/compile_step.py --device cuda --executors triton,aten --precision both --rounds 12 \
         model.dim=2048 model.n_layers=8 model.n_heads=16 model.n_kv_heads=8 model.ffn_dim=5632 \

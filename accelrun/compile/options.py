@@ -44,4 +44,5 @@ class CompileOptions:
     def fingerprint(self) -> str:
         """What about the options changes compiled output (for cache keys)."""
         passes = ";".join(f"{p.name}{p.options.model_dump_json()}" for p in self.passes)
-        return f"passes={passes}|executors={','.join(self.executors)}"
+        # tune_launches: a saved Triton region keeps whether it tunes (read at its first call)
+        return f"passes={passes}|executors={','.join(self.executors)}|tune_launches={self.tune_launches}"
