@@ -7,6 +7,8 @@ sequence (dim 1) and each block's attention and feed-forward gather it first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -46,18 +48,26 @@ SP_BLOCK_PLAN = {
 }
 
 
-def end_plan(model: nn.Module, sequence_parallel: bool, vocab_parallel_loss: bool) -> dict:
-    """The plan for the model's ends (embedding, final norm, output layer) that this stage has."""
-    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
-    plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-        "output": ColwiseParallel(
-            input_layouts=stream,
-            # Loss parallel keeps the logits a vocabulary-sharded DTensor for loss_parallel().
-            output_layouts=Shard(-1) if vocab_parallel_loss else Replicate(),
-            use_local_output=not vocab_parallel_loss,
-        ),
-    }
-    if sequence_parallel:
-        plan["norm"] = SequenceParallel()
-    return {k: v for k, v in plan.items() if getattr(model, k, None) is not None}  # a stage may lack an end
+def ends_plan(embedding: str, output: str) -> Callable[[nn.Module, bool, bool], dict]:
+    """The plan for a model's ends (embedding, final norm, output layer), given the embedding's and the
+    output layer's attribute names: embedding rows split, output columns split."""
+
+    def end_plan(model: nn.Module, sequence_parallel: bool, vocab_parallel_loss: bool) -> dict:
+        stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
+        plan = {
+            embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+            output: ColwiseParallel(
+                input_layouts=stream,
+                # Loss parallel keeps the logits a vocabulary-sharded DTensor for loss_parallel().
+                output_layouts=Shard(-1) if vocab_parallel_loss else Replicate(),
+                use_local_output=not vocab_parallel_loss,
+            ),
+        }
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        return {k: v for k, v in plan.items() if getattr(model, k, None) is not None}  # a stage may lack an end
+
+    return end_plan
+
+
+end_plan = ends_plan("tok_embeddings", "output")
