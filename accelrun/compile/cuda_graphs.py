@@ -57,10 +57,17 @@ class TorchCudaGraphs:
 
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream()  # every capture's, so that its lazy state is made once, outside
 
     def capture(self, fn: Callable[..., Any], inputs: list[Any]) -> tuple[Any, Any]:
+        # One call on the capture stream first, as torch.cuda.graphs asks: what is made lazily per
+        # stream (cuBLAS's workspace, a Triton region's scratch) is made there, not inside the capture.
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            fn(*inputs)
+        torch.cuda.current_stream().wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             outputs = fn(*inputs)
         return graph, outputs
 
