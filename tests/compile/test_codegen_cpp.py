@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch._decomp import core_aten_decompositions
-from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._sympy.functions import FloorDiv
 
@@ -30,9 +29,8 @@ from accelrun.compile.codegen.cpp import PRELUDE, CppRegion, cpp_source
 from accelrun.compile.codegen.cpp_build import build_library, load_library
 from accelrun.compile.codegen.loop_ir import C, Unsupported, cached_program, lower_graph, lower_region
 from accelrun.compile.executors.cpp import CppExecutor
-from accelrun.compile.extract import extract_regions
-from accelrun.compile.passes.partition_regions import partition
 from accelrun.compile.regions import Region
+from tests.compile.traced_regions import regions_of
 
 pytestmark = pytest.mark.skipif(cpp_build.find_compiler() is None, reason="no g++ on this machine")
 SETTINGS = settings(max_examples=3, deadline=None, derandomize=True,
@@ -51,26 +49,6 @@ def region_of(fn, *args) -> Region:
     ins = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     outs = [n.meta["val"] for n in gm.graph.find_nodes(op="output")[0].args[0]]
     return Region(0, gm, ins, outs)
-
-
-def llama_regions(fn, *args) -> list[Region]:
-    """Regions the partitioner cuts from the forward and backward graphs of ``fn``."""
-    graphs = []
-
-    def keep(gm, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    compiled = aot_function(fn, fw_compiler=keep, bw_compiler=keep, decompositions=core_aten_decompositions())
-    outs = compiled(*args)
-    outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
-    if any(o.requires_grad for o in outs):
-        sum(o.float().sum() for o in outs if o.requires_grad).backward()
-    regions: list[Region] = []
-    for kind, gm in zip(("forward", "backward"), graphs, strict=False):
-        partition(gm.graph, first_id=len(regions))
-        regions += extract_regions(gm, kind)
-    return regions
 
 
 def random_like(meta: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -277,12 +255,12 @@ def _llama_cases(dtype):
 def test_llama_regions_fp32(cache):
     regions = []
     for name, (fn, *args) in _llama_cases(torch.float32).items():
-        found = llama_regions(fn, *args)
+        found = regions_of(fn, *args)
         assert found, f"the partitioner found no region in {name}"
         regions += found
     check_together(regions, cache, atol=1e-5)
     for head in (torch.sin, lambda y: y * 3):  # the backward: one region with a column and a row loop
-        check_together(llama_regions(lambda x, w, head=head: head(rmsnorm(x, w)),
+        check_together(regions_of(lambda x, w, head=head: head(rmsnorm(x, w)),
                                      *_llama_cases(torch.float32)["rmsnorm"][1:]), cache, atol=1e-5)
 
 
@@ -313,7 +291,7 @@ def test_gqa_rope_forward_and_backward_regions(cache):
     merged projection's output, [q | k | v], from attention's three gradients in one region: the
     repeat's sum over query heads unrolled, RoPE's backward, and the cat stored part by part (no
     select between the parts)."""
-    regions = llama_regions(gqa_attention_inputs, *_gqa_case())
+    regions = regions_of(gqa_attention_inputs, *_gqa_case())
     forward = [r for r in regions if r.graph_kind == "forward"]
     backward = [r for r in regions if r.graph_kind == "backward"]
     assert len(backward) == 1, [r.graph_kind for r in regions]
@@ -354,19 +332,19 @@ def test_rmsnorm_backward_is_one_region_of_a_column_loop_and_a_row_loop():
     # gradient reaching the norm is computed in the graph (as in a block, where it is the sum of the
     # projections' input gradients), so both sums have a producer in common.
     _, *args = _llama_cases(torch.float32)["rmsnorm"]
-    (backward,) = [r for r in llama_regions(lambda x, w: rmsnorm(x, w).sin(), *args) if r.graph_kind == "backward"]
+    (backward,) = [r for r in regions_of(lambda x, w: rmsnorm(x, w).sin(), *args) if r.graph_kind == "backward"]
     program = lower_region(backward)
     assert sorted(k.kind for k in program.kernels) == ["cols", "rows"], program.describe()
     assert not program.of_role("temp") and len(program.of_role("output")) == 2, program.describe()
     # With no row scratch (the gradient's producer is cheap to recompute), C++ runs the row loop
     # inside the column loop's: one pass over the rows (checked against eager in the test above).
-    (backward,) = [r for r in llama_regions(lambda x, w: rmsnorm(x, w) * 3, *args) if r.graph_kind == "backward"]
+    (backward,) = [r for r in regions_of(lambda x, w: rmsnorm(x, w) * 3, *args) if r.graph_kind == "backward"]
     assert cpp_source(lower_region(backward)).count("static void") == 1
 
 
 def test_llama_regions_bf16(cache):
     cases = _llama_cases(torch.bfloat16)
-    check_together([r for name in ("rmsnorm", "swiglu", "rope") for r in llama_regions(*cases[name])], cache)
+    check_together([r for name in ("rmsnorm", "swiglu", "rope") for r in regions_of(*cases[name])], cache)
 
 
 def test_source_kept_and_cache_hit(cache):
@@ -478,7 +456,7 @@ def test_interleaved_pairs_are_unrolled(cache):
 def test_rope_regions_hold_their_cat(cache):
     """The partitioner lets a cat join its parts' region, so RoPE's halves are never materialised."""
     x, angle = torch.randn(2, 8, 2, 16, requires_grad=True), torch.rand(8, 8)
-    regions = llama_regions(rope, x, angle.cos(), angle.sin())
+    regions = regions_of(rope, x, angle.cos(), angle.sin())
     assert len(regions) == 2 and all("cat" in r.ops for r in regions)
     assert all(cached_program(r).kernels[0].unroll == 2 for r in regions)
     check_together(regions, cache)

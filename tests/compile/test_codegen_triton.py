@@ -25,9 +25,9 @@ from accelrun.compile.codegen.loop_ir import Block, Kernel, Reduction, cached_pr
 from accelrun.compile.codegen.triton import cols_split, launches
 from accelrun.compile.codegen.triton_region import TritonRegion
 from accelrun.compile.executors.triton import TritonExecutor
-from accelrun.compile.extract import extract_regions
 from accelrun.compile.passes.partition_regions import partition
 from accelrun.compile.regions import Region
+from tests.compile.traced_regions import regions_of as traced_regions
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -47,21 +47,7 @@ def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def regions_of(fn, *args, device: str = DEVICE) -> list[Region]:
     """Regions the partitioner cuts from the forward and backward graphs of ``fn`` (on ``device``)."""
-    graphs = []
-
-    def keep(gm, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    args = tuple(a.detach().to(device).requires_grad_(a.requires_grad) for a in args)
-    outs = aot_function(fn, fw_compiler=keep, bw_compiler=keep, decompositions=core_aten_decompositions())(*args)
-    outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
-    sum(o.float().sum() for o in outs if o.requires_grad).backward()
-    regions: list[Region] = []
-    for kind, gm in zip(("forward", "backward"), graphs, strict=False):
-        partition(gm.graph, first_id=len(regions))
-        regions += extract_regions(gm, kind)
-    return regions
+    return traced_regions(fn, *args, device=device)
 
 
 def check(region: Region, cache: str) -> None:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from accelrun.compile.codegen import triton as triton_codegen
 from accelrun.compile.codegen.loop_ir import Unsupported, cached_program
 from accelrun.compile.regions import Region
+from tests.compile.traced_regions import regions_of
 
 
 def _ptxas_present() -> bool:
@@ -130,29 +131,6 @@ def assert_compiled_without_spills(rows: list[Compiled]) -> None:
 
 
 # -- regions --------------------------------------------------------------------------------------
-def regions_of(fn, *args) -> list[Region]:
-    """Regions the partitioner cuts from the forward and backward graphs of ``fn``."""
-    from torch._decomp import core_aten_decompositions
-    from torch._functorch.aot_autograd import aot_function, make_boxed_func
-
-    from accelrun.compile.extract import extract_regions
-    from accelrun.compile.passes.partition_regions import partition
-
-    graphs = []
-
-    def keep(gm, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    out = aot_function(fn, fw_compiler=keep, bw_compiler=keep, decompositions=core_aten_decompositions())(*args)
-    out.float().sum().backward()
-    regions: list[Region] = []
-    for kind, gm in zip(("forward", "backward"), graphs, strict=False):
-        partition(gm.graph, first_id=len(regions))
-        regions += extract_regions(gm, kind)
-    return regions
-
-
 def rmsnorm(x, w):
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).type_as(x) * w
