@@ -17,6 +17,11 @@ region, AOTAutograd tags each op of it must-save or prefer-recompute, and the pa
 uses torch's default one, Inductor's the min-cut one) cuts the joint graph along those tags.
 
 ``accelrun.plan.activations.selective_saved`` counts the same tensors.
+
+Under accelrun's compiler a checkpointed block reaches the pre-grad passes as one tagged region (a
+higher-order op around the block's subgraph), which those passes do not enter: the pattern fusions
+that run there (merging q/k/v and w1/w3 into one matmul, fused attention) do not apply to checkpointed
+blocks, selective or full, while the joint-graph and region passes still do.
 """
 
 from __future__ import annotations
