@@ -153,9 +153,11 @@ class CompileRecord:
             out.append(f"the compiler fell back {len(self.fallbacks)} time(s) (a pass skipped, a region left to "
                        f"a later executor): first {self.fallbacks[0].line()}")
         graphs = self.cuda_graphs
-        if graphs.mode is CudaGraphMode.ON and (not graphs.run.use or graphs.declined):
-            why = graphs.run.reason if not graphs.run.use else "; ".join(f"{k}: {v}" for k, v in graphs.declined.items())
-            out.append(f"compile.cuda_graphs = on, but some graphs run without: {why}")
+        if graphs.mode is CudaGraphMode.ON and not graphs.run.use:
+            out.append(f"compile.cuda_graphs = on, but they do not apply to this run: {graphs.run.reason}")
+        elif graphs.mode is CudaGraphMode.ON and graphs.declined:
+            why = "; ".join(f"{k}: {v}" for k, v in graphs.declined.items())
+            out.append(f"compile.cuda_graphs = on, but {len(graphs.declined)} graph(s) run without: {why}")
         return out
 
     def to_json(self) -> dict[str, Any]:

@@ -384,6 +384,12 @@ class CompileConfig(Section):
         "its first compile and keep the fastest beside the kernel's binary (accelrun.compile.codegen.launch_tuning)"
     )
 
+    @field_validator("cuda_graphs", mode="before")
+    @classmethod
+    def _on_off_as_yaml_reads_them(cls, v: Any) -> Any:
+        # YAML 1.1 (and so `compile.cuda_graphs=on` on the command line) reads on / off as booleans.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
     @field_validator("executors")
     @classmethod
     def _executors_named_once(cls, v: list[str]) -> list[str]:

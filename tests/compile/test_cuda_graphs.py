@@ -127,6 +127,16 @@ def test_with_cuda_graphs_keeps_the_graph_eager_and_says_why():
     assert CudaGraphsReport().line() == ""  # off and not asked for: nothing to say
 
 
+def test_the_key_reads_on_and_off_as_yaml_writes_them():
+    """YAML 1.1 (and the command line's key=value) reads `on` and `off` as booleans."""
+    from accelrun.config import load_config
+    from tests.conftest import DEFAULT_CONFIG
+
+    for value, want in (("on", "on"), ("off", "off"), ("auto", "auto"), ("true", "on")):
+        assert load_config(DEFAULT_CONFIG, [f"compile.cuda_graphs={value}"]).config.compile.cuda_graphs == want
+    assert load_config(DEFAULT_CONFIG, []).config.compile.cuda_graphs == "auto"
+
+
 # -- capture and replay -----------------------------------------------------------------------------
 
 def test_warm_up_then_capture_then_replays_copy_inputs_in_and_outputs_out():
@@ -228,7 +238,8 @@ def test_the_backend_says_why_a_cpu_graph_runs_without():
     assert record.cuda_graphs.declined == {"g0.forward": "the graph takes CPU tensors",
                                            "g0.backward": "the graph takes CPU tensors"}
     assert "CUDA graphs: 0 graph(s), 0 capture(s), 2 without" in record.compiled_line()
-    assert any("compile.cuda_graphs = on, but some graphs run without" in w for w in record.warnings())
+    assert any("compile.cuda_graphs = on, but 2 graph(s) run without: g0.forward: the graph takes CPU" in w
+               for w in record.warnings())
     assert record.summary()["cuda_graphs"]["row"].startswith("CUDA graphs: 0 graph(s)")
 
 
@@ -258,3 +269,26 @@ def test_forward_and_backward_replay_through_the_backend_at_eager_values(monkeyp
     assert record.cuda_graphs.captured == {"g0.forward": 1, "g0.backward": 1}, record.cuda_graphs
     assert fake.captures == 2 and fake.replays == 6  # steps 2-4, forward and backward each
     assert "CUDA graphs: 2 graph(s), 2 capture(s)" in record.compiled_line()
+
+
+def test_the_run_s_decision_reaches_the_record_before_any_graph_compiles():
+    """dist.layout decides for the run (device, ranks, data) and leaves it in the compile record the
+    backend reads when its graphs compile (at the first call)."""
+    from types import SimpleNamespace
+
+    from accelrun.compile.compile_model import Compiled
+    from accelrun.compile.record import CompileRecord
+    from accelrun.config import load_config
+    from accelrun.dist.layout import with_cuda_graph_decision
+    from tests.conftest import DEFAULT_CONFIG
+
+    cfg = load_config(DEFAULT_CONFIG, ["compile.backend=accelrun"]).config
+    for device, ranks, use, words in (("cuda", 1, True, "CUDA, one rank"), ("cuda", 2, False, "2 ranks"),
+                                      ("cpu", 1, False, "the run is on cpu")):  # fmt: skip
+        compiled = Compiled("blocks", CompileRecord())
+        ctx = SimpleNamespace(device=torch.device(device), world_size=ranks)
+        assert with_cuda_graph_decision(compiled, cfg, ctx) is compiled
+        graphs = compiled.record.cuda_graphs
+        assert graphs.mode is CudaGraphMode.AUTO and graphs.run.use is use and words in graphs.run.reason
+    eager = Compiled("nothing (eager)")
+    assert with_cuda_graph_decision(eager, cfg, SimpleNamespace(device=torch.device("cuda"), world_size=1)) is eager
