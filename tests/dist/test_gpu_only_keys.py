@@ -106,3 +106,20 @@ def test_the_plan_names_float8_and_async_tp_as_not_modelled():
     notes = unmodelled(cfg)
     assert any(n.startswith("train.float8 = true: float8 is not modelled") for n in notes), notes
     assert any(n.startswith("parallel.async_tp = true:") for n in notes), notes
+
+
+def test_apply_layout_converts_before_anything_else(tmp_path):
+    """Training's own path (what a CUDA rank runs after the checks): the model on meta, the layout applied,
+    then materialised; the float8 layers are the ones training then sees."""
+    pytest.importorskip("torchao.float8")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from accelrun.dist.context import ParallelContext
+    from accelrun.dist.layout import apply_layout
+    from accelrun.models import build_model
+
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, "train.float8=true"]).config
+    model = build_model(cfg.model, "meta", seed=0)
+    apply_layout(model, cfg, ParallelContext.single(torch.device("cpu")), tmp_path)
+    swapped = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert swapped == BLOCK_LINEARS and type(model.output) is nn.Linear
