@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from accelrun.config import load_config
@@ -44,6 +45,19 @@ def train_job(runs: Path, steps: int, *overrides: str) -> TrainResult:
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
+
+
+def jobs_once(runs: Path, steps: int, overrides_of: dict[str, list[str]], *extra: str) -> Callable[[str], Path]:
+    """``get(name)``: the run directory of job ``name`` (overrides ``overrides_of[name]``), trained the first
+    time it is asked for and reused after (a module-scoped fixture returns it)."""
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            done[name] = train_job(runs, steps, *extra, f"name={name}", *overrides_of[name]).run_dir
+        return done[name]
+
+    return get
 
 
 def losses(run_dir: Path) -> list[float]:

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from accelrun.report.metrics import read_metrics
-from tests.dist.jobs import FSDP2, LOSS_RTOL, losses, train_job
+from tests.dist.jobs import FSDP2, LOSS_RTOL, jobs_once, losses, train_job
 
 STEPS = 4
 COMPILED = ["compile.backend=accelrun", "parallel.fsdp_impl=compiled", "compile.executors=[aten]"]
@@ -30,15 +30,7 @@ JOBS = {
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    runs = tmp_path_factory.mktemp("compiled_fsdp")
-    done = {}
-
-    def get(name: str):
-        if name not in done:
-            done[name] = train_job(runs, STEPS, f"name={name}", *JOBS[name]).run_dir
-        return done[name]
-
-    return get
+    return jobs_once(tmp_path_factory.mktemp("compiled_fsdp"), STEPS, JOBS)
 
 
 @pytest.mark.parametrize("name", list(JOBS))

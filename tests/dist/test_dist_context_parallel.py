@@ -13,7 +13,7 @@ import json
 import pytest
 
 from accelrun.report.metrics import read_metrics
-from tests.dist.jobs import LOSS_RTOL, losses, train_job
+from tests.dist.jobs import LOSS_RTOL, jobs_once, losses
 
 STEPS = 4
 JOBS = {
@@ -29,15 +29,7 @@ SEQ_LEN, LAYERS, KV_HEADS, HEAD_DIM = 32, 2, 2, 16
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    runs = tmp_path_factory.mktemp("context_parallel")
-    done = {}
-
-    def get(name: str):
-        if name not in done:
-            done[name] = train_job(runs, STEPS, f"name={name}", *JOBS[name]).run_dir
-        return done[name]
-
-    return get
+    return jobs_once(tmp_path_factory.mktemp("context_parallel"), STEPS, JOBS)
 
 
 @pytest.mark.parametrize("name", list(JOBS))

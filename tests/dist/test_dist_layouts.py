@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from accelrun.cli.main import cli
 from accelrun.report.metrics import read_metrics
 from tests.conftest import DEFAULT_CONFIG
-from tests.dist.jobs import FSDP2, LOSS_RTOL, losses, start_cli, tiny_overrides, train_job
+from tests.dist.jobs import FSDP2, LOSS_RTOL, jobs_once, losses, start_cli, tiny_overrides, train_job
 
 STEPS = 4
 
@@ -42,15 +42,7 @@ MODEL = {"pp2_gpipe_layers": ["model.n_layers=3"]}  # the one-process reference 
 @pytest.fixture(scope="module")
 def layout_run(tmp_path_factory):
     """layout_run(name) -> the run directory of that layout's job; each job runs once per module."""
-    runs = tmp_path_factory.mktemp("layouts")
-    done = {}
-
-    def get(layout: str):
-        if layout not in done:
-            done[layout] = train_job(runs, STEPS, "checkpoint.every=2", f"name={layout}", *LAYOUTS[layout]).run_dir
-        return done[layout]
-
-    return get
+    return jobs_once(tmp_path_factory.mktemp("layouts"), STEPS, LAYOUTS, "checkpoint.every=2")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
