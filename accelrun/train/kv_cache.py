@@ -80,7 +80,10 @@ class KVCache:
 
     def _forward_of(self, attn: Attention):
         """``attn``'s forward, reading and extending this cache (Attention.forward, plus the cache)."""
-        def forward(x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+        def forward(x_BTD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor,
+                    positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+            # Generation runs one prompt as one document: the blocks pass positions_BT=None.
+            assert positions_BT is None, "the KV cache decodes one document (no document packing)"
             B, T, _ = x_BTD.shape
             q_BTHE = apply_rope(attn.wq(x_BTD).view(B, T, -1, attn.head_dim), cos_TR, sin_TR)
             k_BTGE = apply_rope(attn.wk(x_BTD).view(B, T, -1, attn.head_dim), cos_TR, sin_TR)
