@@ -17,26 +17,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from bpe import train_bpe  # bench/bpe.py, beside this script
+
 from accelrun.data import get_tokenizer, load_builtin, prepare_tokens, stdlib_files
 
 
 def _train_bpe(mib: float, vocab: int, folder: Path) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
+    """A BPE trained on about ``mib`` MiB of the standard library's source."""
     texts, size = [], 0
     for f in stdlib_files():
         if size > mib * 2**20:
             break
         texts.append(f.read_text(errors="replace"))
         size += len(texts[-1])
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                       show_progress=False))
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(folder)
-    return folder
+    return train_bpe(texts, vocab, folder)
 
 
 def _best(fn, repeat: int) -> tuple[float, object]:
