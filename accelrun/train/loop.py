@@ -73,7 +73,7 @@ def run_loop(
     where = {"step": s.start_step, "phase": "starting"}  # for a collective that times out
     read_every = read_interval(cfg, dev)  # report.read_every: CPU every step, GPU every log_every steps
     pending = PendingSteps(s.flops_per_token, s.peak.tflops)
-    token_mean = uses_token_mean(cfg, s.pipeline is not None)  # chat: the step's loss is the mean over its targets
+    token_mean = uses_token_mean(cfg, s.pipeline is not None)  # chat, documents: mean over the step's targets
     try:
         with (stop.catch_signals(),
               profile_steps(cfg.report.profile_steps, run_dir, s.start_step, s.ctx.rank) as prof):

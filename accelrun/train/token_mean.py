@@ -1,4 +1,5 @@
-"""Chat data's step loss: the mean over every target the step keeps, whatever micro-batch holds it.
+"""Chat data's (and document packing's) step loss: the mean over every target the step keeps, whatever
+micro-batch holds it.
 
 With ``data.loss_on: assistant`` micro-batches keep different numbers of targets (a window of a long
 user turn keeps none). Dividing each micro-batch's mean by ``grad_accum``, and averaging ranks,
@@ -25,8 +26,12 @@ from accelrun.data.loss_mask import IGNORE_INDEX
 
 
 def uses_token_mean(cfg, pipelined: bool) -> bool:
-    """Chat data outside a pipeline (whose schedule averages its micro-batches itself)."""
-    return cfg.data.source == "documents" and cfg.data.format == "chat" and not pipelined
+    """Data whose micro-batches keep different numbers of targets, outside a pipeline (whose schedule
+    averages its micro-batches itself): chat data, and document packing (each boundary's target is out of
+    the loss, so a micro-batch with more documents keeps fewer; weighted by its mean, a document's weight
+    would depend on what it is packed with)."""
+    chat = cfg.data.source == "documents" and cfg.data.format == "chat"
+    return (chat or cfg.data.packing == "document") and not pipelined
 
 
 def micro_batch_weights(targets: Sequence[torch.Tensor], ctx, device: torch.device) -> list[torch.Tensor]:

@@ -37,3 +37,24 @@ def test_packed_losses_equal_transformers_per_document_on_two_ranks(layout, tmp_
         if layout != "tp2":  # the blocks' graph, and the loss head's where the rank has it
             graphs = 1 if layout == "pp2" else 2
             assert r["dynamo_graphs"] == graphs and not r["graph_breaks"] and not r["fallbacks"], (rank, r)
+
+
+def test_fsdp_job_through_the_launcher_trains_as_one_process(tmp_path):
+    """`accelrun train`'s own path (the elastic agent, the loop) on text files with data.packing=document: two
+    FSDP ranks give one process's losses (which equal transformers' per document:
+    tests/train/test_document_packing.py), compiled with no graph break."""
+    import json
+
+    from tests.dist.jobs import FSDP2, LOSS_RTOL, losses, train_job
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, n in enumerate(LENGTHS * 3):
+        (docs / f"{i:02d}.txt").write_text("ab" * (n // 2) + "c")
+    data = ["data.source=text", f"data.paths=[{docs}/*.txt]", "data.packing=document", "compile.backend=accelrun",
+            "train.seq_len=32", "train.global_batch=4"]
+    one = train_job(tmp_path / "one", 2, *data, "name=one").run_dir
+    two = train_job(tmp_path / "two", 2, *data, *FSDP2, "name=two").run_dir
+    assert losses(two) == pytest.approx(losses(one), rel=LOSS_RTOL)
+    compiler = json.loads((two / "report.json").read_text())["compiler"]
+    assert compiler["dynamo_graphs"] == 2 and not compiler["graph_breaks"] and not compiler["warnings"], compiler
