@@ -7,7 +7,7 @@ from accelrun.config.tokenizer_file import TokenizerFileError, read_tokenizer_in
 from accelrun.data.builtin import load_builtin
 from accelrun.data.chat import ChatEncoder, LossOn, load_chat
 from accelrun.data.documents import load_documents
-from accelrun.data.errors import DataError
+from accelrun.data.errors import DataError, as_data_error
 from accelrun.data.heldout import HeldOutBatches
 from accelrun.data.loader import TokenBatchIterator
 from accelrun.data.mix import MixedBatchIterator
@@ -32,10 +32,8 @@ def _check_token_files_tokenizer(recorded: str, configured: str) -> None:
     if configured == "byte":
         expected = "byte"
     else:
-        try:
+        with as_data_error(TokenizerFileError):
             expected = read_tokenizer_info(configured).name
-        except TokenizerFileError as e:
-            raise DataError(str(e)) from None
     if recorded != expected:
         named = repr(configured) if configured == expected else f"{configured!r} ({expected!r})"
         raise DataError(

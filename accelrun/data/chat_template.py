@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from accelrun.config.chat_template_file import GENERATION_TAG, ChatTemplateError, read_chat_template
-from accelrun.data.errors import DataError
+from accelrun.data.errors import DataError, as_data_error
 
 MIN_JINJA = (3, 1, 6)  # older releases have known sandbox escapes (transformers refuses them too)
 
@@ -62,10 +62,8 @@ class ChatTemplate:
     @classmethod
     def load(cls, folder: Path, *, key: str = "data.tokenizer") -> ChatTemplate:
         """The chat template of the tokenizer folder ``folder``; DataError naming it when there is none."""
-        try:
+        with as_data_error(ChatTemplateError):
             found = read_chat_template(folder, key=key)
-        except ChatTemplateError as e:
-            raise DataError(str(e)) from None
         return cls(found.source, found.text, found.special_tokens)
 
     @cached_property

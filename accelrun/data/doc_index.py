@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from accelrun.data.atomic_file import write_bytes_atomic
 from accelrun.data.errors import DataError
 
 DOC_MAGIC = b"ACCDOC01"
@@ -37,19 +38,9 @@ def index_path(token_file: str | os.PathLike) -> Path:
 def write_doc_index(token_file: str | os.PathLike, starts: torch.Tensor, tokens_sha256: str) -> Path:
     """Write ``starts`` (int64 offsets) as the index of the token file whose payload digest (its
     header's ``sha256``) is ``tokens_sha256``, atomically (temporary name, then ``os.replace``)."""
-    out = index_path(token_file)
     payload = starts.to(torch.int64).contiguous().numpy().tobytes()
     head = _DOC_HEADER.pack(DOC_MAGIC, starts.numel(), bytes.fromhex(tokens_sha256)).ljust(DOC_HEADER_SIZE, b"\0")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(head)
-            fh.write(payload)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return out
+    return write_bytes_atomic(index_path(token_file), head, payload)
 
 
 def read_doc_index(token_file: str | os.PathLike, tokens_sha256: str, n_tokens: int) -> torch.Tensor | None:

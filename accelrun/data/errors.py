@@ -2,4 +2,20 @@
 
 from __future__ import annotations
 
-from accelrun.errors import DataError  # noqa: F401 (defined there so that torch-free layers can raise it)
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from accelrun.errors import DataError  # defined there so that torch-free layers can raise it
+
+
+@contextmanager
+def as_data_error(*kinds: type[Exception]) -> Iterator[None]:
+    """Errors of ``kinds`` (the torch-free config readers' own: a tokenizer or chat template file) raised
+    inside become a ``DataError`` with the same one-line message."""
+    try:
+        yield
+    except kinds as e:
+        raise DataError(str(e)) from None
+
+
+__all__ = ["DataError", "as_data_error"]

@@ -23,7 +23,7 @@ from accelrun.config.tokenizer_file import (
     TokenizerInfo,
     read_tokenizer_info,
 )
-from accelrun.data.errors import DataError
+from accelrun.data.errors import DataError, as_data_error
 
 
 class HFTokenizer:
@@ -38,10 +38,8 @@ class HFTokenizer:
     @classmethod
     def load(cls, value: str, *, key: str = "data.tokenizer") -> HFTokenizer:
         """The tokenizer ``value`` (a tokenizer.json or a folder holding one) names; errors call it ``key``."""
-        try:
+        with as_data_error(TokenizerFileError):
             info = read_tokenizer_info(value, key=key)
-        except TokenizerFileError as e:
-            raise DataError(str(e)) from None
         try:
             from tokenizers import Tokenizer
         except ImportError:

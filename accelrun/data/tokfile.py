@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from accelrun.config.data_paths import expand_paths
+from accelrun.data.atomic_file import write_bytes_atomic
 from accelrun.data.doc_index import read_doc_index
 from accelrun.data.errors import DataError
 from accelrun.data.stream import TensorStream, short_hash
@@ -211,14 +212,5 @@ def write_token_file(path: str | os.PathLike, tokens: torch.Tensor, *, vocab_siz
     token_bytes = {torch.uint16: 2, torch.int32: 4}[tokens.dtype]
     payload = tokens.contiguous().view(torch.uint8).numpy().tobytes() if tokens.numel() else b""
     header = TokenFileHeader(token_bytes, vocab_size, tokens.numel(), tokenizer, hashlib.sha256(payload).hexdigest())
-    out = Path(path)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(header.pack())
-            fh.write(payload)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_bytes_atomic(path, header.pack(), payload)
     return header
