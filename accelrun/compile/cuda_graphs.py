@@ -139,6 +139,12 @@ class CudaGraphRunner:
         return _read_out(cap, args)
 
     def _capture(self, args: Sequence[Any]) -> _Capture:
+        for a in args:
+            if isinstance(a, torch.Tensor) and not _is_static(a) and any(
+                    st == 0 and n > 1 for n, st in zip(a.shape, a.stride(), strict=True)):
+                # A buffer of these strides cannot be written (copy_ refuses overlapping elements), and
+                # one of other strides would break the layouts the compiled graph has fixed.
+                raise ValueError(f"an input is expanded (strides {a.stride()}), not copied into a static buffer")
         buffers = [_static_copy(a) if isinstance(a, torch.Tensor) and not _is_static(a) else None for a in args]
         inputs = [b if b is not None else a for b, a in zip(buffers, args, strict=True)]
         graph, outputs = self.capturer.capture(self.fn, inputs)

@@ -218,6 +218,13 @@ def test_an_output_that_views_an_input_views_the_callers_tensor():
     assert graphs.captures == 1 and graphs.replays == 2 and not report.declined
 
 
+def test_an_expanded_input_is_not_captured():
+    run, graphs, report = runner(lambda x: (x * 2,), warmup_calls=0)
+    x = torch.randn(1, 4).expand(3, 4)
+    torch.testing.assert_close(run(x)[0], x * 2)
+    assert graphs.captures == 0 and "an input is expanded" in report.declined["g0.forward"]
+
+
 # -- through the backend ----------------------------------------------------------------------------
 
 def _compile_mlp(record_graphs: CudaGraphsReport):
