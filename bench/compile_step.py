@@ -38,6 +38,8 @@ sys.path.insert(0, str(REPO))
 from accelrun.compile.compile_model import compile_model  # noqa: E402
 from accelrun.config import load_config  # noqa: E402
 from accelrun.data import build_data  # noqa: E402
+from accelrun.dist.context import ParallelContext  # noqa: E402
+from accelrun.dist.layout import with_cuda_graph_decision  # noqa: E402
 from accelrun.models import build_model, transformer_blocks  # noqa: E402
 from accelrun.models.build import training_loss_fn  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
@@ -60,6 +62,8 @@ class Variant:
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model, self.device, seed=cfg.train.seed)
         self.compiled = compile_model(self.model, transformer_blocks(self.model), cfg.compile)
+        # compile.cuda_graphs as `accelrun train` decides it for one process (on for CUDA under auto)
+        with_cuda_graph_decision(self.compiled, cfg, ParallelContext.single(self.device))
         self.loss_fn = training_loss_fn(self.model)
         if name == "thunder":
             import thunder  # installed by ../shared/peers/install_thunder.sh
