@@ -67,7 +67,9 @@ class TorchCudaGraphs:
             fn(*inputs)
         torch.cuda.current_stream().wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+        # thread_local, as Inductor's CUDA graph trees: CUDA calls of other threads (a data loader's
+        # pinned copies) during the capture are not an error of this one.
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             outputs = fn(*inputs)
         return graph, outputs
 
