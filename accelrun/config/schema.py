@@ -374,15 +374,6 @@ class CompileConfig(Section):
         True, description="time a few launch configurations (block sizes, warps, stages) of each Triton kernel on "
         "its first compile and keep the fastest beside the kernel's binary (accelrun.compile.codegen.launch_tuning)"
     )
-    cuda_graphs: Literal["auto", "on", "off"] = Field(
-        "auto", description="replay each compiled forward and backward as a CUDA graph (Inductor's reduce-overhead): "
-        "auto = on for CUDA, one rank, static shapes; on = the same, and a graph that cannot be captured is a "
-        "warning; each graph left out says why (accelrun.compile.cuda_graph_policy)"
-    )
-    tune_launches: bool = Field(
-        True, description="time a few launch configurations (block sizes, warps, stages) of each Triton kernel on "
-        "its first compile and keep the fastest beside the kernel's binary (accelrun.compile.codegen.launch_tuning)"
-    )
 
     @field_validator("cuda_graphs", mode="before")
     @classmethod
