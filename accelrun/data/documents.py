@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,7 +45,8 @@ def load_documents(paths: Sequence[str], *, tokenizer: ByteTokenizer | HFTokeniz
 
     def prepare(into: Path) -> None:
         prepare_records(paths, into, tokenizer=tokenizer_spec, text_field=text_field, workers=1,
-                        key="data.paths", tokenizer_key="data.tokenizer", text_key="data.text_field")
+                        progress=PreparingNote(), key="data.paths", tokenizer_key="data.tokenizer",
+                        text_key="data.text_field")
 
     with _locked(folder.with_name(folder.name + ".lock")) as writable:
         if writable:
@@ -56,6 +59,25 @@ def load_documents(paths: Sequence[str], *, tokenizer: ByteTokenizer | HFTokeniz
         return _stream(scratch / "corpus")  # memory maps keep the removed files readable
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+class PreparingNote:
+    """Says on stderr, every ``every_s`` seconds once preparing has taken that long, how far the first
+    preparation of a corpus has got: a large corpus takes minutes before the first step, once."""
+
+    def __init__(self, every_s: float = 10.0, clock=time.monotonic, out=None) -> None:
+        self.every_s, self.clock, self.out = every_s, clock, out
+        self.start = self.last = clock()
+
+    def __call__(self, done: int, total: int, tokens: int) -> None:
+        now = self.clock()
+        if now - self.last < self.every_s:
+            return
+        self.last = now
+        mib, seconds = 2**20, max(now - self.start, 1e-9)
+        print(f"preparing data.paths into the cache (once; later runs map it): {done / mib:,.0f} of "
+              f"{total / mib:,.0f} MiB ({done / max(total, 1):.0%}), {done / mib / seconds:.1f} MiB/s, "
+              f"{tokens:,} tokens", file=self.out or sys.stderr, flush=True)
 
 
 def _stream(folder: Path) -> TensorStream:
