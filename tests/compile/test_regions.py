@@ -303,3 +303,18 @@ def test_registered_pass_summary_and_counts():
     assert spec.stage == "post_grad"
     assert result.summary == "formed 1 regions over 3 ops"
     assert result.counts["regions"] == 1
+
+
+def test_an_op_the_code_generators_cannot_lower_stays_out_of_the_regions():
+    # atan2 is pointwise, but the loop IR has no rule for it: inside a region it would make the C++ and
+    # Triton generators decline the whole region; outside, the ops around it still fuse and compile.
+    from accelrun.compile.codegen.loop_ir import cached_program
+    from accelrun.compile.codegen.values import lowers
+
+    gm = _graph_of(lambda x, y: ((x * 2 + 1).atan2(y).exp() * 3).sum(-1), torch.randn(8, 16), torch.randn(8, 16))
+    (atan2,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.atan2.default]
+    assert node_kind(atan2) == "pointwise" and not lowers(atan2)
+    regions = partition(gm.graph, min_ops=2)
+    assert len(regions) == 2 and REGION_KEY not in atan2.meta  # before it (mul, add) and after it (exp, mul, sum)
+    for region in extract_regions(gm):
+        cached_program(region)  # every region lowers: none sent back to ATen for one op
