@@ -6,14 +6,25 @@ for the bubble. ``v`` is the number of stages a rank runs: 1, or for the interle
 loop the model over the ranks, ``parallel.pp_stages_per_rank`` (default 2, the table's); a larger ``v``
 shrinks the bubble as much, for ``v`` times the point-to-point sends:
 
-| schedule          | v | bubble (units)   | micro-batches the first rank holds at its peak |
-| ----------------- | - | ---------------- | ---------------------------------------------- |
-| gpipe             | 1 | p - 1            | m (every forward runs before any backward)     |
-| 1f1b              | 1 | p - 1            | min(p, m)                                      |
-| interleaved_1f1b  | v | (p - 1) / v      | min(p, m) · (1 + (p - 1) / (p · v))            |
-| zero_bubble       | v | (p - 1) / (3v)   | as interleaved_1f1b                            |
+| schedule          | v | bubble (units)   | micro-batches rank ``r`` holds at its peak        |
+| ----------------- | - | ---------------- | ------------------------------------------------- |
+| gpipe             | 1 | p - 1            | m (every forward runs before any backward)        |
+| 1f1b              | 1 | p - 1            | min(m, p - r)                                     |
+| interleaved_1f1b  | v | (p - 1) / v      | min(m·v, (v - 1)·q + 2·(p - 1 - r) + 1) / v       |
+| zero_bubble       | v | (p - 1) / (3v)   | min(m·v, (v - 1)·q + (p - 1 - r) + 1) / v         |
 
-The interleaved figures are Megatron-LM's (Narayanan et al., 2021). Zero-bubble schedules split
+The held column is torch's own schedules' (``torch.distributed.pipelining.schedules``): a rank runs its
+warm-up forwards, then one more before its first backward frees a micro-batch. The looped schedules
+count in stage chunks (a micro-batch through one of the rank's ``v`` stages, ``1/v`` of its layers): the
+warm-up is ``v - 1`` rounds of ``q`` micro-batches (``q = m / max(1, m // p)``, ``p`` when ``m`` is a
+multiple of ``p``) and 2 (zero bubble: 1) per rank after this one, never more than all ``m·v`` chunks.
+For ``m`` much larger than ``p`` the first rank's figure is Megatron-LM's ``p + (p - 1) / v`` (Narayanan et
+al., 2021); with ``m = p`` it is every micro-batch, as under GPipe; and the last rank holds ``(v - 1)/v``
+of a round, not one micro-batch. ``tests/plan/test_plan_pipeline_memory.py`` replays torch's schedules.
+Zero bubble counts a chunk as freed by its input gradient; its weight gradient runs later and keeps
+the matmuls' inputs meanwhile (not counted).
+
+The bubble's interleaved figures are Megatron-LM's (Narayanan et al., 2021). Zero-bubble schedules split
 backward into input and weight gradients and fill the bubble with the latter; ZB-H1 cuts 1F1B's
 bubble to about a third at 1F1B's memory (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): the
 planner applies that third to the interleaved schedule torch runs (``ScheduleInterleavedZeroBubble``).
@@ -40,25 +51,23 @@ def bubble_units(schedule: str, p: int, v: int | None = None) -> float:
 
 def in_flight(schedule: str, p: int, m: int, v: int | None = None) -> float:
     """Micro-batches whose activations the first (most loaded) rank holds at its peak."""
+    return held_by_rank(schedule, p, m, 0, v)
+
+
+# Warm-up forwards a looped schedule adds per rank after this one (torch's ``multiply_factor``).
+WARMUP_PER_HOP = {"interleaved_1f1b": 2, "zero_bubble": 1}
+
+
+def held_by_rank(schedule: str, p: int, m: int, rank: int, v: int | None = None) -> float:
+    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak (module docstring's
+    table), in units of all the rank's layers: a looped schedule's stage chunk is ``1/v`` of one."""
     if p <= 1:
         return 1.0
     if schedule == "gpipe":
         return float(m)
-    held = float(min(p, m))
     v = v or STAGES_PER_RANK[schedule]
-    if v > 1:
-        held *= 1 + (p - 1) / (p * v)
-    return held
-
-
-def held_by_rank(schedule: str, p: int, m: int, rank: int, v: int | None = None) -> float:
-    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak: the first rank's
-    ``in_flight``, the last rank's one (every micro-batch under gpipe), and in between one fewer per
-    rank after the first (1F1B warms up ``p - rank`` forwards before its first backward)."""
-    if p <= 1 or rank == 0:
-        return in_flight(schedule, p, m, v)
-    if schedule == "gpipe":
-        return float(m)
-    if rank == p - 1:
-        return 1.0
-    return max(1.0, in_flight(schedule, p, m, v) * (p - rank) / p)
+    if v == 1:
+        return float(min(m, p - rank))
+    per_round = m // max(1, m // p)
+    chunks = min(m * v, (v - 1) * per_round + WARMUP_PER_HOP[schedule] * (p - 1 - rank) + 1)
+    return chunks / v

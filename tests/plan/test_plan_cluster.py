@@ -131,4 +131,6 @@ def test_pipeline_schedules():
     assert bubble_units("1f1b", 1) == 0 and bubble_units("gpipe", 4) == 3 == bubble_units("1f1b", 4)
     assert bubble_units("interleaved_1f1b", 4) == 1.5 and bubble_units("zero_bubble", 4) == 0.5
     assert in_flight("gpipe", 4, 8) == 8 and in_flight("1f1b", 4, 8) == 4 and in_flight("1f1b", 4, 2) == 2
-    assert in_flight("interleaved_1f1b", 4, 8) == pytest.approx(4 * (1 + 3 / 8)) == in_flight("zero_bubble", 4, 8)
+    assert in_flight("interleaved_1f1b", 4, 8) == pytest.approx(4 * (1 + 3 / 8))
+    # Zero bubble warms up one forward per later rank, not two (torch's schedule; test_plan_pipeline_memory.py).
+    assert in_flight("zero_bubble", 4, 8) == 4
