@@ -18,6 +18,7 @@ permuted on its own; reading whole-head row blocks ourselves needs neither.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,7 @@ def export_hf(state_dict: dict[str, torch.Tensor], spec: Any, args: Any, out: st
     weight_map = {}
     for fname, shard in zip(names, shards, strict=True):
         save_file(shard, str(out / fname), metadata={"format": "pt"})
+        _as_umask_allows(out / fname)
         written.append(out / fname)
         weight_map.update(dict.fromkeys(shard, fname))
     if len(shards) > 1:
@@ -164,6 +166,14 @@ def export_hf(state_dict: dict[str, torch.Tensor], spec: Any, args: Any, out: st
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         written.append(out / INDEX)
     return written
+
+
+def _as_umask_allows(path: Path) -> None:
+    """The mode any new file of this process gets (0644 under the usual umask 022). safetensors writes its
+    files 0600, so an export was readable by its owner alone: not by a serving job or a colleague."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def load_hf_for_config(modules: list[nn.Module], cfg: Any) -> int:

@@ -231,3 +231,22 @@ def test_fsdp_x_tp_ranks_read_only_their_rows_of_each_tensor(tmp_path, monkeypat
         finally:
             dist.destroy_process_group()
     assert strided > 0 and not whole_reads
+
+
+def test_exported_weights_are_readable_as_the_umask_allows(tmp_path):
+    # safetensors writes 0600: an export a serving job or a colleague could not read.
+    import os
+
+    from accelrun.models.families import get_family
+    from accelrun.models.hf_io import export_hf
+
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=2, vocab_size=64, ffn_dim=64)
+    spec = get_family("llama")
+    model = build_model(cfg, "cpu", seed=0)
+    old = os.umask(0o022)
+    try:
+        written = export_hf(model.state_dict(), spec, spec.args_from_config(cfg), tmp_path / "hf")
+    finally:
+        os.umask(old)
+    weights = [p for p in written if p.suffix == ".safetensors"]
+    assert weights and all(p.stat().st_mode & 0o777 == 0o644 for p in weights)
