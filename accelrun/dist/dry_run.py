@@ -32,6 +32,7 @@ from accelrun.config import ResolvedConfig
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.mesh import MESH_DIMS, build_mesh, dp_coordinates
 from accelrun.errors import UserError
+from accelrun.plan.stage_split import layer_ranges, recipe_stage_layers
 
 FP32 = 4
 ADAMW_STATES = 2  # exp_avg, exp_avg_sq, fp32 like the parameter
@@ -80,14 +81,12 @@ def representative_ranks(degrees: dict[str, int], pp_ranks: Iterable[int] | None
 def distinct_pipeline_ranks(resolved: ResolvedConfig) -> list[int]:
     """The first pipeline rank of each kind: the layers of each stage it runs, and whether it runs the
     model's first or last stage (the embedding, the output layer). Ranks of one kind hold the same."""
-    from accelrun.dist.pipeline import stage_layers
-
     par = resolved.config.parallel
     pp = par.degrees()["pp"]
     if pp == 1:
         return [0]
     n_stages = pp * par.stages_per_rank
-    layers = stage_layers(resolved.config.model.n_layers, n_stages, par.pp_layers)
+    layers = layer_ranges(recipe_stage_layers(resolved.config))
     first_of_kind: dict[tuple, int] = {}
     for rank in range(pp):
         held = range(rank, n_stages, pp)  # rank r runs stages r, r + pp, ...
@@ -131,6 +130,7 @@ def _one_rank(resolved: ResolvedConfig, rank: int, world: int) -> RankBytes:
     from accelrun.dist.layout import apply_layout
     from accelrun.dist.pipeline import Pipeline, microbatch_loss
     from accelrun.models import build_model
+    from accelrun.plan.stage_split import recipe_end_costs
 
     cfg = resolved.config
     mesh = build_mesh(cfg.parallel, "cpu", world)
@@ -143,7 +143,7 @@ def _one_rank(resolved: ResolvedConfig, rank: int, world: int) -> RankBytes:
     if ctx.pp_size > 1:
         pipeline = Pipeline(model, mesh, cfg.parallel.pp_schedule, cfg.parallel.microbatches or ctx.pp_size,
                             microbatch_loss(cfg.grad_accum), meta, layers=cfg.parallel.pp_layers,
-                            stages_per_rank=cfg.parallel.stages_per_rank)
+                            stages_per_rank=cfg.parallel.stages_per_rank, ends=recipe_end_costs(cfg))
         parts, stages = pipeline.modules, pipeline.stage_ids
     if cfg.parallel.ep > 1:  # as train's setup: experts placed before FSDP, which then leaves them alone
         apply_expert_parallel(model, mesh, cfg.parallel.ep, dp_size)
@@ -182,26 +182,38 @@ def planned_params(resolved: ResolvedConfig, row: RankBytes) -> float:
 
 
 def format_dry_run(resolved: ResolvedConfig, rows: list[RankBytes]) -> list[str]:
-    """One line per rank built: where it sits (with pipelining, the stages it runs), what it holds, and the
-    plan's parameter bytes."""
+    """One line per rank built: where it sits (with pipelining, the stages it runs and their layers), what
+    it holds, and the plan's parameter bytes; with pipelining, a last line with every stage's layers."""
     from accelrun.report.fmt import nbytes
 
+    ranges = layer_ranges(recipe_stage_layers(resolved.config)) if any(r.stages for r in rows) else []
     width = max((len(_stages(r)) for r in rows if r.stages), default=0)
-    staged = f" {'stages':>{max(width, 6)}}" if width else ""
+    layers_width = max((len(_layers(r, ranges)) for r in rows if r.stages), default=0)
+    staged = f" {'stages':>{max(width, 6)}} {'layers':>{max(layers_width, 6)}}" if width else ""
     lines = [f"{'rank':>5} {'pp':>3} {'rep':>3} {'shard':>5} {'cp':>3} {'tp':>3}{staged}  {'params':>10} {'grads':>10} "
              f"{'AdamW m,v':>10}  {'plan params':>11} {'ratio':>6}"]
     for r in rows:
         c = r.coords
         plan = FP32 * planned_params(resolved, r)
-        stages = f" {_stages(r):>{max(width, 6)}}" if width else ""
+        stages = f" {_stages(r):>{max(width, 6)}} {_layers(r, ranges):>{max(layers_width, 6)}}" if width else ""
         lines.append(f"{r.rank:>5} {c['pp']:>3} {c['dp_replicate']:>3} {c['dp_shard']:>5} {c['cp']:>3} {c['tp']:>3}{stages}  "
                      f"{nbytes(r.param_bytes):>10} {nbytes(r.grad_bytes):>10} {nbytes(r.optimizer_bytes):>10}  "
                      f"{nbytes(int(plan)):>11} {r.param_bytes / plan if plan else float('nan'):>6.3f}")
+    if ranges:
+        how = "parallel.pp_layers" if resolved.config.parallel.pp_layers is not None else (
+            "automatic: balanced, the embedding and the output layer counted in blocks")
+        lines.append(f"layers per stage ({how}): {','.join(str(len(r)) for r in ranges)}")
     return lines
 
 
 def _stages(row: RankBytes) -> str:
     return ",".join(map(str, row.stages))
+
+
+def _layers(row: RankBytes, ranges: list[range]) -> str:
+    """The layers of each of the row's stages, in its stages' order: ``0-6,63-70``."""
+    return ",".join(f"{ranges[s][0]}-{ranges[s][-1]}" if len(ranges[s]) > 1 else str(ranges[s][0])
+                    for s in row.stages)
 
 
 def main(argv: list[str] | None = None) -> int:

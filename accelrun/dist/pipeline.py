@@ -1,5 +1,5 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: a built-in model cut into stages by
-layers (balanced, or ``parallel.pp_layers``), a schedule from the recipe, micro-batches from
+layers (``parallel.pp_layers``, or balanced with the ends counted: ``accelrun.plan.stage_split``), a schedule from the recipe, micro-batches from
 ``parallel.microbatches``. What is cut is the family's to say (``ModelSpec``): the blocks
 (``blocks_attr``) and the ends only the first and last stages keep (``first_stage_ends``,
 ``last_stage_ends``).
@@ -31,6 +31,7 @@ from accelrun.config.schema import INTERLEAVED_SCHEDULES
 from accelrun.dist.collective import to_collective_device
 from accelrun.dist.tp import loss_context
 from accelrun.models.families import ModelSpec, get_family
+from accelrun.plan.stage_split import EndCosts, layer_ranges, split_layers
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -50,23 +51,13 @@ def microbatch_loss(grad_accum: int) -> Callable[[torch.Tensor, torch.Tensor], t
     return loss
 
 
-def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
-    """Contiguous, balanced layer slices; the first stages take the remainder (the last stage also
-    runs the output projection)."""
-    base, extra = divmod(n_layers, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
-def stage_layers(n_layers: int, n_stages: int, explicit: list[list[int]] | None = None) -> list[range]:
+def stage_layers(n_layers: int, n_stages: int, explicit: list[list[int]] | None = None,
+                 ends: EndCosts = EndCosts()) -> list[range]:
     """Each stage's layers: ``explicit`` (``parallel.pp_layers``, validated with the recipe: every
-    layer once, in order, one list per stage) or a balanced split."""
+    layer once, in order, one list per stage) or the planner's split (``accelrun.plan.stage_split``):
+    balanced, the first stage's embedding and the last stage's head counted as ``ends``."""
     if explicit is None:
-        return layer_ranges(n_layers, n_stages)
+        return layer_ranges(split_layers(n_layers, n_stages, ends))
     if len(explicit) != n_stages or sum(map(len, explicit)) != n_layers:
         raise ValueError(f"pp_layers {explicit} does not split {n_layers} layers into {n_stages} stages")
     return [range(stage[0], stage[-1] + 1) for stage in explicit]
@@ -119,8 +110,11 @@ class PipelineTrace:
     sent: dict[int, list[int]] = field(default_factory=dict)  # stage -> the (micro-batch, tokens, dim) it sent
     logits: str | None = None  # "vocabulary-sharded over N ranks" or "whole"
 
-    def as_dict(self, stages: list[int]) -> dict:
-        return {"stages": stages, "sent": {str(k): v for k, v in sorted(self.sent.items())}, "logits": self.logits}
+    def as_dict(self, stages: list[int], layers: dict[int, range] | None = None) -> dict:
+        out = {"stages": stages, "sent": {str(k): v for k, v in sorted(self.sent.items())}, "logits": self.logits}
+        if layers is not None:  # each stage's first and last layer
+            out["layers"] = {str(k): [r[0], r[-1]] for k, r in sorted(layers.items())}
+        return out
 
 
 def _layout_of(logits: torch.Tensor) -> str:
@@ -135,19 +129,21 @@ class Pipeline:
     """This rank's stages and the schedule that drives them; ``step`` runs one batch through.
 
     ``vocab_parallel``: the last stage's logits are vocabulary-sharded DTensors (``parallel.loss_parallel``);
-    the schedule's forward and backward then run in ``loss_parallel()``, which the sharded loss needs."""
+    the schedule's forward and backward then run in ``loss_parallel()``, which the sharded loss needs.
+    ``ends``: what the first and last stage run besides their blocks, in blocks, for the split made
+    without ``layers`` (``accelrun.plan.stage_split.recipe_end_costs``)."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, schedule: str, microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
                  layers: list[list[int]] | None = None, spec: ModelSpec | None = None,
-                 vocab_parallel: bool = False, stages_per_rank: int = 1):
+                 vocab_parallel: bool = False, stages_per_rank: int = 1, ends: EndCosts = EndCosts()):
         self.spec = spec = spec or family_of(model)
         pp_mesh = mesh["pp"]
         self.group = pp_mesh.get_group()
         pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
         # Several ("virtual") stages per rank for the interleaved schedules, looped: rank r holds r, r + pp, ...
         n_stages = pp_size * stages_per_rank
-        ranges = stage_layers(len(getattr(model, spec.blocks_attr)), n_stages, layers)
+        ranges = stage_layers(len(getattr(model, spec.blocks_attr)), n_stages, layers, ends)
         self.stage_layers = ranges
         self.stage_ids = list(range(pp_rank, n_stages, pp_size))
         self.modules = [stage_module(model, s, n_stages, ranges[s], spec) for s in self.stage_ids]
@@ -194,6 +190,10 @@ class Pipeline:
         loss = to_collective_device(loss, self.group)
         dist.all_reduce(loss, group=self.group)  # only the last stage's rank holds it
         return loss.to(self._device)
+
+    def trace_dict(self) -> dict:
+        """The report's record of this rank: its stages, the layers each runs, what they sent, the logits."""
+        return self.trace.as_dict(self.stage_ids, {s: self.stage_layers[s] for s in self.stage_ids})
 
     def blocks(self) -> list[nn.Module]:
         return [b for m in self.modules for b in getattr(m, self.spec.blocks_attr).values()]

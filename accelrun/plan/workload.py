@@ -183,12 +183,6 @@ class Layout:
         return sum(self.stage_layers[rank::self.pp]) if self.stage_layers else 0
 
 
-def balanced_stage_layers(n_layers: int, n_stages: int) -> tuple[int, ...]:
-    """As ``accelrun.dist.pipeline.layer_ranges``: contiguous slices, the first stages take the remainder."""
-    base, extra = divmod(n_layers, n_stages)
-    return tuple(base + (1 if s < extra else 0) for s in range(n_stages))
-
-
 @dataclass(frozen=True)
 class Workload:
     shape: Shape
@@ -296,9 +290,10 @@ def workload_from_config(cfg: RunConfig, options: PlanOptions | None = None) -> 
     deg = par.degrees()
     pp = deg["pp"]
     stage_layers: tuple[int, ...] = ()
-    if pp > 1:
-        stage_layers = (tuple(len(stage) for stage in par.pp_layers) if par.pp_layers is not None else
-                        balanced_stage_layers(m.n_layers, pp * par.stages_per_rank))
+    if pp > 1:  # the split accelrun.dist.pipeline makes: pp_layers, or balanced with the ends counted
+        from accelrun.plan.stage_split import recipe_stage_layers
+
+        stage_layers = recipe_stage_layers(cfg)
     tp_on = deg["tp"] > 1
     layout = Layout(
         nnodes=par.nnodes, nproc_per_node=par.nproc_per_node, pp=pp, dp_replicate=deg["dp_replicate"],

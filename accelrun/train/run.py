@@ -156,8 +156,8 @@ def _gather_per_rank(s: TrainSetup, step_times: list[dict], warmup_steps: int, c
     mine = {"mem_peak_bytes": peak_memory_bytes(s.device),
             "step_time_s": statistics.median(steady) if steady else None,
             "cpu_s": cpu.own_s(), "host": socket.gethostname()}
-    if s.pipeline is not None:  # its stages, what they sent on, how the loss saw the logits
-        mine["pipeline"] = s.pipeline.trace.as_dict(s.pipeline.stage_ids)
+    if s.pipeline is not None:  # its stages and their layers, what they sent on, how the loss saw the logits
+        mine["pipeline"] = s.pipeline.trace_dict()
     if not s.ctx.distributed:
         return [mine]
     everyone: list = [None] * s.ctx.world_size

@@ -29,6 +29,7 @@ from accelrun.dist.tp import loss_context
 from accelrun.models import build_model, model_flops_per_token, model_summary
 from accelrun.models.build import materialize_local, takes_document_positions, training_loss_fn
 from accelrun.models.hf_io import load_hf_for_config
+from accelrun.plan.stage_split import recipe_end_costs
 from accelrun.report.peak import Peak, resolve_peak
 from accelrun.train.checkpoint import complete_checkpoints, load_checkpoint, remove_partial
 from accelrun.train.lineage import RunAlreadyContinued, claim_continuation
@@ -185,7 +186,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         pipeline = Pipeline(model, ctx.mesh, cfg.parallel.pp_schedule, cfg.parallel.microbatches or ctx.pp_size,
                             microbatch_loss(cfg.grad_accum), device, layers=cfg.parallel.pp_layers,
                             stages_per_rank=cfg.parallel.stages_per_rank,
-                            vocab_parallel=vocab_parallel)
+                            vocab_parallel=vocab_parallel, ends=recipe_end_costs(cfg))
         parts, labels = pipeline.modules, [f"stage{s}" for s in pipeline.stage_ids]
     # Before compile and FSDP: each rank keeps its experts, which FSDP then leaves alone.
     expert_parallel = (apply_expert_parallel(model, ctx.mesh, cfg.parallel.ep, ctx.dp_size)

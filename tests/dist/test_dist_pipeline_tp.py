@@ -5,7 +5,9 @@ Each job is checked for the dimensions it was meant to use, not only its losses:
 ranks it belongs to (the report's per-rank pipeline trace), the hidden states one stage sent the next were
 sequence shards (T / tp tokens), the last stage's loss saw vocabulary-sharded logits, and the checkpoint's
 matrices are stored as tp × dp_shard shards. One 8-rank job (the headline layout: PP 2 × TP 2 × FSDP 2,
-1F1B); the other schedules on 4 ranks (PP 2 × TP 2), the interleaved one with 4 stages per rank.
+1F1B); the other schedules on 4 ranks (PP 2 × TP 2), the interleaved one with 4 stages per rank split
+automatically (accelrun/plan/stage_split.py: the first and last stage a layer short), each stage checked
+for the layers it ran.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Layout:
     world: int = 4
     dp_shard: int = 1
     stages_per_rank: int = 1
+    stage_layers: tuple[int, ...] | None = None  # layers per stage, where the test checks the split
 
     @property
     def stages(self) -> int:
@@ -48,10 +51,13 @@ LAYOUTS = {
     "pp2_tp2_sp_lp_zero_bubble": Layout(("parallel.nproc_per_node=4", "parallel.dp_shard=1",
                                          "parallel.pp_schedule=zero_bubble"), ("model.n_layers=4",),
                                         stages_per_rank=2),
+    # 10 layers in 8 stages by the automatic split: the tiny recipe's embedding and output layer are each
+    # about half a block (vocabulary 320 × dim 64), so the first and the last stage keep one layer and the
+    # two extra layers go to stages 1 and 2 (the layer-balanced split gave them to stages 0 and 1).
     "pp2_tp2_sp_lp_interleaved_4_per_rank": Layout(("parallel.nproc_per_node=4", "parallel.dp_shard=1",
                                                     "parallel.pp_schedule=interleaved_1f1b",
-                                                    "parallel.pp_stages_per_rank=4"), ("model.n_layers=8",),
-                                                   stages_per_rank=4),
+                                                    "parallel.pp_stages_per_rank=4"), ("model.n_layers=10",),
+                                                   stages_per_rank=4, stage_layers=(1, 2, 2, 1, 1, 1, 1, 1)),
 }
 
 
@@ -74,6 +80,10 @@ def test_pipeline_with_sequence_and_loss_parallel_matches_one_process(name, refe
         # Every stage but the last sent this rank's sequence shard: (micro-batch, seq / tp, dim).
         senders = [s for s in trace["stages"] if s != lay.stages - 1]
         assert trace["sent"] == {str(s): [lay.microbatch, SEQ // TP, DIM] for s in senders}, (rank, trace)
+        if lay.stage_layers is not None:  # each stage ran the layers the automatic split gave it
+            first = [sum(lay.stage_layers[:s]) for s in range(lay.stages)]
+            assert trace["layers"] == {str(s): [first[s], first[s] + lay.stage_layers[s] - 1]
+                                       for s in trace["stages"]}, (rank, trace)
         holds_last = lay.stages - 1 in trace["stages"]
         assert trace["logits"] == (f"vocabulary-sharded over {TP} ranks" if holds_last else None), (rank, trace)
 

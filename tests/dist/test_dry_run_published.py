@@ -4,7 +4,7 @@ representative subset of the ranks, each rank's bytes beside the planner's, exit
 
 - configs/llama3-405b-torchtitan.yaml: TP 8 × PP 8 (interleaved, 2 stages per rank) × FSDP 8, 512 ranks;
 - configs/llama3-405b-meta.yaml: TP 8 × PP 16 (interleaved, 4 stages per rank, the first and last stage a
-  layer short) × FSDP 128, 16,384 ranks.
+  layer short by the automatic split, as Meta's) × FSDP 128, 16,384 ranks.
 """
 
 from __future__ import annotations
@@ -34,13 +34,15 @@ class Published:
     pp: int
     stages_per_rank: int
     pipeline_kinds: tuple[int, ...]  # the first pipeline rank of each kind
+    stage_layers: tuple[int, ...]  # layers per stage
 
 
 PUBLISHED = (
-    # 126 layers in 16 stages: 8 each, the last two stages 7; ranks 6 and 7 run one of those each.
-    Published("llama3-405b-torchtitan.yaml", 512, 8, 2, (0, 1, 6, 7)),
-    # 64 stages of 2 layers, the first and the last of 1: ranks 1..14 are alike.
-    Published("llama3-405b-meta.yaml", 16_384, 16, 4, (0, 1, 15)),
+    # 126 layers in 16 stages (the automatic split): 8 each, the first and the last 7 (the embedding and
+    # the output layer are each about 2/3 of a block); ranks 1..6 are alike.
+    Published("llama3-405b-torchtitan.yaml", 512, 8, 2, (0, 1, 7), (7,) + (8,) * 14 + (7,)),
+    # 64 stages of 2 layers, the first and the last of 1 (Meta's split, made automatically): ranks 1..14 are alike.
+    Published("llama3-405b-meta.yaml", 16_384, 16, 4, (0, 1, 15), (1,) + (2,) * 62 + (1,)),
 )
 
 
@@ -66,9 +68,17 @@ def test_published_405b_layout_dry_runs_at_full_size(case: Published):
     n_stages = case.pp * case.stages_per_rank
     for row in rows:
         pp_rank = int(row[1])
-        assert row[6] == ",".join(str(s) for s in range(pp_rank, n_stages, case.pp)), row
+        stages = range(pp_rank, n_stages, case.pp)
+        assert row[6] == ",".join(str(s) for s in stages), row
+        # Each stage's layers, as the split gives them: stage s runs from the sum of the earlier stages' counts.
+        first = [sum(case.stage_layers[:s]) for s in stages]
+        assert row[7] == ",".join(f"{a}-{a + case.stage_layers[s] - 1}" if case.stage_layers[s] > 1 else str(a)
+                                  for a, s in zip(first, stages, strict=True)), row
         # Bytes beside the plan: the first data-parallel rank holds what the planner counts; the last one
         # less where rows do not divide evenly over FSDP's shards (the vocabulary over 128).
         ratio = float(row[-1])
         assert (0.999 <= ratio <= 1.002) if int(row[3]) == 0 else (0.9 <= ratio <= 1.002), row
     assert "ranks built in" in r.output and f"of {case.world} ranks" in r.output
+    split = ",".join(map(str, case.stage_layers))
+    assert f"layers per stage (automatic: balanced, the embedding and the output layer counted in blocks): {split}" \
+        in r.output
