@@ -32,7 +32,7 @@ def data_problems(cfg: RunConfig, where: Callable[[KeyPath], Source], v: Callabl
         out.append(f"data.mix with {v('eval.every')} is not supported yet: the held-out tail is one stream's "
                    "(set eval.every = 0)")
     for i, entry in enumerate(data.mix):
-        key = f"data.mix[{i}]"
+        key = f"data.mix.{i}"  # the spelling an override takes: data.mix.1.weight=0.3
         if not (entry.weight > 0 and math.isfinite(entry.weight)):
             out.append(f"{key}.weight = {entry.weight} ({where(('data', 'mix', i, 'weight'))}): a weight is a share of "
                        "the training tokens and must be > 0, e.g. 0.1; to leave a source out, remove its entry")

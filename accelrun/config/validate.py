@@ -9,6 +9,7 @@ and where each was set.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
@@ -21,6 +22,7 @@ from accelrun.config.data_checks import data_problems, mix_warnings
 from accelrun.config.errors import ConfigError, nearest
 from accelrun.config.moe_checks import moe_problems, moe_warnings
 from accelrun.config.schema import INTERLEAVED_SCHEDULES, RunConfig
+from accelrun.config.search import search_path
 from accelrun.config.tokenizer_file import (
     BYTE_VOCAB,
     stored_tokenizer,
@@ -43,7 +45,8 @@ def validate(data: dict[str, Any], sources: dict[KeyPath, Source]) -> RunConfig:
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError([_describe(err, data, sources) for err in e.errors()]) from None
+        errors = _without_misspelt_required(e.errors(), data)
+        raise ConfigError([_describe(err, data, sources) for err in errors]) from None
     problems = consistency_problems(cfg, sources)
     if problems:
         raise ConfigError(problems)
@@ -66,6 +69,18 @@ def source_of(path: KeyPath, sources: dict[KeyPath, Source], *, exact: bool = Tr
         if path[:i] in sources:
             return sources[path[:i]]
     return DEFAULT
+
+
+def _without_misspelt_required(errors: list, data: dict) -> list:
+    """A misspelt required key (``wieght`` for ``weight``) is one mistake, not two: drop the "field
+    required" error whose key an unknown key beside it is a near spelling of (that error says both)."""
+    meant: set[KeyPath] = set()
+    for err in errors:
+        if err["type"] == "extra_forbidden":
+            path = _data_path(err["loc"], data)
+            if hint := nearest(str(path[-1]), _fields_at(path[:-1])):
+                meant.add(path[:-1] + (hint,))
+    return [err for err in errors if not (err["type"] == "missing" and _data_path(err["loc"], data) in meant)]
 
 
 def _describe(err: dict, data: dict, sources: dict[KeyPath, Source]) -> str:
@@ -158,12 +173,21 @@ def _data_path(loc: tuple, data: Any) -> KeyPath:
 def _fields_at(path: KeyPath) -> list[str]:
     model: type[BaseModel] = RunConfig
     for part in path:
+        if isinstance(part, int):  # an item of the list of sections named before it (data.mix.1)
+            continue
         field = model.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        ann = _section_type(getattr(field, "annotation", None))
+        if ann is None:
             return []
         model = ann
     return list(model.model_fields)
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    """The section a field holds: itself, or the item type of a list of sections (data.mix)."""
+    if get_origin(annotation) is list:
+        annotation = get_args(annotation)[0]
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
 def _lower_first(s: str) -> str:
@@ -435,12 +459,19 @@ SOURCE_SPECIFIC_DATA_KEYS = ("builtin", "tokenizer", "max_bytes", "text_field", 
 def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]:
     """Values the user set that will have no effect, and settings that are legal but probably wrong.
 
-    Only keys someone set (in a file or an override) are reported, never schema defaults.
+    Only keys the user set (in their own files or an override) are reported, never schema defaults,
+    nor what a shared recipe on the search path set (recipes/data/stdlib.yaml's data.builtin): the user's
+    data.source=documents or compile.backend=eager made that moot, and they did not write it.
     """
+    shared_dirs = [d.resolve() for d in search_path()]
 
     def set_by_user(*path: str) -> Source | None:
         src = sources.get(tuple(path))
-        return src if src is not None and src.kind != "default" else None
+        if src is None or src.kind == "default":
+            return None
+        if src.kind == "file" and src.file and any(Path(src.file).resolve().is_relative_to(d) for d in shared_dirs):
+            return None
+        return src
 
     out: list[str] = []
     if cfg.model.custom is not None:

@@ -45,7 +45,7 @@ class MixedBatchIterator:
             raise ValueError(f"{len(streams)} streams and {len(weights)} weights: give one weight per stream")
         for i, w in enumerate(weights):
             if not w > 0:
-                raise DataError(f"data.mix[{i}].weight = {w}: a weight must be > 0, e.g. 0.1")
+                raise DataError(f"data.mix.{i}.weight = {w}: a weight must be > 0, e.g. 0.1")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
         self.streams = list(streams)
@@ -56,7 +56,7 @@ class MixedBatchIterator:
         self.n_windows = [max(len(s) - 1, 0) // seq_len for s in self.streams]
         for i, (s, n) in enumerate(zip(self.streams, self.n_windows, strict=True)):
             if n < 1:
-                raise DataError(f"data.mix[{i}] ({s.fingerprint.get('source', '?')}): found {len(s)} tokens, fewer "
+                raise DataError(f"data.mix.{i} ({s.fingerprint.get('source', '?')}): found {len(s)} tokens, fewer "
                                 f"than one window of train.seq_len {seq_len} + 1; add data or lower seq_len")
             if packing == "document":
                 require_document_index(s)

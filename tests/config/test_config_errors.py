@@ -110,3 +110,20 @@ def test_tokenizer_vocab_matches_the_data_package():
     from accelrun.data.tokenizer import ByteTokenizer
 
     assert TOKENIZER_VOCAB["byte"] == ByteTokenizer().vocab_size
+
+
+def test_misspelt_key_in_a_mix_entry_is_one_line_with_the_entrys_keys(write):
+    """`wieght` in a data.mix entry: one message (not also 'weight: field required'), naming the file and
+    line, the valid keys of a mix entry and the key meant, spelt as an override takes it (data.mix.1)."""
+    p = write("mix.yaml", "data:\n  mix:\n    - paths: [a.jsonl]\n      weight: 0.7\n"
+                          "    - source: text\n      paths: [a.txt]\n      wieght: 0.3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, [], search_dirs=[])
+    assert e.value.messages == [
+        f"{p.resolve()}:7: unknown key 'data.mix.1.wieght'; did you mean 'data.mix.1.weight'? "
+        "(valid keys in data.mix.1: source, paths, text_field, weight)"]
+
+
+def test_a_missing_mix_weight_with_no_near_spelling_is_still_required(write):
+    p = write("mix.yaml", "data:\n  mix:\n    - paths: [a.jsonl]\n")
+    assert "data.mix.0.weight: field required" in error_of(p)

@@ -149,7 +149,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny):
     line = train_error(tiny, "data.source=documents")
     assert "data.source = documents" in line and "needs data.paths" in line
     r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), f"data.mix=[{{paths: [{good}], weight: 0}}]"])
-    assert r.exit_code == 2 and "data.mix[0].weight = 0.0" in r.output and "must be > 0" in r.output, r.output
+    assert r.exit_code == 2 and "data.mix.0.weight = 0.0" in r.output and "must be > 0" in r.output, r.output
 
 
 def test_a_missing_field_deep_in_the_corpus_names_its_line(tmp_path):
