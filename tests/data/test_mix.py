@@ -138,3 +138,22 @@ def test_validate_warns_of_data_keys_a_mix_replaces(tmp_path):
     warnings = [line for line in r.output.splitlines() if line.startswith("warning: data.")]
     assert warnings == ["warning: data.text_field (override 'data.text_field=body') has no effect with data.mix: "
                         "each entry names its own source, paths and text_field"], r.output
+
+
+def test_validate_is_silent_about_keys_a_shared_recipe_set_that_the_users_source_made_moot(tmp_path):
+    """configs/llama.yaml extends recipes/data/stdlib.yaml, which sets data.builtin; a user who switches to
+    data.source=documents (or compile.backend=eager) did not set the keys that become moot, so no warning.
+    The same key set by the user still warns."""
+    from click.testing import CliRunner
+
+    from accelrun.cli.main import cli
+
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
+    documents = [str(DEFAULT_CONFIG), "data.source=documents", f"data.paths=[{tmp_path / 'a.jsonl'}]"]
+    for args in (documents, [str(DEFAULT_CONFIG), "compile.backend=eager"]):
+        r = CliRunner().invoke(cli, ["validate", *args])
+        assert r.exit_code == 0 and r.output.startswith("valid:"), r.output
+        assert "warning:" not in r.output, r.output
+    r = CliRunner().invoke(cli, ["validate", *documents, "data.builtin=python-stdlib"])
+    assert "warning: data.builtin (override 'data.builtin=python-stdlib') has no effect with data.source = documents" \
+        in r.output, r.output
