@@ -173,6 +173,10 @@ def tokenizer_problems(cfg: Any, v: Any) -> list[str]:
         info = read_tokenizer_info(resolve_model_hf(data.tokenizer, model.hf, v("data.tokenizer")))
     except TokenizerFileError as e:
         if data.tokenizer == MODEL_HF and model.hf is not None:  # the checkpoint came without a tokenizer
+            if data.source == "documents" and data.format == "chat":  # byte has no chat template to render
+                return [f"{e} ({v('data.tokenizer')}: the model.hf folder's own tokenizer; data.format = chat "
+                        "needs a Hugging Face tokenizer with a chat template: put its tokenizer.json and "
+                        "tokenizer_config.json in the folder, or name a tokenizer folder in data.tokenizer)"]
             return [f"{e} ({v('data.tokenizer')}: the model.hf folder's own tokenizer; data.tokenizer=byte "
                     "trains on byte-level tokens instead)"]
         return [str(e)]

@@ -258,6 +258,23 @@ def test_validate_refuses_a_chat_recipe_the_tokenizer_cannot_render(folders, hf_
         assert r.exit_code == 2 and says in " ".join(r.output.split()), r.output
 
 
+def test_a_chat_model_without_a_tokenizer_is_never_told_to_use_byte(folders, tmp_path):
+    """model.hf without a tokenizer: under data.format: chat the byte tokenizer cannot render a chat, so the
+    error must not suggest data.tokenizer=byte (following it only gives the next exit 2); a text recipe
+    still gets that suggestion."""
+    from tests.models.hf_helpers import save_tiny_hf
+
+    bare = tmp_path / "bare"
+    save_tiny_hf(bare)  # config.json and weights, no tokenizer
+    chats = write_chats(tmp_path / "chats.jsonl", CHATS)
+    r = _cli("validate", *_recipe(bare, chats))
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "data.tokenizer" in said and "tokenizer with a chat template" in said, r.output
+    assert "byte" not in said, r.output
+    text = _cli("validate", *_recipe(bare, tmp_path / "chats.jsonl", "data.format=text", "data.text_field=messages"))
+    assert text.exit_code == 2 and "data.tokenizer=byte trains on byte-level tokens" in text.output, text.output
+
+
 def test_train_names_the_line_of_a_chat_without_an_assistant(hf_model, tmp_path):
     chats = write_chats(tmp_path / "chats.jsonl", [*CHATS, [{"role": "system", "content": "be brief"}]])
     r = _cli("train", *_recipe(hf_model, chats, f"report.runs_dir={tmp_path / 'runs'}", "compile.backend=eager"))
