@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 import accelrun
+from accelrun.compile.record import CompileRecord
 
 MAX_ENTRIES = 8  # input kinds per method before giving up on exact entries (dynamic shapes take over)
 
@@ -74,8 +75,16 @@ def describe(value: Any) -> str:
 
 
 def global_state() -> str:
+    """The global state Dynamo's guards check (its GlobalStateGuard): an entry compiled under other
+    state is rejected on load. The thread count is part of it, and train.threads = auto picks it by
+    the machine's load, so each thread count gets its own entry instead of recompiling over one."""
     autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
-    return f"grad={torch.is_grad_enabled()} autocast={autocast} default_dtype={torch.get_default_dtype()}"
+    matmul = torch.backends.cuda.matmul
+    return (f"grad={torch.is_grad_enabled()} autocast={autocast} default_dtype={torch.get_default_dtype()} "
+            f"threads={torch.get_num_threads()} deterministic={torch.are_deterministic_algorithms_enabled()}"
+            f"/{torch.is_deterministic_algorithms_warn_only_enabled()} tf32={matmul.allow_tf32} "
+            f"reduced_reductions={matmul.allow_fp16_reduced_precision_reduction}"
+            f"/{matmul.allow_bf16_reduced_precision_reduction}")
 
 
 class GraphCache:
@@ -152,17 +161,22 @@ class CachedMethod:
         from accelrun.compile.output_code import recording_loads_into
         from accelrun.torch_private import AOTCompiledFunction
 
+        record = self.cache.backend.record
+        # What loading lowers and replays goes into a record of its own, kept only if the entry is used:
+        # a rejected entry is compiled afresh, and both would otherwise be counted (regions, graphs, ops).
+        loading = CompileRecord(cuda_graphs=record.cuda_graphs)
         t0 = time.perf_counter()
         try:
-            with recording_loads_into(self.cache.backend.record):
+            with recording_loads_into(loading):
                 entry = AOTCompiledFunction.deserialize(path.read_bytes(), self.func.__globals__)
             if not entry.guard_check(owner, *args, **kwargs):
                 raise RuntimeError("its guards reject these inputs")
         except Exception as e:  # stale or damaged: compile afresh and overwrite it
             self.cache.error(f"could not load {path.name}", e)
             return None
+        record.absorb(loading)
         self.cache.stats["loaded"] += 1
-        self.cache.backend.record.stage_seconds["graph cache load"] += time.perf_counter() - t0
+        record.stage_seconds["graph cache load"] += time.perf_counter() - t0
         return entry
 
     def _compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> Any:

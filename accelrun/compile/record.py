@@ -115,6 +115,17 @@ class CompileRecord:
             parts.append(line)
         return ", ".join(parts)
 
+    def absorb(self, part: CompileRecord) -> None:
+        """Add what ``part`` recorded (a graph-cache load, kept apart until its guards accepted the
+        inputs: a rejected load is compiled afresh, and its regions must not be counted twice)."""
+        self.passes += part.passes
+        self.regions += part.regions
+        self.graphs += part.graphs
+        self.fallbacks += part.fallbacks
+        self.stage_seconds.update(part.stage_seconds)
+        self.cache_hits += part.cache_hits
+        self.cache_misses += part.cache_misses
+
     def regions_per_executor(self) -> dict[str, int]:
         return dict(Counter(r.executor for r in self.regions))
 

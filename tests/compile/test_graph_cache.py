@@ -246,3 +246,46 @@ def test_precompiles_where_torch_leaves_aot_compile_off():
         cold = step(*COMPILED)[2]
     assert cold.graph_cache["compiled"] == cold.graph_cache["saved"] == 2, cold.graph_cache
     assert not cold.graph_cache["errors"]
+
+
+@pytest.fixture
+def threads():
+    """set(n): run at n threads; the test's end restores the thread count it started with."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_each_thread_count_has_its_own_entry(threads):
+    """Dynamo's guards check the thread count (train.threads = auto picks it by the machine's load):
+    2 then 1 then 1 threads compiled twice and then loaded, with no entry rejected on the way."""
+    threads(2)
+    first = step(*COMPILED)
+    threads(1)
+    torch._dynamo.reset()
+    _, _, one = step(*COMPILED)
+    assert one.graph_cache["compiled"] == 2 and one.graph_cache["loaded"] == 0, one.graph_cache
+    assert one.graph_cache["errors"] == []  # before: "could not load ...: its guards reject these inputs"
+    torch._dynamo.reset()
+    again = step(*COMPILED)
+    assert again[2].graph_cache["loaded"] == 2 and again[2].graph_cache["compiled"] == 0, again[2].graph_cache
+    assert_close(again, first, rel=1e-5)
+
+
+def test_a_rejected_entry_leaves_nothing_in_the_record(threads, monkeypatch):
+    """A load whose guards reject the inputs is compiled afresh: only what runs is counted (its graphs,
+    regions and ATen ops once, not once for the rejected entry and again for the new one)."""
+    import accelrun.compile.graph_cache as graph_cache
+
+    monkeypatch.setattr(graph_cache, "global_state", lambda: "one key for every thread count")
+    threads(2)
+    _, _, cold = step(*COMPILED)
+    threads(1)
+    torch._dynamo.reset()
+    _, _, rejected = step(*COMPILED)
+    assert rejected.graph_cache["compiled"] == 2 and rejected.graph_cache["loaded"] == 0
+    assert any("guards reject" in e for e in rejected.graph_cache["errors"]), rejected.graph_cache
+    assert len(rejected.graphs) == len(cold.graphs)
+    assert rejected.regions_per_executor() == cold.regions_per_executor()
+    assert sum(g.left_to_aten for g in rejected.graphs) == sum(g.left_to_aten for g in cold.graphs)
+    assert "graph cache load" not in rejected.stage_seconds
