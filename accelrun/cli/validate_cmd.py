@@ -47,6 +47,10 @@ def command(config: str, overrides: tuple[str, ...]) -> None:
     )
     out.print(f"  model: {model}", markup=False)
     out.print(f"  data: {_data_summary(c.data)}", markup=False)
+    if c.data.source == "documents" or any(e.source == "documents" for e in c.data.mix):
+        # Reading every record is the run's first minutes; validate reads the first of each file only.
+        out.print("  records: the first of each file checked (its fields, text, JSON); the others are "
+                  "checked when training reads them", markup=False)
     out.print(
         f"  batch: global {c.train.global_batch} = micro {c.train.micro_batch} × accumulation "
         f"{c.grad_accum} × data-parallel {c.parallel.dp}; seq_len {c.train.seq_len}; "

@@ -91,23 +91,34 @@ def data_files(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine)
 
 
 def record_findings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[Finding]:
-    """data.paths names record files, and the first record (header, schema) of each has the field
-    data.format reads: caught here, before a model is built, rather than minutes into a run."""
-    from accelrun.config.record_paths import record_fields, record_files
+    """data.paths names record files; the first record (header, schema) of each has the field data.format
+    reads, and under data.format = text holds text there; a malformed first JSON line and a corpus whose
+    every file is empty are named: caught here, before a model is built, rather than minutes into a run.
+    Records past the first are checked when training reads them (validate says so)."""
+    from accelrun.config.record_paths import file_names, peek_records, record_files
 
     data = cfg.data
     field_key, field = ("data.text_field", data.text_field) if data.format == "text" else \
         ("data.messages_field", data.messages_field)
     try:
-        for f in record_files(data.paths):
-            fields = record_fields(f)
-            if fields and field not in fields:
-                where = source_of(tuple(field_key.split(".")), sources)
-                shown = ", ".join(repr(x) for x in fields)
-                return [Finding(f"{f.path}: no field {field!r} (fields: {shown}); set {field_key} ({where}) to "
-                                "one of them", True)]
+        files = record_files(data.paths)
+        peeks = [peek_records(f) for f in files]
     except UserError as e:
         return [Finding(f"{m} ({source_of(('data', 'paths'), sources, exact=False)})", True) for m in e.messages]
+    where = source_of(tuple(field_key.split(".")), sources)
+    for f, peek in zip(files, peeks, strict=True):
+        if peek.fields and field not in peek.fields:
+            shown = ", ".join(repr(x) for x in peek.fields)
+            return [Finding(f"{f.path}: no field {field!r} (fields: {shown}); set {field_key} ({where}) to "
+                            "one of them", True)]
+        value = None if peek.first is None else peek.first.get(field)
+        if data.format == "text" and peek.first is not None and not isinstance(value, str):
+            shown = "null" if value is None else f"{type(value).__name__} {repr(value)[:40]}"
+            return [Finding(f"{peek.where}: {field_key} {field!r} is {shown}, not text; set {field_key} ({where}) to "
+                            "the field holding each document's text", True)]
+    if all(p.empty for p in peeks):
+        return [Finding(f"data.paths: the corpus is empty: no records in {file_names(files)} "
+                        f"({source_of(('data', 'paths'), sources, exact=False)})", True)]
     return []
 
 

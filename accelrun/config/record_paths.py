@@ -106,6 +106,11 @@ def _folder_files(folder: Path, key: str) -> list[RecordFile]:
     return out
 
 
+def file_names(files: Sequence[RecordFile]) -> str:
+    """The first few files of a corpus, for a message about all of them."""
+    return ", ".join(str(f.path) for f in files[:3]) + (f", ... ({len(files)} files)" if len(files) > 3 else "")
+
+
 def pyarrow_module(f: RecordFile):
     """pyarrow (with its ipc and parquet modules), or one line naming the extra that installs it."""
     try:
@@ -118,30 +123,73 @@ def pyarrow_module(f: RecordFile):
 
 
 
+JSON_LINE_EXPECTED = 'each line is one JSON object, e.g. {"text": "..."}'
+PEEK_BYTES = 1 << 16
+
+
+def json_problem(e: json.JSONDecodeError, *, expected: str) -> str:
+    """What the json module found and where, said once (some of its messages already end in "at":
+    "Invalid control character at"), and the likely fix: a raw tab or newline inside a string for that
+    one, else what a record should look like (``expected``)."""
+    what = e.msg.removesuffix(" at")
+    hint = "a tab or newline inside a string is written \\t or \\n" if "control character" in what else expected
+    return f"{what[:1].lower()}{what[1:]} at column {e.colno} ({hint})"
+
+
+@dataclass(frozen=True)
+class RecordPeek:
+    """The start of a record file, read cheaply before training (the readers check every record later)."""
+
+    fields: list[str]  # the first record's fields, the csv header or the schema; empty when not known
+    first: dict | None = None  # the first record itself (JSON lines); None when not read
+    where: str = ""  # file:line of ``first``
+    empty: bool = False  # certainly no record in the file
+
+
 def record_fields(f: RecordFile) -> list[str]:
     """The fields of ``f``'s first record (jsonl, json lines), its header (csv) or its schema (parquet,
     Arrow): enough to check a field name before training. Empty for a file with no record."""
+    return peek_records(f).fields
+
+
+def peek_records(f: RecordFile) -> RecordPeek:
+    """``f``'s fields and, where it costs one read of its first 64 KiB, its first record; a first JSON
+    line that is complete but malformed is the ``DataError`` a run would stop on (file:line)."""
     if f.format.needs_pyarrow:
         pa = pyarrow_module(f)
         try:
             if f.format is RecordFormat.PARQUET:
-                return list(pa.parquet.read_schema(f.path).names)
+                meta = pa.parquet.read_metadata(f.path)
+                return RecordPeek(list(meta.schema.names), empty=meta.num_rows == 0)
             with pa.memory_map(str(f.path)) as source:
                 try:
-                    return list(pa.ipc.open_stream(source).schema.names)
+                    return RecordPeek(list(pa.ipc.open_stream(source).schema.names))
                 except pa.ArrowInvalid:
                     source.seek(0)
-                    return list(pa.ipc.open_file(source).schema.names)
+                    return RecordPeek(list(pa.ipc.open_file(source).schema.names))
         except pa.ArrowInvalid as e:
             raise DataError(f"{f.path}: not a .{f.format.value} file pyarrow reads ({e})") from None
     with open(f.path, encoding="utf-8", errors="replace", newline="") as fh:
         if f.format is RecordFormat.CSV:
-            return next(csv.reader(fh), [])
-        head = fh.read(1 << 16).lstrip()
-    if not head or head.startswith("["):  # empty, or a JSON array (the reader parses it whole)
-        return []
+            rows = csv.reader(fh)  # every csv value is text: the header and whether a row follows suffice
+            header, first = next(rows, []), next(rows, None)
+            return RecordPeek(header, empty=first is None)
+        head = fh.read(PEEK_BYTES)
+        whole = len(head) < PEEK_BYTES
+    if not head.strip():
+        return RecordPeek([], empty=whole)
+    if head.lstrip().startswith("["):  # a JSON array: the reader parses it whole
+        return RecordPeek([])
+    lines = head.splitlines(keepends=True)
+    number = next(i for i, line in enumerate(lines) if line.strip())
+    line = lines[number]
+    if not (whole or line.endswith("\n")):  # cut by the peek: the reader sees all of it
+        return RecordPeek([])
     try:
-        obj = json.loads(head.splitlines()[0])
-    except json.JSONDecodeError:
-        return []  # the reader names the line (it may also be longer than what was read here)
-    return list(obj) if isinstance(obj, dict) else []
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{f.path}:{number + 1}: malformed JSON line: "
+                        f"{json_problem(e, expected=JSON_LINE_EXPECTED)}") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{f.path}:{number + 1}: expected a JSON object per record, got {type(obj).__name__}")
+    return RecordPeek(list(obj), obj, f"{f.path}:{number + 1}")

@@ -28,7 +28,7 @@ from pathlib import Path
 from accelrun.data.doc_index import read_doc_index
 from accelrun.data.errors import DataError
 from accelrun.data.record_shards import Piece, ShardResult, ShardSpec, plan_pieces, write_shard
-from accelrun.data.records import record_files
+from accelrun.data.records import file_names, record_files
 from accelrun.data.stream import short_hash
 from accelrun.data.tokenizer import get_tokenizer
 from accelrun.data.tokfile import HEADER_SIZE, check_little_endian, read_header
@@ -82,7 +82,8 @@ def prepare_records(
         shards = [r.shard for r in results if r.shard is not None]
         documents = sum(r.documents for r in results)
         if documents == 0:
-            raise DataError(f"{key}: the corpus is empty: no record has text in {text_key} {text_field!r}")
+            raise DataError(f"{key}: the corpus is empty: no record of {file_names(files)} has text in {text_key} "
+                            f"{text_field!r}")
         summary = PreparedCorpus(str(out), len(files), len(shards), documents, sum(r.tokens for r in results), total,
                                  tok.name, tok.vocab_size, text_field)
         manifest = {"format": MANIFEST_FORMAT, **asdict(summary), "shards": shards,

@@ -30,9 +30,12 @@ from typing import Any
 
 from accelrun.config.record_paths import (  # noqa: F401 (part of this module's interface)
     EXTENSIONS,
+    JSON_LINE_EXPECTED,
     PYARROW_HINT,
     RecordFile,
     RecordFormat,
+    file_names,
+    json_problem,
     pyarrow_module,
     record_files,
 )
@@ -140,8 +143,7 @@ def iter_record_batches(paths: Sequence[str], columns: Sequence[str], *, key: st
             seen += len(batch)
             yield batch
     if seen == 0:
-        names = ", ".join(str(f.path) for f in files[:3]) + (", ..." if len(files) > 3 else "")
-        raise DataError(f"{key}: the corpus is empty: no records in {names}")
+        raise DataError(f"{key}: the corpus is empty: no records in {file_names(files)}")
 
 
 def read_file(f: RecordFile, columns: Sequence[str], *, column_key: str | None = None,
@@ -213,7 +215,8 @@ def _read_json_lines(f: RecordFile, columns, column_key, rows, byte_range: tuple
             try:
                 obj = json.loads(line.decode("utf-8", errors="replace"))
             except json.JSONDecodeError as e:
-                raise DataError(f"{rec.where(number)}: malformed JSON line ({e.msg} at column {e.colno})") from None
+                raise DataError(f"{rec.where(number)}: malformed JSON line: "
+                                f"{json_problem(e, expected=JSON_LINE_EXPECTED)}") from None
             rec.add(obj, number)
             if len(rec.lines) >= rows:
                 yield rec.take()
@@ -231,7 +234,8 @@ def _read_json(f: RecordFile, columns, column_key, rows):
     try:
         items = json.loads(Path(f.path).read_text(encoding="utf-8", errors="replace"))
     except json.JSONDecodeError as e:
-        raise DataError(f"{f.path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+        raise DataError(f"{f.path}:{e.lineno}: malformed JSON: "
+                        f"{json_problem(e, expected='a .json file is one array of objects, or one object per line')}") from None
     rec = _Rows(f, columns, column_key)
     for i, obj in enumerate(items):
         if not isinstance(obj, dict):

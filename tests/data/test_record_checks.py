@@ -1,0 +1,69 @@
+"""Bad record files say what is wrong once, where, and what to do; ``validate`` reads the first record of
+each file (as train's preflight does) and says that the others are checked when training reads them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from accelrun.cli.main import cli
+from accelrun.config.schema import DataConfig
+from accelrun.data import DataError, load_stream
+from tests.conftest import DEFAULT_CONFIG
+
+
+def validate(*paths: Path, more: tuple[str, ...] = ()):
+    listed = ", ".join(str(p) for p in paths)
+    return CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), "data.source=documents",
+                                    f"data.paths=[{listed}]", *more])
+
+
+def one_error(r) -> str:
+    errors = [line for line in r.output.splitlines() if line.startswith("error")]
+    assert r.exit_code == 2 and len(errors) == 1, r.output
+    return errors[0]
+
+
+def test_a_raw_tab_in_a_json_line_is_named_once_with_the_fix(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "a\tb"}\n')
+    with pytest.raises(DataError) as e:
+        load_stream(DataConfig(source="documents", paths=[str(path)]), vocab_size=320, seed=0)
+    assert str(e.value) == (f"{path}:2: malformed JSON line: invalid control character at column 12 "
+                            "(a tab or newline inside a string is written \\t or \\n)")
+
+
+def test_validate_catches_a_malformed_first_line(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "a",}\n')
+    line = one_error(validate(path))
+    assert f"{path}:1: malformed JSON line: expecting property name" in line and " at at " not in line
+    assert 'each line is one JSON object, e.g. {"text": "..."}' in line
+
+
+def test_validate_catches_a_first_record_that_is_not_text(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": 5}\n')
+    line = one_error(validate(path))
+    assert f"{path}:1: data.text_field 'text' is int 5, not text; set data.text_field" in line
+
+
+def test_an_empty_corpus_names_its_files_in_validate_and_in_data_prepare(tmp_path):
+    empty, header_only = tmp_path / "empty.jsonl", tmp_path / "header.csv"
+    empty.write_text("\n")
+    header_only.write_text("id,text\n")
+    line = one_error(validate(empty, header_only))
+    assert f"the corpus is empty: no records in {empty}, {header_only}" in line
+    r = CliRunner().invoke(cli, ["data", "prepare", str(empty), "-o", str(tmp_path / "out")])
+    assert f"the corpus is empty: no record of {empty} has text" in one_error(r)
+
+
+def test_validate_says_which_records_it_read(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b\tc"}\n')  # line 2 is train's to find
+    r = validate(path)
+    assert r.exit_code == 0, r.output
+    assert "records: the first of each file checked (its fields, text, JSON); the others are checked when " \
+           "training reads them" in " ".join(r.output.split())
