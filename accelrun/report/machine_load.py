@@ -99,4 +99,5 @@ def busy_note(share: float | None, where: str) -> str | None:
     if share is None or share <= BUSY_WARNING:
         return None
     return (f"other processes used {share:.0%} of this machine's CPU during {where}: the step times and "
-            "tokens/s are slower than on a quiet machine")
+            "tokens/s are slower than on a quiet machine; to measure, run again when it is quiet (top shows "
+            "who is busy); to train beside them, fewer threads wait less on a shared core (train.threads=1)")

@@ -20,6 +20,9 @@ def test_others_share_subtracts_the_jobs_own_cpu_time():
     assert others_share(None, 8.0, 10.0, 2) is None
     assert busy_note(0.05, "the training loop") is None
     assert "used 51% of this machine's CPU during the training loop" in busy_note(0.51, "the training loop")
+    # what to do about it, concretely: when to measure, and the key that gives the neighbour its core back
+    assert "run again when it is quiet" in busy_note(0.71, "the training loop")
+    assert "(train.threads=1)" in busy_note(0.71, "the training loop")
 
 
 def test_a_run_beside_a_busy_neighbour_says_so_in_the_terminal_and_the_report(tmp_path, monkeypatch):
