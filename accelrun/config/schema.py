@@ -21,6 +21,8 @@ from pydantic import (
     model_validator,
 )
 
+from accelrun.config.errors import nearest
+
 
 def _one_as_list(v: Any) -> Any:
     """A lone string where a list of them is meant (``data.paths=/x/corpus.txt`` on the command line,
@@ -90,7 +92,8 @@ class RopeScalingConfig(Section):
 class ModelConfig(Section):
     """A decoder of one of accelrun's model families (``arch``), or a user's own model by import path."""
 
-    arch: Literal["llama", "moe", "gemma"] = "llama"
+    arch: str = Field("llama", description="the model family: a name registered in accelrun.models.families.FAMILIES "
+                      "(llama, gemma, moe, or one added there)")
     dim: PositiveInt = 256
     n_layers: PositiveInt = 4
     n_heads: PositiveInt = 8
@@ -134,6 +137,18 @@ class ModelConfig(Section):
 
             return {**data, **model_keys_from_hf_folder(str(data["hf"]))}
         return data
+
+    @field_validator("arch")
+    @classmethod
+    def _a_registered_family(cls, v: str) -> str:
+        # The registry, not a list written here: a new family is its folder and one line there.
+        from accelrun.models.families import FAMILIES
+
+        if v not in FAMILIES:
+            hint = nearest(v, FAMILIES)
+            raise ValueError(f"no model family {v!r}; known: {', '.join(FAMILIES)}"
+                             + (f"; did you mean '{hint}'?" if hint else ""))
+        return v
 
     @field_validator("custom")
     @classmethod

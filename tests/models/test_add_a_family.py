@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from accelrun.models import build_model, model_summary, transformer_blocks
@@ -38,3 +39,17 @@ def test_a_toy_family_registered_by_one_line_builds_and_trains(monkeypatch):
     with torch.no_grad():
         after = loss_fn(inputs_BT, targets_BT)
     assert torch.isfinite(before) and after < before
+
+
+def test_a_recipe_can_name_the_new_family_with_no_schema_change(monkeypatch):
+    # model.arch is checked against the registry, so the registry line is all a recipe needs.
+    from accelrun.config import ConfigError, load_config
+    from tests.conftest import DEFAULT_CONFIG
+
+    with pytest.raises(ConfigError, match="no model family 'toy'; known: llama"):
+        load_config(DEFAULT_CONFIG, ["model.arch=toy"])
+    monkeypatch.setitem(FAMILIES, "toy", "tests.models.toy_family")
+    cfg = load_config(DEFAULT_CONFIG, ["model.arch=toy", "model.dim=16", "model.n_heads=2", "model.n_kv_heads=2",
+                                     "model.n_layers=2"]).config
+    model = build_model(cfg.model, "cpu", seed=0)
+    assert type(model).__name__ == "Toy" and len(transformer_blocks(model)) == 2

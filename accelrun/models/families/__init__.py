@@ -13,8 +13,8 @@ Adding a family: a folder ``families/<name>/`` holding everything of the family,
 - ``shape.py`` defining ``plan_shape(model_config) -> accelrun.plan.workload.Shape`` and the family's
   ``param_count`` and ``flops_per_token`` from that shape (torch-free),
 
-and one line in :data:`FAMILIES` below (plus its ``model_type`` line in ``config/hf_model.py`` to load
-Hugging Face folders, and its name in ``ModelConfig.arch``). ``tests/models/test_add_a_family.py``
+and one line in :data:`FAMILIES` below, which ``model.arch`` is checked against (plus its ``model_type``
+line in ``config/hf_model.py`` to load Hugging Face folders). ``tests/models/test_add_a_family.py``
 does this with a toy family.
 
 >>> get_family("llama").name
