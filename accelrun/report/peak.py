@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from accelrun.report.files import write_json
 from accelrun.report.gpu_table import find_gpu_entry, why_not_listed
+from accelrun.report.machine_load import BUSY_WARNING, CpuWindow
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +39,7 @@ PROBE_MIN_SIZE = 128
 PROBE_REPEATS = 5
 PROBE_REPEAT_S = 0.2
 PROBE_BUDGET_S = 2.0
-PROBE_CACHE_VERSION = 1
+PROBE_CACHE_VERSION = 2  # 2: entries record the other processes' CPU share during the probe
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,13 @@ def _probe_dtype(precision: str) -> torch.dtype:
 
 
 def measure_cpu_peak(precision: str, cache_dir: Path | None = None) -> Peak:
-    """Measured (or cached) best ``torch.mm`` rate on this CPU; see :func:`resolve_peak`."""
+    """Measured (or cached) best ``torch.mm`` rate on this CPU; see :func:`resolve_peak`.
+
+    A probe taken while other processes used more than ``BUSY_WARNING`` of the CPU measures them as
+    much as the CPU: it serves this run only (its MFU is then an upper bound) and is never cached. A
+    cached entry that measures less than a cached entry with fewer threads was taken under load by an
+    older accelrun (or before the machine quietened): it is stale and measured again.
+    """
     import torch
 
     dtype = _probe_dtype(precision)
@@ -167,22 +174,60 @@ def measure_cpu_peak(precision: str, cache_dir: Path | None = None) -> Peak:
     path = (cache_dir if cache_dir is not None else default_cache_dir()) / "peak" / f"cpu-{digest}.json"
 
     cached = _read_cache(path, key)
-    if cached is not None:
+    stale = _implausible_against(cached, path.parent) if cached is not None else None
+    busy = None
+    if cached is not None and stale is None:
         result, how = cached, f"read from the cache, measured {cached['measured_at']}"
     else:
+        window = CpuWindow()
         result = _probe(dtype)
+        share = window.others_share()
+        result["others_cpu_share"] = None if share is None else round(share, 3)
         result["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        how = f"measured now in {result['probe_s']:.2f} s"
-        try:
-            write_json({"key": key, **result}, path)
-        except OSError as e:  # a read-only home must not stop a run; the figure is still good
-            how += f" (not cached: {e})"
+        how = f"measured now in {result['probe_s']:.2f} s" + (f" ({stale})" if stale else "")
+        if share is not None and share > BUSY_WARNING:
+            busy = share
+            how += " on a busy machine, for this run only (not cached)"
+        else:
+            try:
+                write_json({"key": key, **result}, path)
+            except OSError as e:  # a read-only home must not stop a run; the figure is still good
+                how += f" (not cached: {e})"
     n = result["size"]
-    source = (f"measured: torch.mm {dtype_name} {n}x{n} probe on {cpu}, {threads} threads "
-              f"(cached {path})")
+    load = result.get("others_cpu_share")
+    load_text = f"other processes used {load:.0%} of the CPU meanwhile" if load is not None else "load unknown"
+    if busy is not None:
+        source = (f"measured on a busy machine: torch.mm {dtype_name} {n}x{n} probe on {cpu}, {threads} threads, "
+                  f"{load_text}; not cached, so MFU is an upper bound")
+    else:
+        source = (f"measured: torch.mm {dtype_name} {n}x{n} probe on {cpu}, {threads} threads, {load_text} "
+                  f"(cached {path})")
     detail = (f"{how}; best of {result['repeats']} repeats. An achievable matmul rate, not a datasheet "
               "peak: CPU MFU is the fraction of the best achievable matmul rate")
-    return Peak(result["tflops"], source, detail, cache_file=str(path))
+    return Peak(result["tflops"], source, detail, cache_file=None if busy is not None else str(path))
+
+
+def _implausible_against(entry: dict, folder: Path) -> str | None:
+    """Why a cached entry cannot be right, or None: fewer threads, cached for the same CPU, dtype and
+    torch, measured a higher rate than this entry's threads. An entry measured quietly after that other
+    one is trusted (some CPUs do lose with more threads), so a re-measurement settles it once."""
+    mine = entry["key"]
+    for path in folder.glob("cpu-*.json"):
+        try:
+            other = json.loads(path.read_text(encoding="utf-8"))
+            theirs = other["key"]
+            fewer = int(theirs["threads"]) < int(mine["threads"])
+            rate = float(other["tflops"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        same = all(theirs.get(k) == mine.get(k) for k in ("cpu", "dtype", "torch", "version"))
+        if not (same and fewer and rate > entry["tflops"]):
+            continue
+        settled = entry.get("others_cpu_share") is not None and entry["measured_at"] >= other.get("measured_at", "")
+        if not settled:
+            return (f"the cached {mine['threads']}-thread peak {entry['tflops']:.3g} TFLOP/s was below the cached "
+                    f"{theirs['threads']}-thread {rate:.3g}: taken under load, so measured again")
+    return None
 
 
 def _read_cache(path: Path, key: dict) -> dict | None:

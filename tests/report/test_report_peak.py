@@ -29,12 +29,23 @@ KNOWN_NAMES = {
 }
 
 
+class FakeLoad:
+    """Stands in for machine_load.CpuWindow inside the probe: other processes used ``share`` of the CPU."""
+
+    share = 0.0
+
+    def others_share(self):
+        return FakeLoad.share
+
+
 @pytest.fixture
 def fast_probe(monkeypatch):
     monkeypatch.delenv("ACCELRUN_NO_PEAK_PROBE", raising=False)
     monkeypatch.setattr(peak_mod, "PROBE_SIZE", 64)
     monkeypatch.setattr(peak_mod, "PROBE_REPEATS", 3)
     monkeypatch.setattr(peak_mod, "PROBE_REPEAT_S", 0.005)
+    monkeypatch.setattr(peak_mod, "CpuWindow", FakeLoad)  # a quiet machine unless a test says otherwise
+    FakeLoad.share = 0.0
 
 
 def _no_probe(*args, **kwargs):
@@ -153,3 +164,52 @@ def test_cache_dir_defaults_to_env(fast_probe, monkeypatch, tmp_path):
     monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path / "c"))
     got = resolve_peak(torch.device("cpu"), "fp32", None)
     assert str(tmp_path / "c" / "peak") in got.source
+
+
+@pytest.fixture
+def load(fast_probe):
+    return FakeLoad
+
+
+def test_a_probe_on_a_busy_machine_serves_this_run_only(load, monkeypatch, tmp_path):
+    load.share = 0.45
+    busy = resolve_peak(torch.device("cpu"), "fp32", None, cache_dir=tmp_path)
+    assert busy.tflops > 0 and busy.cache_file is None
+    assert busy.source.startswith("measured on a busy machine") and "45%" in busy.source
+    assert "MFU is an upper bound" in busy.source and "not cached" in busy.detail
+    assert not list((tmp_path / "peak").glob("*.json"))  # before: cached and used by every later run
+    load.share = 0.02
+    quiet = resolve_peak(torch.device("cpu"), "fp32", None, cache_dir=tmp_path)
+    assert "measured now" in quiet.detail and "2%" in quiet.source
+    (entry,) = (tmp_path / "peak").glob("*.json")
+    assert json.loads(entry.read_text())["others_cpu_share"] == 0.02  # the load is kept with the figure
+    monkeypatch.setattr(peak_mod, "_probe", _no_probe)
+    assert "read from the cache" in resolve_peak(torch.device("cpu"), "fp32", None, cache_dir=tmp_path).detail
+
+
+def _cache_entry(folder, threads, tflops, measured_at, share=None):
+    """Write the entry measure_cpu_peak would have cached for ``threads`` threads, as it names it."""
+    key = {"cpu": peak_mod.cpu_model_name(), "threads": threads, "dtype": "float32", "torch": torch.__version__,
+           "version": peak_mod.PROBE_CACHE_VERSION}
+    digest = peak_mod.hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    entry = {"key": key, "tflops": tflops, "size": 64, "repeats": 3, "measured_at": measured_at}
+    if share is not None:
+        entry["others_cpu_share"] = share
+    (folder / "peak").mkdir(parents=True, exist_ok=True)
+    (folder / "peak" / f"cpu-{digest}.json").write_text(json.dumps(entry))
+
+
+def test_more_threads_measuring_less_than_fewer_is_stale(load, monkeypatch, tmp_path):
+    """The walk-through's cache: 2 threads 0.040 TFLOP/s, 1 thread 0.083 (the 2-thread probe ran under
+    load). The 2-thread entry is measured again; once measured quietly after the 1-thread one, it holds."""
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("needs 2 threads to compare against 1")
+    _cache_entry(tmp_path, 1, 1e6, "2026-11-26T10:00:00Z")  # fewer threads, far above any real probe
+    _cache_entry(tmp_path, threads, 0.040, "2026-11-26T09:00:00Z")
+    got = resolve_peak(torch.device("cpu"), "fp32", None, cache_dir=tmp_path)
+    assert "measured now" in got.detail and "taken under load" in got.detail, got.detail
+    assert got.tflops != 0.040
+    monkeypatch.setattr(peak_mod, "_probe", _no_probe)
+    again = resolve_peak(torch.device("cpu"), "fp32", None, cache_dir=tmp_path)  # quiet, and newer: trusted
+    assert "read from the cache" in again.detail and again.tflops == got.tflops
