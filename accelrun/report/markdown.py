@@ -68,7 +68,8 @@ def _compiler_section(c: dict | None) -> list[str]:
     dyn = c.get("dynamo") or {}
     if dyn:
         out.append(f"| Dynamo frames seen / compiled / skipped | {dyn.get('frames_seen', 0)} / "
-                   f"{dyn.get('frames_compiled', 0)} / {len(dyn.get('frames_skipped', []))} |")
+                   f"{dyn.get('frames_compiled', 0)} / {len(dyn.get('frames_skipped', []))}"
+                   + (f" ({n} through the graph cache)" if (n := dyn.get("frames_via_graph_cache")) else "") + " |")
     if "fallbacks" in c:
         out.append(f"| compiler fallbacks | {len(c['fallbacks'])} |")
     for stage, secs in (c.get("stage_seconds") or {}).items():
@@ -80,6 +81,8 @@ def _compiler_section(c: dict | None) -> list[str]:
         out.append(f"| graph cache | off: {_cell(graphs['off'])} |")
     elif graphs:
         out.append(f"| graph cache: loaded / compiled and saved | {graphs['loaded']} / {graphs['saved']} |")
+        if errors := graphs.get("errors"):  # each one is also listed below the table
+            out.append(f"| graph cache errors | {len(errors)}: {_cell(errors[0])} |")
     if c.get("passes_fired"):
         fired = ", ".join(f"{k} ({v})" for k, v in c["passes_fired"].items())
         out.append(f"| passes that changed a graph (graphs) | {_cell(fired)} |")

@@ -289,3 +289,24 @@ def test_a_rejected_entry_leaves_nothing_in_the_record(threads, monkeypatch):
     assert rejected.regions_per_executor() == cold.regions_per_executor()
     assert sum(g.left_to_aten for g in rejected.graphs) == sum(g.left_to_aten for g in cold.graphs)
     assert "graph cache load" not in rejected.stage_seconds
+
+
+def test_frames_compiled_through_the_graph_cache_are_counted():
+    """Precompiling and loading go around Dynamo's frame counters: report.md said "Dynamo frames seen /
+    compiled / skipped 0 / 0 / 0" beside "graphs compiled 2"."""
+    from accelrun.report.markdown import _compiler_section
+
+    for _ in ("cold", "cached"):
+        torch._dynamo.reset()
+        record = step(*COMPILED)[2]
+        summary = record.summary()
+        assert summary["dynamo"]["frames_compiled"] == summary["graphs_in_use"] == 2, summary["dynamo"]
+        assert "| Dynamo frames seen / compiled / skipped | 2 / 2 / 0 (2 through the graph cache) |" in \
+            _compiler_section(summary)
+
+
+def test_a_graph_cache_error_is_a_row_of_report_md():
+    from accelrun.report.markdown import _compiler_section
+
+    section = {"graph_cache": {"loaded": 0, "saved": 2, "errors": ["could not load a.pt: RuntimeError: boom"]}}
+    assert "| graph cache errors | 1: could not load a.pt: RuntimeError: boom |" in _compiler_section(section)
