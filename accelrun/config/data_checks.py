@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from accelrun.config.compose import Source
-from accelrun.config.schema import RunConfig
+from accelrun.config.schema import MixSource, RunConfig
 from accelrun.config.yaml_lines import KeyPath
 
 SOURCES_WITH_PATHS = ("text", "tokens", "documents")
@@ -50,9 +50,22 @@ def data_problems(cfg: RunConfig, where: Callable[[KeyPath], Source], v: Callabl
 KEYS_A_MIX_REPLACES = ("text_field", "max_bytes", "messages_field", "loss_on")
 
 
+def mix_shares(mix: Sequence[MixSource]) -> str:
+    """Each source of ``data.mix`` with the share of the tokens it gets: weights are relative (MixedBatchIterator
+    divides them by their sum), so 0.7 and 0.2 read 78% and 22%."""
+    total = sum(e.weight for e in mix)
+    return ", ".join(f"{', '.join(e.paths) or e.source} {e.weight / total:.0%} (weight {e.weight:g})" for e in mix)
+
+
 def mix_warnings(cfg: RunConfig, set_by_user: Callable[..., Source | None]) -> list[str]:
-    """``data.mix`` set: the data keys its entries replace, where a user set them."""
+    """``data.mix`` set: the data keys its entries replace, where a user set them; weights that do not sum
+    to 1, which are normalised (a user reading a weight as a share should see the shares trained on)."""
     if not cfg.data.mix:
         return []
-    return [f"data.{key} ({src}) has no effect with data.mix: each entry names its own source, paths and text_field"
-            for key in KEYS_A_MIX_REPLACES if (src := set_by_user("data", key))]
+    out = [f"data.{key} ({src}) has no effect with data.mix: each entry names its own source, paths and text_field"
+           for key in KEYS_A_MIX_REPLACES if (src := set_by_user("data", key))]
+    total = sum(e.weight for e in cfg.data.mix)
+    if all(e.weight > 0 for e in cfg.data.mix) and math.isfinite(total) and abs(total - 1) > 1e-6:
+        out.append(f"data.mix weights sum to {total:g}, not 1: they are normalised to shares of the training "
+                   f"tokens: {mix_shares(cfg.data.mix)}")
+    return out

@@ -157,3 +157,27 @@ def test_validate_is_silent_about_keys_a_shared_recipe_set_that_the_users_source
     r = CliRunner().invoke(cli, ["validate", *documents, "data.builtin=python-stdlib"])
     assert "warning: data.builtin (override 'data.builtin=python-stdlib') has no effect with data.source = documents" \
         in r.output, r.output
+
+
+def test_weights_that_do_not_sum_to_1_are_normalised_and_the_run_says_so(tmp_path):
+    """0.7 and 0.2 train on 78% and 22% of the tokens: validate's data line shows each source's share, and a
+    warning (train prints the same ones) says the weights were normalised; weights summing to 1 say nothing."""
+    from click.testing import CliRunner
+
+    from accelrun.cli.main import cli
+
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "b.txt").write_text("b")
+    mix = "data.mix=[{{paths: [{a}], weight: 0.7}}, {{source: text, paths: [{b}], weight: {w}}}]"
+    r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), mix.format(a=tmp_path / "a.jsonl",
+                                                                            b=tmp_path / "b.txt", w=0.2)])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0, r.output
+    assert "warning: data.mix weights sum to 0.9, not 1: they are normalised to shares" in said, r.output
+    assert f"data: mix of 2 sources: {tmp_path / 'a.jsonl'} 78% (weight 0.7), {tmp_path / 'b.txt'} 22% (weight 0.2)" \
+        in said, r.output
+    assert MixedBatchIterator([source(1, 4000), source(2, 4000)], [0.7, 0.2], seq_len=T, micro_batch=1,
+                              seed=0).weights == pytest.approx([7 / 9, 2 / 9])
+    r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), mix.format(a=tmp_path / "a.jsonl",
+                                                                            b=tmp_path / "b.txt", w=0.3)])
+    assert r.exit_code == 0 and "normalised" not in r.output and "70% (weight 0.7)" in r.output, r.output
