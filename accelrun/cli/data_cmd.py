@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import click
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -127,3 +128,28 @@ def _print_summary(info: dict) -> None:
     for key, value in info.items():
         table.add_row(labels.get(key, key), f"{value:,}" if isinstance(value, int) else str(value))
     out.print(table)
+
+
+@command.command("examples")
+@click.option("-C", "--dir", "root", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
+              show_default=True, help="Folder to write them under.")
+def examples(root: Path) -> None:
+    """Write the README's example inputs, from this machine's Python standard library (no download).
+
+    corpus/a.txt (text), corpus/docs.jsonl, .json, .csv (its column is body), .parquet and .arrow
+    (accelrun[data]), corpus/saved (a save_to_disk folder; datasets), chats.jsonl, and
+    models/my-chat-model: a tiny random Llama with a BPE tokenizer and a chat template whose
+    {% generation %} blocks mark the assistant's turns (accelrun[hf]). Earlier copies are replaced.
+
+    \b
+    Examples:
+      accelrun data examples
+      accelrun train configs/llama.yaml data.source=documents 'data.paths=[corpus/docs.parquet]'
+    """
+    from accelrun.data.examples import write_examples
+
+    report = write_examples(root)
+    for w in report.written:
+        out.print(f"wrote {escape(str(root / w.path) if root != Path('.') else w.path)}: {escape(w.what)}")
+    for w in report.skipped:
+        out.print(f"[yellow]skipped[/] {escape(w.path)}: {escape(w.what)}")
