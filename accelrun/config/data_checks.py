@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from accelrun.config.compose import Source
-from accelrun.config.schema import MixSource, RunConfig
+from accelrun.config.schema import DataConfig, MixSource, RunConfig
 from accelrun.config.yaml_lines import KeyPath
 
 SOURCES_WITH_PATHS = ("text", "tokens", "documents")
@@ -69,3 +69,19 @@ def mix_warnings(cfg: RunConfig, set_by_user: Callable[..., Source | None]) -> l
         out.append(f"data.mix weights sum to {total:g}, not 1: they are normalised to shares of the training "
                    f"tokens: {mix_shares(cfg.data.mix)}")
     return out
+
+
+def data_description(data: DataConfig) -> str:
+    """What a run reads, for its report: the source (or each mixed source with its share), how many paths,
+    the record format and the packing."""
+    if data.mix:
+        head = f"mix of {len(data.mix)} sources: {mix_shares(data.mix)}"
+    elif data.source == "builtin":
+        head = f"builtin ({data.builtin})"
+    elif data.source == "synthetic":
+        head = "synthetic"
+    else:
+        head = f"{data.source}: {len(data.paths)} path(s)"
+    fmt = f"; format {data.format}" if data.source == "documents" and not data.mix else ""
+    return f"{head}{fmt}; packing {data.packing}"
+

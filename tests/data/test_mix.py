@@ -181,3 +181,18 @@ def test_weights_that_do_not_sum_to_1_are_normalised_and_the_run_says_so(tmp_pat
     r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), mix.format(a=tmp_path / "a.jsonl",
                                                                             b=tmp_path / "b.txt", w=0.3)])
     assert r.exit_code == 0 and "normalised" not in r.output and "70% (weight 0.7)" in r.output, r.output
+
+
+def test_report_md_has_a_data_row():
+    """report.md's Configuration table says what the run read: source, paths, format, packing, mix shares."""
+    from accelrun.config.data_checks import data_description
+    from accelrun.report.markdown import render_report_md
+
+    documents = DataConfig(source="documents", paths=["corpus/docs.jsonl"], packing="document")
+    assert data_description(documents) == "documents: 1 path(s); format text; packing document"
+    assert data_description(DataConfig()) == "builtin (python-stdlib); packing concat"
+    mix = DataConfig(mix=[MixSource(paths=["a.jsonl"], weight=0.7), MixSource(source="text", paths=["b.txt"],
+                                                                              weight=0.2)])
+    assert data_description(mix) == "mix of 2 sources: a.jsonl 78% (weight 0.7), b.txt 22% (weight 0.2); packing concat"
+    md = render_report_md({"steps": 1}, {"name": "x", "data": data_description(documents)})
+    assert "| data | documents: 1 path(s); format text; packing document |" in md
