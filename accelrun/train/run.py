@@ -31,6 +31,7 @@ from accelrun.dist.context import ParallelContext
 from accelrun.dist.stop import Stopped
 from accelrun.dist.worker import rank_uses_cuda
 from accelrun.errors import TrainingDiverged, UserError
+from accelrun.report.compile_time import compile_time, record_seconds
 from accelrun.report.files import write_json
 from accelrun.report.html import write_report_html
 from accelrun.report.lineage import history
@@ -38,7 +39,7 @@ from accelrun.report.machine_load import CpuWindow, busy_note, others_share
 from accelrun.report.markdown import write_report_md
 from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, forget_steps_after, read_metrics
-from accelrun.report.summary import compile_time_s, is_steady, step_breakdown, summarize
+from accelrun.report.summary import is_steady, step_breakdown, summarize
 from accelrun.report.trackers import open_trackers
 from accelrun.train.host_malloc import tune_malloc
 from accelrun.train.loop import LoopOutcome, run_loop
@@ -192,13 +193,15 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
                   per_rank: list[dict], cpu: CpuWindow) -> dict:
     cfg = resolved.config
     metrics = read_metrics(run_dir / "metrics.jsonl")
+    compiler = _compiler_summary(s)
+    # What the compiler timed, where it did: a difference of steps on a busy machine said 0.0 s.
+    took = compile_time(metrics, record_seconds(compiler)) if s.compiles else None
     report = summarize(
         metrics, warmup_steps=cfg.report.warmup_steps, peak=s.peak, flops_per_token=s.flops_per_token,
-        compile_time_s=compile_time_s(metrics) if s.compiles else None, tokens_per_step=s.tokens_per_step,
+        compile_time_s=took.seconds if took else None, tokens_per_step=s.tokens_per_step,
     )
-    if s.compiles:
-        report["notes"].append("compile time = the first step's time minus the median of the others "
-                               "(Dynamo and its backend compile lazily inside the first step)")
+    if took is not None:
+        report["notes"].append(took.how)
     _distrust_low_probe(report, s)
     load = _machine_load(per_rank, cpu)
     if (busy := busy_note(load["others_cpu_share"], "the training loop")) is not None:
@@ -223,7 +226,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         mem_peak_bytes_per_rank=[r["mem_peak_bytes"] for r in per_rank],
         step_time_s_per_rank=[r["step_time_s"] for r in per_rank],
         pipeline_per_rank=[r["pipeline"] for r in per_rank] if s.pipeline is not None else None,
-        compiler=_compiler_summary(s),
+        compiler=compiler,
         history=[str(p) for p in history(run_dir)],  # the run folders of this run, restarts included
         final_val_loss=next((m["val_loss"] for m in reversed(metrics) if m.get("val_loss") is not None), None),
     )
@@ -303,5 +306,8 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
     if compiler.get("compiled"):  # accelrun's backend: what ran compiled, in one line
         took = f"; compile {r['compile_time_s']:.1f} s" if r.get("compile_time_s") else ""
         console.print(f"  compiled: {compiler['compiled']}{took}", markup=False, highlight=False)
+    if errors := (compiler.get("graph_cache") or {}).get("errors"):  # was only in report.json
+        more = f" (and {len(errors) - 1} more in report.md)" if len(errors) > 1 else ""
+        console.print(f"[bold yellow]graph cache:[/] {escape(errors[0])}{more}", highlight=False)
     for warning in compiler.get("warnings") or []:  # never silent: nothing compiled, skipped frames
         console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
