@@ -189,61 +189,33 @@ def _save_example_tokenizer(folder: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(folder)
 
 
-def _save_example_chat_model(folder: Path, chats: Path) -> None:
-    """The README's models/my-chat-model (a tiny transformers Llama with a chat tokenizer whose template
-    marks the assistant's turns) and chats.jsonl, as tests/data/test_chat_finetune.py trains them."""
-    import json
-
-    from tests.data.chat_helpers import CHATS, save_chat_tokenizer, write_chats
-    from tests.models.hf_helpers import save_tiny_hf
-
-    save_tiny_hf(folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))  # the recipe's 128
-    save_chat_tokenizer(folder)
-    write_chats(chats, CHATS * 8)
+EXAMPLE_INPUTS = ("corpus/docs.", "corpus/saved", "corpus/*.parquet", "data.paths=[data/corpus]",
+                  "models/my-chat-model", "chats.jsonl")
 
 
-def _write_example_records(corpus: Path) -> None:
-    """The README's corpus/docs.* in every record format (the csv's column is body) and corpus/saved,
-    a save_to_disk folder, written by the libraries that write them in the wild."""
-    import csv
-    import json
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    docs = [{"id": i, "text": f"document {i}: " + "some words " * (i % 7 + 1)} for i in range(64)]
-    (corpus / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (corpus / "docs.json").write_text(json.dumps(docs))
-    with open(corpus / "docs.csv", "w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["id", "body"])
-        writer.writerows([d["id"], d["text"]] for d in docs)
-    table = pa.Table.from_pylist(docs)
-    pq.write_table(table, corpus / "docs.parquet")
-    with pa.ipc.new_file(corpus / "docs.arrow", table.schema) as writer:
-        writer.write_table(table)
-    if not (corpus / "saved").exists():
-        import datasets
-
-        datasets.Dataset.from_list(docs).save_to_disk(str(corpus / "saved"))
+@pytest.fixture(scope="module")
+def example_inputs(tmp_path_factory) -> Path:
+    """What the README's own `accelrun data examples` line writes (corpus/docs.*, corpus/saved, corpus/a.txt,
+    chats.jsonl, models/my-chat-model), run once through the command line as a user would."""
+    (line,) = [e for e in readme_examples() if e.args[:2] == ["data", "examples"]]
+    root = tmp_path_factory.mktemp("example-inputs")
+    r = CliRunner().invoke(cli, [*line.args, "-C", str(root)])
+    assert r.exit_code == 0 and "skipped" not in r.output, f"{line.where}: {line.text}\n{r.output}"
+    return root
 
 
-def _uses_example_records(example: Example) -> bool:
-    return any(name in a for a in example.args for name in ("corpus/docs.", "corpus/saved", "corpus/*.parquet",
-                                                            "data.paths=[data/corpus]"))
+def _uses_example_inputs(example: Example) -> bool:
+    return any(name in a for a in example.args for name in EXAMPLE_INPUTS)
 
 
 @pytest.mark.parametrize("example", ALL, ids=[f"{e.where}" for e in ALL])
-def test_example_runs_as_written(example: Example, workdir: Path, monkeypatch: pytest.MonkeyPatch):
+def test_example_runs_as_written(example: Example, workdir: Path, monkeypatch: pytest.MonkeyPatch,
+                                 request: pytest.FixtureRequest):
     tokenizer = [a.partition("=")[2] or a for a in example.args if "models/my-tokenizer" in a]
     if tokenizer:
         _save_example_tokenizer(Path(tokenizer[0]))
-    if any("models/my-chat-model" in a for a in example.args):
-        _save_example_chat_model(Path("models/my-chat-model"), Path("chats.jsonl"))
-    if _uses_example_records(example):
-        _write_example_records(Path("corpus"))
+    if _uses_example_inputs(example):  # as the README's `accelrun data examples` line wrote them
+        shutil.copytree(request.getfixturevalue("example_inputs"), workdir, dirs_exist_ok=True)
     if "data.paths=[data/corpus]" in example.args:  # the folder the README's data prepare line writes
         assert CliRunner().invoke(cli, ["data", "prepare", "corpus/*.parquet", "-o", "data/corpus"]).exit_code == 0
     if example.args[:2] == ["train", "configs/llama.yaml"] and "data.source=tokens" in example.args:
