@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 PRECISIONS = ("fp32", "bf16-mixed")
 NO_PROBE_ENV = "ACCELRUN_NO_PEAK_PROBE"
 CACHE_DIR_ENV = "ACCELRUN_CACHE_DIR"
+BUSY_PEAK = "measured on a busy machine"  # how a probe's source starts when others used the CPU meanwhile
 HOW_TO_DECLARE = "declare the per-device peak in the recipe as report.peak_tflops (TFLOP/s)"
 
 # The CPU probe: square matmuls of PROBE_SIZE (halved while one takes too long), timed in repeats of
@@ -197,7 +198,7 @@ def measure_cpu_peak(precision: str, cache_dir: Path | None = None) -> Peak:
     load = result.get("others_cpu_share")
     load_text = f"other processes used {load:.0%} of the CPU meanwhile" if load is not None else "load unknown"
     if busy is not None:
-        source = (f"measured on a busy machine: torch.mm {dtype_name} {n}x{n} probe on {cpu}, {threads} threads, "
+        source = (f"{BUSY_PEAK}: torch.mm {dtype_name} {n}x{n} probe on {cpu}, {threads} threads, "
                   f"{load_text}; not cached, so MFU is an upper bound")
     else:
         source = (f"measured: torch.mm {dtype_name} {n}x{n} probe on {cpu}, {threads} threads, {load_text} "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from accelrun.report.peak import Peak
+from accelrun.report.peak import BUSY_PEAK, Peak
 from accelrun.report.router import MOE_MFU_NOTE, router_summary
 
 # Fewer steady steps than this still gives figures, with a note that they are noisy.
@@ -109,6 +109,9 @@ def summarize(
     elif peak.source.startswith("measured"):
         notes.append("MFU on a CPU is the fraction of the best achievable torch.mm rate measured on "
                      "this machine, not of a datasheet peak")
+        if peak.source.startswith(BUSY_PEAK):  # report/peak.py: not cached, this run only
+            notes.append("the CPU peak was measured while other processes used the CPU: it understates the "
+                         "machine, so MFU is an upper bound (a quiet run measures and caches it)")
 
     steady_step_s = sum(float(m["step_time_s"]) for m in steady)
     steady_data_s = sum(float(m.get("data_time_s") or 0.0) for m in steady)

@@ -39,6 +39,7 @@ from accelrun.report.machine_load import CpuWindow, busy_note, others_share
 from accelrun.report.markdown import write_report_md
 from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, forget_steps_after, read_metrics
+from accelrun.report.peak import BUSY_PEAK
 from accelrun.report.summary import is_steady, step_breakdown, summarize
 from accelrun.report.trackers import open_trackers
 from accelrun.train.host_malloc import tune_malloc
@@ -285,6 +286,8 @@ def _announce(console: Console, s: TrainSetup, setup_s: float) -> None:
 def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
     st = r["step_time_s"]["median"]
     mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") is not None else "n/a"
+    if r.get("mfu") is not None and str((r.get("peak") or {}).get("source", "")).startswith(BUSY_PEAK):
+        mfu += f" (an upper bound: the peak was {BUSY_PEAK})"
     # The job's throughput, as report.md and `runs list` show it: a rank's alone made a 2-rank FSDP
     # run look slower than one process when it was faster.
     tps = f"{r['tokens_per_s_job']:,.0f} tok/s" if r.get("tokens_per_s_job") else "n/a tok/s"

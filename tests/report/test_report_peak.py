@@ -213,3 +213,24 @@ def test_more_threads_measuring_less_than_fewer_is_stale(load, monkeypatch, tmp_
     monkeypatch.setattr(peak_mod, "_probe", _no_probe)
     again = resolve_peak(torch.device("cpu"), "fp32", None, cache_dir=tmp_path)  # quiet, and newer: trusted
     assert "read from the cache" in again.detail and again.tflops == got.tflops
+
+
+def test_mfu_from_a_busy_probe_says_it_is_an_upper_bound(load, tmp_path):
+    import io
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from accelrun.report.summary import summarize
+    from accelrun.train.run import _print_summary
+
+    load.share = 0.5
+    peak = resolve_peak(torch.device("cpu"), "fp32", None, cache_dir=tmp_path)
+    metrics = [{"step": i, "step_time_s": 1.0, "loss": 1.0} for i in range(1, 6)]
+    report = summarize(metrics, warmup_steps=1, peak=peak, flops_per_token=1e3, compile_time_s=None,
+                       tokens_per_step=100)
+    assert any("MFU is an upper bound" in n for n in report["notes"])
+    report["tokens_per_s_job"] = report["tokens_per_s"]
+    out = io.StringIO()
+    _print_summary(Console(file=out, width=400), report, Path("run"))
+    assert "(an upper bound: the peak was measured on a busy machine)" in out.getvalue()
