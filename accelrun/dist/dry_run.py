@@ -199,6 +199,10 @@ def format_dry_run(resolved: ResolvedConfig, rows: list[RankBytes]) -> list[str]
         lines.append(f"{r.rank:>5} {c['pp']:>3} {c['dp_replicate']:>3} {c['dp_shard']:>5} {c['cp']:>3} {c['tp']:>3}{stages}  "
                      f"{nbytes(r.param_bytes):>10} {nbytes(r.grad_bytes):>10} {nbytes(r.optimizer_bytes):>10}  "
                      f"{nbytes(int(plan)):>11} {r.param_bytes / plan if plan else float('nan'):>6.3f}")
+    ratios = [r.param_bytes / p for r in rows if (p := FP32 * planned_params(resolved, r))]
+    if any(abs(x - 1) > 0.01 for x in ratios):
+        lines.append("ratio: the plan counts a shard's mean; FSDP cuts each parameter's first dimension into pieces "
+                     "of ceil(rows / shards) rows, so the last shard ranks hold less (and the first slightly more)")
     if ranges:
         how = "parallel.pp_layers" if resolved.config.parallel.pp_layers is not None else (
             "automatic: balanced, the embedding and the output layer counted in blocks")
