@@ -25,10 +25,11 @@ from accelrun.errors import UserError
 
 @click.group("data")
 def command() -> None:
-    """Prepare training data.
+    """Prepare training data, or write the README's example inputs.
 
     \b
     Examples:
+      accelrun data examples
       accelrun data prepare 'corpus/**/*.txt' -o data/corpus.tok
       accelrun data prepare 'corpus/*.parquet' -o data/corpus --workers 4
     """
