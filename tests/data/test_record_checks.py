@@ -67,3 +67,12 @@ def test_validate_says_which_records_it_read(tmp_path):
     assert r.exit_code == 0, r.output
     assert "records: the first of each file checked (its fields, text, JSON); the others are checked when " \
            "training reads them" in " ".join(r.output.split())
+
+
+def test_validate_does_not_claim_to_have_read_a_mixtures_records(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "a"}\n')
+    r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), f"data.mix=[{{paths: [{path}], weight: 1}}]"])
+    assert r.exit_code == 0, r.output
+    assert "records: the mixed sources' records are checked when training reads them" in r.output
+    assert "the first of each file checked" not in r.output
