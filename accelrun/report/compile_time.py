@@ -42,7 +42,8 @@ def compile_time(metrics: list[dict], recorded_s: float | None) -> CompileTime:
     if from_steps is not None and from_steps > recorded_s:
         return CompileTime(from_steps, f"compile time = the first step's time minus the median of the others "
                                        f"({from_steps:.2f} s), above the compiler's own stage timers "
-                                       f"({recorded_s:.2f} s), which leave out Dynamo's tracing outside the graph cache")
+                                       f"({recorded_s:.2f} s), which leave out the first step's other first-time costs "
+                                       "(and Dynamo's tracing outside the graph cache)")
     steps = "n/a" if from_steps is None else f"{from_steps:.2f} s"
     return CompileTime(recorded_s, f"compile time = the compiler's own stage timers, summed ({recorded_s:.2f} s); "
                                    f"the first step minus the median of the others said {steps}")
