@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 from accelrun.plan.efficiency import ATTENTION_BACKWARD_RATIO
-from accelrun.plan.workload import Shape
+from accelrun.plan.model_shape import Shape
 
 
 @dataclass(frozen=True)
