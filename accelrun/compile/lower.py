@@ -174,10 +174,6 @@ class FirstCallCheck:
         self.checked = False
 
     @property
-    def executor(self) -> str:
-        return self.runner.name
-
-    @property
     def fresh_outputs(self) -> bool:
         """Every output is a new tensor (fast_calls may then collapse views of it)."""
         return getattr(self.fn, "fresh_outputs", False)

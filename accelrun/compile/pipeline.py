@@ -37,8 +37,6 @@ from accelrun.compile.passes.base import (
 )
 from accelrun.compile.record import CompileRecord, Fallback, PassRecord
 
-STAGE_ORDER = ("capture", "pre_grad", "joint", "partition", "post_grad", "lowering", "runtime")
-
 
 class CompilerFallbackError(RuntimeError):
     """``compile.strict``: the compiler would have fallen back (a pass, a claim, a compile, a first call)."""

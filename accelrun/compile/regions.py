@@ -35,7 +35,6 @@ class RegionLowering:
     declined: dict[str, str] = field(default_factory=dict)  # executor name → why it did not take the region
     cache_hit: bool | None = None  # the executor's own cache supplied the compiled code; None: no cache
     sources: dict[str, GeneratedSource] = field(default_factory=dict)  # executor name → its generated source
-    triton_kernels: list[str] = field(default_factory=list)  # per kernel loaded at warm-up: registers, spills
 
 
 @dataclass

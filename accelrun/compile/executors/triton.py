@@ -57,7 +57,7 @@ class TritonExecutor(GeneratedCodeExecutor):
 
         # Tuned before (this process or another, for this device): the tuned launches are the ones built.
         tuned = _cached_launches(program, module.__file__) if self.tune_launches and _can_time() else None
-        region.lowering.triton_kernels = warm_up(program, module, tuned)
+        warm_up(program, module, tuned)  # every launch built and loaded now, not at the first step
         return with_output_strides(TritonRegion(program, module, tune=self.tune_launches), program)
 
     def generate(self, program) -> str:
