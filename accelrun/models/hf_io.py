@@ -171,9 +171,22 @@ def export_hf(state_dict: dict[str, torch.Tensor], spec: Any, args: Any, out: st
 def _as_umask_allows(path: Path) -> None:
     """The mode any new file of this process gets (0644 under the usual umask 022). safetensors writes its
     files 0600, so an export was readable by its owner alone: not by a serving job or a colleague."""
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o666 & ~umask)
+    path.chmod(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    # Read, not set-and-restore where Linux says it: os.umask changes it for every thread of the process
+    # (a checkpoint writer's files created meanwhile would get mode 0666).
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def load_hf_for_config(modules: list[nn.Module], cfg: Any) -> int:
