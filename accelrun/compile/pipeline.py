@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import fx
 
 from accelrun.compile.dump import Dumper
@@ -45,6 +46,18 @@ class CompilerFallbackError(RuntimeError):
 def one_line(e: BaseException) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {first}"[:240]
+
+
+def checkpoint_bodies(gm: fx.GraphModule) -> list[str]:
+    """Names of the submodules that are the bodies of ``gm``'s activation-checkpointed regions."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    names: list[str] = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and hop is not None and n.target is hop and n.args:
+            body = n.args[0]
+            if isinstance(body, fx.Node) and body.op == "get_attr" and body.target not in names:
+                names.append(str(body.target))
+    return names
 
 
 def count_ops(gm: fx.GraphModule) -> int:
@@ -143,7 +156,21 @@ class PassDriver:
         """``stage``'s passes over one graph (pre_grad, joint, post_grad)."""
         self.dumper.graph(graph_name, "input", gm)
         unit = self._run(stage, _OneGraph(gm, graph_name), graph_name, PassContext(kind, example_inputs, notes))
+        if stage == "pre_grad":
+            self._enter_checkpointed(unit.gm, graph_name, notes)
         return unit.gm
+
+    def _enter_checkpointed(self, gm: fx.GraphModule, graph_name: str, notes: GraphNotes) -> None:
+        """The pre-grad passes over each activation-checkpointed region's body as well: Dynamo traces a
+        ``checkpoint`` call into one higher-order op whose body is a submodule the passes would not see,
+        and a checkpointed block would train unfused (and rerun unfused ops in backward)."""
+        for body_name in checkpoint_bodies(gm):
+            name = f"{graph_name}.{body_name}"
+            self.dumper.graph(name, "input", getattr(gm, body_name))
+            unit = self._run("pre_grad", _OneGraph(getattr(gm, body_name), name), name,
+                             PassContext("pre_grad", None, notes))  # fmt: skip
+            setattr(gm, body_name, unit.gm)
+        gm.recompile()
 
     def run_pair(self, name: str, fw: fx.GraphModule, bw: fx.GraphModule,
                  notes: GraphNotes) -> tuple[fx.GraphModule, fx.GraphModule]:  # fmt: skip

@@ -19,11 +19,11 @@ uses torch's default one, Inductor's the min-cut one) cuts the joint graph along
 ``accelrun.plan.activations.selective_saved`` counts the same tensors.
 
 Under accelrun's compiler a checkpointed block reaches the pre-grad passes as one tagged region (a
-higher-order op around the block's subgraph, 2 nodes where a plain block has 42), which those passes
-do not enter: RMSNorm, SwiGLU and RoPE fusion and the merge of q/k/v into one matmul match nothing in
-a checkpointed block, selective or full (seen in the compile record's pass summaries); the joint-graph
-and region passes still run. Entering the region is the compiler's to do; a merged q/k/v would also
-change which matmuls count as every second one.
+higher-order op around the block's subgraph), and the passes enter its body
+(``compile.pipeline.PassDriver``): RMSNorm, SwiGLU and RoPE fuse there as in an unchecked block, so
+backward's rerun runs the fused kernels. Under grouped-query attention the merge of q/k/v into one
+matmul changes which matmuls count as every second one: wq+wk+wv, w1 and w2 are kept, wo and w3
+rerun (``Shape.block_gemms_merged``; the planner counts the same).
 """
 
 from __future__ import annotations

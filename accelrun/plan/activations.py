@@ -80,9 +80,11 @@ def checkpoint_input(w: Workload) -> PerToken:
 
 def selective_saved(w: Workload) -> PerToken:
     """torchtitan's per-op policy on accelrun's block: the block input, the outputs of the 1st, 3rd,
-    5th and 7th matmul (wq, wv, w1, w2), and attention's output and log-sum-exp."""
+    5th and 7th matmul (wq, wv, w1, w2; under accelrun's compiler with grouped-query attention, q/k/v
+    merged into one: wq+wk+wv, w1, w2), and attention's output and log-sum-exp."""
     s, sh = w.compute_bytes, w.shape
-    kept = [g for i, g in enumerate(sh.block_gemms()) if i % 2 == 0]
+    gemms = sh.block_gemms_merged() if w.merged_projections else sh.block_gemms()
+    kept = [g for i, g in enumerate(gemms) if i % 2 == 0]
     rep = w.stream_bytes * sh.dim
     shard = 0.0
     for g in kept:

@@ -66,6 +66,25 @@ class Shape:
                 Gemm("wo", q, d, "row"), Gemm("w1", d, f, "col"), Gemm("w3", d, f, "col"),
                 Gemm("w2", f, d, "row"))
 
+    def block_gemms_merged(self) -> tuple[Gemm, ...]:
+        """``block_gemms`` as accelrun's ``merge_parallel_linears`` pass leaves them: a run of column-parallel
+        matrices that read the same input becomes one, when one of them is narrower than that input
+        (q, k and v under grouped-query attention; never SwiGLU's w1 and w3, which widen)."""
+        out: list[Gemm] = []
+        run: list[Gemm] = []
+        for g in (*self.block_gemms(), None):
+            if g is not None and g.split == "col" and (not run or g.in_dim == run[0].in_dim):
+                run.append(g)
+                continue
+            if len(run) > 1 and any(r.out_dim < r.in_dim for r in run):
+                out.append(Gemm("+".join(r.name for r in run), run[0].in_dim, sum(r.out_dim for r in run), "col"))
+            else:
+                out.extend(run)
+            run = [g] if g is not None and g.split == "col" else []
+            if g is not None and g.split != "col":
+                out.append(g)
+        return tuple(out)
+
     def output_gemm(self) -> Gemm:
         return Gemm("output", self.dim, self.vocab_size, "col")
 

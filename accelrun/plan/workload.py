@@ -87,6 +87,9 @@ class Workload:
     optimizer_impl: str  # fused | foreach | for_loop
     on_cpu: bool
     grad_clip: bool = True  # train.grad_clip set (clipping reads and scales every gradient)
+    # accelrun's merge_parallel_linears runs (on plain, unsharded weights): selective checkpointing then
+    # counts the merged matmuls (Shape.block_gemms_merged)
+    merged_projections: bool = False
 
     @property
     def mode(self) -> str:
@@ -208,7 +211,19 @@ def workload_from_config(cfg: RunConfig, options: PlanOptions | None = None) -> 
         shape=shape, layout=layout, seq_len=t.seq_len, micro_batch=t.micro_batch, grad_accum=cfg.grad_accum,
         global_batch=t.global_batch, precision=t.precision, ac_mode=ac, every_n=t.activation_checkpoint.every_n,
         compiled=cfg.compile.backend != "eager", optimizer_impl=impl, on_cpu=on_cpu, grad_clip=bool(t.grad_clip),
+        merged_projections=_merges_projections(cfg, layout),
     )
+
+
+def _merges_projections(cfg: RunConfig, layout: Layout) -> bool:
+    from accelrun.config.compile_names import PassConfigError, parse_passes
+
+    if cfg.compile.backend != "accelrun" or layout.tp > 1:  # a DTensor weight is left unmerged
+        return False
+    try:
+        return any(name == "merge_parallel_linears" for name, _ in parse_passes(cfg.compile.passes))
+    except PassConfigError:
+        return False
 
 
 def with_layout(w: Workload, **changes) -> Workload:

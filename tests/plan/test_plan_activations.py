@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
 from accelrun.plan.activations import block_saved, selective_saved
@@ -70,3 +73,27 @@ def test_selective_keeps_input_and_every_second_matmul_and_attention():
     s = selective_saved(w)
     # input (bf16 stream), wq, wv, w1, w2 outputs, attention output, log-sum-exp (fp32 per head)
     assert s.local(1) == 2 * 128 + 2 * (128 + 32 + 384 + 128) + 2 * 128 + 4 * 8
+
+
+def test_selective_under_accelrun_counts_the_merged_projections():
+    """accelrun's merge_parallel_linears makes q/k/v one matmul under grouped-query attention (k, v narrower
+    than the input), so the 1st, 3rd and 5th matmuls are wq+wk+wv, w1 and w2; w1 and w3 widen and stay apart."""
+    gqa, mha = Shape(128, 1, 8, 2, 384, 64, False), Shape(128, 1, 8, 8, 384, 64, False)
+    assert [g.name for g in gqa.block_gemms_merged()] == ["wq+wk+wv", "wo", "w1", "w3", "w2"]
+    assert gqa.block_gemms_merged()[0].out_dim == 128 + 2 * 32
+    assert mha.block_gemms_merged() == mha.block_gemms()  # nothing narrower than its input: not merged
+    w = replace(workload(gqa, "bf16-params", "selective"), merged_projections=True)
+    # input (bf16 stream), wq+wk+wv, w1, w2 outputs, attention output, log-sum-exp (fp32 per head)
+    assert selective_saved(w).local(1) == 2 * 128 + 2 * (192 + 384 + 128) + 2 * 128 + 4 * 8
+
+
+def test_the_plan_knows_when_accelrun_merges_projections():
+    from accelrun.config import load_config
+    from accelrun.plan.workload import workload_from_config
+
+    def merged(*overrides: str) -> bool:
+        return workload_from_config(load_config(Path(__file__).resolve().parents[2] / "configs" / "llama.yaml", list(overrides)).config).merged_projections
+
+    assert merged()  # the default recipe: accelrun's compiler, default passes
+    assert not merged("compile.backend=inductor")
+    assert not merged("compile.passes=none")
