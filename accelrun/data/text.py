@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from accelrun.config.data_paths import expand_paths
+from accelrun.data.encoded_cache import cache_key, cached_stream
 from accelrun.data.errors import DataError
 from accelrun.data.hf_documents import encode_documents_stream
 from accelrun.data.hf_tokenizer import HFTokenizer
@@ -31,7 +32,10 @@ def read_documents(
     ``fingerprint`` is completed with ``files``, ``bytes``, ``tokens`` and ``sha256`` (a hash of
     the content and the document boundaries, so the same text gives the same hash on any machine).
     """
-    plan = plan_reads(files, max_bytes)
+    return _read_planned(plan_reads(files, max_bytes), fingerprint, vocab_size)
+
+
+def _read_planned(plan: Sequence[tuple[Path, int]], fingerprint: dict, vocab_size: int = 258) -> TensorStream:
     # Every file goes into one buffer with a one-byte gap after it for the EOS, and the buffer
     # becomes tokens in a single conversion: many mid-sized tensor copies (one per file) cost ~40x
     # more than one big one, because each wakes torch's intra-op thread pool.
@@ -78,5 +82,9 @@ def read_documents_with(tokenizer: ByteTokenizer | HFTokenizer | None, files: Se
                         max_bytes: int | None, fingerprint: dict) -> TensorStream:
     """``files`` as one stream of ``tokenizer``'s tokens (None: the byte tokenizer)."""
     if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
-        return read_documents(files, max_bytes=max_bytes, fingerprint={**fingerprint, "tokenizer": "byte"})
+        fingerprint = {**fingerprint, "tokenizer": "byte"}
+        plan = plan_reads(files, max_bytes)
+        # Through the cache of encoded text for its memory map, not for time: read at memory speed.
+        return cached_stream(cache_key("byte", plan, max_bytes, fingerprint),
+                             lambda: _read_planned(plan, fingerprint))
     return encode_documents_stream(files, tokenizer, max_bytes=max_bytes, fingerprint=fingerprint)
