@@ -19,15 +19,15 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from bpe import train_bpe  # bench/bpe.py, beside this script
 
 from accelrun.data import stdlib_files
-from accelrun.data.prepare_records import prepare_records
 
 
 def write_corpus(path: Path, mib: float) -> int:
@@ -53,16 +53,15 @@ def corpus_bpe(corpus: Path, vocab: int, folder: Path) -> Path:
     return train_bpe(sample, vocab, folder)
 
 
-def accelrun_prepare(corpus: Path, tokenizer: str, workers: int, work: Path) -> Callable[[], int]:
-    def run() -> int:
-        out = work / f"prepared-{workers}"
-        shutil.rmtree(out, ignore_errors=True)
-        return prepare_records([str(corpus)], out, tokenizer=tokenizer, workers=workers).tokens
+def accelrun_prepare(corpus: Path, tokenizer: str, workers: int, work: Path) -> int:
+    from accelrun.data.prepare_records import prepare_records
 
-    return run
+    out = work / f"prepared-{workers}"
+    shutil.rmtree(out, ignore_errors=True)
+    return prepare_records([str(corpus)], out, tokenizer=tokenizer, workers=workers).tokens
 
 
-def datasets_map(corpus: Path, tokenizer: str, workers: int, work: Path) -> Callable[[], int]:
+def datasets_map(corpus: Path, tokenizer: str, workers: int, work: Path) -> int:
     import datasets
     from transformers import AutoTokenizer
 
@@ -76,23 +75,36 @@ def datasets_map(corpus: Path, tokenizer: str, workers: int, work: Path) -> Call
         def encode(batch):
             return {"input_ids": tok(batch["text"], add_special_tokens=False)["input_ids"]}
 
-    def run() -> int:
-        cache = work / "hf-cache"
-        shutil.rmtree(cache, ignore_errors=True)
-        ds = datasets.load_dataset("json", data_files=str(corpus), split="train", cache_dir=str(cache))
-        mapped = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=workers if workers > 1 else None)
-        return sum(len(ids) for ids in mapped["input_ids"])
-
-    return run
+    cache = work / "hf-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    ds = datasets.load_dataset("json", data_files=str(corpus), split="train", cache_dir=str(cache))
+    mapped = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=workers if workers > 1 else None)
+    return sum(len(ids) for ids in mapped["input_ids"])
 
 
-def timed(fn: Callable[[], int], repeat: int) -> tuple[float, int]:
-    times, tokens = [], 0
-    for _ in range(repeat):
-        start = time.perf_counter()
-        tokens = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), tokens
+CONTENDERS = {"accelrun": accelrun_prepare, "datasets": datasets_map}
+
+
+def timed(kind: str, corpus: Path, tokenizer: str, workers: int, work: Path) -> tuple[float, int]:
+    """(seconds, tokens) of one contender's run in a new process, as `accelrun data prepare` runs: a process
+    that has used the tokenizer's thread pool (this one, training the BPE) hands its forked workers a
+    library that turns that pool off, and a multiprocessing pool left behind by one contender would slow
+    the next. The seconds are the run's own, without the interpreter's start and imports."""
+    got = subprocess.run([sys.executable, __file__, "--one", kind, str(corpus), tokenizer, str(workers), str(work)],
+                         check=True, capture_output=True, text=True).stdout.split()
+    return float(got[-2]), int(got[-1])
+
+
+def one(kind: str, corpus: str, tokenizer: str, workers: str, work: str) -> None:
+    fn = CONTENDERS[kind]
+    import datasets  # noqa: F401
+    import transformers  # noqa: F401
+
+    import accelrun.data.prepare_records  # noqa: F401  (imports before the clock starts, as for datasets')
+
+    start = time.perf_counter()
+    tokens = fn(Path(corpus), tokenizer, int(workers), Path(work))
+    print(time.perf_counter() - start, tokens)
 
 
 def main() -> None:
@@ -110,15 +122,20 @@ def main() -> None:
         size = write_corpus(corpus, args.mib)
         tokenizer = "byte" if args.tokenizer == "byte" else str(corpus_bpe(corpus, args.vocab, work / "bpe"))
         contenders = {
-            "accelrun prepare, 1 worker": accelrun_prepare(corpus, tokenizer, 1, work),
-            f"accelrun prepare, {args.workers} workers": accelrun_prepare(corpus, tokenizer, args.workers, work),
-            "datasets.map, 1 process": datasets_map(corpus, tokenizer, 1, work),
-            f"datasets.map, {args.workers} processes": datasets_map(corpus, tokenizer, args.workers, work),
+            "accelrun prepare, 1 worker": ("accelrun", 1),
+            f"accelrun prepare, {args.workers} workers": ("accelrun", args.workers),
+            "datasets.map, 1 process": ("datasets", 1),
+            f"datasets.map, {args.workers} processes": ("datasets", args.workers),
         }
         print(f"corpus: {size / 2**20:.1f} MiB of jsonl; tokenizer: {args.tokenizer}"
               f"{f' ({args.vocab:,} ids)' if args.tokenizer != 'byte' else ''}; {os.cpu_count()} CPUs; "
               f"median of {args.repeat}")
-        results = {name: timed(fn, args.repeat) for name, fn in contenders.items()}
+        # Round by round, each contender in turn, so that a neighbour's load falls on all of them alike.
+        rounds = [{name: timed(kind, corpus, tokenizer, n, work) for name, (kind, n) in contenders.items()}
+                  for _ in range(args.repeat)]
+        results = {name: (statistics.median(r[name][0] for r in rounds), rounds[-1][name][1]) for name in contenders}
+        print("each round's seconds: " + "; ".join(f"{name}: {', '.join(f'{r[name][0]:.2f}' for r in rounds)}"
+                                                   for name in contenders))
         base = results["accelrun prepare, 1 worker"][0]
         print(f"{'':36} {'seconds':>8} {'MiB/s':>8} {'tokens/s':>12} {'vs 1 worker':>12}")
         for name, (seconds, tokens) in results.items():
@@ -127,4 +144,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "--one":
+        one(*sys.argv[2:])
+    else:
+        main()

@@ -162,7 +162,9 @@ def _run(pieces: list[Piece], spec: ShardSpec, workers: int, total: int,
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     results: list[ShardResult] = []
-    with ProcessPoolExecutor(max_workers=min(workers, len(pieces)), mp_context=context) as pool:
+    n = min(workers, len(pieces))
+    with ProcessPoolExecutor(max_workers=n, mp_context=context, initializer=_share_cores,
+                             initargs=(max(1, usable_cpus() // n),)) as pool:  # fmt: skip
         futures = [pool.submit(write_shard, p, spec) for p in pieces]
         try:
             for fut in as_completed(futures):
@@ -174,6 +176,19 @@ def _run(pieces: list[Piece], spec: ShardSpec, workers: int, total: int,
                 f.cancel()
             raise
     return sorted(results, key=lambda r: r.index)
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _share_cores(threads: int) -> None:
+    """A worker's share of the cores for the tokenizer's own thread pool (Rust's rayon, sized on first
+    use from ``RAYON_NUM_THREADS``): each worker would otherwise start one thread per core, N workers N
+    threads a core. Encoding is most of the work (91% of one worker's time, bench/data_prepare.py), and
+    the pool already spreads one worker's batches over every core: workers add what the pool leaves
+    serial (reading and parsing records, writing shards)."""
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
 
 
 def read_manifest(folder: str | os.PathLike) -> dict:
