@@ -4,6 +4,8 @@ vocab 2048, seq 2048, batch 8: 16,384 tokens a step), one CPU process each, one 
     python bench/torchtitan_compare.py                     # fp32, compiled, selective checkpointing (torchtitan's default)
     python bench/torchtitan_compare.py --ac none --steps 30
     python bench/torchtitan_compare.py --eager --ac none
+    python bench/torchtitan_compare.py --precision bf16                 # bf16 compute (torchtitan's default)
+    python bench/torchtitan_compare.py train.cpu_malloc=lean            # accelrun overrides after the flags
 
 torchtitan runs through the outside launcher in ``../shared/peers/torchtitan/`` (install it once with its
 ``install.sh``); its figures are its own log's (steady steps after the first 5: tokens/s from the step
@@ -35,8 +37,11 @@ WARMUP = 5  # steps left out of the steady figures, on both sides
 AC_MODES = ("selective", "full", "none")  # the same names in both tools
 
 
-def torchtitan(name: str, steps: int, compiled: bool, ac: str, out: Path) -> dict:
-    flags = ["--training.mixed_precision_param", "float32", "--training.steps", str(steps)]
+PRECISIONS = {"fp32": ("float32", "fp32"), "bf16": ("bfloat16", "bf16-mixed")}  # torchtitan's, accelrun's
+
+
+def torchtitan(name: str, steps: int, compiled: bool, ac: str, out: Path, precision: str) -> dict:
+    flags = ["--training.mixed_precision_param", PRECISIONS[precision][0], "--training.steps", str(steps)]
     if compiled:
         flags.append("--compile.enable")
     flags.append(f"activation-checkpoint:{ac}")  # a subcommand of torchtitan's tyro CLI, after the flags
@@ -55,11 +60,12 @@ def torchtitan(name: str, steps: int, compiled: bool, ac: str, out: Path) -> dic
     return {"tok_s": TOKENS_PER_STEP / statistics.median(dts), "mem_gib": max(mem)}
 
 
-def accelrun(name: str, steps: int, compiled: bool, ac: str, out: Path) -> dict:
+def accelrun(name: str, steps: int, compiled: bool, ac: str, out: Path, precision: str, overrides: list[str]) -> dict:
     backend = "compile.backend=accelrun" if compiled else "compile.backend=eager"
     cmd = [sys.executable, "-m", "accelrun.cli.main", "train", str(REPO / "configs" / "llama.yaml"), *SHAPE,
            f"train.steps={steps}", f"train.activation_checkpoint.mode={ac}", backend, "checkpoint.enabled=false",
-           f"report.warmup_steps={WARMUP}", f"report.runs_dir={out}", f"name={name}"]
+           f"train.precision={PRECISIONS[precision][1]}", f"report.warmup_steps={WARMUP}", f"report.runs_dir={out}",
+           f"name={name}", *overrides]
     subprocess.run(cmd, check=True, capture_output=True, cwd=REPO)
     (report,) = (out / name).glob("*/report.json")
     r = json.loads(report.read_text())
@@ -71,6 +77,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ac", choices=AC_MODES, default="selective")
     ap.add_argument("--eager", action="store_true", help="both uncompiled (default: accelrun's compiler vs Inductor)")
+    ap.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
+    ap.add_argument("overrides", nargs="*", help="accelrun recipe overrides (train.cpu_malloc=lean ...)")
     a = ap.parse_args()
     if not (PEER / "run.sh").is_file():
         raise SystemExit(f"torchtitan's launcher is not at {PEER}")
@@ -78,10 +86,11 @@ def main() -> None:
     compiled = not a.eager
     with tempfile.TemporaryDirectory(prefix="accelrun-vs-torchtitan-") as tmp:
         out = Path(tmp)
-        tt = torchtitan("torchtitan", a.steps, compiled, a.ac, out)
-        ar = accelrun("accelrun", a.steps, compiled, a.ac, out)
+        tt = torchtitan("torchtitan", a.steps, compiled, a.ac, out, a.precision)
+        ar = accelrun("accelrun", a.steps, compiled, a.ac, out, a.precision, a.overrides)
     what = "compiled (Inductor / accelrun)" if compiled else "eager"
-    print(f"fp32, {what}, activation checkpointing {a.ac}, {a.steps} steps (steady after {WARMUP})")
+    print(f"{a.precision}, {what}, activation checkpointing {a.ac}, {a.steps} steps (steady after {WARMUP})"
+          + (f"; accelrun {' '.join(a.overrides)}" if a.overrides else ""))
     print(f"{'':12} {'tokens/s':>10} {'peak GiB':>9}")
     for label, r in (("torchtitan", tt), ("accelrun", ar)):
         print(f"{label:12} {r['tok_s']:10,.0f} {r['mem_gib']:9.2f}")

@@ -11,6 +11,13 @@ under eager; 0 once tuned). Two ``mallopt`` settings stop that:
 - ``M_TRIM_THRESHOLD`` = 1 GiB: freed memory stays in the process for the next step, up to 1 GiB
   of it at the heap's top. Resident memory then stays at the step's peak between steps.
 
+``train.cpu_malloc = lean`` is ``tuned`` plus ``malloc_trim(0)`` after every step: the free pages inside
+the heap go back to the OS too. A step's frees leave holes that a later step's differently ordered
+allocations do not always fill (the optimizer's state, made after the first backward, sits among them),
+and under ``tuned`` the holes stay resident: on torchtitan's debug shape (16,384 tokens a step) peak
+RSS rose from 1.8 GiB after the first step to 2.2-2.6 GiB by the fifth, and stays at 1.8-2.0 GiB trimmed.
+The price is a page fault for each trimmed page the next step takes again.
+
 ``train.cpu_malloc = system`` leaves glibc's defaults. Not glibc (musl, macOS): nothing is changed,
 and the record says so.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MMAP_THRESHOLD = 32 << 20
@@ -42,12 +50,21 @@ _tuned_here = False  # mallopt's settings last as long as the process
 
 
 def tune_malloc(mode: str) -> None:
-    """Apply ``mode`` (tuned | system) to this process (``system``: nothing to do)."""
+    """Apply ``mode`` (tuned | lean | system) to this process (``system``: nothing to do)."""
     global _tuned_here
     libc = _libc()
-    if mode == "tuned" and libc is not None and not _tuned_here:
+    if mode in ("tuned", "lean") and libc is not None and not _tuned_here:
         _tuned_here = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(
             M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+
+
+def step_end_release(mode: str) -> Callable[[], None] | None:
+    """What to call after each step under ``mode`` (``lean``: give the heap's free pages back), or None."""
+    libc = _libc()
+    if mode != "lean" or libc is None:
+        return None
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    return lambda: libc.malloc_trim(0)
 
 
 def malloc_record(mode: str) -> str:
@@ -56,4 +73,4 @@ def malloc_record(mode: str) -> str:
         return "system: not glibc, left as is"
     if mode == "system":
         return "system: glibc's defaults" if not _tuned_here else f"{TUNED} (set earlier in this process)"
-    return TUNED
+    return f"lean: {TUNED.removeprefix('tuned: ')}, malloc_trim after every step" if mode == "lean" else TUNED

@@ -28,6 +28,7 @@ from accelrun.report.profiler import profile_steps
 from accelrun.train.checkpoint import save_checkpoint
 from accelrun.train.evaluate import evaluate
 from accelrun.train.grad_clip import clip_grad_norm_
+from accelrun.train.host_malloc import step_end_release
 from accelrun.train.lineage import prune_history_checkpoints
 from accelrun.train.precision import autocast
 from accelrun.train.progress import TrainProgress
@@ -74,6 +75,7 @@ def run_loop(
     read_every = read_interval(cfg, dev)  # report.read_every: CPU every step, GPU every log_every steps
     pending = PendingSteps(s.flops_per_token, s.peak.tflops)
     token_mean = uses_token_mean(cfg, s.pipeline is not None)  # chat, documents: mean over the step's targets
+    release = step_end_release(cfg.train.cpu_malloc) if dev.type == "cpu" else None  # train.cpu_malloc = lean
     try:
         with (stop.catch_signals(),
               profile_steps(cfg.report.profile_steps, run_dir, s.start_step, s.ctx.rank) as prof):
@@ -149,6 +151,8 @@ def run_loop(
                 if evaluating:
                     where["phase"] = "evaluating"
                     done.extras["val_loss"] = evaluate(s)  # every rank: its shard, averaged over data parallel
+                if release is not None:
+                    release()
                 prof.step(step, done.extras)  # report.profile_steps: starts/stops the trace, marks profiled steps
                 pending.add(done)
                 scheduled_save = cfg.checkpoint.enabled and (

@@ -58,3 +58,33 @@ def test_the_record_says_what_is_in_effect():
     assert malloc_record("tuned").startswith("tuned: M_MMAP_THRESHOLD = 32 MiB")
     assert malloc_record("system") in ("system: glibc's defaults",
                                        malloc_record("tuned") + " (set earlier in this process)")
+
+
+def test_lean_malloc_gives_the_heaps_free_pages_back_after_a_step():
+    """train.cpu_malloc = lean: tuned, and after each step malloc_trim(0) returns the free pages inside the
+    heap (holes a step's frees leave), which tuned keeps resident."""
+    from accelrun.train.host_malloc import step_end_release
+
+    probe = """
+import json, sys, torch
+from accelrun.train.host_malloc import step_end_release, tune_malloc
+tune_malloc(sys.argv[1])
+release = step_end_release(sys.argv[1])
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) << 10
+keep, holes = [], []
+for _ in range(32):  # 1 MiB blocks in the heap, every other one kept: 16 MiB of holes between them
+    holes.append(torch.ones(1 << 18)); keep.append(torch.ones(1 << 18))
+before = rss()
+del holes
+if release is not None:
+    release()
+print(json.dumps({"freed": before - rss(), "released": release is not None}))
+"""
+    got = {mode: json.loads(subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True,
+                                           check=True).stdout) for mode in ("tuned", "lean")}
+    assert got["lean"]["released"] and not got["tuned"]["released"]
+    assert got["lean"]["freed"] > 12 << 20, got  # the holes' pages went back
+    assert got["tuned"]["freed"] < 4 << 20, got  # tuned keeps them resident for the next step
+    assert step_end_release("system") is None and step_end_release("tuned") is None
+    assert malloc_record("lean").startswith("lean: M_MMAP_THRESHOLD") and "malloc_trim" in malloc_record("lean")
