@@ -51,13 +51,8 @@ def one_line(e: BaseException) -> str:
 def checkpoint_bodies(gm: fx.GraphModule) -> list[str]:
     """Names of the submodules that are the bodies of ``gm``'s activation-checkpointed regions."""
     hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
-    names: list[str] = []
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and hop is not None and n.target is hop and n.args:
-            body = n.args[0]
-            if isinstance(body, fx.Node) and body.op == "get_attr" and body.target not in names:
-                names.append(str(body.target))
-    return names
+    bodies = (n.args[0] for n in gm.graph.nodes if hop is not None and n.op == "call_function" and n.target is hop)
+    return list(dict.fromkeys(str(b.target) for b in bodies if isinstance(b, fx.Node) and b.op == "get_attr"))
 
 
 def count_ops(gm: fx.GraphModule) -> int:
@@ -157,20 +152,12 @@ class PassDriver:
         self.dumper.graph(graph_name, "input", gm)
         unit = self._run(stage, _OneGraph(gm, graph_name), graph_name, PassContext(kind, example_inputs, notes))
         if stage == "pre_grad":
-            self._enter_checkpointed(unit.gm, graph_name, notes)
+            # Dynamo traces a ``checkpoint`` call into one higher-order op whose body is a submodule the
+            # passes would not see: without this a checkpointed block trains (and reruns) unfused.
+            for body in checkpoint_bodies(unit.gm):
+                setattr(unit.gm, body, self.run_graph(stage, getattr(unit.gm, body), f"{graph_name}.{body}", kind,
+                                                      None, notes))  # fmt: skip
         return unit.gm
-
-    def _enter_checkpointed(self, gm: fx.GraphModule, graph_name: str, notes: GraphNotes) -> None:
-        """The pre-grad passes over each activation-checkpointed region's body as well: Dynamo traces a
-        ``checkpoint`` call into one higher-order op whose body is a submodule the passes would not see,
-        and a checkpointed block would train unfused (and rerun unfused ops in backward)."""
-        for body_name in checkpoint_bodies(gm):
-            name = f"{graph_name}.{body_name}"
-            self.dumper.graph(name, "input", getattr(gm, body_name))
-            unit = self._run("pre_grad", _OneGraph(getattr(gm, body_name), name), name,
-                             PassContext("pre_grad", None, notes))  # fmt: skip
-            setattr(gm, body_name, unit.gm)
-        gm.recompile()
 
     def run_pair(self, name: str, fw: fx.GraphModule, bw: fx.GraphModule,
                  notes: GraphNotes) -> tuple[fx.GraphModule, fx.GraphModule]:  # fmt: skip

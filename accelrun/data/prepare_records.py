@@ -32,6 +32,7 @@ from accelrun.data.records import file_names, record_files
 from accelrun.data.stream import short_hash
 from accelrun.data.tokenizer import get_tokenizer
 from accelrun.data.tokfile import HEADER_SIZE, check_little_endian, read_header
+from accelrun.report.machine_load import usable_cores
 
 MANIFEST = "prepared.json"
 MANIFEST_FORMAT = "accelrun-prepared/1"
@@ -164,7 +165,7 @@ def _run(pieces: list[Piece], spec: ShardSpec, workers: int, total: int,
     results: list[ShardResult] = []
     n = min(workers, len(pieces))
     with ProcessPoolExecutor(max_workers=n, mp_context=context, initializer=_share_cores,
-                             initargs=(max(1, usable_cpus() // n),)) as pool:  # fmt: skip
+                             initargs=(max(1, usable_cores() // n),)) as pool:  # fmt: skip
         futures = [pool.submit(write_shard, p, spec) for p in pieces]
         try:
             for fut in as_completed(futures):
@@ -176,10 +177,6 @@ def _run(pieces: list[Piece], spec: ShardSpec, workers: int, total: int,
                 f.cancel()
             raise
     return sorted(results, key=lambda r: r.index)
-
-
-def usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _share_cores(threads: int) -> None:

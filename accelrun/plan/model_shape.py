@@ -6,6 +6,7 @@ recipe's ``model`` section. ``accelrun.plan.workload`` (the whole step) and ``ac
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 
@@ -71,18 +72,12 @@ class Shape:
         matrices that read the same input becomes one, when one of them is narrower than that input
         (q, k and v under grouped-query attention; never SwiGLU's w1 and w3, which widen)."""
         out: list[Gemm] = []
-        run: list[Gemm] = []
-        for g in (*self.block_gemms(), None):
-            if g is not None and g.split == "col" and (not run or g.in_dim == run[0].in_dim):
-                run.append(g)
-                continue
-            if len(run) > 1 and any(r.out_dim < r.in_dim for r in run):
-                out.append(Gemm("+".join(r.name for r in run), run[0].in_dim, sum(r.out_dim for r in run), "col"))
+        for (column, _), run in itertools.groupby(self.block_gemms(), key=lambda g: (g.split == "col", g.in_dim)):
+            run = list(run)
+            if column and len(run) > 1 and any(g.out_dim < g.in_dim for g in run):
+                out.append(Gemm("+".join(g.name for g in run), run[0].in_dim, sum(g.out_dim for g in run), "col"))
             else:
                 out.extend(run)
-            run = [g] if g is not None and g.split == "col" else []
-            if g is not None and g.split != "col":
-                out.append(g)
         return tuple(out)
 
     def output_gemm(self) -> Gemm:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from accelrun.config.compile_names import PassConfigError, parse_passes
 from accelrun.config.schema import RunConfig
 from accelrun.errors import UserError
 from accelrun.plan.model_shape import Gemm, Shape  # noqa: F401  (re-exported: planners import them from here)
@@ -216,8 +217,6 @@ def workload_from_config(cfg: RunConfig, options: PlanOptions | None = None) -> 
 
 
 def _merges_projections(cfg: RunConfig, layout: Layout) -> bool:
-    from accelrun.config.compile_names import PassConfigError, parse_passes
-
     if cfg.compile.backend != "accelrun" or layout.tp > 1:  # a DTensor weight is left unmerged
         return False
     try:

@@ -13,9 +13,11 @@ Example::
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import time
+from pathlib import Path
 
 
 def _busy_cpu_s() -> float | None:
@@ -101,3 +103,18 @@ def busy_note(share: float | None, where: str) -> str | None:
     return (f"other processes used {share:.0%} of this machine's CPU during {where}: the step times and "
             "tokens/s are slower than on a quiet machine; to measure, run again when it is quiet (top shows "
             "who is busy); to train beside them, fewer threads wait less on a shared core (train.threads=1)")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_quota_cores()
+    return max(1, min(cores, math.floor(quota)) if quota else cores)
+
+
+def _cgroup_quota_cores(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> float | None:
+    try:
+        quota, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)

@@ -12,9 +12,9 @@ under eager; 0 once tuned). Two ``mallopt`` settings stop that:
   of it at the heap's top. Resident memory then stays at the step's peak between steps.
 
 ``train.cpu_malloc = lean`` is ``tuned`` plus ``malloc_trim(0)`` after every step: the free pages inside
-the heap go back to the OS too. A step's frees leave holes that a later step's differently ordered
-allocations do not always fill (the optimizer's state, made after the first backward, sits among them),
-and under ``tuned`` the holes stay resident: on torchtitan's debug shape (16,384 tokens a step) peak
+the heap go back to the OS too. A step's frees leave holes that later steps' allocations do not
+always fill (making AdamW's state before the first step did not change that), and under ``tuned`` the
+holes stay resident: on torchtitan's debug shape (16,384 tokens a step) peak
 RSS rose from 1.8 GiB after the first step to 2.2-2.6 GiB by the fifth, and stays at 1.8-2.0 GiB trimmed.
 The price is a page fault for each trimmed page the next step takes again.
 

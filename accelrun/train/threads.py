@@ -17,9 +17,8 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from accelrun.report.machine_load import CpuWindow
+from accelrun.report.machine_load import CpuWindow, usable_cores
 
 LOOK_S = 0.3  # how long to watch the machine before choosing
 # A neighbour has to hold most of a core to take it away from us: a core 40% used still runs our
@@ -38,21 +37,6 @@ class ThreadChoice:
             return f"threads: {self.threads} (the cores this process may use)"
         return (f"threads: {self.threads} of {self.usable_cores} cores: other processes are using "
                 f"{self.others_cores:.1f} core(s) (train.threads sets it)")
-
-
-def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    quota = _cgroup_quota_cores()
-    return max(1, min(cores, math.floor(quota)) if quota else cores)
-
-
-def _cgroup_quota_cores(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> float | None:
-    try:
-        quota, period = path.read_text().split()[:2]
-    except (OSError, ValueError):
-        return None
-    return None if quota == "max" else int(quota) / int(period)
 
 
 def threads_for(usable: int, others_cores: float | None) -> int:

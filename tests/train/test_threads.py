@@ -26,10 +26,10 @@ def test_threads_are_the_cores_left(usable, others, expected):
 
 def test_a_cgroup_quota_caps_the_cores(tmp_path):
     (tmp_path / "cpu.max").write_text("150000 100000\n")
-    assert threads._cgroup_quota_cores(tmp_path / "cpu.max") == 1.5
+    assert machine_load._cgroup_quota_cores(tmp_path / "cpu.max") == 1.5
     (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert threads._cgroup_quota_cores(tmp_path / "cpu.max") is None
-    assert threads._cgroup_quota_cores(tmp_path / "missing") is None
+    assert machine_load._cgroup_quota_cores(tmp_path / "cpu.max") is None
+    assert machine_load._cgroup_quota_cores(tmp_path / "missing") is None
 
 
 def test_a_run_beside_a_busy_process_takes_fewer_threads_and_says_so(tmp_path, monkeypatch):
