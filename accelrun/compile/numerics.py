@@ -54,8 +54,16 @@ def compare_outputs(before: Any, after: Any) -> str | None:
                 return f"output {i}: integer values differ"
             continue
         rtol, atol = TOLERANCES.get(b.dtype, LOW_PRECISION)
-        if not torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol, equal_nan=True):
-            err = (a.float() - b.float()).abs().max().item()
+        a32, b32 = a.float(), b.float()
+        if torch.allclose(a32, b32, rtol=rtol, atol=atol, equal_nan=True):
+            continue
+        # An element that is a sum of large terms cancelling to a small one carries the rounding of those
+        # terms, whatever order sums them: such outputs are compared against the tensor's largest value
+        # (a normwise relative bound), as any two summation orders would be.
+        diff = (a32 - b32).abs().masked_fill((a32 == b32) | (a32.isnan() & b32.isnan()), 0)
+        scale = b32.abs().masked_fill(~b32.isfinite(), 0).max().item()
+        err = diff.max().item()  # NaN when only one side is NaN or infinite
+        if not err <= atol + rtol * scale:
             return f"output {i}: max abs difference {err:.3g} exceeds rtol {rtol:g} / atol {atol:g}"
     return None
 

@@ -83,6 +83,7 @@ BUILTIN_PASSES: dict[str, tuple[Stage, type[PassOptions]]] = {
     "cse": ("post_grad", PassOptions),
     "simplify": ("post_grad", PassOptions),
     "fuse_attention": ("pre_grad", FuseAttentionOptions),
+    "cpu_attention": ("pre_grad", PassOptions),
     "fuse_rmsnorm": ("pre_grad", FuseRMSNormOptions),
     "fuse_swiglu": ("pre_grad", FuseSwiGLUOptions),
     "fuse_rope": ("pre_grad", FuseRopeOptions),
@@ -102,17 +103,17 @@ BUILTIN_EXECUTORS: tuple[str, ...] = ("aten", "inductor", "cpp", "triton")
 PRESETS: dict[str, list[str]] = {
     "none": [],
     "default": [
-        "fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
+        "fuse_attention", "cpu_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
         "merge_parallel_linears", "loss_row_stats", "dce", "cse", "simplify", "partition_regions",
     ],
     "max": [
-        "fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
+        "fuse_attention", "cpu_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
         "merge_parallel_linears", "loss_row_stats", "remat", "dce", "cse", "simplify", "bucket_collectives",
         "schedule_overlap", "partition_regions",
     ],
     # default + the communication passes (for compiled FSDP / TP graphs; a no-op without collectives).
     "overlap": [
-        "fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
+        "fuse_attention", "cpu_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
         "merge_parallel_linears", "loss_row_stats", "dce", "cse", "simplify", "bucket_collectives",
         "schedule_overlap", "partition_regions",
     ],

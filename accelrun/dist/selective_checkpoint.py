@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+import accelrun.compile.fused.attention  # noqa: F401  (registers torch.ops.accelrun.cpu_attention)
+
 _aten = torch.ops.aten
 
 MATMULS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default})
@@ -43,6 +45,7 @@ ATTENTION = frozenset({
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.accelrun.cpu_attention.default,  # the compiler's CPU kernel (compile/fused/attention.py)
 })
 
 ALWAYS_SAVED = ATTENTION | {_aten.max.default, torch.ops._c10d_functional.reduce_scatter_tensor.default}

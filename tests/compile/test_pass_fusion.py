@@ -25,7 +25,7 @@ from accelrun.models.families.llama.model import (
     rope_tables,
 )
 
-FUSION_PASSES = ["fuse_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "merge_parallel_linears",
+FUSION_PASSES = ["fuse_attention", "cpu_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "merge_parallel_linears",
                  "fuse_linear_cross_entropy"]
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2}}
 
@@ -416,7 +416,7 @@ def test_llama_block_end_to_end():
     block.zero_grad()
     got = torch.compile(block, backend=backend, fullgraph=True, dynamic=False)(x_fused, cos, sin)
     got.square().sum().backward()
-    assert backend.counts == {"fuse_attention": 0, "fuse_rmsnorm": 2, "fuse_swiglu": 1, "fuse_rope": 2,
+    assert backend.counts == {"fuse_attention": 0, "cpu_attention": 0, "fuse_rmsnorm": 2, "fuse_swiglu": 1, "fuse_rope": 2,
                               "merge_parallel_linears": 1, "fuse_linear_cross_entropy": 0}  # fmt: skip
     torch.testing.assert_close(got, expected, **E2E_TOL)
     torch.testing.assert_close(x_fused.grad, x_eager.grad, **E2E_TOL)
@@ -440,7 +440,7 @@ def test_llama_model_and_loss_end_to_end():
     backend = Fused([*FUSION_PASSES[:-1], {"fuse_linear_cross_entropy": {"chunk_rows": 6}}], aot=True)
     got = torch.compile(loss_fn, backend=backend, fullgraph=True, dynamic=False)(tokens, targets)
     got.backward()
-    assert backend.counts == {"fuse_attention": 0, "fuse_rmsnorm": 3, "fuse_swiglu": 1, "fuse_rope": 2,
+    assert backend.counts == {"fuse_attention": 0, "cpu_attention": 0, "fuse_rmsnorm": 3, "fuse_swiglu": 1, "fuse_rope": 2,
                               "merge_parallel_linears": 1, "fuse_linear_cross_entropy": 1}  # fmt: skip
     torch.testing.assert_close(got, expected, **E2E_TOL)
     for name, p in model.named_parameters():

@@ -1,0 +1,287 @@
+// Scaled dot-product attention on CPUs, forward and backward, for accelrun's cpu_attention op.
+//
+// One task is one (batch, key/value head): it packs that head's K (transposed) and V once, in fp32,
+// and runs every query head of its group (grouped-query attention without repeating K and V) over
+// blocks of MR query rows. A block's scores against all its keys (up to the diagonal when causal)
+// stay in an MR x S buffer, so the softmax is exact (no online rescaling) and the backward recomputes
+// the probabilities from the saved log-sum-exp. The products are register-blocked: MR rows x 32
+// columns of accumulators, written with GCC's vector extensions so one source serves AVX-512, AVX2 and
+// others. bf16 tensors are widened when packed and rounded when stored; all arithmetic is fp32.
+//
+// Layouts: q, k, v and the output gradient are [B, S, H, D] with any strides but a unit stride on D
+// (the caller passes them in that order, whatever their logical order); o, dq, dk, dv are written
+// contiguous [B, S, H, D]; lse is contiguous [B, Hq, S]. D is a multiple of 16.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+typedef float vf __attribute__((vector_size(64)));
+typedef float vfu __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(64)));
+
+enum { VL = 16, MR = 8, MAX_HEAD_DIM = 256 };
+
+static inline vf load(const float* p) { return *(const vfu*)p; }
+static inline void store(float* p, vf v) { *(vfu*)p = v; }
+static inline vf splat(float x) { return vf{} + x; }
+
+// exp as in the code generator's acc_exp (Cephes' polynomial), on 16 lanes; 0 below -87.3.
+static inline vf vexp(vf x) {
+    vf lo = x < splat(-87.33654f) ? splat(-87.33654f) : x;
+    vf xc = lo > splat(88.72283f) ? splat(88.72283f) : lo;
+    vf t = xc * 1.44269504088896341f + 12582912.0f;
+    vf n = t - 12582912.0f;
+    vf g = xc - n * 0.693359375f;
+    g = g - n * -2.12194440e-4f;
+    vf p = splat(1.9875691500e-4f);
+    p = p * g + 1.3981999507e-3f;
+    p = p * g + 8.3334519073e-3f;
+    p = p * g + 4.1665795894e-2f;
+    p = p * g + 1.6666665459e-1f;
+    p = p * g + 5.0000001201e-1f;
+    p = p * g * g + g + 1.0f;
+    vi tb;
+    memcpy(&tb, &t, sizeof tb);
+    vi bits = (tb - 0x4B400000 + 127) << 23;
+    vf scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < splat(-87.33654f) ? splat(0.0f) : p * scale;
+}
+static inline float hsum(vf v) { float s = 0; for (int i = 0; i < VL; ++i) s += v[i]; return s; }
+static inline float hmax(vf v) { float s = v[0]; for (int i = 1; i < VL; ++i) s = v[i] > s ? v[i] : s; return s; }
+
+// Element types: fp32 as is; bf16 (uint16_t) widened with a shift and rounded to nearest even.
+static inline float to_f32(float v) { return v; }
+static inline float to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline void from_f32(float* dst, float v) { *dst = v; }
+static inline void from_f32(uint16_t* dst, float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    *dst = (uint16_t)(f != f ? 0x7fc0u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+template <class T> static inline void widen(float* dst, const T* src, int n) { for (int i = 0; i < n; ++i) dst[i] = to_f32(src[i]); }
+template <class T> static inline void narrow(T* dst, const float* src, int n) { for (int i = 0; i < n; ++i) from_f32(dst + i, src[i]); }
+
+static inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+// C[i][0:n] = alpha * sum_k A[i][k] B[k][0:n] for i < m (m <= MR, n % 16 == 0); B row-major.
+// NV vectors of columns per pass: 2 for the body, 1 for a 16-column tail.
+template <int NV>
+static inline void gemm_nn_cols(int m, int j, int kd, const float* A, int lda, const float* B, int ldb,
+                                float* C, int ldc, float alpha) {
+    vf acc[MR][NV];
+    for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < NV; ++v) acc[i][v] = splat(0);
+    for (int k = 0; k < kd; ++k) {
+        vf b[NV];
+        for (int v = 0; v < NV; ++v) b[v] = load(B + (int64_t)k * ldb + j + v * VL);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+            const vf a = splat(i < m ? A[i * lda + k] : 0.f);
+            for (int v = 0; v < NV; ++v) acc[i][v] += a * b[v];
+        }
+    }
+    for (int i = 0; i < m; ++i)
+        for (int v = 0; v < NV; ++v) store(C + i * ldc + j + v * VL, acc[i][v] * alpha);
+}
+static inline void gemm_nn(int m, int n, int kd, const float* A, int lda, const float* B, int ldb, float* C,
+                           int ldc, float alpha) {
+    int j = 0;
+    for (; j + 2 * VL <= n; j += 2 * VL) gemm_nn_cols<2>(m, j, kd, A, lda, B, ldb, C, ldc, alpha);
+    if (j < n) gemm_nn_cols<1>(m, j, kd, A, lda, B, ldb, C, ldc, alpha);
+}
+
+// C[c][0:d] += alpha * sum_{i<m} P[i][c] X[i][0:d] for c < n: the transposed products (dV += P^T dO,
+// dK += dS^T Q). X's block stays in registers while C's rows stream past.
+template <int NV>
+static inline void gemm_tn_cols(int m, int n, int j, const float* P, int ldp, const float* X, int ldx, float* C,
+                                int ldc, float alpha) {
+    vf x[MR][NV];
+    for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < NV; ++v) x[i][v] = i < m ? load(X + i * ldx + j + v * VL) * alpha : splat(0);
+    for (int c = 0; c < n; ++c) {
+        vf acc[NV];
+        for (int v = 0; v < NV; ++v) acc[v] = load(C + (int64_t)c * ldc + j + v * VL);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+            const vf p = splat(i < m ? P[i * ldp + c] : 0.f);
+            for (int v = 0; v < NV; ++v) acc[v] += p * x[i][v];
+        }
+        for (int v = 0; v < NV; ++v) store(C + (int64_t)c * ldc + j + v * VL, acc[v]);
+    }
+}
+static inline void gemm_tn_acc(int m, int n, int d, const float* P, int ldp, const float* X, int ldx, float* C,
+                               int ldc, float alpha) {
+    int j = 0;
+    for (; j + 2 * VL <= d; j += 2 * VL) gemm_tn_cols<2>(m, n, j, P, ldp, X, ldx, C, ldc, alpha);
+    if (j < d) gemm_tn_cols<1>(m, n, j, P, ldp, X, ldx, C, ldc, alpha);
+}
+
+struct Strides { int64_t b, s, h; };
+struct Shape { int64_t B, S, Hq, Hkv, D; };
+
+static float* scratch(int64_t floats) { return (float*)aligned_alloc(64, (size_t)((floats + 15) / 16 * 16) * sizeof(float)); }
+
+// One (batch, kv head)'s K^T [D][Sp] and V [Sp][D] (or V^T, K rows for the backward), zero-padded to Sp.
+template <class T>
+static void pack_head(const T* x, Strides st, int64_t b, int64_t h, const Shape& sh, int Sp, float* rows,
+                      float* cols) {
+    const int D = (int)sh.D;
+    for (int s = 0; s < Sp; ++s) {
+        float row[MAX_HEAD_DIM];
+        if (s < sh.S) widen(row, x + b * st.b + s * st.s + h * st.h, D);
+        else memset(row, 0, sizeof(float) * D);
+        if (rows) memcpy(rows + (int64_t)s * D, row, sizeof(float) * D);
+        if (cols)
+            for (int d = 0; d < D; ++d) cols[(int64_t)d * Sp + s] = row[d];
+    }
+}
+
+template <class T>
+static void forward(const T* q, const T* k, const T* v, T* o, float* lse, Shape sh, Strides sq, Strides sk,
+                    Strides sv, float scale, int causal, int nt) {
+    const int64_t G = sh.Hq / sh.Hkv;
+    const int S = (int)sh.S, D = (int)sh.D, Sp = round_up(S, 2 * VL);
+#pragma omp parallel num_threads(nt)
+    {
+        float* kt = scratch((int64_t)D * Sp);
+        float* vp = scratch((int64_t)Sp * D);
+        float* sc = scratch((int64_t)MR * Sp);
+        float* qb = scratch((int64_t)MR * D);
+        float* ob = scratch((int64_t)MR * D);
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t b = 0; b < sh.B; ++b)
+            for (int64_t h = 0; h < sh.Hkv; ++h) {
+                pack_head(k, sk, b, h, sh, Sp, nullptr, kt);
+                pack_head(v, sv, b, h, sh, Sp, vp, nullptr);
+                for (int64_t hq = h * G; hq < (h + 1) * G; ++hq)
+                    for (int r0 = 0; r0 < S; r0 += MR) {
+                        const int m = S - r0 < MR ? S - r0 : MR;
+                        const int kp = round_up(causal ? r0 + m : S, 2 * VL);
+                        for (int i = 0; i < m; ++i) widen(qb + i * D, q + b * sq.b + (r0 + i) * sq.s + hq * sq.h, D);
+                        gemm_nn(m, kp, D, qb, D, kt, Sp, sc, Sp, scale);
+                        for (int i = 0; i < m; ++i) {
+                            float* row = sc + i * Sp;
+                            for (int c = causal ? r0 + i + 1 : S; c < kp; ++c) row[c] = -INFINITY;
+                            vf mx = splat(-INFINITY);
+                            for (int c = 0; c < kp; c += VL) { const vf x = load(row + c); mx = x > mx ? x : mx; }
+                            const float rmax = hmax(mx);
+                            vf sum = splat(0);
+                            for (int c = 0; c < kp; c += VL) {
+                                const vf e = vexp(load(row + c) - rmax);
+                                store(row + c, e);
+                                sum += e;
+                            }
+                            const float total = hsum(sum), inv = 1.0f / total;
+                            for (int c = 0; c < kp; c += VL) store(row + c, load(row + c) * inv);
+                            lse[(b * sh.Hq + hq) * S + r0 + i] = rmax + logf(total);
+                        }
+                        gemm_nn(m, D, kp, sc, Sp, vp, D, ob, D, 1.0f);
+                        for (int i = 0; i < m; ++i) narrow(o + ((b * S + r0 + i) * sh.Hq + hq) * D, ob + i * D, D);
+                    }
+            }
+        free(kt); free(vp); free(sc); free(qb); free(ob);
+    }
+}
+
+template <class T>
+static void backward(const T* dout, Strides sdo, const T* q, const T* k, const T* v, const T* o, const float* lse,
+                     T* dq, T* dk, T* dv, Shape sh, Strides sq, Strides sk, Strides sv, float scale, int causal, int nt) {
+    const int64_t G = sh.Hq / sh.Hkv;
+    const int S = (int)sh.S, D = (int)sh.D, Sp = round_up(S, 2 * VL);
+#pragma omp parallel num_threads(nt)
+    {
+        float* kt = scratch((int64_t)D * Sp);
+        float* kr = scratch((int64_t)Sp * D);
+        float* vt = scratch((int64_t)D * Sp);
+        float* dk_acc = scratch((int64_t)Sp * D);
+        float* dv_acc = scratch((int64_t)Sp * D);
+        float* pb = scratch((int64_t)MR * Sp);
+        float* ds = scratch((int64_t)MR * Sp);
+        float* qb = scratch((int64_t)MR * D);
+        float* dob = scratch((int64_t)MR * D);
+        float* ob = scratch((int64_t)MR * D);
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t b = 0; b < sh.B; ++b)
+            for (int64_t h = 0; h < sh.Hkv; ++h) {
+                pack_head(k, sk, b, h, sh, Sp, kr, kt);
+                pack_head(v, sv, b, h, sh, Sp, nullptr, vt);
+                memset(dk_acc, 0, sizeof(float) * Sp * D);
+                memset(dv_acc, 0, sizeof(float) * Sp * D);
+                for (int64_t hq = h * G; hq < (h + 1) * G; ++hq)
+                    for (int r0 = 0; r0 < S; r0 += MR) {
+                        const int m = S - r0 < MR ? S - r0 : MR;
+                        const int kn = causal ? r0 + m : S, kp = round_up(kn, 2 * VL);
+                        float delta[MR];  // rowsum(dO * O): the softmax's backward term
+                        for (int i = 0; i < m; ++i) {
+                            widen(qb + i * D, q + b * sq.b + (r0 + i) * sq.s + hq * sq.h, D);
+                            widen(dob + i * D, dout + b * sdo.b + (r0 + i) * sdo.s + hq * sdo.h, D);
+                            widen(ob + i * D, o + ((b * S + r0 + i) * sh.Hq + hq) * D, D);
+                            float acc = 0;
+                            for (int d = 0; d < D; ++d) acc += dob[i * D + d] * ob[i * D + d];
+                            delta[i] = acc;
+                        }
+                        gemm_nn(m, kp, D, qb, D, kt, Sp, pb, Sp, scale);  // scores, again
+                        gemm_nn(m, kp, D, dob, D, vt, Sp, ds, Sp, 1.0f);  // dP = dO V^T
+                        for (int i = 0; i < m; ++i) {
+                            float* prow = pb + i * Sp;
+                            float* dsrow = ds + i * Sp;
+                            const int valid = causal ? r0 + i + 1 : S;
+                            const float l = lse[(b * sh.Hq + hq) * S + r0 + i];
+                            for (int c = 0; c < kp; c += VL) {
+                                vf p = vexp(load(prow + c) - l);
+                                for (int e = 0; e < VL; ++e)
+                                    if (c + e >= valid) p[e] = 0.f;
+                                store(prow + c, p);
+                                store(dsrow + c, p * (load(dsrow + c) - delta[i]));  // dS = P (dP - delta)
+                            }
+                        }
+                        gemm_tn_acc(m, kn, D, pb, Sp, dob, D, dv_acc, D, 1.0f);
+                        gemm_tn_acc(m, kn, D, ds, Sp, qb, D, dk_acc, D, scale);
+                        gemm_nn(m, D, kp, ds, Sp, kr, D, ob, D, scale);  // dQ = scale dS K
+                        for (int i = 0; i < m; ++i) narrow(dq + ((b * S + r0 + i) * sh.Hq + hq) * D, ob + i * D, D);
+                    }
+                for (int s = 0; s < S; ++s) {
+                    narrow(dk + ((b * S + s) * sh.Hkv + h) * D, dk_acc + (int64_t)s * D, D);
+                    narrow(dv + ((b * S + s) * sh.Hkv + h) * D, dv_acc + (int64_t)s * D, D);
+                }
+            }
+        free(kt); free(kr); free(vt); free(dk_acc); free(dv_acc); free(pb); free(ds); free(qb); free(dob); free(ob);
+    }
+}
+
+// The C entry points: dtype 0 = fp32, 1 = bf16. Strides are in elements, [b, s, h] order.
+extern "C" void attention_forward(int dtype, const void* q, const void* k, const void* v, void* o, float* lse,
+                                  const int64_t* shape, const int64_t* strides, float scale, int causal, int nt) {
+    const Shape sh{shape[0], shape[1], shape[2], shape[3], shape[4]};
+    const Strides sq{strides[0], strides[1], strides[2]}, sk{strides[3], strides[4], strides[5]},
+        sv{strides[6], strides[7], strides[8]};
+    if (dtype == 0)
+        forward((const float*)q, (const float*)k, (const float*)v, (float*)o, lse, sh, sq, sk, sv, scale, causal, nt);
+    else
+        forward((const uint16_t*)q, (const uint16_t*)k, (const uint16_t*)v, (uint16_t*)o, lse, sh, sq, sk, sv,
+                scale, causal, nt);
+}
+
+extern "C" void attention_backward(int dtype, const void* dout, const void* q, const void* k, const void* v,
+                                   const void* o, const float* lse, void* dq, void* dk, void* dv,
+                                   const int64_t* shape, const int64_t* strides, float scale, int causal, int nt) {
+    const Shape sh{shape[0], shape[1], shape[2], shape[3], shape[4]};
+    const Strides sq{strides[0], strides[1], strides[2]}, sk{strides[3], strides[4], strides[5]},
+        sv{strides[6], strides[7], strides[8]}, sdo{strides[9], strides[10], strides[11]};
+    if (dtype == 0)
+        backward((const float*)dout, sdo, (const float*)q, (const float*)k, (const float*)v, (const float*)o, lse,
+                 (float*)dq, (float*)dk, (float*)dv, sh, sq, sk, sv, scale, causal, nt);
+    else
+        backward((const uint16_t*)dout, sdo, (const uint16_t*)q, (const uint16_t*)k, (const uint16_t*)v,
+                 (const uint16_t*)o, lse, (uint16_t*)dq, (uint16_t*)dk, (uint16_t*)dv, sh, sq, sk, sv, scale,
+                 causal, nt);
+}

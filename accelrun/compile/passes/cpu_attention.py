@@ -1,0 +1,89 @@
+"""cpu_attention: ``F.scaled_dot_product_attention`` on the CPU -> accelrun's C++ attention kernel.
+
+Takes calls with no mask tensor (causal or full), no dropout, fp32 or bf16 inputs, equal query and key
+lengths and a head_dim the kernel handles (``fused.attention.supports``); any other call keeps ATen's.
+Keys and values repeated to the query heads' count (``x.repeat_interleave(group, dim=1)``, how
+grouped-query attention is usually written) are taken before the repeat: the kernel reads each
+key/value head once for its whole group and the graph no longer saves the repeated copies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from accelrun.compile.fused import attention as kernel
+from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.pattern import erase_dead, example_value, static_shape
+
+SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def sdpa_arguments(node: fx.Node) -> dict | None:
+    """The call's arguments by name, defaults filled in; None if ``node`` is not an SDPA call."""
+    if node.op != "call_function" or node.target is not F.scaled_dot_product_attention:
+        return None
+    args = dict(SDPA_DEFAULTS)
+    args.update(zip(SDPA_PARAMS, node.args, strict=False))
+    args.update(node.kwargs)
+    return args
+
+
+def unrepeated_heads(node: fx.Node, heads: int) -> fx.Node | None:
+    """``x`` when ``node`` is ``x.repeat_interleave(heads // x's heads, dim=1)`` (method or function)."""
+    is_repeat = (node.op == "call_method" and node.target == "repeat_interleave") or (
+        node.op == "call_function" and node.target is torch.repeat_interleave
+    )
+    if not is_repeat or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    source, shape = node.args[0], static_shape(node.args[0])
+    repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if shape is None or len(shape) != 4 or not shape[1] or heads % shape[1] or dim not in (1, -3):
+        return None
+    return source if repeats == heads // shape[1] else None
+
+
+def _rewrite(gm: fx.GraphModule, node: fx.Node) -> bool:
+    args = sdpa_arguments(node)
+    if args is None or args["attn_mask"] is not None or args["dropout_p"] != 0.0:
+        return False
+    q, k, v = args["query"], args["key"], args["value"]
+    shapes = [static_shape(t) for t in (q, k, v)]
+    if any(s is None for s in shapes) or not isinstance(args["is_causal"], bool):
+        return False
+    if not isinstance(args["scale"], (float, int, type(None))):
+        return False
+    values = [example_value(t) for t in (q, k, v)]
+    if kernel.supports(*values) is not None or getattr(example_value(node), "dtype", None) != values[0].dtype:
+        return False  # (a call autocast runs in another dtype than q's keeps ATen's)
+    group = shapes[0][1] // shapes[1][1]
+    if group > 1 and not args["enable_gqa"]:
+        return False  # SDPA itself would refuse these shapes
+    if group == 1:  # perhaps repeated by hand for a plain SDPA call: take k and v before the repeat
+        k_src, v_src = unrepeated_heads(k, shapes[0][1]), unrepeated_heads(v, shapes[0][1])
+        if k_src is not None and v_src is not None and static_shape(k_src) == static_shape(v_src):
+            k, v = k_src, v_src
+    scale = float(args["scale"]) if args["scale"] is not None else 1.0 / math.sqrt(shapes[0][-1])
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(kernel.attention, (q, k, v, scale, args["is_causal"]))
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    erase_dead(gm.graph, [n for n in (args["key"], args["value"]) if isinstance(n, fx.Node)])
+    return True
+
+
+@register_pass("cpu_attention", "pre_grad", PassOptions)
+def cpu_attention(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> PassResult:
+    """Run CPU attention calls through accelrun's C++ kernel (built now, so that g++ runs at compile time)."""
+    n = sum(_rewrite(gm, node) for node in list(gm.graph.nodes))
+    if n:
+        kernel.build()
+        gm.graph.lint()
+        gm.recompile()
+    return PassResult(changed=n > 0, summary=f"{n} attention calls to the C++ kernel", counts={"matched": n})

@@ -1,0 +1,149 @@
+"""accelrun's C++ attention kernel (``fused.attention``) and the ``cpu_attention`` pass that routes SDPA
+calls to it: outputs and gradients against PyTorch's own SDPA on the same inputs, torch.library's
+opcheck on the custom ops, what the pass takes and what it leaves with ATen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from accelrun.compile.fused import attention as kernel
+from accelrun.models.families.llama.model import LlamaArgs, TransformerBlock, repeat_kv, rope_tables
+from tests.compile.test_pass_fusion import FUSION_PASSES, Fused, randn, run_both
+
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 2e-6}, torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2}}
+
+
+def reference(q, k, v, scale, causal):
+    """PyTorch's SDPA in fp32 on the same values (k, v repeated to q's heads)."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, repeat_kv(k, q.shape[1]) if group > 1 else k,
+                                         repeat_kv(v, q.shape[1]) if group > 1 else v, is_causal=causal, scale=scale)  # fmt: skip
+    return out, (q, k, v)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,S,D",
+    [(2, 6, 2, 256, 32),  # the debug Llama's attention (grouped-query)
+     (1, 4, 4, 100, 16),  # torchtitan's debug head_dim; a length that is no multiple of the blocks
+     (2, 4, 1, 77, 64),  # multi-query
+     (1, 2, 2, 33, 48),  # head_dim with a 16-wide tail
+     (1, 2, 1, 300, 128)],
+)  # fmt: skip
+def test_forward_and_backward_match_sdpa(B, Hq, Hkv, S, D, causal):
+    q = randn(B, S, Hq, D, seed=1).transpose(1, 2).requires_grad_()  # (B, H, S, D) views, as a model makes
+    kv = randn(B, S, 2 * Hkv * D, seed=2)  # k and v: slices of one projection's output
+    k = kv[..., : Hkv * D].view(B, S, Hkv, D).transpose(1, 2).detach().requires_grad_()
+    v = kv[..., Hkv * D :].view(B, S, Hkv, D).transpose(1, 2).detach().requires_grad_()
+    grad = randn(B, Hq, S, D, seed=3)
+    out = kernel.attention(q, k, v, D**-0.5, causal)
+    out.backward(grad)
+    expected, leaves = reference(q, k, v, D**-0.5, causal)
+    expected.backward(grad)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    for got, ref in zip((q, k, v), leaves, strict=True):
+        torch.testing.assert_close(got.grad, ref.grad, **TOL[torch.float32])
+
+
+def test_bf16_and_strided_inputs():
+    B, Hq, Hkv, S, D = 2, 6, 2, 128, 32
+    q, k, v = (randn(B, H, S, D, seed=s).to(torch.bfloat16).requires_grad_() for s, H in ((1, Hq), (2, Hkv), (3, Hkv)))
+    grad = randn(B, Hq, S, D, seed=4).to(torch.bfloat16).transpose(2, 3).contiguous().transpose(2, 3)  # unit stride lost
+    out = kernel.attention(q, k, v, 0.2, True)
+    assert out.dtype == torch.bfloat16
+    out.backward(grad)
+    expected, leaves = reference(q, k, v, 0.2, True)
+    expected.backward(grad.float())
+    torch.testing.assert_close(out.float(), expected, **TOL[torch.bfloat16])
+    for got, ref in zip((q, k, v), leaves, strict=True):
+        assert got.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(got.grad.float(), ref.grad, **TOL[torch.bfloat16])
+
+
+def test_opcheck():
+    """torch.library's own checks: schema, fake (meta) functions against real outputs, autograd registration."""
+    q, k, v = (randn(2, H, 40, 32, seed=s).requires_grad_() for s, H in ((1, 4), (2, 2), (3, 2)))
+    torch.library.opcheck(torch.ops.accelrun.cpu_attention.default, (q, k, v, 0.3, True))
+    out, lse = torch.ops.accelrun.cpu_attention(q, k, v, 0.3, True)
+    grad = randn(*out.shape, seed=5)
+    torch.library.opcheck(torch.ops.accelrun.cpu_attention_backward.default,
+                          (grad, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), 0.3, True))  # fmt: skip
+
+
+def test_supports_names_what_it_declines():
+    q = torch.randn(1, 2, 8, 32)
+    assert kernel.supports(q, q, q) is None
+    assert "dtype" in kernel.supports(q.half(), q.half(), q.half())
+    assert "head_dim" in kernel.supports(q[..., :8], q[..., :8], q[..., :8])
+    assert "lengths" in kernel.supports(q, q[:, :, :4], q[:, :, :4])
+    assert "multiple" in kernel.supports(torch.randn(1, 3, 8, 32), q, q)
+
+
+# --- the pass -----------------------------------------------------------------------------------
+
+
+def sdpa_causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def sdpa_repeated(q, k, v):
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), scale=0.3)
+
+
+def sdpa_gqa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("fn,kv_heads", [(sdpa_causal, 6), (sdpa_repeated, 2), (sdpa_gqa, 2)])
+@pytest.mark.parametrize("aot", [False, True])
+def test_pass_routes_sdpa_to_the_kernel(fn, kv_heads, aot):
+    q, k, v = randn(2, 6, 64, 32, seed=0), randn(2, kv_heads, 64, 32, seed=1), randn(2, kv_heads, 64, 32, seed=2)
+    backend = run_both(fn, [q, k, v], ["cpu_attention"], aot=aot, tol={"rtol": 1e-5, "atol": 1e-5})
+    assert backend.counts == {"cpu_attention": 1}
+    call = backend.node(kernel.attention)
+    assert [a.op for a in call.args[:3]] == ["placeholder"] * 3  # k and v taken before any repeat
+    assert F.scaled_dot_product_attention not in backend.targets()
+
+
+def test_pass_leaves_what_the_kernel_does_not_take():
+    q = randn(2, 4, 16, 32)
+
+    def masked(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    cases = [(masked, [q, q, q, randn(16, 16, seed=3)]), (sdpa_causal, [q[..., :8]] * 3),
+             (sdpa_causal, [q.half()] * 3)]  # fmt: skip
+    for fn, inputs in cases:
+        backend = Fused(["cpu_attention"])
+        torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+        assert backend.counts == {"cpu_attention": 0}
+        assert F.scaled_dot_product_attention in backend.targets()
+
+
+def test_llama_block_runs_the_kernel_with_eager_gradients():
+    """The project's block (grouped-query attention through repeat_kv) with every fusion pass, through
+    AOTAutograd: one kernel call, no repeated K/V left, outputs and gradients equal eager's."""
+    args = LlamaArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64, max_seq_len=32)
+    torch.manual_seed(0)
+    block = TransformerBlock(args)
+    block.init_weights(0.02, 0.02)
+    cos, sin = rope_tables(args.head_dim, 32, args.rope_theta)
+    x = randn(2, 32, args.dim)
+    x_eager, x_fused = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = block(x_eager, cos, sin)
+    expected.square().sum().backward()
+    eager_grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+    block.zero_grad()
+    backend = Fused(FUSION_PASSES, aot=True)
+    got = torch.compile(block, backend=backend, fullgraph=True, dynamic=False)(x_fused, cos, sin)
+    got.square().sum().backward()
+    assert backend.counts["cpu_attention"] == 1
+    assert not any(n.target == "repeat_interleave" for n in backend.gm.graph.nodes)
+    tol = {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(got, expected, **tol)
+    torch.testing.assert_close(x_fused.grad, x_eager.grad, **tol)
+    for name, p in block.named_parameters():
+        torch.testing.assert_close(p.grad, eager_grads[name], **tol, msg=name)
