@@ -166,6 +166,7 @@ static void forward(const T* q, const T* k, const T* v, T* o, float* lse, Shape 
                     for (int r0 = 0; r0 < S; r0 += MR) {
                         const int m = S - r0 < MR ? S - r0 : MR;
                         const int kp = round_up(causal ? r0 + m : S, 2 * VL);
+                        float inv_sum[MR];
                         for (int i = 0; i < m; ++i) widen(qb + i * D, q + b * sq.b + (r0 + i) * sq.s + hq * sq.h, D);
                         gemm_nn(m, kp, D, qb, D, kt, Sp, sc, Sp, scale);
                         for (int i = 0; i < m; ++i) {
@@ -180,12 +181,15 @@ static void forward(const T* q, const T* k, const T* v, T* o, float* lse, Shape 
                                 store(row + c, e);
                                 sum += e;
                             }
-                            const float total = hsum(sum), inv = 1.0f / total;
-                            for (int c = 0; c < kp; c += VL) store(row + c, load(row + c) * inv);
+                            const float total = hsum(sum);
+                            inv_sum[i] = 1.0f / total;  // applied to the output row, not to every probability
                             lse[(b * sh.Hq + hq) * S + r0 + i] = rmax + logf(total);
                         }
                         gemm_nn(m, D, kp, sc, Sp, vp, D, ob, D, 1.0f);
-                        for (int i = 0; i < m; ++i) narrow(o + ((b * S + r0 + i) * sh.Hq + hq) * D, ob + i * D, D);
+                        for (int i = 0; i < m; ++i) {
+                            for (int d = 0; d < D; ++d) ob[i * D + d] *= inv_sum[i];
+                            narrow(o + ((b * S + r0 + i) * sh.Hq + hq) * D, ob + i * D, D);
+                        }
                     }
             }
         free(kt); free(vp); free(sc); free(qb); free(ob);
