@@ -239,9 +239,10 @@ class TrainConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: PositiveInt | None = Field(None, description="CPU threads for torch; None = torch's default")
     cpu_malloc: Literal["tuned", "lean", "system"] = Field(
-        "tuned", description="on a CPU: tuned = glibc keeps freed activations for the next step "
-        "(accelrun.train.host_malloc); lean = tuned, and the heap's free pages go back to the OS after each "
-        "step (lower peak RSS, a page fault for each page the next step takes again); system = glibc's defaults")
+        "tuned", description="on a CPU: tuned = glibc keeps freed activations for the next step, and the "
+        "heap's free pages go back to the OS only after the first step and after a step that grew the heap "
+        "(accelrun.train.host_malloc); lean = the free pages go back after every step (lower peak RSS, a page "
+        "fault for each page the next step takes again); system = glibc's defaults")
     float8: bool = Field(
         False, description="CUDA only (H100 or newer): the blocks' linear layers compute in float8 with dynamic "
         "scaling (torchao's convert_to_float8_training; pip install 'accelrun[float8]'); the output head and "

@@ -11,12 +11,16 @@ under eager; 0 once tuned). Two ``mallopt`` settings stop that:
 - ``M_TRIM_THRESHOLD`` = 1 GiB: freed memory stays in the process for the next step, up to 1 GiB
   of it at the heap's top. Resident memory then stays at the step's peak between steps.
 
-``train.cpu_malloc = lean`` is ``tuned`` plus ``malloc_trim(0)`` after every step: the free pages inside
-the heap go back to the OS too. A step's frees leave holes that later steps' allocations do not
-always fill (making AdamW's state before the first step did not change that), and under ``tuned`` the
-holes stay resident: on torchtitan's debug shape (16,384 tokens a step) peak
-RSS rose from 1.8 GiB after the first step to 2.2-2.6 GiB by the fifth, and stays at 1.8-2.0 GiB trimmed.
-The price is a page fault for each trimmed page the next step takes again.
+A step's frees leave holes that later steps' allocations do not always fill (making AdamW's state
+before the first step did not change that); kept resident, they raised peak RSS on torchtitan's
+debug shape (16,384 tokens a step) from 1.8 GiB after the first step to 2.2-2.6 GiB by the fifth.
+So ``tuned`` also calls ``malloc_trim(0)`` after the first step (which compiled, and freed what
+compiling used) and after any step that grew the heap (``TrimWhenTheHeapGrows``): the holes' pages go
+back to the OS and only those a later step uses come back. That shape then peaks at 2.0 GiB; the
+debug Llama trims in its first three steps and never again, so its steady steps cost nothing more.
+
+``train.cpu_malloc = lean`` trims after every step instead (1.8-2.0 GiB on that shape), paying a page
+fault for each trimmed page the next step takes again (the debug Llama's step: 1.20x slower).
 
 ``train.cpu_malloc = system`` leaves glibc's defaults. Not glibc (musl, macOS): nothing is changed,
 and the record says so.
@@ -58,13 +62,45 @@ def tune_malloc(mode: str) -> None:
             M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (2.33 and later): sizes over every arena, in bytes."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]  # fmt: skip
+
+
+class TrimWhenTheHeapGrows:
+    """``tuned``'s step end: ``malloc_trim(0)`` after the first step (which also compiled, and freed
+    what compiling used) and after any step that grew the heap by more than ``slack`` bytes. A step
+    that fits in the holes earlier steps left costs nothing; one that did not fit has left holes that
+    later steps may never fill, and those pages go back to the OS (the next step faults back in only
+    the ones it uses)."""
+
+    def __init__(self, libc: ctypes.CDLL, slack: int = 16 << 20) -> None:
+        self.libc, self.slack, self.heap, self.trims = libc, slack, -1, 0
+
+    def __call__(self) -> None:
+        heap = self.libc.mallinfo2().arena
+        if heap > self.heap + self.slack:
+            self.libc.malloc_trim(0)
+            self.trims += 1
+        self.heap = max(heap, self.heap)
+
+
 def step_end_release(mode: str) -> Callable[[], None] | None:
-    """What to call after each step under ``mode`` (``lean``: give the heap's free pages back), or None."""
+    """What to call after each step under ``mode``, or None: ``lean`` gives the heap's free pages back
+    every step; ``tuned`` only after a step that grew the heap (``TrimWhenTheHeapGrows``)."""
     libc = _libc()
-    if mode != "lean" or libc is None:
+    if mode == "system" or libc is None:
         return None
     libc.malloc_trim.argtypes = [ctypes.c_size_t]
-    return lambda: libc.malloc_trim(0)
+    if mode == "lean":
+        return lambda: libc.malloc_trim(0)
+    if not hasattr(libc, "mallinfo2"):  # glibc before 2.33
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    return TrimWhenTheHeapGrows(libc)
 
 
 def malloc_record(mode: str) -> str:
@@ -73,4 +109,6 @@ def malloc_record(mode: str) -> str:
         return "system: not glibc, left as is"
     if mode == "system":
         return "system: glibc's defaults" if not _tuned_here else f"{TUNED} (set earlier in this process)"
-    return f"lean: {TUNED.removeprefix('tuned: ')}, malloc_trim after every step" if mode == "lean" else TUNED
+    if mode == "lean":
+        return f"lean: {TUNED.removeprefix('tuned: ')}, malloc_trim after every step"
+    return f"{TUNED}, malloc_trim after the first step and any step that grew the heap"

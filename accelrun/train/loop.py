@@ -75,7 +75,7 @@ def run_loop(
     read_every = read_interval(cfg, dev)  # report.read_every: CPU every step, GPU every log_every steps
     pending = PendingSteps(s.flops_per_token, s.peak.tflops)
     token_mean = uses_token_mean(cfg, s.pipeline is not None)  # chat, documents: mean over the step's targets
-    release = step_end_release(cfg.train.cpu_malloc) if dev.type == "cpu" else None  # train.cpu_malloc = lean
+    release = step_end_release(cfg.train.cpu_malloc) if dev.type == "cpu" else None  # host_malloc: trims
     try:
         with (stop.catch_signals(),
               profile_steps(cfg.report.profile_steps, run_dir, s.start_step, s.ctx.rank) as prof):
