@@ -147,3 +147,26 @@ def test_llama_block_runs_the_kernel_with_eager_gradients():
     torch.testing.assert_close(x_fused.grad, x_eager.grad, **tol)
     for name, p in block.named_parameters():
         torch.testing.assert_close(p.grad, eager_grads[name], **tol, msg=name)
+
+
+def test_a_kernel_that_cannot_be_built_leaves_attention_to_aten(tmp_path, monkeypatch):
+    """A compiler that refuses the source (found on the PATH, so the pass took the call): the ops warn once
+    and compute with ATen, in the kernel's layout, instead of failing the run."""
+    fake = tmp_path / "fakecc"
+    fake.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo fakecc 1.0; exit 0; fi\necho refused >&2; exit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("ACCELRUN_CXX", str(fake))
+    monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernel, "_built", {})  # this process's built library is put back afterwards
+    q, k, v = (randn(2, H, 24, 32, seed=s).requires_grad_() for s, H in ((1, 4), (2, 2), (3, 2)))
+    with pytest.warns(UserWarning, match="could not be built"):
+        out = kernel.attention(q, k, v, 0.2, True)
+    assert "RuntimeError" in kernel._built["lib"]
+    grad = randn(*out.shape, seed=4)
+    out.backward(grad)
+    expected, leaves = reference(q, k, v, 0.2, True)
+    expected.backward(grad)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    assert out.transpose(1, 2).is_contiguous()  # the layout the fake function promised
+    for got, ref in zip((q, k, v), leaves, strict=True):
+        torch.testing.assert_close(got.grad, ref.grad, **TOL[torch.float32])

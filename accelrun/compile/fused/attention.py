@@ -14,7 +14,8 @@ which calls it takes (the ``cpu_attention`` pass asks it), everything else stays
 from __future__ import annotations
 
 import ctypes
-import functools
+import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -48,20 +49,44 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     return None
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    lib = load_library(build_library(SOURCE.read_text()))
-    i64p, f32p, vp = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_float), ctypes.c_void_p
-    lib.attention_forward.argtypes = [ctypes.c_int, vp, vp, vp, vp, f32p, i64p, i64p, ctypes.c_float,
-                                      ctypes.c_int, ctypes.c_int]  # fmt: skip
-    lib.attention_backward.argtypes = [ctypes.c_int, vp, vp, vp, vp, vp, f32p, vp, vp, vp, i64p, i64p,
-                                       ctypes.c_float, ctypes.c_int, ctypes.c_int]  # fmt: skip
-    return lib
+_library_lock = threading.Lock()
+_built: dict[str, ctypes.CDLL | str] = {}  # "lib": the loaded library, or the reason it could not be built
 
 
-def build() -> None:
-    """Compile (or find in the cache) the kernel now: the pass calls it so that g++ runs at compile time."""
-    _library()
+def _library() -> ctypes.CDLL | None:
+    """The kernel's library, or None if it could not be built (the ops then compute with ATen)."""
+    with _library_lock:  # one build, whichever thread asks first (see build_in_background)
+        if "lib" not in _built:
+            try:
+                lib = load_library(build_library(SOURCE.read_text()))
+            except Exception as e:  # noqa: BLE001 (no compiler after all, g++ refused the source, ...)
+                _built["lib"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                warnings.warn(f"accelrun's CPU attention kernel could not be built; attention runs in ATen "
+                              f"({_built['lib']})", stacklevel=2)  # fmt: skip
+                return None
+            i64p, f32p, vp = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_float), ctypes.c_void_p
+            lib.attention_forward.argtypes = [ctypes.c_int, vp, vp, vp, vp, f32p, i64p, i64p, ctypes.c_float,
+                                              ctypes.c_int, ctypes.c_int]  # fmt: skip
+            lib.attention_backward.argtypes = [ctypes.c_int, vp, vp, vp, vp, vp, f32p, vp, vp, vp, i64p, i64p,
+                                               ctypes.c_float, ctypes.c_int, ctypes.c_int]  # fmt: skip
+            _built["lib"] = lib
+        built = _built["lib"]
+        return built if isinstance(built, ctypes.CDLL) else None
+
+
+def build_in_background() -> None:
+    """Start compiling (or finding in the cache) the kernel: g++ runs beside the rest of compilation
+    (tracing, AOTAutograd) instead of after it; the first call waits for it if it is not done."""
+    if "lib" not in _built:
+        threading.Thread(target=_library, name="accelrun-attention-build", daemon=True).start()
+
+
+_aten_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_aten_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _repeated(k: torch.Tensor, heads: int) -> torch.Tensor:
+    return k.repeat_interleave(heads // k.shape[1], 1) if heads != k.shape[1] else k
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -95,8 +120,13 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     out = _bshd_empty(q, q.shape[1])
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    lib = _library()
+    if lib is None:  # no kernel: ATen's flash attention, in the kernel's layout
+        aten_out, aten_lse = _aten_flash(q, _repeated(k, q.shape[1]), _repeated(v, q.shape[1]), 0.0, causal,
+                                         scale=scale)  # fmt: skip
+        return out.copy_(aten_out), lse.copy_(aten_lse)
     strides = (ctypes.c_int64 * 9)(*_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v))
-    _library().attention_forward(DTYPE_CODES[q.dtype], _ptr(q), _ptr(k), _ptr(v), _ptr(out),
+    lib.attention_forward(DTYPE_CODES[q.dtype], _ptr(q), _ptr(k), _ptr(v), _ptr(out),
                                  ctypes.cast(lse.data_ptr(), ctypes.POINTER(ctypes.c_float)), _shape(q, k), strides,
                                  scale, int(causal), torch.get_num_threads())  # fmt: skip
     return out, lse
@@ -117,8 +147,17 @@ def cpu_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
         out = out.transpose(1, 2).contiguous().transpose(1, 2)  # the kernel reads it as contiguous (B, S, H, D)
     lse = lse.contiguous()
     dq, dk, dv = _bshd_empty(q, q.shape[1]), _bshd_empty(k, k.shape[1]), _bshd_empty(v, v.shape[1])
+    lib = _library()
+    if lib is None:  # no kernel: ATen's flash backward (the forward was ATen's too), K/V gradients summed per group
+        heads, kv_heads = q.shape[1], k.shape[1]
+        gq, gk, gv = _aten_flash_backward(grad_out.contiguous(), q, _repeated(k, heads), _repeated(v, heads), out,
+                                          lse, 0.0, causal, scale=scale)  # fmt: skip
+        dq.copy_(gq)
+        dk.copy_(gk.unflatten(1, (kv_heads, heads // kv_heads)).sum(2))
+        dv.copy_(gv.unflatten(1, (kv_heads, heads // kv_heads)).sum(2))
+        return dq, dk, dv
     strides = (ctypes.c_int64 * 12)(*_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(grad_out))
-    _library().attention_backward(DTYPE_CODES[q.dtype], _ptr(grad_out), _ptr(q), _ptr(k), _ptr(v), _ptr(out),
+    lib.attention_backward(DTYPE_CODES[q.dtype], _ptr(grad_out), _ptr(q), _ptr(k), _ptr(v), _ptr(out),
                                   ctypes.cast(lse.data_ptr(), ctypes.POINTER(ctypes.c_float)), _ptr(dq), _ptr(dk),
                                   _ptr(dv), _shape(q, k), strides, scale, int(causal),
                                   torch.get_num_threads())  # fmt: skip

@@ -80,10 +80,10 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 @register_pass("cpu_attention", "pre_grad", PassOptions)
 def cpu_attention(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> PassResult:
-    """Run CPU attention calls through accelrun's C++ kernel (built now, so that g++ runs at compile time)."""
+    """Run CPU attention calls through accelrun's C++ kernel (its build starts now, beside compilation)."""
     n = sum(_rewrite(gm, node) for node in list(gm.graph.nodes))
     if n:
-        kernel.build()
+        kernel.build_in_background()
         gm.graph.lint()
         gm.recompile()
     return PassResult(changed=n > 0, summary=f"{n} attention calls to the C++ kernel", counts={"matched": n})
