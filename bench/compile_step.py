@@ -42,6 +42,7 @@ from accelrun.dist.context import ParallelContext  # noqa: E402
 from accelrun.dist.layout import with_cuda_graph_decision  # noqa: E402
 from accelrun.models import build_model, transformer_blocks  # noqa: E402
 from accelrun.models.build import training_loss_fn  # noqa: E402
+from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
 from accelrun.train.precision import autocast  # noqa: E402
@@ -194,8 +195,8 @@ def main() -> None:
         run_one(args)
 
 
-def time_variants(names: list[str], args: argparse.Namespace) -> tuple[list[tuple[str, float, list[float]]], dict]:
-    """(name, median step, losses) per variant, and each one's cold first step. The variants (models,
+def time_variants(names: list[str], args: argparse.Namespace) -> tuple[list[tuple[str, list[float], list[float]]], dict]:
+    """(name, step times by round, losses) per variant, and each one's cold first step. The variants (models,
     optimizers, compiled graphs) are gone when this returns, so the new processes that measure warm
     start and memory have the device to themselves."""
     variants, cold = [], {}
@@ -209,7 +210,7 @@ def time_variants(names: list[str], args: argparse.Namespace) -> tuple[list[tupl
     for _ in range(args.rounds):
         for v in variants:
             v.times.append(v.step())
-    return [(v.name, statistics.median(v.times), v.losses) for v in variants], cold
+    return [(v.name, v.times, v.losses) for v in variants], cold
 
 
 def run_one(args: argparse.Namespace) -> None:
@@ -221,18 +222,24 @@ def run_one(args: argparse.Namespace) -> None:
         torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()
-    medians = {name: med for name, med, _ in rows}
+    times = {name: ts for name, ts, _ in rows}
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
     eager_median, inductor_median = medians.get("eager"), medians.get("inductor")
     print(f"\n## {args.precision}: {args.rounds} interleaved steps each (accelrun: passes={args.passes}, "
           f"executors=[{args.executors}], scope={args.scope})\n")  # fmt: skip
     memory = "peak GPU memory of the steps (new process)" if args.device.startswith("cuda") else \
         "peak RSS of the steps (new process)"
-    print(f"| variant | median step | vs eager | vs inductor | cold compile (first step) | warm start (new process) | "
+    print(f"| variant | median step | vs eager | vs inductor (95% interval) | cold compile (first step) | warm start (new process) | "
           f"saved for backward | {memory} | last loss |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, med, losses in rows:
+    for name, _, losses in rows:
+        med = medians[name]
         ratio = f"{eager_median / med:.2f}×" if eager_median else "-"
         vs_inductor = f"{inductor_median / med:.2f}×" if inductor_median else "-"
+        if inductor_median and name != "inductor":
+            # Paired by round (the variants ran side by side in each), as `accelrun ab` pairs its repeats.
+            ci = bootstrap_ratio_of_medians([[t] for t in times["inductor"]], [[t] for t in times[name]], paired=True)
+            vs_inductor += f" ({ci.low:.2f}–{ci.high:.2f})"
         extra = measure_in_child(name, args)
         nan = float("nan")
         print(f"| {name} | {med * 1000:.0f} ms | {ratio} | {vs_inductor} | {cold[name]:.1f} s | "
@@ -242,7 +249,7 @@ def run_one(args: argparse.Namespace) -> None:
     for n, why in skipped.items():
         print(f"| {n} | skipped: {why} | | | | | | | |")
     # Same data, same seed: every variant must compute the same losses (the comparison is of speed only).
-    ref_name, _, ref = rows[0]
+    ref_name, _, ref = rows[0]  # (name, times, losses)
     for name, _, losses in rows[1:]:
         worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref, strict=True))
         print(f"losses {name} vs {ref_name}: max relative difference {worst:.2e} over {len(ref)} steps")
