@@ -72,35 +72,45 @@ class _MallInfo2(ctypes.Structure):
 
 class TrimWhenTheHeapGrows:
     """``tuned``'s step end: ``malloc_trim(0)`` after the first step (which also compiled, and freed
-    what compiling used) and after any step that grew the heap by more than ``slack`` bytes. A step
-    that fits in the holes earlier steps left costs nothing; one that did not fit has left holes that
-    later steps may never fill, and those pages go back to the OS (the next step faults back in only
-    the ones it uses)."""
+    what compiling used) and whenever the heap has grown by more than ``slack`` bytes since the last
+    trim. A step that fits in the holes earlier steps left costs nothing; growth means steps did not fit,
+    leaving holes that later steps may never fill, and those pages go back to the OS (the next step
+    faults back in only the ones it uses). ``heap_size`` None (glibc before 2.33, no ``mallinfo2``):
+    only the first step's trim."""
 
-    def __init__(self, libc: ctypes.CDLL, slack: int = 16 << 20) -> None:
-        self.libc, self.slack, self.heap, self.trims = libc, slack, -1, 0
+    def __init__(self, libc: ctypes.CDLL, heap_size: Callable[[], int] | None, slack: int = 16 << 20) -> None:
+        self.libc, self.heap_size, self.slack = libc, heap_size, slack
+        self.heap_at_trim: int | None = None  # None: not trimmed yet
+        self.trims = 0
 
     def __call__(self) -> None:
-        heap = self.libc.mallinfo2().arena
-        if heap > self.heap + self.slack:
+        if self.heap_at_trim is not None and self.heap_size is None:
+            return
+        heap = self.heap_size() if self.heap_size is not None else 0
+        if self.heap_at_trim is None or heap > self.heap_at_trim + self.slack:
             self.libc.malloc_trim(0)
             self.trims += 1
-        self.heap = max(heap, self.heap)
+            self.heap_at_trim = heap
+
+
+def _heap_size(libc: ctypes.CDLL) -> Callable[[], int] | None:
+    """Bytes the arenas hold (``mallinfo2().arena``), or None before glibc 2.33."""
+    if not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    return lambda: libc.mallinfo2().arena
 
 
 def step_end_release(mode: str) -> Callable[[], None] | None:
     """What to call after each step under ``mode``, or None: ``lean`` gives the heap's free pages back
-    every step; ``tuned`` only after a step that grew the heap (``TrimWhenTheHeapGrows``)."""
+    every step; ``tuned`` after the first step and after growth (``TrimWhenTheHeapGrows``)."""
     libc = _libc()
     if mode == "system" or libc is None:
         return None
     libc.malloc_trim.argtypes = [ctypes.c_size_t]
     if mode == "lean":
         return lambda: libc.malloc_trim(0)
-    if not hasattr(libc, "mallinfo2"):  # glibc before 2.33
-        return None
-    libc.mallinfo2.restype = _MallInfo2
-    return TrimWhenTheHeapGrows(libc)
+    return TrimWhenTheHeapGrows(libc, _heap_size(libc))
 
 
 def malloc_record(mode: str) -> str:
@@ -111,4 +121,6 @@ def malloc_record(mode: str) -> str:
         return "system: glibc's defaults" if not _tuned_here else f"{TUNED} (set earlier in this process)"
     if mode == "lean":
         return f"lean: {TUNED.removeprefix('tuned: ')}, malloc_trim after every step"
+    if _heap_size(_libc()) is None:
+        return f"{TUNED}, malloc_trim after the first step (glibc before 2.33: heap growth is not seen)"
     return f"{TUNED}, malloc_trim after the first step and any step that grew the heap"

@@ -141,6 +141,11 @@ def test_debug_numerics_tolerates_reordered_sums_and_nothing_more():
     assert "output 0" in compare_outputs([ref], [ref + torch.tensor([0.0, 0.05, 0.0, 0.0, 0.0])])
     assert "output 0" in compare_outputs([ref], [ref.nan_to_num(nan=1.0) + 1e-4])  # a NaN lost
     assert "output 0" in compare_outputs([ref[:3]], [ref[:3] * 1.001])
+    # Errors everywhere but at the largest value fail, however large that value is.
+    big = torch.cat([torch.tensor([100.0]), torch.full((999,), 1e-3)])
+    assert "output 0" in compare_outputs([big], [torch.cat([big[:1], torch.zeros(999)])])
+    big16 = torch.cat([torch.tensor([100.0]), torch.full((999,), 0.1)]).bfloat16()
+    assert "output 0" in compare_outputs([big16], [torch.cat([big16[:1], torch.full((999,), -0.8).bfloat16()])])
 
 
 @pytest.mark.parametrize(("override", "expected"), [

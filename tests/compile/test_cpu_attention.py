@@ -80,6 +80,17 @@ def test_supports_names_what_it_declines():
     assert "head_dim" in kernel.supports(q[..., :8], q[..., :8], q[..., :8])
     assert "lengths" in kernel.supports(q, q[:, :, :4], q[:, :, :4])
     assert "multiple" in kernel.supports(torch.randn(1, 3, 8, 32), q, q)
+    assert "head_dim 0" in kernel.supports(q[..., :0], q[..., :0], q[..., :0])
+    assert "pairs for 4 threads" in kernel.supports(q, q, q, threads=4)  # 1 x 2 (batch, head) pairs
+
+
+def test_the_ops_refuse_what_the_kernel_cannot_compute():
+    """Called directly (not through the pass), the ops check the kernel's limits instead of reading past them."""
+    for q, k in ((torch.randn(1, 2, 8, 24), torch.randn(1, 2, 8, 24)),  # head_dim not a multiple of 16
+                 (torch.randn(1, 3, 8, 32), torch.randn(1, 2, 8, 32)),  # 3 query heads over 2 key/value heads
+                 (torch.randn(1, 2, 8, 512), torch.randn(1, 2, 8, 512))):  # head_dim over 256
+        with pytest.raises(ValueError, match="cannot take these inputs"):
+            kernel.attention(q, k, k, 0.1, True)
 
 
 # --- the pass -----------------------------------------------------------------------------------

@@ -99,3 +99,28 @@ print(json.dumps(freed))
     assert step_end_release("system") is None
     assert "any step that grew the heap" in malloc_record("tuned")
     assert malloc_record("lean").startswith("lean: M_MMAP_THRESHOLD") and "malloc_trim" in malloc_record("lean")
+
+
+def test_slow_growth_adds_up_to_a_trim_and_old_glibc_trims_once():
+    """The policy on its own, with a stand-in for libc: growth is counted from the last trim, so a heap
+    growing a little every step is trimmed once the growth passes the slack; without mallinfo2 (glibc
+    before 2.33) only the first step's trim happens."""
+    from accelrun.train.host_malloc import TrimWhenTheHeapGrows
+
+    class Libc:
+        trims = 0
+
+        def malloc_trim(self, pad):
+            Libc.trims += 1
+
+    heap = iter([100, 110, 120, 130, 140, 150, 150, 150])  # MiB after each step
+    policy = TrimWhenTheHeapGrows(Libc(), lambda: next(heap) << 20, slack=16 << 20)
+    done = []
+    for _ in range(8):
+        policy()
+        done.append(policy.trims)
+    assert done == [1, 1, 2, 2, 3, 3, 3, 3]  # the first step; 120 > 100 + 16; 140 > 120 + 16
+    once = TrimWhenTheHeapGrows(Libc(), None)
+    for _ in range(5):
+        once()
+    assert once.trims == 1

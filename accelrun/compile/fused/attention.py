@@ -14,6 +14,7 @@ which calls it takes (the ``cpu_attention`` pass asks it), everything else stays
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import warnings
 from pathlib import Path
@@ -27,12 +28,8 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEAD_DIM = 256  # the kernel's row buffer (attention_cpu.cpp's MAX_HEAD_DIM)
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why the kernel cannot take these (B, H, S, D) inputs, or None when it can."""
-    if find_compiler() is None:
-        return "no C++ compiler"
-    if any(t.device.type != "cpu" for t in (q, k, v)):
-        return "not on the CPU"
+def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the kernel cannot compute these (B, H, S, D) inputs at all, or None (the ops check it too)."""
     if q.dtype not in DTYPE_CODES or not (q.dtype == k.dtype == v.dtype):
         return f"dtype {q.dtype} (fp32 and bf16 only)"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -44,13 +41,41 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
         return "queries and keys of different lengths"
     if Hkv == 0 or Hq % Hkv:
         return "query heads are not a multiple of key/value heads"
-    if D % 16 or D > MAX_HEAD_DIM:
+    if D <= 0 or D % 16 or D > MAX_HEAD_DIM:
         return f"head_dim {D} (a multiple of 16 up to {MAX_HEAD_DIM})"
     return None
 
 
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: int = 1) -> str | None:
+    """Why the pass should leave these (B, H, S, D) inputs to ATen, or None when the kernel takes them.
+    ``threads``: the kernel runs one (batch, key/value head) per thread at a time, so fewer of those
+    than threads would leave threads idle where ATen's kernel splits the sequence too."""
+    if find_compiler() is None:
+        return "no C++ compiler"
+    if any(t.device.type != "cpu" for t in (q, k, v)):
+        return "not on the CPU"
+    problem = shape_problem(q, k, v)
+    if problem is None and q.shape[0] * k.shape[1] < threads:
+        problem = f"{q.shape[0] * k.shape[1]} (batch, key/value head) pairs for {threads} threads"
+    return problem
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    problem = shape_problem(q, k, v)
+    if problem is not None:
+        raise ValueError(f"accelrun::cpu_attention cannot take these inputs: {problem}")
+
+
 _library_lock = threading.Lock()
 _built: dict[str, ctypes.CDLL | str] = {}  # "lib": the loaded library, or the reason it could not be built
+
+
+def _new_lock_after_fork() -> None:  # a fork while the build thread held the lock must not leave it held
+    global _library_lock
+    _library_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
 def _library() -> ctypes.CDLL | None:
@@ -117,6 +142,7 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
 def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(out, lse): softmax(q k^T * scale [causal]) v for q (B, Hq, S, D) and k, v (B, Hkv, S, D)."""
+    _check(q, k, v)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     out = _bshd_empty(q, q.shape[1])
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -142,6 +168,9 @@ def cpu_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
                            out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(dq, dk, dv) of ``cpu_attention``, from the saved out and lse."""
+    _check(q, k, v)
+    if grad_out.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:3]:
+        raise ValueError("accelrun::cpu_attention_backward: grad_out, out and lse do not match q's shape")
     q, k, v, grad_out = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(grad_out.to(q.dtype))
     if out.transpose(1, 2).stride() != out.transpose(1, 2).contiguous().stride():
         out = out.transpose(1, 2).contiguous().transpose(1, 2)  # the kernel reads it as contiguous (B, S, H, D)
@@ -173,6 +202,7 @@ def _setup_context(ctx, inputs, output) -> None:
     q, k, v, scale, causal = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mark_non_differentiable(lse)  # a by-product for the backward: no gradient flows through it
     ctx.scale, ctx.causal = scale, causal
 
 

@@ -59,7 +59,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> bool:
     if not isinstance(args["scale"], (float, int, type(None))):
         return False
     values = [example_value(t) for t in (q, k, v)]
-    if kernel.supports(*values) is not None or getattr(example_value(node), "dtype", None) != values[0].dtype:
+    if kernel.supports(*values, threads=torch.get_num_threads()) is not None or getattr(example_value(node), "dtype", None) != values[0].dtype:
         return False  # (a call autocast runs in another dtype than q's keeps ATen's)
     group = shapes[0][1] // shapes[1][1]
     if group > 1 and not args["enable_gqa"]:
