@@ -4,6 +4,9 @@ Each is a plain function (so a dumped graph names it: ``accelrun.compile.fused.r
 calls a ``torch.autograd.Function``: the forward is written with torch ops and the backward by hand,
 cheaper than autograd's (it saves less, or recomputes instead of saving). AOTAutograd traces both into
 ATen ops, so later passes and the executors see ordinary graphs. Each module is one op.
+
+``attention`` is the exception: a C++ kernel behind torch.library custom ops (forward and backward), which
+AOTAutograd keeps as single nodes; the ``cpu_attention`` pass calls it.
 """
 
 from accelrun.compile.fused.linear_cross_entropy import linear_cross_entropy

@@ -172,7 +172,7 @@ def cpu_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
     if grad_out.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:3]:
         raise ValueError("accelrun::cpu_attention_backward: grad_out, out and lse do not match q's shape")
     q, k, v, grad_out = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(grad_out.to(q.dtype))
-    if out.transpose(1, 2).stride() != out.transpose(1, 2).contiguous().stride():
+    if not out.transpose(1, 2).is_contiguous():
         out = out.transpose(1, 2).contiguous().transpose(1, 2)  # the kernel reads it as contiguous (B, S, H, D)
     lse = lse.contiguous()
     dq, dk, dv = _bshd_empty(q, q.shape[1]), _bshd_empty(k, k.shape[1]), _bshd_empty(v, v.shape[1])
