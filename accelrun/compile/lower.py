@@ -2,7 +2,8 @@
 
 Claims are decided first, one region at a time (a decline is cheap); then the claimed regions are
 compiled, concurrently for executors whose compiler runs outside Python (``parallel_compile``: the
-C++ executor's g++ processes), one by one for the others. A region whose compile fails goes on down
+C++ executor's g++ processes), one by one for the others; an executor with ``batch_compile`` gets all
+its regions in one call (one g++ run for a graph). A region whose compile fails goes on down
 the list, so a code-generator bug costs speed, never a run. So does one whose claim raises, and a
 compiled region that raises at its first call, or returns outputs unlike its nodes' (shape, dtype,
 strides: the graph after it was traced against those): ``FirstCallCheck`` hands it to the next
@@ -12,6 +13,7 @@ with ``compile.strict`` it is an error instead (``CompilerFallbackError``).
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -96,12 +98,12 @@ class _Lowering:
         compiled: dict[int, object] = {}
         claims = {r.id: self._claim(r, 0) for r in regions}
         by_id = {r.id: r for r in regions}
-        parallel = [r for r in regions if claims[r.id] is not None and self.executors[claims[r.id]].parallel_compile]
         results: dict[int, tuple[object | None, str | None, float]] = {}
-        if parallel:
-            with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-                futures = {r.id: pool.submit(self._compile, r, claims[r.id]) for r in parallel}
-                results = {rid: f.result() for rid, f in futures.items()}
+        jobs = self._compile_jobs(regions, claims)
+        if jobs:
+            with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+                for done in [pool.submit(job) for job in jobs]:
+                    results.update(done.result())
         for rid, index in claims.items():
             region = by_id[rid]
             while index is not None:
@@ -120,6 +122,34 @@ class _Lowering:
                 region.lowering.declined[AtenExecutor.name] = "not in compile.executors (used anyway: the fallback)"
                 region.lowering.executor = AtenExecutor.name
         return compiled
+
+    def _compile_jobs(self, regions: list[Region], claims: dict[int, int | None]) -> list:
+        """What runs concurrently before the regions are placed: for each ``parallel_compile`` executor,
+        one job for all its regions when it has ``batch_compile``, else a job per region. Each job
+        returns {region id: (fn, error, seconds)}; a region it leaves out is compiled alone afterwards."""
+        jobs = []
+        for index, executor in enumerate(self.executors):
+            mine = [r for r in regions if claims[r.id] == index]
+            if not mine or not executor.parallel_compile:
+                continue
+            if executor.batch_compile and len(mine) > 1:
+                jobs.append(functools.partial(self._compile_batch, mine, index))
+            else:
+                jobs += [functools.partial(self._compile_alone, r, index) for r in mine]
+        return jobs
+
+    def _compile_alone(self, region: Region, index: int) -> dict[int, tuple[object | None, str | None, float]]:
+        return {region.id: self._compile(region, index)}
+
+    def _compile_batch(self, regions: list[Region], index: int) -> dict[int, tuple[object | None, str | None, float]]:
+        ex = self.executors[index]
+        t0 = time.perf_counter()
+        try:
+            fns = ex.compile_batch(regions, f"{self.cache_dir}/{ex.name}")
+        except Exception:  # compiled one by one afterwards: the region at fault then declines alone
+            return {}
+        share = (time.perf_counter() - t0) / len(regions)  # one build: each region's share of it
+        return {r.id: (fn, None, share) for r, fn in zip(regions, fns, strict=True)}
 
     def _claim(self, region: Region, start: int) -> int | None:
         """Index of the first executor from ``start`` on that claims the region; declines noted."""

@@ -277,3 +277,49 @@ def test_the_backend_by_name_with_torch_compile_options(tmp_path):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="unknown option"):
         torch.compile(_model_fn, backend=name, options={"pases": "max"})(x, w)
+
+
+def _two_regions_per_graph(x, w):
+    h = torch.tanh(x @ w) * 2.0  # a region, a matmul, another region: two regions in each graph
+    return ((h @ w * 0.1).exp() * h).sum(-1)
+
+
+def _cpp_regions(backend: AccelrunBackend) -> dict[str, int]:
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 16), torch.randn(16, 16, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    out = torch.compile(_two_regions_per_graph, backend=backend)(x, w)
+    out.sum().backward()
+    ref = _two_regions_per_graph(x, w_ref)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
+    assert not backend.record.fallbacks
+    graphs: dict[str, int] = {}
+    for row in backend.record.regions:
+        assert row.executor == "cpp"
+        graphs[row.graph] = graphs.get(row.graph, 0) + 1
+    return graphs
+
+
+def test_a_graphs_cpp_regions_build_as_one_library(tmp_path):
+    from accelrun.compile.codegen import cpp_build
+
+    before = cpp_build.compiler_invocations()
+    graphs = _cpp_regions(_backend(tmp_path, passes="default"))
+    assert len(graphs) == 2 and all(n >= 2 for n in graphs.values()), graphs  # forward and backward, 2+ each
+    assert cpp_build.compiler_invocations() - before == len(graphs)  # one g++ run per graph, not per region
+
+
+def test_a_batch_g_plus_plus_refuses_is_built_region_by_region(tmp_path, monkeypatch):
+    """One region g++ cannot take must not cost the graph's other regions: the lowering builds them alone."""
+    from accelrun.compile.codegen import cpp_build
+    from accelrun.compile.executors.cpp import CppExecutor
+
+    def refused(self, regions, cache_dir):
+        raise RuntimeError("g++ failed on generated code")
+
+    monkeypatch.setattr(CppExecutor, "compile_batch", refused)
+    before = cpp_build.compiler_invocations()
+    graphs = _cpp_regions(_backend(tmp_path, passes="default"))
+    assert cpp_build.compiler_invocations() - before == sum(graphs.values())

@@ -32,6 +32,9 @@ class Executor(ABC):
     # True for the executor that leaves a region's ATen ops in the graph (``aten``): there is nothing to
     # compile, and an error at its first call is the program's, not a compiler's.
     keeps_aten_ops: ClassVar[bool] = False
+    # True when compile_batch builds several regions in one go cheaper than one by one (the C++
+    # executor: one g++ run, one translation unit, one link for all of a graph's regions).
+    batch_compile: ClassVar[bool] = False
 
     def unavailable_reason(self) -> str | None:
         """Why this executor cannot run at all on this machine (no compiler, no GPU), or None."""
@@ -44,6 +47,11 @@ class Executor(ABC):
     @abstractmethod
     def compile(self, region: Region, cache_dir: str | None) -> RegionFn:
         """Compile a claimed region. May raise; the lowering then records the error as a decline."""
+
+    def compile_batch(self, regions: list[Region], cache_dir: str | None) -> list[RegionFn]:
+        """Compile several claimed regions at once (``batch_compile``), one callable each in order. May
+        raise; the lowering then compiles them one by one, so one bad region costs only itself."""
+        return [self.compile(r, cache_dir) for r in regions]
 
 
 _EXECUTORS: dict[str, type[Executor]] = {}

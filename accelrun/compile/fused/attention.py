@@ -7,7 +7,7 @@ cache instead of rescaling online, register-blocks its products, and takes group
 repeating them: forward 1.9x and backward 1.8x faster on the debug Llama's shape (16x6x256x32, fp32,
 causal; ``python bench/attention_cpu.py``). It saves q, k, v, the output and the per-row log-sum-exp.
 
-The library is compiled by g++ once per machine (``cpp_build``'s on-disk cache); ``supports`` says
+The library is compiled by g++ once per machine and dtype (``cpp_build``'s on-disk cache); ``supports`` says
 which calls it takes (the ``cpu_attention`` pass asks it), everything else stays with ATen.
 """
 
@@ -24,13 +24,13 @@ import torch
 from accelrun.compile.codegen.cpp_build import build_library, find_compiler, load_library
 
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+ELEMENT_TYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}  # the C type of each dtype's storage
 MAX_HEAD_DIM = 256  # the kernel's row buffer (attention_cpu.cpp's MAX_HEAD_DIM)
 
 
 def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the kernel cannot compute these (B, H, S, D) inputs at all, or None (the ops check it too)."""
-    if q.dtype not in DTYPE_CODES or not (q.dtype == k.dtype == v.dtype):
+    if q.dtype not in ELEMENT_TYPES or not (q.dtype == k.dtype == v.dtype):
         return f"dtype {q.dtype} (fp32 and bf16 only)"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "not (batch, heads, sequence, head_dim)"
@@ -67,7 +67,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 _library_lock = threading.Lock()
-_built: dict[str, ctypes.CDLL | str] = {}  # "lib": the loaded library, or the reason it could not be built
+_built: dict[torch.dtype, ctypes.CDLL | str] = {}  # per dtype: the loaded library, or why it could not be built
 
 
 def _new_lock_after_fork() -> None:  # a fork while the build thread held the lock must not leave it held
@@ -78,32 +78,33 @@ def _new_lock_after_fork() -> None:  # a fork while the build thread held the lo
 os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
-def _library() -> ctypes.CDLL | None:
-    """The kernel's library, or None if it could not be built (the ops then compute with ATen)."""
+def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
+    """The kernel's library for ``dtype``, or None if it could not be built (the ops then compute with ATen)."""
     with _library_lock:  # one build, whichever thread asks first (see build_in_background)
-        if "lib" not in _built:
+        if dtype not in _built:
             try:
-                lib = load_library(build_library(SOURCE.read_text()))
+                source = f"#define ELEM {ELEMENT_TYPES[dtype]}\n" + SOURCE.read_text()
+                lib = load_library(build_library(source))
             except Exception as e:  # noqa: BLE001 (no compiler after all, g++ refused the source, ...)
-                _built["lib"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                _built[dtype] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 warnings.warn(f"accelrun's CPU attention kernel could not be built; attention runs in ATen "
-                              f"({_built['lib']})", stacklevel=2)  # fmt: skip
+                              f"({_built[dtype]})", stacklevel=2)  # fmt: skip
                 return None
             i64p, f32p, vp = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_float), ctypes.c_void_p
-            lib.attention_forward.argtypes = [ctypes.c_int, vp, vp, vp, vp, f32p, i64p, i64p, ctypes.c_float,
-                                              ctypes.c_int, ctypes.c_int]  # fmt: skip
-            lib.attention_backward.argtypes = [ctypes.c_int, vp, vp, vp, vp, vp, f32p, vp, vp, vp, i64p, i64p,
-                                               ctypes.c_float, ctypes.c_int, ctypes.c_int]  # fmt: skip
-            _built["lib"] = lib
-        built = _built["lib"]
+            lib.attention_forward.argtypes = [vp, vp, vp, vp, f32p, i64p, i64p, ctypes.c_float, ctypes.c_int,
+                                              ctypes.c_int]  # fmt: skip
+            lib.attention_backward.argtypes = [vp, vp, vp, vp, vp, f32p, vp, vp, vp, i64p, i64p, ctypes.c_float,
+                                               ctypes.c_int, ctypes.c_int]  # fmt: skip
+            _built[dtype] = lib
+        built = _built[dtype]
         return built if isinstance(built, ctypes.CDLL) else None
 
 
-def build_in_background() -> None:
-    """Start compiling (or finding in the cache) the kernel: g++ runs beside the rest of compilation
-    (tracing, AOTAutograd) instead of after it; the first call waits for it if it is not done."""
-    if "lib" not in _built:
-        threading.Thread(target=_library, name="accelrun-attention-build", daemon=True).start()
+def build_in_background(dtype: torch.dtype) -> None:
+    """Start compiling (or finding in the cache) the kernel for ``dtype``: g++ runs beside the rest of
+    compilation (tracing, AOTAutograd) instead of after it; the first call waits for it if it is not done."""
+    if dtype not in _built:
+        threading.Thread(target=_library, args=(dtype,), name="accelrun-attention-build", daemon=True).start()
 
 
 _aten_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -146,13 +147,13 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     out = _bshd_empty(q, q.shape[1])
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    lib = _library()
+    lib = _library(q.dtype)
     if lib is None:  # no kernel: ATen's flash attention, in the kernel's layout
         aten_out, aten_lse = _aten_flash(q, _repeated(k, q.shape[1]), _repeated(v, q.shape[1]), 0.0, causal,
                                          scale=scale)  # fmt: skip
         return out.copy_(aten_out), lse.copy_(aten_lse)
     strides = (ctypes.c_int64 * 9)(*_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v))
-    lib.attention_forward(DTYPE_CODES[q.dtype], _ptr(q), _ptr(k), _ptr(v), _ptr(out),
+    lib.attention_forward(_ptr(q), _ptr(k), _ptr(v), _ptr(out),
                                  ctypes.cast(lse.data_ptr(), ctypes.POINTER(ctypes.c_float)), _shape(q, k), strides,
                                  scale, int(causal), torch.get_num_threads())  # fmt: skip
     return out, lse
@@ -176,7 +177,7 @@ def cpu_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
         out = out.transpose(1, 2).contiguous().transpose(1, 2)  # the kernel reads it as contiguous (B, S, H, D)
     lse = lse.contiguous()
     dq, dk, dv = _bshd_empty(q, q.shape[1]), _bshd_empty(k, k.shape[1]), _bshd_empty(v, v.shape[1])
-    lib = _library()
+    lib = _library(q.dtype)
     if lib is None:  # no kernel: ATen's flash backward (the forward was ATen's too), K/V gradients summed per group
         heads, kv_heads = q.shape[1], k.shape[1]
         gq, gk, gv = _aten_flash_backward(grad_out.contiguous(), q, _repeated(k, heads), _repeated(v, heads), out,
@@ -186,7 +187,7 @@ def cpu_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
         dv.copy_(gv.unflatten(1, (kv_heads, heads // kv_heads)).sum(2))
         return dq, dk, dv
     strides = (ctypes.c_int64 * 12)(*_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(grad_out))
-    lib.attention_backward(DTYPE_CODES[q.dtype], _ptr(grad_out), _ptr(q), _ptr(k), _ptr(v), _ptr(out),
+    lib.attention_backward(_ptr(grad_out), _ptr(q), _ptr(k), _ptr(v), _ptr(out),
                                   ctypes.cast(lse.data_ptr(), ctypes.POINTER(ctypes.c_float)), _ptr(dq), _ptr(dk),
                                   _ptr(dv), _shape(q, k), strides, scale, int(causal),
                                   torch.get_num_threads())  # fmt: skip

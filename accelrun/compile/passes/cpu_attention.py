@@ -48,22 +48,23 @@ def unrepeated_heads(node: fx.Node, heads: int) -> fx.Node | None:
     return source if repeats == heads // shape[1] else None
 
 
-def _rewrite(gm: fx.GraphModule, node: fx.Node) -> bool:
+def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | None:
+    """The dtype of the attention call now given to the kernel, or None when it stays with ATen."""
     args = sdpa_arguments(node)
     if args is None or args["attn_mask"] is not None or args["dropout_p"] != 0.0:
-        return False
+        return None
     q, k, v = args["query"], args["key"], args["value"]
     shapes = [static_shape(t) for t in (q, k, v)]
     if any(s is None for s in shapes) or not isinstance(args["is_causal"], bool):
-        return False
+        return None
     if not isinstance(args["scale"], (float, int, type(None))):
-        return False
+        return None
     values = [example_value(t) for t in (q, k, v)]
     if kernel.supports(*values, threads=torch.get_num_threads()) is not None or getattr(example_value(node), "dtype", None) != values[0].dtype:
-        return False  # (a call autocast runs in another dtype than q's keeps ATen's)
+        return None  # (a call autocast runs in another dtype than q's keeps ATen's)
     group = shapes[0][1] // shapes[1][1]
     if group > 1 and not args["enable_gqa"]:
-        return False  # SDPA itself would refuse these shapes
+        return None  # SDPA itself would refuse these shapes
     if group == 1:  # perhaps repeated by hand for a plain SDPA call: take k and v before the repeat
         k_src, v_src = unrepeated_heads(k, shapes[0][1]), unrepeated_heads(v, shapes[0][1])
         if k_src is not None and v_src is not None and static_shape(k_src) == static_shape(v_src):
@@ -75,15 +76,17 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> bool:
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
     erase_dead(gm.graph, [n for n in (args["key"], args["value"]) if isinstance(n, fx.Node)])
-    return True
+    return values[0].dtype
 
 
 @register_pass("cpu_attention", "pre_grad", PassOptions)
 def cpu_attention(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> PassResult:
     """Run CPU attention calls through accelrun's C++ kernel (its build starts now, beside compilation)."""
-    n = sum(_rewrite(gm, node) for node in list(gm.graph.nodes))
+    dtypes = [d for node in list(gm.graph.nodes) if (d := _rewrite(gm, node)) is not None]
+    n = len(dtypes)
+    for dtype in set(dtypes):
+        kernel.build_in_background(dtype)
     if n:
-        kernel.build_in_background()
         gm.graph.lint()
         gm.recompile()
     return PassResult(changed=n > 0, summary=f"{n} attention calls to the C++ kernel", counts={"matched": n})
