@@ -1,10 +1,12 @@
 """Give each fusion region to the first executor (in the recipe's priority order) that claims it.
 
 Claims are decided first, one region at a time (a decline is cheap); then the claimed regions are
-compiled, concurrently for executors whose compiler runs outside Python (``parallel_compile``: the
-C++ executor's g++ processes), one by one for the others; an executor with ``batch_compile`` gets all
-its regions in one call (one g++ run for a graph). A region whose compile fails goes on down
-the list, so a code-generator bug costs speed, never a run. So does one whose claim raises, and a
+compiled: one by one, or, for executors whose compiler runs outside Python (``parallel_compile``: the
+C++ executor's g++), on a pool of build threads, an executor with ``batch_compile`` getting all its
+regions in one job (one g++ run for a graph). The lowering does not wait for the pool: such a region is
+placed as a ``PendingBuild``, and its first call waits for the build, so g++ runs beside AOTAutograd's
+next graph and the step's first ops. A region whose compile fails goes on down the list, so a
+code-generator bug costs speed, never a run. So does one whose claim raises, and a
 compiled region that raises at its first call, or returns outputs unlike its nodes' (shape, dtype,
 strides: the graph after it was traced against those): ``FirstCallCheck`` hands it to the next
 executor then, ending at ``aten``. Each such fallback is in ``record.fallbacks`` with its reason;
@@ -16,7 +18,8 @@ from __future__ import annotations
 import functools
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from torch import fx
 
@@ -43,9 +46,12 @@ def lower_regions(
     record: CompileRecord,
     cache_dir: str,
     strict: bool = False,
+    wait_for_builds: bool = False,
 ) -> tuple[fx.GraphModule, list[Region]]:
     """Replace each marked region by a call to its compiled form. Regions the ``aten`` executor takes
-    stay as they are (their ops already are ATen calls). Returns the new module and the regions."""
+    stay as they are (their ops already are ATen calls). Returns the new module and the regions.
+    ``wait_for_builds``: finish every build before returning, so that ``record`` is complete now (a
+    graph loaded from the graph cache: its kernels are in the kernel cache, there is nothing to wait for)."""
     if not any(REGION_KEY in n.meta for n in gm.graph.nodes):
         return gm, []
     from accelrun.compile.extract import extract_regions, replace_regions
@@ -56,9 +62,12 @@ def lower_regions(
         region.graph_kind = graph_kind
     compiled = lowering.run(regions)
     for region in regions:
-        _note(record, graph_name, region)
+        _note(record, graph_name, region, pending=isinstance(compiled.get(region.id), PendingBuild))
     by_id = {r.id: r for r in regions}
     compiled = {rid: FirstCallCheck(fn, by_id[rid], lowering) for rid, fn in compiled.items()}
+    if wait_for_builds:
+        for check in compiled.values():
+            check.finish_build()
     # Unmark the regions left to aten so that only compiled ones are cut out of the graph.
     for node in gm.graph.nodes:
         if node.meta.get(REGION_KEY) is not None and node.meta[REGION_KEY] not in compiled:
@@ -80,10 +89,21 @@ class _Fallbacks:
             return
         self.record.fallbacks.append(Fallback(self.graph, stage, what, reason))
         if to is not None:  # decided after the region was noted: its row says who runs it now
-            for row in self.record.regions:
-                if row.graph == self.graph and row.region == region.id:
-                    row.declined[executor] = f"{stage}: {reason}"
-                    row.executor = to
+            for row in self._rows(region):
+                row.declined[executor] = f"{stage}: {reason}"
+                row.executor = to
+
+    def built(self, region: Region) -> None:
+        """A pending build finished: its row gets the compile time and whether the cache supplied it."""
+        if self.record is None:
+            return
+        for row in self._rows(region):
+            row.compile_s, row.cache_hit = round(region.lowering.compile_s, 4), region.lowering.cache_hit
+        _count_cache_use(self.record, region.lowering.cache_hit)
+
+    def _rows(self, region: Region) -> list[RegionRecord]:
+        assert self.record is not None
+        return [r for r in self.record.regions if r.graph == self.graph and r.region == region.id]
 
 
 class _Lowering:
@@ -95,19 +115,23 @@ class _Lowering:
         self.fallbacks = fallbacks or _Fallbacks(None, "?", strict)
 
     def run(self, regions: list[Region]) -> dict[int, object]:
+        """{region id: what runs it} for the regions an executor compiled; a ``parallel_compile``
+        executor's come back as ``PendingBuild``s, their compilers still running."""
         compiled: dict[int, object] = {}
         claims = {r.id: self._claim(r, 0) for r in regions}
         by_id = {r.id: r for r in regions}
-        results: dict[int, tuple[object | None, str | None, float]] = {}
-        jobs = self._compile_jobs(regions, claims)
-        if jobs:
-            with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-                for done in [pool.submit(job) for job in jobs]:
-                    results.update(done.result())
+        pending: dict[int, Future] = {}
+        for ids, job in self._compile_jobs(regions, claims):
+            future = _build_pool().submit(job)
+            pending.update(dict.fromkeys(ids, future))
         for rid, index in claims.items():
             region = by_id[rid]
+            if rid in pending:  # placed now; whether it compiled is known at its first call
+                region.lowering.executor = self.executors[index].name
+                compiled[rid] = PendingBuild(pending[rid], region, index, self)
+                continue
             while index is not None:
-                fn, error, seconds = results.pop(rid, None) or self._compile(region, index)
+                fn, error, seconds = self._compile(region, index)
                 if error is None:
                     region.lowering.executor = self.executors[index].name
                     region.lowering.compile_s = seconds
@@ -123,19 +147,19 @@ class _Lowering:
                 region.lowering.executor = AtenExecutor.name
         return compiled
 
-    def _compile_jobs(self, regions: list[Region], claims: dict[int, int | None]) -> list:
-        """What runs concurrently before the regions are placed: for each ``parallel_compile`` executor,
-        one job for all its regions when it has ``batch_compile``, else a job per region. Each job
-        returns {region id: (fn, error, seconds)}; a region it leaves out is compiled alone afterwards."""
+    def _compile_jobs(self, regions: list[Region], claims: dict[int, int | None]) -> list[tuple[list[int], Callable]]:
+        """(region ids, job) for what runs on the build pool: for each ``parallel_compile`` executor, one
+        job for all its regions when it has ``batch_compile``, else a job per region. Each job returns
+        {region id: (fn, error, seconds)}; a region it leaves out is compiled alone at its first call."""
         jobs = []
         for index, executor in enumerate(self.executors):
             mine = [r for r in regions if claims[r.id] == index]
             if not mine or not executor.parallel_compile:
                 continue
             if executor.batch_compile and len(mine) > 1:
-                jobs.append(functools.partial(self._compile_batch, mine, index))
+                jobs.append(([r.id for r in mine], functools.partial(self._compile_batch, mine, index)))
             else:
-                jobs += [functools.partial(self._compile_alone, r, index) for r in mine]
+                jobs += [([r.id], functools.partial(self._compile_alone, r, index)) for r in mine]
         return jobs
 
     def _compile_alone(self, region: Region, index: int) -> dict[int, tuple[object | None, str | None, float]]:
@@ -193,6 +217,42 @@ class _Lowering:
         return next((e for e in self.executors if e.name == name), AtenExecutor())
 
 
+_pool: ThreadPoolExecutor | None = None
+
+
+def _build_pool() -> ThreadPoolExecutor:
+    """Threads that wait on compilers (g++): one per core, shared by every lowering in the process."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="accelrun-build")
+    return _pool
+
+
+def _forget_pool_after_fork() -> None:  # a forked child has none of the parent's threads
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+class PendingBuild:
+    """A region whose compiler is still running on the build pool. The lowering does not wait for it:
+    g++ runs beside what comes next (AOTAutograd's backward graph, the forward's first ops), and the
+    region's first call takes the result (``FirstCallCheck``), so a cold start waits only for builds
+    that are not done by the time their code is needed."""
+
+    def __init__(self, future: Future, region: Region, index: int, lowering: _Lowering) -> None:
+        self.future, self.region, self.index, self.lowering = future, region, index, lowering
+
+    def outcome(self) -> tuple[object | None, str | None, float]:
+        """(fn, error, seconds), waiting for the build if need be."""
+        got = self.future.result().get(self.region.id)
+        if got is None:  # its batch failed: built alone now, so only a region at fault declines
+            got = self.lowering._compile(self.region, self.index)
+        return got
+
+
 class FirstCallCheck:
     """A compiled region whose first call is checked: it must not raise, and its outputs must have the
     shapes, dtypes and strides of the region's nodes (``meta["val"]``), which the graph after it was
@@ -211,6 +271,7 @@ class FirstCallCheck:
     def __call__(self, *args):
         if self.checked:
             return self.fn(*args)
+        self.finish_build()
         while True:
             try:
                 out = self.fn(*args)
@@ -228,8 +289,25 @@ class FirstCallCheck:
             if runner.keeps_aten_ops:
                 self.fn = _as_tuple(fn)
 
+    def finish_build(self) -> None:
+        """Wait for a pending build (if any); a compile that failed hands the region to the next executor."""
+        build = self.fn
+        if not isinstance(build, PendingBuild):
+            return
+        fn, error, seconds = build.outcome()
+        if error is None:
+            self.fn = fn
+            self.region.lowering.compile_s = seconds
+            self.lowering.fallbacks.built(self.region)
+            return
+        self.region.lowering.declined[self.runner.name] = error
+        runner, fn = self.lowering.next_after(self.region, self.runner)
+        self.lowering.fallbacks("compile", self.region, self.runner.name, error, to=runner.name)
+        self.runner, self.fn = runner, (_as_tuple(fn) if runner.keeps_aten_ops else fn)
+
     def __reduce__(self):
         # The graph cache saves what runs (a CppRegion pickles as its library's path).
+        self.finish_build()
         return self.fn.__reduce__()
 
 
@@ -258,13 +336,21 @@ def layout_problem(out: object, metas: list) -> str | None:
     return None
 
 
-def _note(record: CompileRecord, graph: str, region: Region) -> None:
+def _note(record: CompileRecord, graph: str, region: Region, pending: bool = False) -> None:
+    """The region's row in the record; a pending build's compile time and cache use are filled in when
+    it finishes (``_Fallbacks.built``)."""
     done = region.lowering
     record.regions.append(RegionRecord(
         graph=graph, region=region.id, ops=region.ops, executor=done.executor or AtenExecutor.name,
-        declined=dict(done.declined), compile_s=round(done.compile_s, 4), cache_hit=done.cache_hit,
+        declined=dict(done.declined), compile_s=0.0 if pending else round(done.compile_s, 4),
+        cache_hit=None if pending else done.cache_hit,
     ))  # fmt: skip
-    if done.cache_hit is True:
+    if not pending:
+        _count_cache_use(record, done.cache_hit)
+
+
+def _count_cache_use(record: CompileRecord, cache_hit: bool | None) -> None:
+    if cache_hit is True:
         record.cache_hits += 1
-    elif done.cache_hit is False:
+    elif cache_hit is False:
         record.cache_misses += 1

@@ -104,7 +104,7 @@ class AccelrunOutputCode(OutputCode):
         gm = GraphPickler.loads(self.saved_graph, FakeTensorMode(shape_env=ShapeEnv()))
         gm.recompile()
         self.lowered, _ = lower_regions(gm, self.graph_name, self.kind, make_executors(self.executors), record,
-                                        self.cache_dir)  # fmt: skip
+                                        self.cache_dir, wait_for_builds=True)  # fmt: skip
         record.graphs.append(self.notes[1])
         self.graph_module = gm
         self.use_cuda_graphs(record, example_inputs)

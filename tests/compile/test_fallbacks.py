@@ -323,3 +323,57 @@ def test_a_batch_g_plus_plus_refuses_is_built_region_by_region(tmp_path, monkeyp
     before = cpp_build.compiler_invocations()
     graphs = _cpp_regions(_backend(tmp_path, passes="default"))
     assert cpp_build.compiler_invocations() - before == sum(graphs.values())
+
+
+def test_the_lowering_does_not_wait_for_g_plus_plus_the_first_call_does(tmp_path, monkeypatch):
+    """Builds run beside what follows the lowering (the backward's tracing, the forward's first ops): a
+    build still running when the graph is placed is waited for at its region's first call, and its
+    compile time and cache use reach the record then."""
+    import threading
+
+    from accelrun.compile.executors.cpp import CppExecutor
+
+    release, placed_at_release = threading.Event(), []
+    build = CppExecutor.compile_batch
+
+    def held_build(self, regions, cache_dir):
+        assert release.wait(60)
+        return build(self, regions, cache_dir)
+
+    def let_go():
+        placed_at_release.extend(r.graph for r in backend.record.regions)
+        release.set()
+
+    monkeypatch.setattr(CppExecutor, "compile_batch", held_build)
+    backend = _backend(tmp_path, passes="default")
+    x, w = torch.randn(8, 16), torch.randn(16, 16, requires_grad=True)
+    timer = threading.Timer(1.0, let_go)
+    timer.start()
+    out = torch.compile(_two_regions_per_graph, backend=backend)(x, w)
+    timer.join()
+    # The forward's regions were placed in the graph while their build was held: lowering did not wait.
+    assert placed_at_release and all(g.endswith("forward") for g in placed_at_release)
+    assert all(r.cache_hit is False and r.compile_s > 0 for r in backend.record.regions if r.graph.endswith("forward"))
+    out.sum().backward()
+    torch.testing.assert_close(out, _two_regions_per_graph(x, w.detach()), rtol=1e-5, atol=1e-6)
+    assert all(r.executor == "cpp" and r.cache_hit is False for r in backend.record.regions)
+    assert backend.record.cache_misses == len(backend.record.regions)
+
+
+def test_a_pending_build_that_fails_hands_its_regions_on_at_the_first_call(tmp_path, monkeypatch):
+    from accelrun.compile.executors.cpp import CppExecutor
+
+    def refused(self, *args):
+        raise RuntimeError("g++ failed on generated code")
+
+    monkeypatch.setattr(CppExecutor, "compile_batch", refused)
+    monkeypatch.setattr(CppExecutor, "compile", refused)
+    backend = _backend(tmp_path, passes="default")
+    x, w = torch.randn(8, 16), torch.randn(16, 16, requires_grad=True)
+    out = torch.compile(_two_regions_per_graph, backend=backend)(x, w)
+    out.sum().backward()
+    torch.testing.assert_close(out, _two_regions_per_graph(x, w.detach()), rtol=1e-5, atol=1e-6)
+    record = backend.record
+    assert record.regions and all(r.executor == "aten" and "cpp" in r.declined for r in record.regions)
+    assert all(f.stage == "compile" and "g++ failed" in f.reason for f in record.fallbacks)
+    assert len(record.fallbacks) == len(record.regions)
