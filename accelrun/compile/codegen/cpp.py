@@ -21,6 +21,7 @@ import torch
 
 from accelrun.compile.codegen.cpp_build import load_library
 from accelrun.compile.codegen.emitter import Emitter
+from accelrun.compile.codegen.exp_poly import EXP_CORE
 from accelrun.compile.codegen.index_print import print_index
 from accelrun.compile.codegen.loop_ir import (
     Block,
@@ -115,35 +116,17 @@ static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 // max/min reductions that keep a NaN (OpenMP's built-in max/min need not); still vectorized.
 {omp_reductions}
 
-// exp(x) = 2^n * exp(g), |g| <= ln2/2: a degree-6 polynomial (Cephes' coefficients, ~1 ulp), no
-// branches, so loops calling it vectorize. n is rounded by adding 1.5 * 2^23 (its low mantissa bits
-// are then n itself, which become the exponent bits of 2^n): cheaper than floor and a conversion.
-// A NaN needs no test of its own: it passes through the clamps and the polynomial.
+{exp_core}
+// exp with the range's ends (0 below it, inf above it); codegen/exp_poly.py has the polynomial.
 static inline float acc_exp(float x) {
-    const float lo = x < -87.33654f ? -87.33654f : x;
-    const float xc = 88.72283f < lo ? 88.72283f : lo;
-    const float t = xc * 1.44269504088896341f + 12582912.0f;
-    const float n = t - 12582912.0f;
-    float g = xc - n * 0.693359375f;
-    g = g - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * g + 1.3981999507e-3f;
-    p = p * g + 8.3334519073e-3f;
-    p = p * g + 4.1665795894e-2f;
-    p = p * g + 1.6666665459e-1f;
-    p = p * g + 5.0000001201e-1f;
-    p = p * g * g + g + 1.0f;
-    int32_t t_bits;
-    __builtin_memcpy(&t_bits, &t, 4);
-    const int32_t bits = (t_bits - 0x4B400000 + 127) << 23;
-    float scale;
-    __builtin_memcpy(&scale, &bits, 4);
-    const float y = p * scale;
-    return x < -87.33654f ? 0.0f : (x > 88.72283f ? INFINITY : y);
+    const float lo = x < ACC_EXP_LO ? ACC_EXP_LO : x;
+    const float xc = ACC_EXP_HI < lo ? ACC_EXP_HI : lo;
+    const float y = acc_exp_core<float, int32_t>(xc);
+    return x < ACC_EXP_LO ? 0.0f : (x > ACC_EXP_HI ? INFINITY : y);
 }
 """
 PRELUDE = PRELUDE.replace("{omp_reductions}", _omp_declare("acc_nanmax", "maximum", "-INFINITY") + "\n"
-                          + _omp_declare("acc_nanmin", "minimum", "INFINITY"))
+                          + _omp_declare("acc_nanmin", "minimum", "INFINITY")).replace("{exp_core}", EXP_CORE.strip("\n"))
 
 
 def cpp_source(program: LoopProgram, entry: str = ENTRY, prelude: bool = True) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from accelrun.compile.codegen.cpp_build import build_library, find_compiler, load_library
+from accelrun.compile.codegen.exp_poly import EXP_CORE
 
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 ELEMENT_TYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}  # the C type of each dtype's storage
@@ -83,7 +84,7 @@ def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
     with _library_lock:  # one build, whichever thread asks first (see build_in_background)
         if dtype not in _built:
             try:
-                source = f"#define ELEM {ELEMENT_TYPES[dtype]}\n" + SOURCE.read_text()
+                source = f"#define ELEM {ELEMENT_TYPES[dtype]}\n{EXP_CORE}" + SOURCE.read_text()
                 lib = load_library(build_library(source))
             except Exception as e:  # noqa: BLE001 (no compiler after all, g++ refused the source, ...)
                 _built[dtype] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -28,27 +28,15 @@ static inline vf load(const float* p) { return *(const vfu*)p; }
 static inline void store(float* p, vf v) { *(vfu*)p = v; }
 static inline vf splat(float x) { return vf{} + x; }
 
-// exp as in the code generator's acc_exp (Cephes' polynomial), on 16 lanes; 0 below -87.3.
+// exp on 16 lanes, 0 below the range: the code generator's polynomial (acc_exp_core, codegen/exp_poly.py,
+// which attention.py puts before this source).
+#ifndef ACC_EXP_LO
+#error "put codegen/exp_poly.py's EXP_CORE before this source"
+#endif
 static inline vf vexp(vf x) {
-    vf lo = x < splat(-87.33654f) ? splat(-87.33654f) : x;
-    vf xc = lo > splat(88.72283f) ? splat(88.72283f) : lo;
-    vf t = xc * 1.44269504088896341f + 12582912.0f;
-    vf n = t - 12582912.0f;
-    vf g = xc - n * 0.693359375f;
-    g = g - n * -2.12194440e-4f;
-    vf p = splat(1.9875691500e-4f);
-    p = p * g + 1.3981999507e-3f;
-    p = p * g + 8.3334519073e-3f;
-    p = p * g + 4.1665795894e-2f;
-    p = p * g + 1.6666665459e-1f;
-    p = p * g + 5.0000001201e-1f;
-    p = p * g * g + g + 1.0f;
-    vi tb;
-    memcpy(&tb, &t, sizeof tb);
-    vi bits = (tb - 0x4B400000 + 127) << 23;
-    vf scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x < splat(-87.33654f) ? splat(0.0f) : p * scale;
+    const vf lo = x < splat(ACC_EXP_LO) ? splat(ACC_EXP_LO) : x;
+    const vf xc = lo > splat(ACC_EXP_HI) ? splat(ACC_EXP_HI) : lo;
+    return x < splat(ACC_EXP_LO) ? splat(0.0f) : acc_exp_core<vf, vi>(xc);
 }
 static inline float hsum(vf v) { float s = 0; for (int i = 0; i < VL; ++i) s += v[i]; return s; }
 static inline float hmax(vf v) { float s = v[0]; for (int i = 1; i < VL; ++i) s = v[i] > s ? v[i] : s; return s; }
