@@ -25,13 +25,13 @@ def _model_fn(x, w):
     return (h.exp() * h).sum(-1)
 
 
-def _compile_and_check(backend: AccelrunBackend) -> None:
+def _compile_and_check(backend: AccelrunBackend, fn=_model_fn) -> None:
     torch.manual_seed(0)
     x, w = torch.randn(8, 16), torch.randn(16, 16, requires_grad=True)
     w_ref = w.detach().clone().requires_grad_()
-    out = torch.compile(_model_fn, backend=backend)(x, w)
+    out = torch.compile(fn, backend=backend)(x, w)
     out.sum().backward()
-    ref = _model_fn(x, w_ref)
+    ref = fn(x, w_ref)
     ref.sum().backward()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
@@ -285,15 +285,8 @@ def _two_regions_per_graph(x, w):
 
 
 def _cpp_regions(backend: AccelrunBackend) -> dict[str, int]:
-    torch.manual_seed(0)
-    x, w = torch.randn(8, 16), torch.randn(16, 16, requires_grad=True)
-    w_ref = w.detach().clone().requires_grad_()
-    out = torch.compile(_two_regions_per_graph, backend=backend)(x, w)
-    out.sum().backward()
-    ref = _two_regions_per_graph(x, w_ref)
-    ref.sum().backward()
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
+    """Regions per graph of ``_two_regions_per_graph`` compiled at eager's numerics, all by ``cpp``."""
+    _compile_and_check(backend, _two_regions_per_graph)
     assert not backend.record.fallbacks
     graphs: dict[str, int] = {}
     for row in backend.record.regions:
