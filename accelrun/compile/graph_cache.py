@@ -134,33 +134,28 @@ class CachedMethod:
         for entry in self.entries:
             if entry.guard_check(owner, *args, **kwargs):
                 return entry.fn(owner, *args, **kwargs)
-        entry, save_to = self._entry_for(owner, args, kwargs)
+        entry = self._entry_for(owner, args, kwargs)
         if entry is None:
             return self.fallback(owner, *args, **kwargs)
-        out = entry.fn(owner, *args, **kwargs)
-        if save_to is not None:  # after the first call: its kernels' builds ran beside it, not before it
-            self._save(entry, save_to)
-        return out
+        return entry.fn(owner, *args, **kwargs)
 
-    def _entry_for(self, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Path | None]:
-        """(the entry for these inputs, or None: fall back; where to save it once called, if compiled now)."""
+    def _entry_for(self, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
         if len(self.entries) >= MAX_ENTRIES:
-            return self._fall_back(f"more than {MAX_ENTRIES} input kinds", None), None
+            return self._fall_back(f"more than {MAX_ENTRIES} input kinds", None)
         path = self.cache.directory / f"{self.cache.key(self.func, owner, args, kwargs)}.pt"
         refused = path.with_suffix(".refused")
         if refused.exists():  # an earlier process found this method cannot be precompiled: do not retry
-            return self._fall_back(f"precompile failed before: {refused.read_text()}", None), None
+            return self._fall_back(f"precompile failed before: {refused.read_text()}", None)
         entry = self._load(path, owner, args, kwargs) if path.exists() else None
-        save_to = None
         if entry is None:
             try:
                 entry = self._compile(owner, args, kwargs)
             except Exception as e:  # graph break under fullgraph, an unserializable piece, ...
                 self._write(refused, one_line(e).encode())
-                return self._fall_back("precompile failed", e), None
-            save_to = path
+                return self._fall_back("precompile failed", e)
+            self._save(entry, path)
         self.entries.append(entry)
-        return entry, save_to
+        return entry
 
     def _load(self, path: Path, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
         from accelrun.compile.output_code import recording_loads_into

@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from torch import fx
 
@@ -120,15 +121,16 @@ class _Lowering:
         compiled: dict[int, object] = {}
         claims = {r.id: self._claim(r, 0) for r in regions}
         by_id = {r.id: r for r in regions}
-        pending: dict[int, Future] = {}
-        for ids, job in self._compile_jobs(regions, claims):
-            future = _build_pool().submit(job)
-            pending.update(dict.fromkeys(ids, future))
+        pending: dict[int, tuple[Future, tuple | None]] = {}
+        for job in self._compile_jobs(regions, claims):
+            future = _build_pool().submit(job.run)
+            forms = job.saved_forms or [None] * len(job.regions)
+            pending.update({r.id: (future, form) for r, form in zip(job.regions, forms, strict=True)})
         for rid, index in claims.items():
             region = by_id[rid]
             if rid in pending:  # placed now; whether it compiled is known at its first call
                 region.lowering.executor = self.executors[index].name
-                compiled[rid] = PendingBuild(pending[rid], region, index, self)
+                compiled[rid] = PendingBuild(*pending[rid], region, index, self)
                 continue
             while index is not None:
                 fn, error, seconds = self._compile(region, index)
@@ -147,33 +149,38 @@ class _Lowering:
                 region.lowering.executor = AtenExecutor.name
         return compiled
 
-    def _compile_jobs(self, regions: list[Region], claims: dict[int, int | None]) -> list[tuple[list[int], Callable]]:
-        """(region ids, job) for what runs on the build pool: for each ``parallel_compile`` executor, one
-        job for all its regions when it has ``batch_compile``, else a job per region. Each job returns
-        {region id: (fn, error, seconds)}; a region it leaves out is compiled alone at its first call."""
+    def _compile_jobs(self, regions: list[Region], claims: dict[int, int | None]) -> list[_CompileJob]:
+        """What runs on the build pool: for each ``parallel_compile`` executor, one job for all its
+        regions when it has ``batch_compile``, else a job per region."""
         jobs = []
         for index, executor in enumerate(self.executors):
             mine = [r for r in regions if claims[r.id] == index]
             if not mine or not executor.parallel_compile:
                 continue
             if executor.batch_compile and len(mine) > 1:
-                jobs.append(([r.id for r in mine], functools.partial(self._compile_batch, mine, index)))
+                try:
+                    forms = executor.saved_forms(mine, f"{self.cache_dir}/{executor.name}")
+                except Exception:  # noqa: BLE001 (then pickling them waits for their build)
+                    forms = None
+                jobs.append(_CompileJob(mine, functools.partial(self._compile_batch, mine, index), forms))
             else:
-                jobs += [([r.id], functools.partial(self._compile_alone, r, index)) for r in mine]
+                jobs += [_CompileJob([r], functools.partial(self._compile_alone, r, index)) for r in mine]
         return jobs
 
     def _compile_alone(self, region: Region, index: int) -> dict[int, tuple[object | None, str | None, float]]:
         return {region.id: self._compile(region, index)}
 
     def _compile_batch(self, regions: list[Region], index: int) -> dict[int, tuple[object | None, str | None, float]]:
+        """On a build thread: the batch, or each region alone if the batch fails (so that only a region
+        at fault declines)."""
         ex = self.executors[index]
         t0 = time.perf_counter()
         try:
             fns = ex.compile_batch(regions, f"{self.cache_dir}/{ex.name}")
-        except Exception:  # compiled one by one afterwards: the region at fault then declines alone
-            return {}
-        share = (time.perf_counter() - t0) / len(regions)  # one build: each region's share of it
-        return {r.id: (fn, None, share) for r, fn in zip(regions, fns, strict=True)}
+            share = (time.perf_counter() - t0) / len(regions)  # one build: each region's share of it
+            return {r.id: (fn, None, share) for r, fn in zip(regions, fns, strict=True)}
+        except Exception:  # noqa: BLE001
+            return {r.id: self._compile(r, index) for r in regions}
 
     def _claim(self, region: Region, start: int) -> int | None:
         """Index of the first executor from ``start`` on that claims the region; declines noted."""
@@ -236,21 +243,35 @@ def _forget_pool_after_fork() -> None:  # a forked child has none of the parent'
 os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
+@dataclass
+class _CompileJob:
+    regions: list[Region]
+    run: Callable[[], dict[int, tuple[object | None, str | None, float]]]  # {region id: (fn, error, seconds)}
+    saved_forms: list[tuple] | None = None  # each region's pickled form, known before the build runs
+
+
 class PendingBuild:
     """A region whose compiler is still running on the build pool. The lowering does not wait for it:
-    g++ runs beside what comes next (AOTAutograd's backward graph, the forward's first ops), and the
-    region's first call takes the result (``FirstCallCheck``), so a cold start waits only for builds
-    that are not done by the time their code is needed."""
+    g++ runs beside what comes next (AOTAutograd's backward graph and its passes, the step's first ops),
+    and the region's first call takes the result (``FirstCallCheck``), so a cold start waits only for
+    builds that are not done by the time their code is needed. Where the executor knows what the region
+    will pickle as (``saved_forms``: a library's path is its source's hash), the graph cache saves the
+    graph without waiting either."""
 
-    def __init__(self, future: Future, region: Region, index: int, lowering: _Lowering) -> None:
-        self.future, self.region, self.index, self.lowering = future, region, index, lowering
+    def __init__(self, future: Future, saved_form: tuple | None, region: Region, index: int,
+                 lowering: _Lowering) -> None:  # fmt: skip
+        self.future, self.saved_form, self.region, self.index = future, saved_form, region, index
+        self.lowering, self.pid = lowering, os.getpid()
 
     def outcome(self) -> tuple[object | None, str | None, float]:
         """(fn, error, seconds), waiting for the build if need be."""
-        got = self.future.result().get(self.region.id)
-        if got is None:  # its batch failed: built alone now, so only a region at fault declines
-            got = self.lowering._compile(self.region, self.index)
-        return got
+        if os.getpid() != self.pid:  # a forked child: the parent's build threads are not here
+            return self.lowering._compile(self.region, self.index)
+        try:
+            got = self.future.result().get(self.region.id)
+        except Exception as e:  # noqa: BLE001 (a bug in the job itself: the region declines, the run goes on)
+            return None, f"compile failed: {one_line(e)}", 0.0
+        return got if got is not None else (None, "compile failed: the build returned nothing for it", 0.0)
 
 
 class FirstCallCheck:
@@ -306,7 +327,10 @@ class FirstCallCheck:
         self.runner, self.fn = runner, (_as_tuple(fn) if runner.keeps_aten_ops else fn)
 
     def __reduce__(self):
-        # The graph cache saves what runs (a CppRegion pickles as its library's path).
+        # The graph cache saves what runs (a CppRegion pickles as its library's path), a pending build
+        # what it will be once built, where that is known: saving then does not wait for g++.
+        if isinstance(self.fn, PendingBuild) and self.fn.saved_form is not None:
+            return self.fn.saved_form
         self.finish_build()
         return self.fn.__reduce__()
 

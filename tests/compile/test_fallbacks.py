@@ -324,33 +324,53 @@ def test_the_lowering_does_not_wait_for_g_plus_plus_the_first_call_does(tmp_path
     compile time and cache use reach the record then."""
     import threading
 
+    from accelrun.compile import lower
     from accelrun.compile.executors.cpp import CppExecutor
 
-    release, placed_at_release = threading.Event(), []
-    build = CppExecutor.compile_batch
+    release, placed_before_release = threading.Event(), []
+    build, outcome = CppExecutor.compile_batch, lower.PendingBuild.outcome
 
     def held_build(self, regions, cache_dir):
         assert release.wait(60)
         return build(self, regions, cache_dir)
 
-    def let_go():
-        placed_at_release.extend(r.graph for r in backend.record.regions)
-        release.set()
+    def first_call_waits(self):  # the first region call: what the lowering had placed by now
+        if not release.is_set():
+            placed_before_release.extend(r.graph for r in backend.record.regions)
+            release.set()
+        return outcome(self)
 
     monkeypatch.setattr(CppExecutor, "compile_batch", held_build)
+    monkeypatch.setattr(lower.PendingBuild, "outcome", first_call_waits)
     backend = _backend(tmp_path, passes="default")
     x, w = torch.randn(8, 16), torch.randn(16, 16, requires_grad=True)
-    timer = threading.Timer(1.0, let_go)
-    timer.start()
     out = torch.compile(_two_regions_per_graph, backend=backend)(x, w)
-    timer.join()
     # The forward's regions were placed in the graph while their build was held: lowering did not wait.
-    assert placed_at_release and all(g.endswith("forward") for g in placed_at_release)
+    assert placed_before_release and any(g.endswith("forward") for g in placed_before_release)
     assert all(r.cache_hit is False and r.compile_s > 0 for r in backend.record.regions if r.graph.endswith("forward"))
     out.sum().backward()
     torch.testing.assert_close(out, _two_regions_per_graph(x, w.detach()), rtol=1e-5, atol=1e-6)
     assert all(r.executor == "cpp" and r.cache_hit is False for r in backend.record.regions)
     assert backend.record.cache_misses == len(backend.record.regions)
+
+
+def test_a_batch_pickles_before_it_is_built_as_it_will_once_built(tmp_path):
+    """The graph cache saves a graph whose builds may still be running: each region's saved form (its
+    library's path, known from the source's hash) is what the built region pickles as. Identical
+    regions share one entry of the library."""
+    from accelrun.compile.executors.cpp import CppExecutor
+    from tests.compile.traced_regions import regions_of
+
+    x, w = torch.randn(8, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True)
+    regions = regions_of(_two_regions_per_graph, x, w)
+    twice = regions + regions_of(_two_regions_per_graph, x, w)  # a repeated layer's regions
+    executor, cache = CppExecutor(), str(tmp_path / "cpp")
+    assert all(executor.decline_reason(r) is None for r in twice)
+    forms = executor.saved_forms(twice, cache)
+    built = executor.compile_batch(twice, cache)
+    assert [fn.__reduce__() for fn in built] == forms
+    entries = [fn.entry for fn in built]
+    assert entries[: len(regions)] == entries[len(regions):] and len(set(entries)) == len(regions)
 
 
 def test_a_pending_build_that_fails_hands_its_regions_on_at_the_first_call(tmp_path, monkeypatch):

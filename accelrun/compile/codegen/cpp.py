@@ -418,9 +418,13 @@ class CppRegion:
         return tuple(made[: self._n_out])
 
     def __reduce__(self) -> tuple:
-        # Saved in the graph cache: the library is found again by its path; running it needs the
-        # buffers' layout only, not the kernels' IR.
-        return (_restore_region, (self.library, self.entry, self.program.buffers))
+        return saved_region(self.library, self.entry, self.program.buffers)
+
+
+def saved_region(library: str, entry: str, buffers: list[Buffer]) -> tuple:
+    """How a compiled region pickles (the graph cache): the library is found again by its path; running
+    it needs the buffers' layout only, not the kernels' IR."""
+    return (_restore_region, (library, entry, buffers))
 
 
 def _input_guard(args: tuple[torch.Tensor, ...]) -> Any:

@@ -10,8 +10,8 @@ cheaper than floor and a conversion. A NaN passes through the clamps and the pol
 """
 
 EXP_CORE = r"""
-#define ACC_EXP_LO -87.33654f
-#define ACC_EXP_HI 88.72283f
+#define ACC_EXP_LO (-87.33654f)
+#define ACC_EXP_HI (88.72283f)
 template <class T, class B>
 static inline T acc_exp_core(T xc) {
     const T t = xc * 1.44269504088896341f + 12582912.0f;

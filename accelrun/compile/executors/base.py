@@ -53,6 +53,14 @@ class Executor(ABC):
         raise; the lowering then compiles them one by one, so one bad region costs only itself."""
         return [self.compile(r, cache_dir) for r in regions]
 
+    def saved_forms(self, regions: list[Region], cache_dir: str | None) -> list[tuple] | None:
+        """What each region of ``compile_batch(regions)`` will pickle as (its ``__reduce__``), known
+        before the build has run: the graph cache then saves a graph whose builds are still running.
+        None: not known in advance (pickling such a region waits for its build). A batch that then
+        fails leaves a saved graph naming a library that never came: loading it fails, and the graph
+        is compiled afresh, as for a library gone from the cache."""
+        return None
+
 
 _EXECUTORS: dict[str, type[Executor]] = {}
 

@@ -6,7 +6,7 @@ trailing axes, fp32/bf16); compiles it with g++ once and reuses the library from
 
 from __future__ import annotations
 
-from accelrun.compile.codegen.cpp import ENTRY, PRELUDE, CppRegion, cpp_source
+from accelrun.compile.codegen.cpp import ENTRY, PRELUDE, CppRegion, cpp_source, saved_region
 from accelrun.compile.codegen.cpp_build import build_library, find_compiler, library_path, load_library
 from accelrun.compile.codegen.loop_ir import cached_program
 from accelrun.compile.executors.base import RegionFn, register_executor
@@ -17,7 +17,7 @@ from accelrun.compile.regions import Region
 @register_executor
 class CppExecutor(GeneratedCodeExecutor):
     name = "cpp"
-    parallel_compile = True  # g++ runs as a subprocess; regions build concurrently
+    parallel_compile = True  # g++ runs as a subprocess, on the lowering's build threads
     # A graph's regions build as one library: g++ starts, reads the prelude and links once (12 regions
     # of the debug Llama: 0.5 s of one core, against 2.6 s as 12 libraries).
     batch_compile = True
@@ -36,14 +36,31 @@ class CppExecutor(GeneratedCodeExecutor):
         return CppRegion(cached_program(region), lib)
 
     def compile_batch(self, regions: list[Region], cache_dir: str | None) -> list[RegionFn]:
-        entries = [f"{ENTRY}_{n}" for n in range(len(regions))]
-        source = PRELUDE + "".join(cpp_source(cached_program(r), entry, prelude=False)
-                                   for r, entry in zip(regions, entries, strict=True))
+        source, entries = self._batch(regions)
         hit = library_path(source, cache_dir).exists()
         lib = load_library(build_library(source, cache_dir))
         for region in regions:
             region.lowering.cache_hit = hit
         return [CppRegion(cached_program(r), lib, entry) for r, entry in zip(regions, entries, strict=True)]
+
+    def saved_forms(self, regions: list[Region], cache_dir: str | None) -> list[tuple]:
+        # The library's path is the hash of its source: known before g++ has run.
+        source, entries = self._batch(regions)
+        library = str(library_path(source, cache_dir))
+        return [saved_region(library, entry, cached_program(r).buffers)
+                for r, entry in zip(regions, entries, strict=True)]  # fmt: skip
+
+    def _batch(self, regions: list[Region]) -> tuple[str, list[str]]:
+        """One library's source for ``regions`` and each one's entry point; identical regions (a model's
+        repeated layers in one graph) share one entry, so the source grows with the distinct ones only."""
+        entry_of: dict[str, str] = {}
+        parts = [PRELUDE]
+        for region in regions:
+            own = self.source(region)  # the region's standalone source, made when it was claimed
+            if own not in entry_of:
+                entry_of[own] = f"{ENTRY}_{len(entry_of)}"
+                parts.append(cpp_source(cached_program(region), entry_of[own], prelude=False))
+        return "".join(parts), [entry_of[self.source(r)] for r in regions]
 
     def generate(self, program) -> str:
         return cpp_source(program)
