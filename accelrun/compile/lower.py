@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -235,9 +236,9 @@ def _build_pool() -> ThreadPoolExecutor:
     return _pool
 
 
-def _forget_pool_after_fork() -> None:  # a forked child has none of the parent's threads
-    global _pool
-    _pool = None
+def _forget_pool_after_fork() -> None:  # a forked child has none of the parent's threads (nor their locks)
+    global _pool, _finishing
+    _pool, _finishing = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pool_after_fork)
@@ -248,6 +249,9 @@ class _CompileJob:
     regions: list[Region]
     run: Callable[[], dict[int, tuple[object | None, str | None, float]]]  # {region id: (fn, error, seconds)}
     saved_forms: list[tuple] | None = None  # each region's pickled form, known before the build runs
+
+
+_finishing = threading.Lock()
 
 
 class PendingBuild:
@@ -312,6 +316,10 @@ class FirstCallCheck:
 
     def finish_build(self) -> None:
         """Wait for a pending build (if any); a compile that failed hands the region to the next executor."""
+        with _finishing:  # two threads' first calls at once: one finishes it, the other then finds it done
+            self._finish_build()
+
+    def _finish_build(self) -> None:
         build = self.fn
         if not isinstance(build, PendingBuild):
             return
