@@ -23,6 +23,7 @@ from torch import fx
 
 from accelrun.compile.cuda_graph_policy import CudaGraphsReport
 from accelrun.compile.cuda_graphs import CudaGraphRunner, shared_capture, wants_cuda_graphs
+from accelrun.compile.executors.aten import AtenExecutor
 from accelrun.compile.fast_calls import STATIC_LAYOUTS, layouts_are_static, runnable
 from accelrun.compile.record import CompileRecord, GraphRecord
 from accelrun.torch_private import OutputCode
@@ -92,9 +93,10 @@ class AccelrunOutputCode(OutputCode):
             regions, graph = self.notes
             # Every region an executor compiled comes from that executor's cache now (the notes were
             # pickled perhaps before its build finished, so their own cache_hit may still be None).
-            record.regions += [replace(r, compile_s=0.0, cache_hit=True if r.executor != "aten" else None)
-                               for r in regions]  # fmt: skip
-            record.cache_hits += sum(1 for r in regions if r.executor != "aten")
+            compiled = [r.executor != AtenExecutor.name for r in regions]
+            record.regions += [replace(r, compile_s=0.0, cache_hit=True if c else None)
+                               for r, c in zip(regions, compiled, strict=True)]  # fmt: skip
+            record.cache_hits += sum(compiled)
             record.graphs.append(graph)
             self.use_cuda_graphs(record, example_inputs)
             return

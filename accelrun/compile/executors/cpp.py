@@ -54,13 +54,14 @@ class CppExecutor(GeneratedCodeExecutor):
         """One library's source for ``regions`` and each one's entry point; identical regions (a model's
         repeated layers in one graph) share one entry, so the source grows with the distinct ones only."""
         entry_of: dict[str, str] = {}
-        parts = [PRELUDE]
+        parts, entries = [PRELUDE], []
         for region in regions:
             own = self.source(region)  # the region's standalone source, made when it was claimed
             if own not in entry_of:
                 entry_of[own] = f"{ENTRY}_{len(entry_of)}"
                 parts.append(cpp_source(cached_program(region), entry_of[own], prelude=False))
-        return "".join(parts), [entry_of[self.source(r)] for r in regions]
+            entries.append(entry_of[own])
+        return "".join(parts), entries
 
     def generate(self, program) -> str:
         return cpp_source(program)
