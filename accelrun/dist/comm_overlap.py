@@ -18,6 +18,8 @@ the loop's own reductions (the loss average, the gradient norm), the same for bo
 
 from __future__ import annotations
 
+import atexit
+import os
 import queue
 import threading
 import time
@@ -74,23 +76,45 @@ def active_trace() -> CommTrace | None:
 
 class _Waiter:
     """One background thread that waits on asynchronous works in issue order and notes when each
-    completes (gloo works have no future to attach a callback to)."""
+    completes (gloo works have no future to attach a callback to).
+
+    The thread is stopped at exit, before the interpreter finalizes: a thread still inside
+    ``Work.wait`` then (a busy rank's waiter lags its training thread) would be torn down while
+    re-taking the GIL in C++ code, which aborts the process (``terminate called without an active
+    exception``) after a run that finished."""
+
+    STOP_TIMEOUT_S = 10.0  # a work that never completes (a peer gone) must not hold the exit up
 
     def __init__(self) -> None:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="accelrun-comm-waiter", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="accelrun-comm-waiter", daemon=True)
+        self.thread.start()
+        atexit.register(self.stop)
 
     def _run(self) -> None:
-        while True:
-            work, iv = self.queue.get()
+        while (item := self.queue.get()) is not None:
+            work, iv = item
             try:
                 _work_wait(work)
             except Exception:  # the training thread's own wait reports it
                 pass
             iv[1] = time.perf_counter()
 
+    def stop(self) -> None:
+        """Let the thread finish the works queued so far, then end it."""
+        self.queue.put(None)
+        self.thread.join(self.STOP_TIMEOUT_S)
+
 
 _waiter: _Waiter | None = None
+
+
+def _forget_waiter() -> None:
+    global _waiter
+    _waiter = None  # a forked child has the object but not its thread
+
+
+os.register_at_fork(after_in_child=_forget_waiter)
 
 
 def _finish_when_done(work, iv: list[float]) -> None:
