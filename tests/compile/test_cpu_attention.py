@@ -31,7 +31,9 @@ def reference(q, k, v, scale, causal):
      (1, 4, 4, 100, 16),  # torchtitan's debug head_dim; a length that is no multiple of the blocks
      (2, 4, 1, 77, 64),  # multi-query
      (1, 2, 2, 33, 48),  # head_dim with a 16-wide tail
-     (1, 2, 1, 300, 128)],
+     (1, 2, 1, 300, 128),
+     # a last block of each row count the products are instantiated for (7, 6, 3 and 2 rows of 8)
+     (1, 2, 1, 23, 32), (1, 2, 2, 30, 16), (1, 2, 1, 19, 32), (1, 2, 2, 10, 16)],
 )  # fmt: skip
 def test_forward_and_backward_match_sdpa(B, Hq, Hkv, S, D, causal):
     q = randn(B, S, Hq, D, seed=1).transpose(1, 2).requires_grad_()  # (B, H, S, D) views, as a model makes
