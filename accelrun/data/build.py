@@ -18,12 +18,21 @@ from accelrun.data.tokenizer import get_tokenizer
 from accelrun.data.tokfile import load_tokens
 
 
-def _check_vocab(data_vocab: int, model_vocab: int, what: str) -> None:
-    if data_vocab > model_vocab:
+def _check_vocab(data_vocab: int, model_vocab: int, what: str, custom: str | None = None) -> None:
+    """The data's token ids fit the model: ``model.vocab_size``, or for a user's model (``custom``, its
+    model.custom) the rows of its token embedding."""
+    if data_vocab <= model_vocab:
+        return
+    if custom is None:
         raise DataError(
             f"model.vocab_size is {model_vocab}, but {what} has ids up to {data_vocab - 1} "
             f"(vocab {data_vocab}): set model.vocab_size to at least {data_vocab}"
         )
+    raise DataError(
+        f"model.custom = {custom!r} embeds token ids below {model_vocab} (its largest nn.Embedding), but {what} "
+        f"has ids up to {data_vocab - 1} (vocab {data_vocab}): build its token embedding and output with at "
+        f"least {data_vocab} rows (through model.kwargs, if the factory takes the size)"
+    )
 
 
 def _check_token_files_tokenizer(recorded: str, configured: str) -> None:
@@ -43,9 +52,11 @@ def _check_token_files_tokenizer(recorded: str, configured: str) -> None:
         )
 
 
-def load_stream(cfg: DataConfig, *, vocab_size: int, seed: int, min_tokens: int | None = None) -> TokenStream:
-    """The token stream ``cfg`` describes. ``vocab_size`` is the model's; ``min_tokens`` sizes the
-    synthetic stream (other sources have the length their data has)."""
+def load_stream(cfg: DataConfig, *, vocab_size: int, seed: int, min_tokens: int | None = None,
+                custom: str | None = None) -> TokenStream:
+    """The token stream ``cfg`` describes. ``vocab_size`` is the model's (``custom``: a user's model, named
+    by its model.custom, whose vocabulary is its embedding's rows); ``min_tokens`` sizes the synthetic
+    stream (other sources have the length their data has)."""
     if cfg.source == "synthetic":
         return SyntheticStream(vocab_size=vocab_size, length=synthetic_length(min_tokens), seed=seed)
     if cfg.source == "tokens":
@@ -55,15 +66,16 @@ def load_stream(cfg: DataConfig, *, vocab_size: int, seed: int, min_tokens: int 
             stream.vocab_size,
             vocab_size,
             f"the token files in data.paths ({stream.fingerprint['tokenizer']})",
+            custom,
         )
         return stream
     if cfg.source == "documents" and cfg.format == "chat":  # rendered with the tokenizer folder's chat template
         encoder = ChatEncoder.for_tokenizer(cfg.tokenizer, LossOn(cfg.loss_on))
-        _check_vocab(encoder.tokenizer.vocab_size, vocab_size, f"data.tokenizer {cfg.tokenizer!r}")
+        _check_vocab(encoder.tokenizer.vocab_size, vocab_size, f"data.tokenizer {cfg.tokenizer!r}", custom)
         return load_chat(cfg.paths, encoder, messages_field=cfg.messages_field)
     tokenizer = get_tokenizer(cfg.tokenizer)
     # Checked before reading anything: the tokenizer's vocabulary is known up front.
-    _check_vocab(tokenizer.vocab_size, vocab_size, f"data.tokenizer {cfg.tokenizer!r}")
+    _check_vocab(tokenizer.vocab_size, vocab_size, f"data.tokenizer {cfg.tokenizer!r}", custom)
     if cfg.source == "builtin":
         return load_builtin(cfg.builtin, max_bytes=cfg.max_bytes, tokenizer=tokenizer)
     if cfg.source == "text":
@@ -91,11 +103,13 @@ def build_data(
     dp_size: int = 1,
     min_tokens: int | None = None,
     eval_cfg: EvalConfig | None = None,
+    custom: str | None = None,
 ) -> TokenBatchIterator | MixedBatchIterator:
     """The batch iterator of one data-parallel rank (of a ``data.mix``'s sources when it has any).
 
     ``seed`` is ``train.seed``; ``data.seed`` overrides it when set. ``min_tokens`` is how many
-    tokens the run will read (only the synthetic source uses it). There are no loader workers:
+    tokens the run will read (only the synthetic source uses it). ``custom``: ``vocab_size`` is a user's
+    model's (its model.custom; see ``load_stream``). There are no loader workers:
     a batch is a few slices of an in-memory or memory-mapped stream, cheaper than a worker hand-off.
 
     >>> it = build_data(cfg.data, seq_len=256, micro_batch=8, seed=0, vocab_size=512)  # doctest: +SKIP
@@ -105,12 +119,13 @@ def build_data(
     if data_cfg.mix:
         if eval_cfg is not None and eval_cfg.every > 0:
             raise DataError("data.mix with eval.every is not supported yet: set eval.every = 0")
-        streams = [load_stream(mix_source_config(data_cfg, i), vocab_size=vocab_size, seed=seed, min_tokens=min_tokens)
+        streams = [load_stream(mix_source_config(data_cfg, i), vocab_size=vocab_size, seed=seed, min_tokens=min_tokens,
+                               custom=custom)
                    for i in range(len(data_cfg.mix))]
         return MixedBatchIterator(streams, [e.weight for e in data_cfg.mix], seq_len=seq_len, micro_batch=micro_batch,
                                   seed=seed, shuffle=data_cfg.shuffle, dp_rank=dp_rank, dp_size=dp_size,
                                   packing=data_cfg.packing)
-    stream = load_stream(data_cfg, vocab_size=vocab_size, seed=seed, min_tokens=min_tokens)
+    stream = load_stream(data_cfg, vocab_size=vocab_size, seed=seed, min_tokens=min_tokens, custom=custom)
     if eval_cfg is not None and eval_cfg.every > 0:  # training reads only what precedes the held-out tail
         heldout = HeldOutBatches(stream, seq_len=seq_len, micro_batch=micro_batch, split=eval_cfg.split,
                                  max_batches=eval_cfg.steps, dp_rank=dp_rank, dp_size=dp_size,
@@ -130,10 +145,10 @@ def build_data(
 
 def build_eval_data(
     data_cfg: DataConfig, eval_cfg: EvalConfig, *, seq_len: int, micro_batch: int, seed: int, vocab_size: int,
-    dp_rank: int = 0, dp_size: int = 1, min_tokens: int | None = None,
+    dp_rank: int = 0, dp_size: int = 1, min_tokens: int | None = None, custom: str | None = None,
 ) -> HeldOutBatches:
     """This rank's evaluation batches: the held-out tail that ``build_data(..., eval_cfg=...)`` leaves out."""
     seed = data_cfg.seed if data_cfg.seed is not None else seed
-    stream = load_stream(data_cfg, vocab_size=vocab_size, seed=seed, min_tokens=min_tokens)
+    stream = load_stream(data_cfg, vocab_size=vocab_size, seed=seed, min_tokens=min_tokens, custom=custom)
     return HeldOutBatches(stream, seq_len=seq_len, micro_batch=micro_batch, split=eval_cfg.split,
                           max_batches=eval_cfg.steps, dp_rank=dp_rank, dp_size=dp_size, packing=data_cfg.packing)

@@ -9,6 +9,8 @@ device land there (including "meta").
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,26 +72,7 @@ def family_spec(cfg: ModelConfig):
 
 def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn.Module:
     where = f"model.custom = {path!r}"
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
-            detail = f"no module named {e.name!r} (is its folder on PYTHONPATH?)"
-        else:  # the module exists but something it imports does not
-            detail = f"importing {module_name!r} failed: {e}"
-        raise ModelBuildError(f"{where}: {detail}") from e
-    except Exception as e:
-        raise ModelBuildError(f"{where}: importing {module_name!r} failed: {type(e).__name__}: {e}") from e
-
-    factory = module
-    for part in attr.split("."):  # "module:Class.create" reaches a nested attribute
-        if not hasattr(factory, part):
-            raise ModelBuildError(f"{where}: module {module_name!r} has no attribute {attr!r}")
-        factory = getattr(factory, part)
-    if not callable(factory):
-        raise ModelBuildError(f"{where}: {attr!r} is a {type(factory).__name__}, not a callable")
-
+    factory, attr = resolve_custom(path)
     try:
         with device:
             model = factory(**kwargs)
@@ -103,6 +86,63 @@ def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn
             f"{where}: {attr}(...) returned a {type(model).__name__}, not a torch.nn.Module"
         )
     return model
+
+
+def resolve_custom(path: str) -> tuple[Any, str]:
+    """``model.custom``'s factory (imported, not called) and its attribute path; ModelBuildError naming
+    the key when the module, the attribute or a callable is missing."""
+    where = f"model.custom = {path!r}"
+    module_name, _, attr = path.partition(":")
+    # The current folder is searched too, after everything else: `my_model:build` finds ./my_model.py
+    # without PYTHONPATH, as a script beside it would, and no file here hides an installed module.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            detail = f"no module named {e.name!r} (looked in the current folder and on PYTHONPATH)"
+        else:  # the module exists but something it imports does not
+            detail = f"importing {module_name!r} failed: {e}"
+        raise ModelBuildError(f"{where}: {detail}") from e
+    except Exception as e:
+        raise ModelBuildError(f"{where}: importing {module_name!r} failed: {type(e).__name__}: {e}") from e
+
+    factory = module
+    for part in attr.split("."):  # "module:Class.create" reaches a nested attribute
+        if not hasattr(factory, part):
+            raise ModelBuildError(f"{where}: module {module_name!r} has no attribute {attr!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise ModelBuildError(f"{where}: {attr!r} is a {type(factory).__name__}, not a callable")
+    return factory, attr
+
+
+def check_custom_kwargs(path: str, kwargs: dict[str, Any]) -> None:
+    """``model.kwargs`` fit the factory's signature (before anything is built): ModelBuildError naming
+    the argument that does not, and the ones it takes."""
+    import inspect
+
+    factory, attr = resolve_custom(path)
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or C extension: nothing to check against
+        return
+    try:
+        signature.bind(**kwargs)
+    except TypeError as e:
+        takes = ", ".join(n for n, p in signature.parameters.items()
+                          if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)) or "no arguments"
+        raise ModelBuildError(f"model.kwargs = {kwargs!r} do not fit model.custom = {path!r}: {e} "
+                              f"({attr} takes {takes})") from None
+
+
+def embedding_rows(model: nn.Module) -> int | None:
+    """The token ids a user's model can take: the rows of its largest ``nn.Embedding`` (its token
+    embedding, in the models users write; a position table is no larger than the vocabulary there).
+    None when it has no ``nn.Embedding``."""
+    rows = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    return max(rows) if rows else None
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module] | None:
@@ -189,7 +229,37 @@ def training_loss_fn(model: nn.Module):
         return own_loss
 
     def loss(inputs_BT, targets_BT):
-        logits_BTV = model(inputs_BT)
+        logits_BTV = logits_of(model(inputs_BT), model, inputs_BT)
         return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
 
     return loss
+
+
+class ModelOutputError(UserError, TypeError):
+    """A user's model returned something that holds no logits accelrun can read (exit 2)."""
+
+
+def logits_of(output: Any, model: nn.Module, inputs_BT: torch.Tensor) -> torch.Tensor:
+    """The logits [batch, seq, vocab] in what a user's ``forward(inputs)`` returned, in the shapes models
+    are written with: the tensor itself, a tuple or list led by it (nanoGPT's ``(logits, loss)``), or an
+    object or dict with ``logits`` (transformers' outputs)."""
+    logits = output
+    if not isinstance(logits, torch.Tensor):
+        logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, dict):
+            logits = output.get("logits")
+        if logits is None and isinstance(output, (tuple, list)) and output:
+            logits = output[0]
+    forward = f"{type(model).__name__}.forward (model.custom)"
+    if not isinstance(logits, torch.Tensor):
+        got = (f"a dict with keys {sorted(map(str, output))}" if isinstance(output, dict) else
+               f"a {type(output).__name__}" + (f" led by a {type(output[0]).__name__}"
+                                               if isinstance(output, (tuple, list)) and output else ""))
+        raise ModelOutputError(f"{forward} returned {got}; accelrun reads the logits [batch, seq, vocab] from a "
+                               "tensor, a tuple or list whose first item is that tensor, or an object or dict "
+                               "with 'logits'")
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(inputs_BT.shape):
+        raise ModelOutputError(f"{forward} returned logits of shape {tuple(logits.shape)} for inputs of shape "
+                               f"{tuple(inputs_BT.shape)}; expected [batch, seq, vocab] = "
+                               f"[{inputs_BT.shape[0]}, {inputs_BT.shape[1]}, vocab]")
+    return logits

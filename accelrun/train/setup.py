@@ -27,7 +27,12 @@ from accelrun.dist.layout import apply_layout
 from accelrun.dist.pipeline import Pipeline, microbatch_loss, union_of
 from accelrun.dist.tp import loss_context
 from accelrun.models import build_model, model_flops_per_token, model_summary
-from accelrun.models.build import materialize_local, takes_document_positions, training_loss_fn
+from accelrun.models.build import (
+    embedding_rows,
+    materialize_local,
+    takes_document_positions,
+    training_loss_fn,
+)
 from accelrun.models.hf_io import load_hf_for_config
 from accelrun.plan.stage_split import recipe_end_costs
 from accelrun.report.peak import Peak, resolve_peak
@@ -206,9 +211,12 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         model = union_of(parts)  # this rank's stages under the whole model's parameter names
     optimizer = build_optimizer(model, t.optimizer, device, sharded=ctx.distributed)
     scheduler = build_scheduler(optimizer, t.lr_schedule, t.steps)
+    # A user's model takes the ids its token embedding has rows for (model.vocab_size is a family's key).
+    rows = embedding_rows(model) if cfg.model.custom is not None else None
+    vocab_size, custom = (cfg.model.vocab_size, None) if rows is None else (rows, cfg.model.custom)
     data = build_data(
         cfg.data, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
-        vocab_size=cfg.model.vocab_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, eval_cfg=cfg.eval,
+        vocab_size=vocab_size, custom=custom, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, eval_cfg=cfg.eval,
     )
     loss_fn = _local_loss(training_loss_fn(model)) if vocab_parallel else training_loss_fn(model)
     if cp_stats is not None:  # this rank's chunks of the dp rank's sequences; the loss over the whole of them
@@ -222,7 +230,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
                               "supported yet; set eval.every = 0 or parallel.pp = 1")
         eval_data = build_eval_data(
             cfg.data, cfg.eval, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
-            vocab_size=cfg.model.vocab_size, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
+            vocab_size=vocab_size, custom=custom, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
         )
 
     checkpoint_dir = run_dir / "checkpoints"

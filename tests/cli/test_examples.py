@@ -146,8 +146,9 @@ def _stop(*args, **kwargs):
 
 @pytest.fixture
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A user's project folder: the repo's configs/, a small text corpus, and the heavy work stubbed."""
+    """A user's project folder: the repo's configs/ and examples/, a small text corpus, and the heavy work stubbed."""
     shutil.copytree(REPO / "configs", tmp_path / "configs")
+    shutil.copytree(REPO / "examples", tmp_path / "examples")  # the README's own model (model.custom)
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.txt").write_text("def f(x):\n    return x + 1\n" * 400)
     monkeypatch.chdir(tmp_path)
