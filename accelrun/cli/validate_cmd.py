@@ -47,9 +47,7 @@ def command(config: str, overrides: tuple[str, ...]) -> None:
     )
     out.print(f"  model: {model}", markup=False)
     out.print(f"  data: {_data_summary(c.data)}", markup=False)
-    if c.data.mix and any(e.source == "documents" for e in c.data.mix):  # preflight peeks at data.paths only
-        out.print("  records: the mixed sources' records are checked when training reads them", markup=False)
-    elif c.data.source == "documents" and not c.data.mix:
+    if c.data.source == "documents" or any(e.source == "documents" for e in c.data.mix):
         # Reading every record is the run's first minutes; validate reads the first of each file only.
         out.print("  records: the first of each file checked (its fields, text, JSON); the others are "
                   "checked when training reads them", markup=False)

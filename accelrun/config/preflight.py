@@ -69,6 +69,8 @@ def rank_threads(cores: int, nproc_per_node: int) -> int:
 def data_files(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
     """Every data.paths pattern of a text or tokens source matches a file; a documents source's name
     record files whose records have the field the recipe reads."""
+    if cfg.data.mix:
+        return mix_record_findings(cfg, sources)
     if cfg.data.source == "documents" and cfg.data.paths:
         return record_findings(cfg, sources)
     if cfg.data.source not in ("text", "tokens") or not cfg.data.paths:
@@ -95,30 +97,60 @@ def record_findings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[Find
     reads, and under data.format = text holds text there; a malformed first JSON line and a corpus whose
     every file is empty are named: caught here, before a model is built, rather than minutes into a run.
     Records past the first are checked when training reads them (validate says so)."""
-    from accelrun.config.record_paths import file_names, peek_records, record_files
-
     data = cfg.data
     field_key, field = ("data.text_field", data.text_field) if data.format == "text" else \
         ("data.messages_field", data.messages_field)
+    return _first_records(data.paths, ("data", "paths"), field_key, field, data.format, sources)
+
+
+def mix_record_findings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[Finding]:
+    """``record_findings`` for each ``data.mix`` source that reads record files, naming its own keys."""
+    findings: list[Finding] = []
+    for i, entry in enumerate(cfg.data.mix):
+        if entry.source == "documents" and entry.paths:
+            findings += _first_records(entry.paths, ("data", "mix", i, "paths"), f"data.mix.{i}.text_field",
+                                       entry.text_field, "text", sources)
+    return findings
+
+
+def _first_records(paths: list[str], paths_key: KeyPath, field_key: str, field: str, fmt: str,
+                   sources: dict[KeyPath, Source]) -> list[Finding]:
+    from accelrun.config.record_paths import file_names, peek_records, record_files
+
     try:
-        files = record_files(data.paths)
+        files = record_files(paths)
         peeks = [peek_records(f) for f in files]
     except UserError as e:
-        return [Finding(f"{m} ({source_of(('data', 'paths'), sources, exact=False)})", True) for m in e.messages]
-    where = source_of(tuple(field_key.split(".")), sources)
+        return [Finding(f"{m} ({source_of(paths_key, sources, exact=False)})", True) for m in e.messages]
+    where = source_of(tuple(int(p) if p.isdigit() else p for p in field_key.split(".")), sources)
+    now = f"now {field!r}, {where}"
     for f, peek in zip(files, peeks, strict=True):
         if peek.fields and field not in peek.fields:
             shown = ", ".join(repr(x) for x in peek.fields)
-            return [Finding(f"{f.path}: no field {field!r} (fields: {shown}); set {field_key} ({where}) to "
+            return [Finding(f"{f.path}: no field {field!r} (fields: {shown}); set {field_key} ({now}) to "
                             "one of them", True)]
         value = None if peek.first is None else peek.first.get(field)
-        if data.format == "text" and peek.first is not None and not isinstance(value, str):
+        if fmt == "text" and peek.first is not None and not isinstance(value, str):
             shown = "null" if value is None else f"{type(value).__name__} {repr(value)[:40]}"
             return [Finding(f"{peek.where}: {field_key} {field!r} is {shown}, not text; set {field_key} ({where}) to "
                             "the field holding each document's text", True)]
     if all(p.empty for p in peeks):
-        return [Finding(f"data.paths: the corpus is empty: no records in {file_names(files)} "
-                        f"({source_of(('data', 'paths'), sources, exact=False)})", True)]
+        return [Finding(f"{'.'.join(map(str, paths_key))}: the corpus is empty: no records in {file_names(files)} "
+                        f"({source_of(paths_key, sources, exact=False)})", True)]
+    return []
+
+
+def custom_model(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
+    """model.custom's module imports and names a callable that takes model.kwargs (it is not called:
+    building the model is training's first minutes on a large one)."""
+    if cfg.model.custom is None:
+        return []
+    from accelrun.models.build import check_custom_kwargs
+
+    try:
+        check_custom_kwargs(cfg.model.custom, dict(cfg.model.kwargs))
+    except UserError as e:
+        return [Finding(f"{m} ({source_of(('model', 'custom'), sources)})", True) for m in e.messages]
     return []
 
 
@@ -164,7 +196,7 @@ def gpu_only_keys(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machi
 
 
 # The checks `train` makes before a run directory or a tensor exists, in order; `validate` runs them all.
-PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, hf_weights, processes_fit, gpu_only_keys)
+PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, custom_model, hf_weights, processes_fit, gpu_only_keys)
 
 
 def preflight(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[str]:

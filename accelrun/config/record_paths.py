@@ -186,7 +186,7 @@ def peek_records(f: RecordFile) -> RecordPeek:
     if not (whole or line.endswith("\n")):  # cut by the peek: the reader sees all of it
         return RecordPeek([])
     try:
-        obj = json.loads(line)
+        obj = json.loads(line.rstrip("\r\n"))  # a line cut short: its column, not "column 1" of the next
     except json.JSONDecodeError as e:
         raise DataError(f"{f.path}:{number + 1}: malformed JSON line: "
                         f"{json_problem(e, expected=JSON_LINE_EXPECTED)}") from None

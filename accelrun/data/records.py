@@ -213,7 +213,8 @@ def _read_json_lines(f: RecordFile, columns, column_key, rows, byte_range: tuple
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line.decode("utf-8", errors="replace"))
+                # Without its newline: a line cut short reports its own column, not "column 1" of the next.
+                obj = json.loads(line.decode("utf-8", errors="replace").rstrip("\r\n"))
             except json.JSONDecodeError as e:
                 raise DataError(f"{rec.where(number)}: malformed JSON line: "
                                 f"{json_problem(e, expected=JSON_LINE_EXPECTED)}") from None

@@ -43,6 +43,19 @@ def test_validate_catches_a_malformed_first_line(tmp_path):
     assert 'each line is one JSON object, e.g. {"text": "..."}' in line
 
 
+def test_a_line_cut_short_names_its_own_column(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "oops", \n')
+    with pytest.raises(DataError) as e:
+        load_stream(DataConfig(source="documents", paths=[str(path)]), vocab_size=320, seed=0)
+    assert str(e.value).startswith(f"{path}:2: malformed JSON line: expecting property name enclosed in double "
+                                   "quotes at column 18")
+    first = tmp_path / "d.jsonl"
+    first.write_text('{"text": "oops", \n')
+    assert f"{first}:1: malformed JSON line: expecting property name enclosed in double quotes at column 18" \
+        in one_error(validate(first))
+
+
 def test_validate_catches_a_first_record_that_is_not_text(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text('{"text": 5}\n')
@@ -69,10 +82,15 @@ def test_validate_says_which_records_it_read(tmp_path):
            "training reads them" in " ".join(r.output.split())
 
 
-def test_validate_does_not_claim_to_have_read_a_mixtures_records(tmp_path):
-    path = tmp_path / "c.jsonl"
-    path.write_text('{"text": "a"}\n')
-    r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), f"data.mix=[{{paths: [{path}], weight: 1}}]"])
+def test_validate_reads_each_mixed_sources_first_records_and_names_its_key(tmp_path):
+    good, other = tmp_path / "c.jsonl", tmp_path / "d.jsonl"
+    good.write_text('{"text": "a"}\n')
+    other.write_text('{"body": "a"}\n')
+    mix = f"data.mix=[{{paths: [{good}], weight: 1}}, {{paths: [{other}], weight: 1}}]"
+    r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), mix])
+    line = one_error(r)
+    assert f"{other}: no field 'text' (fields: 'body'); set data.mix.1.text_field (now 'text', default)" in line
+    fixed = f"data.mix=[{{paths: [{good}], weight: 1}}, {{paths: [{other}], weight: 1, text_field: body}}]"
+    r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), fixed])
     assert r.exit_code == 0, r.output
-    assert "records: the mixed sources' records are checked when training reads them" in r.output
-    assert "the first of each file checked" not in r.output
+    assert "records: the first of each file checked" in " ".join(r.output.split())

@@ -1,0 +1,120 @@
+"""A user's model is trained whatever the usual shape of its forward's output, and a model that cannot
+take the data, or a factory that cannot take model.kwargs, is one line and exit 2, from `validate` as
+from `train`, before anything is built."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+from accelrun.cli.main import cli
+from accelrun.config import load_config
+from accelrun.report.metrics import read_metrics
+from accelrun.train.entry import train
+from tests.conftest import DEFAULT_CONFIG
+
+MODELS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Plain(nn.Module):
+    """A tiny LM: token embedding, one linear layer, logits."""
+    def __init__(self, vocab=320, width=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.out = nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        return self.out(torch.tanh(self.emb(idx)))
+
+
+class NanoStyle(Plain):  # nanoGPT's forward(idx, targets=None) -> (logits, loss)
+    def forward(self, idx, targets=None):
+        logits = super().forward(idx)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+class DictStyle(Plain):
+    def forward(self, idx):
+        return {"logits": super().forward(idx)}
+
+
+class Output:  # transformers' outputs carry .logits
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class ObjectStyle(Plain):
+    def forward(self, idx):
+        return Output(super().forward(idx))
+
+
+class Hidden(Plain):  # forgets the head: returns a dict without logits
+    def forward(self, idx):
+        return {"hidden": self.emb(idx)}
+
+
+def build(style="Plain", **kw):
+    return globals()[style](**kw)
+'''
+
+
+@pytest.fixture
+def models(tmp_path, monkeypatch):
+    (tmp_path / "contract_models.py").write_text(textwrap.dedent(MODELS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "contract_models", raising=False)
+    return "contract_models:build"
+
+
+def losses(tiny, custom, style, name):
+    result = train(load_config(DEFAULT_CONFIG, tiny(4, f"model.custom={custom}", f"model.kwargs={{style: {style}}}",
+                                                     "compile.backend=eager", f"name={name}")), command="test")
+    assert result.status == "finished"
+    return [m["loss"] for m in read_metrics(result.run_dir / "metrics.jsonl")]
+
+
+def test_logits_are_read_from_a_tuple_a_dict_or_an_object(tiny, models):
+    want = losses(tiny, models, "Plain", "plain")
+    for style in ("NanoStyle", "DictStyle", "ObjectStyle"):
+        assert losses(tiny, models, style, style.lower()) == want, style  # same weights, same logits, same losses
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [*args])
+
+
+def one_error(r) -> str:
+    errors = [line for line in r.output.splitlines() if line.startswith("error")]
+    assert r.exit_code == 2 and len(errors) == 1, r.output
+    return " ".join(r.output[r.output.index("error"):].split())
+
+
+def test_an_output_without_logits_is_one_line_naming_the_forward(tiny, models):
+    r = invoke("train", str(DEFAULT_CONFIG), *tiny(2, f"model.custom={models}", "model.kwargs={style: Hidden}",
+                                                    "compile.backend=eager"))
+    assert "Hidden.forward (model.custom) returned a dict with keys ['hidden']; accelrun reads the logits " \
+           "[batch, seq, vocab] from a tensor" in one_error(r)
+
+
+def test_an_embedding_smaller_than_the_tokenizer_is_named_before_training(tiny, models):
+    r = invoke("train", str(DEFAULT_CONFIG), *tiny(2, f"model.custom={models}", "model.kwargs={vocab: 100}"))
+    assert (f"model.custom = '{models}' embeds token ids below 100 (its largest nn.Embedding), but data.tokenizer "
+            "'byte' has ids up to") in one_error(r)
+
+
+@pytest.mark.parametrize("custom, kwargs, message", [
+    ("contract_models_missing:build", "{}", "no module named 'contract_models_missing' (looked in the current folder and on PYTHONPATH)"),
+    ("contract_models:nope", "{}", "module 'contract_models' has no attribute 'nope'"),
+    ("contract_models:Plain", "{dims: 64}", "do not fit model.custom = 'contract_models:Plain': got an unexpected "
+                                            "keyword argument 'dims' (Plain takes vocab, width)"),
+])
+def test_validate_refuses_what_train_would(tiny, models, custom, kwargs, message):
+    args = (str(DEFAULT_CONFIG), *tiny(2, f"model.custom={custom}", f"model.kwargs={kwargs}"))
+    for command in ("validate", "train"):
+        assert message in one_error(invoke(command, *args)), command
