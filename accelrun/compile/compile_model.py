@@ -41,13 +41,13 @@ def resolve_scope(cfg: CompileConfig, model: nn.Module, blocks: list[nn.Module] 
     auto: a model with repeated blocks and a loss head of its own compiles them with ``loss`` under
     accelrun (the head's linear + cross-entropy fuse; with loss parallelism the head's logits are
     sharded, so ``block``); Inductor, or a model without a loss head, gets ``block``; a user's model
-    without repeated blocks of its own classes gets ``model``.
+    without an ``nn.ModuleList`` of blocks of its own classes gets ``model``.
     """
     if cfg.scope != "auto":
         return cfg.scope, ""
     has_blocks = blocks is not None or repeated_blocks(model) is not None
     if not has_blocks:
-        return "model", "no repeated blocks of the model's own classes"
+        return "model", "no nn.ModuleList of the model's own blocks"
     if cfg.backend == "accelrun" and _has_head(model) and getattr(model, "head_loss", None) is not None:
         if loss_parallel:
             return "block", "the loss head's logits are sharded (parallel.loss_parallel)"
@@ -118,8 +118,8 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
     if not cfg.fullgraph:
         _FirstCallFallback(model, backend, record).install("_compiled_call_impl")
     if scope != "model":
-        return done(f"the whole model with {name} (compile.scope = {scope}, but it has no repeated blocks of "
-                    "its own classes)")  # fmt: skip
+        return done(f"the whole model with {name} (compile.scope = {scope}, but it has no nn.ModuleList of "
+                    "its own blocks)")  # fmt: skip
     return done(f"the whole model with {name}")
 
 
