@@ -30,6 +30,8 @@ enum { VL = 16, MR = 8, MAX_HEAD_DIM = 256 };
 static inline vf load(const float* p) { return *(const vfu*)p; }
 static inline void store(float* p, vf v) { *(vfu*)p = v; }
 static inline vf splat(float x) { return vf{} + x; }
+static inline vi splat_i(int32_t x) { return vi{} + x; }
+static const vi LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 // exp on 16 lanes, 0 below the range: the code generator's polynomial (acc_exp_core, codegen/exp_poly.py,
 // which attention.py puts before this source).
@@ -147,17 +149,25 @@ struct Shape { int64_t B, S, Hq, Hkv, D; };
 static float* scratch(int64_t floats) { return (float*)aligned_alloc(64, (size_t)((floats + 15) / 16 * 16) * sizeof(float)); }
 
 // One (batch, kv head)'s K^T [D][Sp] and V [Sp][D] (or V^T, K rows for the backward), zero-padded to Sp.
+// The transpose goes 16 rows at a time, so each column of K^T is written as whole vectors.
 template <class T>
 static void pack_head(const T* x, Strides st, int64_t b, int64_t h, const Shape& sh, int Sp, float* rows,
                       float* cols) {
     const int D = (int)sh.D;
-    for (int s = 0; s < Sp; ++s) {
-        float row[MAX_HEAD_DIM];
-        if (s < sh.S) widen(row, x + b * st.b + s * st.s + h * st.h, D);
-        else memset(row, 0, sizeof(float) * D);
-        if (rows) memcpy(rows + (int64_t)s * D, row, sizeof(float) * D);
+    for (int s0 = 0; s0 < Sp; s0 += VL) {  // Sp is a multiple of VL
+        float block[VL][MAX_HEAD_DIM];
+        for (int r = 0; r < VL; ++r) {
+            const int s = s0 + r;
+            if (s < sh.S) widen(block[r], x + b * st.b + s * st.s + h * st.h, D);
+            else memset(block[r], 0, sizeof(float) * D);
+            if (rows) memcpy(rows + (int64_t)s * D, block[r], sizeof(float) * D);
+        }
         if (cols)
-            for (int d = 0; d < D; ++d) cols[(int64_t)d * Sp + s] = row[d];
+            for (int d = 0; d < D; ++d) {
+                vf column;
+                for (int r = 0; r < VL; ++r) column[r] = block[r][d];
+                store(cols + (int64_t)d * Sp + s0, column);
+            }
     }
 }
 
@@ -245,9 +255,9 @@ static void backward(const T* dout, Strides sdo, const T* q, const T* k, const T
                             widen(qb + i * D, q + b * sq.b + (r0 + i) * sq.s + hq * sq.h, D);
                             widen(dob + i * D, dout + b * sdo.b + (r0 + i) * sdo.s + hq * sdo.h, D);
                             widen(ob + i * D, o + ((b * S + r0 + i) * sh.Hq + hq) * D, D);
-                            float acc = 0;
-                            for (int d = 0; d < D; ++d) acc += dob[i * D + d] * ob[i * D + d];
-                            delta[i] = acc;
+                            vf acc = splat(0);  // in vectors: a scalar sum waits on each add in turn
+                            for (int d = 0; d < D; d += VL) acc += load(dob + i * D + d) * load(ob + i * D + d);
+                            delta[i] = hsum(acc);
                         }
                         gemm_nn(m, kp, D, qb, D, kt, Sp, pb, Sp, scale);  // scores, again
                         gemm_nn(m, kp, D, dob, D, vt, Sp, ds, Sp, 1.0f);  // dP = dO V^T
@@ -258,8 +268,8 @@ static void backward(const T* dout, Strides sdo, const T* q, const T* k, const T
                             const float l = lse[(b * sh.Hq + hq) * S + r0 + i];
                             for (int c = 0; c < kp; c += VL) {
                                 vf p = vexp(load(prow + c) - l);
-                                for (int e = 0; e < VL; ++e)
-                                    if (c + e >= valid) p[e] = 0.f;
+                                if (c + VL > valid)  // the vector the diagonal (or the end) crosses
+                                    p = LANES + splat_i(c) < splat_i(valid) ? p : splat(0);
                                 store(prow + c, p);
                                 store(dsrow + c, p * (load(dsrow + c) - delta[i]));  // dS = P (dP - delta)
                             }
