@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 
 from accelrun.config import ResolvedConfig, load_config
 from accelrun.errors import UserError
@@ -12,6 +13,16 @@ from accelrun.errors import UserError
 # Results go to stdout (pipeable); progress, logs and errors to stderr.
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+def print_wide(renderable) -> None:
+    """Print at the table's natural width even when stdout is narrow or not a terminal, so a piped
+    or logged table keeps one line per row instead of folding every cell."""
+    natural = Measurement.get(out, out.options.update_width(10_000), renderable).maximum
+    if natural <= out.width:
+        out.print(renderable)
+    else:  # Console.print(width=) cannot exceed the console's width: a wider console for this one
+        Console(width=natural, highlight=False, file=out.file).print(renderable)
+
 
 config_argument = click.argument("config", metavar="CONFIG")
 overrides_argument = click.argument("overrides", nargs=-1, metavar="[KEY=VALUE | ~KEY]...")

@@ -6,12 +6,10 @@ import json
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.markup import escape
-from rich.measure import Measurement
 from rich.table import Table
 
-from accelrun.cli.common import err, out
+from accelrun.cli.common import err, out, print_wide
 from accelrun.report.compare import Comparison, Group, compare_groups
 from accelrun.report.compare_render import (
     diff_rows,
@@ -71,16 +69,6 @@ def command(runs: tuple[str, ...], loss_rtol: float | None, out_dir: Path | None
         write_text_atomic(render_comparison_html(c, title=title), out_dir / "compare.html")
         write_json(c.to_dict(), out_dir / "compare.json")
         err.print(f"wrote {escape(str(out_dir))}/compare.{{md,html,json}}", highlight=False)
-
-
-def print_wide(renderable) -> None:
-    """Print at the table's natural width even when stdout is narrow or not a terminal, so a piped
-    or logged table keeps one line per row instead of folding every cell."""
-    natural = Measurement.get(out, out.options.update_width(10_000), renderable).maximum
-    if natural <= out.width:
-        out.print(renderable)
-    else:  # Console.print(width=) cannot exceed the console's width: a wider console for this one
-        Console(width=natural, highlight=False, file=out.file).print(renderable)
 
 
 def print_comparison(c: Comparison) -> None:

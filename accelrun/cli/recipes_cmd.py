@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from accelrun.cli.common import out
+from accelrun.cli.common import out, print_wide
 from accelrun.config import ConfigError, list_recipes, search_path
 from accelrun.config.search import RECIPE_PATH_ENV, find_recipe
 
@@ -48,7 +48,10 @@ def list_cmd(show_all: bool) -> None:
             continue
         summary = e.summary + (f" [yellow](shadowed by {e.shadowed_by})[/]" if e.shadowed_by else "")
         table.add_row(e.name, summary, str(e.path))
-    out.print(table)
+    if out.is_terminal:
+        out.print(table)
+    else:  # piped or logged: one line per recipe, its path whole, so `| grep` finds it
+        print_wide(table)
     out.print(f"\nsearch path ({RECIPE_PATH_ENV} adds directories): " + ", ".join(str(d) for d in dirs), style="dim")
 
 

@@ -9,8 +9,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from accelrun.cli.common import out
-from accelrun.cli.compare_cmd import print_wide
+from accelrun.cli.common import out, print_wide
 from accelrun.report import fmt
 from accelrun.report.runs_index import list_run_rows
 

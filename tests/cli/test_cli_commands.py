@@ -76,6 +76,9 @@ def test_config_show_resolved_yaml_and_explain():
 def test_recipes_list_show_cp(tmp_path):
     r = invoke("recipes", "list")
     assert r.exit_code == 0 and "model/llama3-8b" in r.output and "parallel/fsdp" in r.output
+    # Piped (not a terminal): one line per recipe with its file whole, so `| grep` finds both.
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("cluster/cpu-local "))
+    assert line.rstrip().endswith("recipes/cluster/cpu-local.yaml"), line
     r = invoke("recipes", "show", "model/llama3-8b")
     assert r.exit_code == 0 and "dim: 4096" in r.output
     r = invoke("recipes", "cp", "model/debug", tmp_path)
