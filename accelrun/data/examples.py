@@ -139,8 +139,10 @@ def _write_chat_model(folder: Path, chats: list[list[dict]], report: ExamplesRep
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     texts = [m["content"] for chat in chats for m in chat]
+    # show_progress=False: the library's bar writes blank lines to stdout, above this command's list of files.
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=CHAT_VOCAB, special_tokens=CHAT_SPECIALS,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
     tok.save(str(folder / "tokenizer.json"))
     # What transformers' save_pretrained writes for such a tokenizer: AutoTokenizer loads the folder.
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
