@@ -26,12 +26,16 @@ def command(config: str, overrides: tuple[str, ...]) -> None:
     """
     resolved = load(config, overrides)
     c = resolved.config
-    from accelrun.config.preflight import Machine, preflight
+    from accelrun.config import ConfigError
+    from accelrun.config.preflight import Machine, custom_model_problems, preflight
     from accelrun.report.trackers import check_trackers
 
     # What `train` checks before the first tensor (data files, model.hf's weights, processes for the
     # node), with this node counted without torch: exit 2 where train would.
     print_warnings(preflight(c, resolved.sources, Machine.here()))
+    problems = custom_model_problems(c, resolved.sources)  # imports the user's module: validate only
+    if problems:
+        raise ConfigError(problems)
     check_trackers(c.report.trackers)  # a named tracker's package missing: exit 2 naming the pip command
     deg = c.parallel.degrees()
     out.print(f"[green]valid[/]: {c.name}  (config hash {resolved.hash})")
@@ -47,7 +51,8 @@ def command(config: str, overrides: tuple[str, ...]) -> None:
     )
     out.print(f"  model: {model}", markup=False)
     out.print(f"  data: {_data_summary(c.data)}", markup=False)
-    if c.data.source == "documents" or any(e.source == "documents" for e in c.data.mix):
+    reads_records = any(e.source == "documents" for e in c.data.mix) if c.data.mix else c.data.source == "documents"
+    if reads_records:
         # Reading every record is the run's first minutes; validate reads the first of each file only.
         out.print("  records: the first of each file checked (its fields, text, JSON); the others are "
                   "checked when training reads them", markup=False)

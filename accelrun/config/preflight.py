@@ -118,7 +118,7 @@ def _first_records(paths: list[str], paths_key: KeyPath, field_key: str, field: 
     from accelrun.config.record_paths import file_names, peek_records, record_files
 
     try:
-        files = record_files(paths)
+        files = record_files(paths, key=".".join(map(str, paths_key)))
         peeks = [peek_records(f) for f in files]
     except UserError as e:
         return [Finding(f"{m} ({source_of(paths_key, sources, exact=False)})", True) for m in e.messages]
@@ -140,17 +140,20 @@ def _first_records(paths: list[str], paths_key: KeyPath, field_key: str, field: 
     return []
 
 
-def custom_model(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
+def custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]:
     """model.custom's module imports and names a callable that takes model.kwargs (it is not called:
-    building the model is training's first minutes on a large one)."""
+    building the model is training's first minutes on a large one). ``validate`` only: it imports the
+    user's code, which ``train``'s launcher must not (a module may read RANK or touch a GPU when
+    imported); ``train``'s ranks report the same problems, exit 2, when they build the model."""
     if cfg.model.custom is None:
         return []
-    from accelrun.models.build import check_custom_kwargs
+    from accelrun.models.build import ModelKwargsError, check_custom_kwargs
 
     try:
         check_custom_kwargs(cfg.model.custom, dict(cfg.model.kwargs))
     except UserError as e:
-        return [Finding(f"{m} ({source_of(('model', 'custom'), sources)})", True) for m in e.messages]
+        key = ("model", "kwargs") if isinstance(e, ModelKwargsError) else ("model", "custom")
+        return [f"{m} ({source_of(key, sources)})" for m in e.messages]
     return []
 
 
@@ -196,7 +199,7 @@ def gpu_only_keys(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machi
 
 
 # The checks `train` makes before a run directory or a tensor exists, in order; `validate` runs them all.
-PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, custom_model, hf_weights, processes_fit, gpu_only_keys)
+PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, hf_weights, processes_fit, gpu_only_keys)
 
 
 def preflight(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[str]:

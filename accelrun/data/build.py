@@ -29,7 +29,7 @@ def _check_vocab(data_vocab: int, model_vocab: int, what: str, custom: str | Non
             f"(vocab {data_vocab}): set model.vocab_size to at least {data_vocab}"
         )
     raise DataError(
-        f"model.custom = {custom!r} embeds token ids below {model_vocab} (its largest nn.Embedding), but {what} "
+        f"model.custom = {custom!r} embeds token ids below {model_vocab} (its token table), but {what} "
         f"has ids up to {data_vocab - 1} (vocab {data_vocab}): build its token embedding and output with at "
         f"least {data_vocab} rows (through model.kwargs, if the factory takes the size)"
     )

@@ -118,8 +118,12 @@ def resolve_custom(path: str) -> tuple[Any, str]:
     return factory, attr
 
 
+class ModelKwargsError(ModelBuildError):
+    """model.kwargs do not fit model.custom's factory."""
+
+
 def check_custom_kwargs(path: str, kwargs: dict[str, Any]) -> None:
-    """``model.kwargs`` fit the factory's signature (before anything is built): ModelBuildError naming
+    """``model.kwargs`` fit the factory's signature (before anything is built): ModelKwargsError naming
     the argument that does not, and the ones it takes."""
     import inspect
 
@@ -133,16 +137,21 @@ def check_custom_kwargs(path: str, kwargs: dict[str, Any]) -> None:
     except TypeError as e:
         takes = ", ".join(n for n, p in signature.parameters.items()
                           if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)) or "no arguments"
-        raise ModelBuildError(f"model.kwargs = {kwargs!r} do not fit model.custom = {path!r}: {e} "
-                              f"({attr} takes {takes})") from None
+        raise ModelKwargsError(f"model.kwargs = {kwargs!r} do not fit model.custom = {path!r}: {e} "
+                               f"({attr} takes {takes})") from None
 
 
 def embedding_rows(model: nn.Module) -> int | None:
-    """The token ids a user's model can take: the rows of its largest ``nn.Embedding`` (its token
-    embedding, in the models users write; a position table is no larger than the vocabulary there).
-    None when it has no ``nn.Embedding``."""
-    rows = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    return max(rows) if rows else None
+    """The token ids a user's model takes: the rows of the ``nn.Embedding`` whose rows equal the width of
+    its last ``nn.Linear`` (the output head, registered last in the models users write). A position
+    table does not match, whatever its size. None when nothing matches (no ``nn.Embedding``, a token
+    table kept as a bare parameter, a head of another width): the recipe's model.vocab_size then counts."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        return None
+    head = linears[-1].out_features
+    rows = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings == head]
+    return rows[0] if rows else None
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module] | None:
@@ -228,11 +237,33 @@ def training_loss_fn(model: nn.Module):
 
         return own_loss
 
+    if "targets" in params:
+        # nanoGPT's forward(idx, targets=None): only with targets does it return every position's logits
+        # (and its own loss, the same cross-entropy, used as it is rather than computed twice).
+        def with_targets(inputs_BT, targets_BT):
+            out = model(inputs_BT, targets=targets_BT)
+            own = loss_in(out)
+            if own is not None:
+                return own
+            return F.cross_entropy(logits_of(out, model, inputs_BT).float().flatten(0, 1), targets_BT.flatten())
+
+        return with_targets
+
     def loss(inputs_BT, targets_BT):
         logits_BTV = logits_of(model(inputs_BT), model, inputs_BT)
         return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
 
     return loss
+
+
+def loss_in(output: Any) -> torch.Tensor | None:
+    """The scalar loss a forward given targets returned: ``(logits, loss)``, or ``.loss`` / ``["loss"]``."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, (tuple, list)) and len(output) > 1:
+        loss = output[1]
+    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
 
 
 class ModelOutputError(UserError, TypeError):

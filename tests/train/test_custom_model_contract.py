@@ -32,11 +32,21 @@ class Plain(nn.Module):
         return self.out(torch.tanh(self.emb(idx)))
 
 
-class NanoStyle(Plain):  # nanoGPT's forward(idx, targets=None) -> (logits, loss)
+class NanoStyle(Plain):  # nanoGPT's forward(idx, targets=None): the last position's logits only without targets
     def forward(self, idx, targets=None):
         logits = super().forward(idx)
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return logits, loss
+        if targets is None:
+            return logits[:, [-1], :], None
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+class WithPositions(Plain):  # a position table larger than the vocabulary: not taken for the token table
+    def __init__(self, vocab=300, width=16):
+        super().__init__(vocab, width)
+        self.pos = nn.Embedding(1024, width)
+
+    def forward(self, idx):
+        return self.out(torch.tanh(self.emb(idx) + self.pos(torch.arange(idx.shape[1]))))
 
 
 class DictStyle(Plain):
@@ -104,17 +114,28 @@ def test_an_output_without_logits_is_one_line_naming_the_forward(tiny, models):
 
 def test_an_embedding_smaller_than_the_tokenizer_is_named_before_training(tiny, models):
     r = invoke("train", str(DEFAULT_CONFIG), *tiny(2, f"model.custom={models}", "model.kwargs={vocab: 100}"))
-    assert (f"model.custom = '{models}' embeds token ids below 100 (its largest nn.Embedding), but data.tokenizer "
+    assert (f"model.custom = '{models}' embeds token ids below 100 (its token table), but data.tokenizer "
             "'byte' has ids up to") in one_error(r)
 
 
-@pytest.mark.parametrize("custom, kwargs, message", [
-    ("contract_models_missing:build", "{}", "no module named 'contract_models_missing' (looked in the current folder and on PYTHONPATH)"),
-    ("contract_models:nope", "{}", "module 'contract_models' has no attribute 'nope'"),
-    ("contract_models:Plain", "{dims: 64}", "do not fit model.custom = 'contract_models:Plain': got an unexpected "
-                                            "keyword argument 'dims' (Plain takes vocab, width)"),
+def test_the_token_table_is_the_one_the_head_matches_not_a_larger_position_table(models):
+    from accelrun.models.build import embedding_rows
+
+    module = __import__("contract_models")
+    assert embedding_rows(module.build("WithPositions", vocab=300)) == 300
+    assert embedding_rows(module.build("WithPositions", vocab=200)) == 200  # 1,024 position rows ignored
+
+
+@pytest.mark.parametrize("custom, kwargs, message, validate_only", [
+    ("contract_models_missing:build", "{}", "no module named 'contract_models_missing' (looked in the current folder "
+                                            "and on PYTHONPATH)", ""),
+    ("contract_models:nope", "{}", "module 'contract_models' has no attribute 'nope'", ""),
+    ("contract_models:Plain", "{dims: 64}", "unexpected keyword argument 'dims'",
+     "do not fit model.custom = 'contract_models:Plain': got an unexpected keyword argument 'dims' (Plain takes "
+     "vocab, width) (override 'model.kwargs={dims: 64}')"),
 ])
-def test_validate_refuses_what_train_would(tiny, models, custom, kwargs, message):
+def test_validate_refuses_what_train_would(tiny, models, custom, kwargs, message, validate_only):
     args = (str(DEFAULT_CONFIG), *tiny(2, f"model.custom={custom}", f"model.kwargs={kwargs}"))
-    for command in ("validate", "train"):
-        assert message in one_error(invoke(command, *args)), command
+    said = one_error(invoke("validate", *args))
+    assert message in said and validate_only in said, said
+    assert message in one_error(invoke("train", *args))  # the rank that builds the model says it
