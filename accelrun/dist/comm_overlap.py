@@ -78,10 +78,11 @@ class _Waiter:
     """One background thread that waits on asynchronous works in issue order and notes when each
     completes (gloo works have no future to attach a callback to).
 
-    The thread is stopped at exit, before the interpreter finalizes: a thread still inside
-    ``Work.wait`` then (a busy rank's waiter lags its training thread) would be torn down while
-    re-taking the GIL in C++ code, which aborts the process (``terminate called without an active
-    exception``) after a run that finished."""
+    The thread is stopped when the process exits normally, before the interpreter finalizes: a thread
+    still inside ``Work.wait`` then (a busy rank's waiter lags its training thread) would be torn down
+    while re-taking the GIL in C++ code, which aborts the process (``terminate called without an active
+    exception``) after a run that finished. (A forkserver child ends with ``os._exit``: no finalization,
+    no abort, no hook needed.) A work that never completes still holds the thread past the timeout."""
 
     STOP_TIMEOUT_S = 10.0  # a work that never completes (a peer gone) must not hold the exit up
 
