@@ -154,6 +154,13 @@ def embedding_rows(model: nn.Module) -> int | None:
     return rows[0] if rows else None
 
 
+def data_vocab(cfg: ModelConfig, model: nn.Module) -> tuple[int, str | None]:
+    """(the token ids the data may hold, the model.custom that sets them or None): a user's model's token
+    table rows (``embedding_rows``) where they can be told, else model.vocab_size."""
+    rows = embedding_rows(model) if cfg.custom is not None else None
+    return (cfg.vocab_size, None) if rows is None else (rows, cfg.custom)
+
+
 def transformer_blocks(model: nn.Module) -> list[nn.Module] | None:
     """The model's repeated blocks, for the training loop to wrap (checkpointing, per-block compile).
 

@@ -19,7 +19,7 @@ from accelrun.config import ResolvedConfig
 from accelrun.data import build_data
 from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
 from accelrun.models import build_model, transformer_blocks
-from accelrun.models.build import training_loss_fn
+from accelrun.models.build import data_vocab, training_loss_fn
 from accelrun.train.optim import build_optimizer
 from accelrun.train.precision import autocast
 from accelrun.train.setup import pick_device, seed_everything
@@ -66,8 +66,9 @@ def explain_step(resolved: ResolvedConfig, run_dir: Path, steady_steps: int = 3)
     else:
         compiled = compile_model(model, blocks, compile_cfg, dump_dir)
     optimizer = build_optimizer(model, t.optimizer, device, sharded=sharded)
+    vocab_size, custom = data_vocab(cfg.model, model)  # as training reads it (train/setup.py)
     data = build_data(cfg.data, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
-                      vocab_size=cfg.model.vocab_size)  # fmt: skip
+                      vocab_size=vocab_size, custom=custom)  # fmt: skip
     loss_fn = training_loss_fn(model)
 
     def step() -> tuple[float, float]:

@@ -28,7 +28,7 @@ from accelrun.dist.pipeline import Pipeline, microbatch_loss, union_of
 from accelrun.dist.tp import loss_context
 from accelrun.models import build_model, model_flops_per_token, model_summary
 from accelrun.models.build import (
-    embedding_rows,
+    data_vocab,
     materialize_local,
     takes_document_positions,
     training_loss_fn,
@@ -211,9 +211,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         model = union_of(parts)  # this rank's stages under the whole model's parameter names
     optimizer = build_optimizer(model, t.optimizer, device, sharded=ctx.distributed)
     scheduler = build_scheduler(optimizer, t.lr_schedule, t.steps)
-    # A user's model takes the ids its token embedding has rows for (model.vocab_size is a family's key).
-    rows = embedding_rows(model) if cfg.model.custom is not None else None
-    vocab_size, custom = (cfg.model.vocab_size, None) if rows is None else (rows, cfg.model.custom)
+    vocab_size, custom = data_vocab(cfg.model, model)  # a user's model: its token table's rows
     data = build_data(
         cfg.data, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
         vocab_size=vocab_size, custom=custom, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, eval_cfg=cfg.eval,

@@ -22,7 +22,7 @@ from accelrun.compile.compile_model import compile_model
 from accelrun.config.schema import RunConfig
 from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
 from accelrun.models import build_model, transformer_blocks
-from accelrun.models.build import training_loss_fn
+from accelrun.models.build import data_vocab, training_loss_fn
 from accelrun.report.allocator_peak import allocator_peak
 
 # The plan's terms that live all step (accelrun.plan.memory): the measurement's baseline holds them.
@@ -48,8 +48,8 @@ def measure_step(cfg: RunConfig, timed_steps: int = 0, warmup_steps: int = 2) ->
     loss_fn = training_loss_fn(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     g = torch.Generator().manual_seed(t.seed)
-    tokens, targets = (torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len), generator=g)
-                       for _ in range(2))
+    vocab_size, _ = data_vocab(cfg.model, model)  # a user's model: its token table's rows
+    tokens, targets = (torch.randint(0, vocab_size, (t.micro_batch, t.seq_len), generator=g) for _ in range(2))
 
     def step() -> float:
         loss = loss_fn(tokens, targets)

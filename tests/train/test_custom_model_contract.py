@@ -139,3 +139,15 @@ def test_validate_refuses_what_train_would(tiny, models, custom, kwargs, message
     said = one_error(invoke("validate", *args))
     assert message in said and validate_only in said, said
     assert message in one_error(invoke("train", *args))  # the rank that builds the model says it
+
+
+def test_every_reader_of_the_data_takes_the_token_tables_rows(models):
+    """Training, `compile explain` and the step-memory estimate all draw ids through data_vocab."""
+    from accelrun.config.schema import ModelConfig
+    from accelrun.models.build import data_vocab
+
+    module = __import__("contract_models")
+    cfg = ModelConfig(custom=models, vocab_size=512)
+    assert data_vocab(cfg, module.build("WithPositions", vocab=200)) == (200, models)
+    assert data_vocab(cfg, __import__("torch").nn.Linear(4, 4)) == (512, None)  # no token table: model.vocab_size
+    assert data_vocab(ModelConfig(vocab_size=320), module.build(vocab=100)) == (320, None)  # a family's key
