@@ -98,9 +98,9 @@ def record_findings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[Find
     every file is empty are named: caught here, before a model is built, rather than minutes into a run.
     Records past the first are checked when training reads them (validate says so)."""
     data = cfg.data
-    field_key, field = ("data.text_field", data.text_field) if data.format == "text" else \
-        ("data.messages_field", data.messages_field)
-    return _first_records(data.paths, ("data", "paths"), field_key, field, data.format, sources)
+    field_path, field = (("data", "text_field"), data.text_field) if data.format == "text" else \
+        (("data", "messages_field"), data.messages_field)
+    return _first_records(data.paths, ("data", "paths"), field_path, field, data.format, sources)
 
 
 def mix_record_findings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[Finding]:
@@ -108,12 +108,12 @@ def mix_record_findings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[
     findings: list[Finding] = []
     for i, entry in enumerate(cfg.data.mix):
         if entry.source == "documents" and entry.paths:
-            findings += _first_records(entry.paths, ("data", "mix", i, "paths"), f"data.mix.{i}.text_field",
+            findings += _first_records(entry.paths, ("data", "mix", i, "paths"), ("data", "mix", i, "text_field"),
                                        entry.text_field, "text", sources)
     return findings
 
 
-def _first_records(paths: list[str], paths_key: KeyPath, field_key: str, field: str, fmt: str,
+def _first_records(paths: list[str], paths_key: KeyPath, field_path: KeyPath, field: str, fmt: str,
                    sources: dict[KeyPath, Source]) -> list[Finding]:
     from accelrun.config.record_paths import file_names, peek_records, record_files
 
@@ -122,7 +122,8 @@ def _first_records(paths: list[str], paths_key: KeyPath, field_key: str, field: 
         peeks = [peek_records(f) for f in files]
     except UserError as e:
         return [Finding(f"{m} ({source_of(paths_key, sources, exact=False)})", True) for m in e.messages]
-    where = source_of(tuple(int(p) if p.isdigit() else p for p in field_key.split(".")), sources)
+    field_key = ".".join(map(str, field_path))
+    where = source_of(field_path, sources)
     now = f"now {field!r}, {where}"
     for f, peek in zip(files, peeks, strict=True):
         if peek.fields and field not in peek.fields:
