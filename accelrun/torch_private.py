@@ -58,6 +58,8 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     "temporary_cache_dir": ("torch._inductor.runtime.cache_dir_utils", "temporary_cache_dir"),
     # Dynamo: precompiled frames (the graph cache) and its process-wide counters (coverage).
     "AOTCompiledFunction": ("torch._dynamo.aot_compile", "AOTCompiledFunction"),
+    "BundledAOTAutogradSerializableCallable": ("torch._dynamo.aot_compile_types",
+                                               "BundledAOTAutogradSerializableCallable"),
     "dynamo_counters": ("torch._dynamo.utils", "counters"),
     # Fake tensors and tracing contexts.
     "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),

@@ -21,6 +21,7 @@
 #                                          # the debug model with CUDA graphs on / off and tuned / untuned
 #                                          # launches, and bench/compile_step.py on an 8-layer dim-2048
 #                                          # Llama, eager vs Inductor vs accelrun's Triton, fp32 and bf16
+#                                          # (its halves alone: bench-debug, bench-8layer)
 #
 # It stops at nothing: every part runs, and the exit code is 1 if any part failed.
 set -uo pipefail
@@ -153,7 +154,7 @@ sys.exit(0 if rel < 0.05 else 1)  # float8 trains: its loss stays within 5% of b
 EOF
 fi
 
-if [ "$DEVICE" = cuda ] && want bench; then
+if [ "$DEVICE" = cuda ] && { want bench || want bench-debug; }; then
     # compile.cuda_graphs and compile.tune_launches (issue 31, item 5) on the debug model, in a cache of
     # their own so that the first runs are cold: untuned launches without CUDA graphs, then tuned (the
     # tuning is in that run's compile time), then tuned with CUDA graphs (a new process: graphs, kernels
@@ -199,6 +200,9 @@ for p in ("fp32", "bf16-mixed"):
     ok &= bool((c.get("cuda_graphs") or {}).get("captured"))  # something was captured
 sys.exit(0 if ok else 1)
 EOF
+fi
+
+if [ "$DEVICE" = cuda ] && { want bench || want bench-8layer; }; then
     section "eager, Inductor and accelrun's Triton on an 8-layer dim-2048 Llama (bench/compile_step.py)"
     python bench/compile_step.py --device cuda --executors triton,aten --precision both --rounds 12 \
         model.dim=2048 model.n_layers=8 model.n_heads=16 model.n_kv_heads=8 model.ffn_dim=5632 \

@@ -83,6 +83,17 @@ def test_SerializableAOTDispatchCompiler():
     assert list(_params(tp.SerializableAOTDispatchCompiler.__init__))[1:] == ["output_code_ty", "compiler_fn"]
 
 
+def test_BundledAOTAutogradSerializableCallable():
+    # The graph cache's precompiled graph subclasses it: it takes the forward AOTAutograd returns (which
+    # has .serialize) and keeps it as .compiled_fn, which its serialize_compile_artifacts calls.
+    forward = lambda *args: args  # noqa: E731
+    forward.serialize = lambda: b"entry"
+    wrapped = tp.BundledAOTAutogradSerializableCallable(forward)
+    assert wrapped.compiled_fn is forward
+    for name in ("serialize_compile_artifacts", "deserialize_compile_artifacts"):
+        assert callable(getattr(tp.BundledAOTAutogradSerializableCallable, name)), name
+
+
 def test_core_aten_decompositions():
     table = tp.core_aten_decompositions()
     assert torch.ops.aten.silu.default in table

@@ -95,6 +95,10 @@ class AccelrunBackend:
         )  # fmt: skip
         self.record.stage_seconds["aot trace"] += time.perf_counter() - t1 - self._inside
         self.collect_graph_breaks()
+        if self.serializable:  # precompiling for the graph cache: in the form torch saves with the frame
+            from accelrun.compile.output_code import PrecompiledGraph
+
+            return PrecompiledGraph(compiled)
         return compiled
 
     def collect_graph_breaks(self) -> dict[str, int]:

@@ -26,7 +26,7 @@ from accelrun.compile.cuda_graphs import CudaGraphRunner, shared_capture, wants_
 from accelrun.compile.executors.aten import AtenExecutor
 from accelrun.compile.fast_calls import STATIC_LAYOUTS, layouts_are_static, runnable
 from accelrun.compile.record import CompileRecord, GraphRecord
-from accelrun.torch_private import OutputCode
+from accelrun.torch_private import BundledAOTAutogradSerializableCallable, OutputCode
 
 # Where regions lowered while loading are recorded (the loading backend's record); None: nowhere.
 _loading_record: ContextVar[CompileRecord | None] = ContextVar("accelrun_loading_record", default=None)
@@ -194,3 +194,19 @@ def unpack_graph(data: bytes) -> fx.GraphModule:
     gm = fx.GraphModule({}, graph)
     gm.meta[STATIC_LAYOUTS] = saved[STATIC_LAYOUTS]
     return gm
+
+
+class PrecompiledGraph(BundledAOTAutogradSerializableCallable):
+    """What the backend hands torch's precompile path: AOTAutograd's forward, saved and loaded as torch
+    saves an Inductor graph (the bundled AOTAutograd entry, holding AccelrunOutputCode's).
+
+    torch 2.13 wraps any compiled function with a ``serialize`` method in the base class itself; torch
+    2.11 wraps only Inductor's and refuses everything else ("does not implement SerializableCallable"),
+    which left the graph cache empty on the GPU image. So the backend wraps, and this class hides
+    ``serialize`` so that 2.13 does not wrap a second time.
+    """
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr in ("serialize", "compiled_fn"):  # (compiled_fn: not set yet, while unpickling)
+            raise AttributeError(attr)
+        return getattr(self.compiled_fn, attr)

@@ -248,6 +248,25 @@ def test_precompiles_where_torch_leaves_aot_compile_off():
     assert not cold.graph_cache["errors"]
 
 
+def test_precompiles_where_torch_wraps_only_inductors_graphs(monkeypatch):
+    """torch 2.11 wraps only Inductor's graphs for saving and refused accelrun's ("does not implement
+    SerializableCallable", H200, 2026-11-27): a new process traced and lowered again. The backend hands
+    over a graph torch can save as it is, which torch 2.13 must not wrap a second time either."""
+    import torch._dynamo.aot_compile as aot_compile
+
+    wrapped = []
+    monkeypatch.setattr(aot_compile, "BundledAOTAutogradSerializableCallable",
+                        lambda fn: wrapped.append(fn) or fn)  # torch's own wrapping: a no-op, as in 2.11
+    eager = step()
+    cold = step(*COMPILED)
+    torch._dynamo.reset()
+    warm = step(*COMPILED)
+    assert not wrapped  # torch found nothing left to wrap
+    assert cold[2].graph_cache["saved"] == 2 and not cold[2].graph_cache["errors"], cold[2].graph_cache
+    assert warm[2].graph_cache["loaded"] == 2 and warm[2].graph_cache["compiled"] == 0, warm[2].graph_cache
+    assert_close(warm, eager, rel=1e-5)
+
+
 @pytest.fixture
 def threads():
     """set(n): run at n threads; the test's end restores the thread count it started with."""
