@@ -135,6 +135,15 @@ def test_the_search_keeps_the_fastest_and_the_default_within_the_margin():
     assert [t.launch for t in close] == defaults
 
 
+def test_a_launch_bound_kernel_keeps_its_default_without_compiling_candidates():
+    (program, *_) = programs("rope_swiglu")
+    timer = FakeTimer()
+    small = tune(program, lambda launch: timer(launch) * launch_tuning.SMALL_KERNEL_MS / 2)
+    defaults = [candidates(program, ln)[0] for ln in launches(program)]
+    assert [t.launch for t in small] == defaults and [t.timed for t in small] == [1] * len(defaults)
+    assert timer.calls == defaults  # only the defaults were launched (each candidate is a compile)
+
+
 def test_tuned_once_then_read_back_by_another_process_without_timing(tmp_path):
     (program, *_) = programs("rope_swiglu")
     module_file = triton_codegen.module_path(triton_codegen.triton_source(program), tmp_path)

@@ -13,7 +13,8 @@ of each kernel the first time it runs and keeps the fastest. So does accelrun:
 - ``tune``: each launch in order, every candidate timed by a ``LaunchTimer`` (CUDA events on the
   real call's buffers; the kernels only read their inputs and write their outputs and scratch, so
   running one many times changes nothing), the fastest kept if it beats the default (the first
-  candidate) by ``MARGIN``.
+  candidate) by ``MARGIN``. A kernel whose default is quicker than ``SMALL_KERNEL_MS`` keeps it
+  untimed against others (launch-bound: nothing to find, a compile per candidate to pay).
 - ``TuningCache``: the choice is written beside the kernel's binaries (``triton_aot.binaries_dir``),
   one file per module and device, holding the module's source hash and the device's name and compute
   capability: a second process (or another graph with the same region) reads it and times nothing;
@@ -52,6 +53,11 @@ LOOP_STAGES = (1, 3)  # pipelining of a loop's loads: off, and Triton's default 
 # A candidate replaces the default only when this much faster: a small kernel's time between two events
 # is partly the host's launching (triton.jit's path, ~20 us a launch), which is noise to the choice.
 MARGIN = 0.03
+# A kernel whose default launch takes less than this (the events' mean over back-to-back launches) is not
+# tuned: the host's launching (~20 us) sets that time, so no candidate can show itself faster, and each
+# costs a compile. On an H200 every kernel of the debug Llama was this small, and tuning them made its
+# first step 25 s longer (34 s against 9 s) for no faster step (2026-11-27).
+SMALL_KERNEL_MS = 0.03
 
 
 class KernelKind(str, Enum):
@@ -165,7 +171,12 @@ def tune(program: LoopProgram, time_launch: LaunchTimer, plan: list[Launch] | No
     In order because a launch may read what the one before wrote (a split reduction's partials)."""
     out = []
     for launch in plan if plan is not None else launches(program):
-        timed = [(time_launch(c), i, c) for i, c in enumerate(candidates(program, launch))]
+        default, *others = candidates(program, launch)
+        timed = [(time_launch(default), 0, default)]
+        if timed[0][0] < SMALL_KERNEL_MS:  # launch-bound: the default, without compiling the others
+            out.append(Tuned(default, timed[0][0], timed[0][0], 1))
+            continue
+        timed += [(time_launch(c), i, c) for i, c in enumerate(others, start=1)]
         best_ms, _, best = min(timed)
         default_ms, _, default = timed[0]
         if best_ms > default_ms * (1 - MARGIN):  # within noise of the default: keep the default
