@@ -92,6 +92,8 @@ class CudaGraphsReport:
     captured: dict[str, int] = field(default_factory=dict)  # graph name -> captures (one per input layout)
     replays: int = 0
     declined: dict[str, str] = field(default_factory=dict)  # graph name -> why it runs without
+    # graph name -> (ms of an eager call, ms of its first replay, copies included): what auto decided on
+    timings: dict[str, tuple[float, float]] = field(default_factory=dict)
     capture: Any = field(default=None, repr=False, compare=False)  # cuda_graphs' shared pool, made on first use
 
     def line(self) -> str:
@@ -116,4 +118,5 @@ class CudaGraphsReport:
 
     def summary(self) -> dict:
         return {"mode": self.mode.value, "run": {"use": self.run.use, "reason": self.run.reason},
-                "captured": dict(self.captured), "replays": self.replays, "declined": dict(self.declined), "row": self.row()}
+                "captured": dict(self.captured), "replays": self.replays, "declined": dict(self.declined),
+                "timings_ms": {name: list(t) for name, t in self.timings.items()}, "row": self.row()}

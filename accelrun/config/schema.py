@@ -384,8 +384,9 @@ class CompileConfig(Section):
     )
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto", description="replay each compiled forward and backward as a CUDA graph (Inductor's reduce-overhead): "
-        "auto = on for CUDA, one rank, static shapes; on = the same, and a graph that cannot be captured is a "
-        "warning; each graph left out says why (accelrun.compile.cuda_graph_policy)"
+        "auto = on for CUDA, one rank, static shapes, where a graph's first replay is faster than its eager call; "
+        "on = every graph that can be captured, and one that cannot is a warning; each graph left out says why "
+        "(accelrun.compile.cuda_graph_policy)"
     )
     tune_launches: bool = Field(
         True, description="time a few launch configurations (block sizes, warps, stages) of each Triton kernel on "

@@ -28,15 +28,22 @@ class FakeGraphs:
     would allocate its outputs); replay runs it again on the same inputs and writes the results into
     the captured outputs' memory, which is what a replay does."""
 
-    def __init__(self, fail: str | None = None) -> None:
+    def __init__(self, fail: str | None = None, eager_ms: float = 4.0, replay_ms: float = 1.0) -> None:
         self.captures, self.replays, self.fail = 0, 0, fail
+        self.eager_ms, self.replay_ms = eager_ms, replay_ms  # what the device's events would say
+        self.timed_calls = 0
 
     def capture(self, fn, inputs):
         if self.fail:
             raise RuntimeError(self.fail)
         self.captures += 1
+        fn(*inputs)  # the eager call before the capture, on the static inputs
         outputs = fn(*inputs)
-        return (fn, inputs, outputs), outputs
+        return (fn, inputs, outputs), outputs, self.eager_ms
+
+    def timed(self, run):
+        self.timed_calls += 1
+        return run(), self.replay_ms
 
     def replay(self, graph):
         fn, inputs, outputs = graph
@@ -59,8 +66,8 @@ def counted(fn):
     return run, calls
 
 
-def runner(fn, graphs=None, **kw):
-    report = CudaGraphsReport(CudaGraphMode.AUTO, ON)
+def runner(fn, graphs=None, mode=CudaGraphMode.AUTO, **kw):
+    report = CudaGraphsReport(mode, ON)
     graphs = graphs or FakeGraphs()
     return CudaGraphRunner(fn, "g0.forward", graphs, report, **kw), graphs, report
 
@@ -161,6 +168,34 @@ def test_warm_up_then_capture_then_replays_copy_inputs_in_and_outputs_out():
     run(torch.zeros(3, 4), torch.zeros(3, 4))
     torch.testing.assert_close(third[0], x3 * y3 + 1, rtol=0, atol=0)
     assert report.captured == {"g0.forward": 1} and report.replays == 3
+
+
+def test_auto_keeps_a_graph_whose_first_replay_is_faster_and_says_so():
+    run, graphs, report = runner(lambda x: (x * 2,), FakeGraphs(eager_ms=4.0, replay_ms=1.0), warmup_calls=0)
+    for _ in range(3):
+        torch.testing.assert_close(run(torch.ones(2))[0], torch.full((2,), 2.0), rtol=0, atol=0)
+    assert graphs.timed_calls == 1 and graphs.replays == 3  # only the first replay is measured
+    assert report.captured == {"g0.forward": 1} and report.timings == {"g0.forward": (4.0, 1.0)}
+    assert report.summary()["timings_ms"] == {"g0.forward": [4.0, 1.0]}
+
+
+@pytest.mark.parametrize("mode, kept", [(CudaGraphMode.AUTO, False), (CudaGraphMode.ON, True)])
+def test_a_replay_no_faster_than_eager_goes_back_to_eager_under_auto_only(mode, kept):
+    """A large graph: the GPU sets the pace, and copying the saved activations in and out is pure cost
+    (an 8-layer dim-2048 Llama on an H200, 2026-11-27: 0.80x Inductor's step replayed)."""
+    fn, calls = counted(lambda x: (x * 2,))
+    run, graphs, report = runner(fn, FakeGraphs(eager_ms=30.0, replay_ms=33.0), mode=mode, warmup_calls=0)
+    outs = [run(torch.full((2,), float(i)))[0] for i in range(4)]
+    for i, out in enumerate(outs):  # the measured replay's outputs and the eager calls' are the same values
+        torch.testing.assert_close(out, torch.full((2,), 2.0 * i), rtol=0, atol=0)
+    assert report.timings == {"g0.forward": (30.0, 33.0)}
+    if kept:
+        assert report.captured == {"g0.forward": 1} and graphs.replays == 4 and not report.declined
+    else:
+        assert report.captured == {} and graphs.replays == 1 and not run.captures
+        assert report.declined["g0.forward"].startswith("a replay took 33.00 ms against 30.00 ms eager")
+        assert len(calls) == 2 + 1 + 3  # the capture's two, the fake's replay, then eager from the next call on
+        assert "without (g0.forward: a replay took" in report.line()
 
 
 def test_parameters_are_used_in_place_and_a_moved_parameter_is_captured_again():
