@@ -19,7 +19,7 @@ from accelrun.config.yaml_lines import KeyPath, dotted, load_yaml_file, load_yam
 class Source:
     """Where a value came from: a file and line, a command-line override, or the schema default."""
 
-    kind: str  # "file" | "override" | "default"
+    kind: str  # "file" | "override" | "default" | "derived" (text: from which key)
     file: str | None = None
     line: int | None = None
     text: str | None = None  # the override as typed; for a file not in recipe syntax, the key read
@@ -30,6 +30,8 @@ class Source:
             return f"{where} ({self.text})" if self.text else where  # text: the key read there, if not ours
         if self.kind == "override":
             return f"override '{self.text}'"
+        if self.kind == "derived":
+            return f"from {self.text}"
         return "default"
 
 

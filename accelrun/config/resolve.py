@@ -109,7 +109,18 @@ def load_config(
             raise
         raise HFModelError(f"{e} (model.hf: {source_of(('model', 'hf'), sources)})") from None
     warnings = _overrides_replaced_by_hf(composed, hf_sources, cfg) + config_warnings(cfg, sources)
+    cfg = _named_after_custom_model(cfg, sources)
     return ResolvedConfig(cfg, sources, composed.files, list(overrides), warnings)
+
+
+def _named_after_custom_model(cfg: RunConfig, sources: dict[KeyPath, Source]) -> RunConfig:
+    """A run of ``model.custom`` is named after the user's module (``examples.my_model:build`` ->
+    ``my_model``) unless ``name`` was given on the command line: the recipe's name is its own model's
+    (``llama-debug``), and runs of another model filed under it mislead. ``sources`` says where from."""
+    if cfg.model.custom is None or sources.get(("name",), Source("default")).kind == "override":
+        return cfg
+    sources[("name",)] = Source("derived", text="model.custom")
+    return cfg.model_copy(update={"name": cfg.model.custom.split(":")[0].rsplit(".", 1)[-1]})
 
 
 def _overrides_replaced_by_hf(composed: Composed, hf_sources: dict[KeyPath, Source], cfg: RunConfig) -> list[str]:

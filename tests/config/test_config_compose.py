@@ -161,3 +161,14 @@ def test_recipe_summary_is_the_first_whole_sentence(write, tmp_path):
     assert len(shipped) > 20
     for e in shipped:
         assert e.summary and e.summary[-1] in ".!?", (e.name, e.summary)
+
+
+def test_a_custom_model_run_is_named_after_its_module_unless_named_on_the_command_line():
+    from tests.conftest import DEFAULT_CONFIG
+
+    custom = "model.custom=examples.my_model:build"
+    resolved = load_config(DEFAULT_CONFIG, [custom])
+    assert resolved.config.name == "my_model" and str(resolved.sources[("name",)]) == "from model.custom"
+    named = load_config(DEFAULT_CONFIG, [custom, "name=mine"])
+    assert named.config.name == "mine" and str(named.sources[("name",)]) == "override 'name=mine'"
+    assert load_config(DEFAULT_CONFIG).config.name == "llama-debug"  # the recipe's own model keeps its name
