@@ -475,7 +475,8 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
 
     out: list[str] = []
     if cfg.model.custom is not None:
-        ignored = [k for k in FAMILY_SHAPE_KEYS if set_by_user("model", k)]
+        # (vocab_size stays in use: it checks the data's ids where the model's token table cannot be told)
+        ignored = [k for k in FAMILY_SHAPE_KEYS if k != "vocab_size" and set_by_user("model", k)]
         if ignored:
             out.append(f"model.custom is set, so the model families' shape keys are not used: "
                        f"model.{', model.'.join(ignored)}")

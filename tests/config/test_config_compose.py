@@ -172,3 +172,12 @@ def test_a_custom_model_run_is_named_after_its_module_unless_named_on_the_comman
     named = load_config(DEFAULT_CONFIG, [custom, "name=mine"])
     assert named.config.name == "mine" and str(named.sources[("name",)]) == "override 'name=mine'"
     assert load_config(DEFAULT_CONFIG).config.name == "llama-debug"  # the recipe's own model keeps its name
+
+
+def test_a_custom_model_warns_of_the_family_keys_it_ignores_but_not_of_vocab_size():
+    from tests.conftest import DEFAULT_CONFIG
+
+    warned = load_config(DEFAULT_CONFIG, ["model.custom=examples.my_model:build", "model.dim=512",
+                                          "model.vocab_size=300"]).warnings  # fmt: skip
+    (line,) = [w for w in warned if w.startswith("model.custom is set")]
+    assert line.endswith("are not used: model.dim")  # vocab_size checks the data where no token table is found
