@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from accelrun.config.compose import Composed, Source, apply_override, compose_fi
 from accelrun.config.errors import ConfigError
 from accelrun.config.hf_model import HFModelError, model_keys_from_hf_folder
 from accelrun.config.hf_sources import hf_key_sources
-from accelrun.config.schema import RunConfig
+from accelrun.config.schema import RUN_NAME_PATTERN, RunConfig
 from accelrun.config.search import find_recipe, looks_like_path, search_path
 from accelrun.config.validate import config_warnings, source_of, validate
 from accelrun.config.yaml_lines import KeyPath, dotted
@@ -115,12 +116,21 @@ def load_config(
 
 def _named_after_custom_model(cfg: RunConfig, sources: dict[KeyPath, Source]) -> RunConfig:
     """A run of ``model.custom`` is named after the user's module (``examples.my_model:build`` ->
-    ``my_model``) unless ``name`` was given on the command line: the recipe's name is its own model's
-    (``llama-debug``), and runs of another model filed under it mislead. ``sources`` says where from."""
-    if cfg.model.custom is None or sources.get(("name",), Source("default")).kind == "override":
+    ``my_model``): the recipe's name is its own model's (``llama-debug``), and runs of another model
+    filed under it mislead. A name given on the command line, or in the file that sets
+    ``model.custom`` (a user's own recipe; a run folder's config.yaml, which the ranks reload), stays.
+    ``sources`` says where the name came from."""
+    if cfg.model.custom is None:
+        return cfg
+    name_src, custom_src = sources.get(("name",), Source("default")), sources.get(("model", "custom"))
+    if name_src.kind == "override" or (name_src.kind == "file" and custom_src is not None
+                                       and custom_src.kind == "file" and custom_src.file == name_src.file):
+        return cfg
+    module = cfg.model.custom.split(":")[0].rsplit(".", 1)[-1].lstrip("_")
+    if not re.match(RUN_NAME_PATTERN, module):  # (a module name always fits, once its leading _ is gone)
         return cfg
     sources[("name",)] = Source("derived", text="model.custom")
-    return cfg.model_copy(update={"name": cfg.model.custom.split(":")[0].rsplit(".", 1)[-1]})
+    return cfg.model_copy(update={"name": module})
 
 
 def _overrides_replaced_by_hf(composed: Composed, hf_sources: dict[KeyPath, Source], cfg: RunConfig) -> list[str]:

@@ -76,7 +76,7 @@ def run_in_dir(
     except UserError:
         if main and not (run_dir / "metrics.jsonl").exists():
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: no directory that looks interrupted
-            if console is not None:  # it was announced: say where it went
+            if console is not None and not run_dir.exists():  # it was announced: say where it went
                 console.print(f"nothing ran: {run_dir} removed", markup=False, highlight=False)
         raise
     setup_s = time.perf_counter() - t_setup

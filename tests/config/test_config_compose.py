@@ -172,6 +172,24 @@ def test_a_custom_model_run_is_named_after_its_module_unless_named_on_the_comman
     named = load_config(DEFAULT_CONFIG, [custom, "name=mine"])
     assert named.config.name == "mine" and str(named.sources[("name",)]) == "override 'name=mine'"
     assert load_config(DEFAULT_CONFIG).config.name == "llama-debug"  # the recipe's own model keeps its name
+    assert load_config(DEFAULT_CONFIG, ["model.custom=pkg._net:build"]).config.name == "net"  # a valid folder name
+
+
+def test_a_name_set_beside_model_custom_in_one_file_stays(write):
+    """A user's recipe that names its run, and a run folder's config.yaml (the ranks reload it): both
+    set name and model.custom in the same file."""
+    from tests.conftest import DEFAULT_CONFIG
+
+    mine = write("mine.yaml", f"""
+        extends: [{DEFAULT_CONFIG}]
+        name: experiment-7
+        model:
+          custom: examples.my_model:build
+        """)
+    assert load_config(mine).config.name == "experiment-7"
+    derived = load_config(DEFAULT_CONFIG, ["model.custom=examples.my_model:build"])
+    dumped = write("config.yaml", derived.to_yaml())  # what the launcher writes into the run folder
+    assert load_config(dumped).config.name == "my_model"
 
 
 def test_a_custom_model_warns_of_the_family_keys_it_ignores_but_not_of_vocab_size():
