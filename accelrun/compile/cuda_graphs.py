@@ -16,12 +16,14 @@ buffers, replays, and reads the outputs out (copies), as torch.cuda.graphs docum
   made again as the same view of the caller's tensor;
 - anything that fails while capturing (an op that synchronises with the host) sends the graph back to
   eager for the rest of the run, with the reason;
-- under ``auto`` a graph's first capture is measured: the eager call that precedes it and the first
-  replay (copies in and out included), each on an idle device. A replay that is not clearly faster
-  sends the graph back to eager, with both times. A launch-bound graph (the debug Llama on an H200:
-  a step 11.3 ms eager, 8.0 ms replayed) keeps its captures; a large one, where the GPU sets the pace and
-  the copies of the saved activations are pure cost (an 8-layer dim-2048 Llama: 0.80x Inductor's step
-  replayed, and 19 GiB of GPU memory against 12), does not. ``on`` keeps every capture.
+- a graph's first kind of call is measured, each side from an idle device and past its first-time
+  costs: its last eager warm-up call (the first one compiles, tunes and allocates) and its second
+  replay (the first uploads the graph), copies in and out included. Under ``auto`` a replay that is
+  not clearly faster sends the graph back to eager, with both times. A launch-bound graph (the debug
+  Llama on an H200: a bf16 step 14.6 ms eager, 9.7 ms replayed) keeps its captures; a large one, where
+  the GPU sets the pace and the copies of the saved activations are pure cost (an 8-layer dim-2048
+  Llama: 0.80x Inductor's step replayed, and 19 GiB of GPU memory against 12), does not. ``on`` keeps
+  every capture.
 
 The CUDA calls are behind ``GraphCapture`` so that the CPU tests can give a fake one.
 """
@@ -43,11 +45,12 @@ from accelrun.compile.cuda_graph_policy import (
     decide_for_graph,
 )
 
-WARMUP_CALLS = 1  # eager calls per kind of call before it is captured
+WARMUP_CALLS = 2  # eager calls per kind of call before it is captured (the last one timed, see below)
 MAX_CAPTURES = 256  # kinds of call per graph (a model's blocks: one each) before giving up on it
-# Under auto, a graph keeps its captures only if its first replay (copies included) took at most this
-# share of the eager call before it: one call each, so a margin for their noise.
+# Under auto, a graph keeps its captures only if its timed replay (copies included) took at most this
+# share of its timed eager call: one call each, so a margin for their noise.
 KEEP_IF_REPLAY_UNDER = 0.9
+TIMED_REPLAY = 2  # the first replay of a new graph also uploads it to the device
 
 # Ops whose output's size or value the host reads: a capture would freeze the value it saw.
 DATA_DEPENDENT_OPS = ("nonzero", "_local_scalar_dense", "masked_select", "unique", "item", "bincount")
@@ -56,10 +59,10 @@ DATA_DEPENDENT_OPS = ("nonzero", "_local_scalar_dense", "masked_select", "unique
 class GraphCapture(Protocol):
     """What the runner needs of CUDA: capture a call into a graph (in one memory pool), replay it."""
 
-    def capture(self, fn: Callable[..., Any], inputs: list[Any]) -> tuple[Any, Any, float]: ...
-    # (graph, outputs, milliseconds of the eager call made just before the capture, the device idle first)
+    def capture(self, fn: Callable[..., Any], inputs: list[Any]) -> tuple[Any, Any]: ...  # (graph, outputs)
     def replay(self, graph: Any) -> None: ...
-    def timed(self, run: Callable[[], Any]) -> tuple[Any, float]: ...  # run's result and its milliseconds
+    # run's result and its milliseconds on the device, from an idle device (launching included)
+    def timed(self, run: Callable[[], Any]) -> tuple[Any, float]: ...
 
 
 class TorchCudaGraphs:
@@ -71,30 +74,25 @@ class TorchCudaGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream()  # every capture's, so that its lazy state is made once, outside
 
-    def capture(self, fn: Callable[..., Any], inputs: list[Any]) -> tuple[Any, Any, float]:
+    def capture(self, fn: Callable[..., Any], inputs: list[Any]) -> tuple[Any, Any]:
         # One call on the capture stream first, as torch.cuda.graphs asks: what is made lazily per
         # stream (cuBLAS's workspace, a Triton region's scratch) is made there, not inside the capture.
-        # Timed from an idle device, so that a launch-bound graph's time is its host's launching.
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            start.record()
             fn(*inputs)
-            end.record()
         torch.cuda.current_stream().wait_stream(self.stream)
-        end.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local, as Inductor's CUDA graph trees: CUDA calls of other threads (a data loader's
         # pinned copies) during the capture are not an error of this one.
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             outputs = fn(*inputs)
-        return graph, outputs, start.elapsed_time(end)
+        return graph, outputs
 
     def replay(self, graph: Any) -> None:
         graph.replay()
 
     def timed(self, run: Callable[[], Any]) -> tuple[Any, float]:
+        # From an idle device, so that a launch-bound graph's time is its host's launching.
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -113,7 +111,6 @@ class _Capture:
     # stride, offset) = a view of copied input i (a forward saves its input for the backward), made
     # again on the caller's tensor so that it aliases what it aliased without the capture.
     aliases: list[tuple | None]
-    eager_ms: float  # the eager call just before the capture
 
 
 def _is_static(value: Any) -> bool:
@@ -142,7 +139,10 @@ class CudaGraphRunner:
         self.captures: dict[tuple, _Capture] = {}
         self.warm: dict[tuple, int] = {}
         self.eager_reason: str | None = None  # set once: the graph runs eagerly from then on
-        self.measured = False  # whether a first replay was timed against the eager call (auto)
+        # The measurement (first kind of call only): its timed eager call, then its timed replay.
+        self.eager_ms: float | None = None
+        self.measured_kind: tuple | None = None
+        self.replays_before_decision = 0
 
     def __call__(self, *args: Any) -> Any:
         if self.eager_reason is not None:
@@ -150,8 +150,13 @@ class CudaGraphRunner:
         kind = _kind(args)
         cap = self.captures.get(kind)
         if cap is None:
-            if self.warm.get(kind, 0) < self.warmup_calls:
-                self.warm[kind] = self.warm.get(kind, 0) + 1
+            warm = self.warm.get(kind, 0)
+            if warm < self.warmup_calls:
+                self.warm[kind] = warm + 1
+                if warm == self.warmup_calls - 1 and warm > 0 and self.measured_kind is None:
+                    self.measured_kind = kind  # its last warm-up call: first-time costs paid by the others
+                    out, self.eager_ms = self.capturer.timed(lambda: self.fn(*args))
+                    return out
                 return self.fn(*args)
             if len(self.captures) >= self.max_captures:
                 return self._give_up(f"more than {self.max_captures} kinds of call (sizes, parameter sets)", args)
@@ -162,8 +167,9 @@ class CudaGraphRunner:
                 return self._give_up(f"capture failed: {type(e).__name__}: {first}"[:200], args)
             self.captures[kind] = cap
             self.report.captured[self.name] = self.report.captured.get(self.name, 0) + 1
-            if not self.measured:
-                self.measured = True
+        if kind == self.measured_kind and self.name not in self.report.timings:
+            self.replays_before_decision += 1
+            if self.replays_before_decision == TIMED_REPLAY:
                 return self._measured_replay(cap, args)
         return self._replay(cap, args)
 
@@ -176,13 +182,14 @@ class CudaGraphRunner:
         return _read_out(cap, args)
 
     def _measured_replay(self, cap: _Capture, args: Sequence[Any]) -> Any:
-        """The first replay, timed against the eager call before the capture; under auto, a replay that
-        is not clearly faster sends the graph back to eager (this call's outputs are good either way)."""
+        """A replay timed against the eager call; under auto, one that is not clearly faster sends the
+        graph back to eager (this call's outputs are good either way)."""
         out, replay_ms = self.capturer.timed(lambda: self._replay(cap, args))
-        self.report.timings[self.name] = (round(cap.eager_ms, 3), round(replay_ms, 3))
-        if self.report.mode is CudaGraphMode.AUTO and replay_ms > cap.eager_ms * KEEP_IF_REPLAY_UNDER:
+        eager_ms = self.eager_ms if self.eager_ms is not None else float("nan")
+        self.report.timings[self.name] = (round(eager_ms, 3), round(replay_ms, 3))
+        if self.report.mode is CudaGraphMode.AUTO and replay_ms > eager_ms * KEEP_IF_REPLAY_UNDER:
             self.report.captured.pop(self.name, None)
-            self._decline(f"a replay took {replay_ms:.2f} ms against {cap.eager_ms:.2f} ms eager (the copies "
+            self._decline(f"a replay took {replay_ms:.2f} ms against {eager_ms:.2f} ms eager (the copies "
                           "in and out cost what the launches save)")  # fmt: skip
         return out
 
@@ -195,8 +202,8 @@ class CudaGraphRunner:
                 raise ValueError(f"an input is expanded (strides {a.stride()}), not copied into a static buffer")
         buffers = [_static_copy(a) if isinstance(a, torch.Tensor) and not _is_static(a) else None for a in args]
         inputs = [b if b is not None else a for b, a in zip(buffers, args, strict=True)]
-        graph, outputs, eager_ms = self.capturer.capture(self.fn, inputs)
-        return _Capture(graph, buffers, outputs, [_alias(o, inputs, buffers) for o in _flat(outputs)], eager_ms)
+        graph, outputs = self.capturer.capture(self.fn, inputs)
+        return _Capture(graph, buffers, outputs, [_alias(o, inputs, buffers) for o in _flat(outputs)])
 
     def _decline(self, reason: str) -> None:
         self.eager_reason = reason

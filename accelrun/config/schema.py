@@ -384,7 +384,7 @@ class CompileConfig(Section):
     )
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto", description="replay each compiled forward and backward as a CUDA graph (Inductor's reduce-overhead): "
-        "auto = on for CUDA, one rank, static shapes, where a graph's first replay is faster than its eager call; "
+        "auto = on for CUDA, one rank, static shapes, where a timed replay of a graph beats a timed eager call of it; "
         "on = every graph that can be captured, and one that cannot is a warning; each graph left out says why "
         "(accelrun.compile.cuda_graph_policy)"
     )
