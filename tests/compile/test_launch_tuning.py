@@ -144,6 +144,23 @@ def test_a_launch_bound_kernel_keeps_its_default_without_compiling_candidates():
     assert timer.calls == defaults  # only the defaults were launched (each candidate is a compile)
 
 
+def test_a_timer_that_tells_launch_bound_kernels_decides_instead_of_the_threshold():
+    """The CUDA timer knows the host's time to issue each launch: a kernel the device runs no slower than
+    the host issues it is launch-bound, however many microseconds that is on this host."""
+    (program, *_) = programs("rope_swiglu")
+    defaults = [candidates(program, ln)[0] for ln in launches(program)]
+
+    class HostPaced(FakeTimer):  # 1 ms a launch (far above SMALL_KERNEL_MS), all of it the host's
+        def launch_bound(self, launch, ms):
+            return True
+
+    paced = HostPaced()
+    assert [t.launch for t in tune(program, paced)] == defaults and paced.calls == defaults
+    timer = launch_tuning.CudaEventTimer.__new__(launch_tuning.CudaEventTimer)
+    timer.host_ms = {defaults[0]: 0.020}  # 20 us to issue a launch
+    assert timer.launch_bound(defaults[0], 0.022) and not timer.launch_bound(defaults[0], 0.060)
+
+
 def test_tuned_once_then_read_back_by_another_process_without_timing(tmp_path):
     (program, *_) = programs("rope_swiglu")
     module_file = triton_codegen.module_path(triton_codegen.triton_source(program), tmp_path)

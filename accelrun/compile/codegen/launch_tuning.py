@@ -13,8 +13,9 @@ of each kernel the first time it runs and keeps the fastest. So does accelrun:
 - ``tune``: each launch in order, every candidate timed by a ``LaunchTimer`` (CUDA events on the
   real call's buffers; the kernels only read their inputs and write their outputs and scratch, so
   running one many times changes nothing), the fastest kept if it beats the default (the first
-  candidate) by ``MARGIN``. A kernel whose default is quicker than ``SMALL_KERNEL_MS`` keeps it
-  untimed against others (launch-bound: nothing to find, a compile per candidate to pay).
+  candidate) by ``MARGIN``. A launch-bound kernel (its default's time on the device no more than the
+  host's time to issue it) keeps its default untimed against others: nothing to find, a compile per
+  candidate to pay.
 - ``TuningCache``: the choice is written beside the kernel's binaries (``triton_aot.binaries_dir``),
   one file per module and device, holding the module's source hash and the device's name and compute
   capability: a second process (or another graph with the same region) reads it and times nothing;
@@ -53,10 +54,13 @@ LOOP_STAGES = (1, 3)  # pipelining of a loop's loads: off, and Triton's default 
 # A candidate replaces the default only when this much faster: a small kernel's time between two events
 # is partly the host's launching (triton.jit's path, ~20 us a launch), which is noise to the choice.
 MARGIN = 0.03
-# A kernel whose default launch takes less than this (the events' mean over back-to-back launches) is not
-# tuned: the host's launching (~20 us) sets that time, so no candidate can show itself faster, and each
-# costs a compile. On an H200 every kernel of the debug Llama was this small, and tuning them made its
-# first step 25 s longer (34 s against 9 s) for no faster step (2026-11-27).
+# A launch-bound kernel is not tuned: the host's launching sets its time between two events, so no
+# candidate can show itself faster, and each costs a compile. On an H200 every kernel of the debug Llama
+# was such, and tuning them made its first step 25 s longer (34 s against 9 s) for no faster step
+# (2026-11-27). The CUDA timer tells it by the host: its default's time on the device is within
+# LAUNCH_BOUND_RATIO of the host's time to issue the launches (the device waited for the host). A timer
+# that cannot tell (the tests' fakes) falls back to an absolute SMALL_KERNEL_MS.
+LAUNCH_BOUND_RATIO = 1.25
 SMALL_KERNEL_MS = 0.03
 
 
@@ -68,7 +72,9 @@ class KernelKind(str, Enum):
     COLS_FINAL = "cols_final"  # the second stage of a split column reduction
 
 
-LaunchTimer = Callable[[Launch], float]  # milliseconds of one launch with this configuration
+# Milliseconds of one launch with this configuration. A timer may also have ``launch_bound(launch, ms)
+# -> bool`` (CudaEventTimer): whether the last timing of ``launch`` was the host's pace, not the device's.
+LaunchTimer = Callable[[Launch], float]
 
 
 def kernel_of(program: LoopProgram, launch: Launch) -> tuple[Kernel, KernelKind]:
@@ -170,10 +176,11 @@ def tune(program: LoopProgram, time_launch: LaunchTimer, plan: list[Launch] | No
     """Each launch of ``plan`` (default: the program's) in order, its candidates timed, the fastest kept.
     In order because a launch may read what the one before wrote (a split reduction's partials)."""
     out = []
+    launch_bound = getattr(time_launch, "launch_bound", lambda launch, ms: ms < SMALL_KERNEL_MS)
     for launch in plan if plan is not None else launches(program):
         default, *others = candidates(program, launch)
         timed = [(time_launch(default), 0, default)]
-        if timed[0][0] < SMALL_KERNEL_MS:  # launch-bound: the default, without compiling the others
+        if launch_bound(default, timed[0][0]):  # the default, without compiling the others
             out.append(Tuned(default, timed[0][0], timed[0][0], 1))
             continue
         timed += [(time_launch(c), i, c) for i, c in enumerate(others, start=1)]
@@ -288,24 +295,40 @@ def cached_launches(program: LoopProgram, module_file: str | os.PathLike) -> lis
     return found
 
 
-def cuda_event_timer(module: Any, buffers: list[Any], slots: list[tuple[int, ...]], program: LoopProgram,
-                     repeats: int = 20) -> LaunchTimer:  # fmt: skip
+class CudaEventTimer:
     """Times a launch with CUDA events on the current stream: compiled and run once, then ``repeats``
-    launches between two events, the mean. ``slots``: each launch's buffer indices, by kernel name."""
-    import torch
+    launches between two events, the mean; the host's time to issue them is kept beside it, so that
+    ``launch_bound`` can tell a kernel the host's launching paces. ``slots``: each launch's buffer
+    indices, by kernel name."""
 
-    by_kernel = dict(zip([ln.kernel for ln in launches(program)], slots, strict=True))
+    def __init__(self, module: Any, buffers: list[Any], slots: list[tuple[int, ...]], program: LoopProgram,
+                 repeats: int = 20) -> None:  # fmt: skip
+        self.module, self.buffers, self.repeats = module, buffers, repeats
+        self.by_kernel = dict(zip([ln.kernel for ln in launches(program)], slots, strict=True))
+        self.host_ms: dict[Launch, float] = {}  # per launch timed: the host's milliseconds to issue one
 
-    def time_launch(launch: Launch) -> float:
-        kernel = getattr(module, launch.kernel)
-        args = [buffers[i] for i in by_kernel[launch.kernel]]
+    def __call__(self, launch: Launch) -> float:
+        import time
+
+        import torch
+
+        kernel = getattr(self.module, launch.kernel)
+        args = [self.buffers[i] for i in self.by_kernel[launch.kernel]]
         kernel[launch.grid](*args, **launch.options())  # compiles (or loads) this configuration
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(self.repeats):
             kernel[launch.grid](*args, **launch.options())
+        self.host_ms[launch] = (time.perf_counter() - t0) * 1e3 / self.repeats
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / repeats
+        return start.elapsed_time(end) / self.repeats
 
-    return time_launch
+    def launch_bound(self, launch: Launch, ms: float) -> bool:
+        return ms <= self.host_ms[launch] * LAUNCH_BOUND_RATIO
+
+
+def cuda_event_timer(module: Any, buffers: list[Any], slots: list[tuple[int, ...]], program: LoopProgram,
+                     repeats: int = 20) -> CudaEventTimer:  # fmt: skip
+    return CudaEventTimer(module, buffers, slots, program, repeats)
