@@ -80,6 +80,15 @@ class Variant:
         self.times: list[float] = []
         self.losses: list[float] = []
 
+    def compiled_line(self) -> str | None:
+        """accelrun's one line of what compiled (graphs, regions, CUDA graphs kept or declined and why)."""
+        record = getattr(self.compiled, "record", None)
+        return record.compiled_line() if record is not None else None
+
+    def graph_cache(self) -> dict | None:
+        record = getattr(self.compiled, "record", None)
+        return dict(record.graph_cache) if record is not None else None
+
     def step(self, count_saved: bool = False) -> float:
         batch = [t.to(self.device) for t in next(self.data)]  # inputs, targets (+ positions: document packing)
         sync(self.device)
@@ -140,12 +149,14 @@ def child(args: argparse.Namespace) -> None:
     reset = v.device.type == "cpu" and reset_peak_rss()
     first = v.step()
     v.step(count_saved=True)
+    cache = v.graph_cache()
     if v.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(v.device) / 2**20  # the device's, not the host's
     else:
         peak = (peak_rss_kib() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
     print(json.dumps({"warm_start_s": first, "peak_rss_mib": peak, "whole_process": not reset and v.device.type == "cpu",
-                      "saved_mib": v.saved_bytes / 2**20}))
+                      "saved_mib": v.saved_bytes / 2**20,
+                      "graph_cache": {k: cache[k] for k in ("loaded", "compiled", "errors") if k in cache} if cache else None}))
 
 
 def reset_peak_rss() -> bool:
@@ -210,6 +221,9 @@ def time_variants(names: list[str], args: argparse.Namespace) -> tuple[list[tupl
     for _ in range(args.rounds):
         for v in variants:
             v.times.append(v.step())
+    for v in variants:
+        if line := v.compiled_line():
+            print(f"{v.name}: {line}")
     return [(v.name, v.times, v.losses) for v in variants], cold
 
 
@@ -232,6 +246,7 @@ def run_one(args: argparse.Namespace) -> None:
     print(f"| variant | median step | vs eager | vs inductor (95% interval) | cold compile (first step) | warm start (new process) | "
           f"saved for backward | {memory} | last loss |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    warm_cache: dict[str, dict] = {}
     for name, _, losses in rows:
         med = medians[name]
         ratio = f"{eager_median / med:.2f}×" if eager_median else "-"
@@ -241,6 +256,8 @@ def run_one(args: argparse.Namespace) -> None:
             ci = bootstrap_ratio_of_medians([[t] for t in times["inductor"]], [[t] for t in times[name]], paired=True)
             vs_inductor += f" ({ci.low:.2f}–{ci.high:.2f})"
         extra = measure_in_child(name, args)
+        if extra.get("graph_cache"):
+            warm_cache[name] = extra["graph_cache"]
         nan = float("nan")
         print(f"| {name} | {med * 1000:.0f} ms | {ratio} | {vs_inductor} | {cold[name]:.1f} s | "
               f"{extra.get('warm_start_s', nan):.2f} s | {extra.get('saved_mib', nan):.1f} MiB | "
@@ -248,6 +265,8 @@ def run_one(args: argparse.Namespace) -> None:
               f"{losses[-1]:.4f} |")  # fmt: skip
     for n, why in skipped.items():
         print(f"| {n} | skipped: {why} | | | | | | | |")
+    for name, cache in warm_cache.items():  # whether the warm start loaded its graphs or compiled them again
+        print(f"warm start of {name}: graph cache {cache}")
     # Same data, same seed: every variant must compute the same losses (the comparison is of speed only).
     ref_name, _, ref = rows[0]  # (name, times, losses)
     for name, _, losses in rows[1:]:
