@@ -241,8 +241,9 @@ class TrainConfig(Section):
     cpu_malloc: Literal["tuned", "lean", "system"] = Field(
         "tuned", description="on a CPU: tuned = glibc keeps freed activations for the next step, and the "
         "heap's free pages go back to the OS only after the first step and after a step that grew the heap "
-        "(accelrun.train.host_malloc); lean = the free pages go back after every step (lower peak RSS, a page "
-        "fault for each page the next step takes again); system = glibc's defaults")
+        "(accelrun.train.host_malloc); lean = memory first: blocks from 16 MiB up are mapped afresh and the free "
+        "pages go back after every step (torchtitan's debug shape: 0.69x its peak RSS, at 1.16x instead of 1.36x "
+        "its tokens/s); system = glibc's defaults")
     float8: bool = Field(
         False, description="CUDA only (H100 or newer): the blocks' linear layers compute in float8 with dynamic "
         "scaling (torchao's convert_to_float8_training; pip install 'accelrun[float8]'); the output head and "
