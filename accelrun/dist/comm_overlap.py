@@ -118,6 +118,17 @@ def _forget_waiter() -> None:
 os.register_at_fork(after_in_child=_forget_waiter)
 
 
+def stop_waiter() -> None:
+    """End the waiter thread, after the works queued so far: before the process group is destroyed, so
+    that no ``Work.wait`` runs in the background while gloo tears its works down (a rank that finished
+    then still aborted at exit, CI 2026-11-27: exit code -6, "terminate called without an active
+    exception", in an eager FSDP run)."""
+    global _waiter
+    if _waiter is not None:
+        _waiter.stop()
+        _waiter = None
+
+
 def _finish_when_done(work, iv: list[float]) -> None:
     global _waiter
     if _waiter is None:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from accelrun.config import load_config
 from accelrun.dist import stop
+from accelrun.dist.comm_overlap import stop_waiter
 from accelrun.dist.context import env_rank
 from accelrun.dist.rank_errors import leave_record
 from accelrun.dist.rank_failures import leave_crash, start_rank_log
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None, errors_dir: Path | None = None) -> int:
         leave_crash(errors_dir, log, rank, e)
         return 1
     finally:
+        stop_waiter()  # its background Work.wait must not outlive the group
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
