@@ -8,8 +8,9 @@ step, gradient clipping and FSDP's hooks stay eager and unchanged.
 
 The decision is made twice. For the run (``decide_for_run``): the mode, the device, the ranks, the
 data. For each graph (``decide_for_graph``): its shapes, its collectives, data-dependent ops. Either
-can say no, with a one-line reason that the run's compiled line and report show. Torch-free: the
-runner that captures and replays is ``cuda_graphs.py``.
+can say no, with a one-line reason that the run's compiled line and report show. Under ``auto`` the
+runner that captures and replays (``cuda_graphs.py``; this module is torch-free) has the last word:
+a graph whose timed replay is no faster than its timed eager call runs eagerly, with both times.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class CudaGraphsReport:
     captured: dict[str, int] = field(default_factory=dict)  # graph name -> captures (one per input layout)
     replays: int = 0
     declined: dict[str, str] = field(default_factory=dict)  # graph name -> why it runs without
-    # graph name -> (ms of an eager call, ms of its first replay, copies included): what auto decided on
+    # graph name -> (ms of a timed eager call, ms of a timed replay, copies included): what auto decided on
     timings: dict[str, tuple[float, float]] = field(default_factory=dict)
     capture: Any = field(default=None, repr=False, compare=False)  # cuda_graphs' shared pool, made on first use
 

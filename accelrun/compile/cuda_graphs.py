@@ -139,10 +139,10 @@ class CudaGraphRunner:
         self.captures: dict[tuple, _Capture] = {}
         self.warm: dict[tuple, int] = {}
         self.eager_reason: str | None = None  # set once: the graph runs eagerly from then on
-        # The measurement (first kind of call only): its timed eager call, then its timed replay.
-        self.eager_ms: float | None = None
-        self.measured_kind: tuple | None = None
-        self.replays_before_decision = 0
+        # The measurement, of the first kind of call only: (kind, its timed eager call's ms), then its
+        # replays counted up to the timed one.
+        self.measured: tuple[tuple, float] | None = None
+        self.replays_measured = 0
 
     def __call__(self, *args: Any) -> Any:
         if self.eager_reason is not None:
@@ -153,9 +153,10 @@ class CudaGraphRunner:
             warm = self.warm.get(kind, 0)
             if warm < self.warmup_calls:
                 self.warm[kind] = warm + 1
-                if warm == self.warmup_calls - 1 and warm > 0 and self.measured_kind is None:
-                    self.measured_kind = kind  # its last warm-up call: first-time costs paid by the others
-                    out, self.eager_ms = self.capturer.timed(lambda: self.fn(*args))
+                if warm == self.warmup_calls - 1 and warm > 0 and self.measured is None:
+                    # its last warm-up call: the first-time costs were paid by the ones before
+                    out, eager_ms = self.capturer.timed(lambda: self.fn(*args))
+                    self.measured = (kind, eager_ms)
                     return out
                 return self.fn(*args)
             if len(self.captures) >= self.max_captures:
@@ -167,10 +168,10 @@ class CudaGraphRunner:
                 return self._give_up(f"capture failed: {type(e).__name__}: {first}"[:200], args)
             self.captures[kind] = cap
             self.report.captured[self.name] = self.report.captured.get(self.name, 0) + 1
-        if kind == self.measured_kind and self.name not in self.report.timings:
-            self.replays_before_decision += 1
-            if self.replays_before_decision == TIMED_REPLAY:
-                return self._measured_replay(cap, args)
+        if self.measured is not None and kind == self.measured[0] and self.replays_measured < TIMED_REPLAY:
+            self.replays_measured += 1
+            if self.replays_measured == TIMED_REPLAY:
+                return self._measured_replay(cap, args, self.measured[1])
         return self._replay(cap, args)
 
     def _replay(self, cap: _Capture, args: Sequence[Any]) -> Any:
@@ -181,11 +182,10 @@ class CudaGraphRunner:
         self.report.replays += 1
         return _read_out(cap, args)
 
-    def _measured_replay(self, cap: _Capture, args: Sequence[Any]) -> Any:
+    def _measured_replay(self, cap: _Capture, args: Sequence[Any], eager_ms: float) -> Any:
         """A replay timed against the eager call; under auto, one that is not clearly faster sends the
         graph back to eager (this call's outputs are good either way)."""
         out, replay_ms = self.capturer.timed(lambda: self._replay(cap, args))
-        eager_ms = self.eager_ms if self.eager_ms is not None else float("nan")
         self.report.timings[self.name] = (round(eager_ms, 3), round(replay_ms, 3))
         if self.report.mode is CudaGraphMode.AUTO and replay_ms > eager_ms * KEEP_IF_REPLAY_UNDER:
             self.report.captured.pop(self.name, None)

@@ -127,7 +127,7 @@ def _named_after_custom_model(cfg: RunConfig, sources: dict[KeyPath, Source]) ->
                                        and custom_src.kind == "file" and custom_src.file == name_src.file):
         return cfg
     module = cfg.model.custom.split(":")[0].rsplit(".", 1)[-1].lstrip("_")
-    if not re.match(RUN_NAME_PATTERN, module):  # (a module name always fits, once its leading _ is gone)
+    if not re.match(RUN_NAME_PATTERN, module):  # a module named "_" leaves nothing to name the run after
         return cfg
     sources[("name",)] = Source("derived", text="model.custom")
     return cfg.model_copy(update={"name": module})

@@ -35,7 +35,7 @@ def fake_timer(module, buffers, slots, program, repeats=10):
 
 launch_tuning.can_time = lambda: True
 launch_tuning.current_device_key = lambda: launch_tuning.DeviceKey("fake H100", (9, 0), "test")
-launch_tuning.cuda_event_timer = fake_timer
+launch_tuning.CudaEventTimer = fake_timer
 launch_tuning.tune = counted("tune", launch_tuning.tune)
 backend_module.lower_regions = counted("lower_regions", backend_module.lower_regions)
 lower.lower_regions = counted("lower_regions", lower.lower_regions)  # what a graph loaded unlowered calls

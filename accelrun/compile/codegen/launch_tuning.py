@@ -328,7 +328,3 @@ class CudaEventTimer:
     def launch_bound(self, launch: Launch, ms: float) -> bool:
         return ms <= self.host_ms[launch] * LAUNCH_BOUND_RATIO
 
-
-def cuda_event_timer(module: Any, buffers: list[Any], slots: list[tuple[int, ...]], program: LoopProgram,
-                     repeats: int = 20) -> CudaEventTimer:  # fmt: skip
-    return CudaEventTimer(module, buffers, slots, program, repeats)

@@ -109,14 +109,14 @@ class TritonRegion:
 
     def _tune(self, bufs: tuple[torch.Tensor, ...]) -> None:
         from accelrun.compile.codegen.launch_tuning import (
-            cuda_event_timer,
+            CudaEventTimer,
             current_device_key,
             tuned_launches,
         )
 
         slots = [p[2] for p in self._plan]
         chosen = tuned_launches(self.program, self.module_file, current_device_key(),
-                                lambda: cuda_event_timer(self.module, list(bufs), slots, self.program))  # fmt: skip
+                                lambda: CudaEventTimer(self.module, list(bufs), slots, self.program))  # fmt: skip
         self._plan, self.tuning = self._plan_of(chosen.launches), chosen.source
 
     def __reduce__(self) -> tuple:
