@@ -122,7 +122,7 @@ def unmodelled(cfg: RunConfig) -> list[str]:
     device = cfg.cluster.device
     if t.device != "auto" and device is not None and (t.device == "cpu") != (device == "cpu"):
         out.append(f"train.device = {t.device} on a {device} cluster: planned on the cluster's devices")
-    if device == "cpu" and t.cpu_malloc != "tuned":
+    if device == "cpu" and t.cpu_malloc not in ("blocks", "tuned"):
         out.append(f"train.cpu_malloc = {t.cpu_malloc}: the calibration's allocator behaviour is assumed")
     return out
 

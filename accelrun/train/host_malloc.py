@@ -57,16 +57,26 @@ def _libc() -> ctypes.CDLL | None:
 TUNED = f"tuned: M_MMAP_THRESHOLD = {MMAP_THRESHOLD >> 20} MiB, M_TRIM_THRESHOLD = {TRIM_THRESHOLD >> 20} MiB"
 LEAN = f"lean: M_MMAP_THRESHOLD = {LEAN_MMAP_THRESHOLD >> 20} MiB, M_TRIM_THRESHOLD = {TRIM_THRESHOLD >> 20} MiB"
 _applied: str | None = None  # the mode whose mallopt settings this process has (they last as long as it)
+_blocks_missing: str | None = None  # why the last ``blocks`` run has no block cache (None: it has one)
 
 
 def tune_malloc(mode: str) -> None:
-    """Apply ``mode`` (tuned | lean | system) to this process (``system``: nothing to do)."""
-    global _applied
+    """Apply ``mode`` (blocks | tuned | lean | system) to this process (``system``: nothing to do).
+    ``blocks`` is ``tuned`` with accelrun's block cache as torch's CPU allocator (host_blocks); where the
+    cache cannot be had, ``tuned`` alone, and ``malloc_record`` says why."""
+    global _applied, _blocks_missing
+    from accelrun.train import host_blocks
+
+    if mode == "blocks":
+        _blocks_missing = host_blocks.install()
+    elif host_blocks.installed():  # an earlier run in this process had it
+        host_blocks.uninstall()
     libc = _libc()
-    if mode in ("tuned", "lean") and libc is not None and _applied != mode:
-        mmap_threshold = LEAN_MMAP_THRESHOLD if mode == "lean" else MMAP_THRESHOLD
+    glibc_mode = "tuned" if mode == "blocks" else mode
+    if glibc_mode in ("tuned", "lean") and libc is not None and _applied != glibc_mode:
+        mmap_threshold = LEAN_MMAP_THRESHOLD if glibc_mode == "lean" else MMAP_THRESHOLD
         if libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1:
-            _applied = mode
+            _applied = glibc_mode
 
 
 class _MallInfo2(ctypes.Structure):
@@ -113,7 +123,7 @@ def step_end_release(mode: str) -> Callable[[], None] | None:
     every step; ``tuned`` after the first step and after growth (``TrimWhenTheHeapGrows``)."""
     libc = _libc()
     if mode == "system" or libc is None:
-        return None
+        return None  # blocks: the cache keeps within the live peak by itself; the heap is trimmed as tuned
     libc.malloc_trim.argtypes = [ctypes.c_size_t]
     if mode == "lean":
         return lambda: libc.malloc_trim(0)
@@ -122,8 +132,19 @@ def step_end_release(mode: str) -> Callable[[], None] | None:
 
 def malloc_record(mode: str) -> str:
     """What a CPU process of the run has in effect, for env.json and the report."""
+    from accelrun.train import host_blocks
+
+    blocks = ""
+    if mode == "blocks":  # what a rank gets: the launcher's record is written before any rank installs it
+        missing = _blocks_missing or host_blocks.unavailable()
+        if missing is None:
+            blocks = (f"blocks: from {host_blocks.MIN_BYTES >> 20} MiB mapped once and reused by size "
+                      "(accelrun's allocator); smaller ones ")
+        else:
+            blocks = f"blocks unavailable ({missing}), tuned instead: "
+        mode = "tuned"
     if _libc() is None:
-        return "system: not glibc, left as is"
+        return f"{blocks}system: not glibc, left as is"
     if mode == "system":
         if _applied is None:
             return "system: glibc's defaults"
@@ -131,5 +152,5 @@ def malloc_record(mode: str) -> str:
     if mode == "lean":
         return f"{LEAN}, malloc_trim after every step"
     if _heap_size(_libc()) is None:
-        return f"{TUNED}, malloc_trim after the first step (glibc before 2.33: heap growth is not seen)"
-    return f"{TUNED}, malloc_trim after the first step and any step that grew the heap"
+        return f"{blocks}{TUNED}, malloc_trim after the first step (glibc before 2.33: heap growth is not seen)"
+    return f"{blocks}{TUNED}, malloc_trim after the first step and any step that grew the heap"

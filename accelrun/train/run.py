@@ -9,6 +9,7 @@ writes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -42,6 +43,7 @@ from accelrun.report.metrics import MetricsWriter, forget_steps_after, read_metr
 from accelrun.report.peak import BUSY_PEAK
 from accelrun.report.summary import is_steady, step_breakdown, summarize
 from accelrun.report.trackers import open_trackers
+from accelrun.train import host_blocks
 from accelrun.train.host_malloc import tune_malloc
 from accelrun.train.loop import LoopOutcome, run_loop
 from accelrun.train.progress import TrainProgress
@@ -192,6 +194,13 @@ def _machine_load(per_rank: list[dict], cpu: CpuWindow) -> dict:
             "job_processes_on_node": sum(1 for r in per_rank if r["host"] == host)}
 
 
+def _host_blocks(s: TrainSetup) -> dict | None:
+    """This process's block cache counters (train.cpu_malloc = blocks on a CPU), or None."""
+    if s.device.type != "cpu" or not host_blocks.installed():
+        return None
+    return dataclasses.asdict(host_blocks.counters())
+
+
 def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str, setup_s: float, error,
                   per_rank: list[dict], cpu: CpuWindow) -> dict:
     cfg = resolved.config
@@ -230,6 +239,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         step_time_s_per_rank=[r["step_time_s"] for r in per_rank],
         pipeline_per_rank=[r["pipeline"] for r in per_rank] if s.pipeline is not None else None,
         compiler=compiler,
+        host_blocks=_host_blocks(s),
         history=[str(p) for p in history(run_dir)],  # the run folders of this run, restarts included
         final_val_loss=next((m["val_loss"] for m in reversed(metrics) if m.get("val_loss") is not None), None),
     )

@@ -36,9 +36,12 @@ def test_loss_falls_and_run_directory_is_complete(tiny):
     assert report["status"] == "finished" and report["steps"] == 40
     assert report["final_loss_mean"] < report["first_loss"] - 1.0, (report["first_loss"], report["final_loss_mean"])
     assert report["config_hash"] in (d / "report.md").read_text()
-    malloc = json.loads((d / "env.json").read_text())["cpu"]["malloc"]  # train.cpu_malloc = tuned (default)
-    assert malloc.startswith(("tuned: M_MMAP_THRESHOLD", "system: not glibc")), malloc
+    malloc = json.loads((d / "env.json").read_text())["cpu"]["malloc"]  # train.cpu_malloc = blocks (default)
+    assert malloc.startswith("blocks: from 1 MiB mapped once") and "tuned: M_MMAP_THRESHOLD" in malloc, malloc
     assert f"host malloc: {malloc}" in (d / "report.md").read_text()
+    blocks = report["host_blocks"]  # torch's CPU allocator for the run (this model's tensors are all under 1 MiB)
+    assert blocks["small"] > 1000 and blocks["misses"] == 0, blocks
+    assert "| host block cache |" in (d / "report.md").read_text()
     assert report["tokens_per_s"] > 0 and report["step_breakdown_s"]["forward"] > 0
     assert report["mfu"] is None and "peak unknown" in " ".join(report["notes"])  # probe disabled here
     rows = read_metrics(d / "metrics.jsonl")

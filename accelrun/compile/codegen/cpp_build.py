@@ -63,21 +63,22 @@ def default_cache_dir() -> Path:
     return base / "compile" / "cpp"
 
 
-def library_path(source: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where the library built from ``source`` lives (or will) in the cache."""
+def library_path(source: str, cache_dir: str | os.PathLike | None = None, link: tuple[str, ...] = ()) -> Path:
+    """Where the library built from ``source`` (and linked with ``link``'s flags) lives, or will, in the cache."""
     cxx = find_compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler: g++ is not on the PATH (or ACCELRUN_CXX names none)")
-    key_text = "\n".join([source, compiler_version(cxx), " ".join(FLAGS), cpu_signature()])
+    key_text = "\n".join([source, compiler_version(cxx), " ".join(FLAGS + link), cpu_signature()])
     key = hashlib.sha256(key_text.encode()).hexdigest()
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return directory / f"{key}.so"
 
 
-def build_library(source: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Path of the shared library built from ``source``, compiling only on a cache miss."""
+def build_library(source: str, cache_dir: str | os.PathLike | None = None, link: tuple[str, ...] = ()) -> Path:
+    """Path of the shared library built from ``source``, compiling only on a cache miss. ``link``: flags
+    after the source (include and library paths, ``-l...``), part of the cache key."""
     global _invocations
-    target = library_path(source, cache_dir)
+    target = library_path(source, cache_dir, link)
     directory, key, cxx = target.parent, target.stem, find_compiler()
     assert cxx is not None
     directory.mkdir(parents=True, exist_ok=True)
@@ -88,7 +89,7 @@ def build_library(source: str, cache_dir: str | os.PathLike | None = None) -> Pa
         src.write_text(source)
         built = Path(tmp) / f"{key}.so"
         _invocations += 1
-        proc = subprocess.run([cxx, *FLAGS, str(src), "-o", str(built)], capture_output=True, text=True)
+        proc = subprocess.run([cxx, *FLAGS, str(src), "-o", str(built), *link], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"g++ failed on generated code:\n{proc.stderr[-4000:]}")
         os.replace(src, directory / f"{key}.cpp")  # kept for reading; harmless if another process won
