@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,6 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from accelrun.compile.compile_model import compile_model  # noqa: E402
 from accelrun.config import load_config  # noqa: E402
+from accelrun.config.schema import CpuMalloc  # noqa: E402
 from accelrun.data import build_data  # noqa: E402
 from accelrun.dist.context import ParallelContext  # noqa: E402
 from accelrun.dist.layout import with_cuda_graph_decision  # noqa: E402
@@ -184,8 +186,8 @@ def main() -> None:
     p.add_argument("--executors", default="cpp,triton,aten", help="accelrun's executors, in priority order")
     p.add_argument("--scope", default="loss")
     p.add_argument("--device", default="cpu", help="cpu or cuda (peak memory is then the GPU's max allocated)")
-    p.add_argument("--malloc", choices=["tuned", "system"], default="tuned",
-                   help="glibc malloc settings of this process, so of every variant alike; tuned is what "
+    p.add_argument("--malloc", choices=typing.get_args(CpuMalloc), default="blocks",
+                   help="CPU allocator settings of this process, so of every variant alike; blocks is what "
                         "`accelrun train` sets on a CPU (train.cpu_malloc)")
     p.add_argument("override", nargs="*", help="recipe overrides for every variant (model.dim=1024 ...)")
     p.add_argument("--child", help=argparse.SUPPRESS)

@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+import typing
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accelrun.compile.backend import AccelrunBackend  # noqa: E402
 from accelrun.compile.options import CompileOptions  # noqa: E402
 from accelrun.compile.passes.base import resolve_passes  # noqa: E402
+from accelrun.config.schema import CpuMalloc  # noqa: E402
 from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 
@@ -124,8 +126,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--malloc", choices=["tuned", "system"], default="tuned",
-                    help="glibc malloc settings of this process, so of every variant alike; tuned is what "
+    ap.add_argument("--malloc", choices=typing.get_args(CpuMalloc), default="blocks",
+                    help="CPU allocator settings of this process, so of every variant alike; blocks is what "
                          "`accelrun train` sets on a CPU (train.cpu_malloc), as bench/compile_step.py does")
     args = ap.parse_args()
     tune_malloc(args.malloc)

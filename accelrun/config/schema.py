@@ -222,6 +222,9 @@ class ActivationCheckpointConfig(Section):
     every_n: PositiveInt = 2
 
 
+CpuMalloc = Literal["blocks", "tuned", "lean", "system"]  # train.cpu_malloc: accelrun.train.host_malloc
+
+
 class TrainConfig(Section):
     steps: PositiveInt = 300
     global_batch: PositiveInt = 16
@@ -238,7 +241,7 @@ class TrainConfig(Section):
     activation_checkpoint: ActivationCheckpointConfig = Field(default_factory=ActivationCheckpointConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: PositiveInt | None = Field(None, description="CPU threads for torch; None = torch's default")
-    cpu_malloc: Literal["blocks", "tuned", "lean", "system"] = Field(
+    cpu_malloc: CpuMalloc = Field(
         "blocks", description="on a CPU: blocks = accelrun's allocator: blocks from 1 MiB up are mapped once and "
         "reused by size, mapped memory within 1.25x the live peak (accelrun.train.host_blocks; glibc as tuned for "
         "the rest; built by g++, tuned where it cannot be); tuned = glibc keeps freed activations for the next "

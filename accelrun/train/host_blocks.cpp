@@ -76,6 +76,11 @@ class BlockCache final : public c10::Allocator {
     return bytes;
   }
 
+  void set_active(bool active) {
+    std::lock_guard<std::mutex> hold(mu_);
+    active_ = active;
+  }
+
   void lock() { mu_.lock(); }
   void unlock() { mu_.unlock(); }
 
@@ -88,7 +93,8 @@ class BlockCache final : public c10::Allocator {
     if (!instance->give_back(p)) c10::free_cpu(p);
   }
 
-  // Keeps the block for the next request of its size; false if the block is not one of ours.
+  // Keeps the block for the next request of its size (unmaps it once the cache is uninstalled); false
+  // if the block is not one of ours.
   bool give_back(void* p) {
     std::lock_guard<std::mutex> hold(mu_);
     auto it = live_.find(p);
@@ -98,6 +104,7 @@ class BlockCache final : public c10::Allocator {
     counters_.live -= size;
     free_.emplace(size, p);
     counters_.cached += size;
+    if (!active_) unmap_largest();  // the one just freed is the only free block then
     return true;
   }
 
@@ -161,6 +168,7 @@ class BlockCache final : public c10::Allocator {
   std::unordered_map<void*, size_t> live_;  // block -> its mapped size
   std::multimap<size_t, void*> free_;       // mapped size -> free block
   Counters counters_;
+  bool active_ = true;  // torch's CPU allocator now; freed blocks are kept only then
   size_t offsets_ = 0;  // blocks mapped so far: the next one's offset into its mapping
   std::atomic<size_t> small_{0};  // blocks under min_bytes handed to alloc_cpu (no lock on that path)
 };
@@ -183,14 +191,16 @@ int accelrun_blocks_install(size_t min_bytes, size_t headroom_permille) {
     pthread_atfork(before_fork, after_fork, after_fork);
   }
   c10::SetCPUAllocator(BlockCache::instance, 0);
+  BlockCache::instance->set_active(true);
   return c10::GetCPUAllocator() == BlockCache::instance ? 1 : 0;
 }
 
-// Gives torch back the allocator it had, after unmapping the free blocks. Blocks still live go back
-// to the cache's free list when their tensors are freed, and stay mapped until the next uninstall.
+// Gives torch back the allocator it had and unmaps the free blocks; blocks still live are unmapped
+// when their tensors are freed.
 void accelrun_blocks_uninstall() {
   if (BlockCache::instance == nullptr) return;
   if (c10::GetCPUAllocator() == BlockCache::instance) c10::SetCPUAllocator(BlockCache::instance->previous(), 0);
+  BlockCache::instance->set_active(false);
   BlockCache::instance->release_cached();
 }
 
