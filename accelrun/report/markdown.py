@@ -146,8 +146,9 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
     if (blocks := r.get("host_blocks")) is not None:  # train.cpu_malloc = blocks: rank 0's cache
         reused = f"{blocks['hits']:,} of {blocks['hits'] + blocks['misses']:,}"
         rows.insert(rows.index(("peak memory", _bytes(r.get("mem_peak_bytes")))) + 1,
-                    ("host block cache", f"{_bytes(blocks['peak_mapped'])} mapped at most (live peak "
-                     f"{_bytes(blocks['peak_live'])}); {reused} requests from 1 MiB reused a mapped block"))
+                    ("host block cache", f"{_bytes(blocks['peak_mapped'])} mapped at most, live blocks "
+                     f"{_bytes(blocks['peak_live'])} (their tensors asked for {_bytes(blocks['peak_requested'])}); "
+                     f"{reused} requests from 1 MiB reused a mapped block"))
     if r.get("mem_reserved_bytes") is not None:  # CUDA: what the caching allocator held, its cache included
         rows.insert(rows.index(("peak memory", _bytes(r.get("mem_peak_bytes")))) + 1,
                     ("peak reserved (CUDA allocator)", _bytes(r.get("mem_reserved_bytes"))))

@@ -5,8 +5,8 @@
 // grows past what is live); mapping each block afresh leaves no holes but faults every page in again
 // every step. This allocator maps a block of `min_bytes` or more once, and when the tensor is freed
 // keeps the mapping on a free list keyed by its size; the next request of that size takes it back,
-// pages already resident. Mapped memory stays under a mark: the most bytes live at once so far plus a
-// headroom (thousandths of it). A request with no free block of its size (or up to 1/8 larger) takes
+// pages already resident. Mapped memory stays under a mark: the most bytes live blocks held at once
+// (since install; a block serving a smaller request counts whole) plus a headroom (thousandths of it). A request with no free block of its size (or up to 1/8 larger) takes
 // one up to twice its size when mapping a new block would cross the mark; failing that, free blocks
 // are unmapped (largest first) until the new one fits under the mark. Smaller blocks go to
 // c10's own `alloc_cpu` / `free_cpu`, as with torch's default allocator. Both report to torch's
@@ -34,6 +34,12 @@ constexpr size_t kLine = 64;  // a cache line, and c10's alignment for CPU tenso
 struct Counters {  // the order accelrun_blocks_stats writes them in (host_blocks.py reads this order)
   size_t live = 0, cached = 0, peak_live = 0, peak_mapped = 0;
   size_t hits = 0, misses = 0, unmapped = 0, small = 0;
+  size_t requested = 0, peak_requested = 0;  // what live blocks' tensors asked for (page-rounded)
+};
+
+struct LiveBlock {
+  size_t size;       // the block's usable bytes (its mapping is one page more)
+  size_t requested;  // what its tensor asked for, rounded up to a page: at most `size`
 };
 
 class BlockCache final : public c10::Allocator {
@@ -68,6 +74,20 @@ class BlockCache final : public c10::Allocator {
     return c;
   }
 
+  // Counts from now: the peaks restart at what is mapped now, the counts at 0 (a run's report says
+  // what its own steps did, not an earlier run's in the same process).
+  void restart_counters() {
+    std::lock_guard<std::mutex> hold(mu_);
+    Counters c;
+    c.live = counters_.live;
+    c.cached = counters_.cached;
+    c.requested = c.peak_requested = counters_.requested;
+    c.peak_live = c.live;
+    c.peak_mapped = c.live + c.cached;
+    counters_ = c;
+    small_.store(0, std::memory_order_relaxed);
+  }
+
   // Unmaps every free block; returns the bytes given back.
   size_t release_cached() {
     std::lock_guard<std::mutex> hold(mu_);
@@ -99,7 +119,8 @@ class BlockCache final : public c10::Allocator {
     std::lock_guard<std::mutex> hold(mu_);
     auto it = live_.find(p);
     if (it == live_.end()) return false;
-    size_t size = it->second;
+    size_t size = it->second.size;
+    counters_.requested -= it->second.requested;
     live_.erase(it);
     counters_.live -= size;
     free_.emplace(size, p);
@@ -109,7 +130,10 @@ class BlockCache final : public c10::Allocator {
   }
 
   void* take(size_t n) {
-    size_t size = (n + kPage - 1) / kPage * kPage;
+    TORCH_CHECK_WITH(OutOfMemoryError, n <= SIZE_MAX - 2 * kPage,
+                     "accelrun's CPU block cache: not enough memory: you tried to allocate ", n, " bytes");
+    const size_t requested = (n + kPage - 1) / kPage * kPage;
+    size_t size = requested;
     std::lock_guard<std::mutex> hold(mu_);
     void* p = nullptr;
     size_t peak = std::max(counters_.peak_live, counters_.live + size);
@@ -124,18 +148,20 @@ class BlockCache final : public c10::Allocator {
       counters_.cached -= size;
       counters_.hits++;
     } else {
-      counters_.misses++;
       while (!free_.empty() && counters_.live + counters_.cached + size > mark) unmap_largest();
       p = map(size, next_offset());
       if (p == nullptr) {  // out of address space or memory: give back every free block and try once more
         while (!free_.empty()) unmap_largest();
         p = map(size, next_offset());
       }
-      TORCH_CHECK_WITH(OutOfMemoryError, p != nullptr, "accelrun's CPU block cache: could not map ", size,
-                       " bytes (", counters_.live, " bytes live): ", std::strerror(errno));
+      TORCH_CHECK_WITH(OutOfMemoryError, p != nullptr, "accelrun's CPU block cache: not enough memory: you tried to ",
+                       "allocate ", n, " bytes (", counters_.live, " bytes in live blocks; mmap: ", std::strerror(errno), ")");
+      counters_.misses++;
     }
-    live_.emplace(p, size);
+    live_.emplace(p, LiveBlock{size, requested});
     counters_.live += size;
+    counters_.requested += requested;
+    counters_.peak_requested = std::max(counters_.peak_requested, counters_.requested);
     counters_.peak_live = std::max(counters_.peak_live, counters_.live);
     counters_.peak_mapped = std::max(counters_.peak_mapped, counters_.live + counters_.cached);
     return p;
@@ -165,7 +191,7 @@ class BlockCache final : public c10::Allocator {
   size_t min_bytes_;
   size_t headroom_permille_;
   std::mutex mu_;
-  std::unordered_map<void*, size_t> live_;  // block -> its mapped size
+  std::unordered_map<void*, LiveBlock> live_;
   std::multimap<size_t, void*> free_;       // mapped size -> free block
   Counters counters_;
   bool active_ = true;  // torch's CPU allocator now; freed blocks are kept only then
@@ -192,6 +218,7 @@ int accelrun_blocks_install(size_t min_bytes, size_t headroom_permille) {
   }
   c10::SetCPUAllocator(BlockCache::instance, 0);
   BlockCache::instance->set_active(true);
+  BlockCache::instance->restart_counters();
   return c10::GetCPUAllocator() == BlockCache::instance ? 1 : 0;
 }
 
@@ -214,7 +241,8 @@ int accelrun_blocks_installed() {
 
 void accelrun_blocks_stats(size_t* out) {
   Counters c = BlockCache::instance == nullptr ? Counters{} : BlockCache::instance->counters();
-  size_t values[] = {c.live, c.cached, c.peak_live, c.peak_mapped, c.hits, c.misses, c.unmapped, c.small};
+  size_t values[] = {c.live,   c.cached, c.peak_live, c.peak_mapped, c.hits,
+                     c.misses, c.unmapped, c.small,   c.requested,   c.peak_requested};
   std::copy(std::begin(values), std::end(values), out);
 }
 

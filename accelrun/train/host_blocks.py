@@ -4,18 +4,20 @@ glibc's heap either keeps a step's freed activations with the holes they leave (
 memory above what is live) or maps them afresh each step (``lean``: every page faults in again).
 ``host_blocks.cpp`` is torch's CPU allocator for the run instead: a block of ``MIN_BYTES`` or more is
 mapped once and, freed, waits on a free list for the next request of its size, its pages resident;
-mapped memory stays within the most bytes live at once so far. Smaller blocks go to c10's own
-``alloc_cpu``, as they would with torch's default allocator. torchtitan's debug shape: see
-docs/compiler.md (2026-11-28).
+mapped memory stays within ``1 + HEADROOM_PERMILLE / 1000`` times the most bytes live blocks held at
+once. Each block starts at its own cache-line offset in its mapping. Smaller blocks go to c10's own
+``alloc_cpu``, as they would with torch's default allocator. Measured: docs/compiler.md (2026-11-28).
 
 The library links against torch's ``libc10`` and is built by g++ once per machine (the C++ build
-cache, about a second). With no compiler, or where torch keeps another allocator, the run falls back
-to ``tuned`` and the record says so.
+cache, about a second; the key holds torch's version, since the library subclasses c10's
+``Allocator``). With no compiler, or where torch keeps another allocator, the run falls back to
+``tuned`` and the record says so.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -39,8 +41,11 @@ class BlockCounters:
     peak_mapped: int  # the most bytes mapped at once (live + cached)
     hits: int  # requests served from the free list
     misses: int  # requests that mapped a new block
-    unmapped: int  # free blocks given back to the OS to stay under the live peak
+    unmapped: int  # free blocks given back to the OS to stay under the mark
     small: int  # requests under MIN_BYTES, handed to c10's alloc_cpu
+    requested: int  # what the live blocks' tensors asked for (page-rounded; a reused block may be larger)
+    peak_requested: int
+    # Counts and peaks are since the last install (a run's own).
 
 
 def _link_flags() -> tuple[str, ...]:
@@ -49,7 +54,9 @@ def _link_flags() -> tuple[str, ...]:
     torch_dir = os.path.dirname(torch.__file__)
     torch_lib = os.path.join(torch_dir, "lib")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return (f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{os.path.join(torch_dir, 'include')}", f"-L{torch_lib}", "-lc10",
+    # Unused by the source: puts torch's build in the cache key (an upgraded c10 may lay out Allocator anew).
+    built_for = f"-DACCELRUN_FOR_TORCH={torch.__version__}-{torch.version.git_version}"
+    return (built_for, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{os.path.join(torch_dir, 'include')}", f"-L{torch_lib}", "-lc10",
             f"-Wl,-rpath,{torch_lib}")
 
 
@@ -64,7 +71,9 @@ def _library() -> ctypes.CDLL | str:
     try:
         lib = load_library(build_library(source, link=_link_flags()))
     except (RuntimeError, OSError) as e:
-        return f"its build failed: {str(e).splitlines()[-1] if str(e) else type(e).__name__}"
+        lines = str(e).splitlines()
+        first_error = next((ln.strip() for ln in lines if "error" in ln), lines[-1] if lines else type(e).__name__)
+        return f"its build failed: {first_error}"
     lib.accelrun_blocks_install.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
     lib.accelrun_blocks_release_cached.restype = ctypes.c_size_t
     lib.accelrun_blocks_stats.argtypes = [ctypes.POINTER(ctypes.c_size_t)]
@@ -103,6 +112,6 @@ def counters() -> BlockCounters | None:
     """The cache's counters, or None where it was never built in this process."""
     if not _library.cache_info().currsize or isinstance(_library(), str):
         return None
-    values = (ctypes.c_size_t * 8)()
+    values = (ctypes.c_size_t * len(dataclasses.fields(BlockCounters)))()
     _library().accelrun_blocks_stats(values)
     return BlockCounters(*values)

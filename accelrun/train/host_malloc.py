@@ -67,9 +67,8 @@ def tune_malloc(mode: str) -> None:
     global _applied, _blocks_missing
     from accelrun.train import host_blocks
 
-    if mode == "blocks":
-        _blocks_missing = host_blocks.install()
-    elif host_blocks.installed():  # an earlier run in this process had it
+    _blocks_missing = host_blocks.install() if mode == "blocks" else None
+    if mode != "blocks" and host_blocks.installed():  # an earlier run in this process left it
         host_blocks.uninstall()
     libc = _libc()
     glibc_mode = "tuned" if mode == "blocks" else mode
@@ -77,6 +76,17 @@ def tune_malloc(mode: str) -> None:
         mmap_threshold = LEAN_MMAP_THRESHOLD if glibc_mode == "lean" else MMAP_THRESHOLD
         if libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1:
             _applied = glibc_mode
+
+
+def end_of_run(mode: str) -> None:
+    """Give torch back its own CPU allocator after a ``blocks`` run (its free blocks unmapped), so that
+    whatever the process does next (another run, a GPU run, a test) starts from torch's defaults."""
+    global _blocks_missing
+    from accelrun.train import host_blocks
+
+    if mode == "blocks" and host_blocks.installed():
+        host_blocks.uninstall()
+    _blocks_missing = None
 
 
 class _MallInfo2(ctypes.Structure):
@@ -123,11 +133,11 @@ def step_end_release(mode: str) -> Callable[[], None] | None:
     every step; ``tuned`` after the first step and after growth (``TrimWhenTheHeapGrows``)."""
     libc = _libc()
     if mode == "system" or libc is None:
-        return None  # blocks: the cache keeps within the live peak by itself; the heap is trimmed as tuned
+        return None
     libc.malloc_trim.argtypes = [ctypes.c_size_t]
     if mode == "lean":
         return lambda: libc.malloc_trim(0)
-    return TrimWhenTheHeapGrows(libc, _heap_size(libc))
+    return TrimWhenTheHeapGrows(libc, _heap_size(libc))  # tuned, and blocks for the blocks under 1 MiB
 
 
 def malloc_record(mode: str) -> str:
@@ -135,8 +145,8 @@ def malloc_record(mode: str) -> str:
     from accelrun.train import host_blocks
 
     blocks = ""
-    if mode == "blocks":  # what a rank gets: the launcher's record is written before any rank installs it
-        missing = _blocks_missing or host_blocks.unavailable()
+    if mode == "blocks":  # after tune_malloc: what this process got; before (the launcher): what a rank will
+        missing = None if host_blocks.installed() else _blocks_missing or host_blocks.unavailable()
         if missing is None:
             blocks = (f"blocks: from {host_blocks.MIN_BYTES >> 20} MiB mapped once and reused by size "
                       "(accelrun's allocator); smaller ones ")

@@ -44,7 +44,7 @@ from accelrun.report.peak import BUSY_PEAK
 from accelrun.report.summary import is_steady, step_breakdown, summarize
 from accelrun.report.trackers import open_trackers
 from accelrun.train import host_blocks
-from accelrun.train.host_malloc import tune_malloc
+from accelrun.train.host_malloc import end_of_run, malloc_record, tune_malloc
 from accelrun.train.loop import LoopOutcome, run_loop
 from accelrun.train.progress import TrainProgress
 from accelrun.train.setup import TrainSetup, build_setup
@@ -69,9 +69,32 @@ def run_in_dir(
     """Set up, train and report in ``run_dir``. In a job every rank calls this; only rank 0 writes
     (``console`` is None on the others)."""
     cfg = resolved.config
-    main = ctx is None or ctx.is_main
-    if not rank_uses_cuda(cfg):
+    on_cpu = not rank_uses_cuda(cfg)
+    if on_cpu:
         tune_malloc(cfg.train.cpu_malloc)  # before setup allocates anything big
+        if ctx is None or ctx.is_main:
+            _record_malloc(run_dir, cfg.train.cpu_malloc)
+    try:
+        return _train_in_dir(resolved, run_dir, ctx, console, stop_after_step)
+    finally:
+        if on_cpu:
+            end_of_run(cfg.train.cpu_malloc)
+
+
+def _record_malloc(run_dir: Path, mode: str) -> None:
+    """env.json's malloc record as this process has it: the launcher wrote what a rank would get
+    before any rank set it (the block cache may still have been refused)."""
+    path = run_dir / "env.json"
+    if path.is_file():
+        env = json.loads(path.read_text())
+        env.setdefault("cpu", {})["malloc"] = malloc_record(mode)
+        write_json(env, path)
+
+
+def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | None, console: Console | None,
+                  stop_after_step: int | None) -> TrainResult:
+    cfg = resolved.config
+    main = ctx is None or ctx.is_main
     t_setup = time.perf_counter()
     try:
         s = build_setup(resolved, run_dir, ctx)

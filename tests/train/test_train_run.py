@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from accelrun.compile.codegen.cpp_build import find_compiler
 from accelrun.config import load_config
 from accelrun.report.metrics import read_metrics
 from accelrun.train.checkpoint import complete_checkpoints
@@ -37,11 +38,14 @@ def test_loss_falls_and_run_directory_is_complete(tiny):
     assert report["final_loss_mean"] < report["first_loss"] - 1.0, (report["first_loss"], report["final_loss_mean"])
     assert report["config_hash"] in (d / "report.md").read_text()
     malloc = json.loads((d / "env.json").read_text())["cpu"]["malloc"]  # train.cpu_malloc = blocks (default)
-    assert malloc.startswith("blocks: from 1 MiB mapped once") and "tuned: M_MMAP_THRESHOLD" in malloc, malloc
     assert f"host malloc: {malloc}" in (d / "report.md").read_text()
-    blocks = report["host_blocks"]  # torch's CPU allocator for the run (this model's tensors are all under 1 MiB)
-    assert blocks["small"] > 1000 and blocks["misses"] == 0, blocks
-    assert "| host block cache |" in (d / "report.md").read_text()
+    if find_compiler() is None:  # no g++: tuned, and the record says why (tests/train/test_host_blocks.py)
+        assert malloc.startswith("blocks unavailable (no C++ compiler") and report["host_blocks"] is None, malloc
+    else:
+        assert malloc.startswith("blocks: from 1 MiB mapped once") and "tuned: M_MMAP_THRESHOLD" in malloc, malloc
+        blocks = report["host_blocks"]  # the run's CPU allocator (this model's tensors are all under 1 MiB)
+        assert blocks["small"] > 1000 and blocks["misses"] == 0, blocks
+        assert "| host block cache |" in (d / "report.md").read_text()
     assert report["tokens_per_s"] > 0 and report["step_breakdown_s"]["forward"] > 0
     assert report["mfu"] is None and "peak unknown" in " ".join(report["notes"])  # probe disabled here
     rows = read_metrics(d / "metrics.jsonl")
