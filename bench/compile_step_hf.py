@@ -31,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accelrun.compile.backend import AccelrunBackend  # noqa: E402
 from accelrun.compile.options import CompileOptions  # noqa: E402
 from accelrun.compile.passes.base import resolve_passes  # noqa: E402
-from accelrun.config.schema import CpuMalloc  # noqa: E402
+from accelrun.config.schema import CpuMalloc, OptimizerConfig  # noqa: E402
 from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
+from accelrun.train.optim import build_optimizer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -52,7 +53,9 @@ def build(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
 class Variant:
     def __init__(self, name: str, model: torch.nn.Module, args: argparse.Namespace, cache: Path) -> None:
         self.name, self.model = name, copy.deepcopy(model)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        # AdamW as `accelrun train` builds it on a CPU (fused), the same for every variant, as in
+        # bench/compile_step.py; until 2026-11-28 torch's default here (one kernel per parameter and op).
+        self.opt = build_optimizer(self.model, OptimizerConfig(lr=1e-4), torch.device("cpu"), sharded=False)
         self.record = None
         if name == "inductor":
             self.fn = torch.compile(self.model)
