@@ -231,18 +231,20 @@ def _numeric_cause(diff: list[DiffRow], indices: list[int]) -> str:
         " differs" if len(keys) == 1 else " differ")
 
 
-# (what, path in env.json, severity): a warning makes a speed comparison suspect; a note is context.
+# (what, path in env.json, severity, the recipe key that sets it): a warning makes a speed comparison
+# suspect; a note is context. Where the runs' recipes differ in that key, the difference is what the
+# comparison compares (`accelrun ab --a train.cpu_malloc=tuned --b train.cpu_malloc=blocks`): a note.
 ENV_CHECKS = (
-    ("CPU", ("cpu", "model"), "warning"),
-    ("GPU", ("cuda", "devices"), "warning"),
-    ("torch", ("versions", "torch"), "warning"),
-    ("Python", ("versions", "python"), "warning"),
-    ("triton", ("versions", "triton"), "warning"),
-    ("accelrun", ("versions", "accelrun"), "warning"),
-    ("torch threads", ("cpu", "torch_threads"), "warning"),
-    ("host malloc", ("cpu", "malloc"), "warning"),
-    ("host", ("hostname",), "note"),
-    ("git commit", ("git", "commit"), "note"),
+    ("CPU", ("cpu", "model"), "warning", None),
+    ("GPU", ("cuda", "devices"), "warning", None),
+    ("torch", ("versions", "torch"), "warning", None),
+    ("Python", ("versions", "python"), "warning", None),
+    ("triton", ("versions", "triton"), "warning", None),
+    ("accelrun", ("versions", "accelrun"), "warning", None),
+    ("torch threads", ("cpu", "torch_threads"), "warning", "train.threads"),
+    ("host malloc", ("cpu", "malloc"), "warning", "train.cpu_malloc"),
+    ("host", ("hostname",), "note", None),
+    ("git commit", ("git", "commit"), "note", None),
 )
 
 
@@ -258,13 +260,15 @@ def environment_differences(runs: list[RunRecord]) -> tuple[list[str], list[str]
     warnings: list[str] = []
     notes: list[str] = []
     labels = [r.label for r in runs]
-    for what, path, severity in ENV_CHECKS:
+    for what, path, severity, set_by in ENV_CHECKS:
         values = [_get(r.env, path) for r in runs]
         if all(v is None for v in values) or len({repr(v) for v in values}) == 1:
             continue
         shown = "; ".join(f"{lab}: {v if v not in (None, []) else 'none'}"
                           for lab, v in zip(labels, values, strict=True))
-        if severity == "warning":
+        if set_by is not None and len({repr(_get(r.config, tuple(set_by.split(".")))) for r in runs}) > 1:
+            notes.append(f"different {what}, as {set_by} differs: {shown}")
+        elif severity == "warning":
             warnings.append(f"different {what}: {shown} — speed figures are not like for like")
         else:
             notes.append(f"different {what}: {shown}")

@@ -69,6 +69,25 @@ def test_machine_and_software_differences_are_flagged(runs, tmp_path):
     assert any("different host" in n for n in c.notes)
 
 
+def test_a_host_malloc_difference_is_a_warning_unless_the_recipes_ask_for_it(runs, tmp_path):
+    """`accelrun ab --a train.cpu_malloc=tuned --b train.cpu_malloc=blocks` compares exactly that."""
+    import yaml
+
+    other = tmp_path / "other-malloc"
+    shutil.copytree(runs["twin"], other)
+    env = json.loads((other / "env.json").read_text())
+    env["cpu"]["malloc"] = "tuned: M_MMAP_THRESHOLD = 32 MiB"
+    (other / "env.json").write_text(json.dumps(env))
+    c = compare_groups(groups(runs["base"], other), resamples=200)
+    assert any(w.startswith("different host malloc") and "not like for like" in w for w in c.warnings), c.warnings
+    config = yaml.safe_load((other / "config.yaml").read_text())
+    config["train"]["cpu_malloc"] = "tuned"
+    (other / "config.yaml").write_text(yaml.safe_dump(config))
+    c = compare_groups(groups(runs["base"], other), resamples=200)
+    assert not any("host malloc" in w for w in c.warnings), c.warnings
+    assert any(n.startswith("different host malloc, as train.cpu_malloc differs") for n in c.notes), c.notes
+
+
 def test_config_diff_lists_every_differing_key_with_sources(runs):
     a, b = load_run(runs["base"]), load_run(runs["seed1"])
     rows = {d.key: d for d in config_diff([a, b])}
