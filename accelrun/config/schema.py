@@ -243,8 +243,8 @@ class TrainConfig(Section):
     threads: PositiveInt | None = Field(None, description="CPU threads for torch; None = torch's default")
     cpu_malloc: CpuMalloc = Field(
         "blocks", description="on a CPU: blocks = accelrun's allocator: blocks from 1 MiB up are mapped once and "
-        "reused by size, mapped memory within 1.25x the most its live blocks held at once (accelrun.train.host_blocks; glibc as tuned for "
-        "the rest; built by g++, tuned where it cannot be); tuned = glibc keeps freed activations for the next "
+        "reused by size, mapped memory within 1.25x the most its live blocks held at once "
+        "(accelrun.train.host_blocks; glibc as tuned for the rest; built by g++, tuned where it cannot be); tuned = glibc keeps freed activations for the next "
         "step, and the heap's free pages go back to the OS only after the first step and after a step that grew "
         "the heap (accelrun.train.host_malloc); lean = memory first: blocks from 16 MiB up are mapped afresh and "
         "the free pages go back after every step; system = glibc's defaults. torchtitan's debug shape, fp32: "

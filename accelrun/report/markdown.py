@@ -143,15 +143,15 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
         ("data loading share", _pct(r.get("data_share"))),
         ("total step time", _secs(r.get("total_time_s"))),
     ]
+    after_peak = rows.index(("peak memory", _bytes(r.get("mem_peak_bytes")))) + 1
     if (blocks := r.get("host_blocks")) is not None:  # train.cpu_malloc = blocks: rank 0's cache
         reused = f"{blocks['hits']:,} of {blocks['hits'] + blocks['misses']:,}"
-        rows.insert(rows.index(("peak memory", _bytes(r.get("mem_peak_bytes")))) + 1,
-                    ("host block cache", f"{_bytes(blocks['peak_mapped'])} mapped at most, live blocks "
-                     f"{_bytes(blocks['peak_live'])} (their tensors asked for {_bytes(blocks['peak_requested'])}); "
-                     f"{reused} requests from 1 MiB reused a mapped block"))
+        rows.insert(after_peak, ("host block cache", (
+            f"{_bytes(blocks['peak_mapped'])} mapped at most, live blocks {_bytes(blocks['peak_live'])} (their "
+            f"tensors asked for {_bytes(blocks['peak_requested'])}); {reused} requests from 1 MiB reused a mapped "
+            "block")))
     if r.get("mem_reserved_bytes") is not None:  # CUDA: what the caching allocator held, its cache included
-        rows.insert(rows.index(("peak memory", _bytes(r.get("mem_peak_bytes")))) + 1,
-                    ("peak reserved (CUDA allocator)", _bytes(r.get("mem_reserved_bytes"))))
+        rows.insert(after_peak, ("peak reserved (CUDA allocator)", _bytes(r.get("mem_reserved_bytes"))))
     comm = r.get("comm_time_s")
     if comm:  # multi-process CPU jobs only (accelrun.dist.comm_timing)
         rows.insert(4, (comm.get("what", "communication"),

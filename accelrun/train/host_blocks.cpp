@@ -88,12 +88,9 @@ class BlockCache final : public c10::Allocator {
     small_.store(0, std::memory_order_relaxed);
   }
 
-  // Unmaps every free block; returns the bytes given back.
-  size_t release_cached() {
+  void release_cached() {  // unmaps every free block
     std::lock_guard<std::mutex> hold(mu_);
-    size_t bytes = counters_.cached;
     while (!free_.empty()) unmap_largest();
-    return bytes;
   }
 
   void set_active(bool active) {
@@ -229,10 +226,6 @@ void accelrun_blocks_uninstall() {
   if (c10::GetCPUAllocator() == BlockCache::instance) c10::SetCPUAllocator(BlockCache::instance->previous(), 0);
   BlockCache::instance->set_active(false);
   BlockCache::instance->release_cached();
-}
-
-size_t accelrun_blocks_release_cached() {
-  return BlockCache::instance == nullptr ? 0 : BlockCache::instance->release_cached();
 }
 
 int accelrun_blocks_installed() {

@@ -56,8 +56,8 @@ def _link_flags() -> tuple[str, ...]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # Unused by the source: puts torch's build in the cache key (an upgraded c10 may lay out Allocator anew).
     built_for = f"-DACCELRUN_FOR_TORCH={torch.__version__}-{torch.version.git_version}"
-    return (built_for, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{os.path.join(torch_dir, 'include')}", f"-L{torch_lib}", "-lc10",
-            f"-Wl,-rpath,{torch_lib}")
+    return (built_for, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{os.path.join(torch_dir, 'include')}",
+            f"-L{torch_lib}", "-lc10", f"-Wl,-rpath,{torch_lib}")
 
 
 @functools.cache
@@ -75,7 +75,6 @@ def _library() -> ctypes.CDLL | str:
         first_error = next((ln.strip() for ln in lines if "error" in ln), lines[-1] if lines else type(e).__name__)
         return f"its build failed: {first_error}"
     lib.accelrun_blocks_install.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
-    lib.accelrun_blocks_release_cached.restype = ctypes.c_size_t
     lib.accelrun_blocks_stats.argtypes = [ctypes.POINTER(ctypes.c_size_t)]
     return lib
 
@@ -103,15 +102,22 @@ def uninstall() -> None:
         lib.accelrun_blocks_uninstall()
 
 
+def _loaded() -> ctypes.CDLL | None:
+    """The library if this process has already loaded it; never builds (every mode asks ``installed``)."""
+    lib = _library() if _library.cache_info().currsize else None
+    return None if isinstance(lib, str) else lib
+
+
 def installed() -> bool:
-    lib = _library.cache_info().currsize and _library()
-    return bool(lib) and not isinstance(lib, str) and lib.accelrun_blocks_installed() == 1
+    lib = _loaded()
+    return lib is not None and lib.accelrun_blocks_installed() == 1
 
 
 def counters() -> BlockCounters | None:
-    """The cache's counters, or None where it was never built in this process."""
-    if not _library.cache_info().currsize or isinstance(_library(), str):
+    """The cache's counters, or None where it was never loaded in this process."""
+    lib = _loaded()
+    if lib is None:
         return None
     values = (ctypes.c_size_t * len(dataclasses.fields(BlockCounters)))()
-    _library().accelrun_blocks_stats(values)
+    lib.accelrun_blocks_stats(values)
     return BlockCounters(*values)

@@ -219,9 +219,7 @@ def _machine_load(per_rank: list[dict], cpu: CpuWindow) -> dict:
 
 def _host_blocks(s: TrainSetup) -> dict | None:
     """This process's block cache counters (train.cpu_malloc = blocks on a CPU), or None."""
-    if s.device.type != "cpu" or not host_blocks.installed():
-        return None
-    return dataclasses.asdict(host_blocks.counters())
+    return dataclasses.asdict(host_blocks.counters()) if host_blocks.installed() else None
 
 
 def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str, setup_s: float, error,
