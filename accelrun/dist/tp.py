@@ -26,6 +26,7 @@ import contextlib
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import (
+    RowwiseParallel,
     loss_parallel,
     parallelize_module,
 )
@@ -33,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 # The plans are the model family's data (accelrun.models.families.<family>.tp_plan); re-exported here
 # for the callers that name them.
 from accelrun.models.families.llama.tp_plan import BLOCK_PLAN, SP_BLOCK_PLAN, end_plan
+from accelrun.torch_private import functional_collectives as funcol
 
 __all__ = ["BLOCK_PLAN", "SP_BLOCK_PLAN", "apply_tp", "end_plan", "loss_context"]
 
@@ -46,7 +48,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
         from accelrun.models.families import get_family
 
         plan = get_family("llama").tp_plan
-    parallelize_module(model, tp_mesh, plan.ends(model, sequence_parallel, loss_parallel))
+    ends = plan.ends(model, sequence_parallel, loss_parallel)
+    parallelize_module(model, tp_mesh, ends)
+    for name, style in ends.items():
+        if isinstance(style, RowwiseParallel) and style.use_local_output:  # the embedding: it feeds the blocks
+            model.get_submodule(name).register_forward_hook(_waited_output)
     # A tied output layer: the embedding and the output layer were each given a sharded copy of the
     # one weight, both split over the vocabulary (rows): share the embedding's again.
     if callable(tie := getattr(model, "tie_weights", None)):
@@ -55,6 +61,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
 
     for block in transformer_blocks(model):
         parallelize_module(block, tp_mesh, plan.sequence_parallel_block if sequence_parallel else plan.block)
+
+
+def _waited_output(module: nn.Module, args, output):
+    """The embedding's reduced output as a plain tensor. It arrives as an AsyncCollectiveTensor (the
+    all-reduce not yet waited on), while every later block gets the plain tensor the block before it
+    returns: a compiled block then has two input types and Dynamo compiles it twice. The first block
+    waits for it at once anyway. ``wait_tensor`` on the wrapper, not its ``wait()``: that returns the
+    inner tensor, outside autograd, and the embedding would get no gradient."""
+    return funcol.wait_tensor(output) if isinstance(output, funcol.AsyncCollectiveTensor) else output
 
 
 def loss_context(enabled: bool):

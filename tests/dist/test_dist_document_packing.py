@@ -1,5 +1,5 @@
 """data.packing = document on 2 ranks (gloo): under FSDP (compiled by accelrun's backend: the blocks' graph and
-the loss head's, no graph break) and under TP, every token's loss equals transformers' ``LlamaForCausalLM`` on
+the loss head's, no graph break), under TP, and under FSDP x TP on 4 ranks (compiled), every token's loss equals transformers' ``LlamaForCausalLM`` on
 its document alone (fp32, 1e-5), and the training loss is their mean; under pipeline stages (compiled), the
 schedule's loss is the mean of those rows' means. TP without data parallelism runs eager: validate refuses to
 compile that layout with this torch, whatever the packing."""
@@ -19,15 +19,19 @@ LAYOUTS = {
     # One row per micro-batch, so the schedule's mean loss is the mean of the rows' own means.
     "pp2": ["parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.microbatches=2",
             "train.micro_batch=2", "train.global_batch=2"],
+    # TP compiles where FSDP shards the same blocks: 4 ranks, 2 x 2.
+    "fsdp2_tp2": ["parallel.dp_shard=2", "parallel.tp=2", "train.micro_batch=2", "train.global_batch=4"],
 }
-DEGREES = {"fsdp2": (2, 1, 1), "tp2": (1, 2, 1), "pp2": (1, 1, 2)}
+DEGREES = {"fsdp2": (2, 1, 1), "tp2": (1, 2, 1), "pp2": (1, 1, 2), "fsdp2_tp2": (2, 2, 1)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_packed_losses_equal_transformers_per_document_on_two_ranks(layout, tmp_path):
     hf_dir = tmp_path / "hf"
     save_tiny_hf(hf_dir, "llama")
-    records = run_ranks(tmp_path, hf_dir, LAYOUTS[layout], LENGTHS)
+    dp, tp, pp = DEGREES[layout]
+    records = run_ranks(tmp_path, hf_dir, LAYOUTS[layout], LENGTHS, world=dp * tp * pp)
+    assert len(records) == dp * tp * pp
     for rank, r in enumerate(records):
         assert r["exitcode"] == 0, (rank, r)
         assert (r["dp_size"], r["tp_size"], r["pp_size"]) == DEGREES[layout]
