@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from accelrun.config.data_paths import expand_paths
+from accelrun.data.atomic_file import remove_dead_scratch, scratch_path
 from accelrun.data.doc_index import index_path, write_doc_index
 from accelrun.data.errors import DataError
 from accelrun.data.hf_documents import encode_files
@@ -104,7 +105,8 @@ def prepare_tokens(
     plan = plan_reads(files, max_bytes)
     total = sum(n for _, n in plan)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    remove_dead_scratch(out)  # what a killed prepare of this file left
+    tmp = scratch_path(out)
     hasher = hashlib.sha256()
     done = [0]
 

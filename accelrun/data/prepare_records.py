@@ -25,6 +25,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from accelrun.data.atomic_file import remove_dead_scratch, scratch_path
 from accelrun.data.doc_index import read_doc_index
 from accelrun.data.errors import DataError
 from accelrun.data.record_shards import Piece, ShardResult, ShardSpec, plan_pieces, write_shard
@@ -74,7 +75,8 @@ def prepare_records(
     pieces = plan_pieces(files)
     total = sum(p.size for p in pieces)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    remove_dead_scratch(out)  # what a killed prepare of this folder left
+    tmp = scratch_path(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     spec = ShardSpec(tokenizer, text_field, str(tmp), key=key, text_key=text_key)
@@ -125,7 +127,7 @@ def _check_output(out: Path) -> None:
 
 def _move_into_place(tmp: Path, out: Path) -> None:
     """``tmp`` becomes ``out``; an earlier prepare there is removed only once the new one is in place."""
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    old = scratch_path(out, "old")
     if out.exists():
         os.replace(out, old)
     os.replace(tmp, out)

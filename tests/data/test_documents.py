@@ -106,8 +106,8 @@ def test_a_second_load_is_served_from_the_prepared_cache(corpora, tmp_path, monk
 
 
 def test_formats_train_to_identical_losses(corpora, tiny, tmp_path):
-    losses = {}
-    for fmt in ("jsonl", "parquet", "csv", "save_to_disk"):
+    losses, data = {}, {}
+    for fmt in FORMATS:
         runs = tmp_path / fmt
         r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG), *tiny(3, "checkpoint.enabled=false", "data.source=documents",
                                      f"data.paths=[{corpora[fmt]}]", f"report.runs_dir={runs}")])
@@ -115,8 +115,13 @@ def test_formats_train_to_identical_losses(corpora, tiny, tmp_path):
         (run_dir,) = list((runs / "llama-debug").iterdir())
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         losses[fmt] = [row["loss"] for row in rows if "loss" in row]
+        data[fmt] = json.loads((run_dir / "report.json").read_text())["data"]
     assert len(losses["jsonl"]) == 3
     assert all(v == losses["jsonl"] for v in losses.values()), losses
+    # each run trained on these documents (equal losses alone would not tell): the report's data
+    # fingerprint is the documents' content hash, the same whichever file held them
+    documents_hash = load_stream(documents(corpora["jsonl"]), vocab_size=320, seed=0).fingerprint["sha256"]
+    assert data == {fmt: documents_hash for fmt in FORMATS}, data
 
 
 def train_error(tiny, *overrides: str) -> str:
@@ -148,8 +153,25 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny):
     # a source with no paths, and a mixture weight <= 0, before anything is read (validate)
     line = train_error(tiny, "data.source=documents")
     assert "data.source = documents" in line and "needs data.paths" in line
-    r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), f"data.mix=[{{paths: [{good}], weight: 0}}]"])
-    assert r.exit_code == 2 and "data.mix.0.weight = 0.0" in r.output and "must be > 0" in r.output, r.output
+    for weight in ("0", "-0.5"):
+        r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG),
+                                     f"data.mix=[{{paths: [{good}], weight: 1}}, {{paths: [{good}], weight: {weight}}}]"])
+        errors = [line for line in r.output.splitlines() if line.startswith("error")]
+        assert r.exit_code == 2 and len(errors) == 1, r.output
+        assert f"data.mix.1.weight = {float(weight)}" in errors[0] and "must be > 0" in errors[0], r.output
+
+
+def test_a_parquet_corpus_on_a_plain_install_is_one_line_naming_the_extra(corpora, tiny, monkeypatch):
+    """What a user with a parquet file and no pyarrow meets, through the command line: validate and train
+    each stop before anything starts with one line naming the extra."""
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
+    data = ["data.source=documents", f"data.paths=[{corpora['parquet']}]"]
+    r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), *data])
+    errors = [line for line in r.output.splitlines() if line.startswith("error")]
+    assert r.exit_code == 2 and len(errors) == 1, r.output
+    assert "corpus.parquet" in errors[0] and "pip install 'accelrun[data]'" in errors[0], r.output
+    line = train_error(tiny, *data)
+    assert "corpus.parquet" in line and "pip install 'accelrun[data]'" in line
 
 
 def test_a_missing_field_deep_in_the_corpus_names_its_line(tmp_path):

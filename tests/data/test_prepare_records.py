@@ -7,6 +7,10 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,7 @@ from accelrun.data import DataError, load_stream
 from accelrun.data.doc_index import index_path
 from accelrun.data.prepare_records import prepare_records
 from accelrun.data.tokfile import load_tokens, write_token_file
+from tests.conftest import DEFAULT_CONFIG
 from tests.data.test_documents import DOCS, write_corpus
 
 pytest.importorskip("pyarrow", reason="the data extra (pyarrow) is not installed")
@@ -95,6 +100,63 @@ def test_an_interrupted_prepare_leaves_nothing_a_run_would_read(tmp_path, monkey
     assert os.listdir(tmp_path / "data") == ["corpus"]  # no temporary folder left beside it
     again = load_tokens([str(out)])  # the earlier prepare, whole
     assert again.fingerprint["tokens"] == before.tokens and again.document_starts.numel() == len(DOCS)
+
+
+def _big_corpus(path: Path, mib: int = 64) -> Path:
+    """A jsonl file large enough (several 4 MiB pieces, about a second to prepare) to be killed half way."""
+    line = json.dumps({"text": "the quick brown fox jumps over the lazy dog. " * 40}) + "\n"
+    with open(path, "w") as fh:
+        fh.write(line * (mib * 2**20 // len(line)))
+    return path
+
+
+def _kill_once_writing(argv: list[str], scratch_parent: Path, env: dict | None = None) -> None:
+    """Start ``accelrun argv`` in its own process group and SIGKILL the group (workers included) as soon
+    as a shard is being written under a scratch folder in ``scratch_parent``: no handler runs."""
+    proc = subprocess.Popen([sys.executable, "-c", "from accelrun.cli.main import cli; cli()", *argv],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if any(p.name.startswith("shard-") or p.name.startswith(".shard-")
+                   for d in scratch_parent.glob(".*.tmp-*") if d.is_dir() for p in d.iterdir()):
+                break
+            time.sleep(0.005)
+        assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_a_killed_prepare_with_two_workers_leaves_nothing_a_run_would_read(tmp_path):
+    data = tmp_path / "data"
+    earlier = prepare_records([str(write_corpus(tmp_path / "small", "jsonl"))], data / "corpus")
+    big = _big_corpus(tmp_path / "big.jsonl")
+    _kill_once_writing(["data", "prepare", str(big), "-o", str(data / "corpus"), "--workers", "2"], data)
+    (left,) = [p for p in data.iterdir() if p.name != "corpus"]  # the killed prepare's scratch, hidden
+    assert left.name.startswith(".corpus.tmp-")
+    for paths in ([str(data / "corpus")], [f"{data}/*"]):  # the earlier prepare, whole; a glob skips the scratch
+        again = load_tokens(paths)
+        assert again.fingerprint["tokens"] == earlier.tokens and again.document_starts.numel() == len(DOCS), paths
+    prepare_records([str(write_corpus(tmp_path / "small", "jsonl"))], data / "corpus")  # the next prepare
+    assert os.listdir(data) == ["corpus"]  # removed what the dead one left
+
+
+def test_a_run_killed_while_it_prepares_documents_leaves_no_cache_a_run_would_trust(tmp_path, monkeypatch):
+    big = _big_corpus(tmp_path / "big.jsonl", mib=48)
+    monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path / "cache"))
+    documents = tmp_path / "cache" / "documents"  # where the documents source prepares (documents.py)
+    documents.mkdir(parents=True)
+    _kill_once_writing(["train", str(DEFAULT_CONFIG), "train.steps=1", "data.source=documents", f"data.paths=[{big}]",
+                        f"report.runs_dir={tmp_path / 'runs'}", "compile.backend=eager"], documents)
+    assert not any((d / "prepared.json").exists() for d in documents.iterdir())
+    stream = load_stream(DataConfig(source="documents", paths=[str(big)]), vocab_size=320, seed=0)
+    whole = prepare_records([str(big)], tmp_path / "whole")
+    assert len(stream) == whole.tokens and stream.document_starts.numel() == whole.documents  # prepared again
+    left = [p.name for p in documents.iterdir() if not p.name.endswith(".lock")]
+    assert len(left) == 1 and (documents / left[0] / "prepared.json").exists(), left  # no scratch left
 
 
 def test_a_document_index_of_other_tokens_is_refused(tmp_path):
