@@ -5,11 +5,14 @@ and a few training steps run on it.
     python bench/data_memory.py --gib 40 --allow-gib 2      # 20x the allowance (needs ~2.2x --gib of disk)
     python bench/data_memory.py --gib 0.05 --allow-gib 2     # a smoke run (what the test machine ran)
     python bench/data_memory.py --gib 40 --format parquet
+    python bench/data_memory.py --gib 24 --allow-gib 2 --windows 400000   # 12x, a sample of the epoch's windows
 
 The corpus (jsonl or parquet, documents of varied lengths) is generated on disk here. The reader runs in
 a child process whose private memory is capped at ``--allow-gib`` (``RLIMIT_DATA``: heap and anonymous
 maps; the memory-mapped shards are file pages the kernel can drop, not the process's own memory), so a
-reader that held the corpus would fail, not just report a large number. Printed: the corpus, the
+reader that held the corpus would fail, not just report a large number. Every window once takes long on a
+corpus larger than the page cache (each is a random read from disk): ``--windows`` reads that many, in
+the epoch's shuffled order, from all over the corpus. Printed: the corpus, the
 peak private (anonymous) RSS of each phase sampled every 20 ms, the peak RSS with file pages
 (``VmHWM``), and corpus size / peak private RSS. Size the corpus to the disk: the shards take about
 as much again as jsonl text (2 bytes a token for a byte tokenizer: twice the text).
@@ -96,7 +99,7 @@ class PeakSampler:
         self.peak = max(self.peak, private_rss_bytes())
 
 
-def child(corpus: str, allow_gib: float, steps: int) -> None:
+def child(corpus: str, allow_gib: float, steps: int, windows: int) -> None:
     import torch
 
     from accelrun.config.schema import DataConfig
@@ -112,10 +115,14 @@ def child(corpus: str, allow_gib: float, steps: int) -> None:
     out["tokens"] = len(stream)
     with PeakSampler() as read:
         it = TokenBatchIterator(stream, seq_len=1024, micro_batch=64, seed=0)
-        checksum = 0
-        for _ in range(it.batches_per_epoch):  # every window once, in shuffled order
+        batches = it.batches_per_epoch if windows <= 0 else min(it.batches_per_epoch, max(1, windows // 64))
+        checksum, start = 0, time.perf_counter()
+        for _ in range(batches):  # in the epoch's shuffled order: windows from all over the corpus
             checksum += int(next(it).inputs[:, 0].sum())
+        out["read_seconds"] = time.perf_counter() - start
     out["read_private"] = read.peak
+    out["windows_read"] = batches * 64
+    out["windows_in_epoch"] = it.batches_per_epoch * 64
     if steps:
         model = torch.nn.Sequential(torch.nn.Embedding(320, 64), torch.nn.Linear(64, 320))
         opt = torch.optim.AdamW(model.parameters())
@@ -138,11 +145,13 @@ def main() -> None:
     ap.add_argument("--allow-gib", type=float, default=2.0, help="private memory the reader may use")
     ap.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
     ap.add_argument("--steps", type=int, default=20, help="training steps after the full read")
+    ap.add_argument("--windows", type=int, default=0,
+                    help="windows of 1,024 tokens to read, in the epoch's shuffled order (0: every window once)")
     ap.add_argument("--dir", default=None, help="where to write the corpus and shards (default: a temp folder)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.allow_gib, args.steps)
+        child(args.child, args.allow_gib, args.steps, args.windows)
         return
     with tempfile.TemporaryDirectory(prefix="accelrun-bench-memory-", dir=args.dir) as tmp:
         corpus = Path(tmp) / f"corpus.{args.format}"
@@ -154,14 +163,16 @@ def main() -> None:
         env = {**os.environ, "ACCELRUN_CACHE_DIR": str(Path(tmp) / "cache")}
         start = time.perf_counter()
         r = subprocess.run([sys.executable, __file__, "--child", str(corpus), "--allow-gib", str(args.allow_gib),
-                            "--steps", str(args.steps)], env=env, capture_output=True, text=True)
+                            "--steps", str(args.steps), "--windows", str(args.windows)], env=env, capture_output=True, text=True)
         if r.returncode:
             sys.exit(f"the reader failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
         out = json.loads(r.stdout.strip().splitlines()[-1])
         gib = 2**30
-        print(f"tokens: {out['tokens']:,}; {time.perf_counter() - start:.0f} s")
+        print(f"tokens: {out['tokens']:,}; {time.perf_counter() - start:.0f} s; read {out['windows_read']:,} of "
+              f"{out['windows_in_epoch']:,} windows in {out['read_seconds']:.0f} s "
+              f"({out['windows_read'] / max(out['read_seconds'], 1e-9):,.0f} windows/s)")
         print(f"private RSS after imports {out['baseline_private'] / gib:.2f} GiB; peak while preparing "
-              f"{out['prepare_private'] / gib:.2f} GiB, reading every window {out['read_private'] / gib:.2f} GiB"
+              f"{out['prepare_private'] / gib:.2f} GiB, reading windows {out['read_private'] / gib:.2f} GiB"
               + (f", training {out['train_private'] / gib:.2f} GiB" if "train_private" in out else ""))
         peak = max(v for k, v in out.items() if k.endswith("_private"))
         print(f"peak RSS with file pages (VmHWM) {out['hwm'] / gib:.2f} GiB; text / peak private RSS = "

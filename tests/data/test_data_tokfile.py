@@ -136,3 +136,24 @@ def test_uint32_token_files_load(tmp_path):
     assert tokens.dtype == torch.uint32 and torch.equal(tokens.to(torch.int64), ids)
     stream = load_tokens([str(path)])
     assert stream.vocab_size == 100_000 and torch.equal(stream.read(1, 3), ids[1:3])
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the kernel's flags of the map (Linux)")
+def test_token_maps_are_advised_random(corpus, tmp_path):
+    """The loader reads shuffled windows: a token file's map carries MADV_RANDOM (the kernel's `rr` flag), so a
+    page fault on a corpus larger than memory reads that page, not the device's whole read-ahead around it."""
+    out = tmp_path / "c.tok"
+    prepare_tokens([str(corpus / "**" / "*.txt")], out)
+    _, tokens = open_tokens(out, verify=True)  # verification reads the file in order first
+    address = tokens.data_ptr()
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    flags = None
+    for i, line in enumerate(lines):  # a map's header line ("lo-hi perms ..."), then its fields, then VmFlags
+        span = line.split(maxsplit=1)[0]
+        if ":" in span or "-" not in span:
+            continue
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= address < hi:
+            flags = next(m for m in lines[i + 1:] if m.startswith("VmFlags:")).split()[1:]
+            break
+    assert flags is not None and "rr" in flags, flags
