@@ -235,3 +235,78 @@ def test_example_runs_as_written(example: Example, workdir: Path, monkeypatch: p
     if example.expected_error:
         shown = example.expected_error.split("...")[0]
         assert shown in " ".join(result.output.split()), detail
+
+
+def _section_examples(heading: str) -> list[Example]:
+    """The README examples under ``heading`` (a ``## `` line), up to the next such heading."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = lines.index(heading) + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return [e for e in readme_examples() if start < int(e.where.rsplit(":", 1)[1]) <= end]
+
+
+YOUR_DATA = _section_examples("## Your data")
+# What makes a README training line a short one here; the line's own keys come first and stay in force.
+SHORT_RUN = ["train.steps=2", "report.progress=none"]
+
+
+def _trains(example: Example) -> bool:
+    return example.args[:1] == ["train"] and example.expected_exit == 0
+
+
+@pytest.fixture(scope="module")
+def one_machines_cache(tmp_path_factory) -> Path:
+    """One cache folder for the lines below, as on a user's machine that runs them one after another: the
+    first compiles, the next load its graphs from the graph cache."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.parametrize("example", [e for e in YOUR_DATA if _trains(e) and "configs/hf-chat.yaml" not in e.args],
+                         ids=lambda e: e.where)
+def test_your_data_lines_train_for_real(example: Example, example_inputs: Path, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch, one_machines_cache: Path):
+    """"Your data" for real: each training line reads its data (not stopped at the work, as above) and trains."""
+    monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(one_machines_cache))
+    shutil.copytree(REPO / "configs", tmp_path / "configs")
+    shutil.copytree(example_inputs, tmp_path, dirs_exist_ok=True)
+    monkeypatch.chdir(tmp_path)
+    if "data.paths=[data/corpus]" in example.args:  # the folder the README's data prepare line writes
+        (prepare,) = [e for e in YOUR_DATA if e.args[:2] == ["data", "prepare"]]
+        assert CliRunner().invoke(cli, prepare.args).exit_code == 0
+    r = CliRunner().invoke(cli, [*example.args, *SHORT_RUN])
+    assert r.exit_code == 0, f"{example.where}: {example.text}\n{r.output}"
+    (run,) = (tmp_path / "runs").glob("*/*/report.json")
+    import json
+
+    report = json.loads(run.read_text())
+    assert report["status"] == "finished" and report["steps"] == 2, report["status"]
+    assert report["compiled"] and report["compiler"]["dynamo_graphs"] > 0, report["compiler"]
+
+
+def test_your_data_chat_fine_tuning_end_to_end(example_inputs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               one_machines_cache: Path):
+    """The README's chat fine-tuning lines in order, as a user runs them: train (compiled, document packing,
+    the assistant's tokens in the loss), export, then transformers loads the export and its chat template."""
+    monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(one_machines_cache))
+    transformers = pytest.importorskip("transformers")
+    shutil.copytree(REPO / "configs", tmp_path / "configs")
+    shutil.copytree(example_inputs, tmp_path, dirs_exist_ok=True)
+    monkeypatch.chdir(tmp_path)
+    (train,) = [e for e in YOUR_DATA if "configs/hf-chat.yaml" in e.args]
+    (export,) = [e for e in YOUR_DATA if e.args[:1] == ["export"]]
+    r = CliRunner().invoke(cli, [*train.args, *SHORT_RUN])
+    assert r.exit_code == 0, f"{train.where}: {train.text}\n{r.output}"
+    r = CliRunner().invoke(cli, export.args)  # exit 0 now that the run exists
+    assert r.exit_code == 0, f"{export.where}: {export.text}\n{r.output}"
+    import json
+
+    (report,) = (tmp_path / "runs" / "hf-chat").glob("*/report.json")
+    report = json.loads(report.read_text())
+    assert report["compiler"]["dynamo_graphs"] > 0 and 0 < report["loss_tokens_per_step"] < report["tokens_per_step"]
+    out = Path(export.args[export.args.index("--hf") + 1])
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True,
+                                  return_tensors="pt")
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert model(ids).logits.shape[:2] == ids.shape
