@@ -280,7 +280,8 @@ def test_your_data_lines_train_for_real(example: Example, example_inputs: Path, 
 
     report = json.loads(run.read_text())
     assert report["status"] == "finished" and report["steps"] == 2, report["status"]
-    assert report["compiled"] and report["compiler"]["dynamo_graphs"] > 0, report["compiler"]
+    # compiled by accelrun, or its graphs loaded from the graph cache an earlier line filled
+    assert report["compiler"]["dynamo"]["frames_compiled"] > 0, report["compiler"]
 
 
 def test_your_data_chat_fine_tuning_end_to_end(example_inputs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -302,7 +303,8 @@ def test_your_data_chat_fine_tuning_end_to_end(example_inputs: Path, tmp_path: P
 
     (report,) = (tmp_path / "runs" / "hf-chat").glob("*/report.json")
     report = json.loads(report.read_text())
-    assert report["compiler"]["dynamo_graphs"] > 0 and 0 < report["loss_tokens_per_step"] < report["tokens_per_step"]
+    assert report["compiler"]["dynamo"]["frames_compiled"] > 0, report["compiler"]
+    assert 0 < report["loss_tokens_per_step"] < report["tokens_per_step"]  # the assistant's tokens only
     out = Path(export.args[export.args.index("--hf") + 1])
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     tok = transformers.AutoTokenizer.from_pretrained(out)
