@@ -139,3 +139,28 @@ def test_too_short_for_one_batch_per_rank():
     make(n=8 * 8 + 1, micro_batch=4, dp_size=2)  # exactly enough
     with pytest.raises(DataError, match=r"found 64 tokens, need at least 65"):
         make(n=64, micro_batch=4, dp_size=2)
+
+
+@pytest.mark.parametrize("k", [0, 7, 13])
+def test_resume_with_document_packing_gives_the_same_positions_and_masks(k):
+    """Resumed mid-epoch under data.packing = document, the windows come back with the same positions
+    (restarting at each document) and the same targets masked at each boundary."""
+    n = 8 * 40 + 1
+    starts = torch.tensor([0, 5, 19, 20, 61, 150, 151, 290])  # varied lengths, one of a single token
+
+    def documents():
+        stream = TensorStream([torch.arange(n)], vocab_size=n, fingerprint={"source": "test", "sha256": "docs"},
+                              document_starts=starts)
+        return TokenBatchIterator(stream, seq_len=8, micro_batch=4, seed=5, packing="document")
+
+    it = documents()
+    take(it, k)
+    state = it.state_dict()
+    expected = take(it, 12)  # crosses an epoch boundary
+    resumed = documents()
+    resumed.load_state_dict(state)
+    got = take(resumed, 12)
+    assert any((b.targets == -100).any() for b in expected) and any((b.positions[:, 1:] == 0).any() for b in expected)
+    for want, have in zip(expected, got, strict=True):
+        for field in ("inputs", "targets", "positions"):
+            assert torch.equal(getattr(want, field), getattr(have, field)), field
