@@ -8,8 +8,9 @@ EOS tokens inside a window separate documents. With ``packing="document"`` the w
 and each batch is a ``DocumentBatch`` that also carries each token's position in its document and
 masks the targets that cross a boundary (``accelrun.data.document_packing``).
 
-Order: each epoch reads the windows in a permutation drawn from a generator seeded by
-``(seed, epoch)`` (identity when shuffling is off). Every rank computes the same permutation.
+Order: each epoch reads the windows in a permutation seeded by ``(seed, epoch)`` (identity when
+shuffling is off), a ``WindowOrder``: computed for the positions a step reads, never held whole
+(8 bytes a window would grow with the corpus). Every rank computes the same permutation.
 
 Sharding: a global step reads the next ``dp_size * micro_batch`` windows of the permutation; rank
 ``r`` takes the ``r``-th block of ``micro_batch`` of them. The ranks' batches are therefore disjoint,
@@ -34,10 +35,10 @@ import torch
 from accelrun.data.document_packing import DocumentBatch, document_window_batch, require_document_index
 from accelrun.data.errors import DataError
 from accelrun.data.loss_mask import mask_targets
-from accelrun.data.seeding import generator
 from accelrun.data.stream import TokenStream
+from accelrun.data.window_order import WindowOrder
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: windows in WindowOrder's order (1: torch.randperm's, not reproduced)
 
 
 class Batch(NamedTuple):
@@ -56,6 +57,10 @@ def window_batch(stream: TokenStream, window_starts: list[int], seq_len: int, pa
     targets_BT = w_BT1[:, 1:].contiguous()
     mask_targets(stream, window_starts, T, targets_BT)  # chat: only what counts
     return Batch(w_BT1[:, :-1].contiguous(), targets_BT)
+
+
+_EARLIER = (": a checkpoint of an earlier accelrun, whose shuffled window order this one does not reproduce; "
+            "finish that run with the version that started it, or start afresh (checkpoint.resume=none)")
 
 
 class TokenBatchIterator:
@@ -105,7 +110,7 @@ class TokenBatchIterator:
             )
         self.epoch = 0
         self.position = 0  # windows of this epoch's order consumed by all ranks together
-        self._order: torch.Tensor | None = None
+        self._order: WindowOrder | None = None
         self._order_key: tuple | None = None
 
     @property
@@ -121,14 +126,11 @@ class TokenBatchIterator:
     def fingerprint(self) -> str:
         return str(self.stream.fingerprint.get("sha256", ""))
 
-    def epoch_order(self, epoch: int) -> torch.Tensor:
-        """The window indices of ``epoch`` in reading order (the same on every rank)."""
+    def epoch_order(self, epoch: int) -> WindowOrder:
+        """The order ``epoch`` reads its windows in (the same on every rank; computed, never stored)."""
         key = (epoch, self.seed, self.shuffle)
         if self._order_key != key:
-            if self.shuffle:
-                self._order = torch.randperm(self.n_windows, generator=generator("shuffle", self.seed, epoch))
-            else:
-                self._order = torch.arange(self.n_windows)
+            self._order = WindowOrder(self.n_windows, "shuffle", self.seed, epoch, shuffle=self.shuffle)
             self._order_key = key
         assert self._order is not None
         return self._order
@@ -143,7 +145,7 @@ class TokenBatchIterator:
             self.epoch += 1
             self.position = 0
         first = self.position + self.dp_rank * self.micro_batch
-        windows = self.epoch_order(self.epoch)[first : first + self.micro_batch].tolist()
+        windows = self.epoch_order(self.epoch).slice(first, first + self.micro_batch)
         self.position += self.step_windows
         return window_batch(self.stream, [i * self.seq_len for i in windows], self.seq_len, self.packing)
 
@@ -178,7 +180,7 @@ class TokenBatchIterator:
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"data state: malformed or incomplete ({type(e).__name__}: {e})") from None
         if version != STATE_VERSION:
-            raise DataError(f"data state: version {version} is not supported (expected {STATE_VERSION})")
+            raise DataError(f"data state: version {version} is not supported (expected {STATE_VERSION}){_EARLIER}")
         if fingerprint != self.fingerprint:
             raise DataError(
                 f"data state was saved on different data (fingerprint {fingerprint}, this data is "

@@ -7,8 +7,8 @@ Which source the ``k``-th window of the run comes from is decided by deficit, no
 so far, ``phase_i`` in [0, 1) drawn from the seed; ties to the lower index). Every source then stays
 within about one window of ``w_i * k`` at every ``k``: a random draw would wander by
 ``sqrt(k * w * (1 - w))`` windows, 1.4% of 1,000 at w = 0.5.
-Within a source, windows are read as a lone source's are: a permutation per pass over the source
-(seeded by the seed, the source's index and the pass), a new one each time the source runs out.
+Within a source, windows are read as a lone source's are: an order per pass over the source (a
+``WindowOrder`` seeded by the seed, the source's index and the pass), a new one each time it runs out.
 
 State: ``taken`` (windows each source gave so far, all ranks together) decides everything that
 follows, so a resumed run reads what an uninterrupted one would have read. Every rank computes the
@@ -24,11 +24,12 @@ import torch
 
 from accelrun.data.document_packing import DocumentBatch, require_document_index
 from accelrun.data.errors import DataError
-from accelrun.data.loader import Batch, window_batch
+from accelrun.data.loader import _EARLIER, Batch, window_batch
 from accelrun.data.seeding import generator
 from accelrun.data.stream import TokenStream
+from accelrun.data.window_order import WindowOrder
 
-MIX_STATE_VERSION = 1
+MIX_STATE_VERSION = 2  # 2: each source's windows in WindowOrder's order (1: torch.randperm's)
 
 
 class MixedBatchIterator:
@@ -63,7 +64,7 @@ class MixedBatchIterator:
         phases = torch.rand(len(self.streams), generator=generator("mix-phase", seed))
         self.phases = [float(p) for p in phases]
         self.taken = [0] * len(self.streams)  # windows each source gave, all ranks together
-        self._orders: dict[tuple[int, int], torch.Tensor] = {}
+        self._orders: dict[tuple[int, int], WindowOrder] = {}
 
     @property
     def step_windows(self) -> int:
@@ -87,15 +88,14 @@ class MixedBatchIterator:
         return i
 
     def source_window(self, source: int, index: int) -> int:
-        """The window (of the source's own) read as the source's ``index``-th: a fresh permutation per pass."""
+        """The window (of the source's own) read as the source's ``index``-th: a fresh order per pass."""
         n = self.n_windows[source]
         epoch, at = divmod(index, n)
         key = (source, epoch)
         if key not in self._orders:
             self._orders = {k: v for k, v in self._orders.items() if k[0] != source}  # one pass kept per source
-            self._orders[key] = (torch.randperm(n, generator=generator("mix-shuffle", self.seed, source, epoch))
-                                 if self.shuffle else torch.arange(n))
-        return int(self._orders[key][at])
+            self._orders[key] = WindowOrder(n, "mix-shuffle", self.seed, source, epoch, shuffle=self.shuffle)
+        return self._orders[key].slice(at, at + 1)[0]
 
     def __iter__(self) -> MixedBatchIterator:
         return self
@@ -127,7 +127,8 @@ class MixedBatchIterator:
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"data state: not a data.mix state, or incomplete ({type(e).__name__}: {e})") from None
         if version != MIX_STATE_VERSION:
-            raise DataError(f"data state: mix state version {version} is not supported (expected {MIX_STATE_VERSION})")
+            raise DataError(f"data state: mix state version {version} is not supported (expected {MIX_STATE_VERSION})"
+                            f"{_EARLIER}")
         if fingerprint != self.fingerprint or n_windows != self.n_windows or seq_len != self.seq_len:
             raise DataError(f"data state was saved on other data.mix sources (fingerprints {fingerprint}, this mix "
                             f"is {self.fingerprint}); resume with the same data.mix")

@@ -164,3 +164,11 @@ def test_resume_with_document_packing_gives_the_same_positions_and_masks(k):
     for want, have in zip(expected, got, strict=True):
         for field in ("inputs", "targets", "positions"):
             assert torch.equal(getattr(want, field), getattr(have, field)), field
+
+
+def test_a_state_of_the_earlier_randperm_order_is_refused_by_name():
+    it = make(seed=5)
+    state = {**it.state_dict(), "version": 1}
+    with pytest.raises(DataError, match=r"version 1 .*earlier accelrun, whose shuffled window order this one does not "
+                                        r"reproduce.*checkpoint\.resume=none"):
+        make(seed=5).load_state_dict(state)
