@@ -44,4 +44,14 @@ while read -r line; do
     eval "words=($line)"
     if [ "${words[1]}" = train ]; then run "${words[@]}" "${short[@]}"; else run "${words[@]}"; fi
 done < "$work/examples.txt"
-echo "plain install: ok ($(grep -c . "$work/examples.txt") README examples and a 2-rank job)"
+# A user's own data on a plain install: the README's example inputs (what needs no extra), a jsonl corpus
+# trains, and a parquet file is one line naming the extra to install (exit 2), before anything runs.
+run accelrun data examples
+run accelrun train configs/llama.yaml data.source=documents 'data.paths=[corpus/docs.jsonl]' "${short[@]}"
+printf 'PAR1' > corpus/theirs.parquet
+code=0; accelrun validate configs/llama.yaml data.source=documents 'data.paths=[corpus/theirs.parquet]' \
+    >"$work/out.txt" 2>&1 || code=$?
+if [ "$code" -ne 2 ] || [ "$(grep -c '^error' "$work/out.txt")" -ne 1 ] || ! grep -q "pip install 'accelrun\[data\]'" "$work/out.txt"; then
+    cat "$work/out.txt"; echo "plain install: a parquet file without pyarrow: exit $code, not one line naming the extra"; exit 1
+fi
+echo "plain install: ok ($(grep -c . "$work/examples.txt") README examples, a 2-rank job, a jsonl corpus, parquet's extra named)"
