@@ -219,6 +219,11 @@ def test_functional_collectives():
     for name in ("wait_tensor", "AsyncCollectiveTensor"):
         assert hasattr(funcol, name), name
     assert hasattr(funcol, "all_gather_single_autograd") or hasattr(funcol, "all_gather_tensor_autograd")
+    # dist/tp.py waits on the TP embedding's output with it inside autograd: without a backward for
+    # wait_tensor the embedding would get no gradient
+    x = torch.ones(2, requires_grad=True)
+    funcol.wait_tensor(x * 2).sum().backward()
+    assert torch.equal(x.grad, torch.full((2,), 2.0))
 
 
 def test_compute_local_shape_and_global_offset():

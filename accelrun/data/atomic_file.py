@@ -2,42 +2,76 @@
 
 Work in progress goes to a hidden name beside the output (``.corpus.tmp-<host>-<pid>``) and is renamed
 into place once complete. A process killed before then (SIGKILL, the OOM killer, a node lost) leaves its
-scratch behind; the next write of the same output removes what dead processes of this host left
-(another host's process may still be writing on a shared file system).
+scratch behind; the next write of the same output removes it. The writer holds an exclusive ``flock`` on
+its scratch while it works, and the kernel lets go of it when the writer dies, however it dies: a
+scratch that can be locked has no writer, whatever host, container or PID namespace wrote it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import socket
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): scratch is never removed for the writer's sake
+    fcntl = None
+
 
 def scratch_path(out: Path, kind: str = "tmp") -> Path:
     """This process's hidden scratch name beside ``out`` (``kind``: tmp, old)."""
-    return out.with_name(f".{out.name}.{kind}-{_host()}-{os.getpid()}")
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
+    return out.with_name(f".{out.name}.{kind}-{host}-{os.getpid()}")
+
+
+def hold(scratch: Path) -> int | None:
+    """Lock ``scratch`` (a file or folder that exists) for as long as this process (or a child it forks)
+    keeps the returned descriptor open: ``remove_dead_scratch`` leaves it alone meanwhile."""
+    if fcntl is None:
+        return None
+    fd = os.open(scratch, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def release(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
 
 
 def remove_dead_scratch(out: Path) -> list[Path]:
-    """Remove the scratch files and folders beside ``out`` whose writer, a process of this host, has ended;
-    returns what was removed."""
-    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(?:tmp|old)-{re.escape(_host())}-(\d+)$")
-    removed = []
+    """Remove the scratch files and folders beside ``out`` that no live writer holds; returns them."""
+    if fcntl is None:
+        return []
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(?:tmp|old)-")
     try:
-        siblings = list(out.parent.iterdir())
+        siblings = [p for p in out.parent.iterdir() if pattern.match(p.name) and not p.is_symlink()]
     except OSError:
-        return removed
+        return []
+    removed = []
     for p in siblings:
-        m = pattern.match(p.name)
-        if m is None or _alive(int(m.group(1))):
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
             continue
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
-        removed.append(p)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a writer holds it
+            os.close(fd)
+            continue
+        try:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+            removed.append(p)
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -54,19 +88,3 @@ def write_bytes_atomic(path: str | os.PathLike, *parts: bytes) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return out
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True

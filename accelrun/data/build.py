@@ -60,7 +60,8 @@ def load_stream(cfg: DataConfig, *, vocab_size: int, seed: int, min_tokens: int 
     if cfg.source == "synthetic":
         return SyntheticStream(vocab_size=vocab_size, length=synthetic_length(min_tokens), seed=seed)
     if cfg.source == "tokens":
-        stream = load_tokens(cfg.paths, verify=True)  # a changed file or a stray id: exit 2, not a crash
+        # verify: a changed file or a stray id is exit 2, not a crash
+        stream = load_tokens(cfg.paths, verify=True, random_access=cfg.shuffle)
         _check_token_files_tokenizer(stream.fingerprint["tokenizer"], cfg.tokenizer)
         _check_vocab(
             stream.vocab_size,
@@ -81,7 +82,8 @@ def load_stream(cfg: DataConfig, *, vocab_size: int, seed: int, min_tokens: int 
     if cfg.source == "text":
         return load_text(cfg.paths, max_bytes=cfg.max_bytes, tokenizer=tokenizer)
     if cfg.source == "documents" and cfg.format == "text":
-        return load_documents(cfg.paths, tokenizer=tokenizer, tokenizer_spec=cfg.tokenizer, text_field=cfg.text_field)
+        return load_documents(cfg.paths, tokenizer=tokenizer, tokenizer_spec=cfg.tokenizer, text_field=cfg.text_field,
+                              random_access=cfg.shuffle)
     raise DataError(f"data.source: unknown source {cfg.source!r}")
 
 

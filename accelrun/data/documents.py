@@ -38,7 +38,7 @@ def documents_key(paths: Sequence[str], tokenizer_name: str, text_field: str) ->
 
 
 def load_documents(paths: Sequence[str], *, tokenizer: ByteTokenizer | HFTokenizer, tokenizer_spec: str,
-                   text_field: str) -> TensorStream:
+                   text_field: str, random_access: bool = True) -> TensorStream:
     """``data.paths``' records, ``text_field`` of each, in ``tokenizer``'s tokens (``tokenizer_spec`` is
     what ``data.tokenizer`` says: byte, or the tokenizer.json path)."""
     folder = cache_root().parent / "documents" / documents_key(paths, tokenizer.name, text_field)
@@ -52,11 +52,11 @@ def load_documents(paths: Sequence[str], *, tokenizer: ByteTokenizer | HFTokeniz
         if writable:
             if not (folder / MANIFEST).is_file():
                 prepare(folder)
-            return _stream(folder)
+            return _stream(folder, random_access)
     scratch = Path(tempfile.mkdtemp(prefix="accelrun-documents-"))
     try:
         prepare(scratch / "corpus")
-        return _stream(scratch / "corpus")  # memory maps keep the removed files readable
+        return _stream(scratch / "corpus", random_access)  # memory maps keep the removed files readable
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -80,9 +80,9 @@ class PreparingNote:
               f"{tokens:,} tokens", file=self.out or sys.stderr, flush=True)
 
 
-def _stream(folder: Path) -> TensorStream:
+def _stream(folder: Path, random_access: bool) -> TensorStream:
     manifest = read_manifest(folder)
-    tokens = load_tokens([str(folder)])
+    tokens = load_tokens([str(folder)], random_access=random_access)
     fingerprint = {"source": "documents", "tokenizer": manifest["tokenizer"], "text_field": manifest["text_field"],
                    "files": manifest["files"], "documents": manifest["documents"], "tokens": manifest["tokens"],
                    "sha256": manifest["sha256"]}  # of the tokens and boundaries: the same for any format

@@ -59,7 +59,7 @@ def window_batch(stream: TokenStream, window_starts: list[int], seq_len: int, pa
     return Batch(w_BT1[:, :-1].contiguous(), targets_BT)
 
 
-_EARLIER = (": a checkpoint of an earlier accelrun, whose shuffled window order this one does not reproduce; "
+EARLIER_ORDER = (": a checkpoint of an earlier accelrun, whose shuffled window order this one does not reproduce; "
             "finish that run with the version that started it, or start afresh (checkpoint.resume=none)")
 
 
@@ -179,8 +179,8 @@ class TokenBatchIterator:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"data state: malformed or incomplete ({type(e).__name__}: {e})") from None
-        if version != STATE_VERSION:
-            raise DataError(f"data state: version {version} is not supported (expected {STATE_VERSION}){_EARLIER}")
+        if version != STATE_VERSION and not (version == 1 and not shuffle):  # in order: the same then as now
+            raise DataError(f"data state: version {version} is not supported (expected {STATE_VERSION}){EARLIER_ORDER}")
         if fingerprint != self.fingerprint:
             raise DataError(
                 f"data state was saved on different data (fingerprint {fingerprint}, this data is "

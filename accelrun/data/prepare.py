@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from accelrun.config.data_paths import expand_paths
-from accelrun.data.atomic_file import remove_dead_scratch, scratch_path
+from accelrun.data.atomic_file import hold, release, remove_dead_scratch, scratch_path
 from accelrun.data.doc_index import index_path, write_doc_index
 from accelrun.data.errors import DataError
 from accelrun.data.hf_documents import encode_files
@@ -115,8 +115,10 @@ def prepare_tokens(
         if progress is not None:
             progress(n, total)
 
+    held = None
     try:
         with open(tmp, "wb") as fh:
+            held = hold(tmp)  # until renamed into place: a later prepare leaves it alone while this one lives
             fh.write(b"\0" * HEADER_SIZE)  # placeholder until the count and hash are known
             doc_lengths: list[int] = []
             if isinstance(tok, HFTokenizer):
@@ -135,6 +137,8 @@ def prepare_tokens(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        release(held)
     if progress is not None and done[0] != total:
         progress(done[0], done[0])
     return {

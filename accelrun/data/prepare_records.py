@@ -25,7 +25,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from accelrun.data.atomic_file import remove_dead_scratch, scratch_path
+from accelrun.data.atomic_file import hold, release, remove_dead_scratch, scratch_path
 from accelrun.data.doc_index import read_doc_index
 from accelrun.data.errors import DataError
 from accelrun.data.record_shards import Piece, ShardResult, ShardSpec, plan_pieces, write_shard
@@ -79,6 +79,7 @@ def prepare_records(
     tmp = scratch_path(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    held = hold(tmp)  # until renamed into place: a later prepare leaves it alone while this one lives
     spec = ShardSpec(tokenizer, text_field, str(tmp), key=key, text_key=text_key)
     try:
         results = _run(pieces, spec, workers, total, progress)
@@ -96,6 +97,8 @@ def prepare_records(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        release(held)
     return summary
 
 

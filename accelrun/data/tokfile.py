@@ -107,8 +107,10 @@ def read_header(path: str | os.PathLike, data: bytes | mmap.mmap | None = None) 
     )
 
 
-def open_tokens(path: str | os.PathLike, *, verify: bool = False) -> tuple[TokenFileHeader, torch.Tensor]:
+def open_tokens(path: str | os.PathLike, *, verify: bool = False, random_access: bool = True,
+                ) -> tuple[TokenFileHeader, torch.Tensor]:
     """The header and a zero-copy tensor view of the tokens of one file (read-only memory map).
+    ``random_access``: the reader will read shuffled windows (``data.shuffle``), and the map says so.
 
     ``verify`` re-hashes the payload, compares it with the header and checks that every id is below
     the header's vocabulary (reads the whole file; remembered per file version in the cache folder)."""
@@ -128,7 +130,6 @@ def open_tokens(path: str | os.PathLike, *, verify: bool = False) -> tuple[Token
                             "prepare it again (accelrun data prepare)")
     if header.n_tokens == 0:
         return header, torch.empty(0, dtype=header.dtype)
-    _advise_random(mm)  # after the verification's sequential pass
     with warnings.catch_warnings():
         # The map is read-only and torch warns that writes through the tensor would be undefined;
         # nothing here writes to it. The tensor keeps the map alive.
@@ -139,12 +140,14 @@ def open_tokens(path: str | os.PathLike, *, verify: bool = False) -> tuple[Token
         with contextlib.suppress(OSError):  # only a cache: unwritable costs the next run a re-check
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
+    if random_access:  # after verification's two passes in order, which read-ahead serves
+        _advise_random(mm)
     return header, tokens
 
 
 def _advise_random(mm: mmap.mmap) -> None:
     """Tell the kernel the map is read at random. The loader reads shuffled windows (2 KiB for 1,024
-    uint16 tokens), and by default each page fault on a file not in the page cache reads the fault's
+    uint16 tokens), and otherwise each page fault on a file not in the page cache reads the fault's
     whole neighbourhood, up to the device's read-ahead (8 MiB on this project's VM disk): on a corpus
     larger than memory every window then cost ~4-6 MiB of reads, 230-370 windows/s against 9,000-15,000
     with this advice (48 GiB of shards, 23 GiB of RAM)."""
@@ -173,12 +176,14 @@ def _verified_marker(path, header: TokenFileHeader) -> Path:
     return root / "verified-tokens" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-def load_tokens(patterns: Sequence[str], *, key: str = "data.paths", verify: bool = False) -> TensorStream:
-    """The ``tokens`` source: token files from files or globs, read as one stream in order."""
+def load_tokens(patterns: Sequence[str], *, key: str = "data.paths", verify: bool = False,
+                random_access: bool = True) -> TensorStream:
+    """The ``tokens`` source: token files from files or globs, read as one stream in order
+    (``random_access``: in shuffled windows; see ``open_tokens``)."""
     files = expand_paths(patterns, key=key)
     headers, segments, doc_starts = [], [], []
     for f in files:
-        header, tokens = open_tokens(f, verify=verify)
+        header, tokens = open_tokens(f, verify=verify, random_access=random_access)
         first = headers[0] if headers else header
         if (header.tokenizer, header.vocab_size) != (first.tokenizer, first.vocab_size):
             raise DataError(

@@ -10,6 +10,7 @@ must fail that way.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -246,7 +247,7 @@ def _section_examples(heading: str) -> list[Example]:
 
 
 YOUR_DATA = _section_examples("## Your data")
-# What makes a README training line a short one here; the line's own keys come first and stay in force.
+# What makes a README training line a short one here, appended after the line's own keys (the last wins).
 SHORT_RUN = ["train.steps=2", "report.progress=none"]
 
 
@@ -276,8 +277,6 @@ def test_your_data_lines_train_for_real(example: Example, example_inputs: Path, 
     r = CliRunner().invoke(cli, [*example.args, *SHORT_RUN])
     assert r.exit_code == 0, f"{example.where}: {example.text}\n{r.output}"
     (run,) = (tmp_path / "runs").glob("*/*/report.json")
-    import json
-
     report = json.loads(run.read_text())
     assert report["status"] == "finished" and report["steps"] == 2, report["status"]
     # compiled by accelrun, or its graphs loaded from the graph cache an earlier line filled
@@ -299,8 +298,6 @@ def test_your_data_chat_fine_tuning_end_to_end(example_inputs: Path, tmp_path: P
     assert r.exit_code == 0, f"{train.where}: {train.text}\n{r.output}"
     r = CliRunner().invoke(cli, export.args)  # exit 0 now that the run exists
     assert r.exit_code == 0, f"{export.where}: {export.text}\n{r.output}"
-    import json
-
     (report,) = (tmp_path / "runs" / "hf-chat").glob("*/report.json")
     report = json.loads(report.read_text())
     assert report["compiler"]["dynamo"]["frames_compiled"] > 0, report["compiler"]

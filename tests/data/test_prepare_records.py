@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from accelrun.cli.main import cli
 from accelrun.config.schema import DataConfig
 from accelrun.data import DataError, load_stream
+from accelrun.data.atomic_file import hold, release, remove_dead_scratch, scratch_path
 from accelrun.data.doc_index import index_path
 from accelrun.data.prepare_records import prepare_records
 from accelrun.data.tokfile import load_tokens, write_token_file
@@ -102,7 +103,7 @@ def test_an_interrupted_prepare_leaves_nothing_a_run_would_read(tmp_path, monkey
     assert again.fingerprint["tokens"] == before.tokens and again.document_starts.numel() == len(DOCS)
 
 
-def _big_corpus(path: Path, mib: int = 64) -> Path:
+def _big_corpus(path: Path, mib: int) -> Path:
     """A jsonl file large enough (several 4 MiB pieces, about a second to prepare) to be killed half way."""
     line = json.dumps({"text": "the quick brown fox jumps over the lazy dog. " * 40}) + "\n"
     with open(path, "w") as fh:
@@ -110,31 +111,53 @@ def _big_corpus(path: Path, mib: int = 64) -> Path:
     return path
 
 
-def _kill_once_writing(argv: list[str], scratch_parent: Path, env: dict | None = None) -> None:
+def _kill_once_writing(argv: list[str], scratch_parent: Path, log: Path) -> None:
     """Start ``accelrun argv`` in its own process group and SIGKILL the group (workers included) as soon
     as a shard is being written under a scratch folder in ``scratch_parent``: no handler runs."""
-    proc = subprocess.Popen([sys.executable, "-c", "from accelrun.cli.main import cli; cli()", *argv],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + 120
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "from accelrun.cli.main import cli; cli()", *argv],
+                                start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
+    deadline, seen = time.monotonic() + 120, False
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if any(p.name.startswith("shard-") or p.name.startswith(".shard-")
-                   for d in scratch_parent.glob(".*.tmp-*") if d.is_dir() for p in d.iterdir()):
-                break
+        while not seen and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                seen = any(p.name.startswith(("shard-", ".shard-"))
+                           for d in scratch_parent.glob(".*.tmp-*") if d.is_dir() for p in d.iterdir())
+            except OSError:  # renamed or removed between the listing and the look inside
+                pass
             time.sleep(0.005)
-        assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+        assert seen and proc.poll() is None, f"not killed while writing shards: {log.read_text()[-2000:]}"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        _wait_unlocked(scratch_parent.glob(".*.tmp-*"))  # its workers die a moment later, and let go of it then
+
+
+def _wait_unlocked(paths, timeout_s: float = 30) -> None:
+    import fcntl
+
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            end = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError:
+                    assert time.monotonic() < end, f"{path} still locked {timeout_s} s after its writer was killed"
+                    time.sleep(0.01)
+        finally:
+            os.close(fd)
 
 
 def test_a_killed_prepare_with_two_workers_leaves_nothing_a_run_would_read(tmp_path):
     data = tmp_path / "data"
     earlier = prepare_records([str(write_corpus(tmp_path / "small", "jsonl"))], data / "corpus")
-    big = _big_corpus(tmp_path / "big.jsonl")
-    _kill_once_writing(["data", "prepare", str(big), "-o", str(data / "corpus"), "--workers", "2"], data)
+    big = _big_corpus(tmp_path / "big.jsonl", mib=32)
+    _kill_once_writing(["data", "prepare", str(big), "-o", str(data / "corpus"), "--workers", "2"], data,
+                       tmp_path / "prepare.log")
     (left,) = [p for p in data.iterdir() if p.name != "corpus"]  # the killed prepare's scratch, hidden
     assert left.name.startswith(".corpus.tmp-")
     for paths in ([str(data / "corpus")], [f"{data}/*"]):  # the earlier prepare, whole; a glob skips the scratch
@@ -145,18 +168,32 @@ def test_a_killed_prepare_with_two_workers_leaves_nothing_a_run_would_read(tmp_p
 
 
 def test_a_run_killed_while_it_prepares_documents_leaves_no_cache_a_run_would_trust(tmp_path, monkeypatch):
-    big = _big_corpus(tmp_path / "big.jsonl", mib=48)
+    big = _big_corpus(tmp_path / "big.jsonl", mib=32)
     monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path / "cache"))
     documents = tmp_path / "cache" / "documents"  # where the documents source prepares (documents.py)
     documents.mkdir(parents=True)
     _kill_once_writing(["train", str(DEFAULT_CONFIG), "train.steps=1", "data.source=documents", f"data.paths=[{big}]",
-                        f"report.runs_dir={tmp_path / 'runs'}", "compile.backend=eager"], documents)
+                        f"report.runs_dir={tmp_path / 'runs'}", "compile.backend=eager"], documents,
+                       tmp_path / "train.log")
     assert not any((d / "prepared.json").exists() for d in documents.iterdir())
     stream = load_stream(DataConfig(source="documents", paths=[str(big)]), vocab_size=320, seed=0)
     whole = prepare_records([str(big)], tmp_path / "whole")
     assert len(stream) == whole.tokens and stream.document_starts.numel() == whole.documents  # prepared again
     left = [p.name for p in documents.iterdir() if not p.name.endswith(".lock")]
     assert len(left) == 1 and (documents / left[0] / "prepared.json").exists(), left  # no scratch left
+
+
+def test_scratch_a_live_writer_holds_is_left_alone(tmp_path):
+    out = tmp_path / "corpus"
+    live = scratch_path(out)
+    live.mkdir()
+    (live / "shard-00000.tok").write_bytes(b"x")
+    held = hold(live)
+    try:
+        assert remove_dead_scratch(out) == [] and live.exists()  # another writer's lock (another host, PID namespace)
+    finally:
+        release(held)
+    assert remove_dead_scratch(out) == [live] and not live.exists()
 
 
 def test_a_document_index_of_other_tokens_is_refused(tmp_path):

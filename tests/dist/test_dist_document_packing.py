@@ -26,7 +26,7 @@ DEGREES = {"fsdp2": (2, 1, 1), "tp2": (1, 2, 1), "pp2": (1, 1, 2), "fsdp2_tp2": 
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_packed_losses_equal_transformers_per_document_on_two_ranks(layout, tmp_path):
+def test_packed_losses_equal_transformers_per_document_on_ranks(layout, tmp_path):
     hf_dir = tmp_path / "hf"
     save_tiny_hf(hf_dir, "llama")
     dp, tp, pp = DEGREES[layout]
