@@ -172,3 +172,12 @@ def test_a_state_of_the_earlier_randperm_order_is_refused_by_name():
     with pytest.raises(DataError, match=r"version 1 .*earlier accelrun, whose shuffled window order this one does not "
                                         r"reproduce.*checkpoint\.resume=none"):
         make(seed=5).load_state_dict(state)
+
+
+def test_a_state_of_the_earlier_version_read_in_order_resumes():
+    it = make(seed=5, shuffle=False)
+    take(it, 3)
+    state = {**it.state_dict(), "version": 1}  # the identity order is the same in both versions
+    resumed = make(seed=5, shuffle=False)
+    resumed.load_state_dict(state)
+    assert windows(next(resumed)) == windows(next(it))
