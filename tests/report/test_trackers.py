@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -49,17 +50,24 @@ def test_wandb_offline_run_files(tiny, monkeypatch):
     run_dir, rows, report = _run(tiny, "wandb")
     files = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
-    history, config_keys, summary = [], set(), {}
-    for data in _wandb_records(files[0].read_bytes()):
-        rec = wandb_internal_pb2.Record()
-        rec.ParseFromString(data)
-        kind = rec.WhichOneof("record_type")
-        if kind == "history":
-            history.append({_key(i): json.loads(i.value_json) for i in rec.history.item})
-        elif kind == "config":
-            config_keys |= {_key(i) for i in rec.config.update}
-        elif kind == "summary":
-            summary.update({_key(i): json.loads(i.value_json) for i in rec.summary.update})
+    # wandb's own service process writes the file; on a busy machine it may still be at it when finish()
+    # has returned (CI saw an empty history twice), so read until the run's records are there.
+    deadline = time.monotonic() + 60
+    while True:
+        history, config_keys, summary = [], set(), {}
+        for data in _wandb_records(files[0].read_bytes()):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(data)
+            kind = rec.WhichOneof("record_type")
+            if kind == "history":
+                history.append({_key(i): json.loads(i.value_json) for i in rec.history.item})
+            elif kind == "config":
+                config_keys |= {_key(i) for i in rec.config.update}
+            elif kind == "summary":
+                summary.update({_key(i): json.loads(i.value_json) for i in rec.summary.update})
+        if (len(history) >= len(rows) and "final_final_loss" in summary) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert [h["loss"] for h in history] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
     assert [h["_step"] for h in history] == [1, 2, 3, 4]
     assert [h["val_loss"] for h in history if "val_loss" in h] == pytest.approx([rows[1]["val_loss"],
