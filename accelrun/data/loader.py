@@ -36,7 +36,7 @@ from accelrun.data.document_packing import DocumentBatch, document_window_batch,
 from accelrun.data.errors import DataError
 from accelrun.data.loss_mask import mask_targets
 from accelrun.data.stream import TokenStream
-from accelrun.data.window_order import WindowOrder
+from accelrun.data.window_order import WindowOrder, check_state_version
 
 STATE_VERSION = 2  # 2: windows in WindowOrder's order (1: torch.randperm's, not reproduced)
 
@@ -57,10 +57,6 @@ def window_batch(stream: TokenStream, window_starts: list[int], seq_len: int, pa
     targets_BT = w_BT1[:, 1:].contiguous()
     mask_targets(stream, window_starts, T, targets_BT)  # chat: only what counts
     return Batch(w_BT1[:, :-1].contiguous(), targets_BT)
-
-
-EARLIER_ORDER = (": a checkpoint of an earlier accelrun, whose shuffled window order this one does not reproduce; "
-            "finish that run with the version that started it, or start afresh (checkpoint.resume=none)")
 
 
 class TokenBatchIterator:
@@ -179,8 +175,7 @@ class TokenBatchIterator:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"data state: malformed or incomplete ({type(e).__name__}: {e})") from None
-        if version != STATE_VERSION and not (version == 1 and not shuffle):  # in order: the same then as now
-            raise DataError(f"data state: version {version} is not supported (expected {STATE_VERSION}){EARLIER_ORDER}")
+        check_state_version(version, STATE_VERSION, shuffle, "data")
         if fingerprint != self.fingerprint:
             raise DataError(
                 f"data state was saved on different data (fingerprint {fingerprint}, this data is "

@@ -24,10 +24,10 @@ import torch
 
 from accelrun.data.document_packing import DocumentBatch, require_document_index
 from accelrun.data.errors import DataError
-from accelrun.data.loader import EARLIER_ORDER, Batch, window_batch
+from accelrun.data.loader import Batch, window_batch
 from accelrun.data.seeding import generator
 from accelrun.data.stream import TokenStream
-from accelrun.data.window_order import WindowOrder
+from accelrun.data.window_order import WindowOrder, check_state_version
 
 MIX_STATE_VERSION = 2  # 2: each source's windows in WindowOrder's order (1: torch.randperm's)
 
@@ -126,9 +126,7 @@ class MixedBatchIterator:
             weights, n_windows, fingerprint = list(state["weights"]), list(state["n_windows"]), state["fingerprint"]
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"data state: not a data.mix state, or incomplete ({type(e).__name__}: {e})") from None
-        if version != MIX_STATE_VERSION and not (version == 1 and not shuffle):  # in order: the same then as now
-            raise DataError(f"data state: mix state version {version} is not supported (expected {MIX_STATE_VERSION})"
-                            f"{EARLIER_ORDER}")
+        check_state_version(version, MIX_STATE_VERSION, shuffle, "mix")
         if fingerprint != self.fingerprint or n_windows != self.n_windows or seq_len != self.seq_len:
             raise DataError(f"data state was saved on other data.mix sources (fingerprints {fingerprint}, this mix "
                             f"is {self.fingerprint}); resume with the same data.mix")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from accelrun.data.errors import DataError
 from accelrun.data.seeding import derive_seed
 
 ROUNDS = 4
@@ -80,3 +81,15 @@ def _mix(v: np.ndarray) -> np.ndarray:
     v ^= v >> np.uint64(15)
     v = (v * _MUL2) & _M32
     return v ^ (v >> np.uint64(16))
+
+
+def check_state_version(version: object, expected: int, shuffle: bool, what: str) -> None:
+    """Refuse an iterator state of another version, naming why. Version 1 (the loader's and the mix's)
+    read shuffled windows in ``torch.randperm``'s order, which this module does not reproduce; read in
+    order, it is the identity then as now, and resumes."""
+    if version == expected or (version == 1 and not shuffle):
+        return
+    raise DataError(f"data state: {what} version {version} is not supported (expected {expected})"
+                    + (": a checkpoint of an earlier accelrun, whose shuffled window order this one does not "
+                       "reproduce; finish that run with the version that started it, or start afresh "
+                       "(checkpoint.resume=none)" if version == 1 else ""))
