@@ -1,5 +1,5 @@
 """exp's polynomial in C++, written once for the code generator's scalar ``acc_exp`` and the attention
-kernel's 16-lane ``vexp`` (``compile/fused/attention_cpu.cpp``, which gets this text put before it).
+kernel's vector ``vexp`` (``compile/fused/attention_cpu.cpp``, which gets this text put before it).
 
 ``acc_exp_core<T, B>`` takes x already clamped to [-87.33654, 88.72283] and returns exp(x) for T a float
 or a GCC vector of floats (B: the int32 type of the same width); each caller keeps its own clamps and its

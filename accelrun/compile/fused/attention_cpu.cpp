@@ -3,11 +3,11 @@
 // One task is one (batch, key/value head): it packs that head's K (transposed) and V once, in fp32,
 // and runs every query head of its group (grouped-query attention without repeating K and V) over
 // blocks of MR query rows. A block's scores against all its keys (up to the diagonal when causal,
-// rounded up to 16 columns) stay in an MR x S buffer, so the softmax is exact (no online rescaling)
-// and the backward recomputes the probabilities from the saved log-sum-exp. The products are
-// register-blocked: MR rows x 32 columns of accumulators, written with GCC's vector extensions so one
-// source serves AVX-512, AVX2 and others. bf16 tensors are widened when packed and rounded when
-// stored; all arithmetic is fp32.
+// rounded up to a whole vector of columns) stay in an MR x S buffer, so the softmax is exact (no
+// online rescaling) and the backward recomputes the probabilities from the saved log-sum-exp. The
+// products are register-blocked: MR rows x 2 vectors of accumulators, written with GCC's vector
+// extensions at the CPU's own width, so one source serves AVX-512, AVX2 and others. bf16 tensors are
+// widened when packed and rounded when stored; all arithmetic is fp32.
 //
 // Layouts: q, k, v and the output gradient are [B, S, H, D] with any strides but a unit stride on D
 // (the caller passes them in that order, whatever their logical order); o, dq, dk, dv are written
@@ -21,19 +21,29 @@
 
 #include <omp.h>
 
-typedef float vf __attribute__((vector_size(64)));
-typedef float vfu __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(64)));
-
-enum { VL = 16, MR = 8, MAX_HEAD_DIM = 256 };
+// The vectors are the CPU's own width: g++ lowers wider GCC vectors element by element on a CPU
+// without them (64-byte vectors on an AVX2 machine made this kernel 10x slower than ATen's). MR rows
+// of 2 vectors of accumulators, plus 2 of B and 1 of A, fill the register file without spilling:
+// 32 registers on AVX-512, 16 on AVX2.
+#if defined(__AVX512F__)
+enum { VL = 16, MR = 8 };
+#define ACC_LANES 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
+#else
+enum { VL = 8, MR = 6 };
+#define ACC_LANES 0, 1, 2, 3, 4, 5, 6, 7
+#endif
+enum { MAX_HEAD_DIM = 256 };
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
 static inline vf load(const float* p) { return *(const vfu*)p; }
 static inline void store(float* p, vf v) { *(vfu*)p = v; }
 static inline vf splat(float x) { return vf{} + x; }
 static inline vi splat_i(int32_t x) { return vi{} + x; }
-static const vi LANES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static const vi LANES = {ACC_LANES};
 
-// exp on 16 lanes, 0 below the range: the code generator's polynomial (acc_exp_core, codegen/exp_poly.py,
+// exp on VL lanes, 0 below the range: the code generator's polynomial (acc_exp_core, codegen/exp_poly.py,
 // which attention.py puts before this source).
 #ifndef ACC_EXP_LO
 #error "put codegen/exp_poly.py's EXP_CORE before this source"
@@ -82,8 +92,8 @@ static inline void with_rows(int m, F&& f) {
     }
 }
 
-// C[i][0:n] = alpha * sum_k A[i][k] B[k][0:n] for i < M (M <= MR, n % 16 == 0); B row-major.
-// NV vectors of columns per pass: 2 for the body, 1 for a 16-column tail.
+// C[i][0:n] = alpha * sum_k A[i][k] B[k][0:n] for i < M (M <= MR, n % VL == 0); B row-major.
+// NV vectors of columns per pass: 2 for the body, 1 for a one-vector tail.
 template <int M, int NV>
 static inline void gemm_nn_cols(int j, int kd, const float* A, int lda, const float* B, int ldb,
                                 float* C, int ldc, float alpha) {
@@ -149,7 +159,7 @@ struct Shape { int64_t B, S, Hq, Hkv, D; };
 static float* scratch(int64_t floats) { return (float*)aligned_alloc(64, (size_t)((floats + 15) / 16 * 16) * sizeof(float)); }
 
 // One (batch, kv head)'s K^T [D][Sp] and V [Sp][D] (or V^T, K rows for the backward), zero-padded to Sp.
-// The transpose goes 16 rows at a time, so each column of K^T is written as whole vectors.
+// The transpose goes VL rows at a time, so each column of K^T is written as whole vectors.
 template <class T>
 static void pack_head(const T* x, Strides st, int64_t b, int64_t h, const Shape& sh, int Sp, float* rows,
                       float* cols) {
@@ -295,6 +305,9 @@ static void backward(const T* dout, Strides sdo, const T* q, const T* k, const T
 #ifndef ELEM
 #error "define ELEM (float, or uint16_t for bf16) before this source"
 #endif
+// Floats per vector the library was built with (16 on AVX-512, 8 otherwise): tests check it is the CPU's.
+extern "C" int attention_vector_lanes() { return VL; }
+
 extern "C" void attention_forward(const void* q, const void* k, const void* v, void* o, float* lse,
                                   const int64_t* shape, const int64_t* strides, float scale, int causal, int nt) {
     const Shape sh{shape[0], shape[1], shape[2], shape[3], shape[4]};
