@@ -110,6 +110,15 @@ def cuda_current_raw_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
+def cpu_has_half_gemm(dtype: torch.dtype) -> bool:
+    """Whether this CPU has oneDNN's kernels for ``dtype`` (bf16 or fp16) matrix products: AVX-512 (with
+    or without its BF16 / FP16 extensions), AMX, or Arm's BF16; ATen's generic loop otherwise, tens of
+    times slower than fp32. ``torch.ops.mkldnn._is_mkldnn_*_supported`` is the check ATen makes itself."""
+    check = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
+    op = getattr(torch.ops.mkldnn, check, None) if torch.backends.mkldnn.is_available() else None
+    return bool(op()) if op is not None else False
+
+
 def triton_direct_launch(kernel: Any) -> tuple[Any, Any, Any] | None:
     """``(run, function, packed_metadata)`` of a Triton kernel that ``triton.jit`` has launched once (its
     ``CompiledKernel``), or None where this Triton's kernels lack them. Later launches call

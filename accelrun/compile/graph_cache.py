@@ -35,6 +35,7 @@ from torch import nn
 
 import accelrun
 from accelrun.compile.record import CompileRecord
+from accelrun.torch_private import cpu_has_half_gemm
 
 MAX_ENTRIES = 8  # input kinds per method before giving up on exact entries (dynamic shapes take over)
 
@@ -84,7 +85,9 @@ def global_state() -> str:
             f"threads={torch.get_num_threads()} deterministic={torch.are_deterministic_algorithms_enabled()}"
             f"/{torch.is_deterministic_algorithms_warn_only_enabled()} tf32={matmul.allow_tf32} "
             f"reduced_reductions={matmul.allow_fp16_reduced_precision_reduction}"
-            f"/{matmul.allow_bf16_reduced_precision_reduction}")
+            f"/{matmul.allow_bf16_reduced_precision_reduction}"
+            # the cpu_half_gemm pass's choice: a cache shared by CPUs of two kinds keeps a graph for each
+            f" cpu_half_gemm={[cpu_has_half_gemm(d) for d in (torch.bfloat16, torch.float16)]}")
 
 
 class GraphCache:

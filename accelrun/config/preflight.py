@@ -35,6 +35,9 @@ class Machine:
 
     cores: int
     cuda_devices: int  # visible to this process
+    # Whether the CPU has bf16 matrix-product kernels (AVX-512, AMX, Arm BF16); None: not asked (validate
+    # answers without torch, and only torch knows what its kernels take).
+    cpu_bf16_gemm: bool | None = None
 
     @classmethod
     def here(cls) -> Machine:
@@ -199,8 +202,28 @@ def gpu_only_keys(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machi
     return [Finding(m, True) for m in gpu_only_problems(cfg, sources, uses_cuda(cfg, machine))]
 
 
+def cpu_bf16_without_kernels(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
+    """bf16-mixed on a CPU without bf16 matrix kernels, where nothing runs its products another way: ATen's
+    generic bf16 loop there is tens of times slower than fp32 (a warning)."""
+    if cfg.train.precision != "bf16-mixed" or uses_cuda(cfg, machine) or machine.cpu_bf16_gemm is not False:
+        return []
+    from accelrun.config.compile_names import PassConfigError, parse_passes
+
+    try:
+        fp32_gemms = cfg.compile.backend == "accelrun" and "cpu_half_gemm" in dict(parse_passes(cfg.compile.passes))
+    except PassConfigError:
+        fp32_gemms = False
+    if fp32_gemms:
+        return []
+    where = source_of(("train", "precision"), sources)
+    return [Finding(f"{where}: train.precision = bf16-mixed on a CPU without bf16 matrix kernels (no AVX-512 or "
+                    f"AMX): with compile.backend = {cfg.compile.backend}, each bf16 matmul runs in ATen's generic loop, "
+                    "30-70x slower than in fp32 here; compile.backend=accelrun runs them as fp32 GEMMs (its "
+                    "cpu_half_gemm pass), or set train.precision=fp32", False)]  # fmt: skip
+
+
 # The checks `train` makes before a run directory or a tensor exists, in order; `validate` runs them all.
-PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, hf_weights, processes_fit, gpu_only_keys)
+PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, hf_weights, processes_fit, gpu_only_keys, cpu_bf16_without_kernels)
 
 
 def preflight(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[str]:

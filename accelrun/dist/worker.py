@@ -19,11 +19,13 @@ from accelrun.config.preflight import Machine, processes_fit, rank_threads
 from accelrun.dist.collective import set_group_timeouts
 from accelrun.dist.context import ParallelContext, env_rank
 from accelrun.dist.mesh import build_mesh, dp_coordinates
+from accelrun.torch_private import cpu_has_half_gemm
 
 
 def machine_as_torch_sees_it() -> Machine:
     """This node's cores and the CUDA devices torch can use: the facts the preflight checks read."""
-    return Machine(cores=os.cpu_count() or 1, cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    return Machine(cores=os.cpu_count() or 1, cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                   cpu_bf16_gemm=cpu_has_half_gemm(torch.bfloat16))
 
 
 def rank_uses_cuda(cfg) -> bool:

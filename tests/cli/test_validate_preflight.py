@@ -94,3 +94,21 @@ def test_model_hf_given_an_unexported_run_folder_says_how_to_export(tmp_path):
     run = _run_folder(tmp_path / "run", exported=False)
     r = validate(f"model.hf={run}")
     assert r.exit_code == 2 and f"`accelrun export {run} --hf {run}/hf`" in r.stderr, r.stderr
+
+
+def test_bf16_on_a_cpu_without_bf16_kernels_warns_unless_accelrun_runs_fp32_gemms(monkeypatch):
+    """The products' answer comes from torch (train's Machine); validate's own count leaves it unasked."""
+    no_kernels = classmethod(lambda cls: cls(cores=2, cuda_devices=0, cpu_bf16_gemm=False))
+    monkeypatch.setattr(preflight.Machine, "here", no_kernels)
+    for backend in ("eager", "inductor"):
+        r = validate("train.precision=bf16-mixed", f"compile.backend={backend}")
+        assert r.exit_code == 0, r.output
+        assert "train.precision = bf16-mixed on a CPU without bf16 matrix kernels" in r.stderr, r.stderr
+        assert f"compile.backend = {backend}" in r.stderr and "override 'train.precision=bf16-mixed'" in r.stderr
+    r = validate("train.precision=bf16-mixed", "compile.passes=[dce]")  # accelrun without the pass
+    assert "without bf16 matrix kernels" in r.stderr
+    for quiet in (["train.precision=bf16-mixed"], ["compile.backend=eager"]):  # the default passes; fp32
+        assert "bf16 matrix kernels" not in validate(*quiet).stderr
+    with_kernels = classmethod(lambda cls: cls(cores=2, cuda_devices=0, cpu_bf16_gemm=True))
+    monkeypatch.setattr(preflight.Machine, "here", with_kernels)
+    assert "bf16 matrix kernels" not in validate("train.precision=bf16-mixed", "compile.backend=eager").stderr

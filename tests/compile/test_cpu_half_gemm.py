@@ -1,0 +1,87 @@
+"""The cpu_half_gemm pass: bf16 / fp16 matrix products on a CPU without half-precision GEMM kernels run as
+fp32 GEMMs. Against eager PyTorch on the same inputs, with the CPU's answer forced each way (this
+project's AVX2 machines have no such kernels; CI's may)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import accelrun.compile.passes.cpu_half_gemm as half_gemm
+from accelrun.compile.backend import AccelrunBackend
+from accelrun.compile.options import CompileOptions
+from accelrun.compile.passes.base import PassContext, PassOptions, registered_passes
+from tests.compile.test_backend import _assert_same_step, _blocks_and_reference
+
+aten, prims = torch.ops.aten, torch.ops.prims
+PRODUCTS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
+
+
+@pytest.fixture
+def no_half_gemm(monkeypatch):
+    """This CPU as one without bf16 / fp16 GEMM kernels, whatever it has."""
+    monkeypatch.setattr(half_gemm, "cpu_has_half_gemm", lambda dtype: False)
+
+
+def _products(a, b, bias, batched_a, batched_b):
+    return (a @ b, torch.addmm(bias, a, b), torch.bmm(batched_a, batched_b),
+            torch.baddbmm(batched_a @ batched_b, batched_a, batched_b, beta=0.5, alpha=2.0))  # fmt: skip
+
+
+def _inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(24, 40), (40, 16), (16,), (3, 24, 40), (3, 40, 8)]
+    return [torch.randn(s, generator=g).to(dtype) for s in shapes]
+
+
+def _run_pass(gm: fx.GraphModule):
+    return registered_passes()["cpu_half_gemm"].fn(gm, PassOptions(), PassContext("forward"))
+
+
+def _calls(gm: fx.GraphModule, targets) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_products_become_fp32_gemms_with_eagers_results(dtype, no_half_gemm):
+    inputs = _inputs(dtype)
+    gm = make_fx(_products, tracing_mode="fake")(*inputs)
+    result = _run_pass(gm)
+    # Four products (the baddbmm's own input is a fifth, a bmm), each now on fp32 inputs.
+    assert result.counts["rewritten"] == 5 and result.changed
+    for node in _calls(gm, PRODUCTS):
+        assert node.meta["val"].dtype == torch.float32
+        assert all(a.meta["val"].dtype == torch.float32 for a in node.all_input_nodes)
+    got, expected = gm(*inputs), _products(*inputs)
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g, e, rtol=1e-2, atol=1e-2)
+    # The products are exact in fp32: against an fp32 reference rounded once, at most one half ulp
+    # apart (ATen's own half GEMM sums in another order, so it is only near).
+    reference = [r.to(dtype) for r in _products(*(t.float() for t in inputs))]
+    for g, r in zip(got, reference, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-2 if dtype == torch.bfloat16 else 1e-3, atol=0)
+
+
+def test_a_cpu_with_half_gemm_and_fp32_products_are_left_alone(monkeypatch):
+    monkeypatch.setattr(half_gemm, "cpu_has_half_gemm", lambda dtype: True)
+    gm = make_fx(_products, tracing_mode="fake")(*_inputs(torch.bfloat16))
+    assert _run_pass(gm).counts["rewritten"] == 0
+    monkeypatch.setattr(half_gemm, "cpu_has_half_gemm", lambda dtype: False)
+    gm = make_fx(_products, tracing_mode="fake")(*_inputs(torch.float32))
+    assert _run_pass(gm).counts["rewritten"] == 0
+
+
+def test_llama_blocks_under_bf16_autocast_train_through_fp32_gemms(no_half_gemm):
+    blocks, reference = _blocks_and_reference()
+    backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"]))
+    for b in blocks:
+        b.compile(backend=backend)
+    with torch.autocast("cpu", torch.bfloat16):
+        _assert_same_step(blocks, reference, rtol=2e-2, atol=2e-2)
+    rewritten = {p.graph: p.counts["rewritten"] for p in backend.record.passes if p.name == "cpu_half_gemm"}
+    # A block's forward has its q/k/v, output and three MLP products; the backward two per product.
+    assert rewritten["g0.forward"] >= 5 and rewritten["g0.backward"] >= 10, rewritten
+    assert backend.record.regions_per_executor().get("cpp", 0) > 0
