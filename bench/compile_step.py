@@ -226,6 +226,8 @@ def time_variants(names: list[str], args: argparse.Namespace) -> tuple[list[tupl
     for v in variants:
         if line := v.compiled_line():
             print(f"{v.name}: {line}")
+        if cache := v.graph_cache():  # what the cold run saved for the warm start to load
+            print(f"cold run of {v.name}: graph cache {({k: cache[k] for k in ('saved', 'errors') if k in cache})}")
     return [(v.name, v.times, v.losses) for v in variants], cold
 
 

@@ -23,7 +23,6 @@ from accelrun.compile.passes.graph_build import NodeBuilder, tensor_val
 from accelrun.torch_private import cpu_has_half_gemm
 
 aten = torch.ops.aten
-prims = torch.ops.prims
 
 HALF = (torch.bfloat16, torch.float16)
 # The products this pass rewrites, and the positions of their tensor arguments.
@@ -68,9 +67,9 @@ def cpu_half_gemm(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) ->
             continue
         args = list(node.args)
         for i in PRODUCTS[node.target]:
-            args[i] = build(node, prims.convert_element_type.default, args[i], torch.float32)
+            args[i] = build(node, aten._to_copy.default, args[i], dtype=torch.float32)
         product = build(node, node.target, *args, **node.kwargs)
-        result = build(node, prims.convert_element_type.default, product, dtype)
+        result = build(node, aten._to_copy.default, product, dtype=dtype)
         result.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         node.replace_all_uses_with(result)
         gm.graph.erase_node(node)
