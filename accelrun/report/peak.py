@@ -151,9 +151,16 @@ def cpu_model_name() -> str:
 
 
 def _probe_dtype(precision: str) -> torch.dtype:
+    """The dtype whose products set the peak. bf16-mixed on a CPU without bf16 matrix kernels: fp32, the
+    fastest way such a CPU multiplies bf16 values (the compiler's cpu_half_gemm runs them so); a bf16
+    probe would time ATen's generic loop there, and MFU would read 40x over 100%."""
     import torch
 
-    return torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    from accelrun.torch_private import cpu_has_half_gemm
+
+    if precision != "bf16-mixed":
+        return torch.float32
+    return torch.bfloat16 if cpu_has_half_gemm(torch.bfloat16) else torch.float32
 
 
 def measure_cpu_peak(precision: str, cache_dir: Path | None = None) -> Peak:
@@ -195,6 +202,8 @@ def measure_cpu_peak(precision: str, cache_dir: Path | None = None) -> Peak:
             except OSError as e:  # a read-only home must not stop a run; the figure is still good
                 how += f" (not cached: {e})"
     n = result["size"]
+    if precision == "bf16-mixed" and dtype != torch.bfloat16:
+        dtype_name += " (this CPU has no bf16 matrix kernels: its fastest bf16 products are fp32 GEMMs)"
     load = result.get("others_cpu_share")
     load_text = f"other processes used {load:.0%} of the CPU meanwhile" if load is not None else "load unknown"
     if busy is not None:
