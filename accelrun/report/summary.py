@@ -113,6 +113,11 @@ def summarize(
             notes.append("the CPU peak was measured while other processes used the CPU: it understates the "
                          "machine, so MFU is an upper bound (a quiet run measures and caches it)")
 
+    if mfu is not None and mfu > 1:  # the peak is below what the run achieved: say so, never print it plainly
+        notes.append(f"MFU is {mfu:.0%}: this run's {tflops:.3g} TFLOP/s exceed the peak it is measured against "
+                     f"({peak.tflops:.3g} TFLOP/s, {peak.source}), so that peak is too low for this run "
+                     "(declare report.peak_tflops)")
+
     steady_step_s = sum(float(m["step_time_s"]) for m in steady)
     steady_data_s = sum(float(m.get("data_time_s") or 0.0) for m in steady)
     mem = [m["mem_peak_bytes"] for m in metrics if m.get("mem_peak_bytes") is not None]

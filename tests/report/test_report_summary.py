@@ -98,3 +98,14 @@ def test_summarize_keeps_the_cuda_allocators_reserved_peak():
     cpu = summarize([_step(i + 1, 0.1) for i in range(5)], warmup_steps=1, peak=PEAK, flops_per_token=None,
                     compile_time_s=None, tokens_per_step=1000)
     assert cpu["mem_reserved_bytes"] is None  # a CPU has no allocator reserve: not reported as 0
+
+
+def test_an_mfu_above_100_percent_is_a_note_naming_the_peak():
+    metrics = [_step(i + 1, 0.5) for i in range(10)]
+    low = Peak(1.0, "measured: torch.mm bfloat16 probe", "")
+    r = summarize(metrics, warmup_steps=0, peak=low, flops_per_token=2e9, compile_time_s=None, tokens_per_step=1000)
+    assert r["mfu"] == pytest.approx(4.0)
+    assert any(n.startswith("MFU is 400%: this run's 4 TFLOP/s exceed the peak") and "bfloat16 probe" in n
+               for n in r["notes"]), r["notes"]
+    fine = summarize(metrics, warmup_steps=0, peak=Peak(10.0, "declared", ""), flops_per_token=2e9, compile_time_s=None, tokens_per_step=1000)
+    assert not any(n.startswith("MFU is") for n in fine["notes"])
