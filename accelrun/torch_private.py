@@ -111,9 +111,10 @@ def cuda_current_raw_stream(device_index: int) -> int:
 
 
 def cpu_has_half_gemm(dtype: torch.dtype) -> bool:
-    """Whether this CPU has oneDNN's kernels for ``dtype`` (bf16 or fp16) matrix products: AVX-512 (with
-    or without its BF16 / FP16 extensions), AMX, or Arm's BF16; ATen's generic loop otherwise, tens of
-    times slower than fp32. ``torch.ops.mkldnn._is_mkldnn_*_supported`` is the check ATen makes itself."""
+    """Whether this CPU has oneDNN's kernels for ``dtype`` (bf16 or fp16) matrix products, else ATen runs
+    a generic loop, tens of times slower than fp32. ``torch.ops.mkldnn._is_mkldnn_*_supported`` is the
+    check ATen makes itself; on x86, bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and fp16 needs
+    AVX512-FP16 or AVX-NE-CONVERT, so a plain AVX-512 CPU has bf16 kernels but not fp16 ones."""
     check = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
     op = getattr(torch.ops.mkldnn, check, None) if torch.backends.mkldnn.is_available() else None
     return bool(op()) if op is not None else False

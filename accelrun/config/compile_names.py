@@ -179,6 +179,19 @@ def parse_passes(spec: str | list[Any], options_by_name: Mapping[str, type[PassO
     return out
 
 
+def pass_names(spec: str | list[Any]) -> list[str]:
+    """The names a preset or list of passes holds, options not validated and passes registered at run
+    time included; an item that is not a pass at all is left out (parse_passes reports it)."""
+    items = PRESETS.get(spec, []) if isinstance(spec, str) else list(spec)
+    names = []
+    for i, item in enumerate(items):
+        try:
+            names.append(_split_item(item, i)[0])
+        except PassConfigError:
+            continue
+    return names
+
+
 def _split_item(item: Any, index: int) -> tuple[str, dict[str, Any]]:
     if isinstance(item, str):
         return item, {}

@@ -207,17 +207,13 @@ def cpu_bf16_without_kernels(cfg: RunConfig, sources: dict[KeyPath, Source], mac
     generic bf16 loop there is tens of times slower than fp32 (a warning)."""
     if cfg.train.precision != "bf16-mixed" or uses_cuda(cfg, machine) or machine.cpu_bf16_gemm is not False:
         return []
-    from accelrun.config.compile_names import PassConfigError, parse_passes
+    from accelrun.config.compile_names import pass_names
 
-    try:
-        fp32_gemms = cfg.compile.backend == "accelrun" and "cpu_half_gemm" in dict(parse_passes(cfg.compile.passes))
-    except PassConfigError:
-        fp32_gemms = False
-    if fp32_gemms:
+    if cfg.compile.backend == "accelrun" and "cpu_half_gemm" in pass_names(cfg.compile.passes):
         return []
     where = source_of(("train", "precision"), sources)
-    return [Finding(f"{where}: train.precision = bf16-mixed on a CPU without bf16 matrix kernels (no AVX-512 or "
-                    f"AMX): with compile.backend = {cfg.compile.backend}, each bf16 matmul runs in ATen's generic loop, "
+    return [Finding(f"{where}: train.precision = bf16-mixed on a CPU without bf16 matrix kernels (ATen has "
+                    f"none on x86 without AVX-512 or AVX-NE-CONVERT): with compile.backend = {cfg.compile.backend}, each bf16 matmul runs in ATen's generic loop, "
                     "30-70x slower than in fp32 here; compile.backend=accelrun runs them as fp32 GEMMs (its "
                     "cpu_half_gemm pass), or set train.precision=fp32", False)]  # fmt: skip
 

@@ -126,6 +126,8 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
     peak = r.get("peak") or {}
     if r.get("mfu") is not None:
         mfu = f"{_pct(r['mfu'])} of {_num(peak.get('tflops'))} TFLOP/s ({peak.get('source')})"
+        if r["mfu"] > 1:
+            mfu += "; above 100%: the peak is too low (see the notes)"
     else:
         mfu = f"n/a (peak: {peak.get('source', 'unknown')})"
     step = (f"{_secs(st.get('median'))} (p10 {_secs(st.get('p10'))}, p90 {_secs(st.get('p90'))}; "

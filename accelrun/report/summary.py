@@ -113,7 +113,9 @@ def summarize(
             notes.append("the CPU peak was measured while other processes used the CPU: it understates the "
                          "machine, so MFU is an upper bound (a quiet run measures and caches it)")
 
-    if mfu is not None and mfu > 1:  # the peak is below what the run achieved: say so, never print it plainly
+    # The peak is below what the run achieved. A cached measured peak is train's to distrust (it deletes
+    # it and says so: run._distrust_low_probe); any other is named here.
+    if mfu is not None and mfu > 1 and not peak.cache_file:
         notes.append(f"MFU is {mfu:.0%}: this run's {tflops:.3g} TFLOP/s exceed the peak it is measured against "
                      f"({peak.tflops:.3g} TFLOP/s, {peak.source}), so that peak is too low for this run "
                      "(declare report.peak_tflops)")

@@ -321,6 +321,8 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
     mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") is not None else "n/a"
     if r.get("mfu") is not None and str((r.get("peak") or {}).get("source", "")).startswith(BUSY_PEAK):
         mfu += f" (an upper bound: the peak was {BUSY_PEAK})"
+    elif r.get("mfu") is not None and r["mfu"] > 1:
+        mfu += " (above 100%: the peak is too low; the report's notes say why)"
     # The job's throughput, as report.md and `runs list` show it: a rank's alone made a 2-rank FSDP
     # run look slower than one process when it was faster.
     tps = f"{r['tokens_per_s_job']:,.0f} tok/s" if r.get("tokens_per_s_job") else "n/a tok/s"

@@ -112,3 +112,12 @@ def test_bf16_on_a_cpu_without_bf16_kernels_warns_unless_accelrun_runs_fp32_gemm
     with_kernels = classmethod(lambda cls: cls(cores=2, cuda_devices=0, cpu_bf16_gemm=True))
     monkeypatch.setattr(preflight.Machine, "here", with_kernels)
     assert "bf16 matrix kernels" not in validate("train.precision=bf16-mixed", "compile.backend=eager").stderr
+
+
+def test_pass_names_reads_any_list_without_validating_it():
+    from accelrun.config.compile_names import pass_names
+
+    assert "cpu_half_gemm" in pass_names("default") and pass_names("none") == []
+    # a pass registered at run time, options the schema would refuse, a malformed item: names still read
+    listed = ["dce", {"name": "mine", "knob": 1}, {"cpu_half_gemm": None}, 42]
+    assert pass_names(listed) == ["dce", "mine", "cpu_half_gemm"]

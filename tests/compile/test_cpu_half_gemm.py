@@ -74,6 +74,23 @@ def test_a_cpu_with_half_gemm_and_fp32_products_are_left_alone(monkeypatch):
     assert _run_pass(gm).counts["rewritten"] == 0
 
 
+def test_a_tensor_read_by_several_products_is_cast_once_and_odd_graphs_are_left_alone(no_half_gemm):
+    a, b = _inputs(torch.bfloat16)[:2]
+    gm = make_fx(lambda a, b: (a @ b, a @ b.flip(0)), tracing_mode="fake")(a, b)
+    assert _run_pass(gm).counts["rewritten"] == 2
+    upcasts = [n for n in _calls(gm, (aten._to_copy.default,)) if n.meta["val"].dtype == torch.float32]
+    assert [u.args[0].name for u in upcasts].count("a_1") == 1  # a: one cast for both products
+    # a product of mixed dtypes is ATen's to promote or refuse, and a graph without fake values (traced
+    # by hand) cannot be rewritten: both left as they are
+    mixed = make_fx(lambda a, b: torch.mm(a, b), tracing_mode="fake")(a, b)
+    next(iter(_calls(mixed, PRODUCTS))).args[1].meta["val"] = b.float()
+    assert _run_pass(mixed).counts["rewritten"] == 0
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    g.output(g.call_function(aten.mm.default, (x, y)))
+    assert not _run_pass(fx.GraphModule(torch.nn.Module(), g)).changed
+
+
 def test_llama_blocks_under_bf16_autocast_train_through_fp32_gemms(no_half_gemm):
     blocks, reference = _blocks_and_reference()
     backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"]))

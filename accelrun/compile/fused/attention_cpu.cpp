@@ -75,7 +75,7 @@ template <class T> static inline void narrow(T* dst, const float* src, int n) { 
 
 static inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
-// Calls f(std::integral_constant<int, m>) for a block of m rows (1 <= m <= MR = 8): the products take
+// Calls f(std::integral_constant<int, m>) for a block of m rows (1 <= m <= MR <= 8): the products take
 // the row count as a template argument, so their row loops unroll into broadcasts straight from
 // memory with no per-row test (5% faster than testing i < m in the loop, on the machine that wrote this).
 template <class F>

@@ -53,6 +53,12 @@ def _rewritable(node: fx.Node) -> torch.dtype | None:
     return dtype
 
 
+def _described(new: fx.Node, like: fx.Node) -> fx.Node:
+    """``new`` with ``like``'s description (its source line and module path, for dumps and explain)."""
+    new.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")})
+    return new
+
+
 @register_pass("cpu_half_gemm", "post_grad", PassOptions)
 def cpu_half_gemm(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> PassResult:
     """Half-precision matrix products on a CPU without a kernel for them run as fp32 GEMMs (exact
@@ -61,16 +67,18 @@ def cpu_half_gemm(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) ->
     if build.fake_mode is None:
         return PassResult(changed=False, summary="no fake values: left as is")
     n = 0
+    upcast: dict[fx.Node, fx.Node] = {}  # one cast per tensor, however many products read it
     for node in list(gm.graph.nodes):
         dtype = _rewritable(node)
         if dtype is None:
             continue
         args = list(node.args)
         for i in PRODUCTS[node.target]:
-            args[i] = build(node, aten._to_copy.default, args[i], dtype=torch.float32)
-        product = build(node, node.target, *args, **node.kwargs)
-        result = build(node, aten._to_copy.default, product, dtype=dtype)
-        result.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            if args[i] not in upcast:
+                upcast[args[i]] = _described(build(node, aten._to_copy.default, args[i], dtype=torch.float32), node)
+            args[i] = upcast[args[i]]
+        product = _described(build(node, node.target, *args, **node.kwargs), node)
+        result = _described(build(node, aten._to_copy.default, product, dtype=dtype), node)
         node.replace_all_uses_with(result)
         gm.graph.erase_node(node)
         n += 1
