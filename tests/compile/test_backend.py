@@ -9,6 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import accelrun.compile.passes.cpu_half_gemm as cpu_half_gemm
 from accelrun.cli.main import cli
 from accelrun.compile.backend import AccelrunBackend
 from accelrun.compile.numerics import PassNumericsError
@@ -77,7 +78,11 @@ def test_each_pass_alone_keeps_a_llama_block_exact(name):
     _assert_same_step(blocks, reference)
 
 
-def test_llama_blocks_bf16_autocast_match_eager_within_bf16_tolerance():
+@pytest.mark.parametrize("bf16_kernels", [True, False], ids=["cpu-with-bf16-gemm", "cpu-without"])
+def test_llama_blocks_bf16_autocast_match_eager_within_bf16_tolerance(bf16_kernels, monkeypatch):
+    # The CPU's answer forced each way: without bf16 GEMM kernels, cpu_half_gemm runs the products as
+    # fp32 GEMMs (this project's AVX2 machines have none; CI's may).
+    monkeypatch.setattr(cpu_half_gemm, "cpu_has_half_gemm", lambda dtype: bf16_kernels)
     blocks, reference = _blocks_and_reference()
     backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"]))
     for b in blocks:
@@ -85,6 +90,11 @@ def test_llama_blocks_bf16_autocast_match_eager_within_bf16_tolerance():
     with torch.autocast("cpu", torch.bfloat16):
         _assert_same_step(blocks, reference, rtol=2e-2, atol=2e-2)
     assert backend.record.regions_per_executor().get("cpp", 0) > 0
+    rewritten = {p.graph: p.counts["rewritten"] for p in backend.record.passes if p.name == "cpu_half_gemm"}
+    if bf16_kernels:
+        assert not any(rewritten.values()), rewritten
+    else:  # a block's forward: q/k/v, output and three MLP products; the backward: two per product
+        assert rewritten["g0.forward"] >= 5 and rewritten["g0.backward"] >= 10, rewritten
 
 
 def test_inductor_executor_takes_regions_and_matches_eager(tmp_path, monkeypatch):

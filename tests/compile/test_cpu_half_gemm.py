@@ -1,6 +1,7 @@
 """The cpu_half_gemm pass: bf16 / fp16 matrix products on a CPU without half-precision GEMM kernels run as
 fp32 GEMMs. Against eager PyTorch on the same inputs, with the CPU's answer forced each way (this
-project's AVX2 machines have no such kernels; CI's may)."""
+project's AVX2 machines have no such kernels; CI's may). Llama blocks through the backend with the
+pass: tests/compile/test_backend.py."""
 
 from __future__ import annotations
 
@@ -10,10 +11,7 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import accelrun.compile.passes.cpu_half_gemm as half_gemm
-from accelrun.compile.backend import AccelrunBackend
-from accelrun.compile.options import CompileOptions
 from accelrun.compile.passes.base import PassContext, PassOptions, registered_passes
-from tests.compile.test_backend import _assert_same_step, _blocks_and_reference
 
 aten, prims = torch.ops.aten, torch.ops.prims
 PRODUCTS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
@@ -90,15 +88,3 @@ def test_a_tensor_read_by_several_products_is_cast_once_and_odd_graphs_are_left_
     g.output(g.call_function(aten.mm.default, (x, y)))
     assert not _run_pass(fx.GraphModule(torch.nn.Module(), g)).changed
 
-
-def test_llama_blocks_under_bf16_autocast_train_through_fp32_gemms(no_half_gemm):
-    blocks, reference = _blocks_and_reference()
-    backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"]))
-    for b in blocks:
-        b.compile(backend=backend)
-    with torch.autocast("cpu", torch.bfloat16):
-        _assert_same_step(blocks, reference, rtol=2e-2, atol=2e-2)
-    rewritten = {p.graph: p.counts["rewritten"] for p in backend.record.passes if p.name == "cpu_half_gemm"}
-    # A block's forward has its q/k/v, output and three MLP products; the backward two per product.
-    assert rewritten["g0.forward"] >= 5 and rewritten["g0.backward"] >= 10, rewritten
-    assert backend.record.regions_per_executor().get("cpp", 0) > 0
