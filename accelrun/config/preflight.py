@@ -35,8 +35,8 @@ class Machine:
 
     cores: int
     cuda_devices: int  # visible to this process
-    # Whether the CPU has bf16 matrix-product kernels (AVX-512, AMX, Arm BF16); None: not asked (validate
-    # answers without torch, and only torch knows what its kernels take).
+    # Whether ATen has bf16 matrix-product kernels for this CPU (torch_private.cpu_has_half_gemm); None:
+    # not asked (validate answers without torch, and only torch knows what its kernels take).
     cpu_bf16_gemm: bool | None = None
 
     @classmethod
@@ -213,9 +213,10 @@ def cpu_bf16_without_kernels(cfg: RunConfig, sources: dict[KeyPath, Source], mac
         return []
     where = source_of(("train", "precision"), sources)
     return [Finding(f"{where}: train.precision = bf16-mixed on a CPU without bf16 matrix kernels (ATen has "
-                    f"none on x86 without AVX-512 or AVX-NE-CONVERT): with compile.backend = {cfg.compile.backend}, each bf16 matmul runs in ATen's generic loop, "
-                    "30-70x slower than in fp32 here; compile.backend=accelrun runs them as fp32 GEMMs (its "
-                    "cpu_half_gemm pass), or set train.precision=fp32", False)]  # fmt: skip
+                    f"none on x86 without AVX-512 or AVX-NE-CONVERT): with compile.backend = "
+                    f"{cfg.compile.backend}, each bf16 matmul runs in ATen's generic loop, 30-70x slower than "
+                    "in fp32 here; compile.backend=accelrun runs them as fp32 GEMMs (its cpu_half_gemm pass), "
+                    "or set train.precision=fp32", False)]  # fmt: skip
 
 
 # The checks `train` makes before a run directory or a tensor exists, in order; `validate` runs them all.

@@ -1,16 +1,16 @@
 """cpu_half_gemm: bf16 / fp16 matrix products on a CPU without half-precision GEMM run as fp32 GEMMs.
 
-A CPU with only AVX2 (no AVX-512 BF16 / FP16, no AMX) has no oneDNN kernel for half-precision
-matrix products, and ATen falls back to a generic loop: on this project's AVX2 machine a bf16
-``mm`` runs at 1-15 GFLOP/s against 100 in fp32, so a bf16-mixed step is 30x slower than an fp32 one.
-Here each ``mm`` / ``addmm`` / ``bmm`` / ``baddbmm`` whose inputs are all bf16 (or all fp16) becomes
-the same product on its inputs cast to fp32, its result cast back. The products of two bf16 (or
-fp16) numbers are exact in fp32 and the sums are fp32 sums, as a half-precision GEMM accumulates:
-the result differs from ATen's only in summation order, then rounds once to the output's dtype.
-The casts are pointwise, so the region partitioner fuses them with the ops around the product.
+Where ATen has no oneDNN kernel for a half-precision dtype (``cpu_has_half_gemm``: on x86, bf16 needs
+AVX-512 BW/VL/DQ or AVX-NE-CONVERT), it multiplies that dtype in a generic loop: on this project's
+AVX2 machine a bf16 ``mm`` runs at 1-15 GFLOP/s against 100 in fp32, so a bf16-mixed step is 13-17x
+slower than an fp32 one. Here each ``mm`` / ``addmm`` / ``bmm`` / ``baddbmm`` whose inputs are all bf16
+(or all fp16) becomes the same product on its inputs cast to fp32 (each tensor once), its result cast
+back. The products of two bf16 (or fp16) numbers are exact in fp32 and the sums are fp32 sums, as a
+half-precision GEMM accumulates: the result differs from ATen's only in summation order, then rounds
+once to the output's dtype. A cast beside other pointwise ops joins their fusion region; a
+parameter's runs alone.
 
-Where the CPU has a native kernel for the dtype (``cpu_has_half_gemm``), or the product is not on the
-CPU, the graph is left as it is.
+Where the CPU has the kernel, or the product is not on the CPU, the graph is left as it is.
 """
 
 from __future__ import annotations
@@ -34,11 +34,6 @@ PRODUCTS = {
 }
 
 
-def needs_fp32_gemm(dtype: torch.dtype) -> bool:
-    """Whether this CPU's ``dtype`` products are better run as fp32 GEMMs (no native kernel)."""
-    return dtype in HALF and not cpu_has_half_gemm(dtype)
-
-
 def _rewritable(node: fx.Node) -> torch.dtype | None:
     """The half dtype of a CPU product whose tensor inputs all share it, or None."""
     if node.op != "call_function" or node.target not in PRODUCTS:
@@ -48,7 +43,7 @@ def _rewritable(node: fx.Node) -> torch.dtype | None:
     if out is None or any(v is None for v in vals) or out.device.type != "cpu":
         return None
     dtype = out.dtype
-    if dtype not in HALF or any(v.dtype != dtype for v in vals) or not needs_fp32_gemm(dtype):
+    if dtype not in HALF or any(v.dtype != dtype for v in vals) or cpu_has_half_gemm(dtype):
         return None
     return dtype
 
