@@ -35,10 +35,13 @@ def decompositions() -> dict:
 
 
 @cache
-def _decompositions() -> dict:  # torch builds its table anew on each call: 0.12 s, twice per compiled method
-    from accelrun.torch_private import core_aten_decompositions
+def _decompositions() -> dict:  # torch builds its table anew on each call
+    # Not torch.export's table (core_aten_decompositions), which adds an entry for every
+    # CompositeImplicitAutograd op: 0.2-0.3 s of a cold start, and AOTAutograd's graphs come out the
+    # same without them (tests/test_torch_private.py traces both).
+    from accelrun.torch_private import core_aten_decompositions_post_autograd
 
-    return {op: fn for op, fn in core_aten_decompositions().items() if "attention" not in op.name()}
+    return {op: fn for op, fn in core_aten_decompositions_post_autograd().items() if "attention" not in op.name()}
 
 
 def collectives_in(gm: fx.GraphModule) -> dict[str, int]:

@@ -26,7 +26,7 @@ def test_snapshot_of_a_pytree_graph_warns_nothing_and_keeps_its_signature():
     gm = _pytree_graph_module()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        snap = graph_snapshot(gm)
+        snap = graph_snapshot(gm).restore()
     assert not [w for w in seen if "LeafSpec" in str(w.message)], [str(w.message) for w in seen]
     info, old = snap.graph._codegen.pytree_info, gm.graph._codegen.pytree_info
     assert (info.in_spec, info.out_spec) == (old.in_spec, old.out_spec)
