@@ -109,6 +109,10 @@ def test_bf16_on_a_cpu_without_bf16_kernels_warns_unless_accelrun_runs_fp32_gemm
     assert "without bf16 matrix kernels" in r.stderr
     for quiet in (["train.precision=bf16-mixed"], ["compile.backend=eager"]):  # the default passes; fp32
         assert "bf16 matrix kernels" not in validate(*quiet).stderr
+    r = validate("train.precision=bf16-mixed", "compile.scope=block")  # the head is left eager
+    assert r.exit_code == 0, r.output
+    assert "override 'compile.scope=block'" in r.stderr and "output head's" in r.stderr, r.stderr
+    assert "bf16 matrix kernels" not in validate("train.precision=bf16-mixed", "compile.scope=loss").stderr
     with_kernels = classmethod(lambda cls: cls(cores=2, cuda_devices=0, cpu_bf16_gemm=True))
     monkeypatch.setattr(preflight.Machine, "here", with_kernels)
     assert "bf16 matrix kernels" not in validate("train.precision=bf16-mixed", "compile.backend=eager").stderr
