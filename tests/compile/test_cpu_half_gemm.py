@@ -88,3 +88,32 @@ def test_a_tensor_read_by_several_products_is_cast_once_and_odd_graphs_are_left_
     g.output(g.call_function(aten.mm.default, (x, y)))
     assert not _run_pass(fx.GraphModule(torch.nn.Module(), g)).changed
 
+
+
+def _linear_backward(x, w, gy):
+    """A linear layer's products in a backward: the input gradient reads the weight transposed, the weight
+    gradient the input transposed; the forward reads both as they are (through a transpose and a reshape)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return (x2 @ w.t()).reshape(*x.shape[:-1], -1), gy.reshape(-1, gy.shape[-1]) @ w, gy.reshape(-1, gy.shape[-1]).t() @ x2
+
+
+def test_a_tensor_read_through_views_is_cast_once_and_viewed_in_fp32(no_half_gemm):
+    g = torch.Generator().manual_seed(0)
+    x, w, gy = (torch.randn(s, generator=g).to(torch.bfloat16) for s in [(2, 12, 40), (24, 40), (2, 12, 24)])
+    gm = make_fx(_linear_backward, tracing_mode="fake")(x, w, gy)
+    assert _run_pass(gm).counts["rewritten"] == 3
+    upcasts = [n for n in _calls(gm, (aten._to_copy.default,)) if n.meta["val"].dtype == torch.float32]
+    # One fp32 copy per tensor, not one per view of it: x (its reshape read as is and transposed), w, gy.
+    assert sorted(u.args[0].name for u in upcasts) == ["gy_1", "w_1", "x_1"]
+    for node in _calls(gm, PRODUCTS):
+        assert all(a.meta["val"].dtype == torch.float32 for a in node.all_input_nodes)
+    # No half-precision view of an input is left (the products read fp32 views); the one bf16 view
+    # left reshapes a result cast back.
+    half_views = [v for v in _calls(gm, half_gemm.WHOLE_VIEWS) if v.meta["val"].dtype == torch.bfloat16]
+    assert [v.args[0].target for v in half_views] == [aten._to_copy.default], [v.format_node() for v in half_views]
+    got, expected = gm(x, w, gy), _linear_backward(x, w, gy)
+    reference = [r.to(torch.bfloat16) for r in _linear_backward(x.float(), w.float(), gy.float())]
+    for out, e, r in zip(got, expected, reference, strict=True):
+        assert out.dtype == torch.bfloat16 and out.shape == e.shape
+        torch.testing.assert_close(out, e, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(out, r, rtol=1e-2, atol=0)

@@ -8,7 +8,9 @@ slower than an fp32 one. Here each ``mm`` / ``addmm`` / ``bmm`` / ``baddbmm`` wh
 back. The products of two bf16 (or fp16) numbers are exact in fp32 and the sums are fp32 sums, as a
 half-precision GEMM accumulates: the result differs from ATen's only in summation order, then rounds
 once to the output's dtype. A cast beside other pointwise ops joins their fusion region; a
-parameter's runs alone.
+parameter's runs alone. An input that is a view (a transpose, a reshape) of another tensor is cast
+as that tensor, the view taken of the fp32 copy: a backward reads an activation both as it is and
+transposed (input and weight gradients), and one fp32 copy then serves both.
 
 Where the CPU has the kernel, or the product is not on the CPU, the graph is left as it is.
 """
@@ -48,6 +50,22 @@ def _rewritable(node: fx.Node) -> torch.dtype | None:
     return dtype
 
 
+# Views that keep every element of their input: casting the input and taking the view of the copy is
+# the same tensor, and the copy is no larger (a slice's input would be).
+WHOLE_VIEWS = (aten.permute.default, aten.t.default, aten.transpose.int, aten.view.default,
+               aten._unsafe_view.default, aten.expand.default)  # fmt: skip
+
+
+def _view_chain(node: fx.Node, dtype: torch.dtype) -> tuple[fx.Node, list[fx.Node]]:
+    """(the tensor ``node`` is a chain of whole views of, those views from the innermost out)."""
+    views: list[fx.Node] = []
+    while (node.op == "call_function" and node.target in WHOLE_VIEWS and isinstance(node.args[0], fx.Node)
+           and (base := tensor_val(node.args[0])) is not None and base.dtype == dtype):  # fmt: skip
+        views.append(node)
+        node = node.args[0]
+    return node, views[::-1]
+
+
 def _described(new: fx.Node, like: fx.Node) -> fx.Node:
     """``new`` with ``like``'s description (its source line and module path, for dumps and explain)."""
     new.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")})
@@ -69,14 +87,23 @@ def cpu_half_gemm(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) ->
             continue
         args = list(node.args)
         for i in PRODUCTS[node.target]:
-            if args[i] not in upcast:
-                upcast[args[i]] = _described(build(node, aten._to_copy.default, args[i], dtype=torch.float32), node)
-            args[i] = upcast[args[i]]
+            root, views = _view_chain(args[i], dtype)
+            if root not in upcast:
+                upcast[root] = _described(build(node, aten._to_copy.default, root, dtype=torch.float32), node)
+            value = upcast[root]
+            for view in views:  # the same views of the fp32 copy (each built once, like the cast)
+                if view not in upcast:
+                    upcast[view] = _described(build(node, view.target, value, *view.args[1:], **view.kwargs), view)
+                value = upcast[view]
+            args[i] = value
         product = _described(build(node, node.target, *args, **node.kwargs), node)
         result = _described(build(node, aten._to_copy.default, product, dtype=dtype), node)
         node.replace_all_uses_with(result)
         gm.graph.erase_node(node)
         n += 1
+    for view in reversed(list(upcast)):  # half-precision views only the products read (outermost first)
+        if view.op == "call_function" and view.target in WHOLE_VIEWS and not view.users:
+            gm.graph.erase_node(view)
     if n:
         gm.graph.lint()
         gm.recompile()
