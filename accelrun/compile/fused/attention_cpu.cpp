@@ -39,7 +39,10 @@ typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
 static inline vf load(const float* p) { return *(const vfu*)p; }
 static inline void store(float* p, vf v) { *(vfu*)p = v; }
-static inline vf splat(float x) { return vf{} + x; }
+// x - 0 rather than 0 + x: IEEE says 0 + -0 is +0, so g++ must keep that add (a scalar add and a register
+// broadcast per splat, contending with the FMAs for the shuffle port); x - 0 is x for every x, and a splat
+// of a value in memory becomes one broadcast load.
+static inline vf splat(float x) { return x - vf{}; }
 static inline vi splat_i(int32_t x) { return vi{} + x; }
 static const vi LANES = {ACC_LANES};
 
