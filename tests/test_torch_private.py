@@ -150,6 +150,11 @@ def test_the_post_autograd_table_traces_the_graphs_exports_table_does():
     torch._dynamo.reset()
     assert len(graphs[0]) == 3  # forward, backward, inference
     assert graphs[0] == graphs[1]
+    # and the backend traces with that table (less attention's, which its own kernels take)
+    from accelrun.compile.backend import decompositions
+
+    table = tp.core_aten_decompositions_post_autograd()
+    assert decompositions().keys() == {op for op in table if "attention" not in op.name()}
 
 
 # --- Inductor -----------------------------------------------------------------------------------------

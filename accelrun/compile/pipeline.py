@@ -19,7 +19,6 @@ and dumped, and a pass that raises is skipped for that graph (an error under ``c
 from __future__ import annotations
 
 import copy
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +60,14 @@ def count_ops(gm: fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function")
 
 
+def generate_code(gm: fx.GraphModule) -> None:
+    """Write ``gm``'s Python code from its graph now. torch's GraphModules are mostly lazy (recompile()
+    only marks them), which would put off a graph that cannot be written as Python to whoever calls it
+    next, outside the pass driver's fallbacks; reading ``code`` writes it."""
+    gm.recompile()
+    gm.code  # noqa: B018 (read for its effect)
+
+
 @dataclass
 class GraphSnapshot:
     """A graph as it was before a pass, to go back to if the pass raises half way through an in-place
@@ -69,12 +76,18 @@ class GraphSnapshot:
     before 2026-12-02 every pass of every graph paid that code generation (0.3 s of a cold step)."""
 
     graph: fx.Graph
-    attributes: dict[str, Any]  # what the graph's get_attr / call_module nodes read, as they were
+    # The module's top-level attributes the graph's get_attr / call_module nodes start from, as they were.
+    attributes: dict[str, Any]
     meta: dict[str, Any]
     training: bool
 
     def restore(self) -> fx.GraphModule:
-        gm = fx.GraphModule(self.attributes, self.graph)
+        # A module as root, not the dict: torch then copies each dotted target into modules of the new
+        # GraphModule's own, where from a dict it would write into the user's submodules.
+        root = torch.nn.Module()
+        for name, value in self.attributes.items():
+            object.__setattr__(root, name, value)  # as plain attributes: read back as they were
+        gm = fx.GraphModule(root, self.graph)
         gm.meta, gm.training = dict(self.meta), self.training
         return gm
 
@@ -90,8 +103,8 @@ def graph_snapshot(gm: fx.GraphModule) -> GraphSnapshot:
         graph._codegen.pytree_info = info._replace(orig_args=list(info.orig_args))
     value, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)
     graph.output(value).meta = copy.copy(old_output.meta)
-    targets = {str(n.target) for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
-    attributes = {t: functools.reduce(getattr, t.split("."), gm) for t in targets}
+    tops = {str(n.target).split(".")[0] for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
+    attributes = {name: getattr(gm, name) for name in tops}
     return GraphSnapshot(graph, attributes, dict(getattr(gm, "meta", {})), gm.training)
 
 
@@ -131,7 +144,7 @@ class _OneGraph:
 
     def finish(self) -> None:
         # Once per stage, not per pass: nothing runs the module between passes (a dump prints the graph).
-        self.gm.recompile()
+        generate_code(self.gm)
 
     def dump(self, dumper: Dumper, pass_name: str, changed: bool) -> None:
         if changed:
@@ -160,7 +173,7 @@ class _ForwardBackward:
         return _ForwardBackward(fw, bw, self.name)
 
     def finish(self) -> None:
-        self.fw.recompile(), self.bw.recompile()
+        generate_code(self.fw), generate_code(self.bw)
 
     def dump(self, dumper: Dumper, pass_name: str, changed: bool) -> None:
         dumper.graph(f"{self.name}.forward", f"partition_{pass_name}", self.fw)
@@ -195,7 +208,10 @@ class PassDriver:
         return unit.fw, unit.bw
 
     def _run(self, stage: str, unit: Any, graph_name: str, ctx: PassContext) -> Any:
-        for p in passes_for_stage(self.passes, stage):  # type: ignore[arg-type]
+        passes = passes_for_stage(self.passes, stage)  # type: ignore[arg-type]
+        stage_input = unit.snapshot() if passes else None
+        changed_by: list[str] = []
+        for p in passes:
             # (a joint graph or a pair has no example inputs to check a pass's numerics with)
             checked = self.debug_numerics and ctx.example_inputs is not None
             before_copy = copy.deepcopy(unit.gm) if checked else None
@@ -206,17 +222,33 @@ class PassDriver:
                 # One context for every pass: what one pass notes (the next region id) the next reads.
                 result = p.spec.fn(unit.value(), p.options, ctx)
                 unit = unit.after(result, p.name)
+                if checked:
+                    unit.finish()  # the check runs the module
             except Exception as e:  # the graph as it was before the pass goes on; the run does not stop
                 unit = restore()
                 self._failed(graph_name, stage, p, before, e, time.perf_counter() - t0)
                 continue
             self._noted(graph_name, stage, p, before, unit.ops(), result, time.perf_counter() - t0)
+            changed_by += [p.name] if result.changed else []
             if before_copy is not None:
-                unit.finish()
                 check_pass(p.name, before_copy, unit.gm, ctx.example_inputs)
             unit.dump(self.dumper, p.name, result.changed)
-        unit.finish()
+        try:
+            unit.finish()
+        except Exception as e:  # a pass left a graph that lints but cannot be written as Python
+            if stage_input is None:
+                raise
+            unit = stage_input()  # the stage's input goes on, its passes skipped for this graph
+            unit.finish()
+            self._stage_failed(graph_name, stage, changed_by, e)
         return unit
+
+    def _stage_failed(self, graph: str, stage: str, changed_by: list[str], e: Exception) -> None:
+        what = f"{stage} passes ({', '.join(changed_by) or 'none changed it'})"
+        reason = f"the graph they left cannot be generated as Python: {one_line(e)}"
+        if self.strict:
+            raise CompilerFallbackError(f"{what} on {graph}: {reason} (compile.strict is on)") from e
+        self.record.fallbacks.append(Fallback(graph, "pass", what, f"{reason}; all skipped for this graph"))
 
     def _failed(self, graph: str, stage: str, p: ConfiguredPass, before: int, e: Exception, seconds: float) -> None:
         reason = one_line(e)

@@ -219,7 +219,8 @@ def cpu_bf16_without_kernels(cfg: RunConfig, sources: dict[KeyPath, Source], mac
         return [Finding(f"{scope}: compile.scope = block with train.precision = bf16-mixed ({where}) on a CPU "
                         "without bf16 matrix kernels: accelrun runs the blocks' bf16 matmuls as fp32 GEMMs, but the "
                         "output head's and any other outside the blocks run eagerly, in ATen's generic bf16 loop "
-                        "(30-70x slower than fp32 here); compile.scope=auto compiles the head too", False)]  # fmt: skip
+                        "(30-70x slower than fp32 here); compile.scope=loss (auto's choice for a model family) or model "
+                        "compiles the head too", False)]  # fmt: skip
     return [Finding(f"{where}: train.precision = bf16-mixed on a CPU without bf16 matrix kernels (ATen has "
                     f"none on x86 without AVX-512 or AVX-NE-CONVERT): with compile.backend = "
                     f"{cfg.compile.backend}, each bf16 matmul runs in ATen's generic loop, 30-70x slower than "

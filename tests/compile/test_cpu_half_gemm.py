@@ -117,3 +117,17 @@ def test_a_tensor_read_through_views_is_cast_once_and_viewed_in_fp32(no_half_gem
         assert out.dtype == torch.bfloat16 and out.shape == e.shape
         torch.testing.assert_close(out, e, rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(out, r, rtol=1e-2, atol=0)
+
+
+def test_views_with_symbolic_sizes_are_cast_as_they_are(no_half_gemm):
+    # Dynamic shapes: a reshape's sizes are nodes of the graph. Its input is not cast in its place (the
+    # fp32 view would need those sizes); the view itself is, and every product still runs in fp32.
+    g = torch.Generator().manual_seed(0)
+    x, w, gy = (torch.randn(s, generator=g).to(torch.bfloat16) for s in [(2, 12, 40), (24, 40), (2, 12, 24)])
+    gm = make_fx(_linear_backward, tracing_mode="symbolic")(x, w, gy)
+    assert _run_pass(gm).counts["rewritten"] == 3
+    for node in _calls(gm, PRODUCTS):
+        assert all(a.meta["val"].dtype == torch.float32 for a in node.all_input_nodes)
+    for out, e in zip(gm(x, w, gy), _linear_backward(x, w, gy), strict=True):
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, e, rtol=1e-2, atol=1e-2)

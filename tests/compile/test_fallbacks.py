@@ -69,6 +69,45 @@ def test_strict_makes_a_failing_pass_an_error(tmp_path):
         _compile_and_check(_backend(tmp_path, strict=True))
 
 
+class _NotPython:
+    """A constant whose repr is not Python: a graph holding it lints, but its code cannot be generated."""
+
+    def __repr__(self) -> str:
+        return "<not python>"
+
+
+@register_pass("test_unwritable", "post_grad")
+def _unwritable(gm: fx.GraphModule, options: PassOptions, ctx) -> PassResult:
+    """Adds a node whose argument cannot be written as Python, then returns as if all went well."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(output):
+        gm.graph.call_function(print, (_NotPython(),))
+    return PassResult(changed=True, summary="added an unwritable node")
+
+
+def test_a_graph_whose_code_cannot_be_generated_goes_on_as_the_stage_got_it(tmp_path):
+    # The driver generates a graph's code once after its stage's passes, outside any one pass's rollback:
+    # a graph that lints but cannot be written as Python sends the stage's input on, the passes named.
+    backend = _backend(tmp_path, passes=["dce", "test_unwritable", "cse", "partition_regions"])
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 16), torch.randn(16, 16, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    out = torch.compile(_model_fn, backend=backend)(x, w)
+    out.sum().backward()
+    ref = _model_fn(x, w_ref)
+    ref.sum().backward()
+    # The unfused graphs run op by op in ATen's decomposed forms (tanh's backward as 1 - y², ...): fp32
+    # near, not equal to eager's fused kernels.
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-4, atol=1e-5)
+    fallbacks = backend.record.fallbacks
+    assert {(f.graph, f.stage, f.what) for f in fallbacks} >= {
+        ("g0.forward", "pass", "post_grad passes (test_unwritable, partition_regions)")}, fallbacks
+    assert all("cannot be generated as Python" in f.reason and "SyntaxError" in f.reason for f in fallbacks)
+    with pytest.raises(Exception, match="compile.strict"):
+        _compile_and_check(_backend(tmp_path, passes=["test_unwritable"], strict=True))
+
+
 class _Broken(Executor):
     """Claims every region; what breaks is set per subclass."""
 

@@ -56,11 +56,20 @@ WHOLE_VIEWS = (aten.permute.default, aten.t.default, aten.transpose.int, aten.vi
                aten._unsafe_view.default, aten.expand.default)  # fmt: skip
 
 
+def _reads_sizes(view: fx.Node) -> bool:
+    """Whether ``view``'s arguments past its input are nodes (symbolic sizes): such a view is left as it
+    is, since its fp32 twin would need those sizes' values, which the pass does not have at hand."""
+    nodes: list[fx.Node] = []
+    fx.node.map_arg((view.args[1:], view.kwargs), nodes.append)
+    return bool(nodes)
+
+
 def _view_chain(node: fx.Node, dtype: torch.dtype) -> tuple[fx.Node, list[fx.Node]]:
     """(the tensor ``node`` is a chain of whole views of, those views from the innermost out)."""
     views: list[fx.Node] = []
     while (node.op == "call_function" and node.target in WHOLE_VIEWS and isinstance(node.args[0], fx.Node)
-           and (base := tensor_val(node.args[0])) is not None and base.dtype == dtype):  # fmt: skip
+           and not _reads_sizes(node) and (base := tensor_val(node.args[0])) is not None
+           and base.dtype == dtype):  # fmt: skip
         views.append(node)
         node = node.args[0]
     return node, views[::-1]
