@@ -70,8 +70,8 @@ def generate_code(gm: fx.GraphModule) -> None:
 
 @dataclass
 class GraphSnapshot:
-    """A graph as it was before a pass, to go back to if the pass raises half way through an in-place
-    rewrite. Only the graph is copied here (nodes and meta dicts; values shared); the module, whose
+    """A graph as it was before a stage's passes, to go back to if one raises half way through an
+    in-place rewrite or leaves code that cannot be written. Only the graph is copied here (nodes and meta dicts; values shared); the module, whose
     construction regenerates its Python code, is built in ``restore``, which only a failed pass needs:
     before 2026-12-02 every pass of every graph paid that code generation (0.3 s of a cold step)."""
 
@@ -87,22 +87,29 @@ class GraphSnapshot:
         root = torch.nn.Module()
         for name, value in self.attributes.items():
             object.__setattr__(root, name, value)  # as plain attributes: read back as they were
-        gm = fx.GraphModule(root, self.graph)
+        # A copy each time: the module takes the graph it is given as its own, and passes rewrite it.
+        gm = fx.GraphModule(root, copy_graph(self.graph))
         gm.meta, gm.training = dict(self.meta), self.training
         return gm
 
 
-def graph_snapshot(gm: fx.GraphModule) -> GraphSnapshot:
-    """A copy of ``gm``'s graph (nodes and their meta dicts copied, values shared). Far cheaper than a
-    deepcopy of the fake tensors."""
+def copy_graph(old: fx.Graph) -> fx.Graph:
+    """A copy of ``old`` (nodes and their meta dicts copied, values shared). Far cheaper than a deepcopy
+    of the fake tensors."""
     graph = fx.Graph()
     # Not a deepcopy: that rebuilds the pytree specs' LeafSpecs, which torch deprecates with a FutureWarning
     # printed on every compiled run. The specs are frozen, so sharing them is safe; only the list is copied.
-    graph._codegen = copy.copy(gm.graph._codegen)
+    graph._codegen = copy.copy(old._codegen)
     if (info := getattr(graph._codegen, "pytree_info", None)) is not None:
         graph._codegen.pytree_info = info._replace(orig_args=list(info.orig_args))
-    value, old_output = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    value, old_output = graph.graph_copy(old, {}, return_output_node=True)
     graph.output(value).meta = copy.copy(old_output.meta)
+    return graph
+
+
+def graph_snapshot(gm: fx.GraphModule) -> GraphSnapshot:
+    """``gm`` as it is now, to restore (any number of times) if a later rewrite fails."""
+    graph = copy_graph(gm.graph)
     tops = {str(n.target).split(".")[0] for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
     attributes = {name: getattr(gm, name) for name in tops}
     return GraphSnapshot(graph, attributes, dict(getattr(gm, "meta", {})), gm.training)
@@ -209,7 +216,11 @@ class PassDriver:
 
     def _run(self, stage: str, unit: Any, graph_name: str, ctx: PassContext) -> Any:
         passes = passes_for_stage(self.passes, stage)  # type: ignore[arg-type]
+        # One copy of the stage's input, not one per pass (44 graph copies were a tenth of a cold
+        # compile's passes): a pass that raises half way through is undone by going back to the input
+        # and running again the passes that had succeeded, which are deterministic.
         stage_input = unit.snapshot() if passes else None
+        done: list[ConfiguredPass] = []
         changed_by: list[str] = []
         for p in passes:
             # (a joint graph or a pair has no example inputs to check a pass's numerics with)
@@ -217,7 +228,6 @@ class PassDriver:
             before_copy = copy.deepcopy(unit.gm) if checked else None
             t0 = time.perf_counter()
             before = unit.ops()
-            restore = unit.snapshot()
             try:
                 # One context for every pass: what one pass notes (the next region id) the next reads.
                 result = p.spec.fn(unit.value(), p.options, ctx)
@@ -225,9 +235,18 @@ class PassDriver:
                 if checked:
                     unit.finish()  # the check runs the module
             except Exception as e:  # the graph as it was before the pass goes on; the run does not stop
-                unit = restore()
                 self._failed(graph_name, stage, p, before, e, time.perf_counter() - t0)
+                assert stage_input is not None
+                try:
+                    unit = self._replay(stage_input(), done, ctx)
+                except Exception as again:  # noqa: BLE001 (a pass that is not deterministic)
+                    unit = stage_input()
+                    self._stage_failed(graph_name, stage, changed_by, again, "raised when run again after "
+                                       f"{p.name!r} failed (not deterministic?)")  # fmt: skip
+                    stage_input = None  # the input goes on as it is; nothing left to fall back to
+                    break
                 continue
+            done.append(p)
             self._noted(graph_name, stage, p, before, unit.ops(), result, time.perf_counter() - t0)
             changed_by += [p.name] if result.changed else []
             if before_copy is not None:
@@ -240,12 +259,21 @@ class PassDriver:
                 raise
             unit = stage_input()  # the stage's input goes on, its passes skipped for this graph
             unit.finish()
-            self._stage_failed(graph_name, stage, changed_by, e)
+            self._stage_failed(graph_name, stage, changed_by, e, "the graph they left cannot be generated as Python")
         return unit
 
-    def _stage_failed(self, graph: str, stage: str, changed_by: list[str], e: Exception) -> None:
+    @staticmethod
+    def _replay(unit: Any, done: list[ConfiguredPass], ctx: PassContext) -> Any:
+        """``unit`` (the stage's input) after the passes in ``done`` again, unrecorded: what the graph was
+        before the pass that failed. (One that succeeded once and raises now is not deterministic: the
+        caller then sends the stage's input on, all its passes skipped.)"""
+        for p in done:
+            unit = unit.after(p.spec.fn(unit.value(), p.options, ctx), p.name)
+        return unit
+
+    def _stage_failed(self, graph: str, stage: str, changed_by: list[str], e: Exception, why: str) -> None:
         what = f"{stage} passes ({', '.join(changed_by) or 'none changed it'})"
-        reason = f"the graph they left cannot be generated as Python: {one_line(e)}"
+        reason = f"{why}: {one_line(e)}"
         if self.strict:
             raise CompilerFallbackError(f"{what} on {graph}: {reason} (compile.strict is on)") from e
         self.record.fallbacks.append(Fallback(graph, "pass", what, f"{reason}; all skipped for this graph"))

@@ -64,6 +64,56 @@ def test_a_pass_that_raises_is_skipped_for_that_graph(tmp_path):
     assert any("fell back" in w for w in record.summary()["warnings"])
 
 
+_marks_seen: list[object] = []
+
+
+@register_pass("test_marks_nodes", "post_grad")
+def _marks_nodes(gm: fx.GraphModule, options: PassOptions, ctx) -> PassResult:
+    for node in gm.graph.nodes:
+        node.meta["test_mark"] = True
+    _marks_seen.append("marked")
+    return PassResult(changed=False, summary="marked every node")
+
+
+@register_pass("test_reads_marks", "post_grad")
+def _reads_marks(gm: fx.GraphModule, options: PassOptions, ctx) -> PassResult:
+    _marks_seen.append(all(n.meta.get("test_mark") for n in gm.graph.nodes))
+    return PassResult(changed=False, summary="read the marks")
+
+
+def test_the_passes_before_a_failing_one_still_apply_once_recorded(tmp_path):
+    # Undoing the failed pass goes back to the stage's input and runs the passes before it again.
+    _marks_seen.clear()
+    backend = _backend(tmp_path, passes=["test_marks_nodes", "test_breaks_half_way", "test_reads_marks",
+                                         "partition_regions"])  # fmt: skip
+    _compile_and_check(backend)
+    reads = [seen for seen in _marks_seen if seen != "marked"]
+    assert reads and all(seen is True for seen in reads), _marks_seen  # one per graph: forward, backward
+    marked = [p for p in backend.record.passes if p.name == "test_marks_nodes"]
+    assert len(marked) == len(reads)  # the rerun is not recorded as a second pass
+    assert {f.what for f in backend.record.fallbacks} == {"test_breaks_half_way"}
+
+
+_calls = {"n": 0}
+
+
+@register_pass("test_succeeds_once", "post_grad")
+def _succeeds_once(gm: fx.GraphModule, options: PassOptions, ctx) -> PassResult:
+    _calls["n"] += 1
+    if _calls["n"] > 1:
+        raise RuntimeError("not the same the second time")
+    return PassResult(changed=False, summary="fine the first time")
+
+
+def test_a_pass_that_fails_when_run_again_sends_the_stage_input_on(tmp_path):
+    _calls["n"] = 0
+    backend = _backend(tmp_path, passes=["test_succeeds_once", "test_breaks_half_way", "partition_regions"])
+    _compile_and_check(backend, grad_rtol=1e-4, grad_atol=1e-5)  # unfused: ATen's decomposed forms
+    whats = [f.what for f in backend.record.fallbacks]
+    assert whats[:2] == ["test_breaks_half_way", "post_grad passes (none changed it)"], whats
+    assert "not deterministic" in backend.record.fallbacks[1].reason
+
+
 def test_strict_makes_a_failing_pass_an_error(tmp_path):
     with pytest.raises(Exception, match="compile.strict"):
         _compile_and_check(_backend(tmp_path, strict=True))

@@ -10,6 +10,7 @@ Index expressions are sympy integer expressions over the loop variables of the k
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import operator
@@ -130,6 +131,11 @@ def broadcast_index(idx: Index, out_shape: Sequence[int], in_shape: Sequence[int
 
 def unravel(flat: sympy.Expr, shape: Sequence[int]) -> Index:
     """Row-major index of ``flat`` in ``shape``; the leading non-trivial axis needs no modulo."""
+    return _unravel(flat, tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)  # the same views recur in every block and both directions
+def _unravel(flat: sympy.Expr, shape: tuple[int, ...]) -> Index:
     first = next((d for d, s in enumerate(shape) if s != 1), len(shape))
     out: list[sympy.Expr] = []
     step = 1
