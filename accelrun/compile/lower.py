@@ -152,13 +152,14 @@ class _Lowering:
 
     def _compile_jobs(self, regions: list[Region], claims: dict[int, int | None]) -> list[_CompileJob]:
         """What runs on the build pool: for each ``parallel_compile`` executor, one job for all its
-        regions when it has ``batch_compile``, else a job per region."""
+        regions when it has ``batch_compile`` (a lone region too: a batch knows what it will pickle as
+        before it is built, so saving the graph does not wait for g++), else a job per region."""
         jobs = []
         for index, executor in enumerate(self.executors):
             mine = [r for r in regions if claims[r.id] == index]
             if not mine or not executor.parallel_compile:
                 continue
-            if executor.batch_compile and len(mine) > 1:
+            if executor.batch_compile:
                 try:
                     forms = executor.saved_forms(mine, f"{self.cache_dir}/{executor.name}")
                 except Exception:  # noqa: BLE001 (then pickling them waits for their build)
