@@ -71,9 +71,10 @@ def generate_code(gm: fx.GraphModule) -> None:
 @dataclass
 class GraphSnapshot:
     """A graph as it was before a stage's passes, to go back to if one raises half way through an
-    in-place rewrite or leaves code that cannot be written. Only the graph is copied here (nodes and meta dicts; values shared); the module, whose
-    construction regenerates its Python code, is built in ``restore``, which only a failed pass needs:
-    before 2026-12-02 every pass of every graph paid that code generation (0.3 s of a cold step)."""
+    in-place rewrite or leaves code that cannot be written. Only the graph is copied here (nodes and
+    meta dicts; values shared); the module, whose construction regenerates its Python code, is built in
+    ``restore``, which only a failure needs: before 2026-12-02 every pass of every graph paid that code
+    generation (0.3 s of a cold step)."""
 
     graph: fx.Graph
     # The module's top-level attributes the graph's get_attr / call_module nodes start from, as they were.
@@ -216,10 +217,13 @@ class PassDriver:
 
     def _run(self, stage: str, unit: Any, graph_name: str, ctx: PassContext) -> Any:
         passes = passes_for_stage(self.passes, stage)  # type: ignore[arg-type]
+        if not passes:
+            unit.finish()
+            return unit
         # One copy of the stage's input, not one per pass (44 graph copies were a tenth of a cold
         # compile's passes): a pass that raises half way through is undone by going back to the input
         # and running again the passes that had succeeded, which are deterministic.
-        stage_input = unit.snapshot() if passes else None
+        stage_input = unit.snapshot()
         done: list[ConfiguredPass] = []
         changed_by: list[str] = []
         for p in passes:
@@ -236,15 +240,11 @@ class PassDriver:
                     unit.finish()  # the check runs the module
             except Exception as e:  # the graph as it was before the pass goes on; the run does not stop
                 self._failed(graph_name, stage, p, before, e, time.perf_counter() - t0)
-                assert stage_input is not None
                 try:
                     unit = self._replay(stage_input(), done, ctx)
                 except Exception as again:  # noqa: BLE001 (a pass that is not deterministic)
-                    unit = stage_input()
-                    self._stage_failed(graph_name, stage, changed_by, again, "raised when run again after "
-                                       f"{p.name!r} failed (not deterministic?)")  # fmt: skip
-                    stage_input = None  # the input goes on as it is; nothing left to fall back to
-                    break
+                    why = f"raised when run again after {p.name!r} failed (not deterministic?)"
+                    return self._stage_input_goes_on(stage_input, graph_name, stage, changed_by, again, why)
                 continue
             done.append(p)
             self._noted(graph_name, stage, p, before, unit.ops(), result, time.perf_counter() - t0)
@@ -255,11 +255,16 @@ class PassDriver:
         try:
             unit.finish()
         except Exception as e:  # a pass left a graph that lints but cannot be written as Python
-            if stage_input is None:
-                raise
-            unit = stage_input()  # the stage's input goes on, its passes skipped for this graph
-            unit.finish()
-            self._stage_failed(graph_name, stage, changed_by, e, "the graph they left cannot be generated as Python")
+            why = "the graph they left cannot be generated as Python"
+            return self._stage_input_goes_on(stage_input, graph_name, stage, changed_by, e, why)
+        return unit
+
+    def _stage_input_goes_on(self, stage_input: Callable[[], Any], graph: str, stage: str, changed_by: list[str],
+                             e: Exception, why: str) -> Any:  # fmt: skip
+        """The stage's input, its passes skipped for this graph, and the fallback that says so."""
+        unit = stage_input()
+        unit.finish()
+        self._stage_failed(graph, stage, changed_by, e, why)
         return unit
 
     @staticmethod

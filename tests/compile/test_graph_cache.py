@@ -23,14 +23,14 @@ from tests.conftest import DEFAULT_CONFIG, REPO, TINY
 COMPILED = ["compile.backend=accelrun", "compile.scope=loss", "compile.executors=[cpp,aten]"]
 
 
-def step(*overrides: str, grad: bool = True, tokens: tuple[int, int] = (4, 32)):
-    """One forward (+ backward) of the tiny Llama on a (batch, seq) of ``tokens``: (loss, grads by name,
-    compile record)."""
+def step(*overrides: str, grad: bool = True, shape: tuple[int, int] = (4, 32)):
+    """One forward (+ backward) of the tiny Llama on (batch, seq) = ``shape`` tokens: (loss, grads by
+    name, compile record)."""
     cfg = load_config(DEFAULT_CONFIG, [*TINY, *overrides]).config
     model = build_model(cfg.model, torch.device("cpu"), seed=0)
     compiled = compile_model(model, transformer_blocks(model), cfg.compile)
     gen = torch.Generator().manual_seed(1)
-    tokens, targets = (torch.randint(0, cfg.model.vocab_size, tokens, generator=gen) for _ in range(2))
+    tokens, targets = (torch.randint(0, cfg.model.vocab_size, shape, generator=gen) for _ in range(2))
     with torch.set_grad_enabled(grad):
         loss = training_loss_fn(model)(tokens, targets)
     if grad:

@@ -56,6 +56,6 @@ from tests.compile.test_graph_cache import step  # noqa: E402  (after the patche
 # 2 x 8 tokens: Triton's interpreter runs the loss head's reductions element by element in Python
 # (4 x 32 took a minute a process).
 loss, grads, record = step("compile.backend=accelrun", "compile.scope=loss", "compile.executors=[triton,aten]",
-                           tokens=(2, 8))
+                           shape=(2, 8))
 json.dump({**counts, "loss": loss.item(), "grad_sum": sum(float(g.double().sum()) for g in grads.values()),
            "graphs_loaded": record.graphs_loaded(), "regions": record.regions_per_executor()}, sys.stdout)
