@@ -25,6 +25,14 @@ TINY = [
 ]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """torch's default threads, not what a look at the machine's load picks (train/threads.py): tests
+    compare runs bit for bit, and a busy CI machine (the suite's own workers) must not change their
+    thread counts. Process-wide, so module-scoped fixtures, which run outside the autouse fixture,
+    and the processes tests start see it too (a compare test once found its twin runs on 2 and 1)."""
+    os.environ["ACCELRUN_FIXED_THREADS"] = "1"
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: a worker per core, from 2 (on 2 cores one worker left the CPU idle half the time:
     26 min against 21 on two) to 4 (each worker's multi-rank tests start ranks of their own)."""
@@ -36,9 +44,6 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No test reads or writes the user's cache; the peak probe is skipped unless a test asks."""
     monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("ACCELRUN_NO_PEAK_PROBE", "1")
-    # torch's default threads, not what a look at the machine's load picks (train/threads.py): tests
-    # compare runs bit for bit, and a busy CI machine must not change their thread counts.
-    monkeypatch.setenv("ACCELRUN_FIXED_THREADS", "1")
 
 
 @pytest.fixture
