@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,11 +27,14 @@ TINY = [
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """torch's default threads, not what a look at the machine's load picks (train/threads.py): tests
-    compare runs bit for bit, and a busy CI machine (the suite's own workers) must not change their
-    thread counts. Process-wide, so module-scoped fixtures, which run outside the autouse fixture,
-    and the processes tests start see it too (a compare test once found its twin runs on 2 and 1)."""
+    """What the autouse fixture sets per test, set for the whole process (each xdist worker's), so that
+    module-scoped fixtures, which run outside it, and the processes tests start (a worker's fork server
+    keeps the environment of its first launch) see it too: torch's default threads, not what a look at
+    the machine's load picks (train/threads.py; a compare test's twin runs once took 2 and 1 threads
+    beside the other worker), no peak probe, and a cache of the worker's own, never the user's."""
     os.environ["ACCELRUN_FIXED_THREADS"] = "1"
+    os.environ["ACCELRUN_NO_PEAK_PROBE"] = "1"
+    os.environ["ACCELRUN_CACHE_DIR"] = tempfile.mkdtemp(prefix="accelrun-tests-")
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -92,6 +93,18 @@ def ranks_of(job_pid: int) -> list[int]:
         if b"forkserver" in cmdline:
             return children(pid)
     return []
+
+
+def wait_for_ranks(job: subprocess.Popen, count: int, timeout: float = 240) -> list[int]:
+    """``ranks_of(job)`` once ``count`` ranks are there (forked during setup, before the first step): a
+    test that signals a rank at a given step looks them up before, not between the step and the signal
+    (on a busy machine the job's last steps could pass in between)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and job.poll() is None:
+        if len(found := ranks_of(job.pid)) >= count:
+            return found
+        time.sleep(0.02)
+    return ranks_of(job.pid)
 
 
 def gone(pid: int) -> bool:

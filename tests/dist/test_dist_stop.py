@@ -30,7 +30,16 @@ from accelrun.dist.slurm import sbatch_script
 from accelrun.report.metrics import read_metrics
 from accelrun.train.resume import decide_resume
 from tests.conftest import DEFAULT_CONFIG, REPO
-from tests.dist.jobs import FSDP2, gone, kill_all, losses, ranks_of, stop_group, tiny_overrides, train_job
+from tests.dist.jobs import (
+    FSDP2,
+    gone,
+    kill_all,
+    losses,
+    stop_group,
+    tiny_overrides,
+    train_job,
+    wait_for_ranks,
+)
 
 STEPS = 40
 EXACT = 1e-6  # the same layout resumed: the same sums in the same order as the run that never stopped
@@ -69,10 +78,10 @@ def test_signal_stops_every_rank_after_one_step_with_one_checkpoint_that_resumes
     job = start_job(runs, "stopped")
     workers: list[int] = []
     try:
+        workers = wait_for_ranks(job, 2)
+        assert len(workers) == 2, workers
         run_dir = wait_for_step(job, runs, "stopped", 2)
         assert run_dir is not None, "the job did not get going"
-        workers = ranks_of(job.pid)
-        assert len(workers) == 2, workers
         if target == "group":
             os.killpg(job.pid, sig)
         else:
@@ -153,8 +162,8 @@ def test_a_second_ctrl_c_kills_a_job_whose_rank_is_stuck(tmp_path):
     job = start_job(runs, "stuck")
     workers: list[int] = []
     try:
+        workers = wait_for_ranks(job, 2)
         assert wait_for_step(job, runs, "stuck", 1) is not None, "the job did not get going"
-        workers = ranks_of(job.pid)
         os.kill(workers[1], signal.SIGSTOP)
         os.killpg(job.pid, signal.SIGINT)
         # The launcher has taken the first one when its stop request is in the job's folder (the one

@@ -59,10 +59,11 @@ def test_schedule_interleaves_and_forced_overrides_come_last(tmp_path):
 
 
 def test_other_cpu_meter_subtracts_our_own_cpu_time(monkeypatch):
-    busy, own, clock = iter([10.0, 14.0]), iter([1.0, 2.0]), iter([100.0, 102.0])
+    busy, own = iter([10.0, 14.0]), iter([1.0, 2.0])
     monkeypatch.setattr(machine_load, "_busy_cpu_s", lambda: next(busy))
     monkeypatch.setattr(machine_load, "_own_cpu_s", lambda: next(own))
-    monkeypatch.setattr(machine_load.time, "perf_counter", lambda: next(clock))
+    # The window's wall time, not the process's clock (other threads read time.perf_counter too).
+    monkeypatch.setattr(machine_load.CpuWindow, "wall_s", lambda self: 2.0)
     monkeypatch.setattr(machine_load.os, "cpu_count", lambda: 2)
     meter = machine_load.OtherCpuMeter()
     # 4 s of CPU used in 2 s on 2 cores; 1 s of it was ours: others used 3 of 4 core-seconds.
