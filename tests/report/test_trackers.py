@@ -85,6 +85,8 @@ def _wandb_records(raw: bytes):
     them): a 7-byte header (":W&B", ident, version), then LevelDB's log format: 32 KiB blocks of chunks
     (crc32c u32, length u16, type u8: 1 full, 2 first, 3 middle, 4 last); a block's tail under 7 bytes
     is padding. The records are parsed with wandb's own protobuf classes."""
+    if len(raw) < 7:  # wandb's service has not written the header yet
+        return
     assert raw[:4] == b":W&B", raw[:8]
     block, pos, parts = 32768, 7, b""
     while pos + 7 <= len(raw):
@@ -92,6 +94,8 @@ def _wandb_records(raw: bytes):
             pos += block - pos % block
             continue
         length, kind = int.from_bytes(raw[pos + 4:pos + 6], "little"), raw[pos + 6]
+        if pos + 7 + length > len(raw):  # a chunk still being written: the records up to it
+            return
         chunk, pos = raw[pos + 7:pos + 7 + length], pos + 7 + length
         if kind == 0 and length == 0:
             continue
