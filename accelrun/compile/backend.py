@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from functools import cache, partial
 from typing import Any
 
-from torch import fx
+from torch import fx, nn
 
 from accelrun.compile import coverage
 from accelrun.compile.cuda_graphs import with_cuda_graphs
@@ -77,6 +77,14 @@ class AccelrunBackend:
         self.before_lowering: list[Callable[[fx.GraphModule], None]] = []
 
     # -- entry point -------------------------------------------------------------------------------
+    def before_tracing(self, module: nn.Module) -> None:
+        """Start what can run beside Dynamo's trace of ``module`` (the graph cache calls this before it
+        precompiles a method): the C++ attention kernel's build, when the passes hand attention to it."""
+        if any(p.name == "cpu_attention" for p in self.options.passes):
+            from accelrun.compile.passes.cpu_attention import build_kernel_early
+
+            build_kernel_early(module)
+
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
         name = f"g{self.record.dynamo_graphs}"
         self.record.dynamo_graphs += 1

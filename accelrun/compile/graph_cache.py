@@ -186,6 +186,7 @@ class CachedMethod:
         from accelrun.torch_private import temporary_cache_dir
 
         backend = self.cache.backend
+        backend.before_tracing(owner)
         # torch 2.11 leaves ``aot_compile`` off by default (2.13 has it on): without it every graph was
         # refused ("'function' object has no attribute 'aot_compile'"), and an H200's new process compiled
         # everything again (warm start 6.7 s against Inductor's 1.4 s, 2026-11-27).

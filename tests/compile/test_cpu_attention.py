@@ -199,3 +199,27 @@ def test_a_kernel_that_cannot_be_built_leaves_attention_to_aten(tmp_path, monkey
     assert out.transpose(1, 2).is_contiguous()  # the layout the fake function promised
     for got, ref in zip((q, k, v), leaves, strict=True):
         torch.testing.assert_close(got.grad, ref.grad, **TOL[torch.float32])
+
+
+def test_the_kernel_build_starts_before_tracing_for_the_dtype_attention_will_run_in(monkeypatch):
+    """The graph cache calls ``before_tracing`` ahead of Dynamo: a module whose own code calls SDPA on the
+    CPU starts the kernel's build then, for autocast's dtype when it is on; others start nothing."""
+    from accelrun.compile.backend import AccelrunBackend
+    from accelrun.compile.options import CompileOptions
+    from accelrun.compile.passes.base import resolve_passes
+    from accelrun.compile.passes.cpu_attention import build_kernel_early
+
+    started: list[torch.dtype] = []
+    monkeypatch.setattr(kernel, "build_in_background", started.append)
+    monkeypatch.setattr(kernel, "find_compiler", lambda: "g++")
+    block = TransformerBlock(LlamaArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_dim=128))
+    build_kernel_early(block)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        build_kernel_early(block)
+    build_kernel_early(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()))  # no attention
+    build_kernel_early(torch.nn.MultiheadAttention(16, 2))  # SDPA inside torch's functional code: not seen
+    assert started == [torch.float32, torch.bfloat16]
+    AccelrunBackend(CompileOptions(passes=resolve_passes("default"))).before_tracing(block)
+    AccelrunBackend(CompileOptions(passes=[p for p in resolve_passes("default")
+                                           if p.name != "cpu_attention"])).before_tracing(block)  # fmt: skip
+    assert started == [torch.float32, torch.bfloat16, torch.float32]

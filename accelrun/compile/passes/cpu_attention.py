@@ -13,7 +13,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import fx
+from torch import fx, nn
 
 from accelrun.compile.fused import attention as kernel
 from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
@@ -77,6 +77,26 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | None:
     gm.graph.erase_node(node)
     erase_dead(gm.graph, [n for n in (args["key"], args["value"]) if isinstance(n, fx.Node)])
     return values[0].dtype
+
+
+def build_kernel_early(module: nn.Module) -> None:
+    """Start the kernel's build before Dynamo traces ``module``, for the dtype its attention will most
+    likely run in, when a forward of its own modules calls ``F.scaled_dot_product_attention`` and its
+    parameters are on the CPU. The pass starts it once tracing has found the calls; from here g++ is done
+    0.5 s sooner, which on the debug Llama's cold step was time its blocks' first forward waited. A
+    wrong guess costs one background build, once per machine (``cpp_build``'s cache)."""
+    params = [p for p in module.parameters() if p.is_floating_point()]
+    if not params or params[0].device.type != "cpu" or kernel.find_compiler() is None:
+        return
+    calls_sdpa = any("scaled_dot_product_attention" in _names_in_forward(m) for m in module.modules())
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else params[0].dtype
+    if calls_sdpa and dtype in kernel.ELEMENT_TYPES:
+        kernel.build_in_background(dtype)
+
+
+def _names_in_forward(module: nn.Module) -> tuple[str, ...]:
+    code = getattr(type(module).forward, "__code__", None)  # None: a forward that is not Python code
+    return code.co_names if code is not None else ()
 
 
 @register_pass("cpu_attention", "pre_grad", PassOptions)
