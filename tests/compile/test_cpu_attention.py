@@ -219,7 +219,16 @@ def test_the_kernel_build_starts_before_tracing_for_the_dtype_attention_will_run
     build_kernel_early(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()))  # no attention
     build_kernel_early(torch.nn.MultiheadAttention(16, 2))  # SDPA inside torch's functional code: not seen
     assert started == [torch.float32, torch.bfloat16]
+    transformers = pytest.importorskip("transformers")
+    hf = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=64)  # fmt: skip
+    for implementation, expected in (("sdpa", [torch.float32]), ("eager", [])):
+        started.clear()
+        config = transformers.LlamaConfig(**hf, attn_implementation=implementation)
+        build_kernel_early(transformers.LlamaForCausalLM(config))  # its attention picks SDPA from a table
+        assert started == expected, implementation
+    started.clear()
     AccelrunBackend(CompileOptions(passes=resolve_passes("default"))).before_tracing(block)
     AccelrunBackend(CompileOptions(passes=[p for p in resolve_passes("default")
                                            if p.name != "cpu_attention"])).before_tracing(block)  # fmt: skip
-    assert started == [torch.float32, torch.bfloat16, torch.float32]
+    assert started == [torch.float32]

@@ -81,22 +81,26 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | None:
 
 def build_kernel_early(module: nn.Module) -> None:
     """Start the kernel's build before Dynamo traces ``module``, for the dtype its attention will most
-    likely run in, when a forward of its own modules calls ``F.scaled_dot_product_attention`` and its
-    parameters are on the CPU. The pass starts it once tracing has found the calls; from here g++ is done
+    likely run in, when one of its modules calls ``F.scaled_dot_product_attention`` (``_calls_sdpa``) and
+    its parameters are on the CPU. The pass starts it once tracing has found the calls; from here g++ is done
     0.5 s sooner, which on the debug Llama's cold step was time its blocks' first forward waited. A
     wrong guess costs one background build, once per machine (``cpp_build``'s cache)."""
     params = [p for p in module.parameters() if p.is_floating_point()]
     if not params or params[0].device.type != "cpu" or kernel.find_compiler() is None:
         return
-    calls_sdpa = any("scaled_dot_product_attention" in _names_in_forward(m) for m in module.modules())
+    calls_sdpa = any(_calls_sdpa(m) for m in module.modules())
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else params[0].dtype
     if calls_sdpa and dtype in kernel.ELEMENT_TYPES:
         kernel.build_in_background(dtype)
 
 
-def _names_in_forward(module: nn.Module) -> tuple[str, ...]:
+def _calls_sdpa(module: nn.Module) -> bool:
+    """The module's forward names ``scaled_dot_product_attention``, or it is a transformers module whose
+    config picks SDPA (its attention calls it through a table of attention functions)."""
     code = getattr(type(module).forward, "__code__", None)  # None: a forward that is not Python code
-    return code.co_names if code is not None else ()
+    if code is not None and "scaled_dot_product_attention" in code.co_names:
+        return True
+    return getattr(getattr(module, "config", None), "_attn_implementation", None) == "sdpa"
 
 
 @register_pass("cpu_attention", "pre_grad", PassOptions)
