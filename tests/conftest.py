@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -34,7 +35,11 @@ def pytest_configure(config: pytest.Config) -> None:
     beside the other worker), no peak probe, and a cache of the worker's own, never the user's."""
     os.environ["ACCELRUN_FIXED_THREADS"] = "1"
     os.environ["ACCELRUN_NO_PEAK_PROBE"] = "1"
-    os.environ["ACCELRUN_CACHE_DIR"] = tempfile.mkdtemp(prefix="accelrun-tests-")
+    os.environ["ACCELRUN_CACHE_DIR"] = config._accelrun_cache = tempfile.mkdtemp(prefix="accelrun-tests-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(getattr(config, "_accelrun_cache", ""), ignore_errors=True)  # its g++ libraries and graphs
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

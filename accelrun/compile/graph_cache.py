@@ -186,7 +186,10 @@ class CachedMethod:
         from accelrun.torch_private import temporary_cache_dir
 
         backend = self.cache.backend
-        backend.before_tracing(owner)
+        try:  # a head start only: its failure must not mark the method as refused
+            backend.before_tracing(owner)
+        except Exception as e:  # noqa: BLE001 (can't start a thread, ...): the pass starts the build later
+            self.cache.error("could not start the early kernel build", e)
         # torch 2.11 leaves ``aot_compile`` off by default (2.13 has it on): without it every graph was
         # refused ("'function' object has no attribute 'aot_compile'"), and an H200's new process compiled
         # everything again (warm start 6.7 s against Inductor's 1.4 s, 2026-11-27).

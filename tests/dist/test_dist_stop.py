@@ -163,6 +163,7 @@ def test_a_second_ctrl_c_kills_a_job_whose_rank_is_stuck(tmp_path):
     workers: list[int] = []
     try:
         workers = wait_for_ranks(job, 2)
+        assert len(workers) == 2, workers
         assert wait_for_step(job, runs, "stuck", 1) is not None, "the job did not get going"
         os.kill(workers[1], signal.SIGSTOP)
         os.killpg(job.pid, signal.SIGINT)
