@@ -286,14 +286,16 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
 
 
 def _distrust_low_probe(report: dict, s: TrainSetup) -> None:
-    """A measured CPU peak below what training achieved was taken while the CPU was busy elsewhere:
-    say so, and drop the cached figure so the next run measures again."""
+    """A measured CPU peak below what training achieved was taken while the CPU ran slower than during
+    training (busy elsewhere, or a virtual machine's pace, which can drift by a fifth between minutes):
+    say so, without guessing which, and drop the cached figure so the next run measures again."""
     if report.get("mfu") is None or report["mfu"] <= 1.0 or not s.peak.cache_file:
         return
     Path(s.peak.cache_file).unlink(missing_ok=True)
     report["notes"].append(
-        f"MFU above 100%: the cached CPU peak ({s.peak.tflops:.4g} TFLOP/s) was measured while the "
-        "machine was busy; it has been deleted and the next run measures it again"
+        f"MFU above 100%: the cached CPU peak ({s.peak.tflops:.4g} TFLOP/s) is less than training achieved: "
+        "the CPU ran slower while the probe measured it (busy elsewhere, or a virtual machine's pace drifting); "
+        "it has been deleted and the next run measures it again"
     )
 
 
