@@ -50,9 +50,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No test reads or writes the user's cache; the peak probe is skipped unless a test asks."""
+    """Each test its own cache (pytest_configure sets the rest for the whole process)."""
     monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("ACCELRUN_NO_PEAK_PROBE", "1")
 
 
 @pytest.fixture

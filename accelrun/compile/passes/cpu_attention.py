@@ -85,11 +85,11 @@ def build_kernel_early(module: nn.Module) -> None:
     its parameters are on the CPU. The pass starts it once tracing has found the calls; from here g++ is done
     0.5 s sooner, which on the debug Llama's cold step was time its blocks' first forward waited. A
     wrong guess costs one background build, once per machine (``cpp_build``'s cache)."""
-    params = [p for p in module.parameters() if p.is_floating_point()]
-    if not params or params[0].device.type != "cpu" or kernel.find_compiler() is None:
+    param = next((p for p in module.parameters() if p.is_floating_point()), None)
+    if param is None or param.device.type != "cpu" or kernel.find_compiler() is None:
         return
     calls_sdpa = any(_calls_sdpa(m) for m in module.modules())
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else params[0].dtype
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else param.dtype
     if calls_sdpa and dtype in kernel.ELEMENT_TYPES:
         kernel.build_in_background(dtype)
 
