@@ -138,15 +138,21 @@ import json, os, shutil, subprocess, threading, time
 import torch
 from accelrun.train import host_blocks
 assert host_blocks.install() is None
-stop = threading.Event()
+stop, started = threading.Event(), threading.Event()
+# Each thread's first torch op builds its per-thread record-function state under a torch-wide mutex; a
+# fork while the other thread holds it hangs the child's first op (seen once in CI). That is torch's
+# thread start, not the cache's lock, so both threads run an op before the first fork.
+torch.empty(1)
 
 def churn():  # takes and gives back blocks, so the cache's lock is often held when the main thread forks
     while not stop.is_set():
         blocks = [torch.empty(1 << 18 + i % 3) for i in range(8)]
         del blocks
+        started.set()
 
 t = threading.Thread(target=churn)
 t.start()
+started.wait()
 hung, stacks = 0, []
 for _ in range(40):
     pid = os.fork()
@@ -163,7 +169,8 @@ for _ in range(40):
                 try:
                     got = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 25"],
                                          capture_output=True, text=True, timeout=15)
-                    stacks.append(got.stdout[-4000:] + got.stderr[-500:])  # (ptrace refused: says so)
+                    frames = "\\n".join(ln for ln in got.stdout.splitlines() if ln.startswith("#"))
+                    stacks.append(frames[:4000] + got.stderr[-500:])  # innermost frames first; ptrace refused: says so
                 except subprocess.TimeoutExpired:
                     stacks.append("gdb took over 15 s")
             os.kill(pid, 9)
