@@ -51,6 +51,9 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     "default_partition": ("torch._functorch.partitioners", "default_partition"),
     "SavedForBackwardsAOTOutput": ("torch._functorch._aot_autograd.descriptors", "SavedForBackwardsAOTOutput"),
     "SerializableAOTDispatchCompiler": ("torch._functorch._aot_autograd.schemas", "SerializableAOTDispatchCompiler"),
+    # AOTAutograd's settings; accelrun sets force_non_lazy_backward_lowering (compile the backward graph
+    # with the forward, not at the first backward).
+    "functorch_config": ("torch._functorch.config", None),
     # Core ATen decompositions without the entries export adds for CompositeImplicitAutograd ops, which
     # the dispatcher decomposes before AOTAutograd's tracer sees them (building those takes 0.2 s).
     "core_aten_decompositions_post_autograd": ("torch._decomp", "_core_aten_decompositions_post_autograd"),

@@ -76,6 +76,29 @@ def test_default_partition():
     assert "num_fwd_outputs" in params and params["num_fwd_outputs"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
+def test_functorch_config():
+    # The backend sets force_non_lazy_backward_lowering: AOTAutograd then compiles the backward graph
+    # when it compiles the forward, before anything runs (else at the first backward).
+    compiled: list[str] = []
+
+    def compiler(kind):
+        def compile_graph(gm, example_inputs):
+            compiled.append(kind)
+            return tp.make_boxed_func(gm.forward)
+        return compile_graph
+
+    def f(x):
+        return (x.sin() * 2,)
+
+    gm = torch.fx.symbolic_trace(f)
+    x = torch.randn(4, requires_grad=True)
+    with tp.functorch_config.patch(force_non_lazy_backward_lowering=True):
+        fn = tp.aot_module_simplified(gm, [x], fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+    assert compiled == ["forward", "backward"]
+    fn(x)[0].sum().backward()
+    assert compiled == ["forward", "backward"] and torch.allclose(x.grad, 2 * x.detach().cos())
+
+
 def test_SavedForBackwardsAOTOutput():
     assert tp.SavedForBackwardsAOTOutput(3).idx == 3  # remat renumbers the saved outputs' descriptors
 

@@ -26,7 +26,7 @@ from accelrun.compile.passes.base import GraphNotes
 from accelrun.compile.pipeline import PassDriver, count_ops, graph_snapshot  # noqa: F401  (graph_snapshot re-exported)
 from accelrun.compile.record import CompileRecord, GraphRecord
 from accelrun.compile.regions import REGION_KEY
-from accelrun.torch_private import aot_module_simplified, default_partition, make_boxed_func
+from accelrun.torch_private import aot_module_simplified, default_partition, functorch_config, make_boxed_func
 
 
 def decompositions() -> dict:
@@ -96,14 +96,19 @@ class AccelrunBackend:
         t1 = time.perf_counter()
         self.record.stage_seconds["pre_grad passes"] += t1 - t0
         self._inside = 0.0
-        compiled = aot_module_simplified(
-            gm, example_inputs,
-            fw_compiler=self._graph_compiler(name, "forward", notes),
-            bw_compiler=self._graph_compiler(name, "backward", notes),
-            inference_compiler=self._graph_compiler(name, "inference", notes),
-            partition_fn=partial(self._partition, name, notes),
-            decompositions=decompositions(),
-        )  # fmt: skip
+        # The backward graph is lowered right after the forward, not at the first backward as AOTAutograd
+        # would: its regions' g++ then runs while the forward's finishes and the forward runs, instead of
+        # after the forward (transformers' Llama, a cold first step: 0.5 s the backward waited on g++).
+        # torch's precompile path (the graph cache, so `accelrun train`) sets the same.
+        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+            compiled = aot_module_simplified(
+                gm, example_inputs,
+                fw_compiler=self._graph_compiler(name, "forward", notes),
+                bw_compiler=self._graph_compiler(name, "backward", notes),
+                inference_compiler=self._graph_compiler(name, "inference", notes),
+                partition_fn=partial(self._partition, name, notes),
+                decompositions=decompositions(),
+            )  # fmt: skip
         self.record.stage_seconds["aot trace"] += time.perf_counter() - t1 - self._inside
         self.collect_graph_breaks()
         if self.serializable:  # precompiling for the graph cache: in the form torch saves with the frame
