@@ -2,7 +2,10 @@
 
 All variants live in one process and their steps are interleaved round-robin, so machine noise hits
 them alike; figures are medians and ratios of medians (against eager and Inductor). Cold compile = the first step
-with empty caches (Dynamo, Inductor's and accelrun's on-disk caches in a fresh temporary folder).
+with empty caches (Dynamo, Inductor's and accelrun's on-disk caches in a fresh temporary folder; each
+precision in its own process, since Inductor's in-process caches carry from one precision's compile to
+the next: its bf16-mixed cold step took 28.7 s first and 16.6 s after fp32), after one small untimed
+trace with no compiler that pays a process's first use of Dynamo for neither (``warm_the_tracer``).
 Warm start and peak memory are measured per variant in a fresh child process that reuses those
 caches: its first step's time is the warm start; its memory is the peak RSS of its steps (Linux's
 high-water mark, reset once the model is built, so imports and setup do not count; where it cannot
@@ -195,6 +198,10 @@ def main() -> None:
     tune_malloc(args.malloc)
     if args.child:
         return child(args)
+    if args.precision == "both":  # one process per precision: each one's compile is cold in-process too
+        for precision in ("fp32", "bf16-mixed"):
+            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--precision", precision], check=True)
+        return
     torch.set_num_threads(torch.get_num_threads())
     cache = Path(tempfile.mkdtemp(prefix="accelrun-bench-"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
@@ -202,18 +209,19 @@ def main() -> None:
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} CPU threads"
     print(f"torch {torch.__version__}, {where}; caches under {cache}")
     print(f"host malloc (every variant): {malloc_record(args.malloc)}")
-    precisions = ["fp32", "bf16-mixed"] if args.precision == "both" else [args.precision]
-    for precision in precisions:
-        args.precision = precision
-        run_one(args)
+    run_one(args)
 
 
-def warm_the_tracer() -> None:
-    """Trace and differentiate a small function through Dynamo and AOTAutograd once, with no compiler,
-    before any variant's cold first step: what a process pays the first time it traces anything (imports,
-    tracer set-up) then counts against neither compiler, instead of against whichever goes first."""
-    x = torch.randn(8, requires_grad=True)
-    torch.compile(lambda t: (t.sin() * t).sum(), backend="aot_eager")(x).backward()
+def warm_the_tracer(args: argparse.Namespace) -> None:
+    """Trace and differentiate a step of the model once through Dynamo and AOTAutograd with no compiler
+    (``aot_eager``), before any variant's cold first step: what a process pays the first time it traces
+    this code (imports, Dynamo's own caches) then counts against neither compiler, instead of against
+    whichever goes first."""
+    v = Variant("eager", args)
+    batch = [t.to(v.device) for t in next(v.data)]
+    with autocast(v.cfg.train.precision, v.device):
+        loss = torch.compile(v.loss_fn, backend="aot_eager")(*batch)
+    loss.backward()
     torch._dynamo.reset()
 
 
@@ -222,7 +230,7 @@ def time_variants(names: list[str], args: argparse.Namespace) -> tuple[list[tupl
     optimizers, compiled graphs) are gone when this returns, so the new processes that measure warm
     start and memory have the device to themselves."""
     variants, cold = [], {}
-    warm_the_tracer()
+    warm_the_tracer(args)
     for name in names:
         torch._dynamo.reset()  # cold: nothing compiled in this process for this variant yet
         v = Variant(name, args)
