@@ -55,7 +55,9 @@ def torchtitan(name: str, steps: int, compiled: bool, ac: str, out: Path, precis
             stamps.append(datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp())
             mem.append(float(m.group(2)))
     if len(stamps) <= WARMUP + 1:
-        raise SystemExit(f"torchtitan logged {len(stamps)} steps ({out / f'{name}.log'}): raise --steps")
+        log = (out / f"{name}.log").read_text().splitlines()
+        why = "raise --steps" if len(stamps) else "it did not train; the end of its log:\n" + "\n".join(log[-15:])
+        raise SystemExit(f"torchtitan logged {len(stamps)} steps ({out / f'{name}.log'}): {why}")
     dts = [b - a for a, b in zip(stamps[WARMUP:], stamps[WARMUP + 1:], strict=False)]
     return {"tok_s": TOKENS_PER_STEP / statistics.median(dts), "mem_gib": max(mem)}
 
@@ -82,6 +84,9 @@ def main() -> None:
     a = ap.parse_args()
     if not (PEER / "run.sh").is_file():
         raise SystemExit(f"torchtitan's launcher is not at {PEER}")
+    venv = Path(os.environ.get("TT_VENV", "/tmp/torchtitan-venv"))  # where run.sh looks for it
+    if not (venv / "bin" / "python").is_file():
+        raise SystemExit(f"torchtitan is not installed in {venv} (TT_VENV): run `bash {PEER / 'install.sh'}` once")
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (time on a quiet machine)")
     compiled = not a.eager
     with tempfile.TemporaryDirectory(prefix="accelrun-vs-torchtitan-") as tmp:
