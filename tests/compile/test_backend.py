@@ -218,6 +218,21 @@ def test_second_compile_of_the_same_graph_hits_the_cache(tmp_path):
     assert warm.cache_misses == 0 and warm.cache_hits == cold.cache_hits + cold.cache_misses
 
 
+def test_the_backward_graph_is_lowered_with_the_forward(tmp_path):
+    # Lowered before the forward runs (its regions' g++ overlaps the forward), not at the first backward;
+    # the step still matches eager's.
+    torch._dynamo.reset()
+    blocks, reference = _blocks_and_reference(1)
+    backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"], cache_dir=tmp_path / "cache"))
+    blocks[0].compile(backend=backend)
+    cos, sin = rope_tables(ARGS.head_dim, T, ARGS.rope_theta)
+    blocks[0](torch.randn(2, T, ARGS.dim, requires_grad=True), cos, sin)  # a forward, no backward
+    assert [g.name for g in backend.record.graphs] == ["g0.forward", "g0.backward"]
+    assert backend.record.regions_per_executor().get("cpp", 0) > 0
+    _assert_same_step(blocks, reference)
+    assert [g.name for g in backend.record.graphs] == ["g0.forward", "g0.backward"]  # not lowered again
+
+
 def test_graph_breaks_are_counted_with_their_reasons():
     def f(x):
         y = x.sin()
