@@ -4,8 +4,9 @@ All variants live in one process and their steps are interleaved round-robin, so
 them alike; figures are medians and ratios of medians (against eager and Inductor). Cold compile = the first step
 with empty caches (Dynamo, Inductor's and accelrun's on-disk caches in a fresh temporary folder; each
 precision in its own process, since Inductor's in-process caches carry from one precision's compile to
-the next: its bf16-mixed cold step took 28.7 s first and 16.6 s after fp32), after one small untimed
-trace with no compiler that pays a process's first use of Dynamo for neither (``warm_the_tracer``).
+the next: its bf16-mixed cold step took 28.7 s first and 16.6 s after fp32), after one untimed
+forward and backward of the model with no compiler, so a process's first trace of the model's code
+counts against neither compiler (``warm_the_tracer``).
 Warm start and peak memory are measured per variant in a fresh child process that reuses those
 caches: its first step's time is the warm start; its memory is the peak RSS of its steps (Linux's
 high-water mark, reset once the model is built, so imports and setup do not count; where it cannot
@@ -53,6 +54,7 @@ from accelrun.train.optim import build_optimizer  # noqa: E402
 from accelrun.train.precision import autocast  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "accelrun", "thunder")
+ONE_PRECISION = "ACCELRUN_BENCH_PRECISION"  # set for the process that runs one precision of `--precision both`
 
 
 class Variant:
@@ -198,9 +200,11 @@ def main() -> None:
     tune_malloc(args.malloc)
     if args.child:
         return child(args)
+    args.precision = os.environ.get(ONE_PRECISION, args.precision)
     if args.precision == "both":  # one process per precision: each one's compile is cold in-process too
         for precision in ("fp32", "bf16-mixed"):
-            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--precision", precision], check=True)
+            subprocess.run([sys.executable, __file__, *sys.argv[1:]], env={**os.environ, ONE_PRECISION: precision},
+                           check=True)  # fmt: skip
         return
     torch.set_num_threads(torch.get_num_threads())
     cache = Path(tempfile.mkdtemp(prefix="accelrun-bench-"))

@@ -45,6 +45,7 @@ from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ONE_DTYPE = "ACCELRUN_BENCH_DTYPE"  # set for the process that runs one dtype of several
 
 
 def build(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
@@ -103,8 +104,7 @@ def run(args: argparse.Namespace, dname: str) -> None:
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(4)]
     warm_the_tracer(model, batches[0])
-    for v in variants:  # first step: capture + compile + run
-        torch._dynamo.reset()
+    for v in variants:  # first step: capture + compile + run (no reset between: it would drop the others')
         v.first = v.step(batches[0])
     for _ in range(args.warmup):
         for v in variants:
@@ -153,10 +153,12 @@ def main() -> None:
                     help="CPU allocator settings of this process, so of every variant alike; blocks is what "
                          "`accelrun train` sets on a CPU (train.cpu_malloc), as bench/compile_step.py does")
     args = ap.parse_args()
-    dtypes = args.dtypes.split(",")
+    dtypes = [d for d in os.environ.get(ONE_DTYPE, args.dtypes).split(",") if d]
+    if unknown := [d for d in dtypes if d not in DTYPES]:
+        raise SystemExit(f"--dtypes: unknown {', '.join(unknown)} (known: {', '.join(DTYPES)})")
     if len(dtypes) > 1:  # one process per dtype: each one's compile is cold in-process too
         for dname in dtypes:
-            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--dtypes", dname], check=True)
+            subprocess.run([sys.executable, __file__, *sys.argv[1:]], env={**os.environ, ONE_DTYPE: dname}, check=True)
         return
     tune_malloc(args.malloc)
     print(f"host malloc (every variant): {malloc_record(args.malloc)}")

@@ -86,7 +86,7 @@ def main() -> None:
         raise SystemExit(f"torchtitan's launcher is not at {PEER}")
     venv = Path(os.environ.get("TT_VENV", "/tmp/torchtitan-venv"))  # where run.sh looks for it
     if not (venv / "bin" / "python").is_file():
-        raise SystemExit(f"torchtitan is not installed in {venv} (TT_VENV): run `bash {PEER / 'install.sh'}` once")
+        raise SystemExit(f"torchtitan is not installed in {venv} (TT_VENV): run `bash {PEER / 'install.sh'} {venv}` once")
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (time on a quiet machine)")
     compiled = not a.eager
     with tempfile.TemporaryDirectory(prefix="accelrun-vs-torchtitan-") as tmp:

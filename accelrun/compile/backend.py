@@ -88,8 +88,8 @@ class AccelrunBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
         name = f"g{self.record.dynamo_graphs}"
         self.record.dynamo_graphs += 1
-        # One for this Dynamo graph, kept by every stage's closures below: AOTAutograd compiles the
-        # backward lazily, long after this call returns, and it must see what the forward's passes noted.
+        # One for this Dynamo graph, kept by every stage's closures below: the backward's compile must see
+        # what the forward's passes noted (AOTAutograd calls it after the forward's, below).
         notes = GraphNotes()
         t0 = time.perf_counter()
         gm = self.passes.run_graph("pre_grad", gm, f"{name}.pre_grad", "pre_grad", list(example_inputs), notes)
@@ -99,7 +99,8 @@ class AccelrunBackend:
         # The backward graph is lowered right after the forward, not at the first backward as AOTAutograd
         # would: its regions' g++ then runs while the forward's finishes and the forward runs, instead of
         # after the forward (transformers' Llama, a cold first step: 0.5 s the backward waited on g++).
-        # torch's precompile path (the graph cache, so `accelrun train`) sets the same.
+        # torch's precompile path (the graph cache) sets the same. So a backward that cannot compile fails
+        # at the forward's compile, and a graph whose backward never runs is lowered all the same.
         with functorch_config.patch(force_non_lazy_backward_lowering=True):
             compiled = aot_module_simplified(
                 gm, example_inputs,
