@@ -151,10 +151,12 @@ class CachedMethod:
             return self._fall_back(f"precompile failed before: {refused.read_text()}", None)
         entry = self._load(path, owner, args, kwargs) if path.exists() else None
         if entry is None:
+            mark = self.cache.backend.record.mark()
             try:
                 entry = self._compile(owner, args, kwargs)
             except Exception as e:  # graph break under fullgraph, an unserializable piece, ...
                 self._write(refused, one_line(e).encode())
+                self.cache.backend.record.roll_back(mark)  # its graphs never run; the fallback's are counted
                 return self._fall_back("precompile failed", e)
             self._save(entry, path)
         self.entries.append(entry)

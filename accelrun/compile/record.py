@@ -121,6 +121,18 @@ class CompileRecord:
             parts.append(line)
         return ", ".join(parts)
 
+    def mark(self) -> tuple[int, ...]:
+        """Where the record stands now, for ``roll_back``."""
+        return (len(self.passes), len(self.regions), len(self.graphs), len(self.fallbacks), self.dynamo_graphs,
+                self.cache_hits, self.cache_misses)  # fmt: skip
+
+    def roll_back(self, mark: tuple[int, ...]) -> None:
+        """Forget the graphs, regions, passes and fallbacks recorded since ``mark``: a precompile that
+        torch refused after the backend had compiled (an unserializable guard) runs none of them, and
+        the torch.compile fallback records its own. The time spent stays in ``stage_seconds``."""
+        n_passes, n_regions, n_graphs, n_fallbacks, self.dynamo_graphs, self.cache_hits, self.cache_misses = mark
+        del self.passes[n_passes:], self.regions[n_regions:], self.graphs[n_graphs:], self.fallbacks[n_fallbacks:]
+
     def absorb(self, part: CompileRecord) -> None:
         """Add what ``part`` recorded (a graph-cache load, kept apart until its guards accepted the
         inputs: a rejected load is compiled afresh, and its regions must not be counted twice)."""

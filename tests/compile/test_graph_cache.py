@@ -196,6 +196,40 @@ def test_a_method_with_a_graph_break_falls_back_once_and_says_why(tmp_path):
         assert ("precompile failed" if attempt == 0 else "precompile failed before") in stats["errors"][0]
 
 
+def test_a_precompile_torch_refuses_after_compiling_is_not_counted_twice(tmp_path):
+    """transformers' own Llama, whole forward: Dynamo guards on the identity of a code object in one of
+    transformers' decorators, a guard torch's precompile cannot save, so it refuses after the backend
+    has compiled the graphs. The record keeps only the torch.compile fallback's graph and regions (it
+    said 2 graphs and twice the regions, while one graph ran), and the step equals eager's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from accelrun.config.schema import CompileConfig
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    reference = LlamaForCausalLM(config)
+    reference.load_state_dict(model.state_dict())
+    compiled = compile_model(model, None, CompileConfig(backend="accelrun", scope="model", executors=["cpp", "aten"],
+                                                        cache_dir=str(tmp_path / "c")))  # fmt: skip
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    ref = reference(input_ids=ids, labels=ids).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5 * q.grad.abs().max().item(), msg=name)
+    record = compiled.record
+    stats = record.graph_cache
+    assert stats["fallbacks"] == 1 and "precompile failed" in stats["errors"][0], stats
+    assert record.graphs_in_use() == 1 and [g.name for g in record.graphs] == ["g0.forward", "g0.backward"]
+    assert record.regions_per_executor().get("cpp", 0) > 0
+    assert record.compiled_line().startswith("1 graph,"), record.compiled_line()
+
+
 def test_a_lowered_graph_with_runtime_assertions_on_unbacked_sizes_packs_and_unpacks():
     """AOTAutograd leaves ``_assert_scalar(ge(u0, 0))`` in a graph whose sizes depend on data (an
     MoE's tokens per expert): operator's comparisons and torch.sym_* are saved by name, so the graph
