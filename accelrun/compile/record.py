@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from accelrun.compile.cuda_graph_policy import CudaGraphMode, CudaGraphsReport
 
@@ -50,6 +50,18 @@ class Fallback:
 
     def line(self) -> str:
         return f"{self.graph} {self.stage} {self.what}: {self.reason}"
+
+
+class RecordMark(NamedTuple):
+    """How many of each a CompileRecord held at one moment (``CompileRecord.mark``)."""
+
+    passes: int
+    regions: int
+    graphs: int
+    fallbacks: int
+    dynamo_graphs: int
+    cache_hits: int
+    cache_misses: int
 
 
 @dataclass
@@ -121,17 +133,18 @@ class CompileRecord:
             parts.append(line)
         return ", ".join(parts)
 
-    def mark(self) -> tuple[int, ...]:
+    def mark(self) -> RecordMark:
         """Where the record stands now, for ``roll_back``."""
-        return (len(self.passes), len(self.regions), len(self.graphs), len(self.fallbacks), self.dynamo_graphs,
-                self.cache_hits, self.cache_misses)  # fmt: skip
+        return RecordMark(len(self.passes), len(self.regions), len(self.graphs), len(self.fallbacks),
+                          self.dynamo_graphs, self.cache_hits, self.cache_misses)  # fmt: skip
 
-    def roll_back(self, mark: tuple[int, ...]) -> None:
+    def roll_back(self, mark: RecordMark) -> None:
         """Forget the graphs, regions, passes and fallbacks recorded since ``mark``: a precompile that
         torch refused after the backend had compiled (an unserializable guard) runs none of them, and
         the torch.compile fallback records its own. The time spent stays in ``stage_seconds``."""
-        n_passes, n_regions, n_graphs, n_fallbacks, self.dynamo_graphs, self.cache_hits, self.cache_misses = mark
-        del self.passes[n_passes:], self.regions[n_regions:], self.graphs[n_graphs:], self.fallbacks[n_fallbacks:]
+        del self.passes[mark.passes:], self.regions[mark.regions:], self.graphs[mark.graphs:]
+        del self.fallbacks[mark.fallbacks:]
+        self.dynamo_graphs, self.cache_hits, self.cache_misses = mark.dynamo_graphs, mark.cache_hits, mark.cache_misses
 
     def absorb(self, part: CompileRecord) -> None:
         """Add what ``part`` recorded (a graph-cache load, kept apart until its guards accepted the
