@@ -125,6 +125,17 @@ def cpu_has_half_gemm(dtype: torch.dtype) -> bool:
     return bool(op()) if op is not None else False
 
 
+def onednn_linear() -> Any:
+    """oneDNN's linear layer on dense CPU tensors, ``(input, weight, bias, "none", [], "") -> input @
+    weight.T + bias`` (``torch.ops.mkldnn._linear_pointwise``, what Inductor's CPU inference fusions
+    call), or None where this torch has no oneDNN. fp32 in and out, strided inputs taken as they are;
+    it has a meta kernel, so fake tensors trace through it."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    packet = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    return getattr(packet, "default", None)
+
+
 def triton_direct_launch(kernel: Any) -> tuple[Any, Any, Any] | None:
     """``(run, function, packed_metadata)`` of a Triton kernel that ``triton.jit`` has launched once (its
     ``CompiledKernel``), or None where this Triton's kernels lack them. Later launches call

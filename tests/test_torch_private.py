@@ -15,7 +15,7 @@ import torch
 import accelrun.torch_private as tp
 
 EAGER = ("reinterpret_tensor", "empty_strided_cpu", "TensorGuards")
-FUNCTIONS = ("cuda_current_raw_stream", "triton_direct_launch", "cpu_has_half_gemm")
+FUNCTIONS = ("cuda_current_raw_stream", "triton_direct_launch", "cpu_has_half_gemm", "onednn_linear")
 
 
 def _params(fn) -> list[str]:
@@ -348,6 +348,23 @@ def test_cpu_has_half_gemm():
         flags = set(next(ln for ln in f if ln.startswith("flags")).split())
     bf16_kernels = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
     assert tp.cpu_has_half_gemm(torch.bfloat16) == bf16_kernels
+
+
+def test_onednn_linear():
+    op = tp.onednn_linear()
+    assert op is not None, "the tested torch builds have oneDNN on x86 and ARM"
+    g = torch.Generator().manual_seed(0)
+    x, bias = torch.randn(64, 48, generator=g), torch.randn(40, generator=g)
+    for weight in (torch.randn(40, 48, generator=g), torch.randn(48, 40, generator=g).t()):  # both orders
+        expected = x.double() @ weight.double().t() + bias.double()
+        torch.testing.assert_close(op(x, weight, bias, "none", [], "").double(), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(op(x, weight, None, "none", [], "").double(), expected - bias.double(),
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+    column_major = torch.randn(48, 64, generator=g).t()  # an input read transposed (a weight gradient's)
+    torch.testing.assert_close(op(column_major, weight, None, "none", [], ""), column_major @ weight.t())
+    with tp.FakeTensorMode():  # the meta kernel the compiler's graphs trace through
+        out = op(torch.empty(64, 48), torch.empty(40, 48), None, "none", [], "")
+    assert tuple(out.shape) == (64, 40) and out.dtype == torch.float32
 
 
 def test_triton_direct_launch():

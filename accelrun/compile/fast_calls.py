@@ -261,6 +261,8 @@ def _only_reads(user: fx.Node) -> bool:
     if isinstance(target, torch._ops.OpOverload):
         schema = target._schema
         return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+    if getattr(target, "reads_only", False):  # a call that says so (gemm_choice.GemmSite)
+        return True
     compiled = getattr(target, "compiled", None)  # extract.named_call: a region
     return bool(getattr(compiled, "fresh_outputs", False))
 

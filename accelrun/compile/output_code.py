@@ -25,6 +25,7 @@ from accelrun.compile.cuda_graph_policy import CudaGraphsReport
 from accelrun.compile.cuda_graphs import CudaGraphRunner, shared_capture, wants_cuda_graphs
 from accelrun.compile.executors.aten import AtenExecutor
 from accelrun.compile.fast_calls import STATIC_LAYOUTS, layouts_are_static, runnable
+from accelrun.compile.gemm_choice import GemmSite
 from accelrun.compile.record import CompileRecord, GraphRecord
 from accelrun.torch_private import BundledAOTAutogradSerializableCallable, OutputCode
 
@@ -76,9 +77,13 @@ class AccelrunOutputCode(OutputCode):
         try:
             self.saved_lowered = pack_graph(self.lowered)
         except (TypeError, pickle.PicklingError, AttributeError):  # a region its executor cannot pickle
+            from accelrun.compile.passes.cpu_gemm import restore_aten_products
             from accelrun.torch_private import GraphPickler
             from accelrun.torch_private import GraphPicklerOptions as Options
 
+            # fx's pickler saves ops by name: cpu_gemm's product sites are saved as ATen's products
+            # carrying the site, and are sites again once loaded (post_compile).
+            restore_aten_products(self.graph_module)
             # ops_filter=None: accelrun's graphs hold only ATen and functional-collective ops.
             self.saved_graph = GraphPickler.dumps(self.graph_module, Options(ops_filter=None))
         self.graph_module = self.lowered = self._run = self.cuda_graphs = None  # this process's, not saved
@@ -103,9 +108,11 @@ class AccelrunOutputCode(OutputCode):
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         from accelrun.compile.lower import lower_regions, make_executors
+        from accelrun.compile.passes.cpu_gemm import reinstate_sites
         from accelrun.torch_private import FakeTensorMode, GraphPickler
 
         gm = GraphPickler.loads(self.saved_graph, FakeTensorMode(shape_env=ShapeEnv()))
+        reinstate_sites(gm)
         gm.recompile()
         self.lowered, _ = lower_regions(gm, self.graph_name, self.kind, make_executors(self.executors), record,
                                         self.cache_dir, wait_for_builds=True)  # fmt: skip
@@ -122,13 +129,15 @@ class _NodeRef:
     name: str
 
 
-def _target_name(target: Any) -> str:
+def _target_name(target: Any) -> str | GemmSite:
     if isinstance(target, str):
         return target
     if isinstance(target, torch._ops.OpOverload):
         return f"op:{target._schema.name.replace('::', '.')}.{target._overloadname}"
     if target is operator.getitem:
         return "getitem"
+    if isinstance(target, GemmSite):  # pickled as itself: its layout and fixed library
+        return target
     # Size arithmetic and the runtime assertions on data-dependent sizes (``u0 >= 0``) that AOTAutograd
     # leaves in a graph with unbacked symbols (an MoE's tokens per expert): operator's functions and
     # torch.sym_* by name.
@@ -140,7 +149,9 @@ def _target_name(target: Any) -> str:
     raise TypeError(f"cannot save a call of {target!r}")
 
 
-def _resolve_target(name: str) -> Any:
+def _resolve_target(name: Any) -> Any:
+    if not isinstance(name, str):  # a callable saved as itself (a GemmSite)
+        return name
     if name == "getitem":
         return operator.getitem
     if name.startswith("operator:"):

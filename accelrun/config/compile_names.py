@@ -69,6 +69,12 @@ class PartitionRegionsOptions(PassOptions):
     min_ops: int = Field(2, ge=1, description="regions with fewer pointwise/reduction ops stay unmarked")
 
 
+class CpuGemmOptions(PassOptions):
+    # tuned: each fp32 product's layout timed on this machine, ATen (MKL) against oneDNN, once, then cached;
+    # onednn / aten: every eligible product to that library, untimed.
+    library: Literal["tuned", "onednn", "aten"] = "tuned"
+
+
 class BucketOptions(PassOptions):
     bucket_mb: float = 25.0  # bytes of inputs per bucket, at most (a larger collective stays alone)
 
@@ -83,6 +89,7 @@ BUILTIN_PASSES: dict[str, tuple[Stage, type[PassOptions]]] = {
     "cse": ("post_grad", PassOptions),
     "simplify": ("post_grad", PassOptions),
     "cpu_half_gemm": ("post_grad", PassOptions),
+    "cpu_gemm": ("post_grad", CpuGemmOptions),
     "fuse_attention": ("pre_grad", FuseAttentionOptions),
     "cpu_attention": ("pre_grad", PassOptions),
     "fuse_rmsnorm": ("pre_grad", FuseRMSNormOptions),
@@ -105,17 +112,17 @@ PRESETS: dict[str, list[str]] = {
     "none": [],
     "default": [
         "fuse_attention", "cpu_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "merge_parallel_linears", "loss_row_stats", "dce", "cse", "simplify", "cpu_half_gemm", "partition_regions",
+        "merge_parallel_linears", "loss_row_stats", "dce", "cse", "simplify", "cpu_half_gemm", "cpu_gemm", "partition_regions",
     ],
     "max": [
         "fuse_attention", "cpu_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "merge_parallel_linears", "loss_row_stats", "remat", "dce", "cse", "simplify", "cpu_half_gemm", "bucket_collectives",
+        "merge_parallel_linears", "loss_row_stats", "remat", "dce", "cse", "simplify", "cpu_half_gemm", "cpu_gemm", "bucket_collectives",
         "schedule_overlap", "partition_regions",
     ],
     # default + the communication passes (for compiled FSDP / TP graphs; a no-op without collectives).
     "overlap": [
         "fuse_attention", "cpu_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "merge_parallel_linears", "loss_row_stats", "dce", "cse", "simplify", "cpu_half_gemm", "bucket_collectives",
+        "merge_parallel_linears", "loss_row_stats", "dce", "cse", "simplify", "cpu_half_gemm", "cpu_gemm", "bucket_collectives",
         "schedule_overlap", "partition_regions",
     ],
 }  # fmt: skip

@@ -1,0 +1,212 @@
+"""The cpu_gemm pass and gemm_choice: fp32 CPU matrix products through oneDNN where it multiplies their
+layout faster than ATen's MKL on this machine, timed on the products' own first calls and cached.
+
+Against eager PyTorch on the same inputs, with the library forced (``library: onednn``) and tuned; the
+tuner's rule on set timings; its file read by a new process's tuner, which times nothing."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+from torch import fx, nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import accelrun.compile.gemm_choice as gemm_choice
+from accelrun.compile.backend import AccelrunBackend
+from accelrun.compile.fast_calls import _only_reads
+from accelrun.compile.gemm_choice import GemmLayout, GemmSite, LayoutTuner, Library, matrix_order
+from accelrun.compile.options import CompileOptions
+from accelrun.compile.output_code import pack_graph, unpack_graph
+from accelrun.compile.passes.base import PassContext, registered_passes, resolve_passes
+from accelrun.config.compile_names import PRESETS, CpuGemmOptions
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def _fresh_tuners(monkeypatch):
+    """Each test starts as a new process would: no tuner and no choice file read yet."""
+    monkeypatch.setattr(gemm_choice, "_tuners", {})
+    monkeypatch.setattr(gemm_choice, "_files", {})
+
+
+def _run_pass(gm: fx.GraphModule, library: str):
+    return registered_passes()["cpu_gemm"].fn(gm, CpuGemmOptions(library=library), PassContext("forward"))
+
+
+def _sites(gm: fx.GraphModule) -> list[GemmSite]:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, GemmSite)]
+
+
+def test_matrix_order():
+    m = torch.randn(6, 4)
+    assert matrix_order(m) is False and matrix_order(m.t()) is True
+    assert matrix_order(torch.randn(6, 1)) is False
+    assert matrix_order(torch.randn(6, 8)[:, :4]) is None  # gaps between rows
+    assert matrix_order(torch.randn(4).expand(6, 4)) is None  # broadcast
+    assert matrix_order(torch.randn(2, 3, 4)) is None
+
+
+def _products(a, b, bias, w, bf16_a, bf16_b):
+    return (a @ b, torch.addmm(bias, a, b), a @ w.t(), torch.addmm(bias, a, b, beta=0.5),
+            bf16_a @ bf16_b)  # fmt: skip
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    a, b, bias, w = (torch.randn(s, generator=g) for s in [(64, 48), (48, 40), (40,), (40, 48)])
+    return a, b, bias, w, a.bfloat16(), b.bfloat16()
+
+
+def test_forced_onednn_takes_fp32_matrix_products_with_eagers_results():
+    inputs = _inputs()
+    gm = make_fx(_products, tracing_mode="fake")(*inputs)
+    result = _run_pass(gm, "onednn")
+    # mm, addmm and the product with a transposed weight; not the scaled addmm, not the bf16 product.
+    assert result.changed and result.counts == {"onednn": 3, "timed_at_first_calls": 0}
+    assert [s.layout.key for s in _sites(gm)] == ["64x48x40:RR", "64x48x40:RR:bias", "64x48x40:RC"]
+    assert len([n for n in gm.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]) == 2
+    for got, expected in zip(gm(*inputs), _products(*inputs), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_aten_leaves_the_graph_and_symbolic_sizes_are_left_alone():
+    inputs = _inputs()
+    gm = make_fx(_products, tracing_mode="fake")(*inputs)
+    assert not _run_pass(gm, "aten").changed and not _sites(gm)
+    sym = make_fx(lambda a, b: a @ b, tracing_mode="symbolic")(*inputs[:2])
+    assert not _run_pass(sym, "onednn").changed
+
+
+def test_the_tuner_times_both_libraries_in_turns_and_keeps_onednn_only_by_the_margin(tmp_path):
+    layout = GemmLayout(64, 48, 40, False, False, False)
+    file = gemm_choice.ChoiceFile(tmp_path / "choices.json")
+    a, b, _ = layout.operands()
+    tuner = LayoutTuner(layout, file, None)
+    calls = 2 * (gemm_choice.UNTIMED_CALLS + gemm_choice.TIMED_CALLS)
+    for i in range(calls):
+        assert tuner.library is None, f"decided after {i} calls"
+        torch.testing.assert_close(tuner.timed_call(a, b, None), a @ b, rtol=1e-5, atol=1e-5)
+    assert tuner.library in (Library.ATEN, Library.ONEDNN)
+    saved = json.loads(file.path.read_text())["choices"][layout.key]
+    assert saved["library"] == tuner.library.value and saved["aten_us"] > 0 and saved["onednn_us"] > 0
+
+    def decided(aten_s: float, onednn_s: float) -> Library:
+        t = LayoutTuner(layout, file, None)
+        t.times = {Library.ATEN: [1.0] + [aten_s] * 4, Library.ONEDNN: [1.0] + [onednn_s] * 4}
+        t._decide()
+        return t.library
+
+    assert decided(1.0, 0.9) is Library.ONEDNN
+    assert decided(1.0, 0.99) is Library.ATEN  # within the margin: ATen stays
+    assert decided(0.9, 1.0) is Library.ATEN
+
+
+def test_which_library_goes_first_alternates(tmp_path):
+    """A layout's sites in one step read the same input, and the first reads it from memory: the two
+    libraries take the first place in turns."""
+    layout = GemmLayout(64, 48, 40, False, False, False)
+    a, b, _ = layout.operands()
+    tuner = LayoutTuner(layout, gemm_choice.ChoiceFile(tmp_path / "c.json"), None)
+    order = []
+    for _ in range(4):
+        before = {lib: len(t) for lib, t in tuner.times.items()}
+        tuner.timed_call(a, b, None)
+        order.append(next(lib for lib, t in tuner.times.items() if len(t) > before[lib]))
+    assert order == [Library.ATEN, Library.ONEDNN, Library.ONEDNN, Library.ATEN]
+
+
+class UsersMLP(nn.Module):
+    """Written the way users write one: torch.nn's Linear layers, with and without bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 128), nn.Linear(128, 64, bias=False)
+        self.head = nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.down(torch.relu(self.up(x))))
+
+
+def _train(model: nn.Module, fn, steps: int) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(256, 64, generator=g)
+        loss = fn(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _backend(library: str) -> AccelrunBackend:
+    passes = [p if p != "cpu_gemm" else {"cpu_gemm": {"library": library}} for p in PRESETS["default"]]
+    return AccelrunBackend(CompileOptions(passes=resolve_passes(passes), executors=["cpp", "aten"], strict=True))
+
+
+def _fired(backend: AccelrunBackend) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for p in backend.record.passes:
+        if p.name == "cpu_gemm":
+            for k, v in p.counts.items():
+                counts[k] = counts.get(k, 0) + v
+    return counts
+
+
+@pytest.mark.parametrize("library", ["onednn", "tuned"])
+def test_a_users_mlp_trains_at_eagers_losses(library):
+    torch.manual_seed(0)
+    model = UsersMLP()
+    twin = UsersMLP()
+    twin.load_state_dict(model.state_dict())
+    backend = _backend(library)
+    steps = 12  # tuned: each layout's first calls alternate; 10 decide one that runs once a step
+    compiled = _train(model, torch.compile(model, backend=backend), steps)
+    torch.testing.assert_close(compiled, _train(twin, twin, steps), rtol=1e-5, atol=1e-6)
+    fired = _fired(backend)
+    # Forward: three products; backward: input and weight gradients of each (the first layer's input
+    # gradient is not needed): eight, every one fp32 on matrices.
+    assert fired.get("onednn", 0) + fired.get("timed_at_first_calls", 0) == 3 + 5
+    if library == "tuned":
+        tuners = list(gemm_choice._tuners.values())
+        assert tuners and all(t.library is not None for t in tuners), "every layout decided"
+        choices = json.loads(tuners[0].file.path.read_text())["choices"]
+        assert set(choices) == {t.layout.key for t in tuners}
+
+
+def test_a_new_process_reads_the_choices_and_times_nothing():
+    torch.manual_seed(0)
+    model = UsersMLP()
+    _train(model, torch.compile(model, backend=_backend("tuned")), 12)
+    decided = {t.layout.key: t.library for t in gemm_choice._tuners.values()}
+    gemm_choice._tuners.clear()
+    gemm_choice._files.clear()  # as a new process
+    torch._dynamo.reset()
+    backend = _backend("tuned")
+    _train(model, torch.compile(model, backend=backend), 1)
+    fired = _fired(backend)
+    assert fired.get("timed_at_first_calls", 0) == 0
+    # Each layout oneDNN won has at least one product on it, now without timing; ATen's keep their op.
+    assert fired.get("onednn", 0) >= sum(1 for lib in decided.values() if lib is Library.ONEDNN)
+    assert all(t.library is decided[t.layout.key] and not any(t.times.values()) for t in gemm_choice._tuners.values())
+
+
+def test_a_site_survives_the_graph_cache_and_reads_only():
+    inputs = _inputs()
+    gm = make_fx(lambda a, b: a @ b, tracing_mode="fake")(*inputs[:2])
+    _run_pass(gm, "onednn")
+    (site,) = _sites(gm)
+    loaded = unpack_graph(pack_graph(gm))
+    (copy,) = [n.target for n in loaded.graph.nodes if n.op == "call_function"]
+    assert isinstance(copy, GemmSite) and copy.layout == site.layout and copy.fixed is Library.ONEDNN
+    torch.testing.assert_close(loaded(*inputs[:2]), inputs[0] @ inputs[1], rtol=1e-5, atol=1e-5)
+    tuned = pickle.loads(pickle.dumps(GemmSite(site.layout)))
+    assert tuned.tuner is gemm_choice.tuner_for(site.layout)  # the process's one tuner of the layout
+    user = next(n for n in gm.graph.nodes if isinstance(n.target, GemmSite))
+    assert _only_reads(user)
