@@ -187,6 +187,7 @@ def main() -> None:
     p.add_argument("--precision", choices=["fp32", "bf16-mixed", "both"], default="both")
     p.add_argument("--variants", default="eager,inductor,accelrun,thunder")
     p.add_argument("--rounds", type=int, default=20, help="interleaved timed steps per variant")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps per variant after its first")
     p.add_argument("--passes", default="default")
     p.add_argument("--executors", default="cpp,triton,aten", help="accelrun's executors, in priority order")
     p.add_argument("--scope", default="loss")
@@ -240,8 +241,9 @@ def time_variants(names: list[str], args: argparse.Namespace) -> tuple[list[tupl
         v = Variant(name, args)
         cold[name] = v.step()
         variants.append(v)
-    for v in variants:  # one untimed step each after compiling (allocator, caches)
-        v.step()
+    for _ in range(args.warmup):  # untimed steps after compiling: the allocator, caches, and accelrun's
+        for v in variants:  # cpu_gemm, which times each product layout on its first 10 calls
+            v.step()
     for _ in range(args.rounds):
         for v in variants:
             v.times.append(v.step())

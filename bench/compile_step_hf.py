@@ -147,7 +147,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=10,
+                    help="untimed steps per variant after its first (accelrun's cpu_gemm times each product "
+                         "layout on its first 10 calls)")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--malloc", choices=typing.get_args(CpuMalloc), default="blocks",
                     help="CPU allocator settings of this process, so of every variant alike; blocks is what "
