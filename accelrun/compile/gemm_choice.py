@@ -2,9 +2,9 @@
 
 ATen runs every fp32 ``mm`` / ``addmm`` on a CPU through MKL, and so do eager PyTorch and Inductor's
 training graphs. oneDNN, linked into the same torch, is often faster: on this project's AMD EPYC
-(AVX-512, 2 threads) it multiplied most of transformers' Llama's forward and input-gradient products
-1.1-1.3x faster than MKL inside a training step, and its weight gradients (a column-major left
-operand) 1.3-1.6x slower. The answer depends on the CPU, the thread count, the layout, and on what
+(AVX-512, 2 threads), inside a training step of transformers' Llama, it multiplied the input
+gradients 1.14-1.28x faster than MKL, the forward products from 1.06x slower to 1.12x faster, and
+the weight gradients (a column-major left operand) up to 1.6x slower. The answer depends on the CPU, the thread count, the layout, and on what
 the step leaves in the caches (timed apart from a step, with operands warm in cache, the two differ
 in other places), so each layout is timed where it runs:
 
