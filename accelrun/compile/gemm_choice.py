@@ -4,9 +4,9 @@ ATen runs every fp32 ``mm`` / ``addmm`` on a CPU through MKL, and so do eager Py
 training graphs. oneDNN, linked into the same torch, is often faster: on this project's AMD EPYC
 (AVX-512, 2 threads), inside a training step of transformers' Llama, it multiplied the input
 gradients 1.14-1.28x faster than MKL, the forward products from 1.06x slower to 1.12x faster, and
-the weight gradients (a column-major left operand) up to 1.6x slower. The answer depends on the CPU, the thread count, the layout, and on what
-the step leaves in the caches (timed apart from a step, with operands warm in cache, the two differ
-in other places), so each layout is timed where it runs:
+the weight gradients (a column-major left operand) up to 1.6x slower. The answer depends on the CPU,
+the thread count, the layout, and on what the step leaves in the caches (timed apart from a step,
+with operands warm in cache, the two differ in other places), so each layout is timed where it runs:
 
 - ``GemmSite`` is a product in a compiled graph (the ``cpu_gemm`` pass puts it there). Until its
   layout is decided, its calls go through the layout's ``LayoutTuner``, which runs them through the
@@ -64,18 +64,6 @@ class GemmLayout:
         order = "".join("C" if c else "R" for c in (self.a_col_major, self.b_col_major))
         return f"{self.m}x{self.k}x{self.n}:{order}{':bias' if self.bias else ''}"
 
-    def operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Random fp32 operands of this layout (what the timing multiplies)."""
-        g = torch.Generator().manual_seed(0)
-
-        def matrix(rows: int, cols: int, col_major: bool) -> torch.Tensor:
-            if col_major:
-                return torch.randn(cols, rows, generator=g).t()
-            return torch.randn(rows, cols, generator=g)
-
-        bias = torch.randn(self.n, generator=g) if self.bias else None
-        return matrix(self.m, self.k, self.a_col_major), matrix(self.k, self.n, self.b_col_major), bias
-
 
 def matrix_order(t: torch.Tensor) -> bool | None:
     """True for a column-major matrix, False for a row-major one, None for any other layout (a slice
@@ -104,6 +92,9 @@ def _no_onednn() -> torch.Tensor:
 
 def _aten_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+
+
+MULTIPLY = {Library.ATEN: _aten_mm, Library.ONEDNN: onednn_mm}  # each library's ``(a, b, bias) -> a @ b + bias``
 
 
 @dataclass(frozen=True)
@@ -182,7 +173,7 @@ class LayoutTuner:
         else:
             lib = Library.ATEN if len(aten) < len(dnn) else Library.ONEDNN
         t0 = time.perf_counter()
-        out = _aten_mm(a, b, bias) if lib is Library.ATEN else onednn_mm(a, b, bias)
+        out = MULTIPLY[lib](a, b, bias)
         self.times[lib].append(time.perf_counter() - t0)
         if len(aten) == len(dnn) == UNTIMED_CALLS + TIMED_CALLS:
             self._decide()
@@ -200,10 +191,10 @@ _files: dict[Path, dict[str, Timing]] = {}  # each choice file as this process f
 _tuners_lock = threading.Lock()
 
 
-def tuner_for(layout: GemmLayout, cache_dir: Path | None = None) -> LayoutTuner:
+def tuner_for(layout: GemmLayout) -> LayoutTuner:
     """The process's tuner of ``layout``: every product of that layout, in any graph, shares its timings
     and its choice."""
-    path = (cache_dir if cache_dir is not None else default_cache_dir()) / f"{machine_key()}.json"
+    path = default_cache_dir() / f"{machine_key()}.json"
     with _tuners_lock:
         tuner = _tuners.get((path, layout.key))
         if tuner is None:
@@ -227,11 +218,9 @@ class GemmSite:
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lib = self.fixed if self.tuner is None else self.tuner.library
-        if lib is Library.ONEDNN:
-            return onednn_mm(a, b, bias)
-        if lib is Library.ATEN:
-            return _aten_mm(a, b, bias)
-        return self.tuner.timed_call(a, b, bias)
+        if lib is None:
+            return self.tuner.timed_call(a, b, bias)
+        return MULTIPLY[lib](a, b, bias)
 
     def __reduce__(self) -> tuple:  # the graph cache saves the layout; a loading process finds its own tuner
         return (GemmSite, (self.layout, self.fixed))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from accelrun.compile.gemm_choice import GemmLayout, GemmSite, Library, matrix_order
+from accelrun.compile.gemm_choice import GemmLayout, GemmSite, Library, matrix_order, tuner_for
 from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.passes.graph_build import tensor_val
 from accelrun.config.compile_names import CpuGemmOptions
@@ -76,9 +76,9 @@ def cpu_gemm(gm: fx.GraphModule, options: CpuGemmOptions, ctx: PassContext) -> P
         if found is None:
             continue
         layout, a, b, bias = found
-        site = GemmSite(layout, fixed)
-        if site.tuner is not None and site.tuner.library is Library.ATEN:
+        if fixed is None and tuner_for(layout).library is Library.ATEN:
             continue  # decided before: ATen's own op stays (readable, and fast_calls' method call)
+        site = GemmSite(layout, fixed)
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(site, (a, b) if bias is None else (a, b, bias))
         new.meta.update(node.meta)  # the same value: oneDNN's result is contiguous, as ATen's
