@@ -256,3 +256,13 @@ def test_mfu_from_a_busy_probe_says_it_is_an_upper_bound(load, tmp_path):
     out = io.StringIO()
     _print_summary(Console(file=out, width=400), report, Path("run"))
     assert "(an upper bound: the peak was measured on a busy machine)" in out.getvalue()
+
+
+def test_the_fp32_probe_times_onednn_beside_torch_mm_and_keeps_the_faster(fast_probe):
+    """The compiler's cpu_gemm runs fp32 products through oneDNN where it beats MKL, so the peak is the
+    faster of the two (a torch.mm-only peak could read below what the run achieved)."""
+    fp32 = peak_mod._probe(torch.float32)
+    assert set(fp32["tflops_by_library"]) == {"torch.mm", "oneDNN"}
+    assert fp32["tflops"] == max(fp32["tflops_by_library"].values()) > 0
+    assert fp32["library"] == max(fp32["tflops_by_library"], key=fp32["tflops_by_library"].get)
+    assert set(peak_mod._probe(torch.bfloat16)["tflops_by_library"]) == {"torch.mm"}  # oneDNN inside already
