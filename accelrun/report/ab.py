@@ -61,9 +61,11 @@ class AbPlan:
     notes: list[str] = field(default_factory=list)  # said when the plan is made, kept in the result
 
     def forced(self) -> list[str]:
-        """Overrides ab imposes last: fresh, checkpoint-free runs in the ab directory, progress as lines."""
-        forced = [f"report.runs_dir={self.out_dir / 'runs'}", "checkpoint.enabled=false", "checkpoint.resume=none",
-                  "report.progress=lines"]
+        """Overrides ab imposes last: fresh, checkpoint-free runs in the ab directory, progress as lines.
+        No checkpoint means no export at the end either (configs/hf-llama.yaml sets hf_on_finish, which
+        needs the final checkpoint: ab refused that recipe)."""
+        forced = [f"report.runs_dir={self.out_dir / 'runs'}", "checkpoint.enabled=false", "checkpoint.hf_on_finish=false",
+                  "checkpoint.resume=none", "report.progress=lines"]
         if self.steps is not None:
             forced.insert(0, f"train.steps={self.steps}")
         if self.warmup_steps is not None:

@@ -55,7 +55,7 @@ def test_schedule_interleaves_and_forced_overrides_come_last(tmp_path):
     ov = plan.overrides(plan.variants[1])
     assert ov[:2] == ["z=3", "x=1"]
     assert ov[2:] == ["train.steps=7", f"report.runs_dir={tmp_path / 'runs'}", "checkpoint.enabled=false",
-                      "checkpoint.resume=none", "report.progress=lines", "report.warmup_steps=2"]
+                      "checkpoint.hf_on_finish=false", "checkpoint.resume=none", "report.progress=lines", "report.warmup_steps=2"]
 
 
 def test_other_cpu_meter_subtracts_our_own_cpu_time(monkeypatch):
@@ -77,3 +77,19 @@ def test_other_cpu_meter_on_this_machine():
     assert share is None or 0.0 <= share <= 1.0
     if Path("/proc/stat").exists():
         assert share is not None
+
+
+def test_ab_resolves_a_recipe_that_exports_on_finish(tmp_path):
+    """configs/hf-llama.yaml exports the final checkpoint (checkpoint.hf_on_finish); ab's runs keep no
+    checkpoint, so ab turns the export off too instead of refusing the recipe before it starts."""
+    from accelrun.report.ab import resolve_variants
+    from tests.models.hf_helpers import save_tiny_hf
+
+    save_tiny_hf(tmp_path / "m", "llama")
+    repo = Path(__file__).resolve().parents[2]
+    plan = AbPlan(str(repo / "configs" / "hf-llama.yaml"), [Variant("A", ["compile.backend=eager"]),
+                  Variant("B", ["compile.backend=accelrun"])], tmp_path / "ab",
+                  common=[f"model.hf={tmp_path / 'm'}", "data.tokenizer=byte", "train.seq_len=32"])  # fmt: skip
+    resolved = resolve_variants(plan)
+    assert [r.config.compile.backend for r in resolved] == ["eager", "accelrun"]
+    assert not any(r.config.checkpoint.hf_on_finish or r.config.checkpoint.enabled for r in resolved)
