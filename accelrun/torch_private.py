@@ -66,6 +66,9 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     "BundledAOTAutogradSerializableCallable": ("torch._dynamo.aot_compile_types",
                                                "BundledAOTAutogradSerializableCallable"),
     "dynamo_counters": ("torch._dynamo.utils", "counters"),
+    # Its UNSUPPORTED_SERIALIZATION_GUARD_TYPES: the guard kinds precompile cannot save (what its default
+    # guard filter drops), where the graph cache's own filter starts.
+    "CheckFunctionManager": ("torch._dynamo.guards", "CheckFunctionManager"),
     # Fake tensors and tracing contexts.
     "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),
     "unset_fake_temporarily": ("torch._subclasses.fake_tensor", "unset_fake_temporarily"),
@@ -134,6 +137,25 @@ def onednn_linear() -> Any:
         return None
     packet = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
     return getattr(packet, "default", None)
+
+
+def import_module_globals(entry: Any) -> list[str]:
+    """Make a precompiled frame (``AOTCompiledFunction``) importable in another process when Dynamo's
+    bytecode loads a module through a global it put in the frame's globals under a per-process name
+    (``___module_collections_<id>_c0``, for transformers' output classes): torch saves neither, and
+    loading failed with "Missing required external references". Each such global is recorded among
+    the frame's imports, by module name. Returns the globals recorded."""
+    import dataclasses
+    import types
+
+    artifacts = entry._artifacts
+    env = artifacts.runtime_env
+    f_globals = entry._extra_globals or {}
+    found = {ref: f_globals[ref].__name__ for ref in sorted(env.external_refs)
+             if ref not in env.import_sources and isinstance(f_globals.get(ref), types.ModuleType)}  # fmt: skip
+    if found:
+        artifacts.runtime_env = dataclasses.replace(env, import_sources={**env.import_sources, **found})
+    return list(found)
 
 
 def triton_direct_launch(kernel: Any) -> tuple[Any, Any, Any] | None:

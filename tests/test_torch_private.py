@@ -15,7 +15,8 @@ import torch
 import accelrun.torch_private as tp
 
 EAGER = ("reinterpret_tensor", "empty_strided_cpu", "TensorGuards")
-FUNCTIONS = ("cuda_current_raw_stream", "triton_direct_launch", "cpu_has_half_gemm", "onednn_linear")
+FUNCTIONS = ("cuda_current_raw_stream", "triton_direct_launch", "cpu_has_half_gemm", "onednn_linear",
+             "import_module_globals")
 
 
 def _params(fn) -> list[str]:
@@ -205,6 +206,39 @@ def test_temporary_cache_dir(tmp_path):
 def test_AOTCompiledFunction():
     assert _params(tp.AOTCompiledFunction.deserialize)[:2] == ["data", "f_globals"]
     assert callable(tp.AOTCompiledFunction.guard_check)
+
+
+def test_CheckFunctionManager():
+    # graph_cache.saveable_guards starts from the kinds precompile cannot save.
+    kinds = tp.CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    assert {"ID_MATCH", "CLOSURE_MATCH", "FUNCTION_MATCH"} <= set(kinds)
+
+
+def test_import_module_globals():
+    """A frame whose Dynamo bytecode loads a module through a per-process global: the global becomes an
+    import by name, and the frame loads where the global is gone (another process)."""
+    import collections
+    import types
+
+    from torch._dynamo.types import GuardFilterEntry
+
+    assert {"name", "value", "guard_type", "derived_guard_types", "is_global"} <= set(GuardFilterEntry.__annotations__)
+    scope: dict = {"torch": torch}
+    exec("def f(x):\n    return x + 1", scope)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(enable_aot_compile=True):
+        entry = torch.compile(scope["f"], backend="eager", fullgraph=True).aot_compile(((torch.ones(2),), {}))
+    env = entry._artifacts.runtime_env
+    entry._extra_globals["___module_collections_1_c0"] = collections  # as Dynamo names one it installs
+    entry._artifacts.runtime_env = type(env)(**{**env.__dict__, "external_refs": {*env.external_refs,
+                                                                                  "___module_collections_1_c0"}})
+    assert tp.import_module_globals(entry) == ["___module_collections_1_c0"]
+    assert entry._artifacts.runtime_env.import_sources["___module_collections_1_c0"] == "collections"
+    data = type(entry).serialize(entry).serialized_data
+    loaded = tp.AOTCompiledFunction.deserialize(data, {"torch": torch})  # no such global here
+    assert isinstance(loaded.fn, types.FunctionType) and loaded.fn.__globals__["___module_collections_1_c0"] is collections
+    torch.testing.assert_close(loaded.fn(torch.ones(2)), torch.full((2,), 2.0))
+    torch._dynamo.reset()
 
 
 def test_dynamo_counters():

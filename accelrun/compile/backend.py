@@ -20,6 +20,7 @@ from accelrun.compile import coverage
 from accelrun.compile.cuda_graphs import with_cuda_graphs
 from accelrun.compile.dump import Dumper
 from accelrun.compile.fast_calls import runnable
+from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.lower import lower_regions, make_executors
 from accelrun.compile.options import CompileOptions
 from accelrun.compile.passes.base import GraphNotes
@@ -86,6 +87,10 @@ class AccelrunBackend:
             build_kernel_early(module)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
+        with gc_paused():
+            return self._compile_dynamo_graph(gm, example_inputs)
+
+    def _compile_dynamo_graph(self, gm: fx.GraphModule, example_inputs: list[Any]):
         name = f"g{self.record.dynamo_graphs}"
         self.record.dynamo_graphs += 1
         # One for this Dynamo graph, kept by every stage's closures below: the backward's compile must see

@@ -25,7 +25,9 @@ import inspect
 import os
 import tempfile
 import time
+import types
 import warnings
+from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -34,8 +36,9 @@ import torch
 from torch import nn
 
 import accelrun
+from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.record import CompileRecord
-from accelrun.torch_private import cpu_has_half_gemm
+from accelrun.torch_private import cpu_has_half_gemm, import_module_globals
 
 MAX_ENTRIES = 8  # input kinds per method before giving up on exact entries (dynamic shapes take over)
 
@@ -57,13 +60,88 @@ def _file_digest(path: str) -> str:
 
 
 def model_code_digest(owner: nn.Module, func: Any) -> str:
-    """sha256 over the files that define the compiled method and every module class under ``owner``:
-    models may live outside accelrun (``model.module``), and their code is traced into the graphs."""
+    """sha256 over the files that define the compiled method and every module class under ``owner``,
+    and the functions their methods wrap: models may live outside accelrun (``model.module``), and
+    their code is traced into the graphs. Decorators count because the saved guards do not check the
+    identity of their code (``saveable_guards``): the digest stands for it."""
     files = {inspect.getsourcefile(func)} | {inspect.getsourcefile(type(m)) for m in owner.modules()}
+    for cls in {type(m) for m in owner.modules()}:
+        files |= _wrapped_code_files(cls)
     h = hashlib.sha256()
     for path in sorted(f for f in files if f):
         h.update(path.encode() + _file_digest(path).encode())
     return h.hexdigest()
+
+
+@functools.cache
+def _wrapped_code_files(cls: type) -> frozenset[str]:
+    """Files of the functions that ``cls``'s own methods wrap: decorators keep them in closure cells
+    (transformers' ``merge_with_config_defaults`` around ``LlamaModel.forward``) or ``__wrapped__``."""
+    files: set[str] = set()
+    todo = [v for v in vars(cls).values() if isinstance(v, types.FunctionType)]
+    seen: set[int] = set()
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        files.add(fn.__code__.co_filename)
+        cells = [c.cell_contents for c in fn.__closure__ or () if _cell_is_set(c)]
+        todo += [v for v in [*cells, getattr(fn, "__wrapped__", None)] if isinstance(v, types.FunctionType)]
+    return frozenset(f for f in files if os.path.isfile(f))
+
+
+def wrapped_functions(func: Any) -> dict[str, types.FunctionType]:
+    """The functions a decorated method wraps, by their place in its closures (``"1.0"``: cell 1 of
+    ``func``, then cell 0 of that). A saved entry refers to them (Dynamo traced through them), and
+    pickle finds a function by module and name, which leads to the decorator's wrapper instead:
+    they travel as external data and are found again by place in the loading process."""
+    found: dict[str, types.FunctionType] = {}
+    todo: list[tuple[str, Any]] = [("", func)]
+    while todo:
+        place, fn = todo.pop(0)
+        cells = [c.cell_contents for c in fn.__closure__ or () if _cell_is_set(c)]
+        for i, inner in enumerate([*cells, getattr(fn, "__wrapped__", None)]):
+            here = f"{place}.{i}".lstrip(".")
+            if isinstance(inner, types.FunctionType) and all(inner is not f for f in found.values()):
+                found[here] = inner
+                todo.append((here, inner))
+    return found
+
+
+def _cell_is_set(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
+
+
+def saveable_guards(entries: Sequence[Any], closure_names: frozenset[str] = frozenset()) -> list[bool]:
+    """Which of Dynamo's guards a graph-cache entry keeps (``torch.compile``'s ``guard_filter_fn``).
+
+    What torch's precompile keeps by default (no guards on globals, none of a kind it cannot save),
+    less two kinds that stand for the model's code, which the entry's key covers instead
+    (``model_code_digest`` takes the files of decorated functions):
+
+    - the identity of a code object: transformers' decorators read ``func.__code__.co_varnames``,
+      and Dynamo guards that code object by identity, which precompile refuses to save;
+    - values reached through the compiled method's own closure (``closure_names``: a decorator's
+      settings and the function it wraps): precompile saves a function there as missing, and the
+      loading process failed to rebuild the guards on it.
+
+    Without them transformers' Llama compiled whole was never cached, and each new process traced it
+    again (3.7 s against eager's 0.23 s first step)."""
+    from accelrun.torch_private import CheckFunctionManager
+
+    unsaveable = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+
+    def in_closure(name: str) -> bool:
+        return any(name == c or name.startswith((c + ".", c + "[")) for c in closure_names)
+
+    return [not (g.is_global or g.guard_type in unsaveable or in_closure(g.name)
+                 or (isinstance(g.value, types.CodeType) and "ID_MATCH" in g.derived_guard_types))
+            for g in entries]  # fmt: skip
 
 
 def describe(value: Any) -> str:
@@ -143,6 +221,10 @@ class CachedMethod:
         return entry.fn(owner, *args, **kwargs)
 
     def _entry_for(self, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
+        with gc_paused():  # Dynamo's trace and torch's load included
+            return self._load_or_compile(owner, args, kwargs)
+
+    def _load_or_compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
         if len(self.entries) >= MAX_ENTRIES:
             return self._fall_back(f"more than {MAX_ENTRIES} input kinds", None)
         path = self.cache.directory / f"{self.cache.key(self.func, owner, args, kwargs)}.pt"
@@ -173,7 +255,8 @@ class CachedMethod:
         t0 = time.perf_counter()
         try:
             with recording_loads_into(loading):
-                entry = AOTCompiledFunction.deserialize(path.read_bytes(), self.func.__globals__)
+                entry = AOTCompiledFunction.deserialize(path.read_bytes(), self.func.__globals__,
+                                                        external_closure_data=wrapped_functions(self.func))
             if not entry.guard_check(owner, *args, **kwargs):
                 raise RuntimeError("its guards reject these inputs")
         except Exception as e:  # stale or damaged: compile afresh and overwrite it
@@ -197,7 +280,9 @@ class CachedMethod:
         # everything again (warm start 6.7 s against Inductor's 1.4 s, 2026-11-27).
         config = torch._dynamo.config
         with config.patch(enable_aot_compile=True) if hasattr(config, "enable_aot_compile") else nullcontext():
-            compiled = torch.compile(self.func.__get__(owner), backend=backend, fullgraph=True)
+            compiled = torch.compile(self.func.__get__(owner), backend=backend, fullgraph=True,
+                                     options={"guard_filter_fn": functools.partial(
+                                         saveable_guards, closure_names=frozenset(self.func.__code__.co_freevars))})
         # torch's own caches during precompile go to a throwaway folder: their keys do not cover
         # accelrun's options, so an entry left there by other options must never be found.
         with (tempfile.TemporaryDirectory(prefix="accelrun-precompile-") as tmp, temporary_cache_dir(tmp),
@@ -219,7 +304,8 @@ class CachedMethod:
 
     def _save(self, entry: Any, path: Path) -> None:
         try:
-            self._write(path, type(entry).serialize(entry).serialized_data)
+            import_module_globals(entry)
+            self._write(path, type(entry).serialize(entry, external_data=wrapped_functions(self.func)).serialized_data)
             self.cache.stats["saved"] += 1
         except Exception as e:  # kept in memory for this process; the next one compiles again
             self.cache.error(f"could not save {path.name}", e)

@@ -168,8 +168,13 @@ def pack_graph(gm: fx.GraphModule) -> bytes:
     """The lowered graph as picklable records: (op, name, target, args, kwargs, (region id, callable))."""
     from accelrun.compile.extract import FUSED_REGION_KEY
 
-    records = []
+    records, constants = [], {}
     for node in gm.graph.nodes:
+        if node.op == "get_attr":  # a constant AOTAutograd lifted (transformers' Llama: empty tensors)
+            if node.users:
+                constants[node.target] = _constant(gm, node.target)
+                records.append((node.op, node.name, node.target, (), {}, None))
+            continue
         if node.op not in ("placeholder", "call_function", "output"):
             raise TypeError(f"cannot save a {node.op} node")
         args = fx.node.map_arg(node.args, lambda n: _NodeRef(n.name))
@@ -180,7 +185,15 @@ def pack_graph(gm: fx.GraphModule) -> bytes:
         else:
             records.append((node.op, node.name, _target_name(node.target), args, kwargs, None))
     # Nodes are saved without their fake tensors; whether the layouts were fixed goes with them.
-    return pickle.dumps({"nodes": records, STATIC_LAYOUTS: layouts_are_static(gm)})
+    return pickle.dumps({"nodes": records, "constants": constants, STATIC_LAYOUTS: layouts_are_static(gm)})
+
+
+def _constant(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    value = gm.get_submodule(target.rpartition(".")[0]) if "." in target else gm
+    value = getattr(value, target.rpartition(".")[2])
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"cannot save a get_attr node of a {type(value).__name__}")
+    return value
 
 
 def unpack_graph(data: bytes) -> fx.GraphModule:
@@ -200,9 +213,13 @@ def unpack_graph(data: bytes) -> fx.GraphModule:
 
     saved = pickle.loads(data)
     for op, name, target, args, kwargs, region in saved["nodes"]:
+        if op == "get_attr":
+            env[name] = graph.get_attr(target)
+            env[name].name = name
+            continue
         fn = named_call(region[1], region[0]) if region is not None else _resolve_target(target)
         env[name] = graph.create_node(op, fn, ref(args), ref(kwargs), name=name)
-    gm = fx.GraphModule({}, graph)
+    gm = fx.GraphModule(saved["constants"], graph)
     gm.meta[STATIC_LAYOUTS] = saved[STATIC_LAYOUTS]
     return gm
 

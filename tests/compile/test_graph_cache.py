@@ -202,14 +202,22 @@ def test_a_method_with_a_graph_break_falls_back_once_and_says_why(tmp_path):
         assert ("precompile failed" if attempt == 0 else "precompile failed before") in stats["errors"][0]
 
 
-def test_a_precompile_torch_refuses_after_compiling_is_not_counted_twice(tmp_path):
-    """transformers' own Llama, whole forward: Dynamo guards on the identity of a code object in one of
-    transformers' decorators, a guard torch's precompile cannot save, so it refuses after the backend
-    has compiled the graphs. The record keeps only the torch.compile fallback's graph and regions (it
-    said 2 graphs and twice the regions, while one graph ran), and the step equals eager's."""
+def test_a_precompile_torch_refuses_after_compiling_is_not_counted_twice(tmp_path, monkeypatch):
+    """transformers' own Llama, whole forward, under torch's own guard filter: Dynamo guards on the
+    identity of a code object in one of transformers' decorators, a guard torch's precompile cannot
+    save, so it refuses after the backend has compiled the graphs (the graph cache's own filter,
+    ``saveable_guards``, now drops that guard: tests/compile/test_graph_cache_transformers.py). The
+    record keeps only the torch.compile fallback's graph and regions (it said 2 graphs and twice the
+    regions, while one graph ran), and the step equals eager's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    import accelrun.compile.graph_cache as graph_cache
     from accelrun.config.schema import CompileConfig
+    from accelrun.torch_private import CheckFunctionManager
+
+    unsaveable = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    monkeypatch.setattr(graph_cache, "saveable_guards", lambda entries, closure_names: [
+        not (g.is_global or g.guard_type in unsaveable) for g in entries])  # what aot_compile keeps by default
 
     torch._dynamo.reset()
     torch.manual_seed(0)
