@@ -16,6 +16,7 @@ from typing import Any
 from accelrun.torch_private import dynamo_counters as counters
 
 _WATCHED = ("frames", "unimplemented", "graph_break")
+RECOMPILE_LIMIT = "Dynamo recompile limit exceeded"  # the title of Dynamo's reason when it gives up recompiling
 _FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 _SKIPPED = re.compile(r"frame skipped: (\S+) \((\S+) line (\d+)\)")
 
@@ -77,6 +78,12 @@ def coverage_warnings(record: Any) -> list[str]:
         out.append(f"nothing was compiled: the model ran in eager PyTorch{why}; {_what_to_change(d)}")
     for line in d.get("frames_skipped", []):
         out.append(f"Dynamo skipped a frame: {line}")
+    limits = sum(n for why, n in d.get("unsupported", {}).items() if why.startswith(RECOMPILE_LIMIT))
+    if limits:
+        out.append(f"Dynamo hit its recompile limit ×{limits}: a compiled function met more kinds of input or "
+                   "module than torch._dynamo.config.recompile_limit allows, and the calls beyond it ran eagerly "
+                   "(blocks that differ per instance compile once each); compile.scope = model compiles the "
+                   "forward once")
     breaks = sum(record.graph_breaks.values())
     if breaks:
         out.append(f"{breaks} graph break(s): the model runs as several graphs with eager code between them")

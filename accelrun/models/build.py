@@ -244,11 +244,15 @@ def training_loss_fn(model: nn.Module):
 
         return own_loss
 
+    # transformers' models fill a KV cache unless told not to (config.use_cache). Training never reads
+    # it; it costs memory, and its per-layer state made Dynamo compile each decoder layer anew: a
+    # 12-layer Llama hit Dynamo's recompile limit at 8 blocks and trained the other 4 eagerly.
+    no_cache = {"use_cache": False} if "use_cache" in params else {}
     if "targets" in params:
         # nanoGPT's forward(idx, targets=None): only with targets does it return every position's logits
         # (and its own loss, the same cross-entropy, used as it is rather than computed twice).
         def with_targets(inputs_BT, targets_BT):
-            out = model(inputs_BT, targets=targets_BT)
+            out = model(inputs_BT, targets=targets_BT, **no_cache)
             own = loss_in(out)
             if own is not None:
                 return own
@@ -257,7 +261,7 @@ def training_loss_fn(model: nn.Module):
         return with_targets
 
     def loss(inputs_BT, targets_BT):
-        logits_BTV = logits_of(model(inputs_BT), model, inputs_BT)
+        logits_BTV = logits_of(model(inputs_BT, **no_cache), model, inputs_BT)
         return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
 
     return loss

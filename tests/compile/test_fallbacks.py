@@ -471,3 +471,30 @@ def test_a_pending_build_that_fails_hands_its_regions_on_at_the_first_call(tmp_p
     assert record.regions and all(r.executor == "aten" and "cpp" in r.declined for r in record.regions)
     assert all(f.stage == "compile" and "g++ failed" in f.reason for f in record.fallbacks)
     assert len(record.fallbacks) == len(record.regions)
+
+
+def test_blocks_past_dynamos_recompile_limit_are_a_warning(tmp_path):
+    """Blocks whose code branches on a per-instance attribute compile once each; past Dynamo's
+    recompile limit the rest run eagerly. The record said "8 graphs" and nothing else (transformers'
+    Llama did this with its KV cache on: accelrun now trains it with use_cache=False)."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.i, self.lin = i, torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * 2 if self.i % 2 else self.lin(x) + self.i
+
+    torch._dynamo.reset()
+    backend = _backend(tmp_path, passes="default")
+    blocks = [Block(i) for i in range(10)]
+    for b in blocks:
+        b.compile(backend=backend)
+    x = torch.randn(2, 4)
+    for b in blocks:
+        x = b(x)
+    warnings = backend.record.summary()["warnings"]
+    assert any(w.startswith("Dynamo hit its recompile limit ×") for w in warnings), warnings
+    assert backend.record.dynamo_graphs == torch._dynamo.config.recompile_limit
+    torch._dynamo.reset()

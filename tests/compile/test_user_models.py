@@ -94,3 +94,42 @@ def test_auto_scope_per_family_and_backend():
     assert resolve_scope(accelrun, model, blocks, loss_parallel=True)[0] == "block"
     assert resolve_scope(inductor, model, blocks)[0] == "block"
     assert resolve_scope(CompileConfig(backend="accelrun", scope="model"), model, blocks) == ("model", "")
+
+
+def test_transformers_llamas_decoder_layers_share_one_graph_without_a_kv_cache(tmp_path):
+    """transformers' Llama as a user's model (model.custom), under the default scope: its decoder layers
+    compile as one graph. With its KV cache on (config.use_cache, what a plain call does) each layer's
+    cache state made Dynamo compile the layer anew, and past 8 layers the rest trained eagerly;
+    training_loss_fn now calls it with use_cache=False."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    compiled = compile_model(model, transformer_blocks(model), cfg)
+    assert "3 repeated LlamaDecoderLayer blocks" in compiled.description, compiled.description
+    _train_side_by_side(model, reference, steps=2)
+    record = compiled.record
+    assert record.dynamo_graphs == 1, record.compiled_line()  # was 3: one per layer
+    assert record.regions_per_executor().get("cpp", 0) > 0 and not record.warnings(), record.warnings()
+
+
+def test_a_forward_that_takes_use_cache_is_called_without_one():
+    seen = []
+
+    class Cached(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(VOCAB, VOCAB)
+
+        def forward(self, input_ids, use_cache=True):
+            seen.append(use_cache)
+            return self.emb(input_ids)
+
+    x = torch.randint(0, VOCAB, (2, 4))
+    training_loss_fn(Cached())(x, x)
+    assert seen == [False]
