@@ -104,8 +104,13 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         # data-dependent branch (a router) make Dynamo skip the frame, and nothing would be compiled.
         # Its repeated blocks compile on their own; the code between them runs eagerly.
         path, found_blocks = found
-        for block in found_blocks:
-            block.compile(backend=backend, fullgraph=cfg.fullgraph)
+        if (cache := _graph_cache(cfg, backend, [(b, "forward") for b in found_blocks])) is not None:
+            from accelrun.compile.graph_cache import install
+
+            install(cache, found_blocks, "forward")  # a block with a graph break falls back to torch.compile
+        else:
+            for block in found_blocks:
+                block.compile(backend=backend, fullgraph=cfg.fullgraph)
         return done(f"{len(found_blocks)} repeated {type(found_blocks[0]).__name__} blocks ({path}) with {name} "
                     f"(no `layers` list: compile.scope = {scope} found them)")  # fmt: skip
     if scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:

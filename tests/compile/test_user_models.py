@@ -116,6 +116,13 @@ def test_transformers_llamas_decoder_layers_share_one_graph_without_a_kv_cache(t
     record = compiled.record
     assert record.dynamo_graphs == 1, record.compiled_line()  # was 3: one per layer
     assert record.regions_per_executor().get("cpp", 0) > 0 and not record.warnings(), record.warnings()
+    # The layers go through the graph cache: the next compile of this model loads their graph.
+    assert record.graph_cache["saved"] == 1, record.graph_cache
+    torch._dynamo.reset()
+    model = copy.deepcopy(reference)
+    again = compile_model(model, transformer_blocks(model), cfg)
+    _train_side_by_side(model, copy.deepcopy(reference), steps=1)
+    assert again.record.graph_cache["loaded"] == 1 and again.record.dynamo_graphs == 0, again.record.graph_cache
 
 
 def test_a_forward_that_takes_use_cache_is_called_without_one():
