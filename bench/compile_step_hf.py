@@ -17,12 +17,17 @@ fine-tuned on a CPU.
     python bench/compile_step_hf.py
     python bench/compile_step_hf.py --malloc system          # glibc's defaults instead of accelrun train's
     python bench/compile_step_hf.py --dtypes fp32 --rounds 20 --hidden 512 --layers 4 --seq 512
+
+Warm start: after the timed rounds, each variant's first step in new processes (``--warm-starts``):
+eager's, and accelrun's with the caches a first process filled, compiled as ``accelrun train``
+compiles a user's model whole (the graph cache loads Dynamo's frame and the lowered graphs).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
 import subprocess
@@ -134,6 +139,48 @@ def run(args: argparse.Namespace, dname: str) -> None:
             s = v.record.summary()
             print(f"accelrun: {s['dynamo_graphs']} graph(s), regions {s['regions_per_executor']}, "
                   f"{len(s['fallbacks'])} fallback(s), warnings {s['warnings']}")  # fmt: skip
+    if args.warm_starts:
+        warm_starts(args, dname, cache / "warm")
+
+
+def warm_starts(args: argparse.Namespace, dname: str, cache: Path) -> None:
+    """A new process's first step (model built, then one forward and backward timed), each in its own
+    child: eager; accelrun as `accelrun train` compiles a user's model whole (``compile_model``, scope
+    model, the graph cache on), once to fill the caches and then ``--warm-starts`` times loading them."""
+    def child(variant: str) -> dict:
+        cmd = [sys.executable, __file__, "--child", variant, "--dtypes", dname, "--hidden", str(args.hidden),
+               "--layers", str(args.layers), "--vocab", str(args.vocab), "--batch", str(args.batch),
+               "--seq", str(args.seq), "--passes", args.passes, "--executors", args.executors]  # fmt: skip
+        env = {**os.environ, "ACCELRUN_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    filled = child("accelrun")
+    eager = [child("eager")["first_step_s"] for _ in range(args.warm_starts)]
+    warm = [child("accelrun") for _ in range(args.warm_starts)]
+    loaded = [w["graph_cache"].get("loaded", 0) for w in warm]
+    print(f"new process, first step (median of {args.warm_starts}): eager {statistics.median(eager):.2f} s; accelrun "
+          f"{statistics.median(w['first_step_s'] for w in warm):.2f} s with its caches warm (graphs loaded: "
+          f"{loaded}; the process that filled them: {filled['first_step_s']:.2f} s, {filled['graph_cache']})")
+
+
+def child(args: argparse.Namespace) -> None:
+    """One new process's first step (``warm_starts``), printed as JSON."""
+    from accelrun.compile.compile_model import compile_model
+    from accelrun.config.schema import CompileConfig
+
+    tune_malloc(args.malloc)
+    model = build(args, DTYPES[args.dtypes])
+    record = None
+    if args.child == "accelrun":
+        cfg = CompileConfig(backend="accelrun", scope="model", passes=args.passes,
+                            executors=args.executors.split(","))  # fmt: skip
+        record = compile_model(model, None, cfg).record
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    t0 = time.perf_counter()
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    first = time.perf_counter() - t0
+    print(json.dumps({"first_step_s": first, "graph_cache": record.graph_cache if record else {}}))
 
 
 def main() -> None:
@@ -154,7 +201,12 @@ def main() -> None:
     ap.add_argument("--malloc", choices=typing.get_args(CpuMalloc), default="blocks",
                     help="CPU allocator settings of this process, so of every variant alike; blocks is what "
                          "`accelrun train` sets on a CPU (train.cpu_malloc), as bench/compile_step.py does")
+    ap.add_argument("--warm-starts", type=int, default=3,
+                    help="new processes timed for the warm start, each variant (0: none)")
+    ap.add_argument("--child", choices=["eager", "accelrun"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        return child(args)
     dtypes = [d for d in os.environ.get(ONE_DTYPE, args.dtypes).split(",") if d]
     if unknown := [d for d in dtypes if d not in DTYPES]:
         raise SystemExit(f"--dtypes: unknown {', '.join(unknown)} (known: {', '.join(DTYPES)})")

@@ -499,6 +499,8 @@ def _cat_breaks(v: Value, idx: Index, axis: sympy.Symbol, bounds: dict[sympy.Sym
                 memo: dict) -> set[int] | None:
     """Positions along ``axis`` where a cat that ``v`` reads at element ``idx`` changes parts; None
     when a cat's position depends on ``axis`` other than as ``axis + k`` (no cut helps then)."""
+    if not _reads_a_cat(v, memo):
+        return set()  # no Select below: nothing to cut, and no clamped indices to build (sympy's Max/Min)
     key = (id(v), idx)
     if key in memo:
         return memo[key]
@@ -525,6 +527,21 @@ def _cat_breaks(v: Value, idx: Index, axis: sympy.Symbol, bounds: dict[sympy.Sym
         found = None if more is None else found | more
     memo[key] = found
     return found
+
+
+def _reads_a_cat(v: Value, memo: dict) -> bool:
+    """Whether a Select (a cat) is among ``v`` and the values it reads (memoized in ``memo``)."""
+    key = ("reads a cat", id(v))
+    if key not in memo:
+        if isinstance(v, Select):
+            memo[key] = True
+        elif isinstance(v, Op):
+            memo[key] = any(_reads_a_cat(a, memo) for a in v.args)
+        elif isinstance(v, View):
+            memo[key] = _reads_a_cat(v.src, memo)
+        else:  # an input, a constant, or a reduction (its own kernel's value: not cut here)
+            memo[key] = False
+    return memo[key]
 
 
 def _load_offsets(v: Value, idx: Index, bounds: dict[sympy.Symbol, int]) -> list[sympy.Expr]:
