@@ -16,7 +16,8 @@ from typing import Any
 from accelrun.torch_private import dynamo_counters as counters
 
 _WATCHED = ("frames", "unimplemented", "graph_break")
-RECOMPILE_LIMIT = "Dynamo recompile limit exceeded"  # the title of Dynamo's reason when it gives up recompiling
+# The title of Dynamo's reason when it gives up recompiling (torch 2.13; "cache limit" in older ones).
+RECOMPILE_LIMIT = ("Dynamo recompile limit exceeded", "Dynamo cache limit exceeded")
 _FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 _SKIPPED = re.compile(r"frame skipped: (\S+) \((\S+) line (\d+)\)")
 

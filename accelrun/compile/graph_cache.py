@@ -61,34 +61,49 @@ def _file_digest(path: str) -> str:
 
 def model_code_digest(owner: nn.Module, func: Any) -> str:
     """sha256 over the files that define the compiled method and every module class under ``owner``,
-    and the functions their methods wrap: models may live outside accelrun (``model.module``), and
-    their code is traced into the graphs. Decorators count because the saved guards do not check the
-    identity of their code (``saveable_guards``): the digest stands for it."""
+    the functions their methods wrap and the plain values in those closures: models may live outside
+    accelrun (``model.module``), and their code is traced into the graphs. Decorators count because
+    the saved guards check neither the identity of their code nor their closures (``saveable_guards``):
+    the digest stands for them. A closure's values are taken as they are when the model is compiled
+    (a decorator's settings); one that changes later, within a process, is not seen."""
     files = {inspect.getsourcefile(func)} | {inspect.getsourcefile(type(m)) for m in owner.modules()}
-    for cls in {type(m) for m in owner.modules()}:
-        files |= _wrapped_code_files(cls)
+    closures: list[str] = []
+    for cls in sorted({type(m) for m in owner.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
+        wrapped_files, constants = _wrapped_code(cls)
+        files |= wrapped_files
+        closures += constants
     h = hashlib.sha256()
     for path in sorted(f for f in files if f):
         h.update(path.encode() + _file_digest(path).encode())
+    h.update(repr(closures).encode())
     return h.hexdigest()
 
 
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
 @functools.cache
-def _wrapped_code_files(cls: type) -> frozenset[str]:
-    """Files of the functions that ``cls``'s own methods wrap: decorators keep them in closure cells
-    (transformers' ``merge_with_config_defaults`` around ``LlamaModel.forward``) or ``__wrapped__``."""
+def _wrapped_code(cls: type) -> tuple[frozenset[str], tuple[str, ...]]:
+    """Files of the functions that ``cls``'s methods (its own and inherited, torch's aside) wrap, and
+    the plain values in their closures: decorators keep both in closure cells (transformers'
+    ``merge_with_config_defaults`` around ``LlamaModel.forward``, ``deprecate_kwarg``'s names) or
+    ``__wrapped__``."""
     files: set[str] = set()
-    todo = [v for v in vars(cls).values() if isinstance(v, types.FunctionType)]
+    constants: list[str] = []
+    todo = [v for klass in cls.__mro__ if klass.__module__.split(".")[0] not in ("builtins", "torch")
+            for v in vars(klass).values() if isinstance(v, types.FunctionType)]  # fmt: skip
     seen: set[int] = set()
     while todo:
-        fn = todo.pop()
+        fn = todo.pop(0)
         if id(fn) in seen:
             continue
         seen.add(id(fn))
         files.add(fn.__code__.co_filename)
         cells = [c.cell_contents for c in fn.__closure__ or () if _cell_is_set(c)]
+        constants += [f"{fn.__qualname__}:{v!r}" for v in cells if isinstance(v, _PLAIN)
+                      or (isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v))]  # fmt: skip
         todo += [v for v in [*cells, getattr(fn, "__wrapped__", None)] if isinstance(v, types.FunctionType)]
-    return frozenset(f for f in files if os.path.isfile(f))
+    return frozenset(f for f in files if os.path.isfile(f)), tuple(constants)
 
 
 def wrapped_functions(func: Any) -> dict[str, types.FunctionType]:
@@ -209,6 +224,13 @@ class CachedMethod:
     def bind(self, owner: nn.Module) -> Any:
         return functools.partial(self, owner)
 
+    def __reduce__(self) -> tuple:
+        # Dynamo pickles a module's attributes with a precompiled frame's guards, this (on the instance,
+        # see ``install``) among them. What it holds is this process's (compiled entries, the backend):
+        # pickled, the second kind of input a method met failed to precompile ("cannot pickle
+        # RootGuardManager"). It is saved as a stand-in no guard reads.
+        return (_stand_in, ())
+
     def __call__(self, owner: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self.fallback is not None:
             return self.fallback(owner, *args, **kwargs)
@@ -227,7 +249,10 @@ class CachedMethod:
     def _load_or_compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
         if len(self.entries) >= MAX_ENTRIES:
             return self._fall_back(f"more than {MAX_ENTRIES} input kinds", None)
-        path = self.cache.directory / f"{self.cache.key(self.func, owner, args, kwargs)}.pt"
+        # Numbered by the kinds this method met before in this process, which a new process meets in
+        # the same order: blocks whose traces differ per instance (sliding and full attention layers)
+        # share a key, and one file each would have been overwritten by the other kind every run.
+        path = self.cache.directory / f"{self.cache.key(self.func, owner, args, kwargs)}-{len(self.entries)}.pt"
         refused = path.with_suffix(".refused")
         if refused.exists():  # an earlier process found this method cannot be precompiled: do not retry
             return self._fall_back(f"precompile failed before: {refused.read_text()}", None)
@@ -326,6 +351,14 @@ class CachedMethod:
         self.cache.stats["fallbacks"] += 1
         self.fallback = torch.compile(self.func, backend=self.cache.backend)
         return None
+
+
+def _stand_in() -> Any:
+    return _detached
+
+
+def _detached(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("a graph-cache method unpickled from a saved entry's guards is not callable")
 
 
 def decline_reason(cfg: Any, targets: list[tuple[nn.Module, str]]) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -219,11 +220,19 @@ def model_summary(cfg: ModelConfig, model: nn.Module, seq_len: int | None = None
     }
 
 
-def takes_document_positions(model: nn.Module) -> bool:
-    """Whether the model's forward takes ``positions_BT`` (document packing): the built-in families do."""
+def forward_parameters(model: nn.Module) -> Mapping[str, Any]:
+    """The parameters of the model's own ``forward``, read from its class: compiling may put a wrapper
+    that takes ``(*args, **kwargs)`` on the instance (the graph cache's method, the first-call check),
+    and under ``compile.scope = model`` the targets and ``use_cache=False`` were then never passed."""
     import inspect
 
-    return "positions_BT" in inspect.signature(model.forward).parameters
+    forward = getattr(type(model), "forward", None)
+    return inspect.signature(forward if forward is not None else model.forward).parameters
+
+
+def takes_document_positions(model: nn.Module) -> bool:
+    """Whether the model's forward takes ``positions_BT`` (document packing): the built-in families do."""
+    return "positions_BT" in forward_parameters(model)
 
 
 def training_loss_fn(model: nn.Module):
@@ -231,11 +240,9 @@ def training_loss_fn(model: nn.Module):
     takes targets (the built-in families: the head then compiles with ``compile.scope: loss`` or ``model``),
     otherwise cross-entropy over the logits it returns. ``positions`` (document packing) is passed on as
     ``positions_BT`` only when given, so concat packing calls the model exactly as before."""
-    import inspect
-
     import torch.nn.functional as F
 
-    params = inspect.signature(model.forward).parameters
+    params = forward_parameters(model)
     if "targets_BT" in params:
         def own_loss(inputs_BT, targets_BT, positions_BT=None):
             if positions_BT is None:

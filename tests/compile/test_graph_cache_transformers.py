@@ -127,3 +127,74 @@ def test_a_lowered_graph_with_a_constant_packs_and_unpacks():
     back = unpack_graph(pack_graph(gm))
     assert [n.op for n in back.graph.nodes] == ["placeholder", "get_attr", "call_function", "output"]
     torch.testing.assert_close(back(torch.tensor([3.0, 4.0])), torch.tensor([4.0, 6.0]))
+
+
+def test_the_key_covers_inherited_decorated_methods_and_their_closures_values(tmp_path, monkeypatch):
+    """A block that inherits a decorated forward from a class in another file: that file (where the
+    wrapped code is) and the decorator's settings are in the key, since the saved guards no longer
+    check the code's identity nor the closure."""
+    from accelrun.compile.graph_cache import _wrapped_code, model_code_digest
+
+    (tmp_path / "deco_mod.py").write_text(
+        "def deco(name):\n"
+        "    def outer(f):\n"
+        "        def wrapper(self, x):\n"
+        "            return f(self, x) if name else x\n"
+        "        return wrapper\n"
+        "    return outer\n")
+    (tmp_path / "base_mod.py").write_text(
+        "import torch\nfrom deco_mod import deco\n\n"
+        "class Base(torch.nn.Module):\n"
+        "    @deco('v1')\n"
+        "    def forward(self, x):\n"
+        "        return x * 2\n")
+    (tmp_path / "block_mod.py").write_text("from base_mod import Base\n\nclass Block(Base):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from block_mod import Block  # noqa: I001 (written above)
+
+    files, constants = _wrapped_code(Block)
+    assert str(tmp_path / "base_mod.py") in files and str(tmp_path / "deco_mod.py") in files
+    assert any("'v1'" in c for c in constants), constants
+    digest = model_code_digest(Block(), Block.forward)
+    import base_mod
+
+    base_mod.Base.forward = base_mod.deco("v2")(base_mod.Base.forward.__closure__[0].cell_contents)
+    _wrapped_code.cache_clear()
+    assert model_code_digest(Block(), Block.forward) != digest  # another setting: another entry
+
+
+class _TwoKindsBlock(torch.nn.Module):  # at module level: precompile saves the class by name
+    def __init__(self, sliding):
+        super().__init__()
+        self.sliding, self.lin = sliding, torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x).relu() if self.sliding else self.lin(x).tanh()
+
+
+def test_blocks_of_two_kinds_keep_an_entry_each(tmp_path):
+    """Blocks of one class whose traces differ per instance (sliding and full attention layers) share a
+    key; entries are numbered by the kinds met before, so a second process loads both instead of
+    compiling the kind the other's file overwrote."""
+    from accelrun.compile.backend import AccelrunBackend
+    from accelrun.compile.graph_cache import GraphCache, install
+    from accelrun.compile.options import CompileOptions
+
+    Block = _TwoKindsBlock
+    x = torch.randn(4, 8)
+    stats = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        blocks = [Block(True), Block(False)]
+        reference = [b.lin(x).relu() if b.sliding else b.lin(x).tanh() for b in blocks]
+        backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"], cache_dir=tmp_path / "c"))
+        install(GraphCache(backend, tmp_path / "c" / "graphs"), blocks, "forward")
+        for b, ref in zip(blocks, reference, strict=True):
+            out = b(x)
+            out.sum().backward()  # a training step: the backward's kernels are built by then
+            torch.testing.assert_close(out, ref)
+        stats.append(dict(backend.record.graph_cache))
+    assert stats[0]["compiled"] == stats[0]["saved"] == 2, stats[0]
+    assert stats[1]["loaded"] == 2 and stats[1]["compiled"] == 0, stats[1]
+    torch._dynamo.reset()

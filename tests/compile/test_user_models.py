@@ -125,7 +125,7 @@ def test_transformers_llamas_decoder_layers_share_one_graph_without_a_kv_cache(t
     assert again.record.graph_cache["loaded"] == 1 and again.record.dynamo_graphs == 0, again.record.graph_cache
 
 
-def test_a_forward_that_takes_use_cache_is_called_without_one():
+def test_a_forward_that_takes_use_cache_is_called_without_one(tmp_path):
     seen = []
 
     class Cached(torch.nn.Module):
@@ -140,3 +140,13 @@ def test_a_forward_that_takes_use_cache_is_called_without_one():
     x = torch.randint(0, VOCAB, (2, 4))
     training_loss_fn(Cached())(x, x)
     assert seen == [False]
+    # Compiled whole (no ModuleList: scope model), the instance's forward is a (*args, **kwargs) wrapper;
+    # the parameters come from the class, so use_cache=False still goes in (it went missing).
+    model = Cached()
+    torch._dynamo.reset()
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    compiled = compile_model(model, transformer_blocks(model), cfg)
+    assert compiled.description.startswith("the whole model"), compiled.description
+    training_loss_fn(model)(x, x)
+    assert seen[1:] == [False] and compiled.record.graphs_in_use() == 1
+    torch._dynamo.reset()
