@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import statistics
@@ -177,6 +178,7 @@ def child(args: argparse.Namespace) -> None:
                             executors=args.executors.split(","))  # fmt: skip
         record = compile_model(model, None, cfg).record
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    gc.freeze()  # as `accelrun train` does before its first step (train/loop.py), for both variants
     t0 = time.perf_counter()
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     first = time.perf_counter() - t0
