@@ -85,17 +85,12 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
             what += " + the output head and loss as one graph"
         targets = [(b, "forward") for b in blocks] + ([(model, "head_loss")] if head is not None else [])
         cache = _graph_cache(cfg, backend, targets)
-        if cache is not None:
+        _compile_blocks(blocks, cfg, backend, cache)
+        if head is not None and cache is not None:
             from accelrun.compile.graph_cache import install
 
-            install(cache, list(blocks), "forward")
-            if head is not None:
-                install(cache, [model], "head_loss")
-            return done(what)
-        # Identical blocks share one compiled graph: Dynamo's cache is keyed by code, not instance.
-        for block in blocks:
-            block.compile(backend=backend, fullgraph=cfg.fullgraph)
-        if head is not None:
+            install(cache, [model], "head_loss")
+        elif head is not None:
             # An instance attribute shadows the method, so forward() calls the compiled head.
             model.head_loss = torch.compile(head, backend=backend, fullgraph=cfg.fullgraph)
         return done(what)
@@ -104,13 +99,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         # data-dependent branch (a router) make Dynamo skip the frame, and nothing would be compiled.
         # Its repeated blocks compile on their own; the code between them runs eagerly.
         path, found_blocks = found
-        if (cache := _graph_cache(cfg, backend, [(b, "forward") for b in found_blocks])) is not None:
-            from accelrun.compile.graph_cache import install
-
-            install(cache, found_blocks, "forward")  # a block with a graph break falls back to torch.compile
-        else:
-            for block in found_blocks:
-                block.compile(backend=backend, fullgraph=cfg.fullgraph)
+        _compile_blocks(found_blocks, cfg, backend, _graph_cache(cfg, backend, [(b, "forward") for b in found_blocks]))
         return done(f"{len(found_blocks)} repeated {type(found_blocks[0]).__name__} blocks ({path}) with {name} "
                     f"(no `layers` list: compile.scope = {scope} found them)")  # fmt: skip
     if scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:
@@ -209,6 +198,19 @@ class _FirstCallFallback:
             self.record.fallback_scope = (f"Dynamo skipped the whole forward, so after the first step the "
                                           f"{len(blocks)} {type(blocks[0]).__name__} modules of `{path}` "
                                           "compile one by one")  # fmt: skip
+
+
+def _compile_blocks(blocks: list[nn.Module], cfg: CompileConfig, backend: object, cache: Any) -> None:
+    """Each block's forward through the graph cache (a block with a graph break falls back to
+    torch.compile there), or torch.compile where the cache is off. Identical blocks share one
+    compiled graph: Dynamo's cache is keyed by code, not instance."""
+    if cache is not None:
+        from accelrun.compile.graph_cache import install
+
+        install(cache, list(blocks), "forward")
+        return
+    for block in blocks:
+        block.compile(backend=backend, fullgraph=cfg.fullgraph)
 
 
 def _graph_cache(cfg: CompileConfig, backend: object, targets: list[tuple[nn.Module, str]]):

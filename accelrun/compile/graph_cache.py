@@ -84,25 +84,26 @@ _PLAIN = (type(None), bool, int, float, str, bytes)
 
 @functools.cache
 def _wrapped_code(cls: type) -> tuple[frozenset[str], tuple[str, ...]]:
-    """Files of the functions that ``cls``'s methods (its own and inherited, torch's aside) wrap, and
-    the plain values in their closures: decorators keep both in closure cells (transformers'
+    """Files of ``cls``'s methods (its own and inherited, torch's aside) and of the functions they wrap,
+    and the plain values in those closures: decorators keep both in closure cells (transformers'
     ``merge_with_config_defaults`` around ``LlamaModel.forward``, ``deprecate_kwarg``'s names) or
     ``__wrapped__``."""
     files: set[str] = set()
     constants: list[str] = []
-    todo = [v for klass in cls.__mro__ if klass.__module__.split(".")[0] not in ("builtins", "torch")
-            for v in vars(klass).values() if isinstance(v, types.FunctionType)]  # fmt: skip
     seen: set[int] = set()
-    while todo:
-        fn = todo.pop(0)
-        if id(fn) in seen:
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] in ("builtins", "torch"):
             continue
-        seen.add(id(fn))
-        files.add(fn.__code__.co_filename)
-        cells = [c.cell_contents for c in fn.__closure__ or () if _cell_is_set(c)]
-        constants += [f"{fn.__qualname__}:{v!r}" for v in cells if isinstance(v, _PLAIN)
-                      or (isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v))]  # fmt: skip
-        todo += [v for v in [*cells, getattr(fn, "__wrapped__", None)] if isinstance(v, types.FunctionType)]
+        for method in vars(klass).values():
+            if not isinstance(method, types.FunctionType):
+                continue
+            for fn in (method, *wrapped_functions(method).values()):
+                if id(fn) in seen:
+                    continue
+                seen.add(id(fn))
+                files.add(fn.__code__.co_filename)
+                constants += [f"{fn.__qualname__}:{v!r}" for v in _closure_values(fn) if isinstance(v, _PLAIN)
+                              or (isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v))]  # fmt: skip
     return frozenset(f for f in files if os.path.isfile(f)), tuple(constants)
 
 
@@ -115,8 +116,7 @@ def wrapped_functions(func: Any) -> dict[str, types.FunctionType]:
     todo: list[tuple[str, Any]] = [("", func)]
     while todo:
         place, fn = todo.pop(0)
-        cells = [c.cell_contents for c in fn.__closure__ or () if _cell_is_set(c)]
-        for i, inner in enumerate([*cells, getattr(fn, "__wrapped__", None)]):
+        for i, inner in enumerate([*_closure_values(fn), getattr(fn, "__wrapped__", None)]):
             here = f"{place}.{i}".lstrip(".")
             if isinstance(inner, types.FunctionType) and all(inner is not f for f in found.values()):
                 found[here] = inner
@@ -124,12 +124,15 @@ def wrapped_functions(func: Any) -> dict[str, types.FunctionType]:
     return found
 
 
-def _cell_is_set(cell: types.CellType) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 (an empty cell raises)
-    except ValueError:
-        return False
-    return True
+def _closure_values(fn: types.FunctionType) -> list[Any]:
+    """What ``fn``'s closure cells hold (an empty cell, a name not yet assigned, is left out)."""
+    values = []
+    for cell in fn.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:
+            continue
+    return values
 
 
 def saveable_guards(entries: Sequence[Any], closure_names: frozenset[str] = frozenset()) -> list[bool]:

@@ -189,8 +189,7 @@ def pack_graph(gm: fx.GraphModule) -> bytes:
 
 
 def _constant(gm: fx.GraphModule, target: str) -> torch.Tensor:
-    value = gm.get_submodule(target.rpartition(".")[0]) if "." in target else gm
-    value = getattr(value, target.rpartition(".")[2])
+    value = operator.attrgetter(target)(gm)  # a dotted path below the module, as get_attr's target is
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"cannot save a get_attr node of a {type(value).__name__}")
     return value
