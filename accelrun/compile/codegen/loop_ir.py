@@ -506,10 +506,11 @@ def _cat_breaks(v: Value, idx: Index, axis: sympy.Symbol, bounds: dict[sympy.Sym
         return memo[key]
     found: set[int] | None = set()
     children: list[tuple[Value, Index]] = []
+    # Children that read no cat add no breaks: their indices (sympy work) are not built.
     if isinstance(v, View):
         children = [(v.src, v.index_map(idx))]
     elif isinstance(v, Op):
-        children = [(a, broadcast_index(idx, v.shape, a.shape)) for a in v.args]
+        children = [(a, broadcast_index(idx, v.shape, a.shape)) for a in v.args if _reads_a_cat(a, memo)]
     elif isinstance(v, Select):
         pos = sympy.expand(simplify_index(idx[v.dim], bounds))
         k = pos - axis
@@ -519,7 +520,8 @@ def _cat_breaks(v: Value, idx: Index, axis: sympy.Symbol, bounds: dict[sympy.Sym
             else:
                 found = {off - int(k) for off in v.offsets[1:-1]}
         children = [(part, idx[: v.dim] + (sympy.Max(0, sympy.Min(pos - lo, hi - lo - 1)),) + idx[v.dim + 1:])
-                    for part, lo, hi in zip(v.parts, v.offsets, v.offsets[1:], strict=False)]
+                    for part, lo, hi in zip(v.parts, v.offsets, v.offsets[1:], strict=False)
+                    if _reads_a_cat(part, memo)]
     for child, child_idx in children:
         if found is None:
             break
