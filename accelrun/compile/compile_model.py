@@ -223,7 +223,7 @@ def _graph_cache(cfg: CompileConfig, backend: object, targets: list[tuple[nn.Mod
     if why is not None:
         backend.record.graph_cache = {"off": why}  # type: ignore[attr-defined]
         return None
-    return GraphCache(backend, backend.options.cache_dir / "graphs")  # type: ignore[attr-defined]
+    return GraphCache(backend, backend.options.cache_dir / "graphs", fullgraph=cfg.fullgraph)  # type: ignore[attr-defined]
 
 
 def _has_head(model) -> bool:

@@ -189,13 +189,16 @@ def global_state() -> str:
 class GraphCache:
     """One per compiled model: the directory, the key's fixed parts, and what happened (for the record)."""
 
-    def __init__(self, backend: Any, directory: Path) -> None:
+    def __init__(self, backend: Any, directory: Path, fullgraph: bool = False) -> None:
         # Import torch's precompile machinery now, with the model's setup, not inside the first step.
         import accelrun.compile.output_code  # noqa: F401
         from accelrun.torch_private import AOTCompiledFunction, GraphPickler  # noqa: F401
 
         self.backend = backend
         self.directory = directory
+        # compile.fullgraph: a method whose precompile fails falls back to torch.compile with it too, so
+        # a graph break still fails the run as it does with the cache off, instead of splitting quietly.
+        self.fullgraph = fullgraph
         self.fixed_key = "|".join([torch.__version__, accelrun_source_digest(), backend.options.fingerprint()])
         self.stats = backend.record.graph_cache
         self.stats.update({"loaded": 0, "compiled": 0, "saved": 0, "fallbacks": 0, "errors": []})
@@ -352,7 +355,7 @@ class CachedMethod:
         else:
             self.cache.stats["errors"].append(why[:300])
         self.cache.stats["fallbacks"] += 1
-        self.fallback = torch.compile(self.func, backend=self.cache.backend)
+        self.fallback = torch.compile(self.func, backend=self.cache.backend, fullgraph=self.cache.fullgraph)
         return None
 
 

@@ -378,3 +378,49 @@ def test_a_graph_cache_error_is_a_row_of_report_md():
 
     section = {"graph_cache": {"loaded": 0, "saved": 2, "errors": ["could not load a.pt: RuntimeError: boom"]}}
     assert "| graph cache errors | 1: could not load a.pt: RuntimeError: boom |" in _compiler_section(section)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_users_block_with_a_graph_break_honours_fullgraph(tmp_path, fullgraph):
+    """A user's repeated blocks go through the graph cache; one with a graph break cannot be
+    precompiled and falls back to torch.compile. Under compile.fullgraph the fallback keeps it, so the
+    break fails the run as it does with the cache off; it had split the graph without a word."""
+    from accelrun.config.schema import CompileConfig
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.lin(x).relu()
+            torch._dynamo.graph_break()
+            return y + x
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stack = torch.nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for block in self.stack:
+                x = block(x)
+            return x.sum()
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(4, 8)
+    expected = model(x)
+    cfg = CompileConfig(backend="accelrun", scope="block", fullgraph=fullgraph, executors=["cpp", "aten"],
+                        cache_dir=str(tmp_path / "c"))  # fmt: skip
+    compiled = compile_model(model, None, cfg)
+    stats = compiled.record.graph_cache
+    assert "off" not in stats, stats  # the blocks went through the graph cache
+    if fullgraph:
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="graph_break"):
+            model(x)
+    else:
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=0)
+        assert compiled.record.graphs_in_use() > 0
+    assert stats["fallbacks"] == 1 and "precompile failed" in stats["errors"][0], stats
