@@ -35,6 +35,18 @@ def since(start: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     return out
 
 
+def forget_since(start: dict[str, dict[str, int]]) -> None:
+    """Put Dynamo's counters back to ``start``: what a trace that never ran counted (the graph cache's
+    refused precompile, traced again by its torch.compile fallback) is not counted twice."""
+    for k in _WATCHED:
+        base = start.get(k, {})
+        for reason in list(counters[k]):
+            if reason in base:
+                counters[k][reason] = base[reason]
+            else:
+                del counters[k][reason]
+
+
 def _short(reason: str) -> str:
     """A Dynamo reason's title and where it happened: "Data-dependent branching (model.py:12)"."""
     first = reason.strip().splitlines()[0] if reason.strip() else "unknown"

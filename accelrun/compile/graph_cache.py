@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 import accelrun
+from accelrun.compile import coverage
 from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.record import CompileRecord
 from accelrun.torch_private import cpu_has_half_gemm, import_module_globals
@@ -264,12 +265,14 @@ class CachedMethod:
             return self._fall_back(f"precompile failed before: {refused.read_text()}", None)
         entry = self._load(path, owner, args, kwargs) if path.exists() else None
         if entry is None:
-            mark = self.cache.backend.record.mark()
+            mark, counted = self.cache.backend.record.mark(), coverage.snapshot()
             try:
                 entry = self._compile(owner, args, kwargs)
             except Exception as e:  # graph break under fullgraph, an unserializable piece, ...
                 self._write(refused, one_line(e).encode())
-                self.cache.backend.record.roll_back(mark)  # its graphs never run; the fallback's are counted
+                # Its graphs never run and its graph breaks are the fallback's: those are counted.
+                self.cache.backend.record.roll_back(mark)
+                coverage.forget_since(counted)
                 return self._fall_back("precompile failed", e)
             self._save(entry, path)
         self.entries.append(entry)

@@ -420,7 +420,17 @@ def test_a_users_block_with_a_graph_break_honours_fullgraph(tmp_path, fullgraph)
     if fullgraph:
         with pytest.raises(torch._dynamo.exc.Unsupported, match="graph_break"):
             model(x)
-    else:
-        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=0)
-        assert compiled.record.graphs_in_use() > 0
+        assert stats["fallbacks"] == 1 and "precompile failed" in stats["errors"][0], stats
+        return
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=0)
+    assert compiled.record.graphs_in_use() > 0
     assert stats["fallbacks"] == 1 and "precompile failed" in stats["errors"][0], stats
+    # What Dynamo saw is what it sees with the cache off: the refused precompile's trace is not counted
+    # on top of its fallback's (it had added its graph break as a second reason).
+    seen = compiled.record.summary()["dynamo"]  # (Dynamo's counters are process-wide: read before)
+    torch._dynamo.reset()
+    other = Net()
+    uncached = compile_model(other, None, cfg.model_copy(update={"graph_cache": False}))
+    other(x)
+    assert uncached.record.graph_cache == {"off": "compile.graph_cache = false"}
+    assert seen == uncached.record.summary()["dynamo"]
