@@ -75,6 +75,10 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     "detect_fake_mode": ("torch._guards", "detect_fake_mode"),
     "tracing": ("torch._guards", "tracing"),
     "is_traceable_wrapper_subclass": ("torch.utils._python_dispatch", "is_traceable_wrapper_subclass"),
+    # An fx GraphModule that writes and compiles its Python code when it first runs or is read, not when
+    # it is made: a graph loaded from the graph cache is copied for fast_calls and rewritten after its
+    # recorded calls, and each eager codegen of it cost ~10 ms of a new process's first step.
+    "LazyGraphModule": ("torch.fx._lazy_graph_module", "_LazyGraphModule"),
     # fx graphs saved with the graph cache.
     "GraphPickler": ("torch.fx._graph_pickler", "GraphPickler"),
     "GraphPicklerOptions": ("torch.fx._graph_pickler", "Options"),

@@ -4,7 +4,9 @@ training step (forward, backward, AdamW) under eager, Inductor and accelrun, fp3
 The sibling of ``compile_step.py`` (the project's Llama) for model code nobody here wrote. Variants
 live in one process, their steps interleaved round-robin so machine noise hits them alike; figures
 are medians and ratios of medians (> 1: faster than the one compared with), with a 95% bootstrap
-interval of the ratio to Inductor's (rounds resampled in pairs). Cold compile = each compiled variant's
+interval of the ratio to Inductor's (rounds resampled in pairs). Every variant calls the model with
+``use_cache=False``, as ``accelrun train``'s loss does (training never reads the KV cache, and building
+it costs every compiler's trace and every step alike). Cold compile = each compiled variant's
 first step with empty caches: each dtype runs in its own process (Inductor's in-process caches carry
 from one dtype's compile to the next: its bf16 cold step took 32 s first and 18 s after fp32) with
 Inductor's and accelrun's on-disk caches (the attention kernel's included) in a fresh folder, after

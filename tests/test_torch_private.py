@@ -291,6 +291,22 @@ def test_is_traceable_wrapper_subclass():
 # --- fx ----------------------------------------------------------------------------------------------
 
 
+def test_LazyGraphModule():
+    from torch import fx
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.mul.Tensor, (x, x)))
+    gm = tp.LazyGraphModule(torch.nn.Module(), graph)
+    assert isinstance(gm, fx.GraphModule) and type(gm)._needs_recompile()  # no code written yet
+    tp.LazyGraphModule.force_recompile(gm)
+    assert not type(gm)._needs_recompile() and "mul" in gm.code
+    assert torch.equal(gm.forward(torch.tensor([3.0])), torch.tensor([9.0]))
+    gm.recompile()  # after a rewrite: marked, written on the next use
+    assert type(gm)._needs_recompile()
+    assert torch.equal(gm(torch.tensor([2.0])), torch.tensor([4.0])) and not type(gm)._needs_recompile()
+
+
 def test_GraphPickler():
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 

@@ -33,6 +33,7 @@ import torch
 from torch import fx
 
 from accelrun.compile.op_kinds import VIEW_OPS
+from accelrun.torch_private import LazyGraphModule
 from accelrun.torch_private import reinterpret_tensor as _reinterpret
 
 aten = torch.ops.aten
@@ -96,7 +97,15 @@ def _with_methods(gm: fx.GraphModule) -> fx.GraphModule:
     for node in graph.nodes:
         if node.op == "call_function" and node.target in AS_METHODS and not node.kwargs:
             node.target = AS_METHODS[node.target]
-    return fx.GraphModule(gm, graph)
+    # Its code is written when it first runs: after the recorded calls have rewritten it, once.
+    return LazyGraphModule(gm, graph)
+
+
+def _generated_forward(gm: fx.GraphModule) -> Any:
+    """``gm``'s generated forward, written now if it is pending: a lazy module's own forward would pass
+    through ``nn.Module.__call__`` on every call."""
+    LazyGraphModule.force_recompile(gm)
+    return gm.forward
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -182,7 +191,7 @@ class RunnableGraph:
         self.hoisted = 0  # constant tensors made once instead of on every call
         # Constants are hoisted after the recorded calls too: by then a region's executor is settled.
         has_constants = any(n.op == "call_function" and n.target in CONSTANTS for n in self.module.graph.nodes)
-        self._run = self._record if self._views or has_constants else self.module.forward
+        self._run = self._record if self._views or has_constants else _generated_forward(self.module)
 
     @property
     def code(self) -> str:
@@ -193,7 +202,7 @@ class RunnableGraph:
 
     def _record(self, *args: Any) -> Any:
         if not all(isinstance(a, torch.Tensor) and type(a) in (torch.Tensor, torch.nn.Parameter) for a in args):
-            self._run = self.module.forward  # a size or a tensor subclass among the inputs: leave views as ops
+            self._run = _generated_forward(self.module)  # a size or a tensor subclass: views stay ops
             return self._run(*args)
         rec = _Recorder(self.module, self._views)
         out = rec.run(*args)
@@ -201,7 +210,7 @@ class RunnableGraph:
         if len(self._records) == RECORDED_CALLS:
             self._collapse()
             self._hoist_constants()
-            self._run = self.module.forward
+            self._run = _generated_forward(self.module)
         return out
 
     def _collapse(self) -> None:

@@ -27,7 +27,7 @@ from accelrun.compile.executors.aten import AtenExecutor
 from accelrun.compile.fast_calls import STATIC_LAYOUTS, layouts_are_static, runnable
 from accelrun.compile.gemm_choice import GemmSite
 from accelrun.compile.record import CompileRecord, GraphRecord
-from accelrun.torch_private import BundledAOTAutogradSerializableCallable, OutputCode
+from accelrun.torch_private import BundledAOTAutogradSerializableCallable, LazyGraphModule, OutputCode
 
 # Where regions lowered while loading are recorded (the loading backend's record); None: nowhere.
 _loading_record: ContextVar[CompileRecord | None] = ContextVar("accelrun_loading_record", default=None)
@@ -218,7 +218,8 @@ def unpack_graph(data: bytes) -> fx.GraphModule:
             continue
         fn = named_call(region[1], region[0]) if region is not None else _resolve_target(target)
         env[name] = graph.create_node(op, fn, ref(args), ref(kwargs), name=name)
-    gm = fx.GraphModule(saved["constants"], graph)
+    # What runs is fast_calls' copy: this one's code is written only if something reads it (a dump).
+    gm = LazyGraphModule(saved["constants"], graph)
     gm.meta[STATIC_LAYOUTS] = saved[STATIC_LAYOUTS]
     return gm
 
