@@ -5,8 +5,9 @@ The sibling of ``compile_step.py`` (the project's Llama) for model code nobody h
 live in one process, their steps interleaved round-robin so machine noise hits them alike; figures
 are medians and ratios of medians (> 1: faster than the one compared with), with a 95% bootstrap
 interval of the ratio to Inductor's (rounds resampled in pairs). Every variant calls the model with
-``use_cache=False``, as ``accelrun train``'s loss does (training never reads the KV cache, and building
-it costs every compiler's trace and every step alike). Cold compile = each compiled variant's
+``use_cache=False``, as ``accelrun train``'s loss does (training never reads the KV cache);
+``--use-cache`` calls it as transformers' default does, building the cache in every step (until
+2026-12-03 the bench did that, and accelrun's margin over Inductor was larger there). Cold compile = each compiled variant's
 first step with empty caches: each dtype runs in its own process (Inductor's in-process caches carry
 from one dtype's compile to the next: its bf16 cold step took 32 s first and 18 s after fp32) with
 Inductor's and accelrun's on-disk caches (the attention kernel's included) in a fresh folder, after
@@ -67,10 +68,10 @@ def build(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
     return LlamaForCausalLM(cfg).to(dtype)
 
 
-def warm_the_tracer(model: torch.nn.Module, ids: torch.Tensor) -> None:
+def warm_the_tracer(model: torch.nn.Module, ids: torch.Tensor, use_cache: bool) -> None:
     """One untimed forward and backward of a copy of ``model`` through Dynamo and AOTAutograd with no
     compiler: what tracing this code costs a process the first time counts against no variant."""
-    torch.compile(copy.deepcopy(model), backend="aot_eager")(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    torch.compile(copy.deepcopy(model), backend="aot_eager")(input_ids=ids, labels=ids, use_cache=use_cache).loss.backward()
     torch._dynamo.reset()
 
 
@@ -90,12 +91,13 @@ class Variant:
             self.fn = torch.compile(self.model, backend=backend)
         else:
             self.fn = self.model
+        self.use_cache = args.use_cache
         self.times: list[float] = []
         self.first = 0.0
 
     def step(self, ids: torch.Tensor) -> float:
         t0 = time.perf_counter()
-        loss = self.fn(input_ids=ids, labels=ids, use_cache=False).loss
+        loss = self.fn(input_ids=ids, labels=ids, use_cache=self.use_cache).loss
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -111,7 +113,7 @@ def run(args: argparse.Namespace, dname: str) -> None:
     variants = [Variant(n, model, args, cache / "accelrun" / "graphs") for n in args.variants.split(",")]
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(4)]
-    warm_the_tracer(model, batches[0])
+    warm_the_tracer(model, batches[0], args.use_cache)
     for v in variants:  # first step: capture + compile + run (no reset between: it would drop the others')
         v.first = v.step(batches[0])
     for _ in range(args.warmup):
@@ -122,7 +124,8 @@ def run(args: argparse.Namespace, dname: str) -> None:
             v.times.append(v.step(batches[r % len(batches)]))
     med = {v.name: statistics.median(v.times) for v in variants}
     print(f"\ntransformers LlamaForCausalLM {dname}: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
-          f"seq {args.seq}, {args.rounds} interleaved rounds, {torch.get_num_threads()} threads")  # fmt: skip
+          f"seq {args.seq}, use_cache={args.use_cache}, {args.rounds} interleaved rounds, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
     print(f"{'variant':10s} {'cold compile':>12s} {'vs inductor':>11s} {'median step':>12s} {'vs eager':>9s} "
           f"{'vs inductor':>12s} {'95% interval':>14s}")
     inductor = next((v for v in variants if v.name == "inductor"), None)
@@ -207,6 +210,9 @@ def main() -> None:
                          "`accelrun train` sets on a CPU (train.cpu_malloc), as bench/compile_step.py does")
     ap.add_argument("--warm-starts", type=int, default=3,
                     help="new processes timed for the warm start, each variant (0: none)")
+    ap.add_argument("--use-cache", action="store_true",
+                    help="build transformers' KV cache in each step (its default call) instead of use_cache=False "
+                         "(accelrun train's)")
     ap.add_argument("--child", choices=["eager", "accelrun"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
