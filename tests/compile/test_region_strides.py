@@ -80,3 +80,40 @@ def test_an_expanded_region_output_is_declined_not_written_contiguous():
     region = _region(fn, torch.randn(4, 8))
     with pytest.raises(Unsupported):
         lower_region(region)
+
+
+def test_an_expand_read_inside_and_outside_a_region_leaves_the_region_to_cpp(tmp_path):
+    """transformers' Llama without its KV cache: the position ids' expand over the batch is read by
+    RoPE's region and by ops outside it. Kept in the region, it was an output with a zero stride, which
+    no kernel writes, so the whole RoPE region ran unfused in ATen. The readers outside now get their
+    own copy of the view, and the region (writing what the expand views) goes to the C++ executor."""
+    from accelrun.compile.backend import AccelrunBackend
+    from accelrun.compile.options import CompileOptions
+
+    def fn(x, y, w):
+        p = (x * 2.0).unsqueeze(0).expand(4, -1)
+        return (p + y).exp() * 0.5, torch.mm(p, w)
+
+    x, y, w = torch.randn(8), torch.randn(4, 8), torch.randn(8, 3)
+    torch._dynamo.reset()
+    backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"], cache_dir=tmp_path))
+    got = torch.compile(fn, backend=backend, fullgraph=True)(x, y, w)
+    for g, e in zip(got, fn(x, y, w), strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    regions = backend.record.regions
+    assert regions and all(r.executor == "cpp" for r in regions), [(r.ops, r.declined) for r in regions]
+
+
+def test_a_cast_has_a_cost_when_a_kernel_weighs_reusing_a_stored_row():
+    """Whether a kernel reloads a value another loop stored or recomputes it goes by the value's cost.
+    A cast has no entry in the op table (the code generators write it), and weighing one raised
+    KeyError: 'cast', which declined transformers' Llama bf16 RoPE region once the expand beside it
+    no longer did."""
+    from accelrun.compile.codegen.loop_ir import _KernelBuilder
+    from accelrun.compile.codegen.values import Input, Op
+
+    x = Input(0, (4, 8), (8, 1), torch.bfloat16)
+    cast = Op("cast", (x,), (4, 8), torch.float32, "f32")
+    builder = object.__new__(_KernelBuilder)  # only its cost memo is read
+    builder.costs = {}
+    assert builder._cost(Op("sin", (cast,), (4, 8), torch.float32, "f32")) > builder._cost(cast) > builder._cost(x)

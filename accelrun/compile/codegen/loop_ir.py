@@ -831,8 +831,8 @@ class _KernelBuilder:
                 cost = 1
             elif isinstance(v, View):
                 cost = self._cost(v.src)
-            elif isinstance(v, Op):
-                cost = OPS[v.op].cost + sum(self._cost(a) for a in v.args)
+            elif isinstance(v, Op):  # a cast (no entry in OPS: the code generators write it) costs 1
+                cost = (1 if v.op == "cast" else OPS[v.op].cost) + sum(self._cost(a) for a in v.args)
             elif isinstance(v, Select):
                 cost = 2 + sum(self._cost(p) for p in v.parts)
             else:  # constants, and reductions (a finished scalar, or one load)

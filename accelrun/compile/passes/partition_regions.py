@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from accelrun.compile.codegen.loop_ir import is_dense
 from accelrun.compile.codegen.values import MAX_UNROLLED_REDUCTION, is_short_middle_reduction, lowers
 from accelrun.compile.op_kinds import ROW_SOFTMAX, node_kind
 from accelrun.compile.passes.base import PassContext, PassResult, register_pass
@@ -92,6 +93,16 @@ def _tensor_val(node: Any) -> torch.Tensor | None:
     if isinstance(val, torch.Tensor) and val.layout == torch.strided:
         return val
     return None
+
+
+def _is_dense(val: torch.Tensor | None) -> bool:
+    """Whether a kernel can write ``val`` as it is laid out; symbolic layouts count as dense (unknown)."""
+    if val is None:
+        return True
+    shape, stride = tuple(val.shape), tuple(val.stride())
+    if not all(isinstance(x, int) for x in (*shape, *stride)):
+        return True
+    return val.numel() <= 1 or is_dense(shape, stride)
 
 
 def _reduced_dims(node: fx.Node, ndim: int) -> tuple[int, ...] | None:
@@ -292,6 +303,32 @@ class _Partitioner:
                         del self.group_of[v]
                         changed = True
 
+    def copy_out_scattered_views(self) -> None:
+        """Give a view's readers outside its region a copy of the view, where the view is kept (its
+        input and some readers are inside) but its value is not dense (an expand's zero strides): as a
+        region output no kernel can write it, and the executor declined the whole region (transformers'
+        Llama without its KV cache: the position ids' expand beside RoPE ran unfused in ATen). The copy
+        is of the view's whole chain of views inside the region, so it views what the region writes (a
+        dense tensor) or the outside tensor the chain starts from, and no view of an outside tensor is
+        left read both inside and outside."""
+        for group in self.live_groups():
+            for view in list(group.nodes):
+                if node_kind(view) != "view" or self.group_of.get(view.args[0]) is not group:
+                    continue
+                outside = [u for u in view.users if self.group_of.get(u) is not group]
+                if not outside or len(outside) == len(view.users) or _is_dense(_tensor_val(view)):
+                    continue
+                chain = [view]
+                while node_kind(chain[0].args[0]) == "view" and self.group_of.get(chain[0].args[0]) is group:
+                    chain.insert(0, chain[0].args[0])
+                copy, last = chain[0].args[0], view
+                for link in chain:
+                    with self.graph.inserting_after(last):
+                        copy = self.graph.node_copy(link, lambda n, src=link.args[0], new=copy: new if n is src else n)
+                    self.index[copy], last = self.index[view], copy
+                for user in outside:
+                    user.replace_input_with(view, copy)
+
     def live_groups(self) -> list[_Group]:
         return [g for g in self.groups if not g.removed and g.nodes]
 
@@ -325,6 +362,7 @@ def partition(graph: fx.Graph, max_nodes: int = 64, min_ops: int = 2, first_id: 
     parts = _Partitioner(graph, max_nodes)
     parts.grow()
     parts.drop_boundary_views()
+    parts.copy_out_scattered_views()
     kept = [g for g in parts.live_groups() if compute_ops(g.nodes) >= min_ops]
     kept.sort(key=lambda g: min(parts.index[n] for n in g.nodes))  # ids in graph order
     regions: dict[int, list[fx.Node]] = {}
