@@ -482,6 +482,53 @@ def static_shape(node: Any) -> tuple[int, ...] | None:
     return tuple(v.shape)
 
 
+# Functions and methods a value computed from numbers alone may go through (positions, masks): each
+# gives the same result every call and reads nothing but its arguments. Random ones, uninitialised
+# memory (empty) and in-place ones are left out.
+FOLDABLE = frozenset({
+    "arange", "add", "sub", "mul", "neg", "getitem", "new_ones", "new_zeros", "ones", "zeros", "full", "ones_like",
+    "zeros_like", "unsqueeze", "expand", "view", "reshape", "le", "lt", "ge", "gt", "eq", "ne", "and_", "or_",
+    "xor", "invert", "logical_and", "logical_or", "logical_not", "to", "diff", "cumsum", "tril", "triu", "where",
+    "clone", "contiguous", "bool",
+})  # fmt: skip
+
+
+def constant_value(node: fx.Node, max_numel: int) -> torch.Tensor | None:
+    """The value of ``node`` when the graph computes it from numbers alone (an arange, comparisons,
+    indexing: transformers' causal mask under torch.compile), evaluated now; None when it reads an
+    input, a parameter or anything outside ``FOLDABLE``, when a value has more than ``max_numel``
+    elements, or when evaluating fails."""
+    order: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+    stack: list[tuple[fx.Node, bool]] = [(node, False)]
+    while stack:
+        n, inputs_done = stack.pop()
+        if inputs_done:
+            order.append(n)
+            continue
+        if n in seen:
+            continue
+        seen.add(n)
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", None)
+        if n.op not in ("call_function", "call_method") or name not in FOLDABLE:
+            return None
+        stack.append((n, True))
+        stack.extend((i, False) for i in n.all_input_nodes)
+    env: dict[fx.Node, Any] = {}
+    try:
+        for n in order:
+            args = fx.node.map_arg(n.args, env.__getitem__)
+            kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
+            out = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.numel() > max_numel:
+                return None
+            env[n] = out
+    except Exception:  # noqa: BLE001 (a symbolic size, a device not here: not a constant after all)
+        return None
+    value = env[node]
+    return value if isinstance(value, torch.Tensor) else None
+
+
 def replace_match(gm: fx.GraphModule, match: Match, new: fx.Node) -> None:
     """Route the anchor's users to ``new`` (inserted before the anchor) and delete the matched nodes."""
     graph = gm.graph

@@ -232,3 +232,66 @@ def test_the_kernel_build_starts_before_tracing_for_the_dtype_attention_will_run
     AccelrunBackend(CompileOptions(passes=[p for p in resolve_passes("default")
                                            if p.name != "cpu_attention"])).before_tracing(block)  # fmt: skip
     assert started == [torch.float32]
+
+
+def sdpa_built_causal_mask(q, k, v):
+    """A causal mask built from aranges, as transformers builds one under torch.compile."""
+    pos = torch.arange(q.shape[-2])
+    mask = (pos[None, :] <= pos[:, None])[None, None].expand(q.shape[0], 1, -1, -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def sdpa_built_window_mask(q, k, v):
+    pos = torch.arange(q.shape[-2])
+    mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 4)  # sliding window: not causal
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
+
+
+def sdpa_input_mask(q, k, v, m):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+
+def test_a_causal_mask_computed_from_numbers_is_the_kernels_causal_flag():
+    """The mask is evaluated at compile time; only the causal one is taken (and dropped), at SDPA's
+    results. A window mask, or a causal mask given as an input (its values unknown), stays with ATen."""
+    q, k, v = randn(2, 4, 16, 32, seed=0), randn(2, 4, 16, 32, seed=1), randn(2, 4, 16, 32, seed=2)
+    backend = run_both(sdpa_built_causal_mask, [q, k, v], ["cpu_attention"], aot=True,
+                       tol={"rtol": 1e-5, "atol": 1e-5})  # fmt: skip
+    assert backend.counts == {"cpu_attention": 1}
+    assert backend.node(kernel.attention).args[4] is True  # is_causal
+    assert F.scaled_dot_product_attention not in backend.targets()
+    causal_input = torch.ones(16, 16, dtype=torch.bool).tril()[None, None]
+    for fn, inputs in [(sdpa_built_window_mask, [q, k, v]), (sdpa_input_mask, [q, k, v, causal_input])]:
+        backend = Fused(["cpu_attention"])
+        torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
+        assert backend.counts == {"cpu_attention": 0}, fn.__name__
+        assert F.scaled_dot_product_attention in backend.targets()
+
+
+def test_transformers_llama_runs_the_kernel_with_eager_gradients(tmp_path):
+    """transformers' Llama under torch.compile builds its causal mask from aranges and passes it to
+    SDPA (in eager it passes none and is_causal=True); each layer's attention now runs the kernel, at
+    eager's loss and gradients."""
+    transformers = pytest.importorskip("transformers")
+    from accelrun.compile.backend import AccelrunBackend
+    from accelrun.compile.options import CompileOptions
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    reference = transformers.LlamaForCausalLM(config)
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"], cache_dir=tmp_path))
+    loss = torch.compile(model, backend=backend)(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    expected = reference(input_ids=ids, labels=ids, use_cache=False).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5 * q.grad.abs().max().item(), msg=name)
+    summaries = [r.summary for r in backend.record.passes if r.name == "cpu_attention"]
+    assert summaries and all(s.startswith("2 attention calls") for s in summaries), summaries

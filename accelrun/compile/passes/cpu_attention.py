@@ -1,6 +1,7 @@
 """cpu_attention: ``F.scaled_dot_product_attention`` on the CPU -> accelrun's C++ attention kernel.
 
-Takes calls with no mask tensor (causal or full), no dropout, fp32 or bf16 inputs, equal query and key
+Takes calls with no mask tensor (causal or full), or with a boolean causal mask the graph computes from
+numbers alone (``is_causal_mask``: transformers' under torch.compile), no dropout, fp32 or bf16 inputs, equal query and key
 lengths and a head_dim the kernel handles (``fused.attention.supports``); any other call keeps ATen's.
 Keys and values repeated to the query heads' count (``x.repeat_interleave(group, dim=1)``, how
 grouped-query attention is usually written) are taken before the repeat: the kernel reads each
@@ -17,7 +18,7 @@ from torch import fx, nn
 
 from accelrun.compile.fused import attention as kernel
 from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
-from accelrun.compile.pattern import erase_dead, example_value, static_shape
+from accelrun.compile.pattern import constant_value, erase_dead, example_value, static_shape
 
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
@@ -48,11 +49,36 @@ def unrepeated_heads(node: fx.Node, heads: int) -> fx.Node | None:
     return source if repeats == heads // shape[1] else None
 
 
+# Largest mask (elements) evaluated at compile time to see whether it is the causal one: 64 MiB of bools.
+MAX_FOLDED_MASK = 1 << 26
+
+
+def is_causal_mask(mask: fx.Node, seq: int) -> bool:
+    """Whether ``mask`` is a boolean causal mask over ``seq`` queries and keys that the graph computes
+    from numbers alone. transformers builds one from aranges when compiled, where it passes no mask and
+    ``is_causal=True`` in eager; the kernel does not take masks, so the call had stayed with ATen."""
+    value = constant_value(mask, MAX_FOLDED_MASK)
+    if value is None or value.dtype != torch.bool or value.dim() != 4 or tuple(value.shape[-2:]) != (seq, seq):
+        return False
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    return bool(torch.equal(value, causal.expand(value.shape)))
+
+
 def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | None:
     """The dtype of the attention call now given to the kernel, or None when it stays with ATen."""
     args = sdpa_arguments(node)
-    if args is None or args["attn_mask"] is not None or args["dropout_p"] != 0.0:
+    if args is None or args["dropout_p"] != 0.0:
         return None
+    mask = args["attn_mask"]
+    if mask is not None:
+        shape = static_shape(args["query"])
+        if args["is_causal"] is not False or not isinstance(mask, fx.Node) or shape is None:
+            return None
+        if static_shape(args["key"]) is None or static_shape(args["key"])[-2] != shape[-2]:
+            return None
+        if not is_causal_mask(mask, shape[-2]):
+            return None
+        args["is_causal"] = True  # the mask said no more than that
     q, k, v = args["query"], args["key"], args["value"]
     shapes = [static_shape(t) for t in (q, k, v)]
     if any(s is None for s in shapes) or not isinstance(args["is_causal"], bool):
@@ -75,7 +101,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | None:
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
-    erase_dead(gm.graph, [n for n in (args["key"], args["value"]) if isinstance(n, fx.Node)])
+    erase_dead(gm.graph, [n for n in (args["key"], args["value"], mask) if isinstance(n, fx.Node)])
     return values[0].dtype
 
 
