@@ -498,25 +498,20 @@ def constant_value(node: fx.Node, max_numel: int) -> torch.Tensor | None:
     indexing: transformers' causal mask under torch.compile), evaluated now; None when it reads an
     input, a parameter or anything outside ``FOLDABLE``, when a value has more than ``max_numel``
     elements, or when evaluating fails."""
-    order: list[fx.Node] = []
-    seen: set[fx.Node] = set()
-    stack: list[tuple[fx.Node, bool]] = [(node, False)]
+    needed: set[fx.Node] = set()
+    stack = [node]
     while stack:
-        n, inputs_done = stack.pop()
-        if inputs_done:
-            order.append(n)
+        n = stack.pop()
+        if n in needed:
             continue
-        if n in seen:
-            continue
-        seen.add(n)
         name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", None)
         if n.op not in ("call_function", "call_method") or name not in FOLDABLE:
             return None
-        stack.append((n, True))
-        stack.extend((i, False) for i in n.all_input_nodes)
+        needed.add(n)
+        stack.extend(n.all_input_nodes)
     env: dict[fx.Node, Any] = {}
     try:
-        for n in order:
+        for n in (n for n in node.graph.nodes if n in needed):  # a graph's nodes are in a topological order
             args = fx.node.map_arg(n.args, env.__getitem__)
             kwargs = fx.node.map_arg(n.kwargs, env.__getitem__)
             out = getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)

@@ -179,6 +179,12 @@ def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
+def writes_as_laid_out(meta: torch.Tensor) -> bool:
+    """Whether a kernel can write a tensor laid out as ``meta``: dense, or at most one element (the rule
+    of ``output_strides``; the region partitioner keeps non-dense views from becoming outputs by it)."""
+    return meta.numel() <= 1 or is_dense(tuple(meta.shape), tuple(meta.stride()))
+
+
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     out, step = [], 1
     for s in reversed(shape):
@@ -218,7 +224,7 @@ def output_strides(meta: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
     stride = tuple(int(s) for s in meta.stride())
     if meta.numel() <= 1 or stride == contiguous_strides(shape):
         return contiguous_strides(shape)
-    if not is_dense(shape, stride):
+    if not writes_as_laid_out(meta):
         raise Unsupported(f"output {list(shape)} with strides {list(stride)} is not dense (a view "
                           "of a larger tensor, or an expand); kernels write dense outputs")
     return stride

@@ -69,20 +69,17 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | None:
     args = sdpa_arguments(node)
     if args is None or args["dropout_p"] != 0.0:
         return None
-    mask = args["attn_mask"]
-    if mask is not None:
-        shape = static_shape(args["query"])
-        if args["is_causal"] is not False or not isinstance(mask, fx.Node) or shape is None:
-            return None
-        if static_shape(args["key"]) is None or static_shape(args["key"])[-2] != shape[-2]:
-            return None
-        if not is_causal_mask(mask, shape[-2]):
-            return None
-        args["is_causal"] = True  # the mask said no more than that
     q, k, v = args["query"], args["key"], args["value"]
     shapes = [static_shape(t) for t in (q, k, v)]
     if any(s is None for s in shapes) or not isinstance(args["is_causal"], bool):
         return None
+    mask = args["attn_mask"]
+    if mask is not None:
+        if args["is_causal"] or not isinstance(mask, fx.Node) or shapes[0][-2] != shapes[1][-2]:
+            return None
+        if not is_causal_mask(mask, shapes[0][-2]):
+            return None
+        args["is_causal"] = True  # the mask said no more than that
     if not isinstance(args["scale"], (float, int, type(None))):
         return None
     values = [example_value(t) for t in (q, k, v)]

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from accelrun.compile.codegen.loop_ir import is_dense
+from accelrun.compile.codegen.loop_ir import writes_as_laid_out
 from accelrun.compile.codegen.values import MAX_UNROLLED_REDUCTION, is_short_middle_reduction, lowers
 from accelrun.compile.op_kinds import ROW_SOFTMAX, node_kind
 from accelrun.compile.passes.base import PassContext, PassResult, register_pass
@@ -95,14 +95,11 @@ def _tensor_val(node: Any) -> torch.Tensor | None:
     return None
 
 
-def _is_dense(val: torch.Tensor | None) -> bool:
-    """Whether a kernel can write ``val`` as it is laid out; symbolic layouts count as dense (unknown)."""
-    if val is None:
+def _writable(val: torch.Tensor | None) -> bool:
+    """Whether a kernel can write ``val`` as it is laid out; unknown and symbolic layouts count as yes."""
+    if val is None or not all(isinstance(x, int) for x in (*val.shape, *val.stride())):
         return True
-    shape, stride = tuple(val.shape), tuple(val.stride())
-    if not all(isinstance(x, int) for x in (*shape, *stride)):
-        return True
-    return val.numel() <= 1 or is_dense(shape, stride)
+    return writes_as_laid_out(val)
 
 
 def _reduced_dims(node: fx.Node, ndim: int) -> tuple[int, ...] | None:
@@ -316,7 +313,7 @@ class _Partitioner:
                 if node_kind(view) != "view" or self.group_of.get(view.args[0]) is not group:
                     continue
                 outside = [u for u in view.users if self.group_of.get(u) is not group]
-                if not outside or len(outside) == len(view.users) or _is_dense(_tensor_val(view)):
+                if not outside or len(outside) == len(view.users) or _writable(_tensor_val(view)):
                     continue
                 chain = [view]
                 while node_kind(chain[0].args[0]) == "view" and self.group_of.get(chain[0].args[0]) is group:
