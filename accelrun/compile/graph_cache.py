@@ -23,6 +23,7 @@ import functools
 import hashlib
 import inspect
 import os
+import re
 import tempfile
 import time
 import types
@@ -103,9 +104,28 @@ def _wrapped_code(cls: type) -> tuple[frozenset[str], tuple[str, ...]]:
                     continue
                 seen.add(id(fn))
                 files.add(fn.__code__.co_filename)
-                constants += [f"{fn.__qualname__}:{v!r}" for v in _closure_values(fn) if isinstance(v, _PLAIN)
+                values = _closure_values(fn)
+                constants += [f"{fn.__qualname__}:{v!r}" for v in values if isinstance(v, _PLAIN)
                               or (isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v))]  # fmt: skip
+                for v in values:
+                    for item in v if isinstance(v, (tuple, list)) else (v,):
+                        files |= _local_type_files(type(item))
     return frozenset(f for f in files if os.path.isfile(f)), tuple(constants)
+
+
+def is_local_type(cls: type) -> bool:
+    """A class made inside a function (or nested in one): Dynamo's rule for a type match it cannot save."""
+    return cls.__qualname__ != cls.__name__
+
+
+def _local_type_files(cls: type) -> set[str]:
+    """Files of a locally made class's own methods (the `kernels` package's ``Func`` wrapper, which
+    transformers' attention holds in a decorator's closure): the saved guards do not match its type
+    (``saveable_guards``), so its code counts in the key instead."""
+    if not is_local_type(cls):
+        return set()
+    return {m.__code__.co_filename for klass in cls.__mro__ if klass.__module__.split(".")[0] not in ("builtins", "torch")
+            for m in vars(klass).values() if isinstance(m, types.FunctionType)}  # fmt: skip
 
 
 def wrapped_functions(func: Any) -> dict[str, types.FunctionType]:
@@ -140,14 +160,20 @@ def saveable_guards(entries: Sequence[Any], closure_names: frozenset[str] = froz
     """Which of Dynamo's guards a graph-cache entry keeps (``torch.compile``'s ``guard_filter_fn``).
 
     What torch's precompile keeps by default (no guards on globals, none of a kind it cannot save),
-    less two kinds that stand for the model's code, which the entry's key covers instead
+    less three kinds that stand for the model's code, which the entry's key covers instead
     (``model_code_digest`` takes the files of decorated functions):
 
     - the identity of a code object: transformers' decorators read ``func.__code__.co_varnames``,
       and Dynamo guards that code object by identity, which precompile refuses to save;
     - values reached through the compiled method's own closure (``closure_names``: a decorator's
       settings and the function it wraps): precompile saves a function there as missing, and the
-      loading process failed to rebuild the guards on it.
+      loading process failed to rebuild the guards on it;
+    - an object whose class was made inside a function, and everything reached through it:
+      precompile refuses to save a type match on it, and the loading process rebuilds the guards on a
+      copy of the inputs where such an object comes back as a bare ``nn.Module`` (its methods gone).
+      transformers 5.25 with the `kernels` package (one of its requirements) wraps
+      ``apply_rotary_pos_emb`` in such a class, and every new process traced the model again (3.2 s
+      against eager's 0.13 s first step). ``_local_type_files`` puts the class's code in the key.
 
     Without them transformers' Llama compiled whole was never cached, and each new process traced it
     again (3.7 s against eager's 0.23 s first step)."""
@@ -158,7 +184,12 @@ def saveable_guards(entries: Sequence[Any], closure_names: frozenset[str] = froz
     def in_closure(name: str) -> bool:
         return any(name == c or name.startswith((c + ".", c + "[")) for c in closure_names)
 
-    return [not (g.is_global or g.guard_type in unsaveable or in_closure(g.name)
+    local_objects = {g.name for g in entries if is_local_type(type(g.value))}
+
+    def through_local_object(name: str) -> bool:  # the object itself, its attributes, or type(object)
+        return any(re.search(re.escape(o) + r"($|[.\[)])", name) for o in local_objects)
+
+    return [not (g.is_global or g.guard_type in unsaveable or in_closure(g.name) or through_local_object(g.name)
                  or (isinstance(g.value, types.CodeType) and "ID_MATCH" in g.derived_guard_types))
             for g in entries]  # fmt: skip
 

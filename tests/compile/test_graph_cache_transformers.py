@@ -17,6 +17,7 @@ import types
 import pytest
 import torch
 
+from accelrun.compile import graph_cache
 from accelrun.compile.graph_cache import saveable_guards, wrapped_functions
 from accelrun.compile.output_code import pack_graph, unpack_graph
 from tests.conftest import REPO
@@ -96,6 +97,33 @@ def test_saveable_guards_drop_code_identity_and_the_methods_closure_and_keep_the
     ]  # fmt: skip
     assert saveable_guards(entries, frozenset({"func"})) == [True, True, False, False, False, True, False, False,
                                                              True]  # fmt: skip
+
+
+def _made_in_a_function():
+    class Func(torch.nn.Module):  # as the `kernels` package wraps a function transformers decorates
+        def forward(self, x):
+            return x
+
+    return Func()
+
+
+def test_saveable_guards_drop_an_object_of_a_local_class_and_what_is_reached_through_it():
+    """transformers 5.25 with `kernels` installed: precompile refused the type match on such an object,
+    and the loading process rebuilt the guards through it on a bare nn.Module (its closure gone)."""
+    func = _made_in_a_function()
+    attn = "self.layers[0].attn"
+    entries = [
+        _entry(f"{attn}._kernel_funcs['rope']", func, "TYPE_MATCH", ("TYPE_MATCH",)),
+        _entry(f"{attn}._kernel_funcs['rope']._forward_hooks", {}, "EMPTY_NN_MODULE_HOOKS_DICT"),
+        _entry(f"dict(type({attn}._kernel_funcs['rope']).__dict__)['forward'].__closure__[0].cell_contents"
+               ".__defaults__", (1,), "SEQUENCE_LENGTH", ("TYPE_MATCH", "SEQUENCE_LENGTH")),
+        _entry(f"{attn}._kernel_funcs['rope_other']", 1, "CONSTANT_MATCH"),   # kept: another name
+        _entry(f"{attn}.scaling", 0.125, "CONSTANT_MATCH"),                     # kept
+    ]  # fmt: skip
+    assert saveable_guards(entries) == [False, False, False, True, True]
+    # The key takes the local class's code instead: this file, where its forward is written.
+    assert graph_cache._local_type_files(type(func)) == {__file__}
+    assert graph_cache._local_type_files(torch.nn.Linear) == set()
 
 
 def test_wrapped_functions_are_found_by_place_in_the_closures():
