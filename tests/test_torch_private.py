@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import os
 import platform
+import sys
 
 import pytest
 import sympy
@@ -16,7 +17,7 @@ import accelrun.torch_private as tp
 
 EAGER = ("reinterpret_tensor", "empty_strided_cpu", "TensorGuards")
 FUNCTIONS = ("cuda_current_raw_stream", "triton_direct_launch", "cpu_has_half_gemm", "onednn_linear",
-             "import_module_globals")
+             "import_module_globals", "files_traced_by_precompile")
 
 
 def _params(fn) -> list[str]:
@@ -239,6 +240,30 @@ def test_import_module_globals():
     assert isinstance(loaded.fn, types.FunctionType) and loaded.fn.__globals__["___module_collections_1_c0"] is collections
     torch.testing.assert_close(loaded.fn(torch.ones(2)), torch.full((2,), 2.0))
     torch._dynamo.reset()
+
+
+def test_SourceInfo():
+    assert callable(tp.SourceInfo.add_code) and _params(tp.SourceInfo.add_code) == ["self", "code"]
+
+
+def test_files_traced_by_precompile(tmp_path, monkeypatch):
+    """Every traced function's file, the one a helper lives in included; torch's own record left empty."""
+    (tmp_path / "traced_helper.py").write_text("import torch\ndef act(x):\n    return torch.relu(x) * 2\n")
+    (tmp_path / "traced_model.py").write_text("from traced_helper import act\ndef f(x):\n    return act(x) + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import traced_model
+
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(enable_aot_compile=True), tp.files_traced_by_precompile() as files:
+            entry = torch.compile(traced_model.f, backend="eager", fullgraph=True).aot_compile(((torch.ones(2),), {}))
+    finally:
+        torch._dynamo.reset()
+        for name in ("traced_model", "traced_helper"):
+            sys.modules.pop(name, None)
+    assert {str(tmp_path / "traced_helper.py"), str(tmp_path / "traced_model.py")} <= files
+    assert not entry._artifacts.source_info.inlined_sources
+    assert tp.SourceInfo.add_code.__name__ == "add_code"  # torch's own again after the block
 
 
 def test_dynamo_counters():

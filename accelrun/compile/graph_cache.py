@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import json
 import os
 import re
 import tempfile
@@ -30,6 +31,7 @@ import types
 import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +113,41 @@ def _wrapped_code(cls: type) -> tuple[frozenset[str], tuple[str, ...]]:
                     for item in v if isinstance(v, (tuple, list)) else (v,):
                         files |= _local_type_files(type(item))
     return frozenset(f for f in files if os.path.isfile(f)), tuple(constants)
+
+
+@dataclass(frozen=True)
+class SourceDigests:
+    """sha256 of each file Dynamo traced for one entry (``files_traced_by_precompile``), saved beside it
+    (``<entry>.sources``) and checked before it loads.
+
+    The key covers the model's classes and the functions their methods wrap (``model_code_digest``),
+    but not a helper a forward calls from another file: edited, its old graph loaded and trained on
+    (``x * 2`` edited to ``x * 3`` gave ``x * 2``'s result). torch's files are left out (its version
+    is in the key) and so are accelrun's (its sources are)."""
+
+    digests: dict[str, str]
+
+    @classmethod
+    def of(cls, files: set[str]) -> SourceDigests:
+        skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(accelrun.__file__) + os.sep)
+        return cls({f: _file_digest(f) for f in sorted(files) if not f.startswith(skip) and os.path.isfile(f)})
+
+    @classmethod
+    def read(cls, path: Path) -> SourceDigests:
+        try:
+            return cls(dict(json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError) as e:
+            raise RuntimeError(f"no record of the files it was traced from ({type(e).__name__})") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.digests, indent=0)
+
+    def changed(self) -> str | None:
+        """The first file that is gone or differs from when the entry was compiled, or None."""
+        for path, digest in self.digests.items():
+            if not os.path.isfile(path) or _file_digest(path) != digest:
+                return path
+        return None
 
 
 def is_local_type(cls: type) -> bool:
@@ -258,6 +295,7 @@ class CachedMethod:
         self.cache, self.func = cache, func
         self.entries: list[Any] = []  # AOTCompiledFunction, tried in order
         self.fallback: Any = None  # torch.compile of func, once precompiling failed
+        self.traced_files: dict[int, set[str]] = {}  # id(entry) -> the files Dynamo traced, until it is saved
 
     def bind(self, owner: nn.Module) -> Any:
         return functools.partial(self, owner)
@@ -319,6 +357,8 @@ class CachedMethod:
         loading = CompileRecord(cuda_graphs=record.cuda_graphs)
         t0 = time.perf_counter()
         try:
+            if changed := SourceDigests.read(path.with_suffix(".sources")).changed():
+                raise RuntimeError(f"{changed} changed since it was compiled")
             with recording_loads_into(loading):
                 entry = AOTCompiledFunction.deserialize(path.read_bytes(), self.func.__globals__,
                                                         external_closure_data=wrapped_functions(self.func))
@@ -333,7 +373,7 @@ class CachedMethod:
         return entry
 
     def _compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
-        from accelrun.torch_private import temporary_cache_dir
+        from accelrun.torch_private import files_traced_by_precompile, temporary_cache_dir
 
         backend = self.cache.backend
         try:  # a head start only: its failure must not mark the method as refused
@@ -358,9 +398,11 @@ class CachedMethod:
             stages = backend.record.stage_seconds
             timed_before, t0 = sum(stages.values()), time.perf_counter()
             try:
-                entry = compiled.aot_compile((args, kwargs))
+                with files_traced_by_precompile() as traced:
+                    entry = compiled.aot_compile((args, kwargs))
             finally:
                 backend.serializable = False
+            self.traced_files[id(entry)] = traced
             # The rest of the precompile's wall time is Dynamo's (tracing the bytecode, writing guards):
             # timed here, a compile time need not be guessed from the first step.
             stages["dynamo trace"] += max(time.perf_counter() - t0 - (sum(stages.values()) - timed_before), 0.0)
@@ -370,6 +412,9 @@ class CachedMethod:
     def _save(self, entry: Any, path: Path) -> None:
         try:
             import_module_globals(entry)
+            # The sources first: an entry without them is never loaded.
+            sources = SourceDigests.of(self.traced_files.pop(id(entry)))
+            self._write(path.with_suffix(".sources"), sources.to_json().encode())
             self._write(path, type(entry).serialize(entry, external_data=wrapped_functions(self.func)).serialized_data)
             self.cache.stats["saved"] += 1
         except Exception as e:  # kept in memory for this process; the next one compiles again

@@ -135,6 +135,54 @@ def test_model_code_is_part_of_the_key(tmp_path, monkeypatch):
     assert model_code_digest(block, type(block).forward) != before
 
 
+# A user's model whose forward calls a helper from another file of theirs, run in a new process each time.
+USER_MODEL = {
+    "userpkg/__init__.py": "",
+    "userpkg/helpers.py": "import torch\n\ndef act(x):\n    return torch.relu(x) * 2\n",
+    "userpkg/model.py": ("from torch import nn\nfrom userpkg.helpers import act\n\nclass Net(nn.Module):\n"
+                         "    def __init__(self):\n        super().__init__()\n        self.lin = nn.Linear(8, 8)\n\n"
+                         "    def forward(self, x):\n        return act(self.lin(x)).sum()\n"),
+}  # fmt: skip
+USER_RUN = """
+import json, sys, torch
+from userpkg.model import Net
+from accelrun.compile.compile_model import compile_model
+from accelrun.config.schema import CompileConfig
+torch.manual_seed(0)
+model, reference = Net(), Net()
+reference.load_state_dict(model.state_dict())
+compiled = compile_model(model, None, CompileConfig(backend="accelrun", scope="model", executors=["cpp", "aten"]))
+x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+print(json.dumps({"out": model(x).item(), "eager": reference(x).item(), "cache": compiled.record.graph_cache}))
+"""
+
+
+def test_an_edited_helper_in_another_file_is_compiled_again(tmp_path):
+    """The key covers the model's classes, not a helper its forward calls from another file: edited,
+    its old graph loaded, and the model computed the old helper's result."""
+    for name, text in USER_MODEL.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    env = {**os.environ, "ACCELRUN_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}  # fmt: skip
+
+    def run() -> dict:
+        done = subprocess.run([sys.executable, "-c", USER_RUN], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["cache"]["saved"] == 1 and second["cache"]["loaded"] == 1, (first, second)
+    (tmp_path / "userpkg/helpers.py").write_text(USER_MODEL["userpkg/helpers.py"].replace("* 2", "* 3"))
+    edited = run()
+    assert edited["cache"]["loaded"] == 0 and edited["cache"]["compiled"] == 1, edited["cache"]
+    assert "helpers.py changed since it was compiled" in edited["cache"]["errors"][0]
+    for result in (first, second, edited):
+        assert result["out"] == pytest.approx(result["eager"], rel=1e-5)
+    assert edited["out"] == pytest.approx(first["out"] * 1.5, rel=1e-5)
+
+
 def test_a_new_process_trains_from_the_loaded_graphs(tmp_path):
     """Two `accelrun train` processes sharing a cache: the second compiles nothing and computes the
     same losses as the first."""
