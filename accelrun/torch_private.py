@@ -83,6 +83,8 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     # it is made: a graph loaded from the graph cache is copied for fast_calls and rewritten after its
     # recorded calls, and each eager codegen of it cost ~10 ms of a new process's first step.
     "LazyGraphModule": ("torch.fx._lazy_graph_module", "_LazyGraphModule"),
+    # Inside it, the GraphModules torch makes (AOTAutograd's forward and backward) are LazyGraphModules.
+    "use_lazy_graph_module": ("torch.fx._lazy_graph_module", "_use_lazy_graph_module"),
     # fx graphs saved with the graph cache.
     "GraphPickler": ("torch.fx._graph_pickler", "GraphPickler"),
     "GraphPicklerOptions": ("torch.fx._graph_pickler", "Options"),

@@ -332,6 +332,16 @@ def test_LazyGraphModule():
     assert torch.equal(gm(torch.tensor([2.0])), torch.tensor([4.0])) and not type(gm)._needs_recompile()
 
 
+def test_use_lazy_graph_module():
+    from torch.fx._lazy_graph_module import _make_graph_module
+
+    graph = torch.fx.Graph()
+    graph.output(graph.placeholder("x"))
+    with tp.use_lazy_graph_module(True):
+        gm = _make_graph_module(torch.nn.Module(), graph)
+    assert isinstance(gm, tp.LazyGraphModule)
+
+
 def test_GraphPickler():
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 

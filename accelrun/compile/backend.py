@@ -27,7 +27,13 @@ from accelrun.compile.passes.base import GraphNotes
 from accelrun.compile.pipeline import PassDriver, count_ops, graph_snapshot  # noqa: F401  (graph_snapshot re-exported)
 from accelrun.compile.record import CompileRecord, GraphRecord
 from accelrun.compile.regions import REGION_KEY
-from accelrun.torch_private import aot_module_simplified, default_partition, functorch_config, make_boxed_func
+from accelrun.torch_private import (
+    aot_module_simplified,
+    default_partition,
+    functorch_config,
+    make_boxed_func,
+    use_lazy_graph_module,
+)
 
 
 def decompositions() -> dict:
@@ -106,7 +112,9 @@ class AccelrunBackend:
         # after the forward (transformers' Llama, a cold first step: 0.5 s the backward waited on g++).
         # torch's precompile path (the graph cache) sets the same. So a backward that cannot compile fails
         # at the forward's compile, and a graph whose backward never runs is lowered all the same.
-        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        # AOTAutograd's graphs are made lazy: the partition and post_grad passes each rewrite them and
+        # call recompile(), which then only marks them; their code is written once, after each stage.
+        with functorch_config.patch(force_non_lazy_backward_lowering=True), use_lazy_graph_module(True):
             compiled = aot_module_simplified(
                 gm, example_inputs,
                 fw_compiler=self._graph_compiler(name, "forward", notes),
