@@ -26,7 +26,9 @@ F.linear / F.silu, matched by the pattern tables), operators under ``torch.ops``
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -168,22 +170,38 @@ def import_module_globals(entry: Any) -> list[str]:
     return list(found)
 
 
+_traced_files: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("accelrun_traced_files", default=None)
+_add_code_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def files_traced_by_precompile() -> Iterator[set[str]]:
     """The source files of every function Dynamo traces for ``aot_compile`` inside this block.
 
     Torch's precompile keeps, for each traced function, its lines and its module's whole source in the
     saved entry (``SourceInfo.add_code``, which tokenizes each function: 0.25 s of transformers' Llama's
-    cold compile on a 2-core CPU), and ``AOTCompiledFunction`` never reads them back. Here only the
-    file names are kept: the graph cache checks those files when it loads an entry."""
-    files: set[str] = set()
+    cold compile on a 2-core CPU), and ``AOTCompiledFunction`` never reads them back. Inside this block
+    only the file names are kept (the graph cache checks those files when it loads an entry); outside
+    it, and in other threads, torch's own ``add_code`` runs as before."""
     source_info = __getattr__("SourceInfo")
-    original = source_info.add_code
-    source_info.add_code = lambda self, code: files.add(code.co_filename)
+    with _add_code_lock:  # installed once: a wrapper that reads this context's collector
+        if not getattr(source_info.add_code, "_accelrun_collects", False):
+            original = source_info.add_code
+
+            def add_code(self: Any, code: Any) -> None:
+                files = _traced_files.get()
+                if files is None:
+                    return original(self, code)
+                files.add(code.co_filename)
+
+            add_code._accelrun_collects = True  # type: ignore[attr-defined]
+            source_info.add_code = add_code
+    files: set[str] = set()
+    token = _traced_files.set(files)
     try:
         yield files
     finally:
-        source_info.add_code = original
+        _traced_files.reset(token)
 
 
 def triton_direct_launch(kernel: Any) -> tuple[Any, Any, Any] | None:

@@ -247,7 +247,8 @@ def test_SourceInfo():
 
 
 def test_files_traced_by_precompile(tmp_path, monkeypatch):
-    """Every traced function's file, the one a helper lives in included; torch's own record left empty."""
+    """Every traced function's file, the one a helper lives in included; torch's own record left empty
+    inside the block, and kept again outside it (after one that raised too)."""
     (tmp_path / "traced_helper.py").write_text("import torch\ndef act(x):\n    return torch.relu(x) * 2\n")
     (tmp_path / "traced_model.py").write_text("from traced_helper import act\ndef f(x):\n    return act(x) + 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -257,13 +258,17 @@ def test_files_traced_by_precompile(tmp_path, monkeypatch):
     try:
         with torch._dynamo.config.patch(enable_aot_compile=True), tp.files_traced_by_precompile() as files:
             entry = torch.compile(traced_model.f, backend="eager", fullgraph=True).aot_compile(((torch.ones(2),), {}))
+        with pytest.raises(RuntimeError), tp.files_traced_by_precompile():
+            raise RuntimeError("a failed precompile")
+        outside = tp.SourceInfo(inlined_sources=set())
+        outside.add_code(traced_model.f.__code__)
     finally:
         torch._dynamo.reset()
         for name in ("traced_model", "traced_helper"):
             sys.modules.pop(name, None)
     assert {str(tmp_path / "traced_helper.py"), str(tmp_path / "traced_model.py")} <= files
     assert not entry._artifacts.source_info.inlined_sources
-    assert tp.SourceInfo.add_code.__name__ == "add_code"  # torch's own again after the block
+    assert [s.module for s in outside.inlined_sources] == ["traced_model"]
 
 
 def test_dynamo_counters():

@@ -24,7 +24,6 @@ import hashlib
 import inspect
 import json
 import os
-import re
 import tempfile
 import time
 import types
@@ -115,32 +114,44 @@ def _wrapped_code(cls: type) -> tuple[frozenset[str], tuple[str, ...]]:
     return frozenset(f for f in files if os.path.isfile(f)), tuple(constants)
 
 
+_IMPORTED_AT = time.time()  # a traced file changed after this may differ from the code this process traced
+
+
 @dataclass(frozen=True)
 class SourceDigests:
-    """sha256 of each file Dynamo traced for one entry (``files_traced_by_precompile``), saved beside it
-    (``<entry>.sources``) and checked before it loads.
+    """sha256 of each file Dynamo traced for one entry (``files_traced_by_precompile``), written in the
+    entry's file ahead of it (one file, replaced whole: the digests never belong to another entry) and
+    checked before it loads.
 
     The key covers the model's classes and the functions their methods wrap (``model_code_digest``),
     but not a helper a forward calls from another file: edited, its old graph loaded and trained on
     (``x * 2`` edited to ``x * 3`` gave ``x * 2``'s result). torch's files are left out (its version
-    is in the key) and so are accelrun's (its sources are)."""
+    is in the key) and so are accelrun's (its sources are); so is code with no file (a dataclass's
+    generated ``__init__``, ``exec``), which follows from code that has one."""
 
     digests: dict[str, str]
+
+    MAGIC = b"accelrun-sources "  # the entry file's first line: this, the digests as JSON, a newline
 
     @classmethod
     def of(cls, files: set[str]) -> SourceDigests:
         skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(accelrun.__file__) + os.sep)
-        return cls({f: _file_digest(f) for f in sorted(files) if not f.startswith(skip) and os.path.isfile(f)})
+        paths = sorted({os.path.abspath(f) for f in files if os.path.isfile(f)} - {""})
+        paths = [f for f in paths if not f.startswith(skip)]
+        if edited := [f for f in paths if os.stat(f).st_mtime > _IMPORTED_AT]:
+            raise RuntimeError(f"{edited[0]} changed while this process ran (its traced code may be older)")
+        return cls({f: _file_digest(f) for f in paths})
+
+    def with_entry(self, data: bytes) -> bytes:
+        return self.MAGIC + json.dumps(self.digests).encode() + b"\n" + data
 
     @classmethod
-    def read(cls, path: Path) -> SourceDigests:
-        try:
-            return cls(dict(json.loads(path.read_text())))
-        except (OSError, ValueError, TypeError) as e:
-            raise RuntimeError(f"no record of the files it was traced from ({type(e).__name__})") from None
-
-    def to_json(self) -> str:
-        return json.dumps(self.digests, indent=0)
+    def split(cls, data: bytes) -> tuple[SourceDigests, bytes]:
+        """(the digests, the entry's bytes) of an entry file."""
+        header, _, entry = data.partition(b"\n")
+        if not header.startswith(cls.MAGIC):
+            raise RuntimeError("no record of the files it was traced from")
+        return cls(dict(json.loads(header[len(cls.MAGIC):]))), entry
 
     def changed(self) -> str | None:
         """The first file that is gone or differs from when the entry was compiled, or None."""
@@ -205,12 +216,15 @@ def saveable_guards(entries: Sequence[Any], closure_names: frozenset[str] = froz
     - values reached through the compiled method's own closure (``closure_names``: a decorator's
       settings and the function it wraps): precompile saves a function there as missing, and the
       loading process failed to rebuild the guards on it;
-    - an object whose class was made inside a function, and everything reached through it:
-      precompile refuses to save a type match on it, and the loading process rebuilds the guards on a
-      copy of the inputs where such an object comes back as a bare ``nn.Module`` (its methods gone).
-      transformers 5.25 with the `kernels` package (one of its requirements) wraps
+    - the class of an object whose class was made inside a function: precompile refuses to save a
+      type match on it, and the loading process rebuilds the guards on a pickled copy of the inputs
+      where such an object comes back as a bare ``nn.Module`` (its attributes kept, its class's
+      methods gone), so what is read through ``type(object)`` is dropped too; guards on its
+      attributes stay. transformers 5.25 with the `kernels` package (one of its requirements) wraps
       ``apply_rotary_pos_emb`` in such a class, and every new process traced the model again (3.2 s
-      against eager's 0.13 s first step). ``_local_type_files`` puts the class's code in the key.
+      against eager's 0.13 s first step). The class's code is checked instead: held in a method's
+      closure it is in the key (``_local_type_files``), and its file is among the files the entry
+      was traced from (``SourceDigests``).
 
     Without them transformers' Llama compiled whole was never cached, and each new process traced it
     again (3.7 s against eager's 0.23 s first step)."""
@@ -223,10 +237,11 @@ def saveable_guards(entries: Sequence[Any], closure_names: frozenset[str] = froz
 
     local_objects = {g.name for g in entries if is_local_type(type(g.value))}
 
-    def through_local_object(name: str) -> bool:  # the object itself, its attributes, or type(object)
-        return any(re.search(re.escape(o) + r"($|[.\[)])", name) for o in local_objects)
+    def on_local_class(g: Any) -> bool:  # the object's type, or anything read through ``type(object)``
+        return ((g.name in local_objects and "TYPE_MATCH" in (g.guard_type, *g.derived_guard_types))
+                or any(f"type({o})" in g.name for o in local_objects))  # fmt: skip
 
-    return [not (g.is_global or g.guard_type in unsaveable or in_closure(g.name) or through_local_object(g.name)
+    return [not (g.is_global or g.guard_type in unsaveable or in_closure(g.name) or on_local_class(g)
                  or (isinstance(g.value, types.CodeType) and "ID_MATCH" in g.derived_guard_types))
             for g in entries]  # fmt: skip
 
@@ -295,7 +310,6 @@ class CachedMethod:
         self.cache, self.func = cache, func
         self.entries: list[Any] = []  # AOTCompiledFunction, tried in order
         self.fallback: Any = None  # torch.compile of func, once precompiling failed
-        self.traced_files: dict[int, set[str]] = {}  # id(entry) -> the files Dynamo traced, until it is saved
 
     def bind(self, owner: nn.Module) -> Any:
         return functools.partial(self, owner)
@@ -336,14 +350,14 @@ class CachedMethod:
         if entry is None:
             mark, counted = self.cache.backend.record.mark(), coverage.snapshot()
             try:
-                entry = self._compile(owner, args, kwargs)
+                entry, traced = self._compile(owner, args, kwargs)
             except Exception as e:  # graph break under fullgraph, an unserializable piece, ...
                 self._write(refused, one_line(e).encode())
                 # Its graphs never run and its graph breaks are the fallback's: those are counted.
                 self.cache.backend.record.roll_back(mark)
                 coverage.forget_since(counted)
                 return self._fall_back("precompile failed", e)
-            self._save(entry, path)
+            self._save(entry, traced, path)
         self.entries.append(entry)
         return entry
 
@@ -357,10 +371,11 @@ class CachedMethod:
         loading = CompileRecord(cuda_graphs=record.cuda_graphs)
         t0 = time.perf_counter()
         try:
-            if changed := SourceDigests.read(path.with_suffix(".sources")).changed():
+            sources, data = SourceDigests.split(path.read_bytes())
+            if changed := sources.changed():
                 raise RuntimeError(f"{changed} changed since it was compiled")
             with recording_loads_into(loading):
-                entry = AOTCompiledFunction.deserialize(path.read_bytes(), self.func.__globals__,
+                entry = AOTCompiledFunction.deserialize(data, self.func.__globals__,
                                                         external_closure_data=wrapped_functions(self.func))
             if not entry.guard_check(owner, *args, **kwargs):
                 raise RuntimeError("its guards reject these inputs")
@@ -372,7 +387,8 @@ class CachedMethod:
         record.stage_seconds["graph cache load"] += time.perf_counter() - t0
         return entry
 
-    def _compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
+    def _compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, set[str]]:
+        """The precompiled entry, and the files Dynamo traced for it."""
         from accelrun.torch_private import files_traced_by_precompile, temporary_cache_dir
 
         backend = self.cache.backend
@@ -402,20 +418,17 @@ class CachedMethod:
                     entry = compiled.aot_compile((args, kwargs))
             finally:
                 backend.serializable = False
-            self.traced_files[id(entry)] = traced
             # The rest of the precompile's wall time is Dynamo's (tracing the bytecode, writing guards):
             # timed here, a compile time need not be guessed from the first step.
             stages["dynamo trace"] += max(time.perf_counter() - t0 - (sum(stages.values()) - timed_before), 0.0)
         self.cache.stats["compiled"] += 1
-        return entry
+        return entry, traced
 
-    def _save(self, entry: Any, path: Path) -> None:
+    def _save(self, entry: Any, traced: set[str], path: Path) -> None:
         try:
             import_module_globals(entry)
-            # The sources first: an entry without them is never loaded.
-            sources = SourceDigests.of(self.traced_files.pop(id(entry)))
-            self._write(path.with_suffix(".sources"), sources.to_json().encode())
-            self._write(path, type(entry).serialize(entry, external_data=wrapped_functions(self.func)).serialized_data)
+            data = type(entry).serialize(entry, external_data=wrapped_functions(self.func)).serialized_data
+            self._write(path, SourceDigests.of(traced).with_entry(data))
             self.cache.stats["saved"] += 1
         except Exception as e:  # kept in memory for this process; the next one compiles again
             self.cache.error(f"could not save {path.name}", e)

@@ -183,6 +183,24 @@ def test_an_edited_helper_in_another_file_is_compiled_again(tmp_path):
     assert edited["out"] == pytest.approx(first["out"] * 1.5, rel=1e-5)
 
 
+def test_source_digests_travel_with_the_entry_and_refuse_a_file_edited_in_this_process(tmp_path):
+    from accelrun.compile import graph_cache
+    from accelrun.compile.graph_cache import SourceDigests
+
+    helper = tmp_path / "helper.py"
+    helper.write_text("def act(x):\n    return x\n")
+    os.utime(helper, (graph_cache._IMPORTED_AT - 60,) * 2)  # written before this process started
+    sources = SourceDigests.of({str(helper), "<string>", torch.nn.functional.__file__})  # torch's left out
+    assert list(sources.digests) == [str(helper)]
+    again, entry = SourceDigests.split(sources.with_entry(b"entry\nbytes"))
+    assert again == sources and entry == b"entry\nbytes" and again.changed() is None
+    with pytest.raises(RuntimeError, match="no record of the files"):
+        SourceDigests.split(b"an entry from before")
+    os.utime(helper)  # edited now: the code this process traced may be the older one
+    with pytest.raises(RuntimeError, match="changed while this process ran"):
+        SourceDigests.of({str(helper)})
+
+
 def test_a_new_process_trains_from_the_loaded_graphs(tmp_path):
     """Two `accelrun train` processes sharing a cache: the second compiles nothing and computes the
     same losses as the first."""

@@ -107,21 +107,27 @@ def _made_in_a_function():
     return Func()
 
 
-def test_saveable_guards_drop_an_object_of_a_local_class_and_what_is_reached_through_it():
+def test_saveable_guards_drop_a_local_class_and_what_is_read_through_it():
     """transformers 5.25 with `kernels` installed: precompile refused the type match on such an object,
-    and the loading process rebuilt the guards through it on a bare nn.Module (its closure gone)."""
+    and the loading process rebuilt the guards through its class on a bare nn.Module (its class's
+    methods gone). Guards on its attributes and on other objects stay."""
     func = _made_in_a_function()
-    attn = "self.layers[0].attn"
+    rope = "self.layers[0].attn._kernel_funcs['rope']"
     entries = [
-        _entry(f"{attn}._kernel_funcs['rope']", func, "TYPE_MATCH", ("TYPE_MATCH",)),
-        _entry(f"{attn}._kernel_funcs['rope']._forward_hooks", {}, "EMPTY_NN_MODULE_HOOKS_DICT"),
-        _entry(f"dict(type({attn}._kernel_funcs['rope']).__dict__)['forward'].__closure__[0].cell_contents"
-               ".__defaults__", (1,), "SEQUENCE_LENGTH", ("TYPE_MATCH", "SEQUENCE_LENGTH")),
-        _entry(f"{attn}._kernel_funcs['rope_other']", 1, "CONSTANT_MATCH"),   # kept: another name
-        _entry(f"{attn}.scaling", 0.125, "CONSTANT_MATCH"),                     # kept
+        _entry(rope, func, "TYPE_MATCH", ("TYPE_MATCH",)),                               # its class
+        _entry(f"dict(type({rope}).__dict__)['forward'].__closure__[0].cell_contents.__defaults__", (1,),
+               "SEQUENCE_LENGTH", ("TYPE_MATCH", "SEQUENCE_LENGTH")),                     # through its class
+        _entry(f"{rope}._forward_hooks", {}, "EMPTY_NN_MODULE_HOOKS_DICT"),              # kept: an attribute
+        _entry(f"{rope}.training", True, "CONSTANT_MATCH", ("BOOL_MATCH",)),            # kept
+        _entry("self.layers[0].attn._kernel_funcs['rope_other']", 1, "CONSTANT_MATCH"),  # kept: another name
+        _entry("self.proj_x.scale", 0.125, "CONSTANT_MATCH"),                           # kept
     ]  # fmt: skip
-    assert saveable_guards(entries) == [False, False, False, True, True]
-    # The key takes the local class's code instead: this file, where its forward is written.
+    assert saveable_guards(entries) == [False, False, True, True, True, True]
+    # A model whose own class is local keeps its settings' guards (train or eval mode, say).
+    owner = [_entry("self", func, "TYPE_MATCH", ("TYPE_MATCH",)), _entry("self.training", True, "CONSTANT_MATCH"),
+             _entry("x", torch.ones(1))]  # fmt: skip
+    assert saveable_guards(owner) == [False, True, True]
+    # The key takes the local class's code: this file, where its forward is written.
     assert graph_cache._local_type_files(type(func)) == {__file__}
     assert graph_cache._local_type_files(torch.nn.Linear) == set()
 
