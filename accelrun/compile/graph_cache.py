@@ -5,8 +5,9 @@ of a compiled method (a transformer block's ``forward``, the loss head) with a n
 captured with torch's precompile path (``torch.compile(...).aot_compile``): Dynamo's frame and guards,
 AOTAutograd's forward and backward with their runtime metadata, and accelrun's graphs after its passes
 (``AccelrunOutputCode``: the lowered graphs, their kernels by library path). It is saved under
-``<cache>/graphs/<key>.pt``; a later process with the same key loads it instead of compiling and
-checks its guards against the real inputs.
+``<cache>/graphs/<key>.pt``, after the digests of the files Dynamo traced for it; a later process
+with the same key checks those files, loads it instead of compiling and checks its guards against
+the real inputs.
 
 The key covers what changes the compiled result and what the guards do not check: torch's version,
 accelrun's own source and the model's, the compile options, the method, and the inputs, parameters
@@ -136,8 +137,7 @@ class SourceDigests:
     @classmethod
     def of(cls, files: set[str]) -> SourceDigests:
         skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(accelrun.__file__) + os.sep)
-        paths = sorted({os.path.abspath(f) for f in files if os.path.isfile(f)} - {""})
-        paths = [f for f in paths if not f.startswith(skip)]
+        paths = [f for f in sorted({os.path.abspath(f) for f in files if os.path.isfile(f)}) if not f.startswith(skip)]
         if edited := [f for f in paths if os.stat(f).st_mtime > _IMPORTED_AT]:
             raise RuntimeError(f"{edited[0]} changed while this process ran (its traced code may be older)")
         return cls({f: _file_digest(f) for f in paths})
@@ -172,8 +172,8 @@ def _local_type_files(cls: type) -> set[str]:
     (``saveable_guards``), so its code counts in the key instead."""
     if not is_local_type(cls):
         return set()
-    return {m.__code__.co_filename for klass in cls.__mro__ if klass.__module__.split(".")[0] not in ("builtins", "torch")
-            for m in vars(klass).values() if isinstance(m, types.FunctionType)}  # fmt: skip
+    own = [klass for klass in cls.__mro__ if klass.__module__.split(".")[0] not in ("builtins", "torch")]
+    return {m.__code__.co_filename for klass in own for m in vars(klass).values() if isinstance(m, types.FunctionType)}
 
 
 def wrapped_functions(func: Any) -> dict[str, types.FunctionType]:
