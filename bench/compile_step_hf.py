@@ -187,6 +187,9 @@ def child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     first = time.perf_counter() - t0
+    # and undoes afterwards: objects left frozen at exit are never freed, and Triton's bindings then
+    # print a screen of "nanobind: leaked ..." lines
+    gc.unfreeze()
     print(json.dumps({"first_step_s": first, "graph_cache": record.graph_cache if record else {}}))
 
 
