@@ -22,8 +22,13 @@ fine-tuned on a CPU.
     python bench/compile_step_hf.py --dtypes fp32 --rounds 20 --hidden 512 --layers 4 --seq 512
 
 Warm start: after the timed rounds, each variant's first step in new processes (``--warm-starts``):
-eager's, and accelrun's with the caches a first process filled, compiled as ``accelrun train``
-compiles a user's model whole (the graph cache loads Dynamo's frame and the lowered graphs).
+eager's, and accelrun's with the caches a first process filled, both trained as ``accelrun train``
+trains a user's model: compiled by ``compile_model`` with the recipe's default scope (``auto``: the
+repeated decoder layers, one graph for all, through the graph cache) and the loss computed by
+``training_loss_fn`` (cross-entropy over the logits, outside the model). Until 2026-12-04 the child
+compiled the whole model, which ``accelrun train`` does not do for this model, and the process that
+filled the caches ran one step, fewer than cpu_gemm needs to choose its products' library, so every
+warm start timed them again; it now runs ``--fill-steps``, as an earlier training run would have.
 """
 
 from __future__ import annotations
@@ -153,44 +158,55 @@ def warm_starts(args: argparse.Namespace, dname: str, cache: Path) -> None:
     """A new process's first step (model built, then one forward and backward timed), each in its own
     child: eager; accelrun as `accelrun train` compiles a user's model whole (``compile_model``, scope
     model, the graph cache on), once to fill the caches and then ``--warm-starts`` times loading them."""
-    def child(variant: str) -> dict:
+    def child(variant: str, steps: int = 1) -> dict:
         cmd = [sys.executable, __file__, "--child", variant, "--dtypes", dname, "--hidden", str(args.hidden),
                "--layers", str(args.layers), "--vocab", str(args.vocab), "--batch", str(args.batch),
-               "--seq", str(args.seq), "--passes", args.passes, "--executors", args.executors]  # fmt: skip
+               "--seq", str(args.seq), "--passes", args.passes, "--executors", args.executors,
+               "--fill-steps", str(steps)]  # fmt: skip
         env = {**os.environ, "ACCELRUN_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])
 
-    filled = child("accelrun")
+    filled = child("accelrun", args.fill_steps)
     eager = [child("eager")["first_step_s"] for _ in range(args.warm_starts)]
     warm = [child("accelrun") for _ in range(args.warm_starts)]
     loaded = [w["graph_cache"].get("loaded", 0) for w in warm]
     print(f"new process, first step (median of {args.warm_starts}): eager {statistics.median(eager):.2f} s; accelrun "
-          f"{statistics.median(w['first_step_s'] for w in warm):.2f} s with its caches warm (graphs loaded: "
-          f"{loaded}; the process that filled them: {filled['first_step_s']:.2f} s, {filled['graph_cache']})")
+          f"{statistics.median(w['first_step_s'] for w in warm):.2f} s with its caches warm ({warm[0]['compiled']}; "
+          f"graphs loaded: {loaded}; the process that filled them: first step {filled['first_step_s']:.2f} s of "
+          f"{args.fill_steps}, {filled['graph_cache']}, cpu_gemm layouts left undecided: {filled['undecided']})")
 
 
 def child(args: argparse.Namespace) -> None:
-    """One new process's first step (``warm_starts``), printed as JSON."""
+    """A new process's first step (``warm_starts``) of ``--fill-steps``, printed as JSON."""
+    from accelrun.compile import gemm_choice
     from accelrun.compile.compile_model import compile_model
     from accelrun.config.schema import CompileConfig
+    from accelrun.models.build import training_loss_fn, transformer_blocks
 
     tune_malloc(args.malloc)
     model = build(args, DTYPES[args.dtypes])
-    record = None
+    record, what = None, "eager"
     if args.child == "accelrun":
-        cfg = CompileConfig(backend="accelrun", scope="model", passes=args.passes,
-                            executors=args.executors.split(","))  # fmt: skip
-        record = compile_model(model, None, cfg).record
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+        cfg = CompileConfig(backend="accelrun", passes=args.passes, executors=args.executors.split(","))
+        compiled = compile_model(model, transformer_blocks(model), cfg)
+        record, what = compiled.record, compiled.description
+    loss_fn = training_loss_fn(model)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     gc.freeze()  # as `accelrun train` does before its first step (train/loop.py), for both variants
-    t0 = time.perf_counter()
-    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    first = time.perf_counter() - t0
+    first = 0.0
+    for _ in range(args.fill_steps):
+        t0 = time.perf_counter()
+        loss_fn(inputs, targets).backward()
+        first = first or time.perf_counter() - t0
+        model.zero_grad(set_to_none=True)
     # and undoes afterwards: objects left frozen at exit are never freed, and Triton's bindings then
     # print a screen of "nanobind: leaked ..." lines
     gc.unfreeze()
-    print(json.dumps({"first_step_s": first, "graph_cache": record.graph_cache if record else {}}))
+    undecided = len(gemm_choice.undecided_layouts())
+    print(json.dumps({"first_step_s": first, "graph_cache": record.graph_cache if record else {}, "compiled": what,
+                      "undecided": undecided}))  # fmt: skip
 
 
 def main() -> None:
@@ -213,6 +229,9 @@ def main() -> None:
                          "`accelrun train` sets on a CPU (train.cpu_malloc), as bench/compile_step.py does")
     ap.add_argument("--warm-starts", type=int, default=3,
                     help="new processes timed for the warm start, each variant (0: none)")
+    ap.add_argument("--fill-steps", type=int, default=12,
+                    help="steps of the process that fills the caches the warm starts load (cpu_gemm decides a "
+                         "product's library after 10 calls of it; the decoder layers share one graph)")
     ap.add_argument("--use-cache", action="store_true",
                     help="build transformers' KV cache in each step (its default call) instead of use_cache=False "
                          "(accelrun train's)")

@@ -204,6 +204,12 @@ def tuner_for(layout: GemmLayout) -> LayoutTuner:
         return tuner
 
 
+def undecided_layouts() -> list[str]:
+    """The layouts this process met whose library is not chosen yet (neither read nor timed to the end)."""
+    with _tuners_lock:
+        return [tuner.layout.key for tuner in _tuners.values() if tuner.library is None]
+
+
 class GemmSite:
     """One product in a compiled graph, called as ``site(a, b)`` or ``site(a, b, bias)``: through the
     library chosen for its layout, or, until that is chosen, through the layout's tuner. ``library``

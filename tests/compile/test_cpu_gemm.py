@@ -95,12 +95,14 @@ def test_the_tuner_times_both_libraries_in_turns_and_keeps_onednn_only_by_the_ma
     layout = GemmLayout(64, 48, 40, False, False, False)
     file = gemm_choice.ChoiceFile(tmp_path / "choices.json")
     a, b = _operands(layout)
-    tuner = LayoutTuner(layout, file, None)
+    tuner = gemm_choice._tuners[(file.path, layout.key)] = LayoutTuner(layout, file, None)
     calls = 2 * (gemm_choice.UNTIMED_CALLS + gemm_choice.TIMED_CALLS)
     for i in range(calls):
         assert tuner.library is None, f"decided after {i} calls"
+        assert gemm_choice.undecided_layouts() == [layout.key]
         torch.testing.assert_close(tuner.timed_call(a, b, None), a @ b, rtol=1e-5, atol=1e-5)
     assert tuner.library in (Library.ATEN, Library.ONEDNN)
+    assert gemm_choice.undecided_layouts() == []
     saved = json.loads(file.path.read_text())["choices"][layout.key]
     assert saved["library"] == tuner.library.value and saved["aten_us"] > 0 and saved["onednn_us"] > 0
 
