@@ -151,6 +151,25 @@ def onednn_linear() -> Any:
     return getattr(packet, "default", None)
 
 
+# nn.Module's hook dicts (each module's, and the process-wide ones of torch.nn.modules.module): Dynamo
+# traces the hooks of the modules a compiled method calls into its graph.
+MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def modules_with_hooks(owner: torch.nn.Module) -> list[str]:
+    """Where hooks are set that a compiled ``owner.<method>`` would trace: the paths of the modules under
+    ``owner`` (not ``owner``: its own hooks run around its forward, outside the compiled call) with a
+    hook, and ``"torch.nn (global hooks)"`` for hooks registered for every module."""
+    from torch.nn.modules import module as module_py
+
+    found = [f"torch.nn (global {name.strip('_').replace('_', ' ')})" for name in MODULE_HOOK_DICTS
+             if getattr(module_py, f"_global{name}", None)]  # fmt: skip
+    for path, module in owner.named_modules():
+        if module is not owner and any(getattr(module, name, None) for name in MODULE_HOOK_DICTS):
+            found.append(path)
+    return found
+
+
 def import_module_globals(entry: Any) -> list[str]:
     """Make a precompiled frame (``AOTCompiledFunction``) importable in another process when Dynamo's
     bytecode loads a module through a global it put in the frame's globals under a per-process name

@@ -503,3 +503,20 @@ def test_TensorHandle():
 
     handle = tp.TensorHandle(np.ones(3, dtype=np.float32), tl.float32)
     assert handle.data.shape == (3,) and handle.dtype == tl.float32
+
+
+def test_modules_with_hooks():
+    outer = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU()))
+    assert tp.modules_with_hooks(outer) == []
+    outer.register_forward_hook(lambda m, a, o: o)  # the owner's own: runs outside its compiled forward
+    assert tp.modules_with_hooks(outer) == []
+    handles = [outer[1][0].register_forward_pre_hook(lambda m, a: None),
+               outer[0].register_full_backward_hook(lambda m, gi, go: None)]
+    assert tp.modules_with_hooks(outer) == ["0", "1.0"]
+    for h in handles:
+        h.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: o)
+    try:
+        assert tp.modules_with_hooks(outer) == ["torch.nn (global forward hooks)"]
+    finally:
+        handle.remove()

@@ -42,7 +42,7 @@ import accelrun
 from accelrun.compile import coverage
 from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.record import CompileRecord
-from accelrun.torch_private import cpu_has_half_gemm, import_module_globals
+from accelrun.torch_private import cpu_has_half_gemm, import_module_globals, modules_with_hooks
 
 MAX_ENTRIES = 8  # input kinds per method before giving up on exact entries (dynamic shapes take over)
 
@@ -339,6 +339,10 @@ class CachedMethod:
     def _load_or_compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
         if len(self.entries) >= MAX_ENTRIES:
             return self._fall_back(f"more than {MAX_ENTRIES} input kinds", None)
+        if hooked := modules_with_hooks(owner):
+            # Dynamo traces a called module's hooks into the graph and its saved guards do not check them
+            # (torch skips hook guards), so an entry traced without a hook would load and skip it.
+            return self._fall_back(f"hooks on {', '.join(hooked[:3])} (the graph cache keys no hooks)", None)
         # Numbered by the kinds this method met before in this process, which a new process meets in
         # the same order: blocks whose traces differ per instance (sliding and full attention layers)
         # share a key, and one file each would have been overwritten by the other kind every run.

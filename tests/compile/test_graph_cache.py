@@ -497,3 +497,68 @@ def test_a_users_block_with_a_graph_break_honours_fullgraph(tmp_path, fullgraph)
     other(x)
     assert uncached.record.graph_cache == {"off": "compile.graph_cache = false"}
     assert seen == uncached.record.summary()["dynamo"]
+
+
+class ScaledBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) + x
+
+
+class TwoScaledBlocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stack = torch.nn.ModuleList([ScaledBlock(), ScaledBlock()])
+
+    def forward(self, x):
+        for block in self.stack:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_hooks_inside_a_cached_method_are_not_skipped(tmp_path):
+    """A block's own hooks run around its cached method, eagerly, as Module.__call__ runs them. Hooks on
+    a module inside it would be traced into the entry, whose saved guards do not check them (torch
+    skips hook guards): an entry traced without one loaded and skipped it, and the loss differed from
+    eager's. Such a method now falls back to torch.compile, which traces the hooks it finds."""
+    from accelrun.config.schema import CompileConfig
+
+    def doubled(_module, _args, out):
+        return out * 2
+
+    def shifted(_module, _args, out):
+        return out + 1
+
+    def run(hook_inside: bool, compiled: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = TwoScaledBlocks()
+        model.stack[0].register_forward_hook(doubled)  # on the block, whose forward is cached
+        if hook_inside:
+            model.stack[1].lin.register_forward_hook(shifted)  # inside the block: traced
+        record = None
+        if compiled:
+            cfg = CompileConfig(backend="accelrun", scope="block", executors=["cpp", "aten"],
+                                cache_dir=str(tmp_path / "c"))  # fmt: skip
+            record = compile_model(model, None, cfg).record
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        loss = model(x)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, record
+
+    # Two entries: the first block's input needs no gradient, the second's does.
+    for hook_inside, expected in ((False, {"compiled": 2, "loaded": 0, "fallbacks": 0}),
+                                  (False, {"compiled": 0, "loaded": 2, "fallbacks": 0}),
+                                  (True, {"compiled": 0, "loaded": 1, "fallbacks": 1})):  # fmt: skip
+        eager_loss, eager_grads, _ = run(hook_inside, compiled=False)
+        loss, grads, record = run(hook_inside, compiled=True)
+        stats = record.graph_cache
+        assert {k: stats[k] for k in expected} == expected, (hook_inside, stats)
+        assert record.graphs_in_use() > 0
+        torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, eager_grads[name], rtol=1e-5, atol=1e-6)
+    assert stats["errors"] == ["hooks on lin (the graph cache keys no hooks)"], stats
