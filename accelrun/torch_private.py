@@ -157,9 +157,10 @@ MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", 
 
 
 def modules_with_hooks(owner: torch.nn.Module) -> list[str]:
-    """Where hooks are set that a compiled ``owner.<method>`` would trace: the paths of the modules under
-    ``owner`` (not ``owner``: its own hooks run around its forward, outside the compiled call) with a
-    hook, and ``"torch.nn (global hooks)"`` for hooks registered for every module."""
+    """Where hooks are set that a compiled ``owner.<method>`` may trace: the paths of the modules under
+    ``owner`` with a hook (all of them, whether the method calls them or not), and ``"torch.nn (global
+    ... hooks)"`` for hooks registered for every module. ``owner``'s own are left out: a block's hooks
+    run around its ``forward`` (``Module.__call__``), outside the compiled call."""
     from torch.nn.modules import module as module_py
 
     found = [f"torch.nn (global {name.strip('_').replace('_', ' ')})" for name in MODULE_HOOK_DICTS
@@ -168,6 +169,19 @@ def modules_with_hooks(owner: torch.nn.Module) -> list[str]:
         if module is not owner and any(getattr(module, name, None) for name in MODULE_HOOK_DICTS):
             found.append(path)
     return found
+
+
+@contextlib.contextmanager
+def module_hook_guards() -> Iterator[None]:
+    """Dynamo's guards on module hooks, which torch skips by default (``skip_nnmodule_hook_guards``): a
+    graph traced without a hook is then not reused for a module that has one. A torch without the
+    setting runs as it does."""
+    config = torch._dynamo.config
+    if not hasattr(config, "skip_nnmodule_hook_guards"):
+        yield
+        return
+    with config.patch(skip_nnmodule_hook_guards=False):
+        yield
 
 
 def import_module_globals(entry: Any) -> list[str]:

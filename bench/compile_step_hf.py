@@ -156,8 +156,9 @@ def run(args: argparse.Namespace, dname: str) -> None:
 
 def warm_starts(args: argparse.Namespace, dname: str, cache: Path) -> None:
     """A new process's first step (model built, then one forward and backward timed), each in its own
-    child: eager; accelrun as `accelrun train` compiles a user's model whole (``compile_model``, scope
-    model, the graph cache on), once to fill the caches and then ``--warm-starts`` times loading them."""
+    child: eager; accelrun as `accelrun train` compiles this model (``compile_model``, default scope,
+    the graph cache on), once to fill the caches (``--fill-steps`` steps) and then ``--warm-starts``
+    times loading them."""
     def child(variant: str, steps: int = 1) -> dict:
         cmd = [sys.executable, __file__, "--child", variant, "--dtypes", dname, "--hidden", str(args.hidden),
                "--layers", str(args.layers), "--vocab", str(args.vocab), "--batch", str(args.batch),
@@ -195,17 +196,17 @@ def child(args: argparse.Namespace) -> None:
     ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     gc.freeze()  # as `accelrun train` does before its first step (train/loop.py), for both variants
-    first = 0.0
+    times = []
     for _ in range(args.fill_steps):
         t0 = time.perf_counter()
         loss_fn(inputs, targets).backward()
-        first = first or time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
     # and undoes afterwards: objects left frozen at exit are never freed, and Triton's bindings then
     # print a screen of "nanobind: leaked ..." lines
     gc.unfreeze()
     undecided = len(gemm_choice.undecided_layouts())
-    print(json.dumps({"first_step_s": first, "graph_cache": record.graph_cache if record else {}, "compiled": what,
+    print(json.dumps({"first_step_s": times[0], "graph_cache": record.graph_cache if record else {}, "compiled": what,
                       "undecided": undecided}))  # fmt: skip
 
 
@@ -230,8 +231,9 @@ def main() -> None:
     ap.add_argument("--warm-starts", type=int, default=3,
                     help="new processes timed for the warm start, each variant (0: none)")
     ap.add_argument("--fill-steps", type=int, default=12,
-                    help="steps of the process that fills the caches the warm starts load (cpu_gemm decides a "
-                         "product's library after 10 calls of it; the decoder layers share one graph)")
+                    help="steps of the process that fills the caches the warm starts load, as an earlier "
+                         "training run would have: cpu_gemm decides a product layout's library after 10 calls "
+                         "of it (each decoder layer calls each of its layouts once a step)")
     ap.add_argument("--use-cache", action="store_true",
                     help="build transformers' KV cache in each step (its default call) instead of use_cache=False "
                          "(accelrun train's)")

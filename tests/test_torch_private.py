@@ -520,3 +520,18 @@ def test_modules_with_hooks():
         assert tp.modules_with_hooks(outer) == ["torch.nn (global forward hooks)"]
     finally:
         handle.remove()
+
+
+def test_module_hook_guards():
+    """Under it, a graph traced without a hook is not reused once a module inside has one (by default
+    torch skips those guards and the hook is never called)."""
+    torch._dynamo.reset()
+    inner = torch.nn.Linear(2, 2)
+    outer = torch.nn.Sequential(inner)
+    x = torch.ones(1, 2)
+    with tp.module_hook_guards():
+        compiled = torch.compile(outer, backend="eager")
+        compiled(x)
+        inner.register_forward_hook(lambda m, a, o: o + 100)
+        torch.testing.assert_close(compiled(x), outer(x))
+    torch._dynamo.reset()

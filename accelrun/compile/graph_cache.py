@@ -29,6 +29,7 @@ import tempfile
 import time
 import types
 import warnings
+import weakref
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -42,7 +43,12 @@ import accelrun
 from accelrun.compile import coverage
 from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.record import CompileRecord
-from accelrun.torch_private import cpu_has_half_gemm, import_module_globals, modules_with_hooks
+from accelrun.torch_private import (
+    cpu_has_half_gemm,
+    import_module_globals,
+    module_hook_guards,
+    modules_with_hooks,
+)
 
 MAX_ENTRIES = 8  # input kinds per method before giving up on exact entries (dynamic shapes take over)
 
@@ -310,6 +316,8 @@ class CachedMethod:
         self.cache, self.func = cache, func
         self.entries: list[Any] = []  # AOTCompiledFunction, tried in order
         self.fallback: Any = None  # torch.compile of func, once precompiling failed
+        self.owners: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every module this method stands in on
+        self.hooked = False  # the fallback was for hooks: it runs with Dynamo's guards on them
 
     def bind(self, owner: nn.Module) -> Any:
         return functools.partial(self, owner)
@@ -322,15 +330,15 @@ class CachedMethod:
         return (_stand_in, ())
 
     def __call__(self, owner: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if self.fallback is not None:
-            return self.fallback(owner, *args, **kwargs)
-        for entry in self.entries:
-            if entry.guard_check(owner, *args, **kwargs):
+        if self.fallback is None:
+            for entry in self.entries:
+                if entry.guard_check(owner, *args, **kwargs):
+                    return entry.fn(owner, *args, **kwargs)
+            entry = self._entry_for(owner, args, kwargs)
+            if entry is not None:
                 return entry.fn(owner, *args, **kwargs)
-        entry = self._entry_for(owner, args, kwargs)
-        if entry is None:
+        with module_hook_guards() if self.hooked else nullcontext():
             return self.fallback(owner, *args, **kwargs)
-        return entry.fn(owner, *args, **kwargs)
 
     def _entry_for(self, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
         with gc_paused():  # Dynamo's trace and torch's load included
@@ -339,9 +347,11 @@ class CachedMethod:
     def _load_or_compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
         if len(self.entries) >= MAX_ENTRIES:
             return self._fall_back(f"more than {MAX_ENTRIES} input kinds", None)
-        if hooked := modules_with_hooks(owner):
-            # Dynamo traces a called module's hooks into the graph and its saved guards do not check them
-            # (torch skips hook guards), so an entry traced without a hook would load and skip it.
+        if hooked := list(dict.fromkeys(p for o in (owner, *self.owners) for p in modules_with_hooks(o))):
+            # Dynamo traces a called module's hooks into the graph and torch skips guards on hooks, so an
+            # entry traced without one loaded (or, on another owner, was reused) and skipped it. Every
+            # owner is checked: identical blocks share entries. torch.compile then guards on the hooks.
+            self.hooked = True
             return self._fall_back(f"hooks on {', '.join(hooked[:3])} (the graph cache keys no hooks)", None)
         # Numbered by the kinds this method met before in this process, which a new process meets in
         # the same order: blocks whose traces differ per instance (sliding and full attention layers)
@@ -489,5 +499,6 @@ def install(cache: GraphCache, owners: list[nn.Module], method: str) -> None:
         cls = type(owner)
         if cls not in shared:
             shared[cls] = CachedMethod(cache, getattr(cls, method))
+        shared[cls].owners.add(owner)
         # An instance attribute shadows the class's method, so Module.__call__ reaches the cached one.
         setattr(owner, method, shared[cls].bind(owner))

@@ -519,11 +519,13 @@ class TwoScaledBlocks(torch.nn.Module):
         return x.square().mean()
 
 
-def test_hooks_inside_a_cached_method_are_not_skipped(tmp_path):
+@pytest.mark.parametrize("shared", [False, True])
+def test_hooks_inside_a_cached_method_are_not_skipped(tmp_path, shared):
     """A block's own hooks run around its cached method, eagerly, as Module.__call__ runs them. Hooks on
-    a module inside it would be traced into the entry, whose saved guards do not check them (torch
-    skips hook guards): an entry traced without one loaded and skipped it, and the loss differed from
-    eager's. Such a method now falls back to torch.compile, which traces the hooks it finds."""
+    a module inside a block are traced into its graph, and torch skips guards on hooks: an entry traced
+    without one loaded in a new process, or was reused by an identical block, and skipped it (the loss
+    differed from eager's). Such a method now goes to torch.compile, with guards on hooks.
+    ``shared``: both blocks take inputs that need gradients, so they share one entry."""
     from accelrun.config.schema import CompileConfig
 
     def doubled(_module, _args, out):
@@ -538,21 +540,21 @@ def test_hooks_inside_a_cached_method_are_not_skipped(tmp_path):
         model = TwoScaledBlocks()
         model.stack[0].register_forward_hook(doubled)  # on the block, whose forward is cached
         if hook_inside:
-            model.stack[1].lin.register_forward_hook(shifted)  # inside the block: traced
+            model.stack[1].lin.register_forward_hook(shifted)  # inside the second block only
         record = None
         if compiled:
             cfg = CompileConfig(backend="accelrun", scope="block", executors=["cpp", "aten"],
                                 cache_dir=str(tmp_path / "c"))  # fmt: skip
             record = compile_model(model, None, cfg).record
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).requires_grad_(shared)
         loss = model(x)
         loss.backward()
         return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, record
 
-    # Two entries: the first block's input needs no gradient, the second's does.
-    for hook_inside, expected in ((False, {"compiled": 2, "loaded": 0, "fallbacks": 0}),
-                                  (False, {"compiled": 0, "loaded": 2, "fallbacks": 0}),
-                                  (True, {"compiled": 0, "loaded": 1, "fallbacks": 1})):  # fmt: skip
+    entries = 1 if shared else 2  # unshared: the first block's input needs no gradient, the second's does
+    for hook_inside, expected in ((False, {"compiled": entries, "loaded": 0, "fallbacks": 0}),
+                                  (False, {"compiled": 0, "loaded": entries, "fallbacks": 0}),
+                                  (True, {"compiled": 0, "fallbacks": 1})):  # fmt: skip
         eager_loss, eager_grads, _ = run(hook_inside, compiled=False)
         loss, grads, record = run(hook_inside, compiled=True)
         stats = record.graph_cache
