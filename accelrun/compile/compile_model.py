@@ -35,29 +35,54 @@ class Compiled:
 
 
 def resolve_scope(cfg: CompileConfig, model: nn.Module, blocks: list[nn.Module] | None,
-                  loss_parallel: bool = False) -> tuple[str, str]:  # fmt: skip
+                  loss_parallel: bool = False, slow_half_products: bool = False) -> tuple[str, str]:  # fmt: skip
     """(scope, why): ``compile.scope`` as given, or what ``auto`` picks for this model and backend.
 
     auto: a model with repeated blocks and a loss head of its own compiles them with ``loss`` under
     accelrun (the head's linear + cross-entropy fuse; with loss parallelism the head's logits are
     sharded, so ``block``); Inductor, or a model without a loss head, gets ``block``; a user's model
-    without an ``nn.ModuleList`` of blocks of its own classes gets ``model``.
+    without an ``nn.ModuleList`` of blocks of its own classes gets ``model``, and so does a user's
+    model whose half-precision products ATen would run in its slow generic loop
+    (``slow_half_products``, see ``half_products_run_slowly``): its output head is in its forward,
+    outside the blocks, and only a compiled graph runs it as an fp32 GEMM (``cpu_half_gemm``).
     """
     if cfg.scope != "auto":
         return cfg.scope, ""
     has_blocks = blocks is not None or repeated_blocks(model) is not None
     if not has_blocks:
         return "model", "no nn.ModuleList of the model's own blocks"
-    if cfg.backend == "accelrun" and _has_head(model) and getattr(model, "head_loss", None) is not None:
+    head_loss = getattr(model, "head_loss", None)
+    if cfg.backend == "accelrun" and slow_half_products and head_loss is None:
+        # transformers' Llama in bf16-mixed on an AVX2 CPU: 5.4 s a step by its layers, 0.74 s whole.
+        return "model", ("bf16/fp16 matmuls on a CPU without kernels for them: the whole forward compiles, "
+                         "so the output head's runs as an fp32 GEMM too")  # fmt: skip
+    if cfg.backend == "accelrun" and _has_head(model) and head_loss is not None:
         if loss_parallel:
             return "block", "the loss head's logits are sharded (parallel.loss_parallel)"
         return "loss", "repeated blocks and a loss head"
     return "block", "repeated blocks" + ("" if cfg.backend == "accelrun" else f" ({cfg.backend})")
 
 
+def half_products_run_slowly(precision: str, model: nn.Module) -> bool:
+    """Whether the model's matrix products run in bf16 or fp16 (``train.precision = bf16-mixed``, or such
+    parameters) on a CPU whose ATen has no kernels for them: eagerly, they run in ATen's generic loop,
+    30-70x slower than fp32 (``torch_private.cpu_has_half_gemm``)."""
+    from accelrun.torch_private import cpu_has_half_gemm
+
+    params = list(model.parameters())
+    if not params or params[0].device.type != "cpu":
+        return False
+    half = {p.dtype for p in params} & {torch.bfloat16, torch.float16}
+    if precision == "bf16-mixed":
+        half.add(torch.bfloat16)
+    return any(not cpu_has_half_gemm(dtype) for dtype in half)
+
+
 def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: CompileConfig,
-                  dump_dir: Path | None = None, loss_parallel: bool = False) -> Compiled:  # fmt: skip
-    """Compile in place (``Module.compile`` keeps parameter names)."""
+                  dump_dir: Path | None = None, loss_parallel: bool = False,
+                  slow_half_products: bool = False) -> Compiled:  # fmt: skip
+    """Compile in place (``Module.compile`` keeps parameter names). ``slow_half_products``: see
+    ``resolve_scope``."""
     if cfg.backend == "eager":
         return Compiled("nothing (eager)")
     backend: object = cfg.backend
@@ -68,7 +93,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
 
         backend = AccelrunBackend(CompileOptions.from_config(cfg, dump_dir=dump_dir if cfg.dump else None))
         record = backend.record
-    scope, why = resolve_scope(cfg, model, blocks, loss_parallel)
+    scope, why = resolve_scope(cfg, model, blocks, loss_parallel, slow_half_products)
     chosen = f" (compile.scope = auto: {scope}, {why})" if why else ""
 
     def done(what: str) -> Compiled:

@@ -96,6 +96,62 @@ def test_auto_scope_per_family_and_backend():
     assert resolve_scope(CompileConfig(backend="accelrun", scope="model"), model, blocks) == ("model", "")
 
 
+class _Block(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.relu(self.proj(x))
+
+
+class _BlocksAndHead(torch.nn.Module):
+    """A user's model with a list of blocks of its own class and its output head in its forward."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, dim)
+        self.layers = torch.nn.ModuleList([_Block(dim), _Block(dim)])
+        self.head = torch.nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_auto_compiles_a_users_whole_forward_where_half_products_are_slow_eagerly():
+    """By its blocks, a user's model runs its output head eagerly: in bf16 on a CPU without bf16 matrix
+    kernels that product takes ATen's generic loop (transformers' Llama in bf16-mixed on an AVX2 CPU:
+    5.4 s a step, 0.74 s compiled whole). There auto compiles the whole forward; elsewhere the blocks."""
+    from accelrun.compile.compile_model import half_products_run_slowly
+    from accelrun.config import load_config
+    from accelrun.models import build_model
+    from accelrun.torch_private import cpu_has_half_gemm
+    from tests.conftest import DEFAULT_CONFIG, TINY
+
+    model = _BlocksAndHead()
+    blocks = transformer_blocks(model)
+    accelrun, inductor = CompileConfig(backend="accelrun"), CompileConfig(backend="inductor")
+    assert resolve_scope(accelrun, model, blocks)[0] == "block"
+    scope, why = resolve_scope(accelrun, model, blocks, slow_half_products=True)
+    assert scope == "model" and "fp32 GEMM" in why
+    assert resolve_scope(inductor, model, blocks, slow_half_products=True)[0] == "block"  # no such pass there
+    family = build_model(load_config(DEFAULT_CONFIG, [*TINY, "model.n_layers=1"]).config.model, torch.device("meta"),
+                         seed=0)  # fmt: skip
+    # A model family's head is compiled anyway (scope loss), and a meta model has no CPU products.
+    assert resolve_scope(accelrun, family, transformer_blocks(family), slow_half_products=True)[0] == "loss"
+    assert not half_products_run_slowly("bf16-mixed", family)
+
+    slow_bf16 = not cpu_has_half_gemm(torch.bfloat16)
+    assert half_products_run_slowly("bf16-mixed", model) is slow_bf16
+    assert half_products_run_slowly("fp32", model) is False
+    assert half_products_run_slowly("fp32", copy.deepcopy(model).to(torch.bfloat16)) is slow_bf16
+    assert half_products_run_slowly("fp32", copy.deepcopy(model).to(torch.float16)) is not cpu_has_half_gemm(
+        torch.float16)
+
+
 def test_transformers_llamas_decoder_layers_share_one_graph_without_a_kv_cache(tmp_path):
     """transformers' Llama as a user's model (model.custom), under the default scope: its decoder layers
     compile as one graph. With its KV cache on (config.use_cache, what a plain call does) each layer's
