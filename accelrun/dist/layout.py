@@ -60,7 +60,8 @@ def apply_layout(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
         return with_cuda_graph_decision(compile_sharded(part, blocks, ctx.mesh, cfg.compile, dump_dir), cfg, ctx)
     compiled = with_cuda_graph_decision(
         compile_model(part, blocks, cfg.compile, dump_dir, loss_parallel=cfg.parallel.loss_parallel,
-                      slow_half_products=half_products_run_slowly(t.precision, part)), cfg, ctx)
+                      # one process only: a sharded model compiled whole is a layout nothing here tests
+                      slow_half_products=ctx.mesh is None and half_products_run_slowly(t.precision, part)), cfg, ctx)
     if ctx.mesh is not None and ctx.dp_size * ctx.cp_size > 1:  # cp ranks' gradients are reduced as dp's
         apply_fsdp(part, blocks, ctx.mesh, t.precision, cfg.parallel.reshard_after_forward)
     return compiled
