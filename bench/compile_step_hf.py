@@ -181,7 +181,7 @@ def warm_starts(args: argparse.Namespace, dname: str, cache: Path) -> None:
 def child(args: argparse.Namespace) -> None:
     """A new process's first step (``warm_starts``) of ``--fill-steps``, printed as JSON."""
     from accelrun.compile import gemm_choice
-    from accelrun.compile.compile_model import compile_model, half_products_run_slowly
+    from accelrun.compile.compile_model import compile_model
     from accelrun.config.schema import CompileConfig
     from accelrun.models.build import training_loss_fn, transformer_blocks
 
@@ -191,8 +191,7 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "accelrun":
         cfg = CompileConfig(backend="accelrun", passes=args.passes, executors=args.executors.split(","))
         # bf16 here is the model's weights: on a CPU without bf16 kernels auto then compiles it whole
-        compiled = compile_model(model, transformer_blocks(model), cfg,
-                                 slow_half_products=half_products_run_slowly("fp32", model))
+        compiled = compile_model(model, transformer_blocks(model), cfg, precision="fp32")
         record, what = compiled.record, compiled.description
     loss_fn = training_loss_fn(model)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))

@@ -80,9 +80,10 @@ def half_products_run_slowly(precision: str, model: nn.Module) -> bool:
 
 def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: CompileConfig,
                   dump_dir: Path | None = None, loss_parallel: bool = False,
-                  slow_half_products: bool = False) -> Compiled:  # fmt: skip
-    """Compile in place (``Module.compile`` keeps parameter names). ``slow_half_products``: see
-    ``resolve_scope``."""
+                  precision: str | None = None) -> Compiled:  # fmt: skip
+    """Compile in place (``Module.compile`` keeps parameter names). ``precision``: the run's
+    ``train.precision``, which with the model's parameters decides whether ``auto`` compiles a user's
+    model whole for its half-precision products (``resolve_scope``); None leaves that rule out."""
     if cfg.backend == "eager":
         return Compiled("nothing (eager)")
     backend: object = cfg.backend
@@ -93,6 +94,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
 
         backend = AccelrunBackend(CompileOptions.from_config(cfg, dump_dir=dump_dir if cfg.dump else None))
         record = backend.record
+    slow_half_products = precision is not None and half_products_run_slowly(precision, model)
     scope, why = resolve_scope(cfg, model, blocks, loss_parallel, slow_half_products)
     chosen = f" (compile.scope = auto: {scope}, {why})" if why else ""
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch import nn
 
-from accelrun.compile.compile_model import Compiled, compile_model, half_products_run_slowly
+from accelrun.compile.compile_model import Compiled, compile_model
 from accelrun.config import ConfigError, RunConfig
 from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
 from accelrun.dist.async_tp import enable_async_tp
@@ -61,7 +61,7 @@ def apply_layout(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
     compiled = with_cuda_graph_decision(
         compile_model(part, blocks, cfg.compile, dump_dir, loss_parallel=cfg.parallel.loss_parallel,
                       # one process only: a sharded model compiled whole is a layout nothing here tests
-                      slow_half_products=ctx.mesh is None and half_products_run_slowly(t.precision, part)), cfg, ctx)
+                      precision=t.precision if ctx.mesh is None else None), cfg, ctx)
     if ctx.mesh is not None and ctx.dp_size * ctx.cp_size > 1:  # cp ranks' gradients are reduced as dp's
         apply_fsdp(part, blocks, ctx.mesh, t.precision, cfg.parallel.reshard_after_forward)
     return compiled

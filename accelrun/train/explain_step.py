@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from accelrun.compile.compile_model import compile_model, half_products_run_slowly
+from accelrun.compile.compile_model import compile_model
 from accelrun.config import ResolvedConfig
 from accelrun.data import build_data
 from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
@@ -64,8 +64,7 @@ def explain_step(resolved: ResolvedConfig, run_dir: Path, steady_steps: int = 3)
     if sharded:
         compiled = _compile_sharded_alone(model, blocks, compile_cfg, dump_dir, device)
     else:
-        compiled = compile_model(model, blocks, compile_cfg, dump_dir,
-                                 slow_half_products=half_products_run_slowly(t.precision, model))
+        compiled = compile_model(model, blocks, compile_cfg, dump_dir, precision=t.precision)
     optimizer = build_optimizer(model, t.optimizer, device, sharded=sharded)
     vocab_size, custom = data_vocab(cfg.model, model)  # as training reads it (train/setup.py)
     data = build_data(cfg.data, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,

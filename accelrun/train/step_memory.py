@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from accelrun.compile.compile_model import compile_model, half_products_run_slowly
+from accelrun.compile.compile_model import compile_model
 from accelrun.config.schema import RunConfig
 from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
 from accelrun.models import build_model, transformer_blocks
@@ -44,7 +44,7 @@ def measure_step(cfg: RunConfig, timed_steps: int = 0, warmup_steps: int = 2) ->
     blocks = transformer_blocks(model)
     if blocks is not None:
         apply_activation_checkpointing(blocks, t.activation_checkpoint)
-    compile_model(model, blocks, cfg.compile, slow_half_products=half_products_run_slowly(t.precision, model))
+    compile_model(model, blocks, cfg.compile, precision=t.precision)
     loss_fn = training_loss_fn(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     g = torch.Generator().manual_seed(t.seed)
