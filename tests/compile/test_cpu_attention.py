@@ -48,7 +48,8 @@ def test_kernel_is_built_for_this_cpus_vector_width():
      (2, 4, 1, 77, 64),  # multi-query
      (1, 2, 2, 33, 48),  # head_dim with a 16-wide tail
      (1, 2, 1, 300, 128),
-     # a last block of each row count the products are instantiated for (7, 6, 3 and 2 rows of 8)
+     # last blocks of 7, 6, 3 and 2 rows (blocks of 8, AVX-512) and of 5, 1 and 4 rows (blocks of 6,
+     # AVX2): cut into blocks of 4, 2 and 1 rows, the only counts besides a whole block's
      (1, 2, 1, 23, 32), (1, 2, 2, 30, 16), (1, 2, 1, 19, 32), (1, 2, 2, 10, 16)],
 )  # fmt: skip
 def test_forward_and_backward_match_sdpa(B, Hq, Hkv, S, D, causal):
