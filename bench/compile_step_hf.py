@@ -4,11 +4,20 @@ training step (forward, backward, AdamW) under eager, Inductor and accelrun, fp3
 The sibling of ``compile_step.py`` (the project's Llama) for model code nobody here wrote. Variants
 live in one process, their steps interleaved round-robin so machine noise hits them alike; figures
 are medians and ratios of medians (> 1: faster than the one compared with), with a 95% bootstrap
-interval of the ratio to Inductor's (rounds resampled in pairs). Every variant calls the model with
-``use_cache=False``, as ``accelrun train``'s loss does (training never reads the KV cache);
-``--use-cache`` calls it as transformers' default does, building the cache in every step (until
-2026-12-03 the bench did that, and accelrun's margin over Inductor was larger there). Cold compile = each compiled variant's
-first step with empty caches: each dtype runs in its own process (Inductor's in-process caches carry
+interval of the ratio to Inductor's (rounds resampled in pairs).
+
+Each variant trains the model as ``accelrun train`` trains a user's model: the loss is
+``training_loss_fn``'s (the model called with ``use_cache=False``, cross-entropy of its logits against
+the next tokens). accelrun compiles the model as ``accelrun train`` does (``compile_model`` with
+``--scope``, by default the recipe's ``auto``: in fp32 the repeated decoder layers, one graph for
+all, through the graph cache; the whole forward where bf16 products would run in ATen's slow loop);
+Inductor compiles the whole loss function, model and cross-entropy (its best case, as
+``torch.compile`` of a training step). Until 2026-12-04 the timed rounds and the cold step compiled
+the whole model with transformers' own loss (``labels=``) for accelrun too, which ``accelrun train``
+does not do: on the AVX2 machine that was 1.133x Inductor a step against 1.113x by layers, and a
+2.9 s cold step against 1.4 s. Until 2026-12-03 every call also built transformers' KV cache.
+
+Cold compile = each compiled variant's first step with empty caches: each dtype runs in its own process (Inductor's in-process caches carry
 from one dtype's compile to the next: its bf16 cold step took 32 s first and 18 s after fp32) with
 Inductor's and accelrun's on-disk caches (the attention kernel's included) in a fresh folder, after
 one untimed trace of the same model with no compiler (``aot_eager``), so the first trace of
@@ -22,13 +31,9 @@ fine-tuned on a CPU.
     python bench/compile_step_hf.py --dtypes fp32 --rounds 20 --hidden 512 --layers 4 --seq 512
 
 Warm start: after the timed rounds, each variant's first step in new processes (``--warm-starts``):
-eager's, and accelrun's with the caches a first process filled, both trained as ``accelrun train``
-trains a user's model: compiled by ``compile_model`` with the recipe's default scope (``auto``: the
-repeated decoder layers, one graph for all, through the graph cache) and the loss computed by
-``training_loss_fn`` (cross-entropy over the logits, outside the model). Until 2026-12-04 the child
-compiled the whole model, which ``accelrun train`` does not do for this model, and the process that
-filled the caches ran one step, fewer than cpu_gemm needs to choose its products' library, so every
-warm start timed them again; it now runs ``--fill-steps``, as an earlier training run would have.
+eager's, and accelrun's (compiled as above) with the caches a first process filled. That process runs
+``--fill-steps`` steps, as an earlier training run would have (until 2026-12-04 it ran one, fewer than
+cpu_gemm needs to choose its products' library, so every warm start timed them again).
 """
 
 from __future__ import annotations
@@ -50,10 +55,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from accelrun.compile.backend import AccelrunBackend  # noqa: E402
-from accelrun.compile.options import CompileOptions  # noqa: E402
-from accelrun.compile.passes.base import resolve_passes  # noqa: E402
-from accelrun.config.schema import CpuMalloc, OptimizerConfig  # noqa: E402
+from accelrun.compile.compile_model import compile_model  # noqa: E402
+from accelrun.config.schema import CompileConfig, CpuMalloc, OptimizerConfig  # noqa: E402
+from accelrun.models.build import training_loss_fn, transformer_blocks  # noqa: E402
 from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
@@ -73,36 +77,43 @@ def build(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
     return LlamaForCausalLM(cfg).to(dtype)
 
 
-def warm_the_tracer(model: torch.nn.Module, ids: torch.Tensor, use_cache: bool) -> None:
+def warm_the_tracer(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
     """One untimed forward and backward of a copy of ``model`` through Dynamo and AOTAutograd with no
     compiler: what tracing this code costs a process the first time counts against no variant."""
-    torch.compile(copy.deepcopy(model), backend="aot_eager")(input_ids=ids, labels=ids, use_cache=use_cache).loss.backward()
+    torch.compile(training_loss_fn(copy.deepcopy(model)), backend="aot_eager")(*batch).backward()
     torch._dynamo.reset()
 
 
+def accelrun_config(args: argparse.Namespace) -> CompileConfig:
+    return CompileConfig(backend="accelrun", scope=args.scope, passes=args.passes, executors=args.executors.split(","))
+
+
+def next_token_batch(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) from a row of ``seq + 1`` tokens, as ``accelrun train``'s data loader makes them."""
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
 class Variant:
-    def __init__(self, name: str, model: torch.nn.Module, args: argparse.Namespace, cache: Path) -> None:
+    def __init__(self, name: str, model: torch.nn.Module, args: argparse.Namespace) -> None:
         self.name, self.model = name, copy.deepcopy(model)
         # AdamW as `accelrun train` builds it on a CPU (fused), the same for every variant, as in
         # bench/compile_step.py; until 2026-11-28 torch's default here (one kernel per parameter and op).
         self.opt = build_optimizer(self.model, OptimizerConfig(lr=1e-4), torch.device("cpu"), sharded=False)
-        self.record = None
+        self.record, self.description = None, name
+        if name == "accelrun":
+            # precision fp32: bf16 here is the model's own weights, which compile_model reads itself
+            compiled = compile_model(self.model, transformer_blocks(self.model), accelrun_config(args),
+                                     precision="fp32")  # fmt: skip
+            self.record, self.description = compiled.record, compiled.description
+        self.fn = training_loss_fn(self.model)
         if name == "inductor":
-            self.fn = torch.compile(self.model)
-        elif name == "accelrun":
-            backend = AccelrunBackend(CompileOptions(passes=resolve_passes(args.passes),
-                                                     executors=args.executors.split(","), cache_dir=cache))  # fmt: skip
-            self.record = backend.record
-            self.fn = torch.compile(self.model, backend=backend)
-        else:
-            self.fn = self.model
-        self.use_cache = args.use_cache
+            self.fn = torch.compile(self.fn)
         self.times: list[float] = []
         self.first = 0.0
 
-    def step(self, ids: torch.Tensor) -> float:
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         t0 = time.perf_counter()
-        loss = self.fn(input_ids=ids, labels=ids, use_cache=self.use_cache).loss
+        loss = self.fn(*batch)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -115,10 +126,10 @@ def run(args: argparse.Namespace, dname: str) -> None:
     cache = Path(tempfile.mkdtemp(prefix="accelrun-bench-hf-"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
     os.environ["ACCELRUN_CACHE_DIR"] = str(cache / "accelrun")  # the attention kernel's library too
-    variants = [Variant(n, model, args, cache / "accelrun" / "graphs") for n in args.variants.split(",")]
+    variants = [Variant(n, model, args) for n in args.variants.split(",")]
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(4)]
-    warm_the_tracer(model, batches[0], args.use_cache)
+    batches = [next_token_batch(torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)) for _ in range(4)]
+    warm_the_tracer(model, batches[0])
     for v in variants:  # first step: capture + compile + run (no reset between: it would drop the others')
         v.first = v.step(batches[0])
     for _ in range(args.warmup):
@@ -129,8 +140,8 @@ def run(args: argparse.Namespace, dname: str) -> None:
             v.times.append(v.step(batches[r % len(batches)]))
     med = {v.name: statistics.median(v.times) for v in variants}
     print(f"\ntransformers LlamaForCausalLM {dname}: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
-          f"seq {args.seq}, use_cache={args.use_cache}, {args.rounds} interleaved rounds, "
-          f"{torch.get_num_threads()} threads")  # fmt: skip
+          f"seq {args.seq}, {args.rounds} interleaved rounds, {torch.get_num_threads()} threads; accelrun: "
+          f"{next((v.description for v in variants if v.name == 'accelrun'), '-')}")  # fmt: skip
     print(f"{'variant':10s} {'cold compile':>12s} {'vs inductor':>11s} {'median step':>12s} {'vs eager':>9s} "
           f"{'vs inductor':>12s} {'95% interval':>14s}")
     inductor = next((v for v in variants if v.name == "inductor"), None)
@@ -162,7 +173,7 @@ def warm_starts(args: argparse.Namespace, dname: str, cache: Path) -> None:
     def child(variant: str, steps: int = 1) -> dict:
         cmd = [sys.executable, __file__, "--child", variant, "--dtypes", dname, "--hidden", str(args.hidden),
                "--layers", str(args.layers), "--vocab", str(args.vocab), "--batch", str(args.batch),
-               "--seq", str(args.seq), "--passes", args.passes, "--executors", args.executors,
+               "--seq", str(args.seq), "--scope", args.scope, "--passes", args.passes, "--executors", args.executors,
                "--fill-steps", str(steps)]  # fmt: skip
         env = {**os.environ, "ACCELRUN_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
@@ -181,21 +192,16 @@ def warm_starts(args: argparse.Namespace, dname: str, cache: Path) -> None:
 def child(args: argparse.Namespace) -> None:
     """A new process's first step (``warm_starts``) of ``--fill-steps``, printed as JSON."""
     from accelrun.compile import gemm_choice
-    from accelrun.compile.compile_model import compile_model
-    from accelrun.config.schema import CompileConfig
-    from accelrun.models.build import training_loss_fn, transformer_blocks
 
     tune_malloc(args.malloc)
     model = build(args, DTYPES[args.dtypes])
     record, what = None, "eager"
     if args.child == "accelrun":
-        cfg = CompileConfig(backend="accelrun", passes=args.passes, executors=args.executors.split(","))
-        # bf16 here is the model's weights: on a CPU without bf16 kernels auto then compiles it whole
-        compiled = compile_model(model, transformer_blocks(model), cfg, precision="fp32")
+        compiled = compile_model(model, transformer_blocks(model), accelrun_config(args), precision="fp32")
         record, what = compiled.record, compiled.description
     loss_fn = training_loss_fn(model)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
-    inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    inputs, targets = next_token_batch(
+        torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0)))
     gc.freeze()  # as `accelrun train` does before its first step (train/loop.py), for both variants
     times = []
     for _ in range(args.fill_steps):
@@ -235,9 +241,8 @@ def main() -> None:
                     help="steps of the process that fills the caches the warm starts load, as an earlier "
                          "training run would have: cpu_gemm decides a product layout's library after 10 calls "
                          "of it (each decoder layer calls each of its layouts once a step)")
-    ap.add_argument("--use-cache", action="store_true",
-                    help="build transformers' KV cache in each step (its default call) instead of use_cache=False "
-                         "(accelrun train's)")
+    ap.add_argument("--scope", default="auto", choices=typing.get_args(CompileConfig.model_fields["scope"].annotation),
+                    help="accelrun's compile.scope (auto: what `accelrun train` picks for this model)")
     ap.add_argument("--child", choices=["eager", "accelrun"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
