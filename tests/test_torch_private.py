@@ -17,7 +17,7 @@ import accelrun.torch_private as tp
 
 EAGER = ("reinterpret_tensor", "empty_strided_cpu", "TensorGuards")
 FUNCTIONS = ("cuda_current_raw_stream", "triton_direct_launch", "cpu_has_half_gemm", "onednn_linear",
-             "import_module_globals", "files_traced_by_precompile")
+             "import_module_globals", "files_traced_by_precompile", "unread_compile_logs_skipped")
 
 
 def _params(fn) -> list[str]:
@@ -269,6 +269,40 @@ def test_files_traced_by_precompile(tmp_path, monkeypatch):
     assert {str(tmp_path / "traced_helper.py"), str(tmp_path / "traced_model.py")} <= files
     assert not entry._artifacts.source_info.inlined_sources
     assert [s.module for s in outside.inlined_sources] == ["traced_model"]
+
+
+def test_unread_compile_logs_skipped(monkeypatch):
+    """Inside the block AOTAutograd prints no graph and Dynamo times no guards; with the aot_graphs log
+    on, or outside the block, torch's own code runs."""
+    import logging
+
+    from torch.fx import GraphModule
+
+    printed = []
+    original_print = GraphModule.print_readable
+    monkeypatch.setattr(GraphModule, "print_readable", lambda self, *a, **k: printed.append(1) or original_print(self, *a, **k))
+
+    def compile_once() -> int:
+        printed.clear()
+        torch._dynamo.reset()
+        torch.compile(lambda x: (x.sin() * 2).sum(), backend="aot_eager")(torch.ones(3, requires_grad=True)).backward()
+        return len(printed)
+
+    try:
+        with tp.unread_compile_logs_skipped():
+            assert compile_once() == 0
+            profile = torch._dynamo.guards.profile_guard_manager
+            assert getattr(profile, "_accelrun_skips", False) and profile(None, None, 1) == 0.0  # torch's: a crash
+            graphs_log = torch._functorch._aot_autograd.graph_compile.aot_graphs_log
+            level = graphs_log.level
+            graphs_log.setLevel(logging.INFO)  # setLevel: isEnabledFor caches its answers
+            try:
+                assert compile_once() >= 2  # the forward and the backward graph, for the log
+            finally:
+                graphs_log.setLevel(level)
+        assert compile_once() >= 3  # and the joint graph, for the AOTAutograd cache
+    finally:
+        torch._dynamo.reset()
 
 
 def test_dynamo_counters():

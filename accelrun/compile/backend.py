@@ -32,6 +32,7 @@ from accelrun.torch_private import (
     default_partition,
     functorch_config,
     make_boxed_func,
+    unread_compile_logs_skipped,
     use_lazy_graph_module,
 )
 
@@ -114,7 +115,9 @@ class AccelrunBackend:
         # at the forward's compile, and a graph whose backward never runs is lowered all the same.
         # AOTAutograd's graphs are made lazy: the partition and post_grad passes each rewrite them and
         # call recompile(), which then only marks them; their code is written once, after each stage.
-        with functorch_config.patch(force_non_lazy_backward_lowering=True), use_lazy_graph_module(True):
+        # Graphs printed for logs nobody reads: 35 ms of the debug Llama's cold step (torch_private).
+        with (functorch_config.patch(force_non_lazy_backward_lowering=True), use_lazy_graph_module(True),
+              unread_compile_logs_skipped()):  # fmt: skip
             compiled = aot_module_simplified(
                 gm, example_inputs,
                 fw_compiler=self._graph_compiler(name, "forward", notes),

@@ -403,7 +403,11 @@ class CachedMethod:
 
     def _compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, set[str]]:
         """The precompiled entry, and the files Dynamo traced for it."""
-        from accelrun.torch_private import files_traced_by_precompile, temporary_cache_dir
+        from accelrun.torch_private import (
+            files_traced_by_precompile,
+            temporary_cache_dir,
+            unread_compile_logs_skipped,
+        )
 
         backend = self.cache.backend
         try:  # a head start only: its failure must not mark the method as refused
@@ -428,7 +432,7 @@ class CachedMethod:
             stages = backend.record.stage_seconds
             timed_before, t0 = sum(stages.values()), time.perf_counter()
             try:
-                with files_traced_by_precompile() as traced:
+                with files_traced_by_precompile() as traced, unread_compile_logs_skipped():
                     entry = compiled.aot_compile((args, kwargs))
             finally:
                 backend.serializable = False
