@@ -6,9 +6,8 @@ import itertools
 
 import sympy
 from torch.utils._sympy.functions import FloorDiv
-from torch.utils._sympy.functions import Mod as IndexMod
 
-from accelrun.compile.codegen.index_simplify import simplify_index
+from accelrun.compile.codegen.index_simplify import IndexMod, simplify_index
 
 c, r = sympy.symbols("c r", integer=True, nonnegative=True)
 
@@ -48,3 +47,25 @@ def test_unknown_bounds_keep_the_division():
     assert simplify_index(FloorDiv(c, 16), {c: 16}) == 0
     assert simplify_index(sympy.Mod(c + 3, 16), {c: 13}) == c + 3
     assert simplify_index(sympy.Mod(c + 3, 16), {c: 14}) != c + 3
+
+
+def test_index_mod_decides_what_pytorchs_mod_decides():
+    """accelrun's IndexMod evaluates from integer coefficients what PyTorch's Mod evaluates through
+    sympy's assumptions: the same value where PyTorch's decides one, unevaluated where it does not."""
+    from torch.utils._sympy.functions import Mod as TorchMod
+
+    x = sympy.Symbol("x", integer=True, nonnegative=True)
+    numerators = [sympy.Integer(n) for n in (0, 1, 7, 64)]
+    numerators += [a * c + b * r + k for a in (0, 1, 2, 3, 32) for b in (0, 1, 4) for k in (0, 1, 2, 32)]
+    numerators += [2 * FloorDiv(c, 3) + 4, 3 * TorchMod(c, 4) + 6, 2 * c * r + 2]
+    decided = 0
+    for p, q in itertools.product(numerators, (1, 2, 3, 4, 32)):
+        ours, torchs = IndexMod(p, q), TorchMod(p, q)
+        assert isinstance(ours, TorchMod) == isinstance(torchs, TorchMod), (p, q, ours, torchs)
+        if not isinstance(torchs, TorchMod):
+            decided += 1
+            assert ours == torchs, (p, q)
+        else:
+            assert ours.args == torchs.args
+    assert decided > 50
+    assert isinstance(IndexMod(x / 2, 4), TorchMod)  # not an integer coefficient: PyTorch's eval decides

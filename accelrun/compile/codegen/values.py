@@ -22,8 +22,9 @@ import sympy
 import torch
 from torch import fx
 
+from accelrun.compile.codegen.index_simplify import IndexMod
 from accelrun.compile.codegen.ops import COMPARISONS, OPS, Unsupported  # noqa: F401  (Unsupported re-exported)
-from accelrun.torch_private import FloorDiv, IndexMod
+from accelrun.torch_private import FloorDiv
 
 aten = torch.ops.aten
 prims = torch.ops.prims
