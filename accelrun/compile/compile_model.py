@@ -41,10 +41,12 @@ def resolve_scope(cfg: CompileConfig, model: nn.Module, blocks: list[nn.Module] 
     auto: a model with repeated blocks and a loss head of its own compiles them with ``loss`` under
     accelrun (the head's linear + cross-entropy fuse; with loss parallelism the head's logits are
     sharded, so ``block``); Inductor, or a model without a loss head, gets ``block``; a user's model
-    without an ``nn.ModuleList`` of blocks of its own classes gets ``model``, and so does a user's
-    model whose half-precision products ATen would run in its slow generic loop
-    (``slow_half_products``, see ``half_products_run_slowly``): its output head is in its forward,
-    outside the blocks, and only a compiled graph runs it as an fp32 GEMM (``cpu_half_gemm``).
+    without an ``nn.ModuleList`` of blocks of its own classes gets ``model``. A user's model whose
+    half-precision products ATen would run in its slow generic loop (``slow_half_products``, see
+    ``half_products_run_slowly``) has its output head outside the blocks, and only a compiled graph
+    runs that as an fp32 GEMM (``cpu_half_gemm``): it gets ``block`` when every weight outside the
+    blocks is an ``nn.Linear``'s or an ``nn.Embedding``'s (``compile_model`` then compiles each such
+    Linear on its own too), ``model`` otherwise (a weight some other code multiplies by).
     """
     if cfg.scope != "auto":
         return cfg.scope, ""
@@ -53,14 +55,38 @@ def resolve_scope(cfg: CompileConfig, model: nn.Module, blocks: list[nn.Module] 
         return "model", "no nn.ModuleList of the model's own blocks"
     head_loss = getattr(model, "head_loss", None)
     if cfg.backend == "accelrun" and slow_half_products and head_loss is None:
-        # transformers' Llama in bf16-mixed on an AVX2 CPU: 5.4 s a step by its layers, 0.74 s whole.
-        return "model", ("bf16/fp16 matmuls on a CPU without kernels for them: the whole forward compiles, "
-                         "so the output head's runs as an fp32 GEMM too")  # fmt: skip
+        # transformers' Llama in bf16-mixed on an AVX2 CPU: 5.4 s a step by its layers, 0.74 s whole;
+        # by its layers and its lm_head as fast as whole, and a cold step of 2.0 s instead of 3.1.
+        if _weights_outside_blocks_are_linear(model, blocks):
+            return "block", ("repeated blocks; bf16/fp16 matmuls on a CPU without kernels for them: the "
+                             "nn.Linear layers outside the blocks compile too, so their products run as fp32 GEMMs")
+        return "model", ("bf16/fp16 matmuls on a CPU without kernels for them, and weights outside the blocks "
+                         "that are no nn.Linear's: the whole forward compiles, so their products run as fp32 GEMMs")
     if cfg.backend == "accelrun" and _has_head(model) and head_loss is not None:
         if loss_parallel:
             return "block", "the loss head's logits are sharded (parallel.loss_parallel)"
         return "loss", "repeated blocks and a loss head"
     return "block", "repeated blocks" + ("" if cfg.backend == "accelrun" else f" ({cfg.backend})")
+
+
+def _weights_outside_blocks_are_linear(model: nn.Module, blocks: list[nn.Module] | None) -> bool:
+    """Whether every matrix (or larger) parameter outside the model's repeated blocks belongs to an
+    ``nn.Linear`` (compiled one by one) or an ``nn.Embedding`` (a lookup, no product)."""
+    if blocks is None and (found := repeated_blocks(model)) is not None:
+        blocks = found[1]
+    inside = {id(p) for block in blocks or [] for p in block.parameters()}
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if p.dim() >= 2 and id(p) not in inside]
+        if own and not isinstance(module, (nn.Linear, nn.Embedding)):
+            return False
+    return True
+
+
+def linears_outside(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The ``nn.Linear`` layers of ``model`` that are in none of ``blocks`` (an output head, an input
+    projection), each once."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    return [m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
 
 
 def half_products_run_slowly(precision: str, model: nn.Module) -> bool:
@@ -83,7 +109,8 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
                   precision: str | None = None) -> Compiled:  # fmt: skip
     """Compile in place (``Module.compile`` keeps parameter names). ``precision``: the run's
     ``train.precision``, which with the model's parameters decides whether ``auto`` compiles a user's
-    model whole for its half-precision products (``resolve_scope``); None leaves that rule out."""
+    model for its half-precision products (its Linear layers outside the blocks too, or the whole
+    model: ``resolve_scope``); None leaves that rule out."""
     if cfg.backend == "eager":
         return Compiled("nothing (eager)")
     backend: object = cfg.backend
@@ -113,6 +140,9 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         targets = [(b, "forward") for b in blocks] + ([(model, "head_loss")] if head is not None else [])
         cache = _graph_cache(cfg, backend, targets)
         _compile_blocks(blocks, cfg, backend, cache)
+        # (with a loss head graph, the head's product is in that graph already)
+        what += _compile_linears_outside(model, blocks, backend,
+                                         slow_half_products and cfg.backend == "accelrun" and head is None)  # fmt: skip
         if head is not None and cache is not None:
             from accelrun.compile.graph_cache import install
 
@@ -127,8 +157,9 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         # Its repeated blocks compile on their own; the code between them runs eagerly.
         path, found_blocks = found
         _compile_blocks(found_blocks, cfg, backend, _graph_cache(cfg, backend, [(b, "forward") for b in found_blocks]))
-        return done(f"{len(found_blocks)} repeated {type(found_blocks[0]).__name__} blocks ({path}) with {name} "
-                    f"(no `layers` list: compile.scope = {scope} found them)")  # fmt: skip
+        linears = _compile_linears_outside(model, found_blocks, backend, slow_half_products and cfg.backend == "accelrun")
+        return done(f"{len(found_blocks)} repeated {type(found_blocks[0]).__name__} blocks ({path}){linears} with "
+                    f"{name} (no `layers` list: compile.scope = {scope} found them)")  # fmt: skip
     if scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:
         from accelrun.compile.graph_cache import install
 
@@ -225,6 +256,15 @@ class _FirstCallFallback:
             self.record.fallback_scope = (f"Dynamo skipped the whole forward, so after the first step the "
                                           f"{len(blocks)} {type(blocks[0]).__name__} modules of `{path}` "
                                           "compile one by one")  # fmt: skip
+
+
+def _compile_linears_outside(model: nn.Module, blocks: list[nn.Module], backend: object, wanted: bool) -> str:
+    """Where half-precision products run slowly eagerly, compile each ``nn.Linear`` outside the blocks
+    on its own (its product then runs as an fp32 GEMM); what was compiled, for the description."""
+    linears = linears_outside(model, blocks) if wanted else []
+    for linear in linears:
+        compile_module(linear, backend)
+    return f" + {len(linears)} nn.Linear layer{'s' if len(linears) != 1 else ''} outside them" if linears else ""
 
 
 def _compile_blocks(blocks: list[nn.Module], cfg: CompileConfig, backend: object, cache: Any) -> None:

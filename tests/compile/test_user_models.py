@@ -121,11 +121,29 @@ class _BlocksAndHead(torch.nn.Module):
         return self.head(x)
 
 
-def test_auto_compiles_a_users_whole_forward_where_half_products_are_slow_eagerly():
+class _BlocksAndMatrix(_BlocksAndHead):
+    """The same with a weight outside the blocks that its forward multiplies by itself."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__(dim)
+        self.mix = torch.nn.Parameter(torch.eye(dim))
+
+    def forward(self, tokens):
+        x = self.embed(tokens) @ self.mix
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_auto_compiles_the_products_outside_a_users_blocks_where_half_products_are_slow_eagerly(
+        tmp_path, monkeypatch):  # fmt: skip
     """By its blocks, a user's model runs its output head eagerly: in bf16 on a CPU without bf16 matrix
     kernels that product takes ATen's generic loop (transformers' Llama in bf16-mixed on an AVX2 CPU:
-    5.4 s a step, 0.74 s compiled whole). There auto compiles the whole forward; elsewhere the blocks."""
-    from accelrun.compile.compile_model import half_products_run_slowly
+    5.4 s a step). There auto compiles the blocks and each nn.Linear outside them (as fast as the whole
+    forward, and a cold step of 2.0 s instead of 3.1), or the whole forward where another weight
+    outside the blocks could be multiplied by; elsewhere the blocks alone."""
+    from accelrun.compile import compile_model as compile_model_module
+    from accelrun.compile.compile_model import half_products_run_slowly, linears_outside
     from accelrun.config import load_config
     from accelrun.models import build_model
     from accelrun.torch_private import cpu_has_half_gemm
@@ -136,13 +154,28 @@ def test_auto_compiles_a_users_whole_forward_where_half_products_are_slow_eagerl
     accelrun, inductor = CompileConfig(backend="accelrun"), CompileConfig(backend="inductor")
     assert resolve_scope(accelrun, model, blocks)[0] == "block"
     scope, why = resolve_scope(accelrun, model, blocks, slow_half_products=True)
-    assert scope == "model" and "fp32 GEMM" in why
+    assert scope == "block" and "nn.Linear layers outside the blocks" in why
+    assert linears_outside(model, blocks) == [model.head]
+    scope, why = resolve_scope(accelrun, _BlocksAndMatrix(), blocks, slow_half_products=True)
+    assert scope == "model" and "fp32 GEMMs" in why
     assert resolve_scope(inductor, model, blocks, slow_half_products=True)[0] == "block"  # no such pass there
     family = build_model(load_config(DEFAULT_CONFIG, [*TINY, "model.n_layers=1"]).config.model, torch.device("meta"),
                          seed=0)  # fmt: skip
     # A model family's head is compiled anyway (scope loss), and a meta model has no CPU products.
     assert resolve_scope(accelrun, family, transformer_blocks(family), slow_half_products=True)[0] == "loss"
     assert not half_products_run_slowly("bf16-mixed", family)
+
+    # Compiled so, on any CPU (the rule forced on): the head is a graph of its own, at eager's losses.
+    monkeypatch.setattr(compile_model_module, "half_products_run_slowly", lambda precision, model: True)
+    torch.manual_seed(0)
+    model = _BlocksAndHead()
+    reference = copy.deepcopy(model)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    compiled = compile_model(model, transformer_blocks(model), cfg, precision="bf16-mixed")
+    assert "1 nn.Linear layer outside them" in compiled.description, compiled.description
+    _train_side_by_side(model, reference)
+    assert compiled.record.dynamo_graphs == 2  # the blocks' graph (shared) and the head's
+    assert compiled.record.graphs_in_use() == 2
 
     slow_bf16 = not cpu_has_half_gemm(torch.bfloat16)
     assert half_products_run_slowly("bf16-mixed", model) is slow_bf16
