@@ -10,7 +10,8 @@ Each variant trains the model as ``accelrun train`` trains a user's model: the l
 ``training_loss_fn``'s (the model called with ``use_cache=False``, cross-entropy of its logits against
 the next tokens). accelrun compiles the model as ``accelrun train`` does (``compile_model`` with
 ``--scope``, by default the recipe's ``auto``: in fp32 the repeated decoder layers, one graph for
-all, through the graph cache; the whole forward where bf16 products would run in ATen's slow loop);
+all, through the graph cache; where bf16 products would run in ATen's slow loop, also ``lm_head``
+on its own, so that its product runs as an fp32 GEMM);
 Inductor compiles the whole loss function, model and cross-entropy (its best case, as
 ``torch.compile`` of a training step). Until 2026-12-04 the timed rounds and the cold step compiled
 the whole model with transformers' own loss (``labels=``) for accelrun too, which ``accelrun train``
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace, dname: str) -> None:
 
 def warm_starts(args: argparse.Namespace, dname: str, cache: Path) -> None:
     """A new process's first step (model built, then one forward and backward timed), each in its own
-    child: eager; accelrun as `accelrun train` compiles this model (``compile_model``, default scope,
+    child: eager; accelrun as `accelrun train` compiles this model (``compile_model`` with ``--scope``,
     the graph cache on), once to fill the caches (``--fill-steps`` steps) and then ``--warm-starts``
     times loading them."""
     def child(variant: str, steps: int = 1) -> dict:

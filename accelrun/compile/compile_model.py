@@ -17,6 +17,7 @@ repeated modules inside it are compiled one by one (``_FirstCallFallback``).
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,14 +71,24 @@ def resolve_scope(cfg: CompileConfig, model: nn.Module, blocks: list[nn.Module] 
 
 
 def _weights_outside_blocks_are_linear(model: nn.Module, blocks: list[nn.Module] | None) -> bool:
-    """Whether every matrix (or larger) parameter outside the model's repeated blocks belongs to an
-    ``nn.Linear`` (compiled one by one) or an ``nn.Embedding`` (a lookup, no product)."""
+    """Whether every product outside the model's repeated blocks can be compiled one ``nn.Linear`` at a
+    time: every matrix (or larger) parameter there belongs to an ``nn.Linear`` that no block holds too,
+    or to an ``nn.Embedding`` (a lookup) beside a Linear head of its vocabulary (an embedding without
+    one is most likely the head too, multiplied by in the forward's own code)."""
     if blocks is None and (found := repeated_blocks(model)) is not None:
         blocks = found[1]
-    inside = {id(p) for block in blocks or [] for p in block.parameters()}
-    for module in model.modules():
-        own = [p for p in module.parameters(recurse=False) if p.dim() >= 2 and id(p) not in inside]
-        if own and not isinstance(module, (nn.Linear, nn.Embedding)):
+    blocks = blocks or []
+    inside = {id(m) for block in blocks for m in block.modules()}
+    inside_params = {id(p) for block in blocks for p in block.parameters()}
+    outside = _modules_outside(model, blocks)
+    heads = {m.out_features for m in outside if isinstance(m, nn.Linear)}
+    for module in outside:
+        own = [p for p in module.parameters(recurse=False) if p.dim() >= 2 and id(p) not in inside_params]
+        if isinstance(module, nn.Linear) and id(module) in inside:
+            return False  # called from a block and from outside: compiled on its own it would nest compiles
+        if not own or isinstance(module, nn.Linear):
+            continue
+        if not (isinstance(module, nn.Embedding) and module.num_embeddings in heads):
             return False
     return True
 
@@ -86,7 +97,23 @@ def linears_outside(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module
     """The ``nn.Linear`` layers of ``model`` that are in none of ``blocks`` (an output head, an input
     projection), each once."""
     inside = {id(m) for block in blocks for m in block.modules()}
-    return [m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
+    found: dict[int, nn.Module] = {}
+    for m in _modules_outside(model, blocks):
+        if isinstance(m, nn.Linear) and id(m) not in inside:
+            found.setdefault(id(m), m)
+    return list(found.values())
+
+
+def _modules_outside(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The modules reachable from ``model`` without entering a block, by every path (a module shared
+    by a block and by the model's own code is listed)."""
+    skip = {id(b) for b in blocks}
+    out, stack = [], [model]
+    while stack:
+        module = stack.pop()
+        out.append(module)
+        stack.extend(c for c in module.children() if id(c) not in skip)
+    return out
 
 
 def half_products_run_slowly(precision: str, model: nn.Module) -> bool:
@@ -124,6 +151,9 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
     slow_half_products = precision is not None and half_products_run_slowly(precision, model)
     scope, why = resolve_scope(cfg, model, blocks, loss_parallel, slow_half_products)
     chosen = f" (compile.scope = auto: {scope}, {why})" if why else ""
+    # auto's block scope for half products that run slowly eagerly: the Linears outside the blocks too
+    # (an explicit compile.scope = block compiles the blocks alone; preflight warns about it)
+    linears_wanted = cfg.scope == "auto" and cfg.backend == "accelrun" and slow_half_products
 
     def done(what: str) -> Compiled:
         return Compiled(what + chosen, record, backend)
@@ -141,8 +171,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         cache = _graph_cache(cfg, backend, targets)
         _compile_blocks(blocks, cfg, backend, cache)
         # (with a loss head graph, the head's product is in that graph already)
-        what += _compile_linears_outside(model, blocks, backend,
-                                         slow_half_products and cfg.backend == "accelrun" and head is None)  # fmt: skip
+        what += _compile_linears_outside(model, blocks, backend, linears_wanted and head is None)
         if head is not None and cache is not None:
             from accelrun.compile.graph_cache import install
 
@@ -157,7 +186,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         # Its repeated blocks compile on their own; the code between them runs eagerly.
         path, found_blocks = found
         _compile_blocks(found_blocks, cfg, backend, _graph_cache(cfg, backend, [(b, "forward") for b in found_blocks]))
-        linears = _compile_linears_outside(model, found_blocks, backend, slow_half_products and cfg.backend == "accelrun")
+        linears = _compile_linears_outside(model, found_blocks, backend, linears_wanted)
         return done(f"{len(found_blocks)} repeated {type(found_blocks[0]).__name__} blocks ({path}){linears} with "
                     f"{name} (no `layers` list: compile.scope = {scope} found them)")  # fmt: skip
     if scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:
@@ -203,12 +232,13 @@ def compile_module(module: nn.Module, backend: object, fullgraph: bool = False) 
     if not is_torch_builtin(type(module)):
         module.compile(backend=backend, fullgraph=fullgraph)
         return
-    forward = module.forward
+    # Bound to the module (not a closure over its forward): a deep copy of the model then calls its own
+    # weights, the compiled function rebound to the copy.
+    module.forward = types.MethodType(torch.compile(_class_forward, backend=backend, fullgraph=fullgraph), module)
 
-    def traced_forward(*args: Any, **kwargs: Any) -> Any:
-        return forward(*args, **kwargs)
 
-    module.forward = torch.compile(traced_forward, backend=backend, fullgraph=fullgraph)
+def _class_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return type(module).forward(module, *args, **kwargs)
 
 
 class _FirstCallFallback:

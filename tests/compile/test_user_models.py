@@ -135,6 +135,34 @@ class _BlocksAndMatrix(_BlocksAndHead):
         return self.head(x)
 
 
+class _TiedByHand(_BlocksAndHead):
+    """The same with no Linear head: the logits are the embedding's weight times the last state."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__(dim)
+        del self.head
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return x @ self.embed.weight.T
+
+
+class _SharedProjection(_BlocksAndHead):
+    """The same holding a Linear of its first block as its own too, and calling it."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__(dim)
+        self.first_proj = self.layers[0].proj
+
+    def forward(self, tokens):
+        x = self.first_proj(self.embed(tokens))
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
 def test_auto_compiles_the_products_outside_a_users_blocks_where_half_products_are_slow_eagerly(
         tmp_path, monkeypatch):  # fmt: skip
     """By its blocks, a user's model runs its output head eagerly: in bf16 on a CPU without bf16 matrix
@@ -156,8 +184,9 @@ def test_auto_compiles_the_products_outside_a_users_blocks_where_half_products_a
     scope, why = resolve_scope(accelrun, model, blocks, slow_half_products=True)
     assert scope == "block" and "nn.Linear layers outside the blocks" in why
     assert linears_outside(model, blocks) == [model.head]
-    scope, why = resolve_scope(accelrun, _BlocksAndMatrix(), blocks, slow_half_products=True)
-    assert scope == "model" and "fp32 GEMMs" in why
+    for other in (_BlocksAndMatrix(), _TiedByHand(), _SharedProjection()):  # a product no Linear of its own runs
+        scope, why = resolve_scope(accelrun, other, transformer_blocks(other), slow_half_products=True)
+        assert scope == "model" and "fp32 GEMMs" in why, type(other).__name__
     assert resolve_scope(inductor, model, blocks, slow_half_products=True)[0] == "block"  # no such pass there
     family = build_model(load_config(DEFAULT_CONFIG, [*TINY, "model.n_layers=1"]).config.model, torch.device("meta"),
                          seed=0)  # fmt: skip
@@ -176,6 +205,17 @@ def test_auto_compiles_the_products_outside_a_users_blocks_where_half_products_a
     _train_side_by_side(model, reference)
     assert compiled.record.dynamo_graphs == 2  # the blocks' graph (shared) and the head's
     assert compiled.record.graphs_in_use() == 2
+    # A copy of the compiled head runs its own weights.
+    twin = copy.deepcopy(model.head)
+    with torch.no_grad():
+        twin.weight.mul_(2)
+    h = torch.randn(2, 8, 16)
+    torch.testing.assert_close(twin(h), torch.nn.functional.linear(h, twin.weight, twin.bias))
+    # Blocks found without a `layers` list get the same; an explicit compile.scope = block the blocks alone.
+    found = compile_model(_BlocksAndHead(), None, cfg, precision="bf16-mixed")
+    assert "1 nn.Linear layer outside them" in found.description, found.description
+    explicit = compile_model(_BlocksAndHead(), None, cfg.model_copy(update={"scope": "block"}), precision="bf16-mixed")
+    assert "nn.Linear" not in explicit.description, explicit.description
 
     slow_bf16 = not cpu_has_half_gemm(torch.bfloat16)
     assert half_products_run_slowly("bf16-mixed", model) is slow_bf16
