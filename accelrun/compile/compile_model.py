@@ -45,9 +45,9 @@ def resolve_scope(cfg: CompileConfig, model: nn.Module, blocks: list[nn.Module] 
     without an ``nn.ModuleList`` of blocks of its own classes gets ``model``. A user's model whose
     half-precision products ATen would run in its slow generic loop (``slow_half_products``, see
     ``half_products_run_slowly``) has its output head outside the blocks, and only a compiled graph
-    runs that as an fp32 GEMM (``cpu_half_gemm``): it gets ``block`` when every weight outside the
-    blocks is an ``nn.Linear``'s or an ``nn.Embedding``'s (``compile_model`` then compiles each such
-    Linear on its own too), ``model`` otherwise (a weight some other code multiplies by).
+    runs that as an fp32 GEMM (``cpu_half_gemm``): it gets ``block`` when every product outside the
+    blocks is an ``nn.Linear``'s (``compile_model`` then compiles each such Linear on its own too, see
+    ``_weights_outside_blocks_are_linear``), ``model`` otherwise.
     """
     if cfg.scope != "auto":
         return cfg.scope, ""
