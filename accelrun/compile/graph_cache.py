@@ -496,13 +496,15 @@ def decline_reason(cfg: Any, targets: list[tuple[nn.Module, str]]) -> str | None
     return None
 
 
-def install(cache: GraphCache, owners: list[nn.Module], method: str) -> None:
-    """Route ``owner.<method>`` of every owner through one CachedMethod per class."""
+def install(cache: GraphCache, owners: list[nn.Module], method: str, func: Any = None) -> None:
+    """Route ``owner.<method>`` of every owner through one CachedMethod per class. ``func``: what is
+    traced in place of the class's method, called with the owner first (a function of accelrun's
+    own that calls it: Dynamo traces torch.nn's own code only when called from a frame it traces)."""
     shared: dict[type, CachedMethod] = {}
     for owner in owners:
         cls = type(owner)
         if cls not in shared:
-            shared[cls] = CachedMethod(cache, getattr(cls, method))
+            shared[cls] = CachedMethod(cache, func if func is not None else getattr(cls, method))
         shared[cls].owners.add(owner)
         # An instance attribute shadows the class's method, so Module.__call__ reaches the cached one.
         setattr(owner, method, shared[cls].bind(owner))

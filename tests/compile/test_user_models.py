@@ -205,12 +205,12 @@ def test_auto_compiles_the_products_outside_a_users_blocks_where_half_products_a
     _train_side_by_side(model, reference)
     assert compiled.record.dynamo_graphs == 2  # the blocks' graph (shared) and the head's
     assert compiled.record.graphs_in_use() == 2
-    # A copy of the compiled head runs its own weights.
-    twin = copy.deepcopy(model.head)
-    with torch.no_grad():
-        twin.weight.mul_(2)
-    h = torch.randn(2, 8, 16)
-    torch.testing.assert_close(twin(h), torch.nn.functional.linear(h, twin.weight, twin.bias))
+    assert compiled.record.graph_cache["saved"] == 2, compiled.record.graph_cache
+    # The same model again (a new process would do the same): both graphs load from the graph cache.
+    again = _BlocksAndHead()
+    loaded = compile_model(again, transformer_blocks(again), cfg, precision="bf16-mixed")
+    training_loss_fn(again)(torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))).backward()
+    assert loaded.record.graph_cache["loaded"] == 2 and loaded.record.graph_cache["compiled"] == 0, loaded.record.graph_cache
     # Blocks found without a `layers` list get the same; an explicit compile.scope = block the blocks alone.
     found = compile_model(_BlocksAndHead(), None, cfg, precision="bf16-mixed")
     assert "1 nn.Linear layer outside them" in found.description, found.description
@@ -223,6 +223,20 @@ def test_auto_compiles_the_products_outside_a_users_blocks_where_half_products_a
     assert half_products_run_slowly("fp32", copy.deepcopy(model).to(torch.bfloat16)) is slow_bf16
     assert half_products_run_slowly("fp32", copy.deepcopy(model).to(torch.float16)) is not cpu_has_half_gemm(
         torch.float16)
+
+
+def test_a_copy_of_a_compiled_torch_nn_module_runs_its_own_weights():
+    """compile_module binds the compiled forward to its module: a deep copy's forward is the copy's."""
+    from accelrun.compile.compile_model import compile_module
+
+    linear = torch.nn.Linear(16, 8)
+    compile_module(linear, "eager")
+    twin = copy.deepcopy(linear)
+    with torch.no_grad():
+        twin.weight.mul_(2)
+    h = torch.randn(2, 16)
+    torch.testing.assert_close(twin(h), torch.nn.functional.linear(h, twin.weight, twin.bias))
+    torch.testing.assert_close(linear(h), torch.nn.functional.linear(h, linear.weight, linear.bias))
 
 
 def test_transformers_llamas_decoder_layers_share_one_graph_without_a_kv_cache(tmp_path):
