@@ -167,11 +167,13 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
             head = None
         elif head is not None:
             what += " + the output head and loss as one graph"
-        targets = [(b, "forward") for b in blocks] + ([(model, "head_loss")] if head is not None else [])
+        # (with a loss head graph, the head's product is in that graph already)
+        linears = linears_outside(model, blocks) if linears_wanted and head is None else []
+        targets = ([(b, "forward") for b in blocks] + ([(model, "head_loss")] if head is not None else [])
+                   + [(m, "forward") for m in linears])  # fmt: skip
         cache = _graph_cache(cfg, backend, targets)
         _compile_blocks(blocks, cfg, backend, cache)
-        # (with a loss head graph, the head's product is in that graph already)
-        what += _compile_linears_outside(model, blocks, cfg, backend, linears_wanted and head is None)
+        what += _compile_linears(linears, backend, cache)
         if head is not None and cache is not None:
             from accelrun.compile.graph_cache import install
 
@@ -185,10 +187,12 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         # data-dependent branch (a router) make Dynamo skip the frame, and nothing would be compiled.
         # Its repeated blocks compile on their own; the code between them runs eagerly.
         path, found_blocks = found
-        _compile_blocks(found_blocks, cfg, backend, _graph_cache(cfg, backend, [(b, "forward") for b in found_blocks]))
-        linears = _compile_linears_outside(model, found_blocks, cfg, backend, linears_wanted)
-        return done(f"{len(found_blocks)} repeated {type(found_blocks[0]).__name__} blocks ({path}){linears} with "
-                    f"{name} (no `layers` list: compile.scope = {scope} found them)")  # fmt: skip
+        linears = linears_outside(model, found_blocks) if linears_wanted else []
+        cache = _graph_cache(cfg, backend, [(m, "forward") for m in [*found_blocks, *linears]])
+        _compile_blocks(found_blocks, cfg, backend, cache)
+        compiled_linears = _compile_linears(linears, backend, cache)
+        return done(f"{len(found_blocks)} repeated {type(found_blocks[0]).__name__} blocks ({path}){compiled_linears} "
+                    f"with {name} (no `layers` list: compile.scope = {scope} found them)")  # fmt: skip
     if scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:
         from accelrun.compile.graph_cache import install
 
@@ -288,15 +292,14 @@ class _FirstCallFallback:
                                           "compile one by one")  # fmt: skip
 
 
-def _compile_linears_outside(model: nn.Module, blocks: list[nn.Module], cfg: CompileConfig, backend: object,
-                             wanted: bool) -> str:  # fmt: skip
-    """Where half-precision products run slowly eagerly, compile each ``nn.Linear`` outside the blocks
-    on its own (its product then runs as an fp32 GEMM), through the graph cache where it is on: a new
-    process loads it (transformers' Llama in bf16, AVX2: first step 0.40 -> 0.22 s). Its first compile
-    costs 0.6 s more than torch.compile's, once a process: AOTAutograd's cache key for a graph of ATen
-    ops alone hashes Triton's and Inductor's sources. What was compiled, for the description."""
-    linears = linears_outside(model, blocks) if wanted else []
-    if linears and (cache := _graph_cache(cfg, backend, [(m, "forward") for m in linears])) is not None:
+def _compile_linears(linears: list[nn.Module], backend: object, cache: Any) -> str:
+    """Compile each of ``linears`` (outside the blocks, where half-precision products run slowly
+    eagerly) on its own, so that its product runs as an fp32 GEMM: through the graph cache where it is
+    on, so a new process loads it (transformers' Llama in bf16, AVX2: first step 0.40 -> 0.22 s). Its
+    first compile costs 0.6 s more than torch.compile's, once a process: AOTAutograd's cache key for a
+    graph of ATen ops alone hashes Triton's and Inductor's sources. What was compiled, for the
+    description."""
+    if linears and cache is not None:
         from accelrun.compile.graph_cache import install
 
         install(cache, linears, "forward", func=_class_forward)
