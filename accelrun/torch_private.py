@@ -99,6 +99,9 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     "get_ptxas": ("triton.backends.nvidia.compiler", "get_ptxas"),
     "TensorHandle": ("triton.runtime.interpreter", "TensorHandle"),
     "triton_knobs": ("triton.knobs", None),
+    # Triton's compiles of ``kernel.warmup`` / first launches on a pool of threads: its compiler (MLIR
+    # passes, ptxas) runs outside the GIL, so a tuning's candidates build side by side.
+    "TritonAsyncCompileMode": ("triton.runtime._async_compile", "AsyncCompileMode"),
     # Distributed: functional collectives (what compiled graphs hold), a DTensor shard's place in the
     # global tensor (shard-exact initialisation), the fake process group (the dry run).
     "functional_collectives": ("torch.distributed._functional_collectives", None),

@@ -514,6 +514,25 @@ def test_triton_knobs():
     assert hasattr(hooks, "launch_enter_hook") and hasattr(hooks, "launch_exit_hook")
 
 
+def test_TritonAsyncCompileMode():
+    """launch_tuning.parallel_compiles: inside the mode, triton.jit hands each compile to ``submit`` (a key,
+    the compile, what to do with its result, what to do on failure) and gets a future kernel back; leaving
+    the mode waits for every compile and finishes each (puts the kernel in the JIT's cache)."""
+    pytest.importorskip("triton")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime import _async_compile
+    from triton.runtime.jit import JITFunction
+
+    assert "_async_compile.active_mode.get()" in inspect.getsource(JITFunction._do_compile)
+    finished = []
+    with ThreadPoolExecutor(2) as pool, tp.TritonAsyncCompileMode(pool) as mode:
+        assert _async_compile.active_mode.get() is mode
+        futures = [mode.submit(k, lambda k=k: k * 10, finished.append, lambda f: None) for k in (1, 2)]
+    assert _async_compile.active_mode.get() is None
+    assert sorted(finished) == [10, 20] and [f.result() for f in futures] == [10, 20]
+
+
 def test_GPUTarget():
     pytest.importorskip("triton")
     target = tp.GPUTarget("cuda", 90, 32)

@@ -73,7 +73,8 @@ class KernelKind(str, Enum):
 
 
 # Milliseconds of one launch with this configuration. A timer may also have ``launch_bound(launch, ms)
-# -> bool`` (CudaEventTimer): whether the last timing of ``launch`` was the host's pace, not the device's.
+# -> bool`` (CudaEventTimer): whether the last timing of ``launch`` was the host's pace, not the device's;
+# and ``compile(launches)``: build those configurations ahead of their timings, side by side.
 LaunchTimer = Callable[[Launch], float]
 
 
@@ -173,19 +174,26 @@ class Tuned:
 
 
 def tune(program: LoopProgram, time_launch: LaunchTimer, plan: list[Launch] | None = None) -> list[Tuned]:
-    """Each launch of ``plan`` (default: the program's) in order, its candidates timed, the fastest kept.
-    In order because a launch may read what the one before wrote (a split reduction's partials)."""
-    out = []
+    """Each launch of ``plan`` (default: the program's), its candidates timed, the fastest kept.
+
+    First every launch's default, in order (a launch may read what the one before wrote: a split
+    reduction's partials), which also tells the launch-bound ones; then the other candidates of the
+    rest: built all at once where the timer can (``compile``: on a GPU host Triton's compiles run side
+    by side, where one after another they made most of a cold first step), then timed launch by launch."""
     launch_bound = getattr(time_launch, "launch_bound", lambda launch, ms: ms < SMALL_KERNEL_MS)
-    for launch in plan if plan is not None else launches(program):
-        default, *others = candidates(program, launch)
-        timed = [(time_launch(default), 0, default)]
-        if launch_bound(default, timed[0][0]):  # the default, without compiling the others
-            out.append(Tuned(default, timed[0][0], timed[0][0], 1))
+    found = [candidates(program, launch) for launch in (plan if plan is not None else launches(program))]
+    defaults = [(time_launch(default), default) for default, *_ in found]
+    searched = [not launch_bound(default, ms) for ms, default in defaults]  # the others compiled, then timed
+    compile_ahead = getattr(time_launch, "compile", None)
+    if compile_ahead is not None:
+        compile_ahead([c for (_, *others), search in zip(found, searched, strict=True) if search for c in others])
+    out = []
+    for (default_ms, default), (_, *others), search in zip(defaults, found, searched, strict=True):
+        if not search:  # the default, without compiling the others
+            out.append(Tuned(default, default_ms, default_ms, 1))
             continue
-        timed += [(time_launch(c), i, c) for i, c in enumerate(others, start=1)]
+        timed = [(default_ms, 0, default)] + [(time_launch(c), i, c) for i, c in enumerate(others, start=1)]
         best_ms, _, best = min(timed)
-        default_ms, _, default = timed[0]
         if best_ms > default_ms * (1 - MARGIN):  # within noise of the default: keep the default
             best_ms, best = default_ms, default
         out.append(Tuned(best, best_ms, default_ms, len(timed)))
@@ -327,4 +335,14 @@ class CudaEventTimer:
 
     def launch_bound(self, launch: Launch, ms: float) -> bool:
         return ms <= self.host_ms[launch] * LAUNCH_BOUND_RATIO
+
+    def compile(self, launches: list[Launch]) -> None:
+        """Build these configurations now, side by side (``parallel_compiles``), for the real call's
+        buffers: their timings then find them built. Loading each stays with its first launch."""
+        from accelrun.compile.codegen.triton_aot import parallel_compiles
+
+        with parallel_compiles(len(launches)):
+            for launch in launches:
+                args = [self.buffers[i] for i in self.by_kernel[launch.kernel]]
+                getattr(self.module, launch.kernel).warmup(*args, grid=launch.grid, **launch.options())
 

@@ -23,6 +23,7 @@ import re
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,16 +46,48 @@ def buffer_dtypes(program: LoopProgram) -> dict[str, torch.dtype]:
     return out
 
 
+MAX_COMPILE_THREADS = 8  # per process: a node's ranks each compile their own kernels at once
+
+
+def compile_threads(compiles: int) -> int:
+    """Threads for ``compiles`` Triton compiles: one each, up to the CPUs this process may use."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(compiles, cpus, MAX_COMPILE_THREADS))
+
+
+@contextmanager
+def parallel_compiles(compiles: int) -> Iterator[None]:
+    """The Triton compiles started inside (``kernel.warmup``, a kernel's first launch) run on a pool of
+    threads instead of one after another, and are all finished on leaving: Triton's compiler spends its
+    time outside the GIL (MLIR's passes, ptxas), so they build side by side. Triton's own asynchronous
+    mode does it: each compile is handed to the pool and its kernel put in the JIT's cache, in this
+    thread, once built; so only code (no CUDA context) is made on the pool's threads. A failed compile
+    raises on leaving, as it would have where it started. Serial for one compile, or on one CPU."""
+    from accelrun.torch_private import TritonAsyncCompileMode
+
+    threads = compile_threads(compiles)
+    if threads < 2:
+        yield
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="accelrun-triton-compile") as pool, \
+            TritonAsyncCompileMode(pool):  # fmt: skip
+        yield
+
+
 def warm_up(program: LoopProgram, module: Any, plan: list[Launch] | None = None) -> list[str]:
     """Compile and load every launch of ``module`` (as ``plan`` configures them: tuned, or by default
     the generator's) for the current CUDA device; raises what Triton raises (a compile error,
-    ``OutOfResources``). Returns a line per kernel: its registers and spills as the driver loaded it."""
+    ``OutOfResources``). Returns a line per kernel: its registers and spills as the driver loaded it.
+    The launches compile side by side (``parallel_compiles``), then load here one by one."""
     dtypes = buffer_dtypes(program)
+    plan = plan if plan is not None else launches(program)
     out = []
     with kernel_binaries_beside(module.__file__):
-        for ln in plan if plan is not None else launches(program):
-            kernel = getattr(module, ln.kernel)
-            compiled = kernel.warmup(*[dtypes[a] for a in ln.args], grid=ln.grid, **ln.options())
+        with parallel_compiles(len(plan)):
+            built = [getattr(module, ln.kernel).warmup(*[dtypes[a] for a in ln.args], grid=ln.grid, **ln.options())
+                     for ln in plan]  # fmt: skip
+        for ln, compiled in zip(plan, built, strict=True):
+            compiled = getattr(compiled, "result", lambda c=compiled: c)()  # a future kernel: its kernel
             init = getattr(compiled, "_init_handles", None)
             if init is not None:
                 init()  # loads the binary: where shared memory or register limits are checked
