@@ -127,6 +127,7 @@ class _Lowering:
             future = _build_pool().submit(job.run)
             forms = job.saved_forms or [None] * len(job.regions)
             pending.update({r.id: (future, form) for r, form in zip(job.regions, forms, strict=True)})
+        self._build_ahead(regions, claims)
         for rid, index in claims.items():
             region = by_id[rid]
             if rid in pending:  # placed now; whether it compiled is known at its first call
@@ -168,6 +169,18 @@ class _Lowering:
             else:
                 jobs += [_CompileJob([r], functools.partial(self._compile_alone, r, index)) for r in mine]
         return jobs
+
+    def _build_ahead(self, regions: list[Region], claims: dict[int, int | None]) -> None:
+        """Each executor compiled here, one region at a time, gets all its claimed regions first
+        (``Executor.build_ahead``); a failure there only loses the head start."""
+        for index, executor in enumerate(self.executors):
+            mine = [r for r in regions if claims[r.id] == index]
+            if len(mine) < 2 or executor.parallel_compile or executor.keeps_aten_ops:
+                continue
+            try:
+                executor.build_ahead(mine, f"{self.cache_dir}/{executor.name}")
+            except Exception:  # noqa: BLE001  (each region's own compile meets it again, with its reason)
+                pass
 
     def _compile_alone(self, region: Region, index: int) -> dict[int, tuple[object | None, str | None, float]]:
         return {region.id: self._compile(region, index)}

@@ -171,3 +171,73 @@ def test_cuda_event_timer_builds_candidates_for_the_calls_buffers(tmp_path, four
     assert sorted((e[3], e[4], e[5]["num_warps"]) for e in log) == [(("x0", "scratch"), (2,), 8),
                                                                     (("x0", "scratch"), (4,), 2)]  # fmt: skip
     assert all(e[2].startswith("accelrun-triton-compile") for e in log)
+
+
+def test_build_ahead_compiles_several_regions_kernels_together_and_drops_a_failure(tmp_path, monkeypatch,
+                                                                                   four_cpus):  # fmt: skip
+    class Rejected(JitLikeKernel):
+        def warmup(self, *args, grid, **options):
+            from triton.runtime import _async_compile
+
+            def build():
+                raise RuntimeError("out of resources: shared memory")
+
+            return _async_compile.active_mode.get().submit("bad", build, lambda k: None, lambda f: None)
+
+    log: list = []
+    barrier = threading.Barrier(2)
+    modules = [SimpleNamespace(__file__=str(tmp_path / f"accelrun_{i}.py"), k0=JitLikeKernel(f"m{i}", log, barrier))
+               for i in range(2)]  # fmt: skip
+    modules.append(SimpleNamespace(__file__=str(tmp_path / "accelrun_2.py"), k0=Rejected("m2", log)))
+    plan = [Launch("k0", (4,), ("x",), block_r=1, block_n=16, num_warps=4)]
+    monkeypatch.setattr(triton_aot, "buffer_dtypes", lambda program: {"x": "fp32"})
+    triton_aot.build_ahead([(None, m, plan) for m in modules])  # the failure is left for its warm-up
+    assert sorted(e[1] for e in log) == ["m0", "m1"]
+    assert all(e[2].startswith("accelrun-triton-compile") for e in log)
+
+
+def _lower_two_regions(tmp_path, monkeypatch, events: list):
+    """A forward graph of two regions (a matmul between them) lowered by the Triton executor, the GPU
+    stood in for; each warm_up's module goes to ``events``."""
+    import torch
+
+    from accelrun.compile.executors.aten import AtenExecutor
+    from accelrun.compile.executors.triton import TritonExecutor
+    from tests.compile.test_codegen_triton import _lowered
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(TritonExecutor, "unavailable_reason", lambda self: None)
+    monkeypatch.setattr(TritonExecutor, "runs_anywhere", lambda self: True)
+    monkeypatch.setattr(triton_aot, "warm_up", lambda program, module, plan=None: events.append(("warm", module)))
+
+    def fn(x, w):
+        return (torch.relu(x * 2) @ w).sin() * 3
+
+    x, w = torch.randn(8, 16), torch.randn(16, 4)
+    _, regions, record = _lowered(fn, x, w, executors=[TritonExecutor(), AtenExecutor()], tmp_path=tmp_path)
+    return regions, record
+
+
+def test_the_lowering_gives_the_triton_executor_every_claimed_region_before_compiling_them(tmp_path, monkeypatch):
+    def ahead(programs):
+        events.append(("ahead", [module for _, module, _ in programs]))
+
+    events: list = []
+    monkeypatch.setattr(triton_aot, "build_ahead", ahead)
+    regions, record = _lower_two_regions(tmp_path, monkeypatch, events)
+    claimed = [r for r in regions if r.lowering.executor == "triton"]
+    assert len(claimed) >= 2 and not record.fallbacks
+    (first, *rest) = events
+    assert first[0] == "ahead" and [e[0] for e in rest] == ["warm"] * len(claimed)
+    assert first[1] == [e[1] for e in rest]  # the same modules, warmed up in turn afterwards
+
+
+def test_a_failing_head_start_changes_nothing(tmp_path, monkeypatch):
+    def ahead(programs):
+        raise RuntimeError("no threads left")
+
+    monkeypatch.setattr(triton_aot, "build_ahead", ahead)
+    warm: list = []
+    regions, record = _lower_two_regions(tmp_path, monkeypatch, warm)
+    claimed = [r for r in regions if r.lowering.executor == "triton"]
+    assert len(claimed) >= 2 and len(warm) == len(claimed) and not record.fallbacks

@@ -56,13 +56,14 @@ def compile_threads(compiles: int) -> int:
 
 
 @contextmanager
-def parallel_compiles(compiles: int) -> Iterator[None]:
+def parallel_compiles(compiles: int, ignore_errors: bool = False) -> Iterator[None]:
     """The Triton compiles started inside (``kernel.warmup``, a kernel's first launch) run on a pool of
     threads instead of one after another, and are all finished on leaving: Triton's compiler spends its
     time outside the GIL (MLIR's passes, ptxas), so they build side by side. Triton's own asynchronous
     mode does it: each compile is handed to the pool and its kernel put in the JIT's cache, in this
     thread, once built; so only code (no CUDA context) is made on the pool's threads. A failed compile
-    raises on leaving, as it would have where it started. Serial for one compile, or on one CPU."""
+    raises on leaving, as it would have where it started (``ignore_errors``: is dropped, and compiled
+    again where its kernel is next asked for). Serial for one compile, or on one CPU."""
     from accelrun.torch_private import TritonAsyncCompileMode
 
     threads = compile_threads(compiles)
@@ -70,8 +71,24 @@ def parallel_compiles(compiles: int) -> Iterator[None]:
         yield
         return
     with ThreadPoolExecutor(threads, thread_name_prefix="accelrun-triton-compile") as pool, \
-            TritonAsyncCompileMode(pool):  # fmt: skip
+            TritonAsyncCompileMode(pool, ignore_errors=ignore_errors):  # fmt: skip
         yield
+
+
+def build_ahead(programs: list[tuple[LoopProgram, Any, list[Launch] | None]]) -> None:
+    """Every launch of several generated modules, ``(program, module, plan)`` each (``plan`` as in
+    ``warm_up``), compiled side by side and left in their kernels' caches: a region's ``warm_up`` then
+    only loads. A launch that fails to compile is dropped here; its region's ``warm_up`` compiles it
+    again and raises, so the lowering records the reason."""
+    todo = [(program, module, plan if plan is not None else launches(program)) for program, module, plan in programs]
+    if not todo:
+        return
+    with kernel_binaries_beside(todo[0][1].__file__):  # one folder: every module of a cache sits together
+        with parallel_compiles(sum(len(plan) for _, _, plan in todo), ignore_errors=True):
+            for program, module, plan in todo:
+                dtypes = buffer_dtypes(program)
+                for ln in plan:
+                    getattr(module, ln.kernel).warmup(*[dtypes[a] for a in ln.args], grid=ln.grid, **ln.options())
 
 
 def warm_up(program: LoopProgram, module: Any, plan: list[Launch] | None = None) -> list[str]:

@@ -53,6 +53,12 @@ class Executor(ABC):
         raise; the lowering then compiles them one by one, so one bad region costs only itself."""
         return [self.compile(r, cache_dir) for r in regions]
 
+    def build_ahead(self, regions: list[Region], cache_dir: str | None) -> None:
+        """Called with every region this executor claimed in a graph, before the lowering compiles them
+        one by one (executors without ``parallel_compile``): a head start on their builds, side by side
+        (Triton's kernels), which each ``compile`` then finds done. May raise; nothing depends on it."""
+        return None  # most executors have nothing to start early
+
     def saved_forms(self, regions: list[Region], cache_dir: str | None) -> list[tuple] | None:
         """What each region of ``compile_batch(regions)`` will pickle as (its ``__reduce__``), known
         before the build has run: the graph cache then saves a graph whose builds are still running.

@@ -60,6 +60,21 @@ class TritonExecutor(GeneratedCodeExecutor):
         warm_up(program, module, tuned)  # every launch built and loaded now, not at the first step
         return with_output_strides(TritonRegion(program, module, tune=self.tune_launches), program)
 
+    def build_ahead(self, regions: list[Region], cache_dir: str | None) -> None:
+        """Every claimed region's kernels compiled side by side now (``triton_aot.build_ahead``): the
+        lowering then warms each region up in turn and finds its kernels built."""
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return  # the interpreter compiles nothing
+        from accelrun.compile.codegen.triton import load_module
+        from accelrun.compile.codegen.triton_aot import build_ahead
+
+        programs = []
+        for region in regions:
+            program, module = cached_program(region), load_module(self.source(region), cache_dir)
+            tuned = _cached_launches(program, module.__file__) if self.tune_launches and _can_time() else None
+            programs.append((program, module, tuned))
+        build_ahead(programs)
+
     def generate(self, program) -> str:
         from accelrun.compile.codegen.triton import triton_source
 
