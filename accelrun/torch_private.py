@@ -102,6 +102,7 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     # Triton's compiles of ``kernel.warmup`` / first launches on a pool of threads: its compiler (MLIR
     # passes, ptxas) runs outside the GIL, so a tuning's candidates build side by side.
     "TritonAsyncCompileMode": ("triton.runtime._async_compile", "AsyncCompileMode"),
+    "triton_async_compile_active": ("triton.runtime._async_compile", "active_mode"),  # the mode in force
     # Distributed: functional collectives (what compiled graphs hold), a DTensor shard's place in the
     # global tensor (shard-exact initialisation), the fake process group (the dry run).
     "functional_collectives": ("torch.distributed._functional_collectives", None),
@@ -293,6 +294,25 @@ def unread_compile_logs_skipped() -> Iterator[None]:
         yield
     finally:
         _skip_unread_logs.reset(token)
+
+
+def drop_failed_async_compiles(kernel: Any) -> int:
+    """Removes from a ``triton.jit`` function's kernel caches the placeholders of compiles that failed
+    under Triton's asynchronous mode; returns how many. The mode compiles each compile key once, and two
+    generated modules can hold kernels of one key (the same source at the same line): a failure is
+    cleared from the first function's cache only, and the other keeps a placeholder with neither a
+    kernel nor a future, which its next call trips over (an AttributeError) instead of compiling again
+    and raising what the compiler said."""
+    from triton.runtime._async_compile import FutureKernel
+
+    dropped = 0
+    for caches in getattr(kernel, "device_caches", {}).values():  # per device: (kernel cache, ...)
+        cache = caches[0]
+        for key, value in list(cache.items()):
+            if isinstance(value, FutureKernel) and value.kernel is None and value.future is None:
+                del cache[key]
+                dropped += 1
+    return dropped
 
 
 def triton_direct_launch(kernel: Any) -> tuple[Any, Any, Any] | None:

@@ -17,7 +17,8 @@ import accelrun.torch_private as tp
 
 EAGER = ("reinterpret_tensor", "empty_strided_cpu", "TensorGuards")
 FUNCTIONS = ("cuda_current_raw_stream", "triton_direct_launch", "cpu_has_half_gemm", "onednn_linear",
-             "import_module_globals", "files_traced_by_precompile", "unread_compile_logs_skipped")
+             "import_module_globals", "files_traced_by_precompile", "unread_compile_logs_skipped",
+             "drop_failed_async_compiles")
 
 
 def _params(fn) -> list[str]:
@@ -515,22 +516,55 @@ def test_triton_knobs():
 
 
 def test_TritonAsyncCompileMode():
-    """launch_tuning.parallel_compiles: inside the mode, triton.jit hands each compile to ``submit`` (a key,
-    the compile, what to do with its result, what to do on failure) and gets a future kernel back; leaving
-    the mode waits for every compile and finishes each (puts the kernel in the JIT's cache)."""
+    """triton_aot.parallel_compiles: inside the mode, triton.jit hands each compile to ``submit`` (a key,
+    the compile, what to do with its result, what to do on failure) and gets a future kernel back;
+    leaving the mode waits for every compile and finishes each (puts the kernel in the JIT's cache);
+    with ``ignore_errors`` a failed compile is cleaned up and leaving raises nothing."""
     pytest.importorskip("triton")
     from concurrent.futures import ThreadPoolExecutor
 
-    from triton.runtime import _async_compile
     from triton.runtime.jit import JITFunction
 
     assert "_async_compile.active_mode.get()" in inspect.getsource(JITFunction._do_compile)
-    finished = []
-    with ThreadPoolExecutor(2) as pool, tp.TritonAsyncCompileMode(pool) as mode:
-        assert _async_compile.active_mode.get() is mode
-        futures = [mode.submit(k, lambda k=k: k * 10, finished.append, lambda f: None) for k in (1, 2)]
-    assert _async_compile.active_mode.get() is None
+    finished, cleaned = [], []
+
+    def fail():
+        raise RuntimeError("rejected")
+
+    with ThreadPoolExecutor(2) as pool:
+        mode = tp.TritonAsyncCompileMode(pool, ignore_errors=True)
+        with mode:
+            assert tp.triton_async_compile_active.get() is mode
+            futures = [mode.submit(k, lambda k=k: k * 10, finished.append, cleaned.append) for k in (1, 2)]
+            failed = mode.submit(3, fail, finished.append, cleaned.append)
     assert sorted(finished) == [10, 20] and [f.result() for f in futures] == [10, 20]
+    assert cleaned == [failed] and failed.kernel is None and failed.future is None
+
+
+def test_triton_async_compile_active():
+    pytest.importorskip("triton")
+    assert tp.triton_async_compile_active.get() is None  # a ContextVar: nothing in force outside a mode
+    assert hasattr(tp.triton_async_compile_active, "set")
+
+
+def test_drop_failed_async_compiles():
+    """A JIT function's per-device caches are tuples whose first item is the kernel cache (what
+    ``JITFunction.run`` unpacks); a failed compile's placeholder has neither kernel nor future."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from triton.runtime._async_compile import FutureKernel
+    from triton.runtime.jit import JITFunction
+
+    assert "kernel_cache, kernel_key_cache, target, backend, binder = self.device_caches[device]" in \
+        inspect.getsource(JITFunction.run)  # fmt: skip
+    dead = FutureKernel(lambda k: None, lambda f: None, future=None)
+    built = FutureKernel(lambda k: None, lambda f: None, future=None)
+    built.kernel = "a compiled kernel"
+    cache = {"failed": dead, "built": built, "plain": "a compiled kernel"}
+    jit = SimpleNamespace(device_caches={0: (cache, {}, None, None, None)})
+    assert tp.drop_failed_async_compiles(jit) == 1 and set(cache) == {"built", "plain"}
+    assert tp.drop_failed_async_compiles(SimpleNamespace()) == 0
 
 
 def test_GPUTarget():

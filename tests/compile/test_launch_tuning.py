@@ -123,7 +123,9 @@ def test_the_search_keeps_the_fastest_and_the_default_within_the_margin():
     (program, *_) = programs("rope_swiglu")
     timer = FakeTimer()
     tuned = tune(program, timer)
-    assert len(tuned) == len(launches(program)) and len(timer.calls) == sum(t.timed for t in tuned)
+    # A searched launch's default is timed twice: in order with the other defaults, then beside its rivals.
+    assert len(tuned) == len(launches(program))
+    assert len(timer.calls) == sum(t.timed for t in tuned) + sum(t.timed > 1 for t in tuned)
     for t, launch in zip(tuned, launches(program), strict=True):
         best = min(candidates(program, launch), key=timer)
         assert t.launch == best and t.ms == timer(best) and t.default_ms == timer(candidates(program, launch)[0])

@@ -182,18 +182,22 @@ def tune(program: LoopProgram, time_launch: LaunchTimer, plan: list[Launch] | No
     by side, where one after another they made most of a cold first step), then timed launch by launch."""
     launch_bound = getattr(time_launch, "launch_bound", lambda launch, ms: ms < SMALL_KERNEL_MS)
     found = [candidates(program, launch) for launch in (plan if plan is not None else launches(program))]
-    defaults = [(time_launch(default), default) for default, *_ in found]
-    searched = [not launch_bound(default, ms) for ms, default in defaults]  # the others compiled, then timed
+    first_ms = [time_launch(default) for default, *_ in found]
+    searched = [not launch_bound(c[0], ms) for c, ms in zip(found, first_ms, strict=True)]
+    to_build = [c for (_, *others), search in zip(found, searched, strict=True) if search for c in others]
     compile_ahead = getattr(time_launch, "compile", None)
-    if compile_ahead is not None:
-        compile_ahead([c for (_, *others), search in zip(found, searched, strict=True) if search for c in others])
+    if compile_ahead is not None and to_build:
+        compile_ahead(to_build)
     out = []
-    for (default_ms, default), (_, *others), search in zip(defaults, found, searched, strict=True):
+    for (default, *others), ms, search in zip(found, first_ms, searched, strict=True):
         if not search:  # the default, without compiling the others
-            out.append(Tuned(default, default_ms, default_ms, 1))
+            out.append(Tuned(default, ms, ms, 1))
             continue
-        timed = [(default_ms, 0, default)] + [(time_launch(c), i, c) for i, c in enumerate(others, start=1)]
+        # The default timed again beside its rivals: the device and host are as they are for them now
+        # (after the builds), not as they were before.
+        timed = [(time_launch(c), i, c) for i, c in enumerate([default, *others])]
         best_ms, _, best = min(timed)
+        default_ms = timed[0][0]
         if best_ms > default_ms * (1 - MARGIN):  # within noise of the default: keep the default
             best_ms, best = default_ms, default
         out.append(Tuned(best, best_ms, default_ms, len(timed)))
@@ -311,7 +315,7 @@ class CudaEventTimer:
 
     def __init__(self, module: Any, buffers: list[Any], slots: list[tuple[int, ...]], program: LoopProgram,
                  repeats: int = 20) -> None:  # fmt: skip
-        self.module, self.buffers, self.repeats = module, buffers, repeats
+        self.module, self.buffers, self.repeats, self.program = module, buffers, repeats, program
         self.by_kernel = dict(zip([ln.kernel for ln in launches(program)], slots, strict=True))
         self.host_ms: dict[Launch, float] = {}  # per launch timed: the host's milliseconds to issue one
 
@@ -337,12 +341,9 @@ class CudaEventTimer:
         return ms <= self.host_ms[launch] * LAUNCH_BOUND_RATIO
 
     def compile(self, launches: list[Launch]) -> None:
-        """Build these configurations now, side by side (``parallel_compiles``), for the real call's
-        buffers: their timings then find them built. Loading each stays with its first launch."""
-        from accelrun.compile.codegen.triton_aot import parallel_compiles
+        """Build these configurations now, side by side (``triton_aot.build_ahead``): their timings then
+        find them built, and load each at its first launch (one that failed compiles and raises there)."""
+        from accelrun.compile.codegen.triton_aot import build_ahead
 
-        with parallel_compiles(len(launches)):
-            for launch in launches:
-                args = [self.buffers[i] for i in self.by_kernel[launch.kernel]]
-                getattr(self.module, launch.kernel).warmup(*args, grid=launch.grid, **launch.options())
+        build_ahead([(self.program, self.module, launches)])
 

@@ -56,55 +56,70 @@ def compile_threads(compiles: int) -> int:
 
 
 @contextmanager
-def parallel_compiles(compiles: int, ignore_errors: bool = False) -> Iterator[None]:
-    """The Triton compiles started inside (``kernel.warmup``, a kernel's first launch) run on a pool of
-    threads instead of one after another, and are all finished on leaving: Triton's compiler spends its
-    time outside the GIL (MLIR's passes, ptxas), so they build side by side. Triton's own asynchronous
-    mode does it: each compile is handed to the pool and its kernel put in the JIT's cache, in this
-    thread, once built; so only code (no CUDA context) is made on the pool's threads. A failed compile
-    raises on leaving, as it would have where it started (``ignore_errors``: is dropped, and compiled
-    again where its kernel is next asked for). Serial for one compile, or on one CPU."""
-    from accelrun.torch_private import TritonAsyncCompileMode
+def parallel_compiles(threads: int) -> Iterator[None]:
+    """The Triton compiles started inside (``kernel.warmup``) run on ``threads`` threads and are all
+    finished on leaving: Triton's compiler spends its time outside the GIL (MLIR's passes, ptxas), so
+    they build side by side. Triton's own asynchronous mode does it: each compile goes to the pool, and
+    its kernel into the JIT's cache in this thread once built, so no CUDA context is touched on the
+    pool. A failed compile is dropped: its kernel compiles again where it is next asked for, in this
+    thread, and raises there (Triton 3.6 also left its mode set after a failure; cleared here)."""
+    from accelrun.torch_private import TritonAsyncCompileMode, triton_async_compile_active
 
-    threads = compile_threads(compiles)
-    if threads < 2:
-        yield
-        return
-    with ThreadPoolExecutor(threads, thread_name_prefix="accelrun-triton-compile") as pool, \
-            TritonAsyncCompileMode(pool, ignore_errors=ignore_errors):  # fmt: skip
-        yield
+    with ThreadPoolExecutor(threads, thread_name_prefix="accelrun-triton-compile") as pool:
+        mode = TritonAsyncCompileMode(pool, ignore_errors=True)
+        try:
+            with mode:
+                yield
+        finally:
+            if triton_async_compile_active.get() is mode:
+                triton_async_compile_active.set(None)
+
+
+def _warm(module: Any, launch: Launch, dtypes: dict[str, torch.dtype]) -> Any:
+    """``launch``'s kernel compiled (or found built) for these buffer dtypes, not launched."""
+    kernel = getattr(module, launch.kernel)
+    return kernel.warmup(*[dtypes[a] for a in launch.args], grid=launch.grid, **launch.options())
 
 
 def build_ahead(programs: list[tuple[LoopProgram, Any, list[Launch] | None]]) -> None:
-    """Every launch of several generated modules, ``(program, module, plan)`` each (``plan`` as in
-    ``warm_up``), compiled side by side and left in their kernels' caches: a region's ``warm_up`` then
-    only loads. A launch that fails to compile is dropped here; its region's ``warm_up`` compiles it
-    again and raises, so the lowering records the reason."""
+    """Every launch of one or more generated modules, ``(program, module, plan)`` each (``plan`` as in
+    ``warm_up``), compiled side by side (``parallel_compiles``) and left in their kernels' caches, so
+    that ``warm_up`` or a first launch only loads them. Nothing here raises for a kernel: one that
+    fails compiles again, and raises, where it is next asked for. Does nothing on one CPU or for one
+    launch (no one to build beside)."""
+    from accelrun.torch_private import drop_failed_async_compiles
+
     todo = [(program, module, plan if plan is not None else launches(program)) for program, module, plan in programs]
-    if not todo:
+    threads = compile_threads(sum(len(plan) for _, _, plan in todo))
+    if threads < 2:
         return
-    with kernel_binaries_beside(todo[0][1].__file__):  # one folder: every module of a cache sits together
-        with parallel_compiles(sum(len(plan) for _, _, plan in todo), ignore_errors=True):
-            for program, module, plan in todo:
+    by_folder: dict[Path, list[tuple[LoopProgram, Any, list[Launch]]]] = {}
+    for item in todo:
+        by_folder.setdefault(binaries_dir(item[1].__file__), []).append(item)
+    for items in by_folder.values():
+        with kernel_binaries_beside(items[0][1].__file__), parallel_compiles(threads):
+            for program, module, plan in items:
                 dtypes = buffer_dtypes(program)
                 for ln in plan:
-                    getattr(module, ln.kernel).warmup(*[dtypes[a] for a in ln.args], grid=ln.grid, **ln.options())
+                    _warm(module, ln, dtypes)
+    kernels = {id(k): k for _, module, plan in todo for k in (getattr(module, ln.kernel) for ln in plan)}
+    for kernel in kernels.values():
+        drop_failed_async_compiles(kernel)
 
 
 def warm_up(program: LoopProgram, module: Any, plan: list[Launch] | None = None) -> list[str]:
     """Compile and load every launch of ``module`` (as ``plan`` configures them: tuned, or by default
     the generator's) for the current CUDA device; raises what Triton raises (a compile error,
-    ``OutOfResources``). Returns a line per kernel: its registers and spills as the driver loaded it.
-    The launches compile side by side (``parallel_compiles``), then load here one by one."""
-    dtypes = buffer_dtypes(program)
+    ``OutOfResources``) for the first launch in order that fails. Returns a line per kernel: its
+    registers and spills as the driver loaded it. The launches compile side by side first
+    (``build_ahead``); then each is loaded here, in order, and what failed compiles again and raises."""
     plan = plan if plan is not None else launches(program)
+    build_ahead([(program, module, plan)])
+    dtypes = buffer_dtypes(program)
     out = []
     with kernel_binaries_beside(module.__file__):
-        with parallel_compiles(len(plan)):
-            built = [getattr(module, ln.kernel).warmup(*[dtypes[a] for a in ln.args], grid=ln.grid, **ln.options())
-                     for ln in plan]  # fmt: skip
-        for ln, compiled in zip(plan, built, strict=True):
-            compiled = getattr(compiled, "result", lambda c=compiled: c)()  # a future kernel: its kernel
+        for ln in plan:
+            compiled = _warm(module, ln, dtypes)
             init = getattr(compiled, "_init_handles", None)
             if init is not None:
                 init()  # loads the binary: where shared memory or register limits are checked

@@ -42,7 +42,8 @@ class TritonExecutor(GeneratedCodeExecutor):
         source = self.source(region)
         # A hit: the module is on disk from an earlier run, and Triton's own cache (TRITON_CACHE_DIR,
         # ~/.triton/cache by default) holds its kernels' binaries, keyed by the same source.
-        region.lowering.cache_hit = module_path(source, cache_dir).exists()
+        if region.lowering.cache_hit is None:  # (build_ahead found out first, before writing the module)
+            region.lowering.cache_hit = module_path(source, cache_dir).exists()
         program = cached_program(region)
         module = load_module(source, cache_dir)
         if os.environ.get("TRITON_INTERPRET") == "1":  # nothing to time here (launch_tuning.can_time: False)
@@ -65,13 +66,18 @@ class TritonExecutor(GeneratedCodeExecutor):
         lowering then warms each region up in turn and finds its kernels built."""
         if os.environ.get("TRITON_INTERPRET") == "1":
             return  # the interpreter compiles nothing
-        from accelrun.compile.codegen.triton import load_module
+        from accelrun.compile.codegen.triton import load_module, module_path
         from accelrun.compile.codegen.triton_aot import build_ahead
 
         programs = []
         for region in regions:
-            program, module = cached_program(region), load_module(self.source(region), cache_dir)
-            tuned = _cached_launches(program, module.__file__) if self.tune_launches and _can_time() else None
+            try:  # a region that fails here fails again in its own compile, which says why
+                source = self.source(region)
+                region.lowering.cache_hit = module_path(source, cache_dir).exists()  # before it is written
+                program, module = cached_program(region), load_module(source, cache_dir)
+                tuned = _cached_launches(program, module.__file__) if self.tune_launches and _can_time() else None
+            except Exception:  # noqa: BLE001
+                continue
             programs.append((program, module, tuned))
         build_ahead(programs)
 
