@@ -9,6 +9,7 @@ and a barrier proves two compiles were in flight at once (a serial run would bre
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import threading
 from types import SimpleNamespace
 
@@ -22,10 +23,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 class JitLikeKernel:
-    """``warmup`` as Triton 3.9's ``triton.jit`` does it: a cache per function; on a miss under an active
-    asynchronous mode the compile goes to the mode (deduplicated by ``compile_key``, which two functions
-    may share) and a placeholder goes in the cache, replaced by the kernel when the mode finishes it and
-    removed when it fails; otherwise it compiles here. Each compile may wait at ``barrier`` (two must
+    """``warmup`` as ``triton.jit`` does it: a cache per function; on a miss under an active asynchronous
+    mode the compile goes to the mode (deduplicated by ``compile_key``, which two functions may share)
+    and, from Triton 3.7 on, a placeholder goes in the cache, replaced by the kernel when the mode
+    finishes it and removed when it fails (3.6 puts nothing there until it is finished); otherwise it
+    compiles here. Each compile may wait at ``barrier`` (two must
     run at once: a serial run breaks it) and is logged with its thread, as is each binary's load."""
 
     def __init__(self, name: str, log: list, barrier: threading.Barrier | None = None, fails: str | None = None,
@@ -59,8 +61,10 @@ class JitLikeKernel:
             if cache.get(key) is future_kernel:
                 del cache[key]
 
-        kernel = mode.submit((self.compile_key, key), lambda: self._build(options),
-                             lambda built: cache.__setitem__(key, built), cleanup)  # fmt: skip
+        finish = lambda built: cache.__setitem__(key, built)  # noqa: E731
+        if len(inspect.signature(mode.submit).parameters) == 3:  # Triton 3.6: no placeholder in the cache
+            return mode.submit((self.compile_key, key), lambda: self._build(options), finish)
+        kernel = mode.submit((self.compile_key, key), lambda: self._build(options), finish, cleanup)
         cache[key] = kernel
         return kernel
 
