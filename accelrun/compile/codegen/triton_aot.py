@@ -33,6 +33,7 @@ import torch
 
 from accelrun.compile.codegen.loop_ir import LoopProgram
 from accelrun.compile.codegen.triton import Launch, launches, scratch_buffers
+from accelrun.report.machine_load import usable_cores
 
 # Triton's pointer types for the dtypes a buffer can have.
 POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64",
@@ -50,9 +51,8 @@ MAX_COMPILE_THREADS = 8  # per process: a node's ranks each compile their own ke
 
 
 def compile_threads(compiles: int) -> int:
-    """Threads for ``compiles`` Triton compiles: one each, up to the CPUs this process may use."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(compiles, cpus, MAX_COMPILE_THREADS))
+    """Threads for ``compiles`` Triton compiles: one each, up to the cores this process may use."""
+    return max(1, min(compiles, usable_cores(), MAX_COMPILE_THREADS))
 
 
 @contextmanager

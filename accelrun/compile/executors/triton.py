@@ -56,9 +56,7 @@ class TritonExecutor(GeneratedCodeExecutor):
         # first call, the lowering's FirstCallCheck catches.)
         from accelrun.compile.codegen.triton_aot import warm_up
 
-        # Tuned before (this process or another, for this device): the tuned launches are the ones built.
-        tuned = _cached_launches(program, module.__file__) if self.tune_launches and _can_time() else None
-        warm_up(program, module, tuned)  # every launch built and loaded now, not at the first step
+        warm_up(program, module, self._cached_plan(program, module))  # built and loaded now, not at step 1
         return with_output_strides(TritonRegion(program, module, tune=self.tune_launches), program)
 
     def build_ahead(self, regions: list[Region], cache_dir: str | None) -> None:
@@ -75,11 +73,15 @@ class TritonExecutor(GeneratedCodeExecutor):
                 source = self.source(region)
                 region.lowering.cache_hit = module_path(source, cache_dir).exists()  # before it is written
                 program, module = cached_program(region), load_module(source, cache_dir)
-                tuned = _cached_launches(program, module.__file__) if self.tune_launches and _can_time() else None
+                programs.append((program, module, self._cached_plan(program, module)))
             except Exception:  # noqa: BLE001
                 continue
-            programs.append((program, module, tuned))
         build_ahead(programs)
+
+    def _cached_plan(self, program, module) -> list | None:
+        """The launches tuned before for this device (this process or another), which are the ones to
+        build; None: the generator's defaults."""
+        return _cached_launches(program, module.__file__) if self.tune_launches and _can_time() else None
 
     def generate(self, program) -> str:
         from accelrun.compile.codegen.triton import triton_source
