@@ -66,7 +66,7 @@ def main() -> None:
     args = p.parse_args()
     work = jobs()
     threads = args.threads or compile_threads(len(work))
-    print(f"{len(work)} candidates of {sum(1 for _ in {id(j[0]) for j in work})} regions, cross-compiled for sm_90; "
+    print(f"{len(work)} candidates of {len({id(j[0]) for j in work})} regions, cross-compiled for sm_90; "
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     timed(work[:1], 1)  # untimed: Triton's first compile in a process loads its backends
     serial = timed(work, 1)
