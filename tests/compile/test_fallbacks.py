@@ -385,6 +385,30 @@ def test_a_graphs_cpp_regions_build_as_one_library(tmp_path):
     assert cpp_build.compiler_invocations() - before == len(graphs)  # one g++ run per graph, not per region
 
 
+def test_a_backward_graph_s_library_builds_at_a_lower_cpu_priority(tmp_path, monkeypatch):
+    """The backward's regions first run after the whole forward: their g++ yields the cores to the step
+    and to the forward's build (``nice``), which is what a cold first step waits for."""
+    import os
+    import shutil
+
+    from accelrun.compile.codegen import cpp_build
+
+    log = tmp_path / "niceness.log"
+    wrapper = tmp_path / "cxx"
+    # Logs the niceness each build ran at, next to whether its source holds a backward graph's code.
+    wrapper.write_text(f"""#!/bin/sh
+case "$*" in *-shared*) echo "$(nice)" >> {log} ;; esac
+exec {shutil.which("g++")} "$@"
+""")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("ACCELRUN_CXX", str(wrapper))
+    graphs = _cpp_regions(_backend(tmp_path, passes="default"))
+    assert len(graphs) == 2, graphs  # forward and backward: one library each
+    base = os.nice(0)
+    niceness = sorted(int(line) for line in log.read_text().split())
+    assert niceness == [base, min(base + cpp_build.LATER_NICENESS, 19)], niceness
+
+
 def test_a_batch_g_plus_plus_refuses_is_built_region_by_region(tmp_path, monkeypatch):
     """One region g++ cannot take must not cost the graph's other regions: the lowering builds them alone."""
     from accelrun.compile.codegen import cpp_build

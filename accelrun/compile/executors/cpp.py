@@ -32,13 +32,13 @@ class CppExecutor(GeneratedCodeExecutor):
     def compile(self, region: Region, cache_dir: str | None) -> RegionFn:
         source = self.source(region)
         region.lowering.cache_hit = library_path(source, cache_dir).exists()
-        lib = load_library(build_library(source, cache_dir))
+        lib = load_library(build_library(source, cache_dir, needed_later=_needed_later([region])))
         return CppRegion(cached_program(region), lib)
 
     def compile_batch(self, regions: list[Region], cache_dir: str | None) -> list[RegionFn]:
         source, entries = self._batch(regions)
         hit = library_path(source, cache_dir).exists()
-        lib = load_library(build_library(source, cache_dir))
+        lib = load_library(build_library(source, cache_dir, needed_later=_needed_later(regions)))
         for region in regions:
             region.lowering.cache_hit = hit
         return [CppRegion(cached_program(r), lib, entry) for r, entry in zip(regions, entries, strict=True)]
@@ -65,3 +65,8 @@ class CppExecutor(GeneratedCodeExecutor):
 
     def generate(self, program) -> str:
         return cpp_source(program)
+
+
+def _needed_later(regions: list[Region]) -> bool:
+    """A backward graph's regions: their library is first called after the whole forward has run."""
+    return all(r.graph_kind == "backward" for r in regions)
