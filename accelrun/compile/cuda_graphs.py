@@ -44,8 +44,12 @@ from accelrun.compile.cuda_graph_policy import (
     GraphFacts,
     decide_for_graph,
 )
+from accelrun.compile.fast_calls import RECORDED_CALLS
 
-WARMUP_CALLS = 2  # eager calls per kind of call before it is captured (the last one timed, see below)
+# Eager calls per kind of call before it is captured, the last one timed (see below). One more than
+# fast_calls' recorded calls: those run through fx's interpreter and the last rewrites the graph, so
+# timed, they would make eager look slower than it is and keep captures that cost time.
+WARMUP_CALLS = RECORDED_CALLS + 1
 MAX_CAPTURES = 256  # kinds of call per graph (a model's blocks: one each) before giving up on it
 # Under auto, a graph keeps its captures only if its timed replay (copies included) took at most this
 # share of its timed eager call: one call each, so a margin for their noise.

@@ -18,7 +18,7 @@ from accelrun.compile.cuda_graph_policy import (
     decide_for_graph,
     decide_for_run,
 )
-from accelrun.compile.cuda_graphs import CudaGraphRunner, graph_facts, with_cuda_graphs
+from accelrun.compile.cuda_graphs import WARMUP_CALLS, CudaGraphRunner, graph_facts, with_cuda_graphs
 
 ON = CudaGraphDecision(True, "CUDA, one rank")
 
@@ -177,13 +177,38 @@ def test_auto_keeps_a_graph_whose_replay_is_faster_and_says_so():
     replay (the first uploads the graph); nothing else."""
     fn, calls = counted(lambda x: (x * 2,))
     run, graphs, report = runner(fn, FakeGraphs(eager_ms=4.0, replay_ms=1.0))
-    for i in range(6):
+    for i in range(WARMUP_CALLS + 4):
         torch.testing.assert_close(run(torch.full((2,), float(i)))[0], torch.full((2,), 2.0 * i), rtol=0, atol=0)
-        if i == 1:
-            assert graphs.timed_calls == 1 and graphs.captures == 0  # the second warm-up call
+        if i == WARMUP_CALLS - 1:
+            assert graphs.timed_calls == 1 and graphs.captures == 0  # the last warm-up call
     assert graphs.timed_calls == 2 and graphs.replays == 4
     assert report.captured == {"g0.forward": 1} and report.timings == {"g0.forward": (4.0, 1.0)}
     assert report.summary()["timings_ms"] == {"g0.forward": [4.0, 1.0]}
+
+
+def test_the_timed_eager_call_runs_the_graph_s_settled_code():
+    """What the runner wraps in a compiled step is fast_calls' runnable graph, whose first calls record
+    its views through fx's interpreter and then rewrite it: the timed warm-up call comes after those."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from accelrun.compile.fast_calls import runnable
+
+    # An ATen graph with its values' layouts, as a lowered graph has: a view chain, then an op.
+    gm = make_fx(lambda x: (x.view(2, 4).permute(1, 0).reshape(8) * 2,), tracing_mode="fake")(torch.zeros(8))
+    graph = runnable(gm)
+    settled_when_timed = []
+
+    class Graphs(FakeGraphs):
+        def timed(self, run):
+            settled_when_timed.append(graph._run != graph._record)
+            return super().timed(run)
+
+    run, graphs, report = runner(graph, Graphs())
+    for i in range(6):
+        torch.testing.assert_close(run(torch.full((8,), float(i)))[0], torch.full((8,), 2.0 * i), rtol=0, atol=0)
+    assert graph.collapsed >= 1  # the view chain became one reinterpretation
+    assert settled_when_timed and settled_when_timed[0], settled_when_timed
+    assert report.timings == {"g0.forward": (4.0, 1.0)}
 
 
 @pytest.mark.parametrize("mode, kept", [(CudaGraphMode.AUTO, False), (CudaGraphMode.ON, True)])
@@ -192,7 +217,7 @@ def test_a_replay_no_faster_than_eager_goes_back_to_eager_under_auto_only(mode, 
     (an 8-layer dim-2048 Llama on an H200, 2026-11-27: 0.80x Inductor's step replayed)."""
     fn, calls = counted(lambda x: (x * 2,))
     run, graphs, report = runner(fn, FakeGraphs(eager_ms=30.0, replay_ms=33.0), mode=mode)
-    outs = [run(torch.full((2,), float(i)))[0] for i in range(6)]
+    outs = [run(torch.full((2,), float(i)))[0] for i in range(WARMUP_CALLS + 4)]
     for i, out in enumerate(outs):  # the measured replay's outputs and the eager calls' are the same values
         torch.testing.assert_close(out, torch.full((2,), 2.0 * i), rtol=0, atol=0)
     assert report.timings == {"g0.forward": (30.0, 33.0)}
@@ -201,8 +226,8 @@ def test_a_replay_no_faster_than_eager_goes_back_to_eager_under_auto_only(mode, 
     else:
         assert report.captured == {} and graphs.replays == 2 and not run.captures
         assert report.declined["g0.forward"].startswith("a replay took 33.00 ms against 30.00 ms eager")
-        # two warm-up calls, the capture's two, the fake's two replays, then eager from the next call on
-        assert len(calls) == 2 + 2 + 2 + 2
+        # the warm-up calls, the capture's two, the fake's two replays, then eager from the next call on
+        assert len(calls) == WARMUP_CALLS + 2 + 2 + 2
         assert "without (g0.forward: a replay took" in report.line()
 
 
@@ -317,7 +342,8 @@ def test_forward_and_backward_replay_through_the_backend_at_eager_values(monkeyp
                 q -= 0.1 * q.grad
             p.grad = q.grad = None
     assert record.cuda_graphs.captured == {"g0.forward": 1, "g0.backward": 1}, record.cuda_graphs
-    assert fake.captures == 2 and fake.replays == 6  # steps 3-5 (two warm-up steps), forward and backward each
+    # the steps after the warm-up ones, forward and backward each
+    assert fake.captures == 2 and fake.replays == 2 * (5 - WARMUP_CALLS)
     assert record.cuda_graphs.timings == {"g0.forward": (4.0, 1.0), "g0.backward": (4.0, 1.0)}
     assert "CUDA graphs: 2 graph(s), 2 capture(s)" in record.compiled_line()
 
