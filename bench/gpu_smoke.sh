@@ -24,8 +24,25 @@
 #                                          # (its halves alone: bench-debug, bench-8layer)
 #
 # It stops at nothing: every part runs, and the exit code is 1 if any part failed.
+#
+# The GPU machine starts bare and reaches no package registry: run `bash bench/gpu_wheels.sh` here
+# first and carry .gpu-wheels with the device command; this script installs those wheels and accelrun
+# (editable, no dependency resolution: the image's torch and Triton stay) when accelrun is missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v python >/dev/null; then  # the image's interpreter is python3; the parts below call python
+    mkdir -p "${TMPDIR:-/tmp}/smoke-bin" && ln -sf "$(command -v python3)" "${TMPDIR:-/tmp}/smoke-bin/python"
+    export PATH="${TMPDIR:-/tmp}/smoke-bin:$PATH"
+fi
+if ! python -c "import accelrun.config" 2>/dev/null || ! command -v accelrun >/dev/null; then
+    if compgen -G ".gpu-wheels/*.whl" >/dev/null; then
+        python -m pip install -q --no-index --no-deps .gpu-wheels/*.whl
+    fi
+    python -m pip install -q --no-deps --no-build-isolation -e . || { echo "could not install accelrun"; exit 1; }
+    export PATH="$(python -c 'import sys, os; print(os.path.dirname(sys.executable))'):$PATH"
+    python -c "import accelrun.config" || {
+        echo "accelrun does not import: run bash bench/gpu_wheels.sh here and carry .gpu-wheels"; exit 1; }
+fi
 STEPS="${1:-40}"
 DEVICE="${SMOKE_DEVICE:-cuda}"
 PARTS="${SMOKE_PARTS:-triton,train,resume,profile,8b,plan,float8,multi}"
@@ -45,7 +62,8 @@ train() {
         failed+=("$name")
     fi
 }
-run_dir() { dirname "$(ls "$runs/$1"/*/*/report.json 2>/dev/null | head -n 1)"; }
+# The run's folder, or nothing when the run wrote no report (dirname of nothing would say ".").
+run_dir() { local f; f=$(ls "$runs/$1"/*/*/report.json 2>/dev/null | head -n 1); [ -n "$f" ] && dirname "$f"; }
 
 section "device"
 if [ "$DEVICE" = cuda ]; then

@@ -22,10 +22,13 @@ from pathlib import Path
 
 import torch
 
-CASES = Path(__file__).resolve().parent.parent / "tests" / "compile" / "test_triton_real_compile.py"
+REPO = Path(__file__).resolve().parent.parent
+CASES = REPO / "tests" / "compile" / "test_triton_real_compile.py"
 
 
 def load_cases():
+    if str(REPO) not in sys.path:  # the cases import their helpers as ``tests.compile...``
+        sys.path.insert(0, str(REPO))
     spec = importlib.util.spec_from_file_location("triton_real_compile_cases", CASES)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
