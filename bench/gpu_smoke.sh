@@ -21,7 +21,8 @@
 #                                          # the debug model with CUDA graphs on / off and tuned / untuned
 #                                          # launches, and bench/compile_step.py on an 8-layer dim-2048
 #                                          # Llama, eager vs Inductor vs accelrun's Triton, fp32 and bf16
-#                                          # (its halves alone: bench-debug, bench-8layer)
+#                                          # (its halves alone: bench-debug, bench-8layer; the latter
+#                                          # lighter: SMOKE_BENCH_PRECISION=bf16-mixed SMOKE_BENCH_ROUNDS=6)
 #
 # It stops at nothing: every part runs, and the exit code is 1 if any part failed.
 #
@@ -199,7 +200,8 @@ def report(name):
     found = sorted((runs / name).glob("*/*/report.json"))
     return json.loads(found[0].read_text()) if found else None
 def ms(r):
-    return (r.get("step_time_s") or {}).get("median") * 1e3 if r and r.get("step_time_s") else float("nan")
+    median = ((r or {}).get("step_time_s") or {}).get("median")
+    return median * 1e3 if median is not None else float("nan")
 ok = True
 for p in ("fp32", "bf16-mixed"):
     r = {k: report(f"bench-{k}-{p}") for k in ("untuned-nocg", "tuned-nocg", "tuned-cg", "inductor", "inductor-warm")}
@@ -222,7 +224,10 @@ fi
 
 if [ "$DEVICE" = cuda ] && { want bench || want bench-8layer; }; then
     section "eager, Inductor and accelrun's Triton on an 8-layer dim-2048 Llama (bench/compile_step.py)"
-    python bench/compile_step.py --device cuda --executors triton,aten --precision both --rounds 12 \
+    # SMOKE_BENCH_PRECISION / SMOKE_BENCH_ROUNDS: both precisions and 12 rounds ran past a 10-minute
+    # device command on an H200 (2026-11-27); bf16-mixed alone with 6 rounds fits one.
+    python bench/compile_step.py --device cuda --executors triton,aten --precision "${SMOKE_BENCH_PRECISION:-both}" \
+        --rounds "${SMOKE_BENCH_ROUNDS:-12}" \
         model.dim=2048 model.n_layers=8 model.n_heads=16 model.n_kv_heads=8 model.ffn_dim=5632 \
         model.vocab_size=32000 train.seq_len=2048 train.micro_batch=4 train.global_batch=4 || failed+=("bench")
 fi
