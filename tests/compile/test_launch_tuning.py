@@ -137,6 +137,33 @@ def test_the_search_keeps_the_fastest_and_the_default_within_the_margin():
     assert [t.launch for t in close] == defaults
 
 
+def test_a_candidate_the_device_refuses_is_passed_over():
+    """Shared memory is checked only when a binary loads on the device: one refused candidate must not
+    take the region off Triton."""
+    (program, *_) = programs("rope_swiglu")
+    timer = FakeTimer()
+    fastest = {min(candidates(program, ln), key=timer) for ln in launches(program)}
+    defaults = [candidates(program, ln)[0] for ln in launches(program)]
+    refused = fastest - set(defaults)
+    assert refused  # some fastest candidate is not a default
+
+    def refusing(launch):
+        if launch in refused:
+            raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
+        return timer(launch)
+
+    tuned = tune(program, refusing)
+    assert not {t.launch for t in tuned} & refused and len(tuned) == len(defaults)
+
+    def refusing_defaults(launch):
+        if launch in defaults:
+            raise RuntimeError("out of resource: shared memory")
+        return timer(launch)
+
+    with pytest.raises(RuntimeError, match="out of resource"):  # a default that fails is the region's failure
+        tune(program, refusing_defaults)
+
+
 def test_a_launch_bound_kernel_keeps_its_default_without_compiling_candidates():
     (program, *_) = programs("rope_swiglu")
     timer = FakeTimer()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -195,13 +196,24 @@ def tune(program: LoopProgram, time_launch: LaunchTimer, plan: list[Launch] | No
             continue
         # The default timed again beside its rivals: the device and host are as they are for them now
         # (after the builds), not as they were before.
-        timed = [(time_launch(c), i, c) for i, c in enumerate([default, *others])]
+        timed = [(time_launch(default), 0, default)] + [
+            (_candidate_ms(time_launch, c), i, c) for i, c in enumerate(others, start=1)]
         best_ms, _, best = min(timed)
         default_ms = timed[0][0]
         if best_ms > default_ms * (1 - MARGIN):  # within noise of the default: keep the default
             best_ms, best = default_ms, default
         out.append(Tuned(best, best_ms, default_ms, len(timed)))
     return out
+
+
+def _candidate_ms(time_launch: LaunchTimer, launch: Launch) -> float:
+    """A candidate's time, or infinity where the device refuses it (more shared memory than it has,
+    found only when the binary loads there; cross-compiling does not check): never picked, and the
+    region keeps its other launches. The default's failure is the region's own, and propagates."""
+    try:
+        return time_launch(launch)
+    except Exception:  # noqa: BLE001 (Triton's OutOfResources, a launch error, ...)
+        return math.inf
 
 
 @dataclass(frozen=True)
