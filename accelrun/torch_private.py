@@ -103,6 +103,7 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     # passes, ptxas) runs outside the GIL, so a tuning's candidates build side by side.
     "TritonAsyncCompileMode": ("triton.runtime._async_compile", "AsyncCompileMode"),
     "triton_async_compile_active": ("triton.runtime._async_compile", "active_mode"),  # the mode in force
+    "TritonFutureKernel": ("triton.runtime._async_compile", "FutureKernel"),  # a kernel cache's placeholder
     # Distributed: functional collectives (what compiled graphs hold), a DTensor shard's place in the
     # global tensor (shard-exact initialisation), the fake process group (the dry run).
     "functional_collectives": ("torch.distributed._functional_collectives", None),
@@ -303,13 +304,12 @@ def drop_failed_async_compiles(kernel: Any) -> int:
     cleared from the first function's cache only, and the other keeps a placeholder with neither a
     kernel nor a future, which its next call trips over (an AttributeError) instead of compiling again
     and raising what the compiler said."""
-    from triton.runtime._async_compile import FutureKernel
-
+    future_kernel = __getattr__("TritonFutureKernel")
     dropped = 0
     for caches in getattr(kernel, "device_caches", {}).values():  # per device: (kernel cache, ...)
         cache = caches[0]
         for key, value in list(cache.items()):
-            if isinstance(value, FutureKernel) and value.kernel is None and value.future is None:
+            if isinstance(value, future_kernel) and value.kernel is None and value.future is None:
                 del cache[key]
                 dropped += 1
     return dropped

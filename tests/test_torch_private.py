@@ -551,19 +551,27 @@ def test_triton_async_compile_active():
     assert hasattr(tp.triton_async_compile_active, "set")
 
 
+def test_TritonFutureKernel():
+    """What ``drop_failed_async_compiles`` reads of a cache's placeholder: its kernel and its future."""
+    pytest.importorskip("triton")
+    callbacks = [lambda k: None] * (len(_params(tp.TritonFutureKernel.__init__)) - 2)  # finish (3.7 on: clean up)
+    placeholder = tp.TritonFutureKernel(*callbacks, future=None)
+    assert placeholder.kernel is None and placeholder.future is None
+
+
 def test_drop_failed_async_compiles():
     """A JIT function's per-device caches are tuples whose first item is the kernel cache (what
     ``JITFunction.run`` unpacks); a failed compile's placeholder has neither kernel nor future."""
     pytest.importorskip("triton")
     from types import SimpleNamespace
 
-    from triton.runtime._async_compile import FutureKernel
     from triton.runtime.jit import JITFunction
 
     assert "kernel_cache, kernel_key_cache, target, backend, binder = self.device_caches[device]" in \
         inspect.getsource(JITFunction.run)  # fmt: skip
-    callbacks = [lambda k: None] * (len(_params(FutureKernel.__init__)) - 2)  # finish (and, 3.7 on, clean up)
-    dead, built = FutureKernel(*callbacks, future=None), FutureKernel(*callbacks, future=None)
+    future_kernel = tp.TritonFutureKernel
+    callbacks = [lambda k: None] * (len(_params(future_kernel.__init__)) - 2)  # finish (and, 3.7 on, clean up)
+    dead, built = future_kernel(*callbacks, future=None), future_kernel(*callbacks, future=None)
     built.kernel = "a compiled kernel"
     cache = {"failed": dead, "built": built, "plain": "a compiled kernel"}
     jit = SimpleNamespace(device_caches={0: (cache, {}, None, None, None)})
