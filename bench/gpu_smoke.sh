@@ -216,7 +216,10 @@ for p in ("fp32", "bf16-mixed"):
           f"{r['tuned-cg'].get('compile_time_s')}; Inductor cold {r['inductor'].get('compile_time_s')}, warm "
           f"{r['inductor-warm'].get('compile_time_s')}")
     c = r["tuned-cg"].get("compiler") or {}
-    print(f"{p}: compiled: {c.get('compiled')}; CUDA graphs: {(c.get('cuda_graphs') or {}).get('row')}")
+    graphs = c.get("cuda_graphs") or {}
+    print(f"{p}: compiled: {c.get('compiled')}")  # its CUDA graphs' line among them
+    print(f"{p}: CUDA graphs' timed eager call and replay, ms: {graphs.get('timings_ms')}; warm start's stages, s: "
+          f"{ {k: round(v, 2) for k, v in (c.get('stage_seconds') or {}).items()} }")
     ok &= bool((c.get("cuda_graphs") or {}).get("captured"))  # something was captured
 sys.exit(0 if ok else 1)
 EOF

@@ -17,7 +17,7 @@ from typing import Any
 from torch import fx, nn
 
 from accelrun.compile import coverage
-from accelrun.compile.cuda_graphs import with_cuda_graphs
+from accelrun.compile.cuda_graphs import graph_facts, with_cuda_graphs
 from accelrun.compile.dump import Dumper
 from accelrun.compile.fast_calls import runnable
 from accelrun.compile.gc_pause import gc_paused
@@ -195,8 +195,8 @@ class AccelrunBackend:
 
             notes = (self.record.regions[first_region:], self.record.graphs[-1])
             code = AccelrunOutputCode(gm, lowered, graph_name, kind, [e.name for e in self.executors],
-                                      str(self.options.cache_dir), notes)  # fmt: skip
-            code.use_cuda_graphs(self.record, example_inputs)
+                                      str(self.options.cache_dir), notes, graph_facts(gm, example_inputs))  # fmt: skip
+            code.use_cuda_graphs(self.record)
             return code
         run = runnable(lowered, returns_gradients=kind == "backward")
         # compile.cuda_graphs: replayed as a CUDA graph where the run and this graph allow it.

@@ -279,12 +279,12 @@ def graph_facts(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> GraphFacts
     return GraphFacts(frozenset(devices), symbolic, collectives, tuple(data_dependent))
 
 
-def wants_cuda_graphs(name: str, gm: fx.GraphModule, example_inputs: Sequence[Any], report: CudaGraphsReport) -> bool:
+def wants_cuda_graphs(name: str, facts: GraphFacts, report: CudaGraphsReport) -> bool:
     """Whether graph ``name`` replays from CUDA graphs (the run and the graph allow it); where the run
     asked for them and this graph cannot, the reason goes in ``report.declined``."""
     if not report.run.use:
         return False
-    decision: CudaGraphDecision = decide_for_graph(report.run, graph_facts(gm, example_inputs))
+    decision: CudaGraphDecision = decide_for_graph(report.run, facts)
     if not decision.use:
         report.declined[name] = decision.reason
     return decision.use
@@ -293,7 +293,7 @@ def wants_cuda_graphs(name: str, gm: fx.GraphModule, example_inputs: Sequence[An
 def with_cuda_graphs(fn: Callable[..., Any], name: str, gm: fx.GraphModule, example_inputs: Sequence[Any],
                      report: CudaGraphsReport, capture: GraphCapture | None = None) -> Callable[..., Any]:  # fmt: skip
     """``fn`` replayed from CUDA graphs where the run and this graph allow it; else ``fn`` itself."""
-    if not wants_cuda_graphs(name, gm, example_inputs, report):
+    if not wants_cuda_graphs(name, graph_facts(gm, example_inputs), report):
         return fn
     return CudaGraphRunner(fn, name, capture or shared_capture(report), report)
 

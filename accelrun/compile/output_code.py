@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from accelrun.compile.cuda_graph_policy import CudaGraphsReport
+from accelrun.compile.cuda_graph_policy import CudaGraphsReport, GraphFacts
 from accelrun.compile.cuda_graphs import CudaGraphRunner, shared_capture, wants_cuda_graphs
 from accelrun.compile.executors.aten import AtenExecutor
 from accelrun.compile.fast_calls import STATIC_LAYOUTS, layouts_are_static, runnable
@@ -46,12 +46,16 @@ class AccelrunOutputCode(OutputCode):
     """Called with the graph's inputs as one list (the boxed convention AOTAutograd uses)."""
 
     def __init__(self, graph: fx.GraphModule, lowered: fx.GraphModule, graph_name: str, kind: str,
-                 executors: list[str], cache_dir: str, notes: tuple[list, GraphRecord]) -> None:  # fmt: skip
+                 executors: list[str], cache_dir: str, notes: tuple[list, GraphRecord],
+                 facts: GraphFacts) -> None:  # fmt: skip
         self._boxed_call = True
         self.graph_module: fx.GraphModule | None = graph
         self.lowered: fx.GraphModule | None = lowered
         self.graph_name, self.kind, self.executors, self.cache_dir = graph_name, kind, executors, cache_dir
         self.notes = notes  # what compiling it put in the record (its regions, the graph), replayed on load
+        # Read from the example inputs when compiled, and saved: a load from torch's precompile passes
+        # none (an empty list), which read afresh would say "the graph takes no tensors" (H200, 12-04).
+        self.facts = facts
         self.saved_graph: bytes | None = None
         self.saved_lowered: bytes | None = None
         self._run: Any = None  # fast_calls.runnable(lowered), made on the first call
@@ -67,10 +71,9 @@ class AccelrunOutputCode(OutputCode):
                                             self.cuda_graphs)  # fmt: skip
         return self._run(*inputs)
 
-    def use_cuda_graphs(self, record: CompileRecord, example_inputs: Sequence[Any]) -> None:
+    def use_cuda_graphs(self, record: CompileRecord) -> None:
         """Replay from CUDA graphs if the run (``record.cuda_graphs``) and this graph allow it."""
-        graph = self.lowered if self.lowered is not None else self.graph_module
-        if graph is not None and wants_cuda_graphs(self.graph_name, graph, example_inputs, record.cuda_graphs):
+        if wants_cuda_graphs(self.graph_name, self.facts, record.cuda_graphs):
             self.cuda_graphs = record.cuda_graphs
 
     def prepare_for_serialization(self) -> None:
@@ -103,7 +106,7 @@ class AccelrunOutputCode(OutputCode):
                                for r, c in zip(regions, compiled, strict=True)]  # fmt: skip
             record.cache_hits += sum(compiled)
             record.graphs.append(graph)
-            self.use_cuda_graphs(record, example_inputs)
+            self.use_cuda_graphs(record)
             return
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -118,7 +121,7 @@ class AccelrunOutputCode(OutputCode):
                                         self.cache_dir, wait_for_builds=True)  # fmt: skip
         record.graphs.append(self.notes[1])
         self.graph_module = gm
-        self.use_cuda_graphs(record, example_inputs)
+        self.use_cuda_graphs(record)
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         pass  # accelrun's Triton kernels live in its own cache

@@ -29,12 +29,14 @@ COMPILED = ["compile.backend=accelrun", "compile.scope=loss", "compile.executors
             f"compile.passes={json.dumps(PASSES)}"]  # fmt: skip
 
 
-def step(*overrides: str, grad: bool = True, shape: tuple[int, int] = (4, 32)):
+def step(*overrides: str, grad: bool = True, shape: tuple[int, int] = (4, 32), cuda_graphs=None):
     """One forward (+ backward) of the tiny Llama on (batch, seq) = ``shape`` tokens: (loss, grads by
-    name, compile record)."""
+    name, compile record). ``cuda_graphs``: the run's CUDA-graph decision, as dist.layout sets it."""
     cfg = load_config(DEFAULT_CONFIG, [*TINY, *overrides]).config
     model = build_model(cfg.model, torch.device("cpu"), seed=0)
     compiled = compile_model(model, transformer_blocks(model), cfg.compile)
+    if cuda_graphs is not None:
+        compiled.record.cuda_graphs = cuda_graphs
     gen = torch.Generator().manual_seed(1)
     tokens, targets = (torch.randint(0, cfg.model.vocab_size, shape, generator=gen) for _ in range(2))
     with torch.set_grad_enabled(grad):
@@ -564,3 +566,32 @@ def test_hooks_inside_a_cached_method_are_not_skipped(tmp_path, shared):
         for name, grad in grads.items():
             torch.testing.assert_close(grad, eager_grads[name], rtol=1e-5, atol=1e-6)
     assert stats["errors"] == ["hooks on lin (the graph cache keys no hooks)"], stats
+
+
+def test_a_loaded_graph_decides_on_cuda_graphs_from_the_inputs_it_was_compiled_for(monkeypatch):
+    """torch's precompile loads a graph with no example inputs (an empty list). Deciding from those,
+    the H200's warm process found "the graph takes no tensors" for every graph and captured none
+    (2026-12-04); the facts read when the graph was compiled travel with it instead. Here a graph that
+    takes CPU tensors is declined for that reason, cold and loaded alike; and, with CPU tensors
+    accepted, a loaded graph is set to replay."""
+    from accelrun.compile import cuda_graphs, output_code
+    from accelrun.compile.cuda_graph_policy import CudaGraphDecision, CudaGraphMode, CudaGraphsReport
+
+    on = CudaGraphDecision(True, "CUDA, one rank")
+    cold = step(*COMPILED, cuda_graphs=CudaGraphsReport(CudaGraphMode.ON, on))[2]
+    torch._dynamo.reset()
+    warm = step(*COMPILED, cuda_graphs=CudaGraphsReport(CudaGraphMode.ON, on))[2]
+    assert warm.graph_cache["loaded"] == 2, warm.graph_cache
+    assert set(cold.cuda_graphs.declined.values()) == {"the graph takes CPU tensors"}, cold.cuda_graphs.declined
+    assert warm.cuda_graphs.declined == cold.cuda_graphs.declined  # not "the graph takes no tensors"
+
+    monkeypatch.setattr(cuda_graphs, "decide_for_graph",
+                        lambda run, facts: on if facts.devices else CudaGraphDecision.no("no tensors"))  # fmt: skip
+    runners = []
+    monkeypatch.setattr(output_code, "shared_capture", lambda report: None)  # no CUDA here: the graphs run
+    monkeypatch.setattr(output_code, "CudaGraphRunner", lambda run, *a: runners.append(a[0]) or run)
+    torch._dynamo.reset()
+    loaded = step(*COMPILED, cuda_graphs=CudaGraphsReport(CudaGraphMode.ON, on))
+    assert loaded[2].graph_cache["loaded"] == 2 and not loaded[2].cuda_graphs.declined, loaded[2].cuda_graphs
+    assert sorted(runners) == ["g0.backward", "g0.forward", "g1.backward", "g1.forward"]  # each set to replay
+    assert_close(loaded, step(), rel=1e-5)
