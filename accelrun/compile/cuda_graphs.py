@@ -224,7 +224,8 @@ def _flat(outputs: Any) -> list[Any]:
 
 
 def _static_copy(t: torch.Tensor) -> torch.Tensor:
-    """A buffer with ``t``'s strides (so that a view of it maps back onto ``t``), holding its values."""
+    """A buffer with ``t``'s strides (so that a view of it maps back onto ``t``, and a graph compiled
+    for those strides reads it right), holding its values."""
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
@@ -246,7 +247,7 @@ def _read_out(cap: _Capture, args: Sequence[Any]) -> Any:
         if not isinstance(o, torch.Tensor):
             copied.append(o)
         elif alias is None:
-            copied.append(o.clone())
+            copied.append(_static_copy(o))  # clone() would make a non-dense output (a column slice) contiguous
         elif alias[0] == "static":
             copied.append(o)
         else:

@@ -286,6 +286,20 @@ def test_an_output_that_views_an_input_views_the_callers_tensor():
     assert graphs.captures == 1 and graphs.replays == 2 and not report.declined
 
 
+def test_a_replayed_output_keeps_the_strides_the_graph_gave_it():
+    """A graph's output may be a column slice of a larger result (a forward's saved activation, say);
+    the graph that takes it next was compiled for those strides. The copy out of the static output
+    keeps them: a plain clone() of a non-dense tensor comes back contiguous."""
+    run, graphs, report = runner(lambda x: ((x * 2)[:, :3], x.t() + 1), warmup_calls=0)
+    for _ in range(2):
+        x = torch.randn(4, 5)
+        sliced, transposed = run(x)
+        assert sliced.stride() == (5, 1) and transposed.stride() == (x.t() + 1).stride() == (1, 5)
+        torch.testing.assert_close(sliced, (x * 2)[:, :3], rtol=0, atol=0)
+        torch.testing.assert_close(transposed, x.t() + 1, rtol=0, atol=0)
+    assert graphs.captures == 1 and graphs.replays == 2
+
+
 def test_an_expanded_input_is_not_captured():
     run, graphs, report = runner(lambda x: (x * 2,), warmup_calls=0)
     x = torch.randn(1, 4).expand(3, 4)
