@@ -74,6 +74,7 @@ class AccelrunBackend:
                 executor.tune_launches = self.options.tune_launches
         self.passes = PassDriver(self.options.passes, self.record, self.dump, strict=self.options.strict,
                                  debug_numerics=self.options.debug_numerics)
+        coverage.listen_for_break_sites()
         if not self.record.dynamo_start:
             self.record.dynamo_start = coverage.snapshot()
         self._inside = 0.0  # seconds spent in our own hooks during the current AOTAutograd call

@@ -10,7 +10,10 @@ snapshots them when it is made and reports the difference.
 
 from __future__ import annotations
 
+import logging
 import re
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from accelrun.torch_private import dynamo_counters as counters
@@ -22,9 +25,127 @@ _FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 _SKIPPED = re.compile(r"frame skipped: (\S+) \((\S+) line (\d+)\)")
 
 
+# -- where each graph break happened --------------------------------------------------------------
+# Dynamo's counters key a graph break by its reason, which names no place. Dynamo also logs each break
+# with the user's stack on its ``graph_breaks`` artifact logger (printed only under TORCH_LOGS), so
+# accelrun listens there, without printing, while a model compiles.
+
+# Places inside torch.nn where a model written the usual way breaks the graph, with what avoids it:
+# (file's tail, function) -> the change.
+KNOWN_BREAKS: dict[tuple[str, str], str] = {
+    ("modules/transformer.py", "_detect_is_causal_mask"): (
+        "pass is_causal=True beside the causal mask (torch.nn's Transformer layers otherwise compare the mask "
+        "with a causal one on the host, every call)"
+    ),
+}
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_BREAK_PLACE = re.compile(r"in user code at (\S+:\d+)")
+_ATTRIBUTED = re.compile(r'File "([^"]+)", line (\d+)\s*$', re.MULTILINE)  # a place with no function
+_BREAK_LOGGERS = ("torch._dynamo.symbolic_convert.__graph_breaks", "torch._dynamo.convert_frame.__graph_breaks")
+
+
+@dataclass(frozen=True)
+class BreakSite:
+    """One graph break: the user's line that led to it, the function it happened in, and the change
+    that avoids it where it is a known one."""
+
+    user_line: str  # "mylm.py:14", the innermost frame outside torch
+    inside: str  # "transformer.py:1245 in _detect_is_causal_mask", the innermost frame ("" if the user's)
+    fix: str = ""
+
+    def line(self) -> str:
+        where = f"at {self.user_line}" + (f" (in torch's {self.inside})" if self.inside else "")
+        return where + (f"; to avoid it: {self.fix}" if self.fix else "")
+
+
+def break_site(message: str) -> BreakSite | None:
+    """The site of a break from Dynamo's graph-break log message. Its "User code traceback" can leave
+    out the frame Dynamo began tracing in (the user's forward, when the break is in a module it
+    calls); its "source attribution" names the user's line then, so that line is preferred."""
+    frames = [(path.replace("\\", "/"), line, fn) for path, line, fn in _FRAME.findall(message)]
+    if not frames:
+        return None
+    attributed = [(p.replace("\\", "/"), line) for p, line in _ATTRIBUTED.findall(message)]
+    user = [f[:2] for f in frames if not _machinery(f[0])]
+    user_line = next((f for f in reversed(attributed) if not _machinery(f[0])), user[-1] if user else frames[-1][:2])
+    path, line, fn = frames[-1]
+    inner = f"{_tail(path)}:{line} in {fn}" if _machinery(path) else ""
+    fix = next((why for (tail, name), why in KNOWN_BREAKS.items() if path.endswith(tail) and fn == name), "")
+    return BreakSite(f"{_tail(user_line[0])}:{user_line[1]}", inner, fix)
+
+
+_ACCELRUN = Path(__file__).resolve().parents[1].as_posix() + "/"
+
+
+def _machinery(path: str) -> bool:
+    """torch's frames, and accelrun's own that call the model (not its built-in models' code)."""
+    if "/torch/" in path or "/click/" in path:  # torch, and accelrun's command line
+        return True
+    return path.startswith(_ACCELRUN) and not path.startswith(_ACCELRUN + "models/families/")
+
+
+class _BreakListener(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.sites: list[BreakSite] = []
+        # Dynamo logs a break it has logged before without its stack, by the place it broke at.
+        self._by_place: dict[str, BreakSite] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+            place = _BREAK_PLACE.search(message)
+            site = break_site(message) or (self._by_place.get(place.group(1)) if place else None)
+            if site is not None:
+                self.sites.append(site)
+                if place:
+                    self._by_place[place.group(1)] = site
+        except Exception:  # a message of another shape: the break still counts, without its place
+            pass
+
+
+class _NoItemHint(logging.Filter):
+    """Dynamo's own warning for `Tensor.item()` (16 lines, and a hint to trace the host read rather than
+    to avoid it): the report gives the break's place and, where known, the change instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).lstrip().startswith("Graph break from `Tensor.item()`")
+
+
+_listener: _BreakListener | None = None
+
+
+def listen_for_break_sites() -> None:
+    """From now on in this process, record where graph breaks happen (idempotent). TORCH_LOGS's own
+    printing of them, where a user asked for it, stays as it was."""
+    global _listener
+    if _listener is not None:
+        return
+    _listener = _BreakListener()
+    for name in _BREAK_LOGGERS:
+        log = logging.getLogger(name)
+        if not log.isEnabledFor(logging.DEBUG):  # not asked for by TORCH_LOGS: keep it off the console
+            log.setLevel(logging.DEBUG)
+            log.propagate = False
+        log.addHandler(_listener)
+    logging.getLogger("torch._dynamo.variables.tensor").addFilter(_NoItemHint())
+
+
 def snapshot() -> dict[str, dict[str, int]]:
-    """Dynamo's counters now (what a new backend compares against later)."""
-    return {k: dict(counters[k]) for k in _WATCHED}
+    """Dynamo's counters now (what a new backend compares against later), and how many break sites
+    had been logged."""
+    return {**{k: dict(counters[k]) for k in _WATCHED}, "break_sites": {"n": _sites_logged()}}
+
+
+def _sites_logged() -> int:
+    return len(_listener.sites) if _listener is not None else 0
+
+
+def break_sites_since(start: dict[str, Any]) -> list[BreakSite]:
+    """Break sites logged since ``start``, each once."""
+    if _listener is None:
+        return []
+    return list(dict.fromkeys(_listener.sites[start.get("break_sites", {}).get("n", 0):]))
 
 
 def since(start: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
@@ -38,6 +159,8 @@ def since(start: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
 def forget_since(start: dict[str, dict[str, int]]) -> None:
     """Put Dynamo's counters back to ``start``: what a trace that never ran counted (the graph cache's
     refused precompile, traced again by its torch.compile fallback) is not counted twice."""
+    if _listener is not None:
+        del _listener.sites[start.get("break_sites", {}).get("n", 0):]
     for k in _WATCHED:
         base = start.get(k, {})
         for reason in list(counters[k]):
@@ -78,6 +201,7 @@ def dynamo_coverage(start: dict[str, dict[str, int]]) -> dict[str, Any]:
         "frames_compiled": frames.get("ok", 0),
         "frames_skipped": skipped,
         "unsupported": unsupported,  # graph breaks by title and file:line (what Dynamo could not trace)
+        "break_sites": [site.line() for site in break_sites_since(start)],  # where, and what avoids it
     }
 
 
@@ -99,7 +223,9 @@ def coverage_warnings(record: Any) -> list[str]:
                    "forward once")
     breaks = sum(record.graph_breaks.values())
     if breaks:
-        out.append(f"{breaks} graph break(s): the model runs as several graphs with eager code between them")
+        sites = d.get("break_sites") or []
+        where = f": {'; '.join(sites[:2])}" + (f" (+{len(sites) - 2} more)" if len(sites) > 2 else "") if sites else ""
+        out.append(f"{breaks} graph break(s): the model runs as several graphs with eager code between them{where}")
     return out
 
 

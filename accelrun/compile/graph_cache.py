@@ -370,7 +370,7 @@ class CachedMethod:
                 # Its graphs never run and its graph breaks are the fallback's: those are counted.
                 self.cache.backend.record.roll_back(mark)
                 coverage.forget_since(counted)
-                return self._fall_back("precompile failed", e)
+                return self._fall_back("precompile failed (nothing saved: each new process compiles it again)", e)
             self._save(entry, traced, path)
         self.entries.append(entry)
         return entry

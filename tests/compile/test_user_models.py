@@ -81,6 +81,49 @@ def test_a_skipped_forward_falls_back_to_its_repeated_modules(tmp_path):
     assert "compile one by one" in compiled.record.compiled_line()
 
 
+def test_a_graph_break_in_torch_nn_names_the_users_line_and_the_change_that_avoids_it(tmp_path):
+    """torch.nn's TransformerEncoder given a causal mask without is_causal=True reads the mask on the
+    host: Dynamo's reason names neither the place nor that fix (it suggests tracing the host read).
+    The record's warning names the user's line, torch's function and the change; made, the model
+    compiles as one graph at the same losses."""
+    import inspect
+
+    from tests.compile import user_models
+
+    line = next(i for i, text in enumerate(inspect.getsource(user_models).splitlines(), 1)
+                if "self.encoder(self.embed(tokens), mask=mask" in text)  # fmt: skip
+    records = {}
+    for hint in (False, True):
+        torch.manual_seed(0)
+        model = USER_MODELS["encoder"](causal_hint=hint)
+        reference = copy.deepcopy(model)
+        cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / str(hint)))
+        records[hint] = compile_model(model, None, cfg).record
+        _train_side_by_side(model, reference, steps=2)
+    without, with_hint = records[False], records[True]
+    (warning,) = [w for w in without.warnings() if "graph break" in w]
+    assert f"at compile/user_models.py:{line} (in torch's modules/transformer.py" in warning, warning
+    assert "_detect_is_causal_mask); to avoid it: pass is_causal=True" in warning, warning
+    assert sum(without.graph_breaks.values()) >= 1 and without.graphs_in_use() >= 2
+    assert not with_hint.graph_breaks and with_hint.graphs_in_use() == 1, with_hint.compiled_line()
+    assert not [w for w in with_hint.warnings() if "graph break" in w]
+
+
+def test_a_break_site_from_dynamo_s_log_message():
+    from accelrun.compile.coverage import break_site
+
+    message = (
+        "Graph break in user code at /usr/lib/python3/site-packages/torch/nn/functional.py:100\n"
+        "Graph Break Reason: Data-dependent branching\n\nUser code traceback:\n"
+        '  File "/home/me/train.py", line 7, in <module>\n    loss = model(x)\n'
+        '  File "/home/me/mymodel.py", line 31, in forward\n    if x.sum() > 0:\n'
+    )
+    site = break_site(message)
+    assert site.user_line == "me/mymodel.py:31" and site.inside == "" and site.fix == ""
+    assert site.line() == "at me/mymodel.py:31"
+    assert break_site("Graph break (user stack suppressed due to duplicate graph break) in user code at x.py:3") is None
+
+
 def test_auto_scope_per_family_and_backend():
     from accelrun.config import load_config
     from accelrun.models import build_model

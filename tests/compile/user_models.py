@@ -104,6 +104,25 @@ class PlainMLP(nn.Module):
         return self.head(self.norm(x))
 
 
+class EncoderLM(nn.Module):
+    """torch.nn's ``TransformerEncoder`` with a causal mask, as its documentation builds one. Passed
+    without ``is_causal=True`` (``causal_hint=False``), torch.nn compares the mask with a causal one on
+    the host every call: a graph break."""
+
+    def __init__(self, n_layers: int = 2, vocab: int = VOCAB, dim: int = DIM, causal_hint: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+        self.causal_hint = causal_hint
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device)
+        hint = {"is_causal": True} if self.causal_hint else {}
+        return self.head(self.encoder(self.embed(tokens), mask=mask, **hint))
+
+
 def mha_model(**kwargs) -> nn.Module:
     return MHAModel(**kwargs)
 
@@ -120,4 +139,5 @@ def plain_mlp(**kwargs) -> nn.Module:
     return PlainMLP(**kwargs)
 
 
-USER_MODELS = {"mha": MHAModel, "routed_moe": RoutedMoE, "conv_mixer": ConvMixer, "plain_mlp": PlainMLP}
+USER_MODELS = {"mha": MHAModel, "routed_moe": RoutedMoE, "conv_mixer": ConvMixer, "plain_mlp": PlainMLP,
+               "encoder": EncoderLM}
