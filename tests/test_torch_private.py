@@ -634,3 +634,28 @@ def test_module_hook_guards():
         inner.register_forward_hook(lambda m, a, o: o + 100)
         torch.testing.assert_close(compiled(x), outer(x))
     torch._dynamo.reset()
+
+
+def test_dynamo_graph_break_log():
+    import logging
+
+    assert isinstance(tp.dynamo_graph_break_log, logging.Logger)
+    assert tp.dynamo_graph_break_log.artifact_name == "graph_breaks"  # what TORCH_LOGS=graph_breaks turns on
+
+
+def test_dynamo_frame_break_log():
+    import logging
+
+    assert isinstance(tp.dynamo_frame_break_log, logging.Logger)
+    assert tp.dynamo_frame_break_log.artifact_name == "graph_breaks"
+
+
+def test_dynamo_tensor_log():
+    import logging
+
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    assert isinstance(tp.dynamo_tensor_log, logging.Logger)
+    assert tp.dynamo_tensor_log.name == "torch._dynamo.variables.tensor"
+    # The hint for `Tensor.item()` that coverage._NoItemHint keeps off the console is logged there.
+    assert "Graph break from `Tensor.item()`" in inspect.getsource(TensorVariable._warn_capture_scalar_outputs)

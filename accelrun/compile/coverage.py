@@ -41,7 +41,6 @@ KNOWN_BREAKS: dict[tuple[str, str], str] = {
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _BREAK_PLACE = re.compile(r"in user code at (\S+:\d+)")
 _ATTRIBUTED = re.compile(r'File "([^"]+)", line (\d+)\s*$', re.MULTILINE)  # a place with no function
-_BREAK_LOGGERS = ("torch._dynamo.symbolic_convert.__graph_breaks", "torch._dynamo.convert_frame.__graph_breaks")
 
 
 @dataclass(frozen=True)
@@ -121,14 +120,15 @@ def listen_for_break_sites() -> None:
     global _listener
     if _listener is not None:
         return
+    from accelrun.torch_private import dynamo_frame_break_log, dynamo_graph_break_log, dynamo_tensor_log
+
     _listener = _BreakListener()
-    for name in _BREAK_LOGGERS:
-        log = logging.getLogger(name)
+    for log in (dynamo_graph_break_log, dynamo_frame_break_log):
         if not log.isEnabledFor(logging.DEBUG):  # not asked for by TORCH_LOGS: keep it off the console
             log.setLevel(logging.DEBUG)
             log.propagate = False
         log.addHandler(_listener)
-    logging.getLogger("torch._dynamo.variables.tensor").addFilter(_NoItemHint())
+    dynamo_tensor_log.addFilter(_NoItemHint())
 
 
 def snapshot() -> dict[str, dict[str, int]]:
