@@ -34,8 +34,8 @@ _SKIPPED = re.compile(r"frame skipped: (\S+) \((\S+) line (\d+)\)")
 # (file's tail, function) -> the change.
 KNOWN_BREAKS: dict[tuple[str, str], str] = {
     ("modules/transformer.py", "_detect_is_causal_mask"): (
-        "pass is_causal=True beside the causal mask (torch.nn's Transformer layers otherwise compare the mask "
-        "with a causal one on the host, every call)"
+        "pass is_causal=True beside the causal mask (tgt_is_causal=True to a decoder; torch.nn's Transformer "
+        "modules otherwise compare the mask with a causal one on the host, every call)"
     ),
 }
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
@@ -229,10 +229,25 @@ def coverage_warnings(record: Any) -> list[str]:
     return out
 
 
+# What Dynamo cannot trace, by the start of its reason, and what that means for the user's model.
+KNOWN_UNTRACEABLE: dict[str, str] = {
+    "Attempted to wrap RNN, GRU, or LSTM": (
+        "torch.compile does not trace torch.nn's RNN, GRU and LSTM modules, so a forward that calls one runs "
+        "eagerly (torch._dynamo.config.allow_rnn = True, torch's experimental switch, unrolls every time step "
+        "into the graph)"
+    ),
+}
+
+
 def _what_to_change(dynamo: dict[str, Any]) -> str:
-    if dynamo.get("frames_skipped") or dynamo.get("unsupported"):
-        return ("the reasons are below; move the data-dependent code (a branch on a tensor's value, a "
-                "boolean mask) out of the compiled forward, or into a module of its own")
+    reasons = [*dynamo.get("unsupported", {}), *dynamo.get("frames_skipped", [])]
+    if reasons:
+        first = reasons[0]
+        more = f" (+{len(reasons) - 1} more in report.md)" if len(reasons) > 1 else ""
+        known = next((why for start, why in KNOWN_UNTRACEABLE.items() if start in first), None)
+        return f"Dynamo could not trace: {first}{more}; " + (known or (
+            "move that code (a branch on a tensor's value, a boolean mask) out of the compiled forward, or into "
+            "a module of its own"))
     return ("compile.scope = model compiles the whole forward; a module whose code is torch.nn's own "
             "compiles only when called from the model's forward")
 

@@ -109,6 +109,30 @@ def test_a_graph_break_in_torch_nn_names_the_users_line_and_the_change_that_avoi
     assert not [w for w in with_hint.warnings() if "graph break" in w]
 
 
+def test_a_model_dynamo_cannot_trace_says_why_and_what_it_means():
+    """A GRU language model: Dynamo does not trace torch.nn's RNN modules and skips the whole forward.
+    The warning names that reason and what it means, not the advice for data-dependent code."""
+
+    class GRULM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(VOCAB, 16)
+            self.rnn = torch.nn.GRU(16, 16, 2, batch_first=True)
+            self.head = torch.nn.Linear(16, VOCAB)
+
+        def forward(self, tokens):
+            out, _ = self.rnn(self.embed(tokens))
+            return self.head(out)
+
+    model = GRULM()
+    compiled = compile_model(model, None, CompileConfig(backend="accelrun", graph_cache=False, executors=["aten"]))
+    model(torch.randint(0, VOCAB, (2, 8))).sum().backward()
+    compiled.record.refresh_dynamo()
+    (nothing,) = [w for w in compiled.record.warnings() if w.startswith("nothing was compiled")]
+    assert "Dynamo could not trace: Attempted to wrap RNN, GRU, or LSTM" in nothing, nothing
+    assert "does not trace torch.nn's RNN, GRU and LSTM" in nothing and "data-dependent" not in nothing
+
+
 def test_a_break_site_from_dynamo_s_log_message():
     from accelrun.compile.coverage import break_site
 
