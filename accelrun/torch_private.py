@@ -105,7 +105,7 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     "triton_async_compile_active": ("triton.runtime._async_compile", "active_mode"),  # the mode in force
     "TritonFutureKernel": ("triton.runtime._async_compile", "FutureKernel"),  # a kernel cache's placeholder
     # Dynamo's loggers: each graph break with the user's stack (its `graph_breaks` artifact, printed only
-    # under TORCH_LOGS), and the one that prints its own hint for `Tensor.item()` (compile/coverage.py).
+    # under TORCH_LOGS), and the one that prints its own hint for `Tensor.item()` (compile/break_sites.py).
     "dynamo_graph_break_log": ("torch._dynamo.symbolic_convert", "graph_break_log"),
     "dynamo_frame_break_log": ("torch._dynamo.convert_frame", "graph_break_log"),
     "dynamo_tensor_log": ("torch._dynamo.variables.tensor", "log"),

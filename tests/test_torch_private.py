@@ -657,5 +657,5 @@ def test_dynamo_tensor_log():
 
     assert isinstance(tp.dynamo_tensor_log, logging.Logger)
     assert tp.dynamo_tensor_log.name == "torch._dynamo.variables.tensor"
-    # The hint for `Tensor.item()` that coverage._NoItemHint keeps off the console is logged there.
+    # The hint for `Tensor.item()` that break_sites._NoItemHint keeps off the console is logged there.
     assert "Graph break from `Tensor.item()`" in inspect.getsource(TensorVariable._warn_capture_scalar_outputs)

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from accelrun.compile import coverage
+from accelrun.compile import break_sites, coverage
 from accelrun.compile.cuda_graphs import graph_facts, with_cuda_graphs
 from accelrun.compile.dump import Dumper
 from accelrun.compile.fast_calls import runnable
@@ -74,7 +74,7 @@ class AccelrunBackend:
                 executor.tune_launches = self.options.tune_launches
         self.passes = PassDriver(self.options.passes, self.record, self.dump, strict=self.options.strict,
                                  debug_numerics=self.options.debug_numerics)
-        coverage.listen_for_break_sites()
+        break_sites.listen()
         if not self.record.dynamo_start:
             self.record.dynamo_start = coverage.snapshot()
         self._inside = 0.0  # seconds spent in our own hooks during the current AOTAutograd call

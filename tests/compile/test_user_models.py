@@ -134,7 +134,7 @@ def test_a_model_dynamo_cannot_trace_says_why_and_what_it_means():
 
 
 def test_a_break_site_from_dynamo_s_log_message():
-    from accelrun.compile.coverage import break_site
+    from accelrun.compile.break_sites import break_site
 
     message = (
         "Graph break in user code at /usr/lib/python3/site-packages/torch/nn/functional.py:100\n"

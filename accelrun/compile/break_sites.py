@@ -1,0 +1,152 @@
+"""Where each graph break happened, and the change that avoids it where it is a known one.
+
+Dynamo's counters (coverage.py) key a graph break by its reason, which names no place ("Unsupported
+Tensor.item() call"), and torch's hint for it may not be the fix (tracing the host read, where the
+model need not read the host at all). Dynamo also logs every break with the user's stack on its
+``graph_breaks`` artifact logger, printed only under TORCH_LOGS. accelrun listens there, without
+printing, from the first compile of a process on, and keeps one ``BreakSite`` per break.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# Places inside torch.nn where a model written the usual way breaks the graph, with what avoids it:
+# (file's tail, function) -> the change.
+KNOWN_BREAKS: dict[tuple[str, str], str] = {
+    ("modules/transformer.py", "_detect_is_causal_mask"): (
+        "pass is_causal=True beside the causal mask (tgt_is_causal=True to a decoder; torch.nn's Transformer "
+        "modules otherwise compare the mask with a causal one on the host, every call)"
+    ),
+}
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_BREAK_PLACE = re.compile(r"in user code at (\S+:\d+)")
+_ATTRIBUTED = re.compile(r'File "([^"]+)", line (\d+)\s*$', re.MULTILINE)  # a place with no function
+
+
+@dataclass(frozen=True)
+class BreakSite:
+    """One graph break: the user's line that led to it, the function it happened in, and the change
+    that avoids it where it is a known one."""
+
+    user_line: str  # "mylm.py:14", the innermost frame outside torch
+    inside: str  # "transformer.py:1245 in _detect_is_causal_mask", the innermost frame ("" if the user's)
+    fix: str = ""
+
+    def line(self) -> str:
+        where = f"at {self.user_line}" + (f" (in torch's {self.inside})" if self.inside else "")
+        return where + (f"; to avoid it: {self.fix}" if self.fix else "")
+
+
+def break_site(message: str) -> BreakSite | None:
+    """The site of a break from Dynamo's graph-break log message. Its "User code traceback" can leave
+    out the frame Dynamo began tracing in (the user's forward, when the break is in a module it
+    calls); its "source attribution" names the user's line then, so that line is preferred."""
+    frames = [(path.replace("\\", "/"), line, fn) for path, line, fn in _FRAME.findall(message)]
+    if not frames:
+        return None
+    attributed = [(p.replace("\\", "/"), line) for p, line in _ATTRIBUTED.findall(message)]
+    user = [f[:2] for f in frames if not _machinery(f[0])]
+    user_line = next((f for f in reversed(attributed) if not _machinery(f[0])), user[-1] if user else frames[-1][:2])
+    path, line, fn = frames[-1]
+    inner = f"{path_tail(path)}:{line} in {fn}" if _machinery(path) else ""
+    fix = next((why for (tail, name), why in KNOWN_BREAKS.items() if path.endswith(tail) and fn == name), "")
+    return BreakSite(f"{path_tail(user_line[0])}:{user_line[1]}", inner, fix)
+
+
+def path_tail(path: str) -> str:
+    """A path's last two parts ("modules/transformer.py"): enough to find it, short enough to read."""
+    parts = path.replace("\\", "/").split("/")
+    return "/".join(parts[-2:])
+
+
+_ACCELRUN = Path(__file__).resolve().parents[1].as_posix() + "/"
+
+
+def _machinery(path: str) -> bool:
+    """torch's frames, and accelrun's own that call the model (not its built-in models' code)."""
+    if "/torch/" in path or "/click/" in path:  # torch, and accelrun's command line
+        return True
+    return path.startswith(_ACCELRUN) and not path.startswith(_ACCELRUN + "models/families/")
+
+
+class _BreakListener(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.sites: list[BreakSite] = []
+        # Dynamo logs a break it has logged before without its stack, by the place it broke at.
+        self._by_place: dict[str, BreakSite] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+            place = _BREAK_PLACE.search(message)
+            site = break_site(message) or (self._by_place.get(place.group(1)) if place else None)
+            if site is not None:
+                self.sites.append(site)
+                if place:
+                    self._by_place[place.group(1)] = site
+        except Exception:  # a message of another shape: the break still counts, without its place
+            pass
+
+
+class _NoItemHint(logging.Filter):
+    """Dynamo's own warning for `Tensor.item()` (16 lines, and a hint to trace the host read rather than
+    to avoid it): the report gives the break's place and, where known, the change instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).lstrip().startswith("Graph break from `Tensor.item()`")
+
+
+_listener: _BreakListener | None = None
+
+
+def listen() -> None:
+    """From now on in this process, record where graph breaks happen (idempotent). TORCH_LOGS's own
+    printing of them, where a user asked for it, stays as it was."""
+    global _listener
+    if _listener is not None:
+        return
+    from accelrun.torch_private import dynamo_frame_break_log, dynamo_graph_break_log, dynamo_tensor_log
+
+    _listener = _BreakListener()
+    for log in (dynamo_graph_break_log, dynamo_frame_break_log):
+        if not log.isEnabledFor(logging.DEBUG):  # not asked for by TORCH_LOGS: keep it off the console
+            log.setLevel(logging.DEBUG)
+            log.propagate = False
+        log.addHandler(_listener)
+    dynamo_tensor_log.addFilter(_NoItemHint())
+
+
+# What Dynamo cannot trace, by the start of its reason, and what that means for the user's model.
+KNOWN_UNTRACEABLE: dict[str, str] = {
+    "Attempted to wrap RNN, GRU, or LSTM": (
+        "torch.compile does not trace torch.nn's RNN, GRU and LSTM modules, so a forward that calls one runs "
+        "eagerly (torch._dynamo.config.allow_rnn = True, torch's experimental switch, unrolls every time step "
+        "into the graph)"
+    ),
+}
+
+
+def logged() -> int:
+    """How many break sites this process has logged (a mark for ``since`` and ``forget_after``)."""
+    return len(_listener.sites) if _listener is not None else 0
+
+
+def since(mark: int) -> list[BreakSite]:
+    """Break sites logged after ``mark``, each once."""
+    return list(dict.fromkeys(_listener.sites[mark:])) if _listener is not None else []
+
+
+def forget_after(mark: int) -> None:
+    """Drop the sites logged after ``mark`` (a trace that never ran, see coverage.forget_since)."""
+    if _listener is not None:
+        del _listener.sites[mark:]
+
+
+def untraceable_advice(reason: str) -> str | None:
+    """What a reason Dynamo gave for not tracing a frame means for the user's model, where known."""
+    return next((why for start, why in KNOWN_UNTRACEABLE.items() if start in reason), None)
