@@ -17,6 +17,7 @@ be reset, the process's whole peak, marked "(whole process)").
     python bench/compile_step.py --variants eager,accelrun --passes max
     python bench/compile_step.py --malloc system           # glibc defaults (faults on every step)
     python bench/compile_step.py --device cuda --executors triton,aten model.dim=1024 model.n_layers=8
+    python bench/compile_step.py --variants inductor,accelrun --profile-warm-start /tmp/prof   # where it goes
 """
 
 from __future__ import annotations
@@ -159,7 +160,18 @@ def child(args: argparse.Namespace) -> None:
     """Warm start and memory of one variant, in a fresh process."""
     v = Variant(args.child, args)
     reset = v.device.type == "cpu" and reset_peak_rss()
-    first = v.step()
+    if args.profile_warm_start:  # the host's side of the first step, where a warm start's time goes
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        first = profiler.runcall(v.step)
+        path = Path(args.profile_warm_start) / f"warm-start-{args.child}-{args.precision}.txt"
+        with open(path, "w") as f:
+            f.write(f"first step {first:.3f} s\n")
+            pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(40)
+    else:
+        first = v.step()
     v.step(count_saved=True)
     cache = v.graph_cache()
     if v.device.type == "cuda":
@@ -202,6 +214,8 @@ def main() -> None:
                    help="CPU allocator settings of this process, so of every variant alike; blocks is what "
                         "`accelrun train` sets on a CPU (train.cpu_malloc)")
     p.add_argument("override", nargs="*", help="recipe overrides for every variant (model.dim=1024 ...)")
+    p.add_argument("--profile-warm-start", metavar="DIR", help="write a cProfile of each variant's warm-start "
+                   "first step (the new process's) into DIR, 40 entries by cumulative time")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     tune_malloc(args.malloc)
@@ -311,6 +325,7 @@ def run_one(args: argparse.Namespace) -> None:
 def measure_in_child(name: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", name, "--precision", args.precision, "--passes", args.passes,
            "--executors", args.executors, "--scope", args.scope, "--device", args.device, "--malloc", args.malloc,
+           *(["--profile-warm-start", args.profile_warm_start] if args.profile_warm_start else []),
            *args.override]  # fmt: skip
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
