@@ -261,6 +261,15 @@ def describe(value: Any) -> str:
     return repr(value)
 
 
+def module_settings(owner: nn.Module) -> str:
+    """A digest of the plain settings (bools, numbers, strings) of ``owner`` and its submodules, which
+    Dynamo's guards check but the key leaves out."""
+    plain = (bool, int, float, str, type(None))
+    settings = [(name, k, v) for name, m in owner.named_modules() for k, v in sorted(vars(m).items())
+                if isinstance(v, plain)]  # fmt: skip
+    return hashlib.sha256(repr(settings).encode()).hexdigest()[:16]
+
+
 def global_state() -> str:
     """The global state Dynamo's guards check (its GlobalStateGuard): an entry compiled under other
     state is rejected on load. The thread count is part of it, and train.threads = auto picks it by
@@ -358,15 +367,21 @@ class CachedMethod:
         # share a key, and one file each would have been overwritten by the other kind every run.
         path = self.cache.directory / f"{self.cache.key(self.func, owner, args, kwargs)}-{len(self.entries)}.pt"
         refused = path.with_suffix(".refused")
+        settings = module_settings(owner)
         if refused.exists():  # an earlier process found this method cannot be precompiled: do not retry
-            return self._fall_back(f"precompile failed before: {refused.read_text()}", None)
+            saved_settings, _, why = refused.read_text().partition("\n")
+            # unless the modules' settings differ: the key leaves them to the guards (blocks that differ
+            # only by their index share entries), and a model fixed through them (is_causal=True given
+            # in model.kwargs) may precompile now.
+            if saved_settings == settings:
+                return self._fall_back(f"precompile failed before: {why}", None)
         entry = self._load(path, owner, args, kwargs) if path.exists() else None
         if entry is None:
             mark, counted = self.cache.backend.record.mark(), coverage.snapshot()
             try:
                 entry, traced = self._compile(owner, args, kwargs)
             except Exception as e:  # graph break under fullgraph, an unserializable piece, ...
-                self._write(refused, one_line(e).encode())
+                self._write(refused, f"{settings}\n{one_line(e)}".encode())
                 # Its graphs never run and its graph breaks are the fallback's: those are counted.
                 self.cache.backend.record.roll_back(mark)
                 coverage.forget_since(counted)

@@ -273,6 +273,43 @@ def test_a_method_with_a_graph_break_falls_back_once_and_says_why(tmp_path):
         assert ("precompile failed" if attempt == 0 else "precompile failed before") in stats["errors"][0]
 
 
+class BreaksUnlessTold(BreaksAfterLinear):
+    """Breaks the graph unless ``whole`` is set: a setting (as model.kwargs gives one) that Dynamo's
+    guards check and the graph cache's key leaves out."""
+
+    def __init__(self, whole: bool):
+        super().__init__()
+        self.whole = whole
+
+    def forward(self, x):
+        y = self.lin(x).relu()
+        if not self.whole:
+            torch._dynamo.graph_break()
+        return y
+
+
+def test_a_refusal_does_not_outlive_a_change_of_the_modules_settings(tmp_path):
+    """A user's model refused once (a graph break) and then fixed through a setting, not its code
+    (model.kwargs: is_causal true): it used to stay refused, so every new process compiled it again."""
+    from accelrun.compile.backend import AccelrunBackend
+    from accelrun.compile.graph_cache import GraphCache, install
+    from accelrun.compile.options import CompileOptions
+
+    x = torch.randn(4, 8)
+    stats = []
+    for whole in (False, True, True):
+        torch._dynamo.reset()
+        module = BreaksUnlessTold(whole)
+        backend = AccelrunBackend(CompileOptions(executors=["aten"], cache_dir=tmp_path / "c"))
+        install(GraphCache(backend, tmp_path / "c" / "graphs"), [module], "forward")
+        torch.testing.assert_close(module(x), module.lin(x).relu())
+        stats.append(backend.record.graph_cache)
+    refused, fixed, again = stats
+    assert refused["fallbacks"] == 1 and "precompile failed" in refused["errors"][0], refused
+    assert fixed["fallbacks"] == 0 and fixed["saved"] == 1, fixed  # tried again, and saved
+    assert again["loaded"] == 1 and again["compiled"] == 0, again
+
+
 def test_a_precompile_torch_refuses_after_compiling_is_not_counted_twice(tmp_path, monkeypatch):
     """transformers' own Llama, whole forward, under torch's own guard filter: Dynamo guards on the
     identity of a code object in one of transformers' decorators, a guard torch's precompile cannot
