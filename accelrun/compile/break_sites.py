@@ -22,6 +22,14 @@ KNOWN_BREAKS: dict[tuple[str, str], str] = {
         "modules otherwise compare the mask with a causal one on the host, every call)"
     ),
 }
+# Breaks in the user's own code, by the start of Dynamo's reason, with what avoids them.
+KNOWN_BREAK_REASONS: dict[str, str] = {
+    "Data-dependent branching": (
+        "make the branch a computation (torch.where, torch.clamp: they cost little when the condition is "
+        "false), or move it out of the compiled forward"
+    ),
+}
+_REASON = re.compile(r"Graph Break Reason: (?:[^\n]*\n\n)?([^\n]+)")  # the title after torch's preamble
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _BREAK_PLACE = re.compile(r"in user code at (\S+:\d+)")
 _ATTRIBUTED = re.compile(r'File "([^"]+)", line (\d+)\s*$', re.MULTILINE)  # a place with no function
@@ -54,6 +62,8 @@ def break_site(message: str) -> BreakSite | None:
     path, line, fn = frames[-1]
     inner = f"{path_tail(path)}:{line} in {fn}" if _machinery(path) else ""
     fix = next((why for (tail, name), why in KNOWN_BREAKS.items() if path.endswith(tail) and fn == name), "")
+    if not fix and (reason := _REASON.search(message)):
+        fix = next((why for start, why in KNOWN_BREAK_REASONS.items() if reason.group(1).startswith(start)), "")
     return BreakSite(f"{path_tail(user_line[0])}:{user_line[1]}", inner, fix)
 
 

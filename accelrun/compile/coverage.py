@@ -81,6 +81,15 @@ def dynamo_coverage(start: dict[str, dict[str, int]]) -> dict[str, Any]:
     }
 
 
+def graph_breaks_since(start: dict[str, dict[str, int]], coverage: dict[str, Any] | None = None) -> dict[str, int]:
+    """Graph breaks by reason since ``start``. Dynamo counts a break at a branch on a tensor's value only
+    among its "unimplemented" reasons (torch 2.13), not its graph breaks: without those a model split
+    in two by an `if` said "graph breaks 0". ``coverage``: ``dynamo_coverage(start)``, if at hand."""
+    unsupported = (coverage or dynamo_coverage(start))["unsupported"]
+    return {**since(start)["graph_break"],
+            **{why: n for why, n in unsupported.items() if not why.startswith(RECOMPILE_LIMIT)}}  # fmt: skip
+
+
 def coverage_warnings(record: Any) -> list[str]:
     """Warnings for a record: nothing compiled, frames skipped, graph breaks."""
     d = record.dynamo or {}
@@ -98,7 +107,7 @@ def coverage_warnings(record: Any) -> list[str]:
                    "(blocks that differ per instance compile once each); compile.scope = model compiles the "
                    "forward once")
     breaks = sum(record.graph_breaks.values())
-    if breaks:
+    if breaks and record.graphs_in_use():  # with nothing compiled, the warning above says why
         sites = d.get("break_sites") or []
         where = f": {'; '.join(sites[:2])}" + (f" (+{len(sites) - 2} more)" if len(sites) > 2 else "") if sites else ""
         out.append(f"{breaks} graph break(s): the model runs as several graphs with eager code between them{where}")

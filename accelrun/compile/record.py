@@ -92,10 +92,10 @@ class CompileRecord:
         """Graph breaks and frame coverage since ``dynamo_start`` (Dynamo counts them process-wide)."""
         if not self.dynamo_start:
             return
-        from accelrun.compile.coverage import dynamo_coverage, since
+        from accelrun.compile.coverage import dynamo_coverage, graph_breaks_since
 
-        self.graph_breaks = since(self.dynamo_start)["graph_break"]
         self.dynamo = dynamo_coverage(self.dynamo_start)
+        self.graph_breaks = graph_breaks_since(self.dynamo_start, self.dynamo)
         # Torch's precompile path (aot_compile) and a loaded entry go around Dynamo's frame counters:
         # without these a report said "frames seen / compiled 0 / 0" beside "graphs compiled 2".
         if via_cache := int(self.graph_cache.get("compiled", 0) or 0) + self.graphs_loaded():

@@ -201,9 +201,9 @@ def _compiler_summary(s: TrainSetup) -> dict | None:
         return s.compile_record.summary()
     if not s.compiles:
         return None
-    from torch._dynamo.utils import counters
+    from accelrun.compile.coverage import graph_breaks_since
 
-    breaks = dict(counters["graph_break"])
+    breaks = graph_breaks_since({})  # this process's (Inductor's compiles: the run's only ones)
     return {"graph_breaks": sum(breaks.values()), "graph_break_reasons": breaks}
 
 
@@ -346,7 +346,11 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
     if compiler.get("compiled"):  # accelrun's backend: what ran compiled, in one line
         took = f"; compile {r['compile_time_s']:.1f} s" if r.get("compile_time_s") else ""
         console.print(f"  compiled: {compiler['compiled']}{took}", markup=False, highlight=False)
-    if errors := (compiler.get("graph_cache") or {}).get("errors"):  # was only in report.json
+    errors = (compiler.get("graph_cache") or {}).get("errors") or []  # was only in report.json
+    if compiler.get("graph_breaks") or not compiler.get("graphs_in_use"):
+        # A graph break (or nothing traced) is why precompiling failed: the warnings below say where.
+        errors = [e for e in errors if not e.startswith("precompile failed")]
+    if errors:
         more = f" (and {len(errors) - 1} more in report.md)" if len(errors) > 1 else ""
         console.print(f"[bold yellow]graph cache:[/] {escape(errors[0])}{more}", highlight=False)
     for warning in compiler.get("warnings") or []:  # never silent: nothing compiled, skipped frames

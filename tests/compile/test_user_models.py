@@ -6,6 +6,7 @@ shows that compiled code ran (graphs and fusion regions), with no "nothing was c
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -109,6 +110,40 @@ def test_a_graph_break_in_torch_nn_names_the_users_line_and_the_change_that_avoi
     assert not [w for w in with_hint.warnings() if "graph break" in w]
 
 
+def test_a_branch_on_a_tensor_s_value_is_counted_as_a_graph_break_with_its_line(tmp_path):
+    """Dynamo counts a break at `if tensor:` only among its "unimplemented" reasons (torch 2.13): the
+    record said "graph breaks 0" for a model split in two by one. It is counted, with its line and
+    what avoids it, and the losses are eager's."""
+    import inspect
+
+    class ClampsLargeEmbeddings(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(VOCAB, 16)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+            self.head = torch.nn.Linear(16, VOCAB)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            if x.abs().max() > 10:  # the branch
+                x = x / x.abs().max()
+            return self.head(x + self.mlp(x))
+
+    line = next(i for i, text in enumerate(inspect.getsource(sys.modules[__name__]).splitlines(), 1)
+                if "# the branch" in text)  # fmt: skip
+    torch.manual_seed(0)
+    model = ClampsLargeEmbeddings()
+    reference = copy.deepcopy(model)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    record = compile_model(model, None, cfg).record
+    _train_side_by_side(model, reference, steps=2)
+    record.refresh_dynamo()
+    assert sum(record.graph_breaks.values()) == 1 and record.graphs_in_use() == 2, record.compiled_line()
+    assert "1 graph break(s)" in record.compiled_line()
+    (warning,) = [w for w in record.warnings() if "graph break" in w]
+    assert f"at compile/test_user_models.py:{line}; to avoid it: make the branch a computation" in warning, warning
+
+
 def test_a_model_dynamo_cannot_trace_says_why_and_what_it_means():
     """A GRU language model: Dynamo does not trace torch.nn's RNN modules and skips the whole forward.
     The warning names that reason and what it means, not the advice for data-dependent code."""
@@ -131,6 +166,7 @@ def test_a_model_dynamo_cannot_trace_says_why_and_what_it_means():
     (nothing,) = [w for w in compiled.record.warnings() if w.startswith("nothing was compiled")]
     assert "Dynamo could not trace: Attempted to wrap RNN, GRU, or LSTM" in nothing, nothing
     assert "does not trace torch.nn's RNN, GRU and LSTM" in nothing and "data-dependent" not in nothing
+    assert not [w for w in compiled.record.warnings() if "graph break" in w]  # nothing ran as graphs to break
 
 
 def test_a_break_site_from_dynamo_s_log_message():
