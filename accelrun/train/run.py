@@ -236,8 +236,8 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
     if took is not None:
         report["notes"].append(took.how)
     _distrust_low_probe(report, s)
-    load = _machine_load(per_rank, cpu)
-    if (busy := busy_note(load["others_cpu_share"], "the training loop")) is not None:
+    load = {**_machine_load(per_rank, cpu), "threads": torch.get_num_threads()}  # a rank's (CPU) threads
+    if (busy := busy_note(load["others_cpu_share"], "the training loop", load["threads"])) is not None:
         report["notes"].append(busy)
     report.update(
         machine_load=load,
@@ -321,6 +321,8 @@ def _announce(console: Console, s: TrainSetup, setup_s: float) -> None:
 def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
     st = r["step_time_s"]["median"]
     mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") is not None else "n/a"
+    if r.get("flops_per_token") is None and st:  # a model of the user's: its FLOPs are not known
+        mfu += " (no FLOP count per token for this model)"
     if r.get("mfu") is not None and str((r.get("peak") or {}).get("source", "")).startswith(BUSY_PEAK):
         mfu += f" (an upper bound: the peak was {BUSY_PEAK})"
     elif r.get("mfu") is not None and r["mfu"] > 1:
@@ -339,8 +341,8 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
     )
     if r.get("no_steady_reason"):  # a short run: say why the figures are n/a, as report.md does
         console.print(f"  n/a: {r['no_steady_reason']}", markup=False, highlight=False)
-    share = (r.get("machine_load") or {}).get("others_cpu_share")
-    if (busy := busy_note(share, "the training loop")) is not None:
+    load = r.get("machine_load") or {}
+    if (busy := busy_note(load.get("others_cpu_share"), "the training loop", load.get("threads"))) is not None:
         console.print(f"[bold yellow]warning:[/] {escape(busy)}", highlight=False)
     compiler = r.get("compiler") or {}
     if compiler.get("compiled"):  # accelrun's backend: what ran compiled, in one line

@@ -23,6 +23,7 @@ def test_others_share_subtracts_the_jobs_own_cpu_time():
     # what to do about it, concretely: when to measure, and the key that gives the neighbour its core back
     assert "run again when it is quiet" in busy_note(0.71, "the training loop")
     assert "(train.threads=1)" in busy_note(0.71, "the training loop")
+    assert "train.threads" not in busy_note(0.71, "the training loop", threads=1)  # already so: no advice
 
 
 def test_a_run_beside_a_busy_neighbour_says_so_in_the_terminal_and_the_report(tmp_path, monkeypatch):
