@@ -109,6 +109,9 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     "dynamo_graph_break_log": ("torch._dynamo.symbolic_convert", "graph_break_log"),
     "dynamo_frame_break_log": ("torch._dynamo.convert_frame", "graph_break_log"),
     "dynamo_tensor_log": ("torch._dynamo.variables.tensor", "log"),
+    # The frame Dynamo is tracing (``current_tx()``: its ``f_code`` and ``lineno``), read while a break is
+    # logged: the log's traceback can leave out the user's own forward.
+    "DynamoInstructionTranslator": ("torch._dynamo.symbolic_convert", "InstructionTranslator"),
     # Distributed: functional collectives (what compiled graphs hold), a DTensor shard's place in the
     # global tensor (shard-exact initialisation), the fake process group (the dry run).
     "functional_collectives": ("torch.distributed._functional_collectives", None),

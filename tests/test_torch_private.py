@@ -659,3 +659,19 @@ def test_dynamo_tensor_log():
     assert tp.dynamo_tensor_log.name == "torch._dynamo.variables.tensor"
     # The hint for `Tensor.item()` that break_sites._NoItemHint keeps off the console is logged there.
     assert "Graph break from `Tensor.item()`" in inspect.getsource(TensorVariable._warn_capture_scalar_outputs)
+
+
+def test_DynamoInstructionTranslator():
+    """While Dynamo traces a frame, ``current_tx()`` is its tracer: the frame's code and the line it is at."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        tx = tp.DynamoInstructionTranslator.current_tx()
+        seen.append((tx.f_code.co_name, tx.lineno))
+        return gm
+
+    def traced(x):
+        return x + 1
+
+    torch.compile(traced, backend=backend)(torch.ones(2))
+    assert seen and seen[0][0] == "traced" and isinstance(seen[0][1], int)

@@ -49,16 +49,18 @@ class BreakSite:
         return where + (f"; to avoid it: {self.fix}" if self.fix else "")
 
 
-def break_site(message: str) -> BreakSite | None:
+def break_site(message: str, traced: tuple[str, str] | None = None) -> BreakSite | None:
     """The site of a break from Dynamo's graph-break log message. Its "User code traceback" can leave
     out the frame Dynamo began tracing in (the user's forward, when the break is in a module it
-    calls); its "source attribution" names the user's line then, so that line is preferred."""
+    calls), so that frame's line comes first, where known (``traced``: (file, line)); then the
+    message's "source attribution"; then its innermost frame of the user's."""
     frames = [(path.replace("\\", "/"), line, fn) for path, line, fn in _FRAME.findall(message)]
     if not frames:
         return None
     attributed = [(p.replace("\\", "/"), line) for p, line in _ATTRIBUTED.findall(message)]
     user = [f[:2] for f in frames if not _machinery(f[0])]
-    user_line = next((f for f in reversed(attributed) if not _machinery(f[0])), user[-1] if user else frames[-1][:2])
+    candidates = [*([traced] if traced else []), *reversed(attributed)]
+    user_line = next((f for f in candidates if not _machinery(f[0])), user[-1] if user else frames[-1][:2])
     path, line, fn = frames[-1]
     inner = f"{path_tail(path)}:{line} in {fn}" if _machinery(path) else ""
     fix = next((why for (tail, name), why in KNOWN_BREAKS.items() if path.endswith(tail) and fn == name), "")
@@ -78,7 +80,7 @@ _ACCELRUN = Path(__file__).resolve().parents[1].as_posix() + "/"
 
 def _machinery(path: str) -> bool:
     """torch's frames, and accelrun's own that call the model (not its built-in models' code)."""
-    if "/torch/" in path or "/click/" in path:  # torch, and accelrun's command line
+    if "/torch/" in path or "/click/" in path or path.endswith("/bin/accelrun"):  # torch, accelrun's command line
         return True
     return path.startswith(_ACCELRUN) and not path.startswith(_ACCELRUN + "models/families/")
 
@@ -94,13 +96,24 @@ class _BreakListener(logging.Handler):
         try:
             message = record.getMessage()
             place = _BREAK_PLACE.search(message)
-            site = break_site(message) or (self._by_place.get(place.group(1)) if place else None)
+            site = break_site(message, _traced_frame()) or (self._by_place.get(place.group(1)) if place else None)
             if site is not None:
                 self.sites.append(site)
                 if place:
                     self._by_place[place.group(1)] = site
         except Exception:  # a message of another shape: the break still counts, without its place
             pass
+
+
+def _traced_frame() -> tuple[str, str] | None:
+    """(file, line) of the frame Dynamo is tracing now, at the instruction it breaks at."""
+    from accelrun.torch_private import DynamoInstructionTranslator
+
+    try:
+        tx = DynamoInstructionTranslator.current_tx()
+        return (tx.f_code.co_filename.replace("\\", "/"), str(tx.lineno))
+    except Exception:  # none being traced (a break logged after the trace), or another torch's shape
+        return None
 
 
 class _NoItemHint(logging.Filter):
