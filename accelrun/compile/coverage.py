@@ -86,8 +86,15 @@ def graph_breaks_since(start: dict[str, dict[str, int]], coverage: dict[str, Any
     among its "unimplemented" reasons (torch 2.13), not its graph breaks: without those a model split
     in two by an `if` said "graph breaks 0". ``coverage``: ``dynamo_coverage(start)``, if at hand."""
     unsupported = (coverage or dynamo_coverage(start))["unsupported"]
-    return {**since(start)["graph_break"],
-            **{why: n for why, n in unsupported.items() if not why.startswith(RECOMPILE_LIMIT)}}  # fmt: skip
+    breaks: dict[str, int] = {}
+    # Titles (with file:line where the reason has one), as for what Dynamo could not trace: torch's own
+    # hints stay out (for `.item()` it suggests tracing the host read, where the warning says what avoids it).
+    for why, n in since(start)["graph_break"].items():
+        breaks[_short(why)] = breaks.get(_short(why), 0) + n
+    for why, n in unsupported.items():
+        if not why.startswith(RECOMPILE_LIMIT):
+            breaks[why] = breaks.get(why, 0) + n
+    return breaks
 
 
 def coverage_warnings(record: Any) -> list[str]:
