@@ -45,6 +45,7 @@ def command(config: str, overrides: tuple[str, ...], nnodes: int | None, node_ra
       accelrun train configs/llama.yaml parallel.nproc_per_node=2 parallel.dp_shard=2   # FSDP, 2 ranks
       accelrun train configs/llama.yaml parallel.nproc_per_node=2 parallel.dp_shard=1 parallel.tp=2 compile.backend=eager
       accelrun train configs/llama.yaml checkpoint.resume=none      # never resume
+      accelrun train configs/llama.yaml model.custom=mypkg.models:build   # your own nn.Module (README: model.custom)
       accelrun train configs/llama.yaml parallel.nproc_per_node=4 parallel.tp=2 --dry-run   # what each rank holds
 
     Runs go to runs/<name>/<UTC time>-<id>/ (report.runs_dir). With checkpoint.resume=auto an

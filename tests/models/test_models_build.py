@@ -155,6 +155,7 @@ def test_custom_flops_and_summary(user_module):
     "attr, kwargs, message",
     [
         ("missing", {}, "has no attribute 'missing'"),
+        ("factroy", {}, "has no attribute 'factroy'; did you mean 'factory'\\?"),
         ("Namespace.missing", {}, "has no attribute 'Namespace.missing'"),
         ("NOT_CALLABLE", {}, "'NOT_CALLABLE' is a int, not a callable"),
         ("not_a_module", {}, "returned a dict, not a torch.nn.Module"),
