@@ -29,7 +29,6 @@ KNOWN_BREAK_REASONS: dict[str, str] = {
         "false), or move it out of the compiled forward"
     ),
 }
-_REASON = re.compile(r"Graph Break Reason: (?:[^\n]*\n\n)?([^\n]+)")  # the title after torch's preamble
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _BREAK_PLACE = re.compile(r"in user code at (\S+:\d+)")
 _ATTRIBUTED = re.compile(r'File "([^"]+)", line (\d+)\s*$', re.MULTILINE)  # a place with no function
@@ -64,8 +63,10 @@ def break_site(message: str, traced: tuple[str, str] | None = None) -> BreakSite
     path, line, fn = frames[-1]
     inner = f"{path_tail(path)}:{line} in {fn}" if _machinery(path) else ""
     fix = next((why for (tail, name), why in KNOWN_BREAKS.items() if path.endswith(tail) and fn == name), "")
-    if not fix and (reason := _REASON.search(message)):
-        fix = next((why for start, why in KNOWN_BREAK_REASONS.items() if reason.group(1).startswith(start)), "")
+    if not fix:  # by the reason's title, which may follow a preamble ("Encountered graph break when ...")
+        reason = message.partition("Graph Break Reason:")[2].partition("User code traceback")[0]
+        titles = [text.strip() for text in reason.splitlines()]
+        fix = next((why for start, why in KNOWN_BREAK_REASONS.items() if any(t.startswith(start) for t in titles)), "")
     return BreakSite(f"{path_tail(user_line[0])}:{user_line[1]}", inner, fix)
 
 

@@ -179,8 +179,10 @@ def test_a_break_site_from_dynamo_s_log_message():
         '  File "/home/me/mymodel.py", line 31, in forward\n    if x.sum() > 0:\n'
     )
     site = break_site(message)
-    assert site.user_line == "me/mymodel.py:31" and site.inside == "" and site.fix == ""
-    assert site.line() == "at me/mymodel.py:31"
+    assert site.user_line == "me/mymodel.py:31" and site.inside == ""
+    assert site.line().startswith("at me/mymodel.py:31; to avoid it: make the branch a computation")
+    other = break_site(message.replace("Data-dependent branching", "Call to `torch._dynamo.graph_break()`"))
+    assert other.line() == "at me/mymodel.py:31"  # no known change: only the place
     assert break_site("Graph break (user stack suppressed due to duplicate graph break) in user code at x.py:3") is None
 
 
