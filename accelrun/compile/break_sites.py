@@ -9,6 +9,7 @@ printing, from the first compile of a process on, and keeps one ``BreakSite`` pe
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
 from dataclasses import dataclass
@@ -27,6 +28,14 @@ KNOWN_BREAK_REASONS: dict[str, str] = {
     "Data-dependent branching": (
         "make the branch a computation (torch.where, torch.clamp: they cost little when the condition is "
         "false), or move it out of the compiled forward"
+    ),
+}
+# What Dynamo cannot trace, by the start of its reason, and what that means for the user's model.
+KNOWN_UNTRACEABLE: dict[str, str] = {
+    "Attempted to wrap RNN, GRU, or LSTM": (
+        "torch.compile does not trace torch.nn's RNN, GRU and LSTM modules, so a forward that calls one runs "
+        "eagerly (torch._dynamo.config.allow_rnn = True, torch's experimental switch, unrolls every time step "
+        "into the graph)"
     ),
 }
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
@@ -76,12 +85,19 @@ def path_tail(path: str) -> str:
     return "/".join(parts[-2:])
 
 
+def _folder(package: str) -> str:
+    spec = importlib.util.find_spec(package)  # found, not imported: the compiler has no use for click
+    return Path(spec.origin).parent.as_posix() + "/" if spec and spec.origin else f"/{package}/"
+
+
+# Folders whose frames are not the user's: torch's, and the command line's (click's, accelrun's entry).
+_TORCH, _CLICK = _folder("torch"), _folder("click")
 _ACCELRUN = Path(__file__).resolve().parents[1].as_posix() + "/"
 
 
 def _machinery(path: str) -> bool:
     """torch's frames, and accelrun's own that call the model (not its built-in models' code)."""
-    if "/torch/" in path or "/click/" in path or path.endswith("/bin/accelrun"):  # torch, accelrun's command line
+    if path.startswith((_TORCH, _CLICK)) or path.endswith("/bin/accelrun"):
         return True
     return path.startswith(_ACCELRUN) and not path.startswith(_ACCELRUN + "models/families/")
 
@@ -143,16 +159,6 @@ def listen() -> None:
             log.propagate = False
         log.addHandler(_listener)
     dynamo_tensor_log.addFilter(_NoItemHint())
-
-
-# What Dynamo cannot trace, by the start of its reason, and what that means for the user's model.
-KNOWN_UNTRACEABLE: dict[str, str] = {
-    "Attempted to wrap RNN, GRU, or LSTM": (
-        "torch.compile does not trace torch.nn's RNN, GRU and LSTM modules, so a forward that calls one runs "
-        "eagerly (torch._dynamo.config.allow_rnn = True, torch's experimental switch, unrolls every time step "
-        "into the graph)"
-    ),
-}
 
 
 def logged() -> int:

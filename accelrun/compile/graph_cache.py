@@ -313,6 +313,11 @@ class GraphCache:
         self.stats["errors"].append(f"{what}: {one_line(e)}")
 
 
+# How a graph-cache error starts when a method could not be precompiled (a graph break, an untraceable
+# module): the run's summary leaves these to report.md where its warnings already say why.
+PRECOMPILE_FAILED = "precompile failed"
+
+
 def one_line(e: BaseException) -> str:
     first = str(e).splitlines()[0] if str(e) else ""
     return f"{type(e).__name__}: {first}"[:300]
@@ -374,7 +379,7 @@ class CachedMethod:
             # only by their index share entries), and a model fixed through them (is_causal=True given
             # in model.kwargs) may precompile now.
             if saved_settings == settings:
-                return self._fall_back(f"precompile failed before: {why}", None)
+                return self._fall_back(f"{PRECOMPILE_FAILED} before: {why}", None)
         entry = self._load(path, owner, args, kwargs) if path.exists() else None
         if entry is None:
             mark, counted = self.cache.backend.record.mark(), coverage.snapshot()
@@ -385,7 +390,7 @@ class CachedMethod:
                 # Its graphs never run and its graph breaks are the fallback's: those are counted.
                 self.cache.backend.record.roll_back(mark)
                 coverage.forget_since(counted)
-                return self._fall_back("precompile failed (nothing saved: each new process compiles it again)", e)
+                return self._fall_back(f"{PRECOMPILE_FAILED} (nothing saved: each new process compiles it again)", e)
             self._save(entry, traced, path)
         self.entries.append(entry)
         return entry

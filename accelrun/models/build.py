@@ -112,11 +112,11 @@ def resolve_custom(path: str) -> tuple[Any, str]:
     factory = module
     for part in attr.split("."):  # "module:Class.create" reaches a nested attribute
         if not hasattr(factory, part):
-            import difflib
+            from accelrun.config.errors import nearest
 
             names = [n for n in dir(factory) if not n.startswith("_") and callable(getattr(factory, n, None))]
-            near = difflib.get_close_matches(part, names, n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else (f"; its callables: {', '.join(names[:8])}" if names else "")
+            near = nearest(part, names)
+            hint = f"; did you mean {near!r}?" if near else (f"; its callables: {', '.join(names[:8])}" if names else "")
             raise ModelBuildError(f"{where}: module {module_name!r} has no attribute {attr!r}{hint}")
         factory = getattr(factory, part)
     if not callable(factory):

@@ -46,7 +46,7 @@ BUSY_WARNING = 0.10
 
 
 class CpuWindow:
-    """The machine's busy CPU time and this process's own, from construction on. In a job every rank on
+    """The machine's busy CPU time and this process's own (its descendants' with it), from construction on. In a job every rank on
     a node opens one; the node's other processes used ``busy_s() - sum(each rank's own_s())``: the
     ranks' CPU time is the job's, not a neighbour's."""
 

@@ -351,7 +351,9 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
     errors = (compiler.get("graph_cache") or {}).get("errors") or []  # was only in report.json
     if compiler.get("graph_breaks") or not compiler.get("graphs_in_use"):
         # A graph break (or nothing traced) is why precompiling failed: the warnings below say where.
-        errors = [e for e in errors if not e.startswith("precompile failed")]
+        from accelrun.compile.graph_cache import PRECOMPILE_FAILED
+
+        errors = [e for e in errors if not e.startswith(PRECOMPILE_FAILED)]
     if errors:
         more = f" (and {len(errors) - 1} more in report.md)" if len(errors) > 1 else ""
         console.print(f"[bold yellow]graph cache:[/] {escape(errors[0])}{more}", highlight=False)
