@@ -372,13 +372,12 @@ class CachedMethod:
         # share a key, and one file each would have been overwritten by the other kind every run.
         path = self.cache.directory / f"{self.cache.key(self.func, owner, args, kwargs)}-{len(self.entries)}.pt"
         refused = path.with_suffix(".refused")
-        settings = module_settings(owner)
         if refused.exists():  # an earlier process found this method cannot be precompiled: do not retry
             saved_settings, _, why = refused.read_text().partition("\n")
             # unless the modules' settings differ: the key leaves them to the guards (blocks that differ
             # only by their index share entries), and a model fixed through them (is_causal=True given
             # in model.kwargs) may precompile now.
-            if saved_settings == settings:
+            if saved_settings == module_settings(owner):
                 return self._fall_back(f"{PRECOMPILE_FAILED} before: {why}", None)
         entry = self._load(path, owner, args, kwargs) if path.exists() else None
         if entry is None:
@@ -386,7 +385,7 @@ class CachedMethod:
             try:
                 entry, traced = self._compile(owner, args, kwargs)
             except Exception as e:  # graph break under fullgraph, an unserializable piece, ...
-                self._write(refused, f"{settings}\n{one_line(e)}".encode())
+                self._write(refused, f"{module_settings(owner)}\n{one_line(e)}".encode())
                 # Its graphs never run and its graph breaks are the fallback's: those are counted.
                 self.cache.backend.record.roll_back(mark)
                 coverage.forget_since(counted)
