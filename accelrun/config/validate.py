@@ -494,7 +494,9 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
         for key in ("passes", "executors", "cache_dir", "debug_numerics", "dump"):
             if src := set_by_user("compile", key):
                 out.append(f"compile.{key} ({src}) is read by the accelrun backend only, not by inductor")
-    if cfg.train.lr_schedule.warmup_steps > cfg.train.steps:
+    # A shipped schedule's warm-up longer than a short run the user asked for (a smoke run of a
+    # shipped recipe) is that recipe's choice, not the user's: warned only where the user set it.
+    if cfg.train.lr_schedule.warmup_steps > cfg.train.steps and set_by_user("train", "lr_schedule", "warmup_steps"):
         out.append(
             f"train.lr_schedule.warmup_steps = {cfg.train.lr_schedule.warmup_steps} exceeds train.steps = "
             f"{cfg.train.steps}: the learning rate never reaches train.optimizer.lr"

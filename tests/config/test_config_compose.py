@@ -199,3 +199,17 @@ def test_a_custom_model_warns_of_the_family_keys_it_ignores_but_not_of_vocab_siz
                                           "model.vocab_size=300"]).warnings  # fmt: skip
     (line,) = [w for w in warned if w.startswith("model.custom is set")]
     assert line.endswith("are not used: model.dim")  # vocab_size checks the data where no token table is found
+
+
+def test_a_short_run_of_a_shipped_schedule_is_not_warned_but_a_warmup_the_user_set_is():
+    """`train.steps=20` on the default recipe (a smoke run, as the README's examples do) keeps the shipped
+    schedule's 30 warm-up steps without a warning; a warm-up the user set longer than the run is warned."""
+    from tests.conftest import DEFAULT_CONFIG
+
+    def warmup_warnings(*overrides: str) -> list[str]:
+        return [w for w in load_config(DEFAULT_CONFIG, list(overrides)).warnings if "warmup_steps" in w]
+
+    assert warmup_warnings("train.steps=20") == []
+    (line,) = warmup_warnings("train.steps=20", "train.lr_schedule.warmup_steps=25")
+    assert line == ("train.lr_schedule.warmup_steps = 25 exceeds train.steps = 20: "
+                    "the learning rate never reaches train.optimizer.lr")  # fmt: skip
