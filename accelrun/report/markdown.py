@@ -140,8 +140,7 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
         ("step time median", step),
         ("peak memory", _bytes(r.get("mem_peak_bytes"))),
         ("compile time (apart)", _secs(r.get("compile_time_s"))),
-        ("warm-up time", f"{_secs(r.get('warmup_time_s'))} (first {r.get('warmup_steps', 0)} steps"
-                         f" + {r.get('excluded_compile_steps', 0)} compile steps)"),
+        ("warm-up time", f"{_secs(r.get('warmup_time_s'))} ({_warmup_steps_text(r)})"),
         ("data loading share", _pct(r.get("data_share"))),
         ("total step time", _secs(r.get("total_time_s"))),
     ]
@@ -175,6 +174,14 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
     if r.get("loss_tokens_per_step") is not None:  # after the rows placed by index above, right after tokens/s
         rows.insert(2, ("tokens in the loss", _loss_tokens(r)))
     return rows
+
+
+def _warmup_steps_text(r: dict) -> str:
+    """The steps that warm-up time sums: the first ones, and any later step that compiled (a recompile)."""
+    text = f"first {r.get('warmup_steps', 0)} steps"
+    if recompiled := r.get("excluded_compile_steps", 0):
+        text += f" + {recompiled} later step{'' if recompiled == 1 else 's'} that compiled"
+    return text
 
 
 def rank_rows(r: dict) -> list[tuple[str, str, str]]:

@@ -206,13 +206,14 @@ def measure_cpu_peak(precision: str, cache_dir: Path | None = None) -> Peak:
     n = result["size"]
     if precision == "bf16-mixed" and dtype != torch.bfloat16:
         dtype_name += " (this CPU has no bf16 matrix kernels: its fastest bf16 products are fp32 GEMMs)"
+    on_threads = f"{threads} thread{'' if threads == 1 else 's'}"
     load = result.get("others_cpu_share")
     load_text = f"other processes used {load:.0%} of the CPU meanwhile" if load is not None else "load unknown"
     if busy is not None:
-        source = (f"{BUSY_PEAK}: torch.mm {dtype_name} {n}x{n} probe on {cpu}, {threads} threads, "
+        source = (f"{BUSY_PEAK}: torch.mm {dtype_name} {n}x{n} probe on {cpu}, {on_threads}, "
                   f"{load_text}; not cached, so MFU is an upper bound")
     else:
-        source = (f"measured: torch.mm {dtype_name} {n}x{n} probe on {cpu}, {threads} threads, {load_text} "
+        source = (f"measured: torch.mm {dtype_name} {n}x{n} probe on {cpu}, {on_threads}, {load_text} "
                   f"(cached {path})")
     if result.get("library", "torch.mm") != "torch.mm":  # the fp32 probe's oneDNN was faster
         source += f"; the rate is {result['library']}'s, faster than torch.mm's here"

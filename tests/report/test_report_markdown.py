@@ -75,3 +75,18 @@ def test_markdown_shows_the_reserved_peak_only_where_measured(tmp_path):
     report["mem_reserved_bytes"] = 5 * 2**30
     write_report_md(report, {"name": "x"}, tmp_path / "gpu.md")
     assert "| peak reserved (CUDA allocator) | 5.00 GiB |" in (tmp_path / "gpu.md").read_text()
+
+
+def test_warm_up_time_names_a_later_compiling_step_only_when_there_was_one(tmp_path):
+    """`first 3 steps`, not `first 3 steps + 0 compile steps`; a recompile after warm-up is named as such."""
+    def warmup_row(compiled_at: set[int]) -> str:
+        metrics = [{"step": i, "loss": 5.0, "step_time_s": 0.25, "compile": i in compiled_at} for i in range(1, 21)]
+        report = summarize(metrics, warmup_steps=3, peak=Peak(None, "unknown", "why"), flops_per_token=None,
+                           compile_time_s=None, tokens_per_step=1)
+        write_report_md(report, {"name": "x"}, tmp_path / "r.md")
+        (row,) = [line for line in (tmp_path / "r.md").read_text().splitlines() if line.startswith("| warm-up time")]
+        return row
+
+    assert warmup_row({1}).endswith("(first 3 steps) |")
+    assert warmup_row({1, 9}).endswith("(first 3 steps + 1 later step that compiled) |")
+    assert warmup_row({1, 9, 12}).endswith("(first 3 steps + 2 later steps that compiled) |")

@@ -140,12 +140,23 @@ def bf16_kernels(monkeypatch):
     monkeypatch.setattr(accelrun.torch_private, "cpu_has_half_gemm", lambda dtype: True)
 
 
+def test_a_one_thread_probe_says_thread_not_threads(fast_probe, tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        source = resolve_peak(torch.device("cpu"), "fp32", None, cache_dir=tmp_path).source
+    finally:
+        torch.set_num_threads(threads)
+    assert ", 1 thread, " in source and "1 threads" not in source
+
+
 @pytest.mark.parametrize("precision,dtype", [("fp32", "float32"), ("bf16-mixed", "bfloat16")])
 def test_cpu_probe_measures_then_reads_cache(fast_probe, bf16_kernels, monkeypatch, tmp_path, precision, dtype):
     first = resolve_peak(torch.device("cpu"), precision, None, cache_dir=tmp_path)
     assert first.tflops is not None and first.tflops > 0
     assert first.source.startswith(f"measured: torch.mm {dtype} 64x64 probe on ")
-    assert f"{torch.get_num_threads()} threads" in first.source
+    threads = torch.get_num_threads()
+    assert (f"{threads} threads," if threads > 1 else "1 thread,") in first.source
     assert "measured now" in first.detail and "not a datasheet peak" in first.detail
     files = list((tmp_path / "peak").glob("*.json"))
     assert len(files) == 1 and str(files[0]) in first.source
