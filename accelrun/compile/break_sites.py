@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from accelrun.compile.eager_rnns import REASON as EAGER_RNN_REASON
+
 # Places inside torch.nn where a model written the usual way breaks the graph, with what avoids it:
 # (file's tail, function) -> the change.
 KNOWN_BREAKS: dict[tuple[str, str], str] = {
@@ -38,6 +40,11 @@ KNOWN_UNTRACEABLE: dict[str, str] = {
         "into the graph)"
     ),
 }
+# Breaks that accelrun makes on purpose, by a text of theirs in Dynamo's message, with what they mean.
+EXPLAINED_BREAKS: dict[str, str] = {
+    EAGER_RNN_REASON: "an RNN, GRU or LSTM of torch.nn runs eagerly there (torch.compile does not trace them); "
+                      "the code before and after it is compiled",
+}
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _BREAK_PLACE = re.compile(r"in user code at (\S+:\d+)")
 _ATTRIBUTED = re.compile(r'File "([^"]+)", line (\d+)\s*$', re.MULTILINE)  # a place with no function
@@ -51,10 +58,11 @@ class BreakSite:
     user_line: str  # "mylm.py:14", the innermost frame outside torch
     inside: str  # "transformer.py:1245 in _detect_is_causal_mask", the innermost frame ("" if the user's)
     fix: str = ""
+    meaning: str = ""  # for a break accelrun makes on purpose (EXPLAINED_BREAKS): nothing to fix
 
     def line(self) -> str:
         where = f"at {self.user_line}" + (f" (in torch's {self.inside})" if self.inside else "")
-        return where + (f"; to avoid it: {self.fix}" if self.fix else "")
+        return where + (f": {self.meaning}" if self.meaning else "") + (f"; to avoid it: {self.fix}" if self.fix else "")
 
 
 def break_site(message: str, traced: tuple[str, str] | None = None) -> BreakSite | None:
@@ -76,7 +84,8 @@ def break_site(message: str, traced: tuple[str, str] | None = None) -> BreakSite
         reason = message.partition("Graph Break Reason:")[2].partition("User code traceback")[0]
         titles = [text.strip() for text in reason.splitlines()]
         fix = next((why for start, why in KNOWN_BREAK_REASONS.items() if any(t.startswith(start) for t in titles)), "")
-    return BreakSite(f"{path_tail(user_line[0])}:{user_line[1]}", inner, fix)
+    meaning = next((why for mark, why in EXPLAINED_BREAKS.items() if mark in message), "")
+    return BreakSite(f"{path_tail(user_line[0])}:{user_line[1]}", inner, fix, meaning)
 
 
 def path_tail(path: str) -> str:

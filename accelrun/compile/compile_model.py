@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from accelrun.compile.eager_rnns import described, run_rnns_eagerly
 from accelrun.config.schema import CompileConfig
 
 
@@ -154,9 +155,10 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
     # auto's block scope for half products that run slowly eagerly: the Linears outside the blocks too
     # (an explicit compile.scope = block compiles the blocks alone; preflight warns about it)
     linears_wanted = cfg.scope == "auto" and cfg.backend == "accelrun" and slow_half_products
+    eager_rnns = run_rnns_eagerly(model)  # without this, a frame that reads one compiled nothing
 
     def done(what: str) -> Compiled:
-        return Compiled(what + chosen, record, backend)
+        return Compiled(what + chosen + described(eager_rnns), record, backend)
 
     name = cfg.backend
     if scope in ("block", "loss") and blocks is not None:

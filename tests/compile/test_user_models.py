@@ -144,22 +144,54 @@ def test_a_branch_on_a_tensor_s_value_is_counted_as_a_graph_break_with_its_line(
     assert f"at compile/test_user_models.py:{line}; to avoid it: make the branch a computation" in warning, warning
 
 
-def test_a_model_dynamo_cannot_trace_says_why_and_what_it_means():
-    """A GRU language model: Dynamo does not trace torch.nn's RNN modules and skips the whole forward.
-    The warning names that reason and what it means, not the advice for data-dependent code."""
+def test_an_rnn_runs_eagerly_between_compiled_graphs_and_the_break_says_so(tmp_path):
+    """A GRU held as an attribute (tests/compile/user_models.py's GRULM): Dynamo does not trace RNN
+    modules, and meeting one as it read ``self.rnn`` it skipped the whole forward. Read through an
+    ``EagerCall``, the GRU runs eagerly at a graph break and the code around it compiles; the model's
+    parameter names and torch.distributed.checkpoint's view of it stay as they were."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    class GRULM(torch.nn.Module):
+    from tests.compile.user_models import GRULM
+
+    model = GRULM()
+    names = list(model.state_dict())
+    compiled = compile_model(model, None, CompileConfig(backend="accelrun", cache_dir=str(tmp_path / "cache"),
+                                                        executors=["cpp", "aten"]))  # fmt: skip
+    assert compiled.description.endswith("; rnn (GRU) runs eagerly between compiled graphs"), compiled.description
+    assert list(model.state_dict()) == names and list(get_model_state_dict(model)) == names
+    set_model_state_dict(model, GRULM().state_dict())  # as a resumed run loads its checkpoint
+    gru = model._modules["rnn"]
+    assert isinstance(gru, torch.nn.GRU) and model.rnn.hidden_size == 32
+    assert model.get_parameter("rnn.weight_ih_l0") is gru.weight_ih_l0  # paths through the stand-in reach it
+    line = GRULM.forward.__code__.co_firstlineno + 1
+    model(torch.randint(0, VOCAB, (2, 8))).sum().backward()
+    record = compiled.record
+    record.refresh_dynamo()
+    assert record.graphs_in_use() == 2 and sum(record.graph_breaks.values()) == 1, record.compiled_line()
+    (warning,) = [w for w in record.warnings() if "graph break" in w]
+    assert f"at compile/user_models.py:{line}: an RNN, GRU or LSTM of torch.nn runs eagerly there" in warning, warning
+    assert not any(w.startswith("nothing was compiled") for w in record.warnings())
+
+
+def test_a_model_dynamo_cannot_trace_says_why_and_what_it_means():
+    """GRUs in an ``nn.ModuleList`` (torch's container reads them itself, so no ``EagerCall`` stands in):
+    Dynamo skips the whole forward. The warning names that reason and what it means, not the advice
+    for data-dependent code."""
+
+    class StackedGRU(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.embed = torch.nn.Embedding(VOCAB, 16)
-            self.rnn = torch.nn.GRU(16, 16, 2, batch_first=True)
+            self.rnns = torch.nn.ModuleList(torch.nn.GRU(16, 16, batch_first=True) for _ in range(2))
             self.head = torch.nn.Linear(16, VOCAB)
 
         def forward(self, tokens):
-            out, _ = self.rnn(self.embed(tokens))
-            return self.head(out)
+            x = self.embed(tokens)
+            for rnn in self.rnns:
+                x, _ = rnn(x)
+            return self.head(x)
 
-    model = GRULM()
+    model = StackedGRU()
     compiled = compile_model(model, None, CompileConfig(backend="accelrun", graph_cache=False, executors=["aten"]))
     model(torch.randint(0, VOCAB, (2, 8))).sum().backward()
     compiled.record.refresh_dynamo()

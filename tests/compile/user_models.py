@@ -124,6 +124,50 @@ class EncoderLM(nn.Module):
         return self.head(x)
 
 
+class GRULM(nn.Module):
+    """torch.nn's GRU between an embedding and a head, as a recurrent language model is written:
+    Dynamo traces no RNN module, so the GRU runs eagerly and the code around it compiles."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.rnn = nn.GRU(dim, dim, 2, batch_first=True)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(F.gelu(self.embed(tokens)))
+        return self.head(self.norm(out))
+
+
+class LSTMBlock(nn.Module):
+    """A residual LSTM and MLP: the LSTM in each block of a list of the user's own blocks."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.lstm = nn.LSTM(dim, dim, batch_first=True)
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.lstm(self.norm1(x))[0]
+        return x + self.down(F.silu(self.up(self.norm2(x))))
+
+
+class LSTMStack(nn.Module):
+    def __init__(self, n_layers: int = 2, vocab: int = VOCAB, dim: int = DIM) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(LSTMBlock(dim) for _ in range(n_layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def mha_model(**kwargs) -> nn.Module:
     return MHAModel(**kwargs)
 
@@ -141,4 +185,4 @@ def plain_mlp(**kwargs) -> nn.Module:
 
 
 USER_MODELS = {"mha": MHAModel, "routed_moe": RoutedMoE, "conv_mixer": ConvMixer, "plain_mlp": PlainMLP,
-               "encoder": EncoderLM}
+               "encoder": EncoderLM, "gru": GRULM, "lstm_blocks": LSTMStack}
