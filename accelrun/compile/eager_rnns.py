@@ -9,14 +9,24 @@ Dynamo can resume from: the code before and after it compiles, and the break is 
 
 ``EagerCall`` shadows the attribute in the parent's ``__dict__`` (an instance attribute wins over
 ``nn.Module``'s lookup in ``_modules``), so the module tree stays as it was: parameter names, state
-dicts, ``.to()`` and optimizers see the same module; and it hands every other attribute to the module,
-so code that walks the model by attribute (torch.distributed.checkpoint, ``self.rnn.hidden_size``)
+dicts, ``.to()`` and optimizers see the same module; it shares the module's parameters, buffers and
+children and hands every other attribute and the methods an RNN has of its own to the module, so code
+that walks the model by attribute (torch.distributed.checkpoint, ``get_parameter("rnn.weight_ih_l0")``)
 finds what it found before. (``torch.compiler.disable(module)`` itself returns an ``OptimizedModule``,
 whose attributes torch's checkpointing expects to start with ``_orig_mod``.)
+
+It stands in only where the model's own code does nothing with the attribute but call it
+(``self.rnn(x)``), as read from the source of every class of the model outside torch: a forward that
+reads ``self.rnn.hidden_size``, passes it to ``isinstance`` or sets it later would meet an object that
+is not the RNN (Dynamo could not read through it, and ``isinstance`` would answer otherwise), so such
+a model keeps its RNN as it is, and the report says why nothing compiled.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +46,10 @@ class EagerRnn:
 
 
 class EagerCall(nn.Module):
-    """Calls ``module`` where Dynamo does not trace, and otherwise stands for it: its attributes,
-    parameters, buffers and children are the module's own (the same dictionaries), so
-    ``get_submodule`` / ``get_parameter`` paths through it and changes made through it reach the module."""
+    """Calls ``module`` where Dynamo does not trace, and otherwise stands for it: its parameters, buffers
+    and children are the module's own (the same dictionaries), so ``get_submodule`` / ``get_parameter``
+    paths through it and changes made through it reach the module; other attributes, and the methods
+    that RNNs define over nn.Module's, are the module's."""
 
     def __init__(self, module: nn.Module) -> None:  # no nn.Module.__init__: every piece of state is the module's
         object.__setattr__(self, "module", module)
@@ -55,6 +66,20 @@ class EagerCall(nn.Module):
     def __setattr__(self, name: str, value) -> None:
         setattr(self.module, name, value)
 
+    def __delattr__(self, name: str) -> None:
+        delattr(self.module, name)
+
+    # nn.Module's versions would run on the stand-in: RNNBase's own rebuild its flat weights (_apply).
+    def forward(self, *args, **kwargs):
+        return self.module.forward(*args, **kwargs)
+
+    def _apply(self, fn, recurse: bool = True):
+        self.module._apply(fn, recurse)
+        return self
+
+    def extra_repr(self) -> str:
+        return self.module.extra_repr()
+
     def __setstate__(self, state: dict) -> None:  # a copy of the model: nn.Module's would set hooks on the module
         object.__getattribute__(self, "__dict__").update(state)
 
@@ -64,23 +89,68 @@ class EagerCall(nn.Module):
 
 def run_rnns_eagerly(model: nn.Module) -> list[EagerRnn]:
     """Shadow every RNN, GRU and LSTM module that a module of ``model`` holds as a named attribute
-    with an ``EagerCall``; returns what it shadowed. Ones inside torch's
-    containers are left as they are: the frame that calls them still runs eagerly whole."""
+    which the model's code only calls (``only_called``) with an ``EagerCall``; returns every RNN that
+    runs eagerly this way (shadowed now or by an earlier call). Ones inside torch's containers are left
+    as they are: the frame that calls them still runs eagerly whole."""
     found = []
+    sources = _ModelSources(model)
     for parent_name, parent in model.named_modules():
         if isinstance(parent, CONTAINERS):
             continue
         for name, child in parent._modules.items():
-            if isinstance(child, RNN_MODULES) and name.isidentifier() and name not in parent.__dict__:
-                parent.__dict__[name] = EagerCall(child)
+            if not isinstance(child, RNN_MODULES) or not name.isidentifier():
+                continue
+            shadow = parent.__dict__.get(name)
+            if shadow is None and sources.only_called(name):
+                shadow = parent.__dict__[name] = EagerCall(child)
+            if isinstance(shadow, EagerCall) and shadow.module is child:
                 found.append(EagerRnn(f"{parent_name}.{name}" if parent_name else name, type(child).__name__))
     return found
 
 
+class _ModelSources:
+    """The syntax trees of the model's own classes (each class of its modules and their bases, torch's
+    left out: they reach an RNN through ``_modules`` or not at all)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.classes = list(dict.fromkeys(
+            c for m in model.modules() for c in type(m).__mro__
+            if c not in (object, nn.Module) and not c.__module__.startswith("torch")))  # fmt: skip
+        self._trees: dict[type, ast.AST | None] = {}
+
+    def only_called(self, name: str) -> bool:
+        """Whether every mention of ``.name`` in these classes is a call (``self.name(x)``) or, in an
+        ``__init__``, an assignment; False where a class's source cannot be read (it might do anything)."""
+        for cls in self.classes:
+            tree = self._tree(cls)
+            if tree is None:
+                return False
+            if not _only_called_in(tree, name):
+                return False
+        return True
+
+    def _tree(self, cls: type) -> ast.AST | None:
+        if cls not in self._trees:
+            try:
+                self._trees[cls] = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+            except (OSError, TypeError, SyntaxError):  # no source: a class made by exec, or in C
+                self._trees[cls] = None
+        return self._trees[cls]
+
+
+def _only_called_in(tree: ast.AST, name: str) -> bool:
+    called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    set_in_init = {id(target) for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef) and fn.name == "__init__"
+                   for node in ast.walk(fn) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                   for target in (node.targets if isinstance(node, ast.Assign) else [node.target])}  # fmt: skip
+    return all(id(node) in called or id(node) in set_in_init
+               for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == name)
+
+
 def described(rnns: list[EagerRnn]) -> str:
-    """For the run's description of what was compiled: which modules run eagerly between the graphs."""
+    """For the run's description of what was compiled: which modules run eagerly where compiled code calls them."""
     if not rnns:
         return ""
     shown = ", ".join(r.name for r in rnns[:3]) + (f" and {len(rnns) - 3} more" if len(rnns) > 3 else "")
     kinds = "/".join(sorted({r.kind for r in rnns}))
-    return f"; {shown} ({kinds}) run{'s' if len(rnns) == 1 else ''} eagerly between compiled graphs"
+    return f"; {shown} ({kinds}) run{'s' if len(rnns) == 1 else ''} eagerly at a graph break"

@@ -157,10 +157,12 @@ def test_an_rnn_runs_eagerly_between_compiled_graphs_and_the_break_says_so(tmp_p
     names = list(model.state_dict())
     compiled = compile_model(model, None, CompileConfig(backend="accelrun", cache_dir=str(tmp_path / "cache"),
                                                         executors=["cpp", "aten"]))  # fmt: skip
-    assert compiled.description.endswith("; rnn (GRU) runs eagerly between compiled graphs"), compiled.description
+    assert compiled.description.endswith("; rnn (GRU) runs eagerly at a graph break"), compiled.description
     assert list(model.state_dict()) == names and list(get_model_state_dict(model)) == names
-    set_model_state_dict(model, GRULM().state_dict())  # as a resumed run loads its checkpoint
+    saved = GRULM().state_dict()
+    set_model_state_dict(model, saved)  # as a resumed run loads its checkpoint
     gru = model._modules["rnn"]
+    torch.testing.assert_close(gru.weight_hh_l1, saved["rnn.weight_hh_l1"], rtol=0, atol=0)
     assert isinstance(gru, torch.nn.GRU) and model.rnn.hidden_size == 32
     assert model.get_parameter("rnn.weight_ih_l0") is gru.weight_ih_l0  # paths through the stand-in reach it
     line = GRULM.forward.__code__.co_firstlineno + 1
@@ -171,6 +173,47 @@ def test_an_rnn_runs_eagerly_between_compiled_graphs_and_the_break_says_so(tmp_p
     (warning,) = [w for w in record.warnings() if "graph break" in w]
     assert f"at compile/user_models.py:{line}: an RNN, GRU or LSTM of torch.nn runs eagerly there" in warning, warning
     assert not any(w.startswith("nothing was compiled") for w in record.warnings())
+    # what an RNN defines over nn.Module's is the RNN's: its forward, its repr, its _apply (flat weights)
+    x = torch.randn(2, 3, 32)
+    torch.testing.assert_close(model.rnn.forward(x)[0], gru(x)[0], rtol=0, atol=0)
+    assert model.rnn.extra_repr() == gru.extra_repr() == "32, 32, num_layers=2, batch_first=True"
+    assert model.rnn.double() is model.rnn and gru._flat_weights[0].dtype == torch.float64
+    model.float()
+    assert compile_model(model, None, CompileConfig(backend="accelrun", graph_cache=False)).description.endswith(
+        "; rnn (GRU) runs eagerly at a graph break")  # a second compile still says so
+
+
+def test_an_rnn_the_forward_reads_or_tests_is_left_as_it_is():
+    """Where the model's code does more with the attribute than call it (its hidden size read for an
+    initial state, ``isinstance``), no stand-in is put there: Dynamo could not read through it, and the
+    test would answer otherwise. The model keeps its LSTM, computes what it did, and nothing claims that
+    it runs at a graph break."""
+
+    class WithInitialState(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = torch.nn.LSTM(8, 8, batch_first=True)
+
+        def forward(self, x):
+            h0 = x.new_zeros(self.rnn.num_layers, x.shape[0], self.rnn.hidden_size)
+            return self.rnn(x, (h0, h0))[0]
+
+    class Branching(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = torch.nn.LSTM(8, 8, batch_first=True)
+
+        def forward(self, x):
+            out, state = self.rnn(x)
+            return out + (state[1].sum() if isinstance(self.rnn, torch.nn.LSTM) else 0)
+
+    for cls in (WithInitialState, Branching):
+        model = cls()
+        x = torch.randn(2, 5, 8)
+        expected = model(x)
+        compiled = compile_model(model, None, CompileConfig(backend="accelrun", graph_cache=False, executors=["aten"]))
+        assert type(model.rnn) is torch.nn.LSTM and "graph break" not in compiled.description, cls.__name__
+        torch.testing.assert_close(model(x), expected)
 
 
 def test_a_model_dynamo_cannot_trace_says_why_and_what_it_means():
@@ -198,7 +241,7 @@ def test_a_model_dynamo_cannot_trace_says_why_and_what_it_means():
     (nothing,) = [w for w in compiled.record.warnings() if w.startswith("nothing was compiled")]
     assert "Dynamo could not trace: Attempted to wrap RNN, GRU, or LSTM" in nothing, nothing
     assert "does not trace torch.nn's RNN, GRU and LSTM" in nothing and "data-dependent" not in nothing
-    assert not [w for w in compiled.record.warnings() if "graph break" in w]  # nothing ran as graphs to break
+    assert not [w for w in compiled.record.warnings() if "graph break(s):" in w]  # nothing ran as graphs to break
 
 
 def test_a_break_site_from_dynamo_s_log_message():
