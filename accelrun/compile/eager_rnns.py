@@ -113,9 +113,10 @@ class _ModelSources:
     left out: they reach an RNN through ``_modules`` or not at all)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.classes = list(dict.fromkeys(
-            c for m in model.modules() for c in type(m).__mro__
-            if c not in (object, nn.Module) and not c.__module__.startswith("torch")))  # fmt: skip
+        classes = dict.fromkeys(c for m in model.modules() for c in type(m).__mro__)
+        # (torchaudio's or torchvision's classes are read like the user's: only torch's own are skipped)
+        self.classes = [c for c in classes if c.__module__ != "torch" and not c.__module__.startswith("torch.")
+                        and c is not object]  # fmt: skip
         self._trees: dict[type, ast.AST | None] = {}
 
     def only_called(self, name: str) -> bool:
