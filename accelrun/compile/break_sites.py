@@ -37,8 +37,8 @@ KNOWN_UNTRACEABLE: dict[str, str] = {
     "Attempted to wrap RNN, GRU, or LSTM": (
         "torch.compile does not trace torch.nn's RNN, GRU and LSTM modules, so a forward that calls one runs "
         "eagerly; accelrun runs such a module at a graph break and compiles the code around it where the "
-        "model's code only calls it (self.rnn(x)), not where it reads its attributes (self.rnn.hidden_size: "
-        "keep such settings on the model instead), tests its type, or keeps it in an nn.ModuleList "
+        "model's code only calls it (self.rnn(x)) and reads its settings (self.rnn.hidden_size), not where it "
+        "reads a weight through it, tests its type, or keeps it in an nn.ModuleList "
         "(torch._dynamo.config.allow_rnn = True, torch's experimental switch, unrolls every time step into "
         "the graph)"
     ),

@@ -16,10 +16,13 @@ finds what it found before. (``torch.compiler.disable(module)`` itself returns a
 whose attributes torch's checkpointing expects to start with ``_orig_mod``.)
 
 It stands in only where the model's own code does nothing with the attribute but call it
-(``self.rnn(x)``), as read from the source of every class of the model outside torch: a forward that
-reads ``self.rnn.hidden_size``, passes it to ``isinstance`` or sets it later would meet an object that
-is not the RNN (Dynamo could not read through it, and ``isinstance`` would answer otherwise), so such
-a model keeps its RNN as it is, and the report says why nothing compiled.
+(``self.rnn(x)``) and read its plain settings (``self.rnn.hidden_size`` for an initial state), as read
+from the source of every class of the model outside torch. Those settings are copied onto the
+stand-in, where Dynamo reads them as constants. A forward that passes the attribute to ``isinstance``,
+reads a weight through it or sets it later would meet an object that is not the RNN (Dynamo could not
+read through it, and ``isinstance`` would answer otherwise), so such a model keeps its RNN as it is,
+and the report says why nothing compiled. (A setting changed on the RNN itself afterwards, not
+through the attribute, is not seen by the copy.)
 """
 
 from __future__ import annotations
@@ -51,10 +54,14 @@ class EagerCall(nn.Module):
     paths through it and changes made through it reach the module; other attributes, and the methods
     that RNNs define over nn.Module's, are the module's."""
 
-    def __init__(self, module: nn.Module) -> None:  # no nn.Module.__init__: every piece of state is the module's
+    def __init__(self, module: nn.Module, settings: frozenset[str] = frozenset()) -> None:
+        # no nn.Module.__init__: every piece of state is the module's; ``settings`` (plain values the
+        # model's code reads through the attribute) are copied, for Dynamo to read without a call
         object.__setattr__(self, "module", module)
         for state in ("_parameters", "_buffers", "_modules"):
             object.__setattr__(self, state, module.__dict__[state])
+        for name in settings:
+            object.__setattr__(self, name, module.__dict__[name])
 
     @torch.compiler.disable(reason=REASON)
     def __call__(self, *args, **kwargs):
@@ -65,6 +72,8 @@ class EagerCall(nn.Module):
 
     def __setattr__(self, name: str, value) -> None:
         setattr(self.module, name, value)
+        if name in object.__getattribute__(self, "__dict__"):  # a copied setting
+            object.__setattr__(self, name, getattr(self.module, name))
 
     def __delattr__(self, name: str) -> None:
         delattr(self.module, name)
@@ -89,7 +98,8 @@ class EagerCall(nn.Module):
 
 def run_rnns_eagerly(model: nn.Module) -> list[EagerRnn]:
     """Shadow every RNN, GRU and LSTM module that a module of ``model`` holds as a named attribute
-    which the model's code only calls (``only_called``) with an ``EagerCall``; returns every RNN that
+    which the model's code only calls and reads settings of (``settings_read``) with an ``EagerCall``;
+    returns every RNN that
     runs eagerly this way (shadowed now or by an earlier call). Ones inside torch's containers are left
     as they are: the frame that calls them still runs eagerly whole."""
     found = []
@@ -101,8 +111,8 @@ def run_rnns_eagerly(model: nn.Module) -> list[EagerRnn]:
             if not isinstance(child, RNN_MODULES) or not name.isidentifier():
                 continue
             shadow = parent.__dict__.get(name)
-            if shadow is None and sources.only_called(name):
-                shadow = parent.__dict__[name] = EagerCall(child)
+            if shadow is None and (settings := sources.settings_read(name, child)) is not None:
+                shadow = parent.__dict__[name] = EagerCall(child, settings)
             if isinstance(shadow, EagerCall) and shadow.module is child:
                 found.append(EagerRnn(f"{parent_name}.{name}" if parent_name else name, type(child).__name__))
     return found
@@ -119,16 +129,20 @@ class _ModelSources:
                         and c is not object]  # fmt: skip
         self._trees: dict[type, ast.AST | None] = {}
 
-    def only_called(self, name: str) -> bool:
-        """Whether every mention of ``.name`` in these classes is a call (``self.name(x)``) or, in an
-        ``__init__``, an assignment; False where a class's source cannot be read (it might do anything)."""
+    def settings_read(self, name: str, module: nn.Module) -> frozenset[str] | None:
+        """The settings of ``module`` (plain values: ``hidden_size``, ``num_layers``, ...) that these
+        classes read through ``.name``, where every other mention of ``.name`` is a call
+        (``self.name(x)``) or, in an ``__init__``, an assignment; None otherwise, or where a class's
+        source cannot be read (it might do anything)."""
+        settings = frozenset(k for k, v in module.__dict__.items()
+                             if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, float, str)))
+        read: set[str] = set()
         for cls in self.classes:
             tree = self._tree(cls)
-            if tree is None:
-                return False
-            if not _only_called_in(tree, name):
-                return False
-        return True
+            if tree is None or (found := _settings_read_in(tree, name, settings)) is None:
+                return None
+            read |= found
+        return frozenset(read)
 
     def _tree(self, cls: type) -> ast.AST | None:
         if cls not in self._trees:
@@ -139,13 +153,25 @@ class _ModelSources:
         return self._trees[cls]
 
 
-def _only_called_in(tree: ast.AST, name: str) -> bool:
+def _settings_read_in(tree: ast.AST, name: str, settings: frozenset[str]) -> set[str] | None:
+    """The ``settings`` read as ``<x>.name.<setting>`` in ``tree``, or None if ``.name`` is also used
+    otherwise than so, called, or assigned in an ``__init__``."""
     called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
     set_in_init = {id(target) for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef) and fn.name == "__init__"
                    for node in ast.walk(fn) if isinstance(node, (ast.Assign, ast.AnnAssign))
                    for target in (node.targets if isinstance(node, ast.Assign) else [node.target])}  # fmt: skip
-    return all(id(node) in called or id(node) in set_in_init
-               for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == name)
+    read_through = {id(node.value): node.attr for node in ast.walk(tree)
+                    if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in settings
+                    and id(node) not in called}  # fmt: skip
+    read = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or node.attr != name:
+            continue
+        if id(node) in read_through:
+            read.add(read_through[id(node)])
+        elif id(node) not in called and id(node) not in set_in_init:
+            return None
+    return read
 
 
 def described(rnns: list[EagerRnn]) -> str:

@@ -183,20 +183,45 @@ def test_an_rnn_runs_eagerly_between_compiled_graphs_and_the_break_says_so(tmp_p
         "; rnn (GRU) runs eagerly at a graph break")  # a second compile still says so
 
 
-def test_an_rnn_the_forward_reads_or_tests_is_left_as_it_is():
-    """Where the model's code does more with the attribute than call it (its hidden size read for an
-    initial state, ``isinstance``), no stand-in is put there: Dynamo could not read through it, and the
-    test would answer otherwise. The model keeps its LSTM, computes what it did, and nothing claims that
-    it runs at a graph break."""
+class _WithInitialState(torch.nn.Module):
+    """An LSTM language model that builds its initial state from the LSTM's own settings."""
 
-    class WithInitialState(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.rnn = torch.nn.LSTM(8, 8, batch_first=True)
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 8)
+        self.rnn = torch.nn.LSTM(8, 8, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(8, VOCAB)
 
-        def forward(self, x):
-            h0 = x.new_zeros(self.rnn.num_layers, x.shape[0], self.rnn.hidden_size)
-            return self.rnn(x, (h0, h0))[0]
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        h0 = x.new_zeros(self.rnn.num_layers, x.shape[0], self.rnn.hidden_size)
+        return self.head(self.rnn(x, (h0, h0))[0])
+
+
+def test_an_rnn_whose_settings_the_forward_reads_runs_at_a_graph_break(tmp_path):
+    """The settings a forward reads through the attribute (``self.rnn.hidden_size``) are copied onto the
+    stand-in, where Dynamo reads them as constants; the first version of the stand-in left this model
+    with 0 graphs under a description that claimed the break. A setting changed through the attribute
+    reaches the LSTM and the copy."""
+    torch.manual_seed(0)
+    model = _WithInitialState()
+    reference = copy.deepcopy(model)
+    compiled = compile_model(model, None, CompileConfig(backend="accelrun", cache_dir=str(tmp_path / "cache"),
+                                                        executors=["cpp", "aten"]))  # fmt: skip
+    assert compiled.description.endswith("; rnn (LSTM) runs eagerly at a graph break"), compiled.description
+    _train_side_by_side(model, reference)
+    record = compiled.record
+    record.refresh_dynamo()
+    assert record.graphs_in_use() == 2 and sum(record.graph_breaks.values()) == 1, record.compiled_line()
+    assert model.rnn.__dict__["hidden_size"] == 8 and "dropout" not in model.rnn.__dict__  # only what is read
+    model.rnn.hidden_size = 8  # (the same value: the model still computes as before)
+    assert model.rnn.__dict__["hidden_size"] == model._modules["rnn"].hidden_size == 8
+
+
+def test_an_rnn_the_forward_tests_or_reads_weights_of_is_left_as_it_is():
+    """Where the model's code does more with the attribute than call it and read its settings (passes
+    it to ``isinstance``, reads a weight through it), no stand-in is put there: the test would answer
+    otherwise, and Dynamo could not read through it. The model keeps its LSTM and computes what it did."""
 
     class Branching(torch.nn.Module):
         def __init__(self) -> None:
@@ -207,7 +232,15 @@ def test_an_rnn_the_forward_reads_or_tests_is_left_as_it_is():
             out, state = self.rnn(x)
             return out + (state[1].sum() if isinstance(self.rnn, torch.nn.LSTM) else 0)
 
-    for cls in (WithInitialState, Branching):
+    class ReadsAWeight(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = torch.nn.LSTM(8, 8, batch_first=True)
+
+        def forward(self, x):
+            return self.rnn(x)[0] * self.rnn.weight_hh_l0.shape[0]
+
+    for cls in (Branching, ReadsAWeight):
         model = cls()
         x = torch.randn(2, 5, 8)
         expected = model(x)
