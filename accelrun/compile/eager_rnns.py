@@ -97,11 +97,11 @@ class EagerCall(nn.Module):
 
 
 def run_rnns_eagerly(model: nn.Module) -> list[EagerRnn]:
-    """Shadow every RNN, GRU and LSTM module that a module of ``model`` holds as a named attribute
-    which the model's code only calls and reads settings of (``settings_read``) with an ``EagerCall``;
-    returns every RNN that
-    runs eagerly this way (shadowed now or by an earlier call). Ones inside torch's containers are left
-    as they are: the frame that calls them still runs eagerly whole."""
+    """Shadow every RNN, GRU and LSTM module that a module of ``model`` holds as a named attribute,
+    which the model's code only calls and reads settings of (``settings_read``), with an
+    ``EagerCall``; returns every RNN that runs eagerly this way (shadowed now or by an earlier call).
+    Ones inside torch's containers are left as they are: the frame that calls them still runs eagerly
+    whole."""
     found = []
     sources = _ModelSources(model)
     for parent_name, parent in model.named_modules():
@@ -154,8 +154,8 @@ class _ModelSources:
 
 
 def _settings_read_in(tree: ast.AST, name: str, settings: frozenset[str]) -> set[str] | None:
-    """The ``settings`` read as ``<x>.name.<setting>`` in ``tree``, or None if ``.name`` is also used
-    otherwise than so, called, or assigned in an ``__init__``."""
+    """The ``settings`` read as ``<x>.name.<setting>`` in ``tree``, or None if ``.name`` is used in any
+    other way than that, a call, or an assignment in an ``__init__``."""
     called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
     set_in_init = {id(target) for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef) and fn.name == "__init__"
                    for node in ast.walk(fn) if isinstance(node, (ast.Assign, ast.AnnAssign))
