@@ -134,8 +134,12 @@ class _ModelSources:
         classes read through ``.name``, where every other mention of ``.name`` is a call
         (``self.name(x)``) or, in an ``__init__``, an assignment; None otherwise, or where a class's
         source cannot be read (it might do anything)."""
+        # imported here: graph_cache imports coverage and break_sites, which import this module
+        from accelrun.compile.graph_cache import PLAIN_SETTING_TYPES
+
+        # ("training" is set on the RNN itself by model.train(): a copy would go stale)
         settings = frozenset(k for k, v in module.__dict__.items()
-                             if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, float, str)))
+                             if not k.startswith("_") and k != "training" and isinstance(v, PLAIN_SETTING_TYPES))
         read: set[str] = set()
         for cls in self.classes:
             tree = self._tree(cls)
@@ -161,8 +165,7 @@ def _settings_read_in(tree: ast.AST, name: str, settings: frozenset[str]) -> set
                    for node in ast.walk(fn) if isinstance(node, (ast.Assign, ast.AnnAssign))
                    for target in (node.targets if isinstance(node, ast.Assign) else [node.target])}  # fmt: skip
     read_through = {id(node.value): node.attr for node in ast.walk(tree)
-                    if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in settings
-                    and id(node) not in called}  # fmt: skip
+                    if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in settings}
     read = set()
     for node in ast.walk(tree):
         if not isinstance(node, ast.Attribute) or node.attr != name:
