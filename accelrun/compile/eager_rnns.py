@@ -134,12 +134,9 @@ class _ModelSources:
         classes read through ``.name``, where every other mention of ``.name`` is a call
         (``self.name(x)``) or, in an ``__init__``, an assignment; None otherwise, or where a class's
         source cannot be read (it might do anything)."""
-        # imported here: graph_cache imports coverage and break_sites, which import this module
-        from accelrun.compile.graph_cache import PLAIN_SETTING_TYPES
-
         # ("training" is set on the RNN itself by model.train(): a copy would go stale)
         settings = frozenset(k for k, v in module.__dict__.items()
-                             if not k.startswith("_") and k != "training" and isinstance(v, PLAIN_SETTING_TYPES))
+                             if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, float, str)))
         read: set[str] = set()
         for cls in self.classes:
             tree = self._tree(cls)

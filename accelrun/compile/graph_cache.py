@@ -261,15 +261,12 @@ def describe(value: Any) -> str:
     return repr(value)
 
 
-# A module's plain settings: the attribute values Dynamo's guards compare as constants.
-PLAIN_SETTING_TYPES = (bool, int, float, str, type(None))
-
-
 def module_settings(owner: nn.Module) -> str:
     """A digest of the plain settings (bools, numbers, strings) of ``owner`` and its submodules, which
     Dynamo's guards check but the key leaves out."""
+    plain = (bool, int, float, str, type(None))
     settings = [(name, k, v) for name, m in owner.named_modules() for k, v in sorted(vars(m).items())
-                if isinstance(v, PLAIN_SETTING_TYPES)]  # fmt: skip
+                if isinstance(v, plain)]  # fmt: skip
     return hashlib.sha256(repr(settings).encode()).hexdigest()[:16]
 
 
