@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from accelrun.config.compose import Source
+from accelrun.config.record_paths import EXTENSIONS as RECORD_EXTENSIONS
 from accelrun.config.schema import DataConfig, MixSource, RunConfig
 from accelrun.config.yaml_lines import KeyPath
 
@@ -21,7 +22,8 @@ def data_problems(cfg: RunConfig, where: Callable[[KeyPath], Source], v: Callabl
         if not data.paths and data.source == "documents":
             return [f"{v('data.source')} needs data.paths: files, folders or globs of .jsonl, .json, .csv, "
                     ".parquet or .arrow files, or save_to_disk folders"]
-        return []
+        return [record_files_as_text(data.paths, v("data.source"), "data")] if data.source == "text" and \
+            record_files_named(data.paths) else []
     out: list[str] = []
     if data.paths:
         out.append(f"data.mix ({where(('data', 'mix'))}) and data.paths ({where(('data', 'paths'))}) are both set: "
@@ -40,8 +42,29 @@ def data_problems(cfg: RunConfig, where: Callable[[KeyPath], Source], v: Callabl
             out.append(f"{key}.source = {entry.source} ({where(('data', 'mix', i))}) needs {key}.paths: files or "
                        "globs to read")
         elif entry.source == "builtin" and entry.paths:
-            out.append(f"{key}.paths is set but {key}.source = builtin reads no files ({where(('data', 'mix', i))})")
+            out.append(f"{key}.paths is set but {key}.source = builtin reads no files ({where(('data', 'mix', i))})"
+                       f"; {PATH_SOURCES_HINT}")
+        elif entry.source == "text" and record_files_named(entry.paths):
+            out.append(record_files_as_text(entry.paths, f"{key}.source = text ({where(('data', 'mix', i))})", key))
     return out
+
+
+# What each source that reads files takes, for a message about a source that reads none.
+PATH_SOURCES_HINT = ("use documents for .jsonl, .json, .csv, .parquet or .arrow records, text for plain text "
+                     "files, tokens for token files")
+
+
+def record_files_named(paths: Sequence[str]) -> list[str]:
+    """The paths (files or globs) that name record files by their extension."""
+    return [p for p in paths if any(p.lower().endswith(ext) for ext in RECORD_EXTENSIONS)]
+
+
+def record_files_as_text(paths: Sequence[str], source: str, key: str) -> str:
+    """``text`` would read these record files byte by byte, their JSON or binary layout included.
+    ``source`` renders the setting, ``key`` is the section holding it (``data``, ``data.mix.1``)."""
+    named = record_files_named(paths)
+    return (f"{source} reads files as plain text, byte by byte, and {key}.paths names record files "
+            f"({', '.join(named[:3])}): use {key}.source=documents, which reads the text field of each record")
 
 
 # Keys a mixture's entries decide for themselves (text_field) or that no entry reads. data.source and

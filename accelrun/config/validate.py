@@ -18,7 +18,7 @@ from pydantic.fields import FieldInfo
 from accelrun.config.chat_template_file import chat_problems
 from accelrun.config.compile_names import BUILTIN_EXECUTORS, PassConfigError, parse_passes
 from accelrun.config.compose import DEFAULT, Source
-from accelrun.config.data_checks import data_problems, mix_warnings
+from accelrun.config.data_checks import PATH_SOURCES_HINT, data_problems, mix_warnings
 from accelrun.config.errors import ConfigError, nearest
 from accelrun.config.moe_checks import moe_problems, moe_warnings
 from accelrun.config.schema import INTERLEAVED_SCHEDULES, RunConfig
@@ -226,7 +226,7 @@ def consistency_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list
     out += tokenizer_problems(cfg, v)
     out += chat_problems(cfg, v)
     if cfg.data.paths and cfg.data.source in ("builtin", "synthetic"):
-        out.append(f"data.paths is set but {v('data.source')} reads no files (use text or tokens)")
+        out.append(f"data.paths is set but {v('data.source')} reads no files: {PATH_SOURCES_HINT}")
     elif not cfg.data.paths and cfg.data.source in ("text", "tokens") and not cfg.data.mix:
         out.append(f"{v('data.source')} needs data.paths: files or globs to read")
     out += data_problems(cfg, lambda path: source_of(path, sources, exact=False), v)

@@ -11,7 +11,7 @@ from accelrun.data.errors import DataError
 
 def plan_reads(files: Sequence[Path], max_bytes: int | None) -> list[tuple[Path, int]]:
     """(file, bytes to read) for each file read, stopping once ``max_bytes`` is reached. Empty files
-    are left out: they would only add a lone EOS."""
+    are left out: they would only add a lone EOS. Files that are all empty are a ``DataError``."""
     plan: list[tuple[Path, int]] = []
     total = 0
     for f in files:
@@ -26,4 +26,7 @@ def plan_reads(files: Sequence[Path], max_bytes: int | None) -> list[tuple[Path,
         if size > 0:
             plan.append((f, size))
             total += size
+    if files and not plan:  # (a stream of no tokens has nothing to train on, and no dtype to store)
+        names = ", ".join(str(f) for f in files[:3]) + (f", ... ({len(files)} files)" if len(files) > 3 else "")
+        raise DataError(f"the corpus is empty: {names} {'has' if len(files) == 1 else 'have'} no bytes of text")
     return plan

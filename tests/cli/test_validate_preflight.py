@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from accelrun.cli.main import cli
@@ -30,6 +31,32 @@ def test_several_paths_in_one_string_get_the_list_spelling(tmp_path):
     r = validate("data.source=text", f"data.paths={tmp_path}/a.txt,{tmp_path}/b.txt")
     assert r.exit_code == 2
     assert f"several paths are a list: 'data.paths=[{tmp_path}/a.txt, {tmp_path}/b.txt]'" in r.stderr, r.stderr
+
+
+def test_record_files_given_to_the_text_source_exit_2_naming_documents(tmp_path):
+    """``text`` reads files byte by byte: a .jsonl or .parquet file trained as its JSON or binary layout."""
+    (tmp_path / "docs.jsonl").write_text('{"text": "hello"}\n')
+    r = validate("data.source=text", f"data.paths=[{tmp_path}/docs.jsonl, {tmp_path}/more/*.parquet]")
+    assert r.exit_code == 2, r.output
+    assert "error: data.source = text (override 'data.source=text') reads files as plain text" in r.stderr
+    assert f"names record files ({tmp_path}/docs.jsonl, {tmp_path}/more/*.parquet): use data.source=documents" in r.stderr
+    assert validate("data.source=documents", f"data.paths=[{tmp_path}/docs.jsonl]").exit_code == 0
+    # the first message a user with a .jsonl meets (the default source reads no files) names documents too
+    r = validate(f"data.paths=[{tmp_path}/docs.jsonl]")
+    assert r.exit_code == 2 and "reads no files: use documents for .jsonl" in r.stderr, r.stderr
+
+
+def test_text_files_that_are_all_empty_exit_2_when_read(tmp_path):
+    """No bytes at all: one line, exit 2 (it was a KeyError from the token file's writer, exit 1)."""
+    (tmp_path / "empty.txt").write_text("")
+    from accelrun.config.schema import DataConfig
+    from accelrun.data import DataError, load_stream
+
+    cfg = DataConfig(source="text", paths=[str(tmp_path / "empty.txt")])
+    with pytest.raises(DataError, match=rf"the corpus is empty: {tmp_path}/empty.txt has no bytes of text"):
+        load_stream(cfg, vocab_size=512, seed=0)
+    r = CliRunner().invoke(cli, ["data", "prepare", str(tmp_path / "empty.txt"), "-o", str(tmp_path / "e.tok")])
+    assert r.exit_code == 2 and "the corpus is empty" in r.output + r.stderr, r.output
 
 
 def test_an_hf_folder_without_weights_exits_2(tmp_path):
