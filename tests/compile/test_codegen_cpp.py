@@ -423,32 +423,36 @@ def test_exp_special_values_and_range(cache):
     check_fn(fn, cache, x, atol=torch.finfo(torch.float32).tiny)
 
 
-def test_erf_is_a_vector_polynomial_within_three_ulp(cache):
-    """erf (a GELU's, forward and backward) is ``acc_erf``, not libm's scalar erff, which kept the loop
-    from vectorizing (a GELU backward 5.6x slower than ATen's). Checked against ``math.erf`` in float64:
-    special values, both sides of the pieces' split at |x| = 1 and of the clamp at 4, tiny inputs
-    (relative error, erf(x) ~ 1.13 x) and a dense sweep, in the vector loop and its scalar remainder."""
-    special = [float("-inf"), float("inf"), float("nan"), 0.0, -0.0, 1e-30, -1e-20, 1e-7, 0.999999, 1.0, -1.000001,
-               3.999, 4.0, -4.001, 9.0, 1e30]
-    x = torch.cat([torch.tensor(special), torch.linspace(-6, 6, 20001), torch.logspace(-12, 0.7, 2001)])
+@pytest.mark.parametrize("name, ulps", [("erf", 3), ("tanh", 3)])
+def test_erf_and_tanh_are_vector_polynomials_within_three_ulp(cache, name, ulps):
+    """erf and tanh (a GELU's, exact or tanh, forward and backward) are ``acc_erf`` / ``acc_tanh``, not
+    libm's scalar erff / tanhf, which kept the loop from vectorizing (a GELU backward 5.6x slower than
+    ATen's). Checked against Python's ``math`` in float64: special values, both sides of the pieces'
+    split and of the clamp, tiny inputs (relative error) and a dense sweep, in the vector loop and its
+    scalar remainder."""
+    special = [float("-inf"), float("inf"), float("nan"), 0.0, -0.0, 1e-30, -1e-20, 1e-7, 0.624999, 0.625, -0.625001,
+               0.999999, 1.0, -1.000001, 3.999, 4.0, -4.001, 9.99, 10.0, 12.0, 1e30]
+    x = torch.cat([torch.tensor(special), torch.linspace(-12, 12, 20001), torch.logspace(-12, 1.1, 2001)])
+    approximate = {"erf": "none", "tanh": "tanh"}[name]
 
     def fn(x):
-        return torch.erf(x), F.gelu(x)
+        return getattr(torch, name)(x), F.gelu(x, approximate=approximate)
 
     region = region_of(fn, x)
     text = cpp_source(cached_program(region))
-    assert "acc_erf(" in text.split("accelrun_region_kernel0", 1)[1] and "erff" not in text
-    erf, gelu = CppExecutor().compile(region, cache)(x)
-    want = torch.tensor([math.erf(v) if v == v else v for v in x.double().tolist()], dtype=torch.float64)
+    kernel = text.split("accelrun_region_kernel0", 1)[1]
+    assert f"acc_{name}(" in kernel and "__builtin_erff" not in text and "__builtin_tanhf" not in text
+    got, gelu = CppExecutor().compile(region, cache)(x)
+    want = torch.tensor([getattr(math, name)(v) if v == v else v for v in x.double().tolist()], dtype=torch.float64)
     ulp = torch.finfo(torch.float32).eps * want.abs().clamp_min(torch.finfo(torch.float32).tiny)
-    err = (erf.double() - want).abs()
-    assert torch.equal(erf.isnan(), want.isnan()) and bool((err[~want.isnan()] <= 3 * ulp[~want.isnan()]).all())
+    number = ~want.isnan()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert bool(((got.double() - want).abs()[number] <= ulps * ulp[number]).all())
     # (both lose digits to 1 + erf(x) where x << 0, eager's as much as this: an absolute tolerance)
-    torch.testing.assert_close(gelu, F.gelu(x), rtol=1e-5, atol=1e-6, equal_nan=True)
-    # and the backward (x * pdf + cdf), as a GELU layer's region computes it
-    grad = torch.randn(x.shape)
-    check_fn(lambda g, x: (torch.ops.aten.gelu_backward(g, x),), cache, grad, x.nan_to_num(0.0, 9.0, -9.0),
-             atol=1e-6)
+    torch.testing.assert_close(gelu, F.gelu(x, approximate=approximate), rtol=1e-5, atol=1e-6, equal_nan=True)
+    # and the backward, as a GELU layer's region computes it
+    check_fn(lambda g, x: (torch.ops.aten.gelu_backward(g, x, approximate=approximate),), cache,
+             torch.randn(x.shape), x.nan_to_num(0.0, 9.0, -9.0), atol=1e-6)
 
 
 def test_identical_reductions_are_computed_once(cache):

@@ -4,8 +4,8 @@ Rows are split across threads (``#pragma omp parallel for``) when a kernel has e
 for waking them; the loop over a row is ``#pragma omp simd`` so g++ vectorizes it, reductions
 included (the pragma allows reassociating a sum; float max/min go through declared reductions that
 keep a NaN, as eager does). A kernel's row buffers are arrays on the thread's stack, one row long.
-exp and erf are branch-free polynomials (``acc_exp``, ``acc_erf``) so that loops calling them still
-vectorize; bf16 is widened and rounded with bit shifts.
+exp, erf and tanh are branch-free polynomials (``acc_exp``, ``acc_erf``, ``acc_tanh``) so that loops
+calling them still vectorize; bf16 is widened and rounded with bit shifts.
 
     source = cpp_source(program)
     fn = CppRegion(program, load_library(build_library(source, cache_dir)))
@@ -22,7 +22,6 @@ import torch
 
 from accelrun.compile.codegen.cpp_build import load_library
 from accelrun.compile.codegen.emitter import Emitter
-from accelrun.compile.codegen.erf_poly import ERF
 from accelrun.compile.codegen.exp_poly import EXP_CORE
 from accelrun.compile.codegen.index_print import print_index
 from accelrun.compile.codegen.loop_ir import (
@@ -35,6 +34,7 @@ from accelrun.compile.codegen.loop_ir import (
     Unsupported,
     contiguous_strides,
 )
+from accelrun.compile.codegen.math_poly import FUNCTIONS as POLYNOMIAL_FUNCTIONS
 from accelrun.compile.codegen.ops import INFIX, Renderer
 from accelrun.torch_private import TensorGuards, empty_strided_cpu
 
@@ -52,7 +52,7 @@ class CppOps(Renderer):
     primitives = {
         **INFIX, "and": "({0} && {1})", "or": "({0} || {1})", "not": "(!{0})", "pow": "__builtin_powf({0}, {1})",
         "abs": "__builtin_fabsf({0})", "exp": "acc_exp({0})", "log": "__builtin_logf({0})",
-        "log1p": "__builtin_log1pf({0})", "expm1": "__builtin_expm1f({0})", "tanh": "__builtin_tanhf({0})",
+        "log1p": "__builtin_log1pf({0})", "expm1": "__builtin_expm1f({0})", "tanh": "acc_tanh({0})",
         "sqrt": "__builtin_sqrtf({0})", "erf": "acc_erf({0})", "sin": "__builtin_sinf({0})",
         "cos": "__builtin_cosf({0})", "floor": "__builtin_floorf({0})", "ceil": "__builtin_ceilf({0})",
         "trunc": "__builtin_truncf({0})", "sign": "(({0} > 0) - ({0} < 0))", "round_bf16": "bf16_round({0})",
@@ -126,10 +126,10 @@ static inline float acc_exp(float x) {
     const float y = acc_exp_core<float, int32_t>(xc);
     return x < ACC_EXP_LO ? 0.0f : (x > ACC_EXP_HI ? INFINITY : y);
 }
-{erf}"""
+{functions}"""
 PRELUDE = (PRELUDE.replace("{omp_reductions}", _omp_declare("acc_nanmax", "maximum", "-INFINITY") + "\n"
                            + _omp_declare("acc_nanmin", "minimum", "INFINITY"))
-           .replace("{exp_core}", EXP_CORE.strip("\n")).replace("{erf}", ERF))
+           .replace("{exp_core}", EXP_CORE.strip("\n")).replace("{functions}", POLYNOMIAL_FUNCTIONS))
 
 
 def cpp_source(program: LoopProgram, entry: str = ENTRY, prelude: bool = True) -> str:
