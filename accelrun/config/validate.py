@@ -41,6 +41,15 @@ PARALLEL_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 HEAD_DIM_FAMILIES = ("gemma",)
 
 
+
+# Values written for a choice under another name (``data.source: jsonl``), by the key's last name; a
+# similarity ratio finds none of them.
+CHOICE_SYNONYMS = {
+    "source": {**dict.fromkeys(("jsonl", "ndjson", "json", "csv", "parquet", "arrow", "records"), "documents"),
+               "txt": "text", "tok": "tokens"},
+}
+
+
 def validate(data: dict[str, Any], sources: dict[KeyPath, Source]) -> RunConfig:
     try:
         cfg = RunConfig.model_validate(data)
@@ -103,7 +112,7 @@ def _describe(err: dict, data: dict, sources: dict[KeyPath, Source]) -> str:
         return f"{prefix}{key}: item {beyond[0]} is missing (got {got!r} with fewer items)"
     if err["type"] == "literal_error" and isinstance(got, str):
         choices = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
-        hint = nearest(got, choices)
+        hint = nearest(got, choices) or CHOICE_SYNONYMS.get(str(path[-1]), {}).get(got.lower())
         if hint:
             msg += f"; did you mean '{hint}'?"
     if err["type"] != "missing" and not isinstance(got, dict):

@@ -46,6 +46,19 @@ def test_record_files_given_to_the_text_source_exit_2_naming_documents(tmp_path)
     assert r.exit_code == 2 and "reads no files: use documents for .jsonl" in r.stderr, r.stderr
 
 
+def test_a_file_format_given_as_the_source_is_pointed_at_documents():
+    r = validate("data.source=jsonl")
+    assert r.exit_code == 2 and "did you mean 'documents'? (got 'jsonl')" in r.stderr, r.stderr
+
+
+def test_python_dash_m_accelrun_runs_the_command():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "accelrun", "--help"], capture_output=True, text=True, check=True)
+    assert "Usage: accelrun" in out.stdout or "Usage: python -m accelrun" in out.stdout, out.stdout
+
+
 def test_text_files_that_are_all_empty_exit_2_when_read(tmp_path):
     """No bytes at all: one line, exit 2 (it was a KeyError from the token file's writer, exit 1)."""
     (tmp_path / "empty.txt").write_text("")
