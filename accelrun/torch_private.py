@@ -109,6 +109,10 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     "dynamo_graph_break_log": ("torch._dynamo.symbolic_convert", "graph_break_log"),
     "dynamo_frame_break_log": ("torch._dynamo.convert_frame", "graph_break_log"),
     "dynamo_tensor_log": ("torch._dynamo.variables.tensor", "log"),
+    # A model's own error met on fake tensors while Dynamo traces it (``.msg``, and ``.real_stack``: the
+    # user's frames), and the log that prints each such failure with its traceback first.
+    "DynamoTorchRuntimeError": ("torch._dynamo.exc", "TorchRuntimeError"),
+    "fake_tensor_log": ("torch._subclasses.fake_tensor", "log"),
     # The frame Dynamo is tracing (``current_tx()``: its ``f_code`` and ``lineno``), read while a break is
     # logged: the log's traceback can leave out the user's own forward.
     "DynamoInstructionTranslator": ("torch._dynamo.symbolic_convert", "InstructionTranslator"),

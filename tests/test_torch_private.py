@@ -650,6 +650,24 @@ def test_dynamo_frame_break_log():
     assert tp.dynamo_frame_break_log.artifact_name == "graph_breaks"
 
 
+def test_DynamoTorchRuntimeError():
+    """A model's error on fake tensors: ``.msg`` quotes the error, ``.real_stack`` holds the model's frames."""
+    def bad(x):
+        return x @ torch.ones(3, 2)
+
+    torch._dynamo.reset()
+    with pytest.raises(tp.DynamoTorchRuntimeError) as raised:
+        torch.compile(bad, backend="eager")(torch.ones(2, 4))
+    assert "got RuntimeError(" in raised.value.msg
+    assert any(f.filename == __file__ and f.name == "bad" for f in raised.value.real_stack)
+
+
+def test_fake_tensor_log():
+    import logging
+
+    assert isinstance(tp.fake_tensor_log, logging.Logger) and tp.fake_tensor_log.name == "torch._subclasses.fake_tensor"
+
+
 def test_dynamo_tensor_log():
     import logging
 

@@ -62,6 +62,7 @@ def command(config: str, overrides: tuple[str, ...], nnodes: int | None, node_ra
     from accelrun.dist.worker import rank_uses_cuda
     from accelrun.train.entry import train
     from accelrun.train.oom import oom_is_the_recipes
+    from accelrun.train.traced_errors import named_model_errors
 
     launch = LaunchOptions(node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                            max_restarts=max_restarts, local_addr=local_addr)
@@ -74,7 +75,8 @@ def command(config: str, overrides: tuple[str, ...], nnodes: int | None, node_ra
     resolved = load(config, overrides)
     command_line = shlex.join(["accelrun", *sys.argv[1:]]) if sys.argv else ""
     device = torch.device("cuda" if rank_uses_cuda(resolved.config) else "cpu")
-    with oom_is_the_recipes(resolved.config, device, "in training"):  # ranks of a job convert their own
+    with (oom_is_the_recipes(resolved.config, device, "in training"),  # ranks of a job convert their own
+          named_model_errors(resolved.config.compile.backend)):
         result = train(resolved, command=command_line, console=err, launch=launch)
     if result.stopped is not None:  # 143 (SIGTERM), 130 (SIGINT): "terminated, may requeue"
         sys.exit(exit_code(result.stopped.signum))

@@ -1,0 +1,71 @@
+"""A model's own error met while torch.compile traces it, said in the few lines eager PyTorch would use.
+
+Dynamo runs the model's code on fake tensors before anything is compiled, so a mistake in the model
+(a matrix product of mismatched sizes) surfaces there, as Dynamo's ``TorchRuntimeError``: some 230
+lines of Dynamo's and fake tensors' frames and logs, the user's line near the end. ``named_model_errors``
+turns it into one message: the error, the user's file and line, and what to try. The exit code stays a
+crash's (1), not a recipe error's (2): it may also be torch.compile's own mistake, which
+``compile.backend=eager`` tells apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+import accelrun
+from accelrun.errors import UserError
+
+_LIBRARIES = (str(Path(torch.__file__).parent) + os.sep, str(Path(accelrun.__file__).parent) + os.sep)
+# The error Dynamo met, as it quotes it: "... got RuntimeError('a and b must have same reduction dim ...')"
+_QUOTED_ERROR = re.compile(r"got (\w+)\((['\"])(.*?)\2\)", re.DOTALL)
+
+
+class ModelFailedWhileTraced(UserError):
+    exit_code = 1  # most likely the model's own bug, possibly torch.compile's: not a recipe error (2)
+
+
+@contextmanager
+def named_model_errors(backend: str) -> Iterator[None]:
+    """Inside, a model's error met while Dynamo traces it becomes ``ModelFailedWhileTraced``, and the
+    fake tensors' log of it (a traceback per failure, before Dynamo's own) is left out."""
+    from accelrun.torch_private import DynamoTorchRuntimeError, fake_tensor_log
+
+    quiet = _DropMetaFailures()
+    fake_tensor_log.addFilter(quiet)
+    try:
+        yield
+    except DynamoTorchRuntimeError as e:
+        raise ModelFailedWhileTraced(model_error_message(e, backend)) from e
+    finally:
+        fake_tensor_log.removeFilter(quiet)
+
+
+def model_error_message(e: Exception, backend: str) -> str:
+    """The error, where the model's code raised it, and what to try."""
+    text = getattr(e, "msg", None) or str(e)
+    quoted = _QUOTED_ERROR.search(text)
+    error = f"{quoted.group(1)}: {quoted.group(3)}" if quoted else text.strip().splitlines()[0]
+    frames = [f for f in getattr(e, "real_stack", None) or [] if not f.filename.startswith(_LIBRARIES)]
+    where = ""
+    if frames:
+        f = frames[-1]  # the innermost of the model's own frames
+        where = f"\n  at {f.filename}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "")
+    return (f"the model's code failed while torch.compile traced it (compile.backend = {backend}): {error}{where}\n"
+            "  Most likely it fails in eager PyTorch too: compile.backend=eager runs the model untraced, with "
+            "PyTorch's own error; ACCELRUN_DEBUG=1 shows torch.compile's whole trace.")
+
+
+class _DropMetaFailures(logging.Filter):
+    """Fake tensors log each failed op with its traceback before raising it ("failed while attempting to
+    run meta for aten.mm.default"): what ``named_model_errors`` says in one line is printed 150 lines
+    long before it. ACCELRUN_DEBUG=1 keeps them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return os.environ.get("ACCELRUN_DEBUG") == "1" or not str(record.msg).startswith("failed while attempting")

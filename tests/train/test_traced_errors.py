@@ -1,0 +1,61 @@
+"""A model's own error met while torch.compile traces it: one message with the error and the model's line
+(it was some 230 lines of Dynamo's and fake tensors' frames), exit 1."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from accelrun.train.traced_errors import ModelFailedWhileTraced, named_model_errors
+
+
+class TransposedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(tokens).transpose(1, 2))  # the mistake: (B, 8, T) @ (8, 16)
+
+
+class Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_shape_error_in_the_model_is_one_message_naming_its_line():
+    from accelrun.torch_private import fake_tensor_log
+
+    torch._dynamo.reset()
+    model = torch.compile(TransposedHead(), backend="eager")
+    kept = Kept()
+    fake_tensor_log.addHandler(kept)  # (torch's loggers do not pass records on to the root's handlers)
+    try:
+        with pytest.raises(ModelFailedWhileTraced) as raised, named_model_errors("eager"):
+            model(torch.zeros(2, 5, dtype=torch.long))
+    finally:
+        fake_tensor_log.removeHandler(kept)
+    message = str(raised.value)
+    assert raised.value.exit_code == 1
+    assert "the model's code failed while torch.compile traced it (compile.backend = eager): RuntimeError: " in message
+    assert "must have same reduction dim" in message  # torch's own words for the mistake
+    assert f"at {__file__}:" in message and "in forward: return self.head(self.emb(tokens).transpose(1, 2))" in message
+    assert "compile.backend=eager runs the model untraced" in message
+    # the fake tensors' traceback of the same failure, printed first and 150 lines long, is left out
+    assert not [m for m in kept.messages if "failed while attempting" in m]
+
+
+def test_other_errors_pass_through_and_the_log_is_whole_again():
+    from accelrun.torch_private import fake_tensor_log
+
+    filters = list(fake_tensor_log.filters)
+    with pytest.raises(ValueError, match="not the model's"), named_model_errors("accelrun"):
+        raise ValueError("not the model's")
+    assert fake_tensor_log.filters == filters
