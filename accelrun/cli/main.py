@@ -12,12 +12,18 @@ from accelrun.errors import UserError
 
 
 class AccelrunGroup(click.Group):
-    """Turns errors a user can fix into one message and their exit code (2; 3 for a diverged run);
-    ``--debug`` shows the traceback."""
+    """Turns errors a user can fix into one message and their exit code (2; 3 for a diverged run), and
+    Ctrl-C into 130; ``--debug`` shows the traceback."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            # Before a command catches signals itself (train does, once its run directory exists): the
+            # shell's code for SIGINT, which schedulers read as "interrupted", where click's "Aborted!"
+            # exits 1, a crash.
+            click.echo("interrupted (exit 130)", err=True)
+            ctx.exit(130)
         except Exception as e:
             debug = (ctx.obj or {}).get("debug") or os.environ.get("ACCELRUN_DEBUG") == "1"
             if debug:

@@ -165,3 +165,15 @@ def test_pass_names_reads_any_list_without_validating_it():
     # a pass registered at run time, options the schema would refuse, a malformed item: names still read
     listed = ["dce", {"name": "mine", "knob": 1}, {"cpu_half_gemm": None}, 42]
     assert pass_names(listed) == ["dce", "mine", "cpu_half_gemm"]
+
+
+def test_ctrl_c_before_a_command_catches_signals_exits_130(monkeypatch):
+    """click's own handling printed "Aborted!" and exited 1, which a scheduler reads as a crash."""
+    import accelrun.cli.validate_cmd as validate_cmd
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(validate_cmd, "load", interrupted)
+    r = validate()
+    assert r.exit_code == 130 and "interrupted (exit 130)" in r.stderr, (r.exit_code, r.output)
