@@ -25,10 +25,12 @@ def command(ref: Path, hf_out: Path, max_shard_gb: float) -> None:
       accelrun export runs/hf-llama/20260101-120000-ab12/checkpoints/step-000010 --hf out/  # exit 2 if absent
     """
     from accelrun.errors import UserError
+    from accelrun.train.checkpoint_model import find_checkpoint
     from accelrun.train.export import export_checkpoint
 
     if hf_out.expanduser().exists() and not hf_out.expanduser().is_dir():
         raise UserError(f"--hf: {hf_out} is a file; give a folder (created if missing)")
     written = export_checkpoint(ref, hf_out, max_shard_bytes=int(max_shard_gb * 2**30))
-    out.print(f"wrote {len(written)} files to {hf_out}: " + ", ".join(p.name for p in written),
+    checkpoint, _ = find_checkpoint(ref, "to export")  # which one REF named (a run: its newest)
+    out.print(f"wrote {len(written)} files to {hf_out} from {checkpoint}: " + ", ".join(p.name for p in written),
               markup=False, highlight=False)

@@ -39,6 +39,8 @@ def test_hf_train_export_transformers_loads(tiny, tmp_path, kind):
     r = CliRunner().invoke(cli, ["export", str(run_dir), "--hf", str(out), "--max-shard-gb", "0.0001"])
     assert r.exit_code == 0, r.output
     assert (out / "model.safetensors.index.json").is_file()  # ~100 KiB shards: several files
+    # which checkpoint a run folder stood for (its newest) is said
+    assert f"files to {out} from {run_dir / 'checkpoints'}" in " ".join(r.output.split()), r.output
 
     tokens = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0))
     ours = _accelrun_logits(run_dir, tokens)
