@@ -14,7 +14,7 @@ import torch
 from accelrun.compile.compile_model import compile_model, repeated_blocks, resolve_scope
 from accelrun.config.schema import CompileConfig
 from accelrun.models.build import training_loss_fn, transformer_blocks
-from tests.compile.user_models import USER_MODELS, VOCAB
+from tests.compile.user_models import USER_MODELS, VOCAB, CausalMHABlocks
 
 
 def _train_side_by_side(model, reference, steps=3):
@@ -48,6 +48,21 @@ def test_a_users_model_compiles_under_the_default_scope_at_eagers_losses(name, t
     assert record.graphs_in_use() > 0, record.compiled_line()
     assert record.regions_per_executor().get("cpp", 0) > 0, record.compiled_line()
     assert not any(w.startswith("nothing was compiled") for w in record.warnings()), record.warnings()
+
+
+def test_multihead_attention_under_a_causal_mask_runs_the_causal_kernel(tmp_path):
+    """``F.multi_head_attention_forward`` reaches the graph whole, its mask a float 0 / -inf one that no
+    kernel skips work on: ``fuse_attention`` unfolds it into SDPA with ``is_causal`` (head_dim 16), and
+    ``cpu_attention`` gives that to the C++ kernel; eager's losses and gradients over 3 steps."""
+    torch.manual_seed(0)
+    model = CausalMHABlocks()
+    reference = copy.deepcopy(model)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    record = compile_model(model, None, cfg).record
+    _train_side_by_side(model, reference)
+    counts = {p.name: p.counts for p in record.passes if p.graph.endswith("pre_grad")}
+    assert counts["fuse_attention"].get("multihead") == 2, counts
+    assert counts["cpu_attention"].get("matched") == 2, counts
 
 
 def test_lists_of_torch_nn_modules_are_not_taken_as_blocks():

@@ -37,6 +37,26 @@ class MHAModel(nn.Module):
         return self.head(x)
 
 
+class CausalMHABlocks(nn.Module):
+    """Blocks held as attributes, each ``nn.MultiheadAttention`` under a boolean causal mask made in the
+    forward (as a new user wrote it): torch.nn turns the mask into a float one before attention."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.attn1, self.attn2 = (nn.MultiheadAttention(dim, heads, batch_first=True) for _ in range(2))
+        self.mlp = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        T = tokens.shape[1]
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=tokens.device), 1)
+        for attn in (self.attn1, self.attn2):
+            x = x + attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+        return self.head(x + self.mlp(x))
+
+
 class RoutedMoE(nn.Module):
     """A top-1 mixture of experts routed by data-dependent indexing (``x[mask]``), experts as
     ``nn.Sequential``."""

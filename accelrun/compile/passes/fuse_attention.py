@@ -6,11 +6,19 @@ the scale as ``* s``, ``/ d`` or on q (``(q * s) @ k^T``), or none; the mask as
 before the softmax and a cast back after it; dropout with p=0. A mask that is a constant of the graph
 (built from shapes, e.g. ``torch.triu(torch.ones(T, T), 1)``) is evaluated at compile time and becomes
 ``is_causal=True`` when it is the causal mask; any other mask is passed as ``attn_mask``.
+
+``nn.MultiheadAttention`` reaches Dynamo's graph as one ``F.multi_head_attention_forward`` call, its
+mask already a float one (0 / -inf). Self-attention under a causal mask built from shapes, in the plain
+case (no key padding mask, no extra key/value bias, ``need_weights=False``, as ``TransformerEncoderLayer``
+calls it), is unfolded into that function's own steps with SDPA's ``is_causal=True``: on a CPU
+``cpu_attention`` then runs it in accelrun's kernel, and elsewhere ATen's kernels skip the masked half.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +33,7 @@ from accelrun.compile.pattern import (
     Op,
     Tensor,
     Var,
+    erase_dead,
     example_value,
     float32_cast,
     is_dim,
@@ -155,8 +164,87 @@ def _rewrite(gm: fx.GraphModule, anchor: fx.Node, options: FuseAttentionOptions)
     return None
 
 
+# nn.MultiheadAttention's settings under which its functional form is in-projection, SDPA, out-projection.
+_MHA_PLAIN = {"bias_k": None, "bias_v": None, "add_zero_attn": False, "key_padding_mask": None, "need_weights": False,
+              "use_separate_proj_weight": False, "static_k": None, "static_v": None}  # fmt: skip
+_MHA_PARAMS = inspect.signature(F.multi_head_attention_forward)
+
+
+def _causal_mha(node: fx.Node) -> dict | None:
+    """The arguments of an ``F.multi_head_attention_forward`` call (what ``nn.MultiheadAttention`` puts in
+    Dynamo's graph, whole) that is self-attention under a causal mask built from shapes, in the plain
+    case ``_MHA_PLAIN``; None otherwise. Its mask reaches the graph as a float one (0 / -inf,
+    ``F._canonical_mask``), which no attention kernel skips work on."""
+    if node.op != "call_function" or node.target is not F.multi_head_attention_forward:
+        return None
+    try:
+        bound = _MHA_PARAMS.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    a = bound.arguments
+    if any(a[k] is not v and a[k] != v for k, v in _MHA_PLAIN.items()) or not (a["query"] is a["key"] is a["value"]):
+        return None
+    shape, mask = static_shape(a["query"]), a["attn_mask"]
+    if shape is None or len(shape) != 3 or not isinstance(a["num_heads"], int) or shape[2] % a["num_heads"]:
+        return None
+    if not all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
+        return None  # (it returns (output, weights); the rewrite gives each getitem its value)
+    if mask is None:  # (is_causal=True without a mask is an error eagerly: left to raise it)
+        return None
+    value = constant_value(mask) if isinstance(mask, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or tuple(value.shape[-2:]) != (shape[0], shape[0]):
+        return None
+    keep = torch.ones(shape[0], shape[0], dtype=torch.bool).tril()
+    value = value.reshape(-1, shape[0], shape[0]) if value.numel() == keep.numel() else None
+    if value is None:
+        return None
+    causal = bool((value == ~keep).all()) if value.dtype == torch.bool else bool(
+        ((value == 0) == keep).all() and (value[..., ~keep] == -math.inf).all())
+    return a if causal else None
+
+
+def _unfold_mha(gm: fx.GraphModule, node: fx.Node, a: dict) -> None:
+    """In-projection, SDPA with ``is_causal=True`` (``cpu_attention`` takes it on a CPU), out-projection:
+    ``F.multi_head_attention_forward``'s own steps for the plain case, with its (T, B, E) layout."""
+    (T, B, E), H = static_shape(a["query"]), a["num_heads"]
+    D = E // H
+    p = a["dropout_p"] if a["training"] else 0.0
+    g = gm.graph
+
+    def call(target, *args, **kwargs) -> fx.Node:
+        new = g.call_function(target, args, kwargs)
+        values = fx.node.map_arg((args, kwargs), lambda n: n.meta.get("example_value"))
+        new.meta["example_value"] = target(*values[0], **values[1])  # on fake tensors
+        new.meta["stack_trace"] = node.meta.get("stack_trace")
+        return new
+
+    with g.inserting_before(node):
+        qkv = call(torch.reshape, call(F.linear, a["query"], a["in_proj_weight"], a["in_proj_bias"]), (T, B, 3, H, D))
+        q, k, v = (call(torch.permute, call(torch.select, qkv, 2, i), (1, 2, 0, 3)) for i in range(3))  # (B, H, T, D)
+        out = call(F.scaled_dot_product_attention, q, k, v, attn_mask=None, dropout_p=p, is_causal=True)
+        rows = call(torch.reshape, call(torch.permute, out, (2, 0, 1, 3)), (T * B, E))
+        result = call(torch.reshape, call(F.linear, rows, a["out_proj_weight"], a["out_proj_bias"]), (T, B, E))
+    for user in list(node.users):  # getitem 0: the output; 1: the weights, None with need_weights=False
+        if user.args[1] == 0:
+            user.replace_all_uses_with(result)
+        if not user.users:
+            g.erase_node(user)
+    if not node.users:
+        g.erase_node(node)
+        erase_dead(g, [m for m in [a["attn_mask"]] if isinstance(m, fx.Node)])
+
+
 @register_pass("fuse_attention", "pre_grad", FuseAttentionOptions)
 def fuse_attention(gm: fx.GraphModule, options: FuseAttentionOptions, ctx: PassContext) -> PassResult:
-    """Replace softmax(q k^T * scale + mask) v written out in torch ops with scaled_dot_product_attention."""
+    """Replace softmax(q k^T * scale + mask) v written out in torch ops with scaled_dot_product_attention;
+    unfold nn.MultiheadAttention's self-attention under a causal mask into SDPA with ``is_causal``."""
     n = rewrite_all(gm, {"matmul"}, lambda g, node: _rewrite(g, node, options))
-    return PassResult(changed=n > 0, summary=f"matched {n} attention", counts={"matched": n})
+    mha = [(node, a) for node in list(gm.graph.nodes) if options.detect_causal and (a := _causal_mha(node)) is not None]
+    for node, a in mha:
+        _unfold_mha(gm, node, a)
+    if mha:
+        gm.graph.lint()
+        gm.recompile()
+    return PassResult(changed=n + len(mha) > 0, summary=f"matched {n} attention, {len(mha)} causal MultiheadAttention",
+                      counts={"matched": n, "multihead": len(mha)})
