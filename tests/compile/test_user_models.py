@@ -521,3 +521,33 @@ def test_a_forward_that_takes_use_cache_is_called_without_one(tmp_path):
     training_loss_fn(model)(x, x)
     assert seen[1:] == [False] and compiled.record.graphs_in_use() == 1
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_transformer_encoder_layer_s_causal_attention_unfolds_sequence_first_and_with_dropout(dropout, tmp_path):
+    """TransformerEncoderLayer (sequence first, torch.nn's float mask, is_causal=True as its docs advise),
+    in training: with dropout the unfolded SDPA draws its own mask while the pass computes shapes (it
+    made the pass fail once; strict turns a failed pass into an error); without, eager's outputs and
+    gradients."""
+    from accelrun.compile.backend import AccelrunBackend
+    from accelrun.compile.options import CompileOptions
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 2, 64, dropout=dropout)  # head_dim 16
+    reference = copy.deepcopy(layer)
+    backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"], strict=True, cache_dir=tmp_path / "cache"))
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=backend)
+    x = torch.randn(12, 3, 32, requires_grad=True)  # (T, B, E)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(12)
+    out = compiled(x, src_mask=mask, is_causal=True)
+    out.sum().backward()
+    counts = {p.name: p.counts for p in backend.record.passes if p.graph.endswith("pre_grad")}
+    assert counts["fuse_attention"].get("multihead") == 1, counts
+    assert counts["cpu_attention"].get("matched") == (1 if dropout == 0 else 0), counts  # the kernel has no dropout
+    if dropout == 0:
+        x_ref = x.detach().clone().requires_grad_()
+        ref = reference(x_ref, src_mask=mask, is_causal=True)
+        ref.sum().backward()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)

@@ -16,6 +16,7 @@ calls it), is unfolded into that function's own steps with SDPA's ``is_causal=Tr
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import operator
@@ -188,17 +189,21 @@ def _causal_mha(node: fx.Node) -> dict | None:
     shape, mask = static_shape(a["query"]), a["attn_mask"]
     if shape is None or len(shape) != 3 or not isinstance(a["num_heads"], int) or shape[2] % a["num_heads"]:
         return None
-    if not all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
-        return None  # (it returns (output, weights); the rewrite gives each getitem its value)
+    # It returns (output, weights): the output is read, the weights (None here) are not.
+    if not all(u.op == "call_function" and u.target is operator.getitem and (u.args[1] == 0 or not u.users)
+               for u in node.users):  # fmt: skip
+        return None
     if mask is None:  # (is_causal=True without a mask is an error eagerly: left to raise it)
         return None
+    if a["is_causal"] is True:  # torch.nn itself then drops the mask and gives SDPA the flag (its hint)
+        return a
     value = constant_value(mask) if isinstance(mask, fx.Node) else None
     if not isinstance(value, torch.Tensor) or tuple(value.shape[-2:]) != (shape[0], shape[0]):
         return None
     keep = torch.ones(shape[0], shape[0], dtype=torch.bool).tril()
-    value = value.reshape(-1, shape[0], shape[0]) if value.numel() == keep.numel() else None
-    if value is None:
+    if value.numel() != keep.numel():
         return None
+    value = value.cpu().reshape(shape[0], shape[0])  # (made on the model's device: a GPU's, there)
     causal = bool((value == ~keep).all()) if value.dtype == torch.bool else bool(
         ((value == 0) == keep).all() and (value[..., ~keep] == -math.inf).all())
     return a if causal else None
@@ -212,11 +217,18 @@ def _unfold_mha(gm: fx.GraphModule, node: fx.Node, a: dict) -> None:
     p = a["dropout_p"] if a["training"] else 0.0
     g = gm.graph
 
+    # the mode the graph's own fake values belong to (a tracing context's may be another)
+    fake_mode = getattr(a["query"].meta.get("example_value"), "fake_mode", None)
+
     def call(target, *args, **kwargs) -> fx.Node:
         new = g.call_function(target, args, kwargs)
         values = fx.node.map_arg((args, kwargs), lambda n: n.meta.get("example_value"))
-        new.meta["example_value"] = target(*values[0], **values[1])  # on fake tensors
-        new.meta["stack_trace"] = node.meta.get("stack_trace")
+        # inside the fake mode: SDPA with dropout makes a tensor of its own (a mask) on the way
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            new.meta["example_value"] = target(*values[0], **values[1])
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in node.meta:
+                new.meta[key] = node.meta[key]
         return new
 
     with g.inserting_before(node):
@@ -240,7 +252,10 @@ def fuse_attention(gm: fx.GraphModule, options: FuseAttentionOptions, ctx: PassC
     """Replace softmax(q k^T * scale + mask) v written out in torch ops with scaled_dot_product_attention;
     unfold nn.MultiheadAttention's self-attention under a causal mask into SDPA with ``is_causal``."""
     n = rewrite_all(gm, {"matmul"}, lambda g, node: _rewrite(g, node, options))
-    mha = [(node, a) for node in list(gm.graph.nodes) if options.detect_causal and (a := _causal_mha(node)) is not None]
+    # (an autocast region inside the graph would give the new nodes dtypes their example values lack)
+    autocast = any(n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "") for n in gm.graph.nodes)
+    mha = [(node, a) for node in list(gm.graph.nodes)
+           if options.detect_causal and not autocast and (a := _causal_mha(node)) is not None]  # fmt: skip
     for node, a in mha:
         _unfold_mha(gm, node, a)
     if mha:
