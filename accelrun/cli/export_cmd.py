@@ -30,7 +30,7 @@ def command(ref: Path, hf_out: Path, max_shard_gb: float) -> None:
 
     if hf_out.expanduser().exists() and not hf_out.expanduser().is_dir():
         raise UserError(f"--hf: {hf_out} is a file; give a folder (created if missing)")
-    written = export_checkpoint(ref, hf_out, max_shard_bytes=int(max_shard_gb * 2**30))
-    checkpoint, _ = find_checkpoint(ref, "to export")  # which one REF named (a run: its newest)
+    checkpoint, _ = find_checkpoint(ref, "to export")  # which one REF names (a run: its newest), once
+    written = export_checkpoint(checkpoint, hf_out, max_shard_bytes=int(max_shard_gb * 2**30))
     out.print(f"wrote {len(written)} files to {hf_out} from {checkpoint}: " + ", ".join(p.name for p in written),
               markup=False, highlight=False)

@@ -22,6 +22,8 @@ class AccelrunGroup(click.Group):
             # Before a command catches signals itself (train does, once its run directory exists): the
             # shell's code for SIGINT, which schedulers read as "interrupted", where click's "Aborted!"
             # exits 1, a crash.
+            if (ctx.obj or {}).get("debug") or os.environ.get("ACCELRUN_DEBUG") == "1":
+                raise
             click.echo("interrupted (exit 130)", err=True)
             ctx.exit(130)
         except Exception as e:

@@ -28,6 +28,7 @@ from accelrun.dist.worker import init_rank
 from accelrun.errors import UserError
 from accelrun.train.oom import oom_is_the_recipes
 from accelrun.train.run import run_in_dir
+from accelrun.train.traced_errors import named_model_errors
 
 
 def run_rank(run_dir: str, errors_dir: str | None = None) -> None:
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None, errors_dir: Path | None = None) -> int:
         resolved = load_config(run_dir / "config.yaml", search_dirs=[])
         ctx = init_rank(resolved, run_dir)
         # Worded the same on every rank: the launcher shows a message no rank printed once, not per rank.
-        with oom_is_the_recipes(resolved.config, ctx.device, "in training"):
+        with (oom_is_the_recipes(resolved.config, ctx.device, "in training"),
+              named_model_errors(resolved.config.compile.backend)):
             result = run_in_dir(resolved, run_dir, ctx, console if rank == 0 else None)
         if result.stopped is not None and errors_dir is not None:
             stop.leave_record(errors_dir, result.stopped)
