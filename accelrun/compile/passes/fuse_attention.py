@@ -8,10 +8,12 @@ before the softmax and a cast back after it; dropout with p=0. A mask that is a 
 ``is_causal=True`` when it is the causal mask; any other mask is passed as ``attn_mask``.
 
 ``nn.MultiheadAttention`` reaches Dynamo's graph as one ``F.multi_head_attention_forward`` call, its
-mask already a float one (0 / -inf). Self-attention under a causal mask built from shapes, in the plain
-case (no key padding mask, no extra key/value bias, ``need_weights=False``, as ``TransformerEncoderLayer``
-calls it), is unfolded into that function's own steps with SDPA's ``is_causal=True``: on a CPU
-``cpu_attention`` then runs it in accelrun's kernel, and elsewhere ATen's kernels skip the masked half.
+mask already a float one (0 / -inf). Self-attention in the plain case (no key padding mask, no extra
+key/value bias, ``need_weights=False``, as ``TransformerEncoderLayer`` calls it) under a causal mask
+built from shapes, or under any mask given with ``is_causal=True`` (torch.nn then drops the mask and
+passes the flag itself), is unfolded into that function's own steps with SDPA's ``is_causal=True``: on
+a CPU ``cpu_attention`` then runs it in accelrun's kernel, and elsewhere ATen's kernels skip the
+masked half.
 """
 
 from __future__ import annotations
@@ -173,9 +175,9 @@ _MHA_PARAMS = inspect.signature(F.multi_head_attention_forward)
 
 def _causal_mha(node: fx.Node) -> dict | None:
     """The arguments of an ``F.multi_head_attention_forward`` call (what ``nn.MultiheadAttention`` puts in
-    Dynamo's graph, whole) that is self-attention under a causal mask built from shapes, in the plain
-    case ``_MHA_PLAIN``; None otherwise. Its mask reaches the graph as a float one (0 / -inf,
-    ``F._canonical_mask``), which no attention kernel skips work on."""
+    Dynamo's graph, whole) that is self-attention in the plain case ``_MHA_PLAIN``, causal by its mask
+    (built from shapes) or by ``is_causal=True``; None otherwise. Its mask reaches the graph as a float
+    one (0 / -inf, ``F._canonical_mask``), which no attention kernel skips work on."""
     if node.op != "call_function" or node.target is not F.multi_head_attention_forward:
         return None
     try:
