@@ -22,8 +22,8 @@ def data_problems(cfg: RunConfig, where: Callable[[KeyPath], Source], v: Callabl
         if not data.paths and data.source == "documents":
             return [f"{v('data.source')} needs data.paths: files, folders or globs of .jsonl, .json, .csv, "
                     ".parquet or .arrow files, or save_to_disk folders"]
-        return [record_files_as_text(data.paths, v("data.source"), "data")] if data.source == "text" and \
-            record_files_named(data.paths) else []
+        named = record_files_named(data.paths) if data.source == "text" else []
+        return [record_files_as_text(named, v("data.source"), "data")] if named else []
     out: list[str] = []
     if data.paths:
         out.append(f"data.mix ({where(('data', 'mix'))}) and data.paths ({where(('data', 'paths'))}) are both set: "
@@ -44,8 +44,8 @@ def data_problems(cfg: RunConfig, where: Callable[[KeyPath], Source], v: Callabl
         elif entry.source == "builtin" and entry.paths:
             out.append(f"{key}.paths is set but {key}.source = builtin reads no files ({where(('data', 'mix', i))})"
                        f"; {PATH_SOURCES_HINT}")
-        elif entry.source == "text" and record_files_named(entry.paths):
-            out.append(record_files_as_text(entry.paths, f"{key}.source = text ({where(('data', 'mix', i))})", key))
+        elif entry.source == "text" and (named := record_files_named(entry.paths)):
+            out.append(record_files_as_text(named, f"{key}.source = text ({where(('data', 'mix', i))})", key))
     return out
 
 
@@ -59,10 +59,10 @@ def record_files_named(paths: Sequence[str]) -> list[str]:
     return [p for p in paths if any(p.lower().endswith(ext) for ext in RECORD_EXTENSIONS)]
 
 
-def record_files_as_text(paths: Sequence[str], source: str, key: str) -> str:
-    """``text`` would read these record files byte by byte, their JSON or binary layout included.
-    ``source`` renders the setting, ``key`` is the section holding it (``data``, ``data.mix.1``)."""
-    named = record_files_named(paths)
+def record_files_as_text(named: Sequence[str], source: str, key: str) -> str:
+    """``text`` would read these record files (``record_files_named``) byte by byte, their JSON or binary
+    layout included. ``source`` renders the setting, ``key`` is the section holding it (``data``,
+    ``data.mix.1``)."""
     return (f"{source} reads files as plain text, byte by byte, and {key}.paths names record files "
             f"({', '.join(named[:3])}): use {key}.source=documents, which reads the text field of each record")
 

@@ -108,7 +108,12 @@ def _folder_files(folder: Path, key: str) -> list[RecordFile]:
 
 def file_names(files: Sequence[RecordFile]) -> str:
     """The first few files of a corpus, for a message about all of them."""
-    return ", ".join(str(f.path) for f in files[:3]) + (f", ... ({len(files)} files)" if len(files) > 3 else "")
+    return path_names([f.path for f in files])
+
+
+def path_names(paths: Sequence[Path]) -> str:
+    """The first few of ``paths``, and how many there are when there are more."""
+    return ", ".join(str(p) for p in paths[:3]) + (f", ... ({len(paths)} files)" if len(paths) > 3 else "")
 
 
 def pyarrow_module(f: RecordFile):

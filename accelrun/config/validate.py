@@ -40,8 +40,6 @@ PARALLEL_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 # Families whose head dimension is a key of its own (model.head_dim); the others' is dim / n_heads.
 HEAD_DIM_FAMILIES = ("gemma",)
 
-
-
 # Values written for a choice under another name (``data.source: jsonl``), by the key's last name; a
 # similarity ratio finds none of them.
 CHOICE_SYNONYMS = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from accelrun.config.record_paths import path_names
 from accelrun.data.errors import DataError
 
 
@@ -27,6 +28,6 @@ def plan_reads(files: Sequence[Path], max_bytes: int | None) -> list[tuple[Path,
             plan.append((f, size))
             total += size
     if files and not plan:  # (a stream of no tokens has nothing to train on, and no dtype to store)
-        names = ", ".join(str(f) for f in files[:3]) + (f", ... ({len(files)} files)" if len(files) > 3 else "")
-        raise DataError(f"the corpus is empty: {names} {'has' if len(files) == 1 else 'have'} no bytes of text")
+        raise DataError(f"the corpus is empty: {path_names(files)} {'has' if len(files) == 1 else 'have'} no bytes "
+                        "of text")
     return plan

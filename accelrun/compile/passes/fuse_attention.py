@@ -140,10 +140,15 @@ def _is_causal(m: Match, mask_name: str) -> bool:
         value = value.cpu().broadcast_to(q_shape[:-2] + keep.shape)
     except RuntimeError:
         return False
-    if mask_name == "drop_mask":
-        return bool((value == ~keep).all())
-    if mask_name == "keep_mask":
-        return bool((value == keep).all())
+    return is_causal_value(value, keep, bool_keeps=mask_name == "keep_mask")
+
+
+def is_causal_value(value: torch.Tensor, keep: torch.Tensor, bool_keeps: bool = False) -> bool:
+    """Whether mask ``value`` (broadcast to ``keep``'s trailing shape) is the causal one ``keep`` says:
+    a boolean mask True where masked (or where kept, ``bool_keeps``), or an additive one, 0 where kept
+    and -inf where masked."""
+    if value.dtype == torch.bool:
+        return bool((value == (keep if bool_keeps else ~keep)).all())
     return bool(((value == 0) == keep).all() and (value[..., ~keep] == -math.inf).all())
 
 
@@ -205,10 +210,8 @@ def _causal_mha(node: fx.Node) -> dict | None:
     keep = torch.ones(shape[0], shape[0], dtype=torch.bool).tril()
     if value.numel() != keep.numel():
         return None
-    value = value.cpu().reshape(shape[0], shape[0])  # (made on the model's device: a GPU's, there)
-    causal = bool((value == ~keep).all()) if value.dtype == torch.bool else bool(
-        ((value == 0) == keep).all() and (value[..., ~keep] == -math.inf).all())
-    return a if causal else None
+    # (made on the model's device: a GPU's, there)
+    return a if is_causal_value(value.cpu().reshape(shape[0], shape[0]), keep) else None
 
 
 def _unfold_mha(gm: fx.GraphModule, node: fx.Node, a: dict) -> None:
