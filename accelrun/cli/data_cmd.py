@@ -96,8 +96,11 @@ def is_record_input(inputs: tuple[str, ...]) -> bool:
 
 
 def _prepare_records(inputs: tuple[str, ...], output: Path, tokenizer: str, text_field: str, workers: int) -> None:
+    from accelrun.config.record_paths import skipped_note
     from accelrun.data.prepare_records import prepare_records
 
+    if note := skipped_note(inputs):
+        err.print(f"[bold yellow]warning:[/] {escape(note)}", highlight=False)
     started = time.perf_counter()
     with Progress(*Progress.get_default_columns()[:1], BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TextColumn("{task.fields[tokens_rate]}"), TimeRemainingColumn(), console=err, transient=True,

@@ -118,7 +118,7 @@ def mix_record_findings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[
 
 def _first_records(paths: list[str], paths_key: KeyPath, field_path: KeyPath, field: str, fmt: str,
                    sources: dict[KeyPath, Source]) -> list[Finding]:
-    from accelrun.config.record_paths import file_names, peek_records, record_files
+    from accelrun.config.record_paths import file_names, peek_records, record_files, skipped_note
 
     try:
         files = record_files(paths, key=".".join(map(str, paths_key)))
@@ -141,6 +141,8 @@ def _first_records(paths: list[str], paths_key: KeyPath, field_path: KeyPath, fi
     if all(p.empty for p in peeks):
         return [Finding(f"{'.'.join(map(str, paths_key))}: the corpus is empty: no records in {file_names(files)} "
                         f"({source_of(paths_key, sources, exact=False)})", True)]
+    if note := skipped_note(paths):
+        return [Finding(f"{'.'.join(map(str, paths_key))}: {note}", False)]
     return []
 
 

@@ -106,6 +106,36 @@ def _folder_files(folder: Path, key: str) -> list[RecordFile]:
     return out
 
 
+def skipped_in_folders(paths: Sequence[str]) -> list[Path]:
+    """The files under the folders ``paths`` names that ``record_files`` passes over (not a record
+    extension), so a run can say what it did not read; hidden files and ``save_to_disk`` folders
+    (whose other files are its metadata) are not counted."""
+    skipped: list[Path] = []
+    for pattern in paths:
+        expanded = os.path.expanduser(pattern)
+        matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else [expanded]
+        for m in (Path(m) for m in matches if os.path.isdir(m)):
+            for dirpath, dirnames, filenames in os.walk(m):
+                dirnames.sort()
+                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+                here = Path(dirpath)
+                if (here / "state.json").is_file() or (here / "dataset_dict.json").is_file():
+                    dirnames[:] = []
+                    continue
+                skipped += [here / n for n in sorted(filenames)
+                            if Path(n).suffix.lower() not in EXTENSIONS and not n.startswith(".")]
+    return skipped
+
+
+def skipped_note(paths: Sequence[str]) -> str | None:
+    """One line naming what ``skipped_in_folders`` finds, or None when a folder holds only records."""
+    if not (skipped := skipped_in_folders(paths)):
+        return None
+    many = len(skipped) > 1
+    return (f"skipping {len(skipped)} file{'s' if many else ''} in the folders given that {'are' if many else 'is'} "
+            f"not a record file ({', '.join(EXTENSIONS)}): {path_names(skipped)}")
+
+
 def file_names(files: Sequence[RecordFile]) -> str:
     """The first few files of a corpus, for a message about all of them."""
     return path_names([f.path for f in files])

@@ -82,6 +82,27 @@ def test_validate_says_which_records_it_read(tmp_path):
            "training reads them" in " ".join(r.output.split())
 
 
+def test_a_folder_s_files_that_are_not_records_are_named_not_skipped_quietly(tmp_path):
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.jsonl").write_text('{"text": "hello"}\n')
+    (corpus / "README.md").write_text("notes\n")
+    (corpus / "sub" / "b.txt").write_text("more\n")
+    (corpus / ".hidden").write_text("x\n")
+    r = validate(corpus)
+    assert r.exit_code == 0, r.output
+    warnings = [" ".join(w.split()) for w in r.output.split("warning:")[1:]]
+    assert len(warnings) == 1 and f"data.paths: skipping 2 files in the folders given that are not a record file " \
+        f"(.jsonl, .ndjson, .json, .csv, .parquet, .arrow): {corpus / 'README.md'}, {corpus / 'sub' / 'b.txt'}" \
+        in warnings[0], r.output
+    r = CliRunner().invoke(cli, ["data", "prepare", str(corpus), "-o", str(tmp_path / "out")])
+    assert r.exit_code == 0 and "warning: skipping 2 files in the folders given" in r.output, r.output
+    (corpus / "README.md").unlink()
+    (corpus / "sub" / "b.txt").unlink()
+    r = validate(corpus)
+    assert r.exit_code == 0 and "warning" not in r.output, r.output
+
+
 def test_validate_reads_each_mixed_sources_first_records_and_names_its_key(tmp_path):
     good, other = tmp_path / "c.jsonl", tmp_path / "d.jsonl"
     good.write_text('{"text": "a"}\n')
