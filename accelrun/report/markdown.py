@@ -215,7 +215,11 @@ def _loss_section(r: dict) -> list[str]:
         lines.append(f"\nvalidation loss (held-out data, eval.every) at the end: {_num(r['final_val_loss'])}")
     curve = r.get("loss_curve") or []
     if curve:
-        lines += ["", f"`{sparkline([p['loss'] for p in curve])}`", "", "| step | loss |", "| ---: | ---: |"]
+        lines += ["", f"`{sparkline([p['loss'] for p in curve])}`", ""]
+        if len(curve) < (r.get("loss_steps") or 0):
+            lines += [f"{len(curve)} of the {r['loss_steps']} steps with a loss, evenly spaced, first and last "
+                      "included (metrics.jsonl has every step):", ""]
+        lines += ["| step | loss |", "| ---: | ---: |"]
         lines += [f"| {p['step']} | {_num(p['loss'])} |" for p in curve]
     return lines
 

@@ -169,6 +169,7 @@ def summarize(
         # The training loop's wall time: compile time is inside the steps that compiled.
         "total_time_s": sum(float(m["step_time_s"]) for m in metrics),
         "loss_curve": _sample_loss_curve(metrics, LOSS_CURVE_POINTS),
+        "loss_steps": len(losses),  # the curve samples these
         "comm_time_s": comm,
         "comm_overlap": overlap_summary(steady),
         "cp_comm": cp_comm_summary(steady),

@@ -2,6 +2,7 @@ import statistics
 
 import pytest
 
+from accelrun.report.markdown import render_report_md
 from accelrun.report.peak import Peak
 from accelrun.report.summary import percentile, summarize
 
@@ -89,6 +90,11 @@ def test_loss_curve_is_sampled_with_ends():
     assert 10 <= len(curve) <= 20
     assert curve[0]["step"] == 1 and curve[-1]["step"] == 300
     assert [p["step"] for p in curve] == sorted(p["step"] for p in curve)
+    said = " ".join(render_report_md(r, {}).split())
+    assert f"{len(curve)} of the 300 steps with a loss, evenly spaced, first and last included" in said
+    short = summarize(metrics[:10], warmup_steps=3, peak=PEAK, flops_per_token=None, compile_time_s=None,
+                      tokens_per_step=1000)
+    assert len(short["loss_curve"]) == 10 and "steps with a loss, evenly spaced" not in render_report_md(short, {})
 
 
 def test_summarize_keeps_the_cuda_allocators_reserved_peak():
