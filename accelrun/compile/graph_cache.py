@@ -270,19 +270,36 @@ def module_settings(owner: nn.Module) -> str:
     return hashlib.sha256(repr(settings).encode()).hexdigest()[:16]
 
 
-def global_state() -> str:
+def global_state() -> dict[str, str]:
     """The global state Dynamo's guards check (its GlobalStateGuard): an entry compiled under other
     state is rejected on load. The thread count is part of it, and train.threads = auto picks it by
     the machine's load, so each thread count gets its own entry instead of recompiling over one."""
     autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
     matmul = torch.backends.cuda.matmul
-    return (f"grad={torch.is_grad_enabled()} autocast={autocast} default_dtype={torch.get_default_dtype()} "
-            f"threads={torch.get_num_threads()} deterministic={torch.are_deterministic_algorithms_enabled()}"
-            f"/{torch.is_deterministic_algorithms_warn_only_enabled()} tf32={matmul.allow_tf32} "
-            f"reduced_reductions={matmul.allow_fp16_reduced_precision_reduction}"
-            f"/{matmul.allow_bf16_reduced_precision_reduction}"
+    return {"grad": str(torch.is_grad_enabled()), "autocast": str(autocast),
+            "default_dtype": str(torch.get_default_dtype()), "threads": str(torch.get_num_threads()),
+            "deterministic": f"{torch.are_deterministic_algorithms_enabled()}"
+                             f"/{torch.is_deterministic_algorithms_warn_only_enabled()}",
+            "tf32": str(matmul.allow_tf32),
+            "reduced_reductions": f"{matmul.allow_fp16_reduced_precision_reduction}"
+                                  f"/{matmul.allow_bf16_reduced_precision_reduction}",
             # the cpu_half_gemm pass's choice: a cache shared by CPUs of two kinds keeps a graph for each
-            f" cpu_half_gemm={[cpu_has_half_gemm(d) for d in (torch.bfloat16, torch.float16)]}")
+            "cpu_half_gemm": str([cpu_has_half_gemm(d) for d in (torch.bfloat16, torch.float16)])}
+
+
+def state_changes(saved: dict[str, str], now: dict[str, str]) -> list[str]:
+    """What differs between the global state an entry was saved under and this process's, in words."""
+    return [f"{k} {saved[k]}, not {v}" for k, v in now.items() if k in saved and saved[k] != v]
+
+
+@dataclass(frozen=True)
+class EntryKey:
+    """An entry's file name (code, inputs and global state), the same without the global state (entries
+    of one method under other state share it), and that state."""
+
+    full: str
+    stateless: str
+    state: dict[str, str]
 
 
 class GraphCache:
@@ -300,14 +317,30 @@ class GraphCache:
         self.fullgraph = fullgraph
         self.fixed_key = "|".join([torch.__version__, accelrun_source_digest(), backend.options.fingerprint()])
         self.stats = backend.record.graph_cache
-        self.stats.update({"loaded": 0, "compiled": 0, "saved": 0, "fallbacks": 0, "errors": []})
+        # state_changed: why entries saved for this code were not loaded (global_state differs)
+        self.stats.update({"loaded": 0, "compiled": 0, "saved": 0, "fallbacks": 0, "errors": [], "state_changed": []})
 
-    def key(self, func: Any, owner: nn.Module, args: tuple, kwargs: dict) -> str:
+    def key(self, func: Any, owner: nn.Module, args: tuple, kwargs: dict) -> EntryKey:
         params = sorted((n, describe(p)) for n, p in owner.named_parameters())
         buffers = sorted((n, describe(b)) for n, b in owner.named_buffers())
         parts = [self.fixed_key, f"{func.__module__}.{func.__qualname__}", model_code_digest(owner, func),
-                 describe(args), describe(sorted(kwargs.items())), repr(params), repr(buffers), global_state()]  # fmt: skip
-        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+                 describe(args), describe(sorted(kwargs.items())), repr(params), repr(buffers)]  # fmt: skip
+        state = global_state()
+        stateless = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+        full = hashlib.sha256("\n".join([*parts, repr(sorted(state.items()))]).encode()).hexdigest()[:32]
+        return EntryKey(full, stateless, state)
+
+    def note_state_change(self, state_file: Path, now: dict[str, str]) -> None:
+        """A miss where an entry of the same code and inputs was saved under other global state (another
+        thread count, most often): say so, since the run compiles where the user expected a load."""
+        try:
+            saved = json.loads(state_file.read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(saved, dict) and (changes := state_changes(saved, now)):
+            line = ", ".join(changes)
+            if line not in self.stats["state_changed"]:
+                self.stats["state_changed"].append(line)
 
     def error(self, what: str, e: BaseException) -> None:
         self.stats["errors"].append(f"{what}: {one_line(e)}")
@@ -370,7 +403,9 @@ class CachedMethod:
         # Numbered by the kinds this method met before in this process, which a new process meets in
         # the same order: blocks whose traces differ per instance (sliding and full attention layers)
         # share a key, and one file each would have been overwritten by the other kind every run.
-        path = self.cache.directory / f"{self.cache.key(self.func, owner, args, kwargs)}-{len(self.entries)}.pt"
+        key = self.cache.key(self.func, owner, args, kwargs)
+        path = self.cache.directory / f"{key.full}-{len(self.entries)}.pt"
+        state_file = self.cache.directory / f"{key.stateless}-{len(self.entries)}.state"
         refused = path.with_suffix(".refused")
         if refused.exists():  # an earlier process found this method cannot be precompiled: do not retry
             saved_settings, _, why = refused.read_text().partition("\n")
@@ -380,6 +415,8 @@ class CachedMethod:
             if saved_settings == module_settings(owner):
                 return self._fall_back(f"{PRECOMPILE_FAILED} before: {why}", None)
         entry = self._load(path, owner, args, kwargs) if path.exists() else None
+        if entry is None and not path.exists():
+            self.cache.note_state_change(state_file, key.state)
         if entry is None:
             mark, counted = self.cache.backend.record.mark(), coverage.snapshot()
             try:
@@ -390,7 +427,8 @@ class CachedMethod:
                 self.cache.backend.record.roll_back(mark)
                 coverage.forget_since(counted)
                 return self._fall_back(f"{PRECOMPILE_FAILED} (nothing saved: each new process compiles it again)", e)
-            self._save(entry, traced, path)
+            if self._save(entry, traced, path):
+                self._write(state_file, json.dumps(key.state).encode())
         self.entries.append(entry)
         return entry
 
@@ -461,14 +499,16 @@ class CachedMethod:
         self.cache.stats["compiled"] += 1
         return entry, traced
 
-    def _save(self, entry: Any, traced: set[str], path: Path) -> None:
+    def _save(self, entry: Any, traced: set[str], path: Path) -> bool:
         try:
             import_module_globals(entry)
             data = type(entry).serialize(entry, external_data=wrapped_functions(self.func)).serialized_data
             self._write(path, SourceDigests.of(traced).with_entry(data))
             self.cache.stats["saved"] += 1
+            return True
         except Exception as e:  # kept in memory for this process; the next one compiles again
             self.cache.error(f"could not save {path.name}", e)
+            return False
 
     @staticmethod
     def _write(path: Path, data: bytes) -> None:

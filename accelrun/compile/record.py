@@ -131,6 +131,9 @@ class CompileRecord:
             parts.append(self.fallback_scope)
         if line := self.cuda_graphs.line():
             parts.append(line)
+        if changed := self.graph_cache.get("state_changed"):
+            parts.append(f"compiled again, not loaded: the graph cache holds these graphs for {changed[0]} "
+                         "(each setting keeps its own)")
         return ", ".join(parts)
 
     def mark(self) -> RecordMark:

@@ -81,6 +81,8 @@ def _compiler_section(c: dict | None) -> list[str]:
         out.append(f"| graph cache | off: {_cell(graphs['off'])} |")
     elif graphs:
         out.append(f"| graph cache: loaded / compiled and saved | {graphs['loaded']} / {graphs['saved']} |")
+        if changed := graphs.get("state_changed"):
+            out.append(f"| graph cache: compiled again, saved under other settings | {_cell('; '.join(changed))} |")
         if errors := graphs.get("errors"):  # each one is also listed below the table
             out.append(f"| graph cache errors | {len(errors)}: {_cell(errors[0])} |")
     if c.get("passes_fired"):

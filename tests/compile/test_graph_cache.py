@@ -442,9 +442,14 @@ def test_each_thread_count_has_its_own_entry(threads):
     _, _, one = step(*COMPILED)
     assert one.graph_cache["compiled"] == 2 and one.graph_cache["loaded"] == 0, one.graph_cache
     assert one.graph_cache["errors"] == []  # before: "could not load ...: its guards reject these inputs"
+    # Said where the user looks, not left to guess why a cached run compiled again.
+    assert one.graph_cache["state_changed"] == ["threads 2, not 1"], one.graph_cache
+    assert "compiled again, not loaded: the graph cache holds these graphs for threads 2, not 1" \
+        in one.compiled_line()
     torch._dynamo.reset()
     again = step(*COMPILED)
     assert again[2].graph_cache["loaded"] == 2 and again[2].graph_cache["compiled"] == 0, again[2].graph_cache
+    assert again[2].graph_cache["state_changed"] == [] and "compiled again" not in again[2].compiled_line()
     assert_close(again, first, rel=1e-5)
 
 
@@ -453,7 +458,7 @@ def test_a_rejected_entry_leaves_nothing_in_the_record(threads, monkeypatch):
     regions and ATen ops once, not once for the rejected entry and again for the new one)."""
     import accelrun.compile.graph_cache as graph_cache
 
-    monkeypatch.setattr(graph_cache, "global_state", lambda: "one key for every thread count")
+    monkeypatch.setattr(graph_cache, "global_state", lambda: {"any": "one key for every thread count"})
     threads(2)
     _, _, cold = step(*COMPILED)
     threads(1)
