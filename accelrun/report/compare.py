@@ -140,6 +140,10 @@ def compare_groups(groups: list[Group], *, rtol: float | None = None, seed: int 
             if not row.parity.agrees:
                 row.parity_cause = _numeric_cause(diff, [0, gi])
     _tokens_note(groups, notes)
+    for r in runs:
+        if len(r.segments) > 1:
+            notes.append(f"{r.label} was resumed: its steps are those of its {len(r.segments)} run folders, from "
+                         f"{r.segments[0]} on (each warms up again)")
     warnings, env_notes = environment_differences(runs)
     for row in rows:
         if row.run_spread is not None and row.run_spread > SPREAD_WARNING:

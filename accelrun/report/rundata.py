@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from accelrun.errors import UserError
-from accelrun.report.lineage import continued_by, crash_error
+from accelrun.report.lineage import continued_by, crash_error, history
 from accelrun.report.metrics import read_metrics
 from accelrun.report.rundir import RUN_ID, is_running, list_runs
 from accelrun.report.summary import is_steady
@@ -40,6 +40,10 @@ class RunRecord:
     report: dict[str, Any] | None  # None while running or after an interruption
     running: bool = False
     label: str = field(default="")
+    # A resumed run's folders, first segment first, and where each one's rows start in ``metrics``
+    # (which holds every segment's steps, a redone step from the segment that redid it).
+    segments: list[Path] = field(default_factory=list)
+    segment_starts: list[int] = field(default_factory=lambda: [0])
 
     def __post_init__(self) -> None:
         if not self.label:
@@ -73,9 +77,11 @@ class RunRecord:
         return flatten(self.config)
 
     def steady_step_times(self) -> list[float]:
-        """Step times of the steady steps: after warm-up, not compiling, not profiled."""
-        return [float(m["step_time_s"]) for m in self.metrics[self.warmup_steps:]
-                if is_steady(m) and m.get("step_time_s")]
+        """Step times of the steady steps: after warm-up (each segment of a resumed run warms up
+        again), not compiling, not profiled."""
+        ends = [*self.segment_starts[1:], len(self.metrics)]
+        return [float(m["step_time_s"]) for start, end in zip(self.segment_starts, ends, strict=True)
+                for m in self.metrics[start + self.warmup_steps:end] if is_steady(m) and m.get("step_time_s")]
 
     def losses(self) -> dict[int, float]:
         return {int(m["step"]): float(m["loss"]) for m in self.metrics if m.get("loss") is not None}
@@ -172,11 +178,29 @@ def load_run(ref: str | Path, label: str = "") -> RunRecord:
         sources = parse_sources((path / "config.sources.txt").read_text(encoding="utf-8"), flat)
     except FileNotFoundError:
         sources = {}
-    metrics_file = path / "metrics.jsonl"
-    try:
-        metrics = read_metrics(metrics_file) if metrics_file.exists() else []
-    except ValueError as e:
-        raise RunNotFound(str(e)) from None
+    segments = history(path)
+    metrics, starts = history_metrics(segments)
     return RunRecord(path=path, config=config, sources=sources, env=_read_json(path / "env.json") or {},
                      metrics=metrics, report=_read_json(path / "report.json"),
-                     running=is_running(path), label=label)
+                     running=is_running(path), label=label, segments=segments, segment_starts=starts)
+
+
+def history_metrics(segments: list[Path]) -> tuple[list[dict], list[int]]:
+    """The steps of a run's folders (``lineage.history``) as one list, and where each folder's begin:
+    a resumed folder redoes the steps after its checkpoint, so its rows replace an earlier folder's
+    from its first step on."""
+    metrics: list[dict] = []
+    starts: list[int] = []
+    for segment in segments:
+        metrics_file = segment / "metrics.jsonl"
+        try:
+            rows = read_metrics(metrics_file) if metrics_file.exists() else []
+        except ValueError as e:
+            raise RunNotFound(str(e)) from None
+        if rows and metrics:
+            first = int(rows[0]["step"])
+            metrics = [m for m in metrics if int(m["step"]) < first]
+            starts = [s for s in starts if s < len(metrics)]
+        starts.append(len(metrics))
+        metrics += rows
+    return metrics, starts or [0]

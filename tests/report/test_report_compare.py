@@ -124,6 +124,27 @@ def test_an_interrupted_run_compares_from_its_metrics(runs, tmp_path):
     assert c.rows[1].parity.status == "identical" and c.rows[1].median_step_s is not None
 
 
+def test_a_resumed_run_compares_over_all_its_folders(runs, tmp_path):
+    """A run killed after step 5 and resumed from its step-3 checkpoint: two folders, steps 4 and 5
+    recorded twice. compare reads every step once (the resumed folder's where both have one), and each
+    folder's first step is its warm-up."""
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    rows = [json.loads(line) for line in (runs["twin"] / "metrics.jsonl").read_text().splitlines()]
+    for folder, kept in ((first, rows[:5]), (resumed, rows[3:])):
+        shutil.copytree(runs["twin"], folder)
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in kept))
+    (first / "report.json").unlink()
+    (first / "metrics.jsonl").write_text(
+        "".join(json.dumps({**m, "loss": m["loss"] + (m["step"] > 3)}) + "\n" for m in rows[:5]))  # 4, 5 redone
+    (resumed / "lineage.json").write_text(json.dumps({"continues": str(first), "from_step": 3, "segment": 2}))
+    r = load_run(resumed)
+    assert [m["step"] for m in r.metrics] == list(range(1, 9)) and r.segments == [first, resumed]
+    assert len(r.steady_step_times()) == 2 + 4  # steps 2-3 of the first folder, 5-8 of the resumed one
+    c = compare_groups(groups(runs["base"], resumed), resamples=200)
+    assert c.rows[1].parity.status == "identical" and c.rows[1].parity.steps_compared == 8, c.rows[1].parity
+    assert any(n.startswith("B was resumed: its steps are those of its 2 run folders") for n in c.notes), c.notes
+
+
 def as_two_ranks(src, dst, slowdown: float):
     """``src`` rewritten as the same recipe on 2 data-parallel ranks: half the tokens per rank per step,
     each step ``slowdown`` times as long (what a 2-rank FSDP job of the same global batch records)."""
