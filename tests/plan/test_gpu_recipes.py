@@ -10,19 +10,29 @@ from accelrun.cli.main import cli
 from accelrun.plan import load_plan_config, predict
 from tests.conftest import REPO
 
-RECIPES = {  # recipe -> its cluster overrides and the MFU range an H100 FSDP/TP job of this kind reaches
-    "llama3-8b-h100.yaml": ([], (0.30, 0.60)),
-    "llama3-70b-h100.yaml": (["cluster.nodes=4"], (0.25, 0.55)),
+RECIPES = {  # recipe -> the MFU range an H100 FSDP/TP job of this kind reaches
+    "llama3-8b-h100.yaml": (0.30, 0.60),
+    "llama3-70b-h100.yaml": (0.25, 0.55),
 }
+# Every GPU recipe names the machines it ran on, so `accelrun plan RECIPE` needs no --cluster.
+CLUSTERS = {"llama3-8b-h100.yaml": ("h100-sxm", 1), "llama3-70b-h100.yaml": ("h100-sxm", 4),
+            "llama3-405b-meta.yaml": ("h100-sxm", 2048), "llama3-405b-torchtitan.yaml": ("custom", 64)}
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_gpu_recipe_validates_and_fits(recipe):
-    overrides, (low, high) = RECIPES[recipe]
-    plan = predict(load_plan_config(REPO / "configs" / recipe, overrides, cluster="h100-8x").resolved.config)
+    low, high = RECIPES[recipe]
+    plan = predict(load_plan_config(REPO / "configs" / recipe).resolved.config)
     assert plan.fits, plan.verdict
     assert low < plan.mfu < high, plan.mfu
     assert plan.memory.total < 0.8 * plan.memory.capacity  # room for the allocator's fragmentation
+
+
+@pytest.mark.parametrize("recipe", list(CLUSTERS))
+def test_a_gpu_recipe_plans_on_its_own_cluster(recipe):
+    r = CliRunner().invoke(cli, ["plan", str(REPO / "configs" / recipe)])
+    device, nodes = CLUSTERS[recipe]
+    assert r.exit_code == 0 and r.output.splitlines()[0].endswith(f" on {nodes} × 8 {device}"), r.output
 
 
 def test_the_8b_recipe_dry_runs_to_the_planned_bytes():
