@@ -60,9 +60,17 @@ def replace_cluster(dst: Composed, path: Path, dirs: list[Path]) -> None:
     if "cluster" not in src.data or not isinstance(src.data["cluster"], dict) or extra:
         what = f"it also sets {', '.join(extra)}" if extra else "it has no `cluster:` mapping"
         raise ConfigError(f"{path}: a cluster description holds one `cluster:` section; {what}")
+    # A node count the recipe set apart from its cluster description (configs/llama3-70b-h100.yaml's 4
+    # nodes of cluster/h100-8x) is the job's, not the hardware's: it stays with the new description.
+    old = dst.data.get("cluster") if isinstance(dst.data.get("cluster"), dict) else {}
+    nodes_source = dst.sources.get(("cluster", "nodes"))
+    keep_nodes = "nodes" in old and nodes_source is not None and (
+        nodes_source.file is None or nodes_source.file != getattr(dst.sources.get(("cluster", "device")), "file", None))
     dst.data.pop("cluster", None)
     for key in [k for k in dst.sources if k[:1] == ("cluster",)]:
         del dst.sources[key]
     merge_into(dst, {"cluster": src.data["cluster"]}, src.sources)
+    if keep_nodes:
+        merge_into(dst, {"cluster": {"nodes": old["nodes"]}}, {("cluster", "nodes"): nodes_source})
     dst.files += [f for f in src.files if f not in dst.files]
 

@@ -35,6 +35,13 @@ def test_a_gpu_recipe_plans_on_its_own_cluster(recipe):
     assert r.exit_code == 0 and r.output.splitlines()[0].endswith(f" on {nodes} × 8 {device}"), r.output
 
 
+def test_another_cluster_keeps_the_recipe_s_node_count():
+    """--cluster swaps the hardware a recipe names; the node count the recipe set is the job's and stays."""
+    r = CliRunner().invoke(cli, ["plan", str(REPO / "configs" / "llama3-70b-h100.yaml"), "--cluster",
+                                 "h100-96gb-grand-teton"])
+    assert r.exit_code == 0 and r.output.splitlines()[0].endswith(" on 4 × 8 custom"), r.output
+
+
 def test_the_8b_recipe_dry_runs_to_the_planned_bytes():
     r = CliRunner().invoke(cli, ["train", str(REPO / "configs" / "llama3-8b-h100.yaml"), "--dry-run"])
     assert r.exit_code == 0, r.output
