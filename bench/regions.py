@@ -99,6 +99,20 @@ def adamw(p, g, m, v):
     return p * (1 - lr * wd) - lr * update, m2, v2
 
 
+def gelu(x):
+    return (torch.nn.functional.gelu(x),)
+
+
+def gelu_backward(g, x):
+    """nn.GELU's backward (erf), as a model of torch.nn blocks runs it; ``gelu_tanh_backward``: GPT-2's
+    and Gemma's tanh approximation."""
+    return (torch.ops.aten.gelu_backward(g, x),)
+
+
+def gelu_tanh_backward(g, x):
+    return (torch.ops.aten.gelu_backward(g, x, approximate="tanh"),)
+
+
 def cases() -> dict[str, tuple[Callable, tuple[torch.Tensor, ...]]]:
     x = torch.randn(B, T, D)
     w = torch.randn(D)
@@ -115,6 +129,10 @@ def cases() -> dict[str, tuple[Callable, tuple[torch.Tensor, ...]]]:
                      + (angle.cos(), angle.sin())),
         "softmax": (softmax, (torch.randn(B * T, V),)),
         "cross_entropy": (cross_entropy, (torch.randn(B * T, V), torch.randint(0, V, (B * T,)), torch.arange(V))),
+        # an nn.GELU MLP's hidden activation (B * T rows of 4 x dim 160)
+        "gelu": (gelu, (torch.randn(B * T, 640),)),
+        "gelu_bwd": (gelu_backward, (torch.randn(B * T, 640), torch.randn(B * T, 640))),
+        "gelu_tanh_bwd": (gelu_tanh_backward, (torch.randn(B * T, 640), torch.randn(B * T, 640))),
         "adamw": (adamw, tuple(torch.randn(n_params) for _ in range(3)) + (torch.rand(n_params),)),
     }
 
