@@ -23,6 +23,8 @@ import accelrun
 from accelrun.errors import UserError
 
 _LIBRARIES = (str(Path(torch.__file__).parent) + os.sep, str(Path(accelrun.__file__).parent) + os.sep)
+# Model code inside accelrun (a built-in family, or one a user added there) is named as a user's is.
+_FAMILIES = str(Path(accelrun.__file__).parent / "models" / "families") + os.sep
 # The error Dynamo met, as it quotes it: "... got RuntimeError('a and b must have same reduction dim ...')"
 _QUOTED_ERROR = re.compile(r"got (\w+)\((['\"])(.*?)\2\)", re.DOTALL)
 
@@ -52,7 +54,8 @@ def model_error_message(e: Exception, backend: str) -> str:
     text = getattr(e, "msg", None) or str(e)
     quoted = _QUOTED_ERROR.search(text)
     error = f"{quoted.group(1)}: {quoted.group(3)}" if quoted else text.strip().splitlines()[0]
-    frames = [f for f in getattr(e, "real_stack", None) or [] if not f.filename.startswith(_LIBRARIES)]
+    frames = [f for f in getattr(e, "real_stack", None) or []
+              if not f.filename.startswith(_LIBRARIES) or f.filename.startswith(_FAMILIES)]
     where = ""
     if frames:
         f = frames[-1]  # the innermost of the model's own frames

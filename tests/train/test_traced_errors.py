@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from accelrun.train.traced_errors import ModelFailedWhileTraced, named_model_errors
+from accelrun.train.traced_errors import ModelFailedWhileTraced, model_error_message, named_model_errors
 
 
 class TransposedHead(nn.Module):
@@ -59,3 +59,19 @@ def test_other_errors_pass_through_and_the_log_is_whole_again():
     with pytest.raises(ValueError, match="not the model's"), named_model_errors("accelrun"):
         raise ValueError("not the model's")
     assert fake_tensor_log.filters == filters
+
+
+def test_a_built_in_family_s_line_is_named_and_accelrun_s_own_frames_are_not():
+    import traceback
+    from pathlib import Path
+
+    import accelrun
+
+    root = Path(accelrun.__file__).parent
+    family, compiler = root / "models" / "families" / "llama" / "model.py", root / "compile" / "backend.py"
+    error = RuntimeError("failed: got RuntimeError('a and b must have same reduction dim')")
+    error.real_stack = traceback.StackSummary.from_list(
+        [(str(family), 120, "forward", "h = self.attn(x)"), (str(compiler), 10, "__call__", "")])
+    message = model_error_message(error, "accelrun")
+    assert "RuntimeError: a and b must have same reduction dim" in message
+    assert f"at {family}:120 in forward: h = self.attn(x)" in message
