@@ -52,9 +52,7 @@ def record_files(paths: Sequence[str], *, key: str = "data.paths") -> list[Recor
     out: list[RecordFile] = []
     seen: set[str] = set()
     for pattern in paths:
-        expanded = os.path.expanduser(pattern)
-        matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else (
-            [expanded] if os.path.exists(expanded) else [])
+        expanded, matches = _matches(pattern)
         if not matches:
             raise DataError(f"{key}: {pattern!r} matches no file or folder")
         found: list[RecordFile] = []
@@ -69,6 +67,14 @@ def record_files(paths: Sequence[str], *, key: str = "data.paths") -> list[Recor
     return out
 
 
+def _matches(pattern: str) -> tuple[str, list[str]]:
+    """``pattern`` with ``~`` expanded, and the existing paths it names (a glob's, sorted)."""
+    expanded = os.path.expanduser(pattern)
+    if glob.has_magic(expanded):
+        return expanded, sorted(glob.glob(expanded, recursive=True))
+    return expanded, [expanded] if os.path.exists(expanded) else []
+
+
 def _one_file(path: Path, key: str, *, strict: bool) -> list[RecordFile]:
     fmt = EXTENSIONS.get(path.suffix.lower())
     if fmt is None:
@@ -79,7 +85,8 @@ def _one_file(path: Path, key: str, *, strict: bool) -> list[RecordFile]:
     return [RecordFile(path, fmt)]
 
 
-def _folder_files(folder: Path, key: str) -> list[RecordFile]:
+def _folder_files(folder: Path, key: str, skipped: list[Path] | None = None) -> list[RecordFile]:
+    """The record files under ``folder``; the others (hidden ones aside) go to ``skipped`` when given."""
     if (folder / "dataset_dict.json").is_file():
         splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
         first = splits[0] if splits else "train"
@@ -101,29 +108,28 @@ def _folder_files(folder: Path, key: str) -> list[RecordFile]:
             out += _folder_files(here, key)
             dirnames[:] = []
             continue
-        out += [RecordFile(here / n, EXTENSIONS[Path(n).suffix.lower()]) for n in sorted(filenames)
-                if Path(n).suffix.lower() in EXTENSIONS and not n.startswith(".")]
+        for n in sorted(filenames):
+            if n.startswith("."):
+                continue
+            if (fmt := EXTENSIONS.get(Path(n).suffix.lower())) is not None:
+                out.append(RecordFile(here / n, fmt))
+            elif skipped is not None:
+                skipped.append(here / n)
     return out
 
 
 def skipped_in_folders(paths: Sequence[str]) -> list[Path]:
     """The files under the folders ``paths`` names that ``record_files`` passes over (not a record
-    extension), so a run can say what it did not read; hidden files and ``save_to_disk`` folders
-    (whose other files are its metadata) are not counted."""
+    extension), so a run can say what it did not read; a ``save_to_disk`` folder's other files are its
+    metadata and are not counted. A pattern ``record_files`` refuses is its to report: none here."""
     skipped: list[Path] = []
     for pattern in paths:
-        expanded = os.path.expanduser(pattern)
-        matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else [expanded]
-        for m in (Path(m) for m in matches if os.path.isdir(m)):
-            for dirpath, dirnames, filenames in os.walk(m):
-                dirnames.sort()
-                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-                here = Path(dirpath)
-                if (here / "state.json").is_file() or (here / "dataset_dict.json").is_file():
-                    dirnames[:] = []
-                    continue
-                skipped += [here / n for n in sorted(filenames)
-                            if Path(n).suffix.lower() not in EXTENSIONS and not n.startswith(".")]
+        for m in _matches(pattern)[1]:
+            if os.path.isdir(m):
+                try:
+                    _folder_files(Path(m), "", skipped)
+                except DataError:
+                    pass
     return skipped
 
 
