@@ -4,7 +4,8 @@ Rows are split across threads (``#pragma omp parallel for``) when a kernel has e
 for waking them; the loop over a row is ``#pragma omp simd`` so g++ vectorizes it, reductions
 included (the pragma allows reassociating a sum; float max/min go through declared reductions that
 keep a NaN, as eager does). A kernel's row buffers are arrays on the thread's stack, one row long.
-exp, erf and tanh are branch-free polynomials (``acc_exp``, ``acc_erf``, ``acc_tanh``) so that loops
+exp, erf, 1 + erf and tanh are branch-free polynomials (``acc_exp``, ``acc_erf``, ``acc_one_plus_erf``,
+``acc_tanh``) so that loops
 calling them still vectorize; bf16 is widened and rounded with bit shifts.
 
     source = cpp_source(program)
@@ -53,7 +54,8 @@ class CppOps(Renderer):
         **INFIX, "and": "({0} && {1})", "or": "({0} || {1})", "not": "(!{0})", "pow": "__builtin_powf({0}, {1})",
         "abs": "__builtin_fabsf({0})", "exp": "acc_exp({0})", "log": "__builtin_logf({0})",
         "log1p": "__builtin_log1pf({0})", "expm1": "__builtin_expm1f({0})", "tanh": "acc_tanh({0})",
-        "sqrt": "__builtin_sqrtf({0})", "erf": "acc_erf({0})", "sin": "__builtin_sinf({0})",
+        "sqrt": "__builtin_sqrtf({0})", "erf": "acc_erf({0})", "one_plus_erf": "acc_one_plus_erf({0})",
+        "sin": "__builtin_sinf({0})",
         "cos": "__builtin_cosf({0})", "floor": "__builtin_floorf({0})", "ceil": "__builtin_ceilf({0})",
         "trunc": "__builtin_truncf({0})", "sign": "(({0} > 0) - ({0} < 0))", "round_bf16": "bf16_round({0})",
         "where": "({0} ? {1} : {2})",

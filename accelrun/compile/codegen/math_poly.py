@@ -1,5 +1,5 @@
-"""erf and tanh in C++ as branch-free polynomials (``acc_erf``, ``acc_tanh``), so that loops calling
-them vectorize.
+"""erf, 1 + erf and tanh in C++ as branch-free polynomials (``acc_erf``, ``acc_one_plus_erf``,
+``acc_tanh``), so that loops calling them vectorize.
 
 GCC's ``__builtin_erff`` and ``__builtin_tanhf`` are libm's scalar functions: a loop calling one stays
 scalar. A GELU's backward over a 4096 x 256 activation took 10 ms in a compiled region against
@@ -12,6 +12,13 @@ Each function has two pieces, both computed and one chosen, as ``acc_exp`` does:
   ``1 - exp(Q(t))`` with t = min(|x|, 4) and the sign of x, Q fitted to log(erfc(t));
 - tanh: ``x * P(x^2)`` for |x| < 0.625, else ``1 - 2 / (exp(2t) + 1)`` with t = min(|x|, 10) and the
   sign of x.
+
+- 1 + erf(y) (``acc_one_plus_erf``, a GELU's cdf, exact or in its backward): erfc(-y), as
+  ``exp(-a^2) * R(t)`` with a = |y| and t = 1 / (1 + 0.4 a), R fitted to erfc(a) exp(a^2) (the scaled
+  complementary error function) on [0, 4]; for y >= 0 it is 2 minus that. One piece instead of
+  ``acc_erf``'s two, and no cancellation: 1 + erf(y) for y << 0 kept erf's absolute error, 8e-3
+  relative at y = -3 (as eager's does), where this keeps 2.3e-7 plus exp's few ulp. A GELU's forward
+  took 4.2 ms over 4096 x 640 through ``acc_erf`` and 3.0 through this, ATen's 2.9 (one thread).
 
 erf(4) and tanh(10) round to 1 in fp32, so t stops there; a NaN passes through (t is NaN, and so is
 ``acc_exp`` of it). ``fit_erf`` and ``fit_tanh`` made the coefficients: least squares on 4,000
@@ -29,6 +36,9 @@ ERF_SPLIT, ERF_TOP = 1.0, 4.0
 ERF_SMALL = (-5.625396e-4, 4.9160235e-3, -2.670995e-2, 0.112801306, -0.3761232, 1.1283791)
 ERF_LARGE = (1.6140616e-06, -4.5590623e-05, 5.9276953e-4, -4.7402224e-3, 2.6364718e-2, -0.10997824,
              -0.6319371, -1.1301666, 3.0321296e-4)  # fmt: skip
+# 1 + erf(y) = exp(-a^2) R(1 / (1 + ERFC_P a)); past a = ERFC_TOP it is below 2e-44 (0 in fp32's normal range).
+ERFC_P, ERFC_FIT_TOP, ERFC_TOP = 0.4, 4.0, 10.0
+ERFC_SCALED = (-0.21877566, 0.7897051, -0.5141461, 0.6010751, 0.09442370, 0.24955487, -1.8371455e-3)
 TANH_SPLIT, TANH_TOP = 0.625, 10.0
 TANH_SMALL = (-5.6523555e-3, 2.058349e-2, -5.3718485e-2, 0.13331091, -0.3333326, 1.0)
 
@@ -50,6 +60,16 @@ static inline float acc_erf(float x) {{
 {_horner("t", ERF_LARGE, "q")}
     const float large = __builtin_copysignf(1.0f - acc_exp(q), x);
     return a < {ERF_SPLIT}f ? x * p : large;
+}}
+static inline float acc_one_plus_erf(float y) {{
+    const float a0 = __builtin_fabsf(y);
+    const float a = a0 > {ERFC_TOP}f ? {ERFC_TOP}f : a0;
+    const float t = 1.0f / (1.0f + {ERFC_P}f * a);
+{_horner("t", ERFC_SCALED, "r")}
+    const float hi = a * a;
+    const float lo = __builtin_fmaf(a, a, -hi);  // a^2 = hi + lo exactly: exp(-lo) ~ 1 - lo
+    const float e = r * acc_exp(-hi) * (1.0f - lo);
+    return y < 0.0f ? e : 2.0f - e;
 }}
 static inline float acc_tanh(float x) {{
     const float a = __builtin_fabsf(x);
@@ -95,6 +115,16 @@ def fit_erf(points: int = 4000) -> tuple[list[float], list[float]]:
     t = _chebyshev(ERF_SPLIT, ERF_TOP, points)
     large = _least_squares(t, np.log([math.erfc(v) for v in t]), 8, relative=False)
     return _odd_ratio(math.erf, ERF_SPLIT, 5, points), large
+
+
+def fit_erfc_scaled(points: int = 4000) -> list[float]:
+    """ERFC_SCALED fitted afresh: erfc(a) exp(a^2) as a polynomial in t = 1 / (1 + ERFC_P a), by relative
+    error, on Chebyshev points of a in [0, ERFC_FIT_TOP]."""
+    import numpy as np
+
+    a = _chebyshev(0.0, ERFC_FIT_TOP, points)
+    scaled = np.array([math.erfc(v) * math.exp(v * v) for v in a])
+    return _least_squares(1 / (1 + ERFC_P * a), scaled, len(ERFC_SCALED) - 1, relative=True)
 
 
 def fit_tanh(points: int = 4000) -> list[float]:

@@ -52,6 +52,10 @@ def _reciprocal(r: Renderer, a: tuple[str, ...]) -> str:
     return r.op("div", r.one, a[0])
 
 
+def _one_plus_erf(r: Renderer, a: tuple[str, ...]) -> str:
+    return r.op("add", r.op("erf", a[0]), r.one)
+
+
 OPS: dict[str, OpInfo] = {
     "add": OpInfo(2), "sub": OpInfo(2), "mul": OpInfo(2), "div": OpInfo(2, cost=4), "pow": OpInfo(2, cost=20),
     "maximum": OpInfo(2, compose=_nan_max), "minimum": OpInfo(2, compose=_nan_min),
@@ -61,7 +65,9 @@ OPS: dict[str, OpInfo] = {
     "neg": OpInfo(1), "abs": OpInfo(1), "exp": OpInfo(1, cost=10), "log": OpInfo(1, cost=10),
     "log1p": OpInfo(1, cost=12), "expm1": OpInfo(1, cost=12), "tanh": OpInfo(1, cost=12),
     "sigmoid": OpInfo(1, cost=12, compose=_sigmoid), "rsqrt": OpInfo(1, cost=4, compose=_rsqrt),
-    "sqrt": OpInfo(1, cost=4), "erf": OpInfo(1, cost=12), "reciprocal": OpInfo(1, cost=4, compose=_reciprocal),
+    "sqrt": OpInfo(1, cost=4), "erf": OpInfo(1, cost=12),
+    "one_plus_erf": OpInfo(1, cost=12, compose=_one_plus_erf),  # a GELU's cdf: codegen.values makes it
+    "reciprocal": OpInfo(1, cost=4, compose=_reciprocal),
     "sin": OpInfo(1, cost=12), "cos": OpInfo(1, cost=12), "floor": OpInfo(1), "ceil": OpInfo(1),
     "trunc": OpInfo(1), "sign": OpInfo(1),
     "round_bf16": OpInfo(1), "round_f16": OpInfo(1),  # a float32 value rounded to the narrower type

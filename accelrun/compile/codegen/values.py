@@ -394,11 +394,25 @@ _simple("where", aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther,
 _simple("pow", aten.pow.Tensor_Tensor, aten.pow.Scalar)
 
 
+def _erf_plus_one(a: Value, b: Value) -> Value | None:
+    """y where ``a + b`` is erf(y) + 1 (either order) in float32, else None: a GELU's cdf (its
+    decomposed forward and backward), computed as one op that keeps the digits the sum loses for y << 0
+    (``acc_one_plus_erf``)."""
+    for e, c in ((a, b), (b, a)):
+        if (isinstance(e, Op) and e.op == "erf" and e.dtype == torch.float32 and isinstance(c, Const)
+                and c.value == 1):
+            return e.args[0]
+    return None
+
+
 @_rule(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar)
 def _add_sub(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
     op = "add" if node.target in (aten.add.Tensor, aten.add.Scalar) else "sub"
     other = g._v(args[1])
     alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+    if op == "add" and alpha == 1 and _dtype(node) == torch.float32 and (
+            y := _erf_plus_one(g._v(args[0]), other)) is not None:
+        return g._op(node, "one_plus_erf", [y])
     if alpha != 1:
         other = g._op_on(other.shape, node.meta["val"].dtype, "mul", other, g._v(alpha))
     return g._op(node, op, [args[0], other])
@@ -476,7 +490,7 @@ def _gelu(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
         inner = g._op(node, "mul", [g._op(node, "add", [x, g._op(node, "mul", [x3, 0.044715])]),
                                     math.sqrt(2 / math.pi)])
         return g._op(node, "mul", [g._op(node, "mul", [x, 0.5]), g._op(node, "add", [g._op(node, "tanh", [inner]), 1.0])])
-    cdf = g._op(node, "add", [g._op(node, "erf", [g._op(node, "mul", [x, 1 / math.sqrt(2)])]), 1.0])
+    cdf = g._op(node, "one_plus_erf", [g._op(node, "mul", [x, 1 / math.sqrt(2)])])
     return g._op(node, "mul", [g._op(node, "mul", [x, 0.5]), cdf])
 
 
