@@ -103,6 +103,10 @@ def gelu(x):
     return (torch.nn.functional.gelu(x),)
 
 
+def gelu_tanh(x):
+    return (torch.nn.functional.gelu(x, approximate="tanh"),)
+
+
 def gelu_backward(g, x):
     """nn.GELU's backward (erf), as a model of torch.nn blocks runs it; ``gelu_tanh_backward``: GPT-2's
     and Gemma's tanh approximation."""
@@ -131,6 +135,7 @@ def cases() -> dict[str, tuple[Callable, tuple[torch.Tensor, ...]]]:
         "cross_entropy": (cross_entropy, (torch.randn(B * T, V), torch.randint(0, V, (B * T,)), torch.arange(V))),
         # an nn.GELU MLP's hidden activation (B * T rows of 4 x dim 160)
         "gelu": (gelu, (torch.randn(B * T, 640),)),
+        "gelu_tanh": (gelu_tanh, (torch.randn(B * T, 640),)),
         "gelu_bwd": (gelu_backward, (torch.randn(B * T, 640), torch.randn(B * T, 640))),
         "gelu_tanh_bwd": (gelu_tanh_backward, (torch.randn(B * T, 640), torch.randn(B * T, 640))),
         "adamw": (adamw, tuple(torch.randn(n_params) for _ in range(3)) + (torch.rand(n_params),)),

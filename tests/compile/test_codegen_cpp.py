@@ -480,6 +480,27 @@ def test_one_plus_erf_is_one_op_that_keeps_the_digits_the_sum_loses(cache):
     check_fn(lambda g, x: (torch.ops.aten.gelu_backward(g, x),), cache, torch.randn(x.shape), x, atol=1e-6)
 
 
+def test_one_plus_tanh_is_a_sigmoid(cache):
+    """1 + tanh(y) (the tanh GELU's cdf) is 2 / (1 + exp(-2y)): one exp and a division where acc_tanh has
+    two pieces, and no digits lost near tanh = -1. Within 4 ulp of 1 + math.tanh(y) (in float64)
+    where that is a normal float; the tanh GELU is eager's to 1e-5, forward and backward."""
+    y = torch.cat([torch.tensor([float("-inf"), float("inf"), float("nan"), 0.0, -0.0, 1e-30, -30.0, 30.0, 1e30]),
+                   torch.linspace(-40, 40, 20001)])
+    region = region_of(lambda y: (1 + torch.tanh(y), F.gelu(y, approximate="tanh")), y)
+    kernel = cpp_source(cached_program(region)).split("accelrun_region_kernel0", 1)[1]
+    assert "acc_tanh(" not in kernel and "acc_exp(" in kernel
+    got, gelu = CppExecutor().compile(region, cache)(y)
+    want = torch.tensor([2 / (1 + math.exp(min(-2 * v, 700))) if v == v else v for v in y.double().tolist()],
+                        dtype=torch.float64)  # 1 + tanh(v) without the sum's rounding
+    assert torch.equal(got.isnan(), want.isnan())
+    normal = ~want.isnan() & (want >= torch.finfo(torch.float32).tiny)
+    assert bool(((got.double() - want).abs()[normal] <= 4 * torch.finfo(torch.float32).eps * want[normal]).all())
+    torch.testing.assert_close(gelu, F.gelu(y, approximate="tanh"), rtol=1e-5, atol=1e-6, equal_nan=True)
+    x = y.nan_to_num(0.0, 9.0, -9.0)
+    check_fn(lambda g, x: (torch.ops.aten.gelu_backward(g, x, approximate="tanh"),), cache, torch.randn(x.shape), x,
+             atol=1e-6)
+
+
 def test_identical_reductions_are_computed_once(cache):
     """softmax and log_softmax of one input (and the same amax spelled out) share one max and one sum."""
     def fn(x):

@@ -394,15 +394,28 @@ _simple("where", aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther,
 _simple("pow", aten.pow.Tensor_Tensor, aten.pow.Scalar)
 
 
-def _erf_plus_one(a: Value, b: Value) -> Value | None:
-    """y where ``a + b`` is erf(y) + 1 (either order) in float32, else None: a GELU's cdf (its
-    decomposed forward and backward), computed as one op that keeps the digits the sum loses for y << 0
-    (``acc_one_plus_erf``)."""
-    for e, c in ((a, b), (b, a)):
-        if (isinstance(e, Op) and e.op == "erf" and e.dtype == torch.float32 and isinstance(c, Const)
-                and c.value == 1):
-            return e.args[0]
+def _one_plus(node: fx.Node, args: list) -> tuple[str, fx.Node] | None:
+    """("erf" or "tanh", y) where ``node`` adds 1 to erf(y) or tanh(y) (either order) in float32 and
+    nothing else reads that erf or tanh: a GELU's cdf, exact or tanh (its forward and backward as
+    decomposed), which ``_cdf`` computes as one expression."""
+    if _dtype(node) != torch.float32 or len(args) > 2:
+        return None
+    for e, c in ((args[0], args[1]), (args[1], args[0])):
+        if (isinstance(e, fx.Node) and e.target in (aten.erf.default, aten.tanh.default) and len(e.users) == 1
+                and not isinstance(c, bool) and isinstance(c, (int, float)) and c == 1
+                and _dtype(e) == torch.float32):
+            return ("erf" if e.target is aten.erf.default else "tanh"), e.args[0]
     return None
+
+
+def _cdf(g: GraphValues, node: fx.Node, kind: str, y: Any) -> Value:
+    """1 + erf(y) or 1 + tanh(y) without the sum: ``one_plus_erf`` (erfc(-y), acc_one_plus_erf in C++),
+    and 2 / (1 + exp(-2y)) (a sigmoid: one exp and a division where acc_tanh has two pieces). Both
+    keep the digits the sum loses where erf or tanh is near -1."""
+    if kind == "erf":
+        return g._op(node, "one_plus_erf", [y])
+    exp = g._op(node, "exp", [g._op(node, "mul", [y, -2.0])])
+    return g._op(node, "div", [2.0, g._op(node, "add", [1.0, exp])])
 
 
 @_rule(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar)
@@ -410,9 +423,8 @@ def _add_sub(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
     op = "add" if node.target in (aten.add.Tensor, aten.add.Scalar) else "sub"
     other = g._v(args[1])
     alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
-    if op == "add" and alpha == 1 and _dtype(node) == torch.float32 and (
-            y := _erf_plus_one(g._v(args[0]), other)) is not None:
-        return g._op(node, "one_plus_erf", [y])
+    if op == "add" and alpha == 1 and (plus := _one_plus(node, args)) is not None:
+        return _cdf(g, node, *plus)
     if alpha != 1:
         other = g._op_on(other.shape, node.meta["val"].dtype, "mul", other, g._v(alpha))
     return g._op(node, op, [args[0], other])
@@ -489,9 +501,8 @@ def _gelu(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
         x3 = g._op(node, "mul", [g._op(node, "mul", [x, x]), x])
         inner = g._op(node, "mul", [g._op(node, "add", [x, g._op(node, "mul", [x3, 0.044715])]),
                                     math.sqrt(2 / math.pi)])
-        return g._op(node, "mul", [g._op(node, "mul", [x, 0.5]), g._op(node, "add", [g._op(node, "tanh", [inner]), 1.0])])
-    cdf = g._op(node, "one_plus_erf", [g._op(node, "mul", [x, 1 / math.sqrt(2)])])
-    return g._op(node, "mul", [g._op(node, "mul", [x, 0.5]), cdf])
+        return g._op(node, "mul", [g._op(node, "mul", [x, 0.5]), _cdf(g, node, "tanh", inner)])
+    return g._op(node, "mul", [g._op(node, "mul", [x, 0.5]), _cdf(g, node, "erf", g._op(node, "mul", [x, 1 / math.sqrt(2)]))])
 
 
 @_rule(aten.lerp.Scalar, aten.lerp.Tensor)
