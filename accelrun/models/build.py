@@ -114,14 +114,27 @@ def resolve_custom(path: str) -> tuple[Any, str]:
         if not hasattr(factory, part):
             from accelrun.config.errors import nearest
 
-            names = [n for n in dir(factory) if not n.startswith("_") and callable(getattr(factory, n, None))]
+            names = _callables(factory)
             near = nearest(part, names)
-            hint = f"; did you mean {near!r}?" if near else (f"; its callables: {', '.join(names[:8])}" if names else "")
+            shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+            hint = f"; did you mean {near!r}?" if near else (f"; its callables: {shown}" if names else "")
             raise ModelBuildError(f"{where}: module {module_name!r} has no attribute {attr!r}{hint}")
         factory = getattr(factory, part)
     if not callable(factory):
         raise ModelBuildError(f"{where}: {attr!r} is a {type(factory).__name__}, not a callable")
     return factory, attr
+
+
+def _callables(owner: Any) -> list[str]:
+    """The public callables of a module (or class), the likely factories first: functions before
+    classes, those defined there before imported ones (``nn``'s, ``torch``'s)."""
+    home = getattr(owner, "__name__", None)
+
+    def rank(name: str) -> tuple[bool, bool, str]:
+        obj = getattr(owner, name)
+        return getattr(obj, "__module__", None) != home, isinstance(obj, type), name
+
+    return sorted((n for n in dir(owner) if not n.startswith("_") and callable(getattr(owner, n, None))), key=rank)
 
 
 class ModelKwargsError(ModelBuildError):

@@ -154,7 +154,8 @@ def test_custom_flops_and_summary(user_module):
 @pytest.mark.parametrize(
     "attr, kwargs, message",
     [
-        ("missing", {}, "has no attribute 'missing'"),
+        # the module's own functions first (the likely factories), its classes next, imported ones last
+        ("missing", {}, "has no attribute 'missing'; its callables: factory, not_a_module, plain, Namespace, Tiny "),
         ("factroy", {}, "has no attribute 'factroy'; did you mean 'factory'\\?"),
         ("Namespace.missing", {}, "has no attribute 'Namespace.missing'"),
         ("NOT_CALLABLE", {}, "'NOT_CALLABLE' is a int, not a callable"),
