@@ -155,7 +155,7 @@ def test_custom_flops_and_summary(user_module):
     "attr, kwargs, message",
     [
         # the module's own functions first (the likely factories), its classes next, imported ones last
-        ("missing", {}, "has no attribute 'missing'; its callables: factory, not_a_module, plain, Namespace, Tiny "),
+        ("missing", {}, "has no attribute 'missing'; its callables: factory, not_a_module, plain, Namespace, Tiny$"),
         ("factroy", {}, "has no attribute 'factroy'; did you mean 'factory'\\?"),
         ("Namespace.missing", {}, "has no attribute 'Namespace.missing'"),
         ("NOT_CALLABLE", {}, "'NOT_CALLABLE' is a int, not a callable"),
