@@ -163,7 +163,8 @@ def passes_cmd() -> None:
 
     table = Table("pass", "stage", "options (default)", "in presets", "what it does")
     for name, spec in sorted(registered_passes().items(), key=lambda kv: kv[1].stage):
-        opts = ", ".join(f"{k}={f.default!r}" for k, f in spec.options.model_fields.items()) or "-"
+        opts = ", ".join(f"{k}={f.get_default(call_default_factory=True)!r}"  # a factory's value, not its marker
+                         for k, f in spec.options.model_fields.items()) or "-"
         presets = ", ".join(p for p, names in PRESETS.items() if name in names) or "-"
         table.add_row(name, spec.stage, escape(opts), presets, escape(spec.doc))
     out.print(table)

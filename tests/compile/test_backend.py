@@ -244,3 +244,11 @@ def test_graph_breaks_are_counted_with_their_reasons():
     breaks = backend.collect_graph_breaks()
     assert sum(breaks.values()) >= 1 and backend.record.dynamo_graphs == 2
     assert any("print" in reason.lower() or "builtin" in reason.lower() for reason in breaks), breaks
+
+
+def test_compile_passes_lists_each_option_s_default_value():
+    """An option whose default comes from a factory (remat's recompute list) shows that list, not
+    pydantic's marker for it."""
+    r = CliRunner(env={"COLUMNS": "400"}).invoke(cli, ["compile", "passes"])
+    assert r.exit_code == 0, r.output
+    assert "PydanticUndefined" not in r.output and "recompute=['pointwise', 'view']" in r.output, r.output
