@@ -163,13 +163,18 @@ def passes_cmd() -> None:
 
     table = Table("pass", "stage", "options (default)", "in presets", "what it does")
     for name, spec in sorted(registered_passes().items(), key=lambda kv: kv[1].stage):
-        opts = ", ".join(f"{k}={f.get_default(call_default_factory=True)!r}"  # a factory's value, not its marker
-                         for k, f in spec.options.model_fields.items()) or "-"
+        opts = option_defaults(spec.options)
         presets = ", ".join(p for p, names in PRESETS.items() if name in names) or "-"
         table.add_row(name, spec.stage, escape(opts), presets, escape(spec.doc))
     out.print(table)
     out.print(escape("Use a preset (compile.passes=default|none|max) or a list: "
                      "'compile.passes=[dce, cse, {remat: {budget_mb: 64}}]'"))
+
+
+def option_defaults(options: type) -> str:
+    """A pass's options with their defaults, ``name=value, ...`` (a factory's value, not pydantic's marker
+    for it), or ``-``."""
+    return ", ".join(f"{k}={f.get_default(call_default_factory=True)!r}" for k, f in options.model_fields.items()) or "-"
 
 
 @command.command("executors")
