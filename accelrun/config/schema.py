@@ -154,7 +154,9 @@ class ModelConfig(Section):
     @classmethod
     def _custom_is_import_path(cls, v: str | None) -> str | None:
         if v is not None and (v.count(":") != 1 or not all(v.split(":"))):
-            raise ValueError(f'expected "package.module:factory", got {v!r}')
+            module, dot, name = v.rpartition(".")
+            near = f"; did you mean '{module}:{name}'?" if dot and module and name and ":" not in v else ""
+            raise ValueError(f'expected "package.module:factory", got {v!r}{near}')
         return v
 
     @property

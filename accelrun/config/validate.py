@@ -104,7 +104,9 @@ def _describe(err: dict, data: dict, sources: dict[KeyPath, Source]) -> str:
         section = dotted(path[:-1]) or "the top level"
         return msg + f" (valid keys in {section}: {', '.join(valid)})"
     got = err.get("input")
-    msg = f"{prefix}{key}: {_lower_first(err['msg'])}"
+    # Our own validators' messages (a ValueError) come as "Value error, ...": the message is ours alone.
+    text = err["msg"].removeprefix("Value error, ") if err["type"] == "value_error" else err["msg"]
+    msg = f"{prefix}{key}: {_lower_first(text)}"
     beyond = err["loc"][len(path):]
     if err["type"] == "missing" and beyond and isinstance(beyond[0], int):
         return f"{prefix}{key}: item {beyond[0]} is missing (got {got!r} with fewer items)"
@@ -113,7 +115,7 @@ def _describe(err: dict, data: dict, sources: dict[KeyPath, Source]) -> str:
         hint = nearest(got, choices) or CHOICE_SYNONYMS.get(str(path[-1]), {}).get(got.lower())
         if hint:
             msg += f"; did you mean '{hint}'?"
-    if err["type"] != "missing" and not isinstance(got, dict):
+    if err["type"] != "missing" and not isinstance(got, dict) and not (err["type"] == "value_error" and "got" in text):
         msg += f" (got {got!r})"
     if err["type"] in SEQUENCE_ERRORS and not beyond[1:]:
         msg += f"; {_sequence_spelling(path, got, where)}"

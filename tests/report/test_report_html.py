@@ -170,7 +170,7 @@ def test_profiler_started_inside_the_range_and_stopped_early(tmp_path):
 
 
 def test_profile_steps_are_validated():
-    with pytest.raises(ConfigError, match="report.profile_steps: value error, expected \\[first, last\\]"):
+    with pytest.raises(ConfigError, match="report.profile_steps: expected \\[first, last\\]"):
         load_config(DEFAULT_CONFIG, ["report.profile_steps=[5,3]"])
     with pytest.raises(ConfigError, match="report.profile_steps"):
         load_config(DEFAULT_CONFIG, ["report.profile_steps=[0,3]"])
