@@ -99,7 +99,9 @@ def _describe(err: dict, data: dict, sources: dict[KeyPath, Source]) -> str:
         valid = _fields_at(path[:-1])
         hint = nearest(str(path[-1]), valid)
         msg = f"{prefix}unknown key '{key}'"
-        if hint:
+        if moved := _same_name_below(path[:-1], str(path[-1])):  # train.lr: train.optimizer.lr
+            msg += f"; did you mean '{dotted(moved)}'?"
+        elif hint:
             msg += f"; did you mean '{dotted(path[:-1] + (hint,))}'?"
         section = dotted(path[:-1]) or "the top level"
         return msg + f" (valid keys in {section}: {', '.join(valid)})"
@@ -190,6 +192,27 @@ def _fields_at(path: KeyPath) -> list[str]:
             return []
         model = ann
     return list(model.model_fields)
+
+
+def _same_name_below(section: KeyPath, name: str) -> KeyPath | None:
+    """The key named ``name`` one section further down from ``section`` (``train.lr`` is
+    ``train.optimizer.lr``; ``train.warmup_steps`` is ``train.lr_schedule.warmup_steps``), when exactly one
+    such key exists."""
+    found = [section + (sub, name) for sub in _fields_at(section)
+             if name in _fields_at(section + (sub,)) and _section_type(_annotation_at(section + (sub,)))]
+    return found[0] if len(found) == 1 else None
+
+
+def _annotation_at(path: KeyPath) -> Any:
+    model: type[BaseModel] | None = RunConfig
+    annotation: Any = None
+    for part in path:
+        if model is None:
+            return None
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        model = _section_type(annotation)
+    return annotation
 
 
 def _section_type(annotation: Any) -> type[BaseModel] | None:

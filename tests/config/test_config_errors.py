@@ -31,6 +31,15 @@ def test_unknown_nested_key_suggests_nearest(write):
     assert f"{p.resolve()}:3: unknown key 'train.optimizer.lrr'; did you mean 'train.optimizer.lr'?" in error_of(p)
 
 
+def test_a_key_one_section_too_high_is_pointed_down(write):
+    """train.lr (other trainers' spelling) is train.optimizer.lr, not the nearest spelling in train
+    (lr_schedule); warmup_steps lives in train.lr_schedule."""
+    p = write("bad.yaml", "train:\n  lr: 0.1\n  warmup_steps: 10\n")
+    msg = error_of(p)
+    assert f"{p.resolve()}:2: unknown key 'train.lr'; did you mean 'train.optimizer.lr'?" in msg
+    assert f"{p.resolve()}:3: unknown key 'train.warmup_steps'; did you mean 'train.lr_schedule.warmup_steps'?" in msg
+
+
 def test_duplicate_key_is_an_error(write):
     p = write("bad.yaml", "train:\n  steps: 1\n  steps: 2\n")
     assert "duplicate key 'train.steps' (first set on line 2)" in error_of(p)
