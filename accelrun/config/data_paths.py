@@ -55,4 +55,12 @@ def _no_match_hint(pattern: str, matches: list[str], key: str) -> str:
     if "," in pattern:  # `data.paths=a.txt,b.txt` is one path to YAML
         parts = ", ".join(p.strip() for p in pattern.split(","))
         return f" (several paths are a list: '{key}=[{parts}]')"
-    return ""
+    return where_relative(pattern)
+
+
+def where_relative(pattern: str) -> str:
+    """Where a relative path was looked for: the current folder, not the recipe's (a recipe run from
+    elsewhere finds nothing, and the message should say where it looked)."""
+    if os.path.isabs(os.path.expanduser(pattern)):
+        return ""
+    return f" (looked for in the current folder, {os.getcwd()})"

@@ -131,8 +131,10 @@ def _first_records(paths: list[str], paths_key: KeyPath, field_path: KeyPath, fi
     for f, peek in zip(files, peeks, strict=True):
         if peek.fields and field not in peek.fields:
             shown = ", ".join(repr(x) for x in peek.fields)
-            return [Finding(f"{f.path}: no field {field!r} (fields: {shown}); set {field_key} ({now}) to "
-                            "one of them", True)]
+            chat = fmt == "text" and "messages" in peek.fields  # chat records read as plain documents
+            fix = ("these are chat records: data.format=chat reads them" if chat
+                   else f"set {field_key} ({now}) to one of them")
+            return [Finding(f"{f.path}: no field {field!r} (fields: {shown}); {fix}", True)]
         value = None if peek.first is None else peek.first.get(field)
         if fmt == "text" and peek.first is not None and not isinstance(value, str):
             shown = "null" if value is None else f"{type(value).__name__} {repr(value)[:40]}"

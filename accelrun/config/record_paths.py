@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from accelrun.config.data_paths import where_relative
 from accelrun.errors import DataError
 
 PYARROW_HINT = "pip install 'accelrun[data]' (pyarrow)"
@@ -54,7 +55,7 @@ def record_files(paths: Sequence[str], *, key: str = "data.paths") -> list[Recor
     for pattern in paths:
         expanded, matches = _matches(pattern)
         if not matches:
-            raise DataError(f"{key}: {pattern!r} matches no file or folder")
+            raise DataError(f"{key}: {pattern!r} matches no file or folder{where_relative(pattern)}")
         found: list[RecordFile] = []
         for m in matches:
             found += _folder_files(Path(m), key) if os.path.isdir(m) else _one_file(Path(m), key, strict=m == expanded)

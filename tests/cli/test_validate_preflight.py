@@ -27,6 +27,13 @@ def test_data_paths_that_match_no_files_exit_2(tmp_path):
     assert f"error: data.paths: '{tmp_path}/none*.txt' matched no files (override 'data.paths=" in r.stderr
 
 
+@pytest.mark.parametrize("source, path", [("text", "corpus/a.txt"), ("documents", "corpus/docs.jsonl")])
+def test_a_relative_path_that_matches_nothing_says_where_it_was_looked_for(tmp_path, monkeypatch, source, path):
+    monkeypatch.chdir(tmp_path)
+    r = validate(f"data.source={source}", f"data.paths=[{path}]")
+    assert r.exit_code == 2 and f"(looked for in the current folder, {tmp_path})" in r.stderr, r.stderr
+
+
 def test_several_paths_in_one_string_get_the_list_spelling(tmp_path):
     r = validate("data.source=text", f"data.paths={tmp_path}/a.txt,{tmp_path}/b.txt")
     assert r.exit_code == 2

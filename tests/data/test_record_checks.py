@@ -115,3 +115,11 @@ def test_validate_reads_each_mixed_sources_first_records_and_names_its_key(tmp_p
     r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), fixed])
     assert r.exit_code == 0, r.output
     assert "records: the first of each file checked" in " ".join(r.output.split())
+
+
+def test_chat_records_read_as_documents_point_at_the_chat_format(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    line = one_error(validate(path))
+    assert line.endswith(f"{path}: no field 'text' (fields: 'messages'); these are chat records: data.format=chat "
+                         "reads them"), line
