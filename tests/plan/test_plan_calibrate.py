@@ -12,6 +12,7 @@ from accelrun.cli.main import cli
 from accelrun.config.schema import ClusterConfig
 from accelrun.plan import calibrate as cal
 from accelrun.plan.probes import fit_alpha_beta
+from accelrun.report.machine_load import CpuWindow
 from tests.conftest import DEFAULT_CONFIG
 
 TINY_RECIPE = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
@@ -26,8 +27,11 @@ def test_calibrate_then_plan_on_this_machine(tmp_path, monkeypatch):
     real = cal.calibrate
     monkeypatch.setattr(cal, "calibrate", lambda n: real(n, cal.ProbeSizes.quick()))
     out = tmp_path / "here.yaml"
-    r = runner.invoke(cli, ["plan", "--calibrate", "--output", str(out)])
+    with monkeypatch.context() as busy:  # a neighbour took 42% of the CPU meanwhile: said, not silent
+        busy.setattr(CpuWindow, "others_share", lambda self: 0.42)
+        r = runner.invoke(cli, ["plan", "--calibrate", "--output", str(out)])
     assert r.exit_code == 0, r.output
+    assert "warning: other processes used 42% of this machine's CPU during the calibration" in r.output
     c = ClusterConfig.model_validate(yaml.safe_load(out.read_text())["cluster"])
     assert c.device == "cpu" and c.intra_node.measured and c.intra_node.bandwidth_gbs > 0
     assert set(c.calibration.matmul_tflops["fp32"]) == {32, 64}
