@@ -58,6 +58,20 @@ class TrainResult:
     stopped: Stopped | None = None  # where a signal stopped it (preempted, interrupted)
 
 
+def _steps_recorded(run_dir: Path) -> bool:
+    """Whether a step of this folder finished (a metrics row) or a checkpoint was begun."""
+    metrics = run_dir / "metrics.jsonl"
+    return (metrics.exists() and metrics.stat().st_size > 0) or any((run_dir / "checkpoints").glob("*"))
+
+
+def _remove_unused(run_dir: Path, console: Console | None) -> None:
+    """A folder in which nothing ran (a recipe or model error before any step finished) is removed, so
+    that no folder looks like an interrupted run to ``runs list`` and resume."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if console is not None and not run_dir.exists():  # it was announced: say where it went
+        console.print(f"nothing ran: {run_dir} removed", markup=False, highlight=False)
+
+
 def run_in_dir(
     resolved: ResolvedConfig,
     run_dir: Path,
@@ -100,9 +114,7 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
         s = build_setup(resolved, run_dir, ctx)
     except UserError:
         if main and not (run_dir / "metrics.jsonl").exists():
-            shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: no directory that looks interrupted
-            if console is not None and not run_dir.exists():  # it was announced: say where it went
-                console.print(f"nothing ran: {run_dir} removed", markup=False, highlight=False)
+            _remove_unused(run_dir, console)
         raise
     setup_s = time.perf_counter() - t_setup
     if ctx is not None and ctx.distributed:  # setup ran under parallel.init_timeout_s; the steps get theirs
@@ -133,9 +145,11 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
         status = outcome.status
     except TrainingDiverged as e:
         status, error = "diverged", e
-    except BaseException:
+    except BaseException as e:
         if trackers is not None:
             trackers.close()
+        if isinstance(e, UserError) and main and s.resumed_from is None and not _steps_recorded(run_dir):
+            _remove_unused(run_dir, console)  # the model's output refused at its first step: nothing ran
         raise
     finally:
         if progress is not None:
