@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import click
 from rich.console import Console
 from rich.markup import escape
@@ -10,8 +13,20 @@ from rich.measure import Measurement
 from accelrun.config import ResolvedConfig, load_config
 from accelrun.errors import UserError
 
+
+class ResultConsole(Console):
+    """stdout's console. When the reader stops (`accelrun compile explain ... | head`), the rest of the
+    output goes nowhere and the command finishes its work and exits 0; rich's own exits 1 at once, which
+    a script reads as the command's failure, and leaves whatever the command was writing half done."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # later prints are dropped
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # and Python's own flush of stdout at exit succeeds
+
+
 # Results go to stdout (pipeable); progress, logs and errors to stderr.
-out = Console(highlight=False, soft_wrap=True)
+out = ResultConsole(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 def print_wide(renderable) -> None:
@@ -21,7 +36,7 @@ def print_wide(renderable) -> None:
     if natural <= out.width:
         out.print(renderable)
     else:  # Console.print(width=) cannot exceed the console's width: a wider console for this one
-        Console(width=natural, highlight=False, file=out.file).print(renderable)
+        ResultConsole(width=natural, highlight=False, file=out.file).print(renderable)
 
 
 config_argument = click.argument("config", metavar="CONFIG")

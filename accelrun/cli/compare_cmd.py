@@ -59,15 +59,16 @@ def command(runs: tuple[str, ...], loss_rtol: float | None, out_dir: Path | None
     for rec, label in zip(records, labels, strict=True):
         rec.label = label
     c = compare_groups([Group(label, [rec]) for label, rec in zip(labels, records, strict=True)], rtol=loss_rtol)
+    if out_dir is not None:  # first: a reader that stops early (`| head`) must not cost the files
+        title = "accelrun compare: " + " vs ".join(labels)
+        write_text_atomic(render_comparison_md(c, title=title), out_dir / "compare.md")
+        write_text_atomic(render_comparison_html(c, title=title), out_dir / "compare.html")
+        write_json(c.to_dict(), out_dir / "compare.json")
     if as_json:
         out.print_json(json.dumps(c.to_dict()))
     else:
         print_comparison(c)
     if out_dir is not None:
-        title = "accelrun compare: " + " vs ".join(labels)
-        write_text_atomic(render_comparison_md(c, title=title), out_dir / "compare.md")
-        write_text_atomic(render_comparison_html(c, title=title), out_dir / "compare.html")
-        write_json(c.to_dict(), out_dir / "compare.json")
         err.print(f"wrote {escape(str(out_dir))}/compare.{{md,html,json}}", highlight=False)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import click
 
@@ -17,7 +18,9 @@ class AccelrunGroup(click.Group):
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            sys.stdout.flush()  # a closed pipe shows here, in this handler, not in click's (exit 1) or at exit
+            return result
         except KeyboardInterrupt:
             # Before a command catches signals itself (train does, once its run directory exists): the
             # shell's code for SIGINT, which schedulers read as "interrupted", where click's "Aborted!"
@@ -26,6 +29,12 @@ class AccelrunGroup(click.Group):
                 raise
             click.echo("interrupted (exit 130)", err=True)
             ctx.exit(130)
+        except BrokenPipeError:
+            # The reader of stdout stopped (`accelrun compile explain ... | head`): that is not an error of
+            # the command's. Python would print a traceback, or fail again flushing stdout at exit.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            ctx.exit(0)
         except Exception as e:
             debug = (ctx.obj or {}).get("debug") or os.environ.get("ACCELRUN_DEBUG") == "1"
             if debug:

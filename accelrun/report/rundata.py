@@ -46,8 +46,8 @@ class RunRecord:
     segment_starts: list[int] = field(default_factory=lambda: [0])
 
     def __post_init__(self) -> None:
-        if not self.label:
-            self.label = f"{self.name}/{self.path.name}"
+        if not self.label:  # where it lies under the runs folder (an explain run's name ends in -explain)
+            self.label = f"{self.path.parent.name}/{self.path.name}"
 
     @property
     def name(self) -> str:

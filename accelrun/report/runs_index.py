@@ -95,7 +95,7 @@ def _run_row(path: Path) -> RunRow | None:
     except RunNotFound:  # a directory being created, or not one of ours: skip it
         return None
     if not r.metrics and r.report is None and (path / EXPLAIN_RECORD).is_file():
-        return RunRow(run=f"{r.name}/{path.name}", path=str(path), started=_started(path.name), status="finished",
+        return RunRow(run=r.label, path=str(path), started=_started(path.name), status="finished",
                       steps=0, final_loss=None, step_time_s=None, tokens_per_s=None, mfu=None, mem_peak_bytes=None,
                       compile=str(r.config_flat.get("compile.backend", "?")),
                       precision=str(r.config_flat.get("train.precision", "?")), config_hash=None, kind="explain",
@@ -107,7 +107,7 @@ def _run_row(path: Path) -> RunRow | None:
     median = (rep.get("step_time_s") or {}).get("median") if rep else (steady_median(times) if times else None)
     tokens = r.job_tokens_per_step
     return RunRow(
-        run=f"{r.name}/{path.name}", path=str(path), started=_started(path.name), status=r.status,
+        run=r.label, path=str(path), started=_started(path.name), status=r.status,
         steps=int(steps or 0), final_loss=losses[max(losses)] if losses else None, step_time_s=median,
         tokens_per_s=rep.get("tokens_per_s_job") or (tokens / median if tokens and median else None),
         mfu=rep.get("mfu"), mem_peak_bytes=rep.get("mem_peak_bytes"),

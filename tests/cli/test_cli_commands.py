@@ -169,3 +169,18 @@ def test_train_dry_run_builds_every_rank_and_refuses_what_train_would(tmp_path, 
     r = invoke("train", DEFAULT_CONFIG, "parallel.nproc_per_node=2", "parallel.pp=2", "parallel.dp_shard=1",
                "model.tie_embeddings=true", "--dry-run")
     assert r.exit_code == 2 and "model.tie_embeddings" in r.output
+
+
+def test_a_reader_that_stops_early_is_not_an_error():
+    """`accelrun ... | head`: the command's output after the reader stopped goes nowhere and it exits 0
+    with nothing on stderr (rich's default exits 1, which a script reads as the command failing)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from accelrun.cli.main import cli; "
+            "sys.argv = ['accelrun', 'recipes', 'list']; cli()")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.readline()
+    p.stdout.close()  # the reader stops after one line, as head -1 does
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0 and stderr == b"", stderr.decode()
