@@ -96,6 +96,11 @@ def command(config: str | None, overrides: tuple[str, ...], cluster: str | None,
         _print_search(result, cl.describe())
 
 
+def _tflops(value: float) -> str:
+    """Three significant figures: a CPU's 0.0412 TFLOP/s is not 0.0, an H100's 412.3 stays 412."""
+    return f"{value:,.3g}" if value < 100 else f"{value:,.0f}"
+
+
 def _calibrate(devices_per_node: int, output: Path | None, show: bool = True) -> Path:
     from accelrun.plan.calibrate import cache_path, calibrate, to_yaml  # imports torch when it measures
 
@@ -187,7 +192,7 @@ def _print_plan(plan: Plan, ac: str | None) -> None:
 
     mfu = f"{plan.mfu:.1%}" if plan.mfu is not None else "unknown (no peak)"
     out.print(f"[bold]throughput[/]: {plan.tokens_per_s_per_device:,.0f} tokens/s per device, "
-              f"{plan.tokens_per_s:,.0f} in total; {plan.achieved_tflops_per_device:,.1f} TFLOP/s per device "
+              f"{plan.tokens_per_s:,.0f} in total; {_tflops(plan.achieved_tflops_per_device)} TFLOP/s per device "
               f"(model FLOPs); MFU {mfu} of {escape(str(plan.time.rates.peak_tflops))} TFLOP/s "
               f"({escape(plan.time.rates.peak_source)})")
     style = "green" if plan.fits else "bold red"

@@ -194,7 +194,8 @@ def processes_fit(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machi
     per_rank = threads or rank_threads(machine.cores, par.nproc_per_node)
     if par.nproc_per_node * per_rank <= machine.cores:
         return []
-    return [Finding(f"{par.nproc_per_node} process(es) × {per_rank} thread(s) (train.threads = {threads}) on "
+    chosen = f"train.threads = {threads}" if threads else "train.threads auto"
+    return [Finding(f"{par.nproc_per_node} process(es) × {per_rank} thread(s) ({chosen}) on "
                     f"{machine.cores} cores: they will share cores, so step times measure the contention; "
                     "lower train.threads or parallel.nproc_per_node", False)]
 

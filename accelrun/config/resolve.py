@@ -84,7 +84,11 @@ def resolve_config_path(ref: str | Path, dirs: list[Path]) -> Path:
     if path.is_file():
         return path
     if looks_like_path(str(ref)) or path.suffix:
-        raise ConfigError(f"config file not found: {ref}")
+        hint = ""
+        if not path.is_absolute() and path.parts[:1] == ("configs",):  # the repository's examples
+            hint = (" (configs/ is the accelrun repository's folder of example recipes: run from a clone, or "
+                    "give a recipe by name, e.g. model/debug, which is found wherever you are)")
+        raise ConfigError(f"config file not found: {ref}{hint}")
     return find_recipe(str(ref), dirs)
 
 

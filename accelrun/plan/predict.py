@@ -119,6 +119,11 @@ def _notes(cfg: RunConfig, w: Workload, cluster: Cluster) -> tuple[str, ...]:
                      f"keys/values per layer and micro-batch ({cp_gather_s(w, cluster) * 1e3:.3g} ms all-gather, the "
                      "same back as a reduce-scatter in backward), not overlapped: attention waits for it; the rest "
                      f"of the activations is 1/{w.layout.cp} of one rank's")
+    devices = cluster.nodes * cluster.devices_per_node
+    if w.layout.world < devices:  # "on 4 x 8 h100-sxm" above, while the job takes fewer
+        notes.append(f"the recipe's job uses {w.layout.world} of the cluster's {devices} devices "
+                     f"(parallel.nnodes {w.layout.nnodes} × parallel.nproc_per_node {w.layout.nproc_per_node}); "
+                     "set those keys for more, or --search for the best layout on all of them")
     if cfg.parallel.fsdp_impl == "compiled" and w.layout.fsdp:
         notes.append("parallel.fsdp_impl = compiled: planned with reshard_after_forward false's memory and "
                      "gathers (the graph keeps gathered parameters for backward), overlapped as FSDP2's prefetch")

@@ -98,7 +98,7 @@ def test_more_processes_than_cores_warn_as_train_does(monkeypatch):
     monkeypatch.setattr(preflight.os, "cpu_count", lambda: 2)
     r = validate("parallel.nproc_per_node=4", "parallel.dp_shard=4", "train.device=cpu")
     assert r.exit_code == 0, r.output
-    assert "warning: 4 process(es) × 1 thread(s) (train.threads = None) on 2 cores" in r.stderr
+    assert "warning: 4 process(es) × 1 thread(s) (train.threads auto) on 2 cores" in r.stderr
 
 
 def test_more_processes_than_gpus_exit_2(monkeypatch):

@@ -40,6 +40,14 @@ def test_a_key_one_section_too_high_is_pointed_down(write):
     assert f"{p.resolve()}:3: unknown key 'train.warmup_steps'; did you mean 'train.lr_schedule.warmup_steps'?" in msg
 
 
+def test_the_repository_s_configs_folder_missing_says_what_it_is(tmp_path, monkeypatch):
+    from accelrun.config import ConfigError, load_config
+
+    monkeypatch.chdir(tmp_path)  # outside a clone
+    with pytest.raises(ConfigError, match="configs/ is the accelrun repository's folder of example recipes"):
+        load_config("configs/llama.yaml")
+
+
 def test_duplicate_key_is_an_error(write):
     p = write("bad.yaml", "train:\n  steps: 1\n  steps: 2\n")
     assert "duplicate key 'train.steps' (first set on line 2)" in error_of(p)

@@ -42,6 +42,13 @@ def test_another_cluster_keeps_the_recipe_s_node_count():
     assert r.exit_code == 0 and r.output.splitlines()[0].endswith(" on 4 × 8 custom"), r.output
 
 
+def test_a_job_smaller_than_its_cluster_is_said():
+    r = CliRunner().invoke(cli, ["plan", "model/llama3-70b", "--cluster", "h100-8x", "cluster.nodes=4",
+                                 "train.precision=bf16-mixed"])
+    assert r.exit_code == 0, r.output
+    assert "note: the recipe's job uses 1 of the cluster's 32 devices" in " ".join(r.output.split()), r.output
+
+
 def test_the_8b_recipe_dry_runs_to_the_planned_bytes():
     r = CliRunner().invoke(cli, ["train", str(REPO / "configs" / "llama3-8b-h100.yaml"), "--dry-run"])
     assert r.exit_code == 0, r.output
