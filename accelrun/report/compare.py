@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accelrun.report.compile_time import record_seconds
+from accelrun.report.lineage import crash_error
 from accelrun.report.parity import LossParity, default_rtol, loss_parity
 from accelrun.report.rundata import RunRecord
 from accelrun.report.stats import RESAMPLES, RatioCI, bootstrap_ratio_of_medians, median
@@ -140,11 +141,17 @@ def compare_groups(groups: list[Group], *, rtol: float | None = None, seed: int 
             if not row.parity.agrees:
                 row.parity_cause = _numeric_cause(diff, [0, gi])
     _tokens_note(groups, notes)
+    warnings_of_status: list[str] = []
     for r in runs:
+        if r.status in ("crashed", "interrupted", "running", "diverged"):  # its figures are partial
+            why = crash_error(r.path) if r.status == "crashed" else None
+            warnings_of_status.append(f"{r.label} {r.status}" + (f": {why}" if why else "") +
+                                      f" after {len(r.metrics)} step(s): its figures cover those steps only")
         if len(r.segments) > 1:
             notes.append(f"{r.label} was resumed: its steps are those of its {len(r.segments)} run folders, from "
                          f"{r.segments[0]} on (each warms up again)")
     warnings, env_notes = environment_differences(runs)
+    warnings = warnings_of_status + warnings
     for row in rows:
         if row.run_spread is not None and row.run_spread > SPREAD_WARNING:
             tail = ("rounds are compared pair by pair, so only the part that changed the ratio widens the "
