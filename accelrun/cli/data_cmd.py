@@ -125,7 +125,7 @@ def _print_summary(info: dict) -> None:
     table.add_column(style="bold")
     table.add_column(justify="right")
     labels = {"path": "written", "files": "input files", "bytes": "input bytes", "tokens": "tokens",
-              "token_bytes": "bytes per token", "tokenizer": "tokenizer", "vocab_size": "vocabulary",
+              "token_bytes": "bytes stored per token id", "tokenizer": "tokenizer", "vocab_size": "vocabulary",
               "sha256": "sha256 of the tokens", "tokenizer_file": "tokenizer file",
               "between_documents": "between documents", "shards": "shards", "documents": "documents",
               "text_field": "text field"}

@@ -37,7 +37,8 @@ def supported() -> str:
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
     path = Path(folder).expanduser() / "config.json"
     if not Path(folder).expanduser().is_dir():
-        what = "no such folder"
+        what = ("no such folder (a local transformers folder: config.json, weights and tokenizer; "
+                "`accelrun data examples` writes a tiny one, models/my-chat-model)")
         if path.parent.is_file():
             what = "a file, not a folder (give the folder holding config.json)"
         raise HFModelError(f"model.hf = {str(folder)!r}: {what}")

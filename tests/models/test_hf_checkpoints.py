@@ -164,7 +164,7 @@ def test_model_hf_typos_missing_folders_and_replaced_overrides(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown key 'model\.hff'; did you mean 'model\.hf'"):
         load_config("configs/hf-llama.yaml", [f"model.hff={tmp_path}"])
     # A missing folder names where model.hf was set.
-    with pytest.raises(ConfigError, match=r"no such folder \(model\.hf: configs/hf-llama\.yaml:\d+\)"):
+    with pytest.raises(ConfigError, match=r"no such folder \(a local transformers folder.*models/my-chat-model\) \(model\.hf: configs/hf-llama\.yaml:\d+\)"):
         load_config("configs/hf-llama.yaml", ["data.tokenizer=byte"])
     with pytest.raises(ConfigError, match=r"config\.json': a file, not a folder \(give the folder holding"):
         load_config("configs/hf-llama.yaml", [f"model.hf={tmp_path / 'config.json'}", "data.tokenizer=byte"])
