@@ -33,3 +33,11 @@ def test_the_hf_section_says_a_folder_without_a_tokenizer_needs_the_byte_tokeniz
     (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
     r = CliRunner().invoke(cli, ["validate", str(REPO / "configs" / "hf-llama.yaml"), f"model.hf={tmp_path}"])
     assert r.exit_code == 2 and "data.tokenizer=byte" in r.stderr, r.output
+
+
+def test_the_readme_s_table_of_shipped_recipes_names_every_one():
+    table = _section((REPO / "README.md").read_text(), "Shipped recipes:")
+    listed = {(family, name) for family, names in re.findall(r"^\| `(\w+)/` \| (.*) \|$", table, re.M)
+              for name in re.findall(r"`([\w.-]+)`", names)}
+    shipped = {(p.parent.name, p.stem) for p in (REPO / "recipes").glob("*/*.yaml")}
+    assert shipped and shipped <= listed, sorted(shipped - listed)
