@@ -21,8 +21,15 @@ class ResultConsole(Console):
 
     def on_broken_pipe(self) -> None:
         self.quiet = True  # later prints are dropped
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # and Python's own flush of stdout at exit succeeds
+        quiet_stdout()
+
+
+def quiet_stdout() -> None:
+    """stdout's reader has gone: what is still written goes to /dev/null, so Python's own flush of stdout
+    at exit succeeds instead of failing a second time."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 # Results go to stdout (pipeable); progress, logs and errors to stderr.

@@ -8,7 +8,7 @@ import sys
 import click
 
 from accelrun import __version__
-from accelrun.cli.common import print_user_error
+from accelrun.cli.common import print_user_error, quiet_stdout
 from accelrun.errors import UserError
 
 
@@ -19,7 +19,7 @@ class AccelrunGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             result = super().invoke(ctx)
-            sys.stdout.flush()  # a closed pipe shows here, in this handler, not in click's (exit 1) or at exit
+            _flush_stdout()
             return result
         except KeyboardInterrupt:
             # Before a command catches signals itself (train does, once its run directory exists): the
@@ -29,12 +29,6 @@ class AccelrunGroup(click.Group):
                 raise
             click.echo("interrupted (exit 130)", err=True)
             ctx.exit(130)
-        except BrokenPipeError:
-            # The reader of stdout stopped (`accelrun compile explain ... | head`): that is not an error of
-            # the command's. Python would print a traceback, or fail again flushing stdout at exit.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            ctx.exit(0)
         except Exception as e:
             debug = (ctx.obj or {}).get("debug") or os.environ.get("ACCELRUN_DEBUG") == "1"
             if debug:
@@ -43,6 +37,15 @@ class AccelrunGroup(click.Group):
                 print_user_error(e)
                 ctx.exit(e.exit_code)
             raise
+
+
+def _flush_stdout() -> None:
+    """What is left of stdout's buffer, at the command's end. Only a closed stdout is forgiven here (the
+    reader stopped: `... | head`); any other broken pipe is the command's own error and propagates."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        quiet_stdout()
 
 
 @click.group(cls=AccelrunGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -331,19 +331,35 @@ class GraphCache:
         return EntryKey(full, stateless, state)
 
     def note_state_change(self, state_file: Path, now: dict[str, str]) -> None:
-        """A miss where an entry of the same code and inputs was saved under other global state (another
-        thread count, most often): say so, since the run compiles where the user expected a load."""
-        try:
-            saved = json.loads(state_file.read_text())
-        except (OSError, ValueError):
+        """A miss where entries of the same code and inputs were saved under other global state (another
+        thread count, most often): say so, naming the nearest saved state's differences, since the run
+        compiles where the user expected a load."""
+        nearest = min((changes for saved in saved_states(state_file) if (changes := state_changes(saved, now))),
+                      key=len, default=None)
+        if nearest and (line := "; ".join(nearest)) not in self.stats["state_changed"]:
+            self.stats["state_changed"].append(line)
+
+    def remember_state(self, state_file: Path, state: dict[str, str]) -> None:
+        """Add ``state`` to the states entries of this code and inputs were saved under."""
+        states = saved_states(state_file)
+        if state in states:
             return
-        if isinstance(saved, dict) and (changes := state_changes(saved, now)):
-            line = ", ".join(changes)
-            if line not in self.stats["state_changed"]:
-                self.stats["state_changed"].append(line)
+        try:
+            CachedMethod._write(state_file, json.dumps([*states, state]).encode())
+        except OSError as e:  # only the reason for a later miss is lost: the entry itself is saved
+            self.error(f"could not save {state_file.name}", e)
 
     def error(self, what: str, e: BaseException) -> None:
         self.stats["errors"].append(f"{what}: {one_line(e)}")
+
+
+def saved_states(state_file: Path) -> list[dict[str, str]]:
+    """The global states saved beside entries of one method and input kind (``remember_state``)."""
+    try:
+        saved = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        return []
+    return [s for s in saved if isinstance(s, dict)] if isinstance(saved, list) else []
 
 
 # How a graph-cache error starts when a method could not be precompiled (a graph break, an untraceable
@@ -428,7 +444,7 @@ class CachedMethod:
                 coverage.forget_since(counted)
                 return self._fall_back(f"{PRECOMPILE_FAILED} (nothing saved: each new process compiles it again)", e)
             if self._save(entry, traced, path):
-                self._write(state_file, json.dumps(key.state).encode())
+                self.cache.remember_state(state_file, key.state)
         self.entries.append(entry)
         return entry
 

@@ -85,7 +85,7 @@ def resolve_config_path(ref: str | Path, dirs: list[Path]) -> Path:
         return path
     if looks_like_path(str(ref)) or path.suffix:
         hint = ""
-        if not path.is_absolute() and path.parts[:1] == ("configs",):  # the repository's examples
+        if not path.is_absolute() and path.parts[:1] == ("configs",) and not Path("configs").is_dir():  # outside a clone
             hint = (" (configs/ is the accelrun repository's folder of example recipes: run from a clone, or "
                     "give a recipe by name, e.g. model/debug, which is found wherever you are)")
         raise ConfigError(f"config file not found: {ref}{hint}")

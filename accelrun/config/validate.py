@@ -117,7 +117,8 @@ def _describe(err: dict, data: dict, sources: dict[KeyPath, Source]) -> str:
         hint = nearest(got, choices) or CHOICE_SYNONYMS.get(str(path[-1]), {}).get(got.lower())
         if hint:
             msg += f"; did you mean '{hint}'?"
-    if err["type"] != "missing" and not isinstance(got, dict) and not (err["type"] == "value_error" and "got" in text):
+    if err["type"] != "missing" and not isinstance(got, dict) and not (
+            err["type"] == "value_error" and (repr(got) in text or isinstance(got, bool))):  # said already
         msg += f" (got {got!r})"
     if err["type"] in SEQUENCE_ERRORS and not beyond[1:]:
         msg += f"; {_sequence_spelling(path, got, where)}"
@@ -198,8 +199,12 @@ def _same_name_below(section: KeyPath, name: str) -> KeyPath | None:
     """The key named ``name`` one section further down from ``section`` (``train.lr`` is
     ``train.optimizer.lr``; ``train.warmup_steps`` is ``train.lr_schedule.warmup_steps``), when exactly one
     such key exists."""
+    if not section:  # a top-level warmup_steps could mean train's or report's: nearest() says no more
+        return None
     found = [section + (sub, name) for sub in _fields_at(section)
-             if name in _fields_at(section + (sub,)) and _section_type(_annotation_at(section + (sub,)))]
+             if name in _fields_at(section + (sub,))
+             and get_origin(annotation := _annotation_at(section + (sub,))) is not list  # data.mix's items: no key
+             and _section_type(annotation)]
     return found[0] if len(found) == 1 else None
 
 

@@ -1,7 +1,8 @@
 """Load a recipe for planning: compose it, put in the cluster given on the command line, override.
 
-``--cluster NAME_OR_FILE`` replaces the recipe's whole ``cluster`` section (it is not merged into
-it: one machine's figures must not leak into another's). NAME is looked up as ``cluster/NAME`` on
+``--cluster NAME_OR_FILE`` replaces the recipe's ``cluster`` section (it is not merged into it: one
+machine's figures must not leak into another's), all but a node count the recipe set apart from its
+cluster description, which is the job's. NAME is looked up as ``cluster/NAME`` on
 the recipe search path; a file must hold a ``cluster:`` mapping and nothing else. Command-line
 overrides apply last, so ``cluster.nodes=16`` adjusts the cluster that was given.
 """

@@ -143,10 +143,10 @@ def compare_groups(groups: list[Group], *, rtol: float | None = None, seed: int 
     _tokens_note(groups, notes)
     warnings_of_status: list[str] = []
     for r in runs:
-        if r.status in ("crashed", "interrupted", "running", "diverged"):  # its figures are partial
-            why = crash_error(r.path) if r.status == "crashed" else None
-            warnings_of_status.append(f"{r.label} {r.status}" + (f": {why}" if why else "") +
-                                      f" after {len(r.metrics)} step(s): its figures cover those steps only")
+        if r.status in ("crashed", "interrupted", "running", "diverged", "continued"):  # its figures are partial
+            why = (crash_error(r.path) or "").strip().splitlines()[:1] if r.status == "crashed" else []
+            warnings_of_status.append(f"{r.label} {r.status} after {len(r.metrics)} step(s), which its figures "
+                                      "cover" + "".join(f" ({w[:200]})" for w in why))
         if len(r.segments) > 1:
             notes.append(f"{r.label} was resumed: its steps are those of its {len(r.segments)} run folders, from "
                          f"{r.segments[0]} on (each warms up again)")

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -450,6 +451,9 @@ def test_each_thread_count_has_its_own_entry(threads):
     again = step(*COMPILED)
     assert again[2].graph_cache["loaded"] == 2 and again[2].graph_cache["compiled"] == 0, again[2].graph_cache
     assert again[2].graph_cache["state_changed"] == [] and "compiled again" not in again[2].compiled_line()
+    # Every state an entry of this code was saved under is kept beside it, not only the last one.
+    sidecars = list(Path(os.environ["ACCELRUN_CACHE_DIR"]).rglob("*.state"))
+    assert sidecars and all([s["threads"] for s in json.loads(f.read_text())] == ["2", "1"] for f in sidecars)
     assert_close(again, first, rel=1e-5)
 
 

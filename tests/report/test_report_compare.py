@@ -122,10 +122,10 @@ def test_an_interrupted_run_compares_from_its_metrics(runs, tmp_path):
     assert r.status == "interrupted" and len(r.steady_step_times()) == 7
     c = compare_groups(groups(runs["base"], cut), resamples=200)
     assert c.rows[1].parity.status == "identical" and c.rows[1].median_step_s is not None
-    assert c.warnings == ["B interrupted after 8 step(s): its figures cover those steps only"], c.warnings
-    (cut / "crashed.json").write_text(json.dumps({"error": "RuntimeError: out of memory"}))
+    assert c.warnings == ["B interrupted after 8 step(s), which its figures cover"], c.warnings
+    (cut / "crashed.json").write_text(json.dumps({"error": "RuntimeError: out of memory\n  (traceback...)"}))
     c = compare_groups(groups(runs["base"], cut), resamples=200)
-    assert c.warnings[0] == "B crashed: RuntimeError: out of memory after 8 step(s): its figures cover those steps only"
+    assert c.warnings[0] == "B crashed after 8 step(s), which its figures cover (RuntimeError: out of memory)"
 
 
 def test_a_resumed_run_compares_over_all_its_folders(runs, tmp_path):

@@ -17,7 +17,8 @@ Each function has two pieces, both computed and one chosen, as ``acc_exp`` does:
   ``exp(-a^2) * R(t)`` with a = |y| and t = 1 / (1 + 0.4 a), R fitted to erfc(a) exp(a^2) (the scaled
   complementary error function) on [0, 4]; for y >= 0 it is 2 minus that. One piece instead of
   ``acc_erf``'s two, and no cancellation: 1 + erf(y) for y << 0 kept erf's absolute error, 8e-3
-  relative at y = -3 (as eager's does), where this keeps 2.3e-7 plus exp's few ulp. A GELU's forward
+  relative at y = -3 (as eager's does), where this keeps 2.3e-7 plus exp's few ulp. Below y = -4 the fit
+  is extrapolated (0.1% relative at worst, on values under 1.5e-8). A GELU's forward
   took 4.2 ms over 4096 x 640 through ``acc_erf`` and 3.0 through this, ATen's 2.9 (one thread).
 
 erf(4) and tanh(10) round to 1 in fp32, so t stops there; a NaN passes through (t is NaN, and so is
@@ -67,7 +68,11 @@ static inline float acc_one_plus_erf(float y) {{
     const float t = 1.0f / (1.0f + {ERFC_P}f * a);
 {_horner("t", ERFC_SCALED, "r")}
     const float hi = a * a;
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
     const float lo = __builtin_fmaf(a, a, -hi);  // a^2 = hi + lo exactly: exp(-lo) ~ 1 - lo
+#else
+    const float lo = 0.0f;  // without the instruction fmaf is a scalar libm call, which stops vectorizing
+#endif
     const float e = r * acc_exp(-hi) * (1.0f - lo);
     return y < 0.0f ? e : 2.0f - e;
 }}
