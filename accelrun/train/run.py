@@ -148,8 +148,12 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
     except BaseException as e:
         if trackers is not None:
             trackers.close()
-        if isinstance(e, UserError) and main and s.resumed_from is None and not _steps_recorded(run_dir):
-            _remove_unused(run_dir, console)  # the model's output refused at its first step: nothing ran
+        if (isinstance(e, UserError) and ctx is None and s.resumed_from is None and not _steps_recorded(run_dir)
+                and not cfg.compile.dump and not cfg.report.trackers):
+            # The model's output refused at its first step: nothing ran. One process only (a job's other
+            # ranks and its agent may still write there), and not when the folder holds the step's
+            # compile dumps or trackers' files, which are worth reading.
+            _remove_unused(run_dir, console)
         raise
     finally:
         if progress is not None:
