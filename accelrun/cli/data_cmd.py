@@ -96,10 +96,10 @@ def is_record_input(inputs: tuple[str, ...]) -> bool:
 
 
 def _prepare_records(inputs: tuple[str, ...], output: Path, tokenizer: str, text_field: str, workers: int) -> None:
-    from accelrun.config.record_paths import skipped_note
+    from accelrun.config.record_paths import skipped_in_folders, skipped_note
     from accelrun.data.prepare_records import prepare_records
 
-    if note := skipped_note(inputs):
+    if note := skipped_note(skipped_in_folders(inputs)):
         err.print(f"[bold yellow]warning:[/] {escape(note)}", highlight=False)
     started = time.perf_counter()
     with Progress(*Progress.get_default_columns()[:1], BarColumn(), DownloadColumn(), TransferSpeedColumn(),

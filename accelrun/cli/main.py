@@ -25,18 +25,22 @@ class AccelrunGroup(click.Group):
             # Before a command catches signals itself (train does, once its run directory exists): the
             # shell's code for SIGINT, which schedulers read as "interrupted", where click's "Aborted!"
             # exits 1, a crash.
-            if (ctx.obj or {}).get("debug") or os.environ.get("ACCELRUN_DEBUG") == "1":
+            if _debugging(ctx):
                 raise
             click.echo("interrupted (exit 130)", err=True)
             ctx.exit(130)
         except Exception as e:
-            debug = (ctx.obj or {}).get("debug") or os.environ.get("ACCELRUN_DEBUG") == "1"
-            if debug:
+            if _debugging(ctx):
                 raise
             if isinstance(e, UserError):
                 print_user_error(e)
                 ctx.exit(e.exit_code)
             raise
+
+
+def _debugging(ctx: click.Context) -> bool:
+    """--debug or ACCELRUN_DEBUG=1: tracebacks as Python prints them."""
+    return bool((ctx.obj or {}).get("debug")) or os.environ.get("ACCELRUN_DEBUG") == "1"
 
 
 def _flush_stdout() -> None:

@@ -103,17 +103,16 @@ def _tflops(value: float) -> str:
 
 def _calibrate(devices_per_node: int, output: Path | None, show: bool = True) -> Path:
     from accelrun.plan.calibrate import cache_path, calibrate, to_yaml  # imports torch when it measures
+    from accelrun.report.machine_load import CpuWindow, busy_note
 
     err.print(f"measuring this machine as {devices_per_node} device(s): matmuls, attention, memory, collectives "
               "(about a minute) ...")
-    from accelrun.report.machine_load import BUSY_WARNING, CpuWindow
-
     window = CpuWindow()  # the probes' worker processes are this one's descendants: not counted as others
     description = calibrate(devices_per_node)
-    if (share := window.others_share()) is not None and share > BUSY_WARNING:
-        err.print(f"[bold yellow]warning:[/] other processes used {share:.0%} of this machine's CPU during the "
-                  "calibration: its rates are lower than a quiet machine's, so plans made from it predict slower "
-                  "steps; run --calibrate again when the machine is quiet (top shows who is busy)", highlight=False)
+    if busy := busy_note(window.others_share(), "the calibration", threads=1,
+                         effect="its rates are lower than a quiet machine's, so plans made from it predict slower "
+                                "steps; run --calibrate again when the machine is quiet"):
+        err.print(f"[bold yellow]warning:[/] {escape(busy)}", highlight=False)
     text = to_yaml(description)
     path = cache_path(devices_per_node, gpu=description["cluster"]["calibration"]["device_name"])
     path.parent.mkdir(parents=True, exist_ok=True)

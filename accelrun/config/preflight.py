@@ -120,8 +120,9 @@ def _first_records(paths: list[str], paths_key: KeyPath, field_path: KeyPath, fi
                    sources: dict[KeyPath, Source]) -> list[Finding]:
     from accelrun.config.record_paths import file_names, peek_records, record_files, skipped_note
 
+    skipped: list[Path] = []
     try:
-        files = record_files(paths, key=".".join(map(str, paths_key)))
+        files = record_files(paths, key=".".join(map(str, paths_key)), skipped=skipped)
         peeks = [peek_records(f) for f in files]
     except UserError as e:
         return [Finding(f"{m} ({source_of(paths_key, sources, exact=False)})", True) for m in e.messages]
@@ -143,7 +144,7 @@ def _first_records(paths: list[str], paths_key: KeyPath, field_path: KeyPath, fi
     if all(p.empty for p in peeks):
         return [Finding(f"{'.'.join(map(str, paths_key))}: the corpus is empty: no records in {file_names(files)} "
                         f"({source_of(paths_key, sources, exact=False)})", True)]
-    if note := skipped_note(paths):
+    if note := skipped_note(skipped):
         return [Finding(f"{'.'.join(map(str, paths_key))}: {note}", False)]
     return []
 

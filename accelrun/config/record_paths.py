@@ -45,20 +45,25 @@ class RecordFile:
     format: RecordFormat
 
 
-def record_files(paths: Sequence[str], *, key: str = "data.paths") -> list[RecordFile]:
+def record_files(paths: Sequence[str], *, key: str = "data.paths",
+                 skipped: list[Path] | None = None) -> list[RecordFile]:
     """The record files ``paths`` names, in order: a file by its extension, a ``save_to_disk`` folder as
-    its Arrow files, any other folder as the record files under it (sorted), a glob as its matches."""
+    its Arrow files, any other folder as the record files under it (sorted), a glob as its matches.
+    ``skipped``, when given, collects the folders' other files (``skipped_note`` names them)."""
     if not paths:
         raise DataError(f"{key} is empty: give at least one file, folder or glob")
     out: list[RecordFile] = []
     seen: set[str] = set()
     for pattern in paths:
-        expanded, matches = _matches(pattern)
+        expanded = os.path.expanduser(pattern)
+        matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else (
+            [expanded] if os.path.exists(expanded) else [])
         if not matches:
             raise DataError(f"{key}: {pattern!r} matches no file or folder{where_relative(pattern)}")
         found: list[RecordFile] = []
         for m in matches:
-            found += _folder_files(Path(m), key) if os.path.isdir(m) else _one_file(Path(m), key, strict=m == expanded)
+            found += (_folder_files(Path(m), key, skipped) if os.path.isdir(m)
+                      else _one_file(Path(m), key, strict=m == expanded))
         if not found:
             raise DataError(f"{key}: {pattern!r} holds no record files ({', '.join(EXTENSIONS)})")
         for f in found:
@@ -66,14 +71,6 @@ def record_files(paths: Sequence[str], *, key: str = "data.paths") -> list[Recor
                 seen.add(a)
                 out.append(f)
     return out
-
-
-def _matches(pattern: str) -> tuple[str, list[str]]:
-    """``pattern`` with ``~`` expanded, and the existing paths it names (a glob's, sorted)."""
-    expanded = os.path.expanduser(pattern)
-    if glob.has_magic(expanded):
-        return expanded, sorted(glob.glob(expanded, recursive=True))
-    return expanded, [expanded] if os.path.exists(expanded) else []
 
 
 def _one_file(path: Path, key: str, *, strict: bool) -> list[RecordFile]:
@@ -121,22 +118,19 @@ def _folder_files(folder: Path, key: str, skipped: list[Path] | None = None) -> 
 
 def skipped_in_folders(paths: Sequence[str]) -> list[Path]:
     """The files under the folders ``paths`` names that ``record_files`` passes over (not a record
-    extension), so a run can say what it did not read; a ``save_to_disk`` folder's other files are its
-    metadata and are not counted. A pattern ``record_files`` refuses is its to report: none here."""
+    extension), for a command that reads the records later; a ``save_to_disk`` folder's other files are
+    its metadata and are not counted. A pattern ``record_files`` refuses is its to report: none here."""
     skipped: list[Path] = []
-    for pattern in paths:
-        for m in _matches(pattern)[1]:
-            if os.path.isdir(m):
-                try:
-                    _folder_files(Path(m), "", skipped)
-                except DataError:
-                    pass
+    try:
+        record_files(paths, skipped=skipped)
+    except DataError:
+        pass
     return skipped
 
 
-def skipped_note(paths: Sequence[str]) -> str | None:
-    """One line naming what ``skipped_in_folders`` finds, or None when a folder holds only records."""
-    if not (skipped := skipped_in_folders(paths)):
+def skipped_note(skipped: Sequence[Path]) -> str | None:
+    """One line naming the files a folder walk passed over, or None when there were none."""
+    if not skipped:
         return None
     many = len(skipped) > 1
     return (f"skipping {len(skipped)} file{'s' if many else ''} in the folders given that {'are' if many else 'is'} "

@@ -183,16 +183,9 @@ def _data_path(loc: tuple, data: Any) -> KeyPath:
 
 
 def _fields_at(path: KeyPath) -> list[str]:
-    model: type[BaseModel] = RunConfig
-    for part in path:
-        if isinstance(part, int):  # an item of the list of sections named before it (data.mix.1)
-            continue
-        field = model.model_fields.get(str(part))
-        ann = _section_type(getattr(field, "annotation", None))
-        if ann is None:
-            return []
-        model = ann
-    return list(model.model_fields)
+    """The keys of the section at ``path`` (the top level for ``()``), or none where it is no section."""
+    section = _section_type(_annotation_at(path)) if path else RunConfig
+    return list(section.model_fields) if section is not None else []
 
 
 def _same_name_below(section: KeyPath, name: str) -> KeyPath | None:
@@ -209,13 +202,16 @@ def _same_name_below(section: KeyPath, name: str) -> KeyPath | None:
 
 
 def _annotation_at(path: KeyPath) -> Any:
+    """The type annotation of the key at ``path`` (a non-empty one), None past a value that is no section.
+    An index (``data.mix.1``) stands for an item of the list of sections named before it."""
     model: type[BaseModel] | None = RunConfig
     annotation: Any = None
     for part in path:
+        if isinstance(part, int):
+            continue
         if model is None:
             return None
-        field = model.model_fields.get(str(part))
-        annotation = getattr(field, "annotation", None)
+        annotation = getattr(model.model_fields.get(str(part)), "annotation", None)
         model = _section_type(annotation)
     return annotation
 

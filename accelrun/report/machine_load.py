@@ -119,16 +119,17 @@ def others_share(busy_s: float | None, job_cpu_s: float, wall_s: float, cores: i
     return min(max((busy_s - job_cpu_s) / (wall_s * cores), 0.0), 1.0)
 
 
-def busy_note(share: float | None, where: str, threads: int | None = None) -> str | None:
+def busy_note(share: float | None, where: str, threads: int | None = None,
+              effect: str = "the step times and tokens/s are slower than on a quiet machine; to measure, run "
+                            "again when it is quiet") -> str | None:
     """The warning a report and the terminal give when others used a noticeable share, else None.
-    ``threads``: the run's, when known (at one already, fewer is no advice)."""
+    ``threads``: the run's, when known (at one already, fewer is no advice); ``effect``: what the load
+    did to the figures measured during ``where``, and what to do."""
     if share is None or share <= BUSY_WARNING:
         return None
     fewer = "" if threads == 1 else ("; to train beside them, fewer threads wait less on a shared core "
                                      "(train.threads=1)")  # fmt: skip
-    return (f"other processes used {share:.0%} of this machine's CPU during {where}: the step times and "
-            f"tokens/s are slower than on a quiet machine; to measure, run again when it is quiet (top shows "
-            f"who is busy){fewer}")
+    return f"other processes used {share:.0%} of this machine's CPU during {where}: {effect} (top shows who is busy){fewer}"
 
 
 def usable_cores() -> int:
