@@ -165,8 +165,8 @@ def _figures(g: Group) -> GroupFigures:
     times = [t for r in g.runs for t in r.steady_step_times()]
     med = median(times) if times else None
     tokens = g.runs[0].job_tokens_per_step  # the job's throughput, whatever its rank count
-    mfus = [r.figure("mfu") for r in g.runs if r.figure("mfu") is not None]
-    mems = [m for r in g.runs for m in [_mem(r)] if m is not None]
+    mfus = [r.mfu for r in g.runs if r.mfu is not None]
+    mems = [r.mem_peak_bytes for r in g.runs if r.mem_peak_bytes is not None]
     compiles = [c for r in g.runs for c in [_compile_time(r)] if c is not None]
     run_medians = [median(t) for r in g.runs if (t := r.steady_step_times())]
     spread = max(run_medians) / min(run_medians) - 1 if len(run_medians) > 1 else None
@@ -181,13 +181,6 @@ def _figures(g: Group) -> GroupFigures:
         final_val_loss=next((float(m["val_loss"]) for m in reversed(g.runs[0].metrics)
                              if m.get("val_loss") is not None), None),
     )
-
-
-def _mem(r: RunRecord) -> int | None:
-    if r.figure("mem_peak_bytes") is not None:
-        return int(r.figure("mem_peak_bytes"))
-    mem = [m["mem_peak_bytes"] for m in r.metrics if m.get("mem_peak_bytes") is not None]
-    return max(mem) if mem else None
 
 
 def _compile_time(r: RunRecord) -> float | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -105,6 +106,31 @@ class RunRecord:
 
     def figure(self, key: str) -> Any:
         return (self.report or {}).get(key)
+
+    @cached_property
+    def segment_reports(self) -> list[dict]:
+        """report.json of each of a resumed run's folders that wrote one, first folder first (the last
+        one's is ``report``)."""
+        reports = [_read_json(s / "report.json") for s in self.segments[:-1]]
+        return [r for r in reports if r is not None] + ([self.report] if self.report is not None else [])
+
+    @property
+    def mfu(self) -> float | None:
+        """The report's MFU at this run's median steady step. A resumed run's report measured its last
+        folder's steps only; its flops per step and peak hold for every folder (the model is the same)."""
+        said = self.figure("mfu")
+        measured_at = (self.figure("step_time_s") or {}).get("median")
+        times = self.steady_step_times()
+        if said is None or len(self.segments) < 2 or not measured_at or not times:
+            return said
+        return float(said) * float(measured_at) / statistics.median(times)
+
+    @property
+    def mem_peak_bytes(self) -> int | None:
+        """The highest peak its folders' reports give, else its metrics' rows (a run without a report)."""
+        peaks = [int(r["mem_peak_bytes"]) for r in self.segment_reports if r.get("mem_peak_bytes") is not None]
+        peaks = peaks or [int(m["mem_peak_bytes"]) for m in self.metrics if m.get("mem_peak_bytes") is not None]
+        return max(peaks) if peaks else None
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 
 import pytest
 
@@ -147,6 +148,32 @@ def test_a_resumed_run_compares_over_all_its_folders(runs, tmp_path):
     c = compare_groups(groups(runs["base"], resumed), resamples=200)
     assert c.rows[1].parity.status == "identical" and c.rows[1].parity.steps_compared == 8, c.rows[1].parity
     assert any(n.startswith("B was resumed: its steps are those of its 2 run folders") for n in c.notes), c.notes
+
+
+def test_a_resumed_runs_mfu_and_memory_cover_all_its_folders(runs, tmp_path):
+    """The first folder ran at half the speed and a higher memory peak; the resumed folder's report
+    measured only its own steps. compare's MFU follows the run's median step over both folders (as its
+    tokens/s does), and its peak is the higher one."""
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    rows = [json.loads(line) for line in (runs["twin"] / "metrics.jsonl").read_text().splitlines()]
+    shutil.copytree(runs["twin"], first)
+    shutil.copytree(runs["twin"], resumed)
+    (first / "metrics.jsonl").write_text(
+        "".join(json.dumps({**m, "step_time_s": 2 * m["step_time_s"]}) + "\n" for m in rows[:5]))
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows[5:]))
+    report = json.loads((resumed / "report.json").read_text())
+    (first / "report.json").write_text(json.dumps({**report, "mem_peak_bytes": report["mem_peak_bytes"] * 3}))
+    (resumed / "report.json").write_text(json.dumps({**report, "mfu": 0.5}))
+    (resumed / "lineage.json").write_text(json.dumps({"continues": str(first), "from_step": 5, "segment": 2}))
+    r = load_run(resumed)
+    times = r.steady_step_times()
+    assert len(times) == 4 + 2  # steps 2-5 of the first folder, 7-8 of the resumed one
+    expected = 0.5 * report["step_time_s"]["median"] / statistics.median(times)
+    assert expected < 0.5 * 0.9  # the slow folder pulls the run's MFU down
+    c = compare_groups(groups(runs["base"], resumed), resamples=200)
+    assert c.rows[1].mfu == pytest.approx(expected)
+    assert c.rows[1].mem_peak_bytes == report["mem_peak_bytes"] * 3
+    assert c.rows[1].tokens_per_s == pytest.approx(128 / statistics.median(times))
 
 
 def as_two_ranks(src, dst, slowdown: float):
