@@ -54,7 +54,7 @@ def moe_warnings(cfg: RunConfig, set_by_user: Callable[..., object]) -> list[str
     """Keys the user set that the model will not read: the MoE keys on another family, ffn_dim on MoE."""
     m = cfg.model
     if m.custom is not None:
-        return []  # the custom-model warning names every shape key already
+        return []  # the custom-model warning names every family key already
     if m.arch != "moe":
         ignored = [f"model.{k}" for k in MOE_KEYS if set_by_user("model", k)]
         one = len(ignored) == 1

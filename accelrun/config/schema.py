@@ -89,6 +89,12 @@ class RopeScalingConfig(Section):
     original_max_seq_len: PositiveInt = 8192
 
 
+# What a user's own model (model.custom) reads of model.*: its factory and arguments, the folder a
+# tokenizer may come from (data.tokenizer = hf), and vocab_size, which checks the data's token ids where
+# the model's token table cannot be told. Every other model key is read by the model families only.
+CUSTOM_MODEL_READS = ("custom", "kwargs", "hf", "vocab_size")
+
+
 class ModelConfig(Section):
     """A decoder of one of accelrun's model families (``arch``), or a user's own model by import path."""
 
@@ -162,6 +168,11 @@ class ModelConfig(Section):
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @classmethod
+    def family_only_keys(cls) -> tuple[str, ...]:
+        """The keys a user's own model (``custom``) does not read."""
+        return tuple(k for k in cls.model_fields if k not in CUSTOM_MODEL_READS)
 
 
 class MixSource(Section):

@@ -21,7 +21,7 @@ from accelrun.config.compose import DEFAULT, Source
 from accelrun.config.data_checks import PATH_SOURCES_HINT, data_problems, mix_warnings
 from accelrun.config.errors import ConfigError, nearest
 from accelrun.config.moe_checks import moe_problems, moe_warnings
-from accelrun.config.schema import INTERLEAVED_SCHEDULES, RunConfig
+from accelrun.config.schema import INTERLEAVED_SCHEDULES, ModelConfig, RunConfig
 from accelrun.config.search import search_path
 from accelrun.config.tokenizer_file import (
     BYTE_VOCAB,
@@ -475,8 +475,6 @@ def _compile_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[st
     return out
 
 
-FAMILY_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "norm_eps",
-                     "rope_theta", "max_seq_len", "tie_embeddings", "init_std")
 # Keys that only some data sources read.
 DATA_KEYS_USED_BY = {
     "builtin": ("builtin", "tokenizer", "max_bytes"),
@@ -508,10 +506,9 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
 
     out: list[str] = []
     if cfg.model.custom is not None:
-        # (vocab_size stays in use: it checks the data's ids where the model's token table cannot be told)
-        ignored = [k for k in FAMILY_SHAPE_KEYS if k != "vocab_size" and set_by_user("model", k)]
+        ignored = [k for k in ModelConfig.family_only_keys() if set_by_user("model", k)]
         if ignored:
-            out.append(f"model.custom is set, so the model families' shape keys are not used: "
+            out.append(f"model.custom is set, so these keys of the model families are not used: "
                        f"model.{', model.'.join(ignored)}")
     for key in SOURCE_SPECIFIC_DATA_KEYS if not cfg.data.mix else ():
         if key not in DATA_KEYS_USED_BY[cfg.data.source] and (src := set_by_user("data", key)):

@@ -18,6 +18,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from accelrun.config.schema import ModelConfig
 from accelrun.report.compile_time import record_seconds
 from accelrun.report.lineage import crash_error
 from accelrun.report.parity import LossParity, default_rtol, loss_parity
@@ -30,6 +31,8 @@ NUMERIC_PREFIXES = ("model.", "data.", "train.")
 NOT_NUMERIC = ("train.threads", "train.device")
 # The source shown for a key a run's config does not have (a run from an older accelrun).
 ABSENT = "(absent)"
+# Shown for a key a run has but does not read (a model family's key in a run of a user's own model).
+NOT_READ = "(not read: model.custom is set)"
 # Repeats of one setting whose median step times differ by more than this earn a warning.
 SPREAD_WARNING = 0.10
 # Fewer steady steps than this on either side: no interval.
@@ -212,23 +215,33 @@ def _tokens_note(groups: list[Group], notes: list[str]) -> None:
 
 
 def config_diff(runs: list[RunRecord]) -> list[DiffRow]:
-    """Every config key whose value is not the same in all runs, with each run's source for it."""
+    """Every config key whose value is not the same in all the runs that read it, with each run's source
+    for it (a user's own model reads few of model.*'s keys: ``NOT_READ`` in its cells)."""
     keys: list[str] = []
     for r in runs:
         keys += [k for k in r.config_flat if k not in keys]
     rows = []
     for k in keys:
-        values = [r.config_flat.get(k) for r in runs]
+        readers = [r for r in runs if _reads(r, k)]
+        values = [r.config_flat.get(k) for r in readers]
         if any(v != values[0] for v in values[1:]):
-            rows.append(DiffRow(k, values, [r.sources.get(k, "?") if k in r.config_flat else ABSENT
-                                            for r in runs]))
+            rows.append(DiffRow(k, [r.config_flat.get(k) for r in runs],
+                                [NOT_READ if r not in readers else r.sources.get(k, "?") if k in r.config_flat
+                                 else ABSENT for r in runs]))  # fmt: skip
     return rows
+
+
+def _reads(run: RunRecord, key: str) -> bool:
+    """Whether ``run``'s training reads ``key``: a user's own model reads no model family's keys."""
+    section, _, rest = key.partition(".")
+    return not (section == "model" and run.config_flat.get("model.custom")
+                and rest.partition(".")[0] in ModelConfig.family_only_keys())
 
 
 def _numeric_cause(diff: list[DiffRow], indices: list[int]) -> str:
     """The config keys that change the numbers and differ between the groups at ``indices``."""
     keys = [d.key for d in diff if d.key.startswith(NUMERIC_PREFIXES) and d.key not in NOT_NUMERIC
-            and len({repr(d.values[i]) for i in indices}) > 1]
+            and len({repr(d.values[i]) for i in indices if d.sources[i] != NOT_READ}) > 1]
     if not keys:
         return ""
     return "expected: " + ", ".join(keys[:4]) + (" and more" if len(keys) > 4 else "") + (

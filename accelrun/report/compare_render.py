@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from accelrun.report import fmt, html
-from accelrun.report.compare import ABSENT, Comparison, GroupFigures
+from accelrun.report.compare import ABSENT, NOT_READ, Comparison, GroupFigures
 from accelrun.report.plots import loss_overlay_plot, step_time_box_plot
 from accelrun.report.stats import RatioCI
 
@@ -74,7 +74,8 @@ def spread_lines(c: Comparison) -> list[str]:
 def diff_rows(c: Comparison, limit: int | None = None) -> tuple[list[str], list[list[str]]]:
     labels = c.labels
     headers = ["key", *labels]
-    rows = [[d.key, *(src if src == ABSENT else f"{v!r}  ({src})" for v, src in zip(d.values, d.sources, strict=True))]
+    rows = [[d.key, *(src if src in (ABSENT, NOT_READ) else f"{v!r}  ({src})"
+                      for v, src in zip(d.values, d.sources, strict=True))]
             for d in c.diff[:limit]]
     return headers, rows
 

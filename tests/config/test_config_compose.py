@@ -196,9 +196,11 @@ def test_a_custom_model_warns_of_the_family_keys_it_ignores_but_not_of_vocab_siz
     from tests.conftest import DEFAULT_CONFIG
 
     warned = load_config(DEFAULT_CONFIG, ["model.custom=examples.my_model:build", "model.dim=512",
-                                          "model.vocab_size=300"]).warnings  # fmt: skip
+                                          "model.vocab_size=300", "model.n_experts=4"]).warnings  # fmt: skip
     (line,) = [w for w in warned if w.startswith("model.custom is set")]
-    assert line.endswith("are not used: model.dim")  # vocab_size checks the data where no token table is found
+    # vocab_size checks the data where no token table is found; the MoE family's keys are family keys too
+    assert line.endswith("are not used: model.dim, model.n_experts"), line
+    assert not [w for w in warned if "n_experts" in w and w is not line]
 
 
 def test_a_short_run_of_a_shipped_schedule_is_not_warned_but_a_warmup_the_user_set_is():

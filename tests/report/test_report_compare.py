@@ -96,6 +96,35 @@ def test_config_diff_lists_every_differing_key_with_sources(runs):
     assert "recipes/train/cpu-short.yaml:" in rows["train.seed"].sources[0]
 
 
+def test_a_family_key_is_no_difference_for_a_run_of_a_users_own_model(runs, tmp_path):
+    """A run of ``model.custom`` still records the families' keys (model.dim, ...) but never reads them:
+    two such runs do not differ by them, and a difference in the custom run's model.dim is no cause of
+    a loss difference."""
+    import yaml
+
+    def copy(src, name, **model):
+        dst = tmp_path / name
+        shutil.copytree(src, dst)
+        cfg = yaml.safe_load((dst / "config.yaml").read_text())
+        cfg["model"].update(model)
+        (dst / "config.yaml").write_text(yaml.safe_dump(cfg))
+        return load_run(dst)
+
+    family = load_run(runs["base"])
+    wide = copy(runs["base"], "wide", dim=512)
+    mine = copy(runs["base"], "mine", custom="mymodels:build", dim=999, n_experts=3)
+    theirs = copy(runs["base"], "theirs", custom="mymodels:build", dim=64, kwargs={"p": 0.1})
+    assert [d.key for d in config_diff([mine, theirs])] == ["model.kwargs", "model.kwargs.p"]  # {} and {p: 0.1}
+    assert [d.key for d in config_diff([family, mine])] == ["model.custom"]
+    (dim,) = [d for d in config_diff([family, wide, mine]) if d.key == "model.dim"]
+    assert dim.sources[2] == "(not read: model.custom is set)" and dim.values[:2] == [family.config_flat["model.dim"], 512]
+    from accelrun.report.compare import _numeric_cause
+
+    diff = config_diff([family, wide, mine])
+    assert _numeric_cause(diff, [0, 2]) == "expected: model.custom differs"
+    assert _numeric_cause(diff, [0, 1]) == "expected: model.dim differs"
+
+
 def test_load_run_errors_and_folders(runs, tmp_path):
     with pytest.raises(RunNotFound, match="run directory not found"):
         load_run(tmp_path / "missing")
