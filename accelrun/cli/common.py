@@ -2,39 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import click
-from rich.console import Console
 from rich.markup import escape
 from rich.measure import Measurement
 
 from accelrun.config import ResolvedConfig, load_config
+from accelrun.consoles import DiagnosticConsole, ResultConsole
 from accelrun.errors import UserError
-
-
-class ResultConsole(Console):
-    """stdout's console. When the reader stops (`accelrun compile explain ... | head`), the rest of the
-    output goes nowhere and the command finishes its work and exits 0; rich's own exits 1 at once, which
-    a script reads as the command's failure, and leaves whatever the command was writing half done."""
-
-    def on_broken_pipe(self) -> None:
-        self.quiet = True  # later prints are dropped
-        quiet_stdout()
-
-
-def quiet_stdout() -> None:
-    """stdout's reader has gone: what is still written goes to /dev/null, so Python's own flush of stdout
-    at exit succeeds instead of failing a second time."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-
 
 # Results go to stdout (pipeable); progress, logs and errors to stderr.
 out = ResultConsole(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+err = DiagnosticConsole(highlight=False, soft_wrap=True)
 
 def print_wide(renderable) -> None:
     """Print at the table's natural width even when stdout is narrow or not a terminal, so a piped

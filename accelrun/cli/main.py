@@ -8,7 +8,8 @@ import sys
 import click
 
 from accelrun import __version__
-from accelrun.cli.common import print_user_error, quiet_stdout
+from accelrun.cli.common import print_user_error
+from accelrun.consoles import quiet_stream
 from accelrun.errors import UserError
 
 
@@ -49,7 +50,7 @@ def _flush_stdout() -> None:
     try:
         sys.stdout.flush()
     except BrokenPipeError:
-        quiet_stdout()
+        quiet_stream(sys.stdout)
 
 
 @click.group(cls=AccelrunGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -19,6 +19,7 @@ from rich.markup import escape
 from accelrun.config import ConfigError, ResolvedConfig
 from accelrun.config.preflight import preflight
 from accelrun.config.resolve import explain_text
+from accelrun.consoles import DiagnosticConsole
 from accelrun.dist import stop
 from accelrun.dist.launch import JobOutcome, LaunchOptions, launch_job
 from accelrun.dist.worker import cpu_rank_threads, machine_as_torch_sees_it, rank_uses_cuda
@@ -58,7 +59,7 @@ def train(
     >>> train(load_config("configs/llama.yaml", ["train.steps=20"])).report["final_loss"]  # doctest: +SKIP
     """
     cfg = resolved.config
-    console = console or Console(stderr=True)
+    console = console or DiagnosticConsole()
     if cfg.train.threads is not None:
         torch.set_num_threads(cfg.train.threads)  # before env.json records it and the peak probe runs
     elif _adapts_threads(cfg):

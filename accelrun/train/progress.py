@@ -8,6 +8,8 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from accelrun.consoles import DiagnosticConsole
+
 
 class TrainProgress:
     """Shows step, loss, tokens/s and ETA. ``mode``: auto | bar | lines | none.
@@ -18,7 +20,7 @@ class TrainProgress:
 
     def __init__(self, total: int, start: int, mode: str, every: int, console: Console | None = None,
                  ranks: int = 1):
-        self.console = console or Console(stderr=True)
+        self.console = console or DiagnosticConsole()
         # update() gets rank 0's tokens/s; every rank trains on as many tokens (global batch / ranks),
         # so the job's figure, which leads as in the report, is that times the ranks.
         self.ranks = ranks

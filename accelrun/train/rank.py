@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
-from rich.console import Console
 from rich.markup import escape
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from accelrun.config import load_config
+from accelrun.consoles import DiagnosticConsole
 from accelrun.dist import stop
 from accelrun.dist.comm_overlap import stop_waiter
 from accelrun.dist.context import env_rank
@@ -45,7 +45,7 @@ def run_rank(run_dir: str, errors_dir: str | None = None) -> None:
 
 def main(argv: list[str] | None = None, errors_dir: Path | None = None) -> int:
     run_dir = Path((argv or sys.argv[1:])[0])
-    console = Console(stderr=True, highlight=False)
+    console = DiagnosticConsole(highlight=False)
     rank, _, local_rank = env_rank()
     log = None
     with contextlib.suppress(OSError):  # no log (a read-only run folder) is no reason to fail here

@@ -183,3 +183,23 @@ def test_a_reader_that_stops_early_is_not_an_error():
     p.stdout.close()  # the reader has gone before the first line (head -0): every write meets a closed pipe
     _, stderr = p.communicate(timeout=120)
     assert p.returncode == 0 and stderr == b"", stderr.decode()
+
+
+def test_a_reader_of_stderr_that_stops_early_is_not_an_error():
+    """`accelrun ... 2>&1 | head`, and a closed stderr alone: a warning meets the closed pipe, and the
+    command goes on to its end: the same result on stdout, exit 0 (rich's default exits 1 at once)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from accelrun.cli.main import cli; sys.argv = ['accelrun', 'config', 'show', "
+            f"{str(DEFAULT_CONFIG)!r}, 'compile.backend=eager', 'compile.scope=block']; cli()")
+    whole = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert whole.returncode == 0 and b"compile.scope" in whole.stderr and b"warning" in whole.stderr
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stderr.close()  # nobody reads the warnings
+    stdout, _ = p.communicate(timeout=120)
+    assert p.returncode == 0 and stdout == whole.stdout
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    p.stdout.close()  # 2>&1 | head -0
+    p.wait(timeout=120)
+    assert p.returncode == 0
