@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from accelrun.config.schema import ModelConfig
@@ -136,13 +136,19 @@ def compare_groups(groups: list[Group], *, rtol: float | None = None, seed: int 
             tokens, base_tokens = g.runs[0].job_tokens_per_step, reference.job_tokens_per_step
             if row.speedup is not None and tokens and base_tokens and tokens != base_tokens:
                 row.speedup = row.speedup.scaled(tokens / base_tokens)  # throughput, not steps per second
-        parities = [loss_parity(reference.losses(), r.losses(), rtol=rtol) for r in g.runs if r is not reference]
+        parities = [(loss_parity(reference.losses(), r.losses(), rtol=rtol), r) for r in g.runs if r is not reference]
         if parities:
             # The first disagreement, else the closest call.
-            row.parity = next((p for p in parities if not p.agrees), None) or max(
-                parities, key=lambda p: p.max_rel_diff or 0.0)
-            if not row.parity.agrees:
-                row.parity_cause = _numeric_cause(diff, [0, gi])
+            parity, run = next(((p, r) for p, r in parities if not p.agrees), None) or max(
+                parities, key=lambda pr: pr[0].max_rel_diff or 0.0)
+            # Curves that part where their learning rates already differ (train.steps sets the schedule's
+            # length) differ by recipe, not by rounding: never "drift".
+            lr_parts = _lr_parts(reference, run, parity.first_step) if parity.first_step is not None else ""
+            if lr_parts and parity.status == "drift":
+                parity = replace(parity, status="differ")
+            row.parity = parity
+            if not parity.agrees:
+                row.parity_cause = "; ".join(c for c in (lr_parts, _numeric_cause(diff, [0, gi])) if c)
     _tokens_note(groups, notes)
     warnings_of_status: list[str] = []
     for r in runs:
@@ -236,6 +242,18 @@ def _reads(run: RunRecord, key: str) -> bool:
     section, _, rest = key.partition(".")
     return not (section == "model" and run.config_flat.get("model.custom")
                 and rest.partition(".")[0] in ModelConfig.family_only_keys())
+
+
+def _lr_parts(reference: RunRecord, other: RunRecord, until: int) -> str:
+    """Where the two runs' recorded learning rates first differ, at or before step ``until``, or ""."""
+    mine, theirs = reference.learning_rates(), other.learning_rates()
+    for step in sorted(set(mine) & set(theirs)):
+        if step > until:
+            break
+        a, b = mine[step], theirs[step]
+        if abs(a - b) > 1e-6 * max(abs(a), abs(b)):
+            return f"their learning rates differ from step {step} on, {a:.4g} vs {b:.4g}"
+    return ""
 
 
 def _numeric_cause(diff: list[DiffRow], indices: list[int]) -> str:

@@ -87,6 +87,9 @@ class RunRecord:
     def losses(self) -> dict[int, float]:
         return {int(m["step"]): float(m["loss"]) for m in self.metrics if m.get("loss") is not None}
 
+    def learning_rates(self) -> dict[int, float]:
+        return {int(m["step"]): float(m["lr"]) for m in self.metrics if m.get("lr") is not None}
+
     @property
     def tokens_per_step(self) -> int | None:
         if self.report and self.report.get("tokens_per_step"):

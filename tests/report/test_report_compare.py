@@ -233,3 +233,35 @@ def test_runs_on_different_rank_counts_compare_job_throughput(runs, tmp_path):
     assert b.speedup.ratio == pytest.approx(a.median_step_s / b.median_step_s, rel=1e-6)
     assert b.tokens_per_s == pytest.approx(128 / b.median_step_s)
     assert not any("tokens per step" in n for n in c.notes)
+
+
+def test_curves_that_part_where_their_learning_rates_do_are_no_drift(runs, tmp_path):
+    """Two runs of one recipe but for train.steps (the schedule's length): their learning rates part at
+    step 25 and their losses, growing apart slowly, at step 28. That is the recipe, not rounding that
+    training amplified: "differ", with the learning rates' step and the key that differs."""
+    import yaml
+
+    def synthetic(name, steps, lr_from_25):
+        dst = tmp_path / name
+        shutil.copytree(runs["twin"], dst)
+        cfg = yaml.safe_load((dst / "config.yaml").read_text())
+        cfg["train"]["steps"] = steps
+        (dst / "config.yaml").write_text(yaml.safe_dump(cfg))
+        rows = [{"step": s, "loss": 5.0 - 0.05 * s + (0.01 * (s - 27) if lr_from_25 and s > 27 else 0.0),
+                 "lr": 1e-3 * (0.9 if lr_from_25 and s >= 25 else 1.0), "step_time_s": 0.1, "tokens": 128}
+                for s in range(1, 41)]
+        (dst / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows))
+        return load_run(dst)
+
+    long, short = synthetic("long", 200, False), synthetic("short", 40, True)
+    c = compare_groups([Group("A", [long]), Group("B", [short])], resamples=200)
+    p = c.rows[1].parity
+    assert p.status == "differ" and p.first_step == 28, p
+    assert c.rows[1].parity_cause == ("their learning rates differ from step 25 on, 0.001 vs 0.0009; "
+                                      "expected: train.steps differs")
+    same_lr = synthetic("same-lr", 40, False)
+    rows = [json.loads(line) for line in (same_lr.path / "metrics.jsonl").read_text().splitlines()]
+    (same_lr.path / "metrics.jsonl").write_text("".join(json.dumps({**m, "loss": m["loss"] * (1 + 0.01 * (m["step"] > 27))})
+                                                        + "\n" for m in rows))  # fmt: skip
+    assert compare_groups([Group("A", [long]), Group("B", [load_run(same_lr.path)])],
+                          resamples=200).rows[1].parity.status == "drift"
