@@ -27,13 +27,15 @@ from pathlib import Path
 
 from accelrun.config import ResolvedConfig, load_config
 from accelrun.errors import UserError
-from accelrun.report.compare import Comparison, Group, GroupFigures, compare_groups
+from accelrun.report.compare import MIN_STEADY_FOR_CI, Comparison, Group, GroupFigures, compare_groups
 from accelrun.report.machine_load import BUSY_WARNING, OtherCpuMeter
 from accelrun.report.rundata import load_run
 from accelrun.report.rundir import list_runs
 from accelrun.report.stats import repeats_to_resolve
 
 EXIT_LOSSES_DISAGREE = 4
+# Fewer repeats than this: the interval cannot see how much one process's speed differs from another's.
+FEW_REPEATS = 3
 LOG_TAIL_LINES = 15
 
 
@@ -96,6 +98,18 @@ def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
         first_with.setdefault(r.hash, v.label)
     if len({r.config.train.steps for r in resolved}) > 1:
         raise UserError("the variants train different numbers of steps; give --steps to run them alike")
+    for v, r in zip(plan.variants, resolved, strict=True):
+        steps, warmup = r.config.train.steps, r.config.report.warmup_steps
+        if steps <= warmup:  # every run would train and end with no speed to compare
+            raise UserError(f"variant {v.label}: report.warmup_steps = {warmup} of train.steps = {steps} leaves no "
+                            f"steady step, so no speed to compare: give --steps {warmup + MIN_STEADY_FOR_CI} or "
+                            f"more, or --warmup-steps {max(steps - MIN_STEADY_FOR_CI, 0)} or fewer")
+    if plan.repeats < FEW_REPEATS:
+        note = (f"{plan.repeats} repeat(s) of each variant: the interval resamples the steps of too few "
+                "processes to cover how much a new process's speed varies on this machine (often several "
+                f"percent); --repeats {FEW_REPEATS} or more gives an interval that does")
+        if note not in plan.notes:
+            plan.notes.append(note)
     return resolved
 
 

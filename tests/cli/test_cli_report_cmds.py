@@ -138,6 +138,22 @@ def test_ab_user_errors_exit_2_before_anything_runs(tmp_path, monkeypatch):
     assert r.exit_code == 2 and "did you mean 'train'" in r.output
     r = invoke("ab", DEFAULT_CONFIG, "--a", "train.steps=3")
     assert r.exit_code == 2 and "Missing option '--b'" in r.output
+    # a warm-up that leaves no steady steps: every run would train and then have no speed to compare
+    r = invoke("ab", DEFAULT_CONFIG, f"report.runs_dir={tmp_path}", "--b", "train.precision=bf16-mixed",
+               "--steps", "20", "--warmup-steps", "25")
+    assert r.exit_code == 2, r.output
+    assert ("variant A: report.warmup_steps = 25 of train.steps = 20 leaves no steady step, so no speed to compare: "
+            "give --steps 27 or more, or --warmup-steps 18 or fewer") in " ".join(r.output.split())
+
+
+def test_ab_with_fewer_than_three_repeats_says_its_interval_misses_the_noise_between_processes(tmp_path):
+    from accelrun.report.ab import resolve_variants
+
+    for repeats, noted in ((1, True), (2, True), (3, False)):
+        plan = AbPlan(str(DEFAULT_CONFIG), [Variant("A", []), Variant("B", ["train.seed=1"])], tmp_path,
+                      common=list(TINY), repeats=repeats)
+        resolve_variants(plan)
+        assert any("--repeats 3 or more" in n for n in plan.notes) == noted, (repeats, plan.notes)
 
 
 def test_ab_variants_that_resolve_alike_are_an_a_a_run_with_a_note(tmp_path, monkeypatch):
