@@ -6,11 +6,13 @@ import json
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from rich.markup import escape
 from rich.table import Table
 
 from accelrun.cli.common import out, print_wide
 from accelrun.report import fmt
+from accelrun.report.rundir import RUN_ID
 from accelrun.report.runs_index import list_run_rows
 
 STATUS_STYLE = {"finished": "green", "running": "cyan", "interrupted": "yellow", "diverged": "red", "crashed": "red",
@@ -47,8 +49,17 @@ def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> Non
     Examples:
       accelrun runs list
       accelrun runs list runs --name llama-debug --limit 5
+      accelrun runs list runs/llama-debug            # one recipe's runs, as compare takes them
       accelrun runs list --json | jq -r 'select(.status == "finished") | .path'
     """
+    if not runs_dir.is_dir():
+        if click.get_current_context().get_parameter_source("runs_dir") != ParameterSource.DEFAULT:
+            raise click.BadParameter(f"{runs_dir}: no such folder", param_hint="RUNS_DIR")
+    elif any(RUN_ID.match(p.name) for p in runs_dir.iterdir() if p.is_dir()):  # one recipe's runs: runs/llama-debug
+        if name not in (None, runs_dir.name):
+            raise click.BadParameter(f"{runs_dir} holds the runs named {runs_dir.name}, not {name}",
+                                     param_hint="--name")
+        runs_dir, name = runs_dir.parent, runs_dir.name
     rows = list_run_rows(runs_dir, name, limit)
     if as_json:
         for r in rows:

@@ -25,7 +25,7 @@ class RunRow:
     path: str
     started: str  # UTC, from the directory name
     status: str
-    steps: int
+    steps: int  # the last step it recorded
     final_loss: float | None
     step_time_s: float | None  # steady median
     tokens_per_s: float | None  # the job's: all ranks together
@@ -102,7 +102,8 @@ def _run_row(path: Path) -> RunRow | None:
                       processes=1)  # explain compiles one process's step whatever the layout
     rep = r.report or {}
     losses = r.losses()
-    steps = rep.get("steps") if rep else len(r.metrics)
+    # The step it reached, counting the folders it continues (a resumed run's report counts its own).
+    steps = max((int(m["step"]) for m in r.metrics), default=rep.get("steps") or 0)
     times = r.steady_step_times()
     median = (rep.get("step_time_s") or {}).get("median") if rep else (steady_median(times) if times else None)
     tokens = r.job_tokens_per_step

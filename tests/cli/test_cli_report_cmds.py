@@ -84,8 +84,32 @@ def test_runs_list(runs, tmp_path):
     (interrupted / "report.json").unlink()
     r = invoke("runs", "list", tmp_path / "runs")
     assert "interrupted" in r.stdout
-    r = invoke("runs", "list", tmp_path / "none")
+    r = invoke("runs", "list", tmp_path / "none")  # a folder named that is not there: a mistake
+    assert r.exit_code == 2 and "none: no such folder" in r.output
+    (tmp_path / "empty").mkdir()
+    r = invoke("runs", "list", tmp_path / "empty")
     assert r.exit_code == 0 and "no runs under" in r.stdout
+    # one recipe's folder of runs, as compare, export and generate take it
+    lines = invoke("runs", "list", runs["root"] / "llama-debug", "--json").stdout.strip().splitlines()
+    assert len(lines) == 2 and all(json.loads(line)["run"].startswith("llama-debug/") for line in lines)
+    r = invoke("runs", "list", runs["root"] / "llama-debug", "--name", "seeded")
+    assert r.exit_code == 2 and "holds the runs named llama-debug, not seeded" in r.output
+
+
+def test_runs_list_counts_a_resumed_runs_steps_to_the_step_it_reached(runs, tmp_path):
+    """A run resumed from step 3 of 6: its folder's report counts its own 3 steps; the row says 6."""
+    first, resumed = tmp_path / "runs" / "x" / "20261201-000000-aaaaaa", tmp_path / "runs" / "x" / "20261201-000100-bbbbbb"
+    rows = [json.loads(line) for line in (runs["twin"] / "metrics.jsonl").read_text().splitlines()]
+    for folder, kept in ((first, rows[:4]), (resumed, rows[3:])):
+        shutil.copytree(runs["twin"], folder)
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in kept))
+    (first / "report.json").unlink()
+    report = json.loads((resumed / "report.json").read_text())
+    (resumed / "report.json").write_text(json.dumps({**report, "steps": 3}))
+    (resumed / "lineage.json").write_text(json.dumps({"continues": str(first), "from_step": 3, "segment": 2}))
+    lines = invoke("runs", "list", tmp_path / "runs", "--json").stdout.strip().splitlines()
+    steps = {json.loads(line)["run"]: json.loads(line)["steps"] for line in lines}
+    assert steps == {f"x/{resumed.name}": 6, f"x/{first.name}": 4}, steps
 
 
 def _fake_ab(monkeypatch, run_dirs):
