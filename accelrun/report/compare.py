@@ -307,6 +307,13 @@ def environment_differences(runs: list[RunRecord]) -> tuple[list[str], list[str]
             warnings.append(f"different {what}: {shown} — speed figures are not like for like")
         else:
             notes.append(f"different {what}: {shown}")
+    for r in runs:  # a resumed run's folders may have run on another machine, or beside a busy process
+        envs = r.segment_envs
+        for what, path, severity, _ in ENV_CHECKS:
+            values = [_get(env, path) for env in envs]
+            if severity == "warning" and len({repr(v) for v in values if v is not None}) > 1:
+                warnings.append(f"{r.label}'s {len(envs)} run folders differ in {what} ("
+                                + ", ".join(str(v) for v in values) + "): its figures mix them")
     data = [r.figure("data") for r in runs]
     if len({d for d in data if d is not None}) > 1:
         warnings.append("different data (fingerprints " + ", ".join(str(d) for d in data) +

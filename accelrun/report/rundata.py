@@ -117,6 +117,11 @@ class RunRecord:
         reports = [_read_json(s / "report.json") for s in self.segments[:-1]]
         return [r for r in reports if r is not None] + ([self.report] if self.report is not None else [])
 
+    @cached_property
+    def segment_envs(self) -> list[dict]:
+        """env.json of each of its folders, first folder first (one for a run that was not resumed)."""
+        return [_read_json(s / "env.json") or {} for s in self.segments[:-1]] + [self.env]
+
     @property
     def mfu(self) -> float | None:
         """The report's MFU at this run's median steady step. A resumed run's report measured its last

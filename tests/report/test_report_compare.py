@@ -199,7 +199,13 @@ def test_a_resumed_runs_mfu_and_memory_cover_all_its_folders(runs, tmp_path):
     assert len(times) == 4 + 2  # steps 2-5 of the first folder, 7-8 of the resumed one
     expected = 0.5 * report["step_time_s"]["median"] / statistics.median(times)
     assert expected < 0.5 * 0.9  # the slow folder pulls the run's MFU down
+    env = json.loads((first / "env.json").read_text())
+    env["cpu"]["torch_threads"] = r.env["cpu"]["torch_threads"] + 1  # the resumed folder ran on fewer threads
+    (first / "env.json").write_text(json.dumps(env))
     c = compare_groups(groups(runs["base"], resumed), resamples=200)
+    threads = [w for w in c.warnings if "run folders differ in torch threads" in w]
+    n = r.env["cpu"]["torch_threads"]
+    assert threads == [f"B's 2 run folders differ in torch threads ({n + 1}, {n}): its figures mix them"], c.warnings
     assert c.rows[1].mfu == pytest.approx(expected)
     assert c.rows[1].mem_peak_bytes == report["mem_peak_bytes"] * 3
     assert c.rows[1].tokens_per_s == pytest.approx(128 / statistics.median(times))
