@@ -146,10 +146,13 @@ def _decide(resume: str, run_dir: Path, training_hash: str, restart_count: int) 
 def _decide_and_claim(resume: str, run_dir: Path, training_hash: str,
                       restart_count: int) -> ResumeDecision | RunAlreadyContinued:
     """The checkpoint to resume from; continuing another run folder's claims it (lineage.py), so two
-    identical commands started together cannot both continue it."""
+    identical commands started together cannot both continue it. A checkpoint named in the recipe
+    (``checkpoint.resume: <folder>``) is a continuation too when it has this run's training hash; one of
+    another hash only gives this new run its starting point, and its run stays as it was."""
     decision = _decide(resume, run_dir, training_hash, restart_count)
     ckpt = decision.checkpoint
-    if ckpt is not None and resume == "auto" and ckpt.run_dir != run_dir:
+    continues = resume == "auto" or (resume != "none" and ckpt is not None and ckpt.training_hash == training_hash)
+    if ckpt is not None and continues and ckpt.run_dir != run_dir:
         try:
             claim_continuation(ckpt.run_dir, run_dir, ckpt.step)
         except RunAlreadyContinued as e:

@@ -81,3 +81,19 @@ def test_a_crash_is_told_apart_from_a_kill(tiny, tmp_path, monkeypatch):
     crashed = load_run(next((tmp_path / "runs" / "crashed").iterdir()))
     assert crashed.status == "crashed" and load_run(killed).status == "interrupted"
     assert "disk on fire" in json.loads((crashed.path / "crashed.json").read_text())["error"]
+
+
+def test_resuming_from_a_named_folder_of_the_same_training_continues_that_run(tiny, tmp_path):
+    """`checkpoint.resume=<run folder>` of the same training hash is that run's next segment (as under
+    `auto`): the earlier folder is `continued`, so `auto` cannot continue it a second time."""
+    recipe = tiny(8, "checkpoint.every=2", "name=named")
+    cut = run(recipe, stop_after_step=3).run_dir
+    resumed = run([*recipe, f"checkpoint.resume={cut}"])
+    assert resumed.status == "finished" and resumed.report["resumed_from"].endswith("step-000002")
+    assert history(resumed.run_dir) == [cut, resumed.run_dir]
+    assert json.loads((cut / "continued-by.json").read_text())["run"] == str(resumed.run_dir)
+    rows = {r.path: r.status for r in list_run_rows(tmp_path / "runs", "named")}
+    assert rows == {str(cut): "continued", str(resumed.run_dir): "finished"}
+    # Another training (here: more steps) started from that checkpoint is a new run: no link.
+    longer = run([*tiny(10, "checkpoint.every=2", "name=named"), f"checkpoint.resume={resumed.run_dir}"])
+    assert history(longer.run_dir) == [longer.run_dir] and not (longer.run_dir / "lineage.json").exists()
