@@ -28,7 +28,10 @@ class AccelrunGroup(click.Group):
             # exits 1, a crash.
             if _debugging(ctx):
                 raise
-            click.echo("interrupted (exit 130)", err=True)
+            from accelrun.dist import stop
+
+            again = " by a second Ctrl-C: stopped without saving a checkpoint" if stop.requested() else ""
+            click.echo(f"interrupted{again} (exit 130)", err=True)
             ctx.exit(130)
         except Exception as e:
             if _debugging(ctx):

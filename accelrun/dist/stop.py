@@ -57,9 +57,14 @@ def _handle(signum: int, frame) -> None:
     global _received, _received_at
     if _received:
         # The first signal decides; a second one (SLURM's again) changes nothing, except a second
-        # Ctrl-C at the launcher: the user does not want to wait (a rank may be stuck), so it aborts.
-        if signum == signal.SIGINT and _abort is not None:
-            _abort()
+        # Ctrl-C: the user does not want to wait (for the step, the checkpoint, a stuck rank). The
+        # launcher aborts the job; a one-process run stops where it is, saving nothing (a checkpoint is
+        # renamed into place only once complete, so a half-written one is never resumed from).
+        if signum == signal.SIGINT:
+            if _abort is not None:
+                _abort()
+            elif _watch is None:  # not a rank, whose launcher decides (and kills it)
+                raise KeyboardInterrupt
         return
     _received, _received_at = signum, time.monotonic()
     if _forward_to is not None:

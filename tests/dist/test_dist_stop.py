@@ -125,6 +125,26 @@ def test_stop_request_file_is_read_by_ranks_and_a_late_stop_warns(tmp_path):
         assert stop.requested() == 0
 
 
+def test_a_second_ctrl_c_stops_a_one_process_run_at_once():
+    """One process: the first SIGINT asks for a checkpoint after the step; a second one is the user not
+    willing to wait for it, and stops the run where it is (KeyboardInterrupt: exit 130, nothing saved).
+    A second SIGTERM changes nothing (SLURM signals again), nor does a rank's second SIGINT (its
+    launcher decides and kills it)."""
+    with stop.catch_signals():
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested() == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    with stop.catch_signals():
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested() == signal.SIGTERM
+    with tempfile.TemporaryDirectory() as folder, stop.catch_signals(watch=Path(folder)):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested() == signal.SIGINT
+
+
 def test_sbatch_script_asks_for_sigterm_before_the_limit_and_requeues():
     text = sbatch_script("configs/llama.yaml", [], name="x", nnodes=2, nproc_per_node=8, gpus=True,
                          partition=None, time_limit="04:00:00", account=None, stop_lead_s=300)
