@@ -25,6 +25,12 @@ from accelrun.config.yaml_lines import KeyPath, dotted
 NOT_TRAINING = ("checkpoint", "report", "description", "cluster")
 
 
+def values_hash(values: dict[str, Any]) -> str:
+    """A short content hash of resolved values; a run's config.yaml read back gives its config's hash."""
+    canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
 @dataclass
 class ResolvedConfig:
     config: RunConfig
@@ -42,8 +48,7 @@ class ResolvedConfig:
     @property
     def hash(self) -> str:
         """A short content hash of the resolved values (defaults included, sources not)."""
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+        return values_hash(self.to_dict())
 
     @property
     def training_hash(self) -> str:
@@ -51,9 +56,7 @@ class ResolvedConfig:
 
         Checkpoints carry it, so ``checkpoint.resume: auto`` only continues a run with the same one.
         """
-        values = {k: v for k, v in self.to_dict().items() if k not in NOT_TRAINING}
-        canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+        return values_hash({k: v for k, v in self.to_dict().items() if k not in NOT_TRAINING})
 
     def explain(self) -> list[tuple[str, Any, Source]]:
         """(dotted key, value, source) for every leaf value of the resolved config."""

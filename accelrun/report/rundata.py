@@ -80,9 +80,13 @@ class RunRecord:
     def steady_step_times(self) -> list[float]:
         """Step times of the steady steps: after warm-up (each segment of a resumed run warms up
         again), not compiling, not profiled."""
+        return self.steady_figures("step_time_s")
+
+    def steady_figures(self, key: str) -> list[float]:
+        """``key`` of each steady step's metrics row that has it (see ``steady_step_times``)."""
         ends = [*self.segment_starts[1:], len(self.metrics)]
-        return [float(m["step_time_s"]) for start, end in zip(self.segment_starts, ends, strict=True)
-                for m in self.metrics[start + self.warmup_steps:end] if is_steady(m) and m.get("step_time_s")]
+        return [float(m[key]) for start, end in zip(self.segment_starts, ends, strict=True)
+                for m in self.metrics[start + self.warmup_steps:end] if is_steady(m) and m.get(key)]
 
     def losses(self) -> dict[int, float]:
         return {int(m["step"]): float(m["loss"]) for m in self.metrics if m.get("loss") is not None}
@@ -127,6 +131,9 @@ class RunRecord:
         """The report's MFU at this run's median steady step. A resumed run's report measured its last
         folder's steps only; its flops per step and peak hold for every folder (the model is the same)."""
         said = self.figure("mfu")
+        if self.report is None:  # interrupted or running: its steady steps' own figures
+            mfus = self.steady_figures("mfu")
+            return statistics.median(mfus) if mfus else None
         measured_at = (self.figure("step_time_s") or {}).get("median")
         times = self.steady_step_times()
         if said is None or len(self.segments) < 2 or not measured_at or not times:

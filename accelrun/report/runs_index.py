@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from accelrun.config.resolve import values_hash
 from accelrun.report.lineage import history
 from accelrun.report.rundata import RunNotFound, load_run
 from accelrun.report.rundir import is_running, list_runs
@@ -111,7 +112,7 @@ def _run_row(path: Path) -> RunRow | None:
         run=r.label, path=str(path), started=_started(path.name), status=r.status,
         steps=int(steps or 0), final_loss=losses[max(losses)] if losses else None, step_time_s=median,
         tokens_per_s=rep.get("tokens_per_s_job") or (tokens / median if tokens and median else None),
-        mfu=rep.get("mfu"), mem_peak_bytes=rep.get("mem_peak_bytes"),
+        mfu=rep.get("mfu") if rep else r.mfu, mem_peak_bytes=rep.get("mem_peak_bytes") if rep else r.mem_peak_bytes,
         compile=str(r.config_flat.get("compile.backend", "?")), precision=str(r.config_flat.get("train.precision", "?")),
-        config_hash=rep.get("config_hash"), segment=len(history(path)), processes=_processes(r.config_flat, rep),
+        config_hash=rep.get("config_hash") or (values_hash(r.config) if r.config else None), segment=len(history(path)), processes=_processes(r.config_flat, rep),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import statistics
 
 import pytest
 from click.testing import CliRunner
@@ -82,8 +83,16 @@ def test_runs_list(runs, tmp_path):
     interrupted = tmp_path / "runs" / "llama-debug" / runs["twin"].name
     shutil.copytree(runs["twin"], interrupted)
     (interrupted / "report.json").unlink()
+    rows = [json.loads(line) for line in (interrupted / "metrics.jsonl").read_text().splitlines()]
+    (interrupted / "metrics.jsonl").write_text("".join(json.dumps({**m, "mfu": 0.1 * m["step"]}) + "\n" for m in rows))
     r = invoke("runs", "list", tmp_path / "runs")
     assert "interrupted" in r.stdout
+    # without a report: its config's hash from config.yaml, its MFU and peak from its steps' rows
+    (row,) = [json.loads(line) for line in invoke("runs", "list", tmp_path / "runs", "--json").stdout.splitlines()]
+    report = json.loads((runs["twin"] / "report.json").read_text())
+    assert row["status"] == "interrupted" and row["config_hash"] == report["config_hash"]
+    steady = [0.1 * m["step"] for m in rows[report["warmup_steps"]:]]
+    assert row["mfu"] == pytest.approx(statistics.median(steady)) and row["mem_peak_bytes"] is not None, row
     r = invoke("runs", "list", tmp_path / "none")  # a folder named that is not there: a mistake
     assert r.exit_code == 2 and "none: no such folder" in r.output
     (tmp_path / "empty").mkdir()
