@@ -43,3 +43,20 @@ def print_user_error(e: UserError) -> None:
 def print_warnings(messages: list[str]) -> None:
     for m in messages:
         err.print("[bold yellow]warning:[/] " + escape(m))
+
+
+def override_hint(option: str) -> str | None:
+    """For ``--steps`` given to a command that takes overrides: the recipe key it was probably meant as
+    (``train.steps=VALUE``), or None when no key ends in that name."""
+    from accelrun.config.schema import RunConfig
+    from accelrun.report.rundata import flatten
+
+    name, _, value = option.lstrip("-").replace("-", "_").partition("=")
+    keys = list(flatten(RunConfig().model_dump(mode="json")))
+    matches = [k for k in keys if k == name] or sorted((k for k in keys if k.rpartition(".")[2] == name),
+                                                       key=lambda k: (k.count("."), not k.startswith("train.")))
+    if not matches:
+        return None
+    others = f" (or {', '.join(matches[1:3])})" if len(matches) > 1 else ""
+    return (f"recipe values are KEY=VALUE arguments, not options: did you mean {matches[0]}={value or 'VALUE'}"
+            f"{others}?")

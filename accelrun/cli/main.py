@@ -8,7 +8,7 @@ import sys
 import click
 
 from accelrun import __version__
-from accelrun.cli.common import print_user_error
+from accelrun.cli.common import override_hint, print_user_error
 from accelrun.consoles import quiet_stream
 from accelrun.errors import UserError
 
@@ -22,6 +22,11 @@ class AccelrunGroup(click.Group):
             result = super().invoke(ctx)
             _flush_stdout()
             return result
+        except click.NoSuchOption as e:  # `train configs/x.yaml --steps 10`: say it is train.steps=10
+            takes_overrides = e.ctx is not None and any(p.name == "overrides" for p in e.ctx.command.params)
+            if takes_overrides and (hint := override_hint(e.option_name)):
+                e.message, e.possibilities = f"No such option: {e.option_name}. {hint}", None
+            raise
         except KeyboardInterrupt:
             # Before a command catches signals itself (train does, once its run directory exists): the
             # shell's code for SIGINT, which schedulers read as "interrupted", where click's "Aborted!"

@@ -19,7 +19,7 @@ from accelrun.config.chat_template_file import chat_problems
 from accelrun.config.compile_names import BUILTIN_EXECUTORS, PassConfigError, parse_passes
 from accelrun.config.compose import DEFAULT, Source
 from accelrun.config.data_checks import PATH_SOURCES_HINT, data_problems, mix_warnings
-from accelrun.config.errors import ConfigError, nearest
+from accelrun.config.errors import SYNONYMS, ConfigError, nearest
 from accelrun.config.moe_checks import moe_problems, moe_warnings
 from accelrun.config.schema import INTERLEAVED_SCHEDULES, ModelConfig, RunConfig
 from accelrun.config.search import search_path
@@ -194,6 +194,7 @@ def _same_name_below(section: KeyPath, name: str) -> KeyPath | None:
     such key exists."""
     if not section:  # a top-level warmup_steps could mean train's or report's: nearest() says no more
         return None
+    name = SYNONYMS.get(name.lower(), name)  # train.learning_rate: train.optimizer.lr
     found = [section + (sub, name) for sub in _fields_at(section)
              if name in _fields_at(section + (sub,))
              and get_origin(annotation := _annotation_at(section + (sub,))) is not list  # data.mix's items: no key

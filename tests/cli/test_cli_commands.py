@@ -203,3 +203,15 @@ def test_a_reader_of_stderr_that_stops_early_is_not_an_error():
     p.stdout.close()  # 2>&1 | head -0
     p.wait(timeout=120)
     assert p.returncode == 0
+
+
+def test_an_option_that_is_a_recipe_key_points_at_the_override():
+    """`accelrun train configs/llama.yaml --steps 10`, as other tools take it: the message names train.steps=..."""
+    r = invoke("train", DEFAULT_CONFIG, "--steps", "10")
+    assert r.exit_code == 2 and "did you mean train.steps=VALUE (or eval.steps)?" in " ".join(r.output.split())
+    r = invoke("validate", DEFAULT_CONFIG, "--lr", "0.1")
+    assert r.exit_code == 2 and "did you mean train.optimizer.lr=VALUE?" in " ".join(r.output.split())
+    r = invoke("train", DEFAULT_CONFIG, "--bogus")  # no such key either: click's own message
+    assert r.exit_code == 2 and "No such option" in r.output and "KEY=VALUE arguments" not in r.output
+    r = invoke("runs", "list", "--steps")  # a command without overrides: nothing to point at
+    assert r.exit_code == 2 and "KEY=VALUE arguments" not in r.output

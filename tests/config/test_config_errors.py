@@ -40,6 +40,18 @@ def test_a_key_one_section_too_high_is_pointed_down(write):
     assert f"{p.resolve()}:3: unknown key 'train.warmup_steps'; did you mean 'train.lr_schedule.warmup_steps'?" in msg
 
 
+def test_other_tools_names_for_a_key_point_at_it(write):
+    """transformers' and torch's names (learning_rate, wd, batch_size, max_steps, num_layers), which no
+    spelling distance finds, where the key lives or one section down."""
+    p = write("bad.yaml", "train:\n  learning_rate: 0.1\n  batch_size: 4\n  max_steps: 9\n  optimizer:\n"
+                          "    wd: 0.1\nmodel:\n  num_layers: 2\n")
+    msg = error_of(p)
+    for line, key, meant in ((2, "train.learning_rate", "train.optimizer.lr"), (3, "train.batch_size", "train.micro_batch"),
+                             (4, "train.max_steps", "train.steps"), (6, "train.optimizer.wd", "train.optimizer.weight_decay"),
+                             (8, "model.num_layers", "model.n_layers")):  # fmt: skip
+        assert f"{p.resolve()}:{line}: unknown key '{key}'; did you mean '{meant}'?" in msg, (key, msg)
+
+
 def test_the_repository_s_configs_folder_missing_says_what_it_is(tmp_path, monkeypatch):
     from accelrun.config import ConfigError, load_config
 
