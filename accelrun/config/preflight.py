@@ -234,8 +234,19 @@ def cpu_bf16_without_kernels(cfg: RunConfig, sources: dict[KeyPath, Source], mac
                     "or set train.precision=fp32", False)]  # fmt: skip
 
 
+def cuda_asked_for(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
+    """train.device = cuda on a node without a CUDA device (a warning: the recipe may be meant for
+    another node; `train` here stops at its first step of setup)."""
+    if cfg.train.device != "cuda" or machine.cuda_devices > 0:
+        return []
+    return [Finding(f"train.device = cuda ({source_of(('train', 'device'), sources)}), but this node has no CUDA "
+                    "device: training here stops before it starts (exit 2); train.device=auto trains on whatever "
+                    "the node has", False)]
+
+
 # The checks `train` makes before a run directory or a tensor exists, in order; `validate` runs them all.
-PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, hf_weights, processes_fit, gpu_only_keys, cpu_bf16_without_kernels)
+PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, hf_weights, processes_fit, gpu_only_keys, cpu_bf16_without_kernels,
+                                       cuda_asked_for)
 
 
 def preflight(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[str]:

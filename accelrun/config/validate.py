@@ -532,4 +532,7 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
             f"train.lr_schedule.warmup_steps = {cfg.train.lr_schedule.warmup_steps} exceeds train.steps = "
             f"{cfg.train.steps}: the learning rate never reaches train.optimizer.lr"
         )
+    if (profiled := cfg.report.profile_steps) is not None and profiled[0] > cfg.train.steps:
+        out.append(f"report.profile_steps = [{profiled[0]}, {profiled[1]}] starts after train.steps = "
+                   f"{cfg.train.steps}: nothing will be profiled")
     return out

@@ -110,6 +110,22 @@ def test_more_processes_than_gpus_exit_2(monkeypatch):
     assert validate("parallel.nproc_per_node=2", "parallel.dp_shard=2", "train.device=cpu").exit_code == 0
 
 
+def test_cuda_asked_for_on_a_node_without_it_warns(monkeypatch):
+    """Valid (the recipe may be meant for a GPU node), but `train` here would stop: said at validate."""
+    monkeypatch.setattr(preflight.Machine, "here", classmethod(lambda cls: cls(cores=2, cuda_devices=0)))
+    r = validate("train.device=cuda")
+    assert r.exit_code == 0 and ("warning: train.device = cuda (override 'train.device=cuda'), but this node has no "
+                                 "CUDA device") in r.stderr, r.stderr
+    monkeypatch.setattr(preflight.Machine, "here", classmethod(lambda cls: cls(cores=2, cuda_devices=1)))
+    assert "no CUDA device" not in validate("train.device=cuda").stderr
+
+
+def test_profile_steps_after_the_last_step_warn():
+    r = validate("train.steps=10", "report.profile_steps=[30, 40]")
+    assert r.exit_code == 0 and "report.profile_steps = [30, 40] starts after train.steps = 10: nothing will be profiled" in r.stderr
+    assert "profile_steps" not in validate("train.steps=10", "report.profile_steps=[5, 40]").stderr
+
+
 def test_gpus_are_counted_without_torch(monkeypatch, tmp_path):
     for i in range(4):
         (tmp_path / f"0000:0{i}:00.0").mkdir()
