@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from accelrun.cli.common import out
+from accelrun.cli.common import err, out
 
 
 @click.command("export")
@@ -31,6 +31,10 @@ def command(ref: Path, hf_out: Path, max_shard_gb: float) -> None:
     if hf_out.expanduser().exists() and not hf_out.expanduser().is_dir():
         raise UserError(f"--hf: {hf_out} is a file; give a folder (created if missing)")
     checkpoint, _ = find_checkpoint(ref, "to export")  # which one REF names (a run: its newest), once
-    written = export_checkpoint(checkpoint, hf_out, max_shard_bytes=int(max_shard_gb * 2**30))
+    removed: list[Path] = []
+    written = export_checkpoint(checkpoint, hf_out, max_shard_bytes=int(max_shard_gb * 2**30), removed=removed)
     out.print(f"wrote {len(written)} files to {hf_out} from {checkpoint}: " + ", ".join(p.name for p in written),
               markup=False, highlight=False)
+    if removed:  # an earlier export's shards: transformers could have loaded them instead of these
+        err.print(f"removed {len(removed)} weight file(s) of an earlier export there, which this one replaces: "
+                  + ", ".join(p.name for p in removed), markup=False, highlight=False)

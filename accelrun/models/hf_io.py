@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -127,11 +128,16 @@ def _read_region(tensor_slice: Any, region: tuple[slice, ...], row_block: int, c
     return convert(block)[rows.start - start: rows.stop - start]
 
 
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # transformers' shard names
+
+
 def export_hf(state_dict: dict[str, torch.Tensor], spec: Any, args: Any, out: str | Path,
-              max_shard_bytes: int = 2 * 2**30) -> list[Path]:
+              max_shard_bytes: int = 2 * 2**30, removed: list[Path] | None = None) -> list[Path]:
     """Write ``state_dict`` (a whole model's, plain tensors, accelrun names) as a transformers folder:
     config.json and safetensors shards of at most ``max_shard_bytes`` each (one tensor may exceed
-    it), with an index when there is more than one. Returns the files written."""
+    it), with an index when there is more than one. Returns the files written. Weight files of an
+    earlier export into ``out`` that this one does not overwrite are deleted (appended to ``removed``):
+    transformers reads a lone model.safetensors before an index, so an old one would be loaded."""
     from safetensors.torch import save_file
 
     out = Path(out).expanduser()
@@ -165,6 +171,11 @@ def export_hf(state_dict: dict[str, torch.Tensor], spec: Any, args: Any, out: st
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         written.append(out / INDEX)
+    for stale in sorted({*out.glob("model*.safetensors"), out / INDEX} - set(written)):
+        if stale.is_file() and (stale.name in ("model.safetensors", INDEX) or SHARD_NAME.fullmatch(stale.name)):
+            stale.unlink()
+            if removed is not None:
+                removed.append(stale)
     return written
 
 

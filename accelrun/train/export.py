@@ -21,15 +21,17 @@ from accelrun.train.checkpoint_model import (
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int = 2 * 2**30) -> list[Path]:
+def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int = 2 * 2**30,
+                      removed: list[Path] | None = None) -> list[Path]:
     """Write the model of checkpoint (or run) ``ref`` to ``out`` as a Hugging Face folder, with the
-    tokenizer files of a run that trained with a tokenizer.json (a byte-level run has none to give)."""
+    tokenizer files of a run that trained with a tokenizer.json (a byte-level run has none to give).
+    ``removed``: gets an earlier export's weight files there that this one replaced (``export_hf``)."""
     from accelrun.models.families import get_family
 
     tokenizer_files = _run_tokenizer_files(ref)  # before anything is written: a missing file is exit 2
     model, cfg, _ = load_checkpoint_model(ref, "to export")
     spec = get_family(cfg.arch)
-    written = export_hf(model.state_dict(), spec, spec.args_from_config(cfg), out, max_shard_bytes)
+    written = export_hf(model.state_dict(), spec, spec.args_from_config(cfg), out, max_shard_bytes, removed)
     out = Path(out).expanduser()
     for f in tokenizer_files:
         if not (out / f.name).exists() or not (out / f.name).samefile(f):

@@ -250,3 +250,27 @@ def test_exported_weights_are_readable_as_the_umask_allows(tmp_path):
         os.umask(old)
     weights = [p for p in written if p.suffix == ".safetensors"]
     assert weights and all(p.stat().st_mode & 0o777 == 0o644 for p in weights)
+
+
+def test_an_export_over_an_earlier_one_leaves_none_of_its_weight_files(tmp_path):
+    """A sharded export into a folder that held a one-file export (and the other way round): transformers
+    reads a lone model.safetensors before an index, so the old file would be the model it loads."""
+    from safetensors.torch import load_file
+
+    from accelrun.models.families import get_family
+    from accelrun.models.hf_io import export_hf
+
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=2, vocab_size=64, ffn_dim=64)
+    spec = get_family("llama")
+    sd = build_model(cfg, "cpu", seed=0).state_dict()
+    out = tmp_path / "hf"
+    export_hf(sd, spec, spec.args_from_config(cfg), out)  # one file
+    (out / "notes.txt").write_text("mine")  # not a weight file: left alone
+    removed: list = []
+    written = export_hf(sd, spec, spec.args_from_config(cfg), out, max_shard_bytes=4_000, removed=removed)
+    assert removed == [out / "model.safetensors"] and not (out / "model.safetensors").exists()
+    assert (out / "notes.txt").exists() and len([p for p in written if p.suffix == ".safetensors"]) > 2
+    removed = []
+    export_hf(sd, spec, spec.args_from_config(cfg), out, removed=removed)  # back to one file
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt"], removed
+    assert set(load_file(out / "model.safetensors")) == set(spec.state_dict_to_hf(sd, spec.args_from_config(cfg)))
