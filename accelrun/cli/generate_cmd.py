@@ -37,4 +37,6 @@ def command(run: Path, prompt: str, max_new_tokens: int, temperature: float, top
               f"{max_new_tokens} tokens in {time.perf_counter() - t0:.1f} s (checkpoint load included; "
               + ("KV cache)" if g.kv_cache is None else f"no KV cache: {g.kv_cache})"),
               markup=False, highlight=False)
+    if g.beyond_training:
+        err.print(f"warning: {g.beyond_training}", markup=False, highlight=False)
     out.print(g.text, markup=False, highlight=False, soft_wrap=True)

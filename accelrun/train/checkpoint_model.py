@@ -32,8 +32,20 @@ def find_checkpoint(ref: str | Path, purpose: str) -> tuple[Path, Path]:
         raise CheckpointModelError(str(e)) from None
     done = complete_checkpoints(run / "checkpoints")
     if not done:
-        raise CheckpointModelError(f"{run}: no complete checkpoint under {run / 'checkpoints'} {purpose}")
+        why = ""
+        if run_values(run).get("checkpoint", {}).get("enabled") is False:
+            why = "; it trained with checkpoint.enabled = false, so it saved none (train again with it on)"
+        raise CheckpointModelError(f"{run}: no complete checkpoint under {run / 'checkpoints'} {purpose}{why}")
     return done[-1].path, run
+
+
+def run_values(run: Path) -> dict:
+    """The run's config.yaml as plain values ({} when it cannot be read: the caller's own error follows)."""
+    try:
+        data = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def model_config_of(run: Path) -> Any:

@@ -14,6 +14,7 @@ from accelrun.train.checkpoint_model import (
     find_checkpoint,
     load_checkpoint_model,
     run_tokenizer,
+    run_values,
 )
 from accelrun.train.kv_cache import KVCache, kv_cache_unsupported
 
@@ -100,6 +101,7 @@ class Generated:
     checkpoint: Path
     step: int | None
     kv_cache: str | None  # None: decoded with a KV cache; else why not
+    beyond_training: str | None = None  # a warning: the text runs past the windows the model trained on
 
 
 def generate_text(ref: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
@@ -124,4 +126,8 @@ def generate_text(ref: str | Path, prompt: str, *, max_new_tokens: int = 200, te
     out = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
                    max_seq_len=getattr(getattr(model, "args", None), "max_seq_len", None))
     info = read_info(ckpt)
-    return Generated(tok.decode(out), run, ckpt, info.step if info else None, kv_cache_unsupported(model))
+    trained = (run_values(run).get("train") or {}).get("seq_len")
+    beyond = (f"the prompt and {max_new_tokens} new tokens make {len(out)} tokens, more than the {trained} of "
+              f"the windows the model trained on: past them its positions are untrained, and its text may "
+              f"turn to noise" if isinstance(trained, int) and len(out) > trained else None)  # fmt: skip
+    return Generated(tok.decode(out), run, ckpt, info.step if info else None, kv_cache_unsupported(model), beyond)

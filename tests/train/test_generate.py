@@ -26,10 +26,16 @@ def test_generate_is_deterministic_for_a_seed_and_refuses_a_run_without_checkpoi
     # Which run and checkpoint it sampled from, on stderr (stdout is the text alone).
     newest = done / "checkpoints" / "step-000004"
     assert a.stderr.startswith(f"run {done}; step 4; checkpoint {newest}; 24 tokens in "), a.stderr
-    assert "KV cache)" in a.stderr
+    assert "KV cache)" in a.stderr and "warning" not in a.stderr
+    # Past the windows it trained on (train.seq_len of the tiny recipe), its positions are untrained: said.
+    seq_len = load_config(DEFAULT_CONFIG, tiny(4)).config.train.seq_len
+    far = runner.invoke(cli, [*args[:4], "--max-new-tokens", str(seq_len)])
+    assert far.exit_code == 0 and (f"more than the {seq_len} of the windows the model trained on" in
+                                   " ".join(far.stderr.split())), far.stderr
 
     bare = train(load_config(DEFAULT_CONFIG, tiny(2, "checkpoint.enabled=false", "name=bare")),
                  command="test").run_dir
     r = runner.invoke(cli, ["generate", str(bare), "--prompt", "x"])
     assert r.exit_code == 2
     assert "no complete checkpoint" in r.output and "Traceback" not in r.output
+    assert "it trained with checkpoint.enabled = false, so it saved none" in " ".join(r.output.split())
