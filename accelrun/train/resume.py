@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accelrun.config.errors import ConfigError
+from accelrun.report.lineage import continued_by
 from accelrun.report.rundir import is_running, list_runs
 from accelrun.train.checkpoint import (
     CheckpointInfo,
@@ -45,11 +46,24 @@ def decide_resume(resume: str, runs_root: Path, current_run: Path, training_hash
     damaged = [(info, why) for _, bad in found for info, why in bad if info.training_hash == training_hash]
     if not matching:
         return ResumeDecision(None, f"no checkpoint with this training hash ({training_hash}) under {runs_root}"
-                              + _skipped(damaged, None))
+                              + _skipped(damaged, None) + _other_training(runs, found))
     newest = max(matching, key=lambda i: (i.created, i.step))
     if (newest.run_dir / FINISHED_MARKER).exists():
         return ResumeDecision(None, f"the newest matching checkpoint's run finished ({newest.run_dir})")
     return ResumeDecision(newest, f"continuing the interrupted run {newest.run_dir.name}" + _skipped(damaged, newest))
+
+
+def _other_training(runs: list[Path], found: list) -> str:
+    """A note on the newest interrupted run of this name whose checkpoints are of another training (a
+    changed train.steps, say): what a user who meant to continue it looks for."""
+    stopped = [(run, good[-1]) for run, (good, _) in zip(runs, found, strict=True)
+               if good and not (run / FINISHED_MARKER).exists() and continued_by(run) is None]
+    if not stopped:
+        return ""
+    run, newest = max(stopped, key=lambda pair: (pair[1].created, pair[1].step))
+    return (f"; the interrupted run {run} has checkpoints of another training ({newest.training_hash}: its recipe "
+            f"differs in a value that decides the numbers trained); checkpoint.resume={run} starts this run from "
+            "its weights")
 
 
 def _skipped(damaged: list[tuple[CheckpointInfo, str]], chosen: CheckpointInfo | None) -> str:

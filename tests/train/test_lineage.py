@@ -97,3 +97,19 @@ def test_resuming_from_a_named_folder_of_the_same_training_continues_that_run(ti
     # Another training (here: more steps) started from that checkpoint is a new run: no link.
     longer = run([*tiny(10, "checkpoint.every=2", "name=named"), f"checkpoint.resume={resumed.run_dir}"])
     assert history(longer.run_dir) == [longer.run_dir] and not (longer.run_dir / "lineage.json").exists()
+
+
+def test_a_fresh_start_names_the_interrupted_run_of_another_training(tiny, tmp_path):
+    """Changed train.steps after an interruption: a new training hash, so `auto` starts fresh, and says
+    which interrupted run it did not continue and how to start from its weights."""
+    from accelrun.train.resume import decide_resume
+
+    cut = run(tiny(8, "checkpoint.every=2", "name=changed"), stop_after_step=3).run_dir
+    here = create_run_dir(tmp_path / "runs", "changed")
+    decision = decide_resume("auto", tmp_path / "runs" / "changed", here, "another-hash")
+    assert decision.checkpoint is None
+    assert (f"the interrupted run {cut} has checkpoints of another training" in decision.reason
+            and f"checkpoint.resume={cut} starts this run from its weights" in decision.reason), decision.reason
+    done = run(tiny(8, "checkpoint.every=2", "name=changed"))  # continues it to its end: nothing left to name
+    assert done.status == "finished"
+    assert "interrupted run" not in decide_resume("auto", tmp_path / "runs" / "changed", here, "another-hash").reason
