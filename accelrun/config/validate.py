@@ -108,6 +108,9 @@ def _describe(err: dict, data: dict, sources: dict[KeyPath, Source]) -> str:
     got = err.get("input")
     # Our own validators' messages (a ValueError) come as "Value error, ...": the message is ours alone.
     text = err["msg"].removeprefix("Value error, ") if err["type"] == "value_error" else err["msg"]
+    if err["type"] == "model_type":  # pydantic names its class ("... instance of TrainConfig"): say what it holds
+        keys = _fields_at(path)
+        text = f"expected a section of keys ({', '.join(keys[:6])}{', ...' if len(keys) > 6 else ''}), not a value"
     msg = f"{prefix}{key}: {_lower_first(text)}"
     beyond = err["loc"][len(path):]
     if err["type"] == "missing" and beyond and isinstance(beyond[0], int):
@@ -122,6 +125,8 @@ def _describe(err: dict, data: dict, sources: dict[KeyPath, Source]) -> str:
         msg += f" (got {got!r})"
     if err["type"] in SEQUENCE_ERRORS and not beyond[1:]:
         msg += f"; {_sequence_spelling(path, got, where)}"
+    if err["type"] == "model_type" and isinstance(got, str) and "name" in _fields_at(path):  # train.optimizer=adamw
+        msg += f"; did you mean '{key}.name={got}'?"
     return msg
 
 

@@ -156,3 +156,13 @@ def test_misspelt_key_in_a_mix_entry_is_one_line_with_the_entrys_keys(write):
 def test_a_missing_mix_weight_with_no_near_spelling_is_still_required(write):
     p = write("mix.yaml", "data:\n  mix:\n    - paths: [a.jsonl]\n")
     assert "data.mix.0.weight: field required" in error_of(p)
+
+
+def test_a_value_where_a_section_belongs_says_what_the_section_holds(write):
+    """`train: 5` was "input should be a valid dictionary or instance of TrainConfig": a class name."""
+    p = write("bad.yaml", "train: 5\n")
+    msg = error_of(p)
+    assert f"{p.resolve()}:1: train: expected a section of keys (steps, global_batch, micro_batch, grad_accum, " in msg
+    assert "not a value (got 5)" in msg and "TrainConfig" not in msg
+    p = write("opt.yaml", "train:\n  optimizer: adamw\n")
+    assert "did you mean 'train.optimizer.name=adamw'?" in error_of(p)
