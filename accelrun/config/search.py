@@ -16,8 +16,9 @@ from accelrun.config.errors import ConfigError, nearest
 
 RECIPE_PATH_ENV = "ACCELRUN_RECIPE_PATH"
 SUFFIXES = (".yaml", ".yml")
-# Shipped with the package (a link to the repository's recipes/ in a source checkout).
-SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+# Shipped with the package (a link to the repository's recipes/ in a source checkout, named by where it
+# leads, so that the search path and the files a recipe resolved from show one name for one folder).
+SHIPPED_RECIPES = (Path(__file__).resolve().parent.parent / "recipes").resolve()
 
 
 def search_path(cwd: Path | None = None) -> list[Path]:
