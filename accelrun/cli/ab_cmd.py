@@ -167,13 +167,20 @@ def command(config: str, overrides: tuple[str, ...], a: tuple[str, ...], b: tupl
         err.print(f"  {v.label}: {escape(' '.join(v.overrides) or '(the recipe as is)')}", highlight=False)
     for note in plan.notes:
         err.print(f"[bold]note:[/] {escape(note)}", highlight=False)
+    command_line = shlex.join(["accelrun", *sys.argv[1:]]) if sys.argv else ""
+    if command_line:  # first: a comparison interrupted before any round finished still says what it was
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "command.txt").write_text(command_line + "\n", encoding="utf-8")
     result = run_ab(plan, Progress(plan), seed=seed, loss_rtol=loss_rtol)
-    paths = write_ab_reports(result, shlex.join(["accelrun", *sys.argv[1:]]) if sys.argv else "")
+    paths = write_ab_reports(result, command_line)
     out.print()
     print_comparison(result.comparison)
     out.print()
     for line in result.verdicts:
         out.print(f"[bold]{escape(line)}[/]", highlight=False)
     err.print("report: " + ", ".join(escape(str(p)) for p in paths), highlight=False)
+    if result.interrupted_after is not None:
+        err.print(f"interrupted: compared the {result.interrupted_after} round(s) of {plan.repeats} every variant "
+                  f"finished (exit {result.exit_code})", highlight=False)
     if result.exit_code:
         sys.exit(result.exit_code)

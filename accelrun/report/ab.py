@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -34,6 +35,8 @@ from accelrun.report.rundir import list_runs
 from accelrun.report.stats import repeats_to_resolve
 
 EXIT_LOSSES_DISAGREE = 4
+EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
+EXIT_PREEMPTED = 143  # and SIGTERM's: a variant's run stopped by either stops ab
 # Fewer repeats than this: the interval cannot see how much one process's speed differs from another's.
 FEW_REPEATS = 3
 LOG_TAIL_LINES = 15
@@ -113,6 +116,18 @@ def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
     return resolved
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """End a variant's run that ab was interrupted in: Ctrl-C at a terminal reached it too; `kill -INT`
+    of ab alone did not. A second SIGINT makes it stop at once; a run that still does not is killed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @dataclass
 class RunEvent:
     """Progress for the caller to show: a run starting, a line of its output, a run done."""
@@ -152,13 +167,19 @@ def run_one(plan: AbPlan, v: Variant, repeat: int, index: int, total: int, t0: f
                                 # the machine's load (train/threads.py) would make the runs unlike for like.
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", "ACCELRUN_FIXED_THREADS": "1"})
         assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            tail = (tail + [line.rstrip()])[-LOG_TAIL_LINES:]
-            if line.startswith("step "):
-                on_event(RunEvent("line", index, total, repeat, v.label, time.perf_counter() - t0, line.rstrip()))
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                tail = (tail + [line.rstrip()])[-LOG_TAIL_LINES:]
+                if line.startswith("step "):
+                    on_event(RunEvent("line", index, total, repeat, v.label, time.perf_counter() - t0, line.rstrip()))
+        except KeyboardInterrupt:  # the user stopped ab: stop this run too (it saves nothing: ab turns checkpoints off)
+            _stop(proc)
+            raise
         code = proc.wait()
     others = meter.share()
+    if code in (EXIT_INTERRUPTED, EXIT_PREEMPTED):  # the run was stopped (Ctrl-C reached it, not ab; or SIGTERM)
+        raise KeyboardInterrupt
     run_dir = _new_run_dir(runs_root, before)
     if code != 0 or run_dir is None or not (run_dir / "report.json").exists():
         raise VariantFailed([f"variant {v.label}, repeat {repeat}: `accelrun train` exited with code {code}; "
@@ -174,9 +195,12 @@ class AbResult:
     verdicts: list[str]
     wall_s: float
     other_cpu: dict[str, list[float | None]] = field(default_factory=dict)  # per variant, per repeat
+    interrupted_after: int | None = None  # Ctrl-C: the rounds every variant finished, which the figures cover
 
     @property
     def exit_code(self) -> int:
+        if self.interrupted_after is not None:
+            return EXIT_INTERRUPTED
         return 0 if self.comparison.losses_agree else EXIT_LOSSES_DISAGREE
 
 
@@ -189,10 +213,22 @@ def run_ab(plan: AbPlan, on_event: Callable[[RunEvent], None] = lambda e: None, 
     done: dict[str, list[Path]] = {v.label: [] for v in plan.variants}
     others: dict[str, list[float | None]] = {v.label: [] for v in plan.variants}
     schedule = plan.schedule()
-    for i, (repeat, v) in enumerate(schedule, start=1):
-        run_dir, busy = run_one(plan, v, repeat, i, len(schedule), t0, on_event)
-        done[v.label].append(run_dir)
-        others[v.label].append(busy)
+    try:
+        for i, (repeat, v) in enumerate(schedule, start=1):
+            run_dir, busy = run_one(plan, v, repeat, i, len(schedule), t0, on_event)
+            done[v.label].append(run_dir)
+            others[v.label].append(busy)
+    except KeyboardInterrupt:
+        # Ctrl-C: the rounds every variant finished still compare (paired, as ab's rounds are); none: nothing to say.
+        rounds = min(len(runs) for runs in done.values())
+        if rounds == 0:
+            raise
+        plan.notes.append(f"interrupted (Ctrl-C) in round {rounds + 1} of {plan.repeats}: the figures cover the "
+                          f"{rounds} round(s) every variant finished")
+        result = summarize_ab(plan, {k: runs[:rounds] for k, runs in done.items()}, seed=seed, loss_rtol=loss_rtol,
+                              wall_s=time.perf_counter() - t0, other_cpu={k: o[:rounds] for k, o in others.items()})
+        result.interrupted_after = rounds
+        return result
     return summarize_ab(plan, done, seed=seed, loss_rtol=loss_rtol, wall_s=time.perf_counter() - t0,
                         other_cpu=others)
 

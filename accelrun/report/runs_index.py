@@ -60,7 +60,8 @@ AB_FOLDER, AB_RESULT = "ab", "ab.json"
 def list_run_rows(runs_dir: str | Path, name: str | None = None, limit: int | None = None) -> list[RunRow]:
     """Rows for the runs under ``runs_dir`` (of run ``name``), newest first, at most ``limit``: training
     runs, `compile explain` runs and `accelrun ab` comparisons."""
-    rows = [row for path in list_runs(runs_dir, name) if (row := _run_row(path)) is not None]
+    rows = [row for path in list_runs(runs_dir, name)  # (runs_dir may be an ab folder of one name: runs/ab/<name>)
+            if (row := _ab_row(path) if path.parent.parent.name == AB_FOLDER else _run_row(path)) is not None]
     rows += [row for path in list_runs(Path(runs_dir) / AB_FOLDER, name) if (row := _ab_row(path)) is not None]
     rows.sort(key=lambda r: Path(r.path).name[:15], reverse=True)  # the UTC time each folder is named by
     return rows[:limit]
@@ -83,8 +84,11 @@ def _ab_row(path: Path) -> RunRow | None:
         result = None  # running, or stopped before its reports
     except ValueError:
         return None
+    from accelrun.report.ab import EXIT_INTERRUPTED  # Ctrl-C: it compared the rounds it finished
+
+    code = (result or {}).get("exit_code")
     status = "running" if result is None and is_running(path) else \
-        "interrupted" if result is None else "finished" if result.get("exit_code") == 0 else "failed"
+        "interrupted" if result is None or code == EXIT_INTERRUPTED else "finished" if code == 0 else "failed"
     return RunRow(run=f"{path.parent.name}/{path.name}", path=str(path), started=_started(path.name), status=status,
                   steps=int((result or {}).get("steps") or 0), final_loss=None, step_time_s=None, tokens_per_s=None,
                   mfu=None, mem_peak_bytes=None, compile="-", precision="-", config_hash=None, kind="ab")

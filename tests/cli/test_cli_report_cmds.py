@@ -155,6 +155,32 @@ def test_ab_variant_options_take_every_override_up_to_the_next_option(runs, tmp_
         assert (tmp_path / "ab" / name).is_file(), name
 
 
+def test_an_interrupted_ab_compares_the_rounds_every_variant_finished(runs, tmp_path, monkeypatch):
+    """Ctrl-C in round 2 of 2: round 1 (A1, B1) is compared and reported, with a note, exit 130; Ctrl-C
+    before any round finished: exit 130, and the folder keeps the command it ran."""
+    from accelrun.report import ab
+
+    finished = iter([runs["base"], runs["twin"]])
+
+    def run_one(plan, v, repeat, *args):
+        try:
+            return next(finished), None
+        except StopIteration:
+            raise KeyboardInterrupt from None
+
+    monkeypatch.setattr(ab, "run_one", run_one)
+    r = invoke("ab", DEFAULT_CONFIG, *TINY, "--b", "train.seed=0", "--repeats", "2", "--out", tmp_path / "ab")
+    assert r.exit_code == 130, r.output
+    doc = json.loads((tmp_path / "ab" / "ab.json").read_text())
+    assert doc["exit_code"] == 130 and [len(g["runs"]) for g in doc["groups"]] == [1, 1]
+    assert "interrupted (Ctrl-C) in round 2 of 2: the figures cover the 1 round(s) every variant finished" in doc["notes"]
+    assert "interrupted: compared the 1 round(s) of 2 every variant finished (exit 130)" in r.stderr
+    assert (tmp_path / "ab" / "command.txt").read_text().startswith("accelrun")
+    r = invoke("ab", DEFAULT_CONFIG, *TINY, "--b", "train.seed=0", "--repeats", "2", "--out", tmp_path / "none")
+    assert r.exit_code == 130 and "interrupted" in r.stderr and not (tmp_path / "none" / "ab.json").exists()
+    assert (tmp_path / "none" / "command.txt").is_file()
+
+
 def test_ab_exits_4_when_losses_disagree(runs, tmp_path, monkeypatch):
     _fake_ab(monkeypatch, {"A": [runs["base"], runs["twin"]], "B": [runs["seed1"], runs["seed1"]]})
     r = invoke("ab", DEFAULT_CONFIG, "--b", "train.seed=1", "--repeats", "2", "--out", tmp_path / "ab")

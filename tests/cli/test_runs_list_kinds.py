@@ -37,6 +37,11 @@ def test_runs_list_has_train_explain_and_ab_rows_with_processes(tmp_path):
     table = CliRunner().invoke(cli, ["runs", "list", str(runs)])
     assert table.exit_code == 0 and "procs" in table.stdout and "explain" in table.stdout, table.output
     assert len(list_run_rows(runs, limit=2)) == 2
+    # an ab stopped by Ctrl-C (it compared the rounds it finished), listed from its own name's folder too
+    _folder(runs / "ab" / "llama-debug" / "20260101-120300-dddddd",
+            **{"ab.json": json.dumps({"exit_code": 130, "steps": 20, "verdicts": []})})
+    rows = list_run_rows(runs / "ab", "llama-debug")
+    assert [(r.kind, r.status) for r in rows] == [("ab", "interrupted"), ("ab", "finished")]
 
 
 def test_explain_lists_each_region_with_who_declined_it(tiny, tmp_path):
