@@ -15,6 +15,7 @@ history, and the reports and ``runs list`` show it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -79,4 +80,7 @@ def prune_history_checkpoints(run_dir: Path, keep: int) -> list[Path]:
     gone = [c.path for d in earlier for c in complete_checkpoints(d / "checkpoints") if c.path not in keep_paths]
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)
+    for d in earlier:  # a folder whose checkpoints all went: no empty checkpoints/ to look into
+        with contextlib.suppress(OSError):  # not empty (an incomplete one, a user's file): left as it is
+            (d / "checkpoints").rmdir()
     return gone

@@ -39,6 +39,7 @@ def test_a_run_stopped_twice_is_one_history_of_three_segments(tiny, tmp_path):
     # checkpoint.keep = 2 counts the whole history: only the two newest remain, in the last folder.
     kept = [c.step for d in (first, second, third.run_dir) for c in complete_checkpoints(d / "checkpoints")]
     assert kept == [10, 12]
+    assert not (first / "checkpoints").exists() and not (second / "checkpoints").exists()  # emptied: gone
     rows = {r.path: r for r in list_run_rows(tmp_path / "runs", "hist")}
     assert [rows[str(d)].status for d in (first, second, third.run_dir)] == ["continued", "continued", "finished"]
     assert rows[str(third.run_dir)].segment == 3
