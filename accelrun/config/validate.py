@@ -223,9 +223,12 @@ def _annotation_at(path: KeyPath) -> Any:
 
 
 def _section_type(annotation: Any) -> type[BaseModel] | None:
-    """The section a field holds: itself, or the item type of a list of sections (data.mix)."""
+    """The section a field holds: itself, the item type of a list of sections (data.mix), or an optional
+    section's (model.rope_scaling: ``RopeScalingConfig | None``)."""
     if get_origin(annotation) is list:
         annotation = get_args(annotation)[0]
+    if not isinstance(annotation, type) and (sections := [a for a in get_args(annotation) if a is not type(None)]):
+        annotation = sections[0] if len(sections) == 1 else annotation
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 

@@ -53,17 +53,29 @@ def decide_resume(resume: str, runs_root: Path, current_run: Path, training_hash
     return ResumeDecision(newest, f"continuing the interrupted run {newest.run_dir.name}" + _skipped(damaged, newest))
 
 
+def auto_would_continue(ckpt: CheckpointInfo, run_dir: Path, training_hash: str) -> bool:
+    """Whether ``checkpoint.resume: auto`` would continue ``ckpt`` in ``run_dir``: this training's newest
+    complete checkpoint of a stopped run of the same name, which no process runs."""
+    other = ckpt.run_dir
+    if ckpt.training_hash != training_hash or other.resolve().parent != run_dir.resolve().parent:
+        return False
+    if (other / FINISHED_MARKER).exists() or is_running(other):
+        return False
+    newest = complete_checkpoints(other / "checkpoints")
+    return bool(newest) and newest[-1].path.resolve() == ckpt.path.resolve()
+
+
 def _other_training(runs: list[Path], found: list) -> str:
-    """A note on the newest interrupted run of this name whose checkpoints are of another training (a
+    """A note on the newest stopped run of this name whose checkpoints are of another training (a
     changed train.steps, say): what a user who meant to continue it looks for."""
     stopped = [(run, good[-1]) for run, (good, _) in zip(runs, found, strict=True)
                if good and not (run / FINISHED_MARKER).exists() and continued_by(run) is None]
     if not stopped:
         return ""
     run, newest = max(stopped, key=lambda pair: (pair[1].created, pair[1].step))
-    return (f"; the interrupted run {run} has checkpoints of another training ({newest.training_hash}: its recipe "
-            f"differs in a value that decides the numbers trained); checkpoint.resume={run} starts this run from "
-            "its weights")
+    return (f"; the stopped run {run} has checkpoints of another training ({newest.training_hash}: its recipe "
+            f"differs in a value that decides the numbers trained); checkpoint.resume={run} continues from its "
+            "newest checkpoint under this recipe, as a new run")
 
 
 def _skipped(damaged: list[tuple[CheckpointInfo, str]], chosen: CheckpointInfo | None) -> str:

@@ -39,7 +39,7 @@ from accelrun.report.peak import Peak, resolve_peak
 from accelrun.train.checkpoint import complete_checkpoints, load_checkpoint, remove_partial
 from accelrun.train.lineage import RunAlreadyContinued, claim_continuation
 from accelrun.train.optim import build_optimizer, build_scheduler
-from accelrun.train.resume import ResumeDecision, decide_resume
+from accelrun.train.resume import ResumeDecision, auto_would_continue, decide_resume
 
 
 @dataclass
@@ -147,16 +147,19 @@ def _decide_and_claim(resume: str, run_dir: Path, training_hash: str,
                       restart_count: int) -> ResumeDecision | RunAlreadyContinued:
     """The checkpoint to resume from; continuing another run folder's claims it (lineage.py), so two
     identical commands started together cannot both continue it. A checkpoint named in the recipe
-    (``checkpoint.resume: <folder>``) is a continuation too when it has this run's training hash; one of
-    another hash only gives this new run its starting point, and its run stays as it was."""
+    (``checkpoint.resume: <folder>``) is a continuation too where ``auto`` would have taken it; any other
+    (an older step, another training, a run elsewhere) starts a new run, and its folder stays as it was."""
     decision = _decide(resume, run_dir, training_hash, restart_count)
     ckpt = decision.checkpoint
-    continues = resume == "auto" or (resume != "none" and ckpt is not None and ckpt.training_hash == training_hash)
+    continues = resume == "auto" or (resume != "none" and ckpt is not None and auto_would_continue(ckpt, run_dir,
+                                                                                                  training_hash))
     if ckpt is not None and continues and ckpt.run_dir != run_dir:
         try:
             claim_continuation(ckpt.run_dir, run_dir, ckpt.step)
         except RunAlreadyContinued as e:
             return e
+        except OSError as e:  # a folder this process may not write in: the run goes on, unlinked
+            decision = ResumeDecision(ckpt, f"{decision.reason}; not linked to {ckpt.run_dir} ({e.strerror})")
     return decision
 
 

@@ -98,6 +98,13 @@ def test_resuming_from_a_named_folder_of_the_same_training_continues_that_run(ti
     # Another training (here: more steps) started from that checkpoint is a new run: no link.
     longer = run([*tiny(10, "checkpoint.every=2", "name=named"), f"checkpoint.resume={resumed.run_dir}"])
     assert history(longer.run_dir) == [longer.run_dir] and not (longer.run_dir / "lineage.json").exists()
+    # An older checkpoint of a stopped run (a rewind to step 2 of 4): a new run; the named folder keeps its
+    # checkpoints (a continuation's retention would have counted them) and gets no claim.
+    cut2 = run(tiny(8, "checkpoint.every=2", "name=rewind"), stop_after_step=5).run_dir
+    kept = sorted(p.name for p in (cut2 / "checkpoints").iterdir())
+    rewound = run([*tiny(8, "checkpoint.every=2", "name=rewind"), f"checkpoint.resume={cut2}/checkpoints/step-000002"])
+    assert rewound.status == "finished" and history(rewound.run_dir) == [rewound.run_dir]
+    assert sorted(p.name for p in (cut2 / "checkpoints").iterdir()) == kept and not (cut2 / "continued-by.json").exists()
 
 
 def test_a_fresh_start_names_the_interrupted_run_of_another_training(tiny, tmp_path):
@@ -109,8 +116,8 @@ def test_a_fresh_start_names_the_interrupted_run_of_another_training(tiny, tmp_p
     here = create_run_dir(tmp_path / "runs", "changed")
     decision = decide_resume("auto", tmp_path / "runs" / "changed", here, "another-hash")
     assert decision.checkpoint is None
-    assert (f"the interrupted run {cut} has checkpoints of another training" in decision.reason
-            and f"checkpoint.resume={cut} starts this run from its weights" in decision.reason), decision.reason
+    assert (f"the stopped run {cut} has checkpoints of another training" in decision.reason
+            and f"checkpoint.resume={cut} continues from its newest checkpoint" in decision.reason), decision.reason
     done = run(tiny(8, "checkpoint.every=2", "name=changed"))  # continues it to its end: nothing left to name
     assert done.status == "finished"
-    assert "interrupted run" not in decide_resume("auto", tmp_path / "runs" / "changed", here, "another-hash").reason
+    assert "stopped run" not in decide_resume("auto", tmp_path / "runs" / "changed", here, "another-hash").reason
