@@ -115,13 +115,6 @@ class RunRecord:
         return (self.report or {}).get(key)
 
     @cached_property
-    def segment_reports(self) -> list[dict]:
-        """report.json of each of a resumed run's folders that wrote one, first folder first (the last
-        one's is ``report``)."""
-        reports = [_read_json(s / "report.json") for s in self.segments[:-1]]
-        return [r for r in reports if r is not None] + ([self.report] if self.report is not None else [])
-
-    @cached_property
     def segment_envs(self) -> list[dict]:
         """env.json of each of its folders, first folder first (one for a run that was not resumed)."""
         return [_read_json(s / "env.json") or {} for s in self.segments[:-1]] + [self.env]
@@ -142,9 +135,17 @@ class RunRecord:
 
     @property
     def mem_peak_bytes(self) -> int | None:
-        """The highest peak its folders' reports give, else its metrics' rows (a run without a report)."""
-        peaks = [int(r["mem_peak_bytes"]) for r in self.segment_reports if r.get("mem_peak_bytes") is not None]
-        peaks = peaks or [int(m["mem_peak_bytes"]) for m in self.metrics if m.get("mem_peak_bytes") is not None]
+        """The highest peak of its folders: each one's report's, or where it wrote none (a folder that was
+        stopped and continued, or a run still going) the highest of its own steps' rows."""
+        segments = self.segments or [self.path]
+        reports = [_read_json(s / "report.json") for s in segments[:-1]] + [self.report]
+        peaks = []
+        for segment, report in zip(segments, reports, strict=True):
+            if report is not None and report.get("mem_peak_bytes") is not None:
+                peaks.append(int(report["mem_peak_bytes"]))
+            else:  # its own rows: a redone step's row in ``metrics`` is the later folder's
+                rows = self.metrics if segment == self.path else _segment_rows(segment)
+                peaks += [int(m["mem_peak_bytes"]) for m in rows if m.get("mem_peak_bytes") is not None]
         return max(peaks) if peaks else None
 
 
@@ -224,6 +225,14 @@ def load_run(ref: str | Path, label: str = "") -> RunRecord:
     return RunRecord(path=path, config=config, sources=sources, env=_read_json(path / "env.json") or {},
                      metrics=metrics, report=_read_json(path / "report.json"),
                      running=is_running(path), label=label, segments=segments, segment_starts=starts)
+
+
+def _segment_rows(segment: Path) -> list[dict]:
+    """One run folder's own metrics rows ([] where it has none or they cannot be read)."""
+    try:
+        return read_metrics(segment / "metrics.jsonl") if (segment / "metrics.jsonl").exists() else []
+    except ValueError:
+        return []
 
 
 def history_metrics(segments: list[Path]) -> tuple[list[dict], list[int]]:

@@ -107,16 +107,19 @@ def _run_row(path: Path) -> RunRow | None:
                       processes=1)  # explain compiles one process's step whatever the layout
     rep = r.report or {}
     losses = r.losses()
-    # The step it reached, counting the folders it continues (a resumed run's report counts its own).
-    steps = max((int(m["step"]) for m in r.metrics), default=rep.get("steps") or 0)
+    # A run that ran whole in this folder: its report's figures. A resumed one (or one without a report):
+    # the run's, over every folder it continues, as compare gives them (a resumed report covers its own).
+    whole = bool(rep) and len(r.segments) < 2
+    steps = rep.get("steps") if whole else max((int(m["step"]) for m in r.metrics), default=0)
     times = r.steady_step_times()
-    median = (rep.get("step_time_s") or {}).get("median") if rep else (steady_median(times) if times else None)
+    median = (rep.get("step_time_s") or {}).get("median") if whole else (steady_median(times) if times else None)
     tokens = r.job_tokens_per_step
     return RunRow(
         run=r.label, path=str(path), started=_started(path.name), status=r.status,
         steps=int(steps or 0), final_loss=losses[max(losses)] if losses else None, step_time_s=median,
-        tokens_per_s=rep.get("tokens_per_s_job") or (tokens / median if tokens and median else None),
-        mfu=rep.get("mfu") if rep else r.mfu, mem_peak_bytes=rep.get("mem_peak_bytes") if rep else r.mem_peak_bytes,
+        tokens_per_s=(rep.get("tokens_per_s_job") if whole else None) or (tokens / median if tokens and median else None),
+        mfu=rep.get("mfu") if whole else r.mfu, mem_peak_bytes=rep.get("mem_peak_bytes") if whole else r.mem_peak_bytes,
         compile=str(r.config_flat.get("compile.backend", "?")), precision=str(r.config_flat.get("train.precision", "?")),
-        config_hash=rep.get("config_hash") or (values_hash(r.config) if r.config else None), segment=len(history(path)), processes=_processes(r.config_flat, rep),
+        config_hash=rep.get("config_hash") or (values_hash(r.config) if r.config else None),
+        segment=len(history(path)), processes=_processes(r.config_flat, rep),
     )

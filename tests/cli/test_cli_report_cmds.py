@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from accelrun.cli import ab_cmd
 from accelrun.cli.main import cli
 from accelrun.report.ab import AbPlan, Variant, summarize_ab
+from accelrun.report.rundata import load_run
 from tests.conftest import DEFAULT_CONFIG, TINY
 from tests.report.report_run_helpers import train_tiny
 
@@ -117,8 +118,13 @@ def test_runs_list_counts_a_resumed_runs_steps_to_the_step_it_reached(runs, tmp_
     (resumed / "report.json").write_text(json.dumps({**report, "steps": 3}))
     (resumed / "lineage.json").write_text(json.dumps({"continues": str(first), "from_step": 3, "segment": 2}))
     lines = invoke("runs", "list", tmp_path / "runs", "--json").stdout.strip().splitlines()
-    steps = {json.loads(line)["run"]: json.loads(line)["steps"] for line in lines}
-    assert steps == {f"x/{resumed.name}": 6, f"x/{first.name}": 4}, steps
+    rows = {json.loads(line)["run"]: json.loads(line) for line in lines}
+    assert {k: row["steps"] for k, row in rows.items()} == {f"x/{resumed.name}": 6, f"x/{first.name}": 4}, rows
+    # its step time is the run's (both folders' steady steps), as compare's, not its last folder's report's
+    from accelrun.report.compare import Group, compare_groups
+
+    whole = compare_groups([Group("A", [load_run(runs["twin"])]), Group("B", [load_run(resumed)])]).rows[1]
+    assert rows[f"x/{resumed.name}"]["step_time_s"] == pytest.approx(whole.median_step_s)
 
 
 def _fake_ab(monkeypatch, run_dirs):

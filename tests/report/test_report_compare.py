@@ -180,18 +180,19 @@ def test_a_resumed_run_compares_over_all_its_folders(runs, tmp_path):
 
 
 def test_a_resumed_runs_mfu_and_memory_cover_all_its_folders(runs, tmp_path):
-    """The first folder ran at half the speed and a higher memory peak; the resumed folder's report
-    measured only its own steps. compare's MFU follows the run's median step over both folders (as its
-    tokens/s does), and its peak is the higher one."""
+    """The first folder (stopped, continued: no report) ran at half the speed and a higher memory peak;
+    the resumed folder's report measured only its own steps. compare's MFU follows the run's median step
+    over both folders (as its tokens/s does), and its peak is the higher one, from the first's rows."""
     first, resumed = tmp_path / "first", tmp_path / "resumed"
     rows = [json.loads(line) for line in (runs["twin"] / "metrics.jsonl").read_text().splitlines()]
     shutil.copytree(runs["twin"], first)
     shutil.copytree(runs["twin"], resumed)
-    (first / "metrics.jsonl").write_text(
-        "".join(json.dumps({**m, "step_time_s": 2 * m["step_time_s"]}) + "\n" for m in rows[:5]))
     (resumed / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows[5:]))
     report = json.loads((resumed / "report.json").read_text())
-    (first / "report.json").write_text(json.dumps({**report, "mem_peak_bytes": report["mem_peak_bytes"] * 3}))
+    (first / "report.json").unlink()  # a stopped folder that was continued writes no report: its rows tell
+    (first / "metrics.jsonl").write_text("".join(
+        json.dumps({**m, "step_time_s": 2 * m["step_time_s"], "mem_peak_bytes": report["mem_peak_bytes"] * 3}) + "\n"
+        for m in rows[:5]))
     (resumed / "report.json").write_text(json.dumps({**report, "mfu": 0.5}))
     (resumed / "lineage.json").write_text(json.dumps({"continues": str(first), "from_step": 5, "segment": 2}))
     r = load_run(resumed)
