@@ -235,13 +235,11 @@ def cpu_bf16_without_kernels(cfg: RunConfig, sources: dict[KeyPath, Source], mac
 
 
 def cuda_asked_for(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
-    """train.device = cuda on a node without a CUDA device (a warning: the recipe may be meant for
-    another node; `train` here stops at its first step of setup)."""
+    """train.device = cuda on a node without a CUDA device (fatal, as more processes than GPUs are)."""
     if cfg.train.device != "cuda" or machine.cuda_devices > 0:
         return []
     return [Finding(f"train.device = cuda ({source_of(('train', 'device'), sources)}), but this node has no CUDA "
-                    "device: training here stops before it starts (exit 2); train.device=auto trains on whatever "
-                    "the node has", False)]
+                    "device (train.device=auto trains on whatever the node has)", True)]
 
 
 # The checks `train` makes before a run directory or a tensor exists, in order; `validate` runs them all.

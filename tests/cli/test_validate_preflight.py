@@ -110,11 +110,11 @@ def test_more_processes_than_gpus_exit_2(monkeypatch):
     assert validate("parallel.nproc_per_node=2", "parallel.dp_shard=2", "train.device=cpu").exit_code == 0
 
 
-def test_cuda_asked_for_on_a_node_without_it_warns(monkeypatch):
-    """Valid (the recipe may be meant for a GPU node), but `train` here would stop: said at validate."""
+def test_cuda_asked_for_on_a_node_without_it_exits_2(monkeypatch):
+    """What `train` here stops on (before a run folder exists), validate finds too."""
     monkeypatch.setattr(preflight.Machine, "here", classmethod(lambda cls: cls(cores=2, cuda_devices=0)))
     r = validate("train.device=cuda")
-    assert r.exit_code == 0 and ("warning: train.device = cuda (override 'train.device=cuda'), but this node has no "
+    assert r.exit_code == 2 and ("error: train.device = cuda (override 'train.device=cuda'), but this node has no "
                                  "CUDA device") in r.stderr, r.stderr
     monkeypatch.setattr(preflight.Machine, "here", classmethod(lambda cls: cls(cores=2, cuda_devices=1)))
     assert "no CUDA device" not in validate("train.device=cuda").stderr
