@@ -103,10 +103,12 @@ def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
         raise UserError("the variants train different numbers of steps; give --steps to run them alike")
     for v, r in zip(plan.variants, resolved, strict=True):
         steps, warmup = r.config.train.steps, r.config.report.warmup_steps
-        if steps <= warmup:  # every run would train and end with no speed to compare
-            raise UserError(f"variant {v.label}: report.warmup_steps = {warmup} of train.steps = {steps} leaves no "
-                            f"steady step, so no speed to compare: give --steps {warmup + MIN_STEADY_FOR_CI} or "
-                            f"more, or --warmup-steps {max(steps - MIN_STEADY_FOR_CI, 0)} or fewer")
+        if max(steps - warmup, 0) * plan.repeats < MIN_STEADY_FOR_CI:  # every run trains, then no speed to compare
+            raise UserError(f"variant {v.label}: report.warmup_steps = {warmup} of train.steps = {steps} leaves "
+                            f"{max(steps - warmup, 0)} steady step(s) a run, {max(steps - warmup, 0) * plan.repeats} "
+                            f"over {plan.repeats} repeat(s): a speed needs {MIN_STEADY_FOR_CI}; give --steps "
+                            f"{warmup + MIN_STEADY_FOR_CI} or more, or --warmup-steps "
+                            f"{max(steps - MIN_STEADY_FOR_CI, 0)} or fewer")
     if plan.repeats < FEW_REPEATS:
         note = (f"{plan.repeats} repeat(s) of each variant: the interval resamples the steps of too few "
                 "processes to cover how much a new process's speed varies on this machine (often several "
@@ -223,8 +225,8 @@ def run_ab(plan: AbPlan, on_event: Callable[[RunEvent], None] = lambda e: None, 
         rounds = min(len(runs) for runs in done.values())
         if rounds == 0:
             raise
-        plan.notes.append(f"interrupted (Ctrl-C) in round {rounds + 1} of {plan.repeats}: the figures cover the "
-                          f"{rounds} round(s) every variant finished")
+        plan.notes.append(f"interrupted (Ctrl-C or a stop signal) in round {rounds + 1} of {plan.repeats}: the "
+                          f"figures cover the {rounds} round(s) every variant finished")
         result = summarize_ab(plan, {k: runs[:rounds] for k, runs in done.items()}, seed=seed, loss_rtol=loss_rtol,
                               wall_s=time.perf_counter() - t0, other_cpu={k: o[:rounds] for k, o in others.items()})
         result.interrupted_after = rounds

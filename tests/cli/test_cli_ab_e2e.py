@@ -58,7 +58,7 @@ def test_ab_a_failing_variant_exits_5_and_keeps_its_log(tmp_path):
     out = tmp_path / "ab"
     r = CliRunner().invoke(cli, ["ab", str(DEFAULT_CONFIG), *TINY, "--a", "data.source=text",
                                  f"data.paths=[{tmp_path}/missing*.txt]", "--b", "data.source=builtin",
-                                 "--repeats", "1", "--steps", "2", "--out", str(out)])
+                                 "--repeats", "1", "--steps", "3", "--out", str(out)])
     assert r.exit_code == 5, r.output
     assert "variant A, repeat 1: `accelrun train` exited with code 2" in r.output
     assert "missing*.txt" in r.output  # the child's own message, from the tail of its log

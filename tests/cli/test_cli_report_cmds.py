@@ -142,16 +142,16 @@ def _fake_ab(monkeypatch, run_dirs):
 def test_ab_variant_options_take_every_override_up_to_the_next_option(runs, tmp_path, monkeypatch):
     seen = _fake_ab(monkeypatch, {"A": [runs["base"]], "B": [runs["twin"]]})
     r = invoke("ab", DEFAULT_CONFIG, "train.seq_len=32", "--a", "compile.backend=eager", "--b",
-               "compile.backend=inductor", "train.threads=1", "--repeats", "1", "--steps", "6",
+               "compile.backend=inductor", "train.threads=1", "--repeats", "1", "--steps", "8",
                "--out", tmp_path / "ab")
     assert r.exit_code == 0, r.output
     plan: AbPlan = seen["plan"]
     assert [v.overrides for v in plan.variants] == [["compile.backend=eager"],
                                                     ["compile.backend=inductor", "train.threads=1"]]
-    assert plan.common == ["train.seq_len=32"] and plan.repeats == 1 and plan.steps == 6
+    assert plan.common == ["train.seq_len=32"] and plan.repeats == 1 and plan.steps == 8
     cmd = plan.command(plan.variants[1])
     assert cmd[1:4] == ["-m", "accelrun.cli.main", "train"]
-    for forced in ("train.steps=6", "checkpoint.enabled=false", "checkpoint.resume=none", "report.progress=lines",
+    for forced in ("train.steps=8", "checkpoint.enabled=false", "checkpoint.resume=none", "report.progress=lines",
                    f"report.runs_dir={tmp_path / 'ab' / 'runs'}"):
         assert forced in cmd
     assert cmd.index("train.threads=1") < cmd.index("checkpoint.enabled=false")  # ab's own overrides win
@@ -179,7 +179,8 @@ def test_an_interrupted_ab_compares_the_rounds_every_variant_finished(runs, tmp_
     assert r.exit_code == 130, r.output
     doc = json.loads((tmp_path / "ab" / "ab.json").read_text())
     assert doc["exit_code"] == 130 and [len(g["runs"]) for g in doc["groups"]] == [1, 1]
-    assert "interrupted (Ctrl-C) in round 2 of 2: the figures cover the 1 round(s) every variant finished" in doc["notes"]
+    assert ("interrupted (Ctrl-C or a stop signal) in round 2 of 2: the figures cover the 1 round(s) every variant "
+            "finished") in doc["notes"]
     assert "interrupted: compared the 1 round(s) of 2 every variant finished (exit 130)" in r.stderr
     assert (tmp_path / "ab" / "command.txt").read_text().startswith("accelrun")
     r = invoke("ab", DEFAULT_CONFIG, *TINY, "--b", "train.seed=0", "--repeats", "2", "--out", tmp_path / "none")
@@ -207,8 +208,11 @@ def test_ab_user_errors_exit_2_before_anything_runs(tmp_path, monkeypatch):
     r = invoke("ab", DEFAULT_CONFIG, f"report.runs_dir={tmp_path}", "--b", "train.precision=bf16-mixed",
                "--steps", "20", "--warmup-steps", "25")
     assert r.exit_code == 2, r.output
-    assert ("variant A: report.warmup_steps = 25 of train.steps = 20 leaves no steady step, so no speed to compare: "
-            "give --steps 27 or more, or --warmup-steps 18 or fewer") in " ".join(r.output.split())
+    assert ("variant A: report.warmup_steps = 25 of train.steps = 20 leaves 0 steady step(s) a run, 0 over 3 "
+            "repeat(s): a speed needs 2; give --steps 27 or more, or --warmup-steps 18 or fewer") in " ".join(r.output.split())
+    r = invoke("ab", DEFAULT_CONFIG, f"report.runs_dir={tmp_path}", "--b", "train.seed=1", "--steps", "6",
+               "--warmup-steps", "5", "--repeats", "1")  # one steady step in all: no interval either
+    assert r.exit_code == 2 and "leaves 1 steady step(s) a run, 1 over 1 repeat(s)" in " ".join(r.output.split())
 
 
 def test_ab_with_fewer_than_three_repeats_says_its_interval_misses_the_noise_between_processes(tmp_path):
