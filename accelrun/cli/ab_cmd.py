@@ -137,6 +137,7 @@ def command(config: str, overrides: tuple[str, ...], a: tuple[str, ...], b: tupl
       4  done, but the losses disagree (the settings change what is computed)
       5  a variant's training process failed (its log is kept under logs/)
       2  a bad recipe or override, found before anything runs
+      130  interrupted (Ctrl-C): the rounds every variant finished are compared and reported
 
     \b
     Examples:

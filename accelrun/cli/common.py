@@ -48,15 +48,16 @@ def print_warnings(messages: list[str]) -> None:
 def override_hint(option: str) -> str | None:
     """For ``--steps`` given to a command that takes overrides: the recipe key it was probably meant as
     (``train.steps=VALUE``), or None when no key ends in that name."""
+    from accelrun.config.errors import SYNONYMS
     from accelrun.config.schema import RunConfig
     from accelrun.report.rundata import flatten
 
-    name, _, value = option.lstrip("-").replace("-", "_").partition("=")
+    name = option.lstrip("-").replace("-", "_")  # (click gives the option without its =VALUE)
+    name = SYNONYMS.get(name.lower(), name)  # --max-steps, --learning-rate: other tools' names
     keys = list(flatten(RunConfig().model_dump(mode="json")))
     matches = [k for k in keys if k == name] or sorted((k for k in keys if k.rpartition(".")[2] == name),
                                                        key=lambda k: (k.count("."), not k.startswith("train.")))
     if not matches:
         return None
     others = f" (or {', '.join(matches[1:3])})" if len(matches) > 1 else ""
-    return (f"recipe values are KEY=VALUE arguments, not options: did you mean {matches[0]}={value or 'VALUE'}"
-            f"{others}?")
+    return f"recipe values are KEY=VALUE arguments, not options: did you mean {matches[0]}=VALUE{others}?"

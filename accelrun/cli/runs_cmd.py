@@ -52,15 +52,17 @@ def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> Non
       accelrun runs list runs/llama-debug            # one recipe's runs, as compare takes them
       accelrun runs list --json | jq -r 'select(.status == "finished") | .path'
     """
+    one_name = False
     if not runs_dir.is_dir():
         if click.get_current_context().get_parameter_source("runs_dir") != ParameterSource.DEFAULT:
-            raise click.BadParameter(f"{runs_dir}: no such folder", param_hint="RUNS_DIR")
+            what = "not a folder" if runs_dir.exists() else "no such folder"
+            raise click.BadParameter(f"{runs_dir}: {what}", param_hint="RUNS_DIR")
     elif any(RUN_ID.match(p.name) for p in runs_dir.iterdir() if p.is_dir()):  # one recipe's runs: runs/llama-debug
         if name not in (None, runs_dir.name):
             raise click.BadParameter(f"{runs_dir} holds the runs named {runs_dir.name}, not {name}",
                                      param_hint="--name")
-        runs_dir, name = runs_dir.parent, runs_dir.name
-    rows = list_run_rows(runs_dir, name, limit)
+        runs_dir, name, one_name = runs_dir.parent, runs_dir.name, True
+    rows = list_run_rows(runs_dir, name, limit, comparisons=not one_name)  # that folder's runs, not runs/ab's
     if as_json:
         for r in rows:
             out.print(json.dumps(r.to_dict()), markup=False, highlight=False, soft_wrap=True)

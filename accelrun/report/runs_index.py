@@ -57,14 +57,22 @@ EXPLAIN_RECORD = Path("compile") / "record.json"
 AB_FOLDER, AB_RESULT = "ab", "ab.json"
 
 
-def list_run_rows(runs_dir: str | Path, name: str | None = None, limit: int | None = None) -> list[RunRow]:
+def list_run_rows(runs_dir: str | Path, name: str | None = None, limit: int | None = None,
+                  comparisons: bool = True) -> list[RunRow]:
     """Rows for the runs under ``runs_dir`` (of run ``name``), newest first, at most ``limit``: training
-    runs, `compile explain` runs and `accelrun ab` comparisons."""
+    runs, `compile explain` runs and (``comparisons``) the `accelrun ab` comparisons under its ab/."""
     rows = [row for path in list_runs(runs_dir, name)  # (runs_dir may be an ab folder of one name: runs/ab/<name>)
-            if (row := _ab_row(path) if path.parent.parent.name == AB_FOLDER else _run_row(path)) is not None]
-    rows += [row for path in list_runs(Path(runs_dir) / AB_FOLDER, name) if (row := _ab_row(path)) is not None]
+            if (row := _ab_row(path) if is_ab_folder(path) else _run_row(path)) is not None]
+    if comparisons:
+        rows += [row for path in list_runs(Path(runs_dir) / AB_FOLDER, name) if (row := _ab_row(path)) is not None]
     rows.sort(key=lambda r: Path(r.path).name[:15], reverse=True)  # the UTC time each folder is named by
     return rows[:limit]
+
+
+def is_ab_folder(path: Path) -> bool:
+    """An `accelrun ab` comparison's folder (its result, or its variants' runs, and no recipe of its own),
+    whatever the folders above it are named."""
+    return not (path / "config.yaml").exists() and ((path / AB_RESULT).exists() or (path / "runs").is_dir())
 
 
 def _processes(config_flat: dict, report: dict) -> int | None:

@@ -211,6 +211,8 @@ def test_an_option_that_is_a_recipe_key_points_at_the_override():
     assert r.exit_code == 2 and "did you mean train.steps=VALUE (or eval.steps)?" in " ".join(r.output.split())
     r = invoke("validate", DEFAULT_CONFIG, "--lr", "0.1")
     assert r.exit_code == 2 and "did you mean train.optimizer.lr=VALUE?" in " ".join(r.output.split())
+    r = invoke("train", DEFAULT_CONFIG, "--max-steps", "10")  # another tool's name for it
+    assert r.exit_code == 2 and "did you mean train.steps=VALUE" in " ".join(r.output.split())
     r = invoke("train", DEFAULT_CONFIG, "--bogus")  # no such key either: click's own message
     assert r.exit_code == 2 and "No such option" in r.output and "KEY=VALUE arguments" not in r.output
     r = invoke("runs", "list", "--steps")  # a command without overrides: nothing to point at

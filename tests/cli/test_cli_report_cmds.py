@@ -96,6 +96,9 @@ def test_runs_list(runs, tmp_path):
     assert row["mfu"] == pytest.approx(statistics.median(steady)) and row["mem_peak_bytes"] is not None, row
     r = invoke("runs", "list", tmp_path / "none")  # a folder named that is not there: a mistake
     assert r.exit_code == 2 and "none: no such folder" in r.output
+    (tmp_path / "afile").write_text("")
+    r = invoke("runs", "list", tmp_path / "afile")
+    assert r.exit_code == 2 and "afile: not a folder" in r.output
     (tmp_path / "empty").mkdir()
     r = invoke("runs", "list", tmp_path / "empty")
     assert r.exit_code == 0 and "no runs under" in r.stdout

@@ -42,6 +42,11 @@ def test_runs_list_has_train_explain_and_ab_rows_with_processes(tmp_path):
             **{"ab.json": json.dumps({"exit_code": 130, "steps": 20, "verdicts": []})})
     rows = list_run_rows(runs / "ab", "llama-debug")
     assert [(r.kind, r.status) for r in rows] == [("ab", "interrupted"), ("ab", "finished")]
+    # a runs folder that is itself named ab holds training runs, known by what they hold
+    other = tmp_path / "exp" / "ab"
+    _folder(other / "llama-debug" / "20260101-120000-aaaaaa", **{"config.yaml": config, "report.json": json.dumps(
+        {"status": "finished", "steps": 5, "world_size": 2, "step_time_s": {"median": 0.1}})})
+    assert [(r.kind, r.status) for r in list_run_rows(other)] == [("train", "finished")]
 
 
 def test_explain_lists_each_region_with_who_declined_it(tiny, tmp_path):
