@@ -126,8 +126,13 @@ def generate_text(ref: str | Path, prompt: str, *, max_new_tokens: int = 200, te
     out = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
                    max_seq_len=getattr(getattr(model, "args", None), "max_seq_len", None))
     info = read_info(ckpt)
-    trained = (run_values(run).get("train") or {}).get("seq_len")
-    beyond = (f"the prompt and {max_new_tokens} new tokens make {len(out)} tokens, more than the {trained} of "
-              f"the windows the model trained on: past them its positions are untrained, and its text may "
-              f"turn to noise" if isinstance(trained, int) and len(out) > trained else None)  # fmt: skip
+    values = run_values(run)
+    trained = (values.get("train") or {}).get("seq_len")
+    window = getattr(getattr(model, "args", None), "max_seq_len", None)
+    # The positions the model read: the last sampled token is never fed, and the context slides at max_seq_len.
+    read = min(len(out) - 1, window) if window else len(out) - 1
+    pretrained = (values.get("model") or {}).get("hf") is not None  # its checkpoint's own training saw longer
+    beyond = (f"the prompt and {max_new_tokens} new tokens put {read} tokens before the model, more than the "
+              f"{trained} of the windows it trained on: past them its positions are untrained, and its text may "
+              f"turn to noise" if isinstance(trained, int) and read > trained and not pretrained else None)  # fmt: skip
     return Generated(tok.decode(out), run, ckpt, info.step if info else None, kv_cache_unsupported(model), beyond)

@@ -29,9 +29,11 @@ def test_generate_is_deterministic_for_a_seed_and_refuses_a_run_without_checkpoi
     assert "KV cache)" in a.stderr and "warning" not in a.stderr
     # Past the windows it trained on (train.seq_len of the tiny recipe), its positions are untrained: said.
     seq_len = load_config(DEFAULT_CONFIG, tiny(4)).config.train.seq_len
-    far = runner.invoke(cli, [*args[:4], "--max-new-tokens", str(seq_len)])
-    assert far.exit_code == 0 and (f"more than the {seq_len} of the windows the model trained on" in
+    far = runner.invoke(cli, [*args[:4], "--max-new-tokens", str(seq_len)])  # BOS + "The " + seq_len new ones
+    assert far.exit_code == 0 and (f"more than the {seq_len} of the windows it trained on" in
                                    " ".join(far.stderr.split())), far.stderr
+    near = runner.invoke(cli, [*args[:4], "--max-new-tokens", str(seq_len - 4)])  # fed: BOS + 4 + (n - 1) = seq_len
+    assert near.exit_code == 0 and "warning" not in near.stderr, near.stderr
 
     bare = train(load_config(DEFAULT_CONFIG, tiny(2, "checkpoint.enabled=false", "name=bare")),
                  command="test").run_dir
