@@ -35,7 +35,7 @@ class AccelrunGroup(click.Group):
                 raise
             from accelrun.dist import stop
 
-            again = " by a second Ctrl-C: stopped without saving a checkpoint" if stop.requested() else ""
+            again = " by a second Ctrl-C: stopped without saving a checkpoint" if stop.stopped_at_once() else ""
             click.echo(f"interrupted{again} (exit 130)", err=True)
             ctx.exit(130)
         except Exception as e:

@@ -42,6 +42,7 @@ _depth = 0  # nesting of catch_signals in this process
 _forward_to: Path | None = None  # the launcher's job folder: a signal becomes a stop request there
 _watch: Path | None = None  # a rank's job folder: a stop request there counts as a signal
 _abort: Callable[[], None] | None = None  # the launcher's way out on a second Ctrl-C, while the agent runs
+_stopped_at_once = False  # a second Ctrl-C stopped this process where it was (one-process runs)
 
 
 def exit_code(signum: int) -> int:
@@ -54,7 +55,7 @@ def signal_name(signum: int) -> str:
 
 
 def _handle(signum: int, frame) -> None:
-    global _received, _received_at
+    global _received, _received_at, _stopped_at_once
     if _received:
         # The first signal decides; a second one (SLURM's again) changes nothing, except a second
         # Ctrl-C: the user does not want to wait (for the step, the checkpoint, a stuck rank). The
@@ -64,6 +65,7 @@ def _handle(signum: int, frame) -> None:
             if _abort is not None:
                 _abort()
             elif _watch is None:  # not a rank, whose launcher decides (and kills it)
+                _stopped_at_once = True
                 raise KeyboardInterrupt
         return
     _received, _received_at = signum, time.monotonic()
@@ -86,7 +88,7 @@ def catch_signals(*, forward_to: Path | None = None, watch: Path | None = None) 
     Nests: the outermost entry forgets an earlier run's signal; inner ones add their folders.
     Outside the main thread signals cannot be caught, and this does nothing.
     """
-    global _received, _depth, _forward_to, _watch
+    global _received, _depth, _forward_to, _watch, _stopped_at_once
     old_forward, old_watch = _forward_to, _watch
     old_handlers = {}
     try:
@@ -98,7 +100,7 @@ def catch_signals(*, forward_to: Path | None = None, watch: Path | None = None) 
         yield
         return
     if _depth == 0:
-        _received = 0
+        _received, _stopped_at_once = 0, False
     _depth += 1
     _forward_to = forward_to or _forward_to
     _watch = watch or _watch
@@ -135,6 +137,11 @@ def abort_on_second_interrupt(abort: Callable[[], None]) -> Iterator[None]:
         yield
     finally:
         _abort = old
+
+
+def stopped_at_once() -> bool:
+    """Whether a second Ctrl-C stopped this process where it was, saving nothing (``_handle``)."""
+    return _stopped_at_once
 
 
 def requested() -> int:

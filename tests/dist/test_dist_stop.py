@@ -132,10 +132,12 @@ def test_a_second_ctrl_c_stops_a_one_process_run_at_once():
     launcher decides and kills it)."""
     with stop.catch_signals():
         os.kill(os.getpid(), signal.SIGINT)
-        assert stop.requested() == signal.SIGINT
+        assert stop.requested() == signal.SIGINT and not stop.stopped_at_once()  # the first: a checkpoint follows
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
+        assert stop.stopped_at_once()  # what the command's last line says
     with stop.catch_signals():
+        assert not stop.stopped_at_once()  # a new run forgets it
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested() == signal.SIGTERM
