@@ -28,7 +28,7 @@ class DiagnosticConsole(Console):
         super().__init__(stderr=True, **kwargs)
 
     def on_broken_pipe(self) -> None:
-        self.quiet = True
+        # Not quiet: a rank's stderr also copies into its log (train.rank_log), which must go on.
         quiet_stream(sys.stderr)
 
 
