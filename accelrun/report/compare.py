@@ -79,7 +79,8 @@ class GroupFigures:
 class DiffRow:
     key: str
     values: list[Any]  # one per group (its first run), in order; None where the run lacks the key
-    sources: list[str]
+    sources: list[str]  # NOT_READ where ``reads`` is False
+    reads: list[bool]  # whether that run's training reads the key (a user's own model reads no family key)
 
 
 @dataclass
@@ -228,12 +229,12 @@ def config_diff(runs: list[RunRecord]) -> list[DiffRow]:
         keys += [k for k in r.config_flat if k not in keys]
     rows = []
     for k in keys:
-        readers = [r for r in runs if _reads(r, k)]
-        values = [r.config_flat.get(k) for r in readers]
+        reads = [_reads(r, k) for r in runs]
+        values = [r.config_flat.get(k) for r, read in zip(runs, reads, strict=True) if read]
         if any(v != values[0] for v in values[1:]):
             rows.append(DiffRow(k, [r.config_flat.get(k) for r in runs],
-                                [NOT_READ if r not in readers else r.sources.get(k, "?") if k in r.config_flat
-                                 else ABSENT for r in runs]))  # fmt: skip
+                                [NOT_READ if not read else r.sources.get(k, "?") if k in r.config_flat else ABSENT
+                                 for r, read in zip(runs, reads, strict=True)], reads))  # fmt: skip
     return rows
 
 
@@ -259,7 +260,7 @@ def _lr_parts(reference: RunRecord, other: RunRecord, until: int) -> str:
 def _numeric_cause(diff: list[DiffRow], indices: list[int]) -> str:
     """The config keys that change the numbers and differ between the groups at ``indices``."""
     keys = [d.key for d in diff if d.key.startswith(NUMERIC_PREFIXES) and d.key not in NOT_NUMERIC
-            and len({repr(d.values[i]) for i in indices if d.sources[i] != NOT_READ}) > 1]
+            and len({repr(d.values[i]) for i in indices if d.reads[i]}) > 1]
     if not keys:
         return ""
     return "expected: " + ", ".join(keys[:4]) + (" and more" if len(keys) > 4 else "") + (
