@@ -27,7 +27,7 @@ def command() -> None:
     Examples:
       accelrun runs list
       accelrun runs list --name llama-debug --limit 5
-      accelrun runs list /shared/team-runs --json
+      accelrun runs list /shared/team-runs --json    # another runs folder (exit 2 where there is none)
     """
 
 
@@ -48,8 +48,8 @@ def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> Non
     \b
     Examples:
       accelrun runs list
-      accelrun runs list runs --name llama-debug --limit 5
-      accelrun runs list runs/llama-debug            # one recipe's runs, as compare takes them
+      accelrun runs list --name llama-debug --limit 5
+      accelrun runs list runs/llama-debug    # one recipe's runs, as compare takes them (exit 2 before any)
       accelrun runs list --json | jq -r 'select(.status == "finished") | .path'
     """
     one_name = False
