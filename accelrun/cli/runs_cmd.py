@@ -12,7 +12,7 @@ from rich.table import Table
 
 from accelrun.cli.common import out, print_wide
 from accelrun.report import fmt
-from accelrun.report.rundir import RUN_ID
+from accelrun.report.rundir import holds_runs
 from accelrun.report.runs_index import list_run_rows
 
 STATUS_STYLE = {"finished": "green", "running": "cyan", "interrupted": "yellow", "diverged": "red", "crashed": "red",
@@ -57,7 +57,7 @@ def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> Non
         if click.get_current_context().get_parameter_source("runs_dir") != ParameterSource.DEFAULT:
             what = "not a folder" if runs_dir.exists() else "no such folder"
             raise click.BadParameter(f"{runs_dir}: {what}", param_hint="RUNS_DIR")
-    elif any(RUN_ID.match(p.name) for p in runs_dir.iterdir() if p.is_dir()):  # one recipe's runs: runs/llama-debug
+    elif holds_runs(runs_dir):  # one recipe's runs: runs/llama-debug
         if name not in (None, runs_dir.name):
             raise click.BadParameter(f"{runs_dir} holds the runs named {runs_dir.name}, not {name}",
                                      param_hint="--name")

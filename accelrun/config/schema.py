@@ -169,10 +169,9 @@ class ModelConfig(Section):
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
-    @classmethod
-    def family_only_keys(cls) -> tuple[str, ...]:
-        """The keys a user's own model (``custom``) does not read."""
-        return tuple(k for k in cls.model_fields if k not in CUSTOM_MODEL_READS)
+
+# The keys a user's own model (``model.custom``) does not read: the model families' own.
+FAMILY_ONLY_KEYS = frozenset(ModelConfig.model_fields) - frozenset(CUSTOM_MODEL_READS)
 
 
 class MixSource(Section):

@@ -21,7 +21,7 @@ from accelrun.config.compose import DEFAULT, Source
 from accelrun.config.data_checks import PATH_SOURCES_HINT, data_problems, mix_warnings
 from accelrun.config.errors import SYNONYMS, ConfigError, nearest
 from accelrun.config.moe_checks import moe_problems, moe_warnings
-from accelrun.config.schema import INTERLEAVED_SCHEDULES, ModelConfig, RunConfig
+from accelrun.config.schema import FAMILY_ONLY_KEYS, INTERLEAVED_SCHEDULES, ModelConfig, RunConfig
 from accelrun.config.search import search_path
 from accelrun.config.tokenizer_file import (
     BYTE_VOCAB,
@@ -515,7 +515,7 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
 
     out: list[str] = []
     if cfg.model.custom is not None:
-        ignored = [k for k in ModelConfig.family_only_keys() if set_by_user("model", k)]
+        ignored = [k for k in ModelConfig.model_fields if k in FAMILY_ONLY_KEYS and set_by_user("model", k)]
         if ignored:
             out.append(f"model.custom is set, so these keys of the model families are not used: "
                        f"model.{', model.'.join(ignored)}")

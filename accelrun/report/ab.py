@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from accelrun.config import ResolvedConfig, load_config
+from accelrun.dist import stop
 from accelrun.errors import UserError
 from accelrun.report.compare import MIN_STEADY_FOR_CI, Comparison, Group, GroupFigures, compare_groups
 from accelrun.report.machine_load import BUSY_WARNING, OtherCpuMeter
@@ -35,8 +36,8 @@ from accelrun.report.rundir import list_runs
 from accelrun.report.stats import repeats_to_resolve
 
 EXIT_LOSSES_DISAGREE = 4
-EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
-EXIT_PREEMPTED = 143  # and SIGTERM's: a variant's run stopped by either stops ab
+EXIT_INTERRUPTED = stop.exit_code(signal.SIGINT)  # 130, the shell's code for Ctrl-C
+EXIT_PREEMPTED = stop.exit_code(signal.SIGTERM)  # 143: a variant's run stopped by either stops ab
 # Fewer repeats than this: the interval cannot see how much one process's speed differs from another's.
 FEW_REPEATS = 3
 LOG_TAIL_LINES = 15

@@ -18,7 +18,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from accelrun.config.schema import ModelConfig
+from accelrun.config.schema import FAMILY_ONLY_KEYS
 from accelrun.report.compile_time import record_seconds
 from accelrun.report.lineage import crash_error
 from accelrun.report.parity import LossParity, default_rtol, loss_parity
@@ -241,8 +241,7 @@ def config_diff(runs: list[RunRecord]) -> list[DiffRow]:
 def _reads(run: RunRecord, key: str) -> bool:
     """Whether ``run``'s training reads ``key``: a user's own model reads no model family's keys."""
     section, _, rest = key.partition(".")
-    return not (section == "model" and run.config_flat.get("model.custom")
-                and rest.partition(".")[0] in ModelConfig.family_only_keys())
+    return not (section == "model" and run.config_flat.get("model.custom") and rest.partition(".")[0] in FAMILY_ONLY_KEYS)
 
 
 def _lr_parts(reference: RunRecord, other: RunRecord, until: int) -> str:

@@ -23,7 +23,7 @@ import yaml
 from accelrun.errors import UserError
 from accelrun.report.lineage import continued_by, crash_error, history
 from accelrun.report.metrics import read_metrics
-from accelrun.report.rundir import RUN_ID, is_running, list_runs
+from accelrun.report.rundir import holds_runs, is_running, list_runs
 from accelrun.report.summary import is_steady
 
 
@@ -119,7 +119,7 @@ class RunRecord:
         """env.json of each of its folders, first folder first (one for a run that was not resumed)."""
         return [_read_json(s / "env.json") or {} for s in self.segments[:-1]] + [self.env]
 
-    @property
+    @cached_property
     def mfu(self) -> float | None:
         """The report's MFU at this run's median steady step. A resumed run's report measured its last
         folder's steps only; its flops per step and peak hold for every folder (the model is the same)."""
@@ -133,7 +133,7 @@ class RunRecord:
             return said
         return float(said) * float(measured_at) / statistics.median(times)
 
-    @property
+    @cached_property
     def mem_peak_bytes(self) -> int | None:
         """The highest peak of its folders: each one's report's, or where it wrote none (a folder that was
         stopped and continued, or a run still going) the highest of its own steps' rows."""
@@ -143,8 +143,8 @@ class RunRecord:
         for segment, report in zip(segments, reports, strict=True):
             if report is not None and report.get("mem_peak_bytes") is not None:
                 peaks.append(int(report["mem_peak_bytes"]))
-            else:  # its own rows: a redone step's row in ``metrics`` is the later folder's
-                rows = self.metrics if segment == self.path else _segment_rows(segment)
+            else:  # its own rows (in ``metrics`` a redone step's row is the later folder's)
+                rows = self.metrics[self.segment_starts[-1]:] if segment == self.path else _segment_rows(segment)
                 peaks += [int(m["mem_peak_bytes"]) for m in rows if m.get("mem_peak_bytes") is not None]
         return max(peaks) if peaks else None
 
@@ -197,8 +197,7 @@ def resolve_run_path(ref: str | Path) -> Path:
     if (path / "metrics.jsonl").is_file() or (path / "config.yaml").is_file():
         return path
     if path.is_dir():
-        newest = (list_runs(path.parent, path.name) if any(RUN_ID.match(p.name) for p in path.iterdir())
-                  else list_runs(path))
+        newest = list_runs(path.parent, path.name) if holds_runs(path) else list_runs(path)
         for run in newest:
             if (run / "metrics.jsonl").is_file():
                 return run

@@ -59,6 +59,11 @@ def list_runs(runs_dir: str | Path, name: str | None = None) -> list[Path]:
     return sorted(runs, key=lambda p: (p.name[:15], p.stat().st_mtime_ns), reverse=True)
 
 
+def holds_runs(folder: Path) -> bool:
+    """Whether ``folder`` is one name's folder of runs (``runs/llama-debug``): a run folder directly in it."""
+    return any(p.is_dir() and RUN_ID.match(p.name) for p in folder.iterdir())
+
+
 def hold_run_lock(run_dir: Path, node: int = 0) -> IO:
     """Mark ``run_dir`` as running for as long as the returned file stays open (an flock, so a
     killed process releases it with no clean-up). Each node of a job holds its own."""

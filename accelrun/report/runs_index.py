@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from accelrun.config.resolve import values_hash
-from accelrun.report.lineage import history
 from accelrun.report.rundata import RunNotFound, load_run
 from accelrun.report.rundir import is_running, list_runs
 from accelrun.report.stats import median as steady_median
@@ -129,5 +128,5 @@ def _run_row(path: Path) -> RunRow | None:
         mfu=rep.get("mfu") if whole else r.mfu, mem_peak_bytes=rep.get("mem_peak_bytes") if whole else r.mem_peak_bytes,
         compile=str(r.config_flat.get("compile.backend", "?")), precision=str(r.config_flat.get("train.precision", "?")),
         config_hash=rep.get("config_hash") or (values_hash(r.config) if r.config else None),
-        segment=len(history(path)), processes=_processes(r.config_flat, rep),
+        segment=len(r.segments), processes=_processes(r.config_flat, rep),
     )
