@@ -227,8 +227,8 @@ def _section_type(annotation: Any) -> type[BaseModel] | None:
     section's (model.rope_scaling: ``RopeScalingConfig | None``)."""
     if get_origin(annotation) is list:
         annotation = get_args(annotation)[0]
-    if not isinstance(annotation, type) and (sections := [a for a in get_args(annotation) if a is not type(None)]):
-        annotation = sections[0] if len(sections) == 1 else annotation
+    if len(present := [a for a in get_args(annotation) if a is not type(None)]) == 1:  # X | None
+        annotation = present[0]
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 

@@ -54,15 +54,9 @@ def decide_resume(resume: str, runs_root: Path, current_run: Path, training_hash
 
 
 def auto_would_continue(ckpt: CheckpointInfo, run_dir: Path, training_hash: str) -> bool:
-    """Whether ``checkpoint.resume: auto`` would continue ``ckpt`` in ``run_dir``: this training's newest
-    complete checkpoint of a stopped run of the same name, which no process runs."""
-    other = ckpt.run_dir
-    if ckpt.training_hash != training_hash or other.resolve().parent != run_dir.resolve().parent:
-        return False
-    if (other / FINISHED_MARKER).exists() or is_running(other):
-        return False
-    newest = complete_checkpoints(other / "checkpoints")
-    return bool(newest) and newest[-1].path.resolve() == ckpt.path.resolve()
+    """Whether ``checkpoint.resume: auto`` would have continued ``ckpt`` in ``run_dir`` (its own choice, asked)."""
+    chosen = decide_resume("auto", run_dir.parent, run_dir, training_hash).checkpoint
+    return chosen is not None and chosen.path.resolve() == ckpt.path.resolve()
 
 
 def _other_training(runs: list[Path], found: list) -> str:
