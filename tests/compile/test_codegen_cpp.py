@@ -639,3 +639,28 @@ def test_a_permuted_input_flattened_after_a_copy_reads_the_right_elements(cache)
     which sympy's own Mod once rewrote wrongly (the third of every four elements read 4 too far)."""
     x = torch.randn(2, 6, 4)
     check_fn(lambda x: ((x.permute(1, 0, 2).reshape(6, 8).tanh() * 2),), cache, x)
+
+
+def test_a_row_reduction_read_through_a_reshape_and_back_is_read_in_its_own_loop(cache):
+    # OPT's blocks (transformers): LayerNorm's backward on (B*T, D) rows, reshaped to (B, T, D) for a
+    # dropout mask and back to (B*T, D) for the bias gradient's column sum. The row statistics reach the
+    # stored (B*T, D) output at row 256*(r//256) + r%256, which is row r: read from the loop computing
+    # them, not as another loop's result (that made the region's only row loop depend on itself, and
+    # the region fell back to ATen: "kernels of the region depend on each other in a cycle").
+    def layer_norm_backward_then_dropout(x, mean, rstd, grad, weight, residual, keep):
+        xhat = (x - mean) * rstd
+        g = grad * weight
+        dx = rstd / 64 * (g * 64 - g.sum(1, keepdim=True) - xhat * (g * xhat).sum(1, keepdim=True))
+        weight_grad = (grad * xhat).sum(0)
+        h = (residual + dx).view(16, 256, 64)
+        dropped = (h * (keep.float() * 1.1111111111111112)).contiguous().view(4096, 64)
+        return weight_grad, h, dropped, dropped.sum(0, keepdim=True)
+
+    args = (torch.randn(4096, 64), torch.randn(4096, 1), torch.rand(4096, 1), torch.randn(4096, 64), torch.randn(64),
+            torch.randn(4096, 64), torch.rand(16, 256, 64) > 0.1)
+    region = region_of(layer_norm_backward_then_dropout, *args)
+    program = lower_region(region)  # raised Unsupported
+    (row_loop,) = [k for k in program.kernels if k.kind == "rows" and k.row_shape == (4096,)]
+    loaded = {s.args[0] for b in row_loop.blocks for s in b.stmts if s.op == "load"}
+    assert not {b.name for b in program.of_role("temp")} & loaded, program.describe()  # its own sums
+    check(region, cache, list(args), atol=1e-4)  # column sums of 4096 rows, in another order than ATen's

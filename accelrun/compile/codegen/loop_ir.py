@@ -927,7 +927,9 @@ class _KernelBuilder:
     def _reduce_read(self, red: Reduce, idx: Index) -> str:
         home = self.sched.home[id(red)]
         own_idx = self.row_idx if self.plan.kind == "rows" else self.col_idx
-        if home is self.plan and id(red) in self.local and red.kept_index(idx) == own_idx:
+        # Simplified: a row reached through a reshape and back (256*(r//256) + r%256) is the row itself.
+        kept, own = (tuple(simplify_index(i, self.bounds) for i in ix) for ix in (red.kept_index(idx), own_idx))
+        if home is self.plan and id(red) in self.local and kept == own:
             return self.local[id(red)]
         if home is self.plan and id(red) not in self.local:
             raise Unsupported("a reduction is read inside its own pass")
