@@ -163,6 +163,13 @@ class CompileRecord:
     def regions_per_executor(self) -> dict[str, int]:
         return dict(Counter(r.executor for r in self.regions))
 
+    def regions_left_to_aten(self) -> list[str]:
+        """One line per region that ran as its own ATen ops because every code generator in
+        compile.executors declined it, with their reasons (not counted as fallbacks: nothing failed)."""
+        return [f"{r.graph} region {r.region} ({len(r.ops)} ops: {', '.join(r.ops[:3])}"
+                f"{', ...' if len(r.ops) > 3 else ''}): " + "; ".join(f"{k}: {v}" for k, v in r.declined.items())
+                for r in self.regions if r.executor == "aten" and r.declined]
+
     def passes_fired(self) -> dict[str, int]:
         """Pass name → number of graphs it changed."""
         return dict(Counter(p.name for p in self.passes if p.ops_before != p.ops_after or p.counts.get("changed")))
@@ -182,6 +189,7 @@ class CompileRecord:
             "graph_cache": dict(self.graph_cache),
             "passes_fired": self.passes_fired(),
             "regions_per_executor": self.regions_per_executor(),
+            "regions_left_to_aten": self.regions_left_to_aten(),
             "ops_left_to_aten": sum(g.left_to_aten for g in self.graphs),
             "fallbacks": [f.line() for f in self.fallbacks],
             "dynamo": dict(self.dynamo),

@@ -101,11 +101,14 @@ def _compiler_section(c: dict | None) -> list[str]:
         out.append(f"- **warning**: {_cell(warning)}")
     for fallback in c.get("fallbacks") or []:
         out.append(f"- fallback: {_cell(fallback)}")
+    for region in c.get("regions_left_to_aten") or []:
+        out.append(f"- left to ATen: {_cell(region)}")
     for reason, n in (c.get("graph_break_reasons") or {}).items():
         out.append(f"- graph break ×{n}: {_cell(reason)}")
     for error in graphs.get("errors", []):
         out.append(f"- graph cache: {_cell(error)}")
-    listed = c.get("graph_break_reasons") or graphs.get("errors") or c.get("warnings") or c.get("fallbacks")
+    listed = (c.get("graph_break_reasons") or graphs.get("errors") or c.get("warnings") or c.get("fallbacks")
+              or c.get("regions_left_to_aten"))
     return out + [""] if listed else out
 
 

@@ -255,3 +255,17 @@ def test_compile_passes_lists_each_option_s_default_value():
     assert option_defaults(registered_passes()["remat"].options) == \
         "budget_mb=None, recompute=['pointwise', 'view'], max_chain=16"
     assert CliRunner().invoke(cli, ["compile", "passes"]).exit_code == 0
+
+
+def test_a_region_every_generator_declines_is_named_in_the_report_with_their_reasons():
+    # A run's report counted such a region under "fusion regions by executor: aten 1" and said
+    # nothing more: the reason was in `compile explain` only (transformers' OPT, found by a walk).
+    from accelrun.report.markdown import _compiler_section
+
+    backend = AccelrunBackend()
+    compiled = torch.compile(lambda x: ((x * 2).sum(1) + 1).exp(), backend=backend)
+    compiled(torch.randn(3, 400, 5, requires_grad=True)).sum().backward()
+    assert backend.record.regions_per_executor() == {"aten": 1}  # a sum over a middle axis: cpp declines
+    (line,) = backend.record.regions_left_to_aten()
+    assert line.startswith("g0.forward region 0 (4 ops: mul.Tensor, sum.dim_IntList") and "cpp: reduction over axes [1]" in line
+    assert f"- left to ATen: {line}" in _compiler_section(backend.record.summary())
