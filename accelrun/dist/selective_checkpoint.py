@@ -46,6 +46,7 @@ ATTENTION = frozenset({
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.accelrun.cpu_attention.default,  # the compiler's CPU kernel (compile/fused/attention.py)
+    torch.ops.accelrun.cpu_attention_masked.default,  # the same, given a mask it looks at when it runs
 })
 
 ALWAYS_SAVED = ATTENTION | {_aten.max.default, torch.ops._c10d_functional.reduce_scatter_tensor.default}

@@ -144,7 +144,7 @@ def test_pass_leaves_what_the_kernel_does_not_take():
     def masked(q, k, v, m):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
 
-    cases = [(masked, [q, q, q, randn(16, 16, seed=3)]), (sdpa_causal, [q[..., :8]] * 3),
+    cases = [(masked, [q, q, q, randn(16, 16, seed=3).requires_grad_()]), (sdpa_causal, [q[..., :8]] * 3),
              (sdpa_causal, [q.half()] * 3)]  # fmt: skip
     for fn, inputs in cases:
         backend = Fused(["cpu_attention"])
@@ -254,19 +254,42 @@ def sdpa_input_mask(q, k, v, m):
 
 def test_a_causal_mask_computed_from_numbers_is_the_kernels_causal_flag():
     """The mask is evaluated at compile time; only the causal one is taken (and dropped), at SDPA's
-    results. A window mask, or a causal mask given as an input (its values unknown), stays with ATen."""
+    results. A window mask stays with ATen; a mask given as an input (its values unknown) goes to
+    ``cpu_attention_masked`` (next test)."""
     q, k, v = randn(2, 4, 16, 32, seed=0), randn(2, 4, 16, 32, seed=1), randn(2, 4, 16, 32, seed=2)
     backend = run_both(sdpa_built_causal_mask, [q, k, v], ["cpu_attention"], aot=True,
                        tol={"rtol": 1e-5, "atol": 1e-5})  # fmt: skip
     assert backend.counts == {"cpu_attention": 1}
     assert backend.node(kernel.attention).args[4] is True  # is_causal
     assert F.scaled_dot_product_attention not in backend.targets()
-    causal_input = torch.ones(16, 16, dtype=torch.bool).tril()[None, None]
-    for fn, inputs in [(sdpa_built_window_mask, [q, k, v]), (sdpa_input_mask, [q, k, v, causal_input])]:
-        backend = Fused(["cpu_attention"])
-        torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
-        assert backend.counts == {"cpu_attention": 0}, fn.__name__
-        assert F.scaled_dot_product_attention in backend.targets()
+    backend = Fused(["cpu_attention"])
+    torch.compile(sdpa_built_window_mask, backend=backend, fullgraph=True)(q, k, v)
+    assert backend.counts == {"cpu_attention": 0}
+    assert F.scaled_dot_product_attention in backend.targets()
+
+
+@pytest.mark.parametrize("kind", ["causal bool", "causal additive", "padding"])
+def test_a_mask_given_as_an_input_is_looked_at_when_it_runs(kind):
+    """transformers' Falcon builds its causal mask outside its blocks and passes it in: its values are
+    unknown when compiling. The causal one runs the kernel; any other runs ATen's flash attention with
+    the mask (as eager does); both at SDPA's results and gradients, through AOTAutograd."""
+    q, k, v = randn(2, 4, 16, 32, seed=0), randn(2, 4, 16, 32, seed=1), randn(2, 4, 16, 32, seed=2)
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    mask = causal[None, None].expand(2, 1, 16, 16)  # broadcast over the batch, as Falcon's is
+    if kind == "padding":
+        mask = mask & (torch.arange(16) >= 3)
+        mask[..., 0] = True  # every query keeps a key (a row of -inf alone is NaN in every kernel)
+
+    def additive(q, k, v, m):  # 0 where allowed, the dtype's lowest elsewhere, made from the input
+        return sdpa_input_mask(q, k, v, torch.zeros(m.shape).masked_fill(~m, torch.finfo(torch.float32).min))
+
+    fn = additive if kind == "causal additive" else sdpa_input_mask
+    before = dict(kernel.masked_calls)
+    backend = run_both(fn, [q, k, v, mask], ["cpu_attention"], aot=True, tol={"rtol": 1e-5, "atol": 1e-5})
+    assert backend.counts == {"cpu_attention": 1}
+    assert backend.node(kernel.attention_masked) is not None and F.scaled_dot_product_attention not in backend.targets()
+    ran = {where: kernel.masked_calls[where] - before[where] for where in before}
+    assert ran == ({"kernel": 1, "aten": 0} if kind.startswith("causal") else {"kernel": 0, "aten": 1}), ran
 
 
 def test_transformers_llama_runs_the_kernel_with_eager_gradients(tmp_path):
@@ -296,3 +319,35 @@ def test_transformers_llama_runs_the_kernel_with_eager_gradients(tmp_path):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5 * q.grad.abs().max().item(), msg=name)
     summaries = [r.summary for r in backend.record.passes if r.name == "cpu_attention"]
     assert summaries and all(s.startswith("2 attention calls") for s in summaries), summaries
+
+
+def test_transformers_falcon_blocks_run_the_kernel_on_the_mask_they_are_given(tmp_path):
+    """transformers' Falcon always builds its causal mask before its decoder layers (so that ALiBi can be
+    added) and hands it to each one. Compiled as `accelrun train` compiles a user's model (its repeated
+    blocks), each layer's attention got the mask as an input, stayed with ATen, and the run was slower
+    than eager (0.90x, found by a walk). Now each call looks at the mask, runs the kernel, and the loss
+    and gradients are eager's."""
+    transformers = pytest.importorskip("transformers")
+    from accelrun.compile.compile_model import compile_model
+    from accelrun.config.schema import CompileConfig
+    from accelrun.models.build import training_loss_fn
+
+    config = transformers.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    torch.manual_seed(0)
+    model, reference = transformers.FalconForCausalLM(config), transformers.FalconForCausalLM(config)
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(1))
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    torch._dynamo.reset()
+    compiled = compile_model(model, None, CompileConfig(backend="accelrun", executors=["cpp", "aten"],
+                                                        graph_cache=False), precision="fp32")  # fmt: skip
+    before = dict(kernel.masked_calls)
+    loss = training_loss_fn(model)(inputs, targets)
+    loss.backward()
+    expected = training_loss_fn(reference)(inputs, targets)
+    expected.backward()
+    assert kernel.masked_calls["kernel"] - before["kernel"] == 2 and kernel.masked_calls["aten"] == before["aten"]
+    assert compiled.record.dynamo_graphs == 1  # both blocks, one graph
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5 * q.grad.abs().max().item(), msg=name)

@@ -17,6 +17,7 @@ import ctypes
 import os
 import threading
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -144,6 +145,11 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
 def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(out, lse): softmax(q k^T * scale [causal]) v for q (B, Hq, S, D) and k, v (B, Hkv, S, D)."""
+    return _kernel_forward(q, k, v, scale, causal)
+
+
+def _kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     _check(q, k, v)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     out = _bshd_empty(q, q.shape[1])
@@ -170,6 +176,11 @@ def cpu_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
                            out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(dq, dk, dv) of ``cpu_attention``, from the saved out and lse."""
+    return _kernel_backward(grad_out, q, k, v, out, lse, scale, causal)
+
+
+def _kernel_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check(q, k, v)
     if grad_out.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:3]:
         raise ValueError("accelrun::cpu_attention_backward: grad_out, out and lse do not match q's shape")
@@ -221,3 +232,137 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     """softmax(q k^T * scale [causal]) v through the C++ kernel; k and v may hold fewer heads than q
     (grouped-query attention, q's heads in groups of Hq / Hkv)."""
     return torch.ops.accelrun.cpu_attention(q, k, v, scale, causal)[0]
+
+
+# -- attention given a mask tensor ------------------------------------------------------------------
+# A model that builds its causal mask outside the compiled graph (transformers' Falcon always does, so
+# that ALiBi can be added to it) passes it in as a tensor, whose values are unknown when compiling.
+# ``cpu_attention_masked`` looks at the mask when it runs: the causal one goes to the kernel with its
+# causal flag (the same result as ``cpu_attention``), any other (padding, sliding windows, a bias) to
+# ATen's flash attention with the mask, which is what eager PyTorch runs for such a call.
+
+
+class _LastMaskAnswer:
+    """Whether the last mask asked about was causal, kept while that same tensor is alive and unchanged:
+    a model passes one mask to every layer, and the backward reads it again."""
+
+    def __init__(self) -> None:
+        self.ref: weakref.ref | None = None
+        self.key: tuple = ()
+        self.causal = False
+
+    def lookup(self, mask: torch.Tensor) -> bool | None:
+        if self.ref is not None and self.ref() is mask and self.key == (mask._version, mask.shape, mask.stride()):
+            return self.causal
+        return None
+
+    def keep(self, mask: torch.Tensor, causal: bool) -> bool:
+        self.ref, self.key, self.causal = weakref.ref(mask), (mask._version, mask.shape, mask.stride()), causal
+        return causal
+
+
+_last_mask = _LastMaskAnswer()
+masked_calls = {"kernel": 0, "aten": 0}  # forward calls of cpu_attention_masked by where they ran (tests, report)
+
+
+def mask_is_causal(mask: torch.Tensor, seq: int) -> bool:
+    """Whether ``mask``, broadcast over (batch, heads, seq, seq), allows exactly each query's keys up to
+    itself: boolean True on and below the diagonal, or additive 0 there and -inf (or the dtype's lowest
+    value) above it."""
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (seq, seq):
+        return False
+    known = _last_mask.lookup(mask)
+    if known is not None:
+        return known
+    # Broadcast axes (stride 0, or size 1) hold one matrix: it is checked once, not once per batch row.
+    distinct = mask[tuple(0 if mask.stride(d) == 0 or mask.shape[d] == 1 else slice(None)
+                          for d in range(mask.dim() - 2))]  # fmt: skip
+    lower = torch.ones(seq, seq, dtype=torch.bool, device=mask.device).tril().expand(distinct.shape)
+    if mask.dtype == torch.bool:
+        causal = torch.equal(distinct, lower)
+    elif mask.dtype.is_floating_point:
+        blocked = (distinct == float("-inf")) | (distinct == torch.finfo(mask.dtype).min)
+        causal = torch.equal(distinct == 0, lower) and torch.equal(blocked, ~lower)
+    else:
+        causal = False
+    return _last_mask.keep(mask, causal)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The mask as ATen's flash attention takes it: added to the scores (SDPA converts a boolean one so)."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+@torch.library.custom_op("accelrun::cpu_attention_masked", mutates_args=(), device_types="cpu")
+def cpu_attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out, lse) of softmax(q k^T * scale + mask) v: the kernel's causal attention when ``mask`` is the
+    causal mask (``mask_is_causal``), ATen's flash attention with the mask otherwise."""
+    if mask_is_causal(mask, q.shape[2]):
+        masked_calls["kernel"] += 1
+        return _kernel_forward(q, k, v, scale, True)
+    masked_calls["aten"] += 1
+    if masked_calls["aten"] == 1:  # once a process: the first such call, not every one
+        warnings.warn("accelrun: an attention mask other than the causal one (padding, a window, a bias): such "
+                      "calls run ATen's flash attention with the mask, as eager does, not accelrun's kernel",
+                      stacklevel=2)  # fmt: skip
+    _check(q, k, v)
+    out, lse = _bshd_empty(q, q.shape[1]), q.new_empty(q.shape[:3], dtype=torch.float32)
+    aten_out, aten_lse = _aten_flash(q, _repeated(k, q.shape[1]), _repeated(v, q.shape[1]), 0.0, False,
+                                     attn_mask=_additive(mask, q.dtype), scale=scale)  # fmt: skip
+    return out.copy_(aten_out), lse.copy_(aten_lse)
+
+
+@cpu_attention_masked.register_fake
+def _(q, k, v, mask, scale):
+    return _bshd_empty(q, q.shape[1]), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("accelrun::cpu_attention_masked_backward", mutates_args=(), device_types="cpu")
+def cpu_attention_masked_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  out: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor, scale: float
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dq, dk, dv) of ``cpu_attention_masked``, where its forward ran."""
+    if mask_is_causal(mask, q.shape[2]):
+        return _kernel_backward(grad_out, q, k, v, out, lse, scale, True)
+    _check(q, k, v)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    gq, gk, gv = _aten_flash_backward(_unit_last(grad_out.to(q.dtype)).contiguous(), q, _repeated(k, heads),
+                                      _repeated(v, heads), out, lse.contiguous(), 0.0, False,
+                                      attn_mask=_additive(mask, q.dtype), scale=scale)  # fmt: skip
+    dq, dk, dv = _bshd_empty(q, heads), _bshd_empty(k, kv_heads), _bshd_empty(v, kv_heads)
+    dq.copy_(gq)
+    dk.copy_(gk.unflatten(1, (kv_heads, heads // kv_heads)).sum(2))
+    dv.copy_(gv.unflatten(1, (kv_heads, heads // kv_heads)).sum(2))
+    return dq, dk, dv
+
+
+@cpu_attention_masked_backward.register_fake
+def _(grad_out, q, k, v, out, lse, mask, scale):
+    return _bshd_empty(q, q.shape[1]), _bshd_empty(k, k.shape[1]), _bshd_empty(v, v.shape[1])
+
+
+def _setup_masked_context(ctx, inputs, output) -> None:
+    q, k, v, mask, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask)
+    ctx.mark_non_differentiable(lse)
+    ctx.scale = scale
+
+
+def _masked_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, mask = ctx.saved_tensors
+    dq, dk, dv = torch.ops.accelrun.cpu_attention_masked_backward(grad_out, q, k, v, out, lse, mask, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+cpu_attention_masked.register_autograd(_masked_backward, setup_context=_setup_masked_context)
+
+
+def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+                     ) -> torch.Tensor:  # fmt: skip
+    """softmax(q k^T * scale + mask) v for a mask that needs no gradient (boolean: True = attend); the
+    C++ kernel runs it when the mask is the causal one."""
+    return torch.ops.accelrun.cpu_attention_masked(q, k, v, mask, scale)[0]

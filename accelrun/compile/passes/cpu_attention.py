@@ -3,6 +3,9 @@
 Takes calls with no mask tensor (causal or full), or with a boolean causal mask the graph computes from
 numbers alone (``is_causal_mask``: transformers' under torch.compile), no dropout, fp32 or bf16 inputs, equal query and key
 lengths and a head_dim the kernel handles (``fused.attention.supports``); any other call keeps ATen's.
+A mask the graph is given as an input (a model that builds it outside its blocks: transformers' Falcon)
+goes to ``cpu_attention_masked``, which sends each call to the kernel when the mask is the causal one and
+to ATen's flash attention with the mask when it is not (``mask_problem`` says which masks it takes).
 Keys and values repeated to the query heads' count (``x.repeat_interleave(group, dim=1)``, how
 grouped-query attention is usually written) are taken before the repeat: the kernel reads each
 key/value head once for its whole group and the graph no longer saves the repeated copies.
@@ -11,6 +14,7 @@ key/value head once for its whole group and the graph no longer saves the repeat
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -53,53 +57,86 @@ def unrepeated_heads(node: fx.Node, heads: int) -> fx.Node | None:
 MAX_FOLDED_MASK = 1 << 26
 
 
-def is_causal_mask(mask: fx.Node, seq: int) -> bool:
-    """Whether ``mask`` is a boolean causal mask over ``seq`` queries and keys that the graph computes
-    from numbers alone. transformers builds one from aranges when compiled, where it passes no mask and
-    ``is_causal=True`` in eager; the kernel does not take masks, so the call had stayed with ATen."""
+def folded_mask_is_causal(mask: fx.Node, seq: int) -> bool | None:
+    """Whether ``mask``, when the graph computes it from numbers alone, is a boolean causal mask over
+    ``seq`` queries and keys; None when its values are not known while compiling (an input, or computed
+    from one). transformers builds such a mask from aranges when compiled, where it passes no mask and
+    ``is_causal=True`` in eager."""
     value = constant_value(mask, MAX_FOLDED_MASK)
-    if value is None or value.dtype != torch.bool or value.dim() != 4 or tuple(value.shape[-2:]) != (seq, seq):
+    if value is None:
+        return None
+    if value.dtype != torch.bool or value.dim() != 4 or tuple(value.shape[-2:]) != (seq, seq):
         return False
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     return bool(torch.equal(value, causal.expand(value.shape)))
 
 
-def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | None:
-    """The dtype of the attention call now given to the kernel, or None when it stays with ATen."""
+def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | str | None:
+    """The dtype of the attention call now given to the kernel, why it stays with ATen (a str), or None
+    when ``node`` is no attention call."""
     args = sdpa_arguments(node)
-    if args is None or args["dropout_p"] != 0.0:
+    if args is None:
         return None
+    if args["dropout_p"] != 0.0:
+        return "dropout"
     q, k, v = args["query"], args["key"], args["value"]
     shapes = [static_shape(t) for t in (q, k, v)]
     if any(s is None for s in shapes) or not isinstance(args["is_causal"], bool):
-        return None
-    mask = args["attn_mask"]
+        return "sizes or is_causal not fixed when compiling"
+    mask, checked_at_run_time = args["attn_mask"], None
     if mask is not None:
         if args["is_causal"] or not isinstance(mask, fx.Node) or shapes[0][-2] != shapes[1][-2]:
-            return None
-        if not is_causal_mask(mask, shapes[0][-2]):
-            return None
-        args["is_causal"] = True  # the mask said no more than that
+            return "a mask with is_causal, or queries and keys of different lengths"
+        folded = folded_mask_is_causal(mask, shapes[0][-2])
+        if folded is False:
+            return "a mask other than the causal one"
+        if folded:
+            args["is_causal"] = True  # the mask said no more than that
+        elif (problem := mask_problem(example_value(mask), shapes[0])) is None:
+            checked_at_run_time = mask  # its values are not known yet: whether it is causal is seen per call
+        else:
+            return problem
     if not isinstance(args["scale"], (float, int, type(None))):
-        return None
+        return "a scale not fixed when compiling"
     values = [example_value(t) for t in (q, k, v)]
-    if kernel.supports(*values, threads=torch.get_num_threads()) is not None or getattr(example_value(node), "dtype", None) != values[0].dtype:
-        return None  # (a call autocast runs in another dtype than q's keeps ATen's)
+    if (problem := kernel.supports(*values, threads=torch.get_num_threads())) is not None:
+        return problem
+    if getattr(example_value(node), "dtype", None) != values[0].dtype:
+        return "autocast runs it in another dtype than its inputs'"
     group = shapes[0][1] // shapes[1][1]
     if group > 1 and not args["enable_gqa"]:
-        return None  # SDPA itself would refuse these shapes
+        return "fewer key/value heads than query heads without enable_gqa"  # SDPA itself refuses these
     if group == 1:  # perhaps repeated by hand for a plain SDPA call: take k and v before the repeat
         k_src, v_src = unrepeated_heads(k, shapes[0][1]), unrepeated_heads(v, shapes[0][1])
         if k_src is not None and v_src is not None and static_shape(k_src) == static_shape(v_src):
             k, v = k_src, v_src
     scale = float(args["scale"]) if args["scale"] is not None else 1.0 / math.sqrt(shapes[0][-1])
     with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(kernel.attention, (q, k, v, scale, args["is_causal"]))
+        if checked_at_run_time is not None:
+            new = gm.graph.call_function(kernel.attention_masked, (q, k, v, checked_at_run_time, scale))
+        else:
+            new = gm.graph.call_function(kernel.attention, (q, k, v, scale, args["is_causal"]))
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
     erase_dead(gm.graph, [n for n in (args["key"], args["value"], mask) if isinstance(n, fx.Node)])
     return values[0].dtype
+
+
+def mask_problem(mask: object, query_shape: tuple[int, ...]) -> str | None:
+    """Why ``cpu_attention_masked`` cannot take this mask for queries of ``query_shape`` (B, H, S, D), or None:
+    it must be boolean or additive in the queries' dtype, need no gradient, and broadcast to (B, H, S, S)."""
+    if not isinstance(mask, torch.Tensor):
+        return "no example value"
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        return f"a {mask.dtype} mask"
+    if mask.requires_grad:
+        return "a mask that needs a gradient (a learned bias)"
+    B, H, S, _ = query_shape
+    if mask.dim() not in (2, 4) or tuple(mask.shape[-2:]) != (S, S) or any(
+            m not in (1, n) for m, n in zip(mask.shape[:-2], (B, H), strict=False)):  # fmt: skip
+        return f"mask of shape {list(mask.shape)} for {B} x {H} x {S} x {S} scores"
+    return None
 
 
 def build_kernel_early(module: nn.Module) -> None:
@@ -129,11 +166,18 @@ def _calls_sdpa(module: nn.Module) -> bool:
 @register_pass("cpu_attention", "pre_grad", PassOptions)
 def cpu_attention(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> PassResult:
     """Run CPU attention calls through accelrun's C++ kernel (its build starts now, beside compilation)."""
-    dtypes = [d for node in list(gm.graph.nodes) if (d := _rewrite(gm, node)) is not None]
+    outcomes = [d for node in list(gm.graph.nodes) if (d := _rewrite(gm, node)) is not None]
+    dtypes = [d for d in outcomes if isinstance(d, torch.dtype)]
+    left = Counter(d for d in outcomes if isinstance(d, str))
     n = len(dtypes)
     for dtype in set(dtypes):
         kernel.build_in_background(dtype)
     if n:
         gm.graph.lint()
         gm.recompile()
-    return PassResult(changed=n > 0, summary=f"{n} attention calls to the C++ kernel", counts={"matched": n})
+    summary = f"{n} attention calls to the C++ kernel"
+    if masked := len(gm.graph.find_nodes(op="call_function", target=kernel.attention_masked)):
+        summary += f" ({masked} given a mask, looked at when they run: the causal one runs the kernel)"
+    if left:  # never silent: why the others stay with ATen
+        summary += "; left to ATen: " + ", ".join(f"{why} ({count})" for why, count in left.items())
+    return PassResult(changed=n > 0, summary=summary, counts={"matched": n, "left to ATen": sum(left.values())})
