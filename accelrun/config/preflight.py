@@ -150,10 +150,12 @@ def _first_records(paths: list[str], paths_key: KeyPath, field_path: KeyPath, fi
 
 
 def custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]:
-    """model.custom's module imports and names a callable that takes model.kwargs (it is not called:
-    building the model is training's first minutes on a large one). ``validate`` only: it imports the
-    user's code, which ``train``'s launcher must not (a module may read RANK or touch a GPU when
-    imported); ``train``'s ranks report the same problems, exit 2, when they build the model."""
+    """model.custom's module imports and names a callable that takes model.kwargs; the model it builds
+    on the meta device (no memory, no initialisation: seconds for a large one) has a token table the
+    data's ids fit in, and a forward that takes ``positions_BT`` under document packing. ``validate``
+    only: it imports the user's code, which ``train``'s launcher must not (a module may read RANK or
+    touch a GPU when imported); ``train``'s ranks report the same problems, exit 2, when they build
+    the model."""
     if cfg.model.custom is None:
         return []
     from accelrun.models.build import ModelKwargsError, check_custom_kwargs
@@ -163,7 +165,52 @@ def custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> lis
     except UserError as e:
         key = ("model", "kwargs") if isinstance(e, ModelKwargsError) else ("model", "custom")
         return [f"{m} ({source_of(key, sources)})" for m in e.messages]
-    return []
+    return _built_custom_model_problems(cfg, sources)
+
+
+def _built_custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]:
+    """What ``train`` finds once it has built a user's model, found on the meta device instead. A
+    factory that cannot build there (it loads weights, computes at init) is left to ``train``."""
+    from accelrun.data.build import check_vocab
+    from accelrun.models.build import build_model, data_vocab, document_packing_problem
+
+    try:
+        model = build_model(cfg.model, "meta")
+    except Exception:  # noqa: BLE001 (only a head start: train builds it on its device and says why)
+        return []
+    where = source_of(("model", "custom"), sources)
+    out = []
+    if cfg.data.packing == "document" and (problem := document_packing_problem(model)) is not None:
+        out.append(f"{problem} (model.custom: {where})")
+    rows, custom = data_vocab(cfg.model, model)
+    if custom is not None and (ids := data_token_ids(cfg)) is not None:
+        try:
+            check_vocab(ids, rows, f"data.tokenizer {cfg.data.tokenizer!r}", custom)
+        except UserError as e:
+            out += [f"{m} (model.custom: {where})" for m in e.messages]
+    return out
+
+
+def data_token_ids(cfg: RunConfig) -> int | None:
+    """How many token ids the data's tokenizer makes (the largest + 1), where validate can tell without
+    reading the data: the byte tokenizer's, or a tokenizer.json's; None otherwise."""
+    from accelrun.config.tokenizer_file import (
+        BYTE,
+        BYTE_VOCAB,
+        TokenizerFileError,
+        read_tokenizer_info,
+        resolve_model_hf,
+    )
+
+    data = cfg.data
+    if data.source in ("synthetic", "tokens") or data.mix:
+        return None
+    if data.tokenizer == BYTE:
+        return BYTE_VOCAB
+    try:
+        return read_tokenizer_info(resolve_model_hf(data.tokenizer, cfg.model.hf, "data.tokenizer")).vocab_size
+    except TokenizerFileError:  # reported by the tokenizer's own check
+        return None
 
 
 def hf_weights(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:

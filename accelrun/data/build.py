@@ -18,7 +18,7 @@ from accelrun.data.tokenizer import get_tokenizer
 from accelrun.data.tokfile import load_tokens
 
 
-def _check_vocab(data_vocab: int, model_vocab: int, what: str, custom: str | None = None) -> None:
+def check_vocab(data_vocab: int, model_vocab: int, what: str, custom: str | None = None) -> None:
     """The data's token ids fit the model: ``model.vocab_size``, or for a user's model (``custom``, its
     model.custom) the rows of its token embedding."""
     if data_vocab <= model_vocab:
@@ -63,7 +63,7 @@ def load_stream(cfg: DataConfig, *, vocab_size: int, seed: int, min_tokens: int 
         # verify: a changed file or a stray id is exit 2, not a crash
         stream = load_tokens(cfg.paths, verify=True, random_access=cfg.shuffle)
         _check_token_files_tokenizer(stream.fingerprint["tokenizer"], cfg.tokenizer)
-        _check_vocab(
+        check_vocab(
             stream.vocab_size,
             vocab_size,
             f"the token files in data.paths ({stream.fingerprint['tokenizer']})",
@@ -72,11 +72,11 @@ def load_stream(cfg: DataConfig, *, vocab_size: int, seed: int, min_tokens: int 
         return stream
     if cfg.source == "documents" and cfg.format == "chat":  # rendered with the tokenizer folder's chat template
         encoder = ChatEncoder.for_tokenizer(cfg.tokenizer, LossOn(cfg.loss_on))
-        _check_vocab(encoder.tokenizer.vocab_size, vocab_size, f"data.tokenizer {cfg.tokenizer!r}", custom)
+        check_vocab(encoder.tokenizer.vocab_size, vocab_size, f"data.tokenizer {cfg.tokenizer!r}", custom)
         return load_chat(cfg.paths, encoder, messages_field=cfg.messages_field)
     tokenizer = get_tokenizer(cfg.tokenizer)
     # Checked before reading anything: the tokenizer's vocabulary is known up front.
-    _check_vocab(tokenizer.vocab_size, vocab_size, f"data.tokenizer {cfg.tokenizer!r}", custom)
+    check_vocab(tokenizer.vocab_size, vocab_size, f"data.tokenizer {cfg.tokenizer!r}", custom)
     if cfg.source == "builtin":
         return load_builtin(cfg.builtin, max_bytes=cfg.max_bytes, tokenizer=tokenizer)
     if cfg.source == "text":

@@ -253,6 +253,16 @@ def takes_document_positions(model: nn.Module) -> bool:
     return "positions_BT" in forward_parameters(model)
 
 
+def document_packing_problem(model: nn.Module) -> str | None:
+    """Why a user's model cannot train under ``data.packing: document`` (its forward takes no
+    ``positions_BT``), or None; ``train`` and ``validate`` say the same."""
+    if takes_document_positions(model):
+        return None
+    return (f"data.packing = document: model.custom's forward ({type(model).__name__}) takes no positions_BT "
+            "(each token's position in its document), so it cannot keep attention inside documents; use "
+            "data.packing: concat, or add the argument")
+
+
 def training_loss_fn(model: nn.Module):
     """``(inputs, targets[, positions]) -> mean cross-entropy``: the model's own loss head when its forward
     takes targets (the built-in families: the head then compiles with ``compile.scope: loss`` or ``model``),

@@ -29,8 +29,8 @@ from accelrun.dist.tp import loss_context
 from accelrun.models import build_model, model_flops_per_token, model_summary
 from accelrun.models.build import (
     data_vocab,
+    document_packing_problem,
     materialize_local,
-    takes_document_positions,
     training_loss_fn,
 )
 from accelrun.models.hf_io import load_hf_for_config
@@ -186,10 +186,8 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     on_meta = cfg.model.custom is None
     model = build_model(cfg.model, "meta" if on_meta else device, seed=t.seed)
     info = model_summary(cfg.model, model, seq_len=t.seq_len)
-    if cfg.data.packing == "document" and not takes_document_positions(model):
-        raise ConfigError(f"data.packing = document: model.custom's forward ({type(model).__name__}) takes no "
-                          "positions_BT (each token's position in its document), so it cannot keep attention "
-                          "inside documents; use data.packing: concat, or add the argument")
+    if cfg.data.packing == "document" and (problem := document_packing_problem(model)) is not None:
+        raise ConfigError(problem)
     pipeline = None
     parts, labels = [model], ["model"]
     vocab_parallel = cfg.parallel.loss_parallel and ctx.tp_size > 1

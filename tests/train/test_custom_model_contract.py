@@ -126,16 +126,21 @@ def test_the_token_table_is_the_one_the_head_matches_not_a_larger_position_table
     assert embedding_rows(module.build("WithPositions", vocab=200)) == 200  # 1,024 position rows ignored
 
 
-@pytest.mark.parametrize("custom, kwargs, message, validate_only", [
+@pytest.mark.parametrize("custom, kwargs, message, validate_only, more", [
     ("contract_models_missing:build", "{}", "no module named 'contract_models_missing' (looked in the current folder "
-                                            "and on PYTHONPATH)", ""),
-    ("contract_models:nope", "{}", "module 'contract_models' has no attribute 'nope'", ""),
+                                            "and on PYTHONPATH)", "", ()),
+    ("contract_models:nope", "{}", "module 'contract_models' has no attribute 'nope'", "", ()),
     ("contract_models:Plain", "{dims: 64}", "unexpected keyword argument 'dims'",
      "do not fit model.custom = 'contract_models:Plain': got an unexpected keyword argument 'dims' (Plain takes "
-     "vocab, width) (override 'model.kwargs={dims: 64}')"),
-])
-def test_validate_refuses_what_train_would(tiny, models, custom, kwargs, message, validate_only):
-    args = (str(DEFAULT_CONFIG), *tiny(2, f"model.custom={custom}", f"model.kwargs={kwargs}"))
+     "vocab, width) (override 'model.kwargs={dims: 64}')", ()),
+    # Found once the model is built: validate builds it on the meta device (it said "valid" to both)
+    ("contract_models:build", "{vocab: 100}", "embeds token ids below 100 (its token table), but data.tokenizer "
+                                              "'byte' has ids up to 257", "(model.custom: override", ()),
+    ("contract_models:Plain", "{}", "data.packing = document: model.custom's forward (Plain) takes no positions_BT",
+     "(model.custom: override", ("data.packing=document",)),
+])  # fmt: skip
+def test_validate_refuses_what_train_would(tiny, models, custom, kwargs, message, validate_only, more):
+    args = (str(DEFAULT_CONFIG), *tiny(2, f"model.custom={custom}", f"model.kwargs={kwargs}", *more))
     said = one_error(invoke("validate", *args))
     assert message in said and validate_only in said, said
     assert message in one_error(invoke("train", *args))  # the rank that builds the model says it
