@@ -90,6 +90,12 @@ def test_opcheck():
     grad = randn(*out.shape, seed=5)
     torch.library.opcheck(torch.ops.accelrun.cpu_attention_backward.default,
                           (grad, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), 0.3, True))  # fmt: skip
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()
+    for mask in (causal[None, None].expand(2, 1, 40, 40), causal & (torch.arange(40) > 0) | torch.eye(40, dtype=torch.bool)):
+        torch.library.opcheck(torch.ops.accelrun.cpu_attention_masked.default, (q, k, v, mask, 0.3))
+        out, lse = torch.ops.accelrun.cpu_attention_masked(q, k, v, mask, 0.3)
+        torch.library.opcheck(torch.ops.accelrun.cpu_attention_masked_backward.default,
+                              (grad, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), mask, 0.3))
 
 
 def test_supports_names_what_it_declines():
