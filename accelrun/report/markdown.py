@@ -54,6 +54,9 @@ def render_report_md(report: dict, config_summary: dict, *, env: dict | None = N
     return "\n".join(lines)
 
 
+MAX_REGIONS_LISTED = 10  # regions left to ATen named one by one; the rest counted
+
+
 def _compiler_section(c: dict | None) -> list[str]:
     if not c:
         return []
@@ -101,8 +104,12 @@ def _compiler_section(c: dict | None) -> list[str]:
         out.append(f"- **warning**: {_cell(warning)}")
     for fallback in c.get("fallbacks") or []:
         out.append(f"- fallback: {_cell(fallback)}")
-    for region in c.get("regions_left_to_aten") or []:
+    left = c.get("regions_left_to_aten") or []
+    for region in left[:MAX_REGIONS_LISTED]:
         out.append(f"- left to ATen: {_cell(region)}")
+    if len(left) > MAX_REGIONS_LISTED:
+        out.append(f"- left to ATen: {len(left) - MAX_REGIONS_LISTED} more regions (report.json lists every one; `accelrun "
+                   "compile explain` says more)")
     for reason, n in (c.get("graph_break_reasons") or {}).items():
         out.append(f"- graph break ×{n}: {_cell(reason)}")
     for error in graphs.get("errors", []):
