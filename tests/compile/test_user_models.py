@@ -65,6 +65,26 @@ def test_multihead_attention_under_a_causal_mask_runs_the_causal_kernel(tmp_path
     assert counts["cpu_attention"].get("matched") == 2, counts
 
 
+def test_multihead_attention_given_its_mask_by_the_model_runs_the_kernel_on_it(tmp_path):
+    """The mask made once outside the blocks reaches each block's graph as an input: ``fuse_attention``
+    unfolds the attention into SDPA with that mask, and ``cpu_attention_masked`` sees it is causal when
+    it runs. It had stayed in torch.nn's attention with no word (0 matched; found by a walk)."""
+    from accelrun.compile.fused import attention as kernel
+    from tests.compile.user_models import MaskedMHALayers
+
+    torch.manual_seed(0)
+    model = MaskedMHALayers()
+    reference = copy.deepcopy(model)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    compiled = compile_model(model, transformer_blocks(model), cfg)
+    assert "repeated MaskedMHABlock blocks" in compiled.description
+    before = dict(kernel.masked_calls)
+    _train_side_by_side(model, reference)
+    counts = {p.name: p.counts for p in compiled.record.passes if p.graph.endswith("pre_grad")}
+    assert counts["fuse_attention"].get("multihead") == 1 and counts["cpu_attention"].get("matched") == 1, counts
+    assert kernel.masked_calls["kernel"] - before["kernel"] == 2 * 3 and kernel.masked_calls["aten"] == before["aten"]
+
+
 def test_lists_of_torch_nn_modules_are_not_taken_as_blocks():
     """Dynamo never traces torch.nn's own frames on their own: compiling nn.MultiheadAttention or an
     nn.Sequential by itself compiles nothing, so the whole forward is compiled instead."""

@@ -57,6 +57,39 @@ class CausalMHABlocks(nn.Module):
         return self.head(x + self.mlp(x))
 
 
+class MaskedMHABlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class MaskedMHALayers(nn.Module):
+    """Blocks of ``nn.MultiheadAttention`` in a list, the causal mask (float, -inf above the diagonal)
+    made once in the model's forward and handed to each block: compiled block by block, each graph is
+    given the mask, whose values it cannot see."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList([MaskedMHABlock(dim, heads) for _ in range(layers)])
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        T = tokens.shape[1]
+        mask = torch.triu(torch.full((T, T), float("-inf"), device=tokens.device), 1)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(x)
+
+
 class RoutedMoE(nn.Module):
     """A top-1 mixture of experts routed by data-dependent indexing (``x[mask]``), experts as
     ``nn.Sequential``."""

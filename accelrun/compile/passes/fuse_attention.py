@@ -172,6 +172,8 @@ def _rewrite(gm: fx.GraphModule, anchor: fx.Node, options: FuseAttentionOptions)
     return None
 
 
+MASK_AT_RUN_TIME = "mask at run time"  # _causal_mha's mark: its mask's values are unknown while compiling
+
 # nn.MultiheadAttention's settings under which its functional form is in-projection, SDPA, out-projection.
 _MHA_PLAIN = {"bias_k": None, "bias_v": None, "add_zero_attn": False, "key_padding_mask": None, "need_weights": False,
               "use_separate_proj_weight": False, "static_k": None, "static_v": None}  # fmt: skip
@@ -205,6 +207,13 @@ def _causal_mha(node: fx.Node) -> dict | None:
     if a["is_causal"] is True:  # torch.nn itself then drops the mask and gives SDPA the flag (its hint)
         return a
     value = constant_value(mask) if isinstance(mask, fx.Node) else None
+    if value is None and isinstance(mask, fx.Node):
+        # A mask the graph is given (a model that builds it once, outside its blocks): SDPA with it, as
+        # the function itself calls SDPA; ``cpu_attention`` looks at it when it runs (causal: the kernel).
+        given = example_value(mask)
+        if isinstance(given, torch.Tensor) and tuple(given.shape) == (shape[0], shape[0]) and not given.requires_grad:
+            return {**a, MASK_AT_RUN_TIME: True}
+        return None
     if not isinstance(value, torch.Tensor) or tuple(value.shape[-2:]) != (shape[0], shape[0]):
         return None
     keep = torch.ones(shape[0], shape[0], dtype=torch.bool).tril()
@@ -239,7 +248,11 @@ def _unfold_mha(gm: fx.GraphModule, node: fx.Node, a: dict) -> None:
     with g.inserting_before(node):
         qkv = call(torch.reshape, call(F.linear, a["query"], a["in_proj_weight"], a["in_proj_bias"]), (T, B, 3, H, D))
         q, k, v = (call(torch.permute, call(torch.select, qkv, 2, i), (1, 2, 0, 3)) for i in range(3))  # (B, H, T, D)
-        out = call(F.scaled_dot_product_attention, q, k, v, attn_mask=None, dropout_p=p, is_causal=True)
+        if a.get(MASK_AT_RUN_TIME):  # (T, T), as the function broadcasts it over batch and heads
+            mask = call(torch.reshape, a["attn_mask"], (1, 1, T, T))
+            out = call(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=p, is_causal=False)
+        else:
+            out = call(F.scaled_dot_product_attention, q, k, v, attn_mask=None, dropout_p=p, is_causal=True)
         rows = call(torch.reshape, call(torch.permute, out, (2, 0, 1, 3)), (T * B, E))
         result = call(torch.reshape, call(F.linear, rows, a["out_proj_weight"], a["out_proj_bias"]), (T, B, E))
     for user in list(node.users):  # getitem 0: the output; 1: the weights, None with need_weights=False
@@ -266,5 +279,8 @@ def fuse_attention(gm: fx.GraphModule, options: FuseAttentionOptions, ctx: PassC
     if mha:
         gm.graph.lint()
         gm.recompile()
-    return PassResult(changed=n + len(mha) > 0, summary=f"matched {n} attention, {len(mha)} causal MultiheadAttention",
-                      counts={"matched": n, "multihead": len(mha)})
+    given = sum(1 for _, a in mha if a.get(MASK_AT_RUN_TIME))
+    summary = f"matched {n} attention, {len(mha) - given} causal MultiheadAttention"
+    if given:
+        summary += f", {given} MultiheadAttention given its mask (looked at when it runs)"
+    return PassResult(changed=n + len(mha) > 0, summary=summary, counts={"matched": n, "multihead": len(mha)})
