@@ -170,6 +170,16 @@ class CompileRecord:
                 f"{', ...' if len(r.ops) > 3 else ''}): " + "; ".join(f"{k}: {v}" for k, v in r.declined.items())
                 for r in self.regions if r.executor == "aten" and r.declined]
 
+    def attention_left_to_aten(self) -> dict[str, int]:
+        """Attention calls the cpu_attention pass left to ATen, by reason, over every graph it ran on."""
+        from accelrun.compile.passes.cpu_attention import LEFT_TO_ATEN
+
+        out: Counter[str] = Counter()
+        for p in self.passes:
+            if p.name == "cpu_attention":
+                out.update({k.removeprefix(LEFT_TO_ATEN): v for k, v in p.counts.items() if k.startswith(LEFT_TO_ATEN)})
+        return dict(out)
+
     def passes_fired(self) -> dict[str, int]:
         """Pass name → number of graphs it changed."""
         return dict(Counter(p.name for p in self.passes if p.ops_before != p.ops_after or p.counts.get("changed")))
@@ -190,6 +200,7 @@ class CompileRecord:
             "passes_fired": self.passes_fired(),
             "regions_per_executor": self.regions_per_executor(),
             "regions_left_to_aten": self.regions_left_to_aten(),
+            "attention_left_to_aten": self.attention_left_to_aten(),
             "ops_left_to_aten": sum(g.left_to_aten for g in self.graphs),
             "fallbacks": [f.line() for f in self.fallbacks],
             "dynamo": dict(self.dynamo),

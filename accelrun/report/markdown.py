@@ -104,6 +104,8 @@ def _compiler_section(c: dict | None) -> list[str]:
         out.append(f"- **warning**: {_cell(warning)}")
     for fallback in c.get("fallbacks") or []:
         out.append(f"- fallback: {_cell(fallback)}")
+    for why, calls in (c.get("attention_left_to_aten") or {}).items():
+        out.append(f"- attention left to ATen's kernel ({calls} call(s) in the graphs): {_cell(why)}")
     left = c.get("regions_left_to_aten") or []
     for region in left[:MAX_REGIONS_LISTED]:
         out.append(f"- left to ATen: {_cell(region)}")
@@ -115,7 +117,7 @@ def _compiler_section(c: dict | None) -> list[str]:
     for error in graphs.get("errors", []):
         out.append(f"- graph cache: {_cell(error)}")
     listed = (c.get("graph_break_reasons") or graphs.get("errors") or c.get("warnings") or c.get("fallbacks")
-              or c.get("regions_left_to_aten"))
+              or c.get("regions_left_to_aten") or c.get("attention_left_to_aten"))
     return out + [""] if listed else out
 
 

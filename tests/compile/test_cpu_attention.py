@@ -357,3 +357,17 @@ def test_transformers_falcon_blocks_run_the_kernel_on_the_mask_they_are_given(tm
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5 * q.grad.abs().max().item(), msg=name)
+
+
+def test_the_report_names_attention_left_to_aten_and_why():
+    """`compile explain` said why (dropout, here); the run's report said nothing (found by a walk)."""
+    from accelrun.compile.backend import AccelrunBackend
+    from accelrun.report.markdown import _compiler_section
+
+    backend = AccelrunBackend()
+    q = randn(2, 4, 16, 32, seed=0).requires_grad_()
+    torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True),
+                  backend=backend)(q).sum().backward()  # fmt: skip
+    assert backend.record.attention_left_to_aten() == {"dropout": 1}
+    assert "- attention left to ATen's kernel (1 call(s) in the graphs): dropout" in _compiler_section(
+        backend.record.summary())

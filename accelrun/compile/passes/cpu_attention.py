@@ -53,6 +53,8 @@ def unrepeated_heads(node: fx.Node, heads: int) -> fx.Node | None:
     return source if repeats == heads // shape[1] else None
 
 
+LEFT_TO_ATEN = "left to ATen: "  # the prefix of a count of calls left to ATen for one reason
+
 # Largest mask (elements) evaluated at compile time to see whether it is the causal one: 64 MiB of bools.
 MAX_FOLDED_MASK = 1 << 26
 
@@ -180,4 +182,6 @@ def cpu_attention(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) ->
         summary += f" ({masked} given a mask, looked at when they run: the causal one runs the kernel)"
     if left:  # never silent: why the others stay with ATen
         summary += "; left to ATen: " + ", ".join(f"{why} ({count})" for why, count in left.items())
-    return PassResult(changed=n > 0, summary=summary, counts={"matched": n, "left to ATen": sum(left.values())})
+    # Each reason is a count of its own, which the run's report lists (CompileRecord.attention_left_to_aten).
+    return PassResult(changed=n > 0, summary=summary,
+                      counts={"matched": n, **{f"{LEFT_TO_ATEN}{why}": count for why, count in left.items()}})
