@@ -111,8 +111,9 @@ def coverage_warnings(record: Any) -> list[str]:
     if limits:
         out.append(f"Dynamo hit its recompile limit ×{limits}: a compiled function met more kinds of input or "
                    "module than torch._dynamo.config.recompile_limit allows, and the calls beyond it ran eagerly "
-                   "(blocks that differ per instance compile once each); compile.scope = model compiles the "
-                   "forward once")
+                   "(blocks that differ per instance compile once each: compile.scope = model compiles the "
+                   "forward once; a size that changes from call to call, as a mixture of experts' tokens per "
+                   "expert, compiles once per size: torch's own warning names what changed)")
     breaks = sum(record.graph_breaks.values())
     if breaks and record.graphs_in_use():  # with nothing compiled, the warning above says why
         sites = d.get("break_sites") or []
