@@ -64,7 +64,8 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
     if cfg.parallel.world_size > 1:
         err.print("note: the parallel layout is not applied: this compiles one process's step"
                   + (" (compiled FSDP over a group of one)" if cfg.parallel.fsdp_impl == "compiled" else ""))
-    run_dir = create_run_dir(cfg.report.runs_dir, f"{cfg.name}-explain")
+    # (a name that already ends so, name=x-explain, is not doubled: runs/x-explain, not x-explain-explain)
+    run_dir = create_run_dir(cfg.report.runs_dir, cfg.name if cfg.name.endswith("-explain") else f"{cfg.name}-explain")
     # A run folder like train's (the resolved recipe, the command), so `runs list` shows it.
     (run_dir / "config.yaml").write_text(resolved.to_yaml())
     (run_dir / "command.txt").write_text(shlex.join(["accelrun", *sys.argv[1:]]) + "\n")

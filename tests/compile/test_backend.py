@@ -174,11 +174,12 @@ def test_bad_compile_settings_are_exit_2_with_the_key(override, expected):
 def test_explain_prints_passes_and_writes_graphs(tiny, tmp_path):
     result = CliRunner().invoke(cli, ["compile", "explain", str(DEFAULT_CONFIG), *tiny(1),
                                       "compile.passes=[dce, cse, partition_regions]",
-                                      "compile.executors=[aten]", "--steps", "1"])  # fmt: skip
+                                      "compile.executors=[aten]", "--steps", "1", "name=mine-explain"])  # fmt: skip
     assert result.exit_code == 0, result.output
     for expected in ("partition_regions", "formed", "fusion regions by executor", "compile time"):
         assert expected in result.output
     (dump,) = (tmp_path / "runs").glob("*/*/compile")
+    assert dump.parent.parent.name == "mine-explain"  # not doubled: mine-explain-explain
     record = json.loads((dump / "record.json").read_text())
     assert record["summary"]["regions_per_executor"]["aten"] > 0
     assert (dump / "g0.backward" / "00_input.py").exists()
