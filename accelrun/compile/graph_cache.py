@@ -25,6 +25,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import tempfile
 import time
 import types
@@ -289,7 +290,18 @@ def global_state() -> dict[str, str]:
 
 def state_changes(saved: dict[str, str], now: dict[str, str]) -> list[str]:
     """What differs between the global state an entry was saved under and this process's, in words."""
-    return [f"{k} {saved[k]}, not {v}" for k, v in now.items() if k in saved and saved[k] != v]
+    return [f"{_autocast_words(saved[k])}, not {_autocast_words(v)}" if k == "autocast" else f"{k} {saved[k]}, not {v}"
+            for k, v in now.items() if k in saved and saved[k] != v]  # fmt: skip
+
+
+_AUTOCAST_ENTRY = re.compile(r"\('(\w+)', (True|False), torch\.(\w+)\)")
+
+
+def _autocast_words(value: str) -> str:
+    """The saved autocast state as a user reads it, "autocast off" or "autocast cpu bfloat16", not the
+    (device, enabled, dtype) tuples it is kept as."""
+    on = [f"{device} {dtype}" for device, enabled, dtype in _AUTOCAST_ENTRY.findall(value) if enabled == "True"]
+    return f"autocast {', '.join(on)}" if on else "autocast off"
 
 
 @dataclass(frozen=True)

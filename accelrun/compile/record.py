@@ -132,8 +132,8 @@ class CompileRecord:
         if line := self.cuda_graphs.line():
             parts.append(line)
         if changed := self.graph_cache.get("state_changed"):
-            parts.append(f"compiled again, not loaded: the graph cache holds these graphs for {changed[0]} "
-                         "(each setting keeps its own)")
+            parts.append(f"compiled, not loaded: the graph cache holds these graphs for {changed[0]} "
+                         "(each setting keeps its own; these are saved now too)")
         return ", ".join(parts)
 
     def mark(self) -> RecordMark:

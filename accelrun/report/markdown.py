@@ -85,7 +85,7 @@ def _compiler_section(c: dict | None) -> list[str]:
     elif graphs:
         out.append(f"| graph cache: loaded / compiled and saved | {graphs['loaded']} / {graphs['saved']} |")
         if changed := graphs.get("state_changed"):
-            out.append(f"| graph cache: compiled again, saved under other settings | {_cell('; '.join(changed))} |")
+            out.append(f"| graph cache: compiled, held only under other settings | {_cell('; '.join(changed))} |")
         if errors := graphs.get("errors"):  # each one is also listed below the table
             out.append(f"| graph cache errors | {len(errors)}: {_cell(errors[0])} |")
     if c.get("passes_fired"):

@@ -445,12 +445,12 @@ def test_each_thread_count_has_its_own_entry(threads):
     assert one.graph_cache["errors"] == []  # before: "could not load ...: its guards reject these inputs"
     # Said where the user looks, not left to guess why a cached run compiled again.
     assert one.graph_cache["state_changed"] == ["threads 2, not 1"], one.graph_cache
-    assert "compiled again, not loaded: the graph cache holds these graphs for threads 2, not 1" \
+    assert "compiled, not loaded: the graph cache holds these graphs for threads 2, not 1" \
         in one.compiled_line()
     torch._dynamo.reset()
     again = step(*COMPILED)
     assert again[2].graph_cache["loaded"] == 2 and again[2].graph_cache["compiled"] == 0, again[2].graph_cache
-    assert again[2].graph_cache["state_changed"] == [] and "compiled again" not in again[2].compiled_line()
+    assert again[2].graph_cache["state_changed"] == [] and "not loaded" not in again[2].compiled_line()
     # Every state an entry of this code was saved under is kept beside it, not only the last one.
     sidecars = list(Path(os.environ["ACCELRUN_CACHE_DIR"]).rglob("*.state"))
     assert sidecars and all([s["threads"] for s in json.loads(f.read_text())] == ["2", "1"] for f in sidecars)
@@ -641,3 +641,13 @@ def test_a_loaded_graph_decides_on_cuda_graphs_from_the_inputs_it_was_compiled_f
     assert loaded[2].graph_cache["loaded"] == 2 and not loaded[2].cuda_graphs.declined, loaded[2].cuda_graphs
     assert sorted(runners) == ["g0.backward", "g0.forward", "g1.backward", "g1.forward"]  # each set to replay
     assert_close(loaded, step(), rel=1e-5)
+
+
+def test_a_state_change_of_autocast_is_said_in_words():
+    # It was said as Python tuples: "autocast [('cpu', False, torch.bfloat16), ...], not [('cpu', True, ...)]".
+    from accelrun.compile.graph_cache import state_changes
+
+    off = "[('cpu', False, torch.bfloat16), ('cuda', False, torch.float16)]"
+    on = "[('cpu', True, torch.bfloat16), ('cuda', False, torch.float16)]"
+    assert state_changes({"autocast": off, "threads": "2"}, {"autocast": on, "threads": "2"}) == \
+        ["autocast off, not autocast cpu bfloat16"]
