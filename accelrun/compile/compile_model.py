@@ -194,7 +194,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         _compile_blocks(found_blocks, cfg, backend, cache)
         compiled_linears = _compile_linears(linears, backend, cache)
         return done(f"{len(found_blocks)} repeated {type(found_blocks[0]).__name__} blocks ({path}){compiled_linears} "
-                    f"with {name} (found among the model's modules by compile.scope = {scope})")  # fmt: skip
+                    f"with {name} (found among the model's modules)")  # fmt: skip
     if scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:
         from accelrun.compile.graph_cache import install
 

@@ -110,7 +110,7 @@ def env_rows(env: dict) -> list[tuple[str, str]]:
         ("software", f"torch {v.get('torch', '?')}, Python {v.get('python', '?')}, "
                      f"triton {v.get('triton') or 'not installed'}, accelrun {v.get('accelrun', '?')}"),
         ("host", f"{env.get('hostname') or '?'} ({env.get('platform', '?')})"),
-        ("git", (commit[:12] + (" (dirty)" if git.get("dirty") else "")) if commit else "n/a"),
+        ("git (the folder it ran in)", (commit[:12] + (" (dirty)" if git.get("dirty") else "")) if commit else "n/a"),
     ]
 
 

@@ -90,7 +90,7 @@ def _compiler_section(c: dict | None) -> list[str]:
             out.append(f"| graph cache errors | {len(errors)}: {_cell(errors[0])} |")
     if c.get("passes_fired"):
         fired = ", ".join(f"{k} ({v})" for k, v in c["passes_fired"].items())
-        out.append(f"| passes that changed a graph (graphs) | {_cell(fired)} |")
+        out.append(f"| passes that changed a graph (forward and backward graphs counted apart) | {_cell(fired)} |")
     if c.get("regions_per_executor"):
         per = ", ".join(f"{k} {v}" for k, v in c["regions_per_executor"].items())
         out.append(f"| fusion regions by executor | {_cell(per)} |")
@@ -254,7 +254,7 @@ def _env_section(env: dict) -> list[str]:
                  f"triton {v.get('triton') or 'not installed'}, accelrun {v.get('accelrun', '?')}")
     host = env.get("hostname")
     commit = git.get("commit")
-    lines.append(f"- host {host or '?'}, {env.get('platform', '?')}, git "
+    lines.append(f"- host {host or '?'}, {env.get('platform', '?')}, git of the folder it ran in "
                  f"{(commit[:12] + (' (dirty)' if git.get('dirty') else '')) if commit else 'n/a'}")
     return lines
 
