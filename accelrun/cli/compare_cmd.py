@@ -81,6 +81,8 @@ def print_comparison(c: Comparison) -> None:
     for row in rows:
         t.add_row(*(escape(v) for v in row))
     print_wide(t)
+    if any(r.speedup is not None and r.speedup.significant for r in c.rows):  # the mark said, where it shows
+        out.print("[dim]* the 95% interval excludes 1: a difference the interval sees[/]", highlight=False)
     out.print(f"\n[bold]loss parity[/] (relative tolerance {c.rtol:g})")
     for line in parity_lines(c):
         out.print("  " + escape(line), highlight=False)
