@@ -371,3 +371,26 @@ def test_the_report_names_attention_left_to_aten_and_why():
     assert backend.record.attention_left_to_aten() == {"dropout": 1}
     assert "- attention left to ATen's kernel (1 call(s) in the graphs): dropout" in _compiler_section(
         backend.record.summary())
+
+
+def test_attention_off_the_cpu_is_not_reported_as_left_to_aten():
+    # A GPU's attention is not the CPU pass's to take: it must not fill every GPU report with "left to ATen".
+    from accelrun.compile.passes.base import PassContext, resolve_passes
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    q = torch.empty(2, 4, 16, 32, device="meta")
+    torch.compile(sdpa_causal, backend=capture, fullgraph=True)(q, q, q)
+    ((gm, inputs),) = graphs
+    (p,) = resolve_passes(["cpu_attention"])
+    assert p.spec.fn(gm, p.options, PassContext("pre_grad", list(inputs))).counts == {"matched": 0}
+    q = torch.empty(2, 4, 16, 32)  # the same call on the CPU with dropout: left, and why
+    graphs.clear()
+    torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.1), backend=capture)(q)
+    ((gm, inputs),) = graphs
+    assert p.spec.fn(gm, p.options, PassContext("pre_grad", list(inputs))).counts == {
+        "matched": 0, "left to ATen: dropout": 1}

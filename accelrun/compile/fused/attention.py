@@ -28,6 +28,7 @@ from accelrun.compile.codegen.exp_poly import EXP_CORE
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 ELEMENT_TYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}  # the C type of each dtype's storage
 MAX_HEAD_DIM = 256  # the kernel's row buffer (attention_cpu.cpp's MAX_HEAD_DIM)
+NOT_ON_CPU = "not on the CPU"
 
 
 def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -55,7 +56,7 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: int = 1
     if find_compiler() is None:
         return "no C++ compiler"
     if any(t.device.type != "cpu" for t in (q, k, v)):
-        return "not on the CPU"
+        return NOT_ON_CPU
     problem = shape_problem(q, k, v)
     if problem is None and q.shape[0] * k.shape[1] < threads:
         problem = f"{q.shape[0] * k.shape[1]} (batch, key/value head) pairs for {threads} threads"

@@ -102,7 +102,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | str | None:
         return "a scale not fixed when compiling"
     values = [example_value(t) for t in (q, k, v)]
     if (problem := kernel.supports(*values, threads=torch.get_num_threads())) is not None:
-        return problem
+        return None if problem == kernel.NOT_ON_CPU else problem  # a GPU's attention: not this pass's to report
     if getattr(example_value(node), "dtype", None) != values[0].dtype:
         return "autocast runs it in another dtype than its inputs'"
     group = shapes[0][1] // shapes[1][1]
@@ -127,7 +127,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | str | None:
 
 def mask_problem(mask: object, query_shape: tuple[int, ...]) -> str | None:
     """Why ``cpu_attention_masked`` cannot take this mask for queries of ``query_shape`` (B, H, S, D), or None:
-    it must be boolean or additive in the queries' dtype, need no gradient, and broadcast to (B, H, S, S)."""
+    it must be boolean or additive (floating), need no gradient, and broadcast to (B, H, S, S)."""
     if not isinstance(mask, torch.Tensor):
         return "no example value"
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
