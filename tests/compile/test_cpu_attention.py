@@ -394,3 +394,22 @@ def test_attention_off_the_cpu_is_not_reported_as_left_to_aten():
     ((gm, inputs),) = graphs
     assert p.spec.fn(gm, p.options, PassContext("pre_grad", list(inputs))).counts == {
         "matched": 0, "left to ATen: dropout": 1}
+
+
+def meta_llama_attention(q, k, v, keep):
+    """Meta's Llama code: an fp32 additive mask (built outside the layers, here from an input) added to
+    half scores, the softmax upcast and cast back."""
+    mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    scores = torch.matmul(q, k.transpose(2, 3)) / q.shape[-1] ** 0.5 + mask
+    return torch.matmul(F.softmax(scores.float(), dim=-1).type_as(q), v)
+
+
+def test_an_fp32_mask_on_half_scores_is_fused_and_runs_the_kernel():
+    """bf16 scores plus an fp32 mask are fp32, so the mask had to be q's dtype to match: bf16-mixed
+    runs of such a model fused no attention, with no word (found by a walk)."""
+    q, k, v = (randn(2, 4, 32, 32, seed=s, dtype=torch.bfloat16) for s in (0, 1, 2))
+    keep = torch.ones(32, 32, dtype=torch.bool).tril()
+    before = dict(kernel.masked_calls)
+    backend = run_both(meta_llama_attention, [q, k, v, keep], ["fuse_attention", "cpu_attention"], aot=True)
+    assert backend.counts == {"fuse_attention": 1, "cpu_attention": 1}
+    assert kernel.masked_calls["kernel"] - before["kernel"] == 1

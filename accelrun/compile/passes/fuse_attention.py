@@ -86,7 +86,10 @@ def _acceptable(m: Match) -> bool:
         return False
     if "fill" in m.bindings and not (m["fill"] == -math.inf or m["fill"] <= torch.finfo(q.dtype).min):
         return False
-    for name, ok_dtypes in (("drop_mask", (torch.bool,)), ("keep_mask", (torch.bool,)), ("add_mask", (q.dtype,))):
+    # An fp32 additive mask on half scores (a mask built in fp32 under autocast, as Meta's Llama code
+    # builds it) is taken too: the call gets it cast to q's dtype, which SDPA requires.
+    add_dtypes = (q.dtype, torch.float32) if q.dtype in (torch.bfloat16, torch.float16) else (q.dtype,)
+    for name, ok_dtypes in (("drop_mask", (torch.bool,)), ("keep_mask", (torch.bool,)), ("add_mask", add_dtypes)):
         if name in m.bindings:
             mask = example_value(m[name])
             if mask is None or mask.dtype not in ok_dtypes:
@@ -167,6 +170,12 @@ def _rewrite(gm: fx.GraphModule, anchor: fx.Node, options: FuseAttentionOptions)
                     attn_mask.meta["example_value"] = example_value(m["drop_mask"])
             else:
                 attn_mask = m[mask_name]
+                q_dtype = example_value(m["q"]).dtype
+                if mask_name == "add_mask" and example_value(attn_mask).dtype != q_dtype:
+                    with gm.graph.inserting_before(anchor):
+                        cast = gm.graph.call_method("to", (attn_mask, q_dtype))
+                    cast.meta["example_value"] = example_value(attn_mask).to(q_dtype)
+                    attn_mask = cast
         kwargs = {"attn_mask": attn_mask, "dropout_p": 0.0, "is_causal": is_causal, "scale": _scale(m)}
         return replace_with_call(gm, m, F.scaled_dot_product_attention, (m["q"], m["k"], m["v"]), kwargs)
     return None
