@@ -157,9 +157,7 @@ def _kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     lib = _library(q.dtype)
     if lib is None:  # no kernel: ATen's flash attention, in the kernel's layout
-        aten_out, aten_lse = _aten_flash(q, _repeated(k, q.shape[1]), _repeated(v, q.shape[1]), 0.0, causal,
-                                         scale=scale)  # fmt: skip
-        return out.copy_(aten_out), lse.copy_(aten_lse)
+        return _aten_forward(q, k, v, scale, causal)
     strides = (ctypes.c_int64 * 9)(*_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v))
     lib.attention_forward(_ptr(q), _ptr(k), _ptr(v), _ptr(out),
                                  ctypes.cast(lse.data_ptr(), ctypes.POINTER(ctypes.c_float)), _shape(q, k), strides,
@@ -191,14 +189,8 @@ def _kernel_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     lse = lse.contiguous()
     dq, dk, dv = _bshd_empty(q, q.shape[1]), _bshd_empty(k, k.shape[1]), _bshd_empty(v, v.shape[1])
     lib = _library(q.dtype)
-    if lib is None:  # no kernel: ATen's flash backward (the forward was ATen's too), K/V gradients summed per group
-        heads, kv_heads = q.shape[1], k.shape[1]
-        gq, gk, gv = _aten_flash_backward(grad_out.contiguous(), q, _repeated(k, heads), _repeated(v, heads), out,
-                                          lse, 0.0, causal, scale=scale)  # fmt: skip
-        dq.copy_(gq)
-        dk.copy_(gk.unflatten(1, (kv_heads, heads // kv_heads)).sum(2))
-        dv.copy_(gv.unflatten(1, (kv_heads, heads // kv_heads)).sum(2))
-        return dq, dk, dv
+    if lib is None:  # no kernel: ATen's flash backward (the forward was ATen's too)
+        return _aten_backward(grad_out, q, k, v, out, lse, scale, causal)
     strides = (ctypes.c_int64 * 12)(*_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(grad_out))
     lib.attention_backward(_ptr(grad_out), _ptr(q), _ptr(k), _ptr(v), _ptr(out),
                                   ctypes.cast(lse.data_ptr(), ctypes.POINTER(ctypes.c_float)), _ptr(dq), _ptr(dk),
@@ -210,6 +202,32 @@ def _kernel_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 @cpu_attention_backward.register_fake
 def _(grad_out, q, k, v, out, lse, scale, causal):
     return _bshd_empty(q, q.shape[1]), _bshd_empty(k, k.shape[1]), _bshd_empty(v, v.shape[1])
+
+
+def _aten_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out, lse) from ATen's flash attention (eager's kernel), in the kernel's layout; K/V repeated to
+    q's heads."""
+    out, lse = _bshd_empty(q, q.shape[1]), q.new_empty(q.shape[:3], dtype=torch.float32)
+    aten_out, aten_lse = _aten_flash(q, _repeated(k, q.shape[1]), _repeated(v, q.shape[1]), 0.0, causal,
+                                     attn_mask=None if mask is None else _additive(mask, q.dtype), scale=scale)  # fmt: skip
+    return out.copy_(aten_out), lse.copy_(aten_lse)
+
+
+def _aten_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, scale: float, causal: bool, mask: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dq, dk, dv) of ``_aten_forward`` from ATen's flash backward, in the kernel's layout; the repeated
+    K/V's gradients summed per group."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    gq, gk, gv = _aten_flash_backward(_unit_last(grad_out.to(q.dtype)).contiguous(), q, _repeated(k, heads),
+                                      _repeated(v, heads), out, lse.contiguous(), 0.0, causal,
+                                      attn_mask=None if mask is None else _additive(mask, q.dtype), scale=scale)  # fmt: skip
+    dq, dk, dv = _bshd_empty(q, heads), _bshd_empty(k, kv_heads), _bshd_empty(v, kv_heads)
+    dq.copy_(gq)
+    dk.copy_(gk.unflatten(1, (kv_heads, heads // kv_heads)).sum(2))
+    dv.copy_(gv.unflatten(1, (kv_heads, heads // kv_heads)).sum(2))
+    return dq, dk, dv
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -310,10 +328,7 @@ def cpu_attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
                       "calls run ATen's flash attention with the mask, as eager does, not accelrun's kernel",
                       stacklevel=2)  # fmt: skip
     _check(q, k, v)
-    out, lse = _bshd_empty(q, q.shape[1]), q.new_empty(q.shape[:3], dtype=torch.float32)
-    aten_out, aten_lse = _aten_flash(q, _repeated(k, q.shape[1]), _repeated(v, q.shape[1]), 0.0, False,
-                                     attn_mask=_additive(mask, q.dtype), scale=scale)  # fmt: skip
-    return out.copy_(aten_out), lse.copy_(aten_lse)
+    return _aten_forward(q, k, v, scale, False, mask)
 
 
 @cpu_attention_masked.register_fake
@@ -329,15 +344,7 @@ def cpu_attention_masked_backward(grad_out: torch.Tensor, q: torch.Tensor, k: to
     if mask_is_causal(mask, q.shape[2]):
         return _kernel_backward(grad_out, q, k, v, out, lse, scale, True)
     _check(q, k, v)
-    heads, kv_heads = q.shape[1], k.shape[1]
-    gq, gk, gv = _aten_flash_backward(_unit_last(grad_out.to(q.dtype)).contiguous(), q, _repeated(k, heads),
-                                      _repeated(v, heads), out, lse.contiguous(), 0.0, False,
-                                      attn_mask=_additive(mask, q.dtype), scale=scale)  # fmt: skip
-    dq, dk, dv = _bshd_empty(q, heads), _bshd_empty(k, kv_heads), _bshd_empty(v, kv_heads)
-    dq.copy_(gq)
-    dk.copy_(gk.unflatten(1, (kv_heads, heads // kv_heads)).sum(2))
-    dv.copy_(gv.unflatten(1, (kv_heads, heads // kv_heads)).sum(2))
-    return dq, dk, dv
+    return _aten_backward(grad_out, q, k, v, out, lse, scale, False, mask)
 
 
 @cpu_attention_masked_backward.register_fake
