@@ -22,6 +22,9 @@ class PassRecord:
     detail: str = ""  # PassResult.detail: several lines, shown by `compile explain`
 
 
+LEFT_TO_ATEN = "left to ATen: "  # a pass's count of calls it left to ATen for one reason (the rest of the key)
+
+
 @dataclass
 class RegionRecord:
     graph: str
@@ -172,8 +175,6 @@ class CompileRecord:
 
     def attention_left_to_aten(self) -> dict[str, int]:
         """Attention calls the cpu_attention pass left to ATen, by reason, over every graph it ran on."""
-        from accelrun.compile.passes.cpu_attention import LEFT_TO_ATEN
-
         out: Counter[str] = Counter()
         for p in self.passes:
             if p.name == "cpu_attention":

@@ -123,12 +123,12 @@ def generate_text(ref: str | Path, prompt: str, *, max_new_tokens: int = 200, te
         raise CheckpointModelError(f"{ref}: the model's vocabulary ({vocab}) is smaller than the tokenizer "
                                    f"{name!r}'s ({tok.vocab_size}); it was not trained on its tokens")
     ids = tok.encode(prompt, bos=True) if isinstance(tok, ByteTokenizer) else tok.encode(prompt)
+    window = getattr(getattr(model, "args", None), "max_seq_len", None)
     out = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                   max_seq_len=getattr(getattr(model, "args", None), "max_seq_len", None))
+                   max_seq_len=window)
     info = read_info(ckpt)
     values = run_values(run)
     trained = (values.get("train") or {}).get("seq_len")
-    window = getattr(getattr(model, "args", None), "max_seq_len", None)
     # The positions the model read: the last sampled token is never fed, and the context slides at max_seq_len.
     read = min(len(out) - 1, window) if window else len(out) - 1
     pretrained = (values.get("model") or {}).get("hf") is not None  # its checkpoint's own training saw longer

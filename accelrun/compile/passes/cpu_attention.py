@@ -1,7 +1,7 @@
 """cpu_attention: ``F.scaled_dot_product_attention`` on the CPU -> accelrun's C++ attention kernel.
 
 Takes calls with no mask tensor (causal or full), or with a boolean causal mask the graph computes from
-numbers alone (``is_causal_mask``: transformers' under torch.compile), no dropout, fp32 or bf16 inputs, equal query and key
+numbers alone (``folded_mask_is_causal``: transformers' under torch.compile), no dropout, fp32 or bf16 inputs, equal query and key
 lengths and a head_dim the kernel handles (``fused.attention.supports``); any other call keeps ATen's.
 A mask the graph is given as an input (a model that builds it outside its blocks: transformers' Falcon)
 goes to ``cpu_attention_masked``, which sends each call to the kernel when the mask is the causal one and
@@ -23,6 +23,7 @@ from torch import fx, nn
 from accelrun.compile.fused import attention as kernel
 from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
 from accelrun.compile.pattern import constant_value, erase_dead, example_value, static_shape
+from accelrun.compile.record import LEFT_TO_ATEN
 
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
@@ -53,8 +54,6 @@ def unrepeated_heads(node: fx.Node, heads: int) -> fx.Node | None:
     return source if repeats == heads // shape[1] else None
 
 
-LEFT_TO_ATEN = "left to ATen: "  # the prefix of a count of calls left to ATen for one reason
-
 # Largest mask (elements) evaluated at compile time to see whether it is the causal one: 64 MiB of bools.
 MAX_FOLDED_MASK = 1 << 26
 
@@ -67,10 +66,7 @@ def folded_mask_is_causal(mask: fx.Node, seq: int) -> bool | None:
     value = constant_value(mask, MAX_FOLDED_MASK)
     if value is None:
         return None
-    if value.dtype != torch.bool or value.dim() != 4 or tuple(value.shape[-2:]) != (seq, seq):
-        return False
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-    return bool(torch.equal(value, causal.expand(value.shape)))
+    return value.dtype == torch.bool and value.dim() == 4 and kernel.mask_is_causal(value, seq)
 
 
 def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | str | None:

@@ -181,7 +181,7 @@ def _rewrite(gm: fx.GraphModule, anchor: fx.Node, options: FuseAttentionOptions)
     return None
 
 
-MASK_AT_RUN_TIME = "mask at run time"  # _causal_mha's mark: its mask's values are unknown while compiling
+MASK_AT_RUN_TIME = "mask at run time"  # _unfoldable_mha's mark: its mask's values are unknown while compiling
 
 # nn.MultiheadAttention's settings under which its functional form is in-projection, SDPA, out-projection.
 _MHA_PLAIN = {"bias_k": None, "bias_v": None, "add_zero_attn": False, "key_padding_mask": None, "need_weights": False,
@@ -189,11 +189,12 @@ _MHA_PLAIN = {"bias_k": None, "bias_v": None, "add_zero_attn": False, "key_paddi
 _MHA_PARAMS = inspect.signature(F.multi_head_attention_forward)
 
 
-def _causal_mha(node: fx.Node) -> dict | None:
+def _unfoldable_mha(node: fx.Node) -> dict | None:
     """The arguments of an ``F.multi_head_attention_forward`` call (what ``nn.MultiheadAttention`` puts in
     Dynamo's graph, whole) that is self-attention in the plain case ``_MHA_PLAIN``, causal by its mask
-    (built from shapes) or by ``is_causal=True``; None otherwise. Its mask reaches the graph as a float
-    one (0 / -inf, ``F._canonical_mask``), which no attention kernel skips work on."""
+    (built from shapes) or by ``is_causal=True``, or given a (T, T) mask whose values the graph cannot
+    see (marked ``MASK_AT_RUN_TIME``); None otherwise. Its mask reaches the graph as a float one
+    (0 / -inf, ``F._canonical_mask``), which no attention kernel skips work on."""
     if node.op != "call_function" or node.target is not F.multi_head_attention_forward:
         return None
     try:
@@ -282,7 +283,7 @@ def fuse_attention(gm: fx.GraphModule, options: FuseAttentionOptions, ctx: PassC
     # (an autocast region inside the graph would give the new nodes dtypes their example values lack)
     autocast = any(n.op == "call_function" and "autocast" in getattr(n.target, "__name__", "") for n in gm.graph.nodes)
     mha = [(node, a) for node in list(gm.graph.nodes)
-           if options.detect_causal and not autocast and (a := _causal_mha(node)) is not None]  # fmt: skip
+           if options.detect_causal and not autocast and (a := _unfoldable_mha(node)) is not None]  # fmt: skip
     for node, a in mha:
         _unfold_mha(gm, node, a)
     if mha:
