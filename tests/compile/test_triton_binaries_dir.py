@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -56,3 +57,13 @@ def test_tritons_real_compiler_files_binaries_where_the_context_says(tmp_path, m
     assert any((tmp_path / "bin").rglob("*.cubin")), sorted(p.name for p in tmp_path.rglob("*"))
     assert not (tmp_path / "elsewhere").exists()
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "elsewhere")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_importing_a_compilable_module_leaves_no_folder_behind(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp and TemporaryDirectory put theirs
+    module = triton_aot.import_compilable(
+        "import triton\nimport triton.language as tl\n\n@triton.jit\n"
+        "def once(x, BLOCK: tl.constexpr):\n    tl.store(x + tl.arange(0, BLOCK), 1.0)\n")
+    assert "tl.store" in module.once.src  # triton read the kernel's source while the file was there
+    assert list(tmp_path.iterdir()) == []

@@ -171,19 +171,21 @@ def import_compilable(source: str) -> Any:
     A fresh module each call (not the executor's cached import)."""
     import triton  # noqa: F401  (imported before the switch, so that its own jit functions are unaffected)
 
-    directory = Path(tempfile.mkdtemp(prefix="accelrun_triton_aot_"))
-    path = directory / "kernels.py"
-    path.write_text(source)
-    name = f"accelrun_triton_aot_{abs(hash(source)):x}_{os.getpid()}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    saved = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
+    # The file is needed only while the module runs: triton.jit reads each kernel's source then. Left
+    # behind, every call's folder stayed in /tmp (a hundred per test run).
+    with tempfile.TemporaryDirectory(prefix="accelrun_triton_aot_") as directory:
+        path = Path(directory) / "kernels.py"
+        path.write_text(source)
+        name = f"accelrun_triton_aot_{abs(hash(source)):x}_{os.getpid()}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        saved = os.environ.pop("TRITON_INTERPRET", None)
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            if saved is not None:
+                os.environ["TRITON_INTERPRET"] = saved
     return module
 
 
