@@ -522,3 +522,32 @@ def test_blocks_past_dynamos_recompile_limit_are_a_warning(tmp_path):
     assert any(w.startswith("Dynamo hit its recompile limit ×") for w in warnings), warnings
     assert backend.record.dynamo_graphs == torch._dynamo.config.recompile_limit
     torch._dynamo.reset()
+
+
+def test_a_size_that_changes_between_calls_compiles_once_more_not_once_per_size(tmp_path):
+    """An expert of a mixture meets a different number of tokens every call. Dynamo compiles the first
+    size, then the dimension as a symbol; the C++ generator read that symbol as a number, which made
+    Dynamo guard on its value: a graph per token count, and past the recompile limit (8) the expert ran
+    eagerly (a walk's hand-written mixture: 10 graphs and the limit's warning in 25 steps). The region
+    with symbolic sizes is now left to ATen, with its reason, and one graph serves every size."""
+    from accelrun.compile.executors.generated import SYMBOLIC_SIZES
+
+    torch._dynamo.reset()
+    backend = _backend(tmp_path, passes="default")
+    torch.manual_seed(0)
+    expert = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 16))
+    compiled = torch.compile(expert, backend=backend)
+    for tokens in (40, 52, 61, 77, 83, 90, 97, 101, 113, 127, 131):
+        x = torch.randn(tokens, 16, requires_grad=True)
+        out, ref = compiled(x), expert(x)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        (got,) = torch.autograd.grad(out.square().sum(), x)
+        (want,) = torch.autograd.grad(ref.square().sum(), x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    record = backend.record
+    assert record.dynamo_graphs == 2, record.compiled_line()  # the first size, then any size
+    assert not any("recompile limit" in w for w in record.summary()["warnings"])
+    assert any(r.executor == "cpp" for r in record.regions)  # the first, fixed size: generated code
+    symbolic = [r for r in record.regions if r.declined.get("cpp") == SYMBOLIC_SIZES]
+    assert symbolic and all(r.executor == "aten" for r in symbolic)
+    torch._dynamo.reset()

@@ -16,6 +16,19 @@ def device_types(region: Region) -> set[str]:
     return {m.device.type for m in (*region.input_meta, *region.output_meta) if hasattr(m, "device")}
 
 
+def symbolic_sizes(region: Region) -> bool:
+    """Whether a tensor of the region has a size or stride that is a symbol (a dimension Dynamo saw
+    change between calls, as a mixture of experts' tokens per expert, or a data-dependent one)."""
+    return any(not isinstance(n, int) for m in (*region.input_meta, *region.output_meta) if hasattr(m, "shape")
+               for n in (*m.shape, *m.stride()))  # fmt: skip
+
+
+# The generated kernels are written for fixed sizes. Reading a symbolic size as a number would make
+# Dynamo guard on that value: the graph would be compiled again for every new size, and past its
+# recompile limit run eagerly (a mixture of experts' expert blocks, one graph per token count).
+SYMBOLIC_SIZES = "sizes that change between calls (dynamic shapes): kernels are generated for fixed sizes"
+
+
 class GeneratedCodeExecutor(Executor):
     device_type: ClassVar[str]  # where the generated kernels run: "cpu" or "cuda"
     source_ext: ClassVar[str]  # file extension of the source in the explain dump
@@ -32,6 +45,8 @@ class GeneratedCodeExecutor(Executor):
         foreign = device_types(region) - {self.device_type}
         if foreign and not self.runs_anywhere():
             return f"tensors on {', '.join(sorted(foreign))}: {self.name} kernels run on {self.device_type} tensors"
+        if symbolic_sizes(region):
+            return SYMBOLIC_SIZES
         try:
             self.source(region)
         except Unsupported as e:
