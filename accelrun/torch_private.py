@@ -80,6 +80,9 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     "unset_fake_temporarily": ("torch._subclasses.fake_tensor", "unset_fake_temporarily"),
     "detect_fake_mode": ("torch._guards", "detect_fake_mode"),
     "tracing": ("torch._guards", "tracing"),
+    # The compile Dynamo has under way (``current_compile_id()``: its frame and that frame's compile count),
+    # read by the backend to count the graphs it compiled per frame.
+    "CompileContext": ("torch._guards", "CompileContext"),
     "is_traceable_wrapper_subclass": ("torch.utils._python_dispatch", "is_traceable_wrapper_subclass"),
     # An fx GraphModule that writes and compiles its Python code when it first runs or is read, not when
     # it is made: a graph loaded from the graph cache is copied for fast_calls and rewritten after its

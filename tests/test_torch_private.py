@@ -341,6 +341,22 @@ def test_detect_fake_mode():
     assert tp.detect_fake_mode([torch.ones(1)]) is None
 
 
+def test_CompileContext():
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(tp.CompileContext.current_compile_id())
+        return gm
+
+    assert tp.CompileContext.current_compile_id() is None  # outside a compile
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * 2, backend=backend)
+    f(torch.ones(3))
+    f(torch.ones(3, 4))  # a recompile of the same frame
+    assert [c.frame_id for c in seen] == [seen[0].frame_id] * 2 and [c.frame_compile_id for c in seen] == [0, 1]
+    torch._dynamo.reset()
+
+
 def test_tracing():
     with tp.tracing(None):  # the inductor executor opens a fresh context this way
         pass

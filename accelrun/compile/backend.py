@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import cache, partial
 from typing import Any
 
@@ -19,6 +19,7 @@ from torch import fx, nn
 from accelrun.compile import break_sites, coverage
 from accelrun.compile.cuda_graphs import graph_facts, with_cuda_graphs
 from accelrun.compile.dump import Dumper
+from accelrun.compile.executors.generated import compiling_after
 from accelrun.compile.fast_calls import runnable
 from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.lower import lower_regions, make_executors
@@ -28,6 +29,7 @@ from accelrun.compile.pipeline import PassDriver, count_ops, graph_snapshot  # n
 from accelrun.compile.record import CompileRecord, GraphRecord
 from accelrun.compile.regions import REGION_KEY
 from accelrun.torch_private import (
+    CompileContext,
     aot_module_simplified,
     default_partition,
     functorch_config,
@@ -84,6 +86,7 @@ class AccelrunBackend:
         # Called on each forward/backward graph after its post-grad passes, before lowering (compiled FSDP
         # routes collectives through its communication trace here).
         self.before_lowering: list[Callable[[fx.GraphModule], None]] = []
+        self._frame_compiles: dict[int, int] = {}  # Dynamo's frame id -> graphs compiled for it by this backend
 
     # -- entry point -------------------------------------------------------------------------------
     def before_tracing(self, module: nn.Module) -> None:
@@ -95,8 +98,19 @@ class AccelrunBackend:
             build_kernel_early(module)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
-        with gc_paused():
+        with gc_paused(), self._counting_compiles():
             return self._compile_dynamo_graph(gm, example_inputs)
+
+    def _counting_compiles(self):
+        """How many graphs this backend compiled before for the frame Dynamo compiles now (read by the
+        code generators, ``executors.generated.sizes_keep_changing``). The graph cache's precompile has no
+        frame id: it says the count itself."""
+        compile_id = CompileContext.current_compile_id()
+        if compile_id is None or compile_id.frame_id is None:
+            return nullcontext()
+        count = self._frame_compiles.get(compile_id.frame_id, 0)
+        self._frame_compiles[compile_id.frame_id] = count + 1
+        return compiling_after(count)
 
     def _compile_dynamo_graph(self, gm: fx.GraphModule, example_inputs: list[Any]):
         name = f"g{self.record.dynamo_graphs}"

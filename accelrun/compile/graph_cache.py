@@ -42,6 +42,7 @@ from torch import nn
 
 import accelrun
 from accelrun.compile import coverage
+from accelrun.compile.executors.generated import compiling_after
 from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.record import CompileRecord
 from accelrun.torch_private import (
@@ -517,7 +518,8 @@ class CachedMethod:
             stages = backend.record.stage_seconds
             timed_before, t0 = sum(stages.values()), time.perf_counter()
             try:
-                with files_traced_by_precompile() as traced, unread_compile_logs_skipped():
+                with (files_traced_by_precompile() as traced, unread_compile_logs_skipped(),
+                      compiling_after(len(self.entries))):  # the kinds of input this method met before
                     entry = compiled.aot_compile((args, kwargs))
             finally:
                 backend.serializable = False

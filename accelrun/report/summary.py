@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 
+from accelrun.models.flop_count import COUNTED
 from accelrun.report.peak import BUSY_PEAK, Peak
 from accelrun.report.router import MOE_MFU_NOTE, router_summary
 
@@ -55,11 +56,13 @@ def summarize(
     flops_per_token: float | None,
     compile_time_s: float | None,
     tokens_per_step: int,
+    flops_source: str | None = None,
 ) -> dict:
     """The content of ``report.json`` for one device's ``metrics`` (``metrics.jsonl`` lines, in order).
 
     Throughput is per device: ``tokens_per_step`` over the steady median step time. TFLOP/s is
-    ``flops_per_token`` times that; MFU divides it by ``peak.tflops``. ``compile_time_s`` is reported
+    ``flops_per_token`` times that; MFU divides it by ``peak.tflops``; ``flops_source`` says where that
+    count came from, or why there is none (``models/flop_count.py``). ``compile_time_s`` is reported
     apart: it is already inside the step times of the steps flagged ``compile``.
     """
     notes: list[str] = []
@@ -103,7 +106,10 @@ def summarize(
               if flops_per_token is not None and tokens_per_s is not None else None)
     mfu = tflops / peak.tflops if tflops is not None and peak.tflops else None
     if flops_per_token is None:
-        notes.append("no FLOP count per token for this model: TFLOP/s and MFU are null")
+        why = f" ({flops_source})" if flops_source else ""
+        notes.append(f"no FLOP count per token for this model{why}: TFLOP/s and MFU are null")
+    elif flops_source == COUNTED:  # a user's model: say that the FLOPs are a count, and of what
+        notes.append(f"{flops_per_token / 1e6:,.2f} MFLOP per token, {flops_source}")
     if peak.tflops is None:
         notes.append(f"peak unknown, MFU is null: {peak.detail}")
     elif peak.source.startswith("measured"):

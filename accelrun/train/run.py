@@ -32,6 +32,7 @@ from accelrun.dist.context import ParallelContext
 from accelrun.dist.stop import Stopped
 from accelrun.dist.worker import rank_uses_cuda
 from accelrun.errors import TrainingDiverged, UserError
+from accelrun.models.flop_count import COUNTED
 from accelrun.report.compile_time import compile_time, record_seconds
 from accelrun.report.files import write_json
 from accelrun.report.html import write_report_html
@@ -249,7 +250,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
     took = compile_time(metrics, record_seconds(compiler)) if s.compiles else None
     report = summarize(
         metrics, warmup_steps=cfg.report.warmup_steps, peak=s.peak, flops_per_token=s.flops_per_token,
-        compile_time_s=took.seconds if took else None, tokens_per_step=s.tokens_per_step,
+        compile_time_s=took.seconds if took else None, tokens_per_step=s.tokens_per_step, flops_source=s.flops_source,
     )
     if took is not None:
         report["notes"].append(took.how)
@@ -339,8 +340,10 @@ def _announce(console: Console, s: TrainSetup, setup_s: float) -> None:
 def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
     st = r["step_time_s"]["median"]
     mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") is not None else "n/a"
-    if r.get("flops_per_token") is None and st:  # a model of the user's: its FLOPs are not known
-        mfu += " (no FLOP count per token for this model)"
+    if r.get("flops_per_token") is None and st:  # a model of the user's whose FLOPs could not be counted
+        mfu += f" (no FLOP count per token for this model: {(r.get('model') or {}).get('flops_source', 'unknown')})"
+    elif r.get("mfu") is not None and (r.get("model") or {}).get("flops_source") == COUNTED:
+        mfu += " (its FLOPs counted on one sequence)"
     if r.get("mfu") is not None and str((r.get("peak") or {}).get("source", "")).startswith(BUSY_PEAK):
         mfu += f" (an upper bound: the peak was {BUSY_PEAK})"
     elif r.get("mfu") is not None and r["mfu"] > 1:

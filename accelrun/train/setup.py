@@ -26,13 +26,14 @@ from accelrun.dist.expert_parallel import apply_expert_parallel
 from accelrun.dist.layout import apply_layout
 from accelrun.dist.pipeline import Pipeline, microbatch_loss, union_of
 from accelrun.dist.tp import loss_context
-from accelrun.models import build_model, model_flops_per_token, model_summary
+from accelrun.models import build_model, model_summary
 from accelrun.models.build import (
     data_vocab,
     document_packing_problem,
     materialize_local,
     training_loss_fn,
 )
+from accelrun.models.flop_count import flops_per_token
 from accelrun.models.hf_io import load_hf_for_config
 from accelrun.plan.stage_split import recipe_end_costs
 from accelrun.report.peak import Peak, resolve_peak
@@ -56,6 +57,7 @@ class TrainSetup:
     grad_accum: int
     tokens_per_step: int
     flops_per_token: float | None
+    flops_source: str  # how flops_per_token was found, or why it is unknown (models/flop_count.py)
     peak: Peak
     compiles: bool
     compiled: str
@@ -188,6 +190,9 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     info = model_summary(cfg.model, model, seq_len=t.seq_len)
     if cfg.data.packing == "document" and (problem := document_packing_problem(model)) is not None:
         raise ConfigError(problem)
+    # Before compile and layouts: a user's model is counted by running its forward once, whole.
+    flops = flops_per_token(cfg.model, t.seq_len, model, device, data_vocab(cfg.model, model)[0])
+    info.update(flops_per_token=flops.value, flops_source=flops.source)
     pipeline = None
     parts, labels = [model], ["model"]
     vocab_parallel = cfg.parallel.loss_parallel and ctx.tp_size > 1
@@ -276,7 +281,8 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         grad_accum=cfg.grad_accum,
         # This device's share of the step's tokens (TP ranks share theirs): global / world size.
         tokens_per_step=t.global_batch * t.seq_len // ctx.world_size,
-        flops_per_token=model_flops_per_token(cfg.model, t.seq_len, model),
+        flops_per_token=flops.value,
+        flops_source=flops.source,
         peak=resolve_peak(device, t.precision, cfg.report.peak_tflops),
         compiles=cfg.compile.backend != "eager",
         compiled=_describe(compiled, labels),

@@ -82,6 +82,20 @@ def test_summarize_unknown_peak_and_flops():
     assert r["tflops"] is None and r["mfu"] is None
 
 
+def test_a_count_of_a_users_model_and_a_failed_one_say_where_the_flops_came_from():
+    from accelrun.models.flop_count import COUNTED
+
+    metrics = [_step(i + 1, 0.5) for i in range(10)]
+    r = summarize(metrics, warmup_steps=0, peak=PEAK, flops_per_token=2.5e6, compile_time_s=None,
+                  tokens_per_step=1000, flops_source=COUNTED)
+    assert r["mfu"] == pytest.approx(2.5e6 * 2000 / 1e12 / 2.0)
+    assert f"2.50 MFLOP per token, {COUNTED}" in r["notes"]
+    r = summarize(metrics, warmup_steps=0, peak=PEAK, flops_per_token=None, compile_time_s=None,
+                  tokens_per_step=1000, flops_source="counting its FLOPs on one sequence failed: ValueError: x")
+    assert ("no FLOP count per token for this model (counting its FLOPs on one sequence failed: ValueError: x): "
+            "TFLOP/s and MFU are null") in r["notes"]
+
+
 def test_loss_curve_is_sampled_with_ends():
     metrics = [_step(i + 1, 0.1, loss=1.0 / (i + 1)) for i in range(300)]
     r = summarize(metrics, warmup_steps=3, peak=PEAK, flops_per_token=None, compile_time_s=None,

@@ -5,6 +5,8 @@ tensors live where their kernels run and the loop IR can express it; the generat
 from __future__ import annotations
 
 from abc import abstractmethod
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, ClassVar
 
 from accelrun.compile.codegen.loop_ir import Unsupported, cached_program
@@ -23,10 +25,34 @@ def symbolic_sizes(region: Region) -> bool:
                for n in (*m.shape, *m.stride()))  # fmt: skip
 
 
-# The generated kernels are written for fixed sizes. Reading a symbolic size as a number would make
-# Dynamo guard on that value: the graph would be compiled again for every new size, and past its
-# recompile limit run eagerly (a mixture of experts' expert blocks, one graph per token count).
-SYMBOLIC_SIZES = "sizes that change between calls (dynamic shapes): kernels are generated for fixed sizes"
+# The generated kernels are written for fixed sizes: a symbolic size is read as a number, and Dynamo
+# then guards on that value. That is right for a size that changed once (a last, shorter batch; an
+# evaluation's batch) or that Dynamo made symbolic from an earlier model or profile: the graph stays as
+# fast as before. For a size that changes on every call (a mixture of experts' tokens per expert) it
+# compiled the graph again for every size, and past Dynamo's recompile limit the calls ran eagerly.
+# So once a function has compiled this often in the run, its symbolic sizes stay symbols and their
+# regions stay in ATen.
+SPECIALIZING_COMPILES = 2
+SYMBOLIC_SIZES = ("sizes that kept changing between calls (dynamic shapes): kernels are generated for fixed "
+                  "sizes")  # fmt: skip
+# How many graphs of the function being compiled this run compiled before (the backend sets it for
+# Dynamo's frames, the graph cache for its methods); None: no compile that could guard is under way
+# (a graph lowered again from the graph cache), where a symbolic size is never read as a number.
+earlier_compiles: ContextVar[int | None] = ContextVar("accelrun_earlier_compiles", default=None)
+
+
+@contextmanager
+def compiling_after(count: int):
+    token = earlier_compiles.set(count)
+    try:
+        yield
+    finally:
+        earlier_compiles.reset(token)
+
+
+def sizes_keep_changing() -> bool:
+    count = earlier_compiles.get()
+    return count is None or count >= SPECIALIZING_COMPILES
 
 
 class GeneratedCodeExecutor(Executor):
@@ -45,7 +71,7 @@ class GeneratedCodeExecutor(Executor):
         foreign = device_types(region) - {self.device_type}
         if foreign and not self.runs_anywhere():
             return f"tensors on {', '.join(sorted(foreign))}: {self.name} kernels run on {self.device_type} tensors"
-        if symbolic_sizes(region):
+        if symbolic_sizes(region) and sizes_keep_changing():
             return SYMBOLIC_SIZES
         try:
             self.source(region)

@@ -1,0 +1,95 @@
+"""Training FLOPs per token, and where the number came from: TFLOP/s and MFU need it for every model.
+
+- A model family's is its shape's formula (``Shape.model_flops_per_token``).
+- A user's model may say its own with a ``flops_per_token(seq_len)`` method.
+- Otherwise it is counted: one sequence of random tokens goes through the model's forward, as
+  training calls it, under torch's ``FlopCounterMode``, which counts the matrix products,
+  convolutions and attention by their shapes. Training FLOPs are 3× the forward's (each product's
+  backward is two products of its size), the convention the families' formula and published MFU
+  figures follow (PaLM's 6·N + 12·L·H·Q·T). It runs on the real device, not on fake tensors:
+  transformers' models read tensor values in their mask code (``.item()``), and a mixture of experts
+  routes by value. Training starts as it would have: the forward runs on a copy of the model's
+  modules that shares its parameters and buffers (so the copy costs no memory, and Python state the
+  forward changes, a call counter, changes in the copy), its randomness is forked, and its buffers
+  (BatchNorm's running statistics) are put back.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it runs: the report reads COUNTED without it
+    import torch
+    from torch import nn
+
+COUNTED = ("counted: torch's FlopCounterMode over one sequence's forward (matrix products, convolutions, "
+           "attention), × 3 for forward and backward")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    value: float | None  # training FLOPs per token; None: unknown
+    source: str  # how it was found, or why it is unknown
+
+
+def _cpu_attention_formulas() -> dict:
+    """torch counts the GPUs' fused attention, not the CPU's (``_scaled_dot_product_flash_attention_for_cpu``,
+    what ``F.scaled_dot_product_attention`` runs on a CPU): the same formula for it, by its shapes."""
+    import torch
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    def cpu_flash(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(query_shape, key_shape, value_shape)  # as torch's: causal counted whole
+
+    return {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash}
+
+
+def counted_flops_per_token(model: nn.Module, seq_len: int, vocab_size: int, device: torch.device) -> FlopsPerToken:
+    """``COUNTED``: the training FLOPs per token of ``model`` (a user's, whole on ``device``)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from accelrun.models.build import training_loss_fn
+
+    ids = torch.randint(0, vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    try:
+        twin = copy.deepcopy(model, memo=shared)
+    except Exception as e:  # noqa: BLE001 (a module holding what cannot be copied: a lock, a handle)
+        return FlopsPerToken(None, f"its modules could not be copied to run a forward apart: {_one_line(e)}")
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}  # BatchNorm's running stats
+    forked = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with (torch.random.fork_rng(devices=forked), torch.no_grad(),
+              FlopCounterMode(display=False, custom_mapping=_cpu_attention_formulas()) as counter):
+            training_loss_fn(twin)(ids[:, :-1], ids[:, 1:])
+    except Exception as e:  # noqa: BLE001 (a forward that cannot run on one sequence: MFU is unknown, not fatal)
+        return FlopsPerToken(None, f"counting its FLOPs on one sequence failed: {_one_line(e)}")
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in saved:
+                    b.copy_(saved[name])
+    forward = counter.get_total_flops()
+    if forward <= 0:
+        return FlopsPerToken(None, "its forward counted no matrix product, convolution or attention")
+    return FlopsPerToken(3 * forward / seq_len, COUNTED)
+
+
+def flops_per_token(cfg, seq_len: int, model: nn.Module, device: torch.device, vocab_size: int) -> FlopsPerToken:
+    """The model's training FLOPs per token at ``seq_len`` and their source (see the module's docstring).
+    ``cfg``: the recipe's ``model`` section; ``model``: built, whole, before any layout is applied."""
+    from accelrun.models.build import model_flops_per_token
+
+    if cfg.custom is None:
+        return FlopsPerToken(model_flops_per_token(cfg, seq_len), "the model family's formula "
+                             "(Shape.model_flops_per_token)")  # fmt: skip
+    if callable(getattr(model, "flops_per_token", None)):
+        return FlopsPerToken(model_flops_per_token(cfg, seq_len, model), "the model's own flops_per_token(seq_len)")
+    return counted_flops_per_token(model, seq_len, vocab_size, device)
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
