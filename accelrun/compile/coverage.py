@@ -113,8 +113,8 @@ def coverage_warnings(record: Any) -> list[str]:
                    "module than torch._dynamo.config.recompile_limit allows, and the calls beyond it ran eagerly "
                    "(blocks that differ per instance compile once each: compile.scope = model compiles the "
                    "forward once; a size that changes from call to call, as a mixture of experts' tokens per "
-                   "expert, compiles twice, for its first value and then for any, unless the code branches on "
-                   "it: torch's own warning names what changed)")
+                   "expert, compiles three times at most, for its first value, its next, and then any, unless "
+                   "the code branches on it: torch's own warning names what changed)")
     breaks = sum(record.graph_breaks.values())
     if breaks and record.graphs_in_use():  # with nothing compiled, the warning above says why
         sites = d.get("break_sites") or []

@@ -6,7 +6,7 @@ Python frame in front of the C++ binding. A step of a small Llama makes a few hu
 most of them views around the matmuls and the compiled regions. So the graph that runs is a copy:
 
 1. Views and ``mm`` are called as Tensor methods (a view costs 9 µs through the OpOverload and 3 µs
-   as the method on this CPU).
+   as the method on this CPU); ``view`` as ``reshape`` (``AS_METHODS`` says why).
 2. Once the graph has run twice with the same layouts, each chain of views between two computing
    ops (``view`` → ``permute`` → ``slice``, a ``split``'s pieces) becomes one call of Dynamo's
    ``_reinterpret_tensor`` on the chain's base with the sizes, strides and storage offset those runs
@@ -38,9 +38,13 @@ from accelrun.torch_private import reinterpret_tensor as _reinterpret
 
 aten = torch.ops.aten
 
-# The same ATen op as a Tensor method with the same positional arguments.
+# The same ATen op as a Tensor method with the same positional arguments. ``view`` runs as ``reshape``,
+# which is the same view wherever one exists: the graph's views were traced on fake tensors, and where
+# an op's real output is laid out unlike its fake one (CPU batch norm of a transposed input comes back
+# contiguous, its meta function says strided like the input) a view could fail where eager had reshaped
+# nothing ("view size is not compatible with input tensor's size and stride"). reshape then copies.
 AS_METHODS = {
-    aten.view.default: torch.Tensor.view,
+    aten.view.default: torch.Tensor.reshape,
     aten.permute.default: torch.Tensor.permute,
     aten.t.default: torch.Tensor.t,
     aten.unsqueeze.default: torch.Tensor.unsqueeze,

@@ -656,11 +656,15 @@ def test_a_row_reduction_read_through_a_reshape_and_back_is_read_in_its_own_loop
         dropped = (h * (keep.float() * 1.1111111111111112)).contiguous().view(4096, 64)
         return weight_grad, h, dropped, dropped.sum(0, keepdim=True)
 
-    args = (torch.randn(4096, 64), torch.randn(4096, 1), torch.rand(4096, 1), torch.randn(4096, 64), torch.randn(64),
-            torch.randn(4096, 64), torch.rand(16, 256, 64) > 0.1)
+    gen = torch.Generator().manual_seed(0)
+    args = (*(torch.randn(*shape, generator=gen) for shape in [(4096, 64), (4096, 1)]), torch.rand(4096, 1, generator=gen),
+            *(torch.randn(*shape, generator=gen) for shape in [(4096, 64), (64,), (4096, 64)]),
+            torch.rand(16, 256, 64, generator=gen) > 0.1)  # fmt: skip
     region = region_of(layer_norm_backward_then_dropout, *args)
     program = lower_region(region)  # raised Unsupported
     (row_loop,) = [k for k in program.kernels if k.kind == "rows" and k.row_shape == (4096,)]
     loaded = {s.args[0] for b in row_loop.blocks for s in b.stmts if s.op == "load"}
     assert not {b.name for b in program.of_role("temp")} & loaded, program.describe()  # its own sums
-    check(region, cache, list(args), atol=1e-4)  # column sums of 4096 rows, in another order than ATen's
+    # Column sums of 4096 terms of size ~3 that mostly cancel, added in another order than ATen's: float32
+    # rounding reaches 4096 * 6e-8 * 3 = 7e-4 (unseeded, 1.5e-4 failed 1e-4 once in the suite).
+    check(region, cache, list(args), atol=1e-3)

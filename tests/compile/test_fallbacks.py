@@ -553,3 +553,30 @@ def test_a_size_that_changes_between_calls_compiles_once_more_not_once_per_size(
     symbolic = [r for r in record.regions if r.declined.get("cpp") == SYMBOLIC_SIZES]
     assert symbolic and all(r.executor == "aten" for r in symbolic)
     torch._dynamo.reset()
+
+
+def test_a_size_read_from_the_data_is_declined_with_its_reason_not_raised(tmp_path):
+    """The rows a boolean mask picks have a size Dynamo knows only at run time (an unbacked symbol).
+    The C++ generator read it as a number, which raises "could not guard on data-dependent expression":
+    a fallback warning for every such region (a walk's mixture of experts: 12 per run). It is declined
+    with its reason now, and the graph runs at eager's results."""
+    from accelrun.compile.executors.generated import DATA_DEPENDENT_SIZES
+
+    torch._dynamo.reset()
+    backend = _backend(tmp_path, passes="default")
+
+    def picked(x, w):
+        rows = x.sum(-1) > 0
+        out = torch.zeros_like(x)
+        out[rows] = torch.tanh(x[rows] @ w) * 2 + 1
+        return out
+
+    x, w = torch.randn(32, 8), torch.randn(8, 8)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        got = torch.compile(picked, backend=backend, fullgraph=True)(x, w)
+    torch.testing.assert_close(got, picked(x, w), rtol=1e-5, atol=1e-6)
+    record = backend.record
+    assert not record.fallbacks, record.fallbacks
+    declined = [r for r in record.regions if r.declined.get("cpp") == DATA_DEPENDENT_SIZES]
+    assert declined and all(r.executor == "aten" for r in declined)
+    torch._dynamo.reset()

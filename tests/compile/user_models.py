@@ -237,5 +237,19 @@ def plain_mlp(**kwargs) -> nn.Module:
     return PlainMLP(**kwargs)
 
 
+class BatchNormLM(nn.Module):
+    """BatchNorm1d over the channels of a transposed activation. CPU batch norm returns such an input's
+    output contiguous where its meta function says strided like the input, so the graph's ``view`` of
+    it, traced on fake tensors, failed at run time (a walk's model; eager and Inductor train it)."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM) -> None:
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Embedding(vocab, dim), nn.BatchNorm1d(dim), nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.embed(tokens))
+        return self.head(self.norm(x.transpose(1, 2)).transpose(1, 2))
+
+
 USER_MODELS = {"mha": MHAModel, "routed_moe": RoutedMoE, "conv_mixer": ConvMixer, "plain_mlp": PlainMLP,
-               "encoder": EncoderLM, "gru": GRULM, "lstm_blocks": LSTMStack}
+               "encoder": EncoderLM, "gru": GRULM, "lstm_blocks": LSTMStack, "batchnorm": BatchNormLM}

@@ -18,11 +18,22 @@ def device_types(region: Region) -> set[str]:
     return {m.device.type for m in (*region.input_meta, *region.output_meta) if hasattr(m, "device")}
 
 
+def _region_sizes(region: Region) -> list[Any]:
+    return [n for m in (*region.input_meta, *region.output_meta) if hasattr(m, "shape") for n in (*m.shape, *m.stride())]
+
+
 def symbolic_sizes(region: Region) -> bool:
     """Whether a tensor of the region has a size or stride that is a symbol (a dimension Dynamo saw
     change between calls, as a mixture of experts' tokens per expert, or a data-dependent one)."""
-    return any(not isinstance(n, int) for m in (*region.input_meta, *region.output_meta) if hasattr(m, "shape")
-               for n in (*m.shape, *m.stride()))  # fmt: skip
+    return any(not isinstance(n, int) for n in _region_sizes(region))
+
+
+def data_dependent_sizes(region: Region) -> bool:
+    """Whether one of those symbols stands for a value read from the data (the rows a boolean mask
+    picks): it has no value to read as a number at all."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return any(free_unbacked_symbols(n) for n in _region_sizes(region) if not isinstance(n, int))
 
 
 # The generated kernels are written for fixed sizes: a symbolic size is read as a number, and Dynamo
@@ -35,6 +46,8 @@ def symbolic_sizes(region: Region) -> bool:
 SPECIALIZING_COMPILES = 2
 SYMBOLIC_SIZES = ("sizes that kept changing between calls (dynamic shapes): kernels are generated for fixed "
                   "sizes")  # fmt: skip
+DATA_DEPENDENT_SIZES = ("sizes that depend on the data (the rows a mask or a router picks): kernels are generated "
+                        "for fixed sizes")  # fmt: skip
 # How many graphs of the function being compiled this run compiled before (the backend sets it for
 # Dynamo's frames, the graph cache for its methods); None: no compile that could guard is under way
 # (a graph lowered again from the graph cache), where a symbolic size is never read as a number.
@@ -71,8 +84,11 @@ class GeneratedCodeExecutor(Executor):
         foreign = device_types(region) - {self.device_type}
         if foreign and not self.runs_anywhere():
             return f"tensors on {', '.join(sorted(foreign))}: {self.name} kernels run on {self.device_type} tensors"
-        if symbolic_sizes(region) and sizes_keep_changing():
-            return SYMBOLIC_SIZES
+        if symbolic_sizes(region):
+            if data_dependent_sizes(region):  # reading one as a number raised "could not guard on data-dependent"
+                return DATA_DEPENDENT_SIZES
+            if sizes_keep_changing():
+                return SYMBOLIC_SIZES
         try:
             self.source(region)
         except Unsupported as e:
