@@ -142,6 +142,8 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
         mfu = f"{_pct(r['mfu'])} of {_num(peak.get('tflops'))} TFLOP/s ({peak.get('source')})"
         if r["mfu"] > 1:
             mfu += "; above 100%: the peak is too low (see the notes)"
+    elif r.get("flops_per_token") is None:  # the peak is known; the model's FLOPs are not
+        mfu = f"n/a (no FLOP count per token: {(r.get('model') or {}).get('flops_source', 'unknown')})"
     else:
         mfu = f"n/a (peak: {peak.get('source', 'unknown')})"
     step = (f"{_secs(st.get('median'))} (p10 {_secs(st.get('p10'))}, p90 {_secs(st.get('p90'))}; "

@@ -112,7 +112,7 @@ def summarize(
         notes.append(f"{flops_per_token / 1e6:,.2f} MFLOP per token, {flops_source}")
     if peak.tflops is None:
         notes.append(f"peak unknown, MFU is null: {peak.detail}")
-    elif peak.source.startswith("measured"):
+    elif peak.source.startswith("measured") and mfu is not None:
         notes.append("MFU on a CPU is the fraction of the best achievable torch.mm rate measured on "
                      "this machine (for fp32, oneDNN's where faster, as the compiler may run products), "
                      "not of a datasheet peak")

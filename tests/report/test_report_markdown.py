@@ -54,6 +54,20 @@ def test_markdown_handles_empty_report(tmp_path):
     assert "n/a" in md and "no loss recorded" in md
 
 
+def test_a_model_without_a_flop_count_says_why_where_its_mfu_would_be(tmp_path):
+    metrics = [{"step": i, "loss": 5.0, "step_time_s": 0.25, "data_time_s": 0.0, "compile": False}
+               for i in range(1, 11)]  # fmt: skip
+    why = "counting its FLOPs on one sequence failed: AssertionError: needs 2 sequences"
+    peak = Peak(0.5, "measured: torch.mm float32 1024x1024 probe on Test CPU", "achievable")
+    report = summarize(metrics, warmup_steps=3, peak=peak, flops_per_token=None, compile_time_s=None,
+                       tokens_per_step=4096, flops_source=why)
+    report["model"] = {"flops_source": why}  # as train's report carries it (model_summary)
+    write_report_md(report, {"name": "x"}, tmp_path / "r.md")
+    md = (tmp_path / "r.md").read_text()
+    assert f"| MFU | n/a (no FLOP count per token: {why}) |" in md
+    assert "achievable torch.mm rate" not in md  # no MFU to explain
+
+
 def test_sparkline():
     assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
     assert sparkline([1.0, 1.0]) == "▁▁"
