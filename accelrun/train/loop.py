@@ -91,6 +91,7 @@ def run_loop(
                 m_start = clock.mark()
                 reset_peak_memory(dev)  # CUDA: this step's peak, not setup's or an earlier step's
                 comm_at_start = s.comm_timer.seconds if s.comm_timer is not None else 0.0
+                compiles_at_start = _graphs_compiled(s)
                 where.update(step=step, phase="forward and backward")
                 spans = []  # per micro-batch: its (start, data loaded, forward done, backward done) marks
                 loss_sum = torch.zeros((), device=dev)
@@ -141,7 +142,8 @@ def run_loop(
                 s.optimizer.zero_grad(set_to_none=True)
                 m5 = clock.mark()
                 done = PendingStep(step, clock, StepMarks(m_start, spans, m4, m5), loss_t, grad_norm_t, None, lr=lr,
-                                   tokens=s.tokens_per_step, loss_tokens=loss_targets, compile=step == s.start_step + 1 and s.compiles,
+                                   tokens=s.tokens_per_step, loss_tokens=loss_targets,
+                                   compile=step == s.start_step + 1 and s.compiles or _graphs_compiled(s) != compiles_at_start,
                                    mem_peak_bytes=peak_memory_bytes(dev), mem_reserved_bytes=peak_reserved_bytes(dev))
                 where["phase"] = "summing the router's figures"
                 done.router = router_step_totals(s.model, s.ctx.distributed)  # MoE: every rank, every step
@@ -208,3 +210,13 @@ def run_loop(
     finally:
         gc.unfreeze()  # collected as usual again once the loop is over (a process may train again)
     return outcome
+
+
+def _graphs_compiled(s: TrainSetup) -> int:
+    """Graphs compiled in this process so far (Dynamo's count, and the accelrun backends' own, which the
+    graph cache's precompiles add to). A step that changes it compiled: a recompile (an integer attribute
+    the forward changes, a new size) is left out of the steady-state figures like the first step, where
+    its seconds counted as a step's (a counter in a user's forward: 16 compiles, a 0.4 s median step)."""
+    from accelrun.torch_private import dynamo_counters
+
+    return dynamo_counters["stats"]["unique_graphs"] + sum(record.dynamo_graphs for _, record in s.compile_parts)
