@@ -331,7 +331,8 @@ class GraphCache:
         self.fixed_key = "|".join([torch.__version__, accelrun_source_digest(), backend.options.fingerprint()])
         self.stats = backend.record.graph_cache
         # state_changed: why entries saved for this code were not loaded (global_state differs)
-        self.stats.update({"loaded": 0, "compiled": 0, "saved": 0, "fallbacks": 0, "errors": [], "state_changed": []})
+        self.stats.update({"loaded": 0, "compiled": 0, "saved": 0, "fallbacks": 0, "errors": [], "state_changed": [],
+                           "rejected": 0})  # fmt: skip
 
     def key(self, func: Any, owner: nn.Module, args: tuple, kwargs: dict) -> EntryKey:
         params = sorted((n, describe(p)) for n, p in owner.named_parameters())
@@ -478,7 +479,10 @@ class CachedMethod:
                 entry = AOTCompiledFunction.deserialize(data, self.func.__globals__,
                                                         external_closure_data=wrapped_functions(self.func))
             if not entry.guard_check(owner, *args, **kwargs):
-                raise RuntimeError("its guards reject these inputs")
+                # Saved for what its key does not cover (a module attribute the forward branches on, as
+                # two runs of one model with other model.kwargs): a miss, not an error to print.
+                self.cache.stats["rejected"] += 1
+                return None
         except Exception as e:  # stale or damaged: compile afresh and overwrite it
             self.cache.error(f"could not load {path.name}", e)
             return None

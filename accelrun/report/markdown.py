@@ -84,6 +84,9 @@ def _compiler_section(c: dict | None) -> list[str]:
         out.append(f"| graph cache | off: {_cell(graphs['off'])} |")
     elif graphs:
         out.append(f"| graph cache: loaded / compiled and saved | {graphs['loaded']} / {graphs['saved']} |")
+        if graphs.get("rejected"):
+            out.append(f"| graph cache: entries whose guards rejected these calls (saved for other inputs or "
+                       f"module attributes), compiled again | {graphs['rejected']} |")
         if changed := graphs.get("state_changed"):
             out.append(f"| graph cache: compiled, held only under other settings | {_cell('; '.join(changed))} |")
         if errors := graphs.get("errors"):  # each one is also listed below the table

@@ -469,7 +469,8 @@ def test_a_rejected_entry_leaves_nothing_in_the_record(threads, monkeypatch):
     torch._dynamo.reset()
     _, _, rejected = step(*COMPILED)
     assert rejected.graph_cache["compiled"] == 2 and rejected.graph_cache["loaded"] == 0
-    assert any("guards reject" in e for e in rejected.graph_cache["errors"]), rejected.graph_cache
+    # a miss, counted apart from the errors (the terminal printed it as one: a walk found it noise)
+    assert rejected.graph_cache["rejected"] == 2 and rejected.graph_cache["errors"] == [], rejected.graph_cache
     assert len(rejected.graphs) == len(cold.graphs)
     assert rejected.regions_per_executor() == cold.regions_per_executor()
     assert sum(g.left_to_aten for g in rejected.graphs) == sum(g.left_to_aten for g in cold.graphs)
