@@ -145,7 +145,7 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
         mfu = f"{_pct(r['mfu'])} of {_num(peak.get('tflops'))} TFLOP/s ({peak.get('source')})"
         if r["mfu"] > 1:
             mfu += "; above 100%: the peak is too low (see the notes)"
-    elif r.get("flops_per_token") is None:  # the peak is known; the model's FLOPs are not
+    elif r.get("flops_per_token") is None:  # whatever the peak, the model's FLOPs are unknown
         mfu = f"n/a (no FLOP count per token: {(r.get('model') or {}).get('flops_source', 'unknown')})"
     else:
         mfu = f"n/a (peak: {peak.get('source', 'unknown')})"
