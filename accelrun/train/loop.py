@@ -74,7 +74,7 @@ def run_loop(
     run_dir = s.checkpoint_dir.parent
     where = {"step": s.start_step, "phase": "starting"}  # for a collective that times out
     read_every = read_interval(cfg, dev)  # report.read_every: CPU every step, GPU every log_every steps
-    pending = PendingSteps(s.flops_per_token, s.peak.tflops)
+    pending = PendingSteps(s.flops.value, s.peak.tflops)
     token_mean = uses_token_mean(cfg, s.pipeline is not None)  # chat, documents: mean over the step's targets
     release = step_end_release(cfg.train.cpu_malloc) if dev.type == "cpu" else None  # host_malloc: trims
     # What setup made (imports, the model, the optimizer) lives as long as the run: out of the garbage
@@ -217,6 +217,8 @@ def _graphs_compiled(s: TrainSetup) -> int:
     graph cache's precompiles add to). A step that changes it compiled: a recompile (an integer attribute
     the forward changes, a new size) is left out of the steady-state figures like the first step, where
     its seconds counted as a step's (a counter in a user's forward: 16 compiles, a 0.4 s median step)."""
+    if not s.compiles:
+        return 0  # an eager run compiles nothing
     from accelrun.torch_private import dynamo_counters
 
     return dynamo_counters["stats"]["unique_graphs"] + sum(record.dynamo_graphs for _, record in s.compile_parts)

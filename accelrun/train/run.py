@@ -249,8 +249,8 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
     # What the compiler timed, where it did: a difference of steps on a busy machine said 0.0 s.
     took = compile_time(metrics, record_seconds(compiler)) if s.compiles else None
     report = summarize(
-        metrics, warmup_steps=cfg.report.warmup_steps, peak=s.peak, flops_per_token=s.flops_per_token,
-        compile_time_s=took.seconds if took else None, tokens_per_step=s.tokens_per_step, flops_source=s.flops_source,
+        metrics, warmup_steps=cfg.report.warmup_steps, peak=s.peak, flops_per_token=s.flops.value,
+        compile_time_s=took.seconds if took else None, tokens_per_step=s.tokens_per_step, flops_source=s.flops.source,
     )
     if took is not None:
         report["notes"].append(took.how)

@@ -33,7 +33,7 @@ from accelrun.models.build import (
     materialize_local,
     training_loss_fn,
 )
-from accelrun.models.flop_count import flops_per_token
+from accelrun.models.flop_count import FlopsPerToken, flops_per_token
 from accelrun.models.hf_io import load_hf_for_config
 from accelrun.plan.stage_split import recipe_end_costs
 from accelrun.report.peak import Peak, resolve_peak
@@ -56,8 +56,7 @@ class TrainSetup:
     data: Any  # accelrun.data iterator: next() -> (inputs_BT, targets_BT), state_dict()
     grad_accum: int
     tokens_per_step: int
-    flops_per_token: float | None
-    flops_source: str  # how flops_per_token was found, or why it is unknown (models/flop_count.py)
+    flops: FlopsPerToken  # training FLOPs per token, and how they were found or why they are unknown
     peak: Peak
     compiles: bool
     compiled: str
@@ -187,7 +186,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     # weights a single process would. A user's model is built whole on the device, as its factory does.
     on_meta = cfg.model.custom is None
     model = build_model(cfg.model, "meta" if on_meta else device, seed=t.seed)
-    info = model_summary(cfg.model, model, seq_len=t.seq_len)
+    info = model_summary(cfg.model, model)  # its FLOPs per token: flop_count's, added below
     if cfg.data.packing == "document" and (problem := document_packing_problem(model)) is not None:
         raise ConfigError(problem)
     # Before compile and layouts: a user's model is counted by running its forward once, whole.
@@ -281,8 +280,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         grad_accum=cfg.grad_accum,
         # This device's share of the step's tokens (TP ranks share theirs): global / world size.
         tokens_per_step=t.global_batch * t.seq_len // ctx.world_size,
-        flops_per_token=flops.value,
-        flops_source=flops.source,
+        flops=flops,
         peak=resolve_peak(device, t.precision, cfg.report.peak_tflops),
         compiles=cfg.compile.backend != "eager",
         compiled=_describe(compiled, labels),
