@@ -7,7 +7,8 @@
   region a code generator turns it into index arithmetic.
 - constant: a tensor filled with one number (``full``, ``zeros_like``, ``scalar_tensor``): inside a
   region it is that number, never written to memory (a gradient's zeros, a mask's fill value).
-- other: everything else (matmuls, attention, random numbers, collectives): never inside a region.
+- other: everything else (matmuls, attention, random numbers, collectives): never inside a region;
+  except random numbers drawn as a function of (seed, element index), which are pointwise.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+
+import accelrun.compile.fused.dropout  # noqa: F401  (registers accelrun::dropout_uniform)
 
 OpKind = Literal["pointwise", "reduction", "view", "constant", "other"]
 
@@ -35,6 +38,10 @@ NOT_FUSIBLE = frozenset({
     aten.native_dropout.default,
 })  # fmt: skip
 
+# Random numbers that are a function of (seed, element index) alone (``fused.dropout``): a region's
+# generated code draws them in its own loop, as it computes any other pointwise op.
+GENERATED_RANDOM = frozenset({torch.ops.accelrun.dropout_uniform.default})
+
 # ATen tags _to_copy as neither; a dtype-only _to_copy is a cast, which is pointwise.
 _CASTS = frozenset({aten._to_copy.default, prims.convert_element_type.default})
 
@@ -53,6 +60,8 @@ def op_kind(target: Any, kwargs: dict[str, Any] | None = None) -> OpKind:
         return "other"
     if target in VIEW_OPS:
         return "view"
+    if target in GENERATED_RANDOM:
+        return "pointwise"
     if target in ROW_SOFTMAX:
         return "reduction"
     if target in CONSTANTS:

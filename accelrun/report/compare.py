@@ -149,7 +149,8 @@ def compare_groups(groups: list[Group], *, rtol: float | None = None, seed: int 
                 parity = replace(parity, status="differ")
             row.parity = parity
             if not parity.agrees:
-                row.parity_cause = "; ".join(c for c in (lr_parts, _numeric_cause(diff, [0, gi])) if c)
+                causes = (lr_parts, _numeric_cause(diff, [0, gi]), _dropout_cause(reference, run))
+                row.parity_cause = "; ".join(c for c in causes if c)
     _tokens_note(groups, notes)
     warnings_of_status: list[str] = []
     for r in runs:
@@ -264,6 +265,16 @@ def _numeric_cause(diff: list[DiffRow], indices: list[int]) -> str:
         return ""
     return "expected: " + ", ".join(keys[:4]) + (" and more" if len(keys) > 4 else "") + (
         " differs" if len(keys) == 1 else " differ")
+
+
+def _dropout_cause(reference: RunRecord, other: RunRecord) -> str:
+    """Of two runs, one drew its dropout masks in accelrun's kernels (the cpu_dropout pass: its own
+    generator) and the other with ATen's: their curves part by their random numbers, not by a fault."""
+    drew = [r.label for r in (reference, other)
+            if "cpu_dropout" in (((r.report or {}).get("compiler") or {}).get("passes_fired") or {})]  # fmt: skip
+    if len(drew) != 1:
+        return ""
+    return f"expected: {drew[0]} drew its dropout masks in accelrun's kernels (cpu_dropout), the other with ATen's"
 
 
 # (what, path in env.json, severity, the recipe key that sets it): a warning makes a speed comparison

@@ -251,5 +251,48 @@ class BatchNormLM(nn.Module):
         return self.head(self.norm(x.transpose(1, 2)).transpose(1, 2))
 
 
+class NanoGPTBlock(nn.Module):
+    """nanoGPT's block: one qkv product split three ways, SDPA with dropout_p while training, dropout on
+    both residual branches."""
+
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.c_attn, self.c_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.resid_dropout = nn.Dropout(dropout)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
+        self.heads, self.dropout = heads, dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+                   for t in self.c_attn(self.ln_1(x)).split(C, dim=2))  # fmt: skip
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        x = x + self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's model as its README trains it (dropout while training, the embedding tied to the head).
+    Not in ``USER_MODELS``: with dropout its losses cannot equal eager's (another generator draws the
+    masks); tests/compile/test_cpu_dropout.py and bench/user_models.py use it."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, layers: int = 2, heads: int = 2, block: int = 1024,
+                 dropout: float = 0.1) -> None:  # fmt: skip
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(block, dim)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList([NanoGPTBlock(dim, heads, dropout) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device)))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
 USER_MODELS = {"mha": MHAModel, "routed_moe": RoutedMoE, "conv_mixer": ConvMixer, "plain_mlp": PlainMLP,
                "encoder": EncoderLM, "gru": GRULM, "lstm_blocks": LSTMStack, "batchnorm": BatchNormLM}

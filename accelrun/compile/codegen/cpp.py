@@ -37,6 +37,7 @@ from accelrun.compile.codegen.loop_ir import (
 )
 from accelrun.compile.codegen.math_poly import FUNCTIONS as POLYNOMIAL_FUNCTIONS
 from accelrun.compile.codegen.ops import INFIX, Renderer
+from accelrun.compile.fused import dropout
 from accelrun.torch_private import TensorGuards, empty_strided_cpu
 
 ENTRY = "accelrun_region"
@@ -58,7 +59,7 @@ class CppOps(Renderer):
         "sin": "__builtin_sinf({0})",
         "cos": "__builtin_cosf({0})", "floor": "__builtin_floorf({0})", "ceil": "__builtin_ceilf({0})",
         "trunc": "__builtin_truncf({0})", "sign": "(({0} > 0) - ({0} < 0))", "round_bf16": "bf16_round({0})",
-        "where": "({0} ? {1} : {2})",
+        "where": "({0} ? {1} : {2})", "uniform": "acc_uniform({0}, {1})",
     }  # fmt: skip
     missing = {"round_f16": "float16 tensors have no C++ storage type here; such regions are declined earlier"}
 
@@ -131,7 +132,7 @@ static inline float acc_exp(float x) {
 {functions}"""
 PRELUDE = (PRELUDE.replace("{omp_reductions}", _omp_declare("acc_nanmax", "maximum", "-INFINITY") + "\n"
                            + _omp_declare("acc_nanmin", "minimum", "INFINITY"))
-           .replace("{exp_core}", EXP_CORE.strip("\n")).replace("{functions}", POLYNOMIAL_FUNCTIONS))
+           .replace("{exp_core}", EXP_CORE.strip("\n")).replace("{functions}", POLYNOMIAL_FUNCTIONS + dropout.cpp_source()))
 
 
 def cpp_source(program: LoopProgram, entry: str = ENTRY, prelude: bool = True) -> str:

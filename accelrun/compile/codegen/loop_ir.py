@@ -867,6 +867,10 @@ class _KernelBuilder:
         out_type = compute_type(v.dtype)
         if v.op == "cast":
             return self._emit("cast", (names[0],), out_type) if self.ctypes[names[0]] != out_type else names[0]
+        if v.op == "uniform":  # (seed, this element's row-major index in the value's own shape)
+            flat = ravel(idx, v.shape)
+            at = self._emit("index", (flat,), "i64", depends_on_c=_uses(flat, C))
+            return self._emit("uniform", (self._as(names[0], "i64"), at), "f32")
         if v.op == "where":
             names = [self._as(names[0], "bool")] + [self._as(n, v.operand_type) for n in names[1:]]
         elif v.op in ("round_bf16", "round_f16"):

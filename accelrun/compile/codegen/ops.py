@@ -72,6 +72,8 @@ OPS: dict[str, OpInfo] = {
     "trunc": OpInfo(1), "sign": OpInfo(1),
     "round_bf16": OpInfo(1), "round_f16": OpInfo(1),  # a float32 value rounded to the narrower type
     "where": OpInfo(3),
+    # dropout's numbers in [0, 1) from (seed, the element's flat index): fused/dropout.py
+    "uniform": OpInfo(2, cost=16),
 }  # fmt: skip
 
 COMPARISONS = frozenset(name for name, info in OPS.items() if info.comparison)

@@ -75,6 +75,8 @@ class TritonOps(Renderer):
         "round_bf16": "{0}.to(tl.bfloat16).to(tl.float32)", "round_f16": "{0}.to(tl.float16).to(tl.float32)",
         "where": "tl.where({0}, {1}, {2})",
     }  # fmt: skip
+    missing = {"uniform": "dropout's numbers are drawn in kernels on CPUs only (the cpu_dropout pass); a GPU "
+                          "region keeps ATen's dropout"}
 
 
 TRITON = TritonOps()

@@ -24,6 +24,7 @@ from torch import fx
 
 from accelrun.compile.codegen.index_simplify import IndexMod
 from accelrun.compile.codegen.ops import COMPARISONS, OPS, Unsupported  # noqa: F401  (Unsupported re-exported)
+from accelrun.compile.fused import dropout  # noqa: F401  (registers accelrun::dropout_uniform)
 from accelrun.torch_private import FloorDiv
 
 aten = torch.ops.aten
@@ -392,6 +393,12 @@ _simple("and", aten.logical_and.default, aten.bitwise_and.Tensor)
 _simple("or", aten.logical_or.default, aten.bitwise_or.Tensor)
 _simple("where", aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
 _simple("pow", aten.pow.Tensor_Tensor, aten.pow.Scalar)
+
+
+@_rule(torch.ops.accelrun.dropout_uniform.default)
+def _uniform(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+    # Its one operand is the seed (a 0-dim int64); the kernel builder adds the element's flat index.
+    return Op("uniform", (g._v(args[0]),), _shape(node), torch.float32, "i64")
 
 
 def _one_plus(node: fx.Node, args: list) -> tuple[str, fx.Node] | None:

@@ -1,0 +1,90 @@
+"""cpu_dropout: a training dropout on a CPU tensor draws its mask inside the fusion region around it.
+
+ATen's ``native_dropout`` fills its mask with ``bernoulli_``, one Mersenne Twister draw an element (a
+third of a nanoGPT-shaped step on this project's CPUs), and as an op of its own it splits the pointwise
+work around it (softmax before it, a residual add and a norm after it) into separate regions. Here
+each ``native_dropout(x, p, train=True)`` of a forward graph becomes
+
+    seed = randint(0, 2^62)                            # one draw from torch's generator per call
+    keep = dropout_uniform(seed, x.shape) >= p         # fused/dropout.py: a function of (seed, index)
+    out  = x * keep * (1 / (1 - p))                    # ATen's formula, on ATen's mask type (bool)
+
+and the partitioner fuses those with their neighbours; the backward still reads ``keep`` as the saved
+mask. Masks differ from eager's (another generator, as Inductor's do), are decided by
+``torch.manual_seed`` and keep each element with probability 1 - p. Left alone: a dropout that is not
+training, p of 0 or 1, a tensor off the CPU or not contiguous (the saved mask must keep eager's
+layout), and dtypes the C++ generator does not store (fp16).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from accelrun.compile.fused.dropout import SEED_HIGH
+from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.graph_build import NodeBuilder, tensor_val
+
+aten = torch.ops.aten
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _why_not(node: fx.Node) -> str | None:
+    """Why this native_dropout call stays ATen's, or None if it is rewritten."""
+    x = tensor_val(node.args[0])
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p")
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+    if x is None or not isinstance(p, (int, float)) or train is not True:
+        return "not a training dropout with a fixed p"
+    if not 0.0 < p < 1.0:
+        return f"p = {p}"
+    if x.device.type != "cpu":
+        return f"on {x.device.type}"
+    if x.dtype not in DTYPES:
+        return f"dtype {x.dtype}"
+    if not x.is_contiguous():
+        return "input not contiguous"
+    if any(not isinstance(s, int) for s in x.shape):
+        return "symbolic sizes"
+    if any(u.target is not operator.getitem for u in node.users):
+        return "its result is used whole"
+    return None
+
+
+@register_pass("cpu_dropout", "post_grad", PassOptions)
+def cpu_dropout(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> PassResult:
+    """Training dropouts on CPU tensors draw their masks in the fusion regions around them."""
+    if ctx.graph_kind == "backward":
+        return PassResult(changed=False, summary="a backward graph draws no masks")
+    build = NodeBuilder(gm)
+    if build.fake_mode is None:
+        return PassResult(changed=False, summary="no fake values: left as is")
+    rewritten, kept = 0, {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.native_dropout.default:
+            continue
+        if (why := _why_not(node)) is not None:
+            kept[why] = kept.get(why, 0) + 1
+            continue
+        x, p = node.args[0], float(node.args[1])
+        val = tensor_val(x)
+        assert val is not None
+        seed = build(node, aten.randint.low, 0, SEED_HIGH, [], dtype=torch.int64, device=val.device)
+        uniform = build(node, torch.ops.accelrun.dropout_uniform.default, seed, list(val.shape))
+        keep = build(node, aten.ge.Scalar, uniform, p)
+        out = build(node, aten.mul.Scalar, build(node, aten.mul.Tensor, x, keep), 1.0 / (1.0 - p))
+        for new in (seed, uniform, keep, out):
+            new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
+        for user in list(node.users):
+            user.replace_all_uses_with(out if user.args[1] == 0 else keep)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        gm.graph.lint()
+        gm.recompile()
+    left = "; ".join(f"{n} left to ATen ({why})" for why, n in sorted(kept.items()))
+    summary = f"{rewritten} dropout(s) draw their masks in kernels" + (f"; {left}" if left else "")
+    return PassResult(changed=rewritten > 0, summary=summary, counts={"rewritten": rewritten, "kept": sum(kept.values())})

@@ -1,0 +1,125 @@
+"""Models written the way users write them (tests/compile/user_models.py), trained eager, through
+Inductor and through accelrun as ``accelrun train model.custom=...`` compiles them: a training step
+(forward, backward, AdamW) per variant in interleaved rounds, median step times, and each compiler's
+ratio to eager and to Inductor with a paired 95% bootstrap interval; the cold first step too.
+
+``nanogpt`` is nanoGPT's model as its README trains it (dropout 0.1); ``nanogpt-p0`` the same without
+dropout, which separates what drawing dropout's masks in kernels (the cpu_dropout pass) gives from
+the rest. Each model runs in a process of its own (compiler caches empty, in a temporary directory).
+
+    python bench/user_models.py                                   # nanogpt, nanogpt-p0
+    python bench/user_models.py --models nanogpt --rounds 30 --batch 16 --seq 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from accelrun.compile.compile_model import compile_model  # noqa: E402
+from accelrun.config.schema import CompileConfig, OptimizerConfig  # noqa: E402
+from accelrun.models.build import training_loss_fn, transformer_blocks  # noqa: E402
+from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
+from accelrun.train.optim import build_optimizer  # noqa: E402
+from tests.compile.user_models import NanoGPT  # noqa: E402
+
+VOCAB = 320  # nanoGPT's character-level Shakespeare has 65; a byte-level corpus a few hundred
+MODELS = {
+    "nanogpt": lambda: NanoGPT(vocab=VOCAB, dim=128, layers=3, heads=4, dropout=0.1),
+    "nanogpt-p0": lambda: NanoGPT(vocab=VOCAB, dim=128, layers=3, heads=4, dropout=0.0),
+}
+VARIANTS = ("eager", "inductor", "accelrun")
+
+
+class Variant:
+    def __init__(self, name: str, model: torch.nn.Module) -> None:
+        self.name, self.model = name, copy.deepcopy(model)
+        self.opt = build_optimizer(self.model, OptimizerConfig(lr=1e-4), torch.device("cpu"), sharded=False)
+        self.description = name
+        if name != "eager":  # as `accelrun train` compiles a user's model: compile.scope auto
+            compiled = compile_model(self.model, transformer_blocks(self.model), CompileConfig(backend=name),
+                                     precision="fp32")  # fmt: skip
+            self.description = f"{name}: {compiled.description}"
+            if compiled.record is not None:
+                self.description += f"; {compiled.record.compiled_line()}"
+        self.fn = training_loss_fn(self.model)
+        self.times: list[float] = []
+        self.first = 0.0
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        t0 = time.perf_counter()
+        self.fn(*batch).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+
+def run_one(args: argparse.Namespace, name: str) -> None:
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    variants = [Variant(v, model) for v in args.variants.split(",")]
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=g) for _ in range(4)]
+    batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids]
+    for v in variants:
+        v.first = v.step(batches[0])
+    for _ in range(args.warmup):
+        for v in variants:
+            v.step(batches[1])
+    for r in range(args.rounds):
+        for v in variants:
+            v.times.append(v.step(batches[r % len(batches)]))
+    med = {v.name: statistics.median(v.times) for v in variants}
+    print(f"\n{name}: batch {args.batch} x seq {args.seq}, {args.rounds} interleaved rounds after {args.warmup}, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
+    for v in variants:
+        print(f"  {v.description}")
+    print(f"{'variant':10s} {'first step':>10s} {'median step':>12s} {'vs eager (95%)':>24s} {'vs inductor (95%)':>24s}")
+    by_name = {v.name: v for v in variants}
+
+    def ratio(base: str, v: Variant) -> str:
+        if base not in by_name or base == v.name:
+            return "-"
+        ci = bootstrap_ratio_of_medians([[t] for t in by_name[base].times], [[t] for t in v.times], paired=True)
+        return f"{med[base] / med[v.name]:.3f}x ({ci.low:.3f}-{ci.high:.3f})"
+
+    for v in variants:
+        print(f"{v.name:10s} {v.first:9.2f}s {med[v.name] * 1e3:10.1f}ms {ratio('eager', v):>24s} "
+              f"{ratio('inductor', v):>24s}")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # the child process for one model
+    args = ap.parse_args()
+    if args.one:
+        run_one(args, args.one)
+        return
+    for name in args.models.split(","):
+        if name not in MODELS:
+            ap.error(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+        with tempfile.TemporaryDirectory(prefix="accelrun-bench-user-") as cache:
+            env = {**os.environ, "ACCELRUN_CACHE_DIR": f"{cache}/accelrun", "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor"}
+            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", name], env=env, check=True)
+
+
+if __name__ == "__main__":
+    main()

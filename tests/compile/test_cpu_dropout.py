@@ -1,0 +1,164 @@
+"""The cpu_dropout pass: a training dropout on the CPU draws its mask inside the generated kernel
+(fused/dropout.py's counter-based numbers) instead of ATen's bernoulli_.
+
+Masks cannot equal eager's (another generator, as Inductor's), so the checks are: the generated C++
+draws exactly the reference's numbers (and a region run as ATen calls the same), the output is the
+input times the mask and 1 / (1 - p), the backward reads that same mask, torch.manual_seed decides
+it, and the numbers behave like independent uniforms (drop rate, neighbours, calls)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from accelrun.compile.backend import AccelrunBackend
+from accelrun.compile.fused.dropout import SEED_HIGH, uniform_reference
+from accelrun.compile.options import CompileOptions
+from accelrun.compile.passes.base import PassContext, PassOptions, registered_passes
+from tests.compile.user_models import VOCAB, NanoGPT
+
+aten = torch.ops.aten
+
+
+def _compiled(fn, executors=("cpp", "aten")):
+    torch._dynamo.reset()
+    backend = AccelrunBackend(CompileOptions(executors=list(executors), strict=True))
+    return torch.compile(fn, backend=backend), backend
+
+
+def _softmax_dropout(x):
+    return F.dropout(torch.softmax(x, -1), 0.3, training=True) * 2 + 1
+
+
+def _reference_keep(shape, p, seed=0):
+    """The mask the compiled call draws after ``torch.manual_seed(seed)``: its one randint, then the
+    reference generator."""
+    torch.manual_seed(seed)
+    return uniform_reference(torch.randint(0, SEED_HIGH, ()), list(shape)) >= p
+
+
+def test_the_kernel_draws_the_reference_numbers_and_fuses_the_dropout():
+    x = torch.randn(64, 300)
+    fn, backend = _compiled(_softmax_dropout)
+    torch.manual_seed(0)
+    got = fn(x)
+    keep = _reference_keep(x.shape, 0.3)
+    want = torch.softmax(x, -1) * keep * (1 / 0.7) * 2 + 1
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got == 1, ~keep)  # the same elements dropped, not only as many
+    # The softmax, the mask and the multiplies are one C++ region; no ATen dropout is left.
+    (region,) = backend.record.regions  # an inference graph (x needs no gradient): one region
+    assert region.executor == "cpp" and "dropout_uniform" in region.ops and "_softmax" in region.ops, region
+    (rewrite,) = [p for p in backend.record.passes if p.name == "cpu_dropout"]
+    assert rewrite.counts["rewritten"] == 1
+
+
+def test_a_region_run_as_aten_calls_draws_the_same_mask_bit_for_bit():
+    x = torch.randn(40, 50)
+    outs = []
+    for executors in (("cpp", "aten"), ("aten",)):
+        fn, backend = _compiled(lambda t: F.dropout(t, 0.25, training=True), executors)
+        torch.manual_seed(7)
+        outs.append(fn(x))
+        assert backend.record.regions_per_executor() == {executors[0]: 1}, backend.record.regions_per_executor()
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backward_reads_the_mask_the_forward_drew(dtype):
+    x = torch.randn(32, 48, dtype=dtype).abs().add(0.5).requires_grad_()  # no zeros: a zero output is a drop
+    fn, _ = _compiled(lambda t: F.dropout(t, 0.4, training=True))
+    torch.manual_seed(3)
+    y = fn(x)
+    y.float().sum().backward()
+    kept = y != 0
+    assert torch.equal(kept, _reference_keep(x.shape, 0.4, seed=3))
+    torch.testing.assert_close(y, (x * kept / 0.6).to(dtype), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+    torch.testing.assert_close(x.grad, (kept / 0.6).to(dtype), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+
+
+def test_manual_seed_decides_the_mask_and_each_call_draws_anew():
+    x = torch.ones(256, 256)
+    fn, _ = _compiled(lambda t: F.dropout(t, 0.5, training=True))
+    torch.manual_seed(11)
+    first, second = fn(x), fn(x)
+    torch.manual_seed(11)
+    assert torch.equal(fn(x), first)
+    agree = ((first == 0) == (second == 0)).float().mean().item()
+    assert abs(agree - 0.5) < 5 * math.sqrt(0.25 / x.numel()), agree  # two calls: independent masks
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_the_numbers_drop_at_rate_p_independently_of_their_neighbours(p):
+    n = 1 << 20
+    for seed in (0, 1, 2**61 + 12345):
+        u = uniform_reference(torch.tensor(seed), [n])
+        assert 0.0 <= u.min().item() and u.max().item() < 1.0
+        drop = (u < p).float()
+        assert abs(drop.mean().item() - p) < 5 * math.sqrt(p * (1 - p) / n), (seed, drop.mean())
+        both = (drop[1:] * drop[:-1]).mean().item()  # neighbours (a row's next element)
+        assert abs(both - p * p) < 5 * math.sqrt(p * p * (1 - p * p) / n), (seed, both)
+        assert abs(u.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / n)
+    # Seeds one apart give unrelated masks.
+    a, b = (uniform_reference(torch.tensor(s), [n]) < p for s in (41, 42))
+    assert abs((a & b).float().mean().item() - p * p) < 5 * math.sqrt(p * p / n)
+
+
+def _dropouts(gm):
+    return [n for n in gm.graph.nodes if n.target is aten.native_dropout.default]
+
+
+@pytest.mark.parametrize("case, why", [
+    ("transposed", "input not contiguous"), ("fp16", "dtype torch.float16"), ("p_one", "p = 1.0"),
+    ("eval", "not a training dropout with a fixed p"),
+])  # fmt: skip
+def test_dropouts_it_cannot_draw_stay_aten_s_with_the_reason(case, why):
+    x = torch.randn(8, 12, dtype=torch.float16 if case == "fp16" else torch.float32)
+    p, train = (1.0 if case == "p_one" else 0.2), case != "eval"
+    fn = (lambda t: aten.native_dropout(t.t(), p, train)) if case == "transposed" else (
+        lambda t: aten.native_dropout(t, p, train))  # fmt: skip
+    gm = make_fx(fn, tracing_mode="fake")(x)
+    result = registered_passes()["cpu_dropout"].fn(gm, PassOptions(), PassContext("forward"))
+    assert not result.changed and result.counts == {"rewritten": 0, "kept": 1}
+    assert why in result.summary and len(_dropouts(gm)) == 1
+
+
+def test_a_nanogpt_shaped_model_trains_with_its_dropouts_in_kernels(tmp_path):
+    from accelrun.compile.compile_model import compile_model
+    from accelrun.config.schema import CompileConfig
+    from accelrun.models.build import training_loss_fn, transformer_blocks
+
+    torch.manual_seed(0)
+    model = NanoGPT()
+    reference = copy.deepcopy(model)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    record = compile_model(model, transformer_blocks(model), cfg).record
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, VOCAB, (4, 32), generator=gen) for _ in range(2))
+    with torch.no_grad():  # evaluating: no dropout, eager's numbers
+        torch.testing.assert_close(model.eval()(x), reference.eval()(x), rtol=1e-5, atol=1e-5)
+    model.train(), reference.train()
+    losses = {}
+    for name, m in (("compiled", model), ("eager", reference)):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        losses[name] = []
+        for _ in range(40):
+            loss = training_loss_fn(m)(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[name].append(loss.item())
+    # The same start (a dropout's expectation is the identity), then both learn the batch alike.
+    assert abs(losses["compiled"][0] - losses["eager"][0]) < 0.1, losses
+    assert losses["compiled"][-1] < 0.5 * losses["compiled"][0], losses["compiled"]
+    assert abs(losses["compiled"][-1] - losses["eager"][-1]) < 0.25 * losses["eager"][0], losses
+    rewritten = {p.graph: p.counts.get("rewritten", 0) for p in record.passes if p.name == "cpu_dropout"}
+    # The blocks' training graph (after the evaluation's): attention's dropout and both residuals'.
+    assert [n for g, n in rewritten.items() if g.endswith("forward")] == [3], rewritten
+    drawn = [r for r in record.regions if "dropout_uniform" in r.ops]
+    assert len(drawn) == 3 and all(r.executor == "cpp" for r in drawn), [(r.ops, r.executor) for r in drawn]
