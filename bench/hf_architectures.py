@@ -6,7 +6,7 @@ downloaded), compiled as ``accelrun train`` compiles a user's model (``compile_m
 same batch. Steps are interleaved round by round in one process; the ratio is eager's median step over
 accelrun's (> 1: accelrun faster), with a paired bootstrap 95% interval. Each model's losses over the
 timed steps are compared too (no optimizer: every step sees the same weights); a model with dropout
-(OPT's default 0.1) draws other masks in each variant, so its losses differ by dropout's noise. The walk that found the masked attention and OPT's region (2026-12-05,
+(OPT's and GPT-2's default 0.1) draws other masks in each variant, so its losses differ by dropout's noise. The walk that found the masked attention and OPT's region (2026-12-05,
 docs/compiler.md) ran these architectures through ``accelrun train``.
 
     python bench/hf_architectures.py                              # every architecture below
@@ -46,6 +46,7 @@ ARCHITECTURES = {
                                                          sliding_window=64)),
     "falcon": ("FalconConfig", "FalconForCausalLM", dict()),
     "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=256, word_embed_proj_dim=64)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(bos_token_id=0, eos_token_id=0)),  # its default dropout 0.1 on attention and residuals
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(intermediate_size=256)),
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(n_layer=2, n_head=4)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=128, num_key_value_heads=2,

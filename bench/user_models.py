@@ -47,13 +47,12 @@ class Variant:
     def __init__(self, name: str, model: torch.nn.Module) -> None:
         self.name, self.model = name, copy.deepcopy(model)
         self.opt = build_optimizer(self.model, OptimizerConfig(lr=1e-4), torch.device("cpu"), sharded=False)
-        self.description = name
+        self.description, self.record = name, None
         if name != "eager":  # as `accelrun train` compiles a user's model: compile.scope auto
             compiled = compile_model(self.model, transformer_blocks(self.model), CompileConfig(backend=name),
                                      precision="fp32")  # fmt: skip
             self.description = f"{name}: {compiled.description}"
-            if compiled.record is not None:
-                self.description += f"; {compiled.record.compiled_line()}"
+            self.record = compiled.record
         self.fn = training_loss_fn(self.model)
         self.times: list[float] = []
         self.first = 0.0
@@ -84,8 +83,8 @@ def run_one(args: argparse.Namespace, name: str) -> None:
     med = {v.name: statistics.median(v.times) for v in variants}
     print(f"\n{name}: batch {args.batch} x seq {args.seq}, {args.rounds} interleaved rounds after {args.warmup}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
-    for v in variants:
-        print(f"  {v.description}")
+    for v in variants:  # what ran, once it has (the record fills as graphs compile)
+        print(f"  {v.description}" + (f"; {v.record.compiled_line()}" if v.record is not None else ""))
     print(f"{'variant':10s} {'first step':>10s} {'median step':>12s} {'vs eager (95%)':>24s} {'vs inductor (95%)':>24s}")
     by_name = {v.name: v for v in variants}
 

@@ -554,7 +554,15 @@ def _swiglu_backward(g, a, b):
     return g * b * s * (1 + a * (1 - s)), g * a * s
 
 
-@pytest.mark.parametrize("case", ["softmax", "cross_entropy", "swiglu_backward"])
+def _row_select_dropout(a, b, row_flag, seed):
+    """What SDPA's math path and a dropout after it leave in one region: a select fixed per row (rows
+    masked everywhere), the dropout's numbers drawn in the loop, three outputs."""
+    picked = torch.where(row_flag, a, b)
+    keep = torch.ops.accelrun.dropout_uniform(seed, list(a.shape)) >= 0.1
+    return picked, keep, picked * keep * (1 / 0.9)
+
+
+@pytest.mark.parametrize("case", ["softmax", "cross_entropy", "swiglu_backward", "row_select_dropout"])
 def test_every_inner_loop_vectorizes(case, tmp_path):
     """g++ reports each loop it vectorized; a loop it leaves scalar costs ~2x (a one-hot from a 64-bit
     compare converted to float once did: now a select)."""
@@ -563,6 +571,8 @@ def test_every_inner_loop_vectorizes(case, tmp_path):
         "cross_entropy": (_cross_entropy_with_grad, (torch.randn(64, 512), torch.randint(0, 512, (64,)),
                                                      torch.arange(512))),
         "swiglu_backward": (_swiglu_backward, tuple(torch.randn(4, 8, 512) for _ in range(3))),
+        "row_select_dropout": (_row_select_dropout, (torch.randn(64, 512), torch.randn(64, 512),
+                                                     torch.rand(64, 1) > 0.5, torch.tensor(5))),
     }[case]  # fmt: skip
     source = cpp_source(cached_program(region_of(fn, *args)))
     (tmp_path / "k.cpp").write_text(source)
@@ -574,6 +584,20 @@ def test_every_inner_loop_vectorizes(case, tmp_path):
     simd_loops = [i + 2 for i, line in enumerate(lines) if "#pragma omp simd" in line]  # 1-based line of the for
     scalar = [n for n in simd_loops if not vectorized & {n - 1, n, n + 1, n + 2}]
     assert not scalar, [lines[n - 1].strip() + " ... " + lines[n].strip() for n in scalar]
+
+
+def test_a_select_fixed_per_row_picks_bits_exactly_and_dropout_draws_the_reference_numbers(cache):
+    """``acc_pick`` (a select of bits, for a condition fixed per row) gives exactly one operand, NaN and
+    infinities included; the kernel's dropout numbers are fused/dropout.py's reference, bit for bit."""
+    a, b = torch.randn(64, 512), torch.randn(64, 512)
+    a[0, :3], b[1, :3] = torch.tensor([float("nan"), float("inf"), -0.0]), torch.tensor([float("-inf"), -0.0, 1e-40])
+    args = (a, b, torch.rand(64, 1) > 0.5, torch.tensor(2**40 + 17))
+    region = region_of(_row_select_dropout, *args)
+    assert "acc_pick(" in cpp_source(cached_program(region))
+    fn = CppExecutor().compile(region, cache)
+    for got, want in zip(fn(*args), _row_select_dropout(*args), strict=True):
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.bool else got.view(torch.int32),
+                           want.view(torch.uint8) if want.dtype == torch.bool else want.view(torch.int32))
 
 
 def test_softmax_keeps_its_exponentials_in_the_output_row():

@@ -117,6 +117,16 @@ static inline uint16_t f32_to_bf16(float f) {
     return static_cast<uint16_t>(f != f ? 0x7fc0u : rounded);
 }
 static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+// c ? a : b as a select of bits (exactly a or b), both read.
+static inline float acc_pick(bool c, float a, float b) {
+    uint32_t ua, ub;
+    __builtin_memcpy(&ua, &a, 4);
+    __builtin_memcpy(&ub, &b, 4);
+    const uint32_t m = 0u - static_cast<uint32_t>(c), u = (ua & m) | (ub & ~m);
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
 
 // max/min reductions that keep a NaN (OpenMP's built-in max/min need not); still vectorized.
 {omp_reductions}
@@ -203,6 +213,7 @@ class _KernelWriter:
         self.buffers = {b.name: b for b in (*buffers, *kernel.row_buffers)}
         self.in_output = rows_kept_in_outputs(kernel, self.buffers)
         self.ctype_of = {s.name: s.ctype for b in kernel.blocks for s in b.stmts}
+        self.row_invariant = {s.name for b in kernel.blocks if b.level == "outer" for s in b.stmts}
         self.rows = {b.name for b in kernel.row_buffers}
 
     def write(self, rows_too: _KernelWriter | None = None) -> None:
@@ -325,6 +336,11 @@ class _KernelWriter:
             return f"static_cast<{CTYPE[s.ctype]}>({s.args[0]})"
         if s.ctype != "f32" and s.op in INT_OPS:
             return INT_OPS[s.op].format(*s.args)
+        if s.op == "where" and s.ctype == "f32" and s.args[0] in self.row_invariant:
+            # A condition fixed for the row (a fully masked attention row): g++ turns `c ? x : y` of two
+            # loads into a masked load it cannot vectorize beside other work (dropout's numbers); a
+            # select of bits reads both and vectorizes.
+            return f"acc_pick({s.args[0]}, {s.args[1]}, {s.args[2]})"
         return CPP.op(s.op, *s.args)
 
     def _stores(self, block: Block) -> None:
