@@ -62,6 +62,7 @@ from accelrun.models.build import training_loss_fn, transformer_blocks  # noqa: 
 from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
+from bench.rounds import interleaved_rounds  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ONE_DTYPE = "ACCELRUN_BENCH_DTYPE"  # set for the process that runs one dtype of several
@@ -131,14 +132,7 @@ def run(args: argparse.Namespace, dname: str) -> None:
     g = torch.Generator().manual_seed(0)
     batches = [next_token_batch(torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)) for _ in range(4)]
     warm_the_tracer(model, batches[0])
-    for v in variants:  # first step: capture + compile + run (no reset between: it would drop the others')
-        v.first = v.step(batches[0])
-    for _ in range(args.warmup):
-        for v in variants:
-            v.step(batches[1])
-    for r in range(args.rounds):
-        for v in variants:
-            v.times.append(v.step(batches[r % len(batches)]))
+    interleaved_rounds(variants, batches, args.warmup, args.rounds)
     med = {v.name: statistics.median(v.times) for v in variants}
     print(f"\ntransformers LlamaForCausalLM {dname}: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
           f"seq {args.seq}, {args.rounds} interleaved rounds, {torch.get_num_threads()} threads; accelrun: "

@@ -33,6 +33,7 @@ from accelrun.config.schema import CompileConfig, OptimizerConfig  # noqa: E402
 from accelrun.models.build import training_loss_fn, transformer_blocks  # noqa: E402
 from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
+from bench.rounds import interleaved_rounds  # noqa: E402
 from tests.compile.user_models import NanoGPT  # noqa: E402
 
 VOCAB = 320  # nanoGPT's character-level Shakespeare has 65; a byte-level corpus a few hundred
@@ -72,14 +73,7 @@ def run_one(args: argparse.Namespace, name: str) -> None:
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=g) for _ in range(4)]
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids]
-    for v in variants:
-        v.first = v.step(batches[0])
-    for _ in range(args.warmup):
-        for v in variants:
-            v.step(batches[1])
-    for r in range(args.rounds):
-        for v in variants:
-            v.times.append(v.step(batches[r % len(batches)]))
+    interleaved_rounds(variants, batches, args.warmup, args.rounds)
     med = {v.name: statistics.median(v.times) for v in variants}
     print(f"\n{name}: batch {args.batch} x seq {args.seq}, {args.rounds} interleaved rounds after {args.warmup}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
