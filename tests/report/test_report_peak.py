@@ -269,6 +269,15 @@ def test_mfu_from_a_busy_probe_says_it_is_an_upper_bound(load, tmp_path):
     assert "(an upper bound: the peak was measured on a busy machine)" in out.getvalue()
 
 
+def test_the_probe_leaves_torchs_generator_alone(fast_probe):
+    """The probe runs on a machine's first run only (the cache holds the peak after): drawing its matrices
+    from torch's generator shifted that run's dropout masks, so one seed gave two loss curves."""
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    peak_mod._probe(torch.float32)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_the_fp32_probe_times_onednn_beside_torch_mm_and_keeps_the_faster(fast_probe):
     """The compiler's cpu_gemm runs fp32 products through oneDNN where it beats MKL, so the peak is the
     faster of the two (a torch.mm-only peak could read below what the run achieved)."""
