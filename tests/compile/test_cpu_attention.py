@@ -96,6 +96,46 @@ def test_opcheck():
         out, lse = torch.ops.accelrun.cpu_attention_masked(q, k, v, mask, 0.3)
         torch.library.opcheck(torch.ops.accelrun.cpu_attention_masked_backward.default,
                               (grad, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), mask, 0.3))
+    seed = torch.tensor(77)
+    torch.library.opcheck(torch.ops.accelrun.cpu_attention_dropout.default, (q, k, v, seed, 0.3, True, 0.2))
+    out, lse = torch.ops.accelrun.cpu_attention_dropout(q, k, v, seed, 0.3, True, 0.2)
+    torch.library.opcheck(torch.ops.accelrun.cpu_attention_dropout_backward.default,
+                          (grad, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), seed, 0.3, True, 0.2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("B,Hq,Hkv,S,D,p", [(2, 6, 2, 64, 32, 0.1), (1, 4, 4, 37, 16, 0.5), (1, 2, 1, 19, 48, 0.3)])
+def test_dropout_forward_and_backward_match_the_reference(B, Hq, Hkv, S, D, p, causal, dtype):
+    """The kernel with dropout against ``_reference`` (torch ops, fp32, fused/dropout.py's numbers for the
+    same seed): outputs and gradients, so the forward and the backward drew the same mask."""
+    q, k, v = (randn(B, H, S, D, seed=s).to(dtype).requires_grad_() for s, H in ((1, Hq), (2, Hkv), (3, Hkv)))
+    seed, grad = torch.tensor(2**50 + 9), randn(B, Hq, S, D, seed=4).to(dtype)
+    out, _ = torch.ops.accelrun.cpu_attention_dropout(q, k, v, seed, D**-0.5, causal, p)
+    out.backward(grad)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    expected, _ = kernel._reference(*leaves, D**-0.5, causal, int(seed), p)
+    expected.backward(grad.float())
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+    for got, ref in zip((q, k, v), leaves, strict=True):
+        torch.testing.assert_close(got.grad.float(), ref.grad, **TOL[dtype])
+    # Without dropout the reference is SDPA's attention: it is the attention it claims to be.
+    plain, _ = kernel._reference(*leaves, D**-0.5, causal, 0, 0.0)
+    torch.testing.assert_close(plain, reference(q, k, v, D**-0.5, causal)[0], rtol=1e-5, atol=2e-6)
+
+
+def test_dropout_drops_at_rate_p_and_each_call_draws_anew():
+    q = torch.zeros(2, 4, 64, 16)  # every probability 1/64
+    ones = torch.ones(2, 4, 64, 16)  # v of ones: an output row is the kept share of its probabilities / (1 - p)
+    torch.manual_seed(0)
+    outs = [kernel.attention_dropout(q, q, ones, 0.25, False, 0.5) for _ in range(2)]
+    kept = outs[0][..., 0] * 0.5 * 64  # each row's kept count, of 64
+    assert torch.equal(kept, kept.round()) and abs(kept.mean().item() - 32) < 5 * (16 / 512) ** 0.5, kept.mean()
+    assert not torch.equal(outs[0], outs[1])
+    torch.manual_seed(3)
+    first = kernel.attention_dropout(q, q, ones, 0.25, False, 0.5)
+    torch.manual_seed(3)
+    assert torch.equal(kernel.attention_dropout(q, q, ones, 0.25, False, 0.5), first)
 
 
 def test_supports_names_what_it_declines():
@@ -131,6 +171,18 @@ def sdpa_repeated(q, k, v):
 
 def sdpa_gqa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def test_pass_routes_sdpa_with_dropout_to_the_kernel_that_drops():
+    q = randn(2, 4, 32, 16, seed=0).requires_grad_()
+    backend = Fused(["cpu_attention"])
+    fn = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.2, is_causal=True),
+                       backend=backend, fullgraph=True)  # fmt: skip
+    torch.manual_seed(5)
+    out = fn(q)
+    assert backend.counts == {"cpu_attention": 1} and backend.node(kernel.attention_dropout).args[5] == 0.2
+    torch.manual_seed(5)
+    torch.testing.assert_close(out, kernel.attention_dropout(q, q, q, 0.25, True, 0.2), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fn,kv_heads", [(sdpa_causal, 6), (sdpa_repeated, 2), (sdpa_gqa, 2)])
@@ -204,6 +256,21 @@ def test_a_kernel_that_cannot_be_built_leaves_attention_to_aten(tmp_path, monkey
     expected.backward(grad)
     torch.testing.assert_close(out, expected, **TOL[torch.float32])
     assert out.transpose(1, 2).is_contiguous()  # the layout the fake function promised
+    for got, ref in zip((q, k, v), leaves, strict=True):
+        torch.testing.assert_close(got.grad, ref.grad, **TOL[torch.float32])
+    # With dropout the ops compute the reference (the same masks the kernel would draw), in its layout;
+    # its written-out backward against autograd's of the reference.
+    for t in (q, k, v):
+        t.grad = None
+    torch.manual_seed(2)
+    dropped = kernel.attention_dropout(q, k, v, 0.2, True, 0.3)
+    dropped.backward(grad)
+    torch.manual_seed(2)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    expected, _ = kernel._reference(*leaves, 0.2, True, int(torch.randint(0, 2**62, ())), 0.3)
+    expected.backward(grad)
+    torch.testing.assert_close(dropped, expected, **TOL[torch.float32])
+    assert dropped.transpose(1, 2).is_contiguous()
     for got, ref in zip((q, k, v), leaves, strict=True):
         torch.testing.assert_close(got.grad, ref.grad, **TOL[torch.float32])
 
@@ -360,16 +427,17 @@ def test_transformers_falcon_blocks_run_the_kernel_on_the_mask_they_are_given(tm
 
 
 def test_the_report_names_attention_left_to_aten_and_why():
-    """`compile explain` said why (dropout, here); the run's report said nothing (found by a walk)."""
+    """`compile explain` said why (dropout with a mask, here); the run's report said nothing (found by a walk)."""
     from accelrun.compile.backend import AccelrunBackend
     from accelrun.report.markdown import _compiler_section
 
     backend = AccelrunBackend()
     q = randn(2, 4, 16, 32, seed=0).requires_grad_()
-    torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True),
-                  backend=backend)(q).sum().backward()  # fmt: skip
-    assert backend.record.attention_left_to_aten() == {"dropout": 1}
-    assert "- attention left to ATen's kernel (1 call(s) in the graphs): dropout" in _compiler_section(
+    mask = torch.ones(16, 16, dtype=torch.bool).tril()
+    torch.compile(lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m, dropout_p=0.1),
+                  backend=backend)(q, mask).sum().backward()  # fmt: skip
+    assert backend.record.attention_left_to_aten() == {"dropout with a mask": 1}
+    assert "- attention left to ATen's kernel (1 call(s) in the graphs): dropout with a mask" in _compiler_section(
         backend.record.summary())
 
 
@@ -388,12 +456,14 @@ def test_attention_off_the_cpu_is_not_reported_as_left_to_aten():
     ((gm, inputs),) = graphs
     (p,) = resolve_passes(["cpu_attention"])
     assert p.spec.fn(gm, p.options, PassContext("pre_grad", list(inputs))).counts == {"matched": 0}
-    q = torch.empty(2, 4, 16, 32)  # the same call on the CPU with dropout: left, and why
+    q = torch.empty(2, 4, 16, 32)  # the same call on the CPU with dropout and a mask: left, and why
     graphs.clear()
-    torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.1), backend=capture)(q)
+    mask = torch.ones(16, 16, dtype=torch.bool).tril()
+    torch.compile(lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m, dropout_p=0.1),
+                  backend=capture)(q, mask)  # fmt: skip
     ((gm, inputs),) = graphs
     assert p.spec.fn(gm, p.options, PassContext("pre_grad", list(inputs))).counts == {
-        "matched": 0, "left to ATen: dropout": 1}
+        "matched": 0, "left to ATen: dropout with a mask": 1}
 
 
 def meta_llama_attention(q, k, v, keep):

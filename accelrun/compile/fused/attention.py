@@ -24,6 +24,7 @@ import torch
 
 from accelrun.compile.codegen.cpp_build import build_library, find_compiler, load_library
 from accelrun.compile.codegen.exp_poly import EXP_CORE
+from accelrun.compile.fused import dropout
 
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 ELEMENT_TYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}  # the C type of each dtype's storage
@@ -86,7 +87,7 @@ def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
     with _library_lock:  # one build, whichever thread asks first (see build_in_background)
         if dtype not in _built:
             try:
-                source = f"#define ELEM {ELEMENT_TYPES[dtype]}\n{EXP_CORE}" + SOURCE.read_text()
+                source = f"#define ELEM {ELEMENT_TYPES[dtype]}\n{dropout.cpp_defines()}{EXP_CORE}" + SOURCE.read_text()
                 lib = load_library(build_library(source))
             except Exception as e:  # noqa: BLE001 (no compiler after all, g++ refused the source, ...)
                 _built[dtype] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -94,10 +95,10 @@ def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
                               f"({_built[dtype]})", stacklevel=2)  # fmt: skip
                 return None
             i64p, f32p, vp = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_float), ctypes.c_void_p
-            lib.attention_forward.argtypes = [vp, vp, vp, vp, f32p, i64p, i64p, ctypes.c_float, ctypes.c_int,
-                                              ctypes.c_int]  # fmt: skip
-            lib.attention_backward.argtypes = [vp, vp, vp, vp, vp, f32p, vp, vp, vp, i64p, i64p, ctypes.c_float,
-                                               ctypes.c_int, ctypes.c_int]  # fmt: skip
+            # ..., scale, causal, dropout's seed and p (0: none), threads
+            tail = [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+            lib.attention_forward.argtypes = [vp, vp, vp, vp, f32p, i64p, i64p, *tail]
+            lib.attention_backward.argtypes = [vp, vp, vp, vp, vp, f32p, vp, vp, vp, i64p, i64p, *tail]
             _built[dtype] = lib
         built = _built[dtype]
         return built if isinstance(built, ctypes.CDLL) else None
@@ -149,19 +150,20 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return _kernel_forward(q, k, v, scale, causal)
 
 
-def _kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, seed: int = 0,
+                    drop: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     _check(q, k, v)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     out = _bshd_empty(q, q.shape[1])
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     lib = _library(q.dtype)
-    if lib is None:  # no kernel: ATen's flash attention, in the kernel's layout
-        return _aten_forward(q, k, v, scale, causal)
+    if lib is None:  # no kernel: ATen's flash attention (with dropout, the reference), in the kernel's layout
+        return _aten_forward(q, k, v, scale, causal) if drop == 0 else _reference_forward(q, k, v, scale, causal,
+                                                                                          seed, drop)  # fmt: skip
     strides = (ctypes.c_int64 * 9)(*_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v))
     lib.attention_forward(_ptr(q), _ptr(k), _ptr(v), _ptr(out),
                                  ctypes.cast(lse.data_ptr(), ctypes.POINTER(ctypes.c_float)), _shape(q, k), strides,
-                                 scale, int(causal), torch.get_num_threads())  # fmt: skip
+                                 scale, int(causal), seed, drop, torch.get_num_threads())  # fmt: skip
     return out, lse
 
 
@@ -179,7 +181,8 @@ def cpu_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
 
 
 def _kernel_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                     lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     lse: torch.Tensor, scale: float, causal: bool, seed: int = 0, drop: float = 0.0
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     _check(q, k, v)
     if grad_out.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:3]:
         raise ValueError("accelrun::cpu_attention_backward: grad_out, out and lse do not match q's shape")
@@ -189,12 +192,14 @@ def _kernel_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     lse = lse.contiguous()
     dq, dk, dv = _bshd_empty(q, q.shape[1]), _bshd_empty(k, k.shape[1]), _bshd_empty(v, v.shape[1])
     lib = _library(q.dtype)
-    if lib is None:  # no kernel: ATen's flash backward (the forward was ATen's too)
+    if lib is None:  # no kernel: ATen's flash backward, or the reference's (the forward was theirs too)
+        if drop != 0:
+            return _reference_backward(grad_out, q, k, v, scale, causal, seed, drop)
         return _aten_backward(grad_out, q, k, v, out, lse, scale, causal)
     strides = (ctypes.c_int64 * 12)(*_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(grad_out))
     lib.attention_backward(_ptr(grad_out), _ptr(q), _ptr(k), _ptr(v), _ptr(out),
                                   ctypes.cast(lse.data_ptr(), ctypes.POINTER(ctypes.c_float)), _ptr(dq), _ptr(dk),
-                                  _ptr(dv), _shape(q, k), strides, scale, int(causal),
+                                  _ptr(dv), _shape(q, k), strides, scale, int(causal), seed, drop,
                                   torch.get_num_threads())  # fmt: skip
     return dq, dk, dv
 
@@ -251,6 +256,104 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     """softmax(q k^T * scale [causal]) v through the C++ kernel; k and v may hold fewer heads than q
     (grouped-query attention, q's heads in groups of Hq / Hkv)."""
     return torch.ops.accelrun.cpu_attention(q, k, v, scale, causal)[0]
+
+
+# -- attention with dropout on its probabilities ----------------------------------------------------
+# SDPA with dropout_p (nanoGPT trains so) drops probabilities after the softmax. The kernel draws each
+# one's number from (a seed, its index in the [B, Hq, S, S] probabilities) with fused/dropout.py's
+# generator, in the forward and again in the backward, so no mask is stored; the seed is one draw from
+# torch's generator per call. ``_reference`` computes the same attention with torch ops (the library
+# cannot be built: the ops use it; tests compare the kernel with it).
+
+
+def _reference_probabilities(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, seed: int, drop: float
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(softmax probabilities, lse, keep factor: 0 or 1 / (1 - drop)) in fp32, k repeated to q's heads."""
+    B, H, S, _ = q.shape
+    scores = q.float() @ _repeated(k, H).float().transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(~torch.ones(S, S, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    lse = scores.logsumexp(-1)
+    keep = dropout.uniform_reference(torch.tensor(seed, device=q.device), [B, H, S, S]) >= drop
+    return torch.exp(scores - lse[..., None]), lse, keep * (1.0 / (1.0 - drop))
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, seed: int,
+               drop: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out (B, Hq, S, D), lse) in fp32, differentiable in q, k and v."""
+    probs, lse, factor = _reference_probabilities(q, k, scale, causal, seed, drop)
+    return (probs * factor) @ _repeated(v, q.shape[1]).float(), lse
+
+
+def _reference_forward(q, k, v, scale, causal, seed, drop) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _reference(q, k, v, scale, causal, seed, drop)
+    return _bshd_empty(q, q.shape[1]).copy_(out), lse.contiguous()
+
+
+def _reference_backward(grad_out, q, k, v, scale, causal, seed, drop) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of ``_reference`` written out (a custom op's body runs below autograd): dV = P'^T dO,
+    dP = (dO V^T) * factor, dS = P (dP - rowsum(P dP)); P' the dropped probabilities."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    probs, _, factor = _reference_probabilities(q, k, scale, causal, seed, drop)
+    g = grad_out.float()
+    dv = (probs * factor).transpose(-1, -2) @ g
+    dp = (g @ _repeated(v, heads).float().transpose(-1, -2)) * factor
+    ds = probs * (dp - (probs * dp).sum(-1, keepdim=True))
+    dq = ds @ _repeated(k, heads).float() * scale
+    dk = ds.transpose(-1, -2) @ q.float() * scale
+    grouped = (dk, dv) if heads == kv_heads else (t.unflatten(1, (kv_heads, heads // kv_heads)).sum(2) for t in (dk, dv))
+    return tuple(_bshd_empty(t, t.shape[1]).copy_(d) for t, d in zip((q, k, v), (dq, *grouped), strict=True))
+
+
+@torch.library.custom_op("accelrun::cpu_attention_dropout", mutates_args=(), device_types="cpu")
+def cpu_attention_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tensor, scale: float,
+                          causal: bool, p: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out, lse) of ``cpu_attention`` with dropout at rate ``p`` on the probabilities, drawn from ``seed``."""
+    return _kernel_forward(q, k, v, scale, causal, int(seed), p)
+
+
+@cpu_attention_dropout.register_fake
+def _(q, k, v, seed, scale, causal, p):
+    return _bshd_empty(q, q.shape[1]), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("accelrun::cpu_attention_dropout_backward", mutates_args=(), device_types="cpu")
+def cpu_attention_dropout_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   out: torch.Tensor, lse: torch.Tensor, seed: torch.Tensor, scale: float,
+                                   causal: bool, p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dq, dk, dv) of ``cpu_attention_dropout``: the same numbers drawn again from the seed."""
+    return _kernel_backward(grad_out, q, k, v, out, lse, scale, causal, int(seed), p)
+
+
+@cpu_attention_dropout_backward.register_fake
+def _(grad_out, q, k, v, out, lse, seed, scale, causal, p):
+    return _bshd_empty(q, q.shape[1]), _bshd_empty(k, k.shape[1]), _bshd_empty(v, v.shape[1])
+
+
+def _setup_dropout_context(ctx, inputs, output) -> None:
+    q, k, v, seed, scale, causal, p = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, seed)
+    ctx.mark_non_differentiable(lse)
+    ctx.scale, ctx.causal, ctx.p = scale, causal, p
+
+
+def _dropout_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, seed = ctx.saved_tensors
+    dq, dk, dv = torch.ops.accelrun.cpu_attention_dropout_backward(grad_out, q, k, v, out, lse, seed, ctx.scale,
+                                                                   ctx.causal, ctx.p)  # fmt: skip
+    return dq, dk, dv, None, None, None, None
+
+
+cpu_attention_dropout.register_autograd(_dropout_backward, setup_context=_setup_dropout_context)
+
+
+def attention_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, p: float
+                      ) -> torch.Tensor:  # fmt: skip
+    """``attention`` with dropout at rate ``p`` on the probabilities (SDPA's ``dropout_p``), its seed one
+    draw from torch's generator."""
+    seed = torch.randint(0, dropout.SEED_HIGH, (), dtype=torch.int64, device=q.device)
+    return torch.ops.accelrun.cpu_attention_dropout(q, k, v, seed, scale, causal, p)[0]
 
 
 # -- attention given a mask tensor ------------------------------------------------------------------

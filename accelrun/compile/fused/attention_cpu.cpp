@@ -36,6 +36,7 @@ enum { MAX_HEAD_DIM = 256 };
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
 static inline vf load(const float* p) { return *(const vfu*)p; }
 static inline void store(float* p, vf v) { *(vfu*)p = v; }
@@ -77,6 +78,25 @@ template <class T> static inline void widen(float* dst, const T* src, int n) { f
 template <class T> static inline void narrow(T* dst, const float* src, int n) { for (int i = 0; i < n; ++i) from_f32(dst + i, src[i]); }
 
 static inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+// Dropout on the probabilities: lane l's factor is `keep` (1 / (1 - p)) or 0 by the number drawn for
+// element `first + l` of the [B, Hq, S, S] probabilities: compile/fused/dropout.py's generator (whose
+// constants attention.py defines before this source), in vectors, the same numbers lane for lane.
+static inline vu vmix32(vu x) {
+    x ^= x >> ACC_MIX_S0; x *= ACC_MIX_M0; x ^= x >> ACC_MIX_S1; x *= ACC_MIX_M1; x ^= x >> ACC_MIX_S2;
+    return x;
+}
+static inline vf keep_factor(int64_t seed, int64_t first, float p, float keep) {
+    const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)((uint64_t)seed >> 32);
+    const uint32_t lo0 = (uint32_t)first, hi0 = (uint32_t)((uint64_t)first >> 32);
+    const vu lo = (vu)LANES + lo0;
+    const vu hi = (vu){} + hi0 - (vu)(lo < (vu){} + lo0);  // a lane past 2^32 carries into the high half
+    vu x = vmix32(lo ^ k0);
+    x = vmix32(x ^ k1 ^ (hi * ACC_INDEX_HIGH));
+    x = vmix32(x + k0);
+    const vf u = __builtin_convertvector((vi)(x >> ACC_UNIFORM_SHIFT), vf) * ACC_UNIFORM_UNIT;
+    return u >= p ? splat(keep) : splat(0);
+}
 
 // Calls f(std::integral_constant<int, M>{}, r) on blocks of M rows from row r that cover m rows
 // (1 <= m <= MR): one block of MR, or a tail cut into blocks of 4, 2 and 1. The products take the row
@@ -192,7 +212,8 @@ static void pack_head(const T* x, Strides st, int64_t b, int64_t h, const Shape&
 
 template <class T>
 static void forward(const T* q, const T* k, const T* v, T* o, float* lse, Shape sh, Strides sq, Strides sk,
-                    Strides sv, float scale, int causal, int nt) {
+                    Strides sv, float scale, int causal, int64_t seed, float drop, int nt) {
+    const float keep = drop > 0 ? 1.0f / (1.0f - drop) : 1.0f;
     const int64_t G = sh.Hq / sh.Hkv;
     const int S = (int)sh.S, D = (int)sh.D, Sp = round_up(S, 2 * VL);
 #pragma omp parallel num_threads(nt)
@@ -229,6 +250,11 @@ static void forward(const T* q, const T* k, const T* v, T* o, float* lse, Shape 
                             const float total = hsum(sum);
                             inv_sum[i] = 1.0f / total;  // applied to the output row, not to every probability
                             lse[(b * sh.Hq + hq) * S + r0 + i] = rmax + logf(total);
+                            if (drop > 0) {  // after the sum: dropout scales probabilities, not the softmax
+                                const int64_t first = ((b * sh.Hq + hq) * S + r0 + i) * (int64_t)S;
+                                for (int c = 0; c < kp; c += VL)
+                                    store(row + c, load(row + c) * keep_factor(seed, first + c, drop, keep));
+                            }
                         }
                         gemm_nn(m, D, kp, sc, Sp, vp, D, ob, D, 1.0f);
                         for (int i = 0; i < m; ++i) {
@@ -243,7 +269,9 @@ static void forward(const T* q, const T* k, const T* v, T* o, float* lse, Shape 
 
 template <class T>
 static void backward(const T* dout, Strides sdo, const T* q, const T* k, const T* v, const T* o, const float* lse,
-                     T* dq, T* dk, T* dv, Shape sh, Strides sq, Strides sk, Strides sv, float scale, int causal, int nt) {
+                     T* dq, T* dk, T* dv, Shape sh, Strides sq, Strides sk, Strides sv, float scale, int causal,
+                     int64_t seed, float drop, int nt) {
+    const float keep = drop > 0 ? 1.0f / (1.0f - drop) : 1.0f;
     const int64_t G = sh.Hq / sh.Hkv;
     const int S = (int)sh.S, D = (int)sh.D, Sp = round_up(S, 2 * VL);
 #pragma omp parallel num_threads(nt)
@@ -285,12 +313,19 @@ static void backward(const T* dout, Strides sdo, const T* q, const T* k, const T
                             float* dsrow = ds + i * Sp;
                             const int valid = causal ? r0 + i + 1 : S;
                             const float l = lse[(b * sh.Hq + hq) * S + r0 + i];
+                            const int64_t first = ((b * sh.Hq + hq) * S + r0 + i) * (int64_t)S;
                             for (int c = 0; c < kp; c += VL) {
                                 vf p = vexp(load(prow + c) - l);
                                 if (c + VL > valid)  // the vector the diagonal (or the end) crosses
                                     p = LANES + splat_i(c) < splat_i(valid) ? p : splat(0);
-                                store(prow + c, p);
-                                store(dsrow + c, p * (load(dsrow + c) - delta[i]));  // dS = P (dP - delta)
+                                if (drop > 0) {  // dV takes the dropped probabilities, dP the mask too
+                                    const vf f = keep_factor(seed, first + c, drop, keep);
+                                    store(prow + c, p * f);
+                                    store(dsrow + c, p * (load(dsrow + c) * f - delta[i]));
+                                } else {
+                                    store(prow + c, p);
+                                    store(dsrow + c, p * (load(dsrow + c) - delta[i]));  // dS = P (dP - delta)
+                                }
                             }
                         }
                         gemm_tn_acc(m, kn, D, pb, Sp, dob, D, dv_acc, D, 1.0f);
@@ -318,19 +353,21 @@ static void backward(const T* dout, Strides sdo, const T* q, const T* k, const T
 extern "C" int attention_vector_lanes() { return VL; }
 
 extern "C" void attention_forward(const void* q, const void* k, const void* v, void* o, float* lse,
-                                  const int64_t* shape, const int64_t* strides, float scale, int causal, int nt) {
+                                  const int64_t* shape, const int64_t* strides, float scale, int causal,
+                                  int64_t seed, float drop, int nt) {
     const Shape sh{shape[0], shape[1], shape[2], shape[3], shape[4]};
     const Strides sq{strides[0], strides[1], strides[2]}, sk{strides[3], strides[4], strides[5]},
         sv{strides[6], strides[7], strides[8]};
-    forward((const ELEM*)q, (const ELEM*)k, (const ELEM*)v, (ELEM*)o, lse, sh, sq, sk, sv, scale, causal, nt);
+    forward((const ELEM*)q, (const ELEM*)k, (const ELEM*)v, (ELEM*)o, lse, sh, sq, sk, sv, scale, causal, seed, drop, nt);
 }
 
 extern "C" void attention_backward(const void* dout, const void* q, const void* k, const void* v,
                                    const void* o, const float* lse, void* dq, void* dk, void* dv,
-                                   const int64_t* shape, const int64_t* strides, float scale, int causal, int nt) {
+                                   const int64_t* shape, const int64_t* strides, float scale, int causal,
+                                   int64_t seed, float drop, int nt) {
     const Shape sh{shape[0], shape[1], shape[2], shape[3], shape[4]};
     const Strides sq{strides[0], strides[1], strides[2]}, sk{strides[3], strides[4], strides[5]},
         sv{strides[6], strides[7], strides[8]}, sdo{strides[9], strides[10], strides[11]};
     backward((const ELEM*)dout, sdo, (const ELEM*)q, (const ELEM*)k, (const ELEM*)v, (const ELEM*)o, lse,
-             (ELEM*)dq, (ELEM*)dk, (ELEM*)dv, sh, sq, sk, sv, scale, causal, nt);
+             (ELEM*)dq, (ELEM*)dk, (ELEM*)dv, sh, sq, sk, sv, scale, causal, seed, drop, nt);
 }

@@ -67,6 +67,16 @@ def _(seed, size):
     return seed.new_empty(size, dtype=torch.float32)
 
 
+def cpp_defines() -> str:
+    """The generator's constants as C macros, for a kernel that writes its own vector form of it
+    (``attention_cpu.cpp``'s ``keep_factor``)."""
+    (m0, m1), (s0, s1, s2) = MIX_MULTIPLIERS, MIX_SHIFTS
+    return "".join(f"#define {name} {value}\n" for name, value in (
+        ("ACC_MIX_M0", f"0x{m0:X}u"), ("ACC_MIX_M1", f"0x{m1:X}u"), ("ACC_MIX_S0", s0), ("ACC_MIX_S1", s1),
+        ("ACC_MIX_S2", s2), ("ACC_INDEX_HIGH", f"0x{INDEX_HIGH_MULTIPLIER:X}u"),
+        ("ACC_UNIFORM_SHIFT", 32 - UNIFORM_BITS), ("ACC_UNIFORM_UNIT", f"{2.0**-UNIFORM_BITS!r}f")))
+
+
 def cpp_source() -> str:
     """``acc_uniform(seed, index)``: the reference's steps in C++ (uint32_t wraps as ``_mul32`` does)."""
     (m0, m1), (s0, s1, s2) = MIX_MULTIPLIERS, MIX_SHIFTS

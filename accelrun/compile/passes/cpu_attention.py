@@ -1,7 +1,7 @@
 """cpu_attention: ``F.scaled_dot_product_attention`` on the CPU -> accelrun's C++ attention kernel.
 
 Takes calls with no mask tensor (causal or full), or with a boolean causal mask the graph computes from
-numbers alone (``folded_mask_is_causal``: transformers' under torch.compile), no dropout, fp32 or bf16 inputs, equal query and key
+numbers alone (``folded_mask_is_causal``: transformers' under torch.compile), fp32 or bf16 inputs, equal query and key
 lengths and a head_dim the kernel handles (``fused.attention.supports``); any other call keeps ATen's.
 A mask the graph is given as an input (a model that builds it outside its blocks: transformers' Falcon)
 goes to ``cpu_attention_masked``, which sends each call to the kernel when the mask is the causal one and
@@ -9,6 +9,8 @@ to ATen's flash attention with the mask when it is not (``mask_problem`` says wh
 Keys and values repeated to the query heads' count (``x.repeat_interleave(group, dim=1)``, how
 grouped-query attention is usually written) are taken before the repeat: the kernel reads each
 key/value head once for its whole group and the graph no longer saves the repeated copies.
+A call with ``dropout_p`` (and no mask tensor) goes to ``cpu_attention_dropout``: the kernel drops
+probabilities by numbers drawn from (a seed, their index), again in the backward, so no mask is kept.
 """
 
 from __future__ import annotations
@@ -75,8 +77,11 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | str | None:
     args = sdpa_arguments(node)
     if args is None:
         return None
-    if args["dropout_p"] != 0.0:
-        return "dropout"
+    drop = args["dropout_p"]
+    if not isinstance(drop, (int, float)) or not 0.0 <= drop < 1.0:
+        return "a dropout p not fixed when compiling, or of 1"
+    if drop and args["attn_mask"] is not None:
+        return "dropout with a mask"
     q, k, v = args["query"], args["key"], args["value"]
     shapes = [static_shape(t) for t in (q, k, v)]
     if any(s is None for s in shapes) or not isinstance(args["is_causal"], bool):
@@ -112,6 +117,8 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | str | None:
     with gm.graph.inserting_before(node):
         if checked_at_run_time is not None:
             new = gm.graph.call_function(kernel.attention_masked, (q, k, v, checked_at_run_time, scale))
+        elif drop:
+            new = gm.graph.call_function(kernel.attention_dropout, (q, k, v, scale, args["is_causal"], float(drop)))
         else:
             new = gm.graph.call_function(kernel.attention, (q, k, v, scale, args["is_causal"]))
     new.meta.update(node.meta)
