@@ -23,6 +23,7 @@ from accelrun.compile.executors.generated import compiling_after
 from accelrun.compile.fast_calls import runnable
 from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.lower import lower_regions, make_executors
+from accelrun.compile.op_kinds import DRAWS_DROPOUT
 from accelrun.compile.options import CompileOptions
 from accelrun.compile.passes.base import GraphNotes
 from accelrun.compile.pipeline import PassDriver, count_ops, graph_snapshot  # noqa: F401  (graph_snapshot re-exported)
@@ -204,6 +205,7 @@ class AccelrunBackend:
         self.record.graphs.append(GraphRecord(
             name=graph_name, ops=count_ops(gm), collectives=collectives_in(gm),
             left_to_aten=sum(1 for n in gm.graph.nodes if n.op == "call_function" and REGION_KEY not in n.meta),
+            dropout_draws=sum(1 for n in gm.graph.nodes if n.target in DRAWS_DROPOUT),
         ))  # fmt: skip
         if self.serializable:
             from accelrun.compile.output_code import AccelrunOutputCode

@@ -42,6 +42,9 @@ class GraphRecord:
     ops: int  # call_function nodes after the passes
     collectives: dict[str, int]  # functional collectives seen, by op
     left_to_aten: int  # ops outside any region (matmuls, attention, views, ...)
+    # Calls that draw dropout's numbers with accelrun's generator (fused/dropout.py), not ATen's: its
+    # masks are not eager's, so a run's losses part from an eager run's (accelrun compare says why).
+    dropout_draws: int = 0
 
 
 @dataclass
@@ -203,6 +206,7 @@ class CompileRecord:
             "regions_left_to_aten": self.regions_left_to_aten(),
             "attention_left_to_aten": self.attention_left_to_aten(),
             "ops_left_to_aten": sum(g.left_to_aten for g in self.graphs),
+            "dropout_in_kernels": sum(g.dropout_draws for g in self.graphs),
             "fallbacks": [f.line() for f in self.fallbacks],
             "dynamo": dict(self.dynamo),
             "cuda_graphs": self.cuda_graphs.summary(),

@@ -94,6 +94,9 @@ def _compiler_section(c: dict | None) -> list[str]:
     if c.get("passes_fired"):
         fired = ", ".join(f"{k} ({v})" for k, v in c["passes_fired"].items())
         out.append(f"| passes that changed a graph (forward and backward graphs counted apart) | {_cell(fired)} |")
+    if c.get("dropout_in_kernels"):
+        out.append(f"| dropout drawn in accelrun's kernels (its own generator: masks unlike eager's, so losses "
+                   f"part from an eager run's) | {c['dropout_in_kernels']} call(s) in the graphs |")
     if c.get("regions_per_executor"):
         per = ", ".join(f"{k} {v}" for k, v in c["regions_per_executor"].items())
         out.append(f"| fusion regions by executor | {_cell(per)} |")

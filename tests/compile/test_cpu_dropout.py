@@ -165,3 +165,10 @@ def test_a_nanogpt_shaped_model_trains_with_its_dropouts_in_kernels(tmp_path):
     assert len(drawn) == 2 and all(r.executor == "cpp" for r in drawn), [(r.ops, r.executor) for r in drawn]
     matched = [p.counts.get("matched") for p in record.passes if p.name == "cpu_attention"]
     assert matched[-1] == 1, matched
+    # What the report says (accelrun compare names it when curves part from eager's): per block graph,
+    # the two residual dropouts and attention's.
+    assert record.summary()["dropout_in_kernels"] == 3
+    from accelrun.report.markdown import _compiler_section
+
+    assert any("dropout drawn in accelrun's kernels" in line and "| 3 call(s)" in line
+               for line in _compiler_section(record.summary()))  # fmt: skip
