@@ -124,6 +124,21 @@ def test_dropout_forward_and_backward_match_the_reference(B, Hq, Hkv, S, D, p, c
     torch.testing.assert_close(plain, reference(q, k, v, D**-0.5, causal)[0], rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("first", [0, 12345, 2**32 - 16, 2**40 + 3])
+def test_the_kernels_vector_generator_draws_the_references_numbers(first):
+    """``keep_factor`` (GCC vectors) against fused/dropout.py's reference at the same indices, bit for
+    bit, across the 2^32 boundary where a lane carries into the index's high half."""
+    import ctypes
+
+    from accelrun.compile.fused.dropout import uniform_at
+
+    lib, n, seed, p = kernel._library(torch.float32), 64, 2**61 + 77, 0.3
+    got = torch.empty(n)
+    lib.attention_keep_factors(seed, first, n, p, ctypes.cast(got.data_ptr(), ctypes.POINTER(ctypes.c_float)))
+    keep = uniform_at(torch.tensor(seed), torch.arange(first, first + n)) >= p
+    assert torch.equal(got, keep * torch.tensor(1 / (1 - p), dtype=torch.float32))
+
+
 def test_dropout_drops_at_rate_p_and_each_call_draws_anew():
     q = torch.zeros(2, 4, 64, 16)  # every probability 1/64
     ones = torch.ones(2, 4, 64, 16)  # v of ones: an output row is the kept share of its probabilities / (1 - p)

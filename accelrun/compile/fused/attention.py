@@ -99,6 +99,7 @@ def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
             tail = [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
             lib.attention_forward.argtypes = [vp, vp, vp, vp, f32p, i64p, i64p, *tail]
             lib.attention_backward.argtypes = [vp, vp, vp, vp, vp, f32p, vp, vp, vp, i64p, i64p, *tail]
+            lib.attention_keep_factors.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_float, f32p]
             _built[dtype] = lib
         built = _built[dtype]
         return built if isinstance(built, ctypes.CDLL) else None

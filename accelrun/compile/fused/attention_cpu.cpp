@@ -352,6 +352,12 @@ static void backward(const T* dout, Strides sdo, const T* q, const T* k, const T
 // Floats per vector the library was built with (16 on AVX-512, 8 otherwise): tests check it is the CPU's.
 extern "C" int attention_vector_lanes() { return VL; }
 
+// keep_factor's n factors (n a multiple of VL) from element `first` on, for tests against the reference
+// generator (indices past 2^32 included, which no test's attention reaches).
+extern "C" void attention_keep_factors(int64_t seed, int64_t first, int n, float p, float* out) {
+    for (int c = 0; c < n; c += VL) store(out + c, keep_factor(seed, first + c, p, 1.0f / (1.0f - p)));
+}
+
 extern "C" void attention_forward(const void* q, const void* k, const void* v, void* o, float* lse,
                                   const int64_t* shape, const int64_t* strides, float scale, int causal,
                                   int64_t seed, float drop, int nt) {

@@ -41,18 +41,22 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> MIX_SHIFTS[2])
 
 
-def uniform_reference(seed: torch.Tensor, size: list[int]) -> torch.Tensor:
-    """float32 numbers in [0, 1) of shape ``size``, element i (row-major) from (seed, i) alone."""
-    numel = 1
-    for s in size:
-        numel *= s
-    index = torch.arange(numel, dtype=torch.int64, device=seed.device)
+def uniform_at(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """float32 numbers in [0, 1), one for each (non-negative int64) element index, from (seed, index) alone."""
     seed = seed.to(torch.int64)
     k0, k1 = seed & MASK32, (seed >> 32) & MASK32
     x = _mix((index & MASK32) ^ k0)
     x = _mix(x ^ k1 ^ _mul32(index >> 32, INDEX_HIGH_MULTIPLIER))
     x = _mix((x + k0) & MASK32)
-    return ((x >> (32 - UNIFORM_BITS)).to(torch.float32) * 2.0**-UNIFORM_BITS).reshape(size)
+    return (x >> (32 - UNIFORM_BITS)).to(torch.float32) * 2.0**-UNIFORM_BITS
+
+
+def uniform_reference(seed: torch.Tensor, size: list[int]) -> torch.Tensor:
+    """float32 numbers in [0, 1) of shape ``size``, element i (row-major) from (seed, i) alone."""
+    numel = 1
+    for s in size:
+        numel *= s
+    return uniform_at(seed, torch.arange(numel, dtype=torch.int64, device=seed.device)).reshape(size)
 
 
 @torch.library.custom_op("accelrun::dropout_uniform", mutates_args=())
