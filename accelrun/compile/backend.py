@@ -21,9 +21,9 @@ from accelrun.compile.cuda_graphs import graph_facts, with_cuda_graphs
 from accelrun.compile.dump import Dumper
 from accelrun.compile.executors.generated import compiling_after
 from accelrun.compile.fast_calls import runnable
+from accelrun.compile.fused.attention import DRAWS_DROPOUT
 from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.lower import lower_regions, make_executors
-from accelrun.compile.op_kinds import DRAWS_DROPOUT
 from accelrun.compile.options import CompileOptions
 from accelrun.compile.passes.base import GraphNotes
 from accelrun.compile.pipeline import PassDriver, count_ops, graph_snapshot  # noqa: F401  (graph_snapshot re-exported)

@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 import torch
 
-import accelrun.compile.fused.attention  # noqa: F401  (registers accelrun::cpu_attention_dropout)
 import accelrun.compile.fused.dropout  # noqa: F401  (registers accelrun::dropout_uniform)
 
 OpKind = Literal["pointwise", "reduction", "view", "constant", "other"]
@@ -42,8 +41,6 @@ NOT_FUSIBLE = frozenset({
 # Random numbers that are a function of (seed, element index) alone (``fused.dropout``): a region's
 # generated code draws them in its own loop, as it computes any other pointwise op.
 GENERATED_RANDOM = frozenset({torch.ops.accelrun.dropout_uniform.default})
-# The ops that draw dropout's numbers with that generator instead of ATen's (masks unlike eager's).
-DRAWS_DROPOUT = frozenset({*GENERATED_RANDOM, torch.ops.accelrun.cpu_attention_dropout.default})
 
 # ATen tags _to_copy as neither; a dtype-only _to_copy is a cast, which is pointwise.
 _CASTS = frozenset({aten._to_copy.default, prims.convert_element_type.default})

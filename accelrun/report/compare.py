@@ -267,16 +267,11 @@ def _numeric_cause(diff: list[DiffRow], indices: list[int]) -> str:
         " differs" if len(keys) == 1 else " differ")
 
 
-def _draws_dropout_in_kernels(run: RunRecord) -> bool:
-    compiler = (run.report or {}).get("compiler") or {}
-    return bool(compiler.get("dropout_in_kernels") or "cpu_dropout" in (compiler.get("passes_fired") or {}))
-
-
 def _dropout_cause(reference: RunRecord, other: RunRecord) -> str:
     """Of two runs, one drew its dropout masks in accelrun's kernels (its own generator: cpu_dropout,
     attention's kernel) and the other with ATen's: their curves part by their random numbers, not by a
     fault."""
-    drew = [r.label for r in (reference, other) if _draws_dropout_in_kernels(r)]
+    drew = [r.label for r in (reference, other) if ((r.report or {}).get("compiler") or {}).get("dropout_in_kernels")]
     if len(drew) != 1:
         return ""
     return f"expected: {drew[0]} drew its dropout masks in accelrun's kernels, the other with ATen's"

@@ -348,6 +348,11 @@ def _dropout_backward(ctx, grad_out, grad_lse):
 
 cpu_attention_dropout.register_autograd(_dropout_backward, setup_context=_setup_dropout_context)
 
+# The ops that draw dropout's numbers with fused/dropout.py's generator instead of ATen's (masks unlike
+# eager's): the compile record counts them per graph.
+DRAWS_DROPOUT = frozenset({torch.ops.accelrun.dropout_uniform.default,
+                           torch.ops.accelrun.cpu_attention_dropout.default})
+
 
 def attention_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, p: float
                       ) -> torch.Tensor:  # fmt: skip
