@@ -5,9 +5,10 @@ ratio to eager and to Inductor with a paired 95% bootstrap interval; the cold fi
 
 ``nanogpt`` is nanoGPT's model as its README trains it (dropout 0.1); ``nanogpt-p0`` the same without
 dropout, which separates what drawing dropout's masks in kernels (the cpu_dropout pass) gives from
-the rest. Each model runs in a process of its own (compiler caches empty, in a temporary directory).
+the rest. ``moe`` is a top-1 mixture of experts routed by boolean masks (``x[mask]``), whose experts
+see a different number of tokens on every call. Each model runs in a process of its own (compiler caches empty, in a temporary directory).
 
-    python bench/user_models.py                                   # nanogpt, nanogpt-p0
+    python bench/user_models.py                                   # nanogpt, nanogpt-p0, moe
     python bench/user_models.py --models nanogpt --rounds 30 --batch 16 --seq 256
 """
 
@@ -34,12 +35,13 @@ from accelrun.models.build import training_loss_fn, transformer_blocks  # noqa: 
 from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
 from bench.rounds import interleaved_rounds  # noqa: E402
-from tests.compile.user_models import NanoGPT  # noqa: E402
+from tests.compile.user_models import NanoGPT, RoutedMoE  # noqa: E402
 
 VOCAB = 320  # nanoGPT's character-level Shakespeare has 65; a byte-level corpus a few hundred
 MODELS = {
     "nanogpt": lambda: NanoGPT(vocab=VOCAB, dim=128, layers=3, heads=4, dropout=0.1),
     "nanogpt-p0": lambda: NanoGPT(vocab=VOCAB, dim=128, layers=3, heads=4, dropout=0.0),
+    "moe": lambda: RoutedMoE(n_experts=4, vocab=VOCAB, dim=256),
 }
 VARIANTS = ("eager", "inductor", "accelrun")
 

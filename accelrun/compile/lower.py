@@ -101,6 +101,7 @@ class _Fallbacks:
             return
         for row in self._rows(region):
             row.compile_s, row.cache_hit = round(region.lowering.compile_s, 4), region.lowering.cache_hit
+            row.runtime_rows = region.lowering.runtime_rows and row.executor != AtenExecutor.name
         _count_cache_use(self.record, region.lowering.cache_hit)
 
     def _rows(self, region: Region) -> list[RegionRecord]:
@@ -390,6 +391,7 @@ def _note(record: CompileRecord, graph: str, region: Region, pending: bool = Fal
         graph=graph, region=region.id, ops=region.ops, executor=done.executor or AtenExecutor.name,
         declined=dict(done.declined), compile_s=0.0 if pending else round(done.compile_s, 4),
         cache_hit=None if pending else done.cache_hit,
+        runtime_rows=done.runtime_rows and done.executor not in (None, AtenExecutor.name),
     ))  # fmt: skip
     if not pending:
         _count_cache_use(record, done.cache_hit)

@@ -34,6 +34,9 @@ class RegionRecord:
     declined: dict[str, str]  # executor → why it did not take the region
     compile_s: float
     cache_hit: bool | None = None
+    # Its kernels read their row count at each call: a size that changes between calls (a mixture's
+    # tokens per expert) without a graph per size (codegen.runtime_rows).
+    runtime_rows: bool = False
 
 
 @dataclass
@@ -204,6 +207,7 @@ class CompileRecord:
             "passes_fired": self.passes_fired(),
             "regions_per_executor": self.regions_per_executor(),
             "regions_left_to_aten": self.regions_left_to_aten(),
+            "regions_with_runtime_rows": sum(r.runtime_rows for r in self.regions),
             "attention_left_to_aten": self.attention_left_to_aten(),
             "ops_left_to_aten": sum(g.left_to_aten for g in self.graphs),
             "dropout_in_kernels": sum(g.dropout_draws for g in self.graphs),

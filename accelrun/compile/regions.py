@@ -35,6 +35,7 @@ class RegionLowering:
     declined: dict[str, str] = field(default_factory=dict)  # executor name → why it did not take the region
     cache_hit: bool | None = None  # the executor's own cache supplied the compiled code; None: no cache
     sources: dict[str, GeneratedSource] = field(default_factory=dict)  # executor name → its generated source
+    runtime_rows: bool = False  # the compiled kernels read their row count at each call (codegen.runtime_rows)
 
 
 @dataclass
@@ -52,6 +53,8 @@ class Region:
     # the loop IR cannot express the region.
     program: Any = None
     program_error: str | None = None
+    # Why the region's changing size could not be read at each call (codegen.runtime_rows), if tried.
+    runtime_rows_error: str | None = None
 
     @property
     def ops(self) -> list[str]:

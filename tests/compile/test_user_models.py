@@ -571,3 +571,26 @@ def test_a_transformer_encoder_layer_s_causal_attention_unfolds_sequence_first_a
         ref.sum().backward()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_a_mixtures_experts_keep_their_kernels_for_every_number_of_tokens(tmp_path):
+    """Each expert of the routed mixture meets a different number of tokens on every call. Its graph
+    for any number keeps its C++ kernels (the SiLU, its backward, the bias's gradient), which read the
+    number at each call: eager's losses and gradients, and no graph per number (until 2026-12-05 the
+    regions of that graph ran as ATen calls, the expert's step slower than eager's)."""
+    torch.manual_seed(0)
+    model = USER_MODELS["routed_moe"]()
+    reference = copy.deepcopy(model)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    compiled = compile_model(model, None, cfg)
+    _train_side_by_side(model, reference, steps=6)
+    record = compiled.record
+    rows = [r for r in record.regions if r.runtime_rows]
+    assert rows and all(r.executor == "cpp" for r in rows), record.regions
+    assert {r.graph.rsplit(".", 1)[1] for r in rows} == {"forward", "backward"}, rows
+    assert record.dynamo_graphs <= 2, record.compiled_line()  # the first number of tokens, then any
+    assert not record.regions_left_to_aten(), record.regions_left_to_aten()
+    from accelrun.report.markdown import _compiler_section
+
+    assert any("read their row count at each call" in line and f"| {len(rows)} |" in line
+               for line in _compiler_section(record.summary()))  # fmt: skip

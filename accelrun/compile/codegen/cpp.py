@@ -16,6 +16,8 @@ calling them still vectorize; bf16 is widened and rounded with bit shifts.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -146,8 +148,10 @@ PRELUDE = (PRELUDE.replace("{omp_reductions}", _omp_declare("acc_nanmax", "maxim
 
 
 def cpp_source(program: LoopProgram, entry: str = ENTRY, prelude: bool = True) -> str:
-    """C++ source defining ``extern "C" void <entry>(void** bufs, int nthreads)``. Sources made
-    with distinct entries and ``prelude=False`` can follow one ``PRELUDE`` in a single library."""
+    """C++ source defining ``extern "C" void <entry>(void** bufs, int64_t n, int nthreads)``: ``n`` is
+    the call's row count where the program has runtime rows (``codegen.runtime_rows``), unused
+    otherwise. Sources made with distinct entries and ``prelude=False`` can follow one ``PRELUDE`` in
+    a single library."""
     for buf in program.buffers:
         if buf.storage == "f16":
             raise Unsupported("float16 tensors (the cpp generator handles fp32 and bf16)")
@@ -159,19 +163,29 @@ def cpp_source(program: LoopProgram, entry: str = ENTRY, prelude: bool = True) -
     kernels = list(program.kernels)
     while kernels:
         kernel = kernels.pop(0)
-        writer = _KernelWriter(e, kernel, program.buffers, slots, f"{entry}_{kernel.name}")
+        n_axis = _runtime_axis(program, kernel)
+        writer = _KernelWriter(e, kernel, program.buffers, slots, f"{entry}_{kernel.name}", n_axis)
         e.line()
-        if kernels and _one_pass(kernel, kernels[0]):
-            rows = _KernelWriter(e, kernels.pop(0), program.buffers, slots, "")
+        if kernels and _one_pass(kernel, kernels[0]):  # the same row domain: both have runtime rows or neither
+            rows = _KernelWriter(e, kernels.pop(0), program.buffers, slots, "", n_axis)
             writer.write(rows_too=rows)
         else:
             writer.write()
         functions.append(writer.fn_name)
     e.line()
-    with e.block(f'extern "C" void {entry}(void** bufs, int nthreads) {{', "}"):
+    with e.block(f'extern "C" void {entry}(void** bufs, int64_t n, int nthreads) {{', "}"):
         for fn in functions:
-            e.line(f"{fn}(bufs, nthreads);")
+            e.line(f"{fn}(bufs, n, nthreads);")
     return e.source()
+
+
+def _runtime_axis(program: LoopProgram, kernel: Kernel) -> str | None:
+    """Where a kernel's loops meet the call's row count ``n``: its leading row axis ("rows"), its
+    one loop over columns ("cols"), or nowhere (None)."""
+    rows = program.runtime_rows
+    if rows is None:
+        return None
+    return "rows" if kernel.name in rows.kernels else "cols" if kernel.name in rows.flat_kernels else None
 
 
 def _one_pass(cols: Kernel, rows: Kernel) -> bool:
@@ -208,8 +222,9 @@ def _literal(value: Any, ctype: str) -> str:
 
 class _KernelWriter:
     def __init__(self, e: Emitter, kernel: Kernel, buffers: list[Buffer], slots: dict[str, int],
-                 fn_name: str) -> None:
+                 fn_name: str, n_axis: str | None = None) -> None:
         self.e, self.k, self.slots, self.fn_name = e, kernel, slots, fn_name
+        self.n_axis = n_axis  # where the call's row count n sets a loop's length (_runtime_axis)
         self.buffers = {b.name: b for b in (*buffers, *kernel.row_buffers)}
         self.in_output = rows_kept_in_outputs(kernel, self.buffers)
         self.ctype_of = {s.name: s.ctype for b in kernel.blocks for s in b.stmts}
@@ -223,17 +238,19 @@ class _KernelWriter:
         if rows_too is not None:
             used |= rows_too._used_buffers() - rows_too.rows
             self.buffers |= rows_too.buffers
-        with e.block(f"static void {self.fn_name}(void** bufs, int nthreads) {{", "}"):
+        with e.block(f"static void {self.fn_name}(void** bufs, int64_t n, int nthreads) {{", "}"):
             for name in sorted(used, key=self.slots.__getitem__):
                 buf = self.buffers[name]
                 const = "const " if buf.role == "input" else ""
                 e.line(f"{const}{STORAGE[buf.storage]}* __restrict__ {name} = "
                        f"static_cast<{const}{STORAGE[buf.storage]}*>(bufs[{self.slots[name]}]);")
-            e.line(f"const int64_t R = {k.rows}, N = {k.trips};")
-            e.line(f"const int nt = {k.rows * k.cols} >= {PARALLEL_MIN_ELEMENTS} ? nthreads : 1;")
+            rows = f"n * {math.prod(k.row_shape[1:])}" if self.n_axis == "rows" else str(k.rows)
+            trips = f"n * {math.prod(k.col_shape[1:]) // k.unroll}" if self.n_axis == "cols" else str(k.trips)
+            e.line(f"const int64_t R = {rows}, N = {trips};")
+            e.line(f"const int nt = R * N * {k.unroll} >= {PARALLEL_MIN_ELEMENTS} ? nthreads : 1;")
             if k.kind == "cols":
                 self._write_cols(rows_too)
-            elif not k.has_reductions and k.trips > CHUNK // k.unroll:
+            elif not k.has_reductions and (self.n_axis == "cols" or k.trips > CHUNK // k.unroll):
                 self._write_chunked()
             else:
                 self._write_rows()
@@ -255,11 +272,12 @@ class _KernelWriter:
     def _write_chunked(self) -> None:
         e = self.e
         chunk = CHUNK // self.k.unroll
-        chunks = -(-self.k.trips // chunk)
+        chunks = f"(N + {chunk - 1}) / {chunk}" if self.n_axis == "cols" else str(-(-self.k.trips // chunk))
+        e.line(f"const int64_t chunks = {chunks};")
         e.line("#pragma omp parallel for num_threads(nt) schedule(static)")
-        with e.block(f"for (int64_t t = 0; t < R * {chunks}; ++t) {{", "}"):
-            e.line(f"const int64_t r = t / {chunks};")
-            e.line(f"const int64_t c0 = (t % {chunks}) * {chunk};")
+        with e.block("for (int64_t t = 0; t < R * chunks; ++t) {", "}"):
+            e.line("const int64_t r = t / chunks;")
+            e.line(f"const int64_t c0 = (t % chunks) * {chunk};")
             e.line(f"const int64_t c1 = acc_min_i64(c0 + {chunk}, N);")
             for block in self.k.blocks:
                 self._block(block, "c0", "c1")
@@ -406,7 +424,7 @@ class CppRegion:
         self.program = program
         self.library, self.entry = lib._name, entry
         self.fn = getattr(lib, entry)
-        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         self.fn.restype = None
         self.inputs = program.of_role("input")
         self.outputs = program.of_role("output")
@@ -424,7 +442,7 @@ class CppRegion:
         if self._guard is None or not self._guard.check(*args):
             return self._checked_call(args)
         made = [_empty_strided(shape, stride, dtype) for shape, stride, dtype in self._allocs]
-        self.fn(self._ptrs(*[t.data_ptr() for t in args], *[t.data_ptr() for t in made]), torch.get_num_threads())
+        self.fn(self._ptrs(*[t.data_ptr() for t in args], *[t.data_ptr() for t in made]), 0, torch.get_num_threads())
         return tuple(made[: self._n_out])
 
     def _checked_call(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -436,17 +454,50 @@ class CppRegion:
             self._guard = _input_guard(args)
         # Outputs take the strides the kernel writes (those eager gave the node: loop_ir.output_strides).
         made = [_empty_strided(shape, stride, dtype) for shape, stride, dtype in self._allocs]
-        self.fn(self._ptrs(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in made]), torch.get_num_threads())
+        self.fn(self._ptrs(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in made]), 0, torch.get_num_threads())
         return tuple(made[: self._n_out])
 
     def __reduce__(self) -> tuple:
-        return saved_region(self.library, self.entry, self.program.buffers)
+        return saved_region(self.library, self.entry, self.program)
 
 
-def saved_region(library: str, entry: str, buffers: list[Buffer]) -> tuple:
+class CppRowsRegion(CppRegion):
+    """A region whose leading size changes between calls (``codegen.runtime_rows``): each call reads
+    the row count from one input, checks the others against it, allocates its outputs with as many
+    rows and passes the count to the kernels. Per-input checks in Python: such graphs are a mixture's
+    experts, not the hot path the static region's C++ guard serves."""
+
+    def __init__(self, program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> None:
+        super().__init__(program, lib, entry)
+        rows = program.runtime_rows
+        self._source = next(i for i, b in enumerate(self.inputs) if b.name == rows.input)
+        self._dynamic_in = [b.name in rows.buffers for b in self.inputs]
+        self._dynamic_alloc = [b.name in rows.buffers for b in (*self.outputs, *self.temps)]
+
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if len(args) != len(self.inputs):
+            raise TypeError(f"compiled region takes {len(self.inputs)} inputs, got {len(args)}")
+        n = args[self._source].shape[0]
+        ins = []
+        for t, buf, dynamic in zip(args, self.inputs, self._dynamic_in, strict=True):
+            if dynamic:
+                buf = dataclasses.replace(buf, shape=(n, *buf.shape[1:]))
+            ins.append(t if _as_expected(t, (buf.dtype, torch.Size(buf.shape), _long_axes(buf))) else _conform(t, buf))
+        made = [_empty_strided((n, *shape[1:]) if dynamic else shape, stride, dtype)
+                for (shape, stride, dtype), dynamic in zip(self._allocs, self._dynamic_alloc, strict=True)]  # fmt: skip
+        self.fn(self._ptrs(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in made]), n, torch.get_num_threads())
+        return tuple(made[: self._n_out])
+
+
+def cpp_region(program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> CppRegion:
+    """The callable for a compiled program: fixed sizes, or rows read at each call."""
+    return (CppRegion if program.runtime_rows is None else CppRowsRegion)(program, lib, entry)
+
+
+def saved_region(library: str, entry: str, program: LoopProgram) -> tuple:
     """How a compiled region pickles (the graph cache): the library is found again by its path; running
-    it needs the buffers' layout only, not the kernels' IR."""
-    return (_restore_region, (library, entry, buffers))
+    it needs the buffers' layout (and which have runtime rows) only, not the kernels' IR."""
+    return (_restore_region, (library, entry, program.buffers, program.runtime_rows))
 
 
 def _input_guard(args: tuple[torch.Tensor, ...]) -> Any:
@@ -472,10 +523,10 @@ def _empty_strided_py(shape: tuple[int, ...], stride: tuple[int, ...], dtype: to
 _empty_strided = empty_strided_cpu or _empty_strided_py
 
 
-def _restore_region(library: str, entry: str, buffers: list[Buffer]) -> CppRegion:
+def _restore_region(library: str, entry: str, buffers: list[Buffer], runtime_rows: Any = None) -> CppRegion:
     if not Path(library).exists():
         raise FileNotFoundError(f"compiled region {library} is no longer in the cache")
-    return CppRegion(LoopProgram(buffers, []), load_library(Path(library)), entry)
+    return cpp_region(LoopProgram(buffers, [], runtime_rows), load_library(Path(library)), entry)
 
 
 def _long_axes(buf: Buffer) -> list[tuple[int, int]]:

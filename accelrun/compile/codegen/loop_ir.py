@@ -148,16 +148,22 @@ class Kernel:
 class LoopProgram:
     buffers: list[Buffer]
     kernels: list[Kernel]
+    # Set where the leading size of some buffers and kernels is read at each call (a size that changes
+    # between calls; ``codegen.runtime_rows.RuntimeRows``): their shapes here hold a made-up count.
+    runtime_rows: Any = None
 
     def of_role(self, role: str) -> list[Buffer]:
         return [b for b in self.buffers if b.role == role]
 
     def describe(self) -> str:
-        lines = [f"buffer {b.name}: {b.role} {b.storage}{list(b.shape)} stride {list(b.stride)}"
+        lines = [f"buffer {b.name}: {b.role} {b.storage}{self._shown(b.name, b.shape)} stride {list(b.stride)}"
                  for b in self.buffers]
+        if self.runtime_rows is not None:
+            lines.insert(0, f"n = {self.runtime_rows.input}.size(0) at each call ({self.runtime_rows.symbol})")
         for k in self.kernels:
             unroll = f", {k.unroll} columns per step" if k.unroll > 1 else ""
-            lines.append(f"kernel {k.name} ({k.kind}): rows {list(k.row_shape)} x cols {list(k.col_shape)}{unroll}")
+            lines.append(f"kernel {k.name} ({k.kind}): rows {self._shown(k.name, k.row_shape)} x cols "
+                         f"{list(k.col_shape)}{unroll}")
             lines += [f"  scratch {b.name}: {b.storage}[{b.shape[0]}] per row" for b in k.row_buffers]
             for b in k.blocks:
                 pad = "    " if b.level == "inner" else "  "
@@ -166,6 +172,12 @@ class LoopProgram:
                 lines += [f"{pad}{x.name} {x.op}= {x.value}" for x in b.reductions]
                 lines += [f"{pad}{s.buffer}[{s.index}] = {s.value}" for s in b.stores]
         return "\n".join(lines)
+
+    def _shown(self, name: str, shape: tuple[int, ...]) -> str:
+        rows = self.runtime_rows
+        if rows is None or (name not in rows.buffers and name not in rows.kernels):
+            return str(list(shape))
+        return "[" + ", ".join(["n", *map(str, shape[1:])]) + "]"
 
 
 def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:

@@ -6,7 +6,7 @@ trailing axes, fp32/bf16); compiles it with g++ once and reuses the library from
 
 from __future__ import annotations
 
-from accelrun.compile.codegen.cpp import ENTRY, PRELUDE, CppRegion, cpp_source, saved_region
+from accelrun.compile.codegen.cpp import ENTRY, PRELUDE, cpp_region, cpp_source, saved_region
 from accelrun.compile.codegen.cpp_build import build_library, find_compiler, library_path, load_library
 from accelrun.compile.codegen.loop_ir import cached_program
 from accelrun.compile.executors.base import RegionFn, register_executor
@@ -23,6 +23,7 @@ class CppExecutor(GeneratedCodeExecutor):
     batch_compile = True
     device_type = "cpu"
     source_ext = "cpp"
+    runtime_rows = True
 
     def unavailable_reason(self) -> str | None:
         if find_compiler() is None:
@@ -33,7 +34,7 @@ class CppExecutor(GeneratedCodeExecutor):
         source = self.source(region)
         region.lowering.cache_hit = library_path(source, cache_dir).exists()
         lib = load_library(build_library(source, cache_dir, needed_later=_needed_later([region])))
-        return CppRegion(cached_program(region), lib)
+        return self._callable(region, lib, ENTRY)
 
     def compile_batch(self, regions: list[Region], cache_dir: str | None) -> list[RegionFn]:
         source, entries = self._batch(regions)
@@ -41,13 +42,19 @@ class CppExecutor(GeneratedCodeExecutor):
         lib = load_library(build_library(source, cache_dir, needed_later=_needed_later(regions)))
         for region in regions:
             region.lowering.cache_hit = hit
-        return [CppRegion(cached_program(r), lib, entry) for r, entry in zip(regions, entries, strict=True)]
+        return [self._callable(r, lib, entry) for r, entry in zip(regions, entries, strict=True)]
+
+    @staticmethod
+    def _callable(region: Region, lib, entry: str) -> RegionFn:
+        program = cached_program(region)
+        region.lowering.runtime_rows = program.runtime_rows is not None
+        return cpp_region(program, lib, entry)
 
     def saved_forms(self, regions: list[Region], cache_dir: str | None) -> list[tuple]:
         # The library's path is the hash of its source: known before g++ has run.
         source, entries = self._batch(regions)
         library = str(library_path(source, cache_dir))
-        return [saved_region(library, entry, cached_program(r).buffers)
+        return [saved_region(library, entry, cached_program(r))
                 for r, entry in zip(regions, entries, strict=True)]  # fmt: skip
 
     def _batch(self, regions: list[Region]) -> tuple[str, list[str]]:

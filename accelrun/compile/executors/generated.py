@@ -10,6 +10,7 @@ from contextvars import ContextVar
 from typing import Any, ClassVar
 
 from accelrun.compile.codegen.loop_ir import Unsupported, cached_program
+from accelrun.compile.codegen.runtime_rows import lower_with_runtime_rows
 from accelrun.compile.executors.base import Executor
 from accelrun.compile.regions import GeneratedSource, Region
 
@@ -36,18 +37,17 @@ def data_dependent_sizes(region: Region) -> bool:
     return any(free_unbacked_symbols(n) for n in _region_sizes(region) if not isinstance(n, int))
 
 
-# The generated kernels are written for fixed sizes: a symbolic size is read as a number, and Dynamo
-# then guards on that value. That is right for a size that changed once (a last, shorter batch; an
-# evaluation's batch) or that Dynamo made symbolic from an earlier model or profile: the graph stays as
-# fast as before. For a size that changes on every call (a mixture of experts' tokens per expert) it
-# compiled the graph again for every size, and past Dynamo's recompile limit the calls ran eagerly.
-# So once a function has compiled this often in the run, its symbolic sizes stay symbols and their
-# regions stay in ATen.
+# A symbolic size that is only ever the rows a kernel loops over is read at each call (C++ kernels,
+# codegen.runtime_rows): no guard, one graph for every size. Otherwise the generated kernels are
+# written for fixed sizes: a symbolic size is read as a number, and Dynamo then guards on that value.
+# That is right for a size that changed once (a last, shorter batch; an evaluation's batch) or that
+# Dynamo made symbolic from an earlier model or profile: the graph stays as fast as before. For a size
+# that changes on every call (a mixture of experts' tokens per expert) it compiled the graph again for
+# every size, and past Dynamo's recompile limit the calls ran eagerly. So once a function has compiled
+# this often in the run, its symbolic sizes stay symbols and such regions stay in ATen.
 SPECIALIZING_COMPILES = 2
-SYMBOLIC_SIZES = ("sizes that kept changing between calls (dynamic shapes): kernels are generated for fixed "
-                  "sizes")  # fmt: skip
-DATA_DEPENDENT_SIZES = ("sizes that depend on the data (the rows a mask or a router picks): kernels are generated "
-                        "for fixed sizes")  # fmt: skip
+SYMBOLIC_SIZES = "sizes that kept changing between calls (dynamic shapes)"
+DATA_DEPENDENT_SIZES = "sizes that depend on the data (the rows a mask or a router picks)"
 # How many graphs of the function being compiled this run compiled before (the backend sets it for
 # Dynamo's frames, the graph cache for its methods); None: no compile that could guard is under way
 # (a graph lowered again from the graph cache), where a symbolic size is never read as a number.
@@ -63,6 +63,19 @@ def compiling_after(count: int):
         earlier_compiles.reset(token)
 
 
+def with_runtime_rows(region: Region) -> bool:
+    """Whether the region's program reads its row count at each call: lowered so, once, on the region
+    (``region.program``), where the changing size is only ever the rows its kernels loop over. Such a
+    program needs no guard on the size, so it is tried before a size is read as a number. Where it
+    does not apply, why is kept beside the reason the region then gets (``runtime_rows_error``)."""
+    if region.program is None and region.program_error is None and region.runtime_rows_error is None:
+        try:
+            region.program = lower_with_runtime_rows(region)
+        except Unsupported as e:
+            region.runtime_rows_error = str(e)
+    return region.program is not None and region.program.runtime_rows is not None
+
+
 def sizes_keep_changing() -> bool:
     count = earlier_compiles.get()
     return count is None or count >= SPECIALIZING_COMPILES
@@ -71,6 +84,8 @@ def sizes_keep_changing() -> bool:
 class GeneratedCodeExecutor(Executor):
     device_type: ClassVar[str]  # where the generated kernels run: "cpu" or "cuda"
     source_ext: ClassVar[str]  # file extension of the source in the explain dump
+    # Whether its kernels can read their row count at each call (codegen.runtime_rows).
+    runtime_rows: ClassVar[bool] = False
 
     @abstractmethod
     def generate(self, program: Any) -> str:
@@ -84,18 +99,25 @@ class GeneratedCodeExecutor(Executor):
         foreign = device_types(region) - {self.device_type}
         if foreign and not self.runs_anywhere():
             return f"tensors on {', '.join(sorted(foreign))}: {self.name} kernels run on {self.device_type} tensors"
-        if symbolic_sizes(region):
+        if symbolic_sizes(region) and not (self.runtime_rows and with_runtime_rows(region)):
             if data_dependent_sizes(region):  # reading one as a number raised "could not guard on data-dependent"
-                return DATA_DEPENDENT_SIZES
+                return f"{DATA_DEPENDENT_SIZES}: {self._fixed_sizes_reason(region)}"
             if sizes_keep_changing():
-                return SYMBOLIC_SIZES
+                return f"{SYMBOLIC_SIZES}: {self._fixed_sizes_reason(region)}"
         try:
             self.source(region)
         except Unsupported as e:
             return str(e)
         return None
 
+    def _fixed_sizes_reason(self, region: Region) -> str:
+        if self.runtime_rows and region.runtime_rows_error is not None:
+            return region.runtime_rows_error
+        return f"{self.name} kernels are generated for fixed sizes"
+
     def source(self, region: Region) -> str:
+        if region.program is not None and region.program.runtime_rows is not None and not self.runtime_rows:
+            raise Unsupported(f"{SYMBOLIC_SIZES}: {self._fixed_sizes_reason(region)}")
         sources = region.lowering.sources
         if self.name not in sources:
             sources[self.name] = GeneratedSource(self.generate(cached_program(region)), self.source_ext)

@@ -1,0 +1,149 @@
+"""Kernels whose number of rows is read at each call: for sizes that change between calls.
+
+A mixture of experts' expert meets a different number of tokens on every call. Dynamo then traces its
+graph with that dimension as a symbol (``s0``, or ``u0`` where a mask picked the rows), and kernels
+written for fixed sizes could only read the symbol as a number, which makes Dynamo compile the graph
+again for every size; past a few compiles such regions stayed unfused ATen calls (the decomposed
+SiLU of an expert's backward: slower than eager's own kernel).
+
+Most such regions use the symbol in one place: the leading size of their tensors, the rows a kernel
+loops over. Such a region is lowered twice, with two made-up row counts. When the two programs are
+the same but for those counts, nothing in any row's code depends on the count, and the program holds
+for every count: the C++ kernel loops over as many rows as its first such input has at that call.
+Anything else (the symbol in a stride, past the leading axis, in an index or a constant, or more than
+one symbol) raises ``Unsupported`` with the reason, and the region keeps the fixed-size rules.
+
+    program = lower_with_runtime_rows(region)    # program.runtime_rows names what has n rows
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+
+from accelrun.compile.codegen.loop_ir import Buffer, Kernel, LoopProgram, Unsupported, lower_graph
+
+# Two made-up row counts: one a prime, one with many small factors, so that no simplification that
+# depends on the count's divisibility can hold for both by chance. Neither is a size seen in models.
+PROBES = (8191, 12288)
+ROWS = -1  # marks "the runtime count" where the two programs are compared
+
+
+@dataclass(frozen=True)
+class RuntimeRows:
+    """What of a program has the call's row count ``n`` as its leading size."""
+
+    symbol: str  # Dynamo's name for it, for the explain dump
+    input: str  # the input buffer the count is read from (its axis 0)
+    buffers: frozenset[str]  # buffers whose axis 0 has n entries (inputs, outputs, temporaries)
+    kernels: frozenset[str]  # kernels whose leading row axis has n entries
+    # Kernels without rows whose one loop runs over n times the rest of its columns (a pointwise kernel
+    # over a tensor with short rows, flattened; a sum of everything).
+    flat_kernels: frozenset[str] = frozenset()
+
+
+def symbolic(n: Any) -> bool:
+    return not isinstance(n, int)
+
+
+def lower_with_runtime_rows(region: Any) -> LoopProgram:
+    """The region's loop program for any number of rows (raises ``Unsupported`` with the reason)."""
+    symbol = row_symbol(region)
+    first, second = (lower_graph(*_with_rows(region, symbol, n)) for n in PROBES)
+    if _marked(first, PROBES[0]) != _marked(second, PROBES[1]):
+        raise Unsupported(f"the changing size {symbol} is used past the rows a kernel loops over (in an index, "
+                          "a constant or a column count)")  # fmt: skip
+    buffers = frozenset(b.name for b in first.buffers if b.shape[:1] == (PROBES[0],))
+    kernels = frozenset(k.name for k in first.kernels if k.row_shape[:1] == (PROBES[0],))
+    flat = frozenset(k.name for k in first.kernels if _flat(k, PROBES[0]))
+    source = next((b.name for b in first.of_role("input") if b.name in buffers), None)
+    if source is None:
+        raise Unsupported(f"no input has the changing size {symbol} as its rows, to read it from")
+    for k in first.kernels:
+        across = k.name in flat or (k.name in kernels and k.kind == "cols")  # reductions over the n rows
+        if across and any(r.op != "sum" for b in k.blocks for r in b.reductions):
+            raise Unsupported(f"a max or min over {symbol} rows, which may be none")
+        if k.name in flat and (math.prod(k.col_shape[1:]) % k.unroll or k.row_buffers):
+            raise Unsupported(f"a loop over {symbol} rows in steps of {k.unroll} columns, or with a scratch row")
+    return dataclasses.replace(first, runtime_rows=RuntimeRows(str(symbol), source, buffers, kernels, flat))
+
+
+def row_symbol(region: Any) -> sympy.Symbol:
+    """The one symbol of the region's sizes, when it is only ever the leading size of a tensor."""
+    found: set[sympy.Symbol] = set()
+    for val in _tensors(region):
+        for d, n in enumerate(val.shape):
+            if not symbolic(n):
+                continue
+            expr = n.node.expr
+            if d != 0 or not isinstance(expr, sympy.Symbol):
+                raise Unsupported(f"a changing size {expr} past a tensor's leading axis ({list(val.shape)})")
+            found.add(expr)
+        if any(symbolic(s) for s in val.stride()):
+            raise Unsupported(f"a changing stride {list(val.stride())} (a transposed tensor of changing size)")
+    if len(found) != 1:
+        raise Unsupported(f"{len(found)} changing sizes ({', '.join(sorted(map(str, found)))}); kernels read one")
+    return found.pop()
+
+
+def _tensors(region: Any) -> list[torch.Tensor]:
+    vals = [*region.input_meta, *region.output_meta]
+    for node in region.gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, (tuple, list)):
+            vals += list(val)
+        elif val is not None:
+            vals.append(val)
+    for val in vals:
+        if not isinstance(val, torch.Tensor):
+            raise Unsupported(f"a value of the region is not a tensor ({type(val).__name__})")
+    return vals
+
+
+def _with_rows(region: Any, symbol: sympy.Symbol, n: int) -> tuple[fx.GraphModule, list, list]:
+    """A copy of the region's graph, inputs and outputs whose tensors have ``n`` rows (fake tensors:
+    nothing is allocated)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+
+    def concrete(val: torch.Tensor) -> torch.Tensor:
+        shape = [int(s.node.expr.xreplace({symbol: n})) if symbolic(s) else s for s in val.shape]
+        with mode:
+            return torch.empty_strided(shape, tuple(val.stride()), dtype=val.dtype, device=val.device)
+
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(region.gm.graph, {}))
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            node.meta = {**node.meta, "val": concrete(val)}
+        elif isinstance(val, (tuple, list)):  # an op with several outputs
+            node.meta = {**node.meta, "val": type(val)(concrete(v) for v in val)}
+    gm = fx.GraphModule(region.gm, graph)
+    return gm, [concrete(m) for m in region.input_meta], [concrete(m) for m in region.output_meta]
+
+
+def _flat(k: Kernel, n: int) -> bool:
+    return k.kind == "rows" and k.row_shape == () and k.col_shape[:1] == (n,)
+
+
+def _marked(program: LoopProgram, n: int) -> LoopProgram:
+    """``program`` with each leading size ``n`` written as ``ROWS``: equal for two counts when nothing
+    else depends on them."""
+
+    def buffer(b: Buffer) -> Buffer:
+        return dataclasses.replace(b, shape=(ROWS, *b.shape[1:])) if b.shape[:1] == (n,) else b
+
+    def kernel(k: Kernel) -> Kernel:
+        if _flat(k, n):
+            return dataclasses.replace(k, col_shape=(ROWS, *k.col_shape[1:]))
+        return dataclasses.replace(k, row_shape=(ROWS, *k.row_shape[1:])) if k.row_shape[:1] == (n,) else k
+
+    return LoopProgram([buffer(b) for b in program.buffers], [kernel(k) for k in program.kernels])

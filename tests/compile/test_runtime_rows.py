@@ -1,0 +1,119 @@
+"""C++ kernels whose number of rows is read at each call (codegen/runtime_rows.py): a region traced
+with a symbolic leading size, lowered once, run for many sizes against eager's results; the cases it
+must refuse, each with its reason; the compiled form through a pickle (the graph cache)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+from accelrun.compile.codegen.cpp import CppRowsRegion, cpp_region, cpp_source
+from accelrun.compile.codegen.cpp_build import build_library, load_library
+from accelrun.compile.codegen.loop_ir import Unsupported
+from accelrun.compile.codegen.runtime_rows import lower_with_runtime_rows
+from accelrun.compile.regions import Region
+
+
+def _region(fn, *tensors: torch.Tensor, dynamic=(0,)) -> Region:
+    """``fn`` traced on fake tensors whose axes in ``dynamic`` are symbols, as Dynamo leaves a size it
+    saw change between calls; equal sizes share a symbol."""
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        sizes = [DimDynamic.DYNAMIC if d in dynamic else DimDynamic.STATIC for d in range(t.dim())]
+        return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+
+    fakes = [fake(t) for t in tensors]
+    with mode:
+        gm = make_fx(fn)(*fakes)
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    outputs = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    return Region(0, gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"],
+                  [n.meta["val"] for n in outputs])  # fmt: skip
+
+
+def _compiled(region: Region, tmp_path) -> CppRowsRegion:
+    program = lower_with_runtime_rows(region)
+    fn = cpp_region(program, load_library(build_library(cpp_source(program), str(tmp_path))))
+    assert isinstance(fn, CppRowsRegion)
+    return fn
+
+
+def silu_backward(x, g):
+    s = torch.sigmoid(x)
+    y = g * s * (1 + x * (1 - s))
+    return y, y.sum(0, keepdim=True)
+
+
+def test_silu_backward_and_the_bias_gradient_for_any_number_of_rows(tmp_path):
+    """An expert's SiLU backward and its bias's gradient (a sum over the rows): one kernel pair, run
+    for row counts it was not lowered for, 1 and a count with no thread's share even among them."""
+    region = _region(silu_backward, torch.randn(40, 48), torch.randn(40, 48))
+    program = lower_with_runtime_rows(region)
+    rows = program.runtime_rows
+    assert rows.input == "in0" and rows.buffers == {"in0", "in1", "out0"}, rows
+    assert {k.kind for k in program.kernels if k.name in rows.kernels} == {"rows", "cols"}
+    assert "n = in0.size(0) at each call" in program.describe() and "[n, 48]" in program.describe()
+    assert "const int64_t R = n * 1" in cpp_source(program)
+    fn = _compiled(region, tmp_path)
+    for n in (1, 2, 7, 40, 333, 4099):
+        x, g = torch.randn(n, 48), torch.randn(n, 48)
+        got, want = fn(x, g), silu_backward(x.double(), g.double())
+        assert got[0].shape == (n, 48) and got[1].shape == (1, 48)
+        torch.testing.assert_close(got[0], want[0].float(), rtol=1e-5, atol=1e-5)
+        # a sum of n rows, against float64's: within 1e-5 of the size of what was summed
+        scale = want[0].abs().sum(0, keepdim=True)
+        assert ((got[1].double() - want[1]).abs() <= 1e-5 * scale + 1e-6).all(), n
+
+
+def test_short_rows_run_as_one_flat_loop_over_n_times_their_length(tmp_path):
+    """Rows of 8 are too short an inner loop: the kernel loops over all n·8 elements, in chunks whose
+    number it works out at each call (no rows, a few, more than one thread's chunk)."""
+
+    def fn(x):
+        return torch.tanh(x) * 2 + 1
+
+    region = _region(fn, torch.randn(32, 8))
+    program = lower_with_runtime_rows(region)
+    assert program.runtime_rows.flat_kernels == {program.kernels[0].name}
+    fn_c = _compiled(region, tmp_path)
+    for n in (0, 1, 5, 32, 4096):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(fn_c(x)[0], fn(x), rtol=1e-5, atol=1e-6)
+
+
+def test_an_input_laid_out_otherwise_is_copied_to_the_kernels_layout(tmp_path):
+    region = _region(silu_backward, torch.randn(40, 48), torch.randn(40, 48))
+    fn = _compiled(region, tmp_path)
+    x, g = torch.randn(48, 9).t(), torch.randn(9, 48)
+    for a, b in zip(fn(x, g), silu_backward(x, g), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_form_pickles_with_its_runtime_rows(tmp_path):
+    """The graph cache saves a compiled region by its library and buffers: loaded again, it still
+    reads the row count at each call."""
+    region = _region(silu_backward, torch.randn(40, 48), torch.randn(40, 48))
+    loaded = pickle.loads(pickle.dumps(_compiled(region, tmp_path)))
+    assert isinstance(loaded, CppRowsRegion)
+    x, g = torch.randn(77, 48), torch.randn(77, 48)
+    torch.testing.assert_close(loaded(x, g)[0], silu_backward(x, g)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("fn", "shapes", "dynamic", "reason"), [
+    (lambda x: (x.t() * 2).sin(), [(40, 8)], (0,), "past a tensor's leading axis"),
+    (lambda x, y: (x * 2, y * 3), [(40, 8), (52, 8)], (0,), "2 changing sizes"),
+    (lambda x: x.amax(0, keepdim=True) + 1, [(40, 8)], (0,), "a max or min over"),
+    (lambda x: x - x.mean(0, keepdim=True), [(40, 64)], (0,), "used past the rows a kernel loops over"),
+])  # fmt: skip
+def test_what_depends_on_the_changing_size_otherwise_is_refused_with_its_reason(fn, shapes, dynamic, reason):
+    """A transposed tensor (the size becomes a stride), two changing sizes, a max over rows that may be
+    none, a mean over the rows (the count becomes a constant, 1/n): each refused, the reason said."""
+    region = _region(fn, *[torch.randn(s) for s in shapes], dynamic=dynamic)
+    with pytest.raises(Unsupported, match=reason):
+        lower_with_runtime_rows(region)
