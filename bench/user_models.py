@@ -6,9 +6,13 @@ ratio to eager and to Inductor with a paired 95% bootstrap interval; the cold fi
 ``nanogpt`` is nanoGPT's model as its README trains it (dropout 0.1); ``nanogpt-p0`` the same without
 dropout, which separates what drawing dropout's masks in kernels (the cpu_dropout pass) gives from
 the rest. ``moe`` is a top-1 mixture of experts routed by boolean masks (``x[mask]``), whose experts
-see a different number of tokens on every call. Each model runs in a process of its own (compiler caches empty, in a temporary directory).
+see a different number of tokens on every call; ``moe-indexed`` the same routed by indices
+(``torch.where``, ``index_add``), traced whole. Each model runs in a process of its own (compiler
+caches empty, in a temporary directory), every variant with the host allocator ``accelrun train``
+sets on a CPU (``train.cpu_malloc`` blocks; until 2026-12-05 afternoon glibc's, ``--malloc system``,
+which the nanoGPT figures of that morning used).
 
-    python bench/user_models.py                                   # nanogpt, nanogpt-p0, moe
+    python bench/user_models.py                                   # nanogpt, nanogpt-p0, moe, moe-indexed
     python bench/user_models.py --models nanogpt --rounds 30 --batch 16 --seq 256
 """
 
@@ -22,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from pathlib import Path
 
 import torch
@@ -30,18 +35,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from accelrun.compile.compile_model import compile_model  # noqa: E402
-from accelrun.config.schema import CompileConfig, OptimizerConfig  # noqa: E402
+from accelrun.config.schema import CompileConfig, CpuMalloc, OptimizerConfig  # noqa: E402
 from accelrun.models.build import training_loss_fn, transformer_blocks  # noqa: E402
 from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
+from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
 from bench.rounds import interleaved_rounds  # noqa: E402
-from tests.compile.user_models import NanoGPT, RoutedMoE  # noqa: E402
+from tests.compile.user_models import IndexedMoE, NanoGPT, RoutedMoE  # noqa: E402
 
 VOCAB = 320  # nanoGPT's character-level Shakespeare has 65; a byte-level corpus a few hundred
 MODELS = {
     "nanogpt": lambda: NanoGPT(vocab=VOCAB, dim=128, layers=3, heads=4, dropout=0.1),
     "nanogpt-p0": lambda: NanoGPT(vocab=VOCAB, dim=128, layers=3, heads=4, dropout=0.0),
     "moe": lambda: RoutedMoE(n_experts=4, vocab=VOCAB, dim=256),
+    "moe-indexed": lambda: IndexedMoE(n_experts=4, vocab=VOCAB, dim=256),
 }
 VARIANTS = ("eager", "inductor", "accelrun")
 
@@ -69,6 +76,7 @@ class Variant:
 
 
 def run_one(args: argparse.Namespace, name: str) -> None:
+    tune_malloc(args.malloc)
     torch.manual_seed(0)
     model = MODELS[name]()
     variants = [Variant(v, model) for v in args.variants.split(",")]
@@ -78,7 +86,7 @@ def run_one(args: argparse.Namespace, name: str) -> None:
     interleaved_rounds(variants, batches, args.warmup, args.rounds)
     med = {v.name: statistics.median(v.times) for v in variants}
     print(f"\n{name}: batch {args.batch} x seq {args.seq}, {args.rounds} interleaved rounds after {args.warmup}, "
-          f"{torch.get_num_threads()} threads")  # fmt: skip
+          f"{torch.get_num_threads()} threads; host malloc (every variant): {malloc_record(args.malloc)}")  # fmt: skip
     for v in variants:  # what ran, once it has (the record fills as graphs compile)
         print(f"  {v.description}" + (f"; {v.record.compiled_line()}" if v.record is not None else ""))
     print(f"{'variant':10s} {'first step':>10s} {'median step':>12s} {'vs eager (95%)':>24s} {'vs inductor (95%)':>24s}")
@@ -103,6 +111,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--malloc", choices=typing.get_args(CpuMalloc), default="blocks",
+                    help="the host allocator for every variant: accelrun train's default (blocks), or glibc's (system)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child process for one model
     args = ap.parse_args()
     if args.one:

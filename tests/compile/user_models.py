@@ -116,6 +116,29 @@ class RoutedMoE(nn.Module):
         return self.head(x).view(*tokens.shape, -1)
 
 
+class IndexedMoE(nn.Module):
+    """The same mixture routed by indices (``torch.where``, ``index_add``): no branch on the data, so
+    Dynamo traces it whole, every expert's token count a size read from the data."""
+
+    def __init__(self, n_experts: int = 4, vocab: int = VOCAB, dim: int = DIM) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.router = nn.Linear(dim, n_experts)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(dim, 2 * dim), nn.SiLU(), nn.Linear(2 * dim, dim))
+                                      for _ in range(n_experts)])  # fmt: skip
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens).flatten(0, 1)
+        weight, choice = F.softmax(self.router(x), dim=-1).max(dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = torch.where(choice == e)[0]
+            out = out.index_add(0, rows, weight[rows, None] * expert(x[rows]))
+        return self.head(self.norm(x + out)).view(*tokens.shape, -1)
+
+
 class ConvMixer(nn.Module):
     """Depthwise and pointwise 1-d convolutions with GroupNorm, in ``nn.Sequential`` blocks."""
 
@@ -294,5 +317,5 @@ class NanoGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-USER_MODELS = {"mha": MHAModel, "routed_moe": RoutedMoE, "conv_mixer": ConvMixer, "plain_mlp": PlainMLP,
+USER_MODELS = {"mha": MHAModel, "routed_moe": RoutedMoE, "indexed_moe": IndexedMoE, "conv_mixer": ConvMixer, "plain_mlp": PlainMLP,
                "encoder": EncoderLM, "gru": GRULM, "lstm_blocks": LSTMStack, "batchnorm": BatchNormLM}

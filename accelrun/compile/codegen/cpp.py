@@ -473,10 +473,14 @@ class CppRowsRegion(CppRegion):
         self._source = next(i for i, b in enumerate(self.inputs) if b.name == rows.input)
         self._dynamic_in = [b.name in rows.buffers for b in self.inputs]
         self._dynamic_alloc = [b.name in rows.buffers for b in (*self.outputs, *self.temps)]
+        self._sizes = program.size_inputs  # arguments that are sizes (an expand's): not passed on
+        self._n_args = len(self.inputs) + len(self._sizes)
 
-    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if len(args) != len(self.inputs):
-            raise TypeError(f"compiled region takes {len(self.inputs)} inputs, got {len(args)}")
+    def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
+        if len(args) != self._n_args:
+            raise TypeError(f"compiled region takes {self._n_args} inputs, got {len(args)}")
+        if self._sizes:
+            args = tuple(a for i, a in enumerate(args) if i not in self._sizes)
         n = args[self._source].shape[0]
         ins = []
         for t, buf, dynamic in zip(args, self.inputs, self._dynamic_in, strict=True):
@@ -497,7 +501,7 @@ def cpp_region(program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> Cp
 def saved_region(library: str, entry: str, program: LoopProgram) -> tuple:
     """How a compiled region pickles (the graph cache): the library is found again by its path; running
     it needs the buffers' layout (and which have runtime rows) only, not the kernels' IR."""
-    return (_restore_region, (library, entry, program.buffers, program.runtime_rows))
+    return (_restore_region, (library, entry, program.buffers, program.runtime_rows, program.size_inputs))
 
 
 def _input_guard(args: tuple[torch.Tensor, ...]) -> Any:
@@ -523,10 +527,11 @@ def _empty_strided_py(shape: tuple[int, ...], stride: tuple[int, ...], dtype: to
 _empty_strided = empty_strided_cpu or _empty_strided_py
 
 
-def _restore_region(library: str, entry: str, buffers: list[Buffer], runtime_rows: Any = None) -> CppRegion:
+def _restore_region(library: str, entry: str, buffers: list[Buffer], runtime_rows: Any = None,
+                    size_inputs: tuple[int, ...] = ()) -> CppRegion:  # fmt: skip
     if not Path(library).exists():
         raise FileNotFoundError(f"compiled region {library} is no longer in the cache")
-    return cpp_region(LoopProgram(buffers, [], runtime_rows), load_library(Path(library)), entry)
+    return cpp_region(LoopProgram(buffers, [], runtime_rows, size_inputs), load_library(Path(library)), entry)
 
 
 def _long_axes(buf: Buffer) -> list[tuple[int, int]]:

@@ -151,6 +151,8 @@ class LoopProgram:
     # Set where the leading size of some buffers and kernels is read at each call (a size that changes
     # between calls; ``codegen.runtime_rows.RuntimeRows``): their shapes here hold a made-up count.
     runtime_rows: Any = None
+    # Positions of the region's inputs that are sizes, not tensors (only with runtime rows): skipped.
+    size_inputs: tuple[int, ...] = ()
 
     def of_role(self, role: str) -> list[Buffer]:
         return [b for b in self.buffers if b.role == role]
@@ -210,18 +212,22 @@ def lower_region(region: Any) -> LoopProgram:
     return lower_graph(region.gm, region.input_meta, region.output_meta)
 
 
-def lower_graph(gm: torch.fx.GraphModule, input_meta: Sequence[Any], output_meta: Sequence[Any]) -> LoopProgram:
+def lower_graph(gm: torch.fx.GraphModule, input_meta: Sequence[Any], output_meta: Sequence[Any],
+                size_inputs: bool = False) -> LoopProgram:
+    """``size_inputs``: see ``GraphValues``; the program's ``size_inputs`` lists where they were."""
     for meta in (*input_meta, *output_meta):
         if isinstance(meta, torch.Tensor) and meta.numel() == 0:
             # Nothing to compute, and index arithmetic over an axis of size 0 divides by zero.
             raise Unsupported(f"a zero-size tensor {list(meta.shape)} (left to ATen)")
-    values = GraphValues(gm, input_meta)
+    values = GraphValues(gm, input_meta, size_inputs)
     strides = []
     for out, meta in zip(values.outputs, output_meta, strict=False):
         if isinstance(meta, torch.Tensor) and (tuple(meta.shape) != out.shape or meta.dtype != out.dtype):
             raise Unsupported(f"output meta {tuple(meta.shape)} {meta.dtype} disagrees with the graph")
         strides.append(output_strides(meta, out.shape))
-    return _Scheduler(values, strides).program()
+    program = _Scheduler(values, strides).program()
+    program.size_inputs = tuple(values.size_inputs)
+    return program
 
 
 def output_strides(meta: Any, shape: tuple[int, ...]) -> tuple[int, ...]:

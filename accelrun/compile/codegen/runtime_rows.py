@@ -55,7 +55,7 @@ def symbolic(n: Any) -> bool:
 def lower_with_runtime_rows(region: Any) -> LoopProgram:
     """The region's loop program for any number of rows (raises ``Unsupported`` with the reason)."""
     symbol = row_symbol(region)
-    first, second = (lower_graph(*_with_rows(region, symbol, n)) for n in PROBES)
+    first, second = (lower_graph(*_with_rows(region, symbol, n), size_inputs=True) for n in PROBES)
     if _marked(first, PROBES[0]) != _marked(second, PROBES[1]):
         raise Unsupported(f"the changing size {symbol} is used past the rows a kernel loops over (in an index, "
                           "a constant or a column count)")  # fmt: skip
@@ -77,7 +77,10 @@ def lower_with_runtime_rows(region: Any) -> LoopProgram:
 def row_symbol(region: Any) -> sympy.Symbol:
     """The one symbol of the region's sizes, when it is only ever the leading size of a tensor."""
     found: set[sympy.Symbol] = set()
-    for val in _tensors(region):
+    values = _values(region)
+    for val in values:
+        if not isinstance(val, torch.Tensor):
+            continue
         for d, n in enumerate(val.shape):
             if not symbolic(n):
                 continue
@@ -85,14 +88,21 @@ def row_symbol(region: Any) -> sympy.Symbol:
             if d != 0 or not isinstance(expr, sympy.Symbol):
                 raise Unsupported(f"a changing size {expr} past a tensor's leading axis ({list(val.shape)})")
             found.add(expr)
-        if any(symbolic(s) for s in val.stride()):
+        # An axis of size 1 is never stepped along: its stride may be anything (nonzero's [n, 1] has n).
+        steps = zip(val.shape, val.stride(), strict=True)
+        if any(symbolic(st) and not (isinstance(n, int) and n == 1) for n, st in steps):
             raise Unsupported(f"a changing stride {list(val.stride())} (a transposed tensor of changing size)")
     if len(found) != 1:
         raise Unsupported(f"{len(found)} changing sizes ({', '.join(sorted(map(str, found)))}); kernels read one")
-    return found.pop()
+    symbol = found.pop()
+    for val in values:  # a size the region is given (an expand's): the count itself, or fixed
+        if isinstance(val, torch.SymInt) and not val.node.expr.free_symbols <= {symbol}:
+            raise Unsupported(f"a size {val.node.expr} the region is given is not the changing size {symbol}")
+    return symbol
 
 
-def _tensors(region: Any) -> list[torch.Tensor]:
+def _values(region: Any) -> list[Any]:
+    """The region's tensors, and the sizes it is given (inputs that are symbolic integers)."""
     vals = [*region.input_meta, *region.output_meta]
     for node in region.gm.graph.nodes:
         val = node.meta.get("val")
@@ -101,8 +111,8 @@ def _tensors(region: Any) -> list[torch.Tensor]:
         elif val is not None:
             vals.append(val)
     for val in vals:
-        if not isinstance(val, torch.Tensor):
-            raise Unsupported(f"a value of the region is not a tensor ({type(val).__name__})")
+        if not isinstance(val, (torch.Tensor, torch.SymInt, int)):
+            raise Unsupported(f"a value of the region is not a tensor or a size ({type(val).__name__})")
     return vals
 
 
@@ -113,16 +123,21 @@ def _with_rows(region: Any, symbol: sympy.Symbol, n: int) -> tuple[fx.GraphModul
 
     mode = FakeTensorMode()
 
-    def concrete(val: torch.Tensor) -> torch.Tensor:
-        shape = [int(s.node.expr.xreplace({symbol: n})) if symbolic(s) else s for s in val.shape]
+    def size(s: Any) -> int:
+        return int(s.node.expr.xreplace({symbol: n})) if symbolic(s) else s
+
+    def concrete(val: Any) -> Any:
+        if not isinstance(val, torch.Tensor):
+            return size(val)
         with mode:
-            return torch.empty_strided(shape, tuple(val.stride()), dtype=val.dtype, device=val.device)
+            return torch.empty_strided([size(s) for s in val.shape], [size(s) for s in val.stride()], dtype=val.dtype,
+                                       device=val.device)  # fmt: skip
 
     graph = fx.Graph()
     graph.output(graph.graph_copy(region.gm.graph, {}))
     for node in graph.nodes:
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
+        if isinstance(val, (torch.Tensor, torch.SymInt)):
             node.meta = {**node.meta, "val": concrete(val)}
         elif isinstance(val, (tuple, list)):  # an op with several outputs
             node.meta = {**node.meta, "val": type(val)(concrete(v) for v in val)}
@@ -139,7 +154,8 @@ def _marked(program: LoopProgram, n: int) -> LoopProgram:
     else depends on them."""
 
     def buffer(b: Buffer) -> Buffer:
-        return dataclasses.replace(b, shape=(ROWS, *b.shape[1:])) if b.shape[:1] == (n,) else b
+        stride = tuple(0 if size == 1 else st for size, st in zip(b.shape, b.stride, strict=True))  # never used
+        return dataclasses.replace(b, shape=(ROWS, *b.shape[1:]) if b.shape[:1] == (n,) else b.shape, stride=stride)
 
     def kernel(k: Kernel) -> Kernel:
         if _flat(k, n):

@@ -227,8 +227,11 @@ def op_label(target: Any) -> str:
 class GraphValues:
     """Translates a region's FX graph into ``Value`` objects (raises ``Unsupported``)."""
 
-    def __init__(self, gm: fx.GraphModule, input_meta: Sequence[Any]) -> None:
+    def __init__(self, gm: fx.GraphModule, input_meta: Sequence[Any], size_inputs: bool = False) -> None:
+        """``size_inputs``: an input that is a number (a size the region's views and expands are given,
+        where the sizes change between calls) is allowed, and read only from the graph's shapes."""
         self.env: dict[fx.Node, Value] = {}
+        self.size_inputs: list[int] = []  # positions of such inputs: they have no buffer
         self._canon: dict[int, Value] = {}  # id of a value built by a rule → its interned equal
         self._by_key: dict[tuple[Any, ...], Value] = {}
         self._alive: list[Value] = []  # keeps ids in _canon from being reused
@@ -237,6 +240,9 @@ class GraphValues:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for pos, node in enumerate(placeholders):
             meta = input_meta[pos] if pos < len(input_meta) else node.meta["val"]
+            if size_inputs and isinstance(meta, int) and not isinstance(meta, bool):
+                self.size_inputs.append(pos)
+                continue
             if not isinstance(meta, torch.Tensor):
                 raise Unsupported(f"input {node.name} is not a tensor")
             compute_type(meta.dtype)
@@ -286,6 +292,8 @@ class GraphValues:
     # -- operands -------------------------------------------------------------------------------
     def _v(self, a: Any, like: torch.dtype = torch.float32) -> Value:
         if isinstance(a, fx.Node):
+            if a not in self.env:
+                raise Unsupported(f"{a.name}, a size, is used as a value")
             return self.env[a]
         if isinstance(a, bool):
             return Const(a, (), torch.bool)

@@ -25,6 +25,12 @@ rewritten; the result has the same values, dtype and shape. A base left without 
   ``cat([full(c), x, full(c)])`` along each padded dim (the shifted labels of a causal-LM loss:
   ``pad(labels, (0, 1), -100)``).
 
+- ``add(a, index_put(zeros, [index], values, accumulate=True))`` (either order; or the ``index_add`` the
+  rule above makes) becomes ``index_put(a, [index], values, accumulate=True)``: the same sums without
+  filling and reading a whole tensor of zeros. Autograd adds up the gradients of a tensor that
+  several ``x[rows]`` read so (a mixture's experts: one whole-size tensor of zeros per expert);
+  ``reinplace`` then writes each into the one before it.
+
 Also: a ``cat`` drops its empty parts (transformers' key/value cache starts as an empty tensor that
 each forward concatenates onto), and a cat left with one part becomes a ``clone`` of it, which a
 region computes where the part is computed instead of copying it.
@@ -39,6 +45,7 @@ from accelrun.compile.op_kinds import fill_value, node_kind
 from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
 from accelrun.compile.passes.dce import op_is_pure
 from accelrun.compile.passes.graph_build import NodeBuilder, tensor_val
+from accelrun.compile.pattern import same_shape
 
 aten = torch.ops.aten
 
@@ -151,7 +158,7 @@ def _accumulate_as_index_add(build: NodeBuilder, node: fx.Node) -> fx.Node | Non
         return None
     index = indices[0]
     out, vals, idx = tensor_val(node), tensor_val(values), tensor_val(index)
-    if not _static(out, vals, idx):  # first: the comparisons below must not meet an unbacked size
+    if out is None or vals is None or idx is None or not _static(out):
         return None
     # CPU only: there ATen's index_add is the faster sum; on CUDA it adds with atomics, so repeated
     # indices would sum in a different order from run to run where index_put's order is fixed.
@@ -159,13 +166,50 @@ def _accumulate_as_index_add(build: NodeBuilder, node: fx.Node) -> fx.Node | Non
         return None
     if idx.dtype not in (torch.int64, torch.int32) or vals.dtype != out.dtype:
         return None
-    if tuple(vals.shape) != tuple(idx.shape) + tuple(out.shape[1:]):  # no broadcast of the values
+    if not same_shape(vals.shape, (*idx.shape, *out.shape[1:])):  # no broadcast of the values
         return None
-    flat = build(node, aten.reshape.default, index, [idx.numel()])
+    if not _static(vals, idx):  # rows a mask or a router picked (a size read from the data): one index
+        if idx.dim() != 1:      # per row already, and no reshape of a size the graph does not hold
+            return None
+        flat, rows = index, values
+    else:
+        flat = build(node, aten.reshape.default, index, [idx.numel()])
+        rows = build(node, aten.reshape.default, values, [idx.numel(), *out.shape[1:]])
     negative = build(node, aten.lt.Scalar, flat, 0)
     wrapped = build(node, aten.where.self, negative, build(node, aten.add.Tensor, flat, out.shape[0]), flat)
-    rows = build(node, aten.reshape.default, values, [idx.numel(), *out.shape[1:]])
     return build(node, aten.index_add.default, base, 0, wrapped, rows)
+
+
+def _scattered_into_zeros(node: fx.Node, out: torch.Tensor) -> bool:
+    """``node`` adds values into a tensor of zeros shaped like ``out``, and only one op reads it."""
+    if node.op != "call_function" or len(node.users) != 1 or not node.args:
+        return False
+    if node.target is aten.index_put.default:
+        indices = node.args[1]
+        if not (_arg(node, 3, "accumulate", False) and isinstance(indices, (list, tuple)) and len(indices) == 1):
+            return False
+    elif node.target is not aten.index_add.default or _arg(node, 4, "alpha", 1) != 1:
+        return False
+    zeros, val = node.args[0], tensor_val(node)
+    if not (isinstance(zeros, fx.Node) and node_kind(zeros) == "constant" and fill_value(zeros) == 0):
+        return False
+    return val is not None and _static(val) and val.dtype == out.dtype and tuple(val.shape) == tuple(out.shape)
+
+
+def _add_of_scattered_zeros(build: NodeBuilder, node: fx.Node) -> fx.Node | None:
+    if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    out = tensor_val(node)
+    if out is None or not _static(out):
+        return None
+    for scattered, other in (node.args, reversed(node.args)):
+        other_val = tensor_val(other) if isinstance(other, fx.Node) else None
+        if not isinstance(scattered, fx.Node) or not _scattered_into_zeros(scattered, out) or other_val is None:
+            continue
+        if not _static(other_val) or tuple(other_val.shape) != tuple(out.shape) or other_val.dtype != out.dtype:
+            continue
+        return build(node, scattered.target, other, *scattered.args[1:], **scattered.kwargs)
+    return None
 
 
 # ATen op → (the name its rewrites are counted under, the rewrite); a rewrite returns None to decline.
@@ -175,6 +219,7 @@ _REWRITES = {
     aten.cat.default: ("empty_cat_parts", _cat_without_empty_parts),
     aten.index_put.default: ("index_put", _accumulate_as_index_add),
     aten.constant_pad_nd.default: ("constant_pad_nd", _pad_to_cat),
+    aten.add.Tensor: ("add_of_scattered_zeros", _add_of_scattered_zeros),
 }
 
 
@@ -194,8 +239,10 @@ def simplify(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> Pass
         inputs = node.all_input_nodes
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        for old in inputs:  # a constant base or an empty part nothing reads any more
+        while inputs:  # a constant base, an empty part, a scatter into zeros that nothing reads any more
+            old = inputs.pop()
             if not old.users and old.op == "call_function" and op_is_pure(old.target):
+                inputs += old.all_input_nodes
                 gm.graph.erase_node(old)
         counts[name] = counts.get(name, 0) + 1
     if counts:
