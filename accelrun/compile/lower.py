@@ -101,7 +101,6 @@ class _Fallbacks:
             return
         for row in self._rows(region):
             row.compile_s, row.cache_hit = round(region.lowering.compile_s, 4), region.lowering.cache_hit
-            row.runtime_rows = region.lowering.runtime_rows and row.executor != AtenExecutor.name
         _count_cache_use(self.record, region.lowering.cache_hit)
 
     def _rows(self, region: Region) -> list[RegionRecord]:
@@ -390,11 +389,19 @@ def _note(record: CompileRecord, graph: str, region: Region, pending: bool = Fal
     record.regions.append(RegionRecord(
         graph=graph, region=region.id, ops=region.ops, executor=done.executor or AtenExecutor.name,
         declined=dict(done.declined), compile_s=0.0 if pending else round(done.compile_s, 4),
-        cache_hit=None if pending else done.cache_hit,
-        runtime_rows=done.runtime_rows and done.executor not in (None, AtenExecutor.name),
+        cache_hit=None if pending else done.cache_hit, runtime_rows=_reads_rows_per_call(region),
     ))  # fmt: skip
     if not pending:
         _count_cache_use(record, done.cache_hit)
+
+
+def _reads_rows_per_call(region: Region) -> bool:
+    """The executor that claimed the region runs its program's kernels with the call's row count
+    (codegen.runtime_rows): known at the claim, before a build finishes (the graph cache saves the
+    region's record then)."""
+    executor = registered_executors().get(region.lowering.executor or "")
+    program = region.program
+    return bool(getattr(executor, "runtime_rows", False)) and program is not None and program.runtime_rows is not None
 
 
 def _count_cache_use(record: CompileRecord, cache_hit: bool | None) -> None:

@@ -35,7 +35,6 @@ class RegionLowering:
     declined: dict[str, str] = field(default_factory=dict)  # executor name → why it did not take the region
     cache_hit: bool | None = None  # the executor's own cache supplied the compiled code; None: no cache
     sources: dict[str, GeneratedSource] = field(default_factory=dict)  # executor name → its generated source
-    runtime_rows: bool = False  # the compiled kernels read their row count at each call (codegen.runtime_rows)
 
 
 @dataclass

@@ -594,3 +594,25 @@ def test_a_mixtures_experts_keep_their_kernels_for_every_number_of_tokens(tmp_pa
 
     assert any("read their row count at each call" in line and f"| {len(rows)} |" in line
                for line in _compiler_section(record.summary()))  # fmt: skip
+
+
+def test_a_mixture_traced_whole_keeps_its_kernels_for_rows_read_from_the_data_and_from_the_cache(tmp_path):
+    """The mixture routed by ``torch.where`` and ``index_add`` is one graph whose experts' rows are
+    sizes read from the data: its regions read their row count at each call, at eager's losses; a
+    second process's copy loads the graph from the cache and its record says the same."""
+    records = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = USER_MODELS["indexed_moe"]()
+        reference = copy.deepcopy(model)
+        cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+        compiled = compile_model(model, transformer_blocks(model), cfg)
+        _train_side_by_side(model, reference, steps=3)
+        records.append(compiled.record)
+        torch._dynamo.reset()  # as a new process: the second compile goes through the graph cache
+    cold, cached = records
+    assert cold.graph_cache.get("saved") and cached.graph_cache.get("loaded"), (cold.graph_cache, cached.graph_cache)
+    for record in records:
+        assert not record.regions_left_to_aten(), record.regions_left_to_aten()
+        assert record.summary()["regions_with_runtime_rows"] > 0, record.regions
+    assert cold.summary()["regions_with_runtime_rows"] == cached.summary()["regions_with_runtime_rows"]

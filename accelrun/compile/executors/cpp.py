@@ -34,7 +34,7 @@ class CppExecutor(GeneratedCodeExecutor):
         source = self.source(region)
         region.lowering.cache_hit = library_path(source, cache_dir).exists()
         lib = load_library(build_library(source, cache_dir, needed_later=_needed_later([region])))
-        return self._callable(region, lib, ENTRY)
+        return cpp_region(cached_program(region), lib)
 
     def compile_batch(self, regions: list[Region], cache_dir: str | None) -> list[RegionFn]:
         source, entries = self._batch(regions)
@@ -42,13 +42,7 @@ class CppExecutor(GeneratedCodeExecutor):
         lib = load_library(build_library(source, cache_dir, needed_later=_needed_later(regions)))
         for region in regions:
             region.lowering.cache_hit = hit
-        return [self._callable(r, lib, entry) for r, entry in zip(regions, entries, strict=True)]
-
-    @staticmethod
-    def _callable(region: Region, lib, entry: str) -> RegionFn:
-        program = cached_program(region)
-        region.lowering.runtime_rows = program.runtime_rows is not None
-        return cpp_region(program, lib, entry)
+        return [cpp_region(cached_program(r), lib, entry) for r, entry in zip(regions, entries, strict=True)]
 
     def saved_forms(self, regions: list[Region], cache_dir: str | None) -> list[tuple]:
         # The library's path is the hash of its source: known before g++ has run.
