@@ -116,18 +116,9 @@ class RoutedMoE(nn.Module):
         return self.head(x).view(*tokens.shape, -1)
 
 
-class IndexedMoE(nn.Module):
+class IndexedMoE(RoutedMoE):
     """The same mixture routed by indices (``torch.where``, ``index_add``): no branch on the data, so
     Dynamo traces it whole, every expert's token count a size read from the data."""
-
-    def __init__(self, n_experts: int = 4, vocab: int = VOCAB, dim: int = DIM) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.router = nn.Linear(dim, n_experts)
-        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(dim, 2 * dim), nn.SiLU(), nn.Linear(2 * dim, dim))
-                                      for _ in range(n_experts)])  # fmt: skip
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens).flatten(0, 1)
