@@ -94,6 +94,8 @@ class _Fallbacks:
             for row in self._rows(region):
                 row.declined[executor] = f"{stage}: {reason}"
                 row.executor = to
+                row.runtime_rows = row.runtime_rows and bool(getattr(registered_executors().get(to), "runtime_rows",
+                                                                         False))  # fmt: skip
 
     def built(self, region: Region) -> None:
         """A pending build finished: its row gets the compile time and whether the cache supplied it."""

@@ -118,3 +118,20 @@ def test_an_index_add_chain_as_a_mixture_writes_it_runs_in_place_at_eagers_value
     assert fired["backward", "simplify"].get("add_of_scattered_zeros", 0) >= 2, fired
     assert fired["backward", "reinplace"]["rewritten"] >= 2, fired
     torch._dynamo.reset()
+
+
+def test_an_add_laid_out_unlike_the_write_that_would_replace_it_is_kept():
+    """``a + scattered`` takes its layout from both (here a's transposed one, which the view after it
+    relies on); the write into ``a`` would lay it out as ``a``'s base: the add stays."""
+    from accelrun.compile.passes.simplify import simplify
+
+    def fn(a, idx, v):
+        s = aten.index_put(torch.full((4, 5), 0.0), [idx], v, True)
+        return (a + s).t().view(-1)
+
+    args = (torch.randn(5, 4).t(), torch.tensor([0, 2]), torch.randn(2, 5))
+    gm = _traced(fn, *args)
+    want = gm(*args)
+    result = simplify(gm, PassOptions(), PassContext(graph_kind="backward"))
+    assert "add_of_scattered_zeros" not in result.counts, result.counts
+    torch.testing.assert_close(gm(*args), want)

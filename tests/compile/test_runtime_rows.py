@@ -117,3 +117,25 @@ def test_what_depends_on_the_changing_size_otherwise_is_refused_with_its_reason(
     region = _region(fn, *[torch.randn(s) for s in shapes], dynamic=dynamic)
     with pytest.raises(Unsupported, match=reason):
         lower_with_runtime_rows(region)
+
+
+def test_a_changing_size_read_as_an_index_keeps_the_fixed_size_rules(tmp_path):
+    """``p[x.shape[0]]`` reads the size as a number, not as a size: the region is not given runtime rows
+    (the lowering would have met the number where it expects an integer and raised), and under
+    ``compile.strict`` nothing falls back: the sizes are read as numbers, as before."""
+    from accelrun.compile.backend import AccelrunBackend
+    from accelrun.compile.options import CompileOptions
+    from accelrun.compile.passes.base import resolve_passes
+
+    def fn(x, p):
+        return x * 2 + p[x.shape[0]]
+
+    table = torch.randn(512, 48)
+    backend = AccelrunBackend(CompileOptions(passes=resolve_passes("default"), executors=["cpp", "aten"],
+                                             strict=True, cache_dir=tmp_path / "cache"))  # fmt: skip
+    compiled = torch.compile(fn, backend=backend)
+    for n in (5, 6, 7, 9):
+        x = torch.randn(n, 48)
+        torch.testing.assert_close(compiled(x, table), fn(x, table))
+    assert not backend.record.fallbacks and not any(r.runtime_rows for r in backend.record.regions)
+    torch._dynamo.reset()

@@ -484,9 +484,11 @@ class CppRowsRegion(CppRegion):
         n = args[self._source].shape[0]
         ins = []
         for t, buf, dynamic in zip(args, self.inputs, self._dynamic_in, strict=True):
-            if dynamic:
-                buf = dataclasses.replace(buf, shape=(n, *buf.shape[1:]))
-            ins.append(t if _as_expected(t, (buf.dtype, torch.Size(buf.shape), _long_axes(buf))) else _conform(t, buf))
+            if dynamic and not _rows_as_expected(t, buf, n):
+                t = _conform(t, dataclasses.replace(buf, shape=(n, *buf.shape[1:])))
+            elif not dynamic and not _as_expected(t, (buf.dtype, torch.Size(buf.shape), _long_axes(buf))):
+                t = _conform(t, buf)
+            ins.append(t)
         made = [_empty_strided((n, *shape[1:]) if dynamic else shape, stride, dtype)
                 for (shape, stride, dtype), dynamic in zip(self._allocs, self._dynamic_alloc, strict=True)]  # fmt: skip
         self.fn(self._ptrs(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in made]), n, torch.get_num_threads())
@@ -545,6 +547,17 @@ def _as_expected(t: torch.Tensor, expected: tuple) -> bool:
         return False
     stride = t.stride()
     return all(stride[d] == st for d, st in strides)
+
+
+def _rows_as_expected(t: torch.Tensor, buf: Buffer, n: int) -> bool:
+    """``_as_expected`` for a buffer whose leading size is the call's ``n``: its other sizes, and the
+    strides of its axes longer than 1, as the kernel reads them."""
+    if t.dtype != buf.dtype or t.device.type != "cpu" or t.dim() != len(buf.shape) or t.shape[0] != n:
+        return False
+    if tuple(t.shape[1:]) != buf.shape[1:]:
+        return False
+    stride = t.stride()
+    return all(stride[d] == st for d, (size, st) in enumerate(zip(t.shape, buf.stride, strict=True)) if size != 1)
 
 
 def _conform(t: torch.Tensor, buf: Buffer) -> torch.Tensor:

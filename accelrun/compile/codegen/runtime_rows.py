@@ -33,6 +33,12 @@ from accelrun.compile.codegen.loop_ir import Buffer, Kernel, LoopProgram, Unsupp
 # depends on the count's divisibility can hold for both by chance. Neither is a size seen in models.
 PROBES = (8191, 12288)
 ROWS = -1  # marks "the runtime count" where the two programs are compared
+# Ops that may be given the changing size as an argument: they read it only as the size of their
+# output, which the lowering takes from the graph's shapes, never from the argument.
+SIZE_READERS = frozenset({
+    torch.ops.aten.expand.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default, torch.ops.aten.full.default,
+})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -95,9 +101,14 @@ def row_symbol(region: Any) -> sympy.Symbol:
     if len(found) != 1:
         raise Unsupported(f"{len(found)} changing sizes ({', '.join(sorted(map(str, found)))}); kernels read one")
     symbol = found.pop()
-    for val in values:  # a size the region is given (an expand's): the count itself, or fixed
-        if isinstance(val, torch.SymInt) and not val.node.expr.free_symbols <= {symbol}:
-            raise Unsupported(f"a size {val.node.expr} the region is given is not the changing size {symbol}")
+    for node in region.gm.graph.nodes:  # a size the region is given: the count itself, as a size only
+        val = node.meta.get("val")
+        if node.op != "placeholder" or isinstance(val, torch.Tensor):
+            continue
+        if not isinstance(val, torch.SymInt) or val.node.expr != symbol:
+            raise Unsupported(f"a number {val} the region is given is not the changing size {symbol}")
+        if any(user.target not in SIZE_READERS for user in node.users):
+            raise Unsupported(f"the changing size {symbol} is read as a number (an index, a bound), not as a size")
     return symbol
 
 

@@ -193,7 +193,13 @@ def _scattered_into_zeros(node: fx.Node, out: torch.Tensor) -> bool:
     zeros, val = node.args[0], tensor_val(node)
     if not (isinstance(zeros, fx.Node) and node_kind(zeros) == "constant" and fill_value(zeros) == 0):
         return False
-    return val is not None and _static(val) and val.dtype == out.dtype and tuple(val.shape) == tuple(out.shape)
+    return val is not None and _static(val) and val.dtype == out.dtype and _same_dense_layout(val, out)
+
+
+def _same_dense_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes, both contiguous: the write that replaces an ``add`` lays its result out as its
+    base (``index_add`` contiguously), where the add took its layout from both operands."""
+    return tuple(a.shape) == tuple(b.shape) and a.is_contiguous() and b.is_contiguous()
 
 
 def _add_of_scattered_zeros(build: NodeBuilder, node: fx.Node) -> fx.Node | None:
@@ -206,7 +212,7 @@ def _add_of_scattered_zeros(build: NodeBuilder, node: fx.Node) -> fx.Node | None
         other_val = tensor_val(other) if isinstance(other, fx.Node) else None
         if not isinstance(scattered, fx.Node) or not _scattered_into_zeros(scattered, out) or other_val is None:
             continue
-        if not _static(other_val) or tuple(other_val.shape) != tuple(out.shape) or other_val.dtype != out.dtype:
+        if not _static(other_val) or not _same_dense_layout(other_val, out) or other_val.dtype != out.dtype:
             continue
         return build(node, scattered.target, other, *scattered.args[1:], **scattered.kwargs)
     return None
