@@ -87,6 +87,12 @@ def test_what_anything_else_reads_is_never_written():
     gm, result = _run(written_returned, (idx, v))
     assert result.counts == {"rewritten": 1, "own_base": 0}  # the first write; the second reads a returned one
 
+    def after_a_write_into_the_input(base, idx, v):  # the first write is the caller's tensor, written
+        return aten.index_put(aten.index_put_(base, [idx], v, True), [idx], v, True)
+
+    gm = _traced(after_a_write_into_the_input, base.clone(), idx, v)
+    assert reinplace(gm, PassOptions(), PassContext(graph_kind="backward")).counts["rewritten"] == 0
+
 
 def test_an_index_add_chain_as_a_mixture_writes_it_runs_in_place_at_eagers_values(tmp_path):
     """``out = out.index_add(0, rows_e, y_e)`` per expert, rows read from the data: forward in place on

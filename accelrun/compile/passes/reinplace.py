@@ -38,8 +38,16 @@ FACTORIES = frozenset({
     aten.full.default, aten.full_like.default, aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default,
     aten.new_full.default,
 })  # fmt: skip
-# Ops whose output is a new tensor, not a view of another (a base that only this graph can see).
-MADE_HERE = FACTORIES | set(IN_PLACE) | set(IN_PLACE.values())
+WRITES_IN_PLACE = frozenset(IN_PLACE.values())
+
+
+def _made_here(node: fx.Node) -> bool:
+    """A tensor only this graph can see: made by a factory or an out-of-place write (a new tensor, not a
+    view), or by an in-place write into such a tensor (not into an input it was given)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in WRITES_IN_PLACE:
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.op == "call_function" and (node.target in FACTORIES
+                                                                          or node.target in IN_PLACE)
 
 
 def _same_layout(a: fx.Node, b: fx.Node) -> bool:
@@ -64,7 +72,7 @@ def reinplace(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> Pas
         if node.op != "call_function" or node.target not in IN_PLACE or not node.args:
             continue
         base = node.args[0]
-        if not (isinstance(base, fx.Node) and base.op == "call_function" and base.target in MADE_HERE):
+        if not _made_here(base):
             continue
         if not _same_layout(base, node) or _reads_again(node, base):
             continue
