@@ -81,6 +81,7 @@ def test_short_rows_run_as_one_flat_loop_over_n_times_their_length(tmp_path):
     region = _region(fn, torch.randn(32, 8))
     program = lower_with_runtime_rows(region)
     assert program.runtime_rows.flat_kernels == {program.kernels[0].name}
+    assert "rows [] x cols [n, 8]" in program.describe(), program.describe()
     fn_c = _compiled(region, tmp_path)
     for n in (0, 1, 5, 32, 4096):
         x = torch.randn(n, 8)

@@ -164,8 +164,9 @@ class LoopProgram:
             lines.insert(0, f"n = {self.runtime_rows.input}.size(0) at each call ({self.runtime_rows.symbol})")
         for k in self.kernels:
             unroll = f", {k.unroll} columns per step" if k.unroll > 1 else ""
-            lines.append(f"kernel {k.name} ({k.kind}): rows {self._shown(k.name, k.row_shape)} x cols "
-                         f"{list(k.col_shape)}{unroll}")
+            flat = self.runtime_rows is not None and k.name in self.runtime_rows.flat_kernels
+            cols = "[" + ", ".join(["n", *map(str, k.col_shape[1:])]) + "]" if flat else str(list(k.col_shape))
+            lines.append(f"kernel {k.name} ({k.kind}): rows {self._shown(k.name, k.row_shape)} x cols {cols}{unroll}")
             lines += [f"  scratch {b.name}: {b.storage}[{b.shape[0]}] per row" for b in k.row_buffers]
             for b in k.blocks:
                 pad = "    " if b.level == "inner" else "  "
