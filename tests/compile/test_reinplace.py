@@ -141,3 +141,20 @@ def test_an_add_laid_out_unlike_the_write_that_would_replace_it_is_kept():
     result = simplify(gm, PassOptions(), PassContext(graph_kind="backward"))
     assert "add_of_scattered_zeros" not in result.counts, result.counts
     torch.testing.assert_close(gm(*args), want)
+
+
+def test_what_a_rewritten_add_leaves_unread_is_removed_once():
+    """Both operands of the add read one tensor of zeros (a scatter into it, and a view of it): the
+    add's rewrite leaves the scatter, then the zeros, unread; each is removed once."""
+    from accelrun.compile.passes.simplify import simplify
+
+    def fn(a, idx, v):
+        zeros = torch.full((8, 4), 0.0)
+        return (a + zeros.view(8, 4)) + aten.index_put(zeros, [idx], v, True)
+
+    args = (torch.randn(8, 4), torch.tensor([1, 5]), torch.randn(2, 4))
+    gm = _traced(fn, *args)
+    want = gm(*args)
+    result = simplify(gm, PassOptions(), PassContext(graph_kind="backward"))
+    assert result.counts.get("add_of_scattered_zeros") == 1, result.counts
+    torch.testing.assert_close(gm(*args), want)

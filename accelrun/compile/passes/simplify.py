@@ -245,11 +245,13 @@ def simplify(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> Pass
         inputs = node.all_input_nodes
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
+        erased: set[fx.Node] = set()
         while inputs:  # a constant base, an empty part, a scatter into zeros that nothing reads any more
             old = inputs.pop()
-            if not old.users and old.op == "call_function" and op_is_pure(old.target):
+            if old not in erased and not old.users and old.op == "call_function" and op_is_pure(old.target):
                 inputs += old.all_input_nodes
                 gm.graph.erase_node(old)
+                erased.add(old)
         counts[name] = counts.get(name, 0) + 1
     if counts:
         gm.graph.lint()
