@@ -94,8 +94,7 @@ class _Fallbacks:
             for row in self._rows(region):
                 row.declined[executor] = f"{stage}: {reason}"
                 row.executor = to
-                row.runtime_rows = row.runtime_rows and bool(getattr(registered_executors().get(to), "runtime_rows",
-                                                                         False))  # fmt: skip
+                row.runtime_rows = row.runtime_rows and _reads_row_counts(to)
 
     def built(self, region: Region) -> None:
         """A pending build finished: its row gets the compile time and whether the cache supplied it."""
@@ -401,9 +400,13 @@ def _reads_rows_per_call(region: Region) -> bool:
     """The executor that claimed the region runs its program's kernels with the call's row count
     (codegen.runtime_rows): known at the claim, before a build finishes (the graph cache saves the
     region's record then)."""
-    executor = registered_executors().get(region.lowering.executor or "")
     program = region.program
-    return bool(getattr(executor, "runtime_rows", False)) and program is not None and program.runtime_rows is not None
+    return _reads_row_counts(region.lowering.executor) and program is not None and program.runtime_rows is not None
+
+
+def _reads_row_counts(executor: str | None) -> bool:
+    """Whether the named executor's kernels can take their row count at each call."""
+    return bool(getattr(registered_executors().get(executor or ""), "runtime_rows", False))
 
 
 def _count_cache_use(record: CompileRecord, cache_hit: bool | None) -> None:
