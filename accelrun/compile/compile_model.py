@@ -248,9 +248,12 @@ def _class_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 class _FirstCallFallback:
-    """After the whole model's first forward: if Dynamo compiled nothing (it skipped the frame: a
-    data-dependent branch in a loop), compile the repeated modules inside it one by one (a mixture's
-    experts), so the run is not eager from start to end. The first step itself ran eagerly.
+    """After the whole model's first forward: the repeated modules inside it that ran outside every
+    compiled graph compile one by one, so the run is not eager from start to end. Either Dynamo
+    compiled nothing (it skipped the frame: a data-dependent branch in a loop; a mixture's experts),
+    or a graph break inside torch.nn's code left the rest of that code to run eagerly (torch.nn's
+    ``TransformerEncoder`` given a causal mask without ``is_causal=True`` reads the mask on the host:
+    its layers then ran in no graph). The first step itself ran as it did.
 
     It wraps the callable that Module.__call__ reaches (``Module.compile``'s compiled call, or the graph
     cache's ``forward``) for one call, rather than adding a forward hook: hooks run inside the compiled
@@ -280,18 +283,31 @@ class _FirstCallFallback:
     def _after_first_forward(self) -> None:
         from accelrun.compile.coverage import since
 
-        if since(self.start)["frames"].get("ok", 0) > 0 or (self.record is not None and self.record.graphs_in_use()):
-            return  # the forward compiled (whole, in pieces between graph breaks, or from the graph cache)
+        covered = since(self.start)
+        compiled = covered["frames"].get("ok", 0) > 0 or (self.record is not None and self.record.graphs_in_use())
+        if compiled and not (covered["graph_break"] and self.record is not None):
+            return  # the forward compiled, whole or from the graph cache
         found = repeated_blocks(self.model, builtins=True)
         if found is None:
             return  # nothing smaller to try: the record's warning says nothing was compiled, and why
         path, blocks = found
+        modules = f"{len(blocks)} {type(blocks[0]).__name__} modules of `{path}`"
+        scope = f"Dynamo skipped the whole forward, so after the first step the {modules} compile one by one"
+        if compiled:  # in pieces between graph breaks: unless no graph took any of the modules' weights
+            if any(self._in_a_graph(b) for b in blocks):  # (identical ones share a graph: only one's are seen)
+                return
+            if isinstance(blocks[0], nn.RNNBase):
+                return  # Dynamo traces no RNN module, on its own either (eager_rnns.py)
+            scope = f"the {modules} ran outside every graph after a graph break, so after the first step they compile one by one"
         for block in blocks:
             compile_module(block, self.backend)
         if self.record is not None:
-            self.record.fallback_scope = (f"Dynamo skipped the whole forward, so after the first step the "
-                                          f"{len(blocks)} {type(blocks[0]).__name__} modules of `{path}` "
-                                          "compile one by one")  # fmt: skip
+            self.record.fallback_scope = scope
+
+    def _in_a_graph(self, module: nn.Module) -> bool:
+        """Whether a compiled graph took ``module``'s weights as inputs (a module without any: assumed so)."""
+        params = list(module.parameters())
+        return not params or any(id(p) in self.record.graph_input_ids for p in params)
 
 
 def _compile_linears(linears: list[nn.Module], backend: object, cache: Any) -> str:

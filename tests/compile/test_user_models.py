@@ -145,6 +145,57 @@ def test_a_graph_break_in_torch_nn_names_the_users_line_and_the_change_that_avoi
     assert not [w for w in with_hint.warnings() if "graph break" in w]
 
 
+def test_layers_a_graph_break_left_eager_compile_one_by_one_after_the_first_step(tmp_path):
+    """Without is_causal=True, TransformerEncoder breaks the graph on the host read of its mask, and the
+    rest of its forward (every layer) ran in torch.nn's frames, which Dynamo does not compile: the run
+    was eager but for the embedding and the head (0.99x eager at dim 256). After the first step the
+    layers no graph took compile one by one, the record says so, and the losses and gradients stay
+    eager's over steps that run them compiled."""
+    torch.manual_seed(0)
+    model = USER_MODELS["encoder"](causal_hint=False)
+    reference = copy.deepcopy(model)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    record = compile_model(model, None, cfg).record
+    layer_weights = {id(p) for p in model.encoder.layers.parameters()}
+    _train_side_by_side(model, reference, steps=1)
+    assert not layer_weights & record.graph_input_ids  # the first step: the layers ran in no graph
+    assert "2 TransformerEncoderLayer modules of `encoder.layers` compile one by one" in record.fallback_scope
+    graphs_after_first = record.graphs_in_use()
+    _train_side_by_side(model, reference, steps=3)
+    # the layers' graph took the first layer's weights (the second shares its graph)
+    assert {id(p) for p in model.encoder.layers[0].parameters()} <= record.graph_input_ids
+    assert record.graphs_in_use() > graphs_after_first, record.compiled_line()
+    assert "compile one by one" in record.compiled_line()
+
+
+def test_a_graph_break_that_leaves_no_layer_out_compiles_nothing_more(tmp_path):
+    """A graph break whose pieces still take every block's weights (a branch on a tensor's value in the
+    model's own code, between its blocks) leaves the blocks as they are: no fallback."""
+
+    class BranchBetweenBlocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(VOCAB, 16)
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+            self.head = torch.nn.Linear(16, VOCAB)
+
+        def forward(self, tokens):
+            x = self.blocks[0](self.embed(tokens))
+            if x.abs().max() > 10:  # a graph break between the blocks
+                x = x / 10
+            return self.head(self.blocks[1](x))
+
+    torch.manual_seed(0)
+    model = BranchBetweenBlocks()
+    reference = copy.deepcopy(model)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    record = compile_model(model, None, cfg).record
+    _train_side_by_side(model, reference, steps=2)
+    assert sum(record.graph_breaks.values()) >= 1 or record.dynamo.get("graph_breaks"), record.compiled_line()
+    assert {id(p) for p in model.blocks[0].parameters()} <= record.graph_input_ids
+    assert record.fallback_scope == ""
+
+
 def test_a_branch_on_a_tensor_s_value_is_counted_as_a_graph_break_with_its_line(tmp_path):
     """Dynamo counts a break at `if tensor:` only among its "unimplemented" reasons (torch 2.13): the
     record said "graph breaks 0" for a model split in two by one. It is counted, with its line and
