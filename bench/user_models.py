@@ -19,6 +19,7 @@ which the nanoGPT figures of that morning used).
 
     python bench/user_models.py                                   # every model
     python bench/user_models.py --models moe,moe-indexed --rounds 30
+    python bench/user_models.py --models conv-mixer --variants eager,accelrun --regions   # C++ regions vs ATen
     python bench/user_models.py --models nanogpt --rounds 30 --batch 16 --seq 256
 """
 
@@ -103,8 +104,57 @@ class Variant:
         return time.perf_counter() - t0
 
 
+class RegionTimes:
+    """``--regions``: each C++ region of accelrun's graphs against the region's own ATen ops, on the
+    inputs of its last call, timed in turns after the rounds (operands warm in cache; a step's first
+    touch is not in it). It wraps the lowering's first-call check (which holds the region and its ATen
+    graph) and the C++ region's call (which sees the inputs), for this process only."""
+
+    def __init__(self) -> None:
+        from accelrun.compile import lower
+        from accelrun.compile.codegen import cpp
+
+        self.checks: list = []
+        self.inputs: dict[int, tuple] = {}
+        made, called = lower.FirstCallCheck.__init__, cpp.CppRegion.__call__
+
+        def init(check, fn, region, lowering):
+            made(check, fn, region, lowering)
+            self.checks.append(check)
+
+        def call(region, *args):
+            self.inputs[id(region)] = args
+            return called(region, *args)
+
+        lower.FirstCallCheck.__init__, cpp.CppRegion.__call__ = init, call
+
+    def report(self, repeats: int = 7) -> None:
+        rows = []
+        for check in self.checks:
+            args = self.inputs.get(id(check.fn))
+            if args is None:
+                continue  # not a C++ region, or never called
+            times: dict[str, list[float]] = {"cpp": [], "aten": []}
+            with torch.no_grad():
+                for _ in range(repeats):
+                    for which, fn in (("cpp", check.fn), ("aten", check.region.gm)):
+                        t0 = time.perf_counter()
+                        fn(*args)
+                        times[which].append(time.perf_counter() - t0)
+            cpp_ms, aten_ms = (statistics.median(times[k]) * 1e3 for k in ("cpp", "aten"))
+            ops = [str(n.target).removeprefix("aten.").removesuffix(".default")
+                   for n in check.region.gm.graph.nodes if n.op == "call_function"]  # fmt: skip
+            rows.append((check.region.id, cpp_ms, aten_ms, ops))
+        slower = [r for r in rows if r[1] > r[2]]
+        print(f"regions: {len(rows)} in C++, {sum(r[1] for r in rows):.2f} ms against their own ATen ops' "
+              f"{sum(r[2] for r in rows):.2f} ms (each called once); slower in C++: {len(slower)}")  # fmt: skip
+        for rid, cpp_ms, aten_ms, ops in sorted(slower, key=lambda r: r[2] - r[1])[:5]:
+            print(f"  region {rid}: {cpp_ms:.3f} against {aten_ms:.3f} ms, {len(ops)} ops: {', '.join(ops)[:100]}")
+
+
 def run_one(args: argparse.Namespace, name: str) -> None:
     tune_malloc(args.malloc)
+    regions = RegionTimes() if args.regions else None
     torch.manual_seed(0)
     model = MODELS[name]()
     names = []
@@ -137,6 +187,8 @@ def run_one(args: argparse.Namespace, name: str) -> None:
     for v in variants:
         print(f"{v.name:10s} {v.first:9.2f}s {med[v.name] * 1e3:10.1f}ms {ratio('eager', v):>24s} "
               f"{ratio('inductor', v):>24s}")  # fmt: skip
+    if regions is not None:
+        regions.report()
 
 
 def main() -> None:
@@ -149,6 +201,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--malloc", choices=typing.get_args(CpuMalloc), default="blocks",
                     help="the host allocator for every variant: accelrun train's default (blocks), or glibc's (system)")
+    ap.add_argument("--regions", action="store_true",
+                    help="after the rounds, time each of accelrun's C++ regions against its own ATen ops")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child process for one model
     args = ap.parse_args()
     if args.one:

@@ -166,7 +166,7 @@ def cpp_source(program: LoopProgram, entry: str = ENTRY, prelude: bool = True) -
         n_axis = _runtime_axis(program, kernel)
         writer = _KernelWriter(e, kernel, program.buffers, slots, f"{entry}_{kernel.name}", n_axis)
         e.line()
-        if kernels and _one_pass(kernel, kernels[0]):  # the same row domain: both have runtime rows or neither
+        if kernels and _one_pass(kernel, kernels[0], rows_at_call=n_axis is not None):  # runtime rows: both or neither
             rows = _KernelWriter(e, kernels.pop(0), program.buffers, slots, "", n_axis)
             writer.write(rows_too=rows)
         else:
@@ -188,14 +188,21 @@ def _runtime_axis(program: LoopProgram, kernel: Kernel) -> str | None:
     return "rows" if kernel.name in rows.kernels else "cols" if kernel.name in rows.flat_kernels else None
 
 
-def _one_pass(cols: Kernel, rows: Kernel) -> bool:
+def _one_pass(cols: Kernel, rows: Kernel, rows_at_call: bool = False) -> bool:
     """Can a column-reduction kernel run inside the row loop of the rows kernel after it? (a norm's
     backward: its weight gradient and its input gradient read the same rows.) Then each row is read
     from memory once: the column loop's reads leave it in L1 for the row loop. Needs the same domain,
-    no value passing between the two, and a row loop that is not cut into column chunks."""
-    if cols.kind != "cols" or rows.kind != "rows" or not rows.has_reductions:
+    no value passing between the two, and a row loop that is not cut into column chunks (a pointwise
+    rows kernel is, where its rows are longer than ``CHUNK``: a bias's gradient beside the input
+    gradient it sums is one pass over the gradient, not two). Rows are the same where their counts
+    are (``r`` is the flat row either way), unless the count is the call's (``rows_at_call``): it is
+    worked out from the row shape."""
+    if cols.kind != "cols" or rows.kind != "rows":
         return False
-    if (cols.row_shape, cols.col_shape, cols.unroll) != (rows.row_shape, rows.col_shape, rows.unroll):
+    if not rows.has_reductions and rows.trips > CHUNK // rows.unroll:
+        return False
+    same_rows = cols.row_shape == rows.row_shape or (not rows_at_call and cols.rows == rows.rows)
+    if not same_rows or (cols.col_shape, cols.unroll) != (rows.col_shape, rows.unroll):
         return False
     return not (_stored(cols) & _loaded(rows)) and not (_stored(rows) & _loaded(cols)) and not rows.row_buffers
 

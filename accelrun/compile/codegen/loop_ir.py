@@ -362,6 +362,12 @@ class _Scheduler:
             if row is not None:
                 row.row_outputs.append(j)
                 continue
+            if (viewing := self._plan_viewing(out)) is not None:
+                plan, piece = viewing
+                plan.full_outputs.append(_Piece(j, *piece))
+                if not _reductions_in(out):
+                    self.stored_by[id(out)] = ([plan], j)
+                continue
             plans = []
             for whole in _pieces(j, out):
                 for piece in _split_at_cats(_affine_columns(whole)):
@@ -370,6 +376,27 @@ class _Scheduler:
             if not _reductions_in(out):
                 # A kernel that needs this value may load it once the kernels storing it have run.
                 self.stored_by[id(out)] = (plans, j)
+
+    def _plan_viewing(self, out: Value) -> tuple[_Plan, tuple[Value, Callable[[Index], Index]]] | None:
+        """A rows plan that already stores a full output over the same elements as ``out`` in another
+        shape, with ``out``'s trailing axes as its columns: a value and its ``view`` both returned (a
+        linear's input gradient, once flat for the weight's product and once shaped for the residual).
+        The one loop stores both, instead of a loop each. Returns the plan and ``out`` seen in its shape
+        (the value, and the map back to ``out``'s elements)."""
+        if isinstance(out, Select):
+            return None
+        for plan in self.plans:
+            k = len(plan.col_shape)
+            if plan.kind != "rows" or not plan.full_outputs or not 0 < k < len(out.shape) + 1:
+                continue
+            if tuple(out.shape[len(out.shape) - k:]) != plan.col_shape:
+                continue
+            if math.prod(out.shape[:len(out.shape) - k]) != math.prod(plan.row_shape):
+                continue
+            shape = plan.row_shape + plan.col_shape
+            back = reshape_map(out.shape, shape)
+            return plan, (View(out, back, shape, out.dtype), back)
+        return None
 
     def _pointwise_plan(self, shape: tuple[int, ...]) -> _Plan:
         split = len(shape) - 1 if shape else 0
