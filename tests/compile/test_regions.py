@@ -232,6 +232,29 @@ def test_input_views_read_only_inside_join_and_output_views_stay_outside():
     assert {n.args[0].name for n in outside} == {"y_1", "clone"}, [n.format_node() for n in outside]
 
 
+def test_a_view_of_an_output_read_inside_and_outside_is_viewed_outside_not_written_twice():
+    """A linear's input gradient: returned flat, viewed for the residual and summed through the view
+    for the bias. The region writes the flat tensor once; the reader outside views it (as eager's
+    does) instead of the region writing the view's elements as a second output. The numerics stay."""
+
+    def f(a, b):
+        s = a + b
+        shaped = s.view(4, 8, 16)
+        return s @ torch.ones(16, 3), shaped.sum((0, 1)), shaped.cumsum(1)  # cumsum: outside any region
+
+    inputs = torch.randn(32, 16), torch.randn(32, 16)
+    gm = _graph_of(f, *inputs)
+    expected = gm(*inputs)
+    (nodes,) = partition(gm.graph, min_ops=1).values()
+    (region,) = extract_regions(gm)
+    assert [tuple(m.shape) for m in region.output_meta] == [(32, 16), (16,)], region.output_meta
+    (outside,) = [n for n in gm.graph.nodes if node_kind(n) == "view" and n not in nodes
+                  and n.args[0] in nodes]  # fmt: skip
+    assert tuple(outside.meta["val"].shape) == (4, 8, 16)
+    gm.recompile()
+    _assert_same_outputs(gm(*inputs), expected)
+
+
 def test_min_ops_and_max_nodes():
     gm = _graph_of(lambda x: (x.sin() @ x).cos(), torch.randn(4, 4))
     assert partition(gm.graph, min_ops=2) == {}

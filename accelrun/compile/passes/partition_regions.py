@@ -307,17 +307,24 @@ class _Partitioner:
         Llama without its KV cache: the position ids' expand beside RoPE ran unfused in ATen). The copy
         is of the view's whole chain of views inside the region, so it views what the region writes (a
         dense tensor) or the outside tensor the chain starts from, and no view of an outside tensor is
-        left read both inside and outside."""
+        left read both inside and outside.
+
+        A dense view gets the same where what its chain views is itself an output of the region (a
+        linear's input gradient, returned flat for the weight's product and viewed for the residual
+        and the bias's sum): the region writes the tensor once and the readers outside view it, as
+        eager's do, instead of the region writing its elements a second time."""
         for group in self.live_groups():
             for view in list(group.nodes):
                 if node_kind(view) != "view" or self.group_of.get(view.args[0]) is not group:
                     continue
                 outside = [u for u in view.users if self.group_of.get(u) is not group]
-                if not outside or len(outside) == len(view.users) or _writable(_tensor_val(view)):
+                if not outside or len(outside) == len(view.users):
                     continue
                 chain = [view]
                 while node_kind(chain[0].args[0]) == "view" and self.group_of.get(chain[0].args[0]) is group:
                     chain.insert(0, chain[0].args[0])
+                if _writable(_tensor_val(view)) and not self._written_anyway(chain[0].args[0], group):
+                    continue
                 copy, last = chain[0].args[0], view
                 for link in chain:
                     with self.graph.inserting_after(last):
@@ -325,6 +332,10 @@ class _Partitioner:
                     self.index[copy], last = self.index[view], copy
                 for user in outside:
                     user.replace_input_with(view, copy)
+
+    def _written_anyway(self, node: fx.Node, group: _Group) -> bool:
+        """Whether the region writes ``node`` out: a member that a node outside the region reads."""
+        return self.group_of.get(node) is group and any(self.group_of.get(u) is not group for u in node.users)
 
     def live_groups(self) -> list[_Group]:
         return [g for g in self.groups if not g.removed and g.nodes]
