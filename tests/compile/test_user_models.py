@@ -35,6 +35,16 @@ def _train_side_by_side(model, reference, steps=3):
             o.zero_grad()
 
 
+def _compiled_beside_eager(model, tmp_path, steps: int):
+    """``model`` compiled by accelrun (C++ and ATen executors) and trained ``steps`` steps beside an eager
+    copy (``_train_side_by_side``); its compile record."""
+    reference = copy.deepcopy(model)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    record = compile_model(model, None, cfg).record
+    _train_side_by_side(model, reference, steps=steps)
+    return record
+
+
 @pytest.mark.parametrize("name", sorted(USER_MODELS))
 def test_a_users_model_compiles_under_the_default_scope_at_eagers_losses(name, tmp_path):
     torch.manual_seed(0)
@@ -188,10 +198,7 @@ def test_a_graph_break_that_leaves_no_layer_out_compiles_nothing_more(tmp_path):
 
     torch.manual_seed(0)
     model = BranchBetweenBlocks()
-    reference = copy.deepcopy(model)
-    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
-    record = compile_model(model, None, cfg).record
-    _train_side_by_side(model, reference, steps=2)
+    record = _compiled_beside_eager(model, tmp_path, steps=2)
     assert sum(record.graph_breaks.values()) >= 1 or record.dynamo.get("graph_breaks"), record.compiled_line()
     assert {id(p) for p in model.blocks[0].parameters()} <= record.graph_input_ids
     assert record.fallback_scope == ""
@@ -220,10 +227,7 @@ def test_a_branch_on_a_tensor_s_value_is_counted_as_a_graph_break_with_its_line(
                 if "# the branch" in text)  # fmt: skip
     torch.manual_seed(0)
     model = ClampsLargeEmbeddings()
-    reference = copy.deepcopy(model)
-    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
-    record = compile_model(model, None, cfg).record
-    _train_side_by_side(model, reference, steps=2)
+    record = _compiled_beside_eager(model, tmp_path, steps=2)
     record.refresh_dynamo()
     assert sum(record.graph_breaks.values()) == 1 and record.graphs_in_use() == 2, record.compiled_line()
     assert "1 graph break(s)" in record.compiled_line()
