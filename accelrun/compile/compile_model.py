@@ -305,9 +305,20 @@ class _FirstCallFallback:
             self.record.fallback_scope = scope
 
     def _in_a_graph(self, module: nn.Module) -> bool:
-        """Whether a compiled graph took ``module``'s weights as inputs (a module without any: assumed so)."""
+        """Whether a compiled graph took ``module``'s weights as inputs. Assumed so for a module without
+        weights, and for sharded ones (FSDP's DTensors: the graphs take the gathered tensors)."""
         params = list(module.parameters())
-        return not params or any(id(p) in self.record.graph_input_ids for p in params)
+        if not params or any(_sharded(p) for p in params):
+            return True
+        return any(id(p) in self.record.graph_input_ids for p in params)
+
+
+def _sharded(param: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
 
 
 def _compile_linears(linears: list[nn.Module], backend: object, cache: Any) -> str:

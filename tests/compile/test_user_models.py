@@ -672,3 +672,32 @@ def test_a_mixture_traced_whole_keeps_its_kernels_for_rows_read_from_the_data_an
         assert not record.regions_left_to_aten(), record.regions_left_to_aten()
         assert record.summary()["regions_with_runtime_rows"] > 0, record.regions
     assert cold.summary()["regions_with_runtime_rows"] == cached.summary()["regions_with_runtime_rows"]
+
+
+def test_sharded_weights_count_as_taken_by_a_graph():
+    """FSDP's parameters are DTensors between steps, and the graphs take the gathered tensors: the
+    first-call fallback cannot tell from them whether a block ran in a graph, so it assumes it did
+    (rather than compiling every block again after any graph break)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from accelrun.compile.compile_model import _FirstCallFallback
+    from accelrun.compile.record import CompileRecord
+
+    ours = not dist.is_initialized()
+    if ours:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        plain, sharded = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        for name, p in list(sharded.named_parameters()):
+            setattr(sharded, name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+        fallback = _FirstCallFallback(torch.nn.Sequential(plain, sharded), backend=None, record=CompileRecord())
+        assert not fallback._in_a_graph(plain)  # no graph took its weights
+        assert fallback._in_a_graph(sharded)
+        fallback.record.graph_input_ids.add(id(plain.weight))
+        assert fallback._in_a_graph(plain)
+    finally:
+        if ours and dist.is_initialized():
+            dist.destroy_process_group()

@@ -323,7 +323,7 @@ class _Partitioner:
                 chain = [view]
                 while node_kind(chain[0].args[0]) == "view" and self.group_of.get(chain[0].args[0]) is group:
                     chain.insert(0, chain[0].args[0])
-                if _writable(_tensor_val(view)) and not self._written_anyway(chain[0].args[0], group):
+                if _writable(_tensor_val(view)) and not self._viewed_outside(view, outside, chain[0].args[0], group):
                     continue
                 copy, last = chain[0].args[0], view
                 for link in chain:
@@ -333,9 +333,14 @@ class _Partitioner:
                 for user in outside:
                     user.replace_input_with(view, copy)
 
-    def _written_anyway(self, node: fx.Node, group: _Group) -> bool:
-        """Whether the region writes ``node`` out: a member that a node outside the region reads."""
-        return self.group_of.get(node) is group and any(self.group_of.get(u) is not group for u in node.users)
+    def _viewed_outside(self, view: fx.Node, outside: list[fx.Node], base: fx.Node, group: _Group) -> bool:
+        """Whether the readers outside of a dense ``view`` may view ``base`` outside the region instead:
+        the region writes ``base`` out anyway (a member read outside), and no such reader returns the
+        view or views it further. A returned view of another returned tensor shares its storage: two
+        parameters' gradients would then be one buffer, and accumulating into one changes the other."""
+        if self.group_of.get(base) is not group or all(self.group_of.get(u) is group for u in base.users):
+            return False
+        return not any(u.op == "output" or node_kind(u) == "view" for u in outside)
 
     def live_groups(self) -> list[_Group]:
         return [g for g in self.groups if not g.removed and g.nodes]
