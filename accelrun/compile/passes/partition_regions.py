@@ -311,7 +311,8 @@ class _Partitioner:
 
         A dense view gets the same where what its chain views is itself an output of the region (a
         linear's input gradient, returned flat for the weight's product and viewed for the residual
-        and the bias's sum): the region writes the tensor once and the readers outside view it, as
+        and the bias's sum) and its readers outside neither return it nor view it further
+        (``_viewed_outside``): the region writes the tensor once and those readers view it, as
         eager's do, instead of the region writing its elements a second time."""
         for group in self.live_groups():
             for view in list(group.nodes):
