@@ -14,7 +14,6 @@ from contextlib import contextmanager, nullcontext
 from functools import cache, partial
 from typing import Any
 
-import torch
 from torch import fx, nn
 
 from accelrun.compile import break_sites, coverage
@@ -117,7 +116,7 @@ class AccelrunBackend:
     def _compile_dynamo_graph(self, gm: fx.GraphModule, example_inputs: list[Any]):
         name = f"g{self.record.dynamo_graphs}"
         self.record.dynamo_graphs += 1
-        self.record.graph_input_ids.update(id(t) for t in example_inputs if isinstance(t, torch.Tensor))
+        self.record.parameters_in_graphs.update(id(t) for t in example_inputs if isinstance(t, nn.Parameter))
         # One for this Dynamo graph, kept by every stage's closures below: the backward's compile must see
         # what the forward's passes noted (AOTAutograd calls it after the forward's, below).
         notes = GraphNotes()

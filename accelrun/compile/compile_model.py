@@ -310,7 +310,7 @@ class _FirstCallFallback:
         params = list(module.parameters())
         if not params or any(_sharded(p) for p in params):
             return True
-        return any(id(p) in self.record.graph_input_ids for p in params)
+        return any(id(p) in self.record.parameters_in_graphs for p in params)
 
 
 def _sharded(param: torch.Tensor) -> bool:

@@ -94,9 +94,9 @@ class CompileRecord:
     dynamo_start: dict[str, Any] = field(default_factory=dict, repr=False)  # coverage.snapshot() at the start
     # compile_model's first-call fallback: the whole forward was skipped, so smaller modules compiled
     fallback_scope: str = ""
-    # ids of the tensors Dynamo handed this process's graphs as inputs (parameters among them): which
-    # modules a graph break left out of every graph (compile_model's first-call fallback). Not saved.
-    graph_input_ids: set[int] = field(default_factory=set, repr=False)
+    # ids of the parameters Dynamo handed this process's graphs as inputs: which modules a graph break
+    # left out of every graph (compile_model's first-call fallback). Not saved.
+    parameters_in_graphs: set[int] = field(default_factory=set, repr=False)
     # compile.cuda_graphs: the run's decision (set by dist.layout), captures, and graphs left out with why
     cuda_graphs: CudaGraphsReport = field(default_factory=CudaGraphsReport)
 

@@ -168,13 +168,13 @@ def test_layers_a_graph_break_left_eager_compile_one_by_one_after_the_first_step
     record = compile_model(model, None, cfg).record
     layer_weights = {id(p) for p in model.encoder.layers.parameters()}
     _train_side_by_side(model, reference, steps=1)
-    assert not layer_weights & record.graph_input_ids  # the first step: the layers ran in no graph
+    assert not layer_weights & record.parameters_in_graphs  # the first step: the layers ran in no graph
     assert record.fallback_scope == ("the 2 TransformerEncoderLayer modules of `encoder.layers` ran outside every "
                                      "graph after a graph break, so after the first step they compile one by one")
     graphs_after_first = record.graphs_in_use()
     _train_side_by_side(model, reference, steps=3)
     # the layers' graph took the first layer's weights (the second shares its graph)
-    assert {id(p) for p in model.encoder.layers[0].parameters()} <= record.graph_input_ids
+    assert {id(p) for p in model.encoder.layers[0].parameters()} <= record.parameters_in_graphs
     assert record.graphs_in_use() > graphs_after_first, record.compiled_line()
     assert "compile one by one" in record.compiled_line()
 
@@ -200,7 +200,7 @@ def test_a_graph_break_that_leaves_no_layer_out_compiles_nothing_more(tmp_path):
     model = BranchBetweenBlocks()
     record = _compiled_beside_eager(model, tmp_path, steps=2)
     assert sum(record.graph_breaks.values()) >= 1 or record.dynamo.get("graph_breaks"), record.compiled_line()
-    assert {id(p) for p in model.blocks[0].parameters()} <= record.graph_input_ids
+    assert {id(p) for p in model.blocks[0].parameters()} <= record.parameters_in_graphs
     assert record.fallback_scope == ""
 
 
@@ -696,7 +696,7 @@ def test_sharded_weights_count_as_taken_by_a_graph():
         fallback = _FirstCallFallback(torch.nn.Sequential(plain, sharded), backend=None, record=CompileRecord())
         assert not fallback._in_a_graph(plain)  # no graph took its weights
         assert fallback._in_a_graph(sharded)
-        fallback.record.graph_input_ids.add(id(plain.weight))
+        fallback.record.parameters_in_graphs.add(id(plain.weight))
         assert fallback._in_a_graph(plain)
     finally:
         if ours and dist.is_initialized():

@@ -387,7 +387,7 @@ class _Scheduler:
             return None
         for plan in self.plans:
             k = len(plan.col_shape)
-            if plan.kind != "rows" or not plan.full_outputs or not 0 < k < len(out.shape) + 1:
+            if plan.kind != "rows" or not plan.full_outputs or not 0 < k <= len(out.shape):
                 continue
             if tuple(out.shape[len(out.shape) - k:]) != plan.col_shape:
                 continue
