@@ -364,6 +364,23 @@ def test_a_value_returned_flat_and_shaped_and_summed_is_one_pass(shaped_first, c
     check(region, cache, list(args), atol=1e-4)  # sums of 512 values, added in another order
 
 
+def test_an_output_of_row_sums_and_its_transposed_copy_each_keep_their_loop(cache):
+    """A norm's input gradient (it reads its row's sums) and a transposed copy of it, as attention's
+    backward returns them: the copy has the same elements and trailing axis, but each of its rows
+    reads other rows' sums. Stored by the norm's loop it made the kernels depend on each other in a
+    cycle, and the region went to ATen (nn.TransformerEncoder's layer backward); it keeps a loop of
+    its own."""
+
+    def grads(x, w):
+        y = x * w
+        g = y - y.sum(-1, keepdim=True)
+        return g, g.permute(1, 0, 2).contiguous()
+
+    region = region_of(grads, torch.randn(2, 16, 64), torch.randn(64))
+    lower_region(region)  # raised "kernels of the region depend on each other in a cycle"
+    check(region, cache, atol=1e-5)
+
+
 def test_llama_regions_bf16(cache):
     cases = _llama_cases(torch.bfloat16)
     check_together([r for name in ("rmsnorm", "swiglu", "rope") for r in regions_of(*cases[name])], cache)

@@ -383,7 +383,7 @@ class _Scheduler:
         linear's input gradient, once flat for the weight's product and once shaped for the residual).
         The one loop stores both, instead of a loop each. Returns the plan and ``out`` seen in its shape
         (the value, and the map back to ``out``'s elements)."""
-        if isinstance(out, Select):
+        if isinstance(out, Select) or _reductions_in(out):  # one reading other kernels' sums: its own loop
             return None
         for plan in self.plans:
             k = len(plan.col_shape)
