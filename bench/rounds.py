@@ -17,12 +17,13 @@ class Stepper(Protocol):
 
 def interleaved_rounds(variants: Sequence[Stepper], batches: Sequence[Any], warmup: int, rounds: int) -> None:
     """Fills each variant's ``first`` (its first step, on ``batches[0]``) and ``times`` (one step a round,
-    cycling through ``batches``)."""
+    cycling through ``batches``). The warm-up cycles through them too: batches of other shapes compile
+    there, not in a timed round."""
     for v in variants:  # first step: capture + compile + run (no reset between: it would drop the others')
         v.first = v.step(batches[0])
-    for _ in range(warmup):
+    for i in range(warmup):
         for v in variants:
-            v.step(batches[1 % len(batches)])
+            v.step(batches[(1 + i) % len(batches)])
     for r in range(rounds):
         for v in variants:
             v.times.append(v.step(batches[r % len(batches)]))

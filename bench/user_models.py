@@ -21,6 +21,7 @@ which the nanoGPT figures of that morning used).
     python bench/user_models.py --models moe,moe-indexed --rounds 30
     python bench/user_models.py --models conv-mixer --variants eager,accelrun --regions   # C++ regions vs ATen
     python bench/user_models.py --models nanogpt --rounds 30 --batch 16 --seq 256
+    python bench/user_models.py --models nanogpt-p0 --lengths 96,128,160,192,224,256   # lengths change
 """
 
 from __future__ import annotations
@@ -167,11 +168,14 @@ def run_one(args: argparse.Namespace, name: str) -> None:
             names.append(v)
     variants = [Variant(v, model) for v in names]
     g = torch.Generator().manual_seed(0)
-    ids = [torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=g) for _ in range(4)]
+    lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else [args.seq] * 4
+    ids = [torch.randint(0, VOCAB, (args.batch, n + 1), generator=g) for n in lengths]
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids]
-    interleaved_rounds(variants, batches, args.warmup, args.rounds)
+    warmup = max(args.warmup, len(batches) - 1)  # every length met before the timed rounds
+    interleaved_rounds(variants, batches, warmup, args.rounds)
     med = {v.name: statistics.median(v.times) for v in variants}
-    print(f"\n{name}: batch {args.batch} x seq {args.seq}, {args.rounds} interleaved rounds after {args.warmup}, "
+    shape = f"seq {args.seq}" if not args.lengths else f"seq {args.lengths} in turn"
+    print(f"\n{name}: batch {args.batch} x {shape}, {args.rounds} interleaved rounds after {warmup}, "
           f"{torch.get_num_threads()} threads; host malloc (every variant): {malloc_record(args.malloc)}")  # fmt: skip
     for v in variants:  # what ran, once it has (the record fills as graphs compile)
         print(f"  {v.description}" + (f"; {v.record.compiled_line()}" if v.record is not None else ""))
@@ -197,6 +201,8 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--lengths", help="sequence lengths the batches take in turn (comma-separated), as a user's "
+                                      "own data without packing: each round's step has the next length")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--malloc", choices=typing.get_args(CpuMalloc), default="blocks",

@@ -71,6 +71,33 @@ def test_silu_backward_and_the_bias_gradient_for_any_number_of_rows(tmp_path):
         assert ((got[1].double() - want[1]).abs() <= 1e-5 * scale + 1e-6).all(), n
 
 
+def residual_norm_backward(x, g):
+    """A residual stream's [batch, length, dim] tensors seen as rows, as a transformer block's
+    backward sees them: a norm-like row reduction, and a weight gradient summed over every row."""
+    x2, g2 = x.view(-1, 48), g.view(-1, 48)
+    centred = x2 - x2.mean(-1, keepdim=True)
+    y = g2 * centred + x2
+    return y.view(x.shape[0], -1, 48), (g2 * centred).sum(0)
+
+
+def test_sequences_of_changing_length_run_as_their_rows(tmp_path):
+    """[4, s, 48] tensors whose length ``s`` changes: the kernels loop over 4·s rows read at each call
+    (the inputs viewed as rows, the output viewed back), for lengths they were not lowered for."""
+    region = _region(residual_norm_backward, torch.randn(4, 40, 48), torch.randn(4, 40, 48), dynamic=(1,))
+    program = lower_with_runtime_rows(region)
+    rows = program.runtime_rows
+    assert dict(rows.leading_axes) == {"in0": (4, -1), "in1": (4, -1), "out0": (4, -1)}, rows
+    assert "n = in0.size(0) * in0.size(1) at each call" in program.describe(), program.describe()
+    fn = _compiled(region, tmp_path)
+    for s in (1, 3, 40, 257):
+        x, g = torch.randn(4, s, 48), torch.randn(4, s, 48)
+        got, want = fn(x, g), residual_norm_backward(x.double(), g.double())
+        assert got[0].shape == (4, s, 48) and got[1].shape == (48,)
+        torch.testing.assert_close(got[0], want[0].float(), rtol=1e-5, atol=1e-5)
+        scale = (g.double().view(-1, 48) * x.double().view(-1, 48)).abs().sum(0) + 1
+        assert ((got[1].double() - want[1]).abs() <= 1e-5 * scale).all(), s
+
+
 def test_short_rows_run_as_one_flat_loop_over_n_times_their_length(tmp_path):
     """Rows of 8 are too short an inner loop: the kernel loops over all n·8 elements, in chunks whose
     number it works out at each call (no rows, a few, more than one thread's chunk)."""
@@ -111,10 +138,16 @@ def test_the_compiled_form_pickles_with_its_runtime_rows(tmp_path):
     (lambda x, y: (x * 2, y * 3), [(40, 8), (52, 8)], (0,), "2 changing sizes"),
     (lambda x: x.amax(0, keepdim=True) + 1, [(40, 8)], (0,), "a max or min over"),
     (lambda x: x - x.mean(0, keepdim=True), [(40, 64)], (0,), "used past the rows a kernel loops over"),
+    (lambda x: x.transpose(0, 1) * 2, [(4, 40, 8)], (1,), "a changing stride"),
+    (lambda x: x.transpose(0, 1) * 2, [(40, 4, 8)], (0,), "not laid out as rows"),
+    (lambda x: x - x.mean((0, 1), keepdim=True), [(4, 40, 8)], (1,), "used past the rows a kernel loops over"),
+    (lambda x: x * 2, [(4, 40, 40)], (1, 2), "changing sizes in 2 axes"),
 ])  # fmt: skip
 def test_what_depends_on_the_changing_size_otherwise_is_refused_with_its_reason(fn, shapes, dynamic, reason):
     """A transposed tensor (the size becomes a stride), two changing sizes, a max over rows that may be
-    none, a mean over the rows (the count becomes a constant, 1/n): each refused, the reason said."""
+    none, a mean over the rows (the count becomes a constant, 1/n), a batch of sequences laid out
+    length-major or averaged over its rows, a size changing in two axes: each refused, the
+    reason said."""
     region = _region(fn, *[torch.randn(s) for s in shapes], dynamic=dynamic)
     with pytest.raises(Unsupported, match=reason):
         lower_with_runtime_rows(region)

@@ -17,13 +17,14 @@ from accelrun.models.build import training_loss_fn, transformer_blocks
 from tests.compile.user_models import USER_MODELS, VOCAB, CausalMHABlocks
 
 
-def _train_side_by_side(model, reference, steps=3):
-    """Losses and gradients of the compiled model and its eager copy, step by step (SGD, same data)."""
+def _train_side_by_side(model, reference, steps=3, lengths=(16,)):
+    """Losses and gradients of the compiled model and its eager copy, step by step (SGD, same data);
+    the batches' sequence lengths go round ``lengths``."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x, y = (torch.randint(0, VOCAB, (2, 16), generator=gen) for _ in range(2))
+    for step in range(steps):
+        x, y = (torch.randint(0, VOCAB, (2, lengths[step % len(lengths)]), generator=gen) for _ in range(2))
         loss, loss_ref = training_loss_fn(model)(x, y), training_loss_fn(reference)(x, y)
         loss.backward()
         loss_ref.backward()
@@ -650,6 +651,29 @@ def test_a_mixtures_experts_keep_their_kernels_for_every_number_of_tokens(tmp_pa
 
     assert any("read their row count at each call" in line and f"| {len(rows)} |" in line
                for line in _compiler_section(record.summary()))  # fmt: skip
+
+
+def test_sequences_of_changing_length_keep_their_kernels_for_every_length(tmp_path):
+    """A user's own data rarely comes in one length. nanoGPT's blocks trained on batches of 2
+    sequences whose length changes every step: after the first length, one graph for every length
+    whose C++ kernels read the rows (2 × length, a [2, length, dim] tensor's leading axes) at each
+    call, at eager's losses and gradients. Until 2026-12-05 evening the graph Dynamo traced for any
+    length ran its regions as ATen calls ("a changing size past a tensor's leading axis"), after a
+    third graph had been compiled for nothing."""
+    from tests.compile.user_models import NanoGPT
+
+    torch.manual_seed(0)
+    model = NanoGPT(vocab=VOCAB, dim=64, layers=2, heads=2, block=64, dropout=0.0)
+    reference = copy.deepcopy(model)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    compiled = compile_model(model, transformer_blocks(model), cfg)
+    _train_side_by_side(model, reference, steps=6, lengths=(16, 24, 40, 24, 9, 33))
+    record = compiled.record
+    assert record.dynamo_graphs == 2, record.compiled_line()  # the first length, then any length
+    assert not record.regions_left_to_aten(), record.regions_left_to_aten()
+    rows = [r for r in record.regions if r.runtime_rows]
+    assert {r.graph.rsplit(".", 1)[1] for r in rows} == {"forward", "backward"}, record.regions
+    assert len(rows) == len(record.regions) // 2, record.regions  # every region of the second graph
 
 
 def test_a_mixture_traced_whole_keeps_its_kernels_for_rows_read_from_the_data_and_from_the_cache(tmp_path):

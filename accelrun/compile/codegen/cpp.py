@@ -482,15 +482,22 @@ class CppRowsRegion(CppRegion):
         self._dynamic_alloc = [b.name in rows.buffers for b in (*self.outputs, *self.temps)]
         self._sizes = program.size_inputs  # arguments that are sizes (an expand's): not passed on
         self._n_args = len(self.inputs) + len(self._sizes)
+        # Tensors whose rows are several leading axes ([16, s, 256] as 16*s rows): those axes, -1 the changing one.
+        leads = dict(rows.leading_axes)
+        self._in_leads = [leads.get(b.name) for b in self.inputs]
+        self._out_leads = [leads.get(b.name) for b in self.outputs]
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
         if len(args) != self._n_args:
             raise TypeError(f"compiled region takes {self._n_args} inputs, got {len(args)}")
         if self._sizes:
             args = tuple(a for i, a in enumerate(args) if i not in self._sizes)
-        n = args[self._source].shape[0]
+        source, lead = args[self._source], self._in_leads[self._source]
+        n = source.shape[0] if lead is None else math.prod(source.shape[: len(lead)])
         ins = []
-        for t, buf, dynamic in zip(args, self.inputs, self._dynamic_in, strict=True):
+        for t, buf, dynamic, lead in zip(args, self.inputs, self._dynamic_in, self._in_leads, strict=True):
+            if lead is not None:
+                t = t.reshape(n, *buf.shape[1:])  # a view where the leading axes are laid out as rows
             if dynamic and not _rows_as_expected(t, buf, n):
                 t = _conform(t, dataclasses.replace(buf, shape=(n, *buf.shape[1:])))
             elif not dynamic and not _as_expected(t, (buf.dtype, torch.Size(buf.shape), _long_axes(buf))):
@@ -499,7 +506,8 @@ class CppRowsRegion(CppRegion):
         made = [_empty_strided((n, *shape[1:]) if dynamic else shape, stride, dtype)
                 for (shape, stride, dtype), dynamic in zip(self._allocs, self._dynamic_alloc, strict=True)]  # fmt: skip
         self.fn(self._ptrs(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in made]), n, torch.get_num_threads())
-        return tuple(made[: self._n_out])
+        return tuple(t if lead is None else t.view(*lead, *t.shape[1:])
+                     for t, lead in zip(made[: self._n_out], self._out_leads, strict=True))  # fmt: skip
 
 
 def cpp_region(program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> CppRegion:

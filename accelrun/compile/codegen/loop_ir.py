@@ -160,8 +160,10 @@ class LoopProgram:
     def describe(self) -> str:
         lines = [f"buffer {b.name}: {b.role} {b.storage}{self._shown(b.name, b.shape)} stride {list(b.stride)}"
                  for b in self.buffers]
-        if self.runtime_rows is not None:
-            lines.insert(0, f"n = {self.runtime_rows.input}.size(0) at each call ({self.runtime_rows.symbol})")
+        if (rows := self.runtime_rows) is not None:
+            axes = len(dict(rows.leading_axes).get(rows.input, (0,)))
+            read = " * ".join(f"{rows.input}.size({d})" for d in range(axes))
+            lines.insert(0, f"n = {read} at each call ({rows.symbol})")
         for k in self.kernels:
             unroll = f", {k.unroll} columns per step" if k.unroll > 1 else ""
             flat = self.runtime_rows is not None and k.name in self.runtime_rows.flat_kernels

@@ -52,6 +52,10 @@ class RuntimeRows:
     # Kernels without rows whose one loop runs over n times the rest of its columns (a pointwise kernel
     # over a tensor with short rows, flattened; a sum of everything).
     flat_kernels: frozenset[str] = frozenset()
+    # Buffers whose rows are several leading axes of the region's tensor (a batch of sequences of
+    # changing length, [16, s, 256], runs as 16*s rows): those axes, -1 for the changing one. Inputs
+    # are viewed as rows and outputs viewed back at each call.
+    leading_axes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def symbolic(n: Any) -> bool:
@@ -60,14 +64,24 @@ def symbolic(n: Any) -> bool:
 
 def lower_with_runtime_rows(region: Any) -> LoopProgram:
     """The region's loop program for any number of rows (raises ``Unsupported`` with the reason)."""
-    symbol = row_symbol(region)
-    first, second = (lower_graph(*_with_rows(region, symbol, n), size_inputs=True) for n in PROBES)
-    if _marked(first, PROBES[0]) != _marked(second, PROBES[1]):
+    symbol, rows = row_symbol(region)
+    counts = [int(rows.xreplace({symbol: p})) for p in PROBES]  # the rows at each probe
+    (first, first_leads), (second, second_leads) = (
+        _rows_merged(lower_graph(*_with_rows(region, symbol, p), size_inputs=True), n)
+        for p, n in zip(PROBES, counts, strict=True))  # fmt: skip
+    if _marked(first, counts[0]) != _marked(second, counts[1]) or first_leads.keys() != second_leads.keys():
         raise Unsupported(f"the changing size {symbol} is used past the rows a kernel loops over (in an index, "
                           "a constant or a column count)")  # fmt: skip
-    buffers = frozenset(b.name for b in first.buffers if b.shape[:1] == (PROBES[0],))
-    kernels = frozenset(k.name for k in first.kernels if k.row_shape[:1] == (PROBES[0],))
-    flat = frozenset(k.name for k in first.kernels if _flat(k, PROBES[0]))
+    leads = {}
+    for name, one in first_leads.items():
+        lead = tuple(-1 if a != b else a for a, b in zip(one, second_leads[name], strict=True))
+        if lead.count(-1) != 1:
+            raise Unsupported(f"the changing size {symbol} in more than one of a tensor's leading axes")
+        leads[name] = lead
+    n = counts[0]
+    buffers = frozenset(b.name for b in first.buffers if b.shape[:1] == (n,))
+    kernels = frozenset(k.name for k in first.kernels if k.row_shape[:1] == (n,))
+    flat = frozenset(k.name for k in first.kernels if _flat(k, n))
     source = next((b.name for b in first.of_role("input") if b.name in buffers), None)
     if source is None:
         raise Unsupported(f"no input has the changing size {symbol} as its rows, to read it from")
@@ -77,39 +91,72 @@ def lower_with_runtime_rows(region: Any) -> LoopProgram:
             raise Unsupported(f"a max or min over {symbol} rows, which may be none")
         if k.name in flat and (math.prod(k.col_shape[1:]) % k.unroll or k.row_buffers):
             raise Unsupported(f"a loop over {symbol} rows in steps of {k.unroll} columns, or with a scratch row")
-    return dataclasses.replace(first, runtime_rows=RuntimeRows(str(symbol), source, buffers, kernels, flat))
+    runtime = RuntimeRows(str(symbol), source, buffers, kernels, flat, tuple(sorted(leads.items())))
+    return dataclasses.replace(first, runtime_rows=runtime)
 
 
-def row_symbol(region: Any) -> sympy.Symbol:
-    """The one symbol of the region's sizes, when it is only ever the leading size of a tensor."""
-    found: set[sympy.Symbol] = set()
+def row_symbol(region: Any) -> tuple[sympy.Symbol, sympy.Expr]:
+    """The one symbol of the region's sizes, when it is only ever the leading size of a tensor, and that
+    leading size: the symbol itself (an expert's tokens), or a whole multiple of it (``16*s``: a batch of
+    16 sequences of changing length, flattened to rows)."""
+    found: set[sympy.Expr] = set()
     values = _values(region)
     for val in values:
         if not isinstance(val, torch.Tensor):
             continue
-        for d, n in enumerate(val.shape):
-            if not symbolic(n):
-                continue
-            expr = n.node.expr
-            if d != 0 or not isinstance(expr, sympy.Symbol):
-                raise Unsupported(f"a changing size {expr} past a tensor's leading axis ({list(val.shape)})")
-            found.add(expr)
+        changing = [d for d, n in enumerate(val.shape) if symbolic(n)]
+        if len(changing) > 1:
+            raise Unsupported(f"changing sizes in {len(changing)} axes of a tensor ({list(val.shape)})")
+        if changing:
+            (d,) = changing
+            expr = val.shape[d].node.expr
+            # The axes before it are whole numbers: [16, s, 256] is 16*s rows if laid out as rows
+            # (checked on the lowered programs, where its axes are merged or the probes differ).
+            if not _multiple_of_a_symbol(expr) or any(symbolic(n) for n in val.shape[:d]):
+                raise Unsupported(f"a changing size {expr} that is not a whole number of rows ({list(val.shape)})")
+            if not _laid_out_as_rows(val, d):
+                raise Unsupported(f"a changing size {expr} past a tensor's leading axis that is not laid out as "
+                                  f"rows (sizes {list(val.shape)}, strides {list(val.stride())}: transposed)")
+            found.add(math.prod(val.shape[:d]) * expr)
         # An axis of size 1 is never stepped along: its stride may be anything (nonzero's [n, 1] has n).
-        steps = zip(val.shape, val.stride(), strict=True)
+        # The axes before the changing one step over it: their strides change with it.
+        last = changing[0] if changing else 0
+        steps = list(zip(val.shape, val.stride(), strict=True))[last:]
         if any(symbolic(st) and not (isinstance(n, int) and n == 1) for n, st in steps):
             raise Unsupported(f"a changing stride {list(val.stride())} (a transposed tensor of changing size)")
     if len(found) != 1:
         raise Unsupported(f"{len(found)} changing sizes ({', '.join(sorted(map(str, found)))}); kernels read one")
-    symbol = found.pop()
+    rows = found.pop()
+    (symbol,) = rows.free_symbols
     for node in region.gm.graph.nodes:  # a size the region is given: the count itself, as a size only
         val = node.meta.get("val")
         if node.op != "placeholder" or isinstance(val, torch.Tensor):
             continue
-        if not isinstance(val, torch.SymInt) or val.node.expr != symbol:
+        if not isinstance(val, torch.SymInt) or val.node.expr.free_symbols != {symbol}:
             raise Unsupported(f"a number {val} the region is given is not the changing size {symbol}")
         if any(user.target not in SIZE_READERS for user in node.users):
             raise Unsupported(f"the changing size {symbol} is read as a number (an index, a bound), not as a size")
-    return symbol
+    return symbol, rows
+
+
+def _laid_out_as_rows(val: torch.Tensor, d: int) -> bool:
+    """Whether axes 0..d of ``val`` step over one another as a row-major tensor's do (axes of size 1
+    aside), so that they can be read as one axis of rows."""
+
+    def expr(n: Any) -> sympy.Expr:
+        return n.node.expr if symbolic(n) else sympy.Integer(n)
+
+    shape, stride = val.shape, val.stride()
+    return all(shape[i] == 1 or sympy.expand(expr(stride[i]) - expr(shape[i + 1]) * expr(stride[i + 1])) == 0
+               for i in range(d))  # fmt: skip
+
+
+def _multiple_of_a_symbol(expr: sympy.Expr) -> bool:
+    """``s`` or ``c*s`` with a whole number ``c``: what a row count of changing size is."""
+    if isinstance(expr, sympy.Symbol):
+        return True
+    coeff, rest = expr.as_coeff_Mul()
+    return isinstance(rest, sympy.Symbol) and coeff.is_Integer and int(coeff) > 0
 
 
 def _values(region: Any) -> list[Any]:
@@ -154,6 +201,45 @@ def _with_rows(region: Any, symbol: sympy.Symbol, n: int) -> tuple[fx.GraphModul
             node.meta = {**node.meta, "val": type(val)(concrete(v) for v in val)}
     gm = fx.GraphModule(region.gm, graph)
     return gm, [concrete(m) for m in region.input_meta], [concrete(m) for m in region.output_meta]
+
+
+def _rows_merged(program: LoopProgram, n: int) -> tuple[LoopProgram, dict[str, tuple[int, ...]]]:
+    """``program`` with each buffer whose leading axes hold ``n`` elements laid out as rows (``[16, s,
+    256]``, contiguous over 16 and s) taken as ``n`` rows, and each kernel whose leading row or column
+    axes multiply to ``n`` looping over ``n``; and the merged buffers' leading axes. A kernel's code
+    reads its rows through the flat row index, so only the loop's length changes; a buffer whose axes
+    cannot be merged keeps its shape, and then the two probes' programs differ (``Unsupported``)."""
+    leads: dict[str, tuple[int, ...]] = {}
+
+    def buffer(b: Buffer) -> Buffer:
+        k = _prefix(b.shape, n)
+        if k is None or not all(b.shape[i] == 1 or b.stride[i] == b.shape[i + 1] * b.stride[i + 1] for i in range(k)):
+            return b
+        leads[b.name] = b.shape[: k + 1]
+        return dataclasses.replace(b, shape=(n, *b.shape[k + 1 :]), stride=(b.stride[k], *b.stride[k + 1 :]))
+
+    def kernel(k: Kernel) -> Kernel:
+        if (j := _prefix(k.row_shape, n)) is not None:
+            return dataclasses.replace(k, row_shape=(n, *k.row_shape[j + 1 :]))
+        if k.kind == "rows" and k.row_shape == () and (j := _prefix(k.col_shape, n)) is not None:
+            return dataclasses.replace(k, col_shape=(n, *k.col_shape[j + 1 :]))
+        return k
+
+    merged = LoopProgram([buffer(b) for b in program.buffers], [kernel(k) for k in program.kernels],
+                         program.runtime_rows, program.size_inputs)  # fmt: skip
+    return merged, leads
+
+
+def _prefix(shape: tuple[int, ...], n: int) -> int | None:
+    """The last of two or more leading axes whose sizes multiply to ``n``, if there is one."""
+    total = 1
+    for i, size in enumerate(shape):
+        total *= size
+        if total == n:
+            return i if i > 0 else None
+        if total > n:
+            return None
+    return None
 
 
 def _flat(k: Kernel, n: int) -> bool:
