@@ -211,6 +211,38 @@ def test_pass_routes_sdpa_to_the_kernel(fn, kv_heads, aot):
     assert F.scaled_dot_product_attention not in backend.targets()
 
 
+def heads_of_one_projection(x):
+    """q, k and v as a model cuts them from one projection's output ([batch, length, 10 heads, 32]):
+    6 query heads, 2 key/value heads."""
+    q, k, v = (t.transpose(1, 2) for t in x.split([6, 2, 2], dim=2))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("aot", [False, True])
+def test_a_sequence_length_that_changes_between_calls_runs_the_kernel(aot):
+    """Batches of other lengths (a user's data without packing): Dynamo's graph has the length as a
+    symbol, and the kernel, which reads its sizes at each call, takes it; one graph for every length,
+    eager's outputs and gradients at each. Until 2026-12-05 such calls stayed ATen's ("sizes or
+    is_causal not fixed when compiling")."""
+    backend = Fused(["cpu_attention"], aot=aot)
+    compiled = torch.compile(heads_of_one_projection, backend=backend, fullgraph=True)
+    for n, length in enumerate((24, 40, 17)):
+        x = randn(2, length, 10, 32, seed=n)
+        eager_x, our_x = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+        torch._dynamo.mark_dynamic(our_x, 1)
+        expected, got = heads_of_one_projection(eager_x), compiled(our_x)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        cotangent = randn(*expected.shape, seed=99)
+        expected.backward(cotangent)
+        got.backward(cotangent)
+        torch.testing.assert_close(our_x.grad, eager_x.grad, rtol=1e-5, atol=1e-5)
+    assert backend.counts == {"cpu_attention": 1}  # one graph, traced once, for every length
+    (x_in,) = [n for n in backend.gm.graph.nodes
+               if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)]  # fmt: skip
+    assert not isinstance(x_in.meta["example_value"].shape[1], int)  # the length is a symbol there
+    assert F.scaled_dot_product_attention not in backend.targets()
+
+
 def test_pass_leaves_what_the_kernel_does_not_take():
     q = randn(2, 4, 16, 32)
 

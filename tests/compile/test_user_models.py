@@ -657,9 +657,10 @@ def test_sequences_of_changing_length_keep_their_kernels_for_every_length(tmp_pa
     """A user's own data rarely comes in one length. nanoGPT's blocks trained on batches of 2
     sequences whose length changes every step: after the first length, one graph for every length
     whose C++ kernels read the rows (2 × length, a [2, length, dim] tensor's leading axes) at each
-    call, at eager's losses and gradients. Until 2026-12-05 evening the graph Dynamo traced for any
-    length ran its regions as ATen calls ("a changing size past a tensor's leading axis"), after a
-    third graph had been compiled for nothing."""
+    call, and its attention through accelrun's kernel, at eager's losses and gradients. Until
+    2026-12-05 evening the graph Dynamo traced for any length ran its regions as ATen calls ("a
+    changing size past a tensor's leading axis"), after a third graph had been compiled for nothing,
+    and its attention as ATen's ("sizes not fixed when compiling")."""
     from tests.compile.user_models import NanoGPT
 
     torch.manual_seed(0)
@@ -674,6 +675,9 @@ def test_sequences_of_changing_length_keep_their_kernels_for_every_length(tmp_pa
     rows = [r for r in record.regions if r.runtime_rows]
     assert {r.graph.rsplit(".", 1)[1] for r in rows} == {"forward", "backward"}, record.regions
     assert len(rows) == len(record.regions) // 2, record.regions  # every region of the second graph
+    # accelrun's attention kernel reads its sizes at each call: both graphs' attention is its
+    attention = {p.graph: p.counts.get("matched") for p in record.passes if p.name == "cpu_attention"}
+    assert attention == {"g0.pre_grad": 1, "g1.pre_grad": 1}, attention
 
 
 def test_a_mixture_traced_whole_keeps_its_kernels_for_rows_read_from_the_data_and_from_the_cache(tmp_path):

@@ -39,15 +39,25 @@ def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | No
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "not (batch, heads, sequence, head_dim)"
     (B, Hq, S, D), (Bk, Hkv, Sk, Dk) = q.shape, k.shape
-    if tuple(v.shape) != (Bk, Hkv, Sk, Dk) or Bk != B or Dk != D:
+    if not all(isinstance(n, int) for n in (B, Hq, D, Bk, Hkv, Dk)):
+        return "batch, heads or head_dim not fixed when compiling"
+    if not all(_same(a, b) for a, b in zip(v.shape, k.shape, strict=True)) or Bk != B or Dk != D:
         return "q, k and v disagree on batch or head_dim"
-    if Sk != S:
+    if not _same(Sk, S):
         return "queries and keys of different lengths"
     if Hkv == 0 or Hq % Hkv:
         return "query heads are not a multiple of key/value heads"
     if D <= 0 or D % 16 or D > MAX_HEAD_DIM:
         return f"head_dim {D} (a multiple of 16 up to {MAX_HEAD_DIM})"
     return None
+
+
+def _same(a: int | torch.SymInt, b: int | torch.SymInt) -> bool:
+    """Equal sizes: whole numbers, or a sequence length that changes between calls (a symbol, which
+    Dynamo traced; compared as an expression, so that no guard on its value is added)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return a == b if isinstance(a, int) and isinstance(b, int) else statically_known_true(a == b)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: int = 1) -> str | None:

@@ -3,6 +3,8 @@
 Takes calls with no mask tensor (causal or full), or with a boolean causal mask the graph computes from
 numbers alone (``folded_mask_is_causal``: transformers' under torch.compile), fp32 or bf16 inputs, equal query and key
 lengths and a head_dim the kernel handles (``fused.attention.supports``); any other call keeps ATen's.
+The kernel reads its sizes at each call, so a sequence length that changes between calls (a symbol in
+the graph; a user's own data without packing) is taken too, where no mask tensor is given.
 A mask the graph is given as an input (a model that builds it outside its blocks: transformers' Falcon)
 goes to ``cpu_attention_masked``, which sends each call to the kernel when the mask is the causal one and
 to ATen's flash attention with the mask when it is not (``mask_problem`` says which masks it takes).
@@ -83,10 +85,12 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | str | None:
     if drop and args["attn_mask"] is not None:
         return "dropout with a mask"
     q, k, v = args["query"], args["key"], args["value"]
-    shapes = [static_shape(t) for t in (q, k, v)]
+    shapes = [static_shape(t) or shape_but_length(t) for t in (q, k, v)]
     if any(s is None for s in shapes) or not isinstance(args["is_causal"], bool):
         return "sizes or is_causal not fixed when compiling"
     mask, checked_at_run_time = args["attn_mask"], None
+    if mask is not None and not isinstance(shapes[0][-2], int):
+        return "a mask over a sequence length not fixed when compiling"
     if mask is not None:
         if args["is_causal"] or not isinstance(mask, fx.Node) or shapes[0][-2] != shapes[1][-2]:
             return "a mask with is_causal, or queries and keys of different lengths"
@@ -126,6 +130,15 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | str | None:
     gm.graph.erase_node(node)
     erase_dead(gm.graph, [n for n in (args["key"], args["value"], mask) if isinstance(n, fx.Node)])
     return values[0].dtype
+
+
+def shape_but_length(node: fx.Node) -> tuple[int | torch.SymInt, ...] | None:
+    """A (batch, heads, sequence, head_dim) value's sizes when only its sequence length is a symbol
+    (Dynamo's, for a length that changes between calls): the kernel reads its sizes at each call."""
+    v = example_value(node)
+    if v is None or v.dim() != 4 or not all(isinstance(n, int) for i, n in enumerate(v.shape) if i != 2):
+        return None
+    return tuple(v.shape)
 
 
 def mask_problem(mask: object, query_shape: tuple[int, ...]) -> str | None:
