@@ -58,6 +58,32 @@ def test_the_kernel_draws_the_reference_numbers_and_fuses_the_dropout():
     assert rewrite.counts["rewritten"] == 1
 
 
+def test_batches_of_changing_length_draw_the_reference_numbers_in_kernels_that_read_their_rows():
+    """A dropout on [4, length, 48] activations whose length changes between calls: after the first
+    length, one graph for every length whose region (the norm, the mask, the multiplies) reads its
+    rows at each call and draws, for each length, exactly the reference's numbers over that shape.
+    Until 2026-12-05 such dropouts stayed ATen's ("symbolic sizes")."""
+
+    def fn(x):
+        return F.dropout(F.layer_norm(x, (48,)), 0.25, training=True) + x
+
+    compiled, backend = _compiled(fn)
+    for length in (16, 24, 9, 40, 24):
+        x = torch.randn(4, length, 48)
+        torch.manual_seed(length)
+        got = compiled(x)
+        keep = _reference_keep(x.shape, 0.25, seed=length)
+        want = F.layer_norm(x, (48,)) * keep * (1 / 0.75) + x
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    record = backend.record
+    assert record.dynamo_graphs == 2, record.compiled_line()  # the first length, then any length
+    rewrites = [p.counts["rewritten"] for p in record.passes if p.name == "cpu_dropout"]
+    assert rewrites == [1, 1], rewrites
+    last = [r for r in record.regions if r.graph.startswith("g1")]
+    assert last and all(r.executor == "cpp" and r.runtime_rows for r in last), last
+    assert any("dropout_uniform" in r.ops for r in last), last
+
+
 def test_a_region_run_as_aten_calls_draws_the_same_mask_bit_for_bit():
     x = torch.randn(40, 50)
     outs = []

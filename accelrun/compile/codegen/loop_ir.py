@@ -916,7 +916,7 @@ class _KernelBuilder:
         if v.op == "cast":
             return self._emit("cast", (names[0],), out_type) if self.ctypes[names[0]] != out_type else names[0]
         if v.op == "uniform":  # (seed, this element's row-major index in the value's own shape)
-            flat = ravel(idx, v.shape)
+            flat = simplify_index(ravel(idx, v.shape), self.bounds)  # one term, not the row split again
             at = self._emit("index", (flat,), "i64", depends_on_c=_uses(flat, C))
             return self._emit("uniform", (self._as(names[0], "i64"), at), "f32")
         if v.op == "where":

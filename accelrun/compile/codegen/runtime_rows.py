@@ -37,7 +37,7 @@ ROWS = -1  # marks "the runtime count" where the two programs are compared
 # output, which the lowering takes from the graph's shapes, never from the argument.
 SIZE_READERS = frozenset({
     torch.ops.aten.expand.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.reshape.default, torch.ops.aten.full.default,
+    torch.ops.aten.reshape.default, torch.ops.aten.full.default, torch.ops.accelrun.dropout_uniform.default,
 })  # fmt: skip
 
 

@@ -13,7 +13,8 @@ and the partitioner fuses those with their neighbours; the backward still reads 
 mask. Masks differ from eager's (another generator, as Inductor's do), are decided by
 ``torch.manual_seed`` and keep each element with probability 1 - p. Left alone: a dropout that is not
 training, p of 0 or 1, a tensor off the CPU or not contiguous (the saved mask must keep eager's
-layout), and dtypes the C++ generator does not store (fp16).
+layout), and dtypes the C++ generator does not store (fp16). A size that changes between calls (a
+symbol in the graph: batches of other lengths) is drawn for as the graph's input that holds it.
 """
 
 from __future__ import annotations
@@ -46,11 +47,26 @@ def _why_not(node: fx.Node) -> str | None:
         return f"dtype {x.dtype}"
     if not x.is_contiguous():
         return "input not contiguous"
-    if any(not isinstance(s, int) for s in x.shape):
-        return "symbolic sizes"
     if any(u.target is not operator.getitem for u in node.users):
         return "its result is used whole"
     return None
+
+
+def _size_of(gm: fx.GraphModule, val: torch.Tensor) -> list[int | fx.Node] | None:
+    """``val``'s sizes as the numbers draws are made for: whole numbers, and for a size that changes
+    between calls (a sequence's length; a symbol in the graph) the graph's input that holds it. None
+    where a changing size is no input's (a product of sizes, ``16*s``)."""
+    given = {n.meta["val"].node.expr: n for n in gm.graph.find_nodes(op="placeholder")
+             if isinstance(n.meta.get("val"), torch.SymInt)}  # fmt: skip
+    size: list[int | fx.Node] = []
+    for n in val.shape:
+        if isinstance(n, int):
+            size.append(n)
+        elif (node := given.get(n.node.expr)) is not None:
+            size.append(node)
+        else:
+            return None
+    return size
 
 
 @register_pass("cpu_dropout", "post_grad", PassOptions)
@@ -65,14 +81,17 @@ def cpu_dropout(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> P
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.native_dropout.default:
             continue
-        if (why := _why_not(node)) is not None:
+        why = _why_not(node)
+        x, val = node.args[0], tensor_val(node.args[0])
+        size = _size_of(gm, val) if why is None and val is not None else None
+        if why is None and size is None:
+            why = "a size that changes between calls that the graph is not given as a number"
+        if why is not None:
             kept[why] = kept.get(why, 0) + 1
             continue
-        x, p = node.args[0], float(node.args[1])
-        val = tensor_val(x)
-        assert val is not None
+        p = float(node.args[1])
         seed = build(node, aten.randint.low, 0, SEED_HIGH, [], dtype=torch.int64, device=val.device)
-        uniform = build(node, torch.ops.accelrun.dropout_uniform.default, seed, list(val.shape))
+        uniform = build(node, torch.ops.accelrun.dropout_uniform.default, seed, size)
         keep = build(node, aten.ge.Scalar, uniform, p)
         out = build(node, aten.mul.Scalar, build(node, aten.mul.Tensor, x, keep), 1.0 / (1.0 - p))
         for new in (seed, uniform, keep, out):

@@ -15,6 +15,14 @@ def tensor_val(node: object) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
+def _value(a: object) -> object:
+    """What a node stands for while building (its fake tensor, or the symbolic size it is), or ``a``."""
+    if not isinstance(a, fx.Node):
+        return a
+    val = a.meta.get("val")
+    return val if isinstance(val, (torch.Tensor, torch.SymInt)) else None
+
+
 class NodeBuilder:
     """Inserts ATen calls before a node; ``fake_mode`` is None when the graph's values do not come
     from one fake mode (a hand-traced graph), and then nothing may be built."""
@@ -29,8 +37,8 @@ class NodeBuilder:
     def __call__(self, before: fx.Node, target, *args, **kwargs) -> fx.Node:
         with self.graph.inserting_before(before):
             node = self.graph.call_function(target, args, kwargs)
-        vals = [tensor_val(a) if isinstance(a, fx.Node) else a for a in args]
-        vals = [[tensor_val(x) if isinstance(x, fx.Node) else x for x in a] if isinstance(a, list) else a for a in vals]
+        vals = [_value(a) for a in args]
+        vals = [[_value(x) for x in a] if isinstance(a, list) else a for a in vals]
         with self.fake_mode:
             node.meta["val"] = target(*vals, **kwargs)
         return node
