@@ -243,6 +243,25 @@ def test_a_sequence_length_that_changes_between_calls_runs_the_kernel(aot):
     assert F.scaled_dot_product_attention not in backend.targets()
 
 
+def test_a_mask_over_keys_of_changing_length_stays_atens_without_fixing_the_length():
+    """Queries of a fixed length, keys of a changing one and a mask: the call stays ATen's, and the pass
+    compares no length, which would have added a guard fixing it (Dynamo: "you marked it as dynamic
+    but your code specialized it"; the review of 2026-12-05 found that)."""
+
+    def masked(q, kv, m):
+        k, v = kv.chunk(2, dim=-1)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=m)
+
+    backend = Fused(["cpu_attention"])
+    compiled = torch.compile(masked, backend=backend, fullgraph=True)
+    for length in (4, 12, 20):
+        q, kv, m = randn(2, 4, 4, 32, seed=1), randn(2, length, 4, 64, seed=2), torch.zeros(4, length)
+        torch._dynamo.mark_dynamic(kv, 1)
+        torch._dynamo.mark_dynamic(m, 1)
+        torch.testing.assert_close(compiled(q, kv, m), masked(q, kv, m), rtol=1e-5, atol=1e-5)
+    assert backend.counts == {"cpu_attention": 0}
+
+
 def test_pass_leaves_what_the_kernel_does_not_take():
     q = randn(2, 4, 16, 32)
 

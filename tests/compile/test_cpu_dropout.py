@@ -84,6 +84,27 @@ def test_batches_of_changing_length_draw_the_reference_numbers_in_kernels_that_r
     assert any("dropout_uniform" in r.ops for r in last), last
 
 
+@pytest.mark.parametrize("shape", [(4, None, 8), (4, 5, None)])
+def test_a_dropout_whose_changing_size_no_kernel_reads_stays_atens(shape):
+    """Rows of 8, or a changing size in the last axis (a [batch, channels, length] activation): the draw's
+    index would split the changing rows, so no kernel for any length takes it. The dropout stays
+    ATen's (its region would run as ATen calls, whose reference draw is 5x slower), with the reason,
+    and no size is read as a number: one graph for every length after the first, as without the pass."""
+
+    def fn(x):
+        return F.dropout(x * 2, 0.25, training=True) + x
+
+    compiled, backend = _compiled(fn)
+    for length in (16, 24, 9, 40):
+        out = compiled(torch.randn(*[length if n is None else n for n in shape]))
+        assert out.shape[shape.index(None)] == length
+    record = backend.record
+    assert record.dynamo_graphs == 2, record.compiled_line()
+    rewrites = [p for p in record.passes if p.name == "cpu_dropout"]
+    assert [p.counts["rewritten"] for p in rewrites] == [1, 0]
+    assert "whose rows no kernel reads at each call" in rewrites[1].summary, rewrites[1].summary
+
+
 def test_a_region_run_as_aten_calls_draws_the_same_mask_bit_for_bit():
     x = torch.randn(40, 50)
     outs = []

@@ -96,6 +96,10 @@ def test_sequences_of_changing_length_run_as_their_rows(tmp_path):
         torch.testing.assert_close(got[0], want[0].float(), rtol=1e-5, atol=1e-5)
         scale = (g.double().view(-1, 48) * x.double().view(-1, 48)).abs().sum(0) + 1
         assert ((got[1].double() - want[1]).abs() <= 1e-5 * scale).all(), s
+    # Read as rows, an input must still have the sizes it was compiled for, but for the length.
+    for wrong in [(4, 10, 6, 8), (8, 5, 48)]:
+        with pytest.raises(ValueError, match=r"where \[4, -1, 48\]"):
+            fn(torch.randn(wrong), torch.randn(4, 10, 48))
 
 
 def test_short_rows_run_as_one_flat_loop_over_n_times_their_length(tmp_path):
@@ -142,12 +146,13 @@ def test_the_compiled_form_pickles_with_its_runtime_rows(tmp_path):
     (lambda x: x.transpose(0, 1) * 2, [(40, 4, 8)], (0,), "not laid out as rows"),
     (lambda x: x - x.mean((0, 1), keepdim=True), [(4, 40, 8)], (1,), "used past the rows a kernel loops over"),
     (lambda x: x * 2, [(4, 40, 40)], (1, 2), "changing sizes in 2 axes"),
+    (lambda x: x * 2 + 1, [(0, 40, 48)], (1,), "a changing size of 0 rows"),
 ])  # fmt: skip
 def test_what_depends_on_the_changing_size_otherwise_is_refused_with_its_reason(fn, shapes, dynamic, reason):
     """A transposed tensor (the size becomes a stride), two changing sizes, a max over rows that may be
     none, a mean over the rows (the count becomes a constant, 1/n), a batch of sequences laid out
-    length-major or averaged over its rows, a size changing in two axes: each refused, the
-    reason said."""
+    length-major or averaged over its rows, a size changing in two axes, a batch of no sequences
+    (0·s rows): each refused, the reason said."""
     region = _region(fn, *[torch.randn(s) for s in shapes], dynamic=dynamic)
     with pytest.raises(Unsupported, match=reason):
         lower_with_runtime_rows(region)

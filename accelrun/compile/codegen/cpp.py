@@ -497,6 +497,9 @@ class CppRowsRegion(CppRegion):
         ins = []
         for t, buf, dynamic, lead in zip(args, self.inputs, self._dynamic_in, self._in_leads, strict=True):
             if lead is not None:
+                if not _leads_with(t, lead, buf.shape[1:]):
+                    raise ValueError(f"compiled region: an input of sizes {list(t.shape)} where "
+                                     f"{[*lead, *buf.shape[1:]]} (-1: any) was expected")  # fmt: skip
                 t = t.reshape(n, *buf.shape[1:])  # a view where the leading axes are laid out as rows
             if dynamic and not _rows_as_expected(t, buf, n):
                 t = _conform(t, dataclasses.replace(buf, shape=(n, *buf.shape[1:])))
@@ -508,6 +511,13 @@ class CppRowsRegion(CppRegion):
         self.fn(self._ptrs(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in made]), n, torch.get_num_threads())
         return tuple(t if lead is None else t.view(*lead, *t.shape[1:])
                      for t, lead in zip(made[: self._n_out], self._out_leads, strict=True))  # fmt: skip
+
+
+def _leads_with(t: torch.Tensor, lead: tuple[int, ...], rest: tuple[int, ...]) -> bool:
+    """Whether ``t``'s sizes are ``lead`` (-1: any) followed by ``rest``."""
+    shape = tuple(t.shape)
+    return (len(shape) == len(lead) + len(rest) and shape[len(lead):] == tuple(rest)
+            and all(want in (-1, got) for want, got in zip(lead, shape, strict=False)))  # fmt: skip
 
 
 def cpp_region(program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> CppRegion:

@@ -7,11 +7,12 @@ again for every size; past a few compiles such regions stayed unfused ATen calls
 SiLU of an expert's backward: slower than eager's own kernel).
 
 Most such regions use the symbol in one place: the leading size of their tensors, the rows a kernel
-loops over. Such a region is lowered twice, with two made-up row counts. When the two programs are
+loops over (``s``, or ``16*s`` where a batch of 16 sequences of length ``s`` is read as rows: a
+``[16, s, 256]`` tensor laid out as rows has 16·s of them). Such a region is lowered twice, with two made-up row counts. When the two programs are
 the same but for those counts, nothing in any row's code depends on the count, and the program holds
 for every count: the C++ kernel loops over as many rows as its first such input has at that call.
-Anything else (the symbol in a stride, past the leading axis, in an index or a constant, or more than
-one symbol) raises ``Unsupported`` with the reason, and the region keeps the fixed-size rules.
+Anything else (the symbol in a stride, past the axes read as rows, in an index or a constant, or more
+than one symbol) raises ``Unsupported`` with the reason, and the region keeps the fixed-size rules.
 
     program = lower_with_runtime_rows(region)    # program.runtime_rows names what has n rows
 """
@@ -46,7 +47,7 @@ class RuntimeRows:
     """What of a program has the call's row count ``n`` as its leading size."""
 
     symbol: str  # Dynamo's name for it, for the explain dump
-    input: str  # the input buffer the count is read from (its axis 0)
+    input: str  # the input buffer the count is read from (its axis 0, or its leading axes' product)
     buffers: frozenset[str]  # buffers whose axis 0 has n entries (inputs, outputs, temporaries)
     kernels: frozenset[str]  # kernels whose leading row axis has n entries
     # Kernels without rows whose one loop runs over n times the rest of its columns (a pointwise kernel
@@ -116,7 +117,7 @@ def row_symbol(region: Any) -> tuple[sympy.Symbol, sympy.Expr]:
                 raise Unsupported(f"a changing size {expr} that is not a whole number of rows ({list(val.shape)})")
             if not _laid_out_as_rows(val, d):
                 raise Unsupported(f"a changing size {expr} past a tensor's leading axis that is not laid out as "
-                                  f"rows (sizes {list(val.shape)}, strides {list(val.stride())}: transposed)")
+                                  f"rows (sizes {list(val.shape)}, strides {list(val.stride())})")
             found.add(math.prod(val.shape[:d]) * expr)
         # An axis of size 1 is never stepped along: its stride may be anything (nonzero's [n, 1] has n).
         # The axes before the changing one step over it: their strides change with it.
@@ -127,6 +128,8 @@ def row_symbol(region: Any) -> tuple[sympy.Symbol, sympy.Expr]:
     if len(found) != 1:
         raise Unsupported(f"{len(found)} changing sizes ({', '.join(sorted(map(str, found)))}); kernels read one")
     rows = found.pop()
+    if len(rows.free_symbols) != 1:  # 0*s: a tensor with no rows at all (an empty split's piece)
+        raise Unsupported(f"a changing size of {rows} rows")
     (symbol,) = rows.free_symbols
     for node in region.gm.graph.nodes:  # a size the region is given: the count itself, as a size only
         val = node.meta.get("val")

@@ -238,8 +238,13 @@ class GraphValues:
         self.inputs: list[Input] = []
         self.outputs: list[Value] = []
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        for pos, node in enumerate(placeholders):
-            meta = input_meta[pos] if pos < len(input_meta) else node.meta["val"]
+        metas = [input_meta[pos] if pos < len(input_meta) else node.meta["val"] for pos, node in enumerate(placeholders)]
+        # Before any tensor's sizes are read as numbers (each read of a symbol adds a guard on its value,
+        # and Dynamo compiles again): where the rows could not be read at each call (runtime_rows).
+        if given := next((n for n, m in zip(placeholders, metas, strict=True) if isinstance(m, torch.SymInt)), None):
+            raise Unsupported(f"input {given.name} is a size that changes between calls; kernels for fixed "
+                              "sizes take tensors only")  # fmt: skip
+        for pos, (node, meta) in enumerate(zip(placeholders, metas, strict=True)):
             if size_inputs and isinstance(meta, int) and not isinstance(meta, bool):
                 self.size_inputs.append(pos)
                 continue

@@ -89,8 +89,8 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | str | None:
     if any(s is None for s in shapes) or not isinstance(args["is_causal"], bool):
         return "sizes or is_causal not fixed when compiling"
     mask, checked_at_run_time = args["attn_mask"], None
-    if mask is not None and not isinstance(shapes[0][-2], int):
-        return "a mask over a sequence length not fixed when compiling"
+    if mask is not None and not (isinstance(shapes[0][-2], int) and isinstance(shapes[1][-2], int)):
+        return "a mask over a sequence length not fixed when compiling"  # (comparing a symbol would guard it)
     if mask is not None:
         if args["is_causal"] or not isinstance(mask, fx.Node) or shapes[0][-2] != shapes[1][-2]:
             return "a mask with is_causal, or queries and keys of different lengths"

@@ -69,6 +69,35 @@ def _size_of(gm: fx.GraphModule, val: torch.Tensor) -> list[int | fx.Node] | Non
     return size
 
 
+def _not_drawn_at_each_call(nodes: list[fx.Node]) -> str | None:
+    """Why the rewritten dropout (``nodes``: the draw, the mask, the two multiplies), over a size that
+    changes between calls, would get no kernel that reads its rows at each call (the draw's index
+    splits across the rows: ``[4, s]``, ``[4, 5, s]``), or None. Where it gets none its region runs
+    as ATen calls, whose reference draw is 5x slower than ATen's own dropout, and a size read as a
+    number adds a compile: such a dropout stays ATen's."""
+    from accelrun.compile.codegen.loop_ir import Unsupported
+    from accelrun.compile.codegen.runtime_rows import lower_with_runtime_rows
+    from accelrun.compile.extract import region_boundary
+    from accelrun.compile.regions import Region
+
+    inputs, _ = region_boundary(nodes)
+    graph, env = fx.Graph(), {}
+    for inp in inputs:
+        env[inp] = graph.placeholder(inp.name)
+        env[inp].meta["val"] = inp.meta.get("val")
+    for n in nodes:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    outputs = [nodes[1], nodes[-1]]  # the mask (saved for the backward) and the result
+    graph.output(tuple(env[o] for o in outputs))
+    region = Region(0, fx.GraphModule(torch.nn.Module(), graph), [i.meta.get("val") for i in inputs],
+                    [o.meta.get("val") for o in outputs])  # fmt: skip
+    try:
+        lower_with_runtime_rows(region)
+    except Unsupported as e:
+        return f"a size that changes between calls, whose rows no kernel reads at each call ({e})"
+    return None
+
+
 @register_pass("cpu_dropout", "post_grad", PassOptions)
 def cpu_dropout(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> PassResult:
     """Training dropouts on CPU tensors draw their masks in the fusion regions around them."""
@@ -83,7 +112,7 @@ def cpu_dropout(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> P
             continue
         why = _why_not(node)
         x, val = node.args[0], tensor_val(node.args[0])
-        size = _size_of(gm, val) if why is None and val is not None else None
+        size = _size_of(gm, val) if why is None else None
         if why is None and size is None:
             why = "a size that changes between calls that the graph is not given as a number"
         if why is not None:
@@ -93,8 +122,14 @@ def cpu_dropout(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> P
         seed = build(node, aten.randint.low, 0, SEED_HIGH, [], dtype=torch.int64, device=val.device)
         uniform = build(node, torch.ops.accelrun.dropout_uniform.default, seed, size)
         keep = build(node, aten.ge.Scalar, uniform, p)
-        out = build(node, aten.mul.Scalar, build(node, aten.mul.Tensor, x, keep), 1.0 / (1.0 - p))
-        for new in (seed, uniform, keep, out):
+        scaled = build(node, aten.mul.Tensor, x, keep)
+        out = build(node, aten.mul.Scalar, scaled, 1.0 / (1.0 - p))
+        if any(isinstance(n, fx.Node) for n in size) and (why := _not_drawn_at_each_call([uniform, keep, scaled, out])):
+            for new in (out, scaled, keep, uniform, seed):
+                gm.graph.erase_node(new)
+            kept[why] = kept.get(why, 0) + 1
+            continue
+        for new in (seed, uniform, keep, scaled, out):
             new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
         for user in list(node.users):
             user.replace_all_uses_with(out if user.args[1] == 0 else keep)
