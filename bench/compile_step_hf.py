@@ -30,6 +30,7 @@ fine-tuned on a CPU.
     python bench/compile_step_hf.py
     python bench/compile_step_hf.py --malloc system          # glibc's defaults instead of accelrun train's
     python bench/compile_step_hf.py --dtypes fp32 --rounds 20 --hidden 512 --layers 4 --seq 512
+    python bench/compile_step_hf.py --dtypes fp32 --rounds 24 --lengths 96,128,160,192,224,256 --warm-starts 0
 
 Warm start: after the timed rounds, each variant's first step in new processes (``--warm-starts``):
 eager's, and accelrun's (compiled as above) with the caches a first process filled. That process runs
@@ -130,12 +131,14 @@ def run(args: argparse.Namespace, dname: str) -> None:
     os.environ["ACCELRUN_CACHE_DIR"] = str(cache / "accelrun")  # the attention kernel's library too
     variants = [Variant(n, model, args) for n in args.variants.split(",")]
     g = torch.Generator().manual_seed(0)
-    batches = [next_token_batch(torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)) for _ in range(4)]
+    lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else [args.seq] * 4
+    batches = [next_token_batch(torch.randint(0, args.vocab, (args.batch, n + 1), generator=g)) for n in lengths]
     warm_the_tracer(model, batches[0])
-    interleaved_rounds(variants, batches, args.warmup, args.rounds)
+    interleaved_rounds(variants, batches, max(args.warmup, len(batches) - 1), args.rounds)  # every length met
     med = {v.name: statistics.median(v.times) for v in variants}
+    shape = f"seq {args.seq}" if not args.lengths else f"seq {args.lengths} in turn"
     print(f"\ntransformers LlamaForCausalLM {dname}: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
-          f"seq {args.seq}, {args.rounds} interleaved rounds, {torch.get_num_threads()} threads; accelrun: "
+          f"{shape}, {args.rounds} interleaved rounds, {torch.get_num_threads()} threads; accelrun: "
           f"{next((v.description for v in variants if v.name == 'accelrun'), '-')}")  # fmt: skip
     print(f"{'variant':10s} {'cold compile':>12s} {'vs inductor':>11s} {'median step':>12s} {'vs eager':>9s} "
           f"{'vs inductor':>12s} {'95% interval':>14s}")
@@ -223,6 +226,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--lengths", help="sequence lengths the batches take in turn (comma-separated), as a user's "
+                                      "own data without packing; the warm start keeps --seq")
     ap.add_argument("--warmup", type=int, default=10,
                     help="untimed steps per variant after its first (accelrun's cpu_gemm times each product "
                          "layout on its first 10 calls)")

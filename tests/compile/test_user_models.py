@@ -573,6 +573,30 @@ def test_transformers_llamas_decoder_layers_share_one_graph_without_a_kv_cache(t
     assert again.record.graph_cache["loaded"] == 1 and again.record.dynamo_graphs == 0, again.record.graph_cache
 
 
+def test_transformers_llama_on_changing_lengths_keeps_its_kernels_for_the_length_it_fixes(tmp_path):
+    """transformers' Llama trained on batches of changing length. Its RoPE region reads q and k in
+    their transposed layout, which no kernel for any length takes, so the second length's graph reads
+    the length as a number (its next size, kernels written for it) and the third is for any length.
+    In that second graph the regions given the length (a view's size, fixed by then) ran as ATen
+    calls ("input ... is not a tensor") until 2026-12-05; now they are C++ with the size dropped, at
+    eager's losses and gradients."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    compiled = compile_model(model, transformer_blocks(model), cfg)
+    _train_side_by_side(model, reference, steps=4, lengths=(16, 24, 40, 9))
+    record = compiled.record
+    assert record.dynamo_graphs == 3, record.compiled_line()
+    second = [r for r in record.regions if r.graph.startswith("g1.")]
+    assert second and all(r.executor == "cpp" for r in second), [(r.ops[:3], r.declined) for r in second]
+
+
 def test_a_forward_that_takes_use_cache_is_called_without_one(tmp_path):
     seen = []
 

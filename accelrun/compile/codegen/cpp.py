@@ -444,8 +444,12 @@ class CppRegion:
             (b.shape, contiguous_strides(b.shape), b.dtype) for b in self.temps]
         self._n_out = len(self.outputs)
         self._guard: Any = None  # made from the first call whose inputs all conform
+        # Arguments that are sizes Dynamo fixed while compiling (views' and expands'): not passed on.
+        self._fixed_sizes = frozenset(program.size_inputs) if program.runtime_rows is None else frozenset()
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._fixed_sizes:
+            args = tuple(a for i, a in enumerate(args) if i not in self._fixed_sizes)
         if self._guard is None or not self._guard.check(*args):
             return self._checked_call(args)
         made = [_empty_strided(shape, stride, dtype) for shape, stride, dtype in self._allocs]

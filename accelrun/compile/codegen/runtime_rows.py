@@ -29,17 +29,12 @@ import torch
 from torch import fx
 
 from accelrun.compile.codegen.loop_ir import Buffer, Kernel, LoopProgram, Unsupported, lower_graph
+from accelrun.compile.codegen.values import SIZE_READERS
 
 # Two made-up row counts: one a prime, one with many small factors, so that no simplification that
 # depends on the count's divisibility can hold for both by chance. Neither is a size seen in models.
 PROBES = (8191, 12288)
 ROWS = -1  # marks "the runtime count" where the two programs are compared
-# Ops that may be given the changing size as an argument: they read it only as the size of their
-# output, which the lowering takes from the graph's shapes, never from the argument.
-SIZE_READERS = frozenset({
-    torch.ops.aten.expand.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.reshape.default, torch.ops.aten.full.default, torch.ops.accelrun.dropout_uniform.default,
-})  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -224,6 +224,20 @@ def op_label(target: Any) -> str:
     return getattr(target, "__name__", str(target))
 
 
+# Ops that may be given a size as an argument: they read it only as the size of their output, which the
+# lowering takes from the graph's shapes, never from the argument. A region's input that is a size and
+# is read only by these has no buffer (``GraphValues.size_inputs``).
+SIZE_READERS = frozenset({
+    aten.expand.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.full.default,
+    torch.ops.accelrun.dropout_uniform.default,
+})  # fmt: skip
+
+
+def _changing(meta: Any) -> bool:
+    """A size that is still a symbol (it changes between calls), not one Dynamo has fixed."""
+    return isinstance(meta, torch.SymInt) and not meta.node.expr.is_number
+
+
 class GraphValues:
     """Translates a region's FX graph into ``Value`` objects (raises ``Unsupported``)."""
 
@@ -241,11 +255,14 @@ class GraphValues:
         metas = [input_meta[pos] if pos < len(input_meta) else node.meta["val"] for pos, node in enumerate(placeholders)]
         # Before any tensor's sizes are read as numbers (each read of a symbol adds a guard on its value,
         # and Dynamo compiles again): where the rows could not be read at each call (runtime_rows).
-        if given := next((n for n, m in zip(placeholders, metas, strict=True) if isinstance(m, torch.SymInt)), None):
+        if given := next((n for n, m in zip(placeholders, metas, strict=True) if _changing(m)), None):
             raise Unsupported(f"input {given.name} is a size that changes between calls; kernels for fixed "
                               "sizes take tensors only")  # fmt: skip
         for pos, (node, meta) in enumerate(zip(placeholders, metas, strict=True)):
-            if size_inputs and isinstance(meta, int) and not isinstance(meta, bool):
+            fixed = isinstance(meta, torch.SymInt)  # a size Dynamo fixed while compiling this graph: a constant
+            if (size_inputs and isinstance(meta, int) and not isinstance(meta, bool)) or fixed:
+                if fixed and any(user.target not in SIZE_READERS for user in node.users):
+                    raise Unsupported(f"input {node.name}, a size, is read as a number (an index, a bound)")
                 self.size_inputs.append(pos)
                 continue
             if not isinstance(meta, torch.Tensor):

@@ -120,5 +120,8 @@ class GeneratedCodeExecutor(Executor):
             raise Unsupported(f"{SYMBOLIC_SIZES}: {self._fixed_sizes_reason(region)}")
         sources = region.lowering.sources
         if self.name not in sources:
-            sources[self.name] = GeneratedSource(self.generate(cached_program(region)), self.source_ext)
+            program = cached_program(region)
+            if program.size_inputs and not self.runtime_rows:
+                raise Unsupported(f"a size among the region's inputs ({self.name} kernels take tensors only)")
+            sources[self.name] = GeneratedSource(self.generate(program), self.source_ext)
         return sources[self.name].text
