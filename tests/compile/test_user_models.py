@@ -544,21 +544,27 @@ def test_a_copy_of_a_compiled_torch_nn_module_runs_its_own_weights():
     torch.testing.assert_close(linear(h), torch.nn.functional.linear(h, linear.weight, linear.bias))
 
 
+def _tiny_transformers_llama_compiled(tmp_path, layers: int, positions: int):
+    """transformers' Llama at a tiny size (built locally), an eager copy, and the model compiled by accelrun
+    as ``accelrun train`` compiles it: (model, reference, compiled, compile config)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    return model, reference, compile_model(model, transformer_blocks(model), cfg), cfg
+
+
 def test_transformers_llamas_decoder_layers_share_one_graph_without_a_kv_cache(tmp_path):
     """transformers' Llama as a user's model (model.custom), under the default scope: its decoder layers
     compile as one graph. With its KV cache on (config.use_cache, what a plain call does) each layer's
     cache state made Dynamo compile the layer anew, and past 8 layers the rest trained eagerly;
     training_loss_fn now calls it with use_cache=False."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
-    model = LlamaForCausalLM(config)
-    reference = copy.deepcopy(model)
-    torch._dynamo.reset()
-    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
-    compiled = compile_model(model, transformer_blocks(model), cfg)
+    model, reference, compiled, cfg = _tiny_transformers_llama_compiled(tmp_path, layers=3, positions=32)
     assert "3 repeated LlamaDecoderLayer blocks" in compiled.description, compiled.description
     _train_side_by_side(model, reference, steps=2)
     record = compiled.record
@@ -580,16 +586,7 @@ def test_transformers_llama_on_changing_lengths_keeps_its_kernels_for_the_length
     In that second graph the regions given the length (a view's size, fixed by then) ran as ATen
     calls ("input ... is not a tensor") until 2026-12-05; now they are C++ with the size dropped, at
     eager's losses and gradients."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
-    model = LlamaForCausalLM(config)
-    reference = copy.deepcopy(model)
-    torch._dynamo.reset()
-    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
-    compiled = compile_model(model, transformer_blocks(model), cfg)
+    model, reference, compiled, _ = _tiny_transformers_llama_compiled(tmp_path, layers=2, positions=64)
     _train_side_by_side(model, reference, steps=4, lengths=(16, 24, 40, 9))
     record = compiled.record
     assert record.dynamo_graphs == 3, record.compiled_line()
