@@ -444,11 +444,14 @@ class CppRegion:
             (b.shape, contiguous_strides(b.shape), b.dtype) for b in self.temps]
         self._n_out = len(self.outputs)
         self._guard: Any = None  # made from the first call whose inputs all conform
-        # Arguments that are sizes Dynamo fixed while compiling (views' and expands'): not passed on.
+        # Arguments that are sizes (views' and expands', read from the shapes it was built for): not passed on.
         self._fixed_sizes = frozenset(program.size_inputs) if program.runtime_rows is None else frozenset()
 
-    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
         if self._fixed_sizes:
+            if len(args) != len(self.inputs) + len(self._fixed_sizes):
+                raise TypeError(f"compiled region takes {len(self.inputs) + len(self._fixed_sizes)} inputs, "
+                                f"got {len(args)}")  # fmt: skip
             args = tuple(a for i, a in enumerate(args) if i not in self._fixed_sizes)
         if self._guard is None or not self._guard.check(*args):
             return self._checked_call(args)

@@ -151,7 +151,7 @@ class LoopProgram:
     # Set where the leading size of some buffers and kernels is read at each call (a size that changes
     # between calls; ``codegen.runtime_rows.RuntimeRows``): their shapes here hold a made-up count.
     runtime_rows: Any = None
-    # Positions of the region's inputs that are sizes, not tensors (only with runtime rows): skipped.
+    # Positions of the region's inputs that are sizes, not tensors (a view's, an expand's): skipped.
     size_inputs: tuple[int, ...] = ()
 
     def of_role(self, role: str) -> list[Buffer]:

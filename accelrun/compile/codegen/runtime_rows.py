@@ -29,7 +29,7 @@ import torch
 from torch import fx
 
 from accelrun.compile.codegen.loop_ir import Buffer, Kernel, LoopProgram, Unsupported, lower_graph
-from accelrun.compile.codegen.values import SIZE_READERS
+from accelrun.compile.codegen.values import reads_only_as_size
 
 # Two made-up row counts: one a prime, one with many small factors, so that no simplification that
 # depends on the count's divisibility can hold for both by chance. Neither is a size seen in models.
@@ -132,7 +132,7 @@ def row_symbol(region: Any) -> tuple[sympy.Symbol, sympy.Expr]:
             continue
         if not isinstance(val, torch.SymInt) or val.node.expr.free_symbols != {symbol}:
             raise Unsupported(f"a number {val} the region is given is not the changing size {symbol}")
-        if any(user.target not in SIZE_READERS for user in node.users):
+        if not all(reads_only_as_size(user, node) for user in node.users):
             raise Unsupported(f"the changing size {symbol} is read as a number (an index, a bound), not as a size")
     return symbol, rows
 

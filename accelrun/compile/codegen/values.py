@@ -224,18 +224,24 @@ def op_label(target: Any) -> str:
     return getattr(target, "__name__", str(target))
 
 
-# Ops that may be given a size as an argument: they read it only as the size of their output, which the
-# lowering takes from the graph's shapes, never from the argument. A region's input that is a size and
-# is read only by these has no buffer (``GraphValues.size_inputs``).
-SIZE_READERS = frozenset({
-    aten.expand.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.full.default,
-    torch.ops.accelrun.dropout_uniform.default,
-})  # fmt: skip
+# Ops that may be given a size as an argument, and which argument holds it: they read it only as the
+# size of their output, which the lowering takes from the graph's shapes, never from the argument. A
+# region's input that is a size and is read only so has no buffer (``GraphValues.size_inputs``).
+SIZE_ARGUMENT = {
+    aten.expand.default: 1, aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1,
+    aten.full.default: 0, torch.ops.accelrun.dropout_uniform.default: 1,
+}  # fmt: skip
 
 
-def _changing(meta: Any) -> bool:
-    """A size that is still a symbol (it changes between calls), not one Dynamo has fixed."""
-    return isinstance(meta, torch.SymInt) and not meta.node.expr.is_number
+def reads_only_as_size(user: fx.Node, size: fx.Node) -> bool:
+    """Whether ``user`` reads the node ``size`` only within its size argument (``full``'s fill value,
+    say, is read as a number)."""
+    pos = SIZE_ARGUMENT.get(user.target)
+    if pos is None or len(user.args) <= pos:
+        return False
+    elsewhere: list[fx.Node] = []
+    fx.node.map_arg(([a for i, a in enumerate(user.args) if i != pos], dict(user.kwargs)), elsewhere.append)
+    return size not in elsewhere
 
 
 class GraphValues:
@@ -253,16 +259,15 @@ class GraphValues:
         self.outputs: list[Value] = []
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         metas = [input_meta[pos] if pos < len(input_meta) else node.meta["val"] for pos, node in enumerate(placeholders)]
-        # Before any tensor's sizes are read as numbers (each read of a symbol adds a guard on its value,
-        # and Dynamo compiles again): where the rows could not be read at each call (runtime_rows).
-        if given := next((n for n, m in zip(placeholders, metas, strict=True) if _changing(m)), None):
-            raise Unsupported(f"input {given.name} is a size that changes between calls; kernels for fixed "
-                              "sizes take tensors only")  # fmt: skip
+        # A size the region is given (a view's, an expand's: Dynamo's symbol, or a value it has fixed) has
+        # no buffer; kernels for fixed sizes read it, like every size, from the graph's shapes (reading a
+        # symbol as a number is Dynamo's guard on it). Checked before any size is read: a refusal then
+        # leaves no guard behind.
+        for node, meta in zip(placeholders, metas, strict=True):
+            if isinstance(meta, torch.SymInt) and not all(reads_only_as_size(u, node) for u in node.users):
+                raise Unsupported(f"input {node.name}, a size, is read as a number (an index, a bound)")
         for pos, (node, meta) in enumerate(zip(placeholders, metas, strict=True)):
-            fixed = isinstance(meta, torch.SymInt)  # a size Dynamo fixed while compiling this graph: a constant
-            if (size_inputs and isinstance(meta, int) and not isinstance(meta, bool)) or fixed:
-                if fixed and any(user.target not in SIZE_READERS for user in node.users):
-                    raise Unsupported(f"input {node.name}, a size, is read as a number (an index, a bound)")
+            if isinstance(meta, torch.SymInt) or (size_inputs and isinstance(meta, int) and not isinstance(meta, bool)):
                 self.size_inputs.append(pos)
                 continue
             if not isinstance(meta, torch.Tensor):

@@ -16,6 +16,9 @@ generated C++'s numbers bit for bit (where a region runs as ATen calls, the mask
 
 from __future__ import annotations
 
+import ctypes
+import threading
+
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -61,9 +64,44 @@ def uniform_reference(seed: torch.Tensor, size: list[int]) -> torch.Tensor:
 
 @torch.library.custom_op("accelrun::dropout_uniform", mutates_args=())
 def dropout_uniform(seed: torch.Tensor, size: list[int]) -> torch.Tensor:
-    """Numbers in [0, 1) for a dropout mask (``uniform_reference``); a region's generated code draws
-    the same ones inside its loop."""
-    return uniform_reference(seed, size)
+    """Numbers in [0, 1) for a dropout mask (``uniform_reference``'s); a region's generated code draws
+    the same ones inside its loop. Called as an op (a region run as ATen calls) on a CPU, a compiled
+    loop of ``cpp_source`` fills them: the reference's integer tensor arithmetic took 20.8 ms for a
+    [16, 256, 128] mask where ATen's own dropout takes 4.1."""
+    filled = _filled(seed, size)
+    return filled if filled is not None else uniform_reference(seed, size)
+
+
+_fill_lock = threading.Lock()
+_fill_lib: list[ctypes.CDLL | None] = []  # built once per process (and per machine on disk); None: no compiler
+
+
+def _fill_library() -> ctypes.CDLL | None:
+    from accelrun.compile.codegen.cpp_build import build_library, find_compiler, load_library
+
+    with _fill_lock:
+        if not _fill_lib:
+            lib = None
+            if find_compiler() is not None:
+                try:
+                    lib = load_library(build_library(FILL_SOURCE))
+                    lib.acc_uniform_fill.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+                    lib.acc_uniform_fill.restype = None
+                except Exception:  # noqa: BLE001 (g++ refused it, ...): the reference draws the same numbers
+                    lib = None
+            _fill_lib.append(lib)
+        return _fill_lib[0]
+
+
+def _filled(seed: torch.Tensor, size: list[int]) -> torch.Tensor | None:
+    if seed.device.type != "cpu":
+        return None
+    lib = _fill_library()
+    if lib is None:
+        return None
+    out = torch.empty(size, dtype=torch.float32)
+    lib.acc_uniform_fill(int(seed), out.data_ptr(), out.numel(), torch.get_num_threads())
+    return out
 
 
 @dropout_uniform.register_fake
@@ -98,4 +136,12 @@ static inline float acc_uniform(int64_t seed, int64_t index) {{
     x = acc_mix32(x + k0);
     return static_cast<float>(static_cast<int32_t>(x >> {32 - UNIFORM_BITS})) * {2.0**-UNIFORM_BITS!r}f;
 }}
+"""
+
+
+FILL_SOURCE = "#include <stdint.h>\n" + cpp_source() + """
+extern "C" void acc_uniform_fill(int64_t seed, float* out, int64_t n, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < n; ++i) out[i] = acc_uniform(seed, i);
+}
 """
