@@ -88,8 +88,8 @@ def test_batches_of_changing_length_draw_the_reference_numbers_in_kernels_that_r
 def test_a_dropout_whose_changing_size_no_kernel_reads_stays_atens(shape):
     """Rows of 8, or a changing size in the last axis (a [batch, channels, length] activation): the draw's
     index would split the changing rows, so no kernel for any length takes it. The dropout stays
-    ATen's (its region would run as ATen calls, whose reference draw is 5x slower), with the reason,
-    and no size is read as a number: one graph for every length after the first, as without the pass."""
+    ATen's (its region would run as ATen calls), with the reason, and no size is read as a number:
+    one graph for every length after the first, as without the pass."""
 
     def fn(x):
         return F.dropout(x * 2, 0.25, training=True) + x

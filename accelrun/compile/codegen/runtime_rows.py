@@ -8,9 +8,10 @@ SiLU of an expert's backward: slower than eager's own kernel).
 
 Most such regions use the symbol in one place: the leading size of their tensors, the rows a kernel
 loops over (``s``, or ``16*s`` where a batch of 16 sequences of length ``s`` is read as rows: a
-``[16, s, 256]`` tensor laid out as rows has 16·s of them). Such a region is lowered twice, with two made-up row counts. When the two programs are
-the same but for those counts, nothing in any row's code depends on the count, and the program holds
-for every count: the C++ kernel loops over as many rows as its first such input has at that call.
+``[16, s, 256]`` tensor laid out as rows has 16·s of them). Such a region is lowered twice, with two
+made-up row counts. When the two programs are the same but for those counts, nothing in any row's
+code depends on the count, and the program holds for every count: the C++ kernel loops over as many
+rows as its first such input has at that call.
 Anything else (the symbol in a stride, past the axes read as rows, in an index or a constant, or more
 than one symbol) raises ``Unsupported`` with the reason, and the region keeps the fixed-size rules.
 

@@ -258,7 +258,8 @@ class GraphValues:
         self.inputs: list[Input] = []
         self.outputs: list[Value] = []
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        metas = [input_meta[pos] if pos < len(input_meta) else node.meta["val"] for pos, node in enumerate(placeholders)]
+        metas = [input_meta[pos] if pos < len(input_meta) else node.meta["val"]
+                 for pos, node in enumerate(placeholders)]  # fmt: skip
         # A size the region is given (a view's, an expand's: Dynamo's symbol, or a value it has fixed) has
         # no buffer; kernels for fixed sizes read it, like every size, from the graph's shapes (reading a
         # symbol as a number is Dynamo's guard on it). Checked before any size is read: a refusal then

@@ -72,9 +72,10 @@ def _size_of(gm: fx.GraphModule, val: torch.Tensor) -> list[int | fx.Node] | Non
 def _not_drawn_at_each_call(nodes: list[fx.Node]) -> str | None:
     """Why the rewritten dropout (``nodes``: the draw, the mask, the two multiplies), over a size that
     changes between calls, would get no kernel that reads its rows at each call (the draw's index
-    splits across the rows: ``[4, s]``, ``[4, 5, s]``), or None. Where it gets none its region runs
-    as ATen calls, whose reference draw is 5x slower than ATen's own dropout, and a size read as a
-    number adds a compile: such a dropout stays ATen's."""
+    splits across the rows: ``[4, s]``, ``[4, 5, s]``), or None. Where it gets none, its region would
+    run as ATen calls in the graph for any length (the draw's compiled fill is still a pass of its own
+    over memory, as ATen's dropout is) and would make Dynamo compile a graph for the second length
+    whose kernels read that length as a number: such a dropout stays ATen's."""
     from accelrun.compile.codegen.loop_ir import Unsupported
     from accelrun.compile.codegen.runtime_rows import lower_with_runtime_rows
     from accelrun.compile.extract import region_boundary
