@@ -52,26 +52,31 @@ def _meta_val(node: fx.Node) -> Any:
 
 def extract_regions(gm: fx.GraphModule, graph_kind: str = "forward") -> list[Region]:
     """Each marked region of ``gm`` as a ``Region`` with its own module, in order of region id."""
-    out = []
-    for rid, nodes in sorted(regions_of(gm).items()):
-        inputs, outputs = region_boundary(nodes)
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for inp in inputs:
-            ph = graph.placeholder(inp.name)
-            ph.meta["val"] = _meta_val(inp)
-            if "tensor_meta" in inp.meta:
-                ph.meta["tensor_meta"] = inp.meta["tensor_meta"]
-            env[inp] = ph
-        for node in nodes:
-            env[node] = graph.node_copy(node, env.__getitem__)
-        graph.output(tuple(env[o] for o in outputs))
-        # Lazy: its Python code is written only if something runs or reads it (the aten executor, a
-        # dump); a region a code generator claims never needs it (27 regions: ~30 ms of a cold step).
-        region_gm = LazyGraphModule(torch.nn.Module(), graph, class_name=f"Region{rid}")
-        out.append(Region(rid, region_gm, [_meta_val(n) for n in inputs], [_meta_val(n) for n in outputs],
-                          graph_kind, tuple(n.name for n in inputs), tuple(n.name for n in outputs)))
-    return out
+    return [region_of(rid, nodes, graph_kind) for rid, nodes in sorted(regions_of(gm).items())]
+
+
+def region_of(rid: int, nodes: list[fx.Node], graph_kind: str = "forward",
+              outputs: list[fx.Node] | None = None) -> Region:  # fmt: skip
+    """``nodes`` (in graph order) as a ``Region`` with its own module; ``outputs``: the values it returns,
+    by default those used outside it."""
+    inputs, used_outside = region_boundary(nodes)
+    outputs = used_outside if outputs is None else outputs
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for inp in inputs:
+        ph = graph.placeholder(inp.name)
+        ph.meta["val"] = _meta_val(inp)
+        if "tensor_meta" in inp.meta:
+            ph.meta["tensor_meta"] = inp.meta["tensor_meta"]
+        env[inp] = ph
+    for node in nodes:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(tuple(env[o] for o in outputs))
+    # Lazy: its Python code is written only if something runs or reads it (the aten executor, a
+    # dump); a region a code generator claims never needs it (27 regions: ~30 ms of a cold step).
+    region_gm = LazyGraphModule(torch.nn.Module(), graph, class_name=f"Region{rid}")
+    return Region(rid, region_gm, [_meta_val(n) for n in inputs], [_meta_val(n) for n in outputs],
+                  graph_kind, tuple(n.name for n in inputs), tuple(n.name for n in outputs))
 
 
 def named_call(fn: Callable[..., Any], rid: int) -> Callable[..., Any]:

@@ -444,15 +444,18 @@ class CppRegion:
             (b.shape, contiguous_strides(b.shape), b.dtype) for b in self.temps]
         self._n_out = len(self.outputs)
         self._guard: Any = None  # made from the first call whose inputs all conform
-        # Arguments that are sizes (views' and expands', read from the shapes it was built for): not passed on.
-        self._fixed_sizes = frozenset(program.size_inputs) if program.runtime_rows is None else frozenset()
+        # Arguments that are sizes (views' and expands', which the kernels read from the shapes): not passed on.
+        self._sizes = frozenset(program.size_inputs)
+
+    def _tensors(self, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+        """The call's tensor arguments: its sizes left out."""
+        if len(args) != len(self.inputs) + len(self._sizes):
+            raise TypeError(f"compiled region takes {len(self.inputs) + len(self._sizes)} inputs, got {len(args)}")
+        return tuple(a for i, a in enumerate(args) if i not in self._sizes)
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
-        if self._fixed_sizes:
-            if len(args) != len(self.inputs) + len(self._fixed_sizes):
-                raise TypeError(f"compiled region takes {len(self.inputs) + len(self._fixed_sizes)} inputs, "
-                                f"got {len(args)}")  # fmt: skip
-            args = tuple(a for i, a in enumerate(args) if i not in self._fixed_sizes)
+        if self._sizes:
+            args = self._tensors(args)
         if self._guard is None or not self._guard.check(*args):
             return self._checked_call(args)
         made = [_empty_strided(shape, stride, dtype) for shape, stride, dtype in self._allocs]
@@ -487,18 +490,13 @@ class CppRowsRegion(CppRegion):
         self._source = next(i for i, b in enumerate(self.inputs) if b.name == rows.input)
         self._dynamic_in = [b.name in rows.buffers for b in self.inputs]
         self._dynamic_alloc = [b.name in rows.buffers for b in (*self.outputs, *self.temps)]
-        self._sizes = program.size_inputs  # arguments that are sizes (an expand's): not passed on
-        self._n_args = len(self.inputs) + len(self._sizes)
         # Tensors whose rows are several leading axes ([16, s, 256] as 16*s rows): those axes, -1 the changing one.
         leads = dict(rows.leading_axes)
         self._in_leads = [leads.get(b.name) for b in self.inputs]
         self._out_leads = [leads.get(b.name) for b in self.outputs]
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
-        if len(args) != self._n_args:
-            raise TypeError(f"compiled region takes {self._n_args} inputs, got {len(args)}")
-        if self._sizes:
-            args = tuple(a for i, a in enumerate(args) if i not in self._sizes)
+        args = self._tensors(args)
         source, lead = args[self._source], self._in_leads[self._source]
         n = source.shape[0] if lead is None else math.prod(source.shape[: len(lead)])
         ins = []

@@ -57,7 +57,7 @@ def _same(a: int | torch.SymInt, b: int | torch.SymInt) -> bool:
     Dynamo traced; compared as an expression, so that no guard on its value is added)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return a == b if isinstance(a, int) and isinstance(b, int) else statically_known_true(a == b)
+    return statically_known_true(a == b)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: int = 1) -> str | None:

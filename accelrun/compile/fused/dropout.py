@@ -17,7 +17,7 @@ generated C++'s numbers bit for bit (where a region runs as ATen calls, the mask
 from __future__ import annotations
 
 import ctypes
-import threading
+import functools
 
 import torch
 
@@ -72,25 +72,19 @@ def dropout_uniform(seed: torch.Tensor, size: list[int]) -> torch.Tensor:
     return filled if filled is not None else uniform_reference(seed, size)
 
 
-_fill_lock = threading.Lock()
-_fill_lib: list[ctypes.CDLL | None] = []  # built once per process (and per machine on disk); None: no compiler
-
-
+@functools.cache  # built once per process (and per machine, on disk); None: no compiler
 def _fill_library() -> ctypes.CDLL | None:
     from accelrun.compile.codegen.cpp_build import build_library, find_compiler, load_library
 
-    with _fill_lock:
-        if not _fill_lib:
-            lib = None
-            if find_compiler() is not None:
-                try:
-                    lib = load_library(build_library(FILL_SOURCE))
-                    lib.acc_uniform_fill.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-                    lib.acc_uniform_fill.restype = None
-                except Exception:  # noqa: BLE001 (g++ refused it, ...): the reference draws the same numbers
-                    lib = None
-            _fill_lib.append(lib)
-        return _fill_lib[0]
+    if find_compiler() is None:
+        return None
+    try:
+        lib = load_library(build_library(FILL_SOURCE))
+    except Exception:  # noqa: BLE001 (g++ refused it, ...): the reference draws the same numbers
+        return None
+    lib.acc_uniform_fill.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.acc_uniform_fill.restype = None
+    return lib
 
 
 def _filled(seed: torch.Tensor, size: list[int]) -> torch.Tensor | None:

@@ -78,22 +78,10 @@ def _not_drawn_at_each_call(nodes: list[fx.Node]) -> str | None:
     whose kernels read that length as a number: such a dropout stays ATen's."""
     from accelrun.compile.codegen.loop_ir import Unsupported
     from accelrun.compile.codegen.runtime_rows import lower_with_runtime_rows
-    from accelrun.compile.extract import region_boundary
-    from accelrun.compile.regions import Region
+    from accelrun.compile.extract import region_of
 
-    inputs, _ = region_boundary(nodes)
-    graph, env = fx.Graph(), {}
-    for inp in inputs:
-        env[inp] = graph.placeholder(inp.name)
-        env[inp].meta["val"] = inp.meta.get("val")
-    for n in nodes:
-        env[n] = graph.node_copy(n, env.__getitem__)
-    outputs = [nodes[1], nodes[-1]]  # the mask (saved for the backward) and the result
-    graph.output(tuple(env[o] for o in outputs))
-    region = Region(0, fx.GraphModule(torch.nn.Module(), graph), [i.meta.get("val") for i in inputs],
-                    [o.meta.get("val") for o in outputs])  # fmt: skip
-    try:
-        lower_with_runtime_rows(region)
+    try:  # returning the mask (saved for the backward) and the result
+        lower_with_runtime_rows(region_of(0, nodes, outputs=[nodes[1], nodes[-1]]))
     except Unsupported as e:
         return f"a size that changes between calls, whose rows no kernel reads at each call ({e})"
     return None
