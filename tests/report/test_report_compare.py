@@ -202,19 +202,20 @@ def test_a_resumed_runs_mfu_and_memory_cover_all_its_folders(runs, tmp_path):
     rows = [json.loads(line) for line in (runs["twin"] / "metrics.jsonl").read_text().splitlines()]
     shutil.copytree(runs["twin"], first)
     shutil.copytree(runs["twin"], resumed)
-    (resumed / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows[5:]))
     report = json.loads((resumed / "report.json").read_text())
+    step = report["step_time_s"]["median"]  # every step takes the measured median: a busy machine cannot flip it
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps({**m, "step_time_s": step}) + "\n" for m in rows[5:]))
     (first / "report.json").unlink()  # a stopped folder that was continued writes no report: its rows tell
     (first / "metrics.jsonl").write_text("".join(
-        json.dumps({**m, "step_time_s": 2 * m["step_time_s"], "mem_peak_bytes": report["mem_peak_bytes"] * 3}) + "\n"
+        json.dumps({**m, "step_time_s": 2 * step, "mem_peak_bytes": report["mem_peak_bytes"] * 3}) + "\n"
         for m in rows[:5]))
     (resumed / "report.json").write_text(json.dumps({**report, "mfu": 0.5}))
     (resumed / "lineage.json").write_text(json.dumps({"continues": str(first), "from_step": 5, "segment": 2}))
     r = load_run(resumed)
     times = r.steady_step_times()
     assert len(times) == 4 + 2  # steps 2-5 of the first folder, 7-8 of the resumed one
-    expected = 0.5 * report["step_time_s"]["median"] / statistics.median(times)
-    assert expected < 0.5 * 0.9  # the slow folder pulls the run's MFU down
+    expected = 0.5 * step / statistics.median(times)
+    assert expected == pytest.approx(0.25)  # the slow folder (4 of the 6 steady steps) halves the run's MFU
     env = json.loads((first / "env.json").read_text())
     env["cpu"]["torch_threads"] = r.env["cpu"]["torch_threads"] + 1  # the resumed folder ran on fewer threads
     (first / "env.json").write_text(json.dumps(env))
