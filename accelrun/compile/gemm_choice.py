@@ -65,15 +65,52 @@ class GemmLayout:
         return f"{self.m}x{self.k}x{self.n}:{order}{':bias' if self.bias else ''}"
 
 
+def bucket(size: int) -> int:
+    """The power of two at or above ``size``: the size a changing dimension is timed and chosen at."""
+    return 1 << (size - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class ChangingGemmLayout:
+    """A product whose sizes change between calls (a symbolic m, k or n), in a graph compiled for any
+    sequence length: each call's layout is its own sizes, the changing ones rounded up to a
+    power of two (``bucket``), so the products of one bucket share a choice (timed per multiply-add)
+    and a new length is not a new layout to time."""
+
+    sizes: tuple[int | None, int | None, int | None]  # m, k, n: a fixed size, or None where it changes
+    a_col_major: bool
+    b_col_major: bool
+    bias: bool
+
+    def at(self, m: int, k: int, n: int) -> GemmLayout:
+        """The layout a call of sizes ``m, k, n`` is chosen and timed as."""
+        sizes = (bucket(x) if fixed is None else x for x, fixed in zip((m, k, n), self.sizes, strict=True))
+        return GemmLayout(*sizes, self.a_col_major, self.b_col_major, self.bias)
+
+    @property
+    def key(self) -> str:
+        sizes = "x".join("?" if x is None else str(x) for x in self.sizes)
+        order = "".join("C" if c else "R" for c in (self.a_col_major, self.b_col_major))
+        return f"{sizes}:{order}{':bias' if self.bias else ''}"
+
+
+def holds_for_every_size(condition) -> bool:
+    """True where ``condition`` holds for every value of its symbols (no guard is added)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(condition)
+
+
 def matrix_order(t: torch.Tensor) -> bool | None:
     """True for a column-major matrix, False for a row-major one, None for any other layout (a slice
-    with gaps between rows, a broadcast): such a product stays with ATen."""
-    if t.dim() != 2 or t.numel() == 0:
+    with gaps between rows, a broadcast): such a product stays with ATen. Symbolic sizes and strides
+    count only where the order holds for every size (no guard)."""
+    if t.dim() != 2 or holds_for_every_size(t.numel() == 0):
         return None
-    rows, cols = t.shape
-    if t.stride() == (cols, 1) or cols == 1 and t.stride(0) == 1:
+    (rows, cols), (row_stride, col_stride) = t.shape, t.stride()
+    if holds_for_every_size(col_stride == 1) and holds_for_every_size(row_stride == cols) or holds_for_every_size(cols == 1) and holds_for_every_size(row_stride == 1):
         return False
-    if t.stride() == (1, rows):
+    if holds_for_every_size(row_stride == 1) and holds_for_every_size(col_stride == rows):
         return True
     return None
 
@@ -174,7 +211,9 @@ class LayoutTuner:
             lib = Library.ATEN if len(aten) < len(dnn) else Library.ONEDNN
         t0 = time.perf_counter()
         out = MULTIPLY[lib](a, b, bias)
-        self.times[lib].append(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        layout = self.layout  # a call of a changing layout's bucket has fewer multiply-adds: timed as if it had them
+        self.times[lib].append(seconds * (layout.m * layout.k * layout.n) / (a.shape[0] * a.shape[1] * b.shape[1]))
         if len(aten) == len(dnn) == UNTIMED_CALLS + TIMED_CALLS:
             self._decide()
         return out
@@ -229,7 +268,30 @@ class GemmSite:
         return MULTIPLY[lib](a, b, bias)
 
     def __reduce__(self) -> tuple:  # the graph cache saves the layout; a loading process finds its own tuner
-        return (GemmSite, (self.layout, self.fixed))
+        return (type(self), (self.layout, self.fixed))
 
     def __repr__(self) -> str:  # what graph dumps print as the node's target
         return f"gemm[{self.layout.key}{'' if self.fixed is None else ':' + self.fixed.value}]"
+
+
+class ChangingSizeGemmSite(GemmSite):
+    """A product of a graph compiled for any size (``ChangingGemmLayout``): each call's sizes pick the
+    tuner of their bucket's layout, kept per size met so that a step pays one dictionary lookup."""
+
+    def __init__(self, layout: ChangingGemmLayout, library: Library | None = None) -> None:
+        self.layout, self.fixed, self.tuner = layout, library, None
+        self._tuners: dict[tuple[int, int, int], LayoutTuner] = {}
+        self.__name__ = "gemm"
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fixed is not None:
+            return MULTIPLY[self.fixed](a, b, bias)
+        sizes = (a.shape[0], a.shape[1], b.shape[1])
+        tuner = self._tuners.get(sizes)
+        if tuner is None:
+            if 0 in sizes:
+                return _aten_mm(a, b, bias)  # nothing to time: an empty product
+            tuner = self._tuners[sizes] = tuner_for(self.layout.at(*sizes))
+        if tuner.library is None:
+            return tuner.timed_call(a, b, bias)
+        return MULTIPLY[tuner.library](a, b, bias)

@@ -17,10 +17,19 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import accelrun.compile.gemm_choice as gemm_choice
 from accelrun.compile.backend import AccelrunBackend
 from accelrun.compile.fast_calls import _only_reads
-from accelrun.compile.gemm_choice import GemmLayout, GemmSite, LayoutTuner, Library, matrix_order
+from accelrun.compile.gemm_choice import (
+    ChangingGemmLayout,
+    ChangingSizeGemmSite,
+    GemmLayout,
+    GemmSite,
+    LayoutTuner,
+    Library,
+    matrix_order,
+)
 from accelrun.compile.options import CompileOptions
 from accelrun.compile.output_code import pack_graph, unpack_graph
 from accelrun.compile.passes.base import PassContext, registered_passes, resolve_passes
+from accelrun.compile.passes.cpu_gemm import reinstate_sites, restore_aten_products
 from accelrun.config.compile_names import PRESETS, CpuGemmOptions
 
 aten = torch.ops.aten
@@ -83,12 +92,48 @@ def test_forced_onednn_takes_fp32_matrix_products_with_eagers_results():
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_aten_leaves_the_graph_and_symbolic_sizes_are_left_alone():
+def test_aten_leaves_the_graph():
     inputs = _inputs()
     gm = make_fx(_products, tracing_mode="fake")(*inputs)
     assert not _run_pass(gm, "aten").changed and not _sites(gm)
-    sym = make_fx(lambda a, b: a @ b, tracing_mode="symbolic")(*inputs[:2])
-    assert not _run_pass(sym, "onednn").changed
+
+
+def test_products_of_changing_sizes_choose_at_each_call_by_their_sizes_bucket(tmp_path):
+    """A graph for any length: its products' sizes are symbols. Each becomes a site that reads the
+    call's sizes and takes the tuner of their bucket (the changing sizes rounded up to a power of two),
+    without a guard on any size."""
+    x, w, bias = torch.randn(100, 48), torch.randn(40, 48), torch.randn(40)
+    gm = make_fx(lambda x, w, bias: (x @ w.t(), torch.addmm(bias, x, w.t()), x.t() @ x),
+                 tracing_mode="symbolic")(x, w, bias)  # fmt: skip
+    shape_env = next(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder").shape[0].node.shape_env
+    guards = len(shape_env.guards)
+    result = _run_pass(gm, "tuned")
+    assert result.counts == {"onednn": 0, "timed_at_first_calls": 3}
+    sites = _sites(gm)
+    assert all(isinstance(s, ChangingSizeGemmSite) for s in sites) and len(shape_env.guards) == guards
+    assert [s.layout.key for s in sites] == ["?x?x?:RC", "?x?x?:RC:bias", "?x?x?:CR"]
+    for rows in (100, 120, 200, 100):
+        x = torch.randn(rows, 48)
+        for got, expected in zip(gm(x, w, bias), (x @ w.t(), torch.addmm(bias, x, w.t()), x.t() @ x), strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    product = sites[0]
+    assert product._tuners[(100, 48, 40)] is product._tuners[(120, 48, 40)]  # one bucket: 128 rows
+    assert sorted(t.layout.key for t in {id(t): t for t in product._tuners.values()}.values()) == \
+        ["128x64x64:RC", "256x64x64:RC"]  # fmt: skip
+    empty = product(torch.randn(0, 48), w.t())
+    assert empty.shape == (0, 40) and (0, 48, 40) not in product._tuners
+
+
+def test_a_bucket_times_each_call_per_multiply_add(tmp_path, monkeypatch):
+    """Calls of one bucket have other sizes: each is timed as if it had the bucket's multiply-adds, so
+    a library is not judged on the smaller calls it happened to get."""
+    layout = GemmLayout(128, 48, 40, False, False, False)
+    tuner = LayoutTuner(layout, gemm_choice.ChoiceFile(tmp_path / "c.json"), None)
+    clock = iter([0.0, 1.0, 0.0, 1.0])  # each call takes one second
+    monkeypatch.setattr(gemm_choice.time, "perf_counter", lambda: next(clock))
+    tuner.timed_call(torch.randn(128, 48), torch.randn(48, 40), None)
+    tuner.timed_call(torch.randn(64, 48), torch.randn(48, 40), None)
+    assert tuner.times == {Library.ATEN: [1.0], Library.ONEDNN: [2.0]}
 
 
 def test_the_tuner_times_both_libraries_in_turns_and_keeps_onednn_only_by_the_margin(tmp_path):
@@ -143,12 +188,12 @@ class UsersMLP(nn.Module):
         return self.head(x + self.down(torch.relu(self.up(x))))
 
 
-def _train(model: nn.Module, fn, steps: int) -> list[float]:
+def _train(model: nn.Module, fn, steps: int, rows: tuple[int, ...] | None = None) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
     losses = []
-    for _ in range(steps):
-        x = torch.randn(256, 64, generator=g)
+    for step in range(steps):
+        x = torch.randn(256 if rows is None else rows[step], 64, generator=g)
         loss = fn(x).square().mean()
         loss.backward()
         opt.step()
@@ -222,3 +267,39 @@ def test_a_site_survives_the_graph_cache_and_reads_only():
     assert tuned.tuner is gemm_choice.tuner_for(site.layout)  # the process's one tuner of the layout
     user = next(n for n in gm.graph.nodes if isinstance(n.target, GemmSite))
     assert _only_reads(user)
+
+
+def test_batches_of_changing_rows_train_at_eagers_losses_through_sites_that_choose_per_size():
+    """A user's MLP fed batches of another size each step: after the first size, one graph for every
+    size whose products are sites choosing by each call's sizes (no guard, no third graph), at eager's
+    losses. Until 2026-12-05 such a graph left every product to ATen's MKL."""
+    torch.manual_seed(0)
+    model, twin = UsersMLP(), UsersMLP()
+    twin.load_state_dict(model.state_dict())
+    backend = _backend("tuned")
+    rows = (256, 192, 320, 96, 192, 256, 130, 320, 96, 96, 192, 320, 256)  # enough calls to decide buckets
+    compiled = _train(model, torch.compile(model, backend=backend), len(rows), rows)
+    torch.testing.assert_close(compiled, _train(twin, twin, len(rows), rows), rtol=1e-5, atol=1e-6)
+    assert backend.record.dynamo_graphs == 2, backend.record.compiled_line()
+    changing = [p for p in backend.record.passes if p.name == "cpu_gemm" and p.graph.startswith("g1.")]
+    assert sum(p.counts.get("timed_at_first_calls", 0) for p in changing) == 3 + 5, changing
+    buckets = {t.layout.m for t in gemm_choice._tuners.values()} | {t.layout.k for t in gemm_choice._tuners.values()}
+    assert {128, 256, 512} <= buckets, buckets  # 96; 130, 192 and 256; 320 rows
+
+
+def test_a_changing_size_site_survives_the_graph_cache():
+    x, w = torch.randn(100, 48), torch.randn(48, 40)
+    gm = make_fx(lambda x, w: x @ w, tracing_mode="symbolic")(x, w)
+    _run_pass(gm, "onednn")
+    (site,) = _sites(gm)
+    loaded = unpack_graph(pack_graph(gm))
+    (copy,) = [n.target for n in loaded.graph.nodes if n.op == "call_function" and isinstance(n.target, GemmSite)]
+    assert type(copy) is ChangingSizeGemmSite and copy.layout == site.layout and copy.fixed is Library.ONEDNN
+    assert isinstance(copy.layout, ChangingGemmLayout)
+    restore_aten_products(gm)
+    assert not _sites(gm)
+    reinstate_sites(gm)
+    (again,) = _sites(gm)
+    assert type(again) is ChangingSizeGemmSite and again.layout == site.layout
+    x = torch.randn(70, 48)
+    torch.testing.assert_close(loaded(x, w), x @ w, rtol=1e-5, atol=1e-5)

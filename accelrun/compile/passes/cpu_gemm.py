@@ -1,11 +1,13 @@
 """cpu_gemm: fp32 matrix products on a CPU run through whichever library is faster for their layout here.
 
-Each ``mm`` and ``addmm`` (a 1-D bias, no scaling) whose operands are fp32 CPU matrices of fixed shape,
-each row-major or column-major, asks ``gemm_choice`` which library multiplies that layout faster on
-this machine: ATen's (MKL) or oneDNN's (timed the first time a layout is seen, then read from a file).
+Each ``mm`` and ``addmm`` (a 1-D bias, no scaling) whose operands are fp32 CPU matrices, each
+row-major or column-major, asks ``gemm_choice`` which library multiplies that layout faster on this
+machine: ATen's (MKL) or oneDNN's (timed the first time a layout is seen, then read from a file).
 Where oneDNN wins, the product becomes oneDNN's linear layer on the same operands (``b``'s transpose
-as its weight: a view, no copy). Everything else is left as it is: other dtypes (bf16 products already
-run on oneDNN inside ATen), batched products, products on other devices or of symbolic sizes.
+as its weight: a view, no copy). A product of symbolic sizes (a graph for any sequence length) becomes
+a site that chooses at each call, by the call's sizes (``ChangingSizeGemmSite``): no size is guarded.
+Everything else is left as it is: other dtypes (bf16 products already run on oneDNN inside ATen),
+batched products, products on other devices.
 
 ``library``: ``tuned`` (the default) times; ``onednn`` or ``aten`` decide without timing (tests, and a
 user who has measured for themselves).
@@ -16,7 +18,16 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from accelrun.compile.gemm_choice import GemmLayout, GemmSite, Library, matrix_order, tuner_for
+from accelrun.compile.gemm_choice import (
+    ChangingGemmLayout,
+    ChangingSizeGemmSite,
+    GemmLayout,
+    GemmSite,
+    Library,
+    holds_for_every_size,
+    matrix_order,
+    tuner_for,
+)
 from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.passes.graph_build import tensor_val
 from accelrun.config.compile_names import CpuGemmOptions
@@ -38,7 +49,7 @@ def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
     return None
 
 
-def layout_of(node: fx.Node) -> tuple[GemmLayout, fx.Node, fx.Node, fx.Node | None] | None:
+def layout_of(node: fx.Node) -> tuple[GemmLayout | ChangingGemmLayout, fx.Node, fx.Node, fx.Node | None] | None:
     """The product's layout and operands, when oneDNN's linear layer can compute it; else None."""
     operands = _operands(node)
     if operands is None:
@@ -50,17 +61,20 @@ def layout_of(node: fx.Node) -> tuple[GemmLayout, fx.Node, fx.Node, fx.Node | No
     va, vb, out = vals
     if any(v.dtype != torch.float32 or v.device.type != "cpu" for v in vals):
         return None
-    if any(not isinstance(x, int) for v in (va, vb) for x in (*v.shape, *v.stride())):
-        return None  # symbolic sizes: one timing would not hold for every size
     a_col, b_col = matrix_order(va), matrix_order(vb)
     if a_col is None or b_col is None:
         return None
     if bias is not None:
         vbias = tensor_val(bias)
-        if vbias.dtype != torch.float32 or vbias.dim() != 1 or vbias.shape[0] != vb.shape[1] or vbias.stride() != (1,):
+        if vbias.dtype != torch.float32 or vbias.dim() != 1 or not holds_for_every_size(vbias.shape[0] == vb.shape[1]) \
+                or not holds_for_every_size(vbias.stride(0) == 1):
             return None
-    (m, k), n = va.shape, vb.shape[1]
-    return GemmLayout(m, k, n, a_col, b_col, bias is not None), a, b, bias
+    sizes = (*va.shape, vb.shape[1])
+    if all(isinstance(x, int) for x in sizes):
+        return GemmLayout(*sizes, a_col, b_col, bias is not None), a, b, bias
+    # A graph for any length: each call's sizes choose (ChangingSizeGemmSite); nothing is guarded.
+    fixed = tuple(x if isinstance(x, int) else None for x in sizes)
+    return ChangingGemmLayout(fixed, a_col, b_col, bias is not None), a, b, bias
 
 
 @register_pass("cpu_gemm", "post_grad", CpuGemmOptions)
@@ -76,9 +90,12 @@ def cpu_gemm(gm: fx.GraphModule, options: CpuGemmOptions, ctx: PassContext) -> P
         if found is None:
             continue
         layout, a, b, bias = found
-        if fixed is None and tuner_for(layout).library is Library.ATEN:
+        if isinstance(layout, ChangingGemmLayout):
+            site = ChangingSizeGemmSite(layout, fixed)
+        elif fixed is None and tuner_for(layout).library is Library.ATEN:
             continue  # decided before: ATen's own op stays (readable, and fast_calls' method call)
-        site = GemmSite(layout, fixed)
+        else:
+            site = GemmSite(layout, fixed)
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(site, (a, b) if bias is None else (a, b, bias))
         new.meta.update(node.meta)  # the same value: oneDNN's result is contiguous, as ATen's
@@ -88,7 +105,7 @@ def cpu_gemm(gm: fx.GraphModule, options: CpuGemmOptions, ctx: PassContext) -> P
     if sites:
         gm.graph.lint()
         gm.recompile()
-    undecided = sum(1 for s in sites if s.tuner is not None and s.tuner.library is None)
+    undecided = sum(1 for s in sites if s.fixed is None and (s.tuner is None or s.tuner.library is None))
     summary = f"{len(sites) - undecided} fp32 products on oneDNN, {undecided} to be timed on their first calls"
     return PassResult(changed=bool(sites), summary=summary,
                       counts={"onednn": len(sites) - undecided, "timed_at_first_calls": undecided})  # fmt: skip
@@ -108,7 +125,7 @@ def restore_aten_products(gm: fx.GraphModule) -> int:
         with gm.graph.inserting_before(node):
             product = gm.graph.call_function(aten.mm.default if not bias else aten.addmm.default, args)
         product.meta.update(node.meta)
-        product.meta[SITE_KEY] = (node.target.layout, node.target.fixed)
+        product.meta[SITE_KEY] = node.target  # pickled as its class, layout and fixed library
         node.replace_all_uses_with(product)
         gm.graph.erase_node(node)
     if sites:
@@ -120,10 +137,10 @@ def reinstate_sites(gm: fx.GraphModule) -> int:
     """The sites ``restore_aten_products`` turned into ATen products, sites again; the number."""
     products = [n for n in gm.graph.nodes if n.op == "call_function" and SITE_KEY in n.meta]
     for node in products:
-        layout, fixed = node.meta.pop(SITE_KEY)
+        saved = node.meta.pop(SITE_KEY)
         args = node.args if node.target == aten.mm.default else (node.args[1], node.args[2], node.args[0])
         with gm.graph.inserting_before(node):
-            site = gm.graph.call_function(GemmSite(layout, fixed), args)
+            site = gm.graph.call_function(saved, args)
         site.meta.update(node.meta)
         node.replace_all_uses_with(site)
         gm.graph.erase_node(node)

@@ -61,6 +61,13 @@ def _static(*vals: torch.Tensor | None) -> bool:
     return all(v is not None and all(isinstance(s, int) for s in v.shape) for v in vals)
 
 
+def _read_from_data(val: torch.Tensor) -> bool:
+    """Whether a size of ``val`` is a value read from the data (unbacked): no guard can hold it."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return bool(free_unbacked_symbols(val.shape))
+
+
 def _arg(node: fx.Node, i: int, name: str, default=None):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
@@ -168,13 +175,16 @@ def _accumulate_as_index_add(build: NodeBuilder, node: fx.Node) -> fx.Node | Non
         return None
     if not same_shape(vals.shape, (*idx.shape, *out.shape[1:])):  # no broadcast of the values
         return None
-    if not _static(vals, idx):  # rows a mask or a router picked (a size read from the data): one index
-        if idx.dim() != 1:      # per row already, and no reshape of a size the graph does not hold
-            return None
-        flat, rows = index, values
-    else:
+    if _static(vals, idx):
         flat = build(node, aten.reshape.default, index, [idx.numel()])
         rows = build(node, aten.reshape.default, values, [idx.numel(), *out.shape[1:]])
+    elif idx.dim() == 1:  # one index per row already (rows a mask or a router picked: read from the data)
+        flat, rows = index, values
+    elif not _read_from_data(idx):  # a graph for any length: its index is [batch, length]; -1 holds for both
+        flat = build(node, aten.reshape.default, index, [-1])
+        rows = build(node, aten.reshape.default, values, [-1, *out.shape[1:]])
+    else:
+        return None  # no reshape of a size the graph does not hold
     negative = build(node, aten.lt.Scalar, flat, 0)
     wrapped = build(node, aten.where.self, negative, build(node, aten.add.Tensor, flat, out.shape[0]), flat)
     return build(node, aten.index_add.default, base, 0, wrapped, rows)
