@@ -134,11 +134,11 @@ def run(args: argparse.Namespace, dname: str) -> None:
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else [args.seq] * 4
     batches = [next_token_batch(torch.randint(0, args.vocab, (args.batch, n + 1), generator=g)) for n in lengths]
     warm_the_tracer(model, batches[0])
-    interleaved_rounds(variants, batches, max(args.warmup, len(batches) - 1), args.rounds)  # every length met
+    warm = interleaved_rounds(variants, batches, max(args.warmup, len(batches) - 1), args.rounds)  # every length met
     med = {v.name: statistics.median(v.times) for v in variants}
     shape = f"seq {args.seq}" if not args.lengths else f"seq {args.lengths} in turn"
     print(f"\ntransformers LlamaForCausalLM {dname}: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
-          f"{shape}, {args.rounds} interleaved rounds, {torch.get_num_threads()} threads; accelrun: "
+          f"{shape}, {args.rounds} interleaved rounds after {warm}, {torch.get_num_threads()} threads; accelrun: "
           f"{next((v.description for v in variants if v.name == 'accelrun'), '-')}")  # fmt: skip
     print(f"{'variant':10s} {'cold compile':>12s} {'vs inductor':>11s} {'median step':>12s} {'vs eager':>9s} "
           f"{'vs inductor':>12s} {'95% interval':>14s}")

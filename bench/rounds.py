@@ -15,15 +15,25 @@ class Stepper(Protocol):
     def step(self, batch: Any) -> float: ...
 
 
-def interleaved_rounds(variants: Sequence[Stepper], batches: Sequence[Any], warmup: int, rounds: int) -> None:
+# Warm-up rounds past ``warmup`` while accelrun's CPU products still time their libraries
+# (gemm_choice: 10 calls per layout, and a changing length's bucket meets one call every few rounds).
+TUNING_ROUNDS = 60
+
+
+def interleaved_rounds(variants: Sequence[Stepper], batches: Sequence[Any], warmup: int, rounds: int) -> int:
     """Fills each variant's ``first`` (its first step, on ``batches[0]``) and ``times`` (one step a round,
     cycling through ``batches``). The warm-up cycles through them too: batches of other shapes compile
-    there, not in a timed round."""
+    there, and products choose their library there, not in a timed round. Returns the warm-up rounds run."""
+    from accelrun.compile.gemm_choice import undecided_layouts
+
     for v in variants:  # first step: capture + compile + run (no reset between: it would drop the others')
         v.first = v.step(batches[0])
-    for i in range(warmup):
+    done = 0
+    while done < warmup or undecided_layouts() and done < warmup + TUNING_ROUNDS:
         for v in variants:
-            v.step(batches[(1 + i) % len(batches)])
+            v.step(batches[(1 + done) % len(batches)])
+        done += 1
     for r in range(rounds):
         for v in variants:
             v.times.append(v.step(batches[r % len(batches)]))
+    return done

@@ -172,7 +172,7 @@ def run_one(args: argparse.Namespace, name: str) -> None:
     ids = [torch.randint(0, VOCAB, (args.batch, n + 1), generator=g) for n in lengths]
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids]
     warmup = max(args.warmup, len(batches) - 1)  # every length met before the timed rounds
-    interleaved_rounds(variants, batches, warmup, args.rounds)
+    warmup = interleaved_rounds(variants, batches, warmup, args.rounds)
     med = {v.name: statistics.median(v.times) for v in variants}
     shape = f"seq {args.seq}" if not args.lengths else f"seq {args.lengths} in turn"
     print(f"\n{name}: batch {args.batch} x {shape}, {args.rounds} interleaved rounds after {warmup}, "
