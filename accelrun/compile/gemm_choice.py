@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -108,11 +109,13 @@ def matrix_order(t: torch.Tensor) -> bool | None:
     if t.dim() != 2 or holds_for_every_size(t.numel() == 0):
         return None
     (rows, cols), (row_stride, col_stride) = t.shape, t.stride()
-    if holds_for_every_size(col_stride == 1) and holds_for_every_size(row_stride == cols) or holds_for_every_size(cols == 1) and holds_for_every_size(row_stride == 1):
+
+    def strides(row: Any, col: Any) -> bool:
+        return holds_for_every_size(row_stride == row) and holds_for_every_size(col_stride == col)
+
+    if strides(cols, 1) or holds_for_every_size(cols == 1) and holds_for_every_size(row_stride == 1):
         return False
-    if holds_for_every_size(row_stride == 1) and holds_for_every_size(col_stride == rows):
-        return True
-    return None
+    return True if strides(1, rows) else None
 
 
 def onednn_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

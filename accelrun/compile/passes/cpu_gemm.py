@@ -66,8 +66,9 @@ def layout_of(node: fx.Node) -> tuple[GemmLayout | ChangingGemmLayout, fx.Node, 
         return None
     if bias is not None:
         vbias = tensor_val(bias)
-        if vbias.dtype != torch.float32 or vbias.dim() != 1 or not holds_for_every_size(vbias.shape[0] == vb.shape[1]) \
-                or not holds_for_every_size(vbias.stride(0) == 1):
+        if vbias.dtype != torch.float32 or vbias.dim() != 1:
+            return None
+        if not (holds_for_every_size(vbias.shape[0] == vb.shape[1]) and holds_for_every_size(vbias.stride(0) == 1)):
             return None
     sizes = (*va.shape, vb.shape[1])
     if all(isinstance(x, int) for x in sizes):
