@@ -59,11 +59,14 @@ class GemmLayout:
     a_col_major: bool
     b_col_major: bool
     bias: bool
+    # A bucket of a changing size (ChangingGemmLayout.at): timed on calls of other sizes, so it is
+    # chosen and saved apart from a product of exactly these sizes.
+    bucket: bool = False
 
     @property
     def key(self) -> str:
         order = "".join("C" if c else "R" for c in (self.a_col_major, self.b_col_major))
-        return f"{self.m}x{self.k}x{self.n}:{order}{':bias' if self.bias else ''}"
+        return f"{self.m}x{self.k}x{self.n}:{order}{':bias' if self.bias else ''}{':bucket' if self.bucket else ''}"
 
 
 def bucket(size: int) -> int:
@@ -86,7 +89,7 @@ class ChangingGemmLayout:
     def at(self, m: int, k: int, n: int) -> GemmLayout:
         """The layout a call of sizes ``m, k, n`` is chosen and timed as."""
         sizes = (bucket(x) if fixed is None else x for x, fixed in zip((m, k, n), self.sizes, strict=True))
-        return GemmLayout(*sizes, self.a_col_major, self.b_col_major, self.bias)
+        return GemmLayout(*sizes, self.a_col_major, self.b_col_major, self.bias, bucket=True)
 
     @property
     def key(self) -> str:
@@ -287,13 +290,13 @@ class ChangingSizeGemmSite(GemmSite):
         self.__name__ = "gemm"
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        sizes = (a.shape[0], a.shape[1], b.shape[1])
+        if 0 in sizes:  # an expert that met no tokens: nothing to time, and oneDNN refuses an empty k
+            return _aten_mm(a, b, bias)
         if self.fixed is not None:
             return MULTIPLY[self.fixed](a, b, bias)
-        sizes = (a.shape[0], a.shape[1], b.shape[1])
         tuner = self._tuners.get(sizes)
         if tuner is None:
-            if 0 in sizes:
-                return _aten_mm(a, b, bias)  # nothing to time: an empty product
             tuner = self._tuners[sizes] = tuner_for(self.layout.at(*sizes))
         if tuner.library is None:
             return tuner.timed_call(a, b, bias)

@@ -119,9 +119,18 @@ def test_products_of_changing_sizes_choose_at_each_call_by_their_sizes_bucket(tm
     product = sites[0]
     assert product._tuners[(100, 48, 40)] is product._tuners[(120, 48, 40)]  # one bucket: 128 rows
     assert sorted(t.layout.key for t in {id(t): t for t in product._tuners.values()}.values()) == \
-        ["128x64x64:RC", "256x64x64:RC"]  # fmt: skip
+        ["128x64x64:RC:bucket", "256x64x64:RC:bucket"]  # fmt: skip
     empty = product(torch.randn(0, 48), w.t())
     assert empty.shape == (0, 40) and (0, 48, 40) not in product._tuners
+
+
+def test_a_changing_size_product_with_nothing_to_sum_is_atens_even_where_onednn_is_forced():
+    """An expert that met no tokens: its weight gradient ``x.t() @ grad`` sums over 0 rows, which
+    oneDNN's linear layer refuses; ATen's gives zeros."""
+    gm = make_fx(lambda x, g: x.t() @ g, tracing_mode="symbolic")(torch.randn(100, 48), torch.randn(100, 40))
+    _run_pass(gm, "onednn")
+    assert len(_sites(gm)) == 1
+    assert torch.equal(gm(torch.randn(0, 48), torch.randn(0, 40)), torch.zeros(48, 40))
 
 
 def test_a_bucket_times_each_call_per_multiply_add(tmp_path, monkeypatch):
