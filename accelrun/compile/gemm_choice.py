@@ -207,6 +207,9 @@ class LayoutTuner:
         self.layout, self.file = layout, file
         self.library: Library | None = known.library if known is not None else None
         self.times: dict[Library, list[float]] = {Library.ATEN: [], Library.ONEDNN: []}
+        # A bucket's calls come in several sizes, and oneDNN builds a kernel for each new one: a
+        # library's first call at a size is not timed (a fixed layout's first calls are UNTIMED_CALLS).
+        self.sizes_met: set[tuple[Library, int, int, int]] = set()
 
     def timed_call(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         aten, dnn = self.times[Library.ATEN], self.times[Library.ONEDNN]
@@ -218,8 +221,13 @@ class LayoutTuner:
         t0 = time.perf_counter()
         out = MULTIPLY[lib](a, b, bias)
         seconds = time.perf_counter() - t0
-        layout = self.layout  # a call of a changing layout's bucket has fewer multiply-adds: timed as if it had them
-        self.times[lib].append(seconds * (layout.m * layout.k * layout.n) / (a.shape[0] * a.shape[1] * b.shape[1]))
+        m, k, n = a.shape[0], a.shape[1], b.shape[1]
+        layout = self.layout
+        if layout.bucket and (lib, m, k, n) not in self.sizes_met:
+            self.sizes_met.add((lib, m, k, n))
+            return out
+        # A call in a bucket has fewer multiply-adds than the bucket: timed as if it had them.
+        self.times[lib].append(seconds * (layout.m * layout.k * layout.n) / (m * k * n))
         if len(aten) == len(dnn) == UNTIMED_CALLS + TIMED_CALLS:
             self._decide()
         return out

@@ -136,13 +136,28 @@ def test_a_changing_size_product_with_nothing_to_sum_is_atens_even_where_onednn_
 def test_a_bucket_times_each_call_per_multiply_add(tmp_path, monkeypatch):
     """Calls of one bucket have other sizes: each is timed as if it had the bucket's multiply-adds, so
     a library is not judged on the smaller calls it happened to get."""
-    layout = GemmLayout(128, 48, 40, False, False, False)
+    layout = GemmLayout(128, 48, 40, False, False, False)  # (a fixed layout: every call timed)
     tuner = LayoutTuner(layout, gemm_choice.ChoiceFile(tmp_path / "c.json"), None)
     clock = iter([0.0, 1.0, 0.0, 1.0])  # each call takes one second
     monkeypatch.setattr(gemm_choice.time, "perf_counter", lambda: next(clock))
     tuner.timed_call(torch.randn(128, 48), torch.randn(48, 40), None)
     tuner.timed_call(torch.randn(64, 48), torch.randn(48, 40), None)
     assert tuner.times == {Library.ATEN: [1.0], Library.ONEDNN: [2.0]}
+
+
+def test_a_buckets_first_call_at_each_size_is_not_timed(tmp_path, monkeypatch):
+    """oneDNN builds a kernel for each new size: in a bucket, whose calls come in several sizes, each
+    library's first call at a size would carry that build into its timings."""
+    layout = GemmLayout(128, 48, 40, False, False, False, bucket=True)
+    tuner = LayoutTuner(layout, gemm_choice.ChoiceFile(tmp_path / "c.json"), None)
+    monkeypatch.setattr(gemm_choice.time, "perf_counter", iter([0.0, 1.0] * 8).__next__)
+    b = torch.randn(48, 40)
+    for rows in (128, 128, 128, 64, 64, 64):
+        tuner.timed_call(torch.randn(rows, 48), b, None)
+    # At 128: ATen (its first there: untimed), ATen (timed), oneDNN (its first: untimed); at 64:
+    # oneDNN (its first there: untimed), oneDNN (timed, per multiply-add), then oneDNN again (it goes
+    # first in every other pair). A fixed layout would have timed all six.
+    assert tuner.times == {Library.ATEN: [1.0], Library.ONEDNN: [2.0, 2.0]}
 
 
 def test_the_tuner_times_both_libraries_in_turns_and_keeps_onednn_only_by_the_margin(tmp_path):
