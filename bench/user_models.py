@@ -153,6 +153,11 @@ class RegionTimes:
             print(f"  region {rid}: {cpp_ms:.3f} against {aten_ms:.3f} ms, {len(ops)} ops: {', '.join(ops)[:100]}")
 
 
+def per_length_ratio(base: list[float], other: list[float], i: int, lengths: int) -> float:
+    """``base``'s median step over ``other``'s, in the rounds whose batch had the ``i``-th length."""
+    return statistics.median(base[i::lengths]) / statistics.median(other[i::lengths])
+
+
 def run_one(args: argparse.Namespace, name: str) -> None:
     tune_malloc(args.malloc)
     regions = RegionTimes() if args.regions else None
@@ -191,6 +196,12 @@ def run_one(args: argparse.Namespace, name: str) -> None:
     for v in variants:
         print(f"{v.name:10s} {v.first:9.2f}s {med[v.name] * 1e3:10.1f}ms {ratio('eager', v):>24s} "
               f"{ratio('inductor', v):>24s}")  # fmt: skip
+    if args.lengths and "eager" in by_name:  # the median over several lengths mixes their steps: each apart
+        for v in variants:
+            if v.name != "eager":
+                print(f"  {v.name} vs eager by length: " + ", ".join(
+                    f"{n}: {per_length_ratio(by_name['eager'].times, v.times, i, len(lengths)):.3f}x"
+                    for i, n in enumerate(lengths)))  # fmt: skip
     if regions is not None:
         regions.report()
 
