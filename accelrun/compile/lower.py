@@ -401,7 +401,8 @@ def _reads_rows_per_call(region: Region) -> bool:
     (codegen.runtime_rows): known at the claim, before a build finishes (the graph cache saves the
     region's record then)."""
     program = region.program
-    return _reads_row_counts(region.lowering.executor) and program is not None and program.runtime_rows is not None
+    return _reads_row_counts(region.lowering.executor) and program is not None and (
+        program.runtime_rows is not None or program.linear_sizes is not None)
 
 
 def _reads_row_counts(executor: str | None) -> bool:

@@ -155,6 +155,8 @@ def cpp_source(program: LoopProgram, entry: str = ENTRY, prelude: bool = True) -
     for buf in program.buffers:
         if buf.storage == "f16":
             raise Unsupported("float16 tensors (the cpp generator handles fp32 and bf16)")
+    if program.linear_sizes is not None:  # written once for every length (codegen.linear_sizes)
+        return (PRELUDE if prelude else "") + program.linear_sizes.source(entry)
     e = Emitter()
     if prelude:
         e.lines(PRELUDE)
@@ -279,8 +281,7 @@ class _KernelWriter:
     def _write_chunked(self) -> None:
         e = self.e
         chunk = CHUNK // self.k.unroll
-        chunks = f"(N + {chunk - 1}) / {chunk}" if self.n_axis == "cols" else str(-(-self.k.trips // chunk))
-        e.line(f"const int64_t chunks = {chunks};")
+        e.line(f"const int64_t chunks = (N + {chunk - 1}) / {chunk};")  # from N: a length read at the call too
         e.line("#pragma omp parallel for num_threads(nt) schedule(static)")
         with e.block("for (int64_t t = 0; t < R * chunks; ++t) {", "}"):
             e.line("const int64_t r = t / chunks;")
@@ -525,15 +526,43 @@ def _leads_with(t: torch.Tensor, lead: tuple[int, ...], rest: tuple[int, ...]) -
             and all(want in (-1, got) for want, got in zip(lead, shape, strict=False)))  # fmt: skip
 
 
+class CppLengthRegion(CppRegion):
+    """A region whose sizes follow one changing length (``codegen.linear_sizes``): each call reads the
+    length from one input, lays the inputs out as the kernels read them at that length, allocates its
+    outputs and passes the length to the kernels."""
+
+    def __init__(self, program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> None:
+        super().__init__(program, lib, entry)
+        self._sizes_at_call = program.linear_sizes
+        layout = {lay.name: lay for lay in self._sizes_at_call.layouts}
+        self._in_layouts = [layout[b.name] for b in self.inputs]
+        self._made = [(layout[b.name], b.dtype) for b in (*self.outputs, *self.temps)]
+
+    def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
+        args = self._tensors(args)
+        s = self._sizes_at_call.length_of({b.name: t for b, t in zip(self.inputs, args, strict=True)})
+        ins = []
+        for t, buf, lay in zip(args, self.inputs, self._in_layouts, strict=True):
+            at = dataclasses.replace(buf, shape=lay.at(s)[0], stride=lay.at(s)[1])
+            ins.append(t if _as_expected(t, (buf.dtype, torch.Size(at.shape), _long_axes(at))) else _conform(t, at))
+        made = [_empty_strided(*lay.at(s), dtype) for lay, dtype in self._made]
+        self.fn(self._ptrs(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in made]), s, torch.get_num_threads())
+        return tuple(made[: self._n_out])
+
+
 def cpp_region(program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> CppRegion:
-    """The callable for a compiled program: fixed sizes, or rows read at each call."""
+    """The callable for a compiled program: fixed sizes, rows read at each call, or a length read at
+    each call."""
+    if program.linear_sizes is not None:
+        return CppLengthRegion(program, lib, entry)
     return (CppRegion if program.runtime_rows is None else CppRowsRegion)(program, lib, entry)
 
 
 def saved_region(library: str, entry: str, program: LoopProgram) -> tuple:
     """How a compiled region pickles (the graph cache): the library is found again by its path; running
     it needs the buffers' layout (and which have runtime rows) only, not the kernels' IR."""
-    return (_restore_region, (library, entry, program.buffers, program.runtime_rows, program.size_inputs))
+    return (_restore_region, (library, entry, program.buffers, program.runtime_rows, program.size_inputs,
+                              program.linear_sizes))  # fmt: skip
 
 
 def _input_guard(args: tuple[torch.Tensor, ...]) -> Any:
@@ -560,10 +589,11 @@ _empty_strided = empty_strided_cpu or _empty_strided_py
 
 
 def _restore_region(library: str, entry: str, buffers: list[Buffer], runtime_rows: Any = None,
-                    size_inputs: tuple[int, ...] = ()) -> CppRegion:  # fmt: skip
+                    size_inputs: tuple[int, ...] = (), linear_sizes: Any = None) -> CppRegion:  # fmt: skip
     if not Path(library).exists():
         raise FileNotFoundError(f"compiled region {library} is no longer in the cache")
-    return cpp_region(LoopProgram(buffers, [], runtime_rows, size_inputs), load_library(Path(library)), entry)
+    program = LoopProgram(buffers, [], runtime_rows, size_inputs, linear_sizes)
+    return cpp_region(program, load_library(Path(library)), entry)
 
 
 def _long_axes(buf: Buffer) -> list[tuple[int, int]]:

@@ -153,6 +153,9 @@ class LoopProgram:
     runtime_rows: Any = None
     # Positions of the region's inputs that are sizes, not tensors (a view's, an expand's): skipped.
     size_inputs: tuple[int, ...] = ()
+    # Set where sizes follow one changing length read at each call (``codegen.linear_sizes``): the
+    # buffers here hold the first made-up length's sizes.
+    linear_sizes: Any = None
 
     def of_role(self, role: str) -> list[Buffer]:
         return [b for b in self.buffers if b.role == role]

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, ClassVar
 
+from accelrun.compile.codegen.linear_sizes import lower_with_linear_sizes
 from accelrun.compile.codegen.loop_ir import Unsupported, cached_program
 from accelrun.compile.codegen.runtime_rows import lower_with_runtime_rows
 from accelrun.compile.executors.base import Executor
@@ -73,7 +74,12 @@ def with_runtime_rows(region: Region) -> bool:
             region.program = lower_with_runtime_rows(region)
         except Unsupported as e:
             region.runtime_rows_error = str(e)
-    return region.program is not None and region.program.runtime_rows is not None
+            try:  # the length elsewhere in the sizes, each size a·s + b (codegen.linear_sizes)
+                region.program = lower_with_linear_sizes(region)
+            except Unsupported as also:
+                region.runtime_rows_error += f"; nor as a·s + b in every size ({also})"
+    program = region.program
+    return program is not None and (program.runtime_rows is not None or program.linear_sizes is not None)
 
 
 def sizes_keep_changing() -> bool:
@@ -116,7 +122,8 @@ class GeneratedCodeExecutor(Executor):
         return f"{self.name} kernels are generated for fixed sizes"
 
     def source(self, region: Region) -> str:
-        if region.program is not None and region.program.runtime_rows is not None and not self.runtime_rows:
+        read_at_call = region.program is not None and (region.program.runtime_rows or region.program.linear_sizes)
+        if read_at_call and not self.runtime_rows:
             raise Unsupported(f"{SYMBOLIC_SIZES}: {self._fixed_sizes_reason(region)}")
         sources = region.lowering.sources
         if self.name not in sources:

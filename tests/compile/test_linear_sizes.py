@@ -1,0 +1,120 @@
+"""C++ kernels whose sizes follow a changing length read at each call (codegen/linear_sizes.py): regions
+traced with a symbolic length where runtime rows do not apply (the length past a tensor's leading axis,
+transposed layouts), lowered once, run for many lengths against float64 eager; what must be refused,
+with its reason; the compiled form through a pickle (the graph cache); users' models on changing
+lengths at eager's losses with such regions."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from accelrun.compile.codegen.cpp import CppLengthRegion, cpp_region, cpp_source
+from accelrun.compile.codegen.cpp_build import build_library, load_library
+from accelrun.compile.codegen.linear_sizes import PROBES, Linear, fit, lower_with_linear_sizes
+from accelrun.compile.codegen.loop_ir import Unsupported
+from accelrun.compile.codegen.runtime_rows import lower_with_runtime_rows
+from tests.compile.test_runtime_rows import _region
+
+LENGTHS = (2, 3, 7, 40, 129, 1000)
+
+
+def test_fit_takes_the_probes_to_whole_numbers_only_along_a_line():
+    assert fit(tuple(4 * p + 2 for p in PROBES)) == Linear(4, 2)
+    assert fit(tuple(p % 64 for p in PROBES)) is None  # a number that depends on divisibility
+    assert fit((1, 2, 3)) is None
+    assert Linear(0, 5).cpp() == "5" and Linear(1, 0).cpp() == "(n)" and Linear(64, -2).cpp() == "(64 * n - 2)"
+
+
+def rope(q, cos, sin):
+    """transformers' rotary embedding on a [B, s, H, hd] projection viewed as [B, H, s, hd]."""
+    q = q.transpose(1, 2)
+    half = q.shape[-1] // 2
+    rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+    return q * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def norm_of_sequence_first(x, w):
+    """A norm over the last axis of ``nn.MultiheadAttention``'s [s, B, D] layout, viewed as [B, s, D]."""
+    y = x.transpose(0, 1)
+    centred = y - y.mean(-1, keepdim=True)
+    return centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + 1e-5) * w
+
+
+CASES = [
+    pytest.param(lambda x: (x.t() * 2).sin(), [(40, 8)], [0], id="transposed"),
+    pytest.param(lambda x: x.transpose(0, 1) * 2 + 1, [(40, 4, 8)], [0], id="sequence-first"),
+    pytest.param(rope, [(2, 40, 4, 16), (2, 40, 16), (2, 40, 16)], [1], id="rope"),
+    pytest.param(norm_of_sequence_first, [(40, 4, 32), (32,)], [0], id="norm-sequence-first"),
+]
+
+
+@pytest.mark.parametrize("fn, shapes, dynamic", CASES)
+def test_regions_whose_sizes_follow_the_length_run_for_every_length(fn, shapes, dynamic, tmp_path):
+    """Runtime rows refuse each of these (the length is not only the rows); the length read at each
+    call takes them, with eager's results at lengths the kernels were not written for."""
+    g = torch.Generator().manual_seed(0)
+    region = _region(fn, *(torch.randn(s, generator=g) for s in shapes), dynamic=tuple(dynamic))
+    with pytest.raises(Unsupported):
+        lower_with_runtime_rows(region)
+    program = lower_with_linear_sizes(region)
+    assert program.linear_sizes is not None and " n" in program.linear_sizes.template
+    compiled = cpp_region(program, load_library(build_library(cpp_source(program), str(tmp_path))))
+    assert isinstance(compiled, CppLengthRegion)
+    for length in LENGTHS:
+        inputs = [torch.randn([length if d in dynamic else n for d, n in enumerate(s)], generator=g)
+                  if len(s) > 1 else torch.randn(s, generator=g) for s in shapes]  # fmt: skip
+        (got,) = compiled(*inputs)
+        want = fn(*(t.double() for t in inputs))
+        assert got.shape == want.shape and got.stride() == fn(*inputs).stride(), length
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fn, shapes, dynamic, reason", [
+    (lambda x: x - x.mean(0, keepdim=True), [(40, 64)], (0,), "changes the kernels' code"),  # 1/s, a float
+    (lambda x: x.unsqueeze(-1) * x.unsqueeze(-2), [(4, 40)], (1,), "not a whole multiple"),  # s·s
+])  # fmt: skip
+def test_what_depends_on_the_length_otherwise_is_refused_with_its_reason(fn, shapes, dynamic, reason):
+    region = _region(fn, *(torch.randn(s) for s in shapes), dynamic=dynamic)
+    with pytest.raises(Unsupported, match=reason):
+        lower_with_linear_sizes(region)
+
+
+def test_the_compiled_form_pickles_with_its_layouts(tmp_path):
+    region = _region(rope, torch.randn(2, 40, 4, 16), torch.randn(2, 40, 16), torch.randn(2, 40, 16), dynamic=(1,))
+    program = lower_with_linear_sizes(region)
+    compiled = cpp_region(program, load_library(build_library(cpp_source(program), str(tmp_path))))
+    loaded = pickle.loads(pickle.dumps(compiled))
+    assert isinstance(loaded, CppLengthRegion)
+    inputs = (torch.randn(2, 9, 4, 16), torch.randn(2, 9, 16), torch.randn(2, 9, 16))
+    torch.testing.assert_close(loaded(*inputs)[0], rope(*inputs), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="expected"):  # the length read from q: cos of another one
+        loaded(torch.randn(2, 9, 4, 16), torch.randn(2, 9, 16), torch.randn(2, 10, 16))
+
+
+@pytest.mark.parametrize("name", ["mha", "encoder_causal"])
+def test_attention_models_on_changing_lengths_keep_their_kernels(name, tmp_path):
+    """nn.MultiheadAttention works in [s, B, D]: in the graph for any length, its regions (the
+    projections' splits and norms in that layout) were ATen calls, 30 of the `mha` bench's 91 regions.
+    Now they read the length at each call, at eager's losses and gradients."""
+    from accelrun.compile.compile_model import compile_model
+    from accelrun.config.schema import CompileConfig
+    from accelrun.models.build import transformer_blocks
+    from tests.compile.test_user_models import _train_side_by_side
+    from tests.compile.user_models import USER_MODELS, EncoderLM
+
+    torch.manual_seed(0)
+    model = USER_MODELS["mha"]() if name == "mha" else EncoderLM(causal_hint=True)
+    reference = copy.deepcopy(model)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    record = compile_model(model, transformer_blocks(model), cfg).record
+    _train_side_by_side(model, reference, steps=5, lengths=(16, 24, 40, 9, 33))
+    # The first length; then one graph for every other length, whose regions all read it at each
+    # call (before: a third graph, the second length's having read it as a number).
+    any_length = [r for r in record.regions if r.graph.startswith("g1.")]
+    assert record.dynamo_graphs == 2 and any_length, record.compiled_line()
+    assert all(r.executor == "cpp" for r in any_length), record.regions_left_to_aten()
+    assert sum(r.runtime_rows for r in any_length) >= 10, record.regions
