@@ -561,26 +561,28 @@ def test_a_size_that_changes_between_calls_compiles_once_more_not_once_per_size(
 
 
 def test_a_changing_size_past_the_rows_is_read_as_a_number_twice_then_left_to_aten(tmp_path):
-    """Where the changing size is not only the rows a kernel loops over (here the columns of a
-    transposed tensor), the kernels are written for fixed sizes: a frame's first two compiles read it
-    as a number (a size that changed once keeps its kernels), and from the third the region stays
-    in ATen with the reason, so that one graph serves every further size."""
+    """Where the changing size is not only the rows a kernel loops over, nor a whole multiple of it
+    in each size (here a mean over the rows: the kernel would divide by it), the kernels are written
+    for fixed sizes: a frame's first two compiles read it as a number (a size that changed once keeps
+    its kernels), and from the third the region stays in ATen with the reason, so that one graph
+    serves every further size. (A transposed tensor was the example until kernels read a length
+    past the rows at each call, codegen.linear_sizes.)"""
     from accelrun.compile.executors.generated import SPECIALIZING_COMPILES, SYMBOLIC_SIZES
 
     torch._dynamo.reset()
     backend = _backend(tmp_path, passes="default")
 
-    def transposed(x):
-        return torch.tanh(x.t() * 2.0).t() + 1.0
+    def centred(x):
+        return torch.tanh(x - x.mean(0, keepdim=True)) + 1.0
 
-    _changing_sizes(torch.compile(transposed, backend=backend), transposed, 8)
+    _changing_sizes(torch.compile(centred, backend=backend), centred, 8)
     record = backend.record
     assert record.dynamo_graphs == SPECIALIZING_COMPILES + 1 == 3, record.compiled_line()
     assert not any("recompile limit" in w for w in record.summary()["warnings"])
     assert sum(r.executor == "cpp" for r in record.regions) >= 2  # the fixed sizes: generated code
     symbolic = [r for r in record.regions if r.declined.get("cpp", "").startswith(SYMBOLIC_SIZES)]
     assert symbolic and all(r.executor == "aten" and not r.runtime_rows for r in symbolic)
-    assert "past a tensor's leading axis" in symbolic[0].declined["cpp"], symbolic[0].declined
+    assert "nor as a·s + b in every size" in symbolic[0].declined["cpp"], symbolic[0].declined
     torch._dynamo.reset()
 
 
