@@ -34,6 +34,7 @@ ENTRY_MARK = "accelrun_linear_entry"  # the entry's name in the template, replac
 # A whole number standing alone in C++ (not part of a name, a float or INT64_C(...), rewritten first).
 _WHOLE = re.compile(r"(?<![\w.])(\d+)(?![\w.])")
 _INT64_C = re.compile(r"INT64_C\((\d+)\)")
+_DIVIDED_BY_LENGTH = re.compile(r"[/%] \((\d+ \* )?n( [+-] \d+)?\)")  # Linear.cpp's forms
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,9 @@ def lower_with_linear_sizes(region: Any) -> LoopProgram:
         raise Unsupported(f"the changing size {symbol} changes the kernels' loop plan or a scratch row's length")
     sources = [_INT64_C.sub(r"((int64_t)\1)", cpp_source(p, ENTRY_MARK, prelude=False)) for p in programs]
     template = _template(sources, str(symbol))
+    if _DIVIDED_BY_LENGTH.search(template):
+        raise Unsupported(f"an index divided by a multiple of the changing size {symbol} (a division per element, "
+                          "slower than the decomposed ops)")  # fmt: skip
     layouts = tuple(_layout(bufs) for bufs in zip(*(p.buffers for p in programs), strict=True))
     read_from = next(((lay.name, d) for lay, b in zip(layouts, programs[0].buffers, strict=True) if b.role == "input"
                       for d, x in enumerate(lay.shape) if x.a > 0), None)  # fmt: skip

@@ -74,10 +74,13 @@ def with_runtime_rows(region: Region) -> bool:
             region.program = lower_with_runtime_rows(region)
         except Unsupported as e:
             region.runtime_rows_error = str(e)
-            try:  # the length elsewhere in the sizes, each size a·s + b (codegen.linear_sizes)
-                region.program = lower_with_linear_sizes(region)
-            except Unsupported as also:
-                region.runtime_rows_error += f"; nor as a·s + b in every size ({also})"
+            # The length elsewhere in the sizes, each a·s + b (codegen.linear_sizes): for a graph past
+            # the first compiles only, whose kernels written for one size are faster where it holds.
+            if sizes_keep_changing() and not data_dependent_sizes(region):
+                try:
+                    region.program = lower_with_linear_sizes(region)
+                except Unsupported as also:
+                    region.runtime_rows_error += f"; nor as a·s + b in every size ({also})"
     program = region.program
     return program is not None and (program.runtime_rows is not None or program.linear_sizes is not None)
 
