@@ -117,17 +117,22 @@ class RegionTimes:
 
         self.checks: list = []
         self.inputs: dict[int, tuple] = {}
-        made, called = lower.FirstCallCheck.__init__, cpp.CppRegion.__call__
+        made = lower.FirstCallCheck.__init__
 
         def init(check, fn, region, lowering):
             made(check, fn, region, lowering)
             self.checks.append(check)
 
-        def call(region, *args):
-            self.inputs[id(region)] = args
-            return called(region, *args)
+        def recording(called):
+            def call(region, *args):
+                self.inputs[id(region)] = args
+                return called(region, *args)
 
-        lower.FirstCallCheck.__init__, cpp.CppRegion.__call__ = init, call
+            return call
+
+        lower.FirstCallCheck.__init__ = init
+        for kind in (cpp.CppRegion, cpp.CppRowsRegion):  # each defines its own call
+            kind.__call__ = recording(kind.__call__)
 
     def report(self, repeats: int = 7) -> None:
         rows = []
