@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from accelrun.compile.pattern import same_size
 from accelrun.torch_private import onednn_linear
 
 FORMAT = 1  # of the cache files; a change makes every older file a miss
@@ -69,7 +70,7 @@ class GemmLayout:
         return f"{self.m}x{self.k}x{self.n}:{order}{':bias' if self.bias else ''}{':bucket' if self.bucket else ''}"
 
 
-def bucket(size: int) -> int:
+def bucket_of(size: int) -> int:
     """The power of two at or above ``size``: the size a changing dimension is timed and chosen at."""
     return 1 << (size - 1).bit_length()
 
@@ -78,7 +79,7 @@ def bucket(size: int) -> int:
 class ChangingGemmLayout:
     """A product whose sizes change between calls (a symbolic m, k or n), in a graph compiled for any
     sequence length: each call's layout is its own sizes, the changing ones rounded up to a
-    power of two (``bucket``), so the products of one bucket share a choice (timed per multiply-add)
+    power of two (``bucket_of``), so the products of one bucket share a choice (timed per multiply-add)
     and a new length is not a new layout to time."""
 
     sizes: tuple[int | None, int | None, int | None]  # m, k, n: a fixed size, or None where it changes
@@ -88,7 +89,7 @@ class ChangingGemmLayout:
 
     def at(self, m: int, k: int, n: int) -> GemmLayout:
         """The layout a call of sizes ``m, k, n`` is chosen and timed as."""
-        sizes = (bucket(x) if fixed is None else x for x, fixed in zip((m, k, n), self.sizes, strict=True))
+        sizes = (bucket_of(x) if fixed is None else x for x, fixed in zip((m, k, n), self.sizes, strict=True))
         return GemmLayout(*sizes, self.a_col_major, self.b_col_major, self.bias, bucket=True)
 
     @property
@@ -98,25 +99,18 @@ class ChangingGemmLayout:
         return f"{sizes}:{order}{':bias' if self.bias else ''}"
 
 
-def holds_for_every_size(condition) -> bool:
-    """True where ``condition`` holds for every value of its symbols (no guard is added)."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return statically_known_true(condition)
-
-
 def matrix_order(t: torch.Tensor) -> bool | None:
     """True for a column-major matrix, False for a row-major one, None for any other layout (a slice
     with gaps between rows, a broadcast): such a product stays with ATen. Symbolic sizes and strides
     count only where the order holds for every size (no guard)."""
-    if t.dim() != 2 or holds_for_every_size(t.numel() == 0):
+    if t.dim() != 2 or same_size(t.numel(), 0):
         return None
     (rows, cols), (row_stride, col_stride) = t.shape, t.stride()
 
     def strides(row: Any, col: Any) -> bool:
-        return holds_for_every_size(row_stride == row) and holds_for_every_size(col_stride == col)
+        return same_size(row_stride, row) and same_size(col_stride, col)
 
-    if strides(cols, 1) or holds_for_every_size(cols == 1) and holds_for_every_size(row_stride == 1):
+    if strides(cols, 1) or same_size(cols, 1) and same_size(row_stride, 1):
         return False
     return True if strides(1, rows) else None
 

@@ -25,6 +25,7 @@ import torch
 from accelrun.compile.codegen.cpp_build import build_library, find_compiler, load_library
 from accelrun.compile.codegen.exp_poly import EXP_CORE
 from accelrun.compile.fused import dropout
+from accelrun.compile.pattern import same_shape, same_size
 
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 ELEMENT_TYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}  # the C type of each dtype's storage
@@ -41,23 +42,16 @@ def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | No
     (B, Hq, S, D), (Bk, Hkv, Sk, Dk) = q.shape, k.shape
     if not all(isinstance(n, int) for n in (B, Hq, D, Bk, Hkv, Dk)):
         return "batch, heads or head_dim not fixed when compiling"
-    if not all(_same(a, b) for a, b in zip(v.shape, k.shape, strict=True)) or Bk != B or Dk != D:
+    # A sequence length that changes between calls is a symbol: compared without a guard on its value.
+    if not same_shape(v.shape, k.shape) or Bk != B or Dk != D:
         return "q, k and v disagree on batch or head_dim"
-    if not _same(Sk, S):
+    if not same_size(Sk, S):
         return "queries and keys of different lengths"
     if Hkv == 0 or Hq % Hkv:
         return "query heads are not a multiple of key/value heads"
     if D <= 0 or D % 16 or D > MAX_HEAD_DIM:
         return f"head_dim {D} (a multiple of 16 up to {MAX_HEAD_DIM})"
     return None
-
-
-def _same(a: int | torch.SymInt, b: int | torch.SymInt) -> bool:
-    """Equal sizes: whole numbers, or a sequence length that changes between calls (a symbol, which
-    Dynamo traced; compared as an expression, so that no guard on its value is added)."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return statically_known_true(a == b)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, threads: int = 1) -> str | None:

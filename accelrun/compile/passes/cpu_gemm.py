@@ -24,12 +24,12 @@ from accelrun.compile.gemm_choice import (
     GemmLayout,
     GemmSite,
     Library,
-    holds_for_every_size,
     matrix_order,
     tuner_for,
 )
 from accelrun.compile.passes.base import PassContext, PassResult, register_pass
 from accelrun.compile.passes.graph_build import tensor_val
+from accelrun.compile.pattern import same_size
 from accelrun.config.compile_names import CpuGemmOptions
 from accelrun.torch_private import onednn_linear
 
@@ -68,7 +68,7 @@ def layout_of(node: fx.Node) -> tuple[GemmLayout | ChangingGemmLayout, fx.Node, 
         vbias = tensor_val(bias)
         if vbias.dtype != torch.float32 or vbias.dim() != 1:
             return None
-        if not (holds_for_every_size(vbias.shape[0] == vb.shape[1]) and holds_for_every_size(vbias.stride(0) == 1)):
+        if not (same_size(vbias.shape[0], vb.shape[1]) and same_size(vbias.stride(0), 1)):
             return None
     sizes = (*va.shape, vb.shape[1])
     if all(isinstance(x, int) for x in sizes):
