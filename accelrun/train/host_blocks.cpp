@@ -6,9 +6,10 @@
 // every step. This allocator maps a block of `min_bytes` or more once, and when the tensor is freed
 // keeps the mapping on a free list keyed by its size; the next request of that size takes it back,
 // pages already resident. Mapped memory stays under a mark: the most bytes live blocks held at once
-// (since install; a block serving a smaller request counts whole) plus a headroom (thousandths of it). A request with no free block of its size (or up to 1/8 larger) takes
-// one up to twice its size when mapping a new block would cross the mark; failing that, free blocks
-// are unmapped (largest first) until the new one fits under the mark. Smaller blocks go to
+// (since install; a block serving a smaller request counts whole) plus a headroom (thousandths of it).
+// A request with no free block of its size (or up to 1/8 larger) takes one up to twice its size when
+// mapping a new block would cross the mark; failing that, free blocks are unmapped (the longest freed
+// first) until the new one fits under the mark. Smaller blocks go to
 // c10's own `alloc_cpu` / `free_cpu`, as with torch's default allocator. Both report to torch's
 // profiler the way the default allocator does.
 #include <c10/core/Allocator.h>
@@ -90,7 +91,7 @@ class BlockCache final : public c10::Allocator {
 
   void release_cached() {  // unmaps every free block
     std::lock_guard<std::mutex> hold(mu_);
-    while (!free_.empty()) unmap_largest();
+    while (!free_.empty()) unmap_oldest();
   }
 
   void set_active(bool active) {
@@ -120,9 +121,10 @@ class BlockCache final : public c10::Allocator {
     counters_.requested -= it->second.requested;
     live_.erase(it);
     counters_.live -= size;
-    free_.emplace(size, p);
+    auto kept = free_.emplace(size, FreeBlock{p, freed_++});
+    by_age_.emplace(kept->second.freed, kept);
     counters_.cached += size;
-    if (!active_) unmap_largest();  // the one just freed is the only free block then
+    if (!active_) unmap_oldest();  // the one just freed is the only free block then
     return true;
   }
 
@@ -139,16 +141,17 @@ class BlockCache final : public c10::Allocator {
     auto it = free_.lower_bound(size);
     // The same size or at most 1/8 larger; up to twice the size rather than unmap blocks to map a new one.
     if (it != free_.end() && (it->first <= size + size / 8 || (!fits && it->first <= 2 * size))) {
-      p = it->second;
+      p = it->second.p;
       size = it->first;
+      by_age_.erase(it->second.freed);
       free_.erase(it);
       counters_.cached -= size;
       counters_.hits++;
     } else {
-      while (!free_.empty() && counters_.live + counters_.cached + size > mark) unmap_largest();
+      while (!free_.empty() && counters_.live + counters_.cached + size > mark) unmap_oldest();
       p = map(size, next_offset());
       if (p == nullptr) {  // out of address space or memory: give back every free block and try once more
-        while (!free_.empty()) unmap_largest();
+        while (!free_.empty()) unmap_oldest();
         p = map(size, next_offset());
       }
       TORCH_CHECK_WITH(OutOfMemoryError, p != nullptr, "accelrun's CPU block cache: not enough memory: you tried to ",
@@ -175,13 +178,18 @@ class BlockCache final : public c10::Allocator {
 
   size_t next_offset() { return (offsets_++ % (kPage / kLine)) * kLine; }  // mu_ held
 
-  void unmap_largest() {  // mu_ held
-    auto last = std::prev(free_.end());
-    auto block = reinterpret_cast<uintptr_t>(last->second);
-    munmap(reinterpret_cast<void*>(block - block % kPage), last->first + kPage);
-    counters_.cached -= last->first;
+  // The block freed longest ago goes first. With batches of changing lengths, blocks sized for the
+  // length before wait beside those this step just freed and will ask for again; unmapping the
+  // largest took this step's own blocks and mapped them anew each step (docs/compiler.md, 2026-12-05).
+  void unmap_oldest() {  // mu_ held
+    auto oldest = by_age_.begin();
+    auto block = oldest->second;
+    auto start = reinterpret_cast<uintptr_t>(block->second.p);
+    munmap(reinterpret_cast<void*>(start - start % kPage), block->first + kPage);
+    counters_.cached -= block->first;
     counters_.unmapped++;
-    free_.erase(last);
+    free_.erase(block);
+    by_age_.erase(oldest);
   }
 
   c10::Allocator* previous_;
@@ -189,7 +197,14 @@ class BlockCache final : public c10::Allocator {
   size_t headroom_permille_;
   std::mutex mu_;
   std::unordered_map<void*, LiveBlock> live_;
-  std::multimap<size_t, void*> free_;       // mapped size -> free block
+  struct FreeBlock {
+    void* p;
+    uint64_t freed;  // when it was freed: a count of frees
+  };
+  using FreeList = std::multimap<size_t, FreeBlock>;
+  FreeList free_;                                   // mapped size -> free block
+  std::map<uint64_t, FreeList::iterator> by_age_;   // the same blocks, the longest freed first
+  uint64_t freed_ = 0;
   Counters counters_;
   bool active_ = true;  // torch's CPU allocator now; freed blocks are kept only then
   size_t offsets_ = 0;  // blocks mapped so far: the next one's offset into its mapping

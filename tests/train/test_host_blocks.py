@@ -89,6 +89,39 @@ def test_mapped_memory_stays_within_the_live_peak_when_sizes_vary():
     assert c["unmapped"] > 0 and c["hits"] > 0, c
 
 
+CHANGING_LENGTHS = """
+import json
+import torch
+from accelrun.train import host_blocks
+assert host_blocks.install() is None
+misses = []
+for step in range(18):  # unpacked data: each batch another length, the longest every third step
+    length = (96, 128, 160)[step % 3]
+    before = host_blocks.counters().misses
+    saved = []
+    for width in (1, 2, 1, 2, 1, 2):  # forward: an activation kept per layer, a wider scratch block a moment
+        saved.append(torch.empty(width * length * 4096))
+        scratch = torch.empty(4 * width * length * 4096)
+        del scratch
+    while saved:  # backward: per layer a scratch block and the input gradient, then its activation freed
+        width = saved[-1].numel() // (length * 4096)
+        scratch = torch.empty(4 * width * length * 4096)
+        grad = torch.empty(saved.pop().numel())
+        del scratch
+    del grad
+    misses.append(host_blocks.counters().misses - before)
+print(json.dumps({"misses": misses, **{k: v for k, v in vars(host_blocks.counters()).items() if "peak" in k}}))
+"""
+
+
+def test_batches_of_changing_lengths_stop_mapping_blocks_once_each_length_was_seen():
+    # Near the mark, the longest batch needs blocks that the shorter ones' stale blocks stand in the
+    # way of. Unmapping the largest free block first took the blocks this step had just freed and would
+    # ask for again: 2-3 blocks mapped afresh in every step, for good. The longest freed go first now.
+    r = _run(CHANGING_LENGTHS)
+    assert sum(r["misses"][:3]) > 0 and r["misses"][9:] == [0] * 9, r
+    assert r["peak_mapped"] <= r["peak_live"] * (1000 + HEADROOM_PERMILLE) // 1000, r
+
 PROFILED = """
 import json
 import torch
