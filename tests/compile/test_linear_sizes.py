@@ -7,6 +7,7 @@ lengths at eager's losses with such regions."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 
 import pytest
@@ -48,7 +49,6 @@ CASES = [
     pytest.param(lambda x: (x.t() * 2).sin(), [(40, 8)], [0], id="transposed"),
     pytest.param(lambda x: x.transpose(0, 1) * 2 + 1, [(40, 4, 8)], [0], id="sequence-first"),
     pytest.param(rope, [(2, 40, 4, 16), (2, 40, 16), (2, 40, 16)], [1], id="rope"),
-    pytest.param(norm_of_sequence_first, [(40, 4, 32), (32,)], [0], id="norm-sequence-first"),
 ]
 
 
@@ -76,6 +76,8 @@ def test_regions_whose_sizes_follow_the_length_run_for_every_length(fn, shapes, 
 @pytest.mark.parametrize("fn, shapes, dynamic, reason", [
     (lambda x: x - x.mean(0, keepdim=True), [(40, 64)], (0,), "changes the kernels' code"),  # 1/s, a float
     (lambda x: x.unsqueeze(-1) * x.unsqueeze(-2), [(4, 40)], (1,), "not a whole multiple"),  # s·s
+    # The [s, B, D] layout read as [B, s, D]: its row index r = b·s + i divided by s per element.
+    (norm_of_sequence_first, [(40, 4, 32), (32,)], (0,), "an index divided by"),
 ])  # fmt: skip
 def test_what_depends_on_the_length_otherwise_is_refused_with_its_reason(fn, shapes, dynamic, reason):
     region = _region(fn, *(torch.randn(s) for s in shapes), dynamic=dynamic)
@@ -112,9 +114,28 @@ def test_attention_models_on_changing_lengths_keep_their_kernels(name, tmp_path)
     cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
     record = compile_model(model, transformer_blocks(model), cfg).record
     _train_side_by_side(model, reference, steps=5, lengths=(16, 24, 40, 9, 33))
-    # The first length; then one graph for every other length, whose regions all read it at each
-    # call (before: a third graph, the second length's having read it as a number).
-    any_length = [r for r in record.regions if r.graph.startswith("g1.")]
-    assert record.dynamo_graphs == 2 and any_length, record.compiled_line()
-    assert all(r.executor == "cpp" for r in any_length), record.regions_left_to_aten()
-    assert sum(r.runtime_rows for r in any_length) >= 10, record.regions
+    # Two graphs read the length as a number; the third, for every further length, reads it at each
+    # call: 16 (mha) and 17 (encoder) of its regions were ATen calls before, 4 and 6 are now, each
+    # where a kernel would divide an index by the length.
+    any_length = [r for r in record.regions if r.graph.startswith("g2.")]
+    assert record.dynamo_graphs == 3 and any_length, record.compiled_line()
+    left = [r.declined["cpp"] for r in any_length if r.executor != "cpp"]
+    assert len(left) <= 6 and all("an index divided by" in why for why in left), left
+    assert sum(r.runtime_rows for r in any_length) >= 15, record.compiled_line()
+
+
+def test_a_kernel_that_holds_only_at_long_lengths_is_caught_at_its_first_call(tmp_path):
+    """The kernels are written from three long probe lengths; a number that only holds above some
+    length would pass that comparison. The compiled region is run once at short lengths against the
+    region's own ops (lower.FirstCallCheck calls this), and such a kernel is reported there."""
+    region = _region(lambda x: (x.t() * 2).sin(), torch.randn(40, 8), dynamic=(0,))
+    program = lower_with_linear_sizes(region)
+    sizes = program.linear_sizes
+    doubled = "static_cast<float>(t2)"  # the 2 of x * 2
+    assert doubled in sizes.template
+    wrong_when_short = dataclasses.replace(sizes, template=sizes.template.replace(doubled, f"(n < 100 ? 3.0f : {doubled})"))
+    for linear, expected in ((sizes, None), (wrong_when_short, "at length 1 ")):
+        changed = dataclasses.replace(program, linear_sizes=linear)
+        compiled = cpp_region(changed, load_library(build_library(cpp_source(changed), str(tmp_path))))
+        problem = compiled.differs_at_short_lengths(region)
+        assert problem == expected or expected in problem, problem

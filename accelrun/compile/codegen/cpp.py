@@ -549,6 +549,12 @@ class CppLengthRegion(CppRegion):
         self.fn(self._ptrs(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in made]), s, torch.get_num_threads())
         return tuple(made[: self._n_out])
 
+    def differs_at_short_lengths(self, region: Any) -> str | None:
+        """Checked once, at the region's first call (lower.FirstCallCheck): see linear_sizes."""
+        from accelrun.compile.codegen.linear_sizes import differs_at_short_lengths
+
+        return differs_at_short_lengths(region, self, self._sizes_at_call.symbol)
+
 
 def cpp_region(program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> CppRegion:
     """The callable for a compiled program: fixed sizes, rows read at each call, or a length read at

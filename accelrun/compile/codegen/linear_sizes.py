@@ -30,6 +30,10 @@ from accelrun.compile.codegen.runtime_rows import _values, _with_rows, symbolic
 from accelrun.compile.codegen.values import reads_only_as_size
 
 PROBES = (8191, 12288, 10007)
+# Lengths the compiled region is run at once against the region's own ops (``differs_at_short_lengths``):
+# the probes are long, and a number that only looks linear there (an index reduced modulo the length
+# where it is shorter than the length, a bound clamped at a fixed size) is wrong only below it.
+SHORT_LENGTHS = (1, 2, 3, 7, 33)
 ENTRY_MARK = "accelrun_linear_entry"  # the entry's name in the template, replaced by each library's own
 # A whole number standing alone in C++ (not part of a name, a float or INT64_C(...), rewritten first).
 _WHOLE = re.compile(r"(?<![\w.])(\d+)(?![\w.])")
@@ -181,3 +185,49 @@ def _layout(buffers: tuple[Any, ...]) -> BufferLayout:
     shape = tuple(fitted(v) for v in zip(*(b.shape for b in buffers), strict=True))
     stride = tuple(fitted(v) for v in zip(*(b.stride for b in buffers), strict=True))
     return BufferLayout(buffers[0].name, shape, stride)
+
+
+def differs_at_short_lengths(region: Any, compiled: Any, symbol: str) -> str | None:
+    """Run the compiled region and the region's ATen ops on the same random inputs at each of
+    ``SHORT_LENGTHS`` (where every size is at least 1); how they differ, or None. The kernels were
+    written from three long probes, so a short length is where a size-dependent simplification that
+    held at all three would be wrong."""
+    length = sympy.Symbol(symbol, integer=True)
+    g = torch.Generator().manual_seed(0)
+    for s in SHORT_LENGTHS:
+        def at(n: Any) -> int:
+            return int(n.node.expr.subs({x: s for x in n.node.expr.free_symbols if x.name == length.name})) \
+                if symbolic(n) else int(n)
+
+        metas = region.input_meta
+        shapes = [[at(n) for n in m.shape] if isinstance(m, torch.Tensor) else None for m in metas]
+        if any(n < 1 for shape in shapes if shape for n in shape):
+            continue
+        inputs = [_random_like(m, shape, [at(n) for n in m.stride()], g) if shape is not None else at(m)
+                  for m, shape in zip(metas, shapes, strict=True)]  # fmt: skip
+        with torch.no_grad():
+            want = region.gm(*inputs)
+            got = compiled(*inputs)
+        want = tuple(want) if isinstance(want, (tuple, list)) else (want,)
+        for k, (w, o) in enumerate(zip(want, got, strict=False)):
+            if not isinstance(w, torch.Tensor):
+                continue
+            rtol = 1e-3 if w.dtype in (torch.float32, torch.float64) else 2e-2  # bf16: eager rounds each op
+            if w.shape != o.shape or not torch.allclose(o.float(), w.float(), rtol=rtol, atol=rtol, equal_nan=True):
+                worst = (o.float() - w.float()).abs().max().item() if w.shape == o.shape else None
+                return (f"at length {s} (kernels written from lengths {', '.join(map(str, PROBES))}) output {k} "
+                        f"differs from the region's ops: " + (f"largest difference {worst:.3g}" if worst is not None
+                                                             else f"shape {list(o.shape)}, not {list(w.shape)}"))
+    return None
+
+
+def _random_like(meta: torch.Tensor, shape: list[int], stride: list[int], g: torch.Generator) -> torch.Tensor:
+    """Random values in the input's own layout (an expanded axis stays one element, stride 0)."""
+    own = [1 if st == 0 else n for n, st in zip(shape, stride, strict=True)]
+    if meta.dtype.is_floating_point:
+        values = torch.randn(own, generator=g).to(meta.dtype)
+    elif meta.dtype == torch.bool:
+        values = torch.rand(own, generator=g) < 0.5
+    else:
+        values = torch.zeros(own, dtype=meta.dtype)  # indices: 0 is in range for any axis they index
+    return torch.empty_strided(own, stride, dtype=meta.dtype).copy_(values).expand(shape)
