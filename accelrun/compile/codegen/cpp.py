@@ -529,23 +529,58 @@ def _leads_with(t: torch.Tensor, lead: tuple[int, ...], rest: tuple[int, ...]) -
 class CppLengthRegion(CppRegion):
     """A region whose sizes follow one changing length (``codegen.linear_sizes``): each call reads the
     length from one input, lays the inputs out as the kernels read them at that length, allocates its
-    outputs and passes the length to the kernels."""
+    outputs and passes the length to the kernels. What a length needs (the inputs' layouts, the
+    outputs', a C++ guard as ``CppRegion`` keeps one) is worked out at its first call and kept: a run
+    meets a few lengths many times each."""
+
+    MAX_LENGTHS_KEPT = 4096
 
     def __init__(self, program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> None:
         super().__init__(program, lib, entry)
-        self._sizes_at_call = program.linear_sizes
-        layout = {lay.name: lay for lay in self._sizes_at_call.layouts}
+        self._sizes_at_call = sizes = program.linear_sizes
+        layout = {lay.name: lay for lay in sizes.layouts}
         self._in_layouts = [layout[b.name] for b in self.inputs]
         self._made = [(layout[b.name], b.dtype) for b in (*self.outputs, *self.temps)]
+        name, axis = sizes.read_from
+        self._read_from = (next(i for i, b in enumerate(self.inputs) if b.name == name), axis)
+        self._at_length: dict[int, _AtLength] = {}
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
         args = self._tensors(args)
-        s = self._sizes_at_call.length_of({b.name: t for b, t in zip(self.inputs, args, strict=True)})
+        s = self._length(args)
+        at = self._at_length.get(s) or self._layouts_at(s)
+        if at.guard is None or not at.guard.check(*args):
+            return self._checked_call_at(args, s, at)
+        made = [_empty_strided(shape, stride, dtype) for shape, stride, dtype in at.allocs]
+        self.fn(self._ptrs(*[t.data_ptr() for t in args], *[t.data_ptr() for t in made]), s, torch.get_num_threads())
+        return tuple(made[: self._n_out])
+
+    def _length(self, args: tuple[torch.Tensor, ...]) -> int:
+        i, axis = self._read_from
+        size = self._in_layouts[i].shape[axis]
+        s, rest = divmod(args[i].shape[axis] - size.b, size.a)
+        if rest or s < 1:
+            raise ValueError(f"compiled region: input {self.inputs[i].name}'s size {args[i].shape[axis]} on axis "
+                             f"{axis} is not {size.a}·s + {size.b} for a length s")  # fmt: skip
+        return s
+
+    def _layouts_at(self, s: int) -> _AtLength:
         ins = []
-        for t, buf, lay in zip(args, self.inputs, self._in_layouts, strict=True):
-            at = dataclasses.replace(buf, shape=lay.at(s)[0], stride=lay.at(s)[1])
-            ins.append(t if _as_expected(t, (buf.dtype, torch.Size(at.shape), _long_axes(at))) else _conform(t, at))
-        made = [_empty_strided(*lay.at(s), dtype) for lay, dtype in self._made]
+        for buf, lay in zip(self.inputs, self._in_layouts, strict=True):
+            shape, stride = lay.at(s)
+            ins.append(dataclasses.replace(buf, shape=shape, stride=stride))
+        at = _AtLength(ins, [(b.dtype, torch.Size(b.shape), _long_axes(b)) for b in ins],
+                       [(*lay.at(s), dtype) for lay, dtype in self._made])  # fmt: skip
+        if len(self._at_length) < self.MAX_LENGTHS_KEPT:
+            self._at_length[s] = at
+        return at
+
+    def _checked_call_at(self, args: tuple[torch.Tensor, ...], s: int, at: _AtLength) -> tuple[torch.Tensor, ...]:
+        conform = [_as_expected(t, e) for t, e in zip(args, at.expected, strict=True)]
+        ins = [t if ok else _conform(t, b) for t, ok, b in zip(args, conform, at.inputs, strict=True)]
+        if all(conform) and at.guard is None:
+            at.guard = _input_guard(args)
+        made = [_empty_strided(shape, stride, dtype) for shape, stride, dtype in at.allocs]
         self.fn(self._ptrs(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in made]), s, torch.get_num_threads())
         return tuple(made[: self._n_out])
 
@@ -554,6 +589,17 @@ class CppLengthRegion(CppRegion):
         from accelrun.compile.codegen.linear_sizes import differs_at_short_lengths
 
         return differs_at_short_lengths(region, self, self._sizes_at_call.symbol)
+
+
+@dataclasses.dataclass
+class _AtLength:
+    """What a ``CppLengthRegion`` needs at one length: its inputs' buffers, what each must be to be
+    read as it is, its outputs' and temporaries' allocations, and the guard of a call that conformed."""
+
+    inputs: list[Buffer]
+    expected: list[tuple]
+    allocs: list[tuple]
+    guard: Any = None
 
 
 def cpp_region(program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> CppRegion:

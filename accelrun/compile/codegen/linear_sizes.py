@@ -80,15 +80,6 @@ class LinearSizes:
     def source(self, entry: str) -> str:
         return self.template.replace(ENTRY_MARK, entry)
 
-    def length_of(self, inputs: dict[str, torch.Tensor]) -> int:
-        name, axis = self.read_from
-        size = next(lay for lay in self.layouts if lay.name == name).shape[axis]
-        s, rest = divmod(inputs[name].shape[axis] - size.b, size.a)
-        if rest or s < 1:
-            raise ValueError(f"compiled region: input {name}'s size {inputs[name].shape[axis]} on axis {axis} "
-                             f"is not {size.a}·s + {size.b} for a length s")  # fmt: skip
-        return s
-
 
 def fit(values: tuple[int, ...], probes: tuple[int, ...] = PROBES) -> Linear | None:
     """The ``a·s + b`` that takes the probes to ``values``, or None where no whole numbers do."""
@@ -192,19 +183,14 @@ def differs_at_short_lengths(region: Any, compiled: Any, symbol: str) -> str | N
     ``SHORT_LENGTHS`` (where every size is at least 1); how they differ, or None. The kernels were
     written from three long probes, so a short length is where a size-dependent simplification that
     held at all three would be wrong."""
-    length = sympy.Symbol(symbol, integer=True)
     g = torch.Generator().manual_seed(0)
     for s in SHORT_LENGTHS:
-        def at(n: Any) -> int:
-            return int(n.node.expr.subs({x: s for x in n.node.expr.free_symbols if x.name == length.name})) \
-                if symbolic(n) else int(n)
-
         metas = region.input_meta
-        shapes = [[at(n) for n in m.shape] if isinstance(m, torch.Tensor) else None for m in metas]
+        shapes = [[_at(n, symbol, s) for n in m.shape] if isinstance(m, torch.Tensor) else None for m in metas]
         if any(n < 1 for shape in shapes if shape for n in shape):
             continue
-        inputs = [_random_like(m, shape, [at(n) for n in m.stride()], g) if shape is not None else at(m)
-                  for m, shape in zip(metas, shapes, strict=True)]  # fmt: skip
+        inputs = [_random_like(m, shape, [_at(n, symbol, s) for n in m.stride()], g) if shape is not None
+                  else _at(m, symbol, s) for m, shape in zip(metas, shapes, strict=True)]  # fmt: skip
         with torch.no_grad():
             want = region.gm(*inputs)
             got = compiled(*inputs)
@@ -214,11 +200,19 @@ def differs_at_short_lengths(region: Any, compiled: Any, symbol: str) -> str | N
                 continue
             rtol = 1e-3 if w.dtype in (torch.float32, torch.float64) else 2e-2  # bf16: eager rounds each op
             if w.shape != o.shape or not torch.allclose(o.float(), w.float(), rtol=rtol, atol=rtol, equal_nan=True):
-                worst = (o.float() - w.float()).abs().max().item() if w.shape == o.shape else None
+                how = (f"largest difference {(o.float() - w.float()).abs().max().item():.3g}" if w.shape == o.shape
+                       else f"shape {list(o.shape)}, not {list(w.shape)}")  # fmt: skip
                 return (f"at length {s} (kernels written from lengths {', '.join(map(str, PROBES))}) output {k} "
-                        f"differs from the region's ops: " + (f"largest difference {worst:.3g}" if worst is not None
-                                                             else f"shape {list(o.shape)}, not {list(w.shape)}"))
+                        f"differs from the region's ops: {how}")
     return None
+
+
+def _at(n: Any, symbol: str, s: int) -> int:
+    """A size or stride of the region's (an int, or an expression of the length) at length ``s``."""
+    if not symbolic(n):
+        return int(n)
+    expr = n.node.expr
+    return int(expr.subs({x: s for x in expr.free_symbols if x.name == symbol}))
 
 
 def _random_like(meta: torch.Tensor, shape: list[int], stride: list[int], g: torch.Generator) -> torch.Tensor:
