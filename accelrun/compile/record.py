@@ -34,8 +34,8 @@ class RegionRecord:
     declined: dict[str, str]  # executor → why it did not take the region
     compile_s: float
     cache_hit: bool | None = None
-    # Its kernels read their row count at each call: a size that changes between calls (a mixture's
-    # tokens per expert) without a graph per size (codegen.runtime_rows).
+    # Its kernels read a changing size at each call, without a graph per size: a row count (a mixture's
+    # tokens per expert, codegen.runtime_rows) or a length anywhere in the sizes (codegen.linear_sizes).
     runtime_rows: bool = False
 
 

@@ -101,8 +101,8 @@ def _compiler_section(c: dict | None) -> list[str]:
         per = ", ".join(f"{k} {v}" for k, v in c["regions_per_executor"].items())
         out.append(f"| fusion regions by executor | {_cell(per)} |")
     if c.get("regions_with_runtime_rows"):
-        out.append(f"| fusion regions whose kernels read their row count at each call (sizes that change between "
-                   f"calls, one graph for all) | {c['regions_with_runtime_rows']} |")
+        out.append(f"| fusion regions whose kernels read a changing size at each call (a row count or a length: "
+                   f"one graph for all sizes) | {c['regions_with_runtime_rows']} |")
     if "ops_left_to_aten" in c:
         out.append(f"| ops outside regions (ATen calls) | {c['ops_left_to_aten']} |")
     if (cuda_graphs := c.get("cuda_graphs") or {}).get("row"):  # compile.cuda_graphs, and why not
