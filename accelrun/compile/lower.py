@@ -194,7 +194,7 @@ class _Lowering:
         try:
             fns = ex.compile_batch(regions, f"{self.cache_dir}/{ex.name}")
             share = (time.perf_counter() - t0) / len(regions)  # one build: each region's share of it
-            return {r.id: (fn, None, share) for r, fn in zip(regions, fns, strict=True)}
+            return {r.id: _checked_at_build(r, fn, share) for r, fn in zip(regions, fns, strict=True)}
         except Exception:  # noqa: BLE001
             return {r.id: self._compile(r, index) for r in regions}
 
@@ -221,7 +221,7 @@ class _Lowering:
             fn = ex.compile(region, f"{self.cache_dir}/{ex.name}")
         except Exception as e:  # a compiler bug must not stop training: the next executor takes it
             return None, f"compile failed: {one_line(e)}", time.perf_counter() - t0
-        return fn, None, time.perf_counter() - t0
+        return _checked_at_build(region, fn, time.perf_counter() - t0)
 
     def next_after(self, region: Region, current: Executor) -> tuple[Executor, object]:
         """The next executor after ``current`` that claims and compiles ``region`` (at run time, after a
@@ -267,6 +267,18 @@ class _CompileJob:
 
 
 _finishing = threading.Lock()
+
+
+def _checked_at_build(region: Region, fn: object, seconds: float) -> tuple[object | None, str | None, float]:
+    """(fn, None, seconds), or the reason the built region is not used: kernels that read a length at
+    each call were written from long probe lengths and are run once at short ones against the region's
+    own ops (``codegen.linear_sizes``). Here, on the build thread, before anything runs or is saved."""
+    check = getattr(fn, "differs_at_short_lengths", None)
+    try:
+        problem = check(region) if check is not None else None
+    except Exception as e:  # noqa: BLE001 (a check that cannot run is no pass)
+        problem = f"the check at short lengths raised {one_line(e)}"
+    return (fn, None, seconds) if problem is None else (None, f"compile failed: {problem}", seconds)
 
 
 class PendingBuild:
@@ -316,10 +328,6 @@ class FirstCallCheck:
             try:
                 out = self.fn(*args)
                 problem = layout_problem(out, self.region.output_meta)
-                # Kernels that read a length at each call were written from long probe lengths.
-                short_lengths = getattr(self.fn, "differs_at_short_lengths", None)
-                if problem is None and short_lengths is not None:
-                    problem = short_lengths(self.region)
             except Exception as e:
                 if self.runner.keeps_aten_ops:
                     raise  # the region's own ATen ops: an error of the program, not of the compiler

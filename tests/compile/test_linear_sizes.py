@@ -30,6 +30,15 @@ def test_fit_takes_the_probes_to_whole_numbers_only_along_a_line():
     assert Linear(0, 5).cpp() == "5" and Linear(1, 0).cpp() == "(n)" and Linear(64, -2).cpp() == "(64 * n - 2)"
 
 
+def test_a_negative_number_that_follows_the_length_keeps_its_sign():
+    """g++'s INT64_C pastes a suffix onto its literal: the literal must be rewritten as a cast before
+    a number in it becomes an expression of n (INT64_C(-(n)) does not build)."""
+    from accelrun.compile.codegen.linear_sizes import _INT64_C, _template
+
+    sources = [_INT64_C.sub(r"((int64_t)\1)", f"const int64_t t = INT64_C(-{2 * p + 1});") for p in PROBES]
+    assert _template(sources, "s0") == "const int64_t t = ((int64_t)-(2 * n + 1));"
+
+
 def rope(q, cos, sin):
     """transformers' rotary embedding on a [B, s, H, hd] projection viewed as [B, H, s, hd]."""
     q = q.transpose(1, 2)
@@ -127,7 +136,7 @@ def test_attention_models_on_changing_lengths_keep_their_kernels(name, tmp_path)
 def test_a_kernel_that_holds_only_at_long_lengths_is_caught_at_its_first_call(tmp_path):
     """The kernels are written from three long probe lengths; a number that only holds above some
     length would pass that comparison. The compiled region is run once at short lengths against the
-    region's own ops (lower.FirstCallCheck calls this), and such a kernel is reported there."""
+    region's own ops (lower._checked_at_build calls this), and such a kernel is reported there."""
     region = _region(lambda x: (x.t() * 2).sin(), torch.randn(40, 8), dynamic=(0,))
     program = lower_with_linear_sizes(region)
     sizes = program.linear_sizes
@@ -139,3 +148,33 @@ def test_a_kernel_that_holds_only_at_long_lengths_is_caught_at_its_first_call(tm
         compiled = cpp_region(changed, load_library(build_library(cpp_source(changed), str(tmp_path))))
         problem = compiled.differs_at_short_lengths(region)
         assert problem == expected or expected in problem, problem
+
+
+def test_a_region_that_fails_the_check_goes_to_aten_when_built_with_the_reason(tmp_path, monkeypatch):
+    """Through the backend: the check runs on the build, before the region's first call and before the
+    graph cache saves it, and a region that fails it runs its own ATen ops, the reason in the record;
+    the others keep their kernels (the graph for any length, a frame's third)."""
+    from tests.compile.test_fallbacks import _backend, _changing_sizes
+
+    checked = []
+
+    def planted(self, region):
+        checked.append(region.id)
+        return "planted: at length 1 output 0 differs" if len(checked) == 1 else None
+
+    monkeypatch.setattr(CppLengthRegion, "differs_at_short_lengths", planted)
+    torch._dynamo.reset()
+    backend = _backend(tmp_path, passes="default")
+
+    def transposed(x):
+        return torch.tanh(x.t() * 2.0).t() + 1.0
+
+    _changing_sizes(torch.compile(transposed, backend=backend), transposed, 8)
+    record = backend.record
+    any_length = [r for r in record.regions if r.graph.startswith("g2.")]
+    assert record.dynamo_graphs == 3 and len(checked) >= 2, (record.compiled_line(), checked)
+    failed = [r for r in any_length if "planted" in r.declined.get("cpp", "")]
+    assert len(failed) == 1 and failed[0].executor == "aten", any_length
+    assert any(r.executor == "cpp" and r.runtime_rows for r in any_length), any_length
+    assert any(f.stage == "compile" and "planted" in f.reason for f in record.fallbacks), record.fallbacks
+    torch._dynamo.reset()

@@ -585,10 +585,16 @@ class CppLengthRegion(CppRegion):
         return tuple(made[: self._n_out])
 
     def differs_at_short_lengths(self, region: Any) -> str | None:
-        """Checked once, at the region's first call (lower.FirstCallCheck): see linear_sizes."""
-        from accelrun.compile.codegen.linear_sizes import differs_at_short_lengths
+        """Checked once, when built (lower._checked_at_build): see linear_sizes. The lengths the check
+        met are forgotten after it, so that no guard is made from its made-up inputs."""
+        from accelrun.compile.codegen.short_lengths import differs_at_short_lengths
 
-        return differs_at_short_lengths(region, self, self._sizes_at_call.symbol)
+        met = set(self._at_length)
+        try:
+            return differs_at_short_lengths(region, self, self._sizes_at_call.symbol)
+        finally:
+            for s in set(self._at_length) - met:
+                del self._at_length[s]
 
 
 @dataclasses.dataclass

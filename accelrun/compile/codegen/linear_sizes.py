@@ -29,15 +29,11 @@ from accelrun.compile.codegen.loop_ir import LoopProgram, Unsupported, lower_gra
 from accelrun.compile.codegen.runtime_rows import _values, _with_rows, symbolic
 from accelrun.compile.codegen.values import reads_only_as_size
 
-PROBES = (8191, 12288, 10007)
-# Lengths the compiled region is run at once against the region's own ops (``differs_at_short_lengths``):
-# the probes are long, and a number that only looks linear there (an index reduced modulo the length
-# where it is shorter than the length, a bound clamped at a fixed size) is wrong only below it.
-SHORT_LENGTHS = (1, 2, 3, 7, 33)
+PROBES = (8191, 12288, 10007)  # long: a compiled region is also run at short lengths when built (short_lengths)
 ENTRY_MARK = "accelrun_linear_entry"  # the entry's name in the template, replaced by each library's own
 # A whole number standing alone in C++ (not part of a name, a float or INT64_C(...), rewritten first).
 _WHOLE = re.compile(r"(?<![\w.])(\d+)(?![\w.])")
-_INT64_C = re.compile(r"INT64_C\((\d+)\)")
+_INT64_C = re.compile(r"INT64_C\((-?\d+)\)")  # the sign stays in the text: -(n) for -8191
 _DIVIDED_BY_LENGTH = re.compile(r"[/%] \((\d+ \* )?n( [+-] \d+)?\)")  # Linear.cpp's forms
 
 
@@ -176,52 +172,3 @@ def _layout(buffers: tuple[Any, ...]) -> BufferLayout:
     shape = tuple(fitted(v) for v in zip(*(b.shape for b in buffers), strict=True))
     stride = tuple(fitted(v) for v in zip(*(b.stride for b in buffers), strict=True))
     return BufferLayout(buffers[0].name, shape, stride)
-
-
-def differs_at_short_lengths(region: Any, compiled: Any, symbol: str) -> str | None:
-    """Run the compiled region and the region's ATen ops on the same random inputs at each of
-    ``SHORT_LENGTHS`` (where every size is at least 1); how they differ, or None. The kernels were
-    written from three long probes, so a short length is where a size-dependent simplification that
-    held at all three would be wrong."""
-    g = torch.Generator().manual_seed(0)
-    for s in SHORT_LENGTHS:
-        metas = region.input_meta
-        shapes = [[_at(n, symbol, s) for n in m.shape] if isinstance(m, torch.Tensor) else None for m in metas]
-        if any(n < 1 for shape in shapes if shape for n in shape):
-            continue
-        inputs = [_random_like(m, shape, [_at(n, symbol, s) for n in m.stride()], g) if shape is not None
-                  else _at(m, symbol, s) for m, shape in zip(metas, shapes, strict=True)]  # fmt: skip
-        with torch.no_grad():
-            want = region.gm(*inputs)
-            got = compiled(*inputs)
-        want = tuple(want) if isinstance(want, (tuple, list)) else (want,)
-        for k, (w, o) in enumerate(zip(want, got, strict=False)):
-            if not isinstance(w, torch.Tensor):
-                continue
-            rtol = 1e-3 if w.dtype in (torch.float32, torch.float64) else 2e-2  # bf16: eager rounds each op
-            if w.shape != o.shape or not torch.allclose(o.float(), w.float(), rtol=rtol, atol=rtol, equal_nan=True):
-                how = (f"largest difference {(o.float() - w.float()).abs().max().item():.3g}" if w.shape == o.shape
-                       else f"shape {list(o.shape)}, not {list(w.shape)}")  # fmt: skip
-                return (f"at length {s} (kernels written from lengths {', '.join(map(str, PROBES))}) output {k} "
-                        f"differs from the region's ops: {how}")
-    return None
-
-
-def _at(n: Any, symbol: str, s: int) -> int:
-    """A size or stride of the region's (an int, or an expression of the length) at length ``s``."""
-    if not symbolic(n):
-        return int(n)
-    expr = n.node.expr
-    return int(expr.subs({x: s for x in expr.free_symbols if x.name == symbol}))
-
-
-def _random_like(meta: torch.Tensor, shape: list[int], stride: list[int], g: torch.Generator) -> torch.Tensor:
-    """Random values in the input's own layout (an expanded axis stays one element, stride 0)."""
-    own = [1 if st == 0 else n for n, st in zip(shape, stride, strict=True)]
-    if meta.dtype.is_floating_point:
-        values = torch.randn(own, generator=g).to(meta.dtype)
-    elif meta.dtype == torch.bool:
-        values = torch.rand(own, generator=g) < 0.5
-    else:
-        values = torch.zeros(own, dtype=meta.dtype)  # indices: 0 is in range for any axis they index
-    return torch.empty_strided(own, stride, dtype=meta.dtype).copy_(values).expand(shape)

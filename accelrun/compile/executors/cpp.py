@@ -45,10 +45,12 @@ class CppExecutor(GeneratedCodeExecutor):
         return [cpp_region(cached_program(r), lib, entry) for r, entry in zip(regions, entries, strict=True)]
 
     def saved_forms(self, regions: list[Region], cache_dir: str | None) -> list[tuple]:
-        # The library's path is the hash of its source: known before g++ has run.
+        # The library's path is the hash of its source: known before g++ has run. Not for a region
+        # whose kernels read a length (codegen.linear_sizes): the build checks it first, and one that
+        # fails goes to the next executor, so the cache saves it once its build is done.
         source, entries = self._batch(regions)
         library = str(library_path(source, cache_dir))
-        return [saved_region(library, entry, cached_program(r))
+        return [None if cached_program(r).linear_sizes is not None else saved_region(library, entry, cached_program(r))
                 for r, entry in zip(regions, entries, strict=True)]  # fmt: skip
 
     def _batch(self, regions: list[Region]) -> tuple[str, list[str]]:
