@@ -272,7 +272,7 @@ _finishing = threading.Lock()
 def _checked_at_build(region: Region, fn: object, seconds: float) -> tuple[object | None, str | None, float]:
     """(fn, None, seconds), or the reason the built region is not used: kernels that read a length at
     each call were written from long probe lengths and are run once at short ones against the region's
-    own ops (``codegen.linear_sizes``). Here, on the build thread, before anything runs or is saved."""
+    own ops (``codegen.short_lengths``). Here, on the build thread, before anything runs or is saved."""
     check = getattr(fn, "differs_at_short_lengths", None)
     try:
         problem = check(region) if check is not None else None

@@ -59,10 +59,11 @@ class Executor(ABC):
         (Triton's kernels), which each ``compile`` then finds done. May raise; nothing depends on it."""
         return None  # most executors have nothing to start early
 
-    def saved_forms(self, regions: list[Region], cache_dir: str | None) -> list[tuple] | None:
+    def saved_forms(self, regions: list[Region], cache_dir: str | None) -> list[tuple | None] | None:
         """What each region of ``compile_batch(regions)`` will pickle as (its ``__reduce__``), known
         before the build has run: the graph cache then saves a graph whose builds are still running.
-        None: not known in advance (pickling such a region waits for its build). A batch that then
+        None (for all, or for one region): not known in advance (pickling such a region waits for its
+        build). A batch that then
         fails leaves a saved graph naming a library that never came: loading it fails, and the graph
         is compiled afresh, as for a library gone from the cache."""
         return None

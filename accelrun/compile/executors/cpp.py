@@ -44,7 +44,7 @@ class CppExecutor(GeneratedCodeExecutor):
             region.lowering.cache_hit = hit
         return [cpp_region(cached_program(r), lib, entry) for r, entry in zip(regions, entries, strict=True)]
 
-    def saved_forms(self, regions: list[Region], cache_dir: str | None) -> list[tuple]:
+    def saved_forms(self, regions: list[Region], cache_dir: str | None) -> list[tuple | None]:
         # The library's path is the hash of its source: known before g++ has run. Not for a region
         # whose kernels read a length (codegen.linear_sizes): the build checks it first, and one that
         # fails goes to the next executor, so the cache saves it once its build is done.
