@@ -133,21 +133,15 @@ def test_attention_models_on_changing_lengths_keep_their_kernels(name, tmp_path)
     assert sum(r.runtime_rows for r in any_length) >= 15, record.compiled_line()
 
 
-def test_a_kernel_that_holds_only_at_long_lengths_is_caught_at_its_first_call(tmp_path):
+def test_a_kernel_that_holds_only_at_long_lengths_is_caught_when_built(tmp_path):
     """The kernels are written from three long probe lengths; a number that only holds above some
     length would pass that comparison. The compiled region is run once at short lengths against the
     region's own ops (lower._checked_at_build calls this), and such a kernel is reported there."""
     region = _region(lambda x: (x.t() * 2).sin(), torch.randn(40, 8), dynamic=(0,))
-    program = lower_with_linear_sizes(region)
-    sizes = program.linear_sizes
     doubled = "static_cast<float>(t2)"  # the 2 of x * 2
-    assert doubled in sizes.template
-    wrong_when_short = dataclasses.replace(sizes, template=sizes.template.replace(doubled, f"(n < 100 ? 3.0f : {doubled})"))
-    for linear, expected in ((sizes, None), (wrong_when_short, "at length 1 ")):
-        changed = dataclasses.replace(program, linear_sizes=linear)
-        compiled = cpp_region(changed, load_library(build_library(cpp_source(changed), str(tmp_path))))
-        problem = compiled.differs_at_short_lengths(region)
-        assert problem is None if expected is None else expected in (problem or ""), problem
+    right, wrong = _checked_right_and_wrong(region, doubled, f"(n < 100 ? 3.0f : {doubled})", tmp_path)
+    assert right is None, right
+    assert "at length 1 " in (wrong or ""), wrong
 
 
 def test_a_region_that_fails_the_check_goes_to_aten_when_built_with_the_reason(tmp_path, monkeypatch):
@@ -187,13 +181,20 @@ def test_bf16_kernels_are_checked_against_the_outputs_size_not_element_by_elemen
     wrong kernel (a factor of 4 for 3 below length 100) is still caught."""
     region = _region(lambda x, y: (x.t() * y.t() * 3.0).sum(-1), torch.randn(40, 64).bfloat16(),
                      torch.randn(40, 64).bfloat16(), dynamic=(0,))  # fmt: skip
+    right, wrong = _checked_right_and_wrong(region, "3.0f", "(n < 100 ? 4.0f : 3.0f)", tmp_path)
+    assert right is None, right
+    assert "largest difference" in (wrong or ""), wrong
+
+
+def _checked_right_and_wrong(region, text: str, wrong_below_100: str, tmp_path) -> tuple[str | None, str | None]:
+    """The check's verdicts on the region's kernels, and on the same kernels with ``text`` replaced by
+    ``wrong_below_100`` (a number right at the long probes only)."""
     program = lower_with_linear_sizes(region)
     sizes = program.linear_sizes
-    three = "3.0f"
-    assert three in sizes.template
-    wrong_when_short = dataclasses.replace(sizes, template=sizes.template.replace(three, "(n < 100 ? 4.0f : 3.0f)"))
-    for linear, expected in ((sizes, None), (wrong_when_short, "largest difference")):
-        changed = dataclasses.replace(program, linear_sizes=linear)
+    assert text in sizes.template
+    verdicts = []
+    for template in (sizes.template, sizes.template.replace(text, wrong_below_100)):
+        changed = dataclasses.replace(program, linear_sizes=dataclasses.replace(sizes, template=template))
         compiled = cpp_region(changed, load_library(build_library(cpp_source(changed), str(tmp_path))))
-        problem = compiled.differs_at_short_lengths(region)
-        assert problem is None if expected is None else expected in (problem or ""), problem
+        verdicts.append(compiled.differs_at_short_lengths(region))
+    return verdicts[0], verdicts[1]

@@ -428,9 +428,10 @@ class CppRegion:
 
     fresh_outputs = True  # every output is a new tensor (read by fast_calls)
 
-    def __init__(self, program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> None:
+    def __init__(self, program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY, length: int = 0) -> None:
         self.program = program
         self.library, self.entry = lib._name, entry
+        self._length = length  # the kernels' n: a CppLengthRegion's length, which it made this one for
         self.fn = getattr(lib, entry)
         self.fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
         self.fn.restype = None
@@ -460,7 +461,7 @@ class CppRegion:
         if self._guard is None or not self._guard.check(*args):
             return self._checked_call(args)
         made = [_empty_strided(shape, stride, dtype) for shape, stride, dtype in self._allocs]
-        self.fn(self._ptrs(*[t.data_ptr() for t in args], *[t.data_ptr() for t in made]), 0, torch.get_num_threads())
+        self.fn(self._ptrs(*[t.data_ptr() for t in args], *[t.data_ptr() for t in made]), self._length, torch.get_num_threads())
         return tuple(made[: self._n_out])
 
     def _checked_call(self, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -472,7 +473,7 @@ class CppRegion:
             self._guard = _input_guard(args)
         # Outputs take the strides the kernel writes (those eager gave the node: loop_ir.output_strides).
         made = [_empty_strided(shape, stride, dtype) for shape, stride, dtype in self._allocs]
-        self.fn(self._ptrs(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in made]), 0, torch.get_num_threads())
+        self.fn(self._ptrs(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in made]), self._length, torch.get_num_threads())
         return tuple(made[: self._n_out])
 
     def __reduce__(self) -> tuple:
@@ -528,84 +529,53 @@ def _leads_with(t: torch.Tensor, lead: tuple[int, ...], rest: tuple[int, ...]) -
 
 class CppLengthRegion(CppRegion):
     """A region whose sizes follow one changing length (``codegen.linear_sizes``): each call reads the
-    length from one input, lays the inputs out as the kernels read them at that length, allocates its
-    outputs and passes the length to the kernels. What a length needs (the inputs' layouts, the
-    outputs', a C++ guard as ``CppRegion`` keeps one) is worked out at its first call and kept: a run
-    meets a few lengths many times each."""
+    length from one input and runs the fixed-size region for that length (the same kernels, given the
+    length as ``n``), made at the length's first call and kept: a run meets a few lengths many times
+    each, and each keeps its own C++ guard."""
 
     MAX_LENGTHS_KEPT = 4096
 
     def __init__(self, program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> None:
         super().__init__(program, lib, entry)
-        self._sizes_at_call = sizes = program.linear_sizes
-        layout = {lay.name: lay for lay in sizes.layouts}
-        self._in_layouts = [layout[b.name] for b in self.inputs]
-        self._made = [(layout[b.name], b.dtype) for b in (*self.outputs, *self.temps)]
-        name, axis = sizes.read_from
-        self._read_from = (next(i for i, b in enumerate(self.inputs) if b.name == name), axis)
-        self._at_length: dict[int, _AtLength] = {}
+        self._lib = lib
+        self._layouts = program.linear_sizes.layouts  # in the order of program.buffers
+        name, axis = program.linear_sizes.read_from
+        i = next(i for i, b in enumerate(self.inputs) if b.name == name)
+        self._read_from = (i, axis, next(lay for lay in self._layouts if lay.name == name).shape[axis])
+        self._at_length: dict[int, CppRegion] = {}
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
         args = self._tensors(args)
-        s = self._length(args)
-        at = self._at_length.get(s) or self._layouts_at(s)
-        if at.guard is None or not at.guard.check(*args):
-            return self._checked_call_at(args, s, at)
-        made = [_empty_strided(shape, stride, dtype) for shape, stride, dtype in at.allocs]
-        self.fn(self._ptrs(*[t.data_ptr() for t in args], *[t.data_ptr() for t in made]), s, torch.get_num_threads())
-        return tuple(made[: self._n_out])
+        s = self._length_of(args)
+        return (self._at_length.get(s) or self._region_at(s))(*args)
 
-    def _length(self, args: tuple[torch.Tensor, ...]) -> int:
-        i, axis = self._read_from
-        size = self._in_layouts[i].shape[axis]
+    def _length_of(self, args: tuple[torch.Tensor, ...]) -> int:
+        i, axis, size = self._read_from
         s, rest = divmod(args[i].shape[axis] - size.b, size.a)
         if rest or s < 1:
             raise ValueError(f"compiled region: input {self.inputs[i].name}'s size {args[i].shape[axis]} on axis "
                              f"{axis} is not {size.a}·s + {size.b} for a length s")  # fmt: skip
         return s
 
-    def _layouts_at(self, s: int) -> _AtLength:
-        ins = []
-        for buf, lay in zip(self.inputs, self._in_layouts, strict=True):
-            shape, stride = lay.at(s)
-            ins.append(dataclasses.replace(buf, shape=shape, stride=stride))
-        at = _AtLength(ins, [(b.dtype, torch.Size(b.shape), _long_axes(b)) for b in ins],
-                       [(*lay.at(s), dtype) for lay, dtype in self._made])  # fmt: skip
+    def _region_at(self, s: int) -> CppRegion:
+        buffers = [dataclasses.replace(b, shape=lay.at(s)[0], stride=lay.at(s)[1])
+                   for b, lay in zip(self.program.buffers, self._layouts, strict=True)]  # fmt: skip
+        region = CppRegion(LoopProgram(buffers, []), self._lib, self.entry, length=s)
         if len(self._at_length) < self.MAX_LENGTHS_KEPT:
-            self._at_length[s] = at
-        return at
-
-    def _checked_call_at(self, args: tuple[torch.Tensor, ...], s: int, at: _AtLength) -> tuple[torch.Tensor, ...]:
-        conform = [_as_expected(t, e) for t, e in zip(args, at.expected, strict=True)]
-        ins = [t if ok else _conform(t, b) for t, ok, b in zip(args, conform, at.inputs, strict=True)]
-        if all(conform) and at.guard is None:
-            at.guard = _input_guard(args)
-        made = [_empty_strided(shape, stride, dtype) for shape, stride, dtype in at.allocs]
-        self.fn(self._ptrs(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in made]), s, torch.get_num_threads())
-        return tuple(made[: self._n_out])
+            self._at_length[s] = region
+        return region
 
     def differs_at_short_lengths(self, region: Any) -> str | None:
-        """Checked once, when built (lower._checked_at_build): see linear_sizes. The lengths the check
-        met are forgotten after it, so that no guard is made from its made-up inputs."""
+        """Checked once, when built (lower._checked_at_build): see codegen.short_lengths. The lengths
+        the check met are forgotten after it, so that no guard is made from its made-up inputs."""
         from accelrun.compile.codegen.short_lengths import differs_at_short_lengths
 
         met = set(self._at_length)
         try:
-            return differs_at_short_lengths(region, self, self._sizes_at_call.symbol)
+            return differs_at_short_lengths(region, self, self.program.linear_sizes.symbol)
         finally:
             for s in set(self._at_length) - met:
                 del self._at_length[s]
-
-
-@dataclasses.dataclass
-class _AtLength:
-    """What a ``CppLengthRegion`` needs at one length: its inputs' buffers, what each must be to be
-    read as it is, its outputs' and temporaries' allocations, and the guard of a call that conformed."""
-
-    inputs: list[Buffer]
-    expected: list[tuple]
-    allocs: list[tuple]
-    guard: Any = None
 
 
 def cpp_region(program: LoopProgram, lib: ctypes.CDLL, entry: str = ENTRY) -> CppRegion:

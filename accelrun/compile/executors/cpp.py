@@ -50,8 +50,9 @@ class CppExecutor(GeneratedCodeExecutor):
         # fails goes to the next executor, so the cache saves it once its build is done.
         source, entries = self._batch(regions)
         library = str(library_path(source, cache_dir))
-        return [None if cached_program(r).linear_sizes is not None else saved_region(library, entry, cached_program(r))
-                for r, entry in zip(regions, entries, strict=True)]  # fmt: skip
+        programs = [cached_program(r) for r in regions]
+        return [None if program.linear_sizes is not None else saved_region(library, entry, program)
+                for program, entry in zip(programs, entries, strict=True)]  # fmt: skip
 
     def _batch(self, regions: list[Region]) -> tuple[str, list[str]]:
         """One library's source for ``regions`` and each one's entry point; identical regions (a model's
