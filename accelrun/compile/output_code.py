@@ -219,7 +219,10 @@ def unpack_graph(data: bytes) -> fx.GraphModule:
             env[name] = graph.get_attr(target)
             env[name].name = name
             continue
-        fn = named_call(region[1], region[0]) if region is not None else _resolve_target(target)
+        if region is not None:
+            fn = named_call(region[1], region[0])
+        else:  # a placeholder's target is its name, whatever it is ("getitem": a value saved for the backward)
+            fn = _resolve_target(target) if op == "call_function" else target
         env[name] = graph.create_node(op, fn, ref(args), ref(kwargs), name=name)
     # What runs is fast_calls' copy: this one's code is written only if something reads it (a dump).
     gm = LazyGraphModule(saved["constants"], graph)

@@ -380,6 +380,28 @@ def test_a_lowered_graph_with_runtime_assertions_on_unbacked_sizes_packs_and_unp
         back(torch.tensor([-3.0, 1.0]))
 
 
+def test_a_graph_input_named_getitem_is_loaded_as_an_input():
+    """A backward graph's inputs are named after the forward values saved for it, and a value taken
+    out of a tuple is called ``getitem``: loaded, such an input was made a call of operator.getitem,
+    the entry refused ("a str is expected") and every new process compiled the graph again (a conv
+    mixer, once its convolutions were accelrun's own ops)."""
+    import operator
+
+    from torch import fx
+
+    from accelrun.compile.output_code import pack_graph, unpack_graph
+
+    g = fx.Graph()
+    saved = g.placeholder("getitem")
+    pair = g.call_function(torch.ops.aten.var_mean.correction, (saved, [0]))
+    g.output(g.call_function(torch.ops.aten.add.Tensor, (g.call_function(operator.getitem, (pair, 1)), saved)))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    back = unpack_graph(pack_graph(gm))
+    assert [(n.op, n.target) for n in back.graph.nodes] == [(n.op, n.target) for n in gm.graph.nodes]
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(back(x), gm(x))
+
+
 def test_a_saved_graph_keeps_whether_its_layouts_are_fixed():
     """A loaded graph's nodes have no fake tensors; the flag saved with it lets its views be collapsed."""
     from torch.fx.experimental.proxy_tensor import make_fx
