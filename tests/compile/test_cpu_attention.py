@@ -311,11 +311,11 @@ def test_a_kernel_that_cannot_be_built_leaves_attention_to_aten(tmp_path, monkey
     fake.chmod(0o755)
     monkeypatch.setenv("ACCELRUN_CXX", str(fake))
     monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(kernel, "_built", {})  # this process's built library is put back afterwards
+    monkeypatch.setattr(kernel.LIBRARY, "_built", {})  # this process's built library is put back afterwards
     q, k, v = (randn(2, H, 24, 32, seed=s).requires_grad_() for s, H in ((1, 4), (2, 2), (3, 2)))
     with pytest.warns(UserWarning, match="could not be built"):
         out = kernel.attention(q, k, v, 0.2, True)
-    assert "RuntimeError" in kernel._built[torch.float32]
+    assert "RuntimeError" in kernel.LIBRARY.failure(torch.float32)
     grad = randn(*out.shape, seed=4)
     out.backward(grad)
     expected, leaves = reference(q, k, v, 0.2, True)

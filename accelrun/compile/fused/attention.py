@@ -14,21 +14,19 @@ which calls it takes (the ``cpu_attention`` pass asks it), everything else stays
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 import warnings
 import weakref
 from pathlib import Path
 
 import torch
 
-from accelrun.compile.codegen.cpp_build import build_library, find_compiler, load_library
+from accelrun.compile.codegen.cpp_build import find_compiler
 from accelrun.compile.codegen.exp_poly import EXP_CORE
 from accelrun.compile.fused import dropout
+from accelrun.compile.fused.kernel_library import ELEMENT_TYPES, PerDtypeLibrary
 from accelrun.compile.pattern import same_shape, same_size
 
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
-ELEMENT_TYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}  # the C type of each dtype's storage
 MAX_HEAD_DIM = 256  # the kernel's row buffer (attention_cpu.cpp's MAX_HEAD_DIM)
 NOT_ON_CPU = "not on the CPU"
 
@@ -74,46 +72,24 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"accelrun::cpu_attention cannot take these inputs: {problem}")
 
 
-_library_lock = threading.Lock()
-_built: dict[torch.dtype, ctypes.CDLL | str] = {}  # per dtype: the loaded library, or why it could not be built
+def _source(dtype: torch.dtype) -> str:
+    return f"#define ELEM {ELEMENT_TYPES[dtype]}\n{dropout.cpp_defines()}{EXP_CORE}" + SOURCE.read_text()
 
 
-def _new_lock_after_fork() -> None:  # a fork while the build thread held the lock must not leave it held
-    global _library_lock
-    _library_lock = threading.Lock()
+def _declare(lib: ctypes.CDLL) -> None:
+    i64p, f32p, vp = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_float), ctypes.c_void_p
+    # ..., scale, causal, dropout's seed and p (0: none), threads
+    tail = [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    lib.attention_forward.argtypes = [vp, vp, vp, vp, f32p, i64p, i64p, *tail]
+    lib.attention_backward.argtypes = [vp, vp, vp, vp, vp, f32p, vp, vp, vp, i64p, i64p, *tail]
+    lib.attention_keep_factors.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_float, f32p]
 
 
-os.register_at_fork(after_in_child=_new_lock_after_fork)
-
-
-def _library(dtype: torch.dtype) -> ctypes.CDLL | None:
-    """The kernel's library for ``dtype``, or None if it could not be built (the ops then compute with ATen)."""
-    with _library_lock:  # one build, whichever thread asks first (see build_in_background)
-        if dtype not in _built:
-            try:
-                source = f"#define ELEM {ELEMENT_TYPES[dtype]}\n{dropout.cpp_defines()}{EXP_CORE}" + SOURCE.read_text()
-                lib = load_library(build_library(source))
-            except Exception as e:  # noqa: BLE001 (no compiler after all, g++ refused the source, ...)
-                _built[dtype] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                warnings.warn(f"accelrun's CPU attention kernel could not be built; attention runs in ATen "
-                              f"({_built[dtype]})", stacklevel=2)  # fmt: skip
-                return None
-            i64p, f32p, vp = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_float), ctypes.c_void_p
-            # ..., scale, causal, dropout's seed and p (0: none), threads
-            tail = [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
-            lib.attention_forward.argtypes = [vp, vp, vp, vp, f32p, i64p, i64p, *tail]
-            lib.attention_backward.argtypes = [vp, vp, vp, vp, vp, f32p, vp, vp, vp, i64p, i64p, *tail]
-            lib.attention_keep_factors.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_float, f32p]
-            _built[dtype] = lib
-        built = _built[dtype]
-        return built if isinstance(built, ctypes.CDLL) else None
-
-
-def build_in_background(dtype: torch.dtype) -> None:
-    """Start compiling (or finding in the cache) the kernel for ``dtype``: g++ runs beside the rest of
-    compilation (tracing, AOTAutograd) instead of after it; the first call waits for it if it is not done."""
-    if dtype not in _built:
-        threading.Thread(target=_library, args=(dtype,), name="accelrun-attention-build", daemon=True).start()
+# The kernel's library per dtype; None from _library: it could not be built (the ops then compute with ATen).
+LIBRARY = PerDtypeLibrary("CPU attention kernel", "attention runs in ATen", _source, _declare)
+_library = LIBRARY.get
+# Called by the pass: g++ runs beside the rest of compilation; the first call waits for it if it is not done.
+build_in_background = LIBRARY.build_in_background
 
 
 _aten_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
