@@ -11,7 +11,8 @@ see a different number of tokens on every call; ``moe-indexed`` the same routed 
 ``mha`` (``nn.MultiheadAttention`` under a float causal mask, no list of the model's own blocks),
 ``encoder`` / ``encoder-causal`` (torch.nn's ``TransformerEncoder`` given a causal mask without and
 with ``is_causal=True``: the first reads the mask on the host every call, a graph break),
-``conv-mixer`` (depthwise and pointwise ``Conv1d`` with ``GroupNorm``), ``plain-mlp`` (no list at
+``conv-mixer`` (depthwise and pointwise ``Conv1d`` with ``GroupNorm``), ``short-conv`` (gated short
+causal convolutions, kernel 4, as Mamba writes its mixer's, without the scan), ``plain-mlp`` (no list at
 all), ``gru`` and ``lstm`` (torch.nn's recurrent modules, which run eagerly at a graph break). Each model runs in a process of its own (compiler
 caches empty, in a temporary directory), every variant with the host allocator ``accelrun train``
 sets on a CPU (``train.cpu_malloc`` blocks; until 2026-12-05 afternoon glibc's, ``--malloc system``,
@@ -60,6 +61,7 @@ from tests.compile.user_models import (  # noqa: E402
     NanoGPT,
     PlainMLP,
     RoutedMoE,
+    ShortConvLM,
 )
 
 VOCAB = 320  # nanoGPT's character-level Shakespeare has 65; a byte-level corpus a few hundred
@@ -72,6 +74,7 @@ MODELS = {
     "encoder": lambda: EncoderLM(n_layers=4, vocab=VOCAB, dim=256),
     "encoder-causal": lambda: EncoderLM(n_layers=4, vocab=VOCAB, dim=256, causal_hint=True),
     "conv-mixer": lambda: ConvMixer(depth=4, vocab=VOCAB, dim=256),
+    "short-conv": lambda: ShortConvLM(n_layers=4, vocab=VOCAB, dim=256),
     "plain-mlp": lambda: PlainMLP(vocab=VOCAB, dim=256),
     "gru": lambda: GRULM(vocab=VOCAB, dim=256),
     "lstm": lambda: LSTMStack(n_layers=2, vocab=VOCAB, dim=256),

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import fx
 
+import accelrun.compile.fused.depthwise_conv  # noqa: F401  (registers the accelrun:: ops a saved graph may hold)
 from accelrun.compile.cuda_graph_policy import CudaGraphsReport, GraphFacts
 from accelrun.compile.cuda_graphs import CudaGraphRunner, shared_capture, wants_cuda_graphs
 from accelrun.compile.executors.aten import AtenExecutor

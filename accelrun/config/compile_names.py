@@ -91,6 +91,7 @@ BUILTIN_PASSES: dict[str, tuple[Stage, type[PassOptions]]] = {
     "cpu_half_gemm": ("post_grad", PassOptions),
     "cpu_gemm": ("post_grad", CpuGemmOptions),
     "cpu_dropout": ("post_grad", PassOptions),
+    "cpu_depthwise_conv": ("post_grad", PassOptions),
     "reinplace": ("post_grad", PassOptions),
     "fuse_attention": ("pre_grad", FuseAttentionOptions),
     "cpu_attention": ("pre_grad", PassOptions),
@@ -114,17 +115,17 @@ PRESETS: dict[str, list[str]] = {
     "none": [],
     "default": [
         "fuse_attention", "cpu_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "merge_parallel_linears", "loss_row_stats", "dce", "cse", "simplify", "cpu_half_gemm", "cpu_gemm", "cpu_dropout", "reinplace", "partition_regions",
+        "merge_parallel_linears", "loss_row_stats", "dce", "cse", "simplify", "cpu_half_gemm", "cpu_gemm", "cpu_dropout", "cpu_depthwise_conv", "reinplace", "partition_regions",
     ],
     "max": [
         "fuse_attention", "cpu_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "merge_parallel_linears", "loss_row_stats", "remat", "dce", "cse", "simplify", "cpu_half_gemm", "cpu_gemm", "cpu_dropout", "reinplace", "bucket_collectives",
+        "merge_parallel_linears", "loss_row_stats", "remat", "dce", "cse", "simplify", "cpu_half_gemm", "cpu_gemm", "cpu_dropout", "cpu_depthwise_conv", "reinplace", "bucket_collectives",
         "schedule_overlap", "partition_regions",
     ],
     # default + the communication passes (for compiled FSDP / TP graphs; a no-op without collectives).
     "overlap": [
         "fuse_attention", "cpu_attention", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "fuse_linear_cross_entropy",
-        "merge_parallel_linears", "loss_row_stats", "dce", "cse", "simplify", "cpu_half_gemm", "cpu_gemm", "cpu_dropout", "reinplace", "bucket_collectives",
+        "merge_parallel_linears", "loss_row_stats", "dce", "cse", "simplify", "cpu_half_gemm", "cpu_gemm", "cpu_dropout", "cpu_depthwise_conv", "reinplace", "bucket_collectives",
         "schedule_overlap", "partition_regions",
     ],
 }  # fmt: skip

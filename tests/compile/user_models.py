@@ -151,6 +151,39 @@ class ConvMixer(nn.Module):
         return self.head(x.transpose(1, 2))
 
 
+class ShortConvBlock(nn.Module):
+    """A gated short causal convolution, written as Mamba writes its mixer's (``nn.Conv1d`` with
+    ``groups`` = channels and ``padding`` = kernel - 1, the first T outputs kept), without the scan."""
+
+    def __init__(self, dim: int, expand: int = 2, kernel: int = 4) -> None:
+        super().__init__()
+        inner = expand * dim
+        self.norm = nn.LayerNorm(dim)
+        self.in_proj = nn.Linear(dim, 2 * inner)
+        self.conv1d = nn.Conv1d(inner, inner, kernel_size=kernel, groups=inner, padding=kernel - 1)
+        self.out_proj = nn.Linear(inner, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        h, gate = self.in_proj(self.norm(x)).chunk(2, dim=-1)
+        h = self.conv1d(h.transpose(1, 2))[..., :T].transpose(1, 2)
+        return x + self.out_proj(F.silu(h) * F.silu(gate))
+
+
+class ShortConvLM(nn.Module):
+    def __init__(self, n_layers: int = 2, vocab: int = VOCAB, dim: int = DIM, kernel: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([ShortConvBlock(dim, kernel=kernel) for _ in range(n_layers)])
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
 class PlainMLP(nn.Module):
     """No list at all: every layer an attribute of its own."""
 
@@ -308,5 +341,5 @@ class NanoGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-USER_MODELS = {"mha": MHAModel, "routed_moe": RoutedMoE, "indexed_moe": IndexedMoE, "conv_mixer": ConvMixer, "plain_mlp": PlainMLP,
-               "encoder": EncoderLM, "gru": GRULM, "lstm_blocks": LSTMStack, "batchnorm": BatchNormLM}
+USER_MODELS = {"mha": MHAModel, "routed_moe": RoutedMoE, "indexed_moe": IndexedMoE, "conv_mixer": ConvMixer,
+               "short_conv": ShortConvLM, "plain_mlp": PlainMLP, "encoder": EncoderLM, "gru": GRULM, "lstm_blocks": LSTMStack, "batchnorm": BatchNormLM}

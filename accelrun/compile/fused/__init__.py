@@ -5,8 +5,10 @@ calls a ``torch.autograd.Function``: the forward is written with torch ops and t
 cheaper than autograd's (it saves less, or recomputes instead of saving). AOTAutograd traces both into
 ATen ops, so later passes and the executors see ordinary graphs. Each module is one op.
 
-``attention`` is the exception: a C++ kernel behind torch.library custom ops (forward and backward), which
-AOTAutograd keeps as single nodes; the ``cpu_attention`` pass calls it.
+``attention`` and ``depthwise_conv`` are the exceptions: C++ kernels behind torch.library custom ops
+(forward and backward), which AOTAutograd keeps as single nodes; the ``cpu_attention`` pass calls the
+first before autograd, the ``cpu_depthwise_conv`` pass puts the second into the forward and backward
+graphs after it.
 """
 
 from accelrun.compile.fused.linear_cross_entropy import linear_cross_entropy
