@@ -88,7 +88,8 @@ class AccelrunOutputCode(OutputCode):
             # fx's pickler saves ops by name: cpu_gemm's product sites are saved as ATen's products
             # carrying the site, and are sites again once loaded (post_compile).
             restore_aten_products(self.graph_module)
-            # ops_filter=None: accelrun's graphs hold only ATen and functional-collective ops.
+            # ops_filter=None: accelrun's graphs hold ATen, functional-collective and accelrun:: ops
+            # (the module registering those is imported above, before any graph is loaded).
             self.saved_graph = GraphPickler.dumps(self.graph_module, Options(ops_filter=None))
         self.graph_module = self.lowered = self._run = self.cuda_graphs = None  # this process's, not saved
 

@@ -79,6 +79,21 @@ def test_the_backward_computes_only_the_gradients_asked_for(wanted):
             assert g.numel() == 0
 
 
+@pytest.mark.parametrize(("args", "match"), [
+    ((torch.randn(2, 4, 9, dtype=torch.bfloat16), torch.randn(4, 1, 3), None, 1), "one dtype"),
+    ((torch.randn(2, 4, 9), torch.randn(4, 1, 3), torch.randn(3), 1), "bias"),
+    ((torch.randn(2, 4, 9), torch.randn(3, 1, 3), None, 1), "are not"),
+    ((torch.randn(2, 4, 2), torch.randn(4, 1, 5), None, 0), "no output"),
+])  # fmt: skip
+def test_arguments_the_kernel_would_read_past_are_refused(args, match):
+    """Called directly, a mismatch is an error, never a read past a buffer (the pass passes none)."""
+    with pytest.raises(ValueError, match=match):
+        kernel.depthwise_conv1d(*args)
+    with pytest.raises(ValueError, match="grad_out"):
+        torch.ops.accelrun.depthwise_conv1d_backward(torch.randn(2, 4, 5), torch.randn(2, 4, 9), torch.randn(4, 1, 3),
+                                                     1, True, True, True)  # fmt: skip
+
+
 def test_the_ops_pass_torch_librarys_opcheck():
     x, w, b = torch.randn(2, 4, 9, requires_grad=True), torch.randn(4, 1, 3, requires_grad=True), torch.randn(4)
     for args in ((x, w, b.requires_grad_(), 2), (x, w, None, 1)):

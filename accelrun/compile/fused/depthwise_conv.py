@@ -2,10 +2,10 @@
 
 A depthwise ``Conv1d`` (``groups`` = channels, one filter of K taps per channel: a ConvNeXt-style
 mixer, Mamba's and Hyena's short causal convolutions) does K multiply-adds per element, yet ATen runs it
-through oneDNN's general convolution: on this project's 2-core AVX-512 machine its forward takes 2-4x
-and its backward 2-11x the time of the kernel here, which computes a row as K shifted multiply-adds
-over a buffer in L1 (forward 1.52 against 0.34 ms at (16, 256, 256) K 3; backward 70.8 against 6.3 ms
-at Mamba-130m's (4, 1536, 1024) K 4; ``python bench/depthwise_conv.py``).
+through oneDNN's general convolution, and so do eager PyTorch and Inductor. The kernel here computes a
+row as K shifted multiply-adds over a buffer in L1: on this project's 2-core AVX-512 machine 1.3-3.2x
+oneDNN's forward and 3.2-9.0x its backward (0.80 against 0.32 ms forward at (16, 256, 256) K 3; 29.5
+against 5.4 ms backward at Mamba-130m's (4, 1536, 1024) K 4; ``python bench/depthwise_conv.py``).
 
 ``torch.ops.accelrun.depthwise_conv1d`` and its backward are custom ops: the ``cpu_depthwise_conv``
 pass puts them in the forward and backward graphs in place of ATen's ``convolution`` and
@@ -63,6 +63,25 @@ def problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, st
     return None
 
 
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padding: int,
+           grad_out: torch.Tensor | None = None) -> None:  # fmt: skip
+    """The ops' own arguments as the kernel reads them (the pass takes only calls that pass): a
+    mismatch would read past a buffer, so it is an error."""
+    why = None
+    if x.dim() != 3 or weight.dim() != 3 or weight.shape[1] != 1 or weight.shape[0] != x.shape[1]:
+        why = f"x {tuple(x.shape)} and weight {tuple(weight.shape)} are not (B, C, T) and (C, 1, K)"
+    elif bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        why = f"bias {tuple(bias.shape)} is not (C,) = ({weight.shape[0]},)"
+    elif x.dtype not in ELEMENT_TYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        why = "x, weight and bias must share one dtype, fp32 or bf16"
+    elif padding < 0 or _out_length(x, weight, padding) < 1:
+        why = f"padding {padding} leaves no output for length {x.shape[2]} and {weight.shape[2]} taps"
+    elif grad_out is not None and tuple(grad_out.shape) != (*x.shape[:2], _out_length(x, weight, padding)):
+        why = f"grad_out {tuple(grad_out.shape)} is not the output's shape"
+    if why is not None:
+        raise ValueError(f"accelrun::depthwise_conv1d: {why}")
+
+
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
@@ -79,6 +98,7 @@ def _aten_args(padding: int, channels: int) -> tuple:
 def depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padding: int) -> torch.Tensor:
     """ATen's ``convolution(x, weight, bias, [1], [padding], [1], False, [0], C)`` for x (B, C, T) and
     weight (C, 1, K): one filter per channel."""
+    _check(x, weight, bias, padding)
     lib = LIBRARY.get(x.dtype)
     if lib is None:
         return torch.ops.aten.convolution.default(x, weight, bias, *_aten_args(padding, weight.shape[0]))
@@ -101,14 +121,16 @@ def depthwise_conv1d_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: t
                               input_grad: bool, weight_grad: bool, bias_grad: bool
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(grad x, grad weight, grad bias) of ``depthwise_conv1d``; one not asked for is an empty tensor."""
+    _check(x, weight, None, padding, grad_out)
     lib = LIBRARY.get(x.dtype)
     wanted = [input_grad, weight_grad, bias_grad]
+    grad_out = grad_out.to(x.dtype)  # the gradients are in x's and the weight's dtype, as the fake says
     if lib is None:
         grads = torch.ops.aten.convolution_backward.default(grad_out, x, weight, [weight.shape[0]],
                                                             *_aten_args(padding, weight.shape[0]), wanted)
         return tuple(g if g is not None else x.new_empty(0) for g in grads)  # type: ignore[return-value]
     B, C, T = x.shape
-    grad_out, x, weight = grad_out.to(x.dtype).contiguous(), x.contiguous(), weight.contiguous()
+    grad_out, x, weight = grad_out.contiguous(), x.contiguous(), weight.contiguous()
     gx, gw, gb = _empty_grads(x, weight, *wanted)
     lib.depthwise_backward(_ptr(grad_out), _ptr(x), _ptr(weight), _ptr(gx if input_grad else None),
                            _ptr(gw if weight_grad else None), _ptr(gb if bias_grad else None), B, C, T,

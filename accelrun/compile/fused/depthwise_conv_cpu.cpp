@@ -63,10 +63,9 @@ extern "C" void depthwise_forward(const ELEM* x, const ELEM* w, const ELEM* bias
             for (int64_t t = 0; t < To; ++t) yr[t] = b0;
             for (int64_t k = 0; k < K; ++k) {
                 const float wk = to_f32(w[c * K + k]);
-                const float* xs = xr + k - P;  // read only at t in [lo, hi): inside the row
-                const int64_t lo = max64(0, P - k), hi = min64(To, T + P - k);
+                const int64_t lo = max64(0, P - k), hi = min64(To, T + P - k);  // where x is inside the row
 #pragma omp simd
-                for (int64_t t = lo; t < hi; ++t) yr[t] += wk * xs[t];
+                for (int64_t t = lo; t < hi; ++t) yr[t] += wk * xr[t + k - P];
             }
             store_row(y + r * To, yr, To);
         }
@@ -95,21 +94,19 @@ extern "C" void depthwise_backward(const ELEM* gy, const ELEM* x, const ELEM* w,
                     for (int64_t s = 0; s < T; ++s) gxr[s] = 0.f;
                     for (int64_t k = 0; k < K; ++k) {
                         const float wk = to_f32(w[c * K + k]);
-                        const float* gs = g + P - k;  // read only at s in [lo, hi): inside the row
-                        const int64_t lo = max64(0, k - P), hi = min64(T, To + k - P);
+                        const int64_t lo = max64(0, k - P), hi = min64(T, To + k - P);  // gy inside its row
 #pragma omp simd
-                        for (int64_t s = lo; s < hi; ++s) gxr[s] += wk * gs[s];
+                        for (int64_t s = lo; s < hi; ++s) gxr[s] += wk * g[s + P - k];
                     }
                     store_row(gx + r * T, gxr, T);
                 }
                 if (gw) {
                     const float* xr = as_f32(x + r * T, T, xb);
                     for (int64_t k = 0; k < K; ++k) {
-                        const float* xs = xr + k - P;
                         const int64_t lo = max64(0, P - k), hi = min64(To, T + P - k);
                         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-                        for (int64_t t = lo; t < hi; ++t) acc += g[t] * xs[t];
+                        for (int64_t t = lo; t < hi; ++t) acc += g[t] * xr[t + k - P];
                         wsum[k] += acc;
                     }
                 }

@@ -46,7 +46,7 @@ class PerDtypeLibrary:
                 except Exception as e:  # noqa: BLE001 (no compiler after all, g++ refused the source, ...)
                     self._built[dtype] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                     warnings.warn(f"accelrun's {self.what} could not be built; {self.instead} ({self._built[dtype]})",
-                                  stacklevel=3)  # fmt: skip
+                                  stacklevel=2)  # fmt: skip
                     return None
                 self._built[dtype] = lib
             built = self._built[dtype]

@@ -41,6 +41,8 @@ def _backward_call(node: fx.Node) -> tuple[str | None, tuple]:
     vals = [tensor_val(x), tensor_val(w)]
     if vals[0] is None or vals[1] is None or tensor_val(grad_out) is None:
         return "no example values", ()
+    if tensor_val(grad_out).dtype != vals[0].dtype:
+        return "a gradient of another dtype than the input's", ()
     why = kernel.problem(*vals, None, stride, padding, dilation, transposed, output_padding, groups)
     read = {u.args[1] for u in node.users if u.target is operator.getitem}
     if why is None and (len(read) != len(node.users) or any(not mask[i] for i in read)):
