@@ -74,6 +74,8 @@ def test_regions_whose_sizes_follow_the_length_run_for_every_length(fn, shapes, 
         lower_with_runtime_rows(region)
     program = lower_with_linear_sizes(region)
     assert program.linear_sizes is not None and " n" in program.linear_sizes.template
+    if fn is norm_of_sequence_first:  # the row's index divided by the length, taken since 2026-12-06
+        assert "(r / (n))" in program.linear_sizes.template
     compiled = cpp_region(program, load_library(build_library(cpp_source(program), str(tmp_path))))
     assert isinstance(compiled, CppLengthRegion)
     for length in LENGTHS:
@@ -98,14 +100,18 @@ def test_what_depends_on_the_length_otherwise_is_refused_with_its_reason(fn, sha
 def test_only_an_index_that_changes_along_the_inner_loop_divided_by_the_length_is_refused():
     """Every kernel loops over a row's columns (``c``) inside its loop over rows (``r``): a row index
     divided by the length is one division a row, hoisted out of the inner loop; a column index divided
-    by it would be one an element."""
-    from accelrun.compile.codegen.linear_sizes import _divides_columns_by_length
+    by it would be one an element. A divisor that is 0 at some length (``n - 3``) is refused too."""
+    from accelrun.compile.codegen.linear_sizes import _refused_division
 
-    assert not _divides_columns_by_length("in1[((131 * c) + (67072 * (r / (n))) + (r % (n)))]")
-    assert not _divides_columns_by_length("in0[(r % (128 * n - 3))]")
-    assert _divides_columns_by_length("in0[(c / (n))]")
-    assert _divides_columns_by_length("in0[((c + (512 * r)) / (2 * n + 3))]")
-    assert _divides_columns_by_length("in0[((r + c0) % (n))]")
+    assert not _refused_division("in1[((131 * c) + (67072 * (r / (n))) + (r % (n)))]")
+    assert not _refused_division("in0[(r % (128 * n - 3))]")  # 125 and more
+    assert _refused_division("in0[(r / (n - 3))]")  # 0 at length 3
+    assert _refused_division("in0[(r / (2 * n - 2))]")
+    assert _refused_division("in0[(c / (n))]")
+    assert _refused_division("in0[((c + (512 * r)) / (2 * n + 3))]")
+    assert _refused_division("in0[((r + c0) % (n))]")
+    assert _refused_division("in0[(acc_min_i64(c, 5) / (n))]")  # the printer's clamps
+    assert _refused_division("in0[(((2 * c) + 1) % (n))]")  # an unrolled pair's second column
 
 
 def test_the_compiled_form_pickles_with_its_layouts(tmp_path):

@@ -128,7 +128,7 @@ def lower_with_linear_sizes(region: Any) -> LoopProgram:
         raise Unsupported(f"the changing size {symbol} changes the kernels' loop plan or a scratch row's length")
     sources = [_INT64_C.sub(r"((int64_t)\1)", cpp_source(p, ENTRY_MARK, prelude=False)) for p in programs]
     template = _template(sources, str(symbol))
-    if _divides_columns_by_length(template):
+    if _refused_division(template):
         raise Unsupported(f"an index divided by a multiple of the changing size {symbol} (a division per element, "
                           "slower than the decomposed ops)")  # fmt: skip
     layouts = tuple(_layout(bufs) for bufs in zip(*(p.buffers for p in programs), strict=True))
@@ -140,13 +140,17 @@ def lower_with_linear_sizes(region: Any) -> LoopProgram:
     return dataclasses.replace(programs[0], linear_sizes=sizes)
 
 
-def _divides_columns_by_length(template: str) -> bool:
+def _refused_division(template: str) -> bool:
     """Whether the kernels divide an index that varies along their inner loop (over ``c``) by the
-    length. A row's index (``r``: a ``[B, s, D]`` tensor read from one laid out ``[s, B, D]``, whose row
-    ``r`` is ``(r / s, r % s)``) is divided once per row, outside the inner loop (every kernel loops
-    over ``c`` inside its loop over ``r``, and g++ hoists what does not change with ``c``): a few
-    nanoseconds for a row of hundreds of elements."""
+    length, or divide by an ``a·n - b`` that is not above 0 at every length. A row's index (``r``: a
+    ``[B, s, D]`` tensor read from one laid out ``[s, B, D]``, whose row ``r`` is ``(r / s, r % s)``) is
+    divided once per row, outside the inner loop (every kernel loops over ``c`` inside its loop over
+    ``r``, and g++ hoists what does not change with ``c``): a few nanoseconds for a row of hundreds of
+    elements."""
     for match in _DIVIDED_BY_LENGTH.finditer(template):
+        a = int(match.group(1).split()[0]) if match.group(1) else 1
+        if a + int((match.group(2) or "0").replace(" ", "")) < 1:  # the divisor at n = 1, its smallest
+            return True
         end = match.start() - 1  # the space before the operator
         if template[end - 1] == ")":  # a parenthesised dividend: back to its opening parenthesis
             depth, start = 0, end - 1
