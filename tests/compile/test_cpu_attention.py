@@ -303,14 +303,9 @@ def test_llama_block_runs_the_kernel_with_eager_gradients():
         torch.testing.assert_close(p.grad, eager_grads[name], **tol, msg=name)
 
 
-def test_a_kernel_that_cannot_be_built_leaves_attention_to_aten(tmp_path, monkeypatch):
+def test_a_kernel_that_cannot_be_built_leaves_attention_to_aten(refusing_compiler, monkeypatch):
     """A compiler that refuses the source (found on the PATH, so the pass took the call): the ops warn once
     and compute with ATen, in the kernel's layout, instead of failing the run."""
-    fake = tmp_path / "fakecc"
-    fake.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo fakecc 1.0; exit 0; fi\necho refused >&2; exit 1\n')
-    fake.chmod(0o755)
-    monkeypatch.setenv("ACCELRUN_CXX", str(fake))
-    monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(kernel.LIBRARY, "_built", {})  # this process's built library is put back afterwards
     q, k, v = (randn(2, H, 24, 32, seed=s).requires_grad_() for s, H in ((1, 4), (2, 2), (3, 2)))
     with pytest.warns(UserWarning, match="could not be built"):

@@ -179,14 +179,9 @@ def test_convolutions_of_other_kinds_stay_atens_and_a_strided_depthwise_one_is_r
     assert "1 left to ATen (a stride, dilation or transposed convolution)" in forward.summary
 
 
-def test_a_kernel_that_cannot_be_built_leaves_the_convolution_to_aten(tmp_path, monkeypatch):
+def test_a_kernel_that_cannot_be_built_leaves_the_convolution_to_aten(refusing_compiler, monkeypatch):
     """A compiler that refuses the source (found on the PATH, so the pass took the call): the ops warn
     once and compute with ATen instead of failing the run."""
-    fake = tmp_path / "fakecc"
-    fake.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo fakecc 1.0; exit 0; fi\necho refused >&2; exit 1\n')
-    fake.chmod(0o755)
-    monkeypatch.setenv("ACCELRUN_CXX", str(fake))
-    monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(kernel.LIBRARY, "_built", {})  # this process's built library is put back afterwards
     x, w, b = torch.randn(2, 4, 9, requires_grad=True), torch.randn(4, 1, 3, requires_grad=True), torch.randn(4)
     with pytest.warns(UserWarning, match="could not be built"):

@@ -23,7 +23,7 @@ import torch
 from accelrun.compile.codegen.cpp_build import find_compiler
 from accelrun.compile.codegen.exp_poly import EXP_CORE
 from accelrun.compile.fused import dropout
-from accelrun.compile.fused.kernel_library import ELEMENT_TYPES, PerDtypeLibrary
+from accelrun.compile.fused.kernel_library import ELEMENT_TYPES, PerDtypeLibrary, element_prelude
 from accelrun.compile.pattern import same_shape, same_size
 
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
@@ -73,7 +73,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def _source(dtype: torch.dtype) -> str:
-    return f"#define ELEM {ELEMENT_TYPES[dtype]}\n{dropout.cpp_defines()}{EXP_CORE}" + SOURCE.read_text()
+    return element_prelude(dtype) + f"{dropout.cpp_defines()}{EXP_CORE}" + SOURCE.read_text()
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -60,20 +60,7 @@ static inline vf vexp(vf x) {
 static inline float hsum(vf v) { float s = 0; for (int i = 0; i < VL; ++i) s += v[i]; return s; }
 static inline float hmax(vf v) { float s = v[0]; for (int i = 1; i < VL; ++i) s = v[i] > s ? v[i] : s; return s; }
 
-// Element types: fp32 as is; bf16 (uint16_t) widened with a shift and rounded to nearest even.
-static inline float to_f32(float v) { return v; }
-static inline float to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline void from_f32(float* dst, float v) { *dst = v; }
-static inline void from_f32(uint16_t* dst, float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    *dst = (uint16_t)(f != f ? 0x7fc0u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+// Element types: to_f32 / from_f32 come before this source (fused/element_types.h).
 template <class T> static inline void widen(float* dst, const T* src, int n) { for (int i = 0; i < n; ++i) dst[i] = to_f32(src[i]); }
 template <class T> static inline void narrow(T* dst, const float* src, int n) { for (int i = 0; i < n; ++i) from_f32(dst + i, src[i]); }
 

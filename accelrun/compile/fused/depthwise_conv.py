@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from accelrun.compile.codegen.cpp_build import find_compiler
-from accelrun.compile.fused.kernel_library import ELEMENT_TYPES, PerDtypeLibrary
+from accelrun.compile.fused.kernel_library import ELEMENT_TYPES, PerDtypeLibrary, element_prelude
 
 SOURCE = Path(__file__).with_name("depthwise_conv_cpu.cpp")
 NOT_ON_CPU = "not on the CPU"
@@ -29,7 +29,7 @@ NOT_DEPTHWISE_1D = "not a depthwise 1-d convolution"  # (with NOT_ON_CPU) no cal
 
 
 def _source(dtype: torch.dtype) -> str:
-    return f"#define ELEM {ELEMENT_TYPES[dtype]}\n" + SOURCE.read_text()
+    return element_prelude(dtype) + SOURCE.read_text()
 
 
 def _declare(lib: ctypes.CDLL) -> None:

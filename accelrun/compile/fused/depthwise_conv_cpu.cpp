@@ -2,8 +2,9 @@
 // on contiguous (B, C, T) rows, forward and backward. Each output row depends on one input row and K
 // taps, so a row is computed as K shifted multiply-adds over a buffer that stays in L1, each a plain
 // vector loop: what oneDNN does in 3-10x the time (depthwise_conv.py has the figures).
-// The element type is fixed per library (`#define ELEM float`, or uint16_t for bf16): bf16 rows are
-// widened to fp32, computed and accumulated in fp32, rounded once when stored.
+// The element type is fixed per library (ELEM: float, or uint16_t for bf16; defined before this source
+// with the conversions): bf16 rows are widened to fp32, computed and accumulated in fp32, rounded once
+// when stored.
 #include <cstdint>
 #include <vector>
 #include <omp.h>
@@ -12,19 +13,7 @@
 #error "define ELEM (float, or uint16_t for bf16) before this source"
 #endif
 
-static inline float to_f32(float v) { return v; }
-static inline float to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    __builtin_memcpy(&f, &u, 4);
-    return f;
-}
-static inline void from_f32(float* dst, float v) { *dst = v; }
-static inline void from_f32(uint16_t* dst, float f) {  // round to nearest even, NaN kept a NaN
-    uint32_t u;
-    __builtin_memcpy(&u, &f, 4);
-    *dst = (uint16_t)(f != f ? 0x7fc0u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+// to_f32 / from_f32 come before this source (fused/element_types.h).
 
 // A row as fp32: the row itself for fp32, else widened into `buf`.
 static inline const float* as_f32(const float* row, int64_t n, std::vector<float>&) { return row; }

@@ -15,12 +15,20 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from accelrun.compile.codegen.cpp_build import build_library, load_library
 
 ELEMENT_TYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}  # the C type of each dtype's storage
+_CONVERSIONS = Path(__file__).with_name("element_types.h")
+
+
+def element_prelude(dtype: torch.dtype) -> str:
+    """What a kernel's source starts with: ``ELEM`` defined as ``dtype``'s storage type, and the
+    conversions to and from fp32 (``to_f32``, ``from_f32``) of every element type."""
+    return f"#define ELEM {ELEMENT_TYPES[dtype]}\n" + _CONVERSIONS.read_text()
 
 _libraries: weakref.WeakSet[PerDtypeLibrary] = weakref.WeakSet()
 

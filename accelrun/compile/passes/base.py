@@ -70,6 +70,17 @@ class PassResult:
     detail: str = ""  # several lines for `compile explain` (e.g. the collectives' schedule before and after)
 
 
+def rewrites_result(gm: Any, rewritten: int, kept: dict[str, int], done: str) -> PassResult:
+    """The result of a pass that rewrote ``rewritten`` calls in ``gm`` (its code regenerated) and left
+    ``kept`` (reason -> count) to ATen: ``f"{rewritten} {done}"``, then each reason."""
+    if rewritten:
+        gm.graph.lint()
+        gm.recompile()
+    left = "; ".join(f"{n} left to ATen ({why})" for why, n in sorted(kept.items()))
+    return PassResult(changed=rewritten > 0, summary=f"{rewritten} {done}" + (f"; {left}" if left else ""),
+                      counts={"rewritten": rewritten, "kept": sum(kept.values())})  # fmt: skip
+
+
 PassFn = Callable[[Any, Any, PassContext], PassResult]
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from accelrun.compile.fused import depthwise_conv as kernel
-from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass, rewrites_result
 from accelrun.compile.passes.graph_build import NodeBuilder, tensor_val
 
 aten = torch.ops.aten
@@ -89,9 +89,4 @@ def cpu_depthwise_conv(gm: fx.GraphModule, options: PassOptions, ctx: PassContex
         rewritten += 1
     for dtype in dtypes:  # g++ runs beside the rest of compilation; the first call waits for it if need be
         kernel.LIBRARY.build_in_background(dtype)
-    if rewritten:
-        gm.graph.lint()
-        gm.recompile()
-    left = "; ".join(f"{n} left to ATen ({why})" for why, n in sorted(kept.items()))
-    summary = f"{rewritten} depthwise convolution(s) run accelrun's kernel" + (f"; {left}" if left else "")
-    return PassResult(changed=rewritten > 0, summary=summary, counts={"rewritten": rewritten, "kept": sum(kept.values())})
+    return rewrites_result(gm, rewritten, kept, "depthwise convolution(s) run accelrun's kernel")

@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from accelrun.compile.fused.dropout import SEED_HIGH
-from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
+from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass, rewrites_result
 from accelrun.compile.passes.graph_build import NodeBuilder, tensor_val
 
 aten = torch.ops.aten
@@ -125,9 +125,4 @@ def cpu_dropout(gm: fx.GraphModule, options: PassOptions, ctx: PassContext) -> P
             gm.graph.erase_node(user)
         gm.graph.erase_node(node)
         rewritten += 1
-    if rewritten:
-        gm.graph.lint()
-        gm.recompile()
-    left = "; ".join(f"{n} left to ATen ({why})" for why, n in sorted(kept.items()))
-    summary = f"{rewritten} dropout(s) draw their masks in kernels" + (f"; {left}" if left else "")
-    return PassResult(changed=rewritten > 0, summary=summary, counts={"rewritten": rewritten, "kept": sum(kept.values())})
+    return rewrites_result(gm, rewritten, kept, "dropout(s) draw their masks in kernels")
