@@ -4,21 +4,17 @@ users write them (a conv mixer, Mamba's short causal convolution), at eager's lo
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from accelrun.compile.backend import AccelrunBackend
-from accelrun.compile.compile_model import compile_model
 from accelrun.compile.fused import depthwise_conv as kernel
 from accelrun.compile.options import CompileOptions
 from accelrun.compile.passes.base import resolve_passes
-from accelrun.config.schema import CompileConfig
-from accelrun.models.build import training_loss_fn
-from tests.compile.user_models import VOCAB, ConvMixer, ShortConvLM
+from tests.compile.test_user_models import _compiled_beside_eager
+from tests.compile.user_models import ConvMixer, ShortConvLM
 
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1e-2, "atol": 1e-2}}
 # bf16 gradients sum a whole batch of rounded products: judged against the largest value
@@ -109,25 +105,8 @@ def _rewrites(record) -> dict[str, int]:
 
 
 def _train_beside_eager(model, tmp_path, lengths=(16,), dtype=torch.float32, steps=3):
-    """Trains ``model`` compiled by accelrun beside an eager copy (SGD, same batches, one length a step
-    from ``lengths``); the compile record."""
-    reference = copy.deepcopy(model)
-    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
-    record = compile_model(model, None, cfg).record
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
-    gen = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        x, y = (torch.randint(0, VOCAB, (2, lengths[step % len(lengths)]), generator=gen) for _ in range(2))
-        loss, loss_ref = training_loss_fn(model)(x, y), training_loss_fn(reference)(x, y)
-        loss.backward()
-        loss_ref.backward()
-        torch.testing.assert_close(loss, loss_ref, **TOL[dtype])
-        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, **GRAD_TOL[dtype], msg=name)
-        for o in opts:
-            o.step()
-            o.zero_grad()
-    return record
+    """``model`` compiled by accelrun, trained beside an eager copy at ``dtype``'s tolerances; the record."""
+    return _compiled_beside_eager(model, tmp_path, steps, lengths=lengths, loss_tol=TOL[dtype], grad_tol=GRAD_TOL[dtype])
 
 
 # The conv mixer is compiled whole (its lists hold torch.nn's modules): both of its depthwise

@@ -16,8 +16,10 @@ from accelrun.config.schema import CompileConfig
 from accelrun.models.build import training_loss_fn, transformer_blocks
 from tests.compile.user_models import USER_MODELS, VOCAB, CausalMHABlocks
 
+LOSS_TOL, GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}, {"rtol": 1e-5, "atol": 1e-5}
 
-def _train_side_by_side(model, reference, steps=3, lengths=(16,)):
+
+def _train_side_by_side(model, reference, steps=3, lengths=(16,), loss_tol=LOSS_TOL, grad_tol=GRAD_TOL):
     """Losses and gradients of the compiled model and its eager copy, step by step (SGD, same data);
     the batches' sequence lengths go round ``lengths``."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -28,21 +30,21 @@ def _train_side_by_side(model, reference, steps=3, lengths=(16,)):
         loss, loss_ref = training_loss_fn(model)(x, y), training_loss_fn(reference)(x, y)
         loss.backward()
         loss_ref.backward()
-        torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loss, loss_ref, **loss_tol)
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
+            torch.testing.assert_close(p.grad, q.grad, **grad_tol, msg=name)
         for o in (opt, opt_ref):
             o.step()
             o.zero_grad()
 
 
-def _compiled_beside_eager(model, tmp_path, steps: int):
+def _compiled_beside_eager(model, tmp_path, steps: int, **side_by_side):
     """``model`` compiled by accelrun (C++ and ATen executors) and trained ``steps`` steps beside an eager
-    copy (``_train_side_by_side``); its compile record."""
+    copy (``_train_side_by_side``, given ``side_by_side``: lengths, tolerances); its compile record."""
     reference = copy.deepcopy(model)
     cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
     record = compile_model(model, None, cfg).record
-    _train_side_by_side(model, reference, steps=steps)
+    _train_side_by_side(model, reference, steps=steps, **side_by_side)
     return record
 
 

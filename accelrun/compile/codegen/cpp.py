@@ -558,8 +558,9 @@ class CppLengthRegion(CppRegion):
         return s
 
     def _region_at(self, s: int) -> CppRegion:
-        buffers = [dataclasses.replace(b, shape=lay.at(s)[0], stride=lay.at(s)[1])
-                   for b, lay in zip(self.program.buffers, self._layouts, strict=True)]  # fmt: skip
+        buffers = [dataclasses.replace(b, shape=shape, stride=stride)
+                   for b, (shape, stride) in zip(self.program.buffers, (lay.at(s) for lay in self._layouts),
+                                                 strict=True)]  # fmt: skip
         region = CppRegion(LoopProgram(buffers, []), self._lib, self.entry, length=s)
         if len(self._at_length) < self.MAX_LENGTHS_KEPT:
             self._at_length[s] = region

@@ -29,10 +29,10 @@ def differs_at_short_lengths(region: Any, compiled: Any, symbol: str) -> str | N
     # bf16 kernels compute in fp32 and round at their stores; eager rounds after every op.
     low_precision = any(isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16) for v in values)
     rtol = 2e-2 if low_precision else 1e-3
+    metas = region.input_meta
     for s in SHORT_LENGTHS:
         if any(_at(n, symbol, s) < 1 for v in values if isinstance(v, torch.Tensor) for n in v.shape):
             continue  # a size such as s - 3: the graph is not for lengths that short
-        metas = region.input_meta
         shapes = [[_at(n, symbol, s) for n in m.shape] if isinstance(m, torch.Tensor) else None for m in metas]
         inputs = [_random_like(m, shape, [_at(n, symbol, s) for n in m.stride()], g) if shape is not None
                   else _at(m, symbol, s) for m, shape in zip(metas, shapes, strict=True)]  # fmt: skip

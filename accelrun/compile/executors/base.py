@@ -63,9 +63,8 @@ class Executor(ABC):
         """What each region of ``compile_batch(regions)`` will pickle as (its ``__reduce__``), known
         before the build has run: the graph cache then saves a graph whose builds are still running.
         None (for all, or for one region): not known in advance (pickling such a region waits for its
-        build). A batch that then
-        fails leaves a saved graph naming a library that never came: loading it fails, and the graph
-        is compiled afresh, as for a library gone from the cache."""
+        build). A batch that then fails leaves a saved graph naming a library that never came: loading
+        it fails, and the graph is compiled afresh, as for a library gone from the cache."""
         return None
 
 

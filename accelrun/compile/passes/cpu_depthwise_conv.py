@@ -41,9 +41,9 @@ def _backward_call(node: fx.Node) -> tuple[str | None, tuple]:
     vals = [tensor_val(x), tensor_val(w)]
     if vals[0] is None or vals[1] is None or tensor_val(grad_out) is None:
         return "no example values", ()
-    if tensor_val(grad_out).dtype != vals[0].dtype:
-        return "a gradient of another dtype than the input's", ()
     why = kernel.problem(*vals, None, stride, padding, dilation, transposed, output_padding, groups)
+    if why is None and tensor_val(grad_out).dtype != vals[0].dtype:
+        why = "a gradient of another dtype than the input's"
     read = {u.args[1] for u in node.users if u.target is operator.getitem}
     if why is None and (len(read) != len(node.users) or any(not mask[i] for i in read)):
         why = "its result is used other than gradient by gradient"
