@@ -459,6 +459,26 @@ def test_the_lowering_does_not_wait_for_g_plus_plus_the_first_call_does(tmp_path
     assert backend.record.cache_misses == len(backend.record.regions)
 
 
+def test_the_build_threads_run_what_they_built_on_one_openmp_thread(monkeypatch):
+    """A build thread runs the region it built once (the check at short lengths). On torch's thread
+    count that starts an OpenMP team living as long as the pool, and libgomp, managing more threads
+    than cores, then wakes the training thread's team at each parallel region instead of letting it
+    spin: a 20 us kernel took 45-60 us. The training thread keeps its own count."""
+    from accelrun.compile import lower
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(lower, "_pool", None)  # a new pool: its threads read the count set here
+    torch.set_num_threads(2)
+    try:
+        pool = lower._build_pool()
+        counts = {pool.submit(torch.get_num_threads).result() for _ in range(4)}
+        pool.shutdown()
+        assert counts == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_batch_pickles_before_it_is_built_as_it_will_once_built(tmp_path):
     """The graph cache saves a graph whose builds may still be running: each region's saved form (its
     library's path, known from the source's hash) is what the built region pickles as. Identical
