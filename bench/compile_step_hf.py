@@ -4,7 +4,10 @@ training step (forward, backward, AdamW) under eager, Inductor and accelrun, fp3
 The sibling of ``compile_step.py`` (the project's Llama) for model code nobody here wrote. Variants
 live in one process, their steps interleaved round-robin so machine noise hits them alike; figures
 are medians and ratios of medians (> 1: faster than the one compared with), with a 95% bootstrap
-interval of the ratio to Inductor's (rounds resampled in pairs).
+interval of the ratio to Inductor's (rounds resampled in pairs). With ``--lengths`` a sample is one
+cycle through the lengths, its steps summed (``rounds.per_cycle``; until 2026-12-06 single steps of
+every length were pooled, and the median compared whichever lengths sorted into the middle), the
+table's step is a cycle's median over its steps, and each length's own ratio follows.
 
 Each variant trains the model as ``accelrun train`` trains a user's model: the loss is
 ``training_loss_fn``'s (the model called with ``use_cache=False``, cross-entropy of its logits against
@@ -63,7 +66,7 @@ from accelrun.models.build import training_loss_fn, transformer_blocks  # noqa: 
 from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
-from bench.rounds import interleaved_rounds  # noqa: E402
+from bench.rounds import interleaved_rounds, per_cycle, per_length_ratio, rounds_for_cycles  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ONE_DTYPE = "ACCELRUN_BENCH_DTYPE"  # set for the process that runs one dtype of several
@@ -134,13 +137,17 @@ def run(args: argparse.Namespace, dname: str) -> None:
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else [args.seq] * 4
     batches = [next_token_batch(torch.randint(0, args.vocab, (args.batch, n + 1), generator=g)) for n in lengths]
     warm_the_tracer(model, batches[0])
-    warm = interleaved_rounds(variants, batches, max(args.warmup, len(batches) - 1), args.rounds)  # every length met
-    med = {v.name: statistics.median(v.times) for v in variants}
+    rounds = rounds_for_cycles(args.rounds, len(batches))
+    warm = interleaved_rounds(variants, batches, max(args.warmup, len(batches) - 1), rounds)  # every length met
+    # One sample per cycle through the lengths (a step where they do not change): ``per_cycle``.
+    samples = {v.name: per_cycle(v.times, len(batches)) if args.lengths else v.times for v in variants}
+    med = {name: statistics.median(s) / (len(batches) if args.lengths else 1) for name, s in samples.items()}
     shape = f"seq {args.seq}" if not args.lengths else f"seq {args.lengths} in turn"
     print(f"\ntransformers LlamaForCausalLM {dname}: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
-          f"{shape}, {args.rounds} interleaved rounds after {warm}, {torch.get_num_threads()} threads; accelrun: "
+          f"{shape}, {rounds} interleaved rounds after {warm}, {torch.get_num_threads()} threads; accelrun: "
           f"{next((v.description for v in variants if v.name == 'accelrun'), '-')}")  # fmt: skip
-    print(f"{'variant':10s} {'cold compile':>12s} {'vs inductor':>11s} {'median step':>12s} {'vs eager':>9s} "
+    step = "mean step" if args.lengths else "median step"  # a cycle's median over its steps
+    print(f"{'variant':10s} {'cold compile':>12s} {'vs inductor':>11s} {step:>12s} {'vs eager':>9s} "
           f"{'vs inductor':>12s} {'95% interval':>14s}")
     inductor = next((v for v in variants if v.name == "inductor"), None)
     for v in variants:
@@ -149,11 +156,18 @@ def run(args: argparse.Namespace, dname: str) -> None:
         if inductor is not None and v is not inductor:
             # Paired by round (the variants ran side by side in each): a slow spell of the machine
             # slows both sides of the ratio instead of widening its interval, as in `accelrun ab`.
-            ci = bootstrap_ratio_of_medians([[t] for t in inductor.times], [[t] for t in v.times], paired=True)
+            ci = bootstrap_ratio_of_medians([[t] for t in samples["inductor"]], [[t] for t in samples[v.name]],
+                                            paired=True)  # fmt: skip
             interval = f"{ci.low:.3f}-{ci.high:.3f}"
         cold_ratio = f"{v.first / inductor.first:.3f}x" if inductor and v.name != "eager" else "-"
         print(f"{v.name:10s} {v.first:11.2f}s {cold_ratio:>11s} {med[v.name] * 1000:10.1f}ms "
               f"{med.get('eager', med[v.name]) / med[v.name]:8.2f}x {vs_ind:>12s} {interval:>14s}")  # fmt: skip
+    if args.lengths and inductor is not None:
+        for v in variants:
+            if v is not inductor:
+                print(f"  {v.name} vs inductor by length (median steps): " + ", ".join(
+                    f"{n}: {per_length_ratio(inductor.times, v.times, i, len(lengths)):.3f}x"
+                    for i, n in enumerate(lengths)))  # fmt: skip
     for v in variants:
         if v.record is not None:
             s = v.record.summary()

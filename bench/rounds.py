@@ -4,6 +4,7 @@ so that a slow spell of the machine slows all of them (the ratios are then paire
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -37,3 +38,20 @@ def interleaved_rounds(variants: Sequence[Stepper], batches: Sequence[Any], warm
         for v in variants:
             v.times.append(v.step(batches[r % len(batches)]))
     return done
+
+
+def rounds_for_cycles(rounds: int, lengths: int) -> int:
+    """``rounds`` rounded up to whole cycles of ``lengths`` batches (round r runs ``batches[r % lengths]``)."""
+    return -(-rounds // lengths) * lengths
+
+
+def per_cycle(times: Sequence[float], lengths: int) -> list[float]:
+    """The step times of each whole cycle through the batches, summed: with batches of several lengths, the
+    median of single steps lands on whichever length sorts into the middle (and a ratio of two variants'
+    medians on two different lengths); a cycle's time is what a run over that mix of lengths pays."""
+    return [sum(times[i:i + lengths]) for i in range(0, len(times) - lengths + 1, lengths)]
+
+
+def per_length_ratio(base: Sequence[float], other: Sequence[float], i: int, lengths: int) -> float:
+    """``base``'s median step over ``other``'s, in the rounds whose batch had the ``i``-th length."""
+    return statistics.median(base[i::lengths]) / statistics.median(other[i::lengths])

@@ -50,7 +50,7 @@ from accelrun.models.build import training_loss_fn, transformer_blocks  # noqa: 
 from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
-from bench.rounds import interleaved_rounds  # noqa: E402
+from bench.rounds import interleaved_rounds, per_cycle, per_length_ratio, rounds_for_cycles  # noqa: E402
 from tests.compile.user_models import (  # noqa: E402
     GRULM,
     ConvMixer,
@@ -161,11 +161,6 @@ class RegionTimes:
             print(f"  region {rid}: {cpp_ms:.3f} against {aten_ms:.3f} ms, {len(ops)} ops: {', '.join(ops)[:100]}")
 
 
-def per_length_ratio(base: list[float], other: list[float], i: int, lengths: int) -> float:
-    """``base``'s median step over ``other``'s, in the rounds whose batch had the ``i``-th length."""
-    return statistics.median(base[i::lengths]) / statistics.median(other[i::lengths])
-
-
 def run_one(args: argparse.Namespace, name: str) -> None:
     tune_malloc(args.malloc)
     regions = RegionTimes() if args.regions else None
@@ -185,20 +180,24 @@ def run_one(args: argparse.Namespace, name: str) -> None:
     ids = [torch.randint(0, VOCAB, (args.batch, n + 1), generator=g) for n in lengths]
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids]
     warmup = max(args.warmup, len(batches) - 1)  # every length met before the timed rounds
-    warmup = interleaved_rounds(variants, batches, warmup, args.rounds)
-    med = {v.name: statistics.median(v.times) for v in variants}
+    rounds = rounds_for_cycles(args.rounds, len(batches))
+    warmup = interleaved_rounds(variants, batches, warmup, rounds)
+    # One sample per cycle through the lengths (``rounds.per_cycle``), or per step where they do not change.
+    samples = {v.name: per_cycle(v.times, len(batches)) if args.lengths else v.times for v in variants}
+    med = {name: statistics.median(s) / (len(batches) if args.lengths else 1) for name, s in samples.items()}
     shape = f"seq {args.seq}" if not args.lengths else f"seq {args.lengths} in turn"
-    print(f"\n{name}: batch {args.batch} x {shape}, {args.rounds} interleaved rounds after {warmup}, "
+    print(f"\n{name}: batch {args.batch} x {shape}, {rounds} interleaved rounds after {warmup}, "
           f"{torch.get_num_threads()} threads; host malloc (every variant): {malloc_record(args.malloc)}")  # fmt: skip
     for v in variants:  # what ran, once it has (the record fills as graphs compile)
         print(f"  {v.description}" + (f"; {v.record.compiled_line()}" if v.record is not None else ""))
-    print(f"{'variant':10s} {'first step':>10s} {'median step':>12s} {'vs eager (95%)':>24s} {'vs inductor (95%)':>24s}")
+    step = "mean step" if args.lengths else "median step"  # a cycle's median over its steps
+    print(f"{'variant':10s} {'first step':>10s} {step:>12s} {'vs eager (95%)':>24s} {'vs inductor (95%)':>24s}")
     by_name = {v.name: v for v in variants}
 
     def ratio(base: str, v: Variant) -> str:
         if base not in by_name or base == v.name:
             return "-"
-        ci = bootstrap_ratio_of_medians([[t] for t in by_name[base].times], [[t] for t in v.times], paired=True)
+        ci = bootstrap_ratio_of_medians([[t] for t in samples[base]], [[t] for t in samples[v.name]], paired=True)
         return f"{med[base] / med[v.name]:.3f}x ({ci.low:.3f}-{ci.high:.3f})"
 
     for v in variants:
