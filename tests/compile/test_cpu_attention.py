@@ -243,6 +243,38 @@ def test_a_sequence_length_that_changes_between_calls_runs_the_kernel(aot):
     assert F.scaled_dot_product_attention not in backend.targets()
 
 
+def sdpa_mask_built_from_the_length(x):
+    """Attention as a user writes it: a boolean causal mask made from the batch's length at each call."""
+    q, k, v = (t.transpose(1, 2) for t in x.split([4, 4, 4], dim=2))
+    length = x.shape[1]
+    mask = torch.ones(length, length, dtype=torch.bool).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("aot", [False, True])
+def test_a_mask_made_from_a_changing_length_is_looked_at_when_it_runs(aot):
+    """A length that changes between calls (one graph, the length a symbol) and a mask the graph makes
+    from it: its values are not known when compiling, so each call looks at them, and the causal one runs
+    the kernel, at eager's outputs and gradients. Until 2026-12-06 the call stayed ATen's ("a mask over a
+    sequence length not fixed when compiling")."""
+    backend = Fused(["cpu_attention"], aot=aot)
+    compiled = torch.compile(sdpa_mask_built_from_the_length, backend=backend, fullgraph=True)
+    before = dict(kernel.masked_calls)
+    for n, length in enumerate((24, 40, 17)):
+        x = randn(2, length, 12, 32, seed=n)
+        eager_x, our_x = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+        torch._dynamo.mark_dynamic(our_x, 1)
+        expected, got = sdpa_mask_built_from_the_length(eager_x), compiled(our_x)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        cotangent = randn(*expected.shape, seed=99)
+        expected.backward(cotangent)
+        got.backward(cotangent)
+        torch.testing.assert_close(our_x.grad, eager_x.grad, rtol=1e-5, atol=1e-5)
+    assert backend.counts == {"cpu_attention": 1}  # one graph for every length
+    assert kernel.masked_calls["kernel"] - before["kernel"] == 3 and kernel.masked_calls["aten"] == before["aten"]
+    assert F.scaled_dot_product_attention not in backend.targets()
+
+
 def test_a_mask_over_keys_of_changing_length_stays_atens_without_fixing_the_length():
     """Queries of a fixed length, keys of a changing one and a mask: the call stays ATen's, and the pass
     compares no length, which would have added a guard fixing it (Dynamo: "you marked it as dynamic

@@ -26,7 +26,7 @@ from torch import fx, nn
 
 from accelrun.compile.fused import attention as kernel
 from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
-from accelrun.compile.pattern import constant_value, erase_dead, example_value, static_shape
+from accelrun.compile.pattern import constant_value, erase_dead, example_value, same_size, static_shape
 from accelrun.compile.record import LEFT_TO_ATEN
 
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -89,12 +89,12 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | str | None:
     if any(s is None for s in shapes) or not isinstance(args["is_causal"], bool):
         return "sizes or is_causal not fixed when compiling"
     mask, checked_at_run_time = args["attn_mask"], None
-    if mask is not None and not (isinstance(shapes[0][-2], int) and isinstance(shapes[1][-2], int)):
-        return "a mask over a sequence length not fixed when compiling"  # (comparing a symbol would guard it)
     if mask is not None:
-        if args["is_causal"] or not isinstance(mask, fx.Node) or shapes[0][-2] != shapes[1][-2]:
-            return "a mask with is_causal, or queries and keys of different lengths"
-        folded = folded_mask_is_causal(mask, shapes[0][-2])
+        if args["is_causal"] or not isinstance(mask, fx.Node) or not same_size(shapes[0][-2], shapes[1][-2]):
+            return "a mask with is_causal, or queries and keys of different lengths"  # (compared without a guard)
+        # A mask over a length that changes between calls is computed at each call: its values are seen
+        # when it runs (the causal one runs the kernel), as for a mask the graph is given.
+        folded = folded_mask_is_causal(mask, shapes[0][-2]) if isinstance(shapes[0][-2], int) else None
         if folded is False:
             return "a mask other than the causal one"
         if folded:
@@ -150,9 +150,9 @@ def mask_problem(mask: object, query_shape: tuple[int, ...]) -> str | None:
         return f"a {mask.dtype} mask"
     if mask.requires_grad:
         return "a mask that needs a gradient (a learned bias)"
-    B, H, S, _ = query_shape
-    if mask.dim() not in (2, 4) or tuple(mask.shape[-2:]) != (S, S) or any(
-            m not in (1, n) for m, n in zip(mask.shape[:-2], (B, H), strict=False)):  # fmt: skip
+    B, H, S, _ = query_shape  # S may be a symbol (a length that changes): compared without a guard
+    if mask.dim() not in (2, 4) or not all(same_size(m, S) for m in mask.shape[-2:]) or not all(
+            same_size(m, 1) or same_size(m, n) for m, n in zip(mask.shape[:-2], (B, H), strict=False)):  # fmt: skip
         return f"mask of shape {list(mask.shape)} for {B} x {H} x {S} x {S} scores"
     return None
 
