@@ -150,7 +150,13 @@ def test_attention_models_on_changing_lengths_keep_their_kernels(name, tmp_path)
     assert record.dynamo_graphs == 3 and any_length, record.compiled_line()
     left = [r.declined["cpp"] for r in any_length if r.executor != "cpp"]
     assert left == [], left
-    assert sum(r.runtime_rows for r in any_length) >= 15, record.compiled_line()
+    # Since 2026-12-06 torch.nn's attention is unfolded there too (in-projection, SDPA on the mask
+    # looked at when it runs, out-projection), which leaves fewer regions than its function's own
+    # ops did (at least 15 before).
+    assert sum(r.runtime_rows for r in any_length) >= 10, record.compiled_line()
+    unfolded = {p.graph: p.counts.get("multihead") for p in record.passes if p.name == "fuse_attention"}
+    layers = sum(isinstance(m, torch.nn.MultiheadAttention) for m in model.modules())
+    assert unfolded["g2.pre_grad"] == layers, unfolded
 
 
 def test_a_kernel_that_holds_only_at_long_lengths_is_caught_when_built(tmp_path):

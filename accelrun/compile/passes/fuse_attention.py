@@ -13,7 +13,8 @@ key/value bias, ``need_weights=False``, as ``TransformerEncoderLayer`` calls it)
 built from shapes, or under any mask given with ``is_causal=True`` (torch.nn then drops the mask and
 passes the flag itself), is unfolded into that function's own steps with SDPA's ``is_causal=True``: on
 a CPU ``cpu_attention`` then runs it in accelrun's kernel, and elsewhere ATen's kernels skip the
-masked half.
+masked half. A mask whose values the graph cannot see (given as an input, or made from a length that
+changes between calls) is unfolded with SDPA given the mask, which ``cpu_attention`` looks at when it runs.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from accelrun.compile.pattern import (
     iter_matches,
     replace_with_call,
     rewrite_all,
+    same_size,
     static_shape,
 )
 from accelrun.config.compile_names import FuseAttentionOptions
@@ -205,7 +207,7 @@ def _unfoldable_mha(node: fx.Node) -> dict | None:
     a = bound.arguments
     if any(a[k] is not v and a[k] != v for k, v in _MHA_PLAIN.items()) or not (a["query"] is a["key"] is a["value"]):
         return None
-    shape, mask = static_shape(a["query"]), a["attn_mask"]
+    shape, mask = static_shape(a["query"]) or _shape_but_length(a["query"]), a["attn_mask"]
     if shape is None or len(shape) != 3 or not isinstance(a["num_heads"], int) or shape[2] % a["num_heads"]:
         return None
     # It returns (output, weights): the output is read, the weights (None here) are not.
@@ -216,12 +218,14 @@ def _unfoldable_mha(node: fx.Node) -> dict | None:
         return None
     if a["is_causal"] is True:  # torch.nn itself then drops the mask and gives SDPA the flag (its hint)
         return a
-    value = constant_value(mask) if isinstance(mask, fx.Node) else None
+    value = constant_value(mask) if isinstance(mask, fx.Node) and isinstance(shape[0], int) else None
     if value is None and isinstance(mask, fx.Node):
-        # A mask the graph is given (a model that builds it once, outside its blocks): SDPA with it, as
-        # the function itself calls SDPA; ``cpu_attention`` looks at it when it runs (causal: the kernel).
+        # A mask the graph is given (a model that builds it once, outside its blocks), or makes from a
+        # length that changes between calls: SDPA with it, as the function itself calls SDPA;
+        # ``cpu_attention`` looks at it when it runs (causal: the kernel). Sizes compared without a guard.
         given = example_value(mask)
-        if isinstance(given, torch.Tensor) and tuple(given.shape) == (shape[0], shape[0]) and not given.requires_grad:
+        if (isinstance(given, torch.Tensor) and given.dim() == 2 and all(same_size(n, shape[0]) for n in given.shape)
+                and not given.requires_grad):  # fmt: skip
             return {**a, MASK_AT_RUN_TIME: True}
         return None
     if not isinstance(value, torch.Tensor) or tuple(value.shape[-2:]) != (shape[0], shape[0]):
@@ -233,10 +237,21 @@ def _unfoldable_mha(node: fx.Node) -> dict | None:
     return a if is_causal_value(value.cpu().reshape(shape[0], shape[0]), keep) else None
 
 
+def _shape_but_length(node: fx.Node) -> tuple | None:
+    """The sizes of a (T, B, E) value whose length T alone is a symbol (Dynamo's, for a length that
+    changes between calls)."""
+    v = example_value(node)
+    if not isinstance(v, torch.Tensor) or v.dim() != 3 or not all(isinstance(n, int) for n in v.shape[1:]):
+        return None
+    return tuple(v.shape)
+
+
 def _unfold_mha(gm: fx.GraphModule, node: fx.Node, a: dict) -> None:
     """In-projection, SDPA with ``is_causal=True`` (``cpu_attention`` takes it on a CPU), out-projection:
-    ``F.multi_head_attention_forward``'s own steps for the plain case, with its (T, B, E) layout."""
-    (T, B, E), H = static_shape(a["query"]), a["num_heads"]
+    ``F.multi_head_attention_forward``'s own steps for the plain case, with its (T, B, E) layout. A length
+    that changes between calls is -1 in the reshapes: a symbol is no argument a graph node can hold."""
+    (length, B, E), H = static_shape(a["query"]) or _shape_but_length(a["query"]), a["num_heads"]
+    T = length if isinstance(length, int) else -1
     D = E // H
     p = a["dropout_p"] if a["training"] else 0.0
     g = gm.graph
@@ -259,11 +274,11 @@ def _unfold_mha(gm: fx.GraphModule, node: fx.Node, a: dict) -> None:
         qkv = call(torch.reshape, call(F.linear, a["query"], a["in_proj_weight"], a["in_proj_bias"]), (T, B, 3, H, D))
         q, k, v = (call(torch.permute, call(torch.select, qkv, 2, i), (1, 2, 0, 3)) for i in range(3))  # (B, H, T, D)
         if a.get(MASK_AT_RUN_TIME):  # (T, T), as the function broadcasts it over batch and heads
-            mask = call(torch.reshape, a["attn_mask"], (1, 1, T, T))
+            mask = call(torch.unsqueeze, call(torch.unsqueeze, a["attn_mask"], 0), 0)
             out = call(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=p, is_causal=False)
         else:
             out = call(F.scaled_dot_product_attention, q, k, v, attn_mask=None, dropout_p=p, is_causal=True)
-        rows = call(torch.reshape, call(torch.permute, out, (2, 0, 1, 3)), (T * B, E))
+        rows = call(torch.reshape, call(torch.permute, out, (2, 0, 1, 3)), (-1, E))
         result = call(torch.reshape, call(F.linear, rows, a["out_proj_weight"], a["out_proj_bias"]), (T, B, E))
     for user in list(node.users):  # getitem 0: the output; 1: the weights, None with need_weights=False
         if user.args[1] == 0:
