@@ -257,6 +257,9 @@ def _build_pool() -> ThreadPoolExecutor:
     return _pool
 
 
+_one_thread_lock = threading.Lock()
+
+
 def _one_openmp_thread() -> None:
     """A build thread runs what it built once (``_checked_at_build``): ATen's ops and the kernels, which
     start OpenMP teams of torch's thread count. A team started from a thread lives as long as that
@@ -264,8 +267,17 @@ def _one_openmp_thread() -> None:
     cores and stops letting its idle threads spin, so every parallel region of the training thread
     (each kernel, each ATen op) waits for its threads to be woken. A 20 us kernel took 45-60 us, and
     transformers' Llama on changing lengths 6% longer a step (2026-12-06). One thread each, the
-    build threads start no team."""
-    torch.set_num_threads(1)
+    build threads start no team.
+
+    torch's ``set_num_threads`` also sets the count every thread takes at its first ATen call, so a
+    short-lived thread puts that back (a thread started later, a user's or torch's, keeps torch's
+    count); the lock keeps a second build thread from reading the 1 meanwhile."""
+    with _one_thread_lock:
+        count = torch.get_num_threads()  # this thread's first ATen call: the count threads start with
+        torch.set_num_threads(1)
+        restore = threading.Thread(target=torch.set_num_threads, args=(count,), name="accelrun-thread-count")
+        restore.start()
+        restore.join()
 
 
 def _forget_pool_after_fork() -> None:  # a forked child has none of the parent's threads (nor their locks)

@@ -463,7 +463,11 @@ def test_the_build_threads_run_what_they_built_on_one_openmp_thread(monkeypatch)
     """A build thread runs the region it built once (the check at short lengths). On torch's thread
     count that starts an OpenMP team living as long as the pool, and libgomp, managing more threads
     than cores, then wakes the training thread's team at each parallel region instead of letting it
-    spin: a 20 us kernel took 45-60 us. The training thread keeps its own count."""
+    spin: a 20 us kernel took 45-60 us. Each build thread takes one thread; a thread started after
+    them (a user's, torch's) still starts with torch's count, not with the build threads' 1."""
+    import os
+    import threading
+
     from accelrun.compile import lower
 
     before = torch.get_num_threads()
@@ -471,10 +475,21 @@ def test_the_build_threads_run_what_they_built_on_one_openmp_thread(monkeypatch)
     torch.set_num_threads(2)
     try:
         pool = lower._build_pool()
-        counts = {pool.submit(torch.get_num_threads).result() for _ in range(4)}
+        jobs = min(2, os.cpu_count() or 1)  # at once: as many build threads started
+        started = threading.Barrier(jobs)
+
+        def count_when_all_run() -> int:
+            started.wait(30)
+            return torch.get_num_threads()
+
+        counts = {f.result() for f in [pool.submit(count_when_all_run) for _ in range(jobs)]}
         pool.shutdown()
         assert counts == {1}
-        assert torch.get_num_threads() == 2
+        later: list[int] = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert later == [2]
     finally:
         torch.set_num_threads(before)
 
