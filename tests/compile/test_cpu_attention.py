@@ -275,6 +275,47 @@ def test_a_mask_made_from_a_changing_length_is_looked_at_when_it_runs(aot):
     assert F.scaled_dot_product_attention not in backend.targets()
 
 
+class FunctionalBoolMaskMHA(torch.nn.Module):
+    """``F.multi_head_attention_forward`` called directly with a boolean mask over the batch's length,
+    where True means masked (``nn.MultiheadAttention`` hands it a float mask instead)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.mha = heads, torch.nn.MultiheadAttention(dim, heads)
+
+    def forward(self, x):  # (T, B, E)
+        length, m = x.shape[0], self.mha
+        masked = torch.ones(length, length, dtype=torch.bool).triu(1)
+        return F.multi_head_attention_forward(x, x, x, x.shape[-1], self.heads, m.in_proj_weight, m.in_proj_bias, None,
+                                              None, False, 0.0, m.out_proj.weight, m.out_proj.bias,
+                                              training=self.training, need_weights=False, attn_mask=masked)[0]  # fmt: skip
+
+
+@pytest.mark.parametrize("aot", [False, True])
+def test_a_boolean_mask_of_multihead_attention_keeps_its_meaning_once_unfolded(aot):
+    """A boolean mask means "masked" to ``F.multi_head_attention_forward`` and "attend" to SDPA: the
+    unfolding inverts it, and the causal one runs the kernel at eager's outputs and gradients, over a
+    length that changes between calls. Until the review of 2026-12-06 it went to SDPA as it was (every
+    output wrong)."""
+    torch.manual_seed(0)
+    model = FunctionalBoolMaskMHA()
+    backend = Fused(["fuse_attention", "cpu_attention"], aot=aot)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    before = dict(kernel.masked_calls)
+    for n, length in enumerate((24, 40, 17)):
+        x = randn(length, 2, 64, seed=n)
+        eager_x, our_x = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+        torch._dynamo.mark_dynamic(our_x, 0)
+        expected, got = model(eager_x), compiled(our_x)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        cotangent = randn(*expected.shape, seed=99)
+        expected.backward(cotangent)
+        got.backward(cotangent)
+        torch.testing.assert_close(our_x.grad, eager_x.grad, rtol=1e-5, atol=1e-5)
+    assert backend.counts["cpu_attention"] == 1 and F.multi_head_attention_forward not in backend.targets()
+    assert kernel.masked_calls["kernel"] - before["kernel"] == 3 and kernel.masked_calls["aten"] == before["aten"]
+
+
 def test_a_mask_over_keys_of_changing_length_stays_atens_without_fixing_the_length():
     """Queries of a fixed length, keys of a changing one and a mask: the call stays ATen's, and the pass
     compares no length, which would have added a guard fixing it (Dynamo: "you marked it as dynamic

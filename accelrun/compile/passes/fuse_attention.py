@@ -274,7 +274,10 @@ def _unfold_mha(gm: fx.GraphModule, node: fx.Node, a: dict) -> None:
         qkv = call(torch.reshape, call(F.linear, a["query"], a["in_proj_weight"], a["in_proj_bias"]), (T, B, 3, H, D))
         q, k, v = (call(torch.permute, call(torch.select, qkv, 2, i), (1, 2, 0, 3)) for i in range(3))  # (B, H, T, D)
         if a.get(MASK_AT_RUN_TIME):  # (T, T), as the function broadcasts it over batch and heads
-            mask = call(torch.unsqueeze, call(torch.unsqueeze, a["attn_mask"], 0), 0)
+            mask = a["attn_mask"]
+            if example_value(mask).dtype == torch.bool:  # the function's True is "masked", SDPA's "attend"
+                mask = call(torch.logical_not, mask)
+            mask = call(torch.unsqueeze, call(torch.unsqueeze, mask, 0), 0)
             out = call(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=p, is_causal=False)
         else:
             out = call(F.scaled_dot_product_attention, q, k, v, attn_mask=None, dropout_p=p, is_causal=True)
