@@ -33,7 +33,7 @@ fine-tuned on a CPU.
     python bench/compile_step_hf.py
     python bench/compile_step_hf.py --malloc system          # glibc's defaults instead of accelrun train's
     python bench/compile_step_hf.py --dtypes fp32 --rounds 20 --hidden 512 --layers 4 --seq 512
-    python bench/compile_step_hf.py --dtypes fp32 --rounds 24 --lengths 96,128,160,192,224,256 --warm-starts 0
+    python bench/compile_step_hf.py --dtypes fp32 --rounds 60 --lengths 96,128,160,192,224,256 --warm-starts 0
 
 Warm start: after the timed rounds, each variant's first step in new processes (``--warm-starts``):
 eager's, and accelrun's (compiled as above) with the caches a first process filled. That process runs
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace, dname: str) -> None:
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else [args.seq] * 4
     batches = [next_token_batch(torch.randint(0, args.vocab, (args.batch, n + 1), generator=g)) for n in lengths]
     warm_the_tracer(model, batches[0])
-    rounds = rounds_for_cycles(args.rounds, len(batches))
+    rounds = rounds_for_cycles(args.rounds, len(batches)) if args.lengths else args.rounds
     warm = interleaved_rounds(variants, batches, max(args.warmup, len(batches) - 1), rounds)  # every length met
     # One sample per cycle through the lengths (a step where they do not change): ``per_cycle``.
     samples = {v.name: per_cycle(v.times, len(batches)) if args.lengths else v.times for v in variants}

@@ -180,7 +180,7 @@ def run_one(args: argparse.Namespace, name: str) -> None:
     ids = [torch.randint(0, VOCAB, (args.batch, n + 1), generator=g) for n in lengths]
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids]
     warmup = max(args.warmup, len(batches) - 1)  # every length met before the timed rounds
-    rounds = rounds_for_cycles(args.rounds, len(batches))
+    rounds = rounds_for_cycles(args.rounds, len(batches)) if args.lengths else args.rounds
     warmup = interleaved_rounds(variants, batches, warmup, rounds)
     # One sample per cycle through the lengths (``rounds.per_cycle``), or per step where they do not change.
     samples = {v.name: per_cycle(v.times, len(batches)) if args.lengths else v.times for v in variants}
