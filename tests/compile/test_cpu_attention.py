@@ -218,6 +218,21 @@ def heads_of_one_projection(x):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+def _matches_eager_over_lengths(fn, compiled, shape, dim, lengths=(24, 40, 17)):
+    """``compiled`` called on inputs of ``shape(length)`` for each length, that axis marked as changing: each
+    call at ``fn``'s outputs and input gradients."""
+    for n, length in enumerate(lengths):
+        x = randn(*shape(length), seed=n)
+        eager_x, our_x = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+        torch._dynamo.mark_dynamic(our_x, dim)
+        expected, got = fn(eager_x), compiled(our_x)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        cotangent = randn(*expected.shape, seed=99)
+        expected.backward(cotangent)
+        got.backward(cotangent)
+        torch.testing.assert_close(our_x.grad, eager_x.grad, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("aot", [False, True])
 def test_a_sequence_length_that_changes_between_calls_runs_the_kernel(aot):
     """Batches of other lengths (a user's data without packing): Dynamo's graph has the length as a
@@ -226,16 +241,7 @@ def test_a_sequence_length_that_changes_between_calls_runs_the_kernel(aot):
     is_causal not fixed when compiling")."""
     backend = Fused(["cpu_attention"], aot=aot)
     compiled = torch.compile(heads_of_one_projection, backend=backend, fullgraph=True)
-    for n, length in enumerate((24, 40, 17)):
-        x = randn(2, length, 10, 32, seed=n)
-        eager_x, our_x = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
-        torch._dynamo.mark_dynamic(our_x, 1)
-        expected, got = heads_of_one_projection(eager_x), compiled(our_x)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-        cotangent = randn(*expected.shape, seed=99)
-        expected.backward(cotangent)
-        got.backward(cotangent)
-        torch.testing.assert_close(our_x.grad, eager_x.grad, rtol=1e-5, atol=1e-5)
+    _matches_eager_over_lengths(heads_of_one_projection, compiled, lambda length: (2, length, 10, 32), dim=1)
     assert backend.counts == {"cpu_attention": 1}  # one graph, traced once, for every length
     (x_in,) = [n for n in backend.gm.graph.nodes
                if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)]  # fmt: skip
@@ -260,16 +266,7 @@ def test_a_mask_made_from_a_changing_length_is_looked_at_when_it_runs(aot):
     backend = Fused(["cpu_attention"], aot=aot)
     compiled = torch.compile(sdpa_mask_built_from_the_length, backend=backend, fullgraph=True)
     before = dict(kernel.masked_calls)
-    for n, length in enumerate((24, 40, 17)):
-        x = randn(2, length, 12, 32, seed=n)
-        eager_x, our_x = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
-        torch._dynamo.mark_dynamic(our_x, 1)
-        expected, got = sdpa_mask_built_from_the_length(eager_x), compiled(our_x)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-        cotangent = randn(*expected.shape, seed=99)
-        expected.backward(cotangent)
-        got.backward(cotangent)
-        torch.testing.assert_close(our_x.grad, eager_x.grad, rtol=1e-5, atol=1e-5)
+    _matches_eager_over_lengths(sdpa_mask_built_from_the_length, compiled, lambda length: (2, length, 12, 32), dim=1)
     assert backend.counts == {"cpu_attention": 1}  # one graph for every length
     assert kernel.masked_calls["kernel"] - before["kernel"] == 3 and kernel.masked_calls["aten"] == before["aten"]
     assert F.scaled_dot_product_attention not in backend.targets()
@@ -302,16 +299,7 @@ def test_a_boolean_mask_of_multihead_attention_keeps_its_meaning_once_unfolded(a
     backend = Fused(["fuse_attention", "cpu_attention"], aot=aot)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     before = dict(kernel.masked_calls)
-    for n, length in enumerate((24, 40, 17)):
-        x = randn(length, 2, 64, seed=n)
-        eager_x, our_x = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
-        torch._dynamo.mark_dynamic(our_x, 0)
-        expected, got = model(eager_x), compiled(our_x)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-        cotangent = randn(*expected.shape, seed=99)
-        expected.backward(cotangent)
-        got.backward(cotangent)
-        torch.testing.assert_close(our_x.grad, eager_x.grad, rtol=1e-5, atol=1e-5)
+    _matches_eager_over_lengths(model, compiled, lambda length: (length, 2, 64), dim=0)
     assert backend.counts["cpu_attention"] == 1 and F.multi_head_attention_forward not in backend.targets()
     assert kernel.masked_calls["kernel"] - before["kernel"] == 3 and kernel.masked_calls["aten"] == before["aten"]
 
