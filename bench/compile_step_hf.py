@@ -66,7 +66,7 @@ from accelrun.models.build import training_loss_fn, transformer_blocks  # noqa: 
 from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
-from bench.rounds import interleaved_rounds, per_cycle, per_length_ratio, rounds_for_cycles  # noqa: E402
+from bench.rounds import interleaved_rounds, per_length_ratio, rounds_for_cycles, samples_and_step  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ONE_DTYPE = "ACCELRUN_BENCH_DTYPE"  # set for the process that runs one dtype of several
@@ -137,11 +137,12 @@ def run(args: argparse.Namespace, dname: str) -> None:
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else [args.seq] * 4
     batches = [next_token_batch(torch.randint(0, args.vocab, (args.batch, n + 1), generator=g)) for n in lengths]
     warm_the_tracer(model, batches[0])
-    rounds = rounds_for_cycles(args.rounds, len(batches)) if args.lengths else args.rounds
+    cycle = len(batches) if args.lengths else 1  # one sample a cycle through the lengths
+    rounds = rounds_for_cycles(args.rounds, cycle)
     warm = interleaved_rounds(variants, batches, max(args.warmup, len(batches) - 1), rounds)  # every length met
-    # One sample per cycle through the lengths (a step where they do not change): ``per_cycle``.
-    samples = {v.name: per_cycle(v.times, len(batches)) if args.lengths else v.times for v in variants}
-    med = {name: statistics.median(s) / (len(batches) if args.lengths else 1) for name, s in samples.items()}
+    samples, med = {}, {}
+    for v in variants:
+        samples[v.name], med[v.name] = samples_and_step(v.times, cycle)
     shape = f"seq {args.seq}" if not args.lengths else f"seq {args.lengths} in turn"
     print(f"\ntransformers LlamaForCausalLM {dname}: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
           f"{shape}, {rounds} interleaved rounds after {warm}, {torch.get_num_threads()} threads; accelrun: "

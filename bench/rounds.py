@@ -52,6 +52,14 @@ def per_cycle(times: Sequence[float], lengths: int) -> list[float]:
     return [sum(times[i:i + lengths]) for i in range(0, len(times) - lengths + 1, lengths)]
 
 
+def samples_and_step(times: Sequence[float], cycle: int) -> tuple[list[float], float]:
+    """The samples two variants' ratio is taken over, and the step time they give: with batches of
+    several lengths (``cycle`` of them in turn) each whole cycle summed (``per_cycle``) and a cycle's
+    median over its steps; with one length (``cycle`` 1) each step and their median."""
+    samples = per_cycle(times, cycle) if cycle > 1 else list(times)
+    return samples, statistics.median(samples) / cycle
+
+
 def per_length_ratio(base: Sequence[float], other: Sequence[float], i: int, lengths: int) -> float:
     """``base``'s median step over ``other``'s, in the rounds whose batch had the ``i``-th length."""
     return statistics.median(base[i::lengths]) / statistics.median(other[i::lengths])

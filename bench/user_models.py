@@ -50,7 +50,7 @@ from accelrun.models.build import training_loss_fn, transformer_blocks  # noqa: 
 from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
-from bench.rounds import interleaved_rounds, per_cycle, per_length_ratio, rounds_for_cycles  # noqa: E402
+from bench.rounds import interleaved_rounds, per_length_ratio, rounds_for_cycles, samples_and_step  # noqa: E402
 from tests.compile.user_models import (  # noqa: E402
     GRULM,
     ConvMixer,
@@ -180,11 +180,12 @@ def run_one(args: argparse.Namespace, name: str) -> None:
     ids = [torch.randint(0, VOCAB, (args.batch, n + 1), generator=g) for n in lengths]
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids]
     warmup = max(args.warmup, len(batches) - 1)  # every length met before the timed rounds
-    rounds = rounds_for_cycles(args.rounds, len(batches)) if args.lengths else args.rounds
+    cycle = len(batches) if args.lengths else 1  # one sample a cycle through the lengths
+    rounds = rounds_for_cycles(args.rounds, cycle)
     warmup = interleaved_rounds(variants, batches, warmup, rounds)
-    # One sample per cycle through the lengths (``rounds.per_cycle``), or per step where they do not change.
-    samples = {v.name: per_cycle(v.times, len(batches)) if args.lengths else v.times for v in variants}
-    med = {name: statistics.median(s) / (len(batches) if args.lengths else 1) for name, s in samples.items()}
+    samples, med = {}, {}
+    for v in variants:
+        samples[v.name], med[v.name] = samples_and_step(v.times, cycle)
     shape = f"seq {args.seq}" if not args.lengths else f"seq {args.lengths} in turn"
     print(f"\n{name}: batch {args.batch} x {shape}, {rounds} interleaved rounds after {warmup}, "
           f"{torch.get_num_threads()} threads; host malloc (every variant): {malloc_record(args.malloc)}")  # fmt: skip

@@ -249,8 +249,8 @@ def _build_pool() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
         # The creating thread (the one that trains) settles its own thread count first: a thread's
-        # count is read from torch's process-wide setting at its first use, which the pool's
-        # threads set to 1 (``_one_openmp_thread``).
+        # count is read from torch's process-wide setting at its first use, which a starting build
+        # thread sets to 1 for a moment (``_one_openmp_thread``).
         torch.get_num_threads()
         _pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="accelrun-build",
                                    initializer=_one_openmp_thread)  # fmt: skip

@@ -482,6 +482,17 @@ def static_shape(node: Any) -> tuple[int, ...] | None:
     return tuple(v.shape)
 
 
+def shape_but_length(node: Any, dims: int, axis: int) -> tuple[Any, ...] | None:
+    """The sizes of a ``dims``-d value whose size on ``axis`` alone may be a symbol (Dynamo's, for a
+    sequence length that changes between calls); None for any other value."""
+    v = example_value(node)
+    if not isinstance(v, torch.Tensor) or v.dim() != dims:
+        return None
+    if not all(isinstance(n, int) for i, n in enumerate(v.shape) if i != axis % dims):
+        return None
+    return tuple(v.shape)
+
+
 # Functions and methods a value computed from numbers alone may go through (positions, masks): each
 # gives the same result every call and reads nothing but its arguments. Random ones, uninitialised
 # memory (empty) and in-place ones are left out.

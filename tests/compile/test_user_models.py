@@ -719,13 +719,8 @@ def test_multihead_attention_on_changing_lengths_runs_the_kernel_in_the_graph_fo
     from tests.compile.user_models import MHAModel
 
     torch.manual_seed(0)
-    model = MHAModel(n_layers=2, dim=64)
-    reference = copy.deepcopy(model)
-    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
-    compiled = compile_model(model, transformer_blocks(model), cfg)
     before = dict(kernel.masked_calls)
-    _train_side_by_side(model, reference, steps=5, lengths=(16, 24, 40, 9, 33))
-    record = compiled.record
+    record = _compiled_beside_eager(MHAModel(n_layers=2, dim=64), tmp_path, 5, lengths=(16, 24, 40, 9, 33))
     attention = {p.graph: p.counts.get("matched") for p in record.passes if p.name == "cpu_attention"}
     assert record.dynamo_graphs >= 2 and set(attention.values()) == {2}, attention  # each graph, both layers
     assert kernel.masked_calls["aten"] == before["aten"] and kernel.masked_calls["kernel"] > before["kernel"]

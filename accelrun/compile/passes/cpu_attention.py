@@ -26,7 +26,14 @@ from torch import fx, nn
 
 from accelrun.compile.fused import attention as kernel
 from accelrun.compile.passes.base import PassContext, PassOptions, PassResult, register_pass
-from accelrun.compile.pattern import constant_value, erase_dead, example_value, same_size, static_shape
+from accelrun.compile.pattern import (
+    constant_value,
+    erase_dead,
+    example_value,
+    same_size,
+    shape_but_length,
+    static_shape,
+)
 from accelrun.compile.record import LEFT_TO_ATEN
 
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -85,7 +92,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | str | None:
     if drop and args["attn_mask"] is not None:
         return "dropout with a mask"
     q, k, v = args["query"], args["key"], args["value"]
-    shapes = [static_shape(t) or shape_but_length(t) for t in (q, k, v)]
+    shapes = [static_shape(t) or shape_but_length(t, 4, 2) for t in (q, k, v)]  # (B, H, S, D)
     if any(s is None for s in shapes) or not isinstance(args["is_causal"], bool):
         return "sizes or is_causal not fixed when compiling"
     mask, checked_at_run_time = args["attn_mask"], None
@@ -130,15 +137,6 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | str | None:
     gm.graph.erase_node(node)
     erase_dead(gm.graph, [n for n in (args["key"], args["value"], mask) if isinstance(n, fx.Node)])
     return values[0].dtype
-
-
-def shape_but_length(node: fx.Node) -> tuple[int | torch.SymInt, ...] | None:
-    """A (batch, heads, sequence, head_dim) value's sizes when only its sequence length is a symbol
-    (Dynamo's, for a length that changes between calls): the kernel reads its sizes at each call."""
-    v = example_value(node)
-    if v is None or v.dim() != 4 or not all(isinstance(n, int) for i, n in enumerate(v.shape) if i != 2):
-        return None
-    return tuple(v.shape)
 
 
 def mask_problem(mask: object, query_shape: tuple[int, ...]) -> str | None:

@@ -45,6 +45,7 @@ from accelrun.compile.pattern import (
     replace_with_call,
     rewrite_all,
     same_size,
+    shape_but_length,
     static_shape,
 )
 from accelrun.config.compile_names import FuseAttentionOptions
@@ -207,7 +208,7 @@ def _unfoldable_mha(node: fx.Node) -> dict | None:
     a = bound.arguments
     if any(a[k] is not v and a[k] != v for k, v in _MHA_PLAIN.items()) or not (a["query"] is a["key"] is a["value"]):
         return None
-    shape, mask = static_shape(a["query"]) or _shape_but_length(a["query"]), a["attn_mask"]
+    shape, mask = static_shape(a["query"]) or shape_but_length(a["query"], 3, 0), a["attn_mask"]
     if shape is None or len(shape) != 3 or not isinstance(a["num_heads"], int) or shape[2] % a["num_heads"]:
         return None
     # It returns (output, weights): the output is read, the weights (None here) are not.
@@ -237,20 +238,11 @@ def _unfoldable_mha(node: fx.Node) -> dict | None:
     return a if is_causal_value(value.cpu().reshape(shape[0], shape[0]), keep) else None
 
 
-def _shape_but_length(node: fx.Node) -> tuple | None:
-    """The sizes of a (T, B, E) value whose length T alone is a symbol (Dynamo's, for a length that
-    changes between calls)."""
-    v = example_value(node)
-    if not isinstance(v, torch.Tensor) or v.dim() != 3 or not all(isinstance(n, int) for n in v.shape[1:]):
-        return None
-    return tuple(v.shape)
-
-
 def _unfold_mha(gm: fx.GraphModule, node: fx.Node, a: dict) -> None:
     """In-projection, SDPA with ``is_causal=True`` (``cpu_attention`` takes it on a CPU), out-projection:
     ``F.multi_head_attention_forward``'s own steps for the plain case, with its (T, B, E) layout. A length
     that changes between calls is -1 in the reshapes: a symbol is no argument a graph node can hold."""
-    (length, B, E), H = static_shape(a["query"]) or _shape_but_length(a["query"]), a["num_heads"]
+    (length, B, E), H = static_shape(a["query"]) or shape_but_length(a["query"], 3, 0), a["num_heads"]
     T = length if isinstance(length, int) else -1
     D = E // H
     p = a["dropout_p"] if a["training"] else 0.0
