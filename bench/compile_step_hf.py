@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accelrun.compile.compile_model import compile_model  # noqa: E402
 from accelrun.config.schema import CompileConfig, CpuMalloc, OptimizerConfig  # noqa: E402
 from accelrun.models.build import training_loss_fn, transformer_blocks  # noqa: E402
+from accelrun.models.causal_lm_head import attach_loss_head  # noqa: E402
 from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
@@ -80,7 +81,9 @@ def build(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
                       num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
                       num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=args.seq,
                       bos_token_id=1, eos_token_id=2)  # fmt: skip
-    return LlamaForCausalLM(cfg).to(dtype)
+    model = LlamaForCausalLM(cfg).to(dtype)
+    attach_loss_head(model)  # as `accelrun train` builds a user's model (accelrun.models.build)
+    return model
 
 
 def warm_the_tracer(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> None:

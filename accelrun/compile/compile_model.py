@@ -161,8 +161,17 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         return Compiled(what + chosen + described(eager_rnns), record, backend)
 
     name = cfg.backend
-    if scope in ("block", "loss") and blocks is not None:
-        what = f"{len(blocks)} transformer blocks with {name}"
+    found = None if blocks is not None or scope not in ("block", "loss") else repeated_blocks(model)
+    if scope in ("block", "loss") and (blocks is not None or found is not None):
+        if blocks is not None:
+            what, tail = f"{len(blocks)} transformer blocks with {name}", ""
+        else:
+            # A user's model without a `layers` list: compiling its forward whole would let one
+            # data-dependent branch (a router) make Dynamo skip the frame, and nothing would be compiled.
+            # Its repeated blocks compile on their own; the code between them runs eagerly.
+            path, blocks = found
+            what = f"{len(blocks)} repeated {type(blocks[0]).__name__} blocks ({path})"
+            tail = f" with {name} (found among the model's modules)"
         head = getattr(model, "head_loss", None) if scope == "loss" else None
         if scope == "loss" and (head is None or not _has_head(model)):
             what += " (compile.scope = loss, but this model or stage computes no loss head)"
@@ -183,18 +192,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         elif head is not None:
             # An instance attribute shadows the method, so forward() calls the compiled head.
             model.head_loss = torch.compile(head, backend=backend, fullgraph=cfg.fullgraph)
-        return done(what)
-    if blocks is None and scope in ("block", "loss") and (found := repeated_blocks(model)) is not None:
-        # A user's model without a `layers` list: compiling its forward whole would let one
-        # data-dependent branch (a router) make Dynamo skip the frame, and nothing would be compiled.
-        # Its repeated blocks compile on their own; the code between them runs eagerly.
-        path, found_blocks = found
-        linears = linears_outside(model, found_blocks) if linears_wanted else []
-        cache = _graph_cache(cfg, backend, [(m, "forward") for m in [*found_blocks, *linears]])
-        _compile_blocks(found_blocks, cfg, backend, cache)
-        compiled_linears = _compile_linears(linears, backend, cache)
-        return done(f"{len(found_blocks)} repeated {type(found_blocks[0]).__name__} blocks ({path}){compiled_linears} "
-                    f"with {name} (found among the model's modules)")  # fmt: skip
+        return done(what + tail)
     if scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:
         from accelrun.compile.graph_cache import install
 

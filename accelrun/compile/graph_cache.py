@@ -582,7 +582,7 @@ def decline_reason(cfg: Any, targets: list[tuple[nn.Module, str]]) -> str | None
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return "multi-rank runs compile afresh (sharded parameters and collectives are not cached)"
     for owner, method in targets:
-        if method in owner.__dict__:
+        if method in owner.__dict__ and method not in getattr(owner, "accelrun_methods", {}):
             return f"{type(owner).__name__}.{method} is wrapped (activation checkpointing?)"
         if (why := getattr(owner, "graph_cache_decline", None)) is not None:  # the model says why
             return why
@@ -597,7 +597,9 @@ def install(cache: GraphCache, owners: list[nn.Module], method: str, func: Any =
     for owner in owners:
         cls = type(owner)
         if cls not in shared:
-            shared[cls] = CachedMethod(cache, func if func is not None else getattr(cls, method))
+            # a method accelrun bound to the instance (models.causal_lm_head) in place of the class's
+            own = getattr(owner, "accelrun_methods", {}).get(method)
+            shared[cls] = CachedMethod(cache, func or own or getattr(cls, method))
         shared[cls].owners.add(owner)
         # An instance attribute shadows the class's method, so Module.__call__ reaches the cached one.
         setattr(owner, method, shared[cls].bind(owner))

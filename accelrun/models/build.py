@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from accelrun.errors import UserError
+from accelrun.models.causal_lm_head import attach_loss_head, loss_head_attached
 
 if TYPE_CHECKING:  # the schema imports pydantic; keep it out of `import accelrun.models`
     from accelrun.config.schema import ModelConfig
@@ -86,6 +87,7 @@ def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn
         raise ModelBuildError(
             f"{where}: {attr}(...) returned a {type(model).__name__}, not a torch.nn.Module"
         )
+    attach_loss_head(model)  # transformers' causal LMs: the head and loss as one step, as a family's
     return model
 
 
@@ -271,6 +273,11 @@ def training_loss_fn(model: nn.Module):
     import torch.nn.functional as F
 
     params = forward_parameters(model)
+    if loss_head_attached(model):  # transformers' model with the head and loss as one step (causal_lm_head)
+        def head_and_loss(inputs_BT, targets_BT):
+            return model(inputs_BT, targets_BT=targets_BT)
+
+        return head_and_loss
     if "targets_BT" in params:
         def own_loss(inputs_BT, targets_BT, positions_BT=None):
             if positions_BT is None:

@@ -546,9 +546,10 @@ def test_a_copy_of_a_compiled_torch_nn_module_runs_its_own_weights():
     torch.testing.assert_close(linear(h), torch.nn.functional.linear(h, linear.weight, linear.bias))
 
 
-def _tiny_transformers_llama_compiled(tmp_path, layers: int, positions: int):
-    """transformers' Llama at a tiny size (built locally), an eager copy, and the model compiled by accelrun
-    as ``accelrun train`` compiles it: (model, reference, compiled, compile config)."""
+def _tiny_transformers_llama_compiled(tmp_path, layers: int, positions: int, compile: bool = True):
+    """transformers' Llama at a tiny size (built locally, as a user's code hands it to ``compile_model``:
+    no head attached), an eager copy, and the model compiled by accelrun as ``accelrun train`` compiles
+    such a model: (model, reference, compiled or None, compile config)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -558,7 +559,7 @@ def _tiny_transformers_llama_compiled(tmp_path, layers: int, positions: int):
     reference = copy.deepcopy(model)
     torch._dynamo.reset()
     cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
-    return model, reference, compile_model(model, transformer_blocks(model), cfg), cfg
+    return model, reference, compile_model(model, transformer_blocks(model), cfg) if compile else None, cfg
 
 
 def test_transformers_llamas_decoder_layers_share_one_graph_without_a_kv_cache(tmp_path):
@@ -579,6 +580,32 @@ def test_transformers_llamas_decoder_layers_share_one_graph_without_a_kv_cache(t
     again = compile_model(model, transformer_blocks(model), cfg)
     _train_side_by_side(model, copy.deepcopy(reference), steps=1)
     assert again.record.graph_cache["loaded"] == 1 and again.record.dynamo_graphs == 0, again.record.graph_cache
+
+
+def test_transformers_llama_built_as_accelrun_train_builds_it_compiles_its_head_and_loss_as_one_graph(tmp_path):
+    """transformers' Llama with the head attached as ``model.custom`` builds it (models.causal_lm_head):
+    the default scope compiles its decoder layers and, as for a family, its head and cross-entropy as one
+    graph, where they fuse (the logits never exist whole). Until 2026-12-06 the head's product and the
+    loss ran eagerly. Both graphs go through the graph cache."""
+    from accelrun.models.causal_lm_head import attach_loss_head
+
+    model, reference, _, _ = _tiny_transformers_llama_compiled(tmp_path, layers=2, positions=32, compile=False)
+    assert attach_loss_head(model)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    compiled = compile_model(model, transformer_blocks(model), cfg)
+    assert "+ the output head and loss as one graph" in compiled.description, compiled.description
+    assert "compile.scope = auto: loss" in compiled.description, compiled.description
+    _train_side_by_side(model, reference, steps=3)
+    record = compiled.record
+    assert record.dynamo_graphs == 2 and record.passes_fired().get("fuse_linear_cross_entropy") == 1, (
+        record.compiled_line(), record.passes_fired())
+    assert record.graph_cache["saved"] == 2 and not record.graph_cache["errors"], record.graph_cache
+    torch._dynamo.reset()
+    model = copy.deepcopy(reference)
+    attach_loss_head(model)
+    again = compile_model(model, transformer_blocks(model), cfg)
+    _train_side_by_side(model, copy.deepcopy(reference), steps=1)
+    assert again.record.graph_cache["loaded"] == 2 and again.record.dynamo_graphs == 0, again.record.graph_cache
 
 
 def test_transformers_llama_on_changing_lengths_keeps_its_kernels_for_every_length(tmp_path):

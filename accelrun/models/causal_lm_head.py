@@ -1,0 +1,93 @@
+"""transformers' causal language models with their output head and loss as one step, as the built-in
+families have it (``head_loss``).
+
+transformers' ``LlamaForCausalLM.forward`` returns every position's logits, [batch, seq, vocab], and
+training takes the cross-entropy of them afterwards. Eagerly that holds the logits and their fp32
+log-softmax, two [tokens, vocab] tensors (4 GiB each for 8k tokens of a 128k vocabulary), and the
+output head's product runs outside every compiled graph. ``attach_loss_head`` gives such a model what
+a family's has: a ``head_loss(h, targets)`` (the head's product and the cross-entropy, which
+``compile.scope: loss`` compiles as one graph, where accelrun fuses them in chunks of rows: the logits
+never exist whole) and a forward that, given ``targets_BT``, returns that loss. The forward still runs
+inside the model's own ``__call__``, so hooks on the model (FSDP's gathers of the embedding and the
+head) run as before; without ``targets_BT`` it is the class's own forward.
+
+Only classes whose forward is exactly ``lm_head(model(...).last_hidden_state)`` qualify (no logit
+soft-capping as in Gemma 2, no scale as in Cohere or Granite): ``PLAIN_HEADS``, each checked against
+the class's own forward by tests/models/test_causal_lm_head.py. A subclass that overrides
+``forward`` does not qualify.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The forward's owner, by module and name: its logits are the head's product of the base model's last
+# hidden state, nothing after it.
+PLAIN_HEADS = frozenset(f"transformers.models.{module}.modeling_{module}.{cls}" for module, cls in (
+    ("llama", "LlamaForCausalLM"),
+    ("mistral", "MistralForCausalLM"),
+    ("qwen2", "Qwen2ForCausalLM"),
+    ("qwen3", "Qwen3ForCausalLM"),
+    ("phi3", "Phi3ForCausalLM"),
+    ("olmo2", "Olmo2ForCausalLM"),
+    ("gemma", "GemmaForCausalLM"),
+    ("smollm3", "SmolLM3ForCausalLM"),
+    ("starcoder2", "Starcoder2ForCausalLM"),
+))  # fmt: skip
+
+# On a model this module gave them: the methods bound to the instance, by name, which the graph cache
+# compiles in place of the class's (``graph_cache.install``) and does not take for a wrapper.
+METHODS = "accelrun_methods"
+
+
+def forward_owner(model: nn.Module) -> str | None:
+    """``module.Class`` of the class whose ``forward`` the model runs."""
+    owner = next((c for c in type(model).__mro__ if "forward" in vars(c)), None)
+    return None if owner is None else f"{owner.__module__}.{owner.__qualname__}"
+
+
+def has_plain_head(model: nn.Module) -> bool:
+    """Whether the model's forward is one of ``PLAIN_HEADS``' (and it has their two parts)."""
+    return (forward_owner(model) in PLAIN_HEADS and isinstance(getattr(model, "lm_head", None), nn.Linear)
+            and isinstance(getattr(model, "model", None), nn.Module))  # fmt: skip
+
+
+def attach_loss_head(model: nn.Module) -> bool:
+    """Give a model of ``PLAIN_HEADS`` a ``head_loss`` and a forward that takes ``targets_BT``; whether
+    it did. Bound to this instance (not its class: ``save_pretrained`` writes the class's name), so a
+    deep copy of the model gets its own."""
+    if loss_head_attached(model):
+        return True
+    if not has_plain_head(model):
+        return False
+    # Named as the attributes they become: pickle reduces a bound method to getattr(model, its name)
+    # (Dynamo pickles the model with the graph cache's guards).
+    model.forward = types.MethodType(forward, model)
+    model.head_loss = types.MethodType(head_loss, model)
+    model.has_head = True  # compile_model's test for a model whose head is on this rank
+    setattr(model, METHODS, {"forward": forward, "head_loss": head_loss})
+    return True
+
+
+def loss_head_attached(model: nn.Module) -> bool:
+    return "head_loss" in getattr(model, METHODS, {})
+
+
+def forward(self: nn.Module, *args: Any, targets_BT: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    if targets_BT is None:
+        return type(self).forward(self, *args, **kwargs)
+    (inputs_BT,) = args  # training calls it with the token ids alone
+    hidden_BTD = self.model(input_ids=inputs_BT, use_cache=False).last_hidden_state
+    return self.head_loss(hidden_BTD, targets_BT)
+
+
+def head_loss(self: nn.Module, h_BTD: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the head's logits against the targets, as ``training_loss_fn`` takes it of
+    the class's own forward's logits (in fp32)."""
+    logits_BTV = self.lm_head(h_BTD)
+    return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
