@@ -9,12 +9,12 @@ cycle through the lengths, its steps summed (``rounds.per_cycle``; until 2026-12
 every length were pooled, and the median compared whichever lengths sorted into the middle), the
 table's step is a cycle's median over its steps, and each length's own ratio follows.
 
-Each variant trains the model as ``accelrun train`` trains a user's model: the loss is
-``training_loss_fn``'s (the model called with ``use_cache=False``, cross-entropy of its logits against
-the next tokens). accelrun compiles the model as ``accelrun train`` does (``compile_model`` with
-``--scope``, by default the recipe's ``auto``: in fp32 the repeated decoder layers, one graph for
-all, through the graph cache; where bf16 products would run in ATen's slow loop, also ``lm_head``
-on its own, so that its product runs as an fp32 GEMM);
+Each variant trains the model as ``accelrun train`` trains a user's model: built with its head and loss
+as one step (``models.causal_lm_head``, since 2026-12-06; before, the loss was cross-entropy of the
+logits the model returned), the loss ``training_loss_fn``'s. accelrun compiles the model as
+``accelrun train`` does (``compile_model`` with ``--scope``, by default the recipe's ``auto``: the
+repeated decoder layers, one graph for all, and the head with the cross-entropy as another, where
+they fuse, both through the graph cache);
 Inductor compiles the whole loss function, model and cross-entropy (its best case, as
 ``torch.compile`` of a training step). Until 2026-12-04 the timed rounds and the cold step compiled
 the whole model with transformers' own loss (``labels=``) for accelrun too, which ``accelrun train``
