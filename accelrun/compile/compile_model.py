@@ -340,13 +340,16 @@ def _compile_blocks(blocks: list[nn.Module], cfg: CompileConfig, backend: object
     """Each block's forward through the graph cache (a block with a graph break falls back to
     torch.compile there), or torch.compile where the cache is off. Identical blocks share one
     compiled graph: Dynamo's cache is keyed by code, not instance."""
+    # torch.nn's own blocks (a `layers` list of nn.TransformerEncoderLayer) are traced from a frame of
+    # accelrun's (compile_module): precompiled on their own, their module reached the graph as a tensor.
+    builtin = is_torch_builtin(type(blocks[0]))
     if cache is not None:
         from accelrun.compile.graph_cache import install
 
-        install(cache, list(blocks), "forward")
+        install(cache, list(blocks), "forward", func=_class_forward if builtin else None)
         return
     for block in blocks:
-        block.compile(backend=backend, fullgraph=cfg.fullgraph)
+        compile_module(block, backend, fullgraph=cfg.fullgraph)
 
 
 def _graph_cache(cfg: CompileConfig, backend: object, targets: list[tuple[nn.Module, str]]):

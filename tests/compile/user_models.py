@@ -341,5 +341,26 @@ class NanoGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-USER_MODELS = {"mha": MHAModel, "routed_moe": RoutedMoE, "indexed_moe": IndexedMoE, "conv_mixer": ConvMixer,
+class EncoderLayers(nn.Module):
+    """A small GPT as many write it first: a ``layers`` list (the name accelrun takes for a user's blocks)
+    of torch.nn's own ``TransformerEncoderLayer`` under a causal mask. Until 2026-12-06 the default compile
+    crashed on it: each layer went through the graph cache on its own, and its module reached the
+    compiled graph where a tensor belonged."""
+
+    def __init__(self, n_layers: int = 2, vocab: int = VOCAB, dim: int = DIM) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True)
+                                     for _ in range(n_layers)])  # fmt: skip
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, is_causal=True)
+        return self.head(x)
+
+
+USER_MODELS = {"mha": MHAModel, "encoder_layers": EncoderLayers, "routed_moe": RoutedMoE, "indexed_moe": IndexedMoE, "conv_mixer": ConvMixer,
                "short_conv": ShortConvLM, "plain_mlp": PlainMLP, "encoder": EncoderLM, "gru": GRULM, "lstm_blocks": LSTMStack, "batchnorm": BatchNormLM}
