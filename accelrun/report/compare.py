@@ -122,7 +122,10 @@ def compare_groups(groups: list[Group], *, rtol: float | None = None, seed: int 
     rtol = default_rtol(precisions) if rtol is None else rtol
     diff = config_diff([g.runs[0] for g in groups])  # repeats of one variant share their config
     notes: list[str] = []
-    rows = [_figures(g) for g in groups]
+    peak, peak_note = common_peak(runs)
+    if peak_note:
+        notes.append(peak_note)
+    rows = [_figures(g, peak) for g in groups]
     base = groups[0]
     base_times = [r.steady_step_times() for r in base.runs]
     reference = base.runs[0]
@@ -172,11 +175,42 @@ def compare_groups(groups: list[Group], *, rtol: float | None = None, seed: int 
     return Comparison(groups, rows, diff, warnings, notes + env_notes, rtol)
 
 
-def _figures(g: Group) -> GroupFigures:
+def run_peak(r: RunRecord) -> float | None:
+    """The peak TFLOP/s a run's MFU was measured against (its report's)."""
+    tflops = (r.figure("peak") or {}).get("tflops")
+    return float(tflops) if tflops else None
+
+
+def common_peak(runs: list[RunRecord]) -> tuple[float | None, str]:
+    """(peak, note): the highest peak any of the runs measured, which every row's MFU is taken against,
+    and a note when their own differed (each run probes its CPU's matmul rate at its start, on the
+    threads it took: a run that started beside a busy process measured a lower peak, and its own MFU
+    then read higher for a slower step)."""
+    peaks = [p for r in runs if (p := run_peak(r)) is not None]
+    if not peaks:
+        return None, ""
+    low, high = min(peaks), max(peaks)
+    if high <= low * 1.05:
+        return high, ""
+    return high, (f"MFU is against the highest peak these runs measured, {high:.3g} TFLOP/s, for every row; "
+                  f"their own probes measured {low:.3g} to {high:.3g} (fewer threads, or a busy machine at a "
+                  "run's start), and each run's own MFU is against its own")
+
+
+def _figures(g: Group, peak: float | None = None) -> GroupFigures:
     times = [t for r in g.runs for t in r.steady_step_times()]
     med = median(times) if times else None
     tokens = g.runs[0].job_tokens_per_step  # the job's throughput, whatever its rank count
-    mfus = [r.mfu for r in g.runs if r.mfu is not None]
+    # Each run's TFLOP/s at the group's pooled median step (its MFU times its own peak, rescaled from
+    # its own median step), over the one peak of the comparison: MFU then follows the step times.
+    mfus = []
+    for r in g.runs:
+        own_peak, own_times = run_peak(r), r.steady_step_times()
+        if r.mfu is None or own_peak is None or peak is None or not own_times or not med:
+            continue
+        mfus.append(r.mfu * own_peak * median(own_times) / med / peak)
+    if peak is None:  # reports without a peak: their own MFUs as they are
+        mfus = [r.mfu for r in g.runs if r.mfu is not None]
     mems = [r.mem_peak_bytes for r in g.runs if r.mem_peak_bytes is not None]
     compiles = [c for r in g.runs for c in [_compile_time(r)] if c is not None]
     run_medians = [median(t) for r in g.runs if (t := r.steady_step_times())]

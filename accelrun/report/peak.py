@@ -209,14 +209,16 @@ def measure_cpu_peak(precision: str, cache_dir: Path | None = None) -> Peak:
     on_threads = f"{threads} thread{'' if threads == 1 else 's'}"
     load = result.get("others_cpu_share")
     load_text = f"other processes used {load:.0%} of the CPU meanwhile" if load is not None else "load unknown"
+    # The probe times one product with each library it tries (fp32: torch.mm and oneDNN) and keeps the
+    # faster; the source names the one whose rate the peak is.
+    library = result.get("library", "torch.mm")
+    probe = f"{dtype_name} {n}x{n} matrix product probe, {library}'s rate"
+    if library != "torch.mm":
+        probe += " (faster than torch.mm's here)"
     if busy is not None:
-        source = (f"{BUSY_PEAK}: torch.mm {dtype_name} {n}x{n} probe on {cpu}, {on_threads}, "
-                  f"{load_text}; not cached, so MFU is an upper bound")
+        source = f"{BUSY_PEAK}: {probe} on {cpu}, {on_threads}, {load_text}; not cached, so MFU is an upper bound"
     else:
-        source = (f"measured: torch.mm {dtype_name} {n}x{n} probe on {cpu}, {on_threads}, {load_text} "
-                  f"(cached {path})")
-    if result.get("library", "torch.mm") != "torch.mm":  # the fp32 probe's oneDNN was faster
-        source += f"; the rate is {result['library']}'s, faster than torch.mm's here"
+        source = f"measured: {probe} on {cpu}, {on_threads}, {load_text} (cached {path})"
     by_library = result.get("tflops_by_library", {})
     libraries = (f"; fastest of {', '.join(f'{k} {v:.3f}' for k, v in by_library.items())} TFLOP/s"
                  if len(by_library) > 1 else "")  # fmt: skip

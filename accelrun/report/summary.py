@@ -113,9 +113,9 @@ def summarize(
     if peak.tflops is None:
         notes.append(f"peak unknown, MFU is null: {peak.detail}")
     elif peak.source.startswith("measured") and mfu is not None:
-        notes.append("MFU on a CPU is the fraction of the best achievable torch.mm rate measured on "
-                     "this machine (for fp32, oneDNN's where faster, as the compiler may run products), "
-                     "not of a datasheet peak")
+        notes.append("MFU on a CPU is the fraction of the best achievable matrix-product rate measured on "
+                     "this machine (torch.mm's, or for fp32 oneDNN's where faster, as the compiler may run "
+                     "products), not of a datasheet peak")
         if peak.source.startswith(BUSY_PEAK):  # report/peak.py: not cached, this run only
             notes.append("the CPU peak was measured while other processes used the CPU: it understates the "
                          "machine, so MFU is an upper bound (a quiet run measures and caches it)")

@@ -288,3 +288,22 @@ def test_curves_that_part_where_their_learning_rates_do_are_no_drift(runs, tmp_p
                                                         + "\n" for m in rows))  # fmt: skip
     assert compare_groups([Group("A", [long]), Group("B", [load_run(same_lr.path)])],
                           resamples=200).rows[1].parity.status == "drift"
+
+
+def test_mfu_is_taken_against_one_peak_for_every_row(runs, tmp_path):
+    """A run that probed its CPU's peak beside a busy process measured half the rate, and its own MFU read
+    twice as high for the same steps: ab then showed eager at 31% MFU beside accelrun's 16% for a 1.6x
+    faster step (2026-12-06, a new user's run). Every row's MFU is now against the highest peak the runs
+    measured, so it follows the step times, and the notes say the probes differed."""
+    quiet, busy = tmp_path / "quiet", tmp_path / "busy"
+    for path, peak, mfu in ((quiet, 0.2, 0.3), (busy, 0.1, 0.6)):
+        shutil.copytree(runs["twin"], path)
+        report = json.loads((path / "report.json").read_text())
+        (path / "report.json").write_text(json.dumps({**report, "mfu": mfu, "peak": {"tflops": peak, "source": "x"}}))
+    c = compare_groups(groups(quiet, busy), resamples=200)
+    a, b = c.rows
+    assert a.mfu == pytest.approx(0.3) and b.mfu == pytest.approx(0.3)
+    peak = 0.2
+    assert any(n.startswith(f"MFU is against the highest peak these runs measured, {peak:.3g} TFLOP/s") for n in c.notes)
+    # Runs that measured the same peak get no note.
+    assert not any("highest peak" in n for n in compare_groups(groups(runs["base"], runs["twin"]), resamples=200).notes)

@@ -42,7 +42,7 @@ def test_markdown_has_headline_figures(tmp_path):
     assert "| precision | fp32 |" in md
     assert "Test CPU 9000, 8 logical cores, torch threads 4" in md
     assert "0123456789ab (dirty)" in md
-    assert "## Notes" in md and "achievable torch.mm rate" in md
+    assert "## Notes" in md and "achievable matrix-product rate" in md
     assert any(ch in md for ch in "▁█")
 
 
@@ -65,7 +65,7 @@ def test_a_model_without_a_flop_count_says_why_where_its_mfu_would_be(tmp_path):
     write_report_md(report, {"name": "x"}, tmp_path / "r.md")
     md = (tmp_path / "r.md").read_text()
     assert f"| MFU | n/a (no FLOP count per token: {why}) |" in md
-    assert "achievable torch.mm rate" not in md  # no MFU to explain
+    assert "achievable matrix-product rate" not in md  # no MFU to explain
 
 
 def test_sparkline():

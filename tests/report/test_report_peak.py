@@ -154,7 +154,7 @@ def test_a_one_thread_probe_says_thread_not_threads(fast_probe, tmp_path):
 def test_cpu_probe_measures_then_reads_cache(fast_probe, bf16_kernels, monkeypatch, tmp_path, precision, dtype):
     first = resolve_peak(torch.device("cpu"), precision, None, cache_dir=tmp_path)
     assert first.tflops is not None and first.tflops > 0
-    assert first.source.startswith(f"measured: torch.mm {dtype} 64x64 probe on ")
+    assert first.source.startswith(f"measured: {dtype} 64x64 matrix product probe, ")
     threads = torch.get_num_threads()
     assert (f"{threads} threads," if threads > 1 else "1 thread,") in first.source
     assert "measured now" in first.detail and "not a datasheet peak" in first.detail
@@ -177,8 +177,8 @@ def test_bf16_without_bf16_kernels_takes_the_fp32_peak_and_says_why(fast_probe, 
     fp32 = resolve_peak(torch.device("cpu"), "fp32", None, cache_dir=tmp_path)
     bf16 = resolve_peak(torch.device("cpu"), "bf16-mixed", None, cache_dir=tmp_path)
     assert bf16.tflops == fp32.tflops and "read from the cache" in bf16.detail  # one probe, one entry
-    assert bf16.source.startswith("measured: torch.mm float32 (this CPU has no bf16 matrix kernels: its fastest "
-                                  "bf16 products are fp32 GEMMs) 64x64 probe on ")
+    assert bf16.source.startswith("measured: float32 (this CPU has no bf16 matrix kernels: its fastest "
+                                  "bf16 products are fp32 GEMMs) 64x64 matrix product probe, ")
     assert len(list((tmp_path / "peak").glob("*.json"))) == 1
 
 
