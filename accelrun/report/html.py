@@ -105,7 +105,8 @@ def env_rows(env: dict) -> list[tuple[str, str]]:
     commit = git.get("commit")
     return [
         ("CPU", f"{cpu.get('model', '?')}, {cpu.get('logical_cores', '?')} logical cores, "
-                f"torch threads {cpu.get('torch_threads', '?')}"),
+                f"torch threads {cpu.get('torch_threads', '?')}"
+                + (f"; {cpu['threads_chosen']}" if cpu.get("threads_chosen") else "")),
         ("GPU", gpu),
         ("software", f"torch {v.get('torch', '?')}, Python {v.get('python', '?')}, "
                      f"triton {v.get('triton') or 'not installed'}, accelrun {v.get('accelrun', '?')}"),

@@ -253,7 +253,8 @@ def _env_section(env: dict) -> list[str]:
     v, cpu, cuda, git = (env.get(k) or {} for k in ("versions", "cpu", "cuda", "git"))
     lines = ["## Environment", ""]
     lines.append(f"- CPU: {cpu.get('model', '?')}, {cpu.get('logical_cores', '?')} logical cores, "
-                 f"torch threads {cpu.get('torch_threads', '?')} (inter-op {cpu.get('torch_interop_threads', '?')})")
+                 f"torch threads {cpu.get('torch_threads', '?')} (inter-op {cpu.get('torch_interop_threads', '?')})"
+                 + (f"; {cpu['threads_chosen']}" if cpu.get("threads_chosen") else ""))
     if cpu.get("malloc"):
         lines.append(f"- host malloc: {cpu['malloc']}")
     if cuda.get("available"):

@@ -60,13 +60,15 @@ def train(
     """
     cfg = resolved.config
     console = console or DiagnosticConsole()
+    threads_why = None  # why fewer threads than cores, for env.json and the report
     if cfg.train.threads is not None:
         torch.set_num_threads(cfg.train.threads)  # before env.json records it and the peak probe runs
     elif _adapts_threads(cfg):
         choice = choose_threads()  # the cores nobody else is using now (train/threads.py says why)
         torch.set_num_threads(choice.threads)
         if choice.threads != choice.usable_cores:
-            console.print(choice.describe(), markup=False, highlight=False)
+            threads_why = choice.describe()
+            console.print(threads_why, markup=False, highlight=False)
     # Files the recipe names, one GPU per process, cores for the ranks: exit 2 (or warn) before a run
     # directory or a rank exists; `accelrun validate` runs the same checks.
     for warning in preflight(cfg, resolved.sources, machine_as_torch_sees_it()):
@@ -79,7 +81,7 @@ def train(
         write_text_atomic(resolved.to_yaml(), run_dir / "config.yaml")
         write_text_atomic(explain_text(resolved), run_dir / "config.sources.txt")
         write_text_atomic((command or "(called from Python)") + "\n", run_dir / "command.txt")
-        write_json(_env_of_ranks(cfg), run_dir / "env.json")
+        write_json(_env_of_ranks(cfg, threads_why), run_dir / "env.json")
         console.print(f"[bold]accelrun[/] run [cyan]{escape(str(run_dir))}[/]  config {resolved.hash}")
         if cfg.parallel.world_size == 1:
             try:
@@ -148,10 +150,13 @@ def _adapts_threads(cfg) -> bool:
             and os.environ.get("ACCELRUN_FIXED_THREADS") != "1")
 
 
-def _env_of_ranks(cfg) -> dict:
+def _env_of_ranks(cfg, threads_why: str | None = None) -> dict:
     """This process's environment, with the thread count and malloc settings CPU ranks will set
-    (this launcher process keeps its own threads, which the ranks do not use)."""
+    (this launcher process keeps its own threads, which the ranks do not use), and why a one-process
+    run took fewer threads than cores."""
     env = collect_env()
+    if threads_why is not None:
+        env["cpu"]["threads_chosen"] = threads_why
     if cfg.parallel.world_size > 1 and cfg.train.threads is None:  # GPU ranks set it too (dist.worker)
         env["cpu"]["torch_threads"] = cpu_rank_threads(cfg.parallel.nproc_per_node)
     if rank_uses_cuda(cfg):

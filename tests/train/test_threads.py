@@ -52,6 +52,10 @@ def test_a_run_beside_a_busy_process_takes_fewer_threads_and_says_so(tmp_path, m
         assert result.exit_code == 0, result.output
         assert "threads: 1 of 2 cores: other processes are using" in " ".join(result.output.split())
         run_dir = next((tmp_path / "runs").glob("*/*"))
-        assert json.loads((run_dir / "env.json").read_text())["cpu"]["torch_threads"] == 1
+        cpu = json.loads((run_dir / "env.json").read_text())["cpu"]
+        assert cpu["torch_threads"] == 1 and cpu["threads_chosen"].startswith("threads: 1 of 2 cores: other")
+        # the report says why too (it said only "torch threads 1": a new user could not tell why)
+        assert "torch threads 1 (inter-op" in (report := (run_dir / "report.md").read_text())
+        assert "; threads: 1 of 2 cores: other processes are using" in report
     finally:
         torch.set_num_threads(before)
