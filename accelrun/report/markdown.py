@@ -78,7 +78,8 @@ def _compiler_section(c: dict | None) -> list[str]:
     for stage, secs in (c.get("stage_seconds") or {}).items():
         out.append(f"| {_cell(stage)} | {secs:.2f} s |")
     if "cache" in c:
-        out.append(f"| cache hits / misses | {c['cache']['hits']} / {c['cache']['misses']} |")
+        out.append(f"| kernel cache (the regions' built kernels) hits / misses | {c['cache']['hits']} / "
+                   f"{c['cache']['misses']} |")
     graphs = c.get("graph_cache") or {}
     if "off" in graphs:
         out.append(f"| graph cache | off: {_cell(graphs['off'])} |")
@@ -242,7 +243,7 @@ def _loss_section(r: dict) -> list[str]:
     if curve:
         lines += ["", f"`{sparkline([p['loss'] for p in curve])}`", ""]
         if len(curve) < (r.get("loss_steps") or 0):
-            lines += [f"{len(curve)} of the {r['loss_steps']} steps with a loss, evenly spaced, first and last "
+            lines += [f"{len(curve)} of the {r['loss_steps']} steps with a loss, spread evenly (to the nearest step), first and last "
                       "included (metrics.jsonl has every step):", ""]
         lines += ["| step | loss |", "| ---: | ---: |"]
         lines += [f"| {p['step']} | {_num(p['loss'])} |" for p in curve]
