@@ -105,6 +105,9 @@ def resolve_custom(path: str) -> tuple[Any, str]:
     except ModuleNotFoundError as e:
         if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
             detail = f"no module named {e.name!r} (looked in the current folder and on PYTHONPATH)"
+            if "/" in module_name or module_name.endswith(".py"):  # a file path where a module name goes
+                dotted = module_name.removesuffix(".py").strip("/").replace("/", ".")
+                detail += f"; model.custom takes a module name, not a file: {dotted}:{attr or 'factory'}"
         else:  # the module exists but something it imports does not
             detail = f"importing {module_name!r} failed: {e}"
         raise ModelBuildError(f"{where}: {detail}") from e

@@ -177,6 +177,12 @@ def test_custom_missing_module():
     assert "model.custom = 'accelrun_no_such_pkg.models:factory'" in str(info.value)
 
 
+def test_a_file_path_given_for_the_module_is_answered_with_its_module_name():
+    """A new user wrote model.custom=mymodels/mlp.py:make; the message now says the name to write."""
+    with pytest.raises(ModelBuildError, match="takes a module name, not a file: mymodels.mlp:make"):
+        build_model(ModelConfig(custom="mymodels/mlp.py:make"))
+
+
 def test_custom_module_whose_own_import_fails(user_module):
     name = user_module("import accelrun_missing_dependency_xyz\n")
     with pytest.raises(
