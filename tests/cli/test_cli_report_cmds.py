@@ -256,4 +256,8 @@ def test_ab_warns_when_other_processes_compete_for_the_cpu(runs, tmp_path):
     assert not any("other processes" in w for w in quiet.comparison.warnings)
     busy = summarize_ab(plan, {"A": [runs["base"]], "B": [runs["twin"]]}, other_cpu={"A": [0.5], "B": [None]})
     assert busy.comparison.warnings[0].startswith("other processes used up to 50% of the CPU during the runs (A1 50%)")
-    assert "torch's default (every core)" in busy.comparison.warnings[0]  # why not the threads train would pick
+    assert "torch's default threads (every core)" in busy.comparison.warnings[0]  # why not the threads train would pick
+    # Given train.threads, the warning says the runs used it (it advised setting it: a new user had)
+    pinned = train_tiny(tmp_path / "pinned", 6, "train.threads=1")
+    busy = summarize_ab(plan, {"A": [pinned], "B": [runs["twin"]]}, other_cpu={"A": [0.5], "B": [None]})
+    assert busy.comparison.warnings[0].endswith("The variants ran on train.threads = 1, as given")
