@@ -34,6 +34,8 @@ fine-tuned on a CPU.
     python bench/compile_step_hf.py --malloc system          # glibc's defaults instead of accelrun train's
     python bench/compile_step_hf.py --dtypes fp32 --rounds 20 --hidden 512 --layers 4 --seq 512
     python bench/compile_step_hf.py --dtypes fp32 --rounds 60 --lengths 96,128,160,192,224,256 --warm-starts 0
+    python bench/compile_step_hf.py --dtypes fp32 --vocab 32000 --seq 1024 --rounds 12 --warm-starts 0 \
+        --variants inductor,accelrun-logits,accelrun     # what the head and loss as one graph are worth
 
 Warm start: after the timed rounds, each variant's first step in new processes (``--warm-starts``):
 eager's, and accelrun's (compiled as above) with the caches a first process filled. That process runs
@@ -63,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accelrun.compile.compile_model import compile_model  # noqa: E402
 from accelrun.config.schema import CompileConfig, CpuMalloc, OptimizerConfig  # noqa: E402
 from accelrun.models.build import training_loss_fn, transformer_blocks  # noqa: E402
-from accelrun.models.causal_lm_head import attach_loss_head  # noqa: E402
+from accelrun.models.causal_lm_head import attach_loss_head, detach_loss_head  # noqa: E402
 from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
@@ -109,7 +111,9 @@ class Variant:
         # bench/compile_step.py; until 2026-11-28 torch's default here (one kernel per parameter and op).
         self.opt = build_optimizer(self.model, OptimizerConfig(lr=1e-4), torch.device("cpu"), sharded=False)
         self.record, self.description = None, name
-        if name == "accelrun":
+        if name == "accelrun-logits":  # accelrun without the head attached: the logits whole, the loss eager
+            detach_loss_head(self.model)
+        if name.startswith("accelrun"):
             # precision fp32: bf16 here is the model's own weights, which compile_model reads itself
             compiled = compile_model(self.model, transformer_blocks(self.model), accelrun_config(args),
                                      precision="fp32")  # fmt: skip
@@ -151,7 +155,7 @@ def run(args: argparse.Namespace, dname: str) -> None:
           f"{shape}, {rounds} interleaved rounds after {warm}, {torch.get_num_threads()} threads; accelrun: "
           f"{next((v.description for v in variants if v.name == 'accelrun'), '-')}")  # fmt: skip
     step = "mean step" if args.lengths else "median step"  # a cycle's median over its steps
-    print(f"{'variant':10s} {'cold compile':>12s} {'vs inductor':>11s} {step:>12s} {'vs eager':>9s} "
+    print(f"{'variant':15s} {'cold compile':>12s} {'vs inductor':>11s} {step:>12s} {'vs eager':>9s} "
           f"{'vs inductor':>12s} {'95% interval':>14s}")
     inductor = next((v for v in variants if v.name == "inductor"), None)
     for v in variants:
@@ -164,7 +168,7 @@ def run(args: argparse.Namespace, dname: str) -> None:
                                             paired=True)  # fmt: skip
             interval = f"{ci.low:.3f}-{ci.high:.3f}"
         cold_ratio = f"{v.first / inductor.first:.3f}x" if inductor and v.name != "eager" else "-"
-        print(f"{v.name:10s} {v.first:11.2f}s {cold_ratio:>11s} {med[v.name] * 1000:10.1f}ms "
+        print(f"{v.name:15s} {v.first:11.2f}s {cold_ratio:>11s} {med[v.name] * 1000:10.1f}ms "
               f"{med.get('eager', med[v.name]) / med[v.name]:8.2f}x {vs_ind:>12s} {interval:>14s}")  # fmt: skip
     if args.lengths and inductor is not None:
         for v in variants:
@@ -175,7 +179,7 @@ def run(args: argparse.Namespace, dname: str) -> None:
     for v in variants:
         if v.record is not None:
             s = v.record.summary()
-            print(f"accelrun: {s['dynamo_graphs']} graph(s), regions {s['regions_per_executor']}, "
+            print(f"{v.name}: {s['dynamo_graphs']} graph(s), regions {s['regions_per_executor']}, "
                   f"{len(s['fallbacks'])} fallback(s), warnings {s['warnings']}")  # fmt: skip
     if args.warm_starts:
         warm_starts(args, dname, cache / "warm")
@@ -236,7 +240,9 @@ def child(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--variants", default="eager,inductor,accelrun")
+    ap.add_argument("--variants", default="eager,inductor,accelrun",
+                    help="of eager, inductor, accelrun, accelrun-logits (accelrun on the model without its head "
+                         "attached: the logits whole and the loss eager, as before 2026-12-06)")
     ap.add_argument("--executors", default="cpp,aten")
     ap.add_argument("--passes", default="default")
     ap.add_argument("--hidden", type=int, default=256)

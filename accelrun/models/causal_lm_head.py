@@ -74,6 +74,12 @@ def attach_loss_head(model: nn.Module) -> bool:
     return True
 
 
+def detach_loss_head(model: nn.Module) -> None:
+    """Undo ``attach_loss_head``: the model is its class's again (the logits whole, the loss outside)."""
+    for name in (*getattr(model, METHODS, {}), "has_head", METHODS):
+        model.__dict__.pop(name, None)
+
+
 def loss_head_attached(model: nn.Module) -> bool:
     return "head_loss" in getattr(model, METHODS, {})
 
