@@ -36,6 +36,8 @@ fine-tuned on a CPU.
     python bench/compile_step_hf.py --dtypes fp32 --rounds 60 --lengths 96,128,160,192,224,256 --warm-starts 0
     python bench/compile_step_hf.py --dtypes fp32 --vocab 32000 --seq 1024 --rounds 12 --warm-starts 0 \
         --variants inductor,accelrun-logits,accelrun     # what the head and loss as one graph are worth
+    python bench/compile_step_hf.py --dtypes fp32 --vocab 32000 --seq 1024 --peak-memory --fill-steps 4 \
+        --variants eager,inductor,accelrun-logits,accelrun
 
 Warm start: after the timed rounds, each variant's first step in new processes (``--warm-starts``):
 eager's, and accelrun's (compiled as above) with the caches a first process filled. That process runs
@@ -50,6 +52,7 @@ import copy
 import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -215,11 +218,15 @@ def child(args: argparse.Namespace) -> None:
 
     tune_malloc(args.malloc)
     model = build(args, DTYPES[args.dtypes])
-    record, what = None, "eager"
-    if args.child == "accelrun":
+    record, what = None, args.child
+    if args.child == "accelrun-logits":
+        detach_loss_head(model)
+    if args.child.startswith("accelrun"):
         compiled = compile_model(model, transformer_blocks(model), accelrun_config(args), precision="fp32")
         record, what = compiled.record, compiled.description
     loss_fn = training_loss_fn(model)
+    if args.child == "inductor":
+        loss_fn = torch.compile(loss_fn)
     inputs, targets = next_token_batch(
         torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0)))
     gc.freeze()  # as `accelrun train` does before its first step (train/loop.py), for both variants
@@ -233,8 +240,24 @@ def child(args: argparse.Namespace) -> None:
     # print a screen of "nanobind: leaked ..." lines
     gc.unfreeze()
     undecided = len(gemm_choice.undecided_layouts())
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     print(json.dumps({"first_step_s": times[0], "graph_cache": record.graph_cache if record else {}, "compiled": what,
-                      "undecided": undecided}))  # fmt: skip
+                      "undecided": undecided, "peak_rss_mib": peak_mib}))  # fmt: skip
+
+
+def peak_memory(args: argparse.Namespace, dname: str) -> None:
+    """Each variant's peak resident memory over ``--fill-steps`` steps, each in a process of its own (one
+    process's peak covers whatever ran in it)."""
+    for variant in args.variants.split(","):
+        cmd = [sys.executable, __file__, "--child", variant, "--dtypes", dname, "--hidden", str(args.hidden),
+               "--layers", str(args.layers), "--vocab", str(args.vocab), "--batch", str(args.batch),
+               "--seq", str(args.seq), "--scope", args.scope, "--passes", args.passes, "--executors", args.executors,
+               "--fill-steps", str(args.fill_steps)]  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="accelrun-bench-hf-memory-") as cache:
+            env = {**os.environ, "ACCELRUN_CACHE_DIR": cache, "TORCHINDUCTOR_CACHE_DIR": str(Path(cache) / "inductor")}
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        peak = json.loads(out.strip().splitlines()[-1])["peak_rss_mib"]
+        print(f"{dname} {variant:15s} peak resident memory over {args.fill_steps} steps: {peak:,.0f} MiB")
 
 
 def main() -> None:
@@ -267,13 +290,19 @@ def main() -> None:
                          "of it (each decoder layer calls each of its layouts once a step)")
     ap.add_argument("--scope", default="auto", choices=typing.get_args(CompileConfig.model_fields["scope"].annotation),
                     help="accelrun's compile.scope (auto: what `accelrun train` picks for this model)")
-    ap.add_argument("--child", choices=["eager", "accelrun"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["eager", "inductor", "accelrun", "accelrun-logits"], help=argparse.SUPPRESS)
+    ap.add_argument("--peak-memory", action="store_true",
+                    help="instead of timing: each variant's peak resident memory, a process each")
     args = ap.parse_args()
     if args.child:
         return child(args)
     dtypes = [d for d in os.environ.get(ONE_DTYPE, args.dtypes).split(",") if d]
     if unknown := [d for d in dtypes if d not in DTYPES]:
         raise SystemExit(f"--dtypes: unknown {', '.join(unknown)} (known: {', '.join(DTYPES)})")
+    if args.peak_memory:
+        for dname in dtypes:
+            peak_memory(args, dname)
+        return
     if len(dtypes) > 1:  # one process per dtype: each one's compile is cold in-process too
         for dname in dtypes:
             subprocess.run([sys.executable, __file__, *sys.argv[1:]], env={**os.environ, ONE_DTYPE: dname}, check=True)
