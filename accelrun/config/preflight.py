@@ -290,8 +290,19 @@ def cuda_asked_for(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Mach
 
 
 # The checks `train` makes before a run directory or a tensor exists, in order; `validate` runs them all.
+def resume_path(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
+    """checkpoint.resume naming a path names one that exists (what it holds, train checks when it starts:
+    train.resume)."""
+    resume = cfg.checkpoint.resume
+    if resume in ("auto", "none") or Path(resume).expanduser().exists():
+        return []
+    where = source_of(("checkpoint", "resume"), sources)
+    return [Finding(f"checkpoint.resume = {resume} ({where}): no such checkpoint, run or checkpoints folder; "
+                    '"auto" continues an interrupted run of this recipe, "none" starts afresh', True)]
+
+
 PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, hf_weights, processes_fit, gpu_only_keys, cpu_bf16_without_kernels,
-                                       cuda_asked_for)
+                                       cuda_asked_for, resume_path)
 
 
 def preflight(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[str]:

@@ -200,3 +200,12 @@ def test_ctrl_c_before_a_command_catches_signals_exits_130(monkeypatch):
     monkeypatch.setattr(validate_cmd, "load", interrupted)
     r = validate()
     assert r.exit_code == 130 and "interrupted (exit 130)" in r.stderr, (r.exit_code, r.output)
+
+
+def test_a_resume_path_that_does_not_exist_exits_2_in_validate_too(tmp_path):
+    """`train` refused it after making (and removing) a run folder, while `validate` said valid."""
+    r = validate(f"checkpoint.resume={tmp_path / 'nope'}")
+    assert r.exit_code == 2, r.output
+    assert (f"error: checkpoint.resume = {tmp_path / 'nope'} (override 'checkpoint.resume={tmp_path / 'nope'}'): "
+            "no such checkpoint, run or checkpoints folder") in r.stderr, r.stderr
+    assert validate(f"checkpoint.resume={tmp_path}").exit_code == 0  # what the folder holds, train checks
