@@ -128,7 +128,7 @@ def command(config: str, overrides: tuple[str, ...], a: tuple[str, ...], b: tupl
     steps (report.warmup_steps), compiling and profiled steps are left out of the speed figures.
     Prints a table, a 95% bootstrap interval on the ratio of median step times (repeats resampled
     before steps), and a one-line verdict, such as "B is 1.23× faster than A (95% CI 1.19–1.27);
-    losses agree" or "no significant difference; 6 more repeats would resolve 2.0%; losses agree".
+    losses agree" or "no significant difference; 6 more repeats would resolve a difference of 2.0%; losses agree".
     Writes ab.md, ab.html and ab.json, and warns when other processes competed for the CPU.
 
     \b

@@ -285,7 +285,7 @@ def verdict_line(row: GroupFigures, base: GroupFigures, repeats: int, *, multi: 
                  f"({100 * ci.confidence:.0f}% CI {shown.low:.{digits}f}–{shown.high:.{digits}f})")
     else:
         hint = repeats_to_resolve(ci, repeats)
-        speed = f"{prefix}no significant difference; {hint.more_repeats} more repeats would resolve {_pct(hint.resolvable)}"
+        speed = f"{prefix}no significant difference; {hint.more_repeats} more repeats would resolve a difference of {_pct(hint.resolvable)}"
     if row.parity is not None and row.parity.status == "drift":  # agrees, but say where the curves part
         losses = f"losses agree (to {row.parity.early_max:.1g} at first; drift from step {row.parity.first_step})"
     elif row.parity is None or row.parity.agrees:

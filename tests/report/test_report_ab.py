@@ -38,7 +38,7 @@ def test_faster_slower_and_no_difference_verdicts():
     assert verdict_line(row("B", ci(1.004, 1.001, 1.007), AGREE), A, 3).startswith(
         "B is 1.004× faster than A (95% CI 1.001–1.007)")
     line = verdict_line(row("B", ci(1.01, 0.95, 1.07), AGREE), A, 3)
-    assert re.fullmatch(r"no significant difference; \d+ more repeats would resolve [\d.]+%; losses agree", line)
+    assert re.fullmatch(r"no significant difference; \d+ more repeats would resolve a difference of [\d.]+%; losses agree", line)
     assert verdict_line(row("C", ci(1.01, 0.95, 1.07), AGREE), A, 3, multi=True).startswith("C vs A: no significant")
     assert "too few steady steps" in verdict_line(row("B", None, AGREE), A, 3)
 
