@@ -236,12 +236,22 @@ def compile_module(module: nn.Module, backend: object, fullgraph: bool = False) 
     if not is_torch_builtin(type(module)):
         module.compile(backend=backend, fullgraph=fullgraph)
         return
+    # A forward the instance holds (activation checkpointing's wrapper) is kept, and called from the
+    # compiled frame; replacing it with the class's would drop the checkpointing without a word.
+    if "forward" in module.__dict__:
+        module.__dict__[WRAPPED_FORWARD] = module.__dict__["forward"]
     # Bound to the module (not a closure over its forward): a deep copy of the model then calls its own
     # weights, the compiled function rebound to the copy.
     module.forward = types.MethodType(torch.compile(_class_forward, backend=backend, fullgraph=fullgraph), module)
 
 
+WRAPPED_FORWARD = "_accelrun_wrapped_forward"  # a torch.nn module's own forward wrapper, under compile_module
+
+
 def _class_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    wrapped = module.__dict__.get(WRAPPED_FORWARD)
+    if wrapped is not None:
+        return wrapped(*args, **kwargs)
     return type(module).forward(module, *args, **kwargs)
 
 
@@ -342,7 +352,7 @@ def _compile_blocks(blocks: list[nn.Module], cfg: CompileConfig, backend: object
     compiled graph: Dynamo's cache is keyed by code, not instance."""
     # torch.nn's own blocks (a `layers` list of nn.TransformerEncoderLayer) are traced from a frame of
     # accelrun's (compile_module): precompiled on their own, their module reached the graph as a tensor.
-    builtin = is_torch_builtin(type(blocks[0]))
+    builtin = any(is_torch_builtin(type(b)) for b in blocks)
     if cache is not None:
         from accelrun.compile.graph_cache import install
 

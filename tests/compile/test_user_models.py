@@ -582,6 +582,33 @@ def test_transformers_llamas_decoder_layers_share_one_graph_without_a_kv_cache(t
     assert again.record.graph_cache["loaded"] == 1 and again.record.dynamo_graphs == 0, again.record.graph_cache
 
 
+def test_torch_nn_blocks_keep_a_forward_wrapper_of_their_own_when_compiled(tmp_path):
+    """Activation checkpointing wraps each block's forward on the instance; compiling torch.nn's own
+    blocks (traced from accelrun's frame) calls that wrapper, rather than the class's forward, which
+    would have trained without checkpointing and said nothing (found in review, 2026-12-06)."""
+    import functools
+
+    from accelrun.config.schema import ActivationCheckpointConfig
+    from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    model = USER_MODELS["encoder_layers"]()
+    reference = copy.deepcopy(model)
+    assert apply_activation_checkpointing(model.layers, ActivationCheckpointConfig(mode="full")) == 2
+    calls = []
+
+    def spy(forward, *args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    for layer in model.layers:  # on top of checkpointing's: the wrapper the compiled frame must call
+        layer.forward = functools.partial(spy, layer.forward)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    record = compile_model(model, transformer_blocks(model), cfg).record
+    _train_side_by_side(model, reference, steps=2)
+    assert calls and record.graphs_in_use() > 0, (calls, record.compiled_line())
+
+
 def test_transformers_llama_built_as_accelrun_train_builds_it_compiles_its_head_and_loss_as_one_graph(tmp_path):
     """transformers' Llama with the head attached as ``model.custom`` builds it (models.causal_lm_head):
     the default scope compiles its decoder layers and, as for a family, its head and cross-entropy as one
