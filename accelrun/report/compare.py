@@ -22,6 +22,7 @@ from accelrun.config.schema import FAMILY_ONLY_KEYS
 from accelrun.report.compile_time import record_seconds
 from accelrun.report.lineage import crash_error
 from accelrun.report.parity import LossParity, default_rtol, loss_parity
+from accelrun.report.peak import BUSY_PEAK
 from accelrun.report.rundata import RunRecord
 from accelrun.report.stats import RESAMPLES, RatioCI, bootstrap_ratio_of_medians, median
 from accelrun.report.summary import compile_time_s
@@ -182,10 +183,15 @@ def run_peak(r: RunRecord) -> float | None:
 
 
 def common_peak(runs: list[RunRecord]) -> tuple[float | None, str]:
-    """(peak, note): the highest peak any of the runs measured, which every row's MFU is taken against,
-    and a note when their own differed (each run probes its CPU's matmul rate at its start, on the
-    threads it took: a run that started beside a busy process measured a lower peak, and its own MFU
-    then read higher for a slower step)."""
+    """(peak, note): for runs whose peaks were probed on the CPU at one precision, the highest any of
+    them measured, which every row's MFU is then taken against, with a note when their own differed
+    (each run probes its CPU's matmul rate at its start, on the threads it took: a run that started
+    beside a busy process measured a lower peak, and its own MFU then read higher for a slower step).
+    None where the peaks rightly differ (precisions, devices, a declared peak): each run's own MFU."""
+    sources = [str(r.figure("peak").get("source", "")) for r in runs if r.figure("peak")]
+    precisions = {str(r.config_flat.get("train.precision", "fp32")) for r in runs}
+    if len(precisions) > 1 or not all(s.startswith(("measured", BUSY_PEAK)) for s in sources):
+        return None, ""
     peaks = [p for r in runs if (p := run_peak(r)) is not None]
     if not peaks:
         return None, ""
@@ -206,11 +212,12 @@ def _figures(g: Group, peak: float | None = None) -> GroupFigures:
     mfus = []
     for r in g.runs:
         own_peak, own_times = run_peak(r), r.steady_step_times()
-        if r.mfu is None or own_peak is None or peak is None or not own_times or not med:
+        if r.mfu is None:
+            continue
+        if own_peak is None or peak is None or not own_times or not med:
+            mfus.append(r.mfu)  # no peak to rescale from (a run without a report yet): its own
             continue
         mfus.append(r.mfu * own_peak * median(own_times) / med / peak)
-    if peak is None:  # reports without a peak: their own MFUs as they are
-        mfus = [r.mfu for r in g.runs if r.mfu is not None]
     mems = [r.mem_peak_bytes for r in g.runs if r.mem_peak_bytes is not None]
     compiles = [c for r in g.runs for c in [_compile_time(r)] if c is not None]
     run_medians = [median(t) for r in g.runs if (t := r.steady_step_times())]

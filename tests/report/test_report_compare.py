@@ -299,7 +299,8 @@ def test_mfu_is_taken_against_one_peak_for_every_row(runs, tmp_path):
     for path, peak, mfu in ((quiet, 0.2, 0.3), (busy, 0.1, 0.6)):
         shutil.copytree(runs["twin"], path)
         report = json.loads((path / "report.json").read_text())
-        (path / "report.json").write_text(json.dumps({**report, "mfu": mfu, "peak": {"tflops": peak, "source": "x"}}))
+        (path / "report.json").write_text(json.dumps({**report, "mfu": mfu, "peak": {
+            "tflops": peak, "source": "measured: float32 64x64 matrix product probe"}}))
     c = compare_groups(groups(quiet, busy), resamples=200)
     a, b = c.rows
     assert a.mfu == pytest.approx(0.3) and b.mfu == pytest.approx(0.3)
@@ -307,3 +308,10 @@ def test_mfu_is_taken_against_one_peak_for_every_row(runs, tmp_path):
     assert any(n.startswith(f"MFU is against the highest peak these runs measured, {peak:.3g} TFLOP/s") for n in c.notes)
     # Runs that measured the same peak get no note.
     assert not any("highest peak" in n for n in compare_groups(groups(runs["base"], runs["twin"]), resamples=200).notes)
+    # Peaks that rightly differ (a GPU's datasheet per precision; a declared one) are each run's own.
+    for path in (quiet, busy):
+        report = json.loads((path / "report.json").read_text())
+        report["peak"]["source"] = "datasheet: H100 SXM dense"
+        (path / "report.json").write_text(json.dumps(report))
+    a, b = compare_groups(groups(quiet, busy), resamples=200).rows
+    assert a.mfu == pytest.approx(0.3) and b.mfu == pytest.approx(0.6)
