@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from accelrun.errors import UserError
-from accelrun.models.causal_lm_head import attach_loss_head, loss_head_attached
+from accelrun.models.causal_lm_head import attach_loss_head, loss_head_attached, next_token_loss
 
 if TYPE_CHECKING:  # the schema imports pydantic; keep it out of `import accelrun.models`
     from accelrun.config.schema import ModelConfig
@@ -273,8 +273,6 @@ def training_loss_fn(model: nn.Module):
     takes targets (the built-in families: the head then compiles with ``compile.scope: loss`` or ``model``),
     otherwise cross-entropy over the logits it returns. ``positions`` (document packing) is passed on as
     ``positions_BT`` only when given, so concat packing calls the model exactly as before."""
-    import torch.nn.functional as F
-
     params = forward_parameters(model)
     if loss_head_attached(model):  # transformers' model with the head and loss as one step (causal_lm_head)
         def head_and_loss(inputs_BT, targets_BT):
@@ -301,13 +299,13 @@ def training_loss_fn(model: nn.Module):
             own = loss_in(out)
             if own is not None:
                 return own
-            return F.cross_entropy(logits_of(out, model, inputs_BT).float().flatten(0, 1), targets_BT.flatten())
+            return next_token_loss(logits_of(out, model, inputs_BT), targets_BT)
 
         return with_targets
 
     def loss(inputs_BT, targets_BT):
         logits_BTV = logits_of(model(inputs_BT, **no_cache), model, inputs_BT)
-        return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
+        return next_token_loss(logits_BTV, targets_BT)
 
     return loss
 

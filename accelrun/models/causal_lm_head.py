@@ -19,7 +19,8 @@ the class's own forward by tests/models/test_causal_lm_head.py. A subclass that 
 
 from __future__ import annotations
 
-import types
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -59,16 +60,21 @@ def has_plain_head(model: nn.Module) -> bool:
 
 def attach_loss_head(model: nn.Module) -> bool:
     """Give a model of ``PLAIN_HEADS`` a ``head_loss`` and a forward that takes ``targets_BT``; whether
-    it did. Bound to this instance (not its class: ``save_pretrained`` writes the class's name), so a
-    deep copy of the model gets its own."""
+    it did. On this instance (not its class: ``save_pretrained`` writes the class's name) as partials of
+    the model, which pickle and deep copies rebind to the copy (a bound method is pickled as
+    ``getattr(model, name)``, which an unpickled model does not have yet). The forward keeps its
+    class's signature, plus ``targets_BT``: transformers' ``generate`` reads it."""
     if loss_head_attached(model):
         return True
     if not has_plain_head(model):
         return False
-    # Named as the attributes they become: pickle reduces a bound method to getattr(model, its name)
-    # (Dynamo pickles the model with the graph cache's guards).
-    model.forward = types.MethodType(forward, model)
-    model.head_loss = types.MethodType(head_loss, model)
+    own = inspect.signature(type(model).forward)
+    params = list(own.parameters.values())[1:]  # without self
+    targets = inspect.Parameter("targets_BT", inspect.Parameter.KEYWORD_ONLY, default=None)
+    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+    model.forward = functools.partial(forward, model)
+    model.forward.__signature__ = own.replace(parameters=[*params[:at], targets, *params[at:]])
+    model.head_loss = functools.partial(head_loss, model)
     model.has_head = True  # compile_model's test for a model whose head is on this rank
     setattr(model, METHODS, {"forward": forward, "head_loss": head_loss})
     return True
@@ -87,7 +93,11 @@ def loss_head_attached(model: nn.Module) -> bool:
 def forward(self: nn.Module, *args: Any, targets_BT: torch.Tensor | None = None, **kwargs: Any) -> Any:
     if targets_BT is None:
         return type(self).forward(self, *args, **kwargs)
-    (inputs_BT,) = args  # training calls it with the token ids alone
+    # With targets, the call training makes: the token ids alone (anything more would go unread)
+    inputs_BT = args[0] if len(args) == 1 and not kwargs else kwargs.get("input_ids") if not args else None
+    if inputs_BT is None or len(kwargs) > (0 if args else 1):
+        raise TypeError(f"{type(self).__name__}.forward with targets_BT takes the token ids alone "
+                        f"(got {len(args)} positional and {sorted(kwargs)} keyword arguments besides)")
     hidden_BTD = self.model(input_ids=inputs_BT, use_cache=False).last_hidden_state
     return self.head_loss(hidden_BTD, targets_BT)
 
@@ -95,5 +105,9 @@ def forward(self: nn.Module, *args: Any, targets_BT: torch.Tensor | None = None,
 def head_loss(self: nn.Module, h_BTD: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of the head's logits against the targets, as ``training_loss_fn`` takes it of
     the class's own forward's logits (in fp32)."""
-    logits_BTV = self.lm_head(h_BTD)
+    return next_token_loss(self.lm_head(h_BTD), targets_BT)
+
+
+def next_token_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """The loss training takes of a user's model's logits: mean cross-entropy, in fp32."""
     return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())

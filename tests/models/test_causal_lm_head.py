@@ -81,3 +81,24 @@ def test_a_user_factory_of_transformers_llama_gets_the_head(tmp_path, monkeypatc
     model = build_model(ModelConfig(custom="my_llama:make"), "cpu")
     assert loss_head_attached(model) and type(model) is transformers.LlamaForCausalLM
     assert set(model.state_dict()) == set(transformers.LlamaForCausalLM(model.config).state_dict())
+
+
+def test_the_attached_head_survives_pickle_and_deepcopy_and_keeps_the_class_signature():
+    """Review findings: bound methods on the instance did not unpickle (pickle asks the half-built model
+    for them); transformers' generate reads the forward's signature, which lost its parameters; a
+    call with targets and other arguments dropped them without a word."""
+    import inspect
+    import pickle
+
+    model = _tiny("transformers.models.llama.modeling_llama.LlamaForCausalLM")
+    attach_loss_head(model)
+    tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    loss = model(tokens[:, :-1], targets_BT=tokens[:, 1:])
+    for twin in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert loss_head_attached(twin) and twin.forward.args[0] is twin and twin.head_loss.args[0] is twin
+        torch.testing.assert_close(twin(tokens[:, :-1], targets_BT=tokens[:, 1:]), loss)
+    params = inspect.signature(model.forward).parameters
+    assert list(params)[:3] == ["input_ids", "attention_mask", "position_ids"] and "targets_BT" in params
+    torch.testing.assert_close(model(input_ids=tokens[:, :-1], targets_BT=tokens[:, 1:]), loss)
+    with pytest.raises(TypeError, match="with targets_BT takes the token ids alone"):
+        model(tokens[:, :-1], attention_mask=torch.ones_like(tokens[:, :-1]), targets_BT=tokens[:, 1:])
