@@ -194,13 +194,7 @@ def warm_starts(args: argparse.Namespace, dname: str, cache: Path) -> None:
     the graph cache on), once to fill the caches (``--fill-steps`` steps) and then ``--warm-starts``
     times loading them."""
     def child(variant: str, steps: int = 1) -> dict:
-        cmd = [sys.executable, __file__, "--child", variant, "--dtypes", dname, "--hidden", str(args.hidden),
-               "--layers", str(args.layers), "--vocab", str(args.vocab), "--batch", str(args.batch),
-               "--seq", str(args.seq), "--scope", args.scope, "--passes", args.passes, "--executors", args.executors,
-               "--fill-steps", str(steps)]  # fmt: skip
-        env = {**os.environ, "ACCELRUN_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-        return json.loads(out.strip().splitlines()[-1])
+        return run_child(args, variant, dname, steps, cache)
 
     filled = child("accelrun", args.fill_steps)
     eager = [child("eager")["first_step_s"] for _ in range(args.warm_starts)]
@@ -249,15 +243,21 @@ def peak_memory(args: argparse.Namespace, dname: str) -> None:
     """Each variant's peak resident memory over ``--fill-steps`` steps, each in a process of its own (one
     process's peak covers whatever ran in it)."""
     for variant in args.variants.split(","):
-        cmd = [sys.executable, __file__, "--child", variant, "--dtypes", dname, "--hidden", str(args.hidden),
-               "--layers", str(args.layers), "--vocab", str(args.vocab), "--batch", str(args.batch),
-               "--seq", str(args.seq), "--scope", args.scope, "--passes", args.passes, "--executors", args.executors,
-               "--fill-steps", str(args.fill_steps)]  # fmt: skip
         with tempfile.TemporaryDirectory(prefix="accelrun-bench-hf-memory-") as cache:
-            env = {**os.environ, "ACCELRUN_CACHE_DIR": cache, "TORCHINDUCTOR_CACHE_DIR": str(Path(cache) / "inductor")}
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-        peak = json.loads(out.strip().splitlines()[-1])["peak_rss_mib"]
+            peak = run_child(args, variant, dname, args.fill_steps, Path(cache))["peak_rss_mib"]
         print(f"{dname} {variant:15s} peak resident memory over {args.fill_steps} steps: {peak:,.0f} MiB")
+
+
+def run_child(args: argparse.Namespace, variant: str, dname: str, steps: int, cache: Path) -> dict:
+    """``child`` in a new process, with this run's model and compile settings and ``cache`` for both
+    compilers' caches: its JSON."""
+    cmd = [sys.executable, __file__, "--child", variant, "--dtypes", dname, "--hidden", str(args.hidden),
+           "--layers", str(args.layers), "--vocab", str(args.vocab), "--batch", str(args.batch),
+           "--seq", str(args.seq), "--scope", args.scope, "--passes", args.passes, "--executors", args.executors,
+           "--fill-steps", str(steps)]  # fmt: skip
+    env = {**os.environ, "ACCELRUN_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:

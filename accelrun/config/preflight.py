@@ -289,7 +289,6 @@ def cuda_asked_for(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Mach
                     "device (train.device=auto trains on whatever the node has)", True)]
 
 
-# The checks `train` makes before a run directory or a tensor exists, in order; `validate` runs them all.
 def resume_path(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
     """checkpoint.resume naming a path names one that exists (what it holds, train checks when it starts:
     train.resume)."""
@@ -301,6 +300,7 @@ def resume_path(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine
                     '"auto" continues an interrupted run of this recipe, "none" starts afresh', True)]
 
 
+# The checks `train` makes before a run directory or a tensor exists, in order; `validate` runs them all.
 PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, hf_weights, processes_fit, gpu_only_keys, cpu_bf16_without_kernels,
                                        cuda_asked_for, resume_path)
 

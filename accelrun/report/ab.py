@@ -254,11 +254,14 @@ def summarize_ab(plan: AbPlan, run_dirs: dict[str, list[Path]], *, seed: int = 0
     busy = {f"{label}{k}": share for label, shares in other_cpu.items()
             for k, share in enumerate(shares, start=1) if share is not None}
     if busy and max(busy.values()) > BUSY_WARNING:
-        threads = groups[0].runs[0].config_flat.get("train.threads")
-        how = (f"The variants ran on train.threads = {threads}, as given" if threads is not None else
-               "The variants ran on torch's default threads (every core), so that they compare like for like, "
-               "where `accelrun train` alone takes fewer threads beside a busy neighbour (train.threads=1 "
-               "before --a compares them that way)")  # fmt: skip
+        given = {g.label: g.runs[0].config_flat.get("train.threads") for g in groups}
+        if all(t is None for t in given.values()):
+            how = ("The variants ran on torch's default threads (every core), so that they compare like for like, "
+                   "where `accelrun train` alone takes fewer threads beside a busy neighbour (train.threads=1 "
+                   "before --a compares them that way)")  # fmt: skip
+        else:
+            how = "The variants ran on train.threads as given: " + ", ".join(
+                f"{label} {'every core' if t is None else t}" for label, t in given.items())
         c.warnings.insert(0, "other processes used up to " + _pct(max(busy.values())) + " of the CPU during the "
                           "runs (" + ", ".join(f"{k} {_pct(v)}" for k, v in busy.items()) + "): they competed "
                           "with the variants, so the speed figures are less reliable; run ab on a quiet machine. "

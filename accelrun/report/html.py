@@ -18,7 +18,7 @@ from pathlib import Path
 
 from accelrun.report import fmt
 from accelrun.report.files import write_text_atomic
-from accelrun.report.markdown import headline_rows, rank_rows, sparkline
+from accelrun.report.markdown import headline_rows, rank_rows, sparkline, threads_why
 from accelrun.report.metrics import read_metrics
 from accelrun.report.plots import INSTALL_HINT, PlotsUnavailable, run_plots
 from accelrun.report.profiler import PROFILE_DIR
@@ -105,8 +105,7 @@ def env_rows(env: dict) -> list[tuple[str, str]]:
     commit = git.get("commit")
     return [
         ("CPU", f"{cpu.get('model', '?')}, {cpu.get('logical_cores', '?')} logical cores, "
-                f"torch threads {cpu.get('torch_threads', '?')}"
-                + (f"; {cpu['threads_chosen']}" if cpu.get("threads_chosen") else "")),
+                f"torch threads {cpu.get('torch_threads', '?')}{threads_why(cpu)}"),
         ("GPU", gpu),
         ("software", f"torch {v.get('torch', '?')}, Python {v.get('python', '?')}, "
                      f"triton {v.get('triton') or 'not installed'}, accelrun {v.get('accelrun', '?')}"),

@@ -250,12 +250,17 @@ def _loss_section(r: dict) -> list[str]:
     return lines
 
 
+def threads_why(cpu: dict) -> str:
+    """``; why`` a run took fewer threads than cores, where it chose so (env.json's cpu section), or ""."""
+    return f"; {cpu['threads_chosen']}" if cpu.get("threads_chosen") else ""
+
+
 def _env_section(env: dict) -> list[str]:
     v, cpu, cuda, git = (env.get(k) or {} for k in ("versions", "cpu", "cuda", "git"))
     lines = ["## Environment", ""]
     lines.append(f"- CPU: {cpu.get('model', '?')}, {cpu.get('logical_cores', '?')} logical cores, "
                  f"torch threads {cpu.get('torch_threads', '?')} (inter-op {cpu.get('torch_interop_threads', '?')})"
-                 + (f"; {cpu['threads_chosen']}" if cpu.get("threads_chosen") else ""))
+                 f"{threads_why(cpu)}")
     if cpu.get("malloc"):
         lines.append(f"- host malloc: {cpu['malloc']}")
     if cuda.get("available"):

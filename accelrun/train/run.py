@@ -297,7 +297,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         "data": data_description(cfg.data),
         "resumed from": report["resumed_from"],
         "history": (" → ".join(Path(p).name for p in report["history"]) if len(report["history"]) > 1
-                    else "this run folder only (no restarts)"),
+                    else f"{run_dir.name} alone" + ("" if report["resumed_from"] else " (no restarts)")),
     }
     write_report_md(report, summary, run_dir / "report.md", env=env)
     write_report_html(report, summary, run_dir, env=env)

@@ -260,4 +260,4 @@ def test_ab_warns_when_other_processes_compete_for_the_cpu(runs, tmp_path):
     # Given train.threads, the warning says the runs used it (it advised setting it: a new user had)
     pinned = train_tiny(tmp_path / "pinned", 6, "train.threads=1")
     busy = summarize_ab(plan, {"A": [pinned], "B": [runs["twin"]]}, other_cpu={"A": [0.5], "B": [None]})
-    assert busy.comparison.warnings[0].endswith("The variants ran on train.threads = 1, as given")
+    assert busy.comparison.warnings[0].endswith("The variants ran on train.threads as given: A 1, B every core")

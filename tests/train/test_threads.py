@@ -57,6 +57,6 @@ def test_a_run_beside_a_busy_process_takes_fewer_threads_and_says_so(tmp_path, m
         # the report says why too (it said only "torch threads 1": a new user could not tell why)
         assert "torch threads 1 (inter-op" in (report := (run_dir / "report.md").read_text())
         assert "; threads: 1 of 2 cores: other processes are using" in report
-        assert "| history | this run folder only (no restarts) |" in report  # was "n/a" beside a history in report.json
+        assert f"| history | {run_dir.name} alone (no restarts) |" in report  # was "n/a" beside report.json's history
     finally:
         torch.set_num_threads(before)
