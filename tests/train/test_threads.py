@@ -24,6 +24,24 @@ def test_threads_are_the_cores_left(usable, others, expected):
     assert threads.threads_for(usable, others) == expected
 
 
+class _ExactLook(machine_load.CpuWindow):  # a busy test machine may oversleep the look
+    def wall_s(self) -> float:
+        return threads.LOOK_S
+
+
+@pytest.mark.parametrize(("busy_per_look", "expected"), [((0.3, 0.3), 1), ((0.3, 0.0), 2), ((0.0,), 2)])
+def test_a_neighbour_must_be_there_in_both_looks_to_take_a_core(monkeypatch, busy_per_look, expected):
+    """A burst (another process starting) in the first look alone leaves every core to the run."""
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(threads, "CpuWindow", _ExactLook)
+    monkeypatch.setattr(machine_load, "_tree_cpu_s", lambda: 0.0)
+    monkeypatch.setattr(machine_load.os, "cpu_count", lambda: 2)
+    readings = iter(itertools.accumulate([0.0, *(x for b in busy_per_look for x in (b, 0.0))]))
+    monkeypatch.setattr(machine_load, "_busy_cpu_s", lambda: next(readings))
+    choice = threads.choose_threads(look_s=0.0)
+    assert choice.threads == expected, choice
+
+
 def test_a_cgroup_quota_caps_the_cores(tmp_path):
     (tmp_path / "cpu.max").write_text("150000 100000\n")
     assert machine_load._cgroup_quota_cores(tmp_path / "cpu.max") == 1.5
