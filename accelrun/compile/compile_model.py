@@ -183,7 +183,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         targets = ([(b, "forward") for b in blocks] + ([(model, "head_loss")] if head is not None else [])
                    + [(m, "forward") for m in linears])  # fmt: skip
         cache = _graph_cache(cfg, backend, targets)
-        _compile_blocks(blocks, cfg, backend, cache)
+        _compile_each(blocks, backend, cache, fullgraph=cfg.fullgraph)
         what += _compile_linears(linears, backend, cache)
         if head is not None and cache is not None:
             from accelrun.compile.graph_cache import install
@@ -336,30 +336,26 @@ def _compile_linears(linears: list[nn.Module], backend: object, cache: Any) -> s
     first compile costs 0.6 s more than torch.compile's, once a process: AOTAutograd's cache key for a
     graph of ATen ops alone hashes Triton's and Inductor's sources. What was compiled, for the
     description."""
-    if linears and cache is not None:
-        from accelrun.compile.graph_cache import install
-
-        install(cache, linears, "forward", func=_class_forward)
-    else:
-        for linear in linears:
-            compile_module(linear, backend)
+    _compile_each(linears, backend, cache)
     return f" + {len(linears)} nn.Linear layer{'s' if len(linears) != 1 else ''} outside them" if linears else ""
 
 
-def _compile_blocks(blocks: list[nn.Module], cfg: CompileConfig, backend: object, cache: Any) -> None:
-    """Each block's forward through the graph cache (a block with a graph break falls back to
-    torch.compile there), or torch.compile where the cache is off. Identical blocks share one
-    compiled graph: Dynamo's cache is keyed by code, not instance."""
-    # torch.nn's own blocks (a `layers` list of nn.TransformerEncoderLayer) are traced from a frame of
-    # accelrun's (compile_module): precompiled on their own, their module reached the graph as a tensor.
-    builtin = any(is_torch_builtin(type(b)) for b in blocks)
-    if cache is not None:
-        from accelrun.compile.graph_cache import install
-
-        install(cache, list(blocks), "forward", func=_class_forward if builtin else None)
+def _compile_each(modules: list[nn.Module], backend: object, cache: Any, fullgraph: bool = False) -> None:
+    """Each module's forward through the graph cache (one with a graph break falls back to
+    torch.compile there), or ``compile_module`` where it is off. Identical modules share one compiled
+    graph: Dynamo's cache is keyed by code, not instance. torch.nn's own modules are traced from a frame
+    of accelrun's either way (``_class_forward``): precompiled on their own, their module reached the
+    graph where a tensor belonged."""
+    if not modules:
         return
-    for block in blocks:
-        compile_module(block, backend, fullgraph=cfg.fullgraph)
+    if cache is None:
+        for module in modules:
+            compile_module(module, backend, fullgraph=fullgraph)
+        return
+    from accelrun.compile.graph_cache import install
+
+    builtin = any(is_torch_builtin(type(m)) for m in modules)
+    install(cache, list(modules), "forward", func=_class_forward if builtin else None)
 
 
 def _graph_cache(cfg: CompileConfig, backend: object, targets: list[tuple[nn.Module, str]]):

@@ -582,11 +582,17 @@ def decline_reason(cfg: Any, targets: list[tuple[nn.Module, str]]) -> str | None
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return "multi-rank runs compile afresh (sharded parameters and collectives are not cached)"
     for owner, method in targets:
-        if method in owner.__dict__ and method not in getattr(owner, "accelrun_methods", {}):
+        if method in owner.__dict__ and method not in instance_methods(owner):
             return f"{type(owner).__name__}.{method} is wrapped (activation checkpointing?)"
         if (why := getattr(owner, "graph_cache_decline", None)) is not None:  # the model says why
             return why
     return None
+
+
+def instance_methods(owner: nn.Module) -> dict[str, Any]:
+    """The functions accelrun put on this instance in place of its class's methods, by name
+    (``models.causal_lm_head``): compiled as the owner's method, and no wrapper of a user's."""
+    return getattr(owner, "accelrun_methods", {})
 
 
 def install(cache: GraphCache, owners: list[nn.Module], method: str, func: Any = None) -> None:
@@ -597,9 +603,7 @@ def install(cache: GraphCache, owners: list[nn.Module], method: str, func: Any =
     for owner in owners:
         cls = type(owner)
         if cls not in shared:
-            # a method accelrun bound to the instance (models.causal_lm_head) in place of the class's
-            own = getattr(owner, "accelrun_methods", {}).get(method)
-            shared[cls] = CachedMethod(cache, func or own or getattr(cls, method))
+            shared[cls] = CachedMethod(cache, func or instance_methods(owner).get(method) or getattr(cls, method))
         shared[cls].owners.add(owner)
         # An instance attribute shadows the class's method, so Module.__call__ reaches the cached one.
         setattr(owner, method, shared[cls].bind(owner))

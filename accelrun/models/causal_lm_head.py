@@ -41,8 +41,8 @@ PLAIN_HEADS = frozenset(f"transformers.models.{module}.modeling_{module}.{cls}" 
     ("starcoder2", "Starcoder2ForCausalLM"),
 ))  # fmt: skip
 
-# On a model this module gave them: the methods bound to the instance, by name, which the graph cache
-# compiles in place of the class's (``graph_cache.install``) and does not take for a wrapper.
+# On a model this module gave them: its functions on the instance, by name, which the graph cache
+# compiles in place of the class's methods and does not take for wrappers (graph_cache.instance_methods).
 METHODS = "accelrun_methods"
 
 
@@ -90,15 +90,15 @@ def loss_head_attached(model: nn.Module) -> bool:
     return "head_loss" in getattr(model, METHODS, {})
 
 
-def forward(self: nn.Module, *args: Any, targets_BT: torch.Tensor | None = None, **kwargs: Any) -> Any:
+def forward(self: nn.Module, input_ids: torch.Tensor | None = None, *args: Any,
+            targets_BT: torch.Tensor | None = None, **kwargs: Any) -> Any:  # fmt: skip
     if targets_BT is None:
-        return type(self).forward(self, *args, **kwargs)
+        return type(self).forward(self, input_ids, *args, **kwargs)
     # With targets, the call training makes: the token ids alone (anything more would go unread)
-    inputs_BT = args[0] if len(args) == 1 and not kwargs else kwargs.get("input_ids") if not args else None
-    if inputs_BT is None or len(kwargs) > (0 if args else 1):
+    if input_ids is None or args or kwargs:
         raise TypeError(f"{type(self).__name__}.forward with targets_BT takes the token ids alone "
                         f"(got {len(args)} positional and {sorted(kwargs)} keyword arguments besides)")
-    hidden_BTD = self.model(input_ids=inputs_BT, use_cache=False).last_hidden_state
+    hidden_BTD = self.model(input_ids=input_ids, use_cache=False).last_hidden_state
     return self.head_loss(hidden_BTD, targets_BT)
 
 
