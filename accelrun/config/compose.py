@@ -6,7 +6,7 @@ keeps its provenance: the file and line, or the override, that set it last.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ class Composed:
     data: dict[str, Any]
     sources: dict[KeyPath, Source]
     files: list[Path]  # every file read, in the order their values were applied
+    duplicate_keys: list[str] = field(default_factory=list)  # messages; validate reports them
 
 
 def compose_file(path: Path, search_dirs: list[Path]) -> Composed:
@@ -72,9 +73,11 @@ def _compose(path: Path, search_dirs: list[Path], stack: tuple[Path, ...]) -> Co
         parent = _compose(target, search_dirs, stack + (path,))
         merge_into(out, parent.data, parent.sources)
         out.files += [f for f in parent.files if f not in out.files]
+        out.duplicate_keys += [m for m in parent.duplicate_keys if m not in out.duplicate_keys]
     own = {k: Source("file", str(path), line) for k, line in located.lines.items() if k[:1] != ("extends",)}
     merge_into(out, raw, own)
     out.files.append(path)
+    out.duplicate_keys += [d.describe(str(Source("file", str(path)))) for d in located.duplicates]
     return out
 
 
@@ -127,7 +130,10 @@ def apply_override(dst: Composed, text: str) -> None:
         raise ConfigError(f"override '{text}': expected key.path=value or ~key.path")
     path = _parse_key_path(key.strip(), text)
     # The same bounded loader as recipe files: an override's value is YAML too (aliases included).
-    value = load_yaml_with_lines(raw, f"override '{text}'").data if raw.strip() else ""
+    located = load_yaml_with_lines(raw, f"override '{text}'") if raw.strip() else None
+    if located and located.duplicates:
+        raise ConfigError([f"override '{text}': duplicate key '{dotted(path + d.path)}'" for d in located.duplicates])
+    value = located.data if located else ""
     src = Source("override", text=text)
     value_sources = {path + p: src for p in _all_paths(value)}
     if any(isinstance(p, int) for p in path):  # into a list: the containers on the way must exist

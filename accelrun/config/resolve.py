@@ -111,7 +111,7 @@ def load_config(
     hf_sources = _hf_folder_sources(composed.data)
     sources = {**composed.sources, **hf_sources}
     try:
-        cfg = validate(composed.data, sources)
+        cfg = validate(composed.data, sources, composed.duplicate_keys)
     except HFModelError as e:  # a missing folder: say where model.hf was set (other errors name its file)
         if not str(e).startswith("model.hf = "):
             raise

@@ -9,6 +9,7 @@ and where each was set.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -48,13 +49,15 @@ CHOICE_SYNONYMS = {
 }
 
 
-def validate(data: dict[str, Any], sources: dict[KeyPath, Source]) -> RunConfig:
+def validate(data: dict[str, Any], sources: dict[KeyPath, Source], duplicate_keys: Sequence[str] = ()) -> RunConfig:
+    """The recipe as a RunConfig, or one ConfigError listing every problem: ``duplicate_keys`` (the
+    files' keys set twice, found while reading them) first, then the schema's or the consistency checks'."""
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as e:
         errors = _without_misspelt_required(e.errors(), data)
-        raise ConfigError([_describe(err, data, sources) for err in errors]) from None
-    problems = consistency_problems(cfg, sources)
+        raise ConfigError([*duplicate_keys, *(_describe(err, data, sources) for err in errors)]) from None
+    problems = [*duplicate_keys, *consistency_problems(cfg, sources)]
     if problems:
         raise ConfigError(problems)
     if cfg.train.micro_batch is None:  # checked above: global_batch divides by grad_accum × dp

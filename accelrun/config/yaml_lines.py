@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ class _Budget:
     def __init__(self, origin: str) -> None:
         self.origin, self.nodes, self.seen, self.aliases = origin, 0, set(), 0
         self.open: set[int] = set()  # nodes being expanded: an alias to one of them is a cycle
+        self.duplicates: list[DuplicateKey] = []
 
     def enter(self, node: yaml.Node) -> None:
         where = f"{self.origin}:{node.start_mark.line + 1}"
@@ -39,11 +40,28 @@ class _Budget:
 
 
 @dataclass(frozen=True)
+class DuplicateKey:
+    """A key set twice in one mapping of a YAML text: an error, reported with validation's."""
+
+    path: KeyPath
+    line: int
+    first_line: int
+
+    def describe(self, origin: str) -> str:
+        return f"{origin}:{self.line}: duplicate key '{dotted(self.path)}' (first set on line {self.first_line})"
+
+
+@dataclass(frozen=True)
 class Located:
-    """A YAML document as plain Python values, and the 1-based line where each key path is set."""
+    """A YAML document as plain Python values, and the 1-based line where each key path is set.
+
+    ``duplicates``: the keys set twice in a mapping (the later value is kept). They are errors,
+    reported with validation's, so that one of them does not hide the text's other mistakes.
+    """
 
     data: Any
     lines: dict[KeyPath, int]
+    duplicates: list[DuplicateKey] = field(default_factory=list)
 
 
 def load_yaml_with_lines(text: str, origin: str) -> Located:
@@ -64,8 +82,9 @@ def load_yaml_with_lines(text: str, origin: str) -> Located:
     lines: dict[KeyPath, int] = {}
     if node is None:
         return Located({}, lines)
+    budget = _Budget(origin)
     try:
-        return Located(_construct(node, (), lines, origin, loader, _Budget(origin)), lines)
+        return Located(_construct(node, (), lines, origin, loader, budget), lines, budget.duplicates)
     except (yaml.constructor.ConstructorError, ValueError, TypeError) as e:  # e.g. `!!int abc`
         mark = getattr(e, "problem_mark", None)
         where = f"{origin}:{mark.line + 1}:{mark.column + 1}" if mark else origin
@@ -110,7 +129,8 @@ def _construct_collection(node: yaml.Node, path: KeyPath, lines: dict, origin: s
                 raise ConfigError(f"{origin}:{line}: keys must be strings, got {key!r}")
             if key in out:
                 first = lines[path + (key,)]
-                raise ConfigError(f"{origin}:{line}: duplicate key '{dotted(path + (key,))}' (first set on line {first})")
+                budget.duplicates.append(DuplicateKey(path + (key,), line, first))
+                _forget_below(lines, path + (key,))
             lines[path + (key,)] = line
             out[key] = _construct(value_node, path + (key,), lines, origin, loader, budget)
         return out
@@ -121,6 +141,12 @@ def _construct_collection(node: yaml.Node, path: KeyPath, lines: dict, origin: s
             items.append(_construct(item, path + (i,), lines, origin, loader, budget))
         return items
     return loader.construct_object(node, deep=True)  # a tagged collection (e.g. !!set)
+
+
+def _forget_below(lines: dict[KeyPath, int], path: KeyPath) -> None:
+    """A key set again: the lines of what its first value held no longer point anywhere."""
+    for p in [p for p in lines if p[: len(path)] == path]:
+        del lines[p]
 
 
 def dotted(path: KeyPath) -> str:

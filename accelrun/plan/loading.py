@@ -36,7 +36,7 @@ def load_plan_config(
         replace_cluster(composed, find_cluster_file(cluster, dirs), dirs)
     for text in overrides:
         apply_override(composed, text)
-    cfg = validate(composed.data, composed.sources)
+    cfg = validate(composed.data, composed.sources, composed.duplicate_keys)
     resolved = ResolvedConfig(cfg, composed.sources, composed.files, list(overrides),
                               config_warnings(cfg, composed.sources))
     return PlanInput(resolved, composed)
@@ -71,6 +71,7 @@ def replace_cluster(dst: Composed, path: Path, dirs: list[Path]) -> None:
     for key in [k for k in dst.sources if k[:1] == ("cluster",)]:
         del dst.sources[key]
     merge_into(dst, {"cluster": src.data["cluster"]}, src.sources)
+    dst.duplicate_keys += src.duplicate_keys
     if keep_nodes:
         merge_into(dst, {"cluster": {"nodes": old["nodes"]}}, {("cluster", "nodes"): nodes_source})
     dst.files += [f for f in src.files if f not in dst.files]

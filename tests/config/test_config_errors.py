@@ -65,6 +65,24 @@ def test_duplicate_key_is_an_error(write):
     assert "duplicate key 'train.steps' (first set on line 2)" in error_of(p)
 
 
+def test_a_duplicate_key_is_reported_with_the_recipe_s_other_errors(write):
+    """One run of validate shows every problem: a duplicate key no longer stops the reading, so the
+    misspelt key below it and the duplicate in the recipe it extends are in the same message."""
+    write("base.yaml", "model:\n  dim: 64\n  dim: 32\n")
+    p = write("bad.yaml", "extends: [./base.yaml]\ntrain:\n  steps: 1\n  steps: 2\n  optimizer:\n    lrr: 0.1\n")
+    msg = error_of(p)
+    assert "duplicate key 'model.dim' (first set on line 2)" in msg
+    assert "duplicate key 'train.steps' (first set on line 3)" in msg
+    assert f"{p.resolve()}:6: unknown key 'train.optimizer.lrr'" in msg
+    assert len(msg.splitlines()) == 3, msg
+
+
+def test_a_duplicate_key_alone_is_still_an_error(write):
+    p = write("dup.yaml", "extends: [compile/eager]\ntrain:\n  steps: 2\n  steps: 2\n")
+    with pytest.raises(ConfigError, match="duplicate key 'train.steps'"):
+        load_config(p)
+
+
 @pytest.mark.parametrize(
     "text, line, expect",
     [
@@ -166,3 +184,9 @@ def test_a_value_where_a_section_belongs_says_what_the_section_holds(write):
     assert "not a value (got 5)" in msg and "TrainConfig" not in msg
     p = write("opt.yaml", "train:\n  optimizer: adamw\n")
     assert "did you mean 'train.optimizer.name=adamw'?" in error_of(p)
+
+
+def test_a_duplicate_key_in_an_override_s_value_is_an_error(write):
+    p = write("ok.yaml", "extends: [compile/eager]\n")
+    with pytest.raises(ConfigError, match=r"override 'train=\{steps: 1, steps: 2\}': duplicate key 'train.steps'"):
+        load_config(p, ["train={steps: 1, steps: 2}"])
