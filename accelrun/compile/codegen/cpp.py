@@ -39,6 +39,7 @@ from accelrun.compile.codegen.loop_ir import (
 )
 from accelrun.compile.codegen.math_poly import FUNCTIONS as POLYNOMIAL_FUNCTIONS
 from accelrun.compile.codegen.ops import INFIX, Renderer
+from accelrun.compile.codegen.runtime_rows import leads_with
 from accelrun.compile.fused import dropout
 from accelrun.torch_private import TensorGuards, empty_strided_cpu
 
@@ -504,7 +505,7 @@ class CppRowsRegion(CppRegion):
         ins = []
         for t, buf, dynamic, lead in zip(args, self.inputs, self._dynamic_in, self._in_leads, strict=True):
             if lead is not None:
-                if not _leads_with(t, lead, buf.shape[1:]):
+                if not leads_with(t, lead, buf.shape[1:]):
                     raise ValueError(f"compiled region: an input of sizes {list(t.shape)} where "
                                      f"{[*lead, *buf.shape[1:]]} (-1: any) was expected")  # fmt: skip
                 t = t.reshape(n, *buf.shape[1:])  # a view where the leading axes are laid out as rows
@@ -518,13 +519,6 @@ class CppRowsRegion(CppRegion):
         self.fn(self._ptrs(*[t.data_ptr() for t in ins], *[t.data_ptr() for t in made]), n, torch.get_num_threads())
         return tuple(t if lead is None else t.view(*lead, *t.shape[1:])
                      for t, lead in zip(made[: self._n_out], self._out_leads, strict=True))  # fmt: skip
-
-
-def _leads_with(t: torch.Tensor, lead: tuple[int, ...], rest: tuple[int, ...]) -> bool:
-    """Whether ``t``'s sizes are ``lead`` (-1: any) followed by ``rest``."""
-    shape = tuple(t.shape)
-    return (len(shape) == len(lead) + len(rest) and shape[len(lead):] == tuple(rest)
-            and all(want in (-1, got) for want, got in zip(lead, shape, strict=False)))  # fmt: skip
 
 
 class CppLengthRegion(CppRegion):

@@ -262,7 +262,8 @@ class TuningCache:
             if (data["format"], data["source_sha256"], data["device"]) != (FORMAT, self._source_hash(),
                                                                             _device_json(device)):
                 return None
-            return [Launch(**{**d, "grid": tuple(d["grid"]), "args": tuple(d["args"])}) for d in data["launches"]]
+            return [Launch(**{**d, "grid": tuple(d["grid"]), "args": tuple(d["args"]),
+                              "scalars": tuple(map(tuple, d.get("scalars", ())))}) for d in data["launches"]]
         except (OSError, ValueError, KeyError, TypeError):
             return None
 

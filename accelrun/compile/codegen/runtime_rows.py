@@ -92,6 +92,14 @@ def lower_with_runtime_rows(region: Any) -> LoopProgram:
     return dataclasses.replace(first, runtime_rows=runtime)
 
 
+def leads_with(t: torch.Tensor, lead: tuple[int, ...], rest: tuple[int, ...]) -> bool:
+    """Whether ``t``'s sizes are ``lead`` (-1: any) followed by ``rest``: an input whose leading axes
+    are read as the rows (``RuntimeRows.leading_axes``)."""
+    shape = tuple(t.shape)
+    return (len(shape) == len(lead) + len(rest) and shape[len(lead):] == tuple(rest)
+            and all(want in (-1, got) for want, got in zip(lead, shape, strict=False)))  # fmt: skip
+
+
 def row_symbol(region: Any) -> tuple[sympy.Symbol, sympy.Expr]:
     """The one symbol of the region's sizes, when it is only ever the leading size of a tensor, and that
     leading size: the symbol itself (an expert's tokens), or a whole multiple of it (``16*s``: a batch of

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -206,6 +207,11 @@ class Launch:
     block_n: int
     num_warps: int
     num_stages: int | None = None  # software pipelining of loops; None: Triton's default (launch_tuning sets it)
+    # Runtime rows (``codegen.runtime_rows``): the integers passed after the buffers, each a Python
+    # expression of the call's row count ``n_rows`` (the kernel's own parameter names), and the grid as
+    # one; ``grid`` then holds the made-up count's, for the cross-compile only.
+    scalars: tuple[tuple[str, str], ...] = ()
+    grid_expr: str | None = None
 
     def options(self) -> dict[str, int]:
         """The launch's keyword arguments besides the buffers (constexprs, warps, stages)."""
@@ -227,21 +233,56 @@ def launches(program: LoopProgram) -> list[Launch]:
     for kernel in program.kernels:
         block_r, block_n = tiles(kernel)
         args = tuple(_kernel_buffers(kernel.blocks, program.buffers))
+        name = kernel_name(kernel, runtime_axis(program, kernel))
+        scalars, grid_expr = runtime_launch(program, kernel)
         if kernel.kind == "cols" and cols_split(kernel).chunks > 1:
             split = cols_split(kernel)
             loop, *post = kernel.blocks
             parts = tuple(_part_name(kernel, red) for red in loop.reductions)
             loop_args = tuple(_kernel_buffers([loop], program.buffers)) + parts
-            out.append(Launch(kernel_name(kernel), grid(kernel), loop_args, block_r, block_n,
-                              _warps(block_r * block_n)))
+            out.append(Launch(name, grid(kernel), loop_args, block_r, block_n, _warps(block_r * block_n),
+                              scalars=scalars, grid_expr=grid_expr))
             final_r = max(1, min(_pow2(split.chunks), TILE_ELEMENTS // block_n))
-            out.append(Launch(f"{kernel_name(kernel)}_final", (split.col_blocks,),
+            out.append(Launch(f"{name}_final", (split.col_blocks,),
                               parts + tuple(_kernel_buffers(post, program.buffers)), final_r, block_n,
                               _warps(final_r * block_n)))
             continue
         warps = _warps(block_r * block_n)
-        out.append(Launch(kernel_name(kernel), grid(kernel), args, block_r, block_n, warps))
+        out.append(Launch(name, grid(kernel), args, block_r, block_n, warps, scalars=scalars, grid_expr=grid_expr))
     return out
+
+
+def runtime_axis(program: LoopProgram, kernel: Kernel) -> str | None:
+    """Where a kernel meets the call's row count (``codegen.runtime_rows``): its rows ("rows"), its one
+    flat loop over n times a row's elements ("flat"), or nowhere (None)."""
+    rows = program.runtime_rows
+    if rows is None:
+        return None
+    return "rows" if kernel.name in rows.kernels else "flat" if kernel.name in rows.flat_kernels else None
+
+
+def runtime_launch(program: LoopProgram, kernel: Kernel) -> tuple[tuple[tuple[str, str], ...], str | None]:
+    """A runtime-rows kernel's integer arguments and grid, as expressions of ``n_rows``; ((), None) for
+    a kernel of fixed sizes. Tiles are the made-up count's (a full tile of rows): only how many there
+    are changes. A column reduction keeps its number of chunks (its partials' scratch is fixed) and
+    takes the rows each chunk sums, in whole tiles."""
+    axis = runtime_axis(program, kernel)
+    if axis is None:
+        return (), None
+    block_r, block_n = tiles(kernel)
+    if kernel.kind == "cols":
+        chunks = cols_split(kernel).chunks
+        per_chunk = f"triton.cdiv(triton.cdiv(n_rows, {chunks}), {block_r}) * {block_r}"
+        return (("n_rows", "n_rows"), ("rows_per_chunk", per_chunk)), None
+    if axis == "flat":  # one row of n_rows times its elements: column blocks only
+        return (("n_rows", "n_rows"),), f"(max(1, triton.cdiv(n_rows * {_flat_width(kernel)}, {block_n})),)"
+    col_blocks = 1 if looped(kernel) else -(-kernel.trips // block_n)
+    return (("n_rows", "n_rows"),), f"(max(1, triton.cdiv(n_rows, {block_r})) * {col_blocks},)"
+
+
+def _flat_width(kernel: Kernel) -> int:
+    """A flat kernel's trips per row of the runtime count (its columns past the first axis, unrolled)."""
+    return math.prod(kernel.col_shape[1:]) // kernel.unroll
 
 
 def scratch_buffers(program: LoopProgram) -> list[Scratch]:
@@ -258,9 +299,14 @@ def _part_name(kernel: Kernel, red: Reduction) -> str:
     return f"{kernel.name}_{red.name}_part"
 
 
-def kernel_name(kernel: Kernel) -> str:
+def kernel_name(kernel: Kernel, runtime: str | None = None) -> str:
     """The ``@triton.jit`` function's name, what profilers show: kind and domain, e.g.
-    ``kernel1_cols_8192x1024`` (the name depends on the program only, so equal regions share a module)."""
+    ``kernel1_cols_8192x1024`` (the name depends on the program only, so equal regions share a module);
+    ``n`` for the count a runtime-rows kernel reads at each call (``kernel1_rows_nx48``)."""
+    if runtime == "rows":
+        return f"{kernel.name}_{kernel.kind}_nx{kernel.cols}"
+    if runtime == "flat":
+        return f"{kernel.name}_{kernel.kind}_1xn{_flat_width(kernel) * kernel.unroll}"
     return f"{kernel.name}_{kernel.kind}_{kernel.rows}x{kernel.cols}"
 
 
@@ -268,22 +314,39 @@ def triton_source(program: LoopProgram) -> str:
     for buf in program.buffers:
         if _numel(buf) >= 2**31:
             raise Unsupported("tensors of 2**31 elements or more (Triton indices are 32-bit here)")
+    _check_runtime_rows(program)
     e = Emitter()
     e.lines(HEADER)
     for kernel in program.kernels:
         e.line()
         e.line()
-        _KernelWriter(e, kernel, program.buffers).write()
+        _KernelWriter(e, kernel, program.buffers, runtime_axis(program, kernel)).write()
     names = [b.name for b in program.buffers] + [s.name for s in scratch_buffers(program)]
+    names += ["n_rows"] if program.runtime_rows is not None else []
     e.line()
     e.line()
     with e.block(f"def launch({', '.join(names)}):"):
         for ln in launches(program):
-            e.line(f"{ln.kernel}[{ln.grid}]({', '.join(ln.args)}, BLOCK_R={ln.block_r}, "
+            args = [*ln.args, *(value for _, value in ln.scalars)]
+            e.line(f"{ln.kernel}[{ln.grid_expr or ln.grid}]({', '.join(args)}, BLOCK_R={ln.block_r}, "
                    f"BLOCK_N={ln.block_n}, num_warps={ln.num_warps})")
         if not program.kernels:
             e.line("pass")
     return e.source()
+
+
+def _check_runtime_rows(program: LoopProgram) -> None:
+    """What of a size read at each call the Triton generator does not write (the region then stays in
+    another executor, with this reason)."""
+    if program.linear_sizes is not None:
+        raise Unsupported("sizes that follow a length read at each call (a·s + b): Triton kernels take "
+                          "fixed sizes or a row count read at each call")
+    if program.size_inputs and program.runtime_rows is None:
+        raise Unsupported("a size among the region's inputs (triton kernels take tensors only)")
+    for k in program.kernels:
+        if runtime_axis(program, k) == "flat" and k.has_reductions:
+            raise Unsupported("a reduction over all n·k elements of a changing size (the Triton generator "
+                              "reads a changing row count, not a changing reduction length)")
 
 
 def _numel(buf: Buffer) -> int:
@@ -301,8 +364,16 @@ def _kernel_buffers(blocks: list[Block], buffers: list[Buffer]) -> list[str]:
 
 
 class _KernelWriter:
-    def __init__(self, e: Emitter, kernel: Kernel, buffers: list[Buffer]) -> None:
+    def __init__(self, e: Emitter, kernel: Kernel, buffers: list[Buffer], runtime: str | None = None) -> None:
         self.e, self.k = e, kernel
+        # Bounds as the kernel's code reads them: literals, or for runtime rows (``runtime``) its
+        # ``n_rows`` parameter (the rows, or a flat kernel's trips in n_rows times its width).
+        self.runtime = runtime
+        self.row_bound = "n_rows" if runtime == "rows" else str(kernel.rows)
+        self.trip_bound = f"n_rows * {_flat_width(kernel)}" if runtime == "flat" else str(kernel.trips)
+        self.name = kernel_name(kernel, runtime)
+        scalars = {"rows": ("n_rows", "rows_per_chunk") if kernel.kind == "cols" else ("n_rows",), "flat": ("n_rows",)}
+        self.params = ", ".join([*scalars.get(runtime, ()), CONSTEXPRS])
         self.buffers = {b.name: b for b in buffers}
         # A row buffer needs no memory here: a kernel with row reductions holds whole rows in its tile,
         # so the value an earlier block keeps is still a live variable.
@@ -320,8 +391,12 @@ class _KernelWriter:
             return
         args = _kernel_buffers(k.blocks, self.all_buffers)
         row_blocks, col_blocks = blocks_per_axis(k)
+        if self.runtime == "rows":  # as many row blocks as the call's rows need
+            row_blocks = 2
+        elif self.runtime == "flat":
+            col_blocks = 2
         e.line("@triton.jit")
-        with e.block(f"def {kernel_name(k)}({', '.join(args)}, {CONSTEXPRS}):"):
+        with e.block(f"def {self.name}({', '.join(args)}, {self.params}):"):
             row_block, col_block = "tl.program_id(0)", "tl.program_id(0)"
             if col_blocks > 1 and row_blocks > 1:
                 row_block, col_block = f"(tl.program_id(0) // {col_blocks})", f"(tl.program_id(0) % {col_blocks})"
@@ -329,14 +404,14 @@ class _KernelWriter:
             c0 = f"{col_block} * BLOCK_N + " if col_blocks > 1 else ""
             e.line(f"r = {r0}tl.arange(0, BLOCK_R)[:, None]")
             e.line(f"c = {c0}tl.arange(0, BLOCK_N)[None, :]")
-            e.line(f"rmask = r < {k.rows}")
-            e.line(f"mask = rmask & (c < {k.trips})")
+            e.line(f"rmask = r < {self.row_bound}")
+            e.line(f"mask = rmask & (c < {self.trip_bound})")
             e.line("zero_outer = r * 0")
             e.line("zero_inner = r * 0 + c * 0")
             self.pairs = _PairedAccess(k)
             if self.pairs:
                 e.line(f"c2 = {c0.replace(' * BLOCK_N + ', ' * 2 * BLOCK_N + ')}tl.arange(0, 2 * BLOCK_N)[None, :]")
-                e.line(f"mask2 = rmask & (c2 < {2 * k.trips})")
+                e.line(f"mask2 = rmask & (c2 < 2 * ({self.trip_bound}))")
                 e.line("zero2 = r * 0 + c2 * 0")
             for block in k.blocks:
                 level = "inner" if block.level == "inner" else "outer"
@@ -357,9 +432,9 @@ class _KernelWriter:
         args = _kernel_buffers(k.blocks, self.all_buffers)
         sources = {st.buffer: (b, st.value) for b in k.blocks for st in b.stores if st.buffer in self.rows}
         e.line("@triton.jit")
-        with e.block(f"def {kernel_name(k)}({', '.join(args)}, {CONSTEXPRS}):"):
+        with e.block(f"def {self.name}({', '.join(args)}, {self.params}):"):
             e.line("r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
-            e.line(f"rmask = r < {k.rows}")
+            e.line(f"rmask = r < {self.row_bound}")
             e.line("zero_outer = r * 0")
             pairs = online_pairs(k)
             done: set[int] = set()
@@ -394,12 +469,12 @@ class _KernelWriter:
     def _row_loop(self, blocks: list[Block], sources: dict[str, tuple[Block, str]], pair: OnlinePair | None) -> None:
         """One loop over the row for ``blocks`` (one inner block, or an online pair): their statements,
         their reductions folded into partial tiles, their stores."""
-        e, k = self.e, self.k
+        e = self.e
         for red in (red for b in blocks for red in b.reductions):
             e.line(f"{red.name}_part = tl.full([BLOCK_R, BLOCK_N], {IDENTITY[red.op, red.ctype]}, {TL_TYPE[red.ctype]})")
-        with e.block(f"for c0 in range(0, {k.trips}, BLOCK_N):"):
+        with e.block(f"for c0 in range(0, {self.trip_bound}, BLOCK_N):"):
             e.line("c = c0 + tl.arange(0, BLOCK_N)[None, :]")
-            e.line(f"mask = rmask & (c < {k.trips})")
+            e.line(f"mask = rmask & (c < {self.trip_bound})")
             e.line("zero_inner = r * 0 + c * 0")
             emitted: set[str] = set()
             for st in blocks[0].stmts:
@@ -459,18 +534,20 @@ class _KernelWriter:
         parts = [_part_name(k, red) for red in loop.reductions]
         args = _kernel_buffers([loop], self.all_buffers) + parts if two_stage else \
             _kernel_buffers(k.blocks, self.all_buffers)
+        # A chunk's rows: fixed, or for runtime rows the launch's rows_per_chunk (whole tiles)
+        per_chunk = "rows_per_chunk" if self.runtime == "rows" else str(split.rows_per_chunk)
         e.line("@triton.jit")
-        with e.block(f"def {kernel_name(k)}({', '.join(args)}, {CONSTEXPRS}):"):
+        with e.block(f"def {self.name}({', '.join(args)}, {self.params}):"):
             e.line("c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
             e.line(f"cmask = c < {k.trips}")
             e.line("zero_col = c * 0")
-            first = f"tl.program_id(1) * {split.rows_per_chunk} + " if two_stage else ""
+            first = f"tl.program_id(1) * {per_chunk} + " if two_stage else ""
             for red in loop.reductions:
                 e.line(f"{red.name}_part = tl.full([BLOCK_R, BLOCK_N], {IDENTITY[red.op, red.ctype]}, "
                        f"{TL_TYPE[red.ctype]})")
-            with e.block(f"for r0 in range(0, {split.rows_per_chunk}, BLOCK_R):"):
+            with e.block(f"for r0 in range(0, {per_chunk}, BLOCK_R):"):
                 e.line(f"r = {first}r0 + tl.arange(0, BLOCK_R)[:, None]")
-                e.line(f"mask = (r < {k.rows}) & cmask")
+                e.line(f"mask = (r < {self.row_bound}) & cmask")
                 e.line("zero_inner = r * 0 + c * 0")
                 self._stmts(loop.stmts, "mask", "zero_inner")
                 for red in loop.reductions:
@@ -490,7 +567,7 @@ class _KernelWriter:
         # The second stage: the partials of every chunk, reduced in chunk order (deterministic).
         args = parts + _kernel_buffers(post, self.all_buffers)
         e.line("@triton.jit")
-        with e.block(f"def {kernel_name(k)}_final({', '.join(args)}, {CONSTEXPRS}):"):
+        with e.block(f"def {self.name}_final({', '.join(args)}, {CONSTEXPRS}):"):
             e.line("c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
             e.line(f"cmask = c < {k.trips}")
             e.line("zero_col = c * 0")

@@ -203,7 +203,8 @@ def cross_compile(program: LoopProgram, source: str, arch: int, ptxas: bool = Tr
     out = []
     for ln in plan if plan is not None else launches(program):
         fn = getattr(module, ln.kernel)
-        signature = {a: POINTER[dtypes[a]] for a in ln.args} | {"BLOCK_R": "constexpr", "BLOCK_N": "constexpr"}
+        signature = ({a: POINTER[dtypes[a]] for a in ln.args} | {name: "i32" for name, _ in ln.scalars}
+                     | {"BLOCK_R": "constexpr", "BLOCK_N": "constexpr"})
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(ln.args))}  # torch's allocations are aligned
         src = ASTSource(fn=fn, signature=signature, constexprs={"BLOCK_R": ln.block_r, "BLOCK_N": ln.block_n},
                         attrs=attrs)

@@ -19,6 +19,7 @@ class TritonExecutor(GeneratedCodeExecutor):
     name = "triton"
     device_type = "cuda"
     source_ext = "py"
+    runtime_rows = True  # a row count read at each call (codegen.runtime_rows; triton_rows_region)
     tune_launches = True  # compile.tune_launches (the backend sets it from its options)
 
     def unavailable_reason(self) -> str | None:
@@ -46,6 +47,10 @@ class TritonExecutor(GeneratedCodeExecutor):
             region.lowering.cache_hit = module_path(source, cache_dir).exists()
         program = cached_program(region)
         module = load_module(source, cache_dir)
+        if program.runtime_rows is not None:  # compiled at its first calls, for the counts' specialisations
+            from accelrun.compile.codegen.triton_rows_region import TritonRowsRegion
+
+            return TritonRowsRegion(program, module)
         if os.environ.get("TRITON_INTERPRET") == "1":  # nothing to time here (launch_tuning.can_time: False)
             tune = self.tune_launches and _can_time()
             return with_output_strides(TritonRegion(program, module, tune=tune), program)
@@ -73,6 +78,8 @@ class TritonExecutor(GeneratedCodeExecutor):
                 source = self.source(region)
                 region.lowering.cache_hit = module_path(source, cache_dir).exists()  # before it is written
                 program, module = cached_program(region), load_module(source, cache_dir)
+                if program.runtime_rows is not None:  # built at its first calls (TritonRowsRegion)
+                    continue
                 programs.append((program, module, self._cached_plan(program, module)))
             except Exception:  # noqa: BLE001
                 continue
