@@ -88,6 +88,7 @@ if [ "$DEVICE" = cuda ] && want triton; then
     section "Triton code generator on the GPU (no interpreter)"
     env -u TRITON_INTERPRET ACCELRUN_TRITON_TEST_DEVICE=cuda \
         python -m pytest tests/compile/test_codegen_triton.py tests/compile/test_triton_real_compile.py \
+        tests/compile/test_triton_runtime_rows.py \
         -q -p no:cacheprovider -rs || failed+=("triton tests")
     section "Triton cross-compile for sm_90 and sm_100 (registers, spills)"
     python bench/triton_cross_compile.py | tail -n 5 || failed+=("triton cross-compile")

@@ -243,9 +243,10 @@ def launches(program: LoopProgram) -> list[Launch]:
             out.append(Launch(name, grid(kernel), loop_args, block_r, block_n, _warps(block_r * block_n),
                               scalars=scalars, grid_expr=grid_expr))
             final_r = max(1, min(_pow2(split.chunks), TILE_ELEMENTS // block_n))
+            used = _chunks_used(kernel) if runtime_axis(program, kernel) else None
             out.append(Launch(f"{name}_final", (split.col_blocks,),
                               parts + tuple(_kernel_buffers(post, program.buffers)), final_r, block_n,
-                              _warps(final_r * block_n)))
+                              _warps(final_r * block_n), scalars=(("n_chunks", used),) if used else ()))
             continue
         warps = _warps(block_r * block_n)
         out.append(Launch(name, grid(kernel), args, block_r, block_n, warps, scalars=scalars, grid_expr=grid_expr))
@@ -264,20 +265,29 @@ def runtime_axis(program: LoopProgram, kernel: Kernel) -> str | None:
 def runtime_launch(program: LoopProgram, kernel: Kernel) -> tuple[tuple[tuple[str, str], ...], str | None]:
     """A runtime-rows kernel's integer arguments and grid, as expressions of ``n_rows``; ((), None) for
     a kernel of fixed sizes. Tiles are the made-up count's (a full tile of rows): only how many there
-    are changes. A column reduction keeps its number of chunks (its partials' scratch is fixed) and
-    takes the rows each chunk sums, in whole tiles."""
+    are changes. A column reduction takes as many chunks as the rows fill, up to the made-up count's
+    (its partials' scratch has that many rows), and the rows each chunk sums, in whole tiles; its
+    final stage reads that many partials."""
     axis = runtime_axis(program, kernel)
     if axis is None:
         return (), None
     block_r, block_n = tiles(kernel)
     if kernel.kind == "cols":
-        chunks = cols_split(kernel).chunks
-        per_chunk = f"triton.cdiv(triton.cdiv(n_rows, {chunks}), {block_r}) * {block_r}"
-        return (("n_rows", "n_rows"), ("rows_per_chunk", per_chunk)), None
+        split = cols_split(kernel)
+        used = _chunks_used(kernel) if split.chunks > 1 else "1"
+        per_chunk = f"triton.cdiv(triton.cdiv(n_rows, {used}), {block_r}) * {block_r}"
+        grid_expr = f"({split.col_blocks}, {used})" if split.chunks > 1 else None
+        return (("n_rows", "n_rows"), ("rows_per_chunk", per_chunk)), grid_expr
     if axis == "flat":  # one row of n_rows times its elements: column blocks only
         return (("n_rows", "n_rows"),), f"(max(1, triton.cdiv(n_rows * {_flat_width(kernel)}, {block_n})),)"
     col_blocks = 1 if looped(kernel) else -(-kernel.trips // block_n)
     return (("n_rows", "n_rows"),), f"(max(1, triton.cdiv(n_rows, {block_r})) * {col_blocks},)"
+
+
+def _chunks_used(kernel: Kernel) -> str:
+    """A runtime-rows column reduction's chunks for the call's rows (an expression of ``n_rows``)."""
+    split = cols_split(kernel)
+    return f"max(1, min({split.chunks}, triton.cdiv(n_rows, {split.block_r})))"
 
 
 def _flat_width(kernel: Kernel) -> int:
@@ -567,16 +577,18 @@ class _KernelWriter:
         # The second stage: the partials of every chunk, reduced in chunk order (deterministic).
         args = parts + _kernel_buffers(post, self.all_buffers)
         e.line("@triton.jit")
-        with e.block(f"def {self.name}_final({', '.join(args)}, {CONSTEXPRS}):"):
+        chunks = "n_chunks" if self.runtime == "rows" else str(split.chunks)  # the partials the first stage wrote
+        params = f"n_chunks, {CONSTEXPRS}" if self.runtime == "rows" else CONSTEXPRS
+        with e.block(f"def {self.name}_final({', '.join(args)}, {params}):"):
             e.line("c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
             e.line(f"cmask = c < {k.trips}")
             e.line("zero_col = c * 0")
             for red in loop.reductions:
                 e.line(f"{red.name}_part = tl.full([BLOCK_R, BLOCK_N], {IDENTITY[red.op, red.ctype]}, "
                        f"{TL_TYPE[red.ctype]})")
-            with e.block(f"for p0 in range(0, {split.chunks}, BLOCK_R):"):
+            with e.block(f"for p0 in range(0, {chunks}, BLOCK_R):"):
                 e.line("p = p0 + tl.arange(0, BLOCK_R)[:, None]")
-                e.line(f"pmask = (p < {split.chunks}) & cmask")
+                e.line(f"pmask = (p < {chunks}) & cmask")
                 for red, part in zip(loop.reductions, parts, strict=True):
                     init = IDENTITY[red.op, red.ctype]
                     value = f"tl.load({part} + p * {k.trips} + c, mask=pmask, other={init})"
