@@ -133,6 +133,43 @@ def test_a_changing_size_product_with_nothing_to_sum_is_atens_even_where_onednn_
     assert torch.equal(gm(torch.randn(0, 48), torch.randn(0, 40)), torch.zeros(48, 40))
 
 
+def _counting_libraries(monkeypatch) -> dict[Library, int]:
+    calls = {Library.ATEN: 0, Library.ONEDNN: 0}
+
+    def counted(lib, real):
+        def call(a, b, bias=None):
+            calls[lib] += 1
+            return real(a, b, bias)
+        return call
+
+    monkeypatch.setattr(gemm_choice, "MULTIPLY", {lib: counted(lib, f) for lib, f in gemm_choice.MULTIPLY.items()})
+    monkeypatch.setattr(gemm_choice, "_aten_mm", counted(Library.ATEN, gemm_choice._aten_mm))
+    return calls
+
+
+def test_an_experts_products_meeting_a_new_size_at_every_call_run_aten(tmp_path, monkeypatch):
+    """oneDNN builds a kernel at each new size: chosen for a bucket on repeated sizes, it stays where
+    sizes come back (lengths in turn) and gives way to ATen where they do not (an expert's token counts),
+    with ATen's results either way."""
+    monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path))
+    layout = ChangingGemmLayout((None, 48, 40), False, False, False)
+    w = torch.randn(48, 40)
+    for buckets in (64, 128):  # oneDNN already chosen for the buckets these calls fall in
+        gemm_choice.tuner_for(layout.at(buckets, 48, 40)).library = Library.ONEDNN
+    lengths, tokens = ChangingSizeGemmSite(layout), ChangingSizeGemmSite(layout)
+    calls = _counting_libraries(monkeypatch)
+    for i in range(64):
+        x = torch.randn((96, 100, 110, 120, 70, 80)[i % 6], 48)
+        torch.testing.assert_close(lengths(x, w), x @ w, rtol=1e-5, atol=1e-5)
+    assert calls == {Library.ATEN: 0, Library.ONEDNN: 64}, calls
+    calls.update({Library.ATEN: 0, Library.ONEDNN: 0})
+    for rows in range(65, 129):  # a new count at every call
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(tokens(x, w), x @ w, rtol=1e-5, atol=1e-5)
+    assert calls == {Library.ATEN: 64 - 7, Library.ONEDNN: 7}, calls  # from the 8th call on
+    assert tokens.sizes_rarely_repeat() and not lengths.sizes_rarely_repeat()
+
+
 def test_a_bucket_times_each_call_per_multiply_add(tmp_path, monkeypatch):
     """Calls of one bucket have other sizes: each is timed as if it had the bucket's multiply-adds, so
     a library is not judged on the smaller calls it happened to get."""
