@@ -317,6 +317,6 @@ class ChangingSizeGemmSite(GemmSite):
         return MULTIPLY[tuner.library](a, b, bias)
 
     def sizes_rarely_repeat(self) -> bool:
-        """Whether this site's calls keep meeting sizes they never met: every one of 8 calls or more, or
-        more than half of 32 or more (sequence lengths in turn repeat; an expert's token counts do not)."""
-        return (self.calls >= 8 and self.new_sizes == self.calls) or (self.calls >= 32 and 2 * self.new_sizes > self.calls)
+        """Whether more than half of this site's calls (8 or more) met a size for the first time: a few
+        sequence lengths in turn soon repeat; an expert's token counts rarely do."""
+        return self.calls >= 8 and 2 * self.new_sizes > self.calls

@@ -161,9 +161,10 @@ def test_an_experts_products_meeting_a_new_size_at_every_call_run_aten(tmp_path,
     for i in range(64):
         x = torch.randn((96, 100, 110, 120, 70, 80)[i % 6], 48)
         torch.testing.assert_close(lengths(x, w), x @ w, rtol=1e-5, atol=1e-5)
-    assert calls == {Library.ATEN: 0, Library.ONEDNN: 64}, calls
+    # six lengths in turn: new at calls 1-6, so more than half new at calls 8 to 11 only
+    assert calls == {Library.ATEN: 4, Library.ONEDNN: 60}, calls
     calls.update({Library.ATEN: 0, Library.ONEDNN: 0})
-    for rows in range(65, 129):  # a new count at every call
+    for rows in [*range(65, 75), 65, *range(75, 128)]:  # a new count at every call but one
         x = torch.randn(rows, 48)
         torch.testing.assert_close(tokens(x, w), x @ w, rtol=1e-5, atol=1e-5)
     assert calls == {Library.ATEN: 64 - 7, Library.ONEDNN: 7}, calls  # from the 8th call on
