@@ -87,8 +87,42 @@ def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn
         raise ModelBuildError(
             f"{where}: {attr}(...) returned a {type(model).__name__}, not a torch.nn.Module"
         )
+    if needed := arguments_never_passed(model):
+        raise ModelBuildError(
+            f"{where}: {type(model).__name__}.forward needs {', '.join(repr(n) for n in needed)}, which accelrun "
+            "does not pass: it calls forward(tokens), with targets= (or targets_BT=) when the forward takes them; "
+            f"give {'it a default' if len(needed) == 1 else 'them defaults'} (e.g. {needed[0]}=None)"
+        )
     attach_loss_head(model)  # transformers' causal LMs: the head and loss as one step, as a family's
     return model
+
+
+# What training passes a user's forward besides the tokens, where its signature names them (training_loss_fn).
+PASSED_BY_NAME = frozenset({"targets", "targets_BT", "positions_BT", "use_cache"})
+
+
+def arguments_never_passed(model: nn.Module) -> list[str]:
+    """The forward's parameters without a default that training never fills: any after the tokens (its
+    first), but the targets and positions it passes by name. A forward whose signature cannot be read
+    (a builtin) is taken as fitting."""
+    import inspect
+
+    try:
+        params = list(forward_parameters(model).values())
+    except (TypeError, ValueError):
+        return []
+    if params and params[0].name == "self":  # read from the class: unbound
+        params = params[1:]
+    needed, tokens_seen = [], False
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not inspect.Parameter.empty:
+            continue
+        if not tokens_seen and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            tokens_seen = True
+            continue
+        if p.name not in PASSED_BY_NAME:
+            needed.append(p.name)
+    return needed
 
 
 def resolve_custom(path: str) -> tuple[Any, str]:
@@ -96,10 +130,7 @@ def resolve_custom(path: str) -> tuple[Any, str]:
     the key when the module, the attribute or a callable is missing."""
     where = f"model.custom = {path!r}"
     module_name, _, attr = path.partition(":")
-    # The current folder is searched too, after everything else: `my_model:build` finds ./my_model.py
-    # without PYTHONPATH, as a script beside it would, and no file here hides an installed module.
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
+    _search_current_folder()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -128,6 +159,36 @@ def resolve_custom(path: str) -> tuple[Any, str]:
     if not callable(factory):
         raise ModelBuildError(f"{where}: {attr!r} is a {type(factory).__name__}, not a callable")
     return factory, attr
+
+
+def _search_current_folder() -> None:
+    # The current folder is searched too, after everything else: `my_model:build` finds ./my_model.py
+    # without PYTHONPATH, as a script beside it would, and no file here hides an installed module.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+
+
+def custom_path_hint(path: str) -> str:
+    """The nearest valid ``model.custom`` to one without its ``:factory`` ("; did you mean ...?"), found
+    by importing: ``pkg.mod.build`` is ``pkg.mod:build`` when that module has it; ``pkg.mod``, a module
+    itself, needs one of its callables named. "" when neither imports."""
+    if ":" in path:
+        return ""
+    module, _, name = path.rpartition(".")
+    _search_current_folder()
+    for candidate, attr in ((module, name), (path, None)):
+        if not candidate:
+            continue
+        try:
+            imported = importlib.import_module(candidate)
+        except Exception:  # noqa: BLE001 (not a module, or one that fails to import: no hint from it)
+            continue
+        if attr is None:
+            names = _callables(imported)
+            return f"; did you mean '{candidate}:<factory>'? (its callables: {', '.join(names[:8]) or 'none'})"
+        if callable(getattr(imported, attr, None)):
+            return f"; did you mean '{candidate}:{attr}'?"
+    return ""
 
 
 def _callables(owner: Any) -> list[str]:

@@ -61,13 +61,24 @@ def test_booleans_and_non_finite_numbers_are_refused(write, override, expect):
     assert expect in msg and f"override '{override}'" in msg
 
 
-def test_our_own_validators_speak_once_and_suggest(write):
+def test_our_own_validators_speak_once_and_suggest(write, monkeypatch):
     """A validator's own message comes without pydantic's "Value error," and without a second "(got ...)";
-    a module path written with a dot for the colon is offered with the colon."""
+    a module path written with a dot for the colon is offered with the colon where the module has that
+    callable, and a module named alone is offered with its callables (found by importing it: a guess
+    from the text alone offered 'mymodels:mha' for the module mymodels.mha, which has no such attribute)."""
     p = write("ok.yaml", "name: x\n")
-    msg = error_of(p, ["model.custom=mymodels.gru"])
-    assert msg.endswith("""model.custom: expected "package.module:factory", got 'mymodels.gru'; did you mean """
-                        "'mymodels:gru'?"), msg
+    pkg = p.parent / "mymodels_s70"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "gru.py").write_text("def build():\n    return None\n\nclass Net:\n    pass\n")
+    monkeypatch.syspath_prepend(str(p.parent))
+    msg = error_of(p, ["model.custom=mymodels_s70.gru.build"])
+    assert msg.endswith("""model.custom: expected "package.module:factory", got 'mymodels_s70.gru.build'; did you """
+                        "mean 'mymodels_s70.gru:build'?"), msg
+    msg = error_of(p, ["model.custom=mymodels_s70.gru"])
+    assert msg.endswith("did you mean 'mymodels_s70.gru:<factory>'? (its callables: build, Net)"), msg
+    msg = error_of(p, ["model.custom=no_such_pkg_s70.gru"])
+    assert msg.endswith("""expected "package.module:factory", got 'no_such_pkg_s70.gru'"""), msg
 
 
 def test_a_file_value_names_file_and_line(write):

@@ -75,6 +75,7 @@ FACTORIES = """
 
     NOT_CALLABLE = 3
 
+
     class Namespace:
         @staticmethod
         def create(width=4):
@@ -169,6 +170,44 @@ def test_custom_errors_name_the_key_and_the_problem(user_module, attr, kwargs, m
         build_model(ModelConfig(custom=f"{name}:{attr}", kwargs=kwargs), "cpu")
     assert str(info.value).startswith(f"model.custom = '{name}:{attr}': ")
     assert isinstance(info.value, ValueError)
+
+
+FORWARDS = """
+    from torch import nn
+
+    class TwoArgs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(8, 8)
+
+        def forward(self, input_ids, attention_mask, *, scale):
+            return self.emb(input_ids) * attention_mask[..., None] * scale
+
+    def two_args():
+        return TwoArgs()
+
+    class OwnLoss(nn.Module):  # nanoGPT's forward(idx, targets): the targets are passed by name
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(8, 8)
+
+        def forward(self, idx, targets, mask=None):
+            return self.emb(idx)
+
+    def own_loss():
+        return OwnLoss()
+"""
+
+
+def test_a_forward_needing_arguments_training_never_passes_is_refused_when_built(user_module):
+    """Found when the model is built (exit 2, one line), not as a traceback inside the first step
+    (found by a new user); a forward taking the targets by name (nanoGPT's) is built."""
+    name = user_module(FORWARDS)
+    with pytest.raises(ModelBuildError, match=r"TwoArgs.forward needs 'attention_mask', 'scale', which accelrun does "
+                                              r"not pass: it calls forward\(tokens\).*give them defaults "
+                                              r"\(e.g. attention_mask=None\)"):
+        build_model(ModelConfig(custom=f"{name}:two_args"), "cpu")
+    build_model(ModelConfig(custom=f"{name}:own_loss"), "cpu")
 
 
 def test_custom_missing_module():
