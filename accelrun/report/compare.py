@@ -373,4 +373,16 @@ def environment_differences(runs: list[RunRecord]) -> tuple[list[str], list[str]
     devices = [r.figure("device") for r in runs]
     if len({d for d in devices if d is not None}) > 1:
         warnings.append("different devices: " + ", ".join(str(d) for d in devices))
+    if differing := model_keys_differing(runs):
+        verb = "differs" if len(differing) == 1 else "differ"
+        warnings.append(f"different models ({', '.join(differing)} {verb}): the runs do different work, so their "
+                        "step times, tokens/s and losses compare models, not settings")
     return warnings, notes
+
+
+def model_keys_differing(runs: list[RunRecord]) -> list[str]:
+    """The ``model.*`` keys the runs read whose values differ (``config_diff``'s; a dict's own key, not
+    each of its entries), found by a new user: ``compare`` of two runs of different models printed a
+    speedup with no word on it."""
+    keys = [d.key for d in config_diff(runs) if d.key.startswith("model.")]
+    return [k for k in keys if not any(k.startswith(other + ".") for other in keys)]

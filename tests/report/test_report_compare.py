@@ -138,6 +138,12 @@ def test_a_family_key_is_no_difference_for_a_run_of_a_users_own_model(runs, tmp_
     diff = config_diff([family, wide, mine])
     assert _numeric_cause(diff, [0, 2]) == "expected: model.custom differs"
     assert _numeric_cause(diff, [0, 1]) == "expected: model.dim differs"
+    from accelrun.report.compare import environment_differences
+
+    # Runs of different models do different work: their speed ratio compares models, and says so.
+    assert any("different models (model.kwargs differs)" in w for w in environment_differences([mine, theirs])[0])
+    assert any("different models (model.custom differs)" in w for w in environment_differences([family, mine])[0])
+    assert not any("different models" in w for w in environment_differences([family, load_run(runs["twin"])])[0])
 
 
 def test_load_run_errors_and_folders(runs, tmp_path):
