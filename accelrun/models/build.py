@@ -74,6 +74,7 @@ def family_spec(cfg: ModelConfig):
 
 def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn.Module:
     where = f"model.custom = {path!r}"
+    check_custom_kwargs(path, kwargs)  # the nearest valid model.kwargs, as validate gives it
     factory, attr = resolve_custom(path)
     try:
         with device:
@@ -220,10 +221,27 @@ def check_custom_kwargs(path: str, kwargs: dict[str, Any]) -> None:
     try:
         signature.bind(**kwargs)
     except TypeError as e:
-        takes = ", ".join(n for n, p in signature.parameters.items()
-                          if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)) or "no arguments"
+        names = [n for n, p in signature.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         raise ModelKwargsError(f"model.kwargs = {kwargs!r} do not fit model.custom = {path!r}: {e} "
-                               f"({attr} takes {takes})") from None
+                               f"({attr} takes {', '.join(names) or 'no arguments'}){_kwargs_fix(signature, kwargs)}") from None
+
+
+def _kwargs_fix(signature: Any, kwargs: dict[str, Any]) -> str:
+    """The nearest valid model.kwargs: a misspelt name's nearest argument, or the required ones missing,
+    written as an override."""
+    from accelrun.config.errors import nearest
+
+    params = signature.parameters
+    takes = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    for name in kwargs:
+        if name not in params and (near := nearest(name, takes)):
+            return f"; did you mean {near!r}?"
+    missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]  # fmt: skip
+    if missing:
+        given = ", ".join([*(f"{k}: {v!r}" for k, v in kwargs.items()), *(f"{n}: ..." for n in missing)])
+        return f"; pass {'it' if len(missing) == 1 else 'them'} as model.kwargs, e.g. 'model.kwargs={{{given}}}'"
+    return ""
 
 
 def embedding_rows(model: nn.Module) -> int | None:

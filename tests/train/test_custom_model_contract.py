@@ -21,6 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def Needs(vocab, width):  # noqa: N802 (a factory with required arguments)
+    return Plain(vocab, width)
+
+
 class Plain(nn.Module):
     """A tiny LM: token embedding, one linear layer, logits."""
     def __init__(self, vocab=320, width=16):
@@ -133,6 +137,10 @@ def test_the_token_table_is_the_one_the_head_matches_not_a_larger_position_table
     ("contract_models:Plain", "{dims: 64}", "unexpected keyword argument 'dims'",
      "do not fit model.custom = 'contract_models:Plain': got an unexpected keyword argument 'dims' (Plain takes "
      "vocab, width) (override 'model.kwargs={dims: 64}')", ()),
+    # the nearest valid value: a misspelt argument's nearest name, a missing one written as an override
+    ("contract_models:Plain", "{widht: 64}", "unexpected keyword argument 'widht'", "; did you mean 'width'?", ()),
+    ("contract_models:Needs", "{vocab: 300}", "missing a required argument: 'width'",
+     "; pass it as model.kwargs, e.g. 'model.kwargs={vocab: 300, width: ...}'", ()),
     # Found once the model is built: validate builds it on the meta device (it said "valid" to both)
     ("contract_models:build", "{vocab: 100}", "embeds token ids below 100 (its token table), but data.tokenizer "
                                               "'byte' has ids up to 257", "(model.custom: override", ()),
