@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 from collections.abc import Mapping
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -347,11 +348,28 @@ def document_packing_problem(model: nn.Module) -> str | None:
             "data.packing: concat, or add the argument")
 
 
+class LossSource(Enum):
+    """Which loss training minimises (``training_loss_fn``); each value is what report.md says of it."""
+
+    HEAD = "the next-token cross-entropy of the model's head and loss as one step (forward(tokens, targets_BT))"
+    OWN = "the loss the model's forward returns given targets (forward(tokens, targets)), or where it returns " \
+          "none, the next-token cross-entropy of its logits"
+    LOGITS = "the next-token cross-entropy of the logits the model's forward returns (mean over tokens)"
+
+
+def loss_source(model: nn.Module) -> LossSource:
+    params = forward_parameters(model)
+    if loss_head_attached(model) or "targets_BT" in params:
+        return LossSource.HEAD
+    return LossSource.OWN if "targets" in params else LossSource.LOGITS
+
+
 def training_loss_fn(model: nn.Module):
     """``(inputs, targets[, positions]) -> mean cross-entropy``: the model's own loss head when its forward
     takes targets (the built-in families: the head then compiles with ``compile.scope: loss`` or ``model``),
-    otherwise cross-entropy over the logits it returns. ``positions`` (document packing) is passed on as
-    ``positions_BT`` only when given, so concat packing calls the model exactly as before."""
+    otherwise cross-entropy over the logits it returns (``loss_source`` names which). ``positions``
+    (document packing) is passed on as ``positions_BT`` only when given, so concat packing calls the
+    model exactly as before."""
     params = forward_parameters(model)
     if loss_head_attached(model):  # transformers' model with the head and loss as one step (causal_lm_head)
         def head_and_loss(inputs_BT, targets_BT):

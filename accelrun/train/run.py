@@ -32,6 +32,7 @@ from accelrun.dist.context import ParallelContext
 from accelrun.dist.stop import Stopped
 from accelrun.dist.worker import rank_uses_cuda
 from accelrun.errors import TrainingDiverged, UserError
+from accelrun.models.build import loss_source
 from accelrun.models.flop_count import COUNTED
 from accelrun.report.compile_time import compile_time, record_seconds
 from accelrun.report.files import write_json
@@ -290,6 +291,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         "model params": s.model_info["params_total"],
         "precision": cfg.train.precision,
         "compile": s.compiled,
+        "loss": loss_source(s.model).value,
         "device": str(s.device),
         "processes": s.ctx.world_size,
         "parallel degrees": " × ".join(f"{k} {v}" for k, v in cfg.parallel.degrees().items()),

@@ -86,17 +86,24 @@ def models(tmp_path, monkeypatch):
     return "contract_models:build"
 
 
-def losses(tiny, custom, style, name):
+def losses(tiny, custom, style, name, reports=None):
     result = train(load_config(DEFAULT_CONFIG, tiny(4, f"model.custom={custom}", f"model.kwargs={{style: {style}}}",
                                                      "compile.backend=eager", f"name={name}")), command="test")
     assert result.status == "finished"
+    if reports is not None:
+        reports[style] = (result.run_dir / "report.md").read_text()
     return [m["loss"] for m in read_metrics(result.run_dir / "metrics.jsonl")]
 
 
 def test_logits_are_read_from_a_tuple_a_dict_or_an_object(tiny, models):
-    want = losses(tiny, models, "Plain", "plain")
+    reports = {}
+    want = losses(tiny, models, "Plain", "plain", reports)
     for style in ("NanoStyle", "DictStyle", "ObjectStyle"):
-        assert losses(tiny, models, style, style.lower()) == want, style  # same weights, same logits, same losses
+        assert losses(tiny, models, style, style.lower(), reports) == want, style  # same weights, logits, losses
+    # report.md says which loss was trained: the forward's own where it takes targets (found by a new user)
+    assert "| loss | the loss the model's forward returns given targets" in reports["NanoStyle"]
+    for style in ("Plain", "DictStyle"):
+        assert "| loss | the next-token cross-entropy of the logits the model's forward returns" in reports[style]
 
 
 def invoke(*args):
