@@ -208,7 +208,12 @@ def measure_cpu_peak(precision: str, cache_dir: Path | None = None) -> Peak:
         dtype_name += " (this CPU has no bf16 matrix kernels: its fastest bf16 products are fp32 GEMMs)"
     on_threads = f"{threads} thread{'' if threads == 1 else 's'}"
     load = result.get("others_cpu_share")
-    load_text = f"other processes used {load:.0%} of the CPU meanwhile" if load is not None else "load unknown"
+    # Said of the probe, not of now: a cached figure was measured at another time (a run beside a busy
+    # neighbour read "1 thread ... other processes used 1% ... meanwhile" two lines after "other processes
+    # are using 1.0 core(s)", found by a new user).
+    when = f", measured {result['measured_at']}" if result.get("measured_at") else ""
+    load_text = (f"other processes used {load:.0%} of the CPU while it was probed{when}" if load is not None
+                 else f"load unknown{when}")
     # The probe times one product with each library it tries (fp32: torch.mm and oneDNN) and keeps the
     # faster; the source names the one whose rate the peak is.
     library = result.get("library", "torch.mm")

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -157,6 +158,8 @@ def test_cpu_probe_measures_then_reads_cache(fast_probe, bf16_kernels, monkeypat
     assert first.source.startswith(f"measured: {dtype} 64x64 matrix product probe, ")
     threads = torch.get_num_threads()
     assert (f"{threads} threads," if threads > 1 else "1 thread,") in first.source
+    # the load is the probe's, at its time (read from the cache later, it is not now's)
+    assert re.search(r"of the CPU while it was probed, measured \d{4}-\d\d-\d\dT", first.source), first.source
     assert "measured now" in first.detail and "not a datasheet peak" in first.detail
     files = list((tmp_path / "peak").glob("*.json"))
     assert len(files) == 1 and str(files[0]) in first.source
