@@ -313,6 +313,7 @@ class EntryKey:
     full: str
     stateless: str
     state: dict[str, str]
+    unversioned: str = ""  # the same without torch's and accelrun's versions and the compile options
 
 
 class GraphCache:
@@ -328,9 +329,13 @@ class GraphCache:
         # compile.fullgraph: a method whose precompile fails falls back to torch.compile with it too, so
         # a graph break still fails the run as it does with the cache off, instead of splitting quietly.
         self.fullgraph = fullgraph
-        self.fixed_key = "|".join([torch.__version__, accelrun_source_digest(), backend.options.fingerprint()])
+        # What every key holds (in this order, as before they were named), kept apart too: a miss where
+        # only these differ from a saved entry's says which (``note_version_change``).
+        self.versions = {"torch": torch.__version__, "accelrun": accelrun_source_digest(),
+                         "options": backend.options.fingerprint()}
+        self.fixed_key = "|".join(self.versions.values())
         self.stats = backend.record.graph_cache
-        # state_changed: why entries saved for this code were not loaded (global_state differs)
+        # state_changed: why entries saved for this code were not loaded (global state, versions or options differ)
         self.stats.update({"loaded": 0, "compiled": 0, "saved": 0, "fallbacks": 0, "errors": [], "state_changed": [],
                            "rejected": 0})  # fmt: skip
 
@@ -342,7 +347,8 @@ class GraphCache:
         state = global_state()
         stateless = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
         full = hashlib.sha256("\n".join([*parts, repr(sorted(state.items()))]).encode()).hexdigest()[:32]
-        return EntryKey(full, stateless, state)
+        unversioned = hashlib.sha256("\n".join(parts[1:]).encode()).hexdigest()[:32]
+        return EntryKey(full, stateless, state, unversioned)
 
     def note_state_change(self, state_file: Path, now: dict[str, str]) -> None:
         """A miss where entries of the same code and inputs were saved under other global state (another
@@ -353,8 +359,20 @@ class GraphCache:
         if nearest and (line := "; ".join(nearest)) not in self.stats["state_changed"]:
             self.stats["state_changed"].append(line)
 
+    def note_version_change(self, versions_file: Path) -> None:
+        """A miss where entries of the same model code and inputs were saved by another torch, another
+        accelrun (an upgrade, or an edit of its source) or under other compile options: say which, as for
+        a state (found by a new user: a run compiled again after accelrun's code changed, without a word)."""
+        saved = saved_states(versions_file)
+        if not saved or self.versions in saved:
+            return
+        nearest = min((version_changes(v, self.versions) for v in saved), key=len)
+        if nearest and (line := "; ".join(nearest)) not in self.stats["state_changed"]:
+            self.stats["state_changed"].append(line)
+
     def remember_state(self, state_file: Path, state: dict[str, str]) -> None:
-        """Add ``state`` to the states entries of this code and inputs were saved under."""
+        """Add ``state`` to the states entries of this code and inputs were saved under (and, in the same
+        way, the versions: ``remember_state(versions_file, cache.versions)``)."""
         states = saved_states(state_file)
         if state in states:
             return
@@ -365,6 +383,16 @@ class GraphCache:
 
     def error(self, what: str, e: BaseException) -> None:
         self.stats["errors"].append(f"{what}: {one_line(e)}")
+
+
+# How each part of ``GraphCache.versions`` reads when a saved entry's differs from this process's.
+VERSION_WORDS = {"torch": "torch {saved}, not {now}",
+                 "accelrun": "accelrun's code as it was before (upgraded or edited since)",
+                 "options": "other compile options"}
+
+
+def version_changes(saved: dict[str, str], now: dict[str, str]) -> list[str]:
+    return [VERSION_WORDS[k].format(saved=saved[k], now=v) for k, v in now.items() if k in saved and saved[k] != v]
 
 
 def saved_states(state_file: Path) -> list[dict[str, str]]:
@@ -444,9 +472,11 @@ class CachedMethod:
             # in model.kwargs) may precompile now.
             if saved_settings == module_settings(owner):
                 return self._fall_back(f"{PRECOMPILE_FAILED} before: {why}", None)
+        versions_file = self.cache.directory / f"{key.unversioned}-{len(self.entries)}.versions"
         entry = self._load(path, owner, args, kwargs) if path.exists() else None
         if entry is None and not path.exists():
             self.cache.note_state_change(state_file, key.state)
+            self.cache.note_version_change(versions_file)
         if entry is None:
             mark, counted = self.cache.backend.record.mark(), coverage.snapshot()
             try:
@@ -459,6 +489,7 @@ class CachedMethod:
                 return self._fall_back(f"{PRECOMPILE_FAILED} (nothing saved: each new process compiles it again)", e)
             if self._save(entry, traced, path):
                 self.cache.remember_state(state_file, key.state)
+                self.cache.remember_state(versions_file, self.cache.versions)
         self.entries.append(entry)
         return entry
 

@@ -447,6 +447,33 @@ def test_precompiles_where_torch_wraps_only_inductors_graphs(monkeypatch):
     assert_close(warm, eager, rel=1e-5)
 
 
+def test_a_miss_after_accelrun_torch_or_the_options_changed_says_which(monkeypatch):
+    """Entries are keyed by torch's version, accelrun's code and the compile options too: a run after
+    an upgrade (or an edit of accelrun's source) compiles again, and says why rather than nothing
+    (found by a new user); the first run says nothing, and so does a load."""
+    import accelrun.compile.graph_cache as graph_cache
+
+    first = step(*COMPILED)[2]
+    assert first.graph_cache["saved"] == 2 and first.graph_cache["state_changed"] == []
+    version = torch.__version__
+    with monkeypatch.context() as changed:
+        changed.setattr(graph_cache, "accelrun_source_digest", lambda: "an-edited-accelrun")
+        torch._dynamo.reset()
+        edited = step(*COMPILED)[2]
+        assert edited.graph_cache["compiled"] == 2 and edited.graph_cache["loaded"] == 0, edited.graph_cache
+        assert edited.graph_cache["state_changed"] == ["accelrun's code as it was before (upgraded or edited since)"]
+        assert "compiled, not loaded: the graph cache holds these graphs for accelrun's code as it was before" \
+            in edited.compiled_line()
+        changed.setattr(graph_cache.torch, "__version__", "9.9.9")
+        torch._dynamo.reset()
+        newer = step(*COMPILED)[2]
+        # the nearest saved entry's differences: the edited code's differ in torch alone
+        assert newer.graph_cache["state_changed"] == [f"torch {version}, not 9.9.9"], newer.graph_cache
+    torch._dynamo.reset()
+    again = step(*COMPILED)[2]
+    assert again.graph_cache["loaded"] == 2 and again.graph_cache["state_changed"] == [], again.graph_cache
+
+
 @pytest.fixture
 def threads():
     """set(n): run at n threads; the test's end restores the thread count it started with."""
