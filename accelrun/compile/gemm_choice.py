@@ -290,7 +290,9 @@ class ChangingSizeGemmSite(GemmSite):
     lengths, which come back every few steps. A mixture's expert meets a new token count at almost
     every call, and oneDNN builds a kernel for each new size (on this project's EPYC, a 1,024 x 96 x
     192 product took 231 us at a size met before, 647 at a new one, against ATen's 315): such a site
-    runs ATen while its calls keep meeting new sizes (``sizes_rarely_repeat``)."""
+    runs ATen while its calls keep meeting new sizes (``sizes_rarely_repeat``), and is not timed then
+    either: a bucket times a library's first call at a size apart (untimed), so it never decided, and
+    half its calls went on building oneDNN kernels (a walk's mixture: 33 steps, 16 buckets undecided)."""
 
     def __init__(self, layout: ChangingGemmLayout, library: Library | None = None) -> None:
         self.layout, self.fixed, self.tuner = layout, library, None
@@ -310,10 +312,10 @@ class ChangingSizeGemmSite(GemmSite):
         if tuner is None:
             tuner = self._tuners[sizes] = tuner_for(self.layout.at(*sizes))
             self.new_sizes += 1
+        if self.sizes_rarely_repeat():  # decided or not: a bucket timed on new sizes alone never decides
+            return _aten_mm(a, b, bias)
         if tuner.library is None:
             return tuner.timed_call(a, b, bias)
-        if tuner.library is Library.ONEDNN and self.sizes_rarely_repeat():
-            return _aten_mm(a, b, bias)
         return MULTIPLY[tuner.library](a, b, bias)
 
     def sizes_rarely_repeat(self) -> bool:

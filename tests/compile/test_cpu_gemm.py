@@ -171,6 +171,25 @@ def test_an_experts_products_meeting_a_new_size_at_every_call_run_aten(tmp_path,
     assert tokens.sizes_rarely_repeat() and not lengths.sizes_rarely_repeat()
 
 
+def test_a_site_meeting_new_sizes_stops_timing_its_undecided_bucket(tmp_path, monkeypatch):
+    """Undecided, a bucket alternates the libraries on its calls and times only those at sizes met
+    before: where sizes never repeat it never decided, and oneDNN built a kernel on every other call.
+    From the 8th call of new sizes on, the site runs ATen and times nothing."""
+    monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path))
+    site = ChangingSizeGemmSite(ChangingGemmLayout((None, 48, 40), False, False, False))
+    calls = _counting_libraries(monkeypatch)
+    w = torch.randn(48, 40)
+    sizes: list[int] = []
+    for i in range(60):  # every third call at the size before it: two in three new
+        sizes.append(sizes[-1] if i % 3 == 2 else 65 + i)
+    for rows in sizes:
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(site(x, w), x @ w, rtol=1e-5, atol=1e-5)
+    tuner = gemm_choice.tuner_for(site.layout.at(65, 48, 40))
+    assert tuner.library is None and sum(map(len, tuner.times.values())) <= 2, tuner.times  # timed no further
+    assert calls[Library.ONEDNN] <= 4 and calls[Library.ATEN] >= 56, calls  # of the first 7 calls, some oneDNN
+
+
 def test_a_bucket_times_each_call_per_multiply_add(tmp_path, monkeypatch):
     """Calls of one bucket have other sizes: each is timed as if it had the bucket's multiply-adds, so
     a library is not judged on the smaller calls it happened to get."""
