@@ -12,7 +12,7 @@ from typing import Any
 
 from accelrun.config.errors import ConfigError
 from accelrun.config.search import find_recipe, looks_like_path
-from accelrun.config.yaml_lines import KeyPath, dotted, load_yaml_file, load_yaml_with_lines
+from accelrun.config.yaml_lines import KeyPath, display_path, dotted, load_yaml_file, load_yaml_with_lines
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Source:
 
     def __str__(self) -> str:
         if self.kind == "file":
-            where = f"{_display_path(self.file)}:{self.line}" if self.line else _display_path(self.file)
+            where = f"{display_path(self.file)}:{self.line}" if self.line else display_path(self.file)
             return f"{where} ({self.text})" if self.text else where  # text: the key read there, if not ours
         if self.kind == "override":
             return f"override '{self.text}'"
@@ -36,15 +36,6 @@ class Source:
 
 
 DEFAULT = Source("default")
-
-
-def _display_path(path: str | None) -> str:
-    """Paths under the working directory are shown relative to it, like a compiler's diagnostics."""
-    try:
-        rel = Path(path).relative_to(Path.cwd())
-    except (TypeError, ValueError):
-        return str(path)
-    return str(rel)
 
 
 @dataclass

@@ -91,16 +91,27 @@ def load_yaml_with_lines(text: str, origin: str) -> Located:
         raise ConfigError(f"{where}: YAML value error: {getattr(e, 'problem', None) or e}") from None
 
 
+def display_path(path: str | Path | None) -> str:
+    """Paths under the working directory are shown relative to it, like a compiler's diagnostics (every
+    message about a recipe file names it so: a syntax error's and a key's alike)."""
+    try:
+        rel = Path(path).relative_to(Path.cwd())
+    except (TypeError, ValueError):
+        return str(path)
+    return str(rel)
+
+
 def load_yaml_file(path: Path) -> Located:
+    shown = display_path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+        raise ConfigError(f"{shown}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}): is this a YAML file?") from None
-    located = load_yaml_with_lines(text, str(path))
+        raise ConfigError(f"{shown}: not UTF-8 text (byte {e.start}): is this a YAML file?") from None
+    located = load_yaml_with_lines(text, shown)
     if located.data == {} and not located.lines:  # nothing but blanks and comments: almost always a mistake
-        raise ConfigError(f"{path}: the recipe is empty (no keys); a recipe names at least one setting "
+        raise ConfigError(f"{shown}: the recipe is empty (no keys); a recipe names at least one setting "
                           "or extends another")
     return located
 

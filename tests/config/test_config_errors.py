@@ -190,3 +190,12 @@ def test_a_duplicate_key_in_an_override_s_value_is_an_error(write):
     p = write("ok.yaml", "extends: [compile/eager]\n")
     with pytest.raises(ConfigError, match=r"override 'train=\{steps: 1, steps: 2\}': duplicate key 'train.steps'"):
         load_config(p, ["train={steps: 1, steps: 2}"])
+
+
+def test_several_mistakes_are_listed_down_the_file(write):
+    """One message per mistake, in the file's line order (the schema's order read 5, 4, 3, 7; found by
+    a new user), a duplicate key among them."""
+    p = write("bad.yaml", "data:\n  sourc: text\nmodel:\n  dimm: 3\ntrain:\n  stpes: 3\n  stpes: 4\n"
+                          "  optimizer:\n    lr: abc\n")
+    lines = [int(line.split(":")[1]) for line in error_of(p).splitlines()]
+    assert lines == [2, 4, 7, 7, 9], error_of(p)  # the misspelt key where it was set last
