@@ -39,11 +39,11 @@ def summary_table(c: Comparison) -> tuple[list[str], list[list[str]]]:
     for i, r in enumerate(c.rows):
         rows.append([r.label, *([str(r.runs)] if repeats else []), str(r.steady_steps), fmt.secs(r.median_step_s),
                      fmt.integer(r.tokens_per_s), ratio_text(r.speedup, baseline=i == 0), fmt.pct(r.mfu),
-                     fmt.nbytes(r.mem_peak_bytes), fmt.secs(r.compile_time_s), fmt.num(r.final_loss)])
+                     fmt.nbytes(r.mem_peak_bytes), fmt.secs(r.compile_time_s), fmt.loss(r.final_loss)])
     if any(r.final_val_loss is not None for r in c.rows):  # eval.every in any of them
         headers.append("final val loss")
         for row, r in zip(rows, c.rows, strict=True):
-            row.append(fmt.num(r.final_val_loss))
+            row.append(fmt.loss(r.final_val_loss))
     return headers, rows
 
 
@@ -56,8 +56,16 @@ SPEED_NOTE = ("Speed is throughput against the first: its median step time over 
 
 
 def parity_lines(c: Comparison) -> list[str]:
+    """Each row's loss parity, saying against what: the reference's own repeats against its first run
+    (a bare "A: identical" read as if compared with nothing), every other row against the reference."""
     ref = c.rows[0].label
-    return [f"{r.label}: {parity_text(r, ref)}" for r in c.rows if r.parity is not None]
+
+    def against(i: int, r: GroupFigures) -> str:
+        if i == 0:
+            return f"{r.label}'s repeats against its first run"
+        return r.label if r.parity.status == "differ" else f"{r.label} against {ref}"  # "differ" names both
+
+    return [f"{against(i, r)}: {parity_text(r, ref)}" for i, r in enumerate(c.rows) if r.parity is not None]
 
 
 def spread_lines(c: Comparison) -> list[str]:

@@ -14,6 +14,16 @@ def num(x: float | None) -> str:
     return f"{x:.4g}"
 
 
+def loss(x: float | None) -> str:
+    """Four significant digits, trailing zeros kept: losses in a column line up (2.790 beside 2.787,
+    not 2.79)."""
+    if x is None:
+        return "n/a"
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:#.4g}"
+
+
 def integer(x: float | None) -> str:
     return "n/a" if x is None else f"{x:,.0f}"
 

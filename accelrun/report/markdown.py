@@ -243,8 +243,8 @@ def _loss_section(r: dict) -> list[str]:
     if curve:
         lines += ["", f"`{sparkline([p['loss'] for p in curve])}`", ""]
         if len(curve) < (r.get("loss_steps") or 0):
-            lines += [f"{len(curve)} of the {r['loss_steps']} steps with a loss, spread evenly (to the nearest step), first and last "
-                      "included (metrics.jsonl has every step):", ""]
+            lines += [f"The loss at {len(curve)} of the run's {r['loss_steps']} steps, spread evenly (to the nearest step), first "
+                      "and last included (metrics.jsonl has every step):", ""]
         lines += ["| step | loss |", "| ---: | ---: |"]
         lines += [f"| {p['step']} | {_num(p['loss'])} |" for p in curve]
     return lines

@@ -41,6 +41,11 @@ def test_same_recipe_same_seed_is_identical_and_figures_are_filled(runs):
     headers, rows = summary_table(c)
     assert rows[0][headers.index("speed vs A (95% CI)")] == "baseline"
     assert "×" in rows[1][headers.index("speed vs A (95% CI)")]
+    # losses in a column line up (trailing zeros kept); parity says against what (found by a new user)
+    assert all(len(row[headers.index("final loss")].replace(".", "")) == 4 for row in rows), rows
+    from accelrun.report.compare_render import parity_lines
+
+    assert parity_lines(c) == ["B against A: identical over 8 steps"]
 
 
 def test_changed_seed_is_detected_with_the_step_and_the_cause(runs):

@@ -105,10 +105,10 @@ def test_loss_curve_is_sampled_with_ends():
     assert curve[0]["step"] == 1 and curve[-1]["step"] == 300
     assert [p["step"] for p in curve] == sorted(p["step"] for p in curve)
     said = " ".join(render_report_md(r, {}).split())
-    assert f"{len(curve)} of the 300 steps with a loss, spread evenly (to the nearest step), first and last included" in said
+    assert f"The loss at {len(curve)} of the run's 300 steps, spread evenly (to the nearest step), first and last included" in said
     short = summarize(metrics[:10], warmup_steps=3, peak=PEAK, flops_per_token=None, compile_time_s=None,
                       tokens_per_step=1000)
-    assert len(short["loss_curve"]) == 10 and "steps with a loss, spread evenly (to the nearest step)" not in render_report_md(short, {})
+    assert len(short["loss_curve"]) == 10 and "steps, spread evenly (to the nearest step)" not in render_report_md(short, {})
 
 
 def test_summarize_keeps_the_cuda_allocators_reserved_peak():
