@@ -172,13 +172,15 @@ def _built_custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source])
     """What ``train`` finds once it has built a user's model, found on the meta device instead. A
     factory that cannot build there (it loads weights, computes at init) is left to ``train``."""
     from accelrun.data.build import check_vocab
-    from accelrun.models.build import build_model, data_vocab, document_packing_problem
+    from accelrun.models.build import ModelBuildError, build_model, data_vocab, document_packing_problem
 
+    where = source_of(("model", "custom"), sources)
     try:
         model = build_model(cfg.model, "meta")
+    except ModelBuildError as e:  # accelrun's own findings (not a module; a forward it cannot call): train's too
+        return [] if e.__cause__ is not None else [f"{m} (model.custom: {where})" for m in e.messages]
     except Exception:  # noqa: BLE001 (only a head start: train builds it on its device and says why)
         return []
-    where = source_of(("model", "custom"), sources)
     out = []
     if cfg.data.packing == "document" and (problem := document_packing_problem(model)) is not None:
         out.append(f"{problem} (model.custom: {where})")

@@ -25,6 +25,14 @@ def Needs(vocab, width):  # noqa: N802 (a factory with required arguments)
     return Plain(vocab, width)
 
 
+def not_a_module():
+    return "hello"
+
+
+def two_args():
+    return TwoArgs()
+
+
 class Plain(nn.Module):
     """A tiny LM: token embedding, one linear layer, logits."""
     def __init__(self, vocab=320, width=16):
@@ -42,6 +50,11 @@ class NanoStyle(Plain):  # nanoGPT's forward(idx, targets=None): the last positi
         if targets is None:
             return logits[:, [-1], :], None
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+class TwoArgs(Plain):  # transformers-like: a mask no one passes
+    def forward(self, input_ids, attention_mask):
+        return super().forward(input_ids) * attention_mask[..., None]
 
 
 class WithPositions(Plain):  # a position table larger than the vocabulary: not taken for the token table
@@ -151,6 +164,11 @@ def test_the_token_table_is_the_one_the_head_matches_not_a_larger_position_table
     # Found once the model is built: validate builds it on the meta device (it said "valid" to both)
     ("contract_models:build", "{vocab: 100}", "embeds token ids below 100 (its token table), but data.tokenizer "
                                               "'byte' has ids up to 257", "(model.custom: override", ()),
+    # found by building on the meta device, as train finds them (validate said "valid"; found by a new user)
+    ("contract_models:not_a_module", "{}", "not_a_module(...) returned a str, not a torch.nn.Module",
+     "(model.custom: override", ()),
+    ("contract_models:two_args", "{}", "TwoArgs.forward needs 'attention_mask', which accelrun does not pass",
+     "(model.custom: override", ()),
     ("contract_models:Plain", "{}", "data.packing = document: model.custom's forward (Plain) takes no positions_BT",
      "(model.custom: override", ("data.packing=document",)),
 ])  # fmt: skip
