@@ -79,7 +79,11 @@ class AbPlan:
         return forced
 
     def overrides(self, v: Variant) -> list[str]:
-        return [*self.common, *v.overrides, *self.forced()]
+        """The variant's overrides, with those of a key ab sets itself (``forced``, last, which wins) left
+        out: the child's command names each key once (it showed the user's report.runs_dir, then ab's)."""
+        forced = self.forced()
+        taken = {_override_key(o) for o in forced}
+        return [*(o for o in [*self.common, *v.overrides] if _override_key(o) not in taken), *forced]
 
     def command(self, v: Variant) -> list[str]:
         return [sys.executable, "-m", "accelrun.cli.main", "train", self.config, *self.overrides(v)]
@@ -322,3 +326,9 @@ def write_ab_reports(result: AbResult, command: str = "") -> list[Path]:
     if command:
         write_text_atomic(command + "\n", out / "command.txt")
     return [out / "ab.md", out / "ab.html", out / "ab.json"]
+
+
+def _override_key(override: str) -> str:
+    """``report.runs_dir`` of ``report.runs_dir=x`` (and of ``~report.runs_dir``)."""
+    return override.partition("=")[0].strip().removeprefix("~")
+

@@ -58,6 +58,11 @@ def test_schedule_interleaves_and_forced_overrides_come_last(tmp_path):
     assert ov[:2] == ["z=3", "x=1"]
     assert ov[2:] == ["train.steps=7", f"report.runs_dir={tmp_path / 'runs'}", "checkpoint.enabled=false",
                       "checkpoint.hf_on_finish=false", "checkpoint.resume=none", "report.progress=lines", "report.warmup_steps=2"]
+    # a key ab sets itself is named once in the child's command: ab's value (found by a new user)
+    mine = AbPlan("cfg.yaml", [Variant("A", ["~checkpoint.resume"])], tmp_path, common=["report.runs_dir=mine", "z=3"])
+    ov = mine.overrides(mine.variants[0])
+    assert [o for o in ov if o.startswith(("report.runs_dir", "~checkpoint.resume", "checkpoint.resume"))] == \
+        [f"report.runs_dir={tmp_path / 'runs'}", "checkpoint.resume=none"] and ov[0] == "z=3"
 
 
 def test_other_cpu_meter_subtracts_our_own_cpu_time(monkeypatch):
