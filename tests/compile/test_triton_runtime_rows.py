@@ -58,7 +58,9 @@ def test_silu_backward_and_the_bias_gradient_for_any_number_of_rows(tmp_path):
     source = region.lowering.sources["triton"].text
     assert "n_rows" in source and "_nx48(" in source and "rows_per_chunk" in source, source
     assert "8191" not in source  # the made-up count lowered for appears nowhere in the kernels
-    for n in (1, 7, 40, 333):
+    assert ".to(tl.int64)" in source  # rows past 2**31 elements: the build checked the made-up count only
+    # 0 rows; and past the count lowered for, where the chunks are capped and each takes more rows
+    for n in (0, 1, 7, 40, 333, 9000):
         x, g = randn(n, 48), randn(n, 48)
         got, want = fn(x, g), silu_backward(x.double(), g.double())
         assert got[0].shape == (n, 48) and got[1].shape == (1, 48)

@@ -412,8 +412,8 @@ class _KernelWriter:
                 row_block, col_block = f"(tl.program_id(0) // {col_blocks})", f"(tl.program_id(0) % {col_blocks})"
             r0 = f"{row_block} * BLOCK_R + " if row_blocks > 1 else ""
             c0 = f"{col_block} * BLOCK_N + " if col_blocks > 1 else ""
-            e.line(f"r = {r0}tl.arange(0, BLOCK_R)[:, None]")
-            e.line(f"c = {c0}tl.arange(0, BLOCK_N)[None, :]")
+            e.line(f"r = {self._wide('rows', f'{r0}tl.arange(0, BLOCK_R)[:, None]')}")
+            e.line(f"c = {self._wide('flat', f'{c0}tl.arange(0, BLOCK_N)[None, :]')}")
             e.line(f"rmask = r < {self.row_bound}")
             e.line(f"mask = rmask & (c < {self.trip_bound})")
             e.line("zero_outer = r * 0")
@@ -433,6 +433,12 @@ class _KernelWriter:
                     e.line(f"{red.name} = {TL_REDUCE[red.op].format(full, 1)}[:, None]")
                 self._stores(block, mask, f"zero_{level}")
 
+    def _wide(self, axis: str, index: str) -> str:
+        """``index`` as 64-bit where it counts the call's rows (``axis`` "rows") or a flat kernel's
+        elements ("flat") of a runtime-rows kernel: the build checked 2**31 elements at the made-up
+        count only, and a call may hold more (a changing length over a 128k vocabulary)."""
+        return f"({index}).to(tl.int64)" if self.runtime == axis else index
+
     def _write_looped(self) -> None:
         """Rows longer than one tile: each inner block is a loop over the row, ``BLOCK_N`` columns a
         step, folding its reductions into ``[BLOCK_R, BLOCK_N]`` partials that are reduced across the
@@ -443,7 +449,7 @@ class _KernelWriter:
         sources = {st.buffer: (b, st.value) for b in k.blocks for st in b.stores if st.buffer in self.rows}
         e.line("@triton.jit")
         with e.block(f"def {self.name}({', '.join(args)}, {self.params}):"):
-            e.line("r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
+            e.line(f"r = {self._wide('rows', 'tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]')}")
             e.line(f"rmask = r < {self.row_bound}")
             e.line("zero_outer = r * 0")
             pairs = online_pairs(k)
@@ -483,7 +489,7 @@ class _KernelWriter:
         for red in (red for b in blocks for red in b.reductions):
             e.line(f"{red.name}_part = tl.full([BLOCK_R, BLOCK_N], {IDENTITY[red.op, red.ctype]}, {TL_TYPE[red.ctype]})")
         with e.block(f"for c0 in range(0, {self.trip_bound}, BLOCK_N):"):
-            e.line("c = c0 + tl.arange(0, BLOCK_N)[None, :]")
+            e.line(f"c = {self._wide('flat', 'c0 + tl.arange(0, BLOCK_N)[None, :]')}")
             e.line(f"mask = rmask & (c < {self.trip_bound})")
             e.line("zero_inner = r * 0 + c * 0")
             emitted: set[str] = set()
@@ -556,7 +562,7 @@ class _KernelWriter:
                 e.line(f"{red.name}_part = tl.full([BLOCK_R, BLOCK_N], {IDENTITY[red.op, red.ctype]}, "
                        f"{TL_TYPE[red.ctype]})")
             with e.block(f"for r0 in range(0, {per_chunk}, BLOCK_R):"):
-                e.line(f"r = {first}r0 + tl.arange(0, BLOCK_R)[:, None]")
+                e.line(f"r = {self._wide('rows', f'{first}r0 + tl.arange(0, BLOCK_R)[:, None]')}")
                 e.line(f"mask = (r < {self.row_bound}) & cmask")
                 e.line("zero_inner = r * 0 + c * 0")
                 self._stmts(loop.stmts, "mask", "zero_inner")

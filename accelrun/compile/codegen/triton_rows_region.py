@@ -18,6 +18,7 @@ import torch
 from accelrun.compile.codegen.loop_ir import Buffer, LoopProgram
 from accelrun.compile.codegen.runtime_rows import leads_with
 from accelrun.compile.codegen.triton import scratch_buffers
+from accelrun.compile.codegen.triton_aot import kernel_binaries_beside
 
 
 class TritonRowsRegion:
@@ -49,7 +50,10 @@ class TritonRowsRegion:
         outs = [_empty(buf, dynamic, n, device) for buf, dynamic, _ in self._out]
         temps = [_empty(buf, dynamic, n, device) for buf, dynamic in self._temps]
         scratch = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._scratch]
-        self.module.launch(*ins, *outs, *temps, *scratch, n)
+        # A count of another specialisation (1, a multiple of 16, neither) compiles here, during a step:
+        # its binaries go where accelrun keeps its kernels' (not Inductor's folder, if it ran first).
+        with kernel_binaries_beside(self.module_file):
+            self.module.launch(*ins, *outs, *temps, *scratch, n)
         return tuple(t if lead is None else t.view(*_lead_sizes(lead, n), *t.shape[1:])
                      for t, (_, _, lead) in zip(outs, self._out, strict=True))  # fmt: skip
 
