@@ -75,12 +75,13 @@ def family_spec(cfg: ModelConfig):
 
 def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn.Module:
     where = f"model.custom = {path!r}"
-    check_custom_kwargs(path, kwargs)  # the nearest valid model.kwargs, as validate gives it
     factory, attr = resolve_custom(path)
     try:
         with device:
             model = factory(**kwargs)
     except Exception as e:
+        if isinstance(e, TypeError):  # model.kwargs that do not fit, with the nearest that would (as validate)
+            check_custom_kwargs(path, kwargs)  # (a signature that under-describes the factory is not refused)
         raise ModelBuildError(
             f"{where}: calling {attr}(**model.kwargs) with model.kwargs = {kwargs!r} failed: "
             f"{type(e).__name__}: {e}"
@@ -92,8 +93,9 @@ def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn
     if needed := arguments_never_passed(model):
         raise ModelBuildError(
             f"{where}: {type(model).__name__}.forward needs {', '.join(repr(n) for n in needed)}, which accelrun "
-            "does not pass: it calls forward(tokens), with targets= (or targets_BT=) when the forward takes them; "
-            f"give {'it a default' if len(needed) == 1 else 'them defaults'} (e.g. {needed[0]}=None)"
+            "does not pass: it calls forward(tokens), and passes the targets too where the forward takes "
+            f"'targets' or 'targets_BT'; give {'it a default' if len(needed) == 1 else 'them defaults'} "
+            f"(e.g. {needed[0]}=None)"
         )
     attach_loss_head(model)  # transformers' causal LMs: the head and loss as one step, as a family's
     return model
@@ -109,12 +111,13 @@ def arguments_never_passed(model: nn.Module) -> list[str]:
     (a builtin) is taken as fitting."""
     import inspect
 
-    try:
-        params = list(forward_parameters(model).values())
-    except (TypeError, ValueError):
+    raw = inspect.getattr_static(type(model), "forward", None)
+    if raw is None:
         return []
-    if params and params[0].name == "self":  # read from the class: unbound
-        params = params[1:]
+    try:  # bound as training calls it: the instance (a method) or the class (a classmethod) taken
+        params = list(inspect.signature(raw.__get__(model, type(model))).parameters.values())
+    except (TypeError, ValueError, AttributeError):  # a builtin, an unusual descriptor: taken as fitting
+        return []
     needed, tokens_seen = [], False
     for p in params:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not inspect.Parameter.empty:
@@ -183,7 +186,7 @@ def custom_path_hint(path: str) -> str:
             continue
         try:
             imported = importlib.import_module(candidate)
-        except Exception:  # noqa: BLE001 (not a module, or one that fails to import: no hint from it)
+        except (Exception, SystemExit):  # noqa: BLE001 (not a module, one that fails to import, a script that exits)
             continue
         if attr is None:
             names = _callables(imported)
@@ -240,8 +243,13 @@ def _kwargs_fix(signature: Any, kwargs: dict[str, Any]) -> str:
     missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs
                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]  # fmt: skip
     if missing:
-        given = ", ".join([*(f"{k}: {v!r}" for k, v in kwargs.items()), *(f"{n}: ..." for n in missing)])
-        return f"; pass {'it' if len(missing) == 1 else 'them'} as model.kwargs, e.g. 'model.kwargs={{{given}}}'"
+        import yaml
+
+        open_ended = any(p.kind == p.VAR_KEYWORD for p in params.values())
+        kept = {k: v for k, v in kwargs.items() if k in params or open_ended}  # an unknown key would fail again
+        given = ", ".join([*(f"{k}: {yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+                             for k, v in kept.items()), *(f"{n}: ..." for n in missing)])
+        return f"; pass {'it' if len(missing) == 1 else 'them'} as model.kwargs, e.g. \"model.kwargs={{{given}}}\""
     return ""
 
 

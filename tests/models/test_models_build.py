@@ -235,3 +235,55 @@ def test_custom_module_that_raises_on_import(user_module):
     name = user_module("raise RuntimeError('broken on purpose')\n")
     with pytest.raises(ModelBuildError, match=f"importing '{name}' failed: RuntimeError: broken on purpose"):
         build_model(ModelConfig(custom=f"{name}:factory"))
+
+
+ODD_FORWARDS = """
+    import functools
+
+    import torch
+    from torch import nn
+
+    def logged(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapper
+
+    class Base(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(8, 8)
+
+    class This(Base):
+        def forward(this, idx, targets=None):  # noqa: N805 (the first parameter named otherwise)
+            return this.emb(idx)
+
+    class Starred(Base):
+        def forward(self, *args, **kwargs):
+            return self.emb(args[0])
+
+    class KeywordOnly(Base):
+        def forward(self, idx, *, scale=1.0, mask=None):
+            return self.emb(idx) * scale
+
+    class Decorated(Base):
+        @logged
+        def forward(self, idx, targets=None):
+            return self.emb(idx)
+
+    class Static(Base):
+        @staticmethod
+        def forward(idx):
+            return idx
+
+    def build(name):
+        return globals()[name]()
+"""
+
+
+@pytest.mark.parametrize("name", ["This", "Starred", "KeywordOnly", "Decorated", "Static"])
+def test_forwards_written_in_other_ways_are_built(user_module, name):
+    """The forward check binds the forward as training calls it: a first parameter named otherwise,
+    *args and **kwargs, keyword-only arguments with defaults, a decorated forward, a staticmethod."""
+    module = user_module(ODD_FORWARDS)
+    build_model(ModelConfig(custom=f"{module}:build", kwargs={"name": name}), "cpu")

@@ -160,7 +160,12 @@ def test_the_token_table_is_the_one_the_head_matches_not_a_larger_position_table
     # the nearest valid value: a misspelt argument's nearest name, a missing one written as an override
     ("contract_models:Plain", "{widht: 64}", "unexpected keyword argument 'widht'", "; did you mean 'width'?", ()),
     ("contract_models:Needs", "{vocab: 300}", "missing a required argument: 'width'",
-     "; pass it as model.kwargs, e.g. 'model.kwargs={vocab: 300, width: ...}'", ()),
+     '; pass it as model.kwargs, e.g. "model.kwargs={vocab: 300, width: ...}"', ()),
+    # an unknown key is left out of the suggestion (it would fail again), a value written as YAML
+    ("contract_models:Needs", "{vocab: 300, widht: 2}", "missing a required argument: 'width'",
+     "did you mean 'width'?", ()),
+    ("contract_models:Needs", "{vocab: 300, colour: 'a b'}", "missing a required argument: 'width'",
+     '"model.kwargs={vocab: 300, width: ...}"', ()),
     # Found once the model is built: validate builds it on the meta device (it said "valid" to both)
     ("contract_models:build", "{vocab: 100}", "embeds token ids below 100 (its token table), but data.tokenizer "
                                               "'byte' has ids up to 257", "(model.custom: override", ()),
