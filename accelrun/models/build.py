@@ -359,7 +359,8 @@ def document_packing_problem(model: nn.Module) -> str | None:
 class LossSource(Enum):
     """Which loss training minimises (``training_loss_fn``); each value is what report.md says of it."""
 
-    HEAD = "the next-token cross-entropy of the model's head and loss as one step (forward(tokens, targets_BT))"
+    HEAD = ("the next-token cross-entropy of the model's head and loss as one step (forward(tokens, targets_BT)), "
+            "with any term the model adds (a mixture's load-balancing loss, model.aux_loss_coef)")
     OWN = "the loss the model's forward returns given targets (forward(tokens, targets)), or where it returns " \
           "none, the next-token cross-entropy of its logits"
     LOGITS = "the next-token cross-entropy of the logits the model's forward returns (mean over tokens)"

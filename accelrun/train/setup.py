@@ -30,6 +30,7 @@ from accelrun.models import build_model, model_summary
 from accelrun.models.build import (
     data_vocab,
     document_packing_problem,
+    loss_source,
     materialize_local,
     training_loss_fn,
 )
@@ -74,6 +75,9 @@ class TrainSetup:
     comm_timer: Any = None
     # () -> the context the loss's forward and backward run in (parallel.loss_parallel), else a no-op.
     loss_context: Callable[[], Any] = contextlib.nullcontext
+    # Which loss training minimises (models.build.LossSource), read from the whole model before it is
+    # split into stages (a stage, or their union, has no forward of the model's).
+    loss_source: Any = None
     # Exposed and overlapped communication of FSDP's and compiled graphs' collectives (accelrun.dist.comm_overlap).
     comm_trace: Any = None
     # eval.every > 0: this rank's held-out batches (accelrun.data.heldout), else None.
@@ -192,6 +196,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     # Before compile and layouts: a user's model is counted by running its forward once, whole.
     flops = flops_per_token(cfg.model, t.seq_len, model, device, data_vocab(cfg.model, model)[0])
     info.update(flops_per_token=flops.value, flops_source=flops.source)
+    trained_loss = loss_source(model)
     pipeline = None
     parts, labels = [model], ["model"]
     vocab_parallel = cfg.parallel.loss_parallel and ctx.tp_size > 1
@@ -286,6 +291,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         compiled=_describe(compiled, labels),
         compile_parts=[(label, c.record) for label, c in zip(labels, compiled, strict=True) if c.record is not None],
         loss_fn=loss_fn,
+        loss_source=trained_loss,
         checkpoint_dir=checkpoint_dir,
         start_step=start_step,
         resumed_from=resumed_from,

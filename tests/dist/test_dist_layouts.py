@@ -59,6 +59,8 @@ def test_layout_matches_one_process(layout, layout_run, reference):
     assert len(report["step_time_s_per_rank"]) == world and all(t > 0 for t in report["step_time_s_per_rank"])
     md = (d / "report.md").read_text()
     assert "## Ranks" in md and f"\n| {world - 1} | " in md and "tokens/s (job)" in md
+    # the family's head and loss, whatever the layout (a pipeline's stages were read as logits; review)
+    assert "| loss | the next-token cross-entropy of the model's head and loss as one step" in md, layout
     # Time blocked in collectives, every step, on rank 0: every layout communicates in every step.
     assert all(m["comm_s"] > 0 for m in read_metrics(d / "metrics.jsonl"))
     comm = report["comm_time_s"]
