@@ -387,7 +387,7 @@ class GraphCache:
 
 # How each part of ``GraphCache.versions`` reads when a saved entry's differs from this process's.
 VERSION_WORDS = {"torch": "torch {saved}, not {now}",
-                 "accelrun": "accelrun's code as it was before (upgraded or edited since)",
+                 "accelrun": "another version of accelrun's code (upgraded, switched or edited since)",
                  "options": "other compile options"}
 
 

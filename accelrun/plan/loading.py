@@ -71,7 +71,7 @@ def replace_cluster(dst: Composed, path: Path, dirs: list[Path]) -> None:
     for key in [k for k in dst.sources if k[:1] == ("cluster",)]:
         del dst.sources[key]
     merge_into(dst, {"cluster": src.data["cluster"]}, src.sources)
-    dst.duplicate_keys += src.duplicate_keys
+    dst.duplicate_keys += [m for m in src.duplicate_keys if m not in dst.duplicate_keys]
     if keep_nodes:
         merge_into(dst, {"cluster": {"nodes": old["nodes"]}}, {("cluster", "nodes"): nodes_source})
     dst.files += [f for f in src.files if f not in dst.files]

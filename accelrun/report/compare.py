@@ -380,9 +380,18 @@ def environment_differences(runs: list[RunRecord]) -> tuple[list[str], list[str]
     return warnings, notes
 
 
+# What makes a model another model (other work per token): its kind and its shape. Not the settings an
+# A/B of one model varies (init_std, aux_loss_coef, capacity_factor, rope_theta, max_seq_len, ...).
+MODEL_IDENTITY_KEYS = frozenset({
+    "custom", "kwargs", "hf", "arch", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+    "vocab_size", "tie_embeddings", "qkv_bias", "n_experts", "experts_per_token", "moe_ffn_dim",
+    "shared_expert_ffn_dim"})
+
+
 def model_keys_differing(runs: list[RunRecord]) -> list[str]:
-    """The ``model.*`` keys the runs read whose values differ (``config_diff``'s; a dict's own key, not
-    each of its entries), found by a new user: ``compare`` of two runs of different models printed a
-    speedup with no word on it."""
+    """The keys that make a model (``MODEL_IDENTITY_KEYS``) the runs read whose values differ
+    (``config_diff``'s; a dict's own key, not each of its entries), found by a new user: ``compare`` of
+    two runs of different models printed a speedup with no word on it."""
     keys = [d.key for d in config_diff(runs) if d.key.startswith("model.")]
-    return [k for k in keys if not any(k.startswith(other + ".") for other in keys)]
+    keys = [k for k in keys if not any(k.startswith(other + ".") for other in keys)]
+    return [k for k in keys if k.removeprefix("model.") in MODEL_IDENTITY_KEYS]

@@ -21,7 +21,7 @@ def loss(x: float | None) -> str:
         return "n/a"
     if not math.isfinite(x):
         return str(x)
-    return f"{x:#.4g}"
+    return f"{x:#.4g}".removesuffix(".")  # (1234. -> 1234)
 
 
 def integer(x: float | None) -> str:

@@ -461,8 +461,9 @@ def test_a_miss_after_accelrun_torch_or_the_options_changed_says_which(monkeypat
         torch._dynamo.reset()
         edited = step(*COMPILED)[2]
         assert edited.graph_cache["compiled"] == 2 and edited.graph_cache["loaded"] == 0, edited.graph_cache
-        assert edited.graph_cache["state_changed"] == ["accelrun's code as it was before (upgraded or edited since)"]
-        assert "compiled, not loaded: the graph cache holds these graphs for accelrun's code as it was before" \
+        assert edited.graph_cache["state_changed"] == ["another version of accelrun's code (upgraded, switched or "
+                                                       "edited since)"]
+        assert "compiled, not loaded: the graph cache holds these graphs for another version of accelrun's code" \
             in edited.compiled_line()
         changed.setattr(graph_cache.torch, "__version__", "9.9.9")
         torch._dynamo.reset()

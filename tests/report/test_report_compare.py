@@ -149,6 +149,10 @@ def test_a_family_key_is_no_difference_for_a_run_of_a_users_own_model(runs, tmp_
     assert any("different models (model.kwargs differs)" in w for w in environment_differences([mine, theirs])[0])
     assert any("different models (model.custom differs)" in w for w in environment_differences([family, mine])[0])
     assert not any("different models" in w for w in environment_differences([family, load_run(runs["twin"])])[0])
+    assert any("different models (model.dim differs)" in w for w in environment_differences([family, wide])[0])
+    # a setting an A/B of one model varies is not another model
+    assert not any("different models" in w for w in environment_differences([family, copy(runs["base"], "init",
+                                                                                        init_std=0.5)])[0])
 
 
 def test_load_run_errors_and_folders(runs, tmp_path):
