@@ -160,7 +160,9 @@ class ModelConfig(Section):
     @classmethod
     def _custom_is_import_path(cls, v: str | None) -> str | None:
         if v is not None and (v.count(":") != 1 or not all(v.split(":"))):
-            from accelrun.models.build import custom_path_hint  # imports the user's module: only on an error
+            from accelrun.models.custom_import import (
+                custom_path_hint,  # imports the user's module: only on an error
+            )
 
             raise ValueError(f'expected "package.module:factory", got {v!r}{custom_path_hint(v)}')
         return v

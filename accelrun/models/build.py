@@ -9,8 +9,6 @@ device land there (including "meta").
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 from collections.abc import Mapping
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -20,6 +18,7 @@ from torch import nn
 
 from accelrun.errors import UserError
 from accelrun.models.causal_lm_head import attach_loss_head, loss_head_attached, next_token_loss
+from accelrun.models.custom_import import module_callables, search_current_folder
 
 if TYPE_CHECKING:  # the schema imports pydantic; keep it out of `import accelrun.models`
     from accelrun.config.schema import ModelConfig
@@ -135,7 +134,7 @@ def resolve_custom(path: str) -> tuple[Any, str]:
     the key when the module, the attribute or a callable is missing."""
     where = f"model.custom = {path!r}"
     module_name, _, attr = path.partition(":")
-    _search_current_folder()
+    search_current_folder()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -155,7 +154,7 @@ def resolve_custom(path: str) -> tuple[Any, str]:
         if not hasattr(factory, part):
             from accelrun.config.errors import nearest
 
-            names = _callables(factory)
+            names = module_callables(factory)
             near = nearest(part, names)
             shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
             hint = f"; did you mean {near!r}?" if near else (f"; its callables: {shown}" if names else "")
@@ -164,48 +163,6 @@ def resolve_custom(path: str) -> tuple[Any, str]:
     if not callable(factory):
         raise ModelBuildError(f"{where}: {attr!r} is a {type(factory).__name__}, not a callable")
     return factory, attr
-
-
-def _search_current_folder() -> None:
-    # The current folder is searched too, after everything else: `my_model:build` finds ./my_model.py
-    # without PYTHONPATH, as a script beside it would, and no file here hides an installed module.
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-
-
-def custom_path_hint(path: str) -> str:
-    """The nearest valid ``model.custom`` to one without its ``:factory`` ("; did you mean ...?"), found
-    by importing: ``pkg.mod.build`` is ``pkg.mod:build`` when that module has it; ``pkg.mod``, a module
-    itself, needs one of its callables named. "" when neither imports."""
-    if ":" in path:
-        return ""
-    module, _, name = path.rpartition(".")
-    _search_current_folder()
-    for candidate, attr in ((module, name), (path, None)):
-        if not candidate:
-            continue
-        try:
-            imported = importlib.import_module(candidate)
-        except (Exception, SystemExit):  # noqa: BLE001 (not a module, one that fails to import, a script that exits)
-            continue
-        if attr is None:
-            names = _callables(imported)
-            return f"; did you mean '{candidate}:<factory>'? (its callables: {', '.join(names[:8]) or 'none'})"
-        if callable(getattr(imported, attr, None)):
-            return f"; did you mean '{candidate}:{attr}'?"
-    return ""
-
-
-def _callables(owner: Any) -> list[str]:
-    """The public callables of a module (or class), the likely factories first: functions before
-    classes, those defined there before imported ones (``nn``'s, ``torch``'s)."""
-    home = getattr(owner, "__name__", None)
-
-    def rank(name: str) -> tuple[bool, bool, str]:
-        obj = getattr(owner, name)
-        return getattr(obj, "__module__", None) != home, isinstance(obj, type), name
-
-    return sorted((n for n in dir(owner) if not n.startswith("_") and callable(getattr(owner, n, None))), key=rank)
 
 
 class ModelKwargsError(ModelBuildError):

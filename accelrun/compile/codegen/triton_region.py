@@ -127,15 +127,11 @@ class TritonRegion:
         return (_restore_triton_region, (self.module_file, self.program, self.tune))
 
 
-def _restore_triton_region(module_file: str, program: LoopProgram, tune: bool = False) -> Any:
+def _restore_triton_region(module_file: str, program: LoopProgram, tune: bool = False) -> TritonRegion:
     path = Path(module_file)
     if not path.exists():
         raise FileNotFoundError(f"generated Triton module {path} is no longer in the cache")
     module = load_module(path.read_text(), path.parent)
-    if program.runtime_rows is not None:  # compiled at its first calls, for the counts' specialisations
-        from accelrun.compile.codegen.triton_rows_region import TritonRowsRegion
-
-        return TritonRowsRegion(program, module)
     if os.environ.get("TRITON_INTERPRET") != "1":
         # As the executor does after compiling: every kernel built and loaded for this device now.
         # What fails (another GPU's registers or shared memory) raises here, while the graph cache

@@ -17,7 +17,7 @@ import torch
 
 from accelrun.compile.codegen.loop_ir import Buffer, LoopProgram
 from accelrun.compile.codegen.runtime_rows import leads_with
-from accelrun.compile.codegen.triton import scratch_buffers
+from accelrun.compile.codegen.triton import load_module, scratch_buffers
 from accelrun.compile.codegen.triton_aot import kernel_binaries_beside
 
 
@@ -57,10 +57,15 @@ class TritonRowsRegion:
         return tuple(t if lead is None else t.view(*_lead_sizes(lead, n), *t.shape[1:])
                      for t, (_, _, lead) in zip(outs, self._out, strict=True))  # fmt: skip
 
-    def __reduce__(self) -> tuple:
-        from accelrun.compile.codegen.triton_region import _restore_triton_region
+    def __reduce__(self) -> tuple:  # the graph cache: the module found again by its file
+        return (_restore_rows_region, (self.module_file, self.program))
 
-        return (_restore_triton_region, (self.module_file, self.program, False))
+
+def _restore_rows_region(module_file: str, program: LoopProgram) -> TritonRowsRegion:
+    path = Path(module_file)
+    if not path.exists():
+        raise FileNotFoundError(f"generated Triton module {path} is no longer in the cache")
+    return TritonRowsRegion(program, load_module(path.read_text(), path.parent))
 
 
 def _empty(buf: Buffer, dynamic: bool, n: int, device: torch.device) -> torch.Tensor:

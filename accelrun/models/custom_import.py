@@ -1,0 +1,52 @@
+"""Finding a user's model by its import path (``model.custom``): the folder searched, a module's likely
+factories, and the nearest valid path to one written without its ``:factory``. Apart from
+``models.build`` because the recipe's schema asks for the hint, and ``models.build`` reads the schema."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+
+def search_current_folder() -> None:
+    # The current folder is searched too, after everything else: `my_model:build` finds ./my_model.py
+    # without PYTHONPATH, as a script beside it would, and no file here hides an installed module.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+
+
+def custom_path_hint(path: str) -> str:
+    """The nearest valid ``model.custom`` to one without its ``:factory`` ("; did you mean ...?"), found
+    by importing: ``pkg.mod.build`` is ``pkg.mod:build`` when that module has it; ``pkg.mod``, a module
+    itself, needs one of its callables named. "" when neither imports."""
+    if ":" in path:
+        return ""
+    module, _, name = path.rpartition(".")
+    search_current_folder()
+    for candidate, attr in ((module, name), (path, None)):
+        if not candidate:
+            continue
+        try:
+            imported = importlib.import_module(candidate)
+        except (Exception, SystemExit):  # noqa: BLE001 (not a module, one that fails to import, a script that exits)
+            continue
+        if attr is None:
+            names = module_callables(imported)
+            return f"; did you mean '{candidate}:<factory>'? (its callables: {', '.join(names[:8]) or 'none'})"
+        if callable(getattr(imported, attr, None)):
+            return f"; did you mean '{candidate}:{attr}'?"
+    return ""
+
+
+def module_callables(owner: Any) -> list[str]:
+    """The public callables of a module (or class), the likely factories first: functions before
+    classes, those defined there before imported ones (``nn``'s, ``torch``'s)."""
+    home = getattr(owner, "__name__", None)
+
+    def rank(name: str) -> tuple[bool, bool, str]:
+        obj = getattr(owner, name)
+        return getattr(obj, "__module__", None) != home, isinstance(obj, type), name
+
+    return sorted((n for n in dir(owner) if not n.startswith("_") and callable(getattr(owner, n, None))), key=rank)
