@@ -630,19 +630,14 @@ def test_a_size_read_from_the_data_runs_in_kernels_that_read_it_at_each_call(tmp
     torch._dynamo.reset()
     backend = _backend(tmp_path, passes="default")
 
-    def picked(x, w):
-        rows = x.sum(-1) > 0
-        out = torch.zeros_like(x)
-        out[rows] = torch.tanh(x[rows] @ w) * 2 + 1
-        return out
+    from tests.compile.user_models import mask_choices, rows_picked_by_a_mask
 
     torch.manual_seed(0)
     w = torch.randn(8, 8)
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        compiled = torch.compile(picked, backend=backend, fullgraph=True)
-        x = torch.randn(32, 8)
-        for chosen in (x, x.abs(), -x.abs(), torch.cat([x[:1].abs() + 0.1, -x[1:].abs()])):
-            torch.testing.assert_close(compiled(chosen, w), picked(chosen, w), rtol=1e-5, atol=1e-6)
+        compiled = torch.compile(rows_picked_by_a_mask, backend=backend, fullgraph=True)
+        for chosen in mask_choices(torch.randn(32, 8)):
+            torch.testing.assert_close(compiled(chosen, w), rows_picked_by_a_mask(chosen, w), rtol=1e-5, atol=1e-6)
     record = backend.record
     assert not record.fallbacks, record.fallbacks
     assert record.dynamo_graphs == 1, record.compiled_line()

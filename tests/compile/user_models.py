@@ -268,6 +268,20 @@ class LSTMStack(nn.Module):
         return self.head(x)
 
 
+def rows_picked_by_a_mask(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Routing as users write it with a boolean mask: the rows whose sum is positive go through a product
+    and a tanh, the others stay zero; the picked rows' count is known only at run time."""
+    rows = x.sum(-1) > 0
+    out = torch.zeros_like(x)
+    out[rows] = torch.tanh(x[rows] @ w) * 2 + 1
+    return out
+
+
+def mask_choices(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Inputs for ``rows_picked_by_a_mask`` that pick some rows, every row, none, and one."""
+    return x, x.abs(), -x.abs(), torch.cat([x[:1].abs() + 0.1, -x[1:].abs()])
+
+
 def mha_model(**kwargs) -> nn.Module:
     return MHAModel(**kwargs)
 
