@@ -354,19 +354,20 @@ class GraphCache:
         """A miss where entries of the same code and inputs were saved under other global state (another
         thread count, most often): say so, naming the nearest saved state's differences, since the run
         compiles where the user expected a load."""
-        nearest = min((changes for saved in saved_states(state_file) if (changes := state_changes(saved, now))),
-                      key=len, default=None)
-        if nearest and (line := "; ".join(nearest)) not in self.stats["state_changed"]:
-            self.stats["state_changed"].append(line)
+        self._note_nearest(state_file, now, state_changes)
 
     def note_version_change(self, versions_file: Path) -> None:
         """A miss where entries of the same model code and inputs were saved by another torch, another
         accelrun (an upgrade, or an edit of its source) or under other compile options: say which, as for
         a state (found by a new user: a run compiled again after accelrun's code changed, without a word)."""
-        saved = saved_states(versions_file)
-        if not saved or self.versions in saved:
-            return
-        nearest = min((version_changes(v, self.versions) for v in saved), key=len)
+        if self.versions not in saved_states(versions_file):
+            self._note_nearest(versions_file, self.versions, version_changes)
+
+    def _note_nearest(self, saved_file: Path, now: dict[str, str], changes: Any) -> None:
+        """The differences (``changes(saved, now)``, in words) from the nearest of the settings saved in
+        ``saved_file``, once per run in ``state_changed``."""
+        nearest = min((found for saved in saved_states(saved_file) if (found := changes(saved, now))),
+                      key=len, default=None)
         if nearest and (line := "; ".join(nearest)) not in self.stats["state_changed"]:
             self.stats["state_changed"].append(line)
 

@@ -68,7 +68,7 @@ def _compose(path: Path, search_dirs: list[Path], stack: tuple[Path, ...]) -> Co
     own = {k: Source("file", str(path), line) for k, line in located.lines.items() if k[:1] != ("extends",)}
     merge_into(out, raw, own)
     out.files.append(path)
-    out.duplicate_keys += [d.describe(str(Source("file", str(path)))) for d in located.duplicates]
+    out.duplicate_keys += [d.describe(display_path(path)) for d in located.duplicates]
     return out
 
 
