@@ -233,7 +233,8 @@ def launches(program: LoopProgram) -> list[Launch]:
     for kernel in program.kernels:
         block_r, block_n = tiles(kernel)
         args = tuple(_kernel_buffers(kernel.blocks, program.buffers))
-        name = kernel_name(kernel, runtime_axis(program, kernel))
+        axis = runtime_axis(program, kernel)
+        name = kernel_name(kernel, axis)
         scalars, grid_expr = runtime_launch(program, kernel)
         if kernel.kind == "cols" and cols_split(kernel).chunks > 1:
             split = cols_split(kernel)
@@ -243,7 +244,7 @@ def launches(program: LoopProgram) -> list[Launch]:
             out.append(Launch(name, grid(kernel), loop_args, block_r, block_n, _warps(block_r * block_n),
                               scalars=scalars, grid_expr=grid_expr))
             final_r = max(1, min(_pow2(split.chunks), TILE_ELEMENTS // block_n))
-            used = _chunks_used(kernel) if runtime_axis(program, kernel) else None
+            used = _chunks_used(kernel) if axis else None
             out.append(Launch(f"{name}_final", (split.col_blocks,),
                               parts + tuple(_kernel_buffers(post, program.buffers)), final_r, block_n,
                               _warps(final_r * block_n), scalars=(("n_chunks", used),) if used else ()))
@@ -277,11 +278,21 @@ def runtime_launch(program: LoopProgram, kernel: Kernel) -> tuple[tuple[tuple[st
         used = _chunks_used(kernel) if split.chunks > 1 else "1"
         per_chunk = f"triton.cdiv(triton.cdiv(n_rows, {used}), {block_r}) * {block_r}"
         grid_expr = f"({split.col_blocks}, {used})" if split.chunks > 1 else None
-        return (("n_rows", "n_rows"), ("rows_per_chunk", per_chunk)), grid_expr
-    if axis == "flat":  # one row of n_rows times its elements: column blocks only
-        return (("n_rows", "n_rows"),), f"(max(1, triton.cdiv(n_rows * {_flat_width(kernel)}, {block_n})),)"
-    col_blocks = 1 if looped(kernel) else -(-kernel.trips // block_n)
-    return (("n_rows", "n_rows"),), f"(max(1, triton.cdiv(n_rows, {block_r})) * {col_blocks},)"
+        values = ("n_rows", per_chunk)
+    elif axis == "flat":  # one row of n_rows times its elements: column blocks only
+        values, grid_expr = ("n_rows",), f"(max(1, triton.cdiv(n_rows * {_flat_width(kernel)}, {block_n})),)"
+    else:
+        col_blocks = 1 if looped(kernel) else -(-kernel.trips // block_n)
+        values, grid_expr = ("n_rows",), f"(max(1, triton.cdiv(n_rows, {block_r})) * {col_blocks},)"
+    return tuple(zip(runtime_params(kernel, axis), values, strict=True)), grid_expr
+
+
+def runtime_params(kernel: Kernel, axis: str | None) -> tuple[str, ...]:
+    """The integer parameters a runtime-rows kernel takes after its buffers (none for fixed sizes): the
+    call's row count, and a column reduction's rows per chunk."""
+    if axis is None:
+        return ()
+    return ("n_rows", "rows_per_chunk") if kernel.kind == "cols" and axis == "rows" else ("n_rows",)
 
 
 def _chunks_used(kernel: Kernel) -> str:
@@ -382,8 +393,7 @@ class _KernelWriter:
         self.row_bound = "n_rows" if runtime == "rows" else str(kernel.rows)
         self.trip_bound = f"n_rows * {_flat_width(kernel)}" if runtime == "flat" else str(kernel.trips)
         self.name = kernel_name(kernel, runtime)
-        scalars = {"rows": ("n_rows", "rows_per_chunk") if kernel.kind == "cols" else ("n_rows",), "flat": ("n_rows",)}
-        self.params = ", ".join([*scalars.get(runtime, ()), CONSTEXPRS])
+        self.params = ", ".join([*runtime_params(kernel, runtime), CONSTEXPRS])
         self.buffers = {b.name: b for b in buffers}
         # A row buffer needs no memory here: a kernel with row reductions holds whole rows in its tile,
         # so the value an earlier block keeps is still a live variable.
