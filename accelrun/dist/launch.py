@@ -31,20 +31,12 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from accelrun.config.schema import ParallelConfig
 from accelrun.dist import stop
+from accelrun.dist.launch_options import LaunchOptions
 from accelrun.dist.rank_errors import unprinted_messages
 from accelrun.dist.rank_failures import LOGS, exit_codes_of, explain
 
 # What the fork server imports once, before it forks ranks (with the entry point's own module).
 FORKSERVER_PRELOAD = ["accelrun.dist.fork_server", "accelrun.dist.worker"]
-
-
-@dataclass(frozen=True)
-class LaunchOptions:
-    node_rank: int | None = None
-    rdzv_endpoint: str | None = None
-    rdzv_id: str | None = None
-    max_restarts: int = 0
-    local_addr: str | None = None
 
 
 def launch_config(par: ParallelConfig, opts: LaunchOptions) -> LaunchConfig:

@@ -11,7 +11,7 @@ import re
 import shlex
 from collections.abc import Mapping
 
-from accelrun.dist.launch import LaunchOptions
+from accelrun.dist.launch_options import LaunchOptions
 from accelrun.dist.stop import STOP_LEAD_ENV
 
 RDZV_PORT = 29500

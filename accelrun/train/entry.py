@@ -21,7 +21,8 @@ from accelrun.config.preflight import preflight
 from accelrun.config.resolve import explain_text
 from accelrun.consoles import DiagnosticConsole
 from accelrun.dist import stop
-from accelrun.dist.launch import JobOutcome, LaunchOptions, launch_job
+from accelrun.dist.launch import JobOutcome, launch_job
+from accelrun.dist.launch_options import LaunchOptions
 from accelrun.dist.worker import cpu_rank_threads, machine_as_torch_sees_it, rank_uses_cuda
 from accelrun.errors import UserError
 from accelrun.report.env import collect_env

@@ -7,7 +7,8 @@ from click.testing import CliRunner
 
 from accelrun.cli.main import cli
 from accelrun.config import load_config
-from accelrun.dist.launch import LaunchOptions, launch_config
+from accelrun.dist.launch import launch_config
+from accelrun.dist.launch_options import LaunchOptions
 from accelrun.dist.slurm import first_host, launch_from_slurm
 from tests.conftest import DEFAULT_CONFIG
 
