@@ -8,7 +8,8 @@ the next: its bf16-mixed cold step took 28.7 s first and 16.6 s after fp32), aft
 forward and backward of the model with no compiler, so a process's first trace of the model's code
 counts against neither compiler (``warm_the_tracer``).
 Warm start and peak memory are measured per variant in a fresh child process that reuses those
-caches: its first step's time is the warm start; its memory is the peak RSS of its steps (Linux's
+caches: its first step's time is the warm start, printed with the time ``compile_model`` took before it
+in that process (its imports and the graph cache's setup; nothing for eager); its memory is the peak RSS of its steps (Linux's
 high-water mark, reset once the model is built, so imports and setup do not count; where it cannot
 be reset, the process's whole peak, marked "(whole process)").
 
@@ -70,9 +71,12 @@ class Variant:
         self.name, self.cfg, self.device = name, cfg, torch.device(args.device)
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model, self.device, seed=cfg.train.seed)
+        t0 = time.perf_counter()
         self.compiled = compile_model(self.model, transformer_blocks(self.model), cfg.compile)
         # compile.cuda_graphs as `accelrun train` decides it for one process (on for CUDA under auto)
         with_cuda_graph_decision(self.compiled, cfg, ParallelContext.single(self.device))
+        # Its imports and the graph cache's setup: in a new process, part of the wait for the first step.
+        self.compile_model_s = time.perf_counter() - t0
         self.loss_fn = training_loss_fn(self.model)
         if name == "thunder":
             import thunder  # installed by ../shared/peers/install_thunder.sh
@@ -178,7 +182,7 @@ def child(args: argparse.Namespace) -> None:
         peak = torch.cuda.max_memory_allocated(v.device) / 2**20  # the device's, not the host's
     else:
         peak = (peak_rss_kib() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
-    print(json.dumps({"warm_start_s": first, "peak_rss_mib": peak, "whole_process": not reset and v.device.type == "cpu",
+    print(json.dumps({"warm_start_s": first, "compile_model_s": v.compile_model_s, "peak_rss_mib": peak, "whole_process": not reset and v.device.type == "cpu",
                       "saved_mib": v.saved_bytes / 2**20,
                       "graph_cache": {k: cache[k] for k in ("loaded", "compiled", "errors") if k in cache} if cache else None,
                       "stages_s": v.stage_seconds()}))
@@ -308,7 +312,8 @@ def run_one(args: argparse.Namespace) -> None:
             warm_cache[name] = {**extra["graph_cache"], "stages_s": extra.get("stages_s")}
         nan = float("nan")
         print(f"| {name} | {med * 1000:.0f} ms | {ratio} | {vs_inductor} | {cold[name]:.1f} s | "
-              f"{extra.get('warm_start_s', nan):.2f} s | {extra.get('saved_mib', nan):.1f} MiB | "
+              f"{extra.get('warm_start_s', nan):.2f} s (+ {extra.get('compile_model_s', nan):.2f} s before it) | "
+              f"{extra.get('saved_mib', nan):.1f} MiB | "
               f"{extra.get('peak_rss_mib', nan):.0f} MiB{' (whole process)' if extra.get('whole_process') else ''} | "
               f"{losses[-1]:.4f} |")  # fmt: skip
     for n, why in skipped.items():

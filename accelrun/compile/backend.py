@@ -29,15 +29,7 @@ from accelrun.compile.passes.base import GraphNotes
 from accelrun.compile.pipeline import PassDriver, count_ops, graph_snapshot  # noqa: F401  (graph_snapshot re-exported)
 from accelrun.compile.record import CompileRecord, GraphRecord
 from accelrun.compile.regions import REGION_KEY
-from accelrun.torch_private import (
-    CompileContext,
-    aot_module_simplified,
-    default_partition,
-    functorch_config,
-    make_boxed_func,
-    unread_compile_logs_skipped,
-    use_lazy_graph_module,
-)
+from accelrun.torch_private import CompileContext
 
 
 def decompositions() -> dict:
@@ -133,6 +125,15 @@ class AccelrunBackend:
         # AOTAutograd's graphs are made lazy: the partition and post_grad passes each rewrite them and
         # call recompile(), which then only marks them; their code is written once, after each stage.
         # Graphs printed for logs nobody reads: 35 ms of the debug Llama's cold step (torch_private).
+        # AOTAutograd and its partitioner are imported here, not with this module: 0.3 s of a new
+        # process that loads every graph from the graph cache and so never compiles.
+        from accelrun.torch_private import (
+            aot_module_simplified,
+            functorch_config,
+            unread_compile_logs_skipped,
+            use_lazy_graph_module,
+        )
+
         with (functorch_config.patch(force_non_lazy_backward_lowering=True), use_lazy_graph_module(True),
               unread_compile_logs_skipped()):  # fmt: skip
             compiled = aot_module_simplified(
@@ -173,6 +174,8 @@ class AccelrunBackend:
             # AOTAutograd's own count: the joint and partition passes must not guess it from names.
             notes.num_fwd_outputs = kwargs.get("num_fwd_outputs")
             # The joint stage: before the cut decides what the forward saves for the backward.
+            from accelrun.torch_private import default_partition
+
             joint = self.passes.run_graph("joint", joint, f"{name}.joint", "joint", None, notes)
             fw, bw = default_partition(joint, joint_inputs, **kwargs)
             fw, bw = self.passes.run_pair(name, fw, bw, notes)
@@ -216,6 +219,8 @@ class AccelrunBackend:
                                       str(self.options.cache_dir), notes, graph_facts(gm, example_inputs))  # fmt: skip
             code.use_cuda_graphs(self.record)
             return code
+        from accelrun.torch_private import make_boxed_func
+
         run = runnable(lowered, returns_gradients=kind == "backward")
         # compile.cuda_graphs: replayed as a CUDA graph where the run and this graph allow it.
         return make_boxed_func(with_cuda_graphs(run, graph_name, gm, example_inputs, self.record.cuda_graphs))

@@ -35,6 +35,7 @@ def test_a_second_process_neither_lowers_nor_tunes(tmp_path):
     warm = run(tmp_path, env)
     assert warm["graphs_loaded"] == 2, warm  # the blocks' graph and the loss head's, lowered
     assert warm["lower_regions"] == 0 and warm["triton_compiles"] == 0, warm
+    assert cold["partitioner_imported"] and not warm["partitioner_imported"]
     assert warm["tune"] == 0 and warm["timers"] == 0 and warm["timed"] == 0, warm
     assert warm["cache_hits"] > 0  # the tuned launches were read back, not the defaults used
     assert warm["loss"] == pytest.approx(cold["loss"], rel=1e-6)

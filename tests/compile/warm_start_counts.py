@@ -58,4 +58,6 @@ from tests.compile.test_graph_cache import step  # noqa: E402  (after the patche
 loss, grads, record = step("compile.backend=accelrun", "compile.scope=loss", "compile.executors=[triton,aten]",
                            shape=(2, 8))
 json.dump({**counts, "loss": loss.item(), "grad_sum": sum(float(g.double().sum()) for g in grads.values()),
-           "graphs_loaded": record.graphs_loaded(), "regions": record.regions_per_executor()}, sys.stdout)
+           "graphs_loaded": record.graphs_loaded(), "regions": record.regions_per_executor(),
+           # AOTAutograd's partitioner (0.3 s of imports): a process that compiles nothing needs none of it
+           "partitioner_imported": "torch._functorch.partitioners" in sys.modules}, sys.stdout)
