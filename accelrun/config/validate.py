@@ -148,7 +148,38 @@ def _describe(err: dict, data: dict, sources: dict[KeyPath, Source]) -> str:
         msg += f"; {_sequence_spelling(path, got, where)}"
     if err["type"] == "model_type" and isinstance(got, str) and "name" in _fields_at(path):  # train.optimizer=adamw
         msg += f"; did you mean '{key}.name={got}'?"
+    if (near := _nearest_whole_number(path, got, err["type"])) is not None:
+        msg += f"; the nearest valid value is {near}"
+    if (err["type"] in BOUND_ERRORS and isinstance(got, int | float) and got <= 0 and len(path) > 1
+            and "enabled" in _fields_at(path[:-1])):  # fmt: skip
+        # checkpoint.every=0 is how other tools turn checkpoints off
+        msg += f"; to switch {dotted(path[:-1])} off: {dotted(path[:-1] + ('enabled',))}=false"
     return msg
+
+
+# Pydantic's error types for a number beyond a field's bounds, and for a fraction where a whole number is wanted.
+BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+WHOLE_NUMBER_ERRORS = ("int_from_float",)
+
+
+def _nearest_whole_number(path: KeyPath, got: Any, error_type: str) -> int | None:
+    """For a whole-number key given a number it refuses (``train.steps=-3``, ``report.log_every=0.5``):
+    the valid value nearest to it, within the key's bounds. None for any other error or key."""
+    field = _field_at(path)
+    if (error_type not in (*BOUND_ERRORS, *WHOLE_NUMBER_ERRORS) or field is None or field.annotation is not int
+            or isinstance(got, bool) or not isinstance(got, int | float)):  # fmt: skip
+        return None
+    value = round(got)
+    for bound in field.metadata:  # annotated_types' Gt, Ge, Lt, Le
+        if (gt := getattr(bound, "gt", None)) is not None:
+            value = max(value, gt + 1)
+        if (ge := getattr(bound, "ge", None)) is not None:
+            value = max(value, ge)
+        if (lt := getattr(bound, "lt", None)) is not None:
+            value = min(value, lt - 1)
+        if (le := getattr(bound, "le", None)) is not None:
+            value = min(value, le)
+    return int(value)
 
 
 # Pydantic's error types for a value that is not a list or tuple at all (not an item's error).

@@ -86,7 +86,11 @@ def test_a_duplicate_key_alone_is_still_an_error(write):
 @pytest.mark.parametrize(
     "text, line, expect",
     [
-        ("train:\n  steps: -5\n", 2, "train.steps: input should be greater than 0 (got -5)"),
+        ("train:\n  steps: -5\n", 2, "train.steps: input should be greater than 0 (got -5); the nearest valid value is 1"),
+        ("report:\n  log_every: 2.5\n", 2, "fractional part (got 2.5); the nearest valid value is 2"),
+        ("checkpoint:\n  every: 0\n", 2, "(got 0); the nearest valid value is 1; to switch checkpoint off: "
+                                          "checkpoint.enabled=false"),
+        ("train:\n  optimizer:\n    lr: -1\n", 3, "train.optimizer.lr: input should be greater than 0 (got -1)"),
         ("train:\n  steps: many\n", 2, "train.steps: input should be a valid integer"),
         ("train:\n  precision: bf16\n", 2, "did you mean 'bf16-mixed'?"),
         ("train:\n  optimizer:\n    betas: [0.9, 1.5]\n", 3, "train.optimizer.betas.1: input should be less than 1"),
