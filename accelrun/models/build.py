@@ -330,12 +330,13 @@ def loss_source(model: nn.Module) -> LossSource:
     return LossSource.OWN if "targets" in params else LossSource.LOGITS
 
 
-def training_loss_fn(model: nn.Module):
+def training_loss_fn(model: nn.Module, vocab_size: int | None = None):
     """``(inputs, targets[, positions]) -> mean cross-entropy``: the model's own loss head when its forward
     takes targets (the built-in families: the head then compiles with ``compile.scope: loss`` or ``model``),
     otherwise cross-entropy over the logits it returns (``loss_source`` names which). ``positions``
     (document packing) is passed on as ``positions_BT`` only when given, so concat packing calls the
-    model exactly as before."""
+    model exactly as before. ``vocab_size``: the token ids the data may hold, which the logits a forward
+    returns are checked against (``logits_of``)."""
     params = forward_parameters(model)
     if loss_head_attached(model):  # transformers' model with the head and loss as one step (causal_lm_head)
         def head_and_loss(inputs_BT, targets_BT):
@@ -362,12 +363,12 @@ def training_loss_fn(model: nn.Module):
             own = loss_in(out)
             if own is not None:
                 return own
-            return next_token_loss(logits_of(out, model, inputs_BT), targets_BT)
+            return next_token_loss(logits_of(out, model, inputs_BT, vocab_size), targets_BT)
 
         return with_targets
 
     def loss(inputs_BT, targets_BT):
-        logits_BTV = logits_of(model(inputs_BT, **no_cache), model, inputs_BT)
+        logits_BTV = logits_of(model(inputs_BT, **no_cache), model, inputs_BT, vocab_size)
         return next_token_loss(logits_BTV, targets_BT)
 
     return loss
@@ -387,10 +388,12 @@ class ModelOutputError(UserError, TypeError):
     """A user's model returned something that holds no logits accelrun can read (exit 2)."""
 
 
-def logits_of(output: Any, model: nn.Module, inputs_BT: torch.Tensor) -> torch.Tensor:
+def logits_of(output: Any, model: nn.Module, inputs_BT: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
     """The logits [batch, seq, vocab] in what a user's ``forward(inputs)`` returned, in the shapes models
     are written with: the tensor itself, a tuple or list led by it (nanoGPT's ``(logits, loss)``), or an
-    object or dict with ``logits`` (transformers' outputs)."""
+    object or dict with ``logits`` (transformers' outputs). With ``vocab_size`` (the token ids the data
+    may hold), logits with fewer classes, or as many as the token table is wide (hidden states: the
+    output head left out), are refused: the first crashed in the loss, the second trained without a word."""
     logits = output
     if not isinstance(logits, torch.Tensor):
         logits = getattr(output, "logits", None)
@@ -410,4 +413,22 @@ def logits_of(output: Any, model: nn.Module, inputs_BT: torch.Tensor) -> torch.T
         raise ModelOutputError(f"{forward} returned logits of shape {tuple(logits.shape)} for inputs of shape "
                                f"{tuple(inputs_BT.shape)}; expected [batch, seq, vocab] = "
                                f"[{inputs_BT.shape[0]}, {inputs_BT.shape[1]}, vocab]")
+    if vocab_size is not None:
+        _check_classes(logits.shape[-1], vocab_size, model, forward)
     return logits
+
+
+def _check_classes(classes: int, vocab_size: int, model: nn.Module, forward: str) -> None:
+    # More classes than token ids is a padded vocabulary (nanoGPT's 50,304 for 50,257), unless they are
+    # as many as the token table is wide: then the forward most likely returned its hidden states.
+    widths = {m.embedding_dim for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings >= vocab_size}
+    hidden = classes in widths and classes != vocab_size
+    if classes >= vocab_size and not hidden:
+        return
+    said = (f"{forward} returned logits with {classes} classes (their last dimension) for token ids 0 to "
+            f"{vocab_size - 1}")
+    if hidden:
+        raise ModelOutputError(f"{said}: {classes} is the width of its token table (nn.Embedding), so these look "
+                               f"like hidden states; apply the output head (nn.Linear(dim, {vocab_size})) in forward")
+    raise ModelOutputError(f"{said}: the loss needs a class per token id, at least {vocab_size} (an output head "
+                           f"nn.Linear(dim, {vocab_size}))")

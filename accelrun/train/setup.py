@@ -229,7 +229,8 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         cfg.data, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
         vocab_size=vocab_size, custom=custom, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, eval_cfg=cfg.eval,
     )
-    loss_fn = _local_loss(training_loss_fn(model)) if vocab_parallel else training_loss_fn(model)
+    # (under loss parallelism each rank's logits hold its share of the vocabulary: not checked against all of it)
+    loss_fn = _local_loss(training_loss_fn(model)) if vocab_parallel else training_loss_fn(model, vocab_size)
     if cp_stats is not None:  # this rank's chunks of the dp rank's sequences; the loss over the whole of them
         cp_mesh = ctx.mesh["cp"]
         data = ContextShardedBatches(data, cp_mesh.get_local_rank(), ctx.cp_size)

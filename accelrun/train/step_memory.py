@@ -45,10 +45,10 @@ def measure_step(cfg: RunConfig, timed_steps: int = 0, warmup_steps: int = 2) ->
     if blocks is not None:
         apply_activation_checkpointing(blocks, t.activation_checkpoint)
     compile_model(model, blocks, cfg.compile, precision=t.precision)
-    loss_fn = training_loss_fn(model)
+    vocab_size, _ = data_vocab(cfg.model, model)  # a user's model: its token table's rows
+    loss_fn = training_loss_fn(model, vocab_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     g = torch.Generator().manual_seed(t.seed)
-    vocab_size, _ = data_vocab(cfg.model, model)  # a user's model: its token table's rows
     tokens, targets = (torch.randint(0, vocab_size, (t.micro_batch, t.seq_len), generator=g) for _ in range(2))
 
     def step() -> float:

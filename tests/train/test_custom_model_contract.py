@@ -86,6 +86,23 @@ class Hidden(Plain):  # forgets the head: returns a dict without logits
         return {"hidden": self.emb(idx)}
 
 
+class HiddenStates(Plain):  # forgets the head: returns [B, T, width]
+    def forward(self, idx):
+        return torch.tanh(self.emb(idx))
+
+
+class NarrowHead(Plain):  # a head with fewer outputs than token ids
+    def __init__(self, vocab=320, width=16):
+        super().__init__(vocab, width)
+        self.out = nn.Linear(width, 200)
+
+
+class PaddedHead(Plain):  # more outputs than token ids, as nanoGPT pads 50,257 to 50,304
+    def __init__(self, vocab=320, width=16):
+        super().__init__(vocab, width)
+        self.out = nn.Linear(width, 384)
+
+
 def build(style="Plain", **kw):
     return globals()[style](**kw)
 '''
@@ -134,6 +151,27 @@ def test_an_output_without_logits_is_one_line_naming_the_forward(tiny, models):
                                                     "compile.backend=eager"))
     assert "Hidden.forward (model.custom) returned a dict with keys ['hidden']; accelrun reads the logits " \
            "[batch, seq, vocab] from a tensor" in one_error(r)
+
+
+@pytest.mark.parametrize("style, width, message", [
+    # a width wider than the token ids trained without a word; narrower, it crashed in the loss (IndexError)
+    ("HiddenStates", 400, "returned logits with 400 classes (their last dimension) for token ids 0 to 319: 400 is "
+                          "the width of its token table (nn.Embedding), so these look like hidden states; apply the "
+                          "output head (nn.Linear(dim, 320)) in forward"),
+    ("HiddenStates", 16, "returned logits with 16 classes (their last dimension) for token ids 0 to 319: 16 is "
+                         "the width of its token table"),
+    ("NarrowHead", 16, "returned logits with 200 classes (their last dimension) for token ids 0 to 319: the loss "
+                       "needs a class per token id, at least 320"),
+])
+def test_logits_with_a_class_per_token_id_or_one_line(tiny, models, style, width, message):
+    r = invoke("train", str(DEFAULT_CONFIG), *tiny(2, f"model.custom={models}",
+                                                    f"model.kwargs={{style: {style}, width: {width}}}",
+                                                    "compile.backend=eager"))
+    assert f"{style}.forward (model.custom) {message}" in one_error(r)
+
+
+def test_a_padded_vocabulary_trains(tiny, models):
+    assert len(losses(tiny, models, "PaddedHead", "padded")) == 4
 
 
 def test_an_embedding_smaller_than_the_tokenizer_is_named_before_training(tiny, models):
