@@ -31,6 +31,12 @@ KNOWN_BREAK_REASONS: dict[str, str] = {
         "make the branch a computation (torch.where, torch.clamp: they cost little when the condition is "
         "false), or move it out of the compiled forward"
     ),
+    # torch's own hint (capture_scalar_outputs) traces the host read; a check that reads a value on the
+    # host (a NaN or overflow test) need not be in the forward at all.
+    "Unsupported Tensor.item() call": (
+        "keep the value a tensor (torch.where, torch.clamp instead of an if on it), or read it outside the "
+        "compiled forward (a check on the loss every few steps)"
+    ),
 }
 # What Dynamo cannot trace, by the start of its reason, and what that means for the user's model.
 KNOWN_UNTRACEABLE: dict[str, str] = {
@@ -84,9 +90,7 @@ def break_site(message: str, traced: tuple[str, str] | None = None) -> BreakSite
     inner = f"{path_tail(path)}:{line} in {fn}" if _machinery(path) else ""
     fix = next((why for (tail, name), why in KNOWN_BREAKS.items() if path.endswith(tail) and fn == name), "")
     if not fix:  # by the reason's title, which may follow a preamble ("Encountered graph break when ...")
-        reason = message.partition("Graph Break Reason:")[2].partition("User code traceback")[0]
-        titles = [text.strip() for text in reason.splitlines()]
-        fix = next((why for start, why in KNOWN_BREAK_REASONS.items() if any(t.startswith(start) for t in titles)), "")
+        fix = known_fix(message.partition("Graph Break Reason:")[2].partition("User code traceback")[0]) or ""
     meaning = next((why for mark, why in EXPLAINED_BREAKS.items() if mark in message), "")
     return BreakSite(f"{path_tail(user_line[0])}:{user_line[1]}", inner, fix, meaning)
 
@@ -187,6 +191,12 @@ def forget_after(mark: int) -> None:
     """Drop the sites logged after ``mark`` (a trace that never ran, see coverage.forget_since)."""
     if _listener is not None:
         del _listener.sites[mark:]
+
+
+def known_fix(reason: str) -> str | None:
+    """The change that avoids a graph break, from Dynamo's reason, where it is a known one."""
+    titles = [line.strip() for line in reason.splitlines()]
+    return next((why for start, why in KNOWN_BREAK_REASONS.items() if any(t.startswith(start) for t in titles)), None)
 
 
 def untraceable_advice(reason: str) -> str | None:

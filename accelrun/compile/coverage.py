@@ -105,8 +105,15 @@ def coverage_warnings(record: Any) -> list[str]:
     if record.graphs_in_use() == 0:  # graphs loaded from the graph cache ran compiled too
         why = f" (Dynamo saw {seen} frame(s) and compiled none)" if seen else " (Dynamo saw no frame of it)"
         out.append(f"nothing was compiled: the model ran in eager PyTorch{why}; {_what_to_change(d)}")
+    breaks = sum(record.graph_breaks.values())
+    # What a skipped frame calls is traced on its own (a block's forward): say so, or the warning reads
+    # as if nothing ran compiled beside the run line's graphs. What avoids the break is said once: by
+    # the graph-break line below, or with nothing compiled by the line above.
+    apart = f" (what it calls compiled apart: {record.graphs_in_use()} graph(s))" if record.graphs_in_use() else ""
     for line in d.get("frames_skipped", []):
-        out.append(f"Dynamo skipped a frame: {line}")
+        fix = break_sites.known_fix(_reason_of_skip(line)) if record.graphs_in_use() and not breaks else None
+        out.append(f"Dynamo skipped a frame: {line.replace(' ran eagerly', ' ran eagerly' + apart, 1)}"
+                   + (f"; to avoid it: {fix}" if fix else ""))
     limits = sum(n for why, n in d.get("unsupported", {}).items() if why.startswith(RECOMPILE_LIMIT))
     if limits:
         out.append(f"Dynamo hit its recompile limit ×{limits}: a compiled function met more kinds of input or "
@@ -115,7 +122,6 @@ def coverage_warnings(record: Any) -> list[str]:
                    "forward once; a size that changes from call to call, as a mixture of experts' tokens per "
                    "expert, compiles three times at most, for its first value, its next, and then any, unless "
                    "the code branches on it: torch's own warning names what changed)")
-    breaks = sum(record.graph_breaks.values())
     if breaks and record.graphs_in_use():  # with nothing compiled, the warning above says why
         sites = d.get("break_sites") or []
         where = f": {'; '.join(sites[:2])}" + (f" (+{len(sites) - 2} more)" if len(sites) > 2 else "") if sites else ""
@@ -123,12 +129,19 @@ def coverage_warnings(record: Any) -> list[str]:
     return out
 
 
+def _reason_of_skip(line: str) -> str:
+    """Dynamo's reason in a ``frames_skipped`` line ("forward (m.py:8) ran eagerly: <reason>"); a reason
+    of another kind as it is."""
+    return line.partition(" ran eagerly: ")[2] or line
+
+
 def _what_to_change(dynamo: dict[str, Any]) -> str:
     reasons = [*dynamo.get("unsupported", {}), *dynamo.get("frames_skipped", [])]
     if reasons:
         first = reasons[0]
         more = f" (+{len(reasons) - 1} more in report.md)" if len(reasons) > 1 else ""
-        return f"Dynamo could not trace: {first}{more}; " + (break_sites.untraceable_advice(first) or (
+        return f"Dynamo could not trace: {first}{more}; " + (
+            break_sites.untraceable_advice(first) or break_sites.known_fix(_reason_of_skip(first)) or (
             "move that code (a branch on a tensor's value, a boolean mask) out of the compiled forward, or into "
             "a module of its own"))
     return ("compile.scope = model compiles the whole forward; a module whose code is torch.nn's own "

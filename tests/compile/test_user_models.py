@@ -238,6 +238,53 @@ def test_a_branch_on_a_tensor_s_value_is_counted_as_a_graph_break_with_its_line(
     assert f"at compile/test_user_models.py:{line}; to avoid it: make the branch a computation" in warning, warning
 
 
+def test_a_host_read_check_in_a_loop_says_what_still_compiled_and_what_avoids_it(tmp_path):
+    """A habit of users' (found by a new-user trial): an overflow check with ``.item()`` after each block,
+    the blocks in a plain list. Dynamo skips the forward (a break inside a loop) and compiles the blocks
+    it calls on their own: the skipped frame's warning said "ran eagerly" beside a run line of compiled
+    graphs, and no line said what avoids the break."""
+    import inspect
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+            self.norm = torch.nn.LayerNorm(16)
+
+        def forward(self, x):
+            return x + self.mlp(self.norm(x))
+
+    class CheckedBlocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB)
+            self.block_list = [Block(), Block()]  # no nn.ModuleList: registered by name
+            for i, block in enumerate(self.block_list):
+                self.add_module(f"block{i}", block)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for block in self.block_list:
+                x = block(x)
+                if x.abs().max().item() > 1e4:  # the check
+                    print("activation blew up")
+            return self.head(x)
+
+    line = next(i for i, text in enumerate(inspect.getsource(sys.modules[__name__]).splitlines(), 1)
+                if "# the check" in text)  # fmt: skip
+    torch.manual_seed(0)
+    record = _compiled_beside_eager(CheckedBlocks(), tmp_path, steps=2)
+    record.refresh_dynamo()
+    assert record.graphs_in_use() >= 1, record.compiled_line()
+    warnings = record.warnings()
+    (skipped,) = [w for w in warnings if w.startswith("Dynamo skipped a frame")]
+    assert f"ran eagerly (what it calls compiled apart: {record.graphs_in_use()} graph(s)): Unsupported " \
+           "Tensor.item()" in skipped, skipped
+    (breaks,) = [w for w in warnings if "graph break(s)" in w]
+    assert f"at compile/test_user_models.py:{line}; to avoid it: keep the value a tensor" in breaks, breaks
+    assert "to avoid it" not in skipped  # said once
+
+
 def test_an_rnn_runs_eagerly_between_compiled_graphs_and_the_break_says_so(tmp_path):
     """A GRU held as an attribute (tests/compile/user_models.py's GRULM): Dynamo does not trace RNN
     modules, and meeting one as it read ``self.rnn`` it skipped the whole forward. Read through an
