@@ -383,7 +383,24 @@ class GraphCache:
             self.error(f"could not save {state_file.name}", e)
 
     def error(self, what: str, e: BaseException) -> None:
-        self.stats["errors"].append(f"{what}: {one_line(e)}")
+        self.stats["errors"].append(f"{what}: {graph_break_said(e) or one_line(e)}")
+
+
+def graph_break_said(e: BaseException) -> str | None:
+    """A precompile's failure at a graph break (it traces with fullgraph) in the user's words, or None: Dynamo's
+    own text ("Could not guard on data-dependent expression zuf0 > 10000.0") names torch's symbols, not the
+    model's line, which the run's graph-break warning gives with what avoids it."""
+    if not type(e).__module__.startswith("torch._dynamo"):
+        return None
+    text = str(e).strip()
+    if "data-dependent expression" in text:
+        what = "code that branches on a value read from a tensor"
+    elif type(e).__name__ == "Unsupported":
+        what = (text.splitlines() or ["?"])[0][:120]  # its title: "Data-dependent branching", ...
+    else:
+        return None
+    return (f"the forward has a graph break ({what}), which cannot be saved; the graph-break warning says where "
+            "and what avoids it")
 
 
 # How each part of ``GraphCache.versions`` reads when a saved entry's differs from this process's.

@@ -702,3 +702,30 @@ def test_a_state_change_of_autocast_is_said_in_words():
     on = "[('cpu', True, torch.bfloat16), ('cuda', False, torch.float16)]"
     assert state_changes({"autocast": off, "threads": "2"}, {"autocast": on, "threads": "2"}) == \
         ["autocast off, not autocast cpu bfloat16"]
+
+
+def test_a_precompile_refused_at_a_graph_break_says_so_in_the_user_s_words():
+    """Found by a new-user trial: the report said "UserError: Consider annotating your code using
+    torch._check*(). Could not guard on data-dependent expression zuf0 > 10000.0"."""
+    from accelrun.compile.graph_cache import graph_break_said
+
+    def checked(x):
+        if x.abs().max().item() > 1e4:
+            return x / 2
+        return x * 2
+
+    def branched(x):
+        if x.sum() > 0:
+            return x / 2
+        return x * 2
+
+    said = []
+    for fn in (checked, branched):
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as raised:  # noqa: PT011 (Dynamo's own exception types)
+            torch.compile(fn, backend="eager", fullgraph=True)(torch.randn(4))
+        said.append(graph_break_said(raised.value))
+    torch._dynamo.reset()
+    assert all(s is not None and s.startswith("the forward has a graph break (") for s in said), said
+    assert all("zuf0" not in s and "torch._check" not in s for s in said), said
+    assert graph_break_said(RuntimeError("disk full")) is None
