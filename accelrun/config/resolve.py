@@ -89,8 +89,15 @@ def resolve_config_path(ref: str | Path, dirs: list[Path]) -> Path:
     if looks_like_path(str(ref)) or path.suffix:
         hint = ""
         if not path.is_absolute() and path.parts[:1] == ("configs",) and not Path("configs").is_dir():  # outside a clone
-            hint = (" (configs/ is the accelrun repository's folder of example recipes: run from a clone, or "
-                    "give a recipe by name, e.g. model/debug, which is found wherever you are)")
+            # The clone this accelrun runs from, if it does (an editable install): its file works from anywhere.
+            # (A recipe name alone is no stand-in: model/debug trains the model without the compiler.)
+            in_clone = Path(__file__).resolve().parents[2] / path
+            hint = (f" (configs/ is the accelrun repository's folder of example recipes; this accelrun runs from a "
+                    f"clone, where it is {in_clone})" if in_clone.is_file() else
+                    " (configs/ is the accelrun repository's folder of example recipes: run from a clone, or write "
+                    "a recipe whose extends: lists the shipped recipes it builds on, as configs/llama.yaml does; "
+                    "`accelrun recipes list` names them)")
+
         raise ConfigError(f"config file not found: {ref}{hint}")
     return find_recipe(str(ref), dirs)
 

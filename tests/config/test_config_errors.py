@@ -6,6 +6,7 @@ import pytest
 
 from accelrun.config import ConfigError, load_config
 from accelrun.config.validate import TOKENIZER_VOCAB
+from tests.conftest import REPO
 
 
 def error_of(path, overrides=()) -> str:
@@ -56,8 +57,12 @@ def test_the_repository_s_configs_folder_missing_says_what_it_is(tmp_path, monke
     from accelrun.config import ConfigError, load_config
 
     monkeypatch.chdir(tmp_path)  # outside a clone
-    with pytest.raises(ConfigError, match="configs/ is the accelrun repository's folder of example recipes"):
+    with pytest.raises(ConfigError, match="configs/ is the accelrun repository's folder of example recipes") as e:
         load_config("configs/llama.yaml")
+    # This accelrun runs from a clone: its file, which works from anywhere (a new user followed the hint
+    # "give a recipe by name, e.g. model/debug" and trained without the compiler).
+    assert str(REPO / "configs" / "llama.yaml") in str(e.value) and "model/debug" not in str(e.value)
+    load_config(str(REPO / "configs" / "llama.yaml"))
 
 
 def test_duplicate_key_is_an_error(write):
