@@ -63,16 +63,24 @@ def _compiler_section(c: dict | None) -> list[str]:
     out = ["## Compiler", "", "| figure | value |", "| --- | --- |"]
     if c.get("compiled"):
         out.append(f"| compiled | {_cell(c['compiled'])} |")
+    graphs = c.get("graph_cache") or {}
     if "dynamo_graphs" in c:
         loaded = c.get("graphs_loaded") or 0
-        out.append(f"| graphs compiled | {c['dynamo_graphs'] + loaded}"
-                   + (f" ({loaded} loaded from cache)" if loaded else "") + " |")
+        if loaded:  # a cached run compiled none of them: "graphs compiled 2 (2 loaded)" read as both
+            out.append(f"| graphs | {c['dynamo_graphs'] + loaded}: {c['dynamo_graphs']} compiled in this run, "
+                       f"{loaded} loaded from the graph cache |")
+        else:
+            out.append(f"| graphs compiled | {c['dynamo_graphs']} |")
     out.append(f"| graph breaks | {c.get('graph_breaks', 0)} |")
     dyn = c.get("dynamo") or {}
     if dyn:
+        # Frames the graph cache took go around Dynamo's counters (record.refresh_dynamo adds them): which way.
+        via = [f"{n} traced to be saved in the graph cache" for n in [graphs.get("compiled")] if n] + \
+              [f"{n} loaded from it" if graphs.get("compiled") else f"{n} loaded from the graph cache"
+               for n in [graphs.get("loaded")] if n]  # fmt: skip
         out.append(f"| Dynamo frames seen / compiled / skipped | {dyn.get('frames_seen', 0)} / "
                    f"{dyn.get('frames_compiled', 0)} / {len(dyn.get('frames_skipped', []))}"
-                   + (f" ({n} through the graph cache)" if (n := dyn.get("frames_via_graph_cache")) else "") + " |")
+                   + (f" ({', '.join(via)})" if via and dyn.get("frames_via_graph_cache") else "") + " |")
     if "fallbacks" in c:
         out.append(f"| compiler fallbacks | {len(c['fallbacks'])} |")
     for stage, secs in (c.get("stage_seconds") or {}).items():
@@ -80,7 +88,6 @@ def _compiler_section(c: dict | None) -> list[str]:
     if "cache" in c:
         out.append(f"| kernel cache (the regions' built kernels) hits / misses | {c['cache']['hits']} / "
                    f"{c['cache']['misses']} |")
-    graphs = c.get("graph_cache") or {}
     if "off" in graphs:
         out.append(f"| graph cache | off: {_cell(graphs['off'])} |")
     elif graphs:
