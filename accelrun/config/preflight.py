@@ -164,7 +164,8 @@ def custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> lis
         check_custom_kwargs(cfg.model.custom, dict(cfg.model.kwargs))
     except UserError as e:
         key = ("model", "kwargs") if isinstance(e, ModelKwargsError) else ("model", "custom")
-        return [f"{m} ({source_of(key, sources)})" for m in e.messages]
+        # Named with where it was set: "(default)" alone read as part of the message (a new user's trial).
+        return [f"{m} ({'.'.join(key)}: {source_of(key, sources)})" for m in e.messages]
     return _built_custom_model_problems(cfg, sources)
 
 

@@ -320,6 +320,10 @@ class LossSource(Enum):
             "with any term the model adds (a mixture's load-balancing loss, model.aux_loss_coef)")
     OWN = "the loss the model's forward returns given targets (forward(tokens, targets)), or where it returns " \
           "none, the next-token cross-entropy of its logits"
+    # Which of OWN's two it was, once the forward has run (``training_loss_fn``'s ``trained``).
+    OWN_RETURNED = "the loss the model's forward returns given targets (forward(tokens, targets))"
+    OWN_NONE = ("the next-token cross-entropy of the logits the model's forward returns given targets (it "
+                "returned no loss of its own)")
     LOGITS = "the next-token cross-entropy of the logits the model's forward returns (mean over tokens)"
 
 
@@ -361,6 +365,7 @@ def training_loss_fn(model: nn.Module, vocab_size: int | None = None):
         def with_targets(inputs_BT, targets_BT):
             out = model(inputs_BT, targets=targets_BT, **no_cache)
             own = loss_in(out)
+            with_targets.trained = LossSource.OWN_RETURNED if own is not None else LossSource.OWN_NONE  # (report.md)
             if own is not None:
                 return own
             return next_token_loss(logits_of(out, model, inputs_BT, vocab_size), targets_BT)

@@ -291,7 +291,8 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         "model params": s.model_info["params_total"],
         "precision": cfg.train.precision,
         "compile": s.compiled,
-        "loss": (s.loss_source or loss_source(s.model)).value,
+        # which one the forward's output made it, where the run found out (a forward given targets)
+        "loss": (getattr(s.loss_fn, "trained", None) or s.loss_source or loss_source(s.model)).value,
         "device": str(s.device),
         "processes": s.ctx.world_size,
         "parallel degrees": " × ".join(f"{k} {v}" for k, v in cfg.parallel.degrees().items()),

@@ -52,6 +52,11 @@ class NanoStyle(Plain):  # nanoGPT's forward(idx, targets=None): the last positi
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
+class TargetsUnused(Plain):  # takes targets, returns only the logits
+    def forward(self, idx, targets=None):
+        return super().forward(idx)
+
+
 class TwoArgs(Plain):  # transformers-like: a mask no one passes
     def forward(self, input_ids, attention_mask):
         return super().forward(input_ids) * attention_mask[..., None]
@@ -128,12 +133,16 @@ def losses(tiny, custom, style, name, reports=None):
 def test_logits_are_read_from_a_tuple_a_dict_or_an_object(tiny, models):
     reports = {}
     want = losses(tiny, models, "Plain", "plain", reports)
-    for style in ("NanoStyle", "DictStyle", "ObjectStyle"):
+    for style in ("NanoStyle", "DictStyle", "ObjectStyle", "TargetsUnused"):
         assert losses(tiny, models, style, style.lower(), reports) == want, style  # same weights, logits, losses
     # report.md says which loss was trained: the forward's own where it takes targets (found by a new user)
-    assert "| loss | the loss the model's forward returns given targets" in reports["NanoStyle"]
+    assert "| loss | the loss the model's forward returns given targets (forward(tokens, targets)) |" \
+        in reports["NanoStyle"]
     for style in ("Plain", "DictStyle"):
         assert "| loss | the next-token cross-entropy of the logits the model's forward returns" in reports[style]
+    # which of the two a forward given targets made it (the report said "X, or where it returns none, Y")
+    assert "| loss | the next-token cross-entropy of the logits the model's forward returns given targets (it " \
+           "returned no loss of its own) |" in reports["TargetsUnused"]
 
 
 def invoke(*args):
@@ -194,7 +203,7 @@ def test_the_token_table_is_the_one_the_head_matches_not_a_larger_position_table
     ("contract_models:nope", "{}", "module 'contract_models' has no attribute 'nope'", "", ()),
     ("contract_models:Plain", "{dims: 64}", "unexpected keyword argument 'dims'",
      "do not fit model.custom = 'contract_models:Plain': got an unexpected keyword argument 'dims' (Plain takes "
-     "vocab, width) (override 'model.kwargs={dims: 64}')", ()),
+     "vocab, width) (model.kwargs: override 'model.kwargs={dims: 64}')", ()),
     # the nearest valid value: a misspelt argument's nearest name, a missing one written as an override
     ("contract_models:Plain", "{widht: 64}", "unexpected keyword argument 'widht'", "; did you mean 'width'?", ()),
     ("contract_models:Needs", "{vocab: 300}", "missing a required argument: 'width'",
