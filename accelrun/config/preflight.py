@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from accelrun.config.compose import Source
 from accelrun.config.errors import ConfigError
@@ -191,7 +192,28 @@ def _built_custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source])
             check_vocab(ids, rows, f"data.tokenizer {cfg.data.tokenizer!r}", custom)
         except UserError as e:
             out += [f"{m} (model.custom: {where})" for m in e.messages]
+    if not out:
+        out += [f"{m} (model.custom: {where})" for m in _logits_problems(model, (cfg.train.micro_batch, cfg.train.seq_len), rows)]
     return out
+
+
+def _logits_problems(model: Any, shape: tuple[int, int], vocab_size: int) -> list[str]:
+    """What the first training step would refuse in the forward's output (logits of the wrong shape, or
+    the hidden states where the head was left out: ``models.build.logits_of``), found by a forward and
+    loss on meta tensors. A forward that cannot run there (data-dependent sizes, a host read) is left to
+    ``train``."""
+    import torch
+
+    from accelrun.models.build import ModelOutputError, training_loss_fn
+
+    tokens = torch.zeros(shape, dtype=torch.long, device="meta")
+    try:
+        training_loss_fn(model, vocab_size)(tokens, tokens)
+    except ModelOutputError as e:
+        return list(e.messages)
+    except Exception:  # noqa: BLE001 (only a head start, as above)
+        return []
+    return []
 
 
 def data_token_ids(cfg: RunConfig) -> int | None:

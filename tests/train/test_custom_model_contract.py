@@ -223,6 +223,11 @@ def test_the_token_table_is_the_one_the_head_matches_not_a_larger_position_table
      "(model.custom: override", ()),
     ("contract_models:Plain", "{}", "data.packing = document: model.custom's forward (Plain) takes no positions_BT",
      "(model.custom: override", ("data.packing=document",)),
+    # found by a forward and loss on meta tensors (validate said "valid" to a forgotten head; a new user's trial)
+    ("contract_models:build", "{style: HiddenStates, width: 400}", "HiddenStates.forward (model.custom) returned "
+     "logits with 400 classes", "so these look like hidden states", ()),
+    ("contract_models:build", "{style: Hidden}", "Hidden.forward (model.custom) returned a dict with keys ['hidden']",
+     "(model.custom: override", ()),
 ])  # fmt: skip
 def test_validate_refuses_what_train_would(tiny, models, custom, kwargs, message, validate_only, more):
     args = (str(DEFAULT_CONFIG), *tiny(2, f"model.custom={custom}", f"model.kwargs={kwargs}", *more))
