@@ -297,6 +297,7 @@ class ChangingSizeGemmSite(GemmSite):
     def __init__(self, layout: ChangingGemmLayout, library: Library | None = None) -> None:
         self.layout, self.fixed, self.tuner = layout, library, None
         self._tuners: dict[tuple[int, int, int], LayoutTuner] = {}
+        self._sizes_met: set[tuple[int, int, int]] = set()
         self.calls = 0  # nonempty calls, and how many of them met a size for the first time
         self.new_sizes = 0
         self.__name__ = "gemm"
@@ -308,12 +309,16 @@ class ChangingSizeGemmSite(GemmSite):
         if self.fixed is not None:
             return MULTIPLY[self.fixed](a, b, bias)
         self.calls += 1
-        tuner = self._tuners.get(sizes)
-        if tuner is None:
-            tuner = self._tuners[sizes] = tuner_for(self.layout.at(*sizes))
+        if sizes not in self._sizes_met:
+            self._sizes_met.add(sizes)
             self.new_sizes += 1
         if self.sizes_rarely_repeat():  # decided or not: a bucket timed on new sizes alone never decides
             return _aten_mm(a, b, bias)
+        # Found only now: finding a size's tuner (its bucket's cache file and key) cost 0.1 ms, which an
+        # expert meeting a new token count paid at every call (4 ms of a small mixture's 50 ms step).
+        tuner = self._tuners.get(sizes)
+        if tuner is None:
+            tuner = self._tuners[sizes] = tuner_for(self.layout.at(*sizes))
         if tuner.library is None:
             return tuner.timed_call(a, b, bias)
         return MULTIPLY[tuner.library](a, b, bias)

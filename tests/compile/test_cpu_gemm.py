@@ -164,10 +164,14 @@ def test_an_experts_products_meeting_a_new_size_at_every_call_run_aten(tmp_path,
     # six lengths in turn: new at calls 1-6, so more than half new at calls 8 to 11 only
     assert calls == {Library.ATEN: 4, Library.ONEDNN: 60}, calls
     calls.update({Library.ATEN: 0, Library.ONEDNN: 0})
+    found = []  # a size's tuner is looked up only while the site may use it (0.1 ms a call, at every call)
+    monkeypatch.setattr(gemm_choice, "tuner_for", lambda layout, find=gemm_choice.tuner_for: found.append(layout)
+                        or find(layout))  # fmt: skip
     for rows in [*range(65, 75), 65, *range(75, 128)]:  # a new count at every call but one
         x = torch.randn(rows, 48)
         torch.testing.assert_close(tokens(x, w), x @ w, rtol=1e-5, atol=1e-5)
     assert calls == {Library.ATEN: 64 - 7, Library.ONEDNN: 7}, calls  # from the 8th call on
+    assert len(found) == 7, len(found)
     assert tokens.sizes_rarely_repeat() and not lengths.sizes_rarely_repeat()
 
 
