@@ -500,7 +500,7 @@ class CachedMethod:
             try:
                 entry, traced = self._compile(owner, args, kwargs)
             except Exception as e:  # graph break under fullgraph, an unserializable piece, ...
-                self._write(refused, f"{module_settings(owner)}\n{one_line(e)}".encode())
+                self._write(refused, f"{module_settings(owner)}\n{graph_break_said(e) or one_line(e)}".encode())
                 # Its graphs never run and its graph breaks are the fallback's: those are counted.
                 self.cache.backend.record.roll_back(mark)
                 coverage.forget_since(counted)

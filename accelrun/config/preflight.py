@@ -192,28 +192,38 @@ def _built_custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source])
             check_vocab(ids, rows, f"data.tokenizer {cfg.data.tokenizer!r}", custom)
         except UserError as e:
             out += [f"{m} (model.custom: {where})" for m in e.messages]
-    if not out:
-        out += [f"{m} (model.custom: {where})" for m in _logits_problems(model, (cfg.train.micro_batch, cfg.train.seq_len), rows)]
+    if not out and (ids := ids_the_logits_cover(cfg, rows)) is not None:
+        out += [f"{m} (model.custom: {where})" for m in _logits_problems(model, (cfg.train.micro_batch, cfg.train.seq_len), ids)]
     return out
 
 
 def _logits_problems(model: Any, shape: tuple[int, int], vocab_size: int) -> list[str]:
     """What the first training step would refuse in the forward's output (logits of the wrong shape, or
-    the hidden states where the head was left out: ``models.build.logits_of``), found by a forward and
-    loss on meta tensors. A forward that cannot run there (data-dependent sizes, a host read) is left to
-    ``train``."""
+    the hidden states where the head was left out: ``models.build.logits_of``), found by running the
+    user's forward and loss on meta tensors (without autograd). A forward that cannot run there
+    (data-dependent sizes, a host read) is left to ``train``."""
     import torch
 
     from accelrun.models.build import ModelOutputError, training_loss_fn
 
     tokens = torch.zeros(shape, dtype=torch.long, device="meta")
     try:
-        training_loss_fn(model, vocab_size)(tokens, tokens)
+        with torch.no_grad():
+            training_loss_fn(model, vocab_size)(tokens, tokens)
     except ModelOutputError as e:
         return list(e.messages)
     except Exception:  # noqa: BLE001 (only a head start, as above)
         return []
     return []
+
+
+def ids_the_logits_cover(cfg: RunConfig, drawn: int) -> int | None:
+    """How many token ids a user's logits need a class for (``models.build.logits_of``): the tokenizer's,
+    or for synthetic data the ``drawn`` it draws from (``data_vocab``'s); None where that is not known
+    before reading the data (token files, mixtures), and nothing is checked. Not ``model.vocab_size``
+    itself: a model whose token table cannot be told takes that number, 512 in model/debug, while the
+    byte tokenizer makes 258 ids."""
+    return drawn if cfg.data.source == "synthetic" and not cfg.data.mix else data_token_ids(cfg)
 
 
 def data_token_ids(cfg: RunConfig) -> int | None:

@@ -93,7 +93,7 @@ def resolve_config_path(ref: str | Path, dirs: list[Path]) -> Path:
             # (A recipe name alone is no stand-in: model/debug trains the model without the compiler.)
             in_clone = Path(__file__).resolve().parents[2] / path
             hint = (f" (configs/ is the accelrun repository's folder of example recipes; this accelrun runs from a "
-                    f"clone, where it is {in_clone})" if in_clone.is_file() else
+                    f"clone, where it is: give that path, {in_clone})" if in_clone.is_file() else
                     " (configs/ is the accelrun repository's folder of example recipes: run from a clone, or write "
                     "a recipe whose extends: lists the shipped recipes it builds on, as configs/llama.yaml does; "
                     "`accelrun recipes list` names them)")

@@ -8,6 +8,7 @@ and where each was set.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -148,12 +149,12 @@ def _describe(err: dict, data: dict, sources: dict[KeyPath, Source]) -> str:
         msg += f"; {_sequence_spelling(path, got, where)}"
     if err["type"] == "model_type" and isinstance(got, str) and "name" in _fields_at(path):  # train.optimizer=adamw
         msg += f"; did you mean '{key}.name={got}'?"
-    if (near := _nearest_whole_number(path, got, err["type"])) is not None:
-        msg += f"; the nearest valid value is {near}"
     if (err["type"] in BOUND_ERRORS and isinstance(got, int | float) and got <= 0 and len(path) > 1
-            and "enabled" in _fields_at(path[:-1])):  # fmt: skip
-        # checkpoint.every=0 is how other tools turn checkpoints off
+            and path[-1] == "every" and "enabled" in _fields_at(path[:-1])):  # fmt: skip
+        # checkpoint.every=0 is how other tools turn checkpoints off (not a request to save at every step)
         msg += f"; to switch {dotted(path[:-1])} off: {dotted(path[:-1] + ('enabled',))}=false"
+    elif (near := _nearest_whole_number(path, got, err["type"])) is not None:
+        msg += f"; the nearest valid value is {near}"
     return msg
 
 
@@ -169,7 +170,7 @@ def _nearest_whole_number(path: KeyPath, got: Any, error_type: str) -> int | Non
     if (error_type not in (*BOUND_ERRORS, *WHOLE_NUMBER_ERRORS) or field is None or field.annotation is not int
             or isinstance(got, bool) or not isinstance(got, int | float)):  # fmt: skip
         return None
-    value = round(got)
+    value = math.floor(got + 0.5)  # halves up: round() takes 2.5 to 2 and 3.5 to 4
     for bound in field.metadata:  # annotated_types' Gt, Ge, Lt, Le
         if (gt := getattr(bound, "gt", None)) is not None:
             value = max(value, gt + 1)

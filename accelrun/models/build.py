@@ -365,7 +365,8 @@ def training_loss_fn(model: nn.Module, vocab_size: int | None = None):
         def with_targets(inputs_BT, targets_BT):
             out = model(inputs_BT, targets=targets_BT, **no_cache)
             own = loss_in(out)
-            with_targets.trained = LossSource.OWN_RETURNED if own is not None else LossSource.OWN_NONE  # (report.md)
+            if model.training:  # (report.md) what training made of it: an evaluation's call may differ
+                with_targets.trained = LossSource.OWN_RETURNED if own is not None else LossSource.OWN_NONE
             if own is not None:
                 return own
             return next_token_loss(logits_of(out, model, inputs_BT, vocab_size), targets_BT)
@@ -423,17 +424,18 @@ def logits_of(output: Any, model: nn.Module, inputs_BT: torch.Tensor, vocab_size
     return logits
 
 
-def _check_classes(classes: int, vocab_size: int, model: nn.Module, forward: str) -> None:
+def _check_classes(classes: int, ids: int, model: nn.Module, forward: str) -> None:
     # More classes than token ids is a padded vocabulary (nanoGPT's 50,304 for 50,257), unless they are
-    # as many as the token table is wide: then the forward most likely returned its hidden states.
-    widths = {m.embedding_dim for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings >= vocab_size}
-    hidden = classes in widths and classes != vocab_size
-    if classes >= vocab_size and not hidden:
+    # as many as a token table is wide: then the forward most likely returned its hidden states. (A
+    # hidden width equal to a padded vocabulary's would be refused too; none is known.)
+    tables = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings >= ids]
+    hidden = classes != ids and any(t.embedding_dim == classes for t in tables)
+    if classes >= ids and not hidden:
         return
-    said = (f"{forward} returned logits with {classes} classes (their last dimension) for token ids 0 to "
-            f"{vocab_size - 1}")
+    # The head to suggest: as many outputs as the token table has rows (the smallest table that holds the ids)
+    head = f"nn.Linear(dim, {min((t.num_embeddings for t in tables), default=ids)})"
+    said = f"{forward} returned logits with {classes} classes (their last dimension) for token ids 0 to {ids - 1}"
     if hidden:
         raise ModelOutputError(f"{said}: {classes} is the width of its token table (nn.Embedding), so these look "
-                               f"like hidden states; apply the output head (nn.Linear(dim, {vocab_size})) in forward")
-    raise ModelOutputError(f"{said}: the loss needs a class per token id, at least {vocab_size} (an output head "
-                           f"nn.Linear(dim, {vocab_size}))")
+                               f"like hidden states; apply the output head ({head}) in forward")
+    raise ModelOutputError(f"{said}: the loss needs a class per token id, at least {ids} (an output head {head})")

@@ -16,6 +16,7 @@ import torch
 
 from accelrun.compile.compile_model import compile_model
 from accelrun.config import ResolvedConfig
+from accelrun.config.preflight import ids_the_logits_cover
 from accelrun.data import build_data
 from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
 from accelrun.models import build_model, transformer_blocks
@@ -69,7 +70,7 @@ def explain_step(resolved: ResolvedConfig, run_dir: Path, steady_steps: int = 3)
     vocab_size, custom = data_vocab(cfg.model, model)  # as training reads it (train/setup.py)
     data = build_data(cfg.data, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
                       vocab_size=vocab_size, custom=custom)  # fmt: skip
-    loss_fn = training_loss_fn(model, vocab_size)
+    loss_fn = training_loss_fn(model, ids_the_logits_cover(cfg, vocab_size))
 
     def step() -> tuple[float, float]:
         # (inputs, targets), and positions under data.packing = document: all go to the model.

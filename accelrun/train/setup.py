@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from accelrun.compile.compile_model import Compiled
 from accelrun.config import ConfigError, ResolvedConfig, RunConfig
+from accelrun.config.preflight import ids_the_logits_cover
 from accelrun.data import build_data
 from accelrun.data.build import build_eval_data
 from accelrun.dist.comm_overlap import comm_trace_for
@@ -230,7 +231,8 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         vocab_size=vocab_size, custom=custom, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, eval_cfg=cfg.eval,
     )
     # (under loss parallelism each rank's logits hold its share of the vocabulary: not checked against all of it)
-    loss_fn = _local_loss(training_loss_fn(model)) if vocab_parallel else training_loss_fn(model, vocab_size)
+    loss_fn = (_local_loss(training_loss_fn(model)) if vocab_parallel
+               else training_loss_fn(model, ids_the_logits_cover(cfg, vocab_size)))
     if cp_stats is not None:  # this rank's chunks of the dp rank's sequences; the loss over the whole of them
         cp_mesh = ctx.mesh["cp"]
         data = ContextShardedBatches(data, cp_mesh.get_local_rank(), ctx.cp_size)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from accelrun.compile.compile_model import compile_model
+from accelrun.config.preflight import ids_the_logits_cover
 from accelrun.config.schema import RunConfig
 from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
 from accelrun.models import build_model, transformer_blocks
@@ -46,7 +47,7 @@ def measure_step(cfg: RunConfig, timed_steps: int = 0, warmup_steps: int = 2) ->
         apply_activation_checkpointing(blocks, t.activation_checkpoint)
     compile_model(model, blocks, cfg.compile, precision=t.precision)
     vocab_size, _ = data_vocab(cfg.model, model)  # a user's model: its token table's rows
-    loss_fn = training_loss_fn(model, vocab_size)
+    loss_fn = training_loss_fn(model, ids_the_logits_cover(cfg, vocab_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     g = torch.Generator().manual_seed(t.seed)
     tokens, targets = (torch.randint(0, vocab_size, (t.micro_batch, t.seq_len), generator=g) for _ in range(2))

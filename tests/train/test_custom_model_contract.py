@@ -108,6 +108,12 @@ class PaddedHead(Plain):  # more outputs than token ids, as nanoGPT pads 50,257 
         self.out = nn.Linear(width, 384)
 
 
+class HeadNotLast(PaddedHead):  # a Linear after the head: its token table cannot be told, model.vocab_size counts
+    def __init__(self, vocab=320, width=16):
+        super().__init__(vocab, width)
+        self.unused = nn.Linear(width, width)
+
+
 def build(style="Plain", **kw):
     return globals()[style](**kw)
 '''
@@ -164,13 +170,14 @@ def test_an_output_without_logits_is_one_line_naming_the_forward(tiny, models):
 
 @pytest.mark.parametrize("style, width, message", [
     # a width wider than the token ids trained without a word; narrower, it crashed in the loss (IndexError)
-    ("HiddenStates", 400, "returned logits with 400 classes (their last dimension) for token ids 0 to 319: 400 is "
+    # (the byte tokenizer's ids, 0-257; the head suggested as wide as the token table, 320 rows)
+    ("HiddenStates", 400, "returned logits with 400 classes (their last dimension) for token ids 0 to 257: 400 is "
                           "the width of its token table (nn.Embedding), so these look like hidden states; apply the "
                           "output head (nn.Linear(dim, 320)) in forward"),
-    ("HiddenStates", 16, "returned logits with 16 classes (their last dimension) for token ids 0 to 319: 16 is "
+    ("HiddenStates", 16, "returned logits with 16 classes (their last dimension) for token ids 0 to 257: 16 is "
                          "the width of its token table"),
-    ("NarrowHead", 16, "returned logits with 200 classes (their last dimension) for token ids 0 to 319: the loss "
-                       "needs a class per token id, at least 320"),
+    ("NarrowHead", 16, "returned logits with 200 classes (their last dimension) for token ids 0 to 257: the loss "
+                       "needs a class per token id, at least 258 (an output head nn.Linear(dim, 320))"),
 ])
 def test_logits_with_a_class_per_token_id_or_one_line(tiny, models, style, width, message):
     r = invoke("train", str(DEFAULT_CONFIG), *tiny(2, f"model.custom={models}",
@@ -181,6 +188,18 @@ def test_logits_with_a_class_per_token_id_or_one_line(tiny, models, style, width
 
 def test_a_padded_vocabulary_trains(tiny, models):
     assert len(losses(tiny, models, "PaddedHead", "padded")) == 4
+
+
+def test_logits_are_checked_against_the_tokenizer_s_ids_not_model_vocab_size(tiny, models):
+    # A review found it: a model whose token table cannot be told takes model.vocab_size (512 in model/debug)
+    # for the data, while the byte tokenizer makes 258 ids: its 384 classes cover them.
+    result = train(load_config(DEFAULT_CONFIG, tiny(2, f"model.custom={models}", "model.kwargs={style: HeadNotLast}",
+                                                     "model.vocab_size=512", "name=head-not-last")), command="test")
+    assert result.status == "finished"
+    said = one_error(invoke("validate", str(DEFAULT_CONFIG), *tiny(2, f"model.custom={models}",
+                                                                   "model.kwargs={style: HiddenStates, width: 400}",
+                                                                   "model.vocab_size=512")))  # fmt: skip
+    assert "returned logits with 400 classes (their last dimension) for token ids 0 to 257" in said, said
 
 
 def test_an_embedding_smaller_than_the_tokenizer_is_named_before_training(tiny, models):
