@@ -109,7 +109,7 @@ def coverage_warnings(record: Any) -> list[str]:
     # What a skipped frame calls is traced on its own (a block's forward): say so, or the warning reads
     # as if nothing ran compiled beside the run line's graphs. What avoids the break is said once: by
     # the graph-break line below, or with nothing compiled by the line above.
-    apart = f" (what it calls compiled apart: {record.graphs_in_use()} graph(s))" if record.graphs_in_use() else ""
+    apart = " (what it calls was traced apart, into the run's graphs)" if record.graphs_in_use() else ""
     for line in d.get("frames_skipped", []):
         fix = break_sites.known_fix(_reason_of_skip(line)) if record.graphs_in_use() and not breaks else None
         out.append(f"Dynamo skipped a frame: {line.replace(' ran eagerly', ' ran eagerly' + apart, 1)}"
