@@ -297,9 +297,8 @@ class ChangingSizeGemmSite(GemmSite):
     def __init__(self, layout: ChangingGemmLayout, library: Library | None = None) -> None:
         self.layout, self.fixed, self.tuner = layout, library, None
         self._tuners: dict[tuple[int, int, int], LayoutTuner] = {}
-        self._sizes_met: set[tuple[int, int, int]] = set()
-        self.calls = 0  # nonempty calls, and how many of them met a size for the first time
-        self.new_sizes = 0
+        self._sizes_met: set[tuple[int, int, int]] = set()  # as many as the calls that met a size first
+        self.calls = 0  # nonempty calls
         self.__name__ = "gemm"
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -309,9 +308,7 @@ class ChangingSizeGemmSite(GemmSite):
         if self.fixed is not None:
             return MULTIPLY[self.fixed](a, b, bias)
         self.calls += 1
-        if sizes not in self._sizes_met:
-            self._sizes_met.add(sizes)
-            self.new_sizes += 1
+        self._sizes_met.add(sizes)
         if self.sizes_rarely_repeat():  # decided or not: a bucket timed on new sizes alone never decides
             return _aten_mm(a, b, bias)
         # Found only now: finding a size's tuner (its bucket's cache file and key) cost 0.1 ms, which an
@@ -326,4 +323,4 @@ class ChangingSizeGemmSite(GemmSite):
     def sizes_rarely_repeat(self) -> bool:
         """Whether more than half of this site's calls (8 or more) met a size for the first time: a few
         sequence lengths in turn soon repeat; an expert's token counts rarely do."""
-        return self.calls >= 8 and 2 * self.new_sizes > self.calls
+        return self.calls >= 8 and 2 * len(self._sizes_met) > self.calls
