@@ -363,18 +363,23 @@ def training_loss_fn(model: nn.Module, vocab_size: int | None = None):
         # nanoGPT's forward(idx, targets=None): only with targets does it return every position's logits
         # (and its own loss, the same cross-entropy, used as it is rather than computed twice).
         def with_targets(inputs_BT, targets_BT):
+            nonlocal vocab_size
             out = model(inputs_BT, targets=targets_BT, **no_cache)
             own = loss_in(out)
             if model.training:  # (report.md) what training made of it: an evaluation's call may differ
                 with_targets.trained = LossSource.OWN_RETURNED if own is not None else LossSource.OWN_NONE
             if own is not None:
                 return own
-            return next_token_loss(logits_of(out, model, inputs_BT, vocab_size), targets_BT)
+            logits_BTV = logits_of(out, model, inputs_BT, vocab_size)
+            vocab_size = None  # the classes checked once: they do not change between steps (it walks the modules)
+            return next_token_loss(logits_BTV, targets_BT)
 
         return with_targets
 
     def loss(inputs_BT, targets_BT):
+        nonlocal vocab_size
         logits_BTV = logits_of(model(inputs_BT, **no_cache), model, inputs_BT, vocab_size)
+        vocab_size = None  # as above
         return next_token_loss(logits_BTV, targets_BT)
 
     return loss
