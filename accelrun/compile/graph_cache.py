@@ -383,7 +383,12 @@ class GraphCache:
             self.error(f"could not save {state_file.name}", e)
 
     def error(self, what: str, e: BaseException) -> None:
-        self.stats["errors"].append(f"{what}: {graph_break_said(e) or one_line(e)}")
+        self.stats["errors"].append(f"{what}: {failure_said(e)}")
+
+
+def failure_said(e: BaseException) -> str:
+    """A failure in one line for report.md and the refusal file: a graph break in the user's words."""
+    return graph_break_said(e) or one_line(e)
 
 
 def graph_break_said(e: BaseException) -> str | None:
@@ -500,7 +505,7 @@ class CachedMethod:
             try:
                 entry, traced = self._compile(owner, args, kwargs)
             except Exception as e:  # graph break under fullgraph, an unserializable piece, ...
-                self._write(refused, f"{module_settings(owner)}\n{graph_break_said(e) or one_line(e)}".encode())
+                self._write(refused, f"{module_settings(owner)}\n{failure_said(e)}".encode())
                 # Its graphs never run and its graph breaks are the fallback's: those are counted.
                 self.cache.backend.record.roll_back(mark)
                 coverage.forget_since(counted)

@@ -75,9 +75,10 @@ def _compiler_section(c: dict | None) -> list[str]:
     dyn = c.get("dynamo") or {}
     if dyn:
         # Frames the graph cache took go around Dynamo's counters (record.refresh_dynamo adds them): which way.
-        via = [f"{n} traced to be saved in the graph cache" for n in [graphs.get("compiled")] if n] + \
-              [f"{n} loaded from it" if graphs.get("compiled") else f"{n} loaded from the graph cache"
-               for n in [graphs.get("loaded")] if n]  # fmt: skip
+        traced, from_cache = graphs.get("compiled"), graphs.get("loaded")
+        via = [f"{traced} traced to be saved in the graph cache"] if traced else []
+        if from_cache:
+            via.append(f"{from_cache} loaded from " + ("it" if traced else "the graph cache"))
         out.append(f"| Dynamo frames seen / compiled / skipped | {dyn.get('frames_seen', 0)} / "
                    f"{dyn.get('frames_compiled', 0)} / {len(dyn.get('frames_skipped', []))}"
                    + (f" ({', '.join(via)})" if via and dyn.get("frames_via_graph_cache") else "") + " |")
