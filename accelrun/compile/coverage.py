@@ -57,6 +57,9 @@ def _short(reason: str) -> str:
     return f"{first} ({break_sites.path_tail(where.group(1))}:{where.group(2)})" if where else first
 
 
+RAN_EAGERLY = " ran eagerly: "  # between a skipped frame's place and Dynamo's reason (``frames_skipped``)
+
+
 def dynamo_coverage(start: dict[str, dict[str, int]]) -> dict[str, Any]:
     """Frames Dynamo saw and compiled since ``start``, the frames it skipped (function, file:line, why)
     and the graph breaks it could not trace through, each reason with its file:line."""
@@ -68,7 +71,7 @@ def dynamo_coverage(start: dict[str, dict[str, int]]) -> dict[str, Any]:
         where = _SKIPPED.search(reason)
         if where:
             fn, path, line = where.groups()
-            skipped.append(f"{fn} ({break_sites.path_tail(path)}:{line}) ran eagerly: {_short(reason)}")
+            skipped.append(f"{fn} ({break_sites.path_tail(path)}:{line}){RAN_EAGERLY}{_short(reason)}")
         else:
             unsupported[_short(reason)] = unsupported.get(_short(reason), 0) + n
     return {
@@ -112,7 +115,8 @@ def coverage_warnings(record: Any) -> list[str]:
     apart = " (what it calls was traced apart, into the run's graphs)" if record.graphs_in_use() else ""
     for line in d.get("frames_skipped", []):
         fix = break_sites.known_fix(_reason_of_skip(line)) if record.graphs_in_use() and not breaks else None
-        out.append(f"Dynamo skipped a frame: {line.replace(' ran eagerly', ' ran eagerly' + apart, 1)}"
+        where, _, why = line.partition(RAN_EAGERLY)
+        out.append(f"Dynamo skipped a frame: {where}{RAN_EAGERLY.rstrip(': ')}{apart}: {why}"
                    + (f"; to avoid it: {fix}" if fix else ""))
     limits = sum(n for why, n in d.get("unsupported", {}).items() if why.startswith(RECOMPILE_LIMIT))
     if limits:
@@ -132,7 +136,7 @@ def coverage_warnings(record: Any) -> list[str]:
 def _reason_of_skip(line: str) -> str:
     """Dynamo's reason in a ``frames_skipped`` line ("forward (m.py:8) ran eagerly: <reason>"); a reason
     of another kind as it is."""
-    return line.partition(" ran eagerly: ")[2] or line
+    return line.partition(RAN_EAGERLY)[2] or line
 
 
 def _what_to_change(dynamo: dict[str, Any]) -> str:
