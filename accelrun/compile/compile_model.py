@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from accelrun.compile.eager_rnns import described, run_rnns_eagerly
+from accelrun.compile.trace_settings import capturing_data_sized_outputs, compile_call
 from accelrun.config.schema import CompileConfig
 
 
@@ -191,7 +192,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
             install(cache, [model], "head_loss")
         elif head is not None:
             # An instance attribute shadows the method, so forward() calls the compiled head.
-            model.head_loss = torch.compile(head, backend=backend, fullgraph=cfg.fullgraph)
+            model.head_loss = capturing_data_sized_outputs(torch.compile(head, backend=backend, fullgraph=cfg.fullgraph))
         return done(what + tail)
     if scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:
         from accelrun.compile.graph_cache import install
@@ -199,7 +200,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         install(cache, [model], "forward")
         _FirstCallFallback(model, backend, record).install("forward")  # a graph break: precompile refused
         return done(f"the whole model with {name}")
-    model.compile(backend=backend, fullgraph=cfg.fullgraph)
+    compile_call(model, backend, cfg.fullgraph)
     if not cfg.fullgraph:
         _FirstCallFallback(model, backend, record).install("_compiled_call_impl")
     if scope != "model":
@@ -234,7 +235,7 @@ def compile_module(module: nn.Module, backend: object, fullgraph: bool = False) 
     """``module.compile`` that also works for torch.nn's own modules: their forward is called from a
     frame of this file, which Dynamo traces, and inlined from there."""
     if not is_torch_builtin(type(module)):
-        module.compile(backend=backend, fullgraph=fullgraph)
+        compile_call(module, backend, fullgraph)
         return
     # A forward the instance holds (activation checkpointing's wrapper) is kept, and called from the
     # compiled frame; replacing it with the class's would drop the checkpointing without a word.
@@ -242,7 +243,8 @@ def compile_module(module: nn.Module, backend: object, fullgraph: bool = False) 
         module.__dict__[WRAPPED_FORWARD] = module.__dict__["forward"]
     # Bound to the module (not a closure over its forward): a deep copy of the model then calls its own
     # weights, the compiled function rebound to the copy.
-    module.forward = types.MethodType(torch.compile(_class_forward, backend=backend, fullgraph=fullgraph), module)
+    compiled = capturing_data_sized_outputs(torch.compile(_class_forward, backend=backend, fullgraph=fullgraph))
+    module.forward = types.MethodType(compiled, module)
 
 
 WRAPPED_FORWARD = "_accelrun_wrapped_forward"  # a torch.nn module's own forward wrapper, under compile_module

@@ -45,6 +45,7 @@ from accelrun.compile import coverage
 from accelrun.compile.executors.generated import compiling_after
 from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.record import CompileRecord
+from accelrun.compile.trace_settings import capturing_data_sized_outputs
 from accelrun.torch_private import (
     cpu_has_half_gemm,
     import_module_globals,
@@ -612,7 +613,8 @@ class CachedMethod:
         else:
             self.cache.stats["errors"].append(why[:300])
         self.cache.stats["fallbacks"] += 1
-        self.fallback = torch.compile(self.func, backend=self.cache.backend, fullgraph=self.cache.fullgraph)
+        self.fallback = capturing_data_sized_outputs(
+            torch.compile(self.func, backend=self.cache.backend, fullgraph=self.cache.fullgraph))
         return None
 
 

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from accelrun.compile.compile_model import Compiled
+from accelrun.compile.trace_settings import capturing_data_sized_outputs
 from accelrun.config.errors import ConfigError
 
 c10d_ops = torch.ops._c10d_functional
@@ -195,7 +196,8 @@ def apply_compiled_fsdp(model: nn.Module, blocks: list[nn.Module] | None, mesh: 
             hooks.clear()
 
     original_forward = model.forward
-    compiled = torch.compile(functools.partial(_run_shadow, shadow), backend=backend, fullgraph=fullgraph)
+    compiled = capturing_data_sized_outputs(
+        torch.compile(functools.partial(_run_shadow, shadow), backend=backend, fullgraph=fullgraph))
 
     @functools.wraps(original_forward)
     def forward(*args, **kwargs):

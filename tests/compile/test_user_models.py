@@ -849,6 +849,31 @@ def test_a_mixture_traced_whole_keeps_its_kernels_for_rows_read_from_the_data_an
     assert cold.summary()["regions_with_runtime_rows"] == cached.summary()["regions_with_runtime_rows"]
 
 
+@pytest.mark.parametrize("off", ["graph_cache", "dump"])
+def test_a_mixture_compiles_the_same_graph_with_the_graph_cache_off(off, tmp_path):
+    """The graph cache traces with ``fullgraph=True``, under which Dynamo keeps ``torch.where``'s rows in
+    the graph. Without the cache (``compile.graph_cache = false``, ``compile.dump``, multi-rank runs)
+    Dynamo broke the graph there, skipped the forward, ran the first step eagerly and compiled the
+    experts one by one: the dump was not of the graphs a default run trains with. Now the same one
+    graph, at eager's losses; and the setting is torch's default again outside accelrun's calls."""
+    torch.manual_seed(0)
+    model = USER_MODELS["indexed_moe"]()
+    reference = copy.deepcopy(model)
+    settings = {"graph_cache": False} if off == "graph_cache" else {"dump": True}
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"), **settings)
+    compiled = compile_model(model, transformer_blocks(model), cfg, dump_dir=tmp_path / "dump")
+    _train_side_by_side(model, reference, steps=3)
+    record = compiled.record
+    assert "off" in record.graph_cache, record.graph_cache  # the path under test: no cache
+    assert record.dynamo_graphs == 1 and not record.graph_breaks, record.compiled_line()
+    assert not record.fallback_scope, record.fallback_scope
+    assert record.summary()["regions_with_runtime_rows"] > 0, record.regions
+    assert torch._dynamo.config.capture_dynamic_output_shape_ops is False
+    if off == "dump":
+        forward = next((tmp_path / "dump").glob("*.pre_grad/00_input.py")).read_text()
+        assert "torch.where" in forward and "index_add" in forward
+
+
 def test_sharded_weights_count_as_taken_by_a_graph():
     """FSDP's parameters are DTensors between steps, and the graphs take the gathered tensors: the
     first-call fallback cannot tell from them whether a block ran in a graph, so it assumes it did

@@ -1,0 +1,51 @@
+"""Dynamo traces a model the same way with or without the graph cache.
+
+The graph cache traces through torch's precompile path with ``fullgraph=True``, under which Dynamo
+captures an op whose output's size depends on the data (``torch.where(mask)``, ``nonzero``, boolean
+indexing) as a size read at run time. Everywhere else (``compile.graph_cache = false``, ``compile.dump``,
+``compile.debug_numerics``, multi-rank runs, a forward wrapped by activation checkpointing) Dynamo's
+default broke the graph there instead. A mixture of experts routed by ``torch.where`` was one graph in
+a default run, and in those runs an eager first step, then its experts compiled one by one: the dump a
+user read was not of the graphs a default run trains with, and a second rank trained slower than one.
+
+``capturing_data_sized_outputs`` wraps each compiled callable accelrun makes outside the cache so that
+Dynamo traces with the cache's setting. Only while accelrun's own compiled calls run: a user's other
+``torch.compile`` calls in the same process keep torch's default. Dynamo reads the setting only when it
+traces, so a call that finds its graph pays two attribute writes (about 4 µs).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def capturing_data_sized_outputs(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a ``torch.compile``d callable), traced with data-sized outputs captured."""
+    config = torch._dynamo.config
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # inlined into a graph Dynamo is tracing: nothing to set
+            return fn(*args, **kwargs)
+        before = config.capture_dynamic_output_shape_ops
+        config.capture_dynamic_output_shape_ops = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            config.capture_dynamic_output_shape_ops = before
+
+    return call
+
+
+def compile_call(module: torch.nn.Module, backend: object, fullgraph: bool) -> None:
+    """``module.compile`` (Module.__call__ then reaches ``_compiled_call_impl``), traced as the graph
+    cache traces."""
+    module.compile(backend=backend, fullgraph=fullgraph)
+    # ``_compiled_call_impl``: where Module.compile keeps the compiled call (torch 2.11-2.13)
+    compiled = getattr(module, "_compiled_call_impl", None)
+    if compiled is not None:
+        module._compiled_call_impl = capturing_data_sized_outputs(compiled)
