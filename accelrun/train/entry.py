@@ -32,6 +32,7 @@ from accelrun.report.trackers import check_trackers
 from accelrun.train.host_malloc import malloc_record
 from accelrun.train.lineage import mark_crashed
 from accelrun.train.rank import run_rank
+from accelrun.train.resume import threads_of_the_run_resumed
 from accelrun.train.run import TrainResult, _print_summary, run_in_dir
 from accelrun.train.threads import choose_threads
 
@@ -65,10 +66,8 @@ def train(
     if cfg.train.threads is not None:
         torch.set_num_threads(cfg.train.threads)  # before env.json records it and the peak probe runs
     elif _adapts_threads(cfg):
-        choice = choose_threads()  # the cores nobody else is using now (train/threads.py says why)
-        torch.set_num_threads(choice.threads)
-        if choice.threads != choice.usable_cores:
-            threads_why = choice.describe()
+        threads_why = _choose_threads(cfg, resolved.training_hash)
+        if threads_why is not None:
             console.print(threads_why, markup=False, highlight=False)
     # Files the recipe names, one GPU per process, cores for the ranks: exit 2 (or warn) before a run
     # directory or a rank exists; `accelrun validate` runs the same checks.
@@ -142,6 +141,21 @@ def _launched_result(run_dir: Path, outcome: JobOutcome, console: Console) -> Tr
     return TrainResult(run_dir, "preempted" if code == 0 else "failed", None)
 
 
+
+
+def _choose_threads(cfg, training_hash: str) -> str | None:
+    """Set this process's threads: as many as the run it continues took (its losses then go on as an
+    uninterrupted run's would), else the cores nobody else is using now (train/threads.py says why).
+    Why, when that is not every core this process may use."""
+    choice = choose_threads()
+    runs_root = Path(cfg.report.runs_dir) / cfg.name
+    resumed = threads_of_the_run_resumed(cfg.checkpoint.resume, runs_root, training_hash)
+    if resumed is not None and resumed != choice.threads and resumed <= choice.usable_cores:
+        torch.set_num_threads(resumed)
+        return (f"threads: {resumed}, as the run it continues took, so its losses go on as an uninterrupted "
+                f"run's would ({choice.threads} would be taken now; train.threads sets it)")
+    torch.set_num_threads(choice.threads)
+    return choice.describe() if choice.threads != choice.usable_cores else None
 
 
 def _adapts_threads(cfg) -> bool:

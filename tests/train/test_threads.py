@@ -78,3 +78,48 @@ def test_a_run_beside_a_busy_process_takes_fewer_threads_and_says_so(tmp_path, m
         assert f"| history | {run_dir.name} alone (no restarts) |" in report  # was "n/a" beside report.json's history
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_resumed_run_takes_the_threads_the_run_it_continues_took(tiny, monkeypatch):
+    """A new user's run stopped beside a busy neighbour (1 thread of 2) and resumed on a quiet machine
+    took 2 threads: 39 of its 60 losses then differed from an uninterrupted run's, where the README
+    says they are equal bit for bit. The continuation now takes the interrupted run's threads, and
+    says so; train.threads still decides where it is set."""
+    from accelrun.config import load_config
+    from accelrun.report.metrics import read_metrics
+    from accelrun.train import entry
+    from tests.conftest import DEFAULT_CONFIG
+
+    monkeypatch.delenv("ACCELRUN_FIXED_THREADS")
+    machine = {"busy": True}
+    monkeypatch.setattr(entry, "choose_threads", lambda: threads.ThreadChoice(
+        1 if machine["busy"] else 2, 2, 1.0 if machine["busy"] else 0.0))
+    printed: list[str] = []
+
+    class Console:
+        def print(self, text, *args, **kwargs):
+            printed.append(str(text))
+
+    def run(name, **kw):
+        recipe = load_config(DEFAULT_CONFIG, tiny(8, "checkpoint.every=2", f"name={name}"))
+        return entry.train(recipe, command="test", console=Console(), **kw)
+
+    before = torch.get_num_threads()
+    try:
+        reference = run("ref")  # busy all along: 1 thread
+        cut = run("cut", stop_after_step=5)
+        machine["busy"] = False
+        printed.clear()
+        resumed = run("cut")
+        assert resumed.report["first_step"] == 5  # from the step-4 checkpoint
+        env = json.loads((resumed.run_dir / "env.json").read_text())["cpu"]
+        assert env["torch_threads"] == 1, env
+        assert any("threads: 1, as the run it continues took" in line for line in printed), printed
+        assert "2 would be taken now" in env["threads_chosen"]
+        losses = [[m["loss"] for m in read_metrics(r.run_dir / "metrics.jsonl")] for r in (reference, resumed)]
+        assert losses[1] == losses[0][4:]
+        fresh = run("other")  # nothing to continue: the cores free now
+        assert json.loads((fresh.run_dir / "env.json").read_text())["cpu"]["torch_threads"] == 2
+        assert cut.status == "stopped"
+    finally:
+        torch.set_num_threads(before)
