@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from accelrun.config.compose import Source
+from accelrun.config.data_checks import record_files_as_text, record_files_named
 from accelrun.config.errors import ConfigError
+from accelrun.config.record_paths import EXTENSIONS as RECORD_EXTENSIONS
 from accelrun.config.schema import RunConfig
 from accelrun.config.validate import source_of
 from accelrun.config.yaml_lines import KeyPath
@@ -85,6 +87,9 @@ def data_files(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine)
         files = expand_paths(cfg.data.paths)
     except UserError as e:
         return [Finding(f"{m} ({source_of(('data', 'paths'), sources, exact=False)})", True) for m in e.messages]
+    if cfg.data.source == "text" and (records := _record_files_matched(cfg.data.paths, files)):
+        return [Finding(record_files_as_text(records, f"data.source = text ({source_of(('data', 'source'), sources)})",
+                                             "data"), True)]
     if cfg.data.source == "tokens" and cfg.data.packing == "document":
         # Document packing reads each token file's document index (data/doc_index.py: NAME.docs beside NAME.tok).
         unindexed = [f for f in files if Path(f).suffix == ".tok" and not Path(f).with_suffix(".docs").is_file()]
@@ -94,6 +99,55 @@ def data_files(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine)
                             f"beside it, and data.packing = document ({where}) reads one; prepare it again with "
                             "accelrun data prepare, or use data.packing: concat", True)]
     return []
+
+
+def _record_files_matched(patterns: list[str], files: list[Path]) -> list[str]:
+    """Record files a glob or folder of ``patterns`` matched: a text source would read their JSON or
+    binary layout as text. Those a pattern names itself are validate's to report (``data_problems``)."""
+    if record_files_named(patterns):
+        return []
+    return [str(f) for f in files if f.suffix.lower() in RECORD_EXTENSIONS]
+
+
+@dataclass(frozen=True)
+class CappedText:
+    """A text source's files against ``data.max_bytes``: what is read of how much."""
+
+    cap: int
+    total: int
+    files: int
+    files_whole: int  # read to their end; the next is cut short, the rest are not read
+
+    def said(self, where: Source) -> str:
+        left = self.files - self.files_whole
+        return (f"data.max_bytes = {self.cap:,} ({where}) reads {self.cap:,} of the {self.total:,} bytes that "
+                f"data.paths names: {left} of its {self.files} file(s) read in part or not at all; "
+                "data.max_bytes=null reads them all")
+
+
+def capped_text(cfg: RunConfig) -> CappedText | None:
+    """What ``data.max_bytes`` leaves unread of a text source's files (it stops reading there), or None
+    where it reads them whole. A new user's corpus cut at the 64 MiB default said so nowhere."""
+    data = cfg.data
+    if data.mix or data.source != "text" or not data.paths or data.max_bytes is None:
+        return None
+    from accelrun.config.data_paths import expand_paths
+
+    try:
+        sizes = [os.stat(f).st_size for f in expand_paths(data.paths)]
+    except (UserError, OSError):
+        return None  # data_files says what is wrong with the paths
+    total = sum(sizes)
+    if total <= data.max_bytes:
+        return None
+    whole = next(i for i in range(len(sizes) + 1) if sum(sizes[: i + 1]) > data.max_bytes)
+    return CappedText(data.max_bytes, total, len(sizes), whole)
+
+
+def text_read_whole(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
+    """A warning where ``data.max_bytes`` leaves part of a text corpus unread."""
+    capped = capped_text(cfg)
+    return [] if capped is None else [Finding(capped.said(source_of(("data", "max_bytes"), sources)), False)]
 
 
 def record_findings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[Finding]:
@@ -336,7 +390,7 @@ def resume_path(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine
 
 
 # The checks `train` makes before a run directory or a tensor exists, in order; `validate` runs them all.
-PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, hf_weights, processes_fit, gpu_only_keys, cpu_bf16_without_kernels,
+PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, text_read_whole, hf_weights, processes_fit, gpu_only_keys, cpu_bf16_without_kernels,
                                        cuda_asked_for, resume_path)
 
 

@@ -27,6 +27,7 @@ from rich.markup import escape
 from accelrun.config import ResolvedConfig
 from accelrun.config.data_checks import data_description
 from accelrun.config.hf_model import RUN_EXPORT_FOLDER
+from accelrun.config.preflight import capped_text
 from accelrun.dist.collective import set_group_timeouts
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.stop import Stopped
@@ -297,7 +298,8 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         "processes": s.ctx.world_size,
         "parallel degrees": " × ".join(f"{k} {v}" for k, v in cfg.parallel.degrees().items()),
         "global batch × seq_len": f"{cfg.train.global_batch} × {cfg.train.seq_len}",
-        "data": data_description(cfg.data),
+        "data": data_description(cfg.data) + ("" if (cut := capped_text(cfg)) is None
+                                              else f"; {cut.cap:,} of its {cut.total:,} bytes read (data.max_bytes)"),
         "resumed from": report["resumed_from"],
         "history": (" → ".join(Path(p).name for p in report["history"]) if len(report["history"]) > 1
                     else f"{run_dir.name} alone" + ("" if report["resumed_from"] else " (no restarts)")),

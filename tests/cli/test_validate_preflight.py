@@ -53,6 +53,39 @@ def test_record_files_given_to_the_text_source_exit_2_naming_documents(tmp_path)
     assert r.exit_code == 2 and "reads no files: use documents for .jsonl" in r.stderr, r.stderr
 
 
+def test_record_files_a_glob_matches_are_refused_as_those_named_are(tmp_path):
+    """A new user's ``data.paths=[my/mixed/*]`` under the text source was valid, and training read the
+    folder's .jsonl and .parquet files as text, byte by byte; the same files named one by one exit 2."""
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "mixed" / "b.txt").write_text("hello world\n")
+    r = validate("data.source=text", f"data.paths=[{tmp_path}/mixed/*]")
+    assert r.exit_code == 2, r.output
+    assert f"names record files ({tmp_path}/mixed/a.jsonl): use data.source=documents" in r.stderr, r.stderr
+    assert validate("data.source=text", f"data.paths=[{tmp_path}/mixed/*.txt]").exit_code == 0
+
+
+def test_a_text_corpus_past_data_max_bytes_is_said_to_be_read_in_part(tmp_path, tiny):
+    """Reading stops at data.max_bytes (64 MiB by default): a larger corpus trained on its first part
+    without a word from validate, train or the report."""
+    for i in range(3):
+        (tmp_path / f"part{i}.txt").write_text(f"line {i} of the corpus. " * 2000)  # 44,000 bytes each
+    paths = f"data.paths=[{tmp_path}/part*.txt]"
+    r = validate("data.source=text", paths, "data.max_bytes=60000")
+    assert r.exit_code == 0, r.output
+    said = ("warning: data.max_bytes = 60,000 (override 'data.max_bytes=60000') reads 60,000 of the 132,000 "
+            "bytes that data.paths names: 2 of its 3 file(s) read in part or not at all; data.max_bytes=null "
+            "reads them all")
+    assert said in " ".join(r.stderr.split()), r.stderr
+    assert "data.max_bytes" not in validate("data.source=text", paths).stderr  # under the 64 MiB default
+    r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG), *tiny(2), "data.source=text", paths,
+                                 "data.max_bytes=60000"])
+    assert r.exit_code == 0, r.output
+    assert "reads 60,000 of the 132,000 bytes" in " ".join(r.output.split())
+    report = next((tmp_path / "runs").glob("*/*/report.md")).read_text()
+    assert "| data | text: 1 path(s); packing concat; 60,000 of its 132,000 bytes read (data.max_bytes) |" in report
+
+
 def test_a_file_format_given_as_the_source_is_pointed_at_documents():
     r = validate("data.source=jsonl")
     assert r.exit_code == 2 and "did you mean 'documents'? (got 'jsonl')" in r.stderr, r.stderr
