@@ -266,3 +266,18 @@ def step_breakdown(metrics: list[dict], warmup_steps: int) -> dict[str, float] |
     if not steady:
         return None
     return {part: statistics.median(float(m.get(key) or 0.0) for m in steady) for part, key in STEP_PARTS.items()}
+
+
+def learning_rate_said(metrics: list[dict], lr: float, schedule: str, warmup_steps: int) -> str | None:
+    """The learning rate a run trained with, from its metrics: first, peak (and its step), last, against
+    ``train.optimizer.lr``. A new user's short run never reached the rate asked for (the recipe's
+    warm-up was longer than the run), and no figure of the report showed it."""
+    rows = [m for m in metrics if m.get("lr") is not None]
+    if not rows:
+        return None
+    top = max(rows, key=lambda m: m["lr"])
+    said = (f"{rows[0]['lr']:.3g} → {top['lr']:.3g} (step {top['step']}) → {rows[-1]['lr']:.3g}: "
+            f"train.optimizer.lr {lr:g}, {schedule} after {warmup_steps} warm-up steps")
+    if top["lr"] < lr * (1 - 1e-6):
+        said += "; never reached: the warm-up is longer than the steps trained"
+    return said

@@ -44,7 +44,7 @@ from accelrun.report.markdown import write_report_md
 from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, forget_steps_after, read_metrics
 from accelrun.report.peak import BUSY_PEAK
-from accelrun.report.summary import is_steady, step_breakdown, summarize
+from accelrun.report.summary import is_steady, learning_rate_said, step_breakdown, summarize
 from accelrun.report.trackers import open_trackers
 from accelrun.train import host_blocks
 from accelrun.train.host_malloc import end_of_run, malloc_record, tune_malloc
@@ -298,6 +298,8 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         "processes": s.ctx.world_size,
         "parallel degrees": " × ".join(f"{k} {v}" for k, v in cfg.parallel.degrees().items()),
         "global batch × seq_len": f"{cfg.train.global_batch} × {cfg.train.seq_len}",
+        "learning rate": learning_rate_said(read_metrics(run_dir / "metrics.jsonl"), cfg.train.optimizer.lr,
+                                            cfg.train.lr_schedule.name, cfg.train.lr_schedule.warmup_steps),
         "data": data_description(cfg.data) + ("" if (cut := capped_text(cfg)) is None
                                               else f"; {cut.cap:,} of its {cut.total:,} bytes read (data.max_bytes)"),
         "resumed from": report["resumed_from"],

@@ -213,5 +213,12 @@ def test_a_short_run_of_a_shipped_schedule_is_not_warned_but_a_warmup_the_user_s
 
     assert warmup_warnings("train.steps=20") == []
     (line,) = warmup_warnings("train.steps=20", "train.lr_schedule.warmup_steps=25")
-    assert line == ("train.lr_schedule.warmup_steps = 25 exceeds train.steps = 20: "
-                    "the learning rate never reaches train.optimizer.lr")  # fmt: skip
+    assert line == ("train.lr_schedule.warmup_steps = 25 (override 'train.lr_schedule.warmup_steps=25') exceeds "
+                    "train.steps = 20: the learning rate never reaches train.optimizer.lr = 0.003, only 0.0024 at "
+                    "the last step, and never decays; train.lr_schedule.warmup_steps=2 (a tenth of the steps) "
+                    "reaches it")  # fmt: skip
+    # A learning rate the user set, which the shipped warm-up never reaches (a new user's lr=1e-3 over 20
+    # steps peaked at 6.7e-4 without a word), is warned too, naming the recipe's line.
+    (line,) = warmup_warnings("train.steps=20", "train.optimizer.lr=1e-3")
+    assert line.startswith("train.lr_schedule.warmup_steps = 30 (") and "cpu-short.yaml:" in line, line
+    assert "never reaches train.optimizer.lr = 0.001, only 0.00067 at the last step" in line, line

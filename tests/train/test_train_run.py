@@ -262,3 +262,17 @@ def test_steps_that_recompiled_are_left_out_of_the_steady_figures(tiny, tmp_path
     report = json.loads((result.run_dir / "report.json").read_text())
     assert report["steady_steps"] == 3
     assert any("4 step(s) after warm-up included compilation" in n for n in report["notes"]), report["notes"]
+
+
+def test_the_report_says_the_learning_rate_trained_with(tiny):
+    """report.md showed no learning rate, so a short run that never reached train.optimizer.lr (the
+    recipe's warm-up longer than the run) could not be told from one that did."""
+    short = run(tiny(3, "train.optimizer.lr=1e-3", "train.lr_schedule.warmup_steps=6", "checkpoint.enabled=false"))
+    row = next(line for line in (short.run_dir / "report.md").read_text().splitlines()
+               if line.startswith("| learning rate |"))
+    assert row == ("| learning rate | 0.000167 → 0.0005 (step 3) → 0.0005: train.optimizer.lr 0.001, cosine after 6 "
+                   "warm-up steps; never reached: the warm-up is longer than the steps trained |"), row
+    whole = run(tiny(4, "train.optimizer.lr=1e-3", "train.lr_schedule.warmup_steps=1", "checkpoint.enabled=false"))
+    row = next(line for line in (whole.run_dir / "report.md").read_text().splitlines()
+               if line.startswith("| learning rate |"))
+    assert "→ 0.001 (step 1) →" in row and "never reached" not in row, row
