@@ -17,7 +17,8 @@ from accelrun.cli.common import err, out
               help="Largest safetensors file (a single tensor may exceed it).")
 def command(ref: Path, hf_out: Path, max_shard_gb: float) -> None:
     """Write the model of REF (a checkpoint folder, a run folder: its newest complete checkpoint, or a
-    folder of runs: its newest run) in Hugging Face format, for transformers' from_pretrained.
+    folder of runs: the newest of its runs that saved one) in Hugging Face format, for transformers'
+    from_pretrained.
 
     \b
     Examples:

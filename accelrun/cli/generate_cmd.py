@@ -18,9 +18,9 @@ from accelrun.cli.common import err, out
 @click.option("--top-k", type=click.IntRange(min=1), default=50, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same text.")
 def command(run: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> None:
-    """Load RUN's newest complete checkpoint (a run folder, a folder of runs: its newest run, or a
-    checkpoint folder) into this process and print PROMPT followed by sampled text (on stderr first:
-    the run, step and checkpoint used). Built-in model families decode with a KV cache.
+    """Load RUN's newest complete checkpoint (a run folder, a folder of runs: the newest of its runs
+    that saved one, or a checkpoint folder) into this process and print PROMPT followed by sampled text
+    (on stderr first: the run, step and checkpoint used). Built-in model families decode with a KV cache.
 
     \b
     Examples:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -71,9 +72,9 @@ def show(name: str) -> None:
 
 @command.command("cp")
 @click.argument("name")
-@click.argument("dest", type=click.Path(path_type=Path))
+@click.argument("dest", type=click.Path())  # a str: Path("./my-recipes/") would lose the slash that makes it a folder
 @click.option("--force", is_flag=True, help="Overwrite DEST if it exists.")
-def cp(name: str, dest: Path, force: bool) -> None:
+def cp(name: str, dest: str, force: bool) -> None:
     """Copy a recipe to DEST (a file, or a directory to copy into) to edit it.
 
     \b
@@ -82,7 +83,8 @@ def cp(name: str, dest: Path, force: bool) -> None:
       accelrun recipes cp parallel/fsdp ./my-recipes/
     """
     src = find_recipe(name, search_path())
-    target = dest / src.name if dest.is_dir() or str(dest).endswith("/") else dest
+    folder = Path(dest)
+    target = folder / src.name if folder.is_dir() or dest.endswith(("/", os.sep)) else folder
     if target.exists() and not force:
         raise ConfigError(f"{target} exists; pass --force to overwrite it")
     target.parent.mkdir(parents=True, exist_ok=True)

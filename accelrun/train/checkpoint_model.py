@@ -19,7 +19,8 @@ class CheckpointModelError(UserError, ValueError):
 
 def find_checkpoint(ref: str | Path, purpose: str) -> tuple[Path, Path]:
     """(checkpoint folder, run folder) for a checkpoint folder, a run folder (its newest complete
-    checkpoint) or a folder of runs (its newest run). ``purpose`` ends the error for a run without one."""
+    checkpoint) or a folder of runs (the newest of its runs that saved one). ``purpose`` ends the error
+    for a run without one."""
     from accelrun.report.rundata import RunNotFound, resolve_run_path
     from accelrun.train.checkpoint import TRAIN_STATE, complete_checkpoints
 
@@ -31,6 +32,14 @@ def find_checkpoint(ref: str | Path, purpose: str) -> tuple[Path, Path]:
     except RunNotFound as e:
         raise CheckpointModelError(str(e)) from None
     done = complete_checkpoints(run / "checkpoints")
+    if not done and run != path:
+        # A folder of runs: its newest run with a checkpoint. The newest run may have trained with
+        # checkpoints off (a quick try after the real run), and the error then sent the user to train again.
+        from accelrun.report.rundir import holds_runs, list_runs
+
+        for older in list_runs(path.parent, path.name) if holds_runs(path) else list_runs(path):
+            if done := complete_checkpoints(older / "checkpoints"):
+                return done[-1].path, older
     if not done:
         why = ""
         if run_values(run).get("checkpoint", {}).get("enabled") is False:

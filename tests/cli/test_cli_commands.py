@@ -85,6 +85,10 @@ def test_recipes_list_show_cp(tmp_path):
     assert r.exit_code == 0 and (tmp_path / "debug.yaml").is_file()
     r = invoke("recipes", "cp", "model/debug", tmp_path)
     assert r.exit_code == 2 and "--force" in r.output
+    # the --help example's trailing slash names a folder that does not exist yet: made, copied into
+    # (it wrote a file named my-recipes)
+    r = invoke("recipes", "cp", "parallel/fsdp", f"{tmp_path}/my-recipes/")
+    assert r.exit_code == 0 and (tmp_path / "my-recipes" / "fsdp.yaml").is_file(), r.output
     r = invoke("recipes", "show", "model/llama3-8", )
     assert r.exit_code == 2 and "did you mean" in r.output
 

@@ -41,3 +41,16 @@ def test_generate_is_deterministic_for_a_seed_and_refuses_a_run_without_checkpoi
     assert r.exit_code == 2
     assert "no complete checkpoint" in r.output and "Traceback" not in r.output
     assert "it trained with checkpoint.enabled = false, so it saved none" in " ".join(r.output.split())
+
+
+def test_a_folder_of_runs_samples_from_its_newest_run_that_saved_a_checkpoint(tiny):
+    """A new user's quick try with checkpoints off, after the real run, made `accelrun generate
+    runs/llama-debug` refuse the whole folder and say to train again."""
+    saved = train(load_config(DEFAULT_CONFIG, tiny(2, "checkpoint.every=2")), command="test").run_dir
+    quick = train(load_config(DEFAULT_CONFIG, tiny(2, "checkpoint.enabled=false")), command="test").run_dir
+    assert quick.parent == saved.parent
+    r = CliRunner().invoke(cli, ["generate", str(saved.parent), "--prompt", "x", "--max-new-tokens", "4"])
+    assert r.exit_code == 0, r.output
+    assert r.stderr.startswith(f"run {saved}; step 2;"), r.stderr
+    r = CliRunner().invoke(cli, ["generate", str(quick), "--prompt", "x"])  # the run itself, named: refused
+    assert r.exit_code == 2 and "no complete checkpoint" in r.output
