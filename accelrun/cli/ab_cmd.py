@@ -141,12 +141,12 @@ def command(config: str, overrides: tuple[str, ...], a: tuple[str, ...], b: tupl
 
     \b
     Examples:
-      accelrun ab configs/llama.yaml --a compile.backend=eager --b compile.backend=inductor
+      accelrun ab configs/llama.yaml --a compile.backend=eager --b compile.backend=accelrun --steps 60
       accelrun ab configs/llama.yaml --b compile.backend=inductor --repeats 5 --steps 40
       accelrun ab configs/llama.yaml train.threads=2 --a train.micro_batch=16 \\
           --b train.micro_batch=8 train.grad_accum=2 --warmup-steps 5
       accelrun ab configs/llama.yaml --a train.precision=fp32 --b train.precision=bf16-mixed --loss-rtol 0.05
-      accelrun ab configs/llama.yaml --a --b --repeats 5      # A/A: the noise of this machine
+      accelrun ab configs/llama.yaml --a --b --repeats 5 --steps 40   # A/A: the noise of this machine
     """
     given = click.get_current_context().meta.get("variants_given", set())
     if "--b" not in given:

@@ -75,7 +75,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
       accelrun validate configs/llama.yaml parallel.nproc_per_node=4 parallel.tp=2
       accelrun config show configs/llama.yaml --explain
       accelrun recipes list
-      accelrun ab configs/llama.yaml --a compile.backend=eager --b compile.backend=accelrun
+      accelrun ab configs/llama.yaml --a compile.backend=eager --b compile.backend=accelrun --steps 60
       accelrun compile explain configs/llama.yaml
       accelrun compare RUN_A RUN_B
       accelrun runs list

@@ -99,7 +99,8 @@ def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
     first_with: dict[str, str] = {}
     for v, r in zip(plan.variants, resolved, strict=True):
         if r.hash in first_with:  # an A/A run: how a user measures this machine's noise
-            note = (f"variant {v.label} resolves to the same config as {first_with[r.hash]} ({r.hash}): an A/A run, "
+            # (no config hash: resolved again once the output folder is set, the hash changes with it)
+            note = (f"variant {v.label} resolves to the same config as {first_with[r.hash]}: an A/A run, "
                     "whose speed ratio and interval measure this machine's run-to-run noise")
             if note not in plan.notes:
                 plan.notes.append(note)
