@@ -31,7 +31,7 @@ def render_report_md(report: dict, config_summary: dict, *, env: dict | None = N
     name = config_summary.get("name", "run")
     lines = [f"# accelrun report: {name}", ""]
     lines += [f"config hash `{config_summary.get('config_hash', 'unknown')}` · "
-              f"{report.get('steps', 0)} steps", ""]
+              f"{report.get('steps', 0)} steps{_of_the_whole_run(report)}", ""]
     lines += _headline(report) + [""]
     lines += _breakdown_section(report)
     ranks = rank_rows(report)
@@ -239,12 +239,32 @@ def _breakdown_section(r: dict) -> list[str]:
     return lines + [""]
 
 
+def _of_the_whole_run(r: dict) -> str:
+    """For a resumed run's folder: which of the run's steps its figures cover."""
+    whole = r.get("whole_run")
+    if not whole:
+        return ""
+    return (f" in this folder (from step {r.get('first_step', '?')}) of the run's {whole['steps']} over "
+            f"{whole['folders']} folders: the figures below are this folder's; the whole run's are under Loss")
+
+
+def _whole_run_line(whole: dict) -> str:
+    step = whole.get("step_time_median_s")
+    tokens = whole.get("tokens")
+    return (f"the whole run ({whole['steps']} steps over {whole['folders']} folders, as `accelrun runs list` and "
+            f"`compare` show it): loss {_num(whole.get('first_loss'))} (step {whole.get('first_step')}) → "
+            f"{_num(whole.get('final_loss'))}; median step {_secs(step) if step is not None else 'n/a'} over all "
+            f"its folders" + (f"; {tokens:,} tokens" if tokens else ""))
+
+
 def _loss_section(r: dict) -> list[str]:
     lines = ["## Loss", ""]
     if r.get("first_loss") is None:
         return lines + ["no loss recorded"]
     lines.append(f"first → final: {_num(r['first_loss'])} → {_num(r.get('final_loss'))} "
                  f"(mean of the last {r.get('final_loss_window')}: {_num(r.get('final_loss_mean'))})")
+    if r.get("whole_run"):
+        lines.append(f"\n{_whole_run_line(r['whole_run'])}")
     if r.get("final_val_loss") is not None:
         lines.append(f"\nvalidation loss (held-out data, eval.every) at the end: {_num(r['final_val_loss'])}")
     curve = r.get("loss_curve") or []

@@ -44,7 +44,14 @@ from accelrun.report.markdown import write_report_md
 from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, forget_steps_after, read_metrics
 from accelrun.report.peak import BUSY_PEAK
-from accelrun.report.summary import is_steady, learning_rate_said, step_breakdown, summarize
+from accelrun.report.rundata import history_metrics
+from accelrun.report.summary import (
+    is_steady,
+    learning_rate_said,
+    step_breakdown,
+    summarize,
+    whole_run_summary,
+)
 from accelrun.report.trackers import open_trackers
 from accelrun.train import host_blocks
 from accelrun.train.host_malloc import end_of_run, malloc_record, tune_malloc
@@ -257,6 +264,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
     if took is not None:
         report["notes"].append(took.how)
     _distrust_low_probe(report, s)
+    segments = history(run_dir)
     load = {**_machine_load(per_rank, cpu), "threads": torch.get_num_threads()}  # a rank's (CPU) threads
     if (busy := busy_note(load["others_cpu_share"], "the training loop", load["threads"])) is not None:
         report["notes"].append(busy)
@@ -282,7 +290,9 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         pipeline_per_rank=[r["pipeline"] for r in per_rank] if s.pipeline is not None else None,
         compiler=compiler,
         host_blocks=_host_blocks(s),
-        history=[str(p) for p in history(run_dir)],  # the run folders of this run, restarts included
+        history=[str(p) for p in segments],  # the run folders of this run, restarts included
+        whole_run=(whole_run_summary(history_metrics(segments)[0], len(segments), s.tokens_per_step)
+                   if len(segments) > 1 else None),
         final_val_loss=next((m["val_loss"] for m in reversed(metrics) if m.get("val_loss") is not None), None),
     )
     summary = {

@@ -68,6 +68,15 @@ def test_resume_continues_with_identical_losses(tiny):
     ref = losses(full.run_dir)
     assert losses(resumed.run_dir) == ref[10:]  # fp32 on the CPU: bit-identical
     assert losses(cut.run_dir) == ref[:12]
+    # Its report says which of the run's steps its figures cover, and gives the whole run's, which `runs
+    # list` shows (a new user read 27 steps in one and 60 in the other, with nothing telling why).
+    whole = report["whole_run"]
+    assert (whole["folders"], whole["steps"], whole["first_step"]) == (2, 16, 1), whole
+    assert whole["first_loss"] == ref[0] and whole["final_loss"] == ref[-1]
+    text = (resumed.run_dir / "report.md").read_text()
+    assert "· 6 steps in this folder (from step 11) of the run's 16 over 2 folders" in text, text[:300]
+    assert "the whole run (16 steps over 2 folders, as `accelrun runs list` and `compare` show it)" in text
+    assert full.report["whole_run"] is None and "in this folder" not in (full.run_dir / "report.md").read_text()
     # That run has finished: a fresh launch starts from scratch instead of resuming it.
     again = run(tiny(16, "checkpoint.every=5", "name=cut"))
     assert again.report["resumed_from"] is None and again.report["first_step"] == 1
