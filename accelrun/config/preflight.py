@@ -23,6 +23,7 @@ from accelrun.config.compose import Source
 from accelrun.config.data_checks import record_files_as_text, record_files_named
 from accelrun.config.errors import ConfigError
 from accelrun.config.record_paths import EXTENSIONS as RECORD_EXTENSIONS
+from accelrun.config.record_paths import empty_corpus
 from accelrun.config.schema import RunConfig
 from accelrun.config.validate import source_of
 from accelrun.config.yaml_lines import KeyPath
@@ -90,6 +91,8 @@ def data_files(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine)
     if cfg.data.source == "text" and (records := _record_files_matched(cfg.data.paths, files)):
         return [Finding(record_files_as_text(records, f"data.source = text ({source_of(('data', 'source'), sources)})",
                                              "data"), True)]
+    if cfg.data.source == "text" and not any(_size(f) for f in files):  # validate passed it; train refused it
+        return [Finding(f"{empty_corpus(files)} ({source_of(('data', 'paths'), sources)})", True)]
     if cfg.data.source == "tokens" and cfg.data.packing == "document":
         # Document packing reads each token file's document index (data/doc_index.py: NAME.docs beside NAME.tok).
         unindexed = [f for f in files if Path(f).suffix == ".tok" and not Path(f).with_suffix(".docs").is_file()]
@@ -99,6 +102,13 @@ def data_files(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine)
                             f"beside it, and data.packing = document ({where}) reads one; prepare it again with "
                             "accelrun data prepare, or use data.packing: concat", True)]
     return []
+
+
+def _size(f: Path) -> int:
+    try:
+        return f.stat().st_size
+    except OSError:
+        return 0
 
 
 def _record_files_matched(patterns: list[str], files: list[Path]) -> list[str]:

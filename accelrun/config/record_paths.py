@@ -147,6 +147,11 @@ def path_names(paths: Sequence[Path]) -> str:
     return ", ".join(str(p) for p in paths[:3]) + (f", ... ({len(paths)} files)" if len(paths) > 3 else "")
 
 
+def empty_corpus(files: Sequence[Path]) -> str:
+    """Files that hold no bytes between them: a stream of no tokens, nothing to train on."""
+    return f"the corpus is empty: {path_names(files)} {'has' if len(files) == 1 else 'have'} no bytes of text"
+
+
 def pyarrow_module(f: RecordFile):
     """pyarrow (with its ipc and parquet modules), or one line naming the extra that installs it."""
     try:

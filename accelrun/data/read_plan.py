@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from accelrun.config.record_paths import path_names
+from accelrun.config.record_paths import empty_corpus
 from accelrun.data.errors import DataError
 
 
@@ -28,6 +28,5 @@ def plan_reads(files: Sequence[Path], max_bytes: int | None) -> list[tuple[Path,
             plan.append((f, size))
             total += size
     if files and not plan:  # (a stream of no tokens has nothing to train on, and no dtype to store)
-        raise DataError(f"the corpus is empty: {path_names(files)} {'has' if len(files) == 1 else 'have'} no bytes "
-                        "of text")
+        raise DataError(empty_corpus(files))
     return plan

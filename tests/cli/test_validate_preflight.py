@@ -65,6 +65,14 @@ def test_record_files_a_glob_matches_are_refused_as_those_named_are(tmp_path):
     assert validate("data.source=text", f"data.paths=[{tmp_path}/mixed/*.txt]").exit_code == 0
 
 
+def test_an_empty_text_corpus_is_refused_by_validate_as_train_refuses_it(tmp_path):
+    """validate said "valid" to an empty text file that train then refused."""
+    (tmp_path / "empty.txt").write_text("")
+    r = validate("data.source=text", f"data.paths=[{tmp_path}/empty.txt]")
+    assert r.exit_code == 2, r.output
+    assert f"error: the corpus is empty: {tmp_path}/empty.txt has no bytes of text (override 'data.paths=" in r.stderr
+
+
 def test_a_text_corpus_past_data_max_bytes_is_said_to_be_read_in_part(tmp_path, tiny):
     """Reading stops at data.max_bytes (64 MiB by default): a larger corpus trained on its first part
     without a word from validate, train or the report."""
