@@ -3,6 +3,7 @@ them before anything is built."""
 
 from __future__ import annotations
 
+import difflib
 import glob
 import json
 import os
@@ -55,7 +56,33 @@ def _no_match_hint(pattern: str, matches: list[str], key: str) -> str:
     if "," in pattern:  # `data.paths=a.txt,b.txt` is one path to YAML
         parts = ", ".join(p.strip() for p in pattern.split(","))
         return f" (several paths are a list: '{key}=[{parts}]')"
-    return where_relative(pattern)
+    return did_you_mean(pattern) + where_relative(pattern)
+
+
+def nearest_file(path: str) -> str | None:
+    """A file beside a path that names none, spelt like it (``my/doc.jsonl``: ``my/docs.jsonl``), as the
+    user wrote the folder; None for a glob, a missing folder or nothing alike."""
+    if glob.has_magic(path):
+        return None
+    folder, name = os.path.split(os.path.expanduser(path))
+    try:
+        siblings = [e.name for e in os.scandir(folder or ".") if e.is_file()]
+    except OSError:
+        return None
+    close = difflib.get_close_matches(name, siblings, n=2, cutoff=0.8)
+    if not close or (len(close) == 2 and _likeness(name, close[0]) == _likeness(name, close[1])):
+        return None  # part.txt beside part0.txt and part1.txt: no one of them is meant
+    return os.path.join(os.path.dirname(path), close[0])
+
+
+def _likeness(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
+def did_you_mean(path: str) -> str:
+    """`` (did you mean 'X'?)`` for ``nearest_file``'s X, or ""."""
+    near = nearest_file(path)
+    return f" (did you mean {near!r}?)" if near else ""
 
 
 def where_relative(pattern: str) -> str:

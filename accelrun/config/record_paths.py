@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from accelrun.config.data_paths import where_relative
+from accelrun.config.data_paths import did_you_mean, where_relative
 from accelrun.errors import DataError
 
 PYARROW_HINT = "pip install 'accelrun[data]' (pyarrow)"
@@ -59,7 +59,8 @@ def record_files(paths: Sequence[str], *, key: str = "data.paths",
         matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else (
             [expanded] if os.path.exists(expanded) else [])
         if not matches:
-            raise DataError(f"{key}: {pattern!r} matches no file or folder{where_relative(pattern)}")
+            raise DataError(f"{key}: {pattern!r} matches no file or folder"
+                            f"{did_you_mean(pattern)}{where_relative(pattern)}")
         found: list[RecordFile] = []
         for m in matches:
             found += (_folder_files(Path(m), key, skipped) if os.path.isdir(m)

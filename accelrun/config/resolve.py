@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from accelrun.config.compose import Composed, Source, apply_override, compose_file
+from accelrun.config.data_paths import did_you_mean
 from accelrun.config.errors import ConfigError
 from accelrun.config.hf_model import HFModelError, model_keys_from_hf_folder
 from accelrun.config.hf_sources import hf_key_sources
@@ -98,7 +99,7 @@ def resolve_config_path(ref: str | Path, dirs: list[Path]) -> Path:
                     "a recipe whose extends: lists the shipped recipes it builds on, as configs/llama.yaml does; "
                     "`accelrun recipes list` names them)")
 
-        raise ConfigError(f"config file not found: {ref}{hint}")
+        raise ConfigError(f"config file not found: {ref}{hint or did_you_mean(str(ref))}")
     return find_recipe(str(ref), dirs)
 
 

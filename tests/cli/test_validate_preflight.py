@@ -34,6 +34,23 @@ def test_a_relative_path_that_matches_nothing_says_where_it_was_looked_for(tmp_p
     assert r.exit_code == 2 and f"(looked for in the current folder, {tmp_path})" in r.stderr, r.stderr
 
 
+def test_a_misspelt_path_gets_the_file_beside_it_spelt_alike(tmp_path, monkeypatch):
+    """Keys misspelt got "did you mean"; paths did not (my/doc.jsonl beside my/docs.jsonl)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my").mkdir()
+    (tmp_path / "my" / "docs.jsonl").write_text('{"text": "hello"}\n')
+    for name in ("part0.txt", "part1.txt"):
+        (tmp_path / "my" / name).write_text("hello\n")
+    r = validate("data.source=documents", "data.paths=[my/doc.jsonl]")
+    assert r.exit_code == 2 and "matches no file or folder (did you mean 'my/docs.jsonl'?)" in r.stderr, r.stderr
+    r = validate("data.source=text", "data.paths=[my/part0.tx]")
+    assert r.exit_code == 2 and "(did you mean 'my/part0.txt'?)" in r.stderr, r.stderr
+    r = validate("data.source=text", "data.paths=[my/part.txt]")  # two alike: neither is offered
+    assert r.exit_code == 2 and "did you mean" not in r.stderr, r.stderr
+    r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG.with_name("lama.yaml"))])
+    assert r.exit_code == 2 and f"(did you mean '{DEFAULT_CONFIG}'?)" in r.stderr, r.stderr
+
+
 def test_several_paths_in_one_string_get_the_list_spelling(tmp_path):
     r = validate("data.source=text", f"data.paths={tmp_path}/a.txt,{tmp_path}/b.txt")
     assert r.exit_code == 2
