@@ -28,7 +28,7 @@ class TrainProgress:
         if mode == "auto":
             mode = "bar" if self.console.is_terminal and sys.stderr.isatty() else "lines"
         self.mode, self.total, self.every, self.start = mode, total, every, start
-        self._t0 = time.perf_counter()
+        self._first_done = time.perf_counter()  # reset when the first step ends (it compiles, warms caches)
         self._bar: Progress | None = None
         if mode == "bar":
             self._bar = Progress(
@@ -51,9 +51,11 @@ class TrainProgress:
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
         elif self.mode == "lines" and (step % self.every == 0 or step == self.total or step == self.start + 1):
-            done = step - self.start
-            elapsed = time.perf_counter() - self._t0
-            eta = elapsed / done * (self.total - step) if done else float("nan")
+            now = time.perf_counter()
+            if step == self.start + 1:  # the first step compiles: the pace is the steps after it
+                self._first_done = now
+            done, elapsed = step - self.start - 1, now - self._first_done
+            eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
             self.console.print(
                 f"step {step:>6}/{self.total}  loss {loss:8.4f}  {tokens_per_s:>10,.0f} {self._unit}  "
                 f"eta {_fmt_seconds(eta)}",

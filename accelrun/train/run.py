@@ -147,6 +147,11 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
     error: TrainingDiverged | None = None
     trackers = (open_trackers(cfg.report.trackers, run_dir, cfg.model_dump(mode="json"), name=run_dir.name,
                               mlflow_uri=cfg.report.mlflow_uri) if main and cfg.report.trackers else None)
+    if console is not None and s.compiles and main:
+        # Inductor's first step took 13 s on this CPU with nothing on the screen but "step 0/8"
+        console.print(f"the first step compiles ({cfg.compile.backend}"
+                      + (", or loads its graphs from the graph cache" if cfg.compile.backend == "accelrun" else "")
+                      + "): its time is left out of the step figures", markup=False, highlight=False)
     cpu = CpuWindow()  # what the node's other processes took while this loop ran (report's "machine load")
     try:
         with MetricsWriter(run_dir / "metrics.jsonl") if main else contextlib.nullcontext() as metrics:
@@ -384,9 +389,12 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
     if (busy := busy_note(load.get("others_cpu_share"), "the training loop", load.get("threads"))) is not None:
         console.print(f"[bold yellow]warning:[/] {escape(busy)}", highlight=False)
     compiler = r.get("compiler") or {}
+    took = f"; compile {r['compile_time_s']:.1f} s" if r.get("compile_time_s") else ""
     if compiler.get("compiled"):  # accelrun's backend: what ran compiled, in one line
-        took = f"; compile {r['compile_time_s']:.1f} s" if r.get("compile_time_s") else ""
         console.print(f"  compiled: {compiler['compiled']}{took}", markup=False, highlight=False)
+    elif compiler and r.get("compiled"):  # another backend (Inductor): what was handed to it
+        breaks = f", {compiler['graph_breaks']} graph break(s)" if compiler.get("graph_breaks") else ""
+        console.print(f"  compiled: {r['compiled']}{breaks}{took}", markup=False, highlight=False)
     errors = (compiler.get("graph_cache") or {}).get("errors") or []  # was only in report.json
     if compiler.get("graph_breaks") or not compiler.get("graphs_in_use"):
         # A graph break (or nothing traced) is why precompiling failed: the warnings below say where.

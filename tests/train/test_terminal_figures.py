@@ -53,3 +53,27 @@ def test_a_run_of_only_warmup_steps_says_why_its_figures_are_na(tiny):
     done = r.stderr[r.stderr.index("done"):]
     assert "n/a tok/s" in done
     assert "no steady-state steps: 2 steps, of which the first 2 are warm-up" in done, done
+
+
+def test_a_run_compiled_by_inductor_says_so_at_the_end_as_accelrun_does():
+    """Inductor's run ended without the "compiled:" line the README describes (its compile section has
+    graph breaks only)."""
+    console, buf = _console()
+    report = _report(world_size=1, compiled="4 transformer blocks with inductor", compile_time_s=10.5,
+                     compiler={"graph_breaks": 1, "graph_break_reasons": {"x": 1}, "graphs_in_use": 1})
+    _print_summary(console, report, Path("runs/x"))
+    assert "  compiled: 4 transformer blocks with inductor, 1 graph break(s); compile 10.5 s" in buf.getvalue()
+
+
+def test_the_eta_in_lines_is_the_pace_after_the_first_step(monkeypatch):
+    """The first step compiles (13 s with Inductor): an ETA from it said 04:30 for a 27 s run."""
+    import accelrun.train.progress as progress
+
+    clock = iter([0.0, 13.0, 14.0, 15.0])  # made at 0; step 1 ends at 13 s; then 1 s a step
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    console, buf = _console()
+    bar = TrainProgress(total=12, start=0, mode="lines", every=1, console=console)
+    for step in (1, 2, 3):
+        bar.update(step, 5.0, 100.0)
+    lines = buf.getvalue().splitlines()
+    assert lines[0].endswith("eta --:--") and lines[1].endswith("eta 00:10") and lines[2].endswith("eta 00:09"), lines
