@@ -18,7 +18,14 @@ from pathlib import Path
 
 from accelrun.report import fmt
 from accelrun.report.files import write_text_atomic
-from accelrun.report.markdown import headline_rows, rank_rows, sparkline, threads_why
+from accelrun.report.markdown import (
+    compiler_items,
+    compiler_rows,
+    headline_rows,
+    rank_rows,
+    sparkline,
+    threads_why,
+)
 from accelrun.report.metrics import read_metrics
 from accelrun.report.plots import INSTALL_HINT, PlotsUnavailable, run_plots
 from accelrun.report.profiler import PROFILE_DIR
@@ -153,6 +160,9 @@ def render_report_html(report: dict, config_summary: dict, *, metrics: list[dict
             section("Step time breakdown", breakdown_table(report))]
     if ranks := rank_rows(report):
         body.append(section("Ranks", table(["rank", "peak memory", "step time (median)"], ranks, numeric=(1, 2))))
+    if compiler := report.get("compiler"):  # report.md's Compiler section (the HTML had none)
+        body.append(section("Compiler", table(["figure", "value"], compiler_rows(compiler)),
+                            bullet_list(compiler_items(compiler), "note")))
     body.append(section("Configuration", *config_parts))
     if env:
         body.append(section("Environment", table(["", "this run"], env_rows(env))))

@@ -61,17 +61,28 @@ def _compiler_section(c: dict | None) -> list[str]:
     if not c:
         return []
     out = ["## Compiler", "", "| figure | value |", "| --- | --- |"]
+    out += [f"| {_cell(k)} | {_cell(v)} |" for k, v in compiler_rows(c)] + [""]
+    items = compiler_items(c)
+    out += [f"- {_cell('**warning**' + item[len('warning'):] if item.startswith('warning:') else item)}"
+            for item in items]
+    return out + [""] if items else out
+
+
+def compiler_rows(c: dict) -> list[tuple[str, str]]:
+    """(figure, value) rows of a run's compile section (``CompileRecord.summary``): report.md's and
+    report.html's."""
+    out: list[tuple[str, str]] = []
     if c.get("compiled"):
-        out.append(f"| compiled | {_cell(c['compiled'])} |")
+        out.append(("compiled", c["compiled"]))
     graphs = c.get("graph_cache") or {}
     if "dynamo_graphs" in c:
         loaded = c.get("graphs_loaded") or 0
         if loaded:  # a cached run compiled none of them: "graphs compiled 2 (2 loaded)" read as both
-            out.append(f"| graphs | {c['dynamo_graphs'] + loaded}: {c['dynamo_graphs']} compiled in this run, "
-                       f"{loaded} loaded from the graph cache |")
+            out.append(("graphs", f"{c['dynamo_graphs'] + loaded}: {c['dynamo_graphs']} compiled in this run, "
+                                  f"{loaded} loaded from the graph cache"))
         else:
-            out.append(f"| graphs compiled | {c['dynamo_graphs']} |")
-    out.append(f"| graph breaks | {c.get('graph_breaks', 0)} |")
+            out.append(("graphs compiled", str(c["dynamo_graphs"])))
+    out.append(("graph breaks", str(c.get("graph_breaks", 0))))
     dyn = c.get("dynamo") or {}
     if dyn:
         # Frames the graph cache took go around Dynamo's counters (record.refresh_dynamo adds them): which way.
@@ -79,64 +90,62 @@ def _compiler_section(c: dict | None) -> list[str]:
         via = [f"{traced} traced to be saved in the graph cache"] if traced else []
         if from_cache:
             via.append(f"{from_cache} loaded from " + ("it" if traced else "the graph cache"))
-        out.append(f"| Dynamo frames seen / compiled / skipped | {dyn.get('frames_seen', 0)} / "
-                   f"{dyn.get('frames_compiled', 0)} / {len(dyn.get('frames_skipped', []))}"
-                   + (f" ({', '.join(via)})" if via and dyn.get("frames_via_graph_cache") else "") + " |")
+        out.append(("Dynamo frames seen / compiled / skipped",
+                    f"{dyn.get('frames_seen', 0)} / {dyn.get('frames_compiled', 0)} / "
+                    f"{len(dyn.get('frames_skipped', []))}"
+                    + (f" ({', '.join(via)})" if via and dyn.get("frames_via_graph_cache") else "")))
     if "fallbacks" in c:
-        out.append(f"| compiler fallbacks | {len(c['fallbacks'])} |")
+        out.append(("compiler fallbacks", str(len(c["fallbacks"]))))
     for stage, secs in (c.get("stage_seconds") or {}).items():
-        out.append(f"| {_cell(stage)} | {secs:.2f} s |")
+        out.append((stage, f"{secs:.2f} s"))
     if "cache" in c:
-        out.append(f"| kernel cache (the regions' built kernels) hits / misses | {c['cache']['hits']} / "
-                   f"{c['cache']['misses']} |")
+        out.append(("kernel cache (the regions' built kernels) hits / misses",
+                    f"{c['cache']['hits']} / {c['cache']['misses']}"))
     if "off" in graphs:
-        out.append(f"| graph cache | off: {_cell(graphs['off'])} |")
+        out.append(("graph cache", f"off: {graphs['off']}"))
     elif graphs:
-        out.append(f"| graph cache: loaded / compiled and saved | {graphs['loaded']} / {graphs['saved']} |")
+        out.append(("graph cache: loaded / compiled and saved", f"{graphs['loaded']} / {graphs['saved']}"))
         if graphs.get("rejected"):
-            out.append(f"| graph cache: entries whose guards rejected these calls (saved for other inputs or "
-                       f"module attributes), compiled again | {graphs['rejected']} |")
+            out.append(("graph cache: entries whose guards rejected these calls (saved for other inputs or "
+                        "module attributes), compiled again", str(graphs["rejected"])))
         if changed := graphs.get("state_changed"):
-            out.append(f"| graph cache: compiled, held only under other settings | {_cell('; '.join(changed))} |")
+            out.append(("graph cache: compiled, held only under other settings", "; ".join(changed)))
         if errors := graphs.get("errors"):  # each one is also listed below the table
-            out.append(f"| graph cache errors | {len(errors)}: {_cell(errors[0])} |")
+            out.append(("graph cache errors", f"{len(errors)}: {errors[0]}"))
     if c.get("passes_fired"):
         fired = ", ".join(f"{k} ({v})" for k, v in c["passes_fired"].items())
-        out.append(f"| passes that changed a graph (forward and backward graphs counted apart) | {_cell(fired)} |")
+        out.append(("passes that changed a graph (forward and backward graphs counted apart)", fired))
     if c.get("dropout_in_kernels"):
-        out.append(f"| dropout drawn in accelrun's kernels (its own generator: masks unlike eager's, so losses "
-                   f"part from an eager run's) | {c['dropout_in_kernels']} call(s) in the graphs |")
+        out.append(("dropout drawn in accelrun's kernels (its own generator: masks unlike eager's, so losses "
+                    "part from an eager run's)", f"{c['dropout_in_kernels']} call(s) in the graphs"))
     if c.get("regions_per_executor"):
-        per = ", ".join(f"{k} {v}" for k, v in c["regions_per_executor"].items())
-        out.append(f"| fusion regions by executor | {_cell(per)} |")
+        out.append(("fusion regions by executor", ", ".join(f"{k} {v}" for k, v in c["regions_per_executor"].items())))
     if c.get("regions_with_runtime_rows"):
-        out.append(f"| fusion regions whose kernels read a changing size at each call (a row count or a length: "
-                   f"one graph for all sizes) | {c['regions_with_runtime_rows']} |")
+        out.append(("fusion regions whose kernels read a changing size at each call (a row count or a length: "
+                    "one graph for all sizes)", str(c["regions_with_runtime_rows"])))
     if "ops_left_to_aten" in c:
-        out.append(f"| ops outside regions (ATen calls) | {c['ops_left_to_aten']} |")
+        out.append(("ops outside regions (ATen calls)", str(c["ops_left_to_aten"])))
     if (cuda_graphs := c.get("cuda_graphs") or {}).get("row"):  # compile.cuda_graphs, and why not
-        out.append(f"| CUDA graphs | {_cell(cuda_graphs['row'])} |")
-    out.append("")
-    # Never silent: nothing compiled, frames Dynamo skipped, fallbacks (compile/coverage.py, record.py).
-    for warning in c.get("warnings") or []:
-        out.append(f"- **warning**: {_cell(warning)}")
-    for fallback in c.get("fallbacks") or []:
-        out.append(f"- fallback: {_cell(fallback)}")
-    for why, calls in (c.get("attention_left_to_aten") or {}).items():
-        out.append(f"- attention left to ATen's kernel ({calls} call(s) in the graphs): {_cell(why)}")
+        out.append(("CUDA graphs", cuda_graphs["row"]))
+    return out
+
+
+def compiler_items(c: dict) -> list[str]:
+    """What a compile section lists below its figures, one line each. Never silent: nothing compiled,
+    frames Dynamo skipped, fallbacks (compile/coverage.py, record.py)."""
+    graphs = c.get("graph_cache") or {}
+    out = [f"warning: {w}" for w in c.get("warnings") or []]
+    out += [f"fallback: {f}" for f in c.get("fallbacks") or []]
+    out += [f"attention left to ATen's kernel ({calls} call(s) in the graphs): {why}"
+            for why, calls in (c.get("attention_left_to_aten") or {}).items()]
     left = c.get("regions_left_to_aten") or []
-    for region in left[:MAX_REGIONS_LISTED]:
-        out.append(f"- left to ATen: {_cell(region)}")
+    out += [f"left to ATen: {region}" for region in left[:MAX_REGIONS_LISTED]]
     if len(left) > MAX_REGIONS_LISTED:
-        out.append(f"- left to ATen: {len(left) - MAX_REGIONS_LISTED} more regions (report.json lists every one; `accelrun "
-                   "compile explain` says more)")
-    for reason, n in (c.get("graph_break_reasons") or {}).items():
-        out.append(f"- graph break ×{n}: {_cell(reason)}")
-    for error in graphs.get("errors", []):
-        out.append(f"- graph cache: {_cell(error)}")
-    listed = (c.get("graph_break_reasons") or graphs.get("errors") or c.get("warnings") or c.get("fallbacks")
-              or c.get("regions_left_to_aten") or c.get("attention_left_to_aten"))
-    return out + [""] if listed else out
+        out.append(f"left to ATen: {len(left) - MAX_REGIONS_LISTED} more regions (report.json lists every one; "
+                   "`accelrun compile explain` says more)")
+    out += [f"graph break ×{n}: {reason}" for reason, n in (c.get("graph_break_reasons") or {}).items()]
+    out += [f"graph cache: {error}" for error in graphs.get("errors", [])]
+    return out
 
 
 def _headline(r: dict) -> list[str]:

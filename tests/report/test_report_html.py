@@ -175,3 +175,20 @@ def test_profile_steps_are_validated():
     with pytest.raises(ConfigError, match="report.profile_steps"):
         load_config(DEFAULT_CONFIG, ["report.profile_steps=[0,3]"])
     assert load_config(DEFAULT_CONFIG, ["report.profile_steps=[2,3]"]).config.report.profile_steps == (2, 3)
+
+
+def test_a_compiled_runs_page_has_report_mds_compiler_section(plain_run):
+    """report.html had no Compiler section, where the README says the page is report.md with plots."""
+    from accelrun.report.markdown import render_report_md
+
+    report = json.loads((plain_run / "report.json").read_text())
+    report["compiler"] = {"compiled": "2 graphs, 13 fusion regions (cpp 13)", "dynamo_graphs": 2, "graph_breaks": 1,
+                          "graph_break_reasons": {"a <branch> on data | here": 1},
+                          "regions_per_executor": {"cpp": 13}}
+    summary = {"name": "x", "config_hash": report["config_hash"]}
+    page = report_html.render_report_html(report, summary, metrics=read_metrics(plain_run / "metrics.jsonl"))
+    check_self_contained(page)
+    assert "<h2>Compiler</h2>" in page or ">Compiler<" in page
+    assert "<td>fusion regions by executor</td><td>cpp 13</td>" in page, page
+    assert "graph break ×1: a &lt;branch&gt; on data | here" in page  # escaped once, as HTML (no markdown \\|)
+    assert "| graph breaks | 1 |" in render_report_md(report, summary)
