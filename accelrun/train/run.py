@@ -186,6 +186,8 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
         elif console is not None and stopped is None:
             console.print(f"{status} after step {outcome.last_step}; last checkpoint: {saved or 'none'}",
                           markup=False)
+        if ctx is None and _steps_recorded(run_dir):
+            _report_the_steps_run(resolved, s, run_dir, status, setup_s, outcome, saved, cpu, console)
         return TrainResult(run_dir, status, None, stopped)
 
     per_rank = _gather_per_rank(s, outcome.step_times if error is None else [], cfg.report.warmup_steps, cpu)
@@ -209,6 +211,24 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
     if console is not None and ctx is None:
         _print_summary(console, report, run_dir)
     return TrainResult(run_dir, status, report)
+
+
+def _report_the_steps_run(resolved, s: TrainSetup, run_dir: Path, status: str, setup_s: float,
+                          outcome: LoopOutcome, saved: Path | None, cpu: CpuWindow, console) -> None:
+    """report.md and report.html of an interrupted process's steps (an interrupted run's folder had none:
+    its steps were only in metrics.jsonl). No report.json, which marks a run as ended: resume still
+    continues it. One process only: a stopped job's ranks need not all reach a gather. Best effort: a
+    report that cannot be written must not hold up a stop (a preemption's grace period is short)."""
+    try:
+        env = json.loads((run_dir / "env.json").read_text())
+        per_rank = _gather_per_rank(s, outcome.step_times, resolved.config.report.warmup_steps, cpu)
+        resume = (f"checkpoint.resume: auto continues it from {saved}" if saved is not None else
+                  "it saved no checkpoint, so it cannot be continued")
+        _write_report(resolved, s, run_dir, env, status, setup_s, None, per_rank, cpu, ended=False,
+                      note=f"{status} after step {outcome.last_step}: this report covers the steps run; {resume}")
+    except Exception as e:  # noqa: BLE001 (a full disk, a plot that fails, ...): the stop goes on
+        if console is not None:
+            console.print(f"warning: report.md of the steps run not written: {e}", markup=False, highlight=False)
 
 
 def _gather_per_rank(s: TrainSetup, step_times: list[dict], warmup_steps: int, cpu: CpuWindow) -> list[dict]:
@@ -256,7 +276,7 @@ def _host_blocks(s: TrainSetup) -> dict | None:
 
 
 def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str, setup_s: float, error,
-                  per_rank: list[dict], cpu: CpuWindow) -> dict:
+                  per_rank: list[dict], cpu: CpuWindow, ended: bool = True, note: str | None = None) -> dict:
     cfg = resolved.config
     metrics = read_metrics(run_dir / "metrics.jsonl")
     compiler = _compiler_summary(s)
@@ -266,6 +286,8 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         metrics, warmup_steps=cfg.report.warmup_steps, peak=s.peak, flops_per_token=s.flops.value,
         compile_time_s=took.seconds if took else None, tokens_per_step=s.tokens_per_step, flops_source=s.flops.source,
     )
+    if note is not None:
+        report["notes"].insert(0, note)
     if took is not None:
         report["notes"].append(took.how)
     _distrust_low_probe(report, s)
@@ -323,7 +345,8 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
     }
     write_report_md(report, summary, run_dir / "report.md", env=env)
     write_report_html(report, summary, run_dir, env=env)
-    write_json(report, run_dir / "report.json")  # last: its presence marks the run as ended
+    if ended:
+        write_json(report, run_dir / "report.json")  # last: its presence marks the run as ended
     return report
 
 

@@ -61,6 +61,11 @@ def test_resume_continues_with_identical_losses(tiny):
     # Same recipe under another name, "killed" after step 12 (last checkpoint: step 10) ...
     cut = run(tiny(16, "checkpoint.every=5", "name=cut"), stop_after_step=12)
     assert cut.status == "stopped" and not (cut.run_dir / "report.json").exists()
+    # its steps have a report (they were in metrics.jsonl only), without the report.json that ends a run
+    cut_report = (cut.run_dir / "report.md").read_text()
+    assert "- stopped after step 12: this report covers the steps run; checkpoint.resume: auto continues it from " \
+        f"{cut.run_dir / 'checkpoints' / 'step-000010'}" in cut_report, cut_report
+    assert "· 12 steps" in cut_report and (cut.run_dir / "report.html").is_file()
     # ... then started again with the same command: it continues from step 10.
     resumed = run(tiny(16, "checkpoint.every=5", "name=cut"))
     report = resumed.report
