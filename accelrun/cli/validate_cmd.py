@@ -70,13 +70,12 @@ def command(config: str, overrides: tuple[str, ...]) -> None:
 
 def _data_summary(data) -> str:
     """``text (2 globs); tokenizer /m/tokenizer.json: 32,000 ids, '</s>' (id 2) after each document``."""
+    from accelrun.config.data_checks import mix_shares, paths_said
     from accelrun.config.tokenizer_file import BYTE, BYTE_VOCAB, read_tokenizer_info
 
     if data.mix:  # each source and its share: the weights are normalised
-        from accelrun.config.data_checks import mix_shares
-
         return f"mix of {len(data.mix)} sources: {mix_shares(data.mix)}; tokenizer {data.tokenizer}"
-    where = data.builtin if data.source == "builtin" else f"{len(data.paths)} path(s)"
+    where = data.builtin if data.source == "builtin" else paths_said(data.paths)
     head = data.source if data.source == "synthetic" else f"{data.source} ({where})"
     if data.source == "synthetic":
         return head

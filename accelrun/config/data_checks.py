@@ -104,7 +104,12 @@ def data_description(data: DataConfig) -> str:
     elif data.source == "synthetic":
         head = "synthetic"
     else:
-        head = f"{data.source}: {len(data.paths)} path(s)"
-    fmt = f"; format {data.format}" if data.source == "documents" and not data.mix else ""
+        head = f"{data.source}: {paths_said(data.paths)}"
+    fmt = f"; data.format {data.format}" if data.source == "documents" and not data.mix else ""
     return f"{head}{fmt}; packing {data.packing}"
+
+
+def paths_said(paths: Sequence[str]) -> str:
+    """data.paths as given (the first three, then how many more): "1 path(s)" said nothing of a glob."""
+    return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 

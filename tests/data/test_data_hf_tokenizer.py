@@ -122,7 +122,7 @@ def test_prepare_records_the_tokenizer_and_runs_need_the_same_one(files, tmp_pat
     assert token_file_tokenizer(out) == (header.tokenizer, header.vocab_size) and TOKEN_FILE_MAGIC == tokfile.MAGIC
     tokens_source = ["data.source=tokens", f"data.paths=[{out}]", "train.seq_len=8", "train.global_batch=4"]
     shown = runner.invoke(cli, ["validate", str(DEFAULT_CONFIG), *tokens_source, f"data.tokenizer={files['folder']}"])
-    assert shown.exit_code == 0 and (f"data: tokens (1 path(s)); tokenizer {files['folder'] / 'tokenizer.json'}: "
+    assert shown.exit_code == 0 and (f"data: tokens ({out}); tokenizer {files['folder'] / 'tokenizer.json'}: "
                                      "300 ids, '</s>' (id 1) after each document") in shown.output, shown.output
     with pytest.raises(ConfigError, match=rf"{out} was prepared with tokenizer '{info.name}', but "
                                           r"data.tokenizer = byte \(.*stdlib.yaml:\d+\) is 'byte'"):

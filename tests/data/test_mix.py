@@ -189,10 +189,10 @@ def test_report_md_has_a_data_row():
     from accelrun.report.markdown import render_report_md
 
     documents = DataConfig(source="documents", paths=["corpus/docs.jsonl"], packing="document")
-    assert data_description(documents) == "documents: 1 path(s); format text; packing document"
+    assert data_description(documents) == "documents: corpus/docs.jsonl; data.format text; packing document"
     assert data_description(DataConfig()) == "builtin (python-stdlib); packing concat"
     mix = DataConfig(mix=[MixSource(paths=["a.jsonl"], weight=0.7), MixSource(source="text", paths=["b.txt"],
                                                                               weight=0.2)])
     assert data_description(mix) == "mix of 2 sources: a.jsonl 78% (weight 0.7), b.txt 22% (weight 0.2); packing concat"
     md = render_report_md({"steps": 1}, {"name": "x", "data": data_description(documents)})
-    assert "| data | documents: 1 path(s); format text; packing document |" in md
+    assert "| data | documents: corpus/docs.jsonl; data.format text; packing document |" in md
