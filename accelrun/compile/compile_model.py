@@ -192,7 +192,8 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
             install(cache, [model], "head_loss")
         elif head is not None:
             # An instance attribute shadows the method, so forward() calls the compiled head.
-            model.head_loss = capturing_data_sized_outputs(torch.compile(head, backend=backend, fullgraph=cfg.fullgraph))
+            model.head_loss = capturing_data_sized_outputs(
+                torch.compile(head, backend=backend, fullgraph=cfg.fullgraph), backend)
         return done(what + tail)
     if scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:
         from accelrun.compile.graph_cache import install
@@ -243,7 +244,8 @@ def compile_module(module: nn.Module, backend: object, fullgraph: bool = False) 
         module.__dict__[WRAPPED_FORWARD] = module.__dict__["forward"]
     # Bound to the module (not a closure over its forward): a deep copy of the model then calls its own
     # weights, the compiled function rebound to the copy.
-    compiled = capturing_data_sized_outputs(torch.compile(_class_forward, backend=backend, fullgraph=fullgraph))
+    compiled = capturing_data_sized_outputs(torch.compile(_class_forward, backend=backend, fullgraph=fullgraph),
+                                            backend)
     module.forward = types.MethodType(compiled, module)
 
 

@@ -614,7 +614,7 @@ class CachedMethod:
             self.cache.stats["errors"].append(why[:300])
         self.cache.stats["fallbacks"] += 1
         self.fallback = capturing_data_sized_outputs(
-            torch.compile(self.func, backend=self.cache.backend, fullgraph=self.cache.fullgraph))
+            torch.compile(self.func, backend=self.cache.backend, fullgraph=self.cache.fullgraph), self.cache.backend)
         return None
 
 

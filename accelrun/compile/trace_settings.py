@@ -1,4 +1,4 @@
-"""Dynamo traces a model the same way with or without the graph cache.
+"""Ops whose output's size depends on the data trace the same way with or without the graph cache.
 
 The graph cache traces through torch's precompile path with ``fullgraph=True``, under which Dynamo
 captures an op whose output's size depends on the data (``torch.where(mask)``, ``nonzero``, boolean
@@ -8,10 +8,13 @@ default broke the graph there instead. A mixture of experts routed by ``torch.wh
 a default run, and in those runs an eager first step, then its experts compiled one by one: the dump a
 user read was not of the graphs a default run trains with, and a second rank trained slower than one.
 
-``capturing_data_sized_outputs`` wraps each compiled callable accelrun makes outside the cache so that
-Dynamo traces with the cache's setting. Only while accelrun's own compiled calls run: a user's other
-``torch.compile`` calls in the same process keep torch's default. Dynamo reads the setting only when it
-traces, so a call that finds its graph pays two attribute writes (about 4 µs).
+``capturing_data_sized_outputs`` wraps each compiled callable accelrun's backend makes outside the cache
+so that Dynamo traces those ops with the cache's setting. Only while accelrun's own compiled calls run: a
+user's other ``torch.compile`` calls in the same process, and runs with ``compile.backend = inductor``
+(no graph cache to agree with), keep torch's default. Dynamo reads the setting only when it traces, so a
+call that finds its graph pays two attribute writes (about 4 µs). Not matched: ``fullgraph=True`` also
+traces ``.item()`` as a number read at run time, which torch's default breaks the graph at; a value
+read so and then branched on breaks the cache's trace too (and the cache falls back to this path).
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ from typing import Any
 import torch
 
 
-def capturing_data_sized_outputs(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (a ``torch.compile``d callable), traced with data-sized outputs captured."""
+def capturing_data_sized_outputs(fn: Callable[..., Any], backend: object) -> Callable[..., Any]:
+    """``fn`` (a ``torch.compile``d callable), traced with data-sized outputs captured where ``backend``
+    is accelrun's (an object; Inductor and others are named by a string: ``fn`` as it is)."""
+    if isinstance(backend, str):
+        return fn
     config = torch._dynamo.config
 
     @functools.wraps(fn)
@@ -48,4 +54,4 @@ def compile_call(module: torch.nn.Module, backend: object, fullgraph: bool) -> N
     # ``_compiled_call_impl``: where Module.compile keeps the compiled call (torch 2.11-2.13)
     compiled = getattr(module, "_compiled_call_impl", None)
     if compiled is not None:
-        module._compiled_call_impl = capturing_data_sized_outputs(compiled)
+        module._compiled_call_impl = capturing_data_sized_outputs(compiled, backend)

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,7 +92,7 @@ def data_files(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine)
     if cfg.data.source == "text" and (records := _record_files_matched(cfg.data.paths, files)):
         return [Finding(record_files_as_text(records, f"data.source = text ({source_of(('data', 'source'), sources)})",
                                              "data"), True)]
-    if cfg.data.source == "text" and not any(_size(f) for f in files):  # validate passed it; train refused it
+    if cfg.data.source == "text" and all(_size(f) == 0 for f in files):  # validate passed it; train refused it
         return [Finding(f"{empty_corpus(files)} ({source_of(('data', 'paths'), sources)})", True)]
     if cfg.data.source == "tokens" and cfg.data.packing == "document":
         # Document packing reads each token file's document index (data/doc_index.py: NAME.docs beside NAME.tok).
@@ -104,11 +105,12 @@ def data_files(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine)
     return []
 
 
-def _size(f: Path) -> int:
+def _size(f: Path) -> int | None:
+    """The file's size; None where it cannot be read (train's reader says why, not "empty")."""
     try:
         return f.stat().st_size
     except OSError:
-        return 0
+        return None
 
 
 def _record_files_matched(patterns: list[str], files: list[Path]) -> list[str]:
@@ -150,11 +152,11 @@ def capped_text(cfg: RunConfig) -> CappedText | None:
     total = sum(sizes)
     if total <= data.max_bytes:
         return None
-    whole = next(i for i in range(len(sizes) + 1) if sum(sizes[: i + 1]) > data.max_bytes)
+    whole = next(i for i, read in enumerate(itertools.accumulate(sizes)) if read > data.max_bytes)
     return CappedText(data.max_bytes, total, len(sizes), whole)
 
 
-def text_read_whole(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
+def text_cut_by_max_bytes(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
     """A warning where ``data.max_bytes`` leaves part of a text corpus unread."""
     capped = capped_text(cfg)
     return [] if capped is None else [Finding(capped.said(source_of(("data", "max_bytes"), sources)), False)]
@@ -400,7 +402,7 @@ def resume_path(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine
 
 
 # The checks `train` makes before a run directory or a tensor exists, in order; `validate` runs them all.
-PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, text_read_whole, hf_weights, processes_fit, gpu_only_keys, cpu_bf16_without_kernels,
+PREFLIGHT_CHECKS: tuple[Check, ...] = (data_files, text_cut_by_max_bytes, hf_weights, processes_fit, gpu_only_keys, cpu_bf16_without_kernels,
                                        cuda_asked_for, resume_path)
 
 

@@ -197,7 +197,7 @@ def apply_compiled_fsdp(model: nn.Module, blocks: list[nn.Module] | None, mesh: 
 
     original_forward = model.forward
     compiled = capturing_data_sized_outputs(
-        torch.compile(functools.partial(_run_shadow, shadow), backend=backend, fullgraph=fullgraph))
+        torch.compile(functools.partial(_run_shadow, shadow), backend=backend, fullgraph=fullgraph), backend)
 
     @functools.wraps(original_forward)
     def forward(*args, **kwargs):

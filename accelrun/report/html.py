@@ -25,6 +25,7 @@ from accelrun.report.markdown import (
     rank_rows,
     sparkline,
     threads_why,
+    whole_run_line,
 )
 from accelrun.report.metrics import read_metrics
 from accelrun.report.plots import INSTALL_HINT, PlotsUnavailable, run_plots
@@ -185,6 +186,8 @@ def _loss_fallback(report: dict) -> str:
            if report.get("final_val_loss") is not None else "")
     line = paragraph(f"loss {fmt.num(report.get('first_loss'))} → {fmt.num(report.get('final_loss'))}{val}  "
                      f"{sparkline([p['loss'] for p in curve])}", "note")
+    if report.get("whole_run"):  # a resumed folder: the figures above are its own
+        line += paragraph(whole_run_line(report["whole_run"]), "note")
     return line + details("loss at sampled steps", table(["step", "loss"], [(p["step"], fmt.num(p["loss"]))
                                                                             for p in curve], numeric=(0, 1)))
 

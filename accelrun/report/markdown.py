@@ -257,7 +257,8 @@ def _of_the_whole_run(r: dict) -> str:
             f"{whole['folders']} folders: the figures below are this folder's; the whole run's are under Loss")
 
 
-def _whole_run_line(whole: dict) -> str:
+def whole_run_line(whole: dict) -> str:
+    """A resumed run's figures over all its folders (``summary.whole_run_summary``), in one line."""
     step = whole.get("step_time_median_s")
     tokens = whole.get("tokens")
     return (f"the whole run ({whole['steps']} steps over {whole['folders']} folders, as `accelrun runs list` and "
@@ -273,7 +274,7 @@ def _loss_section(r: dict) -> list[str]:
     lines.append(f"first → final: {_num(r['first_loss'])} → {_num(r.get('final_loss'))} "
                  f"(mean of the last {r.get('final_loss_window')}: {_num(r.get('final_loss_mean'))})")
     if r.get("whole_run"):
-        lines.append(f"\n{_whole_run_line(r['whole_run'])}")
+        lines.append(f"\n{whole_run_line(r['whole_run'])}")
     if r.get("final_val_loss") is not None:
         lines.append(f"\nvalidation loss (held-out data, eval.every) at the end: {_num(r['final_val_loss'])}")
     curve = r.get("loss_curve") or []

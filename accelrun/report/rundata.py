@@ -23,7 +23,7 @@ import yaml
 from accelrun.errors import UserError
 from accelrun.report.lineage import continued_by, crash_error, history
 from accelrun.report.metrics import read_metrics
-from accelrun.report.rundir import holds_runs, is_running, list_runs
+from accelrun.report.rundir import is_running, runs_in
 from accelrun.report.summary import is_steady
 
 
@@ -197,8 +197,7 @@ def resolve_run_path(ref: str | Path) -> Path:
     if (path / "metrics.jsonl").is_file() or (path / "config.yaml").is_file():
         return path
     if path.is_dir():
-        newest = list_runs(path.parent, path.name) if holds_runs(path) else list_runs(path)
-        for run in newest:
+        for run in runs_in(path):
             if (run / "metrics.jsonl").is_file():
                 return run
     raise RunNotFound(f"{ref} is not a run directory (no metrics.jsonl or config.yaml) and holds no runs")

@@ -59,6 +59,12 @@ def list_runs(runs_dir: str | Path, name: str | None = None) -> list[Path]:
     return sorted(runs, key=lambda p: (p.name[:15], p.stat().st_mtime_ns), reverse=True)
 
 
+def runs_in(folder: Path) -> list[Path]:
+    """The runs of a folder of runs, newest first: one recipe's (``runs/llama-debug``) or every recipe's
+    (``runs``)."""
+    return list_runs(folder.parent, folder.name) if holds_runs(folder) else list_runs(folder)
+
+
 def holds_runs(folder: Path) -> bool:
     """Whether ``folder`` is one name's folder of runs (``runs/llama-debug``): a run folder directly in it."""
     return any(p.is_dir() and RUN_ID.match(p.name) for p in folder.iterdir())

@@ -268,7 +268,7 @@ def step_breakdown(metrics: list[dict], warmup_steps: int) -> dict[str, float] |
     return {part: statistics.median(float(m.get(key) or 0.0) for m in steady) for part, key in STEP_PARTS.items()}
 
 
-def learning_rate_said(metrics: list[dict], lr: float, schedule: str, warmup_steps: int) -> str | None:
+def learning_rate_said(metrics: list[dict], lr: float, schedule: str, warmup_steps: int, steps: int) -> str | None:
     """The learning rate a run trained with, from its metrics: first, peak (and its step), last, against
     ``train.optimizer.lr``. A new user's short run never reached the rate asked for (the recipe's
     warm-up was longer than the run), and no figure of the report showed it."""
@@ -278,20 +278,24 @@ def learning_rate_said(metrics: list[dict], lr: float, schedule: str, warmup_ste
     top = max(rows, key=lambda m: m["lr"])
     said = (f"{rows[0]['lr']:.3g} → {top['lr']:.3g} (step {top['step']}) → {rows[-1]['lr']:.3g}: "
             f"train.optimizer.lr {lr:g}, {schedule} after {warmup_steps} warm-up steps")
-    if top["lr"] < lr * (1 - 1e-6):
-        said += "; never reached: the warm-up is longer than the steps trained"
+    if warmup_steps > steps:  # (a resumed folder after the warm-up sees only falling rates: not this)
+        said += f"; never reached: the warm-up is longer than the run's {steps} steps"
     return said
 
 
-def whole_run_summary(metrics: list[dict], folders: int, tokens_per_step: int | None) -> dict:
-    """A resumed run's steps over all its folders (``rundata.history_metrics``): what ``runs list`` and
+def whole_run_summary(metrics: list[dict], starts: list[int], warmup_steps: int, tokens_per_step: int | None) -> dict:
+    """A resumed run's steps over all its folders (``rundata.history_metrics``: the rows and where each
+    folder's begin): what ``runs list`` and
     ``compare`` show for it, beside the folder's own figures in its report. A new user's resumed run
     said 27 steps at 323 ms in report.md and 60 steps at 560 ms in ``runs list``, with nothing saying
     the two covered different steps."""
-    steady = [float(m["step_time_s"]) for m in metrics if is_steady(m) and m.get("step_time_s") is not None]
+    # Steady as RunRecord.steady_figures counts them (runs list, compare): each folder warms up again.
+    ends = [*starts[1:], len(metrics)]
+    steady = [float(m["step_time_s"]) for start, end in zip(starts, ends, strict=True)
+              for m in metrics[start + warmup_steps:end] if is_steady(m) and m.get("step_time_s")]
     losses = [m for m in metrics if m.get("loss") is not None]
     return {
-        "folders": folders,
+        "folders": len(starts),
         "steps": len(metrics),
         "first_step": int(metrics[0]["step"]) if metrics else None,
         "first_loss": losses[0]["loss"] if losses else None,

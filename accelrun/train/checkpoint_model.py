@@ -35,17 +35,25 @@ def find_checkpoint(ref: str | Path, purpose: str) -> tuple[Path, Path]:
     if not done and run != path:
         # A folder of runs: its newest run with a checkpoint. The newest run may have trained with
         # checkpoints off (a quick try after the real run), and the error then sent the user to train again.
-        from accelrun.report.rundir import holds_runs, list_runs
+        from accelrun.report.rundir import runs_in
 
-        for older in list_runs(path.parent, path.name) if holds_runs(path) else list_runs(path):
+        for older in runs_in(path):
             if done := complete_checkpoints(older / "checkpoints"):
                 return done[-1].path, older
+        raise CheckpointModelError(f"{path}: none of its runs saved a complete checkpoint {purpose} (the newest, "
+                                   f"{run.name}, {_why_none(run) or 'has none'})")
     if not done:
-        why = ""
-        if run_values(run).get("checkpoint", {}).get("enabled") is False:
-            why = "; it trained with checkpoint.enabled = false, so it saved none (train again with it on)"
-        raise CheckpointModelError(f"{run}: no complete checkpoint under {run / 'checkpoints'} {purpose}{why}")
+        why = _why_none(run)
+        raise CheckpointModelError(f"{run}: no complete checkpoint under {run / 'checkpoints'} {purpose}"
+                                   + (f"; {why}" if why else ""))
     return done[-1].path, run
+
+
+def _why_none(run: Path) -> str:
+    """Why ``run`` saved no checkpoint, where its config says, or ""."""
+    if run_values(run).get("checkpoint", {}).get("enabled") is False:
+        return "it trained with checkpoint.enabled = false, so it saved none (train again with it on)"
+    return ""
 
 
 def run_values(run: Path) -> dict:

@@ -141,8 +141,6 @@ def _launched_result(run_dir: Path, outcome: JobOutcome, console: Console) -> Tr
     return TrainResult(run_dir, "preempted" if code == 0 else "failed", None)
 
 
-
-
 def _choose_threads(cfg, training_hash: str) -> str | None:
     """Set this process's threads: as many as the run it continues took (its losses then go on as an
     uninterrupted run's would), else the cores nobody else is using now (train/threads.py says why).
@@ -155,6 +153,9 @@ def _choose_threads(cfg, training_hash: str) -> str | None:
         return (f"threads: {resumed}, as the run it continues took, so its losses go on as an uninterrupted "
                 f"run's would ({choice.threads} would be taken now; train.threads sets it)")
     torch.set_num_threads(choice.threads)
+    if resumed is not None and resumed > choice.usable_cores:
+        return (f"threads: {choice.threads}; the run it continues took {resumed}, more than the {choice.usable_cores} "
+                "cores this process may use, so its losses will part from an uninterrupted run's")
     return choice.describe() if choice.threads != choice.usable_cores else None
 
 

@@ -59,12 +59,13 @@ def threads_of_the_run_resumed(resume: str, runs_root: Path, training_hash: str)
     such run, or one that did not record them. A product's sums split across another number of threads
     add up in another order, so a continuation with other threads leaves the uninterrupted run's losses
     within a step or two (39 of 60 losses differed, 1 thread against 2)."""
+    about_to_start = runs_root / "(the run about to start)"  # its folder is made after the threads are set
     try:
-        ckpt = decide_resume(resume, runs_root, runs_root / "(the run about to start)", training_hash).checkpoint
+        ckpt = decide_resume(resume, runs_root, about_to_start, training_hash).checkpoint
     except ConfigError:
         return None  # the run's setup says what is wrong with the path
-    if ckpt is None:
-        return None
+    if ckpt is None or (resume != "auto" and not auto_would_continue(ckpt, about_to_start, training_hash)):
+        return None  # nothing to continue, or a named checkpoint that starts a new run (setup says so)
     try:
         threads = json.loads((ckpt.run_dir / "env.json").read_text())["cpu"]["torch_threads"]
     except (OSError, ValueError, KeyError, TypeError):

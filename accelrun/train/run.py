@@ -44,7 +44,7 @@ from accelrun.report.markdown import write_report_md
 from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, forget_steps_after, read_metrics
 from accelrun.report.peak import BUSY_PEAK
-from accelrun.report.rundata import history_metrics
+from accelrun.report.rundata import RunNotFound, history_metrics
 from accelrun.report.summary import (
     is_steady,
     learning_rate_said,
@@ -215,20 +215,34 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
 
 def _report_the_steps_run(resolved, s: TrainSetup, run_dir: Path, status: str, setup_s: float,
                           outcome: LoopOutcome, saved: Path | None, cpu: CpuWindow, console) -> None:
-    """report.md and report.html of an interrupted process's steps (an interrupted run's folder had none:
-    its steps were only in metrics.jsonl). No report.json, which marks a run as ended: resume still
-    continues it. One process only: a stopped job's ranks need not all reach a gather. Best effort: a
-    report that cannot be written must not hold up a stop (a preemption's grace period is short)."""
+    """report.md (and report.html, unless a signal stopped it) of an interrupted process's steps (an
+    interrupted run's folder had none: its steps were only in metrics.jsonl). No report.json, which marks
+    a run as ended: resume still continues it. One process only: a stopped job's ranks need not all reach
+    a gather. Best effort: a report that cannot be written must not hold up a stop (a preemption's grace
+    period is short)."""
     try:
         env = json.loads((run_dir / "env.json").read_text())
         per_rank = _gather_per_rank(s, outcome.step_times, resolved.config.report.warmup_steps, cpu)
         resume = (f"checkpoint.resume: auto continues it from {saved}" if saved is not None else
                   "it saved no checkpoint, so it cannot be continued")
         _write_report(resolved, s, run_dir, env, status, setup_s, None, per_rank, cpu, ended=False,
-                      note=f"{status} after step {outcome.last_step}: this report covers the steps run; {resume}")
+                      note=f"{status} after step {outcome.last_step}: this report covers the steps run; {resume}",
+                      html=not outcome.signum)  # a preemption's grace period: not the plots
     except Exception as e:  # noqa: BLE001 (a full disk, a plot that fails, ...): the stop goes on
         if console is not None:
             console.print(f"warning: report.md of the steps run not written: {e}", markup=False, highlight=False)
+
+
+def _whole_run(segments: list[Path], warmup_steps: int, tokens_per_step: int | None) -> dict | None:
+    """A resumed run's figures over all its folders, or None (one folder; an earlier folder's
+    metrics.jsonl unreadable: this folder's report is still written)."""
+    if len(segments) < 2:
+        return None
+    try:
+        metrics, starts = history_metrics(segments)
+    except RunNotFound:
+        return None
+    return whole_run_summary(metrics, starts, warmup_steps, tokens_per_step)
 
 
 def _gather_per_rank(s: TrainSetup, step_times: list[dict], warmup_steps: int, cpu: CpuWindow) -> list[dict]:
@@ -276,7 +290,8 @@ def _host_blocks(s: TrainSetup) -> dict | None:
 
 
 def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str, setup_s: float, error,
-                  per_rank: list[dict], cpu: CpuWindow, ended: bool = True, note: str | None = None) -> dict:
+                  per_rank: list[dict], cpu: CpuWindow, ended: bool = True, note: str | None = None,
+                  html: bool = True) -> dict:
     cfg = resolved.config
     metrics = read_metrics(run_dir / "metrics.jsonl")
     compiler = _compiler_summary(s)
@@ -318,8 +333,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         compiler=compiler,
         host_blocks=_host_blocks(s),
         history=[str(p) for p in segments],  # the run folders of this run, restarts included
-        whole_run=(whole_run_summary(history_metrics(segments)[0], len(segments), s.tokens_per_step)
-                   if len(segments) > 1 else None),
+        whole_run=_whole_run(segments, cfg.report.warmup_steps, s.tokens_per_step),
         final_val_loss=next((m["val_loss"] for m in reversed(metrics) if m.get("val_loss") is not None), None),
     )
     summary = {
@@ -335,8 +349,8 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         "processes": s.ctx.world_size,
         "parallel degrees": " × ".join(f"{k} {v}" for k, v in cfg.parallel.degrees().items()),
         "global batch × seq_len": f"{cfg.train.global_batch} × {cfg.train.seq_len}",
-        "learning rate": learning_rate_said(read_metrics(run_dir / "metrics.jsonl"), cfg.train.optimizer.lr,
-                                            cfg.train.lr_schedule.name, cfg.train.lr_schedule.warmup_steps),
+        "learning rate": learning_rate_said(metrics, cfg.train.optimizer.lr, cfg.train.lr_schedule.name,
+                                            cfg.train.lr_schedule.warmup_steps, cfg.train.steps),
         "data": data_description(cfg.data) + ("" if (cut := capped_text(cfg)) is None
                                               else f"; {cut.cap:,} of its {cut.total:,} bytes read (data.max_bytes)"),
         "resumed from": report["resumed_from"],
@@ -344,7 +358,8 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
                     else f"{run_dir.name} alone" + ("" if report["resumed_from"] else " (no restarts)")),
     }
     write_report_md(report, summary, run_dir / "report.md", env=env)
-    write_report_html(report, summary, run_dir, env=env)
+    if html:
+        write_report_html(report, summary, run_dir, env=env)
     if ended:
         write_json(report, run_dir / "report.json")  # last: its presence marks the run as ended
     return report

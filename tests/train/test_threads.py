@@ -90,7 +90,7 @@ def test_a_resumed_run_takes_the_threads_the_run_it_continues_took(tiny, monkeyp
     from accelrun.train import entry
     from tests.conftest import DEFAULT_CONFIG
 
-    monkeypatch.delenv("ACCELRUN_FIXED_THREADS")
+    monkeypatch.delenv("ACCELRUN_FIXED_THREADS", raising=False)
     machine = {"busy": True}
     monkeypatch.setattr(entry, "choose_threads", lambda: threads.ThreadChoice(
         1 if machine["busy"] else 2, 2, 1.0 if machine["busy"] else 0.0))
@@ -100,8 +100,9 @@ def test_a_resumed_run_takes_the_threads_the_run_it_continues_took(tiny, monkeyp
         def print(self, text, *args, **kwargs):
             printed.append(str(text))
 
-    def run(name, **kw):
-        recipe = load_config(DEFAULT_CONFIG, tiny(8, "checkpoint.every=2", f"name={name}"))
+    def run(name, resume="auto", **kw):
+        recipe = load_config(DEFAULT_CONFIG, tiny(8, "checkpoint.every=2", f"name={name}",
+                                                  f"checkpoint.resume={resume}"))
         return entry.train(recipe, command="test", console=Console(), **kw)
 
     before = torch.get_num_threads()
@@ -120,6 +121,11 @@ def test_a_resumed_run_takes_the_threads_the_run_it_continues_took(tiny, monkeyp
         assert losses[1] == losses[0][4:]
         fresh = run("other")  # nothing to continue: the cores free now
         assert json.loads((fresh.run_dir / "env.json").read_text())["cpu"]["torch_threads"] == 2
+        # a checkpoint named that starts a new run (an older step of the finished reference): not continued
+        from accelrun.train.checkpoint import complete_checkpoints
+
+        older = run("ref-again", resume=str(complete_checkpoints(reference.run_dir / "checkpoints")[0].path))
+        assert json.loads((older.run_dir / "env.json").read_text())["cpu"]["torch_threads"] == 2
         assert cut.status == "stopped"
     finally:
         torch.set_num_threads(before)

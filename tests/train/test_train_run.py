@@ -78,6 +78,15 @@ def test_resume_continues_with_identical_losses(tiny):
     whole = report["whole_run"]
     assert (whole["folders"], whole["steps"], whole["first_step"]) == (2, 16, 1), whole
     assert whole["first_loss"] == ref[0] and whole["final_loss"] == ref[-1]
+    import statistics
+
+    from accelrun.report.rundata import load_run
+
+    listed = load_run(resumed.run_dir).steady_step_times()  # what runs list and compare take its median of
+    assert whole["step_time_median_s"] == statistics.median(listed), (whole, listed)
+    rate = next(line for line in (resumed.run_dir / "report.md").read_text().splitlines()
+                if line.startswith("| learning rate |"))
+    assert "never reached" not in rate, rate  # its rates only fall after the warm-up, which the run passed
     text = (resumed.run_dir / "report.md").read_text()
     assert "· 6 steps in this folder (from step 11) of the run's 16 over 2 folders" in text, text[:300]
     assert "the whole run (16 steps over 2 folders, as `accelrun runs list` and `compare` show it)" in text
@@ -285,7 +294,7 @@ def test_the_report_says_the_learning_rate_trained_with(tiny):
     row = next(line for line in (short.run_dir / "report.md").read_text().splitlines()
                if line.startswith("| learning rate |"))
     assert row == ("| learning rate | 0.000167 → 0.0005 (step 3) → 0.0005: train.optimizer.lr 0.001, cosine after 6 "
-                   "warm-up steps; never reached: the warm-up is longer than the steps trained |"), row
+                   "warm-up steps; never reached: the warm-up is longer than the run's 3 steps |"), row
     whole = run(tiny(4, "train.optimizer.lr=1e-3", "train.lr_schedule.warmup_steps=1", "checkpoint.enabled=false"))
     row = next(line for line in (whole.run_dir / "report.md").read_text().splitlines()
                if line.startswith("| learning rate |"))
