@@ -57,8 +57,8 @@ def decide_resume(resume: str, runs_root: Path, current_run: Path, training_hash
 def threads_of_the_run_resumed(resume: str, runs_root: Path, training_hash: str) -> int | None:
     """The CPU threads the run that ``resume`` would continue trained with (its env.json), or None: no
     such run, or one that did not record them. A product's sums split across another number of threads
-    add up in another order, so a continuation with other threads leaves the uninterrupted run's losses
-    within a step or two (39 of 60 losses differed, 1 thread against 2)."""
+    add up in another order, so a continuation with other threads parts from the uninterrupted run's
+    losses within a step or two (39 of 60 losses differed, 1 thread against 2)."""
     about_to_start = runs_root / "(the run about to start)"  # its folder is made after the threads are set
     try:
         ckpt = decide_resume(resume, runs_root, about_to_start, training_hash).checkpoint
