@@ -171,6 +171,10 @@ def onednn_linear() -> Any:
     return getattr(packet, "default", None)
 
 
+# Where Module.compile keeps the compiled call that Module.__call__ reaches (torch 2.11-2.13): wrapped for
+# the first call's fallback (compile_model) and to trace as the graph cache does (trace_settings).
+COMPILED_CALL = "_compiled_call_impl"
+
 # nn.Module's hook dicts (each module's, and the process-wide ones of torch.nn.modules.module): Dynamo
 # traces the hooks of the modules a compiled method calls into its graph.
 MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

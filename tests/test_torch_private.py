@@ -19,6 +19,7 @@ EAGER = ("reinterpret_tensor", "empty_strided_cpu", "TensorGuards")
 FUNCTIONS = ("cuda_current_raw_stream", "triton_direct_launch", "cpu_has_half_gemm", "onednn_linear",
              "import_module_globals", "files_traced_by_precompile", "unread_compile_logs_skipped",
              "drop_failed_async_compiles")
+ATTRIBUTES = ("COMPILED_CALL",)  # names of private attributes torch's own classes keep
 
 
 def _params(fn) -> list[str]:
@@ -26,7 +27,7 @@ def _params(fn) -> list[str]:
 
 
 def test_every_symbol_has_its_test():
-    names = [*EAGER, *tp.PRIVATE, *FUNCTIONS]
+    names = [*EAGER, *tp.PRIVATE, *FUNCTIONS, *ATTRIBUTES]
     missing = [n for n in names if f"test_{n}" not in globals()]
     assert not missing, f"add a test for each of {missing}"
 
@@ -709,3 +710,14 @@ def test_DynamoInstructionTranslator():
 
     torch.compile(traced, backend=backend)(torch.ones(2))
     assert seen and seen[0][0] == "traced" and isinstance(seen[0][1], int)
+
+
+def test_COMPILED_CALL():
+    """Module.compile keeps the compiled call there, and Module.__call__ calls what is there."""
+    module = torch.nn.Linear(2, 2)
+    assert getattr(module, tp.COMPILED_CALL) is None
+    module.compile(backend="eager")
+    assert callable(getattr(module, tp.COMPILED_CALL))
+    called = []
+    setattr(module, tp.COMPILED_CALL, lambda *a, **k: called.append(a) or "reached")
+    assert module(torch.ones(2)) == "reached" and len(called) == 1

@@ -28,6 +28,7 @@ from torch import nn
 from accelrun.compile.eager_rnns import described, run_rnns_eagerly
 from accelrun.compile.trace_settings import capturing_data_sized_outputs, compile_call
 from accelrun.config.schema import CompileConfig
+from accelrun.torch_private import COMPILED_CALL
 
 
 @dataclass
@@ -203,7 +204,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         return done(f"the whole model with {name}")
     compile_call(model, backend, cfg.fullgraph)
     if not cfg.fullgraph:
-        _FirstCallFallback(model, backend, record).install("_compiled_call_impl")
+        _FirstCallFallback(model, backend, record).install(COMPILED_CALL)
     if scope != "model":
         return done(f"the whole model with {name} (compile.scope = {scope}, but it has no nn.ModuleList of "
                     "its own blocks)")  # fmt: skip
@@ -278,8 +279,7 @@ class _FirstCallFallback:
         self.start = snapshot()
 
     def install(self, attr: str) -> None:
-        # ``_compiled_call_impl``: where Module.compile keeps the compiled call (torch 2.11-2.13); a torch
-        # without it gets no fallback rather than a failed run.
+        # A torch whose Module.compile keeps no ``COMPILED_CALL`` gets no fallback rather than a failed run.
         inner = getattr(self.model, attr, None)
         if inner is None:
             return

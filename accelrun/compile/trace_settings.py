@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from accelrun.torch_private import COMPILED_CALL
+
 
 def capturing_data_sized_outputs(fn: Callable[..., Any], backend: object) -> Callable[..., Any]:
     """``fn`` (a ``torch.compile``d callable), traced with data-sized outputs captured where ``backend``
@@ -48,10 +50,8 @@ def capturing_data_sized_outputs(fn: Callable[..., Any], backend: object) -> Cal
 
 
 def compile_call(module: torch.nn.Module, backend: object, fullgraph: bool) -> None:
-    """``module.compile`` (Module.__call__ then reaches ``_compiled_call_impl``), traced as the graph
-    cache traces."""
+    """``module.compile`` (Module.__call__ then reaches ``COMPILED_CALL``), traced as the graph cache traces."""
     module.compile(backend=backend, fullgraph=fullgraph)
-    # ``_compiled_call_impl``: where Module.compile keeps the compiled call (torch 2.11-2.13)
-    compiled = getattr(module, "_compiled_call_impl", None)
+    compiled = getattr(module, COMPILED_CALL, None)
     if compiled is not None:
-        module._compiled_call_impl = capturing_data_sized_outputs(compiled, backend)
+        setattr(module, COMPILED_CALL, capturing_data_sized_outputs(compiled, backend))
