@@ -24,7 +24,7 @@ from accelrun.errors import UserError
 from accelrun.report.lineage import continued_by, crash_error, history
 from accelrun.report.metrics import read_metrics
 from accelrun.report.rundir import is_running, runs_in
-from accelrun.report.summary import is_steady
+from accelrun.report.summary import steady_over_folders
 
 
 class RunNotFound(UserError):
@@ -84,9 +84,7 @@ class RunRecord:
 
     def steady_figures(self, key: str) -> list[float]:
         """``key`` of each steady step's metrics row that has it (see ``steady_step_times``)."""
-        ends = [*self.segment_starts[1:], len(self.metrics)]
-        return [float(m[key]) for start, end in zip(self.segment_starts, ends, strict=True)
-                for m in self.metrics[start + self.warmup_steps:end] if is_steady(m) and m.get(key)]
+        return steady_over_folders(self.metrics, self.segment_starts, self.warmup_steps, key)
 
     def losses(self) -> dict[int, float]:
         return {int(m["step"]): float(m["loss"]) for m in self.metrics if m.get("loss") is not None}

@@ -283,16 +283,22 @@ def learning_rate_said(metrics: list[dict], lr: float, schedule: str, warmup_ste
     return said
 
 
+def steady_over_folders(metrics: list[dict], starts: list[int], warmup_steps: int, key: str) -> list[float]:
+    """``key`` of each steady step's row over a run's folders (``rundata.history_metrics``: the rows and
+    where each folder's begin), each folder warming up again: what ``runs list``, ``compare`` and a
+    resumed folder's whole-run line count."""
+    ends = [*starts[1:], len(metrics)]
+    return [float(m[key]) for start, end in zip(starts, ends, strict=True)
+            for m in metrics[start + warmup_steps:end] if is_steady(m) and m.get(key)]
+
+
 def whole_run_summary(metrics: list[dict], starts: list[int], warmup_steps: int, tokens_per_step: int | None) -> dict:
     """A resumed run's steps over all its folders (``rundata.history_metrics``: the rows and where each
     folder's begin): what ``runs list`` and
     ``compare`` show for it, beside the folder's own figures in its report. A new user's resumed run
     said 27 steps at 323 ms in report.md and 60 steps at 560 ms in ``runs list``, with nothing saying
     the two covered different steps."""
-    # Steady as RunRecord.steady_figures counts them (runs list, compare): each folder warms up again.
-    ends = [*starts[1:], len(metrics)]
-    steady = [float(m["step_time_s"]) for start, end in zip(starts, ends, strict=True)
-              for m in metrics[start + warmup_steps:end] if is_steady(m) and m.get("step_time_s")]
+    steady = steady_over_folders(metrics, starts, warmup_steps, "step_time_s")
     losses = [m for m in metrics if m.get("loss") is not None]
     return {
         "folders": len(starts),
