@@ -163,7 +163,7 @@ def render_report_html(report: dict, config_summary: dict, *, metrics: list[dict
         body.append(section("Ranks", table(["rank", "peak memory", "step time (median)"], ranks, numeric=(1, 2))))
     if compiler := report.get("compiler"):  # report.md's Compiler section (the HTML had none)
         body.append(section("Compiler", table(["figure", "value"], compiler_rows(compiler)),
-                            bullet_list(compiler_items(compiler), "note")))
+                            bullet_list([f"{label}: {text}" for label, text in compiler_items(compiler)], "note")))
     body.append(section("Configuration", *config_parts))
     if env:
         body.append(section("Environment", table(["", "this run"], env_rows(env))))

@@ -63,8 +63,7 @@ def _compiler_section(c: dict | None) -> list[str]:
     out = ["## Compiler", "", "| figure | value |", "| --- | --- |"]
     out += [f"| {_cell(k)} | {_cell(v)} |" for k, v in compiler_rows(c)] + [""]
     items = compiler_items(c)
-    out += [f"- {_cell('**warning**' + item[len('warning'):] if item.startswith('warning:') else item)}"
-            for item in items]
+    out += [f"- {'**warning**' if label == 'warning' else label}: {_cell(text)}" for label, text in items]
     return out + [""] if items else out
 
 
@@ -130,21 +129,21 @@ def compiler_rows(c: dict) -> list[tuple[str, str]]:
     return out
 
 
-def compiler_items(c: dict) -> list[str]:
-    """What a compile section lists below its figures, one line each. Never silent: nothing compiled,
-    frames Dynamo skipped, fallbacks (compile/coverage.py, record.py)."""
+def compiler_items(c: dict) -> list[tuple[str, str]]:
+    """(label, text) of what a compile section lists below its figures, one line each. Never silent:
+    nothing compiled, frames Dynamo skipped, fallbacks (compile/coverage.py, record.py)."""
     graphs = c.get("graph_cache") or {}
-    out = [f"warning: {w}" for w in c.get("warnings") or []]
-    out += [f"fallback: {f}" for f in c.get("fallbacks") or []]
-    out += [f"attention left to ATen's kernel ({calls} call(s) in the graphs): {why}"
+    out = [("warning", w) for w in c.get("warnings") or []]
+    out += [("fallback", f) for f in c.get("fallbacks") or []]
+    out += [(f"attention left to ATen's kernel ({calls} call(s) in the graphs)", why)
             for why, calls in (c.get("attention_left_to_aten") or {}).items()]
     left = c.get("regions_left_to_aten") or []
-    out += [f"left to ATen: {region}" for region in left[:MAX_REGIONS_LISTED]]
+    out += [("left to ATen", region) for region in left[:MAX_REGIONS_LISTED]]
     if len(left) > MAX_REGIONS_LISTED:
-        out.append(f"left to ATen: {len(left) - MAX_REGIONS_LISTED} more regions (report.json lists every one; "
-                   "`accelrun compile explain` says more)")
-    out += [f"graph break ×{n}: {reason}" for reason, n in (c.get("graph_break_reasons") or {}).items()]
-    out += [f"graph cache: {error}" for error in graphs.get("errors", [])]
+        out.append(("left to ATen", f"{len(left) - MAX_REGIONS_LISTED} more regions (report.json lists every one; "
+                                    "`accelrun compile explain` says more)"))
+    out += [(f"graph break ×{n}", reason) for reason, n in (c.get("graph_break_reasons") or {}).items()]
+    out += [("graph cache", error) for error in graphs.get("errors", [])]
     return out
 
 
