@@ -11,7 +11,7 @@ never exist whole) and a forward that, given ``targets_BT``, returns that loss. 
 inside the model's own ``__call__``, so hooks on the model (FSDP's gathers of the embedding and the
 head) run as before; without ``targets_BT`` it is the class's own forward.
 
-Only classes whose forward is exactly ``lm_head(model(...).last_hidden_state)`` qualify (no logit
+Only classes whose forward is exactly ``lm_head(<base>(...).last_hidden_state)`` qualify (no logit
 soft-capping as in Gemma 2, no scale as in Cohere or Granite): ``PLAIN_HEADS``, each checked against
 the class's own forward by tests/models/test_causal_lm_head.py. A subclass that overrides
 ``forward`` does not qualify.
@@ -27,19 +27,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The forward's owner, by module and name: its logits are the head's product of the base model's last
-# hidden state, nothing after it.
-PLAIN_HEADS = frozenset(f"transformers.models.{module}.modeling_{module}.{cls}" for module, cls in (
-    ("llama", "LlamaForCausalLM"),
-    ("mistral", "MistralForCausalLM"),
-    ("qwen2", "Qwen2ForCausalLM"),
-    ("qwen3", "Qwen3ForCausalLM"),
-    ("phi3", "Phi3ForCausalLM"),
-    ("olmo2", "Olmo2ForCausalLM"),
-    ("gemma", "GemmaForCausalLM"),
-    ("smollm3", "SmolLM3ForCausalLM"),
-    ("starcoder2", "Starcoder2ForCausalLM"),
-))  # fmt: skip
+# The forward's owner, by module and name, and the attribute path of the base model whose last hidden
+# state its head multiplies: the logits are ``lm_head(<base>(...).last_hidden_state)``, nothing after it.
+PLAIN_HEADS: dict[str, str] = {f"transformers.models.{module}.modeling_{module}.{cls}": base for module, cls, base in (
+    ("llama", "LlamaForCausalLM", "model"),
+    ("mistral", "MistralForCausalLM", "model"),
+    ("qwen2", "Qwen2ForCausalLM", "model"),
+    ("qwen3", "Qwen3ForCausalLM", "model"),
+    ("phi3", "Phi3ForCausalLM", "model"),
+    ("phi", "PhiForCausalLM", "model"),
+    ("olmo", "OlmoForCausalLM", "model"),
+    ("olmo2", "Olmo2ForCausalLM", "model"),
+    ("gemma", "GemmaForCausalLM", "model"),
+    ("smollm3", "SmolLM3ForCausalLM", "model"),
+    ("starcoder2", "Starcoder2ForCausalLM", "model"),
+    ("stablelm", "StableLmForCausalLM", "model"),
+    ("gpt2", "GPT2LMHeadModel", "transformer"),
+    ("gpt_neox", "GPTNeoXForCausalLM", "gpt_neox"),
+    ("gpt_bigcode", "GPTBigCodeForCausalLM", "transformer"),
+    ("gptj", "GPTJForCausalLM", "transformer"),
+    ("falcon", "FalconForCausalLM", "transformer"),
+    ("bloom", "BloomForCausalLM", "transformer"),
+    ("opt", "OPTForCausalLM", "model.decoder"),
+)}  # fmt: skip
 
 # On a model this module gave them: its functions on the instance, by name, which the graph cache
 # compiles in place of the class's methods and does not take for wrappers (graph_cache.instance_methods).
@@ -52,10 +62,21 @@ def forward_owner(model: nn.Module) -> str | None:
     return None if owner is None else f"{owner.__module__}.{owner.__qualname__}"
 
 
+def base_model(model: nn.Module) -> nn.Module | None:
+    """The module whose last hidden state the head of a ``PLAIN_HEADS`` model multiplies, or None for a
+    model of another class (or one without it)."""
+    path = PLAIN_HEADS.get(forward_owner(model) or "")
+    if path is None:
+        return None
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
 def has_plain_head(model: nn.Module) -> bool:
     """Whether the model's forward is one of ``PLAIN_HEADS``' (and it has their two parts)."""
-    return (forward_owner(model) in PLAIN_HEADS and isinstance(getattr(model, "lm_head", None), nn.Linear)
-            and isinstance(getattr(model, "model", None), nn.Module))  # fmt: skip
+    return isinstance(getattr(model, "lm_head", None), nn.Linear) and base_model(model) is not None
 
 
 def attach_loss_head(model: nn.Module) -> bool:
@@ -98,7 +119,7 @@ def forward(self: nn.Module, input_ids: torch.Tensor | None = None, *args: Any,
     if input_ids is None or args or kwargs:
         raise TypeError(f"{type(self).__name__}.forward with targets_BT takes the token ids alone "
                         f"(got {len(args)} positional and {sorted(kwargs)} keyword arguments besides)")
-    hidden_BTD = self.model(input_ids=input_ids, use_cache=False).last_hidden_state
+    hidden_BTD = base_model(self)(input_ids=input_ids, use_cache=False).last_hidden_state
     return self.head_loss(hidden_BTD, targets_BT)
 
 

@@ -682,6 +682,31 @@ def test_transformers_llama_built_as_accelrun_train_builds_it_compiles_its_head_
     assert again.record.graph_cache["loaded"] == 2 and again.record.dynamo_graphs == 0, again.record.graph_cache
 
 
+def test_transformers_gpt2_compiles_its_blocks_and_its_tied_head_with_the_loss_as_one_graph(tmp_path):
+    """transformers' GPT-2 (learned positions, LayerNorm, GELU, Conv1D products, the head tied to the
+    token table) as ``model.custom`` builds it: its blocks and, since 2026-12-06 evening, its head with
+    the cross-entropy (until then only classes whose base model is ``.model`` had it: GPT-2's is
+    ``.transformer``), at eager's losses and gradients."""
+    import transformers
+
+    from accelrun.models.causal_lm_head import attach_loss_head
+
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.GPT2LMHeadModel(config)
+    model = copy.deepcopy(reference)
+    assert attach_loss_head(model) and model.lm_head.weight is model.transformer.wte.weight
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    compiled = compile_model(model, transformer_blocks(model), cfg)
+    assert "2 repeated GPT2Block blocks (transformer.h) + the output head and loss as one graph" in compiled.description
+    _train_side_by_side(model, reference, steps=3)
+    record = compiled.record
+    assert record.dynamo_graphs == 2 and record.passes_fired().get("fuse_linear_cross_entropy") == 1, (
+        record.compiled_line(), record.passes_fired())
+    assert {r.executor for r in record.regions} >= {"cpp"}, record.compiled_line()
+
+
 def test_transformers_llama_on_changing_lengths_keeps_its_kernels_for_every_length(tmp_path):
     """transformers' Llama trained on batches of changing length. Its RoPE region reads q and k in
     their transposed layout, which no kernel for any length took until 2026-12-05: the graph for any
