@@ -12,6 +12,7 @@ from rich.table import Table
 
 from accelrun.cli.common import out, print_wide
 from accelrun.report import fmt
+from accelrun.report.peak import BUSY_PEAK
 from accelrun.report.rundir import holds_runs
 from accelrun.report.runs_index import list_run_rows
 
@@ -82,6 +83,9 @@ def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> Non
         status = escape(r.status) + (f" (segment {r.segment})" if r.segment > 1 else "")
         t.add_row(escape(r.run), r.kind, r.started, f"[{style}]{status}[/]" if style else status,
                   str(r.processes) if r.processes is not None else "-", str(r.steps), fmt.num(r.final_loss), fmt.secs(r.step_time_s), fmt.integer(r.tokens_per_s),
-                  fmt.pct(r.mfu), fmt.nbytes(r.mem_peak_bytes), escape(r.compile), escape(r.precision),
-                  escape(r.config_hash or "n/a"))
+                  ("≤ " if r.mfu_upper_bound and r.mfu is not None else "") + fmt.pct(r.mfu),
+                  fmt.nbytes(r.mem_peak_bytes), escape(r.compile), escape(r.precision), escape(r.config_hash or "n/a"))
     print_wide(t)
+    if any(r.mfu_upper_bound and r.mfu is not None for r in rows):
+        out.print(f"≤ MFU: an upper bound: the CPU peak it divides by was {BUSY_PEAK} (other processes used the "
+                  "CPU while it was probed), so it understates the machine")

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from accelrun.config.resolve import values_hash
+from accelrun.report.peak import BUSY_PEAK
 from accelrun.report.rundata import RunNotFound, load_run
 from accelrun.report.rundir import is_running, list_runs
 from accelrun.report.stats import median as steady_median
@@ -37,6 +38,9 @@ class RunRow:
     segment: int = 1  # this run folder's place in its history (1: it continues no other run)
     kind: str = "train"  # train | explain (`compile explain`) | ab (`accelrun ab`: its variants' runs inside)
     processes: int | None = None  # the job's: ranks on every node together
+    # Its MFU is against a CPU peak probed while other processes used the CPU (report/peak.py: BUSY_PEAK),
+    # which understates the machine: the figure is an upper bound.
+    mfu_upper_bound: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -129,4 +133,5 @@ def _run_row(path: Path) -> RunRow | None:
         compile=str(r.config_flat.get("compile.backend", "?")), precision=str(r.config_flat.get("train.precision", "?")),
         config_hash=rep.get("config_hash") or (values_hash(r.config) if r.config else None),
         segment=len(r.segments), processes=_processes(r.config_flat, rep),
+        mfu_upper_bound=str((rep.get("peak") or {}).get("source", "")).startswith(BUSY_PEAK),
     )

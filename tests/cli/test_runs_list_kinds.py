@@ -65,3 +65,24 @@ def test_region_rows_name_every_decline():
                             {"triton": "no CUDA device", "cpp": "compiler failed"}, 0.1)]
     assert region_rows(regions, 40) == [("g0.forward", "3", "5 (add, mul, exp, sum, …)", "aten",
                                          "triton: no CUDA device; cpp: compiler failed")]
+
+
+def test_runs_list_marks_an_mfu_against_a_peak_probed_on_a_busy_machine_as_an_upper_bound(tmp_path):
+    """A new user's finding (2026-12-06): report.md said the MFU was an upper bound (its CPU peak was
+    probed while others used the CPU) and `runs list` showed the same figure as if it were not."""
+    from accelrun.report.peak import BUSY_PEAK
+
+    runs = tmp_path / "runs"
+    config = "name: llama-debug\ncompile:\n  backend: eager\n"
+    for run_id, source, mfu in (("20260101-120000-aaaaaa", f"{BUSY_PEAK}: float32 probe", 0.61),
+                                ("20260101-130000-bbbbbb", "measured: float32 probe", 0.42)):
+        _folder(runs / "llama-debug" / run_id, **{"config.yaml": config, "report.json": json.dumps(
+            {"status": "finished", "steps": 5, "step_time_s": {"median": 0.1}, "mfu": mfu,
+             "peak": {"tflops": 0.1, "source": source}})})
+    rows = {r.run.split("/")[-1][:15]: r for r in list_run_rows(runs)}
+    assert rows["20260101-120000"].mfu_upper_bound and not rows["20260101-130000"].mfu_upper_bound
+    table = CliRunner().invoke(cli, ["runs", "list", str(runs)])
+    assert table.exit_code == 0, table.output
+    text = " ".join(table.stdout.split())
+    assert "≤ 61.0 %" in text and "≤ 42.0 %" not in text and "42.0 %" in text, table.stdout
+    assert "an upper bound" in text, table.stdout
