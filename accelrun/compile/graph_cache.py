@@ -33,7 +33,7 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,7 @@ def model_code_digest(owner: nn.Module, func: Any) -> str:
 
 
 _PLAIN = (type(None), bool, int, float, str, bytes)
+_JSON_PLAIN = (type(None), bool, int, float, str)  # what an entry's record of globals can hold
 
 
 @functools.cache
@@ -129,38 +130,46 @@ _IMPORTED_AT = time.time()  # a traced file changed after this may differ from t
 
 @dataclass(frozen=True)
 class SourceDigests:
-    """sha256 of each file Dynamo traced for one entry (``files_traced_by_precompile``), written in the
-    entry's file ahead of it (one file, replaced whole: the digests never belong to another entry) and
-    checked before it loads.
+    """What one entry was traced from that its key and saved guards do not check, written in the entry's
+    file ahead of it (one file, replaced whole: it never belongs to another entry) and checked before
+    it loads:
 
-    The key covers the model's classes and the functions their methods wrap (``model_code_digest``),
-    but not a helper a forward calls from another file: edited, its old graph loaded and trained on
-    (``x * 2`` edited to ``x * 3`` gave ``x * 2``'s result). torch's files are left out (its version
-    is in the key) and so are accelrun's (its sources are); so is code with no file (a dataclass's
-    generated ``__init__``, ``exec``), which follows from code that has one."""
+    - sha256 of each file Dynamo traced for it (``files_traced_by_precompile``). The key covers the
+      model's classes and the functions their methods wrap (``model_code_digest``), but not a helper a
+      forward calls from another file: edited, its old graph loaded and trained on (``x * 2`` edited to
+      ``x * 3`` gave ``x * 2``'s result). torch's files are left out (its version is in the key) and so
+      are accelrun's (its sources are); so is code with no file (a dataclass's generated ``__init__``,
+      ``exec``), which follows from code that has one.
+    - the plain values the graph read from module globals (``G['SCALE']``, ``G['__import_mylib'].BOOST``:
+      ``saveable_guards`` collects them). torch rebuilds a loaded entry's guard on a global read through
+      an imported module against that module as it is now, so it always passed: a setting a module reads
+      from the environment at import changed, and the graph compiled for the old value was loaded."""
 
     digests: dict[str, str]
+    global_values: dict[str, Any] = field(default_factory=dict)
 
-    MAGIC = b"accelrun-sources "  # the entry file's first line: this, the digests as JSON, a newline
+    MAGIC = b"accelrun-sources "  # the entry file's first line: this, the record as JSON, a newline
 
     @classmethod
-    def of(cls, files: set[str]) -> SourceDigests:
+    def of(cls, files: set[str], global_values: dict[str, Any] | None = None) -> SourceDigests:
         skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(accelrun.__file__) + os.sep)
         paths = [f for f in sorted({os.path.abspath(f) for f in files if os.path.isfile(f)}) if not f.startswith(skip)]
         if edited := [f for f in paths if os.stat(f).st_mtime > _IMPORTED_AT]:
             raise RuntimeError(f"{edited[0]} changed while this process ran (its traced code may be older)")
-        return cls({f: _file_digest(f) for f in paths})
+        return cls({f: _file_digest(f) for f in paths}, dict(global_values or {}))
 
     def with_entry(self, data: bytes) -> bytes:
-        return self.MAGIC + json.dumps(self.digests).encode() + b"\n" + data
+        record = {"files": self.digests, "globals": self.global_values}
+        return self.MAGIC + json.dumps(record).encode() + b"\n" + data
 
     @classmethod
     def split(cls, data: bytes) -> tuple[SourceDigests, bytes]:
-        """(the digests, the entry's bytes) of an entry file."""
+        """(the record, the entry's bytes) of an entry file."""
         header, _, entry = data.partition(b"\n")
         if not header.startswith(cls.MAGIC):
             raise RuntimeError("no record of the files it was traced from")
-        return cls(dict(json.loads(header[len(cls.MAGIC):]))), entry
+        record = json.loads(header[len(cls.MAGIC):])
+        return cls(dict(record["files"]), dict(record["globals"])), entry
 
     def changed(self) -> str | None:
         """The first file that is gone or differs from when the entry was compiled, or None."""
@@ -168,6 +177,43 @@ class SourceDigests:
             if not os.path.isfile(path) or _file_digest(path) != digest:
                 return path
         return None
+
+    def global_changed(self, scope: dict[str, Any]) -> str | None:
+        """The first global (a guard's name) whose value in ``scope`` (the loaded frame's globals) is not
+        the one the graph was traced with, said with both values; None when all are."""
+        for name, traced in self.global_values.items():
+            now = global_value(name, scope)
+            if now is _UNREADABLE or type(now) is not type(traced) or now != traced:
+                said = "unreadable" if now is _UNREADABLE else repr(now)
+                return f"{global_said(name)} is {said}, compiled for {traced!r}"
+        return None
+
+
+# A guard's name for a module global, or an attribute of one (what ``global_value`` can read back).
+_GLOBAL_NAME = re.compile(r"G\['([^']+)'\]((?:\.[A-Za-z_]\w*)*)")
+_UNREADABLE = object()
+
+
+def global_value(name: str, scope: dict[str, Any]) -> Any:
+    """The value a global guard's name reads in ``scope`` now, or ``_UNREADABLE``."""
+    m = _GLOBAL_NAME.fullmatch(name)
+    if m is None or m.group(1) not in scope:
+        return _UNREADABLE
+    value = scope[m.group(1)]
+    for attr in filter(None, m.group(2).split(".")):
+        value = getattr(value, attr, _UNREADABLE)
+        if value is _UNREADABLE:
+            break
+    return value
+
+
+def global_said(name: str) -> str:
+    """``G['__import_mylib'].BOOST`` as a user writes it: ``mylib.BOOST``."""
+    m = _GLOBAL_NAME.fullmatch(name)
+    if m is None:
+        return name
+    root = m.group(1).removeprefix("__import_").replace("_dot_", ".")
+    return root + m.group(2)
 
 
 def is_local_type(cls: type) -> bool:
@@ -213,12 +259,14 @@ def _closure_values(fn: types.FunctionType) -> list[Any]:
     return values
 
 
-def saveable_guards(entries: Sequence[Any], closure_names: frozenset[str] = frozenset()) -> list[bool]:
+def saveable_guards(entries: Sequence[Any], closure_names: frozenset[str] = frozenset(),
+                    baked_globals: dict[str, Any] | None = None) -> list[bool]:
     """Which of Dynamo's guards a graph-cache entry keeps (``torch.compile``'s ``guard_filter_fn``).
 
-    What torch's precompile keeps by default (no guards on globals, none of a kind it cannot save),
-    less three kinds that stand for the model's code, which the entry's key covers instead
-    (``model_code_digest`` takes the files of decorated functions):
+    What torch's precompile keeps by default (none of a kind it cannot save; on globals, only a plain
+    value the graph baked in, which also goes into ``baked_globals`` by guard name, for
+    ``SourceDigests`` to check on load), less three kinds that stand for the model's code, which the
+    entry's key covers instead (``model_code_digest`` takes the files of decorated functions):
 
     - the identity of a code object: transformers' decorators read ``func.__code__.co_varnames``,
       and Dynamo guards that code object by identity, which precompile refuses to save;
@@ -250,9 +298,16 @@ def saveable_guards(entries: Sequence[Any], closure_names: frozenset[str] = froz
         return ((g.name in local_objects and "TYPE_MATCH" in (g.guard_type, *g.derived_guard_types))
                 or any(f"type({o})" in g.name for o in local_objects))  # fmt: skip
 
-    return [not (g.is_global or g.guard_type in unsaveable or in_closure(g.name) or on_local_class(g)
-                 or (isinstance(g.value, types.CodeType) and "ID_MATCH" in g.derived_guard_types))
+    def baked_global(g: Any) -> bool:  # a plain value read from a module's globals, readable back by name
+        return (g.is_global and g.guard_type == "CONSTANT_MATCH" and isinstance(g.value, _JSON_PLAIN)
+                and _GLOBAL_NAME.fullmatch(g.name) is not None)  # fmt: skip
+
+    keep = [not ((g.is_global and not baked_global(g)) or g.guard_type in unsaveable or in_closure(g.name)
+                 or on_local_class(g) or (isinstance(g.value, types.CodeType) and "ID_MATCH" in g.derived_guard_types))
             for g in entries]  # fmt: skip
+    if baked_globals is not None:
+        baked_globals.update((g.name, g.value) for g, kept in zip(entries, keep, strict=True) if kept and g.is_global)
+    return keep
 
 
 def describe(value: Any) -> str:
@@ -504,14 +559,14 @@ class CachedMethod:
         if entry is None:
             mark, counted = self.cache.backend.record.mark(), coverage.snapshot()
             try:
-                entry, traced = self._compile(owner, args, kwargs)
+                entry, traced_from = self._compile(owner, args, kwargs)
             except Exception as e:  # graph break under fullgraph, an unserializable piece, ...
                 self._write(refused, f"{module_settings(owner)}\n{failure_said(e)}".encode())
                 # Its graphs never run and its graph breaks are the fallback's: those are counted.
                 self.cache.backend.record.roll_back(mark)
                 coverage.forget_since(counted)
                 return self._fall_back(f"{PRECOMPILE_FAILED} (nothing saved: each new process compiles it again)", e)
-            if self._save(entry, traced, path):
+            if self._save(entry, traced_from, path):
                 self.cache.remember_state(state_file, key.state)
                 self.cache.remember_state(versions_file, self.cache.versions)
         self.entries.append(entry)
@@ -533,6 +588,10 @@ class CachedMethod:
             with recording_loads_into(loading):
                 entry = AOTCompiledFunction.deserialize(data, self.func.__globals__,
                                                         external_closure_data=wrapped_functions(self.func))
+            if changed := sources.global_changed(entry.fn.__globals__):
+                # a setting of the model's modules, not an error: compiled for this value and saved
+                self.cache.stats["rejected"] += 1
+                return None
             if not entry.guard_check(owner, *args, **kwargs):
                 # Saved for what its key does not cover (a module attribute the forward branches on, as
                 # two runs of one model with other model.kwargs): a miss, not an error to print.
@@ -546,8 +605,9 @@ class CachedMethod:
         record.stage_seconds["graph cache load"] += time.perf_counter() - t0
         return entry
 
-    def _compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, set[str]]:
-        """The precompiled entry, and the files Dynamo traced for it."""
+    def _compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, tuple[set[str], dict[str, Any]]]:
+        """The precompiled entry, and what it was traced from: the files Dynamo traced for it and the
+        plain values it read from module globals (``SourceDigests``)."""
         from accelrun.torch_private import (
             files_traced_by_precompile,
             temporary_cache_dir,
@@ -564,9 +624,11 @@ class CachedMethod:
         # everything again (warm start 6.7 s against Inductor's 1.4 s, 2026-11-27).
         config = torch._dynamo.config
         with config.patch(enable_aot_compile=True) if hasattr(config, "enable_aot_compile") else nullcontext():
+            baked_globals: dict[str, Any] = {}
             compiled = torch.compile(self.func.__get__(owner), backend=backend, fullgraph=True,
                                      options={"guard_filter_fn": functools.partial(
-                                         saveable_guards, closure_names=frozenset(self.func.__code__.co_freevars))})
+                                         saveable_guards, closure_names=frozenset(self.func.__code__.co_freevars),
+                                         baked_globals=baked_globals)})  # fmt: skip
         # torch's own caches during precompile go to a throwaway folder: their keys do not cover
         # accelrun's options, so an entry left there by other options must never be found.
         with (tempfile.TemporaryDirectory(prefix="accelrun-precompile-") as tmp, temporary_cache_dir(tmp),
@@ -586,13 +648,13 @@ class CachedMethod:
             # timed here, a compile time need not be guessed from the first step.
             stages["dynamo trace"] += max(time.perf_counter() - t0 - (sum(stages.values()) - timed_before), 0.0)
         self.cache.stats["compiled"] += 1
-        return entry, traced
+        return entry, (traced, baked_globals)
 
-    def _save(self, entry: Any, traced: set[str], path: Path) -> bool:
+    def _save(self, entry: Any, traced_from: tuple[set[str], dict[str, Any]], path: Path) -> bool:
         try:
             import_module_globals(entry)
             data = type(entry).serialize(entry, external_data=wrapped_functions(self.func)).serialized_data
-            self._write(path, SourceDigests.of(traced).with_entry(data))
+            self._write(path, SourceDigests.of(*traced_from).with_entry(data))
             self.cache.stats["saved"] += 1
             return True
         except Exception as e:  # kept in memory for this process; the next one compiles again

@@ -204,6 +204,55 @@ def test_source_digests_travel_with_the_entry_and_refuse_a_file_edited_in_this_p
         SourceDigests.of({str(helper)})
 
 
+# The same kind of model, its helper's scale a module global read from the environment at import.
+SETTING_HELPER = "import os\nimport torch\n\nSCALE = float(os.environ['USER_SCALE'])\n\ndef act(x):\n    return torch.relu(x) * SCALE\n"
+
+
+def test_a_global_setting_that_changed_between_processes_is_compiled_again(tmp_path):
+    """A module global the graph baked in (``helpers.SCALE``, read from the environment at import):
+    torch rebuilds a loaded entry's guard on it against the module as it is now, so the guard always
+    passed, and a process with another value trained the old value's graph (found 2026-12-06 evening).
+    The entry's record holds the value (``SourceDigests.global_values``); a process with another one
+    compiles anew, at eager's result, and one with the same value loads."""
+    for name, text in {**USER_MODEL, "userpkg/helpers.py": SETTING_HELPER}.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+
+    def run(scale: str) -> dict:
+        env = {**os.environ, "ACCELRUN_CACHE_DIR": str(tmp_path / "cache"), "USER_SCALE": scale,
+               "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}  # fmt: skip
+        done = subprocess.run([sys.executable, "-c", USER_RUN], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    two, three, three_again = run("2"), run("3"), run("3")
+    assert two["cache"]["saved"] == 1, two["cache"]
+    assert three["cache"]["loaded"] == 0 and three["cache"]["rejected"] == 1 and three["cache"]["compiled"] == 1, three
+    assert three_again["cache"]["loaded"] == 1, three_again["cache"]
+    for result in (two, three, three_again):
+        assert result["out"] == pytest.approx(result["eager"], rel=1e-5), result
+    assert three["out"] == pytest.approx(two["out"] * 1.5, rel=1e-5)
+
+
+def test_the_record_reads_a_global_back_by_its_guards_name():
+    import types as pytypes
+
+    from accelrun.compile.graph_cache import SourceDigests, global_said
+
+    helpers = pytypes.SimpleNamespace(SCALE=2.0)
+    scope = {"SCALE": 1, "__import_userpkg_dot_helpers": helpers}
+    record = SourceDigests({}, {"G['SCALE']": 1, "G['__import_userpkg_dot_helpers'].SCALE": 2.0})
+    assert record.global_changed(scope) is None
+    helpers.SCALE = 3.0
+    assert record.global_changed(scope) == "userpkg.helpers.SCALE is 3.0, compiled for 2.0"
+    assert SourceDigests({}, {"G['SCALE']": 1}).global_changed({"SCALE": 1.0}) == "SCALE is 1.0, compiled for 1"
+    assert SourceDigests({}, {"G['gone']": True}).global_changed({}) == "gone is unreadable, compiled for True"
+    assert global_said("x.y") == "x.y"
+    again, _ = SourceDigests.split(record.with_entry(b"e"))
+    assert again.global_values == record.global_values
+
+
 def test_a_new_process_trains_from_the_loaded_graphs(tmp_path):
     """Two `accelrun train` processes sharing a cache: the second compiles nothing and computes the
     same losses as the first."""
@@ -325,7 +374,7 @@ def test_a_precompile_torch_refuses_after_compiling_is_not_counted_twice(tmp_pat
     from accelrun.torch_private import CheckFunctionManager
 
     unsaveable = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
-    monkeypatch.setattr(graph_cache, "saveable_guards", lambda entries, closure_names: [
+    monkeypatch.setattr(graph_cache, "saveable_guards", lambda entries, closure_names, **_: [
         not (g.is_global or g.guard_type in unsaveable) for g in entries])  # what aot_compile keeps by default
 
     torch._dynamo.reset()
