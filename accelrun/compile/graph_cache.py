@@ -189,8 +189,10 @@ class SourceDigests:
         return None
 
 
-# A guard's name for a module global, or an attribute of one (what ``global_value`` can read back).
-_GLOBAL_NAME = re.compile(r"G\['([^']+)'\]((?:\.[A-Za-z_]\w*)*)")
+# A guard's name for a module global, or what is read from one by attributes and constant subscripts
+# (``G['CFG'].mult``, ``G['SETTINGS']['scale']``, ``G['LIST'][0]``): what ``global_value`` reads back.
+_GLOBAL_NAME = re.compile(r"G\['([^']+)'\]((?:\.[A-Za-z_]\w*|\['[^']*'\]|\[-?\d+\])*)")
+_GLOBAL_STEP = re.compile(r"\.([A-Za-z_]\w*)|\['([^']*)'\]|\[(-?\d+)\]")
 _UNREADABLE = object()
 
 
@@ -200,10 +202,11 @@ def global_value(name: str, scope: dict[str, Any]) -> Any:
     if m is None or m.group(1) not in scope:
         return _UNREADABLE
     value = scope[m.group(1)]
-    for attr in filter(None, m.group(2).split(".")):
-        value = getattr(value, attr, _UNREADABLE)
-        if value is _UNREADABLE:
-            break
+    for attr, key, index in _GLOBAL_STEP.findall(m.group(2)):
+        try:
+            value = getattr(value, attr) if attr else value[key] if not index else value[int(index)]
+        except (AttributeError, LookupError, TypeError):
+            return _UNREADABLE
     return value
 
 

@@ -249,6 +249,10 @@ def test_the_record_reads_a_global_back_by_its_guards_name():
     assert SourceDigests({}, {"G['SCALE']": 1}).global_changed({"SCALE": 1.0}) == "SCALE is 1.0, compiled for 1"
     assert SourceDigests({}, {"G['gone']": True}).global_changed({}) == "gone is unreadable, compiled for True"
     assert global_said("x.y") == "x.y"
+    settings = SourceDigests({}, {"G['S']['scale']": 2.0, "G['L'][-1]": 1, "G['C'].inner['k'][0]": "a"})
+    assert settings.global_changed({"S": {"scale": 2.0}, "L": [0, 1], "C": pytypes.SimpleNamespace(inner={"k": "ab"})}) is None
+    assert settings.global_changed({"S": {"scale": 4.0}, "L": [0, 1], "C": None}) == "S['scale'] is 4.0, compiled for 2.0"
+    assert settings.global_changed({"S": {"scale": 2.0}, "L": [], "C": None}) == "L[-1] is unreadable, compiled for 1"
     again, _ = SourceDigests.split(record.with_entry(b"e"))
     assert again.global_values == record.global_values
 
