@@ -140,10 +140,11 @@ class SourceDigests:
       ``x * 3`` gave ``x * 2``'s result). torch's files are left out (its version is in the key) and so
       are accelrun's (its sources are); so is code with no file (a dataclass's generated ``__init__``,
       ``exec``), which follows from code that has one.
-    - the plain values the graph read from module globals (``G['SCALE']``, ``G['__import_mylib'].BOOST``:
-      ``saveable_guards`` collects them). torch rebuilds a loaded entry's guard on a global read through
-      an imported module against that module as it is now, so it always passed: a setting a module reads
-      from the environment at import changed, and the graph compiled for the old value was loaded."""
+    - the plain values the graph read from module globals (``G['SCALE']``, ``G['__import_mylib'].BOOST``)
+      or from a class (``dict(type(self).__dict__)['SCALE']``), by guard name (``saveable_guards``
+      collects them). torch rebuilds a loaded entry's guards on such a value against the module or the
+      class as it is now, so they always passed: a setting a module reads from the environment at
+      import, or one a script sets on a class, changed, and the graph compiled for the old value loaded."""
 
     digests: dict[str, str]
     global_values: dict[str, Any] = field(default_factory=dict)
@@ -178,45 +179,53 @@ class SourceDigests:
                 return path
         return None
 
-    def global_changed(self, scope: dict[str, Any]) -> str | None:
-        """The first global (a guard's name) whose value in ``scope`` (the loaded frame's globals) is not
-        the one the graph was traced with, said with both values; None when all are."""
+    def global_changed(self, scope: dict[str, Any], f_locals: dict[str, Any]) -> str | None:
+        """The first recorded value (a guard's name) that reads otherwise now, from the loaded frame's
+        globals and its arguments, said with both values; None when all read as traced."""
         for name, traced in self.global_values.items():
-            now = global_value(name, scope)
+            now = guarded_value(name, scope, f_locals)
             if now is _UNREADABLE or type(now) is not type(traced) or now != traced:
                 said = "unreadable" if now is _UNREADABLE else repr(now)
                 return f"{global_said(name)} is {said}, compiled for {traced!r}"
         return None
 
 
-# A guard's name for a module global, or what is read from one by attributes and constant subscripts
-# (``G['CFG'].mult``, ``G['SETTINGS']['scale']``, ``G['LIST'][0]``): what ``global_value`` reads back.
-_GLOBAL_NAME = re.compile(r"G\['([^']+)'\]((?:\.[A-Za-z_]\w*|\['[^']*'\]|\[-?\d+\])*)")
-_GLOBAL_STEP = re.compile(r"\.([A-Za-z_]\w*)|\['([^']*)'\]|\[(-?\d+)\]")
+# A guard's name for a module global or an argument (``G['CFG']``, ``self``), then attributes and
+# constant subscripts (``.mult``, ``['scale']``, ``[0]``); or a class's own attribute, read through
+# the type of such a path (``dict(type(self).__dict__)['SCALE']``): what ``guarded_value`` reads back.
+_PATH = r"(?:G\['[^']+'\]|[A-Za-z_]\w*)(?:\.[A-Za-z_]\w*|\['[^']*'\]|\[-?\d+\])*"
+_PATH_STEP = re.compile(r"G\['([^']+)'\]|^([A-Za-z_]\w*)|\.([A-Za-z_]\w*)|\['([^']*)'\]|\[(-?\d+)\]")
+_CLASS_ATTRIBUTE = re.compile(rf"dict\(type\(({_PATH})\)\.__dict__\)\['(\w+)'\]")
 _UNREADABLE = object()
 
 
-def global_value(name: str, scope: dict[str, Any]) -> Any:
-    """The value a global guard's name reads in ``scope`` now, or ``_UNREADABLE``."""
-    m = _GLOBAL_NAME.fullmatch(name)
-    if m is None or m.group(1) not in scope:
-        return _UNREADABLE
-    value = scope[m.group(1)]
-    for attr, key, index in _GLOBAL_STEP.findall(m.group(2)):
-        try:
-            value = getattr(value, attr) if attr else value[key] if not index else value[int(index)]
-        except (AttributeError, LookupError, TypeError):
+def readable(name: str) -> bool:
+    """Whether ``guarded_value`` can read a guard of this name."""
+    return re.fullmatch(_PATH, name) is not None or _CLASS_ATTRIBUTE.fullmatch(name) is not None
+
+
+def guarded_value(name: str, scope: dict[str, Any], f_locals: dict[str, Any]) -> Any:
+    """The value a guard's name reads now, from a frame's globals (``G[...]``) and its arguments,
+    or ``_UNREADABLE``."""
+    try:
+        if m := _CLASS_ATTRIBUTE.fullmatch(name):
+            return vars(type(guarded_value(m.group(1), scope, f_locals)))[m.group(2)]
+        if re.fullmatch(_PATH, name) is None:
             return _UNREADABLE
-    return value
+        value: Any = None
+        for global_name, local, attr, key, index in _PATH_STEP.findall(name):
+            value = (scope[global_name] if global_name else f_locals[local] if local else getattr(value, attr) if attr
+                     else value[key] if not index else value[int(index)])  # fmt: skip
+        return value
+    except (AttributeError, LookupError, TypeError):
+        return _UNREADABLE
 
 
 def global_said(name: str) -> str:
-    """``G['__import_mylib'].BOOST`` as a user writes it: ``mylib.BOOST``."""
-    m = _GLOBAL_NAME.fullmatch(name)
-    if m is None:
-        return name
-    root = m.group(1).removeprefix("__import_").replace("_dot_", ".")
-    return root + m.group(2)
+    """A guard's name as a user writes it: ``G['__import_mylib'].BOOST`` is ``mylib.BOOST``,
+    ``dict(type(self).__dict__)['SCALE']`` is ``type(self).SCALE``."""
+    name = _CLASS_ATTRIBUTE.sub(r"type(\1).\2", name)
+    return re.sub(r"G\['([^']+)'\]", lambda m: m.group(1).removeprefix("__import_").replace("_dot_", "."), name)
 
 
 def is_local_type(cls: type) -> bool:
@@ -301,15 +310,15 @@ def saveable_guards(entries: Sequence[Any], closure_names: frozenset[str] = froz
         return ((g.name in local_objects and "TYPE_MATCH" in (g.guard_type, *g.derived_guard_types))
                 or any(f"type({o})" in g.name for o in local_objects))  # fmt: skip
 
-    def baked_global(g: Any) -> bool:  # a plain value read from a module's globals, readable back by name
-        return (g.is_global and g.guard_type == "CONSTANT_MATCH" and isinstance(g.value, _JSON_PLAIN)
-                and _GLOBAL_NAME.fullmatch(g.name) is not None)  # fmt: skip
+    def baked(g: Any) -> bool:  # a plain value read from a module global or a class, readable back by name
+        return (g.guard_type == "CONSTANT_MATCH" and isinstance(g.value, _JSON_PLAIN) and readable(g.name)
+                and (g.is_global or g.name.startswith("dict(type(")))  # fmt: skip
 
-    keep = [not ((g.is_global and not baked_global(g)) or g.guard_type in unsaveable or in_closure(g.name)
+    keep = [not ((g.is_global and not baked(g)) or g.guard_type in unsaveable or in_closure(g.name)
                  or on_local_class(g) or (isinstance(g.value, types.CodeType) and "ID_MATCH" in g.derived_guard_types))
             for g in entries]  # fmt: skip
     if baked_globals is not None:
-        baked_globals.update((g.name, g.value) for g, kept in zip(entries, keep, strict=True) if kept and g.is_global)
+        baked_globals.update((g.name, g.value) for g, kept in zip(entries, keep, strict=True) if kept and baked(g))
     return keep
 
 
@@ -591,7 +600,7 @@ class CachedMethod:
             with recording_loads_into(loading):
                 entry = AOTCompiledFunction.deserialize(data, self.func.__globals__,
                                                         external_closure_data=wrapped_functions(self.func))
-            if changed := sources.global_changed(entry.fn.__globals__):
+            if changed := sources.global_changed(entry.fn.__globals__, entry.prepare_f_locals(owner, *args, **kwargs)):
                 # a setting of the model's modules, not an error: compiled for this value and saved
                 self.cache.stats["rejected"] += 1
                 return None

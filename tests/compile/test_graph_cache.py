@@ -235,7 +235,7 @@ def test_a_global_setting_that_changed_between_processes_is_compiled_again(tmp_p
     assert three["out"] == pytest.approx(two["out"] * 1.5, rel=1e-5)
 
 
-def test_the_record_reads_a_global_back_by_its_guards_name():
+def test_the_record_reads_a_value_back_by_its_guards_name():
     import types as pytypes
 
     from accelrun.compile.graph_cache import SourceDigests, global_said
@@ -243,18 +243,61 @@ def test_the_record_reads_a_global_back_by_its_guards_name():
     helpers = pytypes.SimpleNamespace(SCALE=2.0)
     scope = {"SCALE": 1, "__import_userpkg_dot_helpers": helpers}
     record = SourceDigests({}, {"G['SCALE']": 1, "G['__import_userpkg_dot_helpers'].SCALE": 2.0})
-    assert record.global_changed(scope) is None
+    assert record.global_changed(scope, {}) is None
     helpers.SCALE = 3.0
-    assert record.global_changed(scope) == "userpkg.helpers.SCALE is 3.0, compiled for 2.0"
-    assert SourceDigests({}, {"G['SCALE']": 1}).global_changed({"SCALE": 1.0}) == "SCALE is 1.0, compiled for 1"
-    assert SourceDigests({}, {"G['gone']": True}).global_changed({}) == "gone is unreadable, compiled for True"
+    assert record.global_changed(scope, {}) == "userpkg.helpers.SCALE is 3.0, compiled for 2.0"
+    assert SourceDigests({}, {"G['SCALE']": 1}).global_changed({"SCALE": 1.0}, {}) == "SCALE is 1.0, compiled for 1"
+    assert SourceDigests({}, {"G['gone']": True}).global_changed({}, {}) == "gone is unreadable, compiled for True"
     assert global_said("x.y") == "x.y"
-    settings = SourceDigests({}, {"G['S']['scale']": 2.0, "G['L'][-1]": 1, "G['C'].inner['k'][0]": "a"})
-    assert settings.global_changed({"S": {"scale": 2.0}, "L": [0, 1], "C": pytypes.SimpleNamespace(inner={"k": "ab"})}) is None
-    assert settings.global_changed({"S": {"scale": 4.0}, "L": [0, 1], "C": None}) == "S['scale'] is 4.0, compiled for 2.0"
-    assert settings.global_changed({"S": {"scale": 2.0}, "L": [], "C": None}) == "L[-1] is unreadable, compiled for 1"
     again, _ = SourceDigests.split(record.with_entry(b"e"))
     assert again.global_values == record.global_values
+    settings = SourceDigests({}, {"G['S']['scale']": 2.0, "G['L'][-1]": 1, "G['C'].inner['k'][0]": "a"})
+    assert settings.global_changed({"S": {"scale": 2.0}, "L": [0, 1], "C": pytypes.SimpleNamespace(inner={"k": "ab"})},
+                                   {}) is None  # fmt: skip
+    assert settings.global_changed({"S": {"scale": 4.0}, "L": [0, 1], "C": None}, {}) == "S['scale'] is 4.0, compiled for 2.0"
+    assert settings.global_changed({"S": {"scale": 2.0}, "L": [], "C": None}, {}) == "L[-1] is unreadable, compiled for 1"
+
+    class Block(torch.nn.Module):  # a class attribute a script sets, read by the forward through the class
+        SCALE = 2.0
+
+    owner = Block()
+    on_class = SourceDigests({}, {"dict(type(self).__dict__)['SCALE']": 2.0, "dict(type(self.sub).__dict__)['N']": 1})
+    class Sub:
+        N = 1
+
+    owner.sub = Sub()
+    assert on_class.global_changed({}, {"self": owner}) is None
+    Block.SCALE = 3.0
+    assert on_class.global_changed({}, {"self": owner}) == "type(self).SCALE is 3.0, compiled for 2.0"
+    # the class's own attribute, as the guard reads it: an instance's value of that name does not count
+    Block.SCALE, owner.SCALE = 2.0, 5.0
+    assert on_class.global_changed({}, {"self": owner}) is None
+
+
+def test_a_class_attribute_set_between_processes_is_compiled_again(tmp_path):
+    """A script that sets a setting on the model's class (``Net.scale = ...``): the graph reads it
+    through ``type(self)``, and torch rebuilt that guard on the loaded model's class as it is now."""
+    model = USER_MODEL["userpkg/model.py"].replace("        return act(self.lin(x)).sum()",
+                                                   "        return (act(self.lin(x)) * self.scale).sum()")
+    for name, text in {**USER_MODEL, "userpkg/model.py": model}.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    script = USER_RUN.replace("from userpkg.model import Net\n",
+                              "import os\nfrom userpkg.model import Net\nNet.scale = float(os.environ['USER_SCALE'])\n")
+
+    def run(scale: str) -> dict:
+        env = {**os.environ, "ACCELRUN_CACHE_DIR": str(tmp_path / "cache"), "USER_SCALE": scale,
+               "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}  # fmt: skip
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    two, three, three_again = run("2"), run("3"), run("3")
+    assert three["cache"]["loaded"] == 0 and three["cache"]["rejected"] == 1, three["cache"]
+    assert three_again["cache"]["loaded"] == 1, three_again["cache"]
+    for result in (two, three, three_again):
+        assert result["out"] == pytest.approx(result["eager"], rel=1e-5), result
 
 
 def test_a_new_process_trains_from_the_loaded_graphs(tmp_path):

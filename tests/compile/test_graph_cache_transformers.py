@@ -99,11 +99,14 @@ def test_saveable_guards_drop_code_identity_and_the_methods_closure_and_keep_the
         _entry("G['S']['scale']", 1.5, "CONSTANT_MATCH", is_global=True),         # kept: a global dict's
         _entry("G['m'].f.__defaults__[0]()", 1, "CONSTANT_MATCH", is_global=True),  # cannot be read back by name
         _entry("G['NAMES']", b"x", "CONSTANT_MATCH", is_global=True),            # not a value JSON holds
+        _entry("dict(type(self).__dict__)['SCALE']", 2.0, "CONSTANT_MATCH"),      # kept: a class's, recorded
     ]  # fmt: skip
     baked = {}
     assert saveable_guards(entries, frozenset({"func"}), baked) == [True, True, False, False, False, True, False,
-                                                                    False, True, True, True, True, False, False]  # fmt: skip
-    assert baked == {"G['SCALE']": 2.0, "G['__import_m'].ON": True, "G['S']['scale']": 1.5}
+                                                                    False, True, True, True, True, False, False,
+                                                                    True]  # fmt: skip
+    assert baked == {"G['SCALE']": 2.0, "G['__import_m'].ON": True, "G['S']['scale']": 1.5,
+                     "dict(type(self).__dict__)['SCALE']": 2.0}
 
 
 def _made_in_a_function():
