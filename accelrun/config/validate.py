@@ -303,6 +303,10 @@ def consistency_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list
     m, t = cfg.model, cfg.train
     if m.custom is None and m.kwargs:
         out.append(f"model.kwargs ({source_of(('model', 'kwargs'), sources)}) is only used with model.custom")
+    if m.custom is not None and cfg.checkpoint.hf_on_finish:
+        # found by a new user: the whole run trained, then the export refused it (exit 2, no end line)
+        out.append(f"{v('checkpoint.hf_on_finish')} exports a built-in model family as a transformers folder; "
+                   f"{v('model.custom')} is kept in accelrun's checkpoints only: set checkpoint.hf_on_finish=false")
     if m.custom is None:
         if m.head_dim is not None and m.arch not in HEAD_DIM_FAMILIES:
             out.append(f"{v('model.head_dim')} is only read by model.arch {' / '.join(HEAD_DIM_FAMILIES)}; "
@@ -572,6 +576,12 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
         if ignored:
             out.append(f"model.custom is set, so these keys of the model families are not used: "
                        f"model.{', model.'.join(ignored)}")
+        if cfg.model.hf is not None and (src := set_by_user("model", "hf")):
+            # the factory builds the model: the folder's weights and shape are not read (found by a new user)
+            read = ("only its tokenizer is read (data.tokenizer = hf)" if cfg.data.tokenizer == "hf"
+                    else "it is not read at all")  # fmt: skip
+            out.append(f"model.hf ({src}) is a transformers folder, and model.custom builds the model: the folder's "
+                       f"weights and shape are not loaded into it; {read}")
     for key in SOURCE_SPECIFIC_DATA_KEYS if not cfg.data.mix else ():
         if key not in DATA_KEYS_USED_BY[cfg.data.source] and (src := set_by_user("data", key)):
             out.append(f"data.{key} ({src}) has no effect with data.source = {cfg.data.source}")

@@ -43,9 +43,15 @@ def run_rank(run_dir: str, errors_dir: str | None = None) -> None:
         sys.exit(code)
 
 
+def rank_console() -> DiagnosticConsole:
+    """A rank's stderr, as one process's (cli/common.py): each line whole, however long, in the terminal
+    and in the rank's log (a new user found them broken at 80 columns under two processes)."""
+    return DiagnosticConsole(highlight=False, soft_wrap=True)
+
+
 def main(argv: list[str] | None = None, errors_dir: Path | None = None) -> int:
     run_dir = Path((argv or sys.argv[1:])[0])
-    console = DiagnosticConsole(highlight=False)
+    console = rank_console()
     rank, _, local_rank = env_rank()
     log = None
     with contextlib.suppress(OSError):  # no log (a read-only run folder) is no reason to fail here

@@ -222,3 +222,28 @@ def test_a_short_run_of_a_shipped_schedule_is_not_warned_but_a_warmup_the_user_s
     (line,) = warmup_warnings("train.steps=20", "train.optimizer.lr=1e-3")
     assert line.startswith("train.lr_schedule.warmup_steps = 30 (") and "cpu-short.yaml:" in line, line
     assert "never reaches train.optimizer.lr = 0.001, only 0.00067 at the last step" in line, line
+
+
+def test_a_custom_model_refuses_the_transformers_export_and_says_model_hf_is_not_loaded_into_it(tmp_path):
+    """A new user's findings (2026-12-06): `model.custom` with `checkpoint.hf_on_finish` passed validate,
+    trained every step and then exited 2 at the export; `model.hf` beside `model.custom` was not read
+    and nothing said so (the step-1 loss equalled the factory's own)."""
+    from accelrun.config.validate import config_warnings
+    from tests.conftest import DEFAULT_CONFIG
+
+    custom = "model.custom=examples.my_model:build"
+    with pytest.raises(ConfigError, match=r"checkpoint.hf_on_finish = True .*model.custom = examples.my_model:build .*"
+                                          r"set checkpoint.hf_on_finish=false"):
+        load_config(DEFAULT_CONFIG, [custom, "checkpoint.hf_on_finish=true"])
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "hf"
+    transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4).save_pretrained(folder)  # fmt: skip
+    resolved = load_config(DEFAULT_CONFIG, [custom, f"model.hf={folder}"])
+    (said,) = [w for w in config_warnings(resolved.config, resolved.sources) if w.startswith("model.hf")]
+    assert "weights and shape are not loaded into it; it is not read at all" in said, said
+    assert not [w for w in config_warnings(*_both(load_config(DEFAULT_CONFIG, [custom]))) if w.startswith("model.hf")]
+
+
+def _both(resolved):
+    return resolved.config, resolved.sources

@@ -77,3 +77,17 @@ def test_the_eta_in_lines_is_the_pace_after_the_first_step(monkeypatch):
         bar.update(step, 5.0, 100.0)
     lines = buf.getvalue().splitlines()
     assert lines[0].endswith("eta --:--") and lines[1].endswith("eta 00:10") and lines[2].endswith("eta 00:09"), lines
+
+
+def test_a_ranks_console_keeps_long_lines_whole():
+    """Under two processes the model, MFU-peak and resume lines broke at 80 columns in the terminal and
+    in logs/rank-0.log (a new user, 2026-12-06): a rank's console soft-wraps as one process's does."""
+    import io
+
+    from accelrun.train.rank import rank_console
+
+    console = rank_console()
+    console.file = io.StringIO()
+    line = "model 3.55 M params on cpu; " + "compile: 4 repeated blocks " * 8
+    console.print(line)
+    assert console.file.getvalue() == line + "\n"
