@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from rich.markup import escape
 
-from accelrun.cli.common import config_argument, load, out, overrides_argument, print_warnings
+from accelrun.cli.common import config_argument, err, load, out, overrides_argument, print_warnings
 
 
 @click.command("validate")
@@ -33,9 +33,12 @@ def command(config: str, overrides: tuple[str, ...]) -> None:
     # What `train` checks before the first tensor (data files, model.hf's weights, processes for the
     # node), with this node counted without torch: exit 2 where train would.
     print_warnings(preflight(c, resolved.sources, Machine.here()))
-    problems = custom_model_problems(c, resolved.sources)  # imports the user's module: validate only
+    unchecked: list[str] = []
+    problems = custom_model_problems(c, resolved.sources, unchecked)  # imports the user's module: validate only
     if problems:
         raise ConfigError(problems)
+    for line in unchecked:
+        err.print(f"note: {escape(line)}", highlight=False)
     check_trackers(c.report.trackers)  # a named tracker's package missing: exit 2 naming the pip command
     deg = c.parallel.degrees()
     out.print(f"[green]valid[/]: {c.name}  (config hash {resolved.hash})")

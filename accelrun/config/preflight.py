@@ -216,13 +216,15 @@ def _first_records(paths: list[str], paths_key: KeyPath, field_path: KeyPath, fi
     return []
 
 
-def custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]:
+def custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source], unchecked: list[str] | None = None) -> list[str]:
     """model.custom's module imports and names a callable that takes model.kwargs; the model it builds
     on the meta device (no memory, no initialisation: seconds for a large one) has a token table the
     data's ids fit in, and a forward that takes ``positions_BT`` under document packing. ``validate``
     only: it imports the user's code, which ``train``'s launcher must not (a module may read RANK or
     touch a GPU when imported); ``train``'s ranks report the same problems, exit 2, when they build
-    the model."""
+    the model. What could not be checked there (a factory or forward that cannot run on the meta
+    device) goes to ``unchecked``, in words: validate said "valid" of a factory that raised (a new user).
+    """
     if cfg.model.custom is None:
         return []
     from accelrun.models.build import ModelKwargsError, check_custom_kwargs
@@ -233,25 +235,37 @@ def custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> lis
         key = ("model", "kwargs") if isinstance(e, ModelKwargsError) else ("model", "custom")
         # Named with where it was set: "(default)" alone read as part of the message (a new user's trial).
         return [f"{m} ({'.'.join(key)}: {source_of(key, sources)})" for m in e.messages]
-    return _built_custom_model_problems(cfg, sources)
+    return _built_custom_model_problems(cfg, sources, unchecked if unchecked is not None else [])
 
 
-def _built_custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]:
+def _built_custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source], unchecked: list[str]) -> list[str]:
     """What ``train`` finds once it has built a user's model, found on the meta device instead. A
     factory that cannot build there (it loads weights, computes at init) is left to ``train``."""
     from accelrun.data.build import check_vocab
-    from accelrun.models.build import ModelBuildError, build_model, data_vocab, document_packing_problem
+    from accelrun.models.build import (
+        ModelBuildError,
+        build_model,
+        data_vocab,
+        document_packing_problem,
+        position_table_problem,
+    )
 
     where = source_of(("model", "custom"), sources)
     try:
         model = build_model(cfg.model, "meta")
     except ModelBuildError as e:  # accelrun's own findings (not a module; a forward it cannot call): train's too
-        return [] if e.__cause__ is not None else [f"{m} (model.custom: {where})" for m in e.messages]
-    except Exception:  # noqa: BLE001 (only a head start: train builds it on its device and says why)
+        if e.__cause__ is None:
+            return [f"{m} (model.custom: {where})" for m in e.messages]
+        unchecked.append(_not_built(cfg, e.__cause__))
+        return []
+    except Exception as e:  # noqa: BLE001 (only a head start: train builds it on its device and says why)
+        unchecked.append(_not_built(cfg, e))
         return []
     out = []
     if cfg.data.packing == "document" and (problem := document_packing_problem(model)) is not None:
         out.append(f"{problem} (model.custom: {where})")
+    if (problem := position_table_problem(model, cfg.train.seq_len)) is not None:
+        out.append(f"{problem} (train.seq_len: {source_of(('train', 'seq_len'), sources)})")
     rows, custom = data_vocab(cfg.model, model)
     if custom is not None and (ids := data_token_ids(cfg)) is not None:
         try:
@@ -259,11 +273,22 @@ def _built_custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source])
         except UserError as e:
             out += [f"{m} (model.custom: {where})" for m in e.messages]
     if not out and (ids := ids_the_logits_cover(cfg, rows)) is not None:
-        out += [f"{m} (model.custom: {where})" for m in _logits_problems(model, (cfg.train.micro_batch, cfg.train.seq_len), ids)]
+        shape = (cfg.train.micro_batch, cfg.train.seq_len)
+        out += [f"{m} (model.custom: {where})" for m in _logits_problems(model, shape, ids, unchecked)]
     return out
 
 
-def _logits_problems(model: Any, shape: tuple[int, int], vocab_size: int) -> list[str]:
+def _not_built(cfg: RunConfig, e: BaseException) -> str:
+    return (f"model.custom = {cfg.model.custom!r} could not be built on the meta device ({_said(e)}): its token "
+            "table, position table and logits are left to train")
+
+
+def _said(e: BaseException) -> str:
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {first[:160]}" if first else type(e).__name__
+
+
+def _logits_problems(model: Any, shape: tuple[int, int], vocab_size: int, unchecked: list[str]) -> list[str]:
     """What the first training step would refuse in the forward's output (logits of the wrong shape, or
     the hidden states where the head was left out: ``models.build.logits_of``), found by running the
     user's forward and loss on meta tensors (without autograd). A forward that cannot run there
@@ -278,8 +303,9 @@ def _logits_problems(model: Any, shape: tuple[int, int], vocab_size: int) -> lis
             training_loss_fn(model, vocab_size)(tokens, tokens)
     except ModelOutputError as e:
         return list(e.messages)
-    except Exception:  # noqa: BLE001 (only a head start, as above)
-        return []
+    except Exception as e:  # noqa: BLE001 (only a head start, as above)
+        unchecked.append(f"{type(model).__name__}.forward could not run on the meta device ({_said(e)}): "
+                         "the shape of its logits is left to train")
     return []
 
 

@@ -9,6 +9,7 @@ device land there (including "meta").
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Mapping
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -301,6 +302,25 @@ def forward_parameters(model: nn.Module) -> Mapping[str, Any]:
 def takes_document_positions(model: nn.Module) -> bool:
     """Whether the model's forward takes ``positions_BT`` (document packing): the built-in families do."""
     return "positions_BT" in forward_parameters(model)
+
+
+# A user's model's learned position table, by its name: GPT-2's and nanoGPT's ``wpe``, OPT's
+# ``embed_positions``, ``position_embeddings``, ``pos_emb``.
+_POSITION_TABLE = re.compile(r"(^|\.)(wpe|[^.]*pos[^.]*)$", re.IGNORECASE)
+
+
+def position_table_problem(model: nn.Module, seq_len: int) -> str | None:
+    """Why a user's model cannot take sequences of ``seq_len`` tokens (a learned position table with
+    fewer rows, which the first step indexes past: a page of traceback from ``F.embedding``), or None;
+    ``train`` and ``validate`` say the same."""
+    tokens = embedding_rows(model)
+    for name, m in model.named_modules():
+        if (isinstance(m, nn.Embedding) and _POSITION_TABLE.search(name) and m.num_embeddings < seq_len
+                and m.num_embeddings != tokens):
+            return (f"train.seq_len = {seq_len} is longer than model.custom's position table {name} "
+                    f"({m.num_embeddings} rows, one per position): set train.seq_len={m.num_embeddings} or less, "
+                    "or build the model with a longer table")
+    return None
 
 
 def document_packing_problem(model: nn.Module) -> str | None:

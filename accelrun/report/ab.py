@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from accelrun.config import ResolvedConfig, load_config
+from accelrun.config import ConfigError, ResolvedConfig, load_config
 from accelrun.dist import stop
 from accelrun.errors import UserError
 from accelrun.report.compare import MIN_STEADY_FOR_CI, Comparison, Group, GroupFigures, compare_groups
@@ -93,6 +93,22 @@ class AbPlan:
         return [(r, v) for r in range(1, self.repeats + 1) for v in self.variants]
 
 
+def preflight_problems(label: str, resolved: ResolvedConfig) -> None:
+    """``validate``'s checks beyond the recipe (data files, the processes for this node, a user's model
+    built on the meta device), each fatal one said of its variant, exit 2: a variant B whose
+    ``model.kwargs`` did not fit its factory ran after all of A1 (a new user, 2026-12-06). Warnings are
+    left to the runs, which print them."""
+    from accelrun.config.preflight import Machine, custom_model_problems, preflight
+
+    try:
+        preflight(resolved.config, resolved.sources, Machine.here())
+        problems = custom_model_problems(resolved.config, resolved.sources)
+    except ConfigError as e:
+        problems = e.messages
+    if problems:
+        raise ConfigError([f"variant {label}: {p}" for p in problems])
+
+
 def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
     """Load and validate every variant before anything runs (a typo costs no training)."""
     resolved = [load_config(plan.config, plan.overrides(v)) for v in plan.variants]
@@ -105,6 +121,11 @@ def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
             if note not in plan.notes:
                 plan.notes.append(note)
         first_with.setdefault(r.hash, v.label)
+    checked: set[str] = set()
+    for v, r in zip(plan.variants, resolved, strict=True):
+        if r.hash not in checked:  # what validate checks beyond the recipe, before any variant runs
+            checked.add(r.hash)
+            preflight_problems(v.label, r)
     if len({r.config.train.steps for r in resolved}) > 1:
         raise UserError("the variants train different numbers of steps; give --steps to run them alike")
     for v, r in zip(plan.variants, resolved, strict=True):

@@ -33,6 +33,7 @@ from accelrun.models.build import (
     document_packing_problem,
     loss_source,
     materialize_local,
+    position_table_problem,
     training_loss_fn,
 )
 from accelrun.models.flop_count import FlopsPerToken, flops_per_token
@@ -193,6 +194,8 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     model = build_model(cfg.model, "meta" if on_meta else device, seed=t.seed)
     info = model_summary(cfg.model, model)  # its FLOPs per token: flop_count's, added below
     if cfg.data.packing == "document" and (problem := document_packing_problem(model)) is not None:
+        raise ConfigError(problem)
+    if cfg.model.custom is not None and (problem := position_table_problem(model, t.seq_len)) is not None:
         raise ConfigError(problem)
     # Before compile and layouts: a user's model is counted by running its forward once, whole.
     flops = flops_per_token(cfg.model, t.seq_len, model, device, data_vocab(cfg.model, model)[0])

@@ -54,13 +54,37 @@ def test_ab_eager_vs_compiled_end_to_end(tmp_path):
     assert "<svg" in (out / "ab.html").read_text()
 
 
-def test_ab_a_failing_variant_exits_5_and_keeps_its_log(tmp_path):
+def test_ab_a_failing_variant_exits_5_and_keeps_its_log(tmp_path, monkeypatch):
+    """A variant that fails where only training finds it (a model factory that raises off the meta
+    device, where validate cannot build it)."""
+    (tmp_path / "boom_model.py").write_text(
+        "def build():\n"
+        "    import torch\n"
+        "    if torch.get_default_device().type != 'meta':\n"
+        "        raise RuntimeError('boom: the factory failed on purpose')\n"
+        "    return torch.nn.Linear(2, 2)\n")  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # a factory's module is found in the current folder
     out = tmp_path / "ab"
+    r = CliRunner().invoke(cli, ["ab", str(DEFAULT_CONFIG), *TINY, "--a", "model.custom=boom_model:build",
+                                 "--b", "train.threads=1", "--repeats", "1", "--steps", "3", "--out", str(out)])
+    assert r.exit_code == 5, r.output
+    assert "variant A, repeat 1: `accelrun train` exited with code 2" in r.output
+    assert "boom: the factory failed on purpose" in r.output  # the child's own message, from the tail of its log
+    (log,) = (out / "logs").glob("*.log")
+    assert "boom: the factory failed on purpose" in log.read_text()
+
+
+def test_ab_refuses_a_variant_validate_refuses_before_anything_runs(tmp_path):
+    """What validate finds beyond the recipe (data files, a user's model's kwargs) stops ab before its
+    first run, exit 2: a new user's variant B with model.kwargs its factory does not take ran after all
+    of A1 and then failed (exit 5), and missing data files waited for their variant's turn likewise."""
+    out = tmp_path / "ab"
+    r = CliRunner().invoke(cli, ["ab", str(DEFAULT_CONFIG), *TINY, "model.custom=examples.my_model:build",
+                                 "--b", "model.kwargs={dims: 64}", "--repeats", "1", "--steps", "3", "--out", str(out)])
+    assert r.exit_code == 2, r.output
+    assert "variant B: model.kwargs = {'dims': 64} do not fit model.custom" in " ".join(r.output.split()), r.output
     r = CliRunner().invoke(cli, ["ab", str(DEFAULT_CONFIG), *TINY, "--a", "data.source=text",
                                  f"data.paths=[{tmp_path}/missing*.txt]", "--b", "data.source=builtin",
                                  "--repeats", "1", "--steps", "3", "--out", str(out)])
-    assert r.exit_code == 5, r.output
-    assert "variant A, repeat 1: `accelrun train` exited with code 2" in r.output
-    assert "missing*.txt" in r.output  # the child's own message, from the tail of its log
-    (log,) = (out / "logs").glob("*.log")
-    assert "missing*.txt" in log.read_text()
+    assert r.exit_code == 2 and "variant A:" in r.output and "missing*.txt" in r.output, r.output
+    assert not out.exists() or not any(out.rglob("metrics.jsonl"))

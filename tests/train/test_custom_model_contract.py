@@ -63,9 +63,9 @@ class TwoArgs(Plain):  # transformers-like: a mask no one passes
 
 
 class WithPositions(Plain):  # a position table larger than the vocabulary: not taken for the token table
-    def __init__(self, vocab=300, width=16):
+    def __init__(self, vocab=300, width=16, positions=1024):
         super().__init__(vocab, width)
-        self.pos = nn.Embedding(1024, width)
+        self.pos = nn.Embedding(positions, width)
 
     def forward(self, idx):
         return self.out(torch.tanh(self.emb(idx) + self.pos(torch.arange(idx.shape[1]))))
@@ -116,6 +116,10 @@ class HeadNotLast(PaddedHead):  # a Linear after the head: its token table canno
 
 def build(style="Plain", **kw):
     return globals()[style](**kw)
+
+
+def raises(**kw):
+    raise RuntimeError("the factory failed on purpose")
 '''
 
 
@@ -247,6 +251,10 @@ def test_the_token_table_is_the_one_the_head_matches_not_a_larger_position_table
      "logits with 400 classes", "so these look like hidden states", ()),
     ("contract_models:build", "{style: Hidden}", "Hidden.forward (model.custom) returned a dict with keys ['hidden']",
      "(model.custom: override", ()),
+    # a learned position table shorter than the sequence: train said a page of F.embedding's traceback
+    ("contract_models:build", "{style: WithPositions, positions: 16}", "train.seq_len = 32 is longer than "
+     "model.custom's position table pos (16 rows, one per position): set train.seq_len=16 or less",
+     "(train.seq_len: override 'train.seq_len=32')", ()),
 ])  # fmt: skip
 def test_validate_refuses_what_train_would(tiny, models, custom, kwargs, message, validate_only, more):
     args = (str(DEFAULT_CONFIG), *tiny(2, f"model.custom={custom}", f"model.kwargs={kwargs}", *more))
@@ -265,3 +273,14 @@ def test_every_reader_of_the_data_takes_the_token_tables_rows(models):
     assert data_vocab(cfg, module.build("WithPositions", vocab=200)) == (200, models)
     assert data_vocab(cfg, __import__("torch").nn.Linear(4, 4)) == (512, None)  # no token table: model.vocab_size
     assert data_vocab(ModelConfig(vocab_size=320), module.build(vocab=100)) == (320, None)  # a family's key
+
+
+def test_validate_says_what_it_could_not_check_on_the_meta_device(tiny, models):
+    """A factory that raises (train exits 2 there) was "valid" without a word (a new user, 2026-12-06)."""
+    r = invoke("validate", str(DEFAULT_CONFIG), *tiny(2, "model.custom=contract_models:raises"))
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert ("note: model.custom = 'contract_models:raises' could not be built on the meta device (RuntimeError: the "
+            "factory failed on purpose): its token table, position table and logits are left to train") in said, said
+    r = invoke("validate", str(DEFAULT_CONFIG), *tiny(2, f"model.custom={models}"))
+    assert r.exit_code == 0 and "note:" not in r.output, r.output
