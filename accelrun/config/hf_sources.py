@@ -46,7 +46,10 @@ def hf_key_sources(folder: str, keys: dict[str, Any]) -> dict[KeyPath, Source]:
         if key == "hf":
             continue
         present = [k for k in HF_KEY_NAMES.get(key, ()) if k in config]
-        hf_key = present[0] if present else "model_type"
+        # the one whose value it took, where several are read: a Mistral's max_seq_len is its
+        # sliding_window where that is the shorter (a new user read "max_position_embeddings" beside 32)
+        took = [k for k in present if config[k] == keys[key]]
+        hf_key = (took or present or ["model_type"])[0]
         line = lines.get(hf_key, fallback)
         out[("model", key)] = Source("file", file=str(path), line=line, text=hf_key)
         for sub in keys[key] if isinstance(keys[key], dict) else ():  # rope_scaling's own keys

@@ -82,6 +82,17 @@ def model_config_of(run: Path) -> Any:
     return cfg
 
 
+def hf_source_of(run: Path) -> Path | None:
+    """The transformers folder (model.hf) run ``run`` was loaded from, or None (a built-in family's
+    weights, or a run that predates the key)."""
+    try:
+        data = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        return None
+    folder = (data.get("model") or {}).get("hf")
+    return None if folder is None else Path(folder)
+
+
 def run_tokenizer(run: Path) -> str:
     """The ``data.tokenizer`` run ``run`` trained with: ``byte`` (also for runs that predate the key), or
     the absolute path of its tokenizer.json or folder."""

@@ -11,6 +11,7 @@ from accelrun.models.hf_io import export_hf
 from accelrun.train.checkpoint_model import (
     CheckpointModelError,
     find_checkpoint,
+    hf_source_of,
     load_checkpoint_model,
     run_tokenizer,
 )
@@ -33,11 +34,47 @@ def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int 
     spec = get_family(cfg.arch)
     written = export_hf(model.state_dict(), spec, spec.args_from_config(cfg), out, max_shard_bytes, removed)
     out = Path(out).expanduser()
+    if (source := hf_source_of(find_checkpoint(ref, "to export")[1])) is not None:
+        written += _carry_source_folder(source, out)
     for f in tokenizer_files:
         if not (out / f.name).exists() or not (out / f.name).samefile(f):
             shutil.copyfile(f, out / f.name)
         written.append(out / f.name)
     return written
+
+
+# Keys of a model.hf folder's config.json its export keeps where accelrun writes its own: what the model
+# is to transformers (a Mistral with its sliding window, not a Llama attending to every position; its
+# positions, which training read as the window) and the ids generation stops and pads at, which
+# accelrun's config.json does not write (a fine-tuned export's generate() never stopped: a new user).
+KEPT_FROM_SOURCE = ("architectures", "model_type", "max_position_embeddings", "sliding_window",
+                    "bos_token_id", "eos_token_id", "pad_token_id")
+# The weights' dtype is the export's (the checkpoint's), whichever name the source gave it.
+DTYPE_KEYS = ("torch_dtype", "dtype")
+
+
+def _carry_source_folder(source: Path, out: Path) -> list[Path]:
+    """A run trained from a transformers folder (model.hf): its export's config.json is the source's with
+    the keys accelrun wrote (the shape, whose values it read from there) put in, but for
+    ``KEPT_FROM_SOURCE``, and its generation_config.json is copied. Nothing when the folder is gone."""
+    import json
+
+    source_config = source / "config.json"
+    if not source_config.is_file():
+        return []
+    written = out / "config.json"
+    ours, raw = json.loads(written.read_text()), json.loads(source_config.read_text())
+    theirs = {k: v for k, v in raw.items() if k not in DTYPE_KEYS}
+    merged = {**theirs, **{k: v for k, v in ours.items() if k not in KEPT_FROM_SOURCE or k not in theirs}}
+    if "dtype" in raw:  # transformers 5's name for it, beside the older torch_dtype accelrun writes
+        merged["dtype"] = ours.get("torch_dtype")
+    written.write_text(json.dumps(merged, indent=2) + "\n")
+    generation = source / "generation_config.json"
+    if not generation.is_file():
+        return []
+    if not (out / generation.name).exists() or not (out / generation.name).samefile(generation):
+        shutil.copyfile(generation, out / generation.name)
+    return [out / generation.name]
 
 
 def _run_tokenizer_files(ref: str | Path) -> list[Path]:

@@ -154,6 +154,14 @@ def test_provenance_of_shape_keys_is_the_config_json_line(tmp_path):
     assert rows["model.hf"].startswith("override")
     assert "recipes/model/debug.yaml" not in "".join(v for k, v in rows.items() if k.startswith("model."))
     assert "(hidden_size)" in explain_text(resolved)
+    # A Mistral's positions are its sliding window where that is shorter: the error names that line
+    # (a new user read "max_position_embeddings" beside the window's 48).
+    mistral = tmp_path / "mistral"
+    save_tiny_hf(mistral, "mistral")
+    lines = (mistral / "config.json").read_text().splitlines()
+    window = next(i for i, line in enumerate(lines, 1) if '"sliding_window"' in line)
+    with pytest.raises(ConfigError, match=rf"model.max_seq_len = 48 \(.*config.json:{window} \(sliding_window\)\)"):
+        load_config("configs/llama.yaml", [f"model.hf={mistral}", "train.seq_len=64"])
 
 
 def test_model_hf_typos_missing_folders_and_replaced_overrides(tmp_path):

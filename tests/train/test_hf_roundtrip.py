@@ -23,7 +23,7 @@ def _accelrun_logits(run_dir, tokens):
         return load_run_model(run_dir)(tokens)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma", "mistral"])
 def test_hf_train_export_transformers_loads(tiny, tmp_path, kind):
     import transformers
 
@@ -53,6 +53,15 @@ def test_hf_train_export_transformers_loads(tiny, tmp_path, kind):
             assert diff < TOL, f"{folder}: max |logit difference| {diff:.2e}"
     # Two steps of training moved the weights: the round trip carried the trained ones, not the originals.
     assert (ours - before).abs().max() > 1e-3
+    # What the source folder says of the model beyond its shape comes along (a new user's Mistral came
+    # back a Llama attending to every position, and no export stopped generating at EOS).
+    source = json.loads((src / "config.json").read_text())
+    exported = json.loads((out / "config.json").read_text())
+    for key in ("model_type", "architectures", "max_position_embeddings", "sliding_window", "bos_token_id",
+                "eos_token_id", "pad_token_id"):
+        assert exported.get(key) == source.get(key), (key, exported.get(key), source.get(key))
+    assert (out / "generation_config.json").read_text() == (src / "generation_config.json").read_text()
+    assert exported.get("dtype", "float32") == "float32" and exported["torch_dtype"] == "float32"
 
 
 def test_hf_folder_without_weights_exits_2_before_a_run_directory(tiny, tmp_path):
