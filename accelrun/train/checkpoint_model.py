@@ -77,8 +77,11 @@ def model_config_of(run: Path) -> Any:
     model["hf"] = None  # the folder it was loaded from need not exist any more
     cfg = ModelConfig.model_validate(model)
     if cfg.custom is not None:
-        raise CheckpointModelError(f"{run}: model.custom = {cfg.custom!r}; only built-in model families "
-                                   "can be read back from a checkpoint")
+        raise CheckpointModelError(
+            f"{run}: model.custom = {cfg.custom!r}; only built-in model families can be read back from a "
+            "checkpoint here. Its checkpoints are torch.distributed.checkpoint folders of your model's own "
+            "state dict: torch.distributed.checkpoint.format_utils.dcp_to_torch_save(<checkpoint folder>, "
+            "'model.pt') writes one file, whose ['model'] your factory's model loads with load_state_dict")
     return cfg
 
 

@@ -284,3 +284,24 @@ def test_validate_says_what_it_could_not_check_on_the_meta_device(tiny, models):
             "factory failed on purpose): its token table, position table and logits are left to train") in said, said
     r = invoke("validate", str(DEFAULT_CONFIG), *tiny(2, f"model.custom={models}"))
     assert r.exit_code == 0 and "note:" not in r.output, r.output
+
+
+def test_export_of_a_custom_model_says_how_its_checkpoint_loads_and_that_way_works(tiny, tmp_path):
+    """`export`/`generate` cannot rebuild a user's model; the message says how to read its checkpoint
+    (a new user found that way alone), and that way gives the trained weights to the factory's model."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from examples.my_model import build
+
+    result = train(load_config(DEFAULT_CONFIG, tiny(2, "model.custom=examples.my_model:build", "checkpoint.every=2",
+                                                    "compile.backend=eager")))  # fmt: skip
+    r = invoke("export", str(result.run_dir), "--hf", str(tmp_path / "out"))
+    said = one_error(r)
+    assert "dcp_to_torch_save(<checkpoint folder>, 'model.pt')" in said, said
+    (ckpt,) = sorted((result.run_dir / "checkpoints").iterdir())[-1:]
+    dcp_to_torch_save(ckpt, tmp_path / "model.pt")
+    model = build()
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)["model"]
+    model.load_state_dict(saved)  # strict: every name of the factory's model, and no other
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
