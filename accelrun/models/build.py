@@ -315,11 +315,14 @@ def position_table_problem(model: nn.Module, seq_len: int) -> str | None:
     ``train`` and ``validate`` say the same."""
     tokens = embedding_rows(model)
     for name, m in model.named_modules():
-        if (isinstance(m, nn.Embedding) and _POSITION_TABLE.search(name) and m.num_embeddings < seq_len
-                and m.num_embeddings != tokens):
-            return (f"train.seq_len = {seq_len} is longer than model.custom's position table {name} "
-                    f"({m.num_embeddings} rows, one per position): set train.seq_len={m.num_embeddings} or less, "
-                    "or build the model with a longer table")
+        if not isinstance(m, nn.Embedding) or not _POSITION_TABLE.search(name) or m.num_embeddings == tokens:
+            continue
+        offset = getattr(m, "offset", 0)  # OPT's table starts its positions 2 rows in
+        positions = m.num_embeddings - (offset if isinstance(offset, int) else 0)
+        if positions < seq_len:
+            rows = f"{m.num_embeddings} rows" + (f", positions from row {offset}" if positions != m.num_embeddings else "")
+            return (f"train.seq_len = {seq_len} is longer than model.custom's position table {name} ({rows}): set "
+                    f"train.seq_len={positions} or less, or build the model with a longer table")
     return None
 
 

@@ -253,7 +253,7 @@ def test_the_token_table_is_the_one_the_head_matches_not_a_larger_position_table
      "(model.custom: override", ()),
     # a learned position table shorter than the sequence: train said a page of F.embedding's traceback
     ("contract_models:build", "{style: WithPositions, positions: 16}", "train.seq_len = 32 is longer than "
-     "model.custom's position table pos (16 rows, one per position): set train.seq_len=16 or less",
+     "model.custom's position table pos (16 rows): set train.seq_len=16 or less",
      "(train.seq_len: override 'train.seq_len=32')", ()),
 ])  # fmt: skip
 def test_validate_refuses_what_train_would(tiny, models, custom, kwargs, message, validate_only, more):
@@ -305,3 +305,16 @@ def test_export_of_a_custom_model_says_how_its_checkpoint_loads_and_that_way_wor
     saved = torch.load(tmp_path / "model.pt", weights_only=True)["model"]
     model.load_state_dict(saved)  # strict: every name of the factory's model, and no other
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+
+
+def test_opts_position_table_counts_its_offset():
+    """OPT's positions start 2 rows into its table: 34 rows take 32 positions, not 34."""
+    transformers = pytest.importorskip("transformers")
+    from accelrun.models.build import position_table_problem
+
+    config = transformers.OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                                    num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=16)  # fmt: skip
+    model = transformers.OPTForCausalLM(config)
+    assert position_table_problem(model, 32) is None
+    said = position_table_problem(model, 33)
+    assert said is not None and "model.decoder.embed_positions (34 rows, positions from row 2): set train.seq_len=32" in said
