@@ -33,7 +33,7 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from accelrun.compile.executors.generated import compiling_after
 from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.record import CompileRecord
 from accelrun.compile.trace_settings import capturing_data_sized_outputs
+from accelrun.compile.traced_from import BakedValue, TracedFrom, baked_value, file_digest, readable
 from accelrun.torch_private import (
     cpu_has_half_gemm,
     import_module_globals,
@@ -67,9 +68,7 @@ def accelrun_source_digest() -> str:
     return h.hexdigest()
 
 
-@functools.cache
-def _file_digest(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+_file_digest = file_digest  # model_code_digest's, by this name (tests replace it)
 
 
 def model_code_digest(owner: nn.Module, func: Any) -> str:
@@ -93,7 +92,6 @@ def model_code_digest(owner: nn.Module, func: Any) -> str:
 
 
 _PLAIN = (type(None), bool, int, float, str, bytes)
-_JSON_PLAIN = (type(None), bool, int, float, str)  # what an entry's record of globals can hold
 
 
 @functools.cache
@@ -126,106 +124,6 @@ def _wrapped_code(cls: type) -> tuple[frozenset[str], tuple[str, ...]]:
 
 
 _IMPORTED_AT = time.time()  # a traced file changed after this may differ from the code this process traced
-
-
-@dataclass(frozen=True)
-class SourceDigests:
-    """What one entry was traced from that its key and saved guards do not check, written in the entry's
-    file ahead of it (one file, replaced whole: it never belongs to another entry) and checked before
-    it loads:
-
-    - sha256 of each file Dynamo traced for it (``files_traced_by_precompile``). The key covers the
-      model's classes and the functions their methods wrap (``model_code_digest``), but not a helper a
-      forward calls from another file: edited, its old graph loaded and trained on (``x * 2`` edited to
-      ``x * 3`` gave ``x * 2``'s result). torch's files are left out (its version is in the key) and so
-      are accelrun's (its sources are); so is code with no file (a dataclass's generated ``__init__``,
-      ``exec``), which follows from code that has one.
-    - the plain values the graph read from module globals (``G['SCALE']``, ``G['__import_mylib'].BOOST``)
-      or from a class (``dict(type(self).__dict__)['SCALE']``), by guard name (``saveable_guards``
-      collects them). torch rebuilds a loaded entry's guards on such a value against the module or the
-      class as it is now, so they always passed: a setting a module reads from the environment at
-      import, or one a script sets on a class, changed, and the graph compiled for the old value loaded."""
-
-    digests: dict[str, str]
-    global_values: dict[str, Any] = field(default_factory=dict)
-
-    MAGIC = b"accelrun-sources "  # the entry file's first line: this, the record as JSON, a newline
-
-    @classmethod
-    def of(cls, files: set[str], global_values: dict[str, Any] | None = None) -> SourceDigests:
-        skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(accelrun.__file__) + os.sep)
-        paths = [f for f in sorted({os.path.abspath(f) for f in files if os.path.isfile(f)}) if not f.startswith(skip)]
-        if edited := [f for f in paths if os.stat(f).st_mtime > _IMPORTED_AT]:
-            raise RuntimeError(f"{edited[0]} changed while this process ran (its traced code may be older)")
-        return cls({f: _file_digest(f) for f in paths}, dict(global_values or {}))
-
-    def with_entry(self, data: bytes) -> bytes:
-        record = {"files": self.digests, "globals": self.global_values}
-        return self.MAGIC + json.dumps(record).encode() + b"\n" + data
-
-    @classmethod
-    def split(cls, data: bytes) -> tuple[SourceDigests, bytes]:
-        """(the record, the entry's bytes) of an entry file."""
-        header, _, entry = data.partition(b"\n")
-        if not header.startswith(cls.MAGIC):
-            raise RuntimeError("no record of the files it was traced from")
-        record = json.loads(header[len(cls.MAGIC):])
-        return cls(dict(record["files"]), dict(record["globals"])), entry
-
-    def changed(self) -> str | None:
-        """The first file that is gone or differs from when the entry was compiled, or None."""
-        for path, digest in self.digests.items():
-            if not os.path.isfile(path) or _file_digest(path) != digest:
-                return path
-        return None
-
-    def global_changed(self, scope: dict[str, Any], f_locals: dict[str, Any]) -> str | None:
-        """The first recorded value (a guard's name) that reads otherwise now, from the loaded frame's
-        globals and its arguments, said with both values; None when all read as traced."""
-        for name, traced in self.global_values.items():
-            now = guarded_value(name, scope, f_locals)
-            if now is _UNREADABLE or type(now) is not type(traced) or now != traced:
-                said = "unreadable" if now is _UNREADABLE else repr(now)
-                return f"{global_said(name)} is {said}, compiled for {traced!r}"
-        return None
-
-
-# A guard's name for a module global or an argument (``G['CFG']``, ``self``), then attributes and
-# constant subscripts (``.mult``, ``['scale']``, ``[0]``); or a class's own attribute, read through
-# the type of such a path (``dict(type(self).__dict__)['SCALE']``): what ``guarded_value`` reads back.
-_PATH = r"(?:G\['[^']+'\]|[A-Za-z_]\w*)(?:\.[A-Za-z_]\w*|\['[^']*'\]|\[-?\d+\])*"
-_PATH_STEP = re.compile(r"G\['([^']+)'\]|^([A-Za-z_]\w*)|\.([A-Za-z_]\w*)|\['([^']*)'\]|\[(-?\d+)\]")
-_CLASS_ATTRIBUTE = re.compile(rf"dict\(type\(({_PATH})\)\.__dict__\)\['(\w+)'\]")
-_UNREADABLE = object()
-
-
-def readable(name: str) -> bool:
-    """Whether ``guarded_value`` can read a guard of this name."""
-    return re.fullmatch(_PATH, name) is not None or _CLASS_ATTRIBUTE.fullmatch(name) is not None
-
-
-def guarded_value(name: str, scope: dict[str, Any], f_locals: dict[str, Any]) -> Any:
-    """The value a guard's name reads now, from a frame's globals (``G[...]``) and its arguments,
-    or ``_UNREADABLE``."""
-    try:
-        if m := _CLASS_ATTRIBUTE.fullmatch(name):
-            return vars(type(guarded_value(m.group(1), scope, f_locals)))[m.group(2)]
-        if re.fullmatch(_PATH, name) is None:
-            return _UNREADABLE
-        value: Any = None
-        for global_name, local, attr, key, index in _PATH_STEP.findall(name):
-            value = (scope[global_name] if global_name else f_locals[local] if local else getattr(value, attr) if attr
-                     else value[key] if not index else value[int(index)])  # fmt: skip
-        return value
-    except (AttributeError, LookupError, TypeError):
-        return _UNREADABLE
-
-
-def global_said(name: str) -> str:
-    """A guard's name as a user writes it: ``G['__import_mylib'].BOOST`` is ``mylib.BOOST``,
-    ``dict(type(self).__dict__)['SCALE']`` is ``type(self).SCALE``."""
-    name = _CLASS_ATTRIBUTE.sub(r"type(\1).\2", name)
-    return re.sub(r"G\['([^']+)'\]", lambda m: m.group(1).removeprefix("__import_").replace("_dot_", "."), name)
 
 
 def is_local_type(cls: type) -> bool:
@@ -272,13 +170,14 @@ def _closure_values(fn: types.FunctionType) -> list[Any]:
 
 
 def saveable_guards(entries: Sequence[Any], closure_names: frozenset[str] = frozenset(),
-                    baked_globals: dict[str, Any] | None = None) -> list[bool]:
+                    baked: list[BakedValue] | None = None) -> list[bool]:
     """Which of Dynamo's guards a graph-cache entry keeps (``torch.compile``'s ``guard_filter_fn``).
 
     What torch's precompile keeps by default (none of a kind it cannot save; on globals, only a plain
-    value the graph baked in, which also goes into ``baked_globals`` by guard name, for
-    ``SourceDigests`` to check on load), less three kinds that stand for the model's code, which the
-    entry's key covers instead (``model_code_digest`` takes the files of decorated functions):
+    constant), less three kinds that stand for the model's code, which the entry's key covers instead
+    (``model_code_digest`` takes the files of decorated functions). What the graph baked in from
+    globals and classes also goes into ``baked`` (``traced_from.BakedValue``), for the entry's record
+    to check on load: torch's saved guards on them do not hold across processes.
 
     - the identity of a code object: transformers' decorators read ``func.__code__.co_varnames``,
       and Dynamo guards that code object by identity, which precompile refuses to save;
@@ -293,7 +192,7 @@ def saveable_guards(entries: Sequence[Any], closure_names: frozenset[str] = froz
       ``apply_rotary_pos_emb`` in such a class, and every new process traced the model again (3.2 s
       against eager's 0.13 s first step). The class's code is checked instead: held in a method's
       closure it is in the key (``_local_type_files``), and its file is among the files the entry
-      was traced from (``SourceDigests``).
+      was traced from (``TracedFrom``).
 
     Without them transformers' Llama compiled whole was never cached, and each new process traced it
     again (3.7 s against eager's 0.23 s first step)."""
@@ -310,15 +209,17 @@ def saveable_guards(entries: Sequence[Any], closure_names: frozenset[str] = froz
         return ((g.name in local_objects and "TYPE_MATCH" in (g.guard_type, *g.derived_guard_types))
                 or any(f"type({o})" in g.name for o in local_objects))  # fmt: skip
 
-    def baked(g: Any) -> bool:  # a plain value read from a module global or a class, readable back by name
-        return (g.guard_type == "CONSTANT_MATCH" and isinstance(g.value, _JSON_PLAIN) and readable(g.name)
-                and (g.is_global or g.name.startswith("dict(type(")))  # fmt: skip
+    def plain_constant(g: Any) -> bool:  # a global's plain value by a simple name, which torch's guards can hold
+        return (g.guard_type == "CONSTANT_MATCH" and isinstance(g.value, (type(None), bool, int, float, str))
+                and readable(g.name))  # fmt: skip
 
-    keep = [not ((g.is_global and not baked(g)) or g.guard_type in unsaveable or in_closure(g.name)
-                 or on_local_class(g) or (isinstance(g.value, types.CodeType) and "ID_MATCH" in g.derived_guard_types))
+    mine = [in_closure(g.name) or on_local_class(g) or (isinstance(g.value, types.CodeType)
+                                                         and "ID_MATCH" in g.derived_guard_types)
             for g in entries]  # fmt: skip
-    if baked_globals is not None:
-        baked_globals.update((g.name, g.value) for g, kept in zip(entries, keep, strict=True) if kept and baked(g))
+    keep = [not (m or (g.is_global and not plain_constant(g)) or g.guard_type in unsaveable)
+            for g, m in zip(entries, mine, strict=True)]  # fmt: skip
+    if baked is not None:
+        baked += [v for g, m in zip(entries, mine, strict=True) if not m and (v := baked_value(g)) is not None]
     return keep
 
 
@@ -571,14 +472,14 @@ class CachedMethod:
         if entry is None:
             mark, counted = self.cache.backend.record.mark(), coverage.snapshot()
             try:
-                entry, traced_from = self._compile(owner, args, kwargs)
+                entry, traced, baked = self._compile(owner, args, kwargs)
             except Exception as e:  # graph break under fullgraph, an unserializable piece, ...
                 self._write(refused, f"{module_settings(owner)}\n{failure_said(e)}".encode())
                 # Its graphs never run and its graph breaks are the fallback's: those are counted.
                 self.cache.backend.record.roll_back(mark)
                 coverage.forget_since(counted)
                 return self._fall_back(f"{PRECOMPILE_FAILED} (nothing saved: each new process compiles it again)", e)
-            if self._save(entry, traced_from, path):
+            if self._save(entry, traced, baked, path):
                 self.cache.remember_state(state_file, key.state)
                 self.cache.remember_state(versions_file, self.cache.versions)
         self.entries.append(entry)
@@ -594,15 +495,17 @@ class CachedMethod:
         loading = CompileRecord(cuda_graphs=record.cuda_graphs)
         t0 = time.perf_counter()
         try:
-            sources, data = SourceDigests.split(path.read_bytes())
-            if changed := sources.changed():
+            sources, data = TracedFrom.split(path.read_bytes())
+            if changed := sources.changed_file():
                 raise RuntimeError(f"{changed} changed since it was compiled")
             with recording_loads_into(loading):
                 entry = AOTCompiledFunction.deserialize(data, self.func.__globals__,
                                                         external_closure_data=wrapped_functions(self.func))
-            if changed := sources.global_changed(entry.fn.__globals__, entry.prepare_f_locals(owner, *args, **kwargs)):
+            if changed := sources.changed_value(entry.fn.__globals__, entry.prepare_f_locals(owner, *args, **kwargs)):
                 # a setting of the model's modules, not an error: compiled for this value and saved
                 self.cache.stats["rejected"] += 1
+                if changed not in self.cache.stats["state_changed"]:
+                    self.cache.stats["state_changed"].append(changed)
                 return None
             if not entry.guard_check(owner, *args, **kwargs):
                 # Saved for what its key does not cover (a module attribute the forward branches on, as
@@ -617,9 +520,9 @@ class CachedMethod:
         record.stage_seconds["graph cache load"] += time.perf_counter() - t0
         return entry
 
-    def _compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, tuple[set[str], dict[str, Any]]]:
-        """The precompiled entry, and what it was traced from: the files Dynamo traced for it and the
-        plain values it read from module globals (``SourceDigests``)."""
+    def _compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, set[str], list[BakedValue]]:
+        """The precompiled entry, and what it was traced from (``TracedFrom``): the files Dynamo traced
+        for it, and the values it baked in from globals and classes that read back as they were."""
         from accelrun.torch_private import (
             files_traced_by_precompile,
             temporary_cache_dir,
@@ -636,11 +539,11 @@ class CachedMethod:
         # everything again (warm start 6.7 s against Inductor's 1.4 s, 2026-11-27).
         config = torch._dynamo.config
         with config.patch(enable_aot_compile=True) if hasattr(config, "enable_aot_compile") else nullcontext():
-            baked_globals: dict[str, Any] = {}
+            baked: list[BakedValue] = []
             compiled = torch.compile(self.func.__get__(owner), backend=backend, fullgraph=True,
                                      options={"guard_filter_fn": functools.partial(
                                          saveable_guards, closure_names=frozenset(self.func.__code__.co_freevars),
-                                         baked_globals=baked_globals)})  # fmt: skip
+                                         baked=baked)})  # fmt: skip
         # torch's own caches during precompile go to a throwaway folder: their keys do not cover
         # accelrun's options, so an entry left there by other options must never be found.
         with (tempfile.TemporaryDirectory(prefix="accelrun-precompile-") as tmp, temporary_cache_dir(tmp),
@@ -660,13 +563,16 @@ class CachedMethod:
             # timed here, a compile time need not be guessed from the first step.
             stages["dynamo trace"] += max(time.perf_counter() - t0 - (sum(stages.values()) - timed_before), 0.0)
         self.cache.stats["compiled"] += 1
-        return entry, (traced, baked_globals)
+        # What cannot be read back where it was traced would make every later process reject the entry.
+        f_locals = entry.prepare_f_locals(owner, *args, **kwargs)
+        baked = [v for v in baked if v.holds_in(entry.fn.__globals__, f_locals)]
+        return entry, traced, baked
 
-    def _save(self, entry: Any, traced_from: tuple[set[str], dict[str, Any]], path: Path) -> bool:
+    def _save(self, entry: Any, traced: set[str], baked: list[BakedValue], path: Path) -> bool:
         try:
             import_module_globals(entry)
             data = type(entry).serialize(entry, external_data=wrapped_functions(self.func)).serialized_data
-            self._write(path, SourceDigests.of(*traced_from).with_entry(data))
+            self._write(path, TracedFrom.of(traced, tuple(baked), imported_at=_IMPORTED_AT).with_entry(data))
             self.cache.stats["saved"] += 1
             return True
         except Exception as e:  # kept in memory for this process; the next one compiles again

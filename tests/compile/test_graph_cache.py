@@ -186,24 +186,6 @@ def test_an_edited_helper_in_another_file_is_compiled_again(tmp_path):
     assert edited["out"] == pytest.approx(first["out"] * 1.5, rel=1e-5)
 
 
-def test_source_digests_travel_with_the_entry_and_refuse_a_file_edited_in_this_process(tmp_path):
-    from accelrun.compile import graph_cache
-    from accelrun.compile.graph_cache import SourceDigests
-
-    helper = tmp_path / "helper.py"
-    helper.write_text("def act(x):\n    return x\n")
-    os.utime(helper, (graph_cache._IMPORTED_AT - 60,) * 2)  # written before this process started
-    sources = SourceDigests.of({str(helper), "<string>", torch.nn.functional.__file__})  # torch's left out
-    assert list(sources.digests) == [str(helper)]
-    again, entry = SourceDigests.split(sources.with_entry(b"entry\nbytes"))
-    assert again == sources and entry == b"entry\nbytes" and again.changed() is None
-    with pytest.raises(RuntimeError, match="no record of the files"):
-        SourceDigests.split(b"an entry from before")
-    os.utime(helper)  # edited now: the code this process traced may be the older one
-    with pytest.raises(RuntimeError, match="changed while this process ran"):
-        SourceDigests.of({str(helper)})
-
-
 # The same kind of model, its helper's scale a module global read from the environment at import.
 SETTING_HELPER = "import os\nimport torch\n\nSCALE = float(os.environ['USER_SCALE'])\n\ndef act(x):\n    return torch.relu(x) * SCALE\n"
 
@@ -212,7 +194,7 @@ def test_a_global_setting_that_changed_between_processes_is_compiled_again(tmp_p
     """A module global the graph baked in (``helpers.SCALE``, read from the environment at import):
     torch rebuilds a loaded entry's guard on it against the module as it is now, so the guard always
     passed, and a process with another value trained the old value's graph (found 2026-12-06 evening).
-    The entry's record holds the value (``SourceDigests.global_values``); a process with another one
+    The entry's record holds the value (``TracedFrom.values``); a process with another one
     compiles anew, at eager's result, and one with the same value loads."""
     for name, text in {**USER_MODEL, "userpkg/helpers.py": SETTING_HELPER}.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
@@ -235,68 +217,56 @@ def test_a_global_setting_that_changed_between_processes_is_compiled_again(tmp_p
     assert three["out"] == pytest.approx(two["out"] * 1.5, rel=1e-5)
 
 
-def test_the_record_reads_a_value_back_by_its_guards_name():
-    import types as pytypes
-
-    from accelrun.compile.graph_cache import SourceDigests, global_said
-
-    helpers = pytypes.SimpleNamespace(SCALE=2.0)
-    scope = {"SCALE": 1, "__import_userpkg_dot_helpers": helpers}
-    record = SourceDigests({}, {"G['SCALE']": 1, "G['__import_userpkg_dot_helpers'].SCALE": 2.0})
-    assert record.global_changed(scope, {}) is None
-    helpers.SCALE = 3.0
-    assert record.global_changed(scope, {}) == "userpkg.helpers.SCALE is 3.0, compiled for 2.0"
-    assert SourceDigests({}, {"G['SCALE']": 1}).global_changed({"SCALE": 1.0}, {}) == "SCALE is 1.0, compiled for 1"
-    assert SourceDigests({}, {"G['gone']": True}).global_changed({}, {}) == "gone is unreadable, compiled for True"
-    assert global_said("x.y") == "x.y"
-    again, _ = SourceDigests.split(record.with_entry(b"e"))
-    assert again.global_values == record.global_values
-    settings = SourceDigests({}, {"G['S']['scale']": 2.0, "G['L'][-1]": 1, "G['C'].inner['k'][0]": "a"})
-    assert settings.global_changed({"S": {"scale": 2.0}, "L": [0, 1], "C": pytypes.SimpleNamespace(inner={"k": "ab"})},
-                                   {}) is None  # fmt: skip
-    assert settings.global_changed({"S": {"scale": 4.0}, "L": [0, 1], "C": None}, {}) == "S['scale'] is 4.0, compiled for 2.0"
-    assert settings.global_changed({"S": {"scale": 2.0}, "L": [], "C": None}, {}) == "L[-1] is unreadable, compiled for 1"
-
-    class Block(torch.nn.Module):  # a class attribute a script sets, read by the forward through the class
-        SCALE = 2.0
-
-    owner = Block()
-    on_class = SourceDigests({}, {"dict(type(self).__dict__)['SCALE']": 2.0, "dict(type(self.sub).__dict__)['N']": 1})
-    class Sub:
-        N = 1
-
-    owner.sub = Sub()
-    assert on_class.global_changed({}, {"self": owner}) is None
-    Block.SCALE = 3.0
-    assert on_class.global_changed({}, {"self": owner}) == "type(self).SCALE is 3.0, compiled for 2.0"
-    # the class's own attribute, as the guard reads it: an instance's value of that name does not count
-    Block.SCALE, owner.SCALE = 2.0, 5.0
-    assert on_class.global_changed({}, {"self": owner}) is None
+# Values a graph bakes in that torch's saved guards did not hold across processes (review of 2026-12-06):
+# (what the model's forward computes, the helpers module, what the script sets first, the two values).
+FORWARD = "        return act(self.lin(x)).sum()"
+BAKED_CASES = {
+    "a class attribute a script sets": (
+        "        return (act(self.lin(x)) * self.scale).sum()", USER_MODEL["userpkg/helpers.py"],
+        "from userpkg.model import Net\nNet.scale = float(os.environ['USER_SCALE'])\n", ("2", "3")),
+    "a base class's attribute": (
+        "        return (act(self.lin(x)) * self.scale).sum()", USER_MODEL["userpkg/helpers.py"],
+        "import torch\ntorch.nn.Module.scale = float(os.environ['USER_SCALE'])\n", ("2", "3")),
+    "a global tuple's length": (
+        "        y = act(self.lin(x))\n        for w in helpers.WEIGHTS:\n            y = y * w\n        return y.sum()",
+        USER_MODEL["userpkg/helpers.py"] + "\nimport os\nWEIGHTS = tuple(float(w) for w in os.environ['USER_SCALE'].split(','))\n",
+        "", ("2", "2,1.5")),
+    "a dtype chosen at import": (
+        "        return act(self.lin(x)).to(helpers.DT).sum()",
+        USER_MODEL["userpkg/helpers.py"] + "\nimport os\nDT = torch.float64 if os.environ['USER_SCALE'] == '64' else torch.float32\n",
+        "", ("32", "64")),
+}  # fmt: skip
 
 
-def test_a_class_attribute_set_between_processes_is_compiled_again(tmp_path):
-    """A script that sets a setting on the model's class (``Net.scale = ...``): the graph reads it
-    through ``type(self)``, and torch rebuilt that guard on the loaded model's class as it is now."""
-    model = USER_MODEL["userpkg/model.py"].replace("        return act(self.lin(x)).sum()",
-                                                   "        return (act(self.lin(x)) * self.scale).sum()")
-    for name, text in {**USER_MODEL, "userpkg/model.py": model}.items():
+@pytest.mark.parametrize("case", sorted(BAKED_CASES))
+def test_a_value_the_graph_baked_in_that_changed_between_processes_is_compiled_again(tmp_path, case):
+    """A class attribute (``Net.scale = ...`` in a script), a base class's, a global tuple's length, a
+    dtype: torch rebuilt a loaded entry's guards on them against the class or module as it is now (or
+    dropped them), and a new process with another value trained the old value's graph. The entry's
+    record (``traced_from.TracedFrom``) holds them, a process with another one compiles anew, and one
+    with the same value loads."""
+    forward, helpers, prelude, (first, second) = BAKED_CASES[case]
+    model = USER_MODEL["userpkg/model.py"].replace(FORWARD, forward).replace(
+        "from userpkg.helpers import act", "from userpkg import helpers\nfrom userpkg.helpers import act")
+    for name, text in {**USER_MODEL, "userpkg/model.py": model, "userpkg/helpers.py": helpers}.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
-    script = USER_RUN.replace("from userpkg.model import Net\n",
-                              "import os\nfrom userpkg.model import Net\nNet.scale = float(os.environ['USER_SCALE'])\n")
+    script = "import os\n" + prelude + USER_RUN
 
-    def run(scale: str) -> dict:
-        env = {**os.environ, "ACCELRUN_CACHE_DIR": str(tmp_path / "cache"), "USER_SCALE": scale,
+    def run(value: str) -> dict:
+        env = {**os.environ, "ACCELRUN_CACHE_DIR": str(tmp_path / "cache"), "USER_SCALE": value,
                "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}  # fmt: skip
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                               cwd=tmp_path, timeout=600)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    two, three, three_again = run("2"), run("3"), run("3")
-    assert three["cache"]["loaded"] == 0 and three["cache"]["rejected"] == 1, three["cache"]
-    assert three_again["cache"]["loaded"] == 1, three_again["cache"]
-    for result in (two, three, three_again):
+    before, after, again = run(first), run(second), run(second)
+    assert before["cache"]["saved"] == 1, before["cache"]
+    assert after["cache"]["loaded"] == 0 and after["cache"]["rejected"] == 1, after["cache"]
+    assert after["cache"]["state_changed"], after["cache"]  # said: the graphs held are for another value
+    assert again["cache"]["loaded"] == 1, again["cache"]
+    for result in (before, after, again):
         assert result["out"] == pytest.approx(result["eager"], rel=1e-5), result
 
 

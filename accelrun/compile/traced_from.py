@@ -1,0 +1,221 @@
+"""What a graph-cache entry was traced from that neither its key nor torch's saved guards check across
+processes, written in the entry's file ahead of it and checked before it loads (``TracedFrom``):
+
+- the sha256 of each file Dynamo traced for it (``files_traced_by_precompile``). The key covers the
+  model's classes and the functions their methods wrap, but not a helper a forward calls from another
+  file: edited, its old graph loaded and trained on (``x * 2`` edited to ``x * 3`` gave ``x * 2``'s
+  result). torch's files are left out (its version is in the key) and so are accelrun's (its sources
+  are); so is code with no file (a dataclass's generated ``__init__``, ``exec``).
+- the values the graph baked in from module globals (``G['SCALE']``, ``G['__import_mylib'].BOOST``,
+  ``G['SETTINGS']['scale']``, a tuple's length, a dict's keys, a dtype, an enum member, a function
+  chosen at import) and from classes (``dict(type(self).__dict__)['SCALE']``, a base class's through
+  ``__mro__``): ``BakedValue``, one per guard Dynamo wrote on them. torch's precompile drops guards on
+  globals, and rebuilds a loaded entry's guards on what it reads through a module or a class against
+  that module or class as it is now, so they always passed: a setting a module reads from the
+  environment at import, or one a script sets on a class, changed, and the graph compiled for the old
+  value was loaded (a helper's ``* 3`` trained with ``* 2``'s graph: 22.96 against eager's 34.43).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import accelrun
+
+# A guard's name for a module global or an argument (``G['CFG']``, ``self``), then attributes and
+# constant subscripts (``.mult``, ``['scale']``, ``[0]``); or a class's own attribute, read through
+# the type of such a path or one of its bases (``dict(type(self).__mro__[1].__dict__)['SCALE']``).
+_PATH = r"(?:G\['[^']+'\]|[A-Za-z_]\w*)(?:\.[A-Za-z_]\w*|\['[^']*'\]|\[-?\d+\])*"
+_PATH_STEP = re.compile(r"G\['([^']+)'\]|^([A-Za-z_]\w*)|\.([A-Za-z_]\w*)|\['([^']*)'\]|\[(-?\d+)\]")
+_CLASS_ATTRIBUTE = re.compile(rf"dict\(type\(({_PATH})\)(?:\.__mro__\[(\d+)\])?\.__dict__\)\['(\w+)'\]")
+_UNREADABLE = object()
+
+# How a guard reads what it checks, by Dynamo's guard type: the value itself, its length, its keys.
+_VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "ID_MATCH", "CLOSURE_MATCH", "BUILTIN_MATCH",
+                           "FUNCTION_MATCH"})  # fmt: skip
+_LENGTH_GUARDS = frozenset({"SEQUENCE_LENGTH", "LENGTH_CHECK"})
+_KEYS_GUARDS = frozenset({"DICT_KEYS_MATCH", "DICT_KEYS"})
+_PLAIN = (type(None), bool, int, float, str)  # what JSON holds as it is
+
+
+def fingerprint(value: Any) -> Any:
+    """``value`` as the record keeps it (JSON, the same in every process that has the same value), or
+    ``_UNREADABLE`` for a value it cannot hold (an object's identity, a tensor)."""
+    if isinstance(value, enum.Enum):  # before the plain types: a str enum is a str (kernels' Action)
+        return f"enum {type(value).__module__}.{type(value).__qualname__}.{value.name}"
+    if type(value) in _PLAIN:
+        return value
+    if isinstance(value, (torch.dtype, torch.device)):
+        return f"torch {value}"
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+        return f"function {getattr(value, '__module__', None)}.{value.__qualname__}"
+    if isinstance(value, tuple) and all(type(v) in _PLAIN for v in value):
+        return list(value)
+    return _UNREADABLE
+
+
+@dataclass(frozen=True)
+class BakedValue:
+    """One value a graph read from a module global or a class, by the name of Dynamo's guard on it."""
+
+    name: str
+    kind: str  # "value" | "len" | "keys": what of it the guard checks
+    value: Any  # JSON: a fingerprint, a length, a list of keys
+
+    def now(self, scope: dict[str, Any], f_locals: dict[str, Any]) -> Any:
+        """What the guard reads now, as the record keeps it, or ``_UNREADABLE``."""
+        value = guarded_value(self.name, scope, f_locals)
+        if value is _UNREADABLE:
+            return value
+        try:
+            if self.kind == "len":
+                return len(value)
+            if self.kind == "keys":
+                keys = list(value.keys())
+                return keys if all(type(k) in _PLAIN for k in keys) else _UNREADABLE
+        except (AttributeError, TypeError):
+            return _UNREADABLE
+        return fingerprint(value)
+
+    def holds_in(self, scope: dict[str, Any], f_locals: dict[str, Any]) -> bool:
+        """Whether it reads back as the entry's file will keep it (through JSON): where it was traced, one
+        that does not would make every later process reject the entry."""
+        return same(self.now(scope, f_locals), json.loads(json.dumps(self.value)))
+
+    def said(self, now: Any) -> str:
+        """``userpkg.helpers.SCALE = 2.0 (3.0 now)``: the value the graphs hold, and this process's."""
+        what = {"len": f"len({said_name(self.name)})", "keys": f"the keys of {said_name(self.name)}"}.get(
+            self.kind, said_name(self.name))
+        return f"{what} = {self.value!r} ({'unreadable' if now is _UNREADABLE else repr(now)} now)"
+
+
+def baked_value(guard: Any) -> BakedValue | None:
+    """The ``BakedValue`` a guard Dynamo wrote stands for, or None: a guard on something else (an
+    input, the model's own attributes, which torch's saved guards check), or one the record cannot
+    read back by its name or hold (an object's identity)."""
+    if not (guard.is_global or guard.name.startswith("dict(type(")) or not readable(guard.name):
+        return None
+    if guard.name.startswith("G['__builtins"):  # Dynamo's own name for the builtins, not in a loading frame
+        return None
+    types_ = {guard.guard_type, *guard.derived_guard_types}
+    if types_ & _LENGTH_GUARDS:
+        kind, value = "len", len(guard.value) if hasattr(guard.value, "__len__") else _UNREADABLE
+    elif types_ & _KEYS_GUARDS and isinstance(guard.value, dict):
+        kind, value = "keys", list(guard.value.keys())
+    elif types_ & _VALUE_GUARDS and not isinstance(guard.value, types.ModuleType):
+        kind, value = "value", fingerprint(guard.value)
+    else:
+        return None
+    if value is _UNREADABLE or (kind == "keys" and not all(type(k) in _PLAIN for k in value)):
+        return None
+    return BakedValue(guard.name, kind, value)
+
+
+def readable(name: str) -> bool:
+    """Whether ``guarded_value`` can read a guard of this name."""
+    return re.fullmatch(_PATH, name) is not None or _CLASS_ATTRIBUTE.fullmatch(name) is not None
+
+
+def guarded_value(name: str, scope: dict[str, Any], f_locals: dict[str, Any]) -> Any:
+    """The value a guard's name reads now, from a frame's globals (``G[...]``) and its arguments,
+    or ``_UNREADABLE``."""
+    try:
+        if m := _CLASS_ATTRIBUTE.fullmatch(name):
+            owner = guarded_value(m.group(1), scope, f_locals)
+            cls = type(owner).__mro__[int(m.group(2) or 0)]
+            return vars(cls)[m.group(3)]
+        if re.fullmatch(_PATH, name) is None:
+            return _UNREADABLE
+        value: Any = None
+        for global_name, local, attr, key, index in _PATH_STEP.findall(name):
+            value = (scope[global_name] if global_name else f_locals[local] if local else getattr(value, attr) if attr
+                     else value[key] if not index else value[int(index)])  # fmt: skip
+        return value
+    except (AttributeError, LookupError, TypeError):
+        return _UNREADABLE
+
+
+def said_name(name: str) -> str:
+    """A guard's name as a user writes it: ``G['__import_mylib'].BOOST`` is ``mylib.BOOST``,
+    ``dict(type(self).__dict__)['SCALE']`` is ``type(self).SCALE``."""
+    name = _CLASS_ATTRIBUTE.sub(lambda m: f"type({m.group(1)})" + (f".__mro__[{m.group(2)}]" if m.group(2) else "")
+                                + f".{m.group(3)}", name)  # fmt: skip
+    return re.sub(r"G\['([^']+)'\]", lambda m: m.group(1).removeprefix("__import_").replace("_dot_", "."), name)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal as the record compares: of one type (True is not 1), NaN equal to NaN."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(a == b)
+
+
+@functools.cache
+def file_digest(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class TracedFrom:
+    """The files an entry was traced from, by digest, and the values it baked in (module docstring)."""
+
+    files: dict[str, str]
+    values: tuple[BakedValue, ...] = field(default=())
+
+    MAGIC = b"accelrun-sources "  # the entry file's first line: this, the record as JSON, a newline
+
+    @classmethod
+    def of(cls, files: set[str], values: tuple[BakedValue, ...] = (), imported_at: float = float("inf")) -> TracedFrom:
+        """The record of ``files`` as they are now; refused when one changed after ``imported_at`` (the code
+        this process traced may be the older)."""
+        skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(accelrun.__file__) + os.sep)
+        paths = [f for f in sorted({os.path.abspath(f) for f in files if os.path.isfile(f)}) if not f.startswith(skip)]
+        if edited := [f for f in paths if os.stat(f).st_mtime > imported_at]:
+            raise RuntimeError(f"{edited[0]} changed while this process ran (its traced code may be older)")
+        return cls({f: file_digest(f) for f in paths}, tuple(values))
+
+    def with_entry(self, data: bytes) -> bytes:
+        record = {"files": self.files, "values": [[v.name, v.kind, v.value] for v in self.values]}
+        return self.MAGIC + json.dumps(record).encode() + b"\n" + data
+
+    @classmethod
+    def split(cls, data: bytes) -> tuple[TracedFrom, bytes]:
+        """(the record, the entry's bytes) of an entry file."""
+        header, _, entry = data.partition(b"\n")
+        if not header.startswith(cls.MAGIC):
+            raise RuntimeError("no record of the files it was traced from")
+        record = json.loads(header[len(cls.MAGIC):])
+        values = tuple(BakedValue(name, kind, value) for name, kind, value in record.get("values", []))
+        return cls(dict(record.get("files", {})), values), entry
+
+    def changed_file(self) -> str | None:
+        """The first file that is gone or differs from when the entry was compiled, or None."""
+        for path, digest in self.files.items():
+            if not os.path.isfile(path) or file_digest(path) != digest:
+                return path
+        return None
+
+    def changed_value(self, scope: dict[str, Any], f_locals: dict[str, Any]) -> str | None:
+        """The first baked value that reads otherwise now, from the loading frame's globals and its
+        arguments, in words; None when all read as traced. One that cannot be read there is let pass:
+        a name Dynamo gave its own helpers in the tracing frame, which a loading frame need not have;
+        a user's global that is gone is an edit of a traced file, which ``changed_file`` finds."""
+        for v in self.values:
+            now = v.now(scope, f_locals)
+            if now is not _UNREADABLE and not same(now, v.value):
+                return v.said(now)
+        return None

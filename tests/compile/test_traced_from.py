@@ -1,0 +1,121 @@
+"""What a graph-cache entry records of what it was traced from (accelrun.compile.traced_from): the files'
+digests and the values baked in from globals and classes, read back by Dynamo's guard names."""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import types
+
+import pytest
+import torch
+
+from accelrun.compile import graph_cache
+from accelrun.compile.traced_from import BakedValue, TracedFrom, baked_value, fingerprint, said_name, same
+
+
+def _guard(name, value, guard_type="CONSTANT_MATCH", derived=(), is_global=True):
+    return types.SimpleNamespace(name=name, value=value, guard_type=guard_type, derived_guard_types=derived,
+                                 is_global=is_global)  # fmt: skip
+
+
+def test_file_digests_travel_with_the_entry_and_refuse_a_file_edited_in_this_process(tmp_path):
+    helper = tmp_path / "helper.py"
+    helper.write_text("def act(x):\n    return x\n")
+    os.utime(helper, (graph_cache._IMPORTED_AT - 60,) * 2)  # written before this process started
+    record = TracedFrom.of({str(helper), "<string>", torch.nn.functional.__file__},
+                           imported_at=graph_cache._IMPORTED_AT)  # torch's left out
+    assert list(record.files) == [str(helper)]
+    again, entry = TracedFrom.split(record.with_entry(b"entry\nbytes"))
+    assert again == record and entry == b"entry\nbytes" and again.changed_file() is None
+    with pytest.raises(RuntimeError, match="no record of the files"):
+        TracedFrom.split(b"an entry from before")
+    os.utime(helper)  # edited now: the code this process traced may be the older one
+    with pytest.raises(RuntimeError, match="changed while this process ran"):
+        TracedFrom.of({str(helper)}, imported_at=graph_cache._IMPORTED_AT)
+
+
+class Mode(enum.Enum):
+    FAST = 1
+    SAFE = 2
+
+
+def test_values_are_read_back_by_the_guards_names_and_said_as_a_user_writes_them():
+    helpers = types.SimpleNamespace(SCALE=2.0)
+    scope = {"SCALE": 1, "__import_userpkg_dot_helpers": helpers, "S": {"scale": 2.0}, "L": (0, 1),
+             "MODE": Mode.FAST, "DT": torch.float32, "ACT": torch.relu}  # fmt: skip
+    record = TracedFrom({}, (BakedValue("G['SCALE']", "value", 1),
+                             BakedValue("G['__import_userpkg_dot_helpers'].SCALE", "value", 2.0),
+                             BakedValue("G['S']['scale']", "value", 2.0), BakedValue("G['L'][-1]", "value", 1),
+                             BakedValue("G['L']", "len", 2), BakedValue("G['S']", "keys", ["scale"]),
+                             BakedValue("G['MODE']", "value", fingerprint(Mode.FAST)),
+                             BakedValue("G['DT']", "value", "torch torch.float32"),
+                             BakedValue("G['ACT']", "value", fingerprint(torch.relu))))  # fmt: skip
+    assert record.changed_value(scope, {}) is None
+    again, _ = TracedFrom.split(record.with_entry(b"e"))
+    assert again == record and again.changed_value(scope, {}) is None  # as JSON keeps them
+    for change, said in [
+        ({"__import_userpkg_dot_helpers": types.SimpleNamespace(SCALE=3.0)}, "userpkg.helpers.SCALE = 2.0 (3.0 now)"),
+        ({"SCALE": 1.0}, "SCALE = 1 (1.0 now)"),  # of one type: 1.0 is not 1
+        ({"SCALE": True}, "SCALE = 1 (True now)"),
+        ({"S": {"scale": 4.0}}, "S['scale'] = 2.0 (4.0 now)"),
+        ({"S": {"scale": 2.0, "more": 1}}, "the keys of S = ['scale'] (['scale', 'more'] now)"),
+        ({"L": (0, 2)}, "L[-1] = 1 (2 now)"),
+        ({"L": (5, 1, 1)}, "len(L) = 2 (3 now)"),
+        ({"MODE": Mode.SAFE}, "MODE = 'enum "),
+        ({"DT": torch.float64}, "DT = 'torch torch.float32' ('torch torch.float64' now)"),
+        ({"ACT": torch.tanh}, "ACT = 'function "),
+    ]:
+        assert (record.changed_value({**scope, **change}, {}) or "").startswith(said), (change, said)
+    missing = dict(scope)  # a name the loading frame lacks cannot be checked there: let pass (see changed_value)
+    del missing["SCALE"]
+    assert record.changed_value(missing, {}) is None
+    assert said_name("x.y") == "x.y"
+
+
+def test_a_class_attribute_is_read_from_the_class_or_the_base_the_guard_names():
+    class Base(torch.nn.Module):
+        SCALE = 2.0
+
+    class Block(Base):
+        N = 1
+
+    owner = Block()
+    record = TracedFrom({}, (BakedValue("dict(type(self).__dict__)['N']", "value", 1),
+                             BakedValue("dict(type(self).__mro__[1].__dict__)['SCALE']", "value", 2.0)))  # fmt: skip
+    assert record.changed_value({}, {"self": owner}) is None
+    Base.SCALE = 3.0
+    assert record.changed_value({}, {"self": owner}) == "type(self).__mro__[1].SCALE = 2.0 (3.0 now)"
+    # the class's own attribute, as the guard reads it: an instance's value of that name does not count
+    Base.SCALE, owner.SCALE = 2.0, 5.0
+    assert record.changed_value({}, {"self": owner}) is None
+
+
+def test_nan_is_the_same_as_nan_and_a_value_of_another_type_is_not():
+    assert same(math.nan, math.nan) and same([1, "a"], [1, "a"]) and same(None, None)
+    assert not same(1, True) and not same(1, 1.0) and not same(0.0, math.nan)
+
+
+def test_which_guards_become_baked_values():
+    """On globals and read through classes; of a value the record can hold; with a name it can read."""
+    cases = [
+        (_guard("G['SCALE']", 2.0), BakedValue("G['SCALE']", "value", 2.0)),
+        (_guard("G['W']", (1.0, 2.0), "SEQUENCE_LENGTH", ("TYPE_MATCH", "SEQUENCE_LENGTH")),
+         BakedValue("G['W']", "len", 2)),
+        (_guard("G['D']", {"a": 1}, "DICT_KEYS_MATCH"), BakedValue("G['D']", "keys", ["a"])),
+        (_guard("G['DT']", torch.bfloat16), BakedValue("G['DT']", "value", "torch torch.bfloat16")),
+        (_guard("G['MODE']", Mode.SAFE, "ID_MATCH", ("ID_MATCH",)),
+         BakedValue("G['MODE']", "value", f"enum {__name__}.Mode.SAFE")),
+        (_guard("G['ACT']", torch.relu, "ID_MATCH", ("ID_MATCH",)), BakedValue("G['ACT']", "value", fingerprint(torch.relu))),
+        (_guard("dict(type(self).__mro__[2].__dict__)['K']", "x", is_global=False),
+         BakedValue("dict(type(self).__mro__[2].__dict__)['K']", "value", "x")),
+        (_guard("G['torch']", torch, "MODULE_MATCH", ("ID_MATCH",)), None),  # a module: the same in every process
+        (_guard("G['OBJ']", object(), "ID_MATCH", ("ID_MATCH",)), None),     # an identity: nothing to compare
+        (_guard("G['T']", torch.ones(1), "TENSOR_MATCH"), None),
+        (_guard("self.scale", 2.0, is_global=False), None),                  # the model's own: torch's guards hold it
+        (_guard("G['f'].__defaults__[0]()", 1), None),                       # a name it cannot read back
+        (_guard("G['D']", {"a": 1, object(): 2}, "DICT_KEYS_MATCH"), None),
+    ]  # fmt: skip
+    for guard, expected in cases:
+        assert baked_value(guard) == expected, guard.name
