@@ -57,7 +57,7 @@ class ResolvedConfig:
 
         Checkpoints carry it, so ``checkpoint.resume: auto`` only continues a run with the same one.
         """
-        return values_hash({k: v for k, v in self.to_dict().items() if k not in NOT_TRAINING})
+        return training_hash_of(self.to_dict())
 
     def explain(self) -> list[tuple[str, Any, Source]]:
         """(dotted key, value, source) for every leaf value of the resolved config."""
@@ -72,6 +72,11 @@ class ResolvedConfig:
 
         walk(self.to_dict(), ())
         return rows
+
+
+def training_hash_of(values: dict[str, Any]) -> str:
+    """``ResolvedConfig.training_hash`` of resolved values (a run folder's config.yaml, read back)."""
+    return values_hash({k: v for k, v in values.items() if k not in NOT_TRAINING})
 
 
 def explain_text(resolved: ResolvedConfig) -> str:

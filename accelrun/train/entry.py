@@ -13,12 +13,13 @@ import os
 from pathlib import Path
 
 import torch
+import yaml
 from rich.console import Console
 from rich.markup import escape
 
 from accelrun.config import ConfigError, ResolvedConfig
 from accelrun.config.preflight import preflight
-from accelrun.config.resolve import explain_text
+from accelrun.config.resolve import explain_text, training_hash_of
 from accelrun.consoles import DiagnosticConsole
 from accelrun.dist import stop
 from accelrun.dist.launch import JobOutcome, launch_job
@@ -75,7 +76,7 @@ def train(
         console.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
     check_trackers(cfg.report.trackers)  # a missing tracker package: exit 2 before any work
     launch = launch or LaunchOptions()
-    run_dir, node = _run_dir_for(cfg, launch)
+    run_dir, node = _run_dir_for(resolved, launch)
     # Caught from here on: a signal during setup stops the run after its first step, with a checkpoint.
     with hold_run_lock(run_dir, node), stop.catch_signals():
         write_text_atomic(resolved.to_yaml(), run_dir / "config.yaml")
@@ -103,8 +104,9 @@ def _warn_if_late(result: TrainResult, console: Console) -> TrainResult:
     return result
 
 
-def _run_dir_for(cfg, launch: LaunchOptions) -> tuple[Path, int]:
+def _run_dir_for(resolved: ResolvedConfig, launch: LaunchOptions) -> tuple[Path, int]:
     """A new run directory; for a job on several nodes, the one directory all of them share."""
+    cfg = resolved.config
     if cfg.parallel.nnodes == 1:
         return create_run_dir(cfg.report.runs_dir, cfg.name), 0
     if not launch.rdzv_id or launch.node_rank is None or not launch.rdzv_endpoint:
@@ -113,9 +115,27 @@ def _run_dir_for(cfg, launch: LaunchOptions) -> tuple[Path, int]:
             "--rdzv-endpoint HOST:PORT, and its own --node-rank"
         )
     try:
-        return job_run_dir(cfg.report.runs_dir, cfg.name, launch.rdzv_id), launch.node_rank
+        run_dir = job_run_dir(cfg.report.runs_dir, cfg.name, launch.rdzv_id)
     except ValueError as e:
         raise ConfigError(f"--rdzv-id: {e}") from None
+    _refuse_another_training(run_dir, resolved, launch.rdzv_id)
+    return run_dir, launch.node_rank
+
+
+def _refuse_another_training(job_dir: Path, resolved: ResolvedConfig, job_id: str) -> None:
+    """A job's folder is entered again when the job is requeued, and continues its own run there. The
+    same id given to another training would have written its recipe over the run's, which a new
+    user found beside the run's own report (and checkpoints it could not continue): exit 2 instead."""
+    try:
+        held = yaml.safe_load((job_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return
+    if not isinstance(held, dict) or not (job_dir / "metrics.jsonl").exists():
+        return
+    if (theirs := training_hash_of(held)) != resolved.training_hash:
+        raise ConfigError(f"--rdzv-id {job_id}: {job_dir} holds this job id's run of another training (training hash "
+                          f"{theirs}, this recipe's {resolved.training_hash}); give a new --rdzv-id to start a new "
+                          "run, or the same recipe to continue that one")
 
 
 def _launched_result(run_dir: Path, outcome: JobOutcome, console: Console) -> TrainResult:

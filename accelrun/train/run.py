@@ -74,6 +74,11 @@ def _steps_recorded(run_dir: Path) -> bool:
     return (metrics.exists() and metrics.stat().st_size > 0) or any((run_dir / "checkpoints").glob("*"))
 
 
+def _continues_itself(resumed_from: Path | None, run_dir: Path) -> bool:
+    """Whether the checkpoint resumed from is this folder's own (a requeued multi-node job's)."""
+    return resumed_from is not None and resumed_from.parent.parent == run_dir
+
+
 def _remove_unused(run_dir: Path, console: Console | None) -> None:
     """A folder in which nothing ran (a recipe or model error before any step finished) is removed, so
     that no folder looks like an interrupted run to ``runs list`` and resume."""
@@ -135,11 +140,13 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
         if console is not None:
             console.print(f"nothing to train: {s.resumed_from} is at step {s.start_step} and train.steps = "
                           f"{cfg.train.steps}; raise train.steps to go on", markup=False)
-        if main:
+        # The new folder goes; a multi-node job's own folder, entered again, is the finished run itself
+        # (a new user's rerun of a finished job deleted its report, metrics and checkpoints).
+        if main and not _continues_itself(s.resumed_from, run_dir):
             shutil.rmtree(run_dir, ignore_errors=True)
         return TrainResult(run_dir, "nothing-to-do", None)
 
-    if main and s.resumed_from is not None and s.resumed_from.parent.parent == run_dir:
+    if main and _continues_itself(s.resumed_from, run_dir):
         forget_steps_after(run_dir / "metrics.jsonl", s.start_step)  # they are about to be redone
     progress = (TrainProgress(cfg.train.steps, s.start_step, cfg.report.progress, cfg.report.log_every, console,
                               ranks=s.ctx.world_size)

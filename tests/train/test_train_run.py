@@ -299,3 +299,29 @@ def test_the_report_says_the_learning_rate_trained_with(tiny):
     row = next(line for line in (whole.run_dir / "report.md").read_text().splitlines()
                if line.startswith("| learning rate |"))
     assert "→ 0.001 (step 1) →" in row and "never reached" not in row, row
+
+
+def test_a_job_folder_entered_again_after_its_run_finished_is_kept_and_another_training_refused(tiny):
+    """A multi-node job's folder (runs/<name>/job-<id>) is entered again when the job is requeued. A
+    new user reran a finished two-node job with the same --rdzv-id: "nothing to train", and the
+    finished run's report, metrics and checkpoints were deleted with the folder; another recipe under
+    the same id wrote its config over the finished run's. Both are refused now: the folder is kept,
+    and another training exits 2 before anything is written."""
+    from rich.console import Console
+
+    from accelrun.config import ConfigError
+    from accelrun.train.entry import _refuse_another_training
+    from accelrun.train.run import run_in_dir
+
+    resolved = load_config(DEFAULT_CONFIG, tiny(2, "checkpoint.every=2", "compile.backend=eager"))
+    done = train(resolved)
+    assert done.status == "finished" and complete_checkpoints(done.run_dir / "checkpoints")
+    # as the requeued job's rank would: the same folder, its own checkpoint at the last step
+    again = run_in_dir(resolved, done.run_dir, None, Console(quiet=True))
+    assert again.status == "nothing-to-do"
+    assert (done.run_dir / "report.json").is_file() and (done.run_dir / "metrics.jsonl").is_file()
+    assert complete_checkpoints(done.run_dir / "checkpoints")
+    _refuse_another_training(done.run_dir, resolved, "j1")  # the same training: continued, not refused
+    other = load_config(DEFAULT_CONFIG, tiny(4, "checkpoint.every=2", "compile.backend=eager"))
+    with pytest.raises(ConfigError, match=r"--rdzv-id j1: .* holds this job id's run of another training"):
+        _refuse_another_training(done.run_dir, other, "j1")
