@@ -33,7 +33,11 @@ def command(ref: Path, hf_out: Path, max_shard_gb: float) -> None:
         raise UserError(f"--hf: {hf_out} is a file; give a folder (created if missing)")
     checkpoint, _ = find_checkpoint(ref, "to export")  # which one REF names (a run: its newest), once
     removed: list[Path] = []
-    written = export_checkpoint(checkpoint, hf_out, max_shard_bytes=int(max_shard_gb * 2**30), removed=removed)
+    notes: list[str] = []
+    written = export_checkpoint(checkpoint, hf_out, max_shard_bytes=int(max_shard_gb * 2**30), removed=removed,
+                                notes=notes)
+    for note in notes:
+        err.print(f"note: {note}", markup=False, highlight=False)
     out.print(f"wrote {len(written)} files to {hf_out} from {checkpoint}: " + ", ".join(p.name for p in written),
               markup=False, highlight=False)
     if removed:  # an earlier export's shards: transformers could have loaded them instead of these

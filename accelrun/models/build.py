@@ -212,16 +212,22 @@ def _kwargs_fix(signature: Any, kwargs: dict[str, Any]) -> str:
 
 
 def embedding_rows(model: nn.Module) -> int | None:
-    """The token ids a user's model takes: the rows of the ``nn.Embedding`` whose rows equal the width of
-    its last ``nn.Linear`` (the output head, registered last in the models users write). A position
-    table does not match, whatever its size. None when nothing matches (no ``nn.Embedding``, a token
-    table kept as a bare parameter, a head of another width): the recipe's model.vocab_size then counts."""
+    """The token ids a user's model takes: the rows of its token table (``token_table``), or None when
+    it cannot be told (no ``nn.Embedding``, a token table kept as a bare parameter, a head of another
+    width): the recipe's model.vocab_size then counts."""
+    table = token_table(model)
+    return None if table is None else table.num_embeddings
+
+
+def token_table(model: nn.Module) -> nn.Embedding | None:
+    """The first ``nn.Embedding`` whose rows equal the width of the model's last ``nn.Linear`` (the
+    output head, registered last in the models users write). A position table does not match,
+    whatever its size, unless it is as long as the vocabulary is wide."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if not linears:
         return None
     head = linears[-1].out_features
-    rows = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings == head]
-    return rows[0] if rows else None
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings == head), None)
 
 
 def data_vocab(cfg: ModelConfig, model: nn.Module) -> tuple[int, str | None]:
@@ -304,18 +310,21 @@ def takes_document_positions(model: nn.Module) -> bool:
     return "positions_BT" in forward_parameters(model)
 
 
-# A user's model's learned position table, by its name: GPT-2's and nanoGPT's ``wpe``, OPT's
-# ``embed_positions``, ``position_embeddings``, ``pos_emb``.
-_POSITION_TABLE = re.compile(r"(^|\.)(wpe|[^.]*pos[^.]*)$", re.IGNORECASE)
+# A user's model's learned table of absolute positions, by its name: GPT-2's and nanoGPT's ``wpe``,
+# OPT's ``embed_positions``, ``position_embeddings``, ``pos_emb``, ``positions``; not a table of
+# relative positions or buckets (T5's ``relative_attention_bias``, a ``rel_pos_bias``), nor one of
+# parts of speech or 2-D coordinates (``pos_tags``, ``x_position_embeddings``).
+_POSITION_TABLE = re.compile(r"(^|\.)(wpe|embed_positions|position_embeddings?|pos|pos_emb(edding)?s?|positions?)$",
+                             re.IGNORECASE)
 
 
 def position_table_problem(model: nn.Module, seq_len: int) -> str | None:
     """Why a user's model cannot take sequences of ``seq_len`` tokens (a learned position table with
     fewer rows, which the first step indexes past: a page of traceback from ``F.embedding``), or None;
     ``train`` and ``validate`` say the same."""
-    tokens = embedding_rows(model)
+    tokens = token_table(model)
     for name, m in model.named_modules():
-        if not isinstance(m, nn.Embedding) or not _POSITION_TABLE.search(name) or m.num_embeddings == tokens:
+        if not isinstance(m, nn.Embedding) or not _POSITION_TABLE.search(name) or m is tokens:
             continue
         offset = getattr(m, "offset", 0)  # OPT's table starts its positions 2 rows in
         positions = m.num_embeddings - (offset if isinstance(offset, int) else 0)

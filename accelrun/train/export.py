@@ -23,19 +23,33 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int = 2 * 2**30,
-                      removed: list[Path] | None = None) -> list[Path]:
+                      removed: list[Path] | None = None, notes: list[str] | None = None) -> list[Path]:
     """Write the model of checkpoint (or run) ``ref`` to ``out`` as a Hugging Face folder, with the
     tokenizer files of a run that trained with a tokenizer.json (a byte-level run has none to give).
-    ``removed``: gets an earlier export's weight files there that this one replaced (``export_hf``)."""
+    ``removed``: gets an earlier export's weight files there that this one replaced (``export_hf``);
+    ``notes``: what the export could not carry over from the run's model.hf folder."""
+    import json
+
     from accelrun.models.families import get_family
 
-    tokenizer_files = _run_tokenizer_files(ref)  # before anything is written: a missing file is exit 2
-    model, cfg, _ = load_checkpoint_model(ref, "to export")
+    checkpoint, run = find_checkpoint(ref, "to export")  # once: a folder of runs names its newest
+    tokenizer_files = _run_tokenizer_files(run)  # before anything is written: a missing file is exit 2
+    out = Path(out).expanduser()
+    source = hf_source_of(run)
+    if source is not None and out.exists() and out.resolve() == source.resolve():
+        raise CheckpointModelError(f"--hf {out} is the folder the run was trained from (model.hf): the export "
+                                   "would replace its weights and config.json; give another folder")
+    # read before anything is written: the source may be where a user points the export next time
+    source_config = json.loads((source / "config.json").read_text()) if source and (source / "config.json").is_file() else None
+    model, cfg, _ = load_checkpoint_model(checkpoint, "to export")
     spec = get_family(cfg.arch)
     written = export_hf(model.state_dict(), spec, spec.args_from_config(cfg), out, max_shard_bytes, removed)
-    out = Path(out).expanduser()
-    if (source := hf_source_of(find_checkpoint(ref, "to export")[1])) is not None:
-        written += _carry_source_folder(source, out)
+    if source is not None and source_config is None and notes is not None:
+        notes.append(f"the run's model.hf folder {source} has no config.json now: the export says what "
+                     "accelrun's model is (its model_type, token ids and generation settings are not carried over)")
+    if source_config is not None:
+        own_tokenizer = bool(tokenizer_files) and tokenizer_files[0].parent.resolve() == source.resolve()
+        written += _carry_source_folder(source, source_config, out, own_tokenizer)
     for f in tokenizer_files:
         if not (out / f.name).exists() or not (out / f.name).samefile(f):
             shutil.copyfile(f, out / f.name)
@@ -44,43 +58,46 @@ def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int 
 
 
 # Keys of a model.hf folder's config.json its export keeps where accelrun writes its own: what the model
-# is to transformers (a Mistral with its sliding window, not a Llama attending to every position; its
-# positions, which training read as the window) and the ids generation stops and pads at, which
-# accelrun's config.json does not write (a fine-tuned export's generate() never stopped: a new user).
-KEPT_FROM_SOURCE = ("architectures", "model_type", "max_position_embeddings", "sliding_window",
-                    "bos_token_id", "eos_token_id", "pad_token_id")
-# The weights' dtype is the export's (the checkpoint's), whichever name the source gave it.
-DTYPE_KEYS = ("torch_dtype", "dtype")
+# is to transformers (a Mistral with its sliding window, not a Llama attending to every position).
+KEPT_FROM_SOURCE = ("architectures", "model_type", "sliding_window")
+# The ids generation starts, stops and pads at, which accelrun's config.json does not write (a fine-tuned
+# export's generate() never stopped: a new user): the folder's, where the run trained with its tokenizer.
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# Written by accelrun in its own form (the rotary embedding: rope_theta, rope_scaling, rope_parameters,
+# which a user may have overridden), and the weights' dtype, the checkpoint's: the source's are dropped.
+SOURCE_KEYS_DROPPED = ("rope_theta", "rope_scaling", "rope_parameters", "torch_dtype", "dtype")
 
 
-def _carry_source_folder(source: Path, out: Path) -> list[Path]:
-    """A run trained from a transformers folder (model.hf): its export's config.json is the source's with
-    the keys accelrun wrote (the shape, whose values it read from there) put in, but for
-    ``KEPT_FROM_SOURCE``, and its generation_config.json is copied. Nothing when the folder is gone."""
+def _carry_source_folder(source: Path, theirs: dict, out: Path, own_tokenizer: bool) -> list[Path]:
+    """A run trained from a transformers folder (model.hf): its export's config.json is the source's
+    with the keys accelrun wrote put in (the shape, whose values it read from there), but for
+    ``KEPT_FROM_SOURCE``, the longer of the two position counts (a Mistral's training read its window),
+    and the token ids where the run trained with the folder's tokenizer; its generation_config.json is
+    copied with them."""
     import json
 
-    source_config = source / "config.json"
-    if not source_config.is_file():
-        return []
     written = out / "config.json"
-    ours, raw = json.loads(written.read_text()), json.loads(source_config.read_text())
-    theirs = {k: v for k, v in raw.items() if k not in DTYPE_KEYS}
-    merged = {**theirs, **{k: v for k, v in ours.items() if k not in KEPT_FROM_SOURCE or k not in theirs}}
-    if "dtype" in raw:  # transformers 5's name for it, beside the older torch_dtype accelrun writes
+    ours = json.loads(written.read_text())
+    kept = {k: v for k, v in theirs.items() if k not in SOURCE_KEYS_DROPPED
+            and (own_tokenizer or k not in TOKEN_ID_KEYS)}  # fmt: skip
+    merged = {**kept, **{k: v for k, v in ours.items() if k not in KEPT_FROM_SOURCE or k not in kept}}
+    positions = [v for v in (ours.get("max_position_embeddings"), theirs.get("max_position_embeddings")) if v]
+    if positions:
+        merged["max_position_embeddings"] = max(positions)
+    if "dtype" in theirs:  # transformers 5's name for it, beside the older torch_dtype accelrun writes
         merged["dtype"] = ours.get("torch_dtype")
     written.write_text(json.dumps(merged, indent=2) + "\n")
     generation = source / "generation_config.json"
-    if not generation.is_file():
+    if not own_tokenizer or not generation.is_file():
         return []
     if not (out / generation.name).exists() or not (out / generation.name).samefile(generation):
         shutil.copyfile(generation, out / generation.name)
     return [out / generation.name]
 
 
-def _run_tokenizer_files(ref: str | Path) -> list[Path]:
+def _run_tokenizer_files(run: Path) -> list[Path]:
     from accelrun.config.tokenizer_file import BYTE, TokenizerFileError, tokenizer_json_path
 
-    _, run = find_checkpoint(ref, "to export")
     name = run_tokenizer(run)
     if name == BYTE:
         return []

@@ -318,3 +318,19 @@ def test_opts_position_table_counts_its_offset():
     assert position_table_problem(model, 32) is None
     said = position_table_problem(model, 33)
     assert said is not None and "model.decoder.embed_positions (34 rows, positions from row 2): set train.seq_len=32" in said
+
+
+def test_the_position_table_check_names_absolute_tables_only_and_finds_one_as_long_as_the_vocabulary(models):
+    """A review's findings: a table of relative-position buckets (rel_pos_bias) was refused as a
+    position table, and a real one exactly as long as the vocabulary was wide was taken for the token
+    table and let through (then F.embedding's traceback)."""
+    from torch import nn
+
+    from accelrun.models.build import position_table_problem
+
+    module = __import__("contract_models")
+    same_size = module.build("WithPositions", vocab=16, positions=16)
+    assert "position table pos (16 rows)" in (position_table_problem(same_size, 32) or "")
+    relative = module.build("Plain")
+    relative.rel_pos_bias = nn.Embedding(32, 4)  # buckets, whatever the sequence's length
+    assert position_table_problem(relative, 512) is None

@@ -54,14 +54,48 @@ def test_hf_train_export_transformers_loads(tiny, tmp_path, kind):
     # Two steps of training moved the weights: the round trip carried the trained ones, not the originals.
     assert (ours - before).abs().max() > 1e-3
     # What the source folder says of the model beyond its shape comes along (a new user's Mistral came
-    # back a Llama attending to every position, and no export stopped generating at EOS).
+    # back a Llama attending to every position); its token ids only with its tokenizer (this run's
+    # is the byte tokenizer: test_an_export_keeps_the_folders_token_ids_with_its_tokenizer).
     source = json.loads((src / "config.json").read_text())
     exported = json.loads((out / "config.json").read_text())
-    for key in ("model_type", "architectures", "max_position_embeddings", "sliding_window", "bos_token_id",
-                "eos_token_id", "pad_token_id"):
-        assert exported.get(key) == source.get(key), (key, exported.get(key), source.get(key))
-    assert (out / "generation_config.json").read_text() == (src / "generation_config.json").read_text()
+    for key in ("model_type", "architectures", "max_position_embeddings") + (("sliding_window",) if kind == "mistral" else ()):
+        assert key in source and exported[key] == source[key], (key, exported.get(key), source.get(key))
     assert exported.get("dtype", "float32") == "float32" and exported["torch_dtype"] == "float32"
+    assert not (out / "generation_config.json").exists() and "eos_token_id" not in exported
+    if kind == "mistral":  # the folder gone since training: the export says what it could not carry
+        import shutil
+
+        shutil.rmtree(src)
+        r = CliRunner().invoke(cli, ["export", str(run_dir), "--hf", str(tmp_path / "again")])
+        assert r.exit_code == 0 and "has no config.json now" in " ".join(r.output.split()), r.output
+
+
+def test_an_export_keeps_the_folders_token_ids_with_its_tokenizer_and_refuses_the_folder_itself(tiny, tmp_path):
+    """Trained with the model.hf folder's own tokenizer, the export carries its BOS/EOS/pad ids and its
+    generation_config.json (a fine-tuned export's generate() never stopped at EOS: a new user); an
+    export into that folder would replace its weights (refused, exit 2); a folder gone since says so."""
+    import shutil
+
+    from tests.data.chat_helpers import save_chat_tokenizer
+
+    src = tmp_path / "src"
+    save_tiny_hf(src, "mistral")
+    save_chat_tokenizer(src)  # 300 ids, in the model's 320
+    r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG), *tiny(2, f"model.hf={src}", "data.tokenizer=hf")])
+    assert r.exit_code == 0, r.output
+    (run_dir,) = list((tmp_path / "runs" / "llama-debug").iterdir())
+    out = tmp_path / "exported"
+    r = CliRunner().invoke(cli, ["export", str(run_dir), "--hf", str(out)])
+    assert r.exit_code == 0, r.output
+    source, exported = (json.loads((d / "config.json").read_text()) for d in (src, out))
+    for key in ("bos_token_id", "eos_token_id", "model_type", "sliding_window"):
+        assert key in source and exported[key] == source[key], key
+    assert (out / "generation_config.json").read_text() == (src / "generation_config.json").read_text()
+    r = CliRunner().invoke(cli, ["export", str(run_dir), "--hf", str(src)])
+    assert r.exit_code == 2 and "is the folder the run was trained from (model.hf)" in " ".join(r.output.split())
+    shutil.rmtree(src)  # its tokenizer with it: the export would have none
+    r = CliRunner().invoke(cli, ["export", str(run_dir), "--hf", str(tmp_path / "again")])
+    assert r.exit_code == 2 and "the export would have no tokenizer" in " ".join(r.output.split()), r.output
 
 
 def test_hf_folder_without_weights_exits_2_before_a_run_directory(tiny, tmp_path):
