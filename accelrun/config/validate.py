@@ -400,6 +400,9 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
         elif deg["pp"] > 1 and m.n_layers < deg["pp"] * par.stages_per_rank:
             out.append(f"{_stages_named(par, v)} with {v('parallel.pp')} makes "
                        f"{deg['pp'] * par.stages_per_rank} stages, more than {v('model.n_layers')}")
+    if deg["pp"] > 1 and cfg.eval.every > 0:  # train/setup.py refuses it; said here before the ranks start
+        out.append(f"{v('eval.every')} with {v('parallel.pp')}: evaluation under pipeline parallelism is not "
+                   "supported yet (set eval.every = 0 or parallel.pp = 1)")
     if deg["pp"] > 1 and (m.custom is not None or m.tie_embeddings):
         out.append(f"{v('parallel.pp')} needs a built-in model family with untied embeddings "
                    f"({v('model.custom')}, {v('model.tie_embeddings')})")

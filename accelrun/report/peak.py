@@ -32,6 +32,12 @@ PRECISIONS = ("fp32", "bf16-mixed")
 NO_PROBE_ENV = "ACCELRUN_NO_PEAK_PROBE"
 CACHE_DIR_ENV = "ACCELRUN_CACHE_DIR"
 BUSY_PEAK = "measured on a busy machine"  # how a probe's source starts when others used the CPU meanwhile
+
+
+def is_upper_bound(report: dict) -> bool:
+    """Whether a run's MFU (report.json) divides by a CPU peak probed while others used the CPU, which
+    understates the machine: the MFU is then an upper bound."""
+    return str((report.get("peak") or {}).get("source", "")).startswith(BUSY_PEAK)
 HOW_TO_DECLARE = "declare the per-device peak in the recipe as report.peak_tflops (TFLOP/s)"
 
 # The CPU probe: square matmuls of PROBE_SIZE (halved while one takes too long), timed in repeats of

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from accelrun.config.resolve import values_hash
-from accelrun.report.peak import BUSY_PEAK
+from accelrun.report.peak import is_upper_bound
 from accelrun.report.rundata import RunNotFound, load_run
 from accelrun.report.rundir import is_running, list_runs
 from accelrun.report.stats import median as steady_median
@@ -133,5 +133,5 @@ def _run_row(path: Path) -> RunRow | None:
         compile=str(r.config_flat.get("compile.backend", "?")), precision=str(r.config_flat.get("train.precision", "?")),
         config_hash=rep.get("config_hash") or (values_hash(r.config) if r.config else None),
         segment=len(r.segments), processes=_processes(r.config_flat, rep),
-        mfu_upper_bound=str((rep.get("peak") or {}).get("source", "")).startswith(BUSY_PEAK),
+        mfu_upper_bound=is_upper_bound(rep),
     )

@@ -43,7 +43,7 @@ from accelrun.report.machine_load import CpuWindow, busy_note, others_share
 from accelrun.report.markdown import write_report_md
 from accelrun.report.memory import peak_memory_bytes
 from accelrun.report.metrics import MetricsWriter, forget_steps_after, read_metrics
-from accelrun.report.peak import BUSY_PEAK
+from accelrun.report.peak import BUSY_PEAK, is_upper_bound
 from accelrun.report.rundata import RunNotFound, history_metrics
 from accelrun.report.summary import (
     is_steady,
@@ -412,7 +412,7 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
         mfu += f" (no FLOP count per token for this model: {(r.get('model') or {}).get('flops_source', 'unknown')})"
     elif r.get("mfu") is not None and (r.get("model") or {}).get("flops_source") == COUNTED:
         mfu += " (its FLOPs counted on one sequence)"
-    if r.get("mfu") is not None and str((r.get("peak") or {}).get("source", "")).startswith(BUSY_PEAK):
+    if r.get("mfu") is not None and is_upper_bound(r):
         mfu += f" (an upper bound: the peak was {BUSY_PEAK})"
     elif r.get("mfu") is not None and r["mfu"] > 1:
         mfu += " (above 100%: the peak is too low; the report's notes say why)"

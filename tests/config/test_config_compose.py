@@ -247,3 +247,13 @@ def test_a_custom_model_refuses_the_transformers_export_and_says_model_hf_is_not
 
 def _both(resolved):
     return resolved.config, resolved.sources
+
+
+def test_evaluation_under_pipelining_is_refused_by_validate_with_where_each_value_was_set():
+    """A new user's finding: validate said "valid", and train refused it after launching the ranks."""
+    from tests.conftest import DEFAULT_CONFIG
+
+    with pytest.raises(ConfigError, match=r"eval.every = 10 \(override 'eval.every=10'\) with parallel.pp = 2 "
+                                          r"\(override 'parallel.pp=2'\): evaluation under pipeline parallelism"):
+        load_config(DEFAULT_CONFIG, ["eval.every=10", "parallel.nproc_per_node=2", "parallel.pp=2",
+                                     "parallel.dp_shard=1", "model.tie_embeddings=false"])
