@@ -93,20 +93,25 @@ class AbPlan:
         return [(r, v) for r in range(1, self.repeats + 1) for v in self.variants]
 
 
-def preflight_problems(label: str, resolved: ResolvedConfig) -> None:
-    """``validate``'s checks beyond the recipe (data files, the processes for this node, a user's model
-    built on the meta device), each fatal one said of its variant, exit 2: a variant B whose
-    ``model.kwargs`` did not fit its factory ran after all of A1 (a new user, 2026-12-06). Warnings are
-    left to the runs, which print them."""
-    from accelrun.config.preflight import Machine, custom_model_problems, preflight
-
-    try:
-        preflight(resolved.config, resolved.sources, Machine.here())
-        problems = custom_model_problems(resolved.config, resolved.sources)
-    except ConfigError as e:
-        problems = e.messages
-    if problems:
-        raise ConfigError([f"variant {label}: {p}" for p in problems])
+def refuse_what_validate_refuses(plan: AbPlan, v: Variant) -> None:
+    """``accelrun validate`` of the variant, as its runs will be started (a process of its own: a user's
+    model module is imported there, never in this one, which stays beside the timed runs): what it
+    refuses beyond the recipe (data files, the processes for this node, a user's model built on the
+    meta device) stops ab before any run, exit 2, each line said of its variant (a variant B whose
+    ``model.kwargs`` did not fit its factory ran after all of A1: a new user, 2026-12-06). What it
+    could not check goes to the plan's notes; warnings are left to the runs, which print them."""
+    cmd = [sys.executable, "-m", "accelrun.cli.main", "validate", plan.config, *plan.overrides(v)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    said = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    for line in said:
+        if line.startswith("note: ") and (note := f"variant {v.label}: {line[6:]}") not in plan.notes:
+            plan.notes.append(note)
+    if done.returncode == 2:
+        errors = [line.removeprefix("error: ") for line in said if line.startswith("error: ")]
+        raise ConfigError([f"variant {v.label}: {e}" for e in errors or said[-1:]])
+    if done.returncode != 0:
+        raise UserError(f"variant {v.label}: `accelrun validate` exited with code {done.returncode}: "
+                        + (said[-1] if said else "no output"))
 
 
 def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
@@ -125,7 +130,7 @@ def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
     for v, r in zip(plan.variants, resolved, strict=True):
         if r.hash not in checked:  # what validate checks beyond the recipe, before any variant runs
             checked.add(r.hash)
-            preflight_problems(v.label, r)
+            refuse_what_validate_refuses(plan, v)
     if len({r.config.train.steps for r in resolved}) > 1:
         raise UserError("the variants train different numbers of steps; give --steps to run them alike")
     for v, r in zip(plan.variants, resolved, strict=True):
