@@ -52,6 +52,14 @@ class LoopOutcome:
     step_times: list[dict] = field(default_factory=list)
 
 
+
+def per_device(loss_targets: torch.Tensor, held: int, tokens_per_step: int) -> torch.Tensor:
+    """The targets in the loss as a share of this device's tokens, as ``tokens_per_step`` counts them
+    (the job's over the world): under tensor or pipeline parallelism every rank of a group holds the
+    group's whole batch, and its 512 targets read as 200% of the 256 tokens each device computes (a new
+    user's report). Stays on the device: read with the step's other figures."""
+    return loss_targets if not held or held == tokens_per_step else loss_targets * (tokens_per_step / held)
+
 def run_loop(
     s: TrainSetup,
     metrics: MetricsWriter | None,
@@ -96,6 +104,7 @@ def run_loop(
                 spans = []  # per micro-batch: its (start, data loaded, forward done, backward done) marks
                 loss_sum = torch.zeros((), device=dev)
                 loss_targets = torch.zeros((), dtype=torch.int64, device=dev)  # targets in the loss (chat masks some)
+                held = 0  # the targets of this rank's batches: its tensor- and pipeline-parallel peers hold them too
                 step_batches, weights = None, None
                 for i in range(s.grad_accum):
                     m0 = clock.mark()
@@ -110,6 +119,7 @@ def run_loop(
                     m1 = clock.mark()
                     counted = count_loss_targets(targets_BT)
                     loss_targets += counted
+                    held += targets_BT.numel()
                     if s.pipeline is not None:
                         # The schedule interleaves micro-batches' forwards and backwards: timed as one.
                         with autocast(cfg.train.precision, dev):
@@ -142,7 +152,7 @@ def run_loop(
                 s.optimizer.zero_grad(set_to_none=True)
                 m5 = clock.mark()
                 done = PendingStep(step, clock, StepMarks(m_start, spans, m4, m5), loss_t, grad_norm_t, None, lr=lr,
-                                   tokens=s.tokens_per_step, loss_tokens=loss_targets,
+                                   tokens=s.tokens_per_step, loss_tokens=per_device(loss_targets, held, s.tokens_per_step),
                                    compile=step == s.start_step + 1 and s.compiles or _graphs_compiled(s) != compiles_at_start,
                                    mem_peak_bytes=peak_memory_bytes(dev), mem_reserved_bytes=peak_reserved_bytes(dev))
                 where["phase"] = "summing the router's figures"

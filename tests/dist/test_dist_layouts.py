@@ -61,6 +61,10 @@ def test_layout_matches_one_process(layout, layout_run, reference):
     assert "## Ranks" in md and f"\n| {world - 1} | " in md and "tokens/s (job)" in md
     # the family's head and loss, whatever the layout (a pipeline's stages were read as logits; review)
     assert "| loss | the next-token cross-entropy of the model's head and loss as one step" in md, layout
+    # Every target is in the loss (no chat masks), counted per device as the computed tokens are: under
+    # TP and PP the report said "512 per step per device, 200% of the 256 computed" (a new user).
+    assert all(m["loss_tokens"] == m["tokens"] for m in read_metrics(d / "metrics.jsonl")), layout
+    assert report["loss_tokens_per_step"] == report["tokens_per_step"], layout
     # Time blocked in collectives, every step, on rank 0: every layout communicates in every step.
     assert all(m["comm_s"] > 0 for m in read_metrics(d / "metrics.jsonl"))
     comm = report["comm_time_s"]
