@@ -55,11 +55,24 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
     timeline (compute segments, ▶ issue, ◀ wait) before and after schedule_overlap.
     """
     from accelrun.compile import explain as ex
+    from accelrun.config import ConfigError, load_config
+    from accelrun.config.validate import source_of
     from accelrun.report.rundir import create_run_dir
     from accelrun.train.explain_step import explain_step
 
-    # Explain is about accelrun's compiler whatever backend the recipe trains with.
-    resolved = load(config, (*overrides, "compile.backend=accelrun"))
+    # Explain is about accelrun's compiler whatever backend the recipe trains with: said, and a mistake
+    # that adding it makes is said as explain's (a new user read "override 'compile.backend=accelrun'",
+    # which they had not written).
+    asked = load_config(config, list(overrides))
+    if asked.config.compile.backend != "accelrun":
+        where = source_of(("compile", "backend"), asked.sources)
+        err.print(f"note: compile explain compiles with accelrun's compiler; compile.backend = "
+                  f"{asked.config.compile.backend} ({escape(str(where))}) is not used here", highlight=False)
+    try:
+        resolved = load(config, (*overrides, "compile.backend=accelrun"))
+    except ConfigError as e:
+        raise ConfigError([f"{m} (compile explain compiles with accelrun: the override 'compile.backend=accelrun' "
+                           "is its own)" for m in e.messages]) from None
     cfg = resolved.config
     if cfg.parallel.world_size > 1:
         err.print("note: the parallel layout is not applied: this compiles one process's step"

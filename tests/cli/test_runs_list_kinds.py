@@ -86,3 +86,14 @@ def test_runs_list_marks_an_mfu_against_a_peak_probed_on_a_busy_machine_as_an_up
     text = " ".join(table.stdout.split())
     assert "≤ 61.0 %" in text and "≤ 42.0 %" not in text and "42.0 %" in text, table.stdout
     assert "an upper bound" in text, table.stdout
+
+
+def test_explain_says_it_compiles_with_accelrun_whatever_the_recipes_backend(tiny):
+    """A new user's finding: `compile explain ... compile.backend=eager` compiled with accelrun and said
+    nothing of the backend asked for."""
+    r = CliRunner().invoke(cli, ["compile", "explain", str(DEFAULT_CONFIG), *tiny(1), "compile.backend=eager",
+                                 "compile.executors=[aten]", "--steps", "1"])
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert ("note: compile explain compiles with accelrun's compiler; compile.backend = eager (override "
+            "'compile.backend=eager') is not used here") in said, said
