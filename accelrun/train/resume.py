@@ -11,8 +11,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from accelrun.config.errors import ConfigError
+from accelrun.config.resolve import NOT_TRAINING
 from accelrun.report.lineage import continued_by
 from accelrun.report.rundir import is_running, list_runs
 from accelrun.train.checkpoint import (
@@ -47,7 +51,7 @@ def decide_resume(resume: str, runs_root: Path, current_run: Path, training_hash
     damaged = [(info, why) for _, bad in found for info, why in bad if info.training_hash == training_hash]
     if not matching:
         return ResumeDecision(None, f"no checkpoint with this training hash ({training_hash}) under {runs_root}"
-                              + _skipped(damaged, None) + _other_training(runs, found))
+                              + _skipped(damaged, None) + _other_training(runs, found, current_run))
     newest = max(matching, key=lambda i: (i.created, i.step))
     if (newest.run_dir / FINISHED_MARKER).exists():
         return ResumeDecision(None, f"the newest matching checkpoint's run finished ({newest.run_dir})")
@@ -79,17 +83,39 @@ def auto_would_continue(ckpt: CheckpointInfo, run_dir: Path, training_hash: str)
     return chosen is not None and chosen.path.resolve() == ckpt.path.resolve()
 
 
-def _other_training(runs: list[Path], found: list) -> str:
+def _other_training(runs: list[Path], found: list, current_run: Path) -> str:
     """A note on the newest stopped run of this name whose checkpoints are of another training (a
-    changed train.steps, say): what a user who meant to continue it looks for."""
+    changed train.steps, say): what a user who meant to continue it looks for, with the values that
+    differ where both recipes can be read (a new user was told only that one did)."""
     stopped = [(run, good[-1]) for run, (good, _) in zip(runs, found, strict=True)
                if good and not (run / FINISHED_MARKER).exists() and continued_by(run) is None]
     if not stopped:
         return ""
     run, newest = max(stopped, key=lambda pair: (pair[1].created, pair[1].step))
-    return (f"; the stopped run {run} has checkpoints of another training ({newest.training_hash}: its recipe "
-            f"differs in a value that decides the numbers trained); checkpoint.resume={run} continues from its "
-            "newest checkpoint under this recipe, as a new run")
+    differ = training_differences(run / "config.yaml", current_run / "config.yaml")
+    which = f"{', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}" if differ else \
+        "its recipe differs in a value that decides the numbers trained"
+    return (f"; the stopped run {run} has checkpoints of another training ({newest.training_hash}: {which}); "
+            f"checkpoint.resume={run} continues from its newest checkpoint under this recipe, as a new run")
+
+
+def training_differences(theirs: Path, ours: Path) -> list[str]:
+    """``key: theirs -> ours`` for each value that decides the numbers trained and differs between two run
+    folders' config.yaml (NOT_TRAINING left out); empty where either cannot be read."""
+    try:
+        a, b = (yaml.safe_load(p.read_text(encoding="utf-8")) for p in (theirs, ours))
+    except (OSError, yaml.YAMLError):
+        return []
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return []
+
+    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(d, dict) and d:
+            return {k: v for key, sub in d.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): d}
+
+    fa, fb = ({k: v for k, v in flat(d).items() if k.split(".")[0] not in NOT_TRAINING} for d in (a, b))
+    return [f"{k}: {fa.get(k)!r} there, {fb.get(k)!r} now" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
 
 
 def _skipped(damaged: list[tuple[CheckpointInfo, str]], chosen: CheckpointInfo | None) -> str:

@@ -97,9 +97,15 @@ def test_resume_continues_with_identical_losses(tiny):
 
 
 def test_auto_resume_skips_a_checkpoint_of_a_different_config(tiny):
+    from rich.console import Console
+
     run(tiny(8, "checkpoint.every=4"), stop_after_step=5)
-    other = run(tiny(8, "checkpoint.every=4", "train.seed=1"))
+    console = Console(record=True, width=400)
+    other = train(load_config(DEFAULT_CONFIG, tiny(8, "checkpoint.every=4", "train.seed=1")), console=console)
     assert other.report["resumed_from"] is None
+    # which value differs is said (a new user was told only that one did)
+    said = " ".join(console.export_text().split())
+    assert "has checkpoints of another training" in said and "train.seed: 0 there, 1 now" in said, said
 
 
 def test_explicit_resume_path(tiny):
