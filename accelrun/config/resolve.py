@@ -59,6 +59,11 @@ class ResolvedConfig:
         """
         return training_hash_of(self.to_dict())
 
+    def _source_of_value(self, path: KeyPath, value: Any) -> Source:
+        """Who set a leaf: a list one of whose items an override set names that override (a new user's
+        ``train.optimizer.betas.0=0.5`` was said to come from the recipe file's line)."""
+        return _item_override(self.sources, path, value) or source_of(path, self.sources)
+
     def explain(self) -> list[tuple[str, Any, Source]]:
         """(dotted key, value, source) for every leaf value of the resolved config."""
         rows: list[tuple[str, Any, Source]] = []
@@ -68,10 +73,18 @@ class ResolvedConfig:
                 for k, sub in value.items():
                     walk(sub, path + (k,))
             else:
-                rows.append((dotted(path), value, source_of(path, self.sources)))
+                rows.append((dotted(path), value, self._source_of_value(path, value)))
 
         walk(self.to_dict(), ())
         return rows
+
+
+def _item_override(sources: dict[KeyPath, Source], path: KeyPath, value: Any) -> Source | None:
+    """The last override of one of list ``value``'s items (``train.optimizer.betas.0=0.5``), or None."""
+    if not isinstance(value, list):
+        return None
+    items = [sources[path + (i,)] for i in range(len(value)) if path + (i,) in sources]
+    return next((src for src in reversed(items) if src.kind == "override"), None)
 
 
 def training_hash_of(values: dict[str, Any]) -> str:

@@ -257,3 +257,12 @@ def test_evaluation_under_pipelining_is_refused_by_validate_with_where_each_valu
                                           r"\(override 'parallel.pp=2'\): evaluation under pipeline parallelism"):
         load_config(DEFAULT_CONFIG, ["eval.every=10", "parallel.nproc_per_node=2", "parallel.pp=2",
                                      "parallel.dp_shard=1", "model.tie_embeddings=false"])
+
+
+def test_explain_names_the_override_of_a_list_item():
+    """A new user's finding: `train.optimizer.betas.0=0.5` was said to come from the recipe's line."""
+    from tests.conftest import DEFAULT_CONFIG
+
+    resolved = load_config(DEFAULT_CONFIG, ["train.optimizer.betas.0=0.5"])
+    (row,) = [(v, str(src)) for k, v, src in resolved.explain() if k == "train.optimizer.betas"]
+    assert row[0][0] == 0.5 and row[1] == "override 'train.optimizer.betas.0=0.5'", row
