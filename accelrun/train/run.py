@@ -330,7 +330,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         device=str(s.device),
         compiled=s.compiled,
         data=getattr(s.data, "fingerprint", None),
-        step_breakdown_s=step_breakdown(metrics, cfg.report.warmup_steps),
+        step_breakdown_s=step_breakdown(metrics, cfg.report.warmup_steps, pipelined=cfg.parallel.pp > 1),
         world_size=s.ctx.world_size,
         parallel=cfg.parallel.degrees(),
         tokens_per_s_job=report["tokens_per_s"] * s.ctx.world_size if report.get("tokens_per_s") else None,

@@ -65,6 +65,10 @@ def test_layout_matches_one_process(layout, layout_run, reference):
     # TP and PP the report said "512 per step per device, 200% of the 256 computed" (a new user).
     assert all(m["loss_tokens"] == m["tokens"] for m in read_metrics(d / "metrics.jsonl")), layout
     assert report["loss_tokens_per_step"] == report["tokens_per_step"], layout
+    # a pipeline's schedule interleaves forwards and backwards: one part (it read forward 90%, backward 0%)
+    pipelined = layout.startswith("pp")
+    assert ("forward and backward (interleaved by the pipeline schedule)" in report["step_breakdown_s"]) == pipelined
+    assert ("backward" in report["step_breakdown_s"]) != pipelined, report["step_breakdown_s"]
     # Time blocked in collectives, every step, on rank 0: every layout communicates in every step.
     assert all(m["comm_s"] > 0 for m in read_metrics(d / "metrics.jsonl"))
     comm = report["comm_time_s"]
