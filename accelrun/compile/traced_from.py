@@ -47,6 +47,7 @@ _VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "ID_MATCH", "CLOSUR
                            "FUNCTION_MATCH"})  # fmt: skip
 _LENGTH_GUARDS = frozenset({"SEQUENCE_LENGTH", "LENGTH_CHECK"})
 _KEYS_GUARDS = frozenset({"DICT_KEYS_MATCH", "DICT_KEYS"})
+_TYPE_GUARDS = frozenset({"TYPE_MATCH"})
 _PLAIN = (type(None), bool, int, float, str)  # what JSON holds as it is
 
 
@@ -59,11 +60,34 @@ def fingerprint(value: Any) -> Any:
         return value
     if isinstance(value, (torch.dtype, torch.device)):
         return f"torch {value}"
-    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+    if isinstance(value, types.FunctionType):  # by its code too: two lambdas share a qualified name
+        code = value.__code__
+        return f"function {value.__module__}.{value.__qualname__}:{code.co_firstlineno}:{_code_digest(code)}"
+    if isinstance(value, types.BuiltinFunctionType):
         return f"function {getattr(value, '__module__', None)}.{value.__qualname__}"
+    if isinstance(value, type):
+        return f"type {value.__module__}.{value.__qualname__}"
     if isinstance(value, tuple) and all(type(v) in _PLAIN for v in value):
         return list(value)
     return _UNREADABLE
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """A digest of a function's code that is the same in every process: its bytecode and constants,
+    nested code by its own digest (a code object's repr holds its address)."""
+    return hashlib.sha256(code.co_code + _canonical(code.co_consts).encode()).hexdigest()[:12]
+
+
+def _canonical(const: Any) -> str:
+    """A constant's text, the same in every process: nested code by digest, a frozenset's members sorted
+    (their order follows the process's string hashing)."""
+    if isinstance(const, types.CodeType):
+        return _code_digest(const)
+    if isinstance(const, tuple):
+        return "(" + ",".join(_canonical(c) for c in const) + ")"
+    if isinstance(const, frozenset):
+        return "frozenset(" + ",".join(sorted(_canonical(c) for c in const)) + ")"
+    return repr(const)
 
 
 @dataclass(frozen=True)
@@ -71,7 +95,7 @@ class BakedValue:
     """One value a graph read from a module global or a class, by the name of Dynamo's guard on it."""
 
     name: str
-    kind: str  # "value" | "len" | "keys": what of it the guard checks
+    kind: str  # "value" | "len" | "keys" | "type": what of it the guard checks
     value: Any  # JSON: a fingerprint, a length, a list of keys
 
     def now(self, scope: dict[str, Any], f_locals: dict[str, Any]) -> Any:
@@ -80,10 +104,12 @@ class BakedValue:
         if value is _UNREADABLE:
             return value
         try:
+            if self.kind == "type":
+                return fingerprint(type(value))
             if self.kind == "len":
                 return len(value)
-            if self.kind == "keys":
-                keys = list(value.keys())
+            if self.kind == "keys":  # as a sorted list: a dict built from a set orders its keys per process
+                keys = sorted(value.keys(), key=repr)
                 return keys if all(type(k) in _PLAIN for k in keys) else _UNREADABLE
         except (AttributeError, TypeError):
             return _UNREADABLE
@@ -96,8 +122,8 @@ class BakedValue:
 
     def said(self, now: Any) -> str:
         """``userpkg.helpers.SCALE = 2.0 (3.0 now)``: the value the graphs hold, and this process's."""
-        what = {"len": f"len({said_name(self.name)})", "keys": f"the keys of {said_name(self.name)}"}.get(
-            self.kind, said_name(self.name))
+        what = {"len": f"len({said_name(self.name)})", "keys": f"the keys of {said_name(self.name)}",
+                "type": f"type({said_name(self.name)})"}.get(self.kind, said_name(self.name))
         return f"{what} = {self.value!r} ({'unreadable' if now is _UNREADABLE else repr(now)} now)"
 
 
@@ -113,9 +139,11 @@ def baked_value(guard: Any) -> BakedValue | None:
     if types_ & _LENGTH_GUARDS:
         kind, value = "len", len(guard.value) if hasattr(guard.value, "__len__") else _UNREADABLE
     elif types_ & _KEYS_GUARDS and isinstance(guard.value, dict):
-        kind, value = "keys", list(guard.value.keys())
+        kind, value = "keys", sorted(guard.value.keys(), key=repr)
     elif types_ & _VALUE_GUARDS and not isinstance(guard.value, types.ModuleType):
         kind, value = "value", fingerprint(guard.value)
+    elif types_ & _TYPE_GUARDS and guard.is_global and not isinstance(guard.value, types.ModuleType):
+        kind, value = "type", fingerprint(type(guard.value))  # a global whose class is chosen at import
     else:
         return None
     if value is _UNREADABLE or (kind == "keys" and not all(type(k) in _PLAIN for k in value)):
@@ -145,6 +173,17 @@ def guarded_value(name: str, scope: dict[str, Any], f_locals: dict[str, Any]) ->
         return value
     except (AttributeError, LookupError, TypeError):
         return _UNREADABLE
+
+
+def root_present(name: str, scope: dict[str, Any], f_locals: dict[str, Any]) -> bool:
+    """Whether the global or argument a guard's name starts from is in the loading frame: when it is, a
+    value that cannot be read through it (``CFG`` now None, a key gone) has changed."""
+    m = _CLASS_ATTRIBUTE.fullmatch(name)
+    first = _PATH_STEP.match(m.group(1) if m else name)
+    if first is None:
+        return False
+    global_name, local = first.group(1), first.group(2)
+    return (global_name in scope) if global_name else (local in f_locals)
 
 
 def said_name(name: str) -> str:
@@ -216,6 +255,8 @@ class TracedFrom:
         a user's global that is gone is an edit of a traced file, which ``changed_file`` finds."""
         for v in self.values:
             now = v.now(scope, f_locals)
-            if now is not _UNREADABLE and not same(now, v.value):
+            if now is _UNREADABLE and not root_present(v.name, scope, f_locals):
+                continue
+            if not same(now, v.value):
                 return v.said(now)
         return None

@@ -221,13 +221,14 @@ def embedding_rows(model: nn.Module) -> int | None:
 
 def token_table(model: nn.Module) -> nn.Embedding | None:
     """The first ``nn.Embedding`` whose rows equal the width of the model's last ``nn.Linear`` (the
-    output head, registered last in the models users write). A position table does not match,
-    whatever its size, unless it is as long as the vocabulary is wide."""
+    output head, registered last in the models users write) and whose name is not a position table's:
+    a position table does not match, whatever its size or place."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if not linears:
         return None
     head = linears[-1].out_features
-    return next((m for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings == head), None)
+    return next((m for name, m in model.named_modules()
+                 if isinstance(m, nn.Embedding) and m.num_embeddings == head and not is_position_table(name)), None)
 
 
 def data_vocab(cfg: ModelConfig, model: nn.Module) -> tuple[int, str | None]:
@@ -310,12 +311,18 @@ def takes_document_positions(model: nn.Module) -> bool:
     return "positions_BT" in forward_parameters(model)
 
 
-# A user's model's learned table of absolute positions, by its name: GPT-2's and nanoGPT's ``wpe``,
-# OPT's ``embed_positions``, ``position_embeddings``, ``pos_emb``, ``positions``; not a table of
-# relative positions or buckets (T5's ``relative_attention_bias``, a ``rel_pos_bias``), nor one of
-# parts of speech or 2-D coordinates (``pos_tags``, ``x_position_embeddings``).
-_POSITION_TABLE = re.compile(r"(^|\.)(wpe|embed_positions|position_embeddings?|pos|pos_emb(edding)?s?|positions?)$",
-                             re.IGNORECASE)
+# A user's model's learned table of absolute positions, by its name: one with "pos" in its last part
+# (GPT-2's and nanoGPT's ``wpe``, ``position_embedding_table`` of "let's build GPT", OPT's
+# ``embed_positions``, ``pos_emb``, ``abs_pos_emb``), but not a table of relative positions or buckets
+# (T5's ``relative_attention_bias``, a ``rel_pos_bias``), of parts of speech or of 2-D coordinates
+# (``pos_tags``, ``x_position_embeddings``).
+_POSITION_TABLE = re.compile(r"(^|\.)(wpe|[^.]*pos[^.]*)$", re.IGNORECASE)
+_NOT_POSITIONS = re.compile(r"rel|bucket|bias|tag|(^|[._])[xy]_?pos", re.IGNORECASE)
+
+
+def is_position_table(name: str) -> bool:
+    last = name.rsplit(".", 1)[-1]
+    return _POSITION_TABLE.search(name) is not None and _NOT_POSITIONS.search(last) is None
 
 
 def position_table_problem(model: nn.Module, seq_len: int) -> str | None:
@@ -324,7 +331,7 @@ def position_table_problem(model: nn.Module, seq_len: int) -> str | None:
     ``train`` and ``validate`` say the same."""
     tokens = token_table(model)
     for name, m in model.named_modules():
-        if not isinstance(m, nn.Embedding) or not _POSITION_TABLE.search(name) or m is tokens:
+        if not isinstance(m, nn.Embedding) or not is_position_table(name) or m is tokens:
             continue
         offset = getattr(m, "offset", 0)  # OPT's table starts its positions 2 rows in
         positions = m.num_embeddings - (offset if isinstance(offset, int) else 0)

@@ -65,6 +65,7 @@ class AbPlan:
     steps: int | None = None
     warmup_steps: int | None = None
     notes: list[str] = field(default_factory=list)  # said when the plan is made, kept in the result
+    validated: set[str] = field(default_factory=set)  # config hashes `accelrun validate` passed
 
     def forced(self) -> list[str]:
         """Overrides ab imposes last: fresh, checkpoint-free runs in the ab directory, progress as lines.
@@ -101,7 +102,8 @@ def refuse_what_validate_refuses(plan: AbPlan, v: Variant) -> None:
     ``model.kwargs`` did not fit its factory ran after all of A1: a new user, 2026-12-06). What it
     could not check goes to the plan's notes; warnings are left to the runs, which print them."""
     cmd = [sys.executable, "-m", "accelrun.cli.main", "validate", plan.config, *plan.overrides(v)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    plain = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "CLICOLOR_FORCE")}
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**plain, "NO_COLOR": "1", "TERM": "dumb"})
     said = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     for line in said:
         if line.startswith("note: ") and (note := f"variant {v.label}: {line[6:]}") not in plan.notes:
@@ -126,11 +128,6 @@ def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
             if note not in plan.notes:
                 plan.notes.append(note)
         first_with.setdefault(r.hash, v.label)
-    checked: set[str] = set()
-    for v, r in zip(plan.variants, resolved, strict=True):
-        if r.hash not in checked:  # what validate checks beyond the recipe, before any variant runs
-            checked.add(r.hash)
-            refuse_what_validate_refuses(plan, v)
     if len({r.config.train.steps for r in resolved}) > 1:
         raise UserError("the variants train different numbers of steps; give --steps to run them alike")
     for v, r in zip(plan.variants, resolved, strict=True):
@@ -141,6 +138,10 @@ def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
                             f"over {plan.repeats} repeat(s): a speed needs {MIN_STEADY_FOR_CI}; give --steps "
                             f"{warmup + MIN_STEADY_FOR_CI} or more, or --warmup-steps "
                             f"{max(steps - MIN_STEADY_FOR_CI, 0)} or fewer")
+    for v, r in zip(plan.variants, resolved, strict=True):  # after the checks above, which cost nothing
+        if r.hash not in plan.validated:  # once per config, though ab resolves its variants twice
+            plan.validated.add(r.hash)
+            refuse_what_validate_refuses(plan, v)
     if plan.repeats < FEW_REPEATS:
         note = (f"{plan.repeats} repeat(s) of each variant: the interval resamples the steps of too few "
                 "processes to cover how much a new process's speed varies on this machine (often several "

@@ -79,10 +79,13 @@ def train(
     run_dir, node = _run_dir_for(resolved, launch)
     # Caught from here on: a signal during setup stops the run after its first step, with a checkpoint.
     with hold_run_lock(run_dir, node), stop.catch_signals():
-        write_text_atomic(resolved.to_yaml(), run_dir / "config.yaml")
-        write_text_atomic(explain_text(resolved), run_dir / "config.sources.txt")
-        write_text_atomic((command or "(called from Python)") + "\n", run_dir / "command.txt")
-        write_json(_env_of_ranks(cfg, threads_why), run_dir / "env.json")
+        # A finished job's folder entered again (its --rdzv-id given again) keeps the run's own records:
+        # written over, they no longer matched its report (a review's finding).
+        if not (run_dir / "report.json").exists():
+            write_text_atomic(resolved.to_yaml(), run_dir / "config.yaml")
+            write_text_atomic(explain_text(resolved), run_dir / "config.sources.txt")
+            write_text_atomic((command or "(called from Python)") + "\n", run_dir / "command.txt")
+            write_json(_env_of_ranks(cfg, threads_why), run_dir / "env.json")
         console.print(f"[bold]accelrun[/] run [cyan]{escape(str(run_dir))}[/]  config {resolved.hash}")
         if cfg.parallel.world_size == 1:
             try:
@@ -128,14 +131,15 @@ def _refuse_another_training(job_dir: Path, resolved: ResolvedConfig, job_id: st
     user found beside the run's own report (and checkpoints it could not continue): exit 2 instead."""
     try:
         held = yaml.safe_load((job_dir / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):  # a garbled file (UnicodeDecodeError is a ValueError)
         return
     if not isinstance(held, dict) or not (job_dir / "metrics.jsonl").exists():
         return
     if (theirs := training_hash_of(held)) != resolved.training_hash:
         raise ConfigError(f"--rdzv-id {job_id}: {job_dir} holds this job id's run of another training (training hash "
                           f"{theirs}, this recipe's {resolved.training_hash}); give a new --rdzv-id to start a new "
-                          "run, or the same recipe to continue that one")
+                          f"run (with checkpoint.resume={job_dir} to go on from its newest checkpoint, as when "
+                          "raising train.steps), or the same recipe to continue that one")
 
 
 def _launched_result(run_dir: Path, outcome: JobOutcome, console: Console) -> TrainResult:

@@ -28,7 +28,6 @@ def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int 
     tokenizer files of a run that trained with a tokenizer.json (a byte-level run has none to give).
     ``removed``: gets an earlier export's weight files there that this one replaced (``export_hf``);
     ``notes``: what the export could not carry over from the run's model.hf folder."""
-    import json
 
     from accelrun.models.families import get_family
 
@@ -39,8 +38,7 @@ def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int 
     if source is not None and out.exists() and out.resolve() == source.resolve():
         raise CheckpointModelError(f"--hf {out} is the folder the run was trained from (model.hf): the export "
                                    "would replace its weights and config.json; give another folder")
-    # read before anything is written: the source may be where a user points the export next time
-    source_config = json.loads((source / "config.json").read_text()) if source and (source / "config.json").is_file() else None
+    source_config = _source_config(source)  # read before anything is written
     model, cfg, _ = load_checkpoint_model(checkpoint, "to export")
     spec = get_family(cfg.arch)
     written = export_hf(model.state_dict(), spec, spec.args_from_config(cfg), out, max_shard_bytes, removed)
@@ -48,13 +46,38 @@ def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int 
         notes.append(f"the run's model.hf folder {source} has no config.json now: the export says what "
                      "accelrun's model is (its model_type, token ids and generation settings are not carried over)")
     if source_config is not None:
-        own_tokenizer = bool(tokenizer_files) and tokenizer_files[0].parent.resolve() == source.resolve()
+        own_tokenizer = _same_tokenizer(tokenizer_files, source)
+        if not own_tokenizer and notes is not None and any(k in source_config for k in TOKEN_ID_KEYS):
+            notes.append(f"the run did not train with {source}'s tokenizer: the export leaves out its BOS, EOS and "
+                         "padding ids and its generation_config.json (set them for the tokenizer you trained with)")
         written += _carry_source_folder(source, source_config, out, own_tokenizer)
     for f in tokenizer_files:
         if not (out / f.name).exists() or not (out / f.name).samefile(f):
             shutil.copyfile(f, out / f.name)
         written.append(out / f.name)
     return written
+
+
+def _source_config(source: Path | None) -> dict | None:
+    """The model.hf folder's config.json, or None where the folder or the file is gone."""
+    import json
+
+    if source is None or not (source / "config.json").is_file():
+        return None
+    try:
+        config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointModelError(f"{source / 'config.json'} (the run's model.hf folder) cannot be read: {e}") from None
+    return config if isinstance(config, dict) else None
+
+
+def _same_tokenizer(tokenizer_files: list[Path], source: Path) -> bool:
+    """Whether the run trained with the model.hf folder's own tokenizer: that file, or one of the same
+    bytes elsewhere (a copy named by data.tokenizer)."""
+    theirs = source / "tokenizer.json"
+    if not tokenizer_files or not theirs.is_file():
+        return False
+    return tokenizer_files[0].read_bytes() == theirs.read_bytes()
 
 
 # Keys of a model.hf folder's config.json its export keeps where accelrun writes its own: what the model

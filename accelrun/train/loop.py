@@ -58,7 +58,7 @@ def per_device(loss_targets: torch.Tensor, held: int, tokens_per_step: int) -> t
     (the job's over the world): under tensor or pipeline parallelism every rank of a group holds the
     group's whole batch, and its 512 targets read as 200% of the 256 tokens each device computes (a new
     user's report). Stays on the device: read with the step's other figures."""
-    return loss_targets if not held or held == tokens_per_step else loss_targets * (tokens_per_step / held)
+    return loss_targets if not held or held == tokens_per_step else loss_targets * tokens_per_step // held
 
 def run_loop(
     s: TrainSetup,

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from accelrun.config.errors import ConfigError
 from accelrun.config.resolve import NOT_TRAINING
 from accelrun.report.lineage import continued_by
+from accelrun.report.rundata import flatten
 from accelrun.report.rundir import is_running, list_runs
 from accelrun.train.checkpoint import (
     CheckpointInfo,
@@ -104,17 +104,12 @@ def training_differences(theirs: Path, ours: Path) -> list[str]:
     folders' config.yaml (NOT_TRAINING left out); empty where either cannot be read."""
     try:
         a, b = (yaml.safe_load(p.read_text(encoding="utf-8")) for p in (theirs, ours))
-    except (OSError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):
         return []
     if not isinstance(a, dict) or not isinstance(b, dict):
         return []
 
-    def flat(d: Any, prefix: str = "") -> dict[str, Any]:
-        if isinstance(d, dict) and d:
-            return {k: v for key, sub in d.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
-        return {prefix.rstrip("."): d}
-
-    fa, fb = ({k: v for k, v in flat(d).items() if k.split(".")[0] not in NOT_TRAINING} for d in (a, b))
+    fa, fb = ({k: v for k, v in flatten(d).items() if k.split(".")[0] not in NOT_TRAINING} for d in (a, b))
     return [f"{k}: {fa.get(k)!r} there, {fb.get(k)!r} now" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
 
 

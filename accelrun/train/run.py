@@ -75,8 +75,9 @@ def _steps_recorded(run_dir: Path) -> bool:
 
 
 def _continues_itself(resumed_from: Path | None, run_dir: Path) -> bool:
-    """Whether the checkpoint resumed from is this folder's own (a requeued multi-node job's)."""
-    return resumed_from is not None and resumed_from.parent.parent == run_dir
+    """Whether the checkpoint resumed from is this folder's own (a requeued multi-node job's), however
+    either path was written (relative, absolute, through a link)."""
+    return resumed_from is not None and resumed_from.resolve().parent.parent == run_dir.resolve()
 
 
 def _remove_unused(run_dir: Path, console: Console | None) -> None:
@@ -138,8 +139,11 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
         _announce(console, s, setup_s)
     if s.start_step >= cfg.train.steps:
         if console is not None:
+            # a raised train.steps is another training (its schedule changes): named explicitly, it goes on
+            how = f"raise train.steps with checkpoint.resume={s.resumed_from} to go on" + (
+                " (and a new --rdzv-id)" if _continues_itself(s.resumed_from, run_dir) else "")
             console.print(f"nothing to train: {s.resumed_from} is at step {s.start_step} and train.steps = "
-                          f"{cfg.train.steps}; raise train.steps to go on", markup=False)
+                          f"{cfg.train.steps}; {how}", markup=False)
         # The new folder goes; a multi-node job's own folder, entered again, is the finished run itself
         # (a new user's rerun of a finished job deleted its report, metrics and checkpoints).
         if main and not _continues_itself(s.resumed_from, run_dir):
@@ -211,10 +215,13 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
         # From the final checkpoint (DCP reshards whatever the layout was): one process writes.
         from accelrun.train.export import export_checkpoint
 
-        export_checkpoint(outcome.checkpoints[-1], run_dir / RUN_EXPORT_FOLDER)
+        notes: list[str] = []
+        export_checkpoint(outcome.checkpoints[-1], run_dir / RUN_EXPORT_FOLDER, notes=notes)
         if console is not None:
             console.print(f"exported {outcome.checkpoints[-1].name} to {run_dir / RUN_EXPORT_FOLDER} (Hugging Face format)",
                           markup=False, highlight=False)
+            for note in notes:
+                console.print(f"note: {note}", markup=False, highlight=False)
     if console is not None and ctx is None:
         _print_summary(console, report, run_dir)
     return TrainResult(run_dir, status, report)

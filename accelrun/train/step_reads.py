@@ -102,7 +102,7 @@ class PendingSteps:
                       optimizer_s=clock.seconds(m.grads_done, m.end))
         # tokens (and tokens_per_s) count what was computed; loss_tokens what the loss counted (chat data
         # with data.loss_on: assistant leaves the rest out).
-        record["loss_tokens"] = round(values[2])  # a share of the batch under TP or PP (loop.per_device)
+        record["loss_tokens"] = int(values[2])
         if p.mem_reserved_bytes is not None:  # what the allocator held (CUDA)
             record["mem_reserved_bytes"] = p.mem_reserved_bytes
         if p.router is not None:  # MoE: load, drops, aux loss

@@ -74,10 +74,12 @@ def test_ab_a_failing_variant_exits_5_and_keeps_its_log(tmp_path, monkeypatch):
     assert "boom: the factory failed on purpose" in log.read_text()
 
 
-def test_ab_refuses_a_variant_validate_refuses_before_anything_runs(tmp_path):
+def test_ab_refuses_a_variant_validate_refuses_before_anything_runs(tmp_path, monkeypatch):
     """What validate finds beyond the recipe (data files, a user's model's kwargs) stops ab before its
     first run, exit 2: a new user's variant B with model.kwargs its factory does not take ran after all
-    of A1 and then failed (exit 5), and missing data files waited for their variant's turn likewise."""
+    of A1 and then failed (exit 5), and missing data files waited for their variant's turn likewise.
+    Read from validate's own output, which a terminal setting must not colour (FORCE_COLOR, as in CI)."""
+    monkeypatch.setenv("FORCE_COLOR", "1")
     out = tmp_path / "ab"
     r = CliRunner().invoke(cli, ["ab", str(DEFAULT_CONFIG), *TINY, "model.custom=examples.my_model:build",
                                  "--b", "model.kwargs={dims: 64}", "--repeats", "1", "--steps", "3", "--out", str(out)])

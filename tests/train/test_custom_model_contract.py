@@ -334,3 +334,31 @@ def test_the_position_table_check_names_absolute_tables_only_and_finds_one_as_lo
     relative = module.build("Plain")
     relative.rel_pos_bias = nn.Embedding(32, 4)  # buckets, whatever the sequence's length
     assert position_table_problem(relative, 512) is None
+
+
+def test_position_table_names_users_write_and_ones_that_are_not():
+    from accelrun.models.build import is_position_table
+
+    for name in ("transformer.wpe", "position_embedding_table", "pos_embed", "positional_embedding",
+                 "model.decoder.embed_positions", "abs_pos_emb", "pos", "positions"):
+        assert is_position_table(name), name
+    for name in ("rel_pos_bias", "encoder.block.0.layer.0.SelfAttention.relative_attention_bias", "pos_tags",
+                 "embeddings.x_position_embeddings", "tokens", "token_embedding_table", "pos_bucket_emb"):
+        assert not is_position_table(name), name
+
+
+def test_a_position_table_registered_before_the_token_table_is_not_taken_for_it():
+    from torch import nn
+
+    from accelrun.models.build import embedding_rows, position_table_problem
+
+    class PositionsFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos_emb = nn.Embedding(16, 8)  # as long as the vocabulary is wide, and first
+            self.tok_emb = nn.Embedding(16, 8)
+            self.head = nn.Linear(8, 16)
+
+    model = PositionsFirst()
+    assert embedding_rows(model) == 16
+    assert "position table pos_emb (16 rows)" in (position_table_problem(model, 32) or "")

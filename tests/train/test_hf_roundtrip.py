@@ -62,6 +62,7 @@ def test_hf_train_export_transformers_loads(tiny, tmp_path, kind):
         assert key in source and exported[key] == source[key], (key, exported.get(key), source.get(key))
     assert exported.get("dtype", "float32") == "float32" and exported["torch_dtype"] == "float32"
     assert not (out / "generation_config.json").exists() and "eos_token_id" not in exported
+    assert "did not train with" in " ".join(r.output.split()), r.output  # and the export says so
     if kind == "mistral":  # the folder gone since training: the export says what it could not carry
         import shutil
 

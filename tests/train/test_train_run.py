@@ -327,7 +327,18 @@ def test_a_job_folder_entered_again_after_its_run_finished_is_kept_and_another_t
     assert again.status == "nothing-to-do"
     assert (done.run_dir / "report.json").is_file() and (done.run_dir / "metrics.jsonl").is_file()
     assert complete_checkpoints(done.run_dir / "checkpoints")
+    # through train(), as a job's node enters its folder again: the finished run's records stay its own
+    import accelrun.train.entry as entry
+
+    before = {f: (done.run_dir / f).read_bytes() for f in ("config.yaml", "command.txt", "env.json")}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(entry, "_run_dir_for", lambda resolved, launch: (done.run_dir, 0))
+        rerun = train(load_config(DEFAULT_CONFIG, tiny(2, "checkpoint.every=2", "compile.backend=eager",
+                                                        "report.log_every=7")), command="again")  # fmt: skip
+    assert rerun.status == "nothing-to-do" and (done.run_dir / "report.json").is_file()
+    assert {f: (done.run_dir / f).read_bytes() for f in before} == before
     _refuse_another_training(done.run_dir, resolved, "j1")  # the same training: continued, not refused
     other = load_config(DEFAULT_CONFIG, tiny(4, "checkpoint.every=2", "compile.backend=eager"))
-    with pytest.raises(ConfigError, match=r"--rdzv-id j1: .* holds this job id's run of another training"):
+    with pytest.raises(ConfigError, match=r"--rdzv-id j1: .* holds this job id's run of another training .*"
+                                          r"with checkpoint.resume=.* to go on from its newest checkpoint"):
         _refuse_another_training(done.run_dir, other, "j1")
