@@ -564,8 +564,13 @@ class CachedMethod:
             stages["dynamo trace"] += max(time.perf_counter() - t0 - (sum(stages.values()) - timed_before), 0.0)
         self.cache.stats["compiled"] += 1
         # What cannot be read back where it was traced would make every later process reject the entry.
-        f_locals = entry.prepare_f_locals(owner, *args, **kwargs)
-        baked = [v for v in baked if v.holds_in(entry.fn.__globals__, f_locals)]
+        # Only a check: should it fail, the entry is saved with no values rather than refused.
+        try:
+            f_locals = entry.prepare_f_locals(owner, *args, **kwargs)
+            baked = [v for v in baked if v.holds_in(entry.fn.__globals__, f_locals)]
+        except Exception as e:  # noqa: BLE001 (torch's frame binding, a user's __eq__: never a refusal)
+            self.cache.error("could not read back the values the graph baked in (saved without them)", e)
+            baked = []
         return entry, traced, baked
 
     def _save(self, entry: Any, traced: set[str], baked: list[BakedValue], path: Path) -> bool:

@@ -159,3 +159,34 @@ def test_a_functions_fingerprint_is_the_same_in_every_process():
     seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(4)}  # fmt: skip
     assert len(seen) == 1, seen
+
+
+def test_a_failure_reading_the_values_back_saves_the_entry_without_them(tmp_path, monkeypatch):
+    """The read-back is a check only: had it raised, the method was refused for ever (a review)."""
+    from accelrun.compile import traced_from
+    from accelrun.compile.compile_model import compile_model
+    from accelrun.config.schema import CompileConfig
+
+    def broken(self, scope, f_locals):
+        raise RuntimeError("a user's __eq__ that raises")
+
+    monkeypatch.setattr(traced_from.BakedValue, "holds_in", broken)
+    monkeypatch.setattr(traced_from, "baked_value", lambda g: BakedValue("G['X']", "value", 1))
+    monkeypatch.setattr(graph_cache, "baked_value", traced_from.baked_value)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x).relu().sum()
+
+    torch._dynamo.reset()
+    model = Net()
+    cfg = CompileConfig(backend="accelrun", scope="model", executors=["aten"], cache_dir=str(tmp_path / "cache"))
+    record = compile_model(model, None, cfg).record
+    model(torch.randn(2, 4)).backward()
+    cache = record.graph_cache
+    assert cache["saved"] == 1 and cache["fallbacks"] == 0, cache
+    assert any("could not read back the values" in e for e in cache["errors"]), cache
