@@ -68,9 +68,6 @@ def accelrun_source_digest() -> str:
     return h.hexdigest()
 
 
-_file_digest = file_digest  # model_code_digest's, by this name (tests replace it)
-
-
 def model_code_digest(owner: nn.Module, func: Any) -> str:
     """sha256 over the files that define the compiled method and every module class under ``owner``,
     the functions their methods wrap and the plain values in those closures: models may live outside
@@ -86,7 +83,7 @@ def model_code_digest(owner: nn.Module, func: Any) -> str:
         closures += constants
     h = hashlib.sha256()
     for path in sorted(f for f in files if f):
-        h.update(path.encode() + _file_digest(path).encode())
+        h.update(path.encode() + file_digest(path).encode())
     h.update(repr(closures).encode())
     return h.hexdigest()
 

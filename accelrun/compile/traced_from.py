@@ -38,6 +38,7 @@ import accelrun
 # constant subscripts (``.mult``, ``['scale']``, ``[0]``); or a class's own attribute, read through
 # the type of such a path or one of its bases (``dict(type(self).__mro__[1].__dict__)['SCALE']``).
 _PATH = r"(?:G\['[^']+'\]|[A-Za-z_]\w*)(?:\.[A-Za-z_]\w*|\['[^']*'\]|\[-?\d+\])*"
+_PATH_NAME = re.compile(_PATH)
 _PATH_STEP = re.compile(r"G\['([^']+)'\]|^([A-Za-z_]\w*)|\.([A-Za-z_]\w*)|\['([^']*)'\]|\[(-?\d+)\]")
 _CLASS_ATTRIBUTE = re.compile(rf"dict\(type\(({_PATH})\)(?:\.__mro__\[(\d+)\])?\.__dict__\)\['(\w+)'\]")
 _UNREADABLE = object()
@@ -153,7 +154,7 @@ def baked_value(guard: Any) -> BakedValue | None:
 
 def readable(name: str) -> bool:
     """Whether ``guarded_value`` can read a guard of this name."""
-    return re.fullmatch(_PATH, name) is not None or _CLASS_ATTRIBUTE.fullmatch(name) is not None
+    return _PATH_NAME.fullmatch(name) is not None or _CLASS_ATTRIBUTE.fullmatch(name) is not None
 
 
 def guarded_value(name: str, scope: dict[str, Any], f_locals: dict[str, Any]) -> Any:
@@ -164,7 +165,7 @@ def guarded_value(name: str, scope: dict[str, Any], f_locals: dict[str, Any]) ->
             owner = guarded_value(m.group(1), scope, f_locals)
             cls = type(owner).__mro__[int(m.group(2) or 0)]
             return vars(cls)[m.group(3)]
-        if re.fullmatch(_PATH, name) is None:
+        if _PATH_NAME.fullmatch(name) is None:
             return _UNREADABLE
         value: Any = None
         for global_name, local, attr, key, index in _PATH_STEP.findall(name):

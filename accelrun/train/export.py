@@ -4,6 +4,7 @@ run's tokenizer files when it trained with a tokenizer.json."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -60,8 +61,6 @@ def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int 
 
 def _source_config(source: Path | None) -> dict | None:
     """The model.hf folder's config.json, or None where the folder or the file is gone."""
-    import json
-
     if source is None or not (source / "config.json").is_file():
         return None
     try:
@@ -97,8 +96,6 @@ def _carry_source_folder(source: Path, theirs: dict, out: Path, own_tokenizer: b
     ``KEPT_FROM_SOURCE``, the longer of the two position counts (a Mistral's training read its window),
     and the token ids where the run trained with the folder's tokenizer; its generation_config.json is
     copied with them."""
-    import json
-
     written = out / "config.json"
     ours = json.loads(written.read_text())
     kept = {k: v for k, v in theirs.items() if k not in SOURCE_KEYS_DROPPED

@@ -241,10 +241,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         data = ContextShardedBatches(data, cp_mesh.get_local_rank(), ctx.cp_size)
         loss_fn = context_parallel_loss(loss_fn, cp_mesh.get_group(), ctx.cp_size)
     eval_data = None
-    if cfg.eval.every > 0:
-        if pipeline is not None:
-            raise ConfigError("eval.every: evaluation under pipeline parallelism (parallel.pp > 1) is not "
-                              "supported yet; set eval.every = 0 or parallel.pp = 1")
+    if cfg.eval.every > 0:  # not under pipelining: the recipe's validation refuses it (config/validate.py)
         eval_data = build_eval_data(
             cfg.data, cfg.eval, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,
             vocab_size=vocab_size, custom=custom, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,

@@ -134,7 +134,7 @@ def test_model_code_is_part_of_the_key(tmp_path, monkeypatch):
     before = model_code_digest(block, type(block).forward)
     import accelrun.compile.graph_cache as graph_cache
 
-    monkeypatch.setattr(graph_cache, "_file_digest", lambda path: "edited" if path.endswith("llama.py") else "same")
+    monkeypatch.setattr(graph_cache, "file_digest", lambda path: "edited" if path.endswith("llama.py") else "same")
     assert model_code_digest(block, type(block).forward) != before
 
 
