@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -52,6 +53,8 @@ def command(config: str | None, overrides: tuple[str, ...], cluster: str | None,
     part by part (matmuls, attention, elementwise traffic, exposed communication, pipeline bubble,
     optimizer), with a verdict: fits, or does not fit and why. Datasheet figures are scaled by one
     fixed set of efficiency constants (accelrun/plan/efficiency.py); measured ones are used as they are.
+    Exit code 0 when it fits (with --search: when some layout fits), 3 when it does not, 2 for a bad
+    recipe or cluster.
 
     \b
     Examples:
@@ -89,11 +92,23 @@ def command(config: str | None, overrides: tuple[str, ...], cluster: str | None,
         err.print(f"[yellow]note:[/] {escape(e.messages[0])}")
     if as_json:
         out.print_json(json.dumps(_to_json(plan, result)))
-        return
-    if plan is not None:
-        _print_plan(plan, ac)
-    if result is not None:
-        _print_search(result, cl.describe())
+    else:
+        if plan is not None:
+            _print_plan(plan, ac)
+        if result is not None:
+            _print_search(result, cl.describe())
+    if not fits_somewhere(plan, result):
+        # a script's `accelrun plan ... && accelrun train ...` stops here (a new user's finding: exit 0)
+        sys.exit(EXIT_DOES_NOT_FIT)
+
+
+# The exit code of a plan whose layout does not fit (with --search: no layout fits). 2 stays a bad recipe.
+EXIT_DOES_NOT_FIT = 3
+
+
+def fits_somewhere(plan: Plan | None, result: SearchResult | None) -> bool:
+    """The recipe's own layout fits, or (--search) some layout the search tried does."""
+    return (plan is not None and plan.fits) or (result is not None and result.fitting > 0)
 
 
 def _tflops(value: float) -> str:

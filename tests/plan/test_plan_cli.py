@@ -38,11 +38,25 @@ def test_the_recipe_selects_selective_checkpointing_without_a_what_if():
     assert "planner only" not in r.output and "cannot run" not in r.output
 
 
-def test_does_not_fit_names_the_need_and_the_largest_term():
-    r = invoke(*LLAMA_8B, "parallel.nproc_per_node=1", "parallel.dp_shard=1", "train.global_batch=2",
+def test_does_not_fit_names_the_need_and_the_largest_term_and_exits_3():
+    """A new user's `accelrun plan ... && accelrun train ...` went on to train a layout the plan had just
+    said does not fit: the plan exited 0."""
+    one_gpu = (*LLAMA_8B, "parallel.nproc_per_node=1", "parallel.dp_shard=1", "train.global_batch=2",
                "--cluster", "h100-8x")
-    assert r.exit_code == 0, r.output
+    r = invoke(*one_gpu)
+    assert r.exit_code == 3, r.output
     assert "does not fit: needs" in r.output and "device has 80.0 GiB; largest term:" in r.output
+    as_json = invoke(*one_gpu, "--json")
+    assert as_json.exit_code == 3 and json.loads(as_json.output)["plan"]["fits"] is False
+    # the search finds layouts on the cluster's 8 GPUs that fit: the question --search asks is answered
+    searched = invoke(*one_gpu, "--search", "--top", "1")
+    assert searched.exit_code == 0, searched.output
+    assert "does not fit" in searched.output and "best layouts" in searched.output
+    # nothing fits one 80 GiB GPU: 405B's weights alone are 1.5 TiB in fp32
+    nowhere = invoke("model/llama3-405b", "--cluster", "h100-8x", "cluster.devices_per_node=1",
+                     "parallel.nproc_per_node=1", "--search", "--top", "1")
+    assert nowhere.exit_code == 3, nowhere.output
+    assert "no layout fits" in nowhere.output
 
 
 def test_search_prints_override_lines(cluster_file):
@@ -66,7 +80,7 @@ def test_devices_lists_the_table():
 
 def test_cluster_recipe_names_and_overrides(cluster_file):
     r = invoke(*LLAMA_8B, "parallel.nnodes=2", "parallel.dp_shard=16", "train.global_batch=32", "--cluster", "h100-8x",
-               "cluster.nodes=2")
+               "cluster.nodes=2", "train.activation_checkpoint.mode=selective")
     assert r.exit_code == 0, r.output
     assert "2 × 8 h100-sxm" in r.output
 
