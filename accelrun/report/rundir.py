@@ -35,7 +35,7 @@ def create_run_dir(runs_dir: str | Path, name: str) -> Path:
         raise ValueError(f"run name must match {NAME.pattern} (no path separators), got {name!r}")
     parent = Path(runs_dir) / name
     for _ in range(MAX_ATTEMPTS):
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        stamp = time.strftime(STAMP_FORMAT, time.gmtime())
         path = parent / f"{stamp}-{secrets.token_hex(3)}"
         try:
             _mkdir(path, runs_dir, parents=True, exist_ok=False)
@@ -56,7 +56,29 @@ def list_runs(runs_dir: str | Path, name: str | None = None) -> list[Path]:
     parents = [root / name] if name is not None else [p for p in root.iterdir() if p.is_dir()]
     runs = [run for parent in parents if parent.is_dir()
             for run in parent.iterdir() if run.is_dir() and RUN_ID.match(run.name)]
-    return sorted(runs, key=lambda p: (p.name[:15], p.stat().st_mtime_ns), reverse=True)
+    return sorted(runs, key=lambda p: (started_stamp(p), p.stat().st_mtime_ns), reverse=True)
+
+
+# A multi-node job's folder is named by its job id, not by when it started: the first node to make it
+# writes the UTC start here, in a run folder's name format (``runs list`` showed "?" and sorted every
+# job folder above every newer run).
+STARTED_FILE = "started.txt"
+STAMP_FORMAT = "%Y%m%d-%H%M%S"
+
+
+def started_stamp(run_dir: Path) -> str:
+    """When ``run_dir``'s run started, as ``YYYYmmdd-HHMMSS`` (UTC; sorts as it reads): from its name, or
+    a job folder's start file, or (a job folder from before that file) its oldest file's time."""
+    if not run_dir.name.startswith("job-"):
+        return run_dir.name[:15]
+    try:
+        stamp = (run_dir / STARTED_FILE).read_text(encoding="utf-8").strip()
+        time.strptime(stamp, STAMP_FORMAT)
+        return stamp
+    except (OSError, ValueError):
+        pass
+    times = [f.stat().st_mtime for f in run_dir.iterdir() if f.is_file()] or [run_dir.stat().st_mtime]
+    return time.strftime(STAMP_FORMAT, time.gmtime(min(times)))
 
 
 def runs_in(folder: Path) -> list[Path]:
@@ -97,6 +119,13 @@ def job_run_dir(runs_dir: str | Path, name: str, job_id: str) -> Path:
         raise ValueError(f"job id must match {NAME.pattern}, got {job_id!r}")
     path = Path(runs_dir) / name / f"job-{job_id}"
     _mkdir(path, runs_dir, parents=True, exist_ok=True)
+    try:  # the first node (or the first run of the job) writes it; a requeued job keeps its start
+        with open(path / STARTED_FILE, "x", encoding="utf-8") as f:
+            f.write(time.strftime(STAMP_FORMAT, time.gmtime()) + "\n")
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise unwritable(e, runs_dir) from None
     return path
 
 

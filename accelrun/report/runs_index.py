@@ -16,7 +16,7 @@ from pathlib import Path
 from accelrun.config.resolve import values_hash
 from accelrun.report.peak import is_upper_bound
 from accelrun.report.rundata import RunNotFound, load_run
-from accelrun.report.rundir import is_running, list_runs
+from accelrun.report.rundir import STAMP_FORMAT, is_running, list_runs, started_stamp
 from accelrun.report.stats import median as steady_median
 
 
@@ -24,7 +24,7 @@ from accelrun.report.stats import median as steady_median
 class RunRow:
     run: str  # name/id
     path: str
-    started: str  # UTC, from the directory name
+    started: str  # UTC: from the directory name, or a job folder's start file (rundir.started_stamp)
     status: str
     steps: int  # the last step it recorded
     final_loss: float | None
@@ -46,10 +46,10 @@ class RunRow:
         return asdict(self)
 
 
-def _started(run_id: str) -> str:
+def _started(run_dir: Path) -> str:
     try:
-        return time.strftime("%Y-%m-%d %H:%M", time.strptime(run_id[:15], "%Y%m%d-%H%M%S"))
-    except ValueError:
+        return time.strftime("%Y-%m-%d %H:%M", time.strptime(started_stamp(run_dir), STAMP_FORMAT))
+    except (OSError, ValueError):
         return "?"
 
 
@@ -68,7 +68,7 @@ def list_run_rows(runs_dir: str | Path, name: str | None = None, limit: int | No
             if (row := _ab_row(path) if is_ab_folder(path) else _run_row(path)) is not None]
     if comparisons:
         rows += [row for path in list_runs(Path(runs_dir) / AB_FOLDER, name) if (row := _ab_row(path)) is not None]
-    rows.sort(key=lambda r: Path(r.path).name[:15], reverse=True)  # the UTC time each folder is named by
+    rows.sort(key=lambda r: started_stamp(Path(r.path)), reverse=True)
     return rows[:limit]
 
 
@@ -100,7 +100,7 @@ def _ab_row(path: Path) -> RunRow | None:
     code = (result or {}).get("exit_code")
     status = "running" if result is None and is_running(path) else \
         "interrupted" if result is None or code == EXIT_INTERRUPTED else "finished" if code == 0 else "failed"
-    return RunRow(run=f"{path.parent.name}/{path.name}", path=str(path), started=_started(path.name), status=status,
+    return RunRow(run=f"{path.parent.name}/{path.name}", path=str(path), started=_started(path), status=status,
                   steps=int((result or {}).get("steps") or 0), final_loss=None, step_time_s=None, tokens_per_s=None,
                   mfu=None, mem_peak_bytes=None, compile="-", precision="-", config_hash=None, kind="ab")
 
@@ -111,7 +111,7 @@ def _run_row(path: Path) -> RunRow | None:
     except RunNotFound:  # a directory being created, or not one of ours: skip it
         return None
     if not r.metrics and r.report is None and (path / EXPLAIN_RECORD).is_file():
-        return RunRow(run=r.label, path=str(path), started=_started(path.name), status="finished",
+        return RunRow(run=r.label, path=str(path), started=_started(path), status="finished",
                       steps=0, final_loss=None, step_time_s=None, tokens_per_s=None, mfu=None, mem_peak_bytes=None,
                       compile=str(r.config_flat.get("compile.backend", "?")),
                       precision=str(r.config_flat.get("train.precision", "?")), config_hash=None, kind="explain",
@@ -126,7 +126,7 @@ def _run_row(path: Path) -> RunRow | None:
     median = (rep.get("step_time_s") or {}).get("median") if whole else (steady_median(times) if times else None)
     tokens = r.job_tokens_per_step
     return RunRow(
-        run=r.label, path=str(path), started=_started(path.name), status=r.status,
+        run=r.label, path=str(path), started=_started(path), status=r.status,
         steps=int(steps or 0), final_loss=losses[max(losses)] if losses else None, step_time_s=median,
         tokens_per_s=(rep.get("tokens_per_s_job") if whole else None) or (tokens / median if tokens and median else None),
         mfu=rep.get("mfu") if whole else r.mfu, mem_peak_bytes=rep.get("mem_peak_bytes") if whole else r.mem_peak_bytes,

@@ -97,3 +97,37 @@ def test_explain_says_it_compiles_with_accelrun_whatever_the_recipes_backend(tin
     said = " ".join(r.output.split())
     assert ("note: compile explain compiles with accelrun's compiler; compile.backend = eager (override "
             "'compile.backend=eager') is not used here") in said, said
+
+
+def test_a_job_folder_shows_when_it_started_and_sorts_by_it(tmp_path):
+    """A multi-node job's folder is named by its job id: `runs list` showed "?" as its start and listed
+    it above every newer run (its name sorted after the digits of theirs). The first node to make the
+    folder writes its start; a requeue keeps it; a job folder from before that file takes its oldest
+    file's time."""
+    import os
+    import time
+
+    from accelrun.report.rundir import STARTED_FILE, job_run_dir, list_runs
+
+    runs = tmp_path / "runs"
+    config = "name: llama-debug\ncompile:\n  backend: eager\ntrain:\n  precision: fp32\n"
+    report = json.dumps({"status": "finished", "steps": 5, "step_time_s": {"median": 0.1}})
+    job = job_run_dir(runs, "llama-debug", "j42")
+    written = (job / STARTED_FILE).read_text()
+    (job / STARTED_FILE).write_text("20260101-120500\n")  # as if made then
+    assert job_run_dir(runs, "llama-debug", "j42") == job and (job / STARTED_FILE).read_text() == "20260101-120500\n"
+    assert time.strptime(written.strip(), "%Y%m%d-%H%M%S")  # what the first node wrote: now, in UTC
+    for name, text in (("config.yaml", config), ("report.json", report)):
+        (job / name).write_text(text)
+    _folder(runs / "llama-debug" / "20260101-120000-aaaaaa", **{"config.yaml": config, "report.json": report})
+    _folder(runs / "llama-debug" / "20260101-121000-bbbbbb", **{"config.yaml": config, "report.json": report})
+    old = _folder(runs / "llama-debug" / "job-old", **{"config.yaml": config, "report.json": report})
+    for f in old.iterdir():  # made at 11:00 UTC that day
+        os.utime(f, (time.mktime(time.strptime("20260101-110000", "%Y%m%d-%H%M%S")) - time.timezone,) * 2)
+    rows = list_run_rows(runs)
+    assert [(r.run.split("/")[-1], r.started) for r in rows] == [
+        ("20260101-121000-bbbbbb", "2026-01-01 12:10"), ("job-j42", "2026-01-01 12:05"),
+        ("20260101-120000-aaaaaa", "2026-01-01 12:00"), ("job-old", "2026-01-01 11:00")]
+    assert [p.name for p in list_runs(runs, "llama-debug")] == [r.run.split("/")[-1] for r in rows]
+    table = CliRunner().invoke(cli, ["runs", "list", str(runs)])
+    assert table.exit_code == 0 and "?" not in table.stdout, table.output
