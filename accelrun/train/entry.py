@@ -81,7 +81,8 @@ def train(
     with hold_run_lock(run_dir, node), stop.catch_signals():
         # A finished job's folder entered again (its --rdzv-id given again) keeps the run's own records:
         # written over, they no longer matched its report (a review's finding).
-        if not (run_dir / "report.json").exists():
+        finished_before = (run_dir / "report.json").exists()
+        if not finished_before:
             write_text_atomic(resolved.to_yaml(), run_dir / "config.yaml")
             write_text_atomic(explain_text(resolved), run_dir / "config.sources.txt")
             write_text_atomic((command or "(called from Python)") + "\n", run_dir / "command.txt")
@@ -98,7 +99,7 @@ def train(
         console.print(f"launching {cfg.parallel.nproc_per_node} process(es) per node on {cfg.parallel.nnodes} "
                       "node(s) through torchrun's elastic agent", markup=False)
         outcome = launch_job(run_dir, cfg.parallel, launch, run_rank)
-    return _warn_if_late(_launched_result(run_dir, outcome, console), console)
+    return _warn_if_late(_launched_result(run_dir, outcome, console, finished_before), console)
 
 
 def _warn_if_late(result: TrainResult, console: Console) -> TrainResult:
@@ -142,7 +143,8 @@ def _refuse_another_training(job_dir: Path, resolved: ResolvedConfig, job_id: st
                           "raising train.steps), or the same recipe to continue that one")
 
 
-def _launched_result(run_dir: Path, outcome: JobOutcome, console: Console) -> TrainResult:
+def _launched_result(run_dir: Path, outcome: JobOutcome, console: Console,
+                     finished_before: bool = False) -> TrainResult:
     code = outcome.exit_code
     if outcome.stopped is not None:
         console.print(outcome.stopped.line(outcome.ranks), markup=False, highlight=False)
@@ -150,6 +152,12 @@ def _launched_result(run_dir: Path, outcome: JobOutcome, console: Console) -> Tr
     report_path = run_dir / "report.json"
     if code == 0 and report_path.exists():
         report = json.loads(report_path.read_text())
+        if finished_before:
+            # the ranks trained nothing: the old report's "done: loss ..." read as this rerun's (a new user)
+            console.print(f"this job's run had finished before ({report.get('steps')} steps, final loss "
+                          f"{report.get('final_loss', float('nan')):.3f}); nothing was trained now; its report: "
+                          f"{run_dir / 'report.md'}", markup=False, highlight=False)
+            return TrainResult(run_dir, "nothing-to-do", report)
         _print_summary(console, report, run_dir)
         return TrainResult(run_dir, report["status"], report)
     if code in (2, 3):  # the CLI prints what no rank printed and exits with the same code

@@ -307,6 +307,26 @@ def test_the_report_says_the_learning_rate_trained_with(tiny):
     assert "→ 0.001 (step 1) →" in row and "never reached" not in row, row
 
 
+def test_a_finished_job_entered_again_does_not_print_its_old_summary_as_this_run_s(tmp_path):
+    """A new user reran a finished two-node job with its --rdzv-id: the ranks trained nothing, and the
+    launcher printed the finished run's "done: loss 6.2 -> 2.1; ... tok/s" as if the rerun had trained."""
+    from rich.console import Console
+
+    from accelrun.dist.launch import JobOutcome
+    from accelrun.train.entry import _launched_result
+
+    report = {"status": "finished", "steps": 300, "first_loss": 6.2, "final_loss": 2.1, "tokens_per_s_job": 9000.0,
+              "step_time_s": {"median": 0.3}, "mfu": None}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    console = Console(record=True, width=200)
+    again = _launched_result(tmp_path, JobOutcome(0, []), console, finished_before=True)
+    said = console.export_text()
+    assert again.status == "nothing-to-do" and "done:" not in said, said
+    assert "this job's run had finished before (300 steps, final loss 2.100); nothing was trained now" in said
+    first = _launched_result(tmp_path, JobOutcome(0, []), console := Console(record=True, width=200))
+    assert first.status == "finished" and "done: loss 6.200 → 2.100" in console.export_text()
+
+
 def test_a_job_folder_entered_again_after_its_run_finished_is_kept_and_another_training_refused(tiny):
     """A multi-node job's folder (runs/<name>/job-<id>) is entered again when the job is requeued. A
     new user reran a finished two-node job with the same --rdzv-id: "nothing to train", and the
