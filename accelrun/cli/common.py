@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import click
 from rich.markup import escape
 from rich.measure import Measurement
@@ -18,7 +20,13 @@ def print_wide(renderable) -> None:
     """Print at the table's natural width even when stdout is narrow or not a terminal, so a piped
     or logged table keeps one line per row instead of folding every cell."""
     natural = Measurement.get(out, out.options.update_width(10_000), renderable).maximum
-    if natural <= out.width:
+    if not out.is_terminal:
+        # piped or logged: each line as long as its own text (rich pads every row to the widest one,
+        # which a new user found filling `recipes list | less` with blanks)
+        buffer = io.StringIO()
+        ResultConsole(width=natural, highlight=False, file=buffer, color_system=None).print(renderable)
+        out.file.write("".join(line.rstrip() + "\n" for line in buffer.getvalue().splitlines()))
+    elif natural <= out.width:
         out.print(renderable)
     else:  # Console.print(width=) cannot exceed the console's width: a wider console for this one
         ResultConsole(width=natural, highlight=False, file=out.file).print(renderable)

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from accelrun.cli.common import out, print_wide
@@ -40,18 +41,34 @@ def list_cmd(show_all: bool) -> None:
       ACCELRUN_RECIPE_PATH=~/team-recipes accelrun recipes list --all
     """
     dirs = search_path()
-    table = Table(show_edge=False, box=None, pad_edge=False)
-    table.add_column("name", style="bold cyan", no_wrap=True)
-    table.add_column("summary", ratio=3)
-    table.add_column("file", style="dim", overflow="fold", ratio=1)
-    for e in list_recipes(dirs):
+    entries = list_recipes(dirs)
+    hidden: dict[str, list[Path]] = {}  # name -> the files a first match hides
+    for e in entries:
+        if e.shadowed_by is not None:
+            hidden.setdefault(e.name, []).append(e.path)
+    rows = []
+    for e in entries:
         if e.shadowed_by is not None and not show_all:
             continue
-        summary = e.summary + (f" [yellow](shadowed by {e.shadowed_by})[/]" if e.shadowed_by else "")
-        table.add_row(e.name, summary, str(e.path))
+        summary = escape(e.summary)
+        if e.shadowed_by is not None:
+            summary += f" [yellow](shadowed by {escape(str(e.shadowed_by))})[/]"
+        elif e.name in hidden:  # a local recipe that hides a shipped one: said, not silently in force
+            summary += f" [yellow](hides {escape(', '.join(map(str, hidden[e.name])))})[/]"
+        rows.append((e.name, summary, escape(str(e.path))))
+    table = Table(show_edge=False, box=None, pad_edge=False)
+    table.add_column("name", style="bold cyan", no_wrap=True)
     if out.is_terminal:
+        table.add_column("summary", ratio=3)
+        table.add_column("file", style="dim", overflow="fold", ratio=1)
+        for name, summary, path in rows:
+            table.add_row(name, summary, path)
         out.print(table)
-    else:  # piped or logged: one line per recipe, its path whole, so `| grep` finds it
+    else:  # piped or logged: one line per recipe, its path whole (`| grep` finds it), the summary last
+        table.add_column("file")
+        table.add_column("summary")
+        for name, summary, path in rows:
+            table.add_row(name, path, summary)
         print_wide(table)
     out.print(f"\nsearch path ({RECIPE_PATH_ENV} adds directories): " + ", ".join(str(d) for d in dirs), style="dim")
 

@@ -76,9 +76,11 @@ def test_config_show_resolved_yaml_and_explain():
 def test_recipes_list_show_cp(tmp_path):
     r = invoke("recipes", "list")
     assert r.exit_code == 0 and "model/llama3-8b" in r.output and "parallel/fsdp" in r.output
-    # Piped (not a terminal): one line per recipe with its file whole, so `| grep` finds both.
+    # Piped (not a terminal): one line per recipe with its file whole, so `| grep` finds both, the
+    # summary last and no line filled with blanks to the widest one (a new user's `| less`)
     line = next(ln for ln in r.output.splitlines() if ln.startswith("cluster/cpu-local "))
-    assert line.rstrip().endswith("recipes/cluster/cpu-local.yaml"), line
+    assert line.split()[1].endswith("recipes/cluster/cpu-local.yaml") and line.endswith("accelrun/plan/).")
+    assert not [ln for ln in r.output.splitlines() if ln != ln.rstrip()]
     r = invoke("recipes", "show", "model/llama3-8b")
     assert r.exit_code == 0 and "dim: 4096" in r.output
     r = invoke("recipes", "cp", "model/debug", tmp_path)
@@ -91,6 +93,19 @@ def test_recipes_list_show_cp(tmp_path):
     assert r.exit_code == 0 and (tmp_path / "my-recipes" / "fsdp.yaml").is_file(), r.output
     r = invoke("recipes", "show", "model/llama3-8", )
     assert r.exit_code == 2 and "did you mean" in r.output
+
+
+def test_recipes_list_says_which_shipped_recipe_a_local_one_hides(tmp_path, monkeypatch):
+    """A team's recipes/model/debug.yaml took the shipped model/debug's place with nothing said: the list
+    showed one model/debug, the local one, as if it were the shipped recipe."""
+    (tmp_path / "recipes" / "model").mkdir(parents=True)
+    (tmp_path / "recipes" / "model" / "debug.yaml").write_text("# Our debug model.\nmodel: {dim: 64}\n")
+    monkeypatch.chdir(tmp_path)
+    lines = [ln for ln in invoke("recipes", "list").output.splitlines() if ln.startswith("model/debug ")]
+    assert len(lines) == 1 and "recipes/model/debug.yaml" in lines[0].split()[1], lines
+    assert lines[0].split()[1].startswith(str(tmp_path)) and "Our debug model. (hides " in lines[0], lines
+    shipped = [ln for ln in invoke("recipes", "list", "--all").output.splitlines() if "(shadowed by " in ln]
+    assert len(shipped) == 1 and shipped[0].startswith("model/debug "), shipped
 
 
 def test_train_tiny_run(tiny, tmp_path):
