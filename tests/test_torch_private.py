@@ -16,7 +16,7 @@ import torch
 import accelrun.torch_private as tp
 
 EAGER = ("reinterpret_tensor", "empty_strided_cpu", "TensorGuards")
-FUNCTIONS = ("cuda_current_raw_stream", "triton_direct_launch", "cpu_has_half_gemm", "onednn_linear",
+FUNCTIONS = ("on_group_restart", "cuda_current_raw_stream", "triton_direct_launch", "cpu_has_half_gemm", "onednn_linear",
              "import_module_globals", "files_traced_by_precompile", "unread_compile_logs_skipped",
              "drop_failed_async_compiles")
 ATTRIBUTES = ("COMPILED_CALL",)  # names of private attributes torch's own classes keep
@@ -721,3 +721,26 @@ def test_COMPILED_CALL():
     called = []
     setattr(module, tp.COMPILED_CALL, lambda *a, **k: called.append(a) or "reached")
     assert module(torch.ones(2)) == "reached" and len(called) == 1
+
+
+def _dies_once(marker: str) -> None:
+    """A worker of the agent: local rank 1 of the first start kills itself, as `kill -9` would."""
+    if os.environ["LOCAL_RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        os.kill(os.getpid(), 9)
+    open(f"{marker}-{os.environ['LOCAL_RANK']}-{os.environ['TORCHELASTIC_RESTART_COUNT']}", "w").close()
+
+
+def test_on_group_restart(tmp_path):
+    """torchelastic's agent, as `accelrun train --max-restarts` runs it: the report gets the killed rank's
+    signal before the group restarts, and the restarted group runs to the end."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    seen = []
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="t", rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=1, monitor_interval=0.05, start_method="fork")
+    with tp.on_group_restart(lambda codes, restart, most: seen.append((codes, restart, most))):
+        elastic_launch(config, _dies_once)(str(tmp_path / "done"))
+    # (rank 0 of the first start may have ended on its own by then: exit 0)
+    assert len(seen) == 1 and seen[0][0].get(1) == -9 and set(seen[0][0]) <= {0, 1} and seen[0][1:] == (1, 1), seen
+    written = {p.name for p in tmp_path.iterdir()}
+    assert {"done-0-1", "done-1-1"} <= written and "done-1-0" not in written, written

@@ -33,7 +33,8 @@ from accelrun.config.schema import ParallelConfig
 from accelrun.dist import stop
 from accelrun.dist.launch_options import LaunchOptions
 from accelrun.dist.rank_errors import unprinted_messages
-from accelrun.dist.rank_failures import LOGS, exit_codes_of, explain
+from accelrun.dist.rank_failures import LOGS, culprit, exit_codes_of, explain, rank_ends
+from accelrun.torch_private import on_group_restart
 
 # What the fork server imports once, before it forks ranks (with the entry point's own module).
 FORKSERVER_PRELOAD = ["accelrun.dist.fork_server", "accelrun.dist.worker"]
@@ -109,15 +110,32 @@ def _agent_logs_to(path: Path) -> Iterator[None]:
         handler.close()
 
 
+def restart_line(errors: Path, exit_codes: dict[int, int], restart: int, max_restarts: int) -> str:
+    """What the launcher says as the agent restarts the group: which rank failed first and how, from the
+    failed group's records (rank_failures), and which restart this is."""
+    first = culprit(rank_ends(errors, exit_codes))
+    failed = f"{first.described} (its log: {first.log})" if first else "a rank of this node's group failed"
+    return (f"{failed}; restarting the ranks (restart {restart} of the {max_restarts} --max-restarts allows): "
+            "they go on from the job's newest checkpoint, or from the start without one")
+
+
 def launch_job(run_dir: Path, par: ParallelConfig, opts: LaunchOptions,
-               entry: Callable[[str, str], None]) -> JobOutcome:
+               entry: Callable[[str, str], None], say: Callable[[str], None] | None = None) -> JobOutcome:
     """Run the job to the end on this node's ranks, each calling ``entry(run_dir, errors_dir)`` (a module-level
-    function: the fork server imports its module; ``train.rank.run_rank`` for training)."""
+    function: the fork server imports its module; ``train.rank.run_rank`` for training). ``say`` gets a
+    line each time the agent restarts the group after a failure (``--max-restarts``)."""
     # Takes effect when the server starts (the first launch in this process).
     multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, entry.__module__])
     agent_log = run_dir / LOGS / "agent.log"
+
+    def report_restart(exit_codes: dict[int, int], restart: int, max_restarts: int) -> None:
+        line = restart_line(Path(errors), exit_codes, restart, max_restarts)
+        logging.getLogger(AGENT_LOGGERS[0]).warning("accelrun: %s", line)  # into agent.log as well
+        if say is not None:
+            say(line)
+
     with (tempfile.TemporaryDirectory(prefix="accelrun-rank-errors-") as errors,
-          stop.catch_signals(forward_to=Path(errors)), _agent_logs_to(agent_log)):
+          stop.catch_signals(forward_to=Path(errors)), _agent_logs_to(agent_log), on_group_restart(report_restart)):
         try:
             with stop.abort_on_second_interrupt(_kill_ranks):
                 elastic_launch(launch_config(par, opts), entry)(str(run_dir), errors)

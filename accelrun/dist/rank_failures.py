@@ -62,6 +62,12 @@ class _Tee(io.TextIOBase):
         return getattr(self._stream, "encoding", "utf-8")
 
 
+def attempt() -> int:
+    """Which start of the group this rank belongs to: 0, then 1 after the agent's first restart, ...
+    Every record says it, so a restarted group's failure is never blamed on the group before it."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
 def start_rank_log(run_dir: Path, folder: Path | None, rank: int, local_rank: int):
     """Tee this rank's Python output into its log file and record who it is; returns the open log."""
     path = log_path(run_dir, rank)
@@ -72,7 +78,7 @@ def start_rank_log(run_dir: Path, folder: Path | None, rank: int, local_rank: in
     sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
     if folder is not None:
         _write(folder / f"proc-{rank}.json", {"rank": rank, "local_rank": local_rank, "pid": os.getpid(),
-                                              "host": socket.gethostname(), "log": str(path)})
+                                              "host": socket.gethostname(), "log": str(path), "attempt": attempt()})
     return log
 
 
@@ -85,7 +91,7 @@ def leave_crash(folder: Path | None, log, rank: int, e: BaseException) -> None:
     else:
         sys.__stderr__.write(text)
     if folder is not None:
-        _write(folder / f"crash-{rank}.json", {"rank": rank, "error": error_line(e)})
+        _write(folder / f"crash-{rank}.json", {"rank": rank, "error": error_line(e), "attempt": attempt()})
 
 
 def error_line(e: BaseException) -> str:
@@ -148,17 +154,25 @@ class RankEnd:
         return f"{code}: {self.error}" if self.error else f"{code} without an error of its own"
 
     @property
+    def described(self) -> str:
+        return f"rank {self.rank} on node {self.host} (pid {self.pid}) {self.how}"
+
+    @property
     def secondary(self) -> bool:
         """Its error says another rank went away first."""
         return self.error is not None and any(w in self.error.lower() for w in PEER_GONE)
 
 
 def rank_ends(folder: Path, exit_codes: dict[int, int]) -> list[RankEnd]:
+    """How each rank of the group's latest start ended (a record of an earlier start, which a restarted
+    group's rank has not yet written over, is that start's, not this one's)."""
     procs, crashes = _read(folder, "proc-*.json"), _read(folder, "crash-*.json")
     users = _read(folder, "rank-*.json")  # rank_errors' records of user errors
     ends = []
     for rank, p in sorted(procs.items()):
-        error = crashes.get(rank, {}).get("error") or "; ".join(users.get(rank, {}).get("messages", [])) or None
+        same = [r for r in (crashes.get(rank), users.get(rank)) if r and r.get("attempt", 0) == p.get("attempt", 0)]
+        error = next((r["error"] for r in same if "error" in r), None) or \
+            "; ".join(m for r in same for m in r.get("messages", [])) or None
         ends.append(RankEnd(rank, p["host"], p["pid"], p["log"], exit_codes.get(p["local_rank"]), error))
     return ends
 
@@ -195,7 +209,7 @@ def explain(folder: Path, exit_codes: dict[int, int], agent_log: Path | None) ->
     first = culprit(ends)
     if first is None:
         return []
-    lines = [f"rank {first.rank} on node {first.host} (pid {first.pid}) {first.how}"]
+    lines = [first.described]
     last = tail(first.log)
     lines.append(f"  its last lines ({first.log}):" if last else f"  its log ({first.log}) is empty")
     lines += [f"  | {line}" for line in last]

@@ -98,7 +98,8 @@ def train(
             return _warn_if_late(result, console)
         console.print(f"launching {cfg.parallel.nproc_per_node} process(es) per node on {cfg.parallel.nnodes} "
                       "node(s) through torchrun's elastic agent", markup=False)
-        outcome = launch_job(run_dir, cfg.parallel, launch, run_rank)
+        outcome = launch_job(run_dir, cfg.parallel, launch, run_rank,
+                             say=lambda line: console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False))
     return _warn_if_late(_launched_result(run_dir, outcome, console, finished_before), console)
 
 

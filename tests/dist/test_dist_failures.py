@@ -48,3 +48,30 @@ def test_culprit_is_the_rank_without_an_error_of_its_own():
     assert culprit([lost_peer, own]) is own
     assert culprit([RankEnd(0, "h", 10, None, 0, None)]) is None
     assert "was killed by SIGKILL (kill -9" in killed.how and lost_peer.secondary and not own.secondary
+
+
+def test_a_restarted_group_is_not_blamed_for_its_predecessor_s_errors(tmp_path):
+    """After the agent restarts the group, the first start's crash records stay in the folder until a
+    rank of the new start writes over them: a failure of the new group named the old group's error.
+    Each record says its start; and the launcher's line at the restart names the rank that died."""
+    import json
+
+    from accelrun.dist.launch import restart_line
+    from accelrun.dist.rank_failures import rank_ends
+
+    def record(name, **fields):
+        (tmp_path / name).write_text(json.dumps(fields))
+
+    record("proc-0.json", rank=0, local_rank=0, pid=10, host="h", log="rank-0.log", attempt=0)
+    record("proc-1.json", rank=1, local_rank=1, pid=11, host="h", log="rank-1.log", attempt=0)
+    record("crash-0.json", rank=0, error="RuntimeError: Connection reset by peer", attempt=0)
+    line = restart_line(tmp_path, {1: -9}, 1, 3)
+    assert line.startswith("rank 1 on node h (pid 11) was killed by SIGKILL (kill -9"), line
+    assert "(its log: rank-1.log); restarting the ranks (restart 1 of the 3 --max-restarts allows)" in line
+    # the second start's rank 0 has written its record; its predecessor's crash is not its own
+    record("proc-0.json", rank=0, local_rank=0, pid=20, host="h", log="rank-0.log", attempt=1)
+    ends = {e.rank: e for e in rank_ends(tmp_path, {})}
+    assert ends[0].error is None and ends[0].pid == 20
+    record("crash-0.json", rank=0, error="ValueError: its own", attempt=1)
+    assert rank_ends(tmp_path, {})[0].error == "ValueError: its own"
+    assert restart_line(tmp_path / "none", {}, 2, 3).startswith("a rank of this node's group failed; restarting")

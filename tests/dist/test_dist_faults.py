@@ -59,7 +59,8 @@ def test_killed_rank_restarts_the_group_which_resumes_and_a_stuck_rank_times_out
         assert metrics is not None, "the job did not get going"
         workers = ranks_of(job.pid)
         assert len(workers) == 2, workers
-        os.kill(workers[1], signal.SIGKILL)
+        killed = workers[1]
+        os.kill(killed, signal.SIGKILL)
 
         deadline = time.time() + 120
         while time.time() < deadline:  # the agent stops the old group, then forks a new one
@@ -86,6 +87,9 @@ def test_killed_rank_restarts_the_group_which_resumes_and_a_stuck_rank_times_out
     said = " ".join(out.split())  # the terminal wraps lines where the run's path length puts the break
     assert "step-000002 at step 2" in said, out[-3000:]  # the first start resumed the one-process checkpoint
     assert "restart 1 of the group" in said, out[-3000:]  # the restarted group resumed its own checkpoint
+    # the launcher said which rank died, and how, as the agent restarted the group (it said nothing)
+    assert f"rank 1 on node {os.uname().nodename} (pid {killed}) was killed by SIGKILL" in said, out[-3000:]
+    assert "restarting the ranks (restart 1 of the 1 --max-restarts allows)" in said, out[-3000:]
     assert job.returncode != 0
     assert "rank 0: a collective in" in said and "parallel.timeout_s = 15 s" in said, out[-3000:]
 
