@@ -20,6 +20,7 @@ ordinary ``torch.compile`` of the method, with the reason kept in the compile re
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -462,11 +463,29 @@ class CachedMethod:
             if saved_settings == module_settings(owner):
                 return self._fall_back(f"{PRECOMPILE_FAILED} before: {why}", None)
         versions_file = self.cache.directory / f"{key.unversioned}-{len(self.entries)}.versions"
-        entry = self._load(path, owner, args, kwargs) if path.exists() else None
-        if entry is None and not path.exists():
+        held = variants_of(path)
+        entry, rejections, any_held = None, [], bool(held)
+        for candidate in list(held):  # the most recently used first
+            entry, rejected = self._load(candidate, owner, args, kwargs)
+            if entry is not None:
+                with contextlib.suppress(OSError):  # used: the last to be written over
+                    os.utime(candidate)
+                break
+            if rejected is None:  # damaged, or traced from a file that changed: it never loads again
+                held.remove(candidate)
+                with contextlib.suppress(OSError):
+                    candidate.unlink()
+            else:
+                rejections.append(rejected)
+        if entry is None and not any_held:
             self.cache.note_state_change(state_file, key.state)
             self.cache.note_version_change(versions_file)
         if entry is None:
+            # Said only when no entry held loads: the values another one was compiled for.
+            self.cache.stats["rejected"] += len(rejections)
+            for changed in rejections:
+                if changed and changed not in self.cache.stats["state_changed"]:
+                    self.cache.stats["state_changed"].append(changed)
             mark, counted = self.cache.backend.record.mark(), coverage.snapshot()
             try:
                 entry, traced, baked = self._compile(owner, args, kwargs)
@@ -476,13 +495,15 @@ class CachedMethod:
                 self.cache.backend.record.roll_back(mark)
                 coverage.forget_since(counted)
                 return self._fall_back(f"{PRECOMPILE_FAILED} (nothing saved: each new process compiles it again)", e)
-            if self._save(entry, traced, baked, path):
+            if self._save(entry, traced, baked, slot_for(path, held)):
                 self.cache.remember_state(state_file, key.state)
                 self.cache.remember_state(versions_file, self.cache.versions)
         self.entries.append(entry)
         return entry
 
-    def _load(self, path: Path, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
+    def _load(self, path: Path, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, str | None]:
+        """The entry saved at ``path`` if it serves this call; else None and, where it was rejected, why
+        ("" when the reason is not one to say: guards on what the key does not cover)."""
         from accelrun.compile.output_code import recording_loads_into
         from accelrun.torch_private import AOTCompiledFunction
 
@@ -499,23 +520,18 @@ class CachedMethod:
                 entry = AOTCompiledFunction.deserialize(data, self.func.__globals__,
                                                         external_closure_data=wrapped_functions(self.func))
             if changed := sources.changed_value(entry.fn.__globals__, entry.prepare_f_locals(owner, *args, **kwargs)):
-                # a setting of the model's modules, not an error: compiled for this value and saved
-                self.cache.stats["rejected"] += 1
-                if changed not in self.cache.stats["state_changed"]:
-                    self.cache.stats["state_changed"].append(changed)
-                return None
+                return None, changed  # a setting of the model's modules, not an error: compiled for this value
             if not entry.guard_check(owner, *args, **kwargs):
                 # Saved for what its key does not cover (a module attribute the forward branches on, as
                 # two runs of one model with other model.kwargs): a miss, not an error to print.
-                self.cache.stats["rejected"] += 1
-                return None
+                return None, ""
         except Exception as e:  # stale or damaged: compile afresh and overwrite it
             self.cache.error(f"could not load {path.name}", e)
-            return None
+            return None, None
         record.absorb(loading)
         self.cache.stats["loaded"] += 1
         record.stage_seconds["graph cache load"] += time.perf_counter() - t0
-        return entry
+        return entry, None
 
     def _compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, set[str], list[BakedValue]]:
         """The precompiled entry, and what it was traced from (``TracedFrom``): the files Dynamo traced
@@ -598,6 +614,30 @@ class CachedMethod:
         self.fallback = capturing_data_sized_outputs(
             torch.compile(self.func, backend=self.cache.backend, fullgraph=self.cache.fullgraph), self.cache.backend)
         return None
+
+
+# Entries kept for one key and input kind, compiled for values the key does not cover (a module attribute,
+# a global the forward reads): two that alternate between processes (`accelrun ab` of two dropout rates)
+# each load, instead of each process writing over the other's entry and compiling again.
+MAX_VARIANTS = 4
+
+
+def variants_of(path: Path) -> list[Path]:
+    """The entries held for ``path``'s key and input kind (``K-0.pt``, ``K-0.v2.pt``, ...), the most
+    recently used first."""
+    found = [p for p in (path, *(variant_path(path, n) for n in range(2, MAX_VARIANTS + 1))) if p.exists()]
+    return sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+
+
+def variant_path(path: Path, n: int) -> Path:
+    return path if n == 1 else path.with_name(f"{path.stem}.v{n}{path.suffix}")
+
+
+def slot_for(path: Path, held: list[Path]) -> Path:
+    """Where a newly compiled entry goes: the first free slot, else over the least recently used one (a
+    damaged or stale entry among them was not used either, so it goes first)."""
+    free = [variant_path(path, n) for n in range(1, MAX_VARIANTS + 1) if variant_path(path, n) not in held]
+    return free[0] if free else held[-1]
 
 
 def _stand_in() -> Any:

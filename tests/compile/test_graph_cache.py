@@ -212,15 +212,9 @@ BAKED_CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", sorted(BAKED_CASES))
-def test_a_value_the_graph_baked_in_that_changed_between_processes_is_compiled_again(tmp_path, case):
-    """A helper module's global read from the environment at import (found 2026-12-06: a helper scaled
-    by 3 trained with 2's graph), a class attribute (``Net.scale = ...`` in a script), a base class's, a
-    global tuple's length, a dtype: torch rebuilt a loaded entry's guards on them against the class or
-    module as it is now (or dropped them), and a new process with another value trained the old value's graph. The entry's
-    record (``traced_from.TracedFrom``) holds them, a process with another one compiles anew, and one
-    with the same value loads."""
-    forward, helpers, prelude, (first, second) = BAKED_CASES[case]
+def _baked_case(tmp_path, case: str):
+    """Writes the case's user package; returns ``run(value)``: a new process with that value, its result."""
+    forward, helpers, prelude, _ = BAKED_CASES[case]
     model = USER_MODEL["userpkg/model.py"].replace(FORWARD, forward).replace(
         "from userpkg.helpers import act", "from userpkg import helpers\nfrom userpkg.helpers import act")
     for name, text in {**USER_MODEL, "userpkg/model.py": model, "userpkg/helpers.py": helpers}.items():
@@ -236,6 +230,33 @@ def test_a_value_the_graph_baked_in_that_changed_between_processes_is_compiled_a
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
+    return run
+
+
+def test_values_that_alternate_between_processes_each_load_their_own_entry(tmp_path):
+    """`accelrun ab` of two settings a user's module reads (A B A B ...): each process wrote its entry
+    over the other's, and every process compiled again. The entries of one key are kept side by side
+    (graph_cache.MAX_VARIANTS), the most recently used tried first."""
+    run = _baked_case(tmp_path, "a helper module's global read at import")
+    a, b = run("2"), run("3")
+    assert a["cache"]["saved"] == 1 and b["cache"]["saved"] == 1 and b["cache"]["loaded"] == 0
+    again = run("2")  # 3's entry, the most recently used, is tried first and passed over unsaid
+    assert again["cache"]["loaded"] == 1 and again["cache"]["saved"] == 0, again["cache"]
+    assert again["cache"]["rejected"] == 0 and not again["cache"]["state_changed"], again["cache"]
+    assert again["out"] == pytest.approx(again["eager"], rel=1e-5) and again["out"] == pytest.approx(a["out"])
+    assert b["out"] != pytest.approx(a["out"], rel=1e-3)  # two graphs, for two values
+    assert len(list((tmp_path / "cache").rglob("*.v2.pt"))) == 1
+
+
+@pytest.mark.parametrize("case", sorted(BAKED_CASES))
+def test_a_value_the_graph_baked_in_that_changed_between_processes_is_compiled_again(tmp_path, case):
+    """A helper module's global read from the environment at import (found 2026-12-06: a helper scaled
+    by 3 trained with 2's graph), a class attribute (``Net.scale = ...`` in a script), a base class's, a
+    global tuple's length, a dtype: torch rebuilt a loaded entry's guards on them against the class or
+    module as it is now (or dropped them), and a new process with another value trained the old value's graph. The entry's
+    record (``traced_from.TracedFrom``) holds them, a process with another one compiles anew, and one
+    with the same value loads."""
+    run, (first, second) = _baked_case(tmp_path, case), BAKED_CASES[case][3]
     before, after, again = run(first), run(second), run(second)
     assert before["cache"]["saved"] == 1, before["cache"]
     assert after["cache"]["loaded"] == 0 and after["cache"]["rejected"] == 1, after["cache"]
@@ -769,3 +790,19 @@ def test_a_precompile_refused_at_a_graph_break_says_so_in_the_user_s_words():
     assert all(s is not None and s.startswith("the forward has a graph break (") for s in said), said
     assert all("zuf0" not in s and "torch._check" not in s for s in said), said
     assert graph_break_said(RuntimeError("disk full")) is None
+
+
+def test_a_new_variant_takes_a_free_slot_else_the_least_recently_used(tmp_path):
+    from accelrun.compile.graph_cache import MAX_VARIANTS, slot_for, variant_path, variants_of
+
+    base = tmp_path / "k-0.pt"
+    assert variants_of(base) == [] and slot_for(base, []) == base
+    for n in range(1, MAX_VARIANTS + 1):
+        variant_path(base, n).write_bytes(b"x")
+        os.utime(variant_path(base, n), ns=(n * 10**9, n * 10**9))  # older the lower n
+    os.utime(variant_path(base, 2), ns=(99 * 10**9, 99 * 10**9))  # 2 just used
+    held = variants_of(base)
+    assert held[0] == variant_path(base, 2) and held[-1] == base and len(held) == MAX_VARIANTS
+    assert slot_for(base, held) == base  # the least recently used goes
+    assert slot_for(base, [p for p in held if p != variant_path(base, 3)]) == variant_path(base, 3)  # a free one
+    assert variant_path(base, 3).name == "k-0.v3.pt"
