@@ -80,13 +80,18 @@ def saved_layout(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int | 
 
 
 def tensor_bytes(node: fx.Node) -> int:
+    """The bytes of ``node``'s tensor; for a size that is a symbol (a graph for any length), at the size it
+    was traced with. ``int()`` of the symbol would have made Dynamo guard on that size: a graph per size
+    (found when remat joined the default passes)."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0
-    try:
-        return int(val.numel()) * val.element_size()
-    except (TypeError, RuntimeError):  # a symbolic size: unknown, counted as free
-        return 0
+    numel = val.numel()
+    if isinstance(numel, torch.SymInt):
+        numel = numel.node.hint  # an estimate that guards on nothing; None for a data-dependent size
+        if numel is None:
+            return 0
+    return int(numel) * val.element_size()
 
 
 def _saved_bytes(saved: list[fx.Node]) -> int:
@@ -94,9 +99,10 @@ def _saved_bytes(saved: list[fx.Node]) -> int:
 
 
 class _Planner:
-    def __init__(self, kinds: set[str], max_chain: int) -> None:
+    def __init__(self, kinds: set[str], max_chain: int, keep: set[fx.Node] = frozenset()) -> None:
         self.kinds = kinds
         self.max_chain = max_chain
+        self.keep = keep  # saved values that must stay the forward's own (compared_in_backward)
 
     def cheap(self, node: fx.Node) -> bool:
         return (node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor)
@@ -126,7 +132,7 @@ class _Planner:
             best, best_score = None, 0.0
             available = set(kept)
             for value in kept:
-                gain = tensor_bytes(value) if value.op != "placeholder" else 0
+                gain = tensor_bytes(value) if value.op != "placeholder" and value not in self.keep else 0
                 chain = self.chain(value, available) if gain else None
                 if chain is None:
                     continue
@@ -140,12 +146,38 @@ class _Planner:
         return dropped
 
 
+# Comparisons: a backward that compares a saved value (amax's and max's backward: ``x == max``, then a
+# division by how many are equal) needs the forward's very bits, and a recomputed value, fused with other
+# ops, is rounded at other points (bf16 kept in fp32 inside a kernel): no element equalled the max, and
+# the gradient was 0 / 0 (a random program's NaN, found when remat joined the default passes).
+_COMPARISONS = frozenset({"eq", "ne", "gt", "ge", "lt", "le"})
+
+
+def compared_in_backward(placeholder: fx.Node) -> bool:
+    """Whether the backward compares the value ``placeholder`` receives, directly or through views."""
+    stack, seen = [placeholder], set()
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in seen or user.op != "call_function":
+                continue
+            seen.add(user)
+            name = getattr(getattr(user.target, "overloadpacket", None), "__name__", "")
+            if name in _COMPARISONS:
+                return True
+            if node_kind(user) == "view":
+                stack.append(user)
+    return False
+
+
 def rematerialize(fw: fx.GraphModule, bw: fx.GraphModule, budget_bytes: int | None,
                   kinds: set[str], max_chain: int = 16, num_fwd_outputs: int | None = None,
                   ) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, int]]:  # fmt: skip
     """The new (forward, backward) pair and its counts; ``fw`` and ``bw`` are left unchanged."""
     layout = saved_layout(fw, bw, num_fwd_outputs)
-    dropped = set(_Planner(kinds, max_chain).plan(layout.saved, budget_bytes))
+    by_name = {p.name: p for p in layout.bw_saved}
+    compared = {s for s in layout.saved if s.name in by_name and compared_in_backward(by_name[s.name])}
+    dropped = set(_Planner(kinds, max_chain, keep=compared).plan(layout.saved, budget_bytes))
     kept = [s for s in layout.saved if s not in dropped]
     needed_primals = _primals_needed(fw, dropped, set(kept))
     # New saved primals go with the version-checked tensors (before no-vc-check tensors and non-tensors).
