@@ -316,47 +316,63 @@ def unread_compile_logs_skipped() -> Iterator[None]:
         _skip_unread_logs.reset(token)
 
 
+def _ended_by_themselves(agent: Any) -> dict[int, int]:
+    """Exit status by local rank of the agent's processes that have ended (negative: a signal)."""
+    procs = getattr(getattr(getattr(agent, "_pcontext", None), "_pc", None), "processes", None) or []
+    return {i: p.exitcode for i, p in enumerate(procs) if p.exitcode is not None}
+
+
 GroupRestartReport = Callable[[dict[int, int], int, int], None]
 _on_restart: contextvars.ContextVar[GroupRestartReport | None] = contextvars.ContextVar("accelrun_on_restart",
                                                                                        default=None)
+_restart_patch_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def on_group_restart(report: GroupRestartReport) -> Iterator[None]:
     """Inside this block, torchelastic's agent calls ``report(exit_codes, restart, max_restarts)`` just
     before it restarts its worker group after a failure (``--max-restarts``): the exit status of each
-    local rank whose process has ended, by local rank (negative: the signal that killed it), and which
-    restart this is of how many. Left to itself the agent logs only "Worker group FAILED. 3/3 attempts
-    left", and a group that then finished never said that a rank had died, or which. A report that
-    raises is ignored: the restart goes on."""
-    agent_class = importlib.import_module("torch.distributed.elastic.agent.server.api").SimpleElasticAgent
-    failed = importlib.import_module("torch.distributed.elastic.agent.server.api").WorkerState
-    with _restart_patch_lock:  # installed once: a wrapper that reads this context's report
+    local rank that had ended by itself when the agent found the failure, by local rank (negative: the
+    signal that killed it; the ranks the agent then stopped are not among them), and which restart this
+    is of how many. Left to itself the agent
+    logs only "Worker group FAILED. 3/3 attempts left", and a group that then finished never said that a
+    rank had died, or which. A report that raises is ignored: the restart goes on."""
+    api = importlib.import_module("torch.distributed.elastic.agent.server.api")
+    # the agent elastic_launch runs: it looks at its processes, its base class restarts them
+    agent_class = importlib.import_module("torch.distributed.elastic.agent.server.local_elastic_agent").LocalElasticAgent
+    worker_state = api.WorkerState
+    with _restart_patch_lock:  # installed once: wrappers that read this context's report
         if not getattr(agent_class._restart_workers, "_accelrun_reports", False):
-            original = agent_class._restart_workers
+            monitor, restart = agent_class._monitor_workers, agent_class._restart_workers
+
+            def _monitor_workers(agent: Any, worker_group: Any) -> Any:
+                # Taken before the look: on a failure the look stops the other ranks itself (SIGTERM, then
+                # SIGKILL), and the failure it returns is the first it came across, which may be a rank
+                # whose collective lost the rank that was killed.
+                ended = _ended_by_themselves(agent)
+                result = monitor(agent, worker_group)
+                failures = getattr(result, "failures", None) or {}
+                agent._accelrun_failed = {**ended, **{f.local_rank: f.exitcode for f in failures.values()}}
+                return result
 
             def _restart_workers(agent: Any, worker_group: Any) -> None:
                 said = _on_restart.get()
-                if said is not None and worker_group.state in (failed.FAILED, failed.UNHEALTHY):
-                    try:  # the processes are still the failed group's: stopping them comes next
-                        procs = agent._pcontext._pc.processes
-                        codes = {i: p.exitcode for i, p in enumerate(procs) if p.exitcode is not None}
+                if said is not None and worker_group.state in (worker_state.FAILED, worker_state.UNHEALTHY):
+                    try:
+                        codes = getattr(agent, "_accelrun_failed", {})
                         spec = worker_group.spec
                         said(codes, spec.max_restarts - agent._remaining_restarts, spec.max_restarts)
                     except Exception:  # noqa: BLE001 - a report never stops the restart
                         pass
-                return original(agent, worker_group)
+                return restart(agent, worker_group)
 
             _restart_workers._accelrun_reports = True  # type: ignore[attr-defined]
-            agent_class._restart_workers = _restart_workers
+            agent_class._monitor_workers, agent_class._restart_workers = _monitor_workers, _restart_workers
     token = _on_restart.set(report)
     try:
         yield
     finally:
         _on_restart.reset(token)
-
-
-_restart_patch_lock = threading.Lock()
 
 
 def drop_failed_async_compiles(kernel: Any) -> int:

@@ -20,6 +20,9 @@ from accelrun.plan.predict import Plan
 from accelrun.plan.search import SearchResult
 from accelrun.plan.workload import AC_MODES
 
+# The exit code of a plan whose layout does not fit (with --search: no layout fits). 2 stays a bad recipe.
+EXIT_DOES_NOT_FIT = 3
+
 
 @click.command("plan")
 @click.argument("config", metavar="[CONFIG]", required=False)
@@ -101,9 +104,6 @@ def command(config: str | None, overrides: tuple[str, ...], cluster: str | None,
         # a script's `accelrun plan ... && accelrun train ...` stops here (a new user's finding: exit 0)
         sys.exit(EXIT_DOES_NOT_FIT)
 
-
-# The exit code of a plan whose layout does not fit (with --search: no layout fits). 2 stays a bad recipe.
-EXIT_DOES_NOT_FIT = 3
 
 
 def fits_somewhere(plan: Plan | None, result: SearchResult | None) -> bool:

@@ -464,20 +464,18 @@ class CachedMethod:
                 return self._fall_back(f"{PRECOMPILE_FAILED} before: {why}", None)
         versions_file = self.cache.directory / f"{key.unversioned}-{len(self.entries)}.versions"
         held = variants_of(path)
-        entry, rejections, any_held = None, [], bool(held)
-        for candidate in list(held):  # the most recently used first
+        entry, rejections, unreadable = None, [], []
+        for candidate in held:  # the most recently used first
             entry, rejected = self._load(candidate, owner, args, kwargs)
             if entry is not None:
                 with contextlib.suppress(OSError):  # used: the last to be written over
                     os.utime(candidate)
                 break
-            if rejected is None:  # damaged, or traced from a file that changed: it never loads again
-                held.remove(candidate)
-                with contextlib.suppress(OSError):
-                    candidate.unlink()
+            if rejected is None:  # damaged, or traced from a file that changed: the first written over
+                unreadable.append(candidate)
             else:
                 rejections.append(rejected)
-        if entry is None and not any_held:
+        if entry is None and not held:
             self.cache.note_state_change(state_file, key.state)
             self.cache.note_version_change(versions_file)
         if entry is None:
@@ -495,7 +493,7 @@ class CachedMethod:
                 self.cache.backend.record.roll_back(mark)
                 coverage.forget_since(counted)
                 return self._fall_back(f"{PRECOMPILE_FAILED} (nothing saved: each new process compiles it again)", e)
-            if self._save(entry, traced, baked, slot_for(path, held)):
+            if self._save(entry, traced, baked, slot_for(path, held, unreadable)):
                 self.cache.remember_state(state_file, key.state)
                 self.cache.remember_state(versions_file, self.cache.versions)
         self.entries.append(entry)
@@ -625,17 +623,25 @@ MAX_VARIANTS = 4
 def variants_of(path: Path) -> list[Path]:
     """The entries held for ``path``'s key and input kind (``K-0.pt``, ``K-0.v2.pt``, ...), the most
     recently used first."""
-    found = [p for p in (path, *(variant_path(path, n) for n in range(2, MAX_VARIANTS + 1))) if p.exists()]
-    return sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    found: list[tuple[int, Path]] = []
+    for n in range(1, MAX_VARIANTS + 1):
+        try:  # one stat: another process may replace the file meanwhile (never remove it: os.replace)
+            found.append((variant_path(path, n).stat().st_mtime_ns, variant_path(path, n)))
+        except OSError:
+            continue
+    return [p for _, p in sorted(found, key=lambda t: t[0], reverse=True)]
 
 
 def variant_path(path: Path, n: int) -> Path:
     return path if n == 1 else path.with_name(f"{path.stem}.v{n}{path.suffix}")
 
 
-def slot_for(path: Path, held: list[Path]) -> Path:
-    """Where a newly compiled entry goes: the first free slot, else over the least recently used one (a
-    damaged or stale entry among them was not used either, so it goes first)."""
+def slot_for(path: Path, held: list[Path], unreadable: Sequence[Path] = ()) -> Path:
+    """Where a newly compiled entry goes: over an entry that could not be read (damaged, or traced from a
+    file that changed since), else the first free slot, else over the least recently used entry. Written
+    over, not removed: another process may have just replaced the file with a good one."""
+    if unreadable:
+        return unreadable[0]
     free = [variant_path(path, n) for n in range(1, MAX_VARIANTS + 1) if variant_path(path, n) not in held]
     return free[0] if free else held[-1]
 

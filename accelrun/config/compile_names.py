@@ -123,7 +123,7 @@ _DEFAULT_PASSES = [
 _WITH_COMMUNICATION = [*_DEFAULT_PASSES[:-1], "bucket_collectives", "schedule_overlap", _DEFAULT_PASSES[-1]]
 PRESETS: dict[str, list[str]] = {
     "none": [],
-    "default": _DEFAULT_PASSES,
+    "default": list(_DEFAULT_PASSES),
     "max": list(_WITH_COMMUNICATION),
     "overlap": list(_WITH_COMMUNICATION),
 }

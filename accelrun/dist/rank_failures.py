@@ -91,7 +91,8 @@ def leave_crash(folder: Path | None, log, rank: int, e: BaseException) -> None:
     else:
         sys.__stderr__.write(text)
     if folder is not None:
-        _write(folder / f"crash-{rank}.json", {"rank": rank, "error": error_line(e), "attempt": attempt()})
+        _write(folder / f"crash-{rank}.json", {"rank": rank, "error": error_line(e), "attempt": attempt(),
+                                               "pid": os.getpid()})
 
 
 def error_line(e: BaseException) -> str:
@@ -164,13 +165,19 @@ class RankEnd:
 
 
 def rank_ends(folder: Path, exit_codes: dict[int, int]) -> list[RankEnd]:
-    """How each rank of the group's latest start ended (a record of an earlier start, which a restarted
-    group's rank has not yet written over, is that start's, not this one's)."""
+    """How each rank of the group's latest start ended. A record of an earlier start that a restarted
+    group's rank has not written over (it failed before its first record) is that start's: left out, as
+    is an error of another process of the same rank (a start after another node rejoined keeps the
+    restart count)."""
     procs, crashes = _read(folder, "proc-*.json"), _read(folder, "crash-*.json")
     users = _read(folder, "rank-*.json")  # rank_errors' records of user errors
+    latest = max((p.get("attempt", 0) for p in procs.values()), default=0)
     ends = []
     for rank, p in sorted(procs.items()):
-        same = [r for r in (crashes.get(rank), users.get(rank)) if r and r.get("attempt", 0) == p.get("attempt", 0)]
+        if p.get("attempt", 0) != latest:
+            continue
+        same = [r for r in (crashes.get(rank), users.get(rank))
+                if r and r.get("attempt", 0) == latest and r.get("pid", p["pid"]) == p["pid"]]
         error = next((r["error"] for r in same if "error" in r), None) or \
             "; ".join(m for r in same for m in r.get("messages", [])) or None
         ends.append(RankEnd(rank, p["host"], p["pid"], p["log"], exit_codes.get(p["local_rank"]), error))

@@ -77,8 +77,18 @@ def started_stamp(run_dir: Path) -> str:
         return stamp
     except (OSError, ValueError):
         pass
-    times = [f.stat().st_mtime for f in run_dir.iterdir() if f.is_file()] or [run_dir.stat().st_mtime]
-    return time.strftime(STAMP_FORMAT, time.gmtime(min(times)))
+    return time.strftime(STAMP_FORMAT, time.gmtime(_oldest_file_time(run_dir)))
+
+
+def _oldest_file_time(folder: Path) -> float:
+    times = []
+    for f in folder.iterdir():
+        try:  # a temporary file of an atomic write may be gone by now
+            if f.is_file():
+                times.append(f.stat().st_mtime)
+        except OSError:
+            continue
+    return min(times, default=None) or folder.stat().st_mtime
 
 
 def runs_in(folder: Path) -> list[Path]:
@@ -120,8 +130,10 @@ def job_run_dir(runs_dir: str | Path, name: str, job_id: str) -> Path:
     path = Path(runs_dir) / name / f"job-{job_id}"
     _mkdir(path, runs_dir, parents=True, exist_ok=True)
     try:  # the first node (or the first run of the job) writes it; a requeued job keeps its start
+        # (a job folder from before this file: its oldest file's time, not this requeue's)
+        started = _oldest_file_time(path) if any(path.iterdir()) else time.time()
         with open(path / STARTED_FILE, "x", encoding="utf-8") as f:
-            f.write(time.strftime(STAMP_FORMAT, time.gmtime()) + "\n")
+            f.write(time.strftime(STAMP_FORMAT, time.gmtime(started)) + "\n")
     except FileExistsError:
         pass
     except OSError as e:

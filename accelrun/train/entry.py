@@ -81,8 +81,8 @@ def train(
     with hold_run_lock(run_dir, node), stop.catch_signals():
         # A finished job's folder entered again (its --rdzv-id given again) keeps the run's own records:
         # written over, they no longer matched its report (a review's finding).
-        finished_before = (run_dir / "report.json").exists()
-        if not finished_before:
+        report_before = _stamp(run_dir / "report.json")  # a finished job's, entered again
+        if report_before is None:
             write_text_atomic(resolved.to_yaml(), run_dir / "config.yaml")
             write_text_atomic(explain_text(resolved), run_dir / "config.sources.txt")
             write_text_atomic((command or "(called from Python)") + "\n", run_dir / "command.txt")
@@ -100,7 +100,18 @@ def train(
                       "node(s) through torchrun's elastic agent", markup=False)
         outcome = launch_job(run_dir, cfg.parallel, launch, run_rank,
                              say=lambda line: console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False))
-    return _warn_if_late(_launched_result(run_dir, outcome, console, finished_before), console)
+    return _warn_if_late(_launched_result(run_dir, outcome, console,
+                                          report_before is not None and _stamp(run_dir / "report.json") == report_before),
+                         console)
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """A file's identity and time: whether the launched ranks wrote it anew (a diverged job trained again)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def _warn_if_late(result: TrainResult, console: Console) -> TrainResult:
@@ -145,7 +156,7 @@ def _refuse_another_training(job_dir: Path, resolved: ResolvedConfig, job_id: st
 
 
 def _launched_result(run_dir: Path, outcome: JobOutcome, console: Console,
-                     finished_before: bool = False) -> TrainResult:
+                     report_untouched: bool = False) -> TrainResult:
     code = outcome.exit_code
     if outcome.stopped is not None:
         console.print(outcome.stopped.line(outcome.ranks), markup=False, highlight=False)
@@ -153,10 +164,11 @@ def _launched_result(run_dir: Path, outcome: JobOutcome, console: Console,
     report_path = run_dir / "report.json"
     if code == 0 and report_path.exists():
         report = json.loads(report_path.read_text())
-        if finished_before:
+        if report_untouched:
             # the ranks trained nothing: the old report's "done: loss ..." read as this rerun's (a new user)
+            loss = report.get("final_loss")
             console.print(f"this job's run had finished before ({report.get('steps')} steps, final loss "
-                          f"{report.get('final_loss', float('nan')):.3f}); nothing was trained now; its report: "
+                          f"{'n/a' if loss is None else f'{loss:.3f}'}); nothing was trained now; its report: "
                           f"{run_dir / 'report.md'}", markup=False, highlight=False)
             return TrainResult(run_dir, "nothing-to-do", report)
         _print_summary(console, report, run_dir)

@@ -104,6 +104,7 @@ def test_a_job_folder_shows_when_it_started_and_sorts_by_it(tmp_path):
     it above every newer run (its name sorted after the digits of theirs). The first node to make the
     folder writes its start; a requeue keeps it; a job folder from before that file takes its oldest
     file's time."""
+    import calendar
     import os
     import time
 
@@ -123,7 +124,9 @@ def test_a_job_folder_shows_when_it_started_and_sorts_by_it(tmp_path):
     _folder(runs / "llama-debug" / "20260101-121000-bbbbbb", **{"config.yaml": config, "report.json": report})
     old = _folder(runs / "llama-debug" / "job-old", **{"config.yaml": config, "report.json": report})
     for f in old.iterdir():  # made at 11:00 UTC that day
-        os.utime(f, (time.mktime(time.strptime("20260101-110000", "%Y%m%d-%H%M%S")) - time.timezone,) * 2)
+        os.utime(f, (calendar.timegm(time.strptime("20260101-110000", "%Y%m%d-%H%M%S")),) * 2)
+    # an older job folder entered again (requeued) gets its start file from its files, not from now
+    assert job_run_dir(runs, "llama-debug", "old") == old and (old / STARTED_FILE).read_text() == "20260101-110000\n"
     rows = list_run_rows(runs)
     assert [(r.run.split("/")[-1], r.started) for r in rows] == [
         ("20260101-121000-bbbbbb", "2026-01-01 12:10"), ("job-j42", "2026-01-01 12:05"),

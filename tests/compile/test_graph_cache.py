@@ -806,3 +806,8 @@ def test_a_new_variant_takes_a_free_slot_else_the_least_recently_used(tmp_path):
     assert slot_for(base, held) == base  # the least recently used goes
     assert slot_for(base, [p for p in held if p != variant_path(base, 3)]) == variant_path(base, 3)  # a free one
     assert variant_path(base, 3).name == "k-0.v3.pt"
+    # one that could not be read goes first, written over rather than removed (another process may
+    # have just replaced it with a good entry)
+    assert slot_for(base, held, [variant_path(base, 4)]) == variant_path(base, 4)
+    variant_path(base, 3).unlink()
+    assert variant_path(base, 3) not in variants_of(base) and len(variants_of(base)) == MAX_VARIANTS - 1

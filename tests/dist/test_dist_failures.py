@@ -72,6 +72,8 @@ def test_a_restarted_group_is_not_blamed_for_its_predecessor_s_errors(tmp_path):
     record("proc-0.json", rank=0, local_rank=0, pid=20, host="h", log="rank-0.log", attempt=1)
     ends = {e.rank: e for e in rank_ends(tmp_path, {})}
     assert ends[0].error is None and ends[0].pid == 20
-    record("crash-0.json", rank=0, error="ValueError: its own", attempt=1)
-    assert rank_ends(tmp_path, {})[0].error == "ValueError: its own"
+    record("crash-0.json", rank=0, error="ValueError: its own", attempt=1, pid=20)
+    assert [(e.rank, e.error) for e in rank_ends(tmp_path, {})] == [(0, "ValueError: its own")]  # rank 1: the old start's
+    record("crash-0.json", rank=0, error="ValueError: another process's", attempt=1, pid=21)
+    assert rank_ends(tmp_path, {})[0].error is None  # the same start number, another process (a rejoin)
     assert restart_line(tmp_path / "none", {}, 2, 3).startswith("a rank of this node's group failed; restarting")

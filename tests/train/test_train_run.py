@@ -319,12 +319,15 @@ def test_a_finished_job_entered_again_does_not_print_its_old_summary_as_this_run
               "step_time_s": {"median": 0.3}, "mfu": None}
     (tmp_path / "report.json").write_text(json.dumps(report))
     console = Console(record=True, width=200)
-    again = _launched_result(tmp_path, JobOutcome(0, []), console, finished_before=True)
+    again = _launched_result(tmp_path, JobOutcome(0, []), console, report_untouched=True)
     said = console.export_text()
     assert again.status == "nothing-to-do" and "done:" not in said, said
     assert "this job's run had finished before (300 steps, final loss 2.100); nothing was trained now" in said
     first = _launched_result(tmp_path, JobOutcome(0, []), console := Console(record=True, width=200))
     assert first.status == "finished" and "done: loss 6.200 → 2.100" in console.export_text()
+    (tmp_path / "report.json").write_text(json.dumps({**report, "final_loss": None}))  # a run with no losses
+    _launched_result(tmp_path, JobOutcome(0, []), console := Console(record=True, width=200), report_untouched=True)
+    assert "(300 steps, final loss n/a); nothing was trained now" in console.export_text()
 
 
 def test_a_job_folder_entered_again_after_its_run_finished_is_kept_and_another_training_refused(tiny):

@@ -99,7 +99,7 @@ def _saved_bytes(saved: list[fx.Node]) -> int:
 
 
 class _Planner:
-    def __init__(self, kinds: set[str], max_chain: int, keep: set[fx.Node] = frozenset()) -> None:
+    def __init__(self, kinds: set[str], max_chain: int, keep: frozenset[fx.Node] | set[fx.Node] = frozenset()) -> None:
         self.kinds = kinds
         self.max_chain = max_chain
         self.keep = keep  # saved values that must stay the forward's own (compared_in_backward)
@@ -151,6 +151,7 @@ class _Planner:
 # ops, is rounded at other points (bf16 kept in fp32 inside a kernel): no element equalled the max, and
 # the gradient was 0 / 0 (a random program's NaN, found when remat joined the default passes).
 _COMPARISONS = frozenset({"eq", "ne", "gt", "ge", "lt", "le"})
+_PASSED_THROUGH = frozenset({"convert_element_type", "_to_copy", "clone"})  # the value, in another dtype or copy
 
 
 def compared_in_backward(placeholder: fx.Node) -> bool:
@@ -165,7 +166,7 @@ def compared_in_backward(placeholder: fx.Node) -> bool:
             name = getattr(getattr(user.target, "overloadpacket", None), "__name__", "")
             if name in _COMPARISONS:
                 return True
-            if node_kind(user) == "view":
+            if node_kind(user) == "view" or name in _PASSED_THROUGH:
                 stack.append(user)
     return False
 
