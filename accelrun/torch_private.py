@@ -317,9 +317,18 @@ def unread_compile_logs_skipped() -> Iterator[None]:
 
 
 def _ended_by_themselves(agent: Any) -> dict[int, int]:
-    """Exit status by local rank of the agent's processes that have ended (negative: a signal)."""
-    procs = getattr(getattr(getattr(agent, "_pcontext", None), "_pc", None), "processes", None) or []
-    return {i: p.exitcode for i, p in enumerate(procs) if p.exitcode is not None}
+    """Exit status by local rank of the agent's processes that have ended (negative: a signal); never
+    raises (it runs inside the agent's watch over its ranks)."""
+    ended = {}
+    try:
+        procs = getattr(getattr(getattr(agent, "_pcontext", None), "_pc", None), "processes", None) or []
+        for i, p in enumerate(procs):
+            with contextlib.suppress(ValueError, OSError):  # a process object already closed
+                if (code := p.exitcode) is not None:
+                    ended[i] = code
+    except Exception:  # noqa: BLE001 - another torch's layout: nothing known
+        return {}
+    return ended
 
 
 GroupRestartReport = Callable[[dict[int, int], int, int], None]
@@ -334,9 +343,9 @@ def on_group_restart(report: GroupRestartReport) -> Iterator[None]:
     before it restarts its worker group after a failure (``--max-restarts``): the exit status of each
     local rank that had ended by itself when the agent found the failure, by local rank (negative: the
     signal that killed it; the ranks the agent then stopped are not among them), and which restart this
-    is of how many. Left to itself the agent
-    logs only "Worker group FAILED. 3/3 attempts left", and a group that then finished never said that a
-    rank had died, or which. A report that raises is ignored: the restart goes on."""
+    is of how many. Left to itself the agent logs only "Worker group FAILED. 3/3 attempts left", and a
+    group that then finished never said that a rank had died, or which. A report that raises is ignored:
+    the restart goes on."""
     api = importlib.import_module("torch.distributed.elastic.agent.server.api")
     # the agent elastic_launch runs: it looks at its processes, its base class restarts them
     agent_class = importlib.import_module("torch.distributed.elastic.agent.server.local_elastic_agent").LocalElasticAgent
@@ -349,10 +358,11 @@ def on_group_restart(report: GroupRestartReport) -> Iterator[None]:
                 # Taken before the look: on a failure the look stops the other ranks itself (SIGTERM, then
                 # SIGKILL), and the failure it returns is the first it came across, which may be a rank
                 # whose collective lost the rank that was killed.
-                ended = _ended_by_themselves(agent)
+                ended = _ended_by_themselves(agent) if _on_restart.get() is not None else {}
                 result = monitor(agent, worker_group)
-                failures = getattr(result, "failures", None) or {}
-                agent._accelrun_failed = {**ended, **{f.local_rank: f.exitcode for f in failures.values()}}
+                with contextlib.suppress(Exception):  # a report's bookkeeping never breaks the watch
+                    failures = getattr(result, "failures", None) or {}
+                    agent._accelrun_failed = {**ended, **{f.local_rank: f.exitcode for f in failures.values()}}
                 return result
 
             def _restart_workers(agent: Any, worker_group: Any) -> None:

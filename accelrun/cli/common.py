@@ -25,7 +25,9 @@ def print_wide(renderable) -> None:
         # which a new user found filling `recipes list | less` with blanks)
         buffer = io.StringIO()
         ResultConsole(width=natural, highlight=False, file=buffer, color_system=None).print(renderable)
-        out.file.write("".join(line.rstrip() + "\n" for line in buffer.getvalue().splitlines()))
+        # through the console, whose broken pipe (`| head`) is no error (consoles.ResultConsole)
+        out.print("".join(line.rstrip() + "\n" for line in buffer.getvalue().splitlines()), markup=False,
+                  highlight=False, soft_wrap=True, end="")
     elif natural <= out.width:
         out.print(renderable)
     else:  # Console.print(width=) cannot exceed the console's width: a wider console for this one

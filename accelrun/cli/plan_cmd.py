@@ -63,8 +63,9 @@ def command(config: str | None, overrides: tuple[str, ...], cluster: str | None,
     Examples:
       accelrun plan --calibrate                                  # measure this machine (cached)
       accelrun plan configs/llama.yaml --cluster cpu-local       # after --calibrate (exit 2 before)
-      accelrun plan model/llama3-8b --cluster h100-8x train.seq_len=8192 train.micro_batch=2 \\
-          train.global_batch=16 train.precision=bf16-mixed parallel.nproc_per_node=8
+      accelrun plan model/llama3-8b --cluster h100-8x train.seq_len=8192 train.micro_batch=1 \\
+          train.global_batch=16 train.precision=bf16-mixed parallel.nproc_per_node=8 \\
+          train.activation_checkpoint.mode=selective                # fits: exit 0 (3 when it does not)
       accelrun plan model/llama3-70b --cluster h100-8x cluster.nodes=4 train.precision=bf16-mixed --search
       accelrun plan --calibrate --devices-per-node 2 --output recipes/cluster/this-box-2.yaml
       accelrun plan --devices
