@@ -316,9 +316,11 @@ def unread_compile_logs_skipped() -> Iterator[None]:
         _skip_unread_logs.reset(token)
 
 
-def _ended_by_themselves(agent: Any) -> dict[int, int]:
-    """Exit status by local rank of the agent's processes that have ended (negative: a signal); never
-    raises (it runs inside the agent's watch over its ranks)."""
+def agent_exit_codes(agent: Any) -> dict[int, int]:
+    """Exit status by local rank of a torchelastic agent's processes that have ended (negative: the
+    signal that killed it; the agent keeps its last group's processes and nothing public hands them
+    out); empty where this torch keeps them elsewhere. Never raises (it runs inside the agent's watch
+    over its ranks)."""
     ended = {}
     try:
         procs = getattr(getattr(getattr(agent, "_pcontext", None), "_pc", None), "processes", None) or []
@@ -358,7 +360,7 @@ def on_group_restart(report: GroupRestartReport) -> Iterator[None]:
                 # Taken before the look: on a failure the look stops the other ranks itself (SIGTERM, then
                 # SIGKILL), and the failure it returns is the first it came across, which may be a rank
                 # whose collective lost the rank that was killed.
-                ended = _ended_by_themselves(agent) if _on_restart.get() is not None else {}
+                ended = agent_exit_codes(agent) if _on_restart.get() is not None else {}
                 result = monitor(agent, worker_group)
                 with contextlib.suppress(Exception):  # a report's bookkeeping never breaks the watch
                     failures = getattr(result, "failures", None) or {}

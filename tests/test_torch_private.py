@@ -16,7 +16,7 @@ import torch
 import accelrun.torch_private as tp
 
 EAGER = ("reinterpret_tensor", "empty_strided_cpu", "TensorGuards")
-FUNCTIONS = ("on_group_restart", "cuda_current_raw_stream", "triton_direct_launch", "cpu_has_half_gemm", "onednn_linear",
+FUNCTIONS = ("on_group_restart", "agent_exit_codes", "cuda_current_raw_stream", "triton_direct_launch", "cpu_has_half_gemm", "onednn_linear",
              "import_module_globals", "files_traced_by_precompile", "unread_compile_logs_skipped",
              "drop_failed_async_compiles")
 ATTRIBUTES = ("COMPILED_CALL",)  # names of private attributes torch's own classes keep
@@ -745,3 +745,19 @@ def test_on_group_restart(tmp_path):
     assert len(seen) == 1 and seen[0][0].get(1) == -9 and seen[0][0].get(0, 0) == 0 and seen[0][1:] == (1, 1), seen
     written = {p.name for p in tmp_path.iterdir()}
     assert {"done-0-1", "done-1-1"} <= written and "done-1-0" not in written, written
+
+
+def test_agent_exit_codes():
+    """The agent keeps its processes at ``_pcontext._pc.processes`` (multiprocessing's, with ``exitcode``);
+    test_on_group_restart reads them from a real agent."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+
+    assert "self._pcontext" in inspect.getsource(LocalElasticAgent.__init__)
+    assert "self._pc" in inspect.getsource(MultiprocessContext.__init__)
+    procs = [SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=-9), SimpleNamespace(exitcode=0)]
+    assert tp.agent_exit_codes(SimpleNamespace(_pcontext=SimpleNamespace(_pc=SimpleNamespace(processes=procs)))) \
+        == {1: -9, 2: 0}
+    assert tp.agent_exit_codes(SimpleNamespace()) == {}

@@ -12,13 +12,11 @@ import json
 import os
 from pathlib import Path
 
-from accelrun.dist.rank_failures import attempt
-
 
 def leave_record(folder: Path, rank: int, messages: list[str], printed: bool) -> None:
     """Written after the rank printed (if it prints): a rank stopped in between means a message
     shown twice, never one lost."""
-    record = {"rank": rank, "messages": messages, "printed": printed, "attempt": attempt(), "pid": os.getpid()}
+    record = {"rank": rank, "messages": messages, "printed": printed, "pid": os.getpid()}
     tmp = folder / f".rank-{rank}.json.tmp"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, folder / f"rank-{rank}.json")  # whole records only: the launcher may read any time

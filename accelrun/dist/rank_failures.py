@@ -64,7 +64,7 @@ class _Tee(io.TextIOBase):
 
 def attempt() -> int:
     """Which start of the group this rank belongs to: 0, then 1 after the agent's first restart, ...
-    Every record says it, so a restarted group's failure is never blamed on the group before it."""
+    A rank's record says it, so a restarted group's failure is never blamed on the group before it."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
@@ -91,8 +91,7 @@ def leave_crash(folder: Path | None, log, rank: int, e: BaseException) -> None:
     else:
         sys.__stderr__.write(text)
     if folder is not None:
-        _write(folder / f"crash-{rank}.json", {"rank": rank, "error": error_line(e), "attempt": attempt(),
-                                               "pid": os.getpid()})
+        _write(folder / f"crash-{rank}.json", {"rank": rank, "error": error_line(e), "pid": os.getpid()})
 
 
 def error_line(e: BaseException) -> str:
@@ -124,14 +123,13 @@ def _read(folder: Path, pattern: str) -> dict[int, dict]:
 
 def exit_codes_of(error: BaseException) -> dict[int, int]:
     """Each local rank's exit status (negative: killed by that signal), read from the elastic agent
-    that raised ``error`` (the agent keeps its last group's processes; nothing public hands them out).
-    Empty if this version of torch keeps them elsewhere."""
+    that raised ``error`` (``torch_private.agent_exit_codes``). Empty if no frame holds one."""
+    from accelrun.torch_private import agent_exit_codes  # torch's: the launcher has it loaded by now
+
     tb = error.__traceback__
     while tb is not None:
-        agent = tb.tb_frame.f_locals.get("agent")
-        procs = getattr(getattr(getattr(agent, "_pcontext", None), "_pc", None), "processes", None)
-        if procs:
-            return {i: p.exitcode for i, p in enumerate(procs) if p.exitcode is not None}
+        if (agent := tb.tb_frame.f_locals.get("agent")) is not None and (codes := agent_exit_codes(agent)):
+            return codes
         tb = tb.tb_next
     return {}
 
@@ -176,8 +174,7 @@ def rank_ends(folder: Path, exit_codes: dict[int, int]) -> list[RankEnd]:
     for rank, p in sorted(procs.items()):
         if p.get("attempt", 0) != latest:
             continue
-        same = [r for r in (crashes.get(rank), users.get(rank))
-                if r and r.get("attempt", 0) == latest and r.get("pid", p["pid"]) == p["pid"]]
+        same = [r for r in (crashes.get(rank), users.get(rank)) if r and r.get("pid") == p["pid"]]  # this process's
         error = next((r["error"] for r in same if "error" in r), None) or \
             "; ".join(m for r in same for m in r.get("messages", [])) or None
         ends.append(RankEnd(rank, p["host"], p["pid"], p["log"], exit_codes.get(p["local_rank"]), error))

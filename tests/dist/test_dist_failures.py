@@ -64,7 +64,7 @@ def test_a_restarted_group_is_not_blamed_for_its_predecessor_s_errors(tmp_path):
 
     record("proc-0.json", rank=0, local_rank=0, pid=10, host="h", log="rank-0.log", attempt=0)
     record("proc-1.json", rank=1, local_rank=1, pid=11, host="h", log="rank-1.log", attempt=0)
-    record("crash-0.json", rank=0, error="RuntimeError: Connection reset by peer", attempt=0)
+    record("crash-0.json", rank=0, error="RuntimeError: Connection reset by peer", pid=10)
     line = restart_line(tmp_path, {1: -9}, 1, 3)
     assert line.startswith("rank 1 on node h (pid 11) was killed by SIGKILL (kill -9"), line
     assert "(its log: rank-1.log); restarting the ranks (restart 1 of the 3 --max-restarts allows)" in line
@@ -72,8 +72,8 @@ def test_a_restarted_group_is_not_blamed_for_its_predecessor_s_errors(tmp_path):
     record("proc-0.json", rank=0, local_rank=0, pid=20, host="h", log="rank-0.log", attempt=1)
     ends = {e.rank: e for e in rank_ends(tmp_path, {})}
     assert ends[0].error is None and ends[0].pid == 20
-    record("crash-0.json", rank=0, error="ValueError: its own", attempt=1, pid=20)
+    record("crash-0.json", rank=0, error="ValueError: its own", pid=20)
     assert [(e.rank, e.error) for e in rank_ends(tmp_path, {})] == [(0, "ValueError: its own")]  # rank 1: the old start's
-    record("crash-0.json", rank=0, error="ValueError: another process's", attempt=1, pid=21)
+    record("crash-0.json", rank=0, error="ValueError: another process's", pid=21)
     assert rank_ends(tmp_path, {})[0].error is None  # the same start number, another process (a rejoin)
     assert restart_line(tmp_path / "none", {}, 2, 3).startswith("a rank of this node's group failed; restarting")

@@ -24,6 +24,7 @@ before its first use; the forward stops returning it (and loses nodes nothing el
 from __future__ import annotations
 
 import copy
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +100,7 @@ def _saved_bytes(saved: list[fx.Node]) -> int:
 
 
 class _Planner:
-    def __init__(self, kinds: set[str], max_chain: int, keep: frozenset[fx.Node] | set[fx.Node] = frozenset()) -> None:
+    def __init__(self, kinds: set[str], max_chain: int, keep: AbstractSet[fx.Node] = frozenset()) -> None:
         self.kinds = kinds
         self.max_chain = max_chain
         self.keep = keep  # saved values that must stay the forward's own (compared_in_backward)
@@ -155,7 +156,8 @@ _PASSED_THROUGH = frozenset({"convert_element_type", "_to_copy", "clone"})  # th
 
 
 def compared_in_backward(placeholder: fx.Node) -> bool:
-    """Whether the backward compares the value ``placeholder`` receives, directly or through views."""
+    """Whether the backward compares the value ``placeholder`` receives, directly or through views,
+    casts and copies."""
     stack, seen = [placeholder], set()
     while stack:
         node = stack.pop()
