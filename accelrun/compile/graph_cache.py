@@ -47,7 +47,14 @@ from accelrun.compile.executors.generated import compiling_after
 from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.record import CompileRecord
 from accelrun.compile.trace_settings import capturing_data_sized_outputs
-from accelrun.compile.traced_from import BakedValue, TracedFrom, baked_value, file_digest, readable
+from accelrun.compile.traced_from import (
+    BakedCheck,
+    BakedValue,
+    TracedFrom,
+    baked_value,
+    file_digest,
+    readable,
+)
 from accelrun.torch_private import (
     cpu_has_half_gemm,
     import_module_globals,
@@ -404,15 +411,38 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"[:300]
 
 
+@dataclass
+class HeldEntry:
+    """A precompiled entry this process holds, and the values it baked in (``BakedCheck``)."""
+
+    compiled: Any  # torch's AOTCompiledFunction
+    baked: BakedCheck
+
+    def serves(self, owner: nn.Module, owner_name: str, args: tuple, kwargs: dict) -> bool:
+        """Whether this call may run it: torch's guards pass and the baked values read as traced. A value
+        read through the owner alone (a class attribute through ``self``) needs no binding of the
+        call's arguments (4 µs)."""
+        compiled = self.compiled
+
+        def f_locals() -> dict[str, Any]:
+            if self.baked.arguments_read <= {owner_name}:
+                return {owner_name: owner}
+            return compiled.prepare_f_locals(owner, *args, **kwargs)
+
+        return compiled.guard_check(owner, *args, **kwargs) and self.baked.holds(compiled.fn.__globals__, f_locals)
+
+
 class CachedMethod:
     """Stands in for ``owner.<method>`` on every owner of one class; holds the compiled entries."""
 
     def __init__(self, cache: GraphCache, func: Any) -> None:
         self.cache, self.func = cache, func
-        self.entries: list[Any] = []  # AOTCompiledFunction, tried in order
+        self.entries: list[HeldEntry] = []  # tried in order
         self.fallback: Any = None  # torch.compile of func, once precompiling failed
         self.owners: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every module this method stands in on
         self.hooked = False  # the fallback was for hooks: it runs with Dynamo's guards on them
+        code = func.__code__
+        self.owner_name = code.co_varnames[0] if code.co_argcount else ""  # what the traced frame calls the owner
 
     def bind(self, owner: nn.Module) -> Any:
         return functools.partial(self, owner)
@@ -427,19 +457,19 @@ class CachedMethod:
     def __call__(self, owner: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self.fallback is None:
             for entry in self.entries:
-                if entry.guard_check(owner, *args, **kwargs):
-                    return entry.fn(owner, *args, **kwargs)
+                if entry.serves(owner, self.owner_name, args, kwargs):
+                    return entry.compiled.fn(owner, *args, **kwargs)
             entry = self._entry_for(owner, args, kwargs)
             if entry is not None:
-                return entry.fn(owner, *args, **kwargs)
+                return entry.compiled.fn(owner, *args, **kwargs)
         with module_hook_guards() if self.hooked else nullcontext():
             return self.fallback(owner, *args, **kwargs)
 
-    def _entry_for(self, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
+    def _entry_for(self, owner: nn.Module, args: tuple, kwargs: dict) -> HeldEntry | None:
         with gc_paused():  # Dynamo's trace and torch's load included
             return self._load_or_compile(owner, args, kwargs)
 
-    def _load_or_compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> Any:
+    def _load_or_compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> HeldEntry | None:
         if len(self.entries) >= MAX_ENTRIES:
             return self._fall_back(f"more than {MAX_ENTRIES} input kinds", None)
         if hooked := list(dict.fromkeys(p for o in (owner, *self.owners) for p in modules_with_hooks(o))):
@@ -486,20 +516,21 @@ class CachedMethod:
                     self.cache.stats["state_changed"].append(changed)
             mark, counted = self.cache.backend.record.mark(), coverage.snapshot()
             try:
-                entry, traced, baked = self._compile(owner, args, kwargs)
+                compiled, traced, baked = self._compile(owner, args, kwargs)
             except Exception as e:  # graph break under fullgraph, an unserializable piece, ...
                 self._write(refused, f"{module_settings(owner)}\n{failure_said(e)}".encode())
                 # Its graphs never run and its graph breaks are the fallback's: those are counted.
                 self.cache.backend.record.roll_back(mark)
                 coverage.forget_since(counted)
                 return self._fall_back(f"{PRECOMPILE_FAILED} (nothing saved: each new process compiles it again)", e)
-            if self._save(entry, traced, baked, slot_for(path, held, unreadable)):
+            if self._save(compiled, traced, baked, slot_for(path, held, unreadable)):
                 self.cache.remember_state(state_file, key.state)
                 self.cache.remember_state(versions_file, self.cache.versions)
+            entry = HeldEntry(compiled, BakedCheck(tuple(baked)))
         self.entries.append(entry)
         return entry
 
-    def _load(self, path: Path, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, str | None]:
+    def _load(self, path: Path, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[HeldEntry | None, str | None]:
         """The entry saved at ``path`` if it serves this call; else None and, where it was rejected, why
         ("" when the reason is not one to say: guards on what the key does not cover)."""
         from accelrun.compile.output_code import recording_loads_into
@@ -529,7 +560,7 @@ class CachedMethod:
         record.absorb(loading)
         self.cache.stats["loaded"] += 1
         record.stage_seconds["graph cache load"] += time.perf_counter() - t0
-        return entry, None
+        return HeldEntry(entry, BakedCheck(sources.values)), None
 
     def _compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, set[str], list[BakedValue]]:
         """The precompiled entry, and what it was traced from (``TracedFrom``): the files Dynamo traced

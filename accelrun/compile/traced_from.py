@@ -26,6 +26,7 @@ import math
 import os
 import re
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,11 @@ class BakedValue:
 
     def now(self, scope: dict[str, Any], f_locals: dict[str, Any]) -> Any:
         """What the guard reads now, as the record keeps it, or ``_UNREADABLE``."""
-        value = guarded_value(self.name, scope, f_locals)
+        return self.as_kept(guarded_value(self.name, scope, f_locals))
+
+    def as_kept(self, value: Any) -> Any:
+        """``value`` (what the guard's name reads) as the record keeps it: its fingerprint, length, keys
+        or type; ``_UNREADABLE`` where it has none."""
         if value is _UNREADABLE:
             return value
         try:
@@ -126,6 +131,82 @@ class BakedValue:
         what = {"len": f"len({said_name(self.name)})", "keys": f"the keys of {said_name(self.name)}",
                 "type": f"type({said_name(self.name)})"}.get(self.kind, said_name(self.name))
         return f"{what} = {self.value!r} ({'unreadable' if now is _UNREADABLE else repr(now)} now)"
+
+
+class BakedCheck:
+    """Whether the values one entry baked in still read as traced: checked at each of the entry's calls
+    in this process, as Dynamo's guards on them would have been. torch's precompile drops those guards
+    in the process that compiled the entry too, so a script that set a global tuple or dtype its model
+    reads went on running the graph traced for the old one (found 2026-12-07: 91.8 where eager gave
+    137.7), where ``torch.compile`` without the graph cache compiles again.
+
+    A call first runs one generated expression, as Dynamo's guards are code: each value is the same
+    object as at the last call that checked it in full (a length and a dict's keys are read anew, as a
+    list or dict may change in place). Where that fails, each value is read and compared as the entry
+    records it (``changed_value``), and the objects read are kept for the next call. A transformers
+    Llama layer bakes in 38 values (torch's and transformers' functions, mostly): 18 µs a call read one
+    by one, the expression 3 µs."""
+
+    def __init__(self, values: tuple[BakedValue, ...]) -> None:
+        self.values = values
+        self.expected = [json.loads(json.dumps(v.value)) for v in values]  # as the entry's file keeps it
+        self.last: list[Any] = [_UNREADABLE] * len(values)
+        self.arguments_read = frozenset(name for v in values if (name := argument_read(v.name)) is not None)
+        self._same_objects = _same_objects_expression(values)
+
+    def holds(self, scope: dict[str, Any], f_locals: Callable[[], dict[str, Any]]) -> bool:
+        """Whether every value reads as traced, from the entry's globals and (only where a value is read
+        through them) the call's arguments. One that cannot be read is let pass as in ``changed_value``."""
+        if not self.values:
+            return True
+        frame_locals = f_locals() if self.arguments_read else {}
+        try:
+            if self._same_objects(scope, frame_locals, self.last, self.expected):
+                return True
+        except Exception:  # noqa: BLE001 (a value gone, a user's __eq__): read one by one below
+            pass
+        for i, baked in enumerate(self.values):
+            value = guarded_value(baked.name, scope, frame_locals)
+            now = baked.as_kept(value)
+            if now is _UNREADABLE and not root_present(baked.name, scope, frame_locals):
+                continue
+            if not same(now, self.expected[i]):
+                return False
+            self.last[i] = value
+        return True
+
+
+def _same_objects_expression(values: tuple[BakedValue, ...]) -> Callable[..., bool]:
+    """``fn(G, L, last, expected)``: True when each value is ``last[i]`` (a length or a dict's keys: equal to
+    ``expected[i]``). The names were parsed by ``_parsed`` (identifiers, quoted keys, integers), so the
+    expression holds nothing else."""
+    terms = []
+    for i, baked in enumerate(values):
+        parsed = _parsed(baked.name)
+        if parsed is None:
+            return lambda *_: False
+        steps, mro_index, attribute = parsed
+        read = _path_expression(steps)
+        if attribute is not None:
+            read = f"vars(type({read}).__mro__[{mro_index}])[{attribute!r}]"
+        if baked.kind == "len":
+            terms.append(f"len({read}) == expected[{i}]")
+        elif baked.kind == "keys":
+            terms.append(f"sorted({read}.keys(), key=repr) == expected[{i}]")
+        else:
+            terms.append(f"{read} is last[{i}]")
+    source = f"def same_objects(G, L, last, expected):\n    return {' and '.join(terms) or 'True'}\n"
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "<accelrun baked values>", "exec"), namespace)
+    return namespace["same_objects"]
+
+
+def _path_expression(steps: tuple[tuple[str, ...], ...]) -> str:
+    read = ""
+    for global_name, local, attr, key, index in steps:
+        read = (f"G[{global_name!r}]" if global_name else f"L[{local!r}]" if local else f"{read}.{attr}" if attr
+                else f"{read}[{key!r}]" if not index else f"{read}[{int(index)}]")  # fmt: skip
+    return read
 
 
 def baked_value(guard: Any) -> BakedValue | None:
@@ -161,30 +242,52 @@ def guarded_value(name: str, scope: dict[str, Any], f_locals: dict[str, Any]) ->
     """The value a guard's name reads now, from a frame's globals (``G[...]``) and its arguments,
     or ``_UNREADABLE``."""
     try:
-        if m := _CLASS_ATTRIBUTE.fullmatch(name):
-            owner = guarded_value(m.group(1), scope, f_locals)
-            cls = type(owner).__mro__[int(m.group(2) or 0)]
-            return vars(cls)[m.group(3)]
-        if _PATH_NAME.fullmatch(name) is None:
+        parsed = _parsed(name)
+        if parsed is None:
             return _UNREADABLE
-        value: Any = None
-        for global_name, local, attr, key, index in _PATH_STEP.findall(name):
-            value = (scope[global_name] if global_name else f_locals[local] if local else getattr(value, attr) if attr
-                     else value[key] if not index else value[int(index)])  # fmt: skip
-        return value
+        owner_steps, mro_index, attribute = parsed
+        value = _walk(owner_steps, scope, f_locals)
+        if attribute is None:
+            return value
+        return vars(type(value).__mro__[mro_index])[attribute]
     except (AttributeError, LookupError, TypeError):
         return _UNREADABLE
+
+
+@functools.cache
+def _parsed(name: str) -> tuple[tuple[tuple[str, ...], ...], int, str | None] | None:
+    """A guard's name as (the steps of the path it starts from, and for a class's attribute read through
+    that path's type: the index in its ``__mro__`` and the attribute), parsed once: the per-call check
+    (``BakedCheck``) reads the same names at every call."""
+    if m := _CLASS_ATTRIBUTE.fullmatch(name):
+        return tuple(_PATH_STEP.findall(m.group(1))), int(m.group(2) or 0), m.group(3)
+    if _PATH_NAME.fullmatch(name) is None:
+        return None
+    return tuple(_PATH_STEP.findall(name)), 0, None
+
+
+def _walk(steps: tuple[tuple[str, ...], ...], scope: dict[str, Any], f_locals: dict[str, Any]) -> Any:
+    value: Any = None
+    for global_name, local, attr, key, index in steps:
+        value = (scope[global_name] if global_name else f_locals[local] if local else getattr(value, attr) if attr
+                 else value[key] if not index else value[int(index)])  # fmt: skip
+    return value
 
 
 def root_present(name: str, scope: dict[str, Any], f_locals: dict[str, Any]) -> bool:
     """Whether the global or argument a guard's name starts from is in the loading frame: when it is, a
     value that cannot be read through it (``CFG`` now None, a key gone) has changed."""
-    m = _CLASS_ATTRIBUTE.fullmatch(name)
-    first = _PATH_STEP.match(m.group(1) if m else name)
-    if first is None:
+    parsed = _parsed(name)
+    if parsed is None or not parsed[0]:
         return False
-    global_name, local = first.group(1), first.group(2)
+    global_name, local = parsed[0][0][:2]
     return (global_name in scope) if global_name else (local in f_locals)
+
+
+def argument_read(name: str) -> str | None:
+    """The frame's argument a guard's name starts from (``self``), or None (a global)."""
+    parsed = _parsed(name)
+    return parsed[0][0][1] or None if parsed is not None and parsed[0] else None
 
 
 def said_name(name: str) -> str:

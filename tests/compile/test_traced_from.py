@@ -190,3 +190,38 @@ def test_a_failure_reading_the_values_back_saves_the_entry_without_them(tmp_path
     cache = record.graph_cache
     assert cache["saved"] == 1 and cache["fallbacks"] == 0, cache
     assert any("could not read back the values" in e for e in cache["errors"]), cache
+
+
+def test_the_per_call_check_sees_a_value_replaced_or_a_container_changed_in_place():
+    """``BakedCheck``: what an entry baked in, read at each of its calls in this process (torch's
+    precompile drops Dynamo's guards on it there too)."""
+    from accelrun.compile.traced_from import BakedCheck
+
+    class Net:
+        SCALE = 2.0
+
+    scope = {"WEIGHTS": (2.0,), "DT": torch.float32, "LAYERS": [1, 2], "CFG": {"a": 1}}
+    values = (BakedValue("G['WEIGHTS']", "len", 1), BakedValue("G['DT']", "value", "torch torch.float32"),
+              BakedValue("G['LAYERS']", "len", 2), BakedValue("G['CFG']", "keys", ["a"]),
+              BakedValue("dict(type(self).__dict__)['SCALE']", "value", 2.0))  # fmt: skip
+    check, reads = BakedCheck(values), []
+
+    def f_locals():
+        reads.append(1)
+        return {"self": Net()}
+
+    assert check.holds(scope, f_locals) and check.holds(scope, f_locals) and len(reads) == 2
+    for name, changed in [("WEIGHTS", (2.0, 1.5)), ("DT", torch.float64)]:  # replaced: another object
+        assert not check.holds({**scope, name: changed}, f_locals), name
+    scope["LAYERS"].append(3)  # the same list, one longer
+    assert not check.holds(scope, f_locals)
+    scope["LAYERS"].pop()
+    scope["CFG"]["b"] = 2  # the same dict, another key
+    assert not check.holds(scope, f_locals)
+    del scope["CFG"]["b"]
+    Net.SCALE = 3.0  # a class attribute, read through the call's own argument
+    assert not check.holds(scope, f_locals)
+    Net.SCALE = 2.0
+    assert check.holds(scope, f_locals)
+    assert check.holds({k: v for k, v in scope.items() if k != "CFG"}, f_locals)  # unreadable, root gone: passes
+    assert BakedCheck(()).holds(scope, f_locals) and BakedCheck(values[:2]).holds(scope, lambda: 1 / 0)
