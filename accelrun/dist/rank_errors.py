@@ -12,6 +12,8 @@ import json
 import os
 from pathlib import Path
 
+from accelrun.dist.rank_failures import latest_start_pids
+
 
 def leave_record(folder: Path, rank: int, messages: list[str], printed: bool) -> None:
     """Written after the rank printed (if it prints): a rank stopped in between means a message
@@ -23,13 +25,20 @@ def leave_record(folder: Path, rank: int, messages: list[str], printed: bool) ->
 
 
 def unprinted_messages(folder: Path) -> list[str]:
-    """Messages of the ranks' records that no rank printed, each once, in rank order."""
+    """Messages of the ranks' records that no rank printed, each once, in rank order: of the group's
+    latest start only, where the ranks recorded their processes (``rank_failures``). A record a rank of
+    an earlier start left, which a restarted rank that failed otherwise did not write over, is not this
+    failure's (under --max-restarts a user error of the first start was printed at the end of a job
+    whose last start was killed)."""
+    latest = latest_start_pids(folder)
     records = []
     for path in folder.glob("rank-*.json"):
         try:
-            records.append(json.loads(path.read_text()))
+            record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        if not latest or record.get("pid") in latest:
+            records.append(record)
     records.sort(key=lambda r: r["rank"])
     printed = {m for r in records if r["printed"] for m in r["messages"]}
     out: list[str] = []

@@ -121,6 +121,19 @@ def _read(folder: Path, pattern: str) -> dict[int, dict]:
     return out
 
 
+def _latest_start(folder: Path) -> dict[int, dict]:
+    """The process records (by rank) of the group's latest start."""
+    procs = _read(folder, "proc-*.json")
+    latest = max((p.get("attempt", 0) for p in procs.values()), default=0)
+    return {rank: p for rank, p in procs.items() if p.get("attempt", 0) == latest}
+
+
+def latest_start_pids(folder: Path) -> set[int]:
+    """The process ids of the ranks of the group's latest start that recorded themselves (none: no
+    records, as when ranks ran without a launcher's folder)."""
+    return {int(p["pid"]) for p in _latest_start(folder).values() if "pid" in p}
+
+
 def exit_codes_of(error: BaseException) -> dict[int, int]:
     """Each local rank's exit status (negative: killed by that signal), read from the elastic agent
     that raised ``error`` (``torch_private.agent_exit_codes``). Empty if no frame holds one."""
@@ -167,13 +180,10 @@ def rank_ends(folder: Path, exit_codes: dict[int, int]) -> list[RankEnd]:
     group's rank has not written over (it failed before its first record) is that start's: left out, as
     is an error of another process of the same rank (a start after another node rejoined keeps the
     restart count)."""
-    procs, crashes = _read(folder, "proc-*.json"), _read(folder, "crash-*.json")
+    procs, crashes = _latest_start(folder), _read(folder, "crash-*.json")
     users = _read(folder, "rank-*.json")  # rank_errors' records of user errors
-    latest = max((p.get("attempt", 0) for p in procs.values()), default=0)
     ends = []
     for rank, p in sorted(procs.items()):
-        if p.get("attempt", 0) != latest:
-            continue
         same = [r for r in (crashes.get(rank), users.get(rank)) if r and r.get("pid") == p["pid"]]  # this process's
         error = next((r["error"] for r in same if "error" in r), None) or \
             "; ".join(m for r in same for m in r.get("messages", [])) or None
