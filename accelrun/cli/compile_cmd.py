@@ -181,7 +181,8 @@ def passes_cmd() -> None:
         presets = ", ".join(p for p, names in PRESETS.items() if name in names) or "-"
         table.add_row(name, spec.stage, escape(opts), presets, escape(spec.doc))
     out.print(table)
-    out.print(escape("Use a preset (compile.passes=default|none|max) or a list: "
+    out.print(escape("Use a preset (compile.passes=default|none|max), one less some of its passes "
+                     "(compile.passes=default-remat-cpu_dropout), or a list: "
                      "'compile.passes=[dce, cse, {remat: {budget_mb: 64}}]'"))
 
 

@@ -146,20 +146,33 @@ def _nearest(name: str, choices: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def preset_passes(spec: str) -> list[str]:
+    """The passes a preset names, less those it is written without: ``default``, ``default-remat``,
+    ``max-remat-cpu_dropout`` (a pass's name has no hyphen). Leaving one pass out took the whole list."""
+    preset, *left_out = spec.split("-")
+    if preset not in PRESETS:
+        raise PassConfigError(
+            f"unknown pass preset {preset!r}{_nearest(preset, list(PRESETS))}; presets: {', '.join(PRESETS)}, "
+            "each less any of its passes (default-remat)"
+        )
+    names = list(PRESETS[preset])
+    for i, name in enumerate(left_out):
+        if name in left_out[:i]:
+            raise PassConfigError(f"{spec!r} leaves {name!r} out twice")
+        if name not in names:
+            raise PassConfigError(f"{name!r} is not a pass of the {preset!r} preset{_nearest(name, names)}; "
+                                  f"its passes: {', '.join(PRESETS[preset]) or '(none)'}")  # fmt: skip
+        names.remove(name)
+    return names
+
+
 def parse_passes(spec: str | list[Any], options_by_name: Mapping[str, type[PassOptions]] | None = None
                  ) -> list[tuple[str, PassOptions]]:
     """A preset name, or a list of names / ``{name: options}`` / ``{name: ..., opt: ...}`` items, as
     (name, validated options) pairs. ``options_by_name`` is the passes that exist (default: the built-ins;
     the compiler passes its registry, which may hold passes registered at run time)."""
     known = options_by_name if options_by_name is not None else {n: o for n, (_, o) in BUILTIN_PASSES.items()}
-    if isinstance(spec, str):
-        if spec not in PRESETS:
-            raise PassConfigError(
-                f"unknown pass preset {spec!r}{_nearest(spec, list(PRESETS))}; presets: {', '.join(PRESETS)}"
-            )
-        items: list[Any] = list(PRESETS[spec])
-    else:
-        items = list(spec)
+    items: list[Any] = preset_passes(spec) if isinstance(spec, str) else list(spec)
     out: list[tuple[str, PassOptions]] = []
     seen: set[str] = set()
     for i, item in enumerate(items):
@@ -190,8 +203,12 @@ def parse_passes(spec: str | list[Any], options_by_name: Mapping[str, type[PassO
 def pass_names(spec: str | list[Any]) -> list[str]:
     """The names a preset or list of passes holds, options not validated and passes registered at run
     time included; an item that is not a pass at all is left out (parse_passes reports it)."""
-    items = PRESETS.get(spec, []) if isinstance(spec, str) else list(spec)
-    names = []
+    if isinstance(spec, str):
+        try:
+            return preset_passes(spec)
+        except PassConfigError:
+            return []
+    items, names = list(spec), []
     for i, item in enumerate(items):
         try:
             names.append(_split_item(item, i)[0])

@@ -379,8 +379,8 @@ class CompileConfig(Section):
     fullgraph: bool = False
     # The settings below are read by the accelrun backend only.
     passes: str | list[str | dict[str, Any]] = Field(
-        "default", description="a preset (none, default, max) or an ordered list of passes, each a name or "
-        "{name: options}; `accelrun compile passes` lists them"
+        "default", description="a preset (none, default, max), one less some of its passes (default-remat), or an "
+        "ordered list of passes, each a name or {name: options}; `accelrun compile passes` lists them"
     )
     executors: list[str] = Field(
         ["cpp", "triton", "aten"],

@@ -161,6 +161,7 @@ def test_debug_numerics_tolerates_reordered_sums_and_nothing_more():
 @pytest.mark.parametrize(("override", "expected"), [
     ("compile.passes=[dce, csee]", "did you mean 'cse'"),
     ("compile.passes=maximum", "unknown pass preset 'maximum'"),
+    ("compile.passes=default-remt", "did you mean 'remat'"),
     ("compile.passes=[{partition_regions: {max_node: 3}}]", "did you mean 'max_nodes'"),
     ("compile.executors=[cpu, aten]", "unknown executor 'cpu'"),
 ])  # fmt: skip

@@ -94,3 +94,17 @@ def test_validate_error_points_at_the_pass_line(write):
     with pytest.raises(ConfigError) as e:
         load_config(str(path), [])
     assert f"{path}:5" in str(e.value) and "did you mean 'fuse_attention'" in str(e.value)
+
+
+def test_a_preset_less_some_of_its_passes():
+    """``default-remat``: leaving one pass out of a preset took its whole list, written out."""
+    from accelrun.config.compile_names import PRESETS, pass_names
+
+    names = [name for name, _ in parse_passes("default-remat-cpu_dropout")]
+    assert names == [n for n in PRESETS["default"] if n not in ("remat", "cpu_dropout")]
+    assert pass_names("max-remat") == [n for n in PRESETS["max"] if n != "remat"]
+    for spec, said in [("default-remt", "did you mean 'remat'"), ("none-remat", "not a pass of the 'none' preset"),
+                       ("default-remat-remat", "leaves 'remat' out twice"), ("defalt-remat", "did you mean 'default'")]:
+        with pytest.raises(ValueError, match=said):
+            parse_passes(spec)
+        assert pass_names(spec) == []  # the readers that do not validate: nothing, as for any bad preset
