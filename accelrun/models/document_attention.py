@@ -27,6 +27,10 @@ import functools
 
 import torch
 
+from accelrun.op_source_lookup import known_to_inspect
+
+known_to_inspect(__name__)  # before the ops below: torch.library looks up their source lines
+
 
 def document_spans_of(positions_BT: torch.Tensor) -> list[list[tuple[int, int]]]:
     """Per row, the ``(start, stop)`` spans of its documents: a span starts where the position is 0.

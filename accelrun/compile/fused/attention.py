@@ -25,6 +25,9 @@ from accelrun.compile.codegen.exp_poly import EXP_CORE
 from accelrun.compile.fused import dropout
 from accelrun.compile.fused.kernel_library import ELEMENT_TYPES, PerDtypeLibrary, element_prelude
 from accelrun.compile.pattern import same_shape, same_size
+from accelrun.op_source_lookup import known_to_inspect
+
+known_to_inspect(__name__)  # before the ops below: torch.library looks up their source lines
 
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 MAX_HEAD_DIM = 256  # the kernel's row buffer (attention_cpu.cpp's MAX_HEAD_DIM)

@@ -22,6 +22,9 @@ import torch
 
 from accelrun.compile.codegen.cpp_build import find_compiler
 from accelrun.compile.fused.kernel_library import ELEMENT_TYPES, PerDtypeLibrary, element_prelude
+from accelrun.op_source_lookup import known_to_inspect
+
+known_to_inspect(__name__)  # before the ops below: torch.library looks up their source lines
 
 SOURCE = Path(__file__).with_name("depthwise_conv_cpu.cpp")
 NOT_ON_CPU = "not on the CPU"

@@ -21,6 +21,10 @@ import functools
 
 import torch
 
+from accelrun.op_source_lookup import known_to_inspect
+
+known_to_inspect(__name__)  # before the ops below: torch.library looks up their source lines
+
 MASK32 = 0xFFFFFFFF
 MIX_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)  # lowbias32's, between xor-shifts by 16, 15 and 16
 MIX_SHIFTS = (16, 15, 16)
