@@ -1,6 +1,6 @@
 """torch.library finds a custom op's source line (for its error messages) through ``inspect``, whose
 first lookup of a frame's module walks every module loaded so far and resolves each one's path: 30-50
-ms in a process that has imported torch and transformers (about 3,000 modules), paid by the first
+ms in a process that has imported torch and transformers' Llama (3,138 modules), paid by the first
 ``torch.library.custom_op`` accelrun defines, in every new process, its warm start included.
 
 ``known_to_inspect(__name__)``, called by a module before it defines ops, tells ``inspect`` which module

@@ -182,7 +182,8 @@ def saveable_guards(entries: Sequence[Any], closure_names: frozenset[str] = froz
     constant), less three kinds that stand for the model's code, which the entry's key covers instead
     (``model_code_digest`` takes the files of decorated functions). What the graph baked in from
     globals and classes also goes into ``baked`` (``traced_from.BakedValue``), for the entry's record
-    to check on load: torch's saved guards on them do not hold across processes.
+    to check on load and at every call: torch's saved guards on them do not hold across processes, nor
+    within one (``traced_from.BakedCheck``).
 
     - the identity of a code object: transformers' decorators read ``func.__code__.co_varnames``,
       and Dynamo guards that code object by identity, which precompile refuses to save;
@@ -418,18 +419,19 @@ class HeldEntry:
     compiled: Any  # torch's AOTCompiledFunction
     baked: BakedCheck
 
-    def serves(self, owner: nn.Module, owner_name: str, args: tuple, kwargs: dict) -> bool:
-        """Whether this call may run it: torch's guards pass and the baked values read as traced. A value
-        read through the owner alone (a class attribute through ``self``) needs no binding of the
-        call's arguments (4 µs)."""
-        compiled = self.compiled
+    def serves(self, method: CachedMethod, owner: nn.Module, args: tuple, kwargs: dict) -> bool:
+        """Whether this call may run it: torch's guards pass and the baked values read as traced, from the
+        method's module as it is now. A value read through the owner alone (a class attribute through
+        ``self``) needs no binding of the call's arguments (4 µs)."""
+        compiled, owner_name = self.compiled, method.owner_name
 
         def f_locals() -> dict[str, Any]:
             if self.baked.arguments_read <= {owner_name}:
                 return {owner_name: owner}
             return compiled.prepare_f_locals(owner, *args, **kwargs)
 
-        return compiled.guard_check(owner, *args, **kwargs) and self.baked.holds(compiled.fn.__globals__, f_locals)
+        return compiled.guard_check(owner, *args, **kwargs) and self.baked.holds(
+            method.live_globals, compiled.fn.__globals__, f_locals)
 
 
 class CachedMethod:
@@ -441,8 +443,11 @@ class CachedMethod:
         self.fallback: Any = None  # torch.compile of func, once precompiling failed
         self.owners: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every module this method stands in on
         self.hooked = False  # the fallback was for hooks: it runs with Dynamo's guards on them
-        code = func.__code__
-        self.owner_name = code.co_varnames[0] if code.co_argcount else ""  # what the traced frame calls the owner
+        code = getattr(func, "__code__", None)
+        # What the traced frame calls the owner, and the module globals it reads (live: the entry's own
+        # are a copy taken when it was made, see traced_from.BakedCheck).
+        self.owner_name = code.co_varnames[0] if code is not None and code.co_argcount else ""
+        self.live_globals: dict[str, Any] = getattr(func, "__globals__", {})
 
     def bind(self, owner: nn.Module) -> Any:
         return functools.partial(self, owner)
@@ -457,7 +462,7 @@ class CachedMethod:
     def __call__(self, owner: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self.fallback is None:
             for entry in self.entries:
-                if entry.serves(owner, self.owner_name, args, kwargs):
+                if entry.serves(self, owner, args, kwargs):
                     return entry.compiled.fn(owner, *args, **kwargs)
             entry = self._entry_for(owner, args, kwargs)
             if entry is not None:
@@ -471,7 +476,7 @@ class CachedMethod:
 
     def _load_or_compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> HeldEntry | None:
         if len(self.entries) >= MAX_ENTRIES:
-            return self._fall_back(f"more than {MAX_ENTRIES} input kinds", None)
+            return self._fall_back(f"more than {MAX_ENTRIES} kinds of input, or of values the graph baked in", None)
         if hooked := list(dict.fromkeys(p for o in (owner, *self.owners) for p in modules_with_hooks(o))):
             # Dynamo traces a called module's hooks into the graph and torch skips guards on hooks, so an
             # entry traced without one loaded (or, on another owner, was reused) and skipped it. Every
@@ -554,13 +559,14 @@ class CachedMethod:
                 # Saved for what its key does not cover (a module attribute the forward branches on, as
                 # two runs of one model with other model.kwargs): a miss, not an error to print.
                 return None, ""
+            held = HeldEntry(entry, BakedCheck(sources.values))
         except Exception as e:  # stale or damaged: compile afresh and overwrite it
             self.cache.error(f"could not load {path.name}", e)
             return None, None
         record.absorb(loading)
         self.cache.stats["loaded"] += 1
         record.stage_seconds["graph cache load"] += time.perf_counter() - t0
-        return HeldEntry(entry, BakedCheck(sources.values)), None
+        return held, None
 
     def _compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, set[str], list[BakedValue]]:
         """The precompiled entry, and what it was traced from (``TracedFrom``): the files Dynamo traced

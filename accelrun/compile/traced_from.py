@@ -1,5 +1,6 @@
 """What a graph-cache entry was traced from that neither its key nor torch's saved guards check across
-processes, written in the entry's file ahead of it and checked before it loads (``TracedFrom``):
+processes, written in the entry's file ahead of it and checked before it loads (``TracedFrom``), the
+values also at every call of an entry the process holds (``BakedCheck``):
 
 - the sha256 of each file Dynamo traced for it (``files_traced_by_precompile``). The key covers the
   model's classes and the functions their methods wrap, but not a helper a forward calls from another
@@ -18,10 +19,12 @@ processes, written in the entry's file ahead of it and checked before it loads (
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import hashlib
 import json
+import keyword
 import math
 import os
 import re
@@ -140,51 +143,69 @@ class BakedCheck:
     reads went on running the graph traced for the old one (found 2026-12-07: 91.8 where eager gave
     137.7), where ``torch.compile`` without the graph cache compiles again.
 
+    A global is read from the module's own globals (``live``) where it is one: the entry's function
+    runs with a copy of them taken when the entry was made (torch 2.13's ``forward_callable``), in
+    which a global the script set since still holds the old value; Dynamo's own names for imported
+    modules (``__import_torch``) are in the copy alone.
+
     A call first runs one generated expression, as Dynamo's guards are code: each value is the same
     object as at the last call that checked it in full (a length and a dict's keys are read anew, as a
-    list or dict may change in place). Where that fails, each value is read and compared as the entry
-    records it (``changed_value``), and the objects read are kept for the next call. A transformers
-    Llama layer bakes in 38 values (torch's and transformers' functions, mostly): 18 µs a call read one
-    by one, the expression 3 µs."""
+    list or dict may change in place; a type, as the object's class). Where that fails, each value is
+    read and compared as the entry records it (``changed_value``), and the objects read are kept for the
+    next call. A transformers Llama layer bakes in 38 values (torch's and transformers' functions,
+    mostly): 18 µs a call read one by one, 3.5 µs as the expression."""
 
     def __init__(self, values: tuple[BakedValue, ...]) -> None:
         self.values = values
         self.expected = [json.loads(json.dumps(v.value)) for v in values]  # as the entry's file keeps it
         self.last: list[Any] = [_UNREADABLE] * len(values)
         self.arguments_read = frozenset(name for v in values if (name := argument_read(v.name)) is not None)
-        self._same_objects = _same_objects_expression(values)
+        try:
+            self._same_objects = _same_objects_expression(values)
+        except Exception:  # noqa: BLE001 (a damaged record: an index too long for int()): one by one
+            self._same_objects = _never
+        self.full_checks = 0  # calls that read the values one by one (the expression failed)
 
-    def holds(self, scope: dict[str, Any], f_locals: Callable[[], dict[str, Any]]) -> bool:
-        """Whether every value reads as traced, from the entry's globals and (only where a value is read
-        through them) the call's arguments. One that cannot be read is let pass as in ``changed_value``."""
+    def holds(self, live: dict[str, Any], entry_globals: dict[str, Any], f_locals: Callable[[], dict[str, Any]]) -> bool:
+        """Whether every value reads as traced, from the module's globals (``live``), Dynamo's names in the
+        entry's own (``entry_globals``) and, only where a value is read through them, the call's arguments.
+        One that cannot be read is let pass where its root is gone, as in ``changed_value``; a value whose
+        reading raises anything is one that changed."""
         if not self.values:
             return True
         frame_locals = f_locals() if self.arguments_read else {}
         try:
-            if self._same_objects(scope, frame_locals, self.last, self.expected):
+            if self._same_objects(live, entry_globals, frame_locals, self.last, self.expected):
                 return True
-        except Exception:  # noqa: BLE001 (a value gone, a user's __eq__): read one by one below
+        except Exception:  # noqa: BLE001 (a value gone, a user's property or __eq__): read one by one below
             pass
+        self.full_checks += 1
+        scope = collections.ChainMap(live, entry_globals)
         for i, baked in enumerate(self.values):
-            value = guarded_value(baked.name, scope, frame_locals)
-            now = baked.as_kept(value)
-            if now is _UNREADABLE and not root_present(baked.name, scope, frame_locals):
-                continue
-            if not same(now, self.expected[i]):
+            try:
+                value = guarded_value(baked.name, scope, frame_locals)
+                now = baked.as_kept(value)
+                if now is _UNREADABLE and not root_present(baked.name, scope, frame_locals):
+                    continue
+                if not same(now, self.expected[i]):
+                    return False
+            except Exception:  # noqa: BLE001 (a user's property that raises): not the value traced
                 return False
-            self.last[i] = value
+            self.last[i] = type(value) if baked.kind == "type" else value
         return True
 
 
 def _same_objects_expression(values: tuple[BakedValue, ...]) -> Callable[..., bool]:
-    """``fn(G, L, last, expected)``: True when each value is ``last[i]`` (a length or a dict's keys: equal to
-    ``expected[i]``). The names were parsed by ``_parsed`` (identifiers, quoted keys, integers), so the
-    expression holds nothing else."""
+    """``fn(LG, G, L, last, expected)``: True when each value is ``last[i]`` (a type: the value's class is;
+    a length or a dict's keys: equal to ``expected[i]``). Globals are read from ``LG`` where they are
+    there, else from ``G``. The names were parsed by ``_parsed`` (identifiers, quoted keys, integers);
+    an attribute that is no plain identifier is read with ``getattr``. A name the expression cannot
+    hold makes one that is always False (the values are then read one by one)."""
     terms = []
     for i, baked in enumerate(values):
         parsed = _parsed(baked.name)
         if parsed is None:
-            return lambda *_: False
+            return _never
         steps, mro_index, attribute = parsed
         read = _path_expression(steps)
         if attribute is not None:
@@ -193,19 +214,34 @@ def _same_objects_expression(values: tuple[BakedValue, ...]) -> Callable[..., bo
             terms.append(f"len({read}) == expected[{i}]")
         elif baked.kind == "keys":
             terms.append(f"sorted({read}.keys(), key=repr) == expected[{i}]")
+        elif baked.kind == "type":
+            terms.append(f"type({read}) is last[{i}]")
         else:
             terms.append(f"{read} is last[{i}]")
-    source = f"def same_objects(G, L, last, expected):\n    return {' and '.join(terms) or 'True'}\n"
+    source = f"def same_objects(LG, G, L, last, expected):\n    return {' and '.join(terms) or 'True'}\n"
     namespace: dict[str, Any] = {}
-    exec(compile(source, "<accelrun baked values>", "exec"), namespace)
+    try:
+        exec(compile(source, "<accelrun baked values>", "exec"), namespace)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return _never
     return namespace["same_objects"]
+
+
+def _never(*_: Any) -> bool:
+    return False
 
 
 def _path_expression(steps: tuple[tuple[str, ...], ...]) -> str:
     read = ""
     for global_name, local, attr, key, index in steps:
-        read = (f"G[{global_name!r}]" if global_name else f"L[{local!r}]" if local else f"{read}.{attr}" if attr
-                else f"{read}[{key!r}]" if not index else f"{read}[{int(index)}]")  # fmt: skip
+        if global_name:
+            read = f"(LG[{global_name!r}] if {global_name!r} in LG else G[{global_name!r}])"
+        elif local:
+            read = f"L[{local!r}]"
+        elif attr:
+            read = f"{read}.{attr}" if attr.isidentifier() and not keyword.iskeyword(attr) else f"getattr({read}, {attr!r})"
+        else:
+            read = f"{read}[{key!r}]" if not index else f"{read}[{int(index)}]"
     return read
 
 

@@ -1,6 +1,7 @@
 """Defining accelrun's custom ops does not walk every loaded module (accelrun.op_source_lookup): torch.library
-looks up each op's source line through ``inspect``, whose first lookup resolved the path of all ~3,000
-modules a process with torch loaded (30-50 ms of every new process's warm start)."""
+looks up each op's source line through ``inspect``, whose first lookup resolved the paths of the loaded
+modules (503 paths in a process of torch and accelrun, 1,645 modules; more with transformers' Llama's
+3,138: 30-50 ms of every new process's warm start)."""
 
 from __future__ import annotations
 

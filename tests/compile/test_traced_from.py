@@ -194,34 +194,56 @@ def test_a_failure_reading_the_values_back_saves_the_entry_without_them(tmp_path
 
 def test_the_per_call_check_sees_a_value_replaced_or_a_container_changed_in_place():
     """``BakedCheck``: what an entry baked in, read at each of its calls in this process (torch's
-    precompile drops Dynamo's guards on it there too)."""
+    precompile drops Dynamo's guards on it there too), from the module's globals as they are now."""
     from accelrun.compile.traced_from import BakedCheck
 
-    class Net:
+    class Base:
         SCALE = 2.0
 
-    scope = {"WEIGHTS": (2.0,), "DT": torch.float32, "LAYERS": [1, 2], "CFG": {"a": 1}}
+    class Net(Base):
+        pass
+
+    live = {"WEIGHTS": (2.0,), "DT": torch.float32, "LAYERS": [1, 2], "CFG": {"a": 1}, "PAIRS": ((1, 2), (3, 4))}
+    copy = {**live, "__import_torch": torch}  # the entry's own globals: a copy, with Dynamo's module names
     values = (BakedValue("G['WEIGHTS']", "len", 1), BakedValue("G['DT']", "value", "torch torch.float32"),
               BakedValue("G['LAYERS']", "len", 2), BakedValue("G['CFG']", "keys", ["a"]),
-              BakedValue("dict(type(self).__dict__)['SCALE']", "value", 2.0))  # fmt: skip
+              BakedValue("dict(type(self).__mro__[1].__dict__)['SCALE']", "value", 2.0),
+              BakedValue("G['PAIRS'][-1][0]", "value", 3), BakedValue("G['__import_torch'].float32", "value",
+                                                                       "torch torch.float32"))  # fmt: skip
     check, reads = BakedCheck(values), []
 
     def f_locals():
         reads.append(1)
         return {"self": Net()}
 
-    assert check.holds(scope, f_locals) and check.holds(scope, f_locals) and len(reads) == 2
-    for name, changed in [("WEIGHTS", (2.0, 1.5)), ("DT", torch.float64)]:  # replaced: another object
-        assert not check.holds({**scope, name: changed}, f_locals), name
-    scope["LAYERS"].append(3)  # the same list, one longer
-    assert not check.holds(scope, f_locals)
-    scope["LAYERS"].pop()
-    scope["CFG"]["b"] = 2  # the same dict, another key
-    assert not check.holds(scope, f_locals)
-    del scope["CFG"]["b"]
-    Net.SCALE = 3.0  # a class attribute, read through the call's own argument
-    assert not check.holds(scope, f_locals)
-    Net.SCALE = 2.0
-    assert check.holds(scope, f_locals)
-    assert check.holds({k: v for k, v in scope.items() if k != "CFG"}, f_locals)  # unreadable, root gone: passes
-    assert BakedCheck(()).holds(scope, f_locals) and BakedCheck(values[:2]).holds(scope, lambda: 1 / 0)
+    assert check.holds(live, copy, f_locals) and check.full_checks == 1  # the first call reads them one by one
+    assert check.holds(live, copy, f_locals) and check.full_checks == 1 and len(reads) == 2  # then: one expression
+    for name, changed in [("WEIGHTS", (2.0, 1.5)), ("DT", torch.float64), ("PAIRS", ((1, 2), (5, 4)))]:
+        assert not check.holds({**live, name: changed}, copy, f_locals), name  # set in the module: seen there
+    live["LAYERS"].append(3)  # the same list, one longer
+    assert not check.holds(live, copy, f_locals)
+    live["LAYERS"].pop()
+    live["CFG"]["b"] = 2  # the same dict, another key
+    assert not check.holds(live, copy, f_locals)
+    del live["CFG"]["b"]
+    Base.SCALE = 3.0  # a base class's attribute, read through the call's own argument
+    assert not check.holds(live, copy, f_locals)
+    Base.SCALE = 2.0
+    assert check.holds(live, copy, f_locals)
+    gone = {k: v for k, v in live.items() if k != "CFG"}
+    assert check.holds(gone, {k: v for k, v in copy.items() if k != "CFG"}, f_locals)  # root gone: passes
+    assert BakedCheck(()).holds(live, copy, f_locals) and BakedCheck(values[:2]).holds(live, copy, lambda: 1 / 0)
+
+
+def test_the_per_call_check_survives_a_damaged_record_and_a_property_that_raises():
+    from accelrun.compile.traced_from import BakedCheck
+
+    class Settings:
+        @property
+        def mode(self):
+            raise RuntimeError("not set yet")
+
+    odd = BakedCheck((BakedValue("G['CFG'].lambda", "value", 1), BakedValue("G['T'][" + "9" * 5000 + "]", "value", 1)))
+    assert not odd.holds({"CFG": types.SimpleNamespace(), "T": ()}, {}, dict)  # read one by one: not the traced values
+    raising = BakedCheck((BakedValue("G['S'].mode", "value", "a"),))
+    assert not raising.holds({"S": Settings()}, {}, dict)  # a changed value, not an error inside the step
