@@ -12,13 +12,13 @@ import json
 import os
 from pathlib import Path
 
-from accelrun.dist.rank_failures import latest_start_pids
+from accelrun.dist.rank_failures import attempt, latest_start
 
 
 def leave_record(folder: Path, rank: int, messages: list[str], printed: bool) -> None:
     """Written after the rank printed (if it prints): a rank stopped in between means a message
     shown twice, never one lost."""
-    record = {"rank": rank, "messages": messages, "printed": printed, "pid": os.getpid()}
+    record = {"rank": rank, "messages": messages, "printed": printed, "pid": os.getpid(), "attempt": attempt()}
     tmp = folder / f".rank-{rank}.json.tmp"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, folder / f"rank-{rank}.json")  # whole records only: the launcher may read any time
@@ -26,19 +26,18 @@ def leave_record(folder: Path, rank: int, messages: list[str], printed: bool) ->
 
 def unprinted_messages(folder: Path) -> list[str]:
     """Messages of the ranks' records that no rank printed, each once, in rank order: of the group's
-    latest start only, where the ranks recorded their processes (``rank_failures``). A record a rank of
-    an earlier start left, which a restarted rank that failed otherwise did not write over, is not this
-    failure's (under --max-restarts a user error of the first start was printed at the end of a job
-    whose last start was killed)."""
-    latest = latest_start_pids(folder)
+    latest start only. A record a rank of an earlier start left, which a restarted rank that failed
+    otherwise did not write over, is not this failure's (under --max-restarts a user error of the first
+    start was printed at the end of a job whose last start was killed). The latest start is the
+    newest any rank recorded, in its process record or its user error's."""
     records = []
     for path in folder.glob("rank-*.json"):
         try:
-            record = json.loads(path.read_text())
+            records.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-        if not latest or record.get("pid") in latest:
-            records.append(record)
+    latest = max([latest_start(folder), *(r.get("attempt", 0) for r in records)])
+    records = [r for r in records if r.get("attempt", 0) == latest]
     records.sort(key=lambda r: r["rank"])
     printed = {m for r in records if r["printed"] for m in r["messages"]}
     out: list[str] = []

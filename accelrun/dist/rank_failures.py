@@ -121,17 +121,16 @@ def _read(folder: Path, pattern: str) -> dict[int, dict]:
     return out
 
 
-def _latest_start(folder: Path) -> dict[int, dict]:
+def _latest_start_procs(folder: Path) -> dict[int, dict]:
     """The process records (by rank) of the group's latest start."""
     procs = _read(folder, "proc-*.json")
-    latest = max((p.get("attempt", 0) for p in procs.values()), default=0)
+    latest = latest_start(folder)
     return {rank: p for rank, p in procs.items() if p.get("attempt", 0) == latest}
 
 
-def latest_start_pids(folder: Path) -> set[int]:
-    """The process ids of the ranks of the group's latest start that recorded themselves (none: no
-    records, as when ranks ran without a launcher's folder)."""
-    return {int(p["pid"]) for p in _latest_start(folder).values() if "pid" in p}
+def latest_start(folder: Path) -> int:
+    """The newest start of the group whose ranks recorded their processes (0 without records)."""
+    return max((p.get("attempt", 0) for p in _read(folder, "proc-*.json").values()), default=0)
 
 
 def exit_codes_of(error: BaseException) -> dict[int, int]:
@@ -180,7 +179,7 @@ def rank_ends(folder: Path, exit_codes: dict[int, int]) -> list[RankEnd]:
     group's rank has not written over (it failed before its first record) is that start's: left out, as
     is an error of another process of the same rank (a start after another node rejoined keeps the
     restart count)."""
-    procs, crashes = _latest_start(folder), _read(folder, "crash-*.json")
+    procs, crashes = _latest_start_procs(folder), _read(folder, "crash-*.json")
     users = _read(folder, "rank-*.json")  # rank_errors' records of user errors
     ends = []
     for rank, p in sorted(procs.items()):
