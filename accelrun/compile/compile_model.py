@@ -10,9 +10,12 @@ What gets compiled (``compile.scope``; ``auto`` picks per model, see ``resolve_s
 
 A user's model whose lists hold torch.nn's own modules (``nn.MultiheadAttention``, ``nn.Sequential``)
 compiles its whole forward instead: Dynamo never traces a frame of torch.nn's own code on its own, so
-compiling those modules one by one would compile nothing. If the whole forward cannot be traced either
-(a data-dependent branch in a loop makes Dynamo skip the frame), the first call finds out and the
-repeated modules inside it are compiled one by one (``_FirstCallFallback``).
+compiling those modules one by one would compile nothing. So does one whose ``layers`` hold containers
+the forward reads its modules from (``nn.ModuleDict``: never called). If the whole forward cannot be
+traced either (a data-dependent branch in a loop makes Dynamo skip the frame), the first call finds out
+and the repeated modules inside it are compiled one by one (``_FirstCallFallback``); if compiled blocks
+never ran in the first step (the forward calls another method of theirs), the whole forward compiles
+from the second (``_WholeForwardFallback``).
 """
 
 from __future__ import annotations
@@ -152,7 +155,13 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         backend = AccelrunBackend(CompileOptions.from_config(cfg, dump_dir=dump_dir if cfg.dump else None))
         record = backend.record
     slow_half_products = precision is not None and half_products_run_slowly(precision, model)
+    containers = blocks is not None and bool(blocks) and never_called(blocks[0])
+    if containers:  # a user's `layers` of nn.ModuleDict / nn.ModuleList: read by the forward, never called
+        containers_said = f"its `layers` hold {type(blocks[0]).__name__} containers, which the forward never calls"
+        blocks = None
     scope, why = resolve_scope(cfg, model, blocks, loss_parallel, slow_half_products)
+    if containers and cfg.scope == "auto" and scope == "model":
+        why = containers_said
     chosen = f" (compile.scope = auto: {scope}, {why})" if why else ""
     # auto's block scope for half products that run slowly eagerly: the Linears outside the blocks too
     # (an explicit compile.scope = block compiles the blocks alone; preflight warns about it)
@@ -195,6 +204,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
             # An instance attribute shadows the method, so forward() calls the compiled head.
             model.head_loss = capturing_data_sized_outputs(
                 torch.compile(head, backend=backend, fullgraph=cfg.fullgraph), backend)
+        _WholeForwardFallback(model, backend, record).install()  # the blocks compiled nothing: no block ran
         return done(what + tail)
     if scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:
         from accelrun.compile.graph_cache import install
@@ -217,6 +227,12 @@ def is_torch_builtin(cls: type) -> bool:
     return cls.__module__ == "torch" or cls.__module__.startswith("torch.")
 
 
+def never_called(module: nn.Module) -> bool:
+    """A module whose class has no forward of its own (``nn.ModuleDict``, ``nn.ModuleList``): a
+    container the model's forward reads its modules from. Compiled as a block, it compiles nothing."""
+    return type(module).forward is nn.Module.forward
+
+
 def repeated_blocks(model: nn.Module, builtins: bool = False) -> tuple[str, list[nn.Module]] | None:
     """(path, blocks): the outermost ``ModuleList`` of at least two modules all of one class (a custom
     model's layers under another name; the experts inside a layer are deeper, so not taken), or None.
@@ -224,6 +240,8 @@ def repeated_blocks(model: nn.Module, builtins: bool = False) -> tuple[str, list
     best: tuple[int, str, list[nn.Module]] | None = None
     for path, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1:
+            continue
+        if never_called(module[0]):  # a list of containers, or of a class with no forward
             continue
         if is_torch_builtin(type(module[0])) and not builtins:
             continue
@@ -323,6 +341,49 @@ class _FirstCallFallback:
         if not params or any(_sharded(p) for p in params):
             return True
         return any(id(p) in self.record.parameters_in_graphs for p in params)
+
+
+class _WholeForwardFallback:
+    """After the first forward of a model whose blocks were compiled (``block``, ``loss``): if no
+    compiled graph ran and Dynamo traced no frame, the blocks are not how the forward runs (it calls
+    another of their methods, or reads modules out of them), and the whole forward compiles from the
+    second step, saying so. The first step ran as it did."""
+
+    def __init__(self, model: nn.Module, backend: object, record: Any) -> None:
+        from accelrun.compile.coverage import snapshot
+
+        self.model, self.backend, self.record = model, backend, record
+        self.start = snapshot()
+
+    def install(self) -> None:
+        model = self.model
+        had_own = "forward" in model.__dict__
+        own = model.__dict__.get("forward")
+
+        def first_call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return (own if had_own else type(model).forward.__get__(model))(*args, **kwargs)
+            finally:
+                if had_own:
+                    model.forward = own
+                else:
+                    model.__dict__.pop("forward", None)
+                self._after_first_forward()
+
+        model.forward = first_call
+
+    def _after_first_forward(self) -> None:
+        from accelrun.compile.coverage import since
+
+        covered = since(self.start)
+        if covered["frames"].get("ok", 0) > 0 or (self.record is not None and self.record.graphs_in_use()):
+            return
+        if self.record is not None and self.record.graph_cache.get("loaded"):
+            return
+        compile_call(self.model, self.backend, fullgraph=False)
+        if self.record is not None:
+            self.record.fallback_scope = ("no compiled block ran in the first step (the forward does not call "
+                                          "the blocks), so after it the whole forward compiles")
 
 
 def _sharded(param: torch.Tensor) -> bool:

@@ -130,6 +130,33 @@ def test_a_skipped_forward_falls_back_to_its_repeated_modules(tmp_path):
     assert "compile one by one" in compiled.record.compiled_line()
 
 
+def test_layers_of_containers_compile_the_whole_forward():
+    """A user's ``layers`` of ``nn.ModuleDict``: compiled as blocks, nothing was (the forward reads them,
+    never calls them: 0 graphs, "nothing was compiled"); auto compiles the whole forward and says why."""
+    model = USER_MODELS["dict_layers"]()
+    compiled = compile_model(model, transformer_blocks(model), CompileConfig(backend="accelrun", graph_cache=False))
+    assert "the whole model" in compiled.description and "ModuleDict containers" in compiled.description
+
+
+def test_blocks_the_forward_never_calls_fall_back_to_the_whole_forward(tmp_path):
+    """Blocks of the user's own class that the forward reaches through another method (``layer.mix``):
+    the first step runs eagerly, finds no graph ran, and the whole forward compiles from the second."""
+    from tests.compile.user_models import MethodCalledBlocks
+
+    torch.manual_seed(0)
+    model = MethodCalledBlocks()
+    reference = copy.deepcopy(model)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    compiled = compile_model(model, transformer_blocks(model), cfg)
+    assert "transformer blocks" in compiled.description
+    _train_side_by_side(model, reference, steps=1)
+    assert compiled.record.graphs_in_use() == 0 and "whole forward compiles" in compiled.record.fallback_scope
+    _train_side_by_side(model, reference, steps=2)
+    assert compiled.record.graphs_in_use() >= 1 and compiled.record.regions_per_executor().get("cpp", 0) > 0
+    assert "forward" not in model.__dict__ or model.__dict__["forward"] is not None  # the first call's wrapper gone
+    assert not any(w.startswith("nothing was compiled") for w in compiled.record.warnings())
+
+
 def test_a_graph_break_in_torch_nn_names_the_users_line_and_the_change_that_avoids_it(tmp_path):
     """torch.nn's TransformerEncoder given a causal mask without is_causal=True reads the mask on the
     host: Dynamo's reason names neither the place nor that fix (it suggests tracing the host read).

@@ -376,5 +376,55 @@ class EncoderLayers(nn.Module):
         return self.head(x)
 
 
-USER_MODELS = {"mha": MHAModel, "encoder_layers": EncoderLayers, "routed_moe": RoutedMoE, "indexed_moe": IndexedMoE, "conv_mixer": ConvMixer,
+class DictLayersLM(nn.Module):
+    """``layers`` by the convention's name, each an ``nn.ModuleDict`` the forward reads its modules from
+    (never calls): linear attention by a cumulative sum, as a user writes it without a block class."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(dim), "qkv": nn.Linear(dim, 3 * dim),
+                                                   "out": nn.Linear(dim, dim)}) for _ in range(layers))  # fmt: skip
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            q, k, v = layer["qkv"](layer["norm"](x)).chunk(3, -1)
+            q, k = F.elu(q) + 1, F.elu(k) + 1
+            y = q * torch.cumsum(k * v, dim=1) / (q * torch.cumsum(k, dim=1) + 1e-6)
+            x = x + layer["out"](y)
+        return self.head(x)
+
+
+class MixerBlock(nn.Module):
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mix(x)
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class MethodCalledBlocks(nn.Module):
+    """``layers`` of a block class of the user's whose forward the model never calls: it calls ``mix``
+    (which the block's forward calls too)."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(MixerBlock(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer.mix(x)
+        return self.head(x)
+
+
+USER_MODELS = {"dict_layers": DictLayersLM, "mha": MHAModel, "encoder_layers": EncoderLayers, "routed_moe": RoutedMoE, "indexed_moe": IndexedMoE, "conv_mixer": ConvMixer,
                "short_conv": ShortConvLM, "plain_mlp": PlainMLP, "encoder": EncoderLM, "gru": GRULM, "lstm_blocks": LSTMStack, "batchnorm": BatchNormLM}
