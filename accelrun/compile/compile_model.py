@@ -361,14 +361,14 @@ class _WholeForwardFallback:
         own = model.__dict__.get("forward")
 
         def first_call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return (own if had_own else type(model).forward.__get__(model))(*args, **kwargs)
-            finally:
-                if had_own:
-                    model.forward = own
-                else:
-                    model.__dict__.pop("forward", None)
-                self._after_first_forward()
+            # A forward that raises leaves this in place: the next one that runs decides.
+            out = (own if had_own else type(model).forward.__get__(model))(*args, **kwargs)
+            if had_own:
+                model.forward = own
+            else:
+                model.__dict__.pop("forward", None)
+            self._after_first_forward()
+            return out
 
         model.forward = first_call
 
