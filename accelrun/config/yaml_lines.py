@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,17 @@ import yaml
 from accelrun.config.errors import ConfigError
 
 KeyPath = tuple[str | int, ...]
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading an exponent without a decimal point (``1e-9``, ``3E5``) as a float,
+    as YAML 1.2, JSON and Python do: PyYAML follows YAML 1.1, where it is a string. A setting typed as a
+    float took it either way; a free-form one (``model.kwargs.eps=1e-6``, handed to a user's factory)
+    arrived as the string "1e-6" and failed inside the user's code ("bad operand type for unary -")."""
+
+
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 # Aliases let a few lines of YAML expand to billions of values (the "billion laughs"); a recipe is
 # small, so its expanded size and its alias uses are bounded and an excess is an error, not a hang.
@@ -67,7 +79,7 @@ class Located:
 def load_yaml_with_lines(text: str, origin: str) -> Located:
     """Parse ``text`` (named ``origin`` in errors). Duplicate keys are errors, not silent overwrites."""
     try:  # the reader checks the characters as the loader is made
-        loader = yaml.SafeLoader(text)
+        loader = RecipeLoader(text)
     except yaml.reader.ReaderError as e:  # control characters: a binary file that happens to be UTF-8
         raise ConfigError(f"{origin}: not YAML text (character {e.character:#x} at offset {e.position}): "
                           "is this a recipe file?") from None
@@ -116,7 +128,7 @@ def load_yaml_file(path: Path) -> Located:
     return located
 
 
-def _construct(node: yaml.Node, path: KeyPath, lines: dict, origin: str, loader: yaml.SafeLoader,
+def _construct(node: yaml.Node, path: KeyPath, lines: dict, origin: str, loader: RecipeLoader,
                budget: _Budget) -> Any:
     budget.enter(node)
     if not isinstance(node, yaml.ScalarNode):
@@ -128,7 +140,7 @@ def _construct(node: yaml.Node, path: KeyPath, lines: dict, origin: str, loader:
     return loader.construct_object(node, deep=True)
 
 
-def _construct_collection(node: yaml.Node, path: KeyPath, lines: dict, origin: str, loader: yaml.SafeLoader,
+def _construct_collection(node: yaml.Node, path: KeyPath, lines: dict, origin: str, loader: RecipeLoader,
                           budget: _Budget) -> Any:
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}

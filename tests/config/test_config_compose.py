@@ -62,6 +62,15 @@ def test_override_values_are_yaml_and_can_remove_and_index(write, tmp_path):
     assert t.optimizer.betas == (0.9, 0.9) and t.optimizer.lr == 0.25
 
 
+def test_an_exponent_without_a_point_is_a_float_in_free_form_values_too(write):
+    """PyYAML reads ``1e-9`` as a string (YAML 1.1); a user's factory got "1e-9" through model.kwargs and
+    failed in its own code. It is a float, as in YAML 1.2, JSON and Python, in a file and an override."""
+    cfg = write("run.yaml", "model: {custom: examples.my_model:build, kwargs: {eps: 1e-6}}\ntrain: {steps: 5}\n")
+    rc = load_config(cfg, ["model.kwargs.clip=1e-9", "model.kwargs.big=3E5", "model.kwargs.tag='1e-9'"],
+                     search_dirs=[])  # fmt: skip
+    assert rc.config.model.kwargs == {"eps": 1e-6, "clip": 1e-9, "big": 3e5, "tag": "1e-9"}  # quoted: a string
+
+
 def test_explain_lists_every_leaf_with_its_source(write):
     cfg = write("run.yaml", "name: x\ntrain:\n  steps: 3\n")
     rows = {k: str(s) for k, _, s in load_config(cfg, ["train.seed=4"], search_dirs=[]).explain()}
