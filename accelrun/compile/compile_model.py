@@ -222,9 +222,13 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
 
 
 def is_torch_builtin(cls: type) -> bool:
-    """A class of torch's own (``nn.Linear``, ``nn.Sequential``, ...): Dynamo traces its code only when
-    it is called from a frame it already traces."""
-    return cls.__module__ == "torch" or cls.__module__.startswith("torch.")
+    """A class whose forward is torch's own code: one of torch's (``nn.Linear``, ``nn.Sequential``), or a
+    user's subclass that changes only how it is built (``class MyLayer(nn.TransformerEncoderLayer)``
+    with an ``__init__`` of its own): Dynamo traces that code only when it is called from a frame it
+    already traces. Precompiled on its own, such a subclass's module reached the graph where a tensor
+    belonged ("native_layer_norm() Expected a value of type 'Tensor' ... found type 'MyLayer'")."""
+    forward_module = getattr(getattr(cls, "forward", None), "__module__", None) or ""
+    return any(name == "torch" or name.startswith("torch.") for name in (cls.__module__, forward_module))
 
 
 def never_called(module: nn.Module) -> bool:

@@ -130,6 +130,17 @@ def test_a_skipped_forward_falls_back_to_its_repeated_modules(tmp_path):
     assert "compile one by one" in compiled.record.compiled_line()
 
 
+def test_a_users_subclass_that_keeps_torchs_forward_is_compiled_as_torchs_own():
+    """``class MyLayer(nn.TransformerEncoderLayer)`` with an ``__init__`` of its own: its forward is torch's
+    code, which Dynamo traces only from a frame it traces (precompiled on its own, the module reached
+    the graph where a tensor belonged: "native_layer_norm() Expected a value of type 'Tensor'")."""
+    from accelrun.compile.compile_model import is_torch_builtin
+    from tests.compile.user_models import BuiltEncoderLayer, MixerBlock
+
+    assert is_torch_builtin(BuiltEncoderLayer) and is_torch_builtin(torch.nn.Linear)
+    assert not is_torch_builtin(MixerBlock)  # a forward of the user's own
+
+
 def test_layers_of_containers_compile_the_whole_forward():
     """A user's ``layers`` of ``nn.ModuleDict``: compiled as blocks, nothing was (the forward reads them,
     never calls them: 0 graphs, "nothing was compiled"); auto compiles the whole forward and says why."""

@@ -426,5 +426,29 @@ class MethodCalledBlocks(nn.Module):
         return self.head(x)
 
 
-USER_MODELS = {"dict_layers": DictLayersLM, "mha": MHAModel, "encoder_layers": EncoderLayers, "routed_moe": RoutedMoE, "indexed_moe": IndexedMoE, "conv_mixer": ConvMixer,
+class BuiltEncoderLayer(nn.TransformerEncoderLayer):
+    """A user's subclass of torch.nn's layer that changes only how it is built."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__(dim, 4, 2 * dim, dropout=0.0, batch_first=True, norm_first=True)
+
+
+class SubclassedLayersLM(nn.Module):
+    """``layers`` of that subclass: its forward is torch's own code."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(BuiltEncoderLayer(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, is_causal=True)
+        return self.head(x)
+
+
+USER_MODELS = {"subclassed_layers": SubclassedLayersLM, "dict_layers": DictLayersLM, "mha": MHAModel, "encoder_layers": EncoderLayers, "routed_moe": RoutedMoE, "indexed_moe": IndexedMoE, "conv_mixer": ConvMixer,
                "short_conv": ShortConvLM, "plain_mlp": PlainMLP, "encoder": EncoderLM, "gru": GRULM, "lstm_blocks": LSTMStack, "batchnorm": BatchNormLM}
