@@ -24,6 +24,7 @@ before its first use; the forward stops returning it (and loses nodes nothing el
 from __future__ import annotations
 
 import copy
+import heapq
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
@@ -125,25 +126,41 @@ class _Planner:
             stack.extend(node.all_input_nodes)
         return chain
 
+    def score(self, value: fx.Node, available: set[fx.Node]) -> float | None:
+        """Bytes freed per node recomputed by dropping ``value`` (views cost nothing), or None where it
+        cannot be dropped (a primal, one the backward compares, no cheap chain from ``available``)."""
+        gain = tensor_bytes(value) if value.op != "placeholder" and value not in self.keep else 0
+        chain = self.chain(value, available) if gain else None
+        if chain is None:
+            return None
+        return gain / max(1, sum(node_kind(n) != "view" for n in chain))
+
     def plan(self, saved: list[fx.Node], budget: int | None) -> list[fx.Node]:
-        """Saved tensors to drop, in the order the greedy picked them."""
+        """Saved tensors to drop, in the order the greedy picked them: each time the best score, the
+        earliest saved among equals.
+
+        Lazily: a value's chain only grows as others are dropped (they are no longer there to start
+        from), so its score only falls, and a score computed earlier bounds it. The best by its last
+        score is scored again, and taken if it is still the best; else it goes back with its new score.
+        Scoring every kept value for every drop took 140 s of a 4-layer model's compile whose forward
+        loops over 256 time steps (RWKV written plainly: thousands of saved values)."""
         kept = list(dict.fromkeys(saved))
+        available = set(kept)
+        total = _saved_bytes(kept)
+        heap = [(-score, i, v) for i, v in enumerate(kept) if (score := self.score(v, available)) is not None]
+        heapq.heapify(heap)
         dropped: list[fx.Node] = []
-        while budget is None or _saved_bytes(kept) > budget:
-            best, best_score = None, 0.0
-            available = set(kept)
-            for value in kept:
-                gain = tensor_bytes(value) if value.op != "placeholder" and value not in self.keep else 0
-                chain = self.chain(value, available) if gain else None
-                if chain is None:
-                    continue
-                score = gain / max(1, sum(node_kind(n) != "view" for n in chain))
-                if score > best_score:
-                    best, best_score = value, score
-            if best is None:
-                break
-            kept.remove(best)
-            dropped.append(best)
+        while heap and (budget is None or total > budget):
+            _, i, value = heapq.heappop(heap)
+            score = self.score(value, available)
+            if score is None:
+                continue  # no chain any more: it never has one again
+            if heap and (-score, i) > heap[0][:2]:
+                heapq.heappush(heap, (-score, i, value))  # another may be better now
+                continue
+            available.discard(value)
+            total -= tensor_bytes(value)
+            dropped.append(value)
         return dropped
 
 
