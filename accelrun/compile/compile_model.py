@@ -386,8 +386,9 @@ class _WholeForwardFallback:
             return
         compile_call(self.model, self.backend, fullgraph=False)
         if self.record is not None:
-            self.record.fallback_scope = ("no compiled block ran in the first step (the forward does not call "
-                                          "the blocks), so after it the whole forward compiles")
+            self.record.fallback_scope = ("no compiled block ran in the first step (a forward that calls another "
+                                          "method of the blocks, or none of them), so after it the whole forward "
+                                          "compiles")
 
 
 def _sharded(param: torch.Tensor) -> bool:

@@ -476,7 +476,8 @@ class CachedMethod:
 
     def _load_or_compile(self, owner: nn.Module, args: tuple, kwargs: dict) -> HeldEntry | None:
         if len(self.entries) >= MAX_ENTRIES:
-            return self._fall_back(f"more than {MAX_ENTRIES} kinds of input, or of values the graph baked in", None)
+            return self._fall_back(f"more than {MAX_ENTRIES} kinds of input, or of values the graph baked in: "
+                                   "this method goes on through torch.compile, uncached", None)
         if hooked := list(dict.fromkeys(p for o in (owner, *self.owners) for p in modules_with_hooks(o))):
             # Dynamo traces a called module's hooks into the graph and torch skips guards on hooks, so an
             # entry traced without one loaded (or, on another owner, was reused) and skipped it. Every
