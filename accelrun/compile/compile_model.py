@@ -59,7 +59,7 @@ def resolve_scope(cfg: CompileConfig, model: nn.Module, blocks: list[nn.Module] 
         return cfg.scope, ""
     has_blocks = blocks is not None or repeated_blocks(model) is not None
     if not has_blocks:
-        return "model", "no nn.ModuleList of the model's own blocks"
+        return "model", "no nn.ModuleList of two or more blocks of one class with a forward of the model's own"
     head_loss = getattr(model, "head_loss", None)
     if cfg.backend == "accelrun" and slow_half_products and head_loss is None:
         # transformers' Llama in bf16-mixed on an AVX2 CPU: 5.4 s a step by its layers, 0.74 s whole;
