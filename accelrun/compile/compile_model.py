@@ -14,8 +14,8 @@ compiling those modules one by one would compile nothing. So does one whose ``la
 the forward reads its modules from (``nn.ModuleDict``: never called). If the whole forward cannot be
 traced either (a data-dependent branch in a loop makes Dynamo skip the frame), the first call finds out
 and the repeated modules inside it are compiled one by one (``_FirstCallFallback``); if compiled blocks
-never ran in the first step (the forward calls another method of theirs), the whole forward compiles
-from the second (``_WholeForwardFallback``).
+never ran in the first forward (the forward calls another method of theirs), the whole forward
+compiles from the next (``_WholeForwardFallback``).
 """
 
 from __future__ import annotations
@@ -160,8 +160,8 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         containers_said = f"its `layers` hold {type(blocks[0]).__name__} containers, which the forward never calls"
         blocks = None
     scope, why = resolve_scope(cfg, model, blocks, loss_parallel, slow_half_products)
-    if containers and cfg.scope == "auto" and scope == "model":
-        why = containers_said
+    if containers and cfg.scope == "auto":  # its layers are read, not called: the whole forward
+        scope, why = "model", containers_said
     chosen = f" (compile.scope = auto: {scope}, {why})" if why else ""
     # auto's block scope for half products that run slowly eagerly: the Linears outside the blocks too
     # (an explicit compile.scope = block compiles the blocks alone; preflight warns about it)
@@ -204,7 +204,8 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
             # An instance attribute shadows the method, so forward() calls the compiled head.
             model.head_loss = capturing_data_sized_outputs(
                 torch.compile(head, backend=backend, fullgraph=cfg.fullgraph), backend)
-        _WholeForwardFallback(model, backend, record).install()  # the blocks compiled nothing: no block ran
+        if record is not None and not _sharded_run():  # the blocks compiled nothing: no block ran
+            _WholeForwardFallback(model, backend, record, cfg.fullgraph).install()
         return done(what + tail)
     if scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:
         from accelrun.compile.graph_cache import install
@@ -217,7 +218,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         _FirstCallFallback(model, backend, record).install(COMPILED_CALL)
     if scope != "model":
         return done(f"the whole model with {name} (compile.scope = {scope}, but it has no nn.ModuleList of "
-                    "its own blocks)")  # fmt: skip
+                    "two or more blocks of one class with a forward of its own)")  # fmt: skip
     return done(f"the whole model with {name}")
 
 
@@ -242,10 +243,14 @@ def repeated_blocks(model: nn.Module, builtins: bool = False) -> tuple[str, list
     model's layers under another name; the experts inside a layer are deeper, so not taken), or None.
     Lists of torch.nn's own modules count only with ``builtins`` (see the module's docstring)."""
     best: tuple[int, str, list[nn.Module]] | None = None
+    containers: list[str] = []  # lists of containers: a list inside one of them is one layer's, no blocks
     for path, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1:
             continue
+        if any(path.startswith(c + ".") for c in containers):
+            continue
         if never_called(module[0]):  # a list of containers, or of a class with no forward
+            containers.append(path)
             continue
         if is_torch_builtin(type(module[0])) and not builtins:
             continue
@@ -348,26 +353,28 @@ class _FirstCallFallback:
 
 
 class _WholeForwardFallback:
-    """After the first forward of a model whose blocks were compiled (``block``, ``loss``): if no
-    compiled graph ran and Dynamo traced no frame, the blocks are not how the forward runs (it calls
-    another of their methods, or reads modules out of them), and the whole forward compiles from the
-    second step, saying so. The first step ran as it did."""
+    """After the first forward of a model whose blocks were compiled (``block``, ``loss``) by accelrun's
+    backend on one rank: if no compiled graph ran and Dynamo compiled no frame, the blocks are not how
+    the forward runs (it calls another of their methods, or reads modules out of them), and the whole
+    forward compiles from the next forward, saying so. The first forward ran as it did. The wrapper is
+    a plain function on the instance (a bound method of a local function made the loss head's
+    precompile fail to save: "'LlamaForCausalLM' object has no attribute 'first_forward'"); a deep copy
+    made before the first forward runs the original's (left: no caller here copies in that window)."""
 
-    def __init__(self, model: nn.Module, backend: object, record: Any) -> None:
+    def __init__(self, model: nn.Module, backend: object, record: Any, fullgraph: bool) -> None:
         from accelrun.compile.coverage import snapshot
 
-        self.model, self.backend, self.record = model, backend, record
+        self.model, self.backend, self.record, self.fullgraph = model, backend, record, fullgraph
         self.start = snapshot()
 
     def install(self) -> None:
         model = self.model
-        had_own = "forward" in model.__dict__
-        own = model.__dict__.get("forward")
+        own = model.__dict__.get("forward")  # a forward the instance holds already (a loss head's)
 
         def first_call(*args: Any, **kwargs: Any) -> Any:
-            # A forward that raises leaves this in place: the next one that runs decides.
-            out = (own if had_own else type(model).forward.__get__(model))(*args, **kwargs)
-            if had_own:
+            # A forward that raises leaves this in place: the next one that returns decides.
+            out = (own if own is not None else type(model).forward.__get__(model))(*args, **kwargs)
+            if own is not None:
                 model.forward = own
             else:
                 model.__dict__.pop("forward", None)
@@ -379,16 +386,23 @@ class _WholeForwardFallback:
     def _after_first_forward(self) -> None:
         from accelrun.compile.coverage import since
 
-        covered = since(self.start)
-        if covered["frames"].get("ok", 0) > 0 or (self.record is not None and self.record.graphs_in_use()):
+        if since(self.start)["frames"].get("ok", 0) > 0 or self.record.graphs_in_use():
             return
-        if self.record is not None and self.record.graph_cache.get("loaded"):
-            return
-        compile_call(self.model, self.backend, fullgraph=False)
-        if self.record is not None:
-            self.record.fallback_scope = ("no compiled block ran in the first step (a forward that calls another "
-                                          "method of the blocks, or none of them), so after it the whole forward "
-                                          "compiles")
+        if getattr(torch._dynamo.config, "disable", False):
+            return  # compiling is off in this process (TORCH_COMPILE_DISABLE): nothing could have run
+        compile_call(self.model, self.backend, self.fullgraph)
+        self.record.fallback_scope = ("no compiled block ran in the first forward (a forward that calls another "
+                                      "method of the blocks, or none of them), so from the next one the whole "
+                                      "forward compiles")
+
+
+
+
+def _sharded_run() -> bool:
+    """A multi-rank run: its model is laid out (sharded, split), and compiling it whole after the first
+    step would be a layout nothing here tests (``dist/layout.py``)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _sharded(param: torch.Tensor) -> bool:

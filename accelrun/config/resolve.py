@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from accelrun.config.compose import Composed, Source, apply_override, compose_file
 from accelrun.config.data_paths import did_you_mean
 from accelrun.config.errors import ConfigError
@@ -20,7 +18,7 @@ from accelrun.config.hf_sources import hf_key_sources
 from accelrun.config.schema import RUN_NAME_PATTERN, RunConfig
 from accelrun.config.search import find_recipe, looks_like_path, search_path
 from accelrun.config.validate import config_warnings, source_of, validate
-from accelrun.config.yaml_lines import KeyPath, dotted
+from accelrun.config.yaml_lines import KeyPath, dotted, dump_recipe
 
 # Sections that say where results go or what a planner assumes, not what is trained.
 NOT_TRAINING = ("checkpoint", "report", "description", "cluster")
@@ -44,7 +42,7 @@ class ResolvedConfig:
         return self.config.model_dump(mode="json")
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+        return dump_recipe(self.to_dict())
 
     @property
     def hash(self) -> str:

@@ -21,8 +21,19 @@ class RecipeLoader(yaml.SafeLoader):
     arrived as the string "1e-6" and failed inside the user's code ("bad operand type for unary -")."""
 
 
-RecipeLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+class RecipeDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, quoting a string that ``RecipeLoader`` would read as a float (``'1e5'``): a
+    run's config.yaml is read back by its ranks, and a name or a quoted value came back a float."""
+
+
+_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
+for _cls in (RecipeLoader, RecipeDumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+
+
+def dump_recipe(data: Any) -> str:
+    """``data`` as YAML that ``RecipeLoader`` reads back as the same values."""
+    return yaml.dump(data, Dumper=RecipeDumper, sort_keys=False, default_flow_style=None)
 
 # Aliases let a few lines of YAML expand to billions of values (the "billion laughs"); a recipe is
 # small, so its expanded size and its alias uses are bounded and an excess is an error, not a hang.

@@ -121,7 +121,7 @@ def _read(folder: Path, pattern: str) -> dict[int, dict]:
     return out
 
 
-def _latest_start_procs(folder: Path) -> dict[int, dict]:
+def latest_start_procs(folder: Path) -> dict[int, dict]:
     """The process records (by rank) of the group's latest start."""
     procs = _read(folder, "proc-*.json")
     latest = latest_start(folder)
@@ -179,7 +179,7 @@ def rank_ends(folder: Path, exit_codes: dict[int, int]) -> list[RankEnd]:
     group's rank has not written over (it failed before its first record) is that start's: left out, as
     is an error of another process of the same rank (a start after another node rejoined keeps the
     restart count)."""
-    procs, crashes = _latest_start_procs(folder), _read(folder, "crash-*.json")
+    procs, crashes = latest_start_procs(folder), _read(folder, "crash-*.json")
     users = _read(folder, "rank-*.json")  # rank_errors' records of user errors
     ends = []
     for rank, p in sorted(procs.items()):

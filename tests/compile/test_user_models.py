@@ -143,10 +143,17 @@ def test_a_users_subclass_that_keeps_torchs_forward_is_compiled_as_torchs_own():
 
 def test_layers_of_containers_compile_the_whole_forward():
     """A user's ``layers`` of ``nn.ModuleDict``: compiled as blocks, nothing was (the forward reads them,
-    never calls them: 0 graphs, "nothing was compiled"); auto compiles the whole forward and says why."""
+    never calls them: 0 graphs, "nothing was compiled"); auto compiles the whole forward and says why,
+    also where each container holds a list of its own (not taken for the model's blocks)."""
     model = USER_MODELS["dict_layers"]()
     compiled = compile_model(model, transformer_blocks(model), CompileConfig(backend="accelrun", graph_cache=False))
     assert "the whole model" in compiled.description and "ModuleDict containers" in compiled.description
+    for layer in model.layers:
+        layer["heads"] = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+        layer["experts"] = torch.nn.ModuleList(USER_MODELS["plain_mlp"]() for _ in range(2))
+    assert repeated_blocks(model) is None  # layers.0.experts is one layer's list
+    assert "the whole model" in compile_model(model, transformer_blocks(model),
+                                              CompileConfig(backend="accelrun", graph_cache=False)).description
 
 
 def test_blocks_the_forward_never_calls_fall_back_to_the_whole_forward(tmp_path):
@@ -164,7 +171,7 @@ def test_blocks_the_forward_never_calls_fall_back_to_the_whole_forward(tmp_path)
     assert compiled.record.graphs_in_use() == 0 and "whole forward compiles" in compiled.record.fallback_scope
     _train_side_by_side(model, reference, steps=2)
     assert compiled.record.graphs_in_use() >= 1 and compiled.record.regions_per_executor().get("cpp", 0) > 0
-    assert "forward" not in model.__dict__ or model.__dict__["forward"] is not None  # the first call's wrapper gone
+    assert "forward" not in model.__dict__  # the first forward's wrapper is gone
     assert not any(w.startswith("nothing was compiled") for w in compiled.record.warnings())
 
 

@@ -69,6 +69,12 @@ def test_an_exponent_without_a_point_is_a_float_in_free_form_values_too(write):
     rc = load_config(cfg, ["model.kwargs.clip=1e-9", "model.kwargs.big=3E5", "model.kwargs.tag='1e-9'"],
                      search_dirs=[])  # fmt: skip
     assert rc.config.model.kwargs == {"eps": 1e-6, "clip": 1e-9, "big": 3e5, "tag": "1e-9"}  # quoted: a string
+    # A run's config.yaml, written by the launcher and read back by its ranks: the same values (PyYAML's
+    # dumper wrote the string '1e-9' unquoted, and a rank read a float).
+    named = load_config(cfg, ["name='1e5'", "model.kwargs.tag='1e-9'"], search_dirs=[])
+    again = load_config(write("config.yaml", named.to_yaml()), [], search_dirs=[])
+    assert again.config.name == "1e5" and again.config.model.kwargs["tag"] == "1e-9"
+    assert again.training_hash == named.training_hash
 
 
 def test_explain_lists_every_leaf_with_its_source(write):

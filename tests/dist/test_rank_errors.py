@@ -35,3 +35,6 @@ def test_a_record_of_an_earlier_start_is_not_this_failures(tmp_path, monkeypatch
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     leave_record(tmp_path, 1, ["no file matches none*.txt"], printed=False)  # start 1, no process record
     assert unprinted_messages(tmp_path) == ["no file matches none*.txt"]
+    # a start after a node rejoined keeps the count: a record of another process of that rank is older
+    _write(tmp_path / "proc-1.json", {"rank": 1, "local_rank": 1, "pid": 2, "attempt": 1})
+    assert unprinted_messages(tmp_path) == []
