@@ -396,8 +396,6 @@ class _WholeForwardFallback:
                                       "forward compiles")
 
 
-
-
 def _sharded_run() -> bool:
     """A multi-rank run: its model is laid out (sharded, split), and compiling it whole after the first
     step would be a layout nothing here tests (``dist/layout.py``)."""
