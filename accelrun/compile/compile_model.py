@@ -155,13 +155,12 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         backend = AccelrunBackend(CompileOptions.from_config(cfg, dump_dir=dump_dir if cfg.dump else None))
         record = backend.record
     slow_half_products = precision is not None and half_products_run_slowly(precision, model)
-    containers = blocks is not None and bool(blocks) and never_called(blocks[0])
-    if containers:  # a user's `layers` of nn.ModuleDict / nn.ModuleList: read by the forward, never called
-        containers_said = f"its `layers` hold {type(blocks[0]).__name__} containers, which the forward never calls"
-        blocks = None
+    containers = None  # a user's `layers` of nn.ModuleDict / nn.ModuleList: read by the forward, never called
+    if blocks and never_called(blocks[0]):
+        containers, blocks = f"its `layers` hold {type(blocks[0]).__name__} containers, which the forward never calls", None
     scope, why = resolve_scope(cfg, model, blocks, loss_parallel, slow_half_products)
     if containers and cfg.scope == "auto":  # its layers are read, not called: the whole forward
-        scope, why = "model", containers_said
+        scope, why = "model", containers
     chosen = f" (compile.scope = auto: {scope}, {why})" if why else ""
     # auto's block scope for half products that run slowly eagerly: the Linears outside the blocks too
     # (an explicit compile.scope = block compiles the blocks alone; preflight warns about it)

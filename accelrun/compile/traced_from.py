@@ -124,6 +124,15 @@ class BakedValue:
             return _UNREADABLE
         return fingerprint(value)
 
+    def reads_as(self, expected: Any, now: Any, scope: dict[str, Any], f_locals: dict[str, Any]) -> bool:
+        """Whether ``now`` (as kept) is ``expected``; one that cannot be read where its global or argument
+        is gone is let pass (a name Dynamo gave its own helpers in the tracing frame, which a loading
+        frame need not have; a user's global that is gone is an edit of a traced file, which
+        ``TracedFrom.changed_file`` finds)."""
+        if now is _UNREADABLE and not root_present(self.name, scope, f_locals):
+            return True
+        return same(now, expected)
+
     def holds_in(self, scope: dict[str, Any], f_locals: dict[str, Any]) -> bool:
         """Whether it reads back as the entry's file will keep it (through JSON): where it was traced, one
         that does not would make every later process reject the entry."""
@@ -162,7 +171,7 @@ class BakedCheck:
         self.arguments_read = frozenset(name for v in values if (name := argument_read(v.name)) is not None)
         try:
             self._same_objects = _same_objects_expression(values)
-        except Exception:  # noqa: BLE001 (a damaged record: an index too long for int()): one by one
+        except Exception:  # noqa: BLE001 (a damaged record: an index too long, a name no expression holds)
             self._same_objects = _never
         self.full_checks = 0  # calls that read the values one by one (the expression failed)
 
@@ -184,10 +193,7 @@ class BakedCheck:
         for i, baked in enumerate(self.values):
             try:
                 value = guarded_value(baked.name, scope, frame_locals)
-                now = baked.as_kept(value)
-                if now is _UNREADABLE and not root_present(baked.name, scope, frame_locals):
-                    continue
-                if not same(now, self.expected[i]):
+                if not baked.reads_as(self.expected[i], baked.as_kept(value), scope, frame_locals):
                     return False
             except Exception:  # noqa: BLE001 (a user's property that raises): not the value traced
                 return False
@@ -199,8 +205,8 @@ def _same_objects_expression(values: tuple[BakedValue, ...]) -> Callable[..., bo
     """``fn(LG, G, L, last, expected)``: True when each value is ``last[i]`` (a type: the value's class is;
     a length or a dict's keys: equal to ``expected[i]``). Globals are read from ``LG`` where they are
     there, else from ``G``. The names were parsed by ``_parsed`` (identifiers, quoted keys, integers);
-    an attribute that is no plain identifier is read with ``getattr``. A name the expression cannot
-    hold makes one that is always False (the values are then read one by one)."""
+    an attribute that is no plain identifier is read with ``getattr``. A name ``_parsed`` refuses makes
+    one that is always False (the values are then read one by one)."""
     terms = []
     for i, baked in enumerate(values):
         parsed = _parsed(baked.name)
@@ -220,10 +226,7 @@ def _same_objects_expression(values: tuple[BakedValue, ...]) -> Callable[..., bo
             terms.append(f"{read} is last[{i}]")
     source = f"def same_objects(LG, G, L, last, expected):\n    return {' and '.join(terms) or 'True'}\n"
     namespace: dict[str, Any] = {}
-    try:
-        exec(compile(source, "<accelrun baked values>", "exec"), namespace)
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return _never
+    exec(compile(source, "<accelrun baked values>", "exec"), namespace)  # BakedCheck catches what fails
     return namespace["same_objects"]
 
 
@@ -323,7 +326,10 @@ def root_present(name: str, scope: dict[str, Any], f_locals: dict[str, Any]) -> 
 def argument_read(name: str) -> str | None:
     """The frame's argument a guard's name starts from (``self``), or None (a global)."""
     parsed = _parsed(name)
-    return parsed[0][0][1] or None if parsed is not None and parsed[0] else None
+    if parsed is None or not parsed[0]:
+        return None
+    _, local, *_ = parsed[0][0]
+    return local or None
 
 
 def said_name(name: str) -> str:
@@ -390,13 +396,9 @@ class TracedFrom:
 
     def changed_value(self, scope: dict[str, Any], f_locals: dict[str, Any]) -> str | None:
         """The first baked value that reads otherwise now, from the loading frame's globals and its
-        arguments, in words; None when all read as traced. One that cannot be read there is let pass:
-        a name Dynamo gave its own helpers in the tracing frame, which a loading frame need not have;
-        a user's global that is gone is an edit of a traced file, which ``changed_file`` finds."""
+        arguments, in words; None when all read as traced (``BakedValue.reads_as``)."""
         for v in self.values:
             now = v.now(scope, f_locals)
-            if now is _UNREADABLE and not root_present(v.name, scope, f_locals):
-                continue
-            if not same(now, v.value):
+            if not v.reads_as(v.value, now, scope, f_locals):
                 return v.said(now)
         return None

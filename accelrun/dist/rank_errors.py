@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from accelrun.dist.rank_failures import attempt, latest_start, latest_start_procs
+from accelrun.dist.rank_failures import attempt, latest_start_procs
 
 
 def leave_record(folder: Path, rank: int, messages: list[str], printed: bool) -> None:
@@ -36,10 +36,12 @@ def unprinted_messages(folder: Path) -> list[str]:
             records.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-    latest = max([latest_start(folder), *(r.get("attempt", 0) for r in records)])
+    newest_record = max((r.get("attempt", 0) for r in records), default=0)
+    procs = latest_start_procs(folder, newer_than=newest_record)
+    latest = max([newest_record, *(p.get("attempt", 0) for p in procs.values())])
     # A start after a node rejoined keeps the restart count: a rank's record from before it is told
     # apart by its process, where that rank recorded one.
-    pids = {rank: p.get("pid") for rank, p in latest_start_procs(folder).items()}
+    pids = {rank: p.get("pid") for rank, p in procs.items()}
     records = [r for r in records if r.get("attempt", 0) == latest and pids.get(r.get("rank"), r.get("pid")) == r.get("pid")]
     records.sort(key=lambda r: r["rank"])
     printed = {m for r in records if r["printed"] for m in r["messages"]}

@@ -121,16 +121,12 @@ def _read(folder: Path, pattern: str) -> dict[int, dict]:
     return out
 
 
-def latest_start_procs(folder: Path) -> dict[int, dict]:
-    """The process records (by rank) of the group's latest start."""
+def latest_start_procs(folder: Path, newer_than: int = -1) -> dict[int, dict]:
+    """The process records (by rank) of the group's latest start: the newest any rank recorded, or
+    ``newer_than`` where that is newer (a start whose ranks left other records but no process's)."""
     procs = _read(folder, "proc-*.json")
-    latest = latest_start(folder)
+    latest = max([newer_than, *(p.get("attempt", 0) for p in procs.values())])
     return {rank: p for rank, p in procs.items() if p.get("attempt", 0) == latest}
-
-
-def latest_start(folder: Path) -> int:
-    """The newest start of the group whose ranks recorded their processes (0 without records)."""
-    return max((p.get("attempt", 0) for p in _read(folder, "proc-*.json").values()), default=0)
 
 
 def exit_codes_of(error: BaseException) -> dict[int, int]:

@@ -38,3 +38,7 @@ def test_a_record_of_an_earlier_start_is_not_this_failures(tmp_path, monkeypatch
     # a start after a node rejoined keeps the count: a record of another process of that rank is older
     _write(tmp_path / "proc-1.json", {"rank": 1, "local_rank": 1, "pid": 2, "attempt": 1})
     assert unprinted_messages(tmp_path) == []
+    # the newest start recorded no process at all; its rank's old process record is another start's
+    _write(tmp_path / "proc-1.json", {"rank": 1, "local_rank": 1, "pid": 2, "attempt": 0})
+    _write(tmp_path / "proc-0.json", {"rank": 0, "local_rank": 0, "pid": 1, "attempt": 0})
+    assert unprinted_messages(tmp_path) == ["no file matches none*.txt"]
