@@ -317,6 +317,28 @@ def test_dynamo_counters():
     torch._dynamo.reset()
 
 
+def test_dynamo_compile_callbacks():
+    # compile/activity.py: a start before Dynamo traces a frame and an end after it, once per compile.
+    torch._dynamo.reset()
+    seen = []
+
+    def start(_args):
+        seen.append("start")
+
+    def end(_args):
+        seen.append("end")
+
+    tp.dynamo_compile_callbacks.register_start_callback(start)
+    tp.dynamo_compile_callbacks.register_end_callback(end)
+    try:
+        torch.compile(lambda x: x.sin() + 1, backend="eager")(torch.ones(2))
+    finally:
+        tp.dynamo_compile_callbacks.remove_start_callback(start)
+        tp.dynamo_compile_callbacks.remove_end_callback(end)
+        torch._dynamo.reset()
+    assert seen == ["start", "end"]
+
+
 # --- fake tensors and tracing contexts ----------------------------------------------------------------
 
 

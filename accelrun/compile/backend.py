@@ -17,6 +17,7 @@ from typing import Any
 from torch import fx, nn
 
 from accelrun.compile import break_sites, coverage
+from accelrun.compile.activity import ACTIVITY
 from accelrun.compile.cuda_graphs import graph_facts, with_cuda_graphs
 from accelrun.compile.dump import Dumper
 from accelrun.compile.executors.generated import compiling_after
@@ -112,11 +113,13 @@ class AccelrunBackend:
         # One for this Dynamo graph, kept by every stage's closures below: the backward's compile must see
         # what the forward's passes noted (AOTAutograd calls it after the forward's, below).
         notes = GraphNotes()
+        ACTIVITY.doing(f"{name}: pre_grad passes", new_graph=True)
         t0 = time.perf_counter()
         gm = self.passes.run_graph("pre_grad", gm, f"{name}.pre_grad", "pre_grad", list(example_inputs), notes)
         t1 = time.perf_counter()
         self.record.stage_seconds["pre_grad passes"] += t1 - t0
         self._inside = 0.0
+        ACTIVITY.doing(f"{name}: AOTAutograd traces the forward and backward")
         # The backward graph is lowered right after the forward, not at the first backward as AOTAutograd
         # would: its regions' g++ then runs while the forward's finishes and the forward runs, instead of
         # after the forward (transformers' Llama, a cold first step: 0.5 s the backward waited on g++).
@@ -145,6 +148,7 @@ class AccelrunBackend:
                 decompositions=decompositions(),
             )  # fmt: skip
         self.record.stage_seconds["aot trace"] += time.perf_counter() - t1 - self._inside
+        ACTIVITY.tracing_again()  # Dynamo: its guards, and the frame's code after a graph break
         self.collect_graph_breaks()
         if self.serializable:  # precompiling for the graph cache: in the form torch saves with the frame
             from accelrun.compile.output_code import PrecompiledGraph
@@ -198,6 +202,8 @@ class AccelrunBackend:
                 hook(gm)
         first_region = len(self.record.regions)
         with self._timed("lowering"):
+            ACTIVITY.doing(f"{graph_name}: lowering to {'/'.join(e.name for e in self.executors)} "
+                           f"({count_ops(gm):,} ops)")
             lowered, regions = lower_regions(gm, graph_name, kind, self.executors, self.record,
                                              str(self.options.cache_dir), self.options.strict)  # fmt: skip
             for region in regions:  # the source of the generator that runs the region

@@ -43,6 +43,7 @@ from torch import nn
 
 import accelrun
 from accelrun.compile import coverage
+from accelrun.compile.activity import ACTIVITY
 from accelrun.compile.executors.generated import compiling_after
 from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.record import CompileRecord
@@ -604,7 +605,8 @@ class CachedMethod:
             timed_before, t0 = sum(stages.values()), time.perf_counter()
             try:
                 with (files_traced_by_precompile() as traced, unread_compile_logs_skipped(),
-                      compiling_after(len(self.entries))):  # the kinds of input this method met before
+                      compiling_after(len(self.entries)),  # the kinds of input this method met before
+                      ACTIVITY.compiling(f"Dynamo traces {type(owner).__name__}.{self.func.__name__}")):
                     entry = compiled.aot_compile((args, kwargs))
             finally:
                 backend.serializable = False

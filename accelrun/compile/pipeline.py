@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import fx
 
+from accelrun.compile.activity import ACTIVITY
 from accelrun.compile.dump import Dumper
 from accelrun.compile.numerics import check_pass
 from accelrun.compile.passes.base import (
@@ -232,6 +233,7 @@ class PassDriver:
             before_copy = copy.deepcopy(unit.gm) if checked else None
             t0 = time.perf_counter()
             before = unit.ops()
+            ACTIVITY.doing(f"{graph_name}: {'' if graph_name.endswith(stage) else stage + ' '}pass {p.name} ({before:,} ops)")
             try:
                 # One context for every pass: what one pass notes (the next region id) the next reads.
                 result = p.spec.fn(unit.value(), p.options, ctx)

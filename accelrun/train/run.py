@@ -54,6 +54,7 @@ from accelrun.report.summary import (
 )
 from accelrun.report.trackers import open_trackers
 from accelrun.train import host_blocks
+from accelrun.train.compile_ticker import CompileTicker
 from accelrun.train.host_malloc import end_of_run, malloc_record, tune_malloc
 from accelrun.train.loop import LoopOutcome, run_loop
 from accelrun.train.progress import TrainProgress
@@ -165,7 +166,10 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
                       + "): its time is left out of the step figures", markup=False, highlight=False)
     cpu = CpuWindow()  # what the node's other processes took while this loop ran (report's "machine load")
     try:
-        with MetricsWriter(run_dir / "metrics.jsonl") if main else contextlib.nullcontext() as metrics:
+        # A compile that runs long (the first step's, a recompile's) says now and then what it is doing.
+        ticker = (CompileTicker(lambda line: console.print(line, markup=False, highlight=False))
+                  if console is not None and s.compiles and main else contextlib.nullcontext())
+        with (MetricsWriter(run_dir / "metrics.jsonl") if main else contextlib.nullcontext() as metrics, ticker):
             outcome: LoopOutcome = run_loop(s, metrics, progress, stop_after_step=stop_after_step,
                                             trackers=trackers)
         status = outcome.status

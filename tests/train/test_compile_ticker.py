@@ -1,0 +1,113 @@
+"""A compile that runs long says what it is doing: the compiler's stages reach the activity record, and
+the ticker turns it into a line now and then (none for a short compile)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from accelrun.cli.main import cli
+from accelrun.compile.activity import ACTIVITY, DYNAMO_TRACES, CompileActivity
+from accelrun.compile.backend import AccelrunBackend
+from accelrun.compile.options import CompileOptions
+from accelrun.train.compile_ticker import CompileTicker
+from tests.conftest import DEFAULT_CONFIG, TINY
+
+
+def test_a_short_compile_says_nothing_a_long_one_says_what_it_does_then_that_it_ended():
+    activity, lines = CompileActivity(), []
+    ticker = CompileTicker(lines.append, activity, first_after=10, every=15)
+    activity.begin("Dynamo traces Block.forward")
+    t0 = activity.now().began
+    ticker.check(t0 + 9)
+    assert lines == []  # the default recipe's 2 s compile prints nothing
+    activity.doing("g0.backward: post_grad pass remat (812 ops)", new_graph=True)
+    stage_t0 = activity.now().stage_began
+    ticker.check(stage_t0 + 11)
+    assert len(lines) == 1 and "g0.backward: post_grad pass remat (812 ops)" in lines[0]
+    assert "1 graph so far" in lines[0] and "11 s in it" in lines[0]
+    ticker.check(stage_t0 + 12)
+    assert len(lines) == 1  # not again before `every`
+    activity.tracing_again()  # back from the backend: the outer compile's own words
+    ticker.check(stage_t0 + 27)
+    assert len(lines) == 2 and "Dynamo traces Block.forward" in lines[1]
+    activity.end()
+    ticker.check(stage_t0 + 28)
+    assert len(lines) == 3 and lines[2].startswith("compile done after ")
+    ticker.check(stage_t0 + 60)
+    assert len(lines) == 3  # nothing compiles: nothing to say
+
+
+def test_nested_compiles_are_one():
+    # The graph cache's precompile marks its compile, and Dynamo's callbacks inside it mark theirs.
+    activity = CompileActivity()
+    with activity.compiling("Dynamo traces Block.forward"):
+        began = activity.now().began
+        with activity.compiling():
+            assert activity.now().began == began and activity.now().stage == "Dynamo traces Block.forward"
+        assert activity.now() is not None
+    assert activity.now() is None
+
+
+def test_the_backend_says_each_stage_of_a_real_compile(monkeypatch):
+    stages: list[str] = []
+    doing = ACTIVITY.doing
+    monkeypatch.setattr(ACTIVITY, "doing", lambda stage, new_graph=False: (stages.append(stage), doing(stage, new_graph)))
+    seen_compiling = []
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"]))
+    compiled = torch.compile(model, backend=backend)
+    torch._dynamo.reset()  # which drops every callback: listening again registers them again
+    ACTIVITY.listen_to_dynamo()
+    ACTIVITY.listen_to_dynamo()
+    monkeypatch.setattr(backend, "collect_graph_breaks", lambda: seen_compiling.append(ACTIVITY.now()))
+    try:
+        compiled(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert backend.record.regions  # it compiled
+    assert seen_compiling and seen_compiling[0] is not None  # Dynamo's callbacks marked the compile
+    # back from the backend's stages to Dynamo's (its guards), one graph in
+    assert seen_compiling[0].stage == DYNAMO_TRACES and seen_compiling[0].graphs == 1
+    assert "g0: AOTAutograd traces the forward and backward" in stages
+    assert ACTIVITY.now() is None  # and its end
+    assert "g0: pre_grad passes" in stages
+    assert any(s.startswith("g0.forward: lowering to cpp/aten (") for s in stages)
+    assert any(s.startswith("g0.backward: post_grad pass ") for s in stages)
+    assert any(s.startswith("g0.pre_grad: pass fuse_rmsnorm (") for s in stages), stages
+    assert any(s.startswith("g0.forward: post_grad pass ") for s in stages), stages
+
+
+def test_the_ticker_thread_prints_while_a_compile_runs():
+    activity, lines, said = CompileActivity(), [], threading.Event()
+
+    def say(line):
+        lines.append(line)
+        said.set()
+
+    with CompileTicker(say, activity, first_after=0.05, every=10, poll=0.01):
+        with activity.compiling(DYNAMO_TRACES):
+            assert said.wait(5)
+        time.sleep(0.05)
+    assert lines[0].startswith("still compiling") and DYNAMO_TRACES in lines[0]
+    assert lines[-1].startswith("compile done after")
+
+
+def test_a_run_prints_the_lines_of_a_compile_longer_than_the_threshold(tmp_path, monkeypatch):
+    # The default recipe compiles in ~2 s, under the 10 s threshold: lowered to 0 here, a run says it.
+    from accelrun.train import compile_ticker
+
+    monkeypatch.setattr(compile_ticker, "FIRST_AFTER_S", 0.0)
+    monkeypatch.setattr(compile_ticker, "POLL_S", 0.01)
+    args = ["train", str(DEFAULT_CONFIG), *TINY, "train.steps=2", f"report.runs_dir={tmp_path}",
+            "checkpoint.resume=none", "compile.backend=accelrun", "compile.executors=[cpp,aten]",
+            "compile.graph_cache=false"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert "still compiling, 0 s so far: " in result.output
+    assert "compile done after " in result.output
+    assert result.output.index("the first step compiles") < result.output.index("still compiling")
