@@ -137,6 +137,33 @@ def test_the_compiled_form_pickles_with_its_runtime_rows(tmp_path):
     torch.testing.assert_close(loaded(x, g)[0], silu_backward(x, g)[0], rtol=1e-5, atol=1e-5)
 
 
+def swiglu_gate(h):
+    return torch.sigmoid(h) * h * 2
+
+
+def test_a_fresh_batch_whose_size_was_read_from_a_tensor_runs_as_its_rows(tmp_path):
+    """A mixture of experts pads each expert's tokens to the widest expert's count, read from a tensor:
+    torch makes that [8, s, 32] batch's strides ``32*Max(1, s)``, not knowing s >= 1. Its rows are
+    laid out as rows all the same (left to ATen before: its SiLU forward and backward)."""
+    from torch._dynamo.source import ConstantSource
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    s = env.create_unspecified_symint_and_symbol(40, ConstantSource("widest"), DimDynamic.DYNAMIC)
+    with mode:
+        batch = torch.zeros(8, s, 32)
+        assert "Max(1" in str(batch.stride()[0])  # what torch writes, the case under test
+        gm = make_fx(lambda h: (swiglu_gate(h),))(batch)
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    region = Region(0, gm, [batch], [out.args[0][0].meta["val"]])
+    program = lower_with_runtime_rows(region)
+    assert dict(program.runtime_rows.leading_axes) == {"in0": (8, -1), "out0": (8, -1)}, program.runtime_rows
+    fn = _compiled(region, tmp_path)
+    for n in (0, 1, 5, 40, 333):
+        h = torch.randn(8, n, 32)
+        torch.testing.assert_close(fn(h)[0], swiglu_gate(h), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(("fn", "shapes", "dynamic", "reason"), [
     (lambda x: (x.t() * 2).sin(), [(40, 8)], (0,), "past a tensor's leading axis"),
     (lambda x, y: (x * 2, y * 3), [(40, 8), (52, 8)], (0,), "2 changing sizes"),

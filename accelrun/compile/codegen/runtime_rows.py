@@ -148,14 +148,18 @@ def row_symbol(region: Any) -> tuple[sympy.Symbol, sympy.Expr]:
 
 def _laid_out_as_rows(val: torch.Tensor, d: int) -> bool:
     """Whether axes 0..d of ``val`` step over one another as a row-major tensor's do (axes of size 1
-    aside), so that they can be read as one axis of rows."""
+    aside), so that they can be read as one axis of rows. Compared at the probe counts, not as
+    expressions: torch writes a fresh tensor's contiguous stride as ``32*Max(1, s)`` where it cannot
+    tell that ``s >= 1`` (a size read from a tensor, a mixture of experts' widest expert), which is
+    ``32*s`` at every count a kernel runs (at 0 the tensor is empty and has no layout to keep)."""
+    symbols = sorted({f for n in (*val.shape, *val.stride()) if symbolic(n) for f in n.node.expr.free_symbols}, key=str)
 
-    def expr(n: Any) -> sympy.Expr:
-        return n.node.expr if symbolic(n) else sympy.Integer(n)
+    def at(n: Any, probe: int) -> int:  # each symbol its own count, so that two never agree by chance
+        return int(n.node.expr.xreplace({f: probe + 7 * k for k, f in enumerate(symbols)})) if symbolic(n) else n
 
     shape, stride = val.shape, val.stride()
-    return all(shape[i] == 1 or sympy.expand(expr(stride[i]) - expr(shape[i + 1]) * expr(stride[i + 1])) == 0
-               for i in range(d))  # fmt: skip
+    return all(shape[i] == 1 or at(stride[i], p) == at(shape[i + 1], p) * at(stride[i + 1], p)
+               for i in range(d) for p in PROBES)  # fmt: skip
 
 
 def _multiple_of_a_symbol(expr: sympy.Expr) -> bool:
