@@ -3,13 +3,16 @@ training step with expert parallelism (ep = 2) against experts replicated (ep = 
 
 1. Experts alone, one process: forward + backward of one MoE layer's experts on routed tokens.
    Variants: ``loop`` (a Python loop over experts, each gathering its tokens by a boolean mask: the
-   naive way), ``padded_bmm`` and ``grouped_mm`` (accelrun.models.families.moe.experts.grouped_swiglu, no
-   loop). Interleaved round-robin; medians and ratios of medians against the loop.
+   naive way), ``split_mm`` (the CPU default: each expert's rows split off by count), ``padded_bmm``
+   and ``grouped_mm`` (accelrun.models.families.moe.experts.grouped_swiglu). Interleaved round-robin;
+   medians and ratios of medians against the loop. ``--skew`` loads the experts unevenly, as a
+   trained router does (the debug MoE's first steps: the busiest expert 2-3x the mean).
 2. Training steps, 2 ranks on this machine (gloo): ``accelrun train configs/moe.yaml`` with
    ep = 2 and with ep = 1, alternated; median steady step time from each run's report.json.
 
     python bench/moe_experts.py                        # both parts
     python bench/moe_experts.py --part experts --tokens 8192 --dim 512 --ffn 1024 --experts 16
+    python bench/moe_experts.py --part experts --skew 2.5     # uneven experts
     python bench/moe_experts.py --part ep --steps 20 --rounds 2
 """
 
@@ -55,7 +58,8 @@ def grouped(impl):
 def bench_experts(a) -> None:
     torch.manual_seed(0)
     x = torch.randn(a.tokens, a.dim, requires_grad=True)
-    logits = torch.randn(a.tokens, a.experts)
+    # Expert e's logits shifted by skew * (its place in [-1, 1]): the last experts take more tokens.
+    logits = torch.randn(a.tokens, a.experts) + a.skew * torch.linspace(-1, 1, a.experts)
     ws = [(torch.randn(a.experts, a.dim, a.ffn) * 0.02).requires_grad_(),
           (torch.randn(a.experts, a.dim, a.ffn) * 0.02).requires_grad_(),
           (torch.randn(a.experts, a.ffn, a.dim) * 0.02).requires_grad_()]
@@ -64,6 +68,7 @@ def bench_experts(a) -> None:
     gates = top_p / top_p.sum(-1, keepdim=True)
     variants = {
         "loop": lambda: loop_over_experts(x, top_x, gates, *ws),
+        "split_mm": lambda: grouped("split_mm")(x, logits, a.k, *ws),
         "padded_bmm": lambda: grouped("padded_bmm")(x, logits, a.k, *ws),
         "grouped_mm": lambda: grouped("grouped_mm")(x, logits, a.k, *ws),
     }
@@ -81,8 +86,10 @@ def bench_experts(a) -> None:
             for w in (x, *ws):
                 w.grad = None
     med = {n: statistics.median(v[a.warmup:]) for n, v in times.items()}
+    load = F.one_hot(top_x, a.experts).sum((0, 1)).float()
     print(f"\nexperts, forward + backward: {a.tokens} tokens × top-{a.k} of {a.experts} experts, dim {a.dim}, "
-          f"expert width {a.ffn}, fp32, {torch.get_num_threads()} threads, median of {a.reps} (interleaved)")
+          f"expert width {a.ffn}, fp32, {torch.get_num_threads()} threads, median of {a.reps} (interleaved); "
+          f"busiest expert {float(load.max() / load.mean()):.2f}x the mean (--skew {a.skew})")
     print(f"{'variant':<12} {'ms':>9} {'vs loop':>8}")
     for n in variants:
         print(f"{n:<12} {med[n] * 1e3:>9.1f} {med['loop'] / med[n]:>7.2f}×")
@@ -121,6 +128,7 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=512)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--k", type=int, default=2)
+    p.add_argument("--skew", type=float, default=0.0, help="uneven experts: 2.5 makes the busiest ~2.5x the mean")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=15)

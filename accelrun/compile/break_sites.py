@@ -54,6 +54,9 @@ EXPLAINED_BREAKS: dict[str, str] = {
     EAGER_RNN_REASON: "an RNN, GRU or LSTM of torch.nn runs eagerly there (torch.compile does not trace them); "
                       "the code before and after it is compiled",
 }
+# Any other break accelrun makes on purpose says what it means in its ``torch.compiler.disable`` reason,
+# after "accelrun: " (a mixture of experts' experts, expert parallelism's all-to-all).
+_OWN_REASON = re.compile(r"\(reason: accelrun: (.+?)\)\s*$", re.MULTILINE)
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _BREAK_PLACE = re.compile(r"in user code at (\S+:\d+)")
 _ATTRIBUTED = re.compile(r'File "([^"]+)", line (\d+)\s*$', re.MULTILINE)  # a place with no function
@@ -92,6 +95,8 @@ def break_site(message: str, traced: tuple[str, str] | None = None) -> BreakSite
     if not fix:  # by the reason's title, which may follow a preamble ("Encountered graph break when ...")
         fix = known_fix(message.partition("Graph Break Reason:")[2].partition("User code traceback")[0]) or ""
     meaning = next((why for mark, why in EXPLAINED_BREAKS.items() if mark in message), "")
+    if not meaning and (own := _OWN_REASON.search(message)):
+        meaning = own.group(1)
     return BreakSite(f"{path_tail(user_line[0])}:{user_line[1]}", inner, fix, meaning)
 
 

@@ -72,7 +72,8 @@ class ExpertDispatcher:
     # Runs eagerly under torch.compile: the exchange's splits are read on the host, which Dynamo
     # would break the graph on anyway (once per read, with recompilations on the counters); one clean
     # break per layer instead, and the rest of the block still compiles.
-    @torch.compiler.disable(reason="expert-parallel all-to-all: its splits are read on the host")
+    @torch.compiler.disable(reason="accelrun: expert parallelism's all-to-all runs eagerly there (its splits "
+                                   "are read on the host); the code before and after it is compiled")
     def __call__(self, x_AD: torch.Tensor, counts_X: torch.Tensor, w1, w3, w2) -> torch.Tensor:
         ep, local = self.ep, self.local
         counts_X = counts_X.contiguous()

@@ -31,7 +31,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
 
 
 @pytest.mark.parametrize("capacity", [None, 3, 1])
-@pytest.mark.parametrize("impl", ["padded_bmm", "grouped_mm"])
+@pytest.mark.parametrize("impl", ["split_mm", "padded_bmm", "grouped_mm"])
 def test_grouped_experts_equal_a_loop_over_experts(impl, capacity):
     torch.manual_seed(0)
     B, T, D, X, K, C = 3, 10, 8, 4, 2, 16
@@ -55,6 +55,22 @@ def test_grouped_experts_equal_a_loop_over_experts(impl, capacity):
     g_want = torch.autograd.grad(want.square().sum(), [x, *ws])
     for a, b in zip(g_got, g_want, strict=True):
         assert _close(a, b), (a - b).abs().max()
+
+
+def test_the_cpu_default_gives_an_idle_expert_no_rows_and_dropped_rows_zeros():
+    """split_mm, the CPU's default: an expert no token chose (a trained router leaves some idle), and
+    rows past the kept ones (dropped by capacity), against padded_bmm, values and gradients."""
+    torch.manual_seed(0)
+    counts = torch.tensor([3, 0, 5, 1])
+    x = torch.randn(12, 8, requires_grad=True)  # 9 kept, 3 dropped
+    ws = [torch.randn(4, 8, 16, requires_grad=True), torch.randn(4, 8, 16, requires_grad=True),
+          torch.randn(4, 16, 8, requires_grad=True)]
+    got, want = (grouped_swiglu(x, counts, *ws, impl=impl) for impl in ("split_mm", "padded_bmm"))
+    assert got.shape == (12, 8) and (got[9:] == 0).all()
+    assert _close(got, want)
+    for a, b in zip(torch.autograd.grad(got.square().sum(), [x, *ws]),
+                    torch.autograd.grad(want.square().sum(), [x, *ws]), strict=True):
+        assert _close(a, b)
 
 
 def test_expert_forward_without_dispatcher_is_the_grouped_path():

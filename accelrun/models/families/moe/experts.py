@@ -1,10 +1,10 @@
-"""Routing and expert computation for the MoE family, without a Python loop over experts.
+"""Routing and expert computation for the MoE family: no Python loop over tokens or sequences.
 
 ``route`` turns router logits into a :class:`Routing`: every (token, choice) *assignment* sorted by
 expert, the ones kept under capacity first, dropped ones at the end. ``expert_forward`` gathers the
 tokens in that order, runs all experts as grouped matmuls (``grouped_swiglu``: one
-``torch._grouped_mm`` per weight, row block e times expert e's matrix; or, on the CPU, one ``bmm`` per
-weight over a zero-padded (experts, rows, D) batch) and scatters the gated outputs back to their
+``torch._grouped_mm`` per weight, row block e times expert e's matrix; or, on the CPU, each expert's
+rows through its own products) and scatters the gated outputs back to their
 tokens. Routing keeps shapes static (A = N·K rows whatever the routing); expert parallelism reads
 the counts on the host for its all-to-all splits.
 
@@ -114,15 +114,21 @@ def grouped_swiglu(x_MD: torch.Tensor, counts_G: torch.Tensor, w1_GDC: torch.Ten
     """SwiGLU of each row by its group's expert: rows sorted by group, ``counts_G`` rows per group,
     rows past ``sum(counts_G)`` (dropped) give zeros.
 
-    ``impl``: "grouped_mm" (``torch._grouped_mm``: no padding, no host synchronisation; the CUDA
-    default) or "padded_bmm" (rows scattered into a zero-padded (G, max count, D) batch, three
-    ``bmm``; the CPU default, where torch's grouped kernel measured slower than bmm,
-    ``bench/moe_experts.py``, and where Dynamo cannot trace it: its fake kernel takes bf16 only). The
-    padded batch's size is read on the host: Dynamo traces that as unbacked sizes on the precompile
-    path (accelrun's graph cache, compile.scope = block: no graph break) and breaks the graph there
-    otherwise. Neither loops over experts in Python.
+    ``impl``:
+
+    - "grouped_mm" (``torch._grouped_mm``: no padding, no host synchronisation; the CUDA default);
+    - "split_mm" (each group's rows, split off by its count, through its own three products: a loop
+      over experts, the counts read on the host; the CPU default, where torch's grouped kernel measured
+      slower and where Dynamo cannot trace it: its fake kernel takes bf16 only);
+    - "padded_bmm" (rows scattered into a zero-padded (G, max count, D) batch, three ``bmm``): as fast
+      as split_mm where the experts are evenly loaded, and as slow as the widest expert times their
+      number otherwise. A trained router is uneven: 2-3x max over mean in the debug MoE's first steps,
+      where one layer's experts took 197 ms against split_mm's 58 (``bench/moe_experts.py --skew``).
+
+    The counts read on the host are a graph break under Dynamo, and unbacked sizes on the precompile
+    path (accelrun's graph cache).
     """
-    impl = impl or ("grouped_mm" if x_MD.device.type == "cuda" else "padded_bmm")
+    impl = impl or ("grouped_mm" if x_MD.device.type == "cuda" else "split_mm")
     dtype = x_MD.dtype
     if torch.is_autocast_enabled(x_MD.device.type):  # bf16-mixed: experts compute like the other matmuls
         dtype = torch.get_autocast_dtype(x_MD.device.type)
@@ -132,8 +138,10 @@ def grouped_swiglu(x_MD: torch.Tensor, counts_G: torch.Tensor, w1_GDC: torch.Ten
         offsets_G = counts_G.cumsum(0).to(torch.int32)
         h_MC = F.silu(GroupedMatmul.apply(x_MD, w1, offsets_G)) * GroupedMatmul.apply(x_MD, w3, offsets_G)
         return GroupedMatmul.apply(h_MC, w2, offsets_G)
+    if impl == "split_mm":
+        return _split_swiglu(x_MD, counts_G, w1, w3, w2)
     if impl != "padded_bmm":
-        raise ValueError(f"grouped_swiglu: impl {impl!r}, expected grouped_mm or padded_bmm")
+        raise ValueError(f"grouped_swiglu: impl {impl!r}, expected grouped_mm, split_mm or padded_bmm")
     # The two figures that size the batch are read on the host (a synchronisation on a GPU, a graph
     # break under Dynamo).
     kept, widest = (int(v) for v in torch.stack((counts_G.sum(), counts_G.max())).tolist())
@@ -144,6 +152,21 @@ def grouped_swiglu(x_MD: torch.Tensor, counts_G: torch.Tensor, w1_GDC: torch.Ten
     h_GSC = F.silu(torch.bmm(x_GSD, w1)) * torch.bmm(x_GSD, w3)  # padding rows stay exactly 0
     y_KD = torch.bmm(h_GSC, w2)[group_K, slot_K]
     return torch.cat((y_KD, y_KD.new_zeros(x_MD.shape[0] - kept, y_KD.shape[1])))
+
+
+# Not traced: its sizes are the counts, and Dynamo would compile it again for each new count (past its
+# recompile limit, eagerly all the same); its products are ATen's either way. Said in the report (the
+# text after "accelrun: " is what the break means).
+@torch.compiler.disable(reason="accelrun: a mixture of experts' experts run eagerly there (each expert's rows "
+                               "are counted on the host); the router and the code after them are compiled")
+def _split_swiglu(x_MD: torch.Tensor, counts_G: torch.Tensor, w1_GDC: torch.Tensor, w3_GDC: torch.Tensor,
+                  w2_GCD: torch.Tensor) -> torch.Tensor:
+    counts = counts_G.tolist()  # on the host: the rows of each expert
+    kept = sum(counts)
+    torch._check(kept <= x_MD.shape[0])  # for Dynamo's unbacked sizes: the kept rows come first
+    pieces = x_MD[:kept].split(counts)
+    outs = [(F.silu(x_SD @ w1_GDC[g]) * (x_SD @ w3_GDC[g])) @ w2_GCD[g] for g, x_SD in enumerate(pieces)]
+    return torch.cat((*outs, x_MD.new_zeros(x_MD.shape[0] - kept, w2_GCD.shape[-1])))
 
 
 def expert_forward(x_ND: torch.Tensor, routing: Routing, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
