@@ -148,6 +148,14 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+def traces_host_reads() -> bool:
+    """Whether Dynamo, if it is tracing now, takes a value read on the host (``.tolist()``, ``.item()``)
+    into the graph as a number read at run time, rather than breaking the graph there. accelrun sets it
+    for its whole-graph traces (the graph cache's, ``compile.fullgraph``), where Dynamo captures such
+    reads anyway; read inside a traced forward, Dynamo takes it as a constant of that trace."""
+    return bool(torch._dynamo.config.capture_scalar_outputs)
+
+
 def cuda_current_raw_stream(device_index: int) -> int:
     """The current CUDA stream of a device as an integer handle, what Triton's launcher takes (the public
     ``torch.cuda.current_stream().cuda_stream`` builds a Stream object on every call)."""

@@ -339,6 +339,21 @@ def test_dynamo_compile_callbacks():
     assert seen == ["start", "end"]
 
 
+def test_traces_host_reads():
+    # Read by model code inside a traced forward (the MoE's experts): a constant of the trace, no break.
+    assert tp.traces_host_reads() is False  # torch's default
+
+    def fn(x):
+        return x * 2 if tp.traces_host_reads() else x * 3
+
+    for capture, want in ((True, 2.0), (False, 3.0)):
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_scalar_outputs=capture):
+            got = torch.compile(fn, backend="eager", fullgraph=True)(torch.ones(2))
+        assert float(got[0]) == want
+    torch._dynamo.reset()
+
+
 # --- fake tensors and tracing contexts ----------------------------------------------------------------
 
 

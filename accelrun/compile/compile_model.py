@@ -202,7 +202,7 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         elif head is not None:
             # An instance attribute shadows the method, so forward() calls the compiled head.
             model.head_loss = capturing_data_sized_outputs(
-                torch.compile(head, backend=backend, fullgraph=cfg.fullgraph), backend)
+                torch.compile(head, backend=backend, fullgraph=cfg.fullgraph), backend, cfg.fullgraph)
         if record is not None and not _sharded_run():  # the blocks compiled nothing: no block ran
             _WholeForwardFallback(model, backend, record, cfg.fullgraph).install()
         return done(what + tail)
@@ -272,7 +272,7 @@ def compile_module(module: nn.Module, backend: object, fullgraph: bool = False) 
     # Bound to the module (not a closure over its forward): a deep copy of the model then calls its own
     # weights, the compiled function rebound to the copy.
     compiled = capturing_data_sized_outputs(torch.compile(_class_forward, backend=backend, fullgraph=fullgraph),
-                                            backend)
+                                            backend, fullgraph)
     module.forward = types.MethodType(compiled, module)
 
 

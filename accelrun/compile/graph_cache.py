@@ -419,6 +419,9 @@ class HeldEntry:
 
     compiled: Any  # torch's AOTCompiledFunction
     baked: BakedCheck
+    # Traced in this process, with capture_scalar_outputs on (``_compile``): its guards check that setting
+    # (those of an entry loaded from a file do not).
+    traced_here: bool = False
 
     def serves(self, method: CachedMethod, owner: nn.Module, args: tuple, kwargs: dict) -> bool:
         """Whether this call may run it: torch's guards pass and the baked values read as traced, from the
@@ -431,8 +434,16 @@ class HeldEntry:
                 return {owner_name: owner}
             return compiled.prepare_f_locals(owner, *args, **kwargs)
 
-        return compiled.guard_check(owner, *args, **kwargs) and self.baked.holds(
-            method.live_globals, compiled.fn.__globals__, f_locals)
+        if not self.traced_here:
+            passed = compiled.guard_check(owner, *args, **kwargs)
+        else:  # the setting as it was traced, for the check only (3.5 us)
+            config = torch._dynamo.config
+            before, config.capture_scalar_outputs = config.capture_scalar_outputs, True
+            try:
+                passed = compiled.guard_check(owner, *args, **kwargs)
+            finally:
+                config.capture_scalar_outputs = before
+        return passed and self.baked.holds(method.live_globals, compiled.fn.__globals__, f_locals)
 
 
 class CachedMethod:
@@ -533,7 +544,7 @@ class CachedMethod:
             if self._save(compiled, traced, baked, slot_for(path, held, unreadable)):
                 self.cache.remember_state(state_file, key.state)
                 self.cache.remember_state(versions_file, self.cache.versions)
-            entry = HeldEntry(compiled, BakedCheck(tuple(baked)))
+            entry = HeldEntry(compiled, BakedCheck(tuple(baked)), traced_here=True)
         self.entries.append(entry)
         return entry
 
@@ -606,7 +617,10 @@ class CachedMethod:
             try:
                 with (files_traced_by_precompile() as traced, unread_compile_logs_skipped(),
                       compiling_after(len(self.entries)),  # the kinds of input this method met before
-                      ACTIVITY.compiling(f"Dynamo traces {type(owner).__name__}.{self.func.__name__}")):
+                      ACTIVITY.compiling(f"Dynamo traces {type(owner).__name__}.{self.func.__name__}"),
+                      # what Dynamo does under fullgraph anyway, said so that a model's code can tell a
+                      # whole-graph trace (torch_private.traces_host_reads: a mixture of experts' counts)
+                      config.patch(capture_scalar_outputs=True)):
                     entry = compiled.aot_compile((args, kwargs))
             finally:
                 backend.serializable = False
@@ -650,7 +664,8 @@ class CachedMethod:
             self.cache.stats["errors"].append(why[:300])
         self.cache.stats["fallbacks"] += 1
         self.fallback = capturing_data_sized_outputs(
-            torch.compile(self.func, backend=self.cache.backend, fullgraph=self.cache.fullgraph), self.cache.backend)
+            torch.compile(self.func, backend=self.cache.backend, fullgraph=self.cache.fullgraph), self.cache.backend,
+            self.cache.fullgraph)
         return None
 
 

@@ -28,9 +28,11 @@ import torch
 from accelrun.torch_private import COMPILED_CALL
 
 
-def capturing_data_sized_outputs(fn: Callable[..., Any], backend: object) -> Callable[..., Any]:
+def capturing_data_sized_outputs(fn: Callable[..., Any], backend: object, fullgraph: bool = False) -> Callable[..., Any]:
     """``fn`` (a ``torch.compile``d callable), traced with data-sized outputs captured where ``backend``
-    is accelrun's (an object; Inductor and others are named by a string: ``fn`` as it is)."""
+    is accelrun's (an object; Inductor and others are named by a string: ``fn`` as it is). With
+    ``fullgraph``, also with host reads captured (``capture_scalar_outputs``), as Dynamo does under
+    fullgraph anyway, so that a model's code can tell (``torch_private.traces_host_reads``)."""
     if isinstance(backend, str):
         return fn
     config = torch._dynamo.config
@@ -39,12 +41,13 @@ def capturing_data_sized_outputs(fn: Callable[..., Any], backend: object) -> Cal
     def call(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # inlined into a graph Dynamo is tracing: nothing to set
             return fn(*args, **kwargs)
-        before = config.capture_dynamic_output_shape_ops
+        before = config.capture_dynamic_output_shape_ops, config.capture_scalar_outputs
         config.capture_dynamic_output_shape_ops = True
+        config.capture_scalar_outputs = before[1] or fullgraph
         try:
             return fn(*args, **kwargs)
         finally:
-            config.capture_dynamic_output_shape_ops = before
+            config.capture_dynamic_output_shape_ops, config.capture_scalar_outputs = before
 
     return call
 
@@ -54,4 +57,4 @@ def compile_call(module: torch.nn.Module, backend: object, fullgraph: bool) -> N
     module.compile(backend=backend, fullgraph=fullgraph)
     compiled = getattr(module, COMPILED_CALL, None)
     if compiled is not None:
-        setattr(module, COMPILED_CALL, capturing_data_sized_outputs(compiled, backend))
+        setattr(module, COMPILED_CALL, capturing_data_sized_outputs(compiled, backend, fullgraph))

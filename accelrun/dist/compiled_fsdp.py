@@ -197,7 +197,8 @@ def apply_compiled_fsdp(model: nn.Module, blocks: list[nn.Module] | None, mesh: 
 
     original_forward = model.forward
     compiled = capturing_data_sized_outputs(
-        torch.compile(functools.partial(_run_shadow, shadow), backend=backend, fullgraph=fullgraph), backend)
+        torch.compile(functools.partial(_run_shadow, shadow), backend=backend, fullgraph=fullgraph), backend,
+        fullgraph)
 
     @functools.wraps(original_forward)
     def forward(*args, **kwargs):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from accelrun.torch_private import grouped_mm
+from accelrun.torch_private import grouped_mm, traces_host_reads
 
 
 @dataclass
@@ -125,8 +125,8 @@ def grouped_swiglu(x_MD: torch.Tensor, counts_G: torch.Tensor, w1_GDC: torch.Ten
       number otherwise. A trained router is uneven: 2-3x max over mean in the debug MoE's first steps,
       where one layer's experts took 197 ms against split_mm's 58 (``bench/moe_experts.py --skew``).
 
-    The counts read on the host are a graph break under Dynamo, and unbacked sizes on the precompile
-    path (accelrun's graph cache).
+    The counts read on the host are a graph break under Dynamo (split_mm's experts then run eagerly), and
+    sizes read at run time in a whole-graph trace (accelrun's graph cache, ``compile.fullgraph``).
     """
     impl = impl or ("grouped_mm" if x_MD.device.type == "cuda" else "split_mm")
     dtype = x_MD.dtype
@@ -139,7 +139,7 @@ def grouped_swiglu(x_MD: torch.Tensor, counts_G: torch.Tensor, w1_GDC: torch.Ten
         h_MC = F.silu(GroupedMatmul.apply(x_MD, w1, offsets_G)) * GroupedMatmul.apply(x_MD, w3, offsets_G)
         return GroupedMatmul.apply(h_MC, w2, offsets_G)
     if impl == "split_mm":
-        return _split_swiglu(x_MD, counts_G, w1, w3, w2)
+        return (_split_swiglu if traces_host_reads() else _split_swiglu_at_a_break)(x_MD, counts_G, w1, w3, w2)
     if impl != "padded_bmm":
         raise ValueError(f"grouped_swiglu: impl {impl!r}, expected grouped_mm, split_mm or padded_bmm")
     # The two figures that size the batch are read on the host (a synchronisation on a GPU, a graph
@@ -154,19 +154,26 @@ def grouped_swiglu(x_MD: torch.Tensor, counts_G: torch.Tensor, w1_GDC: torch.Ten
     return torch.cat((y_KD, y_KD.new_zeros(x_MD.shape[0] - kept, y_KD.shape[1])))
 
 
-# Not traced: its sizes are the counts, and Dynamo would compile it again for each new count (past its
-# recompile limit, eagerly all the same); its products are ATen's either way. Said in the report (the
-# text after "accelrun: " is what the break means).
-@torch.compiler.disable(reason="accelrun: a mixture of experts' experts run eagerly there (each expert's rows "
-                               "are counted on the host); the router and the code after them are compiled")
 def _split_swiglu(x_MD: torch.Tensor, counts_G: torch.Tensor, w1_GDC: torch.Tensor, w3_GDC: torch.Tensor,
                   w2_GCD: torch.Tensor) -> torch.Tensor:
     counts = counts_G.tolist()  # on the host: the rows of each expert
     kept = sum(counts)
-    torch._check(kept <= x_MD.shape[0])  # for Dynamo's unbacked sizes: the kept rows come first
+    torch._check(kept <= x_MD.shape[0])  # traced, the counts are sizes read at run time: the kept rows come first
     pieces = x_MD[:kept].split(counts)
-    outs = [(F.silu(x_SD @ w1_GDC[g]) * (x_SD @ w3_GDC[g])) @ w2_GCD[g] for g, x_SD in enumerate(pieces)]
+    # unbind, not w[g]: each expert's gradient is then its own (G selects would each add a zeroed (G, D, C))
+    outs = [(F.silu(x_SD @ w1) * (x_SD @ w3)) @ w2
+            for x_SD, w1, w3, w2 in zip(pieces, w1_GDC.unbind(0), w3_GDC.unbind(0), w2_GCD.unbind(0), strict=True)]
     return torch.cat((*outs, x_MD.new_zeros(x_MD.shape[0] - kept, w2_GCD.shape[-1])))
+
+
+# Where Dynamo would break the graph at the host read, the experts run eagerly at a break of their own:
+# traced after such a break, the counts are constants, and Dynamo compiled the experts again for each new
+# set of them (past its recompile limit, eagerly all the same). The report says what the break is (the
+# text after "accelrun: "). In a whole-graph trace (the graph cache's, compile.fullgraph) the counts are
+# sizes read at run time instead, and one graph serves any counts.
+_split_swiglu_at_a_break = torch.compiler.disable(
+    _split_swiglu, reason="accelrun: a mixture of experts' experts run eagerly there (each expert's rows are counted "
+                          "on the host); the router and the code after them are compiled")
 
 
 def expert_forward(x_ND: torch.Tensor, routing: Routing, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
