@@ -21,6 +21,7 @@ class Compiling:
     """A compile under way: since when, and the stage it is in now (and since when)."""
 
     began: float  # time.perf_counter() when the outermost compile started
+    since: float  # when the compiling began that this compile goes on (began, or an earlier one's start)
     traces: str  # what the outermost compile said it traces (the stage between the backend's graphs)
     stage: str  # "Dynamo traces the Python code", "g1.backward: lowering (412 ops)", ...
     stage_began: float
@@ -28,6 +29,9 @@ class Compiling:
 
 
 DYNAMO_TRACES = "Dynamo traces the Python code"
+# A compile that starts this soon after the last one ended goes on with it (a graph break's next frame, a
+# fallback after a refused precompile, the kernels' build at the first call): one count, one "done".
+GAP_S = 2.0
 
 
 class CompileActivity:
@@ -35,6 +39,8 @@ class CompileActivity:
         self._lock = threading.Lock()
         self._depth = 0
         self._now: Compiling | None = None
+        self.ended_at = float("-inf")  # time.perf_counter() when the last outermost compile ended
+        self._since = float("-inf")  # ``Compiling.since`` of the last one
 
     @contextmanager
     def compiling(self, stage: str = DYNAMO_TRACES) -> Iterator[None]:
@@ -51,26 +57,30 @@ class CompileActivity:
             self._depth += 1
             if self._depth == 1:
                 now = time.perf_counter()
-                self._now = Compiling(now, stage, stage, now, 0)
+                if now - self.ended_at >= GAP_S:
+                    self._since = now
+                self._now = Compiling(now, self._since, stage, stage, now, 0)
 
     def end(self) -> None:
         with self._lock:
             self._depth = max(self._depth - 1, 0)
             if self._depth == 0:
                 self._now = None
+                self.ended_at = time.perf_counter()
 
     def doing(self, stage: str, new_graph: bool = False) -> None:
         """The stage a running compile is in now; nothing when none runs (a stage of a graph lowered
         outside any compile, as a test calling the backend directly, shows nowhere)."""
         with self._lock:
             if (was := self._now) is not None:
-                self._now = Compiling(was.began, was.traces, stage, time.perf_counter(), was.graphs + new_graph)
+                self._now = Compiling(was.began, was.since, was.traces, stage, time.perf_counter(),
+                                      was.graphs + new_graph)
 
     def tracing_again(self) -> None:
         """Back to the tracing the outermost compile began with (after a graph's backend stages)."""
         with self._lock:
             if (was := self._now) is not None:
-                self._now = Compiling(was.began, was.traces, was.traces, time.perf_counter(), was.graphs)
+                self._now = Compiling(was.began, was.since, was.traces, was.traces, time.perf_counter(), was.graphs)
 
     def now(self) -> Compiling | None:
         with self._lock:

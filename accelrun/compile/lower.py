@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from accelrun.compile.activity import ACTIVITY
 from accelrun.compile.executors.aten import AtenExecutor
 from accelrun.compile.executors.base import Executor, registered_executors
 from accelrun.compile.pipeline import CompilerFallbackError, one_line
@@ -328,7 +329,11 @@ class PendingBuild:
         if os.getpid() != self.pid:  # a forked child: the parent's build threads are not here
             return self.lowering._compile(self.region, self.index)
         try:
-            got = self.future.result().get(self.region.id)
+            if self.future.done():
+                got = self.future.result().get(self.region.id)
+            else:  # a wait the compile's progress line covers (a long g++ build)
+                with ACTIVITY.compiling(f"the region kernels' build (g++), region {self.region.id} waited for"):
+                    got = self.future.result().get(self.region.id)
         except Exception as e:  # noqa: BLE001 (a bug in the job itself: the region declines, the run goes on)
             return None, f"compile failed: {one_line(e)}", 0.0
         return got if got is not None else (None, "compile failed: the build returned nothing for it", 0.0)

@@ -6,11 +6,12 @@ after "the first step compiles", and a user could not tell a slow compile from a
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
 
-from accelrun.compile.activity import ACTIVITY, CompileActivity, Compiling
+from accelrun.compile.activity import ACTIVITY, GAP_S, CompileActivity
 
 FIRST_AFTER_S = 10.0  # a compile shorter than this (the default recipe's 2 s) prints nothing
 EVERY_S = 15.0
@@ -18,19 +19,21 @@ POLL_S = 1.0
 
 
 class CompileTicker:
-    """Within ``with CompileTicker(say):``, ``say`` gets a line once a compile has run ``first_after``
-    seconds, then every ``every`` seconds while it goes on, and one when it ends."""
+    """Within ``with CompileTicker(say):``, ``say`` gets a line once compiling has gone on ``first_after``
+    seconds, then every ``every`` seconds while it goes on, and one when it has ended. ``unstaged``: what
+    to call a compile whose stages nobody says (another backend than accelrun's: Inductor's kernels)."""
 
     def __init__(self, say: Callable[[str], None], activity: CompileActivity = ACTIVITY,
-                 first_after: float | None = None, every: float | None = None, poll: float | None = None) -> None:  # fmt: skip
-        self.say, self.activity = say, activity
+                 first_after: float | None = None, every: float | None = None, poll: float | None = None,
+                 unstaged: str | None = None) -> None:  # fmt: skip
+        self.say, self.activity, self.unstaged = say, activity, unstaged
         self.first_after = FIRST_AFTER_S if first_after is None else first_after
         self.every = EVERY_S if every is None else every
         self.poll = POLL_S if poll is None else poll
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._told: Compiling | None = None  # the compile the last line was about
-        self._told_at = 0.0
+        self._since: float | None = None  # when the compiling now (or last) began; None: nothing pending
+        self._told_at: float | None = None  # when a line was last said about it
 
     def __enter__(self) -> CompileTicker:
         self.activity.listen_to_dynamo()
@@ -42,7 +45,10 @@ class CompileTicker:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.check(time.perf_counter())  # a compile that ended since the last look is said to have ended
+        # A compile that ended since the last look is said to have ended; never in place of the run's
+        # own error (a console gone under it).
+        with contextlib.suppress(Exception):
+            self.check(time.perf_counter(), final=True)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll):
@@ -51,21 +57,29 @@ class CompileTicker:
             except Exception:  # noqa: BLE001 (a console closed under it): a progress line is never worth a run
                 return
 
-    def check(self, now: float) -> None:
+    def check(self, now: float, final: bool = False) -> None:
         """Say what is due at ``now`` (the thread calls this; tests call it with their own clock)."""
-        current = self.activity.now()
-        told = self._told
-        if told is not None and (current is None or current.began != told.began):
-            self.say(f"compile done after {_seconds(now - told.began)}")
-            self._told = told = None
-        if current is None or now - current.began < self.first_after:
+        current, ended = self.activity.now(), self.activity.ended_at
+        if self._since is not None and (current is None or current.since != self._since):
+            if current is None and not final and now - ended < GAP_S:
+                return  # another compile may go on with it
+            self._done(ended)
+        if current is None:
             return
-        if told is not None and now - self._told_at < self.every:
+        self._since = current.since
+        if now - self._since < self.first_after or (self._told_at is not None and now - self._told_at < self.every):
             return
-        graphs = f"; {current.graphs} graph{'s' * (current.graphs != 1)} so far" if current.graphs else ""
-        self.say(f"still compiling, {_seconds(now - current.began)} so far: {current.stage} "
-                 f"({_seconds(now - current.stage_began)} in it{graphs})")  # fmt: skip
-        self._told, self._told_at = current, now
+        stage = current.stage
+        if self.unstaged and stage == current.traces:
+            stage = self.unstaged
+        self.say(f"still compiling, {_seconds(now - self._since)} so far: {stage} "
+                 f"({_seconds(now - current.stage_began)} in it)")  # fmt: skip
+        self._told_at = now
+
+    def _done(self, ended: float) -> None:
+        if self._told_at is not None and self._since is not None:
+            self.say(f"compile done after {_seconds(ended - self._since)}")
+        self._since = self._told_at = None
 
 
 def _seconds(s: float) -> str:

@@ -144,7 +144,7 @@ class HostReads(TorchDispatchMode):
 
 
 def test_between_reads_the_loop_reads_no_tensor_on_the_host(tiny, monkeypatch):
-    # A dense model (the CPU MoE's padded batch reads its size on the host; CUDA's grouped_mm does not).
+    # A dense model (the CPU MoE's experts read their row counts on the host; CUDA's grouped_mm does not).
     spy = HostReads(monkeypatch)
     with spy:
         float(torch.ones(()))  # the spy sees what it must see
