@@ -17,9 +17,16 @@ from accelrun.cli.main import cli
 from accelrun.config import ConfigError, load_config
 from accelrun.config.schema import ModelConfig
 from accelrun.models import build_model
-from accelrun.models.families.moe.experts import expert_forward, grouped_swiglu, reference_moe, route
+from accelrun.models.families.moe.experts import (
+    expert_forward,
+    grouped_mm_takes,
+    grouped_swiglu,
+    reference_moe,
+    route,
+)
 from accelrun.models.families.moe.model import MoE, MoEArgs
 from accelrun.models.families.moe.shape import active_param_count, flops_per_token, param_count
+from accelrun.torch_private import grouped_mm
 from tests.conftest import REPO, TINY
 
 RECIPES = REPO / "recipes" / "model"
@@ -71,6 +78,24 @@ def test_the_cpu_default_gives_an_idle_expert_no_rows_and_dropped_rows_zeros():
     for a, b in zip(torch.autograd.grad(got.square().sum(), [x, *ws]),
                     torch.autograd.grad(want.square().sum(), [x, *ws]), strict=True):
         assert _close(a, b)
+
+
+def test_torchs_grouped_kernel_only_where_it_takes_the_operands():
+    """CUDA's default is torch._grouped_mm, which (kernel and meta function alike, torch 2.13) takes bf16
+    rows of whole 16-byte steps; anything else runs split_mm (an fp32 MoE on a GPU failed in Dynamo's
+    trace). The meta function's own refusals are checked, so a torch that lifts them fails here."""
+    assert grouped_mm_takes("cuda", torch.bfloat16, 192, 256)
+    assert not grouped_mm_takes("cuda", torch.float32, 192, 256)
+    assert not grouped_mm_takes("cuda", torch.bfloat16, 192, 12)
+    assert not grouped_mm_takes("cpu", torch.bfloat16, 192, 256)
+    offs = torch.empty(4, device="meta", dtype=torch.int32)
+    for dtype, ffn in ((torch.float32, 16), (torch.bfloat16, 12)):
+        with pytest.raises(RuntimeError, match="BF16|multiple of 16 bytes"):
+            grouped_mm(torch.empty(16, 8, device="meta", dtype=dtype),
+                              torch.empty(4, 8, ffn, device="meta", dtype=dtype), offs=offs)
+    y = grouped_mm(torch.empty(16, 8, device="meta", dtype=torch.bfloat16),
+                          torch.empty(4, 8, 16, device="meta", dtype=torch.bfloat16), offs=offs)
+    assert y.shape == (16, 16)
 
 
 def test_expert_forward_without_dispatcher_is_the_grouped_path():

@@ -109,6 +109,13 @@ def _rows_in_groups(y_MO: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor
     return torch.where(inside_M[:, None], y_MO, torch.zeros((), dtype=y_MO.dtype, device=y_MO.device))
 
 
+def grouped_mm_takes(device_type: str, dtype: torch.dtype, dim: int, ffn_dim: int) -> bool:
+    """Whether ``torch._grouped_mm`` takes the experts' operands: on CUDA, bf16 with rows of whole
+    16-byte steps, as its kernel and its meta function (what Dynamo traces with) require in torch 2.13;
+    an fp32 run otherwise failed in Dynamo's trace ("Expected inputs of BF16 type")."""
+    return device_type == "cuda" and dtype == torch.bfloat16 and dim % 8 == 0 and ffn_dim % 8 == 0
+
+
 def grouped_swiglu(x_MD: torch.Tensor, counts_G: torch.Tensor, w1_GDC: torch.Tensor, w3_GDC: torch.Tensor,
                    w2_GCD: torch.Tensor, impl: str | None = None) -> torch.Tensor:
     """SwiGLU of each row by its group's expert: rows sorted by group, ``counts_G`` rows per group,
@@ -116,7 +123,8 @@ def grouped_swiglu(x_MD: torch.Tensor, counts_G: torch.Tensor, w1_GDC: torch.Ten
 
     ``impl``:
 
-    - "grouped_mm" (``torch._grouped_mm``: no padding, no host synchronisation; the CUDA default);
+    - "grouped_mm" (``torch._grouped_mm``: no padding, no host synchronisation; the CUDA default where
+      torch's kernel takes the operands, ``grouped_mm_takes``);
     - "split_mm" (each group's rows, split off by its count, through its own three products: a loop
       over experts, the counts read on the host; the CPU default, where torch's grouped kernel measured
       slower and where Dynamo cannot trace it: its fake kernel takes bf16 only);
@@ -128,12 +136,12 @@ def grouped_swiglu(x_MD: torch.Tensor, counts_G: torch.Tensor, w1_GDC: torch.Ten
     The counts read on the host are a graph break under Dynamo (split_mm's experts then run eagerly), and
     sizes read at run time in a whole-graph trace (accelrun's graph cache, ``compile.fullgraph``).
     """
-    impl = impl or ("grouped_mm" if x_MD.device.type == "cuda" else "split_mm")
     dtype = x_MD.dtype
     if torch.is_autocast_enabled(x_MD.device.type):  # bf16-mixed: experts compute like the other matmuls
         dtype = torch.get_autocast_dtype(x_MD.device.type)
         x_MD = x_MD.to(dtype)
     w1, w3, w2 = (w.to(dtype) for w in (w1_GDC, w3_GDC, w2_GCD))
+    impl = impl or ("grouped_mm" if grouped_mm_takes(x_MD.device.type, dtype, *w1.shape[1:]) else "split_mm")
     if impl == "grouped_mm":
         offsets_G = counts_G.cumsum(0).to(torch.int32)
         h_MC = F.silu(GroupedMatmul.apply(x_MD, w1, offsets_G)) * GroupedMatmul.apply(x_MD, w3, offsets_G)
