@@ -247,3 +247,30 @@ def test_export_is_read_by_transformers_mixtral_with_the_same_logits(tmp_path):
         assert _close(theirs(tokens).logits, model(tokens), rel=1e-5)
     with pytest.raises(MixtralExportError, match="model.shared_expert_ffn_dim = 16"):
         export_hf(model.state_dict(), get_family("moe"), _tiny_args(), tmp_path / "shared")
+
+
+def test_the_cuda_default_grouped_kernel_compiles_whole_with_accelrun():
+    """torch._grouped_mm runs on the CPU too: the GPU's default expert path (bf16) traced whole by Dynamo
+    and compiled by accelrun's backend, against eager (bf16: 1e-2 of the largest value), regions claimed."""
+    from accelrun.compile.backend import AccelrunBackend
+    from accelrun.compile.options import CompileOptions
+
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 7, 3])  # an idle expert, and 3 dropped rows past the 15 kept
+    x = torch.randn(18, 16, dtype=torch.bfloat16, requires_grad=True)
+    ws = [(torch.randn(shape) * 0.2).bfloat16().requires_grad_() for shape in ((4, 16, 32), (4, 16, 32), (4, 32, 16))]
+
+    def experts(x, counts, *ws):
+        return grouped_swiglu(x, counts, *ws, impl="grouped_mm")
+
+    backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"]))
+    torch._dynamo.reset()
+    try:
+        results = [f(x, counts, *ws) for f in (experts, torch.compile(experts, backend=backend, fullgraph=True))]
+    finally:
+        torch._dynamo.reset()
+    grads = [torch.autograd.grad(y.float().square().sum(), [x, *ws]) for y in results]
+    assert _close(results[1].float(), results[0].float(), rel=1e-2)
+    for got, want in zip(grads[1], grads[0], strict=True):
+        assert _close(got.float(), want.float(), rel=1e-2)
+    assert backend.record.regions_per_executor().get("cpp", 0) > 0
