@@ -15,7 +15,7 @@
 #   bash bench/gpu_smoke.sh [STEPS]        # STEPS per run, default 40; about 10 minutes on one H100
 #   SMOKE_DEVICE=cpu SMOKE_RANKS=2 bash bench/gpu_smoke.sh 4   # the same commands on this CPU (a check
 #                                          # of the script itself: gloo ranks, no Triton, no GPU parts)
-#   SMOKE_PARTS=train,8b bash bench/gpu_smoke.sh   # only some parts (of triton, train, resume, profile,
+#   SMOKE_PARTS=train,8b bash bench/gpu_smoke.sh   # only some parts (of triton, train, moe, resume, profile,
 #                                          # 8b, plan, float8, multi), e.g. to fit a command-time limit
 #   SMOKE_PARTS=bench bash bench/gpu_smoke.sh   # not in the default list (about 8 minutes on an H100):
 #                                          # the debug model with CUDA graphs on / off and tuned / untuned
@@ -46,15 +46,16 @@ if ! python -c "import accelrun.config" 2>/dev/null || ! command -v accelrun >/d
 fi
 STEPS="${1:-40}"
 DEVICE="${SMOKE_DEVICE:-cuda}"
-PARTS="${SMOKE_PARTS:-triton,train,resume,profile,8b,plan,float8,multi}"
+PARTS="${SMOKE_PARTS:-triton,train,moe,resume,profile,8b,plan,float8,multi}"
 want() { [[ ",$PARTS," == *",$1,"* ]]; }
 runs=$(mktemp -d)
 failed=()
 section() { printf '\n== %s\n' "$*"; }
-# train NAME [KEY=VALUE ...]: configs/llama.yaml on $DEVICE, quiet, its log and run under $runs/NAME.
+# train NAME [KEY=VALUE ...]: configs/llama.yaml (or $RECIPE) on $DEVICE, quiet, its log and run under
+# $runs/NAME.
 train() {
     local name="$1"; shift
-    if accelrun train configs/llama.yaml train.device="$DEVICE" train.steps="$STEPS" checkpoint.resume=none \
+    if accelrun train "${RECIPE:-configs/llama.yaml}" train.device="$DEVICE" train.steps="$STEPS" checkpoint.resume=none \
             report.progress=none report.runs_dir="$runs/$name" "$@" >"$runs/$name.log" 2>&1; then
         echo "ok      $name"
     else
@@ -101,6 +102,14 @@ want train && for precision in fp32 bf16-mixed; do
     train "eager-$precision" train.precision="$precision"
     train "inductor-$precision" train.precision="$precision" compile.backend=inductor
     train "accelrun-$precision" train.precision="$precision" compile.backend=accelrun "${TRITON[@]}"
+done
+
+# The MoE recipe trains compiled by default since 2026-12-07 and never has on a GPU: bf16 takes torch's
+# grouped kernel (traced whole), fp32 each expert's own products at a graph break.
+want moe && section "1 device: configs/moe.yaml, $STEPS steps per run"
+want moe && for precision in fp32 bf16-mixed; do
+    RECIPE=configs/moe.yaml train "moe-eager-$precision" train.precision="$precision" compile.backend=eager
+    RECIPE=configs/moe.yaml train "moe-accelrun-$precision" train.precision="$precision" "${TRITON[@]}"
 done
 
 if want resume; then

@@ -193,7 +193,9 @@ def expert_forward(x_ND: torch.Tensor, routing: Routing, w1: torch.Tensor, w3: t
     else:
         out_AD = dispatcher(x_AD, routing.counts_X, w1, w3, w2)
     weighted_AD = out_AD * routing.gate_A[:, None].to(out_AD.dtype)
-    return torch.zeros_like(x_ND).index_add_(0, routing.token_A, weighted_AD)
+    # Under bf16-mixed the experts compute in bf16 and the residual stream stays fp32: summed in its dtype
+    # (index_add_ refused the mix, so a bf16-mixed MoE never trained).
+    return torch.zeros_like(x_ND).index_add_(0, routing.token_A, weighted_AD.to(x_ND.dtype))
 
 
 def reference_moe(x_ND: torch.Tensor, logits_NX: torch.Tensor, B: int, T: int, k: int, capacity: int | None,
