@@ -25,7 +25,6 @@ class Compiling:
     traces: str  # what the outermost compile said it traces (the stage between the backend's graphs)
     stage: str  # "Dynamo traces the Python code", "g1.backward: lowering (412 ops)", ...
     stage_began: float
-    graphs: int  # graphs accelrun's backend began in this compile (Dynamo graphs, forward and backward counted once)
 
 
 DYNAMO_TRACES = "Dynamo traces the Python code"
@@ -59,7 +58,7 @@ class CompileActivity:
                 now = time.perf_counter()
                 if now - self.ended_at >= GAP_S:
                     self._since = now
-                self._now = Compiling(now, self._since, stage, stage, now, 0)
+                self._now = Compiling(now, self._since, stage, stage, now)
 
     def end(self) -> None:
         with self._lock:
@@ -68,19 +67,18 @@ class CompileActivity:
                 self._now = None
                 self.ended_at = time.perf_counter()
 
-    def doing(self, stage: str, new_graph: bool = False) -> None:
+    def doing(self, stage: str) -> None:
         """The stage a running compile is in now; nothing when none runs (a stage of a graph lowered
         outside any compile, as a test calling the backend directly, shows nowhere)."""
         with self._lock:
             if (was := self._now) is not None:
-                self._now = Compiling(was.began, was.since, was.traces, stage, time.perf_counter(),
-                                      was.graphs + new_graph)
+                self._now = Compiling(was.began, was.since, was.traces, stage, time.perf_counter())
 
     def tracing_again(self) -> None:
         """Back to the tracing the outermost compile began with (after a graph's backend stages)."""
         with self._lock:
             if (was := self._now) is not None:
-                self._now = Compiling(was.began, was.since, was.traces, was.traces, time.perf_counter(), was.graphs)
+                self._now = Compiling(was.began, was.since, was.traces, was.traces, time.perf_counter())
 
     def now(self) -> Compiling | None:
         with self._lock:
@@ -102,5 +100,6 @@ class CompileActivity:
 
     def _on_end(self, _args: object) -> None:
         self.end()
+
 
 ACTIVITY = CompileActivity()

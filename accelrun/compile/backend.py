@@ -113,7 +113,7 @@ class AccelrunBackend:
         # One for this Dynamo graph, kept by every stage's closures below: the backward's compile must see
         # what the forward's passes noted (AOTAutograd calls it after the forward's, below).
         notes = GraphNotes()
-        ACTIVITY.doing(f"{name}: pre_grad passes", new_graph=True)
+        ACTIVITY.doing(f"{name}: pre_grad passes")
         t0 = time.perf_counter()
         gm = self.passes.run_graph("pre_grad", gm, f"{name}.pre_grad", "pre_grad", list(example_inputs), notes)
         t1 = time.perf_counter()
