@@ -170,7 +170,8 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
         ticker = (CompileTicker(lambda line: console.print(line, markup=False, highlight=False),
                                 unstaged=None if cfg.compile.backend == "accelrun"  # it says its stages
                                 else f"Dynamo and {cfg.compile.backend} compile")
-                  if console is not None and s.compiles and main else contextlib.nullcontext())
+                  if console is not None and s.compiles and main and cfg.report.progress != "none"
+                  else contextlib.nullcontext())
         with (MetricsWriter(run_dir / "metrics.jsonl") if main else contextlib.nullcontext() as metrics, ticker):
             outcome: LoopOutcome = run_loop(s, metrics, progress, stop_after_step=stop_after_step,
                                             trackers=trackers)
