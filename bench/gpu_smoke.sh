@@ -256,7 +256,9 @@ if [ "$GPUS" -ge 2 ] && want multi; then
     else
         train replicate2 "${two[@]}" parallel.dp_replicate=2 parallel.dp_shard=1
     fi
-    train tp2-sp "${two[@]}" parallel.dp_shard=1 parallel.tp=2 parallel.sequence_parallel=true
+    # tensor parallelism alone trains eager: compiled, torch 2.13 hands DTensor's redistribute a plain
+    # gradient (the recipe's validation says so); with FSDP it compiles (hsdp/fsdp layouts above)
+    train tp2-sp "${two[@]}" parallel.dp_shard=1 parallel.tp=2 parallel.sequence_parallel=true compile.backend=eager
     for schedule in gpipe 1f1b interleaved_1f1b zero_bubble; do
         train "pp2-$schedule" "${two[@]}" parallel.dp_shard=1 parallel.pp=2 parallel.pp_schedule="$schedule"
     done

@@ -32,6 +32,7 @@ from accelrun.dist.collective import to_collective_device
 from accelrun.dist.tp import loss_context
 from accelrun.models.families import ModelSpec, get_family
 from accelrun.plan.stage_split import EndCosts, layer_ranges, split_layers
+from accelrun.torch_private import functorch_config
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -39,6 +40,9 @@ SCHEDULES = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleInterleavedZeroBubble,
 }
+# Schedules that run a stage's backward in two halves, input gradients then weight gradients, keeping its
+# autograd graph between them (retain_graph=True).
+SPLIT_BACKWARD = {"zero_bubble"}
 
 
 def microbatch_loss(grad_accum: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -155,6 +159,10 @@ class Pipeline:
             if s != n_stages - 1:
                 m.register_forward_hook(self._record_sent(s))
         self.schedule = None  # built after the modules are sharded (FSDP, TP): stages capture them
+        if schedule in SPLIT_BACKWARD:
+            # A compiled stage's backward reuses its saved tensors' memory ("donated buffers"), which only a
+            # backward that frees its graph may: the first half refused ("requires retain_graph=False").
+            functorch_config.donated_buffer = False
 
     def _record_sent(self, stage: int):
         def hook(module, args, out):

@@ -115,3 +115,15 @@ def test_user_error_in_a_rank_exits_2(tmp_path):
                     *FSDP2)
     out, _ = job.communicate(timeout=300)
     assert job.returncode == 2 and "none*.txt" in out, out[-3000:]
+
+
+def test_zero_bubble_trains_compiled_stages(tmp_path, reference):
+    """zero_bubble runs each stage's backward in two halves (input gradients, then weight gradients),
+    keeping its autograd graph between: a compiled stage refused that on the default recipe (AOTAutograd's
+    donated buffers "require retain_graph=False"). Losses as one process's; the stages ran compiled."""
+    job = train_job(tmp_path, STEPS, "name=zb-compiled", "parallel.nproc_per_node=2", "parallel.dp_shard=1",
+                    "parallel.pp=2", "parallel.pp_schedule=zero_bubble", "model.n_layers=4", "checkpoint.enabled=false",
+                    "compile.backend=accelrun", "compile.executors=[cpp,aten]")
+    assert losses(job.run_dir) == pytest.approx(reference(STEPS, "model.n_layers=4").losses, rel=LOSS_RTOL)
+    compiler = job.report["compiler"]
+    assert compiler["dynamo_graphs"] >= 2 and compiler["regions_per_executor"].get("cpp", 0) > 0, compiler
