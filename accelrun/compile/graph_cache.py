@@ -723,7 +723,8 @@ def decline_reason(cfg: Any, targets: list[tuple[nn.Module, str]]) -> str | None
     for owner, method in targets:
         if method in owner.__dict__ and method not in instance_methods(owner):
             return f"{type(owner).__name__}.{method} is wrapped (activation checkpointing?)"
-        if (why := getattr(owner, "graph_cache_decline", None)) is not None:  # the model says why
+        # The model says why its whole forward may not (its other methods, a loss head, still may).
+        if method == "forward" and (why := getattr(owner, "graph_cache_declines_forward", None)) is not None:
             return why
     return None
 

@@ -31,6 +31,7 @@ class CompileTicker:
         self.every = EVERY_S if every is None else every
         self.poll = POLL_S if poll is None else poll
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the thread's checks and the training loop's settle()
         self._thread: threading.Thread | None = None
         self._since: float | None = None  # when the compiling now (or last) began; None: nothing pending
         self._told_at: float | None = None  # when a line was last said about it
@@ -57,8 +58,18 @@ class CompileTicker:
             except Exception:  # noqa: BLE001 (a console closed under it): a progress line is never worth a run
                 return
 
+    def settle(self) -> None:
+        """Before the training loop prints a step's line: a compile said to be running that has ended is
+        said to be done now, not a moment after the step's line."""
+        if self.activity.now() is None:
+            self.check(time.perf_counter(), final=True)
+
     def check(self, now: float, final: bool = False) -> None:
         """Say what is due at ``now`` (the thread calls this; tests call it with their own clock)."""
+        with self._lock:
+            self._check(now, final)
+
+    def _check(self, now: float, final: bool) -> None:
         current, ended = self.activity.now(), self.activity.ended_at
         if self._since is not None and (current is None or current.since != self._since):
             if current is None and not final and now - ended < GAP_S:
@@ -69,11 +80,11 @@ class CompileTicker:
         self._since = current.since
         if now - self._since < self.first_after or (self._told_at is not None and now - self._told_at < self.every):
             return
-        stage = current.stage
-        if self.unstaged and stage == current.traces:
-            stage = self.unstaged
-        self.say(f"still compiling, {_seconds(now - self._since)} so far: {stage} "
-                 f"({_seconds(now - current.stage_began)} in it)")  # fmt: skip
+        if self.unstaged and current.stage == current.traces:  # nothing says its stages: no time in one
+            self.say(f"still compiling, {_seconds(now - self._since)} so far: {self.unstaged}")
+        else:
+            self.say(f"still compiling, {_seconds(now - self._since)} so far: {current.stage} "
+                     f"({_seconds(now - current.stage_began)} in it)")  # fmt: skip
         self._told_at = now
 
     def _done(self, ended: float) -> None:

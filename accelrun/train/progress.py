@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -28,6 +29,7 @@ class TrainProgress:
         if mode == "auto":
             mode = "bar" if self.console.is_terminal and sys.stderr.isatty() else "lines"
         self.mode, self.total, self.every, self.start = mode, total, every, start
+        self.before_line: Callable[[], None] | None = None  # called before each update (CompileTicker.settle)
         self._first_done = time.perf_counter()  # reset when the first step ends (it compiles, warms caches)
         self._bar: Progress | None = None
         if mode == "bar":
@@ -48,6 +50,8 @@ class TrainProgress:
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
         """``tokens_per_s``: this rank's (rank 0's) figure; the job's is shown."""
         tokens_per_s *= self.ranks
+        if self.before_line is not None:
+            self.before_line()
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
         elif self.mode == "lines" and (step % self.every == 0 or step == self.total or step == self.start + 1):

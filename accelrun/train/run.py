@@ -172,6 +172,8 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
                                 else f"Dynamo and {cfg.compile.backend} compile")
                   if console is not None and s.compiles and main and cfg.report.progress != "none"
                   else contextlib.nullcontext())
+        if progress is not None and isinstance(ticker, CompileTicker):
+            progress.before_line = ticker.settle  # "compile done" before the step's line, not after it
         with (MetricsWriter(run_dir / "metrics.jsonl") if main else contextlib.nullcontext() as metrics, ticker):
             outcome: LoopOutcome = run_loop(s, metrics, progress, stop_after_step=stop_after_step,
                                             trackers=trackers)

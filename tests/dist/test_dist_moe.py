@@ -54,7 +54,8 @@ def test_expert_parallel_with_replicated_experts_equals_one_process(tmp_path, re
 
 
 @pytest.mark.parametrize(("name", "overrides", "at_breaks"), [
-    ("block", ["compile.scope=block"], False),  # the graph cache's whole-graph trace
+    ("auto", [], False),  # the blocks and the loss head through the graph cache's whole-graph trace
+    ("block", ["compile.scope=block"], False),
     ("fullgraph", ["compile.scope=model", "compile.fullgraph=true"], False),
     ("model", ["compile.scope=model"], True),  # the model declines the graph cache: a break per layer
 ])  # fmt: skip
@@ -71,7 +72,9 @@ def test_moe_compiles_with_accelrun(tmp_path, reference, name, overrides, at_bre
     compiler = job.report["compiler"]
     assert compiler["dynamo_graphs"] >= 1 and compiler["regions_per_executor"].get("cpp", 0) > 0, compiler
     if not at_breaks:
-        assert compiler["graph_breaks"] == 0, compiler
+        assert compiler["graph_breaks"] == 0 and not compiler["warnings"], compiler
+        if name != "fullgraph":  # the graph cache saved what it compiled
+            assert compiler["graph_cache"]["saved"] >= 1, compiler["graph_cache"]
         return
     assert compiler["graph_breaks"] >= 2, compiler  # a layer's experts each
     assert all("torch.compiler.disable" in why for why in compiler["dynamo"]["unsupported"]), compiler

@@ -80,7 +80,21 @@ def test_another_backends_compile_is_named_for_it():
     ticker = CompileTicker(lines.append, activity, first_after=10, every=15, unstaged="Dynamo and inductor compile")
     activity.begin()
     ticker.check(activity.now().began + 20)
-    assert "so far: Dynamo and inductor compile (" in lines[0], lines
+    assert lines[0].endswith("so far: Dynamo and inductor compile"), lines  # no stage, no time in one
+
+
+def test_the_loop_settles_a_compile_that_ended_before_its_step_line():
+    """The training loop's progress line for the compiling step comes after "compile done", not 2 s
+    before it (the gap another compile may still go on within)."""
+    activity, lines = CompileActivity(), []
+    ticker = CompileTicker(lines.append, activity, first_after=0, every=15)
+    activity.begin()
+    ticker.check(activity.now().began + 1)
+    ticker.settle()
+    assert len(lines) == 1  # still compiling: nothing to settle
+    activity.end()
+    ticker.settle()
+    assert len(lines) == 2 and lines[1].startswith("compile done after ")
 
 
 def test_nested_compiles_are_one():
@@ -146,9 +160,11 @@ def test_a_run_prints_the_lines_of_a_compile_longer_than_the_threshold(tmp_path,
     monkeypatch.setattr(compile_ticker, "POLL_S", 0.01)
     args = ["train", str(DEFAULT_CONFIG), *TINY, "train.steps=2", f"report.runs_dir={tmp_path}",
             "checkpoint.resume=none", "compile.backend=accelrun", "compile.executors=[cpp,aten]",
-            "compile.graph_cache=false"]
+            "compile.graph_cache=false", "report.progress=lines"]  # (TINY has none: no progress, no ticker)
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     assert re.search(r"still compiling, \d+ s so far: ", result.output), result.output
     assert "compile done after " in result.output
-    assert result.output.index("the first step compiles") < result.output.index("still compiling")
+    out = result.output
+    assert out.index("the first step compiles") < out.index("still compiling") < out.index("compile done")
+    assert out.index("compile done") < out.index("step      1/2"), out

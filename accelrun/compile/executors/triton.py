@@ -30,7 +30,7 @@ class TritonExecutor(GeneratedCodeExecutor):
         import torch
 
         if not torch.cuda.is_available():
-            return "no CUDA device (set TRITON_INTERPRET=1 to run Triton kernels on the CPU, slowly)"
+            return "no CUDA device"  # (TRITON_INTERPRET=1 runs its kernels on the CPU, slowly: for tests, not for speed)
         return None
 
     def runs_anywhere(self) -> bool:

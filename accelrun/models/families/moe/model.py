@@ -151,10 +151,12 @@ class MoE(Llama):
 
     # compile.scope = model: the whole forward through accelrun's cross-process graph cache (torch's
     # precompile path) returned the cross-entropy without the aux term here, while an ordinary
-    # torch.compile of the same forward is right; so that path is declined for this model (blocks,
-    # under compile.scope = block, still use it and match eager).
-    graph_cache_decline = ("MoE.forward adds the router figures its blocks record on themselves; the precompile "
-                           "path lost that term, so the model compiles afresh")
+    # torch.compile of the same forward is right; so that path is declined for this forward (its blocks
+    # and its loss head, what compile.scope = auto compiles, still use it and match eager).
+    graph_cache_declines_forward = (
+        "the whole MoE forward is compiled afresh in each process: its load-balancing loss, summed from what "
+        "its blocks record, is added outside the graphs the cache can save (compile.scope = block or auto "
+        "caches the blocks and the loss head)")
 
     def __init__(self, args: MoEArgs) -> None:
         super().__init__(args)
