@@ -105,7 +105,7 @@ want train && for precision in fp32 bf16-mixed; do
 done
 
 # The MoE recipe trains compiled by default since 2026-12-07 and never has on a GPU: bf16 takes torch's
-# grouped kernel (traced whole), fp32 each expert's own products at a graph break.
+# grouped kernel, fp32 each expert's own products (counts read at run time), both traced whole.
 want moe && section "1 device: configs/moe.yaml, $STEPS steps per run"
 want moe && for precision in fp32 bf16-mixed; do
     RECIPE=configs/moe.yaml train "moe-eager-$precision" train.precision="$precision" compile.backend=eager

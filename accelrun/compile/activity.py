@@ -67,6 +67,13 @@ class CompileActivity:
                 self._now = None
                 self.ended_at = time.perf_counter()
 
+    def close_chain(self) -> None:
+        """The compiling so far is over, said so: a compile that starts next counts from its own start,
+        however soon (a recompile in the step after the one whose line said "done")."""
+        with self._lock:
+            if self._now is None:
+                self.ended_at = float("-inf")
+
     def doing(self, stage: str) -> None:
         """The stage a running compile is in now; nothing when none runs (a stage of a graph lowered
         outside any compile, as a test calling the backend directly, shows nowhere)."""

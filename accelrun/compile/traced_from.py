@@ -256,6 +256,8 @@ def baked_value(guard: Any) -> BakedValue | None:
         return None
     if guard.name.startswith("G['__builtins"):  # Dynamo's own name for the builtins, not in a loading frame
         return None
+    if "._dynamo.config." in guard.name:  # a setting accelrun patches while it traces (traces_host_reads),
+        return None  # read back at a call outside that patch: never a value the model baked in
     types_ = {guard.guard_type, *guard.derived_guard_types}
     if types_ & _LENGTH_GUARDS:
         kind, value = "len", len(guard.value) if hasattr(guard.value, "__len__") else _UNREADABLE

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -159,10 +160,6 @@ class Pipeline:
             if s != n_stages - 1:
                 m.register_forward_hook(self._record_sent(s))
         self.schedule = None  # built after the modules are sharded (FSDP, TP): stages capture them
-        if schedule in SPLIT_BACKWARD:
-            # A compiled stage's backward reuses its saved tensors' memory ("donated buffers"), which only a
-            # backward that frees its graph may: the first half refused ("requires retain_graph=False").
-            functorch_config.donated_buffer = False
 
     def _record_sent(self, stage: int):
         def hook(module, args, out):
@@ -191,7 +188,11 @@ class Pipeline:
         kwargs: dict = {"target": targets_BT, "losses": losses} if self.has_last else {}
         if positions_BT is not None:  # model keyword arguments reach every stage, split like the inputs
             kwargs["positions_BT"] = positions_BT
-        with loss_context(self.vocab_parallel):  # the sharded loss's backward runs inside step() too
+        # A compiled stage's backward reuses its saved tensors' memory ("donated buffers"), which only a
+        # backward that frees its graph may: a split backward's first half refused ("requires
+        # retain_graph=False"). Off while the stages compile here (at the first step), for this schedule.
+        split = functorch_config.patch(donated_buffer=False) if self.schedule_name in SPLIT_BACKWARD else nullcontext()
+        with loss_context(self.vocab_parallel), split:  # the sharded loss's backward runs inside step() too
             self.schedule.step(*args, **kwargs)
         losses = [_local(x) for x in losses]  # a vocabulary-parallel loss is a replicated DTensor
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self._device)

@@ -63,6 +63,7 @@ class CompileTicker:
         said to be done now, not a moment after the step's line."""
         if self.activity.now() is None:
             self.check(time.perf_counter(), final=True)
+            self.activity.close_chain()
 
     def check(self, now: float, final: bool = False) -> None:
         """Say what is due at ``now`` (the thread calls this; tests call it with their own clock)."""

@@ -869,22 +869,33 @@ def test_a_new_variant_takes_a_free_slot_else_the_least_recently_used(tmp_path):
 
 def test_a_mixture_of_experts_block_is_one_entry_for_any_routing():
     """The MoE's experts split their rows by counts read on the host: in the graph cache's whole-graph
-    trace those are sizes read at run time (``traces_host_reads``), one entry for any routing. The trace
-    ran with Dynamo's capture_scalar_outputs on, which the compiling process's own guards check: checked
-    with it off, every call missed and compiled another entry (8 in 8 calls, then a fallback)."""
+    trace those are sizes read at run time (``traces_host_reads``), one entry for any routing, which a
+    new compile loads. The trace ran with Dynamo's capture_scalar_outputs on, which the compiling
+    process's own guards check: checked with it off, every call missed and compiled another entry (8 in
+    8 calls, then a fallback). Losses and gradients against eager's."""
     moe = ["model.arch=moe", "model.n_experts=4", "model.experts_per_token=2", "model.moe_ffn_dim=48",
            "compile.backend=accelrun", "compile.scope=block", "compile.executors=[cpp,aten]"]
     cfg = load_config(DEFAULT_CONFIG, [*TINY, *moe]).config
-    model = build_model(cfg.model, torch.device("cpu"), seed=0)
     eager = build_model(cfg.model, torch.device("cpu"), seed=0)
-    compiled = compile_model(model, transformer_blocks(model), cfg.compile)
-    for seed in range(4):  # each batch routes its tokens otherwise
-        gen = torch.Generator().manual_seed(seed)
-        tokens, targets = (torch.randint(0, cfg.model.vocab_size, (4, 32), generator=gen) for _ in range(2))
-        got, want = training_loss_fn(model)(tokens, targets), training_loss_fn(eager)(tokens, targets)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-    stats = compiled.record.graph_cache
-    assert stats["compiled"] == 1 and stats["fallbacks"] == 0 and not stats["errors"], stats
-    assert sum(compiled.record.graph_breaks.values()) == 0, compiled.record.graph_breaks
-    assert compiled.record.regions_per_executor().get("cpp", 0) > 0
+    records = []
+    for _ in range(2):  # compiled, then loaded by a fresh compile of a fresh model
+        torch._dynamo.reset()
+        model = build_model(cfg.model, torch.device("cpu"), seed=0)
+        compiled = compile_model(model, transformer_blocks(model), cfg.compile)
+        for seed in range(3):  # each batch routes its tokens otherwise
+            gen = torch.Generator().manual_seed(seed)
+            tokens, targets = (torch.randint(0, cfg.model.vocab_size, (4, 32), generator=gen) for _ in range(2))
+            got, want = training_loss_fn(model)(tokens, targets), training_loss_fn(eager)(tokens, targets)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+            got.backward()
+            want.backward()
+            for (name, a), b in zip(model.named_parameters(), eager.parameters(), strict=True):
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+                a.grad = b.grad = None
+        records.append(compiled.record)
+        assert sum(compiled.record.graph_breaks.values()) == 0, compiled.record.graph_breaks
+        assert compiled.record.regions_per_executor().get("cpp", 0) > 0
+    cold, warm = (r.graph_cache for r in records)
+    assert cold["compiled"] == 1 and cold["fallbacks"] == 0 and not cold["errors"], cold
+    assert warm["loaded"] == 1 and warm["compiled"] == 0 and warm["fallbacks"] == 0, warm
     torch._dynamo.reset()

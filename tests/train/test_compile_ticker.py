@@ -95,6 +95,8 @@ def test_the_loop_settles_a_compile_that_ended_before_its_step_line():
     activity.end()
     ticker.settle()
     assert len(lines) == 2 and lines[1].startswith("compile done after ")
+    activity.begin()  # a recompile at once (the next step): its own count, not the one said done
+    assert activity.now().since == activity.now().began
 
 
 def test_nested_compiles_are_one():
