@@ -138,7 +138,8 @@ def test_unavailable_without_gpu_or_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present, so triton is available without the interpreter")
-    assert "TRITON_INTERPRET" in TritonExecutor().unavailable_reason()
+    # said in every region left to ATen on a CPU: short, and no offer of the interpreter (for tests only)
+    assert TritonExecutor().unavailable_reason() == "no CUDA device"
 
 
 ROW_CASES = ["rmsnorm_fp32", "rmsnorm_bf16", "cross_entropy", "rmsnorm_sin_one_region", "softmax_log_softmax",
