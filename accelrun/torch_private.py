@@ -107,12 +107,12 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     "TritonAsyncCompileMode": ("triton.runtime._async_compile", "AsyncCompileMode"),
     "triton_async_compile_active": ("triton.runtime._async_compile", "active_mode"),  # the mode in force
     "TritonFutureKernel": ("triton.runtime._async_compile", "FutureKernel"),  # a kernel cache's placeholder
-    # Dynamo's loggers: each graph break with the user's stack (its `graph_breaks` artifact, printed only
-    # under TORCH_LOGS), and the one that prints its own hint for `Tensor.item()` (compile/break_sites.py).
     # Dynamo's start and end of every compile it runs (a frame, a lazy backward, a CUDA graph's recording):
     # ``register_start_callback`` / ``register_end_callback`` of one-argument callables, called once for
     # the outermost of nested compiles (what a progress line reads, compile/activity.py).
     "dynamo_compile_callbacks": ("torch._dynamo.callback", "callback_handler"),
+    # Dynamo's loggers: each graph break with the user's stack (its `graph_breaks` artifact, printed only
+    # under TORCH_LOGS), and the one that prints its own hint for `Tensor.item()` (compile/break_sites.py).
     "dynamo_graph_break_log": ("torch._dynamo.symbolic_convert", "graph_break_log"),
     "dynamo_frame_break_log": ("torch._dynamo.convert_frame", "graph_break_log"),
     "dynamo_tensor_log": ("torch._dynamo.variables.tensor", "log"),
