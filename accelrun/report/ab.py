@@ -16,6 +16,7 @@ Exit codes (``accelrun ab``): 0 done and the losses agree; 4 done but the losses
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import signal
@@ -33,7 +34,7 @@ from accelrun.report.compare import MIN_STEADY_FOR_CI, Comparison, Group, GroupF
 from accelrun.report.machine_load import BUSY_WARNING, OtherCpuMeter
 from accelrun.report.rundata import load_run
 from accelrun.report.rundir import list_runs
-from accelrun.report.stats import repeats_to_resolve
+from accelrun.report.stats import RatioCI, ResolveHint, repeats_to_resolve
 
 EXIT_LOSSES_DISAGREE = 4
 EXIT_INTERRUPTED = stop.exit_code(signal.SIGINT)  # 130, the shell's code for Ctrl-C
@@ -305,6 +306,18 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%" if x < 0.1 else f"{100 * x:.0f}%"
 
 
+def _no_difference(ci: RatioCI, label: str, base: str, hint: ResolveHint) -> str:
+    """The interval, and what more repeats would buy: whether the difference seen is real, or (an
+    interval far wider than that difference) how small a difference could then be seen at all."""
+    digits = 2 if ci.high - ci.low >= 0.02 else 3
+    out = (f"no significant difference: {label} at {ci.ratio:.{digits}f}× {base}'s speed "
+           f"(95% CI {ci.low:.{digits}f}–{ci.high:.{digits}f})")
+    if hint.seen:
+        return out + f"; about {hint.more_repeats} more repeats would tell whether that {_pct(hint.resolvable)} is real"
+    return (out + f", too wide to see a difference under {_pct(math.exp(ci.half_width_log) - 1)}; "
+            f"{hint.more_repeats} more repeats would narrow that to {_pct(hint.resolvable)} (a quieter machine, further)")
+
+
 def verdict_line(row: GroupFigures, base: GroupFigures, repeats: int, *, multi: bool = False) -> str:
     """``B is 1.23× faster than A (95% CI 1.19–1.27); losses agree``, or no significant difference and
     how many more repeats would resolve one; the losses part says whether they agree."""
@@ -319,8 +332,7 @@ def verdict_line(row: GroupFigures, base: GroupFigures, repeats: int, *, multi: 
         speed = (f"{row.label} is {shown.ratio:.{digits}f}× {'faster' if faster else 'slower'} than {base.label} "
                  f"({100 * ci.confidence:.0f}% CI {shown.low:.{digits}f}–{shown.high:.{digits}f})")
     else:
-        hint = repeats_to_resolve(ci, repeats)
-        speed = f"{prefix}no significant difference; {hint.more_repeats} more repeats would resolve a difference of {_pct(hint.resolvable)}"
+        speed = f"{prefix}{_no_difference(ci, row.label, base.label, repeats_to_resolve(ci, repeats))}"
     if row.parity is not None and row.parity.status == "drift":  # agrees, but say where the curves part
         losses = f"losses agree (to {row.parity.early_max:.1g} at first; drift from step {row.parity.first_step})"
     elif row.parity is None or row.parity.agrees:

@@ -147,10 +147,12 @@ def bootstrap_ratio_of_medians(
 
 @dataclass(frozen=True)
 class ResolveHint:
-    """How many more repeats would shrink the interval to resolve ``resolvable`` (a fraction)."""
+    """How many more repeats would shrink the interval to resolve ``resolvable`` (a fraction): the
+    difference seen (``seen``), or where that is too small to chase, half the interval's present width."""
 
     more_repeats: int
     resolvable: float
+    seen: bool = True
 
 
 def repeats_to_resolve(ci: RatioCI, repeats: int) -> ResolveHint:
@@ -167,4 +169,4 @@ def repeats_to_resolve(ci: RatioCI, repeats: int) -> ResolveHint:
     if target <= 0:  # a degenerate interval: nothing more to learn
         return ResolveHint(0, 0.0)
     needed = math.ceil(repeats * (h / target) ** 2 - 1e-9)
-    return ResolveHint(max(needed - repeats, 1), math.exp(target) - 1)
+    return ResolveHint(max(needed - repeats, 1), math.exp(target) - 1, seen=target == abs(math.log(ci.ratio)))

@@ -159,7 +159,9 @@ def test_ab_variant_options_take_every_override_up_to_the_next_option(runs, tmp_
         assert forced in cmd
     assert cmd.index("train.threads=1") < cmd.index("checkpoint.enabled=false")  # ab's own overrides win
     assert re.search(r"^(B is [\d.]+× (faster|slower) than A \(95% CI [\d.]+–[\d.]+\)|no significant "
-                     r"difference; \d+ more repeats would resolve a difference of [\d.]+%); losses agree$", r.stdout, re.M), r.stdout
+                     r"difference: B at \d+\.\d+× A's speed \(95% CI \d+\.\d+–\d+\.\d+\)(; about \d+ more repeats would tell "
+                     r"whether that [\d.]+% is real|, too wide to see a difference under [\d.]+%; \d+ more repeats would "
+                     r"narrow that to [\d.]+% \(a quieter machine, further\))); losses agree$", r.stdout, re.M), r.stdout
     for name in ("ab.md", "ab.html", "ab.json", "command.txt"):
         assert (tmp_path / "ab" / name).is_file(), name
 

@@ -9,6 +9,7 @@ import pytest
 
 from accelrun.report.stats import (
     CONFIDENCE,
+    RatioCI,
     bootstrap_ratio_of_medians,
     median,
     quantile,
@@ -104,6 +105,10 @@ def test_repeats_to_resolve_scales_with_the_square_of_the_precision():
     # With that many runs the half-width, shrinking like 1/sqrt(runs), would reach the target.
     assert ci.half_width_log * math.sqrt(2 / (2 + hint.more_repeats)) <= math.log1p(hint.resolvable) + 1e-9
     assert 0 < hint.resolvable < 1
+    # The target is the difference seen where that is at least half the half-width, else that half.
+    wide, narrow = RatioCI(1.02, 0.62, 1.68, 0.95, 1, (3, 3)), RatioCI(1.04, 0.99, 1.09, 0.95, 1, (3, 3))
+    assert not repeats_to_resolve(wide, 3).seen
+    assert repeats_to_resolve(narrow, 3).seen and math.isclose(repeats_to_resolve(narrow, 3).resolvable, 0.04)
 
 
 def test_paired_rounds_cancel_a_machine_that_changes_speed_between_rounds():
