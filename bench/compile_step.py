@@ -54,6 +54,7 @@ from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
 from accelrun.train.precision import autocast  # noqa: E402
+from bench.rounds import new_process_env  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "accelrun", "thunder")
 ONE_PRECISION = "ACCELRUN_BENCH_PRECISION"  # set for the process that runs one precision of `--precision both`
@@ -333,7 +334,8 @@ def measure_in_child(name: str, args: argparse.Namespace) -> dict:
            *(["--profile-warm-start", args.profile_warm_start] if args.profile_warm_start else []),
            *args.override]  # fmt: skip
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
+        out = subprocess.run(cmd, env=new_process_env(), capture_output=True, text=True, timeout=600,
+                             check=True).stdout
         return json.loads(out.strip().splitlines()[-1])
     except subprocess.CalledProcessError as e:  # its own error's last lines, not just the command line
         tail = "\n    ".join((e.stderr or "").strip().splitlines()[-5:])

@@ -72,7 +72,13 @@ from accelrun.models.causal_lm_head import attach_loss_head, detach_loss_head  #
 from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
-from bench.rounds import interleaved_rounds, per_length_ratio, rounds_for_cycles, samples_and_step  # noqa: E402
+from bench.rounds import (  # noqa: E402
+    interleaved_rounds,
+    new_process_env,
+    per_length_ratio,
+    rounds_for_cycles,
+    samples_and_step,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ONE_DTYPE = "ACCELRUN_BENCH_DTYPE"  # set for the process that runs one dtype of several
@@ -258,7 +264,7 @@ def run_child(args: argparse.Namespace, variant: str, dname: str, steps: int, ca
            "--layers", str(args.layers), "--vocab", str(args.vocab), "--batch", str(args.batch),
            "--seq", str(args.seq), "--scope", args.scope, "--passes", args.passes, "--executors", args.executors,
            "--fill-steps", str(steps)]  # fmt: skip
-    env = {**os.environ, "ACCELRUN_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    env = new_process_env(ACCELRUN_CACHE_DIR=str(cache), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"))
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
