@@ -209,7 +209,9 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
     if scope == "model" and (cache := _graph_cache(cfg, backend, [(model, "forward")])) is not None:
         from accelrun.compile.graph_cache import install
 
-        install(cache, [model], "forward")
+        # A model that is one of torch's own (a bare nn.Sequential) is traced from a frame of accelrun's,
+        # as its blocks would be: precompiled on its own, the module reached the graph as an input.
+        install(cache, [model], "forward", func=_class_forward if is_torch_builtin(type(model)) else None)
         _FirstCallFallback(model, backend, record).install("forward")  # a graph break: precompile refused
         return done(f"the whole model with {name}")
     compile_call(model, backend, cfg.fullgraph)

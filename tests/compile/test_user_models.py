@@ -141,6 +141,28 @@ def test_a_users_subclass_that_keeps_torchs_forward_is_compiled_as_torchs_own():
     assert not is_torch_builtin(MixerBlock)  # a forward of the user's own
 
 
+def test_a_model_that_is_a_bare_sequential_compiles_and_loads_from_the_graph_cache(tmp_path):
+    """A factory that returns ``nn.Sequential(...)``: the whole forward is torch's own code, traced from a
+    frame of accelrun's (precompiled on its own, the model reached the graph where the token ids belonged:
+    "embedding() Expected a value of type 'Tensor' ... found type 'Sequential'"). A second compile of a
+    new copy loads the saved entry; both train at eager's losses."""
+    from tests.compile.user_models import sequential_lm
+
+    torch.manual_seed(0)
+    first = sequential_lm()
+    second, reference = copy.deepcopy(first), copy.deepcopy(first)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    records = []
+    for model in (first, second):
+        compiled = compile_model(model, transformer_blocks(model), cfg)
+        assert "the whole model" in compiled.description
+        _train_side_by_side(model, copy.deepcopy(reference), steps=2)
+        records.append(compiled.record)
+    assert records[0].graph_cache["compiled"] == 1 and records[0].graph_cache["saved"] == 1
+    assert records[1].graph_cache["loaded"] == 1 and records[1].graph_cache["compiled"] == 0
+    assert records[1].regions_per_executor().get("cpp", 0) > 0 and not records[1].graph_breaks
+
+
 def test_layers_of_containers_compile_the_whole_forward():
     """A user's ``layers`` of ``nn.ModuleDict``: compiled as blocks, nothing was (the forward reads them,
     never calls them: 0 graphs, "nothing was compiled"); auto compiles the whole forward and says why,

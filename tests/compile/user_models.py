@@ -450,5 +450,24 @@ class SubclassedLayersLM(nn.Module):
         return self.head(x)
 
 
-USER_MODELS = {"subclassed_layers": SubclassedLayersLM, "dict_layers": DictLayersLM, "mha": MHAModel, "encoder_layers": EncoderLayers, "routed_moe": RoutedMoE, "indexed_moe": IndexedMoE, "conv_mixer": ConvMixer,
+class Residual(nn.Module):
+    def __init__(self, fn: nn.Module) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fn(x)
+
+
+def sequential_lm(vocab: int = VOCAB, dim: int = 32, depth: int = 2) -> nn.Module:
+    """The whole model one ``nn.Sequential`` (torch's own forward at the top), blocks a residual wrapper
+    around more of them: no class of the model's own but the wrapper."""
+    def block() -> nn.Module:
+        return Residual(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)))
+
+    return nn.Sequential(nn.Embedding(vocab, dim), *[block() for _ in range(depth)], nn.LayerNorm(dim),
+                         nn.Linear(dim, vocab))
+
+
+USER_MODELS = {"sequential": sequential_lm, "subclassed_layers": SubclassedLayersLM, "dict_layers": DictLayersLM, "mha": MHAModel, "encoder_layers": EncoderLayers, "routed_moe": RoutedMoE, "indexed_moe": IndexedMoE, "conv_mixer": ConvMixer,
                "short_conv": ShortConvLM, "plain_mlp": PlainMLP, "encoder": EncoderLM, "gru": GRULM, "lstm_blocks": LSTMStack, "batchnorm": BatchNormLM}
