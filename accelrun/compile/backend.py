@@ -14,6 +14,7 @@ from contextlib import contextmanager, nullcontext
 from functools import cache, partial
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from accelrun.compile import break_sites, coverage
@@ -46,6 +47,19 @@ def _decompositions() -> dict:  # torch builds its table anew on each call
     from accelrun.torch_private import core_aten_decompositions_post_autograd
 
     return {op: fn for op, fn in core_aten_decompositions_post_autograd().items() if "attention" not in op.name()}
+
+
+def saved_tensors_left_alone():
+    """A context in which tensors autograd saves are kept as they are, whatever hooks the caller set: the
+    pre-grad passes give their new nodes fake values by running the ops, with grad (the values must say
+    which need it). Compiled in a forward under non-reentrant ``torch.utils.checkpoint``, those saves
+    reached the checkpoint's hooks, which count every tensor its region saves and fail the backward's
+    recomputation, where nothing compiles, with "A different number of tensors was saved"."""
+    return torch.autograd.graph.saved_tensors_hooks(_kept, _kept)
+
+
+def _kept(t: Any) -> Any:
+    return t
 
 
 def collectives_in(gm: fx.GraphModule) -> dict[str, int]:
@@ -115,7 +129,8 @@ class AccelrunBackend:
         notes = GraphNotes()
         ACTIVITY.doing(f"{name}: pre_grad passes")
         t0 = time.perf_counter()
-        gm = self.passes.run_graph("pre_grad", gm, f"{name}.pre_grad", "pre_grad", list(example_inputs), notes)
+        with saved_tensors_left_alone():
+            gm = self.passes.run_graph("pre_grad", gm, f"{name}.pre_grad", "pre_grad", list(example_inputs), notes)
         t1 = time.perf_counter()
         self.record.stage_seconds["pre_grad passes"] += t1 - t0
         self._inside = 0.0

@@ -98,6 +98,27 @@ def test_multihead_attention_given_its_mask_by_the_model_runs_the_kernel_on_it(t
     assert kernel.masked_calls["kernel"] - before["kernel"] == 2 * 3 and kernel.masked_calls["aten"] == before["aten"]
 
 
+@pytest.mark.parametrize("graph_cache", [True, False])
+def test_checkpointed_multihead_attention_blocks_compile_on_their_first_step(graph_cache, tmp_path):
+    """Blocks under non-reentrant ``torch.utils.checkpoint``, compiled in the first step's forward: the
+    checkpoint counts every tensor saved while the block runs, and the fake values ``fuse_attention``
+    gave its new nodes were counted too (30 in the forward, 21 in the recomputation: "A different
+    number of tensors was saved"); a second process then loaded the entry and ran. Losses and gradients
+    equal eager's from the first step, the attention unfolded and in the kernel."""
+    from tests.compile.user_models import CheckpointedMHALayers
+
+    torch.manual_seed(0)
+    model = CheckpointedMHALayers()
+    reference = copy.deepcopy(model)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"),
+                        graph_cache=graph_cache)  # fmt: skip
+    compiled = compile_model(model, transformer_blocks(model), cfg)
+    _train_side_by_side(model, reference, steps=2)
+    counts = {p.name: p.counts for p in compiled.record.passes if p.graph.endswith("pre_grad")}
+    assert counts["fuse_attention"].get("multihead") == 1 and counts["cpu_attention"].get("matched") == 1, counts
+    assert compiled.record.graphs_in_use() >= 1 and not compiled.record.graph_breaks
+
+
 def test_lists_of_torch_nn_modules_are_not_taken_as_blocks():
     """Dynamo never traces torch.nn's own frames on their own: compiling nn.MultiheadAttention or an
     nn.Sequential by itself compiles nothing, so the whole forward is compiled instead."""

@@ -450,6 +450,31 @@ class SubclassedLayersLM(nn.Module):
         return self.head(x)
 
 
+class CausalFlagMHABlock(MaskedMHABlock):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False, is_causal=True)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class CheckpointedMHALayers(nn.Module):
+    """Each block under ``torch.utils.checkpoint`` (non-reentrant), its ``nn.MultiheadAttention`` given a
+    float causal mask and ``is_causal=True``: the block's forward is recomputed in the backward."""
+
+    def __init__(self, dim: int = 32, heads: int = 2, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList(CausalFlagMHABlock(dim, heads) for _ in range(layers))
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, mask, use_reentrant=False)
+        return self.head(x)
+
+
 class Residual(nn.Module):
     def __init__(self, fn: nn.Module) -> None:
         super().__init__()
