@@ -70,14 +70,16 @@ MAX_FOLDED_MASK = 1 << 26
 
 
 def folded_mask_is_causal(mask: fx.Node, seq: int) -> bool | None:
-    """Whether ``mask``, when the graph computes it from numbers alone, is a boolean causal mask over
-    ``seq`` queries and keys; None when its values are not known while compiling (an input, or computed
-    from one). transformers builds such a mask from aranges when compiled, where it passes no mask and
-    ``is_causal=True`` in eager."""
+    """Whether ``mask``, when the graph computes it from numbers alone, is a causal mask over ``seq``
+    queries and keys, boolean or additive, (T, T) or broadcast over batch and heads; None when its values
+    are not known while compiling (an input, or computed from one). transformers builds a (B, 1, T, T)
+    one from aranges when compiled, where it passes no mask and ``is_causal=True`` in eager; users write
+    ``torch.ones(T, T, dtype=torch.bool).tril()`` or ``nn.Transformer.generate_square_subsequent_mask``."""
     value = constant_value(mask, MAX_FOLDED_MASK)
     if value is None:
         return None
-    return value.dtype == torch.bool and value.dim() == 4 and kernel.mask_is_causal(value, seq)
+    return (isinstance(value, torch.Tensor) and 2 <= value.dim() <= 4 and not value.requires_grad
+            and kernel.mask_is_causal(value, seq))  # fmt: skip
 
 
 def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | str | None:
