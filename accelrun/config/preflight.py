@@ -254,7 +254,9 @@ def _built_custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source],
     try:
         model = build_model(cfg.model, "meta")
     except ModelBuildError as e:  # accelrun's own findings (not a module; a forward it cannot call): train's too
-        if e.__cause__ is None:
+        # and the factory's own errors, but for those of the meta device (a factory that loads weights
+        # or computes at init), which train, building on its device, does not meet
+        if e.__cause__ is None or not _meta_device_error(e.__cause__):
             return [f"{m} (model.custom: {where})" for m in e.messages]
         unchecked.append(_not_built(cfg, e.__cause__))
         return []
@@ -276,6 +278,17 @@ def _built_custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source],
         shape = (cfg.train.micro_batch, cfg.train.seq_len)
         out += [f"{m} (model.custom: {where})" for m in _logits_problems(model, shape, ids, unchecked)]
     return out
+
+
+def _meta_device_error(e: BaseException) -> bool:
+    """Whether a factory failed for want of data on the meta device ("Cannot copy out of meta tensor",
+    "Tensor.item() cannot be called on meta tensors", an op with no meta kernel), not for its inputs
+    (model.kwargs naming no option: KeyError 'swiglue', which validate had called valid)."""
+    while e is not None:
+        if isinstance(e, NotImplementedError) or "meta" in str(e).lower():
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _not_built(cfg: RunConfig, e: BaseException) -> str:

@@ -12,6 +12,7 @@ import importlib
 import re
 from collections.abc import Mapping
 from enum import Enum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,6 +74,20 @@ def family_spec(cfg: ModelConfig):
     return get_family(cfg.arch)
 
 
+def raised_at(e: BaseException) -> str:
+    """`` at file:line`` of the innermost frame of ``e``'s traceback in the user's code (neither torch's
+    nor accelrun's), the path relative to the working directory where it is under it; "" if none."""
+    import traceback
+
+    ours = (Path(torch.__file__).parent, Path(__file__).parents[1])
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        file = Path(frame.filename)
+        if file.is_file() and not any(file.is_relative_to(root) for root in ours):
+            shown = file.relative_to(Path.cwd()) if file.is_relative_to(Path.cwd()) else file
+            return f" at {shown}:{frame.lineno}"
+    return ""
+
+
 def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn.Module:
     where = f"model.custom = {path!r}"
     factory, attr = resolve_custom(path)
@@ -83,7 +98,7 @@ def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn
         if isinstance(e, TypeError):  # model.kwargs that do not fit, with the nearest that would (as validate)
             check_custom_kwargs(path, kwargs)  # (a signature that under-describes the factory is not refused)
         raise ModelBuildError(
-            f"{where}: calling {attr}(**model.kwargs) with model.kwargs = {kwargs!r} failed: "
+            f"{where}: calling {attr}(**model.kwargs) with model.kwargs = {kwargs!r} failed{raised_at(e)}: "
             f"{type(e).__name__}: {e}"
         ) from e
     if not isinstance(model, nn.Module):
