@@ -145,6 +145,15 @@ def arguments_never_passed(model: nn.Module) -> list[str]:
     return needed
 
 
+def _module_name_for(file: str, attr: str) -> str:
+    """What to write for a file given where ``model.custom`` takes a module: its dotted name from the
+    current folder (searched), or, for a file outside it, its folder on PYTHONPATH and its name."""
+    path = Path(file if file.endswith(".py") else file + ".py").resolve()
+    if not path.is_relative_to(Path.cwd()):
+        return f"PYTHONPATH={path.parent} accelrun ... model.custom={path.stem}:{attr}"
+    return ".".join(path.relative_to(Path.cwd()).with_suffix("").parts) + f":{attr}"
+
+
 def resolve_custom(path: str) -> tuple[Any, str]:
     """``model.custom``'s factory (imported, not called) and its attribute path; ModelBuildError naming
     the key when the module, the attribute or a callable is missing."""
@@ -157,8 +166,8 @@ def resolve_custom(path: str) -> tuple[Any, str]:
         if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
             detail = f"no module named {e.name!r} (looked in the current folder and on PYTHONPATH)"
             if "/" in module_name or module_name.endswith(".py"):  # a file path where a module name goes
-                dotted = module_name.removesuffix(".py").strip("/").replace("/", ".")
-                detail += f"; model.custom takes a module name, not a file: {dotted}:{attr or 'factory'}"
+                detail += "; model.custom takes a module name, not a file: " + _module_name_for(module_name,
+                                                                                               attr or "factory")
         else:  # the module exists but something it imports does not
             detail = f"importing {module_name!r} failed: {e}"
         raise ModelBuildError(f"{where}: {detail}") from e

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 import uuid
@@ -217,10 +218,20 @@ def test_custom_missing_module():
     assert "model.custom = 'accelrun_no_such_pkg.models:factory'" in str(info.value)
 
 
-def test_a_file_path_given_for_the_module_is_answered_with_its_module_name():
-    """A new user wrote model.custom=mymodels/mlp.py:make; the message now says the name to write."""
+def test_a_file_path_given_for_the_module_is_answered_with_its_module_name(tmp_path, monkeypatch):
+    """A new user wrote model.custom=mymodels/mlp.py:make; the message now says the name to write. For a
+    file outside the current folder it said the path dotted (tmp.models.mlp:make, no module either):
+    now the folder for PYTHONPATH and the module's name."""
     with pytest.raises(ModelBuildError, match="takes a module name, not a file: mymodels.mlp:make"):
         build_model(ModelConfig(custom="mymodels/mlp.py:make"))
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    elsewhere = tmp_path / "models" / "mlp.py"
+    with pytest.raises(ModelBuildError, match=re.escape(f"not a file: PYTHONPATH={elsewhere.parent} accelrun ... "
+                                                        "model.custom=mlp:make")):  # fmt: skip
+        build_model(ModelConfig(custom=f"{elsewhere}:make"))
+    with pytest.raises(ModelBuildError, match="not a file: models.mlp:make"):  # under the current folder
+        build_model(ModelConfig(custom=f"{tmp_path / 'work' / 'models' / 'mlp.py'}:make"))
 
 
 def test_custom_module_whose_own_import_fails(user_module):
