@@ -95,6 +95,10 @@ class AccelrunBackend:
         # routes collectives through its communication trace here).
         self.before_lowering: list[Callable[[fx.GraphModule], None]] = []
         self._frame_compiles: dict[int, int] = {}  # Dynamo's frame id -> graphs compiled for it by this backend
+        # Dynamo graph name -> the first of record.passes not yet saved with one of its graphs: each saved
+        # graph carries the pass records made since, so a load reports what the passes did (the attention
+        # they left to ATen, the passes that changed a graph) as the compile did.
+        self._passes_unsaved: dict[str, int] = {}
 
     # -- entry point -------------------------------------------------------------------------------
     def before_tracing(self, module: nn.Module) -> None:
@@ -127,6 +131,7 @@ class AccelrunBackend:
         # One for this Dynamo graph, kept by every stage's closures below: the backward's compile must see
         # what the forward's passes noted (AOTAutograd calls it after the forward's, below).
         notes = GraphNotes()
+        self._passes_unsaved[name] = len(self.record.passes)
         ACTIVITY.doing(f"{name}: pre_grad passes")
         t0 = time.perf_counter()
         with saved_tensors_left_alone():
@@ -235,7 +240,9 @@ class AccelrunBackend:
         if self.serializable:
             from accelrun.compile.output_code import AccelrunOutputCode
 
-            notes = (self.record.regions[first_region:], self.record.graphs[-1])
+            passes = self.record.passes[self._passes_unsaved.get(name, len(self.record.passes)):]
+            self._passes_unsaved[name] = len(self.record.passes)
+            notes = (self.record.regions[first_region:], self.record.graphs[-1], passes)
             code = AccelrunOutputCode(gm, lowered, graph_name, kind, [e.name for e in self.executors],
                                       str(self.options.cache_dir), notes, graph_facts(gm, example_inputs))  # fmt: skip
             code.use_cuda_graphs(self.record)

@@ -27,7 +27,7 @@ from accelrun.compile.cuda_graphs import CudaGraphRunner, shared_capture, wants_
 from accelrun.compile.executors.aten import AtenExecutor
 from accelrun.compile.fast_calls import STATIC_LAYOUTS, layouts_are_static, runnable
 from accelrun.compile.gemm_choice import GemmSite
-from accelrun.compile.record import CompileRecord, GraphRecord
+from accelrun.compile.record import CompileRecord, GraphRecord, PassRecord
 from accelrun.torch_private import BundledAOTAutogradSerializableCallable, LazyGraphModule, OutputCode
 
 # Where regions lowered while loading are recorded (the loading backend's record); None: nowhere.
@@ -47,13 +47,13 @@ class AccelrunOutputCode(OutputCode):
     """Called with the graph's inputs as one list (the boxed convention AOTAutograd uses)."""
 
     def __init__(self, graph: fx.GraphModule, lowered: fx.GraphModule, graph_name: str, kind: str,
-                 executors: list[str], cache_dir: str, notes: tuple[list, GraphRecord],
+                 executors: list[str], cache_dir: str, notes: tuple[list, GraphRecord, list[PassRecord]],
                  facts: GraphFacts) -> None:  # fmt: skip
         self._boxed_call = True
         self.graph_module: fx.GraphModule | None = graph
         self.lowered: fx.GraphModule | None = lowered
         self.graph_name, self.kind, self.executors, self.cache_dir = graph_name, kind, executors, cache_dir
-        self.notes = notes  # what compiling it put in the record (its regions, the graph), replayed on load
+        self.notes = notes  # what compiling it put in the record (regions, the graph, passes), replayed on load
         # Read from the example inputs when compiled, and saved: a load from torch's precompile passes
         # none (an empty list), which read afresh would say "the graph takes no tensors" (H200, 12-04).
         self.facts = facts
@@ -100,7 +100,8 @@ class AccelrunOutputCode(OutputCode):
         if self.saved_lowered is not None:
             # Raises if a kernel library has left the cache: the graph cache then compiles afresh.
             self.lowered = unpack_graph(self.saved_lowered)
-            regions, graph = self.notes
+            regions, graph, passes = self.notes
+            record.passes += [replace(p, seconds=0.0) for p in passes]  # what they did; no time spent here
             # Every region an executor compiled comes from that executor's cache now (the notes were
             # pickled perhaps before its build finished, so their own cache_hit may still be None).
             compiled = [r.executor != AtenExecutor.name for r in regions]
@@ -122,6 +123,7 @@ class AccelrunOutputCode(OutputCode):
         self.lowered, _ = lower_regions(gm, self.graph_name, self.kind, make_executors(self.executors), record,
                                         self.cache_dir, wait_for_builds=True)  # fmt: skip
         record.graphs.append(self.notes[1])
+        record.passes += [replace(p, seconds=0.0) for p in self.notes[2]]
         self.graph_module = gm
         self.use_cuda_graphs(record)
 

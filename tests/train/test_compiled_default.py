@@ -35,6 +35,8 @@ def test_cold_then_cached_runs_report_what_ran_compiled(tmp_path):
     assert "(compile.scope = auto: loss" in report["compiled"]
     assert f"compiled: {compiler['compiled']}" in " ".join(out.split())
     assert not compiler["warnings"] and "nothing was compiled" not in md
+    cold_passes = compiler["passes_fired"]
+    assert cold_passes.get("cpu_attention") and cold_passes.get("fuse_linear_cross_entropy"), cold_passes
 
     # The same job again: every graph comes from the graph cache, and the report says so.
     out, report, md = _train(tmp_path, "cached")
@@ -46,3 +48,6 @@ def test_cold_then_cached_runs_report_what_ran_compiled(tmp_path):
     assert not compiler["warnings"], compiler["warnings"]
     assert "nothing was compiled" not in md and "nothing was compiled" not in out
     assert "loaded from cache" in " ".join(out.split())
+    # What the passes did is saved with the graphs and reported as the cold run did (the attention they
+    # left to ATen was missing from a cached report while the cold one said it).
+    assert compiler["passes_fired"] == cold_passes
