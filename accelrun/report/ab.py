@@ -269,6 +269,16 @@ def run_ab(plan: AbPlan, on_event: Callable[[RunEvent], None] = lambda e: None, 
                         other_cpu=others)
 
 
+def compile_warnings(groups: list[Group]) -> list[str]:
+    """Each variant's compile warnings (a graph break, a skipped frame), said once a variant: its runs
+    printed them, and ab.md had left them out (a new user's trial)."""
+    out = []
+    for g in groups:
+        said = dict.fromkeys(w for run in g.runs for w in ((run.report or {}).get("compiler") or {}).get("warnings", []))
+        out += [f"variant {g.label}: {w}" for w in said]
+    return out
+
+
 def summarize_ab(plan: AbPlan, run_dirs: dict[str, list[Path]], *, seed: int = 0, loss_rtol: float | None = None,
                  wall_s: float = 0.0, other_cpu: dict[str, list[float | None]] | None = None) -> AbResult:
     """Compare finished runs (``{variant label: run directories}``) and write the verdicts."""
@@ -278,6 +288,7 @@ def summarize_ab(plan: AbPlan, run_dirs: dict[str, list[Path]], *, seed: int = 0
         groups.append(Group(v.label, runs, v.overrides))
     c = compare_groups(groups, rtol=loss_rtol, seed=seed, paired=True)  # A_r, B_r, ... ran in round r
     c.notes[:0] = plan.notes
+    c.warnings += compile_warnings(groups)
     base = c.rows[0]
     verdicts = [verdict_line(row, base, plan.repeats, multi=len(c.rows) > 2) for row in c.rows[1:]]
     if base.parity is not None and not base.parity.agrees:  # A's own repeats disagree: nondeterminism

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from accelrun.report import machine_load
-from accelrun.report.ab import AbPlan, Variant, verdict_line
-from accelrun.report.compare import GroupFigures
+from accelrun.report.ab import AbPlan, Variant, compile_warnings, verdict_line
+from accelrun.report.compare import Group, GroupFigures
 from accelrun.report.parity import LossParity
+from accelrun.report.rundata import RunRecord
 from accelrun.report.stats import RatioCI
 
 
@@ -46,6 +47,17 @@ def test_faster_slower_and_no_difference_verdicts():
                "tell whether that 4.0% is real; losses agree")
     assert verdict_line(row("C", ci(1.01, 0.95, 1.07), AGREE), A, 3, multi=True).startswith("C vs A: no significant")
     assert "too few steady steps" in verdict_line(row("B", None, AGREE), A, 3)
+
+
+def test_each_variants_compile_warnings_are_said_once():
+    """Variant B's graph break was printed by its runs and missing from ab.md (a new user's trial)."""
+    def run(warnings):
+        return RunRecord(Path("r"), {}, {}, {}, [], {"compiler": {"warnings": warnings}})
+
+    brk = "1 graph break(s): ... at models/m3.py:63"
+    interrupted = RunRecord(Path("r"), {}, {}, {}, [], None)  # no report
+    groups = [Group("A", [run([]), run([])]), Group("B", [run([brk]), run([brk])]), Group("C", [interrupted])]
+    assert compile_warnings(groups) == [f"variant B: {brk}"]
 
 
 def test_disagreeing_losses_name_the_step_and_the_cause():
