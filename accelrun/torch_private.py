@@ -111,6 +111,9 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     # ``register_start_callback`` / ``register_end_callback`` of one-argument callables, called once for
     # the outermost of nested compiles (what a progress line reads, compile/activity.py).
     "dynamo_compile_callbacks": ("torch._dynamo.callback", "callback_handler"),
+    # A context in which autograd calls no saved-tensor hooks (what Dynamo and AOTAutograd trace under):
+    # the backend's passes run ops on fake values inside the caller's hooks (torch.utils.checkpoint's).
+    "saved_tensors_hooks_paused": ("torch._dynamo.utils", "_disable_saved_tensors_hooks_during_tracing"),
     # Dynamo's loggers: each graph break with the user's stack (its `graph_breaks` artifact, printed only
     # under TORCH_LOGS), and the one that prints its own hint for `Tensor.item()` (compile/break_sites.py).
     "dynamo_graph_break_log": ("torch._dynamo.symbolic_convert", "graph_break_log"),

@@ -339,6 +339,21 @@ def test_dynamo_compile_callbacks():
     assert seen == ["start", "end"]
 
 
+def test_saved_tensors_hooks_paused():
+    # compile/backend.py: ops with grad under it call no hook of the caller's, also where hooks are
+    # disabled (pushing identity hooks there raised).
+    packed = []
+    x = torch.ones(3, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        x.exp()
+        assert len(packed) == 1
+        with tp.saved_tensors_hooks_paused():
+            x.exp()
+    assert len(packed) == 1
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"), tp.saved_tensors_hooks_paused():
+        x.exp()
+
+
 def test_traces_host_reads():
     # Read by model code inside a traced forward (the MoE's experts): a constant of the trace, no break.
     assert tp.traces_host_reads() is False  # torch's default

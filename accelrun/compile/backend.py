@@ -14,7 +14,6 @@ from contextlib import contextmanager, nullcontext
 from functools import cache, partial
 from typing import Any
 
-import torch
 from torch import fx, nn
 
 from accelrun.compile import break_sites, coverage
@@ -31,7 +30,7 @@ from accelrun.compile.passes.base import GraphNotes
 from accelrun.compile.pipeline import PassDriver, count_ops, graph_snapshot  # noqa: F401  (graph_snapshot re-exported)
 from accelrun.compile.record import CompileRecord, GraphRecord
 from accelrun.compile.regions import REGION_KEY
-from accelrun.torch_private import CompileContext
+from accelrun.torch_private import CompileContext, saved_tensors_hooks_paused
 
 
 def decompositions() -> dict:
@@ -47,19 +46,6 @@ def _decompositions() -> dict:  # torch builds its table anew on each call
     from accelrun.torch_private import core_aten_decompositions_post_autograd
 
     return {op: fn for op, fn in core_aten_decompositions_post_autograd().items() if "attention" not in op.name()}
-
-
-def saved_tensors_left_alone():
-    """A context in which tensors autograd saves are kept as they are, whatever hooks the caller set: the
-    pre-grad passes give their new nodes fake values by running the ops, with grad (the values must say
-    which need it). Compiled in a forward under non-reentrant ``torch.utils.checkpoint``, those saves
-    reached the checkpoint's hooks, which count every tensor its region saves and fail the backward's
-    recomputation, where nothing compiles, with "A different number of tensors was saved"."""
-    return torch.autograd.graph.saved_tensors_hooks(_kept, _kept)
-
-
-def _kept(t: Any) -> Any:
-    return t
 
 
 def collectives_in(gm: fx.GraphModule) -> dict[str, int]:
@@ -134,7 +120,11 @@ class AccelrunBackend:
         self._passes_unsaved[name] = len(self.record.passes)
         ACTIVITY.doing(f"{name}: pre_grad passes")
         t0 = time.perf_counter()
-        with saved_tensors_left_alone():
+        # The pre-grad passes give new nodes fake values by running their ops with grad (the values say
+        # which need it): under non-reentrant torch.utils.checkpoint those saves reached its hooks, which
+        # count every tensor its region saves, and the recomputation (nothing compiles there) failed with
+        # "A different number of tensors was saved". Dynamo traces with the hooks paused; so do the passes.
+        with saved_tensors_hooks_paused():
             gm = self.passes.run_graph("pre_grad", gm, f"{name}.pre_grad", "pre_grad", list(example_inputs), notes)
         t1 = time.perf_counter()
         self.record.stage_seconds["pre_grad passes"] += t1 - t0
