@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,11 +285,16 @@ def _meta_device_error(e: BaseException) -> bool:
     """Whether a factory failed for want of data on the meta device ("Cannot copy out of meta tensor",
     "Tensor.item() cannot be called on meta tensors", an op with no meta kernel), not for its inputs
     (model.kwargs naming no option: KeyError 'swiglue', which validate had called valid)."""
-    while e is not None:
-        if isinstance(e, NotImplementedError) or "meta" in str(e).lower():
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:  # (`raise e from e` makes a chain a loop)
+        if _META_WORD.search(str(e)):  # torch's words: "meta tensors", "meta device", "Meta kernel", "register_meta"
             return True
+        seen.add(id(e))
         e = e.__cause__ or e.__context__
     return False
+
+
+_META_WORD = re.compile(r"(\b|_)meta\b", re.IGNORECASE)  # not "metadata"
 
 
 def _not_built(cfg: RunConfig, e: BaseException) -> str:

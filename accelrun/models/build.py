@@ -75,14 +75,18 @@ def family_spec(cfg: ModelConfig):
 
 
 def raised_at(e: BaseException) -> str:
-    """`` at file:line`` of the innermost frame of ``e``'s traceback in the user's code (neither torch's
-    nor accelrun's), the path relative to the working directory where it is under it; "" if none."""
+    """`` at file:line`` of the innermost frame of ``e``'s traceback in the user's code: not in torch,
+    accelrun, Python's standard library or installed packages (a factory that reads a file fails in
+    pathlib, and its own line is the one to name); the path relative to the working directory where
+    it is under it; "" if no frame is."""
+    import sysconfig
     import traceback
 
-    ours = (Path(torch.__file__).parent, Path(__file__).parents[1])
+    libraries = {Path(torch.__file__).parent, Path(__file__).parents[1],
+                 *(Path(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib"))}
     for frame in reversed(traceback.extract_tb(e.__traceback__)):
         file = Path(frame.filename)
-        if file.is_file() and not any(file.is_relative_to(root) for root in ours):
+        if file.is_file() and not any(file.is_relative_to(root) for root in libraries):
             shown = file.relative_to(Path.cwd()) if file.is_relative_to(Path.cwd()) else file
             return f" at {shown}:{frame.lineno}"
     return ""
@@ -147,11 +151,16 @@ def arguments_never_passed(model: nn.Module) -> list[str]:
 
 def _module_name_for(file: str, attr: str) -> str:
     """What to write for a file given where ``model.custom`` takes a module: its dotted name from the
-    current folder (searched), or, for a file outside it, its folder on PYTHONPATH and its name."""
-    path = Path(file if file.endswith(".py") else file + ".py").resolve()
-    if not path.is_relative_to(Path.cwd()):
-        return f"PYTHONPATH={path.parent} accelrun ... model.custom={path.stem}:{attr}"
-    return ".".join(path.relative_to(Path.cwd()).with_suffix("").parts) + f":{attr}"
+    current folder (searched), or, for a file outside it or under folders whose names no import can
+    spell (``my-models``), its folder added to PYTHONPATH and its name."""
+    import shlex
+
+    path = Path(file if file.endswith(".py") else file + ".py").expanduser().resolve()
+    if path.is_relative_to(Path.cwd()):
+        parts = path.relative_to(Path.cwd()).with_suffix("").parts
+        if all(part.isidentifier() for part in parts):
+            return ".".join(parts) + f":{attr}"
+    return f"PYTHONPATH={shlex.quote(str(path.parent))}:$PYTHONPATH accelrun ... model.custom={path.stem}:{attr}"
 
 
 def resolve_custom(path: str) -> tuple[Any, str]:

@@ -227,11 +227,30 @@ def test_a_file_path_given_for_the_module_is_answered_with_its_module_name(tmp_p
     (tmp_path / "work").mkdir()
     monkeypatch.chdir(tmp_path / "work")
     elsewhere = tmp_path / "models" / "mlp.py"
-    with pytest.raises(ModelBuildError, match=re.escape(f"not a file: PYTHONPATH={elsewhere.parent} accelrun ... "
-                                                        "model.custom=mlp:make")):  # fmt: skip
+    with pytest.raises(ModelBuildError, match=re.escape(f"not a file: PYTHONPATH={elsewhere.parent}:$PYTHONPATH "
+                                                        "accelrun ... model.custom=mlp:make")):  # fmt: skip
         build_model(ModelConfig(custom=f"{elsewhere}:make"))
     with pytest.raises(ModelBuildError, match="not a file: models.mlp:make"):  # under the current folder
         build_model(ModelConfig(custom=f"{tmp_path / 'work' / 'models' / 'mlp.py'}:make"))
+    with pytest.raises(ModelBuildError, match=re.escape(f"PYTHONPATH={tmp_path / 'work' / 'my-models'}:$PYTHONPATH "
+                                                        "accelrun ... model.custom=mlp:make")):  # no import spells it
+        build_model(ModelConfig(custom="my-models/mlp.py:make"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ModelBuildError, match=re.escape(f"PYTHONPATH={elsewhere.parent}:$PYTHONPATH")):
+        build_model(ModelConfig(custom="~/models/mlp.py:make"))  # the shell leaves ~ after = to YAML
+
+
+def test_a_factorys_error_names_the_users_line_not_the_librarys(user_module):
+    """The factory reads a file that is not there: the error is raised in pathlib, and the line named is
+    the user's call."""
+    name = user_module("""
+        from pathlib import Path
+
+        def build():
+            return Path("/nonexistent/accelrun/vocab.txt").read_text()
+    """)
+    with pytest.raises(ModelBuildError, match=rf"failed at .*{name}\.py:5: FileNotFoundError"):
+        build_model(ModelConfig(custom=f"{name}:build"))
 
 
 def test_custom_module_whose_own_import_fails(user_module):

@@ -299,6 +299,17 @@ def test_validate_says_what_it_could_not_check_on_the_meta_device(tiny, models):
     assert r.exit_code == 0 and "note:" not in r.output, r.output
 
 
+def test_only_the_meta_devices_own_errors_are_left_to_train():
+    from accelrun.config.preflight import _meta_device_error
+
+    assert _meta_device_error(RuntimeError("Tensor.item() cannot be called on meta tensors"))
+    assert _meta_device_error(NotImplementedError("... no fake impl or Meta kernel registered"))
+    assert not _meta_device_error(KeyError("metadata")) and not _meta_device_error(NotImplementedError("variant X"))
+    looped = RuntimeError("boom")
+    looped.__cause__ = looped  # `raise e from e`: a chain that is a loop ends
+    assert not _meta_device_error(looped)
+
+
 def test_export_of_a_custom_model_says_how_its_checkpoint_loads_and_that_way_works(tiny, tmp_path):
     """`export`/`generate` cannot rebuild a user's model; the message says how to read its checkpoint
     (a new user found that way alone), and that way gives the trained weights to the factory's model."""
