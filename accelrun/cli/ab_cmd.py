@@ -129,7 +129,7 @@ def command(config: str, overrides: tuple[str, ...], a: tuple[str, ...], b: tupl
     Prints a table, a 95% bootstrap interval on the ratio of median step times (repeats resampled
     before steps), and a one-line verdict, such as "B is 1.23× faster than A (95% CI 1.19–1.27);
     losses agree" or "no significant difference: B at 1.04× A's speed (95% CI 0.99–1.09); about 2 more
-    repeats would tell whether that 4.0% is real; losses agree".
+    repeats could show its 4.0% difference, if it holds; losses agree".
     Writes ab.md, ab.html and ab.json, and warns when other processes competed for the CPU.
 
     \b

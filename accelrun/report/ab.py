@@ -317,16 +317,24 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%" if x < 0.1 else f"{100 * x:.0f}%"
 
 
+def _digits(ci: RatioCI) -> int:
+    """Decimals for an interval's bounds: a third where two would print a narrow one as "1.00–1.01"."""
+    return 2 if ci.high - ci.low >= 0.02 else 3
+
+
 def _no_difference(ci: RatioCI, label: str, base: str, hint: ResolveHint) -> str:
-    """The interval, and what more repeats would buy: whether the difference seen is real, or (an
-    interval far wider than that difference) how small a difference could then be seen at all."""
-    digits = 2 if ci.high - ci.low >= 0.02 else 3
-    out = (f"no significant difference: {label} at {ci.ratio:.{digits}f}× {base}'s speed "
-           f"(95% CI {ci.low:.{digits}f}–{ci.high:.{digits}f})")
+    """The interval, and what more repeats could buy: showing the difference seen, if it holds, or (an
+    interval far wider than that difference) how small a difference would then show at all."""
+    d = _digits(ci)
+    out = (f"no significant difference: {label} at {ci.ratio:.{d}f}× {base}'s speed "
+           f"({100 * ci.confidence:.0f}% CI {ci.low:.{d}f}–{ci.high:.{d}f})")
+    if hint.more_repeats == 0:  # a degenerate interval: nothing more to learn
+        return out
+    more = f"{hint.more_repeats} more repeat{'s' if hint.more_repeats != 1 else ''}"
     if hint.seen:
-        return out + f"; about {hint.more_repeats} more repeats would tell whether that {_pct(hint.resolvable)} is real"
-    return (out + f", too wide to see a difference under {_pct(math.exp(ci.half_width_log) - 1)}; "
-            f"{hint.more_repeats} more repeats would narrow that to {_pct(hint.resolvable)} (a quieter machine, further)")
+        return out + f"; about {more} could show its {_pct(abs(ci.ratio - 1))} difference, if it holds"
+    return (out + f": differences under {_pct(math.exp(ci.half_width_log) - 1)} do not show at this noise; "
+            f"{more} would bring that to about {_pct(hint.resolvable)}, a quieter machine lower still")
 
 
 def verdict_line(row: GroupFigures, base: GroupFigures, repeats: int, *, multi: bool = False) -> str:
@@ -339,7 +347,7 @@ def verdict_line(row: GroupFigures, base: GroupFigures, repeats: int, *, multi: 
     elif ci.significant:
         faster = ci.ratio >= 1
         shown = ci if faster else ci.inverted()
-        digits = 2 if shown.high - shown.low >= 0.02 else 3
+        digits = _digits(shown)
         speed = (f"{row.label} is {shown.ratio:.{digits}f}× {'faster' if faster else 'slower'} than {base.label} "
                  f"({100 * ci.confidence:.0f}% CI {shown.low:.{digits}f}–{shown.high:.{digits}f})")
     else:

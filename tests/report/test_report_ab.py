@@ -40,11 +40,17 @@ def test_faster_slower_and_no_difference_verdicts():
     # No significant difference: the interval, then what more repeats would buy. An interval much
     # wider than the difference seen says how small a difference it could show, not "resolve 72%".
     assert (verdict_line(row("B", ci(1.02, 0.62, 1.68), AGREE), A, 3)
-            == "no significant difference: B at 1.02× A's speed (95% CI 0.62–1.68), too wide to see a difference "
-               "under 65%; 9 more repeats would narrow that to 28% (a quieter machine, further); losses agree")
+            == "no significant difference: B at 1.02× A's speed (95% CI 0.62–1.68): differences under 65% do not "
+               "show at this noise; 9 more repeats would bring that to about 28%, a quieter machine lower still; "
+               "losses agree")
     assert (verdict_line(row("B", ci(1.04, 0.99, 1.09), AGREE), A, 3)
-            == "no significant difference: B at 1.04× A's speed (95% CI 0.99–1.09); about 2 more repeats would "
-               "tell whether that 4.0% is real; losses agree")
+            == "no significant difference: B at 1.04× A's speed (95% CI 0.99–1.09); about 2 more repeats could "
+               "show its 4.0% difference, if it holds; losses agree")
+    # A slower B: the difference its ratio shows (4%), one repeat said in the singular, and an interval
+    # of no width (every step the same) asks for none.
+    assert "about 1 more repeat could show its 4.0% difference" in verdict_line(row("B", ci(0.96, 0.93, 1.005), AGREE), A, 9)
+    assert verdict_line(row("B", ci(1.0, 1.0, 1.0), AGREE), A, 3) == ("no significant difference: B at 1.000× A's "
+                                                                      "speed (95% CI 1.000–1.000); losses agree")
     assert verdict_line(row("C", ci(1.01, 0.95, 1.07), AGREE), A, 3, multi=True).startswith("C vs A: no significant")
     assert "too few steady steps" in verdict_line(row("B", None, AGREE), A, 3)
 
