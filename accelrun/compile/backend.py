@@ -28,7 +28,7 @@ from accelrun.compile.lower import lower_regions, make_executors
 from accelrun.compile.options import CompileOptions
 from accelrun.compile.passes.base import GraphNotes
 from accelrun.compile.pipeline import PassDriver, count_ops, graph_snapshot  # noqa: F401  (graph_snapshot re-exported)
-from accelrun.compile.record import CompileRecord, GraphRecord
+from accelrun.compile.record import CompileRecord, GraphRecord, RecordMark, SavedNotes
 from accelrun.compile.regions import REGION_KEY
 from accelrun.torch_private import CompileContext, saved_tensors_hooks_paused
 
@@ -81,10 +81,10 @@ class AccelrunBackend:
         # routes collectives through its communication trace here).
         self.before_lowering: list[Callable[[fx.GraphModule], None]] = []
         self._frame_compiles: dict[int, int] = {}  # Dynamo's frame id -> graphs compiled for it by this backend
-        # Dynamo graph name -> the first of record.passes not yet saved with one of its graphs: each saved
-        # graph carries the pass records made since, so a load reports what the passes did (the attention
-        # they left to ATen, the passes that changed a graph) as the compile did.
-        self._passes_unsaved: dict[str, int] = {}
+        # Dynamo graph name -> where the record stood after the last of its graphs was saved: each saved
+        # graph carries the pass records and fallbacks made since (SavedNotes), so a load reports what
+        # the passes did (the attention they left to ATen, a pass that failed) as the compile did.
+        self._saved_up_to: dict[str, RecordMark] = {}
 
     # -- entry point -------------------------------------------------------------------------------
     def before_tracing(self, module: nn.Module) -> None:
@@ -117,7 +117,7 @@ class AccelrunBackend:
         # One for this Dynamo graph, kept by every stage's closures below: the backward's compile must see
         # what the forward's passes noted (AOTAutograd calls it after the forward's, below).
         notes = GraphNotes()
-        self._passes_unsaved[name] = len(self.record.passes)
+        self._saved_up_to[name] = self.record.mark()
         ACTIVITY.doing(f"{name}: pre_grad passes")
         t0 = time.perf_counter()
         # The pre-grad passes give new nodes fake values by running their ops with grad (the values say
@@ -230,9 +230,10 @@ class AccelrunBackend:
         if self.serializable:
             from accelrun.compile.output_code import AccelrunOutputCode
 
-            passes = self.record.passes[self._passes_unsaved.get(name, len(self.record.passes)):]
-            self._passes_unsaved[name] = len(self.record.passes)
-            notes = (self.record.regions[first_region:], self.record.graphs[-1], passes)
+            since = self._saved_up_to.get(name, self.record.mark())
+            notes = SavedNotes(self.record.regions[first_region:], self.record.graphs[-1],
+                               self.record.passes[since.passes:], self.record.fallbacks[since.fallbacks:])
+            self._saved_up_to[name] = self.record.mark()
             code = AccelrunOutputCode(gm, lowered, graph_name, kind, [e.name for e in self.executors],
                                       str(self.options.cache_dir), notes, graph_facts(gm, example_inputs))  # fmt: skip
             code.use_cuda_graphs(self.record)

@@ -15,7 +15,7 @@ import pickle
 from collections.abc import Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,10 +24,9 @@ from torch import fx
 import accelrun.compile.fused.depthwise_conv  # noqa: F401  (registers the accelrun:: ops a saved graph may hold)
 from accelrun.compile.cuda_graph_policy import CudaGraphsReport, GraphFacts
 from accelrun.compile.cuda_graphs import CudaGraphRunner, shared_capture, wants_cuda_graphs
-from accelrun.compile.executors.aten import AtenExecutor
 from accelrun.compile.fast_calls import STATIC_LAYOUTS, layouts_are_static, runnable
 from accelrun.compile.gemm_choice import GemmSite
-from accelrun.compile.record import CompileRecord, GraphRecord, PassRecord
+from accelrun.compile.record import CompileRecord, SavedNotes
 from accelrun.torch_private import BundledAOTAutogradSerializableCallable, LazyGraphModule, OutputCode
 
 # Where regions lowered while loading are recorded (the loading backend's record); None: nowhere.
@@ -47,13 +46,13 @@ class AccelrunOutputCode(OutputCode):
     """Called with the graph's inputs as one list (the boxed convention AOTAutograd uses)."""
 
     def __init__(self, graph: fx.GraphModule, lowered: fx.GraphModule, graph_name: str, kind: str,
-                 executors: list[str], cache_dir: str, notes: tuple[list, GraphRecord, list[PassRecord]],
+                 executors: list[str], cache_dir: str, notes: SavedNotes,
                  facts: GraphFacts) -> None:  # fmt: skip
         self._boxed_call = True
         self.graph_module: fx.GraphModule | None = graph
         self.lowered: fx.GraphModule | None = lowered
         self.graph_name, self.kind, self.executors, self.cache_dir = graph_name, kind, executors, cache_dir
-        self.notes = notes  # what compiling it put in the record (regions, the graph, passes), replayed on load
+        self.notes = notes  # what compiling it put in the record, added to a loading process's
         # Read from the example inputs when compiled, and saved: a load from torch's precompile passes
         # none (an empty list), which read afresh would say "the graph takes no tensors" (H200, 12-04).
         self.facts = facts
@@ -100,15 +99,7 @@ class AccelrunOutputCode(OutputCode):
         if self.saved_lowered is not None:
             # Raises if a kernel library has left the cache: the graph cache then compiles afresh.
             self.lowered = unpack_graph(self.saved_lowered)
-            regions, graph, passes = self.notes
-            record.passes += [replace(p, seconds=0.0) for p in passes]  # what they did; no time spent here
-            # Every region an executor compiled comes from that executor's cache now (the notes were
-            # pickled perhaps before its build finished, so their own cache_hit may still be None).
-            compiled = [r.executor != AtenExecutor.name for r in regions]
-            record.regions += [replace(r, compile_s=0.0, cache_hit=True if c else None)
-                               for r, c in zip(regions, compiled, strict=True)]  # fmt: skip
-            record.cache_hits += sum(compiled)
-            record.graphs.append(graph)
+            self.notes.add_to(record, regions_lowered_again=False)
             self.use_cuda_graphs(record)
             return
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -122,8 +113,7 @@ class AccelrunOutputCode(OutputCode):
         gm.recompile()
         self.lowered, _ = lower_regions(gm, self.graph_name, self.kind, make_executors(self.executors), record,
                                         self.cache_dir, wait_for_builds=True)  # fmt: skip
-        record.graphs.append(self.notes[1])
-        record.passes += [replace(p, seconds=0.0) for p in self.notes[2]]
+        self.notes.add_to(record, regions_lowered_again=True)
         self.graph_module = gm
         self.use_cuda_graphs(record)
 

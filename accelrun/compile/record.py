@@ -61,6 +61,33 @@ class Fallback:
         return f"{self.graph} {self.stage} {self.what}: {self.reason}"
 
 
+@dataclass
+class SavedNotes:
+    """What compiling one graph put in the record, saved with the graph by the graph cache and added to
+    the record of a process that loads it, so that its report says what the compile did: the graph,
+    its regions, and the passes and fallbacks since the graph before it of the same Dynamo graph."""
+
+    regions: list[RegionRecord]
+    graph: GraphRecord
+    passes: list[PassRecord]
+    fallbacks: list[Fallback]
+
+    def add_to(self, record: CompileRecord, regions_lowered_again: bool) -> None:
+        """Into ``record``: the graph and what its passes did (no time spent: this process ran none), and,
+        unless it lowers the graph again itself (which records its regions and their fallbacks), its
+        regions, each from its executor's cache now, and the lowering's fallbacks."""
+        record.graphs.append(self.graph)
+        record.passes += [replace(p, seconds=0.0) for p in self.passes]
+        record.fallbacks += [f for f in self.fallbacks if f.stage == "pass" or not regions_lowered_again]
+        if regions_lowered_again:
+            return
+        # (the notes were pickled perhaps before a region's build finished: its own cache_hit may be None)
+        compiled = [r.executor != "aten" for r in self.regions]
+        record.regions += [replace(r, compile_s=0.0, cache_hit=True if c else None)
+                           for r, c in zip(self.regions, compiled, strict=True)]  # fmt: skip
+        record.cache_hits += sum(compiled)
+
+
 class RecordMark(NamedTuple):
     """How many of each a CompileRecord held at one moment (``CompileRecord.mark``)."""
 

@@ -103,7 +103,7 @@ def test_checkpointed_multihead_attention_blocks_compile_on_their_first_step(gra
     """Blocks under non-reentrant ``torch.utils.checkpoint``, compiled in the first step's forward: the
     checkpoint counts every tensor saved while the block runs, and the fake values ``fuse_attention``
     gave its new nodes were counted too (30 in the forward, 21 in the recomputation: "A different
-    number of tensors was saved"); a second process then loaded the entry and ran. Losses and gradients
+    number of tensors was saved"; a later process, loading the saved entry, compiled nothing and ran). Losses and gradients
     equal eager's from the first step, the attention unfolded and in the kernel."""
     from tests.compile.user_models import CheckpointedMHALayers
 
@@ -182,6 +182,28 @@ def test_a_model_that_is_a_bare_sequential_compiles_and_loads_from_the_graph_cac
     assert records[0].graph_cache["compiled"] == 1 and records[0].graph_cache["saved"] == 1
     assert records[1].graph_cache["loaded"] == 1 and records[1].graph_cache["compiled"] == 0
     assert records[1].regions_per_executor().get("cpp", 0) > 0 and not records[1].graph_breaks
+
+
+def test_a_graph_loaded_from_the_cache_reports_what_its_passes_did(tmp_path):
+    """The attention the passes left to ATen (a window mask), and every pass that changed a graph, are
+    saved with the graph: a process that loads it reports them as the compiling one did (its report had
+    said nothing of the attention)."""
+    from tests.compile.user_models import WindowAttentionLM
+
+    torch.manual_seed(0)
+    first = WindowAttentionLM()
+    second = copy.deepcopy(first)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    records = []
+    for model in (first, second):
+        compiled = compile_model(model, transformer_blocks(model), cfg)
+        training_loss_fn(model)(*(torch.randint(0, VOCAB, (2, 16)) for _ in range(2))).backward()
+        records.append(compiled.record)
+    cold, cached = records
+    assert cached.graph_cache["loaded"] == 1 and cached.graph_cache["compiled"] == 0
+    assert cold.attention_left_to_aten() == {"a mask other than the causal one": 1}
+    assert cached.attention_left_to_aten() == cold.attention_left_to_aten()
+    assert cached.passes_fired() == cold.passes_fired() and all(p.seconds == 0 for p in cached.passes)
 
 
 def test_layers_of_containers_compile_the_whole_forward():
