@@ -110,8 +110,8 @@ def compiler_rows(c: dict) -> list[tuple[str, str]]:
         if changed := graphs.get("state_changed"):
             out.append(("graph cache: compiled, held only under other settings", "; ".join(changed)))
         if errors := graphs.get("errors"):  # each one is also listed below the table
-            # not all failures: most say why a method cannot be saved (a graph break), by design
-            out.append(("graph cache: compiled afresh instead, why", f"{len(errors)}: {errors[0]}"))
+            # mostly not failures: why a method cannot be saved (a graph break), by design; or a load or save that failed
+            out.append(("graph cache: not used or not saved, why", f"{len(errors)}: {errors[0]}"))
     if c.get("passes_fired"):
         fired = ", ".join(f"{k} ({v})" for k, v in c["passes_fired"].items())
         out.append(("passes that changed a graph (forward and backward graphs counted apart)", fired))

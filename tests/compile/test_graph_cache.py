@@ -660,7 +660,7 @@ def test_a_graph_cache_error_is_a_row_of_report_md():
     from accelrun.report.markdown import _compiler_section
 
     section = {"graph_cache": {"loaded": 0, "saved": 2, "errors": ["could not load a.pt: RuntimeError: boom"]}}
-    assert "| graph cache: compiled afresh instead, why | 1: could not load a.pt: RuntimeError: boom |" in _compiler_section(section)
+    assert "| graph cache: not used or not saved, why | 1: could not load a.pt: RuntimeError: boom |" in _compiler_section(section)
 
 
 @pytest.mark.parametrize("fullgraph", [False, True])

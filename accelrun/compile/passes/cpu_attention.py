@@ -1,7 +1,8 @@
 """cpu_attention: ``F.scaled_dot_product_attention`` on the CPU -> accelrun's C++ attention kernel.
 
-Takes calls with no mask tensor (causal or full), or with a boolean causal mask the graph computes from
-numbers alone (``folded_mask_is_causal``: transformers' under torch.compile), fp32 or bf16 inputs, equal query and key
+Takes calls with no mask tensor (causal or full), or with a causal mask the graph computes from numbers
+alone, boolean or additive, (T, T) to (B, 1, T, T) (``folded_mask_is_causal``: transformers' under
+torch.compile, a user's ``tril``), fp32 or bf16 inputs, equal query and key
 lengths and a head_dim the kernel handles (``fused.attention.supports``); any other call keeps ATen's.
 The kernel reads its sizes at each call, so a sequence length that changes between calls (a symbol in
 the graph; a user's own data without packing) is taken too, where no mask tensor is given.
@@ -78,8 +79,7 @@ def folded_mask_is_causal(mask: fx.Node, seq: int) -> bool | None:
     value = constant_value(mask, MAX_FOLDED_MASK)
     if value is None:
         return None
-    return (isinstance(value, torch.Tensor) and 2 <= value.dim() <= 4 and not value.requires_grad
-            and kernel.mask_is_causal(value, seq))  # fmt: skip
+    return isinstance(value, torch.Tensor) and 2 <= value.dim() <= 4 and kernel.mask_is_causal(value, seq)
 
 
 def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | str | None:
@@ -105,7 +105,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | str | None:
         # when it runs (the causal one runs the kernel), as for a mask the graph is given.
         folded = folded_mask_is_causal(mask, shapes[0][-2]) if isinstance(shapes[0][-2], int) else None
         if folded is False:
-            return "a mask other than the causal one"
+            return mask_problem(example_value(mask), shapes[0]) or "a mask other than the causal one"
         if folded:
             args["is_causal"] = True  # the mask said no more than that
         elif (problem := mask_problem(example_value(mask), shapes[0])) is None:
@@ -151,6 +151,7 @@ def mask_problem(mask: object, query_shape: tuple[int, ...]) -> str | None:
     if mask.requires_grad:
         return "a mask that needs a gradient (a learned bias)"
     B, H, S, _ = query_shape  # S may be a symbol (a length that changes): compared without a guard
+    # (ATen's attention, where a mask other than the causal one runs, takes 2 or 4 axes)
     if mask.dim() not in (2, 4) or not all(same_size(m, S) for m in mask.shape[-2:]) or not all(
             same_size(m, 1) or same_size(m, n) for m, n in zip(mask.shape[:-2], (B, H), strict=False)):  # fmt: skip
         return f"mask of shape {list(mask.shape)} for {B} x {H} x {S} x {S} scores"
