@@ -5,7 +5,8 @@ ratio to eager and to Inductor with a paired 95% bootstrap interval; the cold fi
 
 ``nanogpt`` is nanoGPT's model as its README trains it (dropout 0.1); ``nanogpt-p0`` the same without
 dropout, which separates what drawing dropout's masks in kernels (the cpu_dropout pass) gives from
-the rest. ``moe`` is a top-1 mixture of experts routed by boolean masks (``x[mask]``), whose experts
+the rest; ``nanogpt-tril`` that one with its causal mask written as users often do, a (T, T)
+``tril`` mask given to SDPA (ATen's attention until 2026-12-07, the C++ kernel since). ``moe`` is a top-1 mixture of experts routed by boolean masks (``x[mask]``), whose experts
 see a different number of tokens on every call; ``moe-indexed`` the same routed by indices
 (``torch.where``, ``index_add``), traced whole. The rest are the test suite's models at dim 256:
 ``mha`` (``nn.MultiheadAttention`` under a float causal mask, no list of the model's own blocks),
@@ -68,6 +69,7 @@ VOCAB = 320  # nanoGPT's character-level Shakespeare has 65; a byte-level corpus
 MODELS = {
     "nanogpt": lambda: NanoGPT(vocab=VOCAB, dim=128, layers=3, heads=4, dropout=0.1),
     "nanogpt-p0": lambda: NanoGPT(vocab=VOCAB, dim=128, layers=3, heads=4, dropout=0.0),
+    "nanogpt-tril": lambda: NanoGPT(vocab=VOCAB, dim=128, layers=3, heads=4, dropout=0.0, tril_mask=True),
     "moe": lambda: RoutedMoE(n_experts=4, vocab=VOCAB, dim=256),
     "moe-indexed": lambda: IndexedMoE(n_experts=4, vocab=VOCAB, dim=256),
     "mha": lambda: MHAModel(n_layers=4, vocab=VOCAB, dim=256),

@@ -316,19 +316,24 @@ class NanoGPTBlock(nn.Module):
     """nanoGPT's block: one qkv product split three ways, SDPA with dropout_p while training, dropout on
     both residual branches."""
 
-    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+    def __init__(self, dim: int, heads: int, dropout: float, tril_mask: bool = False) -> None:
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.c_attn, self.c_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.resid_dropout = nn.Dropout(dropout)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
-        self.heads, self.dropout = heads, dropout
+        self.heads, self.dropout, self.tril_mask = heads, dropout, tril_mask
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2)
                    for t in self.c_attn(self.ln_1(x)).split(C, dim=2))  # fmt: skip
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        p = self.dropout if self.training else 0.0
+        if self.tril_mask:  # causal as many write it: a (T, T) mask of their own
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         x = x + self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
         return x + self.mlp(self.ln_2(x))
 
@@ -339,11 +344,11 @@ class NanoGPT(nn.Module):
     masks); tests/compile/test_cpu_dropout.py and bench/user_models.py use it."""
 
     def __init__(self, vocab: int = VOCAB, dim: int = DIM, layers: int = 2, heads: int = 2, block: int = 1024,
-                 dropout: float = 0.1) -> None:  # fmt: skip
+                 dropout: float = 0.1, tril_mask: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(block, dim)
         self.drop = nn.Dropout(dropout)
-        self.h = nn.ModuleList([NanoGPTBlock(dim, heads, dropout) for _ in range(layers)])
+        self.h = nn.ModuleList([NanoGPTBlock(dim, heads, dropout, tril_mask) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(dim)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.wte.weight = self.lm_head.weight
@@ -513,5 +518,5 @@ def sequential_lm(vocab: int = VOCAB, dim: int = 32, depth: int = 2) -> nn.Modul
                          nn.Linear(dim, vocab))
 
 
-USER_MODELS = {"sequential": sequential_lm, "subclassed_layers": SubclassedLayersLM, "dict_layers": DictLayersLM, "mha": MHAModel, "encoder_layers": EncoderLayers, "routed_moe": RoutedMoE, "indexed_moe": IndexedMoE, "conv_mixer": ConvMixer,
+USER_MODELS = {"subclassed_layers": SubclassedLayersLM, "dict_layers": DictLayersLM, "mha": MHAModel, "encoder_layers": EncoderLayers, "routed_moe": RoutedMoE, "indexed_moe": IndexedMoE, "conv_mixer": ConvMixer,
                "short_conv": ShortConvLM, "plain_mlp": PlainMLP, "encoder": EncoderLM, "gru": GRULM, "lstm_blocks": LSTMStack, "batchnorm": BatchNormLM}
