@@ -28,6 +28,7 @@ from accelrun.config import ResolvedConfig
 from accelrun.config.data_checks import data_description
 from accelrun.config.hf_model import RUN_EXPORT_FOLDER
 from accelrun.config.preflight import capped_text
+from accelrun.data.summary import describe_batches
 from accelrun.dist.collective import set_group_timeouts
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.stop import Stopped
@@ -413,6 +414,8 @@ def _announce(console: Console, s: TrainSetup, setup_s: float) -> None:
         "MFU peak: " + (f"{s.peak.tflops:.3f} TFLOP/s ({s.peak.source})" if s.peak.tflops
                         else f"unknown ({s.peak.detail})"),
     ]
+    if (counted := describe_batches(s.data)) is not None:
+        lines.append(f"data: {data_description(s.config.data)}; {counted}")
     if s.resumed_from:
         lines.append(f"resuming from {s.resumed_from} at step {s.start_step} ({s.resume_reason})")
     elif s.config.checkpoint.resume != "none":

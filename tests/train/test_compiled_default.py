@@ -34,6 +34,7 @@ def test_cold_then_cached_runs_report_what_ran_compiled(tmp_path):
     assert compiler["regions_per_executor"]["cpp"] > 0
     assert "(compile.scope = auto: loss" in report["compiled"]
     assert f"compiled: {compiler['compiled']}" in " ".join(out.split())
+    assert "data: builtin (python-stdlib); packing concat; " in out and " documents, " in out  # what it trains on
     assert not compiler["warnings"] and "nothing was compiled" not in md
     cold_passes = compiler["passes_fired"]
     assert cold_passes.get("cpu_attention") and cold_passes.get("fuse_linear_cross_entropy"), cold_passes

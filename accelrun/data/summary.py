@@ -1,0 +1,29 @@
+"""One line on what a run trains on, for the start of `accelrun train`: how many tokens, in how many
+documents, and how many sequences of train.seq_len that makes (a corpus of four .txt files is four
+documents to ``data.source: text``, which only this line had shown a new user)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from accelrun.data.loader import TokenBatchIterator
+from accelrun.data.mix import MixedBatchIterator
+from accelrun.data.stream import TokenStream
+
+
+def describe_batches(batches: Any) -> str | None:
+    """How much ``batches`` (``build_data``'s iterator, or a wrapper holding it as ``inner``) draws from,
+    or None for an iterator of another kind."""
+    while not isinstance(batches, (TokenBatchIterator, MixedBatchIterator)) and hasattr(batches, "inner"):
+        batches = batches.inner
+    if isinstance(batches, TokenBatchIterator):
+        return f"{describe_stream(batches.stream)}, {batches.n_windows:,} sequences of {batches.seq_len:,} a pass"
+    if isinstance(batches, MixedBatchIterator):
+        return "; ".join(describe_stream(s) for s in batches.streams)
+    return None
+
+
+def describe_stream(stream: TokenStream) -> str:
+    starts = stream.document_starts
+    documents = f" in {len(starts):,} document{'s' if len(starts) != 1 else ''}" if starts is not None else ""
+    return f"{len(stream):,} tokens{documents}"

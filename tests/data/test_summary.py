@@ -1,0 +1,24 @@
+"""The data line `accelrun train` starts with: tokens, documents and sequences a pass."""
+
+from accelrun.data.loader import TokenBatchIterator
+from accelrun.data.mix import MixedBatchIterator
+from accelrun.data.summary import describe_batches, describe_stream
+from accelrun.data.text import load_text
+
+
+def test_files_of_the_text_source_are_counted_as_the_documents_they_are(tmp_path):
+    # data.source text: each file is one document, which a user of four .txt files had not known
+    for i in range(3):
+        (tmp_path / f"part{i}.txt").write_text("x" * (100 * (i + 1)))
+    stream = load_text([str(tmp_path / "*.txt")], max_bytes=None)
+    batches = TokenBatchIterator(stream, seq_len=8, micro_batch=2, seed=0)
+    said = describe_batches(batches)
+    assert said == f"{len(stream):,} tokens in 3 documents, {(len(stream) - 1) // 8:,} sequences of 8 a pass"
+
+    class Wrapper:  # context parallelism's batches hold the iterator as ``inner``
+        inner = batches
+
+    assert describe_batches(Wrapper()) == said
+    mixed = MixedBatchIterator([stream, stream], [0.5, 0.5], seq_len=8, micro_batch=2, seed=0)
+    assert describe_batches(mixed) == f"{describe_stream(stream)}; {describe_stream(stream)}"
+    assert describe_batches(iter([])) is None
