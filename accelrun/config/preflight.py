@@ -25,7 +25,7 @@ from accelrun.config.compose import Source
 from accelrun.config.data_checks import record_files_as_text, record_files_named
 from accelrun.config.errors import ConfigError
 from accelrun.config.record_paths import EXTENSIONS as RECORD_EXTENSIONS
-from accelrun.config.record_paths import empty_corpus
+from accelrun.config.record_paths import empty_corpus, path_names
 from accelrun.config.schema import RunConfig
 from accelrun.config.validate import source_of
 from accelrun.config.yaml_lines import KeyPath
@@ -95,6 +95,10 @@ def data_files(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine)
                                              "data"), True)]
     if cfg.data.source == "text" and all(_size(f) == 0 for f in files):  # validate passed it; train refused it
         return [Finding(f"{empty_corpus(files)} ({source_of(('data', 'paths'), sources)})", True)]
+    if cfg.data.source == "text" and (empty := [f for f in files if _size(f) == 0]):  # a glob's empty match
+        return [Finding(f"data.paths: {path_names(empty)} {'is' if len(empty) == 1 else 'are'} empty and "
+                        f"{'adds' if len(empty) == 1 else 'add'} nothing ({source_of(('data', 'paths'), sources)})",
+                        False)]
     if cfg.data.source == "tokens" and cfg.data.packing == "document":
         # Document packing reads each token file's document index (data/doc_index.py: NAME.docs beside NAME.tok).
         unindexed = [f for f in files if Path(f).suffix == ".tok" and not Path(f).with_suffix(".docs").is_file()]
@@ -212,9 +216,14 @@ def _first_records(paths: list[str], paths_key: KeyPath, field_path: KeyPath, fi
     if all(p.empty for p in peeks):
         return [Finding(f"{'.'.join(map(str, paths_key))}: the corpus is empty: no records in {file_names(files)} "
                         f"({source_of(paths_key, sources, exact=False)})", True)]
+    out = []
+    if empty := [f for f, peek in zip(files, peeks, strict=True) if peek.empty]:  # a glob's empty match
+        out.append(Finding(f"{'.'.join(map(str, paths_key))}: {file_names(empty)} "
+                           f"{'holds no records and adds' if len(empty) == 1 else 'hold no records and add'} nothing "
+                           f"({source_of(paths_key, sources, exact=False)})", False))
     if note := skipped_note(skipped):
-        return [Finding(f"{'.'.join(map(str, paths_key))}: {note}", False)]
-    return []
+        out.append(Finding(f"{'.'.join(map(str, paths_key))}: {note}", False))
+    return out
 
 
 def custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source], unchecked: list[str] | None = None) -> list[str]:

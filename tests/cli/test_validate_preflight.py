@@ -90,6 +90,19 @@ def test_an_empty_text_corpus_is_refused_by_validate_as_train_refuses_it(tmp_pat
     assert f"error: the corpus is empty: {tmp_path}/empty.txt has no bytes of text (override 'data.paths=" in r.stderr
 
 
+def test_an_empty_file_a_glob_matches_beside_others_is_said_to_add_nothing(tmp_path):
+    """It was skipped without a word (a new user's trial): a warning, exit 0, for text and records."""
+    (tmp_path / "a.txt").write_text("hello world\n" * 100)
+    (tmp_path / "b.txt").write_text("")
+    (tmp_path / "docs.jsonl").write_text('{"text": "hello"}\n' * 100)
+    (tmp_path / "empty.jsonl").write_text("")
+    r = validate("data.source=text", f"data.paths=[{tmp_path}/*.txt]")
+    assert r.exit_code == 0 and f"warning: data.paths: {tmp_path}/b.txt is empty and adds nothing" in r.stderr
+    r = validate("data.source=documents", f"data.paths=[{tmp_path}/*.jsonl]")
+    assert r.exit_code == 0, r.output
+    assert f"warning: data.paths: {tmp_path}/empty.jsonl holds no records and adds nothing" in r.stderr, r.stderr
+
+
 def test_a_text_corpus_past_data_max_bytes_is_said_to_be_read_in_part(tmp_path, tiny):
     """Reading stops at data.max_bytes (64 MiB by default): a larger corpus trained on its first part
     without a word from validate, train or the report."""
