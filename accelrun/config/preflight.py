@@ -260,7 +260,9 @@ def _built_custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source],
         position_table_problem,
     )
 
-    where = source_of(("model", "custom"), sources)
+    where = str(source_of(("model", "custom"), sources))
+    if cfg.model.kwargs:  # what the model's sizes come from too: `model.kwargs={vocab_size: 200}` made the table
+        where += f"; model.kwargs: {source_of(('model', 'kwargs'), sources, exact=False)}"
     try:
         model = build_model(cfg.model, "meta")
     except ModelBuildError as e:  # accelrun's own findings (not a module; a forward it cannot call): train's too

@@ -244,7 +244,9 @@ def test_the_token_table_is_the_one_the_head_matches_not_a_larger_position_table
      '"model.kwargs={vocab: 300, width: ...}"', ()),
     # Found once the model is built: validate builds it on the meta device (it said "valid" to both)
     ("contract_models:build", "{vocab: 100}", "embeds token ids below 100 (its token table), but data.tokenizer "
-                                              "'byte' has ids up to 257", "(model.custom: override", ()),
+                                              "'byte' has ids up to 257", "(model.custom: override 'model.custom="
+                                              "contract_models:build'; model.kwargs: override 'model.kwargs={vocab: "
+                                              "100}')", ()),  # the size came from model.kwargs: named too
     # found by building on the meta device, as train finds them (validate said "valid"; found by a new user)
     ("contract_models:not_a_module", "{}", "not_a_module(...) returned a str, not a torch.nn.Module",
      "(model.custom: override", ()),
