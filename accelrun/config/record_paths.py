@@ -66,7 +66,10 @@ def record_files(paths: Sequence[str], *, key: str = "data.paths",
             found += (_folder_files(Path(m), key, skipped) if os.path.isdir(m)
                       else _one_file(Path(m), key, strict=m == expanded))
         if not found:
-            raise DataError(f"{key}: {pattern!r} holds no record files ({', '.join(EXTENSIONS)})")
+            texts = any(Path(m).suffix.lower() == ".txt" for m in matches) or any(
+                f.suffix.lower() == ".txt" for m in matches if os.path.isdir(m) for f in Path(m).rglob("*.txt"))
+            hint = "; its .txt files are plain text, which data.source=text reads (a file a document)" if texts else ""
+            raise DataError(f"{key}: {pattern!r} holds no record files ({', '.join(EXTENSIONS)}){hint}")
         for f in found:
             if (a := os.path.abspath(f.path)) not in seen:
                 seen.add(a)

@@ -90,6 +90,13 @@ def test_an_empty_text_corpus_is_refused_by_validate_as_train_refuses_it(tmp_pat
     assert f"error: the corpus is empty: {tmp_path}/empty.txt has no bytes of text (override 'data.paths=" in r.stderr
 
 
+def test_text_files_given_to_the_documents_source_are_pointed_at_the_text_source(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world\n")
+    r = validate("data.source=documents", f"data.paths=[{tmp_path}/*.txt]")
+    assert r.exit_code == 2 and "holds no record files" in r.stderr, r.stderr
+    assert "its .txt files are plain text, which data.source=text reads (a file a document)" in r.stderr, r.stderr
+
+
 def test_an_empty_file_a_glob_matches_beside_others_is_said_to_add_nothing(tmp_path):
     """It was skipped without a word (a new user's trial): a warning, exit 0, for text and records."""
     (tmp_path / "a.txt").write_text("hello world\n" * 100)
