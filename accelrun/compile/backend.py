@@ -113,6 +113,7 @@ class AccelrunBackend:
     def _compile_dynamo_graph(self, gm: fx.GraphModule, example_inputs: list[Any]):
         name = f"g{self.record.dynamo_graphs}"
         self.record.dynamo_graphs += 1
+        self.record.traced_from[name] = break_sites.traced_function()
         self.record.parameters_in_graphs.update(id(t) for t in example_inputs if isinstance(t, nn.Parameter))
         # One for this Dynamo graph, kept by every stage's closures below: the backward's compile must see
         # what the forward's passes noted (AOTAutograd calls it after the forward's, below).

@@ -154,6 +154,19 @@ def _traced_frame() -> tuple[str, str] | None:
         return None
 
 
+def traced_function() -> str:
+    """The function Dynamo is tracing now, as ``Block.forward (model.py:12)``, its file shown from its
+    package's folder on; "" where none is (or torch's shape differs)."""
+    from accelrun.torch_private import DynamoInstructionTranslator
+
+    try:
+        code = DynamoInstructionTranslator.current_tx().f_code
+    except Exception:
+        return ""
+    file = "/".join(code.co_filename.replace("\\", "/").split("/")[-2:])
+    return f"{getattr(code, 'co_qualname', code.co_name)} ({file}:{code.co_firstlineno})"
+
+
 class _NoItemHint(logging.Filter):
     """Dynamo's own warning for `Tensor.item()` (16 lines, and a hint to trace the host read rather than
     to avoid it): the report gives the break's place and, where known, the change instead."""

@@ -110,6 +110,9 @@ class CompileRecord:
     cache_hits: int = 0
     cache_misses: int = 0
     dynamo_graphs: int = 0  # graphs Dynamo handed the backend (one per distinct block code, loss head, ...)
+    # Dynamo graph name -> the function it was traced from ("g0": "Block.forward (model.py:12)"), for
+    # `compile explain`, whose graphs are otherwise only numbered
+    traced_from: dict[str, str] = field(default_factory=dict)
     # graph_cache.py: loaded / compiled / saved entries, fallbacks, errors; or {"off": why}
     # (load time is in stage_seconds["graph cache load"])
     graph_cache: dict[str, Any] = field(default_factory=dict)
@@ -270,6 +273,7 @@ class CompileRecord:
             "regions": [asdict(r) for r in self.regions],
             "graphs": [asdict(g) for g in self.graphs],
             "fallbacks": [asdict(f) for f in self.fallbacks],
+            "traced_from": self.traced_from,
         }
 
 

@@ -179,6 +179,12 @@ def test_explain_prints_passes_and_writes_graphs(tiny, tmp_path):
     assert result.exit_code == 0, result.output
     for expected in ("partition_regions", "formed", "fusion regions by executor", "compile time"):
         assert expected in result.output
+    # the kernel cache named as such, and the graph cache said to be unused because explain compiles
+    # afresh (it blamed compile.dump, which the user never set)
+    said = " ".join(result.output.split())
+    assert "kernel cache (the regions' built kernels): " in said and "compile.dump" not in said
+    assert "graph cache: not used (explain compiles every graph afresh, to show each pass)" in said
+    assert "graphs traced from: g0: TransformerBlock.forward (llama/model.py:" in said  # not g0 alone
     (dump,) = (tmp_path / "runs").glob("*/*/compile")
     assert dump.parent.parent.name == "mine-explain"  # not doubled: mine-explain-explain
     record = json.loads((dump / "record.json").read_text())
