@@ -174,7 +174,7 @@ class CompileRecord:
         if line := self.cuda_graphs.line():
             parts.append(line)
         if changed := self.graph_cache.get("state_changed"):
-            parts.append(f"compiled, not loaded: the graph cache holds these graphs for {changed[0]} "
+            parts.append(f"not from the graph cache, which holds these graphs for {changed[0]} "
                          "(each setting keeps its own; these are saved now too)")
         return ", ".join(parts)
 

@@ -579,7 +579,7 @@ def test_a_miss_after_accelrun_torch_or_the_options_changed_says_which(monkeypat
         assert edited.graph_cache["compiled"] == 2 and edited.graph_cache["loaded"] == 0, edited.graph_cache
         assert edited.graph_cache["state_changed"] == ["another version of accelrun's code (upgraded, switched or "
                                                        "edited since)"]
-        assert "compiled, not loaded: the graph cache holds these graphs for another version of accelrun's code" \
+        assert "not from the graph cache, which holds these graphs for another version of accelrun's code" \
             in edited.compiled_line()
         changed.setattr(graph_cache.torch, "__version__", "9.9.9")
         torch._dynamo.reset()
@@ -611,7 +611,7 @@ def test_each_thread_count_has_its_own_entry(threads):
     assert one.graph_cache["errors"] == []  # before: "could not load ...: its guards reject these inputs"
     # Said where the user looks, not left to guess why a cached run compiled again.
     assert one.graph_cache["state_changed"] == ["threads 2, not 1"], one.graph_cache
-    assert "compiled, not loaded: the graph cache holds these graphs for threads 2, not 1" \
+    assert "not from the graph cache, which holds these graphs for threads 2, not 1" \
         in one.compiled_line()
     torch._dynamo.reset()
     again = step(*COMPILED)
