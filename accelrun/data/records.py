@@ -157,8 +157,14 @@ def read_file(f: RecordFile, columns: Sequence[str], *, column_key: str | None =
         raise DataError(f"cannot read {str(f.path)!r}: {e.strerror or e}") from None
 
 
-def _missing(where: str, column: str, have: Sequence[str], column_key: str | None) -> DataError:
-    fix = f"; set {column_key} to one of them" if column_key and have else ""
+def _missing(where: str, column: str, have: Sequence[str], column_key: str | None,
+             records_before: int = 0) -> DataError:
+    """``records_before``: records of this file read before this one (by this reader), each of which had
+    the field: one stray record is to be fixed or left out, not the recipe's field changed."""
+    if records_before:
+        fix = "; records before it in this file have it: fix or remove this one"
+    else:
+        fix = f"; set {column_key} to one of them" if column_key and have else ""
     fields = ", ".join(repr(h) for h in have) if have else "none"
     return DataError(f"{where}: no field {column!r} (fields: {fields}){fix}")
 
@@ -181,7 +187,7 @@ class _Rows:
             raise DataError(f"{self.where(line)}: expected a JSON object per record, got {type(obj).__name__}")
         for c in self.columns:
             if c not in obj:
-                raise _missing(self.where(line), c, list(obj), self.column_key)
+                raise _missing(self.where(line), c, list(obj), self.column_key, records_before=self.n)
             self.values[c].append(obj[c])
         self.lines.append(line)
         self.n += 1
