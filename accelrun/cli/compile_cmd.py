@@ -94,32 +94,32 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
 
     for line in coverage_lines(record):  # frames skipped, nothing compiled, fallbacks: never silent
         out.print(f"[yellow]{escape(line)}[/]" if line.startswith("warning") else escape(line))
-    if traced := [f"{g}: {f}" for g, f in record.traced_from.items() if f]:  # which code each gN is
+    if traced := [f"{g}: {f}" for g, f in record.traced_functions.items() if f]:  # which code each gN is
         out.print("graphs traced from: " + "; ".join(escape(t) for t in traced))
     table = Table("graph", "pass", "ops", "what changed", "time", title="passes", title_justify="left")
     table.columns[1].no_wrap = table.columns[0].no_wrap = True
     for row in ex.pass_rows(record):
         table.add_row(*map(escape, row))
-    print_wide(table)
+    _print_table(table)
     if record.regions:
         table = Table("graph", "executor", "regions", "compile", title="fusion regions by executor",
                       title_justify="left")  # fmt: skip
         for row in ex.executor_rows(record):
             table.add_row(*row)
-        print_wide(table)
+        _print_table(table)
         declines = ex.decline_reasons(record)
         if declines:
             table = Table("executor", "declined because", "regions", title="why executors declined",
                           title_justify="left")  # fmt: skip
             for who, why, n in declines:
                 table.add_row(who, escape(why), str(n))
-            print_wide(table)
+            _print_table(table)
         table = Table("graph", "region", "ops", "taken by", "declined by (why)", title="each region: who took it, "
                       "who declined and why", title_justify="left")  # fmt: skip
         shown = region_rows(record.regions, REGIONS_SHOWN)
         for row in shown:
             table.add_row(*map(escape, row))
-        print_wide(table)
+        _print_table(table)
         if len(record.regions) > len(shown):
             out.print(f"… and {len(record.regions) - len(shown)} more regions in {result.dump_dir}/record.json")
     if record.fallbacks:
@@ -127,7 +127,7 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
                       title_justify="left")  # fmt: skip
         for f in record.fallbacks:
             table.add_row(escape(f.graph), f.stage, escape(f.what), escape(f.reason))
-        print_wide(table)
+        _print_table(table)
     for p in record.passes:  # the collectives' schedule (schedule_overlap), the buckets formed, ...
         if p.detail:
             out.print(f"[bold]{escape(p.graph)} · {escape(p.name)}[/]")
@@ -142,14 +142,23 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
     table.add_row("Dynamo capture and the rest (first step − above − a compiled step)", f"{max(rest, 0):.2f}")
     table.add_row("first step (capture + compile + run)", f"{result.first_step_s:.2f}")
     table.add_row("compiled step (median)", f"{result.steady_step_s:.3f}")
-    print_wide(table)
+    _print_table(table)
     out.print(f"kernel cache (the regions' built kernels): {record.cache_hits} hit(s), {record.cache_misses} "
               f"miss(es); loss {result.loss:.4f}")
-    # explain turns compile.dump on itself: every graph is compiled afresh, passes and all, not loaded
-    out.print("graph cache: not used (explain compiles every graph afresh, to show each pass)")
+    if "off" in record.graph_cache:  # explain turns compile.dump on itself: every graph compiled afresh
+        out.print("graph cache: not used (explain compiles every graph afresh, to show each pass)")
     (result.dump_dir).mkdir(parents=True, exist_ok=True)
     (result.dump_dir / "record.json").write_text(json.dumps(record.to_json(), indent=1))
     out.print(f"graphs before/after every pass, kernels and record.json: {result.dump_dir}/")
+
+
+def _print_table(table: Table) -> None:
+    """At the terminal's width on a terminal (cells fold); piped or logged, at the table's natural width
+    (80 columns had cut cells short)."""
+    if out.is_terminal:
+        out.print(table)
+    else:
+        print_wide(table)
 
 
 # Regions listed one per line by `compile explain` (a model's regions repeat per block; record.json has all).
@@ -183,7 +192,7 @@ def passes_cmd() -> None:
         opts = option_defaults(spec.options)
         presets = ", ".join(p for p, names in PRESETS.items() if name in names) or "-"
         table.add_row(name, spec.stage, escape(opts), presets, escape(spec.doc))
-    print_wide(table)
+    _print_table(table)
     out.print(escape("Use a preset (compile.passes=default|none|max), one less some of its passes "
                      "(compile.passes=default-remat-cpu_dropout), or a list: "
                      "'compile.passes=[dce, cse, {remat: {budget_mb: 64}}]'"))
@@ -210,4 +219,4 @@ def executors_cmd() -> None:
         why = cls().unavailable_reason()
         doc = (cls.__doc__ or (__import__(cls.__module__, fromlist=["_"]).__doc__ or "")).strip().splitlines()[0]
         table.add_row(name, "yes" if why is None else f"no: {escape(why)}", escape(doc))
-    print_wide(table)
+    _print_table(table)

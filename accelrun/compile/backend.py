@@ -77,6 +77,7 @@ class AccelrunBackend:
         # Set by graph_cache while it precompiles: graphs then come back as AccelrunOutputCode, which
         # torch's precompile path can save with the Dynamo frame and load in another process.
         self.serializable = False
+        self.precompiling = ""  # set by graph_cache with serializable: the function its precompile traces
         # Called on each forward/backward graph after its post-grad passes, before lowering (compiled FSDP
         # routes collectives through its communication trace here).
         self.before_lowering: list[Callable[[fx.GraphModule], None]] = []
@@ -113,7 +114,7 @@ class AccelrunBackend:
     def _compile_dynamo_graph(self, gm: fx.GraphModule, example_inputs: list[Any]):
         name = f"g{self.record.dynamo_graphs}"
         self.record.dynamo_graphs += 1
-        self.record.traced_from[name] = break_sites.traced_function()
+        self.record.traced_functions[name] = break_sites.traced_function() or self.precompiling
         self.record.parameters_in_graphs.update(id(t) for t in example_inputs if isinstance(t, nn.Parameter))
         # One for this Dynamo graph, kept by every stage's closures below: the backward's compile must see
         # what the forward's passes noted (AOTAutograd calls it after the forward's, below).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import re
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,14 +156,19 @@ def _traced_frame() -> tuple[str, str] | None:
 
 
 def traced_function() -> str:
-    """The function Dynamo is tracing now, as ``Block.forward (model.py:12)``, its file shown from its
-    package's folder on; "" where none is (or torch's shape differs)."""
+    """The function Dynamo is tracing now, as ``Block.forward (model.py:12)``; "" where none is: torch's
+    precompile calls the backend after its trace has ended (the graph cache says what it traced)."""
     from accelrun.torch_private import DynamoInstructionTranslator
 
     try:
-        code = DynamoInstructionTranslator.current_tx().f_code
+        return code_label(DynamoInstructionTranslator.current_tx().f_code)
     except Exception:
         return ""
+
+
+def code_label(code: types.CodeType) -> str:
+    """``Block.forward (model.py:12)``: the function's name and where it starts, its file shown from its
+    package's folder on."""
     file = "/".join(code.co_filename.replace("\\", "/").split("/")[-2:])
     return f"{getattr(code, 'co_qualname', code.co_name)} ({file}:{code.co_firstlineno})"
 

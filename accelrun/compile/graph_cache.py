@@ -44,6 +44,7 @@ from torch import nn
 import accelrun
 from accelrun.compile import coverage
 from accelrun.compile.activity import ACTIVITY
+from accelrun.compile.break_sites import code_label
 from accelrun.compile.executors.generated import compiling_after
 from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.record import CompileRecord
@@ -612,6 +613,10 @@ class CachedMethod:
             # Dynamo reads every tensor's .grad while it writes the guards down; harmless, but it warns.
             warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
             backend.serializable = True
+            # (torch.nn's own modules are traced from a frame of accelrun's compiler: named by their class)
+            backend.precompiling = (f"{type(owner).__name__}.forward (torch.nn)"
+                                    if self.func.__module__.startswith("accelrun.compile.")
+                                    else code_label(self.func.__code__))  # fmt: skip
             stages = backend.record.stage_seconds
             timed_before, t0 = sum(stages.values()), time.perf_counter()
             try:
@@ -623,7 +628,7 @@ class CachedMethod:
                       config.patch(capture_scalar_outputs=True)):
                     entry = compiled.aot_compile((args, kwargs))
             finally:
-                backend.serializable = False
+                backend.serializable, backend.precompiling = False, ""
             # The rest of the precompile's wall time is Dynamo's (tracing the bytecode, writing guards):
             # timed here, a compile time need not be guessed from the first step.
             stages["dynamo trace"] += max(time.perf_counter() - t0 - (sum(stages.values()) - timed_before), 0.0)

@@ -112,7 +112,7 @@ class CompileRecord:
     dynamo_graphs: int = 0  # graphs Dynamo handed the backend (one per distinct block code, loss head, ...)
     # Dynamo graph name -> the function it was traced from ("g0": "Block.forward (model.py:12)"), for
     # `compile explain`, whose graphs are otherwise only numbered
-    traced_from: dict[str, str] = field(default_factory=dict)
+    traced_functions: dict[str, str] = field(default_factory=dict)
     # graph_cache.py: loaded / compiled / saved entries, fallbacks, errors; or {"off": why}
     # (load time is in stage_seconds["graph cache load"])
     graph_cache: dict[str, Any] = field(default_factory=dict)
@@ -273,7 +273,7 @@ class CompileRecord:
             "regions": [asdict(r) for r in self.regions],
             "graphs": [asdict(g) for g in self.graphs],
             "fallbacks": [asdict(f) for f in self.fallbacks],
-            "traced_from": self.traced_from,
+            "traced_functions": self.traced_functions,
         }
 
 
@@ -292,6 +292,7 @@ def merge_records(parts: list[tuple[str, CompileRecord]]) -> CompileRecord:
         out.regions += [replace(r, graph=f"{label}.{r.graph}") for r in rec.regions]
         out.graphs += [replace(g, name=f"{label}.{g.name}") for g in rec.graphs]
         out.fallbacks += [replace(f, graph=f"{label}.{f.graph}") for f in rec.fallbacks]
+        out.traced_functions |= {f"{label}.{g}": fn for g, fn in rec.traced_functions.items()}
         out.stage_seconds.update(rec.stage_seconds)
         out.cache_hits += rec.cache_hits
         out.cache_misses += rec.cache_misses

@@ -66,8 +66,8 @@ def record_files(paths: Sequence[str], *, key: str = "data.paths",
             found += (_folder_files(Path(m), key, skipped) if os.path.isdir(m)
                       else _one_file(Path(m), key, strict=m == expanded))
         if not found:
-            texts = any(Path(m).suffix.lower() == ".txt" for m in matches) or any(
-                f.suffix.lower() == ".txt" for m in matches if os.path.isdir(m) for f in Path(m).rglob("*.txt"))
+            # (text files matched one by one: the text source reads files and globs, not folders)
+            texts = any(Path(m).suffix.lower() == ".txt" and os.path.isfile(m) for m in matches)
             hint = "; its .txt files are plain text, which data.source=text reads (a file a document)" if texts else ""
             raise DataError(f"{key}: {pattern!r} holds no record files ({', '.join(EXTENSIONS)}){hint}")
         for f in found:

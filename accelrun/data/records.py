@@ -249,7 +249,7 @@ def _read_json(f: RecordFile, columns, column_key, rows):
             raise DataError(f"{f.path} item {i}: expected a JSON object per record, got {type(obj).__name__}")
         for c in columns:
             if c not in obj:
-                raise _missing(f"{f.path} item {i}", c, list(obj), column_key)
+                raise _missing(f"{f.path} item {i}", c, list(obj), column_key, records_before=i)
         rec.add(obj, i)
         if len(rec.lines) >= rows:
             yield _as_rows(rec.take())

@@ -17,13 +17,17 @@ def describe_batches(batches: Any) -> str | None:
     while not isinstance(batches, (TokenBatchIterator, MixedBatchIterator)) and hasattr(batches, "inner"):
         batches = batches.inner
     if isinstance(batches, TokenBatchIterator):
-        return f"{describe_stream(batches.stream)}, {batches.n_windows:,} sequences of {batches.seq_len:,} a pass"
+        read = batches.batches_per_epoch * batches.step_windows  # a pass reads whole steps' windows
+        return f"{describe_stream(batches.stream)}, {read:,} sequences of {batches.seq_len:,} a pass"
     if isinstance(batches, MixedBatchIterator):
-        return "; ".join(describe_stream(s) for s in batches.streams)
+        return "; ".join(f"source {i}: {describe_stream(s)}" for i, s in enumerate(batches.streams))
     return None
 
 
 def describe_stream(stream: TokenStream) -> str:
     starts = stream.document_starts
     documents = f" in {len(starts):,} document{'s' if len(starts) != 1 else ''}" if starts is not None else ""
-    return f"{len(stream):,} tokens{documents}"
+    # eval.every > 0: the held-out tail is not the training stream's (data/heldout.py)
+    held_out = stream.fingerprint.get("held_out_windows")
+    return f"{len(stream):,} tokens{documents}" + (f" (eval holds out {held_out:,} sequences after them)"
+                                                    if held_out else "")

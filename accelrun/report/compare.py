@@ -191,13 +191,13 @@ def common_peak(runs: list[RunRecord]) -> tuple[float | None, str]:
     sources = [str(r.figure("peak").get("source", "")) for r in runs if r.figure("peak")]
     precisions = {str(r.config_flat.get("train.precision", "fp32")) for r in runs}
     if len(precisions) > 1 or not all(s.startswith(("measured", BUSY_PEAK)) for s in sources):
-        own = {f"{p:.3g}" for r in runs if (p := run_peak(r)) is not None}
+        own = sorted({p for r in runs if (p := run_peak(r)) is not None})
         if len(own) < 2:
             return None, ""
         # a bf16 run 1.76x faster read as the lower MFU beside fp32's (a new user's trial)
-        return None, (f"MFU is each run's against its own peak ({', '.join(sorted(own))} TFLOP/s: "
-                      f"{'precisions' if len(precisions) > 1 else 'devices or declared peaks'} differ): "
-                      "compare step times and tokens/s, not MFU, across them")
+        why = "precisions differ" if len(precisions) > 1 else "devices or declared peaks differ"
+        return None, (f"MFU is each run's against its own peak ({', '.join(f'{p:.3g}' for p in own)} TFLOP/s: "
+                      f"{why}): compare step times and tokens/s, not MFU, across them")
     peaks = [p for r in runs if (p := run_peak(r)) is not None]
     if not peaks:
         return None, ""

@@ -184,26 +184,39 @@ def test_a_model_that_is_a_bare_sequential_compiles_and_loads_from_the_graph_cac
     assert records[1].regions_per_executor().get("cpp", 0) > 0 and not records[1].graph_breaks
 
 
-def test_a_graph_loaded_from_the_cache_reports_what_its_passes_did(tmp_path):
-    """The attention the passes left to ATen (a window mask), and every pass that changed a graph, are
-    saved with the graph: a process that loads it reports them as the compiling one did (its report had
-    said nothing of the attention)."""
+def test_a_graph_loaded_from_the_cache_reports_what_its_passes_did(tmp_path, monkeypatch):
+    """The attention the passes left to ATen (a window mask), every pass that changed a graph, and a
+    pass that failed (skipped for that graph) are saved with the graph: a process that loads it reports
+    them as the compiling one did (its report had said nothing of the attention)."""
+    import dataclasses
+
+    from accelrun.compile.passes import base
     from tests.compile.user_models import WindowAttentionLM
+
+    def raising(gm, options, ctx):
+        raise ValueError("a bug in a pass")
 
     torch.manual_seed(0)
     first = WindowAttentionLM()
     second = copy.deepcopy(first)
-    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
     records = []
     for model in (first, second):
-        compiled = compile_model(model, transformer_blocks(model), cfg)
-        training_loss_fn(model)(*(torch.randint(0, VOCAB, (2, 16)) for _ in range(2))).backward()
+        with monkeypatch.context() as patched:  # the compiling process's simplify fails
+            if model is first:
+                patched.setitem(base._REGISTRY, "simplify", dataclasses.replace(base._REGISTRY["simplify"], fn=raising))
+            cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+            compiled = compile_model(model, transformer_blocks(model), cfg)
+            training_loss_fn(model)(*(torch.randint(0, VOCAB, (2, 16)) for _ in range(2))).backward()
         records.append(compiled.record)
     cold, cached = records
     assert cached.graph_cache["loaded"] == 1 and cached.graph_cache["compiled"] == 0
     assert cold.attention_left_to_aten() == {"a mask other than the causal one": 1}
     assert cached.attention_left_to_aten() == cold.attention_left_to_aten()
     assert cached.passes_fired() == cold.passes_fired() and all(p.seconds == 0 for p in cached.passes)
+    assert {(f.stage, f.what) for f in cold.fallbacks} == {("pass", "simplify")}
+    assert cached.fallbacks == cold.fallbacks
+    # which function the graph was traced from, though torch's precompile calls the backend after its trace
+    assert cold.traced_functions["g0"].startswith("WindowAttentionLM.forward (compile/user_models.py:")
 
 
 def test_layers_of_containers_compile_the_whole_forward():

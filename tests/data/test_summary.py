@@ -13,12 +13,13 @@ def test_files_of_the_text_source_are_counted_as_the_documents_they_are(tmp_path
     stream = load_text([str(tmp_path / "*.txt")], max_bytes=None)
     batches = TokenBatchIterator(stream, seq_len=8, micro_batch=2, seed=0)
     said = describe_batches(batches)
-    assert said == f"{len(stream):,} tokens in 3 documents, {(len(stream) - 1) // 8:,} sequences of 8 a pass"
+    whole_steps = (len(stream) - 1) // 8 // 2 * 2  # a pass reads whole steps of 2 sequences
+    assert said == f"{len(stream):,} tokens in 3 documents, {whole_steps:,} sequences of 8 a pass"
 
     class Wrapper:  # context parallelism's batches hold the iterator as ``inner``
         inner = batches
 
     assert describe_batches(Wrapper()) == said
     mixed = MixedBatchIterator([stream, stream], [0.5, 0.5], seq_len=8, micro_batch=2, seed=0)
-    assert describe_batches(mixed) == f"{describe_stream(stream)}; {describe_stream(stream)}"
+    assert describe_batches(mixed) == f"source 0: {describe_stream(stream)}; source 1: {describe_stream(stream)}"
     assert describe_batches(iter([])) is None

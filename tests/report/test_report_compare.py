@@ -334,3 +334,13 @@ def test_mfu_is_taken_against_one_peak_for_every_row(runs, tmp_path):
     # and the notes say so: a bf16 run 1.76x faster had read as the lower MFU (a new user's trial)
     assert ("MFU is each run's against its own peak (0.1, 0.2 TFLOP/s: devices or declared peaks differ): compare "
             "step times and tokens/s, not MFU, across them") in c.notes, c.notes
+    # the trial's case: measured peaks of two precisions (bf16's probe measures bf16 products)
+    for path, precision in ((quiet, "fp32"), (busy, "bf16-mixed")):
+        report = json.loads((path / "report.json").read_text())
+        report["peak"]["source"] = "measured: float32 64x64 matrix product probe"
+        (path / "report.json").write_text(json.dumps(report))
+        config = (path / "config.yaml").read_text().replace("precision: fp32", f"precision: {precision}")
+        (path / "config.yaml").write_text(config)
+    c = compare_groups(groups(quiet, busy), resamples=200)
+    assert any(n.startswith("MFU is each run's against its own peak (0.1, 0.2 TFLOP/s: precisions differ)")
+               for n in c.notes), c.notes
