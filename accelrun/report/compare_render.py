@@ -62,10 +62,10 @@ def parity_lines(c: Comparison) -> list[str]:
 
     def against(i: int, r: GroupFigures) -> str:
         if i == 0:
-            return f"{r.label}'s repeats against its first run"
-        return r.label if r.parity.status == "differ" else f"{r.label} against {ref}"  # "differ" names both
+            return f"{r.label}'s repeats against its first run: "
+        return "" if r.parity.status == "differ" else f"{r.label} against {ref}: "  # "B parts from A" names both
 
-    return [f"{against(i, r)}: {parity_text(r, ref)}" for i, r in enumerate(c.rows) if r.parity is not None]
+    return [f"{against(i, r)}{parity_text(r, ref)}" for i, r in enumerate(c.rows) if r.parity is not None]
 
 
 def spread_lines(c: Comparison) -> list[str]:

@@ -58,6 +58,7 @@ def test_changed_seed_is_detected_with_the_step_and_the_cause(runs):
     assert d.values == [0, 1] and d.sources[1] == "override 'train.seed=1'"
     md = render_comparison_md(c, title="t")
     assert f"B parts from A at step {p.first_step}" in md and "train.seed" in md
+    assert "B: B parts" not in md  # the line names each run once (a new user's trial)
 
 
 def test_a_run_that_drew_dropout_masks_in_kernels_names_that_as_the_cause(runs, tmp_path):
