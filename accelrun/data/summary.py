@@ -20,7 +20,8 @@ def describe_batches(batches: Any) -> str | None:
         read = batches.batches_per_epoch * batches.step_windows  # a pass reads whole steps' windows
         return f"{describe_stream(batches.stream)}, {read:,} sequences of {batches.seq_len:,} a pass"
     if isinstance(batches, MixedBatchIterator):
-        return "; ".join(f"source {i}: {describe_stream(s)}" for i, s in enumerate(batches.streams))
+        return "; ".join(f"source {i} ({w:.0%} of the sequences): {describe_stream(s)}"
+                         for i, (s, w) in enumerate(zip(batches.streams, batches.weights, strict=True)))
     return None
 
 

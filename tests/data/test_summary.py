@@ -21,5 +21,6 @@ def test_files_of_the_text_source_are_counted_as_the_documents_they_are(tmp_path
 
     assert describe_batches(Wrapper()) == said
     mixed = MixedBatchIterator([stream, stream], [0.5, 0.5], seq_len=8, micro_batch=2, seed=0)
-    assert describe_batches(mixed) == f"source 0: {describe_stream(stream)}; source 1: {describe_stream(stream)}"
+    assert describe_batches(mixed) == (f"source 0 (50% of the sequences): {describe_stream(stream)}; "
+                                       f"source 1 (50% of the sequences): {describe_stream(stream)}")
     assert describe_batches(iter([])) is None
