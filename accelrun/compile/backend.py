@@ -232,7 +232,7 @@ class AccelrunBackend:
         if self.serializable:
             from accelrun.compile.output_code import AccelrunOutputCode
 
-            since = self._saved_up_to.get(name, self.record.mark())
+            since = self._saved_up_to[name]  # set when this Dynamo graph's compile began
             notes = SavedNotes(self.record.regions[first_region:], self.record.graphs[-1],
                                self.record.passes[since.passes:], self.record.fallbacks[since.fallbacks:])
             self._saved_up_to[name] = self.record.mark()

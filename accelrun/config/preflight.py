@@ -96,9 +96,8 @@ def data_files(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine)
     if cfg.data.source == "text" and all(_size(f) == 0 for f in files):  # validate passed it; train refused it
         return [Finding(f"{empty_corpus(files)} ({source_of(('data', 'paths'), sources)})", True)]
     if cfg.data.source == "text" and (empty := [f for f in files if _size(f) == 0]):  # a glob's empty match
-        return [Finding(f"data.paths: {path_names(empty)} {'is' if len(empty) == 1 else 'are'} empty and "
-                        f"{'adds' if len(empty) == 1 else 'add'} nothing ({source_of(('data', 'paths'), sources)})",
-                        False)]
+        return [_adding_nothing("data.paths", path_names(empty), len(empty), ("is empty", "are empty"),
+                                source_of(("data", "paths"), sources))]
     if cfg.data.source == "tokens" and cfg.data.packing == "document":
         # Document packing reads each token file's document index (data/doc_index.py: NAME.docs beside NAME.tok).
         unindexed = [f for f in files if Path(f).suffix == ".tok" and not Path(f).with_suffix(".docs").is_file()]
@@ -108,6 +107,13 @@ def data_files(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine)
                             f"beside it, and data.packing = document ({where}) reads one; prepare it again with "
                             "accelrun data prepare, or use data.packing: concat", True)]
     return []
+
+
+def _adding_nothing(key: str, names: str, count: int, state: tuple[str, str], where: Source) -> Finding:
+    """The warning for files a glob matched beside others that add nothing (``state``: singular, plural):
+    they had been skipped without a word."""
+    said = f"{state[0]} and adds" if count == 1 else f"{state[1]} and add"
+    return Finding(f"{key}: {names} {said} nothing ({where})", False)
 
 
 def _size(f: Path) -> int | None:
@@ -218,9 +224,8 @@ def _first_records(paths: list[str], paths_key: KeyPath, field_path: KeyPath, fi
                         f"({source_of(paths_key, sources, exact=False)})", True)]
     out = []
     if empty := [f for f, peek in zip(files, peeks, strict=True) if peek.empty]:  # a glob's empty match
-        out.append(Finding(f"{'.'.join(map(str, paths_key))}: {file_names(empty)} "
-                           f"{'holds no records and adds' if len(empty) == 1 else 'hold no records and add'} nothing "
-                           f"({source_of(paths_key, sources, exact=False)})", False))
+        out.append(_adding_nothing(".".join(map(str, paths_key)), file_names(empty), len(empty),
+                                   ("holds no records", "hold no records"), source_of(paths_key, sources, exact=False)))
     if note := skipped_note(skipped):
         out.append(Finding(f"{'.'.join(map(str, paths_key))}: {note}", False))
     return out
