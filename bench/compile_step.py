@@ -19,6 +19,7 @@ be reset, the process's whole peak, marked "(whole process)").
     python bench/compile_step.py --malloc system           # glibc defaults (faults on every step)
     python bench/compile_step.py --device cuda --executors triton,aten model.dim=1024 model.n_layers=8
     python bench/compile_step.py --variants inductor,accelrun --profile-warm-start /tmp/prof   # where it goes
+    python bench/compile_step.py --device cuda --profile-kernels /tmp/prof   # each variant's kernels, by kind
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from accelrun.report.stats import bootstrap_ratio_of_medians  # noqa: E402
 from accelrun.train.host_malloc import malloc_record, tune_malloc  # noqa: E402
 from accelrun.train.optim import build_optimizer  # noqa: E402
 from accelrun.train.precision import autocast  # noqa: E402
+from bench.kernel_profile import profile_steps, side_by_side, write_tables  # noqa: E402
 from bench.rounds import new_process_env  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "accelrun", "thunder")
@@ -221,6 +223,9 @@ def main() -> None:
     p.add_argument("override", nargs="*", help="recipe overrides for every variant (model.dim=1024 ...)")
     p.add_argument("--profile-warm-start", metavar="DIR", help="write a cProfile of each variant's warm-start "
                    "first step (the new process's) into DIR, 40 entries by cumulative time")
+    p.add_argument("--profile-kernels", metavar="DIR", help="after the timed rounds, profile each variant's steps "
+                   "and write its kernels' own time per step into DIR, with a table by kind of kernel")
+    p.add_argument("--profile-steps", type=int, default=5, help="steps profiled per variant (--profile-kernels)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     tune_malloc(args.malloc)
@@ -272,6 +277,10 @@ def time_variants(names: list[str], args: argparse.Namespace) -> tuple[list[tupl
     for _ in range(args.rounds):
         for v in variants:
             v.times.append(v.step())
+    if args.profile_kernels:  # after the timed rounds: the profiler's own cost stays out of them
+        tables = [profile_steps(v.name, v.step, args.profile_steps, v.device) for v in variants]
+        path = write_tables(tables, Path(args.profile_kernels), args.precision)
+        print(f"{side_by_side(tables)}\n(each variant's kernels: {path})")
     for v in variants:
         if line := v.compiled_line():
             print(f"{v.name}: {line}")

@@ -22,7 +22,8 @@
 #                                          # launches, and bench/compile_step.py on an 8-layer dim-2048
 #                                          # Llama, eager vs Inductor vs accelrun's Triton, fp32 and bf16
 #                                          # (its halves alone: bench-debug, bench-8layer; the latter
-#                                          # lighter: SMOKE_BENCH_PRECISION=bf16-mixed SMOKE_BENCH_ROUNDS=6)
+#                                          # lighter: SMOKE_BENCH_PRECISION=bf16-mixed SMOKE_BENCH_ROUNDS=6;
+#                                          # SMOKE_BENCH_PROFILE=DIR adds each variant's kernels by kind)
 #
 # It stops at nothing: every part runs, and the exit code is 1 if any part failed.
 #
@@ -241,8 +242,9 @@ if [ "$DEVICE" = cuda ] && { want bench || want bench-8layer; }; then
     section "eager, Inductor and accelrun's Triton on an 8-layer dim-2048 Llama (bench/compile_step.py)"
     # SMOKE_BENCH_PRECISION / SMOKE_BENCH_ROUNDS: both precisions and 12 rounds ran past a 10-minute
     # device command on an H200 (2026-11-27); bf16-mixed alone with 6 rounds fits one.
+    # SMOKE_BENCH_PROFILE=DIR: also each variant's kernels, by kind (bench/kernel_profile.py), into DIR
     python bench/compile_step.py --device cuda --executors triton,aten --precision "${SMOKE_BENCH_PRECISION:-both}" \
-        --rounds "${SMOKE_BENCH_ROUNDS:-12}" \
+        --rounds "${SMOKE_BENCH_ROUNDS:-12}" ${SMOKE_BENCH_PROFILE:+--profile-kernels "$SMOKE_BENCH_PROFILE"} \
         model.dim=2048 model.n_layers=8 model.n_heads=16 model.n_kv_heads=8 model.ffn_dim=5632 \
         model.vocab_size=32000 train.seq_len=2048 train.micro_batch=4 train.global_batch=4 || failed+=("bench")
 fi
