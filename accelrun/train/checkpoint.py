@@ -2,7 +2,7 @@
 
 Layout, under ``<run dir>/checkpoints/``::
 
-    step-000100/           complete: DCP shards + train_state.json + COMPLETE
+    step-000100/           complete: DCP shards + train_state.json + rng/ + COMPLETE
     .tmp-step-000200-ab12/ being written (or left by a kill): never trusted; removed when the run
                            it belongs to is resumed
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import shutil
 import warnings
@@ -33,6 +34,7 @@ from accelrun.report.rundir import unwritable
 COMPLETE = "COMPLETE"
 TRAIN_STATE = "train_state.json"
 PREFIX = "step-"
+RNG_DIR = "rng"  # a file per rank: each rank's generators draw its own dropout masks
 
 
 @dataclass(frozen=True)
@@ -83,10 +85,11 @@ def _save(ckpt_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
     _barrier(ctx)
+    save_rng_state(tmp, ctx.rank if ctx is not None else 0)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)  # collective: every rank's file is written
     if main:
         _write_synced(tmp / TRAIN_STATE, json.dumps({"step": step, **train_state}, indent=1))
         _write_synced(tmp / COMPLETE, "")
@@ -118,6 +121,38 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return json.loads((path / TRAIN_STATE).read_text())
+
+
+def rng_file(path: Path, rank: int) -> Path:
+    return path / RNG_DIR / f"rank-{rank:05d}.pt"
+
+
+def save_rng_state(path: Path, rank: int) -> None:
+    """This rank's random generators as they stand after the checkpoint's step: dropout masks (eager's,
+    and those drawn in compiled kernels from a seed torch's generator gives) and anything else the next
+    step draws continue as in a run that was never stopped."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    file = rng_file(path, rank)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, file)
+
+
+def restore_rng_state(path: Path, rank: int) -> str | None:
+    """Sets this rank's generators from checkpoint ``path``; None if done, else why not (a checkpoint
+    written before generators were saved, or by a job with fewer ranks): the run then goes on from
+    its seed, and the masks it draws differ from an uninterrupted run's."""
+    file = rng_file(path, rank)
+    if not file.is_file():
+        return (f"{path.name} holds no random-generator state for rank {rank} (written by an older accelrun or "
+                f"a job with fewer ranks): dropout masks after it differ from an uninterrupted run's")
+    state = torch.load(file, weights_only=True)
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
+    return None
 
 
 def complete_checkpoints(ckpt_dir: Path) -> list[CheckpointInfo]:

@@ -40,7 +40,7 @@ from accelrun.models.flop_count import FlopsPerToken, flops_per_token
 from accelrun.models.hf_io import load_hf_for_config
 from accelrun.plan.stage_split import recipe_end_costs
 from accelrun.report.peak import Peak, resolve_peak
-from accelrun.train.checkpoint import complete_checkpoints, load_checkpoint, remove_partial
+from accelrun.train.checkpoint import complete_checkpoints, load_checkpoint, remove_partial, restore_rng_state
 from accelrun.train.lineage import RunAlreadyContinued, claim_continuation
 from accelrun.train.optim import build_optimizer, build_scheduler
 from accelrun.train.resume import ResumeDecision, auto_would_continue, decide_resume
@@ -271,6 +271,9 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         scheduler.load_state_dict(saved["scheduler"])
         data.load_state_dict(saved["data"])
         start_step, resumed_from = int(saved["step"]), ckpt.path
+        # Last in setup: nothing above may draw from the generators after this (the model's init did before).
+        if (missing := restore_rng_state(ckpt.path, ctx.rank)) is not None:
+            reason += f"; note: {missing}"
         if ckpt.training_hash != resolved.training_hash:
             reason += (f"; note: written with training hash {ckpt.training_hash}, this run's is "
                        f"{resolved.training_hash}, so the losses will not match a continuous run")

@@ -365,3 +365,53 @@ def test_a_job_folder_entered_again_after_its_run_finished_is_kept_and_another_t
     with pytest.raises(ConfigError, match=r"--rdzv-id j1: .* holds this job id's run of another training .*"
                                           r"with checkpoint.resume=.* to go on from its newest checkpoint"):
         _refuse_another_training(done.run_dir, other, "j1")
+
+
+DROPOUT_MODEL = '''
+from torch import nn
+
+class Dropped(nn.Module):
+    """A tiny LM with dropout: each step's masks come from torch's generator."""
+    def __init__(self, vocab=320):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 32)
+        self.drop = nn.Dropout(0.3)
+        self.out = nn.Linear(32, vocab)
+    def forward(self, x):
+        return self.out(self.drop(self.emb(x)).relu())
+
+def build():
+    return Dropped()
+'''
+
+
+@pytest.mark.parametrize("backend", ["eager", "accelrun"])
+def test_a_resumed_run_draws_the_dropout_masks_an_uninterrupted_one_draws(tiny, tmp_path, monkeypatch, backend):
+    # A new user's resumed run with dropout parted from the uninterrupted one at its first step after
+    # the checkpoint: the generators started again from the seed, so the masks repeated the first steps'.
+    (tmp_path / "dropmodel.py").write_text(DROPOUT_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = ("model.custom=dropmodel:build", "checkpoint.every=4", f"compile.backend={backend}")
+    full = run(tiny(10, *common, "name=ref"))
+    cut = run(tiny(10, *common, "name=cut"), stop_after_step=6)
+    assert cut.status == "stopped"
+    resumed = run(tiny(10, *common, "name=cut"))
+    assert resumed.report["resumed_from"].endswith("step-000004") and resumed.report["first_step"] == 5
+    ref = losses(full.run_dir)
+    assert losses(resumed.run_dir) == ref[4:]
+    assert (resumed.run_dir / "checkpoints" / "step-000008" / "rng" / "rank-00000.pt").is_file()
+    if backend == "accelrun":  # the thing under test ran: the forward compiled, its masks drawn in a kernel
+        assert full.report["compiler"]["passes_fired"].get("cpu_dropout"), full.report["compiler"]["passes_fired"]
+        assert resumed.report["compiler"]["graphs_in_use"] > 0, resumed.report["compiler"]
+
+
+def test_a_checkpoint_without_generator_state_resumes_and_says_its_masks_differ(tmp_path):
+    from accelrun.train.checkpoint import restore_rng_state, save_rng_state
+
+    torch.manual_seed(3)
+    save_rng_state(tmp_path, 0)
+    expected = torch.rand(4)
+    torch.manual_seed(99)
+    assert restore_rng_state(tmp_path, 0) is None and torch.equal(torch.rand(4), expected)
+    why = restore_rng_state(tmp_path, 1)  # a job with more ranks than the one that wrote it
+    assert why is not None and "no random-generator state for rank 1" in why and "dropout masks" in why
