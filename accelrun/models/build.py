@@ -95,6 +95,8 @@ def raised_at(e: BaseException) -> str:
 def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn.Module:
     where = f"model.custom = {path!r}"
     factory, attr = resolve_custom(path)
+    if problem := kwargs_type_problem(factory, attr, kwargs):  # passed as given: a wrong type builds another model
+        raise ModelKwargsError(f"model.kwargs do not fit model.custom = {path!r}: {problem}")
     try:
         with device:
             model = factory(**kwargs)
@@ -219,6 +221,74 @@ def check_custom_kwargs(path: str, kwargs: dict[str, Any]) -> None:
         names = [n for n, p in signature.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         raise ModelKwargsError(f"model.kwargs = {kwargs!r} do not fit model.custom = {path!r}: {e} "
                                f"({attr} takes {', '.join(names) or 'no arguments'}){_kwargs_fix(signature, kwargs)}") from None
+    if problem := kwargs_type_problem(factory, attr, kwargs):
+        raise ModelKwargsError(f"model.kwargs do not fit model.custom = {path!r}: {problem}")
+
+
+def kwargs_type_problem(factory: Any, attr: str, kwargs: dict[str, Any]) -> str | None:
+    """The first of ``kwargs`` whose value is not of the type the factory's annotation names (bool, int,
+    float, str, None, a Literal, a union of those), in words with the nearest valid value; None if all
+    fit or cannot be told. The factory gets the values as given: ``norm_first: flase`` reached a
+    ``bool`` argument as a (true) string and built the other model, silently (a new user's trial)."""
+    import typing
+
+    try:
+        hints = typing.get_type_hints(factory.__init__ if isinstance(factory, type) else factory)
+    except Exception:  # noqa: BLE001 (a forward reference, a C extension): nothing to check against
+        return None
+    for name, value in kwargs.items():
+        if name in hints and _fits(value, hints[name]) is False:
+            return (f"model.kwargs.{name} = {value!r} ({type(value).__name__}), but {attr} takes "
+                    f"{name}: {_type_words(hints[name])}{_nearest_value(value, hints[name])}")
+    return None
+
+
+def _fits(value: Any, annotation: Any) -> bool | None:
+    """Whether ``value`` is of ``annotation``'s type; None where the annotation is not one told here."""
+    import types
+    import typing
+
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if annotation is type(None):
+        return value is None
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        told = [_fits(value, a) for a in typing.get_args(annotation)]
+        return True if any(told) else (None if None in told else False)
+    return None
+
+
+def _type_words(annotation: Any) -> str:
+    return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+
+
+def _nearest_value(value: Any, annotation: Any) -> str:
+    import typing
+
+    from accelrun.config.errors import nearest
+
+    if annotation is bool and isinstance(value, str):
+        near = nearest(value.lower(), ["true", "false"]) or ("false" if value.lower() in ("no", "off", "0") else "true")
+        return f"; write {near} (YAML's booleans are unquoted true and false)"
+    if annotation is int and isinstance(value, bool):
+        return "; write a whole number (true and false are booleans here)"
+    if annotation is int and isinstance(value, float) and value.is_integer():
+        return f"; write {int(value)}"
+    if annotation in (int, float) and isinstance(value, str):
+        return "; write the number unquoted"
+    choices = [str(a) for a in typing.get_args(annotation)] if typing.get_origin(annotation) is typing.Literal else []
+    if isinstance(value, str) and (near := nearest(value, choices)):
+        return f"; did you mean {near!r}?"
+    return ""
 
 
 def _kwargs_fix(signature: Any, kwargs: dict[str, Any]) -> str:

@@ -21,6 +21,7 @@ from accelrun.models import (
     model_summary,
     transformer_blocks,
 )
+from accelrun.models.build import ModelKwargsError, check_custom_kwargs
 from accelrun.models.families.llama.shape import flops_per_token, param_count
 
 SMALL = {
@@ -317,3 +318,48 @@ def test_forwards_written_in_other_ways_are_built(user_module, name):
     *args and **kwargs, keyword-only arguments with defaults, a decorated forward, a staticmethod."""
     module = user_module(ODD_FORWARDS)
     build_model(ModelConfig(custom=f"{module}:build", kwargs={"name": name}), "cpu")
+
+
+TYPED_FACTORY = """
+    from __future__ import annotations
+
+    from typing import Literal, Optional
+
+    from torch import nn
+
+    def build(norm_first: bool = True, layers: int = 2, scale: float = 1.0, act: Literal["gelu", "relu"] = "gelu",
+              name: Optional[str] = None, extra=None):
+        return nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+
+    class Model(nn.Module):
+        def __init__(self, layers: int = 2):
+            super().__init__()
+            self.body = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+"""
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    # a new user's typo trained the norm_first=True model: the string reached the factory as given
+    ({"norm_first": "flase"}, r"model.kwargs.norm_first = 'flase' \(str\), but build takes norm_first: bool; "
+                              r"write false \(YAML's booleans are unquoted true and false\)"),
+    ({"norm_first": "false"}, r"norm_first = 'false' \(str\).*write false"),
+    ({"layers": True}, r"layers = True \(bool\), but build takes layers: int; write a whole number"),
+    ({"layers": 3.0}, r"layers = 3.0 \(float\).*; write 3$"),
+    ({"scale": "0.5"}, r"scale = '0.5' \(str\), but build takes scale: float; write the number unquoted"),
+    ({"act": "gleu"}, r"act = 'gleu' \(str\), but build takes act: Literal\['gelu', 'relu'\]; did you mean 'gelu'\?"),
+    ({"name": 3}, r"name = 3 \(int\), but build takes name: Optional\[str\]"),
+])
+def test_model_kwargs_of_another_type_than_the_factory_annotates_are_refused(user_module, kwargs, message):
+    name = user_module(TYPED_FACTORY)
+    with pytest.raises(ModelKwargsError, match=message):
+        build_model(ModelConfig(custom=f"{name}:build", kwargs=kwargs), "cpu")
+    with pytest.raises(ModelKwargsError, match=message):  # validate's check, before anything is built
+        check_custom_kwargs(f"{name}:build", kwargs)
+
+
+def test_model_kwargs_of_the_annotated_types_and_unannotated_ones_build(user_module):
+    name = user_module(TYPED_FACTORY)
+    kwargs = {"norm_first": False, "layers": 3, "scale": 2, "act": "relu", "name": None, "extra": "anything"}
+    assert len(build_model(ModelConfig(custom=f"{name}:build", kwargs=kwargs), "cpu")) == 3
+    with pytest.raises(ModelKwargsError, match="layers = 'two'"):  # a class's __init__ is read as its factory
+        build_model(ModelConfig(custom=f"{name}:Model", kwargs={"layers": "two"}), "cpu")
