@@ -16,7 +16,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,6 +48,26 @@ def _cpu_attention_formulas() -> dict:
     return {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash}
 
 
+@contextlib.contextmanager
+def _rnn_libraries_off() -> Iterator[None]:
+    """oneDNN's and cuDNN's recurrent layers off while counting: ``nn.LSTM`` runs as one
+    ``mkldnn_rnn_layer`` (or ``_cudnn_rnn``) call, which torch's counter has no formula for, so an LSTM
+    language model counted its output head alone (MFU 6% where 85% was right, a new user's trial).
+    Without them the same layers run as the matrix products it counts. Set one by one: the
+    ``flags()`` context managers set TF32 too, and warn."""
+    import torch
+
+    backends = (torch.backends.mkldnn, torch.backends.cudnn)
+    before = [b.enabled for b in backends]
+    for b in backends:
+        b.enabled = False
+    try:
+        yield
+    finally:
+        for b, was in zip(backends, before, strict=True):
+            b.enabled = was
+
+
 def counted_flops_per_token(model: nn.Module, seq_len: int, vocab_size: int, device: torch.device) -> FlopsPerToken:
     """``COUNTED``: the training FLOPs per token of ``model`` (a user's, whole on ``device``)."""
     import torch
@@ -62,7 +84,7 @@ def counted_flops_per_token(model: nn.Module, seq_len: int, vocab_size: int, dev
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}  # BatchNorm's running stats
     forked = [device.index or 0] if device.type == "cuda" else []
     try:
-        with (torch.random.fork_rng(devices=forked), torch.no_grad(),
+        with (torch.random.fork_rng(devices=forked), torch.no_grad(), _rnn_libraries_off(),
               FlopCounterMode(display=False, custom_mapping=_cpu_attention_formulas()) as counter):
             training_loss_fn(twin)(ids[:, :-1], ids[:, 1:])
     except Exception as e:  # noqa: BLE001 (a forward that cannot run on one sequence: MFU is unknown, not fatal)
