@@ -141,27 +141,35 @@ def load_config(
             raise
         raise HFModelError(f"{e} (model.hf: {source_of(('model', 'hf'), sources)})") from None
     warnings = _overrides_replaced_by_hf(composed, hf_sources, cfg) + config_warnings(cfg, sources)
-    cfg = _named_after_custom_model(cfg, sources)
+    cfg = _named_after_custom_model(cfg, sources, composed.files)
     return ResolvedConfig(cfg, sources, composed.files, list(overrides), warnings)
 
 
-def _named_after_custom_model(cfg: RunConfig, sources: dict[KeyPath, Source]) -> RunConfig:
+def _named_after_custom_model(cfg: RunConfig, sources: dict[KeyPath, Source], files: list[Path]) -> RunConfig:
     """A run of ``model.custom`` is named after the user's module (``examples.my_model:build`` ->
     ``my_model``): the recipe's name is its own model's (``llama-debug``), and runs of another model
-    filed under it mislead. A name given on the command line, or in the file that sets
-    ``model.custom`` (a user's own recipe; a run folder's config.yaml, which the ranks reload), stays.
-    ``sources`` says where the name came from."""
+    filed under it mislead. A name given on the command line, or in the file that sets ``model.custom``
+    or one applied after it (a user's own recipe, a team's recipe that extends it; a run folder's
+    config.yaml, which the ranks reload), stays. ``sources`` says where each came from, ``files`` the
+    order the files were applied in."""
     if cfg.model.custom is None:
         return cfg
     name_src, custom_src = sources.get(("name",), Source("default")), sources.get(("model", "custom"))
     if name_src.kind == "override" or (name_src.kind == "file" and custom_src is not None
-                                       and custom_src.kind == "file" and custom_src.file == name_src.file):
+                                       and custom_src.kind == "file"
+                                       and _applied_at(name_src.file, files) >= _applied_at(custom_src.file, files)):
         return cfg
     module = cfg.model.custom.split(":")[0].rsplit(".", 1)[-1].lstrip("_")
     if not re.match(RUN_NAME_PATTERN, module):  # a module named "_" leaves nothing to name the run after
         return cfg
     sources[("name",)] = Source("derived", text="model.custom")
     return cfg.model_copy(update={"name": module})
+
+
+def _applied_at(file: str | None, files: list[Path]) -> int:
+    """Where ``file`` comes in the order the recipe's files were applied (-1: not among them)."""
+    resolved = [f.resolve() for f in files]
+    return resolved.index(Path(file).resolve()) if file is not None and Path(file).resolve() in resolved else -1
 
 
 def _overrides_replaced_by_hf(composed: Composed, hf_sources: dict[KeyPath, Source], cfg: RunConfig) -> list[str]:

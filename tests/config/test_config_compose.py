@@ -202,6 +202,19 @@ def test_a_name_set_beside_model_custom_in_one_file_stays(write):
           custom: examples.my_model:build
         """)
     assert load_config(mine).config.name == "experiment-7"
+    # a team's recipe that extends it names its own runs (they had all gone to runs/my_model/)
+    child = write("child.yaml", """
+        extends: [mine.yaml]
+        name: rel3
+        """)
+    assert load_config(child).config.name == "rel3"
+    # but a shipped recipe's name, applied before the file that brings another model, is not that model's
+    other = write("other.yaml", f"""
+        extends: [{DEFAULT_CONFIG}]
+        model:
+          custom: examples.my_model:build
+        """)
+    assert load_config(other).config.name == "my_model"
     derived = load_config(DEFAULT_CONFIG, ["model.custom=examples.my_model:build"])
     dumped = write("config.yaml", derived.to_yaml())  # what the launcher writes into the run folder
     assert load_config(dumped).config.name == "my_model"
