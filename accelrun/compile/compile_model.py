@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accelrun.compile.eager_rnns import described, run_rnns_eagerly
+from accelrun.compile.eager_rnns import EagerRnn, described, run_rnns_eagerly
 from accelrun.compile.trace_settings import capturing_data_sized_outputs, compile_call
 from accelrun.config.schema import CompileConfig
 from accelrun.torch_private import COMPILED_CALL
@@ -172,6 +172,9 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
 
     name = cfg.backend
     found = None if blocks is not None or scope not in ("block", "loss") else repeated_blocks(model)
+    if cfg.fullgraph and eager_rnns:
+        units = blocks if blocks is not None else (found[1] if found is not None else None)
+        _refuse_rnns_in_full_graphs(model, eager_rnns, units if scope in ("block", "loss") and units else [model])
     if scope in ("block", "loss") and (blocks is not None or found is not None):
         if blocks is not None:
             what, tail = f"{len(blocks)} transformer blocks with {name}", ""
@@ -221,6 +224,22 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
         return done(f"the whole model with {name} (compile.scope = {scope}, but it has no nn.ModuleList of "
                     "two or more blocks of one class with a forward of its own)")  # fmt: skip
     return done(f"the whole model with {name}")
+
+
+def _refuse_rnns_in_full_graphs(model: nn.Module, rnns: list[EagerRnn], units: list[nn.Module]) -> None:
+    """compile.fullgraph refuses every graph break, and an RNN inside a compiled module is one
+    (eager_rnns.py): said before compiling, as a recipe error, instead of Dynamo's traceback at the
+    first step naming accelrun's own ``torch.compiler.disable`` (a new user's trial)."""
+    from accelrun.config import ConfigError
+
+    inside = {id(m) for unit in units for m in unit.modules()}
+    named = dict(model.named_modules())  # the RNNs themselves (get_submodule would find their stand-ins)
+    hit = [r for r in rnns if id(named.get(r.name)) in inside]
+    if hit:
+        shown = ", ".join(f"{r.name} ({r.kind})" for r in hit[:3])
+        raise ConfigError(f"compile.fullgraph = true, but {shown} inside the compiled code must run eagerly at a graph "
+                          "break (torch.compile does not trace torch.nn's RNN, GRU and LSTM modules), which fullgraph "
+                          "refuses; set compile.fullgraph=false: the code around it still compiles")
 
 
 def is_torch_builtin(cls: type) -> bool:

@@ -447,6 +447,18 @@ def test_an_rnn_runs_eagerly_between_compiled_graphs_and_the_break_says_so(tmp_p
         "; rnn (GRU) runs eagerly at a graph break")  # a second compile still says so
 
 
+def test_fullgraph_over_an_rnn_is_a_recipe_error_before_anything_compiles(tmp_path):
+    """compile.fullgraph = true refuses the graph break an RNN must run at: said as the recipe's error
+    (exit 2), where a new user's LSTM model met Dynamo's traceback at its first step."""
+    from accelrun.config import ConfigError
+    from tests.compile.user_models import GRULM
+
+    cfg = CompileConfig(backend="accelrun", fullgraph=True, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match=r"compile.fullgraph = true, but rnn \(GRU\) inside the compiled code "
+                                          r"must run eagerly at a graph break .*set compile.fullgraph=false"):
+        compile_model(GRULM(), None, cfg)
+
+
 class _WithInitialState(torch.nn.Module):
     """An LSTM language model that builds its initial state from the LSTM's own settings."""
 
