@@ -133,6 +133,9 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
     # Models: one matmul per expert group without padding (the MoE's grouped_mm implementation).
     "grouped_mm": ("torch", "_grouped_mm"),
+    # What ``torch.compile(module)`` returns: a user's factory that compiled its model itself (``_orig_mod``
+    # is the module inside).
+    "OptimizedModule": ("torch._dynamo.eval_frame", "OptimizedModule"),
 }
 
 

@@ -813,3 +813,9 @@ def test_agent_exit_codes():
     assert tp.agent_exit_codes(SimpleNamespace(_pcontext=SimpleNamespace(_pc=SimpleNamespace(processes=procs)))) \
         == {1: -9, 2: 0}
     assert tp.agent_exit_codes(SimpleNamespace()) == {}
+
+
+def test_OptimizedModule():
+    linear = torch.nn.Linear(2, 2)
+    compiled = torch.compile(linear, backend="eager")
+    assert isinstance(compiled, tp.OptimizedModule) and compiled._orig_mod is linear

@@ -144,8 +144,12 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
     ``train.precision``, which with the model's parameters decides whether ``auto`` compiles a user's
     model for its half-precision products (its Linear layers outside the blocks too, or the whole
     model: ``resolve_scope``); None leaves that rule out."""
+    from accelrun.models.build import FACTORY_COMPILED
+
     if cfg.backend == "eager":
-        return Compiled("nothing (eager)")
+        return Compiled("nothing (eager)" + ("; model.custom's factory returned torch.compile(model), which is "
+                                             "undone: compile.backend=inductor compiles it as torch.compile does"
+                                             if model in FACTORY_COMPILED else ""))  # fmt: skip
     backend: object = cfg.backend
     record = None
     if cfg.backend == "accelrun":
@@ -167,8 +171,11 @@ def compile_model(model: nn.Module, blocks: list[nn.Module] | None, cfg: Compile
     linears_wanted = cfg.scope == "auto" and cfg.backend == "accelrun" and slow_half_products
     eager_rnns = run_rnns_eagerly(model)  # without this, a frame that reads one compiled nothing
 
+    undone = (f"; model.custom's factory returned torch.compile(model): the module inside is compiled with "
+              f"{cfg.backend} instead" if model in FACTORY_COMPILED else "")  # fmt: skip
+
     def done(what: str) -> Compiled:
-        return Compiled(what + chosen + described(eager_rnns), record, backend)
+        return Compiled(what + chosen + described(eager_rnns) + undone, record, backend)
 
     name = cfg.backend
     found = None if blocks is not None or scope not in ("block", "loss") else repeated_blocks(model)

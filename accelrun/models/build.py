@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
+import weakref
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
@@ -111,6 +113,14 @@ def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn
         raise ModelBuildError(
             f"{where}: {attr}(...) returned a {type(model).__name__}, not a torch.nn.Module"
         )
+    if "torch._dynamo" in sys.modules:  # (a model torch.compile returned needs Dynamo imported)
+        from accelrun.torch_private import OptimizedModule
+
+        if isinstance(model, OptimizedModule):
+            # compile.backend decides how it compiles: compiled twice, Dynamo traced accelrun's own
+            # compile of it and its step was 1.5× the unwrapped model's (a new user's trial)
+            model = model._orig_mod
+            FACTORY_COMPILED.add(model)
     if needed := arguments_never_passed(model):
         raise ModelBuildError(
             f"{where}: {type(model).__name__}.forward needs {', '.join(repr(n) for n in needed)}, which accelrun "
@@ -199,6 +209,11 @@ def resolve_custom(path: str) -> tuple[Any, str]:
     if not callable(factory):
         raise ModelBuildError(f"{where}: {attr!r} is a {type(factory).__name__}, not a callable")
     return factory, attr
+
+
+# Users' models whose factory returned ``torch.compile(model)``: the module inside is the one built
+# (compile_model says so in the run's description of what compiled).
+FACTORY_COMPILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class ModelKwargsError(ModelBuildError):
