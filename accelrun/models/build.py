@@ -482,13 +482,36 @@ class LossSource(Enum):
     OWN_NONE = ("the next-token cross-entropy of the logits the model's forward returns given targets (it "
                 "returned no loss of its own)")
     LOGITS = "the next-token cross-entropy of the logits the model's forward returns (mean over tokens)"
+    LOGITS_AUX = ("the next-token cross-entropy of the logits the model's forward returns (mean over tokens), plus "
+                  "config.router_aux_loss_coef × the load-balancing loss it returns beside them (aux_loss), as "
+                  "transformers' own loss adds it")
 
 
 def loss_source(model: nn.Module) -> LossSource:
     params = forward_parameters(model)
     if loss_head_attached(model) or "targets_BT" in params:
         return LossSource.HEAD
-    return LossSource.OWN if "targets" in params else LossSource.LOGITS
+    if "targets" in params:
+        return LossSource.OWN
+    return LossSource.LOGITS if router_aux_coef(model) is None else LossSource.LOGITS_AUX
+
+
+def router_aux_coef(model: nn.Module) -> float | None:
+    """The weight of the load-balancing loss of a transformers mixture of experts (Mixtral, Qwen2-MoE, ...)
+    whose config asks for it (``output_router_logits``): its forward returns that loss as ``aux_loss``
+    and, given labels, adds ``router_aux_loss_coef`` times it to the loss it computes. accelrun computes
+    the cross-entropy itself, so it adds the same term; without it, a new user's Mixtral trained on
+    cross-entropy alone, silently. None for any other model."""
+    config = getattr(model, "config", None)
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if getattr(config, "output_router_logits", False) is not True or not isinstance(coef, (int, float)):
+        return None
+    return float(coef)
+
+
+def _with_aux(loss_: torch.Tensor, out: Any, coef: float | None) -> torch.Tensor:
+    aux = getattr(out, "aux_loss", None) if coef is not None else None
+    return loss_ if aux is None else loss_ + coef * aux.to(loss_.device)
 
 
 def training_loss_fn(model: nn.Module, vocab_size: int | None = None):
@@ -533,11 +556,14 @@ def training_loss_fn(model: nn.Module, vocab_size: int | None = None):
 
         return with_targets
 
+    aux_coef = router_aux_coef(model)
+
     def loss(inputs_BT, targets_BT):
         nonlocal vocab_size
-        logits_BTV = logits_of(model(inputs_BT, **no_cache), model, inputs_BT, vocab_size)
+        out = model(inputs_BT, **no_cache)
+        logits_BTV = logits_of(out, model, inputs_BT, vocab_size)
         vocab_size = None  # as above
-        return next_token_loss(logits_BTV, targets_BT)
+        return _with_aux(next_token_loss(logits_BTV, targets_BT), out, aux_coef)
 
     return loss
 

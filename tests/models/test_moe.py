@@ -293,3 +293,31 @@ def test_bf16_mixed_experts_add_into_the_fp32_stream(impl):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = expert_forward(x, routing, *ws, dispatch)
     assert got.dtype == torch.float32 and _close(got, want, rel=1e-2)
+
+
+def test_a_transformers_mixture_that_returns_its_load_balancing_loss_trains_on_it_too():
+    """transformers' Mixtral with config.output_router_logits adds router_aux_loss_coef × aux_loss to the
+    loss it computes from labels; accelrun computes the cross-entropy itself and had dropped the term
+    (a new user's Mixtral: 6.186 at step 1 where transformers' loss was 7.286), saying nothing."""
+    import torch.nn.functional as F
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from accelrun.models.build import LossSource, loss_source, training_loss_fn
+
+    config = MixtralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=48, num_local_experts=4,
+                           num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5)  # fmt: skip
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 9))
+    x, y = ids[:, :-1], ids[:, 1:]
+    out = model(x, use_cache=False)
+    assert out.aux_loss is not None and float(out.aux_loss) > 0
+    expected = F.cross_entropy(out.logits.flatten(0, 1), y.flatten()) + 0.5 * out.aux_loss
+    torch.testing.assert_close(training_loss_fn(model)(x, y), expected, rtol=1e-6, atol=0)
+    assert loss_source(model) is LossSource.LOGITS_AUX and "router_aux_loss_coef" in LossSource.LOGITS_AUX.value
+    config.output_router_logits = False  # asked for no router logits: cross-entropy alone, as transformers' own
+    plain = MixtralForCausalLM(config)
+    assert loss_source(plain) is LossSource.LOGITS
+    torch.testing.assert_close(training_loss_fn(plain)(x, y),
+                               F.cross_entropy(plain(x, use_cache=False).logits.flatten(0, 1), y.flatten()))
