@@ -38,6 +38,16 @@ KNOWN_BREAK_REASONS: dict[str, str] = {
         "keep the value a tensor (torch.where, torch.clamp instead of an if on it), or read it outside the "
         "compiled forward (a check on the loss every few steps)"
     ),
+    # torch.utils.checkpoint's region is traced as one operator, which may change no Python state: the
+    # `kernels` package's layers (transformers' RMSNorm) set a global as they run, so a checkpointed
+    # transformers decoder layer breaks there (a new user's Qwen2 under gradient_checkpointing_enable()).
+    "HOP: Unsafe side effect": (
+        "code inside activation checkpointing (torch.utils.checkpoint: transformers' "
+        "gradient_checkpointing_enable(), or train.activation_checkpoint) changes Python state (a global or an "
+        "attribute, at the line named), which a checkpointed region cannot trace, so the block runs eagerly; "
+        "turn that checkpointing off (accelrun's rematerialisation, on by default, keeps less for the backward "
+        "without it), or move the change out of the block"
+    ),
 }
 # What Dynamo cannot trace, by the start of its reason, and what that means for the user's model.
 KNOWN_UNTRACEABLE: dict[str, str] = {

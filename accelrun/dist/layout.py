@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torch import nn
 
-from accelrun.compile.compile_model import Compiled, compile_model
+from accelrun.compile.compile_model import Compiled, compile_model, repeated_blocks
 from accelrun.config import ConfigError, RunConfig
 from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
 from accelrun.dist.async_tp import enable_async_tp
@@ -47,13 +47,15 @@ def apply_layout(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
             receive_sequence_shards(part, spec, ctx.tp_size)
     if ctx.mesh is not None and ctx.cp_size > 1:  # before compile: the blocks compile with its collectives
         apply_context_parallel(part, cfg.model, ctx.mesh, cp_stats, 2 if t.precision == "bf16-mixed" else 4)
-    if blocks is not None:
-        apply_activation_checkpointing(blocks, t.activation_checkpoint)
-    elif t.activation_checkpoint.mode != "none":
-        raise ConfigError(
-            "train.activation_checkpoint needs a model with a `layers` ModuleList of blocks; "
-            f"{type(part).__name__} has none"
-        )
+    if t.activation_checkpoint.mode != "none":
+        # a user's model: its repeated blocks, as the compiler finds them (transformers' model.layers)
+        found = blocks if blocks is not None else (hit[1] if (hit := repeated_blocks(part)) else None)
+        if found is None:
+            raise ConfigError(
+                "train.activation_checkpoint needs a model with a `layers` ModuleList of blocks, or an "
+                f"nn.ModuleList of two or more blocks of one class; {type(part).__name__} has none"
+            )
+        apply_activation_checkpointing(found, t.activation_checkpoint)
     if cfg.parallel.fsdp_impl == "compiled" and ctx.mesh is not None and ctx.dp_size > 1:
         from accelrun.dist.compiled_fsdp import compile_sharded
 

@@ -388,3 +388,46 @@ def test_a_position_table_registered_before_the_token_table_is_not_taken_for_it(
     model = PositionsFirst()
     assert embedding_rows(model) == 16
     assert "position table pos_emb (16 rows)" in (position_table_problem(model, 32) or "")
+
+
+HF_CHECKPOINTED = '''
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+
+def build(checkpointing: bool = True):
+    config = Qwen2Config(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256)
+    model = Qwen2ForCausalLM(config)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+'''
+
+
+def test_checkpointing_a_transformers_model_says_why_its_layers_break_and_runs_on_its_layers(tiny, tmp_path,
+                                                                                          monkeypatch):
+    """transformers' checkpointing (or accelrun's) around a decoder layer whose RMSNorm sets a global as it
+    runs (the `kernels` package's layers): Dynamo breaks the graph there ("HOP: Unsafe side effect"), and
+    the warning said only where. It now says what that means and what avoids it. train.activation_checkpoint
+    on such a model, which had asked for a `layers` list, checkpoints the layers the compiler finds."""
+    (tmp_path / "hfckpt.py").write_text(HF_CHECKPOINTED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = ("model.custom=hfckpt:build", "compile.backend=accelrun")
+    ran = train(load_config(DEFAULT_CONFIG, tiny(3, *common, "name=theirs")), command="test")
+    compiler = ran.report["compiler"]
+    import importlib.util
+
+    if importlib.util.find_spec("kernels") is not None:  # (a transformers without such layers compiles them whole)
+        (warning,) = [w for w in compiler["warnings"] if "graph break" in w]
+        assert "to avoid it: code inside activation checkpointing (torch.utils.checkpoint: transformers' " \
+               "gradient_checkpointing_enable(), or train.activation_checkpoint) changes Python state" in warning, warning
+    eager = train(load_config(DEFAULT_CONFIG, tiny(3, *common, "compile.backend=eager", "name=eager")), command="test")
+    ref = [m["loss"] for m in read_metrics(eager.run_dir / "metrics.jsonl")]
+    got = [m["loss"] for m in read_metrics(ran.run_dir / "metrics.jsonl")]
+    assert got == pytest.approx(ref, rel=1e-5)
+    asked = train(load_config(DEFAULT_CONFIG, tiny(3, *common, "model.kwargs.checkpointing=false",
+                                                    "train.activation_checkpoint.mode=full", "name=asked")),
+                  command="test")  # fmt: skip
+    assert asked.status == "finished"
+    checked = [m["loss"] for m in read_metrics(asked.run_dir / "metrics.jsonl")]
+    assert checked == pytest.approx(ref, rel=1e-5)
