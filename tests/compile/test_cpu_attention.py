@@ -539,6 +539,43 @@ def test_transformers_llama_runs_the_kernel_with_eager_gradients(tmp_path):
     assert summaries and all(s.startswith("2 attention calls") for s in summaries), summaries
 
 
+def test_transformers_llama_under_bf16_autocast_runs_the_kernel_on_its_fp32_queries_and_keys(tmp_path):
+    """Under bf16 autocast transformers' RoPE rotates queries and keys in fp32 while the values are bf16;
+    autocast casts all three to bf16 for SDPA. The pass had left it to ATen ("dtype torch.float32", the
+    wrong reason) and a new user's Qwen2 ran bf16 at 1.10x eager against 1.30x in fp32. It now casts them
+    as autocast does and runs the kernel, at eager's loss and gradients within bf16's rounding."""
+    transformers = pytest.importorskip("transformers")
+    from accelrun.compile.backend import AccelrunBackend
+    from accelrun.compile.options import CompileOptions
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    reference = transformers.LlamaForCausalLM(config)
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"], cache_dir=tmp_path))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.compile(model, backend=backend)(input_ids=ids, labels=ids, use_cache=False).loss
+        expected = reference(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-2, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=5e-2, atol=2e-2 * q.grad.abs().max().item(), msg=name)
+    summaries = [r.summary for r in backend.record.passes if r.name == "cpu_attention"]
+    assert summaries and all(s.startswith("2 attention calls") for s in summaries), summaries
+
+
+def test_attention_on_inputs_of_several_dtypes_outside_autocast_is_left_to_aten_saying_so():
+    q, k, v = randn(1, 2, 16, 16, seed=0), randn(1, 2, 16, 16, seed=1), randn(1, 2, 16, 16, seed=2).bfloat16()
+    assert kernel.shape_problem(q, k, v) == ("queries, keys and values of dtypes torch.float32, torch.float32, "
+                                             "torch.bfloat16 (one dtype for all three)")
+
+
 def test_transformers_falcon_blocks_run_the_kernel_on_the_mask_they_are_given(tmp_path):
     """transformers' Falcon always builds its causal mask before its decoder layers (so that ALiBi can be
     added) and hands it to each one. Compiled as `accelrun train` compiles a user's model (its repeated

@@ -36,7 +36,9 @@ NOT_ON_CPU = "not on the CPU"
 
 def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the kernel cannot compute these (B, H, S, D) inputs at all, or None (the ops check it too)."""
-    if q.dtype not in ELEMENT_TYPES or not (q.dtype == k.dtype == v.dtype):
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"queries, keys and values of dtypes {q.dtype}, {k.dtype}, {v.dtype} (one dtype for all three)"
+    if q.dtype not in ELEMENT_TYPES:
         return f"dtype {q.dtype} (fp32 and bf16 only)"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "not (batch, heads, sequence, head_dim)"
