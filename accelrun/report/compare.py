@@ -152,9 +152,12 @@ def compare_groups(groups: list[Group], *, rtol: float | None = None, seed: int 
             if lr_parts and parity.status == "drift":
                 parity = replace(parity, status="differ")
             row.parity = parity
+            dropout = _dropout_cause(reference, run, base.label, g.label)
             if not parity.agrees:
-                causes = (lr_parts, _numeric_cause(diff, [0, gi]), _dropout_cause(reference, run))
+                causes = (lr_parts, _numeric_cause(diff, [0, gi]), dropout)
                 row.parity_cause = "; ".join(c for c in causes if c)
+            elif dropout:  # close, yet not rounding: their masks differ (a new user read "agree" as parity)
+                row.parity_cause = dropout.replace("expected: ", "close, but not by rounding alone: ", 1)
     _tokens_note(groups, notes)
     warnings_of_status: list[str] = []
     for r in runs:
@@ -314,11 +317,12 @@ def _numeric_cause(diff: list[DiffRow], indices: list[int]) -> str:
         " differs" if len(keys) == 1 else " differ")
 
 
-def _dropout_cause(reference: RunRecord, other: RunRecord) -> str:
+def _dropout_cause(reference: RunRecord, other: RunRecord, reference_label: str, other_label: str) -> str:
     """Of two runs, one drew its dropout masks in accelrun's kernels (its own generator: cpu_dropout,
     attention's kernel) and the other with ATen's: their curves part by their random numbers, not by a
-    fault."""
-    drew = [r.label for r in (reference, other) if ((r.report or {}).get("compiler") or {}).get("dropout_in_kernels")]
+    fault. Named by their groups' labels (B, not its repeat B1)."""
+    drew = [label for r, label in ((reference, reference_label), (other, other_label))
+            if ((r.report or {}).get("compiler") or {}).get("dropout_in_kernels")]  # fmt: skip
     if len(drew) != 1:
         return ""
     return f"expected: {drew[0]} drew its dropout masks in accelrun's kernels, the other with ATen's"

@@ -76,6 +76,25 @@ def test_a_run_that_drew_dropout_masks_in_kernels_names_that_as_the_cause(runs, 
     assert "dropout" not in c.rows[1].parity_cause
 
 
+def test_losses_that_agree_while_one_run_drew_its_masks_in_kernels_say_it_is_not_rounding(runs, tmp_path):
+    """A new user's dropout model: "agree within 0.001" read as parity, where the two runs' masks differed
+    (true parity was 1.6e-7); the cause names the variant (B), not its repeat (B1)."""
+    drew = tmp_path / "drew-masks"
+    shutil.copytree(runs["twin"], drew)
+    report = json.loads((drew / "report.json").read_text())
+    report["compiler"] = {**(report.get("compiler") or {}), "dropout_in_kernels": 1}
+    (drew / "report.json").write_text(json.dumps(report))
+    c = compare_groups([Group("A", [load_run(runs["base"], label="A1")]), Group("B", [load_run(drew, label="B1")])],
+                       resamples=200)
+    assert c.losses_agree
+    assert c.rows[1].parity_cause == ("close, but not by rounding alone: B drew its dropout masks in accelrun's "
+                                      "kernels, the other with ATen's")
+    from accelrun.report.compare_render import parity_text
+
+    assert parity_text(c.rows[1], "A").endswith("(close, but not by rounding alone: B drew its dropout masks in "
+                                                "accelrun's kernels, the other with ATen's)")
+
+
 def test_machine_and_software_differences_are_flagged(runs, tmp_path):
     other = tmp_path / "other-run"
     shutil.copytree(runs["twin"], other)
