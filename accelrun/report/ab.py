@@ -35,6 +35,7 @@ from accelrun.report.machine_load import BUSY_WARNING, OtherCpuMeter
 from accelrun.report.rundata import load_run
 from accelrun.report.rundir import list_runs
 from accelrun.report.stats import RatioCI, ResolveHint, repeats_to_resolve
+from accelrun.train.threads import ThreadChoice, choose_threads
 
 EXIT_LOSSES_DISAGREE = 4
 EXIT_INTERRUPTED = stop.exit_code(signal.SIGINT)  # 130, the shell's code for Ctrl-C
@@ -240,10 +241,35 @@ class AbResult:
         return 0 if self.comparison.losses_agree else EXIT_LOSSES_DISAGREE
 
 
+def pin_threads_to_free_cores(plan: AbPlan, resolved: list[ResolvedConfig],
+                              choose: Callable[[], ThreadChoice] = choose_threads) -> None:
+    """Every variant on the threads of the cores nobody else was using when ab started, where a neighbour
+    was busy and no recipe or override sets train.threads: the same count for all (like for like, where
+    ``accelrun train`` picks per run), and not more than the free cores (on every core beside a busy
+    neighbour, a new user's variants swung from 0.3 to 4 s a step and the interval spanned 0.2-5.8x).
+    CPU runs of one process only (a GPU's or a multi-process job's threads are another matter);
+    ACCELRUN_FIXED_THREADS=1 keeps torch's default, as it does for `accelrun train`."""
+    if os.environ.get("ACCELRUN_FIXED_THREADS") == "1" or any(r.config.train.threads is not None or r.config.train.device == "cuda" or r.config.parallel.world_size > 1
+           for r in resolved):  # fmt: skip
+        return
+    if any(r.config.train.device == "auto" for r in resolved):
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    choice = choose()
+    if choice.threads >= choice.usable_cores:
+        return
+    plan.common.append(f"train.threads={choice.threads}")
+    plan.notes.append(f"other processes were using {choice.others_cores:.1f} of this machine's {choice.usable_cores} "
+                      f"cores when ab started: every variant runs on train.threads={choice.threads}, the cores left "
+                      "(set train.threads before --a to choose)")
+
+
 def run_ab(plan: AbPlan, on_event: Callable[[RunEvent], None] = lambda e: None, *, seed: int = 0,
            loss_rtol: float | None = None) -> AbResult:
     """Run the plan's schedule and compare the variants (see the module docstring)."""
-    resolve_variants(plan)
+    pin_threads_to_free_cores(plan, resolve_variants(plan))
     plan.out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     done: dict[str, list[Path]] = {v.label: [] for v in plan.variants}

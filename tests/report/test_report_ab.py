@@ -148,3 +148,32 @@ def test_ab_resolves_a_recipe_that_exports_on_finish(tmp_path):
     resolved = resolve_variants(plan)
     assert [r.config.compile.backend for r in resolved] == ["eager", "accelrun"]
     assert not any(r.config.checkpoint.hf_on_finish or r.config.checkpoint.enabled for r in resolved)
+
+
+def test_beside_a_busy_neighbour_every_variant_runs_on_the_cores_left(tmp_path, monkeypatch):
+    """On every core beside a busy neighbour a new user's variants swung from 0.3 to 4 s a step and the
+    interval spanned 0.2-5.8x, where `accelrun train` alone takes the cores left. ab now takes them once,
+    for every variant alike, unless a recipe or override sets train.threads."""
+    from accelrun.config import load_config
+    from accelrun.report.ab import pin_threads_to_free_cores
+    from accelrun.train.threads import ThreadChoice
+    from tests.conftest import DEFAULT_CONFIG
+
+    def plan(*common):
+        p = AbPlan(str(DEFAULT_CONFIG), [Variant("A", ["compile.backend=eager"]), Variant("B", [])], tmp_path,
+                   common=list(common))  # fmt: skip
+        return p, [load_config(p.config, p.overrides(v)) for v in p.variants]
+
+    monkeypatch.delenv("ACCELRUN_FIXED_THREADS")  # (the suite's setting: torch's default threads)
+    busy = lambda: ThreadChoice(1, 2, 1.3)  # noqa: E731
+    p, resolved = plan()
+    pin_threads_to_free_cores(p, resolved, busy)
+    assert "train.threads=1" in p.command(p.variants[0]) and "train.threads=1" in p.command(p.variants[1])
+    assert any("every variant runs on train.threads=1, the cores left" in n for n in p.notes), p.notes
+    for common in (["train.threads=2"], ["train.device=cuda"], ["parallel.nproc_per_node=2"]):  # theirs stays
+        p, resolved = plan(*common)
+        pin_threads_to_free_cores(p, resolved, busy)
+        assert p.common == common and not p.notes
+    p, resolved = plan()
+    pin_threads_to_free_cores(p, resolved, lambda: ThreadChoice(2, 2, 0.1))  # a quiet machine: every core
+    assert p.common == [] and not p.notes
