@@ -338,15 +338,16 @@ def embedding_rows(model: nn.Module) -> int | None:
 
 
 def token_table(model: nn.Module) -> nn.Embedding | None:
-    """The first ``nn.Embedding`` whose rows equal the width of the model's last ``nn.Linear`` (the
-    output head, registered last in the models users write) and whose name is not a position table's:
-    a position table does not match, whatever its size or place."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if not linears:
-        return None
-    head = linears[-1].out_features
-    return next((m for name, m in model.named_modules()
-                 if isinstance(m, nn.Embedding) and m.num_embeddings == head and not is_position_table(name)), None)
+    """The first ``nn.Embedding`` whose rows equal the width of the model's output head and whose name is
+    not a position table's (a position table does not match, whatever its size or place). The head is
+    the last ``nn.Linear`` (registered last in the models users write) that some such table matches: a
+    small head registered after it (an auxiliary ``nn.Linear(dim, 1)``) had made the model's token ids
+    unknown, and its FLOPs were counted on ids drawn for another recipe's vocabulary."""
+    tables = [m for name, m in model.named_modules() if isinstance(m, nn.Embedding) and not is_position_table(name)]
+    for linear in reversed([m for m in model.modules() if isinstance(m, nn.Linear)]):
+        if (table := next((t for t in tables if t.num_embeddings == linear.out_features), None)) is not None:
+            return table
+    return None
 
 
 def data_vocab(cfg: ModelConfig, model: nn.Module) -> tuple[int, str | None]:

@@ -226,6 +226,24 @@ def test_the_token_table_is_the_one_the_head_matches_not_a_larger_position_table
     assert embedding_rows(module.build("WithPositions", vocab=200)) == 200  # 1,024 position rows ignored
 
 
+def test_a_small_head_registered_after_the_output_head_does_not_hide_the_token_table():
+    """A new user's tied LM with an auxiliary nn.Linear(dim, 1) registered after lm_head: its token ids were
+    unknown, and its FLOPs were counted on ids drawn for the recipe's vocabulary (IndexError: MFU n/a)."""
+    from torch import nn
+
+    from accelrun.models.build import embedding_rows
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(320, 16), nn.Embedding(512, 16)
+            self.lm_head = nn.Linear(16, 320, bias=False)
+            self.lm_head.weight = self.wte.weight
+            self.aux_head = nn.Linear(16, 1)
+
+    assert embedding_rows(Tied()) == 320
+
+
 @pytest.mark.parametrize("custom, kwargs, message, validate_only, more", [
     ("contract_models_missing:build", "{}", "no module named 'contract_models_missing' (looked in the current folder "
                                             "and on PYTHONPATH)", "", ()),
