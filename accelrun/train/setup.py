@@ -42,6 +42,7 @@ from accelrun.plan.stage_split import recipe_end_costs
 from accelrun.report.peak import Peak, resolve_peak
 from accelrun.train.checkpoint import complete_checkpoints, load_checkpoint, remove_partial, restore_rng_state
 from accelrun.train.lineage import RunAlreadyContinued, claim_continuation
+from accelrun.train.model_code import code_changes, model_code
 from accelrun.train.optim import build_optimizer, build_scheduler
 from accelrun.train.resume import ResumeDecision, auto_would_continue, decide_resume
 
@@ -88,6 +89,8 @@ class TrainSetup:
     expert_parallel: Any = None
     # parallel.cp > 1: what this rank's context-parallel attention exchanged (accelrun.dist.context_parallel).
     cp_stats: Any = None
+    # file -> digest of the files that define the model's classes (train.model_code), saved with checkpoints.
+    model_code: dict[str, str] | None = None
 
     @property
     def compile_record(self) -> Any:
@@ -105,6 +108,7 @@ class TrainSetup:
             "training_hash": self.training_hash,
             "data": self.data.state_dict(),
             "scheduler": self.scheduler.state_dict(),
+            "model_code": self.model_code or {},
         }
 
 
@@ -193,6 +197,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     on_meta = cfg.model.custom is None
     model = build_model(cfg.model, "meta" if on_meta else device, seed=t.seed)
     info = model_summary(cfg.model, model)  # its FLOPs per token: flop_count's, added below
+    code = model_code(model)  # the whole model's classes, before a layout splits or wraps it
     if cfg.data.packing == "document" and (problem := document_packing_problem(model)) is not None:
         raise ConfigError(problem)
     if cfg.model.custom is not None and (problem := position_table_problem(model, t.seq_len)) is not None:
@@ -274,6 +279,10 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         # Last in setup: nothing above may draw from the generators after this (the model's init did before).
         if (missing := restore_rng_state(ckpt.path, ctx.rank)) is not None:
             reason += f"; note: {missing}"
+        if changed := code_changes(saved.get("model_code") or code, code):  # (an older checkpoint: none said)
+            reason += (f"; note: the model's code changed since {ckpt.path.name} was written ({', '.join(changed[:3])}"
+                       f"{' and more' if len(changed) > 3 else ''}): its weights go on with the new code, so the losses "
+                       "will not continue the old curve (checkpoint.resume=none starts afresh)")
         if ckpt.training_hash != resolved.training_hash:
             reason += (f"; note: written with training hash {ckpt.training_hash}, this run's is "
                        f"{resolved.training_hash}, so the losses will not match a continuous run")
@@ -309,4 +318,5 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         eval_data=eval_data,
         expert_parallel=expert_parallel,
         cp_stats=cp_stats,
+        model_code=code,
     )

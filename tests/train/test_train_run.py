@@ -415,3 +415,31 @@ def test_a_checkpoint_without_generator_state_resumes_and_says_its_masks_differ(
     assert restore_rng_state(tmp_path, 0) is None and torch.equal(torch.rand(4), expected)
     why = restore_rng_state(tmp_path, 1)  # a job with more ranks than the one that wrote it
     assert why is not None and "no random-generator state for rank 1" in why and "dropout masks" in why
+
+
+def test_a_run_resumed_after_its_models_code_changed_says_so(tiny, tmp_path, monkeypatch):
+    # A new user edited a constant in their model's file between the stop and the restart: the run went on
+    # from the old weights with the new code (the loss jumped from 2.4 to 8.9) and said nothing.
+    import importlib
+    import io
+    import sys
+
+    from rich.console import Console
+
+    (tmp_path / "editedmodel.py").write_text(DROPOUT_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = ("model.custom=editedmodel:build", "checkpoint.every=2", "name=edited")
+    run(tiny(6, *common), stop_after_step=3)
+    (tmp_path / "editedmodel.py").write_text(DROPOUT_MODEL.replace("nn.Dropout(0.3)", "nn.Dropout(0.1)"))
+    sys.modules.pop("editedmodel", None)
+    importlib.invalidate_caches()
+    out = io.StringIO()
+    resumed = run(tiny(6, *common), console=Console(file=out, width=400))
+    assert resumed.report["first_step"] == 3
+    assert ("note: the model's code changed since step-000002 was written (" in out.getvalue()
+            and "editedmodel.py): its weights go on with the new code" in out.getvalue()), out.getvalue()
+    # unchanged code says nothing of it
+    out = io.StringIO()
+    run(tiny(6, *common[:-1], "name=same"), stop_after_step=3)
+    run(tiny(6, *common[:-1], "name=same"), console=Console(file=out, width=400))
+    assert "resuming from" in out.getvalue() and "code changed" not in out.getvalue()

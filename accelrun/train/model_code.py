@@ -1,0 +1,39 @@
+"""The source files a model's classes are defined in, by digest: saved with each checkpoint, so that a
+run resumed after its model's code was edited says so (a new user changed a constant in their model's
+file, and `resume: auto` went on from the old weights with the new code, the loss jumping from 2.4 to
+8.9, with nothing said)."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from pathlib import Path
+
+from torch import nn
+
+
+def model_code(model: nn.Module) -> dict[str, str]:
+    """file -> sha256 of each file that defines a module class of ``model`` (torch's own left out)."""
+    files: set[str] = set()
+    for cls in {type(m) for m in model.modules()}:
+        if cls.__module__.split(".")[0] == "torch":
+            continue
+        try:
+            path = inspect.getsourcefile(cls)
+        except TypeError:  # a class made at run time, or a builtin
+            continue
+        if path:
+            files.add(path)
+    out = {}
+    for path in sorted(files):
+        try:
+            out[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        except OSError:
+            continue
+    return out
+
+
+def code_changes(saved: dict[str, str], now: dict[str, str]) -> list[str]:
+    """The files whose content differs, or that define the model's classes in one only, shown short."""
+    changed = sorted(f for f in saved.keys() | now.keys() if saved.get(f) != now.get(f))
+    return ["/".join(Path(f).parts[-2:]) for f in changed]
