@@ -16,7 +16,7 @@ from accelrun.config.errors import ConfigError
 from accelrun.config.hf_model import HFModelError, model_keys_from_hf_folder
 from accelrun.config.hf_sources import hf_key_sources
 from accelrun.config.schema import RUN_NAME_PATTERN, RunConfig
-from accelrun.config.search import find_recipe, looks_like_path, search_path
+from accelrun.config.search import find_recipe, looks_like_path, search_path, search_path_warnings
 from accelrun.config.validate import config_warnings, source_of, validate
 from accelrun.config.yaml_lines import KeyPath, dotted, dump_recipe
 
@@ -140,7 +140,8 @@ def load_config(
         if not str(e).startswith("model.hf = "):
             raise
         raise HFModelError(f"{e} (model.hf: {source_of(('model', 'hf'), sources)})") from None
-    warnings = _overrides_replaced_by_hf(composed, hf_sources, cfg) + config_warnings(cfg, sources)
+    warnings = (search_path_warnings(composed.files, dirs) + _overrides_replaced_by_hf(composed, hf_sources, cfg)
+                + config_warnings(cfg, sources))
     cfg = _named_after_custom_model(cfg, sources, composed.files)
     return ResolvedConfig(cfg, sources, composed.files, list(overrides), warnings)
 

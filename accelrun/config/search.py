@@ -37,6 +37,30 @@ def search_path(cwd: Path | None = None) -> list[Path]:
     return unique
 
 
+def search_path_warnings(files: list[Path], dirs: list[Path]) -> list[str]:
+    """What a user may not know the search path did: a recipe read from the project's recipes/ or
+    $ACCELRUN_RECIPE_PATH in place of a shipped one of the same name (a team's `recipes/train/cpu-short.yaml`
+    of two keys silently dropped the shipped schedule, clipping and learning rate), and a folder
+    $ACCELRUN_RECIPE_PATH names that is not there."""
+    out = []
+    shipped = SHIPPED_RECIPES.resolve()
+    for f in files:
+        for d in dirs:
+            root = d.resolve()
+            if root == shipped or not f.resolve().is_relative_to(root):
+                continue
+            name = f.resolve().relative_to(root).with_suffix("").as_posix()
+            if any((shipped / f"{name}{suffix}").is_file() for suffix in SUFFIXES):
+                out.append(f"recipe '{name}' is {f}, which shadows the shipped recipe of that name (it comes "
+                           "first on the search path): what the shipped one sets and this one does not is unset "
+                           f"(the shipped one: {shipped / name}.yaml)")
+            break
+    for p in os.environ.get(RECIPE_PATH_ENV, "").split(os.pathsep):
+        if p and not Path(p).expanduser().is_dir():
+            out.append(f"${RECIPE_PATH_ENV} names {p}, which is not a folder")
+    return out
+
+
 def looks_like_path(ref: str) -> bool:
     return ref.endswith(SUFFIXES) or ref.startswith(("./", "../", "/", "~"))
 

@@ -294,3 +294,23 @@ def test_explain_names_the_override_of_a_list_item():
     resolved = load_config(DEFAULT_CONFIG, ["train.optimizer.betas.0=0.5"])
     (row,) = [(v, str(src)) for k, v, src in resolved.explain() if k == "train.optimizer.betas"]
     assert row[0][0] == 0.5 and row[1] == "override 'train.optimizer.betas.0=0.5'", row
+
+
+def test_a_project_recipe_that_shadows_a_shipped_one_is_a_warning(write, tmp_path, monkeypatch):
+    """A team's recipes/train/cpu-short.yaml of two keys replaced the shipped one: its schedule, clipping
+    and learning rate were gone, `validate` said "valid", and the same command gave another config from
+    another folder. It is allowed (the search path's purpose) and now said; so is a missing folder on
+    $ACCELRUN_RECIPE_PATH."""
+    from tests.conftest import DEFAULT_CONFIG
+
+    write("recipes/train/cpu-short.yaml", "train: {steps: 7, global_batch: 8}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ACCELRUN_RECIPE_PATH", str(tmp_path / "no-such-folder"))
+    warnings = load_config(DEFAULT_CONFIG).warnings
+    (shadow,) = [w for w in warnings if "shadows" in w]
+    assert shadow.startswith("recipe 'train/cpu-short' is ") and "recipes/train/cpu-short.yaml, which shadows the " \
+        "shipped recipe of that name (it comes first on the search path)" in shadow, shadow
+    assert f"$ACCELRUN_RECIPE_PATH names {tmp_path / 'no-such-folder'}, which is not a folder" in warnings
+    monkeypatch.delenv("ACCELRUN_RECIPE_PATH")
+    monkeypatch.chdir(tmp_path / "recipes")  # elsewhere: the shipped recipes alone, nothing said
+    assert not [w for w in load_config(DEFAULT_CONFIG).warnings if "shadows" in w or "RECIPE_PATH" in w]
