@@ -160,11 +160,22 @@ def _named_after_custom_model(cfg: RunConfig, sources: dict[KeyPath, Source], fi
                                        and custom_src.kind == "file"
                                        and _applied_at(name_src.file, files) >= _applied_at(custom_src.file, files)):
         return cfg
-    module = cfg.model.custom.split(":")[0].rsplit(".", 1)[-1].lstrip("_")
+    module_path, _, attr = cfg.model.custom.partition(":")
+    module = module_path.rsplit(".", 1)[-1].lstrip("_")
     if not re.match(RUN_NAME_PATTERN, module):  # a module named "_" leaves nothing to name the run after
         return cfg
+    # A module of several factories (`zoo:qwen2`, `zoo:mixtral`) names each one's runs apart: all had gone
+    # to runs/zoo/ (a new user's trial). The usual one-factory names say nothing more than the module.
+    factory = attr.rsplit(".", 1)[-1].strip("_")
+    named = module if factory.lower() in GENERIC_FACTORY_NAMES or not factory else f"{module}-{factory}"
+    if not re.match(RUN_NAME_PATTERN, named):
+        named = module
     sources[("name",)] = Source("derived", text="model.custom")
-    return cfg.model_copy(update={"name": module})
+    return cfg.model_copy(update={"name": named})
+
+
+GENERIC_FACTORY_NAMES = frozenset({"build", "make", "create", "model", "factory", "main", "get_model", "make_model",
+                                   "build_model", "create_model", "new", "init"})
 
 
 def _applied_at(file: str | None, files: list[Path]) -> int:

@@ -188,6 +188,10 @@ def test_a_custom_model_run_is_named_after_its_module_unless_named_on_the_comman
     assert named.config.name == "mine" and str(named.sources[("name",)]) == "override 'name=mine'"
     assert load_config(DEFAULT_CONFIG).config.name == "llama-debug"  # the recipe's own model keeps its name
     assert load_config(DEFAULT_CONFIG, ["model.custom=pkg._net:build"]).config.name == "net"  # a valid folder name
+    # a module of several factories names each one's runs apart (a new user's zoo: all went to runs/zoo/)
+    assert load_config(DEFAULT_CONFIG, ["model.custom=zoo:qwen2"]).config.name == "zoo-qwen2"
+    assert load_config(DEFAULT_CONFIG, ["model.custom=zoo:GPT"]).config.name == "zoo-GPT"
+    assert load_config(DEFAULT_CONFIG, ["model.custom=zoo:make_model"]).config.name == "zoo"
 
 
 def test_a_name_set_beside_model_custom_in_one_file_stays(write):
