@@ -189,7 +189,8 @@ def run_loop(
                         metrics.write(record)
                         if trackers is not None:
                             trackers.log_step(record)
-                        progress.update(record["step"], record["loss"], record["tokens_per_s"] or 0.0)
+                        progress.update(record["step"], record["loss"], record["tokens_per_s"] or 0.0,
+                                        record.get("val_loss"))
                     outcome.last_step = record["step"]
                     outcome.step_times.append({k: record.get(k) for k in ("step_time_s", "compile", "profiled")})
 

@@ -47,11 +47,15 @@ class TrainProgress:
             self._bar.start()
             self._task = self._bar.add_task("train", total=total, completed=start, loss="-", tps="-")
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        """``tokens_per_s``: this rank's (rank 0's) figure; the job's is shown."""
+    def update(self, step: int, loss: float, tokens_per_s: float, val_loss: float | None = None) -> None:
+        """``tokens_per_s``: this rank's (rank 0's) figure; the job's is shown. ``val_loss``: the held-out
+        loss, at a step that evaluated (eval.every): shown on a line of its own, in either mode (it had
+        been in metrics.jsonl and the report only)."""
         tokens_per_s *= self.ranks
         if self.before_line is not None:
             self.before_line()
+        if val_loss is not None and self.mode in ("bar", "lines"):
+            self.console.print(f"step {step:>6}/{self.total}  eval loss {val_loss:8.4f} (held out)", highlight=False)
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
         elif self.mode == "lines" and (step % self.every == 0 or step == self.total or step == self.start + 1):

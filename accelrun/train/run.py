@@ -442,8 +442,9 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
     if ranks > 1 and r.get("tokens_per_s"):
         tps += f" (job; {r['tokens_per_s']:,.0f} per rank × {ranks})"
     step = f"{st * 1e3:.0f} ms" if st else "n/a"
+    held_out = f"; eval loss {r['final_val_loss']:.3f} (held out)" if r.get("final_val_loss") is not None else ""
     console.print(
-        f"[bold green]done[/]: loss {r['first_loss']:.3f} → {r['final_loss']:.3f}; {tps}; "
+        f"[bold green]done[/]: loss {r['first_loss']:.3f} → {r['final_loss']:.3f}{held_out}; {tps}; "
         f"step {step} (median); MFU {mfu}; report {escape(str(run_dir / 'report.md'))}",
         highlight=False,
     )

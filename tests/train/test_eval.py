@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from rich.console import Console
 
 from accelrun.cli.main import cli
 from accelrun.config import load_config
@@ -19,12 +21,16 @@ from tests.conftest import DEFAULT_CONFIG
 
 
 def test_val_loss_matches_eager_on_heldout_windows(tiny):
-    overrides = tiny(6, "eval.every=3", "eval.steps=3", "eval.split=0.1", "checkpoint.every=6")
+    overrides = tiny(6, "eval.every=3", "eval.steps=3", "eval.split=0.1", "checkpoint.every=6", "report.progress=lines")
     resolved = load_config(DEFAULT_CONFIG, overrides)
-    result = train(resolved, command="test")
+    out = io.StringIO()
+    result = train(resolved, command="test", console=Console(file=out, width=300))
     assert result.status == "finished"
     rows = read_metrics(result.run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+    # on the console too (a new user found it in metrics.jsonl and the report only)
+    assert f"eval loss {rows[2]['val_loss']:8.4f} (held out)" in out.getvalue(), out.getvalue()
+    assert f"; eval loss {rows[-1]['val_loss']:.3f} (held out);" in out.getvalue()
     report = json.loads((result.run_dir / "report.json").read_text())
     assert report["final_val_loss"] == rows[-1]["val_loss"]
     val_text = f"{report['final_val_loss']:.4g}"
