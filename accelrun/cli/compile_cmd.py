@@ -143,6 +143,11 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
     table.add_row("first step (capture + compile + run)", f"{result.first_step_s:.2f}")
     table.add_row("compiled step (median)", f"{result.steady_step_s:.3f}")
     _print_table(table)
+    from accelrun.report.machine_load import busy_note
+
+    if (busy := busy_note(result.others_share, "these steps", effect="the times above are slower and vary more "
+                          "than on a quiet machine; run explain again when it is quiet")) is not None:  # fmt: skip
+        out.print(f"[bold yellow]warning:[/] {escape(busy)}", highlight=False)
     out.print(f"kernel cache (the regions' built kernels): {record.cache_hits} hit(s), {record.cache_misses} "
               f"miss(es); loss {result.loss:.4f}")
     if "off" in record.graph_cache:  # explain turns compile.dump on itself: every graph compiled afresh

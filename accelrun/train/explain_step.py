@@ -21,6 +21,7 @@ from accelrun.data import build_data
 from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
 from accelrun.models import build_model, transformer_blocks
 from accelrun.models.build import data_vocab, training_loss_fn
+from accelrun.report.machine_load import CpuWindow
 from accelrun.train.optim import build_optimizer
 from accelrun.train.precision import autocast
 from accelrun.train.setup import pick_device, seed_everything
@@ -34,6 +35,7 @@ class ExplainedStep:
     steady_step_s: float  # median of the next few steps
     loss: float
     dump_dir: Path
+    others_share: float | None = None  # of the machine's CPU other processes used while it ran (0-1)
 
 
 def _compile_sharded_alone(model, blocks, compile_cfg, dump_dir: Path, device: torch.device):
@@ -85,7 +87,9 @@ def explain_step(resolved: ResolvedConfig, run_dir: Path, steady_steps: int = 3)
             torch.cuda.synchronize()
         return time.perf_counter() - t0, float(loss.detach())
 
+    window = CpuWindow()  # a busy neighbour made its timings swing 5x, and it said nothing (a new user)
     first_s, loss = step()
     steady = sorted(step()[0] for _ in range(steady_steps))
     compiled.backend.collect_graph_breaks()
-    return ExplainedStep(compiled.record, compiled.description, first_s, steady[len(steady) // 2], loss, dump_dir)
+    return ExplainedStep(compiled.record, compiled.description, first_s, steady[len(steady) // 2], loss, dump_dir,
+                         window.others_share())

@@ -134,3 +134,20 @@ def test_a_job_folder_shows_when_it_started_and_sorts_by_it(tmp_path):
     assert [p.name for p in list_runs(runs, "llama-debug")] == [r.run.split("/")[-1] for r in rows]
     table = CliRunner().invoke(cli, ["runs", "list", str(runs)])
     assert table.exit_code == 0 and "?" not in table.stdout, table.output
+
+
+def test_explain_beside_a_busy_neighbour_says_its_times_are_unreliable(tiny, monkeypatch):
+    # a new user's explain: its compiled step read 1.94 s, then 0.38 s, with nothing said of the neighbour
+    import accelrun.train.explain_step as explain_step
+
+    class Busy:
+        def others_share(self) -> float:
+            return 0.45
+
+    monkeypatch.setattr(explain_step, "CpuWindow", Busy)
+    r = CliRunner().invoke(cli, ["compile", "explain", str(DEFAULT_CONFIG), *tiny(1),
+                                 "compile.passes=[dce, partition_regions]", "--steps", "1"])
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.stdout.split())
+    assert "warning: other processes used 45% of this machine's CPU during these steps: the times above are " \
+           "slower and vary more than on a quiet machine" in said, said
