@@ -65,8 +65,9 @@ def run_values(run: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def model_config_of(run: Path) -> Any:
-    """The run's resolved ``model`` section (the shape an HF folder gave it is already in it)."""
+def model_config_of(run: Path, custom: bool = False) -> Any:
+    """The run's resolved ``model`` section (the shape an HF folder gave it is already in it). A user's
+    model (model.custom) only with ``custom``: its factory is imported and called to read it back."""
     from accelrun.config.schema import ModelConfig
 
     try:
@@ -76,7 +77,7 @@ def model_config_of(run: Path) -> Any:
     model = dict(data.get("model") or {})
     model["hf"] = None  # the folder it was loaded from need not exist any more
     cfg = ModelConfig.model_validate(model)
-    if cfg.custom is not None:
+    if cfg.custom is not None and not custom:
         raise CheckpointModelError(
             f"{run}: model.custom = {cfg.custom!r}; only built-in model families can be read back from a "
             "checkpoint here. Its checkpoints are torch.distributed.checkpoint folders of your model's own "
@@ -106,14 +107,15 @@ def run_tokenizer(run: Path) -> str:
     return str(data.get("tokenizer") or "byte")
 
 
-def load_checkpoint_model(ref: str | Path, purpose: str) -> tuple[Any, Any, Path]:
-    """(model in fp32 on the CPU, its ModelConfig, the checkpoint folder) for ``ref``."""
+def load_checkpoint_model(ref: str | Path, purpose: str, custom: bool = False) -> tuple[Any, Any, Path]:
+    """(model in fp32 on the CPU, its ModelConfig, the checkpoint folder) for ``ref``; a user's model
+    (model.custom, built by its factory, found as training found it) only with ``custom``."""
     import torch.distributed.checkpoint as dcp
 
     from accelrun.models import build_model
 
     ckpt, run = find_checkpoint(ref, purpose)
-    cfg = model_config_of(run)
+    cfg = model_config_of(run, custom)
     model = build_model(cfg, "cpu", seed=0)
     state = {"model": model.state_dict()}
     try:

@@ -40,9 +40,12 @@ def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int 
         raise CheckpointModelError(f"--hf {out} is the folder the run was trained from (model.hf): the export "
                                    "would replace its weights and config.json; give another folder")
     source_config = _source_config(source)  # read before anything is written
-    model, cfg, _ = load_checkpoint_model(checkpoint, "to export")
-    spec = get_family(cfg.arch)
-    written = export_hf(model.state_dict(), spec, spec.args_from_config(cfg), out, max_shard_bytes, removed)
+    model, cfg, _ = load_checkpoint_model(checkpoint, "to export", custom=True)
+    if cfg.custom is not None:
+        written = _save_pretrained(model, cfg.custom, run, out, max_shard_bytes)
+    else:
+        spec = get_family(cfg.arch)
+        written = export_hf(model.state_dict(), spec, spec.args_from_config(cfg), out, max_shard_bytes, removed)
     if source is not None and source_config is None and notes is not None:
         notes.append(f"the run's model.hf folder {source} has no config.json now: the export says what "
                      "accelrun's model is (its model_type, token ids and generation settings are not carried over)")
@@ -57,6 +60,21 @@ def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int 
             shutil.copyfile(f, out / f.name)
         written.append(out / f.name)
     return written
+
+
+def _save_pretrained(model: object, custom: str, run: Path, out: Path, max_shard_bytes: int) -> list[Path]:
+    """A user's transformers model (``model.custom``'s factory returned a ``PreTrainedModel``) written as
+    transformers writes it: its own config.json and safetensors. Any other model of a user's has no Hugging
+    Face form to write (a new user's export of a Qwen2 they trained was refused, with a way round by hand)."""
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise CheckpointModelError(
+            f"{run}: model.custom = {custom!r} is not a transformers model (no save_pretrained), so it has no "
+            "Hugging Face form to export. Its checkpoints are torch.distributed.checkpoint folders of your model's "
+            "own state dict: torch.distributed.checkpoint.format_utils.dcp_to_torch_save(<checkpoint folder>, "
+            "'model.pt') writes one file, whose ['model'] your factory's model loads with load_state_dict")
+    before = set(out.rglob("*")) if out.exists() else set()
+    model.save_pretrained(out, max_shard_size=max_shard_bytes)
+    return sorted(p for p in out.rglob("*") if p.is_file() and (p not in before or p.stat().st_size))
 
 
 def _source_config(source: Path | None) -> dict | None:

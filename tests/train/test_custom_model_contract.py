@@ -351,6 +351,32 @@ def test_export_of_a_custom_model_says_how_its_checkpoint_loads_and_that_way_wor
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
 
 
+def test_export_of_a_users_transformers_model_is_transformers_own_folder(tiny, tmp_path, monkeypatch):
+    """A factory that returns a transformers model exports as transformers writes it (save_pretrained),
+    with the trained weights: a new user's Qwen2 export had been refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    (tmp_path / "hfexport.py").write_text(HF_CHECKPOINTED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = train(load_config(DEFAULT_CONFIG, tiny(2, "model.custom=hfexport:build", "model.kwargs.checkpointing=false",
+                                                    "checkpoint.every=2")))  # fmt: skip
+    r = invoke("export", str(result.run_dir), "--hf", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out" / "config.json").is_file() and list((tmp_path / "out").glob("*.safetensors"))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    from accelrun.train.checkpoint_model import load_checkpoint_model
+
+    ours, _, _ = load_checkpoint_model(result.run_dir, "to compare", custom=True)
+    ids = torch.randint(0, 320, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids, use_cache=False).logits, rtol=1e-5, atol=1e-6)
+    fresh = load_config(DEFAULT_CONFIG, tiny(1, "model.custom=hfexport:build")).config.model  # untrained differs
+    from accelrun.models import build_model
+
+    assert not torch.equal(build_model(fresh, "cpu", seed=1).lm_head.weight, theirs.lm_head.weight)
+
+
 def test_opts_position_table_counts_its_offset():
     """OPT's positions start 2 rows into its table: 34 rows take 32 positions, not 34."""
     transformers = pytest.importorskip("transformers")
