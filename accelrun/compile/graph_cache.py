@@ -45,6 +45,7 @@ import accelrun
 from accelrun.compile import coverage
 from accelrun.compile.activity import ACTIVITY
 from accelrun.compile.break_sites import code_label
+from accelrun.compile.eager_rnns import REASON as EAGER_RNN_REASON
 from accelrun.compile.executors.generated import compiling_after
 from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.record import CompileRecord
@@ -381,8 +382,8 @@ def graph_break_said(e: BaseException) -> str | None:
         what = (text.splitlines() or ["?"])[0][:120]  # its title: "Data-dependent branching", ...
     else:
         return None
-    return (f"the forward has a graph break ({what}), which cannot be saved; the graph-break warning says where "
-            "and what avoids it")
+    return (f"the forward has a graph break ({what}), which cannot be saved; the graph-break warning says where"
+            + ("" if EAGER_RNN_REASON in text else ", and what avoids it where something does"))
 
 
 # How each part of ``GraphCache.versions`` reads when a saved entry's differs from this process's.
