@@ -902,3 +902,16 @@ def test_a_mixture_of_experts_block_is_one_entry_for_any_routing():
     assert cold["compiled"] == 1 and cold["fallbacks"] == 0 and not cold["errors"], cold
     assert warm["loaded"] == 1 and warm["compiled"] == 0 and warm["fallbacks"] == 0, warm
     torch._dynamo.reset()
+
+
+def test_a_refusal_at_an_rnns_break_promises_no_way_round():
+    """An RNN runs at a graph break that nothing avoids (compile/eager_rnns.py): the graph cache's refusal had
+    said the warning gives "what avoids it" (a new user's LSTM)."""
+    from accelrun.compile.eager_rnns import REASON
+    from accelrun.compile.graph_cache import graph_break_said
+
+    Unsupported = type("Unsupported", (Exception,), {"__module__": "torch._dynamo.exc"})  # noqa: N806
+    rnn = graph_break_said(Unsupported(f"Skip inlining `torch.compiler.disable()`d function\n  (reason: {REASON})"))
+    assert rnn.endswith("which cannot be saved; the graph-break warning says where"), rnn
+    other = graph_break_said(Unsupported("Data-dependent branching\n  Explanation: ..."))
+    assert other.endswith("the graph-break warning says where, and what avoids it where something does"), other
