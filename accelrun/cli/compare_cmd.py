@@ -59,6 +59,7 @@ def command(runs: tuple[str, ...], loss_rtol: float | None, out_dir: Path | None
     for rec, label in zip(records, labels, strict=True):
         rec.label = label
     c = compare_groups([Group(label, [rec]) for label, rec in zip(labels, records, strict=True)], rtol=loss_rtol)
+    c.notes += newest_of_folders(runs, records)
     if out_dir is not None:  # first: a reader that stops early (`| head`) must not cost the files
         title = "accelrun compare: " + " vs ".join(labels)
         write_text_atomic(render_comparison_md(c, title=title), out_dir / "compare.md")
@@ -70,6 +71,20 @@ def command(runs: tuple[str, ...], loss_rtol: float | None, out_dir: Path | None
         print_comparison(c)
     if out_dir is not None:
         err.print(f"wrote {escape(str(out_dir))}/compare.{{md,html,json}}", highlight=False)
+
+
+def newest_of_folders(refs: tuple[Path, ...] | list[Path], records: list) -> list[str]:
+    """Which run a folder of several stood for (its newest): a new user compared two folders and was not
+    told which of the two runs in one of them was read."""
+    from accelrun.report.rundir import runs_in
+
+    out = []
+    for ref, rec in zip(refs, records, strict=True):
+        ref = Path(ref).expanduser()
+        if ref.resolve() != Path(rec.path).resolve() and len(held := runs_in(ref)) > 1:
+            out.append(f"{ref} holds {len(held)} runs: compared its newest, {rec.path.name} (name a run folder to "
+                       "compare another)")
+    return out
 
 
 def print_comparison(c: Comparison) -> None:

@@ -364,3 +364,14 @@ def test_mfu_is_taken_against_one_peak_for_every_row(runs, tmp_path):
     c = compare_groups(groups(quiet, busy), resamples=200)
     assert any(n.startswith("MFU is each run's against its own peak (0.1, 0.2 TFLOP/s: precisions differ)")
                for n in c.notes), c.notes
+
+
+def test_a_folder_of_several_runs_says_which_it_stood_for(runs):
+    # a new user compared two folders; one held 2 runs, and nothing said the newest was read
+    from accelrun.cli.compare_cmd import newest_of_folders
+
+    folder = runs["base"].parent  # every run of the fixture: llama-debug/
+    records = [load_run(folder), load_run(runs["base"])]
+    (note,) = newest_of_folders([folder, runs["base"]], records)
+    assert note == (f"{folder} holds 3 runs: compared its newest, {records[0].path.name} (name a run folder to "
+                    "compare another)")
