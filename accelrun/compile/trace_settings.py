@@ -15,6 +15,15 @@ user's other ``torch.compile`` calls in the same process, and runs with ``compil
 call that finds its graph pays two attribute writes (about 4 µs). Not matched: ``fullgraph=True`` also
 traces ``.item()`` as a number read at run time, which torch's default breaks the graph at; a value
 read so and then branched on breaks the cache's trace too (and the cache falls back to this path).
+
+Both paths also trace a checkpointed region (``torch.utils.checkpoint``: transformers'
+``gradient_checkpointing_enable()``, ``train.activation_checkpoint``) that changes Python state:
+Dynamo refuses that by default ("HOP: Unsafe side effect"), because eager checkpointing replays the
+change when the backward recomputes the region. transformers' RMSNorm sets a global through the
+`kernels` package on every call, so every checkpointed transformers layer broke the graph and ran
+eagerly. With ``SIDE_EFFECTS_ONCE`` the change is made in the forward and not made again in the
+recompute: the tensors are the same; only Python state a region changes for itself differs from
+eager's (a call counter counts each call once).
 """
 
 from __future__ import annotations
@@ -26,6 +35,9 @@ from typing import Any
 import torch
 
 from accelrun.torch_private import COMPILED_CALL
+
+# Dynamo's setting (torch 2.6 on) under which a checkpointed region may change Python state (the docstring).
+SIDE_EFFECTS_ONCE = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
 
 def capturing_data_sized_outputs(fn: Callable[..., Any], backend: object, fullgraph: bool = False) -> Callable[..., Any]:
@@ -42,12 +54,17 @@ def capturing_data_sized_outputs(fn: Callable[..., Any], backend: object, fullgr
         if torch.compiler.is_compiling():  # inlined into a graph Dynamo is tracing: nothing to set
             return fn(*args, **kwargs)
         before = config.capture_dynamic_output_shape_ops, config.capture_scalar_outputs
+        once = getattr(config, SIDE_EFFECTS_ONCE, None)
         config.capture_dynamic_output_shape_ops = True
         config.capture_scalar_outputs = before[1] or fullgraph
+        if once is not None:
+            setattr(config, SIDE_EFFECTS_ONCE, True)
         try:
             return fn(*args, **kwargs)
         finally:
             config.capture_dynamic_output_shape_ops, config.capture_scalar_outputs = before
+            if once is not None:
+                setattr(config, SIDE_EFFECTS_ONCE, once)
 
     return call
 
