@@ -75,6 +75,10 @@ def profile_steps(variant: str, step: Callable[[], object], steps: int, device: 
             step()
     rows = []
     for event in prof.key_averages():
+        # On a GPU only the kernels themselves: torch also gives the ATen op that launched a kernel its
+        # device time, and both rows would count (torch's own table sums device events alone).
+        if on_device and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
         us = event.self_device_time_total if on_device else event.self_cpu_time_total
         if us <= 0 or (not on_device and not event.key.startswith("aten::")):
             continue

@@ -34,3 +34,34 @@ def test_the_side_by_side_table_has_a_column_per_variant_and_their_totals():
     assert "| kind | inductor | accelrun |" in text
     assert "| generated | 0.500 ms | 0.000 ms |" in text
     assert "| all | 1.500 ms | 1.000 ms |" in text
+
+
+def test_on_a_gpu_only_the_kernels_count_not_the_ops_that_launched_them(monkeypatch):
+    """torch gives an ATen op the device time of the kernels it launched; counted beside the kernel's
+    own row, every product counted twice on the GPU (a review)."""
+    import torch.profiler
+
+    from bench import kernel_profile
+
+    class Event:
+        def __init__(self, key, device_type, us):
+            self.key, self.device_type, self.count = key, device_type, 2
+            self.self_device_time_total, self.self_cpu_time_total = us, 1.0
+
+    class FakeProfile:
+        def __init__(self, **_):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def key_averages(self):
+            cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+            return [Event("aten::mm", cpu, 100.0), Event("sm90_xmma_gemm", cuda, 100.0)]
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    table = kernel_profile.profile_steps("accelrun", lambda: None, 2, torch.device("cuda"))
+    assert [r.name for r in table.rows] == ["sm90_xmma_gemm"] and table.by_kind()["products"] == 50.0
