@@ -136,23 +136,32 @@ def save_rng_state(path: Path, rank: int) -> None:
         state["cuda"] = torch.cuda.get_rng_state_all()
     file = rng_file(path, rank)
     file.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, file)
+    with open(file, "wb") as f:  # on disk before COMPLETE is, as the train state is
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
-def restore_rng_state(path: Path, rank: int) -> str | None:
-    """Sets this rank's generators from checkpoint ``path``; None if done, else why not (a checkpoint
-    written before generators were saved, or by a job with fewer ranks): the run then goes on from
-    its seed, and the masks it draws differ from an uninterrupted run's."""
-    file = rng_file(path, rank)
-    if not file.is_file():
-        return (f"{path.name} holds no random-generator state for rank {rank} (written by an older accelrun or "
-                f"a job with fewer ranks): dropout masks after it differ from an uninterrupted run's")
-    state = torch.load(file, weights_only=True)
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
-    return None
+def restore_rng_state(path: Path, rank: int, world_size: int = 1) -> str | None:
+    """Sets this rank's generators from checkpoint ``path``. Returns None if every rank of the job can
+    (rank 0, which prints it, looks for all of them), else why not: a checkpoint written before
+    generators were saved, by a job with fewer ranks, or a file that does not load. A rank without its
+    state goes on from its seed, and the masks it draws differ from an uninterrupted run's."""
+    missing = [r for r in range(world_size) if not rng_file(path, r).is_file()]
+    try:
+        state = torch.load(rng_file(path, rank), weights_only=True) if rank not in missing else None
+    except Exception:  # noqa: BLE001 (damaged: the run goes on, and says so)
+        state, missing = None, sorted({*missing, rank})
+    if state is not None:
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
+    if not missing:
+        return None
+    ranks = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing[0]}-{missing[-1]}"
+    return (f"{path.name} holds no readable random-generator state for {ranks} (written by an older accelrun or "
+            "a job with fewer ranks): dropout masks after it differ from an uninterrupted run's")
 
 
 def complete_checkpoints(ckpt_dir: Path) -> list[CheckpointInfo]:

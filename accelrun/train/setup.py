@@ -277,7 +277,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         data.load_state_dict(saved["data"])
         start_step, resumed_from = int(saved["step"]), ckpt.path
         # Last in setup: nothing above may draw from the generators after this (the model's init did before).
-        if (missing := restore_rng_state(ckpt.path, ctx.rank)) is not None:
+        if (missing := restore_rng_state(ckpt.path, ctx.rank, ctx.world_size)) is not None:
             reason += f"; note: {missing}"
         if changed := code_changes(saved.get("model_code") or code, code):  # (an older checkpoint: none said)
             reason += (f"; note: the model's code changed since {ckpt.path.name} was written ({', '.join(changed[:3])}"

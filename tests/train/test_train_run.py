@@ -414,7 +414,13 @@ def test_a_checkpoint_without_generator_state_resumes_and_says_its_masks_differ(
     torch.manual_seed(99)
     assert restore_rng_state(tmp_path, 0) is None and torch.equal(torch.rand(4), expected)
     why = restore_rng_state(tmp_path, 1)  # a job with more ranks than the one that wrote it
-    assert why is not None and "no random-generator state for rank 1" in why and "dropout masks" in why
+    assert why is not None and "no readable random-generator state for rank 1" in why and "dropout masks" in why
+    # rank 0, which prints the note, says it for the job's other ranks too (a review)
+    torch.manual_seed(99)
+    why = restore_rng_state(tmp_path, 0, world_size=4)
+    assert "for ranks 1-3" in why and torch.equal(torch.rand(4), expected)
+    (tmp_path / "rng" / "rank-00000.pt").write_bytes(b"")  # cut short by a crash: said, not raised
+    assert "for rank 0" in restore_rng_state(tmp_path, 0)
 
 
 def test_a_run_resumed_after_its_models_code_changed_says_so(tiny, tmp_path, monkeypatch):
