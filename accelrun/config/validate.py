@@ -305,8 +305,9 @@ def consistency_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list
         out.append(f"model.kwargs ({source_of(('model', 'kwargs'), sources)}) is only used with model.custom")
     if m.custom is not None and cfg.checkpoint.hf_on_finish:
         # found by a new user: the whole run trained, then the export refused it (exit 2, no end line)
-        out.append(f"{v('checkpoint.hf_on_finish')} exports a built-in model family as a transformers folder; "
-                   f"{v('model.custom')} is kept in accelrun's checkpoints only: set checkpoint.hf_on_finish=false")
+        out.append(f"{v('checkpoint.hf_on_finish')} exports a built-in model family as a transformers folder at the "
+                   f"end of training, not {v('model.custom')}: set checkpoint.hf_on_finish=false (`accelrun export "
+                   "<run> --hf <folder>` writes a model.custom that is a transformers model, with its save_pretrained)")
     if m.custom is None:
         if m.head_dim is not None and m.arch not in HEAD_DIM_FAMILIES:
             out.append(f"{v('model.head_dim')} is only read by model.arch {' / '.join(HEAD_DIM_FAMILIES)}; "

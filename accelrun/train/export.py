@@ -14,6 +14,7 @@ from accelrun.train.checkpoint_model import (
     find_checkpoint,
     hf_source_of,
     load_checkpoint_model,
+    model_config_of,
     run_tokenizer,
 )
 
@@ -40,9 +41,10 @@ def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int 
         raise CheckpointModelError(f"--hf {out} is the folder the run was trained from (model.hf): the export "
                                    "would replace its weights and config.json; give another folder")
     source_config = _source_config(source)  # read before anything is written
+    _refuse_what_has_no_hf_form(run)  # before its weights are read: they may take minutes
     model, cfg, _ = load_checkpoint_model(checkpoint, "to export", custom=True)
     if cfg.custom is not None:
-        written = _save_pretrained(model, cfg.custom, run, out, max_shard_bytes)
+        written = _save_pretrained(model, out, max_shard_bytes, removed)
     else:
         spec = get_family(cfg.arch)
         written = export_hf(model.state_dict(), spec, spec.args_from_config(cfg), out, max_shard_bytes, removed)
@@ -62,19 +64,43 @@ def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int 
     return written
 
 
-def _save_pretrained(model: object, custom: str, run: Path, out: Path, max_shard_bytes: int) -> list[Path]:
-    """A user's transformers model (``model.custom``'s factory returned a ``PreTrainedModel``) written as
-    transformers writes it: its own config.json and safetensors. Any other model of a user's has no Hugging
-    Face form to write (a new user's export of a Qwen2 they trained was refused, with a way round by hand)."""
+def _refuse_what_has_no_hf_form(run: Path) -> None:
+    """A user's model (``model.custom``) exports only when its factory returns a transformers model
+    (``PreTrainedModel``: ``save_pretrained``); told apart on the meta device, before any weight is read.
+    Any other has no Hugging Face form to write (a new user's export of a Qwen2 they trained had been
+    refused, with a way round by hand)."""
+    from accelrun.errors import UserError
+    from accelrun.models import build_model
+
+    cfg = model_config_of(run, custom=True)
+    if cfg.custom is None:
+        return
+    by_hand = ("Its checkpoints are torch.distributed.checkpoint folders of your model's own state dict: "
+               "torch.distributed.checkpoint.format_utils.dcp_to_torch_save(<checkpoint folder>, 'model.pt') writes "
+               "one file, whose ['model'] your factory's model loads with load_state_dict")
+    try:
+        model = build_model(cfg, "meta", seed=0)
+    except UserError as e:  # its module not found from here, ...
+        raise CheckpointModelError(f"{run}: model.custom = {cfg.custom!r} could not be built to export it "
+                                   f"({' '.join(e.messages)}). {by_hand}") from None
     if not callable(getattr(model, "save_pretrained", None)):
-        raise CheckpointModelError(
-            f"{run}: model.custom = {custom!r} is not a transformers model (no save_pretrained), so it has no "
-            "Hugging Face form to export. Its checkpoints are torch.distributed.checkpoint folders of your model's "
-            "own state dict: torch.distributed.checkpoint.format_utils.dcp_to_torch_save(<checkpoint folder>, "
-            "'model.pt') writes one file, whose ['model'] your factory's model loads with load_state_dict")
-    before = set(out.rglob("*")) if out.exists() else set()
+        raise CheckpointModelError(f"{run}: model.custom = {cfg.custom!r} is not a transformers model (no "
+                                   f"save_pretrained), so it has no Hugging Face form to export. {by_hand}")
+
+
+def _save_pretrained(model: object, out: Path, max_shard_bytes: int, removed: list[Path] | None) -> list[Path]:
+    """A user's transformers model written as transformers writes it (its config.json and safetensors);
+    returns the files written or changed, and adds to ``removed`` what it deleted (an earlier export's
+    shards)."""
+    def stamps() -> dict[Path, tuple[int, int]]:
+        return {f: (f.stat().st_size, f.stat().st_mtime_ns) for f in out.rglob("*") if f.is_file()} if out.exists() else {}
+
+    before = stamps()
     model.save_pretrained(out, max_shard_size=max_shard_bytes)
-    return sorted(p for p in out.rglob("*") if p.is_file() and (p not in before or p.stat().st_size))
+    after = stamps()
+    if removed is not None:
+        removed += sorted(set(before) - set(after))
+    return sorted(f for f, stamp in after.items() if before.get(f) != stamp)
 
 
 def _source_config(source: Path | None) -> dict | None:

@@ -475,3 +475,24 @@ def test_a_graph_break_inside_a_checkpointed_region_says_what_it_means():
     fix = known_fix("HOP: Unsafe side effect\n  Explanation: Mutating a variable from outside the scope of this HOP")
     assert fix is not None and fix.startswith("code inside activation checkpointing (torch.utils.checkpoint: "
                                               "transformers' gradient_checkpointing_enable()")
+
+
+def test_save_pretrained_exports_name_the_files_they_wrote_and_removed(tmp_path):
+    # (a review) every file already in the folder had been listed as written, and replaced shards not at all
+    from accelrun.train.export import _save_pretrained
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "model-00001-of-00002.safetensors").write_text("old shard")
+
+    class Model:
+        def save_pretrained(self, folder, max_shard_size):
+            (folder / "model-00001-of-00002.safetensors").unlink()  # as transformers drops stale shards
+            (folder / "config.json").write_text("{}")
+            (folder / "model.safetensors").write_text("weights")
+
+    removed: list = []
+    written = _save_pretrained(Model(), out, 2**30, removed)
+    assert [p.name for p in written] == ["config.json", "model.safetensors"]
+    assert [p.name for p in removed] == ["model-00001-of-00002.safetensors"]
