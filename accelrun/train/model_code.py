@@ -13,8 +13,10 @@ from torch import nn
 
 
 def model_code(model: nn.Module) -> dict[str, str]:
-    """file -> sha256 of each file that defines a module class of ``model`` (torch's own left out)."""
-    files: set[str] = set()
+    """module name -> sha256 of the file of each module that defines a class of ``model`` (torch's own left
+    out). Keyed by module, not path: a run resumed from another checkout or a job's staged copy of the
+    same code says nothing."""
+    files: dict[str, str] = {}
     for cls in {type(m) for m in model.modules()}:
         if cls.__module__.split(".")[0] == "torch":
             continue
@@ -23,17 +25,16 @@ def model_code(model: nn.Module) -> dict[str, str]:
         except TypeError:  # a class made at run time, or a builtin
             continue
         if path:
-            files.add(path)
+            files[cls.__module__] = path
     out = {}
-    for path in sorted(files):
+    for module, path in sorted(files.items()):
         try:
-            out[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+            out[module] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
         except OSError:
             continue
     return out
 
 
 def code_changes(saved: dict[str, str], now: dict[str, str]) -> list[str]:
-    """The files whose content differs, or that define the model's classes in one only, shown short."""
-    changed = sorted(f for f in saved.keys() | now.keys() if saved.get(f) != now.get(f))
-    return ["/".join(Path(f).parts[-2:]) for f in changed]
+    """The modules whose file differs, or that define the model's classes in one of the two only."""
+    return sorted(m for m in saved.keys() | now.keys() if saved.get(m) != now.get(m))

@@ -197,7 +197,8 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     on_meta = cfg.model.custom is None
     model = build_model(cfg.model, "meta" if on_meta else device, seed=t.seed)
     info = model_summary(cfg.model, model)  # its FLOPs per token: flop_count's, added below
-    code = model_code(model)  # the whole model's classes, before a layout splits or wraps it
+    # A user's model's classes (a family's are accelrun's), read before a layout splits or wraps the model.
+    code = model_code(model) if cfg.model.custom is not None else {}
     if cfg.data.packing == "document" and (problem := document_packing_problem(model)) is not None:
         raise ConfigError(problem)
     if cfg.model.custom is not None and (problem := position_table_problem(model, t.seq_len)) is not None:

@@ -443,7 +443,7 @@ def test_a_run_resumed_after_its_models_code_changed_says_so(tiny, tmp_path, mon
     resumed = run(tiny(6, *common), console=Console(file=out, width=400))
     assert resumed.report["first_step"] == 3
     assert ("note: the model's code changed since step-000002 was written (" in out.getvalue()
-            and "editedmodel.py): its weights go on with the new code" in out.getvalue()), out.getvalue()
+            and "editedmodel): its weights go on with the new code" in out.getvalue()), out.getvalue()
     # unchanged code says nothing of it
     out = io.StringIO()
     run(tiny(6, *common[:-1], "name=same"), stop_after_step=3)
