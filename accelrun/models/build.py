@@ -245,17 +245,43 @@ def kwargs_type_problem(factory: Any, attr: str, kwargs: dict[str, Any]) -> str 
     float, str, None, a Literal, a union of those), in words with the nearest valid value; None if all
     fit or cannot be told. The factory gets the values as given: ``norm_first: flase`` reached a
     ``bool`` argument as a (true) string and built the other model, silently (a new user's trial)."""
-    import typing
-
-    try:
-        hints = typing.get_type_hints(factory.__init__ if isinstance(factory, type) else factory)
-    except Exception:  # noqa: BLE001 (a forward reference, a C extension): nothing to check against
-        return None
+    hints = _annotations(factory)
     for name, value in kwargs.items():
         if name in hints and _fits(value, hints[name]) is False:
             return (f"model.kwargs.{name} = {value!r} ({type(value).__name__}), but {attr} takes "
                     f"{name}: {_type_words(hints[name])}{_nearest_value(value, hints[name])}")
     return None
+
+
+def _annotations(factory: Any) -> dict[str, Any]:
+    """The factory's parameters' annotations as types, each on its own: one that does not resolve (a
+    type imported under TYPE_CHECKING) leaves that parameter unchecked, not every other one too."""
+    import functools
+    import inspect
+    import typing
+
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    fn = factory.__init__ if isinstance(factory, type) else factory
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 (a forward reference, a C extension): each on its own below
+        pass
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    out = {}
+    for name, param in params.items():
+        ann = param.annotation
+        if isinstance(ann, str):
+            try:
+                ann = eval(ann, getattr(fn, "__globals__", {}))  # noqa: S307 (the user's own annotation, as typing does)
+            except Exception:  # noqa: BLE001
+                continue
+        if ann is not param.empty:
+            out[name] = ann
+    return out
 
 
 def _fits(value: Any, annotation: Any) -> bool | None:
@@ -274,8 +300,8 @@ def _fits(value: Any, annotation: Any) -> bool | None:
     if annotation is type(None):
         return value is None
     origin = typing.get_origin(annotation)
-    if origin is typing.Literal:
-        return value in typing.get_args(annotation)
+    if origin is typing.Literal:  # (True == 1: a boolean is no Literal[1])
+        return any(value == a and type(value) is type(a) for a in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
         told = [_fits(value, a) for a in typing.get_args(annotation)]
         return True if any(told) else (None if None in told else False)
@@ -284,6 +310,14 @@ def _fits(value: Any, annotation: Any) -> bool | None:
 
 def _type_words(annotation: Any) -> str:
     return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
 
 
 def _nearest_value(value: Any, annotation: Any) -> str:
@@ -298,7 +332,7 @@ def _nearest_value(value: Any, annotation: Any) -> str:
         return "; write a whole number (true and false are booleans here)"
     if annotation is int and isinstance(value, float) and value.is_integer():
         return f"; write {int(value)}"
-    if annotation in (int, float) and isinstance(value, str):
+    if annotation in (int, float) and isinstance(value, str) and _is_number(value):
         return "; write the number unquoted"
     choices = [str(a) for a in typing.get_args(annotation)] if typing.get_origin(annotation) is typing.Literal else []
     if isinstance(value, str) and (near := nearest(value, choices)):

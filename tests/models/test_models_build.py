@@ -357,6 +357,35 @@ def test_model_kwargs_of_another_type_than_the_factory_annotates_are_refused(use
         check_custom_kwargs(f"{name}:build", kwargs)
 
 
+UNRESOLVED_ANNOTATION = """
+    from __future__ import annotations
+
+    import functools
+    from typing import TYPE_CHECKING, Literal
+
+    if TYPE_CHECKING:
+        from transformers import PretrainedConfig
+
+    def build(dim: int = 4, cfg: PretrainedConfig | None = None, heads: Literal[1, 2] = 1):
+        return None
+
+    partly = functools.partial(build, heads=2)
+"""
+
+
+def test_model_kwargs_checks_each_annotation_on_its_own_and_literals_by_type(user_module):
+    # (a review) one annotation that does not resolve had turned the check off for every argument
+    from accelrun.models.build import kwargs_type_problem
+
+    module = __import__(user_module(UNRESOLVED_ANNOTATION))
+    build = module.build
+    assert "model.kwargs.dim = 'x' (str), but build takes dim: int" in kwargs_type_problem(build, "build", {"dim": "x"})
+    assert not kwargs_type_problem(build, "build", {"dim": "x"}).endswith("unquoted")  # 'x' is no number
+    assert "heads = True (bool)" in kwargs_type_problem(build, "build", {"heads": True})  # True == 1, but no Literal[1]
+    assert kwargs_type_problem(build, "build", {"heads": 2, "cfg": object()}) is None
+    assert "dim = 'x'" in kwargs_type_problem(module.partly, "partly", {"dim": "x"})
+
+
 def test_model_kwargs_of_the_annotated_types_and_unannotated_ones_build(user_module):
     name = user_module(TYPED_FACTORY)
     kwargs = {"norm_first": False, "layers": 3, "scale": 2, "act": "relu", "name": None, "extra": "anything"}
