@@ -17,6 +17,7 @@ from accelrun.report.ab import (
     AbPlan,
     RunEvent,
     Variant,
+    pin_threads_to_free_cores,
     resolve_variants,
     run_ab,
     write_ab_reports,
@@ -157,7 +158,8 @@ def command(config: str, overrides: tuple[str, ...], a: tuple[str, ...], b: tupl
     base = load(config, (*overrides, *a))  # prints the recipe's warnings once
     plan = AbPlan(config, variants, out_dir or Path("ab"), common=list(overrides), repeats=repeats, steps=steps,
                   warmup_steps=warmup_steps)
-    resolve_variants(plan)  # every variant valid before anything is created or run (exit 2 otherwise)
+    # every variant valid before anything is created or run (exit 2 otherwise); the threads, said below
+    pin_threads_to_free_cores(plan, resolve_variants(plan))
     if out_dir is None:
         out_dir = create_run_dir(Path(base.config.report.runs_dir) / "ab", base.config.name)
     elif (out_dir / "ab.json").exists():

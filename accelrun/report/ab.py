@@ -68,6 +68,7 @@ class AbPlan:
     warmup_steps: int | None = None
     notes: list[str] = field(default_factory=list)  # said when the plan is made, kept in the result
     validated: set[str] = field(default_factory=set)  # config hashes `accelrun validate` passed
+    pinned_threads: int | None = None  # train.threads ab chose for every variant (a busy neighbour)
 
     def forced(self) -> list[str]:
         """Overrides ab imposes last: fresh, checkpoint-free runs in the ab directory, progress as lines.
@@ -261,6 +262,7 @@ def pin_threads_to_free_cores(plan: AbPlan, resolved: list[ResolvedConfig],
     if choice.threads >= choice.usable_cores:
         return
     plan.common.append(f"train.threads={choice.threads}")
+    plan.pinned_threads = choice.threads
     plan.notes.append(f"other processes were using {choice.others_cores:.1f} of this machine's {choice.usable_cores} "
                       f"cores when ab started: every variant runs on train.threads={choice.threads}, the cores left "
                       "(set train.threads before --a to choose)")
@@ -325,7 +327,9 @@ def summarize_ab(plan: AbPlan, run_dirs: dict[str, list[Path]], *, seed: int = 0
             for k, share in enumerate(shares, start=1) if share is not None}
     if busy and max(busy.values()) > BUSY_WARNING:
         given = {g.label: g.runs[0].config_flat.get("train.threads") for g in groups}
-        if all(t is None for t in given.values()):
+        if plan.pinned_threads is not None:
+            how = (f"Every variant ran on train.threads={plan.pinned_threads}, the cores free when ab started")
+        elif all(t is None for t in given.values()):
             how = ("The variants ran on torch's default threads (every core), so that they compare like for like, "
                    "where `accelrun train` alone takes fewer threads beside a busy neighbour (train.threads=1 "
                    "before --a compares them that way)")  # fmt: skip

@@ -170,6 +170,9 @@ def test_beside_a_busy_neighbour_every_variant_runs_on_the_cores_left(tmp_path, 
     pin_threads_to_free_cores(p, resolved, busy)
     assert "train.threads=1" in p.command(p.variants[0]) and "train.threads=1" in p.command(p.variants[1])
     assert any("every variant runs on train.threads=1, the cores left" in n for n in p.notes), p.notes
+    assert p.pinned_threads == 1
+    pin_threads_to_free_cores(p, [load_config(p.config, p.overrides(v)) for v in p.variants], busy)  # run_ab's again
+    assert p.common.count("train.threads=1") == 1 and len(p.notes) == 1  # once
     for common in (["train.threads=2"], ["train.device=cuda"], ["parallel.nproc_per_node=2"]):  # theirs stays
         p, resolved = plan(*common)
         pin_threads_to_free_cores(p, resolved, busy)
