@@ -49,7 +49,9 @@ def apply_layout(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
         apply_context_parallel(part, cfg.model, ctx.mesh, cp_stats, 2 if t.precision == "bf16-mixed" else 4)
     if t.activation_checkpoint.mode != "none":
         # a user's model: its repeated blocks, as the compiler finds them (transformers' model.layers)
-        found = blocks if blocks is not None else (hit[1] if (hit := repeated_blocks(part)) else None)
+        # (then torch.nn's own: nn.TransformerEncoder's layers)
+        hit = None if blocks is not None else (repeated_blocks(part) or repeated_blocks(part, builtins=True))
+        found = blocks if blocks is not None else (hit[1] if hit else None)
         if found is None:
             raise ConfigError(
                 "train.activation_checkpoint needs a model with a `layers` ModuleList of blocks, or an "
