@@ -81,7 +81,8 @@ def newest_of_folders(refs: tuple[Path, ...] | list[Path], records: list) -> lis
     out = []
     for ref, rec in zip(refs, records, strict=True):
         ref = Path(ref).expanduser()
-        if ref.resolve() != Path(rec.path).resolve() and len(held := runs_in(ref)) > 1:
+        held = [r for r in runs_in(ref) if (r / "metrics.jsonl").is_file()] if ref.is_dir() else []
+        if ref.resolve() != Path(rec.path).resolve() and len(held) > 1:  # (the runs it could have read)
             out.append(f"{ref} holds {len(held)} runs: compared its newest, {rec.path.name} (name a run folder to "
                        "compare another)")
     return out

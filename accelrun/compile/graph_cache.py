@@ -627,7 +627,8 @@ class CachedMethod:
                       ACTIVITY.compiling(f"Dynamo traces {type(owner).__name__}.{self.func.__name__}"),
                       # what Dynamo does under fullgraph anyway, said so that a model's code can tell a
                       # whole-graph trace (torch_private.traces_host_reads: a mixture of experts' counts)
-                      config.patch(capture_scalar_outputs=True, **{SIDE_EFFECTS_ONCE: True})):
+                      config.patch(capture_scalar_outputs=True,
+                                   **({SIDE_EFFECTS_ONCE: True} if hasattr(config, SIDE_EFFECTS_ONCE) else {}))):
                     entry = compiled.aot_compile((args, kwargs))
             finally:
                 backend.serializable, backend.precompiling = False, ""

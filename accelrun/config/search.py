@@ -50,7 +50,9 @@ def search_path_warnings(files: list[Path], dirs: list[Path]) -> list[str]:
             if root == shipped or not f.resolve().is_relative_to(root):
                 continue
             name = f.resolve().relative_to(root).with_suffix("").as_posix()
-            if any((shipped / f"{name}{suffix}").is_file() for suffix in SUFFIXES):
+            theirs = [shipped / f"{name}{suffix}" for suffix in SUFFIXES]
+            # (one that extends the shipped one by path keeps what it sets: nothing is lost)
+            if any(t.is_file() and t.resolve() not in {g.resolve() for g in files} for t in theirs):
                 out.append(f"recipe '{name}' is {f}, which shadows the shipped recipe of that name (it comes "
                            "first on the search path): what the shipped one sets and this one does not is unset "
                            f"(the shipped one: {shipped / name}.yaml)")

@@ -50,11 +50,11 @@ def _cpu_attention_formulas() -> dict:
 
 @contextlib.contextmanager
 def _rnn_libraries_off() -> Iterator[None]:
-    """oneDNN's and cuDNN's recurrent layers off while counting: ``nn.LSTM`` runs as one
-    ``mkldnn_rnn_layer`` (or ``_cudnn_rnn``) call, which torch's counter has no formula for, so an LSTM
-    language model counted its output head alone (MFU 6% where 85% was right, a new user's trial).
-    Without them the same layers run as the matrix products it counts. Set one by one: the
-    ``flags()`` context managers set TF32 too, and warn."""
+    """oneDNN and cuDNN off while counting (the FLOPs counted are the same either way; only which library
+    runs them changes): ``nn.LSTM`` runs as one ``mkldnn_rnn_layer`` (or ``_cudnn_rnn``) call, which
+    torch's counter has no formula for, so an LSTM language model counted its output head alone (MFU 6%
+    where 85% was right, a new user's trial). Without them the same layers run as the matrix products it
+    counts. Set one by one: the ``flags()`` context managers set TF32 too, and warn."""
     import torch
 
     backends = (torch.backends.mkldnn, torch.backends.cudnn)

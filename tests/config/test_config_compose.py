@@ -318,3 +318,14 @@ def test_a_project_recipe_that_shadows_a_shipped_one_is_a_warning(write, tmp_pat
     monkeypatch.delenv("ACCELRUN_RECIPE_PATH")
     monkeypatch.chdir(tmp_path / "recipes")  # elsewhere: the shipped recipes alone, nothing said
     assert not [w for w in load_config(DEFAULT_CONFIG).warnings if "shadows" in w or "RECIPE_PATH" in w]
+
+
+def test_a_project_recipe_that_extends_the_shipped_one_it_shadows_is_no_warning(write, tmp_path, monkeypatch):
+    # (a review) it keeps what the shipped one sets: nothing is lost, nothing to say
+    from accelrun.config.search import SHIPPED_RECIPES
+    from tests.conftest import DEFAULT_CONFIG
+
+    write("recipes/train/cpu-short.yaml", f"extends: [{SHIPPED_RECIPES / 'train' / 'cpu-short.yaml'}]\ntrain: {{steps: 7}}\n")
+    monkeypatch.chdir(tmp_path)
+    resolved = load_config(DEFAULT_CONFIG)
+    assert resolved.config.train.steps == 7 and not [w for w in resolved.warnings if "shadows" in w]
