@@ -54,8 +54,17 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
+# A second signal this soon after the first is the same one delivered twice, not a user's second
+# Ctrl-C: GNU `timeout -s INT` signals its child, then its own process group with the child in it, and
+# a 2-rank run killed its ranks without saving (steps lost, a new user's trial). A person's fastest
+# double press takes 100 ms or more.
+SAME_SIGNAL_WITHIN_S = 0.05
+
+
 def _handle(signum: int, frame) -> None:
     global _received, _received_at, _stopped_at_once
+    if _received and signum == _received and time.monotonic() - _received_at < SAME_SIGNAL_WITHIN_S:
+        return
     if _received:
         # The first signal decides; a second one (SLURM's again) changes nothing, except a second
         # Ctrl-C: the user does not want to wait (for the step, the checkpoint, a stuck rank). The
