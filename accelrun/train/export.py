@@ -48,14 +48,17 @@ def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int 
     else:
         spec = get_family(cfg.arch)
         written = export_hf(model.state_dict(), spec, spec.args_from_config(cfg), out, max_shard_bytes, removed)
+    if cfg.custom is None and (source_config is None or not _same_tokenizer(tokenizer_files, source)):
+        _write_token_ids(out / "config.json", _run_token_ids(run))
     if source is not None and source_config is None and notes is not None:
         notes.append(f"the run's model.hf folder {source} has no config.json now: the export says what "
                      "accelrun's model is (its model_type, token ids and generation settings are not carried over)")
     if source_config is not None:
         own_tokenizer = _same_tokenizer(tokenizer_files, source)
         if not own_tokenizer and notes is not None and any(k in source_config for k in TOKEN_ID_KEYS):
-            notes.append(f"the run did not train with {source}'s tokenizer: the export leaves out its BOS, EOS and "
-                         "padding ids and its generation_config.json (set them for the tokenizer you trained with)")
+            notes.append(f"the run did not train with {source}'s tokenizer: the export gives the ids of the one it "
+                         "trained with, not that folder's BOS, EOS and padding ids, and leaves out its "
+                         "generation_config.json")
         written += _carry_source_folder(source, source_config, out, own_tokenizer)
     for f in tokenizer_files:
         if not (out / f.name).exists() or not (out / f.name).samefile(f):
@@ -157,6 +160,27 @@ def _carry_source_folder(source: Path, theirs: dict, out: Path, own_tokenizer: b
     if not (out / generation.name).exists() or not (out / generation.name).samefile(generation):
         shutil.copyfile(generation, out / generation.name)
     return [out / generation.name]
+
+
+def _run_token_ids(run: Path) -> dict[str, int]:
+    """The special ids the run trained with, for its export's config.json: the byte tokenizer's BOS and EOS,
+    or the end-of-text id that separated a tokenizer.json's documents (from its tokenizer_config.json).
+    Without them transformers took its defaults (eos 2, bos 1): a new user's export stopped generating at
+    the token '!' and read its own end-of-text as the beginning."""
+    from accelrun.config.tokenizer_file import BYTE, read_tokenizer_info
+    from accelrun.data.tokenizer import ByteTokenizer
+
+    name = run_tokenizer(run)
+    if name == BYTE:
+        return {"bos_token_id": ByteTokenizer.BOS, "eos_token_id": ByteTokenizer.EOS}
+    eos = read_tokenizer_info(name, key=f"{run}: data.tokenizer").eos_id
+    return {} if eos is None else {"eos_token_id": eos}
+
+
+def _write_token_ids(config_file: Path, ids: dict[str, int]) -> None:
+    if ids:
+        config = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({**config, **ids}, indent=2) + "\n")
 
 
 def _run_tokenizer_files(run: Path) -> list[Path]:

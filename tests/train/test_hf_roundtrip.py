@@ -61,7 +61,10 @@ def test_hf_train_export_transformers_loads(tiny, tmp_path, kind):
     for key in ("model_type", "architectures", "max_position_embeddings") + (("sliding_window",) if kind == "mistral" else ()):
         assert key in source and exported[key] == source[key], (key, exported.get(key), source.get(key))
     assert exported.get("dtype", "float32") == "float32" and exported["torch_dtype"] == "float32"
-    assert not (out / "generation_config.json").exists() and "eos_token_id" not in exported
+    assert not (out / "generation_config.json").exists()
+    # the byte tokenizer's own ids (transformers' defaults, eos 2 and bos 1, had stood: a new user's
+    # export stopped generating at '!')
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (256, 257)
     assert "did not train with" in " ".join(r.output.split()), r.output  # and the export says so
     if kind == "mistral":  # the folder gone since training: the export says what it could not carry
         import shutil
@@ -118,3 +121,22 @@ def test_export_of_a_folder_without_checkpoints_exits_2(tmp_path):
     r = CliRunner().invoke(cli, ["export", str(tmp_path), "--hf", str(tmp_path / "file")])
     assert r.exit_code == 2 and r.output.splitlines() == [f"error: --hf: {tmp_path / 'file'} is a file; give a "
                                                           "folder (created if missing)"]
+
+
+def test_an_export_of_a_run_with_its_own_tokenizer_json_says_its_end_of_text_id(tiny, tmp_path):
+    # A new user's BPE tokenizer (its <eos> id 1): the export's config.json had no ids, transformers took
+    # eos 2 ('!') and bos 1 (their end-of-text), and generate() stopped at the wrong token.
+    from accelrun.config.tokenizer_file import read_tokenizer_info
+    from tests.data.chat_helpers import save_chat_tokenizer
+
+    tok = tmp_path / "tok"
+    save_chat_tokenizer(tok)
+    eos = read_tokenizer_info(str(tok)).eos_id
+    assert eos is not None
+    r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG), *tiny(2, f"data.tokenizer={tok}")])
+    assert r.exit_code == 0, r.output
+    (run_dir,) = list((tmp_path / "runs" / "llama-debug").iterdir())
+    r = CliRunner().invoke(cli, ["export", str(run_dir), "--hf", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["eos_token_id"] == eos and (tmp_path / "out" / "tokenizer.json").is_file()
