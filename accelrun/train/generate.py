@@ -104,6 +104,19 @@ class Generated:
     beyond_training: str | None = None  # a warning: the text runs past the windows the model trained on
 
 
+def _tokenizer_trained_with(ckpt: Path) -> str | None:
+    """The tokenizer name a checkpoint's run encoded its data with (None: an older checkpoint, or data
+    that was not text)."""
+    import json
+
+    from accelrun.train.checkpoint import TRAIN_STATE
+
+    try:
+        return json.loads((ckpt / TRAIN_STATE).read_text()).get("tokenizer")
+    except (OSError, ValueError):
+        return None
+
+
 def generate_text(ref: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
                   top_k: int | None = 50, seed: int = 0) -> Generated:
     """The prompt followed by the sampled continuation, in the run's own tokens (byte-level with a BOS
@@ -118,6 +131,12 @@ def generate_text(ref: str | Path, prompt: str, *, max_new_tokens: int = 200, te
     model, _, ckpt = load_checkpoint_model(
         ref, "to sample from (train with checkpoint.enabled = true; checkpoint.save_final saves the last step)")
     model.eval()
+    trained_with = _tokenizer_trained_with(ckpt)
+    if trained_with is not None and trained_with != tok.name:
+        raise CheckpointModelError(
+            f"{ref}: data.tokenizer {name!r} is not the tokenizer the run trained with (its checkpoint says "
+            f"{trained_with}, the file is now {tok.name}): the model's ids would be decoded as other text; put "
+            "back the file it trained with")
     vocab = model.args.vocab_size if hasattr(model, "args") else None
     if vocab is not None and vocab < tok.vocab_size:
         raise CheckpointModelError(f"{ref}: the model's vocabulary ({vocab}) is smaller than the tokenizer "

@@ -91,6 +91,7 @@ class TrainSetup:
     cp_stats: Any = None
     # file -> digest of the files that define the model's classes (train.model_code), saved with checkpoints.
     model_code: dict[str, str] | None = None
+    tokenizer_name: str | None = None  # the tokenizer the data was encoded with (its token file header's name)
 
     @property
     def compile_record(self) -> Any:
@@ -109,6 +110,9 @@ class TrainSetup:
             "data": self.data.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "model_code": self.model_code or {},
+            # which tokenizer's ids the model learned ("byte", or a tokenizer.json's hf-<hash>): generate
+            # refuses to decode them with a file that has changed since
+            "tokenizer": self.tokenizer_name,
         }
 
 
@@ -118,6 +122,19 @@ def pick_device(requested: str) -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device = cuda, but no CUDA device is available here (use auto or cpu)")
     return torch.device(requested)
+
+
+def tokenizer_of(data_cfg: Any) -> Any:
+    """The tokenizer ``data.tokenizer`` names (None for data that is not text: synthetic ids, a token file)."""
+    from accelrun.data.tokenizer import get_tokenizer
+
+    name = getattr(data_cfg, "tokenizer", None)
+    if not isinstance(name, str) or name == "hf":
+        return None
+    try:
+        return get_tokenizer(name)
+    except Exception:  # noqa: BLE001 (the data's own build says what is wrong with it)
+        return None
 
 
 def seed_everything(seed: int) -> None:
@@ -320,4 +337,5 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         expert_parallel=expert_parallel,
         cp_stats=cp_stats,
         model_code=code,
+        tokenizer_name=getattr(tokenizer_of(cfg.data), "name", None),
     )

@@ -54,3 +54,20 @@ def test_a_folder_of_runs_samples_from_its_newest_run_that_saved_a_checkpoint(ti
     assert r.stderr.startswith(f"run {saved}; step 2;"), r.stderr
     r = CliRunner().invoke(cli, ["generate", str(quick), "--prompt", "x"])  # the run itself, named: refused
     assert r.exit_code == 2 and "no complete checkpoint" in r.output
+
+
+def test_generate_refuses_a_tokenizer_file_that_changed_since_the_run_trained(tiny, tmp_path):
+    # A new user replaced the run's tokenizer.json (vocab 400) by another (vocab 300): generate decoded the
+    # model's ids with it and printed other text, exit 0 (resume refused the same change).
+    from tests.data.chat_helpers import save_chat_tokenizer
+
+    tok = tmp_path / "tok"
+    save_chat_tokenizer(tok)
+    done = train(load_config(DEFAULT_CONFIG, tiny(2, f"data.tokenizer={tok}", "checkpoint.every=2", "name=tok")),
+                 command="test").run_dir
+    args = ["generate", str(done), "--prompt", "hello", "--max-new-tokens", "4"]
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    save_chat_tokenizer(tok, vocab_size=280)  # another tokenizer under the same name
+    r = CliRunner().invoke(cli, args)
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "is not the tokenizer the run trained with (its checkpoint says hf-" in said, said
