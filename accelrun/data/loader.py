@@ -179,7 +179,9 @@ class TokenBatchIterator:
         if fingerprint != self.fingerprint:
             raise DataError(
                 f"data state was saved on different data (fingerprint {fingerprint}, this data is "
-                f"{self.fingerprint}: {self.stream.fingerprint}); resume with the same data.* settings"
+                f"{self.fingerprint}: {self.stream.fingerprint}): the data's files or the tokenizer's file changed "
+                "since the checkpoint was written, or the data.* settings did; resume with the same data and "
+                "tokenizer, or start afresh with checkpoint.resume=none"
             )
         if (seq_len, n_windows) != (self.seq_len, self.n_windows):
             raise DataError(
