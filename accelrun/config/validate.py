@@ -600,12 +600,14 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
         for key in ("passes", "executors", "cache_dir", "debug_numerics", "dump"):
             if src := set_by_user("compile", key):
                 out.append(f"compile.{key} ({src}) is read by the accelrun backend only, not by inductor")
-    # A shipped schedule's warm-up longer than a short run the user asked for (a smoke run of a
-    # shipped recipe) is that recipe's choice, not the user's: warned where the user set the warm-up or
-    # the learning rate it never reaches (a new user's lr=1e-3 over 20 steps peaked at 6.7e-4).
+    # A warm-up longer than the run: the learning rate never reaches its peak, and never decays. Warned
+    # where the user set the warm-up, the learning rate it never reaches (a new user's lr=1e-3 over 20 steps
+    # peaked at 6.7e-4) or the run's length (three new users' trials ran 10-60 steps of a recipe whose
+    # warm-up is 30, and read its loss as the schedule's); a shipped recipe's own pair is its choice.
     warmup = cfg.train.lr_schedule.warmup_steps
     lr_set = set_by_user("train", "optimizer", "lr")
-    if warmup > cfg.train.steps and (set_by_user("train", "lr_schedule", "warmup_steps") or lr_set):
+    if warmup > cfg.train.steps and (set_by_user("train", "lr_schedule", "warmup_steps") or lr_set
+                                     or set_by_user("train", "steps")):
         reached = cfg.train.optimizer.lr * cfg.train.steps / warmup
         out.append(
             f"train.lr_schedule.warmup_steps = {warmup} ({source_of(('train', 'lr_schedule', 'warmup_steps'), sources)}) "
