@@ -17,7 +17,10 @@ from accelrun.cli.common import err, out
               help="0 = greedy.")
 @click.option("--top-k", type=click.IntRange(min=1), default=50, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same text.")
-def command(run: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> None:
+@click.option("--through-end", is_flag=True, help="Go on past the end of a text (the tokenizer's end-of-text "
+              "id) into the next one the model starts, instead of stopping there.")
+def command(run: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
+            through_end: bool) -> None:
     """Load RUN's newest complete checkpoint (a run folder, a folder of runs: the newest of its runs
     that saved one, or a checkpoint folder) into this process and print PROMPT followed by sampled text
     (on stderr first: the run, step and checkpoint used). Built-in model families decode with a KV cache.
@@ -31,10 +34,12 @@ def command(run: Path, prompt: str, max_new_tokens: int, temperature: float, top
     from accelrun.train.generate import generate_text
 
     t0 = time.perf_counter()
-    g = generate_text(run, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    g = generate_text(run, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                      stop_at_end=not through_end)
     # Which run and checkpoint spoke, on stderr: stdout stays the text alone (pipeable).
+    ended = "; it ended the text there (--through-end goes on)" if g.ended else ""
     err.print(f"run {g.run}; step {g.step if g.step is not None else '?'}; checkpoint {g.checkpoint}; "
-              f"{max_new_tokens} tokens in {time.perf_counter() - t0:.1f} s (checkpoint load included; "
+              f"{g.new_tokens} tokens{ended} in {time.perf_counter() - t0:.1f} s (checkpoint load included; "
               + ("KV cache)" if g.kv_cache is None else f"no KV cache: {g.kv_cache})"),
               markup=False, highlight=False)
     if g.beyond_training:

@@ -29,9 +29,11 @@ def load_run_model(ref: str | Path) -> torch.nn.Module:
 
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompt_ids: list[int], *, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, seed: int = 0, max_seq_len: int | None = None) -> list[int]:
-    """Append ``max_new_tokens`` sampled ids to ``prompt_ids`` (greedy when temperature is 0). The
-    context is cut to the last ``max_seq_len`` tokens. Deterministic for a seed (a private generator).
+             top_k: int | None = None, seed: int = 0, max_seq_len: int | None = None,
+             stop_id: int | None = None) -> list[int]:
+    """Append ``max_new_tokens`` sampled ids to ``prompt_ids`` (greedy when temperature is 0), or fewer
+    when ``stop_id`` (the end of a text) is sampled: it is the last id then. The context is cut to the
+    last ``max_seq_len`` tokens. Deterministic for a seed (a private generator).
 
     Built-in families decode through a KV cache (``accelrun.train.kv_cache``): each new token costs one
     position's work. Other models recompute the whole context for every token."""
@@ -45,7 +47,7 @@ def generate(model: torch.nn.Module, prompt_ids: list[int], *, max_new_tokens: i
         logits_V = _context_logits(model, cache, ids, max_seq_len)
         for i in range(max_new_tokens):
             ids.append(_sample(logits_V, temperature, top_k, gen))
-            if i + 1 == max_new_tokens:
+            if i + 1 == max_new_tokens or ids[-1] == stop_id:
                 break
             if cache is not None and (max_seq_len is None or len(ids) <= max_seq_len):
                 logits_V = cache(torch.tensor([ids[-1:]], dtype=torch.long))[0, -1].float()
@@ -102,6 +104,8 @@ class Generated:
     step: int | None
     kv_cache: str | None  # None: decoded with a KV cache; else why not
     beyond_training: str | None = None  # a warning: the text runs past the windows the model trained on
+    new_tokens: int = 0  # sampled (fewer than asked when the text ended)
+    ended: bool = False  # it sampled the tokenizer's end of text, and stopped there
 
 
 def _tokenizer_trained_with(ckpt: Path) -> str | None:
@@ -118,7 +122,7 @@ def _tokenizer_trained_with(ckpt: Path) -> str | None:
 
 
 def generate_text(ref: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
-                  top_k: int | None = 50, seed: int = 0) -> Generated:
+                  top_k: int | None = 50, seed: int = 0, stop_at_end: bool = True) -> Generated:
     """The prompt followed by the sampled continuation, in the run's own tokens (byte-level with a BOS
     first, or a tokenizer.json's own encoding of the prompt, its special tokens included), and which run,
     checkpoint and step it came from."""
@@ -143,8 +147,12 @@ def generate_text(ref: str | Path, prompt: str, *, max_new_tokens: int = 200, te
                                    f"{name!r}'s ({tok.vocab_size}); it was not trained on its tokens")
     ids = tok.encode(prompt, bos=True) if isinstance(tok, ByteTokenizer) else tok.encode(prompt)
     window = getattr(getattr(model, "args", None), "max_seq_len", None)
+    # The end of a text (the id that separated documents in training) ends the sample: past it the model
+    # starts another document, glued on (a new user read "word.Of" where one text ended).
+    stop_id = getattr(tok, "EOS", None) if stop_at_end else None
     out = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                   max_seq_len=window)
+                   max_seq_len=window, stop_id=stop_id)
+    ended = stop_id is not None and len(out) > len(ids) and out[-1] == stop_id
     info = read_info(ckpt)
     values = run_values(run)
     trained = (values.get("train") or {}).get("seq_len")
@@ -154,4 +162,5 @@ def generate_text(ref: str | Path, prompt: str, *, max_new_tokens: int = 200, te
     beyond = (f"the prompt and {max_new_tokens} new tokens put {read} tokens before the model, more than the "
               f"{trained} of the windows it trained on: past them its positions are untrained, and its text may "
               f"turn to noise" if isinstance(trained, int) and read > trained and not pretrained else None)  # fmt: skip
-    return Generated(tok.decode(out), run, ckpt, info.step if info else None, kv_cache_unsupported(model), beyond)
+    return Generated(tok.decode(out), run, ckpt, info.step if info else None, kv_cache_unsupported(model), beyond,
+                     len(out) - len(ids), ended)

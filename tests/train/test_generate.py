@@ -71,3 +71,21 @@ def test_generate_refuses_a_tokenizer_file_that_changed_since_the_run_trained(ti
     r = CliRunner().invoke(cli, args)
     said = " ".join(r.output.split())
     assert r.exit_code == 2 and "is not the tokenizer the run trained with (its checkpoint says hf-" in said, said
+
+
+def test_sampling_stops_at_the_end_of_a_text_unless_told_to_go_through():
+    # A new user's sample glued one document's end to the next one's start ("word.Of"): the end-of-text id
+    # was sampled, dropped by the decoder, and sampling went on.
+    import torch
+
+    from accelrun.train.generate import generate
+
+    class EndsAtOnce(torch.nn.Module):
+        def forward(self, ids_1T):
+            logits = torch.zeros(1, ids_1T.shape[1], 258)
+            logits[..., 257] = 10.0  # the byte tokenizer's end of text
+            return logits
+
+    model = EndsAtOnce()
+    assert generate(model, [256, 65], max_new_tokens=5, temperature=0, stop_id=257) == [256, 65, 257]
+    assert generate(model, [256, 65], max_new_tokens=5, temperature=0) == [256, 65] + [257] * 5
