@@ -60,6 +60,7 @@ def command(runs: tuple[str, ...], loss_rtol: float | None, out_dir: Path | None
         rec.label = label
     c = compare_groups([Group(label, [rec]) for label, rec in zip(labels, records, strict=True)], rtol=loss_rtol)
     c.notes += newest_of_folders(runs, records)
+    c.warnings += busy_runs(records)
     if out_dir is not None:  # first: a reader that stops early (`| head`) must not cost the files
         title = "accelrun compare: " + " vs ".join(labels)
         write_text_atomic(render_comparison_md(c, title=title), out_dir / "compare.md")
@@ -85,6 +86,23 @@ def newest_of_folders(refs: tuple[Path, ...] | list[Path], records: list) -> lis
         if ref.resolve() != Path(rec.path).resolve() and len(held) > 1:  # (the runs it could have read)
             out.append(f"{ref} holds {len(held)} runs: compared its newest, {rec.path.name} (name a run folder to "
                        "compare another)")
+    return out
+
+
+def busy_runs(records: list) -> list[str]:
+    """Runs that trained beside a busy neighbour (their reports say how busy): their speed is the
+    machine's, not the settings' (a new user compared a run that took 1 of 2 cores beside one with
+    nothing said). `ab` measures this itself, per repeat."""
+    from accelrun.report.machine_load import BUSY_WARNING
+
+    out = []
+    for rec in records:
+        load = (rec.report or {}).get("machine_load") or {}
+        share, threads = load.get("others_cpu_share"), load.get("threads")
+        if isinstance(share, (int, float)) and share > BUSY_WARNING:
+            on = f" (it ran on {threads} thread{'s' if threads != 1 else ''})" if threads else ""
+            out.append(f"{rec.label}: other processes used {share:.0%} of the machine's CPU while it trained{on}: "
+                       "its speed figures are slower than on a quiet machine")
     return out
 
 

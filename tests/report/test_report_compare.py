@@ -375,3 +375,15 @@ def test_a_folder_of_several_runs_says_which_it_stood_for(runs):
     (note,) = newest_of_folders([folder, runs["base"]], records)
     assert note == (f"{folder} holds 3 runs: compared its newest, {records[0].path.name} (name a run folder to "
                     "compare another)")
+
+
+def test_a_run_that_trained_beside_a_busy_neighbour_is_named(runs):
+    # a new user compared a 1-process run that took 1 of 2 cores beside a busy neighbour with a 2-rank
+    # one, and compare said nothing of it (each run's own report had)
+    from accelrun.cli.compare_cmd import busy_runs
+
+    quiet, busy = load_run(runs["base"], label="A"), load_run(runs["twin"], label="B")
+    busy.report = {**(busy.report or {}), "machine_load": {"others_cpu_share": 0.27, "threads": 1}}
+    quiet.report = {**(quiet.report or {}), "machine_load": {"others_cpu_share": 0.01, "threads": 2}}
+    assert busy_runs([quiet, busy]) == ["B: other processes used 27% of the machine's CPU while it trained (it ran "
+                                        "on 1 thread): its speed figures are slower than on a quiet machine"]
