@@ -143,5 +143,7 @@ def check_fits_cluster(w: Workload, cluster: Cluster) -> None:
         raise PlanError(
             f"the recipe runs parallel.nnodes × parallel.nproc_per_node = {lay.nnodes} × {lay.nproc_per_node} "
             f"processes, the cluster has cluster.nodes × cluster.devices_per_node = {cluster.nodes} × "
-            f"{cluster.devices_per_node} devices; set the parallel keys to fit (or use --search)"
+            f"{cluster.devices_per_node} devices; set the parallel keys to fit (or use --search), or, where the "
+            f"machine has them, the cluster's (cluster.devices_per_node={lay.nproc_per_node} on the command line: "
+            "a CPU's processes on cluster/cpu-local)"
         )

@@ -95,6 +95,9 @@ def test_errors_exit_2_with_one_message(cluster_file, tmp_path):
         ([DEFAULT_CONFIG, "--cluster", cluster_file, "parallel.nproc_per_node=8", "parallel.dp_shard=8",
           "train.micro_batch=2"],
          "the cluster has cluster.nodes × cluster.devices_per_node = 2 × 4"),
+        # and the cluster's key where the machine has them (a new user's 2 CPU processes on cpu-local)
+        ([DEFAULT_CONFIG, "--cluster", cluster_file, "parallel.nproc_per_node=8", "parallel.dp_shard=8",
+          "train.micro_batch=2"], "cluster.devices_per_node=8 on the command line"),
         ([DEFAULT_CONFIG, "--cluster", "h100-8x", "model.custom=pkg.mod:make"], "built-in model families"),
         ([], "needs CONFIG"),
     ]
