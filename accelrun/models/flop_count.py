@@ -54,18 +54,19 @@ def _rnn_libraries_off() -> Iterator[None]:
     runs them changes): ``nn.LSTM`` runs as one ``mkldnn_rnn_layer`` (or ``_cudnn_rnn``) call, which
     torch's counter has no formula for, so an LSTM language model counted its output head alone (MFU 6%
     where 85% was right, a new user's trial). Without them the same layers run as the matrix products it
-    counts. Set one by one: the ``flags()`` context managers set TF32 too, and warn."""
+    counts. Through torch's ``flags()`` context managers, the one way that works after a process called
+    ``torch.backends.disable_global_flags()`` (torch's own test helpers do); they also set TF32, which
+    counting does not read, and oneDNN's warns about Intel GPUs: kept quiet."""
+    import warnings
+
     import torch
 
-    backends = (torch.backends.mkldnn, torch.backends.cudnn)
-    before = [b.enabled for b in backends]
-    for b in backends:
-        b.enabled = False
-    try:
-        yield
-    finally:
-        for b, was in zip(backends, before, strict=True):
-            b.enabled = was
+    mkldnn, cudnn = torch.backends.mkldnn, torch.backends.cudnn
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with (mkldnn.flags(enabled=False, deterministic=mkldnn.deterministic),
+              cudnn.flags(enabled=False, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic)):
+            yield
 
 
 def counted_flops_per_token(model: nn.Module, seq_len: int, vocab_size: int, device: torch.device) -> FlopsPerToken:
