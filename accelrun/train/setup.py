@@ -89,7 +89,7 @@ class TrainSetup:
     expert_parallel: Any = None
     # parallel.cp > 1: what this rank's context-parallel attention exchanged (accelrun.dist.context_parallel).
     cp_stats: Any = None
-    # file -> digest of the files that define the model's classes (train.model_code), saved with checkpoints.
+    # module -> digest of the files that define a user model's classes (train.model_code), saved with checkpoints.
     model_code: dict[str, str] | None = None
     tokenizer_name: str | None = None  # the tokenizer the data was encoded with (its token file header's name)
 
