@@ -250,7 +250,9 @@ def pin_threads_to_free_cores(plan: AbPlan, resolved: list[ResolvedConfig],
     neighbour, a new user's variants swung from 0.3 to 4 s a step and the interval spanned 0.2-5.8x).
     CPU runs of one process only (a GPU's or a multi-process job's threads are another matter);
     ACCELRUN_FIXED_THREADS=1 keeps torch's default, as it does for `accelrun train`."""
-    if os.environ.get("ACCELRUN_FIXED_THREADS") == "1" or any(r.config.train.threads is not None or r.config.train.device == "cuda" or r.config.parallel.world_size > 1
+    if os.environ.get("ACCELRUN_FIXED_THREADS") == "1":
+        return
+    if any(r.config.train.threads is not None or r.config.train.device == "cuda" or r.config.parallel.world_size > 1
            for r in resolved):  # fmt: skip
         return
     if any(r.config.train.device == "auto" for r in resolved):
@@ -328,7 +330,7 @@ def summarize_ab(plan: AbPlan, run_dirs: dict[str, list[Path]], *, seed: int = 0
     if busy and max(busy.values()) > BUSY_WARNING:
         given = {g.label: g.runs[0].config_flat.get("train.threads") for g in groups}
         if plan.pinned_threads is not None:
-            how = (f"Every variant ran on train.threads={plan.pinned_threads}, the cores free when ab started")
+            how = f"Every variant ran on train.threads={plan.pinned_threads}, the cores free when ab started"
         elif all(t is None for t in given.values()):
             how = ("The variants ran on torch's default threads (every core), so that they compare like for like, "
                    "where `accelrun train` alone takes fewer threads beside a busy neighbour (train.threads=1 "
