@@ -49,7 +49,7 @@ from accelrun.compile.eager_rnns import REASON as EAGER_RNN_REASON
 from accelrun.compile.executors.generated import compiling_after
 from accelrun.compile.gc_pause import gc_paused
 from accelrun.compile.record import CompileRecord
-from accelrun.compile.trace_settings import SIDE_EFFECTS_ONCE, capturing_data_sized_outputs
+from accelrun.compile.trace_settings import capturing_data_sized_outputs, side_effects_once
 from accelrun.compile.traced_from import (
     BakedCheck,
     BakedValue,
@@ -627,8 +627,7 @@ class CachedMethod:
                       ACTIVITY.compiling(f"Dynamo traces {type(owner).__name__}.{self.func.__name__}"),
                       # what Dynamo does under fullgraph anyway, said so that a model's code can tell a
                       # whole-graph trace (torch_private.traces_host_reads: a mixture of experts' counts)
-                      config.patch(capture_scalar_outputs=True,
-                                   **({SIDE_EFFECTS_ONCE: True} if hasattr(config, SIDE_EFFECTS_ONCE) else {}))):
+                      config.patch(capture_scalar_outputs=True, **side_effects_once())):
                     entry = compiled.aot_compile((args, kwargs))
             finally:
                 backend.serializable, backend.precompiling = False, ""

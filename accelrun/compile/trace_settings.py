@@ -12,7 +12,7 @@ user read was not of the graphs a default run trains with, and a second rank tra
 so that Dynamo traces those ops with the cache's setting. Only while accelrun's own compiled calls run: a
 user's other ``torch.compile`` calls in the same process, and runs with ``compile.backend = inductor``
 (no graph cache to agree with), keep torch's default. Dynamo reads the setting only when it traces, so a
-call that finds its graph pays two attribute writes (about 4 µs). Not matched: ``fullgraph=True`` also
+call that finds its graph pays three attribute writes (a few µs). Not matched: ``fullgraph=True`` also
 traces ``.item()`` as a number read at run time, which torch's default breaks the graph at; a value
 read so and then branched on breaks the cache's trace too (and the cache falls back to this path).
 
@@ -40,6 +40,13 @@ from accelrun.torch_private import COMPILED_CALL
 SIDE_EFFECTS_ONCE = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
 
+@functools.cache
+def side_effects_once() -> dict[str, bool]:
+    """``{SIDE_EFFECTS_ONCE: True}`` to set while accelrun traces, or nothing where this torch has no such
+    setting: one answer for both trace paths (these wrappers, the graph cache's precompile)."""
+    return {SIDE_EFFECTS_ONCE: True} if hasattr(torch._dynamo.config, SIDE_EFFECTS_ONCE) else {}
+
+
 def capturing_data_sized_outputs(fn: Callable[..., Any], backend: object, fullgraph: bool = False) -> Callable[..., Any]:
     """``fn`` (a ``torch.compile``d callable), traced with data-sized outputs captured where ``backend``
     is accelrun's (an object; Inductor and others are named by a string: ``fn`` as it is). With
@@ -48,23 +55,20 @@ def capturing_data_sized_outputs(fn: Callable[..., Any], backend: object, fullgr
     if isinstance(backend, str):
         return fn
     config = torch._dynamo.config
+    settings = {"capture_dynamic_output_shape_ops": True, "capture_scalar_outputs": fullgraph, **side_effects_once()}
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # inlined into a graph Dynamo is tracing: nothing to set
             return fn(*args, **kwargs)
-        before = config.capture_dynamic_output_shape_ops, config.capture_scalar_outputs
-        once = getattr(config, SIDE_EFFECTS_ONCE, None)
-        config.capture_dynamic_output_shape_ops = True
-        config.capture_scalar_outputs = before[1] or fullgraph
-        if once is not None:
-            setattr(config, SIDE_EFFECTS_ONCE, True)
+        before = {name: getattr(config, name) for name in settings}
+        for name, value in settings.items():
+            setattr(config, name, value or before[name])  # (host reads: also where the user asked for them)
         try:
             return fn(*args, **kwargs)
         finally:
-            config.capture_dynamic_output_shape_ops, config.capture_scalar_outputs = before
-            if once is not None:
-                setattr(config, SIDE_EFFECTS_ONCE, once)
+            for name, value in before.items():
+                setattr(config, name, value)
 
     return call
 
