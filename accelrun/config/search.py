@@ -44,15 +44,16 @@ def search_path_warnings(files: list[Path], dirs: list[Path]) -> list[str]:
     $ACCELRUN_RECIPE_PATH names that is not there."""
     out = []
     shipped = SHIPPED_RECIPES.resolve()
-    for f in files:
-        for d in dirs:
-            root = d.resolve()
-            if root == shipped or not f.resolve().is_relative_to(root):
+    read = [f.resolve() for f in files]
+    roots = [r for r in (d.resolve() for d in dirs) if r != shipped]
+    for f, path in zip(files, read, strict=True):
+        for root in roots:
+            if not path.is_relative_to(root):
                 continue
-            name = f.resolve().relative_to(root).with_suffix("").as_posix()
+            name = path.relative_to(root).with_suffix("").as_posix()
             theirs = [shipped / f"{name}{suffix}" for suffix in SUFFIXES]
             # (one that extends the shipped one by path keeps what it sets: nothing is lost)
-            if any(t.is_file() and t.resolve() not in {g.resolve() for g in files} for t in theirs):
+            if any(t.is_file() and t.resolve() not in read for t in theirs):
                 out.append(f"recipe '{name}' is {f}, which shadows the shipped recipe of that name (it comes "
                            "first on the search path): what the shipped one sets and this one does not is unset "
                            f"(the shipped one: {shipped / name}.yaml)")

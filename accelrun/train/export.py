@@ -48,13 +48,13 @@ def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int 
     else:
         spec = get_family(cfg.arch)
         written = export_hf(model.state_dict(), spec, spec.args_from_config(cfg), out, max_shard_bytes, removed)
-    if cfg.custom is None and (source_config is None or not _same_tokenizer(tokenizer_files, source)):
+    own_tokenizer = source_config is not None and _same_tokenizer(tokenizer_files, source)
+    if cfg.custom is None and not own_tokenizer:  # (with its own, the folder's ids are carried below)
         _write_token_ids(out / "config.json", _run_token_ids(run))
     if source is not None and source_config is None and notes is not None:
         notes.append(f"the run's model.hf folder {source} has no config.json now: the export says what "
                      "accelrun's model is (its model_type, token ids and generation settings are not carried over)")
     if source_config is not None:
-        own_tokenizer = _same_tokenizer(tokenizer_files, source)
         if not own_tokenizer and notes is not None and any(k in source_config for k in TOKEN_ID_KEYS):
             notes.append(f"the run did not train with {source}'s tokenizer: the export gives the ids of the one it "
                          "trained with, not that folder's BOS, EOS and padding ids, and leaves out its "

@@ -129,18 +129,18 @@ def generate_text(ref: str | Path, prompt: str, *, max_new_tokens: int = 200, te
     from accelrun.data.tokenizer import ByteTokenizer, get_tokenizer
     from accelrun.train.checkpoint import read_info
 
-    _, run = find_checkpoint(ref, "to sample from")
+    newest, run = find_checkpoint(ref, "to sample from")
     name = run_tokenizer(run)
     tok = get_tokenizer(name)  # a tokenizer file that is gone: exit 2 naming it
-    model, _, ckpt = load_checkpoint_model(
-        ref, "to sample from (train with checkpoint.enabled = true; checkpoint.save_final saves the last step)")
-    model.eval()
-    trained_with = _tokenizer_trained_with(ckpt)
+    trained_with = _tokenizer_trained_with(newest)  # before the weights are read: they may take minutes
     if trained_with is not None and trained_with != tok.name:
         raise CheckpointModelError(
             f"{ref}: data.tokenizer {name!r} is not the tokenizer the run trained with (its checkpoint says "
             f"{trained_with}, the file is now {tok.name}): the model's ids would be decoded as other text; put "
             "back the file it trained with")
+    model, _, ckpt = load_checkpoint_model(
+        ref, "to sample from (train with checkpoint.enabled = true; checkpoint.save_final saves the last step)")
+    model.eval()
     vocab = model.args.vocab_size if hasattr(model, "args") else None
     if vocab is not None and vocab < tok.vocab_size:
         raise CheckpointModelError(f"{ref}: the model's vocabulary ({vocab}) is smaller than the tokenizer "

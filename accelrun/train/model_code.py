@@ -29,6 +29,7 @@ def model_code(model: nn.Module) -> dict[str, str]:
     out = {}
     for module, path in sorted(files.items()):
         try:
+            # (not traced_from.file_digest: that one is cached per process, as the code was imported)
             out[module] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
         except OSError:
             continue
