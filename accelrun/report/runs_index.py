@@ -133,5 +133,5 @@ def _run_row(path: Path) -> RunRow | None:
         compile=str(r.config_flat.get("compile.backend", "?")), precision=str(r.config_flat.get("train.precision", "?")),
         config_hash=rep.get("config_hash") or (values_hash(r.config) if r.config else None),
         segment=len(r.segments), processes=_processes(r.config_flat, rep),
-        mfu_upper_bound=is_upper_bound(rep),
+        mfu_upper_bound=is_upper_bound(rep if rep else r.env),  # no report: the peak env.json recorded
     )

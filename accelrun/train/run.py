@@ -123,6 +123,16 @@ def _record_malloc(run_dir: Path, mode: str) -> None:
         write_json(env, path)
 
 
+def _record_peak(run_dir: Path, s: TrainSetup) -> None:
+    """env.json's record of the peak MFU divides by: a run that ends without a report (a killed
+    multi-rank job) still says, in ``runs list``, that a peak probed on a busy machine bounds its MFU."""
+    path = run_dir / "env.json"
+    if path.is_file():
+        env = json.loads(path.read_text())
+        env["peak"] = s.peak.to_dict()
+        write_json(env, path)
+
+
 def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | None, console: Console | None,
                   stop_after_step: int | None) -> TrainResult:
     cfg = resolved.config
@@ -152,6 +162,8 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
             shutil.rmtree(run_dir, ignore_errors=True)
         return TrainResult(run_dir, "nothing-to-do", None)
 
+    if main:
+        _record_peak(run_dir, s)
     if main and _continues_itself(s.resumed_from, run_dir):
         forget_steps_after(run_dir / "metrics.jsonl", s.start_step)  # they are about to be redone
     progress = (TrainProgress(cfg.train.steps, s.start_step, cfg.report.progress, cfg.report.log_every, console,

@@ -88,6 +88,20 @@ def test_runs_list_marks_an_mfu_against_a_peak_probed_on_a_busy_machine_as_an_up
     assert "an upper bound" in text, table.stdout
 
 
+def test_a_run_killed_before_its_report_keeps_the_upper_bound_from_env_json(tmp_path):
+    """A new user's finding (2026-12-07): a 2-rank run stopped by a kill wrote no report, and `runs list`
+    showed its MFU without the "≤" that its finished twin had."""
+    from accelrun.report.peak import BUSY_PEAK
+
+    run = _folder(tmp_path / "runs" / "llama-debug" / "20260101-120000-aaaaaa", **{
+        "config.yaml": "name: llama-debug\ncompile:\n  backend: eager\n",
+        "env.json": json.dumps({"peak": {"tflops": 0.1, "source": f"{BUSY_PEAK}: float32 probe"}}),
+        "metrics.jsonl": "".join(json.dumps({"step": i, "loss": 5.0, "step_time_s": 0.1, "mfu": 0.5}) + "\n"
+                                 for i in range(1, 9))})
+    [row] = list_run_rows(run.parent.parent)
+    assert row.status == "interrupted" and row.mfu is not None and row.mfu_upper_bound, row
+
+
 def test_explain_says_it_compiles_with_accelrun_whatever_the_recipes_backend(tiny):
     """A new user's finding: `compile explain ... compile.backend=eager` compiled with accelrun and said
     nothing of the backend asked for."""

@@ -48,6 +48,8 @@ def test_loss_falls_and_run_directory_is_complete(tiny):
         assert "| host block cache |" in (d / "report.md").read_text()
     assert report["tokens_per_s"] > 0 and report["step_breakdown_s"]["forward"] > 0
     assert report["mfu"] is None and "peak unknown" in " ".join(report["notes"])  # probe disabled here
+    # What runs list reads where a killed run wrote no report: the same peak as the report's.
+    assert json.loads((d / "env.json").read_text())["peak"] == report["peak"]
     rows = read_metrics(d / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 41))
     assert all(k in rows[0] for k in ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mem_peak_bytes"))
