@@ -40,6 +40,7 @@ def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int 
     if source is not None and out.exists() and out.resolve() == source.resolve():
         raise CheckpointModelError(f"--hf {out} is the folder the run was trained from (model.hf): the export "
                                    "would replace its weights and config.json; give another folder")
+    _refuse_a_run_folder(out)
     source_config = _source_config(source)  # read before anything is written
     _refuse_what_has_no_hf_form(run)  # before its weights are read: they may take minutes
     model, cfg, _ = load_checkpoint_model(checkpoint, "to export", custom=True)
@@ -65,6 +66,27 @@ def export_checkpoint(ref: str | Path, out: str | Path, *, max_shard_bytes: int 
             shutil.copyfile(f, out / f.name)
         written.append(out / f.name)
     return written
+
+
+def _refuse_a_run_folder(out: Path) -> None:
+    """An export into a run's own folder, its checkpoints or a folder of runs mixes a model's config.json
+    and weights with what accelrun reads back (a trial exported into the run folder itself, and `runs list`
+    then read a folder holding both). Its ``hf`` subfolder, where ``checkpoint.hf_on_finish`` writes, is fine."""
+    from accelrun.config.hf_model import RUN_EXPORT_FOLDER
+    from accelrun.report.rundir import RUN_ID, holds_runs
+
+    target = out.resolve()
+    for folder in (target, *target.parents):
+        if RUN_ID.match(folder.name) and (folder / "config.yaml").is_file():
+            inside = target.relative_to(folder).parts
+            if not inside or inside[0] == "checkpoints":
+                where = f"the run folder {folder}" if not inside else f"inside the checkpoints of {folder}"
+                raise CheckpointModelError(f"--hf {out} is {where}: the export would mix its files with the "
+                                           f"run's; give a folder of its own, such as {folder / RUN_EXPORT_FOLDER}")
+            return
+    if target.is_dir() and holds_runs(target):
+        raise CheckpointModelError(f"--hf {out} is a folder of runs: give a folder of its own, such as "
+                                   f"{target / RUN_EXPORT_FOLDER}")
 
 
 def _refuse_what_has_no_hf_form(run: Path) -> None:

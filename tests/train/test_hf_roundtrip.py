@@ -123,6 +123,24 @@ def test_export_of_a_folder_without_checkpoints_exits_2(tmp_path):
                                                           "folder (created if missing)"]
 
 
+def test_an_export_into_the_run_folder_itself_or_its_checkpoints_exits_2(tiny, tmp_path):
+    # A new user's trial (2026-12-07) exported into the run folder: config.json and weights beside the run's.
+    r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG), *tiny(2)])
+    assert r.exit_code == 0, r.output
+    (run_dir,) = list((tmp_path / "runs" / "llama-debug").iterdir())
+    before = sorted(p.name for p in run_dir.iterdir())
+    for out, said in ((run_dir, f"is the run folder {run_dir.resolve()}"),
+                      (run_dir / "checkpoints" / "mine", "is inside the checkpoints of"),
+                      (run_dir.parent, "is a folder of runs")):
+        r = CliRunner().invoke(cli, ["export", str(run_dir), "--hf", str(out)])
+        assert r.exit_code == 2 and said in " ".join(r.output.split()), r.output
+        assert f"such as {run_dir.resolve() / 'hf'}" in " ".join(r.output.split()) or out == run_dir.parent
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    assert not (run_dir / "checkpoints" / "mine").exists()
+    r = CliRunner().invoke(cli, ["export", str(run_dir), "--hf", str(run_dir / "hf")])  # hf_on_finish's own folder
+    assert r.exit_code == 0 and (run_dir / "hf" / "config.json").is_file(), r.output
+
+
 def test_an_export_of_a_run_with_its_own_tokenizer_json_says_its_end_of_text_id(tiny, tmp_path):
     # A new user's BPE tokenizer (its <eos> id 1): the export's config.json had no ids, transformers took
     # eos 2 ('!') and bos 1 (their end-of-text), and generate() stopped at the wrong token.
