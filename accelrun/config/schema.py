@@ -59,6 +59,34 @@ def _boolean_for_a_number(annotation: Any, value: Any) -> bool:
     return False
 
 
+def _quoted_number(annotation: Any, value: Any) -> bool:
+    """``value`` is a string that reads as a number (``"256"``, a quoted YAML number) where ``annotation``
+    wants int or float and takes no string: pydantic's lax mode would read it as the number."""
+    if not isinstance(value, str) or not _reads_as_number(value):
+        return False
+    options = _leaf_types(annotation)
+    literal_strings = {a for t in options if get_origin(t) is Literal for a in get_args(t) if isinstance(a, str)}
+    return bool(options & {int, float}) and str not in options and value not in literal_strings
+
+
+def _reads_as_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _leaf_types(annotation: Any) -> set[Any]:
+    """The types a value may take under ``annotation``: unions and Annotated unwrapped (lists not entered)."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _leaf_types(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return set().union(*(_leaf_types(a) for a in get_args(annotation)))
+    return {annotation}
+
+
 class Section(BaseModel):
     # allow_inf_nan=False: `.inf` or `.nan` for a learning rate or a size validates as nonsense.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -67,8 +95,13 @@ class Section(BaseModel):
     @classmethod
     def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         # pydantic's lax mode reads true as 1; in a recipe that is always a mistake (model.dim=true).
-        if info.field_name is not None and _boolean_for_a_number(cls.model_fields[info.field_name].annotation, value):
+        if info.field_name is None:
+            return value
+        annotation = cls.model_fields[info.field_name].annotation
+        if _boolean_for_a_number(annotation, value):
             raise ValueError("expected a number, got a boolean (true/false)")
+        if _quoted_number(annotation, value):  # a quoted number is a string: a team's typo, or a value meant elsewhere
+            raise ValueError(f"expected a number, got the string {value!r} (write it without quotes: {value.strip()})")
         return value
 
 

@@ -61,6 +61,21 @@ def test_booleans_and_non_finite_numbers_are_refused(write, override, expect):
     assert expect in msg and f"override '{override}'" in msg
 
 
+def test_a_quoted_number_is_refused_where_a_number_is_wanted(write):
+    """A team's recipe with `dim: "256"` was read as 256 by pydantic's lax mode, while `"true"` and
+    `true` were refused: a quoted number is a string, and a string where a number goes is a mistake."""
+    p = write("quoted.yaml", 'name: x\nmodel:\n  dim: "192"\n')
+    msg = error_of(p, [])
+    assert "quoted.yaml:3" in msg and "model.dim: expected a number, got the string '192' (write it without " \
+        "quotes: 192)" in msg, msg
+    ok = write("ok.yaml", "name: x\n")
+    msg = error_of(ok, ['train.optimizer.lr="1e-3"'])
+    assert "train.optimizer.lr: expected a number, got the string '1e-3'" in msg, msg
+    # Unquoted, an exponent without a point is a number (PyYAML alone reads 1e-3 as a string).
+    assert load_config(ok, ["train.optimizer.lr=1e-3"], search_dirs=[]).config.train.optimizer.lr == 1e-3
+    assert load_config(ok, ['name="256"'], search_dirs=[]).config.name == "256"  # a string field takes it
+
+
 def test_our_own_validators_speak_once_and_suggest(write, monkeypatch):
     """A validator's own message comes without pydantic's "Value error," and without a second "(got ...)";
     a module path written with a dot for the colon is offered with the colon where the module has that
