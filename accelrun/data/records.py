@@ -219,12 +219,17 @@ def _read_json_lines(f: RecordFile, columns, column_key, rows, byte_range: tuple
             if not line.strip():
                 continue
             try:
-                # Without its newline: a line cut short reports its own column, not "column 1" of the next.
-                obj = json.loads(line.decode("utf-8", errors="replace").rstrip("\r\n"))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{rec.where(number)}: malformed JSON line: "
-                                f"{json_problem(e, expected=JSON_LINE_EXPECTED)}") from None
-            rec.add(obj, number)
+                try:
+                    # Without its newline: a line cut short reports its own column, not "column 1" of the next.
+                    obj = json.loads(line.decode("utf-8", errors="replace").rstrip("\r\n"))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{rec.where(number)}: malformed JSON line: "
+                                    f"{json_problem(e, expected=JSON_LINE_EXPECTED)}") from None
+                rec.add(obj, number)
+            except DataError:
+                if rec.lines:  # the records before it first: a problem of theirs is the file's first
+                    yield rec.take()
+                raise
             if len(rec.lines) >= rows:
                 yield rec.take()
     if rec.lines:
@@ -245,11 +250,14 @@ def _read_json(f: RecordFile, columns, column_key, rows):
                         f"{json_problem(e, expected='a .json file is one array of objects, or one object per line')}") from None
     rec = _Rows(f, columns, column_key)
     for i, obj in enumerate(items):
-        if not isinstance(obj, dict):
-            raise DataError(f"{f.path} item {i}: expected a JSON object per record, got {type(obj).__name__}")
-        for c in columns:
-            if c not in obj:
-                raise _missing(f"{f.path} item {i}", c, list(obj), column_key, records_before=i)
+        problem = (DataError(f"{f.path} row {i}: expected a JSON object per record, got {type(obj).__name__}")
+                   if not isinstance(obj, dict) else
+                   next((_missing(f"{f.path} row {i}", c, list(obj), column_key, records_before=i)
+                         for c in columns if c not in obj), None))
+        if problem is not None:
+            if rec.lines:  # the records before it first: a problem of theirs is the file's first
+                yield _as_rows(rec.take())
+            raise problem
         rec.add(obj, i)
         if len(rec.lines) >= rows:
             yield _as_rows(rec.take())

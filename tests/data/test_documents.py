@@ -145,6 +145,17 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny):
     bad.write_text('{"text": "fine"}\n{"text": "cut off\n')
     line = train_error(tiny, "data.source=documents", f"data.paths=[{bad}]")
     assert f"{bad}:2: malformed JSON line" in line
+    # of two bad records, the first: a number at line 2 before a missing field (or a cut line) at line 4,
+    # in a JSON lines file and in a JSON array (the missing field had been said first)
+    for later in ('{"body": "x"}', '{"text": "cut off'):
+        two = tmp_path / "two.jsonl"
+        two.write_text("\n".join(['{"text": "fine"}', '{"text": 5}', '{"text": "fine"}', later]) + "\n")
+        line = train_error(tiny, "data.source=documents", f"data.paths=[{two}]")
+        assert f"{two}:2: data.text_field 'text' is int 5, not text" in line, line
+    array = tmp_path / "two.json"
+    array.write_text(json.dumps([{"text": "fine"}, {"text": 5}, {"text": "fine"}, {"body": "x"}]))
+    line = train_error(tiny, "data.source=documents", f"data.paths=[{array}]")
+    assert "data.text_field 'text' is int 5, not text" in line and "two.json row 1" in line, line
     # an empty corpus
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
