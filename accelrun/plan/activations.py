@@ -58,9 +58,24 @@ SP_GATHERED = {"fp32": 8, "autocast": 10, "bf16-params": 4}
 SP_GATHERED_COMPILED = {"fp32": 8, "autocast": 4, "bf16-params": 4}
 
 
-def block_saved(shape: Shape, mode: str, compiled: bool, sequence_parallel: bool = False) -> PerToken:
-    """Saved bytes per token of one block with no checkpointing."""
+# Of Inductor's table above, what one Llama block keeps under accelrun's default passes without tensor
+# parallelism (merged projections, rematerialisation: the norms' and SwiGLU's outputs are recomputed),
+# counted through its compiler on the CPU over grouped-query and plain attention, head dims 16 and 32
+# (tests/plan/test_plan_activations.py: 0.70-0.75 in fp32, 0.78-0.83 under autocast). A ratio, not a
+# table: which tensors it keeps depends on the shape (whether q/k/v and w1/w3 merge, whether attention
+# reads keys repeated), while the share stays near these. bf16 parameters under FSDP: not counted.
+ACCELRUN_OF_INDUCTOR_SAVED = {"fp32": 0.72, "autocast": 0.80}
+
+
+def block_saved(shape: Shape, mode: str, compiled: bool, sequence_parallel: bool = False,
+                accelrun_defaults: bool = False) -> PerToken:
+    """Saved bytes per token of one block with no checkpointing. ``accelrun_defaults``: compiled by
+    accelrun with its default passes and no tensor parallelism (``ACCELRUN_OF_INDUCTOR_SAVED``)."""
     (rd, rc), (sd, sf, sh) = (COMPILED_SAVED if compiled else EAGER_SAVED)[mode]
+    share = ACCELRUN_OF_INDUCTOR_SAVED.get(mode) if accelrun_defaults and shape.family == "llama" else None
+    if share is not None and not sequence_parallel:
+        inductor = block_saved(shape, mode, compiled=True)
+        return PerToken(share * inductor.replicated, share * inductor.sharded)
     # The sharded D-wide tensors are attention's (q, keys and values repeated to all heads, its output):
     # n_heads x head_dim wide, which is D for Llama and not for every family (Gemma 7B: 4096 in 3072).
     sharded = sd * shape.q_dim + sf * shape.ffn_dim + sh * shape.n_heads
@@ -102,6 +117,7 @@ def recomputed(w: Workload) -> PerToken:
     """What backward rebuilds of one checkpointed block before running its backward: the whole block's
     activations, less what the selective policy kept (its outputs beyond the block's input are already
     held, counted in ``layer_saved``)."""
+    # Rebuilt whole: what rematerialisation spared the forward from keeping exists again in the backward.
     full = block_saved(w.shape, w.mode, w.compiled, w.layout.sequence_parallel)
     if w.ac_mode != "selective":
         return full
@@ -111,9 +127,10 @@ def recomputed(w: Workload) -> PerToken:
 
 
 def layer_saved(w: Workload, checkpointed: bool) -> PerToken:
-    """What one block keeps between its forward and its backward."""
+    """What one block keeps between its forward and its backward (under accelrun's rematerialisation,
+    less than the block has alive while its backward runs: ``block_saved`` without it)."""
     if not checkpointed:
-        return block_saved(w.shape, w.mode, w.compiled, w.layout.sequence_parallel)
+        return block_saved(w.shape, w.mode, w.compiled, w.layout.sequence_parallel, w.accelrun_defaults)
     if w.ac_mode == "selective":
         return selective_saved(w)
     return checkpoint_input(w)

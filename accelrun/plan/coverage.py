@@ -83,9 +83,10 @@ def unmodelled(cfg: RunConfig) -> list[str]:
     c, t = cfg.compile, cfg.train
     if c.backend == "accelrun":
         out.append(f"compile.passes = {c.passes!r}, compile.executors = {c.executors}: accelrun's compiler is "
-                   "planned as fused elementwise kernels (as inductor); what its passes do beyond that "
-                   "(remat's budget, fuse_linear_cross_entropy's chunked loss, collective scheduling) and "
-                   "its executors' speed are not modelled")
+                   "planned as fused elementwise kernels (as inductor), what a block keeps under its "
+                   "rematerialisation as a counted share of Inductor's (Llama blocks without tensor parallelism), "
+                   "its fused loss chunk by chunk; its collective scheduling and its executors' speed are not "
+                   "modelled")
         if c.debug_numerics:
             out.append("compile.debug_numerics = true: every pass's graphs run twice; not in the step time")
         if cfg.cluster.device not in (None, "cpu") and (c.cuda_graphs != "off" or c.tune_launches):
@@ -95,7 +96,7 @@ def unmodelled(cfg: RunConfig) -> list[str]:
         out.append(f"compile.scope = {c.scope}: planned as per-block compilation")
     elif c.backend == "accelrun" and c.scope == "auto":  # resolve_scope: a family's head compiles too
         out.append("compile.scope = auto (loss: the blocks and the loss head under accelrun): planned as "
-                   "per-block compilation")
+                   "per-block compilation, with the head's fused loss in memory")
     if cfg.checkpoint.enabled:
         out.append(f"checkpoint.every = {cfg.checkpoint.every}: writing a checkpoint is not in the step time"
                    + (" (nor checkpoint.save_final's)" if cfg.checkpoint.save_final else ""))

@@ -88,6 +88,25 @@ class StageParams:
         return self.layers * self.block + self.root
 
 
+# Bytes per logit of one chunk of the fused head and loss while it runs: its logits, their fp32 copy or
+# the exponentials, and the chunk's gradient (accelrun.compile.fused.linear_cross_entropy).
+FUSED_LOSS_BYTES_PER_CHUNK_LOGIT = 16.0
+
+
+def fused_loss_terms(w: Workload, tokens: int) -> list[Term]:
+    """The fused head and loss's peak, in its forward: one chunk's logits at a time, and the gradients it
+    computes there and keeps for the backward (the head's input's, in the compute dtype; the output
+    weight's, fp32)."""
+    rows, vocab, dim = w.fused_loss_rows or 0, w.shape.vocab_size, w.shape.dim
+    return [
+        Term("loss: one chunk's logits (fused)", FUSED_LOSS_BYTES_PER_CHUNK_LOGIT * rows * vocab,
+             f"{FUSED_LOSS_BYTES_PER_CHUNK_LOGIT:g} bytes × {rows:,} rows × {vocab:,}: accelrun's "
+             "fuse_linear_cross_entropy never holds the whole logits"),
+        Term("loss: gradients computed in the forward (fused)", w.compute_bytes * tokens * dim + 4 * vocab * dim,
+             f"the head's input ({w.compute_bytes} bytes × {tokens:,} × {dim:,}) and the output weight (fp32)"),
+    ]
+
+
 def stage_params(w: Workload, stage: str) -> StageParams:
     sh, tp = w.shape, w.layout.tp
     block = sum(g.in_dim * g.out_dim for g in sh.weight_gemms()) / tp + 2 * sh.dim
@@ -190,15 +209,19 @@ def _stage_memory(w: Workload, cluster: Cluster, stage: str) -> MemoryEstimate:
     has_loss = stage in ("only", "last")
     logits = local_logits(w, tokens)
     per_rank = f" (1/{tp} of the vocabulary: loss parallel)" if lay.loss_parallel else ""
-    if has_loss and logits_held_by_loop(w):
+    fused = w.fused_loss_rows is not None
+    if has_loss and logits_held_by_loop(w) and not fused:
         layer_phase.append(Term("logits (fp32, held by the loop)", 4 * logits, f"{logits:,.0f} logits{per_rank}"))
     loss_phase: list[Term] = []
-    if has_loss:
+    if has_loss and fused:
+        loss_phase += fused_loss_terms(w, tokens)
+    elif has_loss:
         loss_phase.append(Term("loss: logits and gradients", loss_bytes_per_logit(w) * logits,
                                f"{loss_bytes_per_logit(w):g} bytes × {logits:,.0f} logits{per_rank}"))
         if lay.fsdp:
             loss_phase.append(Term("gradient buffers (FSDP)", param_bytes * p.output, "the output layer's gradient"))
-    phase_name, phase_terms = max((("loss backward", loss_phase), ("first block backward", layer_phase)),
+    loss_phase_name = "loss (fused, in the forward)" if fused else "loss backward"
+    phase_name, phase_terms = max(((loss_phase_name, loss_phase), ("first block backward", layer_phase)),
                                   key=lambda x: sum(t.bytes for t in x[1]))
     terms += phase_terms
 

@@ -91,6 +91,12 @@ class Workload:
     # accelrun's merge_parallel_linears runs (on plain, unsharded weights): selective checkpointing then
     # counts the merged matmuls (Shape.block_gemms_merged)
     merged_projections: bool = False
+    # Rows per chunk of the fused output projection and loss (accelrun's fuse_linear_cross_entropy under
+    # compile.scope loss): the (tokens, vocabulary) logits never exist whole. None: the loss is unfused.
+    fused_loss_rows: int | None = None
+    # accelrun's compiler with the passes whose saved tensors the plan counted (merged projections and
+    # rematerialisation, no tensor parallelism): plan/activations.py's accelrun_saved.
+    accelrun_defaults: bool = False
 
     @property
     def mode(self) -> str:
@@ -213,16 +219,40 @@ def workload_from_config(cfg: RunConfig, options: PlanOptions | None = None) -> 
         global_batch=t.global_batch, precision=t.precision, ac_mode=ac, every_n=t.activation_checkpoint.every_n,
         compiled=cfg.compile.backend != "eager", optimizer_impl=impl, on_cpu=on_cpu, grad_clip=bool(t.grad_clip),
         merged_projections=_merges_projections(cfg, layout),
+        fused_loss_rows=_fused_loss_rows(cfg, layout, shape.vocab_size),
+        accelrun_defaults=_merges_projections(cfg, layout) and _passes_on(cfg) >= {"remat"},
     )
+
+
+def _passes_on(cfg: RunConfig) -> set[str]:
+    try:
+        return {name for name, _ in parse_passes(cfg.compile.passes)}
+    except PassConfigError:
+        return set()
+
+
+def _fused_loss_rows(cfg: RunConfig, layout: Layout, vocab: int) -> int | None:
+    """Rows per chunk where accelrun fuses the head with the loss, as ``resolve_scope`` and the pass decide:
+    the accelrun backend, scope ``auto`` or ``loss``, the pass listed. Planned as unfused under tensor
+    parallelism (a DTensor head) and pipelining (the schedule computes the loss), where it is not checked."""
+    c = cfg.compile
+    if c.backend != "accelrun" or c.scope not in ("auto", "loss") or layout.tp > 1 or layout.pp > 1:
+        return None
+    try:
+        options = dict(parse_passes(c.passes)).get("fuse_linear_cross_entropy")
+    except PassConfigError:
+        return None
+    if options is None:
+        return None
+    rows = cfg.train.micro_batch * cfg.train.seq_len // layout.cp
+    chunk = options.chunk_rows or max(1, int(options.chunk_mb * 2**20) // (vocab * 4))  # as the pass derives it
+    return min(chunk, rows)
 
 
 def _merges_projections(cfg: RunConfig, layout: Layout) -> bool:
     if cfg.compile.backend != "accelrun" or layout.tp > 1:  # a DTensor weight is left unmerged
         return False
-    try:
-        return any(name == "merge_parallel_linears" for name, _ in parse_passes(cfg.compile.passes))
-    except PassConfigError:
-        return False
+    return "merge_parallel_linears" in _passes_on(cfg)
 
 
 def with_layout(w: Workload, **changes) -> Workload:

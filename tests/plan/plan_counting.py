@@ -108,3 +108,33 @@ def count_head(dim: int, vocab: int, mode: str) -> float:
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
         loss.backward()
     return counter.bytes / TOKENS
+
+
+def count_accelrun_block(dim: int, heads: int, kv_heads: int, ffn: int, mode: str) -> float:
+    """Per token: bytes one Llama block keeps for the backward when accelrun's compiler (its default
+    passes) compiles it, the block's input included."""
+    from accelrun.compile.compile_model import compile_model
+    from accelrun.config.schema import CompileConfig
+
+    torch.manual_seed(0)
+    args = LlamaArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=ffn, vocab_size=64)
+    block = TransformerBlock(args)
+    compile_model(block, [block], CompileConfig(backend="accelrun", scope="block"))
+    dtype, autocast = _mode(mode)
+    cos, sin = rope_tables(args.head_dim, T, 1e4)
+    x = torch.randn(B, T, dim, dtype=dtype, requires_grad=True)
+    skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in skip and t.numel() % TOKENS == 0:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    for _ in range(2):  # the first call compiles; count the second
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            y = block(x, cos, sin)
+        y.float().sum().backward()
+    return (sum(saved.values()) + x.numel() * x.element_size()) / TOKENS
