@@ -276,4 +276,14 @@ def dynamo_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[
     for key in ("cache_dir", "dump_dir"):
         if opts.get(key) is not None:
             kwargs[key] = Path(opts[key])
-    return AccelrunBackend(CompileOptions(**kwargs))(gm, example_inputs)
+    # One backend per set of options for the process, as torch.compile(model) gives one frame many graphs:
+    # a backend made anew for each graph counted every frame's compiles from 0, so a model fed a new
+    # length each call never got its graph for any size, and Dynamo's recompile limit (8) left it eager.
+    key = repr(sorted(opts.items()))
+    backend = _NAMED_BACKENDS.get(key)
+    if backend is None:
+        backend = _NAMED_BACKENDS[key] = AccelrunBackend(CompileOptions(**kwargs))
+    return backend(gm, example_inputs)
+
+
+_NAMED_BACKENDS: dict[str, AccelrunBackend] = {}  # dynamo_backend's, by its options

@@ -621,6 +621,29 @@ def test_a_changing_size_past_the_rows_is_read_as_a_number_twice_then_left_to_at
     torch._dynamo.reset()
 
 
+def test_the_backend_by_name_compiles_a_changing_size_three_times_not_once_per_size(tmp_path):
+    """A new user's `torch.compile(model, backend="accelrun")` over 11 lengths: 8 graphs, then Dynamo's
+    recompile limit and eager for the rest. The named backend made an AccelrunBackend for every graph, so
+    no frame's compiles were counted and no graph for any size was ever asked for."""
+    from torch._dynamo.utils import counters
+
+    from accelrun.compile.backend import dynamo_backend
+
+    name = "accelrun_by_name_test"
+    if name not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(compiler_fn=dynamo_backend, name=name)
+    torch._dynamo.reset()
+    counters.clear()
+
+    def centred(x):
+        return torch.tanh(x - x.mean(0, keepdim=True)) + 1.0
+
+    compiled = torch.compile(centred, backend=name, options={"executors": ["cpp", "aten"], "cache_dir": str(tmp_path)})
+    _changing_sizes(compiled, centred, 8)
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
 def test_a_size_read_from_the_data_runs_in_kernels_that_read_it_at_each_call(tmp_path):
     """The rows a boolean mask picks have a size Dynamo knows only at run time (an unbacked symbol).
     The C++ generator read it as a number, which raises "could not guard on data-dependent expression":
