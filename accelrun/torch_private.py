@@ -122,6 +122,9 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     # A model's own error met on fake tensors while Dynamo traces it (``.msg``, and ``.real_stack``: the
     # user's frames), and the log that prints each such failure with its traceback first.
     "DynamoTorchRuntimeError": ("torch._dynamo.exc", "TorchRuntimeError"),
+    # What Dynamo cannot trace, raised instead of a graph break under fullgraph=True (``.msg``: the reason
+    # first, then its explanation and hints; ``.real_stack``: the user's frames).
+    "DynamoUnsupported": ("torch._dynamo.exc", "Unsupported"),
     "fake_tensor_log": ("torch._subclasses.fake_tensor", "log"),
     # The frame Dynamo is tracing (``current_tx()``: its ``f_code`` and ``lineno``), read while a break is
     # logged: the log's traceback can leave out the user's own forward.

@@ -731,6 +731,20 @@ def test_DynamoTorchRuntimeError():
     assert any(f.filename == __file__ and f.name == "bad" for f in raised.value.real_stack)
 
 
+def test_DynamoUnsupported():
+    """What fullgraph=True raises at a break: ``.msg`` starts with the reason, ``.real_stack`` holds the frames."""
+    def branchy(x):
+        if x.sum() > 0:
+            return x + 1
+        return x
+
+    torch._dynamo.reset()
+    with pytest.raises(tp.DynamoUnsupported) as raised:
+        torch.compile(branchy, backend="eager", fullgraph=True)(torch.ones(2))
+    assert raised.value.msg.splitlines()[0].strip() == "Data-dependent branching"
+    assert any(f.filename == __file__ and f.name == "branchy" for f in raised.value.real_stack)
+
+
 def test_fake_tensor_log():
     import logging
 

@@ -79,7 +79,7 @@ def command(config: str, overrides: tuple[str, ...], nnodes: int | None, node_ra
     command_line = shlex.join(["accelrun", *sys.argv[1:]]) if sys.argv else ""
     device = torch.device("cuda" if rank_uses_cuda(resolved.config) else "cpu")
     with (oom_is_the_recipes(resolved.config, device, "in training"),  # ranks of a job convert their own
-          named_model_errors(resolved.config.compile.backend)):
+          named_model_errors(resolved.config.compile.backend, resolved.config.compile.fullgraph)):
         result = train(resolved, command=command_line, console=err, launch=launch)
     if result.stopped is not None:  # 143 (SIGTERM), 130 (SIGINT): "terminated, may requeue"
         sys.exit(exit_code(result.stopped.signum))

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None, errors_dir: Path | None = None) -> int:
         ctx = init_rank(resolved, run_dir)
         # Worded the same on every rank: the launcher shows a message no rank printed once, not per rank.
         with (oom_is_the_recipes(resolved.config, ctx.device, "in training"),
-              named_model_errors(resolved.config.compile.backend)):
+              named_model_errors(resolved.config.compile.backend, resolved.config.compile.fullgraph)):
             result = run_in_dir(resolved, run_dir, ctx, console if rank == 0 else None)
         if result.stopped is not None and errors_dir is not None:
             stop.leave_record(errors_dir, result.stopped)

@@ -33,11 +33,16 @@ class ModelFailedWhileTraced(UserError):
     exit_code = 1  # most likely the model's own bug, possibly torch.compile's: not a recipe error (2)
 
 
+class NotOneGraph(UserError):
+    """``compile.fullgraph = true`` over a model Dynamo must break: the recipe asks what the model cannot give."""
+
+
 @contextmanager
-def named_model_errors(backend: str) -> Iterator[None]:
+def named_model_errors(backend: str, fullgraph: bool = False) -> Iterator[None]:
     """Inside, a model's error met while Dynamo traces it becomes ``ModelFailedWhileTraced``, and the
-    fake tensors' log of it (a traceback per failure, before Dynamo's own) is left out."""
-    from accelrun.torch_private import DynamoTorchRuntimeError, fake_tensor_log
+    fake tensors' log of it (a traceback per failure, before Dynamo's own) is left out. Under
+    ``fullgraph``, what Dynamo would have broken the graph at becomes ``NotOneGraph`` (exit 2)."""
+    from accelrun.torch_private import DynamoTorchRuntimeError, DynamoUnsupported, fake_tensor_log
 
     quiet = _DropMetaFailures()
     fake_tensor_log.addFilter(quiet)
@@ -45,8 +50,32 @@ def named_model_errors(backend: str) -> Iterator[None]:
         yield
     except DynamoTorchRuntimeError as e:
         raise ModelFailedWhileTraced(model_error_message(e, backend)) from e
+    except DynamoUnsupported as e:
+        if not fullgraph:
+            raise
+        raise NotOneGraph(not_one_graph_message(e)) from e
     finally:
         fake_tensor_log.removeFilter(quiet)
+
+
+def not_one_graph_message(e: Exception) -> str:
+    """Dynamo's reason for the break, the model's line, its first hint, and the way out."""
+    lines = [line.strip() for line in (getattr(e, "msg", None) or str(e)).strip().splitlines() if line.strip()]
+    reason = lines[0] if lines else type(e).__name__
+    hint = next((line for line in lines if line.startswith("Hint:")), "")
+    return (f"compile.fullgraph = true, but torch.compile cannot trace the model as one graph: {reason}"
+            f"{_model_frame(e)}" + (f"\n  {hint}" if hint else "") +
+            "\n  compile.fullgraph=false lets it break the graph there and run that part eagerly.")
+
+
+def _model_frame(e: Exception) -> str:
+    """``at file:line in function: code`` of the innermost of the model's own frames, or ""."""
+    frames = [f for f in getattr(e, "real_stack", None) or []
+              if not f.filename.startswith(_LIBRARIES) or f.filename.startswith(_FAMILIES)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"\n  at {f.filename}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "")
 
 
 def model_error_message(e: Exception, backend: str) -> str:
@@ -54,12 +83,7 @@ def model_error_message(e: Exception, backend: str) -> str:
     text = getattr(e, "msg", None) or str(e)
     quoted = _QUOTED_ERROR.search(text)
     error = f"{quoted.group(1)}: {quoted.group(3)}" if quoted else text.strip().splitlines()[0]
-    frames = [f for f in getattr(e, "real_stack", None) or []
-              if not f.filename.startswith(_LIBRARIES) or f.filename.startswith(_FAMILIES)]
-    where = ""
-    if frames:
-        f = frames[-1]  # the innermost of the model's own frames
-        where = f"\n  at {f.filename}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "")
+    where = _model_frame(e)
     return (f"the model's code failed while torch.compile traced it (compile.backend = {backend}): {error}{where}\n"
             "  Most likely it fails in eager PyTorch too: compile.backend=eager runs the model untraced, with "
             "PyTorch's own error; ACCELRUN_DEBUG=1 shows torch.compile's whole trace.")

@@ -9,7 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from accelrun.train.traced_errors import ModelFailedWhileTraced, model_error_message, named_model_errors
+from accelrun.train.traced_errors import (
+    ModelFailedWhileTraced,
+    NotOneGraph,
+    model_error_message,
+    named_model_errors,
+)
 
 
 class TransposedHead(nn.Module):
@@ -50,6 +55,35 @@ def test_a_shape_error_in_the_model_is_one_message_naming_its_line():
     assert "compile.backend=eager runs the model untraced" in message
     # the fake tensors' traceback of the same failure, printed first and 150 lines long, is left out
     assert not [m for m in kept.messages if "failed while attempting" in m]
+
+
+class Clamped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if h.abs().max() > 1e3:  # a branch on the data
+            h = h / 1e3
+        return h
+
+
+def test_a_break_under_fullgraph_is_one_recipe_error_naming_the_line():
+    """A new user's compile.fullgraph=true over a data-dependent branch: Dynamo's 97-line traceback, exit 1."""
+    torch._dynamo.reset()
+    model = torch.compile(Clamped(), backend="eager", fullgraph=True)
+    with pytest.raises(NotOneGraph) as raised, named_model_errors("accelrun", fullgraph=True):
+        model(torch.ones(2, 4))
+    message = str(raised.value)
+    assert raised.value.exit_code == 2
+    assert message.startswith("compile.fullgraph = true, but torch.compile cannot trace the model as one graph: "
+                              "Data-dependent branching"), message
+    assert f"at {__file__}:" in message and "in forward: if h.abs().max() > 1e3:" in message
+    assert "Hint: " in message and "compile.fullgraph=false lets it break the graph there" in message
+    assert len(message.splitlines()) == 4
+    torch._dynamo.reset()  # without fullgraph the break is Dynamo's to make: nothing raised
+    torch.compile(Clamped(), backend="eager")(torch.ones(2, 4))
 
 
 def test_other_errors_pass_through_and_the_log_is_whole_again():
