@@ -84,10 +84,23 @@ def counted_flops_per_token(model: nn.Module, seq_len: int, vocab_size: int, dev
         return FlopsPerToken(None, f"its modules could not be copied to run a forward apart: {_one_line(e)}")
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}  # BatchNorm's running stats
     forked = [device.index or 0] if device.type == "cuda" else []
-    try:
-        with (torch.random.fork_rng(devices=forked), torch.no_grad(), _rnn_libraries_off(),
+    def count(grad: bool) -> int:
+        with (torch.random.fork_rng(devices=forked), torch.set_grad_enabled(grad), _rnn_libraries_off(),
               FlopCounterMode(display=False, custom_mapping=_cpu_attention_formulas()) as counter):
             training_loss_fn(twin)(ids[:, :-1], ids[:, 1:])
+        return counter.get_total_flops()
+
+    try:
+        try:
+            forward = count(grad=False)  # no autograd graph: the least memory
+        except Exception as e:  # noqa: BLE001
+            # The counter's module tracker asserts on a view of a parameter handed to a submodule without
+            # grad ("Expected gradient function to be set": nn.TransformerDecoderLayer given an expanded
+            # nn.Parameter as its memory); with grad the same forward counts. Its error, if both fail.
+            try:
+                forward = count(grad=True)
+            except Exception:  # noqa: BLE001
+                raise e from None
     except Exception as e:  # noqa: BLE001 (a forward that cannot run on one sequence: MFU is unknown, not fatal)
         return FlopsPerToken(None, f"counting its FLOPs on one sequence failed: {_one_line(e)}")
     finally:
@@ -95,7 +108,6 @@ def counted_flops_per_token(model: nn.Module, seq_len: int, vocab_size: int, dev
             for name, b in model.named_buffers():
                 if name in saved:
                     b.copy_(saved[name])
-    forward = counter.get_total_flops()
     if forward <= 0:
         return FlopsPerToken(None, "its forward counted no matrix product, convolution or attention")
     return FlopsPerToken(3 * forward / seq_len, COUNTED)

@@ -83,6 +83,25 @@ def test_a_forward_that_cannot_run_gives_no_count_and_says_why():
     assert counted.value is None and "RuntimeError: needs a batch of 8" in counted.source
 
 
+def test_a_decoder_layer_given_an_expanded_parameter_as_memory_is_counted():
+    """A new user's model: nn.TransformerDecoderLayer whose memory is a learned nn.Parameter expanded to
+    the batch. Counted under no_grad, torch's module tracker asserted ("Expected gradient function to be
+    set") and the run's MFU was n/a; with grad the same forward counts."""
+    class DecoderWithMemory(nn.Module):
+        def __init__(self, dim: int = 32) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(VOCAB, dim), nn.Linear(dim, VOCAB)
+            self.memory = nn.Parameter(torch.randn(4, dim) * 0.02)
+            self.layer = nn.TransformerDecoderLayer(dim, 4, 64, dropout=0.0, batch_first=True)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            return self.head(self.layer(x, self.memory.unsqueeze(0).expand(x.shape[0], -1, -1)))
+
+    counted = counted_flops_per_token(DecoderWithMemory(), 16, VOCAB, CPU)
+    assert counted.value is not None and counted.value > 0 and counted.source == COUNTED, counted
+
+
 def test_a_models_own_count_comes_first():
     class Own(nn.Module):
         def __init__(self) -> None:
