@@ -141,7 +141,8 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
     rest = result.first_step_s - result.steady_step_s - sum(record.stage_seconds.values())
     table.add_row("Dynamo capture and the rest (first step − above − a compiled step)", f"{max(rest, 0):.2f}")
     table.add_row("first step (capture + compile + run)", f"{result.first_step_s:.2f}")
-    table.add_row("compiled step (median)", f"{result.steady_step_s:.3f}")
+    table.add_row(f"compiled step (median, {result.threads} thread{'s' if result.threads != 1 else ''})",
+                  f"{result.steady_step_s:.3f}")
     _print_table(table)
     from accelrun.report.machine_load import busy_note
 

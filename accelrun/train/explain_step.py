@@ -8,6 +8,7 @@ graphs hold the parameters' all-gathers and the gradients' reduce-scatters the p
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ class ExplainedStep:
     loss: float
     dump_dir: Path
     others_share: float | None = None  # of the machine's CPU other processes used while it ran (0-1)
+    threads: int = 1  # torch's CPU threads the steps ran on
 
 
 def _compile_sharded_alone(model, blocks, compile_cfg, dump_dir: Path, device: torch.device):
@@ -57,6 +59,7 @@ def explain_step(resolved: ResolvedConfig, run_dir: Path, steady_steps: int = 3)
     t = cfg.train
     compile_cfg = cfg.compile.model_copy(update={"backend": "accelrun", "dump": True})
     device = pick_device(t.device)
+    _set_threads(t.threads, device)
     seed_everything(t.seed)
     model = build_model(cfg.model, device, seed=t.seed)
     blocks = transformer_blocks(model)
@@ -92,4 +95,16 @@ def explain_step(resolved: ResolvedConfig, run_dir: Path, steady_steps: int = 3)
     steady = sorted(step()[0] for _ in range(steady_steps))
     compiled.backend.collect_graph_breaks()
     return ExplainedStep(compiled.record, compiled.description, first_s, steady[len(steady) // 2], loss, dump_dir,
-                         window.others_share())
+                         window.others_share(), torch.get_num_threads())
+
+
+def _set_threads(threads: int | None, device: torch.device) -> None:
+    """The threads training would take: ``train.threads``, else on a CPU the cores nobody else is using.
+    (explain kept torch's default, so its step was 0.5 s where training's was 0.06 on one thread, and
+    its busy-machine warning then recommended the very train.threads=1 it ignored.)"""
+    from accelrun.train.threads import choose_threads
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    elif device.type == "cpu" and os.environ.get("ACCELRUN_FIXED_THREADS") != "1":
+        torch.set_num_threads(choose_threads().threads)

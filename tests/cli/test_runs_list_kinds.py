@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import torch
 from click.testing import CliRunner
 
 from accelrun.cli.compile_cmd import region_rows
@@ -111,6 +112,21 @@ def test_explain_says_it_compiles_with_accelrun_whatever_the_recipes_backend(tin
     said = " ".join(r.output.split())
     assert ("note: compile explain compiles with accelrun's compiler; compile.backend = eager (override "
             "'compile.backend=eager') is not used here") in said, said
+
+
+def test_explain_times_its_steps_on_the_threads_training_would_take(tiny):
+    """A new user's finding: explain kept torch's default threads with train.threads=1 set (0.50 s a step
+    where training took 0.06), and then recommended train.threads=1 for a busy machine."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        r = CliRunner().invoke(cli, ["compile", "explain", str(DEFAULT_CONFIG), *tiny(1), "train.threads=1",
+                                     "compile.executors=[aten]", "--steps", "1"])
+        assert r.exit_code == 0, r.output
+        assert "compiled step (median, 1 thread)" in " ".join(r.output.split()), r.output
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_job_folder_shows_when_it_started_and_sorts_by_it(tmp_path):
