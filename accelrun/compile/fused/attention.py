@@ -53,7 +53,7 @@ def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | No
     if Hkv == 0 or Hq % Hkv:
         return "query heads are not a multiple of key/value heads"
     if D <= 0 or D % 16 or D > MAX_HEAD_DIM:
-        return f"head_dim {D} (a multiple of 16 up to {MAX_HEAD_DIM})"
+        return f"head_dim {D} (the kernel needs a multiple of 16 up to {MAX_HEAD_DIM})"
     return None
 
 
