@@ -64,6 +64,8 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     # Inductor: the output-code protocol precompile saves, the region executor, its cache folder.
     "OutputCode": ("torch._inductor.output_code", "OutputCode"),
     "compile_fx_inner": ("torch._inductor.compile_fx", "compile_fx_inner"),
+    # The decompositions Inductor expects done before compile_fx_inner (it lowers no ``_softmax`` itself).
+    "inductor_decompositions": ("torch._inductor.decomposition", "select_decomp_table"),
     "temporary_cache_dir": ("torch._inductor.runtime.cache_dir_utils", "temporary_cache_dir"),
     # Dynamo: precompiled frames (the graph cache) and its process-wide counters (coverage).
     "AOTCompiledFunction": ("torch._dynamo.aot_compile", "AOTCompiledFunction"),

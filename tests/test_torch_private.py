@@ -198,6 +198,11 @@ def test_compile_fx_inner():
     assert list(_params(tp.compile_fx_inner))[:2] == ["gm", "example_inputs"]
 
 
+def test_inductor_decompositions():
+    table = tp.inductor_decompositions()
+    assert torch.ops.aten._softmax.default in table and callable(table[torch.ops.aten._softmax.default])
+
+
 def test_temporary_cache_dir(tmp_path):
     with tp.temporary_cache_dir(str(tmp_path)):
         assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == str(tmp_path)

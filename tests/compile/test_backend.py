@@ -119,6 +119,26 @@ def test_inductor_executor_takes_regions_and_matches_eager(tmp_path, monkeypatch
     assert executors.get("inductor", 0) >= 2, executors  # forward and backward regions
 
 
+def test_inductor_executor_takes_a_softmax_region(tmp_path, monkeypatch):
+    """A region keeps `_softmax` whole; Inductor, handed it undecomposed, failed with "both a fallback and
+    a decomp for same op" and the region fell back to ATen (a new user's mixture of experts)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+    def f(x, w):
+        return (x.softmax(-1) * w).sum(-1)
+
+    backend = AccelrunBackend(CompileOptions(passes=resolve_passes(["partition_regions"]),
+                                             executors=["inductor", "aten"]))  # fmt: skip
+    x, w = torch.randn(8, 32, requires_grad=True), torch.randn(32, requires_grad=True)
+    got = torch.compile(f, backend=backend)(x, w)
+    torch.testing.assert_close(got, f(x, w), rtol=1e-5, atol=1e-6)
+    (gx,) = torch.autograd.grad(got.sum(), x)
+    (want,) = torch.autograd.grad(f(x, w).sum(), x)
+    torch.testing.assert_close(gx, want, rtol=1e-5, atol=1e-6)
+    assert not backend.record.fallbacks, [f.line() for f in backend.record.fallbacks]
+    assert backend.record.regions_per_executor().get("inductor", 0) >= 2, backend.record.regions_per_executor()
+
+
 @register_pass("test_breaks_numerics", "post_grad")
 def _breaks_numerics(gm, options: PassOptions, ctx) -> PassResult:
     """Turns the first add into a sub: a wrong pass for the debug mode to catch."""

@@ -18,6 +18,18 @@ def materialize(meta: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(tuple(meta.shape), tuple(meta.stride()), dtype=meta.dtype, device=meta.device)
 
 
+def decomposed(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
+    """``gm`` retraced through the decompositions Inductor applies before ``compile_fx_inner``: a region
+    keeps ops such as ``_softmax`` whole (accelrun's own executors take them so), and Inductor, given one,
+    failed with "both a fallback and a decomp for same op" (a new user's mixture of experts)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from accelrun.torch_private import inductor_decompositions
+
+    return make_fx(torch.fx.Interpreter(gm).run, decomposition_table=inductor_decompositions(),
+                   tracing_mode="fake")(*inputs)
+
+
 @register_executor
 class InductorExecutor(Executor):
     name = "inductor"
@@ -32,8 +44,9 @@ class InductorExecutor(Executor):
         from accelrun.torch_private import dynamo_counters as counters
 
         before = dict(counters["inductor"])
+        inputs = [materialize(m) for m in region.input_meta]
         with tracing(None):  # a fresh context: we may be inside AOTAutograd's
-            compiled = compile_fx_inner(region.gm, [materialize(m) for m in region.input_meta])
+            compiled = compile_fx_inner(decomposed(region.gm, inputs), inputs)
         # Inductor's FX graph cache says hit or miss, or bypasses itself (then: unknown, not counted;
         # its kernel-level code cache still spares the C++ compiler on a repeat).
         delta = {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
