@@ -25,6 +25,7 @@ import functools
 import hashlib
 import inspect
 import json
+import logging
 import os
 import re
 import tempfile
@@ -405,14 +406,38 @@ def saved_states(state_file: Path) -> list[dict[str, str]]:
     return [s for s in saved if isinstance(s, dict)] if isinstance(saved, list) else []
 
 
+@contextlib.contextmanager
+def _autograd_cache_quiet():
+    """AOTAutograd's cache logs a warning where it cannot serialize a graph, then precompile raises the
+    same error: a torch log line with a link on the user's console, beside accelrun's own line for it."""
+    logger = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
+
+    def unable(record: logging.LogRecord) -> bool:
+        return "unable to serialize" not in str(record.msg)
+
+    logger.addFilter(unable)
+    try:
+        yield
+    finally:
+        logger.removeFilter(unable)
+
+
 # How a graph-cache error starts when a method could not be precompiled (a graph break, an untraceable
 # module): the run's summary leaves these to report.md where its warnings already say why.
 PRECOMPILE_FAILED = "precompile failed"
 
 
+_SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)\.\s+(?=[A-Z])")  # not "e.g. FakeTensor"
+
+
 def one_line(e: BaseException) -> str:
+    """The error's type and first line; a long line (torch's run on with advice and a link) to its first
+    sentence, whole, rather than cut mid-word."""
     first = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {first}"[:300]
+    if len(first) > 160 and (end := _SENTENCE_END.search(first, 40)) is not None:
+        first = first[:end.start() + 1]
+    said = f"{type(e).__name__}: {first}"
+    return said if len(said) <= 300 else said[:299] + "…"
 
 
 @dataclass
@@ -536,7 +561,8 @@ class CachedMethod:
                     self.cache.stats["state_changed"].append(changed)
             mark, counted = self.cache.backend.record.mark(), coverage.snapshot()
             try:
-                compiled, traced, baked = self._compile(owner, args, kwargs)
+                with _autograd_cache_quiet():  # its "unable to serialize" is said below, once, as ours
+                    compiled, traced, baked = self._compile(owner, args, kwargs)
             except Exception as e:  # graph break under fullgraph, an unserializable piece, ...
                 self._write(refused, f"{module_settings(owner)}\n{failure_said(e)}".encode())
                 # Its graphs never run and its graph breaks are the fallback's: those are counted.

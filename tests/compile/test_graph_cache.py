@@ -915,3 +915,33 @@ def test_a_refusal_at_an_rnns_break_promises_no_way_round():
     assert rnn.endswith("which cannot be saved; the graph-break warning says where"), rnn
     other = graph_break_said(Unsupported("Data-dependent branching\n  Explanation: ..."))
     assert other.endswith("the graph-break warning says where, and what avoids it where something does"), other
+
+
+def test_a_precompile_failure_is_said_once_in_a_whole_sentence():
+    """A new user's model (scope model, hand-written checkpointing): torch's AOTAutograd cache logged its
+    "unable to serialize" warning with a link on the console, and the report's line stopped mid-word."""
+    import logging
+
+    from accelrun.compile.graph_cache import _autograd_cache_quiet, one_line
+
+    torch_says = ("Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor). If you're using "
+                  "torch.compile/export/fx, it is likely that we are erroneously tracing into a custom kernel. To "
+                  "fix this, please wrap the custom kernel into an opaque custom op. Please see the following for "
+                  "details: https://pytorch.org/tutorials/advanced/custom_ops_landing_page.html")
+    assert one_line(RuntimeError(torch_says)) == ("RuntimeError: Cannot access data pointer of Tensor (e.g. "
+                                                  "FakeTensor, FunctionalTensor).")
+    assert one_line(ValueError("short. Kept whole.")) == "ValueError: short. Kept whole."
+
+    logger = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        with _autograd_cache_quiet():
+            logger.warning("AOTAutograd cache unable to serialize compiled graph: %s", torch_says)
+            logger.warning("another warning")
+        logger.warning("AOTAutograd cache unable to serialize compiled graph: after")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["another warning", "AOTAutograd cache unable to serialize compiled graph: after"]
