@@ -12,7 +12,9 @@ Who receives the signal varies, and each case ends the same way:
 - the whole process group (SLURM, ``scancel``, Ctrl-C in a terminal): every rank saw it;
 - the launcher alone (``kill PID``): it writes a stop request into the job's folder, which every rank
   of its node reads at each host read (``watch``);
-- some ranks alone: the collective tells the others.
+- some ranks alone: the collective tells the others;
+- the launcher killed (``kill -9``): its ranks, which read its process id from the environment, see it
+  gone at the next host read and stop as on SIGTERM (``launcher_gone``).
 
 The ranks return normally (exit 0 to the elastic agent, which would otherwise restart the group) and
 leave a record in the job's folder; the launcher turns the records into the exit code and one line.
@@ -154,13 +156,44 @@ def stopped_at_once() -> bool:
 
 
 def requested() -> int:
-    """The stop signal this process got, or the one its launcher asked for (0: none)."""
+    """The stop signal this process got, or the one its launcher asked for, or SIGTERM where its launcher
+    is gone (0: none)."""
     if _received or _watch is None:
         return _received
     try:
         return int((_watch / REQUEST_FILE).read_text())
     except (OSError, ValueError):
-        return 0
+        pass
+    return int(signal.SIGTERM) if launcher_gone() else 0
+
+
+# The launcher's process id, which it sets before its fork server starts: its ranks inherit it.
+LAUNCHER_PID_ENV = "ACCELRUN_LAUNCHER_PID"
+
+
+def launcher_gone() -> bool:
+    """Whether this rank's launcher has exited (a kill -9 of ``accelrun train``). Its ranks, children of the
+    fork server, then trained on unsupervised: to the end, racing a rerun that resumed the same run, and
+    then waited for ever for an agent to collect them. They stop as on a SIGTERM instead, with a checkpoint."""
+    try:
+        pid = int(os.environ.get(LAUNCHER_PID_ENV, ""))
+    except ValueError:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # a process of another user has the number now: ours is gone
+        return True
+    return _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ written ``RUN_DIR/config.yaml`` (the resolved recipe); every rank reads it, join
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 from pathlib import Path
@@ -39,6 +40,10 @@ def run_rank(run_dir: str, errors_dir: str | None = None) -> None:
         code = main([run_dir], errors_dir=folder)
     # Done: the rank only waits for the agent to collect it. A late Ctrl-C must not turn that into a failure.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if stop.launcher_gone():  # no agent will collect it: torch's wrapper would wait for one for ever
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if code:
         sys.exit(code)
 

@@ -111,6 +111,43 @@ def test_signal_stops_every_rank_after_one_step_with_one_checkpoint_that_resumes
     assert losses(resumed.run_dir) == pytest.approx(uninterrupted[step:], rel=EXACT)
 
 
+def test_ranks_whose_launcher_was_killed_stop_with_a_checkpoint_and_exit(uninterrupted, tmp_path):
+    """A trial's kill -9 of `accelrun train`: its two ranks trained on to the end unsupervised, racing the
+    rerun that resumed the same run, and then waited for ever for an agent to collect them (SIGTERM and
+    SIGINT ignored). They now stop as on a SIGTERM: one checkpoint of the step they agree on, then exit."""
+    runs = tmp_path / "runs"
+    job = start_job(runs, "orphaned")
+    workers: list[int] = []
+    try:
+        workers = wait_for_ranks(job, 2)
+        assert len(workers) == 2, workers
+        run_dir = wait_for_step(job, runs, "orphaned", 2)
+        assert run_dir is not None, "the job did not get going"
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait()
+        deadline = time.time() + 120
+        while time.time() < deadline and not all(gone(w) for w in workers):
+            time.sleep(0.1)
+        assert all(gone(w) for w in workers), "the ranks outlived their launcher"
+    finally:
+        kill_all(workers)
+        stop_group(job)
+    (ckpt,) = (run_dir / "checkpoints").glob("step-*")  # one: checkpoint.every is far away
+    step = json.loads((ckpt / "train_state.json").read_text())["step"]
+    assert (ckpt / "COMPLETE").is_file() and 2 <= step < STEPS
+    assert losses(run_dir) == pytest.approx(uninterrupted[:step], rel=EXACT)
+
+
+def test_a_rank_reads_its_launchers_end_as_a_stop(tmp_path, monkeypatch):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with stop.catch_signals(watch=tmp_path):
+        monkeypatch.setenv(stop.LAUNCHER_PID_ENV, str(os.getpid()))
+        assert stop.requested() == 0 and not stop.launcher_gone()
+        monkeypatch.setenv(stop.LAUNCHER_PID_ENV, str(dead.pid))
+        assert stop.launcher_gone() and stop.requested() == signal.SIGTERM
+
+
 def test_stop_request_file_is_read_by_ranks_and_a_late_stop_warns(tmp_path):
     """The launcher-only path without processes: the launcher's signal becomes a request a rank reads."""
     with stop.catch_signals(forward_to=tmp_path):
