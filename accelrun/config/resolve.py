@@ -85,8 +85,22 @@ def _item_override(sources: dict[KeyPath, Source], path: KeyPath, value: Any) ->
     return next((src for src in reversed(items) if src.kind == "override"), None)
 
 
+# Keys of training sections that only say how long to wait for the other processes: a rerun that raises
+# a collective's timeout after a hang (what a user does) started again from step 0.
+NOT_TRAINING_KEYS = (("parallel", "timeout_s"), ("parallel", "init_timeout_s"))
+
+
 def training_hash_of(values: dict[str, Any]) -> str:
     """``ResolvedConfig.training_hash`` of resolved values (a run folder's config.yaml, read back)."""
+    kept = {k: v for k, v in values.items() if k not in NOT_TRAINING}
+    for section, key in NOT_TRAINING_KEYS:
+        if isinstance(kept.get(section), dict) and key in kept[section]:
+            kept[section] = {k: v for k, v in kept[section].items() if k != key}
+    return values_hash(kept)
+
+
+def training_hash_before_2026_12_07(values: dict[str, Any]) -> str:
+    """The training hash as checkpoints written before 2026-12-07 carry it (the timeouts included)."""
     return values_hash({k: v for k, v in values.items() if k not in NOT_TRAINING})
 
 

@@ -216,7 +216,25 @@ def read_info(path: Path) -> CheckpointInfo | None:
         saved = json.loads(state.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    return CheckpointInfo(path, int(saved["step"]), saved.get("training_hash", ""), marker.stat().st_mtime)
+    return CheckpointInfo(path, int(saved["step"]), _current_hash(saved.get("training_hash", ""), path),
+                          marker.stat().st_mtime)
+
+
+def _current_hash(saved: str, path: Path) -> str:
+    """A checkpoint's training hash as this version computes it: one written before the timeouts left the
+    hash (``resolve.NOT_TRAINING_KEYS``) is recognised by its run folder's config.yaml, so such a run
+    still resumes."""
+    import yaml
+
+    from accelrun.config.resolve import training_hash_before_2026_12_07, training_hash_of
+
+    try:
+        values = yaml.safe_load((path.parent.parent / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return saved
+    if isinstance(values, dict) and saved == training_hash_before_2026_12_07(values):
+        return training_hash_of(values)
+    return saved
 
 
 def remove_partial(ckpt_dir: Path) -> list[Path]:

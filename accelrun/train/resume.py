@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from accelrun.config.errors import ConfigError
-from accelrun.config.resolve import NOT_TRAINING
+from accelrun.config.resolve import NOT_TRAINING, NOT_TRAINING_KEYS
 from accelrun.report.lineage import continued_by
 from accelrun.report.rundata import flatten
 from accelrun.report.rundir import is_running, list_runs
@@ -109,7 +109,9 @@ def training_differences(theirs: Path, ours: Path) -> list[str]:
     if not isinstance(a, dict) or not isinstance(b, dict):
         return []
 
-    fa, fb = ({k: v for k, v in flatten(d).items() if k.split(".")[0] not in NOT_TRAINING} for d in (a, b))
+    launch_only = {".".join(k) for k in NOT_TRAINING_KEYS}
+    fa, fb = ({k: v for k, v in flatten(d).items() if k.split(".")[0] not in NOT_TRAINING and k not in launch_only}
+              for d in (a, b))
     return [f"{k}: {fa.get(k)!r} there, {fb.get(k)!r} now" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
 
 

@@ -110,6 +110,27 @@ def test_auto_resume_skips_a_checkpoint_of_a_different_config(tiny):
     assert "has checkpoints of another training" in said and "train.seed: 0 there, 1 now" in said, said
 
 
+def test_a_raised_collective_timeout_resumes_and_so_does_a_checkpoint_hashed_with_the_timeouts(tiny):
+    """A trial raised parallel.timeout_s after a hang and the rerun started again from step 0: the timeouts
+    were part of the training hash. A checkpoint written before they left it still resumes."""
+    import yaml
+
+    from accelrun.config.resolve import training_hash_before_2026_12_07
+
+    cut = run(tiny(8, "checkpoint.every=4", "name=hang"), stop_after_step=5)
+    resumed = run(tiny(8, "checkpoint.every=4", "name=hang", "parallel.timeout_s=900", "parallel.init_timeout_s=60"))
+    assert resumed.report["resumed_from"] == str(cut.run_dir / "checkpoints" / "step-000004")
+
+    older = run(tiny(8, "checkpoint.every=4", "name=older"), stop_after_step=5).run_dir
+    ckpt = older / "checkpoints" / "step-000004"
+    state = json.loads((ckpt / "train_state.json").read_text())
+    legacy = training_hash_before_2026_12_07(yaml.safe_load((older / "config.yaml").read_text()))
+    assert state["training_hash"] != legacy
+    (ckpt / "train_state.json").write_text(json.dumps({**state, "training_hash": legacy}))  # as written before
+    again = run(tiny(8, "checkpoint.every=4", "name=older"))
+    assert again.report["resumed_from"] == str(ckpt)
+
+
 def test_explicit_resume_path(tiny):
     first = run(tiny(6, "checkpoint.every=3", "name=a"), stop_after_step=3)
     ckpt = first.run_dir / "checkpoints"
