@@ -370,8 +370,12 @@ class ParallelConfig(Section):
             raise ValueError(f"stage {empty[0]} has no layers; every stage needs at least one")
         flat = [layer for stage in v for layer in stage]
         if flat != list(range(len(flat))):
-            raise ValueError(f"expected the layers 0..{len(flat) - 1} each once, in order "
-                             "(stages are contiguous slices of the model)")
+            twice = sorted({layer for layer in flat if flat.count(layer) > 1})
+            missing = sorted(set(range(max(flat) + 1)) - set(flat)) if flat and min(flat) >= 0 else []
+            what = (f"layer {twice[0]} is in more than one stage" if twice else
+                    f"layer {missing[0]} is in no stage" if missing else "the layers are out of order")
+            raise ValueError(f"{what}: expected each layer once, in order (stages are contiguous slices of the "
+                             "model, e.g. [[0, 1], [2, 3]])")
         return v
 
     @property

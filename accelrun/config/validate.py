@@ -501,8 +501,11 @@ def _context_parallel_problems(cfg: RunConfig, deg: dict[str, int], v) -> list[s
         return []
     out: list[str] = []
     if cfg.train.seq_len % (2 * cp):
-        out.append(f"{v('train.seq_len')} is not divisible by 2 × {v('parallel.cp')} (each context-parallel "
-                   f"rank holds two chunks of seq_len / (2 × cp) tokens)")
+        below = cfg.train.seq_len // (2 * cp) * (2 * cp)
+        fits = " or ".join(str(n) for n in (below, below + 2 * cp) if n > 0)
+        out.append(f"{v('train.seq_len')} is not divisible by {2 * cp}, twice {v('parallel.cp')} (each "
+                   f"context-parallel rank holds two chunks of seq_len / (2 × cp) tokens); the nearest that divide: "
+                   f"train.seq_len={fits}")
     if m.custom is not None:
         out.append(f"{v('parallel.cp')} needs a model family whose attention can be sharded along the "
                    f"sequence ({', '.join(CP_FAMILIES)}); {v('model.custom')}")

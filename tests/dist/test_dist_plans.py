@@ -61,8 +61,9 @@ def test_sequence_and_loss_parallel_keys_are_checked():
 
 
 @pytest.mark.parametrize("value, expected", [
-    ("[[0],[2]]", "expected the layers 0..1 each once, in order"),
-    ("[[1],[0]]", "expected the layers 0..1 each once, in order"),
+    ("[[0],[2]]", "layer 1 is in no stage: expected each layer once, in order"),
+    ("[[1],[0]]", "the layers are out of order: expected each layer once, in order"),
+    ("[[0, 1], [1, 2, 3]]", "layer 1 is in more than one stage"),
     ("[[0,1],[]]", "stage 1 has no layers"),
     ("[[0,1]]", "one list of layers per pipeline stage"),
     ("[[0],[1],[2]]", "lists 3 stages; parallel.pp = 2"),
@@ -70,6 +71,12 @@ def test_sequence_and_loss_parallel_keys_are_checked():
 def test_pipeline_layer_lists_are_checked(value, expected):
     assert expected in config_error(*PP2, "model.n_layers=3" if value != "[[0],[2]]" else "model.n_layers=2",
                                     f"parallel.pp_layers={value}")
+
+
+def test_a_sequence_context_parallelism_cannot_split_names_the_divisor_and_the_nearest_lengths():
+    # A trial read "not divisible by 2 × parallel.cp = 2" where the divisor was 4.
+    said = config_error("parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.cp=2", "train.seq_len=250")
+    assert "is not divisible by 4, twice parallel.cp = 2" in said and "train.seq_len=248 or 252" in said, said
 
 
 def test_pipeline_layer_list_must_cover_the_model():
