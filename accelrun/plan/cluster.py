@@ -105,7 +105,7 @@ class Cluster:
         if peak is None and acc is not None:
             entry = acc.peaks
             peak = entry.bf16_tflops if key == "bf16" else entry.fp32_tflops
-            peak_source = f"dense {key} peak of {entry.entry}, from accelrun's accelerator table ({entry.datasheet})"
+            peak_source = f"dense {key} peak of {entry.entry}, from accelrun's accelerator table ({entry.cited_for(key)})"
         measured_curve = c.calibration.matmul_tflops.get(key)
         if measured_curve:
             curve = tuple(sorted(measured_curve.items()))

@@ -27,6 +27,13 @@ class GpuEntry:
     fp32_tflops: float
     datasheet: str
 
+    def cited_for(self, precision: str) -> str:
+        """The datasheet as a peak of ``precision`` cites it: its note on the BF16 figure only for bf16 (a
+        plan's fp32 peak of 67 TFLOP/s was cited "(BF16 1,979 with sparsity)")."""
+        if precision.startswith("bf16") or "(BF16" not in self.datasheet:
+            return self.datasheet
+        return self.datasheet.split(" (BF16")[0]
+
 
 GPU_PEAKS: tuple[GpuEntry, ...] = (
     GpuEntry("NVIDIA H100 SXM5", r"NVIDIA H100 80GB HBM3|NVIDIA H100 SXM5?( 80GB)?", 989.5, 67.0,

@@ -83,7 +83,7 @@ def lookup_gpu_peak(name: str, precision: str) -> Peak:
     entry = find_gpu_entry(name)
     if entry is None:
         return Peak(None, "unknown", f"{why_not_listed(name)}; MFU is left out: {HOW_TO_DECLARE}")
-    source = f"table: {entry.entry} ({entry.datasheet})"
+    source = f"table: {entry.entry} ({entry.cited_for(precision)})"
     if precision == "bf16-mixed":
         if entry.bf16_tflops is None:
             return Peak(None, "unknown",

@@ -289,3 +289,12 @@ def test_the_fp32_probe_times_onednn_beside_torch_mm_and_keeps_the_faster(fast_p
     assert fp32["tflops"] == max(fp32["tflops_by_library"].values()) > 0
     assert fp32["library"] == max(fp32["tflops_by_library"], key=fp32["tflops_by_library"].get)
     assert set(peak_mod._probe(torch.bfloat16)["tflops_by_library"]) == {"torch.mm"}  # oneDNN inside already
+
+
+def test_an_fp32_peak_is_not_cited_with_the_datasheets_bf16_note():
+    """A trial's plan cited the H100's fp32 peak, 67 TFLOP/s, as "(BF16 1,979 with sparsity)"."""
+    from accelrun.report.peak import lookup_gpu_peak
+
+    fp32 = lookup_gpu_peak("NVIDIA H100 80GB HBM3", "fp32")
+    assert fp32.tflops == 67.0 and "BF16" not in fp32.source and "H100 Tensor Core GPU datasheet" in fp32.source
+    assert "(BF16 1,979 with sparsity)" in lookup_gpu_peak("NVIDIA H100 80GB HBM3", "bf16-mixed").source
