@@ -43,3 +43,24 @@ def test_a_small_norm_and_a_nan_norm_scale_nothing():
     nan = _params([float("nan")], [1.0])
     assert math.isnan(clip_grad_norm(nan, 1.0)) and nan[1].grad.item() == 1.0
     assert clip_grad_norm(_params([30.0]), math.inf) == pytest.approx(30.0)  # inf: measure only
+
+
+def test_the_norms_two_reductions_under_fsdp_x_tp_are_not_a_console_warning():
+    """A trial's 4-rank FSDP x TP run printed DTensor's "2 sequential all_reduce" warning on every rank's
+    console, for the gradient norm's scalar."""
+    import logging
+
+    from accelrun.train.grad_clip import _one_reduction_per_mesh_dim_quiet
+
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        with _one_reduction_per_mesh_dim_quiet():
+            logger.warning("While redistributing from %s to %s, %d sequential %s operations", "a", "b", 2, "x")
+        logger.warning("another")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["another"]
