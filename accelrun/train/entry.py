@@ -24,6 +24,7 @@ from accelrun.consoles import DiagnosticConsole
 from accelrun.dist import stop
 from accelrun.dist.launch import JobOutcome, launch_job
 from accelrun.dist.launch_options import LaunchOptions
+from accelrun.dist.node_configs import leave_launched_hash
 from accelrun.dist.worker import cpu_rank_threads, machine_as_torch_sees_it, rank_uses_cuda
 from accelrun.errors import UserError
 from accelrun.report.env import collect_env
@@ -98,6 +99,7 @@ def train(
             return _warn_if_late(result, console)
         console.print(f"launching {cfg.parallel.nproc_per_node} process(es) per node on {cfg.parallel.nnodes} "
                       "node(s) through torchrun's elastic agent", markup=False)
+        leave_launched_hash(run_dir, resolved.hash)  # the ranks check that every node resolved the same
         outcome = launch_job(run_dir, cfg.parallel, launch, run_rank,
                              say=lambda line: console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False))
     return _warn_if_late(_launched_result(run_dir, outcome, console,

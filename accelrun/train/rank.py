@@ -23,6 +23,7 @@ from accelrun.consoles import DiagnosticConsole
 from accelrun.dist import stop
 from accelrun.dist.comm_overlap import stop_waiter
 from accelrun.dist.context import env_rank
+from accelrun.dist.node_configs import check_nodes_agree
 from accelrun.dist.rank_errors import leave_record
 from accelrun.dist.rank_failures import leave_crash, start_rank_log
 from accelrun.dist.worker import init_rank
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None, errors_dir: Path | None = None) -> int:
     try:
         resolved = load_config(run_dir / "config.yaml", search_dirs=[])
         ctx = init_rank(resolved, run_dir)
+        check_nodes_agree(run_dir)
         # Worded the same on every rank: the launcher shows a message no rank printed once, not per rank.
         with (oom_is_the_recipes(resolved.config, ctx.device, "in training"),
               named_model_errors(resolved.config.compile.backend, resolved.config.compile.fullgraph)):

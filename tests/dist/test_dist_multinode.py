@@ -44,3 +44,30 @@ def test_two_nodes_through_c10d_rendezvous_match_one_process(reference, tmp_path
     assert report["world_size"] == 2
     got = [m["loss"] for m in read_metrics(job_dir / "metrics.jsonl")]
     assert got == pytest.approx(reference(STEPS).losses, rel=LOSS_RTOL)
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespaces: {WHY_NOT}")
+def test_nodes_started_with_different_recipes_stop_with_one_recipe_error(tmp_path):
+    """A trial started node 0 with train.steps=20 and node 1 with train.steps=30 and another learning rate:
+    the job trained the config.yaml written last, and node 0 printed a normal `done:` for it."""
+    runs = tmp_path / "runs"
+    job = [*TINY, f"report.runs_dir={runs}", "name=mixed", "parallel.nproc_per_node=1", "parallel.dp_shard=2",
+           "train.micro_batch=2"]
+    with netns.two_hosts() as hosts:
+        host_addr = hosts[0][2]
+        procs = []
+        for node_rank, (ns, iface, addr) in enumerate(hosts):
+            env = {**os.environ, "ACCELRUN_NO_PEAK_PROBE": "1", "GLOO_SOCKET_IFNAME": iface}
+            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "accelrun.cli.main", "train",
+                   str(DEFAULT_CONFIG), *job, f"train.steps={4 + 2 * node_rank}", "--nnodes", "2",
+                   "--node-rank", str(node_rank), "--rdzv-endpoint", f"{host_addr}:29478", "--rdzv-id", "mixjob",
+                   "--local-addr", addr]
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 2, out[-3000:]
+        said = " ".join(out.split())
+        assert "the nodes of this job started from different recipes (config " in said, out[-3000:]
+        assert "start every node with the same recipe and overrides" in said
+    assert not (runs / "mixed" / "job-mixjob" / "metrics.jsonl").exists()

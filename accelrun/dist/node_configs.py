@@ -1,0 +1,53 @@
+"""Every node of a job trains the recipe its own launcher resolved, or none does.
+
+Each node's ``accelrun train`` resolves its own recipe and writes the job folder's ``config.yaml``; on a
+shared folder the last node to write wins, and every rank trains that one. Two nodes started with other
+overrides (a trial: ``train.steps=20`` on one, ``train.steps=30 train.optimizer.lr=1e-3`` on the other)
+joined one job silently, and the first node printed a normal ``done:`` for a run it had not asked for.
+Each launcher leaves the hash it resolved where its ranks find it; the ranks compare them once the
+process group is up, and every rank stops with the same recipe error if they differ.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch.distributed as dist
+
+from accelrun.config.errors import ConfigError
+from accelrun.dist.rank_failures import LOGS
+from accelrun.dist.stop import LAUNCHER_PID_ENV
+
+
+def _launched_file(run_dir: Path, pid: int | str) -> Path:
+    return run_dir / LOGS / f"launched-{socket.gethostname()}-{pid}.config"
+
+
+def leave_launched_hash(run_dir: Path, config_hash: str) -> None:
+    """The launcher's side: the hash of the recipe this node resolved (before its ranks start)."""
+    path = _launched_file(run_dir, os.getpid())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config_hash)
+
+
+def check_nodes_agree(run_dir: Path) -> None:
+    """A rank's side, after ``init_process_group``: a ``ConfigError`` on every rank when the nodes'
+    launchers resolved different recipes (nothing to check where a launcher left no hash)."""
+    pid = os.environ.get(LAUNCHER_PID_ENV)
+    try:
+        mine = _launched_file(run_dir, pid).read_text().strip() if pid else None
+    except OSError:
+        mine = None
+    seen: list[tuple[str, str | None] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (socket.gethostname(), mine))
+    hashes = {h for _, h in seen if h is not None}  # type: ignore[misc]
+    if len(hashes) > 1:
+        by_hash: dict[str, set[str]] = {}
+        for host, h in seen:  # type: ignore[misc]
+            if h is not None:
+                by_hash.setdefault(h, set()).add(host)
+        said = "; ".join(f"config {h} on {', '.join(sorted(hosts))}" for h, hosts in sorted(by_hash.items()))
+        raise ConfigError(f"the nodes of this job started from different recipes ({said}): start every node "
+                          "with the same recipe and overrides")
