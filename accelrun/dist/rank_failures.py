@@ -212,13 +212,30 @@ def tail(path: str | None, n: int = TAIL_LINES) -> list[str]:
     return [line for line in lines if line.strip()][-n:]
 
 
+TIMED_OUT = ("timed out", "waited more than parallel.timeout_s")
+
+
+def _waited_for(first: RankEnd, ends: list[RankEnd]) -> str | None:
+    """A rank killed by SIGKILL after another rank's collective timed out: it stopped answering, and the
+    agent killed it as it tore the group down. Said so, not as kill -9 or the OOM killer (a trial's rank
+    stopped with kill -STOP was reported as killed by SIGKILL "or the kernel's out-of-memory killer")."""
+    if first.exit_code != -signal.SIGKILL:
+        return None
+    waited = [e for e in ends if e is not first and e.error and any(w in e.error.lower() for w in TIMED_OUT)]
+    if not waited:
+        return None
+    return (f"rank {first.rank} on node {first.host} (pid {first.pid}) stopped answering: rank {waited[0].rank}'s "
+            "collective timed out waiting for it (parallel.timeout_s), and the agent then killed it (SIGKILL); "
+            "its last lines say where it was")
+
+
 def explain(folder: Path, exit_codes: dict[int, int], agent_log: Path | None) -> list[str]:
     """The lines that tell the user what failed; empty if the ranks left nothing to go on."""
     ends = rank_ends(folder, exit_codes)
     first = culprit(ends)
     if first is None:
         return []
-    lines = [first.described]
+    lines = [_waited_for(first, ends) or first.described]
     last = tail(first.log)
     lines.append(f"  its last lines ({first.log}):" if last else f"  its log ({first.log}) is empty")
     lines += [f"  | {line}" for line in last]

@@ -50,6 +50,20 @@ def test_culprit_is_the_rank_without_an_error_of_its_own():
     assert "was killed by SIGKILL (kill -9" in killed.how and lost_peer.secondary and not own.secondary
 
 
+def test_a_rank_killed_after_anothers_collective_timed_out_is_said_to_have_stopped_answering():
+    """A trial stopped rank 1 (kill -STOP); rank 0's collective timed out and the agent killed rank 1: the
+    headline said "killed by SIGKILL (kill -9, or the kernel's out-of-memory killer)"."""
+    from accelrun.dist.rank_failures import _waited_for
+
+    killed = RankEnd(1, "h", 11, None, -9, None)
+    waited = RankEnd(0, "h", 10, None, 1, "DistBackendError: [gloo] Timed out waiting 20000ms for recv operation")
+    said = _waited_for(killed, [waited, killed])
+    assert said is not None and said.startswith("rank 1 on node h (pid 11) stopped answering: rank 0's collective "
+                                                "timed out waiting for it")
+    assert "out-of-memory" not in said
+    assert _waited_for(killed, [killed, RankEnd(0, "h", 10, None, 1, "ValueError: bad shard")]) is None
+
+
 def test_a_restarted_group_is_not_blamed_for_its_predecessor_s_errors(tmp_path):
     """After the agent restarts the group, the first start's crash records stay in the folder until a
     rank of the new start writes over them: a failure of the new group named the old group's error.
