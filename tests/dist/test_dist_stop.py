@@ -203,6 +203,24 @@ def test_sbatch_script_asks_for_sigterm_before_the_limit_and_requeues():
     assert r.exit_code == 0 and "#SBATCH --signal=TERM@90 " in r.output, r.output
 
 
+def test_slurm_checks_the_lead_against_the_time_limit_and_the_planned_steps_to_a_stop():
+    """A trial: `--time 00:01:00` under the default 120 s lead gave no word, nor did a 70B recipe whose
+    stop waits 10 planned steps of 11 s for its host read before writing a checkpoint."""
+    from accelrun.cli.slurm_cmd import slurm_seconds
+
+    assert [slurm_seconds(t) for t in ("30", "30:15", "04:00:00", "1-00", "1-02:30", "1-02:30:05", "x")] == \
+        [1800, 1815, 14400, 86400, 95400, 95405, None]
+    r = CliRunner().invoke(cli, ["slurm", str(DEFAULT_CONFIG), "--time", "00:01:00"])
+    assert r.exit_code == 2 and "is 60 s, no more than --stop-lead 120 s" in r.output, r.output
+    big = REPO / "configs" / "llama3-70b-h100.yaml"
+    r = CliRunner().invoke(cli, ["slurm", str(big)])
+    assert r.exit_code == 0 and "warning: a stop waits for the next host read, up to report.read_every = 10" in \
+        " ".join(r.stderr.split()), r.stderr
+    assert r.stdout.startswith("#!/bin/bash")  # the script alone on stdout
+    quiet = CliRunner().invoke(cli, ["slurm", str(big), "report.read_every=2"])
+    assert quiet.exit_code == 0 and "warning" not in quiet.stderr, quiet.stderr
+
+
 def test_a_requeued_multi_node_job_resumes_its_own_folder(tmp_path):
     """A requeued SLURM job keeps its id, so its nodes enter the same job-<id> folder again: its own
     newest checkpoint (same training hash) is where it goes on, not a fresh start over it."""
