@@ -1061,3 +1061,51 @@ def test_sharded_weights_count_as_taken_by_a_graph():
     finally:
         if ours and dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _PreNormBlock(torch.nn.Module):
+    """A GPT-2 block as users write it: LayerNorm before attention and MLP, residual adds around them."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.attn = torch.nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False, is_causal=True,
+                          attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1]))[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class _PreNormLM(torch.nn.Module):
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, dim)
+        self.blocks = torch.nn.ModuleList([_PreNormBlock(dim) for _ in range(2)])
+        self.norm, self.head = torch.nn.LayerNorm(dim), torch.nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_layer_norms_forward_is_a_region_with_its_residual_add(precision, tmp_path):
+    """A GPT-2 block's LayerNorms and the residual adds around them stayed ATen calls: its forward had no
+    fusion region (a trial's ViT-style model: "formed 0 regions over 0 ops"). LayerNorm's forward now comes
+    as row sums on the CPU, in one region with the add before it; eager's losses and gradients."""
+    torch.manual_seed(0)
+    model = _PreNormLM()
+    tol = {} if precision == "fp32" else {"loss_tol": {"rtol": 2e-2, "atol": 2e-2},
+                                          "grad_tol": {"rtol": 5e-2, "atol": 5e-2}}
+    with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+        record = _compiled_beside_eager(model, tmp_path, steps=2, **tol)
+    forward = [r for r in record.regions if r.graph.endswith(".forward") and r.executor == "cpp"]
+    with_norm = [r for r in forward if r.ops.count("sum.dim_IntList") >= 2 and "rsqrt" in r.ops]
+    # the residual add, then the norm's two sums, in one region
+    assert with_norm and any("add.Tensor" in r.ops[:r.ops.index("sum.dim_IntList")] for r in with_norm), \
+        [r.ops for r in forward]
