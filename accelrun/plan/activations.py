@@ -61,10 +61,11 @@ SP_GATHERED_COMPILED = {"fp32": 8, "autocast": 4, "bf16-params": 4}
 # Of Inductor's table above, what one Llama block keeps under accelrun's default passes without tensor
 # parallelism (merged projections, rematerialisation: the norms' and SwiGLU's outputs are recomputed),
 # counted through its compiler on the CPU over grouped-query and plain attention, head dims 16 and 32
-# (tests/plan/test_plan_activations.py: 0.70-0.75 in fp32, 0.78-0.83 under autocast). A ratio, not a
-# table: which tensors it keeps depends on the shape (whether q/k/v and w1/w3 merge, whether attention
-# reads keys repeated), while the share stays near these. bf16 parameters under FSDP: not counted.
-ACCELRUN_OF_INDUCTOR_SAVED = {"fp32": 0.72, "autocast": 0.80}
+# (tests/plan/test_plan_activations.py: 0.70-0.75 in fp32, 0.78-0.85 under autocast). A ratio, not a
+# table: which tensors it keeps depends on the shape and the threads (whether q/k/v and w1/w3 merge,
+# whether the attention kernel takes the call and reads keys unrepeated), while the share stays near
+# these. bf16 parameters under FSDP: not counted.
+ACCELRUN_OF_INDUCTOR_SAVED = {"fp32": 0.72, "autocast": 0.81}
 
 
 def block_saved(shape: Shape, mode: str, compiled: bool, sequence_parallel: bool = False,

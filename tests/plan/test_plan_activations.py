@@ -49,9 +49,9 @@ def test_accelruns_share_of_inductors_table_matches_its_compiled_block(dims, mod
     shape = Shape(dim, 1, heads, kv, ffn, 64, False)
     counted = count_accelrun_block(dim, heads, kv, ffn, mode)
     inductor = block_saved(shape, mode, compiled=True).local(1)
-    assert counted / inductor == pytest.approx(ACCELRUN_OF_INDUCTOR_SAVED[mode], abs=0.04), counted / inductor
+    assert counted / inductor == pytest.approx(ACCELRUN_OF_INDUCTOR_SAVED[mode], abs=0.05), counted / inductor
     planned = block_saved(shape, mode, compiled=True, accelrun_defaults=True).local(1)
-    assert planned == pytest.approx(counted, rel=0.06)
+    assert planned == pytest.approx(counted, rel=0.07)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "autocast"])
