@@ -25,7 +25,6 @@ import functools
 import hashlib
 import inspect
 import json
-import logging
 import os
 import re
 import tempfile
@@ -59,6 +58,7 @@ from accelrun.compile.traced_from import (
     file_digest,
     readable,
 )
+from accelrun.log_filters import records_left_out
 from accelrun.torch_private import (
     cpu_has_half_gemm,
     import_module_globals,
@@ -406,20 +406,10 @@ def saved_states(state_file: Path) -> list[dict[str, str]]:
     return [s for s in saved if isinstance(s, dict)] if isinstance(saved, list) else []
 
 
-@contextlib.contextmanager
 def _autograd_cache_quiet():
     """AOTAutograd's cache logs a warning where it cannot serialize a graph, then precompile raises the
     same error: a torch log line with a link on the user's console, beside accelrun's own line for it."""
-    logger = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
-
-    def unable(record: logging.LogRecord) -> bool:
-        return "unable to serialize" not in str(record.msg)
-
-    logger.addFilter(unable)
-    try:
-        yield
-    finally:
-        logger.removeFilter(unable)
+    return records_left_out("torch._functorch._aot_autograd.autograd_cache", "unable to serialize")
 
 
 # How a graph-cache error starts when a method could not be precompiled (a graph break, an untraceable

@@ -4,8 +4,6 @@ them on different meshes, which torch's ``clip_grad_norm_`` cannot stack togethe
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 from collections import defaultdict
 
@@ -13,6 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from accelrun.dist.collective import to_collective_device
+from accelrun.log_filters import records_left_out
 
 
 @torch.no_grad()
@@ -57,18 +56,8 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, stage_grou
     return float(clip_grad_norm_(params, max_norm, stage_group))
 
 
-@contextlib.contextmanager
 def _one_reduction_per_mesh_dim_quiet():
     """Under FSDP x TP the norm is partial on two mesh dimensions, and DTensor reduces it with one
     all-reduce per dimension, warning on every rank's console that one over the flattened mesh would be
     faster. For one scalar a step the second all-reduce is a few microseconds; the warning is left out."""
-    logger = logging.getLogger("torch.distributed.tensor._redistribute")
-
-    def sequential(record: logging.LogRecord) -> bool:
-        return "sequential" not in str(record.msg)
-
-    logger.addFilter(sequential)
-    try:
-        yield
-    finally:
-        logger.removeFilter(sequential)
+    return records_left_out("torch.distributed.tensor._redistribute", "sequential")

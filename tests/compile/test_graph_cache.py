@@ -923,6 +923,7 @@ def test_a_precompile_failure_is_said_once_in_a_whole_sentence():
     import logging
 
     from accelrun.compile.graph_cache import _autograd_cache_quiet, one_line
+    from tests.logs import logged
 
     torch_says = ("Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor). If you're using "
                   "torch.compile/export/fx, it is likely that we are erroneously tracing into a custom kernel. To "
@@ -933,15 +934,9 @@ def test_a_precompile_failure_is_said_once_in_a_whole_sentence():
     assert one_line(ValueError("short. Kept whole.")) == "ValueError: short. Kept whole."
 
     logger = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
-    seen: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logger.addHandler(handler)
-    try:
+    with logged("torch._functorch._aot_autograd.autograd_cache") as seen:
         with _autograd_cache_quiet():
             logger.warning("AOTAutograd cache unable to serialize compiled graph: %s", torch_says)
             logger.warning("another warning")
         logger.warning("AOTAutograd cache unable to serialize compiled graph: after")
-    finally:
-        logger.removeHandler(handler)
     assert seen == ["another warning", "AOTAutograd cache unable to serialize compiled graph: after"]

@@ -19,24 +19,30 @@ WHY_NOT = netns.available()
 STEPS = 4
 
 
-@pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespaces: {WHY_NOT}")
-def test_two_nodes_through_c10d_rendezvous_match_one_process(reference, tmp_path):
-    runs = tmp_path / "runs"
-    common = [*TINY, f"train.steps={STEPS}", f"report.runs_dir={runs}", "checkpoint.every=2"]
-
-    job = [*common, "name=two-nodes", "parallel.nproc_per_node=1", "parallel.dp_shard=2", "train.micro_batch=2"]
+def _two_node_job(job_of_node, rdzv_id: str, port: int) -> list[tuple[subprocess.Popen, str]]:
+    """`accelrun train` on each of two network namespaces, node ``n`` with ``job_of_node(n)``'s arguments,
+    meeting through c10d rendezvous on the first one's address; each process with its output."""
     with netns.two_hosts() as hosts:
         host_addr = hosts[0][2]
         procs = []
         for node_rank, (ns, iface, addr) in enumerate(hosts):
             env = {**os.environ, "ACCELRUN_NO_PEAK_PROBE": "1", "GLOO_SOCKET_IFNAME": iface}
             cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "accelrun.cli.main", "train",
-                   str(DEFAULT_CONFIG), *job, "--nnodes", "2", "--node-rank", str(node_rank),
-                   "--rdzv-endpoint", f"{host_addr}:29477", "--rdzv-id", "nsjob", "--local-addr", addr]
+                   str(DEFAULT_CONFIG), *job_of_node(node_rank), "--nnodes", "2", "--node-rank", str(node_rank),
+                   "--rdzv-endpoint", f"{host_addr}:{port}", "--rdzv-id", rdzv_id, "--local-addr", addr]
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
         outs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, out in zip(procs, outs, strict=True):
+    return list(zip(procs, outs, strict=True))
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespaces: {WHY_NOT}")
+def test_two_nodes_through_c10d_rendezvous_match_one_process(reference, tmp_path):
+    runs = tmp_path / "runs"
+    common = [*TINY, f"train.steps={STEPS}", f"report.runs_dir={runs}", "checkpoint.every=2"]
+
+    job = [*common, "name=two-nodes", "parallel.nproc_per_node=1", "parallel.dp_shard=2", "train.micro_batch=2"]
+    for p, out in _two_node_job(lambda node: job, "nsjob", 29477):
         assert p.returncode == 0, out[-3000:]
 
     job_dir = runs / "two-nodes" / "job-nsjob"
@@ -53,19 +59,7 @@ def test_nodes_started_with_different_recipes_stop_with_one_recipe_error(tmp_pat
     runs = tmp_path / "runs"
     job = [*TINY, f"report.runs_dir={runs}", "name=mixed", "parallel.nproc_per_node=1", "parallel.dp_shard=2",
            "train.micro_batch=2"]
-    with netns.two_hosts() as hosts:
-        host_addr = hosts[0][2]
-        procs = []
-        for node_rank, (ns, iface, addr) in enumerate(hosts):
-            env = {**os.environ, "ACCELRUN_NO_PEAK_PROBE": "1", "GLOO_SOCKET_IFNAME": iface}
-            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "accelrun.cli.main", "train",
-                   str(DEFAULT_CONFIG), *job, f"train.steps={4 + 2 * node_rank}", "--nnodes", "2",
-                   "--node-rank", str(node_rank), "--rdzv-endpoint", f"{host_addr}:29478", "--rdzv-id", "mixjob",
-                   "--local-addr", addr]
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, out in zip(procs, outs, strict=True):
+    for p, out in _two_node_job(lambda node: [*job, f"train.steps={4 + 2 * node}"], "mixjob", 29478):
         assert p.returncode == 2, out[-3000:]
         said = " ".join(out.split())
         assert "the nodes of this job started from different recipes (config " in said, out[-3000:]

@@ -70,26 +70,34 @@ def wait_for_step(job, runs, name: str, step: int, timeout: float = 240):
     return None
 
 
+@contextlib.contextmanager
+def job_past_step_2(runs, name: str):
+    """A 2-rank job once it has run 2 steps: (its launcher's process, its ranks, its run folder); whatever
+    is left of it is killed after."""
+    job = start_job(runs, name)
+    workers: list[int] = []
+    try:
+        workers = wait_for_ranks(job, 2)
+        assert len(workers) == 2, workers
+        run_dir = wait_for_step(job, runs, name, 2)
+        assert run_dir is not None, "the job did not get going"
+        yield job, workers, run_dir
+    finally:
+        kill_all(workers)
+        stop_group(job)
+
+
 @pytest.mark.parametrize("target, sig", [("group", signal.SIGTERM), ("launcher", signal.SIGTERM),
                                          ("group", signal.SIGINT)])
 def test_signal_stops_every_rank_after_one_step_with_one_checkpoint_that_resumes(target, sig, uninterrupted,
                                                                                   tmp_path):
     runs = tmp_path / "runs"
-    job = start_job(runs, "stopped")
-    workers: list[int] = []
-    try:
-        workers = wait_for_ranks(job, 2)
-        assert len(workers) == 2, workers
-        run_dir = wait_for_step(job, runs, "stopped", 2)
-        assert run_dir is not None, "the job did not get going"
+    with job_past_step_2(runs, "stopped") as (job, _, run_dir):
         if target == "group":
             os.killpg(job.pid, sig)
         else:
             os.kill(job.pid, sig)
         out, _ = job.communicate(timeout=120)
-    finally:
-        kill_all(workers)
-        stop_group(job)
     code = 128 + sig
     assert job.returncode == code, out[-3000:]
     assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
@@ -116,22 +124,13 @@ def test_ranks_whose_launcher_was_killed_stop_with_a_checkpoint_and_exit(uninter
     rerun that resumed the same run, and then waited for ever for an agent to collect them (SIGTERM and
     SIGINT ignored). They now stop as on a SIGTERM: one checkpoint of the step they agree on, then exit."""
     runs = tmp_path / "runs"
-    job = start_job(runs, "orphaned")
-    workers: list[int] = []
-    try:
-        workers = wait_for_ranks(job, 2)
-        assert len(workers) == 2, workers
-        run_dir = wait_for_step(job, runs, "orphaned", 2)
-        assert run_dir is not None, "the job did not get going"
+    with job_past_step_2(runs, "orphaned") as (job, workers, run_dir):
         os.kill(job.pid, signal.SIGKILL)
         job.wait()
         deadline = time.time() + 120
         while time.time() < deadline and not all(gone(w) for w in workers):
             time.sleep(0.1)
         assert all(gone(w) for w in workers), "the ranks outlived their launcher"
-    finally:
-        kill_all(workers)
-        stop_group(job)
     (ckpt,) = (run_dir / "checkpoints").glob("step-*")  # one: checkpoint.every is far away
     step = json.loads((ckpt / "train_state.json").read_text())["step"]
     assert (ckpt / "COMPLETE").is_file() and 2 <= step < STEPS

@@ -52,6 +52,21 @@ def _mode(mode: str):
     return dtype, torch.autocast("cpu", dtype=torch.bfloat16)  # accelrun's loop autocasts under bf16-mixed
 
 
+def _saved_growing_with_tokens(block: torch.nn.Module, x: torch.Tensor):
+    """(bytes by storage, a ``saved_tensors_hooks`` pack that fills it): what autograd saves of a size that
+    grows with the tokens, the block's weights and its input ``x`` left out."""
+    skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in skip and t.numel() % TOKENS == 0:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    return saved, pack
+
+
 def count_block(dim: int, heads: int, kv_heads: int, ffn: int, mode: str, gemma_head_dim: int | None = None
                 ) -> dict[str, float]:
     """Per token of one block (Llama's, or Gemma's with that head dimension): bytes autograd saves, and
@@ -70,15 +85,7 @@ def count_block(dim: int, heads: int, kv_heads: int, ffn: int, mode: str, gemma_
     block = block.to(dtype)
     cos, sin = rope_tables(args.head_dim, T, 1e4)
     x = torch.randn(B, T, dim, dtype=dtype, requires_grad=True)
-    skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        if key not in skip and t.numel() % TOKENS == 0:
-            saved[key] = t.untyped_storage().nbytes()
-        return t
-
+    saved, pack = _saved_growing_with_tokens(block, x)
     forward = TrafficCounter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), forward, autocast:
         y = block(x, cos, sin)
@@ -123,15 +130,7 @@ def count_accelrun_block(dim: int, heads: int, kv_heads: int, ffn: int, mode: st
     dtype, autocast = _mode(mode)
     cos, sin = rope_tables(args.head_dim, T, 1e4)
     x = torch.randn(B, T, dim, dtype=dtype, requires_grad=True)
-    skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage().data_ptr()
-        if key not in skip and t.numel() % TOKENS == 0:
-            saved[key] = t.untyped_storage().nbytes()
-        return t
-
+    saved, pack = _saved_growing_with_tokens(block, x)
     for _ in range(2):  # the first call compiles; count the second
         saved.clear()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:

@@ -51,16 +51,11 @@ def test_the_norms_two_reductions_under_fsdp_x_tp_are_not_a_console_warning():
     import logging
 
     from accelrun.train.grad_clip import _one_reduction_per_mesh_dim_quiet
+    from tests.logs import logged
 
     logger = logging.getLogger("torch.distributed.tensor._redistribute")
-    seen: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logger.addHandler(handler)
-    try:
+    with logged("torch.distributed.tensor._redistribute") as seen:
         with _one_reduction_per_mesh_dim_quiet():
             logger.warning("While redistributing from %s to %s, %d sequential %s operations", "a", "b", 2, "x")
         logger.warning("another")
-    finally:
-        logger.removeHandler(handler)
     assert seen == ["another"]
