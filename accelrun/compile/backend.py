@@ -14,7 +14,6 @@ from contextlib import contextmanager, nullcontext
 from functools import cache, partial
 from typing import Any
 
-import torch
 from torch import fx, nn
 
 from accelrun.compile import break_sites, coverage
@@ -34,16 +33,9 @@ from accelrun.compile.regions import REGION_KEY
 from accelrun.torch_private import CompileContext, saved_tensors_hooks_paused
 
 
-def decompositions(on_cpu: bool = False) -> dict:
-    """Core ATen decompositions, except attention: a fused attention kernel is worth more than its parts.
-    ``on_cpu``: LayerNorm's forward too, as sums the C++ regions fuse (``layer_norm_by_sums``; the GPU's
-    row regions have not been measured with it)."""
-    table = dict(_decompositions())
-    if on_cpu:
-        from accelrun.compile.layer_norm_sums import layer_norm_by_sums
-
-        table[torch.ops.aten.native_layer_norm.default] = layer_norm_by_sums
-    return table
+def decompositions() -> dict:
+    """Core ATen decompositions, except attention: a fused attention kernel is worth more than its parts."""
+    return dict(_decompositions())
 
 
 @cache
@@ -165,8 +157,7 @@ class AccelrunBackend:
                 bw_compiler=self._graph_compiler(name, "backward", notes),
                 inference_compiler=self._graph_compiler(name, "inference", notes),
                 partition_fn=partial(self._partition, name, notes),
-                decompositions=decompositions(on_cpu=not any(isinstance(t, torch.Tensor) and t.device.type != "cpu"
-                                                             for t in example_inputs)),
+                decompositions=decompositions(),
             )  # fmt: skip
         self.record.stage_seconds["aot trace"] += time.perf_counter() - t1 - self._inside
         ACTIVITY.tracing_again()  # Dynamo: its guards, and the frame's code after a graph break
