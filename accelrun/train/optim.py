@@ -67,3 +67,45 @@ def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
+
+
+# What a param group's settings are, as the recipe builds them (``params`` and AdamW's state aside).
+HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay")
+
+
+def recipe_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each group's ``HYPERPARAMETERS`` as built from the recipe (read before a checkpoint is loaded)."""
+    return [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
+
+
+def keep_recipe_settings(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                         built: list[dict]) -> list[str]:
+    """After a checkpoint's optimizer and schedule were loaded: the recipe's learning rate, betas, eps and
+    weight decay again (a checkpoint's param groups carry its own), the schedule's peak from the recipe,
+    and the rate of the step about to run from the recipe's schedule. A new user's run from another run's
+    checkpoint with lr 0.001 trained at 0.003's schedule, weight decay and betas, none of it said.
+    Returns what changed, as ``key: checkpoint's -> recipe's``; a continuation changes nothing."""
+    changed: dict[str, str] = {}
+    for group, recipe in zip(optimizer.param_groups, built, strict=True):
+        for key, value in recipe.items():
+            if not _same(group.get(key), value):
+                name = "lr" if key == "initial_lr" else key
+                changed.setdefault(name, f"{name}: {_said(group.get(key))} -> {_said(value)}")
+                group[key] = value
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+    rates = [base * scheduler.lr_lambdas[i](scheduler.last_epoch) for i, base in enumerate(scheduler.base_lrs)]
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler._last_lr = rates  # what get_last_lr() reads (torch keeps it there)
+    return list(changed.values())
+
+
+def _said(value) -> str:
+    if isinstance(value, tuple | list):
+        return "(" + ", ".join(_said(v) for v in value) + ")"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _same(a, b) -> bool:
+    """Equal settings, a checkpoint's lists read as the tuples the recipe gives."""
+    return (tuple(a) if isinstance(a, list) else a) == (tuple(b) if isinstance(b, list) else b)

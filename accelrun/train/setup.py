@@ -43,7 +43,7 @@ from accelrun.report.peak import Peak, resolve_peak
 from accelrun.train.checkpoint import complete_checkpoints, load_checkpoint, remove_partial, restore_rng_state
 from accelrun.train.lineage import RunAlreadyContinued, claim_continuation
 from accelrun.train.model_code import code_changes, model_code
-from accelrun.train.optim import build_optimizer, build_scheduler
+from accelrun.train.optim import build_optimizer, build_scheduler, keep_recipe_settings, recipe_settings
 from accelrun.train.resume import ResumeDecision, auto_would_continue, decide_resume
 
 
@@ -283,6 +283,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         ckpt = decision.checkpoint
         if ctx.is_main:
             remove_partial(ckpt.path.parent)
+        built = recipe_settings(optimizer)
         try:
             saved = load_checkpoint(ckpt.path, model, optimizer)
         except (CheckpointException, RuntimeError, KeyError, ValueError) as e:
@@ -292,6 +293,8 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
                 f"{_first_line(e)}"
             ) from None
         scheduler.load_state_dict(saved["scheduler"])
+        if changed := keep_recipe_settings(optimizer, scheduler, built):
+            reason += f"; note: the optimizer goes on with this recipe's settings ({', '.join(changed)})"
         data.load_state_dict(saved["data"])
         start_step, resumed_from = int(saved["step"]), ckpt.path
         # Last in setup: nothing above may draw from the generators after this (the model's init did before).

@@ -131,6 +131,29 @@ def test_a_raised_collective_timeout_resumes_and_so_does_a_checkpoint_hashed_wit
     assert again.report["resumed_from"] == str(ckpt)
 
 
+def test_a_new_run_from_another_runs_checkpoint_trains_with_its_own_optimizer_settings(tiny):
+    """A new user's run from another run's checkpoint with lr 0.001 trained at the old run's 0.003 schedule,
+    its weight decay and betas (the checkpoint's param groups), and said nothing."""
+    from rich.console import Console
+
+    from accelrun.train.optim import lr_factor
+
+    first = run(tiny(6, "checkpoint.every=3", "name=first", "train.optimizer.lr=0.003"), stop_after_step=3)
+    ckpt = first.run_dir / "checkpoints" / "step-000003"
+    console = Console(record=True, width=400)
+    recipe = tiny(8, "checkpoint.every=4", "name=second", f"checkpoint.resume={ckpt}", "train.optimizer.lr=0.001",
+                  "train.optimizer.weight_decay=0.5", "train.optimizer.betas=[0.8, 0.9]")
+    second = train(load_config(DEFAULT_CONFIG, recipe), console=console)
+    cfg = load_config(DEFAULT_CONFIG, recipe).config
+    rows = {m["step"]: m["lr"] for m in read_metrics(second.run_dir / "metrics.jsonl")}
+    assert sorted(rows) == [4, 5, 6, 7, 8]
+    for step, lr in rows.items():  # the recipe's peak and schedule from the first step on
+        assert lr == pytest.approx(0.001 * lr_factor(step - 1, cfg.train.lr_schedule, 8), rel=1e-6), (step, lr)
+    said = " ".join(console.export_text().split())
+    assert "note: the optimizer goes on with this recipe's settings (lr: 0.003 -> 0.001" in said, said
+    assert "betas: (0.9, 0.95) -> (0.8, 0.9)" in said and "weight_decay: 0.1 -> 0.5" in said, said
+
+
 def test_explicit_resume_path(tiny):
     first = run(tiny(6, "checkpoint.every=3", "name=a"), stop_after_step=3)
     ckpt = first.run_dir / "checkpoints"
