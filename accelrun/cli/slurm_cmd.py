@@ -18,12 +18,13 @@ STOP_LEAD_S = 120  # accelrun.dist.slurm.STOP_LEAD_S, without importing torch fo
 @click.option("--partition", default=None)
 @click.option("--time", "time_limit", default=None, help="Wall-clock limit, e.g. 04:00:00.")
 @click.option("--account", default=None)
-@click.option("--gpus/--no-gpus", default=True, show_default=True, help="Ask for parallel.nproc_per_node GPUs per node.")
+@click.option("--gpus/--no-gpus", default=None,
+              help="Ask for parallel.nproc_per_node GPUs per node (default: unless the recipe's train.device is cpu).")
 @click.option("--stop-lead", type=click.IntRange(min=1), default=STOP_LEAD_S, show_default=True, metavar="SECONDS",
               help="SIGTERM this long before the time limit (#SBATCH --signal=TERM@SECONDS): the ranks finish "
                    "their step, save a checkpoint and exit 143, and the job requeues itself.")
 def command(config: str, overrides: tuple[str, ...], output: Path | None, partition: str | None,
-            time_limit: str | None, account: str | None, gpus: bool, stop_lead: int) -> None:
+            time_limit: str | None, account: str | None, gpus: bool | None, stop_lead: int) -> None:
     """Write an sbatch script for the recipe: one `accelrun train` per node under srun, which reads
     the allocation from SLURM's environment.
 
@@ -36,6 +37,8 @@ def command(config: str, overrides: tuple[str, ...], output: Path | None, partit
 
     resolved = load(config, overrides)
     c = resolved.config
+    if gpus is None:  # a CPU recipe's job asked for GPUs, and would wait for ever on a CPU-only cluster
+        gpus = c.train.device != "cpu"
     _check_time_covers_the_lead(time_limit, stop_lead)
     if (short := _lead_shorter_than_a_stop(c, stop_lead)) is not None:
         err.print(f"[bold yellow]warning:[/] {short}", highlight=False)  # stdout may be the script

@@ -216,6 +216,9 @@ def test_slurm_checks_the_lead_against_the_time_limit_and_the_planned_steps_to_a
     assert r.exit_code == 0 and "warning: a stop waits for the next host read, up to report.read_every = 10" in \
         " ".join(r.stderr.split()), r.stderr
     assert r.stdout.startswith("#!/bin/bash")  # the script alone on stdout
+    cpu = CliRunner().invoke(cli, ["slurm", str(DEFAULT_CONFIG), "parallel.nnodes=4", "train.device=cpu"])
+    assert cpu.exit_code == 0 and "--gpus-per-node" not in cpu.stdout, cpu.stdout  # a trial's CPU job asked for GPUs
+    assert "--gpus-per-node" in CliRunner().invoke(cli, ["slurm", str(big)]).stdout
     quiet = CliRunner().invoke(cli, ["slurm", str(big), "report.read_every=2"])
     assert quiet.exit_code == 0 and "warning" not in quiet.stderr, quiet.stderr
 
