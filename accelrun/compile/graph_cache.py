@@ -732,6 +732,15 @@ def _detached(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("a graph-cache method unpickled from a saved entry's guards is not callable")
 
 
+def _wrapped_by(wrapper: Any) -> str:
+    """What replaced a module's method on the instance, as far as it can be told."""
+    from accelrun.dist.activation_checkpoint import is_checkpointed
+
+    if is_checkpointed(wrapper):
+        return "checkpointed (train.activation_checkpoint): a checkpointed block is compiled afresh"
+    return "replaced on the instance (not the class's method): compiled afresh"
+
+
 def decline_reason(cfg: Any, targets: list[tuple[nn.Module, str]]) -> str | None:
     """Why these (module, method) pairs cannot go through the graph cache, or None."""
     if not cfg.graph_cache:
@@ -745,7 +754,7 @@ def decline_reason(cfg: Any, targets: list[tuple[nn.Module, str]]) -> str | None
         return "multi-rank runs compile afresh (sharded parameters and collectives are not cached)"
     for owner, method in targets:
         if method in owner.__dict__ and method not in instance_methods(owner):
-            return f"{type(owner).__name__}.{method} is wrapped (activation checkpointing?)"
+            return f"{type(owner).__name__}.{method} is {_wrapped_by(owner.__dict__[method])}"
         # The model says why its whole forward may not (its other methods, a loss head, still may).
         if method == "forward" and (why := getattr(owner, "graph_cache_declines_forward", None)) is not None:
             return why

@@ -157,3 +157,24 @@ def test_selective_with_fsdp_on_two_ranks_matches_one_process(tmp_path, referenc
         assert r.get("forward PREFER_RECOMPUTE mm") == 3 * blocks, sorted(r.items())
         assert r.get("forward MUST_SAVE _scaled_dot_product_flash_attention_for_cpu") == blocks, sorted(r.items())
     assert losses(run_dir) == pytest.approx(reference(3).losses, rel=RTOL)
+
+
+def test_selective_checkpointing_leaves_torchs_context_fn_notice_off_the_console_and_the_cache_says_why():
+    """A new user's run of the README's selective example printed four raw torch log lines about the
+    context_fn accelrun passed, and its report said the block was "wrapped (activation checkpointing?)"."""
+    import logging
+
+    from accelrun.compile.graph_cache import decline_reason
+    from accelrun.config.schema import ActivationCheckpointConfig, CompileConfig
+    from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
+    from tests.logs import logged
+
+    blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    apply_activation_checkpointing(blocks, ActivationCheckpointConfig(mode="selective"))
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    with logged("torch._higher_order_ops.wrap") as seen:
+        logger.warning("\nDetected that context_fn is passed to torch.utils.checkpoint under torch.compile.\n")
+        logger.warning("another")
+    assert seen == ["another"]
+    said = decline_reason(CompileConfig(backend="accelrun"), [(blocks[0], "forward")])
+    assert said == "Linear.forward is checkpointed (train.activation_checkpoint): a checkpointed block is compiled afresh"
