@@ -560,6 +560,17 @@ DATA_KEYS_USED_BY = {
 SOURCE_SPECIFIC_DATA_KEYS = ("builtin", "tokenizer", "max_bytes", "text_field", "format", "messages_field", "loss_on")
 
 
+def _is_its_default(cfg: RunConfig, path: tuple[str, ...]) -> bool:
+    """A section's key a file sets to the schema's own default: moot or not, it changes nothing (a run's
+    resolved config.yaml writes every default, and `validate` of it warned of five keys accelrun wrote)."""
+    if len(path) != 2:
+        return False
+    section = getattr(cfg, path[0], None)
+    field = type(section).model_fields.get(path[1]) if section is not None else None
+    return field is not None and not field.is_required() and getattr(section, path[1]) == field.get_default(
+        call_default_factory=True)
+
+
 def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]:
     """Values the user set that will have no effect, and settings that are legal but probably wrong.
 
@@ -571,8 +582,8 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
 
     def set_by_user(*path: str) -> Source | None:
         src = sources.get(tuple(path))
-        if src is None or src.kind == "default":
-            return None
+        if src is None or src.kind == "default" or (src.kind == "file" and _is_its_default(cfg, path)):
+            return None  # (an override the user typed warns even at the default: they meant something)
         if src.kind == "file" and src.file and any(Path(src.file).resolve().is_relative_to(d) for d in shared_dirs):
             return None
         return src

@@ -159,6 +159,25 @@ def test_validate_is_silent_about_keys_a_shared_recipe_set_that_the_users_source
         in r.output, r.output
 
 
+def test_validating_a_runs_own_resolved_config_warns_of_nothing(tmp_path):
+    """A new user's `accelrun validate runs/.../config.yaml` warned that five keys accelrun wrote there
+    itself (data.text_field, data.format, ... at their defaults) have no effect; a file's key at the
+    schema's default is not the user's doing. One set to another value still warns."""
+    from click.testing import CliRunner
+
+    from accelrun.cli.main import cli
+
+    shown = CliRunner().invoke(cli, ["config", "show", str(DEFAULT_CONFIG)])
+    assert shown.exit_code == 0, shown.output
+    resolved = tmp_path / "config.yaml"
+    resolved.write_text(shown.stdout)
+    r = CliRunner().invoke(cli, ["validate", str(resolved)])
+    assert r.exit_code == 0 and "warning:" not in r.output, r.output
+    resolved.write_text(shown.stdout.replace("text_field: text", "text_field: body"))
+    r = CliRunner().invoke(cli, ["validate", str(resolved)])
+    assert "data.text_field" in r.output and "has no effect with data.source = builtin" in r.output, r.output
+
+
 def test_weights_that_do_not_sum_to_1_are_normalised_and_the_run_says_so(tmp_path):
     """0.7 and 0.2 train on 78% and 22% of the tokens: validate's data line shows each source's share, and a
     warning (train prints the same ones) says the weights were normalised; weights summing to 1 say nothing."""
