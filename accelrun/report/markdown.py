@@ -157,8 +157,10 @@ def _loss_tokens(r: dict) -> str:
     counted, computed = r.get("loss_tokens_per_step"), r.get("tokens_per_step")
     if counted is None or not computed:
         return "n/a"
-    return (f"{counted:,.0f} per step per device, {counted / computed:.0%} of the {computed:,} computed "
-            "(tokens/s counts computed tokens)")
+    share = counted / computed
+    # 4,089 of 4,096 read "100%": a whole percent only where it is whole
+    said = f"{share:.0%}" if counted in (0, computed) or round(share, 2) == round(share, 3) else f"{share:.1%}"
+    return f"{counted:,.0f} per step per device, {said} of the {computed:,} computed (tokens/s counts computed tokens)"
 
 
 def headline_rows(r: dict) -> list[tuple[str, str]]:
@@ -221,7 +223,10 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
 
 def _warmup_steps_text(r: dict) -> str:
     """The steps that warm-up time sums: the first ones, and any later step that compiled (a recompile)."""
-    text = f"first {r.get('warmup_steps', 0)} steps"
+    steps = r.get("warmup_steps", 0)
+    if isinstance(r.get("steps"), int):  # a run shorter than its warm-up: the steps it ran
+        steps = min(steps, r["steps"])
+    text = f"first {steps} step{'' if steps == 1 else 's'}"
     if recompiled := r.get("excluded_compile_steps", 0):
         text += f" + {recompiled} later step{'' if recompiled == 1 else 's'} that compiled"
     return text

@@ -104,3 +104,15 @@ def test_warm_up_time_names_a_later_compiling_step_only_when_there_was_one(tmp_p
     assert warmup_row({1}).endswith("(first 3 steps) |")
     assert warmup_row({1, 9}).endswith("(first 3 steps + 1 later step that compiled) |")
     assert warmup_row({1, 9, 12}).endswith("(first 3 steps + 2 later steps that compiled) |")
+
+
+def test_a_share_below_whole_and_a_run_shorter_than_its_warm_up_are_said_as_they_are():
+    """A new user read "4,089 ... 100% of the 4,096 computed" and "warm-up time (first 5 steps)" for a run of 3."""
+    from accelrun.report.markdown import _loss_tokens, _warmup_steps_text
+
+    assert "99.8% of the 4,096 computed" in _loss_tokens({"loss_tokens_per_step": 4089, "tokens_per_step": 4096})
+    assert "100% of the 4,096" in _loss_tokens({"loss_tokens_per_step": 4096, "tokens_per_step": 4096})
+    assert "50% of the 4,096" in _loss_tokens({"loss_tokens_per_step": 2048, "tokens_per_step": 4096})
+    assert _warmup_steps_text({"warmup_steps": 5, "steps": 3}) == "first 3 steps"
+    assert _warmup_steps_text({"warmup_steps": 5, "steps": 1}) == "first 1 step"
+    assert _warmup_steps_text({"warmup_steps": 5, "steps": 30}) == "first 5 steps"
