@@ -55,6 +55,11 @@ SPEED_NOTE = ("Speed is throughput against the first: its median step time over 
               "between processes count as noise; ab's rounds (A1 B1, A2 B2, ...) are resampled as pairs.")
 
 
+# A new user compared eager's 786 MiB with accelrun's 674 and took both for tensors.
+MEMORY_NOTE = ("Peak memory: on a CPU the process's peak resident memory (Python, torch, the compiler and the "
+               "data included); on a GPU the peak of the tensors allocated.")
+
+
 def parity_lines(c: Comparison) -> list[str]:
     """Each row's loss parity, saying against what: the reference's own repeats against its first run
     (a bare "A: identical" read as if compared with nothing), every other row against the reference."""
@@ -103,7 +108,7 @@ def render_comparison_md(c: Comparison, *, title: str, verdict: Sequence[str] = 
     lines += [f"- {i}" for i in intro] + ([""] if intro else [])
     headers, rows = summary_table(c)
     lines += _md_table(headers, rows) + [""]
-    lines += [SPEED_NOTE, ""]
+    lines += [SPEED_NOTE, "", MEMORY_NOTE, ""]
     lines += ["## Loss parity", "", f"relative tolerance {c.rtol:g}", ""] + [f"- {p}" for p in parity_lines(c)] + [""]
     spread = spread_lines(c)
     if spread:
@@ -126,7 +131,8 @@ def render_comparison_html(c: Comparison, *, title: str, verdict: Sequence[str] 
     parts = [f"<h1>{html.esc(title)}</h1>"]
     parts += [html.paragraph(v, "verdict bad" if bad else "verdict") for v in verdict]
     parts += [html.paragraph(i, "sub") for i in intro]
-    parts.append(html.section("Speed", html.table(headers, rows, numeric=numeric), html.paragraph(SPEED_NOTE, "note")))
+    parts.append(html.section("Speed", html.table(headers, rows, numeric=numeric), html.paragraph(SPEED_NOTE, "note"),
+                              html.paragraph(MEMORY_NOTE, "note")))
     parts.append(html.section("Plots", html.plots_block(lambda: _plots(c))))
     parity = html.bullet_list(parity_lines(c)) or html.paragraph("only one run: nothing to compare", "note")
     parts.append(html.section("Loss parity", html.paragraph(f"relative tolerance {c.rtol:g}", "note"), parity))

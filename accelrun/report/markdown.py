@@ -183,13 +183,13 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
         ("MFU", mfu),
         ("achieved TFLOP/s", _num(r.get("tflops"))),
         ("step time median", step),
-        ("peak memory", _bytes(r.get("mem_peak_bytes"))),
+        (_peak_label(r), _bytes(r.get("mem_peak_bytes"))),
         ("compile time (apart)", _secs(r.get("compile_time_s"))),
         ("warm-up time", f"{_secs(r.get('warmup_time_s'))} ({_warmup_steps_text(r)})"),
         ("data loading share", _pct(r.get("data_share"))),
         ("total step time", _secs(r.get("total_time_s"))),
     ]
-    after_peak = rows.index(("peak memory", _bytes(r.get("mem_peak_bytes")))) + 1
+    after_peak = rows.index((_peak_label(r), _bytes(r.get("mem_peak_bytes")))) + 1
     if (blocks := r.get("host_blocks")) is not None:  # train.cpu_malloc = blocks: rank 0's cache
         reused = f"{blocks['hits']:,} of {blocks['hits'] + blocks['misses']:,}"
         rows.insert(after_peak, ("host block cache", (
@@ -219,6 +219,15 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
     if r.get("loss_tokens_per_step") is not None:  # after the rows placed by index above, right after tokens/s
         rows.insert(2, ("tokens in the loss", _loss_tokens(r)))
     return rows
+
+
+def _peak_label(r: dict) -> str:
+    """What the peak is of: a CPU run's is the process's resident memory (ru_maxrss), a GPU run's the
+    tensors allocated; both had read "peak memory"."""
+    device = str(r.get("device") or "")
+    if device.startswith("cpu"):
+        return "peak memory (process RSS)"
+    return "peak memory (tensors allocated)" if device.startswith("cuda") else "peak memory"
 
 
 def _warmup_steps_text(r: dict) -> str:

@@ -116,3 +116,13 @@ def test_a_share_below_whole_and_a_run_shorter_than_its_warm_up_are_said_as_they
     assert _warmup_steps_text({"warmup_steps": 5, "steps": 3}) == "first 3 steps"
     assert _warmup_steps_text({"warmup_steps": 5, "steps": 1}) == "first 1 step"
     assert _warmup_steps_text({"warmup_steps": 5, "steps": 30}) == "first 5 steps"
+
+
+def test_the_peak_memory_row_says_what_it_is_a_peak_of():
+    """A CPU run's peak is the process's resident memory, a GPU run's the tensors allocated: a new user
+    compared the two as if both were tensors."""
+    from accelrun.report.markdown import headline_rows
+
+    assert ("peak memory (process RSS)", "1.00 GiB") in headline_rows({"device": "cpu", "mem_peak_bytes": 2**30})
+    labels = [label for label, _ in headline_rows({"device": "cuda:0", "mem_peak_bytes": 2**30})]
+    assert "peak memory (tensors allocated)" in labels
