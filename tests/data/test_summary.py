@@ -24,3 +24,13 @@ def test_files_of_the_text_source_are_counted_as_the_documents_they_are(tmp_path
     assert describe_batches(mixed) == (f"source 0 (50% of the sequences): {describe_stream(stream)}; "
                                        f"source 1 (50% of the sequences): {describe_stream(stream)}")
     assert describe_batches(iter([])) is None
+
+
+def test_more_steps_than_a_pass_say_how_many_passes_they_make(tmp_path):
+    """A new user's 300 steps over 20 small files were 43 passes over them, and nothing said so."""
+    (tmp_path / "a.txt").write_text("x" * 400)
+    batches = TokenBatchIterator(load_text([str(tmp_path / "a.txt")], max_bytes=None), seq_len=8, micro_batch=2, seed=0)
+    per_pass = batches.batches_per_epoch
+    assert "passes" not in describe_batches(batches, steps=per_pass)
+    said = describe_batches(batches, steps=10 * per_pass)
+    assert said.endswith(f"; train.steps = {10 * per_pass:,} make 10.0 passes over it"), said
