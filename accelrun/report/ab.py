@@ -265,8 +265,10 @@ def pin_threads_to_free_cores(plan: AbPlan, resolved: list[ResolvedConfig],
         return
     plan.common.append(f"train.threads={choice.threads}")
     plan.pinned_threads = choice.threads
+    left = ("the cores left" if choice.usable_cores - choice.others_cores >= choice.threads - 0.5
+            else "none was free, so one")  # (a trial read "the cores left" where others used all of them)
     plan.notes.append(f"other processes were using {choice.others_cores:.1f} of this machine's {choice.usable_cores} "
-                      f"cores when ab started: every variant runs on train.threads={choice.threads}, the cores left "
+                      f"cores when ab started: every variant runs on train.threads={choice.threads}, {left} "
                       "(set train.threads before --a to choose)")
 
 

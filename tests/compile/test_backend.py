@@ -334,3 +334,13 @@ def test_gradients_that_view_one_another_stay_apart_under_accumulation(tmp_path)
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
     assert model.p1.grad.untyped_storage().data_ptr() != model.p2.grad.untyped_storage().data_ptr()
     assert sum(r.executor == "cpp" for r in backend.record.regions) >= 1  # the regions ran compiled
+
+
+def test_a_passes_description_is_its_docstrings_first_sentence_whole():
+    """`accelrun compile passes` cut descriptions at the docstring's first line: "...(cross-entropy's); the"."""
+    from accelrun.compile.passes.base import first_sentence, registered_passes
+
+    assert first_sentence("Replace a with b, e.g. c.\n  More. And more.") == "Replace a with b, e.g. c."
+    assert first_sentence("Two lines of one\n    sentence here.\n\nAnother paragraph.") == "Two lines of one sentence here."
+    for name, spec in registered_passes().items():
+        assert not spec.doc or spec.doc.endswith((".", ")")), (name, spec.doc)

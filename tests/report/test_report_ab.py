@@ -180,3 +180,6 @@ def test_beside_a_busy_neighbour_every_variant_runs_on_the_cores_left(tmp_path, 
     p, resolved = plan()
     pin_threads_to_free_cores(p, resolved, lambda: ThreadChoice(2, 2, 0.1))  # a quiet machine: every core
     assert p.common == [] and not p.notes
+    p, resolved = plan()  # others on both cores: no core was left, one thread all the same (a trial's case)
+    pin_threads_to_free_cores(p, resolved, lambda: ThreadChoice(1, 2, 2.0))
+    assert any("train.threads=1, none was free, so one" in n for n in p.notes), p.notes

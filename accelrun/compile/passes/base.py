@@ -17,6 +17,7 @@ Recipes name passes (``compile.passes``) by their registered name; a preset name
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -108,7 +109,7 @@ def register_pass(name: str, stage: Stage, options: type[PassOptions] = PassOpti
     def wrap(fn: PassFn) -> PassFn:
         if name in _REGISTRY and _REGISTRY[name].fn is not fn:
             raise ValueError(f"two passes registered under the name {name!r}")
-        doc = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+        doc = first_sentence(fn.__doc__ or "")
         _REGISTRY[name] = PassSpec(name, stage, fn, options, doc)
         return fn
 
@@ -151,3 +152,11 @@ def lint(gm: torch.fx.GraphModule) -> None:
     gm.graph.lint()
     if not any(n.op == "output" for n in gm.graph.nodes):
         raise AssertionError("graph has no output node")
+
+
+def first_sentence(doc: str) -> str:
+    """A docstring's first sentence, across its lines (its first line alone stopped mid-sentence in
+    `accelrun compile passes`: "...instead of its output (cross-entropy's); the")."""
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    end = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s|$)", paragraph)
+    return paragraph[:end.start() + 1] if end else paragraph
