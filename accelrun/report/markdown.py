@@ -85,11 +85,13 @@ def compiler_rows(c: dict) -> list[tuple[str, str]]:
     dyn = c.get("dynamo") or {}
     if dyn:
         # Frames the graph cache took go around Dynamo's counters (record.refresh_dynamo adds them): which way.
+        # "given a graph", not "compiled": a cached run's frames are loaded (a trial read "2 compiled" beside
+        # "0 compiled in this run, 2 loaded").
         traced, from_cache = graphs.get("compiled"), graphs.get("loaded")
         via = [f"{traced} traced to be saved in the graph cache"] if traced else []
         if from_cache:
             via.append(f"{from_cache} loaded from " + ("it" if traced else "the graph cache"))
-        out.append(("Dynamo frames seen / compiled / skipped",
+        out.append(("Dynamo frames seen / given a graph / skipped",
                     f"{dyn.get('frames_seen', 0)} / {dyn.get('frames_compiled', 0)} / "
                     f"{len(dyn.get('frames_skipped', []))}"
                     + (f" ({', '.join(via)})" if via and dyn.get("frames_via_graph_cache") else "")))

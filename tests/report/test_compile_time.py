@@ -76,4 +76,4 @@ def test_a_compiled_run_reports_what_its_compiler_timed(tiny):
     assert any(n.startswith("compile time = ") for n in report["notes"])
     md = (result.run_dir / "report.md").read_text()
     assert "compile time (apart) | 0.0 ms" not in md
-    assert "| Dynamo frames seen / compiled / skipped | 2 / 2 / 0 (2 traced to be saved in the graph cache) |" in md
+    assert "| Dynamo frames seen / given a graph / skipped | 2 / 2 / 0 (2 traced to be saved in the graph cache) |" in md
