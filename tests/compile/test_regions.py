@@ -326,6 +326,12 @@ def test_registered_pass_summary_and_counts():
     assert spec.stage == "post_grad"
     assert result.summary == "formed 1 regions over 3 ops"
     assert result.counts["regions"] == 1
+    # with views between the ops, the nodes the region table lists are said too
+    gm = _graph_of(lambda x: (x.t() - x.amax(0)).exp().t() @ x, torch.randn(4, 4))
+    result = spec.fn(gm, PartitionRegionsOptions(), PassContext("forward"))
+    ops, nodes = result.counts["ops"], result.counts["nodes"]
+    assert nodes > ops and result.summary.endswith(f"over {ops} ops ({nodes} with the views between them)"), \
+        result.summary
 
 
 def test_an_op_the_code_generators_cannot_lower_stays_out_of_the_regions():
