@@ -60,8 +60,13 @@ def _boolean_for_a_number(annotation: Any, value: Any) -> bool:
 
 
 def _quoted_number(annotation: Any, value: Any) -> bool:
-    """``value`` is a string that reads as a number (``"256"``, a quoted YAML number) where ``annotation``
-    wants int or float and takes no string: pydantic's lax mode would read it as the number."""
+    """``value`` is (or holds, in a list or tuple) a string that reads as a number (``"256"``, a quoted
+    YAML number) where ``annotation`` wants int or float and takes no string: pydantic's lax mode would
+    read it as the number."""
+    if isinstance(value, list | tuple):
+        items = [a for t in _leaf_types(annotation) if get_origin(t) in (list, tuple)
+                 for a in get_args(t) if a is not Ellipsis]
+        return any(_quoted_number(a, v) for a in items for v in value)
     if not isinstance(value, str) or not _reads_as_number(value):
         return False
     options = _leaf_types(annotation)
@@ -101,7 +106,8 @@ class Section(BaseModel):
         if _boolean_for_a_number(annotation, value):
             raise ValueError("expected a number, got a boolean (true/false)")
         if _quoted_number(annotation, value):  # a quoted number is a string: a team's typo, or a value meant elsewhere
-            raise ValueError(f"expected a number, got the string {value!r} (write it without quotes: {value.strip()})")
+            shown = value if isinstance(value, str) else next(v for v in value if isinstance(v, str))
+            raise ValueError(f"expected a number, got the string {shown!r} (write it without quotes: {shown.strip()})")
         return value
 
 

@@ -26,9 +26,14 @@ class RecipeDumper(yaml.SafeDumper):
     run's config.yaml is read back by its ranks, and a name or a quoted value came back a float."""
 
 
-_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
+# YAML 1.2's floats that YAML 1.1 reads as strings: an exponent without a point (1e-9), an exponent
+# without a sign (5.0e5, which a review found refused as "a quoted number"), a leading "-." (-.5).
+# A number with neither a point nor an exponent stays an int.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(\.[0-9]+([eE][-+]?[0-9]+)?"
+                             r"|[0-9][0-9_]*\.[0-9_]*([eE][-+]?[0-9]+)?"
+                             r"|[0-9][0-9_]*[eE][-+]?[0-9]+)$")
 for _cls in (RecipeLoader, RecipeDumper):
-    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+.0123456789"))
 
 
 def dump_recipe(data: Any) -> str:

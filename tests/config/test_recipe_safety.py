@@ -74,6 +74,18 @@ def test_a_quoted_number_is_refused_where_a_number_is_wanted(write):
     # Unquoted, an exponent without a point is a number (PyYAML alone reads 1e-3 as a string).
     assert load_config(ok, ["train.optimizer.lr=1e-3"], search_dirs=[]).config.train.optimizer.lr == 1e-3
     assert load_config(ok, ['name="256"'], search_dirs=[]).config.name == "256"  # a string field takes it
+    # a quoted number in a list of numbers too
+    assert "got the string '0.9'" in error_of(ok, ["train.optimizer.betas=['0.9', 0.95]"])
+    # YAML 1.2's floats are numbers, not quoted strings (a review: `rope_theta: 5.0e5` was refused)
+    for text, value in (("5.0e5", 5.0e5), ("1.0e6", 1.0e6), ("2.5E4", 2.5e4)):
+        assert load_config(ok, [f"model.rope_theta={text}"], search_dirs=[]).config.model.rope_theta == value
+    import yaml
+
+    from accelrun.config.yaml_lines import RecipeLoader
+
+    assert yaml.load("[-.5, .5, 3., 7, 1_000]", Loader=RecipeLoader) == [-0.5, 0.5, 3.0, 7, 1000]
+    floats = write("floats.yaml", "name: x\nmodel:\n  rope_theta: 5.0e5\n  norm_eps: 1.0e-5\n")
+    assert load_config(floats, search_dirs=[]).config.model.rope_theta == 5.0e5
 
 
 def test_our_own_validators_speak_once_and_suggest(write, monkeypatch):
