@@ -11,17 +11,18 @@ from accelrun.data.mix import MixedBatchIterator
 from accelrun.data.stream import TokenStream
 
 
-def describe_batches(batches: Any, steps: int | None = None) -> str | None:
+def describe_batches(batches: Any, steps: int | None = None, draws_per_step: int = 1) -> str | None:
     """How much ``batches`` (``build_data``'s iterator, or a wrapper holding it as ``inner``) draws from,
-    and how many passes over it ``steps`` make where more than one, or None for an iterator of another kind."""
+    and how many passes over it ``steps`` make where more than one (each step draws ``draws_per_step``
+    batches: gradient accumulation), or None for an iterator of another kind."""
     while not isinstance(batches, (TokenBatchIterator, MixedBatchIterator)) and hasattr(batches, "inner"):
         batches = batches.inner
     if isinstance(batches, TokenBatchIterator):
         read = batches.batches_per_epoch * batches.step_windows  # a pass reads whole steps' windows
         said = f"{describe_stream(batches.stream)}, {read:,} sequences of {batches.seq_len:,} a pass"
-        if steps is not None and batches.batches_per_epoch and steps > batches.batches_per_epoch:
-            # 300 steps over a new user's 20 files were 43 passes, and nothing said so
-            said += f"; train.steps = {steps:,} make {steps / batches.batches_per_epoch:,.1f} passes over it"
+        passes = steps * draws_per_step / batches.batches_per_epoch if steps and batches.batches_per_epoch else 0
+        if passes > 1:  # 300 steps over a new user's 20 files were 43 passes, and nothing said so
+            said += f"; train.steps = {steps:,} make {passes:,.1f} passes over it"
         return said
     if isinstance(batches, MixedBatchIterator):
         return "; ".join(f"source {i} ({w:.0%} of the sequences): {describe_stream(s)}"

@@ -426,7 +426,8 @@ def _announce(console: Console, s: TrainSetup, setup_s: float) -> None:
         "MFU peak: " + (f"{s.peak.tflops:.3f} TFLOP/s ({s.peak.source})" if s.peak.tflops
                         else f"unknown ({s.peak.detail})"),
     ]
-    if (counted := describe_batches(s.data, s.config.train.steps)) is not None:
+    # (a step draws grad_accum micro-batches: a pass is counted in those)
+    if (counted := describe_batches(s.data, s.config.train.steps, s.grad_accum)) is not None:
         lines.append(f"data: {data_description(s.config.data)}; {counted}")
     if s.resumed_from:
         lines.append(f"resuming from {s.resumed_from} at step {s.start_step} ({s.resume_reason})")

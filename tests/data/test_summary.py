@@ -34,3 +34,5 @@ def test_more_steps_than_a_pass_say_how_many_passes_they_make(tmp_path):
     assert "passes" not in describe_batches(batches, steps=per_pass)
     said = describe_batches(batches, steps=10 * per_pass)
     assert said.endswith(f"; train.steps = {10 * per_pass:,} make 10.0 passes over it"), said
+    # with gradient accumulation each step draws several batches (a review's finding)
+    assert describe_batches(batches, steps=per_pass, draws_per_step=4).endswith("make 4.0 passes over it")
