@@ -35,10 +35,11 @@ def generate(model: torch.nn.Module, prompt_ids: list[int], *, max_new_tokens: i
     when ``stop_id`` (the end of a text) is sampled: it is the last id then. Deterministic for a seed (a
     private generator).
 
-    The model reads at most ``max_seq_len`` tokens: when the text outgrows them, its context starts over
-    from the last ``max_seq_len // 2`` (:func:`context_start`). Built-in families decode through a KV
-    cache (``accelrun.train.kv_cache``): each new token costs one position's work, and a slide one pass
-    over the kept half. Other models recompute their context for every token."""
+    The model reads at most ``max_seq_len`` tokens. Built-in families decode through a KV cache
+    (``accelrun.train.kv_cache``): each new token costs one position's work, and when the text outgrows
+    the window its context starts over from the last ``max_seq_len // 2`` (:func:`context_start`), one
+    pass over the kept half. Other models recompute their context, the last ``max_seq_len`` tokens, for
+    every token."""
     gen = torch.Generator().manual_seed(seed)
     ids = list(prompt_ids)
     if max_new_tokens == 0:
@@ -52,10 +53,14 @@ def generate(model: torch.nn.Module, prompt_ids: list[int], *, max_new_tokens: i
             ids.append(_sample(logits_V, temperature, top_k, gen))
             if i + 1 == max_new_tokens or ids[-1] == stop_id:
                 break
+            if cache is None:  # every token recomputes its context anyway: the whole last window
+                start = max(0, len(ids) - max_seq_len) if max_seq_len else 0
+                logits_V = _context_logits(model, None, ids[start:])
+                continue
             slid = context_start(len(ids), start, max_seq_len)
-            if cache is not None and slid == start:
+            if slid == start:
                 logits_V = cache(torch.tensor([ids[-1:]], dtype=torch.long))[0, -1].float()
-            else:  # no cache, or the context slid: its positions all moved
+            else:  # the context slid: its positions all moved
                 start = slid
                 logits_V = _context_logits(model, cache, ids[start:])
     return ids

@@ -86,3 +86,37 @@ def test_sampling_is_deterministic_for_a_seed():
     model = _model()
     a = generate(model, [1, 2], max_new_tokens=16, temperature=1.0, top_k=20, seed=3, max_seq_len=2048)
     assert a == generate(model, [1, 2], max_new_tokens=16, temperature=1.0, top_k=20, seed=3, max_seq_len=2048)
+
+
+def test_a_model_without_a_cache_reads_the_whole_last_window_for_every_token():
+    """The half-window slide spares a cache its recomputes; a model without one recomputes its context
+    for every token anyway, so it keeps the last max_seq_len tokens (a review's finding)."""
+    torch.manual_seed(0)
+
+    class Plain(torch.nn.Module):  # no accelrun attention: no KV cache
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(300, 16), torch.nn.Linear(16, 300)
+
+        def forward(self, tokens):
+            return self.head(self.embed(tokens).cumsum(1))
+
+    model = Plain().eval()
+    seen = _embedded_lengths_of(model.embed)
+    out = generate(model, [5, 6, 7], max_new_tokens=30, temperature=0.0, max_seq_len=16)
+    assert seen == [min(n, 16) for n in range(3, 33)]  # the prompt, then a token at a time
+    assert out == _exact_window(model, [5, 6, 7], 30, 16)
+
+
+def _embedded_lengths_of(embed) -> list[int]:
+    seen: list[int] = []
+    embed.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[1]))
+    return seen
+
+
+@torch.no_grad()
+def _exact_window(model, ids: list[int], n: int, window: int) -> list[int]:
+    ids = list(ids)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids[-window:]]))[0, -1].argmax()))
+    return ids
