@@ -75,8 +75,8 @@ def slurm_seconds(limit: str) -> int | None:
 def _check_time_covers_the_lead(time_limit: str | None, stop_lead: int) -> None:
     from accelrun.errors import UserError
 
-    if time_limit is None:
-        return
+    if time_limit is None or time_limit.strip().upper() in ("0", "UNLIMITED", "INFINITE"):
+        return  # SLURM's no limit
     total = slurm_seconds(time_limit)
     if total is None:
         raise UserError(f"--time {time_limit}: not a SLURM time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS)")

@@ -211,6 +211,8 @@ def test_slurm_checks_the_lead_against_the_time_limit_and_the_planned_steps_to_a
         [1800, 1815, 14400, 86400, 95400, 95405, None]
     r = CliRunner().invoke(cli, ["slurm", str(DEFAULT_CONFIG), "--time", "00:01:00"])
     assert r.exit_code == 2 and "is 60 s, no more than --stop-lead 120 s" in r.output, r.output
+    for unlimited in ("0", "UNLIMITED", "infinite"):  # SLURM's no limit (a review's finding)
+        assert CliRunner().invoke(cli, ["slurm", str(DEFAULT_CONFIG), "--time", unlimited]).exit_code == 0
     big = REPO / "configs" / "llama3-70b-h100.yaml"
     r = CliRunner().invoke(cli, ["slurm", str(big)])
     assert r.exit_code == 0 and "warning: a stop waits for the next host read, up to report.read_every = 10" in \
