@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
-import os
 import signal
 import tempfile
 import uuid
@@ -127,7 +126,7 @@ def launch_job(run_dir: Path, par: ParallelConfig, opts: LaunchOptions,
     line each time the agent restarts the group after a failure (``--max-restarts``)."""
     # Takes effect when the server starts (the first launch in this process).
     multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, entry.__module__])
-    os.environ[stop.LAUNCHER_PID_ENV] = str(os.getpid())  # before the server starts: its ranks watch this process
+    stop.set_launcher_identity()  # before the server starts: its ranks watch this process
     agent_log = run_dir / LOGS / "agent.log"
 
     def report_restart(exit_codes: dict[int, int], restart: int, max_restarts: int) -> None:

@@ -10,7 +10,6 @@ process group is up, and every rank stops with the same recipe error if they dif
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
@@ -18,26 +17,28 @@ import torch.distributed as dist
 
 from accelrun.config.errors import ConfigError
 from accelrun.dist.rank_failures import LOGS
-from accelrun.dist.stop import LAUNCHER_PID_ENV
+from accelrun.dist.stop import launcher_token, set_launcher_identity
 
 
-def _launched_file(run_dir: Path, pid: int | str) -> Path:
-    return run_dir / LOGS / f"launched-{socket.gethostname()}-{pid}.config"
+def _launched_file(run_dir: Path, token: str) -> Path:
+    return run_dir / LOGS / f"launched-{socket.gethostname()}-{token}.training-hash"
 
 
-def leave_launched_hash(run_dir: Path, config_hash: str) -> None:
-    """The launcher's side: the hash of the recipe this node resolved (before its ranks start)."""
-    path = _launched_file(run_dir, os.getpid())
+def leave_launched_hash(run_dir: Path, training_hash: str) -> None:
+    """The launcher's side: the training hash of the recipe this node resolved (before its ranks start).
+    The training hash, not the config's: nodes may differ in where and how often they report."""
+    token = set_launcher_identity().split(":")[2]
+    path = _launched_file(run_dir, token)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(config_hash)
+    path.write_text(training_hash)
 
 
 def check_nodes_agree(run_dir: Path) -> None:
     """A rank's side, after ``init_process_group``: a ``ConfigError`` on every rank when the nodes'
     launchers resolved different recipes (nothing to check where a launcher left no hash)."""
-    pid = os.environ.get(LAUNCHER_PID_ENV)
+    token = launcher_token()
     try:
-        mine = _launched_file(run_dir, pid).read_text().strip() if pid else None
+        mine = _launched_file(run_dir, token).read_text().strip() if token else None
     except OSError:
         mine = None
     seen: list[tuple[str, str | None] | None] = [None] * dist.get_world_size()
@@ -48,6 +49,6 @@ def check_nodes_agree(run_dir: Path) -> None:
         for host, h in seen:  # type: ignore[misc]
             if h is not None:
                 by_hash.setdefault(h, set()).add(host)
-        said = "; ".join(f"config {h} on {', '.join(sorted(hosts))}" for h, hosts in sorted(by_hash.items()))
+        said = "; ".join(f"training hash {h} on {', '.join(sorted(hosts))}" for h, hosts in sorted(by_hash.items()))
         raise ConfigError(f"the nodes of this job started from different recipes ({said}): start every node "
                           "with the same recipe and overrides")

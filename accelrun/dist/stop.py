@@ -29,6 +29,7 @@ import json
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,16 +168,32 @@ def requested() -> int:
     return int(signal.SIGTERM) if launcher_gone() else 0
 
 
-# The launcher's process id, which it sets before its fork server starts: its ranks inherit it.
-LAUNCHER_PID_ENV = "ACCELRUN_LAUNCHER_PID"
+# Who launched this process's ranks: "pid:start:token" (the launcher's process id, its start time in
+# clock ticks since boot, a random token), set by the launcher before its fork server starts, so that
+# its ranks inherit it. The start time tells the launcher apart from a later process given its number.
+LAUNCHER_ENV = "ACCELRUN_LAUNCHER"
+
+
+def set_launcher_identity() -> str:
+    """This process as its ranks' launcher (once: a second launch in the process keeps the first)."""
+    if not os.environ.get(LAUNCHER_ENV, "").startswith(f"{os.getpid()}:"):
+        os.environ[LAUNCHER_ENV] = f"{os.getpid()}:{_start_ticks(os.getpid()) or 0}:{uuid.uuid4().hex[:12]}"
+    return os.environ[LAUNCHER_ENV]
+
+
+def launcher_token() -> str | None:
+    """The launcher's random token, or None outside a launched rank."""
+    parts = os.environ.get(LAUNCHER_ENV, "").split(":")
+    return parts[2] if len(parts) == 3 else None
 
 
 def launcher_gone() -> bool:
     """Whether this rank's launcher has exited (a kill -9 of ``accelrun train``). Its ranks, children of the
     fork server, then trained on unsupervised: to the end, racing a rerun that resumed the same run, and
     then waited for ever for an agent to collect them. They stop as on a SIGTERM instead, with a checkpoint."""
+    parts = os.environ.get(LAUNCHER_ENV, "").split(":")
     try:
-        pid = int(os.environ.get(LAUNCHER_PID_ENV, ""))
+        pid, started = int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
     except ValueError:
         return False
     try:
@@ -185,7 +202,17 @@ def launcher_gone() -> bool:
         return True
     except PermissionError:  # a process of another user has the number now: ours is gone
         return True
-    return _is_zombie(pid)
+    now = _start_ticks(pid)
+    return _is_zombie(pid) or (bool(started) and now is not None and now != started)  # or the number reused
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (/proc's stat, field 22), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _is_zombie(pid: int) -> bool:

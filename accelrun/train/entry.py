@@ -99,7 +99,7 @@ def train(
             return _warn_if_late(result, console)
         console.print(f"launching {cfg.parallel.nproc_per_node} process(es) per node on {cfg.parallel.nnodes} "
                       "node(s) through torchrun's elastic agent", markup=False)
-        leave_launched_hash(run_dir, resolved.hash)  # the ranks check that every node resolved the same
+        leave_launched_hash(run_dir, resolved.training_hash)  # the ranks check that every node resolved the same
         outcome = launch_job(run_dir, cfg.parallel, launch, run_rank,
                              say=lambda line: console.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False))
     return _warn_if_late(_launched_result(run_dir, outcome, console,

@@ -62,6 +62,6 @@ def test_nodes_started_with_different_recipes_stop_with_one_recipe_error(tmp_pat
     for p, out in _two_node_job(lambda node: [*job, f"train.steps={4 + 2 * node}"], "mixjob", 29478):
         assert p.returncode == 2, out[-3000:]
         said = " ".join(out.split())
-        assert "the nodes of this job started from different recipes (config " in said, out[-3000:]
+        assert "the nodes of this job started from different recipes (training hash " in said, out[-3000:]
         assert "start every node with the same recipe and overrides" in said
     assert not (runs / "mixed" / "job-mixjob" / "metrics.jsonl").exists()

@@ -141,10 +141,14 @@ def test_a_rank_reads_its_launchers_end_as_a_stop(tmp_path, monkeypatch):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     with stop.catch_signals(watch=tmp_path):
-        monkeypatch.setenv(stop.LAUNCHER_PID_ENV, str(os.getpid()))
-        assert stop.requested() == 0 and not stop.launcher_gone()
-        monkeypatch.setenv(stop.LAUNCHER_PID_ENV, str(dead.pid))
+        monkeypatch.delenv(stop.LAUNCHER_ENV, raising=False)
+        me = stop.set_launcher_identity()
+        assert stop.requested() == 0 and not stop.launcher_gone() and stop.launcher_token() == me.split(":")[2]
+        monkeypatch.setenv(stop.LAUNCHER_ENV, f"{dead.pid}:1:abc")
         assert stop.launcher_gone() and stop.requested() == signal.SIGTERM
+        pid, started, token = me.split(":")  # this process's number, another start time: a number reused
+        monkeypatch.setenv(stop.LAUNCHER_ENV, f"{pid}:{int(started) + 1}:{token}")
+        assert stop.launcher_gone()
 
 
 def test_stop_request_file_is_read_by_ranks_and_a_late_stop_warns(tmp_path):
