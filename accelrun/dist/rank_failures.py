@@ -212,7 +212,8 @@ def tail(path: str | None, n: int = TAIL_LINES) -> list[str]:
     return [line for line in lines if line.strip()][-n:]
 
 
-TIMED_OUT = ("timed out", "waited more than parallel.timeout_s")
+# A collective's timeout as gloo, NCCL's watchdog and accelrun's own waiter word it (not a rendezvous's).
+TIMED_OUT = ("timed out waiting", "collective operation timeout", "waited more than parallel.timeout_s")
 
 
 def _waited_for(first: RankEnd, ends: list[RankEnd]) -> str | None:
@@ -225,8 +226,9 @@ def _waited_for(first: RankEnd, ends: list[RankEnd]) -> str | None:
     if not waited:
         return None
     return (f"rank {first.rank} on node {first.host} (pid {first.pid}) stopped answering: rank {waited[0].rank}'s "
-            "collective timed out waiting for it (parallel.timeout_s), and the agent then killed it (SIGKILL); "
-            "its last lines say where it was")
+            "collective timed out waiting for it (parallel.timeout_s), and it was then killed by SIGKILL (the "
+            "agent tearing the group down, or kill -9 or the kernel's out-of-memory killer before that); its "
+            "last lines say where it was")
 
 
 def explain(folder: Path, exit_codes: dict[int, int], agent_log: Path | None) -> list[str]:
