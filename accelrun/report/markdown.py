@@ -159,10 +159,20 @@ def _loss_tokens(r: dict) -> str:
     counted, computed = r.get("loss_tokens_per_step"), r.get("tokens_per_step")
     if counted is None or not computed:
         return "n/a"
-    share = counted / computed
-    # 4,089 of 4,096 read "100%": a whole percent only where it is whole
-    said = f"{share:.0%}" if counted in (0, computed) or round(share, 2) == round(share, 3) else f"{share:.1%}"
-    return f"{counted:,.0f} per step per device, {said} of the {computed:,} computed (tokens/s counts computed tokens)"
+    return f"{counted:,.0f} per step per device, {share_said(counted, computed)} of the {computed:,} computed " \
+        "(tokens/s counts computed tokens)"
+
+
+def share_said(part: float, whole: float) -> str:
+    """``part / whole`` as a percentage that reads 100% or 0% only when it is (4,089 of 4,096 read "100%")."""
+    share = part / whole
+    if part in (0, whole) or round(share, 2) == round(share, 6):
+        return f"{share:.0%}"
+    for digits in (1, 2, 3):
+        said = f"{share:.{digits}%}"
+        if float(said[:-1]) not in (0.0, 100.0):
+            return said
+    return "under 100%" if part < whole else "over 0%"
 
 
 def headline_rows(r: dict) -> list[tuple[str, str]]:

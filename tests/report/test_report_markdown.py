@@ -113,6 +113,7 @@ def test_a_share_below_whole_and_a_run_shorter_than_its_warm_up_are_said_as_they
     assert "99.8% of the 4,096 computed" in _loss_tokens({"loss_tokens_per_step": 4089, "tokens_per_step": 4096})
     assert "100% of the 4,096" in _loss_tokens({"loss_tokens_per_step": 4096, "tokens_per_step": 4096})
     assert "50% of the 4,096" in _loss_tokens({"loss_tokens_per_step": 2048, "tokens_per_step": 4096})
+    assert "99.99% of the 8,192" in _loss_tokens({"loss_tokens_per_step": 8191, "tokens_per_step": 8192})
     assert _warmup_steps_text({"warmup_steps": 5, "steps": 3}) == "first 3 steps"
     assert _warmup_steps_text({"warmup_steps": 5, "steps": 1}) == "first 1 step"
     assert _warmup_steps_text({"warmup_steps": 5, "steps": 30}) == "first 5 steps"
