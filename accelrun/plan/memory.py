@@ -98,13 +98,19 @@ def fused_loss_terms(w: Workload, tokens: int) -> list[Term]:
     computes there and keeps for the backward (the head's input's, in the compute dtype; the output
     weight's, fp32)."""
     rows, vocab, dim = w.fused_loss_rows or 0, w.shape.vocab_size, w.shape.dim
-    return [
+    input_grad, weight_grad = w.compute_bytes * tokens * dim, 4 * vocab * dim
+    terms = [
         Term("loss: one chunk's logits (fused)", FUSED_LOSS_BYTES_PER_CHUNK_LOGIT * rows * vocab,
              f"{FUSED_LOSS_BYTES_PER_CHUNK_LOGIT:g} bytes × {rows:,} rows × {vocab:,}: accelrun's "
              "fuse_linear_cross_entropy never holds the whole logits"),
-        Term("loss: gradients computed in the forward (fused)", w.compute_bytes * tokens * dim + 4 * vocab * dim,
+        Term("loss: gradients computed in the forward (fused)", input_grad + weight_grad,
              f"the head's input ({w.compute_bytes} bytes × {tokens:,} × {dim:,}) and the output weight (fp32)"),
     ]
+    if rows and tokens > rows:  # several chunks: their sums and pieces (a review: 5 GB short at 128k x 4096)
+        terms.append(Term("loss: chunks' gradients being summed (fused)", max(2 * weight_grad, input_grad),
+                          "the weight's running sum and a chunk's part beside the new sum, or the input's "
+                          "chunks beside their concatenation, whichever is larger"))
+    return terms
 
 
 def stage_params(w: Workload, stage: str) -> StageParams:

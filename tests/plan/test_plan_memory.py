@@ -162,12 +162,15 @@ def test_accelruns_fused_loss_holds_one_chunk_of_logits_and_the_gradients_it_com
     assert "loss: logits and gradients" not in t and "logits (fp32, held by the loop)" not in t
     assert t["loss: one chunk's logits (fused)"] == FUSED_LOSS_BYTES_PER_CHUNK_LOGIT * 48 * V
     assert t["loss: gradients computed in the forward (fused)"] == 4 * tokens * D + 4 * V * D
+    # 128 rows in chunks of 48: the weight's sum and a chunk's part beside the new sum
+    assert t["loss: chunks' gradients being summed (fused)"] == max(2 * 4 * V * D, 4 * tokens * D)
     assert p.memory.phase == "loss (fused, in the forward)"
     # the recipe's own passes derive the chunk from chunk_mb (256 MiB of fp32 logits: every row here)
     loaded = load_plan_config(DEFAULT_CONFIG, [*shape, "train.micro_batch=4", "train.global_batch=8"],
                               cluster=str(cluster_file))
-    assert terms(predict(loaded.resolved.config))["loss: one chunk's logits (fused)"] == \
-        FUSED_LOSS_BYTES_PER_CHUNK_LOGIT * tokens * V
+    one_chunk = terms(predict(loaded.resolved.config))
+    assert one_chunk["loss: one chunk's logits (fused)"] == FUSED_LOSS_BYTES_PER_CHUNK_LOGIT * tokens * V
+    assert "loss: chunks' gradients being summed (fused)" not in one_chunk  # one chunk: nothing summed
     # pipelining and tensor parallelism: planned unfused
     for layout in (["parallel.nproc_per_node=2", "parallel.pp=2", "parallel.dp_shard=1"],
                    ["parallel.nproc_per_node=4", "parallel.tp=2", "parallel.dp_shard=2", "train.global_batch=8"]):
