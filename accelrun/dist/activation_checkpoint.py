@@ -9,13 +9,13 @@ whatever the policy. Modes: ``full`` and ``every_n`` keep only a block's input;
 from __future__ import annotations
 
 import functools
-import logging
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from accelrun.config.schema import ActivationCheckpointConfig
 from accelrun.dist.selective_checkpoint import selective_context_fn
+from accelrun.log_filters import leave_out
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleList, cfg: ActivationCheckpointConfig) -> int:
@@ -39,14 +39,8 @@ def apply_activation_checkpointing(blocks: nn.ModuleList, cfg: ActivationCheckpo
 def _quiet_selective_under_compile() -> None:
     """torch logs, once per process and on the console, that a checkpoint given a ``context_fn`` under
     torch.compile must hold no in-place ops: four raw log lines under the README's own selective example,
-    about a policy accelrun passed, not the user. Left out for the process (a filter, added once)."""
-    logger = logging.getLogger("torch._higher_order_ops.wrap")
-    if not any(getattr(f, "__name__", "") == _context_fn_notice.__name__ for f in logger.filters):
-        logger.addFilter(_context_fn_notice)
-
-
-def _context_fn_notice(record: logging.LogRecord) -> bool:
-    return "context_fn is passed to torch.utils.checkpoint" not in str(record.msg)
+    about a policy accelrun passed, not the user. Left out for the process."""
+    leave_out("torch._higher_order_ops.wrap", "context_fn is passed to torch.utils.checkpoint")
 
 
 def is_checkpointed(method) -> bool:

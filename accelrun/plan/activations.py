@@ -74,7 +74,7 @@ def block_saved(shape: Shape, mode: str, compiled: bool, sequence_parallel: bool
     accelrun with its default passes and no tensor parallelism (``ACCELRUN_OF_INDUCTOR_SAVED``)."""
     (rd, rc), (sd, sf, sh) = (COMPILED_SAVED if compiled else EAGER_SAVED)[mode]
     share = ACCELRUN_OF_INDUCTOR_SAVED.get(mode) if accelrun_defaults and shape.family == "llama" else None
-    if share is not None and not sequence_parallel:
+    if share is not None:  # (accelrun_defaults: no tensor parallelism, so no sequence parallelism either)
         inductor = block_saved(shape, mode, compiled=True)
         return PerToken(share * inductor.replicated, share * inductor.sharded)
     # The sharded D-wide tensors are attention's (q, keys and values repeated to all heads, its output):

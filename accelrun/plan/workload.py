@@ -95,7 +95,7 @@ class Workload:
     # compile.scope loss): the (tokens, vocabulary) logits never exist whole. None: the loss is unfused.
     fused_loss_rows: int | None = None
     # accelrun's compiler with the passes whose saved tensors the plan counted (merged projections and
-    # rematerialisation, no tensor parallelism): plan/activations.py's accelrun_saved.
+    # rematerialisation, no tensor parallelism): plan/activations.py's ACCELRUN_OF_INDUCTOR_SAVED.
     accelrun_defaults: bool = False
 
     @property
