@@ -114,7 +114,7 @@ def test_a_kernel_gone_from_the_kernel_cache_means_a_fresh_compile(tmp_path):
 @pytest.mark.parametrize(("override", "why"), [
     ("compile.graph_cache=false", "compile.graph_cache = false"),
     ("compile.debug_numerics=true", "debug_numerics"),
-    ("train.activation_checkpoint.mode=full", "is wrapped"),
+    ("train.activation_checkpoint.mode=full", "is checkpointed (train.activation_checkpoint)"),
 ])  # fmt: skip
 def test_off_with_a_reason(override, why):
     cfg = load_config(DEFAULT_CONFIG, [*TINY, *COMPILED, override]).config
