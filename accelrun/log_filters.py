@@ -7,21 +7,6 @@ import logging
 from collections.abc import Iterator
 
 
-@contextlib.contextmanager
-def records_left_out(logger_name: str, containing: str) -> Iterator[None]:
-    """Inside, records of ``logger_name`` whose message contains ``containing`` are dropped; others pass."""
-    logger = logging.getLogger(logger_name)
-
-    def keep(record: logging.LogRecord) -> bool:
-        return containing not in str(record.msg)
-
-    logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        logger.removeFilter(keep)
-
-
 class _LeftOut(logging.Filter):
     def __init__(self, containing: str) -> None:
         super().__init__()
@@ -29,6 +14,17 @@ class _LeftOut(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return self.containing not in str(record.msg)
+
+
+@contextlib.contextmanager
+def records_left_out(logger_name: str, containing: str) -> Iterator[None]:
+    """Inside, records of ``logger_name`` whose message contains ``containing`` are dropped; others pass."""
+    logger, left_out = logging.getLogger(logger_name), _LeftOut(containing)
+    logger.addFilter(left_out)
+    try:
+        yield
+    finally:
+        logger.removeFilter(left_out)
 
 
 def leave_out(logger_name: str, containing: str) -> None:

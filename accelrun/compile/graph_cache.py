@@ -48,6 +48,7 @@ from accelrun.compile.break_sites import code_label
 from accelrun.compile.eager_rnns import REASON as EAGER_RNN_REASON
 from accelrun.compile.executors.generated import compiling_after
 from accelrun.compile.gc_pause import gc_paused
+from accelrun.compile.passes.base import first_sentence
 from accelrun.compile.record import CompileRecord
 from accelrun.compile.trace_settings import capturing_data_sized_outputs, side_effects_once
 from accelrun.compile.traced_from import (
@@ -417,15 +418,12 @@ def _autograd_cache_quiet():
 PRECOMPILE_FAILED = "precompile failed"
 
 
-_SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)\.\s+(?=[A-Z])")  # not "e.g. FakeTensor"
-
-
 def one_line(e: BaseException) -> str:
     """The error's type and first line; a long line (torch's run on with advice and a link) to its first
     sentence, whole, rather than cut mid-word."""
     first = str(e).splitlines()[0] if str(e) else ""
-    if len(first) > 160 and (end := _SENTENCE_END.search(first, 40)) is not None:
-        first = first[:end.start() + 1]
+    if len(first) > 160:
+        first = first_sentence(first)
     said = f"{type(e).__name__}: {first}"
     return said if len(said) <= 300 else said[:299] + "…"
 

@@ -34,44 +34,23 @@ def _one_as_list(v: Any) -> Any:
 StrList = Annotated[list[str], BeforeValidator(_one_as_list)]
 
 
-def _boolean_for_a_number(annotation: Any, value: Any) -> bool:
-    """``value`` is (or holds, in a list or tuple) a boolean where ``annotation`` wants int or float."""
-    options: set[Any] = set()
-    items: list[Any] = []
-
-    def walk(t: Any) -> None:
-        origin = get_origin(t)
-        if origin is Annotated:
-            walk(get_args(t)[0])
-        elif origin in (Union, types.UnionType):
-            for a in get_args(t):
-                walk(a)
-        elif origin in (list, tuple):
-            items.extend(a for a in get_args(t) if a is not Ellipsis)
-        else:
-            options.add(t)
-
-    walk(annotation)
-    if isinstance(value, bool):
-        return bool(options & {int, float}) and bool not in options
-    if isinstance(value, list | tuple) and items:
-        return any(_boolean_for_a_number(a, v) for a in items for v in value)
-    return False
-
-
-def _quoted_number(annotation: Any, value: Any) -> bool:
-    """``value`` is (or holds, in a list or tuple) a string that reads as a number (``"256"``, a quoted
-    YAML number) where ``annotation`` wants int or float and takes no string: pydantic's lax mode would
-    read it as the number."""
+def _not_a_number(annotation: Any, value: Any) -> str | None:
+    """Why ``value`` (or an item of it, in a list or tuple) is no number where ``annotation`` wants an int
+    or a float, though pydantic's lax mode would read it as one: a boolean (true is 1), or a string that
+    reads as a number (a quoted YAML number: a team's typo, or a value meant elsewhere). None otherwise."""
     if isinstance(value, list | tuple):
         items = [a for t in _leaf_types(annotation) if get_origin(t) in (list, tuple)
                  for a in get_args(t) if a is not Ellipsis]
-        return any(_quoted_number(a, v) for a in items for v in value)
-    if not isinstance(value, str) or not _reads_as_number(value):
-        return False
+        return next((why for a in items for v in value if (why := _not_a_number(a, v)) is not None), None)
     options = _leaf_types(annotation)
+    if not options & {int, float}:
+        return None
+    if isinstance(value, bool):
+        return None if bool in options else "expected a number, got a boolean (true/false)"
     literal_strings = {a for t in options if get_origin(t) is Literal for a in get_args(t) if isinstance(a, str)}
-    return bool(options & {int, float}) and str not in options and value not in literal_strings
+    if isinstance(value, str) and _reads_as_number(value) and str not in options and value not in literal_strings:
+        return f"expected a number, got the string {value!r} (write it without quotes: {value.strip()})"
+    return None
 
 
 def _reads_as_number(text: str) -> bool:
@@ -99,15 +78,10 @@ class Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        # pydantic's lax mode reads true as 1; in a recipe that is always a mistake (model.dim=true).
-        if info.field_name is None:
-            return value
-        annotation = cls.model_fields[info.field_name].annotation
-        if _boolean_for_a_number(annotation, value):
-            raise ValueError("expected a number, got a boolean (true/false)")
-        if _quoted_number(annotation, value):  # a quoted number is a string: a team's typo, or a value meant elsewhere
-            shown = value if isinstance(value, str) else next(v for v in value if isinstance(v, str))
-            raise ValueError(f"expected a number, got the string {shown!r} (write it without quotes: {shown.strip()})")
+        # pydantic's lax mode reads true as 1 and "256" as 256; in a recipe either is a mistake (model.dim=true).
+        if info.field_name is not None and (why := _not_a_number(cls.model_fields[info.field_name].annotation,
+                                                                  value)) is not None:
+            raise ValueError(why)
         return value
 
 

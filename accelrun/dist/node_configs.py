@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -27,8 +28,8 @@ def _launched_file(run_dir: Path, token: str) -> Path:
 def leave_launched_hash(run_dir: Path, training_hash: str) -> None:
     """The launcher's side: the training hash of the recipe this node resolved (before its ranks start).
     The training hash, not the config's: nodes may differ in where and how often they report."""
-    token = set_launcher_identity().split(":")[2]
-    path = _launched_file(run_dir, token)
+    set_launcher_identity()
+    path = _launched_file(run_dir, launcher_token() or "")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(training_hash)
 
@@ -41,14 +42,13 @@ def check_nodes_agree(run_dir: Path) -> None:
         mine = _launched_file(run_dir, token).read_text().strip() if token else None
     except OSError:
         mine = None
-    seen: list[tuple[str, str | None] | None] = [None] * dist.get_world_size()
+    seen: list[Any] = [None] * dist.get_world_size()  # (host, hash or None) of every rank
     dist.all_gather_object(seen, (socket.gethostname(), mine))
-    hashes = {h for _, h in seen if h is not None}  # type: ignore[misc]
-    if len(hashes) > 1:
-        by_hash: dict[str, set[str]] = {}
-        for host, h in seen:  # type: ignore[misc]
-            if h is not None:
-                by_hash.setdefault(h, set()).add(host)
+    by_hash: dict[str, set[str]] = {}
+    for host, h in seen:
+        if h is not None:
+            by_hash.setdefault(h, set()).add(host)
+    if len(by_hash) > 1:
         said = "; ".join(f"training hash {h} on {', '.join(sorted(hosts))}" for h, hosts in sorted(by_hash.items()))
         raise ConfigError(f"the nodes of this job started from different recipes ({said}): start every node "
                           "with the same recipe and overrides")

@@ -202,25 +202,24 @@ def launcher_gone() -> bool:
         return True
     except PermissionError:  # a process of another user has the number now: ours is gone
         return True
-    now = _start_ticks(pid)
-    return _is_zombie(pid) or (bool(started) and now is not None and now != started)  # or the number reused
+    stat = _proc_stat(pid)  # a zombie, or another process given the number since
+    return stat is not None and (stat[0] in ("Z", "X") or (bool(started) and int(stat[19]) != started))
 
 
 def _start_ticks(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks since boot (/proc's stat, field 22), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    """When process ``pid`` started, in clock ticks since boot, or None."""
+    stat = _proc_stat(pid)
+    return int(stat[19]) if stat is not None else None
 
 
-def _is_zombie(pid: int) -> bool:
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the process's name (state first, start time 20th), or None."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return False
+        return None
+    return fields if len(fields) > 19 else None
 
 
 @dataclass(frozen=True)

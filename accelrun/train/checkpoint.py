@@ -12,6 +12,7 @@ A checkpoint is written into a temporary folder, and only when every file is on 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -224,17 +225,30 @@ def _current_hash(saved: str, path: Path) -> str:
     """A checkpoint's training hash as this version computes it: one written before the timeouts left the
     hash (``resolve.NOT_TRAINING_KEYS``) is recognised by its run folder's config.yaml, so such a run
     still resumes."""
+    config = path.parent.parent / "config.yaml"
+    try:
+        stamp = config.stat().st_mtime_ns
+    except OSError:
+        return saved
+    before, now = _hashes_of(config, stamp)
+    return now if before is not None and saved == before else saved
+
+
+@functools.lru_cache(maxsize=4096)
+def _hashes_of(config: Path, stamp: int) -> tuple[str | None, str | None]:
+    """(the training hash before 2026-12-07, today's) of a run's config.yaml: read once per version of the
+    file (resume lists every checkpoint of every run of a name, several times in a setup)."""
     import yaml
 
     from accelrun.config.resolve import training_hash_before_2026_12_07, training_hash_of
 
     try:
-        values = yaml.safe_load((path.parent.parent / "config.yaml").read_text(encoding="utf-8"))
+        values = yaml.safe_load(config.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
-        return saved
-    if isinstance(values, dict) and saved == training_hash_before_2026_12_07(values):
-        return training_hash_of(values)
-    return saved
+        return None, None
+    if not isinstance(values, dict):
+        return None, None
+    return training_hash_before_2026_12_07(values), training_hash_of(values)
 
 
 def remove_partial(ckpt_dir: Path) -> list[Path]:
