@@ -4,13 +4,27 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import click
 
 from accelrun import __version__
 from accelrun.cli.common import override_hint, print_user_error
 from accelrun.consoles import quiet_stream
+from accelrun.dist import stop
 from accelrun.errors import UserError
+
+
+def _started_as_the_command() -> bool:
+    """Whether this process is the ``accelrun`` command (its script, ``python -m accelrun`` or ``-m
+    accelrun.cli.main``), not a program that imports the CLI (tests through click's runner)."""
+    main_file = Path(getattr(sys.modules.get("__main__"), "__file__", None) or "")
+    return __name__ == "__main__" or main_file.name == "accelrun" or main_file.parts[-2:] == ("accelrun", "__main__.py")
+
+
+# Before the subcommands' imports (most of the first second): a preemption then says so (exit 143).
+if _started_as_the_command():
+    stop.say_stop_outside_runs()
 
 
 class AccelrunGroup(click.Group):
@@ -33,8 +47,6 @@ class AccelrunGroup(click.Group):
             # exits 1, a crash.
             if _debugging(ctx):
                 raise
-            from accelrun.dist import stop
-
             again = " by a second Ctrl-C: stopped without saving a checkpoint" if stop.stopped_at_once() else ""
             click.echo(f"interrupted{again} (exit 130)", err=True)
             ctx.exit(130)

@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -46,6 +47,7 @@ _forward_to: Path | None = None  # the launcher's job folder: a signal becomes a
 _watch: Path | None = None  # a rank's job folder: a stop request there counts as a signal
 _abort: Callable[[], None] | None = None  # the launcher's way out on a second Ctrl-C, while the agent runs
 _stopped_at_once = False  # a second Ctrl-C stopped this process where it was (one-process runs)
+_runs_entered = 0  # catch_signals entered in this process: whether a SIGTERM outside one came before or after
 
 
 def exit_code(signum: int) -> int:
@@ -111,9 +113,11 @@ def catch_signals(*, forward_to: Path | None = None, watch: Path | None = None) 
             signal.signal(s, h)
         yield
         return
+    global _runs_entered
     if _depth == 0:
         _received, _stopped_at_once = 0, False
     _depth += 1
+    _runs_entered += 1
     _forward_to = forward_to or _forward_to
     _watch = watch or _watch
     if _received and forward_to is not None:  # signalled before there was a job to tell
@@ -125,6 +129,24 @@ def catch_signals(*, forward_to: Path | None = None, watch: Path | None = None) 
         _forward_to, _watch = old_forward, old_watch
         for s, h in old_handlers.items():
             signal.signal(s, h)
+
+
+def say_stop_outside_runs() -> None:
+    """SIGTERM outside ``catch_signals`` (the command's imports, the recipe's checks, its report after the
+    run): there is no step to finish or save, and the process dies of it as before, with its code 143,
+    but says so; killed silently in its first seconds, a job looked as if it had never started."""
+    signal.signal(signal.SIGTERM, _stopped_outside_runs)
+
+
+def _stopped_outside_runs(signum: int, frame) -> None:
+    when = "after the run's last step" if _runs_entered else "before any step ran"
+    with contextlib.suppress(Exception):  # a buffer the interrupted code was writing to
+        sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        sys.stderr.write(f"accelrun: stopped by {signal_name(signum)} {when}: nothing to save "
+                         f"(exit {exit_code(signum)})\n")
+        sys.stderr.flush()
+    os._exit(exit_code(signum))
 
 
 def late_warning(env: dict[str, str] | None = None) -> str | None:
