@@ -107,7 +107,11 @@ class AccelrunBackend:
         compile_id = CompileContext.current_compile_id()
         if compile_id is None or compile_id.frame_id is None:
             return nullcontext()
-        count = self._frame_compiles.get(compile_id.frame_id, 0)
+        # Dynamo's first compile of a frame is this backend's first too: after torch._dynamo.reset() frame
+        # ids start from 0 again, and another frame's count was taken for a new model's (this backend
+        # lives for the process when torch.compile names it).
+        first = compile_id.frame_compile_id == 0
+        count = 0 if first else self._frame_compiles.get(compile_id.frame_id, 0)
         self._frame_compiles[compile_id.frame_id] = count + 1
         return compiling_after(count)
 

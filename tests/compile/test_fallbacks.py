@@ -690,3 +690,29 @@ def test_a_size_read_from_the_data_past_the_rows_is_declined_with_its_reason(tmp
     declined = [r for r in record.regions if r.declined.get("cpp", "").startswith(DATA_DEPENDENT_SIZES)]
     assert declined and all(r.executor == "aten" for r in declined), record.regions
     torch._dynamo.reset()
+
+
+def test_the_backend_by_name_counts_a_frame_afresh_after_dynamo_is_reset(tmp_path):
+    """``torch._dynamo.reset()`` numbers frames from 0 again, but the named backend (one per set of
+    options for the process) kept its count of each frame id's compiles: a model compiled after a reset
+    took its frame's compiles as those of whichever frame had that id before, and its graph for any size
+    kept its regions in ATen as if its sizes kept changing."""
+    from accelrun.compile import backend as backend_module
+
+    name = "accelrun_by_name_test"
+    if name not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(compiler_fn=backend_module.dynamo_backend, name=name)
+    opts = {"executors": ["cpp", "aten"], "cache_dir": str(tmp_path / "reset")}
+
+    def centred(x):
+        return torch.tanh(x - x.mean(0, keepdim=True)) + 1.0
+
+    cpp_regions = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        _changing_sizes(torch.compile(centred, backend=name, options=opts), centred, 8, sizes=(40, 52, 61))
+        record = backend_module._NAMED_BACKENDS[repr(sorted(opts.items()))].record
+        cpp_regions.append(sum(r.executor == "cpp" for r in record.regions))
+    torch._dynamo.reset()
+    assert cpp_regions[0] > 0
+    assert cpp_regions[1] == 2 * cpp_regions[0], cpp_regions  # the same graphs again, regions in C++ alike
