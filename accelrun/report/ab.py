@@ -382,8 +382,16 @@ def verdict_line(row: GroupFigures, base: GroupFigures, repeats: int, *, multi: 
         faster = ci.ratio >= 1
         shown = ci if faster else ci.inverted()
         digits = _digits(shown)
-        speed = (f"{row.label} is {shown.ratio:.{digits}f}× {'faster' if faster else 'slower'} than {base.label} "
-                 f"({100 * ci.confidence:.0f}% CI {shown.low:.{digits}f}–{shown.high:.{digits}f})")
+        interval = f"{100 * ci.confidence:.0f}% CI {shown.low:.{digits}f}–{shown.high:.{digits}f}"
+        if repeats < FEW_REPEATS:
+            # The interval resamples the steps of one or two processes, and a new process's pace moves
+            # more than that: a trial's "1.22x slower" came back "1.37x faster" for the same graphs.
+            speed = (f"{row.label} ran {shown.ratio:.{digits}f}× {'faster' if faster else 'slower'} than "
+                     f"{base.label} in {repeats} repeat(s) ({interval} over their steps): too few repeats to call "
+                     f"a difference; --repeats {FEW_REPEATS} or more")
+        else:
+            speed = (f"{row.label} is {shown.ratio:.{digits}f}× {'faster' if faster else 'slower'} than {base.label} "
+                     f"({interval})")
     else:
         speed = f"{prefix}{_no_difference(ci, row.label, base.label, repeats_to_resolve(ci, repeats))}"
     if row.parity is not None and row.parity.status == "drift":  # agrees, but say where the curves part

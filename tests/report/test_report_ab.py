@@ -55,6 +55,16 @@ def test_faster_slower_and_no_difference_verdicts():
     assert "too few steady steps" in verdict_line(row("B", None, AGREE), A, 3)
 
 
+def test_an_interval_over_two_repeats_is_no_verdict():
+    """An interval over the steps of one or two processes does not cover how much a new process's pace
+    moves: a trial's ab said "B is 1.22x slower (95% CI 1.07-1.31)" and, rerun, "B is 1.37x faster
+    (1.11-1.64)" of the same compiled graphs. Under 3 repeats what was seen is said, not called."""
+    line = verdict_line(row("B", ci(0.82, 0.76, 0.93), AGREE), A, 2)
+    assert line == ("B ran 1.22× slower than A in 2 repeat(s) (95% CI 1.08–1.32 over their steps): too few repeats "
+                    "to call a difference; --repeats 3 or more; losses agree")
+    assert "is 1.37× faster" in verdict_line(row("B", ci(1.37, 1.11, 1.64), AGREE), A, 3)
+
+
 def test_each_variants_compile_warnings_are_said_once():
     """Variant B's graph break was printed by its runs and missing from ab.md (a new user's trial)."""
     def run(warnings):
