@@ -14,7 +14,7 @@ from accelrun.cli.common import out, print_wide
 from accelrun.report import fmt
 from accelrun.report.peak import BUSY_PEAK
 from accelrun.report.rundir import holds_runs
-from accelrun.report.runs_index import list_run_rows
+from accelrun.report.runs_index import RunRow, list_run_rows
 
 STATUS_STYLE = {"finished": "green", "running": "cyan", "interrupted": "yellow", "diverged": "red", "crashed": "red",
                 "continued": "dim", "failed": "red"}
@@ -83,9 +83,19 @@ def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> Non
         status = escape(r.status) + (f" (segment {r.segment})" if r.segment > 1 else "")
         t.add_row(escape(r.run), r.kind, r.started, f"[{style}]{status}[/]" if style else status,
                   str(r.processes) if r.processes is not None else "-", str(r.steps), fmt.num(r.final_loss), fmt.secs(r.step_time_s), fmt.integer(r.tokens_per_s),
-                  ("≤ " if r.mfu_upper_bound and r.mfu is not None else "") + fmt.pct(r.mfu),
+                  _mfu_cell(r),
                   fmt.nbytes(r.mem_peak_bytes), escape(r.compile), escape(r.precision), escape(r.config_hash or "n/a"))
     print_wide(t)
-    if any(r.mfu_upper_bound and r.mfu is not None for r in rows):
+    if any(r.mfu is not None and r.mfu > 1 for r in rows):
+        out.print("> 100% MFU: the peak it divides by is too low; the run's report.md says why "
+                  "(report.peak_tflops declares one)")
+    if any(r.mfu_upper_bound and r.mfu is not None and r.mfu <= 1 for r in rows):
         out.print(f"≤ MFU: an upper bound: the CPU peak it divides by was {BUSY_PEAK} (other processes used the "
                   "CPU while it was probed), so it understates the machine")
+
+
+def _mfu_cell(r: RunRow) -> str:
+    """The MFU, "≤" where its peak was probed on a busy CPU; over 100% no figure, only that it is."""
+    if r.mfu is not None and r.mfu > 1:
+        return "> 100%"
+    return ("≤ " if r.mfu_upper_bound and r.mfu is not None else "") + fmt.pct(r.mfu)

@@ -444,10 +444,12 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
         mfu += f" (no FLOP count per token for this model: {(r.get('model') or {}).get('flops_source', 'unknown')})"
     elif r.get("mfu") is not None and (r.get("model") or {}).get("flops_source") == COUNTED:
         mfu += " (its FLOPs counted on one sequence)"
-    if r.get("mfu") is not None and is_upper_bound(r):
+    # Above 100% first: "121% (an upper bound)" read as a contradiction (a trial), though it was one.
+    if r.get("mfu") is not None and r["mfu"] > 1:
+        why = f"the peak, {BUSY_PEAK}," if is_upper_bound(r) else "the peak"
+        mfu += f" (above 100%: {why} is too low; the report's notes say why)"
+    elif r.get("mfu") is not None and is_upper_bound(r):
         mfu += f" (an upper bound: the peak was {BUSY_PEAK})"
-    elif r.get("mfu") is not None and r["mfu"] > 1:
-        mfu += " (above 100%: the peak is too low; the report's notes say why)"
     # The job's throughput, as report.md and `runs list` show it: a rank's alone made a 2-rank FSDP
     # run look slower than one process when it was faster.
     tps = f"{r['tokens_per_s_job']:,.0f} tok/s" if r.get("tokens_per_s_job") else "n/a tok/s"

@@ -89,6 +89,23 @@ def test_runs_list_marks_an_mfu_against_a_peak_probed_on_a_busy_machine_as_an_up
     assert "an upper bound" in text, table.stdout
 
 
+def test_runs_list_shows_no_figure_for_an_mfu_over_100_percent(tmp_path):
+    """A trial (2026-12-07): "≤ 121.4 %" for a run whose busy-machine peak was below what it achieved:
+    a bound over 100% says nothing, and read as a contradiction. It shows "> 100%", and why."""
+    from accelrun.report.peak import BUSY_PEAK
+
+    runs = tmp_path / "runs"
+    _folder(runs / "llama-debug" / "20260101-120000-aaaaaa", **{
+        "config.yaml": "name: llama-debug\ncompile:\n  backend: eager\n", "report.json": json.dumps(
+            {"status": "finished", "steps": 5, "step_time_s": {"median": 0.1}, "mfu": 1.214,
+             "peak": {"tflops": 0.0864, "source": f"{BUSY_PEAK}: float32 probe"}})})
+    table = CliRunner().invoke(cli, ["runs", "list", str(runs)])
+    text = " ".join(table.stdout.split())
+    assert table.exit_code == 0 and "121" not in text, table.stdout
+    assert "> 100%" in text and "the peak it divides by is too low" in text, table.stdout
+    assert "an upper bound" not in text, table.stdout
+
+
 def test_a_run_killed_before_its_report_keeps_the_upper_bound_from_env_json(tmp_path):
     """A new user's finding (2026-12-07): a 2-rank run stopped by a kill wrote no report, and `runs list`
     showed its MFU without the "≤" that its finished twin had."""

@@ -270,6 +270,13 @@ def test_mfu_from_a_busy_probe_says_it_is_an_upper_bound(load, tmp_path):
     out = io.StringIO()
     _print_summary(Console(file=out, width=400), report, Path("run"))
     assert "(an upper bound: the peak was measured on a busy machine)" in out.getvalue()
+    # Above 100% (a trial: "121.4% (an upper bound ...)"), it says the peak is too low instead.
+    report["mfu"] = 1.214
+    out = io.StringIO()
+    _print_summary(Console(file=out, width=400), report, Path("run"))
+    said = out.getvalue()
+    assert "121.4% (above 100%: the peak, measured on a busy machine, is too low" in said, said
+    assert "upper bound" not in said
 
 
 def test_the_probe_leaves_torchs_generator_alone(fast_probe):
