@@ -620,14 +620,18 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
     # warm-up is 30, and read its loss as the schedule's); a shipped recipe's own pair is its choice.
     warmup = cfg.train.lr_schedule.warmup_steps
     lr_set = set_by_user("train", "optimizer", "lr")
-    if warmup > cfg.train.steps and (set_by_user("train", "lr_schedule", "warmup_steps") or lr_set
-                                     or set_by_user("train", "steps")):
+    # As long as the run (a trial's 30 of 30) it reaches the rate at the last step only.
+    if warmup >= cfg.train.steps and (set_by_user("train", "lr_schedule", "warmup_steps") or lr_set
+                                      or set_by_user("train", "steps")):
         reached = cfg.train.optimizer.lr * cfg.train.steps / warmup
+        lr = f"train.optimizer.lr = {cfg.train.optimizer.lr:g}"
+        said = (f"exceeds train.steps = {cfg.train.steps}: the learning rate never reaches {lr}, only "
+                f"{reached:.2g} at the last step," if warmup > cfg.train.steps else
+                f"equals train.steps = {cfg.train.steps}: the learning rate reaches {lr} at the last step only")
         out.append(
             f"train.lr_schedule.warmup_steps = {warmup} ({source_of(('train', 'lr_schedule', 'warmup_steps'), sources)}) "
-            f"exceeds train.steps = {cfg.train.steps}: the learning rate never reaches train.optimizer.lr = "
-            f"{cfg.train.optimizer.lr:g}, only {reached:.2g} at the last step, and never decays; "
-            f"train.lr_schedule.warmup_steps={max(cfg.train.steps // 10, 1)} (a tenth of the steps) reaches it"
+            f"{said} and never decays; train.lr_schedule.warmup_steps={max(cfg.train.steps // 10, 1)} (a tenth of "
+            "the steps) reaches it"
         )
     if (profiled := cfg.report.profile_steps) is not None and profiled[0] > cfg.train.steps:
         out.append(f"report.profile_steps = [{profiled[0]}, {profiled[1]}] starts after train.steps = "

@@ -69,6 +69,7 @@ class AbPlan:
     notes: list[str] = field(default_factory=list)  # said when the plan is made, kept in the result
     validated: set[str] = field(default_factory=set)  # config hashes `accelrun validate` passed
     pinned_threads: int | None = None  # train.threads ab chose for every variant (a busy neighbour)
+    warned: dict[str, list[str]] = field(default_factory=dict)  # each variant's `accelrun validate` warnings
 
     def forced(self) -> list[str]:
         """Overrides ab imposes last: fresh, checkpoint-free runs in the ab directory, progress as lines.
@@ -103,11 +104,13 @@ def refuse_what_validate_refuses(plan: AbPlan, v: Variant) -> None:
     refuses beyond the recipe (data files, the processes for this node, a user's model built on the
     meta device) stops ab before any run, exit 2, each line said of its variant (a variant B whose
     ``model.kwargs`` did not fit its factory ran after all of A1: a new user, 2026-12-06). What it
-    could not check goes to the plan's notes; warnings are left to the runs, which print them."""
+    could not check, and its warnings, go to the plan's notes (``warning_notes``): the runs' own
+    console lines go to their logs only."""
     cmd = [sys.executable, "-m", "accelrun.cli.main", "validate", plan.config, *plan.overrides(v)]
     plain = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "CLICOLOR_FORCE")}
     done = subprocess.run(cmd, capture_output=True, text=True, env={**plain, "NO_COLOR": "1", "TERM": "dumb"})
     said = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    plan.warned[v.label] = [line.removeprefix("warning: ") for line in said if line.startswith("warning: ")]
     for line in said:
         if line.startswith("note: ") and (note := f"variant {v.label}: {line[6:]}") not in plan.notes:
             plan.notes.append(note)
@@ -117,6 +120,17 @@ def refuse_what_validate_refuses(plan: AbPlan, v: Variant) -> None:
     if done.returncode != 0:
         raise UserError(f"variant {v.label}: `accelrun validate` exited with code {done.returncode}: "
                         + (said[-1] if said else "no output"))
+
+
+def warning_notes(plan: AbPlan) -> list[str]:
+    """The variants' recipe warnings, once each: a warning every variant has is said of all (a warm-up
+    longer than ``--steps``, which a trial's ab printed only into its runs' logs)."""
+    said = [plan.warned.get(v.label, []) for v in plan.variants]
+    common = [w for w in said[0] if all(w in other for other in said[1:])] if said else []
+    notes = [f"every variant: {w}" for w in common]
+    for v, warnings in zip(plan.variants, said, strict=True):
+        notes += [f"variant {v.label}: {w}" for w in warnings if w not in common]
+    return notes
 
 
 def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
@@ -145,6 +159,9 @@ def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
         if r.hash not in plan.validated:  # once per config, though ab resolves its variants twice
             plan.validated.add(r.hash)
             refuse_what_validate_refuses(plan, v)
+    for note in warning_notes(plan):
+        if note not in plan.notes:
+            plan.notes.append(note)
     if plan.repeats < FEW_REPEATS:
         note = (f"{plan.repeats} repeat(s) of each variant: the interval resamples the steps of too few "
                 "processes to cover how much a new process's speed varies on this machine (often several "

@@ -258,6 +258,10 @@ def test_a_warmup_longer_than_a_run_the_user_set_is_warned():
     (line,) = warmup_warnings("train.steps=20", "train.optimizer.lr=1e-3")
     assert line.startswith("train.lr_schedule.warmup_steps = 30 (") and "cpu-short.yaml:" in line, line
     assert "never reaches train.optimizer.lr = 0.001, only 0.00067 at the last step" in line, line
+    # As long as the run (a trial's 30 steps of the recipe's 30): the rate is reached at the last step only.
+    (line,) = warmup_warnings("train.steps=30")
+    assert ("equals train.steps = 30: the learning rate reaches train.optimizer.lr = 0.003 at the last step only "
+            "and never decays") in line, line
 
 
 def test_a_custom_model_refuses_the_transformers_export_and_says_model_hf_is_not_loaded_into_it(tmp_path):

@@ -144,6 +144,23 @@ child.kill()
     assert float(out.stdout.strip()) >= 0.5, out  # the child's half second, read while it still runs
 
 
+def test_the_variants_recipe_warnings_are_said_before_the_runs(tmp_path):
+    """A trial's `ab --steps 15` on a recipe warming up for 30 steps: every variant trained without ever
+    reaching its learning rate, and the warning was only in the runs' logs. validate's warnings are now
+    the plan's notes, a warning of every variant said once."""
+    from accelrun.report.ab import resolve_variants
+
+    repo = Path(__file__).resolve().parents[2]
+    plan = AbPlan(str(repo / "configs" / "llama.yaml"), [Variant("A", ["compile.backend=eager"]),
+                  Variant("B", ["compile.backend=eager", "compile.scope=block"])], tmp_path / "ab",
+                  steps=15, warmup_steps=2)  # fmt: skip
+    resolve_variants(plan)
+    warm_up = [n for n in plan.notes if "warmup_steps = 30" in n]
+    assert len(warm_up) == 1 and warm_up[0].startswith("every variant: train.lr_schedule.warmup_steps"), plan.notes
+    # B's own: compile.scope means nothing without the compiler
+    assert any(n.startswith("variant B: compile.scope") for n in plan.notes), plan.notes
+
+
 def test_ab_resolves_a_recipe_that_exports_on_finish(tmp_path):
     """configs/hf-llama.yaml exports the final checkpoint (checkpoint.hf_on_finish); ab's runs keep no
     checkpoint, so ab turns the export off too instead of refusing the recipe before it starts."""
