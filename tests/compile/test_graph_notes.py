@@ -30,9 +30,9 @@ def test_remat_gets_aot_autograds_count_of_forward_outputs(monkeypatch):
     seen: list[int | None] = []
     real = remat_module.rematerialize
 
-    def spy(fw, bw, budget, kinds, max_chain, num_fwd_outputs=None):
+    def spy(fw, bw, budget, kinds, max_chain, num_fwd_outputs=None, unreadable=frozenset()):
         seen.append(num_fwd_outputs)
-        return real(fw, bw, budget, kinds, max_chain, num_fwd_outputs)
+        return real(fw, bw, budget, kinds, max_chain, num_fwd_outputs, unreadable)
 
     monkeypatch.setattr(remat_module, "rematerialize", spy)
     backend = AccelrunBackend(CompileOptions(passes=resolve_passes(["remat"]), executors=["aten"]))

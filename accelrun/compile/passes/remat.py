@@ -13,7 +13,8 @@ The number of real outputs is ``ctx.notes.num_fwd_outputs`` when the caller know
 is inferred from the backward's non-tangent placeholders and checked against the names.
 
 Cost model: an activation costs ``numel * element size`` of its ``meta["val"]``; primal inputs are
-free (the caller holds them anyway). A saved tensor can be dropped when it is the end of a chain of
+free (the caller holds them anyway), but a chain may read only those that stay as the forward saw
+them (``unreadable_primals``: parameters and buffers it does not change, inputs it saves anyway). A saved tensor can be dropped when it is the end of a chain of
 cheap ops (``recompute`` kinds, pure, at most ``max_chain`` nodes) whose inputs are saved values or
 primals; dropping it never increases saved bytes. Greedy: while saved bytes exceed the budget, drop
 the candidate that frees the most bytes per recomputed compute op (earliest first on ties). With no
@@ -33,7 +34,7 @@ import torch
 from torch import fx
 
 from accelrun.compile.op_kinds import node_kind
-from accelrun.compile.passes.base import PassContext, PassResult, register_pass
+from accelrun.compile.passes.base import GraphNotes, PassContext, PassResult, register_pass
 from accelrun.compile.passes.dce import eliminate_dead_code, op_is_pure
 from accelrun.config.compile_names import RematOptions
 
@@ -101,10 +102,12 @@ def _saved_bytes(saved: list[fx.Node]) -> int:
 
 
 class _Planner:
-    def __init__(self, kinds: set[str], max_chain: int, keep: AbstractSet[fx.Node] = frozenset()) -> None:
+    def __init__(self, kinds: set[str], max_chain: int, keep: AbstractSet[fx.Node] = frozenset(),
+                 unreadable: AbstractSet[fx.Node] = frozenset()) -> None:  # fmt: skip
         self.kinds = kinds
         self.max_chain = max_chain
         self.keep = keep  # saved values that must stay the forward's own (compared_in_backward)
+        self.unreadable = unreadable  # primals a recomputation must not read (unreadable_primals)
 
     def cheap(self, node: fx.Node) -> bool:
         return (node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor)
@@ -117,7 +120,11 @@ class _Planner:
         stack = [value]
         while stack:
             node = stack.pop()
-            if node in seen or (node is not value and node in available) or node.op == "placeholder":
+            if node in seen or (node is not value and node in available):
+                continue
+            if node.op == "placeholder":
+                if node in self.unreadable:
+                    return None
                 continue
             seen.add(node)
             if not self.cheap(node) or len(chain) >= self.max_chain:
@@ -190,14 +197,36 @@ def compared_in_backward(placeholder: fx.Node) -> bool:
     return False
 
 
+def unreadable_primals(fw: fx.GraphModule, saved: list[fx.Node], notes: GraphNotes) -> set[fx.Node]:
+    """The forward's inputs a recomputation in the backward must not read, where eager's backward reads
+    what the forward computed from them:
+
+    - those the forward changes in place (a running statistic in a buffer, an input scaled with
+      ``mul_``): the backward would read the new value. Autograd then stopped the step ("modified by an
+      inplace operation"), or, changed through ``.data``, nothing noticed and the gradients were wrong;
+    - inputs that are neither parameters nor buffers (activations, the caller's tensors) and that the
+      forward does not save anyway: saving one instead of what it computed exposes it to the caller's
+      in-place changes before the backward, which eager's saved values are not.
+
+    Every input, where the Dynamo graph's inputs are unknown or do not match the forward's."""
+    primals = list(fw.graph.find_nodes(op="placeholder"))
+    if notes.graph_inputs != len(primals) or notes.changed_inputs is None or notes.static_inputs is None:
+        return set(primals)
+    saved_already = set(saved)
+    return {p for i, p in enumerate(primals)
+            if i in notes.changed_inputs or (i not in notes.static_inputs and p not in saved_already)}
+
+
 def rematerialize(fw: fx.GraphModule, bw: fx.GraphModule, budget_bytes: int | None,
                   kinds: set[str], max_chain: int = 16, num_fwd_outputs: int | None = None,
+                  unreadable: AbstractSet[fx.Node] = frozenset(),
                   ) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, int]]:  # fmt: skip
-    """The new (forward, backward) pair and its counts; ``fw`` and ``bw`` are left unchanged."""
+    """The new (forward, backward) pair and its counts; ``fw`` and ``bw`` are left unchanged.
+    ``unreadable``: primals no recomputation may read (``unreadable_primals``)."""
     layout = saved_layout(fw, bw, num_fwd_outputs)
     by_name = {p.name: p for p in layout.bw_saved}
     compared = {s for s in layout.saved if s.name in by_name and compared_in_backward(by_name[s.name])}
-    dropped = set(_Planner(kinds, max_chain, keep=compared).plan(layout.saved, budget_bytes))
+    dropped = set(_Planner(kinds, max_chain, keep=compared, unreadable=unreadable).plan(layout.saved, budget_bytes))
     kept = [s for s in layout.saved if s not in dropped]
     needed_primals = _primals_needed(fw, dropped, set(kept))
     # New saved primals go with the version-checked tensors (before no-vc-check tensors and non-tensors).
@@ -313,8 +342,10 @@ def remat(gm: Any, options: RematOptions, ctx: PassContext) -> PassResult:
     fw, bw = gm
     budget = None if options.budget_mb is None else int(options.budget_mb * _MiB)
     try:
+        layout = saved_layout(fw, bw, ctx.notes.num_fwd_outputs)
+        unreadable = unreadable_primals(fw, layout.saved, ctx.notes)
         new_fw, new_bw, counts = rematerialize(fw, bw, budget, set(options.recompute), options.max_chain,
-                                               ctx.notes.num_fwd_outputs)  # fmt: skip
+                                               ctx.notes.num_fwd_outputs, unreadable)  # fmt: skip
     except LayoutError as e:
         return PassResult(changed=False, summary=f"skipped: {e}")
     before, after = counts["saved_bytes_before"], counts["saved_bytes_after"]
