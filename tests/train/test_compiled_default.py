@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import torch
 from click.testing import CliRunner
 
 from accelrun.cli.main import cli
@@ -28,6 +29,9 @@ def _train(tmp_path, name):
 
 
 def test_cold_then_cached_runs_report_what_ran_compiled(tmp_path):
+    # As a new process would: Dynamo's sizes seen by other tests in this worker made the blocks' sizes
+    # symbols here (their attention then stayed with ATen, and cpu_attention did not fire).
+    torch._dynamo.reset()
     out, report, md = _train(tmp_path, "cold")
     compiler = report["compiler"]
     assert compiler["dynamo_graphs"] == 2 and compiler["graphs_loaded"] == 0  # the blocks' graph + the loss head's
