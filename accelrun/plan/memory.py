@@ -107,9 +107,12 @@ def fused_loss_terms(w: Workload, tokens: int) -> list[Term]:
              f"the head's input ({w.compute_bytes} bytes × {tokens:,} × {dim:,}) and the output weight (fp32)"),
     ]
     if rows and tokens > rows:  # several chunks: their sums and pieces (a review: 5 GB short at 128k x 4096)
-        terms.append(Term("loss: chunks' gradients being summed (fused)", max(2 * weight_grad, input_grad),
-                          "the weight's running sum and a chunk's part beside the new sum, or the input's "
-                          "chunks beside their concatenation, whichever is larger"))
+        # The weight's sum is added to in place: in fp32 straight from the product, under autocast a
+        # chunk's part in the compute dtype first.
+        part = 0 if w.compute_bytes == 4 else w.compute_bytes * vocab * dim
+        terms.append(Term("loss: chunks' gradients being summed (fused)", max(part, input_grad),
+                          "a chunk's part of the weight's gradient (under autocast), or the input's chunks "
+                          "beside their concatenation, whichever is larger"))
     return terms
 
 

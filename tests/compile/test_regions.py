@@ -190,6 +190,33 @@ def test_a_path_through_another_region_counts_even_without_a_node_path():
     _assert_quotient_acyclic(gm)
 
 
+def test_a_running_sum_of_products_is_not_one_region_at_the_end():
+    """A sum fed by a product per step (the chunked head and loss's weight gradient under autocast: a
+    bf16 part per chunk summed in fp32) grew into one region at the end that held every part until
+    then; each part now dies at its own sum. Two steps with nothing opaque between stay one region."""
+
+    def running_sum(x, *ws):
+        total = (x @ ws[0]).float()
+        for w in ws[1:]:
+            total = total + (x @ w)  # bf16 part, fp32 sum
+        return total * 0.5
+
+    x = torch.randn(512, 64, dtype=torch.bfloat16)
+    ws = [torch.randn(64, 1024, dtype=torch.bfloat16) for _ in range(6)]  # 1 MiB parts, 2 MiB sums
+    gm = _graph_of(running_sum, x, *ws)
+    partition(gm.graph, min_ops=1)
+    adds = [n for n in gm.graph.nodes if n.target is aten.add.Tensor]
+    assert len(adds) == 5
+    assert len({n.meta.get(REGION_KEY) for n in adds}) >= 3, [n.meta.get(REGION_KEY) for n in adds]
+    _assert_quotient_acyclic(gm)
+
+    def no_gap(a, b, c):
+        return ((a + b) * c).float() + 1
+
+    gm = _graph_of(no_gap, *(torch.randn(1024, 1024) for _ in range(3)))
+    assert len(partition(gm.graph, min_ops=1)) == 1
+
+
 def test_softmax_and_rmsnorm_are_one_region_each():
     def f(x, w):
         e = (x - x.amax(-1, keepdim=True)).exp()  # softmax as its decomposition spells it

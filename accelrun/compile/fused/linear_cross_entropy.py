@@ -59,8 +59,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if ctx.needs_input_grad[0]:
                     grad_h_chunks.append(grad_z @ weight)
                 if want_weight:
-                    part = (grad_z.t() @ h_c).to(acc)
-                    grad_weight = part if grad_weight is None else grad_weight + part
+                    # Summed in place: a new sum per chunk held three (V, D) fp32 tensors at once (2 GiB
+                    # each at a 128k vocabulary and dim 4,096).
+                    if grad_weight is None:
+                        grad_weight = (grad_z.t() @ h_c).to(acc)
+                    elif grad_z.dtype == acc:
+                        grad_weight.addmm_(grad_z.t(), h_c)
+                    else:
+                        grad_weight.add_(grad_z.t() @ h_c)
                 if want_bias:
                     part = grad_z.to(acc).sum(0)
                     grad_bias = part if grad_bias is None else grad_bias + part

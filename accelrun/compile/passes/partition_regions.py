@@ -95,6 +95,19 @@ def _tensor_val(node: Any) -> torch.Tensor | None:
     return None
 
 
+# Bytes kept alive longer by a merge that are worth two regions instead of one: below, the pass over
+# memory a merge saves is worth more (a loss's scalar sums keep a few hundred bytes longer).
+LONGER_LIVES_WORTH_A_SPLIT = 1 << 20
+
+
+def _bytes(node: fx.Node) -> int:
+    """The bytes of a node's tensor; 0 where its size is symbolic or it is no strided tensor."""
+    val = _tensor_val(node)
+    if val is None or not all(isinstance(x, int) for x in val.shape):
+        return 0
+    return val.numel() * val.element_size()
+
+
 def _writable(val: torch.Tensor | None) -> bool:
     """Whether a kernel can write ``val`` as it is laid out; unknown and symbolic layouts count as yes."""
     if val is None or not all(isinstance(x, int) for x in (*val.shape, *val.stride())):
@@ -237,7 +250,31 @@ class _Partitioner:
     def _can_merge(self, a: _Group, b: _Group, horizon: int) -> bool:
         if len(a.nodes) + len(b.nodes) > self.max_nodes or not _compatible(a, b):
             return False
-        return not self._path_outside(a, b, horizon) and not self._path_outside(b, a, horizon)
+        if self._path_outside(a, b, horizon) or self._path_outside(b, a, horizon):
+            return False
+        return not self._lengthens_lives(a, b, horizon)
+
+    def _lengthens_lives(self, a: _Group, b: _Group, horizon: int) -> bool:
+        """Whether running ``a``'s ops at the horizon, in one region with ``b``, keeps more bytes alive
+        across the opaque work between (matmuls, attention) than running them where they are: the
+        tensors that die in ``a`` would live on to the horizon, where only ``a``'s results read by
+        ``b`` would have. A running sum fed by a product per step (the chunked head and loss's weight
+        gradient under autocast: a bf16 part per chunk, summed in fp32) grew into one region at the
+        end that held every chunk's part at once."""
+        computed = [self.index[n] for n in a.nodes if node_kind(n) in ("pointwise", "reduction")]
+        if not computed or not any(node_kind(n) in ("pointwise", "reduction") for n in b.nodes):
+            return False  # views join where they are: what runs later is decided by the ops they connect
+        members = set(a.nodes) | set(b.nodes)
+        last = max(computed)
+        between = (n for n in self.graph.nodes if last < self.index[n] < horizon)
+        if not any(n not in members and node_kind(n) == "other" for n in between):
+            return False
+        inputs = {p for n in a.nodes for p in n.all_input_nodes if p not in members}
+        dying = sum(_bytes(p) for p in inputs if p.op != "placeholder" and all(u in a.nodes for u in p.users))
+        # a's results that b alone reads: these would have crossed the gap instead, and now need not
+        folded = sum(_bytes(n) for n in a.nodes
+                     if all(u in members for u in n.users) and any(u in b.nodes for u in n.users))
+        return dying - folded >= LONGER_LIVES_WORTH_A_SPLIT
 
     def _path_outside(self, src: _Group, dst: _Group, horizon: int) -> bool:
         """Is there a path src -> ... -> dst through at least one node outside both?
