@@ -219,6 +219,22 @@ def modules_with_hooks(owner: torch.nn.Module) -> list[str]:
 
 
 @contextlib.contextmanager
+def no_donated_buffers() -> Iterator[None]:
+    """AOTAutograd compiles inside without donated buffers (saved tensors its backward may reuse), and the
+    graphs it compiled say so. A backward compiled with the forward (``force_non_lazy_backward_lowering``)
+    that donates refuses ``backward(retain_graph=True)``; one compiled lazily drops its donations then.
+    Compiled with the setting off, the graph's metadata says None rather than none (``[]``), which the
+    backward reads, with the setting back on, as donations: so it is set to none once compiled."""
+    from torch._guards import TracingContext
+
+    with torch._functorch.config.patch(donated_buffer=False):
+        yield
+    meta = getattr(TracingContext.try_get(), "fw_metadata", None)
+    if meta is not None and getattr(meta, "bw_donated_idxs", []) is None:
+        meta.bw_donated_idxs = []
+
+
+@contextlib.contextmanager
 def module_hook_guards() -> Iterator[None]:
     """Dynamo's guards on module hooks, which torch skips by default (``skip_nnmodule_hook_guards``): a
     graph traced without a hook is then not reused for a module that has one. A torch without the

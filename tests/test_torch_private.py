@@ -4,6 +4,7 @@ after it (``test_<symbol>``), not a user's run. ``test_every_symbol_has_its_test
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import platform
@@ -18,7 +19,7 @@ import accelrun.torch_private as tp
 EAGER = ("reinterpret_tensor", "empty_strided_cpu", "TensorGuards")
 FUNCTIONS = ("on_group_restart", "agent_exit_codes", "cuda_current_raw_stream", "triton_direct_launch", "cpu_has_half_gemm", "onednn_linear",
              "import_module_globals", "files_traced_by_precompile", "unread_compile_logs_skipped",
-             "drop_failed_async_compiles")
+             "drop_failed_async_compiles", "no_donated_buffers")
 ATTRIBUTES = ("COMPILED_CALL",)  # names of private attributes torch's own classes keep
 
 
@@ -101,6 +102,35 @@ def test_functorch_config():
     assert compiled == ["forward", "backward"]
     fn(x)[0].sum().backward()
     assert compiled == ["forward", "backward"] and torch.allclose(x.grad, 2 * x.detach().cos())
+
+
+def test_no_donated_buffers():
+    # A backward compiled with the forward, inside: retain_graph=True is refused with donations (torch's
+    # default), and runs without them; the metadata the backward reads then holds none, not None.
+    from torch._guards import TracingContext, tracing
+
+    def f(x, w):
+        return (torch.relu(x @ w) * 2,)
+
+    def compile_once(donating: bool):
+        gm = torch.fx.symbolic_trace(f)
+        x, w = torch.randn(3, 4), torch.randn(4, 4, requires_grad=True)
+        with tracing(TracingContext(None)), tp.functorch_config.patch(force_non_lazy_backward_lowering=True):
+            with contextlib.nullcontext() if donating else tp.no_donated_buffers():
+                fn = tp.aot_module_simplified(gm, [x, w], fw_compiler=lambda g, _: tp.make_boxed_func(g.forward))
+            donated = TracingContext.try_get().fw_metadata.bw_donated_idxs
+        (y,) = fn(x, w)
+        return y, w, donated
+
+    y, w, donated = compile_once(True)
+    assert donated  # torch's default donates: what the refusal below comes from
+    with pytest.raises(RuntimeError, match="donated buffers"):
+        y.sum().backward(retain_graph=True)
+    y, w, donated = compile_once(False)
+    assert donated == []
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    assert w.grad is not None
 
 
 def test_SavedForBackwardsAOTOutput():

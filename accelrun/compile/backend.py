@@ -154,12 +154,17 @@ class AccelrunBackend:
         from accelrun.torch_private import (
             aot_module_simplified,
             functorch_config,
+            no_donated_buffers,
             unread_compile_logs_skipped,
             use_lazy_graph_module,
         )
 
-        with (functorch_config.patch(force_non_lazy_backward_lowering=True), use_lazy_graph_module(True),
-              unread_compile_logs_skipped()):  # fmt: skip
+        # No donated buffers: they mark saved tensors the backward may reuse, which AOTAutograd drops for a
+        # backward compiled lazily under retain_graph=True but refuses in one compiled with the forward
+        # (every `backward(retain_graph=True)` failed: a trial's GAN-style and multi-loss steps). accelrun's
+        # backward reuses none, so nothing is lost (pipelining's split backward set the same, dist/pipeline).
+        with (functorch_config.patch(force_non_lazy_backward_lowering=True), no_donated_buffers(),
+              use_lazy_graph_module(True), unread_compile_logs_skipped()):  # fmt: skip
             compiled = aot_module_simplified(
                 gm, example_inputs,
                 fw_compiler=self._graph_compiler(name, "forward", notes),

@@ -344,3 +344,23 @@ def test_a_passes_description_is_its_docstrings_first_sentence_whole():
     assert first_sentence("Two lines of one\n    sentence here.\n\nAnother paragraph.") == "Two lines of one sentence here."
     for name, spec in registered_passes().items():
         assert not spec.doc or spec.doc.endswith((".", ")")), (name, spec.doc)
+
+
+def test_a_second_backward_through_a_retained_graph_matches_eager(tmp_path):
+    """A trial's GAN-style and multi-loss steps: every `backward(retain_graph=True)` under accelrun failed
+    ("compiled with non-empty donated buffers"), where eager, aot_eager and Inductor train alike."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    reference = copy.deepcopy(model)
+    backend = AccelrunBackend(CompileOptions(passes=resolve_passes("default"), executors=["cpp", "aten"],
+                                             cache_dir=tmp_path))  # fmt: skip
+    x = torch.randn(4, 32)
+    torch._dynamo.reset()
+    for m in (torch.compile(model, backend=backend), reference):
+        y = m(x)
+        y.pow(2).mean().backward(retain_graph=True)  # a second loss through the same graph follows
+        y.sum().backward()
+    torch._dynamo.reset()
+    assert backend.record.dynamo_graphs == 1
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
