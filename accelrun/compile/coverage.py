@@ -50,6 +50,16 @@ def forget_since(start: dict[str, dict[str, int]]) -> None:
                 del counters[k][reason]
 
 
+def skipped_frames(start: dict[str, dict[str, int]]) -> list[tuple[str, int, str]]:
+    """The frames Dynamo skipped since ``start``: (file, the line its function starts at, the reason)."""
+    out = []
+    for reason in since(start)["unimplemented"]:
+        if where := _SKIPPED.search(reason):
+            _, path, line = where.groups()
+            out.append((path, int(line), _short(reason)))
+    return out
+
+
 def _short(reason: str) -> str:
     """A Dynamo reason's title and where it happened: "Data-dependent branching (model.py:12)"."""
     first = reason.strip().splitlines()[0] if reason.strip() else "unknown"

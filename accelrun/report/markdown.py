@@ -91,9 +91,13 @@ def compiler_rows(c: dict) -> list[tuple[str, str]]:
         via = [f"{traced} traced to be saved in the graph cache"] if traced else []
         if from_cache:
             via.append(f"{from_cache} loaded from " + ("it" if traced else "the graph cache"))
+        # Frames Dynamo took whole but found no tensor operation in (a trial read "given a graph 6" beside
+        # "graphs compiled 0" as a contradiction).
+        empty = (" (no tensor operation in them to compile)" if dyn.get("frames_compiled", 0)
+                 and not c.get("dynamo_graphs", 0) + (graphs.get("loaded") or 0) else "")
         out.append(("Dynamo frames seen / given a graph / skipped",
                     f"{dyn.get('frames_seen', 0)} / {dyn.get('frames_compiled', 0)} / "
-                    f"{len(dyn.get('frames_skipped', []))}"
+                    f"{len(dyn.get('frames_skipped', []))}" + empty
                     + (f" ({', '.join(via)})" if via and dyn.get("frames_via_graph_cache") else "")))
     if "fallbacks" in c:
         out.append(("compiler fallbacks", str(len(c["fallbacks"]))))

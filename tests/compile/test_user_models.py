@@ -253,6 +253,26 @@ def test_blocks_the_forward_never_calls_fall_back_to_the_whole_forward(tmp_path)
     assert not any(w.startswith("nothing was compiled") for w in compiled.record.warnings())
 
 
+def test_blocks_dynamo_skips_are_said_to_have_run_eagerly_not_to_be_uncalled(tmp_path):
+    """A trial's mixture (a branch on the data in the loop over its experts): the report said "no compiled
+    block ran in the first forward (a forward that calls another method of the blocks, or none of
+    them)" of blocks that ran, whose frame Dynamo skipped. It says that, and why; the losses are eager's."""
+    from tests.compile.user_models import SkippedMoELM
+
+    torch.manual_seed(0)
+    model = SkippedMoELM()
+    reference = copy.deepcopy(model)
+    cfg = CompileConfig(backend="accelrun", executors=["cpp", "aten"], cache_dir=str(tmp_path / "cache"))
+    compiled = compile_model(model, transformer_blocks(model), cfg)
+    torch._dynamo.reset()
+    _train_side_by_side(model, reference, steps=1)
+    said = compiled.record.fallback_scope
+    assert said.startswith("Dynamo skipped the SkippedMoEBlock blocks' forward (Data-dependent branching"), said
+    assert said.endswith("so from the next one the whole forward compiles") and "no compiled block ran" not in said
+    _train_side_by_side(model, reference, steps=2)
+    torch._dynamo.reset()
+
+
 def test_a_graph_break_in_torch_nn_names_the_users_line_and_the_change_that_avoids_it(tmp_path):
     """torch.nn's TransformerEncoder given a causal mask without is_causal=True reads the mask on the
     host: Dynamo's reason names neither the place nor that fix (it suggests tracing the host read).

@@ -520,3 +520,38 @@ def sequential_lm(vocab: int = VOCAB, dim: int = 32, depth: int = 2) -> nn.Modul
 
 USER_MODELS = {"subclassed_layers": SubclassedLayersLM, "dict_layers": DictLayersLM, "mha": MHAModel, "encoder_layers": EncoderLayers, "routed_moe": RoutedMoE, "indexed_moe": IndexedMoE, "conv_mixer": ConvMixer,
                "short_conv": ShortConvLM, "plain_mlp": PlainMLP, "encoder": EncoderLM, "gru": GRULM, "lstm_blocks": LSTMStack, "batchnorm": BatchNormLM}
+
+
+class SkippedMoEBlock(nn.Module):
+    """A block with a mixture routed by a branch on the data inside its loop over the experts: Dynamo
+    skips the block's whole frame ("Data-dependent branching" inside a loop)."""
+
+    def __init__(self, dim: int = DIM, n_experts: int = 3) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, n_experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(0, 1)
+        choice = self.router(flat).argmax(-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            out = out.index_add(0, rows, expert(flat[rows]))
+        return x + out.view_as(x)
+
+
+class SkippedMoELM(nn.Module):
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(SkippedMoEBlock(dim) for _ in range(2))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

@@ -77,3 +77,16 @@ def test_a_compiled_run_reports_what_its_compiler_timed(tiny):
     md = (result.run_dir / "report.md").read_text()
     assert "compile time (apart) | 0.0 ms" not in md
     assert "| Dynamo frames seen / given a graph / skipped | 2 / 2 / 0 (2 traced to be saved in the graph cache) |" in md
+
+
+def test_frames_dynamo_took_with_nothing_in_them_are_said_so_beside_no_graph():
+    """A trial read "Dynamo frames seen / given a graph / skipped 8 / 6 / 2" beside "graphs compiled 0"
+    as a contradiction: the 6 held no tensor operation (module call wrappers around skipped frames)."""
+    from accelrun.report.markdown import compiler_rows
+
+    summary = {"dynamo_graphs": 0, "graph_breaks": 1,
+               "dynamo": {"frames_seen": 8, "frames_compiled": 6, "frames_skipped": ["a", "b"]}}
+    rows = dict(compiler_rows(summary))
+    assert rows["Dynamo frames seen / given a graph / skipped"] == "8 / 6 / 2 (no tensor operation in them to compile)"
+    summary["dynamo_graphs"] = 2
+    assert dict(compiler_rows(summary))["Dynamo frames seen / given a graph / skipped"] == "8 / 6 / 2"
