@@ -44,6 +44,18 @@ class Plain(nn.Module):
         return self.out(torch.tanh(self.emb(idx)))
 
 
+class Heads(Plain):  # splits its width into heads: a width the heads do not divide fails at the view
+    def __init__(self, vocab=320, width=16, heads=4):
+        super().__init__(vocab, width)
+        self.heads = heads
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        B, T, C = x.shape
+        x = x.view(B, T, self.heads, C // self.heads).flatten(2)
+        return self.out(torch.tanh(x))
+
+
 class NanoStyle(Plain):  # nanoGPT's forward(idx, targets=None): the last position's logits only without targets
     def forward(self, idx, targets=None):
         logits = super().forward(idx)
@@ -287,6 +299,19 @@ def test_validate_refuses_what_train_would(tiny, models, custom, kwargs, message
     said = one_error(invoke("validate", *args))
     assert message in said and validate_only in said, said
     assert message in one_error(invoke("train", *args))  # the rank that builds the model says it
+
+
+def test_validate_refuses_a_forward_whose_own_sizes_do_not_fit(tiny, models):
+    """The model's own sizes that its forward cannot run with (a trial's GPT of dim 60 and 7 heads):
+    validate said "valid", with a note that blamed the meta device, and train crashed at its first step.
+    Sizes torch says disagree are refused with the user's line; the same model with sizes that fit is
+    valid without a note."""
+    args = (str(DEFAULT_CONFIG), *tiny(2, "model.custom=contract_models:build"))
+    said = one_error(invoke("validate", *args, "model.kwargs={style: Heads, width: 18, heads: 4}"))
+    assert ("Heads.forward fails on a batch of 4 x 32 tokens: RuntimeError: shape '[4, 32, 4, 4]' is invalid "
+            "for input of size 2304 (at ") in said and "contract_models.py:" in said, said
+    r = invoke("validate", *args, "model.kwargs={style: Heads, width: 16, heads: 4}")
+    assert r.exit_code == 0 and "note:" not in r.output, r.output
 
 
 def test_every_reader_of_the_data_takes_the_token_tables_rows(models):
