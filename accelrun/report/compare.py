@@ -282,11 +282,17 @@ def config_diff(runs: list[RunRecord]) -> list[DiffRow]:
     for k in keys:
         reads = [_reads(r, k) for r in runs]
         values = [r.config_flat.get(k) for r, read in zip(runs, reads, strict=True) if read]
+        if all(v in ({}, [], None) for v in values) and any(_has_children(r, k) for r in runs):
+            continue  # an empty section beside one with keys ("model.kwargs (absent)" against "{}"): its keys' rows say it
         if any(v != values[0] for v in values[1:]):
             rows.append(DiffRow(k, [r.config_flat.get(k) for r in runs],
                                 [NOT_READ if not read else r.sources.get(k, "?") if k in r.config_flat else ABSENT
                                  for r, read in zip(runs, reads, strict=True)], reads))  # fmt: skip
     return rows
+
+
+def _has_children(run: RunRecord, key: str) -> bool:
+    return any(k.startswith(key + ".") for k in run.config_flat)
 
 
 def _reads(run: RunRecord, key: str) -> bool:
@@ -402,6 +408,6 @@ def model_keys_differing(runs: list[RunRecord]) -> list[str]:
     """The keys that make a model (``MODEL_IDENTITY_KEYS``) the runs read whose values differ
     (``config_diff``'s; a dict's own key, not each of its entries), found by a new user: ``compare`` of
     two runs of different models printed a speedup with no word on it."""
-    keys = [d.key for d in config_diff(runs) if d.key.startswith("model.")]
-    keys = [k for k in keys if not any(k.startswith(other + ".") for other in keys)]
+    # a dict's entries are named by the dict (model.kwargs.p: model.kwargs)
+    keys = dict.fromkeys("model." + d.key.split(".")[1] for d in config_diff(runs) if d.key.startswith("model."))
     return [k for k in keys if k.removeprefix("model.") in MODEL_IDENTITY_KEYS]

@@ -16,7 +16,9 @@ from accelrun.report.rundata import load_run
 from tests.conftest import DEFAULT_CONFIG, TINY
 
 # Every form of ab's last line (report/ab.py's verdict_line), with losses that agree.
-VERDICT = re.compile(r"^(B is \d+\.\d+× (faster|slower) than A \(95% CI \d+\.\d+–\d+\.\d+\)|no significant "
+VERDICT = re.compile(r"^(B is \d+\.\d+× (faster|slower) than A \(95% CI \d+\.\d+–\d+\.\d+\)|"
+                     r"B ran \d+\.\d+× (faster|slower) than A in \d repeat\(s\) \(95% CI \d+\.\d+–\d+\.\d+ over their "
+                     r"steps\): too few repeats to call a difference; --repeats 3 or more|no significant "
                      r"difference: B at \d+\.\d+× A's speed \(95% CI \d+\.\d+–\d+\.\d+\)(; about \d+ more "
                      r"repeats? could show its [\d.]+% difference, if it holds|: differences under [\d.]+% do not show at "
                      r"this noise; \d+ more repeats? would bring that to about [\d.]+%, a quieter machine lower "

@@ -154,7 +154,9 @@ def test_a_family_key_is_no_difference_for_a_run_of_a_users_own_model(runs, tmp_
     wide = copy(runs["base"], "wide", dim=512)
     mine = copy(runs["base"], "mine", custom="mymodels:build", dim=999, n_experts=3)
     theirs = copy(runs["base"], "theirs", custom="mymodels:build", dim=64, kwargs={"p": 0.1})
-    assert [d.key for d in config_diff([mine, theirs])] == ["model.kwargs", "model.kwargs.p"]  # {} and {p: 0.1}
+    # {} against {p: 0.1}: the key p says it (a trial read "model.kwargs (absent)" against "{} (default)" as a
+    # difference of its own)
+    assert [d.key for d in config_diff([mine, theirs])] == ["model.kwargs.p"]
     assert [d.key for d in config_diff([family, mine])] == ["model.custom"]
     (dim,) = [d for d in config_diff([family, wide, mine]) if d.key == "model.dim"]
     assert dim.sources[2] == "(not read: model.custom is set)" and dim.values[:2] == [family.config_flat["model.dim"], 512]
