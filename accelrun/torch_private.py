@@ -54,6 +54,9 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     "make_boxed_func": ("torch._functorch.aot_autograd", "make_boxed_func"),
     "default_partition": ("torch._functorch.partitioners", "default_partition"),
     "SavedForBackwardsAOTOutput": ("torch._functorch._aot_autograd.descriptors", "SavedForBackwardsAOTOutput"),
+    # A forward output that is an input's new value (``.mutated_input``: that input's description, as its
+    # placeholder's meta["desc"]): remat reads no input the forward changes.
+    "InputMutationAOTOutput": ("torch._functorch._aot_autograd.descriptors", "InputMutationAOTOutput"),
     "SerializableAOTDispatchCompiler": ("torch._functorch._aot_autograd.schemas", "SerializableAOTDispatchCompiler"),
     # AOTAutograd's settings; accelrun sets force_non_lazy_backward_lowering (compile the backward graph
     # with the forward, not at the first backward).

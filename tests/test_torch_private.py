@@ -133,6 +133,31 @@ def test_no_donated_buffers():
     assert w.grad is not None
 
 
+def test_InputMutationAOTOutput():
+    # AOTAutograd's forward returns a changed input's new value, described by the input's own description
+    # (its placeholder's meta["desc"]), also for a change through .data, which no traced version counter sees.
+    seen = {}
+
+    def partition(joint, inputs, **kwargs):
+        fw, bw = tp.default_partition(joint, inputs, **kwargs)
+        seen["inputs"] = [n.meta.get("desc") for n in fw.graph.find_nodes(op="placeholder")]
+        seen["outputs"] = fw.graph.output_node().meta.get("desc")
+        return fw, bw
+
+    def f(x, buf):
+        y = x.sin() * buf.exp()
+        buf.data.mul_(0.5)
+        return (y,)
+
+    gm = torch.fx.symbolic_trace(f)
+    x, buf = torch.randn(4, requires_grad=True), torch.ones(4)
+    fn = tp.aot_module_simplified(gm, [x, buf], fw_compiler=lambda g, _: tp.make_boxed_func(g.forward),
+                                  partition_fn=partition)
+    fn(x, buf)[0].sum().backward()
+    (changed,) = [d for d in seen["outputs"] if isinstance(d, tp.InputMutationAOTOutput)]
+    assert changed.mutated_input == seen["inputs"][1]
+
+
 def test_SavedForBackwardsAOTOutput():
     assert tp.SavedForBackwardsAOTOutput(3).idx == 3  # remat renumbers the saved outputs' descriptors
 

@@ -14,7 +14,6 @@ from contextlib import contextmanager, nullcontext
 from functools import cache, partial
 from typing import Any
 
-import torch
 from torch import fx, nn
 
 from accelrun.compile import break_sites, coverage
@@ -124,10 +123,6 @@ class AccelrunBackend:
         # One for this Dynamo graph, kept by every stage's closures below: the backward's compile must see
         # what the forward's passes noted (AOTAutograd calls it after the forward's, below).
         notes = GraphNotes()
-        inputs = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
-        notes.graph_inputs = len(inputs)
-        notes.changed_inputs = frozenset(i for i, v in enumerate(inputs)
-                                         if isinstance(v, torch.Tensor) and v._version > 0)
         self._saved_up_to[name] = self.record.mark()
         ACTIVITY.doing(f"{name}: pre_grad passes")
         t0 = time.perf_counter()

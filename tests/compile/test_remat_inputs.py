@@ -33,6 +33,21 @@ class RunningScale(nn.Module):
         return self.p(y * self.scale)
 
 
+class DataWrittenScale(nn.Module):
+    """A buffer written through ``.data`` in the forward: no traced version counter sees it (a review's
+    finding); AOTAutograd does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Linear(16, 16)
+        self.register_buffer("scale", torch.full((16,), 0.3))
+
+    def forward(self, x):
+        y = self.p(x) * self.scale.exp()
+        self.scale.data.mul_(0.5)
+        return y
+
+
 class ScalesItsInput(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -64,7 +79,8 @@ def _step(model, compiled, needs_grad: bool, change_after: bool):
 
 
 @pytest.mark.parametrize(("model_type", "needs_grad", "change_after"), [
-    (RunningScale, False, False), (ScalesItsInput, True, False), (Plain, False, True)])
+    (RunningScale, False, False), (DataWrittenScale, False, False), (ScalesItsInput, True, False),
+    (Plain, False, True)])
 def test_remat_reads_no_input_that_changes_before_the_backward(tmp_path, model_type, needs_grad, change_after):
     torch.manual_seed(0)
     model = model_type()

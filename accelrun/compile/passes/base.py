@@ -49,12 +49,9 @@ class GraphNotes:
     # The next free fusion region id: partition_regions numbers its regions from here and advances it,
     # so the forward's and the backward's regions never share an id.
     next_region_id: int = 0
-    # The Dynamo graph's inputs, which AOTAutograd's forward takes in the same order (primals_1, ...): how
-    # many, those the forward changes in place (a buffer's running statistic, an input scaled with mul_;
-    # their traced values' version counters moved), and those that live all along (parameters and
-    # buffers: AOTAutograd's static_lifetime_input_indices, known at the partition stage). None: unknown.
-    graph_inputs: int | None = None
-    changed_inputs: frozenset[int] | None = None
+    # The forward's inputs that live all along (parameters and buffers: AOTAutograd's
+    # static_lifetime_input_indices, its own numbering of the forward's inputs, known at the partition
+    # stage). None: unknown.
     static_inputs: frozenset[int] | None = None
 
 

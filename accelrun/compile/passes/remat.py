@@ -202,19 +202,26 @@ def unreadable_primals(fw: fx.GraphModule, saved: list[fx.Node], notes: GraphNot
     what the forward computed from them:
 
     - those the forward changes in place (a running statistic in a buffer, an input scaled with
-      ``mul_``): the backward would read the new value. Autograd then stopped the step ("modified by an
-      inplace operation"), or, changed through ``.data``, nothing noticed and the gradients were wrong;
+      ``mul_``, a buffer written through ``.data``): the backward would read the new value. Autograd then
+      stopped the step ("modified by an inplace operation"), or nothing noticed and the gradients were
+      wrong. AOTAutograd says which: the forward returns each one's new value, described by
+      ``InputMutationAOTOutput`` naming the input's own description;
     - inputs that are neither parameters nor buffers (activations, the caller's tensors) and that the
       forward does not save anyway: saving one instead of what it computed exposes it to the caller's
       in-place changes before the backward, which eager's saved values are not.
 
-    Every input, where the Dynamo graph's inputs are unknown or do not match the forward's."""
+    Every input, where AOTAutograd's descriptions or static inputs are not known."""
+    from accelrun.torch_private import InputMutationAOTOutput
+
     primals = list(fw.graph.find_nodes(op="placeholder"))
-    if notes.graph_inputs != len(primals) or notes.changed_inputs is None or notes.static_inputs is None:
+    outputs = fw.graph.output_node().meta.get("desc")
+    ids = [getattr(p.meta.get("desc"), "idx", None) for p in primals]
+    if notes.static_inputs is None or not isinstance(outputs, list) or None in ids:
         return set(primals)
+    changed = [d.mutated_input for d in outputs if isinstance(d, InputMutationAOTOutput)]
     saved_already = set(saved)
-    return {p for i, p in enumerate(primals)
-            if i in notes.changed_inputs or (i not in notes.static_inputs and p not in saved_already)}
+    return {p for p, i in zip(primals, ids, strict=True)
+            if p.meta["desc"] in changed or (i not in notes.static_inputs and p not in saved_already)}
 
 
 def rematerialize(fw: fx.GraphModule, bw: fx.GraphModule, budget_bytes: int | None,
