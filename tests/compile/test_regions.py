@@ -193,7 +193,8 @@ def test_a_path_through_another_region_counts_even_without_a_node_path():
 def test_a_running_sum_of_products_is_not_one_region_at_the_end():
     """A sum fed by a product per step (the chunked head and loss's weight gradient under autocast: a
     bf16 part per chunk summed in fp32) grew into one region at the end that held every part until
-    then; each part now dies at its own sum. Two steps with nothing opaque between stay one region."""
+    then. A merge is refused where the parts it keeps waiting outweigh the sum it saves. Two steps with
+    nothing opaque between stay one region."""
 
     def running_sum(x, *ws):
         total = (x @ ws[0]).float()
@@ -207,7 +208,9 @@ def test_a_running_sum_of_products_is_not_one_region_at_the_end():
     partition(gm.graph, min_ops=1)
     adds = [n for n in gm.graph.nodes if n.target is aten.add.Tensor]
     assert len(adds) == 5
-    assert len({n.meta.get(REGION_KEY) for n in adds}) >= 3, [n.meta.get(REGION_KEY) for n in adds]
+    regions = [n.meta.get(REGION_KEY) for n in adds]
+    # a region holds no more parts than twice what its sum would have kept across the products
+    assert max(regions.count(r) for r in set(regions)) <= 3 and len(set(regions)) >= 2, regions
     _assert_quotient_acyclic(gm)
 
     def no_gap(a, b, c):

@@ -255,26 +255,28 @@ class _Partitioner:
         return not self._lengthens_lives(a, b, horizon)
 
     def _lengthens_lives(self, a: _Group, b: _Group, horizon: int) -> bool:
-        """Whether running ``a``'s ops at the horizon, in one region with ``b``, keeps more bytes alive
-        across the opaque work between (matmuls, attention) than running them where they are: the
-        tensors that die in ``a`` would live on to the horizon, where only ``a``'s results read by
-        ``b`` would have. A running sum fed by a product per step (the chunked head and loss's weight
-        gradient under autocast: a bf16 part per chunk, summed in fp32) grew into one region at the
-        end that held every chunk's part at once."""
+        """Whether running ``a``'s ops later, in one region with ``b``, keeps more bytes alive than
+        running them where they are: the merged region waits for what ``b`` reads that is computed after
+        ``a`` (a region runs once its inputs are ready), and the tensors that die in ``a`` would live on
+        until then, where only ``a``'s results read by ``b`` would have. Refused where that adds 1 MiB
+        or more and more than those results themselves: a running sum fed by a product per step (the
+        chunked head and loss's weight gradient under autocast, a bf16 part per chunk summed in fp32)
+        grew into one region at the end that held every chunk's part at once; a three-way sum of input
+        gradients (two dying, one kept) stays one region."""
         computed = [self.index[n] for n in a.nodes if node_kind(n) in ("pointwise", "reduction")]
         if not computed or not any(node_kind(n) in ("pointwise", "reduction") for n in b.nodes):
             return False  # views join where they are: what runs later is decided by the ops they connect
         members = set(a.nodes) | set(b.nodes)
         last = max(computed)
-        between = (n for n in self.graph.nodes if last < self.index[n] < horizon)
-        if not any(n not in members and node_kind(n) == "other" for n in between):
-            return False
+        if not any(p not in members and self.index.get(p, -1) > last for n in b.nodes for p in n.all_input_nodes):
+            return False  # b waits for nothing computed after a: the merged region runs where a would
         inputs = {p for n in a.nodes for p in n.all_input_nodes if p not in members}
-        dying = sum(_bytes(p) for p in inputs if p.op != "placeholder" and all(u in a.nodes for u in p.users))
-        # a's results that b alone reads: these would have crossed the gap instead, and now need not
+        dying = sum(_bytes(p) for p in inputs
+                    if p.op not in ("placeholder", "get_attr") and all(u in a.nodes for u in p.users))
+        # a's results that b alone reads: these would have waited instead, and now need not
         folded = sum(_bytes(n) for n in a.nodes
                      if all(u in members for u in n.users) and any(u in b.nodes for u in n.users))
-        return dying - folded >= LONGER_LIVES_WORTH_A_SPLIT
+        return dying - folded >= max(LONGER_LIVES_WORTH_A_SPLIT, folded)
 
     def _path_outside(self, src: _Group, dst: _Group, horizon: int) -> bool:
         """Is there a path src -> ... -> dst through at least one node outside both?
