@@ -418,10 +418,10 @@ class _WholeForwardFallback:
             return
         if getattr(torch._dynamo.config, "disable", False):
             return  # compiling is off in this process (TORCH_COMPILE_DISABLE): nothing could have run
-        code = getattr(type(self.blocks[0]).forward, "__code__", None)
+        code = getattr(type(self.blocks[0]).forward, "__code__", None) if self.blocks else None
         why = next((reason for path, line, reason in skipped_frames(self.start)
                     if code is not None and (path, line) == (code.co_filename, code.co_firstlineno)), None)
-        blocks = f"the {type(self.blocks[0]).__name__} blocks"
+        blocks = f"the {type(self.blocks[0]).__name__} blocks" if self.blocks else "the blocks"
         if why is None:
             said = (f"no compiled block ran in the first forward (a forward that calls another method of {blocks}, "
                     "or none of them)")

@@ -138,13 +138,24 @@ def say_stop_outside_runs() -> None:
     signal.signal(signal.SIGTERM, _stopped_outside_runs)
 
 
+_trains = True  # the command trains (train, launch): its message says where it was, before or after the steps
+
+
+def say_stop_outside_runs_of(command: str) -> None:
+    """``say_stop_outside_runs`` for the command named on the command line: one that trains no run of its
+    own (``ab``, whose variants run in processes of their own) says only that it stopped."""
+    global _trains
+    _trains = command in ("train", "launch")
+    say_stop_outside_runs()
+
+
 def _stopped_outside_runs(signum: int, frame) -> None:
-    when = "after the run's last step" if _runs_entered else "before any step ran"
+    when = (" after the run's last step: nothing to save" if _runs_entered else " before any step ran: nothing to save"
+            ) if _trains else ": nothing of its own to save"
     with contextlib.suppress(Exception):  # a buffer the interrupted code was writing to
         sys.stdout.flush()
     with contextlib.suppress(Exception):
-        sys.stderr.write(f"accelrun: stopped by {signal_name(signum)} {when}: nothing to save "
-                         f"(exit {exit_code(signum)})\n")
+        sys.stderr.write(f"accelrun: stopped by {signal_name(signum)}{when} (exit {exit_code(signum)})\n")
         sys.stderr.flush()
     os._exit(exit_code(signum))
 

@@ -107,12 +107,13 @@ def fused_loss_terms(w: Workload, tokens: int) -> list[Term]:
              f"the head's input ({w.compute_bytes} bytes × {tokens:,} × {dim:,}) and the output weight (fp32)"),
     ]
     if rows and tokens > rows:  # several chunks: their sums and pieces (a review: 5 GB short at 128k x 4096)
-        # The weight's sum is added to in place: in fp32 straight from the product, under autocast a
-        # chunk's part in the compute dtype first.
+        # The weight's sum: compiled, each chunk's sum is a new tensor beside the last (AOTAutograd's
+        # functional graph writes addmm_ out of place), and under autocast a chunk's part in the
+        # compute dtype comes first.
         part = 0 if w.compute_bytes == 4 else w.compute_bytes * vocab * dim
-        terms.append(Term("loss: chunks' gradients being summed (fused)", max(part, input_grad),
-                          "a chunk's part of the weight's gradient (under autocast), or the input's chunks "
-                          "beside their concatenation, whichever is larger"))
+        terms.append(Term("loss: chunks' gradients being summed (fused)", max(weight_grad + part, input_grad),
+                          "the weight's running sum beside the next (and a chunk's part under autocast), or "
+                          "the input's chunks beside their concatenation, whichever is larger"))
     return terms
 
 

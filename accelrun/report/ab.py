@@ -155,10 +155,14 @@ def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
                             f"over {plan.repeats} repeat(s): a speed needs {MIN_STEADY_FOR_CI}; give --steps "
                             f"{warmup + MIN_STEADY_FOR_CI} or more, or --warmup-steps "
                             f"{max(steps - MIN_STEADY_FOR_CI, 0)} or fewer")
+    validated_by: dict[str, str] = {}
     for v, r in zip(plan.variants, resolved, strict=True):  # after the checks above, which cost nothing
         if r.hash not in plan.validated:  # once per config, though ab resolves its variants twice
             plan.validated.add(r.hash)
             refuse_what_validate_refuses(plan, v)
+        validated_by.setdefault(r.hash, v.label)
+        if v.label not in plan.warned:  # an A/A run's twin warns as the variant validated with its config
+            plan.warned[v.label] = plan.warned.get(validated_by[r.hash], [])
     for note in warning_notes(plan):
         if note not in plan.notes:
             plan.notes.append(note)
@@ -339,7 +343,10 @@ def summarize_ab(plan: AbPlan, run_dirs: dict[str, list[Path]], *, seed: int = 0
     c.notes[:0] = plan.notes
     c.warnings += compile_warnings(groups)
     base = c.rows[0]
-    verdicts = [verdict_line(row, base, plan.repeats, multi=len(c.rows) > 2) for row in c.rows[1:]]
+    # The rounds that ran (an interrupted ab compares those only): "1.22x faster" of one round, under
+    # --repeats 5, is one process's (a review's finding).
+    rounds = min(len(run_dirs[v.label]) for v in plan.variants)
+    verdicts = [verdict_line(row, base, rounds, multi=len(c.rows) > 2) for row in c.rows[1:]]
     if base.parity is not None and not base.parity.agrees:  # A's own repeats disagree: nondeterminism
         verdicts.append(f"{base.label}'s repeats disagree with each other: "
                         + base.parity.describe(f"{base.label}'s first run", f"a repeat of {base.label}"))

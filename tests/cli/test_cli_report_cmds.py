@@ -264,3 +264,16 @@ def test_ab_warns_when_other_processes_compete_for_the_cpu(runs, tmp_path):
     pinned = train_tiny(tmp_path / "pinned", 6, "train.threads=1")
     busy = summarize_ab(plan, {"A": [pinned], "B": [runs["twin"]]}, other_cpu={"A": [0.5], "B": [None]})
     assert busy.comparison.warnings[0].endswith("The variants ran on train.threads as given: A 1, B every core")
+
+
+def test_an_interrupted_ab_judges_by_the_rounds_that_ran(runs, monkeypatch):
+    """--repeats 5 stopped after one round: the verdict was the planned 5 repeats' ("B is 1.22x faster"
+    of one process each; a review's finding). It is the rounds every variant finished."""
+    from accelrun.report import ab
+
+    seen = []
+    real = ab.verdict_line
+    monkeypatch.setattr(ab, "verdict_line", lambda row, base, repeats, **kw: seen.append(repeats) or real(row, base, repeats, **kw))
+    plan = AbPlan(str(DEFAULT_CONFIG), [Variant("A", []), Variant("B", ["train.seed=0"])], runs["base"].parent, repeats=5)
+    summarize_ab(plan, {"A": [runs["base"]], "B": [runs["twin"]]})
+    assert seen == [1]

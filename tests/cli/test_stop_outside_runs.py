@@ -15,7 +15,8 @@ from accelrun.dist import stop
 # The console script pip writes (named accelrun, so the CLI knows it is the command), signalled once
 # the CLI module is in: a real preemption lands in the subcommands' imports or the recipe's checks.
 CONSOLE_SCRIPT = """
-import os, signal, time
+import os, signal, sys, time
+sys.argv[1:] = sys.argv[1:] or ["train", "configs/llama.yaml"]
 from accelrun.cli.main import main  # noqa: F401
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(5)
@@ -30,6 +31,11 @@ def test_sigterm_before_any_step_says_so_and_exits_143(tmp_path):
     assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
     assert "accelrun: stopped by SIGTERM before any step ran: nothing to save (exit 143)" in done.stderr
     assert "not stopped" not in done.stdout
+    # a command that trains no run of its own (ab: its variants are processes of their own) says no more
+    done = subprocess.run([sys.executable, str(script), "ab", "configs/llama.yaml"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 143 and "accelrun: stopped by SIGTERM nothing of its own to save" not in done.stderr
+    assert "accelrun: stopped by SIGTERM: nothing of its own to save (exit 143)" in done.stderr, done.stderr
 
 
 def test_importing_the_cli_leaves_sigterm_alone():

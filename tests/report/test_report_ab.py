@@ -159,6 +159,11 @@ def test_the_variants_recipe_warnings_are_said_before_the_runs(tmp_path):
     assert len(warm_up) == 1 and warm_up[0].startswith("every variant: train.lr_schedule.warmup_steps"), plan.notes
     # B's own: compile.scope means nothing without the compiler
     assert any(n.startswith("variant B: compile.scope") for n in plan.notes), plan.notes
+    # an A/A run's twin (its config validated once, as A's) warns as A does: still "every variant"
+    twin = AbPlan(plan.config, [Variant("A", ["compile.backend=eager"]), Variant("C", ["compile.backend=eager"])],
+                  tmp_path / "aa", steps=15, warmup_steps=2)
+    resolve_variants(twin)
+    assert any(n.startswith("every variant: train.lr_schedule.warmup_steps") for n in twin.notes), twin.notes
 
 
 def test_ab_resolves_a_recipe_that_exports_on_finish(tmp_path):
