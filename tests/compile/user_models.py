@@ -254,11 +254,15 @@ class LSTMBlock(nn.Module):
         return x + self.down(F.silu(self.up(self.norm2(x))))
 
 
-class LSTMStack(nn.Module):
+class BlockStackLM(nn.Module):
+    """A token table, a list of blocks of one class (``block_type``, built from the width), a head."""
+
+    block_type: type[nn.Module]
+
     def __init__(self, n_layers: int = 2, vocab: int = VOCAB, dim: int = DIM) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(LSTMBlock(dim) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(self.block_type(dim) for _ in range(n_layers))
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -266,6 +270,10 @@ class LSTMStack(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class LSTMStack(BlockStackLM):
+    block_type = LSTMBlock
 
 
 def rows_picked_by_a_mask(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -543,15 +551,5 @@ class SkippedMoEBlock(nn.Module):
         return x + out.view_as(x)
 
 
-class SkippedMoELM(nn.Module):
-    def __init__(self, vocab: int = VOCAB, dim: int = DIM) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(SkippedMoEBlock(dim) for _ in range(2))
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+class SkippedMoELM(BlockStackLM):
+    block_type = SkippedMoEBlock
