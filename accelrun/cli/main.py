@@ -24,7 +24,7 @@ def _started_as_the_command() -> bool:
 
 # Before the subcommands' imports (most of the first second): a preemption then says so (exit 143).
 if _started_as_the_command():
-    stop.say_stop_outside_runs_of(next((a for a in sys.argv[1:] if not a.startswith("-")), ""))
+    stop.say_stop_outside_runs(next((a for a in sys.argv[1:] if not a.startswith("-")), ""))
 
 
 class AccelrunGroup(click.Group):

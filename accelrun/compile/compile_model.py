@@ -418,10 +418,11 @@ class _WholeForwardFallback:
             return
         if getattr(torch._dynamo.config, "disable", False):
             return  # compiling is off in this process (TORCH_COMPILE_DISABLE): nothing could have run
-        code = getattr(type(self.blocks[0]).forward, "__code__", None) if self.blocks else None
+        block_type = type(self.blocks[0]) if self.blocks else None
+        code = getattr(block_type.forward, "__code__", None) if block_type is not None else None
         why = next((reason for path, line, reason in skipped_frames(self.start)
                     if code is not None and (path, line) == (code.co_filename, code.co_firstlineno)), None)
-        blocks = f"the {type(self.blocks[0]).__name__} blocks" if self.blocks else "the blocks"
+        blocks = f"the {block_type.__name__} blocks" if block_type is not None else "the blocks"
         if why is None:
             said = (f"no compiled block ran in the first forward (a forward that calls another method of {blocks}, "
                     "or none of them)")

@@ -131,22 +131,18 @@ def catch_signals(*, forward_to: Path | None = None, watch: Path | None = None) 
             signal.signal(s, h)
 
 
-def say_stop_outside_runs() -> None:
-    """SIGTERM outside ``catch_signals`` (the command's imports, the recipe's checks, its report after the
-    run): there is no step to finish or save, and the process dies of it as before, with its code 143,
-    but says so; killed silently in its first seconds, a job looked as if it had never started."""
-    signal.signal(signal.SIGTERM, _stopped_outside_runs)
-
-
 _trains = True  # the command trains (train, launch): its message says where it was, before or after the steps
 
 
-def say_stop_outside_runs_of(command: str) -> None:
-    """``say_stop_outside_runs`` for the command named on the command line: one that trains no run of its
-    own (``ab``, whose variants run in processes of their own) says only that it stopped."""
+def say_stop_outside_runs(command: str) -> None:
+    """SIGTERM outside ``catch_signals`` (the command's imports, the recipe's checks, its report after the
+    run): there is no step to finish or save, and the process dies of it as before, with its code 143,
+    but says so; killed silently in its first seconds, a job looked as if it had never started. A
+    ``command`` that trains no run of its own (``ab``, whose variants are processes of their own) says
+    only that it stopped."""
     global _trains
     _trains = command in ("train", "launch")
-    say_stop_outside_runs()
+    signal.signal(signal.SIGTERM, _stopped_outside_runs)
 
 
 def _stopped_outside_runs(signum: int, frame) -> None:

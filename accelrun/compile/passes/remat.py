@@ -226,11 +226,12 @@ def unreadable_primals(fw: fx.GraphModule, saved: list[fx.Node], notes: GraphNot
 
 def rematerialize(fw: fx.GraphModule, bw: fx.GraphModule, budget_bytes: int | None,
                   kinds: set[str], max_chain: int = 16, num_fwd_outputs: int | None = None,
-                  unreadable: AbstractSet[fx.Node] = frozenset(),
+                  notes: GraphNotes | None = None,
                   ) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, int]]:  # fmt: skip
-    """The new (forward, backward) pair and its counts; ``fw`` and ``bw`` are left unchanged.
-    ``unreadable``: primals no recomputation may read (``unreadable_primals``)."""
+    """The new (forward, backward) pair and its counts; ``fw`` and ``bw`` are left unchanged. With the
+    Dynamo graph's ``notes``, no recomputation reads an input ``unreadable_primals`` names."""
     layout = saved_layout(fw, bw, num_fwd_outputs)
+    unreadable = unreadable_primals(fw, layout.saved, notes) if notes is not None else frozenset()
     by_name = {p.name: p for p in layout.bw_saved}
     compared = {s for s in layout.saved if s.name in by_name and compared_in_backward(by_name[s.name])}
     dropped = set(_Planner(kinds, max_chain, keep=compared, unreadable=unreadable).plan(layout.saved, budget_bytes))
@@ -349,10 +350,8 @@ def remat(gm: Any, options: RematOptions, ctx: PassContext) -> PassResult:
     fw, bw = gm
     budget = None if options.budget_mb is None else int(options.budget_mb * _MiB)
     try:
-        layout = saved_layout(fw, bw, ctx.notes.num_fwd_outputs)
-        unreadable = unreadable_primals(fw, layout.saved, ctx.notes)
         new_fw, new_bw, counts = rematerialize(fw, bw, budget, set(options.recompute), options.max_chain,
-                                               ctx.notes.num_fwd_outputs, unreadable)  # fmt: skip
+                                               ctx.notes.num_fwd_outputs, ctx.notes)  # fmt: skip
     except LayoutError as e:
         return PassResult(changed=False, summary=f"skipped: {e}")
     before, after = counts["saved_bytes_before"], counts["saved_bytes_after"]
