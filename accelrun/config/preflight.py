@@ -30,6 +30,7 @@ from accelrun.config.schema import RunConfig
 from accelrun.config.validate import source_of
 from accelrun.config.yaml_lines import KeyPath
 from accelrun.errors import UserError
+from accelrun.models.forward_errors import said, sizes_disagree, users_line
 
 # Where a Linux NVIDIA driver lists its GPUs, one folder each (read without importing torch).
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
@@ -314,13 +315,8 @@ _META_WORD = re.compile(r"(\b|_)meta\b", re.IGNORECASE)  # not "metadata"
 
 
 def _not_built(cfg: RunConfig, e: BaseException) -> str:
-    return (f"model.custom = {cfg.model.custom!r} could not be built on the meta device ({_said(e)}): its token "
+    return (f"model.custom = {cfg.model.custom!r} could not be built on the meta device ({said(e)}): its token "
             "table, position table and logits are left to train")
-
-
-def _said(e: BaseException) -> str:
-    first = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {first[:160]}" if first else type(e).__name__
 
 
 def _logits_problems(model: Any, shape: tuple[int, int], vocab_size: int, unchecked: list[str]) -> list[str]:
@@ -339,36 +335,14 @@ def _logits_problems(model: Any, shape: tuple[int, int], vocab_size: int, unchec
     except ModelOutputError as e:
         return list(e.messages)
     except Exception as e:  # noqa: BLE001 (only a head start, as above)
-        if _sizes_disagree(e) and not _meta_device_error(e):
+        if sizes_disagree(e) and not _meta_device_error(e):
             # The model's own sizes do not fit (model.kwargs={dim: 60, heads: 7}: a view to 7 heads of 8):
             # the first step fails the same way. A trial's validate said "valid" and train crashed.
             return [f"{type(model).__name__}.forward fails on a batch of {shape[0]} x {shape[1]} tokens: "
-                    f"{_said(e)}{_user_line(e)}"]
-        unchecked.append(f"{type(model).__name__}.forward could not run on the meta device ({_said(e)}): "
+                    f"{said(e)}{users_line(e)}"]
+        unchecked.append(f"{type(model).__name__}.forward could not run on the meta device ({said(e)}): "
                          "the shape of its logits is left to train")
     return []
-
-
-# torch's words for sizes that do not fit each other, whatever the device: a model's own sizes (its
-# model.kwargs) that its forward cannot run with.
-_SIZES_DISAGREE = re.compile(r"is invalid for input of size|shapes cannot be multiplied|must match the size of "
-                             r"tensor|size mismatch|Expected size .* but got|is not divisible by")
-
-
-def _sizes_disagree(e: BaseException) -> bool:
-    return isinstance(e, (RuntimeError, ValueError)) and bool(_SIZES_DISAGREE.search(str(e)))
-
-
-def _user_line(e: BaseException) -> str:
-    """`` (at file:line)``: the innermost frame of the error outside torch and accelrun (the user's)."""
-    import traceback
-
-    import torch
-
-    ours = (Path(torch.__file__).parent, Path(__file__).parents[1])
-    user = [f for f in traceback.extract_tb(e.__traceback__)
-            if not any(Path(f.filename).is_relative_to(root) for root in ours)]
-    return f" (at {user[-1].filename}:{user[-1].lineno})" if user else ""
 
 
 def ids_the_logits_cover(cfg: RunConfig, drawn: int) -> int | None:

@@ -11,7 +11,9 @@
   routes by value. Training starts as it would have: the forward runs on a copy of the model's
   modules that shares its parameters and buffers (so the copy costs no memory, and Python state the
   forward changes, a call counter, changes in the copy), its randomness is forked, and its buffers
-  (BatchNorm's running statistics) are put back.
+  (BatchNorm's running statistics) are put back. A forward that fails there on its own sizes is
+  refused (``ModelSizesDisagree``, exit 2): the first step would fail the same way; any other failure
+  leaves the FLOPs unknown.
 """
 
 from __future__ import annotations
@@ -22,12 +24,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from accelrun.errors import UserError
+from accelrun.models.forward_errors import said, sizes_disagree, users_line
+
 if TYPE_CHECKING:  # torch is imported where it runs: the report reads COUNTED without it
     import torch
     from torch import nn
 
 COUNTED = ("counted: torch's FlopCounterMode over one sequence's forward (matrix products, convolutions, "
            "attention), × 3 for forward and backward")  # fmt: skip
+
+
+class ModelSizesDisagree(UserError):
+    """A user's forward failed eagerly on its own sizes (a view to heads that do not divide the width)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,9 @@ def counted_flops_per_token(model: nn.Module, seq_len: int, vocab_size: int, dev
             except Exception:  # noqa: BLE001
                 raise e from None
     except Exception as e:  # noqa: BLE001 (a forward that cannot run on one sequence: MFU is unknown, not fatal)
+        if sizes_disagree(e):  # eager, on real tensors: the model's own sizes, which the first step would meet
+            raise ModelSizesDisagree(f"{type(model).__name__}.forward fails on one sequence of {seq_len} tokens: "
+                                     f"{said(e)}{users_line(e)}") from e
         return FlopsPerToken(None, f"counting its FLOPs on one sequence failed: {_one_line(e)}")
     finally:
         with torch.no_grad():

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from accelrun.compile.compile_model import Compiled
 from accelrun.config import ConfigError, ResolvedConfig, RunConfig
 from accelrun.config.preflight import ids_the_logits_cover
+from accelrun.config.validate import source_of
 from accelrun.data import build_data
 from accelrun.data.build import build_eval_data
 from accelrun.dist.comm_overlap import comm_trace_for
@@ -36,7 +37,7 @@ from accelrun.models.build import (
     position_table_problem,
     training_loss_fn,
 )
-from accelrun.models.flop_count import FlopsPerToken, flops_per_token
+from accelrun.models.flop_count import FlopsPerToken, ModelSizesDisagree, flops_per_token
 from accelrun.models.hf_io import load_hf_for_config
 from accelrun.plan.stage_split import recipe_end_costs
 from accelrun.report.peak import Peak, resolve_peak
@@ -221,7 +222,10 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     if cfg.model.custom is not None and (problem := position_table_problem(model, t.seq_len)) is not None:
         raise ConfigError(problem)
     # Before compile and layouts: a user's model is counted by running its forward once, whole.
-    flops = flops_per_token(cfg.model, t.seq_len, model, device, data_vocab(cfg.model, model)[0])
+    try:
+        flops = flops_per_token(cfg.model, t.seq_len, model, device, data_vocab(cfg.model, model)[0])
+    except ModelSizesDisagree as e:  # as validate says it, with where the recipe names the model
+        raise ConfigError(f"{e} (model.custom: {source_of(('model', 'custom'), resolved.sources)})") from e
     info.update(flops_per_token=flops.value, flops_source=flops.source)
     trained_loss = loss_source(model)
     pipeline = None

@@ -312,6 +312,11 @@ def test_validate_refuses_a_forward_whose_own_sizes_do_not_fit(tiny, models):
             "for input of size 2304 (at ") in said and "contract_models.py:" in said, said
     r = invoke("validate", *args, "model.kwargs={style: Heads, width: 16, heads: 4}")
     assert r.exit_code == 0 and "note:" not in r.output, r.output
+    # train meets it counting the forward's FLOPs, eagerly, before compiling: a recipe error (2) naming the
+    # user's line, not the traced forward's crash (1) that a compile bug might also have been
+    said = one_error(invoke("train", *args, "model.kwargs={style: Heads, width: 18, heads: 4}"))
+    assert ("Heads.forward fails on one sequence of 32 tokens: RuntimeError: shape '[1, 32, 4, 4]' is invalid "
+            "for input of size 576 (at ") in said and "contract_models.py:" in said and "(model.custom: " in said, said
 
 
 def test_every_reader_of_the_data_takes_the_token_tables_rows(models):
