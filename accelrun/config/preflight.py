@@ -243,15 +243,25 @@ def custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source], unchec
     """
     if cfg.model.custom is None:
         return []
-    from accelrun.models.build import ModelKwargsError, check_custom_kwargs
+    from accelrun.models.build import check_custom_kwargs
 
     try:
         check_custom_kwargs(cfg.model.custom, dict(cfg.model.kwargs))
     except UserError as e:
-        key = ("model", "kwargs") if isinstance(e, ModelKwargsError) else ("model", "custom")
-        # Named with where it was set: "(default)" alone read as part of the message (a new user's trial).
-        return [f"{m} ({'.'.join(key)}: {source_of(key, sources)})" for m in e.messages]
+        return [f"{m}{custom_model_key(e, sources)}" for m in e.messages]
     return _built_custom_model_problems(cfg, sources, unchecked if unchecked is not None else [])
+
+
+def custom_model_key(e: UserError, sources: dict[KeyPath, Source]) -> str:
+    """`` (key: where it was set)`` for an error building a user's model: the model.kwargs entry at fault
+    (its own line, not the line of ``kwargs:`` above it), model.kwargs, or model.custom. Named with where
+    it was set: "(default)" alone read as part of the message (a new user's trial)."""
+    from accelrun.models.build import ModelKwargsError
+
+    key: KeyPath = ("model", "custom")
+    if isinstance(e, ModelKwargsError):
+        key = ("model", "kwargs", e.name) if e.name else ("model", "kwargs")
+    return f" ({'.'.join(key)}: {source_of(key, sources, exact=False)})"
 
 
 def _built_custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source], unchecked: list[str]) -> list[str]:

@@ -97,8 +97,7 @@ def raised_at(e: BaseException) -> str:
 def _build_custom(path: str, kwargs: dict[str, Any], device: torch.device) -> nn.Module:
     where = f"model.custom = {path!r}"
     factory, attr = resolve_custom(path)
-    if problem := kwargs_type_problem(factory, attr, kwargs):  # passed as given: a wrong type builds another model
-        raise ModelKwargsError(f"model.kwargs do not fit model.custom = {path!r}: {problem}")
+    check_kwargs_types(factory, attr, path, kwargs)  # passed as given: a wrong type builds another model
     try:
         with device:
             model = factory(**kwargs)
@@ -217,7 +216,12 @@ FACTORY_COMPILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class ModelKwargsError(ModelBuildError):
-    """model.kwargs do not fit model.custom's factory."""
+    """model.kwargs do not fit model.custom's factory. ``name``: the argument at fault where there is one
+    (a misspelt or mistyped key, whose own line the recipe error names), else None."""
+
+    def __init__(self, messages: str | list[str], name: str | None = None):
+        super().__init__(messages)
+        self.name = name
 
 
 def check_custom_kwargs(path: str, kwargs: dict[str, Any]) -> None:
@@ -233,11 +237,20 @@ def check_custom_kwargs(path: str, kwargs: dict[str, Any]) -> None:
     try:
         signature.bind(**kwargs)
     except TypeError as e:
-        names = [n for n, p in signature.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        params = signature.parameters
+        names = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        unknown = next((n for n in kwargs if n not in params), None)  # (None: one required is missing)
         raise ModelKwargsError(f"model.kwargs = {kwargs!r} do not fit model.custom = {path!r}: {e} "
-                               f"({attr} takes {', '.join(names) or 'no arguments'}){_kwargs_fix(signature, kwargs)}") from None
-    if problem := kwargs_type_problem(factory, attr, kwargs):
-        raise ModelKwargsError(f"model.kwargs do not fit model.custom = {path!r}: {problem}")
+                               f"({attr} takes {', '.join(names) or 'no arguments'}){_kwargs_fix(signature, kwargs)}",
+                               name=unknown) from None
+    check_kwargs_types(factory, attr, path, kwargs)
+
+
+def check_kwargs_types(factory: Any, attr: str, path: str, kwargs: dict[str, Any]) -> None:
+    """ModelKwargsError naming the first of ``kwargs`` of a type the factory does not take."""
+    if found := _mistyped_kwarg(factory, attr, kwargs):
+        name, problem = found
+        raise ModelKwargsError(f"model.kwargs do not fit model.custom = {path!r}: {problem}", name=name)
 
 
 def kwargs_type_problem(factory: Any, attr: str, kwargs: dict[str, Any]) -> str | None:
@@ -245,11 +258,17 @@ def kwargs_type_problem(factory: Any, attr: str, kwargs: dict[str, Any]) -> str 
     float, str, None, a Literal, a union of those), in words with the nearest valid value; None if all
     fit or cannot be told. The factory gets the values as given: ``norm_first: flase`` reached a
     ``bool`` argument as a (true) string and built the other model, silently (a new user's trial)."""
+    found = _mistyped_kwarg(factory, attr, kwargs)
+    return found[1] if found else None
+
+
+def _mistyped_kwarg(factory: Any, attr: str, kwargs: dict[str, Any]) -> tuple[str, str] | None:
+    """(name, the problem in words) of ``kwargs_type_problem``'s first finding."""
     hints = _annotations(factory)
     for name, value in kwargs.items():
         if name in hints and _fits(value, hints[name]) is False:
-            return (f"model.kwargs.{name} = {value!r} ({type(value).__name__}), but {attr} takes "
-                    f"{name}: {_type_words(hints[name])}{_nearest_value(value, hints[name])}")
+            return name, (f"model.kwargs.{name} = {value!r} ({type(value).__name__}), but {attr} takes "
+                          f"{name}: {_type_words(hints[name])}{_nearest_value(value, hints[name])}")
     return None
 
 

@@ -16,8 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from accelrun.compile.compile_model import Compiled
 from accelrun.config import ConfigError, ResolvedConfig, RunConfig
-from accelrun.config.preflight import ids_the_logits_cover
-from accelrun.config.validate import source_of
+from accelrun.config.preflight import custom_model_key, ids_the_logits_cover
 from accelrun.data import build_data
 from accelrun.data.build import build_eval_data
 from accelrun.dist.comm_overlap import comm_trace_for
@@ -30,6 +29,7 @@ from accelrun.dist.pipeline import Pipeline, microbatch_loss, union_of
 from accelrun.dist.tp import loss_context
 from accelrun.models import build_model, model_summary
 from accelrun.models.build import (
+    ModelBuildError,
     data_vocab,
     document_packing_problem,
     loss_source,
@@ -213,7 +213,12 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     # parameter name and position (models.shard_init), so the sharded job starts from exactly the
     # weights a single process would. A user's model is built whole on the device, as its factory does.
     on_meta = cfg.model.custom is None
-    model = build_model(cfg.model, "meta" if on_meta else device, seed=t.seed)
+    try:
+        model = build_model(cfg.model, "meta" if on_meta else device, seed=t.seed)
+    except ModelBuildError as e:  # with the recipe's line that named it, as validate says it
+        if cfg.model.custom is None:
+            raise
+        raise ConfigError([f"{m}{custom_model_key(e, resolved.sources)}" for m in e.messages]) from e
     info = model_summary(cfg.model, model)  # its FLOPs per token: flop_count's, added below
     # A user's model's classes (a family's are accelrun's), read before a layout splits or wraps the model.
     code = model_code(model) if cfg.model.custom is not None else {}
@@ -225,7 +230,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
     try:
         flops = flops_per_token(cfg.model, t.seq_len, model, device, data_vocab(cfg.model, model)[0])
     except ModelSizesDisagree as e:  # as validate says it, with where the recipe names the model
-        raise ConfigError(f"{e} (model.custom: {source_of(('model', 'custom'), resolved.sources)})") from e
+        raise ConfigError(f"{e}{custom_model_key(e, resolved.sources)}") from e
     info.update(flops_per_token=flops.value, flops_source=flops.source)
     trained_loss = loss_source(model)
     pipeline = None

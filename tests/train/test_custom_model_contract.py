@@ -44,6 +44,11 @@ class Plain(nn.Module):
         return self.out(torch.tanh(self.emb(idx)))
 
 
+class Typed(Plain):  # its arguments annotated: a value of another type is refused, naming the key
+    def __init__(self, vocab: int = 320, width: int = 16):
+        super().__init__(vocab, width)
+
+
 class Heads(Plain):  # splits its width into heads: a width the heads do not divide fails at the view
     def __init__(self, vocab=320, width=16, heads=4):
         super().__init__(vocab, width)
@@ -262,7 +267,7 @@ def test_a_small_head_registered_after_the_output_head_does_not_hide_the_token_t
     ("contract_models:nope", "{}", "module 'contract_models' has no attribute 'nope'", "", ()),
     ("contract_models:Plain", "{dims: 64}", "unexpected keyword argument 'dims'",
      "do not fit model.custom = 'contract_models:Plain': got an unexpected keyword argument 'dims' (Plain takes "
-     "vocab, width) (model.kwargs: override 'model.kwargs={dims: 64}')", ()),
+     "vocab, width) (model.kwargs.dims: override 'model.kwargs={dims: 64}')", ()),
     # the nearest valid value: a misspelt argument's nearest name, a missing one written as an override
     ("contract_models:Plain", "{widht: 64}", "unexpected keyword argument 'widht'", "; did you mean 'width'?", ()),
     ("contract_models:Needs", "{vocab: 300}", "missing a required argument: 'width'",
@@ -299,6 +304,21 @@ def test_validate_refuses_what_train_would(tiny, models, custom, kwargs, message
     said = one_error(invoke("validate", *args))
     assert message in said and validate_only in said, said
     assert message in one_error(invoke("train", *args))  # the rank that builds the model says it
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("widht: 64", "got an unexpected keyword argument 'widht' (Typed takes vocab, width); did you mean 'width'? "
+                  "(model.kwargs.widht: {recipe}:6)"),
+    ("width: wide", "model.kwargs.width = 'wide' (str), but Typed takes width: int (model.kwargs.width: {recipe}:6)"),
+])
+def test_a_model_kwargs_entry_that_does_not_fit_is_named_at_its_own_line(tiny, models, tmp_path, entry, message):
+    """The entry's own line, not that of `kwargs:` above it; and train, which named no line, names it too."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(f"extends: [{DEFAULT_CONFIG}]\nmodel:\n  custom: contract_models:Typed\n  kwargs:\n"
+                      f"    vocab: 320\n    {entry}\n")
+    for command in ("validate", "train"):
+        said = one_error(invoke(command, str(recipe), *tiny(2)))
+        assert message.format(recipe=recipe) in said, (command, said)
 
 
 def test_validate_refuses_a_forward_whose_own_sizes_do_not_fit(tiny, models):
