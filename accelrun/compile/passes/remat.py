@@ -210,18 +210,26 @@ def unreadable_primals(fw: fx.GraphModule, saved: list[fx.Node], notes: GraphNot
       forward does not save anyway: saving one instead of what it computed exposes it to the caller's
       in-place changes before the backward, which eager's saved values are not.
 
-    Every input, where AOTAutograd's descriptions or static inputs are not known."""
+    Every input, where AOTAutograd's descriptions or static inputs are not known (``inputs_described``)."""
     from accelrun.torch_private import InputMutationAOTOutput
 
     primals = list(fw.graph.find_nodes(op="placeholder"))
-    outputs = fw.graph.output_node().meta.get("desc")
-    ids = [getattr(p.meta.get("desc"), "idx", None) for p in primals]
-    if notes.static_inputs is None or not isinstance(outputs, list) or None in ids:
+    if not inputs_described(fw, notes):
         return set(primals)
+    outputs = fw.graph.output_node().meta["desc"]
+    ids = [p.meta["desc"].idx for p in primals]
     changed = [d.mutated_input for d in outputs if isinstance(d, InputMutationAOTOutput)]
     saved_already = set(saved)
     return {p for p, i in zip(primals, ids, strict=True)
             if p.meta["desc"] in changed or (i not in notes.static_inputs and p not in saved_already)}
+
+
+def inputs_described(fw: fx.GraphModule, notes: GraphNotes) -> bool:
+    """Whether ``unreadable_primals`` can tell the forward's inputs apart: AOTAutograd described its
+    outputs and each input, and the partitioner named the static inputs."""
+    ids = [getattr(p.meta.get("desc"), "idx", None) for p in fw.graph.find_nodes(op="placeholder")]
+    return (notes.static_inputs is not None and isinstance(fw.graph.output_node().meta.get("desc"), list)
+            and None not in ids)
 
 
 def rematerialize(fw: fx.GraphModule, bw: fx.GraphModule, budget_bytes: int | None,
@@ -247,6 +255,7 @@ def rematerialize(fw: fx.GraphModule, bw: fx.GraphModule, budget_bytes: int | No
     counts = {
         "saved_bytes_before": _saved_bytes(layout.saved), "saved_bytes_after": _saved_bytes(new_saved),
         "recomputed_nodes": recomputed, "dropped_saved": len(dropped), "saved_primals_added": len(needed_primals),
+        "inputs_undescribed": int(notes is not None and not inputs_described(fw, notes)),
     }  # fmt: skip
     return new_fw, new_bw, counts
 
@@ -358,6 +367,9 @@ def remat(gm: Any, options: RematOptions, ctx: PassContext) -> PassResult:
     met = budget is None or after <= budget
     counts["budget_met"] = int(met)
     summary = (f"saved {before / _MiB:.3f} -> {after / _MiB:.3f} MiB, recomputed {counts['recomputed_nodes']} nodes"
-               + ("" if met else f" (budget {options.budget_mb} MiB not reached)"))  # fmt: skip
+               + ("" if met else f" (budget {options.budget_mb} MiB not reached)")
+               # a torch whose AOTAutograd does not describe them: safe, but what is saved anyway is kept
+               + ("; no input read again: AOTAutograd did not say which the forward changes"
+                  if counts["inputs_undescribed"] else ""))  # fmt: skip
     changed = counts["dropped_saved"] > 0
     return PassResult(changed=changed, summary=summary, counts=counts, graph=(new_fw, new_bw) if changed else None)
