@@ -27,6 +27,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousGracefulExitError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from accelrun.config.schema import ParallelConfig
@@ -34,6 +35,7 @@ from accelrun.dist import stop
 from accelrun.dist.launch_options import LaunchOptions
 from accelrun.dist.rank_errors import unprinted_messages
 from accelrun.dist.rank_failures import LOGS, culprit, exit_codes_of, explain, rank_ends
+from accelrun.errors import UserError
 from accelrun.torch_private import on_group_restart
 
 # What the fork server imports once, before it forks ranks (with the entry point's own module).
@@ -64,6 +66,21 @@ def launch_config(par: ParallelConfig, opts: LaunchOptions) -> LaunchConfig:
         # SIGTERM and SIGINT are the launcher's (dist.stop): the ranks finish their step and save.
         signals_to_handle="SIGHUP,SIGQUIT",
     )
+
+
+class RendezvousFailed(UserError):
+    """This node could not join its job: an address or port nobody listens on, node 0 not started."""
+
+    exit_code = 1  # not the recipe's: the same command may work once the other nodes are up
+
+
+def rendezvous_failed(e: RendezvousError, opts: LaunchOptions) -> RendezvousFailed:
+    said = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+    return RendezvousFailed(
+        f"this node (--node-rank {opts.node_rank if opts.node_rank is not None else 'from the rendezvous'}) could "
+        f"not join the job at --rdzv-endpoint {opts.rdzv_endpoint}: {type(e).__name__}: {said}. Node 0 hosts the "
+        "rendezvous there: start it first (--node-rank 0), with the same --rdzv-endpoint and --rdzv-id, at an "
+        "address and port this node reaches")
 
 
 @dataclass(frozen=True)
@@ -140,6 +157,10 @@ def launch_job(run_dir: Path, par: ParallelConfig, opts: LaunchOptions,
         try:
             with stop.abort_on_second_interrupt(_kill_ranks):
                 elastic_launch(launch_config(par, opts), entry)(str(run_dir), errors)
+        except RendezvousError as e:  # a C++ frame dump and torch's traceback, two minutes in, otherwise
+            if isinstance(e, RendezvousGracefulExitError):
+                raise
+            raise rendezvous_failed(e, opts) from e
         except SignalException:  # _kill_ranks: the agent killed the ranks and stopped
             return JobOutcome(stop.exit_code(signal.SIGINT), [], stop.Stopped(0, signal.SIGINT, -1, None),
                               par.world_size)

@@ -61,3 +61,41 @@ def test_several_nodes_need_a_job_id(tiny):
     r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG), *tiny(1), "parallel.nproc_per_node=1",
                                  "train.micro_batch=2", "--nnodes", "2"])
     assert r.exit_code == 2 and "--rdzv-id" in r.output
+
+
+@pytest.mark.parametrize("options, message", [
+    # torch's launcher waited two minutes at the rendezvous, then printed C++ frames and a traceback (exit 1)
+    (("--nnodes", "2", "--node-rank", "5", "--rdzv-id", "j1", "--rdzv-endpoint", "localhost:29511"),
+     "--node-rank 5: a job of 2 node(s) (--nnodes, parallel.nnodes) has node ranks 0 to 1"),
+    # a traceback (exit 1) after the run folder was made
+    (("--rdzv-endpoint", "nohost:xx"), "--rdzv-endpoint 'nohost:xx': the port 'xx' is not a number from 0 to 65535; "
+                                       "expected HOST:PORT, e.g. nohost:29500"),
+    # trained the whole job, then torchelastic divided by zero (exit 1)
+    (("--max-restarts", "-1"), "Invalid value for '--max-restarts': -1 is not in the range x>=0"),
+])
+def test_launch_options_the_launcher_would_fail_on_are_refused_first(tiny, tmp_path, options, message):
+    """Found by a new user's trial (2026-12-07): each is one line and exit 2, and no run folder is made."""
+    r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG), *tiny(1), "parallel.nproc_per_node=2",
+                                 "train.micro_batch=1", *options])
+    assert r.exit_code == 2 and message in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_rendezvous_this_node_cannot_reach_is_one_line(tiny, monkeypatch):
+    """What torch's launcher raises there (RendezvousConnectionError after its store's timeout) is said with
+    the endpoint and what to check, not as C++ frames and a traceback."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    import accelrun.dist.launch as launch
+
+    def unreachable(config, entry):
+        raise RendezvousConnectionError("The connection to the C10d store has failed. See inner exception.")
+
+    monkeypatch.setattr(launch, "elastic_launch", unreachable)
+    r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG), *tiny(1), "parallel.nproc_per_node=2", "train.micro_batch=1",
+                                 "--nnodes", "2", "--node-rank", "1", "--rdzv-id", "j2",
+                                 "--rdzv-endpoint", "localhost:29512"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert ("this node (--node-rank 1) could not join the job at --rdzv-endpoint localhost:29512: "
+            "RendezvousConnectionError: The connection to the C10d store has failed.") in said, said
