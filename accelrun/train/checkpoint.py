@@ -27,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from accelrun.dist.context import ParallelContext
 from accelrun.report.rundir import unwritable
@@ -87,7 +87,7 @@ def _save(ckpt_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Op
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
     _barrier(ctx)
     save_rng_state(tmp, ctx.rank if ctx is not None else 0)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)  # collective: every rank's file is written
@@ -113,15 +113,29 @@ def _barrier(ctx: ParallelContext | None) -> None:
         ctx.barrier()
 
 
+# The optimizer's settings are saved per parameter name ("optim.param_groups.<name>.lr"), not per group
+# index ("optim.param_groups.0.lr"): under pipelining each rank's groups hold other parameters, the
+# indices collided, one rank's groups were kept, and the others' came back without settings (a resumed
+# pipeline said the optimizer went on "lr: None -> 0.003"; a new user's trial, 2026-12-07).
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+BY_GROUP_INDEX = StateDictOptions()  # how checkpoints were written before
+
+
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Load model and optimizer state in place; returns the saved train state (step, data, ...)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = FLAT if _flat(path) else BY_GROUP_INDEX
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     return json.loads((path / TRAIN_STATE).read_text())
+
+
+def _flat(path: Path) -> bool:
+    """Whether the checkpoint keeps the optimizer's settings per parameter name (``FLAT``)."""
+    return "optim.param_groups.0.params" not in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
 
 
 def rng_file(path: Path, rank: int) -> Path:

@@ -102,6 +102,25 @@ def test_checkpoint_of_two_ranks_resumes_in_one(layout_run, reference, tmp_path)
     assert all("comm_s" not in m for m in read_metrics(one.run_dir / "metrics.jsonl"))
 
 
+def test_a_pipeline_resumes_its_optimizer_settings_from_its_own_checkpoint(layout_run, reference, tmp_path):
+    """Each stage's optimizer groups hold other parameters: saved by group index, the ranks' groups collided
+    in the checkpoint and rank 0's came back without settings ("note: the optimizer goes on with this
+    recipe's settings (lr: None -> 0.003, ...)" on an unchanged recipe; a new user's trial). Saved by
+    parameter name, each stage gets its own back, and the losses go on as the one-process run's."""
+    ckpt = layout_run("pp2_gpipe_layers") / "checkpoints" / "step-000002"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    assert "optim.param_groups.layers.1.attention.wq.weight.lr" in keys and "optim.param_groups.0.lr" not in keys
+    job = start_cli(*tiny_overrides(tmp_path / "runs", STEPS, "name=pp-again", *LAYOUTS["pp2_gpipe_layers"],
+                                    f"checkpoint.resume={ckpt}"))
+    out, _ = job.communicate(timeout=300)
+    assert job.returncode == 0 and "resuming from" in out, out[-3000:]
+    assert "the optimizer goes on" not in out, out[-3000:]
+    (run,) = (tmp_path / "runs" / "pp-again").iterdir()
+    assert losses(run) == pytest.approx(reference(STEPS, *MODEL["pp2_gpipe_layers"]).losses[2:], rel=LOSS_RTOL)
+
+
 def test_unsupported_layout_fails_before_launch(tiny):
     r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG), *tiny(2), "parallel.nproc_per_node=2",
                                  "parallel.dp_shard=1", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"])

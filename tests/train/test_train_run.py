@@ -98,6 +98,26 @@ def test_resume_continues_with_identical_losses(tiny):
     assert again.report["resumed_from"] is None and again.report["first_step"] == 1
 
 
+def test_a_checkpoint_with_the_optimizer_settings_by_group_index_still_resumes(tiny, monkeypatch):
+    """Checkpoints written before 2026-12-07 keep the optimizer's settings per group index (the form
+    whose indices collided under pipelining); they load as they were written, with identical losses."""
+    import torch.distributed.checkpoint as dcp
+
+    import accelrun.train.checkpoint as checkpoint
+
+    full = run(tiny(6, "checkpoint.every=3", "name=ref"))
+    monkeypatch.setattr(checkpoint, "FLAT", checkpoint.BY_GROUP_INDEX)  # the writer of before
+    cut = run(tiny(6, "checkpoint.every=3", "name=cut"), stop_after_step=4)
+    monkeypatch.undo()
+    old = cut.run_dir / "checkpoints" / "step-000003"
+    assert "optim.param_groups.0.lr" in dcp.FileSystemReader(old).read_metadata().state_dict_metadata
+    resumed = run(tiny(6, "checkpoint.every=3", "name=cut"))
+    assert resumed.report["resumed_from"].endswith("step-000003")
+    assert losses(resumed.run_dir) == losses(full.run_dir)[3:]
+    new = resumed.run_dir / "checkpoints" / "step-000006"  # written by name again
+    assert "optim.param_groups.0.lr" not in dcp.FileSystemReader(new).read_metadata().state_dict_metadata
+
+
 def test_auto_resume_skips_a_checkpoint_of_a_different_config(tiny):
     from rich.console import Console
 
