@@ -63,13 +63,13 @@ def _link_flags() -> tuple[str, ...]:
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The loaded library, or why there is none."""
-    from accelrun.compile.codegen.cpp_build import build_library, find_compiler, load_library
+    from accelrun.compile.codegen.cpp_build import build_and_load, find_compiler
 
     if find_compiler() is None:
         return "no C++ compiler (g++) to build it"
     source = (Path(__file__).with_name("host_blocks.cpp")).read_text()
     try:
-        lib = load_library(build_library(source, link=_link_flags()))
+        lib = build_and_load(source, link=_link_flags())
     except (RuntimeError, OSError) as e:
         lines = str(e).splitlines()
         first_error = next((ln.strip() for ln in lines if "error" in ln), lines[-1] if lines else type(e).__name__)

@@ -9,7 +9,7 @@ exp, erf, 1 + erf and tanh are branch-free polynomials (``acc_exp``, ``acc_erf``
 calling them still vectorize; bf16 is widened and rounded with bit shifts.
 
     source = cpp_source(program)
-    fn = CppRegion(program, load_library(build_library(source, cache_dir)))
+    fn = CppRegion(program, build_and_load(source, cache_dir))
     outputs = fn(*inputs)
 """
 
@@ -614,7 +614,8 @@ _empty_strided = empty_strided_cpu or _empty_strided_py
 def _restore_region(library: str, entry: str, buffers: list[Buffer], runtime_rows: Any = None,
                     size_inputs: tuple[int, ...] = (), linear_sizes: Any = None) -> CppRegion:  # fmt: skip
     if not Path(library).exists():
-        raise FileNotFoundError(f"compiled region {library} is no longer in the cache")
+        raise FileNotFoundError(f"compiled region {library} is not in the kernel cache (removed, or still being "
+                                "built by another process that compiled it at the same time)")
     program = LoopProgram(buffers, [], runtime_rows, size_inputs, linear_sizes)
     return cpp_region(program, load_library(Path(library)), entry)
 

@@ -3,8 +3,11 @@
 The cache key is a sha256 of exactly what changes the binary: the source, the compiler's version
 line, the flags, and the CPU's feature flags (``-march=native`` makes code for this CPU only).
 Writes go to a temporary file renamed into place (``os.replace`` is atomic), so processes sharing a
-cache directory never load a half-written library. ``compiler_invocations()`` counts g++ runs in this
-process, so a test can check that a warm cache builds nothing.
+cache directory never load a half-written library. Beside each library is its sha256 (``<key>.so.sha256``),
+checked before it is first loaded in a process: a library damaged on disk is built again rather than
+loaded (a new user's trial: a garbled one crashed every run, or trained to wrong losses from the graph
+cache without a word; an emptied one was never rebuilt). ``compiler_invocations()`` counts g++ runs in
+this process, so a test can check that a warm cache builds nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 # -fno-math-errno and -fno-trapping-math let g++ vectorize sqrt and floor (used by acc_exp); nothing
@@ -27,6 +31,7 @@ FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shar
 LATER_NICENESS = 10  # build_library(needed_later=True): about a tenth of a core's share beside busy ones
 _invocations = 0
 _loaded: dict[str, ctypes.CDLL] = {}
+ELF_MAGIC = b"\x7fELF"
 
 
 def compiler_invocations() -> int:
@@ -75,6 +80,12 @@ def library_path(source: str, cache_dir: str | os.PathLike | None = None, link: 
     return directory / f"{key}.so"
 
 
+def is_cached(source: str, cache_dir: str | os.PathLike | None = None) -> bool:
+    """Whether the library of ``source`` is in the cache and sound (``build_library`` will not run g++)."""
+    path = library_path(source, cache_dir)
+    return path.exists() and damage(path) is None
+
+
 def build_library(source: str, cache_dir: str | os.PathLike | None = None, link: tuple[str, ...] = (),
                   needed_later: bool = False) -> Path:  # fmt: skip
     """Path of the shared library built from ``source``, compiling only on a cache miss. ``link``: flags
@@ -88,7 +99,9 @@ def build_library(source: str, cache_dir: str | os.PathLike | None = None, link:
     assert cxx is not None
     directory.mkdir(parents=True, exist_ok=True)
     if target.exists():
-        return target
+        if (why := damage(target)) is None:
+            return target
+        warnings.warn(f"accelrun: the kernel library {target} {why}; building it again", stacklevel=2)
     with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
         src = Path(tmp) / f"{key}.cpp"
         src.write_text(source)
@@ -101,12 +114,57 @@ def build_library(source: str, cache_dir: str | os.PathLike | None = None, link:
         if proc.returncode != 0:
             raise RuntimeError(f"g++ failed on generated code:\n{proc.stderr[-4000:]}")
         os.replace(src, directory / f"{key}.cpp")  # kept for reading; harmless if another process won
+        # The checksum first: a process that finds the library finds its checksum. (Two processes building
+        # at once may leave one's checksum beside the other's library: the next finds it "damaged" and
+        # builds it again, once.)
+        checksum = Path(tmp) / "sha256"
+        checksum.write_text(_sha256(built))
+        os.replace(checksum, checksum_path(target))
         os.replace(built, target)
     return target
 
 
+def checksum_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def damage(library: Path) -> str | None:
+    """Why the cached ``library`` must not be loaded, in words, or None: its contents differ from the
+    checksum written beside it, or (a library cached before there were checksums) it is no shared library."""
+    try:
+        with open(library, "rb") as f:
+            head = f.read(4)
+        recorded = checksum_path(library).read_text().strip() if checksum_path(library).exists() else None
+    except OSError as e:
+        return f"cannot be read ({type(e).__name__}: {e.strerror or e})"
+    if recorded is not None:
+        return None if _sha256(library) == recorded else "differs from the checksum written beside it when it was built"
+    return None if head == ELF_MAGIC else f"is no shared library ({library.stat().st_size} bytes, not an ELF file)"
+
+
 def load_library(path: Path) -> ctypes.CDLL:
+    """The library at ``path``, loaded once per process and checked (``damage``) before: OSError if damaged."""
     key = str(path)
     if key not in _loaded:
+        if (why := damage(path)) is not None:
+            raise OSError(f"the kernel library {path} {why}")
         _loaded[key] = ctypes.CDLL(key)
     return _loaded[key]
+
+
+def build_and_load(source: str, cache_dir: str | os.PathLike | None = None, link: tuple[str, ...] = (),
+                   needed_later: bool = False) -> ctypes.CDLL:  # fmt: skip
+    """``load_library(build_library(...))``, building once more a cached library the loader refuses (one
+    cached before there were checksums, cut short or garbled after its header)."""
+    path = build_library(source, cache_dir, link, needed_later)
+    try:
+        return load_library(path)
+    except OSError as e:
+        warnings.warn(f"accelrun: the kernel library {path} could not be loaded ({e}); building it again",
+                      stacklevel=2)
+        path.unlink(missing_ok=True)
+        return load_library(build_library(source, cache_dir, link, needed_later))

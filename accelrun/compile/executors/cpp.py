@@ -7,7 +7,7 @@ trailing axes, fp32/bf16); compiles it with g++ once and reuses the library from
 from __future__ import annotations
 
 from accelrun.compile.codegen.cpp import ENTRY, PRELUDE, cpp_region, cpp_source, saved_region
-from accelrun.compile.codegen.cpp_build import build_library, find_compiler, library_path, load_library
+from accelrun.compile.codegen.cpp_build import build_and_load, find_compiler, is_cached, library_path
 from accelrun.compile.codegen.loop_ir import cached_program
 from accelrun.compile.executors.base import RegionFn, register_executor
 from accelrun.compile.executors.generated import GeneratedCodeExecutor
@@ -32,14 +32,14 @@ class CppExecutor(GeneratedCodeExecutor):
 
     def compile(self, region: Region, cache_dir: str | None) -> RegionFn:
         source = self.source(region)
-        region.lowering.cache_hit = library_path(source, cache_dir).exists()
-        lib = load_library(build_library(source, cache_dir, needed_later=_needed_later([region])))
+        region.lowering.cache_hit = is_cached(source, cache_dir)
+        lib = build_and_load(source, cache_dir, needed_later=_needed_later([region]))
         return cpp_region(cached_program(region), lib)
 
     def compile_batch(self, regions: list[Region], cache_dir: str | None) -> list[RegionFn]:
         source, entries = self._batch(regions)
-        hit = library_path(source, cache_dir).exists()
-        lib = load_library(build_library(source, cache_dir, needed_later=_needed_later(regions)))
+        hit = is_cached(source, cache_dir)
+        lib = build_and_load(source, cache_dir, needed_later=_needed_later(regions))
         for region in regions:
             region.lowering.cache_hit = hit
         return [cpp_region(cached_program(r), lib, entry) for r, entry in zip(regions, entries, strict=True)]

@@ -78,12 +78,12 @@ def dropout_uniform(seed: torch.Tensor, size: list[int]) -> torch.Tensor:
 
 @functools.cache  # built once per process (and per machine, on disk); None: no compiler
 def _fill_library() -> ctypes.CDLL | None:
-    from accelrun.compile.codegen.cpp_build import build_library, find_compiler, load_library
+    from accelrun.compile.codegen.cpp_build import build_and_load, find_compiler
 
     if find_compiler() is None:
         return None
     try:
-        lib = load_library(build_library(FILL_SOURCE))
+        lib = build_and_load(FILL_SOURCE)
     except Exception:  # noqa: BLE001 (g++ refused it, ...): the reference draws the same numbers
         return None
     lib.acc_uniform_fill.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]

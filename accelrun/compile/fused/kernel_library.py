@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from accelrun.compile.codegen.cpp_build import build_library, load_library
+from accelrun.compile.codegen.cpp_build import build_and_load
 
 ELEMENT_TYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}  # the C type of each dtype's storage
 _CONVERSIONS = Path(__file__).with_name("element_types.h")
@@ -49,7 +49,7 @@ class PerDtypeLibrary:
         with self._lock:  # one build, whichever thread asks first (see build_in_background)
             if dtype not in self._built:
                 try:
-                    lib = load_library(build_library(self.source(dtype)))
+                    lib = build_and_load(self.source(dtype))
                     self.declare(lib)
                 except Exception as e:  # noqa: BLE001 (no compiler after all, g++ refused the source, ...)
                     self._built[dtype] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

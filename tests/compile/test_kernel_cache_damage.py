@@ -1,0 +1,88 @@
+"""A kernel library damaged in the cache is built again, never loaded (compile/codegen/cpp_build.py).
+
+A new user's trial (2026-12-07) garbled the cached libraries: a run crashed (a segmentation fault, on
+every run until the cache was deleted), or loaded its graphs from the graph cache and trained to wrong
+losses (1.03 against eager's 4.91) without a word; emptied ones were never rebuilt, so every later run
+compiled afresh and ran attention in ATen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from accelrun.compile.codegen import cpp_build
+from accelrun.compile.codegen.cpp_build import (
+    build_and_load,
+    build_library,
+    checksum_path,
+    compiler_invocations,
+)
+
+SOURCE = 'extern "C" int answer() { return 42; }\n'
+
+
+def _garble(library) -> None:
+    """Flip bytes past the ELF header: the file still looks like a shared library. (Written as a new file:
+    this process may have the old one mapped, and changing a mapped file's pages crashes it.)"""
+    data = bytearray(library.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0x5A
+    garbled = library.with_name("garbled")
+    garbled.write_bytes(bytes(data))
+    garbled.replace(library)
+
+
+@pytest.fixture
+def fresh_process(monkeypatch):
+    monkeypatch.setattr(cpp_build, "_loaded", {})  # nothing loaded yet, as in a new process
+
+
+def test_a_garbled_library_is_built_again(tmp_path, fresh_process):
+    library = build_library(SOURCE, tmp_path)
+    assert checksum_path(library).is_file()
+    _garble(library)
+    with pytest.raises(OSError, match="differs from the checksum written beside it"):
+        cpp_build.load_library(library)
+    built = compiler_invocations()
+    with pytest.warns(UserWarning, match="differs from the checksum written beside it when it was built; building"):
+        lib = build_and_load(SOURCE, tmp_path)
+    assert compiler_invocations() == built + 1 and lib.answer() == 42
+    assert cpp_build.damage(library) is None
+
+
+@pytest.mark.parametrize("cut", [0, 200])  # emptied; cut short after its header
+def test_a_library_cached_before_checksums_that_will_not_load_is_built_again(tmp_path, fresh_process, cut):
+    library = build_library(SOURCE, tmp_path)
+    checksum_path(library).unlink()  # as libraries were cached before
+    short = library.with_name("short")
+    short.write_bytes(library.read_bytes()[:cut])
+    short.replace(library)
+    built = compiler_invocations()
+    with pytest.warns(UserWarning, match="building it again"):
+        lib = build_and_load(SOURCE, tmp_path)
+    assert compiler_invocations() == built + 1 and lib.answer() == 42
+    assert checksum_path(library).is_file()
+
+
+def test_a_graph_cache_entry_whose_kernels_were_garbled_is_compiled_afresh(tmp_path, fresh_process):
+    from tests.compile.test_graph_cache import COMPILED, assert_close, step
+
+    first = step(*COMPILED)
+    libraries = list((tmp_path / "cache" / "compile" / "cpp").glob("*.so"))
+    assert libraries
+    for library in libraries:
+        _garble(library)
+    cpp_build._loaded.clear()
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="building it again"):
+        again = step(*COMPILED)
+    stats = again[2].graph_cache
+    assert stats["loaded"] == 0 and stats["compiled"] == 2, stats
+    assert any("differs from the checksum" in e for e in stats["errors"]), stats["errors"]
+    assert again[2].cache_misses > 0  # g++ built them again
+    assert_close(again, first, rel=1e-7)
+    torch._dynamo.reset()
+    cpp_build._loaded.clear()
+    third = step(*COMPILED)  # and the entries saved again load
+    assert third[2].graph_cache["loaded"] == 2, third[2].graph_cache
+    assert_close(third, first, rel=1e-7)
