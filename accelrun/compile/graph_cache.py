@@ -567,6 +567,7 @@ class CachedMethod:
     def _load(self, path: Path, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[HeldEntry | None, str | None]:
         """The entry saved at ``path`` if it serves this call; else None and, where it was rejected, why
         ("" when the reason is not one to say: guards on what the key does not cover)."""
+        from accelrun.compile.codegen.cached_files import kernel_files_under
         from accelrun.compile.output_code import recording_loads_into
         from accelrun.torch_private import AOTCompiledFunction
 
@@ -580,7 +581,7 @@ class CachedMethod:
             if changed := sources.changed_file():  # expected after an edit: said as what it is, not a failure
                 self.cache.stats["errors"].append(f"{path.name} compiled again: {changed} changed since it was compiled")
                 return None, None
-            with recording_loads_into(loading):
+            with recording_loads_into(loading), kernel_files_under(self.cache.directory.parent):
                 entry = AOTCompiledFunction.deserialize(data, self.func.__globals__,
                                                         external_closure_data=wrapped_functions(self.func))
             if changed := sources.changed_value(entry.fn.__globals__, entry.prepare_f_locals(owner, *args, **kwargs)):

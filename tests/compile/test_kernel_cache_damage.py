@@ -86,3 +86,20 @@ def test_a_graph_cache_entry_whose_kernels_were_garbled_is_compiled_afresh(tmp_p
     third = step(*COMPILED)  # and the entries saved again load
     assert third[2].graph_cache["loaded"] == 2, third[2].graph_cache
     assert_close(third, first, rel=1e-7)
+
+
+def test_a_cache_moved_elsewhere_loads_its_own_kernels(tmp_path, monkeypatch, fresh_process):
+    """Entries name their kernels by the paths they were saved under: a moved cache (or a shared one
+    mounted at another path) finds them in its own folder."""
+    from tests.compile.test_graph_cache import COMPILED, assert_close, step
+
+    first = step(*COMPILED)
+    (tmp_path / "cache").rename(tmp_path / "moved")
+    monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path / "moved"))
+    cpp_build._loaded.clear()
+    torch._dynamo.reset()
+    again = step(*COMPILED)
+    stats = again[2].graph_cache
+    assert stats["loaded"] == 2 and stats["compiled"] == 0 and not stats["errors"], stats
+    assert all(path.startswith(str(tmp_path / "moved")) for path in cpp_build._loaded), list(cpp_build._loaded)
+    assert_close(again, first, rel=1e-7)

@@ -18,11 +18,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from accelrun.compile.codegen.cached_files import found
 from accelrun.compile.codegen.cpp_build import load_library
 from accelrun.compile.codegen.emitter import Emitter
 from accelrun.compile.codegen.exp_poly import EXP_CORE
@@ -613,11 +613,9 @@ _empty_strided = empty_strided_cpu or _empty_strided_py
 
 def _restore_region(library: str, entry: str, buffers: list[Buffer], runtime_rows: Any = None,
                     size_inputs: tuple[int, ...] = (), linear_sizes: Any = None) -> CppRegion:  # fmt: skip
-    if not Path(library).exists():
-        raise FileNotFoundError(f"compiled region {library} is not in the kernel cache (removed, or still being "
-                                "built by another process that compiled it at the same time)")
+    path = found(library, "compiled region")
     program = LoopProgram(buffers, [], runtime_rows, size_inputs, linear_sizes)
-    return cpp_region(program, load_library(Path(library)), entry)
+    return cpp_region(program, load_library(path), entry)
 
 
 def _long_axes(buf: Buffer) -> list[tuple[int, int]]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from accelrun.compile.codegen.cached_files import found
 from accelrun.compile.codegen.loop_ir import Buffer, LoopProgram
 from accelrun.compile.codegen.triton import Launch, launches, load_module, scratch_buffers
 from accelrun.compile.codegen.triton_aot import kernel_binaries_beside, warm_up
@@ -128,9 +129,7 @@ class TritonRegion:
 
 
 def _restore_triton_region(module_file: str, program: LoopProgram, tune: bool = False) -> TritonRegion:
-    path = Path(module_file)
-    if not path.exists():
-        raise FileNotFoundError(f"generated Triton module {path} is no longer in the cache")
+    path = found(module_file, "generated Triton module")
     module = load_module(path.read_text(), path.parent)
     if os.environ.get("TRITON_INTERPRET") != "1":
         # As the executor does after compiling: every kernel built and loaded for this device now.

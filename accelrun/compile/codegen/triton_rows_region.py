@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from accelrun.compile.codegen.cached_files import found
 from accelrun.compile.codegen.loop_ir import Buffer, LoopProgram
 from accelrun.compile.codegen.runtime_rows import leads_with
 from accelrun.compile.codegen.triton import load_module, scratch_buffers
@@ -62,9 +63,7 @@ class TritonRowsRegion:
 
 
 def _restore_rows_region(module_file: str, program: LoopProgram) -> TritonRowsRegion:
-    path = Path(module_file)
-    if not path.exists():
-        raise FileNotFoundError(f"generated Triton module {path} is no longer in the cache")
+    path = found(module_file, "generated Triton module")
     return TritonRowsRegion(program, load_module(path.read_text(), path.parent))
 
 
