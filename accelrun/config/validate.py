@@ -395,7 +395,11 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
     deg = par.degrees()
     if m.custom is None:
         if m.n_heads % deg["tp"] or m.kv_heads % deg["tp"]:
-            out.append(f"{v('model.n_heads')} and kv heads {m.kv_heads} must both be divisible by tensor-parallel degree {deg['tp']}")
+            kv = v("model.n_kv_heads") if m.n_kv_heads is not None else f"kv heads {m.kv_heads} (as many as model.n_heads)"
+            fit = [d for d in range(1, world + 1) if m.n_heads % d == 0 and m.kv_heads % d == 0 and world % d == 0]
+            out.append(f"{v('model.n_heads')} and {kv} must both be divisible by {v('parallel.tp')}: each rank "
+                       f"holds whole heads; parallel.tp may be {', '.join(map(str, fit))} "
+                       f"(the degrees that divide both and the world of {world})")
         if m.n_layers < deg["pp"]:
             out.append(f"{v('model.n_layers')} is fewer than pipeline stages {deg['pp']}")
         elif deg["pp"] > 1 and m.n_layers < deg["pp"] * par.stages_per_rank:

@@ -125,7 +125,7 @@ def test_wrong_type_or_range_points_at_the_line(write, text, line, expect):
         (["model.vocab_size=200"], "smaller than the byte tokenizer's 258 ids"),
         (["parallel.tp=2"], "do not multiply to the world size parallel.nnodes × parallel.nproc_per_node = 1"),
         (["parallel.nproc_per_node=4", "parallel.tp=-1"], "at most one parallel degree may be -1"),
-        (["parallel.nproc_per_node=3", "parallel.tp=3", "parallel.dp_shard=1"], "must both be divisible by tensor-parallel degree 3"),
+        (["parallel.nproc_per_node=3", "parallel.tp=3", "parallel.dp_shard=1"], "must both be divisible by parallel.tp = 3 (override 'parallel.tp=3'): each rank holds whole heads; parallel.tp may be 1 ("),
         (["parallel.nproc_per_node=8", "parallel.pp=8", "parallel.dp_shard=1"], "fewer than pipeline stages 8"),
     ],
 )
