@@ -364,8 +364,13 @@ def _batch_problems(cfg: RunConfig, v) -> list[str]:
                 f"!= {v('train.global_batch')}; leave train.grad_accum unset to take "
                 f"{t.global_batch // (micro * dp)}"]
     if micro % pp_mb:
-        return [f"train.micro_batch = {micro} ({'global_batch / dp' if t.micro_batch is None else v('train.micro_batch')}) "
-                f"is not divisible by pipeline micro-batches {pp_mb} (parallel.microbatches, default pp)"]
+        said = v("train.micro_batch") if t.micro_batch is not None else f"train.micro_batch = {micro} (global_batch / dp)"
+        schedule = v("parallel.microbatches") if par.microbatches else f"parallel.microbatches = {pp_mb} (parallel.pp's)"
+        splits = [n for n in range(1, micro + 1) if micro % n == 0]
+        micros = [m * pp_mb for m in range(1, 5)]
+        return [f"{said} is not divisible by {schedule}: each micro-batch the schedule runs is a whole share of "
+                f"it; parallel.microbatches may be {', '.join(map(str, splits))}, or train.micro_batch "
+                f"{', '.join(map(str, micros))} (with train.global_batch to match)"]
     return []
 
 
