@@ -135,7 +135,13 @@ def warning_notes(plan: AbPlan) -> list[str]:
 
 def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
     """Load and validate every variant before anything runs (a typo costs no training)."""
-    resolved = [load_config(plan.config, plan.overrides(v)) for v in plan.variants]
+    resolved = []
+    for v in plan.variants:
+        try:
+            resolved.append(load_config(plan.config, plan.overrides(v)))
+        except UserError as e:  # which variant's overrides it concerns (a trial's --b read as the recipe's)
+            e.messages = [f"variant {v.label}: {m}" for m in e.messages]
+            raise
     first_with: dict[str, str] = {}
     for v, r in zip(plan.variants, resolved, strict=True):
         if r.hash in first_with:  # an A/A run: how a user measures this machine's noise

@@ -166,6 +166,19 @@ def test_the_variants_recipe_warnings_are_said_before_the_runs(tmp_path):
     assert any(n.startswith("every variant: train.lr_schedule.warmup_steps") for n in twin.notes), twin.notes
 
 
+def test_a_variants_recipe_error_names_the_variant(tmp_path):
+    """`--b parallel.dp_shard=1 parallel.tp=2` refused with the recipe's message alone (a new user's trial)."""
+    from accelrun.config import ConfigError
+    from accelrun.report.ab import resolve_variants
+
+    repo = Path(__file__).resolve().parents[2]
+    plan = AbPlan(str(repo / "configs" / "llama.yaml"), [Variant("A", ["compile.backend=eager"]),
+                  Variant("B", ["parallel.dp_shard=1", "parallel.tp=3"])], tmp_path / "ab", steps=15, warmup_steps=2)
+    with pytest.raises(ConfigError) as raised:
+        resolve_variants(plan)
+    assert raised.value.messages[0].startswith("variant B: parallel degrees "), raised.value.messages
+
+
 def test_ab_resolves_a_recipe_that_exports_on_finish(tmp_path):
     """configs/hf-llama.yaml exports the final checkpoint (checkpoint.hf_on_finish); ab's runs keep no
     checkpoint, so ab turns the export off too instead of refusing the recipe before it starts."""
