@@ -85,6 +85,12 @@ def _handle(signum: int, frame) -> None:
     _received, _received_at = signum, time.monotonic()
     if _forward_to is not None:
         _write_request(_forward_to, signum)
+    if signum == signal.SIGINT and _watch is None:  # a person's Ctrl-C (not a rank's copy of it): answered now,
+        # not after a compile and a step that may take minutes (a trial's first Ctrl-C looked ignored)
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write("\nCtrl-C: stopping after the step in progress, with a checkpoint (Ctrl-C again stops "
+                             "at once and saves nothing)\n")
+            sys.stderr.flush()
 
 
 def _write_request(folder: Path, signum: int) -> None:
