@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from accelrun.dist.comm_timing import active_timer
+
 _c10d = torch.ops._c10d_functional
 _work_wait = dist.Work.wait  # the untimed wait (accelrun.dist.comm_timing wraps the class's)
 # The untraced functions, for compiled graphs' collectives (which time themselves).
@@ -146,7 +148,8 @@ def install_comm_trace() -> CommTrace:
     def traced(fn):
         def call(*args, async_op: bool = False, **kwargs):
             iv = trace.issued()
-            t0 = time.perf_counter()
+            timer = active_timer()
+            t0, waited = time.perf_counter(), timer.seconds if timer is not None else 0.0
             work = fn(*args, async_op=async_op, **kwargs)
             if async_op and work is not None:
                 _finish_when_done(work, iv)
@@ -154,6 +157,9 @@ def install_comm_trace() -> CommTrace:
             else:
                 iv[1] = time.perf_counter()
                 trace.exposed_s += iv[1] - t0
+                if timer is not None:  # blocked for the whole call, of which the timer saw only the wait:
+                    # the rest too, or "exposed" read larger than the blocking it is part of (a trial's report)
+                    timer.seconds += max(0.0, (iv[1] - t0) - (timer.seconds - waited))
             return work
 
         return call

@@ -76,6 +76,10 @@ def install_comm_timer() -> CommTimer:
     return timer
 
 
+def active_timer() -> CommTimer | None:
+    return _active
+
+
 def comm_timer_for(world_size: int, device: torch.device) -> CommTimer | None:
     """A timer for a rank of a multi-process job on CPUs; None alone (nothing to time) or on GPUs."""
     if world_size <= 1 or device.type != "cpu":

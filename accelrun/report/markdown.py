@@ -217,7 +217,8 @@ def headline_rows(r: dict) -> list[tuple[str, str]]:
     comm = r.get("comm_time_s")
     if comm:  # multi-process CPU jobs only (accelrun.dist.comm_timing)
         rows.insert(4, (comm.get("what", "communication"),
-                        f"{_secs(comm.get('median'))} per step (median; {_pct(comm.get('share'))} of step time)"))
+                        f"{_secs(comm.get('median'))} per step (median); {_pct(comm.get('share'))} of the steady steps' "
+                        "time in all"))
     cp = r.get("cp_comm")
     if cp:  # parallel.cp > 1: its share of the communication row (or a row of its own where none is timed)
         took = _secs(cp["seconds"]) if cp.get("seconds") is not None else "untimed (in compiled blocks)"

@@ -216,9 +216,9 @@ def overlap_summary(steady: list[dict]) -> dict | None:
     exposed and busy seconds per step, and the overlap fraction 1 − Σ exposed / Σ busy."""
     rows = [(float(m["comm_exposed_s"]), float(m["comm_busy_s"])) for m in steady
             if m.get("comm_busy_s") is not None]  # fmt: skip
-    if not rows:
-        return None
     busy = sum(b for _, b in rows)
+    if not rows or busy <= 0:  # none traced (HSDP without sharding all-reduces, untraced): no row, not "0.0 ms"
+        return None
     return {
         "exposed_s": statistics.median(e for e, _ in rows),
         "busy_s": statistics.median(b for _, b in rows),
