@@ -191,7 +191,7 @@ def measure_cpu_peak(precision: str, cache_dir: Path | None = None) -> Peak:
 
     cached = _read_cache(path, key)
     stale = _implausible_against(cached, path.parent) if cached is not None else None
-    busy = None
+    busy, saved = None, True
     if cached is not None and stale is None:
         result, how = cached, f"read from the cache, measured {cached['measured_at']}"
     else:
@@ -209,6 +209,7 @@ def measure_cpu_peak(precision: str, cache_dir: Path | None = None) -> Peak:
                 write_json({"key": key, **result}, path)
             except OSError as e:  # a read-only home must not stop a run; the figure is still good
                 how += f" (not cached: {e})"
+                saved = False
     n = result["size"]
     if precision == "bf16-mixed" and dtype != torch.bfloat16:
         dtype_name += " (this CPU has no bf16 matrix kernels: its fastest bf16 products are fp32 GEMMs)"
@@ -229,13 +230,14 @@ def measure_cpu_peak(precision: str, cache_dir: Path | None = None) -> Peak:
     if busy is not None:
         source = f"{BUSY_PEAK}: {probe} on {cpu}, {on_threads}, {load_text}; not cached, so MFU is an upper bound"
     else:
-        source = f"measured: {probe} on {cpu}, {on_threads}, {load_text} (cached {path})"
+        source = (f"measured: {probe} on {cpu}, {on_threads}, {load_text} "
+                  + (f"(cached {path})" if saved else "(not cached: its cache cannot be written)"))
     by_library = result.get("tflops_by_library", {})
     libraries = (f"; fastest of {', '.join(f'{k} {v:.3f}' for k, v in by_library.items())} TFLOP/s"
                  if len(by_library) > 1 else "")  # fmt: skip
     detail = (f"{how}; best of {result['repeats']} repeats{libraries}. An achievable matmul rate, not a "
               "datasheet peak: CPU MFU is the fraction of the best achievable matmul rate")
-    return Peak(result["tflops"], source, detail, cache_file=None if busy is not None else str(path))
+    return Peak(result["tflops"], source, detail, cache_file=None if busy is not None or not saved else str(path))
 
 
 def _implausible_against(entry: dict, folder: Path) -> str | None:

@@ -103,3 +103,17 @@ def test_a_cache_moved_elsewhere_loads_its_own_kernels(tmp_path, monkeypatch, fr
     assert stats["loaded"] == 2 and stats["compiled"] == 0 and not stats["errors"], stats
     assert all(path.startswith(str(tmp_path / "moved")) for path in cpp_build._loaded), list(cpp_build._loaded)
     assert_close(again, first, rel=1e-7)
+
+
+def test_a_cache_that_cannot_be_written_builds_in_a_folder_of_the_process(tmp_path, fresh_process, monkeypatch):
+    """A read-only ACCELRUN_CACHE_DIR, or one naming a file: every region went to ATen, slower than eager
+    (a new user's trial). Built in a folder of the process's own instead, said once."""
+    monkeypatch.setattr(cpp_build, "_scratch", None)
+    (tmp_path / "a-file").write_text("")
+    with pytest.warns(UserWarning, match=r"cannot be written \(NotADirectoryError: Not a directory\): kernels are "
+                                         "built in .* for this process"):
+        lib = build_and_load(SOURCE, tmp_path / "a-file" / "cpp")
+    assert lib.answer() == 42
+    built = compiler_invocations()
+    assert build_and_load(SOURCE, tmp_path / "a-file" / "cpp").answer() == 42
+    assert compiler_invocations() == built  # once a process

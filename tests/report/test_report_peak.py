@@ -196,6 +196,15 @@ def test_cpu_probe_cache_is_per_dtype_and_survives_corruption(fast_probe, bf16_k
     assert again.tflops > 0 and "measured now" in again.detail
 
 
+def test_a_peak_that_could_not_be_cached_does_not_say_where_it_is_cached(fast_probe, tmp_path):
+    """ACCELRUN_CACHE_DIR naming a file: the run said "(cached <a path under the file>)" (a new user's trial)."""
+    (tmp_path / "a-file").write_text("")
+    peak = resolve_peak(torch.device("cpu"), "fp32", None, cache_dir=tmp_path / "a-file")
+    assert peak.tflops > 0 and peak.cache_file is None
+    assert "(not cached: its cache cannot be written)" in peak.source and "(cached " not in peak.source
+    assert "not cached: " in peak.detail
+
+
 def test_cache_dir_defaults_to_env(fast_probe, monkeypatch, tmp_path):
     monkeypatch.setenv("ACCELRUN_CACHE_DIR", str(tmp_path / "c"))
     got = resolve_peak(torch.device("cpu"), "fp32", None)

@@ -97,11 +97,15 @@ def build_library(source: str, cache_dir: str | os.PathLike | None = None, link:
     target = library_path(source, cache_dir, link)
     directory, key, cxx = target.parent, target.stem, find_compiler()
     assert cxx is not None
-    directory.mkdir(parents=True, exist_ok=True)
     if target.exists():
         if (why := damage(target)) is None:
             return target
         warnings.warn(f"accelrun: the kernel library {target} {why}; building it again", stacklevel=2)
+    if (unwritable := _unwritable(directory)) is not None:
+        directory = _scratch_directory(directory, unwritable)
+        target = directory / target.name
+        if target.exists():  # built earlier in this process
+            return target
     with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
         src = Path(tmp) / f"{key}.cpp"
         src.write_text(source)
@@ -122,6 +126,35 @@ def build_library(source: str, cache_dir: str | os.PathLike | None = None, link:
         os.replace(checksum, checksum_path(target))
         os.replace(built, target)
     return target
+
+
+def _unwritable(directory: Path) -> str | None:
+    """Why libraries cannot be written into ``directory`` (a read-only file system, a file where the folder
+    should be, no permission), or None."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+    return None if os.access(directory, os.W_OK | os.X_OK) else "no permission to write into it"
+
+
+_scratch: Path | None = None
+
+
+def _scratch_directory(cache: Path, why: str) -> Path:
+    """A folder of this process's own for the libraries a cache that cannot be written would have held:
+    built and loaded as they would be, then removed at exit. An unwritable cache turned every region over
+    to ATen, slower than eager (a new user's trial, a read-only ``ACCELRUN_CACHE_DIR``)."""
+    global _scratch
+    if _scratch is None:
+        import atexit
+
+        _scratch = Path(tempfile.mkdtemp(prefix="accelrun-kernels-"))
+        atexit.register(shutil.rmtree, _scratch, ignore_errors=True)
+        warnings.warn(f"accelrun: the kernel cache {cache} cannot be written ({why}): kernels are built in "
+                      f"{_scratch} for this process, and built again by the next (ACCELRUN_CACHE_DIR or "
+                      "compile.cache_dir names another cache)", stacklevel=3)
+    return _scratch
 
 
 def checksum_path(library: Path) -> Path:
