@@ -364,7 +364,8 @@ def _batch_problems(cfg: RunConfig, v) -> list[str]:
                 f"!= {v('train.global_batch')}; leave train.grad_accum unset to take "
                 f"{t.global_batch // (micro * dp)}"]
     if micro % pp_mb:
-        said = v("train.micro_batch") if t.micro_batch is not None else f"train.micro_batch = {micro} (global_batch / dp)"
+        said = (v("train.micro_batch") if t.micro_batch is not None
+                else f"train.micro_batch = {micro} (train.global_batch / (train.grad_accum × data-parallel degree))")
         schedule = v("parallel.microbatches") if par.microbatches else f"parallel.microbatches = {pp_mb} (parallel.pp's)"
         splits = [n for n in range(1, micro + 1) if micro % n == 0]
         micros = [m * pp_mb for m in range(1, 5)]
@@ -402,7 +403,8 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
         if m.n_heads % deg["tp"] or m.kv_heads % deg["tp"]:
             kv = v("model.n_kv_heads") if m.n_kv_heads is not None else f"kv heads {m.kv_heads} (as many as model.n_heads)"
             fit = [d for d in range(1, world + 1) if m.n_heads % d == 0 and m.kv_heads % d == 0 and world % d == 0]
-            out.append(f"{v('model.n_heads')} and {kv} must both be divisible by {v('parallel.tp')}: each rank "
+            tp = v("parallel.tp") if par.tp != -1 else f"parallel.tp = {deg['tp']} (inferred from -1)"
+            out.append(f"{v('model.n_heads')} and {kv} must both be divisible by {tp}: each rank "
                        f"holds whole heads; parallel.tp may be {', '.join(map(str, fit))} "
                        f"(the degrees that divide both and the world of {world})")
         if m.n_layers < deg["pp"]:

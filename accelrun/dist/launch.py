@@ -75,12 +75,15 @@ class RendezvousFailed(UserError):
 
 
 def rendezvous_failed(e: RendezvousError, opts: LaunchOptions) -> RendezvousFailed:
-    said = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+    def last_line(x: BaseException) -> str:
+        return (str(x).strip().splitlines() or [type(x).__name__])[-1]
+
+    cause = f" ({type(e.__cause__).__name__}: {last_line(e.__cause__)})" if e.__cause__ is not None else ""
+    node = f"--node-rank {opts.node_rank}" if opts.node_rank is not None else "its rank from the rendezvous"
     return RendezvousFailed(
-        f"this node (--node-rank {opts.node_rank if opts.node_rank is not None else 'from the rendezvous'}) could "
-        f"not join the job at --rdzv-endpoint {opts.rdzv_endpoint}: {type(e).__name__}: {said}. Node 0 hosts the "
-        "rendezvous there: start it first (--node-rank 0), with the same --rdzv-endpoint and --rdzv-id, at an "
-        "address and port this node reaches")
+        f"this node ({node}) could not join the job's rendezvous at {opts.rdzv_endpoint}: {type(e).__name__}: "
+        f"{last_line(e)}{cause}. Node 0 hosts it there: is it running, with the same job id (--rdzv-id), at an "
+        "address and port this node reaches?")
 
 
 @dataclass(frozen=True)

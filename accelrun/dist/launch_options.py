@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_RDZV_PORT = 29500  # torchrun's: the port a fix suggests
+RDZV_PORT = 29500  # the rendezvous port accelrun's SLURM and launch commands use, and a fix suggests
 
 
 @dataclass(frozen=True)
@@ -32,12 +32,22 @@ class LaunchOptions:
 
 
 def endpoint_problem(endpoint: str) -> str | None:
-    """Why ``HOST:PORT`` is not one (torch accepts a bare host, with its default port), or None."""
-    host, colon, port = endpoint.rpartition(":")
-    if not colon:
-        return None  # a host alone: torch's launcher adds its default port
+    """Why ``HOST:PORT`` (or ``[IPV6]:PORT``) is not one, or None; a host alone is one (torch's launcher
+    adds its default port)."""
+    if endpoint.startswith("["):  # an IPv6 address, in brackets
+        host, bracket, rest = endpoint.partition("]")
+        host += bracket
+        if not bracket or (rest and not rest.startswith(":")):
+            return f"expected HOST:PORT, with an IPv6 address in brackets: [::1]:{RDZV_PORT}"
+        if not rest:
+            return None
+        port = rest[1:]
+    else:
+        host, colon, port = endpoint.rpartition(":")
+        if not colon:
+            return None
     if not host:
-        return f"no host before the port; expected HOST:PORT, e.g. localhost:{port or DEFAULT_RDZV_PORT}"
+        return f"no host before the port; expected HOST:PORT, e.g. localhost:{port or RDZV_PORT}"
     if not port.isdigit() or not 0 <= int(port) <= 65535:
-        return f"the port {port!r} is not a number from 0 to 65535; expected HOST:PORT, e.g. {host}:{DEFAULT_RDZV_PORT}"
+        return f"the port {port!r} is not a number from 0 to 65535; expected HOST:PORT, e.g. {host}:{RDZV_PORT}"
     return None

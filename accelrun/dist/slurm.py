@@ -11,10 +11,9 @@ import re
 import shlex
 from collections.abc import Mapping
 
-from accelrun.dist.launch_options import LaunchOptions
+from accelrun.dist.launch_options import RDZV_PORT, LaunchOptions
 from accelrun.dist.stop import STOP_LEAD_ENV
 
-RDZV_PORT = 29500
 STOP_LEAD_S = 120  # SIGTERM this long before the time limit: report.read_every steps and a checkpoint must fit
 
 

@@ -87,10 +87,11 @@ def _handle(signum: int, frame) -> None:
         _write_request(_forward_to, signum)
     if signum == signal.SIGINT and _watch is None:  # a person's Ctrl-C (not a rank's copy of it): answered now,
         # not after a compile and a step that may take minutes (a trial's first Ctrl-C looked ignored)
-        with contextlib.suppress(OSError, ValueError):
-            sys.stderr.write("\nCtrl-C: stopping after the step in progress, with a checkpoint (Ctrl-C again stops "
-                             "at once and saves nothing)\n")
-            sys.stderr.flush()
+        # os.write, not sys.stderr: a handler that runs inside a write to stderr (a full pipe) may not write
+        # through its buffer again ("reentrant call"), which would stop the run without saving
+        with contextlib.suppress(Exception):
+            os.write(2, b"\nCtrl-C: stopping after the step in progress (Ctrl-C again stops at once, saving "
+                        b"nothing)\n")
 
 
 def _write_request(folder: Path, signum: int) -> None:

@@ -239,7 +239,8 @@ def check_custom_kwargs(path: str, kwargs: dict[str, Any]) -> None:
     except TypeError as e:
         params = signature.parameters
         names = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        unknown = next((n for n in kwargs if n not in params), None)  # (None: one required is missing)
+        unknown = (next((n for n in kwargs if n not in params), None)  # the line of the key the error is about
+                   if "unexpected keyword" in str(e) else None)  # (None: one required is missing)
         raise ModelKwargsError(f"model.kwargs = {kwargs!r} do not fit model.custom = {path!r}: {e} "
                                f"({attr} takes {', '.join(names) or 'no arguments'}){_kwargs_fix(signature, kwargs)}",
                                name=unknown) from None

@@ -78,8 +78,10 @@ def _rnn_libraries_off() -> Iterator[None]:
             yield
 
 
-def counted_flops_per_token(model: nn.Module, seq_len: int, vocab_size: int, device: torch.device) -> FlopsPerToken:
-    """``COUNTED``: the training FLOPs per token of ``model`` (a user's, whole on ``device``)."""
+def counted_flops_per_token(model: nn.Module, seq_len: int, vocab_size: int, device: torch.device,
+                            micro_batch: int = 1) -> FlopsPerToken:  # fmt: skip
+    """``COUNTED``: the training FLOPs per token of ``model`` (a user's, whole on ``device``); a forward
+    that fails on its own sizes there, and again on a micro-batch as training runs it, is refused."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -93,11 +95,22 @@ def counted_flops_per_token(model: nn.Module, seq_len: int, vocab_size: int, dev
         return FlopsPerToken(None, f"its modules could not be copied to run a forward apart: {_one_line(e)}")
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}  # BatchNorm's running stats
     forked = [device.index or 0] if device.type == "cuda" else []
-    def count(grad: bool) -> int:
+    def count(grad: bool, tokens: torch.Tensor = ids) -> int:
         with (torch.random.fork_rng(devices=forked), torch.set_grad_enabled(grad), _rnn_libraries_off(),
               FlopCounterMode(display=False, custom_mapping=_cpu_attention_formulas()) as counter):
-            training_loss_fn(twin)(ids[:, :-1], ids[:, 1:])
+            training_loss_fn(twin)(tokens[:, :-1], tokens[:, 1:])
         return counter.get_total_flops()
+
+    def as_training_fails(e: Exception) -> Exception | None:
+        """The sizes error a micro-batch as training runs it meets, or None: one sequence alone may be what
+        the forward cannot take (a ``squeeze()`` of the batch, a view to a batch size it keeps)."""
+        if micro_batch == 1:
+            return e
+        try:
+            count(grad=False, tokens=ids.expand(micro_batch, -1))
+        except Exception as again:  # noqa: BLE001
+            return again if sizes_disagree(again) else None
+        return None
 
     try:
         try:
@@ -111,9 +124,10 @@ def counted_flops_per_token(model: nn.Module, seq_len: int, vocab_size: int, dev
             except Exception:  # noqa: BLE001
                 raise e from None
     except Exception as e:  # noqa: BLE001 (a forward that cannot run on one sequence: MFU is unknown, not fatal)
-        if sizes_disagree(e):  # eager, on real tensors: the model's own sizes, which the first step would meet
-            raise ModelSizesDisagree(f"{type(model).__name__}.forward fails on one sequence of {seq_len} tokens: "
-                                     f"{said(e)}{users_line(e)}") from e
+        if sizes_disagree(e) and (failed := as_training_fails(e)) is not None:  # eager, real tensors: as the
+            # first step would
+            raise ModelSizesDisagree(f"{type(model).__name__}.forward fails on a batch of {micro_batch} x {seq_len} "
+                                     f"tokens: {said(failed)}{users_line(failed)}") from failed
         return FlopsPerToken(None, f"counting its FLOPs on one sequence failed: {_one_line(e)}")
     finally:
         with torch.no_grad():
@@ -125,7 +139,8 @@ def counted_flops_per_token(model: nn.Module, seq_len: int, vocab_size: int, dev
     return FlopsPerToken(3 * forward / seq_len, COUNTED)
 
 
-def flops_per_token(cfg, seq_len: int, model: nn.Module, device: torch.device, vocab_size: int) -> FlopsPerToken:
+def flops_per_token(cfg, seq_len: int, model: nn.Module, device: torch.device, vocab_size: int,
+                    micro_batch: int = 1) -> FlopsPerToken:  # fmt: skip
     """The model's training FLOPs per token at ``seq_len`` and their source (see the module's docstring).
     ``cfg``: the recipe's ``model`` section; ``model``: built, whole, before any layout is applied."""
     from accelrun.models.build import model_flops_per_token
@@ -135,7 +150,7 @@ def flops_per_token(cfg, seq_len: int, model: nn.Module, device: torch.device, v
                              "(Shape.model_flops_per_token)")  # fmt: skip
     if callable(getattr(model, "flops_per_token", None)):
         return FlopsPerToken(model_flops_per_token(cfg, seq_len, model), "the model's own flops_per_token(seq_len)")
-    return counted_flops_per_token(model, seq_len, vocab_size, device)
+    return counted_flops_per_token(model, seq_len, vocab_size, device, micro_batch)
 
 
 def _one_line(e: BaseException) -> str:

@@ -141,6 +141,7 @@ def resolve_variants(plan: AbPlan) -> list[ResolvedConfig]:
             resolved.append(load_config(plan.config, plan.overrides(v)))
         except UserError as e:  # which variant's overrides it concerns (a trial's --b read as the recipe's)
             e.messages = [f"variant {v.label}: {m}" for m in e.messages]
+            e.args = ("\n".join(e.messages),)
             raise
     first_with: dict[str, str] = {}
     for v, r in zip(plan.variants, resolved, strict=True):

@@ -228,7 +228,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         raise ConfigError(problem)
     # Before compile and layouts: a user's model is counted by running its forward once, whole.
     try:
-        flops = flops_per_token(cfg.model, t.seq_len, model, device, data_vocab(cfg.model, model)[0])
+        flops = flops_per_token(cfg.model, t.seq_len, model, device, data_vocab(cfg.model, model)[0], t.micro_batch)
     except ModelSizesDisagree as e:  # as validate says it, with where the recipe names the model
         raise ConfigError(f"{e}{custom_model_key(e, resolved.sources)}") from e
     info.update(flops_per_token=flops.value, flops_source=flops.source)

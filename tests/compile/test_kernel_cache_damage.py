@@ -35,6 +35,7 @@ def _garble(library) -> None:
 @pytest.fixture
 def fresh_process(monkeypatch):
     monkeypatch.setattr(cpp_build, "_loaded", {})  # nothing loaded yet, as in a new process
+    monkeypatch.setattr(cpp_build, "_sound", set())  # nor checked
 
 
 def test_a_garbled_library_is_built_again(tmp_path, fresh_process):
@@ -110,10 +111,25 @@ def test_a_cache_that_cannot_be_written_builds_in_a_folder_of_the_process(tmp_pa
     (a new user's trial). Built in a folder of the process's own instead, said once."""
     monkeypatch.setattr(cpp_build, "_scratch", None)
     (tmp_path / "a-file").write_text("")
-    with pytest.warns(UserWarning, match=r"cannot be written \(NotADirectoryError: Not a directory\): kernels are "
+    with pytest.warns(UserWarning, match=r"cannot be written \(NotADirectoryError: Not a directory\): C\+\+ kernels are "
                                          "built in .* for this process"):
         lib = build_and_load(SOURCE, tmp_path / "a-file" / "cpp")
     assert lib.answer() == 42
     built = compiler_invocations()
     assert build_and_load(SOURCE, tmp_path / "a-file" / "cpp").answer() == 42
     assert compiler_invocations() == built  # once a process
+
+
+def test_a_library_the_loader_refuses_for_its_own_reasons_is_not_built_again(tmp_path, fresh_process, monkeypatch):
+    """A missing dependency or no memory is the loader's trouble, not the file's: the sound library stays
+    (a review: it was deleted from a shared cache, and every process ran g++ to fail the same way)."""
+    library = build_library(SOURCE, tmp_path)
+
+    def refuse(path, *args, **kwargs):
+        raise OSError("libc10.so: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(cpp_build.ctypes, "CDLL", refuse)
+    built = compiler_invocations()
+    with pytest.raises(OSError, match="libc10.so"):
+        build_and_load(SOURCE, tmp_path)
+    assert compiler_invocations() == built and library.is_file()

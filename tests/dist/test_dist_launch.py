@@ -70,6 +70,7 @@ def test_several_nodes_need_a_job_id(tiny):
     # a traceback (exit 1) after the run folder was made
     (("--rdzv-endpoint", "nohost:xx"), "--rdzv-endpoint 'nohost:xx': the port 'xx' is not a number from 0 to 65535; "
                                        "expected HOST:PORT, e.g. nohost:29500"),
+    (("--rdzv-endpoint", "[::1"), "--rdzv-endpoint '[::1': expected HOST:PORT, with an IPv6 address in brackets"),
     # trained the whole job, then torchelastic divided by zero (exit 1)
     (("--max-restarts", "-1"), "Invalid value for '--max-restarts': -1 is not in the range x>=0"),
 ])
@@ -81,6 +82,12 @@ def test_launch_options_the_launcher_would_fail_on_are_refused_first(tiny, tmp_p
     assert not (tmp_path / "runs").exists()
 
 
+def test_an_endpoint_torch_takes_is_not_refused():
+    from accelrun.dist.launch_options import endpoint_problem
+
+    assert [endpoint_problem(e) for e in ("node0", "node0:29500", "[::1]", "[fe80::1]:29400")] == [None] * 4
+
+
 def test_a_rendezvous_this_node_cannot_reach_is_one_line(tiny, monkeypatch):
     """What torch's launcher raises there (RendezvousConnectionError after its store's timeout) is said with
     the endpoint and what to check, not as C++ frames and a traceback."""
@@ -89,7 +96,11 @@ def test_a_rendezvous_this_node_cannot_reach_is_one_line(tiny, monkeypatch):
     import accelrun.dist.launch as launch
 
     def unreachable(config, entry):
-        raise RendezvousConnectionError("The connection to the C10d store has failed. See inner exception.")
+        try:
+            raise ConnectionRefusedError(111, "Connection refused")
+        except ConnectionRefusedError as refused:
+            raise RendezvousConnectionError("The connection to the C10d store has failed. See inner exception "
+                                            "for details.") from refused
 
     monkeypatch.setattr(launch, "elastic_launch", unreachable)
     r = CliRunner().invoke(cli, ["train", str(DEFAULT_CONFIG), *tiny(1), "parallel.nproc_per_node=2", "train.micro_batch=1",
@@ -97,5 +108,6 @@ def test_a_rendezvous_this_node_cannot_reach_is_one_line(tiny, monkeypatch):
                                  "--rdzv-endpoint", "localhost:29512"])
     said = " ".join(r.output.split())
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
-    assert ("this node (--node-rank 1) could not join the job at --rdzv-endpoint localhost:29512: "
-            "RendezvousConnectionError: The connection to the C10d store has failed.") in said, said
+    assert ("this node (--node-rank 1) could not join the job's rendezvous at localhost:29512: "
+            "RendezvousConnectionError: The connection to the C10d store has failed. See inner exception for "
+            "details. (ConnectionRefusedError: [Errno 111] Connection refused). Node 0 hosts it there") in said, said

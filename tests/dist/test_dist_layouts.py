@@ -82,6 +82,7 @@ def test_layout_matches_one_process(layout, layout_run, reference):
             assert m["comm_s"] >= m["comm_exposed_s"] - 1e-9, (layout, m)
     ov = report.get("comm_overlap")
     assert ov is None or ov["busy_s"] > 0, (layout, ov)  # no "0.0 ms / 0.0 ms, overlap n/a" where none was traced
+    assert (ov is not None) == (layout in ("fsdp2", "fsdp2_tp2", "pp2_1f1b_fsdp2")), (layout, ov)  # FSDP's, traced
 
 
 def test_explicit_pipeline_layers_decide_which_rank_holds_which_layer(layout_run):

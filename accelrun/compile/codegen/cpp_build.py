@@ -16,9 +16,11 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -87,24 +89,25 @@ def is_cached(source: str, cache_dir: str | os.PathLike | None = None) -> bool:
 
 
 def build_library(source: str, cache_dir: str | os.PathLike | None = None, link: tuple[str, ...] = (),
-                  needed_later: bool = False) -> Path:  # fmt: skip
+                  needed_later: bool = False, again: bool = False) -> Path:  # fmt: skip
     """Path of the shared library built from ``source``, compiling only on a cache miss. ``link``: flags
     after the source (include and library paths, ``-l...``), part of the cache key. ``needed_later``: g++
     runs at a lower CPU priority (``nice``), yielding the cores to the step and to the builds whose
     code runs first (a backward graph's regions run after the whole forward: the debug Llama's cold
-    first step: a median of 1.94 s against 2.04, 4 runs each on 2 cores)."""
+    first step: a median of 1.94 s against 2.04, 4 runs each on 2 cores). ``again``: built even if cached
+    (one the loader found damaged), replacing it."""
     global _invocations
     target = library_path(source, cache_dir, link)
     directory, key, cxx = target.parent, target.stem, find_compiler()
     assert cxx is not None
-    if target.exists():
+    if target.exists() and not again:
         if (why := damage(target)) is None:
             return target
         warnings.warn(f"accelrun: the kernel library {target} {why}; building it again", stacklevel=2)
     if (unwritable := _unwritable(directory)) is not None:
         directory = _scratch_directory(directory, unwritable)
         target = directory / target.name
-        if target.exists():  # built earlier in this process
+        if target.exists() and not again:  # built earlier in this process
             return target
     with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
         src = Path(tmp) / f"{key}.cpp"
@@ -139,6 +142,7 @@ def _unwritable(directory: Path) -> str | None:
 
 
 _scratch: Path | None = None
+_scratch_lock = threading.Lock()  # (kernels are built from background threads too)
 
 
 def _scratch_directory(cache: Path, why: str) -> Path:
@@ -146,15 +150,16 @@ def _scratch_directory(cache: Path, why: str) -> Path:
     built and loaded as they would be, then removed at exit. An unwritable cache turned every region over
     to ATen, slower than eager (a new user's trial, a read-only ``ACCELRUN_CACHE_DIR``)."""
     global _scratch
-    if _scratch is None:
-        import atexit
+    with _scratch_lock:
+        if _scratch is None:
+            import atexit
 
-        _scratch = Path(tempfile.mkdtemp(prefix="accelrun-kernels-"))
-        atexit.register(shutil.rmtree, _scratch, ignore_errors=True)
-        warnings.warn(f"accelrun: the kernel cache {cache} cannot be written ({why}): kernels are built in "
-                      f"{_scratch} for this process, and built again by the next (ACCELRUN_CACHE_DIR or "
-                      "compile.cache_dir names another cache)", stacklevel=3)
-    return _scratch
+            _scratch = Path(tempfile.mkdtemp(prefix="accelrun-kernels-"))
+            atexit.register(shutil.rmtree, _scratch, ignore_errors=True)
+            warnings.warn(f"accelrun: the kernel cache {cache} cannot be written ({why}): C++ kernels are built in "
+                          f"{_scratch} for this process, and built again by the next (ACCELRUN_CACHE_DIR or "
+                          "compile.cache_dir names another cache)", stacklevel=3)
+        return _scratch
 
 
 def checksum_path(library: Path) -> Path:
@@ -165,18 +170,29 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+_sound: set[tuple[str, int, int, int]] = set()  # (path, inode, size, mtime) of libraries found sound
+
+
 def damage(library: Path) -> str | None:
     """Why the cached ``library`` must not be loaded, in words, or None: its contents differ from the
-    checksum written beside it, or (a library cached before there were checksums) it is no shared library."""
+    checksum written beside it, or (a library cached before there were checksums: only this is checked)
+    it is no shared library. Each version of a file is read once a process."""
     try:
+        st = library.stat()
+        if (version := (str(library), st.st_ino, st.st_size, st.st_mtime_ns)) in _sound:
+            return None
         with open(library, "rb") as f:
             head = f.read(4)
-        recorded = checksum_path(library).read_text().strip() if checksum_path(library).exists() else None
+        side = checksum_path(library)
+        recorded = side.read_text().strip() if side.exists() else None
+        if recorded is not None and _sha256(library) != recorded:
+            return "differs from the checksum written beside it when it was built"
     except OSError as e:
         return f"cannot be read ({type(e).__name__}: {e.strerror or e})"
-    if recorded is not None:
-        return None if _sha256(library) == recorded else "differs from the checksum written beside it when it was built"
-    return None if head == ELF_MAGIC else f"is no shared library ({library.stat().st_size} bytes, not an ELF file)"
+    if recorded is None and head != ELF_MAGIC:
+        return f"is no shared library ({st.st_size} bytes, not an ELF file)"
+    _sound.add(version)
+    return None
 
 
 def load_library(path: Path) -> ctypes.CDLL:
@@ -197,7 +213,13 @@ def build_and_load(source: str, cache_dir: str | os.PathLike | None = None, link
     try:
         return load_library(path)
     except OSError as e:
+        if not _BAD_FILE.search(str(e)):  # the loader's own trouble (a missing library, memory): not the file's
+            raise
         warnings.warn(f"accelrun: the kernel library {path} could not be loaded ({e}); building it again",
                       stacklevel=2)
-        path.unlink(missing_ok=True)
-        return load_library(build_library(source, cache_dir, link, needed_later))
+        return load_library(build_library(source, cache_dir, link, needed_later, again=True))
+
+
+# The loader's words for a file that is not a whole shared library (cut short, garbled after its header).
+_BAD_FILE = re.compile(r"file too short|invalid ELF header|ELF load command|ELF file|cannot read file data|"
+                       r"differs from the checksum|is no shared library")
