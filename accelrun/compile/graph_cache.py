@@ -34,7 +34,7 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,14 @@ def accelrun_source_digest() -> str:
     return h.hexdigest()
 
 
+def model_code_files(owner: nn.Module, func: Any) -> dict[str, str]:
+    """The files ``model_code_digest`` covers, each with its sha256."""
+    files = {inspect.getsourcefile(func)} | {inspect.getsourcefile(type(m)) for m in owner.modules()}
+    for cls in {type(m) for m in owner.modules()}:
+        files |= _wrapped_code(cls)[0]
+    return {path: file_digest(path) for path in sorted(f for f in files if f)}
+
+
 def model_code_digest(owner: nn.Module, func: Any) -> str:
     """sha256 over the files that define the compiled method and every module class under ``owner``,
     the functions their methods wrap and the plain values in those closures: models may live outside
@@ -88,15 +96,12 @@ def model_code_digest(owner: nn.Module, func: Any) -> str:
     the saved guards check neither the identity of their code nor their closures (``saveable_guards``):
     the digest stands for them. A closure's values are taken as they are when the model is compiled
     (a decorator's settings); one that changes later, within a process, is not seen."""
-    files = {inspect.getsourcefile(func)} | {inspect.getsourcefile(type(m)) for m in owner.modules()}
     closures: list[str] = []
     for cls in sorted({type(m) for m in owner.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
-        wrapped_files, constants = _wrapped_code(cls)
-        files |= wrapped_files
-        closures += constants
+        closures += _wrapped_code(cls)[1]
     h = hashlib.sha256()
-    for path in sorted(f for f in files if f):
-        h.update(path.encode() + file_digest(path).encode())
+    for path, digest in model_code_files(owner, func).items():
+        h.update(path.encode() + digest.encode())
     h.update(repr(closures).encode())
     return h.hexdigest()
 
@@ -294,6 +299,8 @@ class EntryKey:
     stateless: str
     state: dict[str, str]
     unversioned: str = ""  # the same without torch's and accelrun's versions and the compile options
+    codeless: str = ""  # the same without the model's code either (entries of this method before an edit)
+    code: dict[str, str] = field(default_factory=dict)  # the model's code files, by path, with their sha256
 
 
 class GraphCache:
@@ -328,7 +335,22 @@ class GraphCache:
         stateless = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
         full = hashlib.sha256("\n".join([*parts, repr(sorted(state.items()))]).encode()).hexdigest()[:32]
         unversioned = hashlib.sha256("\n".join(parts[1:]).encode()).hexdigest()[:32]
-        return EntryKey(full, stateless, state, unversioned)
+        codeless = hashlib.sha256("\n".join([parts[1], *parts[3:]]).encode()).hexdigest()[:32]
+        return EntryKey(full, stateless, state, unversioned, codeless, model_code_files(owner, func))
+
+    def note_code_change(self, code_file: Path, now: dict[str, str]) -> None:
+        """A miss where entries of this method were saved for other code of the model's own files: which
+        changed (a comment's edit too), as an edit of a helper file is said (a trial's run compiled again
+        after an edit of its model's file, without a word)."""
+        try:
+            saved = json.loads(code_file.read_text())
+        except (OSError, ValueError):
+            return
+        changed = [Path(f).name for f, digest in now.items() if isinstance(saved, dict) and saved.get(f, digest) != digest]
+        if changed:
+            line = f"compiled again: {', '.join(changed)} changed since its graphs were saved"
+            if line not in self.stats["errors"]:
+                self.stats["errors"].append(line)
 
     def note_state_change(self, state_file: Path, now: dict[str, str]) -> None:
         """A miss where entries of the same code and inputs were saved under other global state (another
@@ -526,6 +548,7 @@ class CachedMethod:
             if saved_settings == module_settings(owner):
                 return self._fall_back(f"{PRECOMPILE_FAILED} before: {why}", None)
         versions_file = self.cache.directory / f"{key.unversioned}-{len(self.entries)}.versions"
+        code_file = self.cache.directory / f"{key.codeless}-{len(self.entries)}.code"
         held = variants_of(path)
         entry, rejections, unreadable = None, [], []
         for candidate in held:  # the most recently used first
@@ -541,6 +564,7 @@ class CachedMethod:
         if entry is None and not held:
             self.cache.note_state_change(state_file, key.state)
             self.cache.note_version_change(versions_file)
+            self.cache.note_code_change(code_file, key.code)
         if entry is None:
             # Said only when no entry held loads: the values another one was compiled for.
             self.cache.stats["rejected"] += len(rejections)
@@ -560,6 +584,8 @@ class CachedMethod:
             if self._save(compiled, traced, baked, slot_for(path, held, unreadable)):
                 self.cache.remember_state(state_file, key.state)
                 self.cache.remember_state(versions_file, self.cache.versions)
+                with contextlib.suppress(OSError):  # only what note_code_change reads: a miss says less without it
+                    self._write(code_file, json.dumps(key.code).encode())
             entry = HeldEntry(compiled, BakedCheck(tuple(baked)), traced_here=True)
         self.entries.append(entry)
         return entry

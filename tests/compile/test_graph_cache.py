@@ -187,6 +187,12 @@ def test_an_edited_helper_in_another_file_is_compiled_again(tmp_path):
     for result in (first, second, edited):
         assert result["out"] == pytest.approx(result["eager"], rel=1e-5)
     assert edited["out"] == pytest.approx(first["out"] * 1.5, rel=1e-5)
+    # an edit of the model's own file (a comment) is part of the key: compiled again, and said (it was not)
+    (tmp_path / "userpkg/model.py").write_text(USER_MODEL["userpkg/model.py"] + "# a comment\n")
+    commented = run()
+    assert commented["cache"]["compiled"] == 1 and commented["cache"]["loaded"] == 0, commented["cache"]
+    assert "compiled again: model.py changed since its graphs were saved" in commented["cache"]["errors"], commented
+    assert run()["cache"]["loaded"] == 1  # and saved for the new code
 
 
 # The same kind of model, its helper's scale a module global read from the environment at import.
