@@ -89,18 +89,19 @@ def model_code_files(owner: nn.Module, func: Any) -> dict[str, str]:
     return {path: file_digest(path) for path in sorted(f for f in files if f)}
 
 
-def model_code_digest(owner: nn.Module, func: Any) -> str:
+def model_code_digest(owner: nn.Module, func: Any, code: dict[str, str] | None = None) -> str:
     """sha256 over the files that define the compiled method and every module class under ``owner``,
     the functions their methods wrap and the plain values in those closures: models may live outside
     accelrun (``model.module``), and their code is traced into the graphs. Decorators count because
     the saved guards check neither the identity of their code nor their closures (``saveable_guards``):
     the digest stands for them. A closure's values are taken as they are when the model is compiled
-    (a decorator's settings); one that changes later, within a process, is not seen."""
+    (a decorator's settings); one that changes later, within a process, is not seen. ``code``:
+    ``model_code_files``'s, where the caller has it already."""
     closures: list[str] = []
     for cls in sorted({type(m) for m in owner.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
         closures += _wrapped_code(cls)[1]
     h = hashlib.sha256()
-    for path, digest in model_code_files(owner, func).items():
+    for path, digest in (code if code is not None else model_code_files(owner, func)).items():
         h.update(path.encode() + digest.encode())
     h.update(repr(closures).encode())
     return h.hexdigest()
@@ -329,14 +330,15 @@ class GraphCache:
     def key(self, func: Any, owner: nn.Module, args: tuple, kwargs: dict) -> EntryKey:
         params = sorted((n, describe(p)) for n, p in owner.named_parameters())
         buffers = sorted((n, describe(b)) for n, b in owner.named_buffers())
-        parts = [self.fixed_key, f"{func.__module__}.{func.__qualname__}", model_code_digest(owner, func),
+        code = model_code_files(owner, func)
+        parts = [self.fixed_key, f"{func.__module__}.{func.__qualname__}", model_code_digest(owner, func, code),
                  describe(args), describe(sorted(kwargs.items())), repr(params), repr(buffers)]  # fmt: skip
         state = global_state()
         stateless = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
         full = hashlib.sha256("\n".join([*parts, repr(sorted(state.items()))]).encode()).hexdigest()[:32]
         unversioned = hashlib.sha256("\n".join(parts[1:]).encode()).hexdigest()[:32]
         codeless = hashlib.sha256("\n".join([parts[1], *parts[3:]]).encode()).hexdigest()[:32]
-        return EntryKey(full, stateless, state, unversioned, codeless, model_code_files(owner, func))
+        return EntryKey(full, stateless, state, unversioned, codeless, code)
 
     def note_code_change(self, code_file: Path, now: dict[str, str]) -> None:
         """A miss where entries of this method were saved for other code of the model's own files: which

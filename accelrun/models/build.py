@@ -249,22 +249,16 @@ def check_custom_kwargs(path: str, kwargs: dict[str, Any]) -> None:
 
 def check_kwargs_types(factory: Any, attr: str, path: str, kwargs: dict[str, Any]) -> None:
     """ModelKwargsError naming the first of ``kwargs`` of a type the factory does not take."""
-    if found := _mistyped_kwarg(factory, attr, kwargs):
+    if found := kwargs_type_problem(factory, attr, kwargs):
         name, problem = found
         raise ModelKwargsError(f"model.kwargs do not fit model.custom = {path!r}: {problem}", name=name)
 
 
-def kwargs_type_problem(factory: Any, attr: str, kwargs: dict[str, Any]) -> str | None:
-    """The first of ``kwargs`` whose value is not of the type the factory's annotation names (bool, int,
-    float, str, None, a Literal, a union of those), in words with the nearest valid value; None if all
-    fit or cannot be told. The factory gets the values as given: ``norm_first: flase`` reached a
-    ``bool`` argument as a (true) string and built the other model, silently (a new user's trial)."""
-    found = _mistyped_kwarg(factory, attr, kwargs)
-    return found[1] if found else None
-
-
-def _mistyped_kwarg(factory: Any, attr: str, kwargs: dict[str, Any]) -> tuple[str, str] | None:
-    """(name, the problem in words) of ``kwargs_type_problem``'s first finding."""
+def kwargs_type_problem(factory: Any, attr: str, kwargs: dict[str, Any]) -> tuple[str, str] | None:
+    """(name, the problem in words) of the first of ``kwargs`` whose value is not of the type the factory's
+    annotation names (bool, int, float, str, None, a Literal, a union of those), with the nearest valid
+    value; None if all fit or cannot be told. The factory gets the values as given: ``norm_first: flase``
+    reached a ``bool`` argument as a (true) string and built the other model, silently (a new user's trial)."""
     hints = _annotations(factory)
     for name, value in kwargs.items():
         if name in hints and _fits(value, hints[name]) is False:

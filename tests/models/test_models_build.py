@@ -379,11 +379,11 @@ def test_model_kwargs_checks_each_annotation_on_its_own_and_literals_by_type(use
 
     module = __import__(user_module(UNRESOLVED_ANNOTATION))
     build = module.build
-    assert "model.kwargs.dim = 'x' (str), but build takes dim: int" in kwargs_type_problem(build, "build", {"dim": "x"})
-    assert not kwargs_type_problem(build, "build", {"dim": "x"}).endswith("unquoted")  # 'x' is no number
-    assert "heads = True (bool)" in kwargs_type_problem(build, "build", {"heads": True})  # True == 1, but no Literal[1]
+    assert "model.kwargs.dim = 'x' (str), but build takes dim: int" in kwargs_type_problem(build, "build", {"dim": "x"})[1]
+    assert not kwargs_type_problem(build, "build", {"dim": "x"})[1].endswith("unquoted")  # 'x' is no number
+    assert "heads = True (bool)" in kwargs_type_problem(build, "build", {"heads": True})[1]  # True == 1, but no Literal[1]
     assert kwargs_type_problem(build, "build", {"heads": 2, "cfg": object()}) is None
-    assert "dim = 'x'" in kwargs_type_problem(module.partly, "partly", {"dim": "x"})
+    assert "dim = 'x'" in kwargs_type_problem(module.partly, "partly", {"dim": "x"})[1]
 
 
 def test_model_kwargs_of_the_annotated_types_and_unannotated_ones_build(user_module):
