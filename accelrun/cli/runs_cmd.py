@@ -18,6 +18,8 @@ from accelrun.report.runs_index import RunRow, list_run_rows
 
 STATUS_STYLE = {"finished": "green", "running": "cyan", "interrupted": "yellow", "diverged": "red", "crashed": "red",
                 "continued": "dim", "failed": "red"}
+# How a continued folder had ended, after its status: a crash stays in sight once a later run went on.
+CONTINUED_AFTER = {"crashed": " after a crash", "interrupted": " after a stop"}
 
 
 @click.group("runs")
@@ -41,8 +43,8 @@ def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> Non
     """List runs under RUNS_DIR (default: ./runs, the default report.runs_dir), newest first.
 
     Each row: kind (train; explain: a `compile explain` run; ab: an `accelrun ab` comparison, whose variants'
-    runs `accelrun runs list <its folder>/runs` lists), the job's processes, status (finished, running, interrupted (killed or stopped), crashed, continued (a later run
-    took over its checkpoint), diverged; "segment k" for the k-th run of one history), steps, final loss, steady median
+    runs `accelrun runs list <its folder>/runs` lists), the job's processes, status (finished, running, interrupted (killed or stopped), crashed, continued after a crash or
+    a stop (a later run took over its checkpoint), diverged; "segment k" for the k-th run of one history), steps, final loss, steady median
     step time, tokens/s, MFU, peak memory, compile backend, precision and config hash. A run that
     has no report.json and no live process is "interrupted": `checkpoint.resume: auto` continues it.
 
@@ -80,7 +82,8 @@ def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> Non
         t.add_column(col, justify=justify, no_wrap=col == "run")
     for r in rows:
         style = STATUS_STYLE.get(r.status, "")
-        status = escape(r.status) + (f" (segment {r.segment})" if r.segment > 1 else "")
+        status = escape(r.status) + CONTINUED_AFTER.get(r.continued_after or "", "") \
+            + (f" (segment {r.segment})" if r.segment > 1 else "")
         t.add_row(escape(r.run), r.kind, r.started, f"[{style}]{status}[/]" if style else status,
                   str(r.processes) if r.processes is not None else "-", str(r.steps), fmt.num(r.final_loss), fmt.secs(r.step_time_s), fmt.integer(r.tokens_per_s),
                   _mfu_cell(r),

@@ -64,6 +64,12 @@ class RunRecord:
             return "running"
         if continued_by(self.path) is not None:
             return "continued"
+        return self.stopped_by
+
+    @property
+    def stopped_by(self) -> str:
+        """How a folder without a report ended: crashed (its process raised) or interrupted (killed or
+        stopped); a continued folder keeps it, so a crash is not hidden once a later run went on."""
         return "crashed" if crash_error(self.path) is not None else "interrupted"
 
     @property

@@ -41,6 +41,8 @@ class RunRow:
     # Its MFU is against a CPU peak probed while other processes used the CPU (report/peak.py: BUSY_PEAK),
     # which understates the machine: the figure is an upper bound.
     mfu_upper_bound: bool = False
+    # A continued folder's own end (crashed | interrupted): a later run took over its checkpoint after it.
+    continued_after: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -134,4 +136,5 @@ def _run_row(path: Path) -> RunRow | None:
         config_hash=rep.get("config_hash") or (values_hash(r.config) if r.config else None),
         segment=len(r.segments), processes=_processes(r.config_flat, rep),
         mfu_upper_bound=is_upper_bound(rep if rep else r.env),  # no report: the peak env.json recorded
+        continued_after=r.stopped_by if r.status == "continued" else None,
     )

@@ -7,7 +7,9 @@ import json
 import os
 
 import pytest
+from click.testing import CliRunner
 
+from accelrun.cli.main import cli
 from accelrun.config import load_config
 from accelrun.report.lineage import history
 from accelrun.report.rundata import load_run
@@ -82,6 +84,14 @@ def test_a_crash_is_told_apart_from_a_kill(tiny, tmp_path, monkeypatch):
     crashed = load_run(next((tmp_path / "runs" / "crashed").iterdir()))
     assert crashed.status == "crashed" and load_run(killed).status == "interrupted"
     assert "disk on fire" in json.loads((crashed.path / "crashed.json").read_text())["error"]
+    # Continued, each keeps how it ended: `runs list` does not hide the crash behind "continued".
+    run(tiny(6, "checkpoint.every=2", "name=crashed"))
+    run(tiny(6, "checkpoint.every=2", "name=killed"))
+    rows = {r.path: r for r in list_run_rows(tmp_path / "runs")}
+    assert (rows[str(crashed.path)].status, rows[str(crashed.path)].continued_after) == ("continued", "crashed")
+    assert (rows[str(killed)].status, rows[str(killed)].continued_after) == ("continued", "interrupted")
+    shown = CliRunner().invoke(cli, ["runs", "list", str(tmp_path / "runs")], terminal_width=300).output
+    assert "continued after a crash" in shown and "continued after a stop" in shown
 
 
 def test_resuming_from_a_named_folder_of_the_same_training_continues_that_run(tiny, tmp_path):
