@@ -4,6 +4,9 @@ reduction under ``bf16-mixed``."""
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,3 +28,8 @@ def apply_fsdp(
     # The root is not resharded after forward: backward needs it at once.
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False,
                 ignored_params=expert_parallel_params(model) or None)
+    # torch warns when a sharded module returns a view, as an in-place op on it would skip the
+    # all-gather. The root's output goes only to accelrun's loss, which changes nothing in place: for
+    # the root (a model ending in a Linear with a bias) it is noise from every rank. Inner modules' stay.
+    warnings.filterwarnings("ignore", re.escape(f"FSDP2-wrapped module ({type(model).__name__}) returned a view"),
+                            UserWarning)
