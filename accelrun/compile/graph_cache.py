@@ -45,6 +45,7 @@ import accelrun
 from accelrun.compile import coverage
 from accelrun.compile.activity import ACTIVITY
 from accelrun.compile.break_sites import code_label
+from accelrun.compile.codegen.cpp_build import scratch_folder
 from accelrun.compile.eager_rnns import REASON as EAGER_RNN_REASON
 from accelrun.compile.executors.generated import compiling_after
 from accelrun.compile.gc_pause import gc_paused
@@ -692,6 +693,13 @@ class CachedMethod:
         try:
             import_module_globals(entry)
             data = type(entry).serialize(entry, external_data=wrapped_functions(self.func)).serialized_data
+            # Kernels the kernel cache could not take were built in a folder this process removes at its
+            # end: an entry naming them in the cache would send every later process to compile again.
+            kernels = self.cache.directory.parent / "cpp"
+            if (scratch := scratch_folder()) is not None and f"{kernels}{os.sep}".encode() in data:
+                self.cache.stats["errors"].append(f"not saved: its kernels could not be written into {kernels} "
+                                                  f"(built in {scratch} for this process only)")
+                return False
             self._write(path, TracedFrom.of(traced, tuple(baked), imported_at=_IMPORTED_AT).with_entry(data))
             self.cache.stats["saved"] += 1
             return True

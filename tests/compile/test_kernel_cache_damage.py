@@ -133,3 +133,32 @@ def test_a_library_the_loader_refuses_for_its_own_reasons_is_not_built_again(tmp
     with pytest.raises(OSError, match="libc10.so"):
         build_and_load(SOURCE, tmp_path)
     assert compiler_invocations() == built and library.is_file()
+
+
+def test_no_entry_is_saved_whose_kernels_the_process_built_outside_the_cache(tmp_path, fresh_process, monkeypatch):
+    """The kernel cache cannot be written but the graph cache can (a review): entries were saved naming
+    kernels in the process's own folder, gone at its end, so every later process compiled again."""
+    from tests.compile.test_graph_cache import COMPILED, assert_close, step
+
+    monkeypatch.setattr(cpp_build, "_scratch", None)
+    (tmp_path / "cache" / "compile").mkdir(parents=True)
+    (tmp_path / "cache" / "compile" / "cpp").write_text("")  # a file where the kernels' folder should be
+    with pytest.warns(UserWarning, match="cannot be written"):
+        first = step(*COMPILED)
+    stats = first[2].graph_cache
+    assert stats["compiled"] == 2 and stats["saved"] == 0, stats
+    assert any("not saved: its kernels could not be written into" in e for e in stats["errors"]), stats["errors"]
+    assert first[2].cache_misses > 0 and cpp_build.scratch_folder() is not None  # built, in the scratch folder
+    assert not list((tmp_path / "cache" / "compile" / "graphs").rglob("*.pt"))
+    # Once the kernel cache can be written, entries are saved and load.
+    (tmp_path / "cache" / "compile" / "cpp").unlink()
+    monkeypatch.setattr(cpp_build, "_scratch", None)
+    torch._dynamo.reset()
+    cpp_build._loaded.clear()
+    second = step(*COMPILED)
+    assert second[2].graph_cache["saved"] == 2, second[2].graph_cache
+    torch._dynamo.reset()
+    cpp_build._loaded.clear()
+    third = step(*COMPILED)
+    assert third[2].graph_cache["loaded"] == 2, third[2].graph_cache
+    assert_close(third, first, rel=1e-7)

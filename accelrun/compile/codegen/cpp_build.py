@@ -162,6 +162,11 @@ def _scratch_directory(cache: Path, why: str) -> Path:
         return _scratch
 
 
+def scratch_folder() -> Path | None:
+    """The folder of this process's own its kernels went to, where the cache could not be written."""
+    return _scratch
+
+
 def checksum_path(library: Path) -> Path:
     return library.with_name(library.name + ".sha256")
 
