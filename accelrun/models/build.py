@@ -390,12 +390,14 @@ def token_table(model: nn.Module) -> nn.Embedding | None:
     not a position table's (a position table does not match, whatever its size or place). The head is
     the last ``nn.Linear`` (registered last in the models users write) that some such table matches: a
     small head registered after it (an auxiliary ``nn.Linear(dim, 1)``) had made the model's token ids
-    unknown, and its FLOPs were counted on ids drawn for another recipe's vocabulary."""
+    unknown, and its FLOPs were counted on ids drawn for another recipe's vocabulary. With no such head,
+    the only table there is: its weight makes the logits (``F.linear(x, self.embed.weight)``, a tie written
+    without an ``nn.Linear``), which had left the ids to a recipe's vocabulary the model never had."""
     tables = [m for name, m in model.named_modules() if isinstance(m, nn.Embedding) and not is_position_table(name)]
     for linear in reversed([m for m in model.modules() if isinstance(m, nn.Linear)]):
         if (table := next((t for t in tables if t.num_embeddings == linear.out_features), None)) is not None:
             return table
-    return None
+    return tables[0] if len(tables) == 1 else None
 
 
 def data_vocab(cfg: ModelConfig, model: nn.Module) -> tuple[int, str | None]:
@@ -665,7 +667,8 @@ def _check_classes(classes: int, ids: int, model: nn.Module, forward: str) -> No
     # More classes than token ids is a padded vocabulary (nanoGPT's 50,304 for 50,257), unless they are
     # as many as a token table is wide: then the forward most likely returned its hidden states. (A
     # hidden width equal to a padded vocabulary's would be refused too; none is known.)
-    tables = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings >= ids]
+    tables = [m for name, m in model.named_modules()  # (a position table's rows are no head's width)
+              if isinstance(m, nn.Embedding) and m.num_embeddings >= ids and not is_position_table(name)]
     hidden = classes != ids and any(t.embedding_dim == classes for t in tables)
     if classes >= ids and not hidden:
         return

@@ -7,6 +7,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from accelrun.cli.main import cli
@@ -266,6 +267,40 @@ def test_a_small_head_registered_after_the_output_head_does_not_hide_the_token_t
             self.aux_head = nn.Linear(16, 1)
 
     assert embedding_rows(Tied()) == 320
+
+
+class LogitsThroughTheTable(torch.nn.Module):
+    """A new user's encoder LM: no output nn.Linear, the logits made with the token table's weight."""
+
+    def __init__(self, vocab: int = 258, positions: int = 512) -> None:
+        super().__init__()
+        self.emb, self.pos = torch.nn.Embedding(vocab, 16), torch.nn.Embedding(positions, 16)
+
+    def forward(self, tokens):
+        x = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        return torch.nn.functional.linear(x, self.emb.weight)
+
+
+def test_logits_made_with_the_token_tables_weight_take_its_rows():
+    """Its ids were left to model.vocab_size (512 in model/debug), which the model never had: counting its
+    FLOPs drew ids past its 258 rows ("MFU n/a ... IndexError: index out of range in self")."""
+    from accelrun.config.schema import ModelConfig
+    from accelrun.models.build import data_vocab
+    from accelrun.models.flop_count import counted_flops_per_token
+
+    model = LogitsThroughTheTable()
+    ids, _ = data_vocab(ModelConfig(custom="m:build", vocab_size=512), model)
+    assert ids == 258
+    counted = counted_flops_per_token(model, 32, ids, torch.device("cpu"))
+    assert counted.value and counted.value > 0, counted
+
+
+def test_too_few_classes_suggest_a_head_as_wide_as_the_token_table_not_the_position_table():
+    from accelrun.models.build import ModelOutputError, _check_classes
+
+    with pytest.raises(ModelOutputError) as e:  # 256 token rows and 512 positions, for ids 0 to 257
+        _check_classes(256, 258, LogitsThroughTheTable(vocab=256), "M.forward")
+    assert "at least 258 (an output head nn.Linear(dim, 258))" in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("custom, kwargs, message, validate_only, more", [
