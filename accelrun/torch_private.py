@@ -130,6 +130,9 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     # What Dynamo cannot trace, raised instead of a graph break under fullgraph=True (``.msg``: the reason
     # first, then its explanation and hints; ``.real_stack``: the user's frames).
     "DynamoUnsupported": ("torch._dynamo.exc", "Unsupported"),
+    # What Dynamo refuses under fullgraph at a branch on a value read from a tensor (``.item()`` compared):
+    # it cannot guard on the data-dependent expression; ``.real_stack`` as above.
+    "DynamoUserError": ("torch._dynamo.exc", "UserError"),
     "fake_tensor_log": ("torch._subclasses.fake_tensor", "log"),
     # The frame Dynamo is tracing (``current_tx()``: its ``f_code`` and ``lineno``), read while a break is
     # logged: the log's traceback can leave out the user's own forward.

@@ -805,6 +805,21 @@ def test_DynamoUnsupported():
     assert any(f.filename == __file__ and f.name == "branchy" for f in raised.value.real_stack)
 
 
+def test_DynamoUserError():
+    """What fullgraph=True raises at a branch on a value read from a tensor: "data-dependent expression"
+    in its text, ``.real_stack`` holds the frames."""
+    def reads(x):
+        if x.sum().item() > 0:
+            return x + 1
+        return x
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), pytest.raises(tp.DynamoUserError) as raised:
+        torch.compile(reads, backend="eager", fullgraph=True)(torch.ones(2))
+    assert "data-dependent expression" in str(raised.value)
+    assert any(f.filename == __file__ and f.name == "reads" for f in raised.value.real_stack)
+
+
 def test_fake_tensor_log():
     import logging
 

@@ -42,7 +42,7 @@ def named_model_errors(backend: str, fullgraph: bool = False) -> Iterator[None]:
     """Inside, a model's error met while Dynamo traces it becomes ``ModelFailedWhileTraced``, and the
     fake tensors' log of it (a traceback per failure, before Dynamo's own) is left out. Under
     ``fullgraph``, what Dynamo would have broken the graph at becomes ``NotOneGraph`` (exit 2)."""
-    from accelrun.torch_private import DynamoTorchRuntimeError, DynamoUnsupported, fake_tensor_log
+    from accelrun.torch_private import DynamoTorchRuntimeError, DynamoUnsupported, DynamoUserError, fake_tensor_log
 
     quiet = _DropMetaFailures()
     fake_tensor_log.addFilter(quiet)
@@ -50,18 +50,24 @@ def named_model_errors(backend: str, fullgraph: bool = False) -> Iterator[None]:
         yield
     except DynamoTorchRuntimeError as e:
         raise ModelFailedWhileTraced(model_error_message(e, backend)) from e
-    except DynamoUnsupported as e:
-        if not fullgraph:
+    except (DynamoUnsupported, DynamoUserError) as e:
+        # (a branch on a tensor's value is a UserError under fullgraph: Dynamo cannot guard on it)
+        if not fullgraph or (isinstance(e, DynamoUserError) and _DATA_DEPENDENT not in str(e)):
             raise
         raise NotOneGraph(not_one_graph_message(e)) from e
     finally:
         fake_tensor_log.removeFilter(quiet)
 
 
+_DATA_DEPENDENT = "data-dependent expression"
+
+
 def not_one_graph_message(e: Exception) -> str:
     """Dynamo's reason for the break, the model's line, its first hint, and the way out."""
     lines = [line.strip() for line in (getattr(e, "msg", None) or str(e)).strip().splitlines() if line.strip()]
     reason = lines[0] if lines else type(e).__name__
+    if _DATA_DEPENDENT in reason:  # Dynamo's words name its own symbols ("zuf0 > 0.5"), not the model's code
+        reason = "the code branches on a value read from a tensor (.item(), or a tensor used as a bool)"
     hint = next((line for line in lines if line.startswith("Hint:")), "")
     return (f"compile.fullgraph = true, but torch.compile cannot trace the model as one graph: {reason}"
             f"{_model_frame(e)}" + (f"\n  {hint}" if hint else "") +

@@ -86,6 +86,33 @@ def test_a_break_under_fullgraph_is_one_recipe_error_naming_the_line():
     torch.compile(Clamped(), backend="eager")(torch.ones(2, 4))
 
 
+class ReadsAValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if h.abs().mean().item() > 0.5:  # a value read from a tensor, then compared
+            h = h * 0.9
+        return h
+
+
+def test_a_branch_on_an_item_under_fullgraph_is_the_same_recipe_error():
+    """Dynamo raises a UserError there ("Could not guard on data-dependent expression zuf0 > 0.5"), not
+    Unsupported: a compiler engineer's trial got its traceback and exit 1."""
+    torch._dynamo.reset()
+    model = torch.compile(ReadsAValue(), backend="eager", fullgraph=True)
+    with (torch._dynamo.config.patch(capture_scalar_outputs=True), pytest.raises(NotOneGraph) as raised,
+          named_model_errors("accelrun", fullgraph=True)):
+        model(torch.ones(2, 4))
+    message = str(raised.value)
+    assert raised.value.exit_code == 2 and "zuf0" not in message, message
+    assert "the code branches on a value read from a tensor" in message
+    assert f"at {__file__}:" in message and "in forward: if h.abs().mean().item() > 0.5:" in message
+    torch._dynamo.reset()
+
+
 def test_other_errors_pass_through_and_the_log_is_whole_again():
     from accelrun.torch_private import fake_tensor_log
 
