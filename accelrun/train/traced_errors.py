@@ -42,7 +42,12 @@ def named_model_errors(backend: str, fullgraph: bool = False) -> Iterator[None]:
     """Inside, a model's error met while Dynamo traces it becomes ``ModelFailedWhileTraced``, and the
     fake tensors' log of it (a traceback per failure, before Dynamo's own) is left out. Under
     ``fullgraph``, what Dynamo would have broken the graph at becomes ``NotOneGraph`` (exit 2)."""
-    from accelrun.torch_private import DynamoTorchRuntimeError, DynamoUnsupported, DynamoUserError, fake_tensor_log
+    from accelrun.torch_private import (
+        DynamoTorchRuntimeError,
+        DynamoUnsupported,
+        DynamoUserError,
+        fake_tensor_log,
+    )
 
     quiet = _DropMetaFailures()
     fake_tensor_log.addFilter(quiet)
