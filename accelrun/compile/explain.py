@@ -10,7 +10,8 @@ from accelrun.compile.record import CompileRecord
 def pass_rows(record: CompileRecord) -> list[tuple[str, str, str, str, str]]:
     """(graph, pass, ops before → after, what changed, seconds) per pass run."""
     return [
-        (p.graph, p.name, f"{p.ops_before} → {p.ops_after}", p.summary or ("changed" if p.counts.get("changed") else "-"),
+        (p.graph, p.name, f"{p.ops_before} → {p.ops_after}",
+         (p.summary or ("changed" if p.counts.get("changed") else "-")) + (f"; numerics {p.numerics}" if p.numerics else ""),
          f"{p.seconds * 1000:.1f} ms")
         for p in record.passes
     ]  # fmt: skip

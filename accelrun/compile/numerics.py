@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from accelrun.compile.record import NUMERICS_EQUAL
+
 
 class PassNumericsError(RuntimeError):
     """A pass changed what a graph computes (beyond the stated tolerance)."""
@@ -76,18 +78,49 @@ def _flatten(x: Any) -> list[Any]:
     return [x]
 
 
-def check_pass(name: str, before: fx.GraphModule, after: fx.GraphModule, example_inputs: list[Any]) -> None:
+# What a pass's record says where its results could not be compared (the graphs draw other random numbers).
+UNCHECKED_RANDOM = "not compared: it changes which random numbers the graph draws ({before} before, {after} after)"
+
+
+def check_pass(name: str, before: fx.GraphModule, after: fx.GraphModule, example_inputs: list[Any]) -> str:
+    """``NUMERICS_EQUAL``, or why the results were not compared; PassNumericsError if the pass changed them."""
     from accelrun.torch_private import unset_fake_temporarily
 
     # The backend runs inside AOTAutograd's fake-tensor mode; this check needs real values.
     with unset_fake_temporarily(), torch.no_grad():
-        _check(name, before, after, example_inputs)
+        return _check(name, before, after, example_inputs)
 
 
-def _check(name: str, before: fx.GraphModule, after: fx.GraphModule, example_inputs: list[Any]) -> None:
+def _check(name: str, before: fx.GraphModule, after: fx.GraphModule, example_inputs: list[Any]) -> str:
     inputs = sample_inputs(example_inputs)
-    expected = before(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
-    got = after(*inputs)
+    # Each graph from the same seed: a dropout draws the same mask in both (unseeded, a pass that touched
+    # nothing "changed the results" of every model with dropout, and the run stopped: a trial's).
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        expected = before(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+        torch.manual_seed(0)
+        got = after(*inputs)
     problem = compare_outputs(expected, got)
-    if problem:
-        raise PassNumericsError(f"pass {name!r} changed the graph's results: {problem}")
+    if problem is None:
+        return NUMERICS_EQUAL
+    drawn_before, drawn_after = random_draws(before), random_draws(after)
+    if drawn_before != drawn_after:  # (cpu_dropout draws the masks in its kernel: other numbers, by design)
+        return UNCHECKED_RANDOM.format(before=", ".join(drawn_before) or "none", after=", ".join(drawn_after) or "none")
+    raise PassNumericsError(f"pass {name!r} changed the graph's results: {problem}")
+
+
+def random_draws(gm: fx.GraphModule) -> list[str]:
+    """The random ops ``gm`` (and the submodules it calls) run, in graph order: ops tagged as drawing from
+    the generator, and ops of accelrun's own that draw (their names say dropout)."""
+    drawn = []
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            tags = getattr(node.target, "tags", ())
+            label = str(getattr(node.target, "__name__", node.target))
+            if torch.Tag.nondeterministic_seeded in tags or "dropout" in label:
+                drawn.append(label)
+    return drawn

@@ -249,10 +249,10 @@ class PassDriver:
                     return self._stage_input_goes_on(stage_input, graph_name, stage, changed_by, again, why)
                 continue
             done.append(p)
-            self._noted(graph_name, stage, p, before, unit.ops(), result, time.perf_counter() - t0)
+            noted = self._noted(graph_name, stage, p, before, unit.ops(), result, time.perf_counter() - t0)
             changed_by += [p.name] if result.changed else []
             if before_copy is not None:
-                check_pass(p.name, before_copy, unit.gm, ctx.example_inputs)
+                noted.numerics = check_pass(p.name, before_copy, unit.gm, ctx.example_inputs)
             unit.dump(self.dumper, p.name, result.changed)
         try:
             unit.finish()
@@ -296,11 +296,11 @@ class PassDriver:
         ))  # fmt: skip
 
     def _noted(self, graph: str, stage: str, p: ConfiguredPass, before: int, after: int, result: PassResult,
-               seconds: float) -> None:  # fmt: skip
+               seconds: float) -> PassRecord:  # fmt: skip
         counts = dict(result.counts)
         if result.changed:
             counts.setdefault("changed", 1)
-        self.record.passes.append(PassRecord(
-            graph=graph, stage=stage, name=p.name, ops_before=before, ops_after=after,
-            summary=result.summary, counts=counts, seconds=round(seconds, 4), detail=result.detail,
-        ))  # fmt: skip
+        noted = PassRecord(graph=graph, stage=stage, name=p.name, ops_before=before, ops_after=after,
+                           summary=result.summary, counts=counts, seconds=round(seconds, 4), detail=result.detail)
+        self.record.passes.append(noted)
+        return noted

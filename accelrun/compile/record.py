@@ -20,8 +20,10 @@ class PassRecord:
     counts: dict[str, int]
     seconds: float
     detail: str = ""  # PassResult.detail: several lines, shown by `compile explain`
+    numerics: str = ""  # compile.debug_numerics: what comparing the graph before and after said ("" unchecked)
 
 
+NUMERICS_EQUAL = "equal before and after"  # PassRecord.numerics of a pass compile.debug_numerics found exact
 LEFT_TO_ATEN = "left to ATen: "  # a pass's count of calls it left to ATen for one reason (the rest of the key)
 
 
@@ -173,10 +175,23 @@ class CompileRecord:
             parts.append(self.fallback_scope)
         if line := self.cuda_graphs.line():
             parts.append(line)
+        if line := self.numerics_line():
+            parts.append(line)
         if changed := self.graph_cache.get("state_changed"):
             parts.append(f"not from the graph cache, which holds these graphs for {changed[0]} "
                          "(each setting keeps its own; these are saved now too)")
         return ", ".join(parts)
+
+    def numerics_line(self) -> str:
+        """compile.debug_numerics: how many passes' graphs compared equal to their input, and how many could
+        not be compared; "" where nothing was compared (the option off, or every graph loaded from cache)."""
+        said = [p.numerics for p in self.passes if p.numerics]
+        if not said:
+            return ""
+        equal = sum(1 for s in said if s == NUMERICS_EQUAL)
+        return (f"debug_numerics: {equal} pass run(s) equal before and after"
+                + (f", {len(said) - equal} not compared (they change the random draws)" if len(said) > equal else "")
+                + " (the joint graph's passes and the lowering are not compared)")
 
     def mark(self) -> RecordMark:
         """Where the record stands now, for ``roll_back``."""

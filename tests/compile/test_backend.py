@@ -160,6 +160,34 @@ def test_debug_numerics_names_the_pass_that_diverges():
     assert isinstance(info.value, PassNumericsError) or "PassNumericsError" in str(info.value)
 
 
+class _DropoutMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + torch.nn.functional.dropout(self.down(torch.nn.functional.gelu(self.up(x))), 0.3)
+
+
+@pytest.mark.parametrize("passes", [["dce", "partition_regions"], ["dce", "cpu_dropout", "partition_regions"]])
+def test_debug_numerics_compares_graphs_with_dropout_on_the_same_random_draws(passes):
+    """A compiler engineer's trial: any model with dropout stopped with "pass 'fuse_attention' changed the
+    graph's results" (a pass that matched nothing), each graph having drawn its own masks. A pass that
+    draws them otherwise (cpu_dropout: in its kernel) is said to be not compared."""
+    torch._dynamo.reset()
+    model = _DropoutMLP()
+    backend = AccelrunBackend(CompileOptions(passes=resolve_passes(passes), executors=["cpp", "aten"],
+                                             debug_numerics=True))  # fmt: skip
+    compiled = torch.compile(model, backend=backend)
+    compiled(torch.randn(4, 8, 16, requires_grad=True)).sum().backward()
+    said = {(p.graph.rsplit(".", 1)[-1], p.name): p.numerics for p in backend.record.passes if p.numerics}
+    assert said[("forward", "partition_regions")] == "equal before and after", said
+    if "cpu_dropout" in passes:
+        assert said[("forward", "cpu_dropout")].startswith("not compared: it changes which random numbers"), said
+    assert "debug_numerics: " in backend.record.compiled_line()
+    torch._dynamo.reset()
+
+
 def test_debug_numerics_tolerates_reordered_sums_and_nothing_more():
     """A sum of large terms cancelling to a small value differs by the terms' rounding under another
     summation order: compared against the tensor's scale, not its own. Real differences still fail."""
