@@ -97,11 +97,15 @@ def _ab_row(path: Path) -> RunRow | None:
         result = None  # running, or stopped before its reports
     except ValueError:
         return None
-    from accelrun.report.ab import EXIT_INTERRUPTED  # Ctrl-C: it compared the rounds it finished
+    from accelrun.report.ab import EXIT_INTERRUPTED, EXIT_LOSSES_DISAGREE
 
+    # A comparison that ran whole but found the variants' losses apart is not a failed one (a trial's,
+    # where ab itself said why: B drew its dropout masks in accelrun's kernels).
+    said = {0: "finished", EXIT_LOSSES_DISAGREE: "losses differ",
+            EXIT_INTERRUPTED: "interrupted"}  # (Ctrl-C: it compared the rounds it finished)
     code = (result or {}).get("exit_code")
     status = "running" if result is None and is_running(path) else \
-        "interrupted" if result is None or code == EXIT_INTERRUPTED else "finished" if code == 0 else "failed"
+        "interrupted" if result is None else said.get(code, "failed")
     return RunRow(run=f"{path.parent.name}/{path.name}", path=str(path), started=_started(path), status=status,
                   steps=int((result or {}).get("steps") or 0), final_loss=None, step_time_s=None, tokens_per_s=None,
                   mfu=None, mem_peak_bytes=None, compile="-", precision="-", config_hash=None, kind="ab")

@@ -43,6 +43,10 @@ def test_runs_list_has_train_explain_and_ab_rows_with_processes(tmp_path):
             **{"ab.json": json.dumps({"exit_code": 130, "steps": 20, "verdicts": []})})
     rows = list_run_rows(runs / "ab", "llama-debug")
     assert [(r.kind, r.status) for r in rows] == [("ab", "interrupted"), ("ab", "finished")]
+    # one whose variants' losses disagree (exit 4) ran whole: not "failed", as a variant that crashed (5) is
+    for run_id, code in (("20260101-120400-eeeeee", 4), ("20260101-120500-ffffff", 5)):
+        _folder(runs / "ab" / "llama-debug" / run_id, **{"ab.json": json.dumps({"exit_code": code, "steps": 20})})
+    assert [r.status for r in list_run_rows(runs / "ab", "llama-debug", limit=2)] == ["failed", "losses differ"]
     # a runs folder that is itself named ab holds training runs, known by what they hold
     other = tmp_path / "exp" / "ab"
     _folder(other / "llama-debug" / "20260101-120000-aaaaaa", **{"config.yaml": config, "report.json": json.dumps(
