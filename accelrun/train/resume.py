@@ -112,7 +112,13 @@ def training_differences(theirs: Path, ours: Path) -> list[str]:
     launch_only = {".".join(k) for k in NOT_TRAINING_KEYS}
     fa, fb = ({k: v for k, v in flatten(d).items() if k.split(".")[0] not in NOT_TRAINING and k not in launch_only}
               for d in (a, b))
-    return [f"{k}: {fa.get(k)!r} there, {fb.get(k)!r} now" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+    return [f"{k}: {_value_said(fa.get(k))} there, {_value_said(fb.get(k))} now"
+            for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+
+
+def _value_said(value: object) -> str:
+    """A recipe value as a difference names it: a key left out (None) is "unset", not ``None``."""
+    return "unset" if value is None else repr(value)
 
 
 def _skipped(damaged: list[tuple[CheckpointInfo, str]], chosen: CheckpointInfo | None) -> str:

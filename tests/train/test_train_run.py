@@ -515,3 +515,12 @@ def test_a_run_resumed_after_its_models_code_changed_says_so(tiny, tmp_path, mon
     run(tiny(6, *common[:-1], "name=same"), stop_after_step=3)
     run(tiny(6, *common[:-1], "name=same"), console=Console(file=out, width=400))
     assert "resuming from" in out.getvalue() and "code changed" not in out.getvalue()
+
+
+def test_a_value_left_unset_is_named_so_among_the_training_differences(tmp_path):
+    """A trial's resume without train.threads=1 read "train.threads: 1 there, None now"."""
+    from accelrun.train.resume import training_differences
+
+    (tmp_path / "a.yaml").write_text("train: {threads: 1, seed: 0}\n")
+    (tmp_path / "b.yaml").write_text("train: {threads: null, seed: 0}\n")
+    assert training_differences(tmp_path / "a.yaml", tmp_path / "b.yaml") == ["train.threads: 1 there, unset now"]
