@@ -64,7 +64,7 @@ def record_files(paths: Sequence[str], *, key: str = "data.paths",
         found: list[RecordFile] = []
         for m in matches:
             found += (_folder_files(Path(m), key, skipped) if os.path.isdir(m)
-                      else _one_file(Path(m), key, strict=m == expanded))
+                      else _one_file(Path(m), key, strict=m == expanded, skipped=skipped))
         if not found:
             # (text files matched one by one: the text source reads files and globs, not folders)
             texts = any(Path(m).suffix.lower() == ".txt" and os.path.isfile(m) for m in matches)
@@ -77,12 +77,14 @@ def record_files(paths: Sequence[str], *, key: str = "data.paths",
     return out
 
 
-def _one_file(path: Path, key: str, *, strict: bool) -> list[RecordFile]:
+def _one_file(path: Path, key: str, *, strict: bool, skipped: list[Path] | None = None) -> list[RecordFile]:
     fmt = EXTENSIONS.get(path.suffix.lower())
     if fmt is None:
-        if strict:  # named on its own: say what is read; a glob's other matches are skipped quietly
+        if strict:  # named on its own: say what is read
             raise DataError(f"{key}: {str(path)!r} is not a record file: expected one of {', '.join(EXTENSIONS)} "
                             "or a save_to_disk folder (plain text files: data.source = text)")
+        if skipped is not None and not path.name.startswith("."):  # a glob's other matches: named, as a folder's
+            skipped.append(path)
         return []
     return [RecordFile(path, fmt)]
 
@@ -137,7 +139,7 @@ def skipped_note(skipped: Sequence[Path]) -> str | None:
     if not skipped:
         return None
     many = len(skipped) > 1
-    return (f"skipping {len(skipped)} file{'s' if many else ''} in the folders given that {'are' if many else 'is'} "
+    return (f"skipping {len(skipped)} file{'s' if many else ''} in the folders or globs given that {'are' if many else 'is'} "
             f"not a record file ({', '.join(EXTENSIONS)}): {path_names(skipped)}")
 
 

@@ -92,11 +92,15 @@ def test_a_folder_s_files_that_are_not_records_are_named_not_skipped_quietly(tmp
     r = validate(corpus)
     assert r.exit_code == 0, r.output
     warnings = [" ".join(w.split()) for w in r.output.split("warning:")[1:]]
-    assert len(warnings) == 1 and f"data.paths: skipping 2 files in the folders given that are not a record file " \
+    assert len(warnings) == 1 and f"data.paths: skipping 2 files in the folders or globs given that are not a record file " \
         f"(.jsonl, .ndjson, .json, .csv, .parquet, .arrow): {corpus / 'README.md'}, {corpus / 'sub' / 'b.txt'}" \
         in warnings[0], r.output
     r = CliRunner().invoke(cli, ["data", "prepare", str(corpus), "-o", str(tmp_path / "out")])
-    assert r.exit_code == 0 and "warning: skipping 2 files in the folders given" in r.output, r.output
+    assert r.exit_code == 0 and "warning: skipping 2 files in the folders or globs given" in r.output, r.output
+    # A glob's matches alike (a trial's `data.paths=[mixed/*]` left its .txt file out without a word)
+    r = validate(f"{corpus}/*.*")
+    assert r.exit_code == 0 and f"skipping 1 file in the folders or globs given that is not a record file " \
+        f"(.jsonl, .ndjson, .json, .csv, .parquet, .arrow): {corpus / 'README.md'}" in " ".join(r.output.split()), r.output
     (corpus / "README.md").unlink()
     (corpus / "sub" / "b.txt").unlink()
     r = validate(corpus)
