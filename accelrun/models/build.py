@@ -361,7 +361,11 @@ def _kwargs_fix(signature: Any, kwargs: dict[str, Any]) -> str:
 
     params = signature.parameters
     takes = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    for name in kwargs:
+    for name, value in kwargs.items():
+        key, colon, rest = name.partition(":")
+        if name not in params and colon and value is None and key.strip() in params:  # YAML's `{d:96}`
+            return (f"; YAML reads {name!r} without a space after the colon as one key with no value: "
+                    f"write {{{key.strip()}: {rest.strip()}}}")
         if name not in params and (near := nearest(name, takes)):
             return f"; did you mean {near!r}?"
     missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs
