@@ -185,3 +185,30 @@ def test_no_entry_is_saved_whose_kernels_the_process_built_outside_the_cache(tmp
     third = step(*COMPILED)
     assert third[2].graph_cache["loaded"] == 2, third[2].graph_cache
     assert_close(third, first, rel=1e-7)
+
+
+def test_a_failed_build_says_the_compilers_error_and_a_graph_naming_its_library_says_so(tmp_path, fresh_process,
+                                                                                       monkeypatch):
+    """A compiler engineer's trial (a compiler that fails every build): the fallback's reason stopped at
+    "g++ failed on generated code:", and the next process, missing the library a saved graph named, said it
+    was "not in the kernel cache (removed, or still being built by another process ...)"."""
+    from accelrun.compile.codegen.cached_files import found
+
+    fake = tmp_path / "badcxx"
+    fixed = tmp_path / "fixed"  # once it exists, the compiler is g++ again (the same version: the same key)
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = "--version" ] || [ -e {fixed} ]; then exec g++ "$@"; fi\n'
+                    'echo "x.cpp:3:1: error: expected declaration" >&2; exit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("ACCELRUN_CXX", str(fake))
+    with pytest.raises(RuntimeError) as raised:
+        build_library(SOURCE, tmp_path / "cpp")
+    assert str(raised.value).splitlines()[0] == \
+        "g++ failed on generated code: x.cpp:3:1: error: expected declaration"
+    library = cpp_build.library_path(SOURCE, tmp_path / "cpp")
+    with pytest.raises(FileNotFoundError, match=r"was never built: its build failed when the graph was saved "
+                                                r"\(x.cpp:3:1: error: expected declaration\)"):
+        found(str(library), "compiled region")
+    assert cpp_build.failure_path(library).is_file()
+    fixed.touch()
+    assert build_library(SOURCE, tmp_path / "cpp") == library  # a build that succeeds clears its failure
+    assert not cpp_build.failure_path(library).exists()

@@ -35,6 +35,18 @@ def found(saved: str, what: str) -> Path:
     if (root := _root.get()) is not None and (here := root / path.parent.name / path.name).exists():
         return here
     if not path.exists():
+        here = root / path.parent.name / path.name if root is not None else path
+        if said := _build_failure(here) or _build_failure(path):
+            raise FileNotFoundError(f"{what} {path.name} was never built: its build failed when the graph was "
+                                    f"saved ({said})")
         raise FileNotFoundError(f"{what} {path.name} is not in the kernel cache (removed, or still being built by "
                                 "another process that compiled it at the same time)")
     return path
+
+
+def _build_failure(library: Path) -> str | None:
+    """The compiler's error line a failed build of ``library`` left beside it (cpp_build), or None."""
+    try:
+        return library.with_name(library.name + ".failed").read_text().strip() or None
+    except OSError:
+        return None

@@ -12,6 +12,7 @@ this process, so a test can check that a warm cache builds nothing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -49,7 +50,13 @@ def find_compiler() -> str | None:
 
 @functools.lru_cache(maxsize=8)
 def compiler_version(cxx: str) -> str:
-    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True)
+    """Its ``--version``'s first line (part of each library's key). A compiler that cannot say (a wrapper,
+    ``ACCELRUN_CXX=false``) is named by its path: its builds then fail, or not, as builds; a traceback
+    from here stopped the run before any executor could fall back."""
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        return f"{cxx} (--version failed: {type(e).__name__})"
     return out.stdout.splitlines()[0] if out.stdout else cxx
 
 
@@ -119,7 +126,14 @@ def build_library(source: str, cache_dir: str | os.PathLike | None = None, link:
             command = [nice, "-n", str(LATER_NICENESS), *command]
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"g++ failed on generated code:\n{proc.stderr[-4000:]}")
+            said = compiler_error_line(proc.stderr, proc.returncode)
+            # Beside where the library would be: a graph saved before its build ended names that library,
+            # and a later process that misses it says why (not "removed from the cache").
+            with contextlib.suppress(OSError):
+                failure_path(target).write_text(said + "\n")
+            # The first line is what fallbacks and reports show (one line); the rest for --debug readers.
+            raise RuntimeError(f"g++ failed on generated code: {said}\n{proc.stderr[-4000:]}")
+        failure_path(target).unlink(missing_ok=True)
         os.replace(src, directory / f"{key}.cpp")  # kept for reading; harmless if another process won
         # The checksum first: a process that finds the library finds its checksum. (Two processes building
         # at once may leave one's checksum beside the other's library: the next finds it "damaged" and
@@ -160,6 +174,18 @@ def _scratch_directory(cache: Path, why: str) -> Path:
                           f"{_scratch} for this process, and built again by the next (ACCELRUN_CACHE_DIR or "
                           "compile.cache_dir names another cache)", stacklevel=3)
         return _scratch
+
+
+def compiler_error_line(stderr: str, returncode: int) -> str:
+    """The line of a compiler's output that says what failed: its first error, else its last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    first_error = next((line for line in lines if "error" in line.lower()), None)
+    return first_error or (lines[-1] if lines else f"exit status {returncode}, nothing printed")
+
+
+def failure_path(library: Path) -> Path:
+    """Where a failed build of ``library`` leaves its compiler's error line."""
+    return library.with_name(library.name + ".failed")
 
 
 def scratch_folder() -> Path | None:
