@@ -784,6 +784,8 @@ def decline_reason(cfg: Any, targets: list[tuple[nn.Module, str]]) -> str | None
         return "compile.dump writes every pass's graphs, so graphs are compiled afresh"
     if cfg.debug_numerics:
         return "compile.debug_numerics reruns every pass, so graphs are compiled afresh"
+    if getattr(cfg, "strict", False):  # a loaded graph's fallbacks happened where no strict run could see them
+        return "compile.strict checks every pass and region as they compile, so graphs are compiled afresh"
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return "multi-rank runs compile afresh (sharded parameters and collectives are not cached)"

@@ -114,6 +114,8 @@ def test_a_kernel_gone_from_the_kernel_cache_means_a_fresh_compile(tmp_path):
 @pytest.mark.parametrize(("override", "why"), [
     ("compile.graph_cache=false", "compile.graph_cache = false"),
     ("compile.debug_numerics=true", "debug_numerics"),
+    # a loaded graph's fallbacks were never seen by a strict run (a compiler engineer's trial: strict loaded one)
+    ("compile.strict=true", "compile.strict checks every pass and region as they compile"),
     ("train.activation_checkpoint.mode=full", "is checkpointed (train.activation_checkpoint)"),
 ])  # fmt: skip
 def test_off_with_a_reason(override, why):
