@@ -265,14 +265,15 @@ def never_called(module: nn.Module) -> bool:
     return type(module).forward is nn.Module.forward
 
 
-def repeated_blocks(model: nn.Module, builtins: bool = False) -> tuple[str, list[nn.Module]] | None:
-    """(path, blocks): the outermost ``ModuleList`` of at least two modules all of one class (a custom
-    model's layers under another name; the experts inside a layer are deeper, so not taken), or None.
-    Lists of torch.nn's own modules count only with ``builtins`` (see the module's docstring)."""
+def repeated_blocks(model: nn.Module, builtins: bool = False,
+                    kinds: tuple[type[nn.Module], ...] = (nn.ModuleList,)) -> tuple[str, list[nn.Module]] | None:
+    """(path, blocks): the outermost ``ModuleList`` (of ``kinds``) of at least two modules all of one class
+    (a custom model's layers under another name; the experts inside a layer are deeper, so not taken), or
+    None. Lists of torch.nn's own modules count only with ``builtins`` (see the module's docstring)."""
     best: tuple[int, str, list[nn.Module]] | None = None
     containers: list[str] = []  # lists of containers: a list inside one of them is one layer's, no blocks
     for path, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1:
+        if not isinstance(module, kinds) or len(module) < 2 or len({type(m) for m in module}) != 1:
             continue
         if any(path.startswith(c + ".") for c in containers):
             continue

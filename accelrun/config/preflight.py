@@ -292,6 +292,13 @@ def _built_custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source],
         unchecked.append(_not_built(cfg, e))
         return []
     out = []
+    if cfg.train.activation_checkpoint.mode != "none":  # train refused it after validate said "valid" (a trial's)
+        from accelrun.dist.activation_checkpoint import checkpointed_blocks, no_blocks_to_checkpoint
+        from accelrun.models.build import transformer_blocks
+
+        if checkpointed_blocks(model, transformer_blocks(model)) is None:
+            out.append(f"{no_blocks_to_checkpoint(model)} (train.activation_checkpoint.mode: "
+                       f"{source_of(('train', 'activation_checkpoint', 'mode'), sources)})")
     if cfg.data.packing == "document" and (problem := document_packing_problem(model)) is not None:
         out.append(f"{problem} (model.custom: {where})")
     if (problem := position_table_problem(model, cfg.train.seq_len)) is not None:

@@ -10,9 +10,13 @@ from pathlib import Path
 
 from torch import nn
 
-from accelrun.compile.compile_model import Compiled, compile_model, repeated_blocks
+from accelrun.compile.compile_model import Compiled, compile_model
 from accelrun.config import ConfigError, RunConfig
-from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
+from accelrun.dist.activation_checkpoint import (
+    apply_activation_checkpointing,
+    checkpointed_blocks,
+    no_blocks_to_checkpoint,
+)
 from accelrun.dist.async_tp import enable_async_tp
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.context_parallel import ContextParallelStats, apply_context_parallel
@@ -48,26 +52,33 @@ def apply_layout(part: nn.Module, cfg: RunConfig, ctx: ParallelContext, dump_dir
     if ctx.mesh is not None and ctx.cp_size > 1:  # before compile: the blocks compile with its collectives
         apply_context_parallel(part, cfg.model, ctx.mesh, cp_stats, 2 if t.precision == "bf16-mixed" else 4)
     if t.activation_checkpoint.mode != "none":
-        # a user's model: its repeated blocks, as the compiler finds them (transformers' model.layers)
-        # (then torch.nn's own: nn.TransformerEncoder's layers)
-        hit = None if blocks is not None else (repeated_blocks(part) or repeated_blocks(part, builtins=True))
-        found = blocks if blocks is not None else (hit[1] if hit else None)
+        found = checkpointed_blocks(part, blocks)
         if found is None:
-            raise ConfigError(
-                "train.activation_checkpoint needs a model with a `layers` ModuleList of blocks, or an "
-                f"nn.ModuleList of two or more blocks of one class; {type(part).__name__} has none"
-            )
-        apply_activation_checkpointing(found, t.activation_checkpoint)
+            raise ConfigError(no_blocks_to_checkpoint(part))
+        wrapped = apply_activation_checkpointing(found, t.activation_checkpoint)
+        # said with what compiled (the run's first lines, report.md): a run never said it checkpointed
+        checkpointed = (f"activation checkpointing ({t.activation_checkpoint.mode}) on {wrapped} of {len(found)} "
+                        f"{type(found[0]).__name__} blocks")
+    else:
+        checkpointed = ""
     if cfg.parallel.fsdp_impl == "compiled" and ctx.mesh is not None and ctx.dp_size > 1:
         from accelrun.dist.compiled_fsdp import compile_sharded
 
-        return with_cuda_graph_decision(compile_sharded(part, blocks, ctx.mesh, cfg.compile, dump_dir), cfg, ctx)
+        return _with_checkpointing(
+            with_cuda_graph_decision(compile_sharded(part, blocks, ctx.mesh, cfg.compile, dump_dir), cfg, ctx),
+            checkpointed)
     compiled = with_cuda_graph_decision(
         compile_model(part, blocks, cfg.compile, dump_dir, loss_parallel=cfg.parallel.loss_parallel,
                       # one process only: a sharded model compiled whole is a layout nothing here tests
                       precision=t.precision if ctx.mesh is None else None), cfg, ctx)
     if ctx.mesh is not None and ctx.dp_size * ctx.cp_size > 1:  # cp ranks' gradients are reduced as dp's
         apply_fsdp(part, blocks, ctx.mesh, t.precision, cfg.parallel.reshard_after_forward)
+    return _with_checkpointing(compiled, checkpointed)
+
+
+def _with_checkpointing(compiled: Compiled, checkpointed: str) -> Compiled:
+    if checkpointed:
+        compiled.description += f"; {checkpointed}"
     return compiled
 
 

@@ -19,7 +19,7 @@ from accelrun.compile.compile_model import compile_model
 from accelrun.config import ResolvedConfig
 from accelrun.config.preflight import ids_the_logits_cover
 from accelrun.data import build_data
-from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
+from accelrun.dist.activation_checkpoint import apply_activation_checkpointing, checkpointed_blocks
 from accelrun.models import build_model, transformer_blocks
 from accelrun.models.build import data_vocab, training_loss_fn
 from accelrun.report.machine_load import CpuWindow
@@ -63,8 +63,8 @@ def explain_step(resolved: ResolvedConfig, run_dir: Path, steady_steps: int = 3)
     seed_everything(t.seed)
     model = build_model(cfg.model, device, seed=t.seed)
     blocks = transformer_blocks(model)
-    if blocks is not None:
-        apply_activation_checkpointing(blocks, t.activation_checkpoint)
+    if t.activation_checkpoint.mode != "none" and (found := checkpointed_blocks(model, blocks)) is not None:
+        apply_activation_checkpointing(found, t.activation_checkpoint)  # the blocks training wraps (dist/layout)
     dump_dir = run_dir / "compile"
     sharded = cfg.parallel.fsdp_impl == "compiled"
     if sharded:

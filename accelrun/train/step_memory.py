@@ -21,7 +21,7 @@ import torch
 from accelrun.compile.compile_model import compile_model
 from accelrun.config.preflight import ids_the_logits_cover
 from accelrun.config.schema import RunConfig
-from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
+from accelrun.dist.activation_checkpoint import apply_activation_checkpointing, checkpointed_blocks
 from accelrun.models import build_model, transformer_blocks
 from accelrun.models.build import data_vocab, training_loss_fn
 from accelrun.report.allocator_peak import allocator_peak
@@ -43,8 +43,8 @@ def measure_step(cfg: RunConfig, timed_steps: int = 0, warmup_steps: int = 2) ->
     torch.manual_seed(t.seed)
     model = build_model(cfg.model, torch.device("cpu"), seed=t.seed)
     blocks = transformer_blocks(model)
-    if blocks is not None:
-        apply_activation_checkpointing(blocks, t.activation_checkpoint)
+    if t.activation_checkpoint.mode != "none" and (found := checkpointed_blocks(model, blocks)) is not None:
+        apply_activation_checkpointing(found, t.activation_checkpoint)  # the blocks training wraps (dist/layout)
     compile_model(model, blocks, cfg.compile, precision=t.precision)
     vocab_size, _ = data_vocab(cfg.model, model)  # a user's model: its token table's rows
     loss_fn = training_loss_fn(model, ids_the_logits_cover(cfg, vocab_size))

@@ -605,3 +605,57 @@ def test_activation_checkpointing_of_nn_transformer_encoder_layers(tiny):
     assert eager.status == ran.status == "finished" and ran.report["compiler"]["graphs_in_use"] > 0
     ref = [m["loss"] for m in read_metrics(eager.run_dir / "metrics.jsonl")]
     assert [m["loss"] for m in read_metrics(ran.run_dir / "metrics.jsonl")] == pytest.approx(ref, rel=1e-5)
+
+
+SEQUENTIAL_GPT = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(dim), nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=320, dim=32, layers=3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.Sequential(*[Block(dim) for _ in range(layers)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.blocks(self.embed(tokens)))
+
+
+class NoBlocks(nn.Module):
+    def __init__(self, vocab=320, dim=32):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens))
+"""
+
+
+def test_activation_checkpointing_of_an_nn_sequential_of_blocks_and_said(tiny, tmp_path, monkeypatch):
+    """A trial's GPT with its blocks in an nn.Sequential: validate said "valid", then train refused the
+    checkpointing; and where it did checkpoint, no run ever said so."""
+    (tmp_path / "seq_gpt.py").write_text(SEQUENTIAL_GPT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = ("model.custom=seq_gpt:GPT", "compile.backend=eager")
+    plain = train(load_config(DEFAULT_CONFIG, tiny(3, *common, "name=plain")), command="test")
+    ran = train(load_config(DEFAULT_CONFIG, tiny(3, *common, "train.activation_checkpoint.mode=full", "name=ac")),
+                command="test")
+    assert ran.status == "finished"
+    assert "activation checkpointing (full) on 3 of 3 Block blocks" in (ran.run_dir / "report.md").read_text()
+    ref = [m["loss"] for m in read_metrics(plain.run_dir / "metrics.jsonl")]
+    assert [m["loss"] for m in read_metrics(ran.run_dir / "metrics.jsonl")] == pytest.approx(ref, rel=1e-6)
+    said = invoke("validate", str(DEFAULT_CONFIG), *tiny(2, "model.custom=seq_gpt:NoBlocks",
+                                                          "train.activation_checkpoint.mode=full"))
+    assert said.exit_code == 2 and "train.activation_checkpoint needs a model with repeated blocks" in one_error(said)
+    assert "(train.activation_checkpoint.mode: override 'train.activation_checkpoint.mode=full')" in one_error(said)
