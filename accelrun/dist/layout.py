@@ -85,11 +85,17 @@ def _with_checkpointing(compiled: Compiled, checkpointed: str) -> Compiled:
 def with_cuda_graph_decision(compiled: Compiled, cfg: RunConfig, ctx: ParallelContext) -> Compiled:
     """compile.cuda_graphs decided for the run (device, ranks, data) before the first graph compiles
     (they compile at the first call); each graph then decides for itself (accelrun.compile.cuda_graphs)."""
+    if compiled.record is not None:
+        decide_cuda_graphs(compiled.record, cfg, ctx.device.type, ctx.world_size)
+    return compiled
+
+
+def decide_cuda_graphs(record, cfg: RunConfig, device_type: str, ranks: int, backend: str | None = None) -> None:
+    """The run's compile.cuda_graphs decision into ``record`` (a CompileRecord); ``backend``: the one that
+    compiled, where it is not the recipe's (compile explain always compiles with accelrun)."""
     from accelrun.compile.cuda_graph_policy import CudaGraphMode, CudaGraphsReport, decide_for_run
 
-    if compiled.record is not None:
-        mode = CudaGraphMode(cfg.compile.cuda_graphs)
-        compiled.record.cuda_graphs = CudaGraphsReport(mode, decide_for_run(  # type: ignore[attr-defined]
-            mode, device_type=ctx.device.type, ranks=ctx.world_size, document_packing=cfg.data.packing == "document",
-            backend=cfg.compile.backend))
-    return compiled
+    mode = CudaGraphMode(cfg.compile.cuda_graphs)
+    record.cuda_graphs = CudaGraphsReport(mode, decide_for_run(
+        mode, device_type=device_type, ranks=ranks, document_packing=cfg.data.packing == "document",
+        backend=backend or cfg.compile.backend))

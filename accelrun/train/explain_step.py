@@ -20,6 +20,7 @@ from accelrun.config import ResolvedConfig
 from accelrun.config.preflight import ids_the_logits_cover
 from accelrun.data import build_data
 from accelrun.dist.activation_checkpoint import apply_activation_checkpointing, checkpointed_blocks
+from accelrun.dist.layout import decide_cuda_graphs
 from accelrun.models import build_model, transformer_blocks
 from accelrun.models.build import data_vocab, training_loss_fn
 from accelrun.report.machine_load import CpuWindow
@@ -71,6 +72,8 @@ def explain_step(resolved: ResolvedConfig, run_dir: Path, steady_steps: int = 3)
         compiled = _compile_sharded_alone(model, blocks, compile_cfg, dump_dir, device)
     else:
         compiled = compile_model(model, blocks, compile_cfg, dump_dir, precision=t.precision)
+    # as a training run of one process decides (explain's record said "compile.cuda_graphs = off" under auto)
+    decide_cuda_graphs(compiled.record, cfg, device.type, ranks=1, backend="accelrun")
     optimizer = build_optimizer(model, t.optimizer, device, sharded=sharded)
     vocab_size, custom = data_vocab(cfg.model, model)  # as training reads it (train/setup.py)
     data = build_data(cfg.data, seq_len=t.seq_len, micro_batch=t.micro_batch, seed=t.seed,

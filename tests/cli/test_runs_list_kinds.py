@@ -4,6 +4,7 @@ processes, and `compile explain` shows, per region, which executors declined it 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 from click.testing import CliRunner
@@ -63,6 +64,9 @@ def test_explain_lists_each_region_with_who_declined_it(tiny, tmp_path):
     assert "triton: no CUDA" in " ".join(r.stdout.split()), r.stdout
     (row,) = [row for row in list_run_rows(tmp_path / "runs") if row.kind == "explain"]  # and it is listed
     assert row.status == "finished"
+    # decided as a run of the recipe would (it said "compile.cuda_graphs = off" under the default auto)
+    cuda_graphs = json.loads((Path(row.path) / "compile" / "record.json").read_text())["summary"]["cuda_graphs"]
+    assert cuda_graphs["mode"] == "auto" and "CUDA graphs need a CUDA device" in cuda_graphs["run"]["reason"]
 
 
 def test_region_rows_name_every_decline():
