@@ -133,6 +133,9 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     # What Dynamo refuses under fullgraph at a branch on a value read from a tensor (``.item()`` compared):
     # it cannot guard on the data-dependent expression; ``.real_stack`` as above.
     "DynamoUserError": ("torch._dynamo.exc", "UserError"),
+    # Raised through a backend when Dynamo abandons the graph it handed over and traces the frame again
+    # (a Python float read from a tensor turned into a tensor input: TensorifyScalarRestartAnalysis).
+    "DynamoRestartAnalysis": ("torch._dynamo.exc", "RestartAnalysis"),
     "fake_tensor_log": ("torch._subclasses.fake_tensor", "log"),
     # The frame Dynamo is tracing (``current_tx()``: its ``f_code`` and ``lineno``), read while a break is
     # logged: the log's traceback can leave out the user's own forward.

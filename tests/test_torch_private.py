@@ -908,3 +908,10 @@ def test_OptimizedModule():
     linear = torch.nn.Linear(2, 2)
     compiled = torch.compile(linear, backend="eager")
     assert isinstance(compiled, tp.OptimizedModule) and compiled._orig_mod is linear
+
+
+def test_DynamoRestartAnalysis():
+    """What Dynamo raises through a backend when it abandons the graph and traces the frame again."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+    assert issubclass(TensorifyScalarRestartAnalysis, tp.DynamoRestartAnalysis)

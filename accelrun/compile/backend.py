@@ -116,6 +116,19 @@ class AccelrunBackend:
         return compiling_after(count)
 
     def _compile_dynamo_graph(self, gm: fx.GraphModule, example_inputs: list[Any]):
+        from accelrun.torch_private import DynamoRestartAnalysis
+
+        before = self.record.mark()
+        try:
+            return self._compile_new_dynamo_graph(gm, example_inputs)
+        except DynamoRestartAnalysis:
+            # Dynamo traces the frame again and hands over the graph it keeps: the abandoned one is not a
+            # graph in use (a trial's report counted 4 graphs for 3, one with pre-grad passes only).
+            self.record.traced_functions.pop(f"g{before.dynamo_graphs}", None)
+            self.record.roll_back(before)
+            raise
+
+    def _compile_new_dynamo_graph(self, gm: fx.GraphModule, example_inputs: list[Any]):
         name = f"g{self.record.dynamo_graphs}"
         self.record.dynamo_graphs += 1
         self.record.traced_functions[name] = break_sites.traced_function() or self.precompiling

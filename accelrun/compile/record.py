@@ -175,12 +175,23 @@ class CompileRecord:
             parts.append(self.fallback_scope)
         if line := self.cuda_graphs.line():
             parts.append(line)
+        if recompiled := self.recompiled():
+            label, _ = max(recompiled.items(), key=lambda kv: kv[1])
+            n = sum(recompiled.values())
+            parts.append(f"{n} recompile{'s' if n != 1 else ''} ({label}: Dynamo's guards refused its graph for "
+                         "later inputs; TORCH_LOGS=recompiles names the guard)")
         if line := self.numerics_line():
             parts.append(line)
         if changed := self.graph_cache.get("state_changed"):
             parts.append(f"not from the graph cache, which holds these graphs for {changed[0]} "
                          "(each setting keeps its own; these are saved now too)")
         return ", ".join(parts)
+
+    def recompiled(self) -> dict[str, int]:
+        """Functions Dynamo compiled more than once, with how many times more: their first graph's guards
+        refused later inputs (a new shape, dtype or value read from a tensor). Hidden before (a trial's)."""
+        counts = Counter(self.traced_functions.values())
+        return {label: n - 1 for label, n in counts.items() if n > 1 and label}
 
     def numerics_line(self) -> str:
         """compile.debug_numerics: how many passes' graphs compared equal to their input, and how many could

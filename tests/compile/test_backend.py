@@ -188,6 +188,38 @@ def test_debug_numerics_compares_graphs_with_dropout_on_the_same_random_draws(pa
     torch._dynamo.reset()
 
 
+class _BranchOnAValue(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.abs().mean().item() > 0.01:  # a graph break; the code after it takes the float as an input
+            h = h * 0.9
+        return torch.tanh(h) + h
+
+
+def test_a_graph_dynamo_abandons_is_not_counted_and_a_recompile_is_said():
+    """A compiler engineer's trial: a value read from a tensor made Dynamo recompile the code after the
+    break, abandoning one graph half way (TensorifyScalarRestartAnalysis) after the backend had counted it:
+    "4 graphs", one with pre-grad passes only, and no word of the recompile."""
+    torch._dynamo.reset()
+    backend = AccelrunBackend(CompileOptions(passes=resolve_passes(["dce", "partition_regions"]),
+                                             executors=["aten"]))  # fmt: skip
+    compiled = torch.compile(_BranchOnAValue(), backend=backend)
+    for seed in range(3):
+        compiled(torch.randn(4, 8, generator=torch.Generator().manual_seed(seed), requires_grad=True)).sum().backward()
+    record = backend.record
+    with_forward = {g.name.split(".")[0] for g in record.graphs}
+    assert set(record.traced_functions) == with_forward and record.dynamo_graphs == len(with_forward), \
+        (record.traced_functions, with_forward)
+    (label, n), = record.recompiled().items()
+    assert "torch_dynamo_resume_in_forward" in label and n >= 1
+    assert f"{n} recompile" in record.compiled_line()
+    torch._dynamo.reset()
+
+
 def test_debug_numerics_tolerates_reordered_sums_and_nothing_more():
     """A sum of large terms cancelling to a small value differs by the terms' rounding under another
     summation order: compared against the tensor's scale, not its own. Real differences still fail."""
