@@ -51,11 +51,33 @@ def claim_continuation(previous: Path, run_dir: Path, step: int) -> None:
     else:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1)
+    _say_continued_in_report(previous, run_dir, step)
     before = read_json(previous / LINEAGE)
     write_text_atomic(json.dumps({
         "continues": str(previous), "from_step": step,
         "root": before.get("root", str(previous)), "segment": int(before.get("segment", 1)) + 1,
     }, indent=1), run_dir / LINEAGE)
+
+
+CONTINUED_NOTE = "> **continued** by "
+
+
+def _say_continued_in_report(previous: Path, run_dir: Path, step: int) -> None:
+    """A line under the stopped folder's report.md title: it said "interrupted" and "alone (no restarts)"
+    after a later run had taken over (a trial's). A continuation that took over from another replaces it."""
+    report = previous / "report.md"
+    try:
+        lines = report.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return  # no report (killed): runs list and the lineage files say it
+    if len(lines) > 3 and lines[2].startswith(CONTINUED_NOTE):  # said by a continuation that took over
+        del lines[2:4]
+    note = (f"{CONTINUED_NOTE}{run_dir} from its checkpoint of step {step}: this report covers this folder's "
+            "steps; the run goes on there (`accelrun compare` of that folder reads the whole history)")
+    at = 2 if len(lines) > 1 and lines[0].startswith("#") and not lines[1] else 0  # under the title
+    lines[at:at] = [note, ""]
+    with contextlib.suppress(OSError):
+        write_text_atomic("\n".join(lines) + "\n", report)
 
 
 def mark_crashed(run_dir: Path, error: BaseException | str) -> None:

@@ -44,6 +44,11 @@ def test_a_run_stopped_twice_is_one_history_of_three_segments(tiny, tmp_path):
     assert not (first / "checkpoints").exists() and not (second / "checkpoints").exists()  # emptied: gone
     rows = {r.path: r for r in list_run_rows(tmp_path / "runs", "hist")}
     assert [rows[str(d)].status for d in (first, second, third.run_dir)] == ["continued", "continued", "finished"]
+    # each stopped folder's report.md says who went on (it said "interrupted", "alone (no restarts)")
+    for stopped, by, step in ((first, second, 4), (second, third.run_dir, 8)):
+        lines = (stopped / "report.md").read_text().splitlines()
+        assert lines[0].startswith("# ") and not lines[1] and not lines[3], lines[:5]
+        assert lines[2].startswith(f"> **continued** by {by} from its checkpoint of step {step}: "), lines[:5]
     assert rows[str(third.run_dir)].segment == 3
 
 
