@@ -331,6 +331,9 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
     cfg = resolved.config
     metrics = read_metrics(run_dir / "metrics.jsonl")
     compiler = _compiler_summary(s)
+    if cfg.compile.dump and s.compile_record is not None and s.ctx.is_main:  # beside the dumps, as explain writes it
+        with contextlib.suppress(OSError):
+            write_json(s.compile_record.to_json(), run_dir / "compile" / "record.json")
     # What the compiler timed, where it did: a difference of steps on a busy machine said 0.0 s.
     took = compile_time(metrics, record_seconds(compiler)) if s.compiles else None
     report = summarize(

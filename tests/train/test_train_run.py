@@ -524,3 +524,14 @@ def test_a_value_left_unset_is_named_so_among_the_training_differences(tmp_path)
     (tmp_path / "a.yaml").write_text("train: {threads: 1, seed: 0}\n")
     (tmp_path / "b.yaml").write_text("train: {threads: null, seed: 0}\n")
     assert training_differences(tmp_path / "a.yaml", tmp_path / "b.yaml") == ["train.threads: 1 there, unset now"]
+
+
+def test_a_run_with_compile_dump_writes_its_compile_record_beside_the_dumps(tiny):
+    """As `compile explain` does: a compiler engineer's trial found the dumps without record.json."""
+    import json
+
+    result = run(tiny(2, "compile.backend=accelrun", "compile.dump=true"))
+    record = json.loads((result.run_dir / "compile" / "record.json").read_text())
+    assert record["summary"]["dynamo_graphs"] > 0 and record["passes"] and record["regions"]
+    assert {g["name"].split(".")[0] for g in record["graphs"]} <= set(record["traced_functions"])
+    assert list((result.run_dir / "compile").glob("g0.forward/*.py"))
