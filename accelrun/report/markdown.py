@@ -130,7 +130,7 @@ def compiler_rows(c: dict) -> list[tuple[str, str]]:
         out.append(("fusion regions whose kernels read a changing size at each call (a row count or a length: "
                     "one graph for all sizes)", str(c["regions_with_runtime_rows"])))
     if "ops_left_to_aten" in c:
-        out.append(("ops outside regions (ATen calls)", str(c["ops_left_to_aten"])))
+        out.append(("ops outside regions (ATen calls that compute; views left out)", str(c["ops_left_to_aten"])))
     if (cuda_graphs := c.get("cuda_graphs") or {}).get("row"):  # compile.cuda_graphs, and why not
         out.append(("CUDA graphs", cuda_graphs["row"]))
     return out

@@ -424,3 +424,19 @@ def test_a_second_backward_through_a_retained_graph_matches_eager(tmp_path):
     assert backend.record.dynamo_graphs == 1
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_ops_outside_regions_count_the_calls_that_compute_not_views_or_tuple_reads():
+    """A compiler engineer's trial: "ops outside regions (ATen calls) 111", a third of them views and getitems."""
+    import operator
+
+    from accelrun.compile.backend import computes_outside_regions
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    v = graph.call_function(torch.ops.aten.view.default, (x, [4, 4]))
+    mm = graph.call_function(torch.ops.aten.mm.default, (v, v))
+    pair = graph.call_function(torch.ops.aten.max.dim, (mm, 0))
+    first = graph.call_function(operator.getitem, (pair, 0))
+    graph.output(first)
+    assert [n.name for n in graph.nodes if computes_outside_regions(n)] == ["mm_default", "max_dim"]
