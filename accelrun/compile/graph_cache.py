@@ -553,15 +553,17 @@ class CachedMethod:
         versions_file = self.cache.directory / f"{key.unversioned}-{len(self.entries)}.versions"
         code_file = self.cache.directory / f"{key.codeless}-{len(self.entries)}.code"
         held = variants_of(path)
-        entry, rejections, unreadable = None, [], []
+        entry, rejections, unreadable, stale = None, [], [], []
         for candidate in held:  # the most recently used first
             entry, rejected = self._load(candidate, owner, args, kwargs)
             if entry is not None:
                 with contextlib.suppress(OSError):  # used: the last to be written over
                     os.utime(candidate)
                 break
-            if rejected is None:  # damaged, or traced from a file that changed: the first written over
+            if rejected is None:  # damaged: the first written over
                 unreadable.append(candidate)
+            elif rejected is TRACED_FILE_CHANGED:  # kept while a slot is free: an edit undone loads it again
+                stale.append(candidate)
             else:
                 rejections.append(rejected)
         if entry is None and not held:
@@ -584,7 +586,7 @@ class CachedMethod:
                 self.cache.backend.record.roll_back(mark)
                 coverage.forget_since(counted)
                 return self._fall_back(f"{PRECOMPILE_FAILED} (nothing saved: each new process compiles it again)", e)
-            if self._save(compiled, traced, baked, slot_for(path, held, unreadable)):
+            if self._save(compiled, traced, baked, slot_for(path, held, unreadable, stale)):
                 self.cache.remember_state(state_file, key.state)
                 self.cache.remember_state(versions_file, self.cache.versions)
                 with contextlib.suppress(OSError):  # only what note_code_change reads: a miss says less without it
@@ -609,7 +611,7 @@ class CachedMethod:
             sources, data = TracedFrom.split(path.read_bytes())
             if changed := sources.changed_file():  # expected after an edit: said as what it is, not a failure
                 self.cache.stats["errors"].append(f"{path.name} compiled again: {changed} changed since it was compiled")
-                return None, None
+                return None, TRACED_FILE_CHANGED
             with recording_loads_into(loading), kernel_files_under(self.cache.directory.parent):
                 entry = AOTCompiledFunction.deserialize(data, self.func.__globals__,
                                                         external_closure_data=wrapped_functions(self.func))
@@ -727,6 +729,9 @@ class CachedMethod:
         return None
 
 
+# ``_load``'s rejection of an entry traced from a file that has changed since (kept apart from damaged ones).
+TRACED_FILE_CHANGED = "a file it was traced from changed"
+
 # Entries kept for one key and input kind, compiled for values the key does not cover (a module attribute,
 # a global the forward reads): two that alternate between processes (`accelrun ab` of two dropout rates)
 # each load, instead of each process writing over the other's entry and compiling again.
@@ -749,14 +754,16 @@ def variant_path(path: Path, n: int) -> Path:
     return path if n == 1 else path.with_name(f"{path.stem}.v{n}{path.suffix}")
 
 
-def slot_for(path: Path, held: list[Path], unreadable: Sequence[Path] = ()) -> Path:
-    """Where a newly compiled entry goes: over an entry that could not be read (damaged, or traced from a
-    file that changed since), else the first free slot, else over the least recently used entry. Written
-    over, not removed: another process may have just replaced the file with a good one."""
+def slot_for(path: Path, held: list[Path], unreadable: Sequence[Path] = (), stale: Sequence[Path] = ()) -> Path:
+    """Where a newly compiled entry goes: over an entry that could not be read (damaged), else the first
+    free slot, else over one traced from a file that has changed since (the least recently used of them),
+    else over the least recently used entry. An entry of an edited file is kept while there is room: an
+    edit undone loads it again (a trial's revert compiled again, the edited version's entry written over
+    the original). Written over, not removed: another process may have just replaced the file."""
     if unreadable:
         return unreadable[0]
     free = [variant_path(path, n) for n in range(1, MAX_VARIANTS + 1) if variant_path(path, n) not in held]
-    return free[0] if free else held[-1]
+    return free[0] if free else stale[-1] if stale else held[-1]
 
 
 def _stand_in() -> Any:

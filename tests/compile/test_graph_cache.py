@@ -189,6 +189,11 @@ def test_an_edited_helper_in_another_file_is_compiled_again(tmp_path):
     for result in (first, second, edited):
         assert result["out"] == pytest.approx(result["eager"], rel=1e-5)
     assert edited["out"] == pytest.approx(first["out"] * 1.5, rel=1e-5)
+    # the edit undone: the original's entry was kept beside the edited one's, and loads (it was written over)
+    (tmp_path / "userpkg/helpers.py").write_text(USER_MODEL["userpkg/helpers.py"])
+    reverted = run()
+    assert reverted["cache"]["loaded"] == 1 and reverted["cache"]["compiled"] == 0, reverted["cache"]
+    assert reverted["out"] == pytest.approx(first["out"], rel=1e-6)
     # an edit of the model's own file (a comment) is part of the key: compiled again, and said (it was not)
     (tmp_path / "userpkg/model.py").write_text(USER_MODEL["userpkg/model.py"] + "# a comment\n")
     commented = run()
@@ -874,6 +879,9 @@ def test_a_new_variant_takes_a_free_slot_else_the_least_recently_used(tmp_path):
     # one that could not be read goes first, written over rather than removed (another process may
     # have just replaced it with a good entry)
     assert slot_for(base, held, [variant_path(base, 4)]) == variant_path(base, 4)
+    # one traced from a file edited since goes before a good one, but only once no slot is free
+    assert slot_for(base, held, stale=[variant_path(base, 2)]) == variant_path(base, 2)
+    assert slot_for(base, held[:-1], stale=[variant_path(base, 2)]) == base
     variant_path(base, 3).unlink()
     assert variant_path(base, 3) not in variants_of(base) and len(variants_of(base)) == MAX_VARIANTS - 1
 
