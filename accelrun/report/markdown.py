@@ -163,8 +163,10 @@ def _loss_tokens(r: dict) -> str:
     counted, computed = r.get("loss_tokens_per_step"), r.get("tokens_per_step")
     if counted is None or not computed:
         return "n/a"
-    return f"{counted:,.0f} per step per device, {share_said(counted, computed)} of the {computed:,} computed " \
-        "(tokens/s counts computed tokens)"
+    # (per device: the job's tokens over its devices, as tokens/s per device counts them; under tensor or
+    # pipeline parallelism a group's devices each work on all of its tokens, so "computed" misled)
+    return f"{counted:,.0f} per step per device, {share_said(counted, computed)} of its {computed:,} " \
+        "(the job's tokens over its devices, as tokens/s counts them)"
 
 
 def share_said(part: float, whole: float) -> str:

@@ -110,10 +110,13 @@ def test_a_share_below_whole_and_a_run_shorter_than_its_warm_up_are_said_as_they
     """A new user read "4,089 ... 100% of the 4,096 computed" and "warm-up time (first 5 steps)" for a run of 3."""
     from accelrun.report.markdown import _loss_tokens, _warmup_steps_text
 
-    assert "99.8% of the 4,096 computed" in _loss_tokens({"loss_tokens_per_step": 4089, "tokens_per_step": 4096})
-    assert "100% of the 4,096" in _loss_tokens({"loss_tokens_per_step": 4096, "tokens_per_step": 4096})
-    assert "50% of the 4,096" in _loss_tokens({"loss_tokens_per_step": 2048, "tokens_per_step": 4096})
-    assert "99.99% of the 8,192" in _loss_tokens({"loss_tokens_per_step": 8191, "tokens_per_step": 8192})
+    assert "99.8% of its 4,096" in _loss_tokens({"loss_tokens_per_step": 4089, "tokens_per_step": 4096})
+    assert "100% of its 4,096" in _loss_tokens({"loss_tokens_per_step": 4096, "tokens_per_step": 4096})
+    assert "50% of its 4,096" in _loss_tokens({"loss_tokens_per_step": 2048, "tokens_per_step": 4096})
+    assert "99.99% of its 8,192" in _loss_tokens({"loss_tokens_per_step": 8191, "tokens_per_step": 8192})
+    # not "computed": under tensor parallelism each device of a group works on all the group's tokens
+    said = _loss_tokens({"loss_tokens_per_step": 4096, "tokens_per_step": 4096})
+    assert "computed" not in said and "the job's tokens over its devices" in said
     assert _warmup_steps_text({"warmup_steps": 5, "steps": 3}) == "first 3 steps"
     assert _warmup_steps_text({"warmup_steps": 5, "steps": 1}) == "first 1 step"
     assert _warmup_steps_text({"warmup_steps": 5, "steps": 30}) == "first 5 steps"
