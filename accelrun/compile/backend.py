@@ -8,6 +8,7 @@ to executors.
 
 from __future__ import annotations
 
+import copy
 import operator
 import time
 from collections.abc import Callable
@@ -246,6 +247,9 @@ class AccelrunBackend:
             for hook in self.before_lowering:
                 hook(gm)
         first_region = len(self.record.regions)
+        # compile.debug_numerics: the graph as the regions' kernels will run it, against the graph before
+        needs_check = self.options.debug_numerics and example_inputs is not None
+        before_lowering = copy.deepcopy(gm) if needs_check else None
         with self._timed("lowering"):
             ACTIVITY.doing(f"{graph_name}: lowering to {'/'.join(e.name for e in self.executors)} "
                            f"({count_ops(gm):,} ops)")
@@ -262,6 +266,12 @@ class AccelrunBackend:
             left_to_aten=sum(1 for n in gm.graph.nodes if computes_outside_regions(n)),
             dropout_draws=sum(1 for n in gm.graph.nodes if n.target in DRAWS_DROPOUT),
         ))  # fmt: skip
+        if before_lowering is not None and lowered is not gm:
+            from accelrun.compile.numerics import check_pass
+
+            self.record.graphs[-1].lowering_numerics = check_pass(
+                "lowering", before_lowering, lowered, list(example_inputs),
+                what=f"the lowering of {graph_name} (its regions' generated kernels)")
         if self.serializable:
             from accelrun.compile.output_code import AccelrunOutputCode
 

@@ -82,16 +82,18 @@ def _flatten(x: Any) -> list[Any]:
 UNCHECKED_RANDOM = "not compared: it changes which random numbers the graph draws ({before} before, {after} after)"
 
 
-def check_pass(name: str, before: fx.GraphModule, after: fx.GraphModule, example_inputs: list[Any]) -> str:
-    """``NUMERICS_EQUAL``, or why the results were not compared; PassNumericsError if the pass changed them."""
+def check_pass(name: str, before: fx.GraphModule, after: fx.GraphModule, example_inputs: list[Any],
+               what: str = "") -> str:  # fmt: skip
+    """``NUMERICS_EQUAL``, or why the results were not compared; PassNumericsError if the pass changed them.
+    ``what``: how the error names the change ("pass 'cse'" by default)."""
     from accelrun.torch_private import unset_fake_temporarily
 
     # The backend runs inside AOTAutograd's fake-tensor mode; this check needs real values.
     with unset_fake_temporarily(), torch.no_grad():
-        return _check(name, before, after, example_inputs)
+        return _check(what or f"pass {name!r}", before, after, example_inputs)
 
 
-def _check(name: str, before: fx.GraphModule, after: fx.GraphModule, example_inputs: list[Any]) -> str:
+def _check(what: str, before: fx.GraphModule, after: fx.GraphModule, example_inputs: list[Any]) -> str:
     inputs = sample_inputs(example_inputs)
     # Each graph from the same seed: a dropout draws the same mask in both (unseeded, a pass that touched
     # nothing "changed the results" of every model with dropout, and the run stopped: a trial's).
@@ -106,7 +108,7 @@ def _check(name: str, before: fx.GraphModule, after: fx.GraphModule, example_inp
     drawn_before, drawn_after = random_draws(before), random_draws(after)
     if drawn_before != drawn_after:  # (cpu_dropout draws the masks in its kernel: other numbers, by design)
         return UNCHECKED_RANDOM.format(before=", ".join(drawn_before) or "none", after=", ".join(drawn_after) or "none")
-    raise PassNumericsError(f"pass {name!r} changed the graph's results: {problem}")
+    raise PassNumericsError(f"{what} changed the graph's results: {problem}")
 
 
 def random_draws(gm: fx.GraphModule) -> list[str]:

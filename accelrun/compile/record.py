@@ -46,10 +46,13 @@ class GraphRecord:
     name: str  # "g0.forward"
     ops: int  # call_function nodes after the passes
     collectives: dict[str, int]  # functional collectives seen, by op
-    left_to_aten: int  # ops outside any region (matmuls, attention, views, ...)
+    left_to_aten: int  # ops outside any region that compute (matmuls, attention, ...; views not counted)
     # Calls that draw dropout's numbers with accelrun's generator (fused/dropout.py), not ATen's: its
     # masks are not eager's, so a run's losses part from an eager run's (accelrun compare says why).
     dropout_draws: int = 0
+    # compile.debug_numerics: the lowered graph (regions run by their executors' kernels) against the
+    # graph before lowering, on the same inputs and random draws; "" where not compared
+    lowering_numerics: str = ""
 
 
 @dataclass
@@ -197,12 +200,15 @@ class CompileRecord:
         """compile.debug_numerics: how many passes' graphs compared equal to their input, and how many could
         not be compared; "" where nothing was compared (the option off, or every graph loaded from cache)."""
         said = [p.numerics for p in self.passes if p.numerics]
-        if not said:
+        lowered = [g.lowering_numerics for g in self.graphs if g.lowering_numerics]
+        if not said and not lowered:
             return ""
         equal = sum(1 for s in said if s == NUMERICS_EQUAL)
-        return (f"debug_numerics: {equal} pass run(s) equal before and after"
-                + (f", {len(said) - equal} not compared (they change the random draws)" if len(said) > equal else "")
-                + " (the joint graph's passes and the lowering are not compared)")
+        kernels = sum(1 for s in lowered if s == NUMERICS_EQUAL)
+        return (f"debug_numerics: {equal} pass run(s) and {kernels} lowered graph(s) equal before and after"
+                + (f", {len(said) + len(lowered) - equal - kernels} not compared (they change the random draws)"
+                   if len(said) + len(lowered) > equal + kernels else "")
+                + " (the joint graph's passes are not compared)")
 
     def mark(self) -> RecordMark:
         """Where the record stands now, for ``roll_back``."""

@@ -716,3 +716,39 @@ def test_the_backend_by_name_counts_a_frame_afresh_after_dynamo_is_reset(tmp_pat
     torch._dynamo.reset()
     assert cpp_regions[0] > 0
     assert cpp_regions[1] == 2 * cpp_regions[0], cpp_regions  # the same graphs again, regions in C++ alike
+
+
+@register_executor
+class _WrongValues(_Broken):
+    name = "test_wrong_values"
+
+    def compile(self, region, cache_dir):
+        gm = region.gm
+
+        def run(*args):  # a kernel that computes something else, quietly
+            return tuple(o * 1.5 if o.is_floating_point() else o for o in gm(*args))
+
+        return run
+
+
+def test_debug_numerics_compares_the_lowered_graph_with_the_graph_before_it(tmp_path):
+    """A compiler engineer's trial: debug_numerics compared the passes only, never the kernels the lowering
+    generates, so a wrong kernel trained on without a word under it."""
+    from accelrun.compile.numerics import PassNumericsError
+
+    def options(executors):
+        return CompileOptions(passes=resolve_passes(["dce", "partition_regions"]), executors=executors,
+                              cache_dir=tmp_path / "cache", debug_numerics=True)
+
+    torch._dynamo.reset()
+    backend = AccelrunBackend(options(["cpp", "aten"]))
+    _compile_and_check(backend)
+    said = {g.name: g.lowering_numerics for g in backend.record.graphs}
+    assert said and all(v == "equal before and after" for v in said.values()), said
+    assert "lowered graph(s) equal before and after" in backend.record.compiled_line()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"the lowering of g0\.forward \(its regions' generated kernels\) changed"
+                                        r" the graph's results") as raised:
+        _compile_and_check(AccelrunBackend(options(["test_wrong_values", "aten"])))
+    assert isinstance(raised.value, PassNumericsError) or "PassNumericsError" in str(raised.value)
+    torch._dynamo.reset()
