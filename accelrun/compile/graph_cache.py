@@ -553,7 +553,7 @@ class CachedMethod:
         versions_file = self.cache.directory / f"{key.unversioned}-{len(self.entries)}.versions"
         code_file = self.cache.directory / f"{key.codeless}-{len(self.entries)}.code"
         held = variants_of(path)
-        entry, rejections, unreadable, stale = None, [], [], []
+        entry, rejections, unreadable, stale, edits = None, [], [], [], []
         for candidate in held:  # the most recently used first
             entry, rejected = self._load(candidate, owner, args, kwargs)
             if entry is not None:
@@ -562,8 +562,9 @@ class CachedMethod:
                 break
             if rejected is None:  # damaged: the first written over
                 unreadable.append(candidate)
-            elif rejected is TRACED_FILE_CHANGED:  # kept while a slot is free: an edit undone loads it again
+            elif isinstance(rejected, EditedSince):  # kept while a slot is free: an edit undone loads it again
                 stale.append(candidate)
+                edits.append(rejected.note)
             else:
                 rejections.append(rejected)
         if entry is None and not held:
@@ -571,7 +572,9 @@ class CachedMethod:
             self.cache.note_version_change(versions_file)
             self.cache.note_code_change(code_file, key.code)
         if entry is None:
-            # Said only when no entry held loads: the values another one was compiled for.
+            # Said only when no entry held loads: the values another one was compiled for, the files edited
+            # since (an edit undone loads the entry of before it, and nothing was compiled again).
+            self.cache.stats["errors"] += edits
             self.cache.stats["rejected"] += len(rejections)
             for changed in rejections:
                 if changed and changed not in self.cache.stats["state_changed"]:
@@ -595,7 +598,8 @@ class CachedMethod:
         self.entries.append(entry)
         return entry
 
-    def _load(self, path: Path, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[HeldEntry | None, str | None]:
+    def _load(self, path: Path, owner: nn.Module, args: tuple, kwargs: dict
+              ) -> tuple[HeldEntry | None, str | EditedSince | None]:
         """The entry saved at ``path`` if it serves this call; else None and, where it was rejected, why
         ("" when the reason is not one to say: guards on what the key does not cover)."""
         from accelrun.compile.codegen.cached_files import kernel_files_under
@@ -610,8 +614,7 @@ class CachedMethod:
         try:
             sources, data = TracedFrom.split(path.read_bytes())
             if changed := sources.changed_file():  # expected after an edit: said as what it is, not a failure
-                self.cache.stats["errors"].append(f"{path.name} compiled again: {changed} changed since it was compiled")
-                return None, TRACED_FILE_CHANGED
+                return None, EditedSince(f"{path.name} compiled again: {changed} changed since it was compiled")
             with recording_loads_into(loading), kernel_files_under(self.cache.directory.parent):
                 entry = AOTCompiledFunction.deserialize(data, self.func.__globals__,
                                                         external_closure_data=wrapped_functions(self.func))
@@ -729,8 +732,12 @@ class CachedMethod:
         return None
 
 
-# ``_load``'s rejection of an entry traced from a file that has changed since (kept apart from damaged ones).
-TRACED_FILE_CHANGED = "a file it was traced from changed"
+@dataclass(frozen=True)
+class EditedSince:
+    """``_load``'s rejection of an entry traced from a file that has changed since (kept apart from a
+    damaged one's), with the line a miss says."""
+
+    note: str
 
 # Entries kept for one key and input kind, compiled for values the key does not cover (a module attribute,
 # a global the forward reads): two that alternate between processes (`accelrun ab` of two dropout rates)

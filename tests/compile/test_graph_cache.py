@@ -193,6 +193,7 @@ def test_an_edited_helper_in_another_file_is_compiled_again(tmp_path):
     (tmp_path / "userpkg/helpers.py").write_text(USER_MODEL["userpkg/helpers.py"])
     reverted = run()
     assert reverted["cache"]["loaded"] == 1 and reverted["cache"]["compiled"] == 0, reverted["cache"]
+    assert reverted["cache"]["errors"] == [], reverted["cache"]  # (the edited entry's "compiled again" was said)
     assert reverted["out"] == pytest.approx(first["out"], rel=1e-6)
     # an edit of the model's own file (a comment) is part of the key: compiled again, and said (it was not)
     (tmp_path / "userpkg/model.py").write_text(USER_MODEL["userpkg/model.py"] + "# a comment\n")
