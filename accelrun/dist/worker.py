@@ -75,9 +75,11 @@ def init_rank(resolved, run_dir: Path | None = None) -> ParallelContext:
         if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" in nccl:
             Path(nccl["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
         os.environ.update(nccl)  # read when the NCCL process group is created, below
-    if cfg.train.threads is None:
-        # GPU ranks too: their host threads (data, the optimizer's CPU work, Python) share the node's cores.
-        torch.set_num_threads(cpu_rank_threads(cfg.parallel.nproc_per_node))
+    # GPU ranks too: their host threads (data, the optimizer's CPU work, Python) share the node's cores. A
+    # recipe's train.threads is each rank's (set in the launcher only, forked ranks kept torch's default:
+    # 2 ranks of `train.threads=1` ran 2 threads each on 2 cores, and env.json said 1; a trial's).
+    torch.set_num_threads(cfg.train.threads if cfg.train.threads is not None
+                          else cpu_rank_threads(cfg.parallel.nproc_per_node))
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     # Joining and setting up (rendezvous, building, loading, resuming) may take long on a big job; the
     # training steps' collectives get parallel.timeout_s once setup is done (train.run).

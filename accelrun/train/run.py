@@ -288,7 +288,7 @@ def _gather_per_rank(s: TrainSetup, step_times: list[dict], warmup_steps: int, c
     steady = [m["step_time_s"] for m in step_times[warmup_steps:] if is_steady(m)]
     mine = {"mem_peak_bytes": peak_memory_bytes(s.device),
             "step_time_s": statistics.median(steady) if steady else None,
-            "cpu_s": cpu.own_s(), "host": socket.gethostname()}
+            "cpu_s": cpu.own_s(), "host": socket.gethostname(), "threads": torch.get_num_threads()}
     if s.pipeline is not None:  # its stages and their layers, what they sent on, how the loss saw the logits
         mine["pipeline"] = s.pipeline.trace_dict()
     if not s.ctx.distributed:
@@ -368,6 +368,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         tokens_per_s_job=report["tokens_per_s"] * s.ctx.world_size if report.get("tokens_per_s") else None,
         mem_peak_bytes_per_rank=[r["mem_peak_bytes"] for r in per_rank],
         step_time_s_per_rank=[r["step_time_s"] for r in per_rank],
+        threads_per_rank=[r["threads"] for r in per_rank],  # each rank's own (env.json has the launcher's)
         pipeline_per_rank=[r["pipeline"] for r in per_rank] if s.pipeline is not None else None,
         compiler=compiler,
         host_blocks=_host_blocks(s),

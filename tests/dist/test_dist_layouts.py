@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from accelrun.cli.main import cli
+from accelrun.dist.worker import cpu_rank_threads
 from accelrun.report.metrics import read_metrics
 from tests.conftest import DEFAULT_CONFIG
 from tests.dist.jobs import FSDP2, LOSS_RTOL, jobs_once, losses, start_cli, tiny_overrides, train_job
@@ -28,7 +29,9 @@ TP2 = ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.tp=2"]
 LAYOUTS = {
     "fsdp2": FSDP2,
     "tp2_sp_lossparallel": [*TP2, "parallel.sequence_parallel=true", "parallel.loss_parallel=true"],
-    "hsdp2x1": ["parallel.nproc_per_node=2", "parallel.dp_replicate=2", "parallel.dp_shard=1", "train.micro_batch=2"],
+    # (with its own train.threads: each rank's, which the forked ranks once left at torch's default)
+    "hsdp2x1": ["parallel.nproc_per_node=2", "parallel.dp_replicate=2", "parallel.dp_shard=1", "train.micro_batch=2",
+                "train.threads=3"],
     "fsdp2_tp2": ["parallel.nproc_per_node=4", "parallel.dp_shard=2", "parallel.tp=2", "train.micro_batch=2"],
     "pp2_gpipe_layers": ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.pp=2",
                          "parallel.pp_schedule=gpipe", "model.n_layers=3", "parallel.pp_layers=[[0],[1,2]]"],
@@ -54,6 +57,8 @@ def test_layout_matches_one_process(layout, layout_run, reference):
     world = WORLD.get(layout, 2)
     assert report["world_size"] == world and len(report["mem_peak_bytes_per_rank"]) == world
     assert all(m > 0 for m in report["mem_peak_bytes_per_rank"])
+    threads = 3 if layout == "hsdp2x1" else cpu_rank_threads(world)  # (one node: nproc_per_node = world)
+    assert report["threads_per_rank"] == [threads] * world, (layout, report["threads_per_rank"])
     assert report["tokens_per_s_job"] == pytest.approx(report["tokens_per_s"] * world)
     # Each rank's own median step time, and a table of ranks in report.md.
     assert len(report["step_time_s_per_rank"]) == world and all(t > 0 for t in report["step_time_s_per_rank"])
