@@ -231,13 +231,28 @@ def _waited_for(first: RankEnd, ends: list[RankEnd]) -> str | None:
             "last lines say where it was")
 
 
+def _lost_a_peer(first: RankEnd, ends: list[RankEnd]) -> str | None:
+    """Every failure this node saw is a lost peer: the rank that failed first is one whose end this node's
+    agent did not see (another node's). It had been blamed on the survivor (a trial killed one of two
+    nodes: the other node's healthy rank was named as the failure)."""
+    if not first.secondary:
+        return None
+    unseen = [e for e in ends if e.exit_code is None and e.error is None]
+    where = ("; the ranks whose end this node did not see: "
+             + ", ".join(f"rank {e.rank} on node {e.host} (pid {e.pid})" for e in unseen[:8])
+             + (f" and {len(unseen) - 8} more" if len(unseen) > 8 else "")) if unseen else ""
+    return (f"rank {first.rank} on node {first.host} (pid {first.pid}) lost its connection to another rank "
+            f"({first.error}): the failure began elsewhere, most likely on another node{where}; their node's "
+            "output or logs say why")
+
+
 def explain(folder: Path, exit_codes: dict[int, int], agent_log: Path | None) -> list[str]:
     """The lines that tell the user what failed; empty if the ranks left nothing to go on."""
     ends = rank_ends(folder, exit_codes)
     first = culprit(ends)
     if first is None:
         return []
-    lines = [_waited_for(first, ends) or first.described]
+    lines = [_waited_for(first, ends) or _lost_a_peer(first, ends) or first.described]
     last = tail(first.log)
     lines.append(f"  its last lines ({first.log}):" if last else f"  its log ({first.log}) is empty")
     lines += [f"  | {line}" for line in last]

@@ -50,6 +50,21 @@ def test_culprit_is_the_rank_without_an_error_of_its_own():
     assert "was killed by SIGKILL (kill -9" in killed.how and lost_peer.secondary and not own.secondary
 
 
+def test_a_node_whose_ranks_only_lost_a_peer_says_the_failure_began_elsewhere():
+    """A trial killed one node of two: the other node's healthy rank, which lost its peer, was named
+    as the failure ("rank 1 ... exited with code 1: RuntimeError: ... Connection reset by peer")."""
+    from accelrun.dist.rank_failures import _lost_a_peer
+
+    other_node = RankEnd(0, "node-b", 20, None, None, None)  # its agent is on the other node: no end seen here
+    survivor = RankEnd(1, "node-a", 11, None, 1, error_line(RuntimeError("Read error: Connection reset by peer")))
+    assert culprit([other_node, survivor]) is survivor
+    said = _lost_a_peer(survivor, [other_node, survivor])
+    assert said.startswith("rank 1 on node node-a (pid 11) lost its connection to another rank (") and \
+        "the failure began elsewhere" in said and "rank 0 on node node-b (pid 20)" in said, said
+    killed = RankEnd(0, "node-a", 10, None, -9, None)
+    assert _lost_a_peer(culprit([killed, survivor]), [killed, survivor]) is None  # a failure seen here is named
+
+
 def test_a_rank_killed_after_anothers_collective_timed_out_is_said_to_have_stopped_answering():
     """A trial stopped rank 1 (kill -STOP); rank 0's collective timed out and the agent killed rank 1: the
     headline said "killed by SIGKILL (kill -9, or the kernel's out-of-memory killer)"."""
