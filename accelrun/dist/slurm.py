@@ -19,14 +19,14 @@ STOP_LEAD_S = 120  # SIGTERM this long before the time limit: report.read_every 
 
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: ``gpu[003-005,009],cpu01`` -> ``gpu003``."""
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not m:
+    m = re.match(r"([^,\[]*)(?:\[([^\]]+)\]([^,\[]*))?", nodelist.strip())
+    if not m or not (m.group(1) or m.group(2)):
         raise ValueError(f"cannot read SLURM node list {nodelist!r}")
-    prefix, ranges = m.group(1), m.group(2)
+    prefix, ranges, suffix = m.group(1), m.group(2), m.group(3) or ""
     if not ranges:
         return prefix
     first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    return prefix + first + suffix  # (a suffix after the brackets: ``a100-[01-02]-ib`` -> ``a100-01-ib``)
 
 
 def launch_from_slurm(env: Mapping[str, str]) -> tuple[int, LaunchOptions] | None:
@@ -58,7 +58,8 @@ def sbatch_script(config: str, overrides: list[str], *, name: str, nnodes: int, 
     ``report.read_every`` steps on a GPU), save a checkpoint and exit 143, and the
     script puts the job back in the queue, where ``checkpoint.resume: auto`` continues it."""
     lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nnodes}",
-             "#SBATCH --ntasks-per-node=1  # one accelrun per node; it starts one process per device"]
+             "#SBATCH --ntasks-per-node=1  # one accelrun per node; it starts one process per device",
+             "#SBATCH --exclusive  # the whole node: its cores go to the ranks (srun below gives them to the task)"]
     if gpus:
         lines.append(f"#SBATCH --gpus-per-node={nproc_per_node}")
     for flag, value in (("partition", partition), ("time", time_limit), ("account", account)):
@@ -75,7 +76,11 @@ def sbatch_script(config: str, overrides: list[str], *, name: str, nnodes: int, 
         "# accelrun reads the allocation (SLURM_NNODES, SLURM_NODEID, SLURM_JOB_NODELIST, SLURM_JOB_ID):",
         f"# the first node hosts the c10d rendezvous on port {RDZV_PORT}.",
         "code=0",
-        "srun " + shlex.join(["accelrun", "train", config, *overrides]) + " || code=$?",
+        "# All the node's cores to the one task (srun would bind it to one CPU where cgroups constrain cores: its",
+        "# 8 ranks and their data on one core); a node whose accelrun fails stops the others at once, not after",
+        "# parallel.timeout_s in a collective.",
+        'srun --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 '
+        + shlex.join(["accelrun", "train", config, *overrides]) + " || code=$?",
         "# 143: stopped by SIGTERM after saving a checkpoint; queued again, the job resumes from it.",
         'if [ "$code" -eq 143 ]; then scontrol requeue "$SLURM_JOB_ID" || true; fi',
         'exit "$code"',

@@ -15,6 +15,7 @@ from tests.conftest import DEFAULT_CONFIG
 
 @pytest.mark.parametrize("nodelist, host", [
     ("gpu[003-005,009],cpu01", "gpu003"), ("node7", "node7"), ("a-1,a-2", "a-1"), ("x[10,12]", "x10"),
+    ("a100-[01-02]-ib", "a100-01-ib"),  # a suffix after the brackets (a trial: read as a100-01)
 ])
 def test_first_host_of_a_slurm_node_list(nodelist, host):
     assert first_host(nodelist) == host
@@ -54,7 +55,10 @@ def test_sbatch_script(tmp_path):
     assert r.exit_code == 0, r.output
     text = out.read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=8" in text and "#SBATCH --partition=gpu" in text
-    assert "srun accelrun train" in text and "parallel.nnodes=2" in text
+    assert "accelrun train" in text and "parallel.nnodes=2" in text
+    # the node's cores to the task, and a failed node stops the others (a cluster engineer's trial)
+    assert "#SBATCH --exclusive" in text
+    assert 'srun --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 accelrun train' in text
 
 
 def test_several_nodes_need_a_job_id(tiny):
