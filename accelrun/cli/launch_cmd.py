@@ -23,10 +23,13 @@ def command(config: str, overrides: tuple[str, ...], dry_run: bool, rdzv_endpoin
       accelrun launch configs/llama.yaml parallel.nnodes=2 parallel.nproc_per_node=8 --dry-run
       accelrun launch configs/llama.yaml parallel.nnodes=2 --rdzv-endpoint 10.0.0.1:29500 --dry-run
 
-    Without --dry-run, run `accelrun train` with the same arguments on every node.
+    It runs nothing: run each node's line there (or `accelrun slurm` for a SLURM allocation).
     """
+    from accelrun.dist.launch_options import endpoint_problem
     from accelrun.dist.slurm import node_commands
 
+    if rdzv_endpoint != "NODE0_HOST:29500" and (problem := endpoint_problem(rdzv_endpoint)) is not None:
+        raise click.BadParameter(problem, param_hint="--rdzv-endpoint")  # (train refuses it: said here first)
     resolved = load(config, overrides)
     par = resolved.config.parallel
     cmds = node_commands(config, list(overrides), par.nnodes, rdzv_endpoint, rdzv_id)

@@ -46,6 +46,10 @@ def test_dry_run_prints_each_node_command():
                                  "train.micro_batch=4", "--dry-run", "--rdzv-endpoint", "h0:29500"])
     assert r.exit_code == 0, r.output
     assert "--node-rank 0" in r.stdout and "--node-rank 1" in r.stdout and "h0:29500" in r.stdout
+    # an endpoint train would refuse is refused here too (it printed commands that fail on every node)
+    r = CliRunner().invoke(cli, ["launch", str(DEFAULT_CONFIG), "parallel.nnodes=2", "--dry-run",
+                                 "--rdzv-endpoint", "h0:abc"])
+    assert r.exit_code == 2 and "the port 'abc' is not a number" in r.output, r.output
 
 
 def test_sbatch_script(tmp_path):
