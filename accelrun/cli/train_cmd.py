@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 
 import click
+from rich.markup import escape
 
 from accelrun.cli.common import config_argument, err, load, overrides_argument
 
@@ -97,7 +98,7 @@ def _dry_run(config: str, overrides: tuple[str, ...], all_ranks: bool) -> None:
     from accelrun.cli.common import out
 
     resolved = load(config, overrides)
-    from accelrun.dist.dry_run import dry_run, dry_run_ranks, format_dry_run
+    from accelrun.dist.dry_run import dry_run, dry_run_ranks, format_dry_run, plan_verdict
 
     par = resolved.config.parallel
     ranks = list(range(par.world_size)) if all_ranks else dry_run_ranks(resolved)
@@ -109,3 +110,6 @@ def _dry_run(config: str, overrides: tuple[str, ...], all_ranks: bool) -> None:
         out.print(line, markup=False, highlight=False)
     err.print(f"dry run: {len(rows)} of {par.world_size} ranks built in {time.perf_counter() - t0:.0f} s "
               "(fp32 parameters, gradients and AdamW moments)", highlight=False)
+    if (verdict := plan_verdict(resolved)) is not None:  # with the activations: the planner's, on the recipe's cluster
+        style = "" if verdict.startswith("fits") else "[bold yellow]warning:[/] "
+        err.print(f"{style}memory with activations (accelrun plan): {escape(verdict)}", highlight=False)

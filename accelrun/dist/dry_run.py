@@ -210,6 +210,19 @@ def format_dry_run(resolved: ResolvedConfig, rows: list[RankBytes]) -> list[str]
     return lines
 
 
+def plan_verdict(resolved: ResolvedConfig) -> str | None:
+    """The planner's memory verdict for the recipe on its cluster ("fits: ..." or "does not fit: ..."), or
+    None where it cannot plan it (no cluster described, an uncalibrated CPU). The dry run counts what each
+    rank holds of the model and its optimizer; whether it fits beside the activations is the plan's (a
+    trial's 8B without checkpointing: "ratio 1.000" here, exit 0, where `plan` said it needs 132 GiB)."""
+    from accelrun.plan.predict import predict
+
+    try:
+        return predict(resolved.config).verdict
+    except Exception:  # noqa: BLE001 (the dry run's own figures stand; `accelrun plan` says why it cannot)
+        return None
+
+
 def _stages(row: RankBytes) -> str:
     return ",".join(map(str, row.stages))
 

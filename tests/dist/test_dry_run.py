@@ -77,3 +77,13 @@ def test_a_layout_the_trainer_refuses_exits_2(capsys):
     code = main([str(DEFAULT_CONFIG), *TINY, "parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.pp=2",
                  "parallel.pp_schedule=interleaved_1f1b"])
     assert code == 2 and "more than model.n_layers" in capsys.readouterr().err
+
+
+def test_the_dry_run_gives_the_plans_memory_verdict_with_the_activations():
+    """A trial's 8B without activation checkpointing: every rank's "ratio 1.000", exit 0, no word that
+    `accelrun plan` finds it needs 132 GiB of a 96 GiB device."""
+    from accelrun.dist.dry_run import plan_verdict
+
+    said = plan_verdict(load_config("configs/llama3-8b-h100.yaml", ["train.activation_checkpoint.mode=none"]))
+    assert said is not None and said.startswith("does not fit: needs "), said
+    assert plan_verdict(load_config("configs/llama3-8b-h100.yaml")).startswith("fits: ")
