@@ -26,7 +26,7 @@ What the planner cannot model is named, not approximated: Float8 matmuls (planne
 prediction should come out low: on 8B, Float8 was worth +28% in the same file's Table 1) and async
 TP (planned as plain TP: no overlap). Rows left out: "2D +
 AsyncTP" (Table 4: the only difference from "2D" is what the planner cannot model) and every
-context-parallel row (Tables 2 and 6: accelrun has no context parallelism). Meta's own Llama 3 405B
+context-parallel row (Tables 2 and 6: not checked here yet). Meta's own Llama 3 405B
 pre-training figures (The Llama 3 Herd of Models, 2024, Table 4: TP 8 × PP 16 × DP 64-128 on 8K-16K
 H100s, 380-430 TFLOP/s/GPU) are not checked here: that stack re-gathers sequence-parallel
 activations in backward and its memory is not published, and the planner models accelrun's trainer.
