@@ -129,14 +129,20 @@ class AccelrunBackend:
         from accelrun.torch_private import DynamoRestartAnalysis
 
         before = self.record.mark()
+        compile_id = CompileContext.current_compile_id()
         try:
-            return self._compile_new_dynamo_graph(gm, example_inputs)
+            compiled = self._compile_new_dynamo_graph(gm, example_inputs)
         except DynamoRestartAnalysis:
             # Dynamo traces the frame again and hands over the graph it keeps: the abandoned one is not a
-            # graph in use (a trial's report counted 4 graphs for 3, one with pre-grad passes only).
-            self.record.traced_functions.pop(f"g{before.dynamo_graphs}", None)
+            # graph in use (a trial's report counted 4 graphs for 3, one with pre-grad passes only), nor a
+            # compile of its frame (the code generators count those: _counting_compiles).
             self.record.roll_back(before)
+            if compile_id is not None and compile_id.frame_id in self._frame_compiles:
+                self._frame_compiles[compile_id.frame_id] -= 1
             raise
+        if compile_id is not None and (compile_id.frame_compile_id or 0) > 0:  # Dynamo compiles its frame again
+            self.record.recompiles[self.record.traced_functions.get(f"g{before.dynamo_graphs}", "?")] += 1
+        return compiled
 
     def _compile_new_dynamo_graph(self, gm: fx.GraphModule, example_inputs: list[Any]):
         name = f"g{self.record.dynamo_graphs}"

@@ -118,6 +118,8 @@ class CompileRecord:
     # Dynamo graph name -> the function it was traced from ("g0": "Block.forward (model.py:12)"), for
     # `compile explain`, whose graphs are otherwise only numbered
     traced_functions: dict[str, str] = field(default_factory=dict)
+    # function label -> the compiles of its frame after Dynamo's first (its guards refused later inputs)
+    recompiles: Counter = field(default_factory=Counter)
     # graph_cache.py: loaded / compiled / saved entries, fallbacks, errors; or {"off": why}
     # (load time is in stage_seconds["graph cache load"])
     graph_cache: dict[str, Any] = field(default_factory=dict)
@@ -191,10 +193,9 @@ class CompileRecord:
         return ", ".join(parts)
 
     def recompiled(self) -> dict[str, int]:
-        """Functions Dynamo compiled more than once, with how many times more: their first graph's guards
-        refused later inputs (a new shape, dtype or value read from a tensor). Hidden before (a trial's)."""
-        counts = Counter(self.traced_functions.values())
-        return {label: n - 1 for label, n in counts.items() if n > 1 and label}
+        """Functions Dynamo compiled again, with how many times: their earlier graph's guards refused later
+        inputs (a new shape, dtype or value read from a tensor). Hidden before (a trial's)."""
+        return dict(self.recompiles)
 
     def numerics_line(self) -> str:
         """compile.debug_numerics: how many passes' graphs compared equal to their input, and how many could
@@ -221,6 +222,8 @@ class CompileRecord:
         the torch.compile fallback records its own. The time spent stays in ``stage_seconds``."""
         del self.passes[mark.passes:], self.regions[mark.regions:], self.graphs[mark.graphs:]
         del self.fallbacks[mark.fallbacks:]
+        for name in [g for g in self.traced_functions if g[1:].isdigit() and int(g[1:]) >= mark.dynamo_graphs]:
+            del self.traced_functions[name]  # ("g3": named by its number, which the next graph takes)
         self.dynamo_graphs, self.cache_hits, self.cache_misses = mark.dynamo_graphs, mark.cache_hits, mark.cache_misses
 
     def absorb(self, part: CompileRecord) -> None:
@@ -329,6 +332,7 @@ def merge_records(parts: list[tuple[str, CompileRecord]]) -> CompileRecord:
         out.cache_hits += rec.cache_hits
         out.cache_misses += rec.cache_misses
         out.dynamo_graphs += rec.dynamo_graphs
+        out.recompiles.update({f"{label}: {fn}": n for fn, n in rec.recompiles.items()})
         out.graph_cache = _merge_stats(out.graph_cache, rec.graph_cache)
         if rec.cuda_graphs.mode is not CudaGraphMode.OFF:  # every part has the run's decision; graphs by part
             out.cuda_graphs.mode, out.cuda_graphs.run = rec.cuda_graphs.mode, rec.cuda_graphs.run

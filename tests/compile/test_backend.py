@@ -207,6 +207,8 @@ def test_a_graph_dynamo_abandons_is_not_counted_and_a_recompile_is_said():
     torch._dynamo.reset()
     backend = AccelrunBackend(CompileOptions(passes=resolve_passes(["dce", "partition_regions"]),
                                              executors=["aten"]))  # fmt: skip
+    handed, compile_graph = [], backend._compile_new_dynamo_graph
+    backend._compile_new_dynamo_graph = lambda *a: handed.append(1) or compile_graph(*a)
     compiled = torch.compile(_BranchOnAValue(), backend=backend)
     for seed in range(3):
         compiled(torch.randn(4, 8, generator=torch.Generator().manual_seed(seed), requires_grad=True)).sum().backward()
@@ -214,6 +216,7 @@ def test_a_graph_dynamo_abandons_is_not_counted_and_a_recompile_is_said():
     with_forward = {g.name.split(".")[0] for g in record.graphs}
     assert set(record.traced_functions) == with_forward and record.dynamo_graphs == len(with_forward), \
         (record.traced_functions, with_forward)
+    assert len(handed) > len(with_forward), handed  # Dynamo did abandon one: the case at hand
     (label, n), = record.recompiled().items()
     assert "torch_dynamo_resume_in_forward" in label and n >= 1
     assert f"{n} recompile" in record.compiled_line()
@@ -245,6 +248,22 @@ def test_debug_numerics_still_names_a_pass_that_drops_an_aten_dropout():
     with pytest.raises(Exception, match="pass 'test_drops_dropout' changed the graph's results"):
         torch.compile(_DropoutMLP(), backend=backend)(torch.randn(4, 8, 16, requires_grad=True)).sum().backward()
     torch._dynamo.reset()
+
+
+def test_one_function_compiled_by_several_backends_or_for_several_kinds_is_no_recompile():
+    """(a review) Repeated labels were read as recompiles: pipeline stages compiling one block class, and the
+    graph cache's entries for each kind of input ("Linear.forward (torch.nn)" for every outside Linear)."""
+    from accelrun.compile.record import CompileRecord, merge_records
+
+    parts = []
+    for stage in ("stage0", "stage1"):
+        rec = CompileRecord()
+        rec.traced_functions = {"g0": "Block.forward (model.py:3)", "g1": "Block.forward (model.py:3)"}
+        parts.append((stage, rec))
+    merged = merge_records(parts)
+    assert merged.recompiled() == {} and "recompile" not in merged.compiled_line()
+    parts[1][1].recompiles["Block.forward (model.py:3)"] += 1  # one that Dynamo did compile again
+    assert merge_records(parts).recompiled() == {"stage1: Block.forward (model.py:3)": 1}
 
 
 def test_debug_numerics_tolerates_reordered_sums_and_nothing_more():
