@@ -383,8 +383,8 @@ def _kwargs_fix(signature: Any, kwargs: dict[str, Any]) -> str:
 
 def embedding_rows(model: nn.Module) -> int | None:
     """The token ids a user's model takes: the rows of its token table (``token_table``), or None when
-    it cannot be told (no ``nn.Embedding``, a token table kept as a bare parameter, a head of another
-    width): the recipe's model.vocab_size then counts."""
+    it cannot be told (no ``nn.Embedding``, a token table kept as a bare parameter, several tables and no
+    head as wide as one): the recipe's model.vocab_size then counts."""
     table = token_table(model)
     return None if table is None else table.num_embeddings
 
@@ -395,13 +395,20 @@ def token_table(model: nn.Module) -> nn.Embedding | None:
     the last ``nn.Linear`` (registered last in the models users write) that some such table matches: a
     small head registered after it (an auxiliary ``nn.Linear(dim, 1)``) had made the model's token ids
     unknown, and its FLOPs were counted on ids drawn for another recipe's vocabulary. With no such head,
-    the only table there is: its weight makes the logits (``F.linear(x, self.embed.weight)``, a tie written
-    without an ``nn.Linear``), which had left the ids to a recipe's vocabulary the model never had."""
+    the only table there is, if it is a vocabulary's size (``MIN_VOCABULARY``): its weight makes the logits
+    (``F.linear(x, self.embed.weight)``, a tie written without an ``nn.Linear``), which had left the ids to a
+    recipe's vocabulary the model never had. (A smaller lone table is a segment's or a class's, beside a
+    token table kept as a bare parameter: model.vocab_size then counts.)"""
     tables = [m for name, m in model.named_modules() if isinstance(m, nn.Embedding) and not is_position_table(name)]
     for linear in reversed([m for m in model.modules() if isinstance(m, nn.Linear)]):
         if (table := next((t for t in tables if t.num_embeddings == linear.out_features), None)) is not None:
             return table
-    return tables[0] if len(tables) == 1 else None
+    return tables[0] if len(tables) == 1 and tables[0].num_embeddings >= MIN_VOCABULARY else None
+
+
+# The fewest rows a lone embedding table may have to be taken for the token table: a byte-level
+# tokenizer's 256 (segment, type and class tables have a few).
+MIN_VOCABULARY = 256
 
 
 def data_vocab(cfg: ModelConfig, model: nn.Module) -> tuple[int, str | None]:

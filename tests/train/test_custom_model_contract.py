@@ -294,6 +294,13 @@ def test_logits_made_with_the_token_tables_weight_take_its_rows():
     counted = counted_flops_per_token(model, 32, ids, torch.device("cpu"))
     assert counted.value and counted.value > 0, counted
 
+    class BareTokenTable(torch.nn.Module):  # (a review) a lone 2-row segment table is no token table
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens, self.segment = torch.nn.Parameter(torch.randn(300, 16)), torch.nn.Embedding(2, 16)
+
+    assert data_vocab(ModelConfig(custom="m:build", vocab_size=512), BareTokenTable())[0] == 512
+
 
 def test_too_few_classes_suggest_a_head_as_wide_as_the_token_table_not_the_position_table():
     from accelrun.models.build import ModelOutputError, _check_classes
