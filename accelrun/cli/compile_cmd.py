@@ -96,6 +96,11 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
         out.print(f"[yellow]{escape(line)}[/]" if line.startswith("warning") else escape(line))
     if traced := [f"{g}: {f}" for g, f in record.traced_functions.items() if f]:  # which code each gN is
         out.print("graphs traced from: " + "; ".join(escape(t) for t in traced))
+    if line := record.numerics_line():  # compile.debug_numerics: passes in the table below; the lowerings here
+        out.print(escape(line))
+        for g in record.graphs:
+            if g.lowering_numerics:
+                out.print(f"  {escape(g.name)} lowered: {escape(g.lowering_numerics)}")
     table = Table("graph", "pass", "ops", "what changed", "time", title="passes", title_justify="left")
     table.columns[1].no_wrap = table.columns[0].no_wrap = True
     for row in ex.pass_rows(record):
