@@ -207,7 +207,9 @@ def peek_records(f: RecordFile) -> RecordPeek:
         try:
             if f.format is RecordFormat.PARQUET:
                 meta = pa.parquet.read_metadata(f.path)
-                return RecordPeek(list(meta.schema.names), empty=meta.num_rows == 0)
+                # the top-level columns, as training reads them (the parquet schema's names are its leaves:
+                # a struct's `doc.text` passed validate as `text`, and train crashed on a KeyError)
+                return RecordPeek(list(meta.schema.to_arrow_schema().names), empty=meta.num_rows == 0)
             with pa.memory_map(str(f.path)) as source:
                 try:
                     return RecordPeek(list(pa.ipc.open_stream(source).schema.names))
@@ -216,7 +218,7 @@ def peek_records(f: RecordFile) -> RecordPeek:
                     return RecordPeek(list(pa.ipc.open_file(source).schema.names))
         except pa.ArrowInvalid as e:
             raise DataError(f"{f.path}: not a .{f.format.value} file pyarrow reads ({e})") from None
-    with open(f.path, encoding="utf-8", errors="replace", newline="") as fh:
+    with open(f.path, encoding="utf-8-sig", errors="replace", newline="") as fh:  # (a BOM is no field's name)
         if f.format is RecordFormat.CSV:
             rows = csv.reader(fh)  # every csv value is text: the header and whether a row follows suffice
             header, first = next(rows, []), next(rows, None)

@@ -221,7 +221,9 @@ def _read_json_lines(f: RecordFile, columns, column_key, rows, byte_range: tuple
             try:
                 try:
                     # Without its newline: a line cut short reports its own column, not "column 1" of the next.
-                    obj = json.loads(line.decode("utf-8", errors="replace").rstrip("\r\n"))
+                    # ("utf-8-sig": a byte-order mark that an editor put before the first line is not JSON's)
+                    obj = json.loads(line.decode("utf-8-sig" if number == 1 and start == 0 else "utf-8",
+                                                 errors="replace").rstrip("\r\n"))
                 except json.JSONDecodeError as e:
                     raise DataError(f"{rec.where(number)}: malformed JSON line: "
                                     f"{json_problem(e, expected=JSON_LINE_EXPECTED)}") from None
@@ -238,13 +240,13 @@ def _read_json_lines(f: RecordFile, columns, column_key, rows, byte_range: tuple
 
 def _read_json(f: RecordFile, columns, column_key, rows):
     """A ``.json`` file: one JSON array of objects (parsed whole), or JSON lines as datasets writes them."""
-    with open(f.path, encoding="utf-8", errors="replace") as fh:
+    with open(f.path, encoding="utf-8-sig", errors="replace") as fh:
         head = fh.read(4096).lstrip()
     if not head.startswith("["):
         yield from _read_json_lines(f, columns, column_key, rows)
         return
     try:
-        items = json.loads(Path(f.path).read_text(encoding="utf-8", errors="replace"))
+        items = json.loads(Path(f.path).read_text(encoding="utf-8-sig", errors="replace"))
     except json.JSONDecodeError as e:
         raise DataError(f"{f.path}:{e.lineno}: malformed JSON: "
                         f"{json_problem(e, expected='a .json file is one array of objects, or one object per line')}") from None
@@ -273,7 +275,7 @@ def _as_rows(batch: RecordBatch) -> RecordBatch:
 def _read_csv(f: RecordFile, columns, column_key, rows):
     csv.field_size_limit(2**31 - 1)  # a document is one cell: the default 128 KiB cap is too small
     rec = _Rows(f, columns, column_key)
-    with open(f.path, encoding="utf-8", errors="replace", newline="") as fh:
+    with open(f.path, encoding="utf-8-sig", errors="replace", newline="") as fh:  # (Excel's "CSV UTF-8": a BOM)
         reader = csv.DictReader(fh)
         header = reader.fieldnames or []
         for c in columns:

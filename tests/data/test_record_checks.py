@@ -127,3 +127,28 @@ def test_chat_records_read_as_documents_point_at_the_chat_format(tmp_path):
     line = one_error(validate(path))
     assert line.endswith(f"{path}: no field 'text' (fields: 'messages'); these are chat records: data.format=chat "
                          "reads them"), line
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_field_or_line(tmp_path):
+    """A trial's Excel "CSV UTF-8" file read as a field named '\\ufefftext' (exit 2), and a jsonl with a BOM
+    stopped on "unexpected UTF-8 BOM (decode using utf-8-sig)"."""
+    from accelrun.data.records import iter_records
+
+    (tmp_path / "excel.csv").write_bytes("\ufefftext,id\nhello,1\nworld,2\n".encode())
+    (tmp_path / "bom.jsonl").write_bytes('\ufeff{"text": "hello"}\r\n{"text": "world"}\r\n'.encode())
+    (tmp_path / "bom.json").write_bytes('\ufeff[{"text": "hello"}, {"text": "world"}]'.encode())
+    for name in ("excel.csv", "bom.jsonl", "bom.json"):
+        r = validate(tmp_path / name)
+        assert r.exit_code == 0, r.output
+        assert [rec["text"] for rec in iter_records([str(tmp_path / name)], ["text"])] == ["hello", "world"], name
+
+
+def test_a_parquet_column_nested_in_a_struct_is_not_taken_for_a_top_level_one(tmp_path):
+    """validate read the parquet schema's leaves (a struct's doc.text as 'text'): "valid", then train and
+    data prepare crashed with KeyError: 'Field "text" does not exist in schema' (a trial's)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"doc": [{"text": "hello"}, {"text": "world"}]}), tmp_path / "nested.parquet")
+    r = validate(tmp_path / "nested.parquet")
+    assert r.exit_code == 2 and "no field 'text' (fields: 'doc')" in " ".join(r.output.split()), r.output
