@@ -137,21 +137,27 @@ def _print_summary(info: dict) -> None:
 @command.command("examples")
 @click.option("-C", "--dir", "root", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
               show_default=True, help="Folder to write them under.")
-def examples(root: Path) -> None:
+@click.option("--force", is_flag=True, help="Replace files of these names that earlier examples did not write.")
+def examples(root: Path, force: bool) -> None:
     """Write the README's example inputs, from this machine's Python standard library (no download).
 
     corpus/a.txt (text), corpus/docs.jsonl, .json, .csv (its column is body), .parquet and .arrow
     (accelrun[data]), corpus/saved (a save_to_disk folder; datasets), chats.jsonl, and
     models/my-chat-model: a tiny random Llama with a BPE tokenizer and a chat template whose
-    {% generation %} blocks mark the assistant's turns (accelrun[hf]). Earlier copies are replaced.
+    {% generation %} blocks mark the assistant's turns (accelrun[hf]). Earlier copies are replaced;
+    files of those names that are not earlier copies (your own corpus/a.txt) are not, without --force.
 
     \b
     Examples:
       accelrun data examples
       accelrun train configs/llama.yaml data.source=documents 'data.paths=[corpus/docs.parquet]'
     """
-    from accelrun.data.examples import write_examples
+    from accelrun.data.examples import not_ours, write_examples
 
+    if (theirs := not_ours(root)) and not force:
+        raise click.UsageError(f"{', '.join(theirs)} under {root} are not examples this command wrote (or were "
+                               "changed since): it would replace them; -C writes into another folder, --force "
+                               "replaces them")
     report = write_examples(root)
     for w in report.written:
         out.print(f"wrote {escape(str(root / w.path) if root != Path('.') else w.path)}: {escape(w.what)}")

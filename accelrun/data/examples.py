@@ -52,9 +52,45 @@ class ExamplesReport:
     skipped: list[Written] = field(default_factory=list)  # what: the package that writes it
 
 
+# What write_examples writes under its root (files, and folders it replaces whole), and the record of them
+# it leaves: a file there that is not in it, or differs from it, is someone's own.
+TARGETS = ("corpus/a.txt", "corpus/docs.jsonl", "corpus/docs.json", "corpus/docs.csv", "corpus/docs.parquet",
+           "corpus/docs.arrow", "corpus/saved", "chats.jsonl", "models/my-chat-model")
+RECORD = ".accelrun-examples.json"
+
+
+def not_ours(root: Path) -> list[str]:
+    """The example paths under ``root`` that an earlier ``write_examples`` did not leave as they are: a
+    team's own corpus/a.txt or chats.jsonl, which the command replaced without a word (a trial's)."""
+    try:
+        written = json.loads((root / RECORD).read_text())
+    except (OSError, ValueError):
+        written = {}
+    theirs = []
+    for name in TARGETS:
+        path = root / name
+        if not path.exists():
+            continue
+        if name not in written or (path.is_file() and _digest(path) != written[name]):
+            theirs.append(name)
+    return theirs
+
+
+def _digest(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _record(root: Path) -> None:
+    written = {name: _digest(p) if p.is_file() else "folder" for name in TARGETS if (p := root / name).exists()}
+    (root / RECORD).write_text(json.dumps(written, indent=1) + "\n")
+
+
 def write_examples(root: Path) -> ExamplesReport:
     """Write corpus/ (a.txt, docs.jsonl/.json/.csv/.parquet/.arrow, saved/), chats.jsonl and
-    models/my-chat-model under ``root``, replacing earlier copies; return what was written and skipped."""
+    models/my-chat-model under ``root``, replacing earlier copies (``not_ours`` says which files are not
+    such copies: the command asks first); return what was written and skipped."""
     report = ExamplesReport()
     docs = _documents()
     corpus = root / "corpus"
@@ -64,6 +100,7 @@ def write_examples(root: Path) -> ExamplesReport:
     (root / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
     report.written.append(Written("chats.jsonl", f"{len(chats)} chats ({{role, content}} messages)"))
     _write_chat_model(root / "models" / "my-chat-model", chats, report)
+    _record(root)
     return report
 
 

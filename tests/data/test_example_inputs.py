@@ -66,3 +66,22 @@ def test_without_pyarrow_the_formats_it_writes_are_skipped_with_the_extra(tmp_pa
     assert skipped["corpus/docs.parquet"] == skipped["corpus/docs.arrow"] == "pip install 'accelrun[data]' (pyarrow)"
     assert "datasets" in skipped["corpus/saved"]
     assert (tmp_path / "corpus" / "docs.jsonl").is_file() and not (tmp_path / "corpus" / "docs.parquet").exists()
+
+
+def test_a_users_own_file_of_an_examples_name_is_not_replaced_without_force(tmp_path):
+    """A trial's own corpus/a.txt and chats.jsonl were replaced without a word (`--help` said earlier
+    copies are; the command could not tell its copies from a team's files)."""
+    from click.testing import CliRunner
+
+    from accelrun.cli.main import cli
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("MY PRECIOUS DATA")
+    r = CliRunner().invoke(cli, ["data", "examples", "-C", str(tmp_path)])
+    assert r.exit_code == 2 and "corpus/a.txt under" in r.output and "--force" in r.output, r.output
+    assert (tmp_path / "corpus" / "a.txt").read_text() == "MY PRECIOUS DATA"
+    assert CliRunner().invoke(cli, ["data", "examples", "-C", str(tmp_path), "--force"]).exit_code == 0
+    assert CliRunner().invoke(cli, ["data", "examples", "-C", str(tmp_path)]).exit_code == 0  # its own copies: again
+    (tmp_path / "chats.jsonl").write_text('{"messages": []}\n')  # an example edited since
+    r = CliRunner().invoke(cli, ["data", "examples", "-C", str(tmp_path)])
+    assert r.exit_code == 2 and "chats.jsonl under" in r.output, r.output
