@@ -67,6 +67,15 @@ def record_files_as_text(named: Sequence[str], source: str, key: str) -> str:
             f"({', '.join(named[:3])}): use {key}.source=documents, which reads the text field of each record")
 
 
+# Keys that only some data sources read.
+DATA_KEYS_USED_BY = {
+    "builtin": ("builtin", "tokenizer", "max_bytes"),
+    "text": ("tokenizer", "max_bytes"),
+    "tokens": ("tokenizer",),  # checked against the tokenizer each token file records
+    "synthetic": (),
+    "documents": ("tokenizer", "text_field", "format", "messages_field", "loss_on"),  # read whole, streamed
+}
+
 # Keys a mixture's entries decide for themselves (text_field) or that no entry reads. data.source and
 # data.builtin are left out: the recipes a mix extends set them (recipes/data/stdlib.yaml), and a mix
 # replacing them is what data.mix's description says.
@@ -85,8 +94,11 @@ def mix_warnings(cfg: RunConfig, set_by_user: Callable[..., Source | None]) -> l
     to 1, which are normalised (a user reading a weight as a share should see the shares trained on)."""
     if not cfg.data.mix:
         return []
+    # (a key an entry's source reads applies to that entry: data.max_bytes cuts a text entry, and had been
+    # said to have no effect while it did: a trial's)
+    read = {key for e in cfg.data.mix for key in DATA_KEYS_USED_BY.get(e.source, ())} - {"text_field"}
     out = [f"data.{key} ({src}) has no effect with data.mix: each entry names its own source, paths and text_field"
-           for key in KEYS_A_MIX_REPLACES if (src := set_by_user("data", key))]
+           for key in KEYS_A_MIX_REPLACES if key not in read and (src := set_by_user("data", key))]
     total = sum(e.weight for e in cfg.data.mix)
     if all(e.weight > 0 for e in cfg.data.mix) and math.isfinite(total) and abs(total - 1) > 1e-6:
         out.append(f"data.mix weights sum to {total:g}, not 1: they are normalised to shares of the training "

@@ -141,37 +141,47 @@ class CappedText:
     total: int
     files: int
     files_whole: int  # read to their end; the next is cut short, the rest are not read
+    paths_key: str = "data.paths"  # or a mix entry's, "data.mix.1.paths"
 
     def said(self, where: Source) -> str:
         left = self.files - self.files_whole
         return (f"data.max_bytes = {self.cap:,} ({where}) reads {self.cap:,} of the {self.total:,} bytes that "
-                f"data.paths names: {left} of its {self.files} file(s) read in part or not at all; "
+                f"{self.paths_key} names: {left} of its {self.files} file(s) read in part or not at all; "
                 "data.max_bytes=null reads them all")
 
 
-def capped_text(cfg: RunConfig) -> CappedText | None:
-    """What ``data.max_bytes`` leaves unread of a text source's files (it stops reading there), or None
-    where it reads them whole. A new user's corpus cut at the 64 MiB default said so nowhere."""
+def capped_texts(cfg: RunConfig) -> list[CappedText]:
+    """What ``data.max_bytes`` leaves unread of each text source's files (it stops reading there): the
+    source's, or each of data.mix's text entries' (each read alone, with the recipe's data.max_bytes: a
+    mix's cut said so nowhere, a trial's). A new user's corpus cut at the 64 MiB default said so nowhere."""
     data = cfg.data
-    if data.mix or data.source != "text" or not data.paths or data.max_bytes is None:
-        return None
+    if data.max_bytes is None:
+        return []
+    if data.mix:
+        read = [(f"data.mix.{i}.paths", list(e.paths)) for i, e in enumerate(data.mix) if e.source == "text"]
+    else:
+        read = [("data.paths", list(data.paths))] if data.source == "text" else []
+    return [cut for key, paths in read if paths and (cut := _capped(paths, data.max_bytes, key)) is not None]
+
+
+def _capped(paths: list[str], cap: int, key: str) -> CappedText | None:
     from accelrun.config.data_paths import expand_paths
 
     try:
-        sizes = [os.stat(f).st_size for f in expand_paths(data.paths)]
+        sizes = [os.stat(f).st_size for f in expand_paths(paths)]
     except (UserError, OSError):
         return None  # data_files says what is wrong with the paths
     total = sum(sizes)
-    if total <= data.max_bytes:
+    if total <= cap:
         return None
-    whole = next(i for i, read in enumerate(itertools.accumulate(sizes)) if read > data.max_bytes)
-    return CappedText(data.max_bytes, total, len(sizes), whole)
+    whole = next(i for i, read in enumerate(itertools.accumulate(sizes)) if read > cap)
+    return CappedText(cap, total, len(sizes), whole, key)
 
 
 def text_cut_by_max_bytes(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:
     """A warning where ``data.max_bytes`` leaves part of a text corpus unread."""
-    capped = capped_text(cfg)
-    return [] if capped is None else [Finding(capped.said(source_of(("data", "max_bytes"), sources)), False)]
+    where = source_of(("data", "max_bytes"), sources)
+    return [Finding(cut.said(where), False) for cut in capped_texts(cfg)]
 
 
 def record_findings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[Finding]:

@@ -20,7 +20,7 @@ from pydantic.fields import FieldInfo
 from accelrun.config.chat_template_file import chat_problems
 from accelrun.config.compile_names import BUILTIN_EXECUTORS, PassConfigError, parse_passes
 from accelrun.config.compose import DEFAULT, Source
-from accelrun.config.data_checks import PATH_SOURCES_HINT, data_problems, mix_warnings
+from accelrun.config.data_checks import DATA_KEYS_USED_BY, PATH_SOURCES_HINT, data_problems, mix_warnings
 from accelrun.config.errors import SYNONYMS, ConfigError, nearest
 from accelrun.config.moe_checks import moe_problems, moe_warnings
 from accelrun.config.schema import FAMILY_ONLY_KEYS, INTERLEAVED_SCHEDULES, ModelConfig, RunConfig
@@ -559,14 +559,6 @@ def _compile_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[st
     return out
 
 
-# Keys that only some data sources read.
-DATA_KEYS_USED_BY = {
-    "builtin": ("builtin", "tokenizer", "max_bytes"),
-    "text": ("tokenizer", "max_bytes"),
-    "tokens": ("tokenizer",),  # checked against the tokenizer each token file records
-    "synthetic": (),
-    "documents": ("tokenizer", "text_field", "format", "messages_field", "loss_on"),  # read whole, streamed
-}
 # Keys read by one source only; the others warn when a user sets them (packing applies to every source).
 SOURCE_SPECIFIC_DATA_KEYS = ("builtin", "tokenizer", "max_bytes", "text_field", "format", "messages_field", "loss_on")
 

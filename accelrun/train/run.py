@@ -27,7 +27,7 @@ from rich.markup import escape
 from accelrun.config import ResolvedConfig
 from accelrun.config.data_checks import data_description
 from accelrun.config.hf_model import RUN_EXPORT_FOLDER
-from accelrun.config.preflight import capped_text
+from accelrun.config.preflight import capped_texts
 from accelrun.data.summary import describe_batches
 from accelrun.dist.collective import set_group_timeouts
 from accelrun.dist.context import ParallelContext
@@ -391,8 +391,8 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         "global batch × seq_len": f"{cfg.train.global_batch} × {cfg.train.seq_len}",
         "learning rate": learning_rate_said(metrics, cfg.train.optimizer.lr, cfg.train.lr_schedule.name,
                                             cfg.train.lr_schedule.warmup_steps, cfg.train.steps),
-        "data": data_description(cfg.data) + ("" if (cut := capped_text(cfg)) is None
-                                              else f"; {cut.cap:,} of its {cut.total:,} bytes read (data.max_bytes)"),
+        "data": data_description(cfg.data) + "".join(
+            f"; {cut.cap:,} of the {cut.total:,} bytes of {cut.paths_key} read (data.max_bytes)" for cut in capped_texts(cfg)),
         "resumed from": report["resumed_from"],
         "history": (" → ".join(Path(p).name for p in report["history"]) if len(report["history"]) > 1
                     else f"{run_dir.name} alone" + ("" if report["resumed_from"] else " (no restarts)")),

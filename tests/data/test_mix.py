@@ -215,3 +215,21 @@ def test_report_md_has_a_data_row():
     assert data_description(mix) == "mix of 2 sources: a.jsonl 78% (weight 0.7), b.txt 22% (weight 0.2); packing concat"
     md = render_report_md({"steps": 1}, {"name": "x", "data": data_description(documents)})
     assert "| data | documents: corpus/docs.jsonl; data.format text; packing document |" in md
+
+
+def test_data_max_bytes_cuts_a_mixs_text_entry_and_says_so(tmp_path):
+    """A trial's 70 MB text entry was cut at the 64 MiB default without a word, and data.max_bytes=null
+    (which then read it whole) was said to have "no effect with data.mix"."""
+    from click.testing import CliRunner
+
+    from accelrun.cli.main import cli
+
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "big.txt").write_text("x" * 5000)
+    mix = f"data.mix=[{{paths: [{tmp_path / 'a.jsonl'}], weight: 1}}, {{source: text, paths: [{tmp_path / 'big.txt'}], weight: 1}}]"
+    r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), mix, "data.max_bytes=4096"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0 and "reads 4,096 of the 5,000 bytes that data.mix.1.paths names" in said, r.output
+    assert "has no effect with data.mix" not in said, r.output
+    r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), mix, "data.max_bytes=null"])
+    assert "has no effect" not in r.output and "data.mix.1.paths names" not in r.output, r.output
