@@ -27,6 +27,7 @@ from accelrun.dist.expert_parallel import apply_expert_parallel
 from accelrun.dist.layout import apply_layout
 from accelrun.dist.pipeline import Pipeline, microbatch_loss, union_of
 from accelrun.dist.tp import loss_context
+from accelrun.errors import DataError
 from accelrun.models import build_model, model_summary
 from accelrun.models.build import (
     ModelBuildError,
@@ -304,7 +305,15 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         scheduler.load_state_dict(saved["scheduler"])
         if changed := keep_recipe_settings(optimizer, scheduler, built):
             reason += f"; note: the optimizer goes on with this recipe's settings ({', '.join(changed)})"
-        data.load_state_dict(saved["data"])
+        try:
+            data.load_state_dict(saved["data"])
+        except DataError:
+            # Another training from its checkpoint (a fine-tune, or the same recipe on new data) is a new run
+            # with its own recipe: its data from the start. It was refused, and the only way offered,
+            # checkpoint.resume=none, left the weights behind (a trial's). A continuation's data must match.
+            if ckpt.training_hash == resolved.training_hash:
+                raise
+            reason += "; note: its data position is in other data than this run's, which is read from its start"
         start_step, resumed_from = int(saved["step"]), ckpt.path
         # Last in setup: nothing above may draw from the generators after this (the model's init did before).
         if (missing := restore_rng_state(ckpt.path, ctx.rank, ctx.world_size)) is not None:

@@ -535,3 +535,21 @@ def test_a_run_with_compile_dump_writes_its_compile_record_beside_the_dumps(tiny
     assert record["summary"]["dynamo_graphs"] > 0 and record["passes"] and record["regions"]
     assert {g["name"].split(".")[0] for g in record["graphs"]} <= set(record["traced_functions"])
     assert list((result.run_dir / "compile").glob("g0.forward/*.py"))
+
+
+def test_a_checkpoint_goes_on_with_another_runs_own_data_from_its_start(tiny, tmp_path):
+    """README: a checkpoint of another training "is a new run that goes on from that checkpoint with its own
+    recipe". A trial's fine-tune on its own text was refused: "data state was saved on different data ...
+    start afresh with checkpoint.resume=none", which leaves the weights behind."""
+    from rich.console import Console
+
+    first = run(tiny(4, "checkpoint.every=2"))
+    (tmp_path / "mine.txt").write_text("my own text, which the checkpoint never saw. " * 200)
+    console = Console(record=True, width=400)
+    tuned = train(load_config(DEFAULT_CONFIG, tiny(6, "checkpoint.every=2", "data.source=text",
+                                                   f"data.paths=[{tmp_path / 'mine.txt'}]", "name=tuned",
+                                                   f"checkpoint.resume={first.run_dir / 'checkpoints' / 'step-000004'}")),
+                  console=console)
+    assert tuned.status == "finished" and tuned.report["resumed_from"].endswith("step-000004")
+    said = " ".join(console.export_text().split())
+    assert "its data position is in other data than this run's, which is read from its start" in said, said
