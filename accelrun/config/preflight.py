@@ -197,11 +197,19 @@ def record_findings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[Find
 
 def mix_record_findings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[Finding]:
     """``record_findings`` for each ``data.mix`` source that reads record files, naming its own keys."""
+    from accelrun.config.data_paths import expand_paths
+
     findings: list[Finding] = []
     for i, entry in enumerate(cfg.data.mix):
         if entry.source == "documents" and entry.paths:
             findings += _first_records(entry.paths, ("data", "mix", i, "paths"), ("data", "mix", i, "text_field"),
                                        entry.text_field, "text", sources)
+        elif entry.source in ("text", "tokens") and entry.paths:  # (validate passed a glob matching nothing:
+            try:                                                    # train refused it after making its folder)
+                expand_paths(entry.paths, key=f"data.mix.{i}.paths")
+            except UserError as e:
+                where = source_of(("data", "mix", i, "paths"), sources, exact=False)
+                findings += [Finding(f"{m} ({where})", True) for m in e.messages]
     return findings
 
 

@@ -233,3 +233,16 @@ def test_data_max_bytes_cuts_a_mixs_text_entry_and_says_so(tmp_path):
     assert "has no effect with data.mix" not in said, r.output
     r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), mix, "data.max_bytes=null"])
     assert "has no effect" not in r.output and "data.mix.1.paths names" not in r.output, r.output
+
+
+def test_validate_refuses_a_mixs_text_entry_whose_glob_matches_nothing(tmp_path):
+    """validate said valid (a documents entry's was caught); train refused it after making its run folder,
+    naming data.paths instead of the entry (a trial's)."""
+    from click.testing import CliRunner
+
+    from accelrun.cli.main import cli
+
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
+    mix = f"data.mix=[{{paths: [{tmp_path / 'a.jsonl'}], weight: 1}}, {{source: text, paths: [{tmp_path}/none/*.txt], weight: 1}}]"
+    r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), mix])
+    assert r.exit_code == 2 and "data.mix.1.paths: " in r.output and "matched no files" in r.output, r.output
