@@ -798,14 +798,22 @@ def decline_reason(cfg: Any, targets: list[tuple[nn.Module, str]]) -> str | None
         return "compile.dump writes every pass's graphs, so graphs are compiled afresh"
     if cfg.debug_numerics:
         return "compile.debug_numerics reruns every pass, so graphs are compiled afresh"
-    if getattr(cfg, "strict", False):  # a loaded graph's fallbacks happened where no strict run could see them
+    if cfg.strict:  # a loaded graph's fallbacks happened where no strict run could see them
         return "compile.strict checks every pass and region as they compile, so graphs are compiled afresh"
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return "multi-rank runs compile afresh (sharded parameters and collectives are not cached)"
+    from accelrun.dist.activation_checkpoint import is_checkpointed
+
     for owner, method in targets:
         if method in owner.__dict__ and method not in instance_methods(owner):
             return f"{type(owner).__name__}.{method} is {_wrapped_by(owner.__dict__[method])}"
+        # a block inside it checkpointed (a whole model compiled over an nn.Sequential of checkpointed
+        # blocks): the key does not say which blocks are, so an entry could serve a run that checkpoints none
+        if method == "forward" and (inner := next(  # (another method, a loss head, calls no block)
+                (m for m in owner.modules() if m is not owner and is_checkpointed(m.__dict__.get("forward"))), None)):
+            return (f"{type(inner).__name__}.forward inside {type(owner).__name__} is checkpointed "
+                    "(train.activation_checkpoint)")
         # The model says why its whole forward may not (its other methods, a loss head, still may).
         if method == "forward" and (why := getattr(owner, "graph_cache_declines_forward", None)) is not None:
             return why

@@ -662,6 +662,13 @@ def test_activation_checkpointing_of_an_nn_sequential_of_blocks_and_said(tiny, t
     assert "activation checkpointing (full) on 3 of 3 Block blocks" in (ran.run_dir / "report.md").read_text()
     ref = [m["loss"] for m in read_metrics(plain.run_dir / "metrics.jsonl")]
     assert [m["loss"] for m in read_metrics(ran.run_dir / "metrics.jsonl")] == pytest.approx(ref, rel=1e-6)
+    # compiled whole (no ModuleList), with the blocks inside checkpointed: not through the graph cache, whose
+    # key does not say which blocks are (an entry could have served a run that checkpoints none; a review)
+    compiled = train(load_config(DEFAULT_CONFIG, tiny(2, "model.custom=seq_gpt:GPT", "compile.backend=accelrun",
+                                                       "train.activation_checkpoint.mode=full", "name=acc")),
+                     command="test")
+    assert compiled.report["compiler"]["graphs_in_use"] > 0
+    assert "Block.forward inside GPT is checkpointed" in compiled.report["compiler"]["graph_cache"]["off"]
     said = invoke("validate", str(DEFAULT_CONFIG), *tiny(2, "model.custom=seq_gpt:NoBlocks",
                                                           "train.activation_checkpoint.mode=full"))
     assert said.exit_code == 2 and "train.activation_checkpoint needs a model with repeated blocks" in one_error(said)
