@@ -40,7 +40,7 @@ def computes_outside_regions(node: fx.Node) -> bool:
     """A call outside every region that does work: views and tuple reads are not counted (a compiler
     engineer's trial read 111 "ATen calls" of which a third were views and getitems)."""
     return (node.op == "call_function" and REGION_KEY not in node.meta and node.target not in VIEW_OPS
-            and node.target is not operator.getitem)
+            and not getattr(node.target, "is_view", False) and node.target is not operator.getitem)
 
 
 def decompositions() -> dict:

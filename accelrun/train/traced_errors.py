@@ -29,6 +29,9 @@ _FAMILIES = str(Path(accelrun.__file__).parent / "models" / "families") + os.sep
 _QUOTED_ERROR = re.compile(r"got (\w+)\((['\"])(.*?)\2\)", re.DOTALL)
 
 
+_DATA_DEPENDENT = "data-dependent expression"  # Dynamo's words for a guard on a value read from a tensor
+
+
 class ModelFailedWhileTraced(UserError):
     exit_code = 1  # most likely the model's own bug, possibly torch.compile's: not a recipe error (2)
 
@@ -62,9 +65,6 @@ def named_model_errors(backend: str, fullgraph: bool = False) -> Iterator[None]:
         raise NotOneGraph(not_one_graph_message(e)) from e
     finally:
         fake_tensor_log.removeFilter(quiet)
-
-
-_DATA_DEPENDENT = "data-dependent expression"
 
 
 def not_one_graph_message(e: Exception) -> str:

@@ -197,6 +197,7 @@ def test_a_failed_build_says_the_compilers_error_and_a_graph_naming_its_library_
     fake = tmp_path / "badcxx"
     fixed = tmp_path / "fixed"  # once it exists, the compiler is g++ again (the same version: the same key)
     fake.write_text(f'#!/bin/sh\nif [ "$1" = "--version" ] || [ -e {fixed} ]; then exec g++ "$@"; fi\n'
+                    'echo "In file included from /src/error_handling/x.cpp:1:" >&2\n'  # "error" in a path: not it
                     'echo "x.cpp:3:1: error: expected declaration" >&2; exit 1\n')
     fake.chmod(0o755)
     monkeypatch.setenv("ACCELRUN_CXX", str(fake))

@@ -46,7 +46,9 @@ def found(saved: str, what: str) -> Path:
 
 def _build_failure(library: Path) -> str | None:
     """The compiler's error line a failed build of ``library`` left beside it (cpp_build), or None."""
+    from accelrun.compile.codegen.cpp_build import failure_path
+
     try:
-        return library.with_name(library.name + ".failed").read_text().strip() or None
+        return failure_path(library).read_text().strip() or None
     except OSError:
         return None

@@ -179,8 +179,11 @@ def _scratch_directory(cache: Path, why: str) -> Path:
 def compiler_error_line(stderr: str, returncode: int) -> str:
     """The line of a compiler's output that says what failed: its first error, else its last line."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    first_error = next((line for line in lines if "error" in line.lower()), None)
+    first_error = next((line for line in lines if _ERROR_LINE.search(line)), None)
     return first_error or (lines[-1] if lines else f"exit status {returncode}, nothing printed")
+
+
+_ERROR_LINE = re.compile(r"\b(fatal )?error\b:", re.IGNORECASE)  # (not a path or a name holding "error")
 
 
 def failure_path(library: Path) -> Path:
@@ -189,7 +192,7 @@ def failure_path(library: Path) -> Path:
 
 
 def scratch_folder() -> Path | None:
-    """The folder of this process's own its kernels went to, where the cache could not be written."""
+    """Where this process builds its kernels when the cache cannot be written (None until it has to)."""
     return _scratch
 
 
