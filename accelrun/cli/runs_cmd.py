@@ -19,7 +19,7 @@ from accelrun.report.runs_index import RunRow, list_run_rows
 STATUS_STYLE = {"finished": "green", "running": "cyan", "interrupted": "yellow", "diverged": "red", "crashed": "red",
                 "continued": "dim", "failed": "red", "losses differ": "yellow"}
 # How a continued folder had ended, after its status: a crash stays in sight once a later run went on.
-CONTINUED_AFTER = {"crashed": " after a crash", "interrupted": " after a stop"}
+CONTINUED_AFTER = {"crashed": " after a crash", "interrupted": " after an interruption"}
 
 
 @click.group("runs")
@@ -45,7 +45,7 @@ def list_cmd(runs_dir: Path, name: str | None, limit: int, as_json: bool) -> Non
     Each row: kind (train; explain: a `compile explain` run; ab: an `accelrun ab` comparison, whose variants'
     runs `accelrun runs list <its folder>/runs` lists; its status: finished, losses differ (exit 4: its
     ab.md says why), failed (a variant's run failed), interrupted or running), the job's processes, status (finished, running, interrupted (killed or stopped), crashed, continued after a crash or
-    a stop (a later run took over its checkpoint), diverged; "segment k" for the k-th run of one history), steps, final loss, steady median
+    an interruption (a later run took over its checkpoint), diverged; "segment k" for the k-th run of one history), steps, final loss, steady median
     step time, tokens/s, MFU, peak memory, compile backend, precision and config hash. A run that
     has no report.json and no live process is "interrupted": `checkpoint.resume: auto` continues it.
 

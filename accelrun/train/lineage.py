@@ -78,6 +78,24 @@ def _say_continued_in_report(previous: Path, run_dir: Path, step: int) -> None:
     lines[at:at] = [note, ""]
     with contextlib.suppress(OSError):
         write_text_atomic("\n".join(lines) + "\n", report)
+    _say_continued_in_html(previous / "report.html", note.removeprefix("> "))
+
+
+def _say_continued_in_html(page: Path, note: str) -> None:
+    """The same note under report.html's title (replacing one a continuation that took over wrote)."""
+    import html
+    import re
+
+    try:
+        text = page.read_text(encoding="utf-8")
+    except OSError:
+        return
+    text = re.sub(r'<p class="continued">.*?</p>', "", text, count=1, flags=re.DOTALL)
+    said = f'<p class="continued">{html.escape(note.replace("**", ""))}</p>'
+    text, found = re.subn(r"(<h1>.*?</h1>)", lambda m: m.group(1) + said, text, count=1, flags=re.DOTALL)
+    if found:
+        with contextlib.suppress(OSError):
+            write_text_atomic(text, page)
 
 
 def mark_crashed(run_dir: Path, error: BaseException | str) -> None:

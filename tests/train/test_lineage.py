@@ -96,7 +96,7 @@ def test_a_crash_is_told_apart_from_a_kill(tiny, tmp_path, monkeypatch):
     assert (rows[str(crashed.path)].status, rows[str(crashed.path)].continued_after) == ("continued", "crashed")
     assert (rows[str(killed)].status, rows[str(killed)].continued_after) == ("continued", "interrupted")
     shown = CliRunner().invoke(cli, ["runs", "list", str(tmp_path / "runs")], terminal_width=300).output
-    assert "continued after a crash" in shown and "continued after a stop" in shown
+    assert "continued after a crash" in shown and "continued after an interruption" in shown
 
 
 def test_resuming_from_a_named_folder_of_the_same_training_continues_that_run(tiny, tmp_path):
@@ -136,3 +136,16 @@ def test_a_fresh_start_names_the_interrupted_run_of_another_training(tiny, tmp_p
     done = run(tiny(8, "checkpoint.every=2", "name=changed"))  # continues it to its end: nothing left to name
     assert done.status == "finished"
     assert "stopped run" not in decide_resume("auto", tmp_path / "runs" / "changed", here, "another-hash").reason
+
+
+def test_a_stopped_runs_page_says_who_continued_it_once(tmp_path):
+    """report.html said "interrupted" and "alone (no restarts)" beside report.md's note (a review)."""
+    from accelrun.train.lineage import _say_continued_in_html
+
+    page = tmp_path / "report.html"
+    page.write_text("<html><body><h1>accelrun report: x</h1><p>status interrupted</p></body></html>")
+    _say_continued_in_html(page, "**continued** by runs/x/2 from its checkpoint of step 4: ...")
+    _say_continued_in_html(page, "**continued** by runs/x/3 from its checkpoint of step 4: ...")  # took over
+    text = page.read_text()
+    assert text.count('<p class="continued">') == 1 and "continued by runs/x/3" in text and "runs/x/2" not in text
+    assert text.index("</h1>") < text.index('class="continued"') < text.index("status interrupted")
