@@ -698,12 +698,8 @@ class CachedMethod:
         try:
             import_module_globals(entry)
             data = type(entry).serialize(entry, external_data=wrapped_functions(self.func)).serialized_data
-            # Kernels the kernel cache could not take were built in a folder this process removes at its
-            # end: an entry naming them in the cache would send every later process to compile again.
-            kernels = self.cache.directory.parent / "cpp"
-            if (scratch := scratch_folder()) is not None and f"{kernels}{os.sep}".encode() in data:
-                self.cache.stats["errors"].append(f"not saved: its kernels could not be written into {kernels} "
-                                                  f"(built in {scratch} for this process only)")
+            if (missing := self._kernels_never_cached(data)) is not None:
+                self.cache.stats["errors"].append(f"not saved: {missing}")
                 return False
             self._write(path, TracedFrom.of(traced, tuple(baked), imported_at=_IMPORTED_AT).with_entry(data))
             self.cache.stats["saved"] += 1
@@ -711,6 +707,25 @@ class CachedMethod:
         except Exception as e:  # kept in memory for this process; the next one compiles again
             self.cache.error(f"could not save {path.name}", e)
             return False
+
+    def _kernels_never_cached(self, data: bytes) -> str | None:
+        """Why a kernel library the entry names will not be in the cache for a later process, or None: its
+        build failed, or the kernel cache could not be written (built in a folder this process removes at
+        its end). Saved, such an entry sent every later process to load, miss and compile again. (One still
+        building is fine: the cache finds it done.)"""
+        from accelrun.compile.codegen.cpp_build import failure_path
+
+        kernels = self.cache.directory.parent / "cpp"
+        named = set(re.findall(re.escape(f"{kernels}{os.sep}".encode()) + rb"([0-9a-f]{64})\.so", data))
+        for key in sorted(named):
+            library = kernels / f"{key.decode()}.so"
+            if library.exists():
+                continue
+            if failure_path(library).exists():
+                return f"its kernel library {library.name} failed to build"
+            if (scratch := scratch_folder()) is not None:
+                return f"its kernels could not be written into {kernels} (built in {scratch} for this process only)"
+        return None
 
     @staticmethod
     def _write(path: Path, data: bytes) -> None:
