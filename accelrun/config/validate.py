@@ -563,6 +563,10 @@ def _compile_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[st
 SOURCE_SPECIFIC_DATA_KEYS = ("builtin", "tokenizer", "max_bytes", "text_field", "format", "messages_field", "loss_on")
 
 
+# Keys only chat records (data.format = chat) read.
+CHAT_ONLY_DATA_KEYS = ("messages_field", "loss_on")
+
+
 def _is_its_default(cfg: RunConfig, path: tuple[str, ...]) -> bool:
     """A section's key a file sets to the schema's own default: moot or not, it changes nothing (a run's
     resolved config.yaml writes every default, and `validate` of it warned of five keys accelrun wrote)."""
@@ -606,6 +610,11 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
     for key in SOURCE_SPECIFIC_DATA_KEYS if not cfg.data.mix else ():
         if key not in DATA_KEYS_USED_BY[cfg.data.source] and (src := set_by_user("data", key)):
             out.append(f"data.{key} ({src}) has no effect with data.source = {cfg.data.source}")
+    if cfg.data.format == "text" and "format" in DATA_KEYS_USED_BY.get(cfg.data.source, ()):
+        for key in CHAT_ONLY_DATA_KEYS:  # (a trial's data.loss_on=all on text records passed without a word)
+            if src := set_by_user("data", key):
+                out.append(f"data.{key} ({src}) has no effect with data.format = text (it reads chat records: "
+                           "data.format=chat)")
     out += mix_warnings(cfg, set_by_user)
     out += tokenizer_warnings(cfg)
     out += moe_warnings(cfg, set_by_user)

@@ -246,3 +246,17 @@ def test_validate_refuses_a_mixs_text_entry_whose_glob_matches_nothing(tmp_path)
     mix = f"data.mix=[{{paths: [{tmp_path / 'a.jsonl'}], weight: 1}}, {{source: text, paths: [{tmp_path}/none/*.txt], weight: 1}}]"
     r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), mix])
     assert r.exit_code == 2 and "data.mix.1.paths: " in r.output and "matched no files" in r.output, r.output
+
+
+def test_chat_keys_on_text_records_are_warned(tmp_path):
+    """A trial's data.loss_on=all and data.messages_field with data.format = text passed without a word."""
+    from click.testing import CliRunner
+
+    from accelrun.cli.main import cli
+
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
+    r = CliRunner().invoke(cli, ["validate", str(DEFAULT_CONFIG), "data.source=documents",
+                                 f"data.paths=[{tmp_path / 'a.jsonl'}]", "data.loss_on=all", "data.messages_field=msgs"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0 and "data.loss_on (override 'data.loss_on=all') has no effect with data.format = text" \
+        in said and "data.messages_field (override" in said, r.output
