@@ -80,3 +80,13 @@ def test_training_never_reads_the_heldout_windows(tiny):
     assert len(train_it.stream) == held.first * cfg.train.seq_len + 1
     with pytest.raises(IndexError):
         train_it.stream.read(0, held.first * cfg.train.seq_len + 2)
+
+
+def test_fewer_held_out_batches_than_eval_steps_are_said(tiny):
+    """A trial's eval.steps=10 evaluated 1 batch without a word (only 4 sequences were held out)."""
+    out = io.StringIO()
+    result = train(load_config(DEFAULT_CONFIG, tiny(2, "eval.every=2", "eval.steps=1000", "eval.split=0.01",
+                                                    "checkpoint.enabled=false", "name=fewer")),
+                   command="test", console=Console(file=out, width=300))
+    said = " ".join(out.getvalue().split())
+    assert result.status == "finished" and "fewer than eval.steps = 1000: each evaluation runs those" in said, said
