@@ -25,9 +25,19 @@ def describe_batches(batches: Any, steps: int | None = None, draws_per_step: int
             said += f"; train.steps = {steps:,} make {passes:,.1f} passes over it"
         return said
     if isinstance(batches, MixedBatchIterator):
-        return "; ".join(f"source {i} ({w:.0%} of the sequences): {describe_stream(s)}"
-                         for i, (s, w) in enumerate(zip(batches.streams, batches.weights, strict=True)))
+        # (each source's passes too, as one source's line says them: a small one repeating 11 times in a
+        # trial's mix was said nowhere)
+        drawn = (steps or 0) * draws_per_step * batches.dp_size * batches.micro_batch
+        return "; ".join(f"source {i} ({w:.0%} of the sequences): {describe_stream(s)}" + _passes(drawn * w, n)
+                         for i, (s, w, n) in enumerate(zip(batches.streams, batches.weights, batches.n_windows,
+                                                           strict=True)))
     return None
+
+
+def _passes(windows: float, n_windows: int) -> str:
+    """``, read N times over`` where a run reads a source's windows more than once."""
+    passes = windows / n_windows if n_windows else 0
+    return f", read {passes:,.1f} times over in train.steps" if passes > 1 else ""
 
 
 def describe_stream(stream: TokenStream) -> str:

@@ -36,3 +36,14 @@ def test_more_steps_than_a_pass_say_how_many_passes_they_make(tmp_path):
     assert said.endswith(f"; train.steps = {10 * per_pass:,} make 10.0 passes over it"), said
     # with gradient accumulation each step draws several batches (a review's finding)
     assert describe_batches(batches, steps=per_pass, draws_per_step=4).endswith("make 4.0 passes over it")
+
+
+def test_a_mix_says_how_many_times_over_a_source_is_read(tmp_path):
+    """A trial's small source at weight 0.3 was read about 11.5 times over in 30 steps, and nothing said so."""
+    (tmp_path / "small.txt").write_text("x" * 200)  # 24 windows of 8
+    (tmp_path / "big.txt").write_text("y" * 20000)
+    small, big = (load_text([str(tmp_path / n)], max_bytes=None) for n in ("small.txt", "big.txt"))
+    mixed = MixedBatchIterator([small, big], [0.3, 0.7], seq_len=8, micro_batch=4, seed=0)
+    said = describe_batches(mixed, steps=100)  # 400 windows: 120 of the small source's 25
+    assert "source 0 (30% of the sequences): " in said and ", read 4.8 times over in train.steps" in said, said
+    assert said.count("times over") == 1  # the big one's 280 of 2,499 windows: less than once
