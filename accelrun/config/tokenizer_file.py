@@ -14,7 +14,6 @@ joined without a separator, and ``validate`` says so.
 from __future__ import annotations
 
 import functools
-import glob
 import hashlib
 import importlib.util
 import json
@@ -258,9 +257,13 @@ def token_file_count(path: Path) -> int | None:
 def _token_file_problems(cfg: Any, v: Any, expected: str) -> list[str]:
     """data.source = tokens: each file was prepared with data.tokenizer, its ids fit the model, and
     together they hold one step's windows (else the loader's error came after the run folder was made)."""
-    files: list[str] = []
-    for pattern in cfg.data.paths:
-        files += sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
+    from accelrun.config.data_paths import expand_paths
+    from accelrun.errors import UserError
+
+    try:  # (as the loader expands them: a folder `accelrun data prepare` wrote stands for its shards, which
+        files = [str(f) for f in expand_paths(cfg.data.paths)]  # a glob of files alone had passed by: a trial's)
+    except UserError:
+        return []  # data_files says what is wrong with the paths
     for f in files:
         found = token_file_tokenizer(Path(f))
         if found is None:

@@ -127,6 +127,13 @@ def test_prepare_records_the_tokenizer_and_runs_need_the_same_one(files, tmp_pat
     with pytest.raises(ConfigError, match=rf"{out} was prepared with tokenizer '{info.name}', but "
                                           r"data.tokenizer = byte \(.*stdlib.yaml:\d+\) is 'byte'"):
         load_config(DEFAULT_CONFIG, tokens_source)
+    # a prepared folder (shards) is read as the loader reads it: validate had passed it (a trial's)
+    folder, records = tmp_path / "prepared", tmp_path / "records.jsonl"
+    records.write_text("".join(json.dumps({"text": f"record {i} of some text"}) + "\n" for i in range(50)))
+    done = runner.invoke(cli, ["data", "prepare", str(records), "-o", str(folder), "--tokenizer", str(files["folder"])])
+    assert done.exit_code == 0 and (folder / "prepared.json").is_file(), done.output
+    with pytest.raises(ConfigError, match=rf"{folder}/shard-\d+\.tok was prepared with tokenizer '{info.name}'"):
+        load_config(DEFAULT_CONFIG, [*tokens_source[:1], f"data.paths=[{folder}]", *tokens_source[2:]])
     with pytest.raises(ConfigError, match=rf"{out} holds ids up to 299 .* but model.vocab_size = 200 \(override"):
         load_config(DEFAULT_CONFIG, [*tokens_source, f"data.tokenizer={files['folder']}", "model.vocab_size=200"])
     # fewer tokens than one step reads: exit 2 at validation, before a run folder exists
