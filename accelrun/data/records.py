@@ -166,6 +166,9 @@ def _missing(where: str, column: str, have: Sequence[str], column_key: str | Non
     else:
         fix = f"; set {column_key} to one of them" if column_key and have else ""
     fields = ", ".join(repr(h) for h in have) if have else "none"
+    if "messages" in have and column != "messages":  # (a trial's `data prepare chats.jsonl` said only this)
+        fix += ("; its 'messages' look like chat records: train reads them with data.format=chat (and "
+                "`accelrun data prepare` prepares text records only)")
     return DataError(f"{where}: no field {column!r} (fields: {fields}){fix}")
 
 

@@ -152,3 +152,13 @@ def test_a_parquet_column_nested_in_a_struct_is_not_taken_for_a_top_level_one(tm
     pq.write_table(pa.table({"doc": [{"text": "hello"}, {"text": "world"}]}), tmp_path / "nested.parquet")
     r = validate(tmp_path / "nested.parquet")
     assert r.exit_code == 2 and "no field 'text' (fields: 'doc')" in " ".join(r.output.split()), r.output
+
+
+def test_chat_records_read_as_text_records_say_what_they_look_like(tmp_path):
+    """A trial's `accelrun data prepare chats.jsonl` said only "no field 'text' (fields: 'messages')"."""
+    from accelrun.data.records import iter_records
+    from accelrun.errors import DataError
+
+    (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(DataError, match="its 'messages' look like chat records: train reads them with data.format=chat"):
+        list(iter_records([str(tmp_path / "chats.jsonl")], ["text"], column_key="data.text_field"))
