@@ -45,7 +45,7 @@ from accelrun.plan.activations import (
 from accelrun.plan.cluster import Cluster
 from accelrun.plan.context_parallel import held_kv_bytes
 from accelrun.plan.moe import ep_of, held_params
-from accelrun.plan.pipeline import held_by_rank
+from accelrun.plan.pipeline import held_by_rank, held_by_stage
 from accelrun.plan.workload import Workload
 
 GIB = 2**30
@@ -184,15 +184,23 @@ def _stage_memory(w: Workload, cluster: Cluster, stage: str) -> MemoryEstimate:
 
     tokens = w.chunk_tokens
     n_ck = w.checkpointed_layers(p.layers)
-    per_chunk = tokens * ((p.layers - n_ck) * layer_saved(w, False).local(tp) + n_ck * layer_saved(w, True).local(tp))
-    if stage in ("only", "last"):  # final norm (fp32 input and output) and the output layer's input
-        per_chunk += tokens * head_input_bytes(w)
-    held = held_by_rank(lay.pp_schedule, lay.pp, lay.pp_microbatches, pipeline_rank(w, stage),
-                        lay.stages_per_rank)
+    blocks = tokens * ((p.layers - n_ck) * layer_saved(w, False).local(tp) + n_ck * layer_saved(w, True).local(tp))
+    head = tokens * head_input_bytes(w) if stage in ("only", "last") else 0.0  # final norm, the output layer's input
+    rank = pipeline_rank(w, stage)
+    held = held_by_rank(lay.pp_schedule, lay.pp, lay.pp_microbatches, rank, lay.stages_per_rank)
+    if lay.pp > 1 and lay.stages_per_rank > 1 and lay.stage_layers:
+        # a looped schedule: each of the rank's stages with its own layers and micro-batches in flight (the
+        # head in its last stage only), not the rank's mean stage times all of them
+        counts = held_by_stage(lay.pp_schedule, lay.pp, lay.pp_microbatches, rank, lay.stages_per_rank)
+        layers = lay.stage_layers[rank::lay.pp]
+        held_bytes = sum(n * (blocks * (layers_j / p.layers if p.layers else 0.0)) for n, layers_j in zip(counts, layers, strict=True))
+        held_bytes += counts[-1] * head
+    else:
+        held_bytes = (blocks + head) * held
     policy = {"none": "nothing checkpointed", "full": "every block checkpointed",
               "every_n": f"{n_ck} of {p.layers} blocks checkpointed",
               "selective": "selective (per-op) checkpointing"}[w.ac_mode]
-    terms.append(Term("activations", per_chunk * held,
+    terms.append(Term("activations", held_bytes,
                       f"{p.layers} blocks, {policy}, {tokens:,} tokens" + (f" × {held:g} in flight" if held != 1 else "")))
     if lay.cp > 1:  # the other ranks' keys and values, gathered for attention and kept for its backward
         kv = held_kv_bytes(w, cluster.is_cpu) * (p.layers - n_ck)

@@ -58,6 +58,27 @@ def in_flight(schedule: str, p: int, m: int, v: int | None = None) -> float:
 WARMUP_PER_HOP = {"interleaved_1f1b": 2, "zero_bubble": 1}
 
 
+def held_by_stage(schedule: str, p: int, m: int, rank: int, v: int | None = None) -> list[int]:
+    """Micro-batches in flight at the peak of pipeline rank ``rank``, for each of its stages (local order:
+    stages ``rank``, ``rank + p``, ...): a looped schedule's warm-up runs ``per_round`` micro-batches through
+    one of its stages, then the next. Their sum over ``v`` is ``held_by_rank``'s. The last rank holds one
+    micro-batch of its last stage (the output layer's), not its share of all: a trial's 405B plan counted
+    the head's input 12.25 times, 3.9 GiB over."""
+    if p <= 1:
+        return [1]
+    if schedule == "gpipe":
+        return [m]
+    v = v or STAGES_PER_RANK[schedule]
+    if v == 1:
+        return [min(m, p - rank)]
+    per_round = m // max(1, m // p)
+    chunks = round(held_by_rank(schedule, p, m, rank, v) * v)
+    counts = [0] * v
+    for k in range(chunks):
+        counts[(k // per_round) % v] += 1
+    return [min(c, m) for c in counts]
+
+
 def held_by_rank(schedule: str, p: int, m: int, rank: int, v: int | None = None) -> float:
     """Micro-batches whose activations pipeline rank ``rank`` holds at its peak (module docstring's
     table), in units of all the rank's layers: a looped schedule's stage chunk is ``1/v`` of one."""

@@ -185,3 +185,23 @@ def test_accelruns_fused_loss_holds_one_chunk_of_logits_and_the_gradients_it_com
         loaded = load_plan_config(DEFAULT_CONFIG, [*shape, "train.micro_batch=4", "train.global_batch=4",
                                                    *layout], cluster=str(cluster_file))
         assert "loss: one chunk's logits (fused)" not in terms(predict(loaded.resolved.config)), layout
+
+
+def test_a_looped_schedules_last_rank_holds_one_micro_batch_of_its_output_stage():
+    """A large-job engineer's hand count (Meta's 405B: PP 16, 4 stages a rank, 16 micro-batches): the last
+    rank's warm-up runs 48 chunks of its 2-layer stages, then one of stage 63 (1 layer and the head) before
+    its first backward: (96 + 1) blocks' inputs and one head input, about 3.4 GiB. The plan multiplied the
+    rank's mean stage and the head by 12.25: 7.27 GiB, and called that stage the peak."""
+    from accelrun.config import load_config
+    from accelrun.plan.cluster import resolve_cluster
+    from accelrun.plan.memory import _stage_memory
+    from accelrun.plan.pipeline import held_by_rank, held_by_stage
+    from accelrun.plan.workload import workload_from_config
+
+    assert held_by_stage("interleaved_1f1b", 16, 16, 15, 4) == [16, 16, 16, 1]
+    assert sum(held_by_stage("interleaved_1f1b", 16, 16, 15, 4)) / 4 == held_by_rank("interleaved_1f1b", 16, 16, 15, 4)
+    assert held_by_stage("1f1b", 4, 8, 1) == [3]
+    cfg = load_config("configs/llama3-405b-meta.yaml").config
+    w = workload_from_config(cfg)
+    (acts,) = [t for t in _stage_memory(w, resolve_cluster(cfg.cluster), "last").terms if t.name == "activations"]
+    assert acts.bytes / 2**30 == pytest.approx(3.41, abs=0.05), acts
