@@ -288,6 +288,23 @@ def repeated_blocks(model: nn.Module, builtins: bool = False,
     return (best[1], best[2]) if best is not None else None
 
 
+def checkpointed_blocks(part: nn.Module, blocks: list[nn.Module] | None) -> list[nn.Module] | None:
+    """The blocks train.activation_checkpoint wraps: a built-in family's, else a user's model's repeated
+    blocks as the compiler finds them (transformers' model.layers), then an ``nn.Sequential`` of them (a
+    GPT written as one, refused before), then torch.nn's own (nn.TransformerEncoder's layers)."""
+    if blocks is not None:
+        return blocks
+    hit = (repeated_blocks(part) or repeated_blocks(part, kinds=(nn.Sequential,))
+           or repeated_blocks(part, builtins=True))
+    return hit[1] if hit else None
+
+
+def no_blocks_to_checkpoint(part: nn.Module) -> str:
+    return ("train.activation_checkpoint needs a model with repeated blocks: an nn.ModuleList or nn.Sequential of "
+            f"two or more modules of one class; {type(part).__name__} has none (train.activation_checkpoint.mode="
+            "none trains it without)")
+
+
 def compile_module(module: nn.Module, backend: object, fullgraph: bool = False) -> None:
     """``module.compile`` that also works for torch.nn's own modules: their forward is called from a
     frame of this file, which Dynamo traces, and inlined from there."""

@@ -311,7 +311,7 @@ def _built_custom_model_problems(cfg: RunConfig, sources: dict[KeyPath, Source],
         return []
     out = []
     if cfg.train.activation_checkpoint.mode != "none":  # train refused it after validate said "valid" (a trial's)
-        from accelrun.dist.activation_checkpoint import checkpointed_blocks, no_blocks_to_checkpoint
+        from accelrun.compile.compile_model import checkpointed_blocks, no_blocks_to_checkpoint
         from accelrun.models.build import transformer_blocks
 
         if checkpointed_blocks(model, transformer_blocks(model)) is None:

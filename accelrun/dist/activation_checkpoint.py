@@ -53,22 +53,3 @@ def _checkpointed(forward, *args, context_fn=None, **kwargs):
     if context_fn is None:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-
-
-def checkpointed_blocks(part: nn.Module, blocks: list[nn.Module] | None) -> list[nn.Module] | None:
-    """The blocks train.activation_checkpoint wraps: a built-in family's, else a user's model's repeated
-    blocks as the compiler finds them (transformers' model.layers), then an ``nn.Sequential`` of them (a
-    GPT written as one, refused before), then torch.nn's own (nn.TransformerEncoder's layers)."""
-    if blocks is not None:
-        return blocks
-    from accelrun.compile.compile_model import repeated_blocks
-
-    hit = (repeated_blocks(part) or repeated_blocks(part, kinds=(nn.Sequential,))
-           or repeated_blocks(part, builtins=True))
-    return hit[1] if hit else None
-
-
-def no_blocks_to_checkpoint(part: nn.Module) -> str:
-    return ("train.activation_checkpoint needs a model with repeated blocks: an nn.ModuleList or nn.Sequential of "
-            f"two or more modules of one class; {type(part).__name__} has none (train.activation_checkpoint.mode="
-            "none trains it without)")

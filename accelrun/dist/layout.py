@@ -10,13 +10,14 @@ from pathlib import Path
 
 from torch import nn
 
-from accelrun.compile.compile_model import Compiled, compile_model
-from accelrun.config import ConfigError, RunConfig
-from accelrun.dist.activation_checkpoint import (
-    apply_activation_checkpointing,
+from accelrun.compile.compile_model import (
+    Compiled,
     checkpointed_blocks,
+    compile_model,
     no_blocks_to_checkpoint,
 )
+from accelrun.config import ConfigError, RunConfig
+from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
 from accelrun.dist.async_tp import enable_async_tp
 from accelrun.dist.context import ParallelContext
 from accelrun.dist.context_parallel import ContextParallelStats, apply_context_parallel

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from accelrun.compile.compile_model import compile_model
+from accelrun.compile.compile_model import checkpointed_blocks, compile_model
 from accelrun.config import ResolvedConfig
 from accelrun.config.preflight import ids_the_logits_cover
 from accelrun.data import build_data
-from accelrun.dist.activation_checkpoint import apply_activation_checkpointing, checkpointed_blocks
+from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
 from accelrun.dist.layout import decide_cuda_graphs
 from accelrun.models import build_model, transformer_blocks
 from accelrun.models.build import data_vocab, training_loss_fn

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from accelrun.compile.compile_model import compile_model
+from accelrun.compile.compile_model import checkpointed_blocks, compile_model
 from accelrun.config.preflight import ids_the_logits_cover
 from accelrun.config.schema import RunConfig
-from accelrun.dist.activation_checkpoint import apply_activation_checkpointing, checkpointed_blocks
+from accelrun.dist.activation_checkpoint import apply_activation_checkpointing
 from accelrun.models import build_model, transformer_blocks
 from accelrun.models.build import data_vocab, training_loss_fn
 from accelrun.report.allocator_peak import allocator_peak

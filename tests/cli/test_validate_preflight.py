@@ -128,7 +128,7 @@ def test_a_text_corpus_past_data_max_bytes_is_said_to_be_read_in_part(tmp_path, 
     assert r.exit_code == 0, r.output
     assert "reads 60,000 of the 132,000 bytes" in " ".join(r.output.split())
     report = next((tmp_path / "runs").glob("*/*/report.md")).read_text()
-    assert f"| data | text: {tmp_path}/part*.txt; packing concat; 60,000 of its 132,000 bytes read (data.max_bytes) |" in report
+    assert f"| data | text: {tmp_path}/part*.txt; packing concat; 60,000 of the 132,000 bytes of data.paths read (data.max_bytes) |" in report
 
 
 def test_a_file_format_given_as_the_source_is_pointed_at_documents():

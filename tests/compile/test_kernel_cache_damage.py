@@ -100,6 +100,7 @@ def _step_in_a_new_process(tmp_path):
 
     out = tmp_path / "step.pt"
     code = ("import sys, warnings, torch\n"
+            "torch.set_num_threads(int(sys.argv[2]))  # this process's: the graph cache keys entries by it\n"
             "from tests.compile.test_graph_cache import COMPILED, step\n"
             "with warnings.catch_warnings(record=True) as said:\n"
             "    warnings.simplefilter('always')\n"
@@ -107,7 +108,8 @@ def _step_in_a_new_process(tmp_path):
             "torch.save((loss, grads, {'graph_cache': record.graph_cache, 'cache_misses': record.cache_misses,\n"
             "            'warnings': ' '.join(str(w.message) for w in said)}), sys.argv[1])\n")
     root = Path(__file__).resolve().parents[2]
-    subprocess.run([sys.executable, "-c", code, str(out)], cwd=root, check=True, timeout=600,
+    subprocess.run([sys.executable, "-c", code, str(out), str(torch.get_num_threads())], cwd=root, check=True,
+                   timeout=600,
                    env={**os.environ, "ACCELRUN_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(root)})
     return torch.load(out, weights_only=False)
 
