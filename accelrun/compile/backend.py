@@ -276,8 +276,8 @@ class AccelrunBackend:
             from accelrun.compile.numerics import check_pass
 
             self.record.graphs[-1].lowering_numerics = check_pass(
-                "lowering", before_lowering, lowered, list(example_inputs),
-                what=f"the lowering of {graph_name} (its regions' generated kernels)")
+                f"the lowering of {graph_name} (its regions' generated kernels)", before_lowering, lowered,
+                list(example_inputs))
         if self.serializable:
             from accelrun.compile.output_code import AccelrunOutputCode
 

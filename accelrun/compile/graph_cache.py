@@ -754,6 +754,7 @@ class EditedSince:
 
     note: str
 
+
 # Entries kept for one key and input kind, compiled for values the key does not cover (a module attribute,
 # a global the forward reads): two that alternate between processes (`accelrun ab` of two dropout rates)
 # each load, instead of each process writing over the other's entry and compiling again.

@@ -83,15 +83,14 @@ def _flatten(x: Any) -> list[Any]:
 UNCHECKED_RANDOM = "not compared: it changes which random numbers the graph draws ({before} before, {after} after)"
 
 
-def check_pass(name: str, before: fx.GraphModule, after: fx.GraphModule, example_inputs: list[Any],
-               what: str = "") -> str:  # fmt: skip
-    """``NUMERICS_EQUAL``, or why the results were not compared; PassNumericsError if the pass changed them.
-    ``what``: how the error names the change ("pass 'cse'" by default)."""
+def check_pass(what: str, before: fx.GraphModule, after: fx.GraphModule, example_inputs: list[Any]) -> str:
+    """``NUMERICS_EQUAL``, or why the results were not compared; PassNumericsError if the change ``what``
+    names ("pass 'cse'", "the lowering of g0.forward") changed them."""
     from accelrun.torch_private import unset_fake_temporarily
 
     # The backend runs inside AOTAutograd's fake-tensor mode; this check needs real values.
     with unset_fake_temporarily(), torch.no_grad():
-        return _check(what or f"pass {name!r}", before, after, example_inputs)
+        return _check(what, before, after, example_inputs)
 
 
 def _check(what: str, before: fx.GraphModule, after: fx.GraphModule, example_inputs: list[Any]) -> str:

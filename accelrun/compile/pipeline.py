@@ -252,7 +252,7 @@ class PassDriver:
             noted = self._noted(graph_name, stage, p, before, unit.ops(), result, time.perf_counter() - t0)
             changed_by += [p.name] if result.changed else []
             if before_copy is not None:
-                noted.numerics = check_pass(p.name, before_copy, unit.gm, ctx.example_inputs)
+                noted.numerics = check_pass(f"pass {p.name!r}", before_copy, unit.gm, ctx.example_inputs)
             unit.dump(self.dumper, p.name, result.changed)
         try:
             unit.finish()

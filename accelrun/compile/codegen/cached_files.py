@@ -32,10 +32,11 @@ def found(saved: str, what: str) -> Path:
     """The file saved as ``saved``, in the cache being loaded, else where it was saved; FileNotFoundError
     naming ``what`` if neither has it."""
     path = Path(saved)
-    if (root := _root.get()) is not None and (here := root / path.parent.name / path.name).exists():
+    root = _root.get()
+    here = root / path.parent.name / path.name if root is not None else path
+    if here.exists():
         return here
     if not path.exists():
-        here = root / path.parent.name / path.name if root is not None else path
         if said := _build_failure(here) or _build_failure(path):
             raise FileNotFoundError(f"{what} {path.name} was never built: its build failed when the graph was "
                                     f"saved ({said})")
