@@ -90,20 +90,15 @@ def mix_shares(mix: Sequence[MixSource]) -> str:
 
 
 def mix_warnings(cfg: RunConfig, set_by_user: Callable[..., Source | None]) -> list[str]:
-    """``data.mix`` set: the data keys its entries replace, where a user set them; weights that do not sum
-    to 1, which are normalised (a user reading a weight as a share should see the shares trained on)."""
+    """``data.mix`` set: the data keys its entries replace, where a user set them. Weights are relative (7 and 3
+    as well as 0.7 and 0.3): not a warning; validate's and train's data line show the shares trained on."""
     if not cfg.data.mix:
         return []
     # (a key an entry's source reads applies to that entry: data.max_bytes cuts a text entry, and had been
     # said to have no effect while it did: a trial's)
     read = {key for e in cfg.data.mix for key in DATA_KEYS_USED_BY.get(e.source, ())} - {"text_field"}
-    out = [f"data.{key} ({src}) has no effect with data.mix: each entry names its own source, paths and text_field"
-           for key in KEYS_A_MIX_REPLACES if key not in read and (src := set_by_user("data", key))]
-    total = sum(e.weight for e in cfg.data.mix)
-    if all(e.weight > 0 for e in cfg.data.mix) and math.isfinite(total) and abs(total - 1) > 1e-6:
-        out.append(f"data.mix weights sum to {total:g}, not 1: they are normalised to shares of the training "
-                   f"tokens: {mix_shares(cfg.data.mix)}")
-    return out
+    return [f"data.{key} ({src}) has no effect with data.mix: each entry names its own source, paths and text_field"
+            for key in KEYS_A_MIX_REPLACES if key not in read and (src := set_by_user("data", key))]
 
 
 def data_description(data: DataConfig) -> str:
