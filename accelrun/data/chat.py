@@ -89,6 +89,7 @@ class ChatEncoder:
             text, spans = self.template.render(messages)
         except DataError as e:
             raise DataError(f"{where}: {e}") from None
+        check_parts_rendered(messages, text, where=where)
         ids, offsets = self.tokenizer.encode_with_offsets(text)
         if self.loss_on is LossOn.ALL:
             return EncodedChat(ids, [True] * len(ids))
@@ -109,6 +110,19 @@ def check_messages(messages: Any, *, where: str, field: str) -> list[dict[str, A
         # transformers drops keys whose value is None before rendering (templates test for a missing key).
         out.append({k: v for k, v in m.items() if v is not None})
     return out
+
+
+def check_parts_rendered(messages: Sequence[dict[str, Any]], text: str, *, where: str) -> None:
+    """A message whose content is a list of parts (``[{"type": "text", "text": ...}]``, OpenAI's and
+    transformers' multimodal format) rendered by a template that reads only strings comes out as that
+    list's Python text, as transformers renders it too: the model would learn ``[{'type': 'text', ...``.
+    One DataError line instead (a trial's chats trained so without a word)."""
+    for i, m in enumerate(messages):
+        content = m["content"]
+        if isinstance(content, list | dict) and str(content) in text:
+            raise DataError(f"{where}: message {i}'s content is a list of parts ({str(content)[:40]}...), and the "
+                            "tokenizer's chat template writes it as Python text; give each content as a string "
+                            "(the parts' text joined), or use a template that reads parts")
 
 
 def assistant_token_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[CharSpan]) -> list[bool]:

@@ -190,6 +190,13 @@ def test_messages_that_are_not_role_content_pairs(folders, tmp_path, messages, s
     assert msg.startswith(f"{tmp_path / 'bad.jsonl'}:3: data.messages_field 'messages'") and says in msg, msg
 
 
+def test_content_as_a_list_of_parts_the_template_writes_as_python_text_is_refused(folders, tmp_path):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "assistant", "content": "yo"}]
+    msg = _error(folders["jinja"], tmp_path, [CHATS[0], parts])
+    assert msg.startswith(f"{tmp_path / 'bad.jsonl'}:2: message 0's content is a list of parts ([{{'type': 'text'"), msg
+    assert "give each content as a string" in msg
+
+
 def test_the_templates_own_refusal_names_the_record(folders, tmp_path):
     msg = _error(folders["jinja"], tmp_path, [[{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]])
     assert msg.startswith(f"{tmp_path / 'bad.jsonl'}:1: the chat template") and "unknown role tool" in msg
