@@ -6,8 +6,9 @@ byte of text). So the first process to need an encoding writes it under
 ``$ACCELRUN_CACHE_DIR/encoded-text/`` (default ``~/.cache/accelrun``) while holding a lock; it and the
 other ranks memory-map the file (one copy in the page cache for all of them), and later runs start at
 once. The key covers the tokenizer (its name hashes tokenizer.json and its EOS), ``max_bytes`` and each
-file's path, size and mtime, so an edited file or another tokenizer is encoded afresh. A cache folder
-that cannot be written costs only the time and memory: the text is then encoded in this process.
+file's path, size, mtime, change time and inode, so an edited file or another tokenizer is encoded
+afresh. A cache folder that cannot be written costs only the time and memory: the text is then encoded
+in this process.
 """
 
 from __future__ import annotations
@@ -32,12 +33,15 @@ def cache_root() -> Path:
 
 def cache_key(tokenizer_name: str, plan: Sequence[tuple[Path, int]], max_bytes: int | None, fingerprint: dict,
               ) -> str:
-    """What decides the tokens: the tokenizer, each file read (path, bytes read, size, mtime), the cap,
+    """What decides the tokens: the tokenizer, each file read (path, bytes read, size, mtime, change time,
+    inode), the cap,
     and the source's own fingerprint fields (builtin and text over the same files stay apart)."""
     h = hashlib.sha256(f"{tokenizer_name}|{max_bytes}|{json.dumps(fingerprint, sort_keys=True)}".encode())
     for path, n in plan:
         st = os.stat(path)
-        h.update(f"|{os.path.abspath(path)}|{n}|{st.st_size}|{st.st_mtime_ns}".encode())
+        # (the change time and inode too: an edit that keeps size and mtime, by `touch -r` or a copy keeping
+        # times, was read from the old tokens; nobody can set those two)
+        h.update(f"|{os.path.abspath(path)}|{n}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}".encode())
     return h.hexdigest()[:32]
 
 

@@ -1,3 +1,4 @@
+import os
 import sysconfig
 from pathlib import Path
 
@@ -88,6 +89,19 @@ def test_text_max_bytes_and_content_fingerprint(tmp_path):
     cut = load_text([str(tmp_path / "one" / "*")], max_bytes=7)
     assert ByteTokenizer().decode(cut.read(0, len(cut))) == "hellowo"
     assert cut.fingerprint["bytes"] == 7 and len(cut) == 9
+
+
+def test_an_edit_keeping_size_and_mtime_is_encoded_afresh(tmp_path):
+    # The encoded-text cache's key had each file's size and mtime only: `touch -r`, `cp -p` or a sync that
+    # keeps times over a same-size edit trained on the old tokens (a trial's). The change time and inode
+    # are in the key too; no user can set those.
+    path = write(tmp_path / "a.txt", "hello world")
+    first = load_text([str(path)], max_bytes=None)
+    st = os.stat(path)
+    path.write_text("jello world")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = load_text([str(path)], max_bytes=None)
+    assert ByteTokenizer().decode(again.read(0, 5)) == "jello", ByteTokenizer().decode(first.read(0, 5))
 
 
 def test_synthetic_is_deterministic_and_lazy():
