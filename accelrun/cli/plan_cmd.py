@@ -85,7 +85,7 @@ def command(config: str | None, overrides: tuple[str, ...], cluster: str | None,
     print_warnings(loaded.resolved.warnings)
     cfg = loaded.resolved.config
     options = PlanOptions(activation_checkpoint=ac)
-    cl = resolve_cluster(cfg.cluster)
+    cl = resolve_cluster(cfg.cluster, cfg.parallel.nproc_per_node)
     result = search_layouts(loaded.composed, cl, options, top) if search else None
     try:
         plan = predict(cfg, options, cl)

@@ -266,20 +266,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def with_cached_calibration(c):
+def with_cached_calibration(c, processes_per_node: int | None = None):
     """``c`` (a ``cpu`` ClusterConfig with no measurements) completed from this machine's cache.
 
     ``accelrun plan --calibrate`` fills the cache; ``cluster/cpu-local`` relies on it. Torch-free.
+    ``processes_per_node``: the recipe's; more than ``c``'s devices, the hint measures that many.
     """
     from accelrun.config.schema import ClusterConfig
     path = cache_path(c.devices_per_node)
     try:
         cached = ClusterConfig.model_validate(yaml.safe_load(path.read_text(encoding="utf-8"))["cluster"])
     except FileNotFoundError:
+        n = c.devices_per_node
+        then = ""
+        if processes_per_node is not None and processes_per_node > n:
+            # (a trial's 2-rank recipe was told to measure 1 device, and then that 2 processes do not fit it)
+            n = processes_per_node
+            then = f", then plan with cluster.devices_per_node={n} (the recipe runs {n} processes a node)"
         raise PlanError(
             f"cluster.device = cpu with cluster.devices_per_node = {c.devices_per_node}: this machine has not "
-            f"been measured yet; run `accelrun plan --calibrate --devices-per-node {c.devices_per_node}` "
-            f"(about a minute; kept in {path})"
+            f"been measured yet; run `accelrun plan --calibrate --devices-per-node {n}` "
+            f"(about a minute; kept in {cache_path(n)}){then}"
         ) from None
     except Exception as e:  # a damaged cache file: say where it is
         raise PlanError(f"cannot read the calibration cache {path}: {e}; run `accelrun plan --calibrate` "

@@ -138,8 +138,9 @@ class Cluster:
         return f"cluster.device = {self.device}: no figure for {key} (train.precision = {precision}); {how}"
 
 
-def resolve_cluster(c: ClusterConfig) -> Cluster:
-    """Check a cluster description and fill in what the accelerator table knows."""
+def resolve_cluster(c: ClusterConfig, processes_per_node: int | None = None) -> Cluster:
+    """Check a cluster description and fill in what the accelerator table knows. ``processes_per_node``:
+    the recipe's, for the calibration hint of an unmeasured CPU (it names the count to measure)."""
     if c.device is None:
         raise PlanError(
             "no cluster to plan for: pass --cluster NAME (see `accelrun recipes list`, family cluster/), "
@@ -148,7 +149,7 @@ def resolve_cluster(c: ClusterConfig) -> Cluster:
     if c.device == "cpu" and c.calibration.measured_at is None:
         from accelrun.plan.calibrate import with_cached_calibration  # torch-free
 
-        c = with_cached_calibration(c)
+        c = with_cached_calibration(c, processes_per_node)
     acc = find_accelerator(c.device)
     if acc is None and c.device not in DECLARED_KINDS:
         hint = nearest(c.device, known_kinds())

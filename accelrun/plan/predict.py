@@ -95,7 +95,7 @@ class Plan:
 
 def predict(cfg: RunConfig, options: PlanOptions | None = None, cluster: Cluster | None = None) -> Plan:
     """Plan one validated recipe on its ``cluster`` section (or on ``cluster``, already resolved)."""
-    cluster = cluster or resolve_cluster(cfg.cluster)
+    cluster = cluster or resolve_cluster(cfg.cluster, cfg.parallel.nproc_per_node)
     w = workload_from_config(cfg, options)
     check_fits_cluster(w, cluster)
     time = estimate_time(w, cluster)

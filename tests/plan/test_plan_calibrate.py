@@ -23,6 +23,12 @@ def test_calibrate_then_plan_on_this_machine(tmp_path, monkeypatch):
     runner = CliRunner()
     before = runner.invoke(cli, ["plan", str(DEFAULT_CONFIG), "--cluster", "cpu-local", *TINY_RECIPE])
     assert before.exit_code == 2 and "has not been measured yet" in before.output
+    # a 2-process recipe is told to measure 2 and plan on them (it was told 1, which it then did not fit)
+    two = runner.invoke(cli, ["plan", str(DEFAULT_CONFIG), "--cluster", "cpu-local", *TINY_RECIPE,
+                              "parallel.nproc_per_node=2", "train.micro_batch=2"])
+    said = " ".join(two.output.split())
+    assert two.exit_code == 2 and "run `accelrun plan --calibrate --devices-per-node 2`" in said, two.output
+    assert "then plan with cluster.devices_per_node=2" in said, two.output
 
     real = cal.calibrate
     monkeypatch.setattr(cal, "calibrate", lambda n: real(n, cal.ProbeSizes.quick()))
