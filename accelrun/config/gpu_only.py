@@ -1,5 +1,5 @@
 """Recipe keys that only a CUDA run can honour (``train.float8``, ``parallel.async_tp``): checked before
-anything starts, one line each naming the key, where it was set, why, and what to set instead.
+anything starts, one line a key naming it, where it was set, why, and what to set instead.
 
 A preflight check (``accelrun.config.preflight``): ``train`` runs it with the machine as torch sees it,
 ``validate`` with the machine counted without torch. The plan does not run it: planning a GPU cluster
@@ -29,16 +29,16 @@ def gpu_only_problems(cfg: RunConfig, sources: dict[KeyPath, Source], on_cuda: b
                    f"with float8 tensor cores (H100 or newer), and this run trains on the CPU ({device}); "
                    "set train.float8: false")
     if par.async_tp:
-        where = _where(("parallel", "async_tp"), sources)
+        # One line for all it lacks (a trial's CPU run printed three errors for the one key).
         tp = par.degrees()["tp"]
-        if tp <= 1:
-            out.append(f"parallel.async_tp = true{where}: overlaps tensor parallelism's collectives, and parallel.tp "
-                       f"= {tp}; set parallel.tp: 2 (or more), or parallel.async_tp: false")
-        if cfg.compile.backend != "inductor":
-            out.append(f"parallel.async_tp = true{where}: the overlap is Inductor's micro-pipeline pass, and "
-                       f"compile.backend = {cfg.compile.backend}; set compile.backend: inductor, or "
-                       "parallel.async_tp: false")
-        if not on_cuda:
-            out.append(f"parallel.async_tp = true{where}: needs CUDA GPUs with symmetric memory (NVLink peers), and "
-                       f"this run trains on the CPU ({device}); set parallel.async_tp: false")
+        needs = [need for need, met in (
+            (f"parallel.tp of 2 or more (here {tp})", tp > 1),
+            (f"compile.backend: inductor, whose micro-pipeline pass it is (here {cfg.compile.backend})",
+             cfg.compile.backend == "inductor"),
+            (f"CUDA GPUs with symmetric memory, NVLink peers (this run trains on the CPU: {device})", on_cuda),
+        ) if not met]  # fmt: skip
+        if needs:
+            out.append(f"parallel.async_tp = true{_where(('parallel', 'async_tp'), sources)} overlaps tensor "
+                       f"parallelism's collectives and needs {'; '.join(needs)}; set parallel.async_tp: false"
+                       + ("" if not on_cuda else ", or what it needs"))
     return out

@@ -42,10 +42,13 @@ def test_async_tp_says_what_it_needs(tmp_path):
     r = run("train", "parallel.async_tp=true", f"report.runs_dir={tmp_path}")  # tp 1, eager, on the CPU
     assert r.exit_code == 2, r.output
     problems = [line for line in r.stderr.splitlines() if "parallel.async_tp" in line]
-    assert len(problems) == 3, r.stderr
-    assert "parallel.tp = 1; set parallel.tp: 2 (or more), or parallel.async_tp: false" in problems[0]
-    assert "compile.backend = eager; set compile.backend: inductor" in problems[1]
-    assert "symmetric memory" in problems[2] and problems[2].endswith("set parallel.async_tp: false")
+    assert len(problems) == 1, r.stderr  # one line, naming all three things it lacks
+    assert "needs parallel.tp of 2 or more (here 1)" in problems[0]
+    assert "compile.backend: inductor, whose micro-pipeline pass it is (here eager)" in problems[0]
+    assert "symmetric memory" in problems[0] and problems[0].endswith("set parallel.async_tp: false")
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, "parallel.async_tp=true", "compile.backend=inductor"])
+    on_gpu = gpu_only_problems(cfg.config, cfg.sources, on_cuda=True)
+    assert len(on_gpu) == 1 and "(here 1); set parallel.async_tp: false, or what it needs" in on_gpu[0], on_gpu
 
 
 def test_async_tp_with_tp_and_inductor_on_cuda_passes_the_checks():
