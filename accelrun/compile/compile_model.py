@@ -269,8 +269,10 @@ def repeated_blocks(model: nn.Module, builtins: bool = False,
                     kinds: tuple[type[nn.Module], ...] = (nn.ModuleList,)) -> tuple[str, list[nn.Module]] | None:
     """(path, blocks): the outermost ``ModuleList`` (of ``kinds``) of at least two modules all of one class
     (a custom model's layers under another name; the experts inside a layer are deeper, so not taken), or
-    None. Lists of torch.nn's own modules count only with ``builtins`` (see the module's docstring)."""
-    best: tuple[int, str, list[nn.Module]] | None = None
+    None; of lists at one depth, the one holding the most parameters (a trial's two adapters declared before
+    eight layers were compiled, the layers not). Lists of torch.nn's own modules count only with
+    ``builtins`` (see the module's docstring)."""
+    best: tuple[int, int, str, list[nn.Module]] | None = None  # (depth, -parameters, path, blocks)
     containers: list[str] = []  # lists of containers: a list inside one of them is one layer's, no blocks
     for path, module in model.named_modules():
         if not isinstance(module, kinds) or len(module) < 2 or len({type(m) for m in module}) != 1:
@@ -282,10 +284,10 @@ def repeated_blocks(model: nn.Module, builtins: bool = False,
             continue
         if is_torch_builtin(type(module[0])) and not builtins:
             continue
-        depth = path.count(".")
-        if best is None or depth < best[0]:
-            best = (depth, path, list(module))
-    return (best[1], best[2]) if best is not None else None
+        rank = (path.count("."), -sum(p.numel() for p in module.parameters()))
+        if best is None or rank < best[:2]:
+            best = (*rank, path, list(module))
+    return (best[2], best[3]) if best is not None else None
 
 
 def checkpointed_blocks(part: nn.Module, blocks: list[nn.Module] | None) -> list[nn.Module] | None:

@@ -119,12 +119,46 @@ def test_checkpointed_multihead_attention_blocks_compile_on_their_first_step(gra
     assert compiled.record.graphs_in_use() >= 1 and not compiled.record.graph_breaks
 
 
+def test_of_two_lists_at_one_depth_the_blocks_are_the_one_with_the_most_parameters():
+    class Adapter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return x * self.scale
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.adapters = torch.nn.ModuleList([Adapter(), Adapter()])  # declared first, and smaller
+            self.layers = torch.nn.ModuleList([Block() for _ in range(4)])
+
+        def forward(self, x):
+            for adapter in self.adapters:
+                x = adapter(x)
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    net = Net()
+    assert repeated_blocks(net) == ("layers", list(net.layers))
+
+
 def test_lists_of_torch_nn_modules_are_not_taken_as_blocks():
     """Dynamo never traces torch.nn's own frames on their own: compiling nn.MultiheadAttention or an
     nn.Sequential by itself compiles nothing, so the whole forward is compiled instead."""
     mha = USER_MODELS["mha"]()
     assert repeated_blocks(mha) is None
-    assert repeated_blocks(mha, builtins=True)[0] == "attns"
+    assert repeated_blocks(mha, builtins=True)[0] == "mlps"  # the larger of its two lists at one depth
     cfg = CompileConfig(backend="accelrun")
     assert resolve_scope(cfg, mha, None)[0] == "model"
     # An explicit block scope on such a model compiles the whole forward too, and says so.
