@@ -147,6 +147,9 @@ def _emit_region(graph: fx.Graph, env: dict[fx.Node, fx.Node], rid: int, nodes: 
                              name=f"region_{rid}")
     call.meta["val"] = tuple(_meta_val(o) for o in outputs)
     call.meta[FUSED_REGION_KEY] = rid
+    # a dump shows the call under its first op's source line (torch's printer said "No stacktrace found")
+    if (trace := next((n.meta["stack_trace"] for n in nodes if n.meta.get("stack_trace")), None)) is not None:
+        call.meta["stack_trace"] = trace
     for k, out in enumerate(outputs):
         item = graph.create_node("call_function", operator.getitem, (call, k), name=out.name)
         item.meta = {key: v for key, v in out.meta.items() if key != REGION_KEY}

@@ -66,6 +66,24 @@ def test_llama_blocks_match_eager_fp32(passes, tmp_path):
         assert backend.record.passes, "the passes ran and were recorded"
 
 
+def test_a_dump_repeats_no_file_and_shows_regions_under_the_models_lines(tmp_path):
+    blocks, reference = _blocks_and_reference()
+    backend = AccelrunBackend(CompileOptions(passes=resolve_passes("default"), executors=["cpp", "aten"],
+                                             dump_dir=tmp_path / "dump"))  # fmt: skip
+    for b in blocks:
+        b.compile(backend=backend)
+    _assert_same_step(blocks, reference)
+    for part in ("forward", "backward"):  # the forward's input repeated the partition's file
+        files = sorted((tmp_path / "dump" / f"g0.{part}").glob("*.py"))
+        bodies = [f.read_text().split("\n", 1)[1] for f in files]
+        assert all(a != b for a, b in zip(bodies, bodies[1:], strict=False)), [f.name for f in files]
+        assert any(f.name.endswith("_input.py") for f in files)
+    lowered = next((tmp_path / "dump" / "g0.forward").glob("*_lowered.py")).read_text()
+    assert "region_0 = " in lowered and "No stacktrace found" not in lowered
+    above = lowered.split("region_0 = ")[0].rstrip().rsplit("\n", 1)[-1]
+    assert "# File: " in above and "model.py" in above, above  # torch's printer said "No stacktrace found"
+
+
 @pytest.mark.parametrize("name", ["dce", "cse", "fuse_rmsnorm", "fuse_swiglu", "fuse_rope", "remat",
                                   "partition_regions"])  # fmt: skip
 def test_each_pass_alone_keeps_a_llama_block_exact(name):

@@ -71,6 +71,9 @@ def _merge(gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
         parts = graph.call_function(torch.split, (merged, widths, -1))
         outs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(nodes))]
     _set_example_values(x, weights, widths, stacked, merged, parts, outs)
+    if (trace := nodes[0].meta.get("stack_trace")) is not None:  # dumps name the model's line, not "no stacktrace"
+        for new in (stacked, merged, parts, *outs):
+            new.meta["stack_trace"] = trace
     for node, out in zip(nodes, outs, strict=True):
         node.replace_all_uses_with(out)
         graph.erase_node(node)
