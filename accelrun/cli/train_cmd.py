@@ -17,7 +17,10 @@ from accelrun.cli.common import config_argument, err, load, overrides_argument
 @config_argument
 @overrides_argument
 @click.option("--nnodes", type=click.IntRange(min=1), default=None, help="Nodes in the job (sets parallel.nnodes).")
-@click.option("--node-rank", type=click.IntRange(min=0), default=None, help="This node's rank (default: assigned at rendezvous).")
+@click.option("--node-rank", type=click.IntRange(min=0), default=None,
+              help="This node's number: node 0 hosts the rendezvous at --rdzv-endpoint. The ranks' numbers are "
+                   "assigned at the rendezvous (torch's c10d), so global rank 0, which writes the run's report, may "
+                   "run on any node.")
 @click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="c10d rendezvous endpoint (several nodes).")
 @click.option("--rdzv-id", default=None, help="Job id shared by all nodes of one job.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
