@@ -113,7 +113,7 @@ def measure_worker(rank: int, world: int, devices: int, port: int, sizes: ProbeS
         if world > 1:  # one GPU alone has no collective to measure
             dist.barrier()
             m.all_reduce_gbs, m.all_gather_gbs, m.latency_us = _collective_rates(torch, dist, world, sizes, finish)
-            m.collectives = _collective_fits(torch, dist, world, sizes, finish)
+            m.collectives = _collective_fits(torch, dist, world, sizes, finish, m.latency_us)
         dist.destroy_process_group()
         queue.put({"rank": rank, "measured": m})
     except Exception as e:  # reported by the parent, which owns the terminal
@@ -277,8 +277,8 @@ def _collective_rates(torch, dist, world: int, sizes: ProbeSizes,
 RING_HOPS = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}  # × (n - 1): hops, and bytes × (n-1)/n
 
 
-def _collective_fits(torch, dist, world: int, sizes: ProbeSizes,
-                     finish: Callable[[], object] | None = None) -> dict[str, tuple[float, float]]:
+def _collective_fits(torch, dist, world: int, sizes: ProbeSizes, finish: Callable[[], object] | None = None,
+                     tiny_us: float = 0.0) -> dict[str, tuple[float, float]]:
     """Bus bandwidth (GB/s) and per-hop latency (µs) of each collective, fitted to two message sizes.
 
     Each is timed right after a burst of matmuls on every rank, as a training step meets it: FSDP's
@@ -309,15 +309,17 @@ def _collective_fits(torch, dist, world: int, sizes: ProbeSizes,
                   "reduce_scatter": lambda f=full, s=shard: scatter(s, f),
                   "all_reduce": lambda f=full: dist.all_reduce(f)}[name]
             points.append((full.numel() * 4, _collective_time(dist, fn, sizes.burst_repeats, finish, burst)))
-        fits[name] = fit_alpha_beta(points, RING_HOPS[name], n)
+        fits[name] = fit_alpha_beta(points, RING_HOPS[name], n, tiny_us)
     return fits
 
 
-def fit_alpha_beta(points: list[tuple[float, float]], hops: int, n: int) -> tuple[float, float]:
+def fit_alpha_beta(points: list[tuple[float, float]], hops: int, n: int, measured_us: float = 0.0,
+                   ) -> tuple[float, float]:
     """(bus GB/s, per-hop µs) from two (full message bytes, seconds) points of a ring collective.
 
     Model: t = hops·(n-1)·latency + hops·(n-1)/n · bytes / bandwidth. Timings too noisy to give a
-    positive slope fall back to no latency and the larger message's rate.
+    positive slope fall back to the larger message's rate; a fit with no positive latency takes
+    ``measured_us``, a tiny message's per-hop time (a 2-process fit said 0 µs: a trial's).
     """
     (s1, t1), (s2, t2) = sorted(points)
     moved = hops * (n - 1) / n
@@ -326,7 +328,7 @@ def fit_alpha_beta(points: list[tuple[float, float]], hops: int, n: int) -> tupl
         latency = max(0.0, t1 - moved * s1 / bandwidth) / (hops * (n - 1))
     else:
         bandwidth, latency = moved * s2 / t2, 0.0
-    return bandwidth / 1e9, latency * 1e6
+    return bandwidth / 1e9, latency * 1e6 if latency > 0 else measured_us
 
 
 def _rss_gib() -> float:

@@ -91,6 +91,10 @@ def test_collective_fit_recovers_latency_and_bandwidth(hops):
     # timings too noisy for a positive slope: no latency, the larger message's rate
     gbs, us = fit_alpha_beta([(1e6, 0.02), (16e6, 0.01)], hops, n)
     assert us == 0.0 and gbs == pytest.approx(moved * 16e6 / 0.01 / 1e9)
+    # a fit whose latency comes out at or below 0 takes the tiny message's measured per-hop time
+    assert fit_alpha_beta([(1e6, 0.02), (16e6, 0.01)], hops, n, measured_us=42.0)[1] == 42.0
+    assert fit_alpha_beta([(16e6, t(16e6) - 0.01), (1e6, t(1e6) - 0.01)], hops, n, measured_us=42.0)[1] == 42.0
+    assert fit_alpha_beta([(16e6, t(16e6)), (1e6, t(1e6))], hops, n, measured_us=42.0)[1] == pytest.approx(300.0)
 
 
 def _gpu_measurement(name: str, collectives: bool) -> cal.Measured:
