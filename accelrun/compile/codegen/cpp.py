@@ -72,8 +72,8 @@ CPP = CppOps()
 REDUCE_INIT = {("sum", "f32"): "0.0f", ("max", "f32"): "-INFINITY", ("min", "f32"): "INFINITY",
                ("sum", "i64"): "0", ("max", "i64"): "INT64_MIN", ("min", "i64"): "INT64_MAX",
                ("sum", "i32"): "0", ("max", "i32"): "INT32_MIN", ("min", "i32"): "INT32_MAX"}
-# Integer ops whose float forms above would round: computed in double (pow) or exactly (abs).
-INT_OPS = {"pow": "__builtin_pow({0}, {1})", "abs": "({0} < 0 ? -{0} : {0})"}
+# Integer ops whose float forms above would round: computed exactly (integer pow is left to ATen).
+INT_OPS = {"abs": "({0} < 0 ? -{0} : {0})"}
 # max/min reduce with the table's NaN-propagating maximum/minimum (OpenMP's own max/min need not keep a
 # NaN): acc_nanmax/acc_nanmin are declared in the prelude from the same ops.
 REDUCE_OP = {"max": "maximum", "min": "minimum"}

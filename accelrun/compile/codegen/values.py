@@ -41,6 +41,23 @@ _COMPUTE = {
 }  # fmt: skip
 
 
+# Integers narrower than their compute type (i32): a result of these ops wraps at its own width in eager
+# (uint8 200 * 2 is 144), and here would not until stored; ops whose result is within the operands' range
+# stay.
+NARROW_INTEGERS = (torch.int16, torch.int8, torch.uint8)
+WITHIN_OPERANDS = frozenset({"where", "maximum", "minimum"})
+# Integer pow computed through double rounds above 2**53 and saturates where eager wraps: left to ATen.
+FLOAT_ONLY = frozenset({"pow"})
+
+
+def check_integer_op(op: str, dtype: torch.dtype) -> None:
+    """Unsupported for an integer op whose kernel would not give eager's result (a fuzzer's findings)."""
+    if dtype in NARROW_INTEGERS and op not in WITHIN_OPERANDS:
+        raise Unsupported(f"{op} with a {str(dtype).replace('torch.', '')} result (eager wraps it at that width)")
+    if op in FLOAT_ONLY and not dtype.is_floating_point:
+        raise Unsupported(f"{op} with a {str(dtype).replace('torch.', '')} result (computed in double here)")
+
+
 def compute_type(dtype: torch.dtype) -> str:
     if dtype not in _COMPUTE:
         raise Unsupported(f"dtype {str(dtype).replace('torch.', '')} is not supported")
@@ -334,6 +351,7 @@ class GraphValues:
     def _op(self, node: fx.Node, op: str, args: Sequence[Any], dtype: torch.dtype | None = None) -> Op:
         vals = tuple(a if isinstance(a, Value) else self._v(a) for a in args)
         out_dtype = dtype or _dtype(node)
+        check_integer_op(op, out_dtype)
         if op in COMPARISONS:
             operand = _promote(vals)
         elif op in ("and", "or", "not"):
@@ -345,6 +363,7 @@ class GraphValues:
         return Op(op, vals, _shape(node), out_dtype, operand)
 
     def _op_on(self, shape: tuple[int, ...], dtype: torch.dtype, op: str, *args: Value) -> Op:
+        check_integer_op(op, dtype)
         operand = _promote(args) if op in COMPARISONS else compute_type(dtype)
         return Op(op, tuple(args), shape, dtype, operand)
 
@@ -366,7 +385,14 @@ def lowers(node: fx.Node) -> bool:
     if node.target not in _RULES:
         return False
     val = node.meta.get("val")
-    return not isinstance(val, torch.Tensor) or val.dtype in _COMPUTE
+    if not isinstance(val, torch.Tensor):
+        return True
+    # (the rules refuse these too, which would send the whole region back to ATen)
+    if val.dtype in NARROW_INTEGERS or (node.target in BITWISE_TARGETS and val.dtype != torch.bool):
+        return False
+    if node.target in POW_TARGETS and not val.dtype.is_floating_point:
+        return False
+    return val.dtype in _COMPUTE
 
 
 _PROBE = tuple(sympy.Symbol(f"i{d}", integer=True, nonnegative=True) for d in range(16))
@@ -424,9 +450,27 @@ for _name, _packet in (("eq", "eq"), ("ne", "ne"), ("lt", "lt"), ("le", "le"), (
 _simple("mul", aten.mul.Tensor, aten.mul.Scalar)
 _simple("maximum", aten.maximum.default)
 _simple("minimum", aten.minimum.default)
-_simple("not", aten.logical_not.default, aten.bitwise_not.default)
-_simple("and", aten.logical_and.default, aten.bitwise_and.Tensor)
-_simple("or", aten.logical_or.default, aten.bitwise_or.Tensor)
+_simple("not", aten.logical_not.default)
+_simple("and", aten.logical_and.default)
+_simple("or", aten.logical_or.default)
+
+
+def _bitwise(op: str, *targets: Any) -> None:
+    """``~``, ``&``, ``|``: logical on bools, which is all the kernels compute; on integers they act on bits
+    (``12 & 10`` is 8, ``~5`` is -6), and are left to ATen (a fuzzer's ``(a & b) | (a + 1)`` gave 2s)."""
+    def rule(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
+        if _dtype(node) != torch.bool:
+            raise Unsupported(f"bitwise {op} on {str(_dtype(node)).replace('torch.', '')} (bits, not truth values)")
+        return g._op(node, op, args[: OPS[op].arity])
+
+    for target in targets:
+        _RULES[target] = rule
+
+
+BITWISE_TARGETS = (aten.bitwise_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor)
+POW_TARGETS = (aten.pow.Tensor_Tensor, aten.pow.Scalar, aten.pow.Tensor_Scalar)
+for _name, _target in zip(("not", "and", "or"), BITWISE_TARGETS, strict=True):
+    _bitwise(_name, _target)
 _simple("where", aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
 _simple("pow", aten.pow.Tensor_Tensor, aten.pow.Scalar)
 
