@@ -259,3 +259,21 @@ def test_the_compiled_head_and_loss_sums_the_weight_gradient_in_place(tmp_path, 
     torch.testing.assert_close(w.grad, w_ref.grad, **tol)
     torch.testing.assert_close(h.grad, h_ref.grad, **tol)
     torch._dynamo.reset()
+
+
+def test_under_autocast_the_fused_loss_is_fp32_as_eagers():
+    """Autocast runs cross_entropy in fp32 on bf16 logits, with no cast in the user's code: the fused loss
+    came back in bf16 (4.71875 against eager's 4.7232, a fuzzer's)."""
+    from accelrun.compile.backend import AccelrunBackend, CompileOptions
+
+    def loss_of(x, w, t):
+        return F.cross_entropy((x @ w.t()).view(-1, 50), t.view(-1))
+
+    g = torch.Generator().manual_seed(0)
+    x, w, t = torch.randn(2, 5, 32, generator=g), 0.3 * torch.randn(50, 32, generator=g), torch.randint(0, 50, (2, 5))
+    backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = loss_of(x, w, t), torch.compile(loss_of, backend=backend, fullgraph=True)(x, w, t)
+    assert backend.record.summary()["passes_fired"].get("fuse_linear_cross_entropy") == 1
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

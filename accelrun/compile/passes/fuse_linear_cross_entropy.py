@@ -92,7 +92,11 @@ def _rewrite(gm: fx.GraphModule, anchor: fx.Node, options: FuseLinearCrossEntrop
     for m in iter_matches(PATTERN, anchor):
         if not _acceptable(m):
             continue
-        upcast = any(canonical_op(n) in ("float", "to") for n in m.nodes)
+        # fp32 loss where the chain casts up, or where the graph's loss is fp32 anyway: autocast runs
+        # cross_entropy in fp32 (a fuzzer's bf16 logits gave a bf16 loss where eager's was fp32)
+        loss = example_value(anchor)
+        upcast = any(canonical_op(n) in ("float", "to") for n in m.nodes) or (
+            loss is not None and loss.dtype == torch.float32)
         rows, vocab = example_value(m["target"]).shape[0], example_value(m["w"]).shape[0]
         chunk_rows = _chunk_rows(options, rows, vocab)
         if chunk_rows is None:
