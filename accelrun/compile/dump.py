@@ -24,11 +24,10 @@ class Dumper:
         text = gm.print_readable(print_output=False, include_stride=True, include_device=True)
         header = f"# {graph_name}, {label}\n"
         last = self._last.get(graph_name)
-        if last is not None and last[0] == text:
-            # The same text as the file before it: a pass that changed only nodes' metadata writes nothing; a
-            # forward's "input", which repeated the partition pass that made it, replaces that file, saying so.
-            if label != "input":
-                return
+        if last is not None and last[0] == text and label == "input":
+            # A forward's "input" repeated the partition pass that made it, file for file: it replaces that
+            # file, saying which pass left it so. (A pass that changed only nodes' metadata, partition_regions
+            # before lowering, keeps its file: a user asked for it.)
             last[1].unlink(missing_ok=True)
             n = self._counter[graph_name] - 1
             header = f"# {graph_name}, {label} (as {last[2]} left it)\n"
