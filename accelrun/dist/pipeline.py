@@ -47,8 +47,8 @@ SPLIT_BACKWARD = {"zero_bubble"}
 
 
 def microbatch_loss(grad_accum: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The last stage's loss of one micro-batch: its mean, over the accumulation steps (the schedule
-    averages micro-batches with ``scale_grads``; gradient accumulation sums)."""
+    """The last stage's loss of one micro-batch: its mean, over the accumulation steps (gradient
+    accumulation sums; the pipeline divides by its micro-batches too, see ``Pipeline._loss``)."""
 
     def loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten()) / grad_accum
@@ -170,14 +170,18 @@ class Pipeline:
     def _loss(self, logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         if self.trace.logits is None:
             self.trace.logits = _layout_of(logits_BTV)
-        return self._loss_fn(logits_BTV, targets_BT)
+        # Each micro-batch's share of the step: the schedule sums their gradients (scale_grads=False).
+        # torch's scale_grads divides the stage's whole .grad at every schedule step, so with gradient
+        # accumulation the earlier steps' parts were divided again and again (a trial's step-1 gradient
+        # norm 3.19 against one rank's 6.87 at 4 accumulation steps).
+        return self._loss_fn(logits_BTV, targets_BT) / self.microbatches
 
     def build_schedule(self) -> None:
         stages = [PipelineStage(m, s, self.n_stages, self._device, group=self.group)
                   for m, s in zip(self.modules, self.stage_ids, strict=True)]
         cls = SCHEDULES[self.schedule_name]
         arg = stages if self.schedule_name in INTERLEAVED_SCHEDULES else stages[0]
-        self.schedule = cls(arg, n_microbatches=self.microbatches, loss_fn=self._loss)
+        self.schedule = cls(arg, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
 
     def step(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor,
              positions_BT: torch.Tensor | None = None) -> torch.Tensor:
@@ -195,7 +199,7 @@ class Pipeline:
         with loss_context(self.vocab_parallel), split:  # the sharded loss's backward runs inside step() too
             self.schedule.step(*args, **kwargs)
         losses = [_local(x) for x in losses]  # a vocabulary-parallel loss is a replicated DTensor
-        loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self._device)
+        loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self._device)
         loss = to_collective_device(loss, self.group)
         dist.all_reduce(loss, group=self.group)  # only the last stage's rank holds it
         return loss.to(self._device)
