@@ -21,6 +21,14 @@ HF_MODEL_TYPES = {
     "qwen2": ("llama", "Qwen2ForCausalLM"),
     "gemma": ("gemma", "GemmaForCausalLM"),
 }
+# Keys a config.json may leave out, with the default transformers' config class gives them where it is not
+# what the code below assumes (a hand-written Mistral config had no sliding window and full-width KV heads
+# here, 4096 and 8 in transformers: a trial's reading).
+HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 4096, "num_key_value_heads": 8, "max_position_embeddings": 131072},
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
+    "gemma": {"head_dim": 256, "num_key_value_heads": 16, "max_position_embeddings": 8192},
+}
 # Gemma's activation: transformers reads hidden_activation (4.x) or hidden_act, and maps the legacy
 # "gelu" of the published configs to the tanh approximation, which is what the family computes.
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
@@ -106,6 +114,8 @@ def model_keys_from_hf_folder(folder: str) -> dict[str, Any]:
     config = read_hf_config(folder)
     path = str(Path(folder).expanduser() / "config.json")
     model_type = hf_model_type(config, path)
+    config = {**HF_CLASS_DEFAULTS.get(model_type, {}), **config}  # (a key written as null stays null)
+    _no_attention_dropout(config, path)
     family = HF_MODEL_TYPES[model_type][0]
     try:
         dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
@@ -151,6 +161,16 @@ def model_keys_from_hf_folder(folder: str) -> dict[str, Any]:
     # Absolute, so the ranks (and a later resume from another directory) find the same folder.
     keys["hf"] = str(Path(folder).expanduser().resolve())
     return keys
+
+
+def _no_attention_dropout(config: dict[str, Any], path: str) -> None:
+    """accelrun's families have no attention dropout: a folder that sets one is refused, not trained
+    without it (a trial's attention_dropout 0.5 trained as 0, without a word)."""
+    rate = config.get("attention_dropout") or 0.0
+    if float(rate) != 0.0:
+        raise HFModelError(f"model.hf: {path}: attention_dropout = {rate!r} is not supported (only 0: accelrun's "
+                           "model of this folder has no dropout; model.custom with a factory returning "
+                           "transformers' own class applies it)")
 
 
 def _gemma_keys(config: dict[str, Any], path: str, keys: dict[str, Any]) -> None:

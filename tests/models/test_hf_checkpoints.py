@@ -69,6 +69,32 @@ def test_shape_keys_come_from_config_json(tmp_path):
     assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size) == (64, 2, 4, 2, 112, 320)
 
 
+def test_keys_a_config_leaves_out_take_transformers_class_defaults(tmp_path):
+    """A hand-written Mistral config.json without sliding_window or num_key_value_heads: transformers'
+    MistralConfig gives 4096 and 8; they read as no window and full-width KV heads (a trial's reading)."""
+    from transformers import MistralConfig
+
+    save_tiny_hf(tmp_path, "mistral")
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key in ("sliding_window", "num_key_value_heads", "max_position_embeddings", "head_dim"):
+        config.pop(key)
+    config["num_attention_heads"] = 8
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    theirs = MistralConfig(**config)
+    cfg = ModelConfig(hf=str(tmp_path))
+    assert cfg.n_kv_heads == theirs.num_key_value_heads == 8
+    assert cfg.max_seq_len == theirs.sliding_window == 4096  # full attention up to the window
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_attention_dropout_is_refused_not_trained_without(tmp_path, kind):
+    save_tiny_hf(tmp_path, kind)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    with pytest.raises(ConfigError, match=r"config.json: attention_dropout = 0.5 is not supported \(only 0"):
+        ModelConfig(hf=str(tmp_path))
+
+
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ConfigError, match=r"'gpt2'.*supported: llama \(LlamaForCausalLM\), mistral.*qwen2"):
