@@ -105,9 +105,14 @@ def _refuse_what_has_no_hf_form(run: Path) -> None:
                "one file, whose ['model'] your factory's model loads with load_state_dict")
     try:
         model = build_model(cfg, "meta", seed=0)
-    except UserError as e:  # its module not found from here, ...
-        raise CheckpointModelError(f"{run}: model.custom = {cfg.custom!r} could not be built to export it "
-                                   f"({' '.join(e.messages)}). {by_hand}") from None
+    except UserError:
+        # A factory that loads weights (transformers' from_pretrained) refuses the meta device; export
+        # builds it on the CPU anyway (a trial's from_pretrained factory could not be exported)
+        try:
+            model = build_model(cfg, "cpu", seed=0)
+        except UserError as e:  # its module not found from here, ...
+            raise CheckpointModelError(f"{run}: model.custom = {cfg.custom!r} could not be built to export it "
+                                       f"({' '.join(e.messages)}). {by_hand}") from None
     if not callable(getattr(model, "save_pretrained", None)):
         raise CheckpointModelError(f"{run}: model.custom = {cfg.custom!r} is not a transformers model (no "
                                    f"save_pretrained), so it has no Hugging Face form to export. {by_hand}")

@@ -457,15 +457,25 @@ def test_export_of_a_custom_model_says_how_its_checkpoint_loads_and_that_way_wor
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
 
 
-def test_export_of_a_users_transformers_model_is_transformers_own_folder(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("factory", ["config", "from_pretrained"])
+def test_export_of_a_users_transformers_model_is_transformers_own_folder(tiny, tmp_path, monkeypatch, factory):
     """A factory that returns a transformers model exports as transformers writes it (save_pretrained),
-    with the trained weights: a new user's Qwen2 export had been refused."""
+    with the trained weights: a new user's Qwen2 export had been refused. A factory loading a folder
+    with from_pretrained (which refuses the meta device the export's first check built on) too."""
+    import importlib
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    (tmp_path / "hfexport.py").write_text(HF_CHECKPOINTED)
     monkeypatch.syspath_prepend(str(tmp_path))
-    result = train(load_config(DEFAULT_CONFIG, tiny(2, "model.custom=hfexport:build", "model.kwargs.checkpointing=false",
+    source = HF_CHECKPOINTED
+    if factory == "from_pretrained":  # the config-built model, saved, is the folder it loads
+        (tmp_path / "hfstart.py").write_text(HF_CHECKPOINTED)
+        importlib.import_module("hfstart").build(checkpointing=False).save_pretrained(tmp_path / "start")
+        source = HF_FROM_PRETRAINED.format(folder=tmp_path / "start")
+    module = f"hfexport_{factory}"  # (a module of one name is imported once per process)
+    (tmp_path / f"{module}.py").write_text(source)
+    result = train(load_config(DEFAULT_CONFIG, tiny(2, f"model.custom={module}:build", "model.kwargs.checkpointing=false",
                                                     "checkpoint.every=2")))  # fmt: skip
     r = invoke("export", str(result.run_dir), "--hf", str(tmp_path / "out"))
     assert r.exit_code == 0, r.output
@@ -477,7 +487,7 @@ def test_export_of_a_users_transformers_model_is_transformers_own_folder(tiny, t
     ids = torch.randint(0, 320, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, ours(ids, use_cache=False).logits, rtol=1e-5, atol=1e-6)
-    fresh = load_config(DEFAULT_CONFIG, tiny(1, "model.custom=hfexport:build")).config.model  # untrained differs
+    fresh = load_config(DEFAULT_CONFIG, tiny(1, f"model.custom={module}:build")).config.model  # untrained differs
     from accelrun.models import build_model
 
     assert not torch.equal(build_model(fresh, "cpu", seed=1).lm_head.weight, theirs.lm_head.weight)
@@ -539,6 +549,14 @@ def test_a_position_table_registered_before_the_token_table_is_not_taken_for_it(
     assert embedding_rows(model) == 16
     assert "position table pos_emb (16 rows)" in (position_table_problem(model, 32) or "")
 
+
+HF_FROM_PRETRAINED = '''
+from transformers import AutoModelForCausalLM
+
+
+def build(checkpointing: bool = True):
+    return AutoModelForCausalLM.from_pretrained("{folder}")
+'''
 
 HF_CHECKPOINTED = '''
 from transformers import Qwen2Config, Qwen2ForCausalLM
