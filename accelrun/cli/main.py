@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import click
@@ -38,7 +39,10 @@ class AccelrunGroup(click.Group):
             return result
         except click.NoSuchOption as e:  # `train configs/x.yaml --steps 10`: say it is train.steps=10
             takes_overrides = e.ctx is not None and any(p.name == "overrides" for p in e.ctx.command.params)
-            if takes_overrides and (hint := override_hint(e.option_name)):
+            if e.option_name == "--debug":  # (a trial put it after the command)
+                e.message, e.possibilities = ("No such option: --debug here: it goes before the command "
+                                              "(accelrun --debug train ...), or set ACCELRUN_DEBUG=1"), None
+            elif takes_overrides and (hint := override_hint(e.option_name)):
                 e.message, e.possibilities = f"No such option: {e.option_name}. {hint}", None
             raise
         except KeyboardInterrupt:
@@ -51,9 +55,9 @@ class AccelrunGroup(click.Group):
             click.echo(f"interrupted{again} (exit 130)", err=True)
             ctx.exit(130)
         except Exception as e:
-            if _debugging(ctx):
-                raise
             if isinstance(e, UserError):
+                if _debugging(ctx):  # the traceback, and still the error's exit code (it was 1: a trial's)
+                    traceback.print_exc()
                 print_user_error(e)
                 ctx.exit(e.exit_code)
             raise

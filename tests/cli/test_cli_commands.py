@@ -58,9 +58,14 @@ def test_missing_config_file_exits_2(tmp_path):
     assert r.exit_code == 2 and "config file not found" in r.output
 
 
-def test_debug_flag_shows_the_traceback(tmp_path):
+def test_debug_flag_shows_the_traceback_and_keeps_the_exit_code(tmp_path):
     r = invoke("--debug", "validate", DEFAULT_CONFIG, "trian.steps=1")
-    assert r.exit_code != 0 and type(r.exception).__name__ == "ConfigError"
+    said = r.output + r.stderr
+    assert r.exit_code == 2, said  # (it exited 1 with --debug: scripts reading 2 broke)
+    assert "Traceback (most recent call last)" in said and "ConfigError" in said, said
+    assert "error: override 'trian.steps=1': unknown key 'trian'" in said
+    r = invoke("validate", DEFAULT_CONFIG, "--debug")  # after the command: says where it goes
+    assert r.exit_code == 2 and "it goes before the command (accelrun --debug train ...)" in r.output, r.output
 
 
 def test_config_show_resolved_yaml_and_explain():
