@@ -484,7 +484,9 @@ def cuda_asked_for(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Mach
     if cfg.train.device != "cuda" or machine.cuda_devices > 0:
         return []
     return [Finding(f"train.device = cuda ({source_of(('train', 'device'), sources)}), but this node has no CUDA "
-                    "device (train.device=auto trains on whatever the node has)", True)]
+                    "device (train.device=auto trains on whatever the node has; to check a GPU recipe from here, "
+                    "`accelrun train RECIPE --dry-run` builds its ranks' layout and `accelrun plan RECIPE` predicts "
+                    "its memory and speed)", True)]
 
 
 def resume_path(cfg: RunConfig, sources: dict[KeyPath, Source], machine: Machine) -> list[Finding]:

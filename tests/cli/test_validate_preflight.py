@@ -194,6 +194,7 @@ def test_cuda_asked_for_on_a_node_without_it_exits_2(monkeypatch):
     r = validate("train.device=cuda")
     assert r.exit_code == 2 and ("error: train.device = cuda (override 'train.device=cuda'), but this node has no "
                                  "CUDA device") in r.stderr, r.stderr
+    assert "`accelrun train RECIPE --dry-run` builds its ranks' layout" in " ".join(r.stderr.split())  # login nodes
     monkeypatch.setattr(preflight.Machine, "here", classmethod(lambda cls: cls(cores=2, cuda_devices=1)))
     assert "no CUDA device" not in validate("train.device=cuda").stderr
 
