@@ -645,6 +645,13 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
             f"{said} and never decays; train.lr_schedule.warmup_steps={max(cfg.train.steps // 10, 1)} (a tenth of "
             "the steps) reaches it"
         )
+    report_warmup = cfg.report.warmup_steps
+    if report_warmup >= cfg.train.steps and (set_by_user("report", "warmup_steps") or set_by_user("train", "steps")):
+        # (a trial's report.warmup_steps=400 over 300 steps passed validate; the run's figures were all n/a)
+        out.append(f"report.warmup_steps = {report_warmup} ({source_of(('report', 'warmup_steps'), sources)}) is not "
+                   f"below train.steps = {cfg.train.steps}: no step is left for the report's steady-state figures "
+                   f"(step time, tokens/s, MFU: n/a); report.warmup_steps={min(3, max(cfg.train.steps - 1, 0))} "
+                   "leaves them some")
     if (profiled := cfg.report.profile_steps) is not None and profiled[0] > cfg.train.steps:
         out.append(f"report.profile_steps = [{profiled[0]}, {profiled[1]}] starts after train.steps = "
                    f"{cfg.train.steps}: nothing will be profiled")

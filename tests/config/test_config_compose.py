@@ -264,6 +264,21 @@ def test_a_warmup_longer_than_a_run_the_user_set_is_warned():
             "and never decays") in line, line
 
 
+def test_a_report_warmup_as_long_as_the_run_is_warned():
+    """report.warmup_steps=400 over 300 steps passed validate, and the run's figures were all n/a (a trial)."""
+    from tests.conftest import DEFAULT_CONFIG
+
+    def report_warnings(*overrides: str) -> list[str]:
+        return [w for w in load_config(DEFAULT_CONFIG, list(overrides)).warnings if w.startswith("report.warmup")]
+
+    assert report_warnings() == [] and report_warnings("train.steps=20") == []
+    (line,) = report_warnings("report.warmup_steps=400")
+    assert line.startswith("report.warmup_steps = 400 (override 'report.warmup_steps=400') is not below "
+                           "train.steps = 300") and line.endswith("report.warmup_steps=3 leaves them some"), line
+    (line,) = report_warnings("train.steps=4")  # the recipe's 5, over a run the user shortened
+    assert "configs/llama.yaml:" in line and "train.steps = 4" in line, line
+
+
 def test_a_custom_model_refuses_the_transformers_export_and_says_model_hf_is_not_loaded_into_it(tmp_path):
     """A new user's findings (2026-12-06): `model.custom` with `checkpoint.hf_on_finish` passed validate,
     trained every step and then exited 2 at the export; `model.hf` beside `model.custom` was not read
