@@ -46,6 +46,10 @@ def test_dry_run_prints_each_node_command():
                                  "train.micro_batch=4", "--dry-run", "--rdzv-endpoint", "h0:29500"])
     assert r.exit_code == 0, r.output
     assert "--node-rank 0" in r.stdout and "--node-rank 1" in r.stdout and "h0:29500" in r.stdout
+    # without --dry-run the same (it was refused, while the help said launch runs nothing: a trial's)
+    plain = CliRunner().invoke(cli, ["launch", str(DEFAULT_CONFIG), "parallel.nnodes=2", "parallel.nproc_per_node=2",
+                                     "train.micro_batch=4", "--rdzv-endpoint", "h0:29500"])
+    assert plain.exit_code == 0 and plain.stdout == r.stdout, plain.output
     # an endpoint train would refuse is refused here too (it printed commands that fail on every node)
     r = CliRunner().invoke(cli, ["launch", str(DEFAULT_CONFIG), "parallel.nnodes=2", "--dry-run",
                                  "--rdzv-endpoint", "h0:abc"])
