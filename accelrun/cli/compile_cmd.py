@@ -144,7 +144,10 @@ def explain_cmd(config: str, overrides: tuple[str, ...], steps: int) -> None:
     for stage, secs in record.stage_seconds.items():
         table.add_row(stage, f"{secs:.2f}")
     rest = result.first_step_s - result.steady_step_s - sum(record.stage_seconds.values())
-    table.add_row("Dynamo capture and the rest (first step − above − a compiled step)", f"{max(rest, 0):.2f}")
+    # (negative where stages ran beside the step, kernels built on other threads: it read "0.00", a trial's)
+    table.add_row("Dynamo capture and the rest (first step − above − a compiled step)",
+                  f"{rest:.2f}" if rest >= 0 else "n/a: the stages above add up to more than the first step (some "
+                  "ran beside it, on other threads)")
     table.add_row("first step (capture + compile + run)", f"{result.first_step_s:.2f}")
     table.add_row(f"compiled step (median, {result.threads} thread{'s' if result.threads != 1 else ''})",
                   f"{result.steady_step_s:.3f}")
