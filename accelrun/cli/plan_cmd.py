@@ -164,7 +164,7 @@ def _gib(b: float) -> str:
 def _print_plan(plan: Plan, ac: str | None) -> None:
     w, cl, lay = plan.workload, plan.cluster, plan.workload.layout
     sh = w.shape
-    out.print(f"[bold]plan[/]: {sh.family.capitalize()} {sh.param_count() / 1e9:.3g} B params ({sh.n_layers} layers, dim {sh.dim}) "
+    out.print(f"[bold]plan[/]: {sh.family.capitalize()} {_params_said(sh.param_count())} params ({sh.n_layers} layers, dim {sh.dim}) "
               f"on {escape(cl.describe())}")
     out.print(f"  layout: world {lay.world} = pp {lay.pp} × dp_replicate {lay.dp_replicate} × dp_shard "
               f"{lay.dp_shard} × tp {lay.tp}; batch: global {w.global_batch} × seq {w.seq_len} = micro "
@@ -280,3 +280,8 @@ def _to_json(plan: Plan | None, result: SearchResult | None) -> dict:
         data["search"] = {"considered": result.considered, "valid": result.valid, "fitting": result.fitting,
                           "best": [{"overrides": c.line, **one(c.plan)} for c in result.best]}
     return data
+
+
+def _params_said(n: int) -> str:
+    """1.77 M, 8.03 B (a debug model read "0.00177 B params": a trial's)."""
+    return f"{n / 1e9:.3g} B" if n >= 1e9 else f"{n / 1e6:.3g} M"
