@@ -119,16 +119,21 @@ def _tflops(value: float) -> str:
 
 def _calibrate(devices_per_node: int, output: Path | None, show: bool = True) -> Path:
     from accelrun.plan.calibrate import cache_path, calibrate, to_yaml  # imports torch when it measures
+    from accelrun.plan.cluster import BUSY_CALIBRATION
     from accelrun.report.machine_load import CpuWindow, busy_note
 
     err.print(f"measuring this machine as {devices_per_node} device(s): matmuls, attention, memory, collectives "
               "(about a minute) ...")
     window = CpuWindow()  # the probes' worker processes are this one's descendants: not counted as others
     description = calibrate(devices_per_node)
-    if busy := busy_note(window.others_share(), "the calibration", threads=1,
+    share = window.others_share()
+    if busy := busy_note(share, "the calibration", threads=1,
                          effect="its rates are lower than a quiet machine's, so plans made from it predict slower "
                                 "steps; run --calibrate again when the machine is quiet"):
         err.print(f"[bold yellow]warning:[/] {escape(busy)}", highlight=False)
+        # kept with the figures, so every plan made from them says so (a trial's plan was 3-4x slow, silently)
+        sources = description["cluster"]["sources"]
+        sources["calibration"] += f"; {BUSY_CALIBRATION} {share:.0%} of the CPU (rates low)"
     text = to_yaml(description)
     path = cache_path(devices_per_node, gpu=description["cluster"]["calibration"]["device_name"])
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,7 @@ def test_calibrate_then_plan_on_this_machine(tmp_path, monkeypatch):
     assert "warning: other processes used 42% of this machine's CPU during the calibration" in r.output
     c = ClusterConfig.model_validate(yaml.safe_load(out.read_text())["cluster"])
     assert c.device == "cpu" and c.intra_node.measured and c.intra_node.bandwidth_gbs > 0
+    assert "measured while other processes used 42% of the CPU" in c.sources["calibration"]  # plans say it
     assert set(c.calibration.matmul_tflops["fp32"]) == {32, 64}
     assert set(c.calibration.attention_head_dim_tflops["fp32"]) == {8, 16}
     assert set(c.intra_node.collectives) == {"all_gather", "reduce_scatter", "all_reduce"}
@@ -50,6 +51,7 @@ def test_calibrate_then_plan_on_this_machine(tmp_path, monkeypatch):
         r = runner.invoke(cli, ["plan", str(DEFAULT_CONFIG), "--cluster", cluster, *TINY_RECIPE])
         assert r.exit_code == 0, r.output
         assert "tokens/s per device" in r.output and "fits:" in r.output
+        assert "other processes used 42% of the CPU" in " ".join(r.output.split()), r.output
 
     # measure and plan in one call: with --json, stdout is the plan alone
     r = runner.invoke(cli, ["plan", "--calibrate", str(DEFAULT_CONFIG), *TINY_RECIPE, "--json"])
