@@ -10,13 +10,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from accelrun.cli.common import err, out, print_wide
-from accelrun.report.compare import Comparison, Group, compare_groups
+from accelrun.report.compare import FEW_REPEATS, Comparison, Group, compare_groups
 from accelrun.report.compare_render import (
     diff_rows,
+    marked,
     parity_lines,
     render_comparison_html,
     render_comparison_md,
     summary_table,
+    unmarked,
 )
 from accelrun.report.files import write_json, write_text_atomic
 from accelrun.report.rundata import RunRecord, load_run
@@ -115,8 +117,12 @@ def print_comparison(c: Comparison) -> None:
     for row in rows:
         t.add_row(*(escape(v) for v in row))
     print_wide(t)
-    if any(r.speedup is not None and r.speedup.significant for r in c.rows):  # the mark said, where it shows
+    if marked(c):  # the mark said, where it shows
         out.print("[dim]* the 95% interval excludes 1: a difference the interval sees[/]", highlight=False)
+    if unmarked(c):
+        out.print(f"[dim]intervals over fewer than {FEW_REPEATS} runs a row resample one process's steps: a new "
+                  "process's pace moves more, so they are not marked (accelrun ab --repeats 3 or more, or compare "
+                  "folders of repeats)[/]", highlight=False)
     out.print(f"\n[bold]loss parity[/] (relative tolerance {c.rtol:g})")
     for line in parity_lines(c):
         out.print("  " + escape(line), highlight=False)

@@ -30,7 +30,14 @@ from pathlib import Path
 from accelrun.config import ConfigError, ResolvedConfig, load_config
 from accelrun.dist import stop
 from accelrun.errors import UserError
-from accelrun.report.compare import MIN_STEADY_FOR_CI, Comparison, Group, GroupFigures, compare_groups
+from accelrun.report.compare import (
+    FEW_REPEATS,
+    MIN_STEADY_FOR_CI,
+    Comparison,
+    Group,
+    GroupFigures,
+    compare_groups,
+)
 from accelrun.report.machine_load import BUSY_WARNING, OtherCpuMeter
 from accelrun.report.rundata import load_run
 from accelrun.report.rundir import list_runs
@@ -40,8 +47,6 @@ from accelrun.train.threads import ThreadChoice, choose_threads
 EXIT_LOSSES_DISAGREE = 4
 EXIT_INTERRUPTED = stop.exit_code(signal.SIGINT)  # 130, the shell's code for Ctrl-C
 EXIT_PREEMPTED = stop.exit_code(signal.SIGTERM)  # 143: a variant's run stopped by either stops ab
-# Fewer repeats than this: the interval cannot see how much one process's speed differs from another's.
-FEW_REPEATS = 3
 LOG_TAIL_LINES = 15
 
 

@@ -38,6 +38,9 @@ NOT_READ = "(not read: model.custom is set)"
 SPREAD_WARNING = 0.10
 # Fewer steady steps than this on either side: no interval.
 MIN_STEADY_FOR_CI = 2
+# Fewer processes than this a row: the interval resamples their steps, and cannot see how much one process's
+# speed differs from another's (a trial's identical runs read 1.27x, "a difference the interval sees").
+FEW_REPEATS = 3
 
 
 @dataclass

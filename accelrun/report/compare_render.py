@@ -9,18 +9,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from accelrun.report import fmt, html
-from accelrun.report.compare import ABSENT, NOT_READ, Comparison, GroupFigures
+from accelrun.report.compare import ABSENT, FEW_REPEATS, NOT_READ, Comparison, GroupFigures
 from accelrun.report.plots import loss_overlay_plot, step_time_box_plot
 from accelrun.report.stats import RatioCI
 
 
-def ratio_text(ci: RatioCI | None, baseline: bool = False) -> str:
-    """``1.23× (1.19–1.27)``, ``*`` marking an interval that excludes 1."""
+def ratio_text(ci: RatioCI | None, baseline: bool = False, processes: int = FEW_REPEATS) -> str:
+    """``1.23× (1.19–1.27)``, ``*`` marking an interval that excludes 1 over ``processes`` runs enough to
+    call it (the fewer of the two rows'): one process's steps do not show another's pace."""
     if baseline:
         return "baseline"
     if ci is None:
         return "n/a"
-    return f"{ci.ratio:.3f}× ({ci.low:.3f}–{ci.high:.3f}){' *' if ci.significant else ''}"
+    marked = ci.significant and processes >= FEW_REPEATS
+    return f"{ci.ratio:.3f}× ({ci.low:.3f}–{ci.high:.3f}){' *' if marked else ''}"
+
+
+def marked(c: Comparison) -> bool:
+    """Some row's speed carries the ``*`` (see ``ratio_text``)."""
+    return any(r.speedup is not None and r.speedup.significant and min(r.runs, c.rows[0].runs) >= FEW_REPEATS
+               for r in c.rows[1:])
+
+
+def unmarked(c: Comparison) -> bool:
+    """Some row's interval excludes 1 over too few processes to be marked."""
+    return any(r.speedup is not None and r.speedup.significant and min(r.runs, c.rows[0].runs) < FEW_REPEATS
+               for r in c.rows[1:])
 
 
 def parity_text(row: GroupFigures, reference: str) -> str:
@@ -38,7 +52,8 @@ def summary_table(c: Comparison) -> tuple[list[str], list[list[str]]]:
     rows = []
     for i, r in enumerate(c.rows):
         rows.append([r.label, *([str(r.runs)] if repeats else []), str(r.steady_steps), fmt.secs(r.median_step_s),
-                     fmt.integer(r.tokens_per_s), ratio_text(r.speedup, baseline=i == 0), fmt.pct(r.mfu),
+                     fmt.integer(r.tokens_per_s), ratio_text(r.speedup, i == 0, min(r.runs, c.rows[0].runs)),
+                     fmt.pct(r.mfu),
                      fmt.nbytes(r.mem_peak_bytes), fmt.secs(r.compile_time_s), fmt.loss(r.final_loss)])
     if any(r.final_val_loss is not None for r in c.rows):  # eval.every in any of them
         headers.append("final val loss")
@@ -51,7 +66,7 @@ NUMERIC_COLUMNS_FROM = 1  # every column after the label is a figure
 SPEED_NOTE = ("Speed is throughput against the first: its median step time over this one's (scaled by tokens "
               "per step where they differ; > 1: faster), over steady steps (warm-up, compile and profiled "
               "steps left out), with a seeded bootstrap 95% interval on that ratio of medians; * marks an "
-              "interval that excludes 1. With repeats, runs are resampled before steps, so differences "
+              f"interval that excludes 1 over {FEW_REPEATS} or more runs of each. With repeats, runs are resampled before steps, so differences "
               "between processes count as noise; ab's rounds (A1 B1, A2 B2, ...) are resampled as pairs.")
 
 

@@ -389,3 +389,15 @@ def test_a_run_that_trained_beside_a_busy_neighbour_is_named(runs):
     quiet.report = {**(quiet.report or {}), "machine_load": {"others_cpu_share": 0.01, "threads": 2}}
     assert busy_runs([quiet, busy]) == ["B: other processes used 27% of the machine's CPU while it trained (it ran "
                                         "on 1 thread): its speed figures are slower than on a quiet machine"]
+
+
+def test_an_interval_over_single_processes_is_not_marked_a_difference():
+    """Two runs of one recipe read "1.274× (1.019–1.848) *, a difference the interval sees" (a trial's): an
+    interval over one process's steps each cannot see how another process's pace differs."""
+    from accelrun.report.compare_render import ratio_text
+    from accelrun.report.stats import RatioCI
+
+    ci = RatioCI(1.274, 1.019, 1.848, 0.95, 1000, (1, 1))
+    assert ratio_text(ci, processes=1) == "1.274× (1.019–1.848)"
+    assert ratio_text(ci, processes=3) == "1.274× (1.019–1.848) *"
+    assert ratio_text(RatioCI(1.01, 0.98, 1.04, 0.95, 1000, (3, 3)), processes=3) == "1.010× (0.980–1.040)"
