@@ -92,6 +92,26 @@ class Located:
     duplicates: list[DuplicateKey] = field(default_factory=list)
 
 
+def _syntax_hint(text: str, mark: Any) -> str:
+    """What a newcomer's YAML error usually is, said beside the parser's words (a trial's tab read "found
+    character ... that cannot start any token"; a key indented one space too far, "mapping values are not
+    allowed here")."""
+    if mark is None:
+        return ""
+    lines = text.splitlines()
+    line = lines[mark.line] if mark.line < len(lines) else ""
+    key = line.strip().split(":", 1)[0]
+    if "\t" in line[: len(line) - len(line.lstrip())]:
+        return f" (line {mark.line + 1}, {key!r}, is indented with a tab: YAML indents with spaces)"
+    if mark.line > 0 and ":" in line:
+        above = next((x for x in reversed(lines[: mark.line]) if x.strip() and not x.lstrip().startswith("#")), "")
+        indent, above_indent = len(line) - len(line.lstrip()), len(above) - len(above.lstrip())
+        if indent > above_indent and not above.rstrip().endswith(":"):
+            return (f" (line {mark.line + 1}, {key!r}, is indented {indent - above_indent} more than the line "
+                    f"above, which opens no section: indent it as the keys beside it)")
+    return ""
+
+
 def load_yaml_with_lines(text: str, origin: str) -> Located:
     """Parse ``text`` (named ``origin`` in errors). Duplicate keys are errors, not silent overwrites."""
     try:  # the reader checks the characters as the loader is made
@@ -104,7 +124,7 @@ def load_yaml_with_lines(text: str, origin: str) -> Located:
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{origin}:{mark.line + 1}:{mark.column + 1}" if mark else origin
-        raise ConfigError(f"{where}: YAML syntax error: {e.problem or e.context}") from None
+        raise ConfigError(f"{where}: YAML syntax error: {e.problem or e.context}{_syntax_hint(text, mark)}") from None
     finally:
         loader.dispose()
     lines: dict[KeyPath, int] = {}

@@ -21,6 +21,15 @@ def test_yaml_syntax_error_has_file_line_column(write):
     assert msg.startswith(f"{p}:3:1: YAML syntax error")
 
 
+def test_a_tab_and_a_key_indented_too_far_say_so(write):
+    tab = error_of(write("tabs.yaml", "name: x\ntrain:\n\tsteps: 10\n"))
+    assert "tabs.yaml:3:1: YAML syntax error" in tab and "(line 3, 'steps', is indented with a tab: YAML " \
+        "indents with spaces)" in tab, tab
+    indent = error_of(write("indent.yaml", "name: x\ntrain:\n  steps: 10\n   seq_len: 128\n"))
+    assert "(line 4, 'seq_len', is indented 1 more than the line above, which opens no section" in indent, indent
+    assert "(line" not in error_of(write("bad.yaml", "train:\n  steps: [1, 2\n"))  # no guess where none fits
+
+
 def test_unknown_top_level_key_suggests_nearest(write):
     p = write("bad.yaml", "name: x\ntrian:\n  steps: 3\n")
     msg = error_of(p)
