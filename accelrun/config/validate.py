@@ -315,12 +315,19 @@ def consistency_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list
         elif m.head_dim is not None:
             if m.head_dim % 2:
                 out.append(f"{v('model.head_dim')} must be even for RoPE")
-        elif m.dim % m.n_heads:
-            out.append(f"{v('model.dim')} is not divisible by {v('model.n_heads')}")
+        elif m.dim % m.n_heads:  # (with the nearest values that fit: a trial's dim=190 was told no more)
+            step = 2 * m.n_heads  # an even head dimension, for RoPE
+            heads = _nearest(m.n_heads, [h for h in range(1, m.dim + 1) if m.dim % h == 0 and (m.dim // h) % 2 == 0
+                                         and (m.n_kv_heads is None or h % m.n_kv_heads == 0)])
+            also = f" or model.n_heads={heads}" if heads else ""
+            out.append(f"{v('model.dim')} is not divisible by {v('model.n_heads')}; model.dim="
+                       f"{max(step, round(m.dim / step) * step)} (a multiple of {step}: an even head dimension){also}")
         elif (m.dim // m.n_heads) % 2:
             out.append(f"head dimension model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")
         if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
-            out.append(f"{v('model.n_heads')} is not divisible by {v('model.n_kv_heads')}")
+            kv = _nearest(m.n_kv_heads, [k for k in range(1, m.n_heads + 1) if m.n_heads % k == 0])
+            out.append(f"{v('model.n_heads')} is not divisible by {v('model.n_kv_heads')}; model.n_kv_heads={kv} "
+                       f"divides it")
         if t.seq_len > m.max_seq_len:
             out.append(f"{v('train.seq_len')} exceeds {v('model.max_seq_len')}")
     out += tokenizer_problems(cfg, v)
@@ -576,6 +583,11 @@ def _is_its_default(cfg: RunConfig, path: tuple[str, ...]) -> bool:
     field = type(section).model_fields.get(path[1]) if section is not None else None
     return field is not None and not field.is_required() and getattr(section, path[1]) == field.get_default(
         call_default_factory=True)
+
+
+def _nearest(value: int, candidates: list[int]) -> int | None:
+    """The candidate nearest ``value`` (the smaller on a tie), or None."""
+    return min(candidates, key=lambda c: (abs(c - value), c)) if candidates else None
 
 
 def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]:

@@ -125,8 +125,12 @@ def test_wrong_type_or_range_points_at_the_line(write, text, line, expect):
 @pytest.mark.parametrize(
     "overrides, expect",
     [
-        (["model.dim=250"], "model.dim = 250 (override 'model.dim=250') is not divisible by model.n_heads = 8"),
-        (["model.n_kv_heads=3"], "model.n_heads = 8 (default) is not divisible by model.n_kv_heads = 3"),
+        (["model.dim=250"], "model.dim = 250 (override 'model.dim=250') is not divisible by model.n_heads = 8 "
+                            "(default); model.dim=256 (a multiple of 16: an even head dimension)"),
+        (["model.n_heads=5"], "is not divisible by model.n_heads = 5 (override 'model.n_heads=5'); model.dim=260 (a "
+                              "multiple of 10: an even head dimension) or model.n_heads=4"),
+        (["model.n_kv_heads=3"], "model.n_heads = 8 (default) is not divisible by model.n_kv_heads = 3 (override "
+                                 "'model.n_kv_heads=3'); model.n_kv_heads=2 divides it"),
         (["train.micro_batch=5"], "train.global_batch = 16 (default) is not divisible by train.micro_batch = 5"),
         (["train.grad_accum=3"], "not divisible by train.grad_accum = 3 (override 'train.grad_accum=3') × data-parallel"),
         (["train.micro_batch=4", "train.grad_accum=3"], "train.grad_accum = 3 (override 'train.grad_accum=3') × train.micro_batch"),
