@@ -195,7 +195,9 @@ def parse_passes(spec: str | list[Any], options_by_name: Mapping[str, type[PassO
             fields = sorted(schema.model_fields)
             hint = _nearest(key, fields) if err["type"] == "extra_forbidden" else ""
             allowed = f"; options of {name}: {', '.join(fields) or '(none)'}"
-            raise PassConfigError(f"pass {name!r}, option {key!r}: {err['msg']}{hint}{allowed}", i, key) from None
+            # (pydantic's "Extra inputs are not permitted" for a misspelt option: a trial's)
+            said = f"unknown option{hint}" if err["type"] == "extra_forbidden" else _lower_first(err["msg"])
+            raise PassConfigError(f"pass {name!r}, option {key!r}: {said}{allowed}", i, key) from None
         out.append((name, options))
     return out
 
@@ -235,3 +237,7 @@ def _split_item(item: Any, index: int) -> tuple[str, dict[str, Any]]:
         f"got {item!r}",
         index,
     )
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]

@@ -130,6 +130,11 @@ def _describe(err: dict, data: dict, sources: dict[KeyPath, Source]) -> str:
     got = err.get("input")
     # Our own validators' messages (a ValueError) come as "Value error, ...": the message is ours alone.
     text = err["msg"].removeprefix("Value error, ") if err["type"] == "value_error" else err["msg"]
+    if err["type"] == "string_pattern_mismatch" and path == ("name",) and isinstance(got, str):
+        # (pydantic's words were its regex: a trial's)
+        fixed = re.sub(r"[^A-Za-z0-9._-]+", "-", got).strip("-._") or "my-run"
+        return (f"{prefix}name: {got!r} cannot name a run's folder: letters, digits, '.', '_' and '-', starting "
+                f"with a letter or digit; name={fixed}")
     if err["type"] == "model_type":  # pydantic names its class ("... instance of TrainConfig"): say what it holds
         keys = _fields_at(path)
         text = f"expected a section of keys ({', '.join(keys[:6])}{', ...' if len(keys) > 6 else ''}), not a value"

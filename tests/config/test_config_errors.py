@@ -30,6 +30,16 @@ def test_a_tab_and_a_key_indented_too_far_say_so(write):
     assert "(line" not in error_of(write("bad.yaml", "train:\n  steps: [1, 2\n"))  # no guess where none fits
 
 
+def test_a_run_name_that_cannot_name_a_folder_says_one_that_can():
+    from tests.conftest import DEFAULT_CONFIG
+
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT_CONFIG, ["name=bad/name with space"])
+    msg = str(e.value)
+    assert msg.endswith("name: 'bad/name with space' cannot name a run's folder: letters, digits, '.', '_' and '-', "
+                        "starting with a letter or digit; name=bad-name-with-space"), msg  # (not pydantic's regex)
+
+
 def test_unknown_top_level_key_suggests_nearest(write):
     p = write("bad.yaml", "name: x\ntrian:\n  steps: 3\n")
     msg = error_of(p)
