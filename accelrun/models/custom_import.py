@@ -23,6 +23,16 @@ def custom_path_hint(path: str) -> str:
     itself, needs one of its callables named. "" when neither imports."""
     if ":" in path:
         return ""
+    if path.endswith(".py") or "/" in path:  # a file: its module's name (the README promises the line to write)
+        module_name = ".".join(part for part in path.removesuffix(".py").split("/") if part not in ("", "."))
+        search_current_folder()
+        try:
+            imported = importlib.import_module(module_name)
+        except (Exception, SystemExit):  # noqa: BLE001 (as below)
+            return f"; a file is named by its module, run from the folder above it: '{module_name}:<factory>'"
+        names = module_callables(imported)
+        return (f"; a file is named by its module: did you mean '{module_name}:{names[0] if names else '<factory>'}'? "
+                f"(its callables: {', '.join(names[:8]) or 'none'})")
     module, _, name = path.rpartition(".")
     search_current_folder()
     for candidate, attr in ((module, name), (path, None)):

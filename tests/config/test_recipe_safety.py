@@ -106,6 +106,10 @@ def test_our_own_validators_speak_once_and_suggest(write, monkeypatch):
     assert msg.endswith("did you mean 'mymodels_s70.gru:<factory>'? (its callables: build, Net)"), msg
     msg = error_of(p, ["model.custom=no_such_pkg_s70.gru"])
     assert msg.endswith("""expected "package.module:factory", got 'no_such_pkg_s70.gru'"""), msg
+    # a file's path: its module, and its likely factory (the README's promise; a trial got no line to write)
+    msg = error_of(p, ["model.custom=mymodels_s70/gru.py"])
+    assert msg.endswith("a file is named by its module: did you mean 'mymodels_s70.gru:build'? (its callables: "
+                        "build, Net)"), msg
 
 
 def test_a_file_value_names_file_and_line(write):
