@@ -42,6 +42,10 @@ def command(run: Path, prompt: str, max_new_tokens: int, temperature: float, top
               f"{g.new_tokens} tokens{ended} in {time.perf_counter() - t0:.1f} s (checkpoint load included; "
               + ("KV cache)" if g.kv_cache is None else f"no KV cache: {g.kv_cache})"),
               markup=False, highlight=False)
+    from accelrun.train.checkpoint_model import others_in_folder
+
+    if (others := others_in_folder(run, Path(g.run))) is not None:
+        err.print(f"note: {others}", markup=False, highlight=False)
     if g.beyond_training:
         err.print(f"warning: {g.beyond_training}", markup=False, highlight=False)
     out.print(g.text, markup=False, highlight=False, soft_wrap=True)

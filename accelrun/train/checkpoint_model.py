@@ -49,6 +49,26 @@ def find_checkpoint(ref: str | Path, purpose: str) -> tuple[Path, Path]:
     return done[-1].path, run
 
 
+def others_in_folder(ref: str | Path, used: Path) -> str | None:
+    """Where ``ref`` is a folder of runs: that it took its newest, and the run with the most steps saved
+    where that is another (a trial's ``generate runs/llama-debug`` spoke from a 20-step try, not the
+    300-step run beside it, and the line said only which it used). None otherwise."""
+    from accelrun.report.rundir import runs_in
+    from accelrun.train.checkpoint import TRAIN_STATE, complete_checkpoints
+
+    folder = Path(ref).expanduser()
+    if not folder.is_dir() or folder.resolve() == used.resolve() or (folder / TRAIN_STATE).is_file():
+        return None
+    saved = {r: done[-1] for r in runs_in(folder) if (done := complete_checkpoints(r / "checkpoints"))}
+    if len(saved) < 2:
+        return None
+    longest = max(saved, key=lambda r: saved[r].step)
+    said = f"{folder} holds {len(saved)} runs with checkpoints: this is its newest"
+    if longest.resolve() != used.resolve():
+        said += f"; the one trained longest is {longest} (step {saved[longest].step})"
+    return said + "; name a run folder to use another"
+
+
 def _why_none(run: Path) -> str:
     """Why ``run`` saved no checkpoint, where its config says, or ""."""
     if run_values(run).get("checkpoint", {}).get("enabled") is False:

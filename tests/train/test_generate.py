@@ -52,8 +52,17 @@ def test_a_folder_of_runs_samples_from_its_newest_run_that_saved_a_checkpoint(ti
     r = CliRunner().invoke(cli, ["generate", str(saved.parent), "--prompt", "x", "--max-new-tokens", "4"])
     assert r.exit_code == 0, r.output
     assert r.stderr.startswith(f"run {saved}; step 2;"), r.stderr
+    assert "holds" not in r.stderr  # one run with a checkpoint: nothing else to name
     r = CliRunner().invoke(cli, ["generate", str(quick), "--prompt", "x"])  # the run itself, named: refused
     assert r.exit_code == 2 and "no complete checkpoint" in r.output
+    # A shorter try saved after the long run: the newest is used, and the longest named (a trial's
+    # generate spoke from a 20-step try beside the 300-step run, without a word)
+    short = train(load_config(DEFAULT_CONFIG, tiny(1, "checkpoint.every=1")), command="test").run_dir
+    r = CliRunner().invoke(cli, ["generate", str(saved.parent), "--prompt", "x", "--max-new-tokens", "4"])
+    said = " ".join(r.stderr.split())
+    assert r.exit_code == 0 and r.stderr.startswith(f"run {short}; step 1;"), r.stderr
+    assert (f"note: {saved.parent} holds 2 runs with checkpoints: this is its newest; the one trained longest is "
+            f"{saved} (step 2); name a run folder to use another") in said, said
 
 
 def test_generate_refuses_a_tokenizer_file_that_changed_since_the_run_trained(tiny, tmp_path):
