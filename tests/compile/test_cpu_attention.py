@@ -646,3 +646,20 @@ def test_an_fp32_mask_on_half_scores_is_fused_and_runs_the_kernel():
     backend = run_both(meta_llama_attention, [q, k, v, keep], ["fuse_attention", "cpu_attention"], aot=True)
     assert backend.counts == {"fuse_attention": 1, "cpu_attention": 1}
     assert kernel.masked_calls["kernel"] - before["kernel"] == 1
+
+
+def test_keys_and_values_of_a_changing_length_say_why_they_are_left_to_aten():
+    """q, k and v of one length per call, traced as separate symbols: the reason read "q, k and v disagree
+    on batch or head_dim", which they do not (a fuzzer's)."""
+    from accelrun.compile.backend import AccelrunBackend
+    from accelrun.compile.options import CompileOptions
+
+    backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"]))
+    attend = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), backend=backend,
+                           fullgraph=True)  # fmt: skip
+    for length in (5, 9, 3):
+        q, k, v = (torch.randn(1, 2, length, 16, requires_grad=True) for _ in range(3))
+        attend(q, k, v).sum().backward()
+    reasons = backend.record.attention_left_to_aten()
+    assert reasons and not any("disagree on batch" in r for r in reasons), reasons
+    assert any("are symbols not known equal when compiling" in r for r in reasons), reasons

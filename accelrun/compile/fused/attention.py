@@ -46,8 +46,14 @@ def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | No
     if not all(isinstance(n, int) for n in (B, Hq, D, Bk, Hkv, Dk)):
         return "batch, heads or head_dim not fixed when compiling"
     # A sequence length that changes between calls is a symbol: compared without a guard on its value.
-    if not same_shape(v.shape, k.shape) or Bk != B or Dk != D:
-        return "q, k and v disagree on batch or head_dim"
+    if Bk != B or Dk != D:
+        return "q and k disagree on batch or head_dim"
+    if not same_shape(v.shape, k.shape):
+        # (a fuzzer's keys and values of one length per call, traced as two symbols, read "disagree on batch")
+        if all(isinstance(n, int) for n in (*k.shape, *v.shape)):
+            return f"k and v of shapes {tuple(k.shape)} and {tuple(v.shape)} (one shape for both)"
+        return (f"k's and v's sizes {tuple(k.shape)} and {tuple(v.shape)} are symbols not known equal when compiling "
+                "(a length that changes between calls, traced once for each)")
     if not same_size(Sk, S):
         return "queries and keys of different lengths"
     if Hkv == 0 or Hq % Hkv:
