@@ -46,7 +46,7 @@ from accelrun.train.checkpoint import complete_checkpoints, load_checkpoint, rem
 from accelrun.train.lineage import RunAlreadyContinued, claim_continuation
 from accelrun.train.model_code import code_changes, model_code
 from accelrun.train.optim import build_optimizer, build_scheduler, keep_recipe_settings, recipe_settings
-from accelrun.train.resume import ResumeDecision, auto_would_continue, decide_resume
+from accelrun.train.resume import ResumeDecision, auto_would_continue, decide_resume, training_differences
 
 
 @dataclass
@@ -323,8 +323,13 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
                        f"{' and more' if len(changed) > 3 else ''}): its weights go on with the new code, so the losses "
                        "will not continue the old curve (checkpoint.resume=none starts afresh)")
         if ckpt.training_hash != resolved.training_hash:
+            # Which values differ, and "may": a layout alone changes only the order of sums (a trial's FSDP
+            # checkpoint resumed on one rank matched to 1.4e-7, where the note said they would not match).
+            differ = training_differences(ckpt.run_dir / "config.yaml", run_dir / "config.yaml")
+            which = f" ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''})" if differ else ""
             reason += (f"; note: written with training hash {ckpt.training_hash}, this run's is "
-                       f"{resolved.training_hash}, so the losses will not match a continuous run")
+                       f"{resolved.training_hash}{which}, so the losses may differ from a continuous run's (by "
+                       "rounding only, where only the parallel layout changed)")
 
     return TrainSetup(
         config=cfg,
