@@ -342,6 +342,11 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
     )
     if note is not None:
         report["notes"].insert(0, note)
+    # Rank 0's peak as its rank row reads it, taken after the last step's row (the final checkpoint's save
+    # included): the run's peak is the higher, so the two never disagree (a trial's 755,154,944 against
+    # 755,286,016 bytes for one rank)
+    if report.get("mem_peak_bytes") is not None and per_rank and per_rank[0].get("mem_peak_bytes") is not None:
+        report["mem_peak_bytes"] = max(report["mem_peak_bytes"], per_rank[0]["mem_peak_bytes"])
     if took is not None:
         report["notes"].append(took.how)
     _distrust_low_probe(report, s)

@@ -63,6 +63,7 @@ def test_layout_matches_one_process(layout, layout_run, reference):
     world = WORLD.get(layout, 2)
     assert report["world_size"] == world and len(report["mem_peak_bytes_per_rank"]) == world
     assert all(m > 0 for m in report["mem_peak_bytes_per_rank"])
+    assert report["mem_peak_bytes"] >= report["mem_peak_bytes_per_rank"][0]  # rank 0's never above the run's
     threads = 3 if layout == "hsdp2x1" else cpu_rank_threads(world)  # (one node: nproc_per_node = world)
     assert report["threads_per_rank"] == [threads] * world, (layout, report["threads_per_rank"])
     assert report["tokens_per_s_job"] == pytest.approx(report["tokens_per_s"] * world)
