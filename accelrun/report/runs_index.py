@@ -106,7 +106,9 @@ def _ab_row(path: Path) -> RunRow | None:
     code = (result or {}).get("exit_code")
     status = "running" if result is None and is_running(path) else \
         "interrupted" if result is None else said.get(code, "failed")
-    return RunRow(run=f"{path.parent.name}/{path.name}", path=str(path), started=_started(path), status=status,
+    # (the label under the runs folder, as a training run's: compare was given "llama-debug/<id>" for
+    # runs/ab/llama-debug/<id>, a trial's)
+    return RunRow(run=f"{AB_FOLDER}/{path.parent.name}/{path.name}", path=str(path), started=_started(path), status=status,
                   steps=int((result or {}).get("steps") or 0), final_loss=None, step_time_s=None, tokens_per_s=None,
                   mfu=None, mem_peak_bytes=None, compile="-", precision="-", config_hash=None, kind="ab")
 

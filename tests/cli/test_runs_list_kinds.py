@@ -36,6 +36,7 @@ def test_runs_list_has_train_explain_and_ab_rows_with_processes(tmp_path):
     rows = list_run_rows(runs)
     assert [(r.kind, r.status, r.processes) for r in rows] == [
         ("ab", "finished", None), ("explain", "finished", 1), ("train", "finished", 2)]
+    assert rows[0].run == "ab/llama-debug/20260101-120200-cccccc"  # the path under runs/, as the others'
     table = CliRunner().invoke(cli, ["runs", "list", str(runs)])
     assert table.exit_code == 0 and "procs" in table.stdout and "explain" in table.stdout, table.output
     assert len(list_run_rows(runs, limit=2)) == 2
