@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import click
@@ -105,5 +104,8 @@ def cp(name: str, dest: str, force: bool) -> None:
     if target.exists() and not force:
         raise ConfigError(f"{target} exists; pass --force to overwrite it")
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, target)
+    # A summary line of its own first: `recipes list` shows a recipe's first comment, and a copy listed
+    # with the original's ("model/mine  debug: a tiny Llama...") read as the original (a trial's)
+    text = src.read_text(encoding="utf-8")
+    target.write_text(f"# {target.stem}: a copy of {name}; say here what it changes.\n{text}", encoding="utf-8")
     out.print(f"copied {src} -> {target}")

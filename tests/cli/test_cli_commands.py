@@ -90,6 +90,12 @@ def test_recipes_list_show_cp(tmp_path):
     assert r.exit_code == 0 and "dim: 4096" in r.output
     r = invoke("recipes", "cp", "model/debug", tmp_path)
     assert r.exit_code == 0 and (tmp_path / "debug.yaml").is_file()
+    from accelrun.config import load_config
+    from accelrun.config.search import (
+        _summary,  # a copy lists with a summary of its own (it had the original's)
+    )
+    assert _summary(tmp_path / "debug.yaml") == "debug: a copy of model/debug; say here what it changes."
+    assert load_config(tmp_path / "debug.yaml", []).config.model.dim == load_config("model/debug", []).config.model.dim
     r = invoke("recipes", "cp", "model/debug", tmp_path)
     assert r.exit_code == 2 and "--force" in r.output
     # the --help example's trailing slash names a folder that does not exist yet: made, copied into
