@@ -60,8 +60,8 @@ def sbatch_script(config: str, overrides: list[str], *, name: str, nnodes: int, 
     lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nnodes}",
              "#SBATCH --ntasks-per-node=1  # one accelrun per node; it starts one process per device",
              "#SBATCH --exclusive  # the whole node: its cores go to the ranks (srun below gives them to the task)"]
-    if gpus:
-        lines.append(f"#SBATCH --gpus-per-node={nproc_per_node}")
+    if gpus:  # (train.device = auto asks for them: said on the line, as a CPU recipe's user read it)
+        lines.append(f"#SBATCH --gpus-per-node={nproc_per_node}  # CPU nodes: accelrun slurm --no-gpus")
     for flag, value in (("partition", partition), ("time", time_limit), ("account", account)):
         if value:
             lines.append(f"#SBATCH --{flag}={value}")
