@@ -298,6 +298,15 @@ def _gather_per_rank(s: TrainSetup, step_times: list[dict], warmup_steps: int, c
     return everyone
 
 
+def parallel_said(par) -> str:
+    """``pp 1 × ... × tp 2; sequence parallel, loss parallel``: the degrees and the switches on (report.md
+    named degrees alone: a trial's TP run with both switches read as plain TP)."""
+    degrees = " × ".join(f"{k} {v}" for k, v in par.degrees().items())
+    on = [what for what, is_on in (("sequence parallel", par.sequence_parallel), ("loss parallel", par.loss_parallel),
+                                   ("async TP", par.async_tp), (f"{par.pp_schedule} schedule", par.pp > 1)) if is_on]
+    return degrees + (f"; {', '.join(on)}" if on else "")
+
+
 def _compiler_summary(s: TrainSetup) -> dict | None:
     """accelrun's compile section (stages, cache, passes, regions), or graph breaks for Inductor."""
     if s.compile_record is not None:
@@ -392,7 +401,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         "loss": (getattr(s.loss_fn, "trained", None) or s.loss_source or loss_source(s.model)).value,
         "device": str(s.device),
         "processes": s.ctx.world_size,
-        "parallel degrees": " × ".join(f"{k} {v}" for k, v in cfg.parallel.degrees().items()),
+        "parallel degrees": parallel_said(cfg.parallel),
         "global batch × seq_len": f"{cfg.train.global_batch} × {cfg.train.seq_len}",
         "learning rate": learning_rate_said(metrics, cfg.train.optimizer.lr, cfg.train.lr_schedule.name,
                                             cfg.train.lr_schedule.warmup_steps, cfg.train.steps),

@@ -70,6 +70,9 @@ def test_layout_matches_one_process(layout, layout_run, reference):
     # Each rank's own median step time, and a table of ranks in report.md.
     assert len(report["step_time_s_per_rank"]) == world and all(t > 0 for t in report["step_time_s_per_rank"])
     md = (d / "report.md").read_text()
+    switches = {"tp2_sp_lossparallel": "tp 2; sequence parallel, loss parallel |", "pp2_gpipe_layers": "; gpipe schedule |",
+                "pp2_1f1b_fsdp2": "; 1f1b schedule |"}  # (the degrees alone were said: a trial's)
+    assert switches.get(layout, "| parallel degrees |") in md, md
     assert "## Ranks" in md and f"\n| {world - 1} | " in md and "tokens/s (job)" in md
     # the family's head and loss, whatever the layout (a pipeline's stages were read as logits; review)
     assert "| loss | the next-token cross-entropy of the model's head and loss as one step" in md, layout
