@@ -433,12 +433,20 @@ def _distrust_low_probe(report: dict, s: TrainSetup) -> None:
     )
 
 
+def _share(degrees: dict) -> str:
+    """How a rank's token figure relates to its work: its share of the job's tokens, which under tensor or
+    pipeline parallelism is not what it computes (each of a group's ranks works on all the group's tokens:
+    a trial read "2,048 per rank" where each of 2 TP ranks ran all 4,096)."""
+    return "a share of" if degrees.get("tp", 1) * degrees.get("pp", 1) == 1 else \
+        "the job's tokens split evenly, not what each computes:"
+
+
 def _announce(console: Console, s: TrainSetup, setup_s: float) -> None:
     params = s.model_info["params_total"]
     world = s.ctx.world_size
     # The job's tokens lead (what the report and `runs list` show); a rank's share only beside them.
-    tokens = f"{s.tokens_per_step * world:,} tokens/step" + (
-        f" (job; {s.tokens_per_step:,} per rank × {world} ranks)" if world > 1 else "")
+    tokens = f"{s.tokens_per_step * world:,} tokens/step" + (f" (job; {_share(s.config.parallel.degrees())} "
+                                                            f"{s.tokens_per_step:,} a rank × {world} ranks)" if world > 1 else "")
     lines = [
         f"model {params / 1e6:.2f} M params on {s.device}; compile: {s.compiled}; {tokens}; setup {setup_s:.1f}s",
         "MFU peak: " + (f"{s.peak.tflops:.3f} TFLOP/s ({s.peak.source})" if s.peak.tflops
@@ -478,7 +486,7 @@ def _print_summary(console: Console, r: dict, run_dir: Path) -> None:
     tps = f"{r['tokens_per_s_job']:,.0f} tok/s" if r.get("tokens_per_s_job") else "n/a tok/s"
     ranks = r.get("world_size") or 1
     if ranks > 1 and r.get("tokens_per_s"):
-        tps += f" (job; {r['tokens_per_s']:,.0f} per rank × {ranks})"
+        tps += f" (job; {_share(r.get('parallel') or {})} {r['tokens_per_s']:,.0f} a rank × {ranks})"
     step = f"{st * 1e3:.0f} ms" if st else "n/a"
     held_out = f"; eval loss {r['final_val_loss']:.3f} (held out)" if r.get("final_val_loss") is not None else ""
     console.print(

@@ -29,8 +29,12 @@ def test_summary_leads_with_the_jobs_tokens_per_second():
     console, buf = _console()
     _print_summary(console, _report(), Path("runs/x"))
     line = buf.getvalue()
-    assert "4,374 tok/s (job; 2,187 per rank × 2)" in line, line
+    assert "4,374 tok/s (job; a share of 2,187 a rank × 2)" in line, line
     assert line.index("4,374") < line.index("2,187")
+    # under TP or PP a rank computes all its group's tokens: the figure is said to be a split, not its work
+    console, buf = _console()
+    _print_summary(console, _report(parallel={"pp": 1, "dp_shard": 1, "tp": 2}), Path("runs/x"))
+    assert "(job; the job's tokens split evenly, not what each computes: 2,187 a rank × 2)" in buf.getvalue()
 
 
 def test_summary_of_one_process_shows_one_figure():
