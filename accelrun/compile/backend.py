@@ -16,10 +16,12 @@ from contextlib import contextmanager, nullcontext
 from functools import cache, partial
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from accelrun.compile import break_sites, coverage
 from accelrun.compile.activity import ACTIVITY
+from accelrun.compile.codegen.values import MARKED_DYNAMIC
 from accelrun.compile.cuda_graphs import graph_facts, with_cuda_graphs
 from accelrun.compile.dump import Dumper
 from accelrun.compile.executors.generated import compiling_after
@@ -130,6 +132,7 @@ class AccelrunBackend:
 
         before = self.record.mark()
         compile_id = CompileContext.current_compile_id()
+        marked = MARKED_DYNAMIC.set(sizes_marked_dynamic(gm))  # kept symbolic by the code generators
         try:
             compiled = self._compile_new_dynamo_graph(gm, example_inputs)
         except DynamoRestartAnalysis:
@@ -140,6 +143,8 @@ class AccelrunBackend:
             if compile_id is not None and compile_id.frame_id in self._frame_compiles:
                 self._frame_compiles[compile_id.frame_id] -= 1
             raise
+        finally:
+            MARKED_DYNAMIC.reset(marked)
         if compile_id is not None and (compile_id.frame_compile_id or 0) > 0:  # Dynamo compiles its frame again
             self.record.recompiles[self.record.traced_functions.get(f"g{before.dynamo_graphs}", "?")] += 1
         return compiled
@@ -336,3 +341,19 @@ def dynamo_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict[
 
 
 _NAMED_BACKENDS: dict[str, AccelrunBackend] = {}  # dynamo_backend's, by its options
+
+
+def sizes_marked_dynamic(gm: fx.GraphModule) -> frozenset:
+    """The symbols of the sizes a user marked dynamic (``torch._dynamo.mark_dynamic``) among a Dynamo graph's
+    inputs: the real tensor Dynamo holds for a placeholder carries the marked dimensions."""
+    out = set()
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        real = getattr(node.meta.get("grapharg"), "example", None)
+        value = node.meta.get("example_value")
+        for dim in getattr(real, "_dynamo_dynamic_indices", ()) or ():
+            size = value.shape[dim] if isinstance(value, torch.Tensor) and dim < value.dim() else None
+            if isinstance(size, torch.SymInt):
+                out |= size.node.expr.free_symbols
+    return frozenset(out)

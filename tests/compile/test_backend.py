@@ -504,3 +504,28 @@ def test_ops_outside_regions_count_the_calls_that_compute_not_views_or_tuple_rea
     parts = graph.call_function(torch.ops.aten.split_with_sizes.default, (first, [2, 2]))  # a view op, not listed
     graph.output((first, parts))
     assert [n.name for n in graph.nodes if computes_outside_regions(n)] == ["mm_default", "max_dim"]
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_a_size_marked_dynamic_stays_symbolic(dim):
+    """torch._dynamo.mark_dynamic on a non-leading size: the code generators read it as a number, Dynamo's
+    guard fixing it, and Dynamo refused the graph ("you marked ... as dynamic but your code specialized
+    it": a fuzzer's x * 2 + 1). Regions over it are left to ATen; one graph serves every size."""
+    backend = AccelrunBackend(CompileOptions(executors=["cpp", "aten"]))
+
+    def fn(x):
+        return (torch.nn.functional.gelu(x, approximate="tanh") * 2 + 1).mean(-1)
+
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    for size in (5, 7):
+        shape = [2, 3, 4]
+        shape[dim] = size
+        x = torch.randn(*shape, requires_grad=True)
+        torch._dynamo.mark_dynamic(x, dim)
+        x_ref = x.detach().clone().requires_grad_()
+        out, want = compiled(x), fn(x_ref)
+        torch.testing.assert_close(out, want)
+        out.sum().backward()
+        want.sum().backward()
+        torch.testing.assert_close(x.grad, x_ref.grad)
+    assert backend.record.dynamo_graphs == 1 and not backend.record.recompiles

@@ -48,6 +48,7 @@ from accelrun.compile.codegen.values import (
     View,
     broadcast_index,
     compute_type,
+    fixed,
     ravel,
     reshape_map,
     unravel,
@@ -245,7 +246,7 @@ def output_strides(meta: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
     slice) cannot be written by one kernel, so the region is declined."""
     if not isinstance(meta, torch.Tensor):
         return contiguous_strides(shape)
-    stride = tuple(int(s) for s in meta.stride())
+    stride = tuple(fixed(s) for s in meta.stride())
     if meta.numel() <= 1 or stride == contiguous_strides(shape):
         return contiguous_strides(shape)
     if not writes_as_laid_out(meta):

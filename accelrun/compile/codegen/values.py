@@ -9,6 +9,7 @@ Index expressions are sympy integer expressions over the loop variables of the k
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import itertools
@@ -213,8 +214,24 @@ def reshape_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> Callable[[
     return index_map
 
 
+# Sizes the user marked dynamic (torch._dynamo.mark_dynamic) in the graph being compiled: reading one as a
+# number is Dynamo's guard that fixes it, which Dynamo then refuses ("you marked ... as dynamic but your
+# code specialized it": a fuzzer's x * 2 + 1 did not compile). Set by the backend while it compiles.
+MARKED_DYNAMIC: contextvars.ContextVar[frozenset[sympy.Symbol]] = contextvars.ContextVar(
+    "accelrun_marked_dynamic", default=frozenset())
+
+
+def fixed(n: Any) -> int:
+    """A size as a number: Unsupported (left to ATen) for one the user marked dynamic."""
+    if isinstance(n, torch.SymInt) and (marked := MARKED_DYNAMIC.get()):
+        if n.node.expr.free_symbols & marked:
+            raise Unsupported(f"size {n} is marked dynamic (torch._dynamo.mark_dynamic): kernels here are for "
+                              "fixed sizes")
+    return int(n)
+
+
 def _shape(node: Any) -> tuple[int, ...]:
-    return tuple(int(s) for s in node.meta["val"].shape)
+    return tuple(fixed(s) for s in node.meta["val"].shape)
 
 
 def _dtype(node: Any) -> torch.dtype:
@@ -291,7 +308,7 @@ class GraphValues:
             if not isinstance(meta, torch.Tensor):
                 raise Unsupported(f"input {node.name} is not a tensor")
             compute_type(meta.dtype)
-            inp = Input(pos, tuple(int(s) for s in meta.shape), tuple(int(s) for s in meta.stride()), meta.dtype)
+            inp = Input(pos, tuple(fixed(s) for s in meta.shape), tuple(fixed(s) for s in meta.stride()), meta.dtype)
             self.inputs.append(inp)
             self.env[node] = inp
         for node in gm.graph.nodes:
