@@ -118,7 +118,7 @@ def check_parts_rendered(messages: Sequence[dict[str, Any]], text: str, *, where
     list's Python text, as transformers renders it too: the model would learn ``[{'type': 'text', ...``.
     One DataError line instead (a trial's chats trained so without a word)."""
     for i, m in enumerate(messages):
-        content = m["content"]
+        content = m.get("content")  # (a null content, a tool call's, was dropped by check_messages)
         if isinstance(content, list | dict) and str(content) in text:
             raise DataError(f"{where}: message {i}'s content is a list of parts ({str(content)[:40]}...), and the "
                             "tokenizer's chat template writes it as Python text; give each content as a string "

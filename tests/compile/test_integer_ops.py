@@ -51,3 +51,20 @@ def test_bitwise_ops_on_bools_still_fuse():
     got = torch.compile(masks, backend=backend, fullgraph=True)(x, m1, m2)
     torch.testing.assert_close(got, masks(x, m1, m2))
     assert backend.record.regions_per_executor().get("cpp", 0) >= 1
+
+
+def test_what_moves_or_picks_narrow_integers_and_integer_squares_still_fuse():
+    """The partitioner's question (``lowers``) refuses only what the kernels would get wrong: a review found
+    it refusing every uint8 view and ``where``, and every integer power, ``x ** 2`` included."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from accelrun.compile.codegen.values import lowers
+
+    def fn(a, b, i):
+        return torch.where(a > 3, a.t(), b.t()), i ** 2, i.to(torch.uint8), a * 2
+
+    a, b = (torch.randint(0, 255, (4, 4), dtype=torch.uint8) for _ in range(2))
+    gm = make_fx(fn, tracing_mode="fake")(a, b, torch.arange(4))
+    said = {str(n.target): lowers(n) for n in gm.graph.nodes if n.op == "call_function"}
+    assert said["aten.t.default"] and said["aten.where.self"] and said["aten.pow.Tensor_Scalar"], said
+    assert not said["aten.mul.Tensor"] and not said["aten._to_copy.default"], said  # they wrap at 8 bits

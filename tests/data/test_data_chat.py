@@ -13,7 +13,7 @@ import torch
 
 from accelrun.config.schema import DataConfig
 from accelrun.data import DataError, TokenBatchIterator, load_stream
-from accelrun.data.chat import ChatEncoder, LossOn, assistant_token_mask
+from accelrun.data.chat import ChatEncoder, LossOn, assistant_token_mask, check_messages, check_parts_rendered
 from accelrun.data.chat_template import CharSpan, ChatTemplate
 from accelrun.data.loss_mask import IGNORE_INDEX
 from tests.data.chat_helpers import (
@@ -195,6 +195,9 @@ def test_content_as_a_list_of_parts_the_template_writes_as_python_text_is_refuse
     msg = _error(folders["jinja"], tmp_path, [CHATS[0], parts])
     assert msg.startswith(f"{tmp_path / 'bad.jsonl'}:2: message 0's content is a list of parts ([{{'type': 'text'"), msg
     assert "give each content as a string" in msg
+    # a null content (a tool call's) passes: check_messages drops the key
+    check_parts_rendered(check_messages([{"role": "assistant", "content": None}], where="x", field="messages"), "",
+                         where="x")
 
 
 def test_the_templates_own_refusal_names_the_record(folders, tmp_path):

@@ -404,12 +404,25 @@ def lowers(node: fx.Node) -> bool:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return True
-    # (the rules refuse these too, which would send the whole region back to ATen)
-    if val.dtype in NARROW_INTEGERS or (node.target in BITWISE_TARGETS and val.dtype != torch.bool):
+    # What the rules refuse (check_integer_op, _bitwise, _cast_to) is refused here, so that the rest of
+    # a region still fuses: a narrow integer result only from an op that moves or picks values
+    if val.dtype in NARROW_INTEGERS and node.target not in MOVES_OR_PICKS:
         return False
-    if node.target in POW_TARGETS and not val.dtype.is_floating_point:
+    if node.target in BITWISE_TARGETS and val.dtype != torch.bool:
+        return False
+    if node.target in POW_TARGETS and not val.dtype.is_floating_point and not (
+            node.target is aten.pow.Tensor_Scalar and node.args[1] in (1, 2, 3)):  # those are products
         return False
     return val.dtype in _COMPUTE
+
+
+# Ops whose result holds values of their operands (a view, a copy, a choice): exact at any integer width.
+MOVES_OR_PICKS = frozenset({
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default, aten.permute.default,
+    aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.squeeze.default, aten.slice.Tensor, aten.select.int, aten.cat.default, aten.clone.default,
+    aten.alias.default, aten.where.self, aten.maximum.default, aten.minimum.default,
+})
 
 
 _PROBE = tuple(sympy.Symbol(f"i{d}", integer=True, nonnegative=True) for d in range(16))
@@ -627,6 +640,8 @@ def _addc(g: GraphValues, node: fx.Node, args: list, kwargs: dict) -> Value:
 
 
 def _cast_to(g: GraphValues, x: Value, shape: tuple[int, ...], dtype: torch.dtype) -> Value:
+    if dtype in NARROW_INTEGERS and x.dtype != dtype:  # (the cast's value would go on unwrapped, as above)
+        raise Unsupported(f"a cast to {str(dtype).replace('torch.', '')} (eager wraps it at that width)")
     out: Value = Op("cast", (x,), shape, dtype, x.ctype) if compute_type(dtype) != x.ctype else x
     # Eager rounds at an explicit cast to a narrow float; keep that rounding so results match.
     if dtype in (torch.bfloat16, torch.float16) and x.dtype != dtype:
