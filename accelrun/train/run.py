@@ -301,9 +301,10 @@ def _gather_per_rank(s: TrainSetup, step_times: list[dict], warmup_steps: int, c
 def parallel_said(par) -> str:
     """``pp 1 × ... × tp 2; sequence parallel, loss parallel``: the degrees and the switches on (report.md
     named degrees alone: a trial's TP run with both switches read as plain TP)."""
-    degrees = " × ".join(f"{k} {v}" for k, v in par.degrees().items())
+    deg = par.degrees()  # (pp may be -1, inferred: a review's)
+    degrees = " × ".join(f"{k} {v}" for k, v in deg.items())
     on = [what for what, is_on in (("sequence parallel", par.sequence_parallel), ("loss parallel", par.loss_parallel),
-                                   ("async TP", par.async_tp), (f"{par.pp_schedule} schedule", par.pp > 1)) if is_on]
+                                   ("async TP", par.async_tp), (f"{par.pp_schedule} schedule", deg["pp"] > 1)) if is_on]
     return degrees + (f"; {', '.join(on)}" if on else "")
 
 

@@ -95,3 +95,13 @@ def test_a_ranks_console_keeps_long_lines_whole():
     line = "model 3.55 M params on cpu; " + "compile: 4 repeated blocks " * 8
     console.print(line)
     assert console.file.getvalue() == line + "\n"
+
+
+def test_report_md_names_the_parallel_switches_with_an_inferred_pipeline_degree():
+    from accelrun.config import load_config
+    from accelrun.train.run import parallel_said
+    from tests.conftest import DEFAULT_CONFIG
+
+    cfg = load_config(DEFAULT_CONFIG, ["parallel.nproc_per_node=2", "parallel.dp_shard=1", "parallel.pp=-1",
+                                       "compile.backend=eager"]).config  # fmt: skip
+    assert parallel_said(cfg.parallel) == "pp 2 × dp_replicate 1 × dp_shard 1 × cp 1 × tp 1; 1f1b schedule"
