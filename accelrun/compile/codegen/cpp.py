@@ -307,8 +307,10 @@ class _KernelWriter:
         for red in loop.reductions:
             e.line(f"{CTYPE[red.ctype]}* {red.name}_part = new {CTYPE[red.ctype]}[nt * N];")
             e.line(f"for (int64_t i = 0; i < nt * N; ++i) {red.name}_part[i] = {REDUCE_INIT[red.op, red.ctype]};")
-        # fp32 sums over rows go through a partial of SUM_BLOCK rows, added to the thread's sum (see _block)
-        sums = [r for r in loop.reductions if _blocked(r)]
+        # fp32 sums over rows go through a partial of SUM_BLOCK rows, added to the thread's sum (see _block),
+        # where there may be more rows than that (a second buffer per thread otherwise: a review's)
+        long = self.n_axis == "rows" or self.k.rows > SUM_BLOCK
+        sums = [r for r in loop.reductions if _blocked(r)] if long else []
         into = {r.name: f"{r.name}_blk" if r in sums else f"{r.name}_mine" for r in loop.reductions}
         e.line("#pragma omp parallel num_threads(nt)")
         with e.block("{", "}"):
@@ -365,7 +367,8 @@ class _KernelWriter:
             return
         for red in block.reductions:
             e.line(f"{CTYPE[red.ctype]} {red.name} = {REDUCE_INIT[red.op, red.ctype]};")
-        sums = [r for r in block.reductions if _blocked(r)]
+        long = self.n_axis == "cols" or self.k.trips * self.k.unroll > SUM_BLOCK  # a row's terms (N read at the call, or fixed)
+        sums = [r for r in block.reductions if _blocked(r)] if long else []
         if not sums:
             self._simd_loop(block, lo, hi, sums)
             return
