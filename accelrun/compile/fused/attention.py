@@ -50,7 +50,8 @@ def shape_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | No
         return "q and k disagree on batch or head_dim"
     if not same_shape(v.shape, k.shape):
         # (a fuzzer's keys and values of one length per call, traced as two symbols, read "disagree on batch")
-        if all(isinstance(n, int) for n in (*k.shape, *v.shape)):
+        fixed_differ = any(isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(k.shape, v.shape, strict=True))
+        if fixed_differ or all(isinstance(n, int) for n in (*k.shape, *v.shape)):  # (a head_dim of v's own, say)
             return f"k and v of shapes {tuple(k.shape)} and {tuple(v.shape)} (one shape for both)"
         return (f"k's and v's sizes {tuple(k.shape)} and {tuple(v.shape)} are symbols not known equal when compiling "
                 "(a length that changes between calls, traced once for each)")
