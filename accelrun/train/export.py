@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+from accelrun.config.hf_model import HF_CLASS_DEFAULTS
 from accelrun.models.hf_io import export_hf
 from accelrun.train.checkpoint_model import (
     CheckpointModelError,
@@ -175,7 +176,11 @@ def _carry_source_folder(source: Path, theirs: dict, out: Path, own_tokenizer: b
     kept = {k: v for k, v in theirs.items() if k not in SOURCE_KEYS_DROPPED
             and (own_tokenizer or k not in TOKEN_ID_KEYS)}  # fmt: skip
     merged = {**kept, **{k: v for k, v in ours.items() if k not in KEPT_FROM_SOURCE or k not in kept}}
-    positions = [v for v in (ours.get("max_position_embeddings"), theirs.get("max_position_embeddings")) if v]
+    # (a source config without the key has transformers' class default, not the window-clamped count the run
+    # trained with: a review's)
+    source_positions = theirs.get("max_position_embeddings") or HF_CLASS_DEFAULTS.get(
+        str(theirs.get("model_type")), {}).get("max_position_embeddings")
+    positions = [v for v in (ours.get("max_position_embeddings"), source_positions) if v]
     if positions:
         merged["max_position_embeddings"] = max(positions)
     if "dtype" in theirs:  # transformers 5's name for it, beside the older torch_dtype accelrun writes

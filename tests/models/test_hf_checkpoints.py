@@ -308,3 +308,15 @@ def test_an_export_over_an_earlier_one_leaves_none_of_its_weight_files(tmp_path)
     export_hf(sd, spec, spec.args_from_config(cfg), out, removed=removed)  # back to one file
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt"], removed
     assert set(load_file(out / "model.safetensors")) == set(spec.state_dict_to_hf(sd, spec.args_from_config(cfg)))
+
+
+def test_an_export_keeps_the_sources_position_count_where_its_config_leaves_it_out(tmp_path):
+    """A Mistral trained from a config.json without max_position_embeddings read 131,072 (transformers'
+    default) clamped to its window; its export wrote the window (a review's)."""
+    from accelrun.train.export import _carry_source_folder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"model_type": "mistral", "max_position_embeddings": 4096}))
+    _carry_source_folder(tmp_path, {"model_type": "mistral", "sliding_window": 4096}, out, own_tokenizer=False)
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 131072
