@@ -167,7 +167,7 @@ def _no_attention_dropout(config: dict[str, Any], path: str) -> None:
     """accelrun's families have no attention dropout: a folder that sets one is refused, not trained
     without it (a trial's attention_dropout 0.5 trained as 0, without a word)."""
     rate = config.get("attention_dropout") or 0.0
-    if float(rate) != 0.0:
+    if not isinstance(rate, int | float) or float(rate) != 0.0:
         raise HFModelError(f"model.hf: {path}: attention_dropout = {rate!r} is not supported (only 0: accelrun's "
                            "model of this folder has no dropout; model.custom with a factory returning "
                            "transformers' own class applies it)")

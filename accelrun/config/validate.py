@@ -663,7 +663,7 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
             "the steps) reaches it"
         )
     report_warmup = cfg.report.warmup_steps
-    if report_warmup >= cfg.train.steps and (set_by_user("report", "warmup_steps") or set_by_user("train", "steps")):
+    if report_warmup >= cfg.train.steps > 1 and (set_by_user("report", "warmup_steps") or set_by_user("train", "steps")):
         # (a trial's report.warmup_steps=400 over 300 steps passed validate; the run's figures were all n/a)
         out.append(f"report.warmup_steps = {report_warmup} ({source_of(('report', 'warmup_steps'), sources)}) is not "
                    f"below train.steps = {cfg.train.steps}: no step is left for the report's steady-state figures "

@@ -92,7 +92,9 @@ def _refuse_a_run_folder(out: Path) -> None:
 
 def _refuse_what_has_no_hf_form(run: Path) -> None:
     """A user's model (``model.custom``) exports only when its factory returns a transformers model
-    (``PreTrainedModel``: ``save_pretrained``); told apart on the meta device, before any weight is read.
+    (``PreTrainedModel``: ``save_pretrained``); told apart on the meta device, before any weight is read,
+    or where the factory refuses the meta device (``from_pretrained``) by building it on the CPU, weights
+    and all.
     Any other has no Hugging Face form to write (a new user's export of a Qwen2 they trained had been
     refused, with a way round by hand)."""
     from accelrun.errors import UserError
