@@ -121,8 +121,8 @@ def print_comparison(c: Comparison) -> None:
         out.print("[dim]* the 95% interval excludes 1: a difference the interval sees[/]", highlight=False)
     if unmarked(c):
         out.print(f"[dim]intervals over fewer than {FEW_REPEATS} runs a row resample one process's steps: a new "
-                  "process's pace moves more, so they are not marked (accelrun ab --repeats 3 or more, or compare "
-                  "folders of repeats)[/]", highlight=False)
+                  f"process's pace moves more, so they are not marked (accelrun ab --repeats {FEW_REPEATS} or more, "
+                  "or compare folders of repeats)[/]", highlight=False)
     out.print(f"\n[bold]loss parity[/] (relative tolerance {c.rtol:g})")
     for line in parity_lines(c):
         out.print("  " + escape(line), highlight=False)

@@ -25,11 +25,11 @@ def custom_path_hint(path: str) -> str:
     if ":" in path:
         return ""
     if path.endswith(".py") or "/" in path:  # a file: its module's name (the README promises the line to write)
-        file = Path(path).expanduser().resolve()
-        if not file.is_relative_to(Path.cwd()):  # (an absolute or ../ path made no module name: a review's)
+        file, here = Path(path).expanduser().resolve(), Path.cwd().resolve()  # (a folder reached by a link)
+        if not file.is_relative_to(here):  # (an absolute or ../ path made no module name: a review's)
             return (f"; a file is named by its module, from the folder its package is in: run there (or put that "
                     f"folder on PYTHONPATH) and give '{file.stem}:<factory>' or 'package.{file.stem}:<factory>'")
-        module_name = ".".join(file.relative_to(Path.cwd()).with_suffix("").parts)
+        module_name = ".".join(file.relative_to(here).with_suffix("").parts)
         search_current_folder()
         try:
             imported = importlib.import_module(module_name)

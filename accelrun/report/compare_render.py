@@ -25,16 +25,25 @@ def ratio_text(ci: RatioCI | None, baseline: bool = False, processes: int = FEW_
     return f"{ci.ratio:.3f}× ({ci.low:.3f}–{ci.high:.3f}){' *' if marked else ''}"
 
 
+def processes(c: Comparison, row: GroupFigures) -> int:
+    """The runs a row's speed interval rests on: the fewer of its own and the first row's."""
+    return min(row.runs, c.rows[0].runs)
+
+
+def _significant(c: Comparison, marked_rows: bool) -> bool:
+    """Some row's interval excludes 1, over enough runs to carry the ``*`` (or, ``marked_rows`` False, not)."""
+    return any(r.speedup is not None and r.speedup.significant and (processes(c, r) >= FEW_REPEATS) == marked_rows
+               for r in c.rows[1:])
+
+
 def marked(c: Comparison) -> bool:
     """Some row's speed carries the ``*`` (see ``ratio_text``)."""
-    return any(r.speedup is not None and r.speedup.significant and min(r.runs, c.rows[0].runs) >= FEW_REPEATS
-               for r in c.rows[1:])
+    return _significant(c, True)
 
 
 def unmarked(c: Comparison) -> bool:
     """Some row's interval excludes 1 over too few processes to be marked."""
-    return any(r.speedup is not None and r.speedup.significant and min(r.runs, c.rows[0].runs) < FEW_REPEATS
-               for r in c.rows[1:])
+    return _significant(c, False)
 
 
 def parity_text(row: GroupFigures, reference: str) -> str:
@@ -52,7 +61,7 @@ def summary_table(c: Comparison) -> tuple[list[str], list[list[str]]]:
     rows = []
     for i, r in enumerate(c.rows):
         rows.append([r.label, *([str(r.runs)] if repeats else []), str(r.steady_steps), fmt.secs(r.median_step_s),
-                     fmt.integer(r.tokens_per_s), ratio_text(r.speedup, i == 0, min(r.runs, c.rows[0].runs)),
+                     fmt.integer(r.tokens_per_s), ratio_text(r.speedup, i == 0, processes(c, r)),
                      fmt.pct(r.mfu),
                      fmt.nbytes(r.mem_peak_bytes), fmt.secs(r.compile_time_s), fmt.loss(r.final_loss)])
     if any(r.final_val_loss is not None for r in c.rows):  # eval.every in any of them
