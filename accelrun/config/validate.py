@@ -419,6 +419,11 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
             out.append(f"{v('model.n_heads')} and {kv} must both be divisible by {tp}: each rank "
                        f"holds whole heads; parallel.tp may be {', '.join(map(str, fit))} "
                        f"(the degrees that divide both and the world of {world})")
+        if m.arch != "moe" and m.ffn_dim % deg["tp"]:  # w1/w3 split by columns, w2 by rows: DTensor needs equal shares
+            below = m.ffn_dim // deg["tp"] * deg["tp"]
+            fits = " or ".join(f"model.ffn_dim={n}" for n in (below, below + deg["tp"]) if n > 0)
+            out.append(f"{v('model.ffn_dim')} is not divisible by tensor-parallel degree {deg['tp']}: each rank holds "
+                       f"an equal share of the feed-forward's hidden units; {fits}")
         if m.n_layers < deg["pp"]:
             out.append(f"{v('model.n_layers')} is fewer than pipeline stages {deg['pp']}")
         elif deg["pp"] > 1 and m.n_layers < deg["pp"] * par.stages_per_rank:

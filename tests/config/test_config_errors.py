@@ -150,6 +150,11 @@ def test_wrong_type_or_range_points_at_the_line(write, text, line, expect):
         (["parallel.nproc_per_node=4", "parallel.tp=-1"], "at most one parallel degree may be -1"),
         (["parallel.nproc_per_node=3", "parallel.tp=3", "parallel.dp_shard=1"], "must both be divisible by parallel.tp = 3 (override 'parallel.tp=3'): each rank holds whole heads; parallel.tp may be 1 ("),
         (["parallel.nproc_per_node=8", "parallel.pp=8", "parallel.dp_shard=1"], "fewer than pipeline stages 8"),
+        # trained until DTensor's mm refused the uneven shards on every rank (a trial)
+        (["parallel.nproc_per_node=2", "parallel.tp=2", "parallel.dp_shard=1", "compile.backend=eager",
+          "model.ffn_dim=511"], "model.ffn_dim = 511 (override 'model.ffn_dim=511') is not divisible by tensor-parallel "
+                                "degree 2: each rank holds an equal share of the feed-forward's hidden units; "
+                                "model.ffn_dim=510 or model.ffn_dim=512"),
         # said its own value twice and no way out (a new user's trial)
         (["parallel.nproc_per_node=2", "parallel.pp=2", "parallel.dp_shard=1", "train.micro_batch=1"],
          "train.micro_batch = 1 (override 'train.micro_batch=1') is not divisible by parallel.microbatches = 2 "
