@@ -196,6 +196,8 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
     except BaseException as e:
         if trackers is not None:
             trackers.close()
+        if main:  # what compiled before the failure, beside its dumps: what a user debugging it reads first
+            _write_compile_record(cfg, s, run_dir)
         if (isinstance(e, UserError) and ctx is None and s.resumed_from is None and not _steps_recorded(run_dir)
                 and not cfg.compile.dump and not cfg.report.trackers):
             # The model's output refused at its first step: nothing ran. One process only (a job's other
@@ -335,15 +337,21 @@ def _host_blocks(s: TrainSetup) -> dict | None:
     return dataclasses.asdict(host_blocks.counters()) if host_blocks.installed() else None
 
 
+def _write_compile_record(cfg, s: TrainSetup, run_dir: Path) -> None:
+    """compile/record.json beside the dumps (``compile.dump``), as ``compile explain`` writes it."""
+    if cfg.compile.dump and s.compile_record is not None:
+        with contextlib.suppress(OSError):
+            write_json(s.compile_record.to_json(), run_dir / "compile" / "record.json")
+
+
 def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str, setup_s: float, error,
                   per_rank: list[dict], cpu: CpuWindow, ended: bool = True, note: str | None = None,
                   html: bool = True) -> dict:
     cfg = resolved.config
     metrics = read_metrics(run_dir / "metrics.jsonl")
     compiler = _compiler_summary(s)
-    if cfg.compile.dump and s.compile_record is not None and s.ctx.is_main:  # beside the dumps, as explain writes it
-        with contextlib.suppress(OSError):
-            write_json(s.compile_record.to_json(), run_dir / "compile" / "record.json")
+    if s.ctx.is_main:
+        _write_compile_record(cfg, s, run_dir)
     # What the compiler timed, where it did: a difference of steps on a busy machine said 0.0 s.
     took = compile_time(metrics, record_seconds(compiler)) if s.compiles else None
     report = summarize(

@@ -542,6 +542,20 @@ def test_a_run_with_compile_dump_writes_its_compile_record_beside_the_dumps(tiny
     assert list((result.run_dir / "compile").glob("g0.forward/*.py"))
 
 
+def test_a_run_that_fails_after_compiling_keeps_its_compile_record_beside_the_dumps(tiny, tmp_path, monkeypatch):
+    """A trial's run that failed at its third step left the dumps of what compiled but no record.json:
+    the one file that says which graphs, regions and fallbacks there were."""
+    (tmp_path / "failsmodel.py").write_text(NAN_MODEL.replace('y * float("nan")', "y.view(-1, 7, 3)")
+                                            .replace("{n}", "3"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RuntimeError, match="invalid for input of size"):
+        run(tiny(5, "model.custom=failsmodel:build", "compile.backend=accelrun", "compile.dump=true", "name=fails"))
+    (d,) = list((tmp_path / "runs" / "fails").iterdir())
+    record = json.loads((d / "compile" / "record.json").read_text())
+    assert record["summary"]["dynamo_graphs"] > 0 and record["regions"]
+    assert len(losses(d)) == 2
+
+
 def test_a_checkpoint_goes_on_with_another_runs_own_data_from_its_start(tiny, tmp_path):
     """README: a checkpoint of another training "is a new run that goes on from that checkpoint with its own
     recipe". A trial's fine-tune on its own text was refused: "data state was saved on different data ...
