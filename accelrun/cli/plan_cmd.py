@@ -119,7 +119,6 @@ def _tflops(value: float) -> str:
 
 def _calibrate(devices_per_node: int, output: Path | None, show: bool = True) -> Path:
     from accelrun.plan.calibrate import cache_path, calibrate, to_yaml  # imports torch when it measures
-    from accelrun.plan.cluster import BUSY_CALIBRATION
     from accelrun.report.machine_load import CpuWindow, busy_note
 
     err.print(f"measuring this machine as {devices_per_node} device(s): matmuls, attention, memory, collectives "
@@ -132,8 +131,7 @@ def _calibrate(devices_per_node: int, output: Path | None, show: bool = True) ->
                                 "steps; run --calibrate again when the machine is quiet"):
         err.print(f"[bold yellow]warning:[/] {escape(busy)}", highlight=False)
         # kept with the figures, so every plan made from them says so (a trial's plan was 3-4x slow, silently)
-        sources = description["cluster"]["sources"]
-        sources["calibration"] += f"; {BUSY_CALIBRATION} {share:.0%} of the CPU (rates low)"
+        description["cluster"]["calibration"]["others_cpu_share"] = round(share, 3)
     text = to_yaml(description)
     path = cache_path(devices_per_node, gpu=description["cluster"]["calibration"]["device_name"])
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -542,6 +542,9 @@ class CalibrationConfig(Section):
     device_name: str | None = Field(None, description="the GPU measured, as CUDA names it; None for a CPU")
     torch: str | None = None
     threads_per_device: PositiveInt | None = None
+    others_cpu_share: float | None = Field(
+        None, ge=0, le=1, description="the share of the CPU other processes used while it was measured, where "
+                                      "that was enough to lower its rates (every plan made from it says so)")
     # precision → {matrix width: achieved TFLOP/s}, from (rows × width) @ (width × width) products.
     matmul_tflops: dict[Literal["fp32", "bf16"], dict[PositiveInt, PositiveFloat]] = Field(default_factory=dict)
     # precision → {sequence length: achieved TFLOP/s} of causal attention (forward + backward, FLOPs

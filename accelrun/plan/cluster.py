@@ -112,8 +112,8 @@ class Cluster:
             if peak is None:  # a CPU: the best rate measured, as accelrun's MFU probe does
                 peak = max(r for _, r in curve)
                 peak_source = f"measured: the best {key} matmul rate of `accelrun plan --calibrate` on this machine"
-                if BUSY_CALIBRATION in (said := c.sources.get("calibration", "")):  # every rate it gives is low
-                    peak_source += "; " + said[said.index(BUSY_CALIBRATION):]
+                if (share := c.calibration.others_cpu_share) is not None:  # every rate it gives is low
+                    peak_source += f"; measured while other processes used {share:.0%} of the CPU (rates low)"
         elif peak is not None:
             curve = ((1, peak * eff.MATMUL_OF_PEAK),)
         else:
@@ -138,10 +138,6 @@ class Cluster:
     def _missing(self, key: str, precision: str) -> str:
         how = HOW_TO_CALIBRATE if self.device == "cpu" else "declare it in the cluster description"
         return f"cluster.device = {self.device}: no figure for {key} (train.precision = {precision}); {how}"
-
-
-# How `accelrun plan --calibrate` marks figures measured beside other work (plan_cmd), which plans repeat.
-BUSY_CALIBRATION = "measured while other processes used"
 
 
 def resolve_cluster(c: ClusterConfig, processes_per_node: int | None = None) -> Cluster:

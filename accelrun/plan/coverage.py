@@ -60,7 +60,7 @@ NO_EFFECT = frozenset({
     "report.trackers", "report.mlflow_uri",  # rank 0 copies each step's record after it is timed
     "eval.every", "eval.steps", "eval.split",  # evaluation runs after the step's timing, outside it
     "cluster.calibration.measured_at", "cluster.calibration.host", "cluster.calibration.device_name",
-    "cluster.calibration.torch", "cluster.sources",
+    "cluster.calibration.torch", "cluster.calibration.others_cpu_share", "cluster.sources",
 })
 
 # Change memory or time in ways the planner does not model; ``unmodelled`` says when they apply.
