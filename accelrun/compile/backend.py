@@ -237,9 +237,10 @@ class AccelrunBackend:
             # The joint stage: before the cut decides what the forward saves for the backward.
             from accelrun.torch_private import default_partition
 
-            joint = self.passes.run_graph("joint", joint, f"{name}.joint", "joint", None, notes)
+            joint = self.passes.run_graph("joint", joint, f"{name}.joint", "joint", None, notes,
+                                          check_inputs=list(joint_inputs))
             fw, bw = default_partition(joint, joint_inputs, **kwargs)
-            fw, bw = self.passes.run_pair(name, fw, bw, notes)
+            fw, bw = self.passes.run_pair(name, fw, bw, notes, joint, list(joint_inputs))
             return fw, bw
 
     def _graph_compiler(self, name: str, kind: str, notes: GraphNotes):

@@ -21,10 +21,18 @@ LOW_PRECISION = (1e-2, 1e-2)
 
 
 def sample_inputs(example_inputs: list[Any], seed: int = 0) -> list[Any]:
-    """Real tensors shaped like ``example_inputs`` (which may be fake): floats random, integers 0."""
+    """Real tensors shaped like ``example_inputs`` (which may be fake, and nested in lists: a joint graph's
+    primals and tangents): floats random, integers 0."""
     gen = torch.Generator().manual_seed(seed)
+    return _sampled(example_inputs, gen)
+
+
+def _sampled(example_inputs: list[Any] | tuple[Any, ...], gen: torch.Generator) -> list[Any]:
     out = []
     for x in example_inputs:
+        if isinstance(x, list | tuple):
+            out.append(_sampled(x, gen))
+            continue
         if not isinstance(x, torch.Tensor):
             out.append(x)
             continue
@@ -80,10 +88,12 @@ def _flatten(x: Any) -> list[Any]:
 
 
 # What a pass's record says where its results could not be compared (the graphs draw other random numbers).
+UNRUNNABLE = "not compared: the graph before it does not run on sample inputs ({why})"
 UNCHECKED_RANDOM = "not compared: it changes which random numbers the graph draws ({before} before, {after} after)"
 
 
-def check_pass(what: str, before: fx.GraphModule, after: fx.GraphModule, example_inputs: list[Any]) -> str:
+def check_pass(what: str, before: fx.GraphModule | ForwardThenBackward, after: fx.GraphModule | ForwardThenBackward,
+               example_inputs: list[Any]) -> str:
     """``NUMERICS_EQUAL``, or why the results were not compared; PassNumericsError if the change ``what``
     names ("pass 'cse'", "the lowering of g0.forward") changed them."""
     from accelrun.torch_private import unset_fake_temporarily
@@ -93,26 +103,63 @@ def check_pass(what: str, before: fx.GraphModule, after: fx.GraphModule, example
         return _check(what, before, after, example_inputs)
 
 
-def _check(what: str, before: fx.GraphModule, after: fx.GraphModule, example_inputs: list[Any]) -> str:
+def _check(what: str, before: Any, after: Any, example_inputs: list[Any]) -> str:
     inputs = sample_inputs(example_inputs)
     # Each graph from the same seed: a dropout draws the same mask in both (unseeded, a pass that touched
     # nothing "changed the results" of every model with dropout, and the run stopped: a trial's).
     devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []  # (not every GPU's)
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(0)
-        expected = before(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+        try:
+            expected = before(*_cloned(inputs))  # a graph may write to its inputs (running statistics)
+        except Exception as e:  # noqa: BLE001 (not the pass's doing: its input graph fails on sample values)
+            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+            return UNRUNNABLE.format(why=f"{type(e).__name__}: {first}")
         torch.manual_seed(0)
         got = after(*inputs)
     problem = compare_outputs(expected, got)
     if problem is None:
         return NUMERICS_EQUAL
-    drawn_before, drawn_after = random_draws(before), random_draws(after)
+    drawn_before, drawn_after = _draws(before), _draws(after)
     # Only where accelrun's own generator draws on one side (cpu_dropout's masks, drawn in its kernels: other
     # numbers by design); a pass that dropped or doubled an ATen dropout is an error like any other.
     if drawn_before != drawn_after and any(d in OWN_GENERATOR for d in (*drawn_before, *drawn_after)):
         return UNCHECKED_RANDOM.format(before=", ".join(map(str, drawn_before)) or "none",
                                        after=", ".join(map(str, drawn_after)) or "none")
     raise PassNumericsError(f"{what} changed the graph's results: {problem}")
+
+
+def _cloned(x: Any) -> Any:
+    if isinstance(x, list | tuple):
+        return [_cloned(y) for y in x]
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+class ForwardThenBackward:
+    """A partition stage's (forward, backward) pair run as the joint graph it was cut from: the forward on
+    the primals, then the backward on what the forward saved and the tangents; returns the forward's own
+    outputs and the gradients, which no pass at that stage may change (what is saved between them, it may).
+    Inputs are matched by name: the cut keeps a node's name in both graphs."""
+
+    def __init__(self, fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, joint_names: list[str]) -> None:
+        self.fw, self.bw, self.num_fwd_outputs, self.joint_names = fw, bw, num_fwd_outputs, joint_names
+
+    def __call__(self, primals: list[Any], tangents: list[Any]) -> tuple[list[Any], list[Any]]:
+        given = dict(zip(self.joint_names, [*primals, *tangents], strict=True))
+        outs = list(self.fw(*[given[p.name] for p in self.fw.graph.find_nodes(op="placeholder")]))
+        (returned,) = self.fw.graph.find_nodes(op="output")
+        names = [getattr(n, "name", None) for n in returned.args[0]]
+        saved = dict(zip(names[self.num_fwd_outputs:], outs[self.num_fwd_outputs:], strict=True))
+        grads = self.bw(*[saved[p.name] if p.name in saved else given[p.name]
+                          for p in self.bw.graph.find_nodes(op="placeholder")])
+        return outs[:self.num_fwd_outputs], list(grads)
+
+    def random_draws(self) -> list[object]:
+        return random_draws(self.fw) + random_draws(self.bw)
+
+
+def _draws(graph: Any) -> list[object]:
+    return graph.random_draws() if isinstance(graph, ForwardThenBackward) else random_draws(graph)
 
 
 def random_draws(gm: fx.GraphModule) -> list[object]:

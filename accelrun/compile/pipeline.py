@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,7 +30,7 @@ from torch import fx
 
 from accelrun.compile.activity import ACTIVITY
 from accelrun.compile.dump import Dumper
-from accelrun.compile.numerics import check_pass
+from accelrun.compile.numerics import ForwardThenBackward, check_pass
 from accelrun.compile.passes.base import (
     ConfiguredPass,
     GraphNotes,
@@ -126,6 +127,7 @@ class _Unit(Protocol):
     def after(self, result: PassResult, pass_name: str) -> _Unit: ...  # the rewritten unit, linted
     def finish(self) -> None: ...  # once after the stage's passes: the modules' code matches their graphs
     def dump(self, dumper: Dumper, pass_name: str, changed: bool) -> None: ...
+    def runner(self) -> Any: ...  # what compile.debug_numerics runs before and after a pass, or None
 
 
 @dataclass
@@ -159,19 +161,26 @@ class _OneGraph:
         if changed:
             dumper.graph(self.name, pass_name, self.gm)
 
+    def runner(self) -> fx.GraphModule:
+        return self.gm
+
 
 @dataclass
 class _ForwardBackward:
     fw: fx.GraphModule
     bw: fx.GraphModule
     name: str  # the Dynamo graph's name: its graphs dump as <name>.forward and <name>.backward
+    # What runs the pair as the joint graph it was cut from (compile.debug_numerics): AOTAutograd's count of
+    # the forward's own outputs and the joint graph's input names.
+    num_fwd_outputs: int | None = None
+    joint_names: list[str] | None = None
 
     def ops(self) -> int:
         return count_ops(self.fw) + count_ops(self.bw)
 
     def snapshot(self) -> Callable[[], _ForwardBackward]:
         fw, bw = graph_snapshot(self.fw), graph_snapshot(self.bw)
-        return lambda: _ForwardBackward(fw.restore(), bw.restore(), self.name)
+        return lambda: _ForwardBackward(fw.restore(), bw.restore(), self.name, self.num_fwd_outputs, self.joint_names)
 
     def value(self) -> tuple[fx.GraphModule, fx.GraphModule]:
         return self.fw, self.bw
@@ -179,7 +188,7 @@ class _ForwardBackward:
     def after(self, result: PassResult, pass_name: str) -> _ForwardBackward:
         fw, bw = result.graph if result.graph is not None else (self.fw, self.bw)
         lint(fw), lint(bw)
-        return _ForwardBackward(fw, bw, self.name)
+        return _ForwardBackward(fw, bw, self.name, self.num_fwd_outputs, self.joint_names)
 
     def finish(self) -> None:
         generate_code(self.fw), generate_code(self.bw)
@@ -187,6 +196,11 @@ class _ForwardBackward:
     def dump(self, dumper: Dumper, pass_name: str, changed: bool) -> None:
         dumper.graph(f"{self.name}.forward", f"partition_{pass_name}", self.fw)
         dumper.graph(f"{self.name}.backward", f"partition_{pass_name}", self.bw)
+
+    def runner(self) -> ForwardThenBackward | None:
+        if self.num_fwd_outputs is None or self.joint_names is None:
+            return None
+        return ForwardThenBackward(self.fw, self.bw, self.num_fwd_outputs, self.joint_names)
 
 
 class PassDriver:
@@ -198,10 +212,14 @@ class PassDriver:
         self.strict, self.debug_numerics = strict, debug_numerics
 
     def run_graph(self, stage: str, gm: fx.GraphModule, graph_name: str, kind: str,
-                  example_inputs: list[Any] | None, notes: GraphNotes) -> fx.GraphModule:  # fmt: skip
-        """``stage``'s passes over one graph (pre_grad, joint, post_grad)."""
+                  example_inputs: list[Any] | None, notes: GraphNotes,
+                  check_inputs: list[Any] | None = None) -> fx.GraphModule:  # fmt: skip
+        """``stage``'s passes over one graph (pre_grad, joint, post_grad). ``check_inputs``: what
+        compile.debug_numerics runs the graph on where the passes are given no ``example_inputs`` (the
+        joint graph's primals and tangents)."""
         self.dumper.graph(graph_name, "input", gm)
-        unit = self._run(stage, _OneGraph(gm, graph_name), graph_name, PassContext(kind, example_inputs, notes))
+        unit = self._run(stage, _OneGraph(gm, graph_name), graph_name, PassContext(kind, example_inputs, notes),
+                         example_inputs if check_inputs is None else check_inputs)
         if stage == "pre_grad":
             # Dynamo traces a ``checkpoint`` call into one higher-order op whose body is a submodule the
             # passes would not see: without this a checkpointed block trains (and reruns) unfused.
@@ -210,13 +228,17 @@ class PassDriver:
                                                       None, notes))  # fmt: skip
         return unit.gm
 
-    def run_pair(self, name: str, fw: fx.GraphModule, bw: fx.GraphModule,
-                 notes: GraphNotes) -> tuple[fx.GraphModule, fx.GraphModule]:  # fmt: skip
-        """The partition stage's passes over AOTAutograd's (forward, backward) pair of Dynamo graph ``name``."""
-        unit = self._run("partition", _ForwardBackward(fw, bw, name), f"{name}.joint", PassContext("joint", notes=notes))
+    def run_pair(self, name: str, fw: fx.GraphModule, bw: fx.GraphModule, notes: GraphNotes,
+                 joint: fx.GraphModule | None = None, joint_inputs: list[Any] | None = None,
+                 ) -> tuple[fx.GraphModule, fx.GraphModule]:  # fmt: skip
+        """The partition stage's passes over AOTAutograd's (forward, backward) pair of Dynamo graph ``name``,
+        cut from ``joint`` (whose inputs compile.debug_numerics runs the pair on)."""
+        names = None if joint is None else [p.name for p in joint.graph.find_nodes(op="placeholder")]
+        pair = _ForwardBackward(fw, bw, name, notes.num_fwd_outputs, names)
+        unit = self._run("partition", pair, f"{name}.joint", PassContext("joint", notes=notes), joint_inputs)
         return unit.fw, unit.bw
 
-    def _run(self, stage: str, unit: Any, graph_name: str, ctx: PassContext) -> Any:
+    def _run(self, stage: str, unit: Any, graph_name: str, ctx: PassContext, check_inputs: list[Any] | None) -> Any:
         passes = passes_for_stage(self.passes, stage)  # type: ignore[arg-type]
         if not passes:
             unit.finish()
@@ -228,9 +250,10 @@ class PassDriver:
         done: list[ConfiguredPass] = []
         changed_by: list[str] = []
         for p in passes:
-            # (a joint graph or a pair has no example inputs to check a pass's numerics with)
-            checked = self.debug_numerics and ctx.example_inputs is not None
-            before_copy = copy.deepcopy(unit.gm) if checked else None
+            checked = self.debug_numerics and check_inputs is not None and unit.runner() is not None
+            with warnings.catch_warnings():  # torch's pytree spec of a joint graph warns when copied
+                warnings.simplefilter("ignore", FutureWarning)
+                before_copy = copy.deepcopy(unit.runner()) if checked else None
             t0 = time.perf_counter()
             before = unit.ops()
             ACTIVITY.doing(f"{graph_name}: {'' if graph_name.endswith(stage) else stage + ' '}pass {p.name} ({before:,} ops)")
@@ -252,7 +275,7 @@ class PassDriver:
             noted = self._noted(graph_name, stage, p, before, unit.ops(), result, time.perf_counter() - t0)
             changed_by += [p.name] if result.changed else []
             if before_copy is not None:
-                noted.numerics = check_pass(f"pass {p.name!r}", before_copy, unit.gm, ctx.example_inputs)
+                noted.numerics = check_pass(f"pass {p.name!r}", before_copy, unit.runner(), check_inputs)
             unit.dump(self.dumper, p.name, result.changed)
         try:
             unit.finish()

@@ -207,9 +207,8 @@ class CompileRecord:
         equal = sum(1 for s in said if s == NUMERICS_EQUAL)
         kernels = sum(1 for s in lowered if s == NUMERICS_EQUAL)
         return (f"debug_numerics: {equal} pass run(s) and {kernels} lowered graph(s) equal before and after"
-                + (f", {len(said) + len(lowered) - equal - kernels} not compared (they change the random draws)"
-                   if len(said) + len(lowered) > equal + kernels else "")
-                + " (the joint graph's passes are not compared)")
+                + (f", {len(said) + len(lowered) - equal - kernels} not compared (a pass that changes the random draws, or a graph that does not run on sample values)"
+                   if len(said) + len(lowered) > equal + kernels else ""))
 
     def mark(self) -> RecordMark:
         """Where the record stands now, for ``roll_back``."""

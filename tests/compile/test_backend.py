@@ -64,6 +64,9 @@ def test_llama_blocks_match_eager_fp32(passes, tmp_path):
     assert list((tmp_path / "dump" / "g0.forward").glob("*_input.py"))
     if passes not in ("none",):
         assert backend.record.passes, "the passes ran and were recorded"
+    if passes in ("default", "max"):  # the joint graph's and the (forward, backward) pair's passes compared too
+        joint = {p.name: p.numerics for p in backend.record.passes if p.stage in ("joint", "partition")}
+        assert "remat" in joint and set(joint.values()) == {"equal before and after"}, joint
 
 
 def test_a_dump_repeats_no_file_and_shows_regions_under_the_models_lines(tmp_path):
@@ -176,6 +179,39 @@ def test_debug_numerics_names_the_pass_that_diverges():
     cos, sin = rope_tables(ARGS.head_dim, T, ARGS.rope_theta)
     with pytest.raises(Exception, match="test_breaks_numerics") as info:
         blocks[0](torch.randn(2, T, ARGS.dim, requires_grad=True), cos, sin)
+    assert isinstance(info.value, PassNumericsError) or "PassNumericsError" in str(info.value)
+
+
+@register_pass("test_breaks_joint", "joint")
+def _breaks_joint(gm, options: PassOptions, ctx) -> PassResult:
+    return _breaks_numerics(gm, options, ctx)
+
+
+@register_pass("test_breaks_gradient", "partition")
+def _breaks_gradient(pair, options: PassOptions, ctx) -> PassResult:
+    """Doubles the backward's first gradient, forward untouched: what a wrong recomputation could do."""
+    fw, bw = pair
+    (out,) = bw.graph.find_nodes(op="output")
+    grads = list(out.args[0])
+    i = next(i for i, g in enumerate(grads) if g is not None)
+    with bw.graph.inserting_before(out):
+        grads[i] = bw.graph.call_function(torch.ops.aten.mul.Tensor, (grads[i], 2.0))
+    out.args = (tuple(grads),)
+    bw.recompile()
+    return PassResult(True, "doubled a gradient", graph=(fw, bw))
+
+
+@pytest.mark.parametrize("wrong", ["test_breaks_joint", "test_breaks_gradient"])
+def test_debug_numerics_names_a_joint_or_partition_pass_that_diverges(wrong):
+    """Only the forward's and the backward's passes were compared: a wrong pass on the joint graph (before
+    the cut) or on the pair (remat's stage) trained on."""
+    blocks, _ = _blocks_and_reference(1)
+    backend = AccelrunBackend(CompileOptions(passes=resolve_passes(["dce", wrong]), executors=["aten"],
+                                             debug_numerics=True))  # fmt: skip
+    blocks[0].compile(backend=backend)
+    cos, sin = rope_tables(ARGS.head_dim, T, ARGS.rope_theta)
+    with pytest.raises(Exception, match=wrong) as info:
+        blocks[0](torch.randn(2, T, ARGS.dim, requires_grad=True), cos, sin).sum().backward()
     assert isinstance(info.value, PassNumericsError) or "PassNumericsError" in str(info.value)
 
 
@@ -531,3 +567,17 @@ def test_a_size_marked_dynamic_stays_symbolic(dim):
         want.sum().backward()
         torch.testing.assert_close(x.grad, x_ref.grad)
     assert backend.record.dynamo_graphs == 1 and not backend.record.recompiles
+
+
+def test_debug_numerics_does_not_blame_a_pass_for_a_graph_that_cannot_run_on_sample_values():
+    """Sample values are random floats and zero indices: a graph before the pass that fails on them says
+    nothing of the pass (an exception there stopped the pass as if it had broken the graph)."""
+    from accelrun.compile.numerics import check_pass
+
+    def needs_a_positive(x):
+        if x.min() < 0:
+            raise ValueError("expects positive values")
+        return x
+
+    said = check_pass("pass 'x'", needs_a_positive, torch.abs, [torch.randn(8)])
+    assert said == "not compared: the graph before it does not run on sample inputs (ValueError: expects positive values)"
