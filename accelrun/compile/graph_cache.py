@@ -822,6 +822,8 @@ def decline_reason(cfg: Any, targets: list[tuple[nn.Module, str]]) -> str | None
     from accelrun.dist.activation_checkpoint import is_checkpointed
 
     for owner, method in targets:
+        if (unfiled := code_without_a_file(owner)) is not None:
+            return unfiled
         if method in owner.__dict__ and method not in instance_methods(owner):
             return f"{type(owner).__name__}.{method} is {_wrapped_by(owner.__dict__[method])}"
         # a block inside it checkpointed (a whole model compiled over an nn.Sequential of checkpointed
@@ -833,6 +835,21 @@ def decline_reason(cfg: Any, targets: list[tuple[nn.Module, str]]) -> str | None
         # The model says why its whole forward may not (its other methods, a loss head, still may).
         if method == "forward" and (why := getattr(owner, "graph_cache_declines_forward", None)) is not None:
             return why
+    return None
+
+
+def code_without_a_file(owner: nn.Module) -> str | None:
+    """Why the key cannot cover ``owner``'s code, or None: a module class defined where no source file
+    holds it (typed into ``python -`` or a REPL), which the key reads to tell an edited model from the
+    one an entry was compiled for (it raised, and the first step with it)."""
+    for cls in sorted({type(m) for m in owner.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
+        try:
+            path = inspect.getsourcefile(cls)
+        except (TypeError, OSError):  # its module has no file at all (``__main__`` of ``python -c``)
+            path = None
+        if path is None or not os.path.isfile(path):
+            where = f"in {path}" if path else f"in module {cls.__module__}, which has no source file"
+            return f"{cls.__qualname__} is defined {where}: its graphs are compiled afresh in each process"
     return None
 
 

@@ -957,3 +957,28 @@ def test_a_precompile_failure_is_said_once_in_a_whole_sentence():
             logger.warning("another warning")
         logger.warning("AOTAutograd cache unable to serialize compiled graph: after")
     assert seen == ["another warning", "AOTAutograd cache unable to serialize compiled graph: after"]
+
+
+@pytest.mark.parametrize("how", ["stdin", "-c"])
+def test_a_model_typed_into_python_without_a_file_trains_uncached_and_says_why(tmp_path, how):
+    """A compiler engineer's trial: a model class defined in ``python -`` (or ``-c``, a REPL) crashed its
+    first step: the graph cache's key reads the source file of each module class."""
+    script = (
+        "import torch\nfrom torch import nn\n"
+        "from accelrun.compile.compile_model import compile_model\n"
+        "from accelrun.config.schema import CompileConfig\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.lin = nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n        return self.lin(x).relu().sum()\n"
+        "torch.manual_seed(0)\nmodel = Net()\n"
+        "c = compile_model(model, None, CompileConfig(backend='accelrun', scope='model', executors=['cpp', 'aten']))\n"
+        "model(torch.randn(4, 8)).backward()\n"
+        "print(c.record.graph_cache['off']); print(c.record.dynamo_graphs)\n"
+    )
+    env = {**os.environ, "ACCELRUN_CACHE_DIR": str(tmp_path)}
+    args, stdin = ([sys.executable, "-"], script) if how == "stdin" else ([sys.executable, "-c", script], None)
+    done = subprocess.run(args, input=stdin, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    off, graphs = done.stdout.strip().splitlines()[-2:]
+    assert off.startswith("Net is defined in ") and off.endswith(": its graphs are compiled afresh in each process")
+    assert int(graphs) == 1  # compiled all the same
