@@ -252,7 +252,8 @@ def baked_value(guard: Any) -> BakedValue | None:
     """The ``BakedValue`` a guard Dynamo wrote stands for, or None: a guard on something else (an
     input, the model's own attributes, which torch's saved guards check), or one the record cannot
     read back by its name or hold (an object's identity)."""
-    if not (guard.is_global or guard.name.startswith("dict(type(")) or not readable(guard.name):
+    if not (guard.is_global or guard.name.startswith("dict(type(") or _function_by_identity(guard)) \
+            or not readable(guard.name):
         return None
     if guard.name.startswith("G['__builtins"):  # Dynamo's own name for the builtins, not in a loading frame
         return None
@@ -272,6 +273,18 @@ def baked_value(guard: Any) -> BakedValue | None:
     if value is _UNREADABLE or (kind == "keys" and not all(type(k) in _PLAIN for k in value)):
         return None
     return BakedValue(guard.name, kind, value)
+
+
+# Guards on an object's identity, which torch's precompile drops (it cannot save one).
+_IDENTITY_GUARDS = frozenset({"ID_MATCH", "FUNCTION_MATCH", "CLOSURE_MATCH"})
+
+
+def _function_by_identity(guard: Any) -> bool:
+    """A function the model holds in an attribute (``self.act = F.silu``, chosen by a constructor's
+    argument), guarded by identity: the saved guards lose that, and an entry compiled for one function
+    ran for another (a fuzzer's tanh model trained silu's graph). Kept by its qualified name and code."""
+    kinds = {guard.guard_type, *guard.derived_guard_types}
+    return bool(kinds & _IDENTITY_GUARDS) and isinstance(guard.value, types.FunctionType | types.BuiltinFunctionType)
 
 
 def readable(name: str) -> bool:

@@ -982,3 +982,46 @@ def test_a_model_typed_into_python_without_a_file_trains_uncached_and_says_why(t
     off, graphs = done.stdout.strip().splitlines()[-2:]
     assert off.startswith("Net is defined in ") and off.endswith(": its graphs are compiled afresh in each process")
     assert int(graphs) == 1  # compiled all the same
+
+
+ACTIVATION_MODEL = '''
+import json, sys, torch, torch.nn.functional as F
+from torch import nn
+from accelrun.compile.compile_model import compile_model
+from accelrun.config.schema import CompileConfig
+
+class Net(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.lin, self.act = nn.Linear(8, 8), act
+
+    def forward(self, x):
+        return self.act(self.lin(x)).sum()
+
+torch.manual_seed(0)
+model = Net({"silu": F.silu, "tanh": torch.tanh, "gelu": F.gelu}[sys.argv[1]])
+eager = model(torch.ones(4, 8)).item()
+compiled = compile_model(model, None, CompileConfig(backend="accelrun", scope="model", executors=["cpp", "aten"]))
+print(json.dumps({"out": model(torch.ones(4, 8)).item(), "eager": eager, "cache": compiled.record.graph_cache}))
+'''
+
+
+def test_a_function_held_in_an_attribute_is_checked_on_load(tmp_path):
+    """A compiler engineer's trial: ``self.act`` chosen by a constructor's argument; a new process with
+    tanh (and then gelu) loaded the graph compiled for silu, Dynamo's identity guard on the function
+    being one torch's precompile drops."""
+    (tmp_path / "net.py").write_text(ACTIVATION_MODEL)
+    env = {**os.environ, "ACCELRUN_CACHE_DIR": str(tmp_path / "cache")}
+
+    def run(act: str) -> dict:
+        done = subprocess.run([sys.executable, str(tmp_path / "net.py"), act], capture_output=True, text=True,
+                              env=env, cwd=tmp_path, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    runs = {act: run(act) for act in ("silu", "tanh", "gelu")}
+    for act, result in runs.items():
+        assert result["out"] == pytest.approx(result["eager"], rel=1e-5), (act, result)
+        assert result["cache"]["loaded"] == 0 and result["cache"]["compiled"] == 1, (act, result["cache"])
+    again = run("tanh")  # each function's entry is kept and loads for it
+    assert again["cache"]["loaded"] == 1 and again["out"] == pytest.approx(again["eager"], rel=1e-5), again
