@@ -467,6 +467,7 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
     out += _document_packing_problems(cfg, deg, v)
     out += moe_problems(cfg, deg, v)
     out += _stages_per_rank_problems(par, deg, v)
+    out += _microbatch_count_problems(par, deg, v)
     if par.pp_layers is not None:
         stages = deg["pp"] * par.stages_per_rank
         layers = sum(len(stage) for stage in par.pp_layers)
@@ -500,6 +501,32 @@ def _stages_per_rank_problems(par, deg: dict[str, int], v) -> list[str]:
         return [f"{v('parallel.pp_stages_per_rank')}: {v('parallel.pp_schedule')} loops at least 2 stages "
                 "over each rank; nearest valid value: 2"]
     return []
+
+
+def microbatch_count_fits(schedule: str, microbatches: int, pp: int) -> bool:
+    """torch's own rule for each schedule (torch.distributed.pipelining.schedules): 1F1B keeps every
+    stage busy, so at least one micro-batch a stage; the interleaved ones run them in rounds of pp."""
+    if schedule == "1f1b":
+        return microbatches >= pp
+    if schedule in INTERLEAVED_SCHEDULES:
+        return microbatches % max(1, microbatches // pp) == 0
+    return True
+
+
+def _microbatch_count_problems(par, deg: dict[str, int], v) -> list[str]:
+    """parallel.microbatches that torch's schedule refuses when it is built, on every rank (a trial's job
+    validated, launched and crashed at setup; at scale, after its 512 GPUs were given)."""
+    pp, n = deg["pp"], par.microbatches
+    if pp == 1 or n is None or microbatch_count_fits(par.pp_schedule, n, pp):
+        return []
+    fits = [m for m in range(1, 4 * max(n, pp) + 1) if microbatch_count_fits(par.pp_schedule, m, pp)]
+    nearest = sorted(fits, key=lambda m: (abs(m - n), m))[:2]
+    why = (f"needs at least one micro-batch per pipeline stage ({pp})" if par.pp_schedule == "1f1b"
+           else f"runs micro-batches in rounds of {pp}: their count is a multiple of the rounds, "
+                f"{n} // {pp} = {max(1, n // pp)}")
+    return [f"{v('parallel.microbatches')} with {v('parallel.pp_schedule')}: the schedule {why}; "
+            f"parallel.microbatches may be {' or '.join(map(str, sorted(nearest)))}, or "
+            "parallel.pp_schedule=gpipe (any count)"]
 
 
 # Model families whose attention can run on sequence shards (their ModelSpec has a context_parallel

@@ -150,6 +150,15 @@ def test_wrong_type_or_range_points_at_the_line(write, text, line, expect):
         (["parallel.nproc_per_node=4", "parallel.tp=-1"], "at most one parallel degree may be -1"),
         (["parallel.nproc_per_node=3", "parallel.tp=3", "parallel.dp_shard=1"], "must both be divisible by parallel.tp = 3 (override 'parallel.tp=3'): each rank holds whole heads; parallel.tp may be 1 ("),
         (["parallel.nproc_per_node=8", "parallel.pp=8", "parallel.dp_shard=1"], "fewer than pipeline stages 8"),
+        # validated, launched, and failed on every rank when torch built the schedule (a trial's)
+        (["parallel.nproc_per_node=2", "parallel.pp=2", "parallel.dp_shard=1", "parallel.microbatches=1"],
+         "parallel.microbatches = 1 (override 'parallel.microbatches=1') with parallel.pp_schedule = 1f1b (default): "
+         "the schedule needs at least one micro-batch per pipeline stage (2); parallel.microbatches may be 2 or 3, "
+         "or parallel.pp_schedule=gpipe (any count)"),
+        (["parallel.nproc_per_node=2", "parallel.pp=2", "parallel.dp_shard=1", "parallel.microbatches=5",
+          "parallel.pp_schedule=interleaved_1f1b", "train.global_batch=10", "train.micro_batch=10"],
+         "the schedule runs micro-batches in rounds of 2: their count is a multiple of the rounds, 5 // 2 = 2; "
+         "parallel.microbatches may be 4 or 6, or parallel.pp_schedule=gpipe (any count)"),
         # trained until DTensor's mm refused the uneven shards on every rank (a trial)
         (["parallel.nproc_per_node=2", "parallel.tp=2", "parallel.dp_shard=1", "compile.backend=eager",
           "model.ffn_dim=511"], "model.ffn_dim = 511 (override 'model.ffn_dim=511') is not divisible by tensor-parallel "
