@@ -301,12 +301,14 @@ def steady_over_folders(metrics: list[dict], starts: list[int], warmup_steps: in
             for m in metrics[start + warmup_steps:end] if is_steady(m) and m.get(key)]
 
 
-def whole_run_summary(metrics: list[dict], starts: list[int], warmup_steps: int, tokens_per_step: int | None) -> dict:
+def whole_run_summary(metrics: list[dict], starts: list[int], warmup_steps: int,
+                      job_tokens_per_step: int | None) -> dict:
     """A resumed run's steps over all its folders (``rundata.history_metrics``: the rows and where each
     folder's begin): what ``runs list`` and
     ``compare`` show for it, beside the folder's own figures in its report. A new user's resumed run
     said 27 steps at 323 ms in report.md and 60 steps at 560 ms in ``runs list``, with nothing saying
-    the two covered different steps."""
+    the two covered different steps. ``job_tokens_per_step``: the whole job's (global batch × sequence),
+    not a device's (a 2-rank run's whole-run tokens read half of what it trained on)."""
     steady = steady_over_folders(metrics, starts, warmup_steps, "step_time_s")
     losses = [m for m in metrics if m.get("loss") is not None]
     return {
@@ -316,5 +318,5 @@ def whole_run_summary(metrics: list[dict], starts: list[int], warmup_steps: int,
         "first_loss": losses[0]["loss"] if losses else None,
         "final_loss": losses[-1]["loss"] if losses else None,
         "step_time_median_s": statistics.median(steady) if steady else None,
-        "tokens": tokens_per_step * len(metrics) if tokens_per_step else None,
+        "tokens": job_tokens_per_step * len(metrics) if job_tokens_per_step else None,
     }

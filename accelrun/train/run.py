@@ -271,7 +271,7 @@ def _report_the_steps_run(resolved, s: TrainSetup, run_dir: Path, status: str, s
             console.print(f"warning: report.md of the steps run not written: {e}", markup=False, highlight=False)
 
 
-def _whole_run(segments: list[Path], warmup_steps: int, tokens_per_step: int | None) -> dict | None:
+def _whole_run(segments: list[Path], warmup_steps: int, job_tokens_per_step: int) -> dict | None:
     """A resumed run's figures over all its folders, or None (one folder; an earlier folder's
     metrics.jsonl unreadable: this folder's report is still written)."""
     if len(segments) < 2:
@@ -280,7 +280,7 @@ def _whole_run(segments: list[Path], warmup_steps: int, tokens_per_step: int | N
         metrics, starts = history_metrics(segments)
     except RunNotFound:
         return None
-    return whole_run_summary(metrics, starts, warmup_steps, tokens_per_step)
+    return whole_run_summary(metrics, starts, warmup_steps, job_tokens_per_step)
 
 
 def _gather_per_rank(s: TrainSetup, step_times: list[dict], warmup_steps: int, cpu: CpuWindow) -> list[dict]:
@@ -396,7 +396,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         compiler=compiler,
         host_blocks=_host_blocks(s),
         history=[str(p) for p in segments],  # the run folders of this run, restarts included
-        whole_run=_whole_run(segments, cfg.report.warmup_steps, s.tokens_per_step),
+        whole_run=_whole_run(segments, cfg.report.warmup_steps, cfg.train.global_batch * cfg.train.seq_len),
         final_val_loss=next((m["val_loss"] for m in reversed(metrics) if m.get("val_loss") is not None), None),
     )
     summary = {

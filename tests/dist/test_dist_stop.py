@@ -113,10 +113,15 @@ def test_signal_stops_every_rank_after_one_step_with_one_checkpoint_that_resumes
     # Stopped at the step it saved, and every step before it as the uninterrupted run had it.
     assert losses(run_dir) == pytest.approx(uninterrupted[:step], rel=EXACT)
 
-    resumed = train_job(runs, STEPS, "name=resumed", f"checkpoint.resume={ckpt}", *FSDP2)
+    # the same name: the stopped run's continuation (its report has the whole run's figures)
+    resumed = train_job(runs, STEPS, "name=stopped", f"checkpoint.resume={ckpt}", *FSDP2)
     assert resumed.status == "finished"
     assert resumed.report["resumed_from"] == str(ckpt)
     assert losses(resumed.run_dir) == pytest.approx(uninterrupted[step:], rel=EXACT)
+    # the whole run's tokens are the job's, both ranks' (they were one rank's: a trial's)
+    whole, report = resumed.report["whole_run"], resumed.report
+    assert whole["steps"] == STEPS and report["world_size"] == 2, whole
+    assert whole["tokens"] == STEPS * report["tokens_per_step"] * 2, (whole, report["tokens_per_step"])
 
 
 def test_ranks_whose_launcher_was_killed_stop_with_a_checkpoint_and_exit(uninterrupted, tmp_path):
