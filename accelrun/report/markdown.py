@@ -244,9 +244,10 @@ def _peak_label(r: dict) -> str:
     """What the peak is of: a CPU run's is the process's resident memory (ru_maxrss), a GPU run's the
     tensors allocated; both had read "peak memory"."""
     device = str(r.get("device") or "")
-    if device.startswith("cpu"):
-        return "peak memory (process RSS)"
-    return "peak memory (tensors allocated)" if device.startswith("cuda") else "peak memory"
+    of = "process RSS" if device.startswith("cpu") else "tensors allocated" if device.startswith("cuda") else ""
+    if r.get("mem_peak_rank") is not None:  # a job's: its highest rank's
+        of = ", ".join(w for w in (of, f"the highest rank's: rank {r['mem_peak_rank']}") if w)
+    return f"peak memory ({of})" if of else "peak memory"
 
 
 def _warmup_steps_text(r: dict) -> str:

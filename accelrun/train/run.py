@@ -360,11 +360,14 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
     )
     if note is not None:
         report["notes"].insert(0, note)
-    # Rank 0's peak as its rank row reads it, taken after the last step's row (the final checkpoint's save
-    # included): the run's peak is the higher, so the two never disagree (a trial's 755,154,944 against
-    # 755,286,016 bytes for one rank)
-    if report.get("mem_peak_bytes") is not None and per_rank and per_rank[0].get("mem_peak_bytes") is not None:
-        report["mem_peak_bytes"] = max(report["mem_peak_bytes"], per_rank[0]["mem_peak_bytes"])
+    # The highest rank's peak, as its rank row reads it, taken after the last step's row (the final
+    # checkpoint's save included), so the run's figure never reads below a rank's (a trial's report said
+    # rank 0's 478.6 MiB where rank 2's row read 518.4: a pipeline's last stage is the one that runs out).
+    ranks_peaks = [r["mem_peak_bytes"] for r in per_rank if r.get("mem_peak_bytes") is not None]
+    if report.get("mem_peak_bytes") is not None and ranks_peaks:
+        report["mem_peak_bytes"] = max(report["mem_peak_bytes"], *ranks_peaks)
+        if len(per_rank) > 1:
+            report["mem_peak_rank"] = max(range(len(per_rank)), key=lambda i: per_rank[i].get("mem_peak_bytes") or 0)
     if took is not None:
         report["notes"].append(took.how)
     _distrust_low_probe(report, s)
