@@ -170,7 +170,7 @@ def _print_plan(plan: Plan, ac: str | None) -> None:
     out.print(f"[bold]plan[/]: {sh.family.capitalize()} {_params_said(sh.param_count())} params ({sh.n_layers} layers, dim {sh.dim}) "
               f"on {escape(cl.describe())}")
     out.print(f"  layout: world {lay.world} = pp {lay.pp} × dp_replicate {lay.dp_replicate} × dp_shard "
-              f"{lay.dp_shard} × tp {lay.tp}; batch: global {w.global_batch} × seq {w.seq_len} = micro "
+              f"{lay.dp_shard} × cp {lay.cp} × tp {lay.tp}; batch: global {w.global_batch} × seq {w.seq_len} = micro "
               f"{w.micro_batch} × accumulation {w.grad_accum} × dp {lay.dp}; {w.precision} ({w.mode}); "
               f"checkpointing {w.ac_mode}{' (--ac)' if ac else ''}; "
               f"{'compiled' if w.compiled else 'eager'}", markup=False)

@@ -38,3 +38,15 @@ def test_cp2_divides_tokens_and_keeps_the_other_halfs_keys_and_values():
     assert cp2.time.comm_time["context parallel"] > 0 and cp2.time.parts["context parallel"] > 0
     assert "context parallel" not in one.time.parts
     assert any("context parallel 2" in n for n in cp2.notes)
+
+
+def test_the_plans_layout_line_multiplies_to_its_world():
+    """A trial's plan of dp_shard 4 × cp 2 printed "world 8 = pp 1 × dp_replicate 1 × dp_shard 4 × tp 1"."""
+    from click.testing import CliRunner
+
+    from accelrun.cli.main import cli
+
+    r = CliRunner().invoke(cli, ["plan", str(DEFAULT_CONFIG), "--cluster", "h100-8x", *BASE, "parallel.dp_shard=1",
+                                 "parallel.cp=2"])
+    assert r.exit_code == 0, r.output
+    assert "layout: world 2 = pp 1 × dp_replicate 1 × dp_shard 1 × cp 2 × tp 1;" in r.output, r.output
