@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from accelrun.data.loss_mask import IGNORE_INDEX
 from accelrun.errors import UserError
 from accelrun.models.causal_lm_head import attach_loss_head, loss_head_attached, next_token_loss
 from accelrun.models.custom_import import module_callables, search_current_folder
@@ -549,6 +550,27 @@ class LossSource(Enum):
                   "transformers' own loss adds it")
 
 
+# Names a forward may take for its own targets that training does not pass (only ``targets``/``targets_BT``).
+UNPASSED_TARGET_NAMES = ("labels", "target", "y")
+
+
+def targets_not_passed(model: nn.Module) -> str | None:
+    """What a user's forward takes for targets under another name than training passes, in one line,
+    or None: a forward(input_ids, labels=None) that computes its own loss never got the labels, and its
+    loss (its smoothing, its masks) was replaced by the cross-entropy of its logits without a word."""
+    if loss_head_attached(model):  # transformers' causal LMs: their labels are handled (causal_lm_head)
+        return None
+    params = forward_parameters(model)
+    if "targets" in params or "targets_BT" in params:
+        return None
+    named = next((n for n in UNPASSED_TARGET_NAMES if n in params), None)
+    if named is None:
+        return None
+    return (f"{type(model).__name__}.forward takes {named!r}, which training does not pass: it trains the "
+            "next-token cross-entropy of the logits the forward returns. For its own loss, name that argument "
+            "'targets' (given the next tokens, -100 where a position is out of the loss)")
+
+
 def loss_source(model: nn.Module) -> LossSource:
     params = forward_parameters(model)
     if loss_head_attached(model) or "targets_BT" in params:
@@ -606,7 +628,17 @@ def training_loss_fn(model: nn.Module, vocab_size: int | None = None):
         # (and its own loss, the same cross-entropy, used as it is rather than computed twice).
         def with_targets(inputs_BT, targets_BT):
             nonlocal vocab_size
-            out = model(inputs_BT, targets=targets_BT, **no_cache)
+            try:
+                out = model(inputs_BT, targets=targets_BT, **no_cache)
+            except (IndexError, RuntimeError) as e:  # (a full traceback was all a trial's nanoGPT on chat data got)
+                # eager's words, and a compiled graph's (its gather of the targets' log-probabilities)
+                if any(f"{w} {IGNORE_INDEX} is out of bounds" in str(e) for w in ("Target", "index")):
+                    raise ModelBuildError(
+                        f"{type(model).__name__}.forward's own loss does not skip target {IGNORE_INDEX}, which "
+                        "training gives where a position is out of the loss (a chat's turns not trained on, "
+                        f"a document's first token): use ignore_index={IGNORE_INDEX} (cross_entropy's default) "
+                        f"in its loss ({type(e).__name__}: {str(e).strip().splitlines()[0]})") from e
+                raise
             own = loss_in(out)
             if model.training:  # (report.md) what training made of it: an evaluation's call may differ
                 with_targets.trained = LossSource.OWN_RETURNED if own is not None else LossSource.OWN_NONE

@@ -36,6 +36,7 @@ from accelrun.models.build import (
     loss_source,
     materialize_local,
     position_table_problem,
+    targets_not_passed,
     training_loss_fn,
 )
 from accelrun.models.flop_count import FlopsPerToken, ModelSizesDisagree, flops_per_token
@@ -83,6 +84,8 @@ class TrainSetup:
     # Which loss training minimises (models.build.LossSource), read from the whole model before it is
     # split into stages (a stage, or their union, has no forward of the model's).
     loss_source: Any = None
+    # Targets the model's forward takes under a name training does not pass (labels), said at the start.
+    loss_note: str | None = None
     # Exposed and overlapped communication of FSDP's and compiled graphs' collectives (accelrun.dist.comm_overlap).
     comm_trace: Any = None
     # eval.every > 0: this rank's held-out batches (accelrun.data.heldout), else None.
@@ -234,6 +237,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         raise ConfigError(f"{e}{custom_model_key(e, resolved.sources)}") from e
     info.update(flops_per_token=flops.value, flops_source=flops.source)
     trained_loss = loss_source(model)
+    loss_note = targets_not_passed(model)
     pipeline = None
     parts, labels = [model], ["model"]
     vocab_parallel = cfg.parallel.loss_parallel and ctx.tp_size > 1
@@ -351,6 +355,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         compile_parts=[(label, c.record) for label, c in zip(labels, compiled, strict=True) if c.record is not None],
         loss_fn=loss_fn,
         loss_source=trained_loss,
+        loss_note=loss_note,
         checkpoint_dir=checkpoint_dir,
         start_step=start_step,
         resumed_from=resumed_from,

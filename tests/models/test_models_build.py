@@ -422,3 +422,50 @@ def test_a_factory_that_compiles_its_model_gets_the_module_inside_and_is_told(us
     if backend == "accelrun":
         compiled.record.refresh_dynamo()
         assert compiled.record.graphs_in_use() == 1, compiled.record.compiled_line()
+
+
+class _OwnLossLM(torch.nn.Module):
+    """A user's LM that computes its own loss: nanoGPT's ``targets`` with its ``ignore_index=-1``, or
+    transformers' ``labels`` naming."""
+
+    def __init__(self, vocab: int = 32) -> None:
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(vocab, 8), torch.nn.Linear(8, vocab)
+
+    def logits_and_loss(self, tokens, targets, ignore_index):
+        logits = self.out(self.emb(tokens))
+        if targets is None:
+            return logits
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                         ignore_index=ignore_index)
+
+
+class _NanoGPTStyle(_OwnLossLM):
+    def forward(self, idx, targets=None):
+        return self.logits_and_loss(idx, targets, ignore_index=-1)
+
+
+class _LabelsStyle(_OwnLossLM):
+    def forward(self, input_ids, labels=None):
+        return self.logits_and_loss(input_ids, labels, ignore_index=-100)
+
+
+def test_an_own_loss_that_does_not_skip_minus_100_is_one_line():
+    """A trial's nanoGPT on chat data (targets -100 where a turn is not trained on) got a page of
+    traceback ending in "Target -100 is out of bounds", exit 1."""
+    from accelrun.models.build import ModelBuildError, training_loss_fn
+
+    tokens, targets = torch.randint(0, 32, (2, 6)), torch.randint(0, 32, (2, 6))
+    targets[:, :2] = -100
+    with pytest.raises(ModelBuildError, match=r"_NanoGPTStyle.forward's own loss does not skip target -100, .*"
+                                              r"use ignore_index=-100 \(cross_entropy's default\)"):
+        training_loss_fn(_NanoGPTStyle())(tokens, targets)
+
+
+def test_targets_under_another_name_are_said_not_passed():
+    """A forward(input_ids, labels=None) never got its labels and its own loss was replaced without a word."""
+    from accelrun.models.build import targets_not_passed
+
+    said = targets_not_passed(_LabelsStyle())
+    assert said is not None and said.startswith("_LabelsStyle.forward takes 'labels', which training does not pass")
+    assert targets_not_passed(_NanoGPTStyle()) is None

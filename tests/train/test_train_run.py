@@ -572,3 +572,33 @@ def test_a_checkpoint_goes_on_with_another_runs_own_data_from_its_start(tiny, tm
     assert tuned.status == "finished" and tuned.report["resumed_from"].endswith("step-000004")
     said = " ".join(console.export_text().split())
     assert "its data position is in other data than this run's, which is read from its start" in said, said
+
+
+LABELS_MODEL = '''
+import torch
+from torch import nn
+
+class LabelsLM(nn.Module):
+    def __init__(self, vocab=320):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(vocab, 16), nn.Linear(16, vocab)
+    def forward(self, input_ids, labels=None):
+        logits = self.out(self.emb(input_ids))
+        return logits if labels is None else (logits, nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+def build(**kw):
+    return LabelsLM(**kw)
+'''
+
+
+def test_a_forward_taking_labels_is_told_they_are_not_passed(tiny, tmp_path, monkeypatch):
+    """A new user's forward(input_ids, labels=None) trained without its own loss and without a word."""
+    from rich.console import Console
+
+    (tmp_path / "labelslm.py").write_text(LABELS_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    console = Console(record=True, width=400)
+    result = run(tiny(2, "model.custom=labelslm:build", "name=labels"), console=console)
+    note = "LabelsLM.forward takes 'labels', which training does not pass"
+    assert f"note: {note}" in console.export_text()
+    assert any(n.startswith(note) for n in result.report["notes"]), result.report["notes"]
