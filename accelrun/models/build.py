@@ -571,6 +571,23 @@ def targets_not_passed(model: nn.Module) -> str | None:
             "'targets' (given the next tokens, -100 where a position is out of the loss)")
 
 
+def parameters_not_float32(model: nn.Module, precision: str) -> str | None:
+    """The model's floating parameters of other dtypes than float32, in one line, or None: a factory that
+    returned ``.to(torch.bfloat16)`` trained in bf16 (its optimizer state too) while the report said fp32."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    other = {d: n for d, n in counts.items() if d != torch.float32}
+    if not other:
+        return None
+    total = sum(counts.values())
+    said = ", ".join(f"{n / total:.0%} {str(d).removeprefix('torch.')}" for d, n in sorted(
+        other.items(), key=lambda kv: -kv[1]))
+    return (f"the model's parameters are {said} (as it was built), not float32: they train in that dtype, and "
+            f"the optimizer's state with them; train.precision = {precision} does not cast them (it sets autocast only)")
+
+
 def loss_source(model: nn.Module) -> LossSource:
     params = forward_parameters(model)
     if loss_head_attached(model) or "targets_BT" in params:

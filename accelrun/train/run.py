@@ -360,8 +360,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
     )
     if note is not None:
         report["notes"].insert(0, note)
-    if s.loss_note is not None:
-        report["notes"].append(s.loss_note)
+    report["notes"] += s.model_notes
     # The highest rank's peak, as its rank row reads it, taken after the last step's row (the final
     # checkpoint's save included), so the run's figure never reads below a rank's (a trial's report said
     # rank 0's 478.6 MiB where rank 2's row read 518.4: a pipeline's last stage is the one that runs out).
@@ -474,8 +473,7 @@ def _announce(console: Console, s: TrainSetup, setup_s: float) -> None:
         lines.append(f"eval: the held-out {s.eval_data.n_heldout:,} windows make {held} batch(es) of "
                      f"train.micro_batch per rank, fewer than eval.steps = {s.config.eval.steps}: each evaluation "
                      "runs those (eval.split raises the share held out)")
-    if s.loss_note is not None:
-        lines.append(f"note: {s.loss_note}")
+    lines += [f"note: {n}" for n in s.model_notes]
     if s.resumed_from:
         lines.append(f"resuming from {s.resumed_from} at step {s.start_step} ({s.resume_reason})")
     elif s.config.checkpoint.resume != "none":

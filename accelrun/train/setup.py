@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from accelrun.models.build import (
     document_packing_problem,
     loss_source,
     materialize_local,
+    parameters_not_float32,
     position_table_problem,
     targets_not_passed,
     training_loss_fn,
@@ -84,8 +85,9 @@ class TrainSetup:
     # Which loss training minimises (models.build.LossSource), read from the whole model before it is
     # split into stages (a stage, or their union, has no forward of the model's).
     loss_source: Any = None
-    # Targets the model's forward takes under a name training does not pass (labels), said at the start.
-    loss_note: str | None = None
+    # What the model does that its recipe does not say (targets under a name training does not pass,
+    # parameters of another dtype), said at the start and in the report.
+    model_notes: list[str] = field(default_factory=list)
     # Exposed and overlapped communication of FSDP's and compiled graphs' collectives (accelrun.dist.comm_overlap).
     comm_trace: Any = None
     # eval.every > 0: this rank's held-out batches (accelrun.data.heldout), else None.
@@ -237,7 +239,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         raise ConfigError(f"{e}{custom_model_key(e, resolved.sources)}") from e
     info.update(flops_per_token=flops.value, flops_source=flops.source)
     trained_loss = loss_source(model)
-    loss_note = targets_not_passed(model)
+    model_notes = [n for n in (targets_not_passed(model), parameters_not_float32(model, t.precision)) if n]
     pipeline = None
     parts, labels = [model], ["model"]
     vocab_parallel = cfg.parallel.loss_parallel and ctx.tp_size > 1
@@ -355,7 +357,7 @@ def build_setup(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext | 
         compile_parts=[(label, c.record) for label, c in zip(labels, compiled, strict=True) if c.record is not None],
         loss_fn=loss_fn,
         loss_source=trained_loss,
-        loss_note=loss_note,
+        model_notes=model_notes,
         checkpoint_dir=checkpoint_dir,
         start_step=start_step,
         resumed_from=resumed_from,

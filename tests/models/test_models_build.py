@@ -469,3 +469,15 @@ def test_targets_under_another_name_are_said_not_passed():
     said = targets_not_passed(_LabelsStyle())
     assert said is not None and said.startswith("_LabelsStyle.forward takes 'labels', which training does not pass")
     assert targets_not_passed(_NanoGPTStyle()) is None
+
+
+def test_parameters_of_another_dtype_are_said():
+    """A trial's factory returned ``.to(torch.bfloat16)``: it trained in bf16, optimizer state too, while
+    report.md said fp32 without a word."""
+    from accelrun.models.build import parameters_not_float32
+
+    assert parameters_not_float32(_NanoGPTStyle(), "fp32") is None
+    said = parameters_not_float32(_NanoGPTStyle().to(torch.bfloat16), "fp32")
+    assert said == ("the model's parameters are 100% bfloat16 (as it was built), not float32: they train in that "
+                    "dtype, and the optimizer's state with them; train.precision = fp32 does not cast them (it "
+                    "sets autocast only)")
