@@ -680,13 +680,20 @@ def training_loss_fn(model: nn.Module, vocab_size: int | None = None):
 
 
 def loss_in(output: Any) -> torch.Tensor | None:
-    """The scalar loss a forward given targets returned: ``(logits, loss)``, or ``.loss`` / ``["loss"]``."""
+    """The scalar loss a forward given targets returned: ``(logits, loss)``, ``.loss`` / ``["loss"]``, the
+    loss alone, or ``(loss, logits)`` (transformers' order; the last two were read as logits of shape ())."""
+    if _scalar(output):
+        return output
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, dict):
         loss = output.get("loss")
     if loss is None and isinstance(output, (tuple, list)) and len(output) > 1:
-        loss = output[1]
-    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
+        loss = output[0] if _scalar(output[0]) and not _scalar(output[1]) else output[1]
+    return loss if _scalar(loss) else None
+
+
+def _scalar(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 0
 
 
 class ModelOutputError(UserError, TypeError):

@@ -481,3 +481,25 @@ def test_parameters_of_another_dtype_are_said():
     assert said == ("the model's parameters are 100% bfloat16 (as it was built), not float32: they train in that "
                     "dtype, and the optimizer's state with them; train.precision = fp32 does not cast them (it "
                     "sets autocast only)")
+
+
+@pytest.mark.parametrize("order", ["loss_only", "loss_first"])
+def test_an_own_loss_alone_or_first_is_the_loss_trained(order):
+    """A trial's forward returning its loss alone, or transformers' (loss, logits), was refused with
+    "returned logits of shape ()": the loss read as the logits."""
+    from accelrun.models.build import training_loss_fn
+
+    class Returns(_OwnLossLM):
+        def forward(self, idx, targets=None):
+            out = self.logits_and_loss(idx, targets, ignore_index=-100)
+            if targets is None:
+                return out
+            logits, loss = out
+            return loss if order == "loss_only" else (loss, logits)
+
+    torch.manual_seed(0)
+    model = Returns()
+    tokens, targets = torch.randint(0, 32, (2, 6)), torch.randint(0, 32, (2, 6))
+    fn = training_loss_fn(model)
+    assert fn(tokens, targets) == model.logits_and_loss(tokens, targets, -100)[1]
+    assert fn.trained.name == "OWN_RETURNED"
