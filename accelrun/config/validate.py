@@ -665,6 +665,16 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
                 out.append(f"data.{key} ({src}) has no effect with data.format = text (it reads chat records: "
                            "data.format=chat)")
     out += mix_warnings(cfg, set_by_user)
+    # Settings of a feature the recipe leaves off (a trial's microbatches, pp_schedule and every_n, with pp 1
+    # and checkpointing off, validated without a word, and changed the training hash all the same).
+    if cfg.parallel.degrees()["pp"] == 1:
+        for key in ("microbatches", "pp_schedule", "pp_stages_per_rank", "pp_layers"):
+            if src := set_by_user("parallel", key):
+                out.append(f"parallel.{key} ({src}) has no effect with parallel.pp = 1 (no pipeline)")
+    if cfg.train.activation_checkpoint.mode != "every_n" and (src := set_by_user("train", "activation_checkpoint",
+                                                                                   "every_n")):
+        out.append(f"train.activation_checkpoint.every_n ({src}) has no effect with train.activation_checkpoint.mode "
+                   f"= {cfg.train.activation_checkpoint.mode} (it is read by mode every_n)")
     out += tokenizer_warnings(cfg)
     out += moe_warnings(cfg, set_by_user)
     if cfg.compile.backend == "eager":

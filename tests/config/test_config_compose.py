@@ -279,6 +279,24 @@ def test_a_report_warmup_as_long_as_the_run_is_warned():
     assert "configs/llama.yaml:" in line and "train.steps = 4" in line, line
 
 
+def test_settings_of_a_feature_left_off_are_warned():
+    """A trial's parallel.microbatches, pp_schedule and activation_checkpoint.every_n, with pp 1 and
+    checkpointing off, validated without a word (and changed the training hash)."""
+    from tests.conftest import DEFAULT_CONFIG
+
+    said = load_config(DEFAULT_CONFIG, ["parallel.microbatches=4", "parallel.pp_schedule=gpipe",
+                                        "train.activation_checkpoint.every_n=3"]).warnings
+    assert ("parallel.microbatches (override 'parallel.microbatches=4') has no effect with parallel.pp = 1 "
+            "(no pipeline)") in said, said
+    assert any(w.startswith("parallel.pp_schedule (override") for w in said), said
+    assert ("train.activation_checkpoint.every_n (override 'train.activation_checkpoint.every_n=3') has no effect "
+            "with train.activation_checkpoint.mode = none (it is read by mode every_n)") in said, said
+    on = load_config(DEFAULT_CONFIG, ["parallel.nproc_per_node=2", "parallel.pp=2", "parallel.dp_shard=1",
+                                      "parallel.microbatches=4", "train.activation_checkpoint.mode=every_n",
+                                      "train.activation_checkpoint.every_n=3"]).warnings
+    assert not [w for w in on if "has no effect" in w], on
+
+
 def test_a_custom_model_refuses_the_transformers_export_and_says_model_hf_is_not_loaded_into_it(tmp_path):
     """A new user's findings (2026-12-06): `model.custom` with `checkpoint.hf_on_finish` passed validate,
     trained every step and then exited 2 at the export; `model.hf` beside `model.custom` was not read
