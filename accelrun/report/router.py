@@ -48,9 +48,11 @@ def router_section(r: dict) -> list[str]:
              f"{_f(s['imbalance_step_max'])} worst step, {_f(s['imbalance_run'])} over the run |",
              f"| dropped (over capacity) | {s['dropped_tokens']:,} assignments ({100 * s['dropped_frac']:.2f}%) |"]
     if s.get("ep_local_experts") is not None:
+        # (said of an eager run too, which has no compile to run outside of: a trial's)
+        eagerly = ("; the dispatch (all-to-alls and the local experts) runs eagerly under compile: its splits are "
+                   "read on the host" if not str(r.get("compiled") or "nothing").startswith("nothing") else "")
         lines.append(f"| expert parallel | {s['ep_local_experts']} experts per layer on each rank; "
-                     f"{s['ep_all_to_all_per_step']} all-to-alls per step on rank 0; the dispatch (all-to-alls "
-                     "and the local experts) runs eagerly under compile: its splits are read on the host |")
+                     f"{s['ep_all_to_all_per_step']} all-to-alls per step on rank 0{eagerly} |")
     lines += ["", "tokens per expert (assignments over the run, all layers and ranks): "
               + ", ".join(f"{i}: {100 * n / total:.1f}%" for i, n in enumerate(share)), "", MOE_MFU_NOTE + ".", ""]
     return lines

@@ -132,3 +132,16 @@ def test_the_peak_memory_row_says_what_it_is_a_peak_of():
     assert ("peak memory (process RSS, the highest rank's: rank 3)", "1.00 GiB") in job
     labels = [label for label, _ in headline_rows({"device": "cuda:0", "mem_peak_bytes": 2**30})]
     assert "peak memory (tensors allocated)" in labels
+
+
+def test_the_experts_row_says_eager_dispatch_only_where_something_compiled():
+    """A trial's eager run read "the dispatch ... runs eagerly under compile"."""
+    from accelrun.report.router import router_section
+
+    router = {"tokens_per_expert": [3, 1], "aux_loss_first": 1.2, "aux_loss_final": 1.0, "imbalance_step_median": 1.1,
+              "imbalance_step_max": 1.5, "imbalance_run": 1.2, "dropped_tokens": 0, "dropped_frac": 0.0,
+              "ep_local_experts": 2, "ep_all_to_all_per_step": 8}
+    eager = "\n".join(router_section({"router": router, "compiled": "nothing (eager)"}))
+    compiled = "\n".join(router_section({"router": router, "compiled": "4 transformer blocks with accelrun"}))
+    assert "| expert parallel | 2 experts per layer on each rank; 8 all-to-alls per step on rank 0 |" in eager, eager
+    assert "runs eagerly under compile" in compiled and "under compile" not in eager
