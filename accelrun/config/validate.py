@@ -614,11 +614,15 @@ CHAT_ONLY_DATA_KEYS = ("messages_field", "loss_on")
 def _is_its_default(cfg: RunConfig, path: tuple[str, ...]) -> bool:
     """A section's key a file sets to the schema's own default: moot or not, it changes nothing (a run's
     resolved config.yaml writes every default, and `validate` of it warned of five keys accelrun wrote)."""
-    if len(path) != 2:
+    if len(path) < 2:
         return False
-    section = getattr(cfg, path[0], None)
-    field = type(section).model_fields.get(path[1]) if section is not None else None
-    return field is not None and not field.is_required() and getattr(section, path[1]) == field.get_default(
+    section: Any = cfg
+    for key in path[:-1]:  # (nested sections too: train.activation_checkpoint.every_n)
+        section = getattr(section, key, None)
+        if not isinstance(section, BaseModel):
+            return False
+    field = type(section).model_fields.get(path[-1])
+    return field is not None and not field.is_required() and getattr(section, path[-1]) == field.get_default(
         call_default_factory=True)
 
 
