@@ -76,7 +76,7 @@ class RecordBatch:
     file: RecordFile
     columns: dict[str, list[Any]]
     lines: list[int] | None  # jsonl / csv: each record's line (1-based); None: columnar, rows count
-    first_row: int  # the row number (0-based) of record 0 within its file
+    first_row: int  # the index (from 0) of record 0 within its file; ``where`` says rows from 1
     lines_before: LinesBefore = NO_LINES_BEFORE  # lines are counted from a byte offset of the file
 
     def __len__(self) -> int:
@@ -85,7 +85,7 @@ class RecordBatch:
     def where(self, i: int) -> str:
         if self.lines is not None:
             return f"{self.file.path}:{self.lines_before.count + self.lines[i]}"
-        return f"{self.file.path} row {self.first_row + i}"
+        return f"{self.file.path} row {self.first_row + i + 1}"  # counted from 1, as a jsonl file's lines are
 
     def text(self, column: str, i: int, *, key: str) -> str:
         """Record ``i``'s ``column`` if it is a string; else one line naming where and what it is."""
@@ -255,9 +255,9 @@ def _read_json(f: RecordFile, columns, column_key, rows):
                         f"{json_problem(e, expected='a .json file is one array of objects, or one object per line')}") from None
     rec = _Rows(f, columns, column_key)
     for i, obj in enumerate(items):
-        problem = (DataError(f"{f.path} row {i}: expected a JSON object per record, got {type(obj).__name__}")
+        problem = (DataError(f"{f.path} row {i + 1}: expected a JSON object per record, got {type(obj).__name__}")
                    if not isinstance(obj, dict) else
-                   next((_missing(f"{f.path} row {i}", c, list(obj), column_key, records_before=i)
+                   next((_missing(f"{f.path} row {i + 1}", c, list(obj), column_key, records_before=i)
                          for c in columns if c not in obj), None))
         if problem is not None:
             if rec.lines:  # the records before it first: a problem of theirs is the file's first

@@ -89,8 +89,9 @@ def test_records_say_where_they_came_from(corpora):
     where = {fmt: [r.where for r in iter_records([str(p)], ["text"])][3] for fmt, p in corpora.items()}
     assert where["jsonl"] == f"{corpora['jsonl']}:4"
     assert where["csv"].startswith(f"{corpora['csv']}:")  # the line the record starts on (cells span lines)
-    assert where["parquet"] == f"{corpora['parquet']} row 3"
-    assert where["save_to_disk"].endswith(".arrow row 3")
+    # rows counted from 1 as lines are (a trial's first parquet record read "row 0", its jsonl twin ":1")
+    assert where["parquet"] == f"{corpora['parquet']} row 4"
+    assert where["save_to_disk"].endswith(".arrow row 4")
 
 
 def test_a_second_load_is_served_from_the_prepared_cache(corpora, tmp_path, monkeypatch):
@@ -155,7 +156,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny):
     array = tmp_path / "two.json"
     array.write_text(json.dumps([{"text": "fine"}, {"text": 5}, {"text": "fine"}, {"body": "x"}]))
     line = train_error(tiny, "data.source=documents", f"data.paths=[{array}]")
-    assert "data.text_field 'text' is int 5, not text" in line and "two.json row 1" in line, line
+    assert "data.text_field 'text' is int 5, not text" in line and "two.json row 2" in line, line
     # an empty corpus
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
