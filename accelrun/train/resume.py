@@ -86,16 +86,25 @@ def auto_would_continue(ckpt: CheckpointInfo, run_dir: Path, training_hash: str)
 def _other_training(runs: list[Path], found: list, current_run: Path) -> str:
     """A note on the newest stopped run of this name whose checkpoints are of another training (a
     changed train.steps, say): what a user who meant to continue it looks for, with the values that
-    differ where both recipes can be read (a new user was told only that one did)."""
-    stopped = [(run, good[-1]) for run, (good, _) in zip(runs, found, strict=True)
-               if good and not (run / FINISHED_MARKER).exists() and continued_by(run) is None]
-    if not stopped:
+    differ where both recipes can be read (a new user was told only that one did). A finished run too
+    where train.steps alone differs: a run extended by a rerun with more steps started afresh without a
+    word (a trial's)."""
+    ours = current_run / "config.yaml"
+    candidates = []
+    for run, (good, _) in zip(runs, found, strict=True):
+        if not good or continued_by(run) is not None:
+            continue
+        finished = (run / FINISHED_MARKER).exists()
+        differ = training_differences(run / "config.yaml", ours)
+        if finished and not (differ and all(d.startswith("train.steps:") for d in differ)):
+            continue
+        candidates.append((run, good[-1], differ, "finished" if finished else "stopped"))
+    if not candidates:
         return ""
-    run, newest = max(stopped, key=lambda pair: (pair[1].created, pair[1].step))
-    differ = training_differences(run / "config.yaml", current_run / "config.yaml")
+    run, newest, differ, state = max(candidates, key=lambda c: (c[1].created, c[1].step))
     which = f"{', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}" if differ else \
         "its recipe differs in a value that decides the numbers trained"
-    return (f"; the stopped run {run} has checkpoints of another training ({newest.training_hash}: {which}); "
+    return (f"; the {state} run {run} has checkpoints of another training ({newest.training_hash}: {which}); "
             f"checkpoint.resume={run} continues from its newest checkpoint under this recipe, as a new run")
 
 

@@ -602,3 +602,21 @@ def test_a_forward_taking_labels_is_told_they_are_not_passed(tiny, tmp_path, mon
     note = "LabelsLM.forward takes 'labels', which training does not pass"
     assert f"note: {note}" in console.export_text()
     assert any(n.startswith(note) for n in result.report["notes"]), result.report["notes"]
+
+
+def test_a_finished_run_rerun_with_more_steps_is_told_how_to_continue_it(tiny):
+    """A trial reran a finished 60-step run with train.steps=64: "starting fresh", without a word of the run
+    whose checkpoints differ only in train.steps, nor of checkpoint.resume=<folder>."""
+    from rich.console import Console
+
+    first = run(tiny(4, "checkpoint.every=2", "name=extend"))
+    console = Console(record=True, width=400)
+    more = train(load_config(DEFAULT_CONFIG, tiny(6, "checkpoint.every=2", "name=extend")), console=console)
+    assert more.report["resumed_from"] is None
+    said = " ".join(console.export_text().split())
+    assert (f"the finished run {first.run_dir} has checkpoints of another training" in said
+            and "train.steps: 4 there, 6 now" in said and f"checkpoint.resume={first.run_dir} continues" in said), said
+    # another value too: a new training, not said of a finished run
+    console = Console(record=True, width=400)
+    train(load_config(DEFAULT_CONFIG, tiny(6, "checkpoint.every=2", "name=extend", "train.seed=3")), console=console)
+    assert "the finished run" not in " ".join(console.export_text().split())
