@@ -361,6 +361,12 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
     if note is not None:
         report["notes"].insert(0, note)
     report["notes"] += s.model_notes
+    if restarts := s.ctx.restart_count:  # (a trial's job recovered from a killed rank; its report said "finished")
+        start = (f"from {s.resumed_from} at step {s.start_step}, so the steps after it ran again" if s.resumed_from
+                 else "from its start")
+        report["notes"].append(f"the job's ranks were restarted {restarts} time{'s' if restarts > 1 else ''} after a "
+                               f"rank failed (torchrun's --max-restarts); the last restart went on {start}; the "
+                               "launcher's console and logs/ say which rank failed and how")
     # The highest rank's peak, as its rank row reads it, taken after the last step's row (the final
     # checkpoint's save included), so the run's figure never reads below a rank's (a trial's report said
     # rank 0's 478.6 MiB where rank 2's row read 518.4: a pipeline's last stage is the one that runs out).
@@ -384,6 +390,7 @@ def _write_report(resolved, s: TrainSetup, run_dir: Path, env: dict, status: str
         config_hash=resolved.hash,
         training_hash=resolved.training_hash,
         resumed_from=str(s.resumed_from) if s.resumed_from else None,
+        restarts=s.ctx.restart_count,
         setup_time_s=setup_s,
         model=s.model_info,
         device=str(s.device),

@@ -620,3 +620,21 @@ def test_a_finished_run_rerun_with_more_steps_is_told_how_to_continue_it(tiny):
     console = Console(record=True, width=400)
     train(load_config(DEFAULT_CONFIG, tiny(6, "checkpoint.every=2", "name=extend", "train.seed=3")), console=console)
     assert "the finished run" not in " ".join(console.export_text().split())
+
+
+def test_a_run_whose_ranks_were_restarted_says_so_in_its_report(tiny, monkeypatch):
+    """A trial's job recovered from a killed rank (--max-restarts 1) and its report read a plain
+    "finished": nothing said the steps after the checkpoint were run again."""
+    import dataclasses
+
+    from accelrun.dist.context import ParallelContext
+
+    first = run(tiny(4, "checkpoint.every=2", "name=restarted"), stop_after_step=3)
+    single = ParallelContext.single
+    monkeypatch.setattr(ParallelContext, "single", classmethod(
+        lambda cls, device: dataclasses.replace(single(device), restart_count=1)))
+    again = run(tiny(4, "checkpoint.every=2", "name=restarted"))
+    assert again.report["restarts"] == 1 and again.report["resumed_from"].endswith("step-000002"), again.report
+    (note,) = [n for n in again.report["notes"] if n.startswith("the job's ranks were restarted")]
+    assert f"the last restart went on from {first.run_dir / 'checkpoints' / 'step-000002'} at step 2" in note, note
+    assert "restarted" in (again.run_dir / "report.md").read_text()
