@@ -6,6 +6,7 @@ keeps its provenance: the file and line, or the override, that set it last.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,10 @@ def apply_override(dst: Composed, text: str) -> None:
     if located and located.duplicates:
         raise ConfigError([f"override '{text}': duplicate key '{dotted(path + d.path)}'" for d in located.duplicates])
     value = located.data if located else ""
+    if (glued := _glued_key(value)) is not None:  # (a trial's {dims:64} read as the key 'dims:64')
+        name, _, rest = glued.partition(":")
+        raise ConfigError(f"override '{text}': {{{glued}}} reads as the key '{glued}' with no value: YAML needs a "
+                          f"space after the colon, {key.strip()}={{{name}: {rest}}}")
     src = Source("override", text=text)
     value_sources = {path + p: src for p in _all_paths(value)}
     if any(isinstance(p, int) for p in path):  # into a list: the containers on the way must exist
@@ -139,6 +144,20 @@ def apply_override(dst: Composed, text: str) -> None:
     # A mapping value merges into the mapping already there (`train.optimizer={lr: 1}` keeps the
     # other optimizer keys); any other value replaces what was there.
     merge_into(dst, nested, {**{path[: i + 1]: src for i in range(len(path))}, **value_sources})
+
+
+def _glued_key(value: Any) -> str | None:
+    """A mapping key with a colon and no value inside ``value`` (``{dims:64}``: YAML's flow mappings need a
+    space after the colon), or None."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if v is None and isinstance(k, str) and re.fullmatch(r"[A-Za-z_][\w.]*:\S+", k):
+                return k
+            if (inner := _glued_key(v)) is not None:
+                return inner
+    elif isinstance(value, list):
+        return next((g for v in value if (g := _glued_key(v)) is not None), None)
+    return None
 
 
 def _remove(dst: Composed, path: KeyPath, text: str) -> None:

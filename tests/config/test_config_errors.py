@@ -248,6 +248,16 @@ def test_a_duplicate_key_in_an_override_s_value_is_an_error(write):
         load_config(p, ["train={steps: 1, steps: 2}"])
 
 
+def test_a_mapping_without_a_space_after_its_colon_says_so(write):
+    """A trial's 'model.kwargs={dims:64}' read as the key 'dims:64' and was refused as an unknown keyword."""
+    p = write("ok.yaml", "extends: [compile/eager]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, ["train.optimizer={lr:1e-3}"])
+    assert str(e.value) == ("override 'train.optimizer={lr:1e-3}': {lr:1e-3} reads as the key 'lr:1e-3' with no "
+                            "value: YAML needs a space after the colon, train.optimizer={lr: 1e-3}")
+    load_config(p, ["train.optimizer={lr: 1e-3}"])  # spaced: fine
+
+
 def test_several_mistakes_are_listed_down_the_file(write):
     """One message per mistake, in the file's line order (the schema's order read 5, 4, 3, 7; found by
     a new user), a duplicate key among them."""
