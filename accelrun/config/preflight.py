@@ -25,7 +25,7 @@ from accelrun.config.compose import Source
 from accelrun.config.data_checks import record_files_as_text, record_files_named
 from accelrun.config.errors import ConfigError
 from accelrun.config.record_paths import EXTENSIONS as RECORD_EXTENSIONS
-from accelrun.config.record_paths import empty_corpus, path_names
+from accelrun.config.record_paths import empty_corpus, other_separator, path_names
 from accelrun.config.schema import RunConfig
 from accelrun.config.validate import source_of
 from accelrun.config.yaml_lines import KeyPath
@@ -231,7 +231,7 @@ def _first_records(paths: list[str], paths_key: KeyPath, field_path: KeyPath, fi
             shown = ", ".join(repr(x) for x in peek.fields)
             chat = fmt == "text" and "messages" in peek.fields  # chat records read as plain documents
             fix = ("these are chat records: data.format=chat reads them" if chat
-                   else f"set {field_key} ({now}) to one of them")
+                   else f"set {field_key} ({now}) to one of them{other_separator(peek.fields)}")
             return [Finding(f"{f.path}: no field {field!r} (fields: {shown}); {fix}", True)]
         value = None if peek.first is None else peek.first.get(field)
         if fmt == "text" and peek.first is not None and not isinstance(value, str):

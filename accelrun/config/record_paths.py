@@ -242,3 +242,13 @@ def peek_records(f: RecordFile) -> RecordPeek:
     if not isinstance(obj, dict):
         raise DataError(f"{f.path}:{number + 1}: expected a JSON object per record, got {type(obj).__name__}")
     return RecordPeek(list(obj), obj, f"{f.path}:{number + 1}")
+
+
+def other_separator(fields: Sequence[str]) -> str:
+    """``; its one field holds ';' ...`` where a file's header read as one field holding another separator
+    than the comma (a trial's ;-separated .csv said only "fields: 'id;text'"), else ""."""
+    sep = next((s for s in (";", "\t", "|") if len(fields) == 1 and s in fields[0]), None)
+    if sep is None:
+        return ""
+    return (f"; its one field holds {sep!r}: a file separated by {sep!r} is read as one column (.csv is read "
+            "comma-separated): save it with commas, or as .jsonl")

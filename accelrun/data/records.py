@@ -36,6 +36,7 @@ from accelrun.config.record_paths import (  # noqa: F401 (part of this module's 
     RecordFormat,
     file_names,
     json_problem,
+    other_separator,
     pyarrow_module,
     record_files,
 )
@@ -169,6 +170,7 @@ def _missing(where: str, column: str, have: Sequence[str], column_key: str | Non
     if "messages" in have and column != "messages":  # (a trial's `data prepare chats.jsonl` said only this)
         fix += ("; its 'messages' look like chat records: train reads them with data.format=chat (and "
                 "`accelrun data prepare` prepares text records only)")
+    fix += other_separator(have)
     return DataError(f"{where}: no field {column!r} (fields: {fields}){fix}")
 
 

@@ -3,6 +3,7 @@ each file (as train's preflight does) and says that the others are checked when 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,16 @@ def test_chat_records_read_as_text_records_say_what_they_look_like(tmp_path):
     (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     with pytest.raises(DataError, match="its 'messages' look like chat records: train reads them with data.format=chat"):
         list(iter_records([str(tmp_path / "chats.jsonl")], ["text"], column_key="data.text_field"))
+
+
+def test_a_csv_separated_by_semicolons_says_so(tmp_path):
+    """A trial's ;-separated .csv said only "no field 'text' (fields: 'id;text')", in validate and in train."""
+    from accelrun.data.records import iter_records
+    from accelrun.errors import DataError
+
+    (tmp_path / "semi.csv").write_text("id;text\n1;hello\n")
+    hint = "its one field holds ';': a file separated by ';' is read as one column (.csv is read comma-separated)"
+    r = validate(tmp_path / "semi.csv")
+    assert r.exit_code == 2 and hint in " ".join(r.output.split()), r.output
+    with pytest.raises(DataError, match=re.escape(hint)):
+        list(iter_records([str(tmp_path / "semi.csv")], ["text"]))
