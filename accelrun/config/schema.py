@@ -503,13 +503,16 @@ NonNegativeFloat = Annotated[float, Field(ge=0)]
 
 
 class EvalConfig(Section):
-    """Validation loss on a held-out tail of the data that training never reads."""
+    """Validation loss on a held-out tail of the data that training never reads, or on files of your own."""
 
     every: NonNegativeInt = Field(0, description="steps between evaluations (and after the last step); 0 = off")
     steps: PositiveInt = Field(4, description="micro-batches per rank in one evaluation (at most the held-out ones)")
     split: Annotated[float, Field(gt=0, lt=1)] = Field(
         0.05, description="fraction of the data's windows held out (the last ones) when eval.every > 0"
     )
+    paths: StrList = Field(default_factory=list, description=(
+        "files, folders or globs of your own validation data, read as data.paths is (data.source, its format "
+        "and tokenizer); training then reads all of data.paths (eval.split is not used)"))
 
 
 class CollectiveFit(Section):

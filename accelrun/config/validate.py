@@ -8,7 +8,9 @@ and where each was set.
 
 from __future__ import annotations
 
+import glob
 import math
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -342,6 +344,7 @@ def consistency_problems(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list
     elif not cfg.data.paths and cfg.data.source in ("text", "tokens") and not cfg.data.mix:
         out.append(f"{v('data.source')} needs data.paths: files or globs to read")
     out += data_problems(cfg, lambda path: source_of(path, sources, exact=False), v)
+    out += _eval_paths_problems(cfg, v)
     out += _parallel_problems(cfg, v)
     out += _compile_problems(cfg, sources)
     if not out:  # batch arithmetic needs valid degrees
@@ -385,6 +388,18 @@ def _batch_problems(cfg: RunConfig, v) -> list[str]:
                 f"it; parallel.microbatches may be {', '.join(map(str, splits))}, or train.micro_batch "
                 f"{', '.join(map(str, micros))} (with train.global_batch to match)"]
     return []
+
+
+def _eval_paths_problems(cfg: RunConfig, v) -> list[str]:
+    """eval.paths: files read as data.paths is, so a source that reads files, and files that are there."""
+    paths = cfg.eval.paths
+    if not paths:
+        return []
+    if cfg.data.source in ("builtin", "synthetic") or cfg.data.mix:
+        return [f"{v('eval.paths')} is read as data.paths is, and {v('data.source')}"
+                + (" with data.mix" if cfg.data.mix else "") + f" reads no files of one kind: {PATH_SOURCES_HINT}"]
+    missing = [p for p in paths if not glob.glob(os.path.expanduser(p))]
+    return [f"{v('eval.paths')}: nothing at {', '.join(repr(p) for p in missing)}"] if missing else []
 
 
 def _nearest_multiples(key: str, value: int, step: int) -> str:
@@ -669,6 +684,11 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
                 out.append(f"data.{key} ({src}) has no effect with data.format = text (it reads chat records: "
                            "data.format=chat)")
     out += mix_warnings(cfg, set_by_user)
+    if cfg.eval.paths and cfg.eval.every == 0 and (src := set_by_user("eval", "paths")):
+        out.append(f"eval.paths ({src}) has no effect with eval.every = 0 (no evaluation)")
+    if cfg.eval.paths and (src := set_by_user("eval", "split")):
+        out.append(f"eval.split ({src}) has no effect with eval.paths set (the evaluation is on those files, "
+                   "and training reads all of data.paths)")
     # Settings of a feature the recipe leaves off (a trial's microbatches, pp_schedule and every_n, with pp 1
     # and checkpointing off, validated without a word, and changed the training hash all the same).
     if cfg.parallel.degrees()["pp"] == 1:

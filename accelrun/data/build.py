@@ -128,7 +128,7 @@ def build_data(
                                   seed=seed, shuffle=data_cfg.shuffle, dp_rank=dp_rank, dp_size=dp_size,
                                   packing=data_cfg.packing)
     stream = load_stream(data_cfg, vocab_size=vocab_size, seed=seed, min_tokens=min_tokens, custom=custom)
-    if eval_cfg is not None and eval_cfg.every > 0:  # training reads only what precedes the held-out tail
+    if eval_cfg is not None and eval_cfg.every > 0 and not eval_cfg.paths:  # training reads what precedes the tail
         heldout = HeldOutBatches(stream, seq_len=seq_len, micro_batch=micro_batch, split=eval_cfg.split,
                                  max_batches=eval_cfg.steps, dp_rank=dp_rank, dp_size=dp_size,
                                  packing=data_cfg.packing)
@@ -149,8 +149,12 @@ def build_eval_data(
     data_cfg: DataConfig, eval_cfg: EvalConfig, *, seq_len: int, micro_batch: int, seed: int, vocab_size: int,
     dp_rank: int = 0, dp_size: int = 1, min_tokens: int | None = None, custom: str | None = None,
 ) -> HeldOutBatches:
-    """This rank's evaluation batches: the held-out tail that ``build_data(..., eval_cfg=...)`` leaves out."""
+    """This rank's evaluation batches: the held-out tail that ``build_data(..., eval_cfg=...)`` leaves out, or
+    every window of ``eval.paths`` (read as data.paths is: the same source, format and tokenizer)."""
     seed = data_cfg.seed if data_cfg.seed is not None else seed
+    if eval_cfg.paths:
+        data_cfg = data_cfg.model_copy(update={"paths": list(eval_cfg.paths)})
     stream = load_stream(data_cfg, vocab_size=vocab_size, seed=seed, min_tokens=min_tokens, custom=custom)
-    return HeldOutBatches(stream, seq_len=seq_len, micro_batch=micro_batch, split=eval_cfg.split,
+    return HeldOutBatches(stream, seq_len=seq_len, micro_batch=micro_batch,
+                          split=None if eval_cfg.paths else eval_cfg.split,
                           max_batches=eval_cfg.steps, dp_rank=dp_rank, dp_size=dp_size, packing=data_cfg.packing)

@@ -47,11 +47,17 @@ class PrefixStream(TokenStream):
 class HeldOutBatches:
     """This rank's evaluation batches over the held-out windows: the same ones at every evaluation."""
 
-    def __init__(self, stream: TokenStream, *, seq_len: int, micro_batch: int, split: float, max_batches: int,
+    def __init__(self, stream: TokenStream, *, seq_len: int, micro_batch: int, split: float | None, max_batches: int,
                  dp_rank: int = 0, dp_size: int = 1, packing: str = "concat"):
+        """``split`` None: every window of ``stream`` is an evaluation window (eval.paths: data of its own)."""
         n = max(len(stream) - 1, 0) // seq_len
-        k = heldout_windows(n, split)
-        if n - k < 1 or k < micro_batch * dp_size:
+        if split is None:
+            if n < micro_batch * dp_size:
+                raise DataError(f"eval.paths: the evaluation data has {n} windows of train.seq_len {seq_len}, fewer "
+                                f"than one batch of {micro_batch * dp_size} (train.micro_batch × data-parallel ranks); "
+                                "add evaluation data or lower train.micro_batch")
+        k = n if split is None else heldout_windows(n, split)
+        if split is not None and (n - k < 1 or k < micro_batch * dp_size):
             raise DataError(
                 f"eval.split {split}: the data has {n} windows of train.seq_len {seq_len}; holding out {k} leaves "
                 f"{n - k} for training and needs at least {micro_batch * dp_size} (train.micro_batch × data-parallel "

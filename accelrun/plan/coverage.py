@@ -58,7 +58,7 @@ NO_EFFECT = frozenset({
     "report.warmup_steps", "report.progress",
     "report.peak_tflops",  # the trainer's MFU denominator; the plan's MFU uses the cluster's peak
     "report.trackers", "report.mlflow_uri",  # rank 0 copies each step's record after it is timed
-    "eval.every", "eval.steps", "eval.split",  # evaluation runs after the step's timing, outside it
+    "eval.every", "eval.steps", "eval.split", "eval.paths",  # evaluation runs after the step's timing, outside it
     "cluster.calibration.measured_at", "cluster.calibration.host", "cluster.calibration.device_name",
     "cluster.calibration.torch", "cluster.calibration.others_cpu_share", "cluster.sources",
 })

@@ -477,9 +477,11 @@ def _announce(console: Console, s: TrainSetup, setup_s: float) -> None:
         lines.append(f"data: {data_description(s.config.data)}; {counted}")
     if s.eval_data is not None and (held := len(s.eval_data.batches)) < s.config.eval.steps:
         # (a trial's eval.steps=10 ran 1 batch without a word: the held-out tail had 4 windows)
-        lines.append(f"eval: the held-out {s.eval_data.n_heldout:,} windows make {held} batch(es) of "
-                     f"train.micro_batch per rank, fewer than eval.steps = {s.config.eval.steps}: each evaluation "
-                     "runs those (eval.split raises the share held out)")
+        own = bool(s.config.eval.paths)  # its own files, or a tail of the training data's
+        lines.append(f"eval: the {'eval.paths' if own else 'held-out'} {s.eval_data.n_heldout:,} windows make {held} "
+                     f"batch(es) of train.micro_batch per rank, fewer than eval.steps = {s.config.eval.steps}: each "
+                     "evaluation runs those (" + ("more evaluation data adds some" if own else
+                                                  "eval.split raises the share held out") + ")")
     lines += [f"note: {n}" for n in s.model_notes]
     if s.resumed_from:
         lines.append(f"resuming from {s.resumed_from} at step {s.start_step} ({s.resume_reason})")

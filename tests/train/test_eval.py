@@ -90,3 +90,46 @@ def test_fewer_held_out_batches_than_eval_steps_are_said(tiny):
                    command="test", console=Console(file=out, width=300))
     said = " ".join(out.getvalue().split())
     assert result.status == "finished" and "fewer than eval.steps = 1000: each evaluation runs those" in said, said
+
+
+def test_eval_paths_evaluate_on_files_of_ones_own_and_training_reads_all_of_its_data(tiny, tmp_path):
+    """A trial: no way to evaluate on one's own validation file (only a tail of the training data).
+    eval.paths: read as data.paths is; every window of it is evaluated, training reads all of data.paths,
+    and the loss equals an eager computation on those windows."""
+    from accelrun.data.build import build_data, build_eval_data
+
+    (tmp_path / "train.txt").write_text("the training text, which is long enough. " * 400)
+    (tmp_path / "val.txt").write_text("held apart: another text to evaluate on! " * 40)
+    own = ["data.source=text", f"data.paths=[{tmp_path / 'train.txt'}]", f"eval.paths=[{tmp_path / 'val.txt'}]"]
+    resolved = load_config(DEFAULT_CONFIG, tiny(2, *own, "eval.every=2", "eval.steps=2", "checkpoint.every=2"))
+    cfg = resolved.config
+    kw = dict(seq_len=cfg.train.seq_len, micro_batch=cfg.train.micro_batch, seed=0, vocab_size=cfg.model.vocab_size)
+    whole = load_stream(cfg.data, vocab_size=cfg.model.vocab_size, seed=0)
+    assert len(build_data(cfg.data, eval_cfg=cfg.eval, **kw).stream) == len(whole)  # nothing held out of it
+    held = build_eval_data(cfg.data, cfg.eval, **kw)
+    val = load_stream(cfg.data.model_copy(update={"paths": [str(tmp_path / "val.txt")]}),
+                      vocab_size=cfg.model.vocab_size, seed=0)
+    T = cfg.train.seq_len
+    assert held.first == 0 and held.n_heldout == (len(val) - 1) // T
+
+    result = train(resolved, command="test")
+    (last,) = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if r["step"] == 2]
+    model = load_run_model(result.run_dir)
+    B, losses = cfg.train.micro_batch, []
+    with torch.no_grad():
+        for j in range(2):
+            w = torch.stack([val.read(i * T, i * T + T + 1) for i in range(j * B, j * B + B)])
+            logits = model(w[:, :-1])
+            losses.append(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1)))
+    assert last["val_loss"] == pytest.approx(float(torch.stack(losses).mean()), abs=1e-5, rel=1e-5)
+
+
+def test_eval_paths_are_checked_before_a_run(tiny, tmp_path):
+    from accelrun.config import ConfigError
+
+    (tmp_path / "train.txt").write_text("text " * 100)
+    with pytest.raises(ConfigError, match=r"eval.paths = .*: nothing at '.*nothere.txt'"):
+        load_config(DEFAULT_CONFIG, tiny(2, "data.source=text", f"data.paths=[{tmp_path / 'train.txt'}]",
+                                         f"eval.paths=[{tmp_path / 'nothere.txt'}]"))
+    with pytest.raises(ConfigError, match=r"eval.paths = .* is read as data.paths is, and data.source = builtin"):
+        load_config(DEFAULT_CONFIG, tiny(2, f"eval.paths=[{tmp_path / 'train.txt'}]"))
