@@ -83,6 +83,8 @@ PRIVATE: dict[str, tuple[str, str | None]] = {
     # Fake tensors and tracing contexts.
     "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),
     "unset_fake_temporarily": ("torch._subclasses.fake_tensor", "unset_fake_temporarily"),
+    # A symbolic size's example value without the guard ``int()`` adds (debug_numerics' sample inputs).
+    "optimization_hint": ("torch.fx.experimental.symbolic_shapes", "optimization_hint"),
     "detect_fake_mode": ("torch._guards", "detect_fake_mode"),
     "tracing": ("torch._guards", "tracing"),
     # The compile Dynamo has under way (``current_compile_id()``: its frame and that frame's compile count),

@@ -446,6 +446,16 @@ def test_unset_fake_temporarily():
     assert type(t) is torch.Tensor and t.sum().item() == 2
 
 
+def test_optimization_hint():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    shape_env = ShapeEnv()
+    size = shape_env.create_symintnode(shape_env.create_symbol(5, ConstantSource("s")), hint=5)
+    assert isinstance(size, torch.SymInt) and tp.optimization_hint(size) == 5 and tp.optimization_hint(7) == 7
+    assert not shape_env.guards  # read without a guard (int() would add one)
+
+
 def test_detect_fake_mode():
     mode = tp.FakeTensorMode()
     with mode:

@@ -846,10 +846,12 @@ def code_without_a_file(owner: nn.Module) -> str | None:
         try:
             path = inspect.getsourcefile(cls)
         except (TypeError, OSError):  # its module has no file at all (``__main__`` of ``python -c``)
-            path = None
-        if path is None or not os.path.isfile(path):
-            where = f"in {path}" if path else f"in module {cls.__module__}, which has no source file"
-            return f"{cls.__qualname__} is defined {where}: its graphs are compiled afresh in each process"
+            where = f"in module {cls.__module__}, which has no file"
+        else:  # None: a compiled extension's class (no Python source; the key leaves it out, as before)
+            if path is None or os.path.isfile(path):
+                continue
+            where = f"in {path}"
+        return f"{cls.__qualname__} is defined {where}: its graphs are compiled afresh in each process"
     return None
 
 

@@ -28,15 +28,20 @@ def sample_inputs(example_inputs: list[Any], seed: int = 0) -> list[Any]:
 
 
 def _sampled(example_inputs: list[Any] | tuple[Any, ...], gen: torch.Generator) -> list[Any]:
+    from accelrun.torch_private import optimization_hint
+
+    def hint(s: Any) -> int:  # a symbolic size's example value; int() would guard it to that value
+        return optimization_hint(s) if isinstance(s, torch.SymInt) else int(s)
+
     out = []
     for x in example_inputs:
         if isinstance(x, list | tuple):
             out.append(_sampled(x, gen))
             continue
         if not isinstance(x, torch.Tensor):
-            out.append(x)
+            out.append(hint(x) if isinstance(x, torch.SymInt) else x)
             continue
-        shape, stride = tuple(int(s) for s in x.shape), tuple(int(s) for s in x.stride())
+        shape, stride = tuple(hint(s) for s in x.shape), tuple(hint(s) for s in x.stride())
         base = torch.empty_strided(shape, stride, dtype=x.dtype, device="cpu")
         if x.dtype.is_floating_point:
             # Fill the whole underlying storage so strided views see initialised memory.
@@ -116,7 +121,12 @@ def _check(what: str, before: Any, after: Any, example_inputs: list[Any]) -> str
             first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
             return UNRUNNABLE.format(why=f"{type(e).__name__}: {first}")
         torch.manual_seed(0)
-        got = after(*inputs)
+        try:
+            got = after(*inputs)
+        except Exception as e:  # noqa: BLE001 (the change named is what broke it: said as its failure)
+            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+            raise PassNumericsError(f"{what} left a graph that raises on the inputs the graph before it ran on: "
+                                    f"{type(e).__name__}: {first}") from e
     problem = compare_outputs(expected, got)
     if problem is None:
         return NUMERICS_EQUAL

@@ -251,9 +251,11 @@ class PassDriver:
         changed_by: list[str] = []
         for p in passes:
             checked = self.debug_numerics and check_inputs is not None and unit.runner() is not None
-            with warnings.catch_warnings():  # torch's pytree spec of a joint graph warns when copied
-                warnings.simplefilter("ignore", FutureWarning)
-                before_copy = copy.deepcopy(unit.runner()) if checked else None
+            before_copy = None
+            if checked:
+                with warnings.catch_warnings():  # torch's pytree spec of a joint graph warns when copied
+                    warnings.simplefilter("ignore", FutureWarning)
+                    before_copy = copy.deepcopy(unit.runner())
             t0 = time.perf_counter()
             before = unit.ops()
             ACTIVITY.doing(f"{graph_name}: {'' if graph_name.endswith(stage) else stage + ' '}pass {p.name} ({before:,} ops)")

@@ -128,8 +128,9 @@ def apply_override(dst: Composed, text: str) -> None:
     value = located.data if located else ""
     if (glued := _glued_key(value)) is not None:  # (a trial's {dims:64} read as the key 'dims:64')
         name, _, rest = glued.partition(":")
-        raise ConfigError(f"override '{text}': {{{glued}}} reads as the key '{glued}' with no value: YAML needs a "
-                          f"space after the colon, {key.strip()}={{{name}: {rest}}}")
+        spaced = raw.strip().replace(glued, f"{name}: {rest}", 1)  # (the rest of the value as typed: a review's)
+        raise ConfigError(f"override '{text}': '{glued}' reads as a key with no value: YAML needs a space after "
+                          f"the colon, {key.strip()}={spaced}")
     src = Source("override", text=text)
     value_sources = {path + p: src for p in _all_paths(value)}
     if any(isinstance(p, int) for p in path):  # into a list: the containers on the way must exist

@@ -56,8 +56,7 @@ def record_files(paths: Sequence[str], *, key: str = "data.paths",
     seen: set[str] = set()
     for pattern in paths:
         expanded = os.path.expanduser(pattern)
-        matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else (
-            [expanded] if os.path.exists(expanded) else [])
+        matches = path_matches(pattern)
         if not matches:
             raise DataError(f"{key}: {pattern!r} matches no file or folder"
                             f"{did_you_mean(pattern)}{where_relative(pattern)}")
@@ -75,6 +74,14 @@ def record_files(paths: Sequence[str], *, key: str = "data.paths",
                 seen.add(a)
                 out.append(f)
     return out
+
+
+def path_matches(pattern: str) -> list[str]:
+    """What a data path names: a glob's matches (``**`` across folders), or the path itself if it exists."""
+    expanded = os.path.expanduser(pattern)
+    if glob.has_magic(expanded):
+        return sorted(glob.glob(expanded, recursive=True))
+    return [expanded] if os.path.exists(expanded) else []
 
 
 def _one_file(path: Path, key: str, *, strict: bool, skipped: list[Path] | None = None) -> list[RecordFile]:

@@ -8,9 +8,7 @@ and where each was set.
 
 from __future__ import annotations
 
-import glob
 import math
-import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +23,7 @@ from accelrun.config.compose import DEFAULT, Source
 from accelrun.config.data_checks import DATA_KEYS_USED_BY, PATH_SOURCES_HINT, data_problems, mix_warnings
 from accelrun.config.errors import SYNONYMS, ConfigError, nearest
 from accelrun.config.moe_checks import moe_problems, moe_warnings
+from accelrun.config.record_paths import path_matches
 from accelrun.config.schema import FAMILY_ONLY_KEYS, INTERLEAVED_SCHEDULES, ModelConfig, RunConfig
 from accelrun.config.search import search_path
 from accelrun.config.tokenizer_file import (
@@ -382,11 +381,12 @@ def _batch_problems(cfg: RunConfig, v) -> list[str]:
         said = (v("train.micro_batch") if t.micro_batch is not None
                 else f"train.micro_batch = {micro} (train.global_batch / (train.grad_accum × data-parallel degree))")
         schedule = v("parallel.microbatches") if par.microbatches else f"parallel.microbatches = {pp_mb} (parallel.pp's)"
-        splits = [n for n in range(1, micro + 1) if micro % n == 0]
+        pp = par.degrees()["pp"]  # (counts the schedule refuses are not offered: a review's)
+        splits = [n for n in range(1, micro + 1) if micro % n == 0 and microbatch_count_fits(par.pp_schedule, n, pp)]
         micros = [m * pp_mb for m in range(1, 5)]
+        counts = f"parallel.microbatches may be {', '.join(map(str, splits))}, or " if splits else ""
         return [f"{said} is not divisible by {schedule}: each micro-batch the schedule runs is a whole share of "
-                f"it; parallel.microbatches may be {', '.join(map(str, splits))}, or train.micro_batch "
-                f"{', '.join(map(str, micros))} (with train.global_batch to match)"]
+                f"it; {counts}train.micro_batch {', '.join(map(str, micros))} (with train.global_batch to match)"]
     return []
 
 
@@ -398,7 +398,7 @@ def _eval_paths_problems(cfg: RunConfig, v) -> list[str]:
     if cfg.data.source in ("builtin", "synthetic") or cfg.data.mix:
         return [f"{v('eval.paths')} is read as data.paths is, and {v('data.source')}"
                 + (" with data.mix" if cfg.data.mix else "") + f" reads no files of one kind: {PATH_SOURCES_HINT}"]
-    missing = [p for p in paths if not glob.glob(os.path.expanduser(p))]
+    missing = [p for p in paths if not path_matches(p)]  # (as data.paths are found: ** across folders)
     return [f"{v('eval.paths')}: nothing at {', '.join(repr(p) for p in missing)}"] if missing else []
 
 
@@ -482,7 +482,7 @@ def _parallel_problems(cfg: RunConfig, v) -> list[str]:
     out += _document_packing_problems(cfg, deg, v)
     out += moe_problems(cfg, deg, v)
     out += _stages_per_rank_problems(par, deg, v)
-    out += _microbatch_count_problems(par, deg, v)
+    out += _microbatch_count_problems(par, deg, v, cfg.train.micro_batch)
     if par.pp_layers is not None:
         stages = deg["pp"] * par.stages_per_rank
         layers = sum(len(stage) for stage in par.pp_layers)
@@ -528,17 +528,20 @@ def microbatch_count_fits(schedule: str, microbatches: int, pp: int) -> bool:
     return True
 
 
-def _microbatch_count_problems(par, deg: dict[str, int], v) -> list[str]:
+def _microbatch_count_problems(par, deg: dict[str, int], v, micro_batch: int | None) -> list[str]:
     """parallel.microbatches that torch's schedule refuses when it is built, on every rank (a trial's job
     validated, launched and crashed at setup; at scale, after its 512 GPUs were given)."""
     pp, n = deg["pp"], par.microbatches
     if pp == 1 or n is None or microbatch_count_fits(par.pp_schedule, n, pp):
         return []
-    fits = [m for m in range(1, 4 * max(n, pp) + 1) if microbatch_count_fits(par.pp_schedule, m, pp)]
+    fits = [m for m in range(1, 4 * max(n, pp) + 1) if microbatch_count_fits(par.pp_schedule, m, pp)
+            and (micro_batch is None or micro_batch % m == 0)]  # (and split train.micro_batch: a review's)
+    if not fits:
+        fits = [m for m in range(1, 4 * max(n, pp) + 1) if microbatch_count_fits(par.pp_schedule, m, pp)]
     nearest = sorted(fits, key=lambda m: (abs(m - n), m))[:2]
     why = (f"needs at least one micro-batch per pipeline stage ({pp})" if par.pp_schedule == "1f1b"
-           else f"runs micro-batches in rounds of {pp}: their count is a multiple of the rounds, "
-                f"{n} // {pp} = {max(1, n // pp)}")
+           else f"runs micro-batches in rounds (their count // parallel.pp = {n} // {pp} = {max(1, n // pp)}), "
+                "and their count is a multiple of the rounds")
     return [f"{v('parallel.microbatches')} with {v('parallel.pp_schedule')}: the schedule {why}; "
             f"parallel.microbatches may be {' or '.join(map(str, sorted(nearest)))}, or "
             "parallel.pp_schedule=gpipe (any count)"]
@@ -692,7 +695,7 @@ def config_warnings(cfg: RunConfig, sources: dict[KeyPath, Source]) -> list[str]
     # Settings of a feature the recipe leaves off (a trial's microbatches, pp_schedule and every_n, with pp 1
     # and checkpointing off, validated without a word, and changed the training hash all the same).
     if cfg.parallel.degrees()["pp"] == 1:
-        for key in ("microbatches", "pp_schedule", "pp_stages_per_rank", "pp_layers"):
+        for key in ("microbatches", "pp_schedule", "pp_layers"):  # (pp_stages_per_rank: an error, above)
             if src := set_by_user("parallel", key):
                 out.append(f"parallel.{key} ({src}) has no effect with parallel.pp = 1 (no pipeline)")
     if cfg.train.activation_checkpoint.mode != "every_n" and (src := set_by_user("train", "activation_checkpoint",

@@ -246,7 +246,7 @@ def _peak_label(r: dict) -> str:
     device = str(r.get("device") or "")
     of = "process RSS" if device.startswith("cpu") else "tensors allocated" if device.startswith("cuda") else ""
     if r.get("mem_peak_rank") is not None:  # a job's: its highest rank's
-        of = ", ".join(w for w in (of, f"the highest rank's: rank {r['mem_peak_rank']}") if w)
+        of = ", ".join(w for w in (of, f"the rank with the highest peak: rank {r['mem_peak_rank']}") if w)
     return f"peak memory ({of})" if of else "peak memory"
 
 

@@ -197,7 +197,8 @@ def _train_in_dir(resolved: ResolvedConfig, run_dir: Path, ctx: ParallelContext 
         if trackers is not None:
             trackers.close()
         if main:  # what compiled before the failure, beside its dumps: what a user debugging it reads first
-            _write_compile_record(cfg, s, run_dir)
+            with contextlib.suppress(Exception):  # (never in place of the failure itself)
+                _write_compile_record(cfg, s, run_dir)
         if (isinstance(e, UserError) and ctx is None and s.resumed_from is None and not _steps_recorded(run_dir)
                 and not cfg.compile.dump and not cfg.report.trackers):
             # The model's output refused at its first step: nothing ran. One process only (a job's other

@@ -182,6 +182,28 @@ def test_debug_numerics_names_the_pass_that_diverges():
     assert isinstance(info.value, PassNumericsError) or "PassNumericsError" in str(info.value)
 
 
+@register_pass("test_leaves_a_graph_that_raises", "post_grad")
+def _leaves_a_graph_that_raises(gm, options: PassOptions, ctx) -> PassResult:
+    """Turns the first add into a matrix product of 3-d tensors: a graph that lints and cannot run."""
+    for node in gm.graph.nodes:
+        if node.target == torch.ops.aten.add.Tensor:
+            node.target = torch.ops.aten.mm.default
+            return PassResult(True, "broke an add")
+    return PassResult(False)
+
+
+def test_debug_numerics_names_a_pass_whose_graph_raises():
+    """A pass that left a graph raising on the inputs its input graph ran on stopped the compile with the
+    op's error, naming no pass."""
+    blocks, _ = _blocks_and_reference(1)
+    backend = AccelrunBackend(CompileOptions(passes=resolve_passes(["dce", "test_leaves_a_graph_that_raises"]),
+                                             executors=["aten"], debug_numerics=True))  # fmt: skip
+    blocks[0].compile(backend=backend)
+    cos, sin = rope_tables(ARGS.head_dim, T, ARGS.rope_theta)
+    with pytest.raises(Exception, match="pass 'test_leaves_a_graph_that_raises' left a graph that raises"):
+        blocks[0](torch.randn(2, T, ARGS.dim, requires_grad=True), cos, sin)
+
+
 @register_pass("test_breaks_joint", "joint")
 def _breaks_joint(gm, options: PassOptions, ctx) -> PassResult:
     return _breaks_numerics(gm, options, ctx)
@@ -581,3 +603,23 @@ def test_debug_numerics_does_not_blame_a_pass_for_a_graph_that_cannot_run_on_sam
 
     said = check_pass("pass 'x'", needs_a_positive, torch.abs, [torch.randn(8)])
     assert said == "not compared: the graph before it does not run on sample inputs (ValueError: expects positive values)"
+
+
+def test_debug_numerics_keeps_a_size_marked_dynamic_symbolic():
+    """Sampling the inputs read a symbolic size with int(), which guards it to its example value: a size
+    marked dynamic then failed the compile (ConstraintViolationError), now over the joint graph too."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 16))
+    backend = AccelrunBackend(CompileOptions(passes=resolve_passes("default"), executors=["cpp", "aten"],
+                                             debug_numerics=True))  # fmt: skip
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    torch._dynamo.mark_dynamic(x, 1)
+    compiled(x).sum().backward()
+    y = torch.randn(4, 11, 16, requires_grad=True)
+    torch.testing.assert_close(compiled(y), model(y), rtol=1e-5, atol=1e-6)
+    assert backend.record.dynamo_graphs == 1  # no recompile for the other length
+    said = [p.numerics for p in backend.record.passes if p.numerics]
+    assert said and "debug_numerics: " in backend.record.compiled_line()
+    torch._dynamo.reset()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from accelrun.config import ConfigError, load_config
@@ -157,8 +159,13 @@ def test_wrong_type_or_range_points_at_the_line(write, text, line, expect):
          "or parallel.pp_schedule=gpipe (any count)"),
         (["parallel.nproc_per_node=2", "parallel.pp=2", "parallel.dp_shard=1", "parallel.microbatches=5",
           "parallel.pp_schedule=interleaved_1f1b", "train.global_batch=10", "train.micro_batch=10"],
-         "the schedule runs micro-batches in rounds of 2: their count is a multiple of the rounds, 5 // 2 = 2; "
-         "parallel.microbatches may be 4 or 6, or parallel.pp_schedule=gpipe (any count)"),
+         "the schedule runs micro-batches in rounds (their count // parallel.pp = 5 // 2 = 2), and their count is a "
+         "multiple of the rounds; parallel.microbatches may be 1 or 2, or parallel.pp_schedule=gpipe (any count)"),
+        # the counts suggested also split train.micro_batch (pp 4, micro-batch 6: 1-3 are the schedule's no; review)
+        (["parallel.nproc_per_node=4", "parallel.pp=4", "parallel.dp_shard=1", "parallel.microbatches=5",
+          "train.global_batch=6", "train.micro_batch=6"],
+         "is not divisible by parallel.microbatches = 5 (override 'parallel.microbatches=5'): each micro-batch the "
+         "schedule runs is a whole share of it; parallel.microbatches may be 6, or train.micro_batch 5, 10, 15, 20"),
         # trained until DTensor's mm refused the uneven shards on every rank (a trial)
         (["parallel.nproc_per_node=2", "parallel.tp=2", "parallel.dp_shard=1", "compile.backend=eager",
           "model.ffn_dim=511"], "model.ffn_dim = 511 (override 'model.ffn_dim=511') is not divisible by tensor-parallel "
@@ -167,8 +174,7 @@ def test_wrong_type_or_range_points_at_the_line(write, text, line, expect):
         # said its own value twice and no way out (a new user's trial)
         (["parallel.nproc_per_node=2", "parallel.pp=2", "parallel.dp_shard=1", "train.micro_batch=1"],
          "train.micro_batch = 1 (override 'train.micro_batch=1') is not divisible by parallel.microbatches = 2 "
-         "(parallel.pp's): each micro-batch the schedule runs is a whole share of it; parallel.microbatches may be "
-         "1, or train.micro_batch 2, 4, 6, 8"),
+         "(parallel.pp's): each micro-batch the schedule runs is a whole share of it; train.micro_batch 2, 4, 6, 8"),
     ],
 )
 def test_inconsistent_values_name_every_key(write, overrides, expect):
@@ -253,8 +259,10 @@ def test_a_mapping_without_a_space_after_its_colon_says_so(write):
     p = write("ok.yaml", "extends: [compile/eager]\n")
     with pytest.raises(ConfigError) as e:
         load_config(p, ["train.optimizer={lr:1e-3}"])
-    assert str(e.value) == ("override 'train.optimizer={lr:1e-3}': {lr:1e-3} reads as the key 'lr:1e-3' with no "
-                            "value: YAML needs a space after the colon, train.optimizer={lr: 1e-3}")
+    assert str(e.value) == ("override 'train.optimizer={lr:1e-3}': 'lr:1e-3' reads as a key with no value: YAML "
+                            "needs a space after the colon, train.optimizer={lr: 1e-3}")
+    with pytest.raises(ConfigError, match=re.escape("the colon, train={optimizer: {lr: 1e-3}, steps: 3}")):  # nested
+        load_config(p, ["train={optimizer: {lr:1e-3}, steps: 3}"])
     load_config(p, ["train.optimizer={lr: 1e-3}"])  # spaced: fine
 
 

@@ -76,7 +76,7 @@ def test_layout_matches_one_process(layout, layout_run, reference):
                 "pp2_1f1b_fsdp2": "; 1f1b schedule |"}  # (the degrees alone were said: a trial's)
     assert switches.get(layout, "| parallel degrees |") in md, md
     assert "## Ranks" in md and f"\n| {world - 1} | " in md and "tokens/s (job)" in md
-    assert f"| peak memory (process RSS, the highest rank's: rank {highest}) |" in md, md
+    assert f"| peak memory (process RSS, the rank with the highest peak: rank {highest}) |" in md, md
     # the family's head and loss, whatever the layout (a pipeline's stages were read as logits; review)
     assert "| loss | the next-token cross-entropy of the model's head and loss as one step" in md, layout
     # Every target is in the loss (no chat masks), counted per device as the computed tokens are: under

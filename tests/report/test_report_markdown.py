@@ -129,7 +129,7 @@ def test_the_peak_memory_row_says_what_it_is_a_peak_of():
 
     assert ("peak memory (process RSS)", "1.00 GiB") in headline_rows({"device": "cpu", "mem_peak_bytes": 2**30})
     job = headline_rows({"device": "cpu", "mem_peak_bytes": 2**30, "mem_peak_rank": 3})
-    assert ("peak memory (process RSS, the highest rank's: rank 3)", "1.00 GiB") in job
+    assert ("peak memory (process RSS, the rank with the highest peak: rank 3)", "1.00 GiB") in job
     labels = [label for label, _ in headline_rows({"device": "cuda:0", "mem_peak_bytes": 2**30})]
     assert "peak memory (tensors allocated)" in labels
 

@@ -131,5 +131,8 @@ def test_eval_paths_are_checked_before_a_run(tiny, tmp_path):
     with pytest.raises(ConfigError, match=r"eval.paths = .*: nothing at '.*nothere.txt'"):
         load_config(DEFAULT_CONFIG, tiny(2, "data.source=text", f"data.paths=[{tmp_path / 'train.txt'}]",
                                          f"eval.paths=[{tmp_path / 'nothere.txt'}]"))
+    # found as data.paths are: ** matches files in the folder itself too (a review's)
+    load_config(DEFAULT_CONFIG, tiny(2, "data.source=text", f"data.paths=[{tmp_path / 'train.txt'}]",
+                                     f"eval.paths=[{tmp_path}/**/*.txt]"))
     with pytest.raises(ConfigError, match=r"eval.paths = .* is read as data.paths is, and data.source = builtin"):
         load_config(DEFAULT_CONFIG, tiny(2, f"eval.paths=[{tmp_path / 'train.txt'}]"))
