@@ -161,14 +161,18 @@ def test_inductor_executor_takes_a_softmax_region(tmp_path, monkeypatch):
     assert backend.record.regions_per_executor().get("inductor", 0) >= 2, backend.record.regions_per_executor()
 
 
-@register_pass("test_breaks_numerics", "post_grad")
-def _breaks_numerics(gm, options: PassOptions, ctx) -> PassResult:
-    """Turns the first add into a sub: a wrong pass for the debug mode to catch."""
+def _first_add_becomes(gm, target) -> PassResult:
+    """A wrong pass for the debug mode to catch: the graph's first add turned into ``target``."""
     for node in gm.graph.nodes:
         if node.target == torch.ops.aten.add.Tensor:
-            node.target = torch.ops.aten.sub.Tensor
+            node.target = target
             return PassResult(True, "broke an add")
     return PassResult(False)
+
+
+@register_pass("test_breaks_numerics", "post_grad")
+def _breaks_numerics(gm, options: PassOptions, ctx) -> PassResult:
+    return _first_add_becomes(gm, torch.ops.aten.sub.Tensor)
 
 
 def test_debug_numerics_names_the_pass_that_diverges():
@@ -184,12 +188,8 @@ def test_debug_numerics_names_the_pass_that_diverges():
 
 @register_pass("test_leaves_a_graph_that_raises", "post_grad")
 def _leaves_a_graph_that_raises(gm, options: PassOptions, ctx) -> PassResult:
-    """Turns the first add into a matrix product of 3-d tensors: a graph that lints and cannot run."""
-    for node in gm.graph.nodes:
-        if node.target == torch.ops.aten.add.Tensor:
-            node.target = torch.ops.aten.mm.default
-            return PassResult(True, "broke an add")
-    return PassResult(False)
+    """A matrix product of 3-d tensors in place of an add: a graph that lints and cannot run."""
+    return _first_add_becomes(gm, torch.ops.aten.mm.default)
 
 
 def test_debug_numerics_names_a_pass_whose_graph_raises():
